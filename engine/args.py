@@ -1,0 +1,373 @@
+"""Every `moelab serve` flag: one argparse parser, torch-free, plus which flags the benchmark may tune.
+
+The daemon, the profile editor and the benchmark all read this module; importing it must stay cheap
+(no torch, no numpy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """A size such as `24GiB`, `512M`, `1.5g` or `1073741824`, in bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write a number with an optional unit, e.g. 24GiB, 512MiB, 8G"
+        )
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be a share of all experts, in (0, 1]")
+    return value
+
+
+def parse_miss_policy(text: str) -> str:
+    """`auto`, `gpu`, `cpu` or `split:F` with F the fixed share of misses to fetch, in [0, 1]."""
+    if text in ("auto", "gpu", "cpu"):
+        return text
+    match = re.fullmatch(r"split:([0-9]*\.?[0-9]+)", text)
+    if match and 0.0 <= float(match.group(1)) <= 1.0:
+        return f"split:{float(match.group(1)):g}"
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a miss policy; use auto, gpu, cpu or split:F with F in [0, 1]"
+    )
+
+
+def _threads(text: str) -> int:
+    return _positive_int(text)
+
+
+def physical_cores() -> int:
+    """Physical cores of this machine (logical ones when that cannot be told)."""
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except ImportError:
+        return os.cpu_count() or 1
+
+
+def default_cpu_threads() -> int:
+    """One thread per physical core, less one that keeps feeding the GPU."""
+    return max(1, physical_cores() - 1)
+
+
+def build_parser(prog: str = "moelab serve") -> argparse.ArgumentParser:
+    """The one parser of `moelab serve` (and `moelab generate`, which takes the same engine flags)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve a Mixture-of-Experts checkpoint with its experts in host RAM and a GPU cache.",
+        allow_abbrev=False,
+    )
+    add_engine_flags(parser)
+    return parser
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Add every engine flag to `parser`, grouped the way the console shows them."""
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model-path",
+        required=True,
+        help="Checkpoint directory in Hugging Face layout (config.json, *.safetensors, tokenizer.json).",
+    )
+    model.add_argument(
+        "--served-model-name",
+        default=None,
+        help="Name clients use in the `model` field; default: the checkpoint directory's name.",
+    )
+    model.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="Compute and weight dtype; auto keeps the checkpoint's (float32 on a CPU without bf16).",
+    )
+    model.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help="Ignore the checkpoint's tensors and build deterministic weights of its geometry in "
+        "memory (for benchmarks of a geometry you have no weights for).",
+    )
+    model.add_argument(
+        "--bank-dir",
+        default=None,
+        help="Where the prepacked expert bank is written and memory-mapped from; default: the "
+        "user cache directory.",
+    )
+
+    memory = parser.add_argument_group("memory")
+    memory.add_argument(
+        "--device",
+        default="auto",
+        help="Compute device: auto (CUDA when present), cpu, cuda or cuda:N.",
+    )
+    memory.add_argument(
+        "--device-memory",
+        type=parse_bytes,
+        default=None,
+        help="Memory budget of the compute device (e.g. 24GiB). Default: the free memory of the "
+        "GPU; required to plan memory on a CPU-only machine, where it defaults to 2GiB.",
+    )
+    memory.add_argument(
+        "--kv-reserve-tokens",
+        type=_positive_int,
+        default=8192,
+        help="KV cache tokens reserved before the expert cache takes what is left. The context "
+        "the engine advertises is what its KV can hold.",
+    )
+    memory.add_argument(
+        "--max-context",
+        type=_positive_int,
+        default=None,
+        help="Cap on the context (prompt + generation) of one request; default: the model's own.",
+    )
+    memory.add_argument(
+        "--memory-headroom",
+        type=parse_bytes,
+        default=parse_bytes("512MiB"),
+        help="Device memory left unplanned for allocator slack and other programs.",
+    )
+    memory.add_argument(
+        "--kv-block-size",
+        type=_positive_int,
+        default=16,
+        help="Tokens per page of the paged KV cache.",
+    )
+
+    moe = parser.add_argument_group("experts")
+    size = moe.add_mutually_exclusive_group()
+    size.add_argument(
+        "--moe-cache-size",
+        type=_non_negative_int,
+        default=None,
+        help="Expert slots on the GPU, shared by all MoE layers. Default: whatever fits after "
+        "the KV reserve.",
+    )
+    size.add_argument(
+        "--moe-cache-rate",
+        type=_rate,
+        default=None,
+        help="Expert slots as a share of all experts, in (0, 1]; exclusive with --moe-cache-size.",
+    )
+    moe.add_argument(
+        "--moe-miss-policy",
+        type=parse_miss_policy,
+        default="auto",
+        help="Where a decode step's cache misses run: auto (split by measured bandwidths), gpu "
+        "(fetch all), cpu (run all on the CPU), split:F (fetch a fixed share F).",
+    )
+    moe.add_argument(
+        "--moe-cpu-threads",
+        type=_threads,
+        default=None,
+        help="CPU expert worker threads; default: physical cores minus one.",
+    )
+    moe.add_argument(
+        "--moe-cpu-kernel",
+        default="auto",
+        choices=["auto", "native", "torch"],
+        help="CPU expert kernel: native (compiled, reads weights at memory speed), torch "
+        "(the reference), auto (native when it builds).",
+    )
+    moe.add_argument(
+        "--bw-profile",
+        default=None,
+        help="Bandwidth profile written by `moelab bench bw`; default: the newest one for this "
+        "machine in the user cache directory, else a short measurement at start.",
+    )
+
+    prefill = parser.add_argument_group("prefill")
+    prefill.add_argument(
+        "--prefill-chunk-tokens",
+        type=_positive_int,
+        default=2048,
+        help="Longest prompt piece run in one step; longer prompts are chunked and interleaved "
+        "with decode.",
+    )
+    prefill.add_argument(
+        "--no-prefill-overlap",
+        action="store_true",
+        help="Do not stream the next layer's experts while this layer computes (for comparison).",
+    )
+
+    batching = parser.add_argument_group("batching")
+    batching.add_argument(
+        "--max-running-requests",
+        type=_positive_int,
+        default=8,
+        help="Requests decoded together; more wait in the queue.",
+    )
+    batching.add_argument(
+        "--max-queued-requests",
+        type=_non_negative_int,
+        default=64,
+        help="Requests waiting beyond the running ones before new ones get 429.",
+    )
+    batching.add_argument(
+        "--cuda-graph-max-bs",
+        type=_positive_int,
+        default=8,
+        help="Largest decode batch captured as a CUDA graph.",
+    )
+    batching.add_argument(
+        "--no-cuda-graph",
+        action="store_true",
+        help="Run every step eagerly (no CUDA graphs).",
+    )
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    server.add_argument("--port", type=_positive_int, default=8000, help="Port to listen on.")
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help="Require `Authorization: Bearer KEY` on every API request (and allow control "
+        "endpoints from other machines).",
+    )
+    server.add_argument(
+        "--no-stats",
+        action="store_true",
+        help="Turn off expert telemetry (per-layer counters, what-if curve, time breakdown).",
+    )
+    server.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed for sampling when a request gives none, and for --dummy-weights.",
+    )
+    server.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="How much the engine logs.",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Tunable:
+    """A flag the benchmark may change, and how to pick its candidate values."""
+
+    flag: str
+    kind: str  # "choice": values as listed; "switch": on/off; "threads", "slots", "tokens": derived
+    values: tuple[str, ...] = ()
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.kind in ("choice", "switch", "threads", "slots", "tokens"), self.kind
+
+
+TUNABLE: tuple[Tunable, ...] = (
+    Tunable(
+        "--moe-miss-policy",
+        "choice",
+        ("auto", "gpu", "cpu", "split:0.25", "split:0.75"),
+        "where cache misses run decides decode speed",
+    ),
+    Tunable("--moe-cpu-threads", "threads", why="CPU expert speed against memory bandwidth"),
+    Tunable("--moe-cache-rate", "slots", why="expert slots against KV and prefill space"),
+    Tunable(
+        "--prefill-chunk-tokens",
+        "choice",
+        ("512", "1024", "2048", "4096", "8192"),
+        "prefill speed against activation memory",
+    ),
+    Tunable("--no-prefill-overlap", "switch", why="streaming the next layer during prefill"),
+    Tunable("--no-cuda-graph", "switch", why="graph replay cuts launch overhead"),
+    Tunable(
+        "--max-running-requests",
+        "choice",
+        ("1", "2", "4", "8", "16"),
+        "batching against expert-cache thrash",
+    ),
+    Tunable("--moe-cpu-kernel", "choice", ("native", "torch"), "which CPU expert kernel is faster"),
+)
+
+
+def describe_flags(parser: argparse.ArgumentParser | None = None) -> list[dict]:
+    """Every flag with its group, help, type, choices and default, for editors and validators."""
+    parser = parser or build_parser()
+    tunable = {t.flag for t in TUNABLE}
+    exclusive = {}
+    for group in parser._mutually_exclusive_groups:
+        names = [a.option_strings[-1] for a in group._group_actions]
+        for name in names:
+            exclusive[name] = [n for n in names if n != name]
+    out = []
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            flag = action.option_strings[-1]
+            if isinstance(action, argparse._StoreTrueAction):
+                kind = "switch"
+            elif action.type in (int, _positive_int, _non_negative_int, _threads):
+                kind = "int"
+            elif action.type in (float, _rate):
+                kind = "float"
+            elif action.type is parse_bytes:
+                kind = "bytes"
+            else:
+                kind = "str"
+            out.append(
+                {
+                    "flag": flag,
+                    "dest": action.dest,
+                    "group": group.title,
+                    "help": action.help or "",
+                    "kind": kind,
+                    "choices": list(action.choices) if action.choices else None,
+                    "default": action.default,
+                    "required": bool(action.required),
+                    "tunable": flag in tunable,
+                    "exclusive_with": exclusive.get(flag, []),
+                }
+            )
+    return out

@@ -1,0 +1,244 @@
+"""Start a `moelab serve` process in its own process group, wait for it to be ready, stop it.
+
+Torch-free: the daemon's supervisor and the benchmark's trials both use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class EngineFailed(RuntimeError):
+    """The engine exited, reported an error, or never became ready."""
+
+    def __init__(self, message: str, *, exit_code: int | None = None, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.log_tail = log_tail
+
+
+def flag_value(flags: list[str], name: str, default: str | None = None) -> str | None:
+    """The value given to `name` in a flag list (`--port 8000` or `--port=8000`), last one wins."""
+    value = default
+    for i, item in enumerate(flags):
+        if item == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif item.startswith(name + "="):
+            value = item.split("=", 1)[1]
+    return value
+
+
+@dataclass(slots=True)
+class EngineProcess:
+    """A running (or finished) engine: enough to find it again after a restart of the caller."""
+
+    pid: int
+    host: str
+    port: int
+    log_path: str
+    started: float
+    argv: list[str] = field(default_factory=list)
+    popen: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def exit_code(self) -> int | None:
+        """The exit status if the process has ended, else None."""
+        if self.popen is not None:
+            return self.popen.poll()
+        if pid_alive(self.pid):
+            return None
+        return -1  # ended while not our child: the status is gone with it
+
+    def alive(self) -> bool:
+        return self.exit_code() is None
+
+
+def engine_argv(flags: list[str], python: str | None = None) -> list[str]:
+    """The command line that runs `moelab serve` with `flags` under this Python."""
+    return [python or sys.executable, "-m", "moelab.engine.cli", "serve", *flags]
+
+
+def start_engine(
+    flags: list[str],
+    log_path: str | os.PathLike,
+    *,
+    env: dict[str, str] | None = None,
+    python: str | None = None,
+) -> EngineProcess:
+    """Start `moelab serve` with `flags` in a new process group, stdout and stderr to `log_path`."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = engine_argv(flags, python)
+    child_env = dict(os.environ if env is None else env)
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    with open(log_path, "ab") as log:
+        log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
+        log.flush()
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=True,
+        )
+    return EngineProcess(
+        pid=popen.pid,
+        host=flag_value(flags, "--host", "127.0.0.1") or "127.0.0.1",
+        port=int(flag_value(flags, "--port", "8000") or 8000),
+        log_path=str(log_path),
+        started=time.time(),
+        argv=argv,
+        popen=popen,
+    )
+
+
+def get_json(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> dict | None:
+    """GET `url` and parse its JSON body; None when it cannot be reached. HTTP errors included."""
+    request = urllib.request.Request(url)
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        try:
+            return json.loads(err.read())
+        except (ValueError, OSError):
+            return None
+    except (OSError, ValueError):
+        return None
+
+
+def log_tail(path: str | os.PathLike, lines: int = 30) -> str:
+    """The last `lines` lines of a log file ('' when there is none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_ready(
+    engine: EngineProcess,
+    timeout_s: float = 600.0,
+    *,
+    on_progress: Callable[[dict], None] | None = None,
+    poll_s: float = 0.2,
+) -> dict:
+    """Wait until the engine's /health says ok, watching the child the whole time.
+
+    Returns the final health body. Raises EngineFailed at once if the process exits or reports
+    an error, and after `timeout_s` if it never becomes ready (the process is left running).
+    """
+    deadline = time.monotonic() + timeout_s
+    last: dict | None = None
+    while True:
+        code = engine.exit_code()
+        if code is not None:
+            raise EngineFailed(
+                f"engine exited with code {code} before it was ready",
+                exit_code=code,
+                log_tail=log_tail(engine.log_path),
+            )
+        health = get_json(engine.base_url + "/health", timeout_s=2.0)
+        if health is not None:
+            if health != last and on_progress is not None:
+                on_progress(health)
+            last = health
+            status = health.get("status")
+            if status == "ok":
+                return health
+            if status == "error":
+                raise EngineFailed(
+                    f"engine reported an error: {health.get('error', 'unknown')}",
+                    log_tail=log_tail(engine.log_path),
+                )
+        if time.monotonic() > deadline:
+            raise EngineFailed(
+                f"engine not ready after {timeout_s:.0f} s", log_tail=log_tail(engine.log_path)
+            )
+        time.sleep(poll_s)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (and is not a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def process_start_time(pid: int) -> float | None:
+    """When `pid` started, in seconds since the epoch (Linux); None when it cannot be told."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def stop_engine(engine: EngineProcess, grace_s: float = 15.0) -> int | None:
+    """SIGTERM to the engine's process group, SIGKILL after `grace_s`; returns the exit code."""
+    try:
+        pgid = os.getpgid(engine.pid)
+    except ProcessLookupError:
+        pgid = None
+    if pgid is not None and pgid == engine.pid:
+        _signal_group(pgid, signal.SIGTERM)
+    elif pid_alive(engine.pid):
+        os.kill(engine.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        code = engine.exit_code()
+        if code is not None:
+            break
+        time.sleep(0.05)
+    else:
+        if pgid is not None and pgid == engine.pid:
+            _signal_group(pgid, signal.SIGKILL)
+        elif pid_alive(engine.pid):
+            os.kill(engine.pid, signal.SIGKILL)
+        if engine.popen is not None:
+            engine.popen.wait(timeout=10)
+    # the group may hold children of the engine (compile workers): leave none behind
+    if pgid is not None and pgid == engine.pid:
+        _signal_group(pgid, signal.SIGKILL)
+    return engine.exit_code()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
