@@ -1,0 +1,442 @@
+"""Kernel benchmark at Qwen3-30B-A3B shapes: time, GB/s and TFLOP/s against the device's ceilings.
+
+    python -m moelab.kernels.bench [--json] [--sweep]
+
+Measures the device's copy bandwidth and bf16 matmul rate first, then each kernel. Decode kernels
+run as they do in the engine, captured in a CUDA graph, and each call of the graph reads different
+weights or KV pages (as successive layers do), so the L2 cache does not serve them. The torch
+reference runs eagerly on the same inputs beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import fused_moe, grouped_moe, paged_attention, rmsnorm, router
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
+DTYPE = torch.bfloat16
+ELEM_BYTES = 2
+EXPERT_BYTES = 3 * HIDDEN * INTER * ELEM_BYTES
+# Bytes each graph of calls reads at least, so that L2 (50 MiB on an H200) cannot hold them.
+MIN_WORKING_SET_BYTES = 512 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One measured kernel call: its time, the bytes and flops it needs, the reference's time."""
+
+    kernel: str
+    shape: str
+    time_us: float
+    bytes_moved: int
+    flops: int
+    ref_us: float | None
+    copy_gbps: float
+    matmul_tflops: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_moved / self.time_us / 1e3
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.time_us / 1e6
+
+    @property
+    def bw_share(self) -> float:
+        return self.gbps / self.copy_gbps
+
+    @property
+    def mm_share(self) -> float:
+        return self.tflops / self.matmul_tflops
+
+    def to_json(self) -> dict[str, object]:
+        derived = {
+            "gbps": self.gbps,
+            "tflops": self.tflops,
+            "bw_share": self.bw_share,
+            "mm_share": self.mm_share,
+        }
+        return {**asdict(self), **derived}
+
+
+def median_event_us(fn: Callable[[], object], iters: int) -> float:
+    """Median over iters of one call timed with CUDA events (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def graph_us_per_call(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
+    """Capture every call once in one CUDA graph; median replay time divided by the calls."""
+    for call in calls:
+        call()  # compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return median_event_us(graph.replay, replays) / len(calls)
+
+
+def eager_us_per_call(calls: Sequence[Callable[[], object]], rounds: int = 3) -> float:
+    """Median time of a round over all the calls, eagerly, divided by the calls."""
+
+    def one_round() -> None:
+        for call in calls:
+            call()
+
+    return median_event_us(one_round, rounds) / len(calls)
+
+
+def measure_copy_gbps() -> float:
+    """Device-to-device copy rate of a 2 GiB buffer, counting the read and the write."""
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    us = median_event_us(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() * src.element_size() / us / 1e3
+
+
+def measure_matmul_tflops() -> float:
+    """bf16 matmul rate of an 8192^3 product."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    b = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    us = median_event_us(lambda: a @ b, 10)
+    return 2 * 8192**3 / us / 1e6
+
+
+def layers_for(bytes_per_call: int) -> int:
+    """How many distinct copies (layers) of the data one graph cycles through."""
+    return max(2, math.ceil(MIN_WORKING_SET_BYTES / max(bytes_per_call, 1)))
+
+
+class Bench:
+    """Runs the kernels at real shapes and collects one Result per case."""
+
+    def __init__(self, copy_gbps: float, matmul_tflops: float) -> None:
+        self.copy_gbps = copy_gbps
+        self.matmul_tflops = matmul_tflops
+        self.results: list[Result] = []
+        self.gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def add(
+        self,
+        kernel: str,
+        shape: str,
+        time_us: float,
+        bytes_moved: int,
+        flops: int,
+        ref_us: float | None,
+    ) -> None:
+        result = Result(
+            kernel, shape, time_us, bytes_moved, flops, ref_us, self.copy_gbps, self.matmul_tflops
+        )
+        self.results.append(result)
+        print(
+            f"  {kernel:<18} {shape:<34} {time_us:9.1f} us  {result.gbps:7.0f} GB/s "
+            f"({result.bw_share:4.0%})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, device="cuda", dtype=DTYPE) * scale
+
+    def routes(self, tokens: int, first: int, count: int) -> torch.Tensor:
+        """[tokens, TOP_K] distinct picks per token from range(first, first + count)."""
+        keys = torch.rand(tokens, count, generator=self.gen, device="cuda")
+        return (keys.topk(TOP_K, dim=1).indices + first).to(torch.int32)
+
+    def fused_moe(
+        self, tokens: int, config: fused_moe.DecodeMoEConfig | None = None, with_ref: bool = True
+    ) -> None:
+        """Decode MoE: each call is one layer's 128 experts, all resident in slots."""
+        layers = layers_for(EXPERT_BYTES * min(EXPERTS, tokens * TOP_K))
+        w13 = self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
+        w2 = self.randn(layers * EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
+        x = self.randn(tokens, HIDDEN)
+        weights = torch.rand(tokens, TOP_K, generator=self.gen, device="cuda")
+        slot_sets = [self.routes(tokens, layer * EXPERTS, EXPERTS) for layer in range(layers)]
+        unique = sum(s.unique().numel() for s in slot_sets) / layers
+        bytes_moved = int(unique * EXPERT_BYTES) + tokens * HIDDEN * (ELEM_BYTES + 4)
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+
+        def call(slots: torch.Tensor) -> Callable[[], object]:
+            return lambda: fused_moe.fused_moe_decode_triton(
+                x, slots, weights, w13, w2, config=config
+            )
+
+        time_us = graph_us_per_call([call(s) for s in slot_sets])
+        ref_us = None
+        if with_ref:
+            ref_calls = [self._moe_ref(x, s, weights, w13, w2) for s in slot_sets[:2]]
+            ref_us = eager_us_per_call(ref_calls)
+        label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}"
+        self.add(
+            "fused_moe_decode",
+            label + (f" {_short(config)}" if config else ""),
+            time_us,
+            bytes_moved,
+            flops,
+            ref_us,
+        )
+
+    @staticmethod
+    def _moe_ref(
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> Callable[[], object]:
+        return lambda: fused_moe.fused_moe_decode_ref(x, slots, weights, w13, w2)
+
+    def grouped_moe(self, tokens: int) -> None:
+        """Prefill MoE over one layer's experts in the prefill buffer."""
+        w13 = self.randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
+        w2 = self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
+        x = self.randn(tokens, HIDDEN)
+        ids = self.routes(tokens, 0, EXPERTS)
+        weights = torch.rand(tokens, TOP_K, generator=self.gen, device="cuda")
+        used = ids.unique().numel()
+        bytes_moved = used * EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+        time_us = median_event_us(
+            lambda: grouped_moe.grouped_moe_triton(x, ids, weights, w13, w2), 10
+        )
+        ref_us = median_event_us(lambda: grouped_moe.grouped_moe_ref(x, ids, weights, w13, w2), 3)
+        self.add(
+            "grouped_moe", f"T={tokens} K={TOP_K} E={EXPERTS}", time_us, bytes_moved, flops, ref_us
+        )
+
+    def paged_attention(
+        self,
+        seq_lens: list[int],
+        config: paged_attention.AttentionConfig | None = None,
+        with_ref: bool = True,
+    ) -> None:
+        """Decode attention: each call reads one layer's KV pages."""
+        batch = len(seq_lens)
+        kv_bytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * ELEM_BYTES
+        layers = layers_for(kv_bytes)
+        max_blocks = -(-max(seq_lens) // PAGE)
+        blocks = batch * max_blocks
+        caches = [
+            (
+                self.randn(blocks, PAGE, KV_HEADS, HEAD_DIM),
+                self.randn(blocks, PAGE, KV_HEADS, HEAD_DIM),
+            )
+            for _ in range(layers)
+        ]
+        tables = torch.randperm(blocks, device="cuda").view(batch, max_blocks).int()
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        q = self.randn(batch, Q_HEADS, HEAD_DIM)
+        scale = HEAD_DIM**-0.5
+
+        def call(k: torch.Tensor, v: torch.Tensor) -> Callable[[], object]:
+            return lambda: paged_attention.paged_attention_decode_triton(
+                q, k, v, tables, lens, scale, config=config
+            )
+
+        time_us = graph_us_per_call([call(k, v) for k, v in caches])
+        ref_us = None
+        if with_ref:
+            ref_calls = [self._attention_ref(q, k, v, tables, lens, scale) for k, v in caches[:2]]
+            ref_us = eager_us_per_call(ref_calls)
+        bytes_moved = kv_bytes + 2 * q.numel() * ELEM_BYTES
+        flops = 4 * sum(seq_lens) * Q_HEADS * HEAD_DIM
+        lens_label = str(seq_lens[0]) if len(set(seq_lens)) == 1 else "mixed"
+        label = f"B={batch} ctx={lens_label} Hq={Q_HEADS} Hkv={KV_HEADS}"
+        self.add(
+            "paged_attention",
+            label + (f" {_short(config)}" if config else ""),
+            time_us,
+            bytes_moved,
+            flops,
+            ref_us,
+        )
+
+    @staticmethod
+    def _attention_ref(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+    ) -> Callable[[], object]:
+        return lambda: paged_attention.paged_attention_decode_ref(q, k, v, tables, lens, scale)
+
+    def sdpa_prefill(self, length: int) -> None:
+        """torch SDPA for prefill (causal, GQA): what the engine uses unless a kernel beats it."""
+        q = self.randn(1, Q_HEADS, length, HEAD_DIM)
+        k = self.randn(1, KV_HEADS, length, HEAD_DIM)
+        v = self.randn(1, KV_HEADS, length, HEAD_DIM)
+        flops = 2 * length * length * HEAD_DIM * Q_HEADS  # causal: half of 4 * L^2 * D per head
+        bytes_moved = (2 * q.numel() + k.numel() + v.numel()) * ELEM_BYTES
+        iters = 3 if length > 16384 else 10
+        gqa_us = median_event_us(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), iters
+        )
+        group = Q_HEADS // KV_HEADS
+        k_wide, v_wide = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        wide_us = median_event_us(
+            lambda: F.scaled_dot_product_attention(q, k_wide, v_wide, is_causal=True), iters
+        )
+        self.add("sdpa_prefill", f"L={length} enable_gqa", gqa_us, bytes_moved, flops, None)
+        self.add("sdpa_prefill", f"L={length} kv repeated", wide_us, bytes_moved, flops, None)
+
+    def rmsnorm(self, tokens: int) -> None:
+        """Residual add + RMSNorm over the hidden size."""
+        layers = layers_for(tokens * HIDDEN * ELEM_BYTES * 4)
+        sets = [(self.randn(tokens, HIDDEN), self.randn(tokens, HIDDEN)) for _ in range(layers)]
+        weight = self.randn(HIDDEN)
+        time_us = graph_us_per_call(
+            [self._norm(x, r, weight, rmsnorm.fused_add_rmsnorm_triton) for x, r in sets]
+        )
+        ref_us = graph_us_per_call(
+            [self._norm(x, r, weight, rmsnorm.fused_add_rmsnorm_ref) for x, r in sets[:2]]
+        )
+        bytes_moved = tokens * HIDDEN * ELEM_BYTES * 4 + HIDDEN * ELEM_BYTES
+        self.add(
+            "fused_add_rmsnorm",
+            f"T={tokens} H={HIDDEN}",
+            time_us,
+            bytes_moved,
+            5 * tokens * HIDDEN,
+            ref_us,
+        )
+
+    @staticmethod
+    def _norm(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, fn: Callable[..., object]
+    ) -> Callable[[], object]:
+        return lambda: fn(x, residual, weight, 1e-6)
+
+    def router(self, tokens: int) -> None:
+        """Softmax + top-8 of 128 experts, renormalized (Qwen3)."""
+        logits = self.randn(tokens, EXPERTS)
+        time_us = graph_us_per_call([lambda: router.topk_softmax_triton(logits, TOP_K, True)] * 8)
+        ref_us = graph_us_per_call([lambda: router.topk_softmax_ref(logits, TOP_K, True)] * 8)
+        bytes_moved = tokens * (EXPERTS * ELEM_BYTES + TOP_K * 8)
+        self.add(
+            "topk_softmax",
+            f"T={tokens} E={EXPERTS} K={TOP_K}",
+            time_us,
+            bytes_moved,
+            5 * tokens * EXPERTS,
+            ref_us,
+        )
+
+
+def _short(config: object) -> str:
+    """A config's fields in a few characters, for sweep rows."""
+    return "/".join(str(v) for v in asdict(config).values())
+
+
+def run(sweep: bool) -> tuple[dict[str, object], list[Result]]:
+    """Measure the ceilings, then every kernel; returns the device summary and the results."""
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}; measuring copy bandwidth and matmul rate", file=sys.stderr)
+    bench = Bench(measure_copy_gbps(), measure_matmul_tflops())
+    device = {
+        "name": props.name,
+        "copy_gbps": bench.copy_gbps,
+        "matmul_tflops": bench.matmul_tflops,
+        "torch": torch.__version__,
+    }
+    print(
+        f"copy {bench.copy_gbps:.0f} GB/s, bf16 matmul {bench.matmul_tflops:.0f} TFLOP/s",
+        file=sys.stderr,
+    )
+    for tokens in (1, 4, 8, 16):
+        bench.fused_moe(tokens)
+    for tokens in (512, 2048):
+        bench.grouped_moe(tokens)
+    for seq_lens in ([2048], [8192], [32768], [4096] * 8):
+        bench.paged_attention(seq_lens)
+    for length in (2048, 8192, 32768):
+        bench.sdpa_prefill(length)
+    for tokens in (1, 2048):
+        bench.rmsnorm(tokens)
+        bench.router(tokens)
+    if sweep:
+        for block_n, block_k, down_n, warps, stages in (
+            (16, 128, 16, 4, 4),
+            (16, 256, 32, 4, 3),
+            (32, 256, 32, 4, 4),
+            (32, 128, 64, 8, 4),
+            (16, 512, 16, 4, 3),
+            (64, 128, 64, 4, 4),
+        ):
+            config = fused_moe.DecodeMoEConfig(block_n, block_k, down_n, 256, warps, stages)
+            bench.fused_moe(1, config, with_ref=False)
+        for block_n in (32, 64, 128):
+            for splits in (64, 128, 256):
+                config = paged_attention.AttentionConfig(block_n, splits)
+                bench.paged_attention([32768], config, with_ref=False)
+    return device, bench.results
+
+
+def table(device: dict[str, object], results: list[Result]) -> str:
+    """The results as a fixed-width table with the device's ceilings in the title."""
+    lines = [
+        f"{device['name']}: copy {device['copy_gbps']:.0f} GB/s, bf16 matmul "
+        f"{device['matmul_tflops']:.0f} TFLOP/s (torch {device['torch']})",
+        f"{'kernel':<18} {'shape':<34} {'us':>9} {'GB/s':>7} {'%bw':>5} {'TFLOP/s':>8} {'%mm':>5} "
+        f"{'ref us':>9} {'x ref':>6}",
+    ]
+    for r in results:
+        ref = f"{r.ref_us:9.1f} {r.ref_us / r.time_us:6.1f}" if r.ref_us else f"{'-':>9} {'-':>6}"
+        lines.append(
+            f"{r.kernel:<18} {r.shape:<34} {r.time_us:9.1f} {r.gbps:7.0f} "
+            f"{r.bw_share:5.0%} {r.tflops:8.1f} {r.mm_share:5.0%} {ref}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m moelab.kernels.bench`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m moelab.kernels.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time a few tile configs of the decode MoE and attention kernels",
+    )
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: the kernel benchmark needs a GPU (nothing measured)")
+        return 0
+    device, results = run(args.sweep)
+    if args.json:
+        print(json.dumps({"device": device, "results": [r.to_json() for r in results]}, indent=2))
+    else:
+        print(table(device, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

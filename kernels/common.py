@@ -1,0 +1,72 @@
+"""Helpers shared by the Triton kernels: dtype mapping, buffer allocation, argument checks."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+}
+
+
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Map a torch floating dtype to the Triton dtype the kernels compute in."""
+    if dtype not in _TL_DTYPES:
+        raise ValueError(
+            f"unsupported dtype {dtype}: the kernels take float32, bfloat16 or float16"
+        )
+    return _TL_DTYPES[dtype]
+
+
+def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate a buffer a kernel fills completely (tests replace this to poison every buffer)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum): Triton block shapes must be powers of two."""
+    return max(triton.next_power_of_2(max(n, 1)), minimum)
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device: torch.device) -> int:
+    """Number of streaming multiprocessors, used to size split grids; 132 (an H100/H200) off-GPU."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
+    """Raise a clear error when a tensor's rows are not contiguous (kernels step rows by stride)."""
+    if tensor.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension (got strides {tensor.stride()})"
+        )
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """Raise a clear error when the tensors of one call live on different devices."""
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(f"all tensors must be on one device: {listed}")
+
+
+def check_expert_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Validate w13 [S, 2I, H] and w2 [S, H, I] against x [T, H]."""
+    hidden = x.shape[1]
+    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [S, 2I, H] with H={hidden}, got {tuple(w13.shape)}")
+    inter = w13.shape[1] // 2
+    if w2.dim() != 3 or w2.shape != (w13.shape[0], hidden, inter):
+        raise ValueError(
+            f"w2 must be [S, H, I] = {(w13.shape[0], hidden, inter)}, got {tuple(w2.shape)}"
+        )
+    for name, tensor in (("x", x), ("w13", w13), ("w2", w2)):
+        check_last_dim_contiguous(name, tensor)

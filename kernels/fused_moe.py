@@ -1,0 +1,314 @@
+"""Decode MoE over the expert cache's slots: gate/up, SiLU·up, down and the weighted sum.
+
+Two Triton launches plus one sum. Each launch is a split-N GEMV grid over (route, row block). A
+slot that several tokens route to is read once: the first route naming a slot (its leader) computes
+it for every token that names it; the other routes' programs only write zeros where the sum expects
+them.
+Nothing depends on the data on the host, so the call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import common
+
+# Tokens one program handles at once; larger batches are split into chunks of this many tokens.
+MAX_TOKENS_PER_LAUNCH = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeMoEConfig:
+    """Tile sizes of the two decode launches (rows per program and reduction step of each)."""
+
+    gate_up_block_n: int = 16
+    gate_up_block_k: int = 256
+    down_block_n: int = 32
+    down_block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {value}")
+
+
+def fused_moe_decode_ref(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Reference, a torch loop: sum over routes of weight * w2[s] @ (silu(gate·x) * (up·x))."""
+    _check(x, slot_ids, route_weights, w13, w2)
+    dtype = compute_dtype or x.dtype
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    slots = slot_ids.tolist()
+    weights = route_weights.float()
+    for t, row in enumerate(slots):
+        xt = x[t].to(dtype)
+        for k, slot in enumerate(row):
+            if slot < 0:
+                continue
+            gate_up = w13[slot].to(dtype) @ xt
+            act = F.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += weights[t, k] * (w2[slot].to(dtype) @ act).float()
+    return out
+
+
+@triton.jit
+def _route_group(
+    slots_ptr, route, num_tokens, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr
+):
+    """For this program's route: its slot, whether it leads that slot, and each token's first k."""
+    slot = tl.load(slots_ptr + route)
+    t_idx = tl.arange(0, BLOCK_T)
+    k_idx = tl.arange(0, BLOCK_R)
+    flat = t_idx[:, None] * TOP_K + k_idx[None, :]
+    valid = (t_idx[:, None] < num_tokens) & (k_idx[None, :] < TOP_K)
+    all_slots = tl.load(slots_ptr + flat, mask=valid, other=-1)
+    match = (all_slots == slot) & valid
+    earlier = tl.sum(tl.sum((match & (flat < route)).to(tl.int32), axis=1), axis=0)
+    leads = (slot >= 0) & (earlier == 0)
+    # The first k of each token naming this slot holds the token's result; later duplicates are 0.
+    first_k = tl.min(tl.where(match, k_idx[None, :], BLOCK_R), axis=1)
+    return slot, leads, match, first_k, t_idx
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    slots_ptr,
+    w13_ptr,
+    act_ptr,
+    num_tokens,
+    hidden,
+    inter,
+    stride_xt,
+    stride_ws,
+    stride_wn,
+    stride_at,
+    stride_ak,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    route = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot, leads, _, first_k, t_idx = _route_group(
+        slots_ptr, route, num_tokens, TOP_K, BLOCK_T, BLOCK_R
+    )
+    if leads:
+        has = first_k < BLOCK_R
+        n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n_idx < inter
+        gate_base = (
+            w13_ptr + slot.to(tl.int64) * stride_ws + n_idx[None, :].to(tl.int64) * stride_wn
+        )
+        up_base = gate_base + inter * stride_wn
+        x_base = x_ptr + t_idx[:, None].to(tl.int64) * stride_xt
+        acc_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_idx = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k_idx < hidden
+            xs = tl.load(x_base + k_idx[None, :], mask=has[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            gate = tl.load(gate_base + k_idx[:, None], mask=w_mask, other=0.0)
+            up = tl.load(up_base + k_idx[:, None], mask=w_mask, other=0.0)
+            xs = xs.to(COMPUTE)
+            acc_gate += tl.dot(xs, gate.to(COMPUTE), input_precision="ieee")
+            acc_up += tl.dot(xs, up.to(COMPUTE), input_precision="ieee")
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        act_ptrs = (
+            act_ptr + t_idx[:, None] * stride_at + first_k[:, None] * stride_ak + n_idx[None, :]
+        )
+        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=has[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,
+    slots_ptr,
+    weights_ptr,
+    w2_ptr,
+    y_ptr,
+    num_tokens,
+    hidden,
+    inter,
+    stride_at,
+    stride_ak,
+    stride_ws,
+    stride_wn,
+    stride_yt,
+    stride_yk,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    route = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot, leads, match, first_k, t_idx = _route_group(
+        slots_ptr, route, num_tokens, TOP_K, BLOCK_T, BLOCK_R
+    )
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < hidden
+    if leads:
+        has = first_k < BLOCK_R
+        k_all = tl.arange(0, BLOCK_R)
+        flat = t_idx[:, None] * TOP_K + k_all[None, :]
+        route_w = tl.load(weights_ptr + flat, mask=match, other=0.0).to(tl.float32)
+        token_w = tl.sum(route_w, axis=1)
+        w_base = w2_ptr + slot.to(tl.int64) * stride_ws + n_idx[None, :].to(tl.int64) * stride_wn
+        a_base = act_ptr + t_idx[:, None] * stride_at + first_k[:, None] * stride_ak
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_idx = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k_idx < inter
+            a = tl.load(a_base + k_idx[None, :], mask=has[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + k_idx[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += tl.dot(a.to(COMPUTE), w.to(COMPUTE), input_precision="ieee")
+        y_ptrs = y_ptr + t_idx[:, None] * stride_yt + first_k[:, None] * stride_yk + n_idx[None, :]
+        tl.store(y_ptrs, acc * token_w[:, None], mask=has[:, None] & n_ok[None, :])
+    # This route's own row of y is zero when its slot is masked or named earlier by its token.
+    own_t = route // TOP_K
+    own_k = route % TOP_K
+    own_first = tl.min(tl.where(t_idx == own_t, first_k, BLOCK_R), axis=0)
+    if (slot < 0) | (own_k != own_first):
+        zeros = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        tl.store(y_ptr + own_t * stride_yt + own_k * stride_yk + n_idx, zeros, mask=n_ok)
+
+
+def fused_moe_decode_triton(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    config: DecodeMoEConfig | None = None,
+) -> torch.Tensor:
+    """Triton decode MoE: fp32 [T, H], graph-capturable (no host sync, shapes fixed by T and K)."""
+    _check(x, slot_ids, route_weights, w13, w2)
+    cfg = config or DecodeMoEConfig()
+    compute = common.tl_dtype(compute_dtype or x.dtype)
+    num_tokens, hidden = x.shape
+    top_k = slot_ids.shape[1]
+    inter = w13.shape[1] // 2
+    slot_ids = slot_ids.contiguous()
+    route_weights = route_weights.contiguous()
+    act = common.alloc((num_tokens, top_k, inter), compute_dtype or x.dtype, x.device)
+    y = common.alloc((num_tokens, top_k, hidden), torch.float32, x.device)
+    for t0 in range(0, num_tokens, MAX_TOKENS_PER_LAUNCH):
+        t1 = min(t0 + MAX_TOKENS_PER_LAUNCH, num_tokens)
+        chunk = t1 - t0
+        block_t = common.next_pow2(chunk, 16)
+        block_r = common.next_pow2(top_k)
+        grid_a = (chunk * top_k, triton.cdiv(inter, cfg.gate_up_block_n))
+        _gate_up_kernel[grid_a](
+            x[t0:t1],
+            slot_ids[t0:t1],
+            w13,
+            act[t0:t1],
+            chunk,
+            hidden,
+            inter,
+            x.stride(0),
+            w13.stride(0),
+            w13.stride(1),
+            act.stride(0),
+            act.stride(1),
+            TOP_K=top_k,
+            BLOCK_T=block_t,
+            BLOCK_R=block_r,
+            BLOCK_N=cfg.gate_up_block_n,
+            BLOCK_K=min(cfg.gate_up_block_k, common.next_pow2(hidden, 16)),
+            COMPUTE=compute,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        grid_b = (chunk * top_k, triton.cdiv(hidden, cfg.down_block_n))
+        _down_kernel[grid_b](
+            act[t0:t1],
+            slot_ids[t0:t1],
+            route_weights[t0:t1],
+            w2,
+            y[t0:t1],
+            chunk,
+            hidden,
+            inter,
+            act.stride(0),
+            act.stride(1),
+            w2.stride(0),
+            w2.stride(1),
+            y.stride(0),
+            y.stride(1),
+            TOP_K=top_k,
+            BLOCK_T=block_t,
+            BLOCK_R=block_r,
+            BLOCK_N=cfg.down_block_n,
+            BLOCK_K=min(cfg.down_block_k, common.next_pow2(inter, 16)),
+            COMPUTE=compute,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return y.sum(dim=1)
+
+
+def fused_moe_decode(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Decode MoE over cache slots: the Triton kernel on CUDA, the torch reference elsewhere."""
+    if x.is_cuda:
+        return fused_moe_decode_triton(
+            x, slot_ids, route_weights, w13, w2, compute_dtype=compute_dtype
+        )
+    return fused_moe_decode_ref(x, slot_ids, route_weights, w13, w2, compute_dtype=compute_dtype)
+
+
+def _check(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    """Validate the shapes shared by the decode MoE functions (metadata only: no device sync)."""
+    if x.dim() != 2 or slot_ids.dim() != 2 or slot_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x must be [T, H] and slot_ids [T, K]: got {tuple(x.shape)} and "
+            f"{tuple(slot_ids.shape)}"
+        )
+    if route_weights.shape != slot_ids.shape:
+        raise ValueError(
+            f"route_weights {tuple(route_weights.shape)} must match slot_ids "
+            f"{tuple(slot_ids.shape)}"
+        )
+    if slot_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_ids must be int32 or int64, got {slot_ids.dtype}")
+    common.check_expert_weights(x, w13, w2)
+    common.check_same_device(x=x, slot_ids=slot_ids, route_weights=route_weights, w13=w13, w2=w2)

@@ -1,0 +1,307 @@
+"""Prefill MoE over one layer's experts: routes grouped by expert, two tiled-GEMM launches.
+
+Routes (token, k) are sorted by expert and padded to whole row blocks, so that each program of a
+launch multiplies one block of routes of one expert by one column block of its weights with tl.dot.
+The grouping syncs the host once (the number of row blocks sizes the grid); prefill is not captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import common
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedMoEConfig:
+    """Tile sizes of the two prefill launches: routes per block, output columns, reduction step."""
+
+    block_m: int
+    gate_up_block_n: int
+    down_block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "gate_up_block_n", "down_block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {value}")
+
+
+def config_for(routes_per_expert: float) -> GroupedMoEConfig:
+    """Tiles for an average number of routes per expert: small blocks waste less padding."""
+    if routes_per_expert <= 16:
+        return GroupedMoEConfig(16, 64, 64, 128, num_warps=4, num_stages=4)
+    if routes_per_expert <= 32:
+        return GroupedMoEConfig(32, 64, 64, 128, num_warps=4, num_stages=4)
+    if routes_per_expert <= 96:
+        return GroupedMoEConfig(64, 64, 128, 64, num_warps=4, num_stages=4)
+    return GroupedMoEConfig(128, 64, 128, 64, num_warps=8, num_stages=3)
+
+
+def grouped_moe_ref(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Reference: for each expert, its routed tokens through gate/up, SiLU·up and down, weighted."""
+    _check(x, expert_ids, route_weights, w13, w2)
+    dtype = compute_dtype or x.dtype
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in expert_ids.unique().tolist():
+        if expert < 0:
+            continue
+        tokens, ks = (expert_ids == expert).nonzero(as_tuple=True)
+        gate_up = x[tokens].to(dtype) @ w13[expert].to(dtype).t()
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = (act @ w2[expert].to(dtype).t()).float() * route_weights[tokens, ks].float()[:, None]
+        out.index_add_(0, tokens, y)
+    return out
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    routes_ptr,
+    block_expert_ptr,
+    w13_ptr,
+    act_ptr,
+    hidden,
+    inter,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_ar,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    routes = tl.load(routes_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    r_ok = routes >= 0
+    tokens = routes // TOP_K
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < inter
+    gate_base = w13_ptr + expert * stride_we + n_idx[None, :].to(tl.int64) * stride_wn
+    up_base = gate_base + inter * stride_wn
+    x_base = x_ptr + tokens[:, None] * stride_xt
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < hidden
+        xs = tl.load(x_base + k_idx[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        gate = tl.load(gate_base + k_idx[:, None], mask=w_mask, other=0.0)
+        up = tl.load(up_base + k_idx[:, None], mask=w_mask, other=0.0)
+        xs = xs.to(COMPUTE)
+        acc_gate += tl.dot(xs, gate.to(COMPUTE), input_precision="ieee")
+        acc_up += tl.dot(xs, up.to(COMPUTE), input_precision="ieee")
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    act_ptrs = act_ptr + routes[:, None] * stride_ar + n_idx[None, :]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,
+    routes_ptr,
+    block_expert_ptr,
+    weights_ptr,
+    w2_ptr,
+    y_ptr,
+    hidden,
+    inter,
+    stride_ar,
+    stride_we,
+    stride_wn,
+    stride_yr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    routes = tl.load(routes_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    r_ok = routes >= 0
+    route_w = tl.load(weights_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < hidden
+    w_base = w2_ptr + expert * stride_we + n_idx[None, :].to(tl.int64) * stride_wn
+    a_base = act_ptr + routes[:, None] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < inter
+        a = tl.load(a_base + k_idx[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + k_idx[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(a.to(COMPUTE), w.to(COMPUTE), input_precision="ieee")
+    y_ptrs = y_ptr + routes[:, None] * stride_yr + n_idx[None, :]
+    tl.store(y_ptrs, acc * route_w[:, None], mask=r_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True, slots=True)
+class _RouteBlocks:
+    """Routes sorted by expert and padded to whole blocks: what the two launches iterate over."""
+
+    routes: torch.Tensor  # [num_blocks * block_m] flat route index t*K+k, -1 for padding
+    block_expert: torch.Tensor  # [num_blocks] the expert of each block
+    skipped: torch.Tensor  # flat indices of routes with expert id -1
+    num_blocks: int
+
+
+def _group_routes(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> _RouteBlocks:
+    """Sort routes by expert and pad each expert's run to a multiple of block_m (one host sync)."""
+    device = expert_ids.device
+    flat = expert_ids.reshape(-1).long()
+    # Skipped routes (-1) count under a virtual expert num_experts, which gets no blocks.
+    keyed = torch.where(flat >= 0, flat, num_experts)
+    counts = torch.bincount(keyed, minlength=num_experts + 1)
+    if counts.numel() > num_experts + 1:
+        raise ValueError(f"expert_ids name an expert >= {num_experts}, the experts in w13")
+    blocks = (counts[:num_experts] + block_m - 1) // block_m
+    num_blocks, num_skipped = torch.stack([blocks.sum(), counts[num_experts]]).tolist()
+    order = torch.argsort(keyed, stable=True)
+    num_kept = flat.numel() - num_skipped
+    kept = order[:num_kept]
+    sorted_experts = keyed[kept]
+    run_start = torch.cumsum(counts[:num_experts], 0) - counts[:num_experts]
+    block_start = (torch.cumsum(blocks, 0) - blocks) * block_m
+    rank = torch.arange(num_kept, device=device) - run_start[sorted_experts]
+    routes = torch.full((num_blocks * block_m,), -1, dtype=torch.int64, device=device)
+    routes[block_start[sorted_experts] + rank] = kept
+    block_expert = torch.repeat_interleave(
+        torch.arange(num_experts, device=device), blocks, output_size=num_blocks
+    )
+    return _RouteBlocks(routes, block_expert, order[num_kept:], num_blocks)
+
+
+def grouped_moe_triton(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    config: GroupedMoEConfig | None = None,
+) -> torch.Tensor:
+    """Triton prefill MoE: fp32 [T, H]; syncs the host once to size the grid."""
+    _check(x, expert_ids, route_weights, w13, w2)
+    num_tokens, hidden = x.shape
+    top_k = expert_ids.shape[1]
+    num_experts = w13.shape[0]
+    inter = w13.shape[1] // 2
+    cfg = config or config_for(num_tokens * top_k / num_experts)
+    compute = common.tl_dtype(compute_dtype or x.dtype)
+    grouped = _group_routes(expert_ids, num_experts, cfg.block_m)
+    num_routes = num_tokens * top_k
+    act = common.alloc((num_routes, inter), compute_dtype or x.dtype, x.device)
+    y = common.alloc((num_routes, hidden), torch.float32, x.device)
+    if grouped.num_blocks:
+        block_k = min(cfg.block_k, common.next_pow2(hidden, 16))
+        _gate_up_kernel[(grouped.num_blocks, triton.cdiv(inter, cfg.gate_up_block_n))](
+            x,
+            grouped.routes,
+            grouped.block_expert,
+            w13,
+            act,
+            hidden,
+            inter,
+            x.stride(0),
+            w13.stride(0),
+            w13.stride(1),
+            act.stride(0),
+            TOP_K=top_k,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.gate_up_block_n,
+            BLOCK_K=block_k,
+            COMPUTE=compute,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        block_k = min(cfg.block_k, common.next_pow2(inter, 16))
+        _down_kernel[(grouped.num_blocks, triton.cdiv(hidden, cfg.down_block_n))](
+            act,
+            grouped.routes,
+            grouped.block_expert,
+            route_weights.contiguous(),
+            w2,
+            y,
+            hidden,
+            inter,
+            act.stride(0),
+            w2.stride(0),
+            w2.stride(1),
+            y.stride(0),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.down_block_n,
+            BLOCK_K=block_k,
+            COMPUTE=compute,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    if grouped.skipped.numel():
+        y.index_fill_(0, grouped.skipped, 0.0)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def grouped_moe(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Prefill MoE over one layer's experts: the Triton kernels on CUDA, the reference elsewhere."""
+    if x.is_cuda:
+        return grouped_moe_triton(
+            x, expert_ids, route_weights, w13, w2, compute_dtype=compute_dtype
+        )
+    return grouped_moe_ref(x, expert_ids, route_weights, w13, w2, compute_dtype=compute_dtype)
+
+
+def _check(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    """Validate the shapes shared by the prefill MoE functions."""
+    if x.dim() != 2 or expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x must be [T, H] and expert_ids [T, K]: got {tuple(x.shape)} and "
+            f"{tuple(expert_ids.shape)}"
+        )
+    if route_weights.shape != expert_ids.shape:
+        raise ValueError(
+            f"route_weights {tuple(route_weights.shape)} must match expert_ids "
+            f"{tuple(expert_ids.shape)}"
+        )
+    if expert_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert_ids must be int32 or int64, got {expert_ids.dtype}")
+    common.check_expert_weights(x, w13, w2)
+    common.check_same_device(
+        x=x, expert_ids=expert_ids, route_weights=route_weights, w13=w13, w2=w2
+    )

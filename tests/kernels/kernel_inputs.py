@@ -1,0 +1,37 @@
+"""Random inputs and comparisons shared by the kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def randn(
+    gen: torch.Generator, *shape: int, scale: float = 1.0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Normal random values (never all zeros) on the test device."""
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def route_table(
+    gen: torch.Generator, tokens: int, top_k: int, choices: int, masked: float = 0.0
+) -> torch.Tensor:
+    """int32 [T, K]: distinct picks per token from range(choices), a share of them set to -1."""
+    picks = torch.stack([torch.randperm(choices, generator=gen)[:top_k] for _ in range(tokens)])
+    drop = torch.rand(tokens, top_k, generator=gen) < masked
+    return torch.where(drop, -1, picks).to(device=DEVICE, dtype=torch.int32)
+
+
+def route_weights(gen: torch.Generator, tokens: int, top_k: int) -> torch.Tensor:
+    """fp32 [T, K] positive weights, as a router gives."""
+    return (torch.rand(tokens, top_k, generator=gen) + 0.1).to(DEVICE)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """Assert same shape and dtype, every element written, and max error <= tol * max |ref|."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.dtype)
+    assert torch.isfinite(out).all(), "the kernel left unwritten (poisoned) or non-finite elements"
+    err = (out.float() - ref.float()).abs().max().item()
+    scale = max(ref.float().abs().max().item(), 1e-6)
+    assert err <= tol * scale, f"max error {err:.3e} exceeds {tol} x max |ref| = {tol * scale:.3e}"

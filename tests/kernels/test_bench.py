@@ -1,0 +1,49 @@
+"""The kernel benchmark's arithmetic, its table, and its behaviour without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moelab.kernels import bench
+
+
+def result(kernel: str = "fused_moe_decode", ref_us: float | None = 90.0) -> bench.Result:
+    return bench.Result(
+        kernel=kernel,
+        shape="T=1 K=8",
+        time_us=30.0,
+        bytes_moved=60_000_000,
+        flops=300_000_000,
+        ref_us=ref_us,
+        copy_gbps=4000.0,
+        matmul_tflops=600.0,
+    )
+
+
+def test_rates_and_shares_follow_from_time_bytes_and_flops():
+    r = result()
+    assert r.gbps == pytest.approx(2000.0)  # 60 MB in 30 us
+    assert r.bw_share == pytest.approx(0.5)
+    assert r.tflops == pytest.approx(10.0)  # 300 MFLOP in 30 us
+    assert r.mm_share == pytest.approx(10.0 / 600)
+    assert r.to_json()["gbps"] == pytest.approx(2000.0)
+
+
+def test_table_lists_every_kernel_with_its_reference_speedup():
+    device = {"name": "Fake GPU", "copy_gbps": 4000.0, "matmul_tflops": 600.0, "torch": "x"}
+    text = bench.table(device, [result(), result("sdpa_prefill", ref_us=None)])
+    lines = text.splitlines()
+    assert "Fake GPU" in lines[0] and "4000 GB/s" in lines[0]
+    assert lines[2].startswith("fused_moe_decode") and lines[2].rstrip().endswith("3.0")
+    assert lines[3].startswith("sdpa_prefill") and lines[3].rstrip().endswith("-")
+
+
+def test_without_cuda_it_says_so_and_exits_0(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_working_set_outgrows_the_l2_cache():
+    assert bench.layers_for(75_000_000) * 75_000_000 >= bench.MIN_WORKING_SET_BYTES
+    assert bench.layers_for(10**10) == 2

@@ -1,0 +1,97 @@
+"""Prefill grouped MoE kernel against its torch reference (interpreter on CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_inputs import DEVICE, assert_matches, randn, route_table, route_weights
+from moelab.kernels import fused_moe, grouped_moe
+from moelab.kernels.grouped_moe import GroupedMoEConfig, config_for
+
+SMALL = GroupedMoEConfig(16, 16, 32, 32, num_warps=4, num_stages=2)
+
+
+def experts(gen: torch.Generator, num: int, hidden: int, inter: int, dtype=torch.float32):
+    """w13 [E, 2I, H] and w2 [E, H, I] scaled so that activations stay near 1."""
+    w13 = randn(gen, num, 2 * inter, hidden, scale=hidden**-0.5, dtype=dtype)
+    w2 = randn(gen, num, hidden, inter, scale=inter**-0.5, dtype=dtype)
+    return w13, w2
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "hidden", "inter", "num_experts", "config", "masked"),
+    [
+        (37, 3, 72, 40, 5, SMALL, 0.1),  # odd sizes, runs longer than one block, skipped routes
+        (9, 2, 48, 24, 8, None, 0.0),  # some experts get no tokens
+        (20, 4, 40, 20, 6, GroupedMoEConfig(32, 32, 16, 16, 4, 2), 0.3),
+    ],
+)
+def test_matches_reference(gen, tokens, top_k, hidden, inter, num_experts, config, masked):
+    x = randn(gen, tokens, hidden)
+    expert_ids = route_table(gen, tokens, top_k, num_experts, masked=masked)
+    weights = route_weights(gen, tokens, top_k)
+    w13, w2 = experts(gen, num_experts, hidden, inter)
+    out = grouped_moe.grouped_moe_triton(x, expert_ids, weights, w13, w2, config=config)
+    ref = grouped_moe.grouped_moe_ref(x, expert_ids, weights, w13, w2)
+    assert ref.abs().max().item() > 0
+    assert_matches(out, ref, tol=1e-5)
+
+
+def test_all_routes_skipped_gives_zeros(gen):
+    x = randn(gen, 3, 32)
+    expert_ids = torch.full((3, 2), -1, dtype=torch.int32, device=DEVICE)
+    w13, w2 = experts(gen, 2, 32, 16)
+    out = grouped_moe.grouped_moe_triton(x, expert_ids, route_weights(gen, 3, 2), w13, w2)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_bf16_storage_with_fp32_compute(gen):
+    x = randn(gen, 12, 64, dtype=torch.bfloat16)
+    expert_ids = route_table(gen, 12, 2, 4)
+    weights = route_weights(gen, 12, 2)
+    w13, w2 = experts(gen, 4, 64, 32, dtype=torch.bfloat16)
+    out = grouped_moe.grouped_moe_triton(
+        x, expert_ids, weights, w13, w2, compute_dtype=torch.float32
+    )
+    ref = grouped_moe.grouped_moe_ref(x, expert_ids, weights, w13, w2, compute_dtype=torch.float32)
+    assert_matches(out, ref, tol=1e-5)
+
+
+def test_reference_agrees_with_decode_reference(gen):
+    x = torch.randn(6, 32, generator=gen)
+    ids = torch.tensor([[0, 2], [1, -1], [2, 0], [2, 1], [-1, -1], [0, 1]], dtype=torch.int32)
+    weights = torch.rand(6, 2, generator=gen)
+    w13 = torch.randn(3, 32, 32, generator=gen)
+    w2 = torch.randn(3, 32, 16, generator=gen)
+    grouped = grouped_moe.grouped_moe_ref(x, ids, weights, w13, w2)
+    decode = fused_moe.fused_moe_decode_ref(x, ids, weights, w13, w2)
+    assert_matches(grouped, decode, tol=1e-5)
+
+
+def test_expert_id_out_of_range_is_refused(gen):
+    x = randn(gen, 2, 32)
+    ids = torch.tensor([[0, 5], [1, 0]], dtype=torch.int32, device=DEVICE)
+    w13, w2 = experts(gen, 2, 32, 16)
+    with pytest.raises(ValueError, match="expert >= 2"):
+        grouped_moe.grouped_moe_triton(x, ids, route_weights(gen, 2, 2), w13, w2)
+
+
+def test_cpu_tensors_go_to_the_reference(gen, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton path ran on CPU tensors")
+
+    monkeypatch.setattr(grouped_moe, "grouped_moe_triton", refuse)
+    x = torch.randn(4, 32, generator=gen)
+    ids = torch.tensor([[0, 1], [1, -1], [0, 1], [1, 0]], dtype=torch.int32)
+    weights = torch.rand(4, 2, generator=gen)
+    w13 = torch.randn(2, 32, 32, generator=gen)
+    w2 = torch.randn(2, 32, 16, generator=gen)
+    out = grouped_moe.grouped_moe(x, ids, weights, w13, w2)
+    assert torch.equal(out, grouped_moe.grouped_moe_ref(x, ids, weights, w13, w2))
+
+
+@pytest.mark.parametrize(
+    ("per_expert", "block_m"), [(1, 16), (16, 16), (30, 32), (64, 64), (500, 128)]
+)
+def test_block_rows_follow_tokens_per_expert(per_expert, block_m):
+    assert config_for(per_expert).block_m == block_m

@@ -1,0 +1,46 @@
+"""Router softmax + top-k against its torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_inputs import DEVICE, randn
+from moelab.kernels import router
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "k", "renormalize", "dtype"),
+    [
+        (5, 128, 8, True, torch.float32),  # Qwen3-30B-A3B
+        (3, 60, 4, False, torch.float32),  # Qwen2-MoE: not renormalized, odd expert count
+        (4, 8, 2, True, torch.bfloat16),  # Mixtral
+        (2, 64, 8, False, torch.float16),  # OLMoE
+        (1, 7, 7, True, torch.float32),  # k equals the number of experts
+    ],
+)
+def test_matches_reference(gen, tokens, experts, k, renormalize, dtype):
+    logits = randn(gen, tokens, experts, scale=2.0, dtype=dtype)
+    weights, ids = router.topk_softmax_triton(logits, k, renormalize)
+    ref_weights, ref_ids = router.topk_softmax_ref(logits, k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(tokens, device=DEVICE))
+
+
+def test_cpu_tensors_go_to_the_reference(gen, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton path ran on CPU tensors")
+
+    monkeypatch.setattr(router, "topk_softmax_triton", refuse)
+    logits = torch.randn(3, 16, generator=gen)
+    out = router.topk_softmax(logits, 4, True)
+    ref = router.topk_softmax_ref(logits, 4, True)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@pytest.mark.parametrize("k", [0, 17])
+def test_k_outside_the_experts_is_refused(k):
+    with pytest.raises(ValueError, match="k must be between 1 and the number of experts"):
+        router.topk_softmax(torch.ones(2, 16, device=DEVICE), k, True)
