@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import zlib
@@ -11,16 +10,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-# The modules that define Triton kernels (common first: the others import it).
-TRITON_MODULES = ("common", "fused_moe", "grouped_moe", "paged_attention", "rmsnorm", "router")
-
+# Triton decides whether to interpret when it is imported (its own library functions are decorated
+# then), so the variable must be set before anything imports triton.
+TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET")
 if not torch.cuda.is_available():
-    # Triton reads this when a kernel is decorated: set it before the kernel modules are imported,
-    # and re-decorate any that another test package imported first.
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in TRITON_MODULES:
-        if f"moelab.kernels.{_name}" in sys.modules:
-            importlib.reload(sys.modules[f"moelab.kernels.{_name}"])
 
 from moelab.kernels import common  # noqa: E402
 
@@ -31,6 +25,16 @@ def poisoned_alloc(
     """A buffer full of a value no kernel writes: NaN for floats, the lowest int for integers."""
     fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
     return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+@pytest.fixture
+def triton_runs() -> None:
+    """Fail with the cure, rather than with Triton's error, when the interpreter cannot run."""
+    if TRITON_IMPORTED_TOO_EARLY and not torch.cuda.is_available():
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
+            "on the CPU: set it in tests/conftest.py (or the environment) when there is no GPU"
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,8 @@ from kernel_inputs import DEVICE, assert_matches, randn, route_table, route_weig
 from moelab.kernels import fused_moe
 from moelab.kernels.fused_moe import DecodeMoEConfig
 
+pytestmark = pytest.mark.usefixtures("triton_runs")
+
 SMALL_BLOCKS = DecodeMoEConfig(gate_up_block_k=64, down_block_k=16)
 
 

@@ -8,6 +8,8 @@ from kernel_inputs import DEVICE, assert_matches, randn, route_table, route_weig
 from moelab.kernels import fused_moe, grouped_moe
 from moelab.kernels.grouped_moe import GroupedMoEConfig, config_for
 
+pytestmark = pytest.mark.usefixtures("triton_runs")
+
 SMALL = GroupedMoEConfig(16, 16, 32, 32, num_warps=4, num_stages=2)
 
 

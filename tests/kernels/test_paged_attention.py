@@ -8,6 +8,8 @@ from kernel_inputs import DEVICE, assert_matches, randn
 from moelab.kernels import paged_attention
 from moelab.kernels.paged_attention import AttentionConfig, default_num_splits
 
+pytestmark = pytest.mark.usefixtures("triton_runs")
+
 
 def paged_cache(
     gen: torch.Generator,

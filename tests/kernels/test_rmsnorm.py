@@ -7,6 +7,8 @@ import torch
 from kernel_inputs import DEVICE, assert_matches, randn
 from moelab.kernels import rmsnorm
 
+pytestmark = pytest.mark.usefixtures("triton_runs")
+
 
 @pytest.mark.parametrize(
     ("shape", "dtype"),

@@ -7,6 +7,8 @@ import torch
 from kernel_inputs import DEVICE, randn
 from moelab.kernels import router
 
+pytestmark = pytest.mark.usefixtures("triton_runs")
+
 
 @pytest.mark.parametrize(
     ("tokens", "experts", "k", "renormalize", "dtype"),
