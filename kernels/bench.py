@@ -28,8 +28,10 @@ Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
 DTYPE = torch.bfloat16
 ELEM_BYTES = 2
 EXPERT_BYTES = 3 * HIDDEN * INTER * ELEM_BYTES
-# Bytes each graph of calls reads at least, so that L2 (50 MiB on an H200) cannot hold them.
+# Bytes each graph of calls reads at least, so that L2 (50 MiB on an H200) cannot hold them; calls
+# that read less than this over MAX_CALLS_PER_GRAPH are bound by launches, not by memory.
 MIN_WORKING_SET_BYTES = 512 << 20
+MAX_CALLS_PER_GRAPH = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +127,8 @@ def measure_matmul_tflops() -> float:
 
 def layers_for(bytes_per_call: int) -> int:
     """How many distinct copies (layers) of the data one graph cycles through."""
-    return max(2, math.ceil(MIN_WORKING_SET_BYTES / max(bytes_per_call, 1)))
+    wanted = math.ceil(MIN_WORKING_SET_BYTES / max(bytes_per_call, 1))
+    return max(2, min(MAX_CALLS_PER_GRAPH, wanted))
 
 
 class Bench:
@@ -158,7 +161,8 @@ class Bench:
         )
 
     def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen, device="cuda", dtype=DTYPE) * scale
+        out = torch.empty(*shape, device="cuda", dtype=DTYPE)
+        return out.normal_(0.0, scale, generator=self.gen)
 
     def routes(self, tokens: int, first: int, count: int) -> torch.Tensor:
         """[tokens, TOP_K] distinct picks per token from range(first, first + count)."""

@@ -221,6 +221,8 @@ def fused_moe_decode_triton(
         t1 = min(t0 + MAX_TOKENS_PER_LAUNCH, num_tokens)
         chunk = t1 - t0
         block_t = common.next_pow2(chunk, 16)
+        # Wide token tiles take more shared memory per pipeline stage.
+        num_stages = cfg.num_stages if block_t <= 32 else min(cfg.num_stages, 3)
         block_r = common.next_pow2(top_k)
         grid_a = (chunk * top_k, triton.cdiv(inter, cfg.gate_up_block_n))
         _gate_up_kernel[grid_a](
@@ -243,7 +245,7 @@ def fused_moe_decode_triton(
             BLOCK_K=min(cfg.gate_up_block_k, common.next_pow2(hidden, 16)),
             COMPUTE=compute,
             num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            num_stages=num_stages,
         )
         grid_b = (chunk * top_k, triton.cdiv(hidden, cfg.down_block_n))
         _down_kernel[grid_b](
@@ -268,7 +270,7 @@ def fused_moe_decode_triton(
             BLOCK_K=min(cfg.down_block_k, common.next_pow2(inter, 16)),
             COMPUTE=compute,
             num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            num_stages=num_stages,
         )
     return y.sum(dim=1)
 

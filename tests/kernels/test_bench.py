@@ -47,3 +47,4 @@ def test_without_cuda_it_says_so_and_exits_0(monkeypatch, capsys):
 def test_working_set_outgrows_the_l2_cache():
     assert bench.layers_for(75_000_000) * 75_000_000 >= bench.MIN_WORKING_SET_BYTES
     assert bench.layers_for(10**10) == 2
+    assert bench.layers_for(16) == bench.MAX_CALLS_PER_GRAPH  # a tiny call is launch-bound anyway
