@@ -1,0 +1,389 @@
+"""Who may change things: the control token, the session cookie and the access rules (ASGI).
+
+The rules, in the order they are applied to every request:
+
+1. A `Host` header the daemon does not serve is refused with 400 (DNS rebinding).
+2. GET, HEAD and OPTIONS are open to everyone who can reach the port (read-only viewing).
+3. An unsafe method with a foreign `Origin` (or a browser saying the request is cross-site) is
+   refused with 403, token or not.
+4. An unsafe method is allowed without a token only from a loopback client address to a loopback
+   Host; otherwise it needs the control token, as `Authorization: Bearer` or the signed cookie that
+   the login endpoint sets. Wrong tokens count as failed logins, which are rate-limited per address.
+
+The client address is the socket's peer; `X-Forwarded-For` and similar headers are never read.
+Every unsafe request that reaches a handler, or is refused, is written to the audit table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .schema import AuditEvent
+from .store import Store
+
+TOKEN_NAME = "control-token"
+COOKIE_NAME = "mgr_session"
+COOKIE_MAX_AGE_S = 30 * 24 * 3600
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+# paths an unsafe request may reach without the token (they are how one presents it)
+TOKEN_FREE_PATHS = frozenset({"/api/auth/login", "/api/auth/logout"})
+
+
+def load_or_create_token(data_dir: Path) -> str:
+    """The control token (256 random bits), created mode 0600 in the data dir on first start."""
+    path = data_dir / TOKEN_NAME
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        token = path.read_text().strip()
+        if len(token) < 32:
+            raise RuntimeError(
+                f"{path} holds no usable control token; delete it and restart mgr to make a new one"
+            ) from None
+        os.chmod(path, 0o600)
+        return token
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether a peer address is this machine's loopback (IPv4, IPv6, IPv4-mapped IPv6)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def split_host(header: str) -> tuple[str, int | None]:
+    """`Host` or an origin's authority as (lower-case name without brackets, port or None)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        name, _, rest = header[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif header.count(":") == 1:
+        name, port = header.split(":")
+    else:
+        name, port = header, ""
+    try:
+        return name.rstrip("."), int(port) if port else None
+    except ValueError:
+        return "", None
+
+
+def is_loopback_host(name: str) -> bool:
+    return name in LOOPBACK_NAMES or is_loopback_address(name)
+
+
+class ServedHosts:
+    """The names and addresses the daemon answers to; anything else in `Host` is refused.
+
+    Bound to a wildcard address, that is every address of every interface (re-read every few
+    seconds, as DHCP may change them), the machine's host names, and the names given with
+    --allow-host. Bound to one address, that address, loopback names and the extra names.
+    """
+
+    REFRESH_S = 10.0
+
+    def __init__(self, bind_host: str, extra: Iterable[str] = ()) -> None:
+        self.bind_host = bind_host
+        self.extra = {split_host(name)[0] for name in extra}
+        self._cached: frozenset[str] = frozenset()
+        self._cached_at = -1e9
+        self._lock = threading.Lock()
+
+    @property
+    def wildcard(self) -> bool:
+        return self.bind_host in ("0.0.0.0", "::", "")
+
+    def names(self) -> frozenset[str]:
+        with self._lock:
+            if time.monotonic() - self._cached_at > self.REFRESH_S:
+                self._cached = frozenset(self._collect())
+                self._cached_at = time.monotonic()
+            return self._cached
+
+    def _collect(self) -> set[str]:
+        names = set(LOOPBACK_NAMES) | {"127.0.0.1", "::1"} | self.extra
+        if not self.wildcard:
+            names.add(self.bind_host.strip("[]").lower())
+            return names
+        for addresses in psutil.net_if_addrs().values():
+            for address in addresses:
+                if address.family in (socket.AF_INET, socket.AF_INET6):
+                    names.add(address.address.split("%", 1)[0].lower())
+        hostname = socket.gethostname().lower()
+        names |= {hostname, hostname.split(".")[0], hostname.split(".")[0] + ".local"}
+        return names
+
+    def serves(self, host_header: str | None) -> bool:
+        if not host_header:
+            return False
+        name, _port = split_host(host_header)
+        return bool(name) and (is_loopback_address(name) or name in self.names())
+
+
+class LoginLimiter:
+    """Failed token presentations per client address; too many in a window and the address waits."""
+
+    def __init__(self, max_failures: int = 5, window_s: float = 60.0) -> None:
+        self.max_failures = max_failures
+        self.window_s = window_s
+        self._failures: dict[str, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def retry_after_s(self, address: str, now: float | None = None) -> float:
+        """Seconds this address must wait before its next attempt (0 when it may try now)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            failures = self._failures.get(address)
+            if not failures:
+                return 0.0
+            while failures and now - failures[0] > self.window_s:
+                failures.popleft()
+            if len(failures) < self.max_failures:
+                return 0.0
+            return self.window_s - (now - failures[0])
+
+    def failed(self, address: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._failures.setdefault(address, deque()).append(now)
+
+    def succeeded(self, address: str) -> None:
+        with self._lock:
+            self._failures.pop(address, None)
+
+
+class Credentials:
+    """Checks the control token and signs / verifies the session cookie made from it."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def token_ok(self, presented: str | None) -> bool:
+        return presented is not None and secrets.compare_digest(
+            presented.encode(), self.token.encode()
+        )
+
+    def make_cookie(self, now: float | None = None) -> str:
+        issued = str(int(time.time() if now is None else now))
+        return f"{issued}.{self._sign(issued)}"
+
+    def cookie_ok(self, value: str | None, now: float | None = None) -> bool:
+        if not value or "." not in value:
+            return False
+        issued, signature = value.split(".", 1)
+        if not secrets.compare_digest(signature.encode(), self._sign(issued).encode()):
+            return False
+        now = time.time() if now is None else now
+        return issued.isdigit() and 0 <= now - int(issued) <= COOKIE_MAX_AGE_S
+
+    def _sign(self, issued: str) -> str:
+        # keyed by the token, so a new token invalidates every cookie made from the old one
+        message = f"mgr-session:{issued}".encode()
+        return hmac.new(self.token.encode(), message, hashlib.sha256).hexdigest()
+
+
+@dataclass(slots=True)
+class Access:
+    """What the middleware decided about a request; handlers read it from `request.state.access`."""
+
+    address: str
+    loopback_client: bool
+    loopback_host: bool
+    via: str | None  # "loopback", "token", "cookie", or None for a viewer without control
+
+    @property
+    def control(self) -> bool:
+        return self.via is not None
+
+    @property
+    def may_see_token(self) -> bool:
+        return self.loopback_client and self.loopback_host
+
+
+@dataclass(slots=True)
+class AccessPolicy:
+    """The access rules, separate from ASGI plumbing so that they read as one function."""
+
+    credentials: Credentials
+    hosts: ServedHosts
+    limiter: LoginLimiter = field(default_factory=LoginLimiter)
+
+    def decide(
+        self, method: str, path: str, address: str, headers: dict[str, str]
+    ) -> tuple[Access, tuple[int, str, str] | None]:
+        """The request's access, and (status, code, message) when it must be refused."""
+        host = headers.get("host")
+        access = Access(
+            address, is_loopback_address(address), is_loopback_host(split_host(host or "")[0]), None
+        )
+        if not self.hosts.serves(host):
+            return access, (
+                400,
+                "unknown_host",
+                f"this daemon does not serve the host {host!r}; open it by this machine's address "
+                "or name, or start mgr with --allow-host NAME",
+            )
+        # a blocked address gets no credential checked at all, or it could go on guessing
+        wait_s = 0.0 if access.may_see_token else self.limiter.retry_after_s(address)
+        wrong_token = False
+        if access.may_see_token:
+            access.via = "loopback"
+        elif wait_s <= 0:
+            access.via, wrong_token = self._credential(headers, address)
+        if method in SAFE_METHODS:
+            return access, None
+        if self._foreign(headers, host or ""):
+            return access, (
+                403,
+                "foreign_origin",
+                "requests that change something must come from this daemon's own pages "
+                f"(Origin {headers.get('origin')!r} is not {host!r})",
+            )
+        if path in TOKEN_FREE_PATHS or access.control:
+            return access, None
+        if wait_s > 0:
+            return access, (
+                429,
+                "too_many_attempts",
+                f"too many wrong tokens from {address}; try again in {wait_s:.0f} s",
+            )
+        if wrong_token:
+            return access, (401, "token_invalid", "the control token is wrong")
+        return access, (
+            401,
+            "token_required",
+            "changing anything needs the control token (printed by mgr at start, and stored in "
+            "its data dir): send `Authorization: Bearer TOKEN` or log in",
+        )
+
+    def _credential(self, headers: dict[str, str], address: str) -> tuple[str | None, bool]:
+        """("token" | "cookie" | None, whether a wrong bearer token was presented)."""
+        bearer = _bearer(headers)
+        if bearer is not None:
+            if self.credentials.token_ok(bearer):
+                self.limiter.succeeded(address)
+                return "token", False
+            self.limiter.failed(address)
+            return None, True
+        # a stale cookie (the token was replaced) is not a guess: it does not count as a failure
+        if self.credentials.cookie_ok(_cookie(headers, COOKIE_NAME)):
+            return "cookie", False
+        return None, False
+
+    @staticmethod
+    def _foreign(headers: dict[str, str], host: str) -> bool:
+        if headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+            return True
+        origin = headers.get("origin")
+        if origin is None:
+            return False
+        scheme, _, authority = origin.partition("://")
+        if scheme not in ("http", "https") or not authority:
+            return True  # "null" (sandboxed frames, file: pages) and other oddities
+        return split_host(authority) != split_host(host)
+
+
+def _bearer(headers: dict[str, str]) -> str | None:
+    value = headers.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _cookie(headers: dict[str, str], name: str) -> str | None:
+    for part in headers.get("cookie", "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return value
+    return None
+
+
+class AccessMiddleware:
+    """Applies AccessPolicy to every HTTP request and writes unsafe ones to the audit table."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        policy: AccessPolicy,
+        store: Store,
+        render_error: Callable[[int, str, str, dict[str, str]], Any],
+    ) -> None:
+        self.app = app
+        self.policy = policy
+        self.store = store
+        self.render_error = render_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        address = (scope.get("client") or ("", 0))[0]
+        method, path = scope["method"], scope["path"]
+        access, refusal = self.policy.decide(method, path, address, headers)
+        scope.setdefault("state", {})["access"] = access
+        if refusal is not None:
+            status, code, message = refusal
+            extra = {"retry-after": str(int(self.policy.limiter.window_s))} if status == 429 else {}
+            response = self.render_error(status, code, message, extra)
+            await response(scope, receive, send)
+            if method not in SAFE_METHODS and status != 429:
+                await self._audit(scope, access, status, f"refused: {code}")
+            return
+        if method in SAFE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        status_seen = 500
+
+        async def send_watching(message: Message) -> None:
+            nonlocal status_seen
+            if message["type"] == "http.response.start":
+                status_seen = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watching)
+        finally:
+            await self._audit(scope, access, status_seen, None)
+
+    async def _audit(self, scope: Scope, access: Access, status: int, refused: str | None) -> None:
+        note = scope.get("state", {}).get("audit", {})
+        event = AuditEvent(
+            time=time.time(),
+            address=access.address,
+            via=access.via or "none",
+            method=scope["method"],
+            path=scope["path"],
+            status=status,
+            action=refused or note.get("action") or f"{scope['method']} {scope['path']}",
+            target=note.get("target"),
+            detail=note.get("detail") or {},
+        )
+        await anyio.to_thread.run_sync(self._write, event)
+
+    def _write(self, event: AuditEvent) -> None:
+        with self.store.session() as session:
+            session.add(event)

@@ -1,0 +1,146 @@
+"""The models table: what discovery found, checkpoints that went away, and the demo model."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from .child import run_moelab
+from .jobs import Job, JobError, Jobs
+from .models import DEMO_NAME, Checkpoint, ModelRoot, discover
+from .schema import Model
+from .store import Store, iso_time
+
+DEMO_SYNTH_ARGS = [
+    "--arch",
+    "qwen3_moe",
+    "--preset",
+    "tiny",
+    "--routing-skew",
+    "1.0",
+    "--seed",
+    "0",
+]
+
+
+class ModelCatalog:
+    """Checkpoints the daemon knows, refreshed from the model roots on start and on request."""
+
+    def __init__(self, store: Store, roots: list[ModelRoot], data_dir: Path, jobs: Jobs) -> None:
+        self.store = store
+        self.roots = roots
+        self.data_dir = data_dir
+        self.jobs = jobs
+
+    @property
+    def demo_path(self) -> Path:
+        return self.data_dir / "models" / DEMO_NAME
+
+    def rescan(self) -> list[Model]:
+        """Discover checkpoints, upsert them by path, mark the ones no longer found."""
+        found = {c.path: c for c in discover(self.roots)}
+        now = time.time()
+        with self.store.session() as session:
+            rows = {m.path: m for m in session.scalars(select(Model))}
+            for path, checkpoint in found.items():
+                row = rows.get(path)
+                if row is None:
+                    row = Model(path=path, discovered=now)
+                    session.add(row)
+                _fill(row, checkpoint, now)
+            for path, row in rows.items():
+                if path not in found and row.present:
+                    row.present = False
+                    row.updated = now
+        return self.list()
+
+    def list(self, include_missing: bool = False) -> list[Model]:
+        with self.store.session() as session:
+            query = select(Model).order_by(Model.is_demo, Model.name)
+            if not include_missing:
+                query = query.where(Model.present)
+            return list(session.scalars(query))
+
+    def get(self, model_id: int) -> Model | None:
+        with self.store.session() as session:
+            return session.get(Model, model_id)
+
+    def by_path(self, path: str) -> Model | None:
+        resolved = str(Path(path).expanduser().resolve())
+        with self.store.session() as session:
+            return session.scalars(select(Model).where(Model.path == resolved)).first()
+
+    def ensure_demo(self) -> Job | None:
+        """Write the demo model when no checkpoint is known at all; returns its job, or None."""
+        if self.list():
+            return None
+        job, _ = self.jobs.start_unless_running("demo-model", self._write_demo)
+        return job
+
+    def _write_demo(self, job: Job) -> dict[str, Any]:
+        target = self.demo_path
+        staging = target.with_name(f".{DEMO_NAME}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        job.progress(f"writing the demo model into {target}")
+        result = run_moelab(["synth", *DEMO_SYNTH_ARGS, "--out", str(staging)], job.progress)
+        if result.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise JobError(
+                f"`moelab synth` failed with exit code {result.returncode}: {result.stderr_tail}"
+            )
+        # rename last, so a half-written model is never discovered
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        self.rescan()
+        job.progress("demo model ready")
+        return {"path": str(target)}
+
+
+def _fill(row: Model, checkpoint: Checkpoint, now: float) -> None:
+    for name in (
+        "name",
+        "source",
+        "architecture",
+        "model_type",
+        "num_layers",
+        "num_experts",
+        "top_k",
+        "dense_bytes",
+        "expert_bytes",
+        "max_context",
+        "is_demo",
+        "error",
+        "config",
+    ):
+        setattr(row, name, getattr(checkpoint, name))
+    row.present = True
+    row.updated = now
+
+
+def model_json(row: Model) -> dict[str, Any]:
+    """A model as the API shows it."""
+    return {
+        "id": row.id,
+        "path": row.path,
+        "name": row.name,
+        "source": row.source,
+        "architecture": row.architecture,
+        "model_type": row.model_type,
+        "num_layers": row.num_layers,
+        "num_experts": row.num_experts,
+        "top_k": row.top_k,
+        "dense_bytes": row.dense_bytes,
+        "expert_bytes": row.expert_bytes,
+        "max_context": row.max_context,
+        "is_moe": bool(row.num_experts and row.num_experts > 1),
+        "is_demo": row.is_demo,
+        "present": row.present,
+        "error": row.error,
+        "discovered": iso_time(row.discovered),
+        "updated": iso_time(row.updated),
+    }

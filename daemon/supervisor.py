@@ -1,0 +1,413 @@
+"""Engines the daemon runs: start, watch, stop, restart, and find again after the daemon restarts.
+
+Each engine is a `moelab serve` process in its own process group (engine/launch.py), logging to
+`<data dir>/logs/server-N.log`. Its row in the servers table is the truth a restarted daemon
+reads: pid, port and the process's start time together tell a live engine from a reused pid.
+
+Server statuses: starting (loading, /health not ok yet), running, stopping, stopped (by request),
+crashed (exited on its own; exit code and last log lines kept), failed (never became ready: it
+reported an error or timed out, and was stopped), dead (gone when the daemon restarted).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from ..engine import launch
+from .errors import BadRequest, Conflict, NotFound
+from .flags import FlagError, validate_flags
+from .schema import Server
+from .store import Store
+
+LIVE = ("starting", "running", "stopping")
+DEFAULT_PORTS = range(8100, 8200)
+ADOPTED_READY_TIMEOUT_S = 120.0
+
+
+@dataclass(slots=True)
+class EngineHandle:
+    """A live engine of ours: the process, how to reach it, and whether its counters began here."""
+
+    server_id: int
+    engine: launch.EngineProcess
+    device: str
+    api_key: str | None
+    fresh: bool  # started by this daemon process, so its counters started at zero under our eyes
+    ready: bool = False
+    stopping: bool = False
+    health: dict[str, Any] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.engine.base_url
+
+
+def resolve_device(flags: list[str], gpu_count: int) -> str:
+    """The device an engine with these flags will compute on: "cpu" or "cuda:N"."""
+    device = launch.flag_value(flags, "--device", "auto") or "auto"
+    if device == "auto":
+        return "cuda:0" if gpu_count > 0 else "cpu"
+    if device == "cuda":
+        return "cuda:0"
+    return device
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether `port` can be bound on `host` now (as the engine's server would bind it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class Supervisor:
+    """Starts and stops engines for servers, keeps their rows current, watches for crashes."""
+
+    def __init__(
+        self,
+        store: Store,
+        data_dir: Path,
+        gpu_count: Callable[[], int],
+        *,
+        ports: range = DEFAULT_PORTS,
+        ready_timeout_s: float = 3600.0,
+        stop_grace_s: float = 15.0,
+        watch_interval_s: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.logs_dir = data_dir / "logs"
+        self.gpu_count = gpu_count
+        self.ports = ports
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.watch_interval_s = watch_interval_s
+        self._handles: dict[int, EngineHandle] = {}
+        self._lock = threading.RLock()
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
+
+    # ---- life of the supervisor -------------------------------------------------------------
+
+    def open(self) -> None:
+        """Re-adopt the engines a previous daemon left running, then start watching."""
+        self.adopt()
+        self._watcher.start()
+
+    def close(self) -> None:
+        """Stop watching; the engines keep running for the next daemon to adopt."""
+        self._closing.set()
+        if self._watcher.is_alive():
+            self._watcher.join(timeout=5)
+
+    def handles(self) -> list[EngineHandle]:
+        """The live engines (ready or not) for the sampler and the API."""
+        with self._lock:
+            return list(self._handles.values())
+
+    def handle(self, server_id: int) -> EngineHandle | None:
+        with self._lock:
+            return self._handles.get(server_id)
+
+    # ---- start / stop / restart -------------------------------------------------------------
+
+    def start(
+        self,
+        *,
+        model: str,
+        flags: list[str],
+        name: str | None = None,
+        profile_id: int | None = None,
+    ) -> Server:
+        """Start an engine for `model` with `flags`; returns its row with status "starting"."""
+        model_dir = Path(model).expanduser()
+        if not (model_dir / "config.json").is_file():
+            raise BadRequest(
+                f"no checkpoint at {model} (a folder with config.json); GET /api/models lists them",
+                code="model_not_found",
+            )
+        try:
+            validate_flags(str(model_dir), flags)
+        except FlagError as err:
+            raise BadRequest(str(err), code="invalid_flags") from None
+        with self._lock:
+            device = resolve_device(flags, self.gpu_count())
+            self._check_device_free(device)
+            host = launch.flag_value(flags, "--host", "127.0.0.1") or "127.0.0.1"
+            explicit = launch.flag_value(flags, "--port")
+            if explicit is not None:
+                self._check_port_free(host, int(explicit))
+                flags = list(flags)
+            else:
+                flags = [*flags, "--port", str(self._free_port(host))]
+            now = time.time()
+            with self.store.session() as session:
+                row = Server(
+                    profile_id=profile_id,
+                    name=name or model_dir.resolve().name,
+                    model=str(model_dir.resolve()),
+                    flags=flags,
+                    host=host,
+                    port=int(launch.flag_value(flags, "--port") or 0),
+                    device=device,
+                    status="starting",
+                    log_path="",
+                    created=now,
+                )
+                session.add(row)
+                session.flush()
+                row.log_path = str(self.logs_dir / f"server-{row.id}.log")
+            return self._launch(row)
+
+    def _launch(self, row: Server) -> Server:
+        """Run the engine for a row (new or restarted) and start waiting for it to be ready."""
+        engine = launch.start_engine(["--model-path", row.model, *row.flags], row.log_path)
+        handle = EngineHandle(
+            server_id=row.id,
+            engine=engine,
+            device=row.device,
+            api_key=launch.flag_value(row.flags, "--api-key"),
+            fresh=True,
+        )
+        self._handles[row.id] = handle
+        row = self._update(
+            row.id,
+            status="starting",
+            pid=engine.pid,
+            process_started=launch.process_start_time(engine.pid) or engine.started,
+            started=engine.started,
+            ready=None,
+            stopped=None,
+            exit_code=None,
+            error=None,
+            log_tail=None,
+        )
+        self._wait_in_background(handle, self.ready_timeout_s)
+        return row
+
+    def stop(self, server_id: int) -> Server:
+        """SIGTERM to the engine's group, SIGKILL after the grace; the row ends "stopped"."""
+        with self._lock:
+            handle = self._handles.get(server_id)
+            if handle is None:
+                return self._row(server_id)
+            handle.stopping = True
+            self._update(server_id, status="stopping")
+        code = launch.stop_engine(handle.engine, grace_s=self.stop_grace_s)
+        with self._lock:
+            self._handles.pop(server_id, None)
+            return self._update(
+                server_id,
+                status="stopped",
+                exit_code=code if handle.engine.popen is not None else None,
+                stopped=time.time(),
+            )
+
+    def restart(self, server_id: int) -> Server:
+        """Stop the engine if it runs, then start it again with the same model, flags and port."""
+        row = self.stop(server_id)
+        with self._lock:
+            self._check_device_free(row.device)
+            self._check_port_free(row.host, row.port)
+            return self._launch(row)
+
+    def forget(self, server_id: int) -> None:
+        """Delete a server that is not running (with its telemetry)."""
+        with self._lock:
+            if server_id in self._handles:
+                raise Conflict(f"server {server_id} is running; stop it first", code="running")
+            with self.store.session() as session:
+                row = session.get(Server, server_id)
+                if row is None:
+                    raise NotFound(f"no server {server_id}")
+                session.delete(row)
+
+    # ---- refusals ---------------------------------------------------------------------------
+
+    def _check_device_free(self, device: str) -> None:
+        if device == "cpu":
+            return
+        for other in self._handles.values():
+            if other.device == device and not other.stopping:
+                row = self._row(other.server_id)
+                raise Conflict(
+                    f"{device} is taken by server {row.id} ({row.name}, port {row.port}); stop it "
+                    "first or choose another --device",
+                    code="gpu_taken",
+                )
+
+    def _check_port_free(self, host: str, port: int) -> None:
+        for other in self._handles.values():
+            if other.engine.port == port and not other.stopping:
+                row = self._row(other.server_id)
+                raise Conflict(
+                    f"port {port} is used by server {row.id} ({row.name}); choose another --port "
+                    "or leave it out to get a free one",
+                    code="port_in_use",
+                )
+        if not port_free(host, port):
+            raise Conflict(
+                f"port {port} on {host} is in use by another program; choose another --port or "
+                "leave it out to get a free one",
+                code="port_in_use",
+            )
+
+    def _free_port(self, host: str) -> int:
+        taken = {h.engine.port for h in self._handles.values()}
+        for port in self.ports:
+            if port not in taken and port_free(host, port):
+                return port
+        raise Conflict(
+            f"no free port in {self.ports.start}-{self.ports.stop - 1}; stop a server or give "
+            "--port",
+            code="no_free_port",
+        )
+
+    # ---- watching ---------------------------------------------------------------------------
+
+    def _wait_in_background(self, handle: EngineHandle, timeout_s: float) -> None:
+        threading.Thread(
+            target=self._wait_ready, args=(handle, timeout_s), name="engine-ready", daemon=True
+        ).start()
+
+    def _wait_ready(self, handle: EngineHandle, timeout_s: float) -> None:
+        def progress(health: dict[str, Any]) -> None:
+            handle.health = health
+
+        try:
+            handle.health = launch.wait_ready(handle.engine, timeout_s, on_progress=progress)
+        except launch.EngineFailed as err:
+            with self._lock:
+                if handle.stopping or self._handles.get(handle.server_id) is not handle:
+                    return
+                if err.exit_code is not None:
+                    self._handles.pop(handle.server_id, None)
+                    self._ended(handle, err.exit_code, str(err), err.log_tail)
+                    return
+                handle.stopping = True
+            # an error report or a timeout: the process may still run; do not leave it behind
+            launch.stop_engine(handle.engine, grace_s=self.stop_grace_s)
+            with self._lock:
+                self._handles.pop(handle.server_id, None)
+                self._update(
+                    handle.server_id,
+                    status="failed",
+                    error=str(err),
+                    log_tail=launch.log_tail(handle.engine.log_path),
+                    stopped=time.time(),
+                )
+            return
+        with self._lock:
+            if self._handles.get(handle.server_id) is handle and not handle.stopping:
+                handle.ready = True
+                self._update(handle.server_id, status="running", ready=time.time())
+
+    def _watch(self) -> None:
+        while not self._closing.wait(self.watch_interval_s):
+            with self._lock:
+                for handle in list(self._handles.values()):
+                    if handle.stopping or not handle.ready:
+                        continue  # stop() and the ready waiter report those
+                    code = handle.engine.exit_code()
+                    if code is not None:
+                        self._handles.pop(handle.server_id, None)
+                        self._ended(handle, code, None, launch.log_tail(handle.engine.log_path))
+
+    def _ended(self, handle: EngineHandle, code: int, message: str | None, tail: str) -> None:
+        adopted = handle.engine.popen is None
+        exit_code = None if adopted else code
+        if message is None:
+            message = (
+                "the engine exited (its exit code is unknown: it was adopted from an earlier mgr)"
+                if adopted
+                else f"the engine exited with code {code}"
+            )
+        self._update(
+            handle.server_id,
+            status="crashed",
+            exit_code=exit_code,
+            error=message,
+            log_tail=tail,
+            stopped=time.time(),
+        )
+
+    # ---- adoption after a daemon restart ----------------------------------------------------
+
+    def adopt(self) -> None:
+        """Take over live engines recorded by an earlier daemon; mark the vanished ones dead."""
+        with self.store.session() as session:
+            rows = list(session.scalars(select(Server).where(Server.status.in_(LIVE))))
+        for row in rows:
+            if self._is_same_process(row):
+                engine = launch.EngineProcess(
+                    pid=row.pid or 0,
+                    host=row.host,
+                    port=row.port,
+                    log_path=row.log_path,
+                    started=row.started or time.time(),
+                )
+                handle = EngineHandle(
+                    server_id=row.id,
+                    engine=engine,
+                    device=row.device,
+                    api_key=launch.flag_value(row.flags, "--api-key"),
+                    fresh=False,
+                )
+                with self._lock:
+                    self._handles[row.id] = handle
+                health = launch.get_json(engine.base_url + "/health", timeout_s=2.0)
+                if health is not None and health.get("status") == "ok":
+                    handle.health, handle.ready = health, True
+                    self._update(row.id, status="running")
+                else:
+                    self._update(row.id, status="starting")
+                    self._wait_in_background(handle, ADOPTED_READY_TIMEOUT_S)
+            else:
+                self._update(
+                    row.id,
+                    status="dead",
+                    error=f"the engine (pid {row.pid}) was gone when mgr started again",
+                    log_tail=launch.log_tail(row.log_path),
+                    stopped=time.time(),
+                )
+
+    @staticmethod
+    def _is_same_process(row: Server) -> bool:
+        """The recorded pid is alive and started when the recorded engine started."""
+        if not row.pid or not launch.pid_alive(row.pid):
+            return False
+        started = launch.process_start_time(row.pid)
+        return (
+            started is not None
+            and row.process_started is not None
+            and (abs(started - row.process_started) < 1.0)
+        )
+
+    # ---- rows -------------------------------------------------------------------------------
+
+    def _row(self, server_id: int) -> Server:
+        with self.store.session() as session:
+            row = session.get(Server, server_id)
+            if row is None:
+                raise NotFound(f"no server {server_id}")
+            return row
+
+    def _update(self, server_id: int, **fields: Any) -> Server:
+        with self.store.session() as session:
+            row = session.get(Server, server_id)
+            if row is None:
+                raise NotFound(f"no server {server_id}")
+            for key, value in fields.items():
+                setattr(row, key, value)
+            return row

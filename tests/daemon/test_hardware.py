@@ -1,0 +1,200 @@
+"""Hardware: the inventory with and without NVML, cold disk reads, and `moelab bench bw` as a child."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from moelab.daemon import child, hardware
+from moelab.daemon.jobs import Jobs
+from moelab.daemon.measure import HardwareService, inventory_readings
+from moelab.daemon.store import Store
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
+    """A pynvml with one RTX 4090 on a PCIe 4.0 x16 link that idles at gen 1."""
+    state = types.SimpleNamespace(gen_current=1)
+    module = types.ModuleType("pynvml")
+    module.nvmlInit = lambda: None
+    module.nvmlDeviceGetCount = lambda: 1
+    module.nvmlDeviceGetHandleByIndex = lambda i: f"handle{i}"
+    module.nvmlDeviceGetName = lambda h: b"NVIDIA GeForce RTX 4090"
+    module.nvmlDeviceGetUUID = lambda h: "GPU-1234"
+    module.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId=b"00000000:01:00.0")
+    module.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        total=24 * 1024**3, free=20 * 1024**3
+    )
+    module.nvmlDeviceGetMaxPcieLinkGeneration = lambda h: 4
+    module.nvmlDeviceGetMaxPcieLinkWidth = lambda h: 16
+    module.nvmlDeviceGetCurrPcieLinkGeneration = lambda h: state.gen_current
+    module.nvmlDeviceGetCurrPcieLinkWidth = lambda h: 16
+    module.nvmlSystemGetDriverVersion = lambda: "550.54.14"
+
+    def no_v2() -> int:
+        raise RuntimeError("NVML_ERROR_FUNCTION_NOT_FOUND")
+
+    module.nvmlSystemGetCudaDriverVersion_v2 = no_v2
+    module.nvmlSystemGetCudaDriverVersion = lambda: 12040
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.setattr(hardware, "_nvml_state", None)
+    return state
+
+
+def test_inventory_reads_gpus_through_nvml(fake_nvml: types.SimpleNamespace) -> None:
+    inventory = hardware.probe_inventory()
+    assert inventory.nvml == "ok"
+    (gpu,) = inventory.gpus
+    assert gpu.name == "NVIDIA GeForce RTX 4090" and gpu.uuid == "GPU-1234"
+    assert gpu.pci_bus_id == "00000000:01:00.0"
+    assert (gpu.vram_total_bytes, gpu.vram_free_bytes) == (24 * 1024**3, 20 * 1024**3)
+    assert (gpu.pcie_gen_max, gpu.pcie_width_max) == (4, 16)
+    assert (gpu.pcie_gen_current, gpu.pcie_width_current) == (1, 16)
+    assert inventory.driver_version == "550.54.14" and inventory.cuda_version == "12.4"
+    kinds = {r.kind: r.value for r in inventory_readings(inventory)}
+    assert kinds["gpu.vram_total"] == 24 * 1024**3 and kinds["gpu.pcie_gen_max"] == 4
+
+
+def test_pcie_link_under_load_is_stored_when_it_changes(
+    fake_nvml: types.SimpleNamespace, tmp_path: Path
+) -> None:
+    store = Store(tmp_path / "mgr.sqlite3")
+    service = HardwareService(store, Jobs())
+    fake_nvml.gen_current = 4
+    assert service.sample_pcie_under_load(0, server_id=3)
+    assert not service.sample_pcie_under_load(0, server_id=3)  # same link, minutes not passed
+    fake_nvml.gen_current = 3
+    assert service.sample_pcie_under_load(0, server_id=3)
+    history = service.history("gpu.pcie_gen_loaded")
+    assert [m.value for m in history] == [3.0, 4.0]
+    assert history[0].gpu_uuid == "GPU-1234" and history[0].driver_version == "550.54.14"
+    store.close()
+
+
+def test_no_nvidia_driver_is_an_inventory_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("pynvml")
+
+    def fail() -> None:
+        raise OSError("NVML Shared Library Not Found")
+
+    module.nvmlInit = fail
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.setattr(hardware, "_nvml_state", None)
+    inventory = hardware.probe_inventory()
+    assert inventory.gpus == ()
+    assert "no NVIDIA driver" in inventory.nvml
+    assert inventory.physical_cores >= 1 and inventory.ram_total_bytes > 0
+    assert hardware.pcie_link(0) is None
+    assert {r.kind for r in inventory_readings(inventory)} == {
+        "cpu.physical_cores", "cpu.logical_cores", "ram.total", "ram.available",
+    }  # fmt: skip
+
+
+def _resident_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache now (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        vector = ctypes.create_string_buffer(pages)
+        assert libc.mincore(addr, size, vector) == 0, ctypes.get_errno()
+        libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vector.raw)
+
+
+def test_a_disk_read_starts_and_ends_with_the_file_out_of_the_page_cache(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(os.urandom(32 * 1024**2))
+        f.flush()
+        os.fsync(f.fileno())
+    path.read_bytes()  # warm: a read now would measure memory, not the disk
+    pages = 32 * 1024**2 // mmap.PAGESIZE
+    if _resident_pages(path) < pages // 2:
+        pytest.skip("this file system does not keep file pages in the page cache")
+    reading = hardware.measure_disk_read(path)
+    assert reading.bytes_read == 32 * 1024**2
+    assert reading.read_gbps > 0
+    assert _resident_pages(path) < pages // 10
+    assert reading.mountpoint and Path(path).resolve().is_relative_to(reading.mountpoint)
+
+
+FAKE_BENCH = """
+import json, sys
+for line in ("measuring host-to-device", "measuring CPU experts with 1 thread"):
+    print(line, file=sys.stderr, flush=True)
+if "--fail" in sys.argv:
+    print("boom: no memory", file=sys.stderr)
+    sys.exit(3)
+print(json.dumps({
+    "machine": {"cpu": "fake"},
+    "versions": {"moelab": "0.1.0", "torch": "9.9.9-fake", "cuda": None, "driver": None},
+    "results": [
+        {"kind": "h2d_pinned", "params": {"bytes": 1048576}, "value": 12.5, "unit": "GB/s"},
+        {"kind": "cpu_expert", "params": {"threads": 1}, "value": 3.25, "unit": "GB/s"},
+        {"kind": "cpu_expert", "params": {"threads": 2}, "value": 6.0, "unit": "GB/s"},
+    ],
+}))
+"""
+
+
+@pytest.fixture
+def fake_moelab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    script = tmp_path / "fake_moelab.py"
+    script.write_text(FAKE_BENCH)
+    monkeypatch.setattr(child, "moelab_argv", lambda args: [sys.executable, str(script), *args])
+    return script
+
+
+def test_measure_relays_progress_and_stores_the_childs_versions(
+    fake_moelab: Path, tmp_path: Path, demo_model: Path
+) -> None:
+    store = Store(tmp_path / "mgr.sqlite3")
+    jobs = Jobs()
+    service = HardwareService(store, jobs)
+    job, new = service.start_measure([demo_model], [])
+    assert new
+    assert jobs.wait(job, 60) and job.status == "done", job.error
+    assert "measuring CPU experts with 1 thread" in job.lines
+    rates = service.history("cpu_expert")
+    assert sorted(m.params["threads"] for m in rates) == [1, 2]
+    # torch's version comes from the child's report, not from this process
+    assert {m.torch_version for m in rates} == {"9.9.9-fake"}
+    assert {m.source for m in rates} == {"moelab bench bw"}
+    disk = service.history("disk.read")
+    assert len(disk) == 1 and disk[0].params["file"].endswith("model.safetensors")
+    latest_kinds = {m.kind for m in service.latest()}
+    assert {"h2d_pinned", "cpu_expert", "disk.read", "ram.total"} <= latest_kinds
+    # a second measurement is history, not a replacement
+    job2, _ = service.start_measure([], [])
+    assert jobs.wait(job2, 60) and job2.status == "done"
+    assert len(service.history("h2d_pinned")) == 2
+    assert len([m for m in service.latest() if m.kind == "cpu_expert"]) == 2
+    store.close()
+
+
+def test_a_failing_bench_fails_the_job_with_its_last_lines(fake_moelab: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "mgr.sqlite3")
+    jobs = Jobs()
+    service = HardwareService(store, jobs)
+    job, _ = service.start_measure([], ["--fail"])
+    assert jobs.wait(job, 60)
+    assert job.status == "failed"
+    assert "exit code 3" in job.error and "boom: no memory" in job.error
+    assert service.history("h2d_pinned") == []
+    store.close()
