@@ -1,4 +1,4 @@
-"""Every `moelab serve` flag: one argparse parser, torch-free, plus which flags the benchmark may tune.
+"""Every `moelab serve` flag: one torch-free argparse parser, and the flags the benchmark may tune.
 
 The daemon, the profile editor and the benchmark all read this module; importing it must stay cheap
 (no torch, no numpy).
@@ -101,10 +101,10 @@ def default_cpu_threads() -> int:
 
 
 def build_parser(prog: str = "moelab serve") -> argparse.ArgumentParser:
-    """The one parser of `moelab serve` (and `moelab generate`, which takes the same engine flags)."""
+    """The one parser of `moelab serve` (`moelab generate` takes the same engine flags)."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Serve a Mixture-of-Experts checkpoint with its experts in host RAM and a GPU cache.",
+        description="Serve an MoE checkpoint with its experts in host RAM and a GPU cache.",
         allow_abbrev=False,
     )
     add_engine_flags(parser)
@@ -117,7 +117,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--model-path",
         required=True,
-        help="Checkpoint directory in Hugging Face layout (config.json, *.safetensors, tokenizer.json).",
+        help="Checkpoint directory in Hugging Face layout (config.json, *.safetensors, "
+        "tokenizer.json).",
     )
     model.add_argument(
         "--served-model-name",
@@ -128,7 +129,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "float32"],
-        help="Compute and weight dtype; auto keeps the checkpoint's (float32 on a CPU without bf16).",
+        help="Compute and weight dtype; auto keeps the checkpoint's.",
     )
     model.add_argument(
         "--dummy-weights",

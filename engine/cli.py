@@ -1,2 +1,159 @@
-def main():
-    print("hi")
+"""`moelab`: synth, generate, serve and bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .args import add_engine_flags, parse_bytes
+from .spec import CheckpointError
+
+
+def _synth_parser(sub: argparse._SubParsersAction) -> None:
+    from .spec import ARCHITECTURES
+    from .synth import PRESETS
+
+    p = sub.add_parser("synth", help="write a synthetic checkpoint in Hugging Face layout")
+    p.add_argument("--out", required=True, help="directory to write the checkpoint into")
+    p.add_argument("--arch", default="qwen3_moe", choices=ARCHITECTURES)
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=list(PRESETS),
+        help="tiny (CI-sized), small (~1 GB), qwen3-30b-a3b (the real geometry)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a config field, e.g. --set num_experts=64 (repeatable)",
+    )
+    p.add_argument(
+        "--routing-skew",
+        type=float,
+        default=0.0,
+        help="expert popularity follows a Zipf law of this exponent; 0 = uniform",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--shard-size",
+        type=parse_bytes,
+        default=parse_bytes("2GiB"),
+        help="largest safetensors shard (bigger checkpoints get an index)",
+    )
+
+
+def _parse_overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: write FIELD=VALUE, e.g. --set num_experts=64")
+        key, text = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(text)
+        except ValueError:
+            out[key.strip()] = text
+    return out
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="run one prompt through the engine (greedy by default)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"prompt_ids": [...], "output_ids": [...], "text": ...}',
+    )
+    add_engine_flags(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moelab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _synth_parser(sub)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    level = getattr(args, "log_level", "info").upper()
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        return args.run(args) if hasattr(args, "run") else _dispatch(args)
+    except (CheckpointError, ValueError) as err:
+        print(f"moelab {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "synth":
+        from .synth_checkpoint import synthesize
+
+        out = synthesize(
+            args.out,
+            arch=args.arch,
+            preset=args.preset,
+            overrides=_parse_overrides(args.set),
+            seed=args.seed,
+            routing_skew=args.routing_skew,
+            shard_bytes=args.shard_size,
+        )
+        print(out)
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    raise AssertionError(args.command)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    engine = Engine(args)
+    try:
+        if args.prompt_ids is not None:
+            try:
+                prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+            except ValueError:
+                raise ValueError("--prompt-ids takes comma-separated integers") from None
+            bad = [t for t in prompt_ids if not 0 <= t < engine.spec.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"--prompt-ids {bad[:5]} outside the vocabulary "
+                    f"(0..{engine.spec.vocab_size - 1})"
+                )
+        else:
+            if engine.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json; use --prompt-ids")
+            text = args.prompt
+            if args.chat:
+                text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            prompt_ids = engine.tokenizer.encode(text)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+        [output] = engine.generate([prompt_ids], params)
+        text = engine.tokenizer.decode(output) if engine.tokenizer else ""
+        if args.json:
+            print(
+                json.dumps(
+                    {"prompt_ids": prompt_ids, "output_ids": output, "text": text},
+                    ensure_ascii=False,
+                )
+            )
+        else:
+            print(text)
+        return 0
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Reading safetensors checkpoints: dense tensors to the compute device, experts one at a time.
+
+Checkpoints store experts either one tensor per expert (`experts.N.gate_proj`, Mixtral's `w1/w2/w3`)
+or fused (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`); both are read here.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import safe_open
+
+from .model import DenseWeights, LayerWeights
+from .spec import CheckpointError, ModelSpec
+
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+class TensorSource(Protocol):
+    """Named tensors of a checkpoint (or of a synthetic model)."""
+
+    def has(self, name: str) -> bool: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (names, dtypes, shapes, offsets)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{path} is not a safetensors file (too short)")
+        (size,) = struct.unpack("<Q", raw)
+        if size > 100 * 1024 * 1024:
+            raise CheckpointError(f"{path} is not a safetensors file (header of {size} bytes)")
+        try:
+            return json.loads(f.read(size))
+        except ValueError:
+            raise CheckpointError(f"{path} is not a safetensors file (bad header)") from None
+
+
+class SafetensorsSource:
+    """The tensors of a checkpoint directory: `model.safetensors`, or shards with an index."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as err:
+                raise CheckpointError(f"{index} is not a valid safetensors index: {err}") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.path} holds no *.safetensors files")
+        self._where: dict[str, str] = {}
+        self._meta: dict[str, dict] = {}
+        for name in files:
+            shard = self.path / name
+            if not shard.is_file():
+                raise CheckpointError(
+                    f"shard {name} listed in the index is missing from {self.path}"
+                )
+            header = read_header(shard)
+            for key, meta in header.items():
+                if key != "__metadata__":
+                    self._where[key] = name
+                    self._meta[key] = meta
+        self._handles: dict[str, object] = {}
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.path / name for name in sorted(set(self._where.values()))]
+
+    def dtype(self, name: str) -> str:
+        code = self._meta[name]["dtype"]
+        if code not in _ST_DTYPES:
+            raise CheckpointError(f"tensor {name} has dtype {code}; moelab reads BF16, F16 and F32")
+        return _ST_DTYPES[code]
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._meta[name]["shape"])
+
+    def get(self, name: str) -> torch.Tensor:
+        self.dtype(name)
+        shard = self._where[name]
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = safe_open(str(self.path / shard), framework="pt")
+            self._handles[shard] = handle
+        return handle.get_tensor(name)
+
+
+def _need(source: TensorSource, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if not source.has(name):
+        raise CheckpointError(f"the checkpoint has no tensor {name}")
+    found = tuple(source.shape(name))
+    if found != shape:
+        raise CheckpointError(f"tensor {name} has shape {list(found)}, expected {list(shape)}")
+    return source.get(name)
+
+
+def _prefix(layer: int) -> str:
+    return f"model.layers.{layer}."
+
+
+def _mlp_prefix(spec: ModelSpec, layer: int, source: TensorSource) -> str:
+    # Mixtral checkpoints name the MoE block `block_sparse_moe`; newer writers use `mlp`
+    if spec.arch == "mixtral" and source.has(_prefix(layer) + "block_sparse_moe.gate.weight"):
+        return _prefix(layer) + "block_sparse_moe."
+    return _prefix(layer) + "mlp."
+
+
+def load_dense(
+    spec: ModelSpec, source: TensorSource, device: torch.device, dtype: torch.dtype
+) -> DenseWeights:
+    """Every non-expert tensor, checked against the spec's shapes, on `device` in `dtype`."""
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+
+    def get(name: str, *shape: int) -> torch.Tensor:
+        return _need(source, name, tuple(shape)).to(device=device, dtype=dtype)
+
+    embed = get("model.embed_tokens.weight", spec.vocab_size, h)
+    if spec.tie_word_embeddings or not source.has("lm_head.weight"):
+        if not spec.tie_word_embeddings:
+            raise CheckpointError("the checkpoint has no tensor lm_head.weight")
+        lm_head = embed
+    else:
+        lm_head = get("lm_head.weight", spec.vocab_size, h)
+    weights = DenseWeights(embed=embed, lm_head=lm_head, final_norm=get("model.norm.weight", h))
+
+    for layer in range(spec.num_layers):
+        p = _prefix(layer)
+        attn = p + "self_attn."
+        qkv = torch.cat(
+            [
+                get(attn + "q_proj.weight", q, h),
+                get(attn + "k_proj.weight", kv, h),
+                get(attn + "v_proj.weight", kv, h),
+            ]
+        )
+        lw = LayerWeights(
+            input_norm=get(p + "input_layernorm.weight", h),
+            post_norm=get(p + "post_attention_layernorm.weight", h),
+            qkv=qkv,
+            o=get(attn + "o_proj.weight", h, q),
+        )
+        if spec.attention_bias:
+            lw.qkv_bias = torch.cat(
+                [
+                    get(attn + "q_proj.bias", q),
+                    get(attn + "k_proj.bias", kv),
+                    get(attn + "v_proj.bias", kv),
+                ]
+            )
+        if spec.qk_norm == "head":
+            lw.q_norm = get(attn + "q_norm.weight", spec.head_dim)
+            lw.k_norm = get(attn + "k_norm.weight", spec.head_dim)
+        elif spec.qk_norm == "full":
+            lw.q_norm = get(attn + "q_norm.weight", q)
+            lw.k_norm = get(attn + "k_norm.weight", kv)
+        m = _mlp_prefix(spec, layer, source)
+        if spec.is_moe_layer(layer):
+            lw.router = get(m + "gate.weight", spec.num_experts, h)
+            if spec.shared_expert_intermediate_size:
+                si = spec.shared_expert_intermediate_size
+                lw.shared_gate_up = torch.cat(
+                    [
+                        get(m + "shared_expert.gate_proj.weight", si, h),
+                        get(m + "shared_expert.up_proj.weight", si, h),
+                    ]
+                )
+                lw.shared_down = get(m + "shared_expert.down_proj.weight", h, si)
+                lw.shared_gate = get(m + "shared_expert_gate.weight", 1, h)
+        else:
+            i = spec.intermediate_size
+            lw.mlp_gate_up = torch.cat(
+                [get(m + "gate_proj.weight", i, h), get(m + "up_proj.weight", i, h)]
+            )
+            lw.mlp_down = get(m + "down_proj.weight", h, i)
+        weights.layers.append(lw)
+    return weights
+
+
+def expert_names(spec: ModelSpec, source: TensorSource, layer: int) -> list[str]:
+    """The tensor names that hold a layer's routed experts (for loading progress and checks)."""
+    m = _mlp_prefix(spec, layer, source) + "experts."
+    if source.has(m + "gate_up_proj"):
+        return [m + "gate_up_proj", m + "down_proj"]
+    if spec.arch == "mixtral" and source.has(m + "0.w1.weight"):
+        return [f"{m}{e}.{w}.weight" for e in range(spec.num_experts) for w in ("w1", "w3", "w2")]
+    return [
+        f"{m}{e}.{w}.weight"
+        for e in range(spec.num_experts)
+        for w in ("gate_proj", "up_proj", "down_proj")
+    ]
+
+
+def iter_layer_experts(
+    spec: ModelSpec, source: TensorSource, layer: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, gate_up [2I, H], down [H, I]) for each routed expert of a layer, as stored."""
+    h, i, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    names = expert_names(spec, source, layer)
+    if names[0].endswith("gate_up_proj"):
+        if source.has(names[0]) and tuple(source.shape(names[0])) == (n, h, 2 * i) and h != 2 * i:
+            gate_up = source.get(names[0]).transpose(1, 2)
+            down = _need(source, names[1], (n, i, h)).transpose(1, 2)
+        else:
+            gate_up = _need(source, names[0], (n, 2 * i, h))
+            down = _need(source, names[1], (n, h, i))
+        for e in range(n):
+            yield e, gate_up[e], down[e]
+        return
+    for e in range(n):
+        gate_name, up_name, down_name = names[3 * e : 3 * e + 3]
+        gate = _need(source, gate_name, (i, h))
+        up = _need(source, up_name, (i, h))
+        yield e, torch.cat([gate, up]), _need(source, down_name, (h, i))

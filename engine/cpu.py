@@ -1,0 +1,68 @@
+"""The CPU side of the miss split: the expert executor's threads and the two measured rates.
+
+Bp is the rate of copying one expert from the host bank into a device slot; Bh is the rate at which
+the CPU executor runs one expert for one token (weight bytes read per second). Their ratio decides
+how many of a step's misses are fetched (`engine/moe.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..kernels.cpu_experts import CpuExpertRunner
+from .args import default_cpu_threads
+from .bank import ExpertBank
+
+log = logging.getLogger("moelab.cpu")
+
+
+def start_cpu_executor(threads: int | None, kernel: str) -> CpuExpertRunner:
+    """Persistent CPU expert workers; `kernel` auto falls back to torch when native cannot build."""
+    threads = threads or default_cpu_threads()
+    runner = CpuExpertRunner(threads, kernel)
+    log.info("CPU experts: %d threads, %s kernel", threads, runner.kernel)
+    return runner
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def measure_bp_gbps(bank: ExpertBank, device: torch.device, samples: int = 6) -> float:
+    """Host-to-device rate for one expert (its two tensors), from the bank's own memory."""
+    w13 = torch.empty_like(bank.w13[0][0], device=device)
+    w2 = torch.empty_like(bank.w2[0][0], device=device)
+    times = []
+    for i in range(samples + 1):
+        layer, expert = i % bank.num_layers, (7 * i) % bank.num_experts
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        w13.copy_(bank.w13[layer][expert], non_blocking=True)
+        w2.copy_(bank.w2[layer][expert], non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first copy pays for first touches
+            times.append(time.perf_counter() - t0)
+    return bank.expert_bytes / _median(times) / 1e9
+
+
+def measure_bh_gbps(runner: CpuExpertRunner, bank: ExpertBank, samples: int = 6) -> float:
+    """CPU expert rate (weight bytes per second) for one token through one expert."""
+    hidden = bank.w13[0].shape[2]
+    x = torch.randn(1, hidden)
+    token = torch.zeros(1, dtype=torch.int32)
+    weight = torch.ones(1)
+    times = []
+    for i in range(samples + 1):
+        layer, expert = i % bank.num_layers, (5 * i + 3) % bank.num_experts
+        ids = torch.tensor([expert], dtype=torch.int32)
+        t0 = time.perf_counter()
+        runner.run(x, bank.w13[layer], bank.w2[layer], ids, token, weight)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return bank.expert_bytes / _median(times) / 1e9

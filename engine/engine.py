@@ -1,0 +1,281 @@
+"""Engine: loads a checkpoint per the VRAM plan and runs forward steps for scheduled sequences."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .bank import build_in_memory, load_bank
+from .cache import ExpertCache
+from .checkpoint import SafetensorsSource, load_dense
+from .cpu import measure_bh_gbps, measure_bp_gbps, start_cpu_executor
+from .kv import KVCache
+from .memory import VramPlan, log_plan, plan_vram
+from .model import Model, SeqSlice, StepBatch
+from .moe import MissPolicy, MoERunner, stream_threshold_tokens
+from .sampling import Sampler, SamplingParams
+from .scheduler import Chunk, Scheduler, Sequence
+from .spec import ModelSpec
+from .synth import SynthSource, calibrate_routing
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("moelab.engine")
+
+Progress = Callable[[int, int], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine has no CUDA device; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    return getattr(torch, spec.dtype)
+
+
+class Engine:
+    """One loaded model: its weights, caches, scheduler and sampler."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        *,
+        spec: ModelSpec | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        t0 = time.perf_counter()
+        self.args = args
+        path = Path(args.model_path)
+        self.spec = spec = spec or ModelSpec.from_dir(path)
+        self.device = device = resolve_device(args.device)
+        self.dtype = dtype = resolve_dtype(args.dtype, spec, device)
+        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.plan = plan = self._plan(elem)
+        log_plan(plan)
+
+        synth_info = spec.extra.get("moelab_synth") or {}
+        self.synth_source: SynthSource | None = None
+        if args.dummy_weights:
+            source = self.synth_source = SynthSource(
+                spec,
+                seed=int(synth_info.get("seed", args.seed)),
+                skew=float(synth_info.get("routing_skew", 0.0)),
+            )
+        else:
+            source = SafetensorsSource(path)
+        dense = load_dense(spec, source, device, dtype)
+        pin = device.type == "cuda"
+        if args.dummy_weights:
+            self.bank = build_in_memory(spec, source, dtype, pin=pin, progress=progress)
+        else:
+            bank_dir = Path(args.bank_dir) if args.bank_dir else None
+            self.bank = load_bank(
+                spec, source, dtype, bank_dir=bank_dir, pin=pin, progress=progress
+            )
+
+        self.cache = ExpertCache(
+            spec.num_moe_layers,
+            spec.num_experts,
+            plan.slots,
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            dtype,
+            device,
+        )
+        self.cpu = start_cpu_executor(args.moe_cpu_threads, args.moe_cpu_kernel)
+        self.bp_gbps = measure_bp_gbps(self.bank, device)
+        self.bh_gbps = measure_bh_gbps(self.cpu, self.bank)
+        self.policy = MissPolicy.parse(args.moe_miss_policy, self.bp_gbps, self.bh_gbps)
+        log.info(
+            "miss split: Bp %.1f GB/s, Bh %.1f GB/s -> policy %s fetches %.0f%% of misses",
+            self.bp_gbps,
+            self.bh_gbps,
+            self.policy.mode,
+            100 * self.policy.fetch_fraction,
+        )
+        self.moe = MoERunner(
+            self.bank,
+            self.cache,
+            self.policy,
+            self.cpu,
+            top_k=spec.top_k,
+            prefill_overlap=not args.no_prefill_overlap,
+            prefill_stream_min_tokens=stream_threshold_tokens(spec.num_experts, spec.top_k),
+        )
+        if plan.all_resident:
+            self._load_all_experts()
+        elif plan.prefill_buffer_bytes:
+            self.moe.allocate_prefill_buffers()
+        self.kv = KVCache(spec, plan.kv_blocks, args.kv_block_size, device, dtype)
+        self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1)
+        self.scheduler = Scheduler(self.kv, args.max_running_requests, args.prefill_chunk_tokens)
+        self.sampler = Sampler()
+        self.eos_ids = frozenset(
+            self.tokenizer.eos_token_ids if self.tokenizer else spec.eos_token_ids
+        )
+        if self.synth_source is not None:
+            calibrate_routing(self, self.synth_source)
+        self.load_s = time.perf_counter() - t0
+        log.info("engine ready in %.2f s", self.load_s)
+
+    # setup --------------------------------------------------------------------------------------
+
+    def _plan(self, elem: int) -> VramPlan:
+        args, spec = self.args, self.spec
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = min(free, args.device_memory) if args.device_memory else free
+        else:
+            budget = args.device_memory or 2 * 1024**3
+        return plan_vram(
+            spec,
+            budget_bytes=budget,
+            weights_bytes=spec.dense_params * elem,
+            elem_bytes=elem,
+            kv_reserve_tokens=args.kv_reserve_tokens,
+            block_size=args.kv_block_size,
+            prefill_chunk_tokens=args.prefill_chunk_tokens,
+            max_running=args.max_running_requests,
+            headroom_bytes=args.memory_headroom,
+            cache_size=args.moe_cache_size,
+            cache_rate=args.moe_cache_rate,
+            cuda_graphs=self.device.type == "cuda" and not args.no_cuda_graph,
+            max_context=args.max_context,
+        )
+
+    def _load_all_experts(self) -> None:
+        """Every expert fits: fill the cache once, nothing is fetched afterwards."""
+        for m in range(self.bank.num_layers):
+            for e in range(self.bank.num_experts):
+                slot = self.cache.admit(m, e, set())
+                assert slot is not None
+                self.cache.w13[slot].copy_(self.bank.w13[m][e], non_blocking=True)
+                self.cache.w2[slot].copy_(self.bank.w2[m][e], non_blocking=True)
+        self.cache.fills = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # running ------------------------------------------------------------------------------------
+
+    @property
+    def max_context(self) -> int:
+        return self.plan.max_context
+
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_token: Callable[[Sequence, int], None] | None = None,
+    ) -> Sequence:
+        """Queue a request; raise ValueError when it can never fit the context."""
+        total = len(prompt_ids) + params.max_tokens
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if total > self.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the usable context of {self.max_context} tokens"
+            )
+        seq = Sequence(list(prompt_ids), params, on_token, arrival_time=time.monotonic())
+        self.scheduler.add(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, "cancelled")
+        self.sampler.forget(seq.id)
+
+    def step(self) -> list[Sequence]:
+        """Run one forward step; returns the sequences that got a token."""
+        chunks = self.scheduler.next_step()
+        if not chunks:
+            return []
+        batch = self._batch(chunks)
+        logits = self.model.forward(batch)
+        sampled_chunks = [c for c in chunks if c.completes_prompt]
+        for c in chunks:
+            c.seq.computed = c.start + c.count
+        if not sampled_chunks:
+            return []
+        seqs = [c.seq for c in sampled_chunks]
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.id for s in seqs])
+        now = time.monotonic()
+        for seq, token in zip(seqs, tokens, strict=True):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.output_ids.append(token)
+            self._check_stop(seq, token)
+            if seq.on_token is not None:
+                seq.on_token(seq, token)
+            if seq.finished:
+                self.scheduler.finish(seq, seq.finish_reason)
+                self.sampler.forget(seq.id)
+        return seqs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens:
+            seq.finish_reason = "length"
+
+    def _batch(self, chunks: list[Chunk]) -> StepBatch:
+        ids, positions, slots, seqs, logits_index = [], [], [], [], []
+        bs = self.kv.block_size
+        for c in chunks:
+            tokens = c.seq.tokens[c.start : c.start + c.count]
+            q_start = len(ids)
+            ids.extend(tokens)
+            for pos in range(c.start, c.start + c.count):
+                positions.append(pos)
+                slots.append(c.seq.blocks[pos // bs] * bs + pos % bs)
+            seqs.append(SeqSlice(q_start, c.count, c.start + c.count, c.seq.blocks))
+            if c.completes_prompt:
+                logits_index.append(len(ids) - 1)
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
+        return StepBatch(
+            as_tensor(ids), as_tensor(positions), as_tensor(slots), seqs, as_tensor(logits_index)
+        )
+
+    def run_until_idle(self) -> None:
+        while not self.scheduler.idle:
+            self.step()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Output token ids for each prompt, all run together (continuous batching)."""
+        seqs = [self.add(p, params) for p in prompts]
+        self.run_until_idle()
+        return [s.output_ids for s in seqs]
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Next-token logits [n, vocab] (fp32) after every prefix of one prompt, in one pass."""
+        n = len(prompt_ids)
+        blocks = self.kv.allocate(self.kv.blocks_for(n))
+        try:
+            bs = self.kv.block_size
+            dev = self.device
+            batch = StepBatch(
+                input_ids=torch.tensor(prompt_ids, dtype=torch.long, device=dev),
+                positions=torch.arange(n, device=dev),
+                slots=torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)], device=dev),
+                seqs=[SeqSlice(0, n, n, blocks)],
+                logits_index=torch.arange(n, device=dev),
+            )
+            return self.model.forward(batch)
+        finally:
+            self.kv.release(blocks)
+
+    def close(self) -> None:
+        self.cpu.close()

@@ -1,0 +1,215 @@
+"""The forward pass: embeddings, attention over the paged KV cache, dense and MoE MLPs, logits.
+
+Routed experts are not held here: each MoE layer hands its routing to an expert executor
+(`engine/moe.py`), which decides where every expert runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from ..kernels.router import topk_softmax
+from .kv import KVCache
+from .rope import Rotary
+from .spec import ModelSpec
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer's dense weights, on the compute device."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + 2 kv, H]: q, k and v projections stacked
+    o: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None  # [E, H] on MoE layers
+    shared_gate_up: torch.Tensor | None = None  # qwen2_moe shared expert [2 Is, H]
+    shared_down: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None  # [1, H]
+    mlp_gate_up: torch.Tensor | None = None  # dense MLP layers [2 I, H]
+    mlp_down: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class DenseWeights:
+    """Everything but the routed experts."""
+
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    final_norm: torch.Tensor
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        tensors = [self.embed, self.lm_head, self.final_norm]
+        for layer in self.layers:
+            tensors.extend(t for t in (getattr(layer, f) for f in layer.__slots__) if t is not None)
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.nbytes
+        return total
+
+
+class ExpertExecutor(Protocol):
+    """Runs the routed experts of one MoE layer for a batch of tokens."""
+
+    def forward(
+        self,
+        moe_layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        decode: bool,
+    ) -> torch.Tensor:
+        """x [T, H], ids/weights [T, K] → fp32 [T, H], the weighted sum of the routed experts."""
+        ...
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's part of a step: `q_len` new tokens on top of `kv_len - q_len` cached ones."""
+
+    q_start: int
+    q_len: int
+    kv_len: int
+    blocks: list[int]
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """The tokens of one forward step, flattened across sequences."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slots: torch.Tensor  # [T] long: flat KV slot of each token
+    seqs: list[SeqSlice]
+    logits_index: torch.Tensor  # [N] long: tokens whose next-token logits are wanted
+
+    @property
+    def decode(self) -> bool:
+        return all(s.q_len == 1 for s in self.seqs)
+
+
+class Model:
+    """A decoder-only MoE transformer of one of the supported architectures."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: DenseWeights,
+        experts: ExpertExecutor,
+        kv: KVCache,
+        max_positions: int,
+    ) -> None:
+        self.spec = spec
+        self.weights = weights
+        self.experts = experts
+        self.kv = kv
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.rotary = Rotary(spec, max_positions, self.device, self.dtype)
+        self.scale = spec.head_dim**-0.5
+        # called with (layer, router input, routed expert ids) on every MoE layer, when set
+        self.on_router: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Logits (fp32) [N, vocab] for the tokens in `batch.logits_index`."""
+        w = self.weights
+        eps = self.spec.rms_norm_eps
+        hidden = w.embed.index_select(0, batch.input_ids)
+        residual: torch.Tensor | None = None
+        for index, layer in enumerate(w.layers):
+            if residual is None:
+                residual = hidden
+                x = rmsnorm(hidden, layer.input_norm, eps)
+            else:
+                x, residual = fused_add_rmsnorm(hidden, residual, layer.input_norm, eps)
+            hidden = self._attention(index, layer, x, batch)
+            x, residual = fused_add_rmsnorm(hidden, residual, layer.post_norm, eps)
+            hidden = self._mlp(index, layer, x, batch)
+        assert residual is not None
+        x, _ = fused_add_rmsnorm(hidden, residual, w.final_norm, eps)
+        x = x.index_select(0, batch.logits_index)
+        return F.linear(x, w.lm_head).float()
+
+    def _attention(
+        self, index: int, layer: LayerWeights, x: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor:
+        spec = self.spec
+        tokens = x.shape[0]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        if spec.clip_qkv is not None:
+            q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
+        if spec.qk_norm == "full":
+            q = rmsnorm(q, layer.q_norm, spec.rms_norm_eps)
+            k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
+        q = q.reshape(tokens, spec.num_heads, spec.head_dim)
+        k = k.reshape(tokens, spec.num_kv_heads, spec.head_dim)
+        v = v.reshape(tokens, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm == "head":
+            q = rmsnorm(q, layer.q_norm, spec.rms_norm_eps)
+            k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
+        q, k = self.rotary.apply(q, k, batch.positions)
+        self.kv.write(index, k, v, batch.slots)
+        out = torch.empty_like(q)
+        for seq in batch.seqs:
+            rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            if seq.kv_len == seq.q_len:
+                keys, values = k[rows], v[rows]
+            else:
+                keys, values = self.kv.gather(index, seq.blocks, seq.kv_len)
+            out[rows] = self._sdpa(q[rows], keys, values)
+        return F.linear(out.reshape(tokens, spec.q_size), layer.o)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q [n, Hq, D] (the last n positions) over k, v [L, Hkv, D]."""
+        n, length = q.shape[0], k.shape[0]
+        groups = self.spec.num_heads // self.spec.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if n == 1:
+            out = F.scaled_dot_product_attention(qt, kt, vt, scale=self.scale)
+        elif n == length:
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale)
+        else:
+            mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale)
+        return out.transpose(0, 1)
+
+    def _mlp(
+        self, index: int, layer: LayerWeights, x: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor:
+        if layer.router is None:
+            return _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
+        spec = self.spec
+        logits = F.linear(x, layer.router)
+        weights, ids = topk_softmax(logits, spec.top_k, spec.norm_topk_prob)
+        if self.on_router is not None:
+            self.on_router(index, x, ids)
+        out = self.experts.forward(spec.moe_index(index), x, ids, weights, decode=batch.decode)
+        if layer.shared_gate_up is not None:
+            gate = torch.sigmoid(F.linear(x, layer.shared_gate))
+            out = out + (gate * _swiglu(x, layer.shared_gate_up, layer.shared_down)).float()
+        return out.to(x.dtype)
+
+
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)

@@ -1,0 +1,333 @@
+"""The MoE step: route, run hits from the GPU cache, split misses between fills and CPU execution.
+
+Decode: for the m missing experts of a layer step, q = round(m · Bp / (Bp + Bh)) are copied
+into cache slots while the other m − q run on the CPU at the same time; both finish together when
+q / Bp = (m − q) / Bh. Which misses are fetched: the ones picked most often so far (they are the
+likeliest to be reused from the cache), ties broken by the lower expert id.
+
+Prefill: a long chunk streams whole layers into a two-layer buffer on a second stream (layer l+1
+copies while layer l computes, because l+1's routing is not known yet); a short chunk routes first
+and then treats its misses like decode does.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..kernels.cpu_experts import CpuExpertRunner
+from ..kernels.fused_moe import fused_moe_decode
+from ..kernels.grouped_moe import grouped_moe
+from .bank import ExpertBank
+from .cache import ExpertCache
+
+
+@dataclass(frozen=True, slots=True)
+class MissPolicy:
+    """How a layer step's cache misses are divided between GPU fills and CPU execution."""
+
+    mode: str  # "auto" | "gpu" | "cpu" | "split"
+    fetch_fraction: float  # share of misses fetched: from the bandwidths (auto) or fixed
+
+    @classmethod
+    def parse(cls, text: str, bp_gbps: float, bh_gbps: float) -> MissPolicy:
+        if text == "gpu":
+            return cls("gpu", 1.0)
+        if text == "cpu":
+            return cls("cpu", 0.0)
+        match = re.fullmatch(r"split:([0-9.]+)", text)
+        if match:
+            return cls("split", float(match.group(1)))
+        assert text == "auto", text
+        return cls("auto", bp_gbps / (bp_gbps + bh_gbps))
+
+    def fetch_count(self, misses: int) -> int:
+        """q: how many of `misses` to copy into the cache."""
+        return min(misses, max(0, round(misses * self.fetch_fraction)))
+
+
+@dataclass(slots=True)
+class LayerCounters:
+    """Decode counters per MoE layer: expert reads and where each one ran."""
+
+    reads: np.ndarray
+    hits: np.ndarray
+    fills: np.ndarray
+    cpu: np.ndarray
+    picks: np.ndarray  # [layers, experts]: how often each expert was routed to
+
+    @classmethod
+    def zeros(cls, layers: int, experts: int) -> LayerCounters:
+        z = lambda: np.zeros(layers, dtype=np.int64)  # noqa: E731
+        return cls(z(), z(), z(), z(), np.zeros((layers, experts), dtype=np.int64))
+
+
+class MoERunner:
+    """Runs the routed experts of every MoE layer from the host bank and the device cache."""
+
+    def __init__(
+        self,
+        bank: ExpertBank,
+        cache: ExpertCache,
+        policy: MissPolicy,
+        cpu: CpuExpertRunner | None,
+        *,
+        top_k: int,
+        prefill_overlap: bool,
+        prefill_stream_min_tokens: int,
+    ) -> None:
+        self.bank = bank
+        self.cache = cache
+        self.policy = policy
+        self.cpu = cpu
+        self.top_k = top_k
+        self.device = cache.device
+        self.dtype = cache.dtype
+        self.prefill_overlap = prefill_overlap
+        self.prefill_stream_min_tokens = prefill_stream_min_tokens
+        self.counters = LayerCounters.zeros(bank.num_layers, bank.num_experts)
+        self.prefill_picks = np.zeros((bank.num_layers, bank.num_experts), dtype=np.int64)
+        self.on_decode_step: list = []  # callbacks(layer, experts, slots_before, fetched, cpu_run)
+        self.timing: dict[str, float] | None = None  # filled when a step is being timed
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._stage_w13: list[torch.Tensor] = []
+        self._stage_w2: list[torch.Tensor] = []
+        self._staged: dict[int, tuple[int, object]] = {}  # moe layer -> (buffer, ready event)
+        self._buffer_free: list[object | None] = [None, None]  # event: compute done reading it
+        layers, experts = bank.num_layers, bank.num_experts
+        self._device_picks = torch.zeros((layers, experts), dtype=torch.int64, device=self.device)
+        self._device_reads = torch.zeros(layers, dtype=torch.int64, device=self.device)
+        self._ones = torch.ones(4096 * top_k, dtype=torch.int64, device=self.device)
+
+    # prefill buffers ----------------------------------------------------------------------------
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of the two-layer prefill buffer (allocated by `allocate_prefill_buffers`)."""
+        return sum(t.nbytes for t in self._stage_w13 + self._stage_w2)
+
+    @staticmethod
+    def prefill_buffer_bytes(bank: ExpertBank) -> int:
+        return 2 * bank.num_experts * bank.expert_bytes
+
+    def allocate_prefill_buffers(self) -> None:
+        e = self.bank.num_experts
+        shape13 = (e, *self.bank.w13[0].shape[1:])
+        shape2 = (e, *self.bank.w2[0].shape[1:])
+        self._stage_w13 = [
+            torch.empty(shape13, dtype=self.dtype, device=self.device) for _ in range(2)
+        ]
+        self._stage_w2 = [
+            torch.empty(shape2, dtype=self.dtype, device=self.device) for _ in range(2)
+        ]
+
+    # the step ---------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        moe_layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        decode: bool,
+    ) -> torch.Tensor:
+        if self.cache.holds_everything:
+            if decode:
+                ids_host = None
+            else:
+                ids_host = ids.cpu().numpy()
+                np.add.at(self.prefill_picks[moe_layer], ids_host.ravel(), 1)
+            return self._all_resident(moe_layer, x, ids, weights, ids_host, decode)
+        if not decode and self._stage_w13 and x.shape[0] >= self.prefill_stream_min_tokens:
+            return self._prefill_streamed(moe_layer, x, ids, weights)
+        return self._split(moe_layer, x, ids, weights, decode)
+
+    def _all_resident(self, moe_layer, x, ids, weights, ids_host, decode) -> torch.Tensor:
+        # slots looked up on the device: no host sync, so the step can sit in a CUDA graph
+        slots = self.cache.slot_of_device[moe_layer][ids.long()]
+        if decode:
+            self._count_resident_decode(moe_layer, ids)
+            return fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2)
+        return grouped_moe(x, slots, weights, self.cache.w13, self.cache.w2)
+
+    def _count_resident_decode(self, moe_layer: int, ids: torch.Tensor) -> None:
+        # device-side counters: no host sync, so the step can be captured in a CUDA graph
+        flat = ids.reshape(-1).long()
+        self._device_picks[moe_layer].index_add_(0, flat, self._ones[: flat.numel()])
+        seen = torch.zeros(self.bank.num_experts, dtype=torch.int64, device=self.device)
+        seen.index_fill_(0, flat, 1)
+        self._device_reads[moe_layer] += seen.sum()
+
+    def flush_device_counters(self) -> None:
+        """Move the all-resident path's device counters into the host counters (between steps)."""
+        reads = self._device_reads.cpu().numpy()
+        if reads.any():
+            self.counters.reads += reads
+            self.counters.hits += reads
+            self.counters.picks += self._device_picks.cpu().numpy()
+            self._device_reads.zero_()
+            self._device_picks.zero_()
+
+    def _split(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
+        """Hits on the device, misses split between slot fills and CPU execution."""
+        ids_host = ids.cpu().numpy()
+        picks = self.counters.picks if decode else self.prefill_picks
+        np.add.at(picks[moe_layer], ids_host.ravel(), 1)
+        experts, tokens_per_expert = np.unique(ids_host, return_counts=True)
+        slots = self.cache.lookup(moe_layer, experts)
+        missing = experts[slots < 0]
+        q = self.policy.fetch_count(missing.size)
+        if q < missing.size:
+            # fetch the most picked (likeliest reused); ties: more tokens now, then lower id
+            order = np.lexsort(
+                (missing, -tokens_per_expert[slots < 0], -self.counters.picks[moe_layer][missing])
+            )
+            fetch, on_cpu = missing[order[:q]], missing[order[q:]]
+        else:
+            fetch, on_cpu = missing, missing[:0]
+        protected = set(slots[slots >= 0].tolist())
+        fetched: list[int] = []
+        for expert in fetch.tolist():
+            slot = self.cache.admit(moe_layer, expert, protected)
+            if slot is None:
+                break
+            protected.add(slot)
+            self._copy_expert(moe_layer, expert, slot)
+            fetched.append(expert)
+        if len(fetched) < fetch.size:  # every slot is in use by this step: the rest go to the CPU
+            on_cpu = np.concatenate([on_cpu, fetch[len(fetched) :]])
+        fill_event = self._record_copies()
+        if decode:
+            c = self.counters
+            c.reads[moe_layer] += experts.size
+            c.hits[moe_layer] += int((slots >= 0).sum())
+            c.fills[moe_layer] += len(fetched)
+            c.cpu[moe_layer] += on_cpu.size
+            for callback in self.on_decode_step:
+                callback(moe_layer, experts, slots, fetched, on_cpu.tolist())
+
+        job = None
+        if on_cpu.size:
+            job = self._submit_cpu(moe_layer, x, ids_host, weights, on_cpu)
+        slot_map = self.cache.slot_of[moe_layer]
+        route_slots = slot_map[ids_host]
+        cpu_mask = np.isin(ids_host, on_cpu)
+        route_slots[cpu_mask] = -1
+        fetched_mask = np.isin(ids_host, np.asarray(fetched, dtype=ids_host.dtype))
+        kernel = fused_moe_decode if decode else grouped_moe
+        hit_slots = np.where(fetched_mask, -1, route_slots)
+        out = None
+        if (hit_slots >= 0).any():
+            out = kernel(x, self._to_device(hit_slots), weights, self.cache.w13, self.cache.w2)
+        if fetched:
+            if fill_event is not None:
+                torch.cuda.current_stream(self.device).wait_event(fill_event)
+            fill_slots = np.where(fetched_mask, route_slots, -1)
+            part = kernel(x, self._to_device(fill_slots), weights, self.cache.w13, self.cache.w2)
+            out = part if out is None else out + part
+        if job is not None:
+            cpu_out = job.wait().to(self.device, non_blocking=True)
+            out = cpu_out if out is None else out + cpu_out
+        if out is None:
+            out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
+        return out
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32)).to(self.device)
+
+    def _copy_expert(self, moe_layer: int, expert: int, slot: int) -> None:
+        stream = self.copy_stream
+        if stream is None:
+            self.cache.w13[slot].copy_(self.bank.w13[moe_layer][expert])
+            self.cache.w2[slot].copy_(self.bank.w2[moe_layer][expert])
+            return
+        # the slot may still be read by work queued on the compute stream (an evicted expert)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.cache.w13[slot].copy_(self.bank.w13[moe_layer][expert], non_blocking=True)
+            self.cache.w2[slot].copy_(self.bank.w2[moe_layer][expert], non_blocking=True)
+
+    def refill(self, moe_layer: int, expert: int, slot: int) -> None:
+        """Copy one expert from the bank into a slot and wait (cache resize, warm-up)."""
+        self._copy_expert(moe_layer, expert, slot)
+        event = self._record_copies()
+        if event is not None:
+            event.synchronize()
+
+    def _record_copies(self):
+        if self.copy_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.copy_stream)
+        return event
+
+    def _submit_cpu(self, moe_layer, x, ids_host, weights, on_cpu):
+        rows, cols = np.nonzero(np.isin(ids_host, on_cpu))
+        weights_host = weights.float().cpu().numpy()
+        pair_expert = torch.from_numpy(ids_host[rows, cols].astype(np.int32))
+        pair_token = torch.from_numpy(rows.astype(np.int32))
+        pair_weight = torch.from_numpy(weights_host[rows, cols].astype(np.float32))
+        x_host = x.float().cpu()
+        assert self.cpu is not None, "CPU execution chosen without a CPU executor"
+        return self.cpu.submit(
+            x_host,
+            self.bank.w13[moe_layer],
+            self.bank.w2[moe_layer],
+            pair_expert,
+            pair_token,
+            pair_weight,
+        )
+
+    def _prefill_streamed(self, moe_layer, x, ids, weights) -> torch.Tensor:
+        """A long prefill chunk: the whole layer from the two-layer buffer."""
+        np.add.at(self.prefill_picks[moe_layer], ids.cpu().numpy().ravel(), 1)
+        if moe_layer not in self._staged:
+            self._stage(moe_layer)
+        if self.prefill_overlap and moe_layer + 1 < self.bank.num_layers:
+            self._stage(moe_layer + 1)
+        buffer, ready = self._staged.pop(moe_layer)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        out = grouped_moe(x, ids, weights, self._stage_w13[buffer], self._stage_w2[buffer])
+        if self.copy_stream is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self._buffer_free[buffer] = done
+        return out
+
+    def _stage(self, moe_layer: int) -> None:
+        """Start copying a whole layer's experts into the buffer not in use."""
+        buffer = moe_layer % 2
+        if self.copy_stream is None:
+            self._stage_w13[buffer].copy_(self.bank.w13[moe_layer])
+            self._stage_w2[buffer].copy_(self.bank.w2[moe_layer])
+            self._staged[moe_layer] = (buffer, None)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            if self._buffer_free[buffer] is not None:
+                self.copy_stream.wait_event(self._buffer_free[buffer])
+            self._stage_w13[buffer].copy_(self.bank.w13[moe_layer], non_blocking=True)
+            self._stage_w2[buffer].copy_(self.bank.w2[moe_layer], non_blocking=True)
+        self._staged[moe_layer] = (buffer, self._record_copies())
+
+    def reset_prefill(self) -> None:
+        """Forget staged layers (a prefill chunk ended early or the step failed)."""
+        self._staged.clear()
+
+
+def expected_unique_experts(tokens: int, num_experts: int, top_k: int) -> float:
+    """Experts a chunk of `tokens` routes to under uniform routing."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def stream_threshold_tokens(num_experts: int, top_k: int, share: float = 0.5) -> int:
+    """Fewest tokens whose chunk is expected to need `share` of a layer's experts."""
+    if top_k >= num_experts:
+        return 1
+    return max(1, math.ceil(math.log(1 - share) / math.log(1 - top_k / num_experts)))

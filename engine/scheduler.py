@@ -1,0 +1,125 @@
+"""Continuous batching: which sequences run, which prompt chunk or decode batch goes next.
+
+A request is admitted when the KV cache can hold its whole prompt plus `max_tokens`, so a running
+sequence never runs out of KV; requests that cannot fit yet wait in the queue. Long prompts are
+prefilled in chunks, alternating with decode steps of the running sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .kv import KVCache
+from .sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's tokens and state."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_token: Callable[[Sequence, int], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def max_length(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Part of a step: `count` tokens of `seq` starting at token `start`."""
+
+    seq: Sequence
+    start: int
+    count: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.count >= len(self.seq.prompt_ids)
+
+
+class Scheduler:
+    """Holds the waiting and running sequences and forms each step's batch."""
+
+    def __init__(self, kv: KVCache, max_running: int, chunk_tokens: int) -> None:
+        self.kv = kv
+        self.max_running = max_running
+        self.chunk_tokens = chunk_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_was_prefill = False
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            need = self.kv.blocks_for(seq.max_length)
+            if need > self.kv.free_blocks:
+                break  # it waits until running sequences free their blocks
+            self.waiting.popleft()
+            seq.blocks = self.kv.allocate(need)
+            self.running.append(seq)
+
+    def next_step(self) -> list[Chunk]:
+        """The chunks of the next forward step ([] when there is nothing to run)."""
+        self._admit()
+        prefilling = [s for s in self.running if s.prefilling]
+        decoding = [s for s in self.running if not s.prefilling]
+        do_prefill = bool(prefilling) and (not decoding or not self._last_was_prefill)
+        if do_prefill:
+            self._last_was_prefill = True
+            chunks, budget = [], self.chunk_tokens
+            for seq in prefilling:
+                if budget <= 0:
+                    break
+                count = min(budget, len(seq.prompt_ids) - seq.computed)
+                chunks.append(Chunk(seq, seq.computed, count))
+                budget -= count
+            return chunks
+        self._last_was_prefill = False
+        return [Chunk(s, s.length - 1, 1) for s in decoding]
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (finished, cancelled or failed) and free its KV at once."""
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.release(seq.blocks)

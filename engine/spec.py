@@ -1,0 +1,304 @@
+"""ModelSpec: one normalized description of a supported MoE checkpoint's geometry and rules."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+_ARCH_BY_CLASS = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
+}
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint moelab cannot serve, with a message that names what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Everything the engine needs to know about a checkpoint's architecture, normalized."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    # dense MLP width for layers that are not MoE (qwen mlp_only_layers / decoder_sparse_step)
+    intermediate_size: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: str = "none"  # "none" | "head" (Qwen3: per head) | "full" (OLMoE: whole projection)
+    clip_qkv: float | None = None
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's shared expert (gated by a sigmoid)
+    moe_layers: tuple[int, ...] = ()
+    rope_scaling: dict | None = None
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise CheckpointError(
+                f"architecture {self.arch!r} is not supported; moelab serves "
+                f"{', '.join(ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_experts",
+            "top_k",
+            "moe_intermediate_size",
+        ):
+            if getattr(self, name) < 1:
+                raise CheckpointError(
+                    f"config field for {name} must be at least 1, got {getattr(self, name)}"
+                )
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.top_k > self.num_experts:
+            raise CheckpointError(
+                f"num_experts_per_tok ({self.top_k}) exceeds the number of experts "
+                f"({self.num_experts})"
+            )
+        if self.dtype not in DTYPE_BYTES:
+            raise CheckpointError(
+                f"dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPE_BYTES)}"
+            )
+        if any(not 0 <= layer < self.num_layers for layer in self.moe_layers):
+            raise CheckpointError("an MoE layer index lies outside the model's layers")
+
+    # derived geometry -------------------------------------------------------------------------
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_params * self.dtype_bytes
+
+    @property
+    def experts_total(self) -> int:
+        """Routed experts over all MoE layers (the size of the host bank, in experts)."""
+        return self.num_moe_layers * self.num_experts
+
+    @property
+    def expert_pool_bytes(self) -> int:
+        return self.experts_total * self.expert_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_size * self.dtype_bytes
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters that stay on the device: everything but the routed experts."""
+        h = self.hidden_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm == "head":
+            attn += 2 * self.head_dim
+        elif self.qk_norm == "full":
+            attn += self.q_size + self.kv_size
+        moe = h * self.num_experts
+        if self.shared_expert_intermediate_size:
+            moe += 3 * h * self.shared_expert_intermediate_size + h
+        dense_mlp = 3 * h * self.intermediate_size
+        per_layer = attn * self.num_layers
+        mlps = moe * self.num_moe_layers + dense_mlp * (self.num_layers - self.num_moe_layers)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return per_layer + mlps + embed + h
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.dense_params * self.dtype_bytes
+
+    @property
+    def active_bytes_per_token(self) -> int:
+        """Weight bytes one decode token reads: the dense weights (less the embedding table) and
+        top-k experts per MoE layer."""
+        embed_unused = self.vocab_size * self.hidden_size * self.dtype_bytes
+        if self.tie_word_embeddings:
+            embed_unused = 0
+        return (
+            self.dense_bytes - embed_unused + self.num_moe_layers * self.top_k * self.expert_bytes
+        )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def moe_index(self, layer: int) -> int:
+        """Position of an MoE layer among the MoE layers (the bank and the cache count this way)."""
+        return self.moe_layers.index(layer)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+
+    # construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelSpec:
+        """Normalize a Hugging Face config.json of a supported architecture."""
+        arch = config.get("model_type")
+        if arch not in ARCHITECTURES:
+            for name in config.get("architectures") or ():
+                arch = _ARCH_BY_CLASS.get(name, arch)
+        if arch not in ARCHITECTURES:
+            found = config.get("model_type") or config.get("architectures")
+            raise CheckpointError(
+                f"architecture {found!r} is not supported; moelab serves "
+                f"{', '.join(ARCHITECTURES)} (config.json model_type)"
+            )
+
+        def need(*names: str):
+            for name in names:
+                if config.get(name) is not None:
+                    return config[name]
+            raise CheckpointError(f"config.json has no {' / '.join(names)} (needed for {arch})")
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        layers = int(need("num_hidden_layers"))
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        num_experts = int(need("num_experts", "num_local_experts"))
+        top_k = int(need("num_experts_per_tok"))
+        intermediate = int(config.get("intermediate_size") or 0)
+
+        if arch in ("qwen3_moe", "qwen2_moe"):
+            moe_inter = int(need("moe_intermediate_size"))
+            step = int(config.get("decoder_sparse_step") or 1)
+            only = set(config.get("mlp_only_layers") or [])
+            moe_layers = tuple(
+                i
+                for i in range(layers)
+                if i not in only and num_experts > 0 and (i + 1) % step == 0
+            )
+            if len(moe_layers) < layers and intermediate < 1:
+                raise CheckpointError("config.json has dense MLP layers but no intermediate_size")
+            norm_topk = bool(config.get("norm_topk_prob", arch == "qwen3_moe"))
+        else:
+            moe_inter = int(need("intermediate_size"))
+            moe_layers = tuple(range(layers))
+            norm_topk = True if arch == "mixtral" else bool(config.get("norm_topk_prob", False))
+
+        if config.get("use_sliding_window") or (
+            arch == "mixtral"
+            and config.get("sliding_window")
+            and config["sliding_window"] < int(config.get("max_position_embeddings", 0))
+        ):
+            raise CheckpointError(
+                "sliding-window attention is not supported; this checkpoint's config.json "
+                "enables it"
+            )
+
+        rope = config.get("rope_parameters") or {}
+        rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        scaling = config.get("rope_scaling") or (
+            {k: v for k, v in rope.items() if k != "rope_theta"} if rope else None
+        )
+        if scaling:
+            kind = scaling.get("rope_type") or scaling.get("type") or "default"
+            if kind not in ("default", "linear", "yarn"):
+                raise CheckpointError(
+                    f"rope scaling {kind!r} is not supported; moelab supports default, linear, yarn"
+                )
+            scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        vocab = int(need("vocab_size"))
+        eos_ids = tuple(i for i in eos_ids if 0 <= i < vocab)
+        qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none")
+        attention_bias = bool(
+            config.get("qkv_bias", True) if arch == "qwen2_moe" else config.get("attention_bias")
+        )
+
+        return cls(
+            arch=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            num_experts=num_experts,
+            top_k=top_k,
+            moe_intermediate_size=moe_inter,
+            intermediate_size=intermediate,
+            norm_topk_prob=norm_topk,
+            rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=qk_norm,
+            clip_qkv=config.get("clip_qkv") if arch == "olmoe" else None,
+            shared_expert_intermediate_size=(
+                int(need("shared_expert_intermediate_size")) if arch == "qwen2_moe" else 0
+            ),
+            moe_layers=moe_layers,
+            rope_scaling=scaling,
+            dtype=dtype,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            extra={"moelab_synth": config.get("moelab_synth")}
+            if config.get("moelab_synth")
+            else {},
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelSpec:
+        """Read `config.json` from a checkpoint directory."""
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{path} has no config.json; is it a Hugging Face checkpoint?")
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{config_path} cannot be read as JSON: {err}") from None
+        return cls.from_config(config)

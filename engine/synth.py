@@ -1,0 +1,393 @@
+"""Synthetic checkpoints of any supported architecture and size, on disk or in memory.
+
+Weights are deterministic (seeded by the seed and each tensor's name) and scaled so activations stay
+bounded through every layer. Routing skew lives in the router weights: hidden dimension 0 carries a
+constant ("massive activation", as real models have) that no layer writes to, so the router's
+column 0 acts as a per-expert bias; the biases are calibrated so expert popularity follows a Zipf
+law.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import torch
+
+from .spec import ARCHITECTURES, CheckpointError, ModelSpec
+
+# Geometry shared by the architectures; each is mapped to its own config.json field names below.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        vocab_size=2048,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=16,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        intermediate_size=128,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "small": dict(
+        vocab_size=8192,
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=512,
+        intermediate_size=2816,
+        shared_expert_intermediate_size=1024,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    # the exact geometry of Qwen/Qwen3-30B-A3B
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        intermediate_size=6144,
+        shared_expert_intermediate_size=0,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        norm_topk_prob=True,
+    ),
+}
+
+_DIM0 = 2.0  # the constant residual value of hidden dimension 0 (see module docstring)
+_LOGIT_GAIN = 4.0  # lm_head gain, so next-token distributions are peaked rather than flat
+_TILE = 1 << 22  # tensors larger than this are filled by tiling one random block
+
+
+def make_config(arch: str, preset: str = "tiny", overrides: dict | None = None) -> dict:
+    """A Hugging Face config.json for `arch` with the preset's geometry and any overrides."""
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}"
+        )
+    if preset not in PRESETS:
+        raise CheckpointError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    g = {**PRESETS[preset], **(overrides or {})}
+    base = dict(
+        vocab_size=g["vocab_size"],
+        hidden_size=g["hidden_size"],
+        num_hidden_layers=g["num_hidden_layers"],
+        num_attention_heads=g["num_attention_heads"],
+        num_key_value_heads=g["num_key_value_heads"],
+        head_dim=g["head_dim"],
+        max_position_embeddings=g["max_position_embeddings"],
+        rope_theta=g["rope_theta"],
+        rms_norm_eps=g["rms_norm_eps"],
+        num_experts_per_tok=g["num_experts_per_tok"],
+        hidden_act="silu",
+        tie_word_embeddings=bool(g.get("tie_word_embeddings", False)),
+        torch_dtype=g.get("torch_dtype", "bfloat16"),
+        bos_token_id=None,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        use_cache=True,
+    )
+    if arch == "qwen3_moe":
+        extra = dict(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_experts=g["num_experts"],
+            moe_intermediate_size=g["moe_intermediate_size"],
+            intermediate_size=g["intermediate_size"],
+            norm_topk_prob=g.get("norm_topk_prob", True),
+            decoder_sparse_step=g.get("decoder_sparse_step", 1),
+            mlp_only_layers=g.get("mlp_only_layers", [0] if preset == "tiny" else []),
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+        )
+    elif arch == "qwen2_moe":
+        extra = dict(
+            architectures=["Qwen2MoeForCausalLM"],
+            model_type="qwen2_moe",
+            num_experts=g["num_experts"],
+            moe_intermediate_size=g["moe_intermediate_size"],
+            intermediate_size=g["intermediate_size"],
+            shared_expert_intermediate_size=g["shared_expert_intermediate_size"]
+            or 4 * g["moe_intermediate_size"],
+            norm_topk_prob=g.get("norm_topk_prob", False),
+            decoder_sparse_step=g.get("decoder_sparse_step", 1),
+            mlp_only_layers=g.get("mlp_only_layers", [0] if preset == "tiny" else []),
+            qkv_bias=True,
+            use_sliding_window=False,
+            sliding_window=None,
+        )
+    elif arch == "mixtral":
+        extra = dict(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_local_experts=g["num_experts"],
+            intermediate_size=g["moe_intermediate_size"],
+            sliding_window=None,
+        )
+    else:
+        extra = dict(
+            architectures=["OlmoeForCausalLM"],
+            model_type="olmoe",
+            num_experts=g["num_experts"],
+            intermediate_size=g["moe_intermediate_size"],
+            norm_topk_prob=g.get("norm_topk_prob", False),
+            clip_qkv=None,
+        )
+    config = {**base, **extra}
+    known = set(PRESETS["tiny"]) | {
+        "norm_topk_prob",
+        "tie_word_embeddings",
+        "torch_dtype",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    }
+    for key, value in (overrides or {}).items():
+        if key not in known and key not in config:
+            config[key] = value
+    return config
+
+
+def zipf_shares(num_experts: int, skew: float) -> np.ndarray:
+    """Target share of picks for experts of rank 1..E under a Zipf law of exponent `skew`."""
+    ranks = np.arange(1, num_experts + 1, dtype=np.float64)
+    shares = ranks**-skew
+    return shares / shares.sum()
+
+
+def calibrate_biases(
+    num_experts: int, top_k: int, skew: float, seed: int, samples: int = 4096, steps: int = 60
+) -> np.ndarray:
+    """Per-rank logit biases so that top-k picks over unit-variance router noise follow Zipf(skew).
+
+    Shares a top-k router cannot give (a share above 1/top_k of all picks) saturate.
+    """
+    if skew == 0:
+        return np.zeros(num_experts)
+    rng = np.random.default_rng(seed)
+    noise = rng.standard_normal((samples, num_experts))
+    target = zipf_shares(num_experts, skew)
+    bias = np.log(target) - np.log(target).mean()
+    for _ in range(steps):
+        top = np.argpartition(-(noise + bias), top_k - 1, axis=1)[:, :top_k]
+        counts = np.bincount(top.ravel(), minlength=num_experts) + 0.5
+        observed = counts / counts.sum()
+        bias += 0.7 * (np.log(target) - np.log(observed))
+        bias -= bias.mean()
+    return bias
+
+
+class SynthSource:
+    """A TensorSource of deterministic synthetic weights for a spec (nothing read from disk)."""
+
+    def __init__(self, spec: ModelSpec, seed: int = 0, skew: float = 0.0) -> None:
+        self.spec = spec
+        self.seed = seed
+        self.skew = skew
+        self.dtype = getattr(torch, spec.dtype)
+        self._shapes = self._all_shapes()
+        # per MoE layer: each expert's target share of picks, and its logit bias (first from a
+        # Monte Carlo model of the router; `calibrate_routing` refines both with real forwards)
+        self.targets: dict[int, np.ndarray] = {}
+        self.biases: dict[int, np.ndarray] = {}
+        self.dim0_scale = [1.0 / _DIM0] * spec.num_layers
+        self._block: torch.Tensor | None = None
+        mc_bias = calibrate_biases(spec.num_experts, spec.top_k, skew, seed)
+        shares = zipf_shares(spec.num_experts, skew)
+        for layer in spec.moe_layers:
+            order = np.random.default_rng([seed, layer]).permutation(spec.num_experts)
+            self.targets[layer] = np.empty(spec.num_experts)
+            self.targets[layer][order] = shares
+            self.biases[layer] = np.empty(spec.num_experts)
+            self.biases[layer][order] = mc_bias
+
+    # TensorSource ------------------------------------------------------------------------------
+
+    def has(self, name: str) -> bool:
+        return name in self._shapes
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def get(self, name: str) -> torch.Tensor:
+        shape = self._shapes[name]
+        spec = self.spec
+        leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
+        if "norm" in name:
+            return torch.ones(shape, dtype=self.dtype)
+        if name.endswith(".bias"):
+            return self._random(name, shape, 0.1)
+        fan_in = shape[-1]
+        std = 1.0 / math.sqrt(fan_in)
+        writes_residual = leaf in ("o_proj", "down_proj", "w2")
+        if writes_residual:
+            std /= math.sqrt(2 * spec.num_layers)
+        if name == "model.embed_tokens.weight":
+            t = self._random(name, shape, 1.0)
+            t[:, 0] = _DIM0
+            return t
+        if name == "lm_head.weight":
+            t = self._random(name, shape, _LOGIT_GAIN * std)
+            t[:, 0] = 0
+            return t
+        if leaf == "gate" and len(shape) == 2 and shape[0] == spec.num_experts:
+            return self._router(name, shape)
+        t = self._random(name, shape, std)
+        if writes_residual:
+            t[0] = 0  # nothing writes to the constant dimension
+        return t
+
+    # internals ---------------------------------------------------------------------------------
+
+    def _router(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        layer = int(name.split(".")[2])
+        t = self._random(name, shape, 1.0 / math.sqrt(shape[1]))
+        bias = self.biases[layer] * self.dim0_scale[layer]
+        t[:, 0] = torch.from_numpy(bias).to(t.dtype)
+        return t
+
+    def _random(self, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+        numel = math.prod(shape)
+        seed = (zlib.crc32(name.encode()) ^ (self.seed * 0x9E3779B1)) & 0x7FFFFFFF
+        gen = torch.Generator().manual_seed(seed)
+        if numel <= _TILE:
+            return (torch.randn(shape, generator=gen) * std).to(self.dtype)
+        # large tensors: tile one random block at per-chunk offsets (a cheap deterministic fill)
+        if self._block is None:
+            base = torch.randn(_TILE, generator=torch.Generator().manual_seed(self.seed))
+            self._block = torch.cat([base, base]).to(self.dtype)
+        out = torch.empty(numel, dtype=self.dtype)
+        offsets = torch.randint(0, _TILE, (-(-numel // _TILE),), generator=gen).tolist()
+        for i, off in enumerate(offsets):
+            chunk = out[i * _TILE : (i + 1) * _TILE]
+            chunk.copy_(self._block[off : off + chunk.numel()])
+        out.mul_(std)
+        return out.view(shape)
+
+    def _all_shapes(self) -> dict[str, tuple[int, ...]]:
+        s = self.spec
+        h, q, kv = s.hidden_size, s.q_size, s.kv_size
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, h)}
+        for layer in range(s.num_layers):
+            p = f"model.layers.{layer}."
+            a = p + "self_attn."
+            shapes.update(
+                {
+                    p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,),
+                    a + "q_proj.weight": (q, h),
+                    a + "k_proj.weight": (kv, h),
+                    a + "v_proj.weight": (kv, h),
+                    a + "o_proj.weight": (h, q),
+                }
+            )
+            if s.attention_bias:
+                shapes.update(
+                    {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
+                )
+            if s.qk_norm == "head":
+                shapes.update(
+                    {a + "q_norm.weight": (s.head_dim,), a + "k_norm.weight": (s.head_dim,)}
+                )
+            elif s.qk_norm == "full":
+                shapes.update({a + "q_norm.weight": (q,), a + "k_norm.weight": (kv,)})
+            m = p + ("block_sparse_moe." if s.arch == "mixtral" else "mlp.")
+            if not s.is_moe_layer(layer):
+                i = s.intermediate_size
+                shapes.update(
+                    {
+                        m + "gate_proj.weight": (i, h),
+                        m + "up_proj.weight": (i, h),
+                        m + "down_proj.weight": (h, i),
+                    }
+                )
+                continue
+            shapes[m + "gate.weight"] = (s.num_experts, h)
+            i = s.moe_intermediate_size
+            names = (
+                ("w1", "w3", "w2") if s.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+            )
+            for e in range(s.num_experts):
+                shapes.update(
+                    {
+                        f"{m}experts.{e}.{names[0]}.weight": (i, h),
+                        f"{m}experts.{e}.{names[1]}.weight": (i, h),
+                        f"{m}experts.{e}.{names[2]}.weight": (h, i),
+                    }
+                )
+            if s.shared_expert_intermediate_size:
+                si = s.shared_expert_intermediate_size
+                shapes.update(
+                    {
+                        m + "shared_expert.gate_proj.weight": (si, h),
+                        m + "shared_expert.up_proj.weight": (si, h),
+                        m + "shared_expert.down_proj.weight": (h, si),
+                        m + "shared_expert_gate.weight": (1, h),
+                    }
+                )
+        shapes["model.norm.weight"] = (h,)
+        if not s.tie_word_embeddings:
+            shapes["lm_head.weight"] = (s.vocab_size, h)
+        return shapes
+
+
+def router_name(spec: ModelSpec, layer: int) -> str:
+    block = "block_sparse_moe." if spec.arch == "mixtral" else "mlp."
+    return f"model.layers.{layer}.{block}gate.weight"
+
+
+def calibrate_routing(engine, source: SynthSource, tokens: int = 1024, rounds: int = 4) -> None:
+    """Refine each router's bias column with forward passes over random tokens.
+
+    Each round measures, per MoE layer, the mean of the router input's constant dimension (it is
+    divided by each token's RMS at every norm, so it depends on how the residual stream grew) and
+    the experts' pick shares, then moves the biases toward the Zipf targets.
+    """
+    spec = engine.spec
+    gen = torch.Generator().manual_seed(source.seed + 1)
+    length = min(256, engine.kv.capacity_tokens, engine.max_context)
+    prompts = max(1, tokens // length)
+    dim0: dict[int, list[float]] = {layer: [] for layer in spec.moe_layers}
+    picks = {layer: np.zeros(spec.num_experts) for layer in spec.moe_layers}
+
+    def record(layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
+        dim0[layer].append(float(x[:, 0].float().mean()))
+        np.add.at(picks[layer], ids.flatten().cpu().numpy(), 1)
+
+    for _ in range(rounds):
+        for layer in spec.moe_layers:
+            dim0[layer].clear()
+            picks[layer][:] = 0
+        engine.model.on_router = record
+        try:
+            for _ in range(prompts):
+                engine.score(torch.randint(0, spec.vocab_size, (length,), generator=gen).tolist())
+        finally:
+            engine.model.on_router = None
+        for layer in spec.moe_layers:
+            source.dim0_scale[layer] = 1.0 / max(float(np.mean(dim0[layer])), 1e-3)
+            observed = (picks[layer] + 0.5) / (picks[layer] + 0.5).sum()
+            bias = source.biases[layer] + 0.7 * (np.log(source.targets[layer]) - np.log(observed))
+            source.biases[layer] = bias - bias.mean()
+            weights = engine.model.weights.layers[layer].router
+            weights.copy_(source.get(router_name(spec, layer)).to(weights.device, weights.dtype))

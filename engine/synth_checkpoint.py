@@ -1,0 +1,127 @@
+"""`moelab synth`: write a synthetic checkpoint directory in Hugging Face layout."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .args import build_parser
+from .spec import ModelSpec
+from .synth import SynthSource, make_config
+from .synth_tokenizer import write_tokenizer_files
+
+log = logging.getLogger("moelab.synth")
+
+# models up to this size are loaded once to calibrate their routing skew with a real forward pass
+CALIBRATE_MAX_BYTES = 6 * 1024**3
+
+
+def synthesize(
+    out: str | Path,
+    *,
+    arch: str = "qwen3_moe",
+    preset: str = "tiny",
+    overrides: dict | None = None,
+    seed: int = 0,
+    routing_skew: float = 0.0,
+    shard_bytes: int = 2 * 1024**3,
+) -> Path:
+    """Write config, tokenizer, generation config and safetensors weights into `out`."""
+    if routing_skew < 0:
+        raise ValueError("--routing-skew must be 0 (uniform) or more")
+    out = Path(out)
+    config = make_config(arch, preset, overrides)
+    config["moelab_synth"] = {"preset": preset, "seed": seed, "routing_skew": routing_skew}
+    spec = ModelSpec.from_config(config)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer = write_tokenizer_files(out, spec.vocab_size)
+    if tokenizer.get_vocab_size() > spec.vocab_size:
+        raise ValueError(
+            f"vocab_size {spec.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.get_vocab_size()} tokens; raise it with --set vocab_size=N"
+        )
+    source = SynthSource(spec, seed=seed, skew=routing_skew)
+    if spec.dense_bytes + spec.expert_pool_bytes <= CALIBRATE_MAX_BYTES:
+        source = _calibrated_source(out, spec)
+    _write_weights(out, source, shard_bytes)
+    return out
+
+
+def _calibrated_source(out: Path, spec: ModelSpec) -> SynthSource:
+    from .engine import Engine  # the engine is only needed to calibrate skewed routing
+
+    total = (spec.dense_params + spec.experts_total * spec.expert_params) * 4
+    with tempfile.TemporaryDirectory() as bank_dir:
+        args = build_parser().parse_args(
+            [
+                "--model-path",
+                str(out),
+                "--dummy-weights",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--device-memory",
+                str(2 * total + 2 * 1024**3),
+                "--kv-reserve-tokens",
+                "512",
+                "--moe-cpu-kernel",
+                "torch",
+                "--moe-cpu-threads",
+                "1",
+                "--bank-dir",
+                bank_dir,
+            ]
+        )
+        engine = Engine(args, spec=spec)
+        try:
+            assert engine.synth_source is not None
+            return engine.synth_source
+        finally:
+            engine.close()
+
+
+def _write_weights(out: Path, source: SynthSource, shard_bytes: int) -> None:
+    names = source.names()
+    elem = torch.empty((), dtype=source.dtype).element_size()
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = elem
+        for d in source.shape(name):
+            n *= d
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        _save_atomic(out / "model.safetensors", {n: source.get(n) for n in shards[0]}, meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _save_atomic(out / file, {n: source.get(n) for n in shard}, meta)
+        weight_map.update(dict.fromkeys(shard, file))
+        log.info("wrote %s (%d/%d)", file, i, len(shards))
+    index = {
+        "metadata": {"total_size": sum((out / f).stat().st_size for f in set(weight_map.values()))},
+        "weight_map": weight_map,
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+    shutil.move(tmp, path)

@@ -1,0 +1,180 @@
+"""Reference models built with transformers' own classes, and the comparisons against them."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from moelab.engine.args import build_parser
+from moelab.engine.engine import Engine
+
+HF_CLASSES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+}
+
+
+def hf_config(arch: str, **geometry):
+    """A small transformers config of `arch`; geometry keys use the moelab preset names."""
+    import transformers
+
+    g = dict(
+        vocab_size=97,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=12,
+        num_experts_per_tok=3,
+        moe_intermediate_size=20,
+        intermediate_size=40,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
+    g.update(geometry)
+    common = dict(
+        vocab_size=g["vocab_size"],
+        hidden_size=g["hidden_size"],
+        num_hidden_layers=g["num_hidden_layers"],
+        num_attention_heads=g["num_attention_heads"],
+        num_key_value_heads=g["num_key_value_heads"],
+        head_dim=g["head_dim"],
+        num_experts_per_tok=g["num_experts_per_tok"],
+        rope_theta=g["rope_theta"],
+        max_position_embeddings=g["max_position_embeddings"],
+        rms_norm_eps=g["rms_norm_eps"],
+        tie_word_embeddings=g.get("tie_word_embeddings", False),
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if "rope_scaling" in g:
+        common["rope_scaling"] = g["rope_scaling"]
+    config_cls = getattr(transformers, HF_CLASSES[arch][0])
+    if arch == "qwen3_moe":
+        return config_cls(
+            **common,
+            num_experts=g["num_experts"],
+            moe_intermediate_size=g["moe_intermediate_size"],
+            intermediate_size=g["intermediate_size"],
+            norm_topk_prob=g.get("norm_topk_prob", True),
+            mlp_only_layers=g.get("mlp_only_layers", [1]),
+            decoder_sparse_step=g.get("decoder_sparse_step", 1),
+        )
+    if arch == "qwen2_moe":
+        return config_cls(
+            **common,
+            num_experts=g["num_experts"],
+            moe_intermediate_size=g["moe_intermediate_size"],
+            intermediate_size=g["intermediate_size"],
+            shared_expert_intermediate_size=g.get("shared_expert_intermediate_size", 36),
+            norm_topk_prob=g.get("norm_topk_prob", False),
+            mlp_only_layers=g.get("mlp_only_layers", []),
+            decoder_sparse_step=g.get("decoder_sparse_step", 2),
+        )
+    if arch == "mixtral":
+        return config_cls(
+            **common,
+            num_local_experts=g["num_experts"],
+            intermediate_size=g["moe_intermediate_size"],
+            sliding_window=None,
+        )
+    return config_cls(
+        **common,
+        num_experts=g["num_experts"],
+        intermediate_size=g["moe_intermediate_size"],
+        norm_topk_prob=g.get("norm_topk_prob", False),
+    )
+
+
+def scale_up_weights(model, seed: int) -> None:
+    """Re-draw every weight at unit gain (transformers' 0.02 init gives nearly flat logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("gate.weight") or name.endswith("router.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 2.0 / math.sqrt(p.shape[-1]))
+            else:
+                fan_in = p.shape[-1]
+                std = 1 / math.sqrt(fan_in)
+                if any(k in name for k in ("o_proj", "down_proj", ".w2")):
+                    std /= math.sqrt(layers)
+                if "embed_tokens" in name:
+                    std = 1.0
+                if "lm_head" in name:
+                    std *= 3
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def build_reference(arch: str, out: Path, seed: int = 0, **geometry):
+    """Save a scaled-up random transformers model of `arch` to `out`; return it (fp32, eval)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(arch, **geometry)
+    model = getattr(transformers, HF_CLASSES[arch][1])(config).float().eval()
+    scale_up_weights(model, seed)
+    model.save_pretrained(out)
+    return model
+
+
+def make_engine(path: Path, *flags: str) -> Engine:
+    args = build_parser().parse_args(
+        [
+            "--model-path",
+            str(path),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--moe-cpu-threads",
+            "1",
+            "--bank-dir",
+            str(path / "bank"),
+            *flags,
+        ]
+    )
+    return Engine(args)
+
+
+@torch.no_grad()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation (full recompute each step) and the top-2 margin at each step."""
+    ids = list(ids)
+    out, margins = [], []
+    for _ in range(n):
+        logits = hf_logits(model, ids)[-1]
+        top2 = torch.topk(logits, 2).values
+        margins.append(float(top2[0] - top2[1]))
+        token = int(logits.argmax())
+        out.append(token)
+        ids.append(token)
+    return out, margins
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def assert_same_greedy(ours: list[int], ref: list[int], margins: list[float]) -> None:
+    """Identical tokens wherever the reference's top-2 margin is clear; stop at a near tie."""
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        if margins[i] <= 1e-3:
+            return
+        assert a == b, f"token {i}: moelab {a} != reference {b} (margin {margins[i]:.4f})"

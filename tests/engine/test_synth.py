@@ -1,0 +1,240 @@
+"""`moelab synth`: files, tokenizer, presets, determinism, routing skew, bounded activations."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from moelab.engine.sampling import SamplingParams
+from moelab.engine.spec import ModelSpec
+from moelab.engine.synth import PRESETS, make_config
+from moelab.engine.synth_checkpoint import synthesize
+from moelab.engine.tokenizer import IncrementalDecoder, Tokenizer
+
+from .reference import make_engine
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synthesize(
+        tmp_path_factory.mktemp("tiny"), arch="qwen3_moe", preset="tiny", routing_skew=1.0, seed=0
+    )
+
+
+def test_writes_a_hugging_face_checkpoint(tiny):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
+        assert (tiny / name).is_file(), name
+    config = json.loads((tiny / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe"
+    assert (
+        "<|im_start|>" in json.loads((tiny / "tokenizer_config.json").read_text())["chat_template"]
+    )
+
+
+def test_tokenizer_is_byte_level_bpe_and_round_trips(tiny):
+    tok = Tokenizer(tiny)
+    spec = json.loads((tiny / "tokenizer.json").read_text())
+    assert spec["model"]["type"] == "BPE" and spec["pre_tokenizer"]["type"] == "ByteLevel"
+    for text in (
+        "The harbour town woke before the sun.",
+        "朝の港はまだ暗く 🌦️ emoji",
+        "x = [1, 2]\n",
+    ):
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+    # merges were learned: common words are single tokens, not bytes
+    assert len(tok.encode(" the")) == 1
+    assert tok.eos_token_ids == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+
+
+def test_chat_template_is_chatml_with_thinking_switch(tiny):
+    tok = Tokenizer(tiny)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(messages)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_think = tok.apply_chat_template(messages, enable_thinking=False)
+    assert no_think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    assert '"get_time"' in tok.apply_chat_template(messages, tools=tools)
+    with pytest.raises(ValueError, match="unknown message role"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+def test_incremental_decoding_never_splits_a_character(tiny):
+    tok = Tokenizer(tiny)
+    text = "朝の港 🌦️ は暗く"
+    ids = tok.encode(text)
+    decoder = IncrementalDecoder(tok)
+    pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert len(ids) > len([p for p in pieces if p])  # some tokens were partial characters
+
+
+def test_tiny_loads_well_under_a_second(tiny):
+    make_engine(tiny).close()  # first start writes the prepacked bank
+    t0 = time.perf_counter()
+    engine = make_engine(tiny)
+    elapsed = time.perf_counter() - t0
+    engine.close()
+    assert elapsed < 1.0, f"tiny preset took {elapsed:.2f} s to load"
+
+
+def test_presets_have_the_promised_sizes():
+    small = ModelSpec.from_config(make_config("qwen3_moe", "small"))
+    total = small.dense_bytes + small.expert_pool_bytes
+    assert 0.8e9 < total < 1.3e9, total
+    real = ModelSpec.from_config(make_config("qwen3_moe", "qwen3-30b-a3b"))
+    assert (real.hidden_size, real.num_layers, real.num_experts, real.top_k) == (2048, 48, 128, 8)
+    assert (real.moe_intermediate_size, real.num_heads, real.num_kv_heads, real.head_dim) == (
+        768,
+        32,
+        4,
+        128,
+    )
+    assert real.vocab_size == 151936 and real.norm_topk_prob
+    # 30.5 B parameters, 3.3 B active, as Qwen publishes for Qwen3-30B-A3B
+    params = real.dense_params + real.experts_total * real.expert_params
+    assert 30.0e9 < params < 31.0e9, params
+    active = real.dense_params + real.num_moe_layers * real.top_k * real.expert_params
+    assert 3.0e9 < active < 3.6e9, active
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_every_architecture_synthesizes_and_generates(tmp_path, arch):
+    path = synthesize(
+        tmp_path / arch, arch=arch, preset="tiny", overrides={"num_experts": 8}, seed=1
+    )
+    engine = make_engine(path)
+    try:
+        assert engine.spec.arch == arch and engine.spec.num_experts == 8
+        [out] = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=16, ignore_eos=True))
+        assert len(out) == 16 and len(set(out)) > 4
+    finally:
+        engine.close()
+
+
+def test_seeded_and_deterministic(tmp_path):
+    a = synthesize(tmp_path / "a", preset="tiny", seed=7, routing_skew=0.5)
+    b = synthesize(tmp_path / "b", preset="tiny", seed=7, routing_skew=0.5)
+    c = synthesize(tmp_path / "c", preset="tiny", seed=8, routing_skew=0.5)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+def test_large_checkpoints_are_sharded_with_an_index(tmp_path):
+    path = synthesize(tmp_path / "s", preset="tiny", shard_bytes=256 * 1024)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 2 and not (path / "model.safetensors").exists()
+    engine = make_engine(path)
+    try:
+        [out] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out) == 4
+    finally:
+        engine.close()
+
+
+def _pick_histograms(path, prompts: int = 24, length: int = 48) -> np.ndarray:
+    engine = make_engine(path)
+    spec = engine.spec
+    counts = np.zeros((spec.num_layers, spec.num_experts), dtype=np.int64)
+
+    def record(layer, x, ids):
+        np.add.at(counts[layer], ids.flatten().numpy(), 1)
+
+    engine.model.on_router = record
+    gen = torch.Generator().manual_seed(12345)  # not the calibration's prompts
+    try:
+        for _ in range(prompts):
+            engine.score(torch.randint(0, spec.vocab_size, (length,), generator=gen).tolist())
+    finally:
+        engine.close()
+    return counts[[layer for layer in range(spec.num_layers) if spec.is_moe_layer(layer)]]
+
+
+def _zipf_slope(histogram: np.ndarray) -> float:
+    freq = np.sort(histogram)[::-1].astype(float)
+    ranks = np.arange(1, freq.size + 1)
+    return float(np.polyfit(np.log(ranks), np.log(freq + 1), 1)[0])
+
+
+@pytest.mark.parametrize("skew", [0.0, 0.6, 1.2])
+def test_routing_skew_follows_zipf(tmp_path, skew):
+    path = synthesize(
+        tmp_path / "m",
+        preset="tiny",
+        seed=3,
+        routing_skew=skew,
+        overrides={"num_experts": 16, "num_experts_per_tok": 2},
+    )
+    for histogram in _pick_histograms(path):
+        slope = _zipf_slope(histogram)
+        if skew == 0:
+            share = histogram / histogram.sum()
+            assert share.max() < 3 / 16 and share.min() > 1 / 48, share
+        assert abs(slope + skew) < 0.3, f"skew {skew}: fitted Zipf slope {slope:.2f}"
+
+
+def test_activations_stay_bounded_through_every_layer(tmp_path):
+    path = synthesize(
+        tmp_path / "deep",
+        preset="tiny",
+        seed=2,
+        routing_skew=1.0,
+        overrides={"num_hidden_layers": 24},
+    )
+    engine = make_engine(path)
+    norms, spreads = [], []
+
+    def record(layer, x, ids):
+        norms.append(float(x.float().pow(2).mean().sqrt()))
+        spreads.append(len(set(ids.flatten().tolist())))
+
+    engine.model.on_router = record
+    try:
+        logits = engine.score(list(range(1, 200)))
+    finally:
+        engine.close()
+    assert torch.isfinite(logits).all()
+    assert max(norms) < 10 * min(norms), norms  # no blow-up or collapse across depth
+    assert min(spreads) >= 6, spreads  # routing did not collapse onto a few experts
+    assert logits.std() > 1.0  # next-token distributions are not flat
+
+
+def test_transformers_loads_synth_checkpoints_and_agrees(tiny):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    engine = make_engine(tiny)
+    try:
+        ids = list(range(3, 40))
+        ours = engine.score(ids)
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0]
+        # bf16 weights upcast to fp32 on both sides
+        assert float((ours - ref).abs().max() / ref.abs().max()) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_config_overrides_and_bad_presets():
+    config = make_config("olmoe", "tiny", {"num_experts": 64, "num_hidden_layers": 2})
+    assert config["num_experts"] == 64 and config["num_hidden_layers"] == 2
+    with pytest.raises(ValueError, match="unknown preset"):
+        make_config("olmoe", "huge")
+    with pytest.raises(ValueError, match="unknown architecture"):
+        make_config("llama", "tiny")
+    assert set(PRESETS) == {"tiny", "small", "qwen3-30b-a3b"}
