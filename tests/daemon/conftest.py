@@ -1,4 +1,4 @@
-"""Fixtures of the daemon tests: the demo checkpoint, in-process daemons, and real `mgr` processes."""
+"""Fixtures of the daemon tests: the demo checkpoint, in-process daemons, real `mgr` processes."""
 
 from __future__ import annotations
 
@@ -135,7 +135,11 @@ class MgrProcess:
 
 
 def http(
-    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 30
+    method: str,
+    url: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30,
 ) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
@@ -174,15 +178,14 @@ def start_mgr(
     home = home or data_dir.parent / "home"
     home.mkdir(parents=True, exist_ok=True)
     log_path = data_dir.parent / f"mgr-{port}-{time.monotonic_ns()}.log"
-    log = open(log_path, "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moelab.console.main", "--host", host, "--port", str(port),
-         "--data-dir", str(data_dir), *extra],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=mgr_env(home),
-    )  # fmt: skip
-    log.close()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "moelab.console.main", "--host", host, "--port", str(port),
+             "--data-dir", str(data_dir), *extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=mgr_env(home),
+        )  # fmt: skip
     mgr = MgrProcess(process, data_dir, port, host, "", log_path)
     if not wait:
         return mgr

@@ -1,4 +1,4 @@
-"""Access rules at the ASGI level: client address × method × token × Origin × Host, cookies, limits."""
+"""Access rules at the ASGI level: client × method × token × Origin × Host; cookies; limits."""
 
 from __future__ import annotations
 
@@ -45,10 +45,13 @@ def expected(client: str, method: str, token: str, origin: str, host: str) -> tu
 
 MATRIX = list(
     itertools.product(
-        ("loopback", "lan"), ("GET", "POST"), ("none", "wrong", "right"), ("none", "same", "foreign"),
+        ("loopback", "lan"),
+        ("GET", "POST"),
+        ("none", "wrong", "right"),
+        ("none", "same", "foreign"),
         ("loopback", "lan", "odd"),
     )
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize(("client", "method", "token", "origin", "host"), MATRIX)
@@ -84,9 +87,8 @@ def test_access_matrix(
         assert (created is not None) == (status == 201)
         if method == "POST" and host != "odd":
             # every change, made or refused, leaves an audit row with the peer address
-            event = session.scalars(
-                select(AuditEvent).where(AuditEvent.address == address).order_by(AuditEvent.id.desc())
-            ).first()
+            query = select(AuditEvent).where(AuditEvent.address == address)
+            event = session.scalars(query.order_by(AuditEvent.id.desc())).first()
             assert event is not None and event.status == status and event.path == "/api/profiles"
 
 
@@ -94,7 +96,11 @@ def test_forwarded_headers_do_not_make_a_lan_client_local(session_daemon: Daemon
     http = asgi_client(session_daemon, next(_addresses), HOSTS["loopback"])
     response = http.post(
         "/api/models/rescan",
-        headers={"X-Forwarded-For": "127.0.0.1", "X-Real-IP": "127.0.0.1", "Forwarded": "for=127.0.0.1"},
+        headers={
+            "X-Forwarded-For": "127.0.0.1",
+            "X-Real-IP": "127.0.0.1",
+            "Forwarded": "for=127.0.0.1",
+        },
     )
     assert response.status_code == 401
 
@@ -179,7 +185,8 @@ def test_unknown_api_paths_and_methods_answer_with_the_error_shape(session_daemo
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     wrong = http.delete("/api/hardware")
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
-    bad = http.post("/api/profiles", content=b"{not json", headers={"Content-Type": "application/json"})
+    json_type = {"Content-Type": "application/json"}
+    bad = http.post("/api/profiles", content=b"{not json", headers=json_type)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
 
 

@@ -1,4 +1,4 @@
-"""Hardware: the inventory with and without NVML, cold disk reads, and `moelab bench bw` as a child."""
+"""Hardware: the inventory with and without NVML, cold disk reads, `moelab bench bw` as a child."""
 
 from __future__ import annotations
 
@@ -188,7 +188,9 @@ def test_measure_relays_progress_and_stores_the_childs_versions(
     store.close()
 
 
-def test_a_failing_bench_fails_the_job_with_its_last_lines(fake_moelab: Path, tmp_path: Path) -> None:
+def test_a_failing_bench_fails_the_job_with_its_last_lines(
+    fake_moelab: Path, tmp_path: Path
+) -> None:
     store = Store(tmp_path / "mgr.sqlite3")
     jobs = Jobs()
     service = HardwareService(store, jobs)

@@ -1,0 +1,98 @@
+"""`mgr` as users run it: starts fast without torch, one per data dir, clear start-up errors."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import free_port, mgr_env, start_mgr, wait_for
+
+
+def test_importing_mgr_loads_neither_torch_nor_numpy() -> None:
+    code = (
+        "import sys, moelab.console.main, moelab.daemon.service; "
+        "print(sorted(m for m in ('torch', 'numpy', 'triton') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_mgr_answers_quickly_and_prints_the_url_and_token(tmp_path: Path, demo_model: Path) -> None:
+    began = time.monotonic()
+    mgr = start_mgr(tmp_path / "data", "--models-dir", str(demo_model.parent))
+    ready_s = time.monotonic() - began
+    try:
+        # a cold Python start plus SQLite set-up; torch alone would take longer than this
+        assert ready_s < 4.0, f"mgr took {ready_s:.2f} s to answer"
+        output = wait_for(lambda: "control token" in mgr.output() and mgr.output(), 5, "banner")
+        assert f"http://127.0.0.1:{mgr.port}/" in output
+        assert mgr.token in output
+        status = mgr.get("/api/status")
+        assert status["data_dir"] == str((tmp_path / "data").resolve())
+    finally:
+        mgr.stop()
+    # uvicorn shuts down cleanly, then re-raises the signal it caught, as Unix tools do
+    assert mgr.process.returncode in (0, -signal.SIGTERM)
+
+
+def test_a_second_mgr_on_the_same_data_dir_names_the_first(tmp_path: Path) -> None:
+    first = start_mgr(tmp_path / "data")
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "moelab.console.main", "--data-dir", str(tmp_path / "data"),
+             "--port", str(free_port())],
+            capture_output=True, text=True, timeout=60, env=mgr_env(tmp_path / "home"),
+        )  # fmt: skip
+        assert second.returncode == 1
+        assert f"in use by process {first.process.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert first.get("/api/status")["pid"] == first.process.pid
+    finally:
+        first.stop()
+    # once the first is gone the data dir is free again, even after a SIGKILL
+    again = start_mgr(tmp_path / "data")
+    again.kill()
+    third = start_mgr(tmp_path / "data")
+    third.stop()
+
+
+def test_a_port_in_use_is_reported_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "moelab.console.main", "--data-dir", str(tmp_path / "d"),
+             "--port", str(port)],
+            capture_output=True, text=True, timeout=60, env=mgr_env(tmp_path / "home"),
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_first_start_without_models_writes_the_demo_model(tmp_path: Path) -> None:
+    mgr = start_mgr(tmp_path / "data")
+    try:
+        models = wait_for(
+            lambda: mgr.get("/api/models")["models"], 300, "the demo model to be listed", 1.0
+        )
+        (demo,) = models
+        assert demo["is_demo"] and demo["is_moe"]
+        assert demo["path"] == str((tmp_path / "data" / "models" / "moelab-demo-tiny").resolve())
+        assert "writing a demo model" in mgr.output()
+    finally:
+        mgr.stop()
+    # the next start finds it and writes nothing
+    mgr = start_mgr(tmp_path / "data")
+    try:
+        assert mgr.get("/api/models")["demo_job"] is None
+    finally:
+        mgr.stop()
