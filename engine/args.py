@@ -129,7 +129,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "float32"],
-        help="Compute and weight dtype; auto keeps the checkpoint's.",
+        help="Compute and weight dtype; auto keeps the checkpoint's on a GPU and uses float32 "
+        "on a CPU device.",
     )
     model.add_argument(
         "--dummy-weights",

@@ -39,9 +39,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """The compute dtype: the checkpoint's on a GPU; float32 on a CPU device, where torch's
+    half-precision matmuls are slower than float32 ones."""
     if name != "auto":
         return getattr(torch, name)
-    return getattr(torch, spec.dtype)
+    return torch.float32 if device.type == "cpu" else getattr(torch, spec.dtype)
 
 
 class Engine:

@@ -1,0 +1,158 @@
+"""Loading checkpoints: layouts (per-expert, fused, sharded), dtypes, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moelab.engine.spec import CheckpointError, ModelSpec
+
+from .reference import build_reference, hf_logits, make_engine, relative_error
+
+pytest.importorskip("transformers", reason="transformers is the reference (pip install -e '.[test]')")
+
+IDS = list(range(5, 60, 2))
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    model = build_reference("qwen3_moe", path, seed=4)
+    return model, path
+
+
+def _fuse_experts(src, dst, num_layers: int, num_experts: int) -> None:
+    """Rewrite a per-expert checkpoint with fused experts.gate_up_proj [E, 2I, H] tensors."""
+    dst.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        if p + "0.gate_proj.weight" not in tensors:
+            continue
+        gate_up, down = [], []
+        for e in range(num_experts):
+            gate_up.append(torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"),
+                                      tensors.pop(f"{p}{e}.up_proj.weight")]))
+            down.append(tensors.pop(f"{p}{e}.down_proj.weight"))
+        out[p + "gate_up_proj"] = torch.stack(gate_up)
+        out[p + "down_proj"] = torch.stack(down)
+    out.update(tensors)
+    save_file(out, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text((src / "config.json").read_text())
+
+
+def test_fused_expert_layout_loads_the_same(qwen, tmp_path):
+    model, path = qwen
+    config = model.config
+    _fuse_experts(path, tmp_path / "fused", config.num_hidden_layers, config.num_experts)
+    engine = make_engine(tmp_path / "fused")
+    try:
+        assert relative_error(engine.score(IDS), hf_logits(model, IDS)) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_sharded_checkpoint_loads_the_same(tmp_path):
+    model = build_reference("mixtral", tmp_path / "src", seed=5)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    engine = make_engine(tmp_path / "sharded")
+    try:
+        assert relative_error(engine.score(IDS), hf_logits(model, IDS)) < 1e-4
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_load(qwen, tmp_path, dtype):
+    model, path = qwen
+    tensors = {k: v.to(dtype) for k, v in load_file(str(path / "model.safetensors")).items()}
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    engine = make_engine(tmp_path, "--dtype", "auto")
+    try:
+        assert engine.bank.dtype == torch.float32  # the config says float32; auto keeps it
+        # upcast from half precision: close to the fp32 reference, not equal
+        assert relative_error(engine.score(IDS), hf_logits(model, IDS)) < 5e-2
+    finally:
+        engine.close()
+
+
+def _broken_copy(src, dst, *, drop=None, reshape=None, config_edit=None):
+    dst.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1]
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    if config_edit:
+        config_edit(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_missing_tensor_is_named(qwen, tmp_path):
+    _, path = qwen
+    name = "model.layers.0.mlp.experts.3.up_proj.weight"
+    bad = _broken_copy(path, tmp_path / "b", drop=name)
+    with pytest.raises(CheckpointError, match=f"no tensor {name}"):
+        make_engine(bad)
+
+
+def test_misshaped_tensor_is_named(qwen, tmp_path):
+    _, path = qwen
+    name = "model.layers.2.self_attn.k_proj.weight"
+    bad = _broken_copy(path, tmp_path / "b", reshape=name)
+    with pytest.raises(CheckpointError, match=rf"{name} has shape \[15, 48\], expected \[16, 48\]"):
+        make_engine(bad)
+
+
+def test_unsupported_architecture_and_missing_fields(qwen, tmp_path):
+    _, path = qwen
+
+    def llama(config):
+        config["model_type"] = "llama"
+        config["architectures"] = ["LlamaForCausalLM"]
+
+    bad = _broken_copy(path, tmp_path / "a", config_edit=llama)
+    with pytest.raises(CheckpointError, match="'llama' is not supported.*qwen3_moe"):
+        make_engine(bad)
+    bad = _broken_copy(path, tmp_path / "b", config_edit=lambda c: c.pop("num_experts_per_tok"))
+    with pytest.raises(CheckpointError, match="no num_experts_per_tok"):
+        make_engine(bad)
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        ModelSpec.from_dir(tmp_path)
+
+
+def test_not_safetensors_is_refused(qwen, tmp_path):
+    _, path = qwen
+    bad = tmp_path / "junk"
+    bad.mkdir()
+    (bad / "config.json").write_text((path / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes(b"\x00" * 4 + b"garbage")
+    with pytest.raises(CheckpointError, match="not a safetensors file"):
+        make_engine(bad)
+
+
+def test_real_qwen3_30b_config_is_understood():
+    # the config.json published with Qwen/Qwen3-30B-A3B (fields that matter)
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
+        "eos_token_id": 151645, "bos_token_id": 151643, "use_sliding_window": False,
+    }
+    spec = ModelSpec.from_config(config)
+    assert spec.num_moe_layers == 48 and spec.qk_norm == "head" and spec.eos_token_ids == (151645,)
+    assert spec.expert_bytes == 3 * 2048 * 768 * 2
+    assert spec.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
