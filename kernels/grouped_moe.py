@@ -35,6 +35,10 @@ class GroupedMoEConfig:
                 raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {value}")
 
 
+# Row-block sizes config_for picks from.
+BLOCK_M_CHOICES = (16, 32, 64, 128)
+
+
 def config_for(routes_per_expert: float) -> GroupedMoEConfig:
     """Tiles for an average number of routes per expert: small blocks waste less padding."""
     if routes_per_expert <= 16:
@@ -168,8 +172,14 @@ class _RouteBlocks:
     num_blocks: int
 
 
-def _group_routes(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> _RouteBlocks:
-    """Sort routes by expert and pad each expert's run to a multiple of block_m (one host sync)."""
+def _group_routes(
+    expert_ids: torch.Tensor, num_experts: int, config: GroupedMoEConfig | None
+) -> tuple[_RouteBlocks, GroupedMoEConfig]:
+    """Sort routes by expert and pad each expert's run to whole row blocks (one host sync).
+
+    Without a config, the block size follows the routes per expert among the experts in use: w13 may
+    be the whole expert cache, most of whose slots this call does not touch.
+    """
     device = expert_ids.device
     flat = expert_ids.reshape(-1).long()
     # Skipped routes (-1) count under a virtual expert num_experts, which gets no blocks.
@@ -177,10 +187,18 @@ def _group_routes(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> _
     counts = torch.bincount(keyed, minlength=num_experts + 1)
     if counts.numel() > num_experts + 1:
         raise ValueError(f"expert_ids name an expert >= {num_experts}, the experts in w13")
-    blocks = (counts[:num_experts] + block_m - 1) // block_m
-    num_blocks, num_skipped = torch.stack([blocks.sum(), counts[num_experts]]).tolist()
-    order = torch.argsort(keyed, stable=True)
+    sizes = (config.block_m,) if config else BLOCK_M_CHOICES
+    size_t = torch.tensor(sizes, device=device)
+    blocks_by_size = (counts[:num_experts, None] + size_t - 1) // size_t
+    used = (counts[:num_experts] > 0).sum().view(1)
+    stats = torch.cat([used, counts[num_experts:], blocks_by_size.sum(0)]).tolist()
+    num_used, num_skipped, *num_blocks_by_size = stats
     num_kept = flat.numel() - num_skipped
+    cfg = config or config_for(num_kept / max(num_used, 1))
+    block_m = cfg.block_m
+    blocks = blocks_by_size[:, sizes.index(block_m)]
+    num_blocks = num_blocks_by_size[sizes.index(block_m)]
+    order = torch.argsort(keyed, stable=True)
     kept = order[:num_kept]
     sorted_experts = keyed[kept]
     run_start = torch.cumsum(counts[:num_experts], 0) - counts[:num_experts]
@@ -191,7 +209,7 @@ def _group_routes(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> _
     block_expert = torch.repeat_interleave(
         torch.arange(num_experts, device=device), blocks, output_size=num_blocks
     )
-    return _RouteBlocks(routes, block_expert, order[num_kept:], num_blocks)
+    return _RouteBlocks(routes, block_expert, order[num_kept:], num_blocks), cfg
 
 
 def grouped_moe_triton(
@@ -210,9 +228,8 @@ def grouped_moe_triton(
     top_k = expert_ids.shape[1]
     num_experts = w13.shape[0]
     inter = w13.shape[1] // 2
-    cfg = config or config_for(num_tokens * top_k / num_experts)
     compute = common.tl_dtype(compute_dtype or x.dtype)
-    grouped = _group_routes(expert_ids, num_experts, cfg.block_m)
+    grouped, cfg = _group_routes(expert_ids, num_experts, config)
     num_routes = num_tokens * top_k
     act = common.alloc((num_routes, inter), compute_dtype or x.dtype, x.device)
     y = common.alloc((num_routes, hidden), torch.float32, x.device)

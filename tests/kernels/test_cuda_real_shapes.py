@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import assert_matches
+
 from moelab.kernels import fused_moe, grouped_moe, paged_attention, rmsnorm, router
+
+from .kernel_inputs import assert_matches
 
 pytestmark = [
     pytest.mark.cuda,

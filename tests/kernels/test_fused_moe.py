@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import DEVICE, assert_matches, randn, route_table, route_weights
+
 from moelab.kernels import fused_moe
 from moelab.kernels.fused_moe import DecodeMoEConfig
+
+from .kernel_inputs import DEVICE, assert_matches, randn, route_table, route_weights
 
 pytestmark = pytest.mark.usefixtures("triton_runs")
 

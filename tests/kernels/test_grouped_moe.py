@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import DEVICE, assert_matches, randn, route_table, route_weights
+
 from moelab.kernels import fused_moe, grouped_moe
-from moelab.kernels.grouped_moe import GroupedMoEConfig, config_for
+from moelab.kernels.grouped_moe import BLOCK_M_CHOICES, GroupedMoEConfig, config_for
+
+from .kernel_inputs import DEVICE, assert_matches, randn, route_table, route_weights
 
 pytestmark = pytest.mark.usefixtures("triton_runs")
 
@@ -37,6 +39,17 @@ def test_matches_reference(gen, tokens, top_k, hidden, inter, num_experts, confi
     ref = grouped_moe.grouped_moe_ref(x, expert_ids, weights, w13, w2)
     assert ref.abs().max().item() > 0
     assert_matches(out, ref, tol=1e-5)
+
+
+def test_few_experts_used_in_a_large_cache(gen):
+    # w13 may be the whole expert cache: 40 slots, of which the tokens use 3.
+    x = randn(gen, 50, 32)
+    picks = route_table(gen, 50, 2, 3, masked=0.1)
+    expert_ids = torch.where(picks >= 0, picks + 30, -1).to(torch.int32)
+    weights = route_weights(gen, 50, 2)
+    w13, w2 = experts(gen, 40, 32, 16)
+    out = grouped_moe.grouped_moe_triton(x, expert_ids, weights, w13, w2)
+    assert_matches(out, grouped_moe.grouped_moe_ref(x, expert_ids, weights, w13, w2), tol=1e-5)
 
 
 def test_all_routes_skipped_gives_zeros(gen):
@@ -97,3 +110,4 @@ def test_cpu_tensors_go_to_the_reference(gen, monkeypatch):
 )
 def test_block_rows_follow_tokens_per_expert(per_expert, block_m):
     assert config_for(per_expert).block_m == block_m
+    assert block_m in BLOCK_M_CHOICES

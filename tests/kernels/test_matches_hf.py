@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moelab.kernels import fused_moe, grouped_moe, rmsnorm, router
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+from moelab.kernels import fused_moe, grouped_moe, rmsnorm, router
 
 
 def config(norm_topk_prob: bool = True) -> Qwen3MoeConfig:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import DEVICE, assert_matches, randn
+
 from moelab.kernels import paged_attention
 from moelab.kernels.paged_attention import AttentionConfig, default_num_splits
+
+from .kernel_inputs import DEVICE, assert_matches, randn
 
 pytestmark = pytest.mark.usefixtures("triton_runs")
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import DEVICE, assert_matches, randn
+
 from moelab.kernels import rmsnorm
+
+from .kernel_inputs import DEVICE, assert_matches, randn
 
 pytestmark = pytest.mark.usefixtures("triton_runs")
 

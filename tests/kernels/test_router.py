@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import DEVICE, randn
+
 from moelab.kernels import router
+
+from .kernel_inputs import DEVICE, randn
 
 pytestmark = pytest.mark.usefixtures("triton_runs")
 

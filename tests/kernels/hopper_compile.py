@@ -1,0 +1,121 @@
+"""Compile every Triton kernel at real shapes for sm_90 (H100/H200) without a GPU: a JSON line each.
+
+Run in its own process with TRITON_INTERPRET unset (test_hopper_compile.py does): a stand-in driver
+reports an sm_90 device, and launches only compile. Prints the shared memory, registers and local
+(spilled) bytes of each compiled kernel, read from the cubin with the cuobjdump Triton ships.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+from moelab.kernels import fused_moe, grouped_moe, paged_attention, rmsnorm, router
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
+BF16 = torch.bfloat16
+
+
+class HopperDriver:
+    """Answers Triton's questions about the current device as an sm_90 GPU would."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, SHARED and LOCAL of a cubin, as cuobjdump reports them."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [str(cuobjdump), "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|LOCAL|STACK):(\d+)", out)}
+
+
+def compile_all() -> list[JITFunction]:
+    """Call every wrapper at the shapes the engine uses; returns the kernels compiled."""
+    compiled = []
+    run = JITFunction.run
+
+    def compile_only(self: JITFunction, *args: object, grid: object, warmup: bool, **kw: object):
+        kernel = run(self, *args, grid=grid, warmup=True, **kw)
+        compiled.append((self.fn.__name__, kw.get("num_warps"), kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+    for tokens in (1, 16, 64):
+        x = torch.randn(tokens, HIDDEN, dtype=BF16)
+        slots = torch.randint(0, 16, (tokens, TOP_K), dtype=torch.int32)
+        weights = torch.rand(tokens, TOP_K)
+        w13 = torch.empty(16, 2 * INTER, HIDDEN, dtype=BF16)
+        w2 = torch.empty(16, HIDDEN, INTER, dtype=BF16)
+        fused_moe.fused_moe_decode_triton(x, slots, weights, w13, w2)
+    for tokens in (8, 300, 2048):
+        x = torch.randn(tokens, HIDDEN, dtype=BF16)
+        ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).int()
+        w13 = torch.empty(EXPERTS, 2 * INTER, HIDDEN, dtype=BF16)
+        w2 = torch.empty(EXPERTS, HIDDEN, INTER, dtype=BF16)
+        grouped_moe.grouped_moe_triton(x, ids, torch.rand(tokens, TOP_K), w13, w2)
+    for batch, context in ((1, 32768), (8, 4096)):
+        q = torch.randn(batch, 32, 128, dtype=BF16)
+        cache = torch.empty(batch * context // 16, 16, 4, 128, dtype=BF16)
+        tables = torch.arange(batch * context // 16, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        paged_attention.paged_attention_decode_triton(q, cache, cache, tables, lens, 0.1)
+    for tokens in (1, 2048):
+        x = torch.randn(tokens, HIDDEN, dtype=BF16)
+        rmsnorm.fused_add_rmsnorm_triton(x, x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
+        rmsnorm.rmsnorm_triton(x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
+    router.topk_softmax_triton(torch.randn(4, EXPERTS, dtype=BF16), TOP_K, True)
+    JITFunction.run = run
+    return compiled
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
+        return 2
+    driver.set_active(HopperDriver())
+    for name, num_warps, kernel in compile_all():
+        usage = resource_usage(kernel.asm["cubin"])
+        print(
+            json.dumps(
+                {
+                    "kernel": name,
+                    "num_warps": num_warps,
+                    "shared_bytes": kernel.metadata.shared,
+                    **usage,
+                }
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
