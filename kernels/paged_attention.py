@@ -19,8 +19,8 @@ import triton.language as tl
 from . import common
 
 _LOG2E = 1.4426950408889634
-# Partial results merged per step of the merge loop.
-_MERGE_CHUNK = 16
+# Partial results merged per step of the merge loop: few steps, since each waits on its loads.
+_MERGE_CHUNK = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,7 @@ def _split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale_log2,
+    num_splits,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -100,14 +101,13 @@ def _split_kernel(
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    part = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * part
     end = tl.minimum(start + part, seq_len)
     if start < end:
@@ -160,6 +160,7 @@ def _merge_kernel(
     part_lse_ptr,
     lens_ptr,
     out_ptr,
+    num_splits,
     stride_pb,
     stride_ph,
     stride_ps,
@@ -170,14 +171,13 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
-    part = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     # Slices past the end of the sequence wrote nothing; an empty sequence has none (output 0).
     num_used = tl.cdiv(seq_len, tl.maximum(part, 1))
     s_idx = tl.arange(0, BLOCK_S)
@@ -238,6 +238,7 @@ def paged_attention_decode_triton(
         part_out,
         part_lse,
         scale * _LOG2E,
+        num_splits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -258,7 +259,6 @@ def paged_attention_decode_triton(
         BLOCK_D=block_d,
         PAGE=block_size,
         BLOCK_N=cfg.block_n,
-        NUM_SPLITS=num_splits,
         COMPUTE=common.tl_dtype(compute_dtype or q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -268,6 +268,7 @@ def paged_attention_decode_triton(
         part_lse,
         seq_lens,
         out,
+        num_splits,
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
@@ -278,10 +279,9 @@ def paged_attention_decode_triton(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_N=cfg.block_n,
-        NUM_SPLITS=num_splits,
         BLOCK_S=common.next_pow2(num_splits),
-        CHUNK=_MERGE_CHUNK,
-        num_warps=4,
+        CHUNK=min(_MERGE_CHUNK, common.next_pow2(num_splits)),
+        num_warps=8,
     )
     return out
 

@@ -57,6 +57,7 @@ def paged_cache(
             AttentionConfig(block_n=16, num_splits=16),
         ),  # more slices than steps
         (8, 2, 32, 16, [50, 130], None),  # default tiles and slices
+        (2, 1, 16, 16, [1200], AttentionConfig(block_n=16, num_splits=80)),  # 75 slices, 2 merges
     ],
 )
 def test_matches_reference(gen, q_heads, kv_heads, head_dim, block_size, seq_lens, config):
