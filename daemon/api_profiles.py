@@ -12,21 +12,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .api import audit, blocking, daemon_of, json_body, path_id
+from .api import access_of, audit, blocking, daemon_of, json_body, path_id
 from .errors import BadRequest, Conflict, NotFound
-from .flags import FlagError, validate_flags
+from .flags import FlagError, redact_flags, validate_flags
 from .schema import Profile, Server
 from .store import Store, iso_time
 
 FIELDS = ("name", "model", "flags", "notes", "origin")
 
 
-def profile_json(row: Profile) -> dict[str, Any]:
+def profile_json(row: Profile, reveal: bool) -> dict[str, Any]:
+    """A profile as the API shows it; secret flag values only to callers with control."""
     return {
         "id": row.id,
         "name": row.name,
         "model": row.model,
-        "flags": row.flags,
+        "flags": row.flags if reveal else redact_flags(row.flags),
         "notes": row.notes,
         "origin": row.origin,
         "created": iso_time(row.created),
@@ -120,7 +121,8 @@ def _delete(store: Store, profile_id: int) -> list[int]:
 
 async def list_profiles(request: Request) -> Response:
     rows = await blocking(_list, daemon_of(request).store)
-    return JSONResponse({"profiles": [profile_json(r) for r in rows]})
+    reveal = access_of(request).control
+    return JSONResponse({"profiles": [profile_json(r, reveal) for r in rows]})
 
 
 async def create_profile(request: Request) -> Response:
@@ -132,21 +134,21 @@ async def create_profile(request: Request) -> Response:
         f"profile {row.id}",
         name=row.name,
         model=row.model,
-        flags=row.flags,
+        flags=redact_flags(row.flags),
     )
-    return JSONResponse(profile_json(row), status_code=201)
+    return JSONResponse(profile_json(row, True), status_code=201)
 
 
 async def get_profile(request: Request) -> Response:
     row = await blocking(_get, daemon_of(request).store, path_id(request))
-    return JSONResponse(profile_json(row))
+    return JSONResponse(profile_json(row, access_of(request).control))
 
 
 async def update_profile(request: Request) -> Response:
     body = await json_body(request)
     row = await blocking(_save, daemon_of(request).store, path_id(request), body)
     audit(request, "update profile", f"profile {row.id}", changed=sorted(body))
-    return JSONResponse(profile_json(row))
+    return JSONResponse(profile_json(row, True))
 
 
 async def delete_profile(request: Request) -> Response:

@@ -11,15 +11,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine import launch
-from .api import audit, blocking, daemon_of, json_body, path_id, query_number
+from .api import access_of, audit, blocking, daemon_of, json_body, path_id, query_number
 from .errors import BadRequest, NotFound
+from .flags import hide_secrets, redact_flags
 from .schema import Profile, Server
 from .service import Daemon
 from .store import iso_time
 from .telemetry import PICKS, STATS, read_samples
 
 
-def server_json(row: Server, daemon: Daemon) -> dict[str, Any]:
+def server_json(row: Server, daemon: Daemon, reveal: bool) -> dict[str, Any]:
+    """A server as the API shows it; secret flag values only to callers with control."""
     handle = daemon.supervisor.handle(row.id)
     ended = row.status in ("crashed", "failed", "dead")
     uptime_s = time.time() - row.started if row.status == "running" and row.started else None
@@ -28,7 +30,7 @@ def server_json(row: Server, daemon: Daemon) -> dict[str, Any]:
         "profile_id": row.profile_id,
         "name": row.name,
         "model": row.model,
-        "flags": row.flags,
+        "flags": row.flags if reveal else redact_flags(row.flags),
         "host": row.host,
         "port": row.port,
         "url": f"http://{'127.0.0.1' if row.host in ('0.0.0.0', '') else row.host}:{row.port}",
@@ -37,7 +39,9 @@ def server_json(row: Server, daemon: Daemon) -> dict[str, Any]:
         "pid": row.pid,
         "exit_code": row.exit_code,
         "error": row.error,
-        "log_tail": row.log_tail if ended else None,
+        "log_tail": (row.log_tail if reveal else hide_secrets(row.log_tail or "", row.flags))
+        if ended
+        else None,
         "health": handle.health if handle else None,
         "created": iso_time(row.created),
         "started": iso_time(row.started),
@@ -63,12 +67,18 @@ def _row(daemon: Daemon, server_id: int) -> Server:
 async def list_servers(request: Request) -> Response:
     daemon = daemon_of(request)
     rows = await blocking(_rows, daemon)
-    return JSONResponse({"servers": [server_json(r, daemon) for r in rows]})
+    return JSONResponse(
+        {"servers": [server_json(r, daemon, access_of(request).control) for r in rows]}
+    )
 
 
 async def get_server(request: Request) -> Response:
     daemon = daemon_of(request)
-    return JSONResponse(server_json(await blocking(_row, daemon, path_id(request)), daemon))
+    return JSONResponse(
+        server_json(
+            await blocking(_row, daemon, path_id(request)), daemon, access_of(request).control
+        )
+    )
 
 
 async def start_server(request: Request) -> Response:
@@ -111,23 +121,28 @@ async def start_server(request: Request) -> Response:
         daemon.supervisor.start, model=model, flags=flags, name=name, profile_id=profile_id
     )
     audit(
-        request, "start server", f"server {row.id}", model=row.model, flags=row.flags, pid=row.pid
+        request,
+        "start server",
+        f"server {row.id}",
+        model=row.model,
+        flags=redact_flags(row.flags),
+        pid=row.pid,
     )
-    return JSONResponse(server_json(row, daemon), status_code=202)
+    return JSONResponse(server_json(row, daemon, True), status_code=202)
 
 
 async def stop_server(request: Request) -> Response:
     daemon = daemon_of(request)
     row = await blocking(daemon.supervisor.stop, path_id(request))
     audit(request, "stop server", f"server {row.id}", exit_code=row.exit_code)
-    return JSONResponse(server_json(row, daemon))
+    return JSONResponse(server_json(row, daemon, True))
 
 
 async def restart_server(request: Request) -> Response:
     daemon = daemon_of(request)
     row = await blocking(daemon.supervisor.restart, path_id(request))
     audit(request, "restart server", f"server {row.id}", pid=row.pid)
-    return JSONResponse(server_json(row, daemon), status_code=202)
+    return JSONResponse(server_json(row, daemon, True), status_code=202)
 
 
 async def delete_server(request: Request) -> Response:
@@ -142,6 +157,8 @@ async def server_logs(request: Request) -> Response:
     row = await blocking(_row, daemon, path_id(request))
     lines = int(query_number(request, "lines", 200, 1, 5000) or 200)
     text = await blocking(launch.log_tail, row.log_path, lines)
+    if not access_of(request).control:
+        text = hide_secrets(text, row.flags)
     return JSONResponse({"server_id": row.id, "path": row.log_path, "lines": text.splitlines()})
 
 

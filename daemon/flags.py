@@ -16,6 +16,35 @@ def _raise(message: str) -> None:
     raise FlagError(message)
 
 
+SECRET_FLAGS = ("--api-key",)
+HIDDEN = "(hidden)"
+
+
+def redact_flags(flags: list[str]) -> list[str]:
+    """Flags with secret values (the engine's API key) replaced, for viewers without the token."""
+    out = []
+    hide_next = False
+    for item in flags:
+        name = item.split("=", 1)[0]
+        if hide_next:
+            out.append(HIDDEN)
+        elif name in SECRET_FLAGS and "=" in item:
+            out.append(f"{name}={HIDDEN}")
+        else:
+            out.append(item)
+        hide_next = not hide_next and item in SECRET_FLAGS
+    return out
+
+
+def hide_secrets(text: str, flags: list[str]) -> str:
+    """`text` (a log, an error) with the values of the secret flags in `flags` replaced."""
+    for item, shown in zip(flags, redact_flags(flags), strict=True):
+        if item != shown:
+            secret = item.split("=", 1)[1] if "=" in item else item
+            text = text.replace(secret, HIDDEN)
+    return text
+
+
 def known_flags() -> list[str]:
     return [f["flag"] for f in engine_args.describe_flags()]
 

@@ -78,9 +78,13 @@ class Store:
 
     def reclaim_space(self) -> None:
         """Give freed pages back to the file system (after retention deleted rows)."""
-        with self.engine.connect() as conn:
-            conn.exec_driver_sql("PRAGMA incremental_vacuum")
-            conn.commit()
+        conn = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+        try:
+            # each step of the pragma frees one page; executescript steps it to the end
+            conn.executescript("PRAGMA incremental_vacuum;")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            conn.close()
 
     def close(self) -> None:
         self.engine.dispose()

@@ -206,3 +206,22 @@ def test_served_hosts_on_a_wildcard_bind_include_the_machines_addresses() -> Non
     assert not hosts.serves("127.0.0.1.evil.example")
     single = ServedHosts("127.0.0.1")
     assert single.serves("localhost:1901") and not single.serves("mgr.lan")
+
+
+def test_secret_flag_values_are_hidden_from_viewers_without_control(
+    session_daemon: Daemon, demo_model: Path
+) -> None:
+    local = asgi_client(session_daemon, LOOPBACK, HOSTS["loopback"])
+    flags = ["--api-key", "engine-secret-1", "--max-running-requests", "2"]
+    created = local.post(
+        "/api/profiles", json={"name": "keyed", "model": str(demo_model), "flags": flags}
+    ).json()
+    assert created["flags"] == flags
+    viewer = asgi_client(session_daemon, next(_addresses), HOSTS["lan"])
+    seen = viewer.get(f"/api/profiles/{created['id']}").json()
+    assert seen["flags"] == ["--api-key", "(hidden)", "--max-running-requests", "2"]
+    assert "engine-secret-1" not in viewer.get("/api/profiles").text
+    assert "engine-secret-1" not in local.get("/api/audit").text
+    holder = asgi_client(session_daemon, next(_addresses), HOSTS["lan"])
+    bearer = {"Authorization": "Bearer " + session_daemon.token}
+    assert holder.get(f"/api/profiles/{created['id']}", headers=bearer).json()["flags"] == flags

@@ -1,0 +1,282 @@
+"""The supervisor with a real `moelab serve` on the demo model, driven through a real `mgr`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moelab.daemon.errors import Conflict
+from moelab.daemon.supervisor import EngineHandle
+from moelab.engine import launch
+
+from .conftest import MgrProcess, copy_model, http, make_daemon, start_mgr, wait_for
+
+READY_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def mgr(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[MgrProcess]:
+    process = start_mgr(
+        tmp_path_factory.mktemp("engines") / "data", "--models-dir", str(demo_model.parent)
+    )
+    yield process
+    for server in process.get("/api/servers")["servers"]:
+        if server["status"] in ("starting", "running"):
+            process.post(f"/api/servers/{server['id']}/stop")
+    process.stop()
+
+
+def wait_status(
+    mgr: MgrProcess, server_id: int, statuses: tuple[str, ...], timeout_s: float
+) -> dict:
+    def check() -> dict | None:
+        server = mgr.get(f"/api/servers/{server_id}")
+        return server if server["status"] in statuses else None
+
+    return wait_for(check, timeout_s, f"server {server_id} to be {statuses}", poll_s=0.25)
+
+
+def start(mgr: MgrProcess, body: dict[str, Any]) -> dict:
+    server = mgr.post("/api/servers", body, expect=(202,))
+    assert server["status"] == "starting"
+    return wait_status(mgr, server["id"], ("running", "crashed", "failed"), READY_S)
+
+
+def chat(server: dict, text: str = "Tell me about the sea.", max_tokens: int = 24) -> dict:
+    status, body = http(
+        "POST",
+        server["url"] + "/v1/chat/completions",
+        {
+            "model": "demo",
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+        },
+        timeout=120,
+    )
+    assert status == 200, body
+    return body
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_start_from_a_profile_stop_and_restart(mgr: MgrProcess, demo_model: Path) -> None:
+    profile = mgr.post(
+        "/api/profiles",
+        {"name": "demo-2", "model": str(demo_model), "flags": ["--max-running-requests", "2"]},
+    )
+    server = start(mgr, {"profile_id": profile["id"]})
+    assert server["status"] == "running", server
+    assert server["profile_id"] == profile["id"] and server["name"] == "demo-2"
+    assert server["flags"][:2] == ["--max-running-requests", "2"]
+    assert 8100 <= server["port"] < 8200 and server["host"] == "127.0.0.1"
+    health = http("GET", server["url"] + "/health")[1]
+    assert health["status"] == "ok"
+    chat(server)
+
+    # the sampler reads /v1/stats every 2 s: the decode counters of that request arrive as deltas
+    stats = wait_for(
+        lambda: mgr.get(f"/api/servers/{server['id']}/stats")["stats"], 30, "sampled stats"
+    )
+    assert stats["requests"]["completed"] >= 1
+
+    def decoded() -> bool:
+        samples = mgr.get(f"/api/servers/{server['id']}/samples")["samples"]
+        return any(sum(s.get("d", {}).get("reads", [])) > 0 for s in samples)
+
+    wait_for(decoded, 30, "telemetry with decode reads")
+    logs = mgr.get(f"/api/servers/{server['id']}/logs?lines=50")
+    assert logs["lines"] and logs["path"].endswith(f"logs/server-{server['id']}.log")
+
+    stopped = mgr.post(f"/api/servers/{server['id']}/stop")
+    assert stopped["status"] == "stopped"
+    assert not launch.pid_alive(server["pid"])
+    assert port_is_free(server["port"])
+
+    restarted = mgr.post(f"/api/servers/{server['id']}/restart", expect=(202,))
+    assert restarted["pid"] != server["pid"] and restarted["port"] == server["port"]
+    running = wait_status(mgr, server["id"], ("running", "crashed", "failed"), READY_S)
+    assert running["status"] == "running", running
+    assert http("GET", running["url"] + "/health")[1]["status"] == "ok"
+    mgr.post(f"/api/servers/{server['id']}/stop")
+    assert not launch.pid_alive(restarted["pid"])
+
+
+def test_ports_in_use_are_refused_with_the_reason(mgr: MgrProcess, demo_model: Path) -> None:
+    server = start(mgr, {"model": str(demo_model), "flags": []})
+    try:
+        assert server["status"] == "running", server
+        status, body = mgr.request(
+            "POST",
+            "/api/servers",
+            {"model": str(demo_model), "flags": ["--port", str(server["port"])]},
+        )
+        assert status == 409 and body["error"]["code"] == "port_in_use"
+        assert f"server {server['id']}" in body["error"]["message"]
+        with socket.socket() as foreign:
+            foreign.bind(("127.0.0.1", 0))
+            foreign.listen()
+            port = foreign.getsockname()[1]
+            status, body = mgr.request(
+                "POST", "/api/servers", {"model": str(demo_model), "flags": ["--port", str(port)]}
+            )
+        assert status == 409 and "another program" in body["error"]["message"]
+    finally:
+        mgr.post(f"/api/servers/{server['id']}/stop")
+
+
+def test_bad_requests_never_start_an_engine(mgr: MgrProcess, demo_model: Path) -> None:
+    before = len(mgr.get("/api/servers")["servers"])
+    for body, code in (
+        ({"model": str(demo_model), "flags": ["--moe-cahce-rate", "0.5"]}, "invalid_flags"),
+        ({"model": str(demo_model), "flags": ["--model-path", "/x"]}, "invalid_flags"),
+        ({"model": "/nowhere", "flags": []}, "model_not_found"),
+        ({"profile_id": 999999}, "not_found"),
+    ):
+        status, reply = mgr.request("POST", "/api/servers", body)
+        assert status in (400, 404) and reply["error"]["code"] == code, reply
+    assert len(mgr.get("/api/servers")["servers"]) == before
+
+
+def test_an_engine_that_dies_while_loading_reports_its_exit_code_and_log(
+    mgr: MgrProcess, demo_model: Path, tmp_path: Path
+) -> None:
+    broken = copy_model(demo_model, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    began = time.monotonic()
+    server = start(mgr, {"model": str(broken), "flags": []})
+    assert server["status"] == "crashed", server
+    assert server["exit_code"] not in (0, None)
+    assert str(server["exit_code"]) in server["error"]
+    assert server["log_tail"].strip()
+    # reported when it happened, not after the ready timeout
+    assert time.monotonic() - began < 120
+
+
+def test_an_engine_killed_while_serving_is_reported_crashed(
+    mgr: MgrProcess, demo_model: Path
+) -> None:
+    server = start(mgr, {"model": str(demo_model), "flags": []})
+    assert server["status"] == "running", server
+    os.kill(server["pid"], signal.SIGKILL)
+    crashed = wait_status(mgr, server["id"], ("crashed",), 10)
+    assert crashed["exit_code"] == -signal.SIGKILL
+    assert "exited" in crashed["error"]
+
+
+def test_twenty_concurrent_readers_while_an_engine_runs(mgr: MgrProcess, demo_model: Path) -> None:
+    server = start(mgr, {"model": str(demo_model), "flags": []})
+    assert server["status"] == "running", server
+    paths = [
+        "/api/servers",
+        f"/api/servers/{server['id']}",
+        f"/api/servers/{server['id']}/stats",
+        f"/api/servers/{server['id']}/samples",
+        "/api/hardware",
+        "/api/models",
+        "/api/profiles",
+        "/api/flags",
+    ]
+    failures: list[Any] = []
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def reader(n: int) -> None:
+        for i in range(20):
+            path = paths[(n + i) % len(paths)]
+            began = time.monotonic()
+            status, body = mgr.request("GET", path)
+            with lock:
+                latencies.append(time.monotonic() - began)
+                if status != 200:
+                    failures.append((path, status, body))
+
+    generator = threading.Thread(target=lambda: chat(server, max_tokens=64))
+    generator.start()
+    readers = [threading.Thread(target=reader, args=(n,)) for n in range(20)]
+    began = time.monotonic()
+    for thread in readers:
+        thread.start()
+    for thread in readers:
+        thread.join(timeout=120)
+    generator.join(timeout=120)
+    elapsed = time.monotonic() - began
+    mgr.post(f"/api/servers/{server['id']}/stop")
+    assert failures == []
+    assert len(latencies) == 400
+    latencies.sort()
+    print(f"400 reads by 20 readers in {elapsed:.2f} s; p95 {latencies[379] * 1000:.0f} ms")
+    assert latencies[379] < 5.0
+
+
+def test_engines_are_adopted_after_mgr_is_killed(tmp_path: Path, demo_model: Path) -> None:
+    data = tmp_path / "data"
+    first = start_mgr(data, "--models-dir", str(demo_model.parent))
+    try:
+        kept = start(first, {"model": str(demo_model), "flags": []})
+        lost = start(first, {"model": str(demo_model), "flags": []})
+        assert kept["status"] == lost["status"] == "running"
+    finally:
+        first.kill()
+    # the engines run in their own process groups: the daemon's death does not take them along
+    assert launch.pid_alive(kept["pid"]) and launch.pid_alive(lost["pid"])
+    os.killpg(lost["pid"], signal.SIGKILL)
+    wait_for(lambda: not launch.pid_alive(lost["pid"]), 10, "the second engine to die")
+
+    second = start_mgr(data, "--models-dir", str(demo_model.parent))
+    try:
+        adopted = second.get(f"/api/servers/{kept['id']}")
+        assert adopted["status"] == "running" and adopted["pid"] == kept["pid"]
+        dead = second.get(f"/api/servers/{lost['id']}")
+        assert dead["status"] == "dead" and str(lost["pid"]) in dead["error"]
+        restarted_at = time.time()
+
+        def sampled_again() -> bool:
+            stats = second.get(f"/api/servers/{kept['id']}/stats")
+            return stats["sampled_at"] is not None and stats["age_s"] < time.time() - restarted_at
+
+        wait_for(sampled_again, 30, "the adopted engine to be sampled")
+        chat(adopted)
+        stopped = second.post(f"/api/servers/{kept['id']}/stop")
+        assert stopped["status"] == "stopped"
+        wait_for(lambda: not launch.pid_alive(kept["pid"]), 20, "the adopted engine to stop")
+    finally:
+        second.stop()
+
+
+def test_a_gpu_in_use_by_another_server_is_refused(tmp_path: Path, demo_model: Path) -> None:
+    """The GPU check in-process: a live handle on cuda:0 blocks a second engine on cuda:0."""
+    daemon = make_daemon(tmp_path / "data", demo_model.parent)
+    supervisor = daemon.supervisor
+    first = supervisor.start(model=str(demo_model), flags=["--device", "cpu"])
+    try:
+        holder = supervisor.handle(first.id)
+        assert holder is not None
+        # what a first engine on the GPU looks like to the supervisor
+        supervisor._handles[first.id] = EngineHandle(
+            first.id, holder.engine, "cuda:0", None, fresh=True, ready=True
+        )
+        with pytest.raises(Conflict, match=r"cuda:0 is taken by server") as refused:
+            supervisor.start(model=str(demo_model), flags=["--device", "cuda:0"])
+        assert refused.value.status == 409 and refused.value.code == "gpu_taken"
+        # the CPU is shared, not taken
+        other = supervisor.start(model=str(demo_model), flags=["--device", "cpu"])
+        supervisor.stop(other.id)
+    finally:
+        supervisor.stop(first.id)
+        daemon.close()
