@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +20,19 @@ class ChildResult:
     returncode: int
     stdout: str
     stderr_tail: str
+
+
+_running: set[subprocess.Popen] = set()
+_running_lock = threading.Lock()
+
+
+def stop_all() -> None:
+    """Kill the children still running (the daemon is shutting down; their jobs die with it)."""
+    with _running_lock:
+        for process in _running:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
 
 
 def moelab_argv(args: list[str]) -> list[str]:
@@ -46,6 +61,8 @@ def run_moelab(
         text=True,
         start_new_session=True,
     )
+    with _running_lock:
+        _running.add(process)
     tail: deque[str] = deque(maxlen=tail_lines)
 
     def relay() -> None:
@@ -65,9 +82,13 @@ def run_moelab(
     timer = threading.Timer(timeout_s, kill)
     timer.start()
     assert process.stdout is not None
-    stdout = process.stdout.read()
-    process.wait()
-    timer.cancel()
+    try:
+        stdout = process.stdout.read()
+        process.wait()
+    finally:
+        timer.cancel()
+        with _running_lock:
+            _running.discard(process)
     relay_thread.join(timeout=5)
     if timed_out.is_set():
         tail.append(f"killed after {timeout_s:.0f} s")

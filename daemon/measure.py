@@ -92,9 +92,11 @@ class HardwareService:
         self._lock = threading.Lock()
         self._loaded_pcie: dict[int, tuple[tuple[int, int], float]] = {}
 
-    def inventory(self, refresh: bool = False) -> Inventory:
+    def inventory(self, max_age_s: float = 5.0, refresh: bool = False) -> Inventory:
+        """The machine as probed at most `max_age_s` ago (free VRAM and RAM move)."""
         with self._lock:
-            if self._inventory is None or refresh:
+            stale = self._inventory is None or time.time() - self._inventory.taken > max_age_s
+            if stale or refresh:
                 self._inventory = probe_inventory()
             return self._inventory
 
@@ -200,7 +202,7 @@ class HardwareService:
         if last is not None and last[0] == link and now - last[1] < PCIE_LOADED_EVERY_S:
             return False
         self._loaded_pcie[gpu_index] = (link, now)
-        inventory = self.inventory()
+        inventory = self.inventory(max_age_s=3600.0)
         gpu = next((g for g in inventory.gpus if g.index == gpu_index), None)
         params = {"gpu_index": gpu_index, "server_id": server_id}
         self.record(
@@ -215,7 +217,7 @@ class HardwareService:
 
     def latest(self) -> list[Measurement]:
         """The newest reading of each kind on this machine (all rows that reading wrote)."""
-        machine = self.inventory().machine_id
+        machine = self.inventory(max_age_s=3600.0).machine_id
         with self.store.session() as session:
             newest = (
                 select(Measurement.kind, func.max(Measurement.created).label("created"))

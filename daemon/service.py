@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import child
 from .auth import AccessPolicy, Credentials, LoginLimiter, ServedHosts, load_or_create_token
 from .catalog import ModelCatalog
 from .jobs import Jobs
@@ -60,7 +61,7 @@ class Daemon:
         self.supervisor = Supervisor(
             self.store,
             config.data_dir,
-            gpu_count=lambda: len(self.hardware.inventory().gpus),
+            gpu_count=lambda: len(self.hardware.inventory(max_age_s=3600.0).gpus),
             ports=config.engine_ports,
         )
         self.sampler = Sampler(
@@ -86,4 +87,5 @@ class Daemon:
         """Stop the daemon's threads; engines keep running and are adopted by the next start."""
         self.sampler.close()
         self.supervisor.close()
+        child.stop_all()
         self.store.close()

@@ -29,7 +29,7 @@ from .store import Store
 
 LIVE = ("starting", "running", "stopping")
 DEFAULT_PORTS = range(8100, 8200)
-ADOPTED_READY_TIMEOUT_S = 120.0
+ADOPTED_READY_MIN_S = 120.0
 
 
 @dataclass(slots=True)
@@ -371,8 +371,11 @@ class Supervisor:
                     handle.health, handle.ready = health, True
                     self._update(row.id, status="running")
                 else:
+                    # still loading (or not answering): it gets what is left of its ready time
                     self._update(row.id, status="starting")
-                    self._wait_in_background(handle, ADOPTED_READY_TIMEOUT_S)
+                    waited_s = time.time() - (row.started or time.time())
+                    remaining_s = max(ADOPTED_READY_MIN_S, self.ready_timeout_s - waited_s)
+                    self._wait_in_background(handle, remaining_s)
             else:
                 self._update(
                     row.id,
