@@ -20,11 +20,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fused_moe, grouped_moe, paged_attention, rmsnorm, router
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
+DEVICE = "cuda"
 DTYPE = torch.bfloat16
 ELEM_BYTES = 2
 EXPERT_BYTES = 3 * HIDDEN * INTER * ELEM_BYTES
@@ -32,6 +34,11 @@ EXPERT_BYTES = 3 * HIDDEN * INTER * ELEM_BYTES
 # that read less than this over MAX_CALLS_PER_GRAPH are bound by launches, not by memory.
 MIN_WORKING_SET_BYTES = 512 << 20
 MAX_CALLS_PER_GRAPH = 64
+FUSED_SDPA = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +118,7 @@ def eager_us_per_call(calls: Sequence[Callable[[], object]], rounds: int = 3) ->
 
 def measure_copy_gbps() -> float:
     """Device-to-device copy rate of a 2 GiB buffer, counting the read and the write."""
-    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    src = torch.empty(1 << 30, dtype=torch.int16, device=DEVICE)
     dst = torch.empty_like(src)
     us = median_event_us(lambda: dst.copy_(src), 10)
     return 2 * src.numel() * src.element_size() / us / 1e3
@@ -119,8 +126,8 @@ def measure_copy_gbps() -> float:
 
 def measure_matmul_tflops() -> float:
     """bf16 matmul rate of an 8192^3 product."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
-    b = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=DTYPE)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=DTYPE)
     us = median_event_us(lambda: a @ b, 10)
     return 2 * 8192**3 / us / 1e6
 
@@ -138,7 +145,8 @@ class Bench:
         self.copy_gbps = copy_gbps
         self.matmul_tflops = matmul_tflops
         self.results: list[Result] = []
-        self.gen = torch.Generator(device="cuda").manual_seed(0)
+        self.notes: list[str] = []
+        self.gen = torch.Generator(device=DEVICE).manual_seed(0)
 
     def add(
         self,
@@ -154,19 +162,23 @@ class Bench:
         )
         self.results.append(result)
         print(
-            f"  {kernel:<18} {shape:<34} {time_us:9.1f} us  {result.gbps:7.0f} GB/s "
+            f"  {kernel:<18} {shape:<40} {time_us:9.1f} us  {result.gbps:7.0f} GB/s "
             f"({result.bw_share:4.0%})",
             file=sys.stderr,
             flush=True,
         )
 
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        print(f"  note: {text}", file=sys.stderr, flush=True)
+
     def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
-        out = torch.empty(*shape, device="cuda", dtype=DTYPE)
+        out = torch.empty(*shape, device=DEVICE, dtype=DTYPE)
         return out.normal_(0.0, scale, generator=self.gen)
 
     def routes(self, tokens: int, first: int, count: int) -> torch.Tensor:
         """[tokens, TOP_K] distinct picks per token from range(first, first + count)."""
-        keys = torch.rand(tokens, count, generator=self.gen, device="cuda")
+        keys = torch.rand(tokens, count, generator=self.gen, device=DEVICE)
         return (keys.topk(TOP_K, dim=1).indices + first).to(torch.int32)
 
     def fused_moe(
@@ -177,7 +189,7 @@ class Bench:
         w13 = self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
         w2 = self.randn(layers * EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
         x = self.randn(tokens, HIDDEN)
-        weights = torch.rand(tokens, TOP_K, generator=self.gen, device="cuda")
+        weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
         slot_sets = [self.routes(tokens, layer * EXPERTS, EXPERTS) for layer in range(layers)]
         unique = sum(s.unique().numel() for s in slot_sets) / layers
         bytes_moved = int(unique * EXPERT_BYTES) + tokens * HIDDEN * (ELEM_BYTES + 4)
@@ -219,7 +231,7 @@ class Bench:
         w2 = self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
         x = self.randn(tokens, HIDDEN)
         ids = self.routes(tokens, 0, EXPERTS)
-        weights = torch.rand(tokens, TOP_K, generator=self.gen, device="cuda")
+        weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
         used = ids.unique().numel()
         bytes_moved = used * EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
         flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
@@ -250,8 +262,8 @@ class Bench:
             )
             for _ in range(layers)
         ]
-        tables = torch.randperm(blocks, device="cuda").view(batch, max_blocks).int()
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        tables = torch.randperm(blocks, device=DEVICE).view(batch, max_blocks).int()
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         q = self.randn(batch, Q_HEADS, HEAD_DIM)
         scale = HEAD_DIM**-0.5
 
@@ -289,24 +301,35 @@ class Bench:
     ) -> Callable[[], object]:
         return lambda: paged_attention.paged_attention_decode_ref(q, k, v, tables, lens, scale)
 
-    def sdpa_prefill(self, length: int) -> None:
-        """torch SDPA for prefill (causal, GQA): what the engine uses unless a kernel beats it."""
+    def sdpa_prefill(self, length: int, backends: Sequence[SDPBackend] = FUSED_SDPA) -> None:
+        """torch SDPA for prefill (causal, GQA): what the engine uses unless a kernel beats it.
+
+        The math backend is left out: at long contexts it materializes the score matrix and runs
+        out of memory, and a case no fused backend takes is worth a note, not a crash.
+        """
         q = self.randn(1, Q_HEADS, length, HEAD_DIM)
         k = self.randn(1, KV_HEADS, length, HEAD_DIM)
         v = self.randn(1, KV_HEADS, length, HEAD_DIM)
+        group = Q_HEADS // KV_HEADS
+        cases = {
+            "enable_gqa": (k, v, True),
+            "kv repeated": (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False),
+        }
         flops = 2 * length * length * HEAD_DIM * Q_HEADS  # causal: half of 4 * L^2 * D per head
         bytes_moved = (2 * q.numel() + k.numel() + v.numel()) * ELEM_BYTES
-        iters = 3 if length > 16384 else 10
-        gqa_us = median_event_us(
-            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), iters
-        )
-        group = Q_HEADS // KV_HEADS
-        k_wide, v_wide = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        wide_us = median_event_us(
-            lambda: F.scaled_dot_product_attention(q, k_wide, v_wide, is_causal=True), iters
-        )
-        self.add("sdpa_prefill", f"L={length} enable_gqa", gqa_us, bytes_moved, flops, None)
-        self.add("sdpa_prefill", f"L={length} kv repeated", wide_us, bytes_moved, flops, None)
+        names = "auto" if backends == FUSED_SDPA else "+".join(b.name for b in backends)
+        for mode, (keys, values, gqa) in cases.items():
+            call = _sdpa_call(q, keys, values, gqa, backends)
+            try:
+                time_us = median_event_us(call, 3 if length > 16384 else 10)
+            except RuntimeError as e:
+                self.note(
+                    f"sdpa L={length} {mode} {names}: no backend ran ({str(e).splitlines()[0]})"
+                )
+                continue
+            self.add(
+                "sdpa_prefill", f"L={length} {mode} {names}", time_us, bytes_moved, flops, None
+            )
 
     def rmsnorm(self, tokens: int) -> None:
         """Residual add + RMSNorm over the hidden size."""
@@ -351,13 +374,25 @@ class Bench:
         )
 
 
+def _sdpa_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool, backends: Sequence[SDPBackend]
+) -> Callable[[], object]:
+    """One causal SDPA call restricted to the given backends."""
+
+    def call() -> torch.Tensor:
+        with sdpa_kernel(list(backends)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    return call
+
+
 def _short(config: object) -> str:
     """A config's fields in a few characters, for sweep rows."""
     return "/".join(str(v) for v in asdict(config).values())
 
 
-def run(sweep: bool) -> tuple[dict[str, object], list[Result]]:
-    """Measure the ceilings, then every kernel; returns the device summary and the results."""
+def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
+    """Measure the ceilings, then every kernel; returns the device summary, results and notes."""
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}; measuring copy bandwidth and matmul rate", file=sys.stderr)
     bench = Bench(measure_copy_gbps(), measure_matmul_tflops())
@@ -397,23 +432,27 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result]]:
             for splits in (64, 128, 256):
                 config = paged_attention.AttentionConfig(block_n, splits)
                 bench.paged_attention([32768], config, with_ref=False)
-    return device, bench.results
+        for backend in FUSED_SDPA:
+            for length in (8192, 32768):
+                bench.sdpa_prefill(length, (backend,))
+    return device, bench.results, bench.notes
 
 
-def table(device: dict[str, object], results: list[Result]) -> str:
-    """The results as a fixed-width table with the device's ceilings in the title."""
+def table(device: dict[str, object], results: list[Result], notes: Sequence[str] = ()) -> str:
+    """The results as a fixed-width table with the device's ceilings in the title, notes below."""
     lines = [
         f"{device['name']}: copy {device['copy_gbps']:.0f} GB/s, bf16 matmul "
         f"{device['matmul_tflops']:.0f} TFLOP/s (torch {device['torch']})",
-        f"{'kernel':<18} {'shape':<34} {'us':>9} {'GB/s':>7} {'%bw':>5} {'TFLOP/s':>8} {'%mm':>5} "
+        f"{'kernel':<18} {'shape':<40} {'us':>9} {'GB/s':>7} {'%bw':>5} {'TFLOP/s':>8} {'%mm':>5} "
         f"{'ref us':>9} {'x ref':>6}",
     ]
     for r in results:
         ref = f"{r.ref_us:9.1f} {r.ref_us / r.time_us:6.1f}" if r.ref_us else f"{'-':>9} {'-':>6}"
         lines.append(
-            f"{r.kernel:<18} {r.shape:<34} {r.time_us:9.1f} {r.gbps:7.0f} "
+            f"{r.kernel:<18} {r.shape:<40} {r.time_us:9.1f} {r.gbps:7.0f} "
             f"{r.bw_share:5.0%} {r.tflops:8.1f} {r.mm_share:5.0%} {ref}"
         )
+    lines.extend(f"note: {note}" for note in notes)
     return "\n".join(lines)
 
 
@@ -428,17 +467,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="also time a few tile configs of the decode MoE and attention kernels",
+        help="also time tile configs of decode MoE and attention, and each SDPA backend",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: the kernel benchmark needs a GPU (nothing measured)")
         return 0
-    device, results = run(args.sweep)
+    device, results, notes = run(args.sweep)
     if args.json:
-        print(json.dumps({"device": device, "results": [r.to_json() for r in results]}, indent=2))
+        rows = [r.to_json() for r in results]
+        print(json.dumps({"device": device, "results": rows, "notes": notes}, indent=2))
     else:
-        print(table(device, results))
+        print(table(device, results, notes))
     return 0
 
 

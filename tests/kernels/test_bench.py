@@ -32,11 +32,12 @@ def test_rates_and_shares_follow_from_time_bytes_and_flops():
 
 def test_table_lists_every_kernel_with_its_reference_speedup():
     device = {"name": "Fake GPU", "copy_gbps": 4000.0, "matmul_tflops": 600.0, "torch": "x"}
-    text = bench.table(device, [result(), result("sdpa_prefill", ref_us=None)])
+    text = bench.table(device, [result(), result("sdpa_prefill", ref_us=None)], ["no cuDNN"])
     lines = text.splitlines()
     assert "Fake GPU" in lines[0] and "4000 GB/s" in lines[0]
     assert lines[2].startswith("fused_moe_decode") and lines[2].rstrip().endswith("3.0")
     assert lines[3].startswith("sdpa_prefill") and lines[3].rstrip().endswith("-")
+    assert lines[4] == "note: no cuDNN"
 
 
 def test_without_cuda_it_says_so_and_exits_0(monkeypatch, capsys):
