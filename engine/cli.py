@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _synth_parser(sub)
     _generate_parser(sub)
+    from .serve_cli import add_serve_parser
+
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
     level = getattr(args, "log_level", "info").upper()
     logging.basicConfig(

@@ -18,10 +18,12 @@ from .kv import KVCache
 from .memory import VramPlan, log_plan, plan_vram
 from .model import Model, SeqSlice, StepBatch
 from .moe import MissPolicy, MoERunner, stream_threshold_tokens
+from .rope import Rotary
 from .sampling import Sampler, SamplingParams
 from .scheduler import Chunk, Scheduler, Sequence
 from .spec import ModelSpec
 from .synth import SynthSource, calibrate_routing
+from .telemetry import StepTimer, Telemetry
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("moelab.engine")
@@ -64,7 +66,9 @@ class Engine:
         self.dtype = dtype = resolve_dtype(args.dtype, spec, device)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         elem = torch.empty((), dtype=dtype).element_size()
-        self.plan = plan = self._plan(elem)
+        self.plan = plan = self._plan(
+            elem, cache_size=args.moe_cache_size, cache_rate=args.moe_cache_rate
+        )
         log_plan(plan)
 
         synth_info = spec.extra.get("moelab_synth") or {}
@@ -129,45 +133,100 @@ class Engine:
         )
         if self.synth_source is not None:
             calibrate_routing(self, self.synth_source)
+        self.telemetry = Telemetry(self, enabled=not args.no_stats)
         self.load_s = time.perf_counter() - t0
         log.info("engine ready in %.2f s", self.load_s)
 
     # setup --------------------------------------------------------------------------------------
 
-    def _plan(self, elem: int) -> VramPlan:
+    def _plan(
+        self,
+        elem: int,
+        *,
+        budget: int | None = None,
+        kv_tokens: int | None = None,
+        cache_size: int | None = None,
+        cache_rate: float | None = None,
+    ) -> VramPlan:
         args, spec = self.args, self.spec
-        if self.device.type == "cuda":
+        if budget is None and self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
             budget = min(free, args.device_memory) if args.device_memory else free
-        else:
+        elif budget is None:
             budget = args.device_memory or 2 * 1024**3
         return plan_vram(
             spec,
             budget_bytes=budget,
             weights_bytes=spec.dense_params * elem,
             elem_bytes=elem,
-            kv_reserve_tokens=args.kv_reserve_tokens,
+            kv_reserve_tokens=kv_tokens or args.kv_reserve_tokens,
             block_size=args.kv_block_size,
             prefill_chunk_tokens=args.prefill_chunk_tokens,
             max_running=args.max_running_requests,
             headroom_bytes=args.memory_headroom,
-            cache_size=args.moe_cache_size,
-            cache_rate=args.moe_cache_rate,
+            cache_size=cache_size,
+            cache_rate=cache_rate,
             cuda_graphs=self.device.type == "cuda" and not args.no_cuda_graph,
             max_context=args.max_context,
         )
 
     def _load_all_experts(self) -> None:
         """Every expert fits: fill the cache once, nothing is fetched afterwards."""
+        fills = self.cache.fills
         for m in range(self.bank.num_layers):
             for e in range(self.bank.num_experts):
+                if self.cache.slot_of[m, e] >= 0:
+                    continue
                 slot = self.cache.admit(m, e, set())
                 assert slot is not None
                 self.cache.w13[slot].copy_(self.bank.w13[m][e], non_blocking=True)
                 self.cache.w2[slot].copy_(self.bank.w2[m][e], non_blocking=True)
-        self.cache.fills = 0
+        self.cache.fills = fills
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _apply_plan(self, plan: VramPlan) -> None:
+        """Resize the expert cache to `plan` (idle engine), keeping the most recent experts."""
+        self.moe.release_prefill_buffers()
+        self.cache.resize(plan.slots, self.moe.refill)
+        if plan.all_resident:
+            self._load_all_experts()
+        elif plan.prefill_buffer_bytes:
+            self.moe.allocate_prefill_buffers()
+        self.plan = plan
+
+    def resize_cache(self, slots: int) -> None:
+        """Set the number of expert slots without reloading weights (no request may be running).
+
+        Raises MemoryPlanError when the current KV and `slots` do not fit the budget.
+        """
+        assert not self.scheduler.running, "resize while requests run"
+        elem = self.cache.w13.element_size()
+        plan = self._plan(
+            elem, budget=self.plan.budget_bytes, kv_tokens=self.kv.capacity_tokens, cache_size=slots
+        )
+        self._apply_plan(plan)
+        log.info("expert cache resized: %s", plan.describe())
+
+    def resize_kv(self, tokens: int) -> None:
+        """Reserve `tokens` of KV and give the expert cache what is left (no request running)."""
+        assert not self.scheduler.running, "resize while requests run"
+        elem = self.cache.w13.element_size()
+        args = self.args
+        plan = self._plan(
+            elem,
+            budget=self.plan.budget_bytes,
+            kv_tokens=tokens,
+            cache_size=args.moe_cache_size,
+            cache_rate=args.moe_cache_rate,
+        )
+        self.kv.k = self.kv.v = torch.empty(0)
+        self.kv = KVCache(self.spec, plan.kv_blocks, args.kv_block_size, self.device, self.dtype)
+        self.model.kv = self.scheduler.kv = self.kv
+        self._apply_plan(plan)
+        if plan.max_context + 1 > self.model.rotary.cos.shape[0]:
+            self.model.rotary = Rotary(self.spec, plan.max_context + 1, self.device, self.dtype)
+        log.info("KV reserve changed: %s", plan.describe())
 
     # running ------------------------------------------------------------------------------------
 
@@ -203,15 +262,31 @@ class Engine:
         chunks = self.scheduler.next_step()
         if not chunks:
             return []
+        t0 = time.perf_counter()
         batch = self._batch(chunks)
-        logits = self.model.forward(batch)
+        decode = batch.decode
+        timer = StepTimer(self.device) if decode and self.telemetry.want_timing() else None
+        self.model.timer = self.moe.timer = timer
+        try:
+            logits = self.model.forward(batch)
+        except BaseException:
+            self.moe.reset_prefill()
+            raise
+        finally:
+            self.model.timer = self.moe.timer = None
         sampled_chunks = [c for c in chunks if c.completes_prompt]
         for c in chunks:
             c.seq.computed = c.start + c.count
-        if not sampled_chunks:
-            return []
         seqs = [c.seq for c in sampled_chunks]
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.id for s in seqs])
+        if decode:
+            self.moe.after_decode_step()
+        self.telemetry.on_step(
+            decode_tokens=len(chunks) if decode else 0,
+            prefill_tokens=0 if decode else sum(c.count for c in chunks),
+            step_s=time.perf_counter() - t0,
+            timer=timer,
+        )
         now = time.monotonic()
         for seq, token in zip(seqs, tokens, strict=True):
             if seq.first_token_time is None:
@@ -223,6 +298,7 @@ class Engine:
             if seq.finished:
                 self.scheduler.finish(seq, seq.finish_reason)
                 self.sampler.forget(seq.id)
+                self.telemetry.on_finish(seq)
         return seqs
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -278,6 +354,28 @@ class Engine:
             return self.model.forward(batch)
         finally:
             self.kv.release(blocks)
+
+    def config_in_force(self) -> dict:
+        """The resolved settings the engine runs with (what /v1/stats reports as config)."""
+        a = self.args
+        return {
+            "policy": a.moe_miss_policy,
+            "policy_mode": self.policy.mode,
+            "fetch_fraction": self.policy.fetch_fraction,
+            "cpu_threads": self.cpu.num_threads,
+            "cpu_kernel": self.cpu.kernel,
+            "bp_gbps": self.bp_gbps,
+            "bh_gbps": self.bh_gbps,
+            "slots": self.cache.slots,
+            "kv_reserve_tokens": a.kv_reserve_tokens,
+            "prefill_chunk_tokens": a.prefill_chunk_tokens,
+            "prefill_overlap": not a.no_prefill_overlap,
+            "prefill_stream_min_tokens": self.moe.prefill_stream_min_tokens,
+            "max_running_requests": a.max_running_requests,
+            "cuda_graphs": False,
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+        }
 
     def close(self) -> None:
         self.cpu.close()

@@ -6,6 +6,7 @@ Routed experts are not held here: each MoE layer hands its routing to an expert 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -122,6 +123,7 @@ class Model:
         self.dtype = weights.embed.dtype
         self.rotary = Rotary(spec, max_positions, self.device, self.dtype)
         self.scale = spec.head_dim**-0.5
+        self.timer = None  # a telemetry StepTimer while one step is being timed by phase
         # called with (layer, router input, routed expert ids) on every MoE layer, when set
         self.on_router: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
@@ -199,8 +201,9 @@ class Model:
         if layer.router is None:
             return _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
         spec = self.spec
-        logits = F.linear(x, layer.router)
-        weights, ids = topk_softmax(logits, spec.top_k, spec.norm_topk_prob)
+        with self.timer.phase("route") if self.timer is not None else _NO_TIMER:
+            logits = F.linear(x, layer.router)
+            weights, ids = topk_softmax(logits, spec.top_k, spec.norm_topk_prob)
         if self.on_router is not None:
             self.on_router(index, x, ids)
         out = self.experts.forward(spec.moe_index(index), x, ids, weights, decode=batch.decode)
@@ -208,6 +211,9 @@ class Model:
             gate = torch.sigmoid(F.linear(x, layer.shared_gate))
             out = out + (gate * _swiglu(x, layer.shared_gate_up, layer.shared_down)).float()
         return out.to(x.dtype)
+
+
+_NO_TIMER = contextlib.nullcontext()
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

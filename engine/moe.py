@@ -12,8 +12,10 @@ and then treats its misses like decode does.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,18 +93,20 @@ class MoERunner:
         self.prefill_stream_min_tokens = prefill_stream_min_tokens
         self.counters = LayerCounters.zeros(bank.num_layers, bank.num_experts)
         self.prefill_picks = np.zeros((bank.num_layers, bank.num_experts), dtype=np.int64)
-        self.on_decode_step: list = []  # callbacks(layer, experts, slots_before, fetched, cpu_run)
-        self.timing: dict[str, float] | None = None  # filled when a step is being timed
+        # decode-step observers: (layer, experts, slots before the step, fetched, run on CPU)
+        self.on_decode_step: list[Callable] = []
+        # the decode access stream, keys layer * E + expert in the order the cache sees them
+        self.on_accesses: Callable[[np.ndarray], None] | None = None
+        self.timer = None  # a telemetry StepTimer while one step is being timed by phase
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._stage_w13: list[torch.Tensor] = []
         self._stage_w2: list[torch.Tensor] = []
         self._staged: dict[int, tuple[int, object]] = {}  # moe layer -> (buffer, ready event)
         self._buffer_free: list[object | None] = [None, None]  # event: compute done reading it
-        layers, experts = bank.num_layers, bank.num_experts
-        self._device_picks = torch.zeros((layers, experts), dtype=torch.int64, device=self.device)
-        self._device_reads = torch.zeros(layers, dtype=torch.int64, device=self.device)
-        self._ones = torch.ones(4096 * top_k, dtype=torch.int64, device=self.device)
+        # all-resident decode copies its routing to the host without waiting (see _record_ids)
+        self._ids_host: list[torch.Tensor] = []
+        self._pending: dict[int, int] = {}
 
     # prefill buffers ----------------------------------------------------------------------------
 
@@ -125,6 +129,11 @@ class MoERunner:
         self._stage_w2 = [
             torch.empty(shape2, dtype=self.dtype, device=self.device) for _ in range(2)
         ]
+
+    def release_prefill_buffers(self) -> None:
+        self._stage_w13, self._stage_w2 = [], []
+        self._staged.clear()
+        self._buffer_free = [None, None]
 
     # the step ---------------------------------------------------------------------------------
 
@@ -152,27 +161,47 @@ class MoERunner:
         # slots looked up on the device: no host sync, so the step can sit in a CUDA graph
         slots = self.cache.slot_of_device[moe_layer][ids.long()]
         if decode:
-            self._count_resident_decode(moe_layer, ids)
-            return fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2)
+            self._record_ids(moe_layer, ids)
+            with self._phase("gpu_experts"):
+                return fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2)
         return grouped_moe(x, slots, weights, self.cache.w13, self.cache.w2)
 
-    def _count_resident_decode(self, moe_layer: int, ids: torch.Tensor) -> None:
-        # device-side counters: no host sync, so the step can be captured in a CUDA graph
-        flat = ids.reshape(-1).long()
-        self._device_picks[moe_layer].index_add_(0, flat, self._ones[: flat.numel()])
-        seen = torch.zeros(self.bank.num_experts, dtype=torch.int64, device=self.device)
-        seen.index_fill_(0, flat, 1)
-        self._device_reads[moe_layer] += seen.sum()
+    def _phase(self, name: str):
+        return self.timer.phase(name) if self.timer is not None else _NO_TIMER
 
-    def flush_device_counters(self) -> None:
-        """Move the all-resident path's device counters into the host counters (between steps)."""
-        reads = self._device_reads.cpu().numpy()
-        if reads.any():
-            self.counters.reads += reads
-            self.counters.hits += reads
-            self.counters.picks += self._device_picks.cpu().numpy()
-            self._device_reads.zero_()
-            self._device_picks.zero_()
+    def _record_ids(self, moe_layer: int, ids: torch.Tensor) -> None:
+        """Queue a non-blocking copy of a resident decode step's routing to pinned host memory.
+
+        No host sync (the step may be inside a CUDA graph); `after_decode_step` reads the copies once
+        sampling has synchronized the step.
+        """
+        if not self._ids_host:
+            shape = (4096, self.top_k)
+            pin = self.device.type == "cuda"
+            self._ids_host = [
+                torch.empty(shape, dtype=torch.int32, pin_memory=pin)
+                for _ in range(self.bank.num_layers)
+            ]
+        self._ids_host[moe_layer][: ids.shape[0]].copy_(ids, non_blocking=True)
+        self._pending[moe_layer] = ids.shape[0]
+
+    def after_decode_step(self) -> None:
+        """Count a synchronized all-resident decode step's routing (every read is a hit)."""
+        if not self._pending:
+            return
+        experts = self.bank.num_experts
+        layers = np.fromiter(self._pending, dtype=np.int64)
+        rows = [self._ids_host[m][:n].numpy() for m, n in self._pending.items()]
+        self._pending.clear()
+        keys = np.concatenate([r.ravel() + m * experts for m, r in zip(layers, rows, strict=True)])
+        np.add.at(self.counters.picks.reshape(-1), keys, 1)
+        unique = np.unique(keys)
+        reads = np.bincount(unique // experts, minlength=self.bank.num_layers)
+        self.counters.reads += reads
+        self.counters.hits += reads
+        self.cache.hits += int(unique.size)
+        if self.on_accesses is not None:
+            self.on_accesses(unique)
 
     def _split(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
         """Hits on the device, misses split between slot fills and CPU execution."""
@@ -211,10 +240,16 @@ class MoERunner:
             c.cpu[moe_layer] += on_cpu.size
             for callback in self.on_decode_step:
                 callback(moe_layer, experts, slots, fetched, on_cpu.tolist())
+            if self.on_accesses is not None:
+                base = moe_layer * self.bank.num_experts
+                self.on_accesses(np.concatenate([experts[slots >= 0], missing]) + base)
 
         job = None
         if on_cpu.size:
             job = self._submit_cpu(moe_layer, x, ids_host, weights, on_cpu)
+            if self.timer is not None:  # a timed step runs the CPU part alone, to attribute it
+                with self._phase("cpu_experts"):
+                    job.wait()
         slot_map = self.cache.slot_of[moe_layer]
         route_slots = slot_map[ids_host]
         cpu_mask = np.isin(ids_host, on_cpu)
@@ -223,16 +258,20 @@ class MoERunner:
         kernel = fused_moe_decode if decode else grouped_moe
         hit_slots = np.where(fetched_mask, -1, route_slots)
         out = None
-        if (hit_slots >= 0).any():
-            out = kernel(x, self._to_device(hit_slots), weights, self.cache.w13, self.cache.w2)
-        if fetched:
-            if fill_event is not None:
-                torch.cuda.current_stream(self.device).wait_event(fill_event)
-            fill_slots = np.where(fetched_mask, route_slots, -1)
-            part = kernel(x, self._to_device(fill_slots), weights, self.cache.w13, self.cache.w2)
-            out = part if out is None else out + part
+        with self._phase("gpu_experts"):
+            if (hit_slots >= 0).any():
+                out = kernel(x, self._to_device(hit_slots), weights, self.cache.w13, self.cache.w2)
+            if fetched:
+                if fill_event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(fill_event)
+                fill_slots = np.where(fetched_mask, route_slots, -1)
+                part = kernel(
+                    x, self._to_device(fill_slots), weights, self.cache.w13, self.cache.w2
+                )
+                out = part if out is None else out + part
         if job is not None:
-            cpu_out = job.wait().to(self.device, non_blocking=True)
+            with self._phase("cpu_experts"):
+                cpu_out = job.wait().to(self.device, non_blocking=True)
             out = cpu_out if out is None else out + cpu_out
         if out is None:
             out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
@@ -319,6 +358,9 @@ class MoERunner:
     def reset_prefill(self) -> None:
         """Forget staged layers (a prefill chunk ended early or the step failed)."""
         self._staged.clear()
+
+
+_NO_TIMER = contextlib.nullcontext()
 
 
 def expected_unique_experts(tokens: int, num_experts: int, top_k: int) -> float:

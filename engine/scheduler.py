@@ -77,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False
+        self.paused = False  # set from the server while the caches are resized: admit nothing
 
     @property
     def idle(self) -> bool:
@@ -86,7 +87,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
+        while not self.paused and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             need = self.kv.blocks_for(seq.max_length)
             if need > self.kv.free_blocks:

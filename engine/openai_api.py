@@ -1,0 +1,276 @@
+"""OpenAI request parsing and validation, and the response and stream chunk shapes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from .sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 1024
+MAX_STOPS = 16
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI-style JSON."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """What a completion request asks for, validated."""
+
+    prompt_text: str | None
+    prompt_ids: list[int] | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: tuple[str, ...]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    model: str | None
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(name, f"must be a number, got {type(value).__name__}")
+    if integer and int(value) != value:
+        raise bad(name, f"must be a whole number, got {value}")
+    if lo is not None and value < lo:
+        raise bad(name, f"must be at least {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise bad(name, f"must be at most {hi}, got {value}")
+    return int(value) if integer else float(value)
+
+
+def parse_common(body: dict) -> dict:
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    n = _number(body, "n", 1, lo=1, integer=True)
+    if n != 1:
+        raise bad("n", "only n=1 is supported")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = _number({name: max_tokens}, name, None, lo=1, integer=True)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOPS:
+            raise bad("stop", f"at most {MAX_STOPS} stop strings")
+        stops = tuple(s for s in stop if s)
+    else:
+        raise bad("stop", "must be a string or a list of strings")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", "must be true or false")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("stream_options", "must be an object")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos", "must be true or false")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "must be a string")
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _number(body, "seed", None, integer=True)
+    return dict(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=_number(body, "top_p", 1.0, lo=1e-9, hi=1.0),
+        top_k=max(0, _number(body, "top_k", 0, lo=-1, integer=True)),
+        stop=stops,
+        seed=seed,
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        ignore_eos=ignore_eos,
+        model=model,
+    )
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    common = parse_common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return ParsedRequest(prompt_text=prompt, prompt_ids=None, **common)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return ParsedRequest(prompt_text=None, prompt_ids=list(prompt), **common)
+    if prompt is None:
+        raise bad("prompt", "is required")
+    raise bad("prompt", "must be a string or a list of token ids (one prompt; n=1)")
+
+
+def parse_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad(f"messages[{i}]", "must be an object with a role")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad(f"messages[{i}].content", "only text content parts are supported")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
+        out.append({**message, "content": content})
+    return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, u: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": u,
+    }
+
+
+def chat_chunk(
+    rid: str, model: str, delta: dict, finish: str | None, u: dict | None = None
+) -> dict:
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+    if u is not None:
+        chunk["choices"] = []
+        chunk["usage"] = u
+    return chunk
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, u: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "usage": u,
+    }
+
+
+def completion_chunk(rid: str, model: str, text: str, finish: str | None,
+                     u: dict | None = None) -> dict:  # fmt: skip
+    chunk = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+    if u is not None:
+        chunk["choices"] = []
+        chunk["usage"] = u
+    return chunk
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back a tail that could start one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Text safe to emit now, and whether a stop string was reached."""
+        self.pending += text
+        for stop in self.stops:
+            at = self.pending.find(stop)
+            if at >= 0:
+                out, self.pending = self.pending[:at], ""
+                return out, True
+        if self.hold == 0:
+            out, self.pending = self.pending, ""
+            return out, False
+        cut = max(0, len(self.pending) - self.hold)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

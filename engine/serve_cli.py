@@ -1,0 +1,64 @@
+"""`moelab serve`: start the engine thread and the HTTP server; SIGTERM drains, then exits."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from .args import add_engine_flags
+
+log = logging.getLogger("moelab.serve")
+
+DRAIN_GRACE_S = 30
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    add_engine_flags(p)
+    p.set_defaults(run=run)
+
+
+class _DrainingServer(uvicorn.Server):
+    """Marks the app as draining the moment a shutdown signal arrives, so new requests get 503
+    while uvicorn lets the running ones finish within the grace."""
+
+    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .server import Server
+    from .worker import EngineWorker
+
+    worker = EngineWorker(args)
+    server = Server(args, worker)
+    worker.start()
+
+    def drain() -> None:
+        if not server.draining:
+            log.info("shutdown signal: draining (no new requests, %d s grace)", DRAIN_GRACE_S)
+        server.draining = True
+
+    config = uvicorn.Config(
+        server.app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=DRAIN_GRACE_S, access_log=args.log_level == "debug",
+    )  # fmt: skip
+    http = _DrainingServer(config, drain)
+    log.info("moelab serve: http://%s:%d/v1 (model %s)", args.host, args.port, server.model_name)
+    try:
+        http.run()
+    finally:
+        worker.stop()
+        worker.join(timeout=10)
+    if not http.started:
+        print(f"moelab serve: could not listen on {args.host}:{args.port}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,417 @@
+"""`moelab serve`: the OpenAI-compatible API, /health, /v1/stats, /metrics and cache resizing."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import openai_api as api
+from .openai_api import ApiError
+from .tokenizer import ChatTemplateError, IncrementalDecoder
+from .worker import EngineWorker, QueueFull
+from .worker import Request as EngineRequest
+
+log = logging.getLogger("moelab.server")
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+RESIZE_WAIT_S = 30.0
+
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def read_json(request: Request) -> dict:
+    """The JSON body, refusing bodies past MAX_BODY_BYTES before reading them whole."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(
+            413,
+            f"request body of {int(length)} bytes exceeds {MAX_BODY_BYTES}",
+            code="request_too_large",
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(
+                413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large"
+            )
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+
+
+def is_loopback(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Server:
+    """The HTTP side of one engine."""
+
+    def __init__(self, args: argparse.Namespace, worker: EngineWorker) -> None:
+        self.args = args
+        self.worker = worker
+        self.model_name = args.served_model_name or Path(args.model_path).resolve().name
+        self.draining = False
+        self.started = time.time()
+        self.app = Starlette(routes=[
+            Route("/health", self.health),
+            Route("/v1/models", self.models),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/stats", self.stats),
+            Route("/metrics", self.metrics),
+            Route("/v1/cache/resize", self.resize, methods=["POST"]),
+        ])  # fmt: skip
+
+    # guards ------------------------------------------------------------------------------------
+
+    def _check_key(self, request: Request) -> None:
+        key = self.args.api_key
+        if not key:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not secrets.compare_digest(token.encode(), key.encode()):
+            raise ApiError(
+                401,
+                "a valid API key is required (Authorization: Bearer KEY)",
+                type_="authentication_error",
+                code="invalid_api_key",
+            )
+
+    def _ready(self):
+        if self.draining:
+            raise ApiError(
+                503, "the server is shutting down", type_="server_error", code="shutting_down"
+            )
+        w = self.worker
+        if w.status == "loading":
+            raise ApiError(
+                503,
+                "the model is still loading; retry when /health says ok",
+                type_="server_error",
+                code="loading",
+                headers={"Retry-After": "5"},
+            )
+        if w.status == "error":
+            raise ApiError(
+                503,
+                f"the model failed to load: {w.error}",
+                type_="server_error",
+                code="load_failed",
+            )
+        return w.engine
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    # endpoints ---------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        w = self.worker
+        body: dict = {"status": w.status, "model": self.model_name}
+        if w.status == "loading":
+            body.update(loaded_bytes=w.loaded_bytes, total_bytes=w.total_bytes)
+        elif w.status == "error":
+            body["error"] = w.error
+        else:
+            body.update(max_model_len=w.engine.max_context, draining=self.draining)
+        return JSONResponse(body, status_code=200 if w.status != "error" else 500)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+            engine = self._ready()
+        except ApiError as err:
+            return _error(err)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": int(self.started),
+            "owned_by": "moelab", "max_model_len": engine.max_context,
+        }]})  # fmt: skip
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+            engine = self._ready()
+            body = await read_json(request)
+            common = api.parse_common(body)
+            self._check_model(common["model"])
+            messages = api.parse_messages(body)
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise api.bad("chat_template_kwargs", "must be an object")
+            tools = body.get("tools")
+            if tools is not None and not isinstance(tools, list):
+                raise api.bad("tools", "must be a list")
+            if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
+                raise ApiError(400, "this model has no chat template; use /v1/completions")
+            try:
+                text = await asyncio.to_thread(
+                    engine.tokenizer.apply_chat_template, messages, tools=tools, **kwargs
+                )
+            except ChatTemplateError as err:
+                raise api.bad("messages", str(err)) from None
+            parsed = api.ParsedRequest(prompt_text=text, prompt_ids=None, **common)
+            return await self._run(request, engine, parsed, chat=True)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except ApiError as err:
+            return _error(err)
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+            engine = self._ready()
+            body = await read_json(request)
+            parsed = api.parse_completion(body)
+            self._check_model(parsed.model)
+            return await self._run(request, engine, parsed, chat=False)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except ApiError as err:
+            return _error(err)
+
+    async def _run(self, request: Request, engine, parsed: api.ParsedRequest, *, chat: bool):
+        tok = engine.tokenizer
+        if parsed.prompt_ids is not None:
+            ids = parsed.prompt_ids
+            bad = [t for t in ids if not 0 <= t < engine.spec.vocab_size]
+            if bad:
+                raise api.bad("prompt", f"token ids {bad[:5]} are outside the vocabulary")
+        else:
+            if tok is None:
+                raise ApiError(400, "this model has no tokenizer; send the prompt as token ids")
+            ids = await asyncio.to_thread(tok.encode, parsed.prompt_text)
+        if not ids:
+            raise api.bad("prompt", "is empty")
+        context = engine.max_context
+        room = context - len(ids)
+        max_tokens = parsed.max_tokens or min(api.DEFAULT_MAX_TOKENS, max(room, 1))
+        if len(ids) + max_tokens > context:
+            raise ApiError(
+                400,
+                f"this model's usable context is {context} tokens, but the request needs "
+                f"{len(ids) + max_tokens} ({len(ids)} in the prompt + {max_tokens} max_tokens); "
+                "shorten the prompt or lower max_tokens",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
+        try:
+            params = parsed.sampling(max_tokens)
+        except ValueError as err:
+            raise ApiError(400, str(err)) from None
+        req = EngineRequest(ids, params, asyncio.get_running_loop())
+        limit = self.args.max_running_requests + self.args.max_queued_requests
+        try:
+            self.worker.submit(req, limit)
+        except QueueFull as err:
+            raise ApiError(
+                429,
+                f"too many requests: {err}; retry shortly",
+                type_="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from None
+        rid = api.new_id("chatcmpl" if chat else "cmpl")
+        if parsed.stream:
+            stream = self._stream(req, engine, parsed, rid, chat, len(ids))
+            return StreamingResponse(
+                stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        return await self._collect(request, req, engine, parsed, rid, chat, len(ids))
+
+    async def _tokens(self, req: EngineRequest, engine, parsed: api.ParsedRequest):
+        """(text piece, finish reason) as tokens arrive; stop strings applied."""
+        decoder = IncrementalDecoder(engine.tokenizer) if engine.tokenizer else None
+        stops = api.StopMatcher(parsed.stop)
+        while True:
+            token, finish = await req.events.get()
+            if token < 0:
+                raise ApiError(
+                    500,
+                    f"generation failed: {finish or 'engine error'}",
+                    type_="server_error",
+                    code="engine_error",
+                )
+            piece = decoder.push(token) if decoder else ""
+            if decoder and finish is not None:
+                piece += decoder.flush()
+            text, stopped = stops.feed(piece)
+            if stopped:
+                self.worker.cancel(req)
+                yield text, "stop"
+                return
+            if finish is not None:
+                yield text + stops.flush(), finish
+                return
+            yield text, None
+
+    async def _collect(self, request, req, engine, parsed, rid, chat, prompt_tokens) -> Response:
+        pieces, finish, completion = [], "stop", 0
+        try:
+            async for text, reason in self._tokens(req, engine, parsed):
+                completion += 1
+                pieces.append(text)
+                if reason is not None:
+                    finish = reason
+        except asyncio.CancelledError:
+            self.worker.cancel(req)
+            raise
+        u = api.usage(prompt_tokens, self._completion_tokens(req, completion))
+        text = "".join(pieces)
+        body = (api.chat_response if chat else api.completion_response)(
+            rid, self.model_name, text, finish, u
+        )
+        return JSONResponse(body)
+
+    @staticmethod
+    def _completion_tokens(req: EngineRequest, fallback: int) -> int:
+        return len(req.seq.output_ids) if req.seq is not None else fallback
+
+    async def _stream(self, req, engine, parsed, rid, chat, prompt_tokens) -> AsyncIterator[str]:
+        name = self.model_name
+        done = False
+        try:
+            if chat:
+                yield _sse(api.chat_chunk(rid, name, {"role": "assistant", "content": ""}, None))
+            async for text, reason in self._tokens(req, engine, parsed):
+                if text or reason is not None:
+                    if chat:
+                        delta = {"content": text} if text else {}
+                        yield _sse(api.chat_chunk(rid, name, delta, reason))
+                    else:
+                        yield _sse(api.completion_chunk(rid, name, text, reason))
+            done = True
+            if parsed.include_usage:
+                u = api.usage(prompt_tokens, self._completion_tokens(req, 0))
+                maker = api.chat_chunk if chat else api.completion_chunk
+                yield _sse(maker(rid, name, {}, None, u) if chat else maker(rid, name, "", None, u))
+            yield "data: [DONE]\n\n"
+        except ApiError as err:
+            yield _sse(err.body())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:  # the client went away (or the stream failed): free the KV now
+                self.worker.cancel(req)
+
+    async def stats(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+            self._ready()
+            body = await asyncio.wrap_future(self.worker.call(self._stats_snapshot))
+        except ApiError as err:
+            return _error(err)
+        return JSONResponse(body)
+
+    def _stats_snapshot(self, engine) -> dict:
+        running = len(engine.scheduler.running)
+        queued = len(engine.scheduler.waiting)
+        return engine.telemetry.stats(running=running, queued=queued, model_name=self.model_name)
+
+    async def metrics(self, request: Request) -> Response:
+        from .metrics import render_metrics
+
+        if self.worker.status != "ok":
+            return Response("", media_type="text/plain; version=0.0.4")
+        stats = await asyncio.wrap_future(self.worker.call(self._stats_snapshot))
+        body, content_type = render_metrics(stats)
+        return Response(body, media_type=content_type)
+
+    async def resize(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+            if not self.args.api_key and not is_loopback(
+                request.client.host if request.client else None
+            ):
+                raise ApiError(
+                    403,
+                    "cache resizing is allowed from this machine only (or start "
+                    "the server with --api-key)",
+                    type_="permission_error",
+                    code="forbidden",
+                )
+            self._ready()
+            body = await read_json(request)
+            if (
+                not isinstance(body, dict)
+                or len({"moe_cache_size", "kv_reserve_tokens"} & set(body)) != 1
+            ):
+                raise ApiError(400, 'send {"moe_cache_size": N} or {"kv_reserve_tokens": N}')
+            key = "moe_cache_size" if "moe_cache_size" in body else "kv_reserve_tokens"
+            value = body[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise api.bad(key, "must be a whole number >= 0")
+            result = await self._resize(key, value)
+        except ApiError as err:
+            return _error(err)
+        return JSONResponse(result)
+
+    async def _resize(self, key: str, value: int) -> dict:
+        """Pause admission, wait for running requests to end, resize on the engine thread."""
+        from .memory import MemoryPlanError
+
+        worker = self.worker
+        worker.engine.scheduler.paused = True
+        try:
+            deadline = time.monotonic() + RESIZE_WAIT_S
+            while True:
+                running = await asyncio.wrap_future(worker.call(lambda e: len(e.scheduler.running)))
+                if running == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise ApiError(
+                        409,
+                        f"{running} requests still running after "
+                        f"{RESIZE_WAIT_S:.0f} s; try again when the engine is idle",
+                        type_="conflict",
+                        code="busy",
+                    )
+                await asyncio.sleep(0.05)
+
+            def apply(engine) -> dict:
+                if key == "moe_cache_size":
+                    engine.resize_cache(value)
+                else:
+                    engine.resize_kv(value)
+                return {
+                    "moe_cache_size": engine.cache.slots,
+                    "kv_tokens": engine.kv.capacity_tokens,
+                    "max_model_len": engine.max_context,
+                    "plan": engine.plan.to_dict(),
+                }
+
+            try:
+                return await asyncio.wrap_future(worker.call(apply))
+            except MemoryPlanError as err:
+                raise ApiError(409, str(err), type_="conflict", code="does_not_fit") from None
+        finally:
+            worker.engine.scheduler.paused = False
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

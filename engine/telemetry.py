@@ -1,0 +1,245 @@
+"""Telemetry: throughput windows, requests and TTFT, memory, per-layer expert counters, the what-if
+curve and the per-token time breakdown, as `GET /v1/stats` and `GET /metrics` report them."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .whatif import StackDistances
+
+WINDOWS_S = (10, 60)
+BREAKDOWN_EVERY_S = 3.0
+PHASES = ("route", "copy", "gpu_experts", "cpu_experts")
+
+
+@dataclass(slots=True)
+class RateWindow:
+    """Events (time, amount) kept for the longest window; rate over any shorter one."""
+
+    horizon_s: float = 60.0
+    events: deque = field(default_factory=deque)
+
+    def add(self, amount: float, now: float) -> None:
+        self.events.append((now, amount))
+        while self.events and self.events[0][0] < now - self.horizon_s:
+            self.events.popleft()
+
+    def rate(self, window_s: float, now: float, started: float) -> float:
+        span = min(window_s, now - started)
+        if span <= 0:
+            return 0.0
+        return sum(a for t, a in self.events if t >= now - window_s) / span
+
+
+class StepTimer:
+    """Wall time per phase of one decode step, synchronizing the device at each boundary."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str):
+        self.sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.seconds[name] += time.perf_counter() - t0
+
+
+class Telemetry:
+    """Everything the engine reports about itself, fed by the engine thread."""
+
+    def __init__(self, engine, enabled: bool = True) -> None:
+        self.engine = engine
+        self.enabled = enabled
+        self.started = time.time()
+        self._t0 = time.monotonic()
+        self.decode = RateWindow()
+        self.prefill = RateWindow()
+        self.ttft: deque[tuple[float, float]] = deque(maxlen=2000)
+        self.completed = 0
+        self.decode_tokens_total = 0
+        self.prefill_tokens_total = 0
+        spec = engine.spec
+        self.whatif: StackDistances | None = None
+        self._snapshots: deque[tuple[float, np.ndarray]] = deque()
+        self.breakdown: dict[str, float] = {}
+        self._last_breakdown = 0.0
+        if enabled:
+            self.whatif = StackDistances(spec.num_moe_layers * spec.num_experts)
+            engine.moe.on_accesses = self.whatif.add
+
+    # fed by the engine thread --------------------------------------------------------------------
+
+    def want_timing(self) -> bool:
+        """Whether the next decode step should be timed by phase (one every few seconds)."""
+        return self.enabled and time.monotonic() - self._last_breakdown > BREAKDOWN_EVERY_S
+
+    def on_step(self, decode_tokens: int, prefill_tokens: int, step_s: float,
+                timer: StepTimer | None = None) -> None:  # fmt: skip
+        now = time.monotonic()
+        if decode_tokens:
+            self.decode.add(decode_tokens, now)
+            self.decode_tokens_total += decode_tokens
+        if prefill_tokens:
+            self.prefill.add(prefill_tokens, now)
+            self.prefill_tokens_total += prefill_tokens
+        if timer is not None:
+            self._last_breakdown = now
+            shares = {name: timer.seconds[name] for name in PHASES}
+            shares["other"] = max(0.0, step_s - sum(shares.values()))
+            shares["step_s"] = step_s
+            self.breakdown = shares
+        if self.enabled and (not self._snapshots or now - self._snapshots[-1][0] >= 1.0):
+            self._snapshots.append((now, self._counter_matrix()))
+            while self._snapshots and self._snapshots[0][0] < now - 61:
+                self._snapshots.popleft()
+
+    def on_finish(self, seq) -> None:
+        self.completed += 1
+        if seq.first_token_time is not None:
+            self.ttft.append((time.monotonic(), seq.first_token_time - seq.arrival_time))
+
+    # reading ---------------------------------------------------------------------------------
+
+    def _counter_matrix(self) -> np.ndarray:
+        c = self.engine.moe.counters
+        return np.stack([c.reads, c.hits, c.fills, c.cpu]).copy()
+
+    @staticmethod
+    def _layers(matrix: np.ndarray, resident: list[int] | None = None) -> list[dict]:
+        out = []
+        for layer in range(matrix.shape[1]):
+            row = {
+                "layer": layer,
+                "reads": int(matrix[0, layer]),
+                "hits": int(matrix[1, layer]),
+                "fills": int(matrix[2, layer]),
+                "cpu": int(matrix[3, layer]),
+            }
+            if resident is not None:
+                row["resident"] = resident[layer]
+            out.append(row)
+        return out
+
+    def stats(self, *, running: int, queued: int, model_name: str) -> dict:
+        engine = self.engine
+        now = time.monotonic()
+        plan = engine.plan
+        recent = [t for when, t in self.ttft if when >= now - 300] or [t for _, t in self.ttft]
+        ttft_sorted = sorted(recent)
+        throughput = {}
+        for w in WINDOWS_S:
+            throughput[f"decode_tok_s_{w}s"] = self.decode.rate(w, now, self._t0)
+            throughput[f"prefill_tok_s_{w}s"] = self.prefill.rate(w, now, self._t0)
+        kv = engine.kv
+        weights = plan.weights_bytes
+        used_device = {
+            "index": engine.device.index or 0,
+            "total": plan.budget_bytes,
+            "weights": weights,
+            "kv": kv.nbytes,
+            "expert_cache": engine.cache.nbytes,
+            "prefill_buffer": engine.moe.stage_bytes,
+            "activations": plan.activation_bytes,
+            "graphs": plan.graph_bytes,
+        }
+        if engine.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(engine.device)
+            used_device["total"] = total
+            accounted = sum(v for k, v in used_device.items() if k not in ("index", "total"))
+            used_device["other"] = max(0, total - free - accounted)
+        else:
+            used_device["other"] = 0
+        stats = {
+            "model": model_name,
+            "uptime_s": time.time() - self.started,
+            "throughput": throughput,
+            "requests": {
+                "running": running,
+                "queued": queued,
+                "completed": self.completed,
+                "ttft_mean_s": float(np.mean(ttft_sorted)) if ttft_sorted else None,
+                "ttft_p95_s": float(ttft_sorted[int(0.95 * (len(ttft_sorted) - 1))])
+                if ttft_sorted
+                else None,
+            },
+            "tokens": {
+                "decode_total": self.decode_tokens_total,
+                "prefill_total": self.prefill_tokens_total,
+            },
+            "memory": {
+                "device": [used_device],
+                "host_rss": _host_rss(),
+                "expert_bank": engine.bank.nbytes,
+                "expert_bank_pinned_layers": engine.bank.pinned_layers,
+                "plan": plan.to_dict(),
+            },
+            "kv": {
+                "tokens_total": kv.capacity_tokens,
+                "tokens_used": kv.used_blocks * kv.block_size,
+                "tokens_peak": kv.peak_blocks_used * kv.block_size,
+                "max_context": engine.max_context,
+                "bytes_per_token": engine.spec.kv_bytes_per_token,
+            },
+            "config": engine.config_in_force(),
+        }
+        stats["experts"] = self._experts(now) if self.enabled else None
+        stats["breakdown"] = dict(self.breakdown) if self.breakdown else None
+        return stats
+
+    def _experts(self, now: float) -> dict:
+        engine = self.engine
+        spec = engine.spec
+        cache = engine.cache
+        current = self._counter_matrix()
+        base = next((m for t, m in self._snapshots if t >= now - 60), None)
+        window = current - base if base is not None else current
+        reads_60 = window[0].sum()
+        total = spec.experts_total
+        sizes = sorted(
+            {max(1, round(total * f / 24)) for f in range(1, 25)}
+            | {cache.slots}
+            | {min(total, round(cache.slots * 1.5)), min(total, cache.slots * 2)}
+        )
+        whatif = self.whatif.curve([s for s in sizes if s > 0]) if self.whatif else []
+        moe_layers = list(spec.moe_layers)
+        return {
+            "num_layers": spec.num_moe_layers,
+            "layer_ids": moe_layers,
+            "num_experts": spec.num_experts,
+            "top_k": spec.top_k,
+            "slots": cache.slots,
+            "slot_bytes": cache.slot_bytes,
+            "policy": engine.policy.mode,
+            "layers": self._layers(current, cache.resident_per_layer()),
+            "window_60s": {"layers": self._layers(window)},
+            "picks": engine.moe.counters.picks.tolist(),
+            "whatif": whatif,
+            "whatif_accesses": self.whatif.accesses if self.whatif else 0,
+            "hit_rate_60s": float(window[1].sum() / reads_60) if reads_60 else None,
+            "hit_rate": float(current[1].sum() / current[0].sum()) if current[0].sum() else None,
+        }
+
+
+def _host_rss() -> int:
+    try:
+        import psutil
+
+        return psutil.Process(os.getpid()).memory_info().rss
+    except ImportError:
+        return 0
