@@ -268,7 +268,7 @@ async def measure_hardware(request: Request) -> Response:
     bench_args: list[str] = []
     model = body.get("model")
     if model is not None:
-        if not isinstance(model, str) or daemon.catalog.by_path(model) is None:
+        if not isinstance(model, str) or await blocking(daemon.catalog.by_path, model) is None:
             raise BadRequest(f"unknown model {model!r}; GET /api/models lists them")
         bench_args += ["--model-path", model]
     threads = body.get("threads")

@@ -16,6 +16,8 @@ from moelab.daemon.jobs import Jobs
 from moelab.daemon.measure import HardwareService, inventory_readings
 from moelab.daemon.store import Store
 
+from .conftest import asgi_client, make_daemon
+
 
 @pytest.fixture
 def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
@@ -138,6 +140,9 @@ FAKE_BENCH = """
 import json, sys
 for line in ("measuring host-to-device", "measuring CPU experts with 1 thread"):
     print(line, file=sys.stderr, flush=True)
+if "--slow" in sys.argv:
+    import time
+    time.sleep(3)
 if "--fail" in sys.argv:
     print("boom: no memory", file=sys.stderr)
     sys.exit(3)
@@ -199,4 +204,54 @@ def test_a_failing_bench_fails_the_job_with_its_last_lines(
     assert job.status == "failed"
     assert "exit code 3" in job.error and "boom: no memory" in job.error
     assert service.history("h2d_pinned") == []
+    store.close()
+
+
+def test_measure_again_through_the_api(fake_moelab: Path, tmp_path: Path, demo_model: Path) -> None:
+    daemon = make_daemon(tmp_path / "data", demo_model.parent)
+    daemon.catalog.rescan()
+    local = asgi_client(daemon, "127.0.0.1", "127.0.0.1:1901")
+    started = local.post("/api/hardware/measure", json={"threads": [1, 2]})
+    assert started.status_code == 202
+    job_id = started.json()["job"]["id"]
+    assert daemon.jobs.wait(daemon.jobs.get(job_id), 60)
+    job = local.get(f"/api/jobs/{job_id}").json()
+    assert job["status"] == "done" and "measuring host-to-device" in job["lines"]
+    hardware_view = local.get("/api/hardware").json()
+    assert hardware_view["inventory"]["cpu"]["logical_cores"] >= 1
+    kinds = {m["kind"] for m in hardware_view["latest"]}
+    assert {"h2d_pinned", "cpu_expert", "disk.read"} <= kinds
+    history = local.get("/api/hardware/history?kind=cpu_expert").json()["measurements"]
+    assert {m["versions"]["torch"] for m in history} == {"9.9.9-fake"}
+    refused = local.post("/api/hardware/measure", json={"threads": [0]})
+    assert refused.status_code == 400 and "threads" in refused.json()["error"]["message"]
+    daemon.close()
+
+
+@pytest.mark.slow
+def test_the_real_bench_bw_is_stored_with_the_engines_versions(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    store = Store(tmp_path / "mgr.sqlite3")
+    jobs = Jobs()
+    service = HardwareService(store, jobs)
+    job, _ = service.start_measure(
+        [demo_model], ["--model-path", str(demo_model), "--threads", "1"]
+    )
+    assert jobs.wait(job, 600) and job.status == "done", (job.error, list(job.lines))
+    assert len(job.lines) > 3  # the child's progress came through
+    rows = [m for m in service.latest() if m.source == "moelab bench bw"]
+    assert rows and all(m.value > 0 for m in rows)
+    assert {m.torch_version for m in rows} == {hardware.package_version("torch")}
+    store.close()
+
+
+def test_one_measurement_at_a_time(fake_moelab: Path, tmp_path: Path) -> None:
+    store = Store(tmp_path / "mgr.sqlite3")
+    jobs = Jobs()
+    service = HardwareService(store, jobs)
+    first, new = service.start_measure([], ["--slow"])
+    second, second_new = service.start_measure([], [])
+    assert new and not second_new and second is first
+    assert jobs.wait(first, 60) and first.status == "done"
     store.close()
