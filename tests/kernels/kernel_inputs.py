@@ -35,3 +35,19 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     err = (out.float() - ref.float()).abs().max().item()
     scale = max(ref.float().abs().max().item(), 1e-6)
     assert err <= tol * scale, f"max error {err:.3e} exceeds {tol} x max |ref| = {tol * scale:.3e}"
+
+
+def assert_top_k(
+    weights: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, k: int, renormalize: bool
+) -> None:
+    """Assert ids pick k distinct experts of highest probability, in descending order, and the
+    weights are their probabilities (rescaled to sum 1 when renormalize). Experts of equal
+    probability may come in either order, as torch.topk leaves ties unspecified."""
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert ids.shape == weights.shape == (logits.shape[0], k)
+    probs = torch.softmax(logits.float(), dim=-1)
+    picked = probs.gather(1, ids.long())
+    assert torch.equal(picked, probs.topk(k, dim=-1).values), "not the k most probable experts"
+    assert all(len(set(row)) == k for row in ids.tolist()), "an expert picked twice"
+    expected = picked / picked.sum(-1, keepdim=True) if renormalize else picked
+    torch.testing.assert_close(weights, expected, rtol=1e-5, atol=1e-6)

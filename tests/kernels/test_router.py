@@ -7,7 +7,7 @@ import torch
 
 from moelab.kernels import router
 
-from .kernel_inputs import DEVICE, randn
+from .kernel_inputs import DEVICE, assert_top_k, randn
 
 pytestmark = pytest.mark.usefixtures("triton_runs")
 
@@ -25,12 +25,18 @@ pytestmark = pytest.mark.usefixtures("triton_runs")
 def test_matches_reference(gen, tokens, experts, k, renormalize, dtype):
     logits = randn(gen, tokens, experts, scale=2.0, dtype=dtype)
     weights, ids = router.topk_softmax_triton(logits, k, renormalize)
+    assert_top_k(weights, ids, logits, k, renormalize)
     ref_weights, ref_ids = router.topk_softmax_ref(logits, k, renormalize)
-    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
-    assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    assert_top_k(ref_weights, ref_ids, logits, k, renormalize)  # the reference, held to the same
     if renormalize:
         torch.testing.assert_close(weights.sum(-1), torch.ones(tokens, device=DEVICE))
+
+
+def test_ties_go_to_the_lower_expert_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]], device=DEVICE)
+    weights, ids = router.topk_softmax_triton(logits, 2, True)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, torch.tensor([[0.5, 0.5]], device=DEVICE))
 
 
 def test_cpu_tensors_go_to_the_reference(gen, monkeypatch):
