@@ -80,9 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _synth_parser(sub)
     _generate_parser(sub)
+    from .bench import add_bench_parser
     from .serve_cli import add_serve_parser
 
     add_serve_parser(sub)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     level = getattr(args, "log_level", "info").upper()
     logging.basicConfig(

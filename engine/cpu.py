@@ -52,17 +52,19 @@ def measure_bp_gbps(bank: ExpertBank, device: torch.device, samples: int = 6) ->
 
 
 def measure_bh_gbps(runner: CpuExpertRunner, bank: ExpertBank, samples: int = 6) -> float:
-    """CPU expert rate (weight bytes per second) for one token through one expert."""
+    """CPU expert rate (weight bytes per second) for one token through up to 4 experts at once,
+    as a decode step hands its CPU share over."""
     hidden = bank.w13[0].shape[2]
+    k = min(4, bank.num_experts)
     x = torch.randn(1, hidden)
-    token = torch.zeros(1, dtype=torch.int32)
-    weight = torch.ones(1)
+    tokens = torch.zeros(k, dtype=torch.int32)
+    weights = torch.full((k,), 1.0 / k)
     times = []
     for i in range(samples + 1):
-        layer, expert = i % bank.num_layers, (5 * i + 3) % bank.num_experts
-        ids = torch.tensor([expert], dtype=torch.int32)
+        layer = i % bank.num_layers
+        ids = (torch.arange(k, dtype=torch.int32) + 3 * i) % bank.num_experts
         t0 = time.perf_counter()
-        runner.run(x, bank.w13[layer], bank.w2[layer], ids, token, weight)
+        runner.run(x, bank.w13[layer], bank.w2[layer], ids, tokens, weights)
         if i:
             times.append(time.perf_counter() - t0)
-    return bank.expert_bytes / _median(times) / 1e9
+    return k * bank.expert_bytes / _median(times) / 1e9

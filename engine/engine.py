@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from .bank import build_in_memory, load_bank
+from .args import physical_cores
+from .bench import best, load_profile
 from .cache import ExpertCache
 from .checkpoint import SafetensorsSource, load_dense
 from .cpu import measure_bh_gbps, measure_bp_gbps, start_cpu_executor
@@ -101,8 +103,10 @@ class Engine:
             device,
         )
         self.cpu = start_cpu_executor(args.moe_cpu_threads, args.moe_cpu_kernel)
-        self.bp_gbps = measure_bp_gbps(self.bank, device)
-        self.bh_gbps = measure_bh_gbps(self.cpu, self.bank)
+        if device.type == "cpu":
+            # the "device" work shares the cores with the CPU expert workers: do not oversubscribe
+            torch.set_num_threads(max(1, physical_cores() - self.cpu.num_threads))
+        self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
         self.policy = MissPolicy.parse(args.moe_miss_policy, self.bp_gbps, self.bh_gbps)
         log.info(
             "miss split: Bp %.1f GB/s, Bh %.1f GB/s -> policy %s fetches %.0f%% of misses",
@@ -169,6 +173,22 @@ class Engine:
             cuda_graphs=self.device.type == "cuda" and not args.no_cuda_graph,
             max_context=args.max_context,
         )
+
+    def _bandwidths(self) -> tuple[float, float, str]:
+        """Bp and Bh: from this machine's `moelab bench bw` profile, else measured now."""
+        spec, cpu = self.spec, self.cpu
+        profile = load_profile(
+            spec.hidden_size, spec.moe_intermediate_size, self.dtype, self.args.bw_profile
+        )
+        bp = bh = None
+        if profile is not None:
+            kind = "h2d_pinned" if self.bank.pinned_layers else "h2d_pageable"
+            bp = best(profile, kind) if self.device.type == "cuda" else None
+            bh = best(profile, "cpu_experts", threads=cpu.num_threads, experts=4, kernel=cpu.kernel)
+        source = "profile" if bp and bh else "measured at start"
+        bp = bp or measure_bp_gbps(self.bank, self.device)
+        bh = bh or measure_bh_gbps(cpu, self.bank)
+        return bp, bh, source
 
     def _load_all_experts(self) -> None:
         """Every expert fits: fill the cache once, nothing is fetched afterwards."""
@@ -366,6 +386,7 @@ class Engine:
             "cpu_kernel": self.cpu.kernel,
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,
+            "rates_source": self.rates_source,
             "slots": self.cache.slots,
             "kv_reserve_tokens": a.kv_reserve_tokens,
             "prefill_chunk_tokens": a.prefill_chunk_tokens,

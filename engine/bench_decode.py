@@ -1,0 +1,260 @@
+"""`moelab bench decode` and `moelab bench prefill`: tok/s beside the machine's bound.
+
+Decode bound per step: t_min = resident_bytes / HBM + miss_bytes / (Bp + B_host), with the device
+copy rate (HBM), the pinned host-to-device rate (Bp) and the host memory read rate (B_host) measured
+here, Bp and B_host while running at the same time. A slow kernel shows as a gap to this bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .args import add_engine_flags
+
+
+def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
+    for name, helptext in (
+        ("decode", "decode tok/s at a batch size, beside the bound"),
+        ("prefill", "prefill tok/s for a prompt length, beside the bound"),
+    ):
+        p = kinds.add_parser(name, help=helptext)
+        p.add_argument(
+            "--preset",
+            help="a synthetic geometry (with --dummy-weights implied) "
+            "instead of --model-path: tiny, small, qwen3-30b-a3b",
+        )
+        p.add_argument("--arch", default="qwen3_moe")
+        p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+        p.add_argument("--routing-skew", type=float, default=0.0)
+        p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+        if name == "decode":
+            p.add_argument("--batch", type=int, default=1)
+            p.add_argument("--tokens", type=int, default=64, help="timed tokens per sequence")
+            p.add_argument("--warmup", type=int, default=32, help="untimed tokens first")
+            p.add_argument("--prompt-tokens", type=int, default=16)
+        else:
+            p.add_argument("--prompt-tokens", type=int, default=2048)
+            p.add_argument("--repeats", type=int, default=3)
+        add_engine_flags(p)
+        for action in p._actions:
+            if action.dest == "model_path":
+                action.required = False
+        p.set_defaults(run=_run)
+
+
+def _engine(args: argparse.Namespace, workdir: Path):
+    from .cli import _parse_overrides
+    from .engine import Engine
+    from .spec import ModelSpec
+    from .synth import make_config
+
+    if args.preset:
+        config = make_config(args.arch, args.preset, _parse_overrides(args.set))
+        config["moelab_synth"] = {
+            "preset": args.preset,
+            "seed": args.seed,
+            "routing_skew": args.routing_skew,
+        }
+        (workdir / "config.json").write_text(json.dumps(config))
+        args.model_path = str(workdir)
+        args.dummy_weights = True
+        return Engine(args, spec=ModelSpec.from_config(config))
+    if not args.model_path:
+        raise ValueError("give --model-path DIR or --preset NAME")
+    return Engine(args)
+
+
+def concurrent_rates(engine, seconds: float = 0.6) -> dict:
+    """HBM copy rate alone; pinned H2D and host read rates measured running at the same time."""
+    dev = engine.device
+    if dev.type != "cuda":
+        read = engine.cpu.read_gbps(256 * 1024**2)
+        return {"hbm_gbps": read, "bp_gbps": read, "host_gbps": read}
+    big = torch.empty(512 * 1024**2, dtype=torch.uint8, device=dev)
+    out = torch.empty_like(big)
+    out.copy_(big)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        out.copy_(big)
+    torch.cuda.synchronize()
+    hbm = 2 * 10 * big.nbytes / (time.perf_counter() - t0) / 1e9
+    del big, out
+    bank = engine.bank
+    dst13 = torch.empty_like(bank.w13[0][0], device=dev)
+    dst2 = torch.empty_like(bank.w2[0][0], device=dev)
+    stop = threading.Event()
+    copied = [0]
+
+    def copies() -> None:
+        stream = torch.cuda.Stream(dev)
+        i = 0
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                layer, expert = i % bank.num_layers, (i // bank.num_layers) % bank.num_experts
+                dst13.copy_(bank.w13[layer][expert], non_blocking=True)
+                dst2.copy_(bank.w2[layer][expert], non_blocking=True)
+                stream.synchronize()
+                copied[0] += bank.expert_bytes
+                i += 1
+
+    thread = threading.Thread(target=copies)
+    t0 = time.perf_counter()
+    thread.start()
+    host = engine.cpu.read_gbps(1 << 30, repeats=3)
+    while time.perf_counter() - t0 < seconds:
+        time.sleep(0.01)
+    stop.set()
+    thread.join()
+    bp = copied[0] / (time.perf_counter() - t0) / 1e9
+    return {"hbm_gbps": hbm, "bp_gbps": bp, "host_gbps": host}
+
+
+def _evenness(picks: np.ndarray) -> float:
+    """Mean normalized entropy of the per-layer pick distributions (1 = perfectly even)."""
+    out = []
+    for row in picks:
+        total = row.sum()
+        if total == 0:
+            continue
+        p = row[row > 0] / total
+        out.append(float(-(p * np.log(p)).sum() / math.log(row.size)))
+    return float(np.mean(out)) if out else float("nan")
+
+
+def _decode(engine, args) -> dict:
+    from .sampling import SamplingParams
+
+    spec = engine.spec
+    gen = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(0, spec.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+        for _ in range(args.batch)
+    ]
+    warm = SamplingParams(max_tokens=args.warmup, ignore_eos=True)
+    engine.generate(prompts, warm)
+    params = SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)
+    seqs = [engine.add(p, params) for p in prompts]
+    while any(not s.output_ids for s in seqs):
+        engine.step()
+    c = engine.moe.counters
+    before = [a.copy() for a in (c.reads, c.hits, c.fills, c.cpu, c.picks)]
+    t0 = time.perf_counter()
+    engine.run_until_idle()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    reads, hits, fills, cpu, picks = (
+        a - b for a, b in zip((c.reads, c.hits, c.fills, c.cpu, c.picks), before, strict=True)
+    )
+    steps = args.tokens
+    tok_s = args.batch * steps / elapsed
+    rates = concurrent_rates(engine)
+    eb = spec.expert_bytes * engine.dtype.itemsize // spec.dtype_bytes
+    elem = engine.dtype.itemsize
+    dense_step = (spec.dense_params - spec.vocab_size * spec.hidden_size) * elem
+    hits_step, misses_step = hits.sum() / steps, (fills.sum() + cpu.sum()) / steps
+    resident_bytes = dense_step + hits_step * eb
+    miss_bytes = misses_step * eb
+    t_min = resident_bytes / (rates["hbm_gbps"] * 1e9) + miss_bytes / (
+        (rates["bp_gbps"] + rates["host_gbps"]) * 1e9
+    )
+    bound = args.batch / t_min
+    active = dense_step + spec.num_moe_layers * spec.top_k * eb
+    return {
+        "batch": args.batch,
+        "tokens": steps,
+        "decode_tok_s": tok_s,
+        "ms_per_step": 1e3 * elapsed / steps,
+        "hit_rate": float(hits.sum() / reads.sum()) if reads.sum() else None,
+        "fills_per_step": float(fills.sum() / steps),
+        "cpu_per_step": float(cpu.sum() / steps),
+        "pick_evenness": _evenness(picks),
+        "bound_tok_s": bound,
+        "achieved_of_bound": tok_s / bound,
+        "hbm_bound_tok_s": args.batch * rates["hbm_gbps"] * 1e9 / active,
+        "active_bytes_per_token": active,
+        **rates,
+    }
+
+
+def _prefill(engine, args) -> dict:
+    from .sampling import SamplingParams
+
+    spec = engine.spec
+    gen = torch.Generator().manual_seed(2)
+    times = []
+    for _ in range(args.repeats + 1):
+        prompt = torch.randint(0, spec.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+        seq = engine.add(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        t0 = time.perf_counter()
+        engine.run_until_idle()
+        times.append(time.perf_counter() - t0)
+        assert seq.finished
+    elapsed = float(np.median(times[1:]))
+    rates = concurrent_rates(engine)
+    eb = spec.expert_bytes * engine.dtype.itemsize // spec.dtype_bytes
+    chunks = math.ceil(args.prompt_tokens / engine.args.prefill_chunk_tokens)
+    stream_s = (
+        0.0
+        if engine.cache.holds_everything
+        else (chunks * spec.experts_total * eb / (rates["bp_gbps"] * 1e9))
+    )
+    return {"prompt_tokens": args.prompt_tokens, "prefill_tok_s": args.prompt_tokens / elapsed,
+            "seconds": elapsed, "pcie_bound_tok_s": args.prompt_tokens / stream_s if stream_s
+            else None, **rates}  # fmt: skip
+
+
+def _run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as workdir:
+        engine = _engine(args, Path(workdir))
+        try:
+            result = _decode(engine, args) if args.bench == "decode" else _prefill(engine, args)
+        finally:
+            engine.close()
+    spec = engine.spec
+    plan = engine.plan
+    result.update(
+        model=spec.arch,
+        layers=spec.num_layers,
+        experts=spec.num_experts,
+        top_k=spec.top_k,
+        slots=plan.slots,
+        experts_total=plan.experts_total,
+        device=str(engine.device),
+        dtype=str(engine.dtype)[6:],
+        gpu=torch.cuda.get_device_name(0) if engine.device.type == "cuda" else None,
+        policy=engine.policy.mode,
+        fetch_fraction=engine.policy.fetch_fraction,
+    )
+    if args.bench == "decode":
+        line = (
+            f"decode {result['decode_tok_s']:.1f} tok/s at batch {result['batch']} "
+            f"({result['ms_per_step']:.2f} ms/step); bound {result['bound_tok_s']:.1f} tok/s, "
+            f"achieved {result['achieved_of_bound']:.0%}; hit rate "
+            f"{result['hit_rate'] if result['hit_rate'] is not None else float('nan'):.3f}, "
+            f"pick evenness {result['pick_evenness']:.3f}; slots {plan.slots}/"
+            f"{plan.experts_total}; HBM {result['hbm_gbps']:.0f} GB/s, Bp "
+            f"{result['bp_gbps']:.1f}, B_host {result['host_gbps']:.1f} GB/s"
+        )
+    else:
+        bound = result["pcie_bound_tok_s"]
+        line = (
+            f"prefill {result['prefill_tok_s']:.1f} tok/s for {result['prompt_tokens']} "
+            f"tokens; PCIe streaming bound "
+            f"{f'{bound:.1f} tok/s' if bound else 'none (all experts resident)'}"
+        )
+    print(line, file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return 0
