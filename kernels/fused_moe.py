@@ -131,6 +131,7 @@ def _gate_up_kernel(
             gate = tl.load(gate_base + k_idx[:, None], mask=w_mask, other=0.0)
             up = tl.load(up_base + k_idx[:, None], mask=w_mask, other=0.0)
             xs = xs.to(COMPUTE)
+            # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
             acc_gate += tl.dot(xs, gate.to(COMPUTE), input_precision="ieee")
             acc_up += tl.dot(xs, up.to(COMPUTE), input_precision="ieee")
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up

@@ -132,6 +132,7 @@ def _split_kernel(
             kv_mask = p_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + k_rows[:, None] + d_idx[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + v_rows[:, None] + d_idx[None, :], mask=kv_mask, other=0.0)
+            # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
             scores = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision="ieee")
             scores = tl.where(p_ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
