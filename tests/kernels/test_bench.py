@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.kernels import bench
+from moelab.kernels import bench, measure
 
 
-def result(kernel: str = "fused_moe_decode", ref_us: float | None = 90.0) -> bench.Result:
-    return bench.Result(
+def result(kernel: str = "fused_moe_decode", ref_us: float | None = 90.0) -> measure.Result:
+    return measure.Result(
         kernel=kernel,
         shape="T=1 K=8",
         time_us=30.0,
