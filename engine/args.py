@@ -373,3 +373,43 @@ def describe_flags(parser: argparse.ArgumentParser | None = None) -> list[dict]:
                 }
             )
     return out
+
+
+def flags_markdown() -> str:
+    """docs/flags.md: every flag by group, generated from the parser (a test keeps them in sync)."""
+    lines = [
+        "# `moelab serve` flags",
+        "",
+        "Generated from `engine/args.py` by `python -m moelab.engine.args > docs/flags.md`; "
+        "`moelab generate` and `moelab bench decode|prefill` take the same flags. Flags marked "
+        "*tunable* are the ones the benchmark may change.",
+    ]
+    group = None
+    for flag in describe_flags():
+        if flag["group"] != group:
+            group = flag["group"]
+            lines += [
+                "",
+                f"## {group}",
+                "",
+                "| flag | value | default | what it does |",
+                "|---|---|---|---|",
+            ]
+        value = (
+            "on/off"
+            if flag["kind"] == "switch"
+            else (" \\| ".join(flag["choices"]) if flag["choices"] else flag["kind"])
+        )
+        default = flag["default"]
+        default = "required" if flag["required"] else ("" if default in (None, False) else default)
+        note = flag["help"].replace("|", "\\|")
+        if flag["tunable"]:
+            note += " *(tunable)*"
+        if flag["exclusive_with"]:
+            note += f" Exclusive with {', '.join(flag['exclusive_with'])}."
+        lines.append(f"| `{flag['flag']}` | {value} | {default} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(flags_markdown(), end="")

@@ -1,4 +1,4 @@
-"""`moelab bench bw`: this machine's bandwidths, written as the profile the engine's miss split reads.
+"""`moelab bench bw`: this machine's bandwidths, as the profile the engine's miss split reads.
 
 Measured: host-to-device copies of one expert (pinned and pageable), device copy bandwidth, host
 memory read rate and CPU expert rate per thread count, device expert rate, and copies with CPU

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .bank import build_in_memory, load_bank
 from .args import physical_cores
+from .bank import build_in_memory, load_bank
 from .bench import best, load_profile
 from .cache import ExpertCache
 from .checkpoint import SafetensorsSource, load_dense

@@ -172,8 +172,8 @@ class MoERunner:
     def _record_ids(self, moe_layer: int, ids: torch.Tensor) -> None:
         """Queue a non-blocking copy of a resident decode step's routing to pinned host memory.
 
-        No host sync (the step may be inside a CUDA graph); `after_decode_step` reads the copies once
-        sampling has synchronized the step.
+        No host sync (the step may be inside a CUDA graph); `after_decode_step` reads the copies
+        once sampling has synchronized the step.
         """
         if not self._ids_host:
             shape = (4096, self.top_k)

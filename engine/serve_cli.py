@@ -32,6 +32,8 @@ class _DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self._on_exit()
         super().handle_exit(sig, frame)
+        # a drained shutdown is a clean exit (status 0), not death by the signal
+        self._captured_signals.clear()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,7 +56,7 @@ class EngineWorker(threading.Thread):
         self.total_bytes = 0
         self.engine = None
         self._commands: queue.Queue[tuple[Callable, Future | None]] = queue.Queue()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._in_flight = 0
         self._lock = threading.Lock()
 
@@ -83,12 +83,12 @@ class EngineWorker(threading.Thread):
             self.engine.close()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self._commands.put((lambda engine: None, None))
 
     def _loop(self) -> None:
         engine = self.engine
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             scheduler = engine.scheduler
             idle = scheduler.idle or (scheduler.paused and not scheduler.running)
             try:

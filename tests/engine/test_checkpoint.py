@@ -12,7 +12,9 @@ from moelab.engine.spec import CheckpointError, ModelSpec
 
 from .reference import build_reference, hf_logits, make_engine, relative_error
 
-pytest.importorskip("transformers", reason="transformers is the reference (pip install -e '.[test]')")
+pytest.importorskip(
+    "transformers", reason="transformers is the reference (pip install -e '.[test]')"
+)
 
 IDS = list(range(5, 60, 2))
 
@@ -35,8 +37,11 @@ def _fuse_experts(src, dst, num_layers: int, num_experts: int) -> None:
             continue
         gate_up, down = [], []
         for e in range(num_experts):
-            gate_up.append(torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"),
-                                      tensors.pop(f"{p}{e}.up_proj.weight")]))
+            gate_up.append(
+                torch.cat(
+                    [tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")]
+                )
+            )
             down.append(tensors.pop(f"{p}{e}.down_proj.weight"))
         out[p + "gate_up_proj"] = torch.stack(gate_up)
         out[p + "down_proj"] = torch.stack(down)
@@ -121,12 +126,12 @@ def test_unsupported_architecture_and_missing_fields(qwen, tmp_path):
         config["architectures"] = ["LlamaForCausalLM"]
 
     bad = _broken_copy(path, tmp_path / "a", config_edit=llama)
-    with pytest.raises(CheckpointError, match="'llama' is not supported.*qwen3_moe"):
+    with pytest.raises(CheckpointError, match=r"'llama' is not supported.*qwen3_moe"):
         make_engine(bad)
     bad = _broken_copy(path, tmp_path / "b", config_edit=lambda c: c.pop("num_experts_per_tok"))
     with pytest.raises(CheckpointError, match="no num_experts_per_tok"):
         make_engine(bad)
-    with pytest.raises(CheckpointError, match="has no config.json"):
+    with pytest.raises(CheckpointError, match=r"has no config\.json"):
         ModelSpec.from_dir(tmp_path)
 
 
@@ -143,14 +148,30 @@ def test_not_safetensors_is_refused(qwen, tmp_path):
 def test_real_qwen3_30b_config_is_understood():
     # the config.json published with Qwen/Qwen3-30B-A3B (fields that matter)
     config = {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
-        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
-        "eos_token_id": 151645, "bos_token_id": 151643, "use_sliding_window": False,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 151936,
+        "eos_token_id": 151645,
+        "bos_token_id": 151643,
+        "use_sliding_window": False,
     }
     spec = ModelSpec.from_config(config)
     assert spec.num_moe_layers == 48 and spec.qk_norm == "head" and spec.eos_token_ids == (151645,)

@@ -1,0 +1,81 @@
+"""The `moelab` command line: synth, generate, flag errors, the loading state."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from starlette.testclient import TestClient
+
+from moelab.engine.args import build_parser
+from moelab.engine.server import Server
+
+
+def moelab(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moelab.engine.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=check,
+    )
+
+
+def test_synth_then_generate_json(tmp_path):
+    out = tmp_path / "demo"
+    moelab(
+        "synth",
+        "--out",
+        str(out),
+        "--arch",
+        "olmoe",
+        "--routing-skew",
+        "0.5",
+        "--set",
+        "num_experts=8",
+    )
+    assert json.loads((out / "config.json").read_text())["num_experts"] == 8
+    flags = ["--model-path", str(out), "--bank-dir", str(tmp_path / "bank"), "--max-tokens", "6"]
+    result = json.loads(moelab("generate", *flags, "--prompt-ids", "5,6,7", "--json").stdout)
+    assert result["prompt_ids"] == [5, 6, 7] and len(result["output_ids"]) == 6
+    assert isinstance(result["text"], str)
+    again = json.loads(moelab("generate", *flags, "--prompt-ids", "5,6,7", "--json").stdout)
+    assert again == result  # greedy by default
+    text = moelab("generate", *flags, "--prompt", "The harbour town", "--json").stdout
+    assert len(json.loads(text)["prompt_ids"]) > 1
+
+
+def test_errors_are_messages_not_tracebacks(tmp_path):
+    r = moelab("generate", "--model-path", str(tmp_path), "--prompt", "x", check=False)
+    assert r.returncode == 2 and "has no config.json" in r.stderr and "Traceback" not in r.stderr
+    r = moelab("synth", "--out", str(tmp_path / "x"), "--preset", "huge", check=False)
+    assert r.returncode == 2 and "invalid choice: 'huge'" in r.stderr
+    r = moelab(
+        "serve",
+        "--model-path",
+        "x",
+        "--moe-cache-size",
+        "3",
+        "--moe-cache-rate",
+        "0.5",
+        check=False,
+    )
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+    r = moelab("serve", "--model-path", "x", "--moe-miss-policy", "sometimes", check=False)
+    assert r.returncode == 2 and "use auto, gpu, cpu or split:F" in r.stderr
+
+
+def test_while_loading_the_api_answers_503_and_health_reports_progress():
+    args = build_parser().parse_args(["--model-path", "/nowhere/tiny"])
+    worker = SimpleNamespace(status="loading", loaded_bytes=10, total_bytes=100, error=None)
+    client = TestClient(Server(args, worker).app)
+    health = client.get("/health").json()
+    assert health == {"status": "loading", "model": "tiny", "loaded_bytes": 10, "total_bytes": 100}
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+    assert r.headers["retry-after"]
+    worker.status, worker.error = "error", "CheckpointError: no tensor lm_head.weight"
+    assert client.get("/health").json()["error"].endswith("lm_head.weight")
+    assert client.get("/v1/models").status_code == 503

@@ -1,0 +1,192 @@
+"""Offloaded experts give the same results as all-resident ones, and the cache behaves as an LRU."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from moelab.engine.sampling import SamplingParams
+from moelab.engine.synth_checkpoint import synthesize
+
+from .reference import make_engine, relative_error
+
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+POLICIES = ["auto", "gpu", "cpu", "split:0.5"]
+PROMPTS = [list(range(3, 23)), list(range(40, 47)), list(range(100, 131))]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request, tmp_path_factory):
+    path = synthesize(
+        tmp_path_factory.mktemp(request.param),
+        arch=request.param,
+        preset="tiny",
+        routing_skew=0.8,
+        seed=5,
+        overrides={"num_experts": 16},
+    )
+    resident = make_engine(path, "--moe-cache-rate", "1.0")
+    assert resident.cache.holds_everything
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    outputs = resident.generate(PROMPTS, params)
+    full = [p + o for p, o in zip(PROMPTS, outputs, strict=True)]
+    logits = [resident.score(ids) for ids in full]
+    resident.close()
+    return path, outputs, full, logits
+
+
+def _margins(logits: torch.Tensor) -> list[float]:
+    top2 = torch.topk(logits, 2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompt", "chunked"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("slots", ["one-layer", "half"])
+def test_offloaded_matches_all_resident(model, policy, slots, chunked):
+    path, ref_outputs, full, ref_logits = model
+    num_slots = 16 if slots == "one-layer" else 24  # tiny: 3 MoE layers x 16 experts
+    flags = ["--moe-cache-size", str(num_slots), "--moe-miss-policy", policy]
+    if chunked:
+        flags += ["--prefill-chunk-tokens", "5"]
+    engine = make_engine(path, *flags)
+    try:
+        assert not engine.cache.holds_everything and engine.cache.slots == num_slots
+        outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
+        c = engine.moe.counters
+        fills, cpu, evictions = int(c.fills.sum()), int(c.cpu.sum()), engine.cache.evictions
+        for ids, ref in zip(full, ref_logits, strict=True):
+            assert relative_error(engine.score(ids), ref) < 1e-4
+    finally:
+        engine.close()
+    for prompt, out, ref, ref_full_logits in zip(
+        PROMPTS, outputs, ref_outputs, ref_logits, strict=True
+    ):
+        margins = _margins(ref_full_logits)[len(prompt) - 1 :]
+        for i, (a, b) in enumerate(zip(out, ref, strict=True)):
+            if margins[i] <= 1e-3:
+                break
+            assert a == b, f"token {i}: offloaded {a} != resident {b}"
+    # the identity is not won by never missing
+    if policy == "cpu":
+        assert fills == 0 and cpu > 0
+    elif policy == "gpu":
+        assert fills > 0 and evictions > 0
+    else:
+        assert fills > 0 and evictions > 0 and cpu > 0
+
+
+@pytest.mark.parametrize("policy", ["gpu", "split:0.5"])
+def test_cache_matches_an_independent_lru_simulation(tmp_path, policy):
+    path = synthesize(
+        tmp_path / "m", preset="tiny", routing_skew=0.5, seed=6, overrides={"num_experts": 16}
+    )
+    engine = make_engine(path, "--moe-cache-size", "20", "--moe-miss-policy", policy)
+    spec = engine.spec
+    trace: list[tuple[int, np.ndarray]] = []  # recorded from the router, step by step
+    fetched_log: list[list[int]] = []
+
+    def on_router(layer, x, ids):
+        if x.shape[0] <= 3:  # decode steps of the three sequences below
+            trace.append((spec.moe_index(layer), ids.cpu().numpy().copy()))
+
+    engine.model.on_router = on_router
+    engine.moe.on_decode_step.append(
+        lambda layer, experts, slots, fetched, cpu: fetched_log.append(list(fetched))
+    )
+    # prompts longer than the streaming threshold: prefill never touches the cache
+    prompts = [list(range(10, 40)), list(range(50, 70)), list(range(80, 120))]
+    engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.close()
+    c = engine.moe.counters
+    lru: OrderedDict[int, None] = OrderedDict()
+    hits = fills = evictions = 0
+    assert len(trace) == len(fetched_log)
+    for (layer, ids), fetched in zip(trace, fetched_log, strict=True):
+        experts = np.unique(ids)
+        keys = [layer * spec.num_experts + int(e) for e in experts]
+        protected = set()
+        for key in keys:
+            if key in lru:
+                lru.move_to_end(key)
+                hits += 1
+                protected.add(key)
+        for e in fetched:
+            key = layer * spec.num_experts + e
+            assert key not in lru
+            if len(lru) >= 20:
+                victim = next(k for k in lru if k not in protected)
+                del lru[victim]
+                evictions += 1
+            lru[key] = None
+            protected.add(key)
+            fills += 1
+    assert (hits, fills, evictions) == (
+        int(c.hits.sum()),
+        int(c.fills.sum()),
+        engine.cache.evictions,
+    )
+    assert fills > 20 and evictions > 0
+
+
+def test_concurrent_sequences_match_running_alone(tmp_path):
+    path = synthesize(tmp_path / "m", preset="tiny", routing_skew=1.0, seed=7)
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 11, 25, 7, 60, 19, 2)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine = make_engine(path, "--moe-cache-rate", "0.5", "--prefill-chunk-tokens", "16")
+    try:
+        alone = [engine.generate([p], params)[0] for p in prompts]
+        together = engine.generate(prompts, params)
+        assert together == alone
+        assert engine.kv.used_blocks == 0
+    finally:
+        engine.close()
+
+
+def test_cancel_frees_kv_at_once(tmp_path):
+    path = synthesize(tmp_path / "m", preset="tiny", seed=8)
+    engine = make_engine(path)
+    try:
+        seq = engine.add(list(range(1, 30)), SamplingParams(max_tokens=500, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        assert engine.kv.used_blocks > 0 and seq.output_ids
+        engine.cancel(seq)
+        assert engine.kv.used_blocks == 0 and seq.finish_reason == "cancelled"
+        assert engine.scheduler.idle
+    finally:
+        engine.close()
+
+
+def test_requests_that_do_not_fit_wait_instead_of_failing(tmp_path):
+    path = synthesize(tmp_path / "m", preset="tiny", seed=9)
+    engine = make_engine(
+        path, "--kv-reserve-tokens", "128", "--moe-cache-rate", "0.5", "--kv-block-size", "16"
+    )
+    try:
+        assert engine.kv.capacity_tokens == 128
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        seqs = [engine.add(list(range(1, 41)), params) for _ in range(3)]  # 80 tokens each
+        engine.step()
+        assert len(engine.scheduler.running) == 1 and len(engine.scheduler.waiting) == 2
+        engine.run_until_idle()
+        assert all(len(s.output_ids) == 40 for s in seqs)
+    finally:
+        engine.close()
+
+
+def test_exactly_the_advertised_context_fits(tmp_path):
+    path = synthesize(tmp_path / "m", preset="tiny", seed=10)
+    engine = make_engine(path, "--kv-reserve-tokens", "96", "--moe-cache-rate", "0.5")
+    try:
+        assert engine.max_context == 96
+        seq = engine.add(list(range(1, 81)), SamplingParams(max_tokens=16, ignore_eos=True))
+        engine.run_until_idle()
+        assert len(seq.output_ids) == 16
+        with pytest.raises(ValueError, match="97 exceeds the usable context of 96"):
+            engine.add(list(range(1, 82)), SamplingParams(max_tokens=16))
+    finally:
+        engine.close()

@@ -1,0 +1,349 @@
+"""`moelab serve` as a real process: the OpenAI API, errors, streaming, limits, drain, metrics."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from moelab.engine.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.synth_checkpoint import synthesize
+from moelab.engine.tokenizer import Tokenizer
+
+openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return synthesize(tmp_path_factory.mktemp("served"), preset="tiny", routing_skew=1.0, seed=21)
+
+
+def serve(model, tmp_path, *flags):
+    port = free_port()
+    engine = start_engine(
+        [
+            "--model-path",
+            str(model),
+            "--port",
+            str(port),
+            "--device-memory",
+            "1GiB",
+            "--bank-dir",
+            str(tmp_path / "bank"),
+            *flags,
+        ],
+        tmp_path / f"engine-{port}.log",
+    )
+    wait_ready(engine, timeout_s=120)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    engine = serve(
+        model,
+        tmp_path_factory.mktemp("log"),
+        "--moe-cache-rate",
+        "0.5",
+        "--served-model-name",
+        "tiny-moe",
+    )
+    yield engine
+    stop_engine(engine)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_advertises_the_usable_context(server, client):
+    [m] = client.models.list().data
+    assert m.id == "tiny-moe"
+    health = httpx.get(server.base_url + "/health").json()
+    assert m.model_extra["max_model_len"] == health["max_model_len"] <= 4096
+
+
+def test_chat_and_completions_with_usage_from_the_tokenizer(server, client, model):
+    tok = Tokenizer(model)
+    messages = [{"role": "user", "content": "Tell me about the harbour town."}]
+    chat = client.chat.completions.create(
+        model="tiny-moe", messages=messages, max_tokens=12, temperature=0
+    )
+    prompt = tok.apply_chat_template(messages)
+    assert chat.usage.prompt_tokens == len(tok.encode(prompt))
+    assert chat.usage.completion_tokens == 12 and chat.choices[0].finish_reason == "length"
+    text = client.completions.create(
+        model="tiny-moe", prompt="The harbour town", max_tokens=9, temperature=0
+    )
+    assert text.usage.prompt_tokens == len(tok.encode("The harbour town"))
+    assert text.usage.completion_tokens == 9
+
+
+def test_streaming_equals_non_streaming_and_reports_usage(server, client):
+    kwargs = dict(
+        model="tiny-moe",
+        messages=[{"role": "user", "content": "朝の港は"}],
+        max_tokens=40,
+        temperature=0,
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+    assert "".join(pieces) == whole
+    # every piece is whole characters: a multi-byte character is never split across chunks
+    for piece in pieces:
+        assert piece.encode("utf-8").decode("utf-8") == piece
+        assert "\ufffd" not in piece or "\ufffd" in whole
+    assert usage is not None and usage.completion_tokens == 40
+
+
+def test_stop_strings_are_honoured(server, client):
+    base = (
+        client.completions.create(
+            model="tiny-moe", prompt="The river", max_tokens=30, temperature=0
+        )
+        .choices[0]
+        .text
+    )
+    stop = base[5:8]
+    cut = client.completions.create(
+        model="tiny-moe", prompt="The river", max_tokens=30, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == base[: base.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(server, client):
+    kwargs = dict(
+        model="tiny-moe", prompt="Cities grow", max_tokens=16, temperature=0.9, top_p=0.9, seed=123
+    )
+    a = client.completions.create(**kwargs).choices[0].text
+    b = client.completions.create(**kwargs).choices[0].text
+    assert a == b
+
+
+def test_eight_concurrent_streams_match_running_alone(server, client):
+    prompts = [f"Story {i}: the harbour" for i in range(8)]
+
+    def run(prompt: str, stream: bool) -> str:
+        if not stream:
+            return (
+                client.completions.create(
+                    model="tiny-moe", prompt=prompt, max_tokens=20, temperature=0
+                )
+                .choices[0]
+                .text
+            )
+        return "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model="tiny-moe", prompt=prompt, max_tokens=20, temperature=0, stream=True
+            )
+            if c.choices
+        )
+
+    alone = [run(p, False) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: run(p, True), prompts))
+    assert together == alone
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(
+        server.base_url + path,
+        content=body if isinstance(body, bytes) else json.dumps(body),
+        timeout=60,
+        **kw,
+    )
+
+
+def test_errors_are_openai_json_and_name_the_field(server):
+    r = _post(server, "/v1/completions", b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = _post(server, "/v1/completions", {"prompt": "x", "temperature": "hot"})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+    r = _post(server, "/v1/chat/completions", {"messages": "hello"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = _post(server, "/v1/completions", {"prompt": "x", "model": "gpt-9"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = _post(server, "/v1/completions", {"prompt": "x", "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_context_length_exceeded_gives_both_numbers(server):
+    context = httpx.get(server.base_url + "/health").json()["max_model_len"]
+    r = _post(server, "/v1/completions", {"prompt": list(range(1, 101)), "max_tokens": context})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert str(context) in error["message"] and str(100 + context) in error["message"]
+
+
+def test_huge_bodies_do_not_hurt_the_server(server):
+    body = json.dumps({"prompt": "word " * 6_000_000, "max_tokens": 1}).encode()  # ~30 MB
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = _post(server, "/v1/completions", b"x" * (70 * 1024 * 1024))
+    assert r.status_code == 413
+    assert httpx.get(server.base_url + "/health").json()["status"] == "ok"
+
+
+def test_client_disconnect_mid_stream_frees_kv(server):
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/completions",
+        timeout=60,
+        content=json.dumps(
+            {
+                "prompt": "The harbour",
+                "max_tokens": 3000,
+                "stream": True,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        ),
+    ) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        stats = httpx.get(server.base_url + "/v1/stats").json()
+        if stats["kv"]["tokens_used"] == 0 and stats["requests"]["running"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["kv"]["tokens_used"] == 0 and stats["requests"]["running"] == 0
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_stats_has_the_contract_fields(server):
+    s = httpx.get(server.base_url + "/v1/stats").json()
+    assert set(s["throughput"]) >= {
+        "decode_tok_s_10s",
+        "prefill_tok_s_10s",
+        "decode_tok_s_60s",
+        "prefill_tok_s_60s",
+    }
+    assert set(s["requests"]) >= {"running", "queued", "completed", "ttft_mean_s", "ttft_p95_s"}
+    assert set(s["memory"]["device"][0]) >= {
+        "index",
+        "total",
+        "weights",
+        "kv",
+        "expert_cache",
+        "prefill_buffer",
+        "activations",
+        "graphs",
+        "other",
+    }
+    assert set(s["kv"]) >= {"tokens_total", "tokens_used", "tokens_peak", "max_context"}
+    assert set(s["config"]) >= {"policy", "cpu_threads", "bp_gbps", "bh_gbps", "fetch_fraction"}
+    e = s["experts"]
+    assert set(e) >= {
+        "num_layers",
+        "num_experts",
+        "top_k",
+        "slots",
+        "slot_bytes",
+        "policy",
+        "layers",
+        "window_60s",
+        "picks",
+        "whatif",
+        "hit_rate_60s",
+    }
+    assert len(e["layers"]) == len(e["picks"]) == e["num_layers"]
+    assert len(e["whatif"]) >= 20 and any(w["slots"] == e["slots"] for w in e["whatif"])
+    assert set(s["breakdown"]) >= {"route", "copy", "gpu_experts", "cpu_experts", "other", "step_s"}
+
+
+def test_metrics_parse_as_prometheus_text(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {
+        f.name: f
+        for f in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
+    }
+    assert "moelab_requests_completed" in families
+    reads = families["moelab_expert_reads"].samples
+    assert reads and all(s.labels["outcome"] in ("hits", "fills", "cpu") for s in reads)
+
+
+def test_cache_resize_without_reloading(server):
+    r = _post(server, "/v1/cache/resize", {"moe_cache_size": 20})
+    assert r.status_code == 200 and r.json()["moe_cache_size"] == 20
+    assert httpx.get(server.base_url + "/v1/stats").json()["experts"]["slots"] == 20
+    r = _post(server, "/v1/cache/resize", {"moe_cache_size": 10**9})
+    assert r.status_code == 200  # more slots than experts: everything resident
+    r = _post(server, "/v1/cache/resize", {"kv_reserve_tokens": 10**9})
+    assert r.status_code == 409 and "lower --kv-reserve-tokens" in r.json()["error"]["message"]
+    r = _post(server, "/v1/cache/resize", {"moe_cache_size": 24})
+    assert r.status_code == 200
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3}).status_code == 200
+
+
+def test_queue_overflow_gets_429_with_a_retry_hint(model, tmp_path):
+    engine = serve(model, tmp_path, "--max-running-requests", "1", "--max-queued-requests", "1")
+    try:
+        body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            replies = list(pool.map(lambda _: _post(engine, "/v1/completions", body), range(5)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes.count(200) >= 2 and 429 in codes
+        rejected = next(r for r in replies if r.status_code == 429)
+        assert rejected.headers["retry-after"] and rejected.json()["error"]["code"] == "queue_full"
+    finally:
+        stop_engine(engine)
+
+
+def test_sigterm_drains_running_requests_then_exits(model, tmp_path):
+    engine = serve(model, tmp_path)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(
+            _post, engine, "/v1/completions", {"prompt": "x", "max_tokens": 300, "ignore_eos": True}
+        )
+        time.sleep(1.0)
+        engine.popen.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        try:
+            late = _post(engine, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+            assert late.status_code == 503
+        except httpx.TransportError:
+            pass  # the listener may already be closed: also a refusal
+        reply = running.result(timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 300
+    assert engine.popen.wait(timeout=30) == 0
+
+
+def test_api_key_and_loopback_only_control(model, tmp_path):
+    engine = serve(model, tmp_path, "--api-key", "s3cret")
+    try:
+        assert _post(engine, "/v1/completions", {"prompt": "x"}).status_code == 401
+        ok = _post(
+            engine,
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 2},
+            headers={"Authorization": "Bearer s3cret"},
+        )
+        assert ok.status_code == 200
+        assert httpx.get(engine.base_url + "/health").status_code == 200
+    finally:
+        stop_engine(engine)
