@@ -230,8 +230,11 @@ def test_measure_again_through_the_api(fake_moelab: Path, tmp_path: Path, demo_m
 
 @pytest.mark.slow
 def test_the_real_bench_bw_is_stored_with_the_engines_versions(
-    tmp_path: Path, demo_model: Path
+    tmp_path: Path, demo_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the bench writes a bandwidth profile into the user cache: keep this machine's own intact
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     store = Store(tmp_path / "mgr.sqlite3")
     jobs = Jobs()
     service = HardwareService(store, jobs)
