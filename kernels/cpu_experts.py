@@ -1,0 +1,538 @@
+"""MoE experts on the CPU, straight from the host expert bank: a compiled kernel, torch reference.
+
+`CpuExpertRunner` runs the experts of one MoE layer step on persistent worker threads while the
+caller's thread goes on launching GPU work. The native kernel (csrc/cpu_experts.cpp, built once per
+machine by torch's JIT extension loader) streams bf16/fp16/fp32 weights as stored at close to the
+host's memory bandwidth; `cpu_experts_ref` is the plain-torch reference and the fallback.
+Benchmark: `python -m moelab.kernels.cpu_experts --threads 1,2,4` (see docs/cpu-experts.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+
+import platformdirs
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("auto", "native", "torch")
+SIMD_LEVELS = ("best", "avx512", "avx2", "scalar")
+_SIMD_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+_WEIGHT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_experts.cpp"
+_CFLAGS = ["-O3", "-march=native"]
+
+
+class NativeKernelError(RuntimeError):
+    """The compiled CPU expert kernel cannot be built or loaded on this machine."""
+
+
+def cpu_experts_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    pair_expert: torch.Tensor,
+    pair_token: torch.Tensor,
+    pair_weight: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' output [T, H] fp32 in plain torch: the reference and the fallback kernel.
+
+    out[t] = sum over the pairs j with pair_token[j] = t of
+    pair_weight[j] * w2[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = pair_expert[j],
+    gate = w13[e, :I], up = w13[e, I:]. Computed in fp32.
+    """
+    num_tokens, hidden, inter, num_experts = _check_inputs(
+        x, w13, w2, pair_expert, pair_token, pair_weight, None
+    )
+    _check_pair_indices(pair_expert, pair_token, num_experts, num_tokens)
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    experts = pair_expert.long()
+    tokens = pair_token.long()
+    for e in torch.unique(experts).tolist():
+        picked = (experts == e).nonzero().squeeze(1)
+        rows = tokens[picked]
+        gate_up = x[rows] @ w13[e].float().T
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, rows, (h @ w2[e].float().T) * pair_weight[picked, None])
+    return out
+
+
+_INPUT_NAMES = ("x", "w13", "w2", "pair_expert", "pair_token", "pair_weight", "out")
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    pair_expert: torch.Tensor,
+    pair_token: torch.Tensor,
+    pair_weight: torch.Tensor,
+    out: torch.Tensor | None,
+) -> tuple[int, int, int, int]:
+    """Checks devices, dtypes, layouts and shapes; returns (T, H, I, E)."""
+    for name, t in zip(
+        _INPUT_NAMES, (x, w13, w2, pair_expert, pair_token, pair_weight, out), strict=True
+    ):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_cpu:
+            raise ValueError(f"{name} must be a CPU tensor, it is on {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernel never copies weights)")
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"x must be [T, H] float32, got {list(x.shape)} {x.dtype}")
+    if w13.dtype not in _WEIGHT_CODES or w2.dtype != w13.dtype:
+        raise ValueError(
+            f"w13 and w2 must share one dtype of bfloat16, float16 or float32; got {w13.dtype} "
+            f"and {w2.dtype}"
+        )
+    num_tokens, hidden = x.shape
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {list(w13.shape)} and {list(w2.shape)}"
+        )
+    num_experts, _, inter = w2.shape
+    if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape[1] != hidden or inter == 0:
+        raise ValueError(
+            f"with x [T={num_tokens}, H={hidden}], w13 must be [E, 2I, {hidden}] and w2 "
+            f"[E, {hidden}, I] with I > 0; got w13 {list(w13.shape)} and w2 {list(w2.shape)}"
+        )
+    num_pairs = pair_expert.numel()
+    if (
+        pair_expert.dtype != torch.int32
+        or pair_token.dtype != torch.int32
+        or pair_weight.dtype != torch.float32
+        or pair_expert.shape != pair_token.shape
+        or pair_expert.shape != pair_weight.shape
+        or pair_expert.shape != (num_pairs,)
+    ):
+        pairs = (pair_expert, pair_token, pair_weight)
+        raise ValueError(
+            "pair_expert, pair_token and pair_weight must be 1-D of one length, int32, int32 and "
+            f"float32; got {', '.join(f'{list(p.shape)} {p.dtype}' for p in pairs)}"
+        )
+    if out is not None:
+        if out.dtype != torch.float32 or out.shape != (num_tokens, hidden):
+            raise ValueError(
+                f"out must be [{num_tokens}, {hidden}] float32, got {list(out.shape)} {out.dtype}"
+            )
+        x_start, out_start = x.data_ptr(), out.data_ptr()
+        if x_start < out_start + out.nbytes and out_start < x_start + x.nbytes:
+            raise ValueError("out must not overlap x: x is still read while out is written")
+    return num_tokens, hidden, inter, num_experts
+
+
+def _check_pair_indices(
+    pair_expert: torch.Tensor, pair_token: torch.Tensor, num_experts: int, num_tokens: int
+) -> None:
+    """Raises ValueError when a pair names an expert or token row that does not exist."""
+    for name, values, bound in (
+        ("pair_expert", pair_expert, num_experts),
+        ("pair_token", pair_token, num_tokens),
+    ):
+        bad = ((values < 0) | (values >= bound)).nonzero()
+        if bad.numel():
+            j = int(bad[0, 0])
+            raise ValueError(f"{name}[{j}] = {int(values[j])} is outside 0..{bound - 1}")
+
+
+def native_build_dir() -> Path:
+    """Where the native kernel is built: the user cache dir, one folder per torch, Python and CPU.
+
+    Code built with -march=native must never be loaded on another CPU, so the folder is keyed by the
+    CPU's model and feature flags as well.
+    """
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        cpu = "".join(re.findall(r"^(?:model name|flags|Features)\s*:.*$", cpuinfo, re.M)[:2])
+    except OSError:
+        cpu = platform.processor() + platform.machine()
+    key = f"{torch.__version__}|{sys.version_info[:2]}|{cpu}"
+    tag = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return Path(platformdirs.user_cache_dir("moelab")) / "torch_extensions" / f"cpu_experts-{tag}"
+
+
+def load_native() -> ModuleType:
+    """The compiled kernel module, built on first use; raises NativeKernelError saying why not."""
+    result = _load_native_or_error(native_build_dir())
+    if isinstance(result, NativeKernelError):
+        raise result
+    return result
+
+
+@functools.cache
+def _load_native_or_error(build_dir: Path) -> ModuleType | NativeKernelError:
+    from torch.utils import cpp_extension
+
+    # One module name per folder: torch's in-process versioner renames (and rebuilds) a module whose
+    # name was last loaded from another folder.
+    name = "moelab_cpu_experts_" + hashlib.sha1(str(build_dir).encode()).hexdigest()[:8]
+    started_s = time.perf_counter()
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob(f"{name}*.so")):
+            log.info(
+                "CPU experts: building the native kernel in %s (once per machine, ~20 s)", build_dir
+            )
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as e:  # a compiler, ninja, file system or loader failure: no native kernel
+        return NativeKernelError(
+            f"the native CPU expert kernel could not be built in {build_dir}: {_build_error(e)}. "
+            "It needs a C++ compiler (g++ >= 9) and ninja; kernel='torch' runs without them."
+        )
+    log.debug("CPU experts: native kernel loaded in %.1f s", time.perf_counter() - started_s)
+    return module
+
+
+def _build_error(e: Exception) -> str:
+    """The line of a build failure that says what went wrong (the compiler's first error)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"\berror\b", line, re.I) and not line.startswith("Error building extension"):
+            return line
+    return lines[-1] if lines else type(e).__name__
+
+
+class CpuExpertJob:
+    """One submitted call; `wait()` returns its output once the workers are done."""
+
+    __slots__ = ("_future", "_job", "_keep", "_out")
+
+    def __init__(
+        self,
+        out: torch.Tensor | None,
+        job: object | None = None,
+        future: Future[torch.Tensor] | None = None,
+        keep: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        self._out = out
+        self._job = job
+        self._future = future
+        self._keep = keep  # the workers read these through raw pointers until the job is done
+
+    def done(self) -> bool:
+        """Whether the output is ready (wait() would not block)."""
+        return self._job.done() if self._job is not None else self._future.done()
+
+    def wait(self) -> torch.Tensor:
+        """Blocks (without the GIL) until the output [T, H] fp32 is computed, and returns it."""
+        if self._job is not None:
+            self._job.wait()
+            self._keep = ()
+            return self._out
+        result = self._future.result()
+        return result if self._out is None else self._out.copy_(result)
+
+    def __del__(self) -> None:
+        if self._job is not None and self._keep:
+            self._job.wait()
+
+
+class CpuExpertRunner:
+    """Runs MoE experts on persistent CPU worker threads; `submit` returns while they compute.
+
+    kernel: "native" (compiled; NativeKernelError if it cannot be built), "torch" (the reference) or
+    "auto" (native if it builds, else torch, saying why in the log). simd picks the native kernel's
+    code path ("best": the widest this CPU has); the others are there to test and compare them.
+    """
+
+    def __init__(self, num_threads: int, kernel: str = "auto", simd: str = "best") -> None:
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+            raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+        if simd not in SIMD_LEVELS:
+            raise ValueError(f"simd must be one of {', '.join(SIMD_LEVELS)}; got {simd!r}")
+        self.num_threads = num_threads
+        self._module: ModuleType | None = None
+        if kernel != "torch":
+            try:
+                self._module = load_native()
+            except NativeKernelError as e:
+                if kernel == "native":
+                    raise
+                log.warning("CPU experts: using the torch kernel; %s", e)
+        if self._module is not None:
+            levels = list(self._module.simd_levels())
+            if simd != "best" and simd not in levels:
+                raise ValueError(
+                    f"simd={simd!r} is not available on this CPU; this build has "
+                    f"{', '.join(levels)}"
+                )
+            self.kernel = "native"
+            self.simd = levels[0] if simd == "best" else simd
+            self._pool = self._module.Pool(num_threads)
+        else:
+            if simd != "best":
+                raise ValueError(f"simd={simd!r} applies to the native kernel only")
+            self.kernel = "torch"
+            self.simd = "torch"
+            self._executor = ThreadPoolExecutor(
+                1, "moelab-cpu-experts", initializer=torch.set_num_threads, initargs=(num_threads,)
+            )
+        self._closed = False
+
+    def submit(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        pair_expert: torch.Tensor,
+        pair_token: torch.Tensor,
+        pair_weight: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> CpuExpertJob:
+        """Queues one call (see cpu_experts_ref) and returns at once.
+
+        x, the weights and out must stay unchanged until the job's wait() returns. out: an optional
+        [T, H] fp32 buffer to write into (e.g. pinned memory, for the copy to the GPU); it is
+        overwritten, never accumulated into.
+        """
+        if self._closed:
+            raise RuntimeError("this CpuExpertRunner is closed")
+        num_tokens, hidden, inter, num_experts = _check_inputs(
+            x, w13, w2, pair_expert, pair_token, pair_weight, out
+        )
+        if self._module is None:
+            _check_pair_indices(pair_expert, pair_token, num_experts, num_tokens)
+            args = (x, w13, w2, pair_expert, pair_token, pair_weight)
+            return CpuExpertJob(out, future=self._executor.submit(cpu_experts_ref, *args))
+        if out is None:
+            out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+        job = self._module.submit_experts(
+            self._pool,
+            _SIMD_CODES[self.simd],
+            _WEIGHT_CODES[w13.dtype],
+            x.data_ptr(),
+            out.data_ptr(),
+            w13.data_ptr(),
+            w2.data_ptr(),
+            num_tokens,
+            hidden,
+            inter,
+            num_experts,
+            pair_expert.data_ptr(),
+            pair_token.data_ptr(),
+            pair_weight.data_ptr(),
+            pair_expert.numel(),
+        )
+        return CpuExpertJob(out, job=job, keep=(x, w13, w2, out))
+
+    def run(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        pair_expert: torch.Tensor,
+        pair_token: torch.Tensor,
+        pair_weight: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """submit() and wait(): the experts' output [T, H] fp32."""
+        return self.submit(x, w13, w2, pair_expert, pair_token, pair_weight, out).wait()
+
+    def read_gbps(self, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+        """The host memory read rate in GB/s on these threads: the best of `repeats` buffer sums."""
+        buf = torch.ones(size_bytes // 4, dtype=torch.float32)  # written, so every page is real
+        best_s = float("inf")
+        for _ in range(repeats):
+            started_s = time.perf_counter()
+            if self._module is not None:
+                self._module.read_sum(self._pool, buf.data_ptr(), buf.numel())
+            else:
+                self._executor.submit(torch.sum, buf).result()
+            best_s = min(best_s, time.perf_counter() - started_s)
+        return buf.numel() * 4 / best_s / 1e9
+
+    def close(self) -> None:
+        """Finishes the queued jobs and ends the worker threads."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._module is not None:
+            self._pool.close()
+        else:
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> CpuExpertRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_closed"):
+            self.close()
+
+
+def host_read_gbps(threads: int, size_bytes: int = 1 << 30) -> float:
+    """The host memory read rate in GB/s with `threads` CPU expert workers: the kernel's ceiling."""
+    with CpuExpertRunner(threads) as runner:
+        return runner.read_gbps(size_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark: python -m moelab.kernels.cpu_experts --threads 1,2,4 [--json]
+
+
+def _expert_gbps(
+    runner: CpuExpertRunner, w13: torch.Tensor, w2: torch.Tensor, k: int, min_s: float
+) -> float:
+    """Weight GB/s of one-token steps of k experts each.
+
+    Consecutive steps take disjoint experts in a fixed shuffled order and come back to an expert
+    only after the whole bank, so the weights come from memory, not from the last-level cache.
+    """
+    num_experts, hidden = w13.shape[0], w13.shape[2]
+    x = torch.randn(1, hidden)
+    pair_token = torch.zeros(k, dtype=torch.int32)
+    pair_weight = torch.full((k,), 1.0 / k)
+    order = torch.randperm(num_experts, generator=torch.Generator().manual_seed(0)).int()
+    steps = [order.roll(-k * s)[:k].clone() for s in range(num_experts // k)]
+    step_bytes = k * (w13[0].nbytes + w2[0].nbytes)
+    for s in range(3):
+        runner.run(x, w13, w2, steps[s % len(steps)], pair_token, pair_weight)
+    done, started_s = 0, time.perf_counter()
+    while done < 10 or time.perf_counter() - started_s < min_s:
+        runner.run(x, w13, w2, steps[done % len(steps)], pair_token, pair_weight)
+        done += 1
+    return done * step_bytes / (time.perf_counter() - started_s) / 1e9
+
+
+def bench(
+    threads: Sequence[int],
+    experts: Sequence[int],
+    shape: tuple[int, int, int],
+    simd: str,
+    min_s: float,
+    read_bytes: int,
+    say: Callable[[str], None],
+) -> dict:
+    """Per thread count: host read rate, native and torch expert weight rates, in GB/s.
+
+    shape: (hidden, intermediate, experts in the bank), bf16. The host read rate is measured before
+    and after the expert runs and the higher one kept, so that a busy machine lowers the share
+    rather than raising it.
+    """
+    hidden, inter, num_experts = shape
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.empty(num_experts, 2 * inter, hidden, dtype=torch.bfloat16)
+    w2 = torch.empty(num_experts, hidden, inter, dtype=torch.bfloat16)
+    w13.normal_(0, 0.02, generator=gen)
+    w2.normal_(0, 0.02, generator=gen)
+    results = []
+    for n in threads:
+        with CpuExpertRunner(n, "native", simd) as native, CpuExpertRunner(n, "torch") as ref:
+            read_before_gbps = native.read_gbps(read_bytes)
+            rates = {
+                k: (_expert_gbps(native, w13, w2, k, min_s), _expert_gbps(ref, w13, w2, k, min_s))
+                for k in experts
+            }
+            host_gbps = max(read_before_gbps, native.read_gbps(read_bytes))
+            simd_used = native.simd
+        row = {"threads": n, "simd": simd_used, "host_read_gbps": host_gbps, "experts": {}}
+        for k, (native_gbps, torch_gbps) in rates.items():
+            share = native_gbps / host_gbps
+            row["experts"][k] = {
+                "native_gbps": native_gbps,
+                "torch_gbps": torch_gbps,
+                "native_share_of_host": share,
+            }
+            say(
+                f"{n:>7} {host_gbps:>14.1f} {k:>7} {native_gbps:>11.1f} {torch_gbps:>10.1f} "
+                f"{share:>11.0%}"
+            )
+        results.append(row)
+    return {
+        "cpu": _cpu_name(),
+        "logical_cpus": os.cpu_count(),
+        "shape": {"hidden": hidden, "intermediate": inter, "num_experts": num_experts},
+        "dtype": "bfloat16",
+        "tokens": 1,
+        "results": results,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        found = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    except OSError:
+        found = None
+    return found.group(1) if found else platform.processor() or platform.machine()
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",")]
+    if not values or min(values) < 1:
+        raise ValueError(text)
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m moelab.kernels.cpu_experts",
+        description="CPU expert kernel benchmark: weight GB/s against the host memory read rate.",
+    )
+    parser.add_argument("--threads", default="1,2,4", help="comma-separated thread counts")
+    parser.add_argument("--experts", default="8,4", help="comma-separated experts per step")
+    parser.add_argument("--hidden", type=int, default=2048, help="H (Qwen3-30B-A3B: 2048)")
+    parser.add_argument("--intermediate", type=int, default=768, help="I (Qwen3-30B-A3B: 768)")
+    parser.add_argument("--num-experts", type=int, default=128, help="experts in the bank")
+    parser.add_argument("--simd", choices=SIMD_LEVELS, default="best", help="native code path")
+    parser.add_argument("--min-seconds", type=float, default=1.0, help="time per measurement")
+    parser.add_argument("--read-mib", type=int, default=1024, help="buffer of the host read test")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    try:
+        threads, experts = _int_list(args.threads), _int_list(args.experts)
+    except ValueError:
+        parser.error("--threads and --experts take positive comma-separated integers, e.g. 1,2,4")
+    if max(experts) > args.num_experts:
+        parser.error("--experts cannot exceed --num-experts")
+    say = (lambda _: None) if args.json else print
+    say(
+        f"{_cpu_name()}, {os.cpu_count()} logical CPUs; experts H={args.hidden} "
+        f"I={args.intermediate} bf16, 1 token, bank of {args.num_experts}"
+    )
+    say(
+        f"{'threads':>7} {'host read GB/s':>14} {'experts':>7} {'native GB/s':>11} "
+        f"{'torch GB/s':>10} {'native/host':>11}"
+    )
+    shape = (args.hidden, args.intermediate, args.num_experts)
+    try:
+        result = bench(
+            threads, experts, shape, args.simd, args.min_seconds, args.read_mib << 20, say
+        )
+    except (NativeKernelError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

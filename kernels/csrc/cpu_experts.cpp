@@ -1,0 +1,667 @@
+// MoE experts on the CPU, straight from the host expert bank: bf16, fp16 or fp32 weights as stored.
+//
+// out[t] = sum over the pairs j of token t of weight_j * w2[e_j] @ (silu(gate[e_j] x[t]) *
+// (up[e_j] x[t])). A persistent pool of std::threads runs each call as a job of independent tasks:
+// phase 1 splits every expert's gate/up rows into blocks (a block computes h = silu(g) * u for all
+// of that expert's tokens); phase 2 splits the output rows into blocks, each summing every expert's
+// down projection for its rows only, so the reduction has no races and a fixed order (results do
+// not depend on the thread count). Weights are streamed once per call, prefetched a tile ahead,
+// converted to fp32 in registers (bf16 by a 16-bit shift, fp16 by vcvtph2ps) and accumulated with
+// fp32 FMAs. Workers never touch Python; the caller blocks only in Job::wait, without the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MOELAB_X86 1
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+// -------------------------------------------------------------------------------------------------
+// Weight element types and their exact conversion to fp32.
+
+struct bf16 {
+  uint16_t bits;
+};
+struct f16 {
+  uint16_t bits;
+};
+
+inline float to_float(float v) { return v; }
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float to_float(bf16 v) { return bits_to_float(uint32_t(v.bits) << 16); }
+
+inline float to_float(f16 v) {
+  const uint32_t sign = uint32_t(v.bits & 0x8000) << 16;
+  const uint32_t exp = (v.bits >> 10) & 0x1f;
+  const uint32_t man = v.bits & 0x3ff;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000 | (man << 13));  // inf, nan
+  if (exp != 0) return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+  // zero or subnormal: man * 2^-24, exact in fp32
+  const float mag = float(man) * 5.9604644775390625e-08f;
+  return sign ? -mag : mag;
+}
+
+inline void prefetch(const void* p) {
+#ifdef MOELAB_X86
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+inline void cpu_relax() {
+#ifdef MOELAB_X86
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Waits for ready() without sleeping: short bursts of pause instructions between yields of the
+// core, so that on an oversubscribed machine (CI, a busy desktop) the thread being waited for gets
+// to run; gives up after `limit` (the caller then sleeps on a condition variable).
+template <class Ready>
+bool spin_until(Ready ready, std::chrono::nanoseconds limit = std::chrono::nanoseconds::max()) {
+  const auto start = std::chrono::steady_clock::now();
+  while (true) {
+    for (int i = 0; i < 32; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() - start > limit) return false;
+    std::this_thread::yield();
+  }
+}
+
+// How long workers spin for the next job before sleeping: longer than the gap between two MoE
+// layers of a decode step, so that a step's jobs never pay the wake-up of every worker.
+constexpr std::chrono::microseconds kWorkerSpin{1000};
+// How long wait() spins before sleeping; the caller's core is not one the workers use.
+constexpr std::chrono::microseconds kWaiterSpin{2000};
+
+// -------------------------------------------------------------------------------------------------
+// SIMD backends: W fp32 lanes; load converts W weights of any element type to fp32.
+
+struct Scalar {
+  static constexpr int W = 1;
+  using V = float;
+  static V zero() { return 0.0f; }
+  template <class T>
+  static V load(const T* p) {
+    return to_float(*p);
+  }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static V add(V a, V b) { return a + b; }
+  static V keep(V v) { return v; }
+  static float sum(V v) { return v; }
+};
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Avx2 {
+  static constexpr int W = 8;
+  using V = __m256;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const bf16* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  static V load(const f16* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  // Holds v in a register: without this the compiler folds the load into every FMA that uses it,
+  // and the repeated loads, not the arithmetic, become the limit.
+  static V keep(V v) {
+    asm("" : "+x"(v));
+    return v;
+  }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#define MOELAB_HAVE_AVX2 1
+#endif
+
+#if defined(__AVX512F__)
+struct Avx512 {
+  static constexpr int W = 16;
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const bf16* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  static V load(const f16* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V keep(V v) {
+    asm("" : "+v"(v));
+    return v;
+  }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#define MOELAB_HAVE_AVX512 1
+#endif
+
+enum class Simd : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class WeightType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+std::vector<std::string> simd_levels() {
+  std::vector<std::string> levels;
+#ifdef MOELAB_HAVE_AVX512
+  levels.push_back("avx512");
+#endif
+#ifdef MOELAB_HAVE_AVX2
+  levels.push_back("avx2");
+#endif
+  levels.push_back("scalar");
+  return levels;
+}
+
+// -------------------------------------------------------------------------------------------------
+// The core: NR weight rows times NT activation vectors of length K, fp32 accumulation.
+// res[r * NT + t] = rows[r] . xs[t]. Each weight vector is loaded and converted once for all NT
+// tokens, each activation vector once for all NR rows. `next`, when given, holds the rows the
+// caller reads after these: they are prefetched, one 64-byte line per line read here.
+
+template <class B, class WT, int NR, int NT>
+void dot_tile(const WT* const* rows, const WT* const* next, const float* const* xs, int64_t K,
+              float* res) {
+  // One token leaves only NR accumulator chains; unrolling doubles them to cover the FMA latency.
+  constexpr int U = NT == 1 ? 2 : 1;
+  constexpr int W = B::W;
+  constexpr int64_t kLine = 64 / int64_t(sizeof(WT));
+  typename B::V acc[U][NR][NT];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < NR; ++r)
+      for (int t = 0; t < NT; ++t) acc[u][r][t] = B::zero();
+  int64_t k = 0;
+  for (; k + U * W <= K; k += U * W) {
+    for (int u = 0; u < U; ++u) {
+      typename B::V w[NR];
+      for (int r = 0; r < NR; ++r) w[r] = B::load(rows[r] + k + u * W);
+      if (next != nullptr && (W >= kLine || ((k + u * W) & (kLine - 1)) == 0)) {
+        for (int r = 0; r < NR; ++r) prefetch(next[r] + k + u * W);
+      }
+      for (int t = 0; t < NT; ++t) {
+        const typename B::V xv = B::keep(B::load(xs[t] + k + u * W));
+        for (int r = 0; r < NR; ++r) acc[u][r][t] = B::fma(w[r], xv, acc[u][r][t]);
+      }
+    }
+  }
+  for (; k + W <= K; k += W) {
+    for (int r = 0; r < NR; ++r) {
+      const typename B::V w = B::load(rows[r] + k);
+      for (int t = 0; t < NT; ++t) acc[0][r][t] = B::fma(w, B::load(xs[t] + k), acc[0][r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      float s = 0.0f;
+      for (int u = 0; u < U; ++u) s += B::sum(acc[u][r][t]);
+      for (int64_t kk = k; kk < K; ++kk) s += to_float(rows[r][kk]) * xs[t][kk];
+      res[r * NT + t] = s;
+    }
+  }
+}
+
+// Runtime NT (1..4) to the template.
+template <class B, class WT, int NR>
+void dot_tile_n(const WT* const* rows, const WT* const* next, const float* const* xs, int nt,
+                int64_t K, float* res) {
+  switch (nt) {
+    case 1: return dot_tile<B, WT, NR, 1>(rows, next, xs, K, res);
+    case 2: return dot_tile<B, WT, NR, 2>(rows, next, xs, K, res);
+    case 3: return dot_tile<B, WT, NR, 3>(rows, next, xs, K, res);
+    default: return dot_tile<B, WT, NR, 4>(rows, next, xs, K, res);
+  }
+}
+
+constexpr int kMaxTokensPerTile = 4;
+
+// -------------------------------------------------------------------------------------------------
+// Jobs and the persistent pool.
+
+class Job {
+ public:
+  virtual ~Job() = default;
+
+  // Claims and runs tasks until none is left; returns when this job has nothing more to hand out.
+  void work() {
+    for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < num_tasks_;) {
+      run_task(i);
+      if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_tasks_) signal_done();
+    }
+  }
+  bool done() const { return done_.load(std::memory_order_acquire); }
+
+  void wait() {
+    // The caller usually waits for well under a millisecond: spin a little before sleeping.
+    if (spin_until([this] { return done(); }, kWaiterSpin)) return;
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this] { return done(); });
+  }
+
+ protected:
+  void set_num_tasks(int64_t n) {
+    num_tasks_ = n;
+    if (n == 0) done_.store(true, std::memory_order_release);
+  }
+  virtual void run_task(int64_t i) = 0;
+
+ private:
+  void signal_done() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_.store(true, std::memory_order_release);
+    }
+    cv_.notify_all();
+  }
+
+  int64_t num_tasks_ = 0;
+  std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> finished_{0};
+  std::atomic<bool> done_{false};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+};
+
+class Pool {
+ public:
+  explicit Pool(int num_threads) : num_threads_(num_threads) {
+    if (num_threads < 1) throw std::invalid_argument("num_threads must be at least 1");
+    workers_.reserve(num_threads);
+    for (int i = 0; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  }
+  ~Pool() { close(); }
+
+  int num_threads() const { return num_threads_; }
+
+  void push(std::shared_ptr<Job> job) {
+    if (job->done()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) throw std::runtime_error("this CpuExpertRunner is closed");
+      queue_.push_back(std::move(job));
+      queued_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+  }
+
+  // Finishes the queued jobs, then ends the workers.
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_ && workers_.empty()) return;
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+    workers_.clear();
+  }
+
+ private:
+  std::shared_ptr<Job> next_job() {
+    spin_until([this] { return queued_.load(std::memory_order_acquire) > 0; }, kWorkerSpin);
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return nullptr;
+    return queue_.front();
+  }
+
+  void worker_loop() {
+    while (std::shared_ptr<Job> job = next_job()) {
+      job->work();
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!queue_.empty() && queue_.front() == job) {
+        queue_.pop_front();
+        queued_.fetch_sub(1, std::memory_order_release);
+      }
+    }
+  }
+
+  const int num_threads_;
+  std::vector<std::thread> workers_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  std::atomic<int64_t> queued_{0};
+  bool stopping_ = false;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+};
+
+// -------------------------------------------------------------------------------------------------
+// The expert job.
+
+struct ExpertProblem {
+  const float* x;   // [T, H]
+  float* out;       // [T, H]
+  const void* w13;  // [E, 2I, H]
+  const void* w2;   // [E, H, I]
+  int64_t T, H, I, E;
+};
+
+// Tasks aim at this many weight bytes each: small enough to balance 16 threads over one expert,
+// large enough that claiming a task costs nothing next to streaming it.
+constexpr int64_t kTaskBytes = 96 * 1024;
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+template <class B, class WT>
+class ExpertJob final : public Job {
+ public:
+  ExpertJob(const ExpertProblem& p, std::vector<int32_t> group_expert,
+            std::vector<int32_t> group_start, std::vector<int32_t> token,
+            std::vector<float> weight, int num_threads)
+      : p_(p),
+        group_expert_(std::move(group_expert)),
+        group_start_(std::move(group_start)),
+        token_(std::move(token)),
+        weight_(std::move(weight)),
+        x_row_(token_.size()),
+        h_(token_.size() * p.I),
+        group_done_(new std::atomic<int64_t>[group_expert_.size()]()) {
+    const int64_t groups = int64_t(group_expert_.size());
+    for (size_t k = 0; k < token_.size(); ++k) x_row_[k] = p.x + token_[k] * p.H;
+    // Phase 1: blocks of gate/up row pairs, even so that tiles of two pairs fill them.
+    const int64_t row_bytes = std::max<int64_t>(1, p.H * int64_t(sizeof(WT)));
+    rows1_ = std::max<int64_t>(2, round_up(kTaskBytes / (2 * row_bytes), 2));
+    blocks1_ = (p.I + rows1_ - 1) / rows1_;
+    phase1_tasks_ = groups * blocks1_;
+    // Phase 2: blocks of output rows, each over all experts; at least 4 blocks per thread.
+    const int64_t down_bytes_per_row = std::max<int64_t>(1, groups * p.I * int64_t(sizeof(WT)));
+    rows2_ = std::max<int64_t>(4, round_up(kTaskBytes / down_bytes_per_row, 4));
+    rows2_ = std::min(rows2_, std::max<int64_t>(4, round_up(p.H / (4 * num_threads), 4)));
+    const int64_t blocks2 = (p.H + rows2_ - 1) / rows2_;
+    set_num_tasks(groups == 0 ? 0 : phase1_tasks_ + blocks2);
+  }
+
+ protected:
+  // Tasks are handed out in order: phase 1 in group order, then phase 2; a task waits only for
+  // tasks handed out before it, so the waits always end.
+  void run_task(int64_t i) override {
+    if (i < phase1_tasks_) {
+      gate_up(i / blocks1_, (i % blocks1_) * rows1_);
+      group_done_[i / blocks1_].fetch_add(1, std::memory_order_release);
+      return;
+    }
+    down((i - phase1_tasks_) * rows2_);
+  }
+
+ private:
+  // h[j, r0:r0+rows1] = silu(gate[r] . x[t_j]) * (up[r] . x[t_j]) for every pair j of group g.
+  void gate_up(int64_t g, int64_t r0) {
+    const int64_t H = p_.H, I = p_.I;
+    const WT* gate = static_cast<const WT*>(p_.w13) + int64_t(group_expert_[g]) * 2 * I * H;
+    const WT* up = gate + I * H;
+    const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
+    const int64_t r_end = std::min(I, r0 + rows1_);
+    for (int64_t r = r0; r < r_end;) {
+      const int nr = r + 2 <= r_end ? 2 : 1;
+      const WT* rows[4] = {gate + r * H, gate + (r + 1) * H, up + r * H, up + (r + 1) * H};
+      if (nr == 1) rows[1] = up + r * H;
+      // The next tile's rows, fetched while this one computes: a thread's demand misses alone
+      // cannot keep enough reads in flight to reach its share of the memory bandwidth.
+      const WT* next[4] = {rows[0] + 2 * H, rows[1] + 2 * H, rows[2] + 2 * H, rows[3] + 2 * H};
+      const bool ahead = nr == 2 && r + 4 <= r_end;
+      for (int32_t jt = j0; jt < j1; jt += kMaxTokensPerTile) {
+        const int nt = std::min<int>(kMaxTokensPerTile, j1 - jt);
+        const WT* const* pf = ahead && jt == j0 ? next : nullptr;
+        float res[4 * kMaxTokensPerTile];
+        if (nr == 2) {
+          dot_tile_n<B, WT, 4>(rows, pf, x_row_.data() + jt, nt, H, res);
+        } else {
+          dot_tile_n<B, WT, 2>(rows, nullptr, x_row_.data() + jt, nt, H, res);
+        }
+        for (int a = 0; a < nr; ++a) {
+          for (int q = 0; q < nt; ++q) {
+            const float gv = res[a * nt + q], uv = res[(nr + a) * nt + q];
+            h_[int64_t(jt + q) * I + r + a] = gv / (1.0f + std::exp(-gv)) * uv;
+          }
+        }
+      }
+      r += nr;
+    }
+  }
+
+  // out[t, r0:r0+rows2] = sum over groups and pairs of weight_j * (w2[e] rows . h[j]).
+  void down(int64_t r0) {
+    const int64_t H = p_.H, I = p_.I;
+    const int64_t r_end = std::min(H, r0 + rows2_);
+    for (int64_t t = 0; t < p_.T; ++t) {
+      std::fill(p_.out + t * H + r0, p_.out + t * H + r_end, 0.0f);
+    }
+    const int64_t groups = int64_t(group_expert_.size());
+    auto down_rows = [&](int64_t g, int64_t r) {
+      return static_cast<const WT*>(p_.w2) + (int64_t(group_expert_[g]) * H + r) * I;
+    };
+    for (int64_t g = 0; g < groups; ++g) {
+      // Phase 1 hands out its blocks in group order, so this wait is short and mostly on the last.
+      spin_until([&] { return group_done_[g].load(std::memory_order_acquire) == blocks1_; });
+      const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
+      for (int64_t r = r0; r < r_end;) {
+        const int nr = r + 4 <= r_end ? 4 : 1;
+        const WT* rows[4] = {down_rows(g, r)};
+        for (int a = 1; a < nr; ++a) rows[a] = rows[0] + a * I;
+        // Prefetch the next tile: further down this expert, else the next expert's first rows.
+        const WT* next[4] = {nullptr};
+        if (r + 8 <= r_end) {
+          next[0] = rows[0] + 4 * I;
+        } else if (g + 1 < groups && r0 + 4 <= r_end) {
+          next[0] = down_rows(g + 1, r0);
+        }
+        for (int a = 1; a < 4; ++a) next[a] = next[0] + a * I;
+        for (int32_t jt = j0; jt < j1; jt += kMaxTokensPerTile) {
+          const int nt = std::min<int>(kMaxTokensPerTile, j1 - jt);
+          const float* hs[kMaxTokensPerTile];
+          for (int q = 0; q < nt; ++q) hs[q] = h_.data() + int64_t(jt + q) * I;
+          float res[4 * kMaxTokensPerTile];
+          if (nr == 4) {
+            dot_tile_n<B, WT, 4>(rows, next[0] != nullptr && jt == j0 ? next : nullptr, hs, nt, I,
+                                 res);
+          } else {
+            dot_tile_n<B, WT, 1>(rows, nullptr, hs, nt, I, res);
+          }
+          for (int a = 0; a < nr; ++a) {
+            for (int q = 0; q < nt; ++q) {
+              p_.out[int64_t(token_[jt + q]) * H + r + a] += weight_[jt + q] * res[a * nt + q];
+            }
+          }
+        }
+        r += nr;
+      }
+    }
+  }
+
+  const ExpertProblem p_;
+  const std::vector<int32_t> group_expert_;  // expert of each group
+  const std::vector<int32_t> group_start_;   // pairs of group g: [group_start[g], group_start[g+1])
+  const std::vector<int32_t> token_;         // per pair, sorted by expert
+  const std::vector<float> weight_;          // per pair, sorted by expert
+  std::vector<const float*> x_row_;          // per pair: its row of x
+  std::vector<float> h_;                     // [pairs, I]
+  int64_t phase1_tasks_ = 0, rows1_ = 0, blocks1_ = 0, rows2_ = 0;
+  std::unique_ptr<std::atomic<int64_t>[]> group_done_;  // phase-1 blocks done, per group
+};
+
+template <class B>
+std::shared_ptr<Job> make_expert_job(WeightType wt, const ExpertProblem& p,
+                                     std::vector<int32_t> ge, std::vector<int32_t> gs,
+                                     std::vector<int32_t> tok, std::vector<float> w, int threads) {
+  switch (wt) {
+    case WeightType::kF32:
+      return std::make_shared<ExpertJob<B, float>>(p, ge, gs, tok, w, threads);
+    case WeightType::kF16:
+      return std::make_shared<ExpertJob<B, f16>>(p, ge, gs, tok, w, threads);
+    case WeightType::kBF16:
+      return std::make_shared<ExpertJob<B, bf16>>(p, ge, gs, tok, w, threads);
+  }
+  throw std::invalid_argument("unknown weight type");
+}
+
+// Queues one call; the pair arrays are copied (grouped by expert) before this returns, the tensors
+// behind x, out, w13 and w2 must stay alive and unchanged until the job is done.
+std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintptr_t x,
+                                    uintptr_t out, uintptr_t w13, uintptr_t w2, int64_t T,
+                                    int64_t H, int64_t I, int64_t E, uintptr_t pair_expert,
+                                    uintptr_t pair_token, uintptr_t pair_weight, int64_t J) {
+  const auto* pe = reinterpret_cast<const int32_t*>(pair_expert);
+  const auto* pt = reinterpret_cast<const int32_t*>(pair_token);
+  const auto* pw = reinterpret_cast<const float*>(pair_weight);
+  for (int64_t j = 0; j < J; ++j) {
+    const std::string at = "[" + std::to_string(j) + "] = ";
+    if (pe[j] < 0 || pe[j] >= E) {
+      throw std::invalid_argument("pair_expert" + at + std::to_string(pe[j]) +
+                                  " is outside 0.." + std::to_string(E - 1));
+    }
+    if (pt[j] < 0 || pt[j] >= T) {
+      throw std::invalid_argument("pair_token" + at + std::to_string(pt[j]) + " is outside 0.." +
+                                  std::to_string(T - 1));
+    }
+  }
+  std::vector<int32_t> order(J);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [pe](int32_t a, int32_t b) { return pe[a] < pe[b]; });
+  std::vector<int32_t> group_expert, group_start, token(J);
+  std::vector<float> weight(J);
+  for (int64_t k = 0; k < J; ++k) {
+    const int32_t j = order[k];
+    if (k == 0 || pe[j] != group_expert.back()) {
+      group_expert.push_back(pe[j]);
+      group_start.push_back(int32_t(k));
+    }
+    token[k] = pt[j];
+    weight[k] = pw[j];
+  }
+  group_start.push_back(int32_t(J));
+  const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
+                        reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
+                        T, H, I, E};
+  const auto wt = static_cast<WeightType>(weight_type);
+  const int threads = pool.num_threads();
+  std::shared_ptr<Job> job;
+  switch (static_cast<Simd>(simd)) {
+#ifdef MOELAB_HAVE_AVX512
+    case Simd::kAvx512:
+      job = make_expert_job<Avx512>(wt, p, group_expert, group_start, token, weight, threads);
+      break;
+#endif
+#ifdef MOELAB_HAVE_AVX2
+    case Simd::kAvx2:
+      job = make_expert_job<Avx2>(wt, p, group_expert, group_start, token, weight, threads);
+      break;
+#endif
+    case Simd::kScalar:
+      job = make_expert_job<Scalar>(wt, p, group_expert, group_start, token, weight, threads);
+      break;
+    default:
+      throw std::invalid_argument("this build has no such SIMD level");
+  }
+  if (J == 0) {
+    std::fill(p.out, p.out + T * H, 0.0f);  // no pairs: a job with no tasks, already done
+  } else {
+    pool.push(job);
+  }
+  return job;
+}
+
+// -------------------------------------------------------------------------------------------------
+// The host read rate: sum a buffer in blocks over the same pool.
+
+template <class B>
+class ReadJob final : public Job {
+ public:
+  ReadJob(const float* data, int64_t n) : data_(data), n_(n), sums_((n + kBlock - 1) / kBlock) {
+    set_num_tasks(int64_t(sums_.size()));
+  }
+  double total() const { return std::accumulate(sums_.begin(), sums_.end(), 0.0); }
+
+ protected:
+  void run_task(int64_t i) override {
+    const float* p = data_ + i * kBlock;
+    const int64_t n = std::min(kBlock, n_ - i * kBlock);
+    typename B::V acc[4] = {B::zero(), B::zero(), B::zero(), B::zero()};
+    int64_t k = 0;
+    for (; k + 4 * B::W <= n; k += 4 * B::W) {
+      for (int u = 0; u < 4; ++u) acc[u] = B::add(acc[u], B::load(p + k + u * B::W));
+    }
+    float s = B::sum(B::add(B::add(acc[0], acc[1]), B::add(acc[2], acc[3])));
+    for (; k < n; ++k) s += p[k];
+    sums_[i] = s;
+  }
+
+ private:
+  static constexpr int64_t kBlock = 256 * 1024;  // floats: 1 MiB per task
+  const float* data_;
+  const int64_t n_;
+  std::vector<double> sums_;
+};
+
+// Sums n floats at data with every worker of the pool; returns the sum (so nothing is optimized
+// away). Blocks with the GIL released.
+double read_sum(Pool& pool, uintptr_t data, int64_t n) {
+  const auto* p = reinterpret_cast<const float*>(data);
+#if defined(MOELAB_HAVE_AVX512)
+  auto job = std::make_shared<ReadJob<Avx512>>(p, n);
+#elif defined(MOELAB_HAVE_AVX2)
+  auto job = std::make_shared<ReadJob<Avx2>>(p, n);
+#else
+  auto job = std::make_shared<ReadJob<Scalar>>(p, n);
+#endif
+  {
+    py::gil_scoped_release release;
+    pool.push(job);
+    job->wait();
+  }
+  return job->total();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "MoE experts on the CPU from bf16/fp16/fp32 weights, on a persistent thread pool";
+  py::class_<Pool>(m, "Pool")
+      .def(py::init<int>())
+      .def_property_readonly("num_threads", &Pool::num_threads)
+      .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
+  py::class_<Job, std::shared_ptr<Job>>(m, "Job")
+      .def("done", &Job::done)
+      .def("wait", &Job::wait, py::call_guard<py::gil_scoped_release>());
+  m.def("submit_experts", &submit_experts);
+  m.def("read_sum", &read_sum);
+  m.def("simd_levels", &simd_levels);
+}

@@ -1,0 +1,448 @@
+"""The CPU expert kernel against an exact fp64 evaluation, its asynchronous runner and its fallback.
+
+The native kernel is compiled once per machine (cached in the user cache dir) and loaded once per
+test session. Inputs are fresh random numbers on every run; the seed is in every failure message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import re
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moelab.kernels import cpu_experts
+from moelab.kernels.cpu_experts import (
+    CpuExpertRunner,
+    NativeKernelError,
+    cpu_experts_ref,
+    host_read_gbps,
+    load_native,
+)
+
+SEED = random.SystemRandom().randrange(2**31)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+UNIT_ROUNDOFF = 2.0**-24  # fp32
+
+
+@pytest.fixture(scope="session")
+def simd_levels() -> list[str]:
+    """The code paths the native build has on this CPU (building it if needed, once)."""
+    return list(load_native().simd_levels())
+
+
+def gamma(n: int) -> float:
+    """Higham's gamma_n: an n-term fp32 dot product errs by at most gamma_n * sum |terms|."""
+    return n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF)
+
+
+# With rounding errors of random sign (Higham & Mary 2019), an n-term dot product errs by at most
+# about LAMBDA * sqrt(n) * u * sum |terms|, with probability 1 - 2 exp(-LAMBDA^2 / 2) = 1 - 3e-14.
+LAMBDA = 8.0
+
+
+def exact_and_bound(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    pair_expert: torch.Tensor,
+    pair_token: torch.Tensor,
+    pair_weight: torch.Tensor,
+    worst_case: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact output (fp64) and a bound on the error of any fp32 evaluation of it.
+
+    Weights convert to fp32 exactly, so every error comes from fp32 arithmetic: the gate/up dot
+    products (gamma_H of their absolute sums), silu (1.1-Lipschitz) times up with a few roundings
+    for exp, divide and multiply (8 ulps), the down dot product (gamma_I of its absolute sum, plus
+    the h errors it carries) and the weighted sum of the pairs (gamma_{J+1}). worst_case=False
+    takes the random-sign bound instead (sqrt(n) growth, h errors adding in quadrature): the worst
+    case of a 2048-term dot product carried through a 768-term one is too loose to test anything.
+    """
+    num_tokens, hidden = x.shape
+    inter = w2.shape[2]
+
+    def dot_error(n: int) -> float:
+        return gamma(n) if worst_case else LAMBDA * math.sqrt(n) * UNIT_ROUNDOFF
+
+    exact = torch.zeros(num_tokens, hidden, dtype=torch.float64)
+    bound = torch.zeros(num_tokens, hidden, dtype=torch.float64)
+    for e, t, w in zip(
+        pair_expert.tolist(), pair_token.tolist(), pair_weight.tolist(), strict=True
+    ):
+        gate_up, down = w13[e].double(), w2[e].double()
+        xt = x[t].double()
+        gu = gate_up @ xt
+        gu_err = dot_error(hidden) * (gate_up.abs() @ xt.abs())
+        g, u, g_err, u_err = gu[:inter], gu[inter:], gu_err[:inter], gu_err[inter:]
+        s = F.silu(g)
+        s_err = 1.1 * g_err
+        h = s * u
+        h_err = s_err * (u.abs() + u_err) + s.abs() * u_err
+        h_err += 8 * UNIT_ROUNDOFF * (s.abs() + s_err) * (u.abs() + u_err)
+        y = down @ h
+        carried = down.abs() @ h_err if worst_case else LAMBDA * ((down**2) @ (h_err**2)).sqrt()
+        y_err = dot_error(inter) * (down.abs() @ (h.abs() + h_err)) + carried
+        exact[t] += w * y
+        bound[t] += abs(w) * y_err + gamma(len(pair_expert) + 1) * abs(w) * (y.abs() + y_err)
+    return exact, bound
+
+
+def assert_within_bound(
+    out: torch.Tensor,
+    exact: torch.Tensor,
+    bound: torch.Tensor,
+    what: str,
+    max_bound_share: float = 1e-3,
+) -> None:
+    # The bound must be tight enough that a wrong term (a missing row, a wrong expert) breaks it.
+    assert bound.max() <= max_bound_share * exact.abs().max(), f"{what}: bound too loose to test"
+    excess = (out.double() - exact).abs() - bound
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, (
+        f"{what} (seed {SEED}): |error| exceeds the fp32 bound at flat index {worst}: "
+        f"got {out.flatten()[worst].item()}, exact {exact.flatten()[worst].item()}, "
+        f"bound {bound.flatten()[worst].item()}"
+    )
+
+
+def make_inputs(
+    gen: torch.Generator,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    num_tokens: int,
+    pairs: list[tuple[int, int]],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """Random x and weights (std 1/sqrt(fan-in), as in a trained model); the given pairs."""
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / math.sqrt(hidden)).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / math.sqrt(inter)).to(dtype)
+    pair_expert = torch.tensor([e for e, _ in pairs], dtype=torch.int32)
+    pair_token = torch.tensor([t for _, t in pairs], dtype=torch.int32)
+    pair_weight = torch.rand(len(pairs), generator=gen) + 0.1
+    return x, w13, w2, pair_expert, pair_token, pair_weight
+
+
+# (experts in the layer, H, I, tokens, (expert, token) pairs). Odd sizes leave SIMD tails; token 4
+# of the batch case has no pair (its output row must be zero); expert 2 serves six tokens (more
+# than one tile of four) and one (expert, token) pair repeats.
+CASES = {
+    "decode-1": (5, 37, 13, 1, [(3, 0)]),
+    "decode-8": (11, 100, 50, 1, [(e, 0) for e in (7, 0, 10, 3, 5, 1, 9, 2)]),
+    "decode-3-aligned": (4, 64, 32, 1, [(1, 0), (3, 0), (0, 0)]),
+    "batch-shared": (
+        6,
+        161,
+        67,
+        7,
+        [(2, 0), (2, 1), (5, 1), (2, 2), (2, 3), (0, 3), (2, 5), (2, 6), (0, 6), (0, 6), (5, 0)],
+    ),
+    "batch-1-expert-per-token": (3, 48, 20, 3, [(0, 0), (1, 1), (2, 2)]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("simd", ["avx512", "avx2", "scalar"])
+def test_native_matches_exact_within_fp32_bound(
+    case: str, dtype: str, simd: str, simd_levels: list[str]
+) -> None:
+    if simd not in simd_levels:
+        pytest.skip(f"this CPU has no {simd}")
+    gen = torch.Generator().manual_seed(SEED + zlib.crc32(f"{case} {dtype} {simd}".encode()))
+    num_experts, hidden, inter, num_tokens, pairs = CASES[case]
+    args = make_inputs(gen, num_experts, hidden, inter, num_tokens, pairs, DTYPES[dtype])
+    exact, bound = exact_and_bound(*args)
+    poisoned = torch.full((num_tokens, hidden), float("nan"))
+    with CpuExpertRunner(3, "native", simd) as runner:
+        fresh = runner.run(*args)
+        into = runner.run(*args, out=poisoned)
+    assert into.data_ptr() == poisoned.data_ptr()
+    assert_within_bound(fresh, exact, bound, f"{case} {dtype} {simd}")
+    assert torch.equal(into, fresh), "writing into a NaN-filled buffer changed the result"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_reference_matches_exact_within_fp32_bound(dtype: str) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    num_experts, hidden, inter, num_tokens, pairs = CASES["batch-shared"]
+    args = make_inputs(gen, num_experts, hidden, inter, num_tokens, pairs, DTYPES[dtype])
+    assert_within_bound(cpu_experts_ref(*args), *exact_and_bound(*args), f"reference {dtype}")
+
+
+def test_qwen3_shape_is_right_and_independent_of_thread_count() -> None:
+    """The Qwen3-30B-A3B expert shape, bf16: 8 experts for one token, then a batch of 3 sharing."""
+    gen = torch.Generator().manual_seed(SEED)
+    decode = [(e, 0) for e in (6, 1, 7, 0, 3, 5, 2, 4)]
+    batch = [*decode, (1, 1), (6, 1), (1, 2), (3, 2)]
+    for pairs, num_tokens in ((decode, 1), (batch, 3)):
+        args = make_inputs(gen, 8, 2048, 768, num_tokens, pairs, torch.bfloat16)
+        with CpuExpertRunner(1, "native") as one, CpuExpertRunner(3, "native") as three:
+            alone = one.run(*args)
+            shared = three.run(*args)
+            again = three.run(*args)
+        exact, bound = exact_and_bound(*args, worst_case=False)
+        assert_within_bound(shared, exact, bound, f"qwen3 shape, {len(pairs)} pairs", 2e-2)
+        assert torch.equal(alone, shared), "the result depends on the number of threads"
+        assert torch.equal(shared, again), "two runs of the same call differ"
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_no_pairs_gives_zeros(kernel: str) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    x, w13, w2, *_ = make_inputs(gen, 3, 40, 24, 2, [(0, 0)], torch.bfloat16)
+    none_i = torch.zeros(0, dtype=torch.int32)
+    with CpuExpertRunner(2, kernel) as runner:
+        out = runner.run(x, w13, w2, none_i, none_i, torch.zeros(0), out=torch.full((2, 40), 7.0))
+    assert torch.equal(out, torch.zeros(2, 40))
+
+
+def test_torch_kernel_is_the_reference_and_fills_out() -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    num_experts, hidden, inter, num_tokens, pairs = CASES["batch-shared"]
+    args = make_inputs(gen, num_experts, hidden, inter, num_tokens, pairs, torch.bfloat16)
+    poisoned = torch.full((num_tokens, hidden), float("nan"))
+    with CpuExpertRunner(2, "torch") as runner:
+        assert (runner.kernel, runner.num_threads) == ("torch", 2)
+        assert torch.equal(runner.run(*args), cpu_experts_ref(*args))
+        assert torch.equal(runner.run(*args, out=poisoned), cpu_experts_ref(*args))
+
+
+def slow_inputs(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A call that takes a scalar single-thread kernel a good fraction of a second."""
+    pairs = [(t % 2, t) for t in range(96)]
+    return make_inputs(gen, 2, 1024, 1024, 96, pairs, torch.float32)
+
+
+def python_loop_count(duration_s: float) -> int:
+    count, end_s = 0, time.perf_counter() + duration_s
+    while time.perf_counter() < end_s:
+        count += 1
+    return count
+
+
+def test_submit_returns_at_once_and_the_workers_leave_python_running() -> None:
+    args = slow_inputs(torch.Generator().manual_seed(SEED))
+    expected = cpu_experts_ref(*args)
+    baseline = python_loop_count(0.05)
+    with CpuExpertRunner(1, "native", "scalar") as runner:
+        started_s = time.perf_counter()
+        job = runner.submit(*args)
+        submit_s = time.perf_counter() - started_s
+        assert not job.done(), "submit() returned after the work was done"
+        during = python_loop_count(0.05)
+        assert not job.done(), "the job is too short for this test to mean anything"
+        out = job.wait()
+        total_s = time.perf_counter() - started_s
+    assert submit_s < total_s / 4, f"submit took {submit_s:.3f} s of a {total_s:.3f} s call"
+    # If the workers held the GIL, this thread could not have run its loop meanwhile.
+    assert during > baseline / 5, f"Python ran {during} loops beside the job, {baseline} alone"
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_wait_releases_the_gil() -> None:
+    args = slow_inputs(torch.Generator().manual_seed(SEED))
+    loops = [0]
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            loops[0] += 1
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        first = loops[0]
+        time.sleep(0.05)
+        alone_per_s = (loops[0] - first) / 0.05
+        with CpuExpertRunner(1, "native", "scalar") as runner:
+            job = runner.submit(*args)
+            first, started_s = loops[0], time.perf_counter()
+            job.wait()
+            wait_s, during = time.perf_counter() - started_s, loops[0] - first
+    finally:
+        stop.set()
+        counter.join()
+    # Holding the GIL, wait() would let the other thread run one switch interval (5 ms) at most.
+    assert wait_s > 0.05, "the job is too short for this test to mean anything"
+    assert during > 0.2 * alone_per_s * wait_s, f"{during} loops in a {wait_s:.3f} s wait()"
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_jobs_in_flight_are_independent(kernel: str) -> None:
+    """Several calls queued back to back and waited in reverse order, while the caller works."""
+    gen = torch.Generator().manual_seed(SEED)
+    calls = [
+        make_inputs(gen, 4, 96, 40, 2, [(k % 4, 0), (3, 1), (k % 3, 1)], torch.bfloat16)
+        for k in range(5)
+    ]
+    with CpuExpertRunner(2, kernel) as runner:
+        jobs = [runner.submit(*args) for args in calls]
+        python_loop_count(0.01)
+        outs = [job.wait() for job in reversed(jobs)][::-1]
+    for k, (args, out) in enumerate(zip(calls, outs, strict=True)):
+        assert_within_bound(out, *exact_and_bound(*args), f"{kernel} call {k}")
+
+
+def test_submits_from_several_python_threads() -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    calls = [make_inputs(gen, 3, 80, 30, 1, [(k % 3, 0), (2, 0)], torch.float16) for k in range(6)]
+    results: dict[int, torch.Tensor] = {}
+    with CpuExpertRunner(2, "native") as runner:
+
+        def caller(first: int) -> None:
+            for k in range(first, len(calls), 2):
+                for _ in range(10):
+                    results[k] = runner.run(*calls[k])
+
+        threads = [threading.Thread(target=caller, args=(first,)) for first in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for k, args in enumerate(calls):
+        assert_within_bound(results[k], *exact_and_bound(*args), f"thread call {k}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+def test_workers_are_a_persistent_pool() -> None:
+    def os_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    gen = torch.Generator().manual_seed(SEED)
+    args = make_inputs(gen, 2, 32, 16, 1, [(0, 0), (1, 0)], torch.bfloat16)
+    before = os_threads()
+    runner = CpuExpertRunner(3, "native")
+    assert os_threads() == before + 3
+    for _ in range(20):
+        runner.run(*args)
+    assert os_threads() == before + 3, "calls started threads of their own"
+    runner.close()
+    assert os_threads() == before
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.submit(*args)
+
+
+def test_auto_falls_back_to_torch_when_the_build_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text(
+        "#!/bin/sh\necho 'cpu_experts.cpp:1:1: error: simulated compiler failure' >&2\nexit 1\n"
+    )
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("TORCH_DONT_CHECK_COMPILER_ABI", "1")
+    monkeypatch.setattr(cpu_experts, "native_build_dir", lambda: tmp_path / "build")
+    gen = torch.Generator().manual_seed(SEED)
+    args = make_inputs(gen, 3, 40, 24, 2, [(0, 0), (2, 1), (0, 1)], torch.bfloat16)
+
+    with caplog.at_level(logging.WARNING, logger=cpu_experts.__name__):
+        runner = CpuExpertRunner(2, "auto")
+    assert runner.kernel == "torch"
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "simulated compiler failure" in said[0], said
+    with runner:
+        assert torch.equal(runner.run(*args), cpu_experts_ref(*args))
+    with pytest.raises(NativeKernelError, match="simulated compiler failure"):
+        CpuExpertRunner(2, "native")
+
+
+def bad_calls() -> dict[str, tuple[dict, str]]:
+    """Argument overrides of a valid call and the words the error must contain."""
+    x = torch.randn(2, 16)
+    w13 = torch.randn(3, 10, 16).bfloat16()
+    return {
+        "x float64": ({"x": x.double()}, "x must be"),
+        "x on meta": ({"x": torch.empty(2, 16, device="meta")}, "CPU tensor"),
+        "H mismatch": ({"x": torch.randn(2, 17)}, "w13 must be"),
+        "w13 not contiguous": ({"w13": w13.transpose(1, 2).contiguous().transpose(1, 2)}, "contig"),
+        "dtype mismatch": ({"w2": torch.randn(3, 16, 5)}, "share one dtype"),
+        "int8 weights": (
+            {"w13": w13.to(torch.int8), "w2": torch.zeros(3, 16, 5, dtype=torch.int8)},
+            "share one dtype",
+        ),
+        "int64 experts": ({"pair_expert": torch.tensor([0, 1])}, "int32"),
+        "pair lengths": ({"pair_weight": torch.ones(3)}, "one length"),
+        "expert out of range": (
+            {"pair_expert": torch.tensor([0, 3], dtype=torch.int32)},
+            "pair_expert[1] = 3",
+        ),
+        "token out of range": (
+            {"pair_token": torch.tensor([-1, 0], dtype=torch.int32)},
+            "pair_token[0] = -1",
+        ),
+        "out shape": ({"out": torch.empty(2, 15)}, "out must be"),
+        "out overlaps x": ({"x": x, "out": x}, "overlap"),
+    }
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("bad", list(bad_calls()))
+def test_bad_inputs_get_a_clear_error(kernel: str, bad: str) -> None:
+    overrides, words = bad_calls()[bad]
+    call = {
+        "x": torch.randn(2, 16),
+        "w13": torch.randn(3, 10, 16).bfloat16(),
+        "w2": torch.randn(3, 16, 5).bfloat16(),
+        "pair_expert": torch.tensor([0, 2], dtype=torch.int32),
+        "pair_token": torch.tensor([0, 1], dtype=torch.int32),
+        "pair_weight": torch.tensor([0.5, 0.5]),
+    } | overrides
+    with CpuExpertRunner(1, kernel) as runner, pytest.raises(ValueError, match=re.escape(words)):
+        runner.submit(**call)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"num_threads": 0}, "positive int"),
+        ({"num_threads": 2, "kernel": "gpu"}, "kernel must be one of"),
+        ({"num_threads": 2, "simd": "neon"}, "simd must be one of"),
+        ({"num_threads": 2, "kernel": "torch", "simd": "avx2"}, "native kernel only"),
+    ],
+)
+def test_bad_runner_settings_get_a_clear_error(kwargs: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        CpuExpertRunner(**kwargs)
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_read_rate_is_plausible(kernel: str) -> None:
+    with CpuExpertRunner(2, kernel) as runner:
+        gbps = runner.read_gbps(size_bytes=64 << 20, repeats=2)
+    assert 0.5 < gbps < 5000, f"{kernel}: {gbps} GB/s is not a memory read rate"
+    assert 0.5 < host_read_gbps(1, size_bytes=64 << 20) < 5000
+
+
+def test_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--threads", "1,2", "--experts", "2,1", "--hidden", "64", "--intermediate", "32"]
+    argv += ["--num-experts", "6", "--min-seconds", "0.01", "--read-mib", "16", "--json"]
+    assert cpu_experts.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [row["threads"] for row in result["results"]] == [1, 2]
+    for row in result["results"]:
+        assert row["host_read_gbps"] > 0
+        assert set(row["experts"]) == {"2", "1"}
+        for rates in row["experts"].values():
+            assert rates["native_gbps"] > 0 and rates["torch_gbps"] > 0
+            share = rates["native_gbps"] / row["host_read_gbps"]
+            assert rates["native_share_of_host"] == pytest.approx(share)
+
+
+def test_bench_rejects_bad_lists(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cpu_experts.main(["--threads", "0,2"])
+    assert "positive comma-separated integers" in capsys.readouterr().err
