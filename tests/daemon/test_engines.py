@@ -121,13 +121,14 @@ def test_start_from_a_profile_stop_and_restart(mgr: MgrProcess, demo_model: Path
 
 
 def test_ports_in_use_are_refused_with_the_reason(mgr: MgrProcess, demo_model: Path) -> None:
-    server = start(mgr, {"model": str(demo_model), "flags": []})
+    # on the CPU, so that a GPU machine does not refuse the second engine for its GPU first
+    server = start(mgr, {"model": str(demo_model), "flags": ["--device", "cpu"]})
     try:
         assert server["status"] == "running", server
         status, body = mgr.request(
             "POST",
             "/api/servers",
-            {"model": str(demo_model), "flags": ["--port", str(server["port"])]},
+            {"model": str(demo_model), "flags": ["--device", "cpu", "--port", str(server["port"])]},
         )
         assert status == 409 and body["error"]["code"] == "port_in_use"
         assert f"server {server['id']}" in body["error"]["message"]
@@ -246,8 +247,9 @@ def test_engines_are_adopted_after_mgr_is_killed(tmp_path: Path, demo_model: Pat
     data = tmp_path / "data"
     first = start_mgr(data, "--models-dir", str(demo_model.parent))
     try:
-        kept = start(first, {"model": str(demo_model), "flags": []})
-        lost = start(first, {"model": str(demo_model), "flags": []})
+        # two at once: on the CPU, where engines do not exclude each other as on one GPU
+        kept = start(first, {"model": str(demo_model), "flags": ["--device", "cpu"]})
+        lost = start(first, {"model": str(demo_model), "flags": ["--device", "cpu"]})
         assert kept["status"] == lost["status"] == "running"
     finally:
         first.kill()

@@ -98,6 +98,20 @@ def test_no_nvidia_driver_is_an_inventory_without_gpus(monkeypatch: pytest.Monke
     }  # fmt: skip
 
 
+def test_this_machines_gpus_through_the_real_nvml() -> None:
+    if hardware.nvml_status() != "ok" or hardware.gpu_count() == 0:
+        pytest.skip(f"needs an NVIDIA GPU and driver ({hardware.nvml_status()})")
+    inventory = hardware.probe_inventory()
+    assert inventory.nvml == "ok" and inventory.driver_version and inventory.cuda_version
+    for gpu in inventory.gpus:
+        assert gpu.uuid.startswith("GPU-") and gpu.name
+        assert gpu.vram_total_bytes and 0 < gpu.vram_free_bytes <= gpu.vram_total_bytes
+        assert gpu.pcie_gen_max and gpu.pcie_width_max
+        assert 1 <= gpu.pcie_gen_current <= gpu.pcie_gen_max
+        assert 1 <= gpu.pcie_width_current <= gpu.pcie_width_max
+        assert hardware.pcie_link(gpu.index) is not None
+
+
 def _resident_pages(path: Path) -> int:
     """How many of the file's pages are in the page cache now (mincore)."""
     libc = ctypes.CDLL(None, use_errno=True)
