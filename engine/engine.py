@@ -16,6 +16,7 @@ from .bench import best, load_profile
 from .cache import ExpertCache
 from .checkpoint import SafetensorsSource, load_dense
 from .cpu import measure_bh_gbps, measure_bp_gbps, start_cpu_executor
+from .graphs import DecodeGraphs
 from .kv import KVCache
 from .memory import VramPlan, log_plan, plan_vram
 from .model import Model, SeqSlice, StepBatch
@@ -138,6 +139,8 @@ class Engine:
         if self.synth_source is not None:
             calibrate_routing(self, self.synth_source)
         self.telemetry = Telemetry(self, enabled=not args.no_stats)
+        self.graphs: DecodeGraphs | None = None
+        self._capture_graphs()
         self.load_s = time.perf_counter() - t0
         log.info("engine ready in %.2f s", self.load_s)
 
@@ -205,8 +208,21 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _capture_graphs(self) -> None:
+        """Capture whole decode steps when every expert is resident on a CUDA device."""
+        self.graphs = None  # captured graphs hold the old cache and KV tensors
+        args = self.args
+        if self.device.type != "cuda" or args.no_cuda_graph or not self.cache.holds_everything:
+            return
+        t0 = time.perf_counter()
+        graphs = DecodeGraphs(self.model, args.cuda_graph_max_bs, self.max_context)
+        graphs.capture()
+        self.graphs = graphs
+        log.info("decode CUDA graphs captured in %.2f s", time.perf_counter() - t0)
+
     def _apply_plan(self, plan: VramPlan) -> None:
         """Resize the expert cache to `plan` (idle engine), keeping the most recent experts."""
+        self.graphs = None
         self.moe.release_prefill_buffers()
         self.cache.resize(plan.slots, self.moe.refill)
         if plan.all_resident:
@@ -214,6 +230,7 @@ class Engine:
         elif plan.prefill_buffer_bytes:
             self.moe.allocate_prefill_buffers()
         self.plan = plan
+        self._capture_graphs()
 
     def resize_cache(self, slots: int) -> None:
         """Set the number of expert slots without reloading weights (no request may be running).
@@ -243,9 +260,9 @@ class Engine:
         self.kv.k = self.kv.v = torch.empty(0)
         self.kv = KVCache(self.spec, plan.kv_blocks, args.kv_block_size, self.device, self.dtype)
         self.model.kv = self.scheduler.kv = self.kv
-        self._apply_plan(plan)
         if plan.max_context + 1 > self.model.rotary.cos.shape[0]:
             self.model.rotary = Rotary(self.spec, plan.max_context + 1, self.device, self.dtype)
+        self._apply_plan(plan)
         log.info("KV reserve changed: %s", plan.describe())
 
     # running ------------------------------------------------------------------------------------
@@ -288,7 +305,17 @@ class Engine:
         timer = StepTimer(self.device) if decode and self.telemetry.want_timing() else None
         self.model.timer = self.moe.timer = timer
         try:
-            logits = self.model.forward(batch)
+            if (
+                decode
+                and timer is None
+                and self.graphs is not None
+                and self.model.on_router is None
+                and self.graphs.fits(batch)
+            ):
+                logits = self.graphs.run(batch)
+                self.moe.replayed(len(chunks))
+            else:
+                logits = self.model.forward(batch)
         except BaseException:
             self.moe.reset_prefill()
             raise
@@ -341,10 +368,20 @@ class Engine:
             seqs.append(SeqSlice(q_start, c.count, c.start + c.count, c.seq.blocks))
             if c.completes_prompt:
                 logits_index.append(len(ids) - 1)
-        as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
-        return StepBatch(
+        dev = self.device
+
+        def as_tensor(values: list[int], dtype=torch.long) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        batch = StepBatch(
             as_tensor(ids), as_tensor(positions), as_tensor(slots), seqs, as_tensor(logits_index)
         )
+        if all(c.count == 1 and not c.seq.prefilling for c in chunks):
+            width = max(len(c.seq.blocks) for c in chunks)
+            tables = [c.seq.blocks + [0] * (width - len(c.seq.blocks)) for c in chunks]
+            batch.block_tables = as_tensor(tables, torch.int32)
+            batch.seq_lens = as_tensor([c.start + 1 for c in chunks], torch.int32)
+        return batch
 
     def run_until_idle(self) -> None:
         while not self.scheduler.idle:
@@ -393,7 +430,7 @@ class Engine:
             "prefill_overlap": not a.no_prefill_overlap,
             "prefill_stream_min_tokens": self.moe.prefill_stream_min_tokens,
             "max_running_requests": a.max_running_requests,
-            "cuda_graphs": False,
+            "cuda_graphs": self.graphs is not None,
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }

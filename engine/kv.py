@@ -19,16 +19,18 @@ class KVCache:
         dtype: torch.dtype,
     ) -> None:
         assert num_blocks >= 1 and block_size >= 1
-        shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # one extra block, never handed out, takes the writes of padding rows in CUDA graphs
+        shape = (spec.num_layers, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size = block_size
+        self.pad_slot = num_blocks * block_size
         self._free = list(range(num_blocks - 1, -1, -1))
         self.peak_blocks_used = 0
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[1] - 1
 
     @property
     def capacity_tokens(self) -> int:

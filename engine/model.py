@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels.paged_attention import paged_attention_decode
 from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from ..kernels.router import topk_softmax
 from .kv import KVCache
@@ -98,10 +99,13 @@ class StepBatch:
     slots: torch.Tensor  # [T] long: flat KV slot of each token
     seqs: list[SeqSlice]
     logits_index: torch.Tensor  # [N] long: tokens whose next-token logits are wanted
+    # decode steps: every sequence's pages [B, max_blocks] and cached tokens [B] (int32, device)
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
 
     @property
     def decode(self) -> bool:
-        return all(s.q_len == 1 for s in self.seqs)
+        return self.block_tables is not None
 
 
 class Model:
@@ -168,6 +172,12 @@ class Model:
             k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
         q, k = self.rotary.apply(q, k, batch.positions)
         self.kv.write(index, k, v, batch.slots)
+        if batch.block_tables is not None:
+            out = paged_attention_decode(
+                q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
+                self.scale,
+            )  # fmt: skip
+            return F.linear(out.reshape(tokens, spec.q_size), layer.o)
         out = torch.empty_like(q)
         for seq in batch.seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)

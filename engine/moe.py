@@ -185,6 +185,11 @@ class MoERunner:
         self._ids_host[moe_layer][: ids.shape[0]].copy_(ids, non_blocking=True)
         self._pending[moe_layer] = ids.shape[0]
 
+    def replayed(self, tokens: int) -> None:
+        """A captured decode step ran: its routing copies of every MoE layer are pending."""
+        for moe_layer in range(self.bank.num_layers):
+            self._pending[moe_layer] = tokens
+
     def after_decode_step(self) -> None:
         """Count a synchronized all-resident decode step's routing (every read is a hit)."""
         if not self._pending:
