@@ -79,13 +79,21 @@ def test_chat_and_completions_with_usage_from_the_tokenizer(server, client, mode
     tok = Tokenizer(model)
     messages = [{"role": "user", "content": "Tell me about the harbour town."}]
     chat = client.chat.completions.create(
-        model="tiny-moe", messages=messages, max_tokens=12, temperature=0
+        model="tiny-moe",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     prompt = tok.apply_chat_template(messages)
     assert chat.usage.prompt_tokens == len(tok.encode(prompt))
     assert chat.usage.completion_tokens == 12 and chat.choices[0].finish_reason == "length"
     text = client.completions.create(
-        model="tiny-moe", prompt="The harbour town", max_tokens=9, temperature=0
+        model="tiny-moe",
+        prompt="The harbour town",
+        max_tokens=9,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     assert text.usage.prompt_tokens == len(tok.encode("The harbour town"))
     assert text.usage.completion_tokens == 9
@@ -97,6 +105,7 @@ def test_streaming_equals_non_streaming_and_reports_usage(server, client):
         messages=[{"role": "user", "content": "朝の港は"}],
         max_tokens=40,
         temperature=0,
+        extra_body={"ignore_eos": True},
     )
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
     pieces, usage = [], None
