@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -129,13 +130,17 @@ def build_reference(arch: str, out: Path, seed: int = 0, **geometry):
     return model
 
 
+# MOELAB_TEST_DEVICE=cuda runs the engine tests on a GPU (pinned bank, streams, CUDA graphs)
+DEVICE = os.environ.get("MOELAB_TEST_DEVICE", "cpu")
+
+
 def make_engine(path: Path, *flags: str) -> Engine:
     args = build_parser().parse_args(
         [
             "--model-path",
             str(path),
             "--device",
-            "cpu",
+            DEVICE,
             "--dtype",
             "float32",
             "--moe-cpu-threads",
