@@ -73,7 +73,8 @@ PRESETS: dict[str, dict] = {
 
 _DIM0 = 2.0  # the constant residual value of hidden dimension 0 (see module docstring)
 _LOGIT_GAIN = 4.0  # lm_head gain, so next-token distributions are peaked rather than flat
-_TILE = 1 << 22  # tensors larger than this are filled by tiling one random block
+_TILE = 1 << 22  # elements of the random block that large tensors are tiled from
+_RANDN_MAX = 1 << 16  # tensors up to this many elements get their own random draw
 
 
 def make_config(arch: str, preset: str = "tiny", overrides: dict | None = None) -> dict:
@@ -270,7 +271,7 @@ class SynthSource:
         numel = math.prod(shape)
         seed = (zlib.crc32(name.encode()) ^ (self.seed * 0x9E3779B1)) & 0x7FFFFFFF
         gen = torch.Generator().manual_seed(seed)
-        if numel <= _TILE:
+        if numel <= _RANDN_MAX:
             return (torch.randn(shape, generator=gen) * std).to(self.dtype)
         # large tensors: tile one random block at per-chunk offsets (a cheap deterministic fill)
         if self._block is None:
