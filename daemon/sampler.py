@@ -9,10 +9,11 @@ from typing import Any
 
 from ..engine import launch
 from .measure import HardwareService
+from .retention import Retention, maintain
 from .schema import Server
 from .store import Store
 from .supervisor import EngineHandle, Supervisor
-from .telemetry import Compactor, Retention, maintain, write_rows
+from .telemetry import Compactor, write_rows
 
 StatsSource = Callable[[EngineHandle], "dict[str, Any] | None"]
 

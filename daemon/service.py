@@ -14,10 +14,10 @@ from .catalog import ModelCatalog
 from .jobs import Jobs
 from .measure import HardwareService
 from .models import ModelRoot, default_roots
+from .retention import Retention
 from .sampler import Sampler
 from .store import Store
 from .supervisor import DEFAULT_PORTS, Supervisor
-from .telemetry import Retention
 
 
 @dataclass(frozen=True, slots=True)

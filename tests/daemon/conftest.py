@@ -22,8 +22,8 @@ from starlette.testclient import TestClient
 
 from moelab.console.main import build_app
 from moelab.daemon.models import ModelRoot
+from moelab.daemon.retention import Retention
 from moelab.daemon.service import Daemon, DaemonConfig
-from moelab.daemon.telemetry import Retention
 
 
 def synth(out: Path, *extra: str) -> Path:

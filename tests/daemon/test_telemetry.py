@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from moelab.daemon.retention import Retention, maintain, total_bytes
 from moelab.daemon.sampler import Sampler
 from moelab.daemon.schema import Server, TelemetrySample
 from moelab.daemon.store import Store
@@ -17,10 +18,7 @@ from moelab.daemon.telemetry import (
     PICKS,
     STATS,
     Compactor,
-    Retention,
-    maintain,
     read_samples,
-    total_bytes,
     write_rows,
 )
 
