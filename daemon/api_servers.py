@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import select
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -51,22 +50,9 @@ def server_json(row: Server, daemon: Daemon, reveal: bool) -> dict[str, Any]:
     }
 
 
-def _rows(daemon: Daemon) -> list[Server]:
-    with daemon.store.session() as session:
-        return list(session.scalars(select(Server).order_by(Server.id.desc())))
-
-
-def _row(daemon: Daemon, server_id: int) -> Server:
-    with daemon.store.session() as session:
-        row = session.get(Server, server_id)
-        if row is None:
-            raise NotFound(f"no server {server_id}")
-        return row
-
-
 async def list_servers(request: Request) -> Response:
     daemon = daemon_of(request)
-    rows = await blocking(_rows, daemon)
+    rows = await blocking(daemon.supervisor.servers)
     return JSONResponse(
         {"servers": [server_json(r, daemon, access_of(request).control) for r in rows]}
     )
@@ -74,11 +60,8 @@ async def list_servers(request: Request) -> Response:
 
 async def get_server(request: Request) -> Response:
     daemon = daemon_of(request)
-    return JSONResponse(
-        server_json(
-            await blocking(_row, daemon, path_id(request)), daemon, access_of(request).control
-        )
-    )
+    row = await blocking(daemon.supervisor.row, path_id(request))
+    return JSONResponse(server_json(row, daemon, access_of(request).control))
 
 
 async def start_server(request: Request) -> Response:
@@ -154,7 +137,7 @@ async def delete_server(request: Request) -> Response:
 
 async def server_logs(request: Request) -> Response:
     daemon = daemon_of(request)
-    row = await blocking(_row, daemon, path_id(request))
+    row = await blocking(daemon.supervisor.row, path_id(request))
     lines = int(query_number(request, "lines", 200, 1, 5000) or 200)
     text = await blocking(launch.log_tail, row.log_path, lines)
     if not access_of(request).control:
@@ -165,7 +148,7 @@ async def server_logs(request: Request) -> Response:
 async def server_stats(request: Request) -> Response:
     """The engine's latest /v1/stats body as the sampler read it (null before the first read)."""
     daemon = daemon_of(request)
-    row = await blocking(_row, daemon, path_id(request))
+    row = await blocking(daemon.supervisor.row, path_id(request))
     latest = await blocking(daemon.sampler.latest, row.id)
     sampled, stats = latest if latest is not None else (None, None)
     return JSONResponse(
@@ -182,7 +165,7 @@ async def server_stats(request: Request) -> Response:
 async def server_samples(request: Request) -> Response:
     """Stored telemetry: `?kind=stats|picks&since=EPOCH_S&until=EPOCH_S&limit=N`, oldest first."""
     daemon = daemon_of(request)
-    row = await blocking(_row, daemon, path_id(request))
+    row = await blocking(daemon.supervisor.row, path_id(request))
     kind = request.query_params.get("kind", STATS)
     if kind not in (STATS, PICKS):
         raise BadRequest(f"kind must be {STATS} or {PICKS}")

@@ -201,7 +201,7 @@ class Supervisor:
         with self._lock:
             handle = self._handles.get(server_id)
             if handle is None:
-                return self._row(server_id)
+                return self.row(server_id)
             handle.stopping = True
             self._update(server_id, status="stopping")
         code = launch.stop_engine(handle.engine, grace_s=self.stop_grace_s)
@@ -240,7 +240,7 @@ class Supervisor:
             return
         for other in self._handles.values():
             if other.device == device and not other.stopping:
-                row = self._row(other.server_id)
+                row = self.row(other.server_id)
                 raise Conflict(
                     f"{device} is taken by server {row.id} ({row.name}, port {row.port}); stop it "
                     "first or choose another --device",
@@ -250,7 +250,7 @@ class Supervisor:
     def _check_port_free(self, host: str, port: int) -> None:
         for other in self._handles.values():
             if other.engine.port == port and not other.stopping:
-                row = self._row(other.server_id)
+                row = self.row(other.server_id)
                 raise Conflict(
                     f"port {port} is used by server {row.id} ({row.name}); choose another --port "
                     "or leave it out to get a free one",
@@ -399,7 +399,13 @@ class Supervisor:
 
     # ---- rows -------------------------------------------------------------------------------
 
-    def _row(self, server_id: int) -> Server:
+    def servers(self) -> list[Server]:
+        """Every server row, newest first."""
+        with self.store.session() as session:
+            return list(session.scalars(select(Server).order_by(Server.id.desc())))
+
+    def row(self, server_id: int) -> Server:
+        """One server's row; NotFound when there is none."""
         with self.store.session() as session:
             row = session.get(Server, server_id)
             if row is None:
