@@ -37,6 +37,11 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
         p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
         p.add_argument("--routing-skew", type=float, default=0.0)
         p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+        p.add_argument(
+            "--profile",
+            action="store_true",
+            help="print where the host spends its time (cProfile) to stderr",
+        )
         if name == "decode":
             p.add_argument("--batch", type=int, default=1)
             p.add_argument("--tokens", type=int, default=64, help="timed tokens per sequence")
@@ -149,11 +154,22 @@ def _decode(engine, args) -> dict:
         engine.step()
     c = engine.moe.counters
     before = [a.copy() for a in (c.reads, c.hits, c.fills, c.cpu, c.picks)]
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     engine.run_until_idle()
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     reads, hits, fills, cpu, picks = (
         a - b for a, b in zip((c.reads, c.hits, c.fills, c.cpu, c.picks), before, strict=True)
     )

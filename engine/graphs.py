@@ -52,8 +52,10 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(model.device)
         stream.wait_stream(torch.cuda.current_stream(model.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the kernels and settle the allocator before capturing
-                model.forward(self._batch(self.max_bs))
+            # compile every kernel specialization and settle the allocator before capturing
+            for bs in self.sizes:
+                for _ in range(2):
+                    model.forward(self._batch(bs))
         torch.cuda.current_stream(model.device).wait_stream(stream)
         for bs in sorted(self.sizes, reverse=True):
             graph = torch.cuda.CUDAGraph()

@@ -107,6 +107,7 @@ class MoERunner:
         # all-resident decode copies its routing to the host without waiting (see _record_ids)
         self._ids_host: list[torch.Tensor] = []
         self._pending: dict[int, int] = {}
+        self._host_buffers: dict[str, torch.Tensor] = {}
 
     # prefill buffers ----------------------------------------------------------------------------
 
@@ -208,9 +209,40 @@ class MoERunner:
         if self.on_accesses is not None:
             self.on_accesses(unique)
 
+    def _pinned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A reusable host buffer (pinned with CUDA) of at least `shape`, viewed to it."""
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self._host_buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=self.device.type == "cuda")
+            self._host_buffers[name] = buf
+        return buf[:n].view(shape)
+
+    def _routing_to_host(self, x, ids, weights) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """ids, weights and x on the host after one synchronization (the step's only one)."""
+        if self.device.type != "cuda":
+            return ids.numpy(), weights.float(), x.float()
+        ids_h = self._pinned("ids", tuple(ids.shape), torch.int32)
+        w_h = self._pinned("weights", tuple(weights.shape), torch.float32)
+        x_h = self._pinned("x", tuple(x.shape), torch.float32)
+        ids_h.copy_(ids, non_blocking=True)
+        w_h.copy_(weights, non_blocking=True)
+        x_h.copy_(x.float(), non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return ids_h.numpy(), w_h, x_h
+
+    def _slots_to_device(self, name: str, slots: np.ndarray) -> torch.Tensor:
+        # the buffer is reused by the next layer only after that layer's routing sync, by which
+        # time this copy has run
+        host = self._pinned(name, slots.shape, torch.int32)
+        host.numpy()[...] = slots
+        return host.to(self.device, non_blocking=True)
+
     def _split(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
         """Hits on the device, misses split between slot fills and CPU execution."""
-        ids_host = ids.cpu().numpy()
+        ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
         picks = self.counters.picks if decode else self.prefill_picks
         np.add.at(picks[moe_layer], ids_host.ravel(), 1)
         experts, tokens_per_expert = np.unique(ids_host, return_counts=True)
@@ -251,7 +283,7 @@ class MoERunner:
 
         job = None
         if on_cpu.size:
-            job = self._submit_cpu(moe_layer, x, ids_host, weights, on_cpu)
+            job = self._submit_cpu(moe_layer, x_host, ids_host, weights_host, on_cpu)
             if self.timer is not None:  # a timed step runs the CPU part alone, to attribute it
                 with self._phase("cpu_experts"):
                     job.wait()
@@ -265,25 +297,23 @@ class MoERunner:
         out = None
         with self._phase("gpu_experts"):
             if (hit_slots >= 0).any():
-                out = kernel(x, self._to_device(hit_slots), weights, self.cache.w13, self.cache.w2)
+                slots_d = self._slots_to_device("hit_slots", hit_slots)
+                out = kernel(x, slots_d, weights, self.cache.w13, self.cache.w2)
             if fetched:
                 if fill_event is not None:
                     torch.cuda.current_stream(self.device).wait_event(fill_event)
                 fill_slots = np.where(fetched_mask, route_slots, -1)
-                part = kernel(
-                    x, self._to_device(fill_slots), weights, self.cache.w13, self.cache.w2
-                )
+                slots_d = self._slots_to_device("fill_slots", fill_slots)
+                part = kernel(x, slots_d, weights, self.cache.w13, self.cache.w2)
                 out = part if out is None else out + part
         if job is not None:
             with self._phase("cpu_experts"):
-                cpu_out = job.wait().to(self.device, non_blocking=True)
+                # a copy: the pinned buffer is reused by the next layer's CPU job
+                cpu_out = job.wait().to(self.device, non_blocking=True, copy=True)
             out = cpu_out if out is None else out + cpu_out
         if out is None:
             out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
         return out
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32)).to(self.device)
 
     def _copy_expert(self, moe_layer: int, expert: int, slot: int) -> None:
         stream = self.copy_stream
@@ -311,13 +341,12 @@ class MoERunner:
         event.record(self.copy_stream)
         return event
 
-    def _submit_cpu(self, moe_layer, x, ids_host, weights, on_cpu):
+    def _submit_cpu(self, moe_layer, x_host, ids_host, weights_host, on_cpu):
         rows, cols = np.nonzero(np.isin(ids_host, on_cpu))
-        weights_host = weights.float().cpu().numpy()
         pair_expert = torch.from_numpy(ids_host[rows, cols].astype(np.int32))
         pair_token = torch.from_numpy(rows.astype(np.int32))
-        pair_weight = torch.from_numpy(weights_host[rows, cols].astype(np.float32))
-        x_host = x.float().cpu()
+        pair_weight = weights_host[torch.from_numpy(rows), torch.from_numpy(cols)].contiguous()
+        out = self._pinned("cpu_out", tuple(x_host.shape), torch.float32)
         assert self.cpu is not None, "CPU execution chosen without a CPU executor"
         return self.cpu.submit(
             x_host,
@@ -326,6 +355,7 @@ class MoERunner:
             pair_expert,
             pair_token,
             pair_weight,
+            out,
         )
 
     def _prefill_streamed(self, moe_layer, x, ids, weights) -> torch.Tensor:
