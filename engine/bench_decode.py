@@ -170,6 +170,8 @@ def _decode(engine, args) -> dict:
 
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    if args.kernel_profile:
+        _kernel_profile(engine, prompts)
     reads, hits, fills, cpu, picks = (
         a - b for a, b in zip((c.reads, c.hits, c.fills, c.cpu, c.picks), before, strict=True)
     )
@@ -202,6 +204,29 @@ def _decode(engine, args) -> dict:
         "active_bytes_per_token": active,
         **rates,
     }
+
+
+def _kernel_profile(engine, prompts: list[list[int]], steps: int = 16) -> None:
+    """Device time per kernel over `steps` decode steps, to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .sampling import SamplingParams
+
+    seqs = [engine.add(p, SamplingParams(max_tokens=steps + 1, ignore_eos=True)) for p in prompts]
+    while any(not s.output_ids for s in seqs):
+        engine.step()
+    activities = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        engine.run_until_idle()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    print(
+        prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60),
+        file=sys.stderr,
+    )
 
 
 def _prefill(engine, args) -> dict:

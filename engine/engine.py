@@ -104,9 +104,11 @@ class Engine:
             device,
         )
         self.cpu = start_cpu_executor(args.moe_cpu_threads, args.moe_cpu_kernel)
-        if device.type == "cpu":
-            # the "device" work shares the cores with the CPU expert workers: do not oversubscribe
-            torch.set_num_threads(max(1, physical_cores() - self.cpu.num_threads))
+        # torch's own CPU threads spin after every op and would steal the cores the CPU expert
+        # workers stream weights on: with a GPU the host's torch ops are tiny, so one thread
+        torch.set_num_threads(
+            1 if device.type == "cuda" else max(1, physical_cores() - self.cpu.num_threads)
+        )
         self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
         self.policy = MissPolicy.parse(args.moe_miss_policy, self.bp_gbps, self.bh_gbps)
         log.info(

@@ -30,7 +30,7 @@ def model(request, tmp_path_factory):
     )
     resident = make_engine(path, "--moe-cache-rate", "1.0")
     assert resident.cache.holds_everything
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
     outputs = resident.generate(PROMPTS, params)
     full = [p + o for p, o in zip(PROMPTS, outputs, strict=True)]
     logits = [resident.score(ids) for ids in full]
@@ -55,7 +55,7 @@ def test_offloaded_matches_all_resident(model, policy, slots, chunked):
     engine = make_engine(path, *flags)
     try:
         assert not engine.cache.holds_everything and engine.cache.slots == num_slots
-        outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
+        outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
         c = engine.moe.counters
         fills, cpu, evictions = int(c.fills.sum()), int(c.cpu.sum()), engine.cache.evictions
         for ids, ref in zip(full, ref_logits, strict=True):
