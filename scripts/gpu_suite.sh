@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [quick|full]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|machine|all]
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first.
 set -uo pipefail
 out=${1:?output directory}
-mode=${2:-full}
+part=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 run() {  # name, command...: keep going when one step fails, record its status
@@ -13,30 +13,33 @@ run() {  # name, command...: keep going when one step fails, record its status
   local t0=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
-  tail -3 "$out/$name.log" | tee -a "$out/summary.txt"
+  grep -E "^(decode|prefill) |passed|failed" "$out/$name.log" | tail -2 | tee -a "$out/summary.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max,driver_version \
   --format=csv > "$out/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)' >> "$out/gpu.txt"
-
-run kernel_tests python3 -m pytest -q -x tests/kernels -o addopts=-ra -p no:cacheprovider
-run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q -o addopts=-ra \
-  -p no:cacheprovider tests/engine/test_offload.py tests/engine/test_reference.py \
-  tests/engine/test_telemetry.py
 B="python3 -m moelab.engine.cli bench"
 G="--preset qwen3-30b-a3b --set num_hidden_layers=12"
-run decode12_resident_skew0 $B decode $G --routing-skew 0 --json
-run decode12_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --json
-if [ "$mode" = full ]; then
-  run kernels_bench python3 -m moelab.kernels.bench
-  run bw $B bw --threads 1,4,8,15,16 --json
-  run cpu_experts_bench python3 -m moelab.kernels.cpu_experts --threads 1,4,8,16
-  run decode12_resident_skew1 $B decode $G --routing-skew 1 --json
-  run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json
+if [ "$part" = tests ] || [ "$part" = all ]; then
+  run kernel_tests python3 -m pytest -q tests/kernels -o addopts=-ra -p no:cacheprovider
+  run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q -o addopts=-ra \
+    -p no:cacheprovider --tb=short tests/engine/test_offload.py tests/engine/test_reference.py \
+    tests/engine/test_telemetry.py
+fi
+if [ "$part" = engine ] || [ "$part" = all ]; then
+  run decode12_resident_skew1 $B decode $G --routing-skew 1 --json --kernel-profile
+  run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json --profile
+  run decode12_resident_skew0 $B decode $G --routing-skew 0 --json
+  run decode12_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --json
   run decode12_resident_b8 $B decode $G --routing-skew 1 --batch 8 --json
   run decode12_cache25_b8 $B decode $G --routing-skew 1 --batch 8 --moe-cache-rate 0.25 --json
   run prefill12_resident $B prefill $G --prompt-tokens 512 --json
   run prefill12_cache25 $B prefill $G --prompt-tokens 512 --moe-cache-rate 0.25 --json
+fi
+if [ "$part" = machine ] || [ "$part" = all ]; then
+  run kernels_bench python3 -m moelab.kernels.bench
+  run bw $B bw --threads 1,4,8,15,16 --json
+  run cpu_experts_bench python3 -m moelab.kernels.cpu_experts --threads 1,4,8,16
   run decode48_resident $B decode --preset qwen3-30b-a3b --routing-skew 1 --json
   run decode48_cache25 $B decode --preset qwen3-30b-a3b --routing-skew 1 --moe-cache-rate 0.25 --json
 fi
