@@ -253,6 +253,12 @@ void dot_tile_n(const WT* const* rows, const WT* const* next, const float* const
 
 constexpr int kMaxTokensPerTile = 4;
 
+// A counter alone on its cache line, so that threads updating or spinning on it do not slow down
+// those using its neighbours.
+struct alignas(64) Counter {
+  std::atomic<int64_t> value{0};
+};
+
 // -------------------------------------------------------------------------------------------------
 // Jobs and the persistent pool.
 
@@ -292,10 +298,11 @@ class Job {
     cv_.notify_all();
   }
 
+  // Each counter on a cache line of its own: every worker updates them, the caller spins on done_.
   int64_t num_tasks_ = 0;
-  std::atomic<int64_t> next_{0};
-  std::atomic<int64_t> finished_{0};
-  std::atomic<bool> done_{false};
+  alignas(64) std::atomic<int64_t> next_{0};
+  alignas(64) std::atomic<int64_t> finished_{0};
+  alignas(64) std::atomic<bool> done_{false};
   std::mutex mutex_;
   std::condition_variable cv_;
 };
@@ -393,7 +400,7 @@ class ExpertJob final : public Job {
         weight_(std::move(weight)),
         x_row_(token_.size()),
         h_(token_.size() * p.I),
-        group_done_(new std::atomic<int64_t>[group_expert_.size()]()) {
+        group_done_(new Counter[group_expert_.size()]) {
     const int64_t groups = int64_t(group_expert_.size());
     for (size_t k = 0; k < token_.size(); ++k) x_row_[k] = p.x + token_[k] * p.H;
     // Phase 1: blocks of gate/up row pairs, even so that tiles of two pairs fill them.
@@ -415,7 +422,7 @@ class ExpertJob final : public Job {
   void run_task(int64_t i) override {
     if (i < phase1_tasks_) {
       gate_up(i / blocks1_, (i % blocks1_) * rows1_);
-      group_done_[i / blocks1_].fetch_add(1, std::memory_order_release);
+      group_done_[i / blocks1_].value.fetch_add(1, std::memory_order_release);
       return;
     }
     down((i - phase1_tasks_) * rows2_);
@@ -470,7 +477,7 @@ class ExpertJob final : public Job {
     };
     for (int64_t g = 0; g < groups; ++g) {
       // Phase 1 hands out its blocks in group order, so this wait is short and mostly on the last.
-      spin_until([&] { return group_done_[g].load(std::memory_order_acquire) == blocks1_; });
+      spin_until([&] { return group_done_[g].value.load(std::memory_order_acquire) == blocks1_; });
       const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
       for (int64_t r = r0; r < r_end;) {
         const int nr = r + 4 <= r_end ? 4 : 1;
@@ -514,7 +521,7 @@ class ExpertJob final : public Job {
   std::vector<const float*> x_row_;          // per pair: its row of x
   std::vector<float> h_;                     // [pairs, I]
   int64_t phase1_tasks_ = 0, rows1_ = 0, blocks1_ = 0, rows2_ = 0;
-  std::unique_ptr<std::atomic<int64_t>[]> group_done_;  // phase-1 blocks done, per group
+  std::unique_ptr<Counter[]> group_done_;  // phase-1 blocks done, per group
 };
 
 template <class B>
