@@ -42,6 +42,11 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
             action="store_true",
             help="print where the host spends its time (cProfile) to stderr",
         )
+        p.add_argument(
+            "--kernel-profile",
+            action="store_true",
+            help="print the device kernels of a few steps (torch.profiler) to stderr",
+        )
         if name == "decode":
             p.add_argument("--batch", type=int, default=1)
             p.add_argument("--tokens", type=int, default=64, help="timed tokens per sequence")
@@ -292,7 +297,7 @@ def _run(args: argparse.Namespace) -> int:
         bound = result["pcie_bound_tok_s"]
         line = (
             f"prefill {result['prefill_tok_s']:.1f} tok/s for {result['prompt_tokens']} "
-            f"tokens; PCIe streaming bound "
+            f"tokens; PCIe streaming estimate "
             f"{f'{bound:.1f} tok/s' if bound else 'none (all experts resident)'}"
         )
     print(line, file=sys.stderr)

@@ -26,7 +26,7 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
     -p no:cacheprovider --tb=short tests/engine/test_offload.py tests/engine/test_reference.py \
     tests/engine/test_telemetry.py
 fi
-if [ "$part" = engine ] || [ "$part" = all ]; then
+if [ "$part" = engine ] || [ "$part" = decode ] || [ "$part" = all ]; then
   run decode12_resident_skew1 $B decode $G --routing-skew 1 --json --kernel-profile
   run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json --profile
   run decode12_resident_skew0 $B decode $G --routing-skew 0 --json

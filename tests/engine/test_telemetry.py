@@ -97,8 +97,8 @@ def test_per_layer_counters_agree_with_a_router_trace(model):
     def trace(layer, x, ids):
         if x.shape[0] == 1:  # decode steps of the single sequence
             m = spec.moe_index(layer)
-            reads[m] += np.unique(ids.numpy()).size
-            np.add.at(picks[m], ids.numpy().ravel(), 1)
+            reads[m] += np.unique(ids.cpu().numpy()).size
+            np.add.at(picks[m], ids.cpu().numpy().ravel(), 1)
 
     engine.model.on_router = trace
     try:
@@ -124,7 +124,7 @@ def test_resident_decode_counts_without_host_routing(model):
 
     def trace(layer, x, ids):
         if x.shape[0] == 1:
-            np.add.at(picks[spec.moe_index(layer)], ids.numpy().ravel(), 1)
+            np.add.at(picks[spec.moe_index(layer)], ids.cpu().numpy().ravel(), 1)
 
     engine.model.on_router = trace
     try:
