@@ -41,6 +41,7 @@ class ExpertCache:
         )
         self._lru: OrderedDict[int, int] = OrderedDict()  # key (layer * E + expert) -> slot
         self._free: list[int] = []
+        self._layer_major: bool | None = None
         self.hits = 0
         self.fills = 0
         self.evictions = 0
@@ -66,6 +67,16 @@ class ExpertCache:
 
     def resident_per_layer(self) -> list[int]:
         return [int(n) for n in (self.slot_of >= 0).sum(axis=1)]
+
+    @property
+    def layer_major(self) -> bool:
+        """Every expert resident, (layer m, expert e) in slot m * E + e."""
+        if not self.holds_everything:
+            return False
+        if self._layer_major is None:
+            expected = np.arange(self.num_layers * self.num_experts).reshape(self.slot_of.shape)
+            self._layer_major = bool((self.slot_of == expected).all())
+        return self._layer_major
 
     @property
     def holds_everything(self) -> bool:
@@ -106,6 +117,7 @@ class ExpertCache:
         return slot
 
     def _set(self, key: int, slot: int) -> None:
+        self._layer_major = None
         layer, expert = divmod(key, self.num_experts)
         self.slot_of[layer, expert] = slot
         self.slot_of_device[layer, expert] = slot

@@ -137,6 +137,7 @@ class Model:
         w = self.weights
         eps = self.spec.rms_norm_eps
         hidden = w.embed.index_select(0, batch.input_ids)
+        rope = self.rotary.tables(batch.positions)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(w.layers):
             if residual is None:
@@ -144,7 +145,7 @@ class Model:
                 x = rmsnorm(hidden, layer.input_norm, eps)
             else:
                 x, residual = fused_add_rmsnorm(hidden, residual, layer.input_norm, eps)
-            hidden = self._attention(index, layer, x, batch)
+            hidden = self._attention(index, layer, x, batch, rope)
             x, residual = fused_add_rmsnorm(hidden, residual, layer.post_norm, eps)
             hidden = self._mlp(index, layer, x, batch)
         assert residual is not None
@@ -153,7 +154,12 @@ class Model:
         return F.linear(x, w.lm_head).float()
 
     def _attention(
-        self, index: int, layer: LayerWeights, x: torch.Tensor, batch: StepBatch
+        self,
+        index: int,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        batch: StepBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         spec = self.spec
         tokens = x.shape[0]
@@ -170,7 +176,7 @@ class Model:
         if spec.qk_norm == "head":
             q = rmsnorm(q, layer.q_norm, spec.rms_norm_eps)
             k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
-        q, k = self.rotary.apply(q, k, batch.positions)
+        q, k = self.rotary.apply(q, k, *rope)
         self.kv.write(index, k, v, batch.slots)
         if batch.block_tables is not None:
             out = paged_attention_decode(

@@ -159,13 +159,24 @@ class MoERunner:
         return self._split(moe_layer, x, ids, weights, decode)
 
     def _all_resident(self, moe_layer, x, ids, weights, ids_host, decode) -> torch.Tensor:
-        # slots looked up on the device: no host sync, so the step can sit in a CUDA graph
-        slots = self.cache.slot_of_device[moe_layer][ids.long()]
+        cache = self.cache
+        if cache.layer_major:
+            # layer m's experts fill slots m*E .. m*E+E-1 in order: index that view by expert id
+            e = self.bank.num_experts
+            slots = ids
+            w13, w2 = (
+                cache.w13[moe_layer * e : (moe_layer + 1) * e],
+                cache.w2[moe_layer * e : (moe_layer + 1) * e],
+            )
+        else:
+            # slots looked up on the device: no host sync, so the step can sit in a CUDA graph
+            slots = cache.slot_of_device[moe_layer][ids.long()]
+            w13, w2 = cache.w13, cache.w2
         if decode:
             self._record_ids(moe_layer, ids)
             with self._phase("gpu_experts"):
-                return fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2)
-        return grouped_moe(x, slots, weights, self.cache.w13, self.cache.w2)
+                return fused_moe_decode(x, slots, weights, w13, w2)
+        return grouped_moe(x, slots, weights, w13, w2)
 
     def _phase(self, name: str):
         return self.timer.phase(name) if self.timer is not None else _NO_TIMER

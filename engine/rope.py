@@ -56,12 +56,15 @@ class Rotary:
         self.cos = (emb.cos() * attention_factor).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * attention_factor).to(device=device, dtype=dtype)
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] for a step's positions, gathered once for every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
     def apply(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] for their positions [T] (rotate-half layout)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] with a step's tables (rotate-half layout)."""
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
