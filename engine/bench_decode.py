@@ -207,6 +207,8 @@ def _decode(engine, args) -> dict:
         "achieved_of_bound": tok_s / bound,
         "hbm_bound_tok_s": args.batch * rates["hbm_gbps"] * 1e9 / active,
         "active_bytes_per_token": active,
+        "breakdown": engine.telemetry.breakdown,
+        "cuda_graphs": engine.graphs is not None,
         **rates,
     }
 
