@@ -26,6 +26,8 @@ from ..daemon.auth import AccessMiddleware
 from ..daemon.lock import DataDirLock, DataDirLocked
 from ..daemon.service import Daemon, DaemonConfig
 from ..daemon.store import StoreError
+from . import pages
+from .web import frame_routes, page_aware
 
 DEFAULT_PORT = 1901
 
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_app(daemon: Daemon) -> Starlette:
-    """The web app of a daemon: its JSON API behind the access rules."""
+    """The web app of a daemon: its JSON API and the console's pages, behind the access rules."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -83,8 +85,8 @@ def build_app(daemon: Daemon) -> Starlette:
             daemon.close()
 
     app = Starlette(
-        routes=api_routes(),
-        exception_handlers=EXCEPTION_HANDLERS,
+        routes=[*api_routes(), *frame_routes(), *pages.routes()],
+        exception_handlers=page_aware(EXCEPTION_HANDLERS),
         middleware=[
             Middleware(
                 AccessMiddleware,

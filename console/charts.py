@@ -1,0 +1,62 @@
+"""Shared look of the console's Plotly figures: one layout, time axes, colours per memory use.
+
+Figures are built here in Python and drawn by plotly.js in the browser (console.js reads each
+`.chart` element's `data-figure`). Pages build their own figures with these helpers.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import plotly.graph_objects as go
+
+from .i18n import Translator
+
+COLOURS = {
+    "weights": "#4c72b0",
+    "kv": "#55a868",
+    "expert_cache": "#dd8452",
+    "activations": "#8172b3",
+    "other": "#937860",
+    "free": "#e5e8ee",
+    "expert_bank": "#dd8452",
+    "engine_other": "#c44e52",
+    "decode": "#4c72b0",
+    "prefill": "#55a868",
+    "route": "#8172b3",
+    "copy": "#dd8452",
+    "gpu_experts": "#4c72b0",
+    "cpu_experts": "#c44e52",
+}
+
+
+def layout(t: Translator, *, title: str = "", height_px: int = 280, **extra: Any) -> dict[str, Any]:
+    """The layout every console chart starts from: compact margins, legend below, no logo."""
+    base: dict[str, Any] = {
+        "title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
+        "height": height_px,
+        "margin": {"l": 55, "r": 15, "t": 36 if title else 12, "b": 40},
+        "legend": {"orientation": "h", "y": -0.22, "x": 0},
+        "paper_bgcolor": "rgba(0,0,0,0)",
+        "plot_bgcolor": "#ffffff",
+        "font": {"size": 12},
+        "separators": ".,",
+        "hovermode": "x unified",
+    }
+    base.update(extra)
+    return base
+
+
+def time_axis(t: Translator) -> dict[str, Any]:
+    """An x axis of local clock times (hours and minutes read the same in every language)."""
+    return {"type": "date", "tickformat": "%H:%M", "hoverformat": "%H:%M:%S", "title": ""}
+
+
+def local_times(epochs: list[float]) -> list[str]:
+    """Epoch seconds as local-time strings Plotly puts on a date axis without shifting them."""
+    return [datetime.fromtimestamp(e).isoformat(timespec="seconds") for e in epochs]
+
+
+def figure(traces: list[Any], layout_: dict[str, Any]) -> go.Figure:
+    return go.Figure(data=traces, layout=layout_)
