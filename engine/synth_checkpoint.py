@@ -78,6 +78,8 @@ def _calibrated_source(out: Path, spec: ModelSpec) -> SynthSource:
                 "1",
                 "--bank-dir",
                 bank_dir,
+                "--max-running-requests",
+                "1",
             ]
         )
         engine = Engine(args, spec=spec)
