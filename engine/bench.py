@@ -299,6 +299,26 @@ def load_profile(hidden: int, intermediate: int, dtype: torch.dtype,
     return profile
 
 
+def save_crossover(engine, tokens: int, path: str | Path | None = None) -> None:
+    """Record the measured prefill crossover for this geometry in the bandwidth profile."""
+    spec = engine.spec
+    out = Path(path) if path else profile_path()
+    profile = load_profile(spec.hidden_size, spec.moe_intermediate_size, engine.dtype, out)
+    if profile is None:
+        raise ValueError(
+            f"no bandwidth profile for this machine and geometry at {out}; run "
+            "`moelab bench bw --model-path ...` first"
+        )
+    profile["results"] = [r for r in profile["results"] if r["kind"] != "prefill_crossover"]
+    profile["results"].append({
+        "kind": "prefill_crossover", "params": {**profile["expert"],
+        "num_experts": spec.num_experts, "top_k": spec.top_k}, "value": tokens, "unit": "tokens",
+    })  # fmt: skip
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile, indent=2))
+    tmp.replace(out)
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="measure bandwidths, decode and prefill speed")
     kinds = bench.add_subparsers(dest="bench", required=True)

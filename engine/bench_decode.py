@@ -55,6 +55,12 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
         else:
             p.add_argument("--prompt-tokens", type=int, default=2048)
             p.add_argument("--repeats", type=int, default=3)
+            p.add_argument(
+                "--crossover",
+                action="store_true",
+                help="time short prompts both ways (route then fetch, or stream whole layers), "
+                "and write the crossover into the bandwidth profile the engine reads",
+            )
         add_engine_flags(p)
         for action in p._actions:
             if action.dest == "model_path":
@@ -236,6 +242,44 @@ def _kernel_profile(engine, prompts: list[list[int]], steps: int = 16) -> None:
     )
 
 
+def _prefill_seconds(engine, tokens: int, repeats: int, gen: torch.Generator) -> float:
+    """Median seconds to prefill a fresh prompt of `tokens` tokens (one warm-up first)."""
+    from .sampling import SamplingParams
+
+    times = []
+    for _ in range(repeats + 1):
+        prompt = torch.randint(0, engine.spec.vocab_size, (tokens,), generator=gen).tolist()
+        seq = engine.add(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        t0 = time.perf_counter()
+        engine.run_until_idle()
+        times.append(time.perf_counter() - t0)
+        assert seq.finished
+    return float(np.median(times[1:]))
+
+
+def find_crossover(engine, repeats: int = 2) -> dict:
+    """Prefill chunk length from which streaming whole layers beats fetching what is routed to."""
+    moe = engine.moe
+    if engine.cache.holds_everything or not moe.stage_bytes:
+        raise ValueError("the crossover needs offloaded experts: use --moe-cache-rate below 1")
+    gen = torch.Generator().manual_seed(3)
+    keep = moe.prefill_stream_min_tokens
+    rows = []
+    try:
+        for tokens in (4, 8, 16, 32, 64, 128, 256, 512):
+            if tokens > engine.args.prefill_chunk_tokens:
+                break
+            moe.prefill_stream_min_tokens = 10**9
+            routed = _prefill_seconds(engine, tokens, repeats, gen)
+            moe.prefill_stream_min_tokens = 1
+            streamed = _prefill_seconds(engine, tokens, repeats, gen)
+            rows.append({"tokens": tokens, "routed_s": routed, "streamed_s": streamed})
+    finally:
+        moe.prefill_stream_min_tokens = keep
+    faster = [r["tokens"] for r in rows if r["streamed_s"] < r["routed_s"]]
+    return {"rows": rows, "stream_min_tokens": faster[0] if faster else None}
+
+
 def _prefill(engine, args) -> dict:
     from .sampling import SamplingParams
 
@@ -258,7 +302,15 @@ def _prefill(engine, args) -> dict:
         if engine.cache.holds_everything
         else (chunks * spec.experts_total * eb / (rates["bp_gbps"] * 1e9))
     )
+    crossover = None
+    if args.crossover:
+        from .bench import save_crossover
+
+        crossover = find_crossover(engine)
+        if crossover["stream_min_tokens"] is not None:
+            save_crossover(engine, crossover["stream_min_tokens"], engine.args.bw_profile)
     return {"prompt_tokens": args.prompt_tokens, "prefill_tok_s": args.prompt_tokens / elapsed,
+            "crossover": crossover,
             "seconds": elapsed, "pcie_bound_tok_s": args.prompt_tokens / stream_s if stream_s
             else None, **rates}  # fmt: skip
 

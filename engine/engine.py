@@ -125,7 +125,7 @@ class Engine:
             self.cpu,
             top_k=spec.top_k,
             prefill_overlap=not args.no_prefill_overlap,
-            prefill_stream_min_tokens=stream_threshold_tokens(spec.num_experts, spec.top_k),
+            prefill_stream_min_tokens=self._stream_threshold(),
         )
         if plan.all_resident:
             self._load_all_experts()
@@ -194,6 +194,19 @@ class Engine:
         bp = bp or measure_bp_gbps(self.bank, self.device)
         bh = bh or measure_bh_gbps(cpu, self.bank)
         return bp, bh, source
+
+    def _stream_threshold(self) -> int:
+        """Prefill chunk length from which whole layers are streamed: measured by `moelab bench
+        prefill --crossover` when the profile has it, else where a chunk is expected to route to
+        half of a layer's experts."""
+        spec = self.spec
+        profile = load_profile(
+            spec.hidden_size, spec.moe_intermediate_size, self.dtype, self.args.bw_profile
+        )
+        measured = profile and best(
+            profile, "prefill_crossover", num_experts=spec.num_experts, top_k=spec.top_k
+        )
+        return int(measured) if measured else stream_threshold_tokens(spec.num_experts, spec.top_k)
 
     def _load_all_experts(self) -> None:
         """Every expert fits: fill the cache once, nothing is fetched afterwards."""
