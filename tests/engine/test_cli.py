@@ -79,3 +79,6 @@ def test_while_loading_the_api_answers_503_and_health_reports_progress():
     worker.status, worker.error = "error", "CheckpointError: no tensor lm_head.weight"
     assert client.get("/health").json()["error"].endswith("lm_head.weight")
     assert client.get("/v1/models").status_code == 503
+    # control endpoints answer this machine only (the test client is not a loopback address)
+    r = client.post("/v1/cache/resize", json={"moe_cache_size": 4})
+    assert r.status_code == 403 and "this machine only" in r.json()["error"]["message"]
