@@ -91,7 +91,7 @@ class MoERunner:
         self.dtype = cache.dtype
         self.prefill_overlap = prefill_overlap
         self.prefill_stream_min_tokens = prefill_stream_min_tokens
-        self.counters = LayerCounters.zeros(bank.num_layers, bank.num_experts)
+        self._counters = LayerCounters.zeros(bank.num_layers, bank.num_experts)
         self.prefill_picks = np.zeros((bank.num_layers, bank.num_experts), dtype=np.int64)
         # decode-step observers: (layer, experts, slots before the step, fetched, run on CPU)
         self.on_decode_step: list[Callable] = []
@@ -105,8 +105,9 @@ class MoERunner:
         self._staged: dict[int, tuple[int, object]] = {}  # moe layer -> (buffer, ready event)
         self._buffer_free: list[object | None] = [None, None]  # event: compute done reading it
         # all-resident decode copies its routing to the host without waiting (see _record_ids)
-        self._ids_host: list[torch.Tensor] = []
-        self._pending: dict[int, int] = {}
+        self._ids_host: torch.Tensor | None = None
+        self._pending_tokens = 0
+        self._backlog: list[np.ndarray] = []
         self._host_buffers: dict[str, torch.Tensor] = {}
 
     # prefill buffers ----------------------------------------------------------------------------
@@ -184,41 +185,58 @@ class MoERunner:
     def _record_ids(self, moe_layer: int, ids: torch.Tensor) -> None:
         """Queue a non-blocking copy of a resident decode step's routing to pinned host memory.
 
-        No host sync (the step may be inside a CUDA graph); `after_decode_step` reads the copies
+        No host sync (the step may be inside a CUDA graph); `after_decode_step` keeps the copies
         once sampling has synchronized the step.
         """
-        if not self._ids_host:
-            shape = (4096, self.top_k)
+        if self._ids_host is None:
             pin = self.device.type == "cuda"
-            self._ids_host = [
-                torch.empty(shape, dtype=torch.int32, pin_memory=pin)
-                for _ in range(self.bank.num_layers)
-            ]
-        self._ids_host[moe_layer][: ids.shape[0]].copy_(ids, non_blocking=True)
-        self._pending[moe_layer] = ids.shape[0]
+            self._ids_host = torch.empty((self.bank.num_layers, 4096, self.top_k),
+                                         dtype=torch.int32, pin_memory=pin)  # fmt: skip
+        self._ids_host[moe_layer, : ids.shape[0]].copy_(ids, non_blocking=True)
+        self._pending_tokens = ids.shape[0]
 
     def replayed(self, tokens: int) -> None:
         """A captured decode step ran: its routing copies of every MoE layer are pending."""
-        for moe_layer in range(self.bank.num_layers):
-            self._pending[moe_layer] = tokens
+        self._pending_tokens = tokens
 
     def after_decode_step(self) -> None:
-        """Count a synchronized all-resident decode step's routing (every read is a hit)."""
-        if not self._pending:
+        """Keep a synchronized all-resident decode step's routing (one small copy); it is counted
+        in batches, off the per-step path, when the counters are read or the backlog grows."""
+        n = self._pending_tokens
+        if not n:
             return
-        experts = self.bank.num_experts
-        layers = np.fromiter(self._pending, dtype=np.int64)
-        rows = [self._ids_host[m][:n].numpy() for m, n in self._pending.items()]
-        self._pending.clear()
-        keys = np.concatenate([r.ravel() + m * experts for m, r in zip(layers, rows, strict=True)])
-        np.add.at(self.counters.picks.reshape(-1), keys, 1)
-        unique = np.unique(keys)
-        reads = np.bincount(unique // experts, minlength=self.bank.num_layers)
-        self.counters.reads += reads
-        self.counters.hits += reads
+        self._pending_tokens = 0
+        self._backlog.append(self._ids_host[:, :n].numpy().copy())
+        if len(self._backlog) >= 64:
+            self._count_backlog()
+
+    def _count_backlog(self) -> None:
+        """Count the kept resident steps at once: picks, reads (= hits), the what-if stream."""
+        if not self._backlog:
+            return
+        layers, experts = self.bank.num_layers, self.bank.num_experts
+        per_step = layers * experts
+        layer_base = (np.arange(layers, dtype=np.int64) * experts)[:, None, None]
+        keys = np.concatenate([
+            (step * per_step + layer_base + rows).ravel()
+            for step, rows in enumerate(self._backlog)
+        ])  # fmt: skip
+        self._backlog.clear()
+        c = self._counters
+        c.picks.reshape(-1)[:] += np.bincount(keys % per_step, minlength=per_step)
+        unique = np.unique(keys)  # per step: layer-major, experts ascending (the cache's order)
+        reads = np.bincount((unique % per_step) // experts, minlength=layers)
+        c.reads += reads
+        c.hits += reads
         self.cache.hits += int(unique.size)
         if self.on_accesses is not None:
-            self.on_accesses(unique)
+            self.on_accesses(unique % per_step)
+
+    @property
+    def counters(self) -> LayerCounters:
+        """Decode counters per MoE layer, up to date."""
+        self._count_backlog()
+        return self._counters
 
     def _pinned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A reusable host buffer (pinned with CUDA) of at least `shape`, viewed to it."""
@@ -254,7 +272,7 @@ class MoERunner:
     def _split(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
         """Hits on the device, misses split between slot fills and CPU execution."""
         ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
-        picks = self.counters.picks if decode else self.prefill_picks
+        picks = self._counters.picks if decode else self.prefill_picks
         np.add.at(picks[moe_layer], ids_host.ravel(), 1)
         experts, tokens_per_expert = np.unique(ids_host, return_counts=True)
         slots = self.cache.lookup(moe_layer, experts)
@@ -263,7 +281,7 @@ class MoERunner:
         if q < missing.size:
             # fetch the most picked (likeliest reused); ties: more tokens now, then lower id
             order = np.lexsort(
-                (missing, -tokens_per_expert[slots < 0], -self.counters.picks[moe_layer][missing])
+                (missing, -tokens_per_expert[slots < 0], -self._counters.picks[moe_layer][missing])
             )
             fetch, on_cpu = missing[order[:q]], missing[order[q:]]
         else:
@@ -281,7 +299,7 @@ class MoERunner:
             on_cpu = np.concatenate([on_cpu, fetch[len(fetched) :]])
         fill_event = self._record_copies()
         if decode:
-            c = self.counters
+            c = self._counters
             c.reads[moe_layer] += experts.size
             c.hits[moe_layer] += int((slots >= 0).sum())
             c.fills[moe_layer] += len(fetched)
