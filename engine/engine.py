@@ -238,7 +238,7 @@ class Engine:
     def _apply_plan(self, plan: VramPlan) -> None:
         """Resize the expert cache to `plan` (idle engine), keeping the most recent experts."""
         self.graphs = None
-        self.moe.counters  # count the resident steps still kept, in order, before the cache changes
+        self.moe.count_backlog()  # resident steps still kept, counted before the cache changes
         self.moe.release_prefill_buffers()
         self.cache.resize(plan.slots, self.moe.refill)
         if plan.all_resident:

@@ -208,9 +208,9 @@ class MoERunner:
         self._pending_tokens = 0
         self._backlog.append(self._ids_host[:, :n].numpy().copy())
         if len(self._backlog) >= 64:
-            self._count_backlog()
+            self.count_backlog()
 
-    def _count_backlog(self) -> None:
+    def count_backlog(self) -> None:
         """Count the kept resident steps at once: picks, reads (= hits), the what-if stream."""
         if not self._backlog:
             return
@@ -235,7 +235,7 @@ class MoERunner:
     @property
     def counters(self) -> LayerCounters:
         """Decode counters per MoE layer, up to date."""
-        self._count_backlog()
+        self.count_backlog()
         return self._counters
 
     def _pinned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
