@@ -42,6 +42,7 @@ class ExpertCache:
         self._lru: OrderedDict[int, int] = OrderedDict()  # key (layer * E + expert) -> slot
         self._free: list[int] = []
         self._layer_major: bool | None = None
+        self._device_stale = False
         self.hits = 0
         self.fills = 0
         self.evictions = 0
@@ -120,7 +121,18 @@ class ExpertCache:
         self._layer_major = None
         layer, expert = divmod(key, self.num_experts)
         self.slot_of[layer, expert] = slot
-        self.slot_of_device[layer, expert] = slot
+        self._device_stale = True
+
+    def device_slot_map(self) -> torch.Tensor:
+        """The (layer, expert) -> slot map on the device, uploaded only after it changed.
+
+        The offloaded step decides on the host; only the all-resident path (and its CUDA graphs,
+        which keep this tensor's address) reads the device copy.
+        """
+        if self._device_stale:
+            self.slot_of_device.copy_(torch.from_numpy(self.slot_of))
+            self._device_stale = False
+        return self.slot_of_device
 
     # sizing --------------------------------------------------------------------------------------
 
@@ -141,7 +153,7 @@ class ExpertCache:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.slot_of.fill(-1)
-        self.slot_of_device.fill_(-1)
+        self._device_stale = True
         self._lru.clear()
         self._allocate(slots)
         for key in keep:

@@ -230,6 +230,7 @@ class Engine:
         if self.device.type != "cuda" or args.no_cuda_graph or not self.cache.holds_everything:
             return
         t0 = time.perf_counter()
+        self.cache.device_slot_map()  # upload the slot map now: a capture cannot copy from the host
         graphs = DecodeGraphs(self.model, args.cuda_graph_max_bs, self.max_context)
         graphs.capture()
         self.graphs = graphs

@@ -171,7 +171,7 @@ class MoERunner:
             )
         else:
             # slots looked up on the device: no host sync, so the step can sit in a CUDA graph
-            slots = cache.slot_of_device[moe_layer][ids.long()]
+            slots = cache.device_slot_map()[moe_layer][ids.long()]
             w13, w2 = cache.w13, cache.w2
         if decode:
             self._record_ids(moe_layer, ids)
@@ -288,6 +288,9 @@ class MoERunner:
             fetch, on_cpu = missing, missing[:0]
         protected = set(slots[slots >= 0].tolist())
         fetched: list[int] = []
+        if fetch.size and self.copy_stream is not None:
+            # slots being refilled may still be read by work queued on the compute stream
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         for expert in fetch.tolist():
             slot = self.cache.admit(moe_layer, expert, protected)
             if slot is None:
@@ -310,17 +313,21 @@ class MoERunner:
                 base = moe_layer * self.bank.num_experts
                 self.on_accesses(np.concatenate([experts[slots >= 0], missing]) + base)
 
+        # which routes run where, by lookup tables over the layer's experts
+        on_cpu_table = np.zeros(self.bank.num_experts, dtype=bool)
+        on_cpu_table[on_cpu] = True
+        cpu_mask = on_cpu_table[ids_host]
         job = None
         if on_cpu.size:
-            job = self._submit_cpu(moe_layer, x_host, ids_host, weights_host, on_cpu)
+            job = self._submit_cpu(moe_layer, x_host, ids_host, weights_host, cpu_mask)
             if self.timer is not None:  # a timed step runs the CPU part alone, to attribute it
                 with self._phase("cpu_experts"):
                     job.wait()
-        slot_map = self.cache.slot_of[moe_layer]
-        route_slots = slot_map[ids_host]
-        cpu_mask = np.isin(ids_host, on_cpu)
+        route_slots = self.cache.slot_of[moe_layer][ids_host]
         route_slots[cpu_mask] = -1
-        fetched_mask = np.isin(ids_host, np.asarray(fetched, dtype=ids_host.dtype))
+        fetched_table = np.zeros(self.bank.num_experts, dtype=bool)
+        fetched_table[fetched] = True
+        fetched_mask = fetched_table[ids_host]
         kernel = fused_moe_decode if decode else grouped_moe
         hit_slots = np.where(fetched_mask, -1, route_slots)
         out = None
@@ -350,14 +357,14 @@ class MoERunner:
             self.cache.w13[slot].copy_(self.bank.w13[moe_layer][expert])
             self.cache.w2[slot].copy_(self.bank.w2[moe_layer][expert])
             return
-        # the slot may still be read by work queued on the compute stream (an evicted expert)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.cache.w13[slot].copy_(self.bank.w13[moe_layer][expert], non_blocking=True)
             self.cache.w2[slot].copy_(self.bank.w2[moe_layer][expert], non_blocking=True)
 
     def refill(self, moe_layer: int, expert: int, slot: int) -> None:
         """Copy one expert from the bank into a slot and wait (cache resize, warm-up)."""
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         self._copy_expert(moe_layer, expert, slot)
         event = self._record_copies()
         if event is not None:
@@ -370,8 +377,8 @@ class MoERunner:
         event.record(self.copy_stream)
         return event
 
-    def _submit_cpu(self, moe_layer, x_host, ids_host, weights_host, on_cpu):
-        rows, cols = np.nonzero(np.isin(ids_host, on_cpu))
+    def _submit_cpu(self, moe_layer, x_host, ids_host, weights_host, cpu_mask):
+        rows, cols = np.nonzero(cpu_mask)
         pair_expert = torch.from_numpy(ids_host[rows, cols].astype(np.int32))
         pair_token = torch.from_numpy(rows.astype(np.int32))
         pair_weight = weights_host[torch.from_numpy(rows), torch.from_numpy(cols)].contiguous()
