@@ -11,7 +11,9 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from .i18n import Translator
+from .i18n import GIB, Translator
+
+__all__ = ["COLOURS", "GIB", "figure", "layout", "local_iso", "local_times", "time_axis"]
 
 COLOURS = {
     "weights": "#4c72b0",
@@ -49,13 +51,28 @@ def layout(t: Translator, *, title: str = "", height_px: int = 280, **extra: Any
 
 
 def time_axis(t: Translator) -> dict[str, Any]:
-    """An x axis of local clock times (hours and minutes read the same in every language)."""
-    return {"type": "date", "tickformat": "%H:%M", "hoverformat": "%H:%M:%S", "title": ""}
+    """An x axis of local clock times, written with digits only (no month names to translate)."""
+    return {
+        "type": "date",
+        "hoverformat": "%H:%M:%S",
+        "tickformatstops": [
+            {"dtickrange": [None, 60_000], "value": "%H:%M:%S"},
+            {"dtickrange": [60_000, 86_400_000], "value": "%H:%M"},
+            {"dtickrange": [86_400_000, None], "value": "%m/%d"},
+        ],
+    }
 
 
 def local_times(epochs: list[float]) -> list[str]:
     """Epoch seconds as local-time strings Plotly puts on a date axis without shifting them."""
     return [datetime.fromtimestamp(e).isoformat(timespec="seconds") for e in epochs]
+
+
+def local_iso(when: str) -> str:
+    """An API time (ISO 8601 UTC) as a local-time string for a date axis."""
+    return (
+        datetime.fromisoformat(when).astimezone().replace(tzinfo=None).isoformat(timespec="seconds")
+    )
 
 
 def figure(traces: list[Any], layout_: dict[str, Any]) -> go.Figure:

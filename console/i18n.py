@@ -106,10 +106,14 @@ class Translator:
             return "–"
         return f"{share * 100:.{digits}f}%"
 
-    def gib(self, size_bytes: float | None, digits: int = 2) -> str:
+    def size(self, size_bytes: float | None) -> str:
+        """Bytes in the binary unit that suits them: GiB, MiB or KiB."""
         if size_bytes is None:
             return "–"
-        return f"{size_bytes / GIB:,.{digits}f} GiB"
+        for unit, scale in (("GiB", GIB), ("MiB", 1024**2)):
+            if abs(size_bytes) >= scale:
+                return f"{size_bytes / scale:,.2f} {unit}"
+        return f"{size_bytes / 1024:,.1f} KiB"
 
     def rate(self, tok_s: float | None) -> str:
         if tok_s is None:
@@ -124,6 +128,20 @@ class Translator:
             return f"{value_s * 1000:,.0f} ms"
         return f"{value_s:,.2f} s"
 
+    def value(self, kind: str, value: float | str | None) -> str:
+        """A number of a given kind (as advice.Number carries them) written for this language."""
+        if value is None or isinstance(value, str):
+            return "–" if value is None else value
+        formats = {
+            "percent": self.percent,
+            "bytes": self.size,
+            "seconds": self.seconds,
+            "count": self.number,
+            "ratio": lambda v: self.number(v, 2),
+            "rate": self.rate,
+        }
+        return formats[kind](value)
+
     # ---- durations and times ------------------------------------------------------------------
 
     def duration(self, value_s: float | None) -> str:
@@ -136,9 +154,11 @@ class Translator:
         minutes, secs = divmod(rest, 60)
         sep = " " if self.lang == "en" else ""
         if hours:
-            return f"{hours:,}{units.hours}{sep}{minutes}{units.minutes}"
+            tail = f"{sep}{minutes}{units.minutes}" if minutes else ""
+            return f"{hours:,}{units.hours}{tail}"
         if minutes:
-            return f"{minutes}{units.minutes}{sep}{secs}{units.seconds}"
+            tail = f"{sep}{secs}{units.seconds}" if secs else ""
+            return f"{minutes}{units.minutes}{tail}"
         return f"{secs}{units.seconds}"
 
     def ago(self, when: str | float | None, now: float | None = None) -> str:

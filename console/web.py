@@ -43,6 +43,7 @@ STATIC_DIR = CONSOLE_DIR / "static"
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 LANG_COOKIE_MAX_AGE_S = 365 * 24 * 3600
 _PART_NAME = re.compile(r"[a-z][a-z0-9_]*")
+WINDOWS_MIN = (15, 60, 360, 1440)
 
 ChartBuilder = Callable[[dict[str, Any], Translator], "Mapping[str, go.Figure]"]
 
@@ -65,6 +66,14 @@ ENV = jinja2.Environment(
 )
 
 
+def _fill(values: Mapping[str, Mapping[str, Any]], t: Translator) -> dict[str, str]:
+    """Numbers as advice.Number.to_json() carries them, written for the page's language."""
+    return {name: t.value(n["kind"], n["value"]) for name, n in values.items()}
+
+
+ENV.filters["fill"] = _fill
+
+
 def wants_json(request: Request) -> bool:
     """Whether the client asked for the JSON alternate of a page."""
     if request.query_params.get("format") == "json":
@@ -72,6 +81,16 @@ def wants_json(request: Request) -> bool:
     accept = request.headers.get("accept", "")
     first = accept.split(",")[0].split(";")[0].strip()
     return first == "application/json"
+
+
+def window_minutes(request: Request) -> int:
+    """The time span of a page's charts, `?minutes=` (one of WINDOWS_MIN; default an hour)."""
+    raw = request.query_params.get("minutes", "60")
+    if not raw.isdigit() or int(raw) not in WINDOWS_MIN:
+        raise ApiError(
+            f"minutes must be one of {', '.join(map(str, WINDOWS_MIN))}", code="bad_request"
+        )
+    return int(raw)
 
 
 def translator_of(request: Request) -> Translator:
@@ -113,7 +132,10 @@ def render(
     parts: tuple[str, ...] = (),
     status: int = 200,
 ) -> Response:
-    """A page, its JSON alternate, or one of its partials, from the same `data`."""
+    """A page, its JSON alternate, or one of its partials, from the same `data`.
+
+    The JSON alternate is `data` with the caller's access mode added as "access"."""
+    data = {"access": mode_json(request.state.access), **data}
     if wants_json(request):
         return JSONResponse(data, status_code=status)
     part = request.query_params.get("part")
@@ -131,6 +153,7 @@ def render(
     context = {**frame_context(request, t), **data, "data": data}
     context["chart"] = lambda name: _chart_markup(name, figures[name])
     context["has_chart"] = lambda name: name in figures
+    context["chart_names"] = list(figures)
     body = ENV.get_template(template).render(context)
     return Response(body, status_code=status, media_type="text/html; charset=utf-8")
 
@@ -146,7 +169,6 @@ def frame_context(request: Request, t: Translator) -> dict[str, Any]:
         "t": t,
         "lang": t.lang,
         "languages": LANGUAGES,
-        "access": access,
         "mode": mode_json(access),
         "token": daemon.token if access.may_see_token else None,
         "nav": nav(),
@@ -239,4 +261,3 @@ def page_aware(
         return await api_handlers[Exception](request, exc)
 
     return {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_internal_error}
-

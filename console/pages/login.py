@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..web import NavEntry, mode_json, render, safe_next
+from ..web import NavEntry, render, safe_next
 
 
 async def login_page(request: Request) -> Response:
@@ -14,7 +14,6 @@ async def login_page(request: Request) -> Response:
         request,
         "login.html",
         {
-            "access": mode_json(request.state.access),
             "next": safe_next(request.query_params.get("next")),
         },
     )

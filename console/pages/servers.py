@@ -1,0 +1,86 @@
+"""Servers: every engine with its status, and (with control) start, stop, restart; one engine's
+page with its live log tail, and the exit code and last lines of one that crashed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ...daemon.api import blocking, daemon_of, path_id, query_number
+from ...daemon.api_servers import server_json
+from ...daemon.catalog import model_json
+from ...daemon.flags import hide_secrets, redact_flags
+from ...daemon.schema import Profile
+from ...daemon.service import Daemon
+from ...engine import launch
+from .. import engines
+from ..i18n import _
+from ..web import NavEntry, render
+
+LOG_LINES = 200
+
+
+def profiles(daemon: Daemon, reveal: bool) -> list[dict[str, Any]]:
+    """The launch profiles to start from (name, model, flags)."""
+    with daemon.store.session() as session:
+        rows = session.scalars(select(Profile).order_by(Profile.name))
+        return [
+            {
+                "id": p.id,
+                "name": p.name,
+                "model": p.model,
+                "flags": p.flags if reveal else redact_flags(p.flags),
+            }
+            for p in rows
+        ]
+
+
+def servers_data(daemon: Daemon, reveal: bool) -> dict[str, Any]:
+    models = [model_json(m) for m in daemon.catalog.list()]
+    demo_job = daemon.jobs.latest("demo-model")
+    return {
+        "servers": engines.servers(daemon, reveal),
+        "models": models,
+        "profiles": profiles(daemon, reveal),
+        "demo_job": demo_job.to_json() if demo_job else None,
+    }
+
+
+async def servers_page(request: Request) -> Response:
+    data = await blocking(servers_data, daemon_of(request), request.state.access.control)
+    return render(request, "servers.html", data, parts=("server_list",))
+
+
+def server_data(daemon: Daemon, server_id: int, reveal: bool, lines: int) -> dict[str, Any]:
+    row = daemon.supervisor.row(server_id)
+    log = launch.log_tail(row.log_path, lines)
+    if not reveal:
+        log = hide_secrets(log, row.flags)
+    sampled_at, stats = engines.latest_stats(daemon, server_id)
+    return {
+        "server": server_json(row, daemon, reveal),
+        "command": ["moelab", "serve", "--model-path", row.model, *(
+            row.flags if reveal else redact_flags(row.flags))],
+        "log": {"path": row.log_path, "lines": log.splitlines()},
+        "sampled_at": sampled_at,
+        "config": (stats or {}).get("config"),
+    }  # fmt: skip
+
+
+async def server_page(request: Request) -> Response:
+    lines = int(query_number(request, "lines", LOG_LINES, 1, 5000) or LOG_LINES)
+    data = await blocking(
+        server_data, daemon_of(request), path_id(request), request.state.access.control, lines
+    )
+    return render(request, "server.html", data, parts=("server_head", "log"))
+
+
+ROUTES = [
+    Route("/servers", servers_page),
+    Route("/servers/{id:int}", server_page),
+]
+NAV = (NavEntry("/servers", _("Servers"), 20),)
