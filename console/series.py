@@ -46,7 +46,7 @@ def miss_rates(rows: list[dict[str, Any]], num_layers: int) -> dict[str, Any]:
         for layer in range(num_layers):
             r = reads[layer] if layer < len(reads) else 0
             h = hits[layer] if layer < len(hits) else 0
-            column.append(1.0 - h / r if r else None)
+            column.append((r - h) / r if r else None)
         times.append(row["t"])
         columns.append(column)
     z = [[column[layer] for column in columns] for layer in range(num_layers)]
