@@ -1,7 +1,14 @@
-"""/api/profiles: launch profiles (a model and its engine flags, under a name) kept in the store."""
+"""/api/profiles: launch profiles (a model and its engine flags, under a name) kept in the store.
+
+Besides create, read, change and delete: duplicate; apply flag changes (Recommended, a point of
+the context planner); the profile as a `moelab serve` command line and as a TOML file; import
+from TOML; read a pasted command line. Flags are checked by profiles/flags.py and stored in their
+canonical form (`--flag value`, each flag once).
+"""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -12,9 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..profiles.cmdline import from_command_line, to_command_line
+from ..profiles.flags import FlagError, apply_changes, canonical, changes_from_json
+from ..profiles.toml_file import ProfileFile, dumps, loads
+from . import api_recommend
 from .api import access_of, audit, blocking, daemon_of, json_body, path_id
 from .errors import BadRequest, Conflict, NotFound
-from .flags import FlagError, redact_flags, validate_flags
+from .flags import redact_flags
 from .schema import Profile, Server
 from .store import Store, iso_time
 
@@ -53,9 +64,8 @@ def checked_fields(body: dict[str, Any], current: Profile | None) -> dict[str, A
             f"no checkpoint at {model} (a folder with config.json); GET /api/models lists them",
             code="model_not_found",
         )
-    flags = merged.get("flags", [])
     try:
-        validate_flags(str(model_dir), flags)
+        flags = canonical(merged.get("flags", []))
     except FlagError as err:
         raise BadRequest(str(err), code="invalid_flags") from None
     for text_field in ("notes", "origin"):
@@ -64,7 +74,7 @@ def checked_fields(body: dict[str, Any], current: Profile | None) -> dict[str, A
     out = {
         "name": name.strip(),
         "model": str(model_dir.resolve()) if "model" in body else model,
-        "flags": list(flags),
+        "flags": flags,
     }
     for text_field in ("notes", "origin"):
         if text_field in merged:
@@ -157,6 +167,114 @@ async def delete_profile(request: Request) -> Response:
     return JSONResponse({"deleted": path_id(request), "servers": servers})
 
 
+def _copy_name(store: Store, name: str) -> str:
+    taken = {p.name for p in _list(store)}
+    candidate, n = f"{name} (copy)", 2
+    while candidate in taken:
+        candidate, n = f"{name} (copy {n})", n + 1
+    return candidate
+
+
+async def duplicate_profile(request: Request) -> Response:
+    """A copy of a profile under a new name (`{"name"}`, default "NAME (copy)")."""
+    store = daemon_of(request).store
+    body = await json_body(request)
+    source = await blocking(_get, store, path_id(request))
+    name = body.get("name") or await blocking(_copy_name, store, source.name)
+    fields = {"name": name, "model": source.model, "flags": source.flags, "notes": source.notes,
+              "origin": source.origin}  # fmt: skip
+    row = await blocking(_save, store, None, fields)
+    audit(request, "duplicate profile", f"profile {row.id}", source=source.id, name=row.name)
+    return JSONResponse(profile_json(row, True), status_code=201)
+
+
+async def apply_to_profile(request: Request) -> Response:
+    """Change some flags of a profile: `{"changes": [{"flag", "value"}], "origin"?}`, a value
+    being text to set, true/false to switch, null to drop (Recommended's flags and a planner
+    point's are in this shape)."""
+    store = daemon_of(request).store
+    body = await json_body(request)
+    row = await blocking(_get, store, path_id(request))
+    try:
+        flags = apply_changes(row.flags, changes_from_json(body.get("changes")))
+    except FlagError as err:
+        raise BadRequest(str(err), code="invalid_flags") from None
+    update: dict[str, Any] = {"flags": flags}
+    if isinstance(body.get("origin"), str):
+        update["origin"] = body["origin"]
+    row = await blocking(_save, store, row.id, update)
+    audit(request, "apply flags to profile", f"profile {row.id}", flags=redact_flags(flags))
+    return JSONResponse(profile_json(row, True))
+
+
+async def profile_command(request: Request) -> Response:
+    """The profile as a `moelab serve` command line (one line, and one flag per line)."""
+    row = await blocking(_get, daemon_of(request).store, path_id(request))
+    flags = row.flags if access_of(request).control else redact_flags(row.flags)
+    return JSONResponse(
+        {
+            "command": to_command_line(row.model, flags),
+            "command_multiline": to_command_line(row.model, flags, multiline=True),
+        }
+    )
+
+
+async def export_toml(request: Request) -> Response:
+    """The profile as a TOML file to download."""
+    row = await blocking(_get, daemon_of(request).store, path_id(request))
+    flags = row.flags if access_of(request).control else redact_flags(row.flags)
+    text = dumps(ProfileFile(row.name, row.model, flags, row.origin, row.notes))
+    filename = re.sub(r"[^A-Za-z0-9._-]+", "-", row.name).strip("-") or f"profile-{row.id}"
+    return Response(
+        text,
+        media_type="application/toml",
+        headers={"content-disposition": f'attachment; filename="{filename}.toml"'},
+    )
+
+
+async def import_toml(request: Request) -> Response:
+    """Create a profile from a TOML file: the raw file, or `{"toml", "name"?}` (a name given
+    here wins over the file's)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith(("application/json", "application/x-www-form-urlencoded")):
+        body = await json_body(request)
+        text, name = body.get("toml"), body.get("name")
+    else:
+        text, name = (await request.body()).decode("utf-8", "replace"), None
+    if not isinstance(text, str) or not text.strip():
+        raise BadRequest('send the TOML file as the body, or as {"toml": "..."}')
+    try:
+        parsed = loads(text)
+    except FlagError as err:
+        raise BadRequest(str(err), code="invalid_profile_file") from None
+    fields: dict[str, Any] = {"name": name or parsed.name, "model": parsed.model,
+                              "flags": parsed.flags}  # fmt: skip
+    if not fields["name"]:
+        raise BadRequest('the file has no name; give one (name = "..." or {"name"})')
+    if not parsed.model:
+        raise BadRequest('the file has no model (model = "/path/to/checkpoint")')
+    fields["origin"] = parsed.origin or "imported"
+    if parsed.notes is not None:
+        fields["notes"] = parsed.notes
+    row = await blocking(_save, daemon_of(request).store, None, fields)
+    audit(request, "import profile", f"profile {row.id}", name=row.name)
+    return JSONResponse(profile_json(row, True), status_code=201)
+
+
+async def parse_command(request: Request) -> Response:
+    """Read a pasted `moelab serve ...` line: `{"command"}` -> `{"model", "flags", "notes"}`."""
+    body = await json_body(request)
+    command = body.get("command")
+    if not isinstance(command, str):
+        raise BadRequest('give {"command": "moelab serve --model-path ... --flag value"}')
+    try:
+        pasted = from_command_line(command)
+    except FlagError as err:
+        raise BadRequest(str(err), code="invalid_flags") from None
+    audit(request, "read a command line")
+    return JSONResponse({"model": pasted.model, "flags": pasted.flags, "notes": pasted.notes})
+
+
 def routes() -> list[Route]:
     return [
         Route("/api/profiles", list_profiles),
@@ -164,4 +282,12 @@ def routes() -> list[Route]:
         Route("/api/profiles/{id:int}", get_profile),
         Route("/api/profiles/{id:int}", update_profile, methods=["PUT", "PATCH"]),
         Route("/api/profiles/{id:int}", delete_profile, methods=["DELETE"]),
+        Route("/api/profiles/{id:int}/duplicate", duplicate_profile, methods=["POST"]),
+        Route("/api/profiles/{id:int}/apply", apply_to_profile, methods=["POST"]),
+        Route("/api/profiles/{id:int}/command", profile_command),
+        Route("/api/profiles/{id:int}/toml", export_toml),
+        Route("/api/profiles/import", import_toml, methods=["POST"]),
+        Route("/api/profiles/parse-command", parse_command, methods=["POST"]),
+        # Recommended is shown beside a profile; its route is listed with the profiles' routes
+        *api_recommend.routes(),
     ]

@@ -1,0 +1,232 @@
+"""/api/recommend: Recommended settings and the context planner for one model on this machine.
+
+`GET /api/recommend?model=PATH|ID[&profile=ID][&context=TOKENS]` gathers what the rules rest on
+(the latest measurements, the model's config, its latest finished benchmark, the stats of a real
+run of it) and answers with profiles.recommend's advice and profiles.planner's chart data. With a
+profile, the planner varies the context on top of that profile's flags and each advised flag is
+compared with the profile's; without one, on top of the Recommended flags.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..engine.memory import MemoryPlanError
+from ..engine.spec import CheckpointError, ModelSpec
+from ..profiles.flags import FlagError
+from ..profiles.machine import Gpu, Machine
+from ..profiles.planner import RunObservation, plan_context
+from ..profiles.recommend import BenchmarkResult, Recommendation, compare, recommend
+from .api import blocking, daemon_of, query_number
+from .errors import BadRequest, NotFound
+from .measure import measurement_json
+from .schema import BenchmarkRun, Model, Profile, Server
+from .service import Daemon
+from .store import iso_time
+from .telemetry import STATS, read_samples
+
+WINDOW_S = 10.0  # the engine's short throughput window, decode_tok_s_10s
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """Everything Recommended and the planner need, read from the store in one go."""
+
+    model: Model
+    spec: ModelSpec
+    machine: Machine
+    benchmark: BenchmarkResult | None
+    run: RunObservation | None
+    profile: Profile | None
+
+
+def machine_of(daemon: Daemon) -> Machine:
+    """This machine from its stored measurements (the live probe fills in what was never stored)."""
+    inventory = daemon.hardware.inventory(max_age_s=3600.0)
+    rows = [measurement_json(m) for m in daemon.hardware.latest()]
+    machine = Machine.from_measurements(
+        rows,
+        machine_id=inventory.machine_id,
+        engine_version=inventory.engine_version,
+        physical_cores=inventory.physical_cores,
+        ram_total_bytes=inventory.ram_total_bytes,
+    )
+    if not machine.gpus and inventory.gpus:
+        gpus = tuple(
+            Gpu(g.index, g.name, g.uuid, g.vram_total_bytes, g.vram_free_bytes)
+            for g in inventory.gpus
+            if g.vram_total_bytes
+        )
+        machine = Machine(
+            machine.machine_id,
+            machine.engine_version,
+            machine.physical_cores,
+            machine.ram_total_bytes,
+            gpus,
+            machine.rates,
+        )
+    return machine
+
+
+def loaded_decode_tok_s(samples: list[dict[str, Any]]) -> float | None:
+    """A server's decode speed under load, from its telemetry: the median of the 10 s rates
+    whose whole window had requests running (the first seconds of a load average in idle
+    time); the best rate seen when no window was fully loaded."""
+    loaded = [
+        (s["t"], s["g"]["decode_tok_s_10s"])
+        for s in samples
+        if (s.get("g") or {}).get("running") and (s.get("g") or {}).get("decode_tok_s_10s")
+    ]
+    if not loaded:
+        return None
+    times = [s["t"] for s in samples]
+    running = {s["t"]: bool((s.get("g") or {}).get("running")) for s in samples}
+    full = []
+    for t, rate in loaded:
+        window = [u for u in times if t - WINDOW_S <= u <= t]
+        if window and window[0] <= t - WINDOW_S + 2.5 and all(running[u] for u in window):
+            full.append(rate)
+    return statistics.median(full) if full else max(rate for _t, rate in loaded)
+
+
+def _run_of(daemon: Daemon, model_path: str, experts_total: int) -> RunObservation | None:
+    """The newest real run of the model with a what-if curve: running servers first."""
+    with daemon.store.session() as session:
+        rows = list(
+            session.scalars(
+                select(Server)
+                .where(Server.model == model_path, Server.last_stats.is_not(None))
+                .order_by(Server.last_stats_time.desc())
+            )
+        )
+    rows.sort(key=lambda r: r.status != "running")
+    for row in rows:
+        stats = row.last_stats or {}
+        speed = loaded_decode_tok_s(read_samples(daemon.store, row.id, STATS))
+        if speed is None:
+            speed = (stats.get("throughput") or {}).get("decode_tok_s_60s") or None
+        run = RunObservation.from_stats(stats, decode_tok_s=speed, server_id=row.id)
+        if run is not None and run.experts_total == experts_total:
+            return run
+    return None
+
+
+def _benchmark_of(daemon: Daemon, model_path: str) -> BenchmarkResult | None:
+    with daemon.store.session() as session:
+        row = session.scalars(
+            select(BenchmarkRun)
+            .where(
+                BenchmarkRun.model == model_path,
+                BenchmarkRun.status == "done",
+                BenchmarkRun.result.is_not(None),
+            )
+            .order_by(BenchmarkRun.finished.desc(), BenchmarkRun.id.desc())
+        ).first()
+    if row is None or not isinstance(row.result, dict):
+        return None
+    return BenchmarkResult.from_result(
+        row.id,
+        row.result,
+        engine_version=row.engine_version,
+        machine_id=row.machine_id,
+        finished=iso_time(row.finished),
+    )
+
+
+def gather(daemon: Daemon, model: str | None, profile_id: int | None) -> Inputs:
+    """Read the model (by path or id), the profile, the machine, benchmark and run."""
+    profile = None
+    if profile_id is not None:
+        with daemon.store.session() as session:
+            profile = session.get(Profile, profile_id)
+        if profile is None:
+            raise NotFound(f"no profile {profile_id}")
+        model = model or profile.model
+    if not model:
+        raise BadRequest("give ?model= (a path or an id from GET /api/models) or ?profile=")
+    row = daemon.catalog.get(int(model)) if model.isdigit() else daemon.catalog.by_path(model)
+    if row is None:
+        raise NotFound(
+            f"unknown model {model!r}; GET /api/models lists them", code="model_not_found"
+        )
+    try:
+        spec = ModelSpec.from_config(row.config or {})
+    except CheckpointError as err:
+        raise BadRequest(f"{row.name} cannot be served: {err}", code="unsupported_model") from None
+    return Inputs(
+        model=row,
+        spec=spec,
+        machine=machine_of(daemon),
+        benchmark=_benchmark_of(daemon, row.path),
+        run=_run_of(daemon, row.path, spec.experts_total),
+        profile=profile,
+    )
+
+
+def recommendation_json(inputs: Inputs, context_tokens: int | None) -> dict[str, Any]:
+    """The whole answer: advice, VRAM split, staleness, planner, and the profile comparison."""
+    rec: Recommendation = recommend(
+        inputs.machine,
+        inputs.spec,
+        model=inputs.model.path,
+        context_tokens=context_tokens,
+        benchmark=inputs.benchmark,
+    )
+    body = rec.to_json()
+    machine = inputs.machine
+    body["model_id"] = inputs.model.id
+    body["model_name"] = inputs.model.name
+    body["hardware"] = {
+        "gpus": [
+            {
+                "index": g.index,
+                "name": g.name,
+                "vram_total_bytes": g.vram_total_bytes,
+                "vram_free_bytes": g.vram_free_bytes,
+            }
+            for g in machine.gpus
+        ],
+        "ram_total_bytes": machine.ram_total_bytes,
+        "physical_cores": machine.physical_cores,
+        "rates_measured": machine.rates.measured if machine.rates else None,
+        "engine_version": machine.engine_version,
+    }
+    base = inputs.profile.flags if inputs.profile is not None else rec.flags
+    try:
+        planner = plan_context(inputs.spec, machine, base, run=inputs.run).to_json()
+    except (FlagError, MemoryPlanError) as err:
+        planner = {"error": str(err)}
+    planner["run_server_id"] = inputs.run.server_id if inputs.run else None
+    body["planner"] = planner
+    if inputs.profile is not None:
+        body["profile"] = {
+            "id": inputs.profile.id,
+            "name": inputs.profile.name,
+            "comparison": compare(rec.advice, inputs.profile.flags),
+        }
+    return body
+
+
+async def get_recommend(request: Request) -> Response:
+    daemon = daemon_of(request)
+    profile = query_number(request, "profile", None, 1, 2**62)
+    context = query_number(request, "context", None, 1, 2**31)
+    inputs = await blocking(
+        gather,
+        daemon,
+        request.query_params.get("model"),
+        int(profile) if profile is not None else None,
+    )
+    body = await blocking(recommendation_json, inputs, int(context) if context else None)
+    return JSONResponse(body)
+
+
+def routes() -> list[Route]:
+    return [Route("/api/recommend", get_recommend)]

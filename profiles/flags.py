@@ -1,0 +1,406 @@
+"""Engine flags checked against `moelab serve`'s own parser, with messages that say what is allowed.
+
+A profile keeps its flags as a command-line list (`["--moe-cache-rate", "0.5", "--no-cuda-graph"]`)
+without `--model-path`: the model is a field of its own. Stored lists are canonical: each flag once,
+its value as the next item (never `--flag=value`), in the order given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine import args as engine_args
+
+# Free-text flags the engine checks only when it starts; checked here so a profile cannot hold them.
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_DEVICE_WORDS = "auto, cpu, cuda or cuda:N"
+
+
+class FlagError(ValueError):
+    """Flags the engine would refuse; `problems` holds one message per problem found."""
+
+    def __init__(self, problems: list[FlagProblem]) -> None:
+        assert problems
+        self.problems = problems
+        text = problems[0].message
+        if len(problems) > 1:
+            text = f"{len(problems)} problems: " + "; ".join(p.message for p in problems)
+        super().__init__(text)
+
+
+@dataclass(frozen=True, slots=True)
+class FlagProblem:
+    """One thing wrong with a flag list: which flag (None when not about one flag) and why."""
+
+    flag: str | None
+    kind: str  # unknown, value, choice, missing_value, switch_value, exclusive, duplicate, ...
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class FlagInfo:
+    """One engine flag as the editor and the validator need it."""
+
+    flag: str
+    dest: str
+    group: str
+    help: str
+    kind: str  # switch, int, float, bytes, str
+    choices: tuple[str, ...] | None
+    default: Any
+    tunable: bool
+    exclusive_with: tuple[str, ...]
+    expects: str  # what a value must look like, in words
+    convert: Callable[[str], Any] | None
+
+    @property
+    def switch(self) -> bool:
+        return self.kind == "switch"
+
+
+@dataclass(frozen=True, slots=True)
+class FlagSetting:
+    """A flag and its value as text (None for an on/off flag, which is on when present)."""
+
+    flag: str
+    value: str | None
+
+    @property
+    def argv(self) -> list[str]:
+        return [self.flag] if self.value is None else [self.flag, self.value]
+
+
+@dataclass(frozen=True, slots=True)
+class FlagChange:
+    """Set a flag (a string), switch an on/off flag (True/False), or drop a flag (None)."""
+
+    flag: str
+    value: str | bool | None
+
+
+def _accepts(convert: Callable[[str], Any], text: str) -> bool:
+    try:
+        convert(text)
+    except (argparse.ArgumentTypeError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _expects(kind: str, choices: tuple[str, ...] | None, convert: Callable | None) -> str:
+    """A value's shape in words, read off the parser (type functions are probed, not named)."""
+    if kind == "switch":
+        return "nothing: give the flag alone to switch it on, leave it out for off"
+    if choices:
+        return "one of " + ", ".join(choices)
+    doc = (getattr(convert, "__doc__", None) or "").strip().splitlines()
+    if doc and kind in ("str", "bytes"):
+        text = doc[0].replace("`", "").rstrip(".")
+        return text[0].lower() + text[1:]
+    if kind == "int" and convert is not None:
+        if _accepts(convert, "-1"):
+            return "a whole number"
+        return (
+            "a whole number, 0 or more" if _accepts(convert, "0") else "a whole number, 1 or more"
+        )
+    if kind == "float" and convert is not None:
+        if _accepts(convert, "1") and not _accepts(convert, "0") and not _accepts(convert, "1.5"):
+            return "a number in (0, 1]"
+        return "a number"
+    return "text"
+
+
+@functools.cache
+def catalog() -> dict[str, FlagInfo]:
+    """Every engine flag but --model-path (a profile's own field), in the parser's order."""
+    parser = engine_args.build_parser()
+    types = {a.option_strings[-1]: a.type for a in parser._actions if a.option_strings}
+    out = {}
+    for d in engine_args.describe_flags(parser):
+        if d["flag"] == "--model-path":
+            continue
+        choices = tuple(d["choices"]) if d["choices"] else None
+        convert = types.get(d["flag"])
+        out[d["flag"]] = FlagInfo(
+            flag=d["flag"],
+            dest=d["dest"],
+            group=d["group"],
+            help=d["help"],
+            kind=d["kind"],
+            choices=choices,
+            default=d["default"],
+            tunable=d["tunable"],
+            exclusive_with=tuple(d["exclusive_with"]),
+            expects=_DEVICE_WORDS
+            if d["flag"] == "--device"
+            else _expects(d["kind"], choices, convert),
+            convert=convert,
+        )
+    return out
+
+
+def _is_flag_token(token: str) -> bool:
+    """Whether a list item names a flag (a negative number such as -1 is a value)."""
+    return token.startswith("-") and not re.fullmatch(r"-[0-9.]+", token)
+
+
+def _unknown(name: str) -> FlagProblem:
+    if name == "--model-path":
+        return FlagProblem(
+            name, "model", "give the checkpoint in the model field, not as --model-path"
+        )
+    if name in ("-h", "--help"):
+        return FlagProblem(name, "unknown", f"{name} is not an engine setting")
+    known = list(catalog())
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return FlagProblem(
+        name, "unknown", f"unknown flag {name}{hint} The engine's flags: {', '.join(known)}"
+    )
+
+
+def check_value(flag: str, value: str | None) -> FlagProblem | None:
+    """What is wrong with giving `value` to a known `flag`, or None (for the editor's inline
+    messages as much as for validation)."""
+    info = catalog()[flag]
+    if info.switch:
+        if value is None:
+            return None
+        return FlagProblem(
+            flag,
+            "switch_value",
+            f"{flag} is an on/off flag and takes no value (got {value!r}); give it alone to "
+            "switch it on, leave it out for off",
+        )
+    if value is None or value == "":
+        return FlagProblem(flag, "missing_value", f"{flag} needs a value: {info.expects}")
+    if info.choices is not None and value not in info.choices:
+        close = difflib.get_close_matches(value, info.choices, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return FlagProblem(
+            flag,
+            "choice",
+            f"{flag} {value} is not allowed; choose one of {', '.join(info.choices)}{hint}",
+        )
+    if info.convert is not None:
+        try:
+            info.convert(value)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as err:
+            detail = str(err) or f"{value!r} is not valid"
+            # the parser's own words name the allowed shape except for bare numbers
+            if info.kind in ("int", "float"):
+                detail += f" (allowed: {info.expects})"
+            return FlagProblem(flag, "value", f"{flag} {value}: {detail}")
+    if flag == "--device" and not _DEVICE.fullmatch(value):
+        return FlagProblem(flag, "value", f"--device {value}: not a device; use {_DEVICE_WORDS}")
+    return None
+
+
+def split_flags(flags: Iterable[str]) -> tuple[list[FlagSetting], list[FlagProblem]]:
+    """Read a flag list into settings, in order; problems for unknown flags, missing or stray
+    values, and values given to on/off flags. Duplicates are kept (see `find_problems`)."""
+    items = list(flags)
+    settings: list[FlagSetting] = []
+    problems: list[FlagProblem] = []
+    previous_switch: str | None = None  # an on/off flag just read: a value after it is a mistake
+    i = 0
+    while i < len(items):
+        token = items[i]
+        i += 1
+        if not _is_flag_token(token):
+            if previous_switch is not None:
+                problems.append(check_value(previous_switch, token))  # type: ignore[arg-type]
+            else:
+                problems.append(_stray(token))
+            previous_switch = None
+            continue
+        name, eq, inline = token.partition("=")
+        info = catalog().get(name)
+        previous_switch = name if info is not None and info.switch and not eq else None
+        if info is None:
+            problems.append(_unknown(name))
+            if not eq and i < len(items) and not _is_flag_token(items[i]):
+                i += 1  # its value goes with it: one problem per mistyped flag
+            continue
+        if eq:
+            value: str | None = inline
+        elif info.switch:
+            value = None
+        elif i < len(items) and not _is_flag_token(items[i]):
+            value = items[i]
+            i += 1
+        else:
+            value = ""
+        problem = check_value(name, value)
+        if problem is not None:
+            problems.append(problem)
+        else:
+            settings.append(FlagSetting(name, value))
+    return settings, problems
+
+
+def _stray(token: str) -> FlagProblem:
+    return FlagProblem(
+        None,
+        "stray",
+        f"{token!r} belongs to no flag; every value follows its flag (e.g. --moe-cache-rate 0.5)",
+    )
+
+
+def find_problems(flags: Any) -> list[FlagProblem]:
+    """Every reason the engine (or a profile) would refuse `flags`; empty when they are fine."""
+    if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+        return [
+            FlagProblem(
+                None,
+                "not_strings",
+                'flags must be a list of strings, e.g. ["--moe-cache-rate", "0.5"]',
+            )
+        ]
+    settings, problems = split_flags(flags)
+    seen: dict[str, FlagSetting] = {}
+    for s in settings:
+        if s.flag in seen:
+            before = seen[s.flag]
+            values = "" if s.value is None else f" ({before.value} and {s.value})"
+            problems.append(
+                FlagProblem(s.flag, "duplicate", f"{s.flag} is given twice{values}; keep one")
+            )
+        seen[s.flag] = s
+    for s in seen.values():
+        for other in catalog()[s.flag].exclusive_with:
+            if other in seen and s.flag < other:
+                problems.append(
+                    FlagProblem(
+                        s.flag,
+                        "exclusive",
+                        f"{s.flag} and {other} cannot both be given: they set the same thing; "
+                        "keep one",
+                    )
+                )
+    return problems
+
+
+def validate_flags(flags: Any, model: str = "MODEL") -> argparse.Namespace:
+    """Check `flags` as `moelab serve --model-path MODEL FLAGS` would; FlagError when refused.
+
+    Returns the parsed settings, defaults filled in.
+    """
+    problems = find_problems(flags)
+    if problems:
+        raise FlagError(problems)
+    parser = engine_args.build_parser()
+
+    def refuse(message: str) -> None:
+        raise FlagError([FlagProblem(None, "engine", message)])
+
+    # argparse reports errors by printing and exiting; here they become FlagError
+    parser.error = refuse  # type: ignore[method-assign]
+    parser.exit_on_error = False
+    try:
+        return parser.parse_args(["--model-path", model, *flags])
+    except argparse.ArgumentError as err:
+        raise FlagError([FlagProblem(None, "engine", str(err))]) from None
+
+
+def canonical(flags: list[str]) -> list[str]:
+    """Valid flags in their stored form: `--flag value` pairs, each flag once (FlagError if not)."""
+    validate_flags(flags)
+    settings, _ = split_flags(flags)
+    return [item for s in settings for item in s.argv]
+
+
+def settings_of(flags: list[str]) -> dict[str, str | None]:
+    """Valid flags as {flag: value} (None for an on/off flag that is on)."""
+    validate_flags(flags)
+    settings, _ = split_flags(flags)
+    return {s.flag: s.value for s in settings}
+
+
+def last_wins(flags: list[str]) -> tuple[list[str], list[str]]:
+    """Collapse flags given more than once to the last value, as the engine's parser would.
+
+    Returns the flags and a note per collapsed flag. Other problems are left for validation.
+    """
+    settings, _problems = split_flags(flags)
+    last: dict[str, FlagSetting] = {}
+    counts: dict[str, list[str | None]] = {}
+    for s in settings:
+        last[s.flag] = s
+        counts.setdefault(s.flag, []).append(s.value)
+    notes = []
+    for flag, values in counts.items():
+        if len(values) > 1:
+            shown = ", ".join("on" if v is None else v for v in values)
+            kept = "on" if last[flag].value is None else last[flag].value
+            notes.append(f"{flag} was given {len(values)} times ({shown}); kept the last, {kept}")
+    order = list(dict.fromkeys(s.flag for s in settings))
+    return [item for flag in order for item in last[flag].argv], notes
+
+
+def apply_changes(flags: list[str], changes: Iterable[FlagChange]) -> list[str]:
+    """`flags` with each change made: a set value replaces the flag in place (or is added at the
+    end) and drops flags exclusive with it; True switches an on/off flag on, False or None drops
+    a flag. The result is validated (FlagError)."""
+    settings, problems = split_flags(flags)
+    if problems:
+        raise FlagError(problems)
+    current = {s.flag: s for s in settings}
+    for change in changes:
+        info = catalog().get(change.flag)
+        if info is None:
+            raise FlagError([_unknown(change.flag)])
+        value = change.value
+        if value is None or value is False:
+            current.pop(change.flag, None)
+            continue
+        if value is True:
+            if not info.switch:
+                raise FlagError(
+                    [
+                        FlagProblem(
+                            change.flag,
+                            "missing_value",
+                            f"{change.flag} needs a value ({info.expects}), not on/off",
+                        )
+                    ]
+                )
+            text = None
+        else:
+            text = str(value)
+            problem = check_value(change.flag, text)
+            if problem is not None:
+                raise FlagError([problem])
+        for other in info.exclusive_with:
+            current.pop(other, None)
+        current[change.flag] = FlagSetting(change.flag, text)
+    out = [item for s in current.values() for item in s.argv]
+    validate_flags(out)
+    return out
+
+
+def changes_from_json(items: Any) -> list[FlagChange]:
+    """`[{"flag": "--x", "value": "1" | true | false | null}, ...]` as changes (FlagError)."""
+    if not isinstance(items, list):
+        items = [items]
+    out = []
+    for item in items:
+        ok = isinstance(item, dict) and isinstance(item.get("flag"), str)
+        value = item.get("value") if ok else None
+        if not ok or not (value is None or isinstance(value, (str, bool))):
+            raise FlagError(
+                [
+                    FlagProblem(
+                        None,
+                        "not_strings",
+                        'a change is {"flag": "--name", "value": "text" | true | false | null}',
+                    )
+                ]
+            )
+        out.append(FlagChange(item["flag"], value))
+    return out

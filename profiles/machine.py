@@ -1,0 +1,245 @@
+"""The machine as Recommended and the planner see it: cores, RAM, GPUs and the measured rates.
+
+Built from the daemon's stored measurements (the API's measurement shape), so it never probes
+anything itself; tests build it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.memory import MemoryPlanError, VramPlan, plan_vram
+from ..engine.spec import DTYPE_BYTES, ModelSpec
+
+GIB = 1024**3
+CPU_DEFAULT_BUDGET_BYTES = 2 * GIB  # the engine's --device-memory default on a CPU device
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """One GPU: its identity and memory (free as measured; None when never measured)."""
+
+    index: int
+    name: str
+    uuid: str | None
+    vram_total_bytes: int
+    vram_free_bytes: int | None = None
+
+    @property
+    def usable_bytes(self) -> int:
+        """What an engine started now could plan with: the free memory when measured."""
+        return self.vram_free_bytes if self.vram_free_bytes is not None else self.vram_total_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """What `moelab bench bw` measured, in GB/s (None or empty: not measured)."""
+
+    h2d_gbps: float | None = None  # pinned host-to-device copy of one expert
+    device_gbps: float | None = None  # device memory copy
+    cpu_experts_gbps: dict[int, float] = field(default_factory=dict)  # threads -> rate
+    host_read_gbps: dict[int, float] = field(default_factory=dict)  # threads -> rate
+    h2d_concurrent_gbps: float | None = None  # copies while the CPU runs experts
+    cpu_concurrent_gbps: float | None = None  # CPU experts while copies run
+    expert_bytes: int | None = None  # the expert size they were measured at
+    engine_version: str | None = None
+    gpu_uuid: str | None = None
+    measured: str | None = None  # when (ISO 8601)
+
+    def cpu_rate(self, threads: int) -> tuple[int, float] | None:
+        """The CPU expert rate at the largest measured thread count not above `threads`."""
+        fitting = [t for t in self.cpu_experts_gbps if t <= threads]
+        if not fitting:
+            return None
+        t = max(fitting)
+        return t, self.cpu_experts_gbps[t]
+
+    @property
+    def host_gbps(self) -> float | None:
+        return max(self.host_read_gbps.values()) if self.host_read_gbps else None
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """This PC for the rules: identity, cores, RAM, GPUs and measured rates (None: not yet)."""
+
+    machine_id: str
+    engine_version: str
+    physical_cores: int
+    ram_total_bytes: int
+    gpus: tuple[Gpu, ...] = ()
+    rates: Rates | None = None
+
+    @classmethod
+    def from_measurements(
+        cls,
+        rows: Iterable[dict[str, Any]],
+        *,
+        machine_id: str,
+        engine_version: str,
+        physical_cores: int,
+        ram_total_bytes: int,
+    ) -> Machine:
+        """The latest reading of each kind (the API's measurement dicts) over the live inventory's
+        values, which stand in for kinds never stored."""
+        rows = list(rows)
+        cores = physical_cores
+        ram = ram_total_bytes
+        gpus: dict[int, dict[str, Any]] = {}
+        raw: dict[str, list[dict[str, Any]]] = {}
+        for row in rows:
+            kind, value, params = row["kind"], row["value"], row.get("params") or {}
+            if kind == "cpu.physical_cores":
+                cores = int(value)
+            elif kind == "ram.total":
+                ram = int(value)
+            elif kind in ("gpu.vram_total", "gpu.vram_free"):
+                gpu = gpus.setdefault(
+                    int(params.get("gpu_index", 0)),
+                    {"name": row.get("gpu_name") or "GPU", "uuid": row.get("gpu_uuid")},
+                )
+                gpu[kind] = int(value)
+            elif "." not in kind:  # `moelab bench bw` kinds carry no dot
+                raw.setdefault(kind, []).append(row)
+        gpu_list = tuple(
+            Gpu(i, g["name"], g["uuid"], g["gpu.vram_total"], g.get("gpu.vram_free"))
+            for i, g in sorted(gpus.items())
+            if "gpu.vram_total" in g
+        )
+        return cls(
+            machine_id=machine_id,
+            engine_version=engine_version,
+            physical_cores=cores,
+            ram_total_bytes=ram,
+            gpus=gpu_list,
+            rates=_rates(raw),
+        )
+
+    @property
+    def default_cpu_threads(self) -> int:
+        """The engine's default: one per physical core, less one that keeps feeding the GPU."""
+        return max(1, self.physical_cores - 1)
+
+
+def _best(rows: list[dict[str, Any]], **match: Any) -> float | None:
+    values = [
+        float(r["value"])
+        for r in rows
+        if all((r.get("params") or {}).get(k) == v for k, v in match.items())
+    ]
+    return max(values) if values else None
+
+
+def _by_threads(rows: list[dict[str, Any]], **match: Any) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for r in rows:
+        params = r.get("params") or {}
+        if "threads" in params and all(params.get(k) == v for k, v in match.items()):
+            t = int(params["threads"])
+            out[t] = max(out.get(t, 0.0), float(r["value"]))
+    return out
+
+
+def _rates(raw: dict[str, list[dict[str, Any]]]) -> Rates | None:
+    if not raw:
+        return None
+    any_row = next(iter(raw.values()))[0]
+    cpu = raw.get("cpu_experts", [])
+    # the 4-experts-a-step rate is the one the engine splits misses by
+    cpu_rates = _by_threads(cpu, experts=4) or _by_threads(cpu)
+    return Rates(
+        h2d_gbps=_best(raw.get("h2d_pinned", [])),
+        device_gbps=_best(raw.get("device_copy", [])),
+        cpu_experts_gbps=cpu_rates,
+        host_read_gbps=_by_threads(raw.get("host_read", [])),
+        h2d_concurrent_gbps=_best(raw.get("h2d_pinned_concurrent", [])),
+        cpu_concurrent_gbps=_best(raw.get("cpu_experts_concurrent", [])),
+        expert_bytes=(any_row.get("params") or {}).get("expert_bytes"),
+        engine_version=(any_row.get("versions") or {}).get("moelab"),
+        gpu_uuid=any_row.get("gpu_uuid"),
+        measured=any_row.get("created"),
+    )
+
+
+# ---- the device an engine with some flags would plan on ------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceChoice:
+    """Where an engine with given flags runs, how much memory it plans with, and why."""
+
+    device: str  # "cpu" or "cuda:N"
+    gpu: Gpu | None
+    budget_bytes: int
+    elem_bytes: int  # bytes per weight at the engine's compute dtype
+    budget_source: str  # in words: where budget_bytes comes from
+
+    @property
+    def cuda(self) -> bool:
+        return self.gpu is not None
+
+
+def choose_device(machine: Machine, spec: ModelSpec, ns: argparse.Namespace) -> DeviceChoice:
+    """The device, memory budget and dtype an engine started with `ns` would use here (the same
+    resolution as the engine's, from measurements instead of a live query)."""
+    name = ns.device
+    if name == "auto":
+        name = "cuda:0" if machine.gpus else "cpu"
+    elif name == "cuda":
+        name = "cuda:0"
+    gpu = None
+    if name.startswith("cuda"):
+        index = int(name.split(":")[1])
+        gpu = next((g for g in machine.gpus if g.index == index), None)
+        if gpu is None:
+            raise MemoryPlanError(
+                f"--device {ns.device}: this machine has no GPU {index} "
+                f"({len(machine.gpus)} found); use --device cpu or another index"
+            )
+    if ns.dtype != "auto":
+        elem = DTYPE_BYTES[ns.dtype]
+    else:
+        elem = spec.dtype_bytes if gpu is not None else 4  # the engine runs float32 on a CPU
+    if gpu is None:
+        budget = ns.device_memory or CPU_DEFAULT_BUDGET_BYTES
+        source = (
+            "--device-memory" if ns.device_memory else "the engine's 2 GiB default on a CPU device"
+        )
+    else:
+        budget = gpu.usable_bytes
+        source = (
+            f"{gpu.name}'s {'free' if gpu.vram_free_bytes is not None else 'total'} memory "
+            f"({budget / GIB:.1f} GiB)"
+        )
+        if ns.device_memory and ns.device_memory < budget:
+            budget, source = ns.device_memory, "--device-memory"
+    return DeviceChoice(name, gpu, budget, elem, source)
+
+
+def plan_for(
+    spec: ModelSpec,
+    choice: DeviceChoice,
+    ns: argparse.Namespace,
+    *,
+    kv_tokens: int | None = None,
+    budget_bytes: int | None = None,
+) -> VramPlan:
+    """The engine's VRAM plan for these flags (MemoryPlanError when they cannot fit)."""
+    return plan_vram(
+        spec,
+        budget_bytes=budget_bytes if budget_bytes is not None else choice.budget_bytes,
+        weights_bytes=spec.dense_params * choice.elem_bytes,
+        elem_bytes=choice.elem_bytes,
+        kv_reserve_tokens=kv_tokens or ns.kv_reserve_tokens,
+        block_size=ns.kv_block_size,
+        prefill_chunk_tokens=ns.prefill_chunk_tokens,
+        max_running=ns.max_running_requests,
+        headroom_bytes=ns.memory_headroom,
+        cache_size=ns.moe_cache_size,
+        cache_rate=ns.moe_cache_rate,
+        cuda_graphs=choice.cuda and not ns.no_cuda_graph,
+        max_context=ns.max_context,
+    )

@@ -1,0 +1,393 @@
+"""The context planner: predicted decode tok/s against the context reserved.
+
+Each point is one `--kv-reserve-tokens` value on top of a profile's flags. The engine's VRAM plan
+(engine/memory.py, the same arithmetic the engine runs) says how many expert slots that context
+leaves; a hit-rate model says what share of expert reads those slots serve; a speed model turns
+the misses into time per token:
+
+    seconds per token = fixed + reads per token x (1 - hit rate) x seconds per miss
+
+Seconds per miss come from the measured bandwidths: with the auto split, q of m misses are copied
+at Bp while m - q run on the CPU at Bh, both finishing together, so one miss costs
+expert bytes / (Bp + Bh). With a real run of the model (a server's stats), the fixed part is what
+its measured speed leaves after its own misses, and the hit rates come from its what-if curve;
+without one, the fixed part is the bandwidth bound of the dense weights and the hits, and the hit
+rate is an assumption (uniform routing), said so in `basis`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.memory import MemoryPlanError
+from ..engine.spec import ModelSpec
+from .flags import FlagChange, apply_changes, validate_flags
+from .machine import DeviceChoice, Machine, choose_device, plan_for
+from .rules import context_tiers
+
+
+@dataclass(frozen=True, slots=True)
+class RunObservation:
+    """What a real engine run of the model showed (from its /v1/stats body)."""
+
+    slots: int
+    experts_total: int
+    reads_per_token: float  # expert reads per decoded token (fewer than top-k x layers: batching)
+    hit_rate: float  # hits / reads over its decode steps
+    whatif: tuple[tuple[int, float], ...]  # (slots, hit rate) of an LRU cache of that size
+    popular_shares: tuple[float, ...]  # cumulative pick share of the top 1, 2, ... experts
+    decode_tok_s: float | None  # its measured decode speed, None when it never ran under load
+    bp_gbps: float | None
+    bh_gbps: float | None
+    fetch_fraction: float | None
+    slot_bytes: int
+    server_id: int | None = None
+
+    @classmethod
+    def from_stats(
+        cls, stats: dict[str, Any], *, decode_tok_s: float | None, server_id: int | None = None
+    ) -> RunObservation | None:
+        """Read a /v1/stats body; None when it has no decode counters or what-if curve yet."""
+        experts = stats.get("experts") or {}
+        layers = experts.get("layers") or []
+        tokens = (stats.get("tokens") or {}).get("decode_total") or 0
+        reads = sum(int(layer.get("reads") or 0) for layer in layers)
+        hits = sum(int(layer.get("hits") or 0) for layer in layers)
+        whatif = tuple(
+            (int(p["slots"]), float(p["hit_rate"]))
+            for p in experts.get("whatif") or []
+            if isinstance(p, dict) and "slots" in p and "hit_rate" in p
+        )
+        if not tokens or not reads or not whatif:
+            return None
+        picks = sorted((v for row in experts.get("picks") or [] for v in row), reverse=True)
+        total_picks = sum(picks)
+        shares, running = [], 0
+        for v in picks:
+            running += v
+            shares.append(running / total_picks)
+        config = stats.get("config") or {}
+        return cls(
+            slots=int(experts.get("slots") or 0),
+            experts_total=int(experts.get("num_layers") or 0)
+            * int(experts.get("num_experts") or 0),
+            reads_per_token=reads / tokens,
+            hit_rate=hits / reads,
+            whatif=tuple(sorted(whatif)),
+            popular_shares=tuple(shares) if total_picks else (),
+            decode_tok_s=decode_tok_s if decode_tok_s else None,
+            bp_gbps=config.get("bp_gbps"),
+            bh_gbps=config.get("bh_gbps"),
+            fetch_fraction=config.get("fetch_fraction"),
+            slot_bytes=int(experts.get("slot_bytes") or 0),
+            server_id=server_id,
+        )
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], slots: int) -> float:
+    xs = [p[0] for p in points]
+    i = bisect.bisect_left(xs, slots)
+    if i < len(xs) and xs[i] == slots:
+        return points[i][1]
+    if i == 0:
+        x1, y1 = points[0]
+        return y1 * slots / x1 if x1 else y1
+    if i == len(xs):
+        return points[-1][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (slots - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True, slots=True)
+class HitModel:
+    """The hit rate a cache of S slots would give.
+
+    From a run: the what-if curve is LRU with every miss fetched, a lower bound, since the engine
+    fetches only some misses and keeps the most picked experts; holding the top-S experts by
+    popularity is the upper bound. The run's own hit rate at its own size places it between the
+    two, and that share holds at every size. Without a run: uniform routing, S / all experts.
+    """
+
+    experts_total: int
+    lru: tuple[tuple[int, float], ...] = ()
+    popular_shares: tuple[float, ...] = ()
+    blend: float = 0.0
+    basis: str = ""
+
+    @classmethod
+    def assumed(cls, experts_total: int) -> HitModel:
+        return cls(
+            experts_total,
+            basis="assumed: uniform routing, so S slots serve S / all experts of the reads (real "
+            "models route unevenly, so real hit rates are higher); start the model once to "
+            "replace this with its own what-if curve",
+        )
+
+    @classmethod
+    def from_run(cls, run: RunObservation) -> HitModel:
+        model = cls(run.experts_total, run.whatif, run.popular_shares)
+        low, high = model._bounds(run.slots)
+        blend = (run.hit_rate - low) / (high - low) if high > low else 0.0
+        blend = min(1.0, max(0.0, blend))
+        source = f"server {run.server_id}" if run.server_id is not None else "a run"
+        return cls(
+            run.experts_total,
+            run.whatif,
+            run.popular_shares,
+            blend,
+            basis=f"the what-if curve of {source} ({run.slots} slots, hit rate "
+            f"{run.hit_rate:.0%}), placed {blend:.0%} of the way from LRU to holding the most "
+            "picked experts, as that run was",
+        )
+
+    def _bounds(self, slots: int) -> tuple[float, float]:
+        low = _interpolate(self.lru, slots) if self.lru else 0.0
+        if self.popular_shares:
+            high = self.popular_shares[min(slots, len(self.popular_shares)) - 1] if slots else 0.0
+        else:
+            high = low
+        return low, max(low, high)
+
+    def hit_rate(self, slots: int) -> float:
+        if slots >= self.experts_total:
+            return 1.0
+        if not self.lru:
+            return slots / self.experts_total
+        low, high = self._bounds(slots)
+        return low + self.blend * (high - low)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedModel:
+    """Seconds per decoded token: a fixed part plus the misses at seconds per miss."""
+
+    fixed_s: float
+    miss_s: float
+    reads_per_token: float
+    basis: str
+
+    def decode_tok_s(self, hit_rate: float) -> float:
+        return 1.0 / (self.fixed_s + self.reads_per_token * (1.0 - hit_rate) * self.miss_s)
+
+
+def miss_seconds(expert_bytes: int, policy: str, bp_gbps: float, bh_gbps: float) -> float:
+    """Time one missing expert costs under a miss policy, copies and CPU work overlapping."""
+    bp, bh = bp_gbps * 1e9, bh_gbps * 1e9
+    if policy == "gpu":
+        return expert_bytes / bp
+    if policy == "cpu":
+        return expert_bytes / bh
+    if policy.startswith("split:"):
+        f = float(policy.split(":")[1])
+        return expert_bytes * max(f / bp, (1 - f) / bh)
+    return expert_bytes / (bp + bh)
+
+
+def _machine_bandwidths(
+    machine: Machine, choice: DeviceChoice, ns: argparse.Namespace
+) -> tuple[float, float] | None:
+    rates = machine.rates
+    if rates is None:
+        return None
+    threads = ns.moe_cpu_threads or machine.default_cpu_threads
+    cpu = rates.cpu_rate(threads)
+    bp = rates.h2d_gbps if choice.cuda else rates.host_gbps
+    if cpu is None or bp is None:
+        return None
+    return bp, cpu[1]
+
+
+def speed_model(
+    spec: ModelSpec,
+    machine: Machine,
+    choice: DeviceChoice,
+    ns: argparse.Namespace,
+    run: RunObservation | None,
+    hits: HitModel,
+) -> SpeedModel | None:
+    """From a run's measured speed when there is one, else the bandwidth bound; None without
+    either (nothing measured)."""
+    slot_bytes = spec.expert_params * choice.elem_bytes
+    bandwidths = _machine_bandwidths(machine, choice, ns)
+    if run is not None and run.decode_tok_s:
+        if run.bp_gbps and run.bh_gbps:
+            bp, bh = run.bp_gbps, run.bh_gbps
+        elif bandwidths is not None:
+            bp, bh = bandwidths
+        else:
+            return None
+        miss_s = miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh)
+        observed_s = 1.0 / run.decode_tok_s
+        misses = run.reads_per_token * (1.0 - run.hit_rate)
+        fixed = max(observed_s - misses * miss_s, 0.1 * observed_s)
+        source = f"server {run.server_id}" if run.server_id is not None else "a run"
+        return SpeedModel(
+            fixed,
+            miss_s,
+            run.reads_per_token,
+            f"{source} decoded {run.decode_tok_s:.1f} tok/s with {misses:.2f} misses per token; "
+            f"each miss costs {miss_s * 1e6:.0f} µs (expert of {slot_bytes / 2**20:.2f} MiB at "
+            f"Bp {bp:.1f} + Bh {bh:.1f} GB/s); the rest, {fixed * 1e3:.2f} ms per token, stays",
+        )
+    if bandwidths is None:
+        return None
+    rates = machine.rates
+    assert rates is not None
+    device_gbps = rates.device_gbps if choice.cuda else rates.host_gbps
+    if not device_gbps:
+        return None
+    bp, bh = bandwidths
+    reads = float(spec.num_moe_layers * spec.top_k)
+    dense = (spec.dense_params - spec.vocab_size * spec.hidden_size) * choice.elem_bytes
+    # hits read from device memory: count them into the fixed part at the hit rate of the
+    # base flags' own cache, so only the misses move with the context
+    base_slots = min(spec.experts_total, _base_slots(spec, choice, ns))
+    hit_bytes = reads * hits.hit_rate(base_slots) * slot_bytes
+    fixed = (dense + hit_bytes) / (device_gbps * 1e9)
+    miss_s = miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh)
+    return SpeedModel(
+        fixed,
+        miss_s,
+        reads,
+        f"bandwidth bound of one request (no run of this model yet): dense weights and hits at "
+        f"{device_gbps:.0f} GB/s, each miss {miss_s * 1e6:.0f} µs at Bp {bp:.1f} + Bh "
+        f"{bh:.1f} GB/s; real engines reach a share of it",
+    )
+
+
+def _base_slots(spec: ModelSpec, choice: DeviceChoice, ns: argparse.Namespace) -> int:
+    try:
+        return plan_for(spec, choice, ns).slots
+    except MemoryPlanError:
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class PlanPoint:
+    """One context on the chart: what it costs in slots and what speed it predicts."""
+
+    kv_reserve_tokens: int
+    fits: bool
+    context_tokens: int = 0
+    slots: int = 0
+    kv_bytes: int = 0
+    expert_cache_bytes: int = 0
+    hit_rate: float | None = None
+    decode_tok_s: float | None = None
+    all_resident: bool = False
+    error: str | None = None
+
+    def changes(self) -> list[FlagChange]:
+        """What a profile needs to get this point."""
+        return [FlagChange("--kv-reserve-tokens", str(self.kv_reserve_tokens))]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kv_reserve_tokens": self.kv_reserve_tokens,
+            "fits": self.fits,
+            "context_tokens": self.context_tokens,
+            "slots": self.slots,
+            "kv_bytes": self.kv_bytes,
+            "expert_cache_bytes": self.expert_cache_bytes,
+            "hit_rate": self.hit_rate,
+            "decode_tok_s": self.decode_tok_s,
+            "all_resident": self.all_resident,
+            "error": self.error,
+            "flags": ["--kv-reserve-tokens", str(self.kv_reserve_tokens)],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ContextPlan:
+    """The planner's answer for one set of base flags."""
+
+    base_flags: list[str]
+    device: str
+    budget_bytes: int
+    budget_source: str
+    kv_bytes_per_token: int
+    experts_total: int
+    points: tuple[PlanPoint, ...]
+    current_kv_tokens: int
+    hit_basis: str
+    speed_basis: str | None
+
+    def point(self, kv_tokens: int) -> PlanPoint | None:
+        return next((p for p in self.points if p.kv_reserve_tokens == kv_tokens), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "base_flags": self.base_flags,
+            "device": self.device,
+            "budget_bytes": self.budget_bytes,
+            "budget_source": self.budget_source,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "experts_total": self.experts_total,
+            "current_kv_tokens": self.current_kv_tokens,
+            "basis": {"hit_rate": self.hit_basis, "speed": self.speed_basis},
+            "points": [p.to_json() for p in self.points],
+        }
+
+
+def planner_tiers(max_context: int, extra: tuple[int, ...] = ()) -> list[int]:
+    """Contexts on the chart: 1024, the context tiers and the halfway points between them."""
+    tiers = [1024, *context_tiers(max_context)]
+    between = [(a + b) // 2 for a, b in itertools.pairwise(tiers)]
+    return sorted({t for t in (*tiers, *between, *extra) if 0 < t <= max_context})
+
+
+def plan_context(
+    spec: ModelSpec,
+    machine: Machine,
+    base_flags: list[str],
+    *,
+    run: RunObservation | None = None,
+    tiers: list[int] | None = None,
+) -> ContextPlan:
+    """Predicted slots, hit rate and decode tok/s for each context on top of `base_flags`
+    (FlagError when they are invalid; MemoryPlanError when the device cannot be used)."""
+    ns = validate_flags(base_flags)
+    choice = choose_device(machine, spec, ns)
+    hits = HitModel.from_run(run) if run is not None else HitModel.assumed(spec.experts_total)
+    speed = speed_model(spec, machine, choice, ns, run, hits)
+    wanted = tiers or planner_tiers(spec.max_position_embeddings, (ns.kv_reserve_tokens,))
+    points = []
+    for t in wanted:
+        point_ns = validate_flags(
+            apply_changes(base_flags, [FlagChange("--kv-reserve-tokens", str(t))])
+        )
+        try:
+            plan = plan_for(spec, choice, point_ns)
+        except MemoryPlanError as err:
+            points.append(PlanPoint(t, fits=False, error=str(err)))
+            continue
+        h = hits.hit_rate(plan.slots)
+        points.append(
+            PlanPoint(
+                t,
+                fits=True,
+                context_tokens=plan.max_context,
+                slots=plan.slots,
+                kv_bytes=plan.kv_bytes,
+                expert_cache_bytes=plan.expert_cache_bytes,
+                hit_rate=round(h, 4),
+                decode_tok_s=round(speed.decode_tok_s(h), 2) if speed else None,
+                all_resident=plan.all_resident,
+            )
+        )
+    return ContextPlan(
+        base_flags=list(base_flags),
+        device=choice.device,
+        budget_bytes=choice.budget_bytes,
+        budget_source=choice.budget_source,
+        kv_bytes_per_token=2 * spec.num_layers * spec.kv_size * choice.elem_bytes,
+        experts_total=spec.experts_total,
+        points=tuple(points),
+        current_kv_tokens=ns.kv_reserve_tokens,
+        hit_basis=hits.basis,
+        speed_basis=speed.basis if speed else None,
+    )
