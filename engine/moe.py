@@ -217,14 +217,18 @@ class MoERunner:
         layers, experts = self.bank.num_layers, self.bank.num_experts
         per_step = layers * experts
         layer_base = (np.arange(layers, dtype=np.int64) * experts)[:, None, None]
+        rows_per_step = self._backlog
         keys = np.concatenate([
-            (step * per_step + layer_base + rows).ravel()
-            for step, rows in enumerate(self._backlog)
+            (step * per_step + layer_base + rows).ravel() for step, rows in enumerate(rows_per_step)
         ])  # fmt: skip
-        self._backlog.clear()
+        self._backlog = []
         c = self._counters
         c.picks.reshape(-1)[:] += np.bincount(keys % per_step, minlength=per_step)
-        unique = np.unique(keys)  # per step: layer-major, experts ascending (the cache's order)
+        seen = np.zeros(len(rows_per_step) * per_step, dtype=bool)
+        seen[keys] = True
+        unique = np.flatnonzero(
+            seen
+        )  # per step: layer-major, experts ascending (the cache's order)
         reads = np.bincount((unique % per_step) // experts, minlength=layers)
         c.reads += reads
         c.hits += reads
