@@ -2,7 +2,8 @@
 
 Usage: python scripts/telemetry_cost.py CHECKPOINT_DIR   (all experts resident; prints one line)
 Synthesize a 48-layer geometry first, e.g. `moelab synth --out /tmp/deep --preset tiny
---set num_hidden_layers=48 --set num_experts=128 --set num_experts_per_tok=8 --set mlp_only_layers=[]`.
+--set num_hidden_layers=48 --set num_experts=128 --set num_experts_per_tok=8
+--set mlp_only_layers=[]`.
 """
 
 from __future__ import annotations
