@@ -70,3 +70,28 @@ def check_expert_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -
         )
     for name, tensor in (("x", x), ("w13", w13), ("w2", w2)):
         check_last_dim_contiguous(name, tensor)
+
+
+def check_routes(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    ids_name: str,
+) -> None:
+    """Validate x [T, H], routed ids and weights [T, K] and the expert weights (metadata only: no
+    device sync), naming the ids as the caller calls them."""
+    if x.dim() != 2 or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x must be [T, H] and {ids_name} [T, K]: got {tuple(x.shape)} and {tuple(ids.shape)}"
+        )
+    if route_weights.shape != ids.shape:
+        raise ValueError(
+            f"route_weights {tuple(route_weights.shape)} must match {ids_name} {tuple(ids.shape)}"
+        )
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{ids_name} must be int32 or int64, got {ids.dtype}")
+    check_expert_weights(x, w13, w2)
+    check_same_device(x=x, **{ids_name: ids}, route_weights=route_weights, w13=w13, w2=w2)

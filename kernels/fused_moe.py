@@ -300,18 +300,4 @@ def _check(
     w13: torch.Tensor,
     w2: torch.Tensor,
 ) -> None:
-    """Validate the shapes shared by the decode MoE functions (metadata only: no device sync)."""
-    if x.dim() != 2 or slot_ids.dim() != 2 or slot_ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"x must be [T, H] and slot_ids [T, K]: got {tuple(x.shape)} and "
-            f"{tuple(slot_ids.shape)}"
-        )
-    if route_weights.shape != slot_ids.shape:
-        raise ValueError(
-            f"route_weights {tuple(route_weights.shape)} must match slot_ids "
-            f"{tuple(slot_ids.shape)}"
-        )
-    if slot_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_ids must be int32 or int64, got {slot_ids.dtype}")
-    common.check_expert_weights(x, w13, w2)
-    common.check_same_device(x=x, slot_ids=slot_ids, route_weights=route_weights, w13=w13, w2=w2)
+    common.check_routes(x, slot_ids, route_weights, w13, w2, ids_name="slot_ids")

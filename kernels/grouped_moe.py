@@ -306,20 +306,4 @@ def _check(
     w13: torch.Tensor,
     w2: torch.Tensor,
 ) -> None:
-    """Validate the shapes shared by the prefill MoE functions."""
-    if x.dim() != 2 or expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"x must be [T, H] and expert_ids [T, K]: got {tuple(x.shape)} and "
-            f"{tuple(expert_ids.shape)}"
-        )
-    if route_weights.shape != expert_ids.shape:
-        raise ValueError(
-            f"route_weights {tuple(route_weights.shape)} must match expert_ids "
-            f"{tuple(expert_ids.shape)}"
-        )
-    if expert_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"expert_ids must be int32 or int64, got {expert_ids.dtype}")
-    common.check_expert_weights(x, w13, w2)
-    common.check_same_device(
-        x=x, expert_ids=expert_ids, route_weights=route_weights, w13=w13, w2=w2
-    )
+    common.check_routes(x, expert_ids, route_weights, w13, w2, ids_name="expert_ids")
