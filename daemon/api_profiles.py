@@ -91,7 +91,9 @@ def _save(store: Store, profile_id: int | None, body: dict[str, Any]) -> Profile
                 raise NotFound(f"no profile {profile_id}")
             fields = checked_fields(body, row)
             if row is None:
-                row = Profile(created=now, updated=now, notes="", origin="by hand", **fields)
+                row = Profile(
+                    created=now, updated=now, **{"notes": "", "origin": "by hand", **fields}
+                )
                 session.add(row)
             else:
                 for key, value in fields.items():

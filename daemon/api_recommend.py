@@ -108,7 +108,9 @@ def _run_of(daemon: Daemon, model_path: str, experts_total: int) -> RunObservati
         )
     rows.sort(key=lambda r: r.status != "running")
     for row in rows:
-        stats = row.last_stats or {}
+        # a running engine's newest body is in the sampler's memory; the row's is a minute old
+        latest = daemon.sampler.latest(row.id)
+        stats = latest[1] if latest else row.last_stats or {}
         speed = loaded_decode_tok_s(read_samples(daemon.store, row.id, STATS))
         if speed is None:
             speed = (stats.get("throughput") or {}).get("decode_tok_s_60s") or None
@@ -203,7 +205,18 @@ def recommendation_json(inputs: Inputs, context_tokens: int | None) -> dict[str,
         planner = plan_context(inputs.spec, machine, base, run=inputs.run).to_json()
     except (FlagError, MemoryPlanError) as err:
         planner = {"error": str(err)}
-    planner["run_server_id"] = inputs.run.server_id if inputs.run else None
+    run = inputs.run
+    planner["run"] = (
+        {
+            "server_id": run.server_id,
+            "slots": run.slots,
+            "hit_rate": round(run.hit_rate, 4),
+            "decode_tok_s": run.decode_tok_s,
+            "reads_per_token": round(run.reads_per_token, 3),
+        }
+        if run is not None
+        else None
+    )
     body["planner"] = planner
     if inputs.profile is not None:
         body["profile"] = {

@@ -1,0 +1,32 @@
+"""Checkpoint geometries for the profile tests: the synth presets tiny, small and Qwen3-30B-A3B,
+all qwen3_moe in bfloat16 (engine/synth.py imports torch, so the config dicts are written out)."""
+
+from __future__ import annotations
+
+from moelab.engine.spec import ModelSpec
+
+COMMON = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "norm_topk_prob": True,
+}  # fmt: skip
+TINY = {
+    **COMMON, "vocab_size": 2048, "hidden_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 16,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 128,
+    "max_position_embeddings": 4096, "mlp_only_layers": [0],
+}  # fmt: skip
+SMALL = {
+    **COMMON, "vocab_size": 8192, "hidden_size": 1024, "num_hidden_layers": 8,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "num_experts": 32,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 512, "intermediate_size": 2816,
+    "max_position_embeddings": 32768,
+}  # fmt: skip
+A3B = {
+    **COMMON, "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+}  # fmt: skip
+SPECS = {
+    name: ModelSpec.from_config(c) for name, c in (("tiny", TINY), ("small", SMALL), ("30b", A3B))
+}

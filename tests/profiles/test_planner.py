@@ -1,0 +1,146 @@
+"""The context planner's models: hit rates from a what-if curve, speed from bandwidths or a run."""
+
+from __future__ import annotations
+
+import pytest
+
+from moelab.profiles.machine import GIB, Gpu, Machine, Rates
+from moelab.profiles.planner import (
+    HitModel,
+    RunObservation,
+    miss_seconds,
+    plan_context,
+    planner_tiers,
+)
+
+from .geometry import SPECS
+
+
+def run(**overrides) -> RunObservation:
+    """A run of the tiny geometry (3 MoE layers x 16 experts) with a 24-slot cache."""
+    fields = dict(
+        slots=24,
+        experts_total=48,
+        reads_per_token=4.0,
+        hit_rate=0.7,
+        whatif=((12, 0.2), (24, 0.6), (36, 0.8), (48, 1.0)),
+        popular_shares=tuple(min(1.0, (i + 1) / 30) for i in range(48)),  # top 30 take all
+        decode_tok_s=100.0,
+        bp_gbps=2.0,
+        bh_gbps=2.0,
+        fetch_fraction=0.5,
+        slot_bytes=12288,
+        server_id=7,
+    )
+    return RunObservation(**{**fields, **overrides})
+
+
+def test_hit_rate_sits_where_the_run_was_between_lru_and_the_most_picked() -> None:
+    hits = HitModel.from_run(run())
+    # at 24 slots LRU gives 0.6, the 24 most picked experts 0.8: the run's 0.7 is half way
+    assert hits.blend == pytest.approx(0.5)
+    assert hits.hit_rate(24) == pytest.approx(0.7)
+    assert hits.hit_rate(12) == pytest.approx(0.2 + 0.5 * (0.4 - 0.2))
+    assert hits.hit_rate(18) == pytest.approx(0.4 + 0.5 * (0.6 - 0.4))  # LRU interpolated
+    assert hits.hit_rate(48) == 1.0  # everything resident: no misses at all
+    assert hits.hit_rate(0) == 0.0
+    assert "server 7 (24 slots, hit rate 70%), placed 50% of the way" in hits.basis
+    # without picks, the what-if curve alone
+    assert HitModel.from_run(run(popular_shares=())).hit_rate(12) == pytest.approx(0.2)
+
+
+def test_hit_rate_without_a_run_is_a_stated_assumption() -> None:
+    hits = HitModel.assumed(48)
+    assert hits.hit_rate(12) == 0.25 and hits.hit_rate(48) == 1.0
+    assert hits.basis.startswith("assumed: uniform routing")
+
+
+def test_miss_cost_per_policy() -> None:
+    # one 9 MiB expert, copies at 24 GB/s, CPU experts at 12 GB/s
+    e = 9_437_184
+    assert miss_seconds(e, "auto", 24.0, 12.0) == pytest.approx(e / 36e9)
+    assert miss_seconds(e, "gpu", 24.0, 12.0) == pytest.approx(e / 24e9)
+    assert miss_seconds(e, "cpu", 24.0, 12.0) == pytest.approx(e / 12e9)
+    # split:0.25 fetches a quarter: the CPU's three quarters take longer
+    assert miss_seconds(e, "split:0.25", 24.0, 12.0) == pytest.approx(e * 0.75 / 12e9)
+
+
+DEMO_BASE = ["--device", "cpu", "--device-memory", "72383232", "--memory-headroom", "0",
+             "--prefill-chunk-tokens", "256", "--max-running-requests", "4"]  # fmt: skip
+CPU_PC = Machine("pc", "0.1.0", 2, 24 * GIB)
+
+
+def test_a_run_predicts_its_own_speed_and_slower_with_fewer_slots() -> None:
+    spec = SPECS["tiny"]
+    observed = run(slot_bytes=spec.expert_params * 4)
+    plan = plan_context(spec, CPU_PC, [*DEMO_BASE, "--kv-reserve-tokens", "1536"], run=observed)
+    assert plan.device == "cpu" and plan.budget_source == "--device-memory"
+    assert plan.kv_bytes_per_token == 2 * 4 * 32 * 4  # float32 on a CPU
+    points = {p.kv_reserve_tokens: p for p in plan.points}
+    # every point is a context the engine would plan: slots fall as the KV grows (until it
+    # leaves no room at all)
+    assert points[1024].slots == 48 and points[1024].all_resident
+    assert points[2048].slots < points[1536].slots < 48
+    assert not points[4096].fits and "cannot hold" in (points[4096].error or "")
+    # the speed model: per token, fixed + 4 reads x (1 - hit) x miss; the fixed part is what
+    # the run's 100 tok/s leaves after its own 4 x 0.3 misses
+    miss_s = spec.expert_params * 4 / 4e9
+    fixed = 1 / 100.0 - 4 * 0.3 * miss_s
+    for p in plan.points:
+        if p.fits:
+            expected = 1 / (fixed + 4 * (1 - p.hit_rate) * miss_s)
+            assert p.decode_tok_s == pytest.approx(expected, abs=0.01)
+    assert points[2048].decode_tok_s < points[1536].decode_tok_s < points[1024].decode_tok_s
+    assert plan.speed_basis.startswith("server 7 decoded 100.0 tok/s with 1.20 misses per token")
+    assert points[2048].to_json()["flags"] == ["--kv-reserve-tokens", "2048"]
+
+
+def test_without_a_run_the_bound_or_nothing() -> None:
+    spec = SPECS["30b"]
+    gpu = (Gpu(0, "24 GB card", "u", 24 * GIB, 23 * GIB),)
+    rates = Rates(h2d_gbps=24.0, device_gbps=900.0, cpu_experts_gbps={15: 24.0})
+    plan = plan_context(spec, Machine("pc", "0.1.0", 16, 64 * GIB, gpu, rates), [])
+    fits = [p for p in plan.points if p.fits]
+    assert plan.device == "cuda:0" and fits
+    assert plan.speed_basis.startswith("bandwidth bound of one request")
+    # 48 layers x 8 experts a token; hit rate assumed S / 6144
+    point = fits[-1]
+    dense = (spec.dense_params - spec.vocab_size * spec.hidden_size) * 2
+    base_slots = next(p.slots for p in plan.points if p.kv_reserve_tokens == 8192)
+    hits_bytes = 384 * (base_slots / 6144) * spec.expert_bytes
+    fixed = (dense + hits_bytes) / 900e9
+    miss = spec.expert_bytes / 48e9
+    expected = 1 / (fixed + 384 * (1 - point.slots / 6144) * miss)
+    assert point.decode_tok_s == pytest.approx(expected, rel=1e-3)
+    # nothing measured: slots and hit rates, no speed
+    bare = plan_context(spec, Machine("pc", "0.1.0", 16, 64 * GIB, gpu), [])
+    assert bare.speed_basis is None and all(p.decode_tok_s is None for p in bare.points)
+
+
+def test_run_observation_from_stats() -> None:
+    stats = {
+        "tokens": {"decode_total": 200},
+        "config": {"bp_gbps": 3.0, "bh_gbps": 1.0, "fetch_fraction": 0.75},
+        "experts": {
+            "num_layers": 2, "num_experts": 4, "slots": 4, "slot_bytes": 100,
+            "layers": [{"reads": 300, "hits": 150}, {"reads": 100, "hits": 50}],
+            "whatif": [{"slots": 4, "hit_rate": 0.4}, {"slots": 2, "hit_rate": 0.1}],
+            "picks": [[5, 1, 0, 0], [3, 1, 0, 0]],
+        },
+    }  # fmt: skip
+    seen = RunObservation.from_stats(stats, decode_tok_s=20.0, server_id=3)
+    assert seen is not None
+    assert (seen.experts_total, seen.reads_per_token, seen.hit_rate) == (8, 2.0, 0.5)
+    assert seen.whatif == ((2, 0.1), (4, 0.4))
+    assert seen.popular_shares[:3] == (0.5, 0.8, 0.9)
+    assert (seen.bp_gbps, seen.bh_gbps, seen.decode_tok_s) == (3.0, 1.0, 20.0)
+    # no decode yet, or no what-if curve (telemetry off): nothing to learn from
+    assert RunObservation.from_stats({**stats, "tokens": {}}, decode_tok_s=None) is None
+    no_curve = {**stats, "experts": {**stats["experts"], "whatif": []}}
+    assert RunObservation.from_stats(no_curve, decode_tok_s=None) is None
+
+
+def test_tiers_on_the_chart() -> None:
+    assert planner_tiers(4096) == [1024, 1536, 2048, 3072, 4096]
+    assert planner_tiers(40960, (12000,))[-3:] == [32768, 36864, 40960]
+    assert 12000 in planner_tiers(40960, (12000,))
