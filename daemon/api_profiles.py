@@ -20,13 +20,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..profiles.cmdline import from_command_line, to_command_line
-from ..profiles.flags import FlagError, apply_changes, canonical, changes_from_json
+from ..profiles.flags import FlagChange, FlagError, apply_changes, canonical, changes_from_json
 from ..profiles.toml_file import ProfileFile, dumps, loads
 from . import api_recommend
 from .api import access_of, audit, blocking, daemon_of, json_body, path_id
 from .errors import BadRequest, Conflict, NotFound
 from .flags import redact_flags
 from .schema import Profile, Server
+from .service import Daemon
 from .store import Store, iso_time
 
 FIELDS = ("name", "model", "flags", "notes", "origin")
@@ -137,9 +138,46 @@ async def list_profiles(request: Request) -> Response:
     return JSONResponse({"profiles": [profile_json(r, reveal) for r in rows]})
 
 
+def _truthy(value: Any) -> bool:
+    return value is True or value in ("1", "true", "on")
+
+
+def recommended_flags(
+    daemon: Daemon, model: str | None, profile_id: int | None
+) -> tuple[list[FlagChange], str]:
+    """Recommended for a model (or a profile's model) as changes, and the origin to record."""
+    inputs = api_recommend.gather(daemon, model, profile_id)
+    rec = api_recommend.recommendation_of(inputs, None)
+    origin = f"benchmark run {rec.benchmark_run}" if rec.benchmark_run else "Recommended"
+    return rec.changes(), origin
+
+
 async def create_profile(request: Request) -> Response:
+    """Create a profile from `{"name", "model", "flags"?, "notes"?, "origin"?}`; or with
+    `"command"` (a pasted `moelab serve` line) instead of flags (and model); or with
+    `"recommended": true` for the model's Recommended flags."""
+    daemon = daemon_of(request)
     body = await json_body(request)
-    row = await blocking(_save, daemon_of(request).store, None, body)
+    paste_notes: list[str] = []
+    if "command" in body:
+        if "flags" in body:
+            raise BadRequest("give flags or a command line, not both")
+        try:
+            pasted = from_command_line(str(body.pop("command")))
+        except FlagError as err:
+            raise BadRequest(str(err), code="invalid_flags") from None
+        if not body.get("model"):
+            if pasted.model is None:
+                raise BadRequest("the command line names no --model-path; choose the model")
+            body["model"] = pasted.model
+        body["flags"], paste_notes = pasted.flags, pasted.notes
+    if _truthy(body.pop("recommended", False)):
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            raise BadRequest("choose the model to recommend flags for")
+        changes, origin = await blocking(recommended_flags, daemon, body["model"], None)
+        body["flags"] = apply_changes(body.get("flags") or [], changes)
+        body.setdefault("origin", origin)
+    row = await blocking(_save, daemon.store, None, body)
     audit(
         request,
         "create profile",
@@ -148,7 +186,7 @@ async def create_profile(request: Request) -> Response:
         model=row.model,
         flags=redact_flags(row.flags),
     )
-    return JSONResponse(profile_json(row, True), status_code=201)
+    return JSONResponse({**profile_json(row, True), "paste_notes": paste_notes}, status_code=201)
 
 
 async def get_profile(request: Request) -> Response:
@@ -191,20 +229,32 @@ async def duplicate_profile(request: Request) -> Response:
 
 
 async def apply_to_profile(request: Request) -> Response:
-    """Change some flags of a profile: `{"changes": [{"flag", "value"}], "origin"?}`, a value
-    being text to set, true/false to switch, null to drop (Recommended's flags and a planner
-    point's are in this shape)."""
-    store = daemon_of(request).store
+    """Change some flags of a profile. The body is one of: `{"changes": [{"flag", "value"}]}`
+    (a value is text to set, true/false to switch, null to drop: Recommended's flags and a
+    planner point's are in this shape); one change `{"flag", "value"}`; `{"recommended": true}`
+    for all of Recommended. `"origin"` sets the profile's origin (Recommended sets its own)."""
+    daemon = daemon_of(request)
     body = await json_body(request)
-    row = await blocking(_get, store, path_id(request))
+    row = await blocking(_get, daemon.store, path_id(request))
+    origin = body.get("origin") if isinstance(body.get("origin"), str) else None
     try:
-        flags = apply_changes(row.flags, changes_from_json(body.get("changes")))
+        if _truthy(body.get("recommended")):
+            changes, advised = await blocking(recommended_flags, daemon, None, row.id)
+            origin = origin or advised
+        elif "changes" in body:
+            changes = changes_from_json(body["changes"])
+        elif "flag" in body:
+            changes = changes_from_json([{"flag": body["flag"], "value": body.get("value")}])
+        else:
+            raise BadRequest('give {"changes": [{"flag", "value"}]}, {"flag", "value"} or '
+                             '{"recommended": true}')  # fmt: skip
+        flags = apply_changes(row.flags, changes)
     except FlagError as err:
         raise BadRequest(str(err), code="invalid_flags") from None
     update: dict[str, Any] = {"flags": flags}
-    if isinstance(body.get("origin"), str):
-        update["origin"] = body["origin"]
-    row = await blocking(_save, store, row.id, update)
+    if origin is not None:
+        update["origin"] = origin
+    row = await blocking(_save, daemon.store, row.id, update)
     audit(request, "apply flags to profile", f"profile {row.id}", flags=redact_flags(flags))
     return JSONResponse(profile_json(row, True))
 

@@ -172,15 +172,19 @@ def gather(daemon: Daemon, model: str | None, profile_id: int | None) -> Inputs:
     )
 
 
-def recommendation_json(inputs: Inputs, context_tokens: int | None) -> dict[str, Any]:
-    """The whole answer: advice, VRAM split, staleness, planner, and the profile comparison."""
-    rec: Recommendation = recommend(
+def recommendation_of(inputs: Inputs, context_tokens: int | None) -> Recommendation:
+    return recommend(
         inputs.machine,
         inputs.spec,
         model=inputs.model.path,
         context_tokens=context_tokens,
         benchmark=inputs.benchmark,
     )
+
+
+def recommendation_json(inputs: Inputs, context_tokens: int | None) -> dict[str, Any]:
+    """The whole answer: advice, VRAM split, staleness, planner, and the profile comparison."""
+    rec = recommendation_of(inputs, context_tokens)
     body = rec.to_json()
     machine = inputs.machine
     body["model_id"] = inputs.model.id

@@ -402,5 +402,8 @@ def changes_from_json(items: Any) -> list[FlagChange]:
                     )
                 ]
             )
+        info = catalog().get(item["flag"])
+        if info is not None and info.switch and value in ("true", "on", "false", "off"):
+            value = value in ("true", "on")  # an on/off flag from a form field
         out.append(FlagChange(item["flag"], value))
     return out

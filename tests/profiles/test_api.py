@@ -290,3 +290,44 @@ def test_loaded_speed_ignores_windows_that_were_partly_idle() -> None:
     assert loaded_decode_tok_s(idle + ramp + loaded) == 100.0
     assert loaded_decode_tok_s(idle + ramp) == 48.0  # no full window: the best seen
     assert loaded_decode_tok_s(idle) is None
+
+
+def test_create_from_a_pasted_command_or_from_recommended(
+    local: TestClient, demo_model: Path
+) -> None:
+    pasted = local.post(
+        "/api/profiles",
+        json={"name": "pasted", "command": f"moelab serve --model-path {demo_model} "
+              "--port 8101 --no-stats --port 8102"},
+    )  # fmt: skip
+    assert pasted.status_code == 201, pasted.text
+    body = pasted.json()
+    assert body["model"] == str(demo_model.resolve())
+    assert body["flags"] == ["--port", "8102", "--no-stats"]
+    assert body["paste_notes"] == ["--port was given 2 times (8101, 8102); kept the last, 8102"]
+    no_model = local.post("/api/profiles", json={"name": "x", "command": "moelab serve --no-stats"})
+    assert "names no --model-path" in error_of(no_model)[2]
+    advised = local.post(
+        "/api/profiles", json={"name": "advised", "model": str(demo_model), "recommended": True}
+    ).json()
+    rec = local.get(f"/api/recommend?profile={advised['id']}").json()
+    assert advised["origin"] == "Recommended" and advised["flags"] == rec["command_flags"]
+
+
+def test_apply_one_flag_or_all_of_recommended(local: TestClient, demo_model: Path) -> None:
+    profile = create(local, demo_model, ["--kv-reserve-tokens", "1024"])
+    one = local.post(
+        f"/api/profiles/{profile['id']}/apply", json={"flag": "--no-stats", "value": "true"}
+    )
+    assert one.json()["flags"] == ["--kv-reserve-tokens", "1024", "--no-stats"]
+    dropped = local.post(
+        f"/api/profiles/{profile['id']}/apply", json={"flag": "--kv-reserve-tokens"}
+    )
+    assert dropped.json()["flags"] == ["--no-stats"]
+    advised = local.post(f"/api/profiles/{profile['id']}/apply", json={"recommended": "1"}).json()
+    assert advised["origin"] == "Recommended"
+    after = local.get(f"/api/recommend?profile={profile['id']}").json()
+    assert {row["state"] for row in after["profile"]["comparison"]} == {"same"}
+    assert "--no-stats" in advised["flags"]  # Recommended says nothing about it: kept
+    empty = local.post(f"/api/profiles/{profile['id']}/apply", json={})
+    assert error_of(empty)[:2] == (400, "bad_request")
