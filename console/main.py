@@ -21,8 +21,10 @@ import psutil
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
+from ..daemon import api_benchmarks
 from ..daemon.api import EXCEPTION_HANDLERS, api_routes, error_response
 from ..daemon.auth import AccessMiddleware
+from ..daemon.benchmarks import BenchmarkService
 from ..daemon.lock import DataDirLock, DataDirLocked
 from ..daemon.service import Daemon, DaemonConfig
 from ..daemon.store import StoreError
@@ -75,17 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
 def build_app(daemon: Daemon) -> Starlette:
     """The web app of a daemon: its JSON API and the console's pages, behind the access rules."""
 
+    # ---- the benchmark (issue 9): runs live with the app; a stopping mgr interrupts them ------
+    benchmarks = BenchmarkService(daemon)
+    benchmark_routes = api_benchmarks.routes()
+    # --------------------------------------------------------------------------------------------
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         daemon.start()
+        benchmarks.open()
         _announce(daemon)
         try:
             yield
         finally:
+            benchmarks.close()
             daemon.close()
 
     app = Starlette(
-        routes=[*api_routes(), *frame_routes(), *pages.routes()],
+        routes=[*api_routes(), *benchmark_routes, *frame_routes(), *pages.routes()],
         exception_handlers=page_aware(EXCEPTION_HANDLERS),
         middleware=[
             Middleware(
@@ -98,6 +107,7 @@ def build_app(daemon: Daemon) -> Starlette:
         lifespan=lifespan,
     )
     app.state.daemon = daemon
+    app.state.benchmarks = benchmarks
     return app
 
 

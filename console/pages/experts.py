@@ -269,8 +269,11 @@ def _picks_figure(data: dict[str, Any], layers: list[str], t: Translator) -> go.
 
 
 def _whatif_figure(data: dict[str, Any], curve: list[dict[str, Any]], t: Translator) -> go.Figure:
-    points = data["cache_points"]
     labels = {"now": t("today"), "1.5x": "1.5×", "2x": "2×"}
+    points = []  # 1.5x and 2x may both be every expert: one marker for each size
+    for point in data["cache_points"]:
+        if all(p["slots"] != point["slots"] for p in points):
+            points.append(point)
     return charts.figure(
         [
             go.Scatter(
@@ -290,7 +293,7 @@ def _whatif_figure(data: dict[str, Any], curve: list[dict[str, Any]], t: Transla
                     f"{labels[p['name']]}: {t.percent(p['hit_rate'])}<br>{t.size(p['bytes'])}"
                     for p in points
                 ],
-                textposition=["bottom right", "bottom right", "bottom left"],
+                textposition=["bottom right"] * (len(points) - 1) + ["bottom left"],
                 marker={"size": 10, "color": "#dd8452"},
                 hoverinfo="skip",
             ),
