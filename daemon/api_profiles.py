@@ -83,7 +83,7 @@ def checked_fields(body: dict[str, Any], current: Profile | None) -> dict[str, A
     return out
 
 
-def _save(store: Store, profile_id: int | None, body: dict[str, Any]) -> Profile:
+def save_profile(store: Store, profile_id: int | None, body: dict[str, Any]) -> Profile:
     now = time.time()
     try:
         with store.session() as session:
@@ -108,12 +108,12 @@ def _save(store: Store, profile_id: int | None, body: dict[str, Any]) -> Profile
         ) from None
 
 
-def _list(store: Store) -> list[Profile]:
+def profile_rows(store: Store) -> list[Profile]:
     with store.session() as session:
         return list(session.scalars(select(Profile).order_by(Profile.name)))
 
 
-def _get(store: Store, profile_id: int) -> Profile:
+def profile_row(store: Store, profile_id: int) -> Profile:
     with store.session() as session:
         row = session.get(Profile, profile_id)
         if row is None:
@@ -121,7 +121,7 @@ def _get(store: Store, profile_id: int) -> Profile:
         return row
 
 
-def _delete(store: Store, profile_id: int) -> list[int]:
+def delete_row(store: Store, profile_id: int) -> list[int]:
     """Delete a profile; returns the servers that were started from it (they keep running)."""
     with store.session() as session:
         row = session.get(Profile, profile_id)
@@ -133,7 +133,7 @@ def _delete(store: Store, profile_id: int) -> list[int]:
 
 
 async def list_profiles(request: Request) -> Response:
-    rows = await blocking(_list, daemon_of(request).store)
+    rows = await blocking(profile_rows, daemon_of(request).store)
     reveal = access_of(request).control
     return JSONResponse({"profiles": [profile_json(r, reveal) for r in rows]})
 
@@ -177,7 +177,7 @@ async def create_profile(request: Request) -> Response:
         changes, origin = await blocking(recommended_flags, daemon, body["model"], None)
         body["flags"] = apply_changes(body.get("flags") or [], changes)
         body.setdefault("origin", origin)
-    row = await blocking(_save, daemon.store, None, body)
+    row = await blocking(save_profile, daemon.store, None, body)
     audit(
         request,
         "create profile",
@@ -190,25 +190,25 @@ async def create_profile(request: Request) -> Response:
 
 
 async def get_profile(request: Request) -> Response:
-    row = await blocking(_get, daemon_of(request).store, path_id(request))
+    row = await blocking(profile_row, daemon_of(request).store, path_id(request))
     return JSONResponse(profile_json(row, access_of(request).control))
 
 
 async def update_profile(request: Request) -> Response:
     body = await json_body(request)
-    row = await blocking(_save, daemon_of(request).store, path_id(request), body)
+    row = await blocking(save_profile, daemon_of(request).store, path_id(request), body)
     audit(request, "update profile", f"profile {row.id}", changed=sorted(body))
     return JSONResponse(profile_json(row, True))
 
 
 async def delete_profile(request: Request) -> Response:
-    servers = await blocking(_delete, daemon_of(request).store, path_id(request))
+    servers = await blocking(delete_row, daemon_of(request).store, path_id(request))
     audit(request, "delete profile", f"profile {path_id(request)}", servers=servers)
     return JSONResponse({"deleted": path_id(request), "servers": servers})
 
 
 def _copy_name(store: Store, name: str) -> str:
-    taken = {p.name for p in _list(store)}
+    taken = {p.name for p in profile_rows(store)}
     candidate, n = f"{name} (copy)", 2
     while candidate in taken:
         candidate, n = f"{name} (copy {n})", n + 1
@@ -219,11 +219,11 @@ async def duplicate_profile(request: Request) -> Response:
     """A copy of a profile under a new name (`{"name"}`, default "NAME (copy)")."""
     store = daemon_of(request).store
     body = await json_body(request)
-    source = await blocking(_get, store, path_id(request))
+    source = await blocking(profile_row, store, path_id(request))
     name = body.get("name") or await blocking(_copy_name, store, source.name)
     fields = {"name": name, "model": source.model, "flags": source.flags, "notes": source.notes,
               "origin": source.origin}  # fmt: skip
-    row = await blocking(_save, store, None, fields)
+    row = await blocking(save_profile, store, None, fields)
     audit(request, "duplicate profile", f"profile {row.id}", source=source.id, name=row.name)
     return JSONResponse(profile_json(row, True), status_code=201)
 
@@ -235,7 +235,7 @@ async def apply_to_profile(request: Request) -> Response:
     for all of Recommended. `"origin"` sets the profile's origin (Recommended sets its own)."""
     daemon = daemon_of(request)
     body = await json_body(request)
-    row = await blocking(_get, daemon.store, path_id(request))
+    row = await blocking(profile_row, daemon.store, path_id(request))
     origin = body.get("origin") if isinstance(body.get("origin"), str) else None
     try:
         if _truthy(body.get("recommended")):
@@ -254,14 +254,14 @@ async def apply_to_profile(request: Request) -> Response:
     update: dict[str, Any] = {"flags": flags}
     if origin is not None:
         update["origin"] = origin
-    row = await blocking(_save, daemon.store, row.id, update)
+    row = await blocking(save_profile, daemon.store, row.id, update)
     audit(request, "apply flags to profile", f"profile {row.id}", flags=redact_flags(flags))
     return JSONResponse(profile_json(row, True))
 
 
 async def profile_command(request: Request) -> Response:
     """The profile as a `moelab serve` command line (one line, and one flag per line)."""
-    row = await blocking(_get, daemon_of(request).store, path_id(request))
+    row = await blocking(profile_row, daemon_of(request).store, path_id(request))
     flags = row.flags if access_of(request).control else redact_flags(row.flags)
     return JSONResponse(
         {
@@ -273,7 +273,7 @@ async def profile_command(request: Request) -> Response:
 
 async def export_toml(request: Request) -> Response:
     """The profile as a TOML file to download."""
-    row = await blocking(_get, daemon_of(request).store, path_id(request))
+    row = await blocking(profile_row, daemon_of(request).store, path_id(request))
     flags = row.flags if access_of(request).control else redact_flags(row.flags)
     text = dumps(ProfileFile(row.name, row.model, flags, row.origin, row.notes))
     filename = re.sub(r"[^A-Za-z0-9._-]+", "-", row.name).strip("-") or f"profile-{row.id}"
@@ -308,7 +308,7 @@ async def import_toml(request: Request) -> Response:
     fields["origin"] = parsed.origin or "imported"
     if parsed.notes is not None:
         fields["notes"] = parsed.notes
-    row = await blocking(_save, daemon_of(request).store, None, fields)
+    row = await blocking(save_profile, daemon_of(request).store, None, fields)
     audit(request, "import profile", f"profile {row.id}", name=row.name)
     return JSONResponse(profile_json(row, True), status_code=201)
 

@@ -24,8 +24,9 @@ from ..profiles.flags import FlagError
 from ..profiles.machine import Gpu, Machine
 from ..profiles.planner import RunObservation, plan_context
 from ..profiles.recommend import BenchmarkResult, Recommendation, compare, recommend
-from .api import blocking, daemon_of, query_number
+from .api import access_of, blocking, daemon_of, query_number
 from .errors import BadRequest, NotFound
+from .flags import redact_flags
 from .measure import measurement_json
 from .schema import BenchmarkRun, Model, Profile, Server
 from .service import Daemon
@@ -182,8 +183,11 @@ def recommendation_of(inputs: Inputs, context_tokens: int | None) -> Recommendat
     )
 
 
-def recommendation_json(inputs: Inputs, context_tokens: int | None) -> dict[str, Any]:
-    """The whole answer: advice, VRAM split, staleness, planner, and the profile comparison."""
+def recommendation_json(
+    inputs: Inputs, context_tokens: int | None, reveal: bool = False
+) -> dict[str, Any]:
+    """The whole answer: advice, VRAM split, staleness, planner, and the profile comparison
+    (secret flag values only when `reveal`)."""
     rec = recommendation_of(inputs, context_tokens)
     body = rec.to_json()
     machine = inputs.machine
@@ -207,6 +211,7 @@ def recommendation_json(inputs: Inputs, context_tokens: int | None) -> dict[str,
     base = inputs.profile.flags if inputs.profile is not None else rec.flags
     try:
         planner = plan_context(inputs.spec, machine, base, run=inputs.run).to_json()
+        planner["base_flags"] = base if reveal else redact_flags(base)
     except (FlagError, MemoryPlanError) as err:
         planner = {"error": str(err)}
     run = inputs.run
@@ -226,7 +231,9 @@ def recommendation_json(inputs: Inputs, context_tokens: int | None) -> dict[str,
         body["profile"] = {
             "id": inputs.profile.id,
             "name": inputs.profile.name,
-            "comparison": compare(rec.advice, inputs.profile.flags),
+            "comparison": compare(
+                rec.advice, inputs.profile.flags if reveal else redact_flags(inputs.profile.flags)
+            ),
         }
     return body
 
@@ -241,7 +248,12 @@ async def get_recommend(request: Request) -> Response:
         request.query_params.get("model"),
         int(profile) if profile is not None else None,
     )
-    body = await blocking(recommendation_json, inputs, int(context) if context else None)
+    body = await blocking(
+        recommendation_json,
+        inputs,
+        int(context) if context else None,
+        access_of(request).control,
+    )
     return JSONResponse(body)
 
 

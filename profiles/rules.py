@@ -299,7 +299,12 @@ def _threads_advice(machine: Machine) -> Advice:
             "--moe-cpu-threads",
             str(cap),
             f"not measured yet: one thread per physical core ({machine.physical_cores}) less one "
-            "that keeps feeding the GPU, the engine's default",
+            + (
+                "that keeps feeding the GPU"
+                if machine.gpus
+                else "that runs the rest of each step (attention, routing)"
+            )
+            + ", the engine's default",
             numbers={"physical_cores": machine.physical_cores},
         )
     best_t = max(usable, key=lambda t: (usable[t], -t))

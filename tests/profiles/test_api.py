@@ -331,3 +331,12 @@ def test_apply_one_flag_or_all_of_recommended(local: TestClient, demo_model: Pat
     assert "--no-stats" in advised["flags"]  # Recommended says nothing about it: kept
     empty = local.post(f"/api/profiles/{profile['id']}/apply", json={})
     assert error_of(empty)[:2] == (400, "bad_request")
+
+
+def test_recommend_hides_secret_flags_from_viewers(
+    local: TestClient, viewer: TestClient, demo_model: Path
+) -> None:
+    profile = create(local, demo_model, ["--api-key", "sesame-43"])
+    assert "sesame-43" not in viewer.get(f"/api/recommend?profile={profile['id']}").text
+    planner = local.get(f"/api/recommend?profile={profile['id']}").json()["planner"]
+    assert planner["base_flags"] == ["--api-key", "sesame-43"]
