@@ -16,6 +16,8 @@ from ..daemon.telemetry import PICKS, STATS, read_samples
 from .i18n import _
 
 LIVE = ("starting", "running", "stopping")
+# rows a chart reads at most: a busy engine writes one every 2 s, so about 2.8 hours of them
+SAMPLE_LIMIT = 5000
 # the statuses of daemon/supervisor.py, marked for the catalog; pages show them with t(status)
 STATUSES = (
     _("starting"), _("running"), _("stopping"), _("stopped"), _("crashed"), _("failed"), _("dead"),
@@ -40,7 +42,15 @@ def latest_stats(daemon: Daemon, server_id: int) -> tuple[str | None, dict[str, 
 def samples(
     daemon: Daemon, server_id: int, kind: str = STATS, window_s: float = 3600.0
 ) -> list[dict[str, Any]]:
-    return read_samples(daemon.store, server_id, kind, since=time.time() - window_s)
+    """Stored rows of the window, oldest first; only the newest SAMPLE_LIMIT of a long one."""
+    return read_samples(
+        daemon.store, server_id, kind, since=time.time() - window_s, limit=SAMPLE_LIMIT
+    )
+
+
+def window_cut(rows: list[dict[str, Any]]) -> float | None:
+    """When the rows begin if SAMPLE_LIMIT cut the window short (the page says so), else None."""
+    return rows[0]["t"] if len(rows) >= SAMPLE_LIMIT else None
 
 
 def picks_samples(daemon: Daemon, server_id: int, window_s: float) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ GAUGES = (
     "hit_rate_60s",
 )
 BREAKDOWN_PARTS = ("route", "copy", "gpu_experts", "cpu_experts", "other")
+MAX_COLUMNS = 240  # time columns of a heatmap
 
 
 def gauge_series(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -29,28 +30,36 @@ def gauge_series(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return out
 
 
-def miss_rates(rows: list[dict[str, Any]], num_layers: int) -> dict[str, Any]:
-    """Per-layer decode miss rate of each row that read experts: {"t": [...], "z": layer x time}.
+def miss_rates(
+    rows: list[dict[str, Any]], num_layers: int, max_columns: int = MAX_COLUMNS
+) -> dict[str, Any]:
+    """Per-layer decode miss rate over time: {"t": [...], "z": layer x time}.
 
     A miss is a read that was not a hit (it was fetched or run on the CPU). Rows without reads
-    (idle time) are left out rather than shown as zero misses.
+    (idle time) are left out rather than shown as zero misses. With more rows than
+    `max_columns`, neighbouring rows are merged (their reads and hits added), so a long window
+    stays a chart a browser draws quickly; each column is stamped with its last row's time.
     """
+    busy = [row for row in rows if any((row.get("d") or {}).get("reads") or [])]
+    per_column = max(1, -(-len(busy) // max_columns))
     times: list[float] = []
     columns: list[list[float | None]] = []
-    for row in rows:
-        increases = row.get("d") or {}
-        reads, hits = increases.get("reads"), increases.get("hits") or []
-        if not reads or not any(reads):
-            continue
-        column: list[float | None] = []
-        for layer in range(num_layers):
-            r = reads[layer] if layer < len(reads) else 0
-            h = hits[layer] if layer < len(hits) else 0
-            column.append((r - h) / r if r else None)
-        times.append(row["t"])
-        columns.append(column)
+    for start in range(0, len(busy), per_column):
+        group = busy[start : start + per_column]
+        reads, hits = [0] * num_layers, [0] * num_layers
+        for row in group:
+            increases = row["d"]
+            for layer in range(num_layers):
+                reads[layer] += _at(increases.get("reads"), layer)
+                hits[layer] += _at(increases.get("hits"), layer)
+        times.append(group[-1]["t"])
+        columns.append([(r - h) / r if r else None for r, h in zip(reads, hits, strict=True)])
     z = [[column[layer] for column in columns] for layer in range(num_layers)]
     return {"t": times, "z": z}
+
+
+def _at(values: list[int] | None, index: int) -> int:
+    return values[index] if values and index < len(values) else 0
 
 
 def summed_picks(rows: list[dict[str, Any]]) -> list[list[int]] | None:

@@ -53,6 +53,7 @@ def dashboard_data(daemon: Daemon, reveal: bool, minutes: int) -> dict[str, Any]
                 "sampled_at": sampled_at if running else None,
                 "now": now_figures(stats if running else None),
                 "series": gauge_series(rows),
+                "window_cut": engines.window_cut(rows),
                 "devices": engines.device_split(stats) if running and stats else [],
                 "expert_bank": ((stats or {}).get("memory") or {}).get("expert_bank")
                 if running

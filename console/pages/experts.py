@@ -110,6 +110,7 @@ def expert_data(daemon: Daemon, server_id: int, reveal: bool, minutes: int) -> d
         },
         resident=resident,
         miss_rates=miss_rates(rows, num_layers),
+        window_cut=engines.window_cut(rows),
         picks={
             "source": picks_source,
             "matrix": picks,

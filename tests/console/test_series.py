@@ -24,6 +24,15 @@ def test_miss_rates_skip_idle_rows_and_layers_without_reads() -> None:
     assert series["z"][1] == [0.75, 0.0]
 
 
+def test_a_long_window_is_merged_into_at_most_max_columns_weighted_by_reads() -> None:
+    rows = [{"t": float(i), "d": {"reads": [10, 0], "hits": [10 - i % 2 * 10, 0]}}
+            for i in range(10)]  # fmt: skip
+    series = miss_rates(rows, num_layers=2, max_columns=4)
+    assert series["t"] == [2.0, 5.0, 8.0, 9.0]  # columns of 3, 3, 3 and 1 rows
+    assert series["z"][0] == [10 / 30, 20 / 30, 10 / 30, 1.0]
+    assert series["z"][1] == [None, None, None, None]
+
+
 def test_picks_rows_add_up_and_become_shares_per_layer() -> None:
     rows = [
         {"t": 1.0, "picks": [[1, 2, 0], [0, 0, 0]]},

@@ -1,0 +1,59 @@
+"""What the pages say before anything runs: what to do next, in both languages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from moelab.daemon.service import Daemon
+from tests.daemon.conftest import make_daemon
+
+from .conftest import lan_client, local_client
+
+
+@pytest.fixture
+def idle_daemon(tmp_path: Path, demo_model: Path) -> Iterator[Daemon]:
+    daemon = make_daemon(tmp_path / "data", demo_model.parent, host="0.0.0.0",
+                         allow_hosts=("mgr.lan",))  # fmt: skip
+    daemon.start()
+    yield daemon
+    daemon.close()
+
+
+@pytest.fixture
+def empty_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    daemon = make_daemon(tmp_path / "data", None)
+    daemon.start()
+    yield daemon
+    daemon.close()
+
+
+def test_nothing_running_points_to_the_servers_page(idle_daemon: Daemon) -> None:
+    client = local_client(idle_daemon)
+    dashboard = client.get("/").text
+    assert "Nothing is running yet" in dashboard and "mgr knows one checkpoint." in dashboard
+    assert 'href="/servers"' in dashboard
+    assert "ダッシュボード" in client.get("/", headers={"Accept-Language": "ja"}).text
+    assert "まだ何も動いていません" in client.get("/", headers={"Accept-Language": "ja"}).text
+    servers = client.get("/servers").text
+    assert "No engine has been started yet" in servers and 'id="start-model"' in servers
+    assert "No profiles yet" in servers
+    experts = client.get("/experts").text
+    assert "No engine is running" in experts and "Start one on the Servers page" in experts
+    hardware = client.get("/hardware?format=json").json()
+    assert hardware["job"] is None and hardware["inventory"]["cpu"]["logical_cores"] >= 1
+
+
+def test_a_viewer_is_told_to_log_in_to_start_engines(idle_daemon: Daemon) -> None:
+    dashboard = lan_client(idle_daemon).get("/").text
+    assert "log in with the control token to start engines" in dashboard
+    assert "Start the demo model" not in dashboard
+
+
+def test_no_checkpoint_anywhere_says_where_to_put_one(empty_daemon: Daemon) -> None:
+    client = local_client(empty_daemon)
+    assert "mgr found no checkpoint." in client.get("/").text
+    servers = client.get("/servers").text
+    assert "mgr found no checkpoint yet" in servers and "No models found." in servers
