@@ -297,3 +297,27 @@ def test_a_lan_browser_is_read_only_until_it_logs_in(
     assert page.locator("form[data-api='/api/servers']").count() == 2
     watched.check()
     page.close()
+
+
+def test_start_from_a_profile_and_stop_from_the_server_page(
+    mgr: MgrProcess, browser: Browser, demo_model: Path
+) -> None:
+    profile = mgr.post(
+        "/api/profiles",
+        {"name": "browser-demo", "model": str(demo_model), "flags": ENGINE_FLAGS.split()},
+    )
+    watched = open_page(browser)
+    page = watched.page
+    page.on("dialog", lambda dialog: dialog.accept())
+    visit(watched, mgr.url + "/servers")
+    page.select_option("#start-profile select[name=profile_id]", str(profile["id"]))
+    page.click("#start-profile button[type=submit]")
+    page.wait_for_url("**/servers/*")
+    server_id = int(page.url.rsplit("/", 1)[1])
+    assert mgr.get(f"/api/servers/{server_id}")["profile_id"] == profile["id"]
+    page.wait_for_selector("#server-head .status-running", timeout=READY_S * 1000)
+    page.click("#server-head button.danger")
+    page.wait_for_selector("#server-head .status-stopped", timeout=60_000)
+    assert mgr.get(f"/api/servers/{server_id}")["status"] == "stopped"
+    watched.check()
+    page.close()
