@@ -82,11 +82,9 @@ def device_split(stats: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def host_split(ram_total: int, ram_available: int, engines: list[dict[str, Any]]) -> dict[str, int]:
+def host_split(ram_total: int, ram_available: int, bank_bytes: list[int]) -> dict[str, int]:
     """Host RAM: the running engines' expert banks, everything else in use, and what is free."""
-    bank = sum(
-        ((e.get("stats") or {}).get("memory") or {}).get("expert_bank") or 0 for e in engines
-    )
+    bank = sum(bank_bytes)
     used = max(0, ram_total - ram_available)
     return {
         "total": ram_total,

@@ -32,7 +32,7 @@ from ..daemon.auth import Access
 from ..daemon.errors import ApiError
 from .i18n import LANG_COOKIE, LANGUAGES, Translator, choose_language
 
-if TYPE_CHECKING:  # plotly.graph_objects loads in a tenth of a second: only when a chart is drawn
+if TYPE_CHECKING:  # the pages that draw charts import plotly.graph_objects themselves
     import plotly.graph_objects as go
 
 log = logging.getLogger("moelab.console")
@@ -150,7 +150,7 @@ def render(
         template = f"_{part}.html"
     t = translator_of(request)
     figures = charts(data, t) if charts is not None else {}
-    context = {**frame_context(request, t), **data, "data": data}
+    context = {**frame_context(request, t), **data}
     context["chart"] = lambda name: _chart_markup(name, figures[name])
     context["has_chart"] = lambda name: name in figures
     context["chart_names"] = list(figures)
@@ -160,7 +160,7 @@ def render(
 
 def frame_context(request: Request, t: Translator) -> dict[str, Any]:
     """What base.html needs: language, access mode, the token for this machine's browser, nav."""
-    from .pages import nav
+    from .pages import nav  # here, not at the top: the page modules import this one
 
     access: Access = request.state.access
     daemon = request.app.state.daemon

@@ -79,7 +79,7 @@ def dashboard_data(daemon: Daemon, reveal: bool, minutes: int) -> dict[str, Any]
         "host_ram": engines.host_split(
             inventory.ram_total_bytes,
             inventory.ram_available_bytes,
-            [{"stats": {"memory": {"expert_bank": c["expert_bank"]}}} for c in cards],
+            [c["expert_bank"] or 0 for c in cards],
         ),
         "models_found": len(models),
         "demo_model": next((m.path for m in models if m.is_demo), None),
