@@ -158,5 +158,6 @@ def test_planner_predicts_the_demo_at_two_contexts(
         p, m = predicted[kv], measured[kv]
         assert p["slots"] == m["slots"]  # the planner's VRAM arithmetic is the engine's
         assert abs(p["decode_tok_s"] / m["tok_s"] - 1) <= 0.30, lines
-        # LRU alone would say 0.001 at 6 slots where the engine hits about 15%
-        assert abs(p["hit_rate"] - m["hit_rate"]) <= 0.12, lines
+        # uniform routing would say 56% at 27 slots where the engine hits about 77%; at 6 slots
+        # the measured rate itself moves between 10% and 15% from run to run
+        assert abs(p["hit_rate"] - m["hit_rate"]) <= 0.15, lines
