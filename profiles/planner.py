@@ -25,9 +25,9 @@ from typing import Any
 
 from ..engine.memory import MemoryPlanError
 from ..engine.spec import ModelSpec
+from .advice import context_tiers
 from .flags import FlagChange, apply_changes, validate_flags
 from .machine import DeviceChoice, Machine, choose_device, plan_for
-from .rules import context_tiers
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Recommended settings: the flags for this PC and this checkpoint, each with its reason and the
 numbers behind it, or a benchmark's result with rules only for what it did not cover.
 
-`recommend(machine, spec, benchmark=None)` is the one entry point; `rules.py` holds the rules.
+`recommend(machine, spec, benchmark=None)` is the one entry point; `rules.py` and `cpu_rules.py`
+hold the rules.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Any
 
 from ..engine.memory import MemoryPlanError, VramPlan
 from ..engine.spec import ModelSpec
+from .advice import Advice
 from .flags import FlagChange, catalog, split_flags, validate_flags
 from .machine import GIB, Machine, choose_device, plan_for
-from .rules import Advice, rule_advice
+from .rules import rule_advice
 
 
 @dataclass(frozen=True, slots=True)

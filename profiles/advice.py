@@ -1,0 +1,135 @@
+"""What the rules of Recommended share: one piece of advice, the context tiers, the engine's plan
+under a set of advice, the CPU thread count from the measured rates, and the RAM warnings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.memory import MemoryPlanError, VramPlan
+from ..engine.spec import ModelSpec
+from .flags import validate_flags
+from .machine import GIB, Machine, choose_device, plan_for
+
+FIRST_TIER_TOKENS = 2048
+RAM_RESERVE_BYTES = 4 * GIB  # left to the system, the desktop and mgr
+THREADS_NEAR_BEST = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    """One advised flag: a value to set (text), True (switch on), False or None (leave unset),
+    why, whether a measurement or a rule decided it, and the numbers behind it."""
+
+    flag: str
+    value: str | bool | None
+    reason: str
+    source: str = "rule"  # "rule" or "measured"
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "flag": self.flag,
+            "value": self.value,
+            "reason": self.reason,
+            "source": self.source,
+            "numbers": self.numbers,
+        }
+
+
+def context_tiers(max_context: int) -> list[int]:
+    """Context sizes tried for the KV reserve: 2048, 4096, ... below the model's own, then it."""
+    tiers = []
+    t = FIRST_TIER_TOKENS
+    while t < max_context:
+        tiers.append(t)
+        t *= 2
+    return [*tiers, max_context]
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def flags_of(advice: list[Advice]) -> list[str]:
+    out: list[str] = []
+    for a in advice:
+        if a.value is True:
+            out.append(a.flag)
+        elif isinstance(a.value, str):
+            out += [a.flag, a.value]
+    return out
+
+
+def try_plan(machine: Machine, spec: ModelSpec, flags: list[str], **kw: int) -> VramPlan | str:
+    """The engine's plan under `flags`, or why it does not fit."""
+    ns = validate_flags(flags)
+    try:
+        return plan_for(spec, choose_device(machine, spec, ns), ns, **kw)
+    except MemoryPlanError as err:
+        return str(err)
+
+
+# ---- on a GPU --------------------------------------------------------------------------------
+
+
+def threads_advice(machine: Machine) -> Advice:
+    cap = machine.default_cpu_threads
+    rates = machine.rates.cpu_experts_gbps if machine.rates else {}
+    usable = {t: r for t, r in rates.items() if t <= cap}
+    if not usable:
+        return Advice(
+            "--moe-cpu-threads",
+            str(cap),
+            f"not measured yet: one thread per physical core ({machine.physical_cores}) less one "
+            + (
+                "that keeps feeding the GPU"
+                if machine.gpus
+                else "that runs the rest of each step (attention, routing)"
+            )
+            + ", the engine's default",
+            numbers={"physical_cores": machine.physical_cores},
+        )
+    best_t = max(usable, key=lambda t: (usable[t], -t))
+    best = usable[best_t]
+    chosen = min(t for t, r in usable.items() if r >= THREADS_NEAR_BEST * best)
+    if chosen == best_t:
+        reason = (
+            f"{chosen} threads run experts fastest of those measured ({best:.1f} GB/s), within "
+            f"the {machine.physical_cores} physical cores less one"
+        )
+    else:
+        reason = (
+            f"{chosen} threads run experts at {usable[chosen]:.1f} GB/s, "
+            f"{usable[chosen] / best:.0%} of the best measured ({best:.1f} GB/s at {best_t}); "
+            "more threads add little and take cores from the rest"
+        )
+    return Advice(
+        "--moe-cpu-threads",
+        str(chosen),
+        reason,
+        "measured",
+        numbers={f"cpu_experts_gbps_{t}": round(r, 3) for t, r in sorted(usable.items())},
+    )
+
+
+def ram_warnings(machine: Machine, bank_bytes: int, how: str, other_bytes: int) -> list[str]:
+    ram = machine.ram_total_bytes
+    need = bank_bytes + other_bytes
+    if need > ram:
+        return [
+            f"the expert pool ({gib(bank_bytes)}) does not fit in {gib(ram)} of RAM"
+            + (f" beside {gib(other_bytes)} of weights and KV" if other_bytes else "")
+            + ": the engine cannot hold this model; use a machine with more RAM or a smaller "
+            "checkpoint"
+        ]
+    if need > ram - RAM_RESERVE_BYTES:
+        return [
+            f"the expert pool ({gib(bank_bytes)}, {how}) leaves less than "
+            f"{gib(RAM_RESERVE_BYTES)} of the {gib(ram)} of RAM for everything else: expect "
+            "swapping, or the engine being killed"
+        ]
+    return []
+
+
+# ---- without a GPU ---------------------------------------------------------------------------
