@@ -1,0 +1,94 @@
+"""Quick, standard and thorough: how long a run may take, and how widely it looks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .workload import WorkloadSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """How many baseline runs, how many values per flag, how long a workload, how many tiers."""
+
+    name: str
+    baseline_runs: int
+    workload: WorkloadSpec
+    values_per_flag: int | None  # unordered choices tried per flag; None: all
+    walk_steps: int | None  # steps of an ordered walk per direction; None: to the end
+    stop_at_turn: bool  # end a walk at the first step that does not win
+    context_tiers: int | None  # context tiers tried above the usable one; None: up to the model's
+    skip_off_objective: bool  # leave out flags that cannot move the objective's figures
+    describe: str
+
+    def __post_init__(self) -> None:
+        assert self.baseline_runs >= 2, "the noise rule needs at least two baseline runs"
+
+    def workload_for(self, clients: int) -> WorkloadSpec:
+        """This mode's workload, with `clients` concurrent streams for the aggregate figure."""
+        return replace(self.workload, clients=clients)
+
+
+MODES: dict[str, Mode] = {
+    mode.name: mode
+    for mode in (
+        Mode(
+            "quick",
+            baseline_runs=3,
+            workload=WorkloadSpec(
+                prefill_tokens=512,
+                prefill_requests=1,
+                decode_requests=3,
+                decode_tokens=64,
+                aggregate_tokens=48,
+            ),
+            values_per_flag=2,
+            walk_steps=3,
+            stop_at_turn=True,
+            context_tiers=1,
+            skip_off_objective=True,
+            describe="a few values of the flags that move the objective; minutes on the demo model",
+        ),
+        Mode(
+            "standard",
+            baseline_runs=3,
+            workload=WorkloadSpec(
+                prefill_tokens=2048,
+                prefill_requests=2,
+                decode_requests=5,
+                decode_tokens=128,
+                aggregate_tokens=96,
+            ),
+            values_per_flag=None,
+            walk_steps=None,
+            stop_at_turn=True,
+            context_tiers=3,
+            skip_off_objective=False,
+            describe="every tunable flag; ordered values walked until they stop winning",
+        ),
+        Mode(
+            "thorough",
+            baseline_runs=4,
+            workload=WorkloadSpec(
+                prefill_tokens=8192,
+                prefill_requests=3,
+                decode_requests=7,
+                decode_tokens=256,
+                aggregate_tokens=128,
+            ),
+            values_per_flag=None,
+            walk_steps=None,
+            stop_at_turn=False,
+            context_tiers=None,
+            skip_off_objective=False,
+            describe="every value of every tunable flag, longer workloads, every context tier",
+        ),
+    )
+}
+
+
+def mode_named(name: str) -> Mode:
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {name!r}") from None

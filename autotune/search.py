@@ -1,0 +1,419 @@
+"""The search: baseline, one change at a time with confirmation, the context step, the result.
+
+Every trial is the best flags so far plus exactly one change. A change whose first run beats the
+incumbent by more than the noise threshold runs again, and is kept only when the second run agrees
+and the two together do not cost another figure more than allowed. Ordered values are walked
+outwards and a walk ends at its turning point (the first step that does not win).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .flagset import Change, apply_change, same_flags, split_flags, value_of
+from .journal import Journal
+from .modes import Mode
+from .noise import Figures, Judgement, NoiseRule, Objective, Spreads
+from .plan import Candidate, Plan, Skipped
+from .trial import TrialRequest, TrialResult
+
+CONTEXT_FLAG = "--kv-reserve-tokens"
+
+
+class SearchFailed(RuntimeError):
+    """The run cannot go on (the starting flags do not run); the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSettings:
+    """What a run optimises and how: mode, objective, noise rule, and what it starts from."""
+
+    mode: Mode
+    objective: Objective
+    rule: NoiseRule = field(default_factory=NoiseRule)
+    model_max_context: int | None = None
+    pick_up: bool = False  # the base is an earlier run's result: context only if a change is kept
+    base_origin: str = "the starting flags"
+
+
+@dataclass(slots=True)
+class Incumbent:
+    """The best flags so far and what they measured."""
+
+    flags: list[str]
+    figures: Figures
+    usable_context: int | None
+    trials: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A change that was kept, the trials behind it and the measured reason."""
+
+    change: Change
+    reason: str
+    trials: tuple[int, ...]
+    gain: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.change.to_json(),
+            "label": self.change.label,
+            "reason": self.reason,
+            "trials": list(self.trials),
+            "gain": self.gain,
+        }
+
+
+class Search:
+    """One run of the search over a plan; the journal runs (or replays) and records the trials."""
+
+    def __init__(
+        self, plan: Plan, base_flags: list[str], settings: SearchSettings, journal: Journal
+    ) -> None:
+        self.plan = plan
+        self.base_flags = list(base_flags)
+        self.settings = settings
+        self.journal = journal
+        self.objective = settings.objective
+        self.rule = settings.rule
+        self.mode: Mode = settings.mode
+        self.results: dict[int, TrialResult] = {}
+        self.kept: list[Kept] = []
+        self.skipped: list[Skipped] = list(plan.skipped)
+        # the starting value of each planned flag was measured too: a later run need not try it
+        self.tried: list[str] = list(plan.starting)
+        self.tries: dict[str, list[str]] = defaultdict(list)  # flag -> "value (trial n: why)"
+        self._turned: set[tuple[str, str]] = set()
+        self._raised: set[str] = set()
+        self._left = len(plan.candidates)
+        self.spreads = Spreads(0.0, {})
+        self.incumbent: Incumbent | None = None
+        self.context: dict[str, Any] = {}
+
+    # ---- the phases -------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Run every phase after the hardware one; returns the result (JSON-ready)."""
+        baseline = self._baseline()
+        self._candidates()
+        self._context()
+        self.journal.progress("result", 0.0)
+        return self._result(baseline)
+
+    def _trial(self, request: TrialRequest) -> tuple[int, TrialResult]:
+        n, result = self.journal.run_trial(request)
+        self.results[n] = result
+        return n, result
+
+    def _baseline(self) -> Figures:
+        runs = self.mode.baseline_runs
+        self._progress("baseline", runs + self._left + self._context_estimate())
+        self.journal.event(
+            "phase",
+            f"baseline: {runs} runs of {self.settings.base_origin}",
+            flags=self.base_flags,
+        )
+        ok: list[tuple[int, TrialResult]] = []
+        last_error = ""
+        for i in range(runs):
+            n, result = self._trial(TrialRequest(tuple(self.base_flags), None, "baseline"))
+            if result.ok:
+                ok.append((n, result))
+                self.journal.set_verdict(n, "base", f"baseline run {i + 1}: {_figures(result)}")
+            else:
+                last_error = f"{result.failure}: {result.error}"
+                self.journal.set_verdict(n, "failed", last_error)
+            self._progress("baseline", runs - i - 1 + self._left + self._context_estimate())
+        if not ok:
+            raise SearchFailed(f"the starting flags do not run ({last_error})")
+        trials = [r for _n, r in ok]
+        self.spreads = Spreads.measure(self.objective, trials)
+        figures = Figures.median(trials)
+        self.incumbent = Incumbent(
+            list(self.base_flags), figures, trials[-1].usable_context, [n for n, _r in ok]
+        )
+        threshold = self.rule.threshold(self.spreads)
+        if len(ok) < 2:
+            self.journal.event(
+                "noise",
+                "only one baseline run succeeded: the run-to-run spread is unknown and the "
+                f"{self.rule.min_gain:.0%} floor applies",
+            )
+        score = self.objective.score(figures)
+        self.journal.event(
+            "noise",
+            f"baseline {self.objective.label}: {_num(score)}; run-to-run spread "
+            f"{self.spreads.objective:.1%}; a change must gain more than {threshold:.1%}",
+            spreads=self.spreads.to_json(),
+            threshold=threshold,
+        )
+        return figures
+
+    def _candidates(self) -> None:
+        self.journal.event("phase", f"one change at a time: {len(self.plan.candidates)} planned")
+        for i, candidate in enumerate(self.plan.candidates):
+            self._left = len(self.plan.candidates) - i
+            self._progress("candidates", self._left + self._context_estimate())
+            self._try(candidate)
+        self._left = 0
+
+    def _try(self, candidate: Candidate) -> None:
+        assert self.incumbent is not None
+        change = candidate.change
+        why_not = self._why_not(candidate)
+        flags = apply_change(self.incumbent.flags, change)
+        if why_not is None and same_flags(flags, self.incumbent.flags):
+            why_not = "already in force"
+        if why_not is not None:
+            self.skipped.append(Skipped(change.flag, change.value, why_not))
+            if why_not != "already in force":
+                self.tried.append(change.key)
+            self.journal.event("skip", f"{change.label}: {why_not}")
+            return
+        self.tried.append(change.key)
+        n1, first = self._trial(TrialRequest(tuple(flags), change, "candidate"))
+        if not first.ok:
+            self._reject(candidate, n1, "failed", f"{first.failure}: {first.error}")
+            return
+        judged = self.rule.judge(
+            self.objective, Figures.of(first), self.incumbent.figures, self.spreads
+        )
+        if not judged.beats:
+            self._reject(candidate, n1, "rejected", judged.reason)
+            return
+        self.journal.set_verdict(n1, "pending", f"{judged.reason}; running it again to confirm")
+        self._progress("candidates", self._left + self._context_estimate())
+        n2, second = self._trial(TrialRequest(tuple(flags), change, "confirm"))
+        verdict = self._confirm(first, second)
+        if verdict.beats:
+            reason = f"{verdict.reason} (trials {n1} and {n2})"
+            self.journal.set_verdict(n1, "kept", reason)
+            self.journal.set_verdict(n2, "confirm", f"agrees: {_figures(second)}")
+            self.incumbent = Incumbent(
+                flags, Figures.mean([first, second]), second.usable_context, [n1, n2]
+            )
+            self.kept.append(Kept(change, reason, (n1, n2), verdict.gain))
+            self.tries[change.flag].append(f"{_value(change)} kept (trials {n1}, {n2})")
+            if candidate.walk == "up":
+                self._raised.add(change.flag)
+            self.journal.event("kept", f"kept {change.label}: {reason}")
+        else:
+            self.journal.set_verdict(n2, "confirm", f"does not agree: {verdict.reason}")
+            self._reject(candidate, n1, "rejected", f"trial {n2} did not confirm it")
+
+    def _confirm(self, first: TrialResult, second: TrialResult) -> Judgement:
+        """The second run must beat the incumbent too; the two together must spare the rest."""
+        assert self.incumbent is not None
+        if not second.ok:
+            return Judgement(False, 0.0, f"the second run failed ({second.failure})")
+        again = self.rule.judge(
+            self.objective, Figures.of(second), self.incumbent.figures, self.spreads
+        )
+        if again.gain <= self.rule.threshold(self.spreads):
+            return Judgement(False, again.gain, again.reason)
+        both = Figures.mean([first, second])
+        return self.rule.judge(self.objective, both, self.incumbent.figures, self.spreads)
+
+    def _reject(self, candidate: Candidate, n: int, verdict: str, reason: str) -> None:
+        self.journal.set_verdict(n, verdict, reason)
+        self.tries[candidate.change.flag].append(
+            f"{_value(candidate.change)} (trial {n}: {reason})"
+        )
+        if candidate.walk is not None:
+            self._turned.add((candidate.change.flag, candidate.walk))
+
+    def _why_not(self, candidate: Candidate) -> str | None:
+        """Why a planned step of a walk is no longer worth a trial, else None."""
+        if candidate.walk is None or not self.mode.stop_at_turn:
+            return None
+        flag = candidate.change.flag
+        if (flag, candidate.walk) in self._turned:
+            return f"past the turning point: the step before it ({candidate.walk}) did not win"
+        if candidate.walk == "down" and flag in self._raised:
+            return "raising it won, so lowering it is not tried"
+        return None
+
+    # ---- context ----------------------------------------------------------------------------
+
+    def _context_tiers(self, usable: int) -> list[int]:
+        top = self.settings.model_max_context
+        cap = value_of(self.incumbent.flags if self.incumbent else [], "--max-context")
+        if cap is not None:
+            top = min(top or int(cap), int(cap))
+        if not top or top <= usable:
+            return []
+        tiers = []
+        tier = usable * 2
+        while tier < top:
+            tiers.append(tier)
+            tier *= 2
+        tiers.append(top)
+        limit = self.mode.context_tiers
+        return tiers if limit is None else tiers[:limit]
+
+    def _context_estimate(self) -> int:
+        if self.settings.pick_up and not self.kept:
+            return 0
+        usable = self.incumbent.usable_context if self.incumbent else None
+        return 1 + len(self._context_tiers(usable)) if usable else 1
+
+    def _context(self) -> None:
+        assert self.incumbent is not None
+        if self.settings.pick_up and not self.kept:
+            self.journal.event(
+                "phase", "context: skipped, no new change was kept (the last result's stands)"
+            )
+            return
+        usable = self.incumbent.usable_context
+        if not usable:
+            self.journal.event("phase", "context: skipped, the engine did not say its context")
+            return
+        tiers = self._context_tiers(usable)
+        self.journal.event(
+            "phase",
+            f"context: prove {usable} tokens"
+            + (f", then try {', '.join(map(str, tiers))}" if tiers else ""),
+        )
+        self._progress("context", 1 + len(tiers))
+        n, proof_run = self._trial(
+            TrialRequest(tuple(self.incumbent.flags), None, "context", context_tokens=usable)
+        )
+        proof = proof_run.context_proof
+        if not proof_run.ok or proof is None:
+            self.journal.set_verdict(n, "failed", f"{proof_run.failure}: {proof_run.error}")
+            self.context = {"usable_tokens": usable, "proven": False, "trials": [n]}
+            return
+        self.journal.set_verdict(n, "base", f"{proof.message}; {_figures(proof_run)}")
+        self.context = {
+            "usable_tokens": usable,
+            "proven": proof.ok,
+            "proof": proof.to_json(),
+            "trials": [n],
+            "tiers": [],
+        }
+        if not proof.ok:
+            self.journal.event("context", f"the advertised context of {usable} is not served")
+            return
+        reference = self.incumbent.figures
+        for i, tier in enumerate(tiers):
+            self._progress("context", len(tiers) - i)
+            if not self._context_tier(tier, reference):
+                break
+
+    def _context_tier(self, tier: int, reference: Figures) -> bool:
+        """Try one tier; True when it is kept (and the next may be tried)."""
+        assert self.incumbent is not None
+        change = Change(CONTEXT_FLAG, str(tier))
+        flags = apply_change(self.incumbent.flags, change)
+        n, run = self._trial(TrialRequest(tuple(flags), change, "context", context_tokens=tier))
+        self.context["trials"].append(n)
+        proof = run.context_proof
+        if not run.ok or proof is None:
+            reason = f"{run.failure}: {run.error}"
+            self.journal.set_verdict(n, "failed", reason)
+        elif (run.usable_context or 0) < tier:
+            reason = f"the engine advertises {run.usable_context} tokens with these flags"
+            self.journal.set_verdict(n, "rejected", reason)
+        elif not proof.ok:
+            reason = proof.message
+            self.journal.set_verdict(n, "rejected", reason)
+        else:
+            holds = self.rule.holds(self.objective, Figures.of(run), reference, self.spreads)
+            reason = f"{proof.message}; {holds.reason}"
+            if holds.beats:
+                self.journal.set_verdict(n, "kept", reason)
+                self.incumbent.flags = flags
+                self.incumbent.usable_context = tier
+                self.kept.append(Kept(change, reason, (n,), holds.gain))
+                self.context["usable_tokens"] = tier
+                self.context["tiers"].append({"tokens": tier, "kept": True, "trial": n})
+                self.journal.event("kept", f"context {tier}: {reason}")
+                return True
+            self.journal.set_verdict(n, "rejected", reason)
+        self.context["tiers"].append({"tokens": tier, "kept": False, "trial": n, "why": reason})
+        self.journal.event("context", f"context {tier}: not kept ({reason})")
+        return False
+
+    # ---- progress and result ----------------------------------------------------------------
+
+    def _progress(self, phase: str, trials_left: int) -> None:
+        durations = [r.duration_s for r in self.results.values()]
+        eta = trials_left * statistics.median(durations) if durations else None
+        self.journal.progress(phase, eta)
+
+    def _result(self, baseline: Figures) -> dict[str, Any]:
+        assert self.incumbent is not None
+        final = self.incumbent.figures
+        old, new = self.objective.score(baseline), self.objective.score(final)
+        results = list(self.results.values())
+        overhead_s = sum(r.overhead_s for r in results)
+        trial_s = sum(r.duration_s for r in results)
+        return {
+            "flags": self.incumbent.flags,
+            "notes": self._notes(),
+            "changes": [k.to_json() for k in self.kept],
+            "skipped": [s.to_json() for s in self.skipped],
+            "tried": self.tried,
+            "objective": self.objective.name,
+            "clients": self.objective.clients,
+            "baseline": baseline.to_json(),
+            "final": final.to_json(),
+            "gain": (new / old - 1.0) if old and new else None,
+            "spreads": self.spreads.to_json(),
+            "threshold": self.rule.threshold(self.spreads),
+            "context": self.context,
+            "overhead": {
+                "overhead_s": overhead_s,
+                "trial_s": trial_s,
+                "share": overhead_s / trial_s if trial_s else None,
+                "trials": len(results),
+            },
+        }
+
+    def _notes(self) -> list[dict[str, Any]]:
+        """The measured reason for each chosen flag, and for each flag whose default stayed."""
+        assert self.incumbent is not None
+        by_flag = {k.change.flag: k for k in self.kept}
+        notes = []
+        for flag, value in split_flags(self.incumbent.flags):
+            kept = by_flag.get(flag)
+            if kept is not None:
+                reason, source = kept.reason, "measured"
+            else:
+                reason, source = f"from {self.settings.base_origin}", "baseline"
+                if self.tries.get(flag):
+                    reason += "; tried instead: " + "; ".join(self.tries[flag])
+            notes.append({"flag": flag, "value": value, "reason": reason, "source": source})
+        chosen = {flag for flag, _value in split_flags(self.incumbent.flags)}
+        for flag, tries in self.tries.items():
+            if flag in chosen:
+                continue
+            kept = by_flag.get(flag)
+            reason = (
+                kept.reason if kept else "the engine's default stayed; tried: " + "; ".join(tries)
+            )
+            notes.append({"flag": flag, "value": None, "reason": reason, "source": "measured"})
+        return notes
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _figures(result: TrialResult) -> str:
+    parts = [f"prefill {_num(result.prefill_tok_s)}", f"decode {_num(result.decode_tok_s)}"]
+    if result.aggregate_tok_s is not None:
+        parts.append(f"aggregate {_num(result.aggregate_tok_s)}")
+    return ", ".join(parts) + " tok/s"
+
+
+def _value(change: Change) -> str:
+    if change.value is None:
+        return "the default"
+    if isinstance(change.value, bool):
+        return "on" if change.value else "off"
+    return change.value

@@ -1,0 +1,299 @@
+"""One trial: a fresh `moelab serve` with the trial's flags, the workload, its stats, then stop.
+
+The engine is never reused: every trial starts a new process through engine/launch.py, waits for
+/health, sends one warm-up request, runs the same workload, reads /v1/stats and stops the process
+group. A crash, an out-of-memory or a timeout becomes a failed trial with the log tail; the run
+goes on.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ..engine import launch
+from .flagset import Change, without
+from .workload import ContextProof, EngineClient, Workload, WorkloadError
+
+TRIAL_PORTS = range(8200, 8300)  # the daemon's supervisor hands out 8100-8199
+ROLES = ("baseline", "candidate", "confirm", "context")
+_OOM_MARKS = ("out of memory", "outofmemoryerror", "memoryplanerror", "does not fit")
+
+
+class Cancelled(Exception):
+    """The run was cancelled (or the daemon is stopping) during a trial; its engine is stopped."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrialRequest:
+    """What a trial runs: the flags, the one change they carry, why, and a context to prove."""
+
+    flags: tuple[str, ...]
+    change: Change | None
+    role: str
+    context_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        assert self.role in ROLES, self.role
+
+
+@dataclass(frozen=True, slots=True)
+class TrialResult:
+    """What one trial measured, or how it failed."""
+
+    ok: bool
+    started: float
+    duration_s: float
+    prefill_tok_s: float | None = None
+    decode_tok_s: float | None = None
+    aggregate_tok_s: float | None = None
+    ttft_s: float | None = None
+    hit_rate: float | None = None
+    usable_context: int | None = None
+    context_proof: ContextProof | None = None
+    engine_pid: int | None = None
+    startup_s: float | None = None
+    warmup_s: float | None = None
+    stop_s: float | None = None
+    failure: str | None = None  # "crash", "out of memory", "timeout", "error"
+    error: str | None = None
+    log_tail: str | None = None
+    stats: dict[str, Any] | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def overhead_s(self) -> float:
+        """Restart and warm-up: the time a trial spends on anything but the workload."""
+        return (self.startup_s or 0.0) + (self.warmup_s or 0.0) + (self.stop_s or 0.0)
+
+    def figure(self, name: str) -> float | None:
+        return getattr(self, f"{name}_tok_s")
+
+
+def free_port(ports: range, host: str = "127.0.0.1") -> int:
+    """The first port of `ports` nothing listens on."""
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1} for a trial engine")
+
+
+def compact_stats(stats: dict[str, Any] | None) -> dict[str, Any] | None:
+    """/v1/stats without the per-expert pick matrix and the 60 s window (kept small per trial)."""
+    if not isinstance(stats, dict):
+        return None
+    out = dict(stats)
+    experts = dict(out.get("experts") or {})
+    experts.pop("picks", None)
+    experts.pop("window_60s", None)
+    out["experts"] = experts
+    return out
+
+
+def decode_hit_rate(stats: dict[str, Any] | None) -> float | None:
+    """Share of decode expert reads served from the cache, over the whole trial."""
+    layers = ((stats or {}).get("experts") or {}).get("layers") or []
+    reads = sum(int(layer.get("reads", 0)) for layer in layers)
+    hits = sum(int(layer.get("hits", 0)) for layer in layers)
+    return hits / reads if reads else None
+
+
+def classify_failure(message: str, log_tail: str, exit_code: int | None) -> str:
+    text = f"{message}\n{log_tail}".lower()
+    if any(mark in text for mark in _OOM_MARKS) or exit_code in (-9, 137):
+        return "out of memory"
+    if "not ready after" in text or "timed out" in text or "timeout" in message.lower():
+        return "timeout"
+    if exit_code is not None:
+        return "crash"
+    return "error"
+
+
+class EngineTrialRunner:
+    """Runs trials of one model as fresh engine processes on ports of their own."""
+
+    def __init__(
+        self,
+        model: str,
+        workload: Workload,
+        logs_dir: Path,
+        cancel: threading.Event,
+        *,
+        ports: range = TRIAL_PORTS,
+        ready_timeout_s: float = 3600.0,
+        stall_s: float = 600.0,
+        stop_grace_s: float = 15.0,
+        on_step: Callable[[str], None] = lambda _step: None,
+    ) -> None:
+        self.model = model
+        self.workload = workload
+        self.logs_dir = logs_dir
+        self.cancel = cancel
+        self.ports = ports
+        self.ready_timeout_s = ready_timeout_s
+        self.stall_s = stall_s
+        self.stop_grace_s = stop_grace_s
+        self.on_step = on_step
+
+    def run(
+        self,
+        request: TrialRequest,
+        log_name: str,
+        on_started: Callable[[launch.EngineProcess], None] = lambda _engine: None,
+    ) -> TrialResult:
+        """Run one trial; raises Cancelled (engine stopped) when the run is cancelled meanwhile."""
+        started = time.time()
+        port = free_port(self.ports)
+        flags = [
+            *without(list(request.flags), ("--port", "--host")),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+        self.on_step("starting the engine")
+        engine = launch.start_engine(
+            ["--model-path", self.model, *flags], self.logs_dir / f"{log_name}.log"
+        )
+        on_started(engine)
+        finished = threading.Event()
+        watcher = threading.Thread(
+            target=self._stop_on_cancel, args=(engine, finished), name="trial-cancel", daemon=True
+        )
+        watcher.start()
+        times: dict[str, float] = {}
+        try:
+            result = self._measure(request, engine, started, times)
+        except (launch.EngineFailed, WorkloadError, httpx.HTTPError, OSError, KeyError) as err:
+            result = self._failed(err, engine, started, times)
+        finally:
+            finished.set()
+            stop_start = time.monotonic()
+            launch.stop_engine(engine, grace_s=self.stop_grace_s)
+            stop_s = time.monotonic() - stop_start
+            watcher.join(timeout=5)
+        if self.cancel.is_set():
+            raise Cancelled()
+        return replace(result, stop_s=stop_s, duration_s=result.duration_s + stop_s)
+
+    def _failed(
+        self,
+        err: Exception,
+        engine: launch.EngineProcess,
+        started: float,
+        times: dict[str, float],
+    ) -> TrialResult:
+        code = engine.exit_code()
+        tail = getattr(err, "log_tail", "") or launch.log_tail(engine.log_path)
+        exit_code = getattr(err, "exit_code", None) if code is None else code
+        message = str(err) or type(err).__name__
+        if isinstance(err, httpx.TimeoutException):
+            message = f"a workload request timed out: {message}"
+        if code is not None and not isinstance(err, launch.EngineFailed):
+            message = f"the engine exited with code {code} during the workload ({message})"
+        return TrialResult(
+            ok=False,
+            started=started,
+            duration_s=time.time() - started,
+            engine_pid=engine.pid,
+            startup_s=times.get("startup_s"),
+            failure=classify_failure(message, tail, exit_code),
+            error=message,
+            log_tail=tail,
+        )
+
+    def _measure(
+        self,
+        request: TrialRequest,
+        engine: launch.EngineProcess,
+        started: float,
+        times: dict[str, float],
+    ) -> TrialResult:
+        health = self._wait_ready(engine)
+        times["startup_s"] = time.time() - started
+        usable = int(health.get("max_model_len") or 0)
+        client = EngineClient(engine.base_url, self.workload.spec.request_timeout_s)
+        self.on_step("warm-up request")
+        warm_start = time.monotonic()
+        chars_per_token = self.workload.warm_up(client)
+        warmup_s = time.monotonic() - warm_start
+        self.on_step("workload")
+        result = self.workload.run(client, usable, chars_per_token, self.cancel.is_set)
+        proof = None
+        if request.context_tokens:
+            self.on_step(f"proving a context of {request.context_tokens} tokens")
+            proof = self.workload.prove_context(client, request.context_tokens, chars_per_token)
+        stats = compact_stats(launch.get_json(engine.base_url + "/v1/stats", timeout_s=30.0))
+        self.on_step("stopping the engine")
+        return TrialResult(
+            ok=True,
+            started=started,
+            duration_s=time.time() - started,
+            prefill_tok_s=result.prefill_tok_s,
+            decode_tok_s=result.decode_tok_s,
+            aggregate_tok_s=result.aggregate_tok_s,
+            ttft_s=result.ttft_s,
+            hit_rate=decode_hit_rate(stats),
+            usable_context=usable,
+            context_proof=proof,
+            engine_pid=engine.pid,
+            startup_s=times["startup_s"],
+            warmup_s=warmup_s,
+            stats=stats,
+            details={
+                **result.details,
+                "prefill_prompt_tokens_median": result.prefill_prompt_tokens,
+                "chars_per_token": chars_per_token,
+            },
+        )
+
+    def _wait_ready(self, engine: launch.EngineProcess) -> dict[str, Any]:
+        """/health ok within the ready timeout, failing early when loading stops moving.
+
+        An engine whose /health says the same thing for `stall_s` (no bytes loaded, no change of
+        status) is not going to become ready; the trial fails then instead of at the timeout.
+        """
+        deadline = time.monotonic() + self.ready_timeout_s
+        seen: dict[str, Any] = {"body": None, "at": time.monotonic()}
+
+        def progress(health: dict[str, Any]) -> None:
+            if health != seen["body"]:
+                seen["body"], seen["at"] = health, time.monotonic()
+
+        while True:
+            slice_s = max(0.5, min(15.0, deadline - time.monotonic()))
+            try:
+                return launch.wait_ready(engine, slice_s, on_progress=progress)
+            except launch.EngineFailed as err:
+                if err.exit_code is not None or "not ready after" not in str(err):
+                    raise
+                now = time.monotonic()
+                if now - seen["at"] > self.stall_s:
+                    raise launch.EngineFailed(
+                        f"engine loading made no progress for {self.stall_s:.0f} s "
+                        f"(/health: {seen['body']})",
+                        log_tail=launch.log_tail(engine.log_path),
+                    ) from None
+                if now >= deadline:
+                    raise launch.EngineFailed(
+                        f"engine not ready after {self.ready_timeout_s:.0f} s",
+                        log_tail=launch.log_tail(engine.log_path),
+                    ) from None
+
+    def _stop_on_cancel(self, engine: launch.EngineProcess, finished: threading.Event) -> None:
+        while not finished.wait(0.2):
+            if self.cancel.is_set():
+                launch.stop_engine(engine, grace_s=5.0)
+                return

@@ -1,0 +1,350 @@
+"""The workload every trial runs: fixed-seed corpus excerpts sent to a live engine, timed.
+
+Prompts are excerpts of the corpus that ships with the engine (prose, Japanese, code), chosen by a
+fixed seed so every trial reads the same text. Each prompt starts with a random line, so a prefix
+cache cannot make a later request cheaper than the first. Lengths in tokens come from the engine's
+own `usage`, never from a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import httpx
+
+PROOF_SHARE = 0.95  # a context tier counts as served when a prompt reaches this share of it
+
+
+class WorkloadError(RuntimeError):
+    """The engine refused or broke off a workload request; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """How much each trial asks of the engine (the mode picks these; every trial uses the same)."""
+
+    seed: int = 20_251_129
+    prefill_tokens: int = 2048  # length of the long prompt that gives prefill tok/s
+    prefill_requests: int = 2
+    decode_requests: int = 5  # streamed generations; decode tok/s is their median
+    decode_tokens: int = 128
+    clients: int = 0  # concurrent clients for aggregate tok/s; 0 leaves it unmeasured
+    aggregate_tokens: int = 96
+    aggregate_rounds: int = 2  # rounds of `clients` streams at once; the median round counts
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        assert self.prefill_tokens >= 16 and self.decode_tokens >= 2, self
+        assert self.prefill_requests >= 1 and self.decode_requests >= 1, self
+        assert self.aggregate_rounds >= 1, self
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTiming:
+    """One streamed request as the client saw it."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    sent: float
+    first_token: float
+    last_token: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token - self.sent
+
+    def decode_tok_s(self, prefill_tok_s: float) -> float | None:
+        """Tokens after the first over the time after the prompt was read.
+
+        The prompt's time is the measured TTFT, or what the long prompt's rate predicts for this
+        prompt when that is shorter: a busy engine thread can hold back the first chunks and
+        send them in one burst, and then the client's TTFT and first-to-last span mislead while
+        the time of the last token does not.
+        """
+        if self.completion_tokens < 2:
+            return None
+        prompt_s = min(self.ttft_s, self.prompt_tokens / prefill_tok_s)
+        decode_s = self.last_token - self.sent - prompt_s
+        return (self.completion_tokens - 1) / decode_s if decode_s > 0 else None
+
+
+@dataclass(slots=True)
+class WorkloadResult:
+    """The figures of one trial's workload, with the per-request readings behind them."""
+
+    prefill_tok_s: float
+    prefill_prompt_tokens: int
+    decode_tok_s: float
+    ttft_s: float
+    aggregate_tok_s: float | None = None
+    chars_per_token: float = 4.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ContextProof:
+    """A request sent to prove a context length: how many prompt tokens the engine served."""
+
+    target_tokens: int
+    prompt_tokens: int
+    ok: bool
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target_tokens": self.target_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "ok": self.ok,
+            "message": self.message,
+        }
+
+
+@cache
+def corpus_paragraphs() -> tuple[str, ...]:
+    """The paragraphs of the corpus shipped in moelab.engine (read once)."""
+    root = resources.files("moelab.engine") / "data" / "corpus"
+    paragraphs: list[str] = []
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".txt"):
+            text = entry.read_text(encoding="utf-8")
+            paragraphs += [p.strip() for p in text.split("\n\n") if p.strip()]
+    assert paragraphs, "the engine's corpus is empty"
+    return tuple(paragraphs)
+
+
+def excerpt(rng: random.Random, chars: int) -> str:
+    """Consecutive corpus paragraphs from a seeded start, wrapping around, about `chars` long."""
+    paragraphs = corpus_paragraphs()
+    i = rng.randrange(len(paragraphs))
+    out: list[str] = []
+    size = 0
+    while size < chars:
+        piece = paragraphs[i % len(paragraphs)]
+        out.append(piece)
+        size += len(piece) + 2
+        i += 1
+    return "\n\n".join(out)[:chars]
+
+
+def fresh_line() -> str:
+    """A first line no earlier prompt had, so no cached prefix is shared between requests."""
+    return f"Request {secrets.token_hex(8)}.\n"
+
+
+class EngineClient:
+    """Completion requests to one engine over HTTP, streamed and timed."""
+
+    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url
+        self.timeout_s = timeout_s
+        self._headers = headers
+
+    def stream(self, prompt: str, max_tokens: int, seed: int) -> StreamTiming:
+        """Send one streamed completion; its timing and the engine's usage."""
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "temperature": 0.7,
+            "seed": seed,
+        }
+        sent = time.perf_counter()
+        first = last = None
+        usage: dict[str, Any] | None = None
+        with (
+            httpx.Client(timeout=self.timeout_s, headers=self._headers) as client,
+            client.stream("POST", self.base_url + "/v1/completions", json=body) as response,
+        ):
+            if response.status_code != 200:
+                response.read()
+                raise WorkloadError(_error_text(response))
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise WorkloadError(f"the engine broke off a request: {chunk['error']}")
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    first = now if first is None else first
+                    last = now
+        if usage is None or first is None or last is None:
+            raise WorkloadError("the engine's stream ended without tokens or usage")
+        return StreamTiming(
+            prompt_tokens=int(usage["prompt_tokens"]),
+            completion_tokens=int(usage["completion_tokens"]),
+            sent=sent,
+            first_token=first,
+            last_token=last,
+        )
+
+    def complete(self, prompt: str, max_tokens: int) -> tuple[int, dict[str, Any]]:
+        """One plain completion: (HTTP status, body)."""
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        with httpx.Client(timeout=self.timeout_s, headers=self._headers) as client:
+            response = client.post(self.base_url + "/v1/completions", json=body)
+        try:
+            return response.status_code, response.json()
+        except ValueError:
+            return response.status_code, {"error": {"message": response.text[:500]}}
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:500]
+    return f"the engine answered {response.status_code}: {message}"
+
+
+class Workload:
+    """The same requests for every trial, derived from one spec and its seed."""
+
+    def __init__(self, spec: WorkloadSpec) -> None:
+        self.spec = spec
+
+    def warm_up(self, client: EngineClient) -> float:
+        """One short request before timing anything; returns characters per prompt token."""
+        text = fresh_line() + excerpt(random.Random(self.spec.seed), 1200)
+        timing = client.stream(text, 4, self.spec.seed)
+        return len(text) / max(1, timing.prompt_tokens)
+
+    def run(
+        self,
+        client: EngineClient,
+        usable_context: int,
+        chars_per_token: float,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> WorkloadResult:
+        """Prefill, then single-request decode, then (when asked) concurrent clients."""
+        spec = self.spec
+        rng = random.Random(spec.seed)
+        room = max(16, usable_context - spec.decode_tokens - 64)
+        prefill_target = min(spec.prefill_tokens, room // 2 if room > 64 else room)
+        long_text = excerpt(rng, int(prefill_target * chars_per_token))
+        prefills = []
+        for i in range(spec.prefill_requests):
+            _check(cancelled)
+            prefills.append(client.stream(fresh_line() + long_text, 1, spec.seed + i))
+        prefill_rates = [t.prompt_tokens / t.ttft_s for t in prefills]
+        short_prompts = [excerpt(rng, 400) for _ in range(spec.decode_requests)]
+        decodes = []
+        for i, prompt in enumerate(short_prompts):
+            _check(cancelled)
+            decodes.append(client.stream(fresh_line() + prompt, spec.decode_tokens, spec.seed + i))
+        prefill_tok_s = statistics.median(prefill_rates)
+        decode_rates = [r for r in (t.decode_tok_s(prefill_tok_s) for t in decodes) if r]
+        if not decode_rates:
+            raise WorkloadError("no decode rate: every generation ended after one token")
+        result = WorkloadResult(
+            prefill_tok_s=prefill_tok_s,
+            prefill_prompt_tokens=prefills[0].prompt_tokens,
+            decode_tok_s=statistics.median(decode_rates),
+            ttft_s=statistics.median(t.ttft_s for t in decodes),
+            chars_per_token=chars_per_token,
+            details={
+                "prefill_tok_s": prefill_rates,
+                "prefill_prompt_tokens": [t.prompt_tokens for t in prefills],
+                "decode_tok_s": decode_rates,
+                "decode_tokens": [t.completion_tokens for t in decodes],
+                "ttft_s": [t.ttft_s for t in decodes],
+            },
+        )
+        if spec.clients > 0:
+            _check(cancelled)
+            result.aggregate_tok_s, result.details["aggregate"] = self._aggregate(
+                client, rng, cancelled
+            )
+        return result
+
+    def _aggregate(
+        self, client: EngineClient, rng: random.Random, cancelled: Callable[[], bool]
+    ) -> tuple[float, dict[str, Any]]:
+        """Rounds of `clients` streamed generations at once: completion tokens over wall time."""
+        spec = self.spec
+        prompts = [excerpt(rng, 300) for _ in range(spec.clients)]
+        rates, walls = [], []
+        with ThreadPoolExecutor(max_workers=spec.clients) as pool:
+            for round_ in range(spec.aggregate_rounds):
+                _check(cancelled)
+                start = threading.Barrier(spec.clients)
+
+                def one(
+                    i: int, start: threading.Barrier = start, round_: int = round_
+                ) -> StreamTiming:
+                    start.wait()
+                    seed = spec.seed + 100 * round_ + i
+                    return client.stream(fresh_line() + prompts[i], spec.aggregate_tokens, seed)
+
+                timings = list(pool.map(one, range(spec.clients)))
+                wall_s = max(t.last_token for t in timings) - min(t.sent for t in timings)
+                rates.append(sum(t.completion_tokens for t in timings) / wall_s)
+                walls.append(wall_s)
+        details = {"clients": spec.clients, "rounds_tok_s": rates, "rounds_wall_s": walls}
+        return statistics.median(rates), details
+
+    def prove_context(
+        self, client: EngineClient, target_tokens: int, chars_per_token: float
+    ) -> ContextProof:
+        """Prove a context: a prompt of 95% of `target_tokens` or more (the engine's count), served.
+
+        The prompt is grown or shrunk from the engine's own count until it lands between 95% and
+        the target, or the engine refuses a prompt that should fit.
+        """
+        need = int(PROOF_SHARE * target_tokens + 0.999)
+        ceiling = target_tokens - 1  # one token of room to generate
+        aim = (need + ceiling) // 2
+        ratio = chars_per_token
+        rng = random.Random(self.spec.seed + 1)
+        body_text = excerpt(rng, int(aim * ratio * 1.1) + 2000)
+        last_tokens = 0
+        for _attempt in range(6):
+            text = fresh_line() + body_text[: max(1, int(aim * ratio))]
+            status, body = client.complete(text, 1)
+            if status == 200:
+                last_tokens = int(body["usage"]["prompt_tokens"])
+                if last_tokens >= need:
+                    return ContextProof(
+                        target_tokens,
+                        last_tokens,
+                        True,
+                        f"a prompt of {last_tokens} tokens was served "
+                        f"({last_tokens / target_tokens:.0%} of {target_tokens})",
+                    )
+                ratio = ratio * aim / max(1, last_tokens)
+            elif body.get("error", {}).get("code") == "context_length_exceeded":
+                ratio *= 0.97
+            else:
+                message = body.get("error", {}).get("message", str(body)[:300])
+                return ContextProof(
+                    target_tokens, last_tokens, False, f"the engine answered {status}: {message}"
+                )
+            if len(body_text) < int(aim * ratio):
+                body_text = excerpt(rng, int(aim * ratio * 1.2))
+        return ContextProof(
+            target_tokens,
+            last_tokens,
+            False,
+            f"no prompt between {need} and {ceiling} tokens was served (last: {last_tokens})",
+        )
+
+
+def _check(cancelled: Callable[[], bool]) -> None:
+    if cancelled():
+        raise WorkloadError("cancelled")

@@ -1,0 +1,172 @@
+"""A fake engine with a known optimum and seeded noise, and a journal kept in memory."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+from moelab.autotune.flagset import effective_value, value_of
+from moelab.autotune.journal import Journal, StoredTrial
+from moelab.autotune.trial import Cancelled, TrialRequest, TrialResult
+from moelab.autotune.workload import ContextProof
+
+POLICY = {"auto": 1.0, "gpu": 0.8, "cpu": 1.25, "split:0.25": 1.1, "split:0.75": 0.9}
+THREADS = {1: 0.8, 2: 0.95, 3: 1.0, 4: 1.12}
+RUNNING = {1: 1.0, 2: 1.8, 4: 3.0, 8: 3.6, 16: 3.1}  # more requests thrash the cache past 8
+CHUNK = {512: 0.7, 1024: 0.9, 2048: 1.0, 4096: 1.1, 8192: 1.05}
+MODEL_MAX_CONTEXT = 32768
+
+
+def true_figures(flags: list[str]) -> tuple[float, float, float]:
+    """(prefill, decode, aggregate) tok/s this fake engine gives `flags`, without noise."""
+    decode = 100.0 * POLICY[str(effective_value(flags, "--moe-miss-policy"))]
+    decode *= THREADS[int(value_of(flags, "--moe-cpu-threads") or 3)]
+    if value_of(flags, "--moe-cache-size") == "1":
+        decode *= 0.5
+    rate = value_of(flags, "--moe-cache-rate")
+    if rate is not None:
+        decode *= 0.7 + 0.3 * float(rate)
+    if effective_value(flags, "--no-cuda-graph") is True:
+        decode *= 0.9
+    if value_of(flags, "--kv-block-size") == "32":
+        decode *= 1.1
+    prefill = 1000.0 * CHUNK[int(value_of(flags, "--prefill-chunk-tokens") or 2048)]
+    if effective_value(flags, "--no-prefill-overlap") is True:
+        prefill *= 0.9
+    aggregate = decode * RUNNING[int(value_of(flags, "--max-running-requests") or 8)]
+    return prefill, decode, aggregate
+
+
+def usable_context(flags: list[str]) -> int:
+    return min(MODEL_MAX_CONTEXT, int(value_of(flags, "--kv-reserve-tokens") or 8192))
+
+
+class Interrupted(Exception):
+    """The fake daemon went away in the middle of a run."""
+
+
+class FakeEngine:
+    """Trials against `true_figures` with multiplicative noise of `noise` (seeded by trial).
+
+    `flukes` maps a change key to a factor applied to that change's first trial only (a one-off
+    lucky run); `crash` lists change keys whose engine exits while loading; `interrupt_at`
+    raises Interrupted instead of running that trial number.
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        noise: float = 0.02,
+        flukes: dict[str, float] | None = None,
+        crash: tuple[str, ...] = (),
+        interrupt_at: int | None = None,
+        slow_above_context: int | None = None,
+    ) -> None:
+        self.seed = seed
+        self.noise = noise
+        self.flukes = dict(flukes or {})
+        self.crash = crash
+        self.interrupt_at = interrupt_at
+        self.slow_above_context = slow_above_context
+        self.calls: list[tuple[int, TrialRequest]] = []
+
+    def __call__(self, request: TrialRequest, n: int) -> TrialResult:
+        if n == self.interrupt_at:
+            raise Interrupted(n)
+        self.calls.append((n, request))
+        key = request.change.key if request.change else None
+        if key in self.crash:
+            return TrialResult(
+                ok=False, started=float(n), duration_s=3.0, failure="crash",
+                error="engine exited with code 1 before it was ready", log_tail="boom",
+            )  # fmt: skip
+        rng = random.Random(f"{self.seed}:{n}")
+        fluke = self.flukes.pop(key, 1.0) if key else 1.0
+        flags = list(request.flags)
+        usable = usable_context(flags)
+        slow = 0.8 if self.slow_above_context and usable > self.slow_above_context else 1.0
+        prefill, decode, aggregate = (
+            v * fluke * slow * (1 + rng.gauss(0, self.noise)) for v in true_figures(flags)
+        )
+        proof = None
+        if request.context_tokens:
+            served = request.context_tokens <= usable
+            tokens = int(request.context_tokens * 0.97) if served else 0
+            proof = ContextProof(request.context_tokens, tokens, served, f"served {tokens}")
+        return TrialResult(
+            ok=True, started=float(n), duration_s=10.0, prefill_tok_s=prefill,
+            decode_tok_s=decode, aggregate_tok_s=aggregate, ttft_s=0.1, hit_rate=0.5,
+            usable_context=usable, context_proof=proof, engine_pid=1000 + n, startup_s=1.5,
+            warmup_s=0.3, stop_s=0.2,
+        )  # fmt: skip
+
+
+class MemoryJournal(Journal):
+    """A journal whose records are lists (what the daemon keeps in its database)."""
+
+    def __init__(self, runner: Any, previous: MemoryJournal | None = None) -> None:
+        stored = list(previous.trials.values()) if previous else []
+        events = [(k, m) for k, m, _d in previous.events] if previous else []
+        super().__init__(runner, stored, events)
+        self.trials: dict[int, StoredTrial] = {t.n: t for t in stored}
+        self.events: list[tuple[str, str, dict]] = list(previous.events) if previous else []
+        self.phases: list[tuple[str, float | None]] = []
+
+    def trial_starting(self, n: int, request: TrialRequest) -> None:
+        pass
+
+    def save_trial(self, trial: StoredTrial) -> None:
+        self.trials[trial.n] = trial
+
+    def set_verdict(self, n: int, verdict: str, reason: str) -> None:
+        old = self.trials[n]
+        self.trials[n] = StoredTrial(n, old.request, old.result, verdict, reason)
+
+    def save_event(self, kind: str, message: str, data: dict[str, Any]) -> None:
+        self.events.append((kind, message, data))
+
+    def forget_from(self, n: int) -> None:
+        self.trials = {k: v for k, v in self.trials.items() if k < n}
+
+    def progress(self, phase: str, eta_s: float | None) -> None:
+        self.phases.append((phase, eta_s))
+
+    def verdicts(self) -> list[tuple[int, str, str | None]]:
+        """(n, verdict, change key) of every trial in order."""
+        return [
+            (t.n, t.verdict, t.request.change.key if t.request.change else None)
+            for t in sorted(self.trials.values(), key=lambda t: t.n)
+        ]
+
+
+class FakeRunner:
+    """Stands in for EngineTrialRunner inside the daemon: trials from a FakeEngine.
+
+    With `block_at`, that trial waits until the run is cancelled (or the daemon stops), as a
+    real trial's engine would be stopped.
+    """
+
+    def __init__(
+        self,
+        engine: FakeEngine,
+        block_at: int | None,
+        model: str,
+        workload: Any,
+        logs_dir: Path,
+        cancel: threading.Event,
+        **_options: Any,
+    ) -> None:
+        self.engine = engine
+        self.block_at = block_at
+        self.cancel = cancel
+        self.blocked = threading.Event()
+
+    def run(self, request: TrialRequest, log_name: str, on_started: Any = None) -> TrialResult:
+        n = int(log_name.rsplit("-", 1)[1])
+        if n == self.block_at:
+            self.blocked.set()
+            self.cancel.wait(60)
+            raise Cancelled()
+        return self.engine(request, n)
