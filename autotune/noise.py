@@ -17,7 +17,6 @@ from .trial import TrialResult
 
 OBJECTIVES = ("decode", "prefill", "both", "aggregate")
 FIGURES = ("prefill", "decode", "aggregate")
-MAD_TO_SD = 1.4826  # median absolute deviation to standard deviation, for normal noise
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,18 +97,16 @@ class Objective:
 
 
 def spread(values: Sequence[float]) -> float:
-    """Run-to-run spread of repeated measurements, relative to their median.
+    """Run-to-run spread of repeated measurements: their standard deviation over their mean.
 
-    The median absolute deviation scaled to estimate a standard deviation (x1.4826), so that
-    with three or more runs one outlier (a cold first start, a neighbour's burst of work) does
-    not widen it. With two runs it is 0.74 times their relative difference.
+    A deviation from the median would ignore one outlier, but with three runs it is the smaller
+    of two distances and reads a noisy machine as a quiet one; the plain standard deviation
+    does not.
     """
     if len(values) < 2:
         return 0.0
-    middle = statistics.median(values)
-    if middle <= 0:
-        return 0.0
-    return MAD_TO_SD * statistics.median(abs(v - middle) / middle for v in values)
+    mean = statistics.fmean(values)
+    return statistics.stdev(values) / mean if mean > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)

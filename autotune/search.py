@@ -41,12 +41,19 @@ class SearchSettings:
 
 @dataclass(slots=True)
 class Incumbent:
-    """The best flags so far and what they measured."""
+    """The best flags so far and the runs that measured them (their median is the reference)."""
 
     flags: list[str]
-    figures: Figures
-    usable_context: int | None
+    runs: list[TrialResult]
     trials: list[int]
+
+    @property
+    def figures(self) -> Figures:
+        return Figures.median(self.runs)
+
+    @property
+    def usable_context(self) -> int | None:
+        return self.runs[-1].usable_context
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +139,8 @@ class Search:
             raise SearchFailed(f"the starting flags do not run ({last_error})")
         trials = [r for _n, r in ok]
         self.spreads = Spreads.measure(self.objective, trials)
-        figures = Figures.median(trials)
-        self.incumbent = Incumbent(
-            list(self.base_flags), figures, trials[-1].usable_context, [n for n, _r in ok]
-        )
+        self.incumbent = Incumbent(list(self.base_flags), trials, [n for n, _r in ok])
+        figures = self.incumbent.figures
         threshold = self.rule.threshold(self.spreads)
         if len(ok) < 2:
             self.journal.event(
@@ -186,16 +191,15 @@ class Search:
             self._reject(candidate, n1, "rejected", judged.reason)
             return
         self.journal.set_verdict(n1, "pending", f"{judged.reason}; running it again to confirm")
-        self._progress("candidates", self._left + self._context_estimate())
+        self._progress("candidates", self._left + 1 + self._context_estimate())
+        fresh = self._incumbent_again(n1)
         n2, second = self._trial(TrialRequest(tuple(flags), change, "confirm"))
-        verdict = self._confirm(first, second)
+        verdict = self._confirm(first, second, fresh)
         if verdict.beats:
             reason = f"{verdict.reason} (trials {n1} and {n2})"
             self.journal.set_verdict(n1, "kept", reason)
             self.journal.set_verdict(n2, "confirm", f"agrees: {_figures(second)}")
-            self.incumbent = Incumbent(
-                flags, Figures.mean([first, second]), second.usable_context, [n1, n2]
-            )
+            self.incumbent = Incumbent(flags, [first, second], [n1, n2])
             self.kept.append(Kept(change, reason, (n1, n2), verdict.gain))
             self.tries[change.flag].append(f"{_value(change)} kept (trials {n1}, {n2})")
             if candidate.walk == "up":
@@ -205,16 +209,37 @@ class Search:
             self.journal.set_verdict(n2, "confirm", f"does not agree: {verdict.reason}")
             self._reject(candidate, n1, "rejected", f"trial {n2} did not confirm it")
 
-    def _confirm(self, first: TrialResult, second: TrialResult) -> Judgement:
-        """The second run must beat the incumbent too; the two together must spare the rest."""
+    def _incumbent_again(self, candidate_n: int) -> TrialResult | None:
+        """The best flags once more, right before the confirmation run.
+
+        The two runs stand side by side in time, so a machine that got quieter (or busier) since
+        the incumbent was measured cannot make a change look better than it is.
+        """
+        assert self.incumbent is not None
+        request = TrialRequest(tuple(self.incumbent.flags), None, "baseline")
+        n, again = self._trial(request)
+        if not again.ok:
+            self.journal.set_verdict(n, "failed", f"{again.failure}: {again.error}")
+            return None
+        self.incumbent.runs.append(again)
+        self.incumbent.trials.append(n)
+        self.journal.set_verdict(
+            n, "base", f"the best flags again, beside trial {candidate_n}: {_figures(again)}"
+        )
+        return again
+
+    def _confirm(
+        self, first: TrialResult, second: TrialResult, fresh: TrialResult | None
+    ) -> Judgement:
+        """The second run must beat the incumbent's fresh run (or, without one, its median);
+        the two runs together must beat the incumbent's median and spare the other figures."""
         assert self.incumbent is not None
         if not second.ok:
             return Judgement(False, 0.0, f"the second run failed ({second.failure})")
-        again = self.rule.judge(
-            self.objective, Figures.of(second), self.incumbent.figures, self.spreads
-        )
+        reference = Figures.of(fresh) if fresh is not None else self.incumbent.figures
+        again = self.rule.judge(self.objective, Figures.of(second), reference, self.spreads)
         if again.gain <= self.rule.threshold(self.spreads):
-            return Judgement(False, again.gain, again.reason)
+            return Judgement(False, again.gain, f"beside the best flags run again: {again.reason}")
         both = Figures.mean([first, second])
         return self.rule.judge(self.objective, both, self.incumbent.figures, self.spreads)
 
@@ -326,8 +351,7 @@ class Search:
             reason = f"{proof.message}; {holds.reason}"
             if holds.beats:
                 self.journal.set_verdict(n, "kept", reason)
-                self.incumbent.flags = flags
-                self.incumbent.usable_context = tier
+                self.incumbent = Incumbent(flags, [run], [n])
                 self.kept.append(Kept(change, reason, (n,), holds.gain))
                 self.context["usable_tokens"] = tier
                 self.context["tiers"].append({"tokens": tier, "kept": True, "trial": n})

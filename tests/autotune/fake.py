@@ -52,7 +52,8 @@ class FakeEngine:
 
     `flukes` maps a change key to a factor applied to that change's first trial only (a one-off
     lucky run); `crash` lists change keys whose engine exits while loading; `interrupt_at`
-    raises Interrupted instead of running that trial number.
+    raises Interrupted instead of running that trial number; `drift` makes every trial that
+    much faster than the one before (the machine getting quieter).
     """
 
     def __init__(
@@ -63,6 +64,7 @@ class FakeEngine:
         crash: tuple[str, ...] = (),
         interrupt_at: int | None = None,
         slow_above_context: int | None = None,
+        drift: float = 0.0,
     ) -> None:
         self.seed = seed
         self.noise = noise
@@ -70,6 +72,7 @@ class FakeEngine:
         self.crash = crash
         self.interrupt_at = interrupt_at
         self.slow_above_context = slow_above_context
+        self.drift = drift
         self.calls: list[tuple[int, TrialRequest]] = []
 
     def __call__(self, request: TrialRequest, n: int) -> TrialResult:
@@ -87,6 +90,7 @@ class FakeEngine:
         flags = list(request.flags)
         usable = usable_context(flags)
         slow = 0.8 if self.slow_above_context and usable > self.slow_above_context else 1.0
+        slow *= (1 + self.drift) ** n
         prefill, decode, aggregate = (
             v * fluke * slow * (1 + rng.gauss(0, self.noise)) for v in true_figures(flags)
         )

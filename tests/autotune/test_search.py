@@ -63,7 +63,10 @@ def test_every_kept_change_was_confirmed_by_a_second_run() -> None:
     kept = [t for t in trials.values() if t.verdict == "kept" and t.request.role == "candidate"]
     assert kept, "the poor baseline leaves changes to keep"
     for trial in kept:
-        confirm = trials[trial.n + 1]
+        # the best flags so far run again, then the candidate once more, side by side in time
+        again, confirm = trials[trial.n + 1], trials[trial.n + 2]
+        assert again.request.role == "baseline" and again.request.change is None
+        assert again.verdict == "base" and f"beside trial {trial.n}" in again.reason
         assert confirm.request.role == "confirm" and confirm.verdict == "confirm"
         assert confirm.request.flags == trial.request.flags
     # the result is the baseline plus the kept changes and nothing else
@@ -83,6 +86,18 @@ def test_a_one_off_lucky_run_is_not_kept() -> None:
            "--moe-miss-policy=gpu"]  # fmt: skip
     assert [t.request.role for t in gpu] == ["candidate", "confirm"]
     assert gpu[0].verdict == "rejected" and "did not confirm" in gpu[0].reason
+    assert value_of(result["flags"], "--moe-miss-policy") == "cpu"
+
+
+def test_a_machine_getting_faster_does_not_make_useless_changes_look_good() -> None:
+    # every trial runs 2% faster than the one before (a neighbour's job winding down): the
+    # kernel, chunk and overlap flags do nothing for decode, but beat the old baseline by far
+    engine = FakeEngine(seed=30, noise=0.005, drift=0.02)
+    result, journal = search(engine, [], Objective("decode"))
+    useless = ("--moe-cpu-kernel", "--prefill-chunk-tokens", "--no-prefill-overlap")
+    assert not any(has_flag(result["flags"], flag) for flag in useless), result["flags"]
+    unconfirmed = [t for t in journal.trials.values() if "did not confirm" in t.reason]
+    assert {t.request.change.flag for t in unconfirmed} & set(useless)
     assert value_of(result["flags"], "--moe-miss-policy") == "cpu"
 
 

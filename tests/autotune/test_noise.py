@@ -1,0 +1,70 @@
+"""The noise rule: a change counts above max(3%, 2 x spread) and may not cost other figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from moelab.autotune.noise import Figures, NoiseRule, Objective, Spreads, spread
+from moelab.autotune.trial import TrialResult
+
+
+def run(prefill: float, decode: float, aggregate: float | None = None) -> TrialResult:
+    return TrialResult(True, 0.0, 1.0, prefill_tok_s=prefill, decode_tok_s=decode,
+                       aggregate_tok_s=aggregate)  # fmt: skip
+
+
+def test_spread_is_the_relative_standard_deviation() -> None:
+    assert spread([100.0]) == 0.0
+    assert spread([100.0, 100.0, 100.0]) == 0.0
+    assert spread([90.0, 110.0]) == pytest.approx(0.1414, abs=1e-3)
+    # one of three runs far off widens it: a noisy machine is not read as a quiet one
+    assert spread([100.0, 101.0, 60.0]) > 0.2
+
+
+def test_the_threshold_is_the_larger_of_the_floor_and_twice_the_spread() -> None:
+    rule = NoiseRule()
+    assert rule.threshold(Spreads(0.01, {})) == pytest.approx(0.03)
+    assert rule.threshold(Spreads(0.05, {})) == pytest.approx(0.10)
+    decode = Objective("decode")
+    base = Figures(1000.0, 100.0)
+    quiet, noisy = Spreads(0.01, {}), Spreads(0.05, {})
+    assert rule.judge(decode, Figures(1000.0, 104.0), base, quiet).beats
+    assert not rule.judge(decode, Figures(1000.0, 104.0), base, noisy).beats
+    judged = rule.judge(decode, Figures(1000.0, 108.0), base, noisy)
+    assert not judged.beats and "not above the 10.0% threshold" in judged.reason
+
+
+def test_a_gain_that_costs_another_figure_too_much_is_refused() -> None:
+    rule = NoiseRule(side_tolerance=0.05)
+    spreads = Spreads(0.01, {"prefill": 0.01, "decode": 0.01})
+    judged = rule.judge(Objective("decode"), Figures(900.0, 120.0), Figures(1000.0, 100.0), spreads)
+    assert not judged.beats and "prefill tok/s 900.0 against 1,000.0 costs 10.0%" in judged.reason
+    # within its own measured noise a loss is not a loss
+    noisy_prefill = Spreads(0.01, {"prefill": 0.06})
+    assert rule.judge(Objective("decode"), Figures(900.0, 120.0), Figures(1000.0, 100.0),
+                      noisy_prefill).beats  # fmt: skip
+    looser = NoiseRule(side_tolerance=0.15)
+    assert looser.judge(Objective("decode"), Figures(900.0, 120.0), Figures(1000.0, 100.0),
+                        spreads).beats  # fmt: skip
+
+
+def test_objectives() -> None:
+    both = Objective("both")
+    assert both.score(Figures(400.0, 25.0)) == pytest.approx(100.0)
+    assert both.side_figures == ()
+    assert Objective("aggregate", 8).side_figures == ("prefill", "decode")
+    assert Objective("aggregate", 8).score(Figures(1.0, 2.0, 30.0)) == 30.0
+    with pytest.raises(ValueError, match="at least 2"):
+        Objective("aggregate", 1)
+    with pytest.raises(ValueError, match="one of"):
+        Objective("latency")
+    assert Figures.median([run(1, 10), run(3, 30), run(2, 99)]) == Figures(2, 30, None)
+
+
+def test_speed_holds_within_the_tolerance_only() -> None:
+    rule = NoiseRule(side_tolerance=0.05)
+    spreads = Spreads(0.0, {})
+    base = Figures(1000.0, 100.0)
+    assert rule.holds(Objective("decode"), Figures(980.0, 97.0), base, spreads).beats
+    held = rule.holds(Objective("decode"), Figures(1000.0, 90.0), base, spreads)
+    assert not held.beats and "decode tok/s" in held.reason
