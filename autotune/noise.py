@@ -166,9 +166,16 @@ class NoiseRule:
         return max(self.side_tolerance, self.spread_factor * spreads.figures.get(name, 0.0))
 
     def judge(
-        self, objective: Objective, candidate: Figures, incumbent: Figures, spreads: Spreads
+        self,
+        objective: Objective,
+        candidate: Figures,
+        incumbent: Figures,
+        spreads: Spreads,
+        *,
+        sides: bool = True,
     ) -> Judgement:
-        """Compare a candidate's figures with the incumbent's under this rule."""
+        """Compare a candidate's figures with the incumbent's under this rule (`sides`: also
+        the cost to the other figures)."""
         threshold = self.threshold(spreads)
         new, old = objective.score(candidate), objective.score(incumbent)
         if new is None or not old:
@@ -177,7 +184,7 @@ class NoiseRule:
         head = f"{objective.label} {new:,.1f} against {old:,.1f} ({gain:+.1%})"
         if gain <= threshold:
             return Judgement(False, gain, f"{head}: not above the {threshold:.1%} threshold")
-        cost = self._cost(objective.side_figures, candidate, incumbent, spreads)
+        cost = self._cost(objective.side_figures, candidate, incumbent, spreads) if sides else None
         if cost:
             return Judgement(False, gain, f"{head}, but {cost}")
         return Judgement(True, gain, f"{head}, above the {threshold:.1%} threshold")

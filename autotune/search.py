@@ -184,8 +184,9 @@ class Search:
         if not first.ok:
             self._reject(candidate, n1, "failed", f"{first.failure}: {first.error}")
             return
+        # one run's other figures are too noisy to refuse on: the two runs' mean is judged
         judged = self.rule.judge(
-            self.objective, Figures.of(first), self.incumbent.figures, self.spreads
+            self.objective, Figures.of(first), self.incumbent.figures, self.spreads, sides=False
         )
         if not judged.beats:
             self._reject(candidate, n1, "rejected", judged.reason)
@@ -237,7 +238,9 @@ class Search:
         if not second.ok:
             return Judgement(False, 0.0, f"the second run failed ({second.failure})")
         reference = Figures.of(fresh) if fresh is not None else self.incumbent.figures
-        again = self.rule.judge(self.objective, Figures.of(second), reference, self.spreads)
+        again = self.rule.judge(
+            self.objective, Figures.of(second), reference, self.spreads, sides=False
+        )
         if again.gain <= self.rule.threshold(self.spreads):
             return Judgement(False, again.gain, f"beside the best flags run again: {again.reason}")
         both = Figures.mean([first, second])

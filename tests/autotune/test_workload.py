@@ -112,10 +112,11 @@ def test_figures_match_the_speeds_of_the_server(serve, burst: bool) -> None:
     assert chars == pytest.approx(CHARS_PER_TOKEN, rel=0.01)
     result = workload.run(client, CONTEXT, chars)
     assert result.prefill_prompt_tokens == pytest.approx(1024, rel=0.02)
-    assert result.prefill_tok_s == pytest.approx(1 / PREFILL_S_PER_TOKEN, rel=0.35)
+    # a busy test machine only slows the client down: the bounds are tight above, loose below
+    assert 0.5 < result.prefill_tok_s * PREFILL_S_PER_TOKEN < 1.15
     # chunks held back and sent in one burst do not make decode look faster than it is
-    assert result.decode_tok_s == pytest.approx(1 / DECODE_S_PER_TOKEN, rel=0.35)
-    assert result.aggregate_tok_s == pytest.approx(4 / DECODE_S_PER_TOKEN, rel=0.4)
+    assert 0.6 < result.decode_tok_s * DECODE_S_PER_TOKEN < 1.15
+    assert 0.5 < result.aggregate_tok_s * DECODE_S_PER_TOKEN / 4 < 1.15
     assert len(result.details["aggregate"]["rounds_tok_s"]) == 2
 
 

@@ -1,0 +1,38 @@
+"""`python -m moelab.autotune` on the demo model: the command the GPU runs of the benchmark use."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_one_run_without_mgr_prints_trials_and_the_overhead(
+    demo_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "moelab.autotune", "--model-path", str(demo_model), "--mode",
+         "quick", "--objective", "decode", "--base-flags", "--device-memory 1GiB",
+         "--only", "moe-miss-policy", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["flags"][:2] == ["--device-memory", "1GiB"]
+    trials = [line for line in done.stdout.splitlines() if line.startswith("trial ")]
+    assert len(trials) == result["overhead"]["trials"] >= 5  # 3 baseline, 2 policies, context
+    assert "restart + warm-up" in done.stdout and 0 < result["overhead"]["share"] < 1
+
+
+def test_a_missing_checkpoint_is_one_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "moelab.autotune", "--model-path", str(tmp_path / "none")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stderr.startswith("cannot read")
+    assert "Traceback" not in done.stderr
