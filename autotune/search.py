@@ -119,11 +119,7 @@ class Search:
     def _baseline(self) -> Figures:
         runs = self.mode.baseline_runs
         self._progress("baseline", runs + self._left + self._context_estimate())
-        self.journal.event(
-            "phase",
-            f"baseline: {runs} runs of {self.settings.base_origin}",
-            flags=self.base_flags,
-        )
+        self.journal.event("phase", f"baseline: {runs} runs of {self.settings.base_origin}")
         ok: list[tuple[int, TrialResult]] = []
         last_error = ""
         for i in range(runs):

@@ -20,6 +20,7 @@ from .api_profiles import profile_json
 from .benchmark_store import event_json, events_of, run_json, trial_json, trials_of
 from .benchmarks import BenchmarkService, RunOptions
 from .errors import BadRequest, NotFound
+from .flags import redact_flags
 from .schema import BenchmarkRun
 from .store import iso_time
 
@@ -119,7 +120,9 @@ async def preview(request: Request) -> Response:
     return JSONResponse(
         {
             "model": setup.model.path,
-            "base_flags": setup.base_flags,
+            "base_flags": setup.base_flags
+            if access_of(request).control
+            else redact_flags(setup.base_flags),
             "base_origin": setup.base_origin,
             "pick_up_from": setup.pick_up_from,
             "candidates": candidates,

@@ -17,7 +17,7 @@ from ..autotune.flagset import Change
 from ..autotune.journal import Journal, StoredTrial
 from ..autotune.trial import TrialRequest, TrialResult
 from ..autotune.workload import ContextProof
-from .flags import redact_flags
+from .flags import HIDDEN, SECRET_FLAGS, hide_secrets, redact_flags
 from .schema import BenchmarkEvent, BenchmarkRun, Trial
 from .store import Store, iso_time
 
@@ -196,14 +196,15 @@ def trial_json(row: Trial, reveal: bool, full: bool = False) -> dict[str, Any]:
         "reason": extra.get("reason", ""),
         "role": extra.get("role"),
         "failure": extra.get("failure"),
-        "error": row.error,
+        "error": row.error if reveal else hide_secrets(row.error or "", row.flags) or None,
         "usable_context": extra.get("usable_context"),
         "context_proof": extra.get("context_proof"),
     }
     if full:
         body["stats"] = extra.get("engine")
         body["details"] = extra.get("details")
-        body["log_tail"] = row.log_tail
+        tail = row.log_tail or ""
+        body["log_tail"] = tail if reveal else hide_secrets(tail, row.flags)
     return body
 
 
@@ -217,6 +218,17 @@ def event_json(row: BenchmarkEvent) -> dict[str, Any]:
     }
 
 
+def redact_result(result: dict[str, Any]) -> dict[str, Any]:
+    """A result with the values of secret flags hidden (for viewers without control)."""
+    notes = [
+        {**note, "value": HIDDEN}
+        if note.get("flag") in SECRET_FLAGS and note.get("value")
+        else note
+        for note in result.get("notes", [])
+    ]
+    return {**result, "flags": redact_flags(result.get("flags", [])), "notes": notes}
+
+
 def run_json(
     row: BenchmarkRun,
     trials: list[Trial],
@@ -227,7 +239,7 @@ def run_json(
     options = dict(row.options or {})
     result = row.result
     if result is not None and not reveal:
-        result = {**result, "flags": redact_flags(result.get("flags", []))}
+        result = redact_result(result)
     return {
         "id": row.id,
         "model": row.model,

@@ -19,6 +19,7 @@ from ...daemon.api_benchmarks import compare_runs, full_run, options_of, run_sum
 from ...daemon.benchmarks import BenchmarkService
 from ...daemon.catalog import model_json
 from ...daemon.errors import BadRequest
+from ...daemon.flags import redact_flags
 from ...daemon.schema import Profile
 from ...daemon.service import Daemon
 from .. import charts
@@ -85,7 +86,9 @@ def plan_data(service: BenchmarkService, request: Request) -> dict[str, Any]:
         "clients": options.clients,
         "pick_up": options.pick_up,
         "pick_up_from": setup.pick_up_from,
-        "base_flags": setup.base_flags,
+        "base_flags": setup.base_flags
+        if request.state.access.control
+        else redact_flags(setup.base_flags),
         "base_origin": setup.base_origin,
         "candidates": [c.to_json() for c in setup.plan.candidates],
         "skipped": [s.to_json() for s in setup.plan.skipped],

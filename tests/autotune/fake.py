@@ -83,7 +83,8 @@ class FakeEngine:
         if key in self.crash:
             return TrialResult(
                 ok=False, started=float(n), duration_s=3.0, failure="crash",
-                error="engine exited with code 1 before it was ready", log_tail="boom",
+                error="engine exited with code 1 before it was ready",
+                log_tail=f"# starting: moelab serve {' '.join(request.flags)}\nboom",
             )  # fmt: skip
         rng = random.Random(f"{self.seed}:{n}")
         fluke = self.flukes.pop(key, 1.0) if key else 1.0

@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from moelab.autotune.flagset import value_of
 from moelab.daemon.benchmark_store import add_event
-from moelab.daemon.schema import BenchmarkRun
+from moelab.daemon.schema import BenchmarkRun, Profile
 from moelab.engine import launch
 
 from .conftest import record_fresh_rates, running_app
@@ -223,3 +223,30 @@ def test_a_gpu_in_use_by_a_server_is_refused(
         body = {"model": str(demo_model), "base_flags": ["--device", "cuda:0"]}
         reply = client.post("/api/benchmarks", json=body)
         assert reply.status_code == 409 and reply.json()["error"]["code"] == "gpu_taken"
+
+
+def test_viewers_without_control_never_see_the_engine_api_key(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    with running_app(tmp_path / "mgr", demo_model.parent) as (daemon, client):
+        record_fresh_rates(daemon, demo_model)
+        use_fake(client.app, FakeEngine(seed=26, crash=("--moe-miss-policy=gpu",)))
+        run = start(client, demo_model, base_flags=[*POOR, "--api-key", "sekrit"],
+                    only_flags=["--moe-miss-policy"])  # fmt: skip
+        wait_status(client, run["id"], ("done",))
+        lan = TestClient(client.app, base_url="http://127.0.0.1", client=("192.168.1.50", 50123))
+        seen = lan.get(f"/api/benchmarks/{run['id']}").text
+        crashed = next(t for t in lan.get(f"/api/benchmarks/{run['id']}").json()["trials"]
+                       if t["verdict"] == "failed")  # fmt: skip
+        seen += lan.get(f"/api/benchmarks/{run['id']}/trials/{crashed['n']}").text
+        seen += lan.get(f"/benchmark/{run['id']}").text
+        query = {"model": str(demo_model), "profile_id": "1"}
+        with daemon.store.session() as session:
+            session.add(Profile(name="keyed", model=str(demo_model), flags=["--api-key", "sekrit"],
+                                created=0.0, updated=0.0))  # fmt: skip
+        for path in ("/api/benchmarks/plan", "/benchmark/plan"):
+            reply = lan.get(path, params=query)
+            assert reply.status_code == 200, reply.text
+            seen += reply.text
+        assert "sekrit" not in seen and "(hidden)" in seen
+        assert "sekrit" in client.get(f"/api/benchmarks/{run['id']}").text
