@@ -17,8 +17,9 @@ from ..autotune.modes import MODES
 from ..autotune.noise import OBJECTIVES
 from .api import access_of, audit, blocking, json_body, path_id, query_number
 from .api_profiles import profile_json
+from .benchmark_setup import RunOptions
 from .benchmark_store import event_json, events_of, run_json, trial_json, trials_of
-from .benchmarks import BenchmarkService, RunOptions
+from .benchmarks import BenchmarkService
 from .errors import BadRequest, NotFound
 from .flags import redact_flags
 from .schema import BenchmarkRun

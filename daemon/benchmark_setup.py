@@ -1,0 +1,296 @@
+"""Where a benchmark run starts: the request checked, the starting flags, the plan, the hardware.
+
+A run starts from Recommended (the profile rules), a profile, flags given, or the last result of
+the model (pick up). Phase (a), the hardware, is here too: it reads and writes the daemon's
+measurements, not the run's trials.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from ..autotune.flagset import Change, apply_change, effective_value, has_flag
+from ..autotune.modes import MODES, mode_named
+from ..autotune.noise import NoiseRule, Objective
+from ..autotune.plan import MachineFacts, ModelFacts, Plan, make_plan
+from ..autotune.trial import Cancelled
+from ..engine.args import TUNABLE
+from ..engine.spec import CheckpointError, ModelSpec
+from .benchmark_store import add_event, update_run
+from .errors import BadRequest, NotFound
+from .flags import FlagError, validate_flags
+from .schema import BenchmarkRun, Model, Profile
+from .service import Daemon
+
+HARDWARE_FRESH_S = 7 * 24 * 3600.0
+CPU_DEVICE_MEMORY = "2GiB"  # the engine's own budget on a CPU device, made explicit
+TUNABLE_FLAGS = {t.flag for t in TUNABLE}
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """What a client asks of a run (POST /api/benchmarks), checked."""
+
+    model: str
+    mode: str = "standard"
+    objective: str = "decode"
+    clients: int = 0
+    base_flags: tuple[str, ...] | None = None
+    profile_id: int | None = None
+    pick_up: bool = False
+    only_flags: tuple[str, ...] | None = None
+    rule: NoiseRule = field(default_factory=NoiseRule)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> RunOptions:
+        known = {"model", "mode", "objective", "clients", "base_flags", "profile_id", "pick_up",
+                 "only_flags", "min_gain", "side_tolerance"}  # fmt: skip
+        unknown = set(body) - known
+        if unknown:
+            raise BadRequest(f"unknown field(s) {sorted(unknown)}; a run takes {sorted(known)}")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("model must be a checkpoint path or id (GET /api/models lists them)")
+        mode = body.get("mode", "standard")
+        objective = body.get("objective", "decode")
+        clients = body.get("clients", 8 if objective == "aggregate" else 0)
+        if not isinstance(clients, int) or isinstance(clients, bool) or not 0 <= clients <= 256:
+            raise BadRequest("clients must be a whole number from 2 to 256")
+        try:
+            mode_named(str(mode))
+            Objective(str(objective), clients if objective == "aggregate" else 0)
+            rule = NoiseRule(
+                min_gain=_share(body, "min_gain", 0.03),
+                side_tolerance=_share(body, "side_tolerance", 0.05),
+            )
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
+        base = body.get("base_flags")
+        if base is not None and (
+            not isinstance(base, list) or not all(isinstance(f, str) for f in base)
+        ):
+            raise BadRequest(
+                'base_flags must be a list of strings, e.g. ["--moe-cache-rate", "0.5"]'
+            )
+        only = body.get("only_flags")
+        if only is not None:
+            if not isinstance(only, list) or not all(isinstance(f, str) for f in only):
+                raise BadRequest("only_flags must be a list of flag names")
+            wrong = sorted(set(only) - TUNABLE_FLAGS)
+            if wrong:
+                raise BadRequest(
+                    f"not tunable: {', '.join(wrong)}; the tunable flags are "
+                    f"{', '.join(sorted(TUNABLE_FLAGS))}"
+                )
+        profile_id = body.get("profile_id")
+        if profile_id is not None and (
+            not isinstance(profile_id, int) or isinstance(profile_id, bool)
+        ):
+            raise BadRequest("profile_id must be a whole number")
+        pick_up = body.get("pick_up", False)
+        if not isinstance(pick_up, bool):
+            raise BadRequest("pick_up must be true or false")
+        if sum(x is not None and x is not False for x in (base, profile_id, pick_up or None)) > 1:
+            raise BadRequest("give at most one of base_flags, profile_id and pick_up")
+        return cls(
+            model=model,
+            mode=str(mode),
+            objective=str(objective),
+            clients=clients if objective == "aggregate" else 0,
+            base_flags=tuple(base) if base is not None else None,
+            profile_id=profile_id,
+            pick_up=pick_up,
+            only_flags=tuple(only) if only is not None else None,
+            rule=rule,
+        )
+
+
+def _share(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 0.5:
+        raise ValueError(f"{name} must be a share from 0 to 0.5 (e.g. 0.05 for 5%)")
+    return float(value)
+
+
+@dataclass(slots=True)
+class Setup:
+    """A run's starting point, resolved: model, flags, where they came from, and its plan."""
+
+    model: Model
+    spec: ModelSpec
+    base_flags: list[str]
+    base_origin: str
+    plan: Plan
+    machine: MachineFacts
+    pick_up_from: int | None = None
+    tried_in: dict[str, int] = field(default_factory=dict)
+    hardware: dict[str, Any] | None = None
+
+
+def model_of(daemon: Daemon, model: str) -> tuple[Model, ModelSpec]:
+    """A catalog model (by path or id) and its spec; NotFound or BadRequest otherwise."""
+    catalog = daemon.catalog
+    row = catalog.get(int(model)) if model.isdigit() else catalog.by_path(model)
+    if row is None:
+        raise NotFound(
+            f"unknown model {model!r}; GET /api/models lists them", code="model_not_found"
+        )
+    try:
+        spec = ModelSpec.from_config(row.config or {})
+    except CheckpointError as err:
+        raise BadRequest(f"{row.name} cannot be served: {err}", code="unsupported_model") from None
+    return row, spec
+
+
+def machine_facts(daemon: Daemon) -> MachineFacts:
+    """This machine's cores and GPUs, as the plan reads them."""
+    inventory = daemon.hardware.inventory(max_age_s=3600.0)
+    return MachineFacts(physical_cores=inventory.physical_cores, gpus=len(inventory.gpus))
+
+
+def resolve_setup(daemon: Daemon, options: RunOptions) -> Setup:
+    """Resolve where a run starts and plan it (for a preview, or to start it)."""
+    model, spec = model_of(daemon, options.model)
+    machine = machine_facts(daemon)
+    pick_up_from, tried_in, hardware = None, {}, None
+    if options.pick_up:
+        last = last_done(daemon, model.path, options.objective, options.clients)
+        if last is None:
+            raise BadRequest(
+                f"no finished {options.objective} run of {model.name} to pick up from; "
+                "run a benchmark first",
+                code="nothing_to_pick_up",
+            )
+        result = last.result or {}
+        base, origin = list(result.get("flags", [])), f"the result of run {last.id}"
+        pick_up_from, hardware = last.id, (last.options or {}).get("hardware")
+        tried_in = dict(result.get("tried_in") or {})
+        for key in result.get("tried", []):
+            tried_in.setdefault(key, last.id)
+    elif options.profile_id is not None:
+        with daemon.store.session() as session:
+            profile = session.get(Profile, options.profile_id)
+        if profile is None:
+            raise NotFound(f"no profile {options.profile_id}")
+        base, origin = list(profile.flags), f"profile {profile.name!r}"
+    elif options.base_flags is not None:
+        base, origin = list(options.base_flags), "the flags given"
+    else:
+        base, origin = recommended_flags(daemon, model.path), "Recommended"
+    base = for_this_machine(base, machine)
+    try:
+        validate_flags(model.path, base)
+    except FlagError as err:
+        raise BadRequest(f"the starting flags: {err}", code="invalid_flags") from None
+    plan = make_plan(
+        base,
+        ModelFacts(model.path, spec.num_moe_layers, spec.num_experts, model.max_context),
+        machine,
+        MODES[options.mode],
+        Objective(options.objective, options.clients),
+        only_flags=frozenset(options.only_flags) if options.only_flags else None,
+        tried=tried_in,
+    )
+    return Setup(model, spec, base, origin, plan, machine, pick_up_from, tried_in, hardware)
+
+
+def recommended_flags(daemon: Daemon, model_path: str) -> list[str]:
+    """The Recommended flags from the rules (an earlier benchmark's result is for pick-up)."""
+    from ..profiles.recommend import recommend
+    from .api_recommend import gather
+
+    inputs = gather(daemon, model_path, None)
+    return recommend(inputs.machine, inputs.spec, model=model_path).flags
+
+
+def for_this_machine(flags: list[str], machine: MachineFacts) -> list[str]:
+    """On a machine without a GPU the trials say `--device cpu --device-memory` outright."""
+    if machine.gpus:
+        return flags
+    if effective_value(flags, "--device") == "auto":
+        flags = apply_change(flags, Change("--device", "cpu"))
+    if effective_value(flags, "--device") == "cpu" and not has_flag(flags, "--device-memory"):
+        flags = apply_change(flags, Change("--device-memory", CPU_DEVICE_MEMORY))
+    return flags
+
+
+def last_done(daemon: Daemon, model_path: str, objective: str, clients: int) -> BenchmarkRun | None:
+    """The newest finished run of a model with this objective (and clients)."""
+    with daemon.store.session() as session:
+        rows = session.scalars(
+            select(BenchmarkRun)
+            .where(
+                BenchmarkRun.model == model_path,
+                BenchmarkRun.status == "done",
+                BenchmarkRun.objective == objective,
+            )
+            .order_by(BenchmarkRun.finished.desc(), BenchmarkRun.id.desc())
+        )
+        return next((r for r in rows if (r.options or {}).get("clients", 0) == clients), None)
+
+
+def hardware_phase(
+    daemon: Daemon, row: BenchmarkRun, cancelled: Callable[[], bool]
+) -> dict[str, Any]:
+    """Phase (a): `moelab bench bw` at this model's expert size, unless a fresh one exists."""
+    _model, spec = model_of(daemon, row.model)
+    fresh = fresh_rates(daemon, spec)
+    if fresh is not None:
+        add_event(
+            daemon.store,
+            row.id,
+            "phase",
+            f"hardware: measured {(time.time() - fresh) / 3600:.1f} h ago at this expert size; "
+            "not measured again",
+        )
+    else:
+        update_run(daemon.store, row.id, phase="hardware")
+        add_event(daemon.store, row.id, "phase", "hardware: moelab bench bw at this expert size")
+        job, _new = daemon.hardware.start_measure([Path(row.model)], ["--model-path", row.model])
+        while not daemon.jobs.wait(job, 0.5):
+            if cancelled():
+                raise Cancelled()
+        if job.status != "done":
+            add_event(
+                daemon.store,
+                row.id,
+                "warning",
+                f"hardware: the measurement failed ({job.error}); the engines measure at start",
+            )
+    inventory = daemon.hardware.inventory(max_age_s=3600.0)
+    rates = {
+        f"{m.kind} threads={m.params.get('threads')}": m.value
+        for m in daemon.hardware.latest()
+        if m.source == "moelab bench bw" and m.kind in ("cpu_experts", "h2d_pinned")
+        and m.params.get("experts", 1) == 1
+    }  # fmt: skip
+    return {
+        "measured": time.time() if fresh is None else fresh,
+        "gpu_uuids": [g.uuid for g in inventory.gpus],
+        "gpus": [g.name for g in inventory.gpus],
+        "physical_cores": inventory.physical_cores,
+        "ram_total_bytes": inventory.ram_total_bytes,
+        "rates_gbps": rates,
+    }
+
+
+def fresh_rates(daemon: Daemon, spec: ModelSpec) -> float | None:
+    """When the CPU expert rate was measured at this expert size with this moelab, if lately."""
+    version = daemon.hardware.inventory(max_age_s=3600.0).engine_version
+    times = [
+        m.created
+        for m in daemon.hardware.latest()
+        if m.source == "moelab bench bw"
+        and m.kind == "cpu_experts"
+        and m.params.get("hidden") == spec.hidden_size
+        and m.params.get("intermediate") == spec.moe_intermediate_size
+        and m.engine_version == version
+        and time.time() - m.created < HARDWARE_FRESH_S
+    ]
+    return max(times) if times else None
