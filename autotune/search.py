@@ -13,11 +13,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .flagset import Change, apply_change, same_flags, split_flags, value_of
+from .flagset import Change, apply_change, same_flags, value_of
 from .journal import Journal
 from .modes import Mode
 from .noise import Figures, Judgement, NoiseRule, Objective, Spreads
 from .plan import Candidate, Plan, Skipped
+from .result import build_result
 from .trial import TrialRequest, TrialResult
 
 CONTEXT_FLAG = "--kv-reserve-tokens"
@@ -109,7 +110,7 @@ class Search:
         self._candidates()
         self._context()
         self.journal.progress("result", 0.0)
-        return self._result(baseline)
+        return build_result(self, baseline)
 
     def _trial(self, request: TrialRequest) -> tuple[int, TrialResult]:
         n, result = self.journal.run_trial(request)
@@ -367,60 +368,6 @@ class Search:
         durations = [r.duration_s for r in self.results.values()]
         eta = trials_left * statistics.median(durations) if durations else None
         self.journal.progress(phase, eta)
-
-    def _result(self, baseline: Figures) -> dict[str, Any]:
-        assert self.incumbent is not None
-        final = self.incumbent.figures
-        old, new = self.objective.score(baseline), self.objective.score(final)
-        results = list(self.results.values())
-        overhead_s = sum(r.overhead_s for r in results)
-        trial_s = sum(r.duration_s for r in results)
-        return {
-            "flags": self.incumbent.flags,
-            "notes": self._notes(),
-            "changes": [k.to_json() for k in self.kept],
-            "skipped": [s.to_json() for s in self.skipped],
-            "tried": self.tried,
-            "objective": self.objective.name,
-            "clients": self.objective.clients,
-            "baseline": baseline.to_json(),
-            "final": final.to_json(),
-            "gain": (new / old - 1.0) if old and new else None,
-            "spreads": self.spreads.to_json(),
-            "threshold": self.rule.threshold(self.spreads),
-            "context": self.context,
-            "overhead": {
-                "overhead_s": overhead_s,
-                "trial_s": trial_s,
-                "share": overhead_s / trial_s if trial_s else None,
-                "trials": len(results),
-            },
-        }
-
-    def _notes(self) -> list[dict[str, Any]]:
-        """The measured reason for each chosen flag, and for each flag whose default stayed."""
-        assert self.incumbent is not None
-        by_flag = {k.change.flag: k for k in self.kept}
-        notes = []
-        for flag, value in split_flags(self.incumbent.flags):
-            kept = by_flag.get(flag)
-            if kept is not None:
-                reason, source = kept.reason, "measured"
-            else:
-                reason, source = f"from {self.settings.base_origin}", "baseline"
-                if self.tries.get(flag):
-                    reason += "; tried instead: " + "; ".join(self.tries[flag])
-            notes.append({"flag": flag, "value": value, "reason": reason, "source": source})
-        chosen = {flag for flag, _value in split_flags(self.incumbent.flags)}
-        for flag, tries in self.tries.items():
-            if flag in chosen:
-                continue
-            kept = by_flag.get(flag)
-            reason = (
-                kept.reason if kept else "the engine's default stayed; tried: " + "; ".join(tries)
-            )
-            notes.append({"flag": flag, "value": None, "reason": reason, "source": "measured"})
-        return notes
 
 
 def _num(value: float | None) -> str:

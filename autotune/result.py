@@ -1,0 +1,75 @@
+"""A run's result: the chosen flags with the measured reason for each, the figures, the evidence.
+
+The result is what a run stores and what Recommended reads (`flags`, `notes`); it is JSON-ready.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .flagset import split_flags
+from .noise import Figures
+
+if TYPE_CHECKING:  # the search imports this module
+    from .search import Search
+
+
+def build_result(search: Search, baseline: Figures) -> dict[str, Any]:
+    """The result of a finished search, measured against its baseline figures."""
+    incumbent = search.incumbent
+    assert incumbent is not None
+    final = incumbent.figures
+    old, new = search.objective.score(baseline), search.objective.score(final)
+    results = list(search.results.values())
+    overhead_s = sum(r.overhead_s for r in results)
+    trial_s = sum(r.duration_s for r in results)
+    return {
+        "flags": incumbent.flags,
+        "notes": notes(search),
+        "changes": [k.to_json() for k in search.kept],
+        "skipped": [s.to_json() for s in search.skipped],
+        "tried": search.tried,
+        "objective": search.objective.name,
+        "clients": search.objective.clients,
+        "baseline": baseline.to_json(),
+        "final": final.to_json(),
+        "gain": (new / old - 1.0) if old and new else None,
+        "spreads": search.spreads.to_json(),
+        "threshold": search.rule.threshold(search.spreads),
+        "context": search.context,
+        "overhead": {
+            "overhead_s": overhead_s,
+            "trial_s": trial_s,
+            "share": overhead_s / trial_s if trial_s else None,
+            "trials": len(results),
+        },
+    }
+
+
+def notes(search: Search) -> list[dict[str, Any]]:
+    """The measured reason for each chosen flag, and for each flag whose default stayed.
+
+    A note is `{"flag", "value", "reason", "source"}`; source "measured" when trials decided
+    it, "baseline" when the flag came with the starting flags and nothing beat it.
+    """
+    assert search.incumbent is not None
+    by_flag = {k.change.flag: k for k in search.kept}
+    out = []
+    chosen = split_flags(search.incumbent.flags)
+    for flag, value in chosen:
+        kept = by_flag.get(flag)
+        if kept is not None:
+            reason, source = kept.reason, "measured"
+        else:
+            reason, source = f"from {search.settings.base_origin}", "baseline"
+            if search.tries.get(flag):
+                reason += "; tried instead: " + "; ".join(search.tries[flag])
+        out.append({"flag": flag, "value": value, "reason": reason, "source": source})
+    names = {flag for flag, _value in chosen}
+    for flag, tries in search.tries.items():
+        if flag in names:
+            continue
+        kept = by_flag.get(flag)
+        reason = kept.reason if kept else "the engine's default stayed; tried: " + "; ".join(tries)
+        out.append({"flag": flag, "value": None, "reason": reason, "source": "measured"})
+    return out
