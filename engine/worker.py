@@ -66,9 +66,9 @@ class EngineWorker(threading.Thread):
         self.loaded_bytes, self.total_bytes = done, total
 
     def run(self) -> None:
-        from .engine import Engine
-
         try:
+            from .engine import Engine  # here, so that a broken install is reported too
+
             self.engine = Engine(self.args, progress=self._progress)
         except Exception as err:  # reported through /health; the process stays up to say why
             self.status = "error"
