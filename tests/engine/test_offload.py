@@ -23,6 +23,8 @@ def equal_rates(monkeypatch):
 
     monkeypatch.setattr(engine_module, "measure_bp_gbps", lambda bank, device: 10.0)
     monkeypatch.setattr(engine_module, "measure_bh_gbps", lambda runner, bank: 10.0)
+
+
 POLICIES = ["auto", "gpu", "cpu", "split:0.5"]
 PROMPTS = [list(range(3, 23)), list(range(40, 47)), list(range(100, 131))]
 
