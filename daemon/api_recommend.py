@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine.memory import MemoryPlanError
-from ..engine.spec import CheckpointError, ModelSpec
+from ..engine.spec import ModelSpec
 from ..profiles.flags import FlagError
 from ..profiles.machine import Gpu, Machine
 from ..profiles.planner import RunObservation, plan_context
@@ -154,15 +154,7 @@ def gather(daemon: Daemon, model: str | None, profile_id: int | None) -> Inputs:
         model = model or profile.model
     if not model:
         raise BadRequest("give ?model= (a path or an id from GET /api/models) or ?profile=")
-    row = daemon.catalog.get(int(model)) if model.isdigit() else daemon.catalog.by_path(model)
-    if row is None:
-        raise NotFound(
-            f"unknown model {model!r}; GET /api/models lists them", code="model_not_found"
-        )
-    try:
-        spec = ModelSpec.from_config(row.config or {})
-    except CheckpointError as err:
-        raise BadRequest(f"{row.name} cannot be served: {err}", code="unsupported_model") from None
+    row, spec = daemon.catalog.resolve(model)
     return Inputs(
         model=row,
         spec=spec,

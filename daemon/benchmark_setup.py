@@ -21,7 +21,7 @@ from ..autotune.noise import NoiseRule, Objective
 from ..autotune.plan import MachineFacts, ModelFacts, Plan, make_plan
 from ..autotune.trial import Cancelled
 from ..engine.args import TUNABLE
-from ..engine.spec import CheckpointError, ModelSpec
+from ..engine.spec import ModelSpec
 from .benchmark_store import add_event, update_run
 from .errors import BadRequest, NotFound
 from .flags import FlagError, validate_flags
@@ -133,21 +133,6 @@ class Setup:
     hardware: dict[str, Any] | None = None
 
 
-def model_of(daemon: Daemon, model: str) -> tuple[Model, ModelSpec]:
-    """A catalog model (by path or id) and its spec; NotFound or BadRequest otherwise."""
-    catalog = daemon.catalog
-    row = catalog.get(int(model)) if model.isdigit() else catalog.by_path(model)
-    if row is None:
-        raise NotFound(
-            f"unknown model {model!r}; GET /api/models lists them", code="model_not_found"
-        )
-    try:
-        spec = ModelSpec.from_config(row.config or {})
-    except CheckpointError as err:
-        raise BadRequest(f"{row.name} cannot be served: {err}", code="unsupported_model") from None
-    return row, spec
-
-
 def machine_facts(daemon: Daemon) -> MachineFacts:
     """This machine's cores and GPUs, as the plan reads them."""
     inventory = daemon.hardware.inventory(max_age_s=3600.0)
@@ -156,7 +141,7 @@ def machine_facts(daemon: Daemon) -> MachineFacts:
 
 def resolve_setup(daemon: Daemon, options: RunOptions) -> Setup:
     """Resolve where a run starts and plan it (for a preview, or to start it)."""
-    model, spec = model_of(daemon, options.model)
+    model, spec = daemon.catalog.resolve(options.model)
     machine = machine_facts(daemon)
     pick_up_from, tried_in, hardware = None, {}, None
     if options.pick_up:
@@ -239,7 +224,7 @@ def hardware_phase(
     daemon: Daemon, row: BenchmarkRun, cancelled: Callable[[], bool]
 ) -> dict[str, Any]:
     """Phase (a): `moelab bench bw` at this model's expert size, unless a fresh one exists."""
-    _model, spec = model_of(daemon, row.model)
+    _model, spec = daemon.catalog.resolve(row.model)
     fresh = fresh_rates(daemon, spec)
     if fresh is not None:
         add_event(

@@ -9,7 +9,9 @@ from typing import Any
 
 from sqlalchemy import select
 
+from ..engine.spec import CheckpointError, ModelSpec
 from .child import run_moelab
+from .errors import BadRequest, NotFound
 from .jobs import Job, JobError, Jobs
 from .models import DEMO_NAME, Checkpoint, ModelRoot, discover
 from .schema import Model
@@ -99,6 +101,21 @@ class ModelCatalog:
         self.rescan()
         job.progress("demo model ready")
         return {"path": str(target)}
+
+    def resolve(self, model: str) -> tuple[Model, ModelSpec]:
+        """A model by path or id and its spec; NotFound or BadRequest (unsupported) otherwise."""
+        row = self.get(int(model)) if model.isdigit() else self.by_path(model)
+        if row is None:
+            raise NotFound(
+                f"unknown model {model!r}; GET /api/models lists them", code="model_not_found"
+            )
+        try:
+            spec = ModelSpec.from_config(row.config or {})
+        except CheckpointError as err:
+            raise BadRequest(
+                f"{row.name} cannot be served: {err}", code="unsupported_model"
+            ) from None
+        return row, spec
 
 
 def _fill(row: Model, checkpoint: Checkpoint, now: float) -> None:
