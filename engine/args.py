@@ -39,24 +39,24 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def _whole_number(minimum: int):
+    """An argparse type: a whole number of at least `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            word = "at least 1" if minimum == 1 else f"{minimum} or more"
+            raise argparse.ArgumentTypeError(f"{value} must be {word}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
+_positive_int = _whole_number(1)
+_non_negative_int = _whole_number(0)
 
 
 def _rate(text: str) -> float:
@@ -79,10 +79,6 @@ def parse_miss_policy(text: str) -> str:
     raise argparse.ArgumentTypeError(
         f"{text!r} is not a miss policy; use auto, gpu, cpu or split:F with F in [0, 1]"
     )
-
-
-def _threads(text: str) -> int:
-    return _positive_int(text)
 
 
 def physical_cores() -> int:
@@ -208,7 +204,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     moe.add_argument(
         "--moe-cpu-threads",
-        type=_threads,
+        type=_positive_int,
         default=None,
         help="CPU expert worker threads; default: physical cores minus one.",
     )
@@ -350,7 +346,7 @@ def describe_flags(parser: argparse.ArgumentParser | None = None) -> list[dict]:
             flag = action.option_strings[-1]
             if isinstance(action, argparse._StoreTrueAction):
                 kind = "switch"
-            elif action.type in (int, _positive_int, _non_negative_int, _threads):
+            elif action.type in (int, _positive_int, _non_negative_int):
                 kind = "int"
             elif action.type in (float, _rate):
                 kind = "float"
