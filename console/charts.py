@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 
 from .i18n import GIB, Translator
 
-__all__ = ["COLOURS", "GIB", "figure", "layout", "local_iso", "local_times", "time_axis"]
+__all__ = ["COLOURS", "GIB", "figure", "layout", "line", "local_iso", "local_times", "time_axis"]
 
 COLOURS = {
     "weights": "#4c72b0",
@@ -77,3 +77,11 @@ def local_iso(when: str) -> str:
 
 def figure(traces: list[Any], layout_: dict[str, Any]) -> go.Figure:
     return go.Figure(data=traces, layout=layout_)
+
+
+def line(
+    x: list[Any], y: list[Any], name: str, colour: str | None = None, **style: Any
+) -> go.Scatter:
+    """A line trace over time; `colour` a key of COLOURS, `style` further line settings."""
+    line_style = {**({"color": COLOURS[colour]} if colour else {}), **style}
+    return go.Scatter(x=x, y=y, name=name, mode="lines", line=line_style)

@@ -117,20 +117,8 @@ def dashboard_charts(data: dict[str, Any], t: Translator) -> Mapping[str, go.Fig
         x = charts.local_times(series["t"])
         figures[f"throughput-{sid}"] = charts.figure(
             [
-                go.Scatter(
-                    x=x,
-                    y=series["decode_tok_s_10s"],
-                    name=t("generation"),
-                    mode="lines",
-                    line={"color": charts.COLOURS["decode"]},
-                ),
-                go.Scatter(
-                    x=x,
-                    y=series["prefill_tok_s_10s"],
-                    name=t("prompt"),
-                    mode="lines",
-                    line={"color": charts.COLOURS["prefill"]},
-                ),
+                charts.line(x, series["decode_tok_s_10s"], t("generation"), "decode"),
+                charts.line(x, series["prefill_tok_s_10s"], t("prompt"), "prefill"),
             ],
             charts.layout(
                 t,
@@ -140,15 +128,7 @@ def dashboard_charts(data: dict[str, Any], t: Translator) -> Mapping[str, go.Fig
             ),
         )
         figures[f"hit_rate-{sid}"] = charts.figure(
-            [
-                go.Scatter(
-                    x=x,
-                    y=series["hit_rate_60s"],
-                    name=t("hit rate (60 s)"),
-                    mode="lines",
-                    line={"color": charts.COLOURS["expert_cache"]},
-                )
-            ],
+            [charts.line(x, series["hit_rate_60s"], t("hit rate (60 s)"), "expert_cache")],
             charts.layout(
                 t,
                 title=t("expert cache hit rate"),
@@ -158,22 +138,13 @@ def dashboard_charts(data: dict[str, Any], t: Translator) -> Mapping[str, go.Fig
             ),
         )
         ttft_ms = [v * 1000 if v is not None else None for v in series["ttft_mean_s"]]
+        ttft = charts.line(x, ttft_ms, t("time to first token (ms)"), dash="dot")
+        ttft.update(yaxis="y2")
         figures[f"requests-{sid}"] = charts.figure(
             [
-                go.Scatter(
-                    x=x, y=series["running"], name=t("running"), mode="lines", line={"shape": "hv"}
-                ),
-                go.Scatter(
-                    x=x, y=series["queued"], name=t("queued"), mode="lines", line={"shape": "hv"}
-                ),
-                go.Scatter(
-                    x=x,
-                    y=ttft_ms,
-                    name=t("time to first token (ms)"),
-                    mode="lines",
-                    yaxis="y2",
-                    line={"dash": "dot"},
-                ),
+                charts.line(x, series["running"], t("running"), shape="hv"),
+                charts.line(x, series["queued"], t("queued"), shape="hv"),
+                ttft,
             ],
             charts.layout(
                 t,
