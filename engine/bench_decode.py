@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .args import add_engine_flags
+from .moe import CpuJobTimes
 
 
 def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
@@ -165,6 +166,7 @@ def _decode(engine, args) -> dict:
         engine.step()
     c = engine.moe.counters
     before = [a.copy() for a in (c.reads, c.hits, c.fills, c.cpu, c.picks)]
+    engine.moe.cpu_times = CpuJobTimes()
     profiler = None
     if args.profile:
         import cProfile
@@ -214,7 +216,8 @@ def _decode(engine, args) -> dict:
         "hbm_bound_tok_s": args.batch * rates["hbm_gbps"] * 1e9 / active,
         "active_bytes_per_token": active,
         "breakdown": engine.telemetry.breakdown,
-        "cuda_graphs": engine.graphs is not None,
+        "cuda_graphs": engine.config_in_force()["cuda_graph_mode"],
+        "cpu_jobs": engine.moe.cpu_times.to_dict(),
         **rates,
     }
 

@@ -224,14 +224,19 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
     def _capture_graphs(self) -> None:
-        """Capture whole decode steps when every expert is resident on a CUDA device."""
+        """Capture decode steps on a CUDA device: whole steps when every expert is resident, else
+        the dense pieces between the MoE layers (the experts run eagerly between them)."""
         self.graphs = None  # captured graphs hold the old cache and KV tensors
         args = self.args
-        if self.device.type != "cuda" or args.no_cuda_graph or not self.cache.holds_everything:
+        if self.device.type != "cuda" or args.no_cuda_graph:
             return
         t0 = time.perf_counter()
-        self.cache.device_slot_map()  # upload the slot map now: a capture cannot copy from the host
-        graphs = DecodeGraphs(self.model, args.cuda_graph_max_bs, self.max_context)
+        whole = self.cache.holds_everything
+        if whole:
+            self.cache.device_slot_map()  # upload the slot map now: a capture cannot copy it
+        graphs = DecodeGraphs(
+            self.model, args.cuda_graph_max_bs, self.max_context, piecewise=not whole
+        )
         graphs.capture()
         self.graphs = graphs
         log.info("decode CUDA graphs captured in %.2f s", time.perf_counter() - t0)
@@ -330,7 +335,8 @@ class Engine:
                 and self.graphs.fits(batch)
             ):
                 logits = self.graphs.run(batch)
-                self.moe.replayed(len(chunks))
+                if not self.graphs.piecewise:
+                    self.moe.replayed(len(chunks))
             else:
                 logits = self.model.forward(batch)
         except BaseException:
@@ -448,6 +454,9 @@ class Engine:
             "prefill_stream_min_tokens": self.moe.prefill_stream_min_tokens,
             "max_running_requests": a.max_running_requests,
             "cuda_graphs": self.graphs is not None,
+            "cuda_graph_mode": (
+                None if self.graphs is None else "piecewise" if self.graphs.piecewise else "whole"
+            ),
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }

@@ -108,6 +108,21 @@ class StepBatch:
         return self.block_tables is not None
 
 
+@dataclass(slots=True)
+class StepState:
+    """The tensors one piece of a forward step hands to the next (see Model.run_piece)."""
+
+    batch: StepBatch
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    hidden: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    x: torch.Tensor | None = None  # the MoE layer's input
+    ids: torch.Tensor | None = None  # its routing [T, K]
+    weights: torch.Tensor | None = None
+    routed: torch.Tensor | None = None  # fp32 [T, H]: the routed experts' weighted sum
+    logits: torch.Tensor | None = None
+
+
 class Model:
     """A decoder-only MoE transformer of one of the supported architectures."""
 
@@ -131,27 +146,74 @@ class Model:
         # called with (layer, router input, routed expert ids) on every MoE layer, when set
         self.on_router: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
+    @property
+    def num_pieces(self) -> int:
+        """Pieces of a forward step: the dense work before, between and after the MoE layers."""
+        return len(self.spec.moe_layers) + 1
+
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits (fp32) [N, vocab] for the tokens in `batch.logits_index`."""
-        w = self.weights
-        eps = self.spec.rms_norm_eps
-        hidden = w.embed.index_select(0, batch.input_ids)
-        rope = self.rotary.tables(batch.positions)
-        residual: torch.Tensor | None = None
-        for index, layer in enumerate(w.layers):
-            if residual is None:
-                residual = hidden
-                x = rmsnorm(hidden, layer.input_norm, eps)
-            else:
-                x, residual = fused_add_rmsnorm(hidden, residual, layer.input_norm, eps)
-            hidden = self._attention(index, layer, x, batch, rope)
-            x, residual = fused_add_rmsnorm(hidden, residual, layer.post_norm, eps)
-            hidden = self._mlp(index, layer, x, batch)
-        assert residual is not None
-        x, _ = fused_add_rmsnorm(hidden, residual, w.final_norm, eps)
+        state = StepState(batch)
+        for piece in range(self.num_pieces):
+            self.run_piece(piece, state)
+            if piece < self.num_pieces - 1:
+                self.run_experts(piece, state)
+        assert state.logits is not None
+        return state.logits
+
+    @torch.inference_mode()
+    def run_piece(self, piece: int, state: StepState) -> None:
+        """The dense work of one piece of a step: no host sync, so a CUDA graph can hold it.
+
+        Piece 0 starts at the embedding, piece p > 0 at the shared expert and residual of MoE
+        layer p - 1 (whose routed output is in state.routed); each runs to the router of the next
+        MoE layer (state.x, ids, weights), the last one to the logits.
+        """
+        w, batch = self.weights, state.batch
+        moe_layers = self.spec.moe_layers
+        if piece == 0:
+            state.hidden = w.embed.index_select(0, batch.input_ids)
+            state.residual = None
+            state.rope = self.rotary.tables(batch.positions)
+            first = 0
+        else:
+            done = moe_layers[piece - 1]
+            state.hidden = self._after_experts(w.layers[done], state)
+            first = done + 1
+        last = moe_layers[piece] if piece < len(moe_layers) else len(w.layers)
+        for index in range(first, last):
+            layer = w.layers[index]
+            x = self._attention_block(index, layer, state)
+            state.hidden = _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
+        if piece < len(moe_layers):
+            state.x = self._attention_block(last, w.layers[last], state)
+            self._route(last, w.layers[last], state)
+            return
+        x, _ = fused_add_rmsnorm(state.hidden, state.residual, w.final_norm, self.spec.rms_norm_eps)
         x = x.index_select(0, batch.logits_index)
-        return F.linear(x, w.lm_head).float()
+        state.logits = F.linear(x, w.lm_head).float()
+
+    def run_experts(self, piece: int, state: StepState) -> None:
+        """The routed experts of the MoE layer that ends `piece`: state.routed (fp32)."""
+        assert state.x is not None and state.ids is not None and state.weights is not None
+        state.routed = self.experts.forward(
+            piece, state.x, state.ids, state.weights, decode=state.batch.decode
+        )
+
+    def _attention_block(self, index: int, layer: LayerWeights, state: StepState) -> torch.Tensor:
+        """Input norm (with the residual add), attention, post-attention norm: the MLP's input."""
+        eps = self.spec.rms_norm_eps
+        if state.residual is None:
+            state.residual = state.hidden
+            x = rmsnorm(state.hidden, layer.input_norm, eps)
+        else:
+            x, state.residual = fused_add_rmsnorm(
+                state.hidden, state.residual, layer.input_norm, eps
+            )
+        hidden = self._attention(index, layer, x, state.batch, state.rope)
+        x, state.residual = fused_add_rmsnorm(hidden, state.residual, layer.post_norm, eps)
+        return x
 
     def _attention(
         self,
@@ -211,18 +273,19 @@ class Model:
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale)
         return out.transpose(0, 1)
 
-    def _mlp(
-        self, index: int, layer: LayerWeights, x: torch.Tensor, batch: StepBatch
-    ) -> torch.Tensor:
-        if layer.router is None:
-            return _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
-        spec = self.spec
+    def _route(self, index: int, layer: LayerWeights, state: StepState) -> None:
         with self.timer.phase("route") if self.timer is not None else _NO_TIMER:
-            logits = F.linear(x, layer.router)
-            weights, ids = topk_softmax(logits, spec.top_k, spec.norm_topk_prob)
+            logits = F.linear(state.x, layer.router)
+            state.weights, state.ids = topk_softmax(
+                logits, self.spec.top_k, self.spec.norm_topk_prob
+            )
         if self.on_router is not None:
-            self.on_router(index, x, ids)
-        out = self.experts.forward(spec.moe_index(index), x, ids, weights, decode=batch.decode)
+            self.on_router(index, state.x, state.ids)
+
+    def _after_experts(self, layer: LayerWeights, state: StepState) -> torch.Tensor:
+        """The MoE layer's output: routed experts plus the shared expert, in the model dtype."""
+        out, x = state.routed, state.x
+        assert out is not None and x is not None
         if layer.shared_gate_up is not None:
             gate = torch.sigmoid(F.linear(x, layer.shared_gate))
             out = out + (gate * _swiglu(x, layer.shared_gate_up, layer.shared_down)).float()

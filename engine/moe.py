@@ -53,6 +53,33 @@ class MissPolicy:
 
 
 @dataclass(slots=True)
+class CpuJobTimes:
+    """What the CPU expert workers did in decode steps, timed by the native kernel itself."""
+
+    jobs: int = 0
+    weight_bytes: int = 0
+    start_s: float = 0.0  # queueing to the first task taken: the workers' reaction time
+    run_s: float = 0.0  # first task taken to last task done
+
+    def add(self, weight_bytes: int, seconds: tuple[float, float] | None) -> None:
+        if seconds is None:
+            return
+        self.jobs += 1
+        self.weight_bytes += weight_bytes
+        self.start_s += seconds[0]
+        self.run_s += seconds[1]
+
+    def to_dict(self) -> dict:
+        return {
+            "jobs": self.jobs,
+            "weight_bytes": self.weight_bytes,
+            "gbps": self.weight_bytes / self.run_s / 1e9 if self.run_s else None,
+            "start_us_mean": 1e6 * self.start_s / self.jobs if self.jobs else None,
+            "run_us_mean": 1e6 * self.run_s / self.jobs if self.jobs else None,
+        }
+
+
+@dataclass(slots=True)
 class LayerCounters:
     """Decode counters per MoE layer: expert reads and where each one ran."""
 
@@ -92,6 +119,7 @@ class MoERunner:
         self.prefill_overlap = prefill_overlap
         self.prefill_stream_min_tokens = prefill_stream_min_tokens
         self._counters = LayerCounters.zeros(bank.num_layers, bank.num_experts)
+        self.cpu_times = CpuJobTimes()
         self.prefill_picks = np.zeros((bank.num_layers, bank.num_experts), dtype=np.int64)
         # decode-step observers: (layer, experts, slots before the step, fetched, run on CPU)
         self.on_decode_step: list[Callable] = []
@@ -350,6 +378,8 @@ class MoERunner:
             with self._phase("cpu_experts"):
                 # a copy: the pinned buffer is reused by the next layer's CPU job
                 cpu_out = job.wait().to(self.device, non_blocking=True, copy=True)
+            if decode:
+                self.cpu_times.add(on_cpu.size * self.bank.expert_bytes, job.seconds())
             out = cpu_out if out is None else out + cpu_out
         if out is None:
             out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)

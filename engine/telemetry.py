@@ -233,6 +233,7 @@ class Telemetry:
             "whatif_accesses": self.whatif.accesses if self.whatif else 0,
             "hit_rate_60s": float(window[1].sum() / reads_60) if reads_60 else None,
             "hit_rate": float(current[1].sum() / current[0].sum()) if current[0].sum() else None,
+            "cpu_jobs": engine.moe.cpu_times.to_dict(),
         }
 
 

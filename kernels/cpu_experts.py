@@ -246,6 +246,13 @@ class CpuExpertJob:
         result = self._future.result()
         return result if self._out is None else self._out.copy_(result)
 
+    def seconds(self) -> tuple[float, float] | None:
+        """(start_s, run_s) of a finished native job: from queueing to the first task taken (the
+        workers' reaction time), and from then to the last task done; None for the torch kernel."""
+        if self._job is None or not self._job.done():
+            return None
+        return tuple(self._job.seconds())
+
     def __del__(self) -> None:
         if self._job is not None and self._keep:
             self._job.wait()

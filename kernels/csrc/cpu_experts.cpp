@@ -24,6 +24,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -269,11 +270,23 @@ class Job {
   // Claims and runs tasks until none is left; returns when this job has nothing more to hand out.
   void work() {
     for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < num_tasks_;) {
+      if (i == 0) started_ = Clock::now();
       run_task(i);
       if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_tasks_) signal_done();
     }
   }
   bool done() const { return done_.load(std::memory_order_acquire); }
+
+  void mark_queued() { queued_at_ = Clock::now(); }
+
+  // Seconds from queueing to the first task being claimed (the workers' reaction time) and from
+  // then to the last task finishing; both 0 until the job is done.
+  std::pair<double, double> seconds() const {
+    if (!done() || num_tasks_ == 0) return {0.0, 0.0};
+    const std::chrono::duration<double> start = started_ - queued_at_;
+    const std::chrono::duration<double> run = finished_at_ - started_;
+    return {start.count(), run.count()};
+  }
 
   void wait() {
     // The caller usually waits for well under a millisecond: spin a little before sleeping.
@@ -291,6 +304,7 @@ class Job {
 
  private:
   void signal_done() {
+    finished_at_ = Clock::now();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       done_.store(true, std::memory_order_release);
@@ -298,6 +312,10 @@ class Job {
     cv_.notify_all();
   }
 
+  using Clock = std::chrono::steady_clock;
+  // Written before the job is queued, by the thread that claims task 0, and by the one that
+  // finishes the last task; read only once done_ is set (release/acquire orders them).
+  Clock::time_point queued_at_{}, started_{}, finished_at_{};
   // Each counter on a cache line of its own: every worker updates them, the caller spins on done_.
   int64_t num_tasks_ = 0;
   alignas(64) std::atomic<int64_t> next_{0};
@@ -323,6 +341,7 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopping_) throw std::runtime_error("this CpuExpertRunner is closed");
+      job->mark_queued();
       queue_.push_back(std::move(job));
       queued_.fetch_add(1, std::memory_order_release);
     }
@@ -667,6 +686,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
   py::class_<Job, std::shared_ptr<Job>>(m, "Job")
       .def("done", &Job::done)
+      .def("seconds", &Job::seconds)
       .def("wait", &Job::wait, py::call_guard<py::gil_scoped_release>());
   m.def("submit_experts", &submit_experts);
   m.def("read_sum", &read_sum);

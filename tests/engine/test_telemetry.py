@@ -113,6 +113,10 @@ def test_per_layer_counters_agree_with_a_router_trace(model):
         assert sum(row["resident"] for row in layers) == engine.cache.resident
         window = stats["experts"]["window_60s"]["layers"]
         assert sum(r["reads"] for r in window) == reads.sum()
+        jobs = stats["experts"]["cpu_jobs"]  # one native job per decode layer step with CPU work
+        assert 0 < jobs["jobs"] <= int(c.cpu.sum())
+        assert jobs["weight_bytes"] == int(c.cpu.sum()) * engine.bank.expert_bytes
+        assert jobs["gbps"] > 0 and jobs["start_us_mean"] >= 0 and jobs["run_us_mean"] > 0
     finally:
         engine.close()
 
