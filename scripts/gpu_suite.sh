@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|machine|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|offload|crossover|autotune|machine|all]
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first.
 set -uo pipefail
 out=${1:?output directory}
@@ -42,4 +42,20 @@ if [ "$part" = machine ] || [ "$part" = all ]; then
   run cpu_experts_bench python3 -m moelab.kernels.cpu_experts --threads 1,4,8,16
   run decode48_resident $B decode --preset qwen3-30b-a3b --routing-skew 1 --json
   run decode48_cache25 $B decode --preset qwen3-30b-a3b --routing-skew 1 --moe-cache-rate 0.25 --json
+fi
+if [ "$part" = offload ]; then  # the offloaded decode step, with the CPU workers' own timings
+  C="$G --routing-skew 1 --moe-cache-rate 0.25 --json"
+  run decode12_cache25_skew1 $B decode $C
+  run decode12_cache25_skew1_cpu $B decode $C --moe-miss-policy cpu
+  run decode12_cache25_skew1_t8 $B decode $C --moe-cpu-threads 8
+  run decode12_cache25_skew1_eager $B decode $C --no-cuda-graph --profile
+fi
+if [ "$part" = crossover ] || [ "$part" = all ]; then  # the bw profile first: the crossover joins it
+  run bw_profile $B bw --json
+  run prefill12_crossover $B prefill $G --moe-cache-rate 0.25 --crossover --json
+fi
+if [ "$part" = autotune ] || [ "$part" = all ]; then  # trial overhead of the benchmark, small preset
+  run synth_small python3 -m moelab.engine.cli synth --arch qwen3_moe --preset small --out /tmp/small
+  run autotune_small python3 -m moelab.autotune --model-path /tmp/small --mode quick \
+    --objective decode --out "$out/autotune_small.json"
 fi
