@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import fused_moe, grouped_moe, paged_attention, rmsnorm, router
+from . import fused_moe, grouped_moe, paged_attention, rmsnorm, rope_kv, router
 from .measure import (
     Result,
     eager_us_per_call,
@@ -274,6 +274,45 @@ class Bench:
     ) -> Callable[[], object]:
         return lambda: fn(x, residual, weight, 1e-6)
 
+    def rope_kv(self, tokens: int) -> None:
+        """Per-head qk RMSNorm, RoPE and the KV write of one layer (Qwen3), fused in one launch;
+        the reference is the dozen torch ops the engine ran before."""
+        width = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+        cache_shape = (-(-tokens // PAGE) + 1, PAGE, KV_HEADS, HEAD_DIM)
+        layers = layers_for(tokens * width * ELEM_BYTES)
+        sets = [
+            (self.randn(tokens, width), self.randn(*cache_shape), self.randn(*cache_shape))
+            for _ in range(layers)
+        ]
+        tables = (self.randn(4096, HEAD_DIM), self.randn(4096, HEAD_DIM))
+        norms = (self.randn(HEAD_DIM), self.randn(HEAD_DIM))
+        positions = torch.randint(0, 4096, (tokens,), generator=self.gen, device=DEVICE)
+        slots = torch.arange(tokens, device=DEVICE)
+
+        def call(
+            fn: Callable[..., torch.Tensor],
+            qkv: torch.Tensor,
+            k_cache: torch.Tensor,
+            v_cache: torch.Tensor,
+        ) -> Callable[[], object]:
+            return lambda: fn(qkv, positions, *tables, *norms, 1e-6, k_cache, v_cache, slots,
+                              Q_HEADS, KV_HEADS, HEAD_DIM)  # fmt: skip
+
+        time_us = graph_us_per_call([call(rope_kv.qk_norm_rope_kv_triton, *s) for s in sets])
+        ref_us = graph_us_per_call([call(rope_kv.qk_norm_rope_kv_ref, *s) for s in sets[:2]])
+        # read qkv, a cos and a sin row per token and the norms; write q, k and v
+        bytes_moved = (2 * tokens * width + 2 * tokens * HEAD_DIM + 2 * HEAD_DIM) * ELEM_BYTES
+        # per q or k element: square and add, two scalings, two products and a sum
+        flops = 7 * tokens * (Q_HEADS + KV_HEADS) * HEAD_DIM
+        self.add(
+            "qk_norm_rope_kv",
+            f"T={tokens} Hq={Q_HEADS} Hkv={KV_HEADS} D={HEAD_DIM} qk norm",
+            time_us,
+            bytes_moved,
+            flops,
+            ref_us,
+        )
+
     def router(self, tokens: int) -> None:
         """Softmax + top-8 of 128 experts, renormalized (Qwen3)."""
         logits = self.randn(tokens, EXPERTS)
@@ -333,6 +372,8 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
     for tokens in (1, 2048):
         bench.rmsnorm(tokens)
         bench.router(tokens)
+    for tokens in (1, 8):
+        bench.rope_kv(tokens)
     if sweep:
         for block_n, block_k, down_n, warps, stages in (
             (16, 128, 16, 4, 4),
