@@ -4,9 +4,11 @@ Replaying a graph removes the launch and Python overhead of a few hundred small 
 When every expert is in the cache the whole step is one graph. An offloaded MoE layer needs the host
 to see the routing and choose copies, so it cannot sit inside a graph: then each piece of dense
 work (attention, norms and router between two MoE dispatches; `Model.run_piece`) is a graph of its
-own, and the experts run eagerly between the replays, reading the piece's outputs and writing into
-a fixed buffer the next piece reads. One set of graphs per padded batch size; padding rows write
-their KV into a scratch block, attend to nothing, and are left out of the expert dispatch.
+own. Between two replays the host reads the routing, starts the slot fills and the CPU experts, and
+writes each route's slot and the CPU's result into fixed buffers; the next piece's graph begins with
+the cached experts' kernel over those slots, so no kernel is launched eagerly. One set of graphs per
+padded batch size; padding rows write their KV into a scratch block, attend to nothing, and are left
+out of the expert dispatch (their slots stay -1).
 """
 
 from __future__ import annotations
@@ -22,19 +24,24 @@ from .model import Model, SeqSlice, StepBatch, StepState
 
 log = logging.getLogger("moelab.graphs")
 
+# What a captured piece hands to the host: the MoE layer's input, routing and weights, and the
+# logits after the last piece (None where a piece does not make it).
+Outputs = tuple[torch.Tensor | None, ...]
+
 
 class Graph:
     """One captured piece of work (torch.cuda.CUDAGraph)."""
 
     def __init__(self, pool: object | None) -> None:
         self._graph = torch.cuda.CUDAGraph()
-        self._pool = pool
+        self.pool = pool
 
-    def capture(self, work: Callable[[], None]) -> object:
-        """Capture `work` (run once, recorded); returns the memory pool for the next capture."""
-        with torch.cuda.graph(self._graph, pool=self._pool):
-            work()
-        return self._graph.pool()
+    def capture(self, work: Callable[[], Outputs]) -> Outputs:
+        """Record `work`; its output tensors are rewritten in place by every replay."""
+        with torch.cuda.graph(self._graph, pool=self.pool):
+            outputs = work()
+        self.pool = self._graph.pool()
+        return outputs
 
     def replay(self) -> None:
         self._graph.replay()
@@ -43,9 +50,9 @@ class Graph:
 class DecodeGraphs:
     """Captured decode steps for batch sizes up to `max_bs`, replayed with the batch's inputs.
 
-    piecewise: capture the dense pieces between MoE layers (experts run eagerly between them)
-    instead of whole steps. `graph_factory` makes the graph objects (tests pass one that re-runs
-    the work, to check the plumbing without CUDA).
+    piecewise: capture the dense pieces between MoE layers (the host stages the experts between
+    them) instead of whole steps. `graph_factory` makes the graph objects (tests pass one that
+    re-runs the work, to check the plumbing without CUDA).
     """
 
     def __init__(
@@ -73,9 +80,12 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((max_bs, self.max_blocks), dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.logits_index = torch.arange(max_bs, device=dev)
+        # staged experts of the layer between two pieces: each route's slot, and the CPU's part
+        top_k, hidden = model.spec.top_k, model.spec.hidden_size
+        self.route_slots = torch.full((max_bs, top_k), -1, dtype=torch.int32, device=dev)
+        self.cpu_part = torch.zeros((max_bs, hidden), dtype=torch.float32, device=dev)
         self.graphs: dict[int, list[Graph]] = {}
-        self.states: dict[int, StepState] = {}  # per size: the pieces' outputs, fixed tensors
-        self.routed: dict[int, list[torch.Tensor]] = {}  # per size: expert outputs, per MoE layer
+        self.outputs: dict[int, list[Outputs]] = {}  # per size, per piece
         self.pool: object | None = None
 
     def _batch(self, bs: int) -> StepBatch:
@@ -85,32 +95,30 @@ class DecodeGraphs:
             block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
         )  # fmt: skip
 
-    def _piece(self, bs: int, piece: int, state: StepState) -> None:
-        """One piece of dense work; a piece after an MoE layer reads that layer's fixed buffer."""
+    def _piece(self, bs: int, piece: int, state: StepState) -> Outputs:
+        """One piece; after an MoE layer it starts with that layer's staged experts."""
         if piece:
-            state.routed = self.routed[bs][piece - 1]
+            assert state.x is not None and state.weights is not None
+            state.routed = self.model.experts.routed(
+                state.x, self.route_slots[:bs], state.weights, self.cpu_part[:bs]
+            )
         self.model.run_piece(piece, state)
+        return state.x, state.ids, state.weights, state.logits
 
-    def _whole(self, state: StepState) -> None:
+    def _whole(self, state: StepState) -> Outputs:
         state.logits = self.model.forward(state.batch)
+        return None, None, None, state.logits
 
     def capture(self) -> None:
         """Capture every batch size (largest first, so the smaller ones share its memory pool)."""
         model = self.model
-        hidden = model.spec.hidden_size
         pieces = model.num_pieces if self.piecewise else 1
-        for bs in self.sizes:
-            self.routed[bs] = [
-                torch.zeros(bs, hidden, dtype=torch.float32, device=model.device)
-                for _ in range(pieces - 1)
-            ]
         cuda = model.device.type == "cuda"
         stream = torch.cuda.Stream(model.device) if cuda else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(model.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            # compile every kernel specialization and settle the allocator before capturing;
-            # the experts are not run (the buffers' contents do not matter here)
+            # compile every kernel specialization and settle the allocator before capturing
             for bs in self.sizes:
                 for _ in range(2):
                     state = StepState(self._batch(bs))
@@ -122,16 +130,17 @@ class DecodeGraphs:
         if stream is not None:
             torch.cuda.current_stream(model.device).wait_stream(stream)
         for bs in sorted(self.sizes, reverse=True):
-            state = self.states[bs] = StepState(self._batch(bs))
+            state = StepState(self._batch(bs))
             graphs: list[Graph] = []
+            outputs: list[Outputs] = []
             for piece in range(pieces):
                 graph = self._graph_factory(self.pool)
-                if self.piecewise:
-                    self.pool = graph.capture(partial(self._piece, bs, piece, state))
-                else:
-                    self.pool = graph.capture(partial(self._whole, state))
+                work = partial(self._piece, bs, piece, state) if self.piecewise else None
+                outputs.append(graph.capture(work or partial(self._whole, state)))
+                self.pool = graph.pool
                 graphs.append(graph)
-            self.graphs[bs] = graphs
+            # the outputs stay referenced: their memory is where every replay writes them
+            self.graphs[bs], self.outputs[bs] = graphs, outputs
         if cuda:
             torch.cuda.synchronize(model.device)
         log.info(
@@ -160,16 +169,17 @@ class DecodeGraphs:
             self.positions[n:bs].zero_()
             self.slots[n:bs].fill_(self.model.kv.pad_slot)
             self.seq_lens[n:bs].zero_()
-        state = self.states[bs]
-        graphs = self.graphs[bs]
+            self.route_slots[n:bs].fill_(-1)
+        graphs, outputs = self.graphs[bs], self.outputs[bs]
         for piece, graph in enumerate(graphs):
             graph.replay()
             if piece < len(graphs) - 1:
+                x, ids, weights, _ = outputs[piece]
+                assert x is not None and ids is not None and weights is not None
                 # only the real rows: padding rows would fetch and run experts for nothing
-                assert state.x is not None and state.ids is not None and state.weights is not None
-                out = self.model.experts.forward(
-                    piece, state.x[:n], state.ids[:n], state.weights[:n], decode=True
+                self.model.experts.stage_decode(
+                    piece, x[:n], ids[:n], weights[:n], self.route_slots[:n], self.cpu_part[:n]
                 )
-                self.routed[bs][piece][:n].copy_(out)
-        assert state.logits is not None
-        return state.logits[:n]
+        logits = outputs[-1][3]
+        assert logits is not None
+        return logits[:n]

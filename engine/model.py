@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..kernels.paged_attention import paged_attention_decode
 from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.router import topk_softmax
 from .kv import KVCache
 from .rope import Rotary
@@ -142,6 +143,15 @@ class Model:
         self.dtype = weights.embed.dtype
         self.rotary = Rotary(spec, max_positions, self.device, self.dtype)
         self.scale = spec.head_dim**-0.5
+        # the fused decode kernel covers per-head or no q/k norm, unclipped projections and the
+        # head sizes of real models (powers of two from 16)
+        d = spec.head_dim
+        self._fused_qk = (
+            spec.qk_norm in ("none", "head")
+            and spec.clip_qkv is None
+            and d & (d - 1) == 0
+            and 16 <= d <= 512
+        )
         self.timer = None  # a telemetry StepTimer while one step is being timed by phase
         # called with (layer, router input, routed expert ids) on every MoE layer, when set
         self.on_router: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
@@ -175,7 +185,9 @@ class Model:
         if piece == 0:
             state.hidden = w.embed.index_select(0, batch.input_ids)
             state.residual = None
-            state.rope = self.rotary.tables(batch.positions)
+            # fused decode attention reads the full tables itself
+            fused = batch.decode and self._fused_qk
+            state.rope = None if fused else self.rotary.tables(batch.positions)
             first = 0
         else:
             done = moe_layers[piece - 1]
@@ -226,6 +238,18 @@ class Model:
         spec = self.spec
         tokens = x.shape[0]
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        if batch.block_tables is not None and self._fused_qk:
+            # decode: q/k norm, rotary and the KV write in one launch (the same arithmetic)
+            q = qk_norm_rope_kv(
+                qkv, batch.positions, self.rotary.cos, self.rotary.sin, layer.q_norm,
+                layer.k_norm, spec.rms_norm_eps, self.kv.k[index], self.kv.v[index], batch.slots,
+                spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            )  # fmt: skip
+            out = paged_attention_decode(
+                q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
+                self.scale,
+            )  # fmt: skip
+            return F.linear(out.reshape(tokens, spec.q_size), layer.o)
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         if spec.clip_qkv is not None:
             q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))

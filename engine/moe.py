@@ -79,6 +79,17 @@ class CpuJobTimes:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class _Dispatch:
+    """Where the routes of one offloaded layer step run, and the work started for them."""
+
+    route_slots: np.ndarray  # [T, K] cache slot of each route, -1 where it runs on the CPU
+    route_where: np.ndarray  # [T, K] 0 hit, 1 fetched now, 2 on the CPU
+    job: object | None  # the CPU job (CpuExpertJob)
+    fill_event: object | None  # recorded on the copy stream after this step's fills
+    cpu_experts: int
+
+
 @dataclass(slots=True)
 class LayerCounters:
     """Decode counters per MoE layer: expert reads and where each one ran."""
@@ -294,15 +305,20 @@ class MoERunner:
         torch.cuda.current_stream(self.device).synchronize()
         return ids_h.numpy(), w_h, x_h
 
-    def _slots_to_device(self, name: str, slots: np.ndarray) -> torch.Tensor:
-        # the buffer is reused by the next layer only after that layer's routing sync, by which
-        # time this copy has run
-        host = self._pinned(name, slots.shape, torch.int32)
-        host.numpy()[...] = slots
-        return host.to(self.device, non_blocking=True)
+    def _pinned_copy(self, name: str, values: np.ndarray) -> torch.Tensor:
+        """`values` in a reusable pinned buffer (int32), ready for a non-blocking copy; the
+        buffer is reused by the next layer only after that layer's routing sync, by which time
+        the copy has run."""
+        host = self._pinned(name, values.shape, torch.int32)
+        host.numpy()[...] = values
+        return host
 
-    def _split(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
-        """Hits on the device, misses split between slot fills and CPU execution."""
+    def _slots_to_device(self, name: str, slots: np.ndarray) -> torch.Tensor:
+        return self._pinned_copy(name, slots).to(self.device, non_blocking=True)
+
+    def _dispatch(self, moe_layer, x, ids, weights, decode) -> _Dispatch:
+        """The host side of an offloaded layer step: look the routes up in the cache, start the
+        CPU job and the slot fills, count. The CPU job goes first: it is the longest to run."""
         ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
         picks = self._counters.picks if decode else self.prefill_picks
         np.add.at(picks[moe_layer], ids_host.ravel(), 1)
@@ -319,20 +335,31 @@ class MoERunner:
         else:
             fetch, on_cpu = missing, missing[:0]
         protected = set(slots[slots >= 0].tolist())
-        fetched: list[int] = []
-        if fetch.size and self.copy_stream is not None:
-            # slots being refilled may still be read by work queued on the compute stream
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        admitted: list[tuple[int, int]] = []
         for expert in fetch.tolist():
             slot = self.cache.admit(moe_layer, expert, protected)
             if slot is None:
                 break
             protected.add(slot)
+            admitted.append((expert, slot))
+        if len(admitted) < fetch.size:  # every slot is in use by this step: the rest go to the CPU
+            on_cpu = np.concatenate([on_cpu, fetch[len(admitted) :]])
+        fetched = [expert for expert, _ in admitted]
+
+        # which routes run where, by lookup tables over the layer's experts
+        where = np.zeros(self.bank.num_experts, dtype=np.int8)  # 0 hit, 1 fetched, 2 CPU
+        where[fetched] = 1
+        where[on_cpu] = 2
+        route_where = where[ids_host]
+        job = None
+        if on_cpu.size:
+            job = self._submit_cpu(moe_layer, x_host, ids_host, weights_host, route_where == 2)
+        if admitted and self.copy_stream is not None:
+            # slots being refilled may still be read by work queued on the compute stream
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for expert, slot in admitted:
             self._copy_expert(moe_layer, expert, slot)
-            fetched.append(expert)
-        if len(fetched) < fetch.size:  # every slot is in use by this step: the rest go to the CPU
-            on_cpu = np.concatenate([on_cpu, fetch[len(fetched) :]])
-        fill_event = self._record_copies()
+        fill_event = self._record_copies() if admitted else None
         if decode:
             c = self._counters
             c.reads[moe_layer] += experts.size
@@ -344,45 +371,81 @@ class MoERunner:
             if self.on_accesses is not None:
                 base = moe_layer * self.bank.num_experts
                 self.on_accesses(np.concatenate([experts[slots >= 0], missing]) + base)
-
-        # which routes run where, by lookup tables over the layer's experts
-        on_cpu_table = np.zeros(self.bank.num_experts, dtype=bool)
-        on_cpu_table[on_cpu] = True
-        cpu_mask = on_cpu_table[ids_host]
-        job = None
-        if on_cpu.size:
-            job = self._submit_cpu(moe_layer, x_host, ids_host, weights_host, cpu_mask)
-            if self.timer is not None:  # a timed step runs the CPU part alone, to attribute it
-                with self._phase("cpu_experts"):
-                    job.wait()
         route_slots = self.cache.slot_of[moe_layer][ids_host]
-        route_slots[cpu_mask] = -1
-        fetched_table = np.zeros(self.bank.num_experts, dtype=bool)
-        fetched_table[fetched] = True
-        fetched_mask = fetched_table[ids_host]
+        route_slots[route_where == 2] = -1
+        return _Dispatch(route_slots, route_where, job, fill_event, on_cpu.size)
+
+    def _split(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
+        """Hits on the device, misses split between slot fills and CPU execution (eager)."""
+        d = self._dispatch(moe_layer, x, ids, weights, decode)
+        if d.job is not None and self.timer is not None:
+            with self._phase("cpu_experts"):  # a timed step runs the CPU part alone
+                d.job.wait()
         kernel = fused_moe_decode if decode else grouped_moe
-        hit_slots = np.where(fetched_mask, -1, route_slots)
+        fetched_mask = d.route_where == 1
+        hit_slots = np.where(fetched_mask, -1, d.route_slots)
         out = None
         with self._phase("gpu_experts"):
+            # hits first: they need not wait for the fills
             if (hit_slots >= 0).any():
                 slots_d = self._slots_to_device("hit_slots", hit_slots)
                 out = kernel(x, slots_d, weights, self.cache.w13, self.cache.w2)
-            if fetched:
-                if fill_event is not None:
-                    torch.cuda.current_stream(self.device).wait_event(fill_event)
-                fill_slots = np.where(fetched_mask, route_slots, -1)
+            if fetched_mask.any():
+                if d.fill_event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(d.fill_event)
+                fill_slots = np.where(fetched_mask, d.route_slots, -1)
                 slots_d = self._slots_to_device("fill_slots", fill_slots)
                 part = kernel(x, slots_d, weights, self.cache.w13, self.cache.w2)
                 out = part if out is None else out + part
-        if job is not None:
+        if d.job is not None:
             with self._phase("cpu_experts"):
+                cpu_out = self._wait_cpu(d, decode)
                 # a copy: the pinned buffer is reused by the next layer's CPU job
-                cpu_out = job.wait().to(self.device, non_blocking=True, copy=True)
-            if decode:
-                self.cpu_times.add(on_cpu.size * self.bank.expert_bytes, job.seconds())
+                cpu_out = cpu_out.to(self.device, non_blocking=True, copy=True)
             out = cpu_out if out is None else out + cpu_out
         if out is None:
             out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
+        return out
+
+    def stage_decode(
+        self,
+        moe_layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        slots_out: torch.Tensor,
+        cpu_out: torch.Tensor,
+    ) -> None:
+        """An offloaded decode layer step between two captured pieces: the host part now, the
+        device part (`routed`) inside the next piece's graph.
+
+        Writes each route's slot (-1 where the route runs on the CPU) into slots_out [T, K] and
+        the CPU routes' weighted sum into cpu_out [T, H] (fp32), both on the compute stream, which
+        also waits for this step's fills.
+        """
+        d = self._dispatch(moe_layer, x, ids, weights, decode=True)
+        slots_out.copy_(self._pinned_copy("route_slots", d.route_slots), non_blocking=True)
+        if d.fill_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(d.fill_event)
+        if d.job is None:
+            cpu_out.zero_()
+        else:
+            # the pinned output is overwritten only by the next layer's job, which is submitted
+            # after that layer's routing sync, by when this copy has run
+            cpu_out.copy_(self._wait_cpu(d, decode=True), non_blocking=True)
+
+    def routed(
+        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, cpu_part: torch.Tensor
+    ) -> torch.Tensor:
+        """The device part of a staged decode layer step (capturable): the cached experts'
+        weighted sum plus what the CPU computed."""
+        return fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2) + cpu_part
+
+    def _wait_cpu(self, d: _Dispatch, decode: bool) -> torch.Tensor:
+        assert d.job is not None
+        out = d.job.wait()
+        if decode:
+            self.cpu_times.add(d.cpu_experts * self.bank.expert_bytes, d.job.seconds())
         return out
 
     def _copy_expert(self, moe_layer: int, expert: int, slot: int) -> None:

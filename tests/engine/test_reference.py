@@ -165,3 +165,19 @@ def test_comparison_catches_dropped_shared_expert_gate(tmp_path):
         assert relative_error(engine.score(ids), hf_logits(model, ids)) > 1e-3
     finally:
         engine.close()
+
+
+def test_fused_decode_attention_matches_reference(tmp_path):
+    """Power-of-two heads take the fused q/k-norm + rotary + KV-write path in decode."""
+    geometry = dict(GEOMETRIES["qwen3_moe"], head_dim=16, num_key_value_heads=7)
+    model = build_reference("qwen3_moe", tmp_path, seed=4, **geometry)
+    engine = make_engine(tmp_path)
+    try:
+        assert engine.model._fused_qk
+        prompts = [prompt(20 + i, n) for i, n in enumerate((5, 13))]
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    finally:
+        engine.close()
+    for ids, ours in zip(prompts, outputs, strict=True):
+        ref, margins = hf_greedy(model, ids, 24)
+        assert_same_greedy(ours, ref, margins)
