@@ -16,7 +16,7 @@ from .bench import best, load_profile
 from .cache import ExpertCache
 from .checkpoint import SafetensorsSource, load_dense
 from .cpu import measure_bh_gbps, measure_bp_gbps, start_cpu_executor
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, DecodeRow
 from .kv import KVCache
 from .memory import VramPlan, log_plan, plan_vram
 from .model import Model, SeqSlice, StepBatch
@@ -322,23 +322,26 @@ class Engine:
         if not chunks:
             return []
         t0 = time.perf_counter()
-        batch = self._batch(chunks)
-        decode = batch.decode
+        decode = all(c.count == 1 and not c.seq.prefilling for c in chunks)
         timer = StepTimer(self.device) if decode and self.telemetry.want_timing() else None
+        graphs = self.graphs
+        replay = (
+            decode
+            and timer is None
+            and graphs is not None
+            and self.model.on_router is None
+            and len(chunks) <= graphs.max_bs
+        )
         self.model.timer = self.moe.timer = timer
         try:
-            if (
-                decode
-                and timer is None
-                and self.graphs is not None
-                and self.model.on_router is None
-                and self.graphs.fits(batch)
-            ):
-                logits = self.graphs.run(batch)
-                if not self.graphs.piecewise:
+            if replay:
+                assert graphs is not None
+                logits = graphs.run([DecodeRow(c.seq.tokens[c.start], c.start, c.seq.blocks)
+                                     for c in chunks])  # fmt: skip
+                if not graphs.piecewise:
                     self.moe.replayed(len(chunks))
             else:
-                logits = self.model.forward(batch)
+                logits = self.model.forward(self._batch(chunks))
         except BaseException:
             self.moe.reset_prefill()
             raise

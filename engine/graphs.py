@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -23,6 +24,16 @@ import torch
 from .model import Model, SeqSlice, StepBatch, StepState
 
 log = logging.getLogger("moelab.graphs")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRow:
+    """One sequence's decode step: its next input token, that token's position, its KV pages."""
+
+    token: int
+    position: int
+    blocks: list[int]
+
 
 # What a captured piece hands to the host: the MoE layer's input, routing and weights, and the
 # logits after the last piece (None where a piece does not make it).
@@ -74,11 +85,18 @@ class DecodeGraphs:
         )
         self.max_bs = max_bs
         self.max_blocks = -(-max_context // kv.block_size)
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.slots = torch.full((max_bs,), kv.pad_slot, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros((max_bs, self.max_blocks), dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        # a step's inputs: written on the host into pinned mirrors, sent in two copies
+        pin = dev.type == "cuda"
+        self._host_long = torch.zeros((3, max_bs), dtype=torch.long, pin_memory=pin)
+        self._host_int = torch.zeros(max_bs * (self.max_blocks + 1), dtype=torch.int32,
+                                     pin_memory=pin)  # fmt: skip
+        self._long = torch.zeros((3, max_bs), dtype=torch.long, device=dev)
+        self._int = torch.zeros(max_bs * (self.max_blocks + 1), dtype=torch.int32, device=dev)
+        self.input_ids, self.positions, self.slots = self._long
+        tables = max_bs * self.max_blocks
+        self.block_tables = self._int[:tables].view(max_bs, self.max_blocks)
+        self.seq_lens = self._int[tables:]
+        self.slots.fill_(kv.pad_slot)
         self.logits_index = torch.arange(max_bs, device=dev)
         # staged experts of the layer between two pieces: each route's slot, and the CPU's part
         top_k, hidden = model.spec.top_k, model.spec.hidden_size
@@ -149,26 +167,34 @@ class DecodeGraphs:
             self.sizes,
         )
 
-    def fits(self, batch: StepBatch) -> bool:
-        return (batch.block_tables is not None and len(batch.seqs) <= self.max_bs
-                and batch.block_tables.shape[1] <= self.max_blocks)  # fmt: skip
-
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        """Replay the graphs of the smallest captured size that holds `batch`; logits [n, vocab]."""
-        n = len(batch.seqs)
+    def run(self, rows: list[DecodeRow]) -> torch.Tensor:
+        """Replay the graphs of the smallest captured size that holds `rows` (at most max_bs);
+        logits [n, vocab]."""
+        n = len(rows)
         bs = next(s for s in self.sizes if s >= n)
-        width = batch.block_tables.shape[1]
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slots[:n].copy_(batch.slots)
-        self.block_tables[:n, :width].copy_(batch.block_tables)
-        self.seq_lens[:n].copy_(batch.seq_lens)
+        block_size = self.model.kv.block_size
+        host_long = self._host_long.numpy()
+        host_int = self._host_int.numpy()
+        tables = host_int[: self.max_bs * self.max_blocks].reshape(self.max_bs, self.max_blocks)
+        seq_lens = host_int[self.max_bs * self.max_blocks :]
+        for i, row in enumerate(rows):
+            pos = row.position
+            host_long[0, i] = row.token
+            host_long[1, i] = pos
+            host_long[2, i] = row.blocks[pos // block_size] * block_size + pos % block_size
+            tables[i, : len(row.blocks)] = row.blocks
+            seq_lens[i] = pos + 1
+        # padding rows: token 0 at position 0, KV into the scratch block, nothing to attend to
+        host_long[:, n:bs] = 0
+        host_long[2, n:bs] = self.model.kv.pad_slot
+        seq_lens[n:bs] = 0
+        self._long.copy_(self._host_long, non_blocking=True)
+        used = bs * self.max_blocks
+        self._int[:used].copy_(self._host_int[:used], non_blocking=True)
+        self.seq_lens[:bs].copy_(self._host_int[self.max_bs * self.max_blocks :][:bs],
+                                 non_blocking=True)  # fmt: skip
         if bs > n:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.slots[n:bs].fill_(self.model.kv.pad_slot)
-            self.seq_lens[n:bs].zero_()
             self.route_slots[n:bs].fill_(-1)
         graphs, outputs = self.graphs[bs], self.outputs[bs]
         for piece, graph in enumerate(graphs):

@@ -321,8 +321,13 @@ class MoERunner:
         CPU job and the slot fills, count. The CPU job goes first: it is the longest to run."""
         ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
         picks = self._counters.picks if decode else self.prefill_picks
-        np.add.at(picks[moe_layer], ids_host.ravel(), 1)
-        experts, tokens_per_expert = np.unique(ids_host, return_counts=True)
+        if ids_host.shape[0] == 1:  # one token: its experts are distinct, no counting needed
+            experts = np.sort(ids_host[0])
+            tokens_per_expert = np.ones(experts.size, dtype=np.int64)
+            picks[moe_layer, experts] += 1
+        else:
+            np.add.at(picks[moe_layer], ids_host.ravel(), 1)
+            experts, tokens_per_expert = np.unique(ids_host, return_counts=True)
         slots = self.cache.lookup(moe_layer, experts)
         missing = experts[slots < 0]
         q = self.policy.fetch_count(missing.size)
@@ -354,12 +359,7 @@ class MoERunner:
         job = None
         if on_cpu.size:
             job = self._submit_cpu(moe_layer, x_host, ids_host, weights_host, route_where == 2)
-        if admitted and self.copy_stream is not None:
-            # slots being refilled may still be read by work queued on the compute stream
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        for expert, slot in admitted:
-            self._copy_expert(moe_layer, expert, slot)
-        fill_event = self._record_copies() if admitted else None
+        fill_event = self._copy_experts(moe_layer, admitted) if admitted else None
         if decode:
             c = self._counters
             c.reads[moe_layer] += experts.size
@@ -448,22 +448,27 @@ class MoERunner:
             self.cpu_times.add(d.cpu_experts * self.bank.expert_bytes, d.job.seconds())
         return out
 
-    def _copy_expert(self, moe_layer: int, expert: int, slot: int) -> None:
+    def _copy_experts(self, moe_layer: int, admitted: list[tuple[int, int]]):
+        """Copy (expert, slot) pairs from the bank into their slots: on the copy stream, after the
+        compute stream's queued work (which may still read the slots being refilled); returns the
+        event that marks them done (None without CUDA, where the copies are done on return)."""
+        bank_w13, bank_w2 = self.bank.w13[moe_layer], self.bank.w2[moe_layer]
         stream = self.copy_stream
         if stream is None:
-            self.cache.w13[slot].copy_(self.bank.w13[moe_layer][expert])
-            self.cache.w2[slot].copy_(self.bank.w2[moe_layer][expert])
-            return
+            for expert, slot in admitted:
+                self.cache.w13[slot].copy_(bank_w13[expert])
+                self.cache.w2[slot].copy_(bank_w2[expert])
+            return None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.cache.w13[slot].copy_(self.bank.w13[moe_layer][expert], non_blocking=True)
-            self.cache.w2[slot].copy_(self.bank.w2[moe_layer][expert], non_blocking=True)
+            for expert, slot in admitted:
+                self.cache.w13[slot].copy_(bank_w13[expert], non_blocking=True)
+                self.cache.w2[slot].copy_(bank_w2[expert], non_blocking=True)
+        return self._record_copies()
 
     def refill(self, moe_layer: int, expert: int, slot: int) -> None:
         """Copy one expert from the bank into a slot and wait (cache resize, warm-up)."""
-        if self.copy_stream is not None:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._copy_expert(moe_layer, expert, slot)
-        event = self._record_copies()
+        event = self._copy_experts(moe_layer, [(expert, slot)])
         if event is not None:
             event.synchronize()
 
@@ -476,9 +481,9 @@ class MoERunner:
 
     def _submit_cpu(self, moe_layer, x_host, ids_host, weights_host, cpu_mask):
         rows, cols = np.nonzero(cpu_mask)
-        pair_expert = torch.from_numpy(ids_host[rows, cols].astype(np.int32))
+        pair_expert = torch.from_numpy(ids_host[rows, cols].astype(np.int32, copy=False))
         pair_token = torch.from_numpy(rows.astype(np.int32))
-        pair_weight = weights_host[torch.from_numpy(rows), torch.from_numpy(cols)].contiguous()
+        pair_weight = torch.from_numpy(weights_host.numpy()[rows, cols])
         out = self._pinned("cpu_out", tuple(x_host.shape), torch.float32)
         assert self.cpu is not None, "CPU execution chosen without a CPU executor"
         return self.cpu.submit(
