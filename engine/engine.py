@@ -51,6 +51,19 @@ def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dty
     return torch.float32 if device.type == "cpu" else getattr(torch, spec.dtype)
 
 
+class _PhaseClock:
+    """Records the seconds since the previous mark under each phase's name."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self._into = into
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self._into[name] = now - self._last
+        self._last = now
+
+
 class Engine:
     """One loaded model: its weights, caches, scheduler and sampler."""
 
@@ -62,6 +75,8 @@ class Engine:
         progress: Progress | None = None,
     ) -> None:
         t0 = time.perf_counter()
+        self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
+        mark = _PhaseClock(self.startup_s)
         self.args = args
         path = Path(args.model_path)
         self.spec = spec = spec or ModelSpec.from_dir(path)
@@ -73,6 +88,7 @@ class Engine:
             elem, cache_size=args.moe_cache_size, cache_rate=args.moe_cache_rate
         )
         log_plan(plan)
+        mark("plan")
 
         synth_info = spec.extra.get("moelab_synth") or {}
         self.synth_source: SynthSource | None = None
@@ -85,6 +101,7 @@ class Engine:
         else:
             source = SafetensorsSource(path)
         dense = load_dense(spec, source, device, dtype)
+        mark("dense weights")
         pin = device.type == "cuda"
         if args.dummy_weights:
             self.bank = build_in_memory(spec, source, dtype, pin=pin, progress=progress)
@@ -94,6 +111,7 @@ class Engine:
                 spec, source, dtype, bank_dir=bank_dir, pin=pin, progress=progress
             )
 
+        mark("expert bank")
         self.cache = ExpertCache(
             spec.num_moe_layers,
             spec.num_experts,
@@ -109,7 +127,9 @@ class Engine:
         torch.set_num_threads(
             1 if device.type == "cuda" else max(1, physical_cores() - self.cpu.num_threads)
         )
+        mark("CPU workers")
         self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
+        mark("bandwidths")
         self.policy = MissPolicy.parse(args.moe_miss_policy, self.bp_gbps, self.bh_gbps)
         log.info(
             "miss split: Bp %.1f GB/s, Bh %.1f GB/s -> policy %s fetches %.0f%% of misses",
@@ -138,13 +158,20 @@ class Engine:
         self.eos_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else spec.eos_token_ids
         )
+        mark("caches")
         if self.synth_source is not None:
             calibrate_routing(self, self.synth_source)
+            mark("routing calibration")
         self.telemetry = Telemetry(self, enabled=not args.no_stats)
         self.graphs: DecodeGraphs | None = None
         self._capture_graphs()
+        mark("CUDA graphs")
         self.load_s = time.perf_counter() - t0
-        log.info("engine ready in %.2f s", self.load_s)
+        log.info(
+            "engine ready in %.2f s (%s)",
+            self.load_s,
+            ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_s.items()),
+        )
 
     # setup --------------------------------------------------------------------------------------
 
