@@ -48,7 +48,7 @@ if [ "$part" = offload ]; then  # the offloaded decode step, with the CPU worker
   run decode12_cache25_skew1 $B decode $C
   run decode12_cache25_skew1_cpu $B decode $C --moe-miss-policy cpu
   run decode12_cache25_skew1_t8 $B decode $C --moe-cpu-threads 8
-  run decode12_cache25_skew1_eager $B decode $C --no-cuda-graph --profile
+  run decode12_cache25_skew1_profile $B decode $C --profile
 fi
 if [ "$part" = crossover ] || [ "$part" = all ]; then  # the bw profile first: the crossover joins it
   run bw_profile $B bw --json
