@@ -86,7 +86,7 @@ class _Dispatch:
     route_slots: np.ndarray  # [T, K] cache slot of each route, -1 where it runs on the CPU
     route_where: np.ndarray  # [T, K] 0 hit, 1 fetched now, 2 on the CPU
     job: object | None  # the CPU job (CpuExpertJob)
-    fill_event: object | None  # recorded on the copy stream after this step's fills
+    admitted: list[tuple[int, int]]  # (expert, slot) to copy from the bank now
     cpu_experts: int
 
 
@@ -136,9 +136,14 @@ class MoERunner:
         self.on_decode_step: list[Callable] = []
         # the decode access stream, keys layer * E + expert in the order the cache sees them
         self.on_accesses: Callable[[np.ndarray], None] | None = None
+        self._accesses: list[np.ndarray] = []  # an offloaded step's, handed over once per step
         self.timer = None  # a telemetry StepTimer while one step is being timed by phase
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        # the engine runs on the device's current stream; looked up once (the lookup costs more
+        # than the small copies of a decode layer step)
+        self.compute_stream = torch.cuda.current_stream(self.device) if cuda else None
+        self._views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self._stage_w13: list[torch.Tensor] = []
         self._stage_w2: list[torch.Tensor] = []
         self._staged: dict[int, tuple[int, object]] = {}  # moe layer -> (buffer, ready event)
@@ -241,6 +246,7 @@ class MoERunner:
     def after_decode_step(self) -> None:
         """Keep a synchronized all-resident decode step's routing (one small copy); it is counted
         in batches, off the per-step path, when the counters are read or the backlog grows."""
+        self._flush_accesses()
         n = self._pending_tokens
         if not n:
             return
@@ -251,6 +257,7 @@ class MoERunner:
 
     def count_backlog(self) -> None:
         """Count the kept resident steps at once: picks, reads (= hits), the what-if stream."""
+        self._flush_accesses()
         if not self._backlog:
             return
         layers, experts = self.bank.num_layers, self.bank.num_experts
@@ -275,6 +282,11 @@ class MoERunner:
         if self.on_accesses is not None:
             self.on_accesses(unique % per_step)
 
+    def _flush_accesses(self) -> None:
+        if self._accesses and self.on_accesses is not None:
+            self.on_accesses(np.concatenate(self._accesses))
+        self._accesses = []
+
     @property
     def counters(self) -> LayerCounters:
         """Decode counters per MoE layer, up to date."""
@@ -283,6 +295,9 @@ class MoERunner:
 
     def _pinned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A reusable host buffer (pinned with CUDA) of at least `shape`, viewed to it."""
+        view = self._views.get((name, shape, dtype))
+        if view is not None:
+            return view
         n = 1
         for d in shape:
             n *= d
@@ -290,7 +305,9 @@ class MoERunner:
         if buf is None or buf.numel() < n or buf.dtype != dtype:
             buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=self.device.type == "cuda")
             self._host_buffers[name] = buf
-        return buf[:n].view(shape)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}
+        view = self._views[(name, shape, dtype)] = buf[:n].view(shape)
+        return view
 
     def _routing_to_host(self, x, ids, weights) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """ids, weights and x on the host after one synchronization (the step's only one)."""
@@ -298,11 +315,11 @@ class MoERunner:
             return ids.numpy(), weights.float(), x.float()
         ids_h = self._pinned("ids", tuple(ids.shape), torch.int32)
         w_h = self._pinned("weights", tuple(weights.shape), torch.float32)
-        x_h = self._pinned("x", tuple(x.shape), torch.float32)
+        x_h = self._pinned("x", tuple(x.shape), x.dtype)  # made fp32 on the host if a job needs it
         ids_h.copy_(ids, non_blocking=True)
         w_h.copy_(weights, non_blocking=True)
-        x_h.copy_(x.float(), non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
+        x_h.copy_(x, non_blocking=True)
+        self.compute_stream.synchronize()
         return ids_h.numpy(), w_h, x_h
 
     def _pinned_copy(self, name: str, values: np.ndarray) -> torch.Tensor:
@@ -317,8 +334,8 @@ class MoERunner:
         return self._pinned_copy(name, slots).to(self.device, non_blocking=True)
 
     def _dispatch(self, moe_layer, x, ids, weights, decode) -> _Dispatch:
-        """The host side of an offloaded layer step: look the routes up in the cache, start the
-        CPU job and the slot fills, count. The CPU job goes first: it is the longest to run."""
+        """The host side of an offloaded layer step: look the routes up in the cache, admit the
+        experts to fetch, start the CPU job, count. The caller copies the admitted experts."""
         ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
         picks = self._counters.picks if decode else self.prefill_picks
         if ids_host.shape[0] == 1:  # one token: its experts are distinct, no counting needed
@@ -359,7 +376,6 @@ class MoERunner:
         job = None
         if on_cpu.size:
             job = self._submit_cpu(moe_layer, x_host, ids_host, weights_host, route_where == 2)
-        fill_event = self._copy_experts(moe_layer, admitted) if admitted else None
         if decode:
             c = self._counters
             c.reads[moe_layer] += experts.size
@@ -370,10 +386,10 @@ class MoERunner:
                 callback(moe_layer, experts, slots, fetched, on_cpu.tolist())
             if self.on_accesses is not None:
                 base = moe_layer * self.bank.num_experts
-                self.on_accesses(np.concatenate([experts[slots >= 0], missing]) + base)
+                self._accesses.append(np.concatenate([experts[slots >= 0], missing]) + base)
         route_slots = self.cache.slot_of[moe_layer][ids_host]
         route_slots[route_where == 2] = -1
-        return _Dispatch(route_slots, route_where, job, fill_event, on_cpu.size)
+        return _Dispatch(route_slots, route_where, job, admitted, on_cpu.size)
 
     def _split(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
         """Hits on the device, misses split between slot fills and CPU execution (eager)."""
@@ -390,9 +406,10 @@ class MoERunner:
             if (hit_slots >= 0).any():
                 slots_d = self._slots_to_device("hit_slots", hit_slots)
                 out = kernel(x, slots_d, weights, self.cache.w13, self.cache.w2)
-            if fetched_mask.any():
-                if d.fill_event is not None:
-                    torch.cuda.current_stream(self.device).wait_event(d.fill_event)
+            if d.admitted:
+                fill_event = self._copy_experts(moe_layer, d.admitted)
+                if fill_event is not None:
+                    self.compute_stream.wait_event(fill_event)
                 fill_slots = np.where(fetched_mask, d.route_slots, -1)
                 slots_d = self._slots_to_device("fill_slots", fill_slots)
                 part = kernel(x, slots_d, weights, self.cache.w13, self.cache.w2)
@@ -420,13 +437,17 @@ class MoERunner:
         device part (`routed`) inside the next piece's graph.
 
         Writes each route's slot (-1 where the route runs on the CPU) into slots_out [T, K] and
-        the CPU routes' weighted sum into cpu_out [T, H] (fp32), both on the compute stream, which
-        also waits for this step's fills.
+        the CPU routes' weighted sum into cpu_out [T, H] (fp32), both on the compute stream,
+        after this step's fills.
         """
         d = self._dispatch(moe_layer, x, ids, weights, decode=True)
+        # the fills go on the compute stream: nothing runs there until the next piece, which
+        # needs them (no stream switch or event to pay for)
+        bank_w13, bank_w2 = self.bank.w13[moe_layer], self.bank.w2[moe_layer]
+        for expert, slot in d.admitted:
+            self.cache.w13[slot].copy_(bank_w13[expert], non_blocking=True)
+            self.cache.w2[slot].copy_(bank_w2[expert], non_blocking=True)
         slots_out.copy_(self._pinned_copy("route_slots", d.route_slots), non_blocking=True)
-        if d.fill_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(d.fill_event)
         if d.job is None:
             cpu_out.zero_()
         else:
@@ -459,7 +480,7 @@ class MoERunner:
                 self.cache.w13[slot].copy_(bank_w13[expert])
                 self.cache.w2[slot].copy_(bank_w2[expert])
             return None
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(stream):
             for expert, slot in admitted:
                 self.cache.w13[slot].copy_(bank_w13[expert], non_blocking=True)
@@ -487,7 +508,7 @@ class MoERunner:
         out = self._pinned("cpu_out", tuple(x_host.shape), torch.float32)
         assert self.cpu is not None, "CPU execution chosen without a CPU executor"
         return self.cpu.submit(
-            x_host,
+            x_host.float(),
             self.bank.w13[moe_layer],
             self.bank.w2[moe_layer],
             pair_expert,
@@ -505,11 +526,11 @@ class MoERunner:
             self._stage(moe_layer + 1)
         buffer, ready = self._staged.pop(moe_layer)
         if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
+            self.compute_stream.wait_event(ready)
         out = grouped_moe(x, ids, weights, self._stage_w13[buffer], self._stage_w2[buffer])
         if self.copy_stream is not None:
             done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
+            done.record(self.compute_stream)
             self._buffer_free[buffer] = done
         return out
 
