@@ -216,6 +216,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "(the reference), auto (native when it builds).",
     )
     moe.add_argument(
+        "--moe-cpu-spin-us",
+        type=_non_negative_int,
+        default=1000,
+        help="How long idle CPU expert workers spin for the next job before sleeping, in "
+        "microseconds: spinning saves the wake-up of every worker at each MoE layer, but slows "
+        "the thread that feeds the GPU where they share its cores.",
+    )
+    moe.add_argument(
         "--bw-profile",
         default=None,
         help="Bandwidth profile written by `moelab bench bw`; default: the newest one for this "
@@ -326,6 +334,12 @@ TUNABLE: tuple[Tunable, ...] = (
         "batching against expert-cache thrash",
     ),
     Tunable("--moe-cpu-kernel", "choice", ("native", "torch"), "which CPU expert kernel is faster"),
+    Tunable(
+        "--moe-cpu-spin-us",
+        "choice",
+        ("0", "200", "1000", "5000"),
+        "idle CPU workers spinning against the thread that feeds the GPU",
+    ),
 )
 
 

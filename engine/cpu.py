@@ -19,10 +19,10 @@ from .bank import ExpertBank
 log = logging.getLogger("moelab.cpu")
 
 
-def start_cpu_executor(threads: int | None, kernel: str) -> CpuExpertRunner:
+def start_cpu_executor(threads: int | None, kernel: str, spin_us: int = 1000) -> CpuExpertRunner:
     """Persistent CPU expert workers; `kernel` auto falls back to torch when native cannot build."""
     threads = threads or default_cpu_threads()
-    runner = CpuExpertRunner(threads, kernel)
+    runner = CpuExpertRunner(threads, kernel, spin_us=spin_us)
     log.info("CPU experts: %d threads, %s kernel", threads, runner.kernel)
     return runner
 

@@ -121,7 +121,9 @@ class Engine:
             dtype,
             device,
         )
-        self.cpu = start_cpu_executor(args.moe_cpu_threads, args.moe_cpu_kernel)
+        self.cpu = start_cpu_executor(
+            args.moe_cpu_threads, args.moe_cpu_kernel, args.moe_cpu_spin_us
+        )
         # torch's own CPU threads spin after every op and would steal the cores the CPU expert
         # workers stream weights on: with a GPU the host's torch ops are tiny, so one thread
         torch.set_num_threads(
@@ -474,6 +476,7 @@ class Engine:
             "fetch_fraction": self.policy.fetch_fraction,
             "cpu_threads": self.cpu.num_threads,
             "cpu_kernel": self.cpu.kernel,
+            "cpu_spin_us": a.moe_cpu_spin_us,
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,
             "rates_source": self.rates_source,

@@ -264,9 +264,12 @@ class CpuExpertRunner:
     kernel: "native" (compiled; NativeKernelError if it cannot be built), "torch" (the reference) or
     "auto" (native if it builds, else torch, saying why in the log). simd picks the native kernel's
     code path ("best": the widest this CPU has); the others are there to test and compare them.
+    spin_us: how long idle native workers spin for the next job before sleeping.
     """
 
-    def __init__(self, num_threads: int, kernel: str = "auto", simd: str = "best") -> None:
+    def __init__(
+        self, num_threads: int, kernel: str = "auto", simd: str = "best", spin_us: int = 1000
+    ) -> None:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
         if kernel not in KERNELS:
@@ -291,7 +294,9 @@ class CpuExpertRunner:
                 )
             self.kernel = "native"
             self.simd = levels[0] if simd == "best" else simd
-            self._pool = self._module.Pool(num_threads)
+            if isinstance(spin_us, bool) or not isinstance(spin_us, int) or spin_us < 0:
+                raise ValueError(f"spin_us must be an int of 0 or more, got {spin_us!r}")
+            self._pool = self._module.Pool(num_threads, spin_us)
         else:
             if simd != "best":
                 raise ValueError(f"simd={simd!r} applies to the native kernel only")

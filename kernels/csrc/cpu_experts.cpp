@@ -100,9 +100,11 @@ bool spin_until(Ready ready, std::chrono::nanoseconds limit = std::chrono::nanos
   }
 }
 
-// How long workers spin for the next job before sleeping: longer than the gap between two MoE
-// layers of a decode step, so that a step's jobs never pay the wake-up of every worker.
-constexpr std::chrono::microseconds kWorkerSpin{1000};
+// How long workers spin for the next job before sleeping, by default: longer than the gap
+// between two MoE layers of a decode step, so that a step's jobs never pay the wake-up of every
+// worker. Spinning workers slow the thread that feeds the GPU where they share its core, so the
+// engine makes it a flag (--moe-cpu-spin-us).
+constexpr int kDefaultWorkerSpinUs = 1000;
 // How long wait() spins before sleeping; the caller's core is not one the workers use.
 constexpr std::chrono::microseconds kWaiterSpin{2000};
 
@@ -327,8 +329,10 @@ class Job {
 
 class Pool {
  public:
-  explicit Pool(int num_threads) : num_threads_(num_threads) {
+  explicit Pool(int num_threads, int spin_us = kDefaultWorkerSpinUs)
+      : num_threads_(num_threads), spin_(spin_us) {
     if (num_threads < 1) throw std::invalid_argument("num_threads must be at least 1");
+    if (spin_us < 0) throw std::invalid_argument("spin_us must be 0 or more");
     workers_.reserve(num_threads);
     for (int i = 0; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
   }
@@ -362,7 +366,7 @@ class Pool {
 
  private:
   std::shared_ptr<Job> next_job() {
-    spin_until([this] { return queued_.load(std::memory_order_acquire) > 0; }, kWorkerSpin);
+    spin_until([this] { return queued_.load(std::memory_order_acquire) > 0; }, spin_);
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
     if (queue_.empty()) return nullptr;
@@ -381,6 +385,7 @@ class Pool {
   }
 
   const int num_threads_;
+  const std::chrono::microseconds spin_;
   std::vector<std::thread> workers_;
   std::deque<std::shared_ptr<Job>> queue_;
   std::atomic<int64_t> queued_{0};
@@ -681,7 +686,7 @@ double read_sum(Pool& pool, uintptr_t data, int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "MoE experts on the CPU from bf16/fp16/fp32 weights, on a persistent thread pool";
   py::class_<Pool>(m, "Pool")
-      .def(py::init<int>())
+      .def(py::init<int, int>(), py::arg("num_threads"), py::arg("spin_us") = kDefaultWorkerSpinUs)
       .def_property_readonly("num_threads", &Pool::num_threads)
       .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
   py::class_<Job, std::shared_ptr<Job>>(m, "Job")

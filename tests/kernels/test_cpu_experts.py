@@ -325,6 +325,15 @@ def test_submits_from_several_python_threads() -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+def test_workers_that_never_spin_still_take_every_job() -> None:
+    args = slow_inputs(torch.Generator().manual_seed(SEED))
+    expected = cpu_experts_ref(*args)
+    with CpuExpertRunner(2, "native", spin_us=0) as runner:
+        for _ in range(3):  # each job finds the workers asleep and must wake them
+            time.sleep(0.01)
+            torch.testing.assert_close(runner.run(*args), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_workers_are_a_persistent_pool() -> None:
     def os_threads() -> int:
         return len(os.listdir("/proc/self/task"))
@@ -420,6 +429,7 @@ def test_bad_inputs_get_a_clear_error(kernel: str, bad: str) -> None:
         ({"num_threads": 2, "kernel": "gpu"}, "kernel must be one of"),
         ({"num_threads": 2, "simd": "neon"}, "simd must be one of"),
         ({"num_threads": 2, "kernel": "torch", "simd": "avx2"}, "native kernel only"),
+        ({"num_threads": 2, "kernel": "native", "spin_us": -1}, "spin_us must be"),
     ],
 )
 def test_bad_runner_settings_get_a_clear_error(kwargs: dict, words: str) -> None:
