@@ -2,7 +2,9 @@
 
 Bp is the rate of copying one expert from the host bank into a device slot; Bh is the rate at which
 the CPU executor runs one expert for one token (weight bytes read per second). Their ratio decides
-how many of a step's misses are fetched (`engine/moe.py`).
+how many of a step's misses are fetched (`engine/moe.py`). Measured at start (when no profile from
+`moelab bench bw` exists) as the best of several samples: a start-up measurement shares the machine
+with loading, and a median was once a tenth of the real rate on the H200 host.
 """
 
 from __future__ import annotations
@@ -27,12 +29,7 @@ def start_cpu_executor(threads: int | None, kernel: str, spin_us: int = 1000) ->
     return runner
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
-
-
-def measure_bp_gbps(bank: ExpertBank, device: torch.device, samples: int = 6) -> float:
+def measure_bp_gbps(bank: ExpertBank, device: torch.device, samples: int = 10) -> float:
     """Host-to-device rate for one expert (its two tensors), from the bank's own memory."""
     w13 = torch.empty_like(bank.w13[0][0], device=device)
     w2 = torch.empty_like(bank.w2[0][0], device=device)
@@ -48,10 +45,10 @@ def measure_bp_gbps(bank: ExpertBank, device: torch.device, samples: int = 6) ->
             torch.cuda.synchronize(device)
         if i:  # the first copy pays for first touches
             times.append(time.perf_counter() - t0)
-    return bank.expert_bytes / _median(times) / 1e9
+    return bank.expert_bytes / min(times) / 1e9
 
 
-def measure_bh_gbps(runner: CpuExpertRunner, bank: ExpertBank, samples: int = 6) -> float:
+def measure_bh_gbps(runner: CpuExpertRunner, bank: ExpertBank, samples: int = 10) -> float:
     """CPU expert rate (weight bytes per second) for one token through up to 4 experts at once,
     as a decode step hands its CPU share over."""
     hidden = bank.w13[0].shape[2]
@@ -67,4 +64,4 @@ def measure_bh_gbps(runner: CpuExpertRunner, bank: ExpertBank, samples: int = 6)
         runner.run(x, bank.w13[layer], bank.w2[layer], ids, tokens, weights)
         if i:
             times.append(time.perf_counter() - t0)
-    return k * bank.expert_bytes / _median(times) / 1e9
+    return k * bank.expert_bytes / min(times) / 1e9
