@@ -13,6 +13,7 @@ import shlex
 import sys
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,8 @@ class PrintJournal(Journal):
             print(
                 f"  prefill {r.prefill_tok_s:,.1f}  decode {r.decode_tok_s:,.1f}"
                 + (f"  aggregate {r.aggregate_tok_s:,.1f}" if r.aggregate_tok_s else "")
-                + f" tok/s; start-up {r.startup_s:.1f} s of {r.duration_s:.1f} s",
+                + f" tok/s; start-up {r.startup_s:.1f} s, warm-up {r.warmup_s:.1f} s, "
+                f"workload {r.workload_s:.1f} s of {r.duration_s:.1f} s",
                 flush=True,
             )
         else:
@@ -100,8 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FLAG",
         help="tune only this flag, named without its dashes (moe-cache-rate); repeatable",
     )
+    parser.add_argument(
+        "--target-s",
+        type=float,
+        default=None,
+        help="seconds the measured workload of a trial should last (default: the mode's)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the result here as JSON")
     args = parser.parse_args(argv)
+    if args.target_s is not None and args.target_s <= 0:
+        parser.error("--target-s must be a number of seconds above 0")
     try:
         spec = ModelSpec.from_dir(args.model_path)
     except (CheckpointError, OSError) as err:
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         base = apply_change(base, Change("--device", "cpu"))
     objective = Objective(args.objective, args.clients if args.objective == "aggregate" else 0)
     mode = MODES[args.mode]
+    if args.target_s is not None:
+        mode = replace(mode, target_s=args.target_s)
     model = ModelFacts(
         args.model_path, spec.num_moe_layers, spec.num_experts, spec.max_position_embeddings
     )
@@ -140,10 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the run failed: {err}", file=sys.stderr)
         return 1
     overhead = result["overhead"]
+    per_trial = overhead["workload_s_per_trial"]
     print(f"result: {' '.join(result['flags'])}")
     print(
         f"gain {result['gain']:+.1%}; restart + warm-up {overhead['overhead_s']:.1f} s of "
-        f"{overhead['trial_s']:.1f} s of trials ({overhead['share']:.1%})"
+        f"{overhead['trial_s']:.1f} s of trials ({overhead['share']:.1%}); workload "
+        + (f"{per_trial:.1f} s per trial" if per_trial is not None else "not measured")
+        + f" (target {mode.target_s:.0f} s)"
     )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

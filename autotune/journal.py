@@ -2,7 +2,9 @@
 
 The search is deterministic given its plan and the figures its trials return, so resuming a run
 means running the search again from the start while the journal hands back the trials already
-stored instead of starting engines for them. Only the trials after the last stored one run.
+stored instead of starting engines for them. Only the trials after the last stored one run. A
+stored trial is handed back only when it ran what the search asks for now: the same role, flags
+and workload (the workload sized by a replayed calibration trial is the same one again).
 Events are stored once: a resumed search that says the same thing again is not repeated.
 """
 
@@ -18,6 +20,7 @@ from .trial import Cancelled, TrialRequest, TrialResult
 
 # provisional verdicts: a candidate waits for its confirmation, a context tier for its judgement
 PROVISIONAL = {
+    "calibration": "calibration",
     "baseline": "base",
     "candidate": "pending",
     "confirm": "confirm",
@@ -62,12 +65,15 @@ class Journal(ABC):
         self.next_n += 1
         if self.stored and self.stored[0].n == n:
             kept = self.stored.pop(0)
-            if kept.request.role == request.role and same_flags(
-                list(kept.request.flags), list(request.flags)
+            if (
+                kept.request.role == request.role
+                and same_flags(list(kept.request.flags), list(request.flags))
+                and kept.result.workload == request.workload
             ):
                 self.replayed += 1
                 return n, kept.result
-            # the search took another path than the stored run (a changed plan): forget the rest
+            # the search took another path than the stored run (a changed plan, a workload
+            # sized otherwise by a newer version): forget the rest
             self.forget_from(n)
             self.stored = []
         if self.cancelled():

@@ -1,4 +1,15 @@
-"""Quick, standard and thorough: how long a run may take, and how widely it looks."""
+"""Quick, standard and thorough: how long a run may take, and how widely it looks.
+
+A mode's `workload` is the least a trial sends (the calibration trial sends exactly that); its
+`target_s` is how long the measured part of every later trial should last (autotune/sizing.py).
+The targets, against the restart + warm-up R of a trial (about 2.2 s for the demo model on a
+2-core CPU, 6-7 s for the small preset on an H200), give an overhead share of R / (R + target):
+- quick, 4 s: the demo's quick run stays a few minutes on a CPU (the 25-trial CI run takes about
+  two), and an H200's one-second workload becomes four; restarts still take most of the time;
+- standard, 40 s: restart + warm-up at most 15% of a trial while they take up to 7 s (the H200
+  small preset);
+- thorough, 90 s: at most 10% up to 10 s restarts, and the steadiest figures.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +24,8 @@ class Mode:
 
     name: str
     baseline_runs: int
-    workload: WorkloadSpec
+    workload: WorkloadSpec  # the least a trial sends: the calibration trial's workload
+    target_s: float  # the measured part of every later trial lasts about this long
     values_per_flag: int | None  # unordered choices tried per flag; None: all
     walk_steps: int | None  # steps of an ordered walk per direction; None: to the end
     stop_at_turn: bool  # end a walk at the first step that does not win
@@ -23,9 +35,11 @@ class Mode:
 
     def __post_init__(self) -> None:
         assert self.baseline_runs >= 2, "the noise rule needs at least two baseline runs"
+        assert self.target_s > 0, self.target_s
 
     def workload_for(self, clients: int) -> WorkloadSpec:
-        """This mode's workload, with `clients` concurrent streams for the aggregate figure."""
+        """This mode's minimum workload, with `clients` concurrent streams for the aggregate
+        figure."""
         return replace(self.workload, clients=clients)
 
 
@@ -42,6 +56,7 @@ MODES: dict[str, Mode] = {
                 decode_tokens=64,
                 aggregate_tokens=48,
             ),
+            target_s=4.0,
             values_per_flag=2,
             walk_steps=3,
             stop_at_turn=True,
@@ -59,6 +74,7 @@ MODES: dict[str, Mode] = {
                 decode_tokens=128,
                 aggregate_tokens=96,
             ),
+            target_s=40.0,
             values_per_flag=None,
             walk_steps=None,
             stop_at_turn=True,
@@ -76,6 +92,7 @@ MODES: dict[str, Mode] = {
                 decode_tokens=256,
                 aggregate_tokens=128,
             ),
+            target_s=90.0,
             values_per_flag=None,
             walk_steps=None,
             stop_at_turn=False,

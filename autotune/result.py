@@ -5,6 +5,7 @@ The result is what a run stores and what Recommended reads (`flags`, `notes`); i
 
 from __future__ import annotations
 
+import statistics
 from typing import TYPE_CHECKING, Any
 
 from .flagset import split_flags
@@ -20,9 +21,16 @@ def build_result(search: Search, baseline: Figures) -> dict[str, Any]:
     assert incumbent is not None
     final = incumbent.figures
     old, new = search.objective.score(baseline), search.objective.score(final)
+    assert search.sizing is not None
     results = list(search.results.values())
     overhead_s = sum(r.overhead_s for r in results)
     trial_s = sum(r.duration_s for r in results)
+    # the sized trials: the calibration trial ran the minimum, and a failed one ran nothing
+    sized = [
+        r.workload_s
+        for n, r in search.results.items()
+        if n != search.calibration_trial and r.workload_s is not None
+    ]
     return {
         "flags": incumbent.flags,
         "notes": notes(search),
@@ -37,11 +45,14 @@ def build_result(search: Search, baseline: Figures) -> dict[str, Any]:
         "spreads": search.spreads.to_json(),
         "threshold": search.rule.threshold(search.spreads),
         "context": search.context,
+        "workload": {**search.sizing.to_json(), "calibration_trial": search.calibration_trial},
         "overhead": {
             "overhead_s": overhead_s,
             "trial_s": trial_s,
             "share": overhead_s / trial_s if trial_s else None,
             "trials": len(results),
+            "workload_s": sum(r.workload_s or 0.0 for r in results),
+            "workload_s_per_trial": statistics.median(sized) if sized else None,
         },
     }
 

@@ -1,9 +1,12 @@
 """The search: baseline, one change at a time with confirmation, the context step, the result.
 
-Every trial is the best flags so far plus exactly one change. A change whose first run beats the
-incumbent by more than the noise threshold runs again, and is kept only when the second run agrees
-and the two together do not cost another figure more than allowed. Ordered values are walked
-outwards and a walk ends at its turning point (the first step that does not win).
+The first trial calibrates: it runs the mode's minimum workload, and the run's workload is sized
+from it (autotune/sizing.py); every later trial runs that same spec, and the calibration trial is
+not one of the baseline runs the noise is measured on. Every later trial is the best flags so far
+plus exactly one change. A change whose first run beats the incumbent by more than the noise
+threshold runs again, and is kept only when the second run agrees and the two together do not
+cost another figure more than allowed. Ordered values are walked outwards and a walk ends at its
+turning point (the first step that does not win).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from .modes import Mode
 from .noise import Figures, Judgement, NoiseRule, Objective, Spreads
 from .plan import Candidate, Plan, Skipped
 from .result import build_result
+from .sizing import Sizing, size_workload
 from .trial import TrialRequest, TrialResult
 
 CONTEXT_FLAG = "--kv-reserve-tokens"
@@ -101,11 +105,15 @@ class Search:
         self.spreads = Spreads(0.0, {})
         self.incumbent: Incumbent | None = None
         self.context: dict[str, Any] = {}
+        self.minimum = self.mode.workload_for(self.objective.clients)
+        self.sizing: Sizing | None = None  # set by the calibration trial
+        self.calibration_trial: int | None = None
 
     # ---- the phases -------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         """Run every phase after the hardware one; returns the result (JSON-ready)."""
+        self._calibrate()
         baseline = self._baseline()
         self._candidates()
         self._context()
@@ -117,6 +125,36 @@ class Search:
         self.results[n] = result
         return n, result
 
+    def _request(
+        self,
+        flags: list[str],
+        change: Change | None,
+        role: str,
+        context_tokens: int | None = None,
+    ) -> TrialRequest:
+        """A trial of `flags` with the run's sized workload."""
+        assert self.sizing is not None, "the calibration trial comes first"
+        return TrialRequest(tuple(flags), change, role, context_tokens, self.sizing.spec)
+
+    def _calibrate(self) -> None:
+        """The first trial: the mode's minimum workload on the starting flags, timed, and the
+        run's workload sized from it. It absorbs a cold start (compile caches) too."""
+        runs = self.mode.baseline_runs
+        self._progress("baseline", 1 + runs + self._left + self._context_estimate())
+        self.journal.event(
+            "phase",
+            f"calibration: the mode's minimum workload on {self.settings.base_origin}, then a "
+            f"workload of about {self.mode.target_s:.0f} s for every trial",
+        )
+        request = TrialRequest(tuple(self.base_flags), None, "calibration", workload=self.minimum)
+        n, result = self._trial(request)
+        self.calibration_trial = n
+        sizing = self.sizing = size_workload(self.minimum, result, self.mode.target_s)
+        verdict = "calibration" if result.ok else "failed"
+        reason = sizing.reason if result.ok else f"{sizing.reason}: {result.error}"
+        self.journal.set_verdict(n, verdict, reason)
+        self.journal.event("workload", sizing.reason, **sizing.to_json())
+
     def _baseline(self) -> Figures:
         runs = self.mode.baseline_runs
         self._progress("baseline", runs + self._left + self._context_estimate())
@@ -124,7 +162,7 @@ class Search:
         ok: list[tuple[int, TrialResult]] = []
         last_error = ""
         for i in range(runs):
-            n, result = self._trial(TrialRequest(tuple(self.base_flags), None, "baseline"))
+            n, result = self._trial(self._request(self.base_flags, None, "baseline"))
             if result.ok:
                 ok.append((n, result))
                 self.journal.set_verdict(n, "base", f"baseline run {i + 1}: {_figures(result)}")
@@ -177,7 +215,7 @@ class Search:
             self.journal.event("skip", f"{change.label}: {why_not}")
             return
         self.tried.append(change.key)
-        n1, first = self._trial(TrialRequest(tuple(flags), change, "candidate"))
+        n1, first = self._trial(self._request(flags, change, "candidate"))
         if not first.ok:
             self._reject(candidate, n1, "failed", f"{first.failure}: {first.error}")
             return
@@ -191,7 +229,7 @@ class Search:
         self.journal.set_verdict(n1, "pending", f"{judged.reason}; running it again to confirm")
         self._progress("candidates", self._left + 1 + self._context_estimate())
         fresh = self._incumbent_again(n1)
-        n2, second = self._trial(TrialRequest(tuple(flags), change, "confirm"))
+        n2, second = self._trial(self._request(flags, change, "confirm"))
         verdict = self._confirm(first, second, fresh)
         if verdict.beats:
             reason = f"{verdict.reason} (trials {n1} and {n2})"
@@ -214,8 +252,7 @@ class Search:
         the incumbent was measured cannot make a change look better than it is.
         """
         assert self.incumbent is not None
-        request = TrialRequest(tuple(self.incumbent.flags), None, "baseline")
-        n, again = self._trial(request)
+        n, again = self._trial(self._request(self.incumbent.flags, None, "baseline"))
         if not again.ok:
             self.journal.set_verdict(n, "failed", f"{again.failure}: {again.error}")
             return None
@@ -305,7 +342,7 @@ class Search:
         )
         self._progress("context", 1 + len(tiers))
         n, proof_run = self._trial(
-            TrialRequest(tuple(self.incumbent.flags), None, "context", context_tokens=usable)
+            self._request(self.incumbent.flags, None, "context", context_tokens=usable)
         )
         proof = proof_run.context_proof
         if not proof_run.ok or proof is None:
@@ -334,7 +371,7 @@ class Search:
         assert self.incumbent is not None
         change = Change(CONTEXT_FLAG, str(tier))
         flags = apply_change(self.incumbent.flags, change)
-        n, run = self._trial(TrialRequest(tuple(flags), change, "context", context_tokens=tier))
+        n, run = self._trial(self._request(flags, change, "context", context_tokens=tier))
         self.context["trials"].append(n)
         proof = run.context_proof
         if not run.ok or proof is None:

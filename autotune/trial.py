@@ -1,9 +1,9 @@
 """One trial: a fresh `moelab serve` with the trial's flags, the workload, its stats, then stop.
 
 The engine is never reused: every trial starts a new process through engine/launch.py, waits for
-/health, sends one warm-up request, runs the same workload, reads /v1/stats and stops the process
-group. A crash, an out-of-memory or a timeout becomes a failed trial with the log tail; the run
-goes on.
+/health, sends one warm-up request, runs the workload the request names (the same one for every
+trial after the calibration trial), reads /v1/stats and stops the process group. A crash, an
+out-of-memory or a timeout becomes a failed trial with the log tail; the run goes on.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import httpx
 
 from ..engine import launch
 from .flagset import Change, without
-from .workload import ContextProof, EngineClient, Workload, WorkloadError
+from .workload import ContextProof, EngineClient, Workload, WorkloadError, WorkloadSpec
 
 TRIAL_PORTS = range(8200, 8300)  # the daemon's supervisor hands out 8100-8199
-ROLES = ("baseline", "candidate", "confirm", "context")
+ROLES = ("calibration", "baseline", "candidate", "confirm", "context")
 _OOM_MARKS = ("out of memory", "outofmemoryerror", "memoryplanerror", "does not fit")
 
 
@@ -33,12 +33,14 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True, slots=True)
 class TrialRequest:
-    """What a trial runs: the flags, the one change they carry, why, and a context to prove."""
+    """What a trial runs: the flags, the one change they carry, why, a context to prove, and the
+    workload (None: the runner's own, the mode's minimum)."""
 
     flags: tuple[str, ...]
     change: Change | None
     role: str
     context_tokens: int | None = None
+    workload: WorkloadSpec | None = None
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role
@@ -72,6 +74,17 @@ class TrialResult:
     def overhead_s(self) -> float:
         """Restart and warm-up: the time a trial spends on anything but the workload."""
         return (self.startup_s or 0.0) + (self.warmup_s or 0.0) + (self.stop_s or 0.0)
+
+    @property
+    def workload_s(self) -> float | None:
+        """Seconds the measured workload took (kept in `details`, which every store keeps)."""
+        return self.details.get("workload_s")
+
+    @property
+    def workload(self) -> WorkloadSpec | None:
+        """The workload this trial was asked to run, as it recorded it."""
+        spec = self.details.get("workload")
+        return WorkloadSpec.from_json(spec) if spec else None
 
     def figure(self, name: str) -> float | None:
         return getattr(self, f"{name}_tok_s")
@@ -174,10 +187,11 @@ class EngineTrialRunner:
         )
         watcher.start()
         times: dict[str, float] = {}
+        workload = Workload(request.workload) if request.workload else self.workload
         try:
-            result = self._measure(request, engine, started, times)
+            result = self._measure(request, workload, engine, started, times)
         except (launch.EngineFailed, WorkloadError, httpx.HTTPError, OSError, KeyError) as err:
-            result = self._failed(err, engine, started, times)
+            result = self._failed(err, workload, engine, started, times)
         finally:
             finished.set()
             stop_start = time.monotonic()
@@ -191,6 +205,7 @@ class EngineTrialRunner:
     def _failed(
         self,
         err: Exception,
+        workload: Workload,
         engine: launch.EngineProcess,
         started: float,
         times: dict[str, float],
@@ -212,11 +227,13 @@ class EngineTrialRunner:
             failure=classify_failure(message, tail, exit_code),
             error=message,
             log_tail=tail,
+            details={"workload": workload.spec.to_json()},
         )
 
     def _measure(
         self,
         request: TrialRequest,
+        workload: Workload,
         engine: launch.EngineProcess,
         started: float,
         times: dict[str, float],
@@ -224,17 +241,21 @@ class EngineTrialRunner:
         health = self._wait_ready(engine)
         times["startup_s"] = time.time() - started
         usable = int(health.get("max_model_len") or 0)
-        client = EngineClient(engine.base_url, self.workload.spec.request_timeout_s)
         self.on_step("warm-up request")
         warm_start = time.monotonic()
-        chars_per_token = self.workload.warm_up(client)
-        warmup_s = time.monotonic() - warm_start
-        self.on_step("workload")
-        result = self.workload.run(client, usable, chars_per_token, self.cancel.is_set)
-        proof = None
-        if request.context_tokens:
-            self.on_step(f"proving a context of {request.context_tokens} tokens")
-            proof = self.workload.prove_context(client, request.context_tokens, chars_per_token)
+        # the warm-up is sized to the engine's prefill settings, which /v1/stats tells
+        before = launch.get_json(engine.base_url + "/v1/stats", timeout_s=30.0)
+        config = (before or {}).get("config") or {}
+        with EngineClient(engine.base_url, workload.spec.request_timeout_s) as client:
+            chars_per_token = workload.warm_up(client, config)
+            warmup_s = time.monotonic() - warm_start
+            self.on_step("workload")
+            result = workload.run(client, usable, chars_per_token, self.cancel.is_set)
+            proof = None
+            if request.context_tokens:
+                self.on_step(f"proving a context of {request.context_tokens} tokens")
+                counted = result.details["prompt_chars_per_token"]
+                proof = workload.prove_context(client, request.context_tokens, counted)
         stats = compact_stats(launch.get_json(engine.base_url + "/v1/stats", timeout_s=30.0))
         self.on_step("stopping the engine")
         return TrialResult(
@@ -255,7 +276,6 @@ class EngineTrialRunner:
             details={
                 **result.details,
                 "prefill_prompt_tokens_median": result.prefill_prompt_tokens,
-                "chars_per_token": chars_per_token,
             },
         )
 

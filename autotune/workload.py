@@ -3,7 +3,8 @@
 Prompts are excerpts of the corpus that ships with the engine (prose, Japanese, code), chosen by a
 fixed seed so every trial reads the same text. Each prompt starts with a random line, so a prefix
 cache cannot make a later request cheaper than the first. Lengths in tokens come from the engine's
-own `usage`, never from a guess.
+own `usage`, never from a guess. How much a trial sends is a `WorkloadSpec`: a mode's minimum for
+the calibration trial, then the spec sized from it (autotune/sizing.py) for every later trial.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from typing import Any
 import httpx
 
 PROOF_SHARE = 0.95  # a context tier counts as served when a prompt reaches this share of it
+# the warm-up prompt: long enough to span KV pages and reach the engine's streamed prefill path,
+# never longer than one prefill chunk; a few generated tokens run the decode path
+WARMUP_MIN_TOKENS = 32
+WARMUP_GENERATED_TOKENS = 4
+# characters per token assumed before the engine has counted any (the warm-up measures it); high,
+# so a prompt cut by it has at least the tokens it was meant to have on most tokenizers
+GUESS_CHARS_PER_TOKEN = 4.0
+DECODE_PROMPT_CHARS = 400
+AGGREGATE_PROMPT_CHARS = 300
 
 
 class WorkloadError(RuntimeError):
@@ -32,7 +42,13 @@ class WorkloadError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class WorkloadSpec:
-    """How much each trial asks of the engine (the mode picks these; every trial uses the same)."""
+    """How much each trial asks of the engine: a mode's minimum, or that sized to a duration.
+
+    `prefill_chars` is the long prompt's text in characters, fixed by the calibration trial (the
+    cut the engine counts as `prefill_tokens`), so every later trial sends the very same prompt.
+    None (the calibration trial itself): cut by the warm-up's count, then corrected by the
+    engine's count of each long prompt sent.
+    """
 
     seed: int = 20_251_129
     prefill_tokens: int = 2048  # length of the long prompt that gives prefill tok/s
@@ -43,11 +59,20 @@ class WorkloadSpec:
     aggregate_tokens: int = 96
     aggregate_rounds: int = 2  # rounds of `clients` streams at once; the median round counts
     request_timeout_s: float = 600.0
+    prefill_chars: int | None = None
 
     def __post_init__(self) -> None:
         assert self.prefill_tokens >= 16 and self.decode_tokens >= 2, self
         assert self.prefill_requests >= 1 and self.decode_requests >= 1, self
         assert self.aggregate_rounds >= 1, self
+        assert self.prefill_chars is None or self.prefill_chars > 0, self
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WorkloadSpec:
+        return cls(**{name: data[name] for name in cls.__slots__ if name in data})
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +103,27 @@ class StreamTiming:
         decode_s = self.last_token - self.sent - prompt_s
         return (self.completion_tokens - 1) / decode_s if decode_s > 0 else None
 
+    @property
+    def wall_s(self) -> float:
+        """From sending the request to its last token."""
+        return self.last_token - self.sent
+
 
 @dataclass(slots=True)
 class WorkloadResult:
-    """The figures of one trial's workload, with the per-request readings behind them."""
+    """The figures of one trial's workload, with the per-request readings behind them.
+
+    `details` holds the readings, the spec that was run (`workload`), the seconds it took
+    (`workload_s`) and each part of them (`parts_s`: prefill, decode, aggregate), and the long
+    prompts' lengths in characters and as the engine counted them (`prefill_cuts`): what the
+    calibration trial sizes the run's workload from.
+    """
 
     prefill_tok_s: float
     prefill_prompt_tokens: int
     decode_tok_s: float
     ttft_s: float
     aggregate_tok_s: float | None = None
-    chars_per_token: float = 4.0
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -142,14 +177,49 @@ def fresh_line() -> str:
     return f"Request {secrets.token_hex(8)}.\n"
 
 
+FRESH_LINE_CHARS = len(fresh_line())
+
+
+def chars_for_tokens(tokens: int, cuts: list[tuple[int, int]]) -> int:
+    """Characters of the long text that make a prompt of `tokens`, from the cuts the engine
+    counted (characters, tokens): on the line through the two nearest, one on each side when
+    there are such, or scaled from the one cut there is."""
+    by_distance = sorted(set(cuts), key=lambda cut: abs(cut[1] - tokens))
+    below = [c for c in by_distance if c[1] <= tokens]
+    above = [c for c in by_distance if c[1] >= tokens]
+    pair = [below[0], above[0]] if below and above else by_distance[:2]
+    (chars_0, tokens_0), (chars_1, tokens_1) = pair[0], pair[-1]
+    if tokens_1 != tokens_0 and (chars_1 - chars_0) * (tokens_1 - tokens_0) > 0:
+        return max(
+            1, round(chars_0 + (tokens - tokens_0) * (chars_1 - chars_0) / (tokens_1 - tokens_0))
+        )
+    return max(1, round(chars_0 * tokens / max(1, tokens_0)))
+
+
 class EngineClient:
-    """Completion requests to one engine over HTTP, streamed and timed."""
+    """Completion requests to one engine over HTTP, streamed and timed.
+
+    One connection pool serves every request of a trial (threads included), so a request's
+    time is the engine's, not that of building a client and connecting.
+    """
 
     def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url
-        self.timeout_s = timeout_s
-        self._headers = headers
+        self._http = httpx.Client(
+            timeout=timeout_s,
+            headers=headers,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
 
     def stream(self, prompt: str, max_tokens: int, seed: int) -> StreamTiming:
         """Send one streamed completion; its timing and the engine's usage."""
@@ -162,13 +232,10 @@ class EngineClient:
             "temperature": 0.7,
             "seed": seed,
         }
-        sent = time.perf_counter()
         first = last = None
         usage: dict[str, Any] | None = None
-        with (
-            httpx.Client(timeout=self.timeout_s, headers=self._headers) as client,
-            client.stream("POST", self.base_url + "/v1/completions", json=body) as response,
-        ):
+        sent = time.perf_counter()
+        with self._http.stream("POST", self.base_url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 response.read()
                 raise WorkloadError(_error_text(response))
@@ -197,8 +264,7 @@ class EngineClient:
     def complete(self, prompt: str, max_tokens: int) -> tuple[int, dict[str, Any]]:
         """One plain completion: (HTTP status, body)."""
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-        with httpx.Client(timeout=self.timeout_s, headers=self._headers) as client:
-            response = client.post(self.base_url + "/v1/completions", json=body)
+        response = self._http.post(self.base_url + "/v1/completions", json=body)
         try:
             return response.status_code, response.json()
         except ValueError:
@@ -219,11 +285,29 @@ class Workload:
     def __init__(self, spec: WorkloadSpec) -> None:
         self.spec = spec
 
-    def warm_up(self, client: EngineClient) -> float:
-        """One short request before timing anything; returns characters per prompt token."""
-        text = fresh_line() + excerpt(random.Random(self.spec.seed), 1200)
-        timing = client.stream(text, 4, self.spec.seed)
+    def warm_up(self, client: EngineClient, engine_config: dict[str, Any]) -> float:
+        """One short request before timing anything; returns characters per prompt token.
+
+        It only has to make the engine compile and load what the workload's requests use: a
+        prompt of `warm_up_tokens` (no first line of its own: this engine has seen no prompt it
+        could share a prefix with) and a few generated tokens.
+        """
+        spec = self.spec
+        ratio = GUESS_CHARS_PER_TOKEN
+        if spec.prefill_chars:
+            ratio = spec.prefill_chars / spec.prefill_tokens
+        chars = max(1, int(warm_up_tokens(engine_config) * ratio))
+        text = excerpt(random.Random(spec.seed), chars)
+        timing = client.stream(text, WARMUP_GENERATED_TOKENS, spec.seed)
         return len(text) / max(1, timing.prompt_tokens)
+
+    def prefill_target(self, usable_context: int) -> int:
+        """Tokens of the long prompt: the spec's, or, before they were counted, half the usable
+        context when that is less (a first guess of characters per token may be off by that
+        much)."""
+        if self.spec.prefill_chars:
+            return self.spec.prefill_tokens
+        return min(self.spec.prefill_tokens, max(16, (usable_context - 64) // 2))
 
     def run(
         self,
@@ -232,18 +316,28 @@ class Workload:
         chars_per_token: float,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> WorkloadResult:
-        """Prefill, then single-request decode, then (when asked) concurrent clients."""
+        """Prefill, then single-request decode, then (when asked) concurrent clients.
+
+        The long prompt is the spec's `prefill_chars` of text; without them (the calibration
+        trial), the first is cut by `chars_per_token` (the warm-up's count) and each next one
+        by the engine's count of those before it, closer to `prefill_tokens` each time.
+        """
         spec = self.spec
+        began = time.perf_counter()
         rng = random.Random(spec.seed)
-        room = max(16, usable_context - spec.decode_tokens - 64)
-        prefill_target = min(spec.prefill_tokens, room // 2 if room > 64 else room)
-        long_text = excerpt(rng, int(prefill_target * chars_per_token))
-        prefills = []
+        prefill_target = self.prefill_target(usable_context)
+        first_cut = spec.prefill_chars or int(prefill_target * chars_per_token)
+        # room for the later cuts to grow: a longer text's start is the shorter one
+        long_text = excerpt(rng, first_cut if spec.prefill_chars else 4 * first_cut)
+        prefills, cuts = [], []
         for i in range(spec.prefill_requests):
             _check(cancelled)
-            prefills.append(client.stream(fresh_line() + long_text, 1, spec.seed + i))
+            fixed = spec.prefill_chars or not cuts
+            chars = first_cut if fixed else chars_for_tokens(prefill_target, cuts)
+            prefills.append(client.stream(fresh_line() + long_text[:chars], 1, spec.seed + i))
+            cuts.append((chars, prefills[-1].prompt_tokens))
         prefill_rates = [t.prompt_tokens / t.ttft_s for t in prefills]
-        short_prompts = [excerpt(rng, 400) for _ in range(spec.decode_requests)]
+        short_prompts = [excerpt(rng, DECODE_PROMPT_CHARS) for _ in range(spec.decode_requests)]
         decodes = []
         for i, prompt in enumerate(short_prompts):
             _check(cancelled)
@@ -252,33 +346,43 @@ class Workload:
         decode_rates = [r for r in (t.decode_tok_s(prefill_tok_s) for t in decodes) if r]
         if not decode_rates:
             raise WorkloadError("no decode rate: every generation ended after one token")
-        result = WorkloadResult(
+        details: dict[str, Any] = {
+            "prefill_tok_s": prefill_rates,
+            "prefill_prompt_tokens": [t.prompt_tokens for t in prefills],
+            "prefill_target_tokens": prefill_target,
+            "prefill_cuts": cuts,  # (characters of text, prompt tokens) of each long prompt
+            "decode_tok_s": decode_rates,
+            "decode_tokens": [t.completion_tokens for t in decodes],
+            "decode_prompt_tokens": [t.prompt_tokens for t in decodes],
+            "ttft_s": [t.ttft_s for t in decodes],
+            "prompt_chars_per_token": (cuts[-1][0] + FRESH_LINE_CHARS) / cuts[-1][1],
+            "parts_s": {
+                "prefill": sum(t.wall_s for t in prefills),
+                "decode": sum(t.wall_s for t in decodes),
+            },
+        }
+        aggregate_tok_s = None
+        if spec.clients > 0:
+            _check(cancelled)
+            aggregate_tok_s, details["aggregate"] = self._aggregate(client, rng, cancelled)
+            details["parts_s"]["aggregate"] = sum(details["aggregate"]["rounds_wall_s"])
+        details["workload"] = spec.to_json()
+        details["workload_s"] = time.perf_counter() - began
+        return WorkloadResult(
             prefill_tok_s=prefill_tok_s,
             prefill_prompt_tokens=prefills[0].prompt_tokens,
             decode_tok_s=statistics.median(decode_rates),
             ttft_s=statistics.median(t.ttft_s for t in decodes),
-            chars_per_token=chars_per_token,
-            details={
-                "prefill_tok_s": prefill_rates,
-                "prefill_prompt_tokens": [t.prompt_tokens for t in prefills],
-                "decode_tok_s": decode_rates,
-                "decode_tokens": [t.completion_tokens for t in decodes],
-                "ttft_s": [t.ttft_s for t in decodes],
-            },
+            aggregate_tok_s=aggregate_tok_s,
+            details=details,
         )
-        if spec.clients > 0:
-            _check(cancelled)
-            result.aggregate_tok_s, result.details["aggregate"] = self._aggregate(
-                client, rng, cancelled
-            )
-        return result
 
     def _aggregate(
         self, client: EngineClient, rng: random.Random, cancelled: Callable[[], bool]
     ) -> tuple[float, dict[str, Any]]:
         """Rounds of `clients` streamed generations at once: completion tokens over wall time."""
         spec = self.spec
-        prompts = [excerpt(rng, 300) for _ in range(spec.clients)]
+        prompts = [excerpt(rng, AGGREGATE_PROMPT_CHARS) for _ in range(spec.clients)]
         rates, walls = [], []
         with ThreadPoolExecutor(max_workers=spec.clients) as pool:
             for round_ in range(spec.aggregate_rounds):
@@ -343,6 +447,14 @@ class Workload:
             False,
             f"no prompt between {need} and {ceiling} tokens was served (last: {last_tokens})",
         )
+
+
+def warm_up_tokens(engine_config: dict[str, Any]) -> int:
+    """Prompt tokens of the warm-up: enough to take the prefill path the workload's prompts take
+    (`prefill_stream_min_tokens`, from /v1/stats), never more than one prefill chunk."""
+    stream_min = int(engine_config.get("prefill_stream_min_tokens") or 0)
+    chunk = int(engine_config.get("prefill_chunk_tokens") or WARMUP_MIN_TOKENS)
+    return max(1, min(chunk, max(WARMUP_MIN_TOKENS, stream_min)))
 
 
 def _check(cancelled: Callable[[], bool]) -> None:

@@ -1,4 +1,9 @@
-"""A fake engine with a known optimum and seeded noise, and a journal kept in memory."""
+"""A fake engine with a known optimum and seeded noise, and a journal kept in memory.
+
+The fake's trials take time as a real engine's would: the workload a trial is asked to run lasts
+as long as its tokens take at the trial's speeds, plus a fixed time per request; start-up,
+warm-up and stop take RESTART_S together.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,17 @@ from typing import Any
 from moelab.autotune.flagset import effective_value, value_of
 from moelab.autotune.journal import Journal, StoredTrial
 from moelab.autotune.trial import Cancelled, TrialRequest, TrialResult
-from moelab.autotune.workload import ContextProof
+from moelab.autotune.workload import ContextProof, WorkloadSpec
 
 POLICY = {"auto": 1.0, "gpu": 0.8, "cpu": 1.25, "split:0.25": 1.1, "split:0.75": 0.9}
 THREADS = {1: 0.8, 2: 0.95, 3: 1.0, 4: 1.12}
 RUNNING = {1: 1.0, 2: 1.8, 4: 3.0, 8: 3.6, 16: 3.1}  # more requests thrash the cache past 8
 CHUNK = {512: 0.7, 1024: 0.9, 2048: 1.0, 4096: 1.1, 8192: 1.05}
 MODEL_MAX_CONTEXT = 32768
+REQUEST_S = 0.02  # a request's own time: HTTP, scheduling, the first step
+DECODE_PROMPT_TOKENS = 100
+CHARS_PER_TOKEN = 3.5
+RESTART_S = 2.0
 
 
 def true_figures(flags: list[str]) -> tuple[float, float, float]:
@@ -53,7 +62,8 @@ class FakeEngine:
     `flukes` maps a change key to a factor applied to that change's first trial only (a one-off
     lucky run); `crash` lists change keys whose engine exits while loading; `interrupt_at`
     raises Interrupted instead of running that trial number; `drift` makes every trial that
-    much faster than the one before (the machine getting quieter).
+    much faster than the one before (the machine getting quieter); `cold` multiplies the
+    figures of trial 1 (an engine that compiles everything first).
     """
 
     def __init__(
@@ -65,8 +75,12 @@ class FakeEngine:
         interrupt_at: int | None = None,
         slow_above_context: int | None = None,
         drift: float = 0.0,
+        speed: float = 1.0,
+        cold: float = 1.0,
     ) -> None:
         self.seed = seed
+        self.speed = speed  # every figure times this: a faster or slower machine
+        self.cold = cold
         self.noise = noise
         self.flukes = dict(flukes or {})
         self.crash = crash
@@ -80,32 +94,61 @@ class FakeEngine:
             raise Interrupted(n)
         self.calls.append((n, request))
         key = request.change.key if request.change else None
+        spec = request.workload or WorkloadSpec()
         if key in self.crash:
             return TrialResult(
                 ok=False, started=float(n), duration_s=3.0, failure="crash",
                 error="engine exited with code 1 before it was ready",
                 log_tail=f"# starting: moelab serve {' '.join(request.flags)}\nboom",
+                details={"workload": spec.to_json()},
             )  # fmt: skip
         rng = random.Random(f"{self.seed}:{n}")
         fluke = self.flukes.pop(key, 1.0) if key else 1.0
         flags = list(request.flags)
         usable = usable_context(flags)
         slow = 0.8 if self.slow_above_context and usable > self.slow_above_context else 1.0
-        slow *= (1 + self.drift) ** n
+        slow *= (1 + self.drift) ** n * (self.cold if n == 1 else 1.0)
         prefill, decode, aggregate = (
-            v * fluke * slow * (1 + rng.gauss(0, self.noise)) for v in true_figures(flags)
+            v * self.speed * fluke * slow * (1 + rng.gauss(0, self.noise))
+            for v in true_figures(flags)
         )
         proof = None
         if request.context_tokens:
             served = request.context_tokens <= usable
             tokens = int(request.context_tokens * 0.97) if served else 0
             proof = ContextProof(request.context_tokens, tokens, served, f"served {tokens}")
+        details = timed_workload(spec, usable, prefill, decode, aggregate)
         return TrialResult(
-            ok=True, started=float(n), duration_s=10.0, prefill_tok_s=prefill,
-            decode_tok_s=decode, aggregate_tok_s=aggregate, ttft_s=0.1, hit_rate=0.5,
-            usable_context=usable, context_proof=proof, engine_pid=1000 + n, startup_s=1.5,
-            warmup_s=0.3, stop_s=0.2,
+            ok=True, started=float(n), duration_s=RESTART_S + details["workload_s"],
+            prefill_tok_s=prefill, decode_tok_s=decode, aggregate_tok_s=aggregate, ttft_s=0.1,
+            hit_rate=0.5, usable_context=usable, context_proof=proof, engine_pid=1000 + n,
+            startup_s=1.5, warmup_s=0.3, stop_s=0.2, details=details,
         )  # fmt: skip
+
+
+def timed_workload(
+    spec: WorkloadSpec, usable: int, prefill: float, decode: float, aggregate: float
+) -> dict[str, Any]:
+    """The readings a trial of `spec` records (autotune/workload.py) at these speeds."""
+    prompt = min(spec.prefill_tokens, (usable - 64) // 2)
+    one_decode_s = REQUEST_S + DECODE_PROMPT_TOKENS / prefill + (spec.decode_tokens - 1) / decode
+    parts = {
+        "prefill": spec.prefill_requests * (REQUEST_S + prompt / prefill),
+        "decode": spec.decode_requests * one_decode_s,
+    }
+    if spec.clients:
+        tokens = spec.clients * spec.aggregate_tokens
+        parts["aggregate"] = spec.aggregate_rounds * (REQUEST_S + tokens / aggregate)
+    return {
+        "prefill_target_tokens": prompt,
+        "prefill_prompt_tokens": [prompt] * spec.prefill_requests,
+        "decode_prompt_tokens": [DECODE_PROMPT_TOKENS] * spec.decode_requests,
+        "prefill_cuts": [(int(prompt * CHARS_PER_TOKEN), prompt)] * spec.prefill_requests,
+        "prompt_chars_per_token": CHARS_PER_TOKEN,
+        "parts_s": parts,
+        "workload_s": sum(parts.values()),
+        "workload": spec.to_json(),
+    }
 
 
 class MemoryJournal(Journal):

@@ -161,6 +161,15 @@ def test_a_run_resumes_after_the_daemon_restarts(tmp_path: Path, demo_model: Pat
         assert done["result"]["flags"] == whole["result"]["flags"]
         verdicts = [(t["n"], t["verdict"]) for t in done["trials"]]
         assert verdicts == [(t["n"], t["verdict"]) for t in whole["trials"]]
+        # the workload sized by the stored calibration trial, before and after the restart
+        first = done["trials"][0]
+        assert (first["role"], first["verdict"]) == ("calibration", "calibration")
+        assert first["reason"].startswith("calibration: ")
+        spec = done["result"]["workload"]["spec"]
+        assert spec == whole["result"]["workload"]["spec"]
+        for trial in done["trials"][1:]:
+            full = client.get(f"/api/benchmarks/{run['id']}/trials/{trial['n']}").json()
+            assert full["details"]["workload"] == spec, trial["n"]
 
 
 def test_a_killed_daemon_leaves_no_trial_engine_behind(tmp_path: Path, demo_model: Path) -> None:

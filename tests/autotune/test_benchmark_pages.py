@@ -85,14 +85,14 @@ def test_the_history_and_the_comparison(two_runs) -> None:
 def test_a_running_run_shows_its_trial_and_keeps_polling(tmp_path: Path, demo_model: Path) -> None:
     with running_app(tmp_path / "mgr", demo_model.parent) as (daemon, client):
         record_fresh_rates(daemon, demo_model)
-        runners = use_fake(client.app, FakeEngine(seed=33), block_at=4)
+        runners = use_fake(client.app, FakeEngine(seed=33), block_at=5)
         run = start(client, demo_model, base_flags=POOR)
         deadline = time.monotonic() + 30
         while not (runners and runners[0].blocked.is_set()) and time.monotonic() < deadline:
             time.sleep(0.02)
         live = client.get(f"/benchmark/{run['id']}?part=benchmark_live").text
         assert 'hx-trigger="every 3s' in live and 'id="current-trial"' in live
-        assert "Trial 4 (candidate)" in live and "/cancel" in live
+        assert "Trial 5 (candidate)" in live and "/cancel" in live
         client.post(f"/api/benchmarks/{run['id']}/cancel")
         ended = client.get(f"/benchmark/{run['id']}?part=benchmark_live").text
         assert "hx-trigger" not in ended.split(">", 1)[0] and "/resume" in ended

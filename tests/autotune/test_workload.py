@@ -1,4 +1,5 @@
-"""The workload's client against a fake OpenAI server whose speeds are known."""
+"""The workload's client against a fake OpenAI server whose speeds are known, and a workload
+sized to a duration there."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 import uvicorn
@@ -17,7 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from moelab.autotune.sizing import size_workload
+from moelab.autotune.trial import TrialResult
 from moelab.autotune.workload import (
+    WARMUP_GENERATED_TOKENS,
     EngineClient,
     Workload,
     WorkloadSpec,
@@ -32,32 +37,40 @@ CONTEXT = 3000
 
 
 class FakeServer:
-    """/v1/completions that takes a known time per prompt token and per generated token."""
+    """/v1/completions that takes a known time per prompt token and per generated token,
+    `speed` times faster than the module's figures."""
 
-    def __init__(self, burst: bool = False) -> None:
+    def __init__(
+        self, burst: bool = False, speed: float = 1.0, tokens_of: Callable[[str], int] | None = None
+    ) -> None:
         self.burst = burst  # hold every chunk back and send them at the end
+        self.tokens_of = tokens_of or (lambda text: len(text) // CHARS_PER_TOKEN)
         self.prompts: list[str] = []
+        self.max_tokens: list[int] = []
+        self.prefill_s_per_token = PREFILL_S_PER_TOKEN / speed
+        self.decode_s_per_token = DECODE_S_PER_TOKEN / speed
 
     async def completions(self, request: Request):
         body = await request.json()
         prompt, max_tokens = body["prompt"], body["max_tokens"]
         self.prompts.append(prompt)
-        tokens = max(1, len(prompt) // CHARS_PER_TOKEN)
+        self.max_tokens.append(max_tokens)
+        tokens = max(1, self.tokens_of(prompt))
         if tokens + max_tokens > CONTEXT:
             return JSONResponse(
                 {"error": {"message": "too long", "code": "context_length_exceeded"}}, 400
             )
         usage = {"prompt_tokens": tokens, "completion_tokens": max_tokens}
         if not body.get("stream"):
-            await asyncio.sleep(tokens * PREFILL_S_PER_TOKEN)
+            await asyncio.sleep(tokens * self.prefill_s_per_token)
             return JSONResponse({"choices": [{"text": "x"}], "usage": usage})
 
         async def chunks():
-            await asyncio.sleep(tokens * PREFILL_S_PER_TOKEN)
+            await asyncio.sleep(tokens * self.prefill_s_per_token)
             held = []
             for i in range(max_tokens):
                 if i:
-                    await asyncio.sleep(DECODE_S_PER_TOKEN)
+                    await asyncio.sleep(self.decode_s_per_token)
                 chunk = f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n"
                 if self.burst:
                     held.append(chunk)
@@ -108,10 +121,17 @@ def test_figures_match_the_speeds_of_the_server(serve, burst: bool) -> None:
     fake = FakeServer(burst=burst)
     client = EngineClient(serve(fake), timeout_s=30)
     workload = Workload(SPEC)
-    chars = workload.warm_up(client)
-    assert chars == pytest.approx(CHARS_PER_TOKEN, rel=0.01)
+    chars = workload.warm_up(client, {})
+    assert chars == pytest.approx(CHARS_PER_TOKEN, rel=0.05)
     result = workload.run(client, CONTEXT, chars)
     assert result.prefill_prompt_tokens == pytest.approx(1024, rel=0.02)
+    assert result.details["prompt_chars_per_token"] == pytest.approx(CHARS_PER_TOKEN, rel=0.01)
+    # the seconds the workload took: its parts, each at the server's known speeds
+    parts = result.details["parts_s"]
+    assert 0.9 < sum(parts.values()) / result.details["workload_s"] <= 1.0
+    assert parts["prefill"] >= 2 * 1024 * PREFILL_S_PER_TOKEN
+    assert parts["decode"] >= 3 * 39 * DECODE_S_PER_TOKEN
+    assert parts["aggregate"] >= 2 * 29 * DECODE_S_PER_TOKEN
     # a busy test machine only slows the client down: the bounds are tight above, loose below
     assert 0.5 < result.prefill_tok_s * PREFILL_S_PER_TOKEN < 1.15
     # chunks held back and sent in one burst do not make decode look faster than it is
@@ -130,6 +150,83 @@ def test_every_trial_sends_the_same_text_behind_a_fresh_first_line(serve) -> Non
     assert [p.split("\n", 1)[1] for p in first] == [p.split("\n", 1)[1] for p in second]
     heads = [p.split("\n", 1)[0] for p in fake.prompts]
     assert len(set(heads)) == len(heads), "no two prompts share a first line"
+
+
+@pytest.mark.parametrize(
+    ("config", "tokens"),
+    [
+        ({}, 32),  # an engine that does not say: a short prompt all the same
+        ({"prefill_stream_min_tokens": 6, "prefill_chunk_tokens": 2048}, 32),
+        ({"prefill_stream_min_tokens": 200, "prefill_chunk_tokens": 2048}, 200),
+        ({"prefill_stream_min_tokens": 200, "prefill_chunk_tokens": 64}, 64),
+        ({"prefill_stream_min_tokens": 6, "prefill_chunk_tokens": 2}, 2),
+    ],
+)
+def test_the_warm_up_is_one_short_request(serve, config: dict, tokens: int) -> None:
+    # long enough for the engine's streamed prefill path, never more than one prefill chunk
+    fake = FakeServer()
+    client = EngineClient(serve(fake), timeout_s=30)
+    Workload(WorkloadSpec(prefill_tokens=1024, prefill_chars=4096)).warm_up(client, config)
+    assert len(fake.prompts) == 1 and fake.max_tokens == [WARMUP_GENERATED_TOKENS]
+    assert len(fake.prompts[0]) // CHARS_PER_TOKEN == tokens
+
+
+MINIMUM = WorkloadSpec(prefill_tokens=256, prefill_requests=2, decode_requests=2, decode_tokens=8)
+TARGET_S = 2.0
+
+
+def calibrate(client: EngineClient, minimum: WorkloadSpec) -> TrialResult:
+    """A calibration trial's readings, as the trial runner records them."""
+    workload = Workload(minimum)
+    result = workload.run(client, CONTEXT, workload.warm_up(client, {}))
+    return TrialResult(
+        ok=True, started=0.0, duration_s=0.0, prefill_tok_s=result.prefill_tok_s,
+        decode_tok_s=result.decode_tok_s, details=result.details,
+    )  # fmt: skip
+
+
+def test_a_workload_sized_to_a_duration_lasts_about_that_long(serve) -> None:
+    specs = {}
+    for speed in (1.0, 4.0):
+        client = EngineClient(serve(FakeServer(speed=speed)), timeout_s=30)
+        calibration = calibrate(client, MINIMUM)
+        assert calibration.workload_s < TARGET_S / 2
+        sizing = size_workload(MINIMUM, calibration, TARGET_S)
+        assert sizing.expected_s == pytest.approx(TARGET_S, rel=0.15)
+        sized = Workload(sizing.spec)
+        result = sized.run(client, CONTEXT, sized.warm_up(client, {}))
+        # a busy test machine only makes it longer: tight below, loose above
+        assert 0.8 * TARGET_S < result.details["workload_s"] < 1.5 * TARGET_S, sizing
+        specs[speed] = sizing.spec
+    slow, fast = specs[1.0], specs[4.0]
+    assert fast.decode_tokens * fast.decode_requests > 2 * slow.decode_tokens * slow.decode_requests
+    assert fast.prefill_requests > slow.prefill_requests >= MINIMUM.prefill_requests
+
+
+def uneven_tokens(text: str) -> int:
+    """A tokenizer whose density varies along the corpus: a token per 6 ASCII characters, one
+    per character of anything else (the Japanese prose)."""
+    ascii_chars = sum(1 for c in text if c.isascii())
+    return ascii_chars // 6 + len(text) - ascii_chars
+
+
+def test_the_long_prompt_is_cut_to_the_engines_count_of_tokens(serve) -> None:
+    # the warm-up's short prompt is no guide to the long one's density: the calibration trial
+    # corrects each cut by the engine's count of the ones before it
+    fake = FakeServer(tokens_of=uneven_tokens)
+    client = EngineClient(serve(fake), timeout_s=30)
+    minimum = replace(MINIMUM, prefill_tokens=1000, prefill_requests=3)
+    calibration = calibrate(client, minimum)
+    counts = calibration.details["prefill_prompt_tokens"]
+    assert abs(counts[-1] - 1000) < abs(counts[0] - 1000)
+    spec = size_workload(minimum, calibration, TARGET_S).spec
+    sent = []
+    for warm_up_count in (2.5, 6.0):  # every later trial sends the same, whatever it counted
+        fake.prompts.clear()
+        result = Workload(spec).run(client, CONTEXT, warm_up_count)
+        assert result.details["prefill_prompt_tokens"] == pytest.approx([1000] * 3, rel=0.03)
+        sent.append([p.split("\n", 1)[1] for p in fake.prompts])
+    assert sent[0] == sent[1]
 
 
 def test_a_context_is_proven_by_a_prompt_of_95_percent_of_it(serve) -> None:
