@@ -402,9 +402,21 @@ class Search:
     # ---- progress and result ----------------------------------------------------------------
 
     def _progress(self, phase: str, trials_left: int) -> None:
-        durations = [r.duration_s for r in self.results.values()]
-        eta = trials_left * statistics.median(durations) if durations else None
-        self.journal.progress(phase, eta)
+        trial_s = self._trial_s()
+        self.journal.progress(phase, None if trial_s is None else trials_left * trial_s)
+
+    def _trial_s(self) -> float | None:
+        """What a trial takes: the median of the sized ones, or, before any ran, the calibration
+        trial with its workload replaced by the sized one's expected time."""
+        n = self.calibration_trial
+        sized = [r.duration_s for k, r in self.results.items() if k != n]
+        if sized:
+            return statistics.median(sized)
+        calibration = self.results.get(n) if n is not None else None
+        if calibration is None or self.sizing is None:
+            return None
+        expected_s = self.sizing.expected_s or calibration.workload_s or 0.0
+        return calibration.duration_s - (calibration.workload_s or 0.0) + expected_s
 
 
 def _num(value: float | None) -> str:
