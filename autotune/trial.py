@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 
 from ..engine import launch
+from .client import EngineClient, WorkloadError
 from .flagset import Change, without
-from .workload import ContextProof, EngineClient, Workload, WorkloadError, WorkloadSpec
+from .workload import ContextProof, Workload, WorkloadSpec
 
 TRIAL_PORTS = range(8200, 8300)  # the daemon's supervisor hands out 8100-8199
 ROLES = ("calibration", "baseline", "candidate", "confirm", "context")

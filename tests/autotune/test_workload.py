@@ -1,4 +1,4 @@
-"""The workload's client against a fake OpenAI server whose speeds are known, and a workload
+"""The workload against a fake OpenAI server whose speeds are known, and a workload
 sized to a duration there."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from moelab.autotune.client import EngineClient
 from moelab.autotune.sizing import size_workload
 from moelab.autotune.trial import TrialResult
 from moelab.autotune.workload import (
     WARMUP_GENERATED_TOKENS,
-    EngineClient,
     Workload,
     WorkloadSpec,
     corpus_paragraphs,
