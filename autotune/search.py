@@ -1,8 +1,9 @@
 """The search: baseline, one change at a time with confirmation, the context step, the result.
 
-The first trial calibrates: it runs the mode's minimum workload, and the run's workload is sized
-from it (autotune/sizing.py); every later trial runs that same spec, and the calibration trial is
-not one of the baseline runs the noise is measured on. Every later trial is the best flags so far
+The first trial calibrates: in one engine it runs the mode's minimum workload, then a workload
+sized from it, warm, and the run's workload is sized from that (autotune/sizing.py); every later
+trial runs that same spec, and the calibration trial is not one of the baseline runs the noise is
+measured on. Every later trial is the best flags so far
 plus exactly one change. A change whose first run beats the incumbent by more than the noise
 threshold runs again, and is kept only when the second run agrees and the two together do not
 cost another figure more than allowed. Ordered values are walked outwards and a walk ends at its
@@ -137,16 +138,24 @@ class Search:
         return TrialRequest(tuple(flags), change, role, context_tokens, self.sizing.spec)
 
     def _calibrate(self) -> None:
-        """The first trial: the mode's minimum workload on the starting flags, timed, and the
-        run's workload sized from it. It absorbs a cold start (compile caches) too."""
+        """The first trial: the mode's minimum workload on the starting flags, then the first
+        estimate for the target, warm, in the same engine; the run's workload is sized from the
+        warm stage. The minimum absorbs a cold start (compile caches)."""
         runs = self.mode.baseline_runs
         self._progress("baseline", 1 + runs + self._left + self._context_estimate())
         self.journal.event(
             "phase",
-            f"calibration: the mode's minimum workload on {self.settings.base_origin}, then a "
-            f"workload of about {self.mode.target_s:.0f} s for every trial",
+            f"calibration: the mode's minimum workload on {self.settings.base_origin}, then the "
+            f"first estimate of a {self.mode.target_s:.0f} s workload, warm, to size the "
+            "workload of every trial",
         )
-        request = TrialRequest(tuple(self.base_flags), None, "calibration", workload=self.minimum)
+        request = TrialRequest(
+            tuple(self.base_flags),
+            None,
+            "calibration",
+            workload=self.minimum,
+            target_s=self.mode.target_s,
+        )
         n, result = self._trial(request)
         self.calibration_trial = n
         sizing = self.sizing = size_workload(self.minimum, result, self.mode.target_s)

@@ -1,13 +1,27 @@
-"""A run's workload sized to a duration: measured once, by the calibration trial, then fixed.
+"""A run's workload sized to a duration: measured by the calibration trial, then fixed.
 
 A mode's workload (modes.py) is the least a trial sends, and how long it lasts depends on the
-machine: a few seconds on a 2-core CPU with the demo model, about one on an H200. The first trial
-of a run sends that minimum and records how long each part took; from those times the run's
-workload is scaled so its measured part lasts about the mode's target, and every later trial
-sends exactly that spec. The sizing is a function of the calibration trial's readings alone, so a
-resumed run that replays the stored trial gets the same spec back.
+machine: a few seconds on a 2-core CPU with the demo model, about one on an H200. Scaling that
+one reading by target / measured undershot on an H200 by 4x: the minimum ran cold (its first
+requests compiled kernels: prefill read 6.4k tok/s, 22-24k warm) and most of its second was
+per-request costs (HTTP, the first token) that do not grow with the tokens. So the calibration
+trial sizes in stages, in its one engine (calibrate):
 
-How each part grows (each keeps its share of the minimum's time; none shrinks below the minimum):
+(a) the mode's minimum workload, which absorbs the cold start; a first estimate is sized from it
+    for the target (at the minimum's cold speeds, so warm it runs shorter);
+(b) that estimate, run warm and timed;
+(c) the run's workload, sized again from (b)'s readings, for every later trial.
+
+When (b) lasted less than REPEAT_BELOW_SHARE of the target, its readings are still mostly fixed
+costs: (b) runs once more at the estimate sized from it, and (c) sizes from that. A minimum that
+already took the target or longer is kept without a second stage. The sizing is a function of
+the stored stages' readings alone, so a resumed run that replays the trial gets the same spec.
+
+Sizing from a stage models each part by that stage's own readings (Speeds): a long prompt takes
+the same time per request (it is the same prompt), a generation a fixed time (its prompt, the
+request) plus its tokens at the measured rate, a round of concurrent streams the same time per
+round. The mode's minimum at those speeds gives each part's share, and each part grows to keep
+its share of the target (none shrinks below the minimum):
 - prefill: more requests of the same long prompt (its length stays the mode's: the plan judges
   prefill chunks against it);
 - decode: longer generations first, up to MAX_GENERATION_TOKENS and never longer than the long
@@ -17,13 +31,20 @@ How each part grows (each keeps its share of the minimum's time; none shrinks be
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .trial import TrialResult
-from .workload import WorkloadSpec, chars_for_tokens
+from .workload import WorkloadResult, WorkloadSpec, chars_for_tokens
+
+if TYPE_CHECKING:  # the trial runner imports this module
+    from .trial import TrialResult
 
 MAX_GENERATION_TOKENS = 1024
+# a stage shorter than this share of the target is run again at the estimate sized from it
+REPEAT_BELOW_SHARE = 0.2
+STAGES = ("the mode's minimum", "the first estimate", "the second estimate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +53,14 @@ class Sizing:
 
     spec: WorkloadSpec
     target_s: float
-    measured_s: float | None = None  # the calibration trial's workload (the mode's minimum)
-    expected_s: float | None = None  # the sized workload at the calibration's measured speeds
+    stages_s: tuple[float, ...] = ()  # each calibration stage's workload, the minimum's first
+    expected_s: float | None = None  # the sized workload at the last stage's speeds
     failure: str | None = None  # why the calibration trial measured nothing
+
+    @property
+    def measured_s(self) -> float | None:
+        """Seconds the mode's minimum workload took (cold: the engine's first requests)."""
+        return self.stages_s[0] if self.stages_s else None
 
     @property
     def reason(self) -> str:
@@ -44,15 +70,22 @@ class Sizing:
                 f"calibration failed ({self.failure}): every trial runs the mode's minimum workload"
             )
         assert self.measured_s is not None and self.expected_s is not None
-        if self.measured_s >= self.target_s:
+        if len(self.stages_s) == 1 and self.measured_s >= self.target_s:
             return (
                 f"calibration: the mode's minimum workload took {self.measured_s:.1f} s, not "
                 f"less than the {self.target_s:.0f} s target: kept as it is ({describe(self.spec)})"
             )
+        if len(self.stages_s) == 1:  # a trial stored before calibration took two stages
+            return (
+                f"calibration: workload sized to {self.expected_s:.1f} s (target "
+                f"{self.target_s:.0f} s; the mode's minimum took {self.measured_s:.1f} s): "
+                f"{describe(self.spec)}"
+            )
+        stages = [f"the mode's minimum took {self.measured_s:.1f} s cold"]
+        stages += [f"{STAGES[i]} {s:.1f} s warm" for i, s in enumerate(self.stages_s[1:], 1)]
         return (
-            f"calibration: workload sized to {self.expected_s:.1f} s (target "
-            f"{self.target_s:.0f} s; the mode's minimum took {self.measured_s:.1f} s): "
-            f"{describe(self.spec)}"
+            f"calibration: {'; '.join(stages)}; workload sized to {self.expected_s:.1f} s "
+            f"(target {self.target_s:.0f} s): {describe(self.spec)}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -60,10 +93,51 @@ class Sizing:
             "spec": self.spec.to_json(),
             "target_s": self.target_s,
             "measured_s": self.measured_s,
+            "stages_s": list(self.stages_s),
             "expected_s": self.expected_s,
             "failure": self.failure,
             "reason": self.reason,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Speeds:
+    """What each part of a workload costs, read from one run of it: the sizing's model."""
+
+    prefill_request_s: float  # one request of the long prompt
+    decode_fixed_s: float  # a generation's prompt, request and first token
+    decode_token_s: float  # each generated token after the first
+    aggregate_round_s: float  # one round of concurrent streams
+    other_s: float  # outside any request: prompt building, thread start-up
+
+    @classmethod
+    def of(cls, details: dict[str, Any]) -> Speeds:
+        """The model of a workload's readings (`WorkloadResult.details`)."""
+        spec = WorkloadSpec.from_json(details["workload"])
+        parts: dict[str, float] = details["parts_s"]
+        token_s = 1.0 / statistics.median(details["decode_tok_s"])
+        per_request_s = parts["decode"] / spec.decode_requests
+        return cls(
+            prefill_request_s=parts["prefill"] / spec.prefill_requests,
+            decode_fixed_s=max(0.0, per_request_s - (spec.decode_tokens - 1) * token_s),
+            decode_token_s=token_s,
+            aggregate_round_s=parts.get("aggregate", 0.0) / spec.aggregate_rounds,
+            other_s=max(0.0, float(details["workload_s"]) - sum(parts.values())),
+        )
+
+    def generation_s(self, tokens: int) -> float:
+        return self.decode_fixed_s + (tokens - 1) * self.decode_token_s
+
+    def parts_s(self, spec: WorkloadSpec) -> dict[str, float]:
+        """Seconds each part of `spec` takes at these speeds."""
+        return {
+            "prefill": spec.prefill_requests * self.prefill_request_s,
+            "decode": spec.decode_requests * self.generation_s(spec.decode_tokens),
+            "aggregate": spec.aggregate_rounds * self.aggregate_round_s if spec.clients else 0.0,
+        }
+
+    def workload_s(self, spec: WorkloadSpec) -> float:
+        return self.other_s + sum(self.parts_s(spec).values())
 
 
 def describe(spec: WorkloadSpec) -> str:
@@ -80,61 +154,80 @@ def describe(spec: WorkloadSpec) -> str:
     return ", ".join(parts)
 
 
+def calibrate(
+    minimum: WorkloadSpec,
+    target_s: float,
+    run: Callable[[WorkloadSpec], WorkloadResult],
+    on_stage: Callable[[str], None] = lambda _stage: None,
+) -> WorkloadResult:
+    """The calibration trial's workload: the stages, each `run` in the same engine.
+
+    The result's figures are the last (warm) stage's; its details hold every stage's readings
+    (`stages`), the spec the trial was asked for (the minimum) and the seconds of all stages.
+    """
+    on_stage(f"calibration: {STAGES[0]}")
+    results = [run(minimum)]
+    while len(results) < len(STAGES):
+        last_s = float(results[-1].details["workload_s"])
+        if last_s >= (target_s if len(results) == 1 else REPEAT_BELOW_SHARE * target_s):
+            break
+        spec, expected_s = sized(minimum, [r.details for r in results], target_s)
+        on_stage(f"calibration: {STAGES[len(results)]} ({expected_s:.0f} s)")
+        results.append(run(spec))
+    last = results[-1]
+    details = {
+        **last.details,
+        "stages": [r.details for r in results],
+        "workload": minimum.to_json(),
+        "workload_s": sum(float(r.details["workload_s"]) for r in results),
+    }
+    return replace(last, details=details)
+
+
 def size_workload(minimum: WorkloadSpec, calibration: TrialResult, target_s: float) -> Sizing:
     """The spec every trial after `calibration` runs, for a measured part of about `target_s`."""
     if not calibration.ok:
         return Sizing(minimum, target_s, failure=calibration.failure or "error")
-    details = calibration.details
-    parts: dict[str, float] = details["parts_s"]
-    measured_s = calibration.workload_s
-    assert measured_s is not None and calibration.decode_tok_s, "an ok trial ran its workload"
-    scale = max(1.0, target_s / measured_s)
-    # the long prompt's text as the engine counted it: the same prompt in every later trial
-    tokens = int(details["prefill_target_tokens"])
-    cuts = [(int(chars), int(counted)) for chars, counted in details["prefill_cuts"]]
-    spec = replace(minimum, prefill_tokens=tokens, prefill_chars=chars_for_tokens(tokens, cuts))
-    gaps_s = max(0.0, measured_s - sum(parts.values()))  # prompt building, thread start-up
-    prefill_requests = max(spec.prefill_requests, round(spec.prefill_requests * scale))
-    expected_s = gaps_s + parts["prefill"] * prefill_requests / spec.prefill_requests
-    decode_tokens, decode_requests, decode_s = _decode(
-        spec,
-        parts["decode"],
-        calibration.decode_tok_s,
-        cap_tokens=min(
-            MAX_GENERATION_TOKENS,
-            max(spec.decode_tokens, spec.prefill_tokens - max(details["decode_prompt_tokens"])),
-        ),
-        scale=scale,
-    )
-    expected_s += decode_s
-    rounds = spec.aggregate_rounds
-    if spec.clients > 0:
-        rounds = max(rounds, round(rounds * scale))
-        expected_s += parts["aggregate"] * rounds / spec.aggregate_rounds
+    # a trial stored before calibration took stages ran the minimum alone
+    stages = calibration.details.get("stages") or [calibration.details]
+    spec, expected_s = sized(minimum, stages, target_s)
+    return Sizing(spec, target_s, tuple(float(s["workload_s"]) for s in stages), expected_s)
+
+
+def sized(
+    minimum: WorkloadSpec, stages: list[dict[str, Any]], target_s: float
+) -> tuple[WorkloadSpec, float]:
+    """(spec, expected seconds) for about `target_s`, at the speeds of the last of `stages`.
+
+    The long prompt's text is the one the first stage cut to the engine's count: the same
+    prompt in every later stage and trial.
+    """
+    first = stages[0]
+    tokens = int(first["prefill_target_tokens"])
+    cuts = [(int(chars), int(counted)) for chars, counted in first["prefill_cuts"]]
+    base = replace(minimum, prefill_tokens=tokens, prefill_chars=chars_for_tokens(tokens, cuts))
+    speeds = Speeds.of(stages[-1])
+    scale = max(1.0, target_s / speeds.workload_s(base))
+    decode_prompt_tokens = max(max(s["decode_prompt_tokens"]) for s in stages)
+    cap_tokens = min(MAX_GENERATION_TOKENS, max(base.decode_tokens, tokens - decode_prompt_tokens))
+    decode_tokens, decode_requests = _decode(base, speeds, cap_tokens, scale)
     spec = replace(
-        spec,
-        prefill_requests=prefill_requests,
+        base,
+        prefill_requests=max(base.prefill_requests, round(base.prefill_requests * scale)),
         decode_tokens=decode_tokens,
         decode_requests=decode_requests,
-        aggregate_rounds=rounds,
+        aggregate_rounds=max(base.aggregate_rounds, round(base.aggregate_rounds * scale)),
     )
-    return Sizing(spec, target_s, measured_s, expected_s)
+    return spec, speeds.workload_s(spec)
 
 
-def _decode(
-    spec: WorkloadSpec, part_s: float, decode_tok_s: float, cap_tokens: int, scale: float
-) -> tuple[int, int, float]:
-    """(tokens per generation, generations, expected seconds) for a decode part `scale` times
-    as long: a generation takes a fixed time (its prompt, the request) plus its tokens at the
-    measured rate."""
-    per_token_s = 1.0 / decode_tok_s
-    per_request_s = part_s / spec.decode_requests
-    fixed_s = max(0.0, per_request_s - (spec.decode_tokens - 1) * per_token_s)
+def _decode(base: WorkloadSpec, speeds: Speeds, cap_tokens: int, scale: float) -> tuple[int, int]:
+    """(tokens per generation, generations) for a decode part `scale` times the minimum's."""
+    per_request_s = speeds.generation_s(base.decode_tokens)
     want_s = per_request_s * scale
-    tokens = round((want_s - fixed_s) / per_token_s) + 1
-    tokens = max(spec.decode_tokens, min(cap_tokens, tokens))
-    one_s = fixed_s + (tokens - 1) * per_token_s
-    requests = spec.decode_requests
+    tokens = round((want_s - speeds.decode_fixed_s) / speeds.decode_token_s) + 1
+    tokens = max(base.decode_tokens, min(cap_tokens, tokens))
+    requests = base.decode_requests
     if tokens == cap_tokens:
-        requests = max(requests, round(part_s * scale / one_s))
-    return tokens, requests, requests * one_s
+        requests = max(requests, round(requests * want_s / speeds.generation_s(tokens)))
+    return tokens, requests

@@ -2,8 +2,9 @@
 
 The engine is never reused: every trial starts a new process through engine/launch.py, waits for
 /health, sends one warm-up request, runs the workload the request names (the same one for every
-trial after the calibration trial), reads /v1/stats and stops the process group. A crash, an
-out-of-memory or a timeout becomes a failed trial with the log tail; the run goes on.
+trial after the calibration trial, which runs its stages in its one engine: autotune/sizing.py),
+reads /v1/stats and stops the process group. A crash, an out-of-memory or a timeout becomes a
+failed trial with the log tail; the run goes on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import httpx
 from ..engine import launch
 from .client import EngineClient, WorkloadError
 from .flagset import Change, without
-from .workload import ContextProof, Workload, WorkloadSpec
+from .sizing import calibrate
+from .workload import ContextProof, Workload, WorkloadResult, WorkloadSpec
 
 TRIAL_PORTS = range(8200, 8300)  # the daemon's supervisor hands out 8100-8199
 ROLES = ("calibration", "baseline", "candidate", "confirm", "context")
@@ -35,13 +37,18 @@ class Cancelled(Exception):
 @dataclass(frozen=True, slots=True)
 class TrialRequest:
     """What a trial runs: the flags, the one change they carry, why, a context to prove, and the
-    workload (None: the runner's own, the mode's minimum)."""
+    workload (None: the runner's own, the mode's minimum).
+
+    A calibration trial with `target_s` runs `workload` and then the stages sized from it for
+    that target, in the same engine (autotune/sizing.py: calibrate).
+    """
 
     flags: tuple[str, ...]
     change: Change | None
     role: str
     context_tokens: int | None = None
     workload: WorkloadSpec | None = None
+    target_s: float | None = None
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role
@@ -251,7 +258,14 @@ class EngineTrialRunner:
             chars_per_token = workload.warm_up(client, config)
             warmup_s = time.monotonic() - warm_start
             self.on_step("workload")
-            result = workload.run(client, usable, chars_per_token, self.cancel.is_set)
+
+            def run(spec: WorkloadSpec) -> WorkloadResult:
+                return Workload(spec).run(client, usable, chars_per_token, self.cancel.is_set)
+
+            if request.role == "calibration" and request.target_s is not None:
+                result = calibrate(workload.spec, request.target_s, run, self.on_step)
+            else:
+                result = run(workload.spec)
             proof = None
             if request.context_tokens:
                 self.on_step(f"proving a context of {request.context_tokens} tokens")

@@ -2,7 +2,8 @@
 
 The fake's trials take time as a real engine's would: the workload a trial is asked to run lasts
 as long as its tokens take at the trial's speeds, plus a fixed time per request; start-up,
-warm-up and stop take RESTART_S together.
+warm-up and stop take RESTART_S together. A calibration trial runs its stages as the real trial
+runner does (autotune/sizing.py: calibrate), in one engine: only its first workload is cold.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 
 from moelab.autotune.flagset import effective_value, value_of
 from moelab.autotune.journal import Journal, StoredTrial
+from moelab.autotune.sizing import calibrate
 from moelab.autotune.trial import Cancelled, TrialRequest, TrialResult
-from moelab.autotune.workload import ContextProof, WorkloadSpec
+from moelab.autotune.workload import ContextProof, WorkloadResult, WorkloadSpec
 
 POLICY = {"auto": 1.0, "gpu": 0.8, "cpu": 1.25, "split:0.25": 1.1, "split:0.75": 0.9}
 THREADS = {1: 0.8, 2: 0.95, 3: 1.0, 4: 1.12}
@@ -62,8 +64,9 @@ class FakeEngine:
     `flukes` maps a change key to a factor applied to that change's first trial only (a one-off
     lucky run); `crash` lists change keys whose engine exits while loading; `interrupt_at`
     raises Interrupted instead of running that trial number; `drift` makes every trial that
-    much faster than the one before (the machine getting quieter); `cold` multiplies the
-    figures of trial 1 (an engine that compiles everything first).
+    much faster than the one before (the machine getting quieter). The first workload of
+    trial 1 is cold (the first engine compiles its kernels): its figures times `cold`, and its
+    first request `compile_s` longer. Every request takes `request_s` besides its tokens.
     """
 
     def __init__(
@@ -77,10 +80,14 @@ class FakeEngine:
         drift: float = 0.0,
         speed: float = 1.0,
         cold: float = 1.0,
+        compile_s: float = 0.0,
+        request_s: float = REQUEST_S,
     ) -> None:
         self.seed = seed
         self.speed = speed  # every figure times this: a faster or slower machine
         self.cold = cold
+        self.compile_s = compile_s
+        self.request_s = request_s
         self.noise = noise
         self.flukes = dict(flukes or {})
         self.crash = crash
@@ -107,41 +114,67 @@ class FakeEngine:
         flags = list(request.flags)
         usable = usable_context(flags)
         slow = 0.8 if self.slow_above_context and usable > self.slow_above_context else 1.0
-        slow *= (1 + self.drift) ** n * (self.cold if n == 1 else 1.0)
-        prefill, decode, aggregate = (
+        slow *= (1 + self.drift) ** n
+        figures = [
             v * self.speed * fluke * slow * (1 + rng.gauss(0, self.noise))
             for v in true_figures(flags)
-        )
+        ]
         proof = None
         if request.context_tokens:
             served = request.context_tokens <= usable
             tokens = int(request.context_tokens * 0.97) if served else 0
             proof = ContextProof(request.context_tokens, tokens, served, f"served {tokens}")
-        details = timed_workload(spec, usable, prefill, decode, aggregate)
+        workloads = 0
+
+        def run(spec: WorkloadSpec) -> WorkloadResult:
+            nonlocal workloads
+            cold = n == 1 and workloads == 0
+            workloads += 1
+            prefill, decode, aggregate = (v * (self.cold if cold else 1.0) for v in figures)
+            details = timed_workload(
+                spec, usable, prefill, decode, aggregate, self.request_s,
+                self.compile_s if cold else 0.0,
+            )  # fmt: skip
+            return WorkloadResult(prefill, spec.prefill_tokens, decode, 0.1, aggregate, details)
+
+        if request.role == "calibration" and request.target_s is not None:
+            result = calibrate(spec, request.target_s, run)
+        else:
+            result = run(spec)
         return TrialResult(
-            ok=True, started=float(n), duration_s=RESTART_S + details["workload_s"],
-            prefill_tok_s=prefill, decode_tok_s=decode, aggregate_tok_s=aggregate, ttft_s=0.1,
-            hit_rate=0.5, usable_context=usable, context_proof=proof, engine_pid=1000 + n,
-            startup_s=1.5, warmup_s=0.3, stop_s=0.2, details=details,
+            ok=True, started=float(n), duration_s=RESTART_S + result.details["workload_s"],
+            prefill_tok_s=result.prefill_tok_s, decode_tok_s=result.decode_tok_s,
+            aggregate_tok_s=result.aggregate_tok_s, ttft_s=result.ttft_s, hit_rate=0.5,
+            usable_context=usable, context_proof=proof, engine_pid=1000 + n, startup_s=1.5,
+            warmup_s=0.3, stop_s=0.2, details=result.details,
         )  # fmt: skip
 
 
 def timed_workload(
-    spec: WorkloadSpec, usable: int, prefill: float, decode: float, aggregate: float
+    spec: WorkloadSpec,
+    usable: int,
+    prefill: float,
+    decode: float,
+    aggregate: float,
+    request_s: float = REQUEST_S,
+    first_request_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The readings a trial of `spec` records (autotune/workload.py) at these speeds."""
+    """The readings a trial of `spec` records (autotune/workload.py) at these speeds, each
+    request `request_s` longer and the first `first_request_s` more."""
     prompt = min(spec.prefill_tokens, (usable - 64) // 2)
-    one_decode_s = REQUEST_S + DECODE_PROMPT_TOKENS / prefill + (spec.decode_tokens - 1) / decode
+    one_decode_s = request_s + DECODE_PROMPT_TOKENS / prefill + (spec.decode_tokens - 1) / decode
     parts = {
-        "prefill": spec.prefill_requests * (REQUEST_S + prompt / prefill),
+        "prefill": first_request_s + spec.prefill_requests * (request_s + prompt / prefill),
         "decode": spec.decode_requests * one_decode_s,
     }
     if spec.clients:
         tokens = spec.clients * spec.aggregate_tokens
-        parts["aggregate"] = spec.aggregate_rounds * (REQUEST_S + tokens / aggregate)
+        parts["aggregate"] = spec.aggregate_rounds * (request_s + tokens / aggregate)
     return {
+        "prefill_tok_s": [prefill] * spec.prefill_requests,
         "prefill_target_tokens": prompt,
         "prefill_prompt_tokens": [prompt] * spec.prefill_requests,
+        "decode_tok_s": [decode] * spec.decode_requests,
         "decode_prompt_tokens": [DECODE_PROMPT_TOKENS] * spec.decode_requests,
         "prefill_cuts": [(int(prompt * CHARS_PER_TOKEN), prompt)] * spec.prefill_requests,
         "prompt_chars_per_token": CHARS_PER_TOKEN,

@@ -1,4 +1,7 @@
-"""The workload sized to a mode's duration by a calibration trial, then fixed for the whole run."""
+"""The workload sized to a mode's duration by a calibration trial, then fixed for the whole run.
+
+The calibration trial runs the mode's minimum and then the estimate sized from it, warm, in one
+engine; the run's workload is sized from the warm stage."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import pytest
 
 from moelab.autotune.modes import MODES, Mode
 from moelab.autotune.noise import Objective
-from moelab.autotune.sizing import MAX_GENERATION_TOKENS, size_workload
+from moelab.autotune.sizing import MAX_GENERATION_TOKENS, REPEAT_BELOW_SHARE, size_workload
 from moelab.autotune.trial import TrialRequest, TrialResult
 from moelab.autotune.workload import WorkloadSpec
 
@@ -21,7 +24,21 @@ AGGREGATE = Objective("aggregate", clients=8)
 
 def calibrate(engine: FakeEngine, mode: Mode, objective: Objective, flags=()) -> TrialResult:
     minimum = mode.workload_for(objective.clients)
-    return engine(TrialRequest(tuple(flags), None, "calibration", workload=minimum), 1)
+    request = TrialRequest(tuple(flags), None, "calibration", workload=minimum)
+    return engine(replace(request, target_s=mode.target_s), 1)
+
+
+def one_stage(calibration: TrialResult) -> TrialResult:
+    """The calibration trial as if it had stopped after the minimum: what sizing did before it
+    took stages (and what a trial stored then still sizes to)."""
+    return replace(calibration, details=calibration.details["stages"][0])
+
+
+# an H200 running the small preset (python -m moelab.autotune --mode quick --target-s 40): its
+# first requests compile kernels (the minimum took 1.3 s; prefill read 6.4k tok/s cold, 24k
+# warm), and every request pays for HTTP and its first token, which do not grow with tokens
+H200 = {"speed": 9.3, "cold": 0.4, "compile_s": 0.7, "request_s": 0.03}
+H200_QUICK = replace(MODES["quick"], target_s=40.0)
 
 
 def run_sized(engine: FakeEngine, spec: WorkloadSpec, flags=()) -> TrialResult:
@@ -37,9 +54,9 @@ def test_a_faster_machine_gets_a_bigger_workload_and_both_last_the_target(
     for speed in (1.0, 10.0):
         engine = FakeEngine(seed=40, noise=0.0, speed=speed)
         calibration = calibrate(engine, mode, objective)
-        assert calibration.workload_s < mode.target_s / 2
         sizing = size_workload(mode.workload_for(objective.clients), calibration, mode.target_s)
-        assert sizing.reason.startswith("calibration: workload sized to")
+        assert sizing.measured_s < mode.target_s / 2 and len(sizing.stages_s) == 2
+        assert "workload sized to" in sizing.reason
         sized = run_sized(engine, sizing.spec)
         assert sized.workload_s == pytest.approx(mode.target_s, rel=0.1)
         assert sizing.expected_s == pytest.approx(sized.workload_s, rel=0.02)
@@ -81,22 +98,65 @@ def test_a_small_context_keeps_every_request_within_it() -> None:
 def test_a_slow_machine_keeps_the_minimum_and_a_failed_calibration_too() -> None:
     mode = MODES["standard"]
     minimum = mode.workload_for(0)
-    slow = size_workload(minimum, calibrate(FakeEngine(seed=43, speed=0.1), mode, DECODE), 40.0)
+    engine = FakeEngine(seed=43, speed=0.1)
+    slow = size_workload(minimum, calibrate(engine, mode, DECODE), 40.0)
     assert replace(slow.spec, prefill_chars=None) == minimum
     assert slow.spec.prefill_chars is not None, "the text is fixed all the same"
     assert "kept as it is" in slow.reason and slow.measured_s > mode.target_s
+    assert slow.stages_s == (slow.measured_s,), "no second stage once the minimum is long enough"
     failed = TrialResult(ok=False, started=0.0, duration_s=3.0, failure="crash", error="boom")
     sizing = size_workload(minimum, failed, mode.target_s)
     assert sizing.spec == minimum and "calibration failed (crash)" in sizing.reason
 
 
+def test_a_cold_engine_with_per_request_costs_is_sized_from_the_warm_stage() -> None:
+    mode = H200_QUICK
+    minimum = mode.workload_for(0)
+    calibration = calibrate(FakeEngine(seed=49, noise=0.0, **H200), mode, DECODE)
+    # sized from the cold minimum alone, as before: a quarter of the target (10.8 s of 40)
+    old = size_workload(minimum, one_stage(calibration), mode.target_s)
+    old_s = run_sized(FakeEngine(seed=49, noise=0.0, **H200), old.spec).workload_s
+    assert old.expected_s == pytest.approx(mode.target_s, rel=0.05)
+    assert old_s < mode.target_s / 2.5
+    # sized from the first estimate run warm in the same engine: the target
+    sizing = size_workload(minimum, calibration, mode.target_s)
+    sized_s = run_sized(FakeEngine(seed=49, noise=0.0, **H200), sizing.spec).workload_s
+    assert sized_s == pytest.approx(mode.target_s, rel=0.15)
+    assert sizing.expected_s == pytest.approx(sized_s, rel=0.02)
+    # the second stage was that first estimate, and it ran warm as long as it runs later
+    cold_s, warm_s = sizing.stages_s
+    assert calibration.details["stages"][1]["workload"] == old.spec.to_json()
+    assert warm_s == pytest.approx(old_s) and cold_s < warm_s < mode.target_s
+    assert calibration.workload_s == pytest.approx(cold_s + warm_s)
+    assert sizing.reason.startswith(
+        f"calibration: the mode's minimum took {cold_s:.1f} s cold; the first estimate "
+        f"{warm_s:.1f} s warm; workload sized to {sizing.expected_s:.1f} s (target 40 s): "
+    )
+
+
+def test_a_first_estimate_far_too_short_is_run_again_before_sizing() -> None:
+    # compiling takes 20 times the minimum's warm time: the first estimate is a tiny workload
+    mode = H200_QUICK
+    engine = FakeEngine(seed=50, noise=0.0, **{**H200, "compile_s": 12.0})
+    calibration = calibrate(engine, mode, DECODE)
+    sizing = size_workload(mode.workload_for(0), calibration, mode.target_s)
+    _minimum_s, first_s, second_s = sizing.stages_s
+    assert first_s < REPEAT_BELOW_SHARE * mode.target_s <= second_s <= 1.15 * mode.target_s
+    assert "the second estimate" in sizing.reason
+    sized_s = run_sized(FakeEngine(seed=50, noise=0.0, **H200), sizing.spec).workload_s
+    assert sized_s == pytest.approx(mode.target_s, rel=0.15)
+
+
 def test_the_calibration_trial_comes_first_and_is_not_a_baseline_run() -> None:
-    # the first engine is cold (its figures 40% low): counted, it would widen the spread so
-    # much that no change could clear the threshold
+    # the first engine's first workload is cold (its figures 40% low): the trial reports its
+    # warm stage, and even so it is not one of the baseline runs the spread is measured on
     result, journal = search(FakeEngine(seed=44, noise=0.005, cold=0.6), [], DECODE)
     first = journal.trials[1]
     assert first.request.role == "calibration" and first.verdict == "calibration"
-    assert first.reason.startswith("calibration: workload sized to")
+    assert "workload sized to" in first.reason
+    cold, warm = first.result.details["stages"]
+    assert cold["decode_tok_s"][0] == pytest.approx(60.0, rel=0.02)
+    assert first.result.decode_tok_s == warm["decode_tok_s"][0] == pytest.approx(100.0, rel=0.02)
     assert first.request.workload == MODES["standard"].workload_for(0)
     assert result["workload"]["calibration_trial"] == 1
     bases = [t for t in journal.trials.values() if t.request.role == "baseline"]
@@ -113,6 +173,13 @@ def test_every_trial_after_the_calibration_runs_the_same_workload() -> None:
     later = [t for t in journal.trials.values() if t.n > 1]
     assert {t.request.role for t in later} >= {"baseline", "candidate", "confirm", "context"}
     assert all(t.request.workload == sized and t.result.workload == sized for t in later)
+
+
+def test_a_run_on_a_cold_engine_with_per_request_costs_lasts_the_target_per_trial() -> None:
+    result, journal = search(FakeEngine(seed=51, **H200), [], DECODE, mode=H200_QUICK)
+    later = [t.result.workload_s for t in journal.trials.values() if t.n > 1]
+    assert result["overhead"]["workload_s_per_trial"] == pytest.approx(40.0, rel=0.15)
+    assert all(0.7 * 40.0 < s < 1.3 * 40.0 for s in later), later
 
 
 def test_the_overhead_share_is_small_when_restarts_are_small_against_the_target() -> None:
