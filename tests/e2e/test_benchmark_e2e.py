@@ -5,6 +5,7 @@ started, the result on the console's page."""
 from __future__ import annotations
 
 import html
+import json
 import time
 from pathlib import Path
 
@@ -72,9 +73,15 @@ def test_quick_run_on_the_demo_model_through_the_api(tmp_path: Path) -> None:
         # the result is the baseline plus the confirmed changes and nothing else
         assert same_flags(flags, result["flags"])
         # the context step proved the usable context with a real request, then tried a tier
+        # above it unless a kept change (dropping --moe-cache-size) already gave the model's own
         context = result["context"]
-        assert context["proven"] and context["proof"]["prompt_tokens"] >= 0.95 * 1024, context
-        assert context["tiers"] and context["tiers"][0]["tokens"] == 2048
+        proved = context["proof"]["target_tokens"]
+        assert context["proven"] and proved >= 1024, context
+        assert context["proof"]["prompt_tokens"] >= 0.95 * proved, context
+        model_max = json.loads((demo / "config.json").read_text())["max_position_embeddings"]
+        if proved < model_max:
+            first_tier = min(2 * proved, model_max)
+            assert context["tiers"] and context["tiers"][0]["tokens"] == first_tier, context
 
         share = result["overhead"]["share"]
         assert 0.0 < share < 1.0
