@@ -51,7 +51,7 @@ WORDS = (
     _("running"), _("done"), _("failed"), _("cancelled"), _("interrupted"),
     _("starting"), _("hardware"), _("baseline"), _("candidates"), _("context"), _("result"),
     _("base"), _("kept"), _("rejected"), _("confirm"), _("pending"),
-    _("candidate"), _("quick"), _("standard"), _("thorough"),
+    _("candidate"), _("quick"), _("standard"), _("thorough"), _("calibration"),
 )  # fmt: skip
 LABELS = {"objectives": OBJECTIVE_LABELS, "modes": MODE_LABELS}
 
