@@ -412,7 +412,8 @@ def flags_markdown() -> str:
             else (" \\| ".join(flag["choices"]) if flag["choices"] else flag["kind"])
         )
         default = flag["default"]
-        default = "required" if flag["required"] else ("" if default in (None, False) else default)
+        blank = default is None or default is False  # not `in (None, False)`: 0 == False
+        default = "required" if flag["required"] else ("" if blank else default)
         note = flag["help"].replace("|", "\\|")
         if flag["tunable"]:
             note += " *(tunable)*"
