@@ -52,13 +52,14 @@ class Sampler:
             if p.greedy:
                 out.append(int(row.argmax()))
                 continue
-            out.append(self._sample_row(row.float().cpu(), p, seq_id))
+            # on the logits' device: a vocabulary-sized sort and softmax there, one small sync
+            out.append(self._sample_row(row.float(), p, seq_id))
         return out
 
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, seq_id: int) -> int:
         gen = self.generators.get(seq_id)
         if gen is None:
-            gen = torch.Generator()
+            gen = torch.Generator(device=row.device)
             if p.seed is not None:
                 gen.manual_seed(p.seed)
             else:
