@@ -127,6 +127,12 @@ class DecodeGraphs:
         state.logits = self.model.forward(state.batch)
         return None, None, None, state.logits
 
+    def _work(self, bs: int, piece: int, state: StepState) -> Callable[[], Outputs]:
+        """What one graph of batch size `bs` holds: a piece, or the whole step."""
+        if self.piecewise:
+            return partial(self._piece, bs, piece, state)
+        return partial(self._whole, state)
+
     def capture(self) -> None:
         """Capture every batch size (largest first, so the smaller ones share its memory pool)."""
         model = self.model
@@ -141,10 +147,7 @@ class DecodeGraphs:
                 for _ in range(2):
                     state = StepState(self._batch(bs))
                     for piece in range(pieces):
-                        if self.piecewise:
-                            self._piece(bs, piece, state)
-                        else:
-                            self._whole(state)
+                        self._work(bs, piece, state)()
         if stream is not None:
             torch.cuda.current_stream(model.device).wait_stream(stream)
         for bs in sorted(self.sizes, reverse=True):
@@ -153,8 +156,7 @@ class DecodeGraphs:
             outputs: list[Outputs] = []
             for piece in range(pieces):
                 graph = self._graph_factory(self.pool)
-                work = partial(self._piece, bs, piece, state) if self.piecewise else None
-                outputs.append(graph.capture(work or partial(self._whole, state)))
+                outputs.append(graph.capture(self._work(bs, piece, state)))
                 self.pool = graph.pool
                 graphs.append(graph)
             # the outputs stay referenced: their memory is where every replay writes them

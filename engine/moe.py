@@ -443,10 +443,7 @@ class MoERunner:
         d = self._dispatch(moe_layer, x, ids, weights, decode=True)
         # the fills go on the compute stream: nothing runs there until the next piece, which
         # needs them (no stream switch or event to pay for)
-        bank_w13, bank_w2 = self.bank.w13[moe_layer], self.bank.w2[moe_layer]
-        for expert, slot in d.admitted:
-            self.cache.w13[slot].copy_(bank_w13[expert], non_blocking=True)
-            self.cache.w2[slot].copy_(bank_w2[expert], non_blocking=True)
+        self._fill_slots(moe_layer, d.admitted)
         slots_out.copy_(self._pinned_copy("route_slots", d.route_slots), non_blocking=True)
         if d.job is None:
             cpu_out.zero_()
@@ -473,19 +470,21 @@ class MoERunner:
         """Copy (expert, slot) pairs from the bank into their slots: on the copy stream, after the
         compute stream's queued work (which may still read the slots being refilled); returns the
         event that marks them done (None without CUDA, where the copies are done on return)."""
-        bank_w13, bank_w2 = self.bank.w13[moe_layer], self.bank.w2[moe_layer]
         stream = self.copy_stream
         if stream is None:
-            for expert, slot in admitted:
-                self.cache.w13[slot].copy_(bank_w13[expert])
-                self.cache.w2[slot].copy_(bank_w2[expert])
+            self._fill_slots(moe_layer, admitted)
             return None
         stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(stream):
-            for expert, slot in admitted:
-                self.cache.w13[slot].copy_(bank_w13[expert], non_blocking=True)
-                self.cache.w2[slot].copy_(bank_w2[expert], non_blocking=True)
+            self._fill_slots(moe_layer, admitted)
         return self._record_copies()
+
+    def _fill_slots(self, moe_layer: int, admitted: list[tuple[int, int]]) -> None:
+        """Copy (expert, slot) pairs from the bank on the current stream (at once without CUDA)."""
+        bank_w13, bank_w2 = self.bank.w13[moe_layer], self.bank.w2[moe_layer]
+        for expert, slot in admitted:
+            self.cache.w13[slot].copy_(bank_w13[expert], non_blocking=True)
+            self.cache.w2[slot].copy_(bank_w2[expert], non_blocking=True)
 
     def refill(self, moe_layer: int, expert: int, slot: int) -> None:
         """Copy one expert from the bank into a slot and wait (cache resize, warm-up)."""
