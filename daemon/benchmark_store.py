@@ -187,6 +187,7 @@ def trial_json(row: Trial, reveal: bool, full: bool = False) -> dict[str, Any]:
         "duration_s": row.duration_s,
         "startup_s": row.startup_s,
         "warmup_s": extra.get("warmup_s"),
+        "workload_s": (extra.get("details") or {}).get("workload_s"),
         "prefill_tok_s": row.prefill_tok_s,
         "decode_tok_s": row.decode_tok_s,
         "aggregate_tok_s": row.aggregate_tok_s,

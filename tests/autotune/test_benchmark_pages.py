@@ -65,6 +65,10 @@ def test_the_result_page_shows_the_result_and_its_evidence(two_runs) -> None:
         assert change["label"] in page
     assert 'id="save-profile"' in page and "tuned" in page
     assert page.count('id="trial-') == len(first["trials"])
+    # each trial's measured workload, beside its start-up
+    assert "Workload" in page
+    measured = [t for t in first["trials"] if t["verdict"] != "failed"]
+    assert measured and all(t["workload_s"] > 0 for t in measured)
     assert 'data-chart="aggregate"' in page and 'data-chart="decode"' in page
     shown = lan.get(f"/benchmark/{first['id']}").text
     assert 'id="save-profile"' not in shown and " ".join(first["result"]["flags"]) in shown
