@@ -233,38 +233,24 @@ class Model:
         layer: LayerWeights,
         x: torch.Tensor,
         batch: StepBatch,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         spec = self.spec
         tokens = x.shape[0]
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        if batch.block_tables is not None and self._fused_qk:
-            # decode: q/k norm, rotary and the KV write in one launch (the same arithmetic)
+        decode = batch.block_tables is not None
+        if decode and self._fused_qk:
+            # q/k norm, rotary and the KV write in one launch (the same arithmetic)
             q = qk_norm_rope_kv(
                 qkv, batch.positions, self.rotary.cos, self.rotary.sin, layer.q_norm,
                 layer.k_norm, spec.rms_norm_eps, self.kv.k[index], self.kv.v[index], batch.slots,
                 spec.num_heads, spec.num_kv_heads, spec.head_dim,
             )  # fmt: skip
-            out = paged_attention_decode(
-                q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
-                self.scale,
-            )  # fmt: skip
-            return F.linear(out.reshape(tokens, spec.q_size), layer.o)
-        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        if spec.clip_qkv is not None:
-            q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
-        if spec.qk_norm == "full":
-            q = rmsnorm(q, layer.q_norm, spec.rms_norm_eps)
-            k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
-        q = q.reshape(tokens, spec.num_heads, spec.head_dim)
-        k = k.reshape(tokens, spec.num_kv_heads, spec.head_dim)
-        v = v.reshape(tokens, spec.num_kv_heads, spec.head_dim)
-        if spec.qk_norm == "head":
-            q = rmsnorm(q, layer.q_norm, spec.rms_norm_eps)
-            k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
-        q, k = self.rotary.apply(q, k, *rope)
-        self.kv.write(index, k, v, batch.slots)
-        if batch.block_tables is not None:
+        else:
+            assert rope is not None
+            q, k, v = self._heads(layer, qkv, rope)
+            self.kv.write(index, k, v, batch.slots)
+        if decode:
             out = paged_attention_decode(
                 q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
                 self.scale,
@@ -279,6 +265,28 @@ class Model:
                 keys, values = self.kv.gather(index, seq.blocks, seq.kv_len)
             out[rows] = self._sdpa(q[rows], keys, values)
         return F.linear(out.reshape(tokens, spec.q_size), layer.o)
+
+    def _heads(
+        self, layer: LayerWeights, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] from the projection: clipped, normed and rotated
+        as the checkpoint's architecture does."""
+        spec = self.spec
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        if spec.clip_qkv is not None:
+            q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
+        if spec.qk_norm == "full":
+            q = rmsnorm(q, layer.q_norm, spec.rms_norm_eps)
+            k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
+        q = q.reshape(tokens, spec.num_heads, spec.head_dim)
+        k = k.reshape(tokens, spec.num_kv_heads, spec.head_dim)
+        v = v.reshape(tokens, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm == "head":
+            q = rmsnorm(q, layer.q_norm, spec.rms_norm_eps)
+            k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
+        q, k = self.rotary.apply(q, k, *rope)
+        return q, k, v
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of q [n, Hq, D] (the last n positions) over k, v [L, Hkv, D]."""
