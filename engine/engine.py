@@ -412,14 +412,13 @@ class Engine:
 
     def _batch(self, chunks: list[Chunk]) -> StepBatch:
         ids, positions, slots, seqs, logits_index = [], [], [], [], []
-        bs = self.kv.block_size
         for c in chunks:
             tokens = c.seq.tokens[c.start : c.start + c.count]
             q_start = len(ids)
             ids.extend(tokens)
             for pos in range(c.start, c.start + c.count):
                 positions.append(pos)
-                slots.append(c.seq.blocks[pos // bs] * bs + pos % bs)
+                slots.append(self.kv.slot(c.seq.blocks, pos))
             seqs.append(SeqSlice(q_start, c.count, c.start + c.count, c.seq.blocks))
             if c.completes_prompt:
                 logits_index.append(len(ids) - 1)
@@ -454,12 +453,11 @@ class Engine:
         n = len(prompt_ids)
         blocks = self.kv.allocate(self.kv.blocks_for(n))
         try:
-            bs = self.kv.block_size
             dev = self.device
             batch = StepBatch(
                 input_ids=torch.tensor(prompt_ids, dtype=torch.long, device=dev),
                 positions=torch.arange(n, device=dev),
-                slots=torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)], device=dev),
+                slots=torch.tensor([self.kv.slot(blocks, p) for p in range(n)], device=dev),
                 seqs=[SeqSlice(0, n, n, blocks)],
                 logits_index=torch.arange(n, device=dev),
             )

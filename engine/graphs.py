@@ -175,7 +175,7 @@ class DecodeGraphs:
         logits [n, vocab]."""
         n = len(rows)
         bs = next(s for s in self.sizes if s >= n)
-        block_size = self.model.kv.block_size
+        kv = self.model.kv
         host_long = self._host_long.numpy()
         host_int = self._host_int.numpy()
         tables = host_int[: self.max_bs * self.max_blocks].reshape(self.max_bs, self.max_blocks)
@@ -184,12 +184,12 @@ class DecodeGraphs:
             pos = row.position
             host_long[0, i] = row.token
             host_long[1, i] = pos
-            host_long[2, i] = row.blocks[pos // block_size] * block_size + pos % block_size
+            host_long[2, i] = kv.slot(row.blocks, pos)
             tables[i, : len(row.blocks)] = row.blocks
             seq_lens[i] = pos + 1
         # padding rows: token 0 at position 0, KV into the scratch block, nothing to attend to
         host_long[:, n:bs] = 0
-        host_long[2, n:bs] = self.model.kv.pad_slot
+        host_long[2, n:bs] = kv.pad_slot
         seq_lens[n:bs] = 0
         self._long.copy_(self._host_long, non_blocking=True)
         used = bs * self.max_blocks

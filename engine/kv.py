@@ -48,6 +48,10 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def slot(self, blocks: list[int], position: int) -> int:
+        """The flat KV slot of a sequence's token at `position`, given the sequence's pages."""
+        return blocks[position // self.block_size] * self.block_size + position % self.block_size
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
