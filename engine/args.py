@@ -269,6 +269,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Run every step eagerly (no CUDA graphs).",
     )
+    batching.add_argument(
+        "--no-overlap-decode",
+        action="store_true",
+        help="Wait for each decode step's tokens before preparing the next. By default, greedy "
+        "decode with CUDA graphs of whole steps queues step N+1 while the GPU runs step N.",
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
@@ -328,6 +334,7 @@ TUNABLE: tuple[Tunable, ...] = (
     ),
     Tunable("--no-prefill-overlap", "switch", why="streaming the next layer during prefill"),
     Tunable("--no-cuda-graph", "switch", why="graph replay cuts launch overhead"),
+    Tunable("--no-overlap-decode", "switch", why="host work between steps hides behind the GPU"),
     Tunable(
         "--max-running-requests",
         "choice",

@@ -6,6 +6,7 @@ import argparse
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,6 +63,17 @@ class _PhaseClock:
         now = time.perf_counter()
         self._into[name] = now - self._last
         self._last = now
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A decode step queued on the device whose tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # pinned host [n]: the greedy tokens, once `done` has passed
+    routing: tuple[torch.Tensor, int] | None  # the resident routing copy (telemetry)
+    done: torch.cuda.Event | None  # None on the CPU, where the step ran synchronously
+    launched: float
 
 
 class Engine:
@@ -166,6 +178,10 @@ class Engine:
             mark("routing calibration")
         self.telemetry = Telemetry(self, enabled=not args.no_stats)
         self.graphs: DecodeGraphs | None = None
+        self.overlap_decode = not args.no_overlap_decode
+        self._flight: _Flight | None = None  # an overlapped decode step queued on the device
+        self._flip = 0  # which of the two host buffers the next flight's tokens land in
+        self._last_landed = 0.0
         self._capture_graphs()
         mark("CUDA graphs")
         self.load_s = time.perf_counter() - t0
@@ -255,6 +271,7 @@ class Engine:
     def _capture_graphs(self) -> None:
         """Capture decode steps on a CUDA device: whole steps when every expert is resident, else
         the dense pieces between the MoE layers (the experts run eagerly between them)."""
+        self.drain()  # a queued step still replays the old graphs
         self.graphs = None  # captured graphs hold the old cache and KV tensors
         args = self.args
         if self.device.type != "cuda" or args.no_cuda_graph:
@@ -272,6 +289,7 @@ class Engine:
 
     def _apply_plan(self, plan: VramPlan) -> None:
         """Resize the expert cache to `plan` (idle engine), keeping the most recent experts."""
+        self.drain()
         self.graphs = None
         self.moe.count_backlog()  # resident steps still kept, counted before the cache changes
         self.moe.release_prefill_buffers()
@@ -299,6 +317,7 @@ class Engine:
     def resize_kv(self, tokens: int) -> None:
         """Reserve `tokens` of KV and give the expert cache what is left (no request running)."""
         assert not self.scheduler.running, "resize while requests run"
+        self.drain()  # a queued step still writes the old KV
         elem = self.cache.w13.element_size()
         args = self.args
         plan = self._plan(
@@ -345,11 +364,99 @@ class Engine:
         self.scheduler.finish(seq, "cancelled")
         self.sampler.forget(seq.id)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing to run and no step in flight."""
+        return self.scheduler.idle and self._flight is None
+
     def step(self) -> list[Sequence]:
-        """Run one forward step; returns the sequences that got a token."""
+        """Run one forward step; returns the sequences that got a token.
+
+        Overlapped decode (greedy requests, whole-step CUDA graphs): the step is queued on the
+        device and the previous step's tokens are read while it runs, so the host's work between
+        steps (scheduling, stop checks, streaming) hides behind the GPU's. A step in flight
+        consumes its predecessor's tokens on the device; a sequence that stopped on the
+        predecessor's token wastes one step of compute, whose token is dropped.
+        """
+        flight, self._flight = self._flight, None
         chunks = self.scheduler.next_step()
+        if flight is not None and self._overlaps(chunks):
+            self._flight = self._launch(chunks, flight)
+            return self._land(flight)
+        done = self._land(flight) if flight is not None else []
+        chunks = [c for c in chunks if not c.seq.finished]
         if not chunks:
-            return []
+            return done
+        if flight is None and self._overlaps(chunks):
+            self._flight = self._launch(chunks, None)
+            return done
+        return done + self._step_now(chunks)
+
+    def drain(self) -> list[Sequence]:
+        """Finish the step in flight, if any (before the caches change or stats are read)."""
+        flight, self._flight = self._flight, None
+        return self._land(flight) if flight is not None else []
+
+    def _overlaps(self, chunks: list[Chunk]) -> bool:
+        """Whether this step can be queued before the previous one's tokens are read."""
+        graphs = self.graphs
+        return (
+            self.overlap_decode
+            and graphs is not None
+            and not graphs.piecewise
+            and 0 < len(chunks) <= graphs.max_bs
+            and all(c.count == 1 and not c.seq.prefilling for c in chunks)
+            and all(c.seq.params.greedy for c in chunks)
+            and self.model.on_router is None
+            and not self.telemetry.want_timing()
+        )
+
+    def _launch(self, chunks: list[Chunk], previous: _Flight | None) -> _Flight:
+        """Queue one decode step of whole-step graphs; its tokens stay on the device."""
+        graphs = self.graphs
+        assert graphs is not None
+        t0 = time.perf_counter()
+        row_of = {s.id: i for i, s in enumerate(previous.seqs)} if previous is not None else {}
+        rows = []
+        for c in chunks:
+            source = row_of.get(c.seq.id, -1)
+            token = 0 if source >= 0 else c.seq.tokens[c.start]
+            rows.append(DecodeRow(token, c.start, c.seq.blocks, source))
+        graphs.run(rows)
+        self._flip ^= 1
+        tokens = graphs.sampled_to_host(len(rows), self._flip)
+        routing = self.moe.snapshot_decode_ids(len(rows))
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        for c in chunks:
+            c.seq.computed = c.start + 1
+            c.seq.pending += 1
+        return _Flight([c.seq for c in chunks], tokens, routing, done, t0)
+
+    def _land(self, flight: _Flight) -> list[Sequence]:
+        """Wait for a queued step and hand out its tokens."""
+        if flight.done is not None:
+            flight.done.synchronize()
+        tokens = flight.tokens.tolist()
+        self.moe.after_decode_step(flight.routing)
+        for seq in flight.seqs:
+            seq.pending -= 1
+        now = time.perf_counter()
+        # a step in flight overlaps the previous one: count its time from whichever began later
+        self.telemetry.on_step(
+            decode_tokens=len(flight.seqs),
+            prefill_tokens=0,
+            step_s=now - max(flight.launched, self._last_landed),
+        )
+        self._last_landed = now
+        live = [(s, t) for s, t in zip(flight.seqs, tokens, strict=True) if not s.finished]
+        self._deliver([s for s, _ in live], [t for _, t in live])
+        return [s for s, _ in live]
+
+    def _step_now(self, chunks: list[Chunk]) -> list[Sequence]:
+        """Run one step and wait for its tokens."""
         t0 = time.perf_counter()
         decode = all(c.count == 1 and not c.seq.prefilling for c in chunks)
         timer = StepTimer(self.device) if decode and self.telemetry.want_timing() else None
@@ -367,8 +474,6 @@ class Engine:
                 assert graphs is not None
                 logits = graphs.run([DecodeRow(c.seq.tokens[c.start], c.start, c.seq.blocks)
                                      for c in chunks])  # fmt: skip
-                if not graphs.piecewise:
-                    self.moe.replayed(len(chunks))
             else:
                 logits = self.model.forward(self._batch(chunks))
         except BaseException:
@@ -376,19 +481,27 @@ class Engine:
             raise
         finally:
             self.model.timer = self.moe.timer = None
+        routing = self.moe.snapshot_decode_ids(len(chunks)) if decode else None
         sampled_chunks = [c for c in chunks if c.completes_prompt]
         for c in chunks:
             c.seq.computed = c.start + c.count
         seqs = [c.seq for c in sampled_chunks]
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.id for s in seqs])
         if decode:
-            self.moe.after_decode_step()
+            self.moe.after_decode_step(routing)
+        now = time.perf_counter()
         self.telemetry.on_step(
             decode_tokens=len(chunks) if decode else 0,
             prefill_tokens=0 if decode else sum(c.count for c in chunks),
-            step_s=time.perf_counter() - t0,
+            step_s=now - t0,
             timer=timer,
         )
+        self._last_landed = now
+        self._deliver(seqs, tokens)
+        return seqs
+
+    def _deliver(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Append each sequence's new token, check its stop conditions and stream it."""
         now = time.monotonic()
         for seq, token in zip(seqs, tokens, strict=True):
             if seq.first_token_time is None:
@@ -401,7 +514,6 @@ class Engine:
                 self.scheduler.finish(seq, seq.finish_reason)
                 self.sampler.forget(seq.id)
                 self.telemetry.on_finish(seq)
-        return seqs
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -438,7 +550,7 @@ class Engine:
         return batch
 
     def run_until_idle(self) -> None:
-        while not self.scheduler.idle:
+        while not self.idle:
             self.step()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

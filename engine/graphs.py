@@ -9,6 +9,9 @@ writes each route's slot and the CPU's result into fixed buffers; the next piece
 the cached experts' kernel over those slots, so no kernel is launched eagerly. One set of graphs per
 padded batch size; padding rows write their KV into a scratch block, attend to nothing, and are left
 out of the expert dispatch (their slots stay -1).
+
+Each step also takes its greedy next tokens on the device, and a row's input token may be one of
+them: the engine can then replay step N+1 before it has read step N's tokens (engine/engine.py).
 """
 
 from __future__ import annotations
@@ -28,11 +31,16 @@ log = logging.getLogger("moelab.graphs")
 
 @dataclass(frozen=True, slots=True)
 class DecodeRow:
-    """One sequence's decode step: its next input token, that token's position, its KV pages."""
+    """One sequence's decode step: its next input token, that token's position, its KV pages.
+
+    source >= 0: the input token is the one the previous replay sampled for its row `source`
+    (still on the device; `token` is then ignored).
+    """
 
     token: int
     position: int
     blocks: list[int]
+    source: int = -1
 
 
 # What a captured piece hands to the host: the MoE layer's input, routing and weights, and the
@@ -85,14 +93,22 @@ class DecodeGraphs:
         )
         self.max_bs = max_bs
         self.max_blocks = -(-max_context // kv.block_size)
-        # a step's inputs: written on the host into pinned mirrors, sent in two copies
+        # A step's inputs: written on the host into pinned mirrors, sent in two copies. Row 0 of
+        # the long block is the last replay's greedy tokens (written on the device, never sent);
+        # each row's input token is gathered from rows 0-1 by its index in row 4, so it can be a
+        # token the host has not seen yet.
         pin = dev.type == "cuda"
-        self._host_long = torch.zeros((3, max_bs), dtype=torch.long, pin_memory=pin)
+        self._host_long = torch.zeros((5, max_bs), dtype=torch.long, pin_memory=pin)
         self._host_int = torch.zeros(max_bs * (self.max_blocks + 1), dtype=torch.int32,
                                      pin_memory=pin)  # fmt: skip
-        self._long = torch.zeros((3, max_bs), dtype=torch.long, device=dev)
+        self._long = torch.zeros((5, max_bs), dtype=torch.long, device=dev)
         self._int = torch.zeros(max_bs * (self.max_blocks + 1), dtype=torch.int32, device=dev)
-        self.input_ids, self.positions, self.slots = self._long
+        self.sampled, _, self.positions, self.slots, self._token_index = self._long
+        self._token_pool = self._long[:2].view(-1)
+        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        # the sampled tokens, copied back to the host (two buffers: one step's copy may land
+        # while the host still reads the previous step's)
+        self._host_sampled = torch.zeros((2, max_bs), dtype=torch.long, pin_memory=pin)
         tables = max_bs * self.max_blocks
         self.block_tables = self._int[:tables].view(max_bs, self.max_blocks)
         self.seq_lens = self._int[tables:]
@@ -113,6 +129,14 @@ class DecodeGraphs:
             block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
         )  # fmt: skip
 
+    def _gather_inputs(self, bs: int) -> None:
+        """Each row's input token: one the host sent, or one the last replay sampled."""
+        torch.index_select(self._token_pool, 0, self._token_index[:bs], out=self.input_ids[:bs])
+
+    def _sample(self, bs: int, logits: torch.Tensor) -> None:
+        """The greedy next token of every row, kept on the device for the next replay."""
+        torch.argmax(logits, dim=-1, out=self.sampled[:bs])
+
     def _piece(self, bs: int, piece: int, state: StepState) -> Outputs:
         """One piece; after an MoE layer it starts with that layer's staged experts."""
         if piece:
@@ -120,18 +144,24 @@ class DecodeGraphs:
             state.routed = self.model.experts.routed(
                 state.x, self.route_slots[:bs], state.weights, self.cpu_part[:bs]
             )
+        else:
+            self._gather_inputs(bs)
         self.model.run_piece(piece, state)
+        if state.logits is not None:
+            self._sample(bs, state.logits)
         return state.x, state.ids, state.weights, state.logits
 
-    def _whole(self, state: StepState) -> Outputs:
+    def _whole(self, bs: int, state: StepState) -> Outputs:
+        self._gather_inputs(bs)
         state.logits = self.model.forward(state.batch)
+        self._sample(bs, state.logits)
         return None, None, None, state.logits
 
     def _work(self, bs: int, piece: int, state: StepState) -> Callable[[], Outputs]:
         """What one graph of batch size `bs` holds: a piece, or the whole step."""
         if self.piecewise:
             return partial(self._piece, bs, piece, state)
-        return partial(self._whole, state)
+        return partial(self._whole, bs, state)
 
     def capture(self) -> None:
         """Capture every batch size (largest first, so the smaller ones share its memory pool)."""
@@ -180,18 +210,22 @@ class DecodeGraphs:
         host_int = self._host_int.numpy()
         tables = host_int[: self.max_bs * self.max_blocks].reshape(self.max_bs, self.max_blocks)
         seq_lens = host_int[self.max_bs * self.max_blocks :]
+        max_bs = self.max_bs
         for i, row in enumerate(rows):
             pos = row.position
-            host_long[0, i] = row.token
-            host_long[1, i] = pos
-            host_long[2, i] = kv.slot(row.blocks, pos)
+            host_long[1, i] = row.token
+            host_long[2, i] = pos
+            host_long[3, i] = kv.slot(row.blocks, pos)
+            # index into [sampled | host tokens]
+            host_long[4, i] = row.source if row.source >= 0 else max_bs + i
             tables[i, : len(row.blocks)] = row.blocks
             seq_lens[i] = pos + 1
         # padding rows: token 0 at position 0, KV into the scratch block, nothing to attend to
-        host_long[:, n:bs] = 0
-        host_long[2, n:bs] = kv.pad_slot
+        host_long[1:, n:bs] = 0
+        host_long[3, n:bs] = kv.pad_slot
+        host_long[4, n:bs] = range(max_bs + n, max_bs + bs)
         seq_lens[n:bs] = 0
-        self._long.copy_(self._host_long, non_blocking=True)
+        self._long[1:].copy_(self._host_long[1:], non_blocking=True)
         used = bs * self.max_blocks
         self._int[:used].copy_(self._host_int[:used], non_blocking=True)
         self.seq_lens[:bs].copy_(self._host_int[self.max_bs * self.max_blocks :][:bs],
@@ -211,3 +245,10 @@ class DecodeGraphs:
         logits = outputs[-1][3]
         assert logits is not None
         return logits[:n]
+
+    def sampled_to_host(self, n: int, buffer: int) -> torch.Tensor:
+        """Queue the copy of the last replay's greedy tokens of its first `n` rows into pinned
+        host buffer 0 or 1; the view is valid once the stream has passed this point."""
+        host = self._host_sampled[buffer, :n]
+        host.copy_(self.sampled[:n], non_blocking=True)
+        return host

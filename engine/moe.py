@@ -27,6 +27,9 @@ from ..kernels.grouped_moe import grouped_moe
 from .bank import ExpertBank
 from .cache import ExpertCache
 
+# Decode rows whose routing the resident path records for telemetry (a decode batch is smaller)
+MAX_RECORDED_ROWS = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class MissPolicy:
@@ -148,9 +151,11 @@ class MoERunner:
         self._stage_w2: list[torch.Tensor] = []
         self._staged: dict[int, tuple[int, object]] = {}  # moe layer -> (buffer, ready event)
         self._buffer_free: list[object | None] = [None, None]  # event: compute done reading it
-        # all-resident decode copies its routing to the host without waiting (see _record_ids)
+        # all-resident decode keeps its routing on the device and copies it to the host without
+        # waiting (see _record_ids and snapshot_decode_ids)
+        self._ids_dev: torch.Tensor | None = None
         self._ids_host: torch.Tensor | None = None
-        self._pending_tokens = 0
+        self._ids_buffer = 0
         self._backlog: list[np.ndarray] = []
         self._host_buffers: dict[str, torch.Tensor] = {}
 
@@ -227,31 +232,44 @@ class MoERunner:
         return self.timer.phase(name) if self.timer is not None else _NO_TIMER
 
     def _record_ids(self, moe_layer: int, ids: torch.Tensor) -> None:
-        """Queue a non-blocking copy of a resident decode step's routing to pinned host memory.
+        """Keep a resident decode step's routing of one layer in a device buffer.
 
-        No host sync (the step may be inside a CUDA graph); `after_decode_step` keeps the copies
-        once sampling has synchronized the step.
+        No host sync (the step may be inside a CUDA graph); `snapshot_decode_ids` copies the
+        step's rows of every layer to the host once the step is queued.
         """
+        if self._ids_dev is None:  # first met in an eager step, before any graph is captured
+            self._ids_dev = torch.zeros((MAX_RECORDED_ROWS, self.bank.num_layers, self.top_k),
+                                        dtype=torch.int32, device=self.device)  # fmt: skip
+        rows = min(ids.shape[0], MAX_RECORDED_ROWS)
+        self._ids_dev[:rows, moe_layer].copy_(ids[:rows])
+
+    def snapshot_decode_ids(self, tokens: int) -> tuple[torch.Tensor, int] | None:
+        """Queue the copy of a queued all-resident decode step's routing to pinned host memory
+        (no wait); hand the result to `after_decode_step` once the step has synchronized.
+
+        Two host buffers take turns, so one step's copy can land while the previous step's is
+        read. None when the step did not run on the resident path.
+        """
+        if not self.cache.holds_everything or self._ids_dev is None:
+            return None
         if self._ids_host is None:
             pin = self.device.type == "cuda"
-            self._ids_host = torch.empty((self.bank.num_layers, 4096, self.top_k),
-                                         dtype=torch.int32, pin_memory=pin)  # fmt: skip
-        self._ids_host[moe_layer, : ids.shape[0]].copy_(ids, non_blocking=True)
-        self._pending_tokens = ids.shape[0]
+            self._ids_host = torch.empty((2, *self._ids_dev.shape), dtype=torch.int32,
+                                         pin_memory=pin)  # fmt: skip
+        rows = min(tokens, MAX_RECORDED_ROWS)
+        host = self._ids_host[self._ids_buffer, :rows]
+        self._ids_buffer ^= 1
+        host.copy_(self._ids_dev[:rows], non_blocking=True)
+        return host, rows
 
-    def replayed(self, tokens: int) -> None:
-        """A captured decode step ran: its routing copies of every MoE layer are pending."""
-        self._pending_tokens = tokens
-
-    def after_decode_step(self) -> None:
-        """Keep a synchronized all-resident decode step's routing (one small copy); it is counted
+    def after_decode_step(self, snapshot: tuple[torch.Tensor, int] | None) -> None:
+        """Keep a synchronized decode step's routing (from `snapshot_decode_ids`); it is counted
         in batches, off the per-step path, when the counters are read or the backlog grows."""
         self._flush_accesses()
-        n = self._pending_tokens
-        if not n:
+        if snapshot is None:
             return
-        self._pending_tokens = 0
-        self._backlog.append(self._ids_host[:, :n].numpy().copy())
+        host, _ = snapshot
+        self._backlog.append(host.numpy().transpose(1, 0, 2).copy())  # [layers, tokens, k]
         if len(self._backlog) >= 64:
             self.count_backlog()
 

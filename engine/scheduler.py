@@ -28,7 +28,8 @@ class Sequence:
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    computed: int = 0  # tokens whose KV is in the cache
+    computed: int = 0  # tokens whose KV is in the cache (or being written by a step in flight)
+    pending: int = 0  # tokens sampled on the device by a step in flight, not yet in output_ids
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     first_token_time: float | None = None
     arrival_time: float = 0.0
@@ -113,7 +114,13 @@ class Scheduler:
                 budget -= count
             return chunks
         self._last_was_prefill = False
-        return [Chunk(s, s.length - 1, 1) for s in decoding]
+        # A token still in flight is the next step's input (read on the device); a sequence whose
+        # token in flight is its last one has nothing more to run.
+        return [
+            Chunk(s, s.length - 1 + s.pending, 1)
+            for s in decoding
+            if len(s.output_ids) + s.pending < s.params.max_tokens
+        ]
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (finished, cancelled or failed) and free its KV at once."""

@@ -90,12 +90,17 @@ class EngineWorker(threading.Thread):
         engine = self.engine
         while not self._stopping.is_set():
             scheduler = engine.scheduler
-            idle = scheduler.idle or (scheduler.paused and not scheduler.running)
+            idle = engine.idle or (scheduler.paused and not scheduler.running)
             try:
                 fn, future = self._commands.get(timeout=0.5 if idle else 0)
             except queue.Empty:
                 fn = None
             if fn is not None:
+                # commands see a settled engine: no decode step left in flight
+                try:
+                    engine.drain()
+                except Exception as err:
+                    self._fail_running(err)
                 self._run_command(fn, future)
                 continue
             if idle:

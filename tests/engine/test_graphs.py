@@ -98,3 +98,115 @@ def test_offloaded_decode_replays_captured_pieces_on_cuda(checkpoint):
         engine.close()
     assert outputs == expected
     assert counts == expected_counts and counts["fills"] > 0 and counts["cpu"] > 0
+
+
+def _resident_engine_with_replay_graphs(checkpoint, *flags: str):
+    """An all-resident engine on the CPU whose decode steps replay whole-step stand-in graphs."""
+    engine = make_engine(checkpoint, *flags)
+    assert engine.cache.holds_everything
+    graphs = DecodeGraphs(engine.model, 4, engine.max_context, graph_factory=ReplayGraph)
+    graphs.capture()
+    engine.graphs = graphs
+    return engine
+
+
+def _mixed_requests(engine, stop_token: int | None) -> list:
+    """Four requests ending at different steps, so the batch shrinks while steps are in flight."""
+    stop = (stop_token,) if stop_token is not None else ()
+    return [
+        engine.add(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True)),
+        engine.add(PROMPTS[1], SamplingParams(max_tokens=7, ignore_eos=True)),
+        engine.add(PROMPTS[2], SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=stop)),
+        engine.add(list(range(60, 64)), SamplingParams(max_tokens=1, ignore_eos=True)),
+    ]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
+def test_overlapped_decode_gives_the_tokens_of_synchronous_steps(checkpoint):
+    eager = make_engine(checkpoint)
+    try:
+        probe = _mixed_requests(eager, None)
+        eager.run_until_idle()
+        stop_token = probe[2].output_ids[9]  # a token the third request makes mid-way
+        expected_seqs = _mixed_requests(eager, stop_token)
+        eager.run_until_idle()
+        expected = [(s.output_ids, s.finish_reason) for s in expected_seqs]
+        c = eager.moe.counters
+        expected_counts = {k: int(getattr(c, k).sum()) for k in ("reads", "hits", "picks")}
+    finally:
+        eager.close()
+    assert expected[2][1] == "stop" and len(expected[2][0]) < 24
+    engine = _resident_engine_with_replay_graphs(checkpoint)
+    sources = []
+    replay = engine.graphs.run
+    engine.graphs.run = lambda rows: sources.append([r.source for r in rows]) or replay(rows)
+    try:
+        _mixed_requests(engine, None)
+        engine.run_until_idle()  # the same history as the eager engine before the compared run
+        seqs = _mixed_requests(engine, stop_token)
+        engine.run_until_idle()
+        assert engine.idle and engine.kv.used_blocks == 0
+        c = engine.moe.counters
+        counts = {k: int(getattr(c, k).sum()) for k in ("reads", "hits", "picks")}
+        picks_per_token = engine.spec.num_moe_layers * engine.spec.top_k
+    finally:
+        engine.close()
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == expected
+    # the request that stopped on a token had one more step queued behind it: its token was
+    # dropped, its experts were read (and counted)
+    assert counts["picks"] == expected_counts["picks"] + picks_per_token
+    assert counts["hits"] == counts["reads"] >= expected_counts["reads"]
+    # most steps read their input tokens from the step before them, still on the device
+    assert sum(all(src >= 0 for src in step) for step in sources) > len(sources) // 2
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
+def test_cancel_and_sampled_requests_while_a_step_is_in_flight(checkpoint):
+    eager = make_engine(checkpoint)
+    try:
+        expected = eager.generate(PROMPTS[:2], SamplingParams(max_tokens=16, ignore_eos=True))
+    finally:
+        eager.close()
+    engine = _resident_engine_with_replay_graphs(checkpoint)
+    try:
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        first, second = (engine.add(p, params) for p in PROMPTS[:2])
+        while len(first.output_ids) < 4:
+            engine.step()
+        assert engine._flight is not None and first.pending == 1
+        engine.cancel(first)
+        # a sampled (non-greedy) request joins: its steps wait for their tokens
+        sampled = engine.add(PROMPTS[2], SamplingParams(max_tokens=5, temperature=0.8, seed=3))
+        engine.run_until_idle()
+        assert engine.kv.used_blocks == 0 and engine._flight is None
+    finally:
+        engine.close()
+    assert first.finish_reason == "cancelled"
+    assert first.output_ids == expected[0][: len(first.output_ids)]
+    assert second.output_ids == expected[1]
+    assert len(sampled.output_ids) == 5 and sampled.finish_reason == "length"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_decode_on_cuda_gives_the_tokens_of_eager_steps(checkpoint):
+    flags = ("--device", "cuda")
+    eager = make_engine(checkpoint, *flags, "--no-cuda-graph")
+    try:
+        expected_seqs = _mixed_requests(eager, None)
+        eager.run_until_idle()
+    finally:
+        eager.close()
+    engine = make_engine(checkpoint, *flags)
+    in_flight = 0
+    try:
+        assert engine.config_in_force()["cuda_graph_mode"] == "whole"
+        seqs = _mixed_requests(engine, None)
+        while not engine.idle:
+            engine.step()
+            in_flight += engine._flight is not None
+    finally:
+        engine.close()
+    assert in_flight > 10
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == [
+        (s.output_ids, s.finish_reason) for s in expected_seqs
+    ]
