@@ -1,0 +1,363 @@
+"""Skinny GEMM for decode: x[T, K] @ weight[N, K]^T (+ bias) for a few tokens, at HBM speed.
+
+A decode step's dense projections read a large weight for one to a few tokens, so their time is
+the time to stream the weight; cuBLAS reaches about 41% of an H200's copy bandwidth there. Here
+each program reads a block of weight rows once, along K, for every token of the batch:
+- one token: a multiply and a row sum, no tl.dot, so a block can be as narrow as one row and a
+  2048-row matrix still spreads over several programs per SM;
+- 2 to MAX_TOKENS tokens: tl.dot with the tokens padded to 16 and blocks of 16 rows or more.
+Where row blocks alone give too few programs, a second grid dimension splits K: each split writes
+fp32 partials and a second launch adds them in a fixed order, so results are deterministic (no
+float atomics) and a graph replay matches an eager call bit for bit. Nothing depends on data on
+the host, so calls can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import common
+
+# Largest batch the kernel takes: the tokens of one tl.dot tile. The engine calls it for decode
+# batches only; `linear` sends larger inputs to F.linear.
+MAX_TOKENS = 16
+# Programs the row blocks of the one-token path should give per SM: enough resident programs to
+# keep loads in flight on every SM, and a last wave that is a small share of the whole.
+ROW_PROGRAMS_PER_SM = 4
+# Programs per SM below which the multi-token path splits K (a split costs a second launch).
+SPLIT_PROGRAMS_PER_SM = 2
+# Weight elements one program of the one-token path loads per step: 8 KiB of bf16.
+ROW_TILE_ELEMENTS = 4096
+# Outputs each program of the split-adding launch writes.
+SUM_BLOCK = 1024
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """Tiles of one call: weight rows and reduction step per program, K splits, warps, stages.
+
+    block_n may be below 16 only for one token (the multi-token path uses tl.dot). num_stages is
+    how many reduction steps of weight loads are in flight at once (1: no pipelining).
+    """
+
+    block_n: int = 16
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name, least in (("block_n", 1), ("block_k", 16), ("num_warps", 1)):
+            value = getattr(self, name)
+            if value < least or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ValueError(
+                f"split_k and num_stages must be >= 1, got {self.split_k} and {self.num_stages}"
+            )
+
+
+@functools.lru_cache(maxsize=64)
+def choose_config(tokens: int, n: int, k: int, sms: int) -> GemvConfig:
+    """Tiles for a shape on a device with `sms` SMs.
+
+    One token: the widest block of up to 16 rows that still gives ROW_PROGRAMS_PER_SM programs per
+    SM (lm_head [151936, 2048]: 16 rows; qkv [5120, 2048]: 8; o [2048, 4096]: 2 on 132 SMs), and a
+    reduction step that keeps each load at ROW_TILE_ELEMENTS; no split, so one launch.
+    More tokens: 16 rows by 256 (tl.dot), K split in two until there are SPLIT_PROGRAMS_PER_SM
+    programs per SM, keeping at least two reduction steps per split (o: 4 splits; qkv and
+    lm_head: none).
+    """
+    if tokens == 1:
+        block_n = 16
+        while block_n > 1 and triton.cdiv(n, block_n) < ROW_PROGRAMS_PER_SM * sms:
+            block_n //= 2
+        return GemvConfig(block_n, max(256, ROW_TILE_ELEMENTS // block_n), 1, 4, 3)
+    block_n, block_k = 16, 256
+    split_k = 1
+    row_blocks = triton.cdiv(n, block_n)
+    while row_blocks * split_k < SPLIT_PROGRAMS_PER_SM * sms and k >= 4 * split_k * block_k:
+        split_k *= 2
+    return GemvConfig(block_n, block_k, split_k, 4, 4)
+
+
+def linear_decode_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """Reference: F.linear in the compute dtype, returned in x's dtype (config is not used)."""
+    _check(x, weight, bias)
+    dtype = compute_dtype or x.dtype
+    b = bias.to(dtype) if bias is not None else None
+    return F.linear(x.to(dtype), weight.to(dtype), b).to(x.dtype)
+
+
+@triton.jit
+def _store(
+    acc,
+    t_idx,
+    n_idx,
+    pid_k,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    num_tokens,
+    n,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Write a [tokens, rows] fp32 block: to this split's partials, or (+ bias) to the output."""
+    ok = (t_idx[:, None] < num_tokens) & (n_idx[None, :] < n)
+    offsets = t_idx[:, None] * n + n_idx[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * num_tokens * n + offsets, acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + n_idx, mask=n_idx < n, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _one_token_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    n,
+    k,
+    k_per_split,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < n
+    w_rows = w_ptr + n_idx[:, None].to(tl.int64) * stride_wn
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, k)
+    # Products add up elementwise and are summed across K once, after the loop.
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < k
+        xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0)
+        w = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        # Operands rounded to the compute dtype, multiplied and added in fp32, as tl.dot does.
+        xs = xs.to(COMPUTE).to(tl.float32)
+        acc += w.to(COMPUTE).to(tl.float32) * xs[None, :]
+    row = tl.sum(acc, axis=1)
+    t_idx = tl.zeros((1,), dtype=tl.int32)
+    _store(row[None, :], t_idx, n_idx, pid_k, bias_ptr, out_ptr, part_ptr, 1, n, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _tokens_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    num_tokens,
+    n,
+    k,
+    k_per_split,
+    stride_xt,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    t_idx = tl.arange(0, BLOCK_T)
+    t_ok = t_idx < num_tokens
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < n
+    x_rows = x_ptr + t_idx[:, None] * stride_xt
+    w_cols = w_ptr + n_idx[None, :].to(tl.int64) * stride_wn
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, k)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < k
+        xs = tl.load(x_rows + k_idx[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k_idx[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
+        acc += tl.dot(xs.to(COMPUTE), w.to(COMPUTE), input_precision="ieee")
+    _store(acc, t_idx, n_idx, pid_k, bias_ptr, out_ptr, part_ptr, num_tokens, n, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    total,
+    n,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < total
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    # Always split 0 first, then 1, ...: the same sum every call.
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + s * total + idx, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + idx % n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def linear_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """Triton x[T, K] @ weight[N, K]^T (+ bias) in x's dtype, fp32 accumulation, 1 <= T <=
+    MAX_TOKENS; one launch, or two when the config splits K. Graph-capturable (no host sync)."""
+    _check(x, weight, bias)
+    tokens, k = x.shape
+    n = weight.shape[0]
+    cfg = config or choose_config(tokens, n, k, common.sm_count(x.device))
+    if tokens > 1 and cfg.block_n < 16:
+        raise ValueError(
+            f"config.block_n={cfg.block_n}: {tokens} tokens use tl.dot, which needs blocks of "
+            "16 rows or more (narrower blocks are for one token only)"
+        )
+    compute = common.tl_dtype(compute_dtype or x.dtype)
+    block_k = min(cfg.block_k, common.next_pow2(k, 16))
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
+    split = cfg.split_k > 1
+    out = common.alloc((tokens, n), x.dtype, x.device)
+    partials = common.alloc((cfg.split_k, tokens, n), torch.float32, x.device) if split else out
+    # Triton needs a tensor for every pointer argument; HAS_BIAS keeps this one unread.
+    bias_arg = bias if bias is not None else out
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    flags = {
+        "HAS_BIAS": bias is not None,
+        "SPLIT": split,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": block_k,
+        "COMPUTE": compute,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+    if tokens == 1:
+        _one_token_kernel[grid](
+            x,
+            weight,
+            bias_arg,
+            out,
+            partials,
+            n,
+            k,
+            k_per_split,
+            weight.stride(0),
+            STAGES=cfg.num_stages,
+            **flags,
+        )
+    else:
+        _tokens_kernel[grid](
+            x,
+            weight,
+            bias_arg,
+            out,
+            partials,
+            tokens,
+            n,
+            k,
+            k_per_split,
+            x.stride(0),
+            weight.stride(0),
+            BLOCK_T=MAX_TOKENS,
+            **flags,
+        )
+    if split:
+        total = tokens * n
+        _sum_splits_kernel[(triton.cdiv(total, SUM_BLOCK),)](
+            partials,
+            bias_arg,
+            out,
+            total,
+            n,
+            SPLIT_K=cfg.split_k,
+            HAS_BIAS=bias is not None,
+            BLOCK=SUM_BLOCK,
+        )
+    return out
+
+
+def kernel_accepts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel takes this call wherever it runs: a decode batch x [1..MAX_TOKENS, K],
+    contiguous bf16/fp16, with a weight [N, K] and bias [N] of the same dtype, rows contiguous."""
+    if x.dim() != 2 or weight.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
+        return False
+    if x.dtype not in _KERNEL_DTYPES or weight.dtype != x.dtype or not x.is_contiguous():
+        return False
+    if weight.shape[1] != x.shape[1] or weight.stride(1) != 1 or weight.device != x.device:
+        return False
+    if bias is None:
+        return True
+    return bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.stride(0) == 1
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for the engine: the skinny GEMM for decode batches on CUDA, F.linear otherwise."""
+    if x.is_cuda and kernel_accepts(x, weight, bias):
+        return linear_decode(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Validate x [T, K] with 1 <= T <= MAX_TOKENS, weight [N, K] and bias [N] (metadata only)."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"x must be [T, K] and weight [N, K]: got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if not 1 <= x.shape[0] <= MAX_TOKENS:
+        raise ValueError(
+            f"x has {x.shape[0]} tokens: the decode kernel takes 1 to {MAX_TOKENS} "
+            "(use F.linear, or moelab.kernels.gemv.linear, which picks)"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}] (weight's N), got {tuple(bias.shape)}")
+    dtypes = {x.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"x, weight and bias must share one dtype, got {sorted(str(d) for d in dtypes)}"
+        )
+    common.tl_dtype(x.dtype)
+    common.check_last_dim_contiguous("x", x)
+    common.check_last_dim_contiguous("weight", weight)
+    if bias is not None:
+        common.check_last_dim_contiguous("bias", bias)
+        common.check_same_device(x=x, weight=weight, bias=bias)
+    else:
+        common.check_same_device(x=x, weight=weight)
