@@ -5,7 +5,8 @@
 Measures the device's copy bandwidth and bf16 matmul rate first, then each kernel. Decode kernels
 run as they do in the engine, captured in a CUDA graph, and each call of the graph reads different
 weights or KV pages (as successive layers do), so the L2 cache does not serve them. The torch
-reference runs eagerly on the same inputs beside it.
+reference runs eagerly on the same inputs beside it; the dense projections' reference, cuBLAS
+(F.linear), runs in graphs too and has rows of its own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import fused_moe, grouped_moe, paged_attention, rmsnorm, rope_kv, router
+from . import fused_moe, gemv, grouped_moe, paged_attention, rmsnorm, rope_kv, router
 from .measure import (
     Result,
     eager_us_per_call,
@@ -33,6 +34,13 @@ from .measure import (
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
+VOCAB = 151936
+# Dense projections of a decode step, weight [N, K]: the fused qkv, o, and lm_head.
+PROJECTIONS = {
+    "qkv": ((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    "o": (HIDDEN, Q_HEADS * HEAD_DIM),
+    "lm_head": (VOCAB, HIDDEN),
+}
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 ELEM_BYTES = 2
@@ -46,6 +54,33 @@ FUSED_SDPA = (
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
 )
+
+
+# Tiles of the skinny GEMM that --sweep times at each batch size, beside the heuristic's pick.
+GEMV_SWEEP = {
+    1: [
+        gemv.GemvConfig(block_n, block_k, split_k, warps, stages)
+        for block_n, block_k, split_k, warps, stages in (
+            (2, 2048, 1, 4, 3),
+            (4, 1024, 1, 4, 3),
+            (8, 512, 1, 4, 3),
+            (16, 256, 1, 4, 3),
+            (8, 512, 1, 4, 1),
+            (8, 1024, 1, 8, 4),
+            (16, 512, 2, 4, 3),
+        )
+    ],
+    8: [
+        gemv.GemvConfig(block_n, block_k, split_k, warps, stages)
+        for block_n, block_k, split_k, warps, stages in (
+            (16, 256, 1, 4, 4),
+            (16, 256, 2, 4, 4),
+            (16, 256, 4, 4, 4),
+            (32, 256, 2, 4, 4),
+            (16, 512, 4, 4, 3),
+        )
+    ],
+}
 
 
 def layers_for(bytes_per_call: int) -> int:
@@ -313,6 +348,34 @@ class Bench:
             ref_us,
         )
 
+    def linear(self, tokens: int, name: str, config: gemv.GemvConfig | None = None) -> None:
+        """A decode batch through a dense projection: the skinny GEMM, and beside it (unless a
+        config is swept) cuBLAS's F.linear on the same inputs in a row of its own; each call
+        reads another layer's weight."""
+        n, k = PROJECTIONS[name]
+        weight_bytes = n * k * ELEM_BYTES
+        weights = [self.randn(n, k, scale=k**-0.5) for _ in range(layers_for(weight_bytes))]
+        x = self.randn(tokens, k)
+        bytes_moved = weight_bytes + tokens * (n + k) * ELEM_BYTES
+        flops = 2 * tokens * n * k
+        label = f"T={tokens} {name} N={n} K={k}"
+
+        def kernel(weight: torch.Tensor) -> Callable[[], object]:
+            return lambda: gemv.linear_decode(x, weight, config=config)
+
+        def cublas(weight: torch.Tensor) -> Callable[[], object]:
+            return lambda: F.linear(x, weight)
+
+        time_us = graph_us_per_call([kernel(w) for w in weights])
+        if config is not None:
+            self.add(
+                "linear_decode", f"{label} {_short(config)}", time_us, bytes_moved, flops, None
+            )
+            return
+        cublas_us = graph_us_per_call([cublas(w) for w in weights])
+        self.add("linear_decode", label, time_us, bytes_moved, flops, cublas_us)
+        self.add("cublas_linear", label, cublas_us, bytes_moved, flops, None)
+
     def router(self, tokens: int) -> None:
         """Softmax + top-8 of 128 experts, renormalized (Qwen3)."""
         logits = self.randn(tokens, EXPERTS)
@@ -374,6 +437,9 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
         bench.router(tokens)
     for tokens in (1, 8):
         bench.rope_kv(tokens)
+    for tokens in (1, 8):
+        for name in PROJECTIONS:
+            bench.linear(tokens, name)
     if sweep:
         for block_n, block_k, down_n, warps, stages in (
             (16, 128, 16, 4, 4),
@@ -389,6 +455,10 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
             for splits in (64, 128, 256):
                 config = paged_attention.AttentionConfig(block_n, splits)
                 bench.paged_attention([32768], config, with_ref=False)
+        for tokens, configs in GEMV_SWEEP.items():
+            for config in configs:
+                for name in ("qkv", "o"):
+                    bench.linear(tokens, name, config)
         for backend in FUSED_SDPA:
             for length in (8192, 32768):
                 bench.sdpa_prefill(length, (backend,))
@@ -424,7 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="also time tile configs of decode MoE and attention, and each SDPA backend",
+        help="also time tile configs of decode MoE, attention and the skinny GEMM, and each SDPA "
+        "backend",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
