@@ -156,6 +156,7 @@ def _one_token_kernel(
     k_end = tl.minimum(k_start + k_per_split, k)
     # Products add up elementwise and are summed across K once, after the loop.
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # num_stages on the loop itself: the launch's num_stages pipelines only loads that feed tl.dot.
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         k_idx = k0 + tl.arange(0, BLOCK_K)
         k_ok = k_idx < k
