@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 import threading
@@ -51,6 +52,8 @@ class PrintJournal(Journal):
                 f"workload {r.workload_s:.1f} s of {r.duration_s:.1f} s",
                 flush=True,
             )
+            for stage in r.details.get("stages") or [r.details]:
+                print(f"    {parts_line(stage)}", flush=True)
         else:
             print(f"  failed ({r.failure}): {r.error}", flush=True)
 
@@ -67,6 +70,28 @@ class PrintJournal(Journal):
 
     def progress(self, phase: str, eta_s: float | None) -> None:
         pass
+
+
+def parts_line(details: dict[str, Any]) -> str:
+    """Where one workload's seconds went: each part's requests, the median and slowest one."""
+    spec = details.get("workload") or {}
+    walls = {"prefill": details.get("prefill_wall_s"), "decode": details.get("decode_wall_s")}
+    out = []
+    for part, seconds in (details.get("parts_s") or {}).items():
+        text = f"{part} {seconds:.1f} s"
+        each = walls.get(part)
+        if each:
+            text += (
+                f" ({len(each)} requests, median {statistics.median(each):.3f} s, "
+                f"slowest {max(each):.3f} s)"
+            )
+        out.append(text)
+    total = details.get("workload_s")
+    return (
+        "; ".join(out)
+        + (f"; {total:.1f} s in all" if total is not None else "")
+        + (f" [{spec.get('decode_tokens')} tokens per generation]" if spec else "")
+    )
 
 
 def gpu_count() -> int:
@@ -160,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         + (f"{per_trial:.1f} s per trial" if per_trial is not None else "not measured")
         + f" (target {mode.target_s:.0f} s)"
     )
+    if overhead["share_per_trial"] is not None:
+        print(
+            f"per trial after the calibration one: restart + warm-up "
+            f"{overhead['per_trial_s']:.1f} s, {overhead['share_per_trial']:.1%} of its time; "
+            f"the first engine's start (kernels compiled on a fresh machine) "
+            f"{overhead['first_start_s']:.1f} s"
+        )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

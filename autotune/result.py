@@ -31,6 +31,12 @@ def build_result(search: Search, baseline: Figures) -> dict[str, Any]:
         for n, r in search.results.items()
         if n != search.calibration_trial and r.workload_s is not None
     ]
+    # A trial's own restart cost: the trials after the calibration one. The calibration
+    # trial's engine is the run's first, and on a fresh machine it compiles every kernel.
+    later = [r for n, r in search.results.items() if n != search.calibration_trial]
+    later_overhead_s = sum(r.overhead_s for r in later)
+    later_s = sum(r.duration_s for r in later)
+    first = search.results.get(search.calibration_trial) if search.calibration_trial else None
     return {
         "flags": incumbent.flags,
         "notes": notes(search),
@@ -50,6 +56,9 @@ def build_result(search: Search, baseline: Figures) -> dict[str, Any]:
             "overhead_s": overhead_s,
             "trial_s": trial_s,
             "share": overhead_s / trial_s if trial_s else None,
+            "share_per_trial": later_overhead_s / later_s if later_s else None,
+            "per_trial_s": later_overhead_s / len(later) if later else None,
+            "first_start_s": first.overhead_s if first is not None else None,
             "trials": len(results),
             "workload_s": sum(r.workload_s or 0.0 for r in results),
             "workload_s_per_trial": statistics.median(sized) if sized else None,

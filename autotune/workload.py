@@ -238,6 +238,8 @@ class Workload:
                 "prefill": sum(t.wall_s for t in prefills),
                 "decode": sum(t.wall_s for t in decodes),
             },
+            "prefill_wall_s": [t.wall_s for t in prefills],
+            "decode_wall_s": [t.wall_s for t in decodes],
         }
         aggregate_tok_s = None
         if spec.clients > 0:

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels.gemv import linear
 from ..kernels.paged_attention import paged_attention_decode
 from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from ..kernels.rope_kv import qk_norm_rope_kv
@@ -204,7 +205,7 @@ class Model:
             return
         x, _ = fused_add_rmsnorm(state.hidden, state.residual, w.final_norm, self.spec.rms_norm_eps)
         x = x.index_select(0, batch.logits_index)
-        state.logits = F.linear(x, w.lm_head).float()
+        state.logits = linear(x, w.lm_head).float()
 
     def run_experts(self, piece: int, state: StepState) -> None:
         """The routed experts of the MoE layer that ends `piece`: state.routed (fp32)."""
@@ -237,7 +238,7 @@ class Model:
     ) -> torch.Tensor:
         spec = self.spec
         tokens = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
         decode = batch.block_tables is not None
         if decode and self._fused_qk:
             # q/k norm, rotary and the KV write in one launch (the same arithmetic)
@@ -255,7 +256,7 @@ class Model:
                 q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
                 self.scale,
             )  # fmt: skip
-            return F.linear(out.reshape(tokens, spec.q_size), layer.o)
+            return linear(out.reshape(tokens, spec.q_size), layer.o)
         out = torch.empty_like(q)
         for seq in batch.seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
@@ -264,7 +265,7 @@ class Model:
             else:
                 keys, values = self.kv.gather(index, seq.blocks, seq.kv_len)
             out[rows] = self._sdpa(q[rows], keys, values)
-        return F.linear(out.reshape(tokens, spec.q_size), layer.o)
+        return linear(out.reshape(tokens, spec.q_size), layer.o)
 
     def _heads(
         self, layer: LayerWeights, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -307,7 +308,7 @@ class Model:
 
     def _route(self, index: int, layer: LayerWeights, state: StepState) -> None:
         with self.timer.phase("route") if self.timer is not None else _NO_TIMER:
-            logits = F.linear(state.x, layer.router)
+            logits = linear(state.x, layer.router)
             state.weights, state.ids = topk_softmax(
                 logits, self.spec.top_k, self.spec.norm_topk_prob
             )
@@ -319,7 +320,7 @@ class Model:
         out, x = state.routed, state.x
         assert out is not None and x is not None
         if layer.shared_gate_up is not None:
-            gate = torch.sigmoid(F.linear(x, layer.shared_gate))
+            gate = torch.sigmoid(linear(x, layer.shared_gate))
             out = out + (gate * _swiglu(x, layer.shared_gate_up, layer.shared_down)).float()
         return out.to(x.dtype)
 
@@ -328,5 +329,5 @@ _NO_TIMER = contextlib.nullcontext()
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)

@@ -196,6 +196,11 @@ def test_the_overhead_share_is_small_when_restarts_are_small_against_the_target(
     total_s = sum(t.result.duration_s for t in journal.trials.values())
     assert overhead["share"] == pytest.approx(RESTART_S * trials / total_s)
     assert overhead["share"] < 0.12
+    # per trial after the calibration one (whose engine is the run's first)
+    later_s = sum(t.result.duration_s for t in journal.trials.values() if t.n > 1)
+    assert overhead["per_trial_s"] == pytest.approx(RESTART_S)
+    assert overhead["share_per_trial"] == pytest.approx(RESTART_S * (trials - 1) / later_s)
+    assert overhead["first_start_s"] == pytest.approx(RESTART_S)
 
 
 @pytest.mark.parametrize("stop_at", [2, 6])
