@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|offload|crossover|autotune|machine|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|all]
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first.
 set -uo pipefail
 out=${1:?output directory}
@@ -23,8 +23,19 @@ G="--preset qwen3-30b-a3b --set num_hidden_layers=12"
 if [ "$part" = tests ] || [ "$part" = all ]; then
   run kernel_tests python3 -m pytest -q tests/kernels -o addopts=-ra -p no:cacheprovider
   run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q -o addopts=-ra \
-    -p no:cacheprovider --tb=short tests/engine/test_offload.py tests/engine/test_reference.py \
-    tests/engine/test_telemetry.py
+    -p no:cacheprovider --tb=short tests/engine/test_graphs.py tests/engine/test_offload.py \
+    tests/engine/test_reference.py tests/engine/test_telemetry.py
+fi
+if [ "$part" = resident ]; then  # all experts resident: overlapped decode against waiting steps
+  run decode12_resident_skew1 $B decode $G --routing-skew 1 --json
+  run decode12_resident_skew1_sync $B decode $G --routing-skew 1 --json --no-overlap-decode
+  run decode12_resident_b8 $B decode $G --routing-skew 1 --batch 8 --json
+  run decode12_resident_profile $B decode $G --routing-skew 1 --json --kernel-profile
+  run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json
+fi
+if [ "$part" = startup ] || [ "$part" = autotune ]; then  # an engine's start, phase by phase
+  run synth_small python3 -m moelab.engine.cli synth --arch qwen3_moe --preset small --out /tmp/small
+  run serve_small_start python3 scripts/serve_start.py /tmp/small 3
 fi
 if [ "$part" = engine ] || [ "$part" = decode ] || [ "$part" = all ]; then
   run decode12_resident_skew1 $B decode $G --routing-skew 1 --json --kernel-profile
