@@ -12,8 +12,10 @@ trial sizes in stages, in its one engine (calibrate):
 (b) that estimate, run warm and timed;
 (c) the run's workload, sized again from (b)'s readings, for every later trial.
 
-When (b) lasted less than REPEAT_BELOW_SHARE of the target, its readings are still mostly fixed
-costs: (b) runs once more at the estimate sized from it, and (c) sizes from that. A minimum that
+When (b) lasted less than REPEAT_BELOW_SHARE of the target, the sizing would stretch its readings
+too far: (b) runs once more at the estimate sized from it, and (c) sizes from that. On an H200
+with the small preset, a run sized from a first estimate of 10 s (a quarter of the 40 s target)
+ran 30 s per trial, not the 38 s the sizing expected; hence half. A minimum that
 already took the target or longer is kept without a second stage. The sizing is a function of
 the stored stages' readings alone, so a resumed run that replays the trial gets the same spec.
 
@@ -42,8 +44,8 @@ if TYPE_CHECKING:  # the trial runner imports this module
     from .trial import TrialResult
 
 MAX_GENERATION_TOKENS = 1024
-# a stage shorter than this share of the target is run again at the estimate sized from it
-REPEAT_BELOW_SHARE = 0.2
+# a warm stage shorter than this share of the target is run again at the estimate sized from it
+REPEAT_BELOW_SHARE = 0.5
 STAGES = ("the mode's minimum", "the first estimate", "the second estimate")
 
 

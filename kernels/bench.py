@@ -426,8 +426,6 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
     )
     for tokens in (1, 4, 8, 16):
         bench.fused_moe(tokens)
-        # the sum over the routes inside the down launch, against the separate sum above
-        bench.fused_moe(tokens, fused_moe.DecodeMoEConfig(fuse_sum=True), with_ref=False)
     for tokens in (512, 2048):
         bench.grouped_moe(tokens)
     for seq_lens in ([2048], [8192], [32768], [4096] * 8):

@@ -123,14 +123,18 @@ def test_a_cold_engine_with_per_request_costs_is_sized_from_the_warm_stage() -> 
     sized_s = run_sized(FakeEngine(seed=49, noise=0.0, **H200), sizing.spec).workload_s
     assert sized_s == pytest.approx(mode.target_s, rel=0.15)
     assert sizing.expected_s == pytest.approx(sized_s, rel=0.02)
-    # the second stage was that first estimate, and it ran warm as long as it runs later
-    cold_s, warm_s = sizing.stages_s
+    # the second stage was that first estimate, and it ran warm as long as it runs later; it
+    # lasted under half the target, so a second estimate sized from it ran before the sizing
+    # (sizing from a quarter of the target undershot by 22% on the H200)
+    cold_s, warm_s, second_s = sizing.stages_s
     assert calibration.details["stages"][1]["workload"] == old.spec.to_json()
-    assert warm_s == pytest.approx(old_s) and cold_s < warm_s < mode.target_s
-    assert calibration.workload_s == pytest.approx(cold_s + warm_s)
+    assert warm_s == pytest.approx(old_s) and cold_s < warm_s < REPEAT_BELOW_SHARE * mode.target_s
+    assert second_s == pytest.approx(mode.target_s, rel=0.15)
+    assert calibration.workload_s == pytest.approx(cold_s + warm_s + second_s)
     assert sizing.reason.startswith(
         f"calibration: the mode's minimum took {cold_s:.1f} s cold; the first estimate "
-        f"{warm_s:.1f} s warm; workload sized to {sizing.expected_s:.1f} s (target 40 s): "
+        f"{warm_s:.1f} s warm; the second estimate {second_s:.1f} s warm; workload sized to "
+        f"{sizing.expected_s:.1f} s (target 40 s): "
     )
 
 

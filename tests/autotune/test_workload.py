@@ -232,13 +232,15 @@ def test_a_cold_server_with_per_request_costs_is_sized_from_the_warm_stage(serve
     client = EngineClient(serve(fake), timeout_s=30)
     calibration = calibration_trial(client, MINIMUM)
     sizing = size_workload(MINIMUM, calibration, TARGET_S)
-    minimum, first = calibration.details["stages"]
+    # the first estimate lasted under half the target: a second estimate ran before the sizing
+    minimum, first, second = calibration.details["stages"]
     # the second stage ran what sizing from the cold minimum alone (as before) gives: meant to
     # last the target, warm it lasted a third of it (0.6 s of 2 s)
     alone = size_workload(MINIMUM, replace(calibration, details=minimum), TARGET_S)
     assert alone.expected_s == pytest.approx(TARGET_S, rel=0.15)
     assert first["workload"] == alone.spec.to_json()
     assert first["workload_s"] < TARGET_S / 2, sizing.reason
+    assert 0.85 * TARGET_S < second["workload_s"] < 1.5 * TARGET_S, sizing.reason
     # sized from that warm stage, a later trial lasts the target (a busy machine only adds)
     assert 0.85 * TARGET_S < run_sized(client, sizing.spec) < 1.5 * TARGET_S, sizing.reason
 

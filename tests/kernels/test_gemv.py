@@ -268,7 +268,7 @@ def test_graph_replay_equals_eager_bit_for_bit(gen, tokens, with_bias):
 
 @pytest.mark.cuda
 @needs_cuda
-def test_dispatcher_on_cuda_takes_decode_batches_only(gen, monkeypatch):
+def test_dispatcher_on_cuda_takes_single_tokens_only(gen, monkeypatch):
     calls = []
     kernel = gemv.linear_decode
 
@@ -278,9 +278,10 @@ def test_dispatcher_on_cuda_takes_decode_batches_only(gen, monkeypatch):
 
     monkeypatch.setattr(gemv, "linear_decode", counted)
     weight = (torch.randn(256, 512, generator=gen) * 512**-0.5).to("cuda", BF16)
-    for tokens in (1, gemv.MAX_TOKENS, gemv.MAX_TOKENS + 1, 300):
+    for tokens in (1, 2, gemv.MAX_TOKENS, gemv.MAX_TOKENS + 1, 300):
         x = torch.randn(tokens, 512, generator=gen).to("cuda", BF16)
         out = gemv.linear(x, weight)
-        if tokens > gemv.MAX_TOKENS:
+        if tokens > gemv.DISPATCH_MAX_TOKENS:
             assert torch.equal(out, F.linear(x, weight))
-    assert calls == [1, gemv.MAX_TOKENS]
+    # cuBLAS is faster from two tokens on (kernels/bench.py)
+    assert calls == [1]
