@@ -582,8 +582,10 @@ class Engine:
         a = self.args
         return {
             "policy": a.moe_miss_policy,
-            "policy_mode": self.policy.mode,
-            "fetch_fraction": self.policy.fetch_fraction,
+            "policy_mode": self.moe.policy.mode,
+            # auto: follows the CPU's rate as decode sees it (MoERunner._adapt_split)
+            "fetch_fraction": self.moe.policy.fetch_fraction,
+            "policy_bh_gbps": self.moe.policy.bh_gbps,
             "cpu_threads": self.cpu.num_threads,
             "cpu_kernel": self.cpu.kernel,
             "cpu_spin_us": a.moe_cpu_spin_us,

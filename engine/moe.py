@@ -27,6 +27,8 @@ from ..kernels.grouped_moe import grouped_moe
 from .bank import ExpertBank
 from .cache import ExpertCache
 
+# CPU jobs of decode between two updates of the auto split from their measured rate
+ADAPT_EVERY_JOBS = 48
 # Decode rows whose routing the resident path records for telemetry (a decode batch is smaller)
 MAX_RECORDED_ROWS = 1024
 
@@ -37,6 +39,8 @@ class MissPolicy:
 
     mode: str  # "auto" | "gpu" | "cpu" | "split"
     fetch_fraction: float  # share of misses fetched: from the bandwidths (auto) or fixed
+    bp_gbps: float | None = None  # auto: the rates the fraction comes from
+    bh_gbps: float | None = None
 
     @classmethod
     def parse(cls, text: str, bp_gbps: float, bh_gbps: float) -> MissPolicy:
@@ -48,7 +52,12 @@ class MissPolicy:
         if match:
             return cls("split", float(match.group(1)))
         assert text == "auto", text
-        return cls("auto", bp_gbps / (bp_gbps + bh_gbps))
+        return cls.auto(bp_gbps, bh_gbps)
+
+    @classmethod
+    def auto(cls, bp_gbps: float, bh_gbps: float) -> MissPolicy:
+        """Fetch Bp / (Bp + Bh) of the misses: the copies and the CPU then finish together."""
+        return cls("auto", bp_gbps / (bp_gbps + bh_gbps), bp_gbps, bh_gbps)
 
     def fetch_count(self, misses: int) -> int:
         """q: how many of `misses` to copy into the cache."""
@@ -134,6 +143,7 @@ class MoERunner:
         self.prefill_stream_min_tokens = prefill_stream_min_tokens
         self._counters = LayerCounters.zeros(bank.num_layers, bank.num_experts)
         self.cpu_times = CpuJobTimes()
+        self._cpu_window = CpuJobTimes()  # the CPU jobs since the auto split was last updated
         self.prefill_picks = np.zeros((bank.num_layers, bank.num_experts), dtype=np.int64)
         # decode-step observers: (layer, experts, slots before the step, fetched, run on CPU)
         self.on_decode_step: list[Callable] = []
@@ -481,8 +491,28 @@ class MoERunner:
         assert d.job is not None
         out = d.job.wait()
         if decode:
-            self.cpu_times.add(d.cpu_experts * self.bank.expert_bytes, d.job.seconds())
+            weight_bytes, seconds = d.cpu_experts * self.bank.expert_bytes, d.job.seconds()
+            self.cpu_times.add(weight_bytes, seconds)
+            self._cpu_window.add(weight_bytes, seconds)
+            if self._cpu_window.jobs >= ADAPT_EVERY_JOBS:
+                self._adapt_split()
         return out
+
+    def _adapt_split(self) -> None:
+        """Auto policy: take the CPU's rate as decode sees it, reaction time included.
+
+        The start-up Bh is the workers' best streaming rate; inside decode each job also waits
+        for the workers to wake, and on an H200 they averaged 60 GB/s against 109 measured at
+        start, so the start-up split sent too many misses to the CPU. Half the new reading is
+        blended in per window, so one noisy window cannot swing the split.
+        """
+        window, self._cpu_window = self._cpu_window, CpuJobTimes()
+        policy = self.policy
+        busy_s = window.start_s + window.run_s
+        if policy.mode != "auto" or not busy_s or policy.bp_gbps is None or not policy.bh_gbps:
+            return
+        seen_gbps = window.weight_bytes / busy_s / 1e9
+        self.policy = MissPolicy.auto(policy.bp_gbps, 0.5 * (policy.bh_gbps + seen_gbps))
 
     def _copy_experts(self, moe_layer: int, admitted: list[tuple[int, int]]):
         """Copy (expert, slot) pairs from the bank into their slots: on the copy stream, after the

@@ -201,3 +201,35 @@ def test_exactly_the_advertised_context_fits(tmp_path):
             engine.add(list(range(1, 82)), SamplingParams(max_tokens=16))
     finally:
         engine.close()
+
+
+def test_the_auto_split_follows_the_cpu_rate_decode_sees(tmp_path, monkeypatch):
+    import moelab.engine.moe as moe_module
+    from moelab.engine.moe import CpuJobTimes, MissPolicy
+
+    path = synthesize(
+        tmp_path / "m", preset="tiny", routing_skew=0.5, seed=6, overrides={"num_experts": 16}
+    )
+    monkeypatch.setattr(moe_module, "ADAPT_EVERY_JOBS", 4)
+    engines = {p: make_engine(path, "--moe-cache-size", "20", "--moe-miss-policy", p)
+               for p in ("auto", "split:0.5")}  # fmt: skip
+    try:
+        for engine in engines.values():
+            engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+        auto, fixed = engines["auto"].moe, engines["split:0.5"].moe
+        assert auto.cpu_times.jobs >= 8
+        # the start-up rates were 10 and 10 GB/s; the workers' own timing moved Bh, and the
+        # fraction fetched follows it
+        assert auto.policy.bh_gbps != 10.0 and auto.policy.bp_gbps == 10.0
+        assert auto.policy.fetch_fraction == pytest.approx(10.0 / (10.0 + auto.policy.bh_gbps))
+        assert engines["auto"].config_in_force()["fetch_fraction"] == auto.policy.fetch_fraction
+        assert fixed.policy == MissPolicy("split", 0.5)
+        # one window: 6 GB in 0.1 s busy (reaction + run) is 60 GB/s, blended half with 100
+        auto.policy = MissPolicy.auto(50.0, 100.0)
+        auto._cpu_window = CpuJobTimes(jobs=4, weight_bytes=6_000_000_000, start_s=0.02, run_s=0.08)
+        auto._adapt_split()
+        assert auto.policy == MissPolicy.auto(50.0, 80.0)
+        assert auto.policy.fetch_fraction == pytest.approx(50 / 130)
+    finally:
+        for engine in engines.values():
+            engine.close()
