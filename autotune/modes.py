@@ -3,7 +3,7 @@
 A mode's `workload` is the least a trial sends (the calibration trial sends exactly that); its
 `target_s` is how long the measured part of every later trial should last (autotune/sizing.py).
 The targets, against the restart + warm-up R of a trial (about 2.2 s for the demo model on a
-2-core CPU, 6-7 s for the small preset on an H200), give an overhead share of R / (R + target):
+2-core CPU, 8-9 s for the small preset on an H200), give an overhead share of R / (R + target):
 - quick, 4 s: the demo's quick run stays a few minutes on a CPU (the 25-trial CI run takes about
   two), and an H200's one-second workload becomes four; restarts still take most of the time;
 - standard, 60 s: restart + warm-up at most 15% of a trial while they take up to 10 s (the H200

@@ -338,7 +338,8 @@ def _run(args: argparse.Namespace) -> int:
         dtype=str(engine.dtype)[6:],
         gpu=torch.cuda.get_device_name(0) if engine.device.type == "cuda" else None,
         policy=engine.policy.mode,
-        fetch_fraction=engine.policy.fetch_fraction,
+        fetch_fraction=engine.policy.fetch_fraction,  # at the end: auto follows the CPU rate
+        policy_bh_gbps=engine.policy.bh_gbps,
     )
     if args.bench == "decode":
         line = (

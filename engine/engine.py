@@ -144,18 +144,18 @@ class Engine:
         mark("CPU workers")
         self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
         mark("bandwidths")
-        self.policy = MissPolicy.parse(args.moe_miss_policy, self.bp_gbps, self.bh_gbps)
+        policy = MissPolicy.parse(args.moe_miss_policy, self.bp_gbps, self.bh_gbps)
         log.info(
             "miss split: Bp %.1f GB/s, Bh %.1f GB/s -> policy %s fetches %.0f%% of misses",
             self.bp_gbps,
             self.bh_gbps,
-            self.policy.mode,
-            100 * self.policy.fetch_fraction,
+            policy.mode,
+            100 * policy.fetch_fraction,
         )
         self.moe = MoERunner(
             self.bank,
             self.cache,
-            self.policy,
+            policy,
             self.cpu,
             top_k=spec.top_k,
             prefill_overlap=not args.no_prefill_overlap,
@@ -336,6 +336,11 @@ class Engine:
         log.info("KV reserve changed: %s", plan.describe())
 
     # running ------------------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> MissPolicy:
+        """The miss split in force (auto follows the CPU rate decode sees)."""
+        return self.moe.policy
 
     @property
     def max_context(self) -> int:
@@ -582,10 +587,10 @@ class Engine:
         a = self.args
         return {
             "policy": a.moe_miss_policy,
-            "policy_mode": self.moe.policy.mode,
+            "policy_mode": self.policy.mode,
             # auto: follows the CPU's rate as decode sees it (MoERunner._adapt_split)
-            "fetch_fraction": self.moe.policy.fetch_fraction,
-            "policy_bh_gbps": self.moe.policy.bh_gbps,
+            "fetch_fraction": self.policy.fetch_fraction,
+            "policy_bh_gbps": self.policy.bh_gbps,
             "cpu_threads": self.cpu.num_threads,
             "cpu_kernel": self.cpu.kernel,
             "cpu_spin_us": a.moe_cpu_spin_us,
