@@ -209,7 +209,9 @@ def sized(
     cuts = [(int(chars), int(counted)) for chars, counted in first["prefill_cuts"]]
     base = replace(minimum, prefill_tokens=tokens, prefill_chars=chars_for_tokens(tokens, cuts))
     speeds = Speeds.of(stages[-1])
-    scale = max(1.0, target_s / speeds.workload_s(base))
+    # the time outside requests does not grow with them: the parts fill the rest of the target
+    base_parts_s = sum(speeds.parts_s(base).values())
+    scale = max(1.0, (target_s - speeds.other_s) / base_parts_s) if base_parts_s > 0 else 1.0
     decode_prompt_tokens = max(max(s["decode_prompt_tokens"]) for s in stages)
     cap_tokens = min(MAX_GENERATION_TOKENS, max(base.decode_tokens, tokens - decode_prompt_tokens))
     decode_tokens, decode_requests = _decode(base, speeds, cap_tokens, scale)

@@ -82,12 +82,14 @@ class FakeEngine:
         cold: float = 1.0,
         compile_s: float = 0.0,
         request_s: float = REQUEST_S,
+        other_s: float = 0.0,
     ) -> None:
         self.seed = seed
         self.speed = speed  # every figure times this: a faster or slower machine
         self.cold = cold
         self.compile_s = compile_s
         self.request_s = request_s
+        self.other_s = other_s  # a workload's time outside its requests
         self.noise = noise
         self.flukes = dict(flukes or {})
         self.crash = crash
@@ -133,7 +135,7 @@ class FakeEngine:
             prefill, decode, aggregate = (v * (self.cold if cold else 1.0) for v in figures)
             details = timed_workload(
                 spec, usable, prefill, decode, aggregate, self.request_s,
-                self.compile_s if cold else 0.0,
+                self.compile_s if cold else 0.0, self.other_s,
             )  # fmt: skip
             return WorkloadResult(prefill, spec.prefill_tokens, decode, 0.1, aggregate, details)
 
@@ -158,9 +160,11 @@ def timed_workload(
     aggregate: float,
     request_s: float = REQUEST_S,
     first_request_s: float = 0.0,
+    other_s: float = 0.0,
 ) -> dict[str, Any]:
     """The readings a trial of `spec` records (autotune/workload.py) at these speeds, each
-    request `request_s` longer and the first `first_request_s` more."""
+    request `request_s` longer and the first `first_request_s` more, and `other_s` spent outside
+    any request (building prompts)."""
     prompt = min(spec.prefill_tokens, (usable - 64) // 2)
     one_decode_s = request_s + DECODE_PROMPT_TOKENS / prefill + (spec.decode_tokens - 1) / decode
     parts = {
@@ -179,7 +183,7 @@ def timed_workload(
         "prefill_cuts": [(int(prompt * CHARS_PER_TOKEN), prompt)] * spec.prefill_requests,
         "prompt_chars_per_token": CHARS_PER_TOKEN,
         "parts_s": parts,
-        "workload_s": sum(parts.values()),
+        "workload_s": other_s + sum(parts.values()),
         "workload": spec.to_json(),
     }
 
