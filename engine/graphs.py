@@ -97,10 +97,14 @@ class DecodeGraphs:
         # the long block is the last replay's greedy tokens (written on the device, never sent);
         # each row's input token is gathered from rows 0-1 by its index in row 4, so it can be a
         # token the host has not seen yet.
+        # Two sets of mirrors, used in turn: with overlapped decode the host writes step N+2's
+        # inputs once step N is done, while step N+1's copies may still be queued.
         pin = dev.type == "cuda"
-        self._host_long = torch.zeros((5, max_bs), dtype=torch.long, pin_memory=pin)
-        self._host_int = torch.zeros(max_bs * (self.max_blocks + 1), dtype=torch.int32,
-                                     pin_memory=pin)  # fmt: skip
+        self._host_longs = [torch.zeros((5, max_bs), dtype=torch.long, pin_memory=pin)
+                            for _ in range(2)]  # fmt: skip
+        self._host_ints = [torch.zeros(max_bs * (self.max_blocks + 1), dtype=torch.int32,
+                                       pin_memory=pin) for _ in range(2)]  # fmt: skip
+        self._mirror = 0
         self._long = torch.zeros((5, max_bs), dtype=torch.long, device=dev)
         self._int = torch.zeros(max_bs * (self.max_blocks + 1), dtype=torch.int32, device=dev)
         self.sampled, _, self.positions, self.slots, self._token_index = self._long
@@ -206,8 +210,10 @@ class DecodeGraphs:
         n = len(rows)
         bs = next(s for s in self.sizes if s >= n)
         kv = self.model.kv
-        host_long = self._host_long.numpy()
-        host_int = self._host_int.numpy()
+        self._mirror ^= 1
+        host_long_t, host_int_t = self._host_longs[self._mirror], self._host_ints[self._mirror]
+        host_long = host_long_t.numpy()
+        host_int = host_int_t.numpy()
         tables = host_int[: self.max_bs * self.max_blocks].reshape(self.max_bs, self.max_blocks)
         seq_lens = host_int[self.max_bs * self.max_blocks :]
         max_bs = self.max_bs
@@ -225,10 +231,10 @@ class DecodeGraphs:
         host_long[3, n:bs] = kv.pad_slot
         host_long[4, n:bs] = range(max_bs + n, max_bs + bs)
         seq_lens[n:bs] = 0
-        self._long[1:].copy_(self._host_long[1:], non_blocking=True)
+        self._long[1:].copy_(host_long_t[1:], non_blocking=True)
         used = bs * self.max_blocks
-        self._int[:used].copy_(self._host_int[:used], non_blocking=True)
-        self.seq_lens[:bs].copy_(self._host_int[self.max_bs * self.max_blocks :][:bs],
+        self._int[:used].copy_(host_int_t[:used], non_blocking=True)
+        self.seq_lens[:bs].copy_(host_int_t[self.max_bs * self.max_blocks :][:bs],
                                  non_blocking=True)  # fmt: skip
         if bs > n:
             self.route_slots[n:bs].fill_(-1)
