@@ -73,10 +73,8 @@ def test_the_result_page_shows_the_result_and_its_evidence(two_runs) -> None:
     # the restart cost, over all trials and per trial after the calibration one
     overhead = first["result"]["overhead"]
     assert f"took {100 * overhead['share']:.1f}% of the trial time" in page
-    assert (
-        f"{overhead['per_trial_s']:,.1f} s per trial, {100 * overhead['share_per_trial']:.1f}% of its"
-        in page
-    )
+    per_trial = f"{overhead['per_trial_s']:,.1f} s per trial"
+    assert f"{per_trial}, {100 * overhead['share_per_trial']:.1f}% of its time" in page
     shown = lan.get(f"/benchmark/{first['id']}").text
     assert 'id="save-profile"' not in shown and " ".join(first["result"]["flags"]) in shown
 
