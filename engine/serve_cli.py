@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from typing import NoReturn
 
 import uvicorn
 
@@ -36,7 +38,7 @@ class _DrainingServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> NoReturn:
     from .server import Server
     from .worker import EngineWorker
 
@@ -62,5 +64,20 @@ def run(args: argparse.Namespace) -> int:
         worker.join(timeout=10)
     if not http.started:
         print(f"moelab serve: could not listen on {args.host}:{args.port}", file=sys.stderr)
-        return 1
-    return 0
+        _exit_now(1)
+    log.info("stopped: the HTTP server is down and the engine closed")
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process here, without the interpreter's teardown.
+
+    Unloading torch and its extensions took 0.6 s of a 0.84 s stop on the 2-core CI machine (a
+    GPU adds the CUDA context's), and the benchmark pays a stop on every trial. By now the HTTP
+    server is down and the engine thread has closed the engine; the log is all that is left to
+    write, and it is flushed first.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

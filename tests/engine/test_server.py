@@ -7,6 +7,7 @@ import json
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -340,6 +341,10 @@ def test_sigterm_drains_running_requests_then_exits(model, tmp_path):
         reply = running.result(timeout=60)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 300
     assert engine.popen.wait(timeout=30) == 0
+    # the process ends without the interpreter's teardown, its log written to the end
+    log = Path(engine.log_path).read_text()
+    last = log.rstrip().splitlines()[-1]
+    assert last.endswith("moelab.serve: stopped: the HTTP server is down and the engine closed")
 
 
 def test_api_key_and_loopback_only_control(model, tmp_path):
