@@ -24,7 +24,7 @@ FIGURE_OF_FLAG = {
     "--no-prefill-overlap": "prefill",
     "--max-running-requests": "aggregate",
 }
-CUDA_ONLY = ("--no-cuda-graph", "--cuda-graph-max-bs")
+CUDA_ONLY = ("--no-cuda-graph", "--cuda-graph-max-bs", "--no-overlap-decode")
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,9 +36,11 @@ def test_every_candidate_is_the_base_plus_exactly_one_change() -> None:
 def test_a_cpu_machine_gets_no_cuda_graphs_and_threads_up_to_its_cores() -> None:
     plan = make_plan([], MODEL, CPU_2, MODES["standard"], Objective("decode"))
     assert "CUDA graphs do not apply" in why(plan, "--no-cuda-graph")
+    # overlapped decode replays whole-step graphs: nothing to switch off on a CPU
+    assert "CUDA graphs do not apply" in why(plan, "--no-overlap-decode")
     assert [k for k in keys(plan) if k.startswith("--moe-cpu-threads")] == ["--moe-cpu-threads=2"]
     gpu = make_plan([], MODEL, GPU_8, MODES["standard"], Objective("decode"))
-    assert "--no-cuda-graph=on" in keys(gpu)
+    assert "--no-cuda-graph=on" in keys(gpu) and "--no-overlap-decode=on" in keys(gpu)
     threads = [c for c in gpu.candidates if c.change.flag == "--moe-cpu-threads"]
     # from the default of 7 (cores less one): up to 8, then down 4, 2, 1
     assert [(c.change.value, c.walk) for c in threads] == [
