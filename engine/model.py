@@ -78,7 +78,9 @@ class ExpertExecutor(Protocol):
         *,
         decode: bool,
     ) -> torch.Tensor:
-        """x [T, H], ids/weights [T, K] → fp32 [T, H], the weighted sum of the routed experts."""
+        """x [T, H], ids/weights [T, K] → fp32 [T, H], the weighted sum of the routed experts, or
+        fp32 [T, K, H], each route's weighted output, for the model to sum (in the next residual
+        add, which saves the sum's and the cast's launches in a decode step)."""
         ...
 
 
@@ -121,7 +123,7 @@ class StepState:
     x: torch.Tensor | None = None  # the MoE layer's input
     ids: torch.Tensor | None = None  # its routing [T, K]
     weights: torch.Tensor | None = None
-    routed: torch.Tensor | None = None  # fp32 [T, H]: the routed experts' weighted sum
+    routed: torch.Tensor | None = None  # fp32 [T, H] or per route [T, K, H]: the routed experts
     logits: torch.Tensor | None = None
 
 
@@ -316,9 +318,14 @@ class Model:
             self.on_router(index, state.x, state.ids)
 
     def _after_experts(self, layer: LayerWeights, state: StepState) -> torch.Tensor:
-        """The MoE layer's output: routed experts plus the shared expert, in the model dtype."""
+        """The MoE layer's output: routed experts plus the shared expert, in the model dtype; or
+        the routes' fp32 outputs [T, K, H] as they came, which the next residual add sums."""
         out, x = state.routed, state.x
         assert out is not None and x is not None
+        if out.dim() == 3:
+            if layer.shared_gate_up is None:
+                return out
+            out = out.sum(dim=1)
         if layer.shared_gate_up is not None:
             gate = torch.sigmoid(linear(x, layer.shared_gate))
             out = out + (gate * _swiglu(x, layer.shared_gate_up, layer.shared_down)).float()

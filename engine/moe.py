@@ -235,7 +235,8 @@ class MoERunner:
         if decode:
             self._record_ids(moe_layer, ids)
             with self._phase("gpu_experts"):
-                return fused_moe_decode(x, slots, weights, w13, w2)
+                # the routes' outputs unsummed: the next residual add + RMSNorm sums them
+                return fused_moe_decode(x, slots, weights, w13, w2, reduce=False)
         return grouped_moe(x, slots, weights, w13, w2)
 
     def _phase(self, name: str):

@@ -1,9 +1,10 @@
 """Decode MoE over the expert cache's slots: gate/up, SiLU·up, down and the weighted sum.
 
-Two Triton launches plus one sum. Each launch is a split-N GEMV grid over (route, row block). A
-slot that several tokens route to is read once: the first route naming a slot (its leader) computes
-it for every token that names it; the other routes' programs only write zeros where the sum expects
-them.
+Two Triton launches plus one sum (or none: `reduce=False` hands the per-route outputs to a
+consumer that sums them, the next residual add + RMSNorm in the engine). Each launch is a split-N
+GEMV grid over (route, row block). A slot that several tokens route to is read once: the first
+route naming a slot (its leader) computes it for every token that names it; the other routes'
+programs only write zeros where the sum expects them.
 Nothing depends on the data on the host, so the call can be captured in a CUDA graph.
 """
 
@@ -48,12 +49,16 @@ def fused_moe_decode_ref(
     w2: torch.Tensor,
     *,
     compute_dtype: torch.dtype | None = None,
+    reduce: bool = True,
 ) -> torch.Tensor:
-    """Reference, a torch loop: sum over routes of weight * w2[s] @ (silu(gate·x) * (up·x))."""
+    """Reference, a torch loop: sum over routes of weight * w2[s] @ (silu(gate·x) * (up·x)).
+
+    reduce=False: each route's weighted output, fp32 [T, K, H] (zeros where masked), for a
+    consumer that sums them itself."""
     _check(x, slot_ids, route_weights, w13, w2)
     dtype = compute_dtype or x.dtype
     inter = w13.shape[1] // 2
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    parts = torch.zeros((*slot_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)
     slots = slot_ids.tolist()
     weights = route_weights.float()
     for t, row in enumerate(slots):
@@ -63,8 +68,8 @@ def fused_moe_decode_ref(
                 continue
             gate_up = w13[slot].to(dtype) @ xt
             act = F.silu(gate_up[:inter]) * gate_up[inter:]
-            out[t] += weights[t, k] * (w2[slot].to(dtype) @ act).float()
-    return out
+            parts[t, k] = weights[t, k] * (w2[slot].to(dtype) @ act).float()
+    return parts.sum(dim=1) if reduce else parts
 
 
 @triton.jit
@@ -206,8 +211,12 @@ def fused_moe_decode_triton(
     *,
     compute_dtype: torch.dtype | None = None,
     config: DecodeMoEConfig | None = None,
+    reduce: bool = True,
 ) -> torch.Tensor:
-    """Triton decode MoE: fp32 [T, H], graph-capturable (no host sync, shapes fixed by T and K)."""
+    """Triton decode MoE: fp32 [T, H], graph-capturable (no host sync, shapes fixed by T and K).
+
+    reduce=False: fp32 [T, K, H] whose sum over K is that result (a slot named twice by a token
+    holds the token's result at its first route, zeros at the other), without the sum's launch."""
     _check(x, slot_ids, route_weights, w13, w2)
     cfg = config or DecodeMoEConfig()
     compute = common.tl_dtype(compute_dtype or x.dtype)
@@ -273,7 +282,7 @@ def fused_moe_decode_triton(
             num_warps=cfg.num_warps,
             num_stages=num_stages,
         )
-    return y.sum(dim=1)
+    return y.sum(dim=1) if reduce else y
 
 
 def fused_moe_decode(
@@ -284,13 +293,11 @@ def fused_moe_decode(
     w2: torch.Tensor,
     *,
     compute_dtype: torch.dtype | None = None,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """Decode MoE over cache slots: the Triton kernel on CUDA, the torch reference elsewhere."""
-    if x.is_cuda:
-        return fused_moe_decode_triton(
-            x, slot_ids, route_weights, w13, w2, compute_dtype=compute_dtype
-        )
-    return fused_moe_decode_ref(x, slot_ids, route_weights, w13, w2, compute_dtype=compute_dtype)
+    fn = fused_moe_decode_triton if x.is_cuda else fused_moe_decode_ref
+    return fn(x, slot_ids, route_weights, w13, w2, compute_dtype=compute_dtype, reduce=reduce)
 
 
 def _check(

@@ -2,6 +2,10 @@
 
 HF: upcast to fp32, x * rsqrt(mean(x^2) + eps), cast back to the input dtype, then multiply by the
 weight (in the weight's and input's common dtype). The residual add is done in the input dtype.
+
+The residual add may also take the routed experts' outputs as fp32 parts [..., P, H], one per
+route: they are summed in fp32 and cast to the residual's dtype first, as the MoE layer would have
+done in two launches of its own (a sum and a cast) per layer of every decode step.
 """
 
 from __future__ import annotations
@@ -24,14 +28,34 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 def fused_add_rmsnorm_ref(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: new_residual = x + residual; (rmsnorm(new_residual) * weight, new_residual)."""
+    """Reference: new_residual = x + residual; (rmsnorm(new_residual) * weight, new_residual).
+
+    x may be fp32 parts [..., P, H]: x.sum(-2), cast to the residual's dtype, is what is added."""
+    if _is_parts(x, residual):
+        x = x.sum(dim=-2).to(residual.dtype)
+    _check_residual(x, residual)
+    new_residual = x + residual
+    return rmsnorm_ref(new_residual, weight, eps), new_residual
+
+
+def _is_parts(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether x holds fp32 parts [..., P, H] to be summed into a residual [..., H]."""
+    if x.dim() != residual.dim() + 1:
+        return False
+    if x.dtype != torch.float32 or x.shape[:-2] + x.shape[-1:] != residual.shape:
+        raise ValueError(
+            f"parts {tuple(x.shape)} {x.dtype} must be fp32 [..., P, H] for a residual "
+            f"{tuple(residual.shape)}"
+        )
+    return True
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(
             f"residual {tuple(residual.shape)} {residual.dtype} must match x "
             f"{tuple(x.shape)} {x.dtype}"
         )
-    new_residual = x + residual
-    return rmsnorm_ref(new_residual, weight, eps), new_residual
 
 
 @triton.jit
@@ -44,24 +68,34 @@ def _rmsnorm_kernel(
     hidden,
     eps,
     stride_x,
+    stride_p,
     stride_r,
     stride_o,
     stride_n,
     HAS_RESIDUAL: tl.constexpr,
+    PARTS: tl.constexpr,
+    MODEL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if PARTS:
+        # the routes' fp32 outputs, added in route order, then cast as the MoE layer's sum was
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for part in tl.static_range(PARTS):
+            acc += tl.load(x_ptr + row * stride_x + part * stride_p + cols, mask=ok, other=0.0)
+        x = acc.to(MODEL)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
         # Rounded to the input dtype first, as x + residual is in torch.
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(MODEL)
         tl.store(new_residual_ptr + row * stride_n + cols, x, mask=ok)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * inv_rms).to(x_ptr.dtype.element_ty)
+    normed = (xf * inv_rms).to(MODEL)
     weight = tl.load(weight_ptr + cols, mask=ok, other=0.0)
     out = normed.to(tl.float32) * weight.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
@@ -70,38 +104,46 @@ def _rmsnorm_kernel(
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the kernel over every row of x (any leading shape), with or without the residual add."""
+    """Run the kernel over every row of x (any leading shape), with or without the residual add;
+    with a residual, x may be fp32 parts [..., P, H] (summed into the residual's dtype first)."""
     _check(x, weight)
     hidden = x.shape[-1]
-    rows = x.reshape(-1, hidden)
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = common.alloc(tuple(rows.shape), out_dtype, x.device)
+    parts = residual is not None and _is_parts(x, residual)
+    like = residual if parts and residual is not None else x  # what the outputs look like
+    model_dtype, shape = like.dtype, like.shape
+    src = x.reshape(-1, x.shape[-2], hidden) if parts else x.reshape(-1, hidden)
+    rows = src.shape[0]
+    out_dtype = torch.promote_types(weight.dtype, model_dtype)
+    out = common.alloc((rows, hidden), out_dtype, x.device)
     new_residual = None
-    res_rows = rows
+    res_rows = src
     if residual is not None:
         res_rows = residual.reshape(-1, hidden)
         common.check_last_dim_contiguous("residual", res_rows)
-        new_residual = common.alloc(tuple(rows.shape), x.dtype, x.device)
+        new_residual = common.alloc((rows, hidden), model_dtype, x.device)
     block = common.next_pow2(hidden)
-    _rmsnorm_kernel[(rows.shape[0],)](
-        rows,
+    _rmsnorm_kernel[(rows,)](
+        src,
         res_rows,
         weight,
         out,
         new_residual if new_residual is not None else out,
         hidden,
         eps,
-        rows.stride(0),
+        src.stride(0),
+        src.stride(1) if parts else 0,
         res_rows.stride(0),
         out.stride(0),
         new_residual.stride(0) if new_residual is not None else 0,
         HAS_RESIDUAL=residual is not None,
+        PARTS=x.shape[-2] if parts else 0,
+        MODEL=common.tl_dtype(model_dtype),
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
     )
     if new_residual is None:
-        return out.view(x.shape), None
-    return out.view(x.shape), new_residual.view(x.shape)
+        return out.view(shape), None
+    return out.view(shape), new_residual.view(shape)
 
 
 def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,12 +154,10 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def fused_add_rmsnorm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton residual add + RMSNorm in one pass: (normed, new_residual)."""
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"residual {tuple(residual.shape)} {residual.dtype} must match x "
-            f"{tuple(x.shape)} {x.dtype}"
-        )
+    """Triton residual add + RMSNorm in one pass: (normed, new_residual); x may be fp32 parts
+    [..., P, H], summed in the same pass."""
+    if not _is_parts(x, residual):
+        _check_residual(x, residual)
     out, new_residual = _launch(x, residual, weight, eps)
     assert new_residual is not None
     return out, new_residual

@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from moelab.kernels import fused_moe, grouped_moe, paged_attention, rmsnorm, router
+from moelab.kernels import fused_moe, gemv, grouped_moe, paged_attention, rmsnorm, router
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 BF16 = torch.bfloat16
@@ -91,8 +91,16 @@ def compile_all() -> list[JITFunction]:
     for tokens in (1, 2048):
         x = torch.randn(tokens, HIDDEN, dtype=BF16)
         rmsnorm.fused_add_rmsnorm_triton(x, x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
+        parts = torch.randn(tokens, TOP_K, HIDDEN)  # a decode step's routes, summed in the add
+        rmsnorm.fused_add_rmsnorm_triton(parts, x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
         rmsnorm.rmsnorm_triton(x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
     router.topk_softmax_triton(torch.randn(4, EXPERTS, dtype=BF16), TOP_K, True)
+    # the decode projections of the 30B geometry (qkv, o, router, lm_head): one token, and eight
+    # (the multi-token path, split over K for o)
+    for n, k in ((5120, HIDDEN), (HIDDEN, 4096), (EXPERTS, HIDDEN), (151936, HIDDEN)):
+        weight = torch.empty(n, k, dtype=BF16)
+        for tokens in (1, 8):
+            gemv.linear_decode(torch.randn(tokens, k, dtype=BF16), weight)
     JITFunction.run = run
     return compiled
 

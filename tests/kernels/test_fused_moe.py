@@ -57,6 +57,26 @@ def test_slot_named_twice_by_one_token_counts_twice(gen):
     assert_matches(out, ref, tol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 70])
+def test_unreduced_parts_sum_to_the_result(gen, tokens):
+    # reduce=False: one fp32 row per route, for the next residual add to sum (no sum launch)
+    x = randn(gen, tokens, 48)
+    slot_ids = route_table(gen, tokens, 4, 5, masked=0.25)
+    slot_ids[0, 1] = slot_ids[0, 0] = 2  # a slot named twice by one token
+    slot_ids[-1, 3] = -1  # a route that runs on the CPU
+    weights = route_weights(gen, tokens, 4)
+    w13, w2 = experts(gen, 5, 48, 24)
+    parts = fused_moe.fused_moe_decode_triton(x, slot_ids, weights, w13, w2, reduce=False)
+    ref_parts = fused_moe.fused_moe_decode_ref(x, slot_ids, weights, w13, w2, reduce=False)
+    assert parts.shape == ref_parts.shape == (tokens, 4, 48) and parts.dtype == torch.float32
+    ref = fused_moe.fused_moe_decode_ref(x, slot_ids, weights, w13, w2)
+    assert_matches(parts.sum(dim=1), ref, tol=1e-5)
+    assert_matches(ref_parts.sum(dim=1), ref, tol=1e-6)
+    # masked routes hold zeros in both
+    masked = slot_ids < 0
+    assert masked.any() and (parts[masked] == 0).all() and (ref_parts[masked] == 0).all()
+
+
 def test_all_routes_masked_gives_zeros(gen):
     x = randn(gen, 4, 32)
     slot_ids = torch.full((4, 2), -1, dtype=torch.int32, device=DEVICE)

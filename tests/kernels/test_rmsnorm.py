@@ -74,3 +74,34 @@ def test_residual_of_wrong_shape_is_refused():
         rmsnorm.fused_add_rmsnorm(
             x, torch.ones(3, 32, device=DEVICE), torch.ones(32, device=DEVICE), 1e-6
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [1, 8])
+def test_fused_add_rmsnorm_sums_the_routes_parts_first(gen, dtype, parts):
+    # the routed experts' fp32 outputs, one per route: summed, cast, added, normed in one pass
+    x = randn(gen, 5, parts, 96, dtype=torch.float32)
+    residual = randn(gen, 5, 96, scale=4.0, dtype=dtype)
+    weight = randn(gen, 96, dtype=dtype)
+    normed, new_residual = rmsnorm.fused_add_rmsnorm_triton(x, residual, weight, 1e-5)
+    ref_normed, ref_residual = rmsnorm.fused_add_rmsnorm_ref(x, residual, weight, 1e-5)
+    summed = (x.sum(dim=1).to(dtype), residual)
+    assert torch.equal(ref_residual, summed[0] + summed[1])  # what the reference means
+    assert new_residual.shape == residual.shape and new_residual.dtype == dtype
+    if dtype == torch.float32:  # the sum's order may differ in the last bit
+        torch.testing.assert_close(new_residual, ref_residual, rtol=1e-6, atol=1e-6)
+        assert_matches(normed, ref_normed, tol=1e-5)
+    else:  # two roundings to bf16 (the sum's cast, the add), each at most one unit of its operands
+        bound = 2**-6 * (summed[0].float().abs() + residual.float().abs())
+        assert ((new_residual.float() - ref_residual.float()).abs() <= bound).all()
+        # the norm of the residual the kernel made (a unit off in the residual moves the norm)
+        assert_matches(normed, rmsnorm.rmsnorm_ref(new_residual, weight, 1e-5), tol=1e-2)
+
+
+def test_parts_must_be_fp32_and_match_the_residual(gen):
+    residual = randn(gen, 5, 96, dtype=torch.bfloat16)
+    weight = randn(gen, 96, dtype=torch.bfloat16)
+    for bad in (randn(gen, 5, 8, 96, dtype=torch.bfloat16), randn(gen, 4, 8, 96)):
+        for fn in (rmsnorm.fused_add_rmsnorm_triton, rmsnorm.fused_add_rmsnorm_ref):
+            with pytest.raises(ValueError, match="must be fp32"):
+                fn(bad, residual, weight, 1e-5)
