@@ -83,6 +83,11 @@ class ExpertExecutor(Protocol):
         add, which saves the sum's and the cast's launches in a decode step)."""
         ...
 
+    def routing_record(self, moe_layer: int, tokens: int, decode: bool) -> torch.Tensor | None:
+        """An int32 [tokens, K] view the router should write this layer's expert ids into (the
+        executor's own record of the step), or None."""
+        ...
+
 
 @dataclass(slots=True)
 class SeqSlice:
@@ -203,7 +208,7 @@ class Model:
             state.hidden = _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
         if piece < len(moe_layers):
             state.x = self._attention_block(last, w.layers[last], state)
-            self._route(last, w.layers[last], state)
+            self._route(last, piece, w.layers[last], state)
             return
         x, _ = fused_add_rmsnorm(state.hidden, state.residual, w.final_norm, self.spec.rms_norm_eps)
         x = x.index_select(0, batch.logits_index)
@@ -308,11 +313,15 @@ class Model:
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale)
         return out.transpose(0, 1)
 
-    def _route(self, index: int, layer: LayerWeights, state: StepState) -> None:
+    def _route(self, index: int, moe_layer: int, layer: LayerWeights, state: StepState) -> None:
+        x = state.x
+        assert x is not None
+        # where the executor keeps this layer's routing (the resident decode record), if anywhere
+        record = self.experts.routing_record(moe_layer, x.shape[0], state.batch.decode)
         with self.timer.phase("route") if self.timer is not None else _NO_TIMER:
-            logits = linear(state.x, layer.router)
+            logits = linear(x, layer.router)
             state.weights, state.ids = topk_softmax(
-                logits, self.spec.top_k, self.spec.norm_topk_prob
+                logits, self.spec.top_k, self.spec.norm_topk_prob, ids_out=record
             )
         if self.on_router is not None:
             self.on_router(index, state.x, state.ids)

@@ -242,17 +242,28 @@ class MoERunner:
     def _phase(self, name: str):
         return self.timer.phase(name) if self.timer is not None else _NO_TIMER
 
-    def _record_ids(self, moe_layer: int, ids: torch.Tensor) -> None:
-        """Keep a resident decode step's routing of one layer in a device buffer.
-
-        No host sync (the step may be inside a CUDA graph); `snapshot_decode_ids` copies the
-        step's rows of every layer to the host once the step is queued.
-        """
+    def routing_record(self, moe_layer: int, tokens: int, decode: bool) -> torch.Tensor | None:
+        """Where the router writes a resident decode step's expert ids of one layer: its column of
+        the step's device record, which `snapshot_decode_ids` copies to the host (a copy launch
+        per layer less than copying them there). None off the resident decode path."""
+        if not (decode and self.cache.holds_everything) or tokens > MAX_RECORDED_ROWS:
+            return None
         if self._ids_dev is None:  # first met in an eager step, before any graph is captured
             self._ids_dev = torch.zeros((MAX_RECORDED_ROWS, self.bank.num_layers, self.top_k),
                                         dtype=torch.int32, device=self.device)  # fmt: skip
-        rows = min(ids.shape[0], MAX_RECORDED_ROWS)
-        self._ids_dev[:rows, moe_layer].copy_(ids[:rows])
+        return self._ids_dev[:tokens, moe_layer]
+
+    def _record_ids(self, moe_layer: int, ids: torch.Tensor) -> None:
+        """Keep a resident decode step's routing of one layer in the device record, unless the
+        router wrote it there already (`routing_record`). No host sync (the step may be inside a
+        CUDA graph)."""
+        record = self.routing_record(moe_layer, ids.shape[0], decode=True)
+        if record is None:  # a batch beyond the record: its first rows are kept
+            record = self.routing_record(moe_layer, MAX_RECORDED_ROWS, decode=True)
+            assert record is not None
+            record.copy_(ids[:MAX_RECORDED_ROWS])
+        elif record.data_ptr() != ids.data_ptr():
+            record.copy_(ids)
 
     def snapshot_decode_ids(self, tokens: int) -> tuple[torch.Tensor, int] | None:
         """Queue the copy of a queued all-resident decode step's routing to pinned host memory

@@ -10,15 +10,18 @@ from . import common
 
 
 def topk_softmax_ref(
-    logits: torch.Tensor, k: int, renormalize: bool
+    logits: torch.Tensor, k: int, renormalize: bool, ids_out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: softmax in fp32 over experts, top-k, optionally rescaled to sum to 1."""
-    _check(logits, k)
+    _check(logits, k, ids_out)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+    if ids_out is None:
+        return weights, ids.to(torch.int32)
+    ids_out.copy_(ids)
+    return weights, ids_out
 
 
 @triton.jit
@@ -62,13 +65,16 @@ def _topk_softmax_kernel(
 
 
 def topk_softmax_triton(
-    logits: torch.Tensor, k: int, renormalize: bool
+    logits: torch.Tensor, k: int, renormalize: bool, ids_out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton router: one program per token; weights fp32 [T, K] (descending), ids int32 [T, K]."""
-    _check(logits, k)
+    """Triton router: one program per token; weights fp32 [T, K] (descending), ids int32 [T, K]
+    (written into `ids_out` when given: rows may be strided, e.g. a layer's column of a
+    [tokens, layers, K] record)."""
+    _check(logits, k, ids_out)
     num_tokens, num_experts = logits.shape
     weights = common.alloc((num_tokens, k), torch.float32, logits.device)
-    ids = common.alloc((num_tokens, k), torch.int32, logits.device)
+    ids = ids_out if ids_out is not None else common.alloc((num_tokens, k), torch.int32,
+                                                           logits.device)  # fmt: skip
     block_e = common.next_pow2(num_experts)
     _topk_softmax_kernel[(num_tokens,)](
         logits,
@@ -88,16 +94,16 @@ def topk_softmax_triton(
 
 
 def topk_softmax(
-    logits: torch.Tensor, k: int, renormalize: bool
+    logits: torch.Tensor, k: int, renormalize: bool, ids_out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router softmax + top-k: the Triton kernel on CUDA, the reference elsewhere."""
     if logits.is_cuda:
-        return topk_softmax_triton(logits, k, renormalize)
-    return topk_softmax_ref(logits, k, renormalize)
+        return topk_softmax_triton(logits, k, renormalize, ids_out)
+    return topk_softmax_ref(logits, k, renormalize, ids_out)
 
 
-def _check(logits: torch.Tensor, k: int) -> None:
-    """Validate logits [T, E] and 1 <= k <= E."""
+def _check(logits: torch.Tensor, k: int, ids_out: torch.Tensor | None) -> None:
+    """Validate logits [T, E], 1 <= k <= E, and an int32 [T, k] ids_out with contiguous rows."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, num_experts], got {tuple(logits.shape)}")
     if not 1 <= k <= logits.shape[1]:
@@ -105,3 +111,11 @@ def _check(logits: torch.Tensor, k: int) -> None:
             f"k must be between 1 and the number of experts ({logits.shape[1]}), got {k}"
         )
     common.check_last_dim_contiguous("logits", logits)
+    if ids_out is not None:
+        if ids_out.shape != (logits.shape[0], k) or ids_out.dtype != torch.int32:
+            raise ValueError(
+                f"ids_out must be int32 [{logits.shape[0]}, {k}], got "
+                f"{tuple(ids_out.shape)} {ids_out.dtype}"
+            )
+        common.check_last_dim_contiguous("ids_out", ids_out)
+        common.check_same_device(logits=logits, ids_out=ids_out)

@@ -126,15 +126,21 @@ def test_resident_decode_counts_without_host_routing(model):
     spec = engine.spec
     picks = np.zeros((spec.num_moe_layers, spec.num_experts), dtype=np.int64)
 
+    in_record = []
+
     def trace(layer, x, ids):
         if x.shape[0] == 1:
             np.add.at(picks[spec.moe_index(layer)], ids.cpu().numpy().ravel(), 1)
+            # the router wrote the ids straight into the step's record: no copy to make
+            record = engine.moe.routing_record(spec.moe_index(layer), 1, decode=True)
+            in_record.append(record is not None and ids.data_ptr() == record.data_ptr())
 
     engine.model.on_router = trace
     try:
         engine.generate([list(range(5, 25))], SamplingParams(max_tokens=25, ignore_eos=True))
         c = engine.moe.counters
         assert (c.picks == picks).all() and (c.hits == c.reads).all() and c.reads.sum() > 0
+        assert in_record and all(in_record)
         assert engine.telemetry.whatif.hit_rate(spec.experts_total) > 0.5
     finally:
         engine.close()

@@ -54,3 +54,19 @@ def test_cpu_tensors_go_to_the_reference(gen, monkeypatch):
 def test_k_outside_the_experts_is_refused(k):
     with pytest.raises(ValueError, match="k must be between 1 and the number of experts"):
         router.topk_softmax(torch.ones(2, 16, device=DEVICE), k, True)
+
+
+@pytest.mark.parametrize("fn", ["topk_softmax_triton", "topk_softmax_ref"])
+def test_ids_written_into_a_strided_record(gen, fn):
+    # the engine keeps every MoE layer's routing of a decode step in one [tokens, layers, K]
+    # record; the router writes its layer's column there (no copy launch)
+    record = torch.full((6, 3, 8), -7, dtype=torch.int32, device=DEVICE)
+    logits = randn(gen, 4, 64, scale=2.0)
+    weights, ids = getattr(router, fn)(logits, 8, True, ids_out=record[:4, 1])
+    assert ids.data_ptr() == record[:4, 1].data_ptr()
+    assert_top_k(weights, record[:4, 1], logits, 8, True)
+    untouched = torch.ones_like(record, dtype=torch.bool)
+    untouched[:4, 1] = False
+    assert (record[untouched] == -7).all()
+    with pytest.raises(ValueError, match="ids_out must be int32"):
+        getattr(router, fn)(logits, 8, True, ids_out=record[:4, 1].long())
