@@ -257,13 +257,11 @@ class MoERunner:
         """Keep a resident decode step's routing of one layer in the device record, unless the
         router wrote it there already (`routing_record`). No host sync (the step may be inside a
         CUDA graph)."""
-        record = self.routing_record(moe_layer, ids.shape[0], decode=True)
-        if record is None:  # a batch beyond the record: its first rows are kept
-            record = self.routing_record(moe_layer, MAX_RECORDED_ROWS, decode=True)
-            assert record is not None
-            record.copy_(ids[:MAX_RECORDED_ROWS])
-        elif record.data_ptr() != ids.data_ptr():
-            record.copy_(ids)
+        rows = min(ids.shape[0], MAX_RECORDED_ROWS)  # of a larger batch, the first rows
+        record = self.routing_record(moe_layer, rows, decode=True)
+        assert record is not None
+        if record.data_ptr() != ids.data_ptr():
+            record.copy_(ids[:rows])
 
     def snapshot_decode_ids(self, tokens: int) -> tuple[torch.Tensor, int] | None:
         """Queue the copy of a queued all-resident decode step's routing to pinned host memory
