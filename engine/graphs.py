@@ -93,7 +93,7 @@ class DecodeGraphs:
         )
         self.max_bs = max_bs
         self.max_blocks = -(-max_context // kv.block_size)
-        # A step's inputs: written on the host into pinned mirrors, sent in two copies. Row 0 of
+        # A step's inputs: written on the host into pinned mirrors, sent in three copies. Row 0 of
         # the long block is the last replay's greedy tokens (written on the device, never sent);
         # each row's input token is gathered from rows 0-1 by its index in row 4, so it can be a
         # token the host has not seen yet.
