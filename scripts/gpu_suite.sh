@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|all]
-# (tests + resident: what a session's first GPU call runs after hot-path changes, about 6 minutes)
+# (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first.
 set -uo pipefail
 out=${1:?output directory}
