@@ -17,6 +17,8 @@ SM90_SHARED_BYTES = 232448
 KERNELS = {
     "_gate_up_kernel",
     "_down_kernel",
+    "_one_token_gate_up_kernel",
+    "_one_token_down_kernel",
     "_split_kernel",
     "_merge_kernel",
     "_rmsnorm_kernel",
