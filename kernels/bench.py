@@ -56,6 +56,18 @@ FUSED_SDPA = (
 )
 
 
+# Tiles of the one-token decode MoE that --sweep times (OneTokenMoEConfig fields: gate/up rows
+# and step, down rows and step, warps, stages), beside the chooser's pick.
+ONE_TOKEN_MOE_SWEEP = (
+    (8, 256, 16, 256, 4, 3),
+    (8, 256, 32, 256, 4, 3),
+    (16, 128, 32, 128, 4, 3),
+    (4, 512, 8, 256, 4, 3),
+    (8, 256, 16, 256, 4, 4),
+    (8, 512, 16, 256, 8, 3),
+    (8, 256, 16, 256, 2, 3),
+)
+
 # Tiles of the skinny GEMM that --sweep times at each batch size, beside the heuristic's pick.
 GEMV_SWEEP = {
     1: [
@@ -133,9 +145,14 @@ class Bench:
         return (keys.topk(TOP_K, dim=1).indices + first).to(torch.int32)
 
     def fused_moe(
-        self, tokens: int, config: fused_moe.DecodeMoEConfig | None = None, with_ref: bool = True
+        self,
+        tokens: int,
+        config: fused_moe.DecodeMoEConfig | fused_moe.OneTokenMoEConfig | None = None,
+        with_ref: bool = True,
+        reduce: bool = True,
     ) -> None:
-        """Decode MoE: each call is one layer's 128 experts, all resident in slots."""
+        """Decode MoE: each call is one layer's 128 experts, all resident in slots. reduce=False
+        times the engine's form (the routes' outputs unsummed; the next norm sums them)."""
         layers = layers_for(EXPERT_BYTES * min(EXPERTS, tokens * TOP_K))
         w13 = self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
         w2 = self.randn(layers * EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
@@ -143,12 +160,13 @@ class Bench:
         weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
         slot_sets = [self.routes(tokens, layer * EXPERTS, EXPERTS) for layer in range(layers)]
         unique = sum(s.unique().numel() for s in slot_sets) / layers
-        bytes_moved = int(unique * EXPERT_BYTES) + tokens * HIDDEN * (ELEM_BYTES + 4)
+        out_bytes = tokens * HIDDEN * 4 * (1 if reduce else TOP_K)
+        bytes_moved = int(unique * EXPERT_BYTES) + tokens * HIDDEN * ELEM_BYTES + out_bytes
         flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
 
         def call(slots: torch.Tensor) -> Callable[[], object]:
             return lambda: fused_moe.fused_moe_decode_triton(
-                x, slots, weights, w13, w2, config=config
+                x, slots, weights, w13, w2, config=config, reduce=reduce
             )
 
         time_us = graph_us_per_call([call(s) for s in slot_sets])
@@ -156,10 +174,13 @@ class Bench:
         if with_ref:
             ref_calls = [self._moe_ref(x, s, weights, w13, w2) for s in slot_sets[:2]]
             ref_us = eager_us_per_call(ref_calls)
-        label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}"
+        label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}" + ("" if reduce else " parts")
+        if config is not None:
+            path = "one-token" if isinstance(config, fused_moe.OneTokenMoEConfig) else "tl.dot"
+            label += f" {path} {_short(config)}"
         self.add(
             "fused_moe_decode",
-            label + (f" {_short(config)}" if config else ""),
+            label,
             time_us,
             bytes_moved,
             flops,
@@ -426,6 +447,7 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
     )
     for tokens in (1, 4, 8, 16):
         bench.fused_moe(tokens)
+    bench.fused_moe(1, with_ref=False, reduce=False)
     for tokens in (512, 2048):
         bench.grouped_moe(tokens)
     for seq_lens in ([2048], [8192], [32768], [4096] * 8):
@@ -451,10 +473,15 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
         ):
             config = fused_moe.DecodeMoEConfig(block_n, block_k, down_n, 256, warps, stages)
             bench.fused_moe(1, config, with_ref=False)
+        for fields in ONE_TOKEN_MOE_SWEEP:
+            bench.fused_moe(1, fused_moe.OneTokenMoEConfig(*fields), with_ref=False)
         for block_n in (32, 64, 128):
             for splits in (64, 128, 256):
                 config = paged_attention.AttentionConfig(block_n, splits)
                 bench.paged_attention([32768], config, with_ref=False)
+        for fan_in in (8, 16, 32):
+            config = paged_attention.AttentionConfig(merge_fan_in=fan_in)
+            bench.paged_attention([32768], config, with_ref=False)
         for tokens, configs in GEMV_SWEEP.items():
             for config in configs:
                 for name in ("qkv", "o"):

@@ -53,10 +53,22 @@ def test_fused_moe_decode(gen, tokens, slots):
     assert_matches(out, ref, tol=2e-2)
 
 
-def test_fused_moe_decode_replays_in_a_cuda_graph(gen):
-    x = cuda_randn(gen, 4, HIDDEN)
-    slot_ids = routes(gen, 4, 32, masked=0.25)
-    weights = torch.rand(4, TOP_K, generator=gen).cuda()
+def test_fused_moe_decode_one_token_parts(gen):
+    """The engine's resident step: one token, the routes' outputs unsummed."""
+    x = cuda_randn(gen, 1, HIDDEN)
+    slot_ids = routes(gen, 1, 64, masked=0.25)
+    weights = torch.rand(1, TOP_K, generator=gen).cuda()
+    w13, w2 = expert_weights(gen, 64)
+    parts = fused_moe.fused_moe_decode(x, slot_ids, weights, w13, w2, reduce=False)
+    ref = fused_moe.fused_moe_decode_ref(*as_fp32(x, slot_ids, weights, w13, w2), reduce=False)
+    assert_matches(parts, ref, tol=2e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_fused_moe_decode_replays_in_a_cuda_graph(gen, tokens):
+    x = cuda_randn(gen, tokens, HIDDEN)
+    slot_ids = routes(gen, tokens, 32, masked=0.25)
+    weights = torch.rand(tokens, TOP_K, generator=gen).cuda()
     w13, w2 = expert_weights(gen, 32)
     fused_moe.fused_moe_decode(x, slot_ids, weights, w13, w2)  # compile outside the capture
     torch.cuda.synchronize()
@@ -64,9 +76,9 @@ def test_fused_moe_decode_replays_in_a_cuda_graph(gen):
     with torch.cuda.graph(graph):
         out = fused_moe.fused_moe_decode(x, slot_ids, weights, w13, w2)
     # New routing and inputs in the captured buffers, as the engine does each step.
-    x.copy_(cuda_randn(gen, 4, HIDDEN))
-    slot_ids.copy_(routes(gen, 4, 32, masked=0.25))
-    weights.copy_(torch.rand(4, TOP_K, generator=gen))
+    x.copy_(cuda_randn(gen, tokens, HIDDEN))
+    slot_ids.copy_(routes(gen, tokens, 32, masked=0.25))
+    weights.copy_(torch.rand(tokens, TOP_K, generator=gen))
     graph.replay()
     ref = fused_moe.fused_moe_decode_ref(*as_fp32(x, slot_ids, weights, w13, w2))
     assert_matches(out, ref, tol=2e-2)
@@ -120,6 +132,25 @@ def test_paged_attention_replays_in_a_cuda_graph_as_the_context_grows(gen):
         ref = paged_attention.paged_attention_decode_ref(
             *as_fp32(q, k_cache, v_cache, tables, lens), 0.1
         )
+        assert_matches(out, ref.to(BF16), tol=2e-2)
+
+
+def test_paged_attention_graph_replays_agree_many_times(gen):
+    """The merge counters are shared by every replay: 200 replays, each against the reference,
+    so a counter left unreset or a merge racing the partials' stores shows."""
+    k_cache, v_cache, tables, lens = paged_kv(gen, [32768, 700, 9000], max_blocks=2048)
+    q = cuda_randn(gen, 3, Q_HEADS, HEAD_DIM)
+    paged_attention.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.1)
+    kv32 = as_fp32(k_cache, v_cache, tables)
+    for step in range(200):
+        q.copy_(cuda_randn(gen, 3, Q_HEADS, HEAD_DIM))
+        lens[1:].add_(step % 3)
+        graph.replay()
+        ref = paged_attention.paged_attention_decode_ref(q.float(), *kv32[:2], tables, lens, 0.1)
         assert_matches(out, ref.to(BF16), tol=2e-2)
 
 
