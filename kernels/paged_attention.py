@@ -1,23 +1,10 @@
-"""Decode attention over the paged KV cache (grouped-query), split over the context, in one launch.
+"""Decode attention over the paged KV cache (grouped-query), split over the context.
 
-Flash-decoding: each program takes one sequence, one KV head with all the query heads that share it,
-and one slice of the context. Slices are sized on the device from seq_lens, so the grid depends only
-on the batch size, the heads and the caller's max_blocks, and the call can be captured in a CUDA
-graph sized for the full context (slices past a sequence's end exit at once).
-
-The slices are merged in the same launch, "last program reduces": a program writes its normalized
-partial output and log-sum-exp, then increments a counter of its (sequence, KV head) with
-acquire-release semantics; the program that brings the counter to the number of slices holding
-tokens sees every other partial, merges them, writes the output and sets the counter back to zero
-for the next call or graph replay. The merge is two-level so its serial tail stays short at long
-contexts: slices are counted in groups of `merge_fan_in`, the last of a group merges the group, and
-the last group merges the groups. A sequence whose tokens fit in one slice is written directly,
-without counters; one whose tokens fit in one group skips the second level.
-
-The counters are int32 device buffers kept by this module, one per device and size, allocated (zero)
-on the first call of that size, which must come before any CUDA-graph capture of it (the engine's
-warm-up does this). They are shared by every call of that size on the device, so calls on one
-device must be ordered: one stream, as the engine's compute stream is, or streams synchronized.
+Flash-decoding: each program of the first launch takes one sequence, one KV head with all the query
+heads that share it, and one slice of the context; it writes a normalized partial output and its
+log-sum-exp. The second launch merges the slices. Slices are sized on the device from seq_lens, so
+the grid depends only on the batch size, the heads and the caller's max_blocks: the call can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -32,32 +19,24 @@ import triton.language as tl
 from . import common
 
 _LOG2E = 1.4426950408889634
-# Partial values a merge step loads at once (32 fp32 registers a thread at 4 warps): few steps,
-# since each waits on its loads, but not so many that the merge sets the kernel's register count
-# (8192 took it from 128 to 168 with triton 3.6: 3 programs an SM instead of 4).
-_MERGE_TILE = 4096
-# (device, size) -> int32 arrival counters, zero between calls (see _counters).
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+# Partial results merged per step of the merge loop: few steps, since each waits on its loads.
+_MERGE_CHUNK = 64
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionConfig:
-    """Tokens per inner step, context slices per (sequence, KV head), slices per first-level
-    merge, and launch options."""
+    """Tokens per inner step, context slices per (sequence, KV head), and launch options."""
 
     block_n: int = 64
     num_splits: int | None = None  # None: enough slices for about 4 programs per SM
     num_warps: int = 4
     num_stages: int = 3
-    merge_fan_in: int = 16  # the last of this many slices merges them
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {self.block_n}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-        if self.merge_fan_in < 2:
-            raise ValueError(f"merge_fan_in must be >= 2, got {self.merge_fan_in}")
 
 
 def paged_attention_decode_ref(
@@ -92,89 +71,16 @@ def paged_attention_decode_ref(
 
 
 @triton.jit
-def _last_to_arrive(counter_ptr, arrivals):
-    """Count this program in; True for the last of `arrivals` programs, which resets the counter.
-
-    The increment is acquire-release at GPU scope: it publishes this program's stores above it and,
-    for the last program, makes every earlier program's stores visible to the loads below it.
-    """
-    # One thread does the atomic: the barrier puts every thread's stores before its release
-    # (Triton then hands the result to the other threads through shared memory and a barrier,
-    # which orders their loads after the acquire).
-    tl.debug_barrier()
-    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == arrivals - 1
-    if last:
-        tl.store(counter_ptr, 0)  # everyone else has counted: the next call starts from zero
-    return last
-
-
-@triton.jit
-def _merge(
-    out_ptr,
-    lse_ptr,
-    count,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MERGE_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """Merge `count` consecutive partials ([count, GROUP, HEAD_DIM] normalized outputs and their
-    [count, GROUP] log2-sum-exp): the merged [MERGE_G, BLOCK_D] output and its log2-sum-exp."""
-    c_idx = tl.arange(0, CHUNK)
-    g_idx = tl.arange(0, MERGE_G)
-    d_idx = tl.arange(0, BLOCK_D)
-    g_ok = g_idx < GROUP
-    d_ok = d_idx < HEAD_DIM
-    # finite, so that exp2(m - m_new) is 0 rather than NaN on the first step
-    m = tl.full((MERGE_G,), -1e30, dtype=tl.float32)
-    total = tl.zeros((MERGE_G,), dtype=tl.float32)
-    acc = tl.zeros((MERGE_G, BLOCK_D), dtype=tl.float32)
-    for s0 in range(0, count, CHUNK):
-        slots = s0 + c_idx
-        lse_mask = (slots < count)[:, None] & g_ok[None, :]
-        # ".cg": read at L2, where the other SMs' stores are, not from this SM's L1
-        lse = tl.load(
-            lse_ptr + slots[:, None] * GROUP + g_idx[None, :],
-            mask=lse_mask,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        parts = tl.load(
-            out_ptr
-            + slots[:, None, None] * (GROUP * HEAD_DIM)
-            + g_idx[None, :, None] * HEAD_DIM
-            + d_idx[None, None, :],
-            mask=lse_mask[:, :, None] & d_ok[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new[None, :])
-        total = total * alpha + tl.sum(weight, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * parts, axis=0)
-        m = m_new
-    total = tl.where(g_ok, total, 1.0)  # heads past the group merge nothing and are not stored
-    return acc / total[:, None], m + tl.log2(total)
-
-
-@triton.jit
-def _paged_attention_kernel(
+def _split_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
     tables_ptr,
     lens_ptr,
-    out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    group_out_ptr,
-    group_lse_ptr,
-    counters_ptr,
     scale_log2,
     num_splits,
-    max_groups,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -184,38 +90,32 @@ def _paged_attention_kernel(
     stride_vt,
     stride_vh,
     stride_tb,
-    stride_ob,
-    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    MERGE_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    FAN_IN: tl.constexpr,
-    CHUNK: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    row = b * tl.num_programs(1) + kv_head  # this (sequence, KV head) in the partial buffers
     seq_len = tl.load(lens_ptr + b)
     part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    # Slices past the end of the sequence hold no tokens and take no part in the count; every
-    # program of a sequence computes the same number from the same seq_len.
-    num_used = tl.cdiv(seq_len, tl.maximum(part, 1))
-    g_idx = tl.arange(0, BLOCK_G)
-    d_idx = tl.arange(0, BLOCK_D)
-    g_ok = g_idx < GROUP
-    d_ok = d_idx < HEAD_DIM
-    heads = kv_head * GROUP + g_idx
-    out_row = out_ptr + b * stride_ob
-    out_ptrs = out_row + heads[:, None] * stride_oh + d_idx[None, :]
-    if split < num_used:
-        start = split * part
-        end = tl.minimum(start + part, seq_len)
+    start = split * part
+    end = tl.minimum(start + part, seq_len)
+    if start < end:
+        g_idx = tl.arange(0, BLOCK_G)
+        d_idx = tl.arange(0, BLOCK_D)
+        g_ok = g_idx < GROUP
+        d_ok = d_idx < HEAD_DIM
+        heads = kv_head * GROUP + g_idx
         q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d_idx[None, :]
         q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         q = (q * scale_log2).to(COMPUTE)
@@ -243,67 +143,66 @@ def _paged_attention_kernel(
                 p.to(COMPUTE), v.to(COMPUTE), input_precision="ieee"
             )
             m_i = m_new
-        out_mask = g_ok[:, None] & d_ok[None, :]
-        if num_used == 1:
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            # partials are [rows, slices, GROUP, HEAD_DIM]: one slice's heads are contiguous
-            slot = row * num_splits + split
-            part_ptrs = part_out_ptr + slot * (GROUP * HEAD_DIM)
-            part_ptrs += g_idx[:, None] * HEAD_DIM + d_idx[None, :]
-            tl.store(part_ptrs, acc / l_i[:, None], mask=out_mask)
-            tl.store(part_lse_ptr + slot * GROUP + g_idx, m_i + tl.log2(l_i), mask=g_ok)
-            group = split // FAN_IN
-            num_groups = tl.cdiv(num_used, FAN_IN)
-            in_group = tl.minimum(num_used - group * FAN_IN, FAN_IN)
-            # counters are [rows, 1 + max_groups]: the groups' count, then each group's
-            counter_row = counters_ptr + row * (1 + max_groups)
-            if _last_to_arrive(counter_row + 1 + group, in_group):
-                first = row * num_splits + group * FAN_IN
-                merged, merged_lse = _merge(
-                    part_out_ptr + first * (GROUP * HEAD_DIM),
-                    part_lse_ptr + first * GROUP,
-                    in_group,
-                    GROUP,
-                    HEAD_DIM,
-                    MERGE_G,
-                    BLOCK_D,
-                    CHUNK,
-                )
-                mg_idx = tl.arange(0, MERGE_G)
-                mg_ok = mg_idx < GROUP
-                merged_mask = mg_ok[:, None] & d_ok[None, :]
-                merged_ptrs = (
-                    out_row + (kv_head * GROUP + mg_idx)[:, None] * stride_oh + d_idx[None, :]
-                )
-                if num_groups == 1:
-                    merged_out = merged.to(out_ptr.dtype.element_ty)
-                    tl.store(merged_ptrs, merged_out, mask=merged_mask)
-                else:
-                    group_slot = row * max_groups + group
-                    group_ptrs = group_out_ptr + group_slot * (GROUP * HEAD_DIM)
-                    group_ptrs += mg_idx[:, None] * HEAD_DIM + d_idx[None, :]
-                    tl.store(group_ptrs, merged, mask=merged_mask)
-                    lse_ptrs = group_lse_ptr + group_slot * GROUP + mg_idx
-                    tl.store(lse_ptrs, merged_lse, mask=mg_ok)
-                    if _last_to_arrive(counter_row, num_groups):
-                        first_group = row * max_groups
-                        final, _ = _merge(
-                            group_out_ptr + first_group * (GROUP * HEAD_DIM),
-                            group_lse_ptr + first_group * GROUP,
-                            num_groups,
-                            GROUP,
-                            HEAD_DIM,
-                            MERGE_G,
-                            BLOCK_D,
-                            CHUNK,
-                        )
-                        final = final.to(out_ptr.dtype.element_ty)
-                        tl.store(merged_ptrs, final, mask=merged_mask)
-    elif split == 0:
-        # an empty sequence attends to nothing: its output is zero
-        zeros = tl.zeros((BLOCK_G, BLOCK_D), dtype=out_ptr.dtype.element_ty)
-        tl.store(out_ptrs, zeros, mask=g_ok[:, None] & d_ok[None, :])
+        out_ptrs = (
+            part_out_ptr
+            + b * stride_pb
+            + heads[:, None] * stride_ph
+            + split * stride_ps
+            + d_idx[None, :]
+        )
+        tl.store(out_ptrs, acc / l_i[:, None], mask=g_ok[:, None] & d_ok[None, :])
+        lse_ptrs = part_lse_ptr + b * stride_lb + heads * stride_lh + split
+        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    lens_ptr,
+    out_ptr,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(lens_ptr + b)
+    part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # Slices past the end of the sequence wrote nothing; an empty sequence has none (output 0).
+    num_used = tl.cdiv(seq_len, tl.maximum(part, 1))
+    s_idx = tl.arange(0, BLOCK_S)
+    lse_row = part_lse_ptr + b * stride_lb + head * stride_lh
+    lse = tl.load(lse_row + s_idx, mask=s_idx < num_used, other=float("-inf"))
+    lse_max = tl.maximum(tl.max(lse, axis=0), -1e30)
+    denom = tl.sum(tl.exp2(lse - lse_max), axis=0)
+    d_idx = tl.arange(0, BLOCK_D)
+    d_ok = d_idx < HEAD_DIM
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    out_row = part_out_ptr + b * stride_pb + head * stride_ph
+    for s0 in range(0, num_used, CHUNK):
+        c_idx = s0 + tl.arange(0, CHUNK)
+        c_ok = c_idx < num_used
+        weight = tl.exp2(tl.load(lse_row + c_idx, mask=c_ok, other=float("-inf")) - lse_max)
+        parts = tl.load(
+            out_row + c_idx[:, None] * stride_ps + d_idx[None, :],
+            mask=c_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(weight[:, None] * parts, axis=0)
+    result = tl.where(denom > 0, acc / tl.maximum(denom, 1e-30), 0.0)
+    out_ptrs = out_ptr + b * stride_ob + head * stride_oh + d_idx
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def paged_attention_decode_triton(
@@ -317,8 +216,7 @@ def paged_attention_decode_triton(
     compute_dtype: torch.dtype | None = None,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
-    """Triton split-context decode attention in one launch: [B, Hq, D] in q's dtype,
-    graph-capturable (after a first call of the same shape outside the capture)."""
+    """Triton split-context decode attention: [B, Hq, D] in q's dtype, graph-capturable."""
     _check(q, k_cache, v_cache, block_tables, seq_lens)
     cfg = config or AttentionConfig()
     batch, num_q_heads, head_dim = q.shape
@@ -328,34 +226,20 @@ def paged_attention_decode_triton(
     num_splits = cfg.num_splits or default_num_splits(
         batch * num_kv_heads, max_tokens, cfg.block_n, common.sm_count(q.device)
     )
-    max_groups = triton.cdiv(num_splits, cfg.merge_fan_in)
-    rows = batch * num_kv_heads
     block_d = common.next_pow2(head_dim, 16)
-    merge_g = common.next_pow2(group)
-    chunk = max(1, _MERGE_TILE // (merge_g * block_d))
-    chunk = min(chunk, common.next_pow2(max(min(cfg.merge_fan_in, num_splits), max_groups)))
-    f32 = torch.float32
-    part_out = common.alloc((rows, num_splits, group, head_dim), f32, q.device)
-    part_lse = common.alloc((rows, num_splits, group), f32, q.device)
-    group_out = common.alloc((rows, max_groups, group, head_dim), f32, q.device)
-    group_lse = common.alloc((rows, max_groups, group), f32, q.device)
-    counters = _counters(q.device, rows * (1 + max_groups))
+    part_out = common.alloc((batch, num_q_heads, num_splits, head_dim), torch.float32, q.device)
+    part_lse = common.alloc((batch, num_q_heads, num_splits), torch.float32, q.device)
     out = common.alloc(tuple(q.shape), q.dtype, q.device)
-    _paged_attention_kernel[(batch, num_kv_heads, num_splits)](
+    _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
-        out,
         part_out,
         part_lse,
-        group_out,
-        group_lse,
-        counters,
         scale * _LOG2E,
         num_splits,
-        max_groups,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -365,42 +249,42 @@ def paged_attention_decode_triton(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
         GROUP=group,
         BLOCK_G=common.next_pow2(group, 16),
-        MERGE_G=merge_g,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         PAGE=block_size,
         BLOCK_N=cfg.block_n,
-        FAN_IN=cfg.merge_fan_in,
-        CHUNK=chunk,
         COMPUTE=common.tl_dtype(compute_dtype or q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    _merge_kernel[(batch, num_q_heads)](
+        part_out,
+        part_lse,
+        seq_lens,
+        out,
+        num_splits,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=cfg.block_n,
+        BLOCK_S=common.next_pow2(num_splits),
+        CHUNK=min(_MERGE_CHUNK, common.next_pow2(num_splits)),
+        num_warps=8,
+    )
     return out
-
-
-def _counters(device: torch.device, size: int) -> torch.Tensor:
-    """The zeroed int32 arrival counters of calls with `size` counters on `device`.
-
-    One buffer per size, kept for good: a CUDA graph captured with it replays with its address, so
-    it is never freed or replaced (growing one buffer would free the smaller one a graph holds).
-    """
-    key = (device, size)
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Made in the capture, its zeroing would run only in replays, not before eager calls.
-            raise RuntimeError(
-                "paged attention: run this call once before capturing it in a CUDA graph, so "
-                f"that its {size} arrival counters are allocated outside the capture"
-            )
-        counters = torch.zeros(size, dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
 
 
 def default_num_splits(rows: int, max_tokens: int, block_n: int, sms: int) -> int:

@@ -57,11 +57,7 @@ def paged_cache(
             AttentionConfig(block_n=16, num_splits=16),
         ),  # more slices than steps
         (8, 2, 32, 16, [50, 130], None),  # default tiles and slices
-        (2, 1, 16, 16, [1200], AttentionConfig(block_n=16, num_splits=80)),  # 75 slices, 5 groups
-        # a group per sequence: every merge is one level
-        (4, 2, 32, 8, [30, 64, 90], AttentionConfig(block_n=16, num_splits=6, merge_fan_in=8)),
-        # the last group partly full (19 slices in groups of 4), beside one short sequence
-        (6, 2, 16, 4, [300, 37], AttentionConfig(block_n=16, num_splits=24, merge_fan_in=4)),
+        (2, 1, 16, 16, [1200], AttentionConfig(block_n=16, num_splits=80)),  # 75 slices, 2 merges
     ],
 )
 def test_matches_reference(gen, q_heads, kv_heads, head_dim, block_size, seq_lens, config):
@@ -87,65 +83,6 @@ def test_empty_sequence_gives_zeros(gen):
     ref = paged_attention.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.2)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert_matches(out, ref, tol=1e-5)
-
-
-def test_mixed_batch_of_empty_one_slice_one_group_and_many_groups(gen):
-    # slices of 16 tokens: 0 tokens, 1 slice (written directly), 3 slices (one merge),
-    # 19 slices (five groups of 4, then their merge)
-    seq_lens = [0, 9, 37, 300]
-    config = AttentionConfig(block_n=16, num_splits=24, merge_fan_in=4)
-    k_cache, v_cache, tables, lens = paged_cache(gen, seq_lens, 8, 2, 32, 40)
-    q = randn(gen, 4, 4, 32)
-    out = paged_attention.paged_attention_decode_triton(
-        q, k_cache, v_cache, tables, lens, 0.2, config=config
-    )
-    ref = paged_attention.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.2)
-    assert torch.equal(out[0], torch.zeros_like(out[0]))
-    assert_matches(out, ref, tol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        AttentionConfig(block_n=16, num_splits=1),  # one slice launched
-        AttentionConfig(block_n=16, num_splits=8, merge_fan_in=2),  # one slice of eight used
-    ],
-)
-def test_a_single_slice_is_the_output(gen, config):
-    k_cache, v_cache, tables, lens = paged_cache(gen, [16, 5, 11], 4, 2, 16, 5)
-    q = randn(gen, 3, 6, 16)
-    out = paged_attention.paged_attention_decode_triton(
-        q, k_cache, v_cache, tables, lens, 0.3, config=config
-    )
-    ref = paged_attention.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.3)
-    assert_matches(out, ref, tol=1e-5)
-
-
-def test_repeated_calls_as_the_context_grows(gen):
-    # The same shapes each call, so the same arrival counters: a call that left one non-zero
-    # would leave the next call's output unwritten. The slices in use change from call to call
-    # (as in a CUDA graph's replays), and the grid stays the one sized for the full context.
-    config = AttentionConfig(block_n=16, num_splits=20, merge_fan_in=3)
-    k_cache, v_cache, tables, lens = paged_cache(gen, [160, 280, 17], 8, 2, 32, 40)
-    for seq_lens in ([1, 100, 0], [30, 270, 0], [160, 280, 17]):
-        lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
-        q = randn(gen, 3, 4, 32)
-        out = paged_attention.paged_attention_decode_triton(
-            q, k_cache, v_cache, tables, lens, 0.2, config=config
-        )
-        ref = paged_attention.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.2)
-        assert_matches(out, ref, tol=1e-5)
-
-
-def test_first_call_inside_a_graph_capture_is_refused(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="once before capturing"):
-        paged_attention._counters(torch.device("cuda", 0), 7919)
-
-
-def test_merge_fan_in_below_two_is_refused():
-    with pytest.raises(ValueError, match="merge_fan_in must be >= 2"):
-        AttentionConfig(merge_fan_in=1)
 
 
 def test_bf16_cache_with_fp32_compute_returns_bf16(gen):
