@@ -479,9 +479,6 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
             for splits in (64, 128, 256):
                 config = paged_attention.AttentionConfig(block_n, splits)
                 bench.paged_attention([32768], config, with_ref=False)
-        for fan_in in (8, 16, 32):
-            config = paged_attention.AttentionConfig(merge_fan_in=fan_in)
-            bench.paged_attention([32768], config, with_ref=False)
         for tokens, configs in GEMV_SWEEP.items():
             for config in configs:
                 for name in ("qkv", "o"):
