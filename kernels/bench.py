@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fused_moe, gemv, grouped_moe, paged_attention, rmsnorm, rope_kv, router
+from .fused_moe_one_token import OneTokenMoEConfig
 from .measure import (
     Result,
     eager_us_per_call,
@@ -147,7 +148,7 @@ class Bench:
     def fused_moe(
         self,
         tokens: int,
-        config: fused_moe.DecodeMoEConfig | fused_moe.OneTokenMoEConfig | None = None,
+        config: fused_moe.DecodeMoEConfig | OneTokenMoEConfig | None = None,
         with_ref: bool = True,
         reduce: bool = True,
     ) -> None:
@@ -176,7 +177,7 @@ class Bench:
             ref_us = eager_us_per_call(ref_calls)
         label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}" + ("" if reduce else " parts")
         if config is not None:
-            path = "one-token" if isinstance(config, fused_moe.OneTokenMoEConfig) else "tl.dot"
+            path = "one-token" if isinstance(config, OneTokenMoEConfig) else "tl.dot"
             label += f" {path} {_short(config)}"
         self.add(
             "fused_moe_decode",
@@ -474,7 +475,7 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
             config = fused_moe.DecodeMoEConfig(block_n, block_k, down_n, 256, warps, stages)
             bench.fused_moe(1, config, with_ref=False)
         for fields in ONE_TOKEN_MOE_SWEEP:
-            bench.fused_moe(1, fused_moe.OneTokenMoEConfig(*fields), with_ref=False)
+            bench.fused_moe(1, OneTokenMoEConfig(*fields), with_ref=False)
         for block_n in (32, 64, 128):
             for splits in (64, 128, 256):
                 config = paged_attention.AttentionConfig(block_n, splits)

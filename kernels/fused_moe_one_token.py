@@ -1,0 +1,206 @@
+"""Decode MoE for one token (the batch-1 decode step): the two launches fused_moe takes at T=1.
+
+`fused_moe.fused_moe_decode_triton` checks the arguments, allocates the buffers and picks this
+path; `launch` fills them. Each program reads a few weight rows of its route's expert along their
+contiguous axis, multiplies by the broadcast input and sums once after the loop, as gemv's
+one-token kernel does; no tl.dot, so blocks of a few rows spread the 8 routes over several
+programs per SM (`choose_one_token_config`). Each route computes its own product, so a slot named
+twice by the token is read twice (the router never names one twice).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common, gemv
+
+
+@dataclass(frozen=True, slots=True)
+class OneTokenMoEConfig:
+    """Tiles of the one-token launches: weight rows and reduction step per program of each,
+    warps, and how many reduction steps of weight loads are in flight at once (1: none)."""
+
+    gate_up_block_n: int = 8
+    gate_up_block_k: int = 256
+    down_block_n: int = 16
+    down_block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name, least in (
+            ("gate_up_block_n", 1),
+            ("gate_up_block_k", 16),
+            ("down_block_n", 1),
+            ("down_block_k", 16),
+            ("num_warps", 1),
+        ):
+            value = getattr(self, name)
+            if value < least or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+@functools.lru_cache(maxsize=16)
+def choose_one_token_config(top_k: int, hidden: int, inter: int, sms: int) -> OneTokenMoEConfig:
+    """One-token tiles for a geometry on a device with `sms` SMs, by gemv's rule for one token.
+
+    Each launch takes the widest block of up to 16 rows whose grid (routes x row blocks) still
+    gives gemv.ROW_PROGRAMS_PER_SM programs per SM, and a reduction step that keeps each step's
+    weight loads at gemv.ROW_TILE_ELEMENTS (gate/up loads two tiles a step: gate and up rows).
+    Qwen3-30B-A3B (H=2048, I=768, 8 routes) on 132 SMs: gate/up 8 rows by 256 (768 programs),
+    down 16 rows by 256 (1024 programs).
+    """
+
+    def rows_per_program(rows: int) -> int:
+        block_n = 16
+        while block_n > 1 and top_k * triton.cdiv(rows, block_n) < gemv.ROW_PROGRAMS_PER_SM * sms:
+            block_n //= 2
+        return block_n
+
+    gate_up_n = rows_per_program(inter)
+    down_n = rows_per_program(hidden)
+    return OneTokenMoEConfig(
+        gate_up_block_n=gate_up_n,
+        gate_up_block_k=max(256, gemv.ROW_TILE_ELEMENTS // (2 * gate_up_n)),
+        down_block_n=down_n,
+        down_block_k=max(256, gemv.ROW_TILE_ELEMENTS // down_n),
+    )
+
+
+@triton.jit
+def _one_token_gate_up_kernel(
+    x_ptr,
+    slots_ptr,
+    w13_ptr,
+    act_ptr,
+    hidden,
+    inter,
+    stride_ws,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    route = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(slots_ptr + route)
+    # A masked route (run on the CPU) has no rows: it loads nothing, and its act row is left for
+    # no one to read.
+    rows = tl.where(slot >= 0, inter, 0)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < rows
+    expert = w13_ptr + slot.to(tl.int64) * stride_ws
+    gate_rows = expert + n_idx[:, None].to(tl.int64) * stride_wn
+    up_rows = expert + (inter + n_idx[:, None]).to(tl.int64) * stride_wn
+    # Products add up elementwise and are summed across K once, after the loop.
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # num_stages on the loop itself: the launch's num_stages pipelines only loads that feed tl.dot.
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < hidden
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0)
+        gate = tl.load(gate_rows + k_idx[None, :], mask=w_ok, other=0.0)
+        up = tl.load(up_rows + k_idx[None, :], mask=w_ok, other=0.0)
+        # Operands rounded to the compute dtype, multiplied and added in fp32, as tl.dot does.
+        xs = xs.to(COMPUTE).to(tl.float32)[None, :]
+        acc_gate += gate.to(COMPUTE).to(tl.float32) * xs
+        acc_up += up.to(COMPUTE).to(tl.float32) * xs
+    gate_row = tl.sum(acc_gate, axis=1)
+    up_row = tl.sum(acc_up, axis=1)
+    act = gate_row * tl.sigmoid(gate_row) * up_row
+    tl.store(act_ptr + route * inter + n_idx, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _one_token_down_kernel(
+    act_ptr,
+    slots_ptr,
+    weights_ptr,
+    w2_ptr,
+    y_ptr,
+    hidden,
+    inter,
+    stride_ws,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    route = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(slots_ptr + route)
+    # A masked route reduces over nothing (its act row was never written), so it writes zeros.
+    live = slot >= 0
+    k_len = tl.where(live, inter, 0)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < hidden
+    w_rows = w2_ptr + slot.to(tl.int64) * stride_ws + n_idx[:, None].to(tl.int64) * stride_wn
+    act_row = act_ptr + route * inter
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < k_len
+        a = tl.load(act_row + k_idx, mask=k_ok, other=0.0)
+        w = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(COMPUTE).to(tl.float32) * a.to(tl.float32)[None, :]
+    route_w = tl.where(live, tl.load(weights_ptr + route).to(tl.float32), 0.0)
+    tl.store(y_ptr + route * hidden + n_idx, tl.sum(acc, axis=1) * route_w, mask=n_ok)
+
+
+def launch(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    act: torch.Tensor,
+    y: torch.Tensor,
+    compute: tl.dtype,
+    cfg: OneTokenMoEConfig,
+) -> None:
+    """The one-token launches: act [1, K, I] from x, then y [1, K, H] from act."""
+    hidden = x.shape[1]
+    top_k = slot_ids.shape[1]
+    inter = w13.shape[1] // 2
+    _one_token_gate_up_kernel[(top_k, triton.cdiv(inter, cfg.gate_up_block_n))](
+        x,
+        slot_ids,
+        w13,
+        act,
+        hidden,
+        inter,
+        w13.stride(0),
+        w13.stride(1),
+        BLOCK_N=cfg.gate_up_block_n,
+        BLOCK_K=min(cfg.gate_up_block_k, common.next_pow2(hidden, 16)),
+        COMPUTE=compute,
+        STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+    _one_token_down_kernel[(top_k, triton.cdiv(hidden, cfg.down_block_n))](
+        act,
+        slot_ids,
+        route_weights,
+        w2,
+        y,
+        hidden,
+        inter,
+        w2.stride(0),
+        w2.stride(1),
+        BLOCK_N=cfg.down_block_n,
+        BLOCK_K=min(cfg.down_block_k, common.next_pow2(inter, 16)),
+        COMPUTE=compute,
+        STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
