@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .args import add_engine_flags
-from .moe import CpuJobTimes
+from .moe import CpuJobTimes, StagedStepTimes
 
 
 def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
@@ -167,6 +167,7 @@ def _decode(engine, args) -> dict:
     c = engine.moe.counters
     before = [a.copy() for a in (c.reads, c.hits, c.fills, c.cpu, c.picks)]
     engine.moe.cpu_times = CpuJobTimes()
+    engine.moe.staged_times = StagedStepTimes()
     profiler = None
     if args.profile:
         import cProfile
@@ -218,6 +219,7 @@ def _decode(engine, args) -> dict:
         "breakdown": engine.telemetry.breakdown,
         "cuda_graphs": engine.config_in_force()["cuda_graph_mode"],
         "cpu_jobs": engine.moe.cpu_times.to_dict(),
+        "staged_layer_us": engine.moe.staged_times.to_dict(),
         **rates,
     }
 
@@ -351,6 +353,13 @@ def _run(args: argparse.Namespace) -> int:
             f"{plan.experts_total}; HBM {result['hbm_gbps']:.0f} GB/s, Bp "
             f"{result['bp_gbps']:.1f}, B_host {result['host_gbps']:.1f} GB/s"
         )
+        staged = result["staged_layer_us"]
+        if staged["layer_steps"]:
+            stages = ", ".join(
+                f"{name} {staged[f'{name}_us']:.0f}"
+                for name in ("replay", "sync", "dispatch", "fill", "cpu_wait")
+            )
+            line += f"\nhost per staged layer step, µs: {stages}; {staged['total_us']:.0f} in all"
     else:
         bound = result["pcie_bound_tok_s"]
         line = (

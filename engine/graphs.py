@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -239,8 +240,12 @@ class DecodeGraphs:
         if bs > n:
             self.route_slots[n:bs].fill_(-1)
         graphs, outputs = self.graphs[bs], self.outputs[bs]
+        staged_times = self.model.experts.staged_times if self.piecewise else None
         for piece, graph in enumerate(graphs):
+            t0 = time.perf_counter()
             graph.replay()
+            if staged_times is not None and piece:  # the launch that ends a staged layer step
+                staged_times.replay_s += time.perf_counter() - t0
             if piece < len(graphs) - 1:
                 x, ids, weights, _ = outputs[piece]
                 assert x is not None and ids is not None and weights is not None

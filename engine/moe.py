@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,6 +92,33 @@ class CpuJobTimes:
         }
 
 
+@dataclass(slots=True)
+class StagedStepTimes:
+    """Where the host's time goes in offloaded decode layer steps between two captured pieces.
+
+    The chain of one layer step is serial: the piece's graph is launched (`replay_s`), the host
+    waits for its routing (`sync_s`: the piece's GPU work still running, then the copies), decides
+    hits, fills and CPU work and starts the CPU job (`dispatch_s`), queues the fills and the routes'
+    slots (`fill_s`), and waits for the CPU job and queues its result's copy (`cpu_wait_s`); then
+    the next piece is launched. Timed by the host's clock, a few reads of it per layer step.
+    """
+
+    layer_steps: int = 0
+    replay_s: float = 0.0
+    sync_s: float = 0.0
+    dispatch_s: float = 0.0
+    fill_s: float = 0.0
+    cpu_wait_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        """Microseconds per layer step of each stage, and their sum."""
+        stages = ("replay", "sync", "dispatch", "fill", "cpu_wait")
+        n = self.layer_steps
+        per_step = {f"{s}_us": 1e6 * getattr(self, f"{s}_s") / n if n else None for s in stages}
+        total = sum(v for v in per_step.values() if v is not None) if n else None
+        return {"layer_steps": n, **per_step, "total_us": total}
+
+
 @dataclass(frozen=True, slots=True)
 class _Dispatch:
     """Where the routes of one offloaded layer step run, and the work started for them."""
@@ -143,6 +171,7 @@ class MoERunner:
         self.prefill_stream_min_tokens = prefill_stream_min_tokens
         self._counters = LayerCounters.zeros(bank.num_layers, bank.num_experts)
         self.cpu_times = CpuJobTimes()
+        self.staged_times = StagedStepTimes()
         self._cpu_window = CpuJobTimes()  # the CPU jobs since the auto split was last updated
         self.prefill_picks = np.zeros((bank.num_layers, bank.num_experts), dtype=np.int64)
         # decode-step observers: (layer, experts, slots before the step, fetched, run on CPU)
@@ -371,10 +400,10 @@ class MoERunner:
     def _slots_to_device(self, name: str, slots: np.ndarray) -> torch.Tensor:
         return self._pinned_copy(name, slots).to(self.device, non_blocking=True)
 
-    def _dispatch(self, moe_layer, x, ids, weights, decode) -> _Dispatch:
-        """The host side of an offloaded layer step: look the routes up in the cache, admit the
-        experts to fetch, start the CPU job, count. The caller copies the admitted experts."""
-        ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
+    def _dispatch(self, moe_layer, ids_host, weights_host, x_host, decode) -> _Dispatch:
+        """The host side of an offloaded layer step, from its routing on the host
+        (`_routing_to_host`): look the routes up in the cache, admit the experts to fetch, start
+        the CPU job, count. The caller copies the admitted experts."""
         picks = self._counters.picks if decode else self.prefill_picks
         if ids_host.shape[0] == 1:  # one token: its experts are distinct, no counting needed
             experts = np.sort(ids_host[0])
@@ -431,7 +460,7 @@ class MoERunner:
 
     def _split(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
         """Hits on the device, misses split between slot fills and CPU execution (eager)."""
-        d = self._dispatch(moe_layer, x, ids, weights, decode)
+        d = self._dispatch(moe_layer, *self._routing_to_host(x, ids, weights), decode)
         if d.job is not None and self.timer is not None:
             with self._phase("cpu_experts"):  # a timed step runs the CPU part alone
                 d.job.wait()
@@ -478,17 +507,29 @@ class MoERunner:
         the CPU routes' weighted sum into cpu_out [T, H] (fp32), both on the compute stream,
         after this step's fills.
         """
-        d = self._dispatch(moe_layer, x, ids, weights, decode=True)
+        clock = time.perf_counter
+        t0 = clock()
+        routing = self._routing_to_host(x, ids, weights)
+        t1 = clock()
+        d = self._dispatch(moe_layer, *routing, decode=True)
+        t2 = clock()
         # the fills go on the compute stream: nothing runs there until the next piece, which
         # needs them (no stream switch or event to pay for)
         self._fill_slots(moe_layer, d.admitted)
         slots_out.copy_(self._pinned_copy("route_slots", d.route_slots), non_blocking=True)
+        t3 = clock()
         if d.job is None:
             cpu_out.zero_()
         else:
             # the pinned output is overwritten only by the next layer's job, which is submitted
             # after that layer's routing sync, by when this copy has run
             cpu_out.copy_(self._wait_cpu(d, decode=True), non_blocking=True)
+        times = self.staged_times
+        times.layer_steps += 1
+        times.sync_s += t1 - t0
+        times.dispatch_s += t2 - t1
+        times.fill_s += t3 - t2
+        times.cpu_wait_s += clock() - t3
 
     def routed(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, cpu_part: torch.Tensor

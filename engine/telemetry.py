@@ -234,6 +234,7 @@ class Telemetry:
             "hit_rate_60s": float(window[1].sum() / reads_60) if reads_60 else None,
             "hit_rate": float(current[1].sum() / current[0].sum()) if current[0].sum() else None,
             "cpu_jobs": engine.moe.cpu_times.to_dict(),
+            "staged_layer_us": engine.moe.staged_times.to_dict(),
         }
 
 

@@ -73,13 +73,26 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint):
         graphs.capture()
         assert len(graphs.graphs[4]) == engine.spec.num_moe_layers + 1
         engine.graphs = graphs
+        replays = []
+        run = graphs.run
+        graphs.run = lambda rows: (replays.append(len(rows)), run(rows))[1]
         outputs, counts = _generate(engine)
+        staged = engine.telemetry.stats(running=0, queued=0, model_name="m")["experts"][
+            "staged_layer_us"
+        ]
     finally:
         engine.close()
     assert outputs == expected
     # three sequences ran in the size-4 graphs: the padding row was never sent to the experts
     assert counts == expected_counts
     assert counts["fills"] > 0 and counts["cpu"] > 0
+    # every replayed decode step staged every MoE layer once, and the host's time between the
+    # pieces is accounted for by stage
+    assert len(replays) >= 20
+    assert staged["layer_steps"] == len(replays) * engine.spec.num_moe_layers
+    stages = ("replay", "sync", "dispatch", "fill", "cpu_wait")
+    assert all(staged[f"{name}_us"] > 0 for name in stages)
+    assert staged["total_us"] == pytest.approx(sum(staged[f"{name}_us"] for name in stages))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
