@@ -356,8 +356,7 @@ def _run(args: argparse.Namespace) -> int:
         staged = result["staged_layer_us"]
         if staged["layer_steps"]:
             stages = ", ".join(
-                f"{name} {staged[f'{name}_us']:.0f}"
-                for name in ("replay", "sync", "dispatch", "fill", "cpu_wait")
+                f"{name} {staged[f'{name}_us']:.0f}" for name in StagedStepTimes.STAGES
             )
             line += f"\nhost per staged layer step, µs: {stages}; {staged['total_us']:.0f} in all"
     else:

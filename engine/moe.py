@@ -110,11 +110,14 @@ class StagedStepTimes:
     fill_s: float = 0.0
     cpu_wait_s: float = 0.0
 
+    STAGES = ("replay", "sync", "dispatch", "fill", "cpu_wait")
+
     def to_dict(self) -> dict:
         """Microseconds per layer step of each stage, and their sum."""
-        stages = ("replay", "sync", "dispatch", "fill", "cpu_wait")
         n = self.layer_steps
-        per_step = {f"{s}_us": 1e6 * getattr(self, f"{s}_s") / n if n else None for s in stages}
+        per_step = {
+            f"{s}_us": 1e6 * getattr(self, f"{s}_s") / n if n else None for s in self.STAGES
+        }
         total = sum(v for v in per_step.values() if v is not None) if n else None
         return {"layer_steps": n, **per_step, "total_us": total}
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moelab.engine.graphs import DecodeGraphs
+from moelab.engine.moe import StagedStepTimes
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 
@@ -90,7 +91,7 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint):
     # pieces is accounted for by stage
     assert len(replays) >= 20
     assert staged["layer_steps"] == len(replays) * engine.spec.num_moe_layers
-    stages = ("replay", "sync", "dispatch", "fill", "cpu_wait")
+    stages = StagedStepTimes.STAGES
     assert all(staged[f"{name}_us"] > 0 for name in stages)
     assert staged["total_us"] == pytest.approx(sum(staged[f"{name}_us"] for name in stages))
 
