@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> NoReturn:
     log.info("moelab serve: http://%s:%d/v1 (model %s)", args.host, args.port, server.model_name)
     try:
         http.run()
+    except SystemExit:
+        pass  # uvicorn's own exit when it cannot start (a port in use): said below, status 1
     finally:
         worker.stop()
         worker.join(timeout=10)

@@ -347,6 +347,21 @@ def test_sigterm_drains_running_requests_then_exits(model, tmp_path):
     assert last.endswith("moelab.serve: stopped: the HTTP server is down and the engine closed")
 
 
+def test_a_port_in_use_ends_the_process_with_one_clear_line(model, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        engine = start_engine(
+            ["--model-path", str(model), "--port", str(port), "--device-memory", "1GiB",
+             "--bank-dir", str(tmp_path / "bank")],
+            tmp_path / "engine.log",
+        )  # fmt: skip
+        assert engine.popen.wait(timeout=60) == 1
+    log = Path(engine.log_path).read_text()
+    assert log.rstrip().splitlines()[-1] == f"moelab serve: could not listen on 127.0.0.1:{port}"
+
+
 def test_api_key_and_loopback_only_control(model, tmp_path):
     engine = serve(model, tmp_path, "--api-key", "s3cret")
     try:
