@@ -5,8 +5,10 @@ When every expert is in the cache the whole step is one graph. An offloaded MoE 
 to see the routing and choose copies, so it cannot sit inside a graph: then each piece of dense
 work (attention, norms and router between two MoE dispatches; `Model.run_piece`) is a graph of its
 own. Between two replays the host reads the routing, starts the slot fills and the CPU experts, and
-writes each route's slot and the CPU's result into fixed buffers; the next piece's graph begins with
-the cached experts' kernel over those slots, so no kernel is launched eagerly. One set of graphs per
+writes each route's slot into a fixed buffer; the next piece's graph begins with the cached
+experts' kernel over those slots, then waits on the device for the CPU's part, which the CPU job
+writes into fixed host memory (kernels/host_handoff.py): the host launches the next piece as soon as
+it has dispatched, while the CPU job runs, and no kernel is launched eagerly. One set of graphs per
 padded batch size; padding rows write their KV into a scratch block, attend to nothing, and are left
 out of the expert dispatch (their slots stay -1).
 
@@ -120,9 +122,10 @@ class DecodeGraphs:
         self.slots.fill_(kv.pad_slot)
         self.logits_index = torch.arange(max_bs, device=dev)
         # staged experts of the layer between two pieces: each route's slot, and the CPU's part
-        top_k, hidden = model.spec.top_k, model.spec.hidden_size
-        self.route_slots = torch.full((max_bs, top_k), -1, dtype=torch.int32, device=dev)
-        self.cpu_part = torch.zeros((max_bs, hidden), dtype=torch.float32, device=dev)
+        # (in host memory, where the CPU job writes it and the next piece reads it)
+        self.route_slots = torch.full((max_bs, model.spec.top_k), -1, dtype=torch.int32,
+                                      device=dev)  # fmt: skip
+        self.cpu_part = model.experts.handoff_buffer(max_bs) if piecewise else None
         self.graphs: dict[int, list[Graph]] = {}
         self.outputs: dict[int, list[Outputs]] = {}  # per size, per piece
         self.pool: object | None = None
@@ -145,7 +148,7 @@ class DecodeGraphs:
     def _piece(self, bs: int, piece: int, state: StepState) -> Outputs:
         """One piece; after an MoE layer it starts with that layer's staged experts."""
         if piece:
-            assert state.x is not None and state.weights is not None
+            assert state.x is not None and state.weights is not None and self.cpu_part is not None
             state.routed = self.model.experts.routed(
                 state.x, self.route_slots[:bs], state.weights, self.cpu_part[:bs]
             )
@@ -249,6 +252,7 @@ class DecodeGraphs:
             if piece < len(graphs) - 1:
                 x, ids, weights, _ = outputs[piece]
                 assert x is not None and ids is not None and weights is not None
+                assert self.cpu_part is not None
                 # only the real rows: padding rows would fetch and run experts for nothing
                 self.model.experts.stage_decode(
                     piece, x[:n], ids[:n], weights[:n], self.route_slots[:n], self.cpu_part[:n]

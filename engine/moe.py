@@ -25,6 +25,7 @@ import torch
 from ..kernels.cpu_experts import CpuExpertRunner
 from ..kernels.fused_moe import fused_moe_decode
 from ..kernels.grouped_moe import grouped_moe
+from ..kernels.host_handoff import DONE, EXPECTED, TIMED_OUT, add_when_ready, handoff_sync
 from .bank import ExpertBank
 from .cache import ExpertCache
 
@@ -97,10 +98,11 @@ class StagedStepTimes:
     """Where the host's time goes in offloaded decode layer steps between two captured pieces.
 
     The chain of one layer step is serial: the piece's graph is launched (`replay_s`), the host
-    waits for its routing (`sync_s`: the piece's GPU work still running, then the copies), decides
-    hits, fills and CPU work and starts the CPU job (`dispatch_s`), queues the fills and the routes'
-    slots (`fill_s`), and waits for the CPU job and queues its result's copy (`cpu_wait_s`); then
-    the next piece is launched. Timed by the host's clock, a few reads of it per layer step.
+    waits for its routing (`sync_s`: the piece's GPU work still running, which includes waiting
+    for the previous layer's CPU job, then the copies), decides hits, fills and CPU work and starts
+    the CPU job (`dispatch_s`), and queues the fills and the routes' slots (`fill_s`); then the
+    next piece is launched, without waiting for the CPU job (its first kernel does, on the GPU).
+    Timed by the host's clock, a few reads of it per layer step.
     """
 
     layer_steps: int = 0
@@ -108,9 +110,8 @@ class StagedStepTimes:
     sync_s: float = 0.0
     dispatch_s: float = 0.0
     fill_s: float = 0.0
-    cpu_wait_s: float = 0.0
 
-    STAGES = ("replay", "sync", "dispatch", "fill", "cpu_wait")
+    STAGES = ("replay", "sync", "dispatch", "fill")
 
     def to_dict(self) -> dict:
         """Microseconds per layer step of each stage, and their sum."""
@@ -200,6 +201,11 @@ class MoERunner:
         self._ids_buffer = 0
         self._backlog: list[np.ndarray] = []
         self._host_buffers: dict[str, torch.Tensor] = {}
+        # staged decode hands the CPU's part to the next piece in host memory (host_handoff.py)
+        self._handoff_sync = handoff_sync(pin=cuda)
+        self._handoff_out: torch.Tensor | None = None
+        self._epoch = 0  # of the last CPU part handed over (the value DONE reaches)
+        self._pending: _Dispatch | None = None  # the staged layer whose CPU job is not ended
 
     # prefill buffers ----------------------------------------------------------------------------
 
@@ -317,6 +323,7 @@ class MoERunner:
     def after_decode_step(self, snapshot: tuple[torch.Tensor, int] | None) -> None:
         """Keep a synchronized decode step's routing (from `snapshot_decode_ids`); it is counted
         in batches, off the per-step path, when the counters are read or the backlog grows."""
+        self._end_handoff()
         self._flush_accesses()
         if snapshot is None:
             return
@@ -403,10 +410,13 @@ class MoERunner:
     def _slots_to_device(self, name: str, slots: np.ndarray) -> torch.Tensor:
         return self._pinned_copy(name, slots).to(self.device, non_blocking=True)
 
-    def _dispatch(self, moe_layer, ids_host, weights_host, x_host, decode) -> _Dispatch:
+    def _dispatch(
+        self, moe_layer, ids_host, weights_host, x_host, decode, handoff_out=None
+    ) -> _Dispatch:
         """The host side of an offloaded layer step, from its routing on the host
         (`_routing_to_host`): look the routes up in the cache, admit the experts to fetch, start
-        the CPU job, count. The caller copies the admitted experts."""
+        the CPU job (writing into handoff_out and ending the next epoch, when given), count. The
+        caller copies the admitted experts."""
         picks = self._counters.picks if decode else self.prefill_picks
         if ids_host.shape[0] == 1:  # one token: its experts are distinct, no counting needed
             experts = np.sort(ids_host[0])
@@ -445,7 +455,9 @@ class MoERunner:
         route_where = where[ids_host]
         job = None
         if on_cpu.size:
-            job = self._submit_cpu(moe_layer, x_host, ids_host, weights_host, route_where == 2)
+            job = self._submit_cpu(
+                moe_layer, x_host, ids_host, weights_host, route_where == 2, handoff_out
+            )
         if decode:
             c = self._counters
             c.reads[moe_layer] += experts.size
@@ -494,6 +506,18 @@ class MoERunner:
             out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
         return out
 
+    def handoff_buffer(self, rows: int) -> torch.Tensor:
+        """The host buffer [rows, H] fp32 (pinned on CUDA) into which staged decode's CPU jobs
+        write their part, and from which the next piece's `routed` adds it. Captured graphs read
+        it, so it is allocated once and then only handed out again."""
+        hidden = self.bank.w13[0].shape[-1]
+        out = self._handoff_out
+        if out is None or out.shape[0] < rows:
+            pin = self.device.type == "cuda"
+            out = self._handoff_out = torch.zeros((rows, hidden), dtype=torch.float32,
+                                                  pin_memory=pin)  # fmt: skip
+        return out[:rows]
+
     def stage_decode(
         self,
         moe_layer: int,
@@ -506,40 +530,59 @@ class MoERunner:
         """An offloaded decode layer step between two captured pieces: the host part now, the
         device part (`routed`) inside the next piece's graph.
 
-        Writes each route's slot (-1 where the route runs on the CPU) into slots_out [T, K] and
-        the CPU routes' weighted sum into cpu_out [T, H] (fp32), both on the compute stream,
-        after this step's fills.
+        Writes each route's slot (-1 where the route runs on the CPU) into slots_out [T, K] on the
+        compute stream, after this step's fills. The CPU routes' weighted sum goes into cpu_out
+        [T, H] (a `handoff_buffer` view) when the CPU job ends; the host does not wait for it:
+        the next piece's `routed` does, on the device.
         """
         clock = time.perf_counter
         t0 = clock()
         routing = self._routing_to_host(x, ids, weights)
+        self._end_handoff()  # the previous layer's CPU job ended before this routing was made
         t1 = clock()
-        d = self._dispatch(moe_layer, *routing, decode=True)
+        d = self._dispatch(moe_layer, *routing, decode=True, handoff_out=cpu_out)
         t2 = clock()
         # the fills go on the compute stream: nothing runs there until the next piece, which
         # needs them (no stream switch or event to pay for)
         self._fill_slots(moe_layer, d.admitted)
         slots_out.copy_(self._pinned_copy("route_slots", d.route_slots), non_blocking=True)
-        t3 = clock()
-        if d.job is None:
+        state = self._handoff_sync.numpy()
+        if d.job is None:  # nothing on the CPU: its part is zero, and ready now
             cpu_out.zero_()
+            self._epoch += 1
+            state[DONE] = self._epoch
         else:
-            # the pinned output is overwritten only by the next layer's job, which is submitted
-            # after that layer's routing sync, by when this copy has run
-            cpu_out.copy_(self._wait_cpu(d, decode=True), non_blocking=True)
+            self._pending = d
+        state[EXPECTED] = self._epoch  # read by the next piece's add_when_ready
         times = self.staged_times
         times.layer_steps += 1
         times.sync_s += t1 - t0
         times.dispatch_s += t2 - t1
-        times.fill_s += t3 - t2
-        times.cpu_wait_s += clock() - t3
+        times.fill_s += clock() - t2
 
     def routed(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, cpu_part: torch.Tensor
     ) -> torch.Tensor:
         """The device part of a staged decode layer step (capturable): the cached experts'
-        weighted sum plus what the CPU computed."""
-        return fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2) + cpu_part
+        weighted sum, plus the CPU's part (cpu_part, host memory) once the CPU job has ended."""
+        out = fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2)
+        return add_when_ready(out, cpu_part, self._handoff_sync)
+
+    def _end_handoff(self) -> None:
+        """After a sync: count the last staged CPU job (ended: the device waited for it), and
+        fail if the device gave up waiting for one."""
+        state = self._handoff_sync.numpy()
+        if state[TIMED_OUT]:
+            state[TIMED_OUT] = 0
+            self._pending = None  # its job is waited for as it is dropped: no late write of DONE
+            raise RuntimeError(
+                "offloaded decode: the GPU gave up waiting for the CPU experts of a layer "
+                "(their job did not end within seconds); the step's output is wrong and was "
+                "dropped"
+            )
+        d, self._pending = self._pending, None
+        if d is not None:
+            self._wait_cpu(d, decode=True)
 
     def _wait_cpu(self, d: _Dispatch, decode: bool) -> torch.Tensor:
         assert d.job is not None
@@ -601,12 +644,18 @@ class MoERunner:
         event.record(self.copy_stream)
         return event
 
-    def _submit_cpu(self, moe_layer, x_host, ids_host, weights_host, cpu_mask):
+    def _submit_cpu(self, moe_layer, x_host, ids_host, weights_host, cpu_mask, handoff_out):
         rows, cols = np.nonzero(cpu_mask)
         pair_expert = torch.from_numpy(ids_host[rows, cols].astype(np.int32, copy=False))
         pair_token = torch.from_numpy(rows.astype(np.int32))
         pair_weight = torch.from_numpy(weights_host.numpy()[rows, cols])
-        out = self._pinned("cpu_out", tuple(x_host.shape), torch.float32)
+        handoff = {}
+        if handoff_out is None:
+            out = self._pinned("cpu_out", tuple(x_host.shape), torch.float32)
+        else:
+            out = handoff_out
+            self._epoch += 1
+            handoff = {"done_flag": self._handoff_sync, "done_value": self._epoch}
         assert self.cpu is not None, "CPU execution chosen without a CPU executor"
         return self.cpu.submit(
             x_host.float(),
@@ -616,6 +665,7 @@ class MoERunner:
             pair_token,
             pair_weight,
             out,
+            **handoff,
         )
 
     def _prefill_streamed(self, moe_layer, x, ids, weights) -> torch.Tensor:

@@ -216,6 +216,16 @@ def _build_error(e: Exception) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
+def _ref_into(
+    out: torch.Tensor, done_flag: torch.Tensor, done_value: int, *args: torch.Tensor
+) -> torch.Tensor:
+    """The reference kernel writing into out, then done_value into done_flag (as the native job
+    does)."""
+    out.copy_(cpu_experts_ref(*args))
+    done_flag.view(-1)[0] = done_value
+    return out
+
+
 class CpuExpertJob:
     """One submitted call; `wait()` returns its output once the workers are done."""
 
@@ -316,21 +326,38 @@ class CpuExpertRunner:
         pair_token: torch.Tensor,
         pair_weight: torch.Tensor,
         out: torch.Tensor | None = None,
+        *,
+        done_flag: torch.Tensor | None = None,
+        done_value: int = 0,
     ) -> CpuExpertJob:
         """Queues one call (see cpu_experts_ref) and returns at once.
 
         x, the weights and out must stay unchanged until the job's wait() returns. out: an optional
         [T, H] fp32 buffer to write into (e.g. pinned memory, for the copy to the GPU); it is
-        overwritten, never accumulated into.
+        overwritten, never accumulated into. done_flag: an int64 tensor whose first element
+        receives done_value once out is written (with out, the handoff a GPU kernel polls for:
+        kernels/host_handoff.py).
         """
         if self._closed:
             raise RuntimeError("this CpuExpertRunner is closed")
         num_tokens, hidden, inter, num_experts = _check_inputs(
             x, w13, w2, pair_expert, pair_token, pair_weight, out
         )
+        if done_flag is not None:
+            if out is None:
+                raise ValueError("done_flag needs out: the flag says that out is written")
+            if done_flag.dtype != torch.int64 or done_flag.device.type != "cpu":
+                raise ValueError(
+                    f"done_flag must be an int64 tensor in host memory, got {done_flag.dtype} "
+                    f"on {done_flag.device}"
+                )
         if self._module is None:
             _check_pair_indices(pair_expert, pair_token, num_experts, num_tokens)
             args = (x, w13, w2, pair_expert, pair_token, pair_weight)
+            if done_flag is not None:
+                assert out is not None
+                work = functools.partial(_ref_into, out, done_flag, done_value, *args)
+                return CpuExpertJob(None, future=self._executor.submit(work))
             return CpuExpertJob(out, future=self._executor.submit(cpu_experts_ref, *args))
         if out is None:
             out = torch.empty(num_tokens, hidden, dtype=torch.float32)
@@ -350,8 +377,11 @@ class CpuExpertRunner:
             pair_token.data_ptr(),
             pair_weight.data_ptr(),
             pair_expert.numel(),
+            0 if done_flag is None else done_flag.data_ptr(),
+            done_value,
         )
-        return CpuExpertJob(out, job=job, keep=(x, w13, w2, out))
+        keep = (x, w13, w2, out) if done_flag is None else (x, w13, w2, out, done_flag)
+        return CpuExpertJob(out, job=job, keep=keep)
 
     def run(
         self,

@@ -281,6 +281,14 @@ class Job {
 
   void mark_queued() { queued_at_ = Clock::now(); }
 
+  // Once done, also store `value` at `flag` (an int64 that a GPU kernel may be polling in pinned
+  // memory): after every output write, so a reader that sees the value sees the output.
+  void set_done_flag(int64_t* flag, int64_t value) {
+    done_flag_ = flag;
+    done_value_ = value;
+    if (flag != nullptr && done()) __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+  }
+
   // Seconds from queueing to the first task being claimed (the workers' reaction time) and from
   // then to the last task finishing; both 0 until the job is done.
   std::pair<double, double> seconds() const {
@@ -307,6 +315,8 @@ class Job {
  private:
   void signal_done() {
     finished_at_ = Clock::now();
+    // the last task's acq_rel increment ordered every worker's output writes before this store
+    if (done_flag_ != nullptr) __atomic_store_n(done_flag_, done_value_, __ATOMIC_RELEASE);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       done_.store(true, std::memory_order_release);
@@ -320,6 +330,8 @@ class Job {
   Clock::time_point queued_at_{}, started_{}, finished_at_{};
   // Each counter on a cache line of its own: every worker updates them, the caller spins on done_.
   int64_t num_tasks_ = 0;
+  int64_t* done_flag_ = nullptr;  // set before the job is queued
+  int64_t done_value_ = 0;
   alignas(64) std::atomic<int64_t> next_{0};
   alignas(64) std::atomic<int64_t> finished_{0};
   alignas(64) std::atomic<bool> done_{false};
@@ -564,11 +576,13 @@ std::shared_ptr<Job> make_expert_job(WeightType wt, const ExpertProblem& p,
 }
 
 // Queues one call; the pair arrays are copied (grouped by expert) before this returns, the tensors
-// behind x, out, w13 and w2 must stay alive and unchanged until the job is done.
+// behind x, out, w13 and w2 must stay alive and unchanged until the job is done. done_flag: 0, or
+// the address of an int64 that receives done_value once out is written.
 std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintptr_t x,
                                     uintptr_t out, uintptr_t w13, uintptr_t w2, int64_t T,
                                     int64_t H, int64_t I, int64_t E, uintptr_t pair_expert,
-                                    uintptr_t pair_token, uintptr_t pair_weight, int64_t J) {
+                                    uintptr_t pair_token, uintptr_t pair_weight, int64_t J,
+                                    uintptr_t done_flag, int64_t done_value) {
   const auto* pe = reinterpret_cast<const int32_t*>(pair_expert);
   const auto* pt = reinterpret_cast<const int32_t*>(pair_token);
   const auto* pw = reinterpret_cast<const float*>(pair_weight);
@@ -622,11 +636,9 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
     default:
       throw std::invalid_argument("this build has no such SIMD level");
   }
-  if (J == 0) {
-    std::fill(p.out, p.out + T * H, 0.0f);  // no pairs: a job with no tasks, already done
-  } else {
-    pool.push(job);
-  }
+  if (J == 0) std::fill(p.out, p.out + T * H, 0.0f);  // no pairs: a job with no tasks, done
+  job->set_done_flag(reinterpret_cast<int64_t*>(done_flag), done_value);
+  if (J != 0) pool.push(job);
   return job;
 }
 

@@ -11,6 +11,7 @@ from moelab.engine.graphs import DecodeGraphs
 from moelab.engine.moe import StagedStepTimes
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
+from moelab.kernels import host_handoff
 
 from .reference import DEVICE, make_engine
 
@@ -94,6 +95,27 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint):
     stages = StagedStepTimes.STAGES
     assert all(staged[f"{name}_us"] > 0 for name in stages)
     assert staged["total_us"] == pytest.approx(sum(staged[f"{name}_us"] for name in stages))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
+def test_a_cpu_job_that_never_hands_over_fails_the_step_clearly(checkpoint, monkeypatch):
+    """The next piece waits for the CPU's part; if it never comes, the step fails with a message
+    (not a hang, not a wrong token)."""
+    monkeypatch.setattr(host_handoff, "TIMEOUT_S", 0.2)
+    engine = make_engine(checkpoint, "--moe-cache-size", "20", "--moe-miss-policy", "cpu")
+    try:
+        graphs = DecodeGraphs(
+            engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
+        )
+        graphs.capture()
+        engine.graphs = graphs
+        submit = engine.moe.cpu.submit
+        # a job that never writes its epoch
+        monkeypatch.setattr(engine.moe.cpu, "submit", lambda *a, **handoff: submit(*a))
+        with pytest.raises(RuntimeError, match="gave up waiting for the CPU experts"):
+            engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+    finally:
+        engine.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -21,7 +21,15 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from moelab.kernels import fused_moe, gemv, grouped_moe, paged_attention, rmsnorm, router
+from moelab.kernels import (
+    fused_moe,
+    gemv,
+    grouped_moe,
+    host_handoff,
+    paged_attention,
+    rmsnorm,
+    router,
+)
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 BF16 = torch.bfloat16
@@ -95,6 +103,9 @@ def compile_all() -> list[JITFunction]:
         rmsnorm.fused_add_rmsnorm_triton(parts, x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
         rmsnorm.rmsnorm_triton(x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
     router.topk_softmax_triton(torch.randn(4, EXPERTS, dtype=BF16), TOP_K, True)
+    for tokens in (1, 8):  # an offloaded decode layer's CPU part, awaited on the device
+        out, part = torch.zeros(tokens, HIDDEN), torch.zeros(tokens, HIDDEN)
+        host_handoff.add_when_ready_triton(out, part, host_handoff.handoff_sync(pin=False))
     # the decode projections of the 30B geometry (qkv, o, router, lm_head): one token, and eight
     # (the multi-token path, split over K for o)
     for n, k in ((5120, HIDDEN), (HIDDEN, 4096), (EXPERTS, HIDDEN), (151936, HIDDEN)):

@@ -5,10 +5,14 @@ Run on a CUDA machine: pytest tests/kernels/test_cuda_real_shapes.py
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from moelab.kernels import fused_moe, grouped_moe, paged_attention, rmsnorm, router
+from moelab.kernels import fused_moe, grouped_moe, host_handoff, paged_attention, rmsnorm, router
+from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
+from moelab.kernels.host_handoff import DONE, EXPECTED, TIMED_OUT
 
 from .kernel_inputs import assert_matches, assert_top_k
 
@@ -172,3 +176,61 @@ def test_router(gen):
     logits = cuda_randn(gen, 16, EXPERTS, scale=2.0)  # bf16: equal logits happen, ties in any order
     weights, ids = router.topk_softmax(logits, TOP_K, True)
     assert_top_k(weights, ids, logits, TOP_K, renormalize=True)
+
+
+def test_add_when_ready_waits_on_the_device_for_the_host(gen):
+    """The GPU polls pinned memory: nothing is added until the host writes the epoch."""
+    out = torch.randn(8, HIDDEN, generator=gen).cuda()
+    part = torch.randn(8, HIDDEN, generator=gen).pin_memory()
+    expected = out + part.cuda()
+    sync = host_handoff.handoff_sync(pin=True)
+    sync[EXPECTED] = 1
+    host_handoff.add_when_ready(out, part, sync)
+    time.sleep(0.05)
+    assert not torch.cuda.current_stream().query(), "the kernel ended before the epoch was done"
+    sync[DONE] = 1
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected) and sync[TIMED_OUT] == 0
+
+
+def test_add_when_ready_gives_up_on_the_device(gen):
+    out = torch.randn(1, HIDDEN, generator=gen).cuda()
+    before = out.clone()
+    sync = host_handoff.handoff_sync(pin=True)
+    sync[EXPECTED] = 1
+    part = torch.zeros(1, HIDDEN).pin_memory()
+    host_handoff.add_when_ready_triton(out, part, sync, max_polls=1000)
+    torch.cuda.synchronize()
+    assert sync[TIMED_OUT] == 1 and torch.equal(out, before)
+
+
+def test_cpu_jobs_hand_over_to_a_replayed_graph(gen):
+    """The engine's staged step: a captured graph adds what each native CPU job wrote, epoch by
+    epoch, with the host queueing the replay before the job ends."""
+    tokens, experts = 2, 4
+    w13 = (torch.randn(experts, 2 * INTER, HIDDEN, generator=gen) * HIDDEN**-0.5).to(BF16)
+    w2 = (torch.randn(experts, HIDDEN, INTER, generator=gen) * INTER**-0.5).to(BF16)
+    part = torch.zeros(tokens, HIDDEN).pin_memory()
+    sync = host_handoff.handoff_sync(pin=True)
+    gpu_part = torch.zeros(tokens, HIDDEN, device="cuda")
+    out = torch.zeros(tokens, HIDDEN, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(gpu_part)
+        host_handoff.add_when_ready(out, part, sync)
+    with CpuExpertRunner(8, "native") as runner:
+        for epoch in range(1, 21):
+            x = torch.randn(tokens, HIDDEN, generator=gen)
+            pair_expert = torch.randint(0, experts, (5,), generator=gen, dtype=torch.int32)
+            pair_token = torch.randint(0, tokens, (5,), generator=gen, dtype=torch.int32)
+            pair_weight = torch.rand(5, generator=gen)
+            args = (x, w13, w2, pair_expert, pair_token, pair_weight)
+            gpu_part.copy_(torch.randn(tokens, HIDDEN, generator=gen))
+            job = runner.submit(*args, out=part, done_flag=sync, done_value=epoch)
+            sync[EXPECTED] = epoch
+            graph.replay()
+            torch.cuda.synchronize()
+            job.wait()
+            expected = gpu_part.cpu() + cpu_experts_ref(*args)
+            torch.testing.assert_close(out.cpu(), expected, rtol=1e-3, atol=1e-3)
+    assert sync[TIMED_OUT] == 0

@@ -1,0 +1,151 @@
+"""The CPU experts' handoff to the GPU: the epoch the CPU job writes, and the kernel that waits
+for it (under the Triton interpreter here; on a GPU in test_cuda_real_shapes.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from moelab.kernels import host_handoff
+from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
+from moelab.kernels.host_handoff import DONE, EXPECTED, TIMED_OUT
+
+from .test_cpu_experts import make_inputs, slow_inputs
+
+pytestmark = pytest.mark.usefixtures("triton_runs")
+
+WAITERS = {
+    "triton": host_handoff.add_when_ready_triton,
+    "ref": host_handoff.add_when_ready_ref,
+}
+
+
+def _set_later(sync: torch.Tensor, index: int, value: int, delay_s: float) -> threading.Thread:
+    def later() -> None:
+        time.sleep(delay_s)
+        sync[index] = value
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("waiter", list(WAITERS))
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_adds_the_part_only_once_the_epoch_is_done(gen, waiter, tokens):
+    out = torch.randn(tokens, 1500, generator=gen)  # not a multiple of the block
+    part = torch.randn(tokens, 1500, generator=gen)
+    expected = out + part
+    sync = host_handoff.handoff_sync(pin=False)
+    sync[DONE], sync[EXPECTED] = 6, 7
+    thread = _set_later(sync, DONE, 7, delay_s=0.3)
+    started_s = time.perf_counter()
+    WAITERS[waiter](out, part, sync)
+    waited_s = time.perf_counter() - started_s
+    thread.join()
+    assert waited_s >= 0.25, "it added before the CPU's epoch was done"
+    assert torch.equal(out, expected)
+    assert sync[TIMED_OUT] == 0
+
+
+@pytest.mark.parametrize("waiter", list(WAITERS))
+def test_an_epoch_already_done_adds_at_once(gen, waiter):
+    out, part = torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen)
+    expected = out + part
+    sync = host_handoff.handoff_sync(pin=False)
+    sync[DONE], sync[EXPECTED] = 9, 4  # DONE past EXPECTED: still ready
+    WAITERS[waiter](out, part, sync)
+    assert torch.equal(out, expected)
+
+
+def test_giving_up_sets_the_flag_and_leaves_out_alone(gen):
+    out, part = torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen)
+    before = out.clone()
+    sync = host_handoff.handoff_sync(pin=False)
+    sync[EXPECTED] = 1
+    host_handoff.add_when_ready_triton(out, part, sync, max_polls=8)
+    assert sync[TIMED_OUT] == 1 and torch.equal(out, before)
+    sync[TIMED_OUT] = 0
+    host_handoff.add_when_ready_ref(out, part, sync, timeout_s=0.05)
+    assert sync[TIMED_OUT] == 1 and torch.equal(out, before)
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_a_cpu_job_hands_its_output_to_the_waiting_kernel(gen, kernel):
+    """The engine's chain: the job writes its part and then the epoch; the kernel adds it."""
+    num_tokens, hidden = 3, 96
+    pairs = [(0, 0), (2, 0), (1, 1), (2, 2), (0, 2)]
+    args = make_inputs(gen, 3, hidden, 40, num_tokens, pairs, torch.bfloat16)
+    gpu_part = torch.randn(num_tokens, hidden, generator=gen)
+    expected = gpu_part + cpu_experts_ref(*args)
+    part = torch.full((num_tokens, hidden), float("nan"))  # a stale part must not be added
+    sync = host_handoff.handoff_sync(pin=False)
+    sync[EXPECTED] = 5
+    with CpuExpertRunner(2, kernel) as runner:
+        job = runner.submit(*args, out=part, done_flag=sync, done_value=5)
+        host_handoff.add_when_ready_triton(gpu_part, part, sync)
+        job.wait()
+    assert sync[DONE] == 5
+    torch.testing.assert_close(gpu_part, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_done_flag_comes_after_the_output(kernel):
+    """The epoch is written once the whole output is: whoever sees it can read the output."""
+    args = slow_inputs(torch.Generator().manual_seed(3))
+    expected = cpu_experts_ref(*args)
+    out = torch.full_like(expected, float("nan"))
+    flag = torch.zeros(8, dtype=torch.int64)
+    with CpuExpertRunner(1, kernel, **({"simd": "scalar"} if kernel == "native" else {})) as runner:
+        job = runner.submit(*args, out=out, done_flag=flag, done_value=42)
+        assert flag[0] == 0, "the epoch was written before the job ran"
+        while flag[0] != 42:
+            time.sleep(0)
+        seen = out.clone()  # read at the moment the epoch appeared, before wait()
+        job.wait()
+    torch.testing.assert_close(seen, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(flag[1:], torch.zeros(7, dtype=torch.int64)), "wrote past the flag"
+
+
+def test_a_job_with_no_pairs_is_done_at_once(gen):
+    x, w13, w2, *_ = make_inputs(gen, 3, 40, 24, 2, [(0, 0)], torch.bfloat16)
+    none_i = torch.zeros(0, dtype=torch.int32)
+    flag = torch.zeros(1, dtype=torch.int64)
+    out = torch.full((2, 40), 7.0)
+    with CpuExpertRunner(2, "native") as runner:
+        runner.submit(x, w13, w2, none_i, none_i, torch.zeros(0), out, done_flag=flag,
+                      done_value=3)  # fmt: skip
+        assert flag[0] == 3 and torch.equal(out, torch.zeros(2, 40))
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        ({"out": None}, "done_flag needs out"),
+        ({"done_flag": torch.zeros(1, dtype=torch.int32)}, "int64 tensor in host memory"),
+    ],
+)
+def test_bad_done_flags_get_a_clear_error(gen, call, words):
+    args = make_inputs(gen, 3, 16, 8, 1, [(0, 0)], torch.float32)
+    kwargs = {"out": torch.empty(1, 16), "done_flag": torch.zeros(1, dtype=torch.int64)} | call
+    with CpuExpertRunner(1, "native") as runner, pytest.raises(ValueError, match=words):
+        runner.submit(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("out", "part", "sync", "words"),
+    [
+        (torch.zeros(2, 8), torch.zeros(2, 9), None, "one shape"),
+        (torch.zeros(2, 8).bfloat16(), torch.zeros(2, 8), None, "fp32"),
+        (torch.zeros(2, 8), torch.zeros(8, 2).t(), None, "contiguous"),
+        (torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(3, dtype=torch.int64), "handoff_sync"),
+    ],
+)
+def test_bad_handoff_inputs_get_a_clear_error(out, part, sync, words):
+    sync = host_handoff.handoff_sync(pin=False) if sync is None else sync
+    for waiter in WAITERS.values():
+        with pytest.raises(ValueError, match=words):
+            waiter(out, part, sync)
