@@ -85,13 +85,14 @@ class ExpertCache:
 
     # lookups -------------------------------------------------------------------------------------
 
-    def lookup(self, layer: int, experts: np.ndarray) -> np.ndarray:
+    def lookup(self, layer: int, experts: list[int]) -> list[int]:
         """Slots of `experts` (-1 where missing); the ones found become most recently used."""
-        slots = self.slot_of[layer, experts]
+        slots = self.slot_of[layer][experts].tolist()
         base = layer * self.num_experts
-        for expert, slot in zip(experts.tolist(), slots.tolist(), strict=True):
+        lru = self._lru
+        for expert, slot in zip(experts, slots, strict=True):
             if slot >= 0:
-                self._lru.move_to_end(base + expert)
+                lru.move_to_end(base + expert)
                 self.hits += 1
         return slots
 

@@ -28,6 +28,7 @@ from ..kernels.grouped_moe import grouped_moe
 from ..kernels.host_handoff import DONE, EXPECTED, TIMED_OUT, add_when_ready, handoff_sync
 from .bank import ExpertBank
 from .cache import ExpertCache
+from .h2d import HostToDevice
 
 # CPU jobs of decode between two updates of the auto split from their measured rate
 ADAPT_EVERY_JOBS = 48
@@ -128,7 +129,6 @@ class _Dispatch:
     """Where the routes of one offloaded layer step run, and the work started for them."""
 
     route_slots: np.ndarray  # [T, K] cache slot of each route, -1 where it runs on the CPU
-    route_where: np.ndarray  # [T, K] 0 hit, 1 fetched now, 2 on the CPU
     job: object | None  # the CPU job (CpuExpertJob)
     admitted: list[tuple[int, int]]  # (expert, slot) to copy from the bank now
     cpu_experts: int
@@ -182,13 +182,17 @@ class MoERunner:
         self.on_decode_step: list[Callable] = []
         # the decode access stream, keys layer * E + expert in the order the cache sees them
         self.on_accesses: Callable[[np.ndarray], None] | None = None
-        self._accesses: list[np.ndarray] = []  # an offloaded step's, handed over once per step
+        self._accesses: list[int] = []  # an offloaded step's, handed over once per step
         self.timer = None  # a telemetry StepTimer while one step is being timed by phase
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         # the engine runs on the device's current stream; looked up once (the lookup costs more
         # than the small copies of a decode layer step)
         self.compute_stream = torch.cuda.current_stream(self.device) if cuda else None
+        # fills queued by the driver directly: torch's copy_ costs the host several times more
+        self._h2d_compute = HostToDevice(self.compute_stream) if cuda else None
+        self._h2d_copy = HostToDevice(self.copy_stream) if cuda else None
+        self._expert_bytes = bank.expert_bytes
         self._views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self._stage_w13: list[torch.Tensor] = []
         self._stage_w2: list[torch.Tensor] = []
@@ -361,7 +365,7 @@ class MoERunner:
 
     def _flush_accesses(self) -> None:
         if self._accesses and self.on_accesses is not None:
-            self.on_accesses(np.concatenate(self._accesses))
+            self.on_accesses(np.array(self._accesses, dtype=np.int64))
         self._accesses = []
 
     @property
@@ -416,71 +420,81 @@ class MoERunner:
         """The host side of an offloaded layer step, from its routing on the host
         (`_routing_to_host`): look the routes up in the cache, admit the experts to fetch, start
         the CPU job (writing into handoff_out and ending the next epoch, when given), count. The
-        caller copies the admitted experts."""
-        picks = self._counters.picks if decode else self.prefill_picks
+        caller copies the admitted experts.
+
+        On the serial path of every offloaded decode layer step: the per-expert work is on Python
+        lists (a numpy call on eight numbers costs more than the loop), numpy only for the routes.
+        """
+        picks = (self._counters.picks if decode else self.prefill_picks)[moe_layer]
         if ids_host.shape[0] == 1:  # one token: its experts are distinct, no counting needed
-            experts = np.sort(ids_host[0])
-            tokens_per_expert = np.ones(experts.size, dtype=np.int64)
-            picks[moe_layer, experts] += 1
+            picks[ids_host[0]] += 1
+            experts = sorted(ids_host[0].tolist())
+            tokens_of = None
         else:
-            np.add.at(picks[moe_layer], ids_host.ravel(), 1)
-            experts, tokens_per_expert = np.unique(ids_host, return_counts=True)
-        slots = self.cache.lookup(moe_layer, experts)
-        missing = experts[slots < 0]
-        q = self.policy.fetch_count(missing.size)
-        if q < missing.size:
+            np.add.at(picks, ids_host.ravel(), 1)
+            unique, counts = np.unique(ids_host, return_counts=True)
+            experts = unique.tolist()
+            tokens_of = dict(zip(experts, counts.tolist(), strict=True))
+        cache = self.cache
+        slots = cache.lookup(moe_layer, experts)
+        missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
+        q = self.policy.fetch_count(len(missing))
+        if q < len(missing):
             # fetch the most picked (likeliest reused); ties: more tokens now, then lower id
-            order = np.lexsort(
-                (missing, -tokens_per_expert[slots < 0], -self._counters.picks[moe_layer][missing])
+            seen = dict(zip(missing, self._counters.picks[moe_layer][missing].tolist(),
+                            strict=True))  # fmt: skip
+            ranked = sorted(
+                missing, key=lambda e: (-seen[e], -(tokens_of[e] if tokens_of else 1), e)
             )
-            fetch, on_cpu = missing[order[:q]], missing[order[q:]]
+            fetch, on_cpu = ranked[:q], ranked[q:]
         else:
-            fetch, on_cpu = missing, missing[:0]
-        protected = set(slots[slots >= 0].tolist())
+            fetch, on_cpu = missing, []
+        protected = {s for s in slots if s >= 0}
         admitted: list[tuple[int, int]] = []
-        for expert in fetch.tolist():
-            slot = self.cache.admit(moe_layer, expert, protected)
+        for expert in fetch:
+            slot = cache.admit(moe_layer, expert, protected)
             if slot is None:
                 break
             protected.add(slot)
             admitted.append((expert, slot))
-        if len(admitted) < fetch.size:  # every slot is in use by this step: the rest go to the CPU
-            on_cpu = np.concatenate([on_cpu, fetch[len(admitted) :]])
-        fetched = [expert for expert, _ in admitted]
-
-        # which routes run where, by lookup tables over the layer's experts
-        where = np.zeros(self.bank.num_experts, dtype=np.int8)  # 0 hit, 1 fetched, 2 CPU
-        where[fetched] = 1
-        where[on_cpu] = 2
-        route_where = where[ids_host]
+        if len(admitted) < len(fetch):  # every slot is in use by this step: the rest go to the CPU
+            on_cpu = on_cpu + fetch[len(admitted) :]
+        route_slots = cache.slot_of[moe_layer][ids_host]
         job = None
-        if on_cpu.size:
-            job = self._submit_cpu(
-                moe_layer, x_host, ids_host, weights_host, route_where == 2, handoff_out
-            )
+        if on_cpu:
+            cpu_mask = self._expert_mask(on_cpu)[ids_host]
+            route_slots[cpu_mask] = -1
+            job = self._submit_cpu(moe_layer, x_host, ids_host, weights_host, cpu_mask, handoff_out)
         if decode:
+            fetched = [expert for expert, _ in admitted]
             c = self._counters
-            c.reads[moe_layer] += experts.size
-            c.hits[moe_layer] += int((slots >= 0).sum())
+            c.reads[moe_layer] += len(experts)
+            c.hits[moe_layer] += len(experts) - len(missing)
             c.fills[moe_layer] += len(fetched)
-            c.cpu[moe_layer] += on_cpu.size
+            c.cpu[moe_layer] += len(on_cpu)
             for callback in self.on_decode_step:
-                callback(moe_layer, experts, slots, fetched, on_cpu.tolist())
+                callback(moe_layer, experts, slots, fetched, on_cpu)
             if self.on_accesses is not None:
                 base = moe_layer * self.bank.num_experts
-                self._accesses.append(np.concatenate([experts[slots >= 0], missing]) + base)
-        route_slots = self.cache.slot_of[moe_layer][ids_host]
-        route_slots[route_where == 2] = -1
-        return _Dispatch(route_slots, route_where, job, admitted, on_cpu.size)
+                self._accesses += [base + e for e, s in zip(experts, slots, strict=True) if s >= 0]
+                self._accesses += [base + e for e in missing]
+        return _Dispatch(route_slots, job, admitted, len(on_cpu))
+
+    def _expert_mask(self, experts: list[int]) -> np.ndarray:
+        """A layer's experts as a lookup table: True at `experts` (cheaper than np.isin)."""
+        mask = np.zeros(self.bank.num_experts, dtype=bool)
+        mask[experts] = True
+        return mask
 
     def _split(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
         """Hits on the device, misses split between slot fills and CPU execution (eager)."""
-        d = self._dispatch(moe_layer, *self._routing_to_host(x, ids, weights), decode)
+        ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
+        d = self._dispatch(moe_layer, ids_host, weights_host, x_host, decode)
         if d.job is not None and self.timer is not None:
             with self._phase("cpu_experts"):  # a timed step runs the CPU part alone
                 d.job.wait()
         kernel = fused_moe_decode if decode else grouped_moe
-        fetched_mask = d.route_where == 1
+        fetched_mask = self._expert_mask([expert for expert, _ in d.admitted])[ids_host]
         hit_slots = np.where(fetched_mask, -1, d.route_slots)
         out = None
         with self._phase("gpu_experts"):
@@ -544,8 +558,13 @@ class MoERunner:
         t2 = clock()
         # the fills go on the compute stream: nothing runs there until the next piece, which
         # needs them (no stream switch or event to pay for)
-        self._fill_slots(moe_layer, d.admitted)
-        slots_out.copy_(self._pinned_copy("route_slots", d.route_slots), non_blocking=True)
+        h2d = self._h2d_compute
+        self._fill_slots(moe_layer, d.admitted, h2d)
+        slots_host = self._pinned_copy("route_slots", d.route_slots)
+        if h2d is None:
+            slots_out.copy_(slots_host)
+        else:
+            h2d.tensor(slots_out, slots_host)
         state = self._handoff_sync.numpy()
         if d.job is None:  # nothing on the CPU: its part is zero, and ready now
             cpu_out.zero_()
@@ -588,7 +607,7 @@ class MoERunner:
         assert d.job is not None
         out = d.job.wait()
         if decode:
-            weight_bytes, seconds = d.cpu_experts * self.bank.expert_bytes, d.job.seconds()
+            weight_bytes, seconds = d.cpu_experts * self._expert_bytes, d.job.seconds()
             self.cpu_times.add(weight_bytes, seconds)
             self._cpu_window.add(weight_bytes, seconds)
             if self._cpu_window.jobs >= ADAPT_EVERY_JOBS:
@@ -617,19 +636,32 @@ class MoERunner:
         event that marks them done (None without CUDA, where the copies are done on return)."""
         stream = self.copy_stream
         if stream is None:
-            self._fill_slots(moe_layer, admitted)
+            self._fill_slots(moe_layer, admitted, None)
             return None
         stream.wait_stream(self.compute_stream)
-        with torch.cuda.stream(stream):
-            self._fill_slots(moe_layer, admitted)
+        self._fill_slots(moe_layer, admitted, self._h2d_copy)
         return self._record_copies()
 
-    def _fill_slots(self, moe_layer: int, admitted: list[tuple[int, int]]) -> None:
-        """Copy (expert, slot) pairs from the bank on the current stream (at once without CUDA)."""
+    def _fill_slots(
+        self, moe_layer: int, admitted: list[tuple[int, int]], h2d: HostToDevice | None
+    ) -> None:
+        """Copy (expert, slot) pairs from the bank: queued on h2d's stream, or at once without
+        CUDA."""
         bank_w13, bank_w2 = self.bank.w13[moe_layer], self.bank.w2[moe_layer]
+        cache = self.cache
+        if h2d is None:
+            for expert, slot in admitted:
+                cache.w13[slot].copy_(bank_w13[expert])
+                cache.w2[slot].copy_(bank_w2[expert])
+            return
+        n13 = cache.w13.stride(0) * cache.w13.element_size()  # one expert's matrix, in bytes
+        n2 = cache.w2.stride(0) * cache.w2.element_size()
+        assert bank_w13.is_contiguous() and bank_w13.stride(0) == cache.w13.stride(0)
+        dst13, dst2 = cache.w13.data_ptr(), cache.w2.data_ptr()
+        src13, src2 = bank_w13.data_ptr(), bank_w2.data_ptr()
         for expert, slot in admitted:
-            self.cache.w13[slot].copy_(bank_w13[expert], non_blocking=True)
-            self.cache.w2[slot].copy_(bank_w2[expert], non_blocking=True)
+            h2d.copy(dst13 + slot * n13, src13 + expert * n13, n13)
+            h2d.copy(dst2 + slot * n2, src2 + expert * n2, n2)
 
     def refill(self, moe_layer: int, expert: int, slot: int) -> None:
         """Copy one expert from the bank into a slot and wait (cache resize, warm-up)."""

@@ -359,8 +359,10 @@ class Pool {
       if (stopping_) throw std::runtime_error("this CpuExpertRunner is closed");
       job->mark_queued();
       queue_.push_back(std::move(job));
-      queued_.fetch_add(1, std::memory_order_release);
     }
+    // announced after the unlock: spinning workers that see it find the mutex free, rather than
+    // sleeping on it and costing this thread their wake-up
+    queued_.fetch_add(1, std::memory_order_release);
     cv_.notify_all();
   }
 
@@ -378,8 +380,13 @@ class Pool {
 
  private:
   std::shared_ptr<Job> next_job() {
-    spin_until([this] { return queued_.load(std::memory_order_acquire) > 0; }, spin_);
-    std::unique_lock<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+    // with a job announced, every spinning worker wants the mutex at once, each for a moment:
+    // take turns spinning on it rather than sleeping in the kernel one after another
+    if (spin_until([this] { return queued_.load(std::memory_order_acquire) > 0; }, spin_)) {
+      spin_until([&lock] { return lock.try_lock(); }, kWaiterSpin);
+    }
+    if (!lock.owns_lock()) lock.lock();
     cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
     if (queue_.empty()) return nullptr;
     return queue_.front();
