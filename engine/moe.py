@@ -100,19 +100,21 @@ class StagedStepTimes:
 
     The chain of one layer step is serial: the piece's graph is launched (`replay_s`), the host
     waits for its routing (`sync_s`: the piece's GPU work still running, which includes waiting
-    for the previous layer's CPU job, then the copies), decides hits, fills and CPU work and starts
-    the CPU job (`dispatch_s`), and queues the fills and the routes' slots (`fill_s`); then the
-    next piece is launched, without waiting for the CPU job (its first kernel does, on the GPU).
+    for the previous layer's fills and CPU job, then the copies), decides hits, fills and CPU work
+    (`plan_s`), queues the fills and the routes' slots (`fill_s`), then starts the CPU job and
+    counts (`start_s`); then the next piece is launched, without waiting for the CPU job (its
+    first kernel does, on the GPU).
     Timed by the host's clock, a few reads of it per layer step.
     """
 
     layer_steps: int = 0
     replay_s: float = 0.0
     sync_s: float = 0.0
-    dispatch_s: float = 0.0
+    plan_s: float = 0.0
     fill_s: float = 0.0
+    start_s: float = 0.0
 
-    STAGES = ("replay", "sync", "dispatch", "fill")
+    STAGES = ("replay", "sync", "plan", "fill", "start")
 
     def to_dict(self) -> dict:
         """Microseconds per layer step of each stage, and their sum."""
@@ -124,14 +126,23 @@ class StagedStepTimes:
         return {"layer_steps": n, **per_step, "total_us": total}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Dispatch:
-    """Where the routes of one offloaded layer step run, and the work started for them."""
+    """Where the routes of one offloaded layer step run (`_plan`), and the CPU job started for
+    them (`_start`)."""
 
-    route_slots: np.ndarray  # [T, K] cache slot of each route, -1 where it runs on the CPU
-    job: object | None  # the CPU job (CpuExpertJob)
+    experts: list[int]  # the layer's routed experts, ascending
+    slots: list[int]  # their cache slots before this step, -1 where missing
+    missing: list[int]
     admitted: list[tuple[int, int]]  # (expert, slot) to copy from the bank now
-    cpu_experts: int
+    on_cpu: list[int]  # experts run on the CPU
+    route_slots: np.ndarray  # [T, K] cache slot of each route, -1 where it runs on the CPU
+    cpu_mask: np.ndarray | None  # [T, K] routes run on the CPU (None: none)
+    job: object | None = None  # the CPU job (CpuExpertJob)
+
+    @property
+    def cpu_experts(self) -> int:
+        return len(self.on_cpu)
 
 
 @dataclass(slots=True)
@@ -418,9 +429,14 @@ class MoERunner:
         self, moe_layer, ids_host, weights_host, x_host, decode, handoff_out=None
     ) -> _Dispatch:
         """The host side of an offloaded layer step, from its routing on the host
-        (`_routing_to_host`): look the routes up in the cache, admit the experts to fetch, start
-        the CPU job (writing into handoff_out and ending the next epoch, when given), count. The
-        caller copies the admitted experts.
+        (`_routing_to_host`): `_plan`, then `_start`. The caller copies the admitted experts."""
+        d = self._plan(moe_layer, ids_host, decode)
+        self._start(d, moe_layer, ids_host, weights_host, x_host, decode, handoff_out)
+        return d
+
+    def _plan(self, moe_layer: int, ids_host: np.ndarray, decode: bool) -> _Dispatch:
+        """Look the routes up in the cache and admit the experts to fetch: which routes run from
+        a slot, which slots to fill, which routes go to the CPU.
 
         On the serial path of every offloaded decode layer step: the per-expert work is on Python
         lists (a numpy call on eight numbers costs more than the loop), numpy only for the routes.
@@ -460,25 +476,36 @@ class MoERunner:
         if len(admitted) < len(fetch):  # every slot is in use by this step: the rest go to the CPU
             on_cpu = on_cpu + fetch[len(admitted) :]
         route_slots = cache.slot_of[moe_layer][ids_host]
-        job = None
+        cpu_mask = None
         if on_cpu:
             cpu_mask = self._expert_mask(on_cpu)[ids_host]
             route_slots[cpu_mask] = -1
-            job = self._submit_cpu(moe_layer, x_host, ids_host, weights_host, cpu_mask, handoff_out)
-        if decode:
-            fetched = [expert for expert, _ in admitted]
-            c = self._counters
-            c.reads[moe_layer] += len(experts)
-            c.hits[moe_layer] += len(experts) - len(missing)
-            c.fills[moe_layer] += len(fetched)
-            c.cpu[moe_layer] += len(on_cpu)
-            for callback in self.on_decode_step:
-                callback(moe_layer, experts, slots, fetched, on_cpu)
-            if self.on_accesses is not None:
-                base = moe_layer * self.bank.num_experts
-                self._accesses += [base + e for e, s in zip(experts, slots, strict=True) if s >= 0]
-                self._accesses += [base + e for e in missing]
-        return _Dispatch(route_slots, job, admitted, len(on_cpu))
+        return _Dispatch(experts, slots, missing, admitted, on_cpu, route_slots, cpu_mask)
+
+    def _start(
+        self, d: _Dispatch, moe_layer, ids_host, weights_host, x_host, decode, handoff_out=None
+    ) -> None:
+        """Start the CPU job of a planned layer step (writing into handoff_out and ending the next
+        epoch, when given), and count the step."""
+        if d.cpu_mask is not None:
+            d.job = self._submit_cpu(
+                moe_layer, x_host, ids_host, weights_host, d.cpu_mask, handoff_out
+            )
+        if not decode:
+            return
+        experts, slots, missing = d.experts, d.slots, d.missing
+        fetched = [expert for expert, _ in d.admitted]
+        c = self._counters
+        c.reads[moe_layer] += len(experts)
+        c.hits[moe_layer] += len(experts) - len(missing)
+        c.fills[moe_layer] += len(fetched)
+        c.cpu[moe_layer] += len(d.on_cpu)
+        for callback in self.on_decode_step:
+            callback(moe_layer, experts, slots, fetched, d.on_cpu)
+        if self.on_accesses is not None:
+            base = moe_layer * self.bank.num_experts
+            self._accesses += [base + e for e, s in zip(experts, slots, strict=True) if s >= 0]
+            self._accesses += [base + e for e in missing]
 
     def _expert_mask(self, experts: list[int]) -> np.ndarray:
         """A layer's experts as a lookup table: True at `experts` (cheaper than np.isin)."""
@@ -551,20 +578,22 @@ class MoERunner:
         """
         clock = time.perf_counter
         t0 = clock()
-        routing = self._routing_to_host(x, ids, weights)
-        self._end_handoff()  # the previous layer's CPU job ended before this routing was made
+        ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
         t1 = clock()
-        d = self._dispatch(moe_layer, *routing, decode=True, handoff_out=cpu_out)
+        d = self._plan(moe_layer, ids_host, decode=True)
         t2 = clock()
-        # the fills go on the compute stream: nothing runs there until the next piece, which
-        # needs them (no stream switch or event to pay for)
+        # the fills first, the longest work of the step; on the compute stream: nothing runs
+        # there until the next piece, which needs them (no stream switch or event to pay for)
         h2d = self._h2d_compute
-        self._fill_slots(moe_layer, d.admitted, h2d)
         slots_host = self._pinned_copy("route_slots", d.route_slots)
         if h2d is None:
             slots_out.copy_(slots_host)
         else:
             h2d.tensor(slots_out, slots_host)
+        self._fill_slots(moe_layer, d.admitted, h2d)
+        t3 = clock()
+        self._start(d, moe_layer, ids_host, weights_host, x_host, True, handoff_out=cpu_out)
+        self._end_handoff()  # the previous layer's CPU job ended before this routing was made
         state = self._handoff_sync.numpy()
         if d.job is None:  # nothing on the CPU: its part is zero, and ready now
             cpu_out.zero_()
@@ -576,8 +605,9 @@ class MoERunner:
         times = self.staged_times
         times.layer_steps += 1
         times.sync_s += t1 - t0
-        times.dispatch_s += t2 - t1
-        times.fill_s += clock() - t2
+        times.plan_s += t2 - t1
+        times.fill_s += t3 - t2
+        times.start_s += clock() - t3
 
     def routed(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, cpu_part: torch.Tensor
