@@ -101,8 +101,8 @@ class StagedStepTimes:
     The chain of one layer step is serial: the piece's graph is launched (`replay_s`), the host
     waits for its routing (`sync_s`: the piece's GPU work still running, which includes waiting
     for the previous layer's fills and CPU job, then the copies), decides hits, fills and CPU work
-    (`plan_s`), queues the fills and the routes' slots (`fill_s`), then starts the CPU job and
-    counts (`start_s`); then the next piece is launched, without waiting for the CPU job (its
+    (`plan_s`), starts the CPU job (`start_s`), queues the fills and the routes' slots (`fill_s`)
+    and counts (`count_s`); then the next piece is launched, without waiting for the CPU job (its
     first kernel does, on the GPU).
     Timed by the host's clock, a few reads of it per layer step.
     """
@@ -111,10 +111,11 @@ class StagedStepTimes:
     replay_s: float = 0.0
     sync_s: float = 0.0
     plan_s: float = 0.0
-    fill_s: float = 0.0
     start_s: float = 0.0
+    fill_s: float = 0.0
+    count_s: float = 0.0
 
-    STAGES = ("replay", "sync", "plan", "fill", "start")
+    STAGES = ("replay", "sync", "plan", "start", "fill", "count")
 
     def to_dict(self) -> dict:
         """Microseconds per layer step of each stage, and their sum."""
@@ -431,7 +432,9 @@ class MoERunner:
         """The host side of an offloaded layer step, from its routing on the host
         (`_routing_to_host`): `_plan`, then `_start`. The caller copies the admitted experts."""
         d = self._plan(moe_layer, ids_host, decode)
-        self._start(d, moe_layer, ids_host, weights_host, x_host, decode, handoff_out)
+        self._start(d, moe_layer, ids_host, weights_host, x_host, handoff_out)
+        if decode:
+            self._count(d, moe_layer)
         return d
 
     def _plan(self, moe_layer: int, ids_host: np.ndarray, decode: bool) -> _Dispatch:
@@ -483,16 +486,17 @@ class MoERunner:
         return _Dispatch(experts, slots, missing, admitted, on_cpu, route_slots, cpu_mask)
 
     def _start(
-        self, d: _Dispatch, moe_layer, ids_host, weights_host, x_host, decode, handoff_out=None
+        self, d: _Dispatch, moe_layer, ids_host, weights_host, x_host, handoff_out=None
     ) -> None:
-        """Start the CPU job of a planned layer step (writing into handoff_out and ending the next
-        epoch, when given), and count the step."""
+        """Start the CPU job of a planned layer step, if it has one (writing into handoff_out and
+        ending the next epoch, when given)."""
         if d.cpu_mask is not None:
             d.job = self._submit_cpu(
                 moe_layer, x_host, ids_host, weights_host, d.cpu_mask, handoff_out
             )
-        if not decode:
-            return
+
+    def _count(self, d: _Dispatch, moe_layer: int) -> None:
+        """Count a planned decode layer step, and tell the observers."""
         experts, slots, missing = d.experts, d.slots, d.missing
         fetched = [expert for expert, _ in d.admitted]
         c = self._counters
@@ -582,8 +586,12 @@ class MoERunner:
         t1 = clock()
         d = self._plan(moe_layer, ids_host, decode=True)
         t2 = clock()
-        # the fills first, the longest work of the step; on the compute stream: nothing runs
-        # there until the next piece, which needs them (no stream switch or event to pay for)
+        # the CPU job and the fills as early as possible, the CPU job first: it takes as long as
+        # the fills (the split balances them) and costs the host more to start
+        self._start(d, moe_layer, ids_host, weights_host, x_host, handoff_out=cpu_out)
+        t3 = clock()
+        # the fills on the compute stream: nothing runs there until the next piece, which needs
+        # them (no stream switch or event to pay for)
         h2d = self._h2d_compute
         slots_host = self._pinned_copy("route_slots", d.route_slots)
         if h2d is None:
@@ -591,8 +599,8 @@ class MoERunner:
         else:
             h2d.tensor(slots_out, slots_host)
         self._fill_slots(moe_layer, d.admitted, h2d)
-        t3 = clock()
-        self._start(d, moe_layer, ids_host, weights_host, x_host, True, handoff_out=cpu_out)
+        t4 = clock()
+        self._count(d, moe_layer)
         self._end_handoff()  # the previous layer's CPU job ended before this routing was made
         state = self._handoff_sync.numpy()
         if d.job is None:  # nothing on the CPU: its part is zero, and ready now
@@ -606,8 +614,9 @@ class MoERunner:
         times.layer_steps += 1
         times.sync_s += t1 - t0
         times.plan_s += t2 - t1
-        times.fill_s += t3 - t2
-        times.start_s += clock() - t3
+        times.start_s += t3 - t2
+        times.fill_s += t4 - t3
+        times.count_s += clock() - t4
 
     def routed(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, cpu_part: torch.Tensor
@@ -728,6 +737,7 @@ class MoERunner:
             pair_weight,
             out,
             **handoff,
+            check=False,  # the bank's tensors and this runner's buffers, right by construction
         )
 
     def _prefill_streamed(self, moe_layer, x, ids, weights) -> torch.Tensor:

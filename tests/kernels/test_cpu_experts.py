@@ -464,3 +464,18 @@ def test_bench_rejects_bad_lists(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cpu_experts.main(["--threads", "0,2"])
     assert "positive comma-separated integers" in capsys.readouterr().err
+
+
+def test_unchecked_submit_computes_the_same_and_still_checks_the_pairs() -> None:
+    """check=False (the engine's decode path) skips the Python checks, not the native ones."""
+    gen = torch.Generator().manual_seed(SEED)
+    num_experts, hidden, inter, num_tokens, pairs = CASES["batch-shared"]
+    args = make_inputs(gen, num_experts, hidden, inter, num_tokens, pairs, torch.bfloat16)
+    with CpuExpertRunner(2, "native") as runner:
+        checked = runner.run(*args)
+        unchecked = runner.submit(*args, check=False).wait()
+        assert torch.equal(checked, unchecked)
+        x, w13, w2, _, pair_token, pair_weight = args
+        bad_expert = torch.full_like(pair_token, num_experts)
+        with pytest.raises(ValueError, match=re.escape(f"pair_expert[0] = {num_experts}")):
+            runner.submit(x, w13, w2, bad_expert, pair_token, pair_weight, check=False)
