@@ -426,13 +426,11 @@ class MoERunner:
     def _slots_to_device(self, name: str, slots: np.ndarray) -> torch.Tensor:
         return self._pinned_copy(name, slots).to(self.device, non_blocking=True)
 
-    def _dispatch(
-        self, moe_layer, ids_host, weights_host, x_host, decode, handoff_out=None
-    ) -> _Dispatch:
-        """The host side of an offloaded layer step, from its routing on the host
-        (`_routing_to_host`): `_plan`, then `_start`. The caller copies the admitted experts."""
+    def _dispatch(self, moe_layer, ids_host, weights_host, x_host, decode) -> _Dispatch:
+        """The host side of an eager offloaded layer step, from its routing on the host
+        (`_routing_to_host`): `_plan`, `_start`, count. The caller copies the admitted experts."""
         d = self._plan(moe_layer, ids_host, decode)
-        self._start(d, moe_layer, ids_host, weights_host, x_host, handoff_out)
+        self._start(d, moe_layer, ids_host, weights_host, x_host)
         if decode:
             self._count(d, moe_layer)
         return d
