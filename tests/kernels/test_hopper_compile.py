@@ -26,6 +26,7 @@ KERNELS = {
     "_one_token_kernel",
     "_tokens_kernel",
     "_sum_splits_kernel",
+    "_add_when_ready_kernel",
 }
 
 
