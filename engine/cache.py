@@ -2,15 +2,22 @@
 
 The cache only decides which (layer, expert) lives in which slot; copying weights into a slot is the
 MoE step's job (`engine/moe.py`), which knows the streams.
+
+Its state is a few numpy arrays (the slot of each expert, the key and the last use of each slot,
+the use clock and the counters), so that the native decode planner (kernels/cpu_experts.py,
+`DecodePlanner`) can make the same decisions on the same state without Python; this class is the
+reference for those decisions.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 import torch
+
+# indices into ExpertCache.state (int64): the use clock, then the counters
+TICK, HITS, FILLS, EVICTIONS = range(4)
 
 
 class ExpertCache:
@@ -39,16 +46,40 @@ class ExpertCache:
         self.slot_of_device = torch.full(
             (num_layers, num_experts), -1, dtype=torch.int32, device=device
         )
-        self._lru: OrderedDict[int, int] = OrderedDict()  # key (layer * E + expert) -> slot
-        self._free: list[int] = []
+        # per slot: its key (layer * E + expert, -1 while free) and its last use (-1 while free:
+        # free slots go first, the lowest first; then the least recently used)
+        self.key_of_slot = np.empty(0, dtype=np.int64)
+        self.last_use = np.empty(0, dtype=np.int64)
+        self.state = np.zeros(4, dtype=np.int64)
+        # bumped whenever the slot arrays are replaced (a planner holding their addresses is stale)
+        self.version = 0
         self._layer_major: bool | None = None
         self._device_stale = False
-        self.hits = 0
-        self.fills = 0
-        self.evictions = 0
         self._allocate(slots)
 
-    # sizes ---------------------------------------------------------------------------------------
+    # counters --------------------------------------------------------------------------------
+
+    @property
+    def hits(self) -> int:
+        return int(self.state[HITS])
+
+    @hits.setter
+    def hits(self, value: int) -> None:
+        self.state[HITS] = value
+
+    @property
+    def fills(self) -> int:
+        return int(self.state[FILLS])
+
+    @fills.setter
+    def fills(self, value: int) -> None:
+        self.state[FILLS] = value
+
+    @property
+    def evictions(self) -> int:
+        return int(self.state[EVICTIONS])
+
+    # sizes -----------------------------------------------------------------------------------
 
     @property
     def slots(self) -> int:
@@ -64,7 +95,7 @@ class ExpertCache:
 
     @property
     def resident(self) -> int:
-        return len(self._lru)
+        return int(np.count_nonzero(self.key_of_slot >= 0))
 
     def resident_per_layer(self) -> list[int]:
         return [int(n) for n in (self.slot_of >= 0).sum(axis=1)]
@@ -83,45 +114,56 @@ class ExpertCache:
     def holds_everything(self) -> bool:
         return self.resident == self.num_layers * self.num_experts
 
-    # lookups -------------------------------------------------------------------------------------
+    # lookups ---------------------------------------------------------------------------------
 
     def lookup(self, layer: int, experts: list[int]) -> list[int]:
-        """Slots of `experts` (-1 where missing); the ones found become most recently used."""
+        """Slots of `experts` (-1 where missing); the ones found become most recently used, in
+        the order given."""
         slots = self.slot_of[layer][experts].tolist()
-        base = layer * self.num_experts
-        lru = self._lru
-        for expert, slot in zip(experts, slots, strict=True):
+        state, last_use = self.state, self.last_use
+        for slot in slots:
             if slot >= 0:
-                lru.move_to_end(base + expert)
-                self.hits += 1
+                state[TICK] += 1
+                last_use[slot] = state[TICK]
+                state[HITS] += 1
         return slots
 
     def admit(self, layer: int, expert: int, protected: set[int]) -> int | None:
-        """A slot for (layer, expert), evicting the least recently used unprotected entry.
+        """A slot for (layer, expert): a free one, else the least recently used unprotected one,
+        whose expert is evicted.
 
         `protected` holds slots the current step still reads; None when every slot is protected.
         The caller copies the weights into the returned slot before using it.
         """
         key = layer * self.num_experts + expert
-        assert key not in self._lru, "admitting an expert that is already resident"
-        if self._free:
-            slot = self._free.pop()
-        else:
-            victim = next((k for k, s in self._lru.items() if s not in protected), None)
-            if victim is None:
+        assert self.slot_of[layer, expert] < 0, "admitting an expert that is already resident"
+        if protected:
+            candidates = self.last_use.copy()
+            candidates[list(protected)] = np.iinfo(np.int64).max
+            slot = int(candidates.argmin())
+            if slot in protected:
                 return None
-            slot = self._lru.pop(victim)
+        else:
+            slot = int(self.last_use.argmin())
+        victim = int(self.key_of_slot[slot])
+        if victim >= 0:
             self._set(victim, -1)
-            self.evictions += 1
-        self._lru[key] = slot
+            self.state[EVICTIONS] += 1
+        self.key_of_slot[slot] = key
+        self.state[TICK] += 1
+        self.last_use[slot] = self.state[TICK]
         self._set(key, slot)
-        self.fills += 1
+        self.state[FILLS] += 1
         return slot
 
     def _set(self, key: int, slot: int) -> None:
-        self._layer_major = None
         layer, expert = divmod(key, self.num_experts)
         self.slot_of[layer, expert] = slot
+        self.changed()
+
+    def changed(self) -> None:
+        """The slot map changed (here, or in the native planner): derived views are stale."""
+        self._layer_major = None
         self._device_stale = True
 
     def device_slot_map(self) -> torch.Tensor:
@@ -135,13 +177,15 @@ class ExpertCache:
             self._device_stale = False
         return self.slot_of_device
 
-    # sizing --------------------------------------------------------------------------------------
+    # sizing ----------------------------------------------------------------------------------
 
     def _allocate(self, slots: int) -> None:
         h, i = self.hidden_size, self.intermediate_size
         self.w13 = torch.empty((slots, 2 * i, h), dtype=self.dtype, device=self.device)
         self.w2 = torch.empty((slots, h, i), dtype=self.dtype, device=self.device)
-        self._free = list(range(slots - 1, -1, -1))
+        self.key_of_slot = np.full(slots, -1, dtype=np.int64)
+        self.last_use = np.full(slots, -1, dtype=np.int64)
+        self.version += 1
 
     def resize(self, slots: int, refill: Callable[[int, int, int], None]) -> None:
         """Change the number of slots, keeping the most recently used experts that still fit.
@@ -149,16 +193,18 @@ class ExpertCache:
         The old slots are freed first (so growing needs no room for both); `refill(layer, expert,
         slot)` copies each kept expert back from the host bank.
         """
-        keep = list(self._lru.keys())[-slots:] if slots else []
+        used = np.flatnonzero(self.key_of_slot >= 0)
+        by_use = used[np.argsort(self.last_use[used], kind="stable")]
+        keep = [(int(self.key_of_slot[s]), int(self.last_use[s])) for s in by_use]
+        keep = keep[-slots:] if slots else []
         self.w13 = self.w2 = torch.empty(0)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.slot_of.fill(-1)
-        self._device_stale = True
-        self._lru.clear()
+        self.changed()
         self._allocate(slots)
-        for key in keep:
-            slot = self._free.pop()
-            self._lru[key] = slot
+        for slot, (key, last_use) in enumerate(keep):
+            self.key_of_slot[slot] = key
+            self.last_use[slot] = last_use
             self._set(key, slot)
             refill(*divmod(key, self.num_experts), slot)

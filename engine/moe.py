@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.cpu_experts import CpuExpertRunner
+from ..kernels.cpu_experts import CpuExpertJob, CpuExpertRunner
 from ..kernels.fused_moe import fused_moe_decode
 from ..kernels.grouped_moe import grouped_moe
 from ..kernels.host_handoff import DONE, EXPECTED, TIMED_OUT, add_when_ready, handoff_sync
@@ -101,8 +101,8 @@ class StagedStepTimes:
     The chain of one layer step is serial: the piece's graph is launched (`replay_s`), the host
     waits for its routing (`sync_s`: the piece's GPU work still running, which includes waiting
     for the previous layer's fills and CPU job, then the copies), decides hits, fills and CPU work
-    (`plan_s`), starts the CPU job (`start_s`), queues the fills and the routes' slots (`fill_s`)
-    and counts (`count_s`); then the next piece is launched, without waiting for the CPU job (its
+    and starts the CPU job (`plan_s`), queues the fills and the routes' slots (`fill_s`) and
+    counts (`count_s`); then the next piece is launched, without waiting for the CPU job (its
     first kernel does, on the GPU).
     Timed by the host's clock, a few reads of it per layer step.
     """
@@ -111,11 +111,10 @@ class StagedStepTimes:
     replay_s: float = 0.0
     sync_s: float = 0.0
     plan_s: float = 0.0
-    start_s: float = 0.0
     fill_s: float = 0.0
     count_s: float = 0.0
 
-    STAGES = ("replay", "sync", "plan", "start", "fill", "count")
+    STAGES = ("replay", "sync", "plan", "fill", "count")
 
     def to_dict(self) -> dict:
         """Microseconds per layer step of each stage, and their sum."""
@@ -138,8 +137,9 @@ class _Dispatch:
     admitted: list[tuple[int, int]]  # (expert, slot) to copy from the bank now
     on_cpu: list[int]  # experts run on the CPU
     route_slots: np.ndarray  # [T, K] cache slot of each route, -1 where it runs on the CPU
-    cpu_mask: np.ndarray | None  # [T, K] routes run on the CPU (None: none)
+    cpu_mask: np.ndarray | None  # [T, K] routes run on the CPU (None: none, or already started)
     job: object | None = None  # the CPU job (CpuExpertJob)
+    route_slots_host: torch.Tensor | None = None  # route_slots in a reusable (pinned) buffer
 
     @property
     def cpu_experts(self) -> int:
@@ -222,6 +222,10 @@ class MoERunner:
         self._handoff_out: torch.Tensor | None = None
         self._epoch = 0  # of the last CPU part handed over (the value DONE reaches)
         self._pending: _Dispatch | None = None  # the staged layer whose CPU job is not ended
+        # the native planner of decode layer steps (None: the Python `_plan`), rebuilt when the
+        # cache replaces its arrays
+        self._planner: object | None = None
+        self._planner_version = -1
 
     # prefill buffers ----------------------------------------------------------------------------
 
@@ -408,10 +412,10 @@ class MoERunner:
             return ids.numpy(), weights.float(), x.float()
         ids_h = self._pinned("ids", tuple(ids.shape), torch.int32)
         w_h = self._pinned("weights", tuple(weights.shape), torch.float32)
-        x_h = self._pinned("x", tuple(x.shape), x.dtype)  # made fp32 on the host if a job needs it
+        x_h = self._pinned("x", tuple(x.shape), torch.float32)  # as the CPU experts read it
         ids_h.copy_(ids, non_blocking=True)
         w_h.copy_(weights, non_blocking=True)
-        x_h.copy_(x, non_blocking=True)
+        x_h.copy_(x.float(), non_blocking=True)  # converted on the device
         self.compute_stream.synchronize()
         return ids_h.numpy(), w_h, x_h
 
@@ -428,12 +432,59 @@ class MoERunner:
 
     def _dispatch(self, moe_layer, ids_host, weights_host, x_host, decode) -> _Dispatch:
         """The host side of an eager offloaded layer step, from its routing on the host
-        (`_routing_to_host`): `_plan`, `_start`, count. The caller copies the admitted experts."""
-        d = self._plan(moe_layer, ids_host, decode)
-        self._start(d, moe_layer, ids_host, weights_host, x_host)
+        (`_routing_to_host`): plan and start, count. The caller copies the admitted experts."""
+        d = self._plan_and_start(moe_layer, ids_host, weights_host, x_host, decode)
         if decode:
             self._count(d, moe_layer)
         return d
+
+    def _plan_and_start(
+        self, moe_layer, ids_host, weights_host, x_host, decode, handoff_out=None
+    ) -> _Dispatch:
+        """Plan a layer step and start its CPU job: in native code for decode when the CPU
+        experts are native (`DecodePlanner`, the same decisions), else `_plan` and `_start`."""
+        planner = self._decode_planner() if decode else None
+        if planner is None:
+            d = self._plan(moe_layer, ids_host, decode)
+            self._start(d, moe_layer, ids_host, weights_host, x_host, handoff_out)
+            return d
+        ids = np.ascontiguousarray(ids_host, dtype=np.int32)
+        weights = weights_host.float().contiguous()
+        x = x_host.float().contiguous()
+        route_slots = self._pinned("route_slots", ids.shape, torch.int32)
+        if handoff_out is None:
+            out, flag, value = self._pinned("cpu_out", tuple(x.shape), torch.float32), None, 0
+        else:
+            out, flag, value = handoff_out, self._handoff_sync, self._epoch + 1
+        experts, slots, admitted, on_cpu, job = planner.step(
+            moe_layer, ids.ctypes.data, weights.data_ptr(), x.data_ptr(), ids.shape[0],
+            self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
+            0 if flag is None else flag.data_ptr(), value,
+        )  # fmt: skip
+        if admitted:
+            self.cache.changed()
+        missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
+        d = _Dispatch(experts, slots, missing, admitted, on_cpu, route_slots.numpy(), None)
+        d.route_slots_host = route_slots
+        if job is not None:
+            keep = (ids, weights, x, out) if flag is None else (ids, weights, x, out, flag)
+            d.job = CpuExpertJob(out, job=job, keep=keep)
+            if flag is not None:
+                self._epoch = value
+        return d
+
+    def _decode_planner(self) -> object | None:
+        cache = self.cache
+        if self.cpu is None or self.cpu.kernel != "native":
+            return None
+        if self._planner is None or self._planner_version != cache.version:
+            self._planner = self.cpu.decode_planner(
+                slot_of=cache.slot_of, key_of_slot=cache.key_of_slot, last_use=cache.last_use,
+                state=cache.state, picks=self._counters.picks, w13=self.bank.w13,
+                w2=self.bank.w2, top_k=self.top_k,
+            )  # fmt: skip
+            self._planner_version = cache.version
+        return self._planner
 
     def _plan(self, moe_layer: int, ids_host: np.ndarray, decode: bool) -> _Dispatch:
         """Look the routes up in the cache and admit the experts to fetch: which routes run from
@@ -582,16 +633,18 @@ class MoERunner:
         t0 = clock()
         ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
         t1 = clock()
-        d = self._plan(moe_layer, ids_host, decode=True)
-        t2 = clock()
         # the CPU job and the fills as early as possible, the CPU job first: it takes as long as
         # the fills (the split balances them) and costs the host more to start
-        self._start(d, moe_layer, ids_host, weights_host, x_host, handoff_out=cpu_out)
+        d = self._plan_and_start(
+            moe_layer, ids_host, weights_host, x_host, decode=True, handoff_out=cpu_out
+        )
         t3 = clock()
         # the fills on the compute stream: nothing runs there until the next piece, which needs
         # them (no stream switch or event to pay for)
         h2d = self._h2d_compute
-        slots_host = self._pinned_copy("route_slots", d.route_slots)
+        slots_host = d.route_slots_host
+        if slots_host is None:
+            slots_host = self._pinned_copy("route_slots", d.route_slots)
         if h2d is None:
             slots_out.copy_(slots_host)
         else:
@@ -611,8 +664,7 @@ class MoERunner:
         times = self.staged_times
         times.layer_steps += 1
         times.sync_s += t1 - t0
-        times.plan_s += t2 - t1
-        times.start_s += t3 - t2
+        times.plan_s += t3 - t1
         times.fill_s += t4 - t3
         times.count_s += clock() - t4
 

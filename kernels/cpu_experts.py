@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import platformdirs
 import torch
 import torch.nn.functional as F
@@ -389,6 +390,76 @@ class CpuExpertRunner:
         )
         keep = (x, w13, w2, out) if done_flag is None else (x, w13, w2, out, done_flag)
         return CpuExpertJob(out, job=job, keep=keep)
+
+    def decode_planner(
+        self,
+        *,
+        slot_of: np.ndarray,
+        key_of_slot: np.ndarray,
+        last_use: np.ndarray,
+        state: np.ndarray,
+        picks: np.ndarray,
+        w13: list[torch.Tensor],
+        w2: list[torch.Tensor],
+        top_k: int,
+    ) -> object | None:
+        """The native DecodePlanner (kernels/csrc/cpu_experts.cpp) over an expert cache's arrays
+        (engine/cache.py) and decode pick counts, queueing its CPU jobs on this runner's workers;
+        None with the torch kernel.
+
+        It keeps the arrays' addresses: they must stay alive and in place while it is used, and a
+        cache that replaces them needs a new planner.
+        """
+        if self._module is None:
+            return None
+        layers, experts = slot_of.shape
+        arrays = {
+            "slot_of": (slot_of, np.int32, (layers, experts)),
+            "key_of_slot": (key_of_slot, np.int64, (key_of_slot.size,)),
+            "last_use": (last_use, np.int64, (key_of_slot.size,)),
+            "state": (state, np.int64, (4,)),
+            "picks": (picks, np.int64, (layers, experts)),
+        }
+        for name, (array, dtype, shape) in arrays.items():
+            if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
+                raise ValueError(
+                    f"{name} must be a contiguous {np.dtype(dtype).name} array of shape {shape}, "
+                    f"got {array.dtype} {array.shape}"
+                )
+        if len(w13) != layers or len(w2) != layers:
+            raise ValueError(f"w13 and w2 need one tensor per layer ({layers})")
+        _, two_inter, hidden = w13[0].shape
+        for a, b in zip(w13, w2, strict=True):
+            if (
+                a.shape != (experts, two_inter, hidden)
+                or b.shape != (experts, hidden, two_inter // 2)
+                or a.dtype not in _WEIGHT_CODES
+                or b.dtype != a.dtype
+                or not (a.is_contiguous() and b.is_contiguous())
+                or a.device.type != "cpu"
+            ):
+                raise ValueError(
+                    "every layer's w13 and w2 must be contiguous host tensors of "
+                    f"[{experts}, 2I, H] and [{experts}, H, I], one dtype"
+                )
+        return self._module.DecodePlanner(
+            self._pool,
+            _SIMD_CODES[self.simd],
+            _WEIGHT_CODES[w13[0].dtype],
+            slot_of.ctypes.data,
+            key_of_slot.ctypes.data,
+            last_use.ctypes.data,
+            key_of_slot.size,
+            state.ctypes.data,
+            picks.ctypes.data,
+            layers,
+            experts,
+            top_k,
+            hidden,
+            two_inter // 2,
+            [t.data_ptr() for t in w13],
+            [t.data_ptr() for t in w2],
+        )
 
     def run(
         self,

@@ -582,26 +582,18 @@ std::shared_ptr<Job> make_expert_job(WeightType wt, const ExpertProblem& p,
   throw std::invalid_argument("unknown weight type");
 }
 
-// Queues one call; the pair arrays are copied (grouped by expert) before this returns, the tensors
-// behind x, out, w13 and w2 must stay alive and unchanged until the job is done. done_flag: 0, or
-// the address of an int64 that receives done_value once out is written.
-std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintptr_t x,
-                                    uintptr_t out, uintptr_t w13, uintptr_t w2, int64_t T,
-                                    int64_t H, int64_t I, int64_t E, uintptr_t pair_expert,
-                                    uintptr_t pair_token, uintptr_t pair_weight, int64_t J,
-                                    uintptr_t done_flag, int64_t done_value) {
-  const auto* pe = reinterpret_cast<const int32_t*>(pair_expert);
-  const auto* pt = reinterpret_cast<const int32_t*>(pair_token);
-  const auto* pw = reinterpret_cast<const float*>(pair_weight);
+// Checks every pair's expert and token, groups the pairs by expert and makes the job (not queued).
+std::shared_ptr<Job> make_job(const Pool& pool, int simd, int weight_type, const ExpertProblem& p,
+                              const int32_t* pe, const int32_t* pt, const float* pw, int64_t J) {
   for (int64_t j = 0; j < J; ++j) {
     const std::string at = "[" + std::to_string(j) + "] = ";
-    if (pe[j] < 0 || pe[j] >= E) {
+    if (pe[j] < 0 || pe[j] >= p.E) {
       throw std::invalid_argument("pair_expert" + at + std::to_string(pe[j]) +
-                                  " is outside 0.." + std::to_string(E - 1));
+                                  " is outside 0.." + std::to_string(p.E - 1));
     }
-    if (pt[j] < 0 || pt[j] >= T) {
+    if (pt[j] < 0 || pt[j] >= p.T) {
       throw std::invalid_argument("pair_token" + at + std::to_string(pt[j]) + " is outside 0.." +
-                                  std::to_string(T - 1));
+                                  std::to_string(p.T - 1));
     }
   }
   std::vector<int32_t> order(J);
@@ -620,9 +612,6 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
     weight[k] = pw[j];
   }
   group_start.push_back(int32_t(J));
-  const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
-                        reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
-                        T, H, I, E};
   const auto wt = static_cast<WeightType>(weight_type);
   const int threads = pool.num_threads();
   std::shared_ptr<Job> job;
@@ -643,11 +632,204 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
     default:
       throw std::invalid_argument("this build has no such SIMD level");
   }
-  if (J == 0) std::fill(p.out, p.out + T * H, 0.0f);  // no pairs: a job with no tasks, done
+  if (J == 0) std::fill(p.out, p.out + p.T * p.H, 0.0f);  // no pairs: a job with no tasks, done
+  return job;
+}
+
+// Queues one call; the pair arrays are copied (grouped by expert) before this returns, the tensors
+// behind x, out, w13 and w2 must stay alive and unchanged until the job is done. done_flag: 0, or
+// the address of an int64 that receives done_value once out is written.
+std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintptr_t x,
+                                    uintptr_t out, uintptr_t w13, uintptr_t w2, int64_t T,
+                                    int64_t H, int64_t I, int64_t E, uintptr_t pair_expert,
+                                    uintptr_t pair_token, uintptr_t pair_weight, int64_t J,
+                                    uintptr_t done_flag, int64_t done_value) {
+  const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
+                        reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
+                        T, H, I, E};
+  auto job = make_job(pool, simd, weight_type, p, reinterpret_cast<const int32_t*>(pair_expert),
+                      reinterpret_cast<const int32_t*>(pair_token),
+                      reinterpret_cast<const float*>(pair_weight), J);
   job->set_done_flag(reinterpret_cast<int64_t*>(done_flag), done_value);
   if (J != 0) pool.push(job);
   return job;
 }
+
+// -------------------------------------------------------------------------------------------------
+// The decode planner: one offloaded decode layer step's host decisions without Python.
+//
+// The same decisions as MoERunner._plan (engine/moe.py) over ExpertCache (engine/cache.py), on the
+// same numpy arrays, which this object only holds the addresses of: count the picks, look the
+// routed experts up (hits become most recently used), fetch round(m * fraction) of the m misses
+// (the most picked first; ties: more tokens now, then the lower id) into free or least recently
+// used unprotected slots, run the rest on the CPU, write each route's slot (-1: on the CPU), and
+// queue the CPU job. On the serial path of every offloaded layer step, where Python took ~100 µs.
+
+class DecodePlanner {
+ public:
+  DecodePlanner(Pool& pool, int simd, int weight_type, uintptr_t slot_of, uintptr_t key_of_slot,
+                uintptr_t last_use, int64_t slots, uintptr_t state, uintptr_t picks,
+                int64_t layers, int64_t experts, int64_t top_k, int64_t hidden, int64_t inter,
+                std::vector<uintptr_t> w13, std::vector<uintptr_t> w2)
+      : pool_(pool),
+        simd_(simd),
+        weight_type_(weight_type),
+        slot_of_(reinterpret_cast<int32_t*>(slot_of)),
+        key_of_slot_(reinterpret_cast<int64_t*>(key_of_slot)),
+        last_use_(reinterpret_cast<int64_t*>(last_use)),
+        slots_(slots),
+        state_(reinterpret_cast<int64_t*>(state)),
+        picks_(reinterpret_cast<int64_t*>(picks)),
+        layers_(layers),
+        experts_(experts),
+        top_k_(top_k),
+        hidden_(hidden),
+        inter_(inter),
+        w13_(std::move(w13)),
+        w2_(std::move(w2)),
+        tokens_(experts, 0),
+        where_(experts, kNotRouted),
+        protected_(slots, 0) {
+    if (int64_t(w13_.size()) != layers || int64_t(w2_.size()) != layers) {
+      throw std::invalid_argument("one w13 and one w2 address per layer are needed");
+    }
+  }
+
+  // Plans layer `layer` for routes ids/weights [T, top_k] (int32, fp32) of rows x [T, H] (fp32);
+  // writes route_slots [T, top_k]. CPU routes' weighted sum goes to out [T, H] (fp32), then
+  // done_value to done_flag if that is not 0. Returns (experts ascending, their slots before the
+  // step, admitted (expert, slot) pairs, experts run on the CPU, the CPU job or None).
+  py::tuple step(int64_t layer, uintptr_t ids_addr, uintptr_t weights_addr, uintptr_t x,
+                 int64_t T, double fetch_fraction, uintptr_t route_slots_addr, uintptr_t out,
+                 uintptr_t done_flag, int64_t done_value) {
+    if (layer < 0 || layer >= layers_) throw std::invalid_argument("no such MoE layer");
+    const auto* ids = reinterpret_cast<const int32_t*>(ids_addr);
+    const auto* weights = reinterpret_cast<const float*>(weights_addr);
+    auto* route_slots = reinterpret_cast<int32_t*>(route_slots_addr);
+    const int64_t R = T * top_k_;
+    for (int64_t r = 0; r < R; ++r) {
+      if (ids[r] < 0 || ids[r] >= experts_) {
+        throw std::invalid_argument("routed expert " + std::to_string(ids[r]) +
+                                    " is outside 0.." + std::to_string(experts_ - 1));
+      }
+    }
+    int64_t* picks = picks_ + layer * experts_;
+    int32_t* slot_of = slot_of_ + layer * experts_;
+    std::vector<int32_t> routed;  // the layer's experts, ascending
+    for (int64_t r = 0; r < R; ++r) {
+      const int32_t e = ids[r];
+      picks[e] += 1;
+      if (tokens_[e]++ == 0) routed.push_back(e);
+    }
+    std::sort(routed.begin(), routed.end());
+    std::vector<int32_t> before(routed.size()), missing;
+    for (size_t i = 0; i < routed.size(); ++i) {
+      const int32_t e = routed[i], slot = slot_of[e];
+      before[i] = slot;
+      if (slot >= 0) {
+        last_use_[slot] = ++state_[kTick];
+        ++state_[kHits];
+        protected_[slot] = 1;
+      } else {
+        missing.push_back(e);
+      }
+    }
+    const int64_t m = int64_t(missing.size());
+    // Python's round(): half to even, as nearbyint does in the default rounding mode
+    const int64_t q = std::min<int64_t>(
+        m, std::max<int64_t>(0, int64_t(std::nearbyint(double(m) * fetch_fraction))));
+    if (q < m) {
+      std::stable_sort(missing.begin(), missing.end(), [&](int32_t a, int32_t b) {
+        if (picks[a] != picks[b]) return picks[a] > picks[b];
+        if (tokens_[a] != tokens_[b]) return tokens_[a] > tokens_[b];
+        return a < b;
+      });
+    }
+    py::list admitted;
+    std::vector<int32_t> on_cpu(missing.begin() + q, missing.end());
+    for (int64_t i = 0; i < q; ++i) {
+      const int32_t e = missing[i];
+      const int64_t slot = victim();
+      if (slot < 0) {  // every slot is in use by this step: the rest go to the CPU
+        on_cpu.insert(on_cpu.end(), missing.begin() + i, missing.begin() + q);
+        break;
+      }
+      const int64_t old = key_of_slot_[slot];
+      if (old >= 0) {
+        slot_of_[old] = -1;
+        ++state_[kEvictions];
+      }
+      key_of_slot_[slot] = layer * experts_ + e;
+      last_use_[slot] = ++state_[kTick];
+      slot_of[e] = int32_t(slot);
+      ++state_[kFills];
+      protected_[slot] = 1;
+      admitted.append(py::make_tuple(e, slot));
+    }
+    for (int32_t e : on_cpu) where_[e] = kOnCpu;
+    std::vector<int32_t> pair_expert, pair_token;
+    std::vector<float> pair_weight;
+    for (int64_t r = 0; r < R; ++r) {
+      const int32_t e = ids[r];
+      if (where_[e] == kOnCpu) {
+        route_slots[r] = -1;
+        pair_expert.push_back(e);
+        pair_token.push_back(int32_t(r / top_k_));
+        pair_weight.push_back(weights[r]);
+      } else {
+        route_slots[r] = slot_of[e];
+      }
+    }
+    // back to the idle marks for the next step (a slot is protected only during its step)
+    for (int32_t e : routed) {
+      tokens_[e] = 0;
+      where_[e] = kNotRouted;
+      if (slot_of[e] >= 0) protected_[slot_of[e]] = 0;
+    }
+    py::object job = py::none();
+    if (!on_cpu.empty()) {
+      const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
+                            reinterpret_cast<const void*>(w13_[layer]),
+                            reinterpret_cast<const void*>(w2_[layer]),
+                            T, hidden_, inter_, experts_};
+      auto j = make_job(pool_, simd_, weight_type_, p, pair_expert.data(), pair_token.data(),
+                        pair_weight.data(), int64_t(pair_expert.size()));
+      j->set_done_flag(reinterpret_cast<int64_t*>(done_flag), done_value);
+      pool_.push(j);
+      job = py::cast(j);
+    }
+    return py::make_tuple(routed, before, admitted, on_cpu, job);
+  }
+
+ private:
+  static constexpr int64_t kTick = 0, kHits = 1, kFills = 2, kEvictions = 3;  // cache.py's state
+  static constexpr int8_t kNotRouted = 0, kOnCpu = 1;
+
+  // A free slot (last use -1), else the least recently used unprotected one; the lowest index on
+  // ties; -1 when every slot is protected.
+  int64_t victim() const {
+    int64_t best = -1;
+    for (int64_t s = 0; s < slots_; ++s) {
+      if (!protected_[s] && (best < 0 || last_use_[s] < last_use_[best])) best = s;
+    }
+    return best;
+  }
+
+  Pool& pool_;
+  const int simd_, weight_type_;
+  int32_t* const slot_of_;       // [layers, experts]
+  int64_t* const key_of_slot_;   // [slots]
+  int64_t* const last_use_;      // [slots]
+  const int64_t slots_;
+  int64_t* const state_;         // tick, hits, fills, evictions
+  int64_t* const picks_;         // [layers, experts]
+  const int64_t layers_, experts_, top_k_, hidden_, inter_;
+  const std::vector<uintptr_t> w13_, w2_;  // per layer: [experts, 2I, H], [experts, H, I]
+  // scratch, all zero between steps
+  std::vector<int32_t> tokens_;   // per expert: routes to it this step
+  std::vector<int8_t> where_;     // per expert: kOnCpu this step
+  std::vector<int8_t> protected_; // per slot: read by this step
+};
 
 // -------------------------------------------------------------------------------------------------
 // The host read rate: sum a buffer in blocks over the same pool.
@@ -713,6 +895,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("seconds", &Job::seconds)
       .def("wait", &Job::wait, py::call_guard<py::gil_scoped_release>());
   m.def("submit_experts", &submit_experts);
+  py::class_<DecodePlanner>(m, "DecodePlanner")
+      .def(py::init<Pool&, int, int, uintptr_t, uintptr_t, uintptr_t, int64_t, uintptr_t,
+                    uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                    std::vector<uintptr_t>, std::vector<uintptr_t>>(),
+           py::keep_alive<1, 2>())
+      .def("step", &DecodePlanner::step);
   m.def("read_sum", &read_sum);
   m.def("simd_levels", &simd_levels);
 }

@@ -98,7 +98,8 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
-def test_a_cpu_job_that_never_hands_over_fails_the_step_clearly(checkpoint, monkeypatch):
+@pytest.mark.parametrize("planner", ["native", "python"])
+def test_a_cpu_job_that_never_hands_over_fails_the_step_clearly(checkpoint, monkeypatch, planner):
     """The next piece waits for the CPU's part; if it never comes, the step fails with a message
     (not a hang, not a wrong token)."""
     monkeypatch.setattr(host_handoff, "TIMEOUT_S", 0.2)
@@ -109,9 +110,20 @@ def test_a_cpu_job_that_never_hands_over_fails_the_step_clearly(checkpoint, monk
         )
         graphs.capture()
         engine.graphs = graphs
-        submit = engine.moe.cpu.submit
         # a job that never writes its epoch
-        monkeypatch.setattr(engine.moe.cpu, "submit", lambda *a, **handoff: submit(*a))
+        native = engine.moe._decode_planner()
+        if planner == "native":
+            assert native is not None
+
+            class NoHandover:
+                def step(self, *args):
+                    return native.step(*args[:-2], 0, args[-1])  # no done flag
+
+            monkeypatch.setattr(engine.moe, "_decode_planner", NoHandover)
+        else:
+            monkeypatch.setattr(engine.moe, "_decode_planner", lambda: None)
+            submit = engine.moe.cpu.submit
+            monkeypatch.setattr(engine.moe.cpu, "submit", lambda *a, **handoff: submit(*a))
         with pytest.raises(RuntimeError, match="gave up waiting for the CPU experts"):
             engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4, ignore_eos=True))
     finally:

@@ -1,0 +1,120 @@
+"""The native decode planner makes the Python planner's decisions, on the same cache state.
+
+`MoERunner._plan` over `ExpertCache` is the reference (engine/moe.py, engine/cache.py); the native
+`DecodePlanner` (kernels/csrc/cpu_experts.cpp) plans offloaded decode layer steps without Python.
+Two runners start from identical caches and get the same routing, step after step, under cache
+pressure (steps that need more slots than are free) and every kind of split.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moelab.engine.bank import ExpertBank
+from moelab.engine.cache import ExpertCache
+from moelab.engine.moe import MissPolicy, MoERunner
+from moelab.kernels.cpu_experts import CpuExpertRunner
+
+LAYERS, EXPERTS, HIDDEN, INTER = 3, 12, 32, 16
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    with CpuExpertRunner(2, "native") as runner:
+        yield runner
+
+
+def _runner(bank: ExpertBank, slots: int, fraction: float, cpu, top_k: int) -> MoERunner:
+    cache = ExpertCache(LAYERS, EXPERTS, slots, HIDDEN, INTER, torch.bfloat16, torch.device("cpu"))
+    policy = MissPolicy("split", fraction)
+    return MoERunner(
+        bank, cache, policy, cpu, top_k=top_k, prefill_overlap=False, prefill_stream_min_tokens=64
+    )
+
+
+def _bank(gen: torch.Generator) -> ExpertBank:
+    w13 = [torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen).bfloat16() for _ in range(LAYERS)]
+    w2 = [torch.randn(EXPERTS, HIDDEN, INTER, generator=gen).bfloat16() for _ in range(LAYERS)]
+    return ExpertBank(w13, w2)
+
+
+def _routes(rng: np.random.Generator, tokens: int, top_k: int) -> np.ndarray:
+    """Skewed routing: distinct experts per row, low ids likelier."""
+    p = 1.0 / np.arange(1, EXPERTS + 1)
+    p /= p.sum()
+    rows = [rng.choice(EXPERTS, top_k, replace=False, p=p) for _ in range(tokens)]
+    return np.array(rows, dtype=np.int32)
+
+
+def _state(r: MoERunner) -> tuple:
+    c = r.cache
+    return (c.slot_of.tolist(), c.key_of_slot.tolist(), c.last_use.tolist(), c.state.tolist(),
+            r.counters.picks.tolist())  # fmt: skip
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.35, 0.5, 1.0])
+@pytest.mark.parametrize(("tokens", "top_k", "slots"), [(1, 4, 10), (3, 4, 6), (5, 3, 4)])
+def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots):
+    gen = torch.Generator().manual_seed(int(fraction * 100) + tokens)
+    bank = _bank(gen)
+    python, native = (_runner(bank, slots, fraction, cpu, top_k) for _ in range(2))
+    assert native._decode_planner() is not None
+    rng = np.random.default_rng(tokens * 7 + top_k)
+    saw = {"admitted": 0, "cpu": 0, "short_of_slots": 0}
+    for step in range(60):
+        layer = step % LAYERS
+        ids = _routes(rng, tokens, top_k)
+        weights = torch.rand(tokens, top_k, generator=gen)
+        x = torch.randn(tokens, HIDDEN, generator=gen)
+        want = python._plan(layer, ids, decode=True)
+        python._start(want, layer, ids, weights, x)
+        got = native._plan_and_start(layer, ids, weights, x, decode=True)
+        assert got.route_slots_host is not None
+        for field in ("experts", "slots", "missing", "admitted", "on_cpu"):
+            assert getattr(got, field) == getattr(want, field), (step, field)
+        np.testing.assert_array_equal(got.route_slots, want.route_slots)
+        assert _state(native) == _state(python), step
+        assert (got.job is None) == (want.job is None)
+        if want.job is not None:
+            torch.testing.assert_close(got.job.wait(), want.job.wait(), rtol=0, atol=0)
+        saw["admitted"] += len(want.admitted)
+        saw["cpu"] += len(want.on_cpu)
+        q = MissPolicy("split", fraction).fetch_count(len(want.missing))
+        saw["short_of_slots"] += len(want.admitted) < q
+    # the comparison covered what it is about
+    if fraction > 0:
+        assert saw["admitted"] > 0 and python.cache.evictions > 0
+    if fraction < 1:
+        assert saw["cpu"] > 0
+    if fraction == 1.0 and slots < tokens * top_k:
+        assert saw["short_of_slots"] > 0
+
+
+def test_a_bad_route_is_refused_and_changes_nothing(cpu):
+    bank = _bank(torch.Generator().manual_seed(0))
+    r = _runner(bank, 6, 0.5, cpu, 2)
+    before = _state(r)
+    ids = np.array([[1, EXPERTS]], dtype=np.int32)
+    with pytest.raises(ValueError, match=f"routed expert {EXPERTS} is outside 0..{EXPERTS - 1}"):
+        r._plan_and_start(0, ids, torch.rand(1, 2), torch.randn(1, HIDDEN), decode=True)
+    assert _state(r) == before
+    # and the planner still works
+    d = r._plan_and_start(0, np.array([[1, 2]], dtype=np.int32), torch.rand(1, 2),
+                          torch.randn(1, HIDDEN), decode=True)  # fmt: skip
+    assert d.experts == [1, 2] and d.missing == [1, 2]
+
+
+def test_a_resized_cache_gets_a_new_planner(cpu):
+    bank = _bank(torch.Generator().manual_seed(1))
+    r = _runner(bank, 6, 1.0, cpu, 2)
+    first = r._decode_planner()
+    r._plan_and_start(0, np.array([[3, 4]], dtype=np.int32), torch.rand(1, 2),
+                      torch.randn(1, HIDDEN), decode=True)  # fmt: skip
+    r.cache.resize(3, r.refill)
+    assert r._decode_planner() is not first
+    assert sorted(r.cache.key_of_slot.tolist()) == [-1, 3, 4]
+    d = r._plan_and_start(0, np.array([[4, 5]], dtype=np.int32), torch.rand(1, 2),
+                          torch.randn(1, HIDDEN), decode=True)  # fmt: skip
+    assert d.slots[0] >= 0 and d.admitted == [(5, int(r.cache.slot_of[0, 5]))]
