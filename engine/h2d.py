@@ -27,6 +27,23 @@ def _driver_copy() -> ctypes._CFuncPtr:
     return fn
 
 
+@functools.cache
+def _driver_sync() -> ctypes._CFuncPtr:
+    fn = ctypes.CDLL("libcuda.so.1").cuStreamSynchronize
+    fn.argtypes = [ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def driver_functions() -> tuple[int, int]:
+    """The addresses of the driver's cuMemcpyHtoDAsync and cuStreamSynchronize, for native code
+    that queues the same copies (the decode planner, kernels/cpu_experts.py)."""
+    return (
+        ctypes.cast(_driver_copy(), ctypes.c_void_p).value or 0,
+        ctypes.cast(_driver_sync(), ctypes.c_void_p).value or 0,
+    )
+
+
 class HostToDevice:
     """Queues copies from host memory into device memory on one CUDA stream."""
 

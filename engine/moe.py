@@ -28,7 +28,7 @@ from ..kernels.grouped_moe import grouped_moe
 from ..kernels.host_handoff import DONE, EXPECTED, TIMED_OUT, add_when_ready, handoff_sync
 from .bank import ExpertBank
 from .cache import ExpertCache
-from .h2d import HostToDevice
+from .h2d import HostToDevice, driver_functions
 
 # CPU jobs of decode between two updates of the auto split from their measured rate
 ADAPT_EVERY_JOBS = 48
@@ -410,14 +410,20 @@ class MoERunner:
         """ids, weights and x on the host after one synchronization (the step's only one)."""
         if self.device.type != "cuda":
             return ids.numpy(), weights.float(), x.float()
+        ids_h, w_h, x_h = self._routing_copies(x, ids, weights)
+        self.compute_stream.synchronize()
+        return ids_h.numpy(), w_h, x_h
+
+    def _routing_copies(self, x, ids, weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queue the copies of ids (int32), weights and x (fp32, as the CPU experts read it) into
+        reusable pinned buffers; they hold the values once the compute stream is synchronized."""
         ids_h = self._pinned("ids", tuple(ids.shape), torch.int32)
         w_h = self._pinned("weights", tuple(weights.shape), torch.float32)
-        x_h = self._pinned("x", tuple(x.shape), torch.float32)  # as the CPU experts read it
+        x_h = self._pinned("x", tuple(x.shape), torch.float32)
         ids_h.copy_(ids, non_blocking=True)
         w_h.copy_(weights, non_blocking=True)
         x_h.copy_(x.float(), non_blocking=True)  # converted on the device
-        self.compute_stream.synchronize()
-        return ids_h.numpy(), w_h, x_h
+        return ids_h, w_h, x_h
 
     def _pinned_copy(self, name: str, values: np.ndarray) -> torch.Tensor:
         """`values` in a reusable pinned buffer (int32), ready for a non-blocking copy; the
@@ -448,18 +454,30 @@ class MoERunner:
             d = self._plan(moe_layer, ids_host, decode)
             self._start(d, moe_layer, ids_host, weights_host, x_host, handoff_out)
             return d
-        ids = np.ascontiguousarray(ids_host, dtype=np.int32)
+        ids = torch.from_numpy(np.ascontiguousarray(ids_host, dtype=np.int32))
         weights = weights_host.float().contiguous()
         x = x_host.float().contiguous()
-        route_slots = self._pinned("route_slots", ids.shape, torch.int32)
-        if handoff_out is None:
-            out, flag, value = self._pinned("cpu_out", tuple(x.shape), torch.float32), None, 0
-        else:
-            out, flag, value = handoff_out, self._handoff_sync, self._epoch + 1
-        experts, slots, admitted, on_cpu, job = planner.step(
-            moe_layer, ids.ctypes.data, weights.data_ptr(), x.data_ptr(), ids.shape[0],
+        out = handoff_out
+        if out is None:
+            out = self._pinned("cpu_out", tuple(x.shape), torch.float32)
+        d, _ = self._native_step(planner, moe_layer, ids, weights, x, out, handoff_out is not None)
+        return d
+
+    def _native_step(
+        self, planner, moe_layer, ids, weights, x, out, handoff, sync=False, slots_out=None
+    ) -> tuple[_Dispatch, tuple[float, float, float]]:
+        """One DecodePlanner step over host tensors ids [T, K] (int32), weights [T, K] and x
+        [T, H] (fp32), the CPU's part into out (and then the next handoff epoch, if `handoff`).
+        sync: wait for the compute stream first (the routing's copies); slots_out: the device
+        tensor the routes' slots are copied to, with the fills, on the compute stream.
+        Returns the step and its native (wait, plan, copy) seconds."""
+        route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
+        flag, value = (self._handoff_sync, self._epoch + 1) if handoff else (None, 0)
+        experts, slots, admitted, on_cpu, job, seconds = planner.step(
+            moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
             self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
-            0 if flag is None else flag.data_ptr(), value,
+            0 if flag is None else flag.data_ptr(), value, sync,
+            0 if slots_out is None else slots_out.data_ptr(),
         )  # fmt: skip
         if admitted:
             self.cache.changed()
@@ -471,19 +489,27 @@ class MoERunner:
             d.job = CpuExpertJob(out, job=job, keep=keep)
             if flag is not None:
                 self._epoch = value
-        return d
+        return d, seconds
 
     def _decode_planner(self) -> object | None:
+        """The native planner over this runner's cache (None: the Python `_plan`); with CUDA it
+        also waits for the routing and queues the copies (`DecodePlanner.set_device`)."""
         cache = self.cache
         if self.cpu is None or self.cpu.kernel != "native":
             return None
         if self._planner is None or self._planner_version != cache.version:
-            self._planner = self.cpu.decode_planner(
+            planner = self.cpu.decode_planner(
                 slot_of=cache.slot_of, key_of_slot=cache.key_of_slot, last_use=cache.last_use,
                 state=cache.state, picks=self._counters.picks, w13=self.bank.w13,
                 w2=self.bank.w2, top_k=self.top_k,
             )  # fmt: skip
-            self._planner_version = cache.version
+            if planner is not None and self.device.type == "cuda":
+                assert self.bank.w13[0].element_size() == cache.w13.element_size()
+                copy, sync = driver_functions()
+                planner.set_device(copy, sync, self.compute_stream.cuda_stream,
+                                   cache.w13.data_ptr(), cache.w2.data_ptr(),
+                                   cache.w13.element_size())  # fmt: skip
+            self._planner, self._planner_version = planner, cache.version
         return self._planner
 
     def _plan(self, moe_layer: int, ids_host: np.ndarray, decode: bool) -> _Dispatch:
@@ -631,26 +657,38 @@ class MoERunner:
         """
         clock = time.perf_counter
         t0 = clock()
-        ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
-        t1 = clock()
-        # the CPU job and the fills as early as possible, the CPU job first: it takes as long as
-        # the fills (the split balances them) and costs the host more to start
-        d = self._plan_and_start(
-            moe_layer, ids_host, weights_host, x_host, decode=True, handoff_out=cpu_out
-        )
-        t3 = clock()
-        # the fills on the compute stream: nothing runs there until the next piece, which needs
-        # them (no stream switch or event to pay for)
-        h2d = self._h2d_compute
-        slots_host = d.route_slots_host
-        if slots_host is None:
-            slots_host = self._pinned_copy("route_slots", d.route_slots)
-        if h2d is None:
-            slots_out.copy_(slots_host)
+        planner = self._decode_planner()
+        if planner is not None and self.device.type == "cuda":
+            # the serial path in one native call, with nothing in Python between the routing's
+            # arrival and the CPU job's start: wait, plan, start the CPU job, queue the copies
+            ids_h, w_h, x_h = self._routing_copies(x, ids, weights)
+            d, (_, plan_s, fill_s) = self._native_step(
+                planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, slots_out=slots_out
+            )
+            t4 = clock()
+            sync_s = t4 - t0 - plan_s - fill_s  # the routing's copies, the wait, the call
         else:
-            h2d.tensor(slots_out, slots_host)
-        self._fill_slots(moe_layer, d.admitted, h2d)
-        t4 = clock()
+            ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
+            t1 = clock()
+            # the CPU job and the fills as early as possible, the CPU job first: it takes as long
+            # as the fills (the split balances them) and costs the host more to start
+            d = self._plan_and_start(
+                moe_layer, ids_host, weights_host, x_host, decode=True, handoff_out=cpu_out
+            )
+            t3 = clock()
+            # the fills on the compute stream: nothing runs there until the next piece, which
+            # needs them (no stream switch or event to pay for)
+            h2d = self._h2d_compute
+            slots_host = d.route_slots_host
+            if slots_host is None:
+                slots_host = self._pinned_copy("route_slots", d.route_slots)
+            if h2d is None:
+                slots_out.copy_(slots_host)
+            else:
+                h2d.tensor(slots_out, slots_host)
+            self._fill_slots(moe_layer, d.admitted, h2d)
+            t4 = clock()
+            sync_s, plan_s, fill_s = t1 - t0, t3 - t1, t4 - t3
         self._count(d, moe_layer)
         self._end_handoff()  # the previous layer's CPU job ended before this routing was made
         state = self._handoff_sync.numpy()
@@ -663,9 +701,9 @@ class MoERunner:
         state[EXPECTED] = self._epoch  # read by the next piece's add_when_ready
         times = self.staged_times
         times.layer_steps += 1
-        times.sync_s += t1 - t0
-        times.plan_s += t3 - t1
-        times.fill_s += t4 - t3
+        times.sync_s += sync_s
+        times.plan_s += plan_s
+        times.fill_s += fill_s
         times.count_s += clock() - t4
 
     def routed(

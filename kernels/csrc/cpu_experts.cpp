@@ -663,7 +663,14 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
 // routed experts up (hits become most recently used), fetch round(m * fraction) of the m misses
 // (the most picked first; ties: more tokens now, then the lower id) into free or least recently
 // used unprotected slots, run the rest on the CPU, write each route's slot (-1: on the CPU), and
-// queue the CPU job. On the serial path of every offloaded layer step, where Python took ~100 µs.
+// queue the CPU job. With the device's copy functions set (`set_device`), one call also waits for
+// the routing (the stream's sync) and queues the routes' slots and the fills on that stream: the
+// whole serial host path of an offloaded layer step, where Python took ~100 µs, and several times
+// that when the CPU job before had just streamed the caches cold.
+
+// The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
+using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
+using CuStreamSynchronize = int (*)(void* stream);
 
 class DecodePlanner {
  public:
@@ -695,14 +702,45 @@ class DecodePlanner {
     }
   }
 
+  // The driver's cuMemcpyHtoDAsync and cuStreamSynchronize, the stream, and the cache's slot
+  // arrays on the device ([slots, 2I, H] and [slots, H, I], the bank's element type).
+  void set_device(uintptr_t copy, uintptr_t sync, uintptr_t stream, uintptr_t cache_w13,
+                  uintptr_t cache_w2, int64_t element_size) {
+    copy_ = reinterpret_cast<CuMemcpyHtoDAsync>(copy);
+    sync_ = reinterpret_cast<CuStreamSynchronize>(sync);
+    stream_ = reinterpret_cast<void*>(stream);
+    cache_w13_ = cache_w13;
+    cache_w2_ = cache_w2;
+    bytes13_ = 2 * inter_ * hidden_ * element_size;
+    bytes2_ = hidden_ * inter_ * element_size;
+  }
+
   // Plans layer `layer` for routes ids/weights [T, top_k] (int32, fp32) of rows x [T, H] (fp32);
   // writes route_slots [T, top_k]. CPU routes' weighted sum goes to out [T, H] (fp32), then
-  // done_value to done_flag if that is not 0. Returns (experts ascending, their slots before the
-  // step, admitted (expert, slot) pairs, experts run on the CPU, the CPU job or None).
+  // done_value to done_flag if that is not 0. With the device set: first waits for the stream
+  // (sync, without the GIL), and after starting the CPU job queues the copy of route_slots to
+  // route_slots_device and the fills. Returns (experts ascending, their slots before the step,
+  // admitted (expert, slot) pairs, experts run on the CPU, the CPU job or None, and the seconds
+  // spent waiting, planning and queueing the copies).
   py::tuple step(int64_t layer, uintptr_t ids_addr, uintptr_t weights_addr, uintptr_t x,
                  int64_t T, double fetch_fraction, uintptr_t route_slots_addr, uintptr_t out,
-                 uintptr_t done_flag, int64_t done_value) {
+                 uintptr_t done_flag, int64_t done_value, bool sync,
+                 uintptr_t route_slots_device) {
+    using Clock = std::chrono::steady_clock;
     if (layer < 0 || layer >= layers_) throw std::invalid_argument("no such MoE layer");
+    if ((sync || route_slots_device) && copy_ == nullptr) {
+      throw std::invalid_argument("sync and device copies need set_device first");
+    }
+    const auto t0 = Clock::now();
+    if (sync) {
+      int err;
+      {
+        py::gil_scoped_release release;
+        err = sync_(stream_);
+      }
+      check_driver(err, "cuStreamSynchronize");
+    }
+    const auto t1 = Clock::now();
     const auto* ids = reinterpret_cast<const int32_t*>(ids_addr);
     const auto* weights = reinterpret_cast<const float*>(weights_addr);
     auto* route_slots = reinterpret_cast<int32_t*>(route_slots_addr);
@@ -745,7 +783,7 @@ class DecodePlanner {
         return a < b;
       });
     }
-    py::list admitted;
+    std::vector<std::pair<int32_t, int64_t>> admitted;  // (expert, slot)
     std::vector<int32_t> on_cpu(missing.begin() + q, missing.end());
     for (int64_t i = 0; i < q; ++i) {
       const int32_t e = missing[i];
@@ -764,7 +802,7 @@ class DecodePlanner {
       slot_of[e] = int32_t(slot);
       ++state_[kFills];
       protected_[slot] = 1;
-      admitted.append(py::make_tuple(e, slot));
+      admitted.emplace_back(e, slot);
     }
     for (int32_t e : on_cpu) where_[e] = kOnCpu;
     std::vector<int32_t> pair_expert, pair_token;
@@ -798,12 +836,35 @@ class DecodePlanner {
       pool_.push(j);
       job = py::cast(j);
     }
-    return py::make_tuple(routed, before, admitted, on_cpu, job);
+    const auto t2 = Clock::now();
+    if (route_slots_device) {
+      check_driver(copy_(route_slots_device, route_slots, R * sizeof(int32_t), stream_),
+                   "cuMemcpyHtoDAsync");
+      for (const auto& [e, slot] : admitted) {
+        const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
+        const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
+        check_driver(copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, stream_),
+                     "cuMemcpyHtoDAsync");
+        check_driver(copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, stream_),
+                     "cuMemcpyHtoDAsync");
+      }
+    }
+    const auto t3 = Clock::now();
+    const auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+    return py::make_tuple(routed, before, admitted, on_cpu, job,
+                          py::make_tuple(seconds(t1 - t0), seconds(t2 - t1), seconds(t3 - t2)));
   }
 
  private:
   static constexpr int64_t kTick = 0, kHits = 1, kFills = 2, kEvictions = 3;  // cache.py's state
   static constexpr int8_t kNotRouted = 0, kOnCpu = 1;
+
+  static void check_driver(int err, const char* what) {
+    if (err != 0) {
+      throw std::runtime_error(std::string(what) + " failed with CUDA driver error " +
+                               std::to_string(err));
+    }
+  }
 
   // A free slot (last use -1), else the least recently used unprotected one; the lowest index on
   // ties; -1 when every slot is protected.
@@ -825,6 +886,11 @@ class DecodePlanner {
   int64_t* const picks_;         // [layers, experts]
   const int64_t layers_, experts_, top_k_, hidden_, inter_;
   const std::vector<uintptr_t> w13_, w2_;  // per layer: [experts, 2I, H], [experts, H, I]
+  CuMemcpyHtoDAsync copy_ = nullptr;
+  CuStreamSynchronize sync_ = nullptr;
+  void* stream_ = nullptr;
+  uint64_t cache_w13_ = 0, cache_w2_ = 0;
+  int64_t bytes13_ = 0, bytes2_ = 0;
   // scratch, all zero between steps
   std::vector<int32_t> tokens_;   // per expert: routes to it this step
   std::vector<int8_t> where_;     // per expert: kOnCpu this step
@@ -900,6 +966,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                     std::vector<uintptr_t>, std::vector<uintptr_t>>(),
            py::keep_alive<1, 2>())
+      .def("set_device", &DecodePlanner::set_device)
       .def("step", &DecodePlanner::step);
   m.def("read_sum", &read_sum);
   m.def("simd_levels", &simd_levels);

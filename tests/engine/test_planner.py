@@ -15,7 +15,7 @@ import torch
 from moelab.engine.bank import ExpertBank
 from moelab.engine.cache import ExpertCache
 from moelab.engine.moe import MissPolicy, MoERunner
-from moelab.kernels.cpu_experts import CpuExpertRunner
+from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 12, 32, 16
 
@@ -118,3 +118,43 @@ def test_a_resized_cache_gets_a_new_planner(cpu):
     d = r._plan_and_start(0, np.array([[4, 5]], dtype=np.int32), torch.rand(1, 2),
                           torch.randn(1, HIDDEN), decode=True)  # fmt: skip
     assert d.slots[0] >= 0 and d.admitted == [(5, int(r.cache.slot_of[0, 5]))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu):
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    bank = _bank(gen)
+    cache = ExpertCache(LAYERS, EXPERTS, 6, HIDDEN, INTER, torch.bfloat16, dev)
+    r = MoERunner(bank, cache, MissPolicy("split", 0.5), cpu, top_k=4, prefill_overlap=False,
+                  prefill_stream_min_tokens=64)  # fmt: skip
+    planner = r._decode_planner()
+    rng = np.random.default_rng(3)
+    for step in range(8):
+        layer = step % LAYERS
+        ids = torch.from_numpy(_routes(rng, 2, 4)).to(dev)
+        weights = torch.rand(2, 4, generator=gen).to(dev)
+        x = torch.randn(2, HIDDEN, generator=gen).bfloat16().to(dev)
+        slots_out = torch.full((2, 4), -7, dtype=torch.int32, device=dev)
+        torch.cuda._sleep(20_000_000)  # the routing arrives late: the step must wait for it
+        ids_h, w_h, x_h = r._routing_copies(x, ids, weights)
+        out = torch.empty(2, HIDDEN)
+        d, (wait_s, _, _) = r._native_step(
+            planner, layer, ids_h, w_h, x_h, out, False, sync=True, slots_out=slots_out
+        )
+        assert wait_s > 0
+        assert d.experts == sorted(set(ids.cpu().flatten().tolist()))
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(slots_out.cpu().numpy(), d.route_slots)
+        for expert, slot in d.admitted:
+            assert torch.equal(cache.w13[slot].cpu(), bank.w13[layer][expert])
+            assert torch.equal(cache.w2[slot].cpu(), bank.w2[layer][expert])
+        if d.job is not None:
+            cpu_routes = np.isin(ids.cpu().numpy(), d.on_cpu)
+            rows, cols = np.nonzero(cpu_routes)
+            want = cpu_experts_ref(
+                x.float().cpu(), bank.w13[layer], bank.w2[layer],
+                torch.from_numpy(ids.cpu().numpy()[rows, cols]), torch.from_numpy(rows),
+                weights.cpu()[rows, cols],
+            )  # fmt: skip
+            torch.testing.assert_close(d.job.wait(), want, rtol=2e-5, atol=2e-5)
