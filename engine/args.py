@@ -218,11 +218,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     moe.add_argument(
         "--moe-cpu-spin-us",
         type=_non_negative_int,
-        default=0,
+        default=300,
         help="How long idle CPU expert workers spin for the next job before sleeping, in "
-        "microseconds: spinning saves the wake-up of every worker at each MoE layer, but slows "
-        "the thread that feeds the GPU where they share its cores (on an H200 host, 0 was "
-        "fastest).",
+        "microseconds: spinning saves the wake-up of every worker at each MoE layer (longer than "
+        "the gap between two layers' CPU jobs), but slows the thread that feeds the GPU where "
+        "they share its cores; 0 sleeps at once.",
     )
     moe.add_argument(
         "--bw-profile",
@@ -345,7 +345,7 @@ TUNABLE: tuple[Tunable, ...] = (
     Tunable(
         "--moe-cpu-spin-us",
         "choice",
-        ("0", "200", "1000", "5000"),
+        ("0", "300", "1000", "5000"),
         "idle CPU workers spinning against the thread that feeds the GPU",
     ),
 )

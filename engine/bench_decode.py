@@ -53,6 +53,14 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
             p.add_argument("--tokens", type=int, default=64, help="timed tokens per sequence")
             p.add_argument("--warmup", type=int, default=32, help="untimed tokens first")
             p.add_argument("--prompt-tokens", type=int, default=16)
+            p.add_argument(
+                "--trace",
+                type=Path,
+                default=None,
+                metavar="FILE",
+                help="with --kernel-profile: also write its steps' timeline (host calls and "
+                "device kernels) to FILE as a Chrome trace (Perfetto, chrome://tracing)",
+            )
         else:
             p.add_argument("--prompt-tokens", type=int, default=2048)
             p.add_argument("--repeats", type=int, default=3)
@@ -185,7 +193,7 @@ def _decode(engine, args) -> dict:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     if args.kernel_profile:
-        _kernel_profile(engine, prompts)
+        _kernel_profile(engine, prompts, trace=args.trace)
     reads, hits, fills, cpu, picks = (
         a - b for a, b in zip((c.reads, c.hits, c.fills, c.cpu, c.picks), before, strict=True)
     )
@@ -224,8 +232,10 @@ def _decode(engine, args) -> dict:
     }
 
 
-def _kernel_profile(engine, prompts: list[list[int]], steps: int = 16) -> None:
-    """Device time per kernel over `steps` decode steps, to stderr."""
+def _kernel_profile(
+    engine, prompts: list[list[int]], steps: int = 16, trace: Path | None = None
+) -> None:
+    """Device time per kernel over `steps` decode steps, to stderr; their timeline to `trace`."""
     from torch.profiler import ProfilerActivity, profile
 
     from .sampling import SamplingParams
@@ -245,6 +255,9 @@ def _kernel_profile(engine, prompts: list[list[int]], steps: int = 16) -> None:
         prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60),
         file=sys.stderr,
     )
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+        print(f"timeline written to {trace}", file=sys.stderr)
 
 
 def _prefill_seconds(engine, tokens: int, repeats: int, gen: torch.Generator) -> float:
@@ -321,6 +334,9 @@ def _prefill(engine, args) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if getattr(args, "trace", None) is not None and not args.kernel_profile:
+        print("moelab bench decode: --trace needs --kernel-profile", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as workdir:
         engine = _engine(args, Path(workdir))
         try:

@@ -82,3 +82,18 @@ def test_while_loading_the_api_answers_503_and_health_reports_progress():
     # control endpoints answer this machine only (the test client is not a loopback address)
     r = client.post("/v1/cache/resize", json={"moe_cache_size": 4})
     assert r.status_code == 403 and "this machine only" in r.json()["error"]["message"]
+
+
+def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
+    trace = tmp_path / "trace.json"
+    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "4", "--warmup", "2",
+             "--moe-cache-rate", "0.5", "--json"]  # fmt: skip
+    r = moelab(*flags, "--kernel-profile", "--trace", str(trace))
+    result = json.loads(r.stdout)
+    assert result["decode_tok_s"] > 0 and result["bound_tok_s"] > 0
+    assert 0 < result["hit_rate"] < 1
+    assert f"timeline written to {trace}" in r.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e.get("ph") == "X" for e in events) > 10  # timed calls of the profiled steps
+    refused = moelab(*flags, "--trace", str(trace), check=False)
+    assert refused.returncode == 2 and "--trace needs --kernel-profile" in refused.stderr
