@@ -4,11 +4,13 @@ Replaying a graph removes the launch and Python overhead of a few hundred small 
 When every expert is in the cache the whole step is one graph. An offloaded MoE layer needs the host
 to see the routing and choose copies, so it cannot sit inside a graph: then each piece of dense
 work (attention, norms and router between two MoE dispatches; `Model.run_piece`) is a graph of its
-own. Between two replays the host reads the routing, starts the slot fills and the CPU experts, and
-writes each route's slot into a fixed buffer; the next piece's graph begins with the cached
-experts' kernel over those slots, then waits on the device for the CPU's part, which the CPU job
-writes into fixed host memory (kernels/host_handoff.py): the host launches the next piece as soon as
-it has dispatched, while the CPU job runs, and no kernel is launched eagerly. One set of graphs per
+own. Each piece copies its router's output into fixed pinned host memory inside its graph. Between
+two replays the host waits for it, starts the CPU experts and the slot fills, and writes each
+route's slot into a fixed buffer (engine/moe.py, one native call); it launches the next piece, and
+only then counts. The next piece's graph begins with the cached experts' kernel over those slots,
+then waits on the device for the CPU's part, which the CPU job writes into fixed host memory
+(kernels/host_handoff.py): the host launches the next piece as soon as it has dispatched, while
+the CPU job runs, and no kernel is launched eagerly. One set of graphs per
 padded batch size; padding rows write their KV into a scratch block, attend to nothing, and are left
 out of the expert dispatch (their slots stay -1).
 
@@ -28,6 +30,7 @@ from functools import partial
 import torch
 
 from .model import Model, SeqSlice, StepBatch, StepState
+from .moe import copy_routing
 
 log = logging.getLogger("moelab.graphs")
 
@@ -126,6 +129,9 @@ class DecodeGraphs:
         self.route_slots = torch.full((max_bs, model.spec.top_k), -1, dtype=torch.int32,
                                       device=dev)  # fmt: skip
         self.cpu_part = model.experts.handoff_buffer(max_bs) if piecewise else None
+        # each piece that ends in a router copies its routing here (in its graph: no host launch
+        # between the router and the host's read of it)
+        self.routing_host = model.experts.routing_buffers(max_bs) if piecewise else None
         self.graphs: dict[int, list[Graph]] = {}
         self.outputs: dict[int, list[Outputs]] = {}  # per size, per piece
         self.pool: object | None = None
@@ -155,8 +161,14 @@ class DecodeGraphs:
         else:
             self._gather_inputs(bs)
         self.model.run_piece(piece, state)
-        if state.logits is not None:
+        if piece == self.model.num_pieces - 1:
+            assert state.logits is not None
             self._sample(bs, state.logits)
+        else:  # (by the piece's index: a replay that reruns this code sees the last logits)
+            assert self.routing_host is not None
+            assert state.x is not None and state.ids is not None and state.weights is not None
+            ids_h, w_h, x_h = (t[:bs] for t in self.routing_host)
+            copy_routing(state.ids, state.weights, state.x, ids_h, w_h, x_h)
         return state.x, state.ids, state.weights, state.logits
 
     def _whole(self, bs: int, state: StepState) -> Outputs:
@@ -243,19 +255,19 @@ class DecodeGraphs:
         if bs > n:
             self.route_slots[n:bs].fill_(-1)
         graphs, outputs = self.graphs[bs], self.outputs[bs]
-        staged_times = self.model.experts.staged_times if self.piecewise else None
+        experts = self.model.experts
         for piece, graph in enumerate(graphs):
             t0 = time.perf_counter()
             graph.replay()
-            if staged_times is not None and piece:  # the launch that ends a staged layer step
-                staged_times.replay_s += time.perf_counter() - t0
+            if self.piecewise and piece:  # the launch that ends a staged layer step
+                experts.staged_times.replay_s += time.perf_counter() - t0
+                experts.after_launch()
             if piece < len(graphs) - 1:
-                x, ids, weights, _ = outputs[piece]
-                assert x is not None and ids is not None and weights is not None
-                assert self.cpu_part is not None
+                assert self.cpu_part is not None and self.routing_host is not None
                 # only the real rows: padding rows would fetch and run experts for nothing
-                self.model.experts.stage_decode(
-                    piece, x[:n], ids[:n], weights[:n], self.route_slots[:n], self.cpu_part[:n]
+                ids_h, w_h, x_h = (t[:n] for t in self.routing_host)
+                experts.stage_decode(
+                    piece, ids_h, w_h, x_h, self.route_slots[:n], self.cpu_part[:n]
                 )
         logits = outputs[-1][3]
         assert logits is not None

@@ -220,6 +220,9 @@ class MoERunner:
         # staged decode hands the CPU's part to the next piece in host memory (host_handoff.py)
         self._handoff_sync = handoff_sync(pin=cuda)
         self._handoff_out: torch.Tensor | None = None
+        self._routing_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # staged layer steps launched but not yet counted (counted after the next launch)
+        self._uncounted: list[tuple[_Dispatch, int]] = []
         self._epoch = 0  # of the last CPU part handed over (the value DONE reaches)
         self._pending: _Dispatch | None = None  # the staged layer whose CPU job is not ended
         # the native planner of decode layer steps (None: the Python `_plan`), rebuilt when the
@@ -410,20 +413,27 @@ class MoERunner:
         """ids, weights and x on the host after one synchronization (the step's only one)."""
         if self.device.type != "cuda":
             return ids.numpy(), weights.float(), x.float()
-        ids_h, w_h, x_h = self._routing_copies(x, ids, weights)
+        ids_h = self._pinned("ids", tuple(ids.shape), torch.int32)
+        w_h = self._pinned("weights", tuple(weights.shape), torch.float32)
+        x_h = self._pinned("x", tuple(x.shape), torch.float32)  # as the CPU experts read it
+        copy_routing(ids, weights, x, ids_h, w_h, x_h)
         self.compute_stream.synchronize()
         return ids_h.numpy(), w_h, x_h
 
-    def _routing_copies(self, x, ids, weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queue the copies of ids (int32), weights and x (fp32, as the CPU experts read it) into
-        reusable pinned buffers; they hold the values once the compute stream is synchronized."""
-        ids_h = self._pinned("ids", tuple(ids.shape), torch.int32)
-        w_h = self._pinned("weights", tuple(weights.shape), torch.float32)
-        x_h = self._pinned("x", tuple(x.shape), torch.float32)
-        ids_h.copy_(ids, non_blocking=True)
-        w_h.copy_(weights, non_blocking=True)
-        x_h.copy_(x.float(), non_blocking=True)  # converted on the device
-        return ids_h, w_h, x_h
+    def routing_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host buffers (pinned on CUDA) for a staged decode step's routing, [rows, K] int32 ids,
+        [rows, K] fp32 weights and [rows, H] fp32 x, which captured pieces write (`copy_routing`)
+        and `stage_decode` reads. Allocated once: graphs keep their addresses."""
+        if self._routing_host is None or self._routing_host[0].shape[0] < rows:
+            pin = self.device.type == "cuda"
+            hidden = self.bank.w13[0].shape[-1]
+            self._routing_host = (
+                torch.zeros((rows, self.top_k), dtype=torch.int32, pin_memory=pin),
+                torch.zeros((rows, self.top_k), dtype=torch.float32, pin_memory=pin),
+                torch.zeros((rows, hidden), dtype=torch.float32, pin_memory=pin),
+            )
+        ids_h, w_h, x_h = self._routing_host
+        return ids_h[:rows], w_h[:rows], x_h[:rows]
 
     def _pinned_copy(self, name: str, values: np.ndarray) -> torch.Tensor:
         """`values` in a reusable pinned buffer (int32), ready for a non-blocking copy; the
@@ -641,19 +651,22 @@ class MoERunner:
     def stage_decode(
         self,
         moe_layer: int,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
+        ids_h: torch.Tensor,
+        w_h: torch.Tensor,
+        x_h: torch.Tensor,
         slots_out: torch.Tensor,
         cpu_out: torch.Tensor,
     ) -> None:
         """An offloaded decode layer step between two captured pieces: the host part now, the
         device part (`routed`) inside the next piece's graph.
 
+        ids_h, w_h, x_h: the layer's routing in host buffers (`routing_buffers` views of the real
+        rows), which the piece just launched copies there (`copy_routing`); this waits for it.
         Writes each route's slot (-1 where the route runs on the CPU) into slots_out [T, K] on the
         compute stream, after this step's fills. The CPU routes' weighted sum goes into cpu_out
         [T, H] (a `handoff_buffer` view) when the CPU job ends; the host does not wait for it:
-        the next piece's `routed` does, on the device.
+        the next piece's `routed` does, on the device. Only what the next piece needs is done
+        here; `after_launch` does the rest once it is launched.
         """
         clock = time.perf_counter
         t0 = clock()
@@ -661,19 +674,19 @@ class MoERunner:
         if planner is not None and self.device.type == "cuda":
             # the serial path in one native call, with nothing in Python between the routing's
             # arrival and the CPU job's start: wait, plan, start the CPU job, queue the copies
-            ids_h, w_h, x_h = self._routing_copies(x, ids, weights)
             d, (_, plan_s, fill_s) = self._native_step(
                 planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, slots_out=slots_out
             )
             t4 = clock()
-            sync_s = t4 - t0 - plan_s - fill_s  # the routing's copies, the wait, the call
+            sync_s = t4 - t0 - plan_s - fill_s  # the wait, and the call
         else:
-            ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
+            if self.device.type == "cuda":
+                self.compute_stream.synchronize()
             t1 = clock()
             # the CPU job and the fills as early as possible, the CPU job first: it takes as long
             # as the fills (the split balances them) and costs the host more to start
             d = self._plan_and_start(
-                moe_layer, ids_host, weights_host, x_host, decode=True, handoff_out=cpu_out
+                moe_layer, ids_h.numpy(), w_h, x_h, decode=True, handoff_out=cpu_out
             )
             t3 = clock()
             # the fills on the compute stream: nothing runs there until the next piece, which
@@ -689,22 +702,32 @@ class MoERunner:
             self._fill_slots(moe_layer, d.admitted, h2d)
             t4 = clock()
             sync_s, plan_s, fill_s = t1 - t0, t3 - t1, t4 - t3
-        self._count(d, moe_layer)
-        self._end_handoff()  # the previous layer's CPU job ended before this routing was made
         state = self._handoff_sync.numpy()
         if d.job is None:  # nothing on the CPU: its part is zero, and ready now
             cpu_out.zero_()
             self._epoch += 1
             state[DONE] = self._epoch
-        else:
-            self._pending = d
         state[EXPECTED] = self._epoch  # read by the next piece's add_when_ready
+        self._uncounted.append((d, moe_layer))
         times = self.staged_times
         times.layer_steps += 1
         times.sync_s += sync_s
         times.plan_s += plan_s
         times.fill_s += fill_s
-        times.count_s += clock() - t4
+
+    def after_launch(self) -> None:
+        """The host's work of the staged layer steps that must not delay the next piece: after
+        it is launched, end the CPU job of the layer before the last staged one (the device
+        waited for it before making the last routing; fails if it gave up waiting), and count
+        the staged steps."""
+        t0 = time.perf_counter()
+        staged, self._uncounted = self._uncounted, []
+        for d, moe_layer in staged:
+            self._count(d, moe_layer)
+        self._end_handoff()
+        if staged and staged[-1][0].job is not None:
+            self._pending = staged[-1][0]
+        self.staged_times.count_s += time.perf_counter() - t0
 
     def routed(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, cpu_part: torch.Tensor
@@ -866,6 +889,14 @@ class MoERunner:
 
 
 _NO_TIMER = contextlib.nullcontext()
+
+
+def copy_routing(ids, weights, x, ids_h, w_h, x_h) -> None:
+    """Queue the copies of a layer's routing into host buffers: ids as int32, weights and x as
+    fp32 (as the CPU experts read x; converted on the device). Capturable (pinned buffers)."""
+    ids_h.copy_(ids, non_blocking=True)
+    w_h.copy_(weights, non_blocking=True)
+    x_h.copy_(x.float(), non_blocking=True)
 
 
 def expected_unique_experts(tokens: int, num_experts: int, top_k: int) -> float:
