@@ -29,8 +29,8 @@ from functools import partial
 
 import torch
 
+from ..kernels.host_handoff import routing_to_host
 from .model import Model, SeqSlice, StepBatch, StepState
-from .moe import copy_routing
 
 log = logging.getLogger("moelab.graphs")
 
@@ -168,7 +168,7 @@ class DecodeGraphs:
             assert self.routing_host is not None
             assert state.x is not None and state.ids is not None and state.weights is not None
             ids_h, w_h, x_h = (t[:bs] for t in self.routing_host)
-            copy_routing(state.ids, state.weights, state.x, ids_h, w_h, x_h)
+            routing_to_host(state.ids, state.weights, state.x, ids_h, w_h, x_h)
         return state.x, state.ids, state.weights, state.logits
 
     def _whole(self, bs: int, state: StepState) -> Outputs:

@@ -25,7 +25,14 @@ import torch
 from ..kernels.cpu_experts import CpuExpertJob, CpuExpertRunner
 from ..kernels.fused_moe import fused_moe_decode
 from ..kernels.grouped_moe import grouped_moe
-from ..kernels.host_handoff import DONE, EXPECTED, TIMED_OUT, add_when_ready, handoff_sync
+from ..kernels.host_handoff import (
+    DONE,
+    EXPECTED,
+    TIMED_OUT,
+    add_when_ready,
+    handoff_sync,
+    routing_to_host,
+)
 from .bank import ExpertBank
 from .cache import ExpertCache
 from .h2d import HostToDevice, driver_functions
@@ -416,13 +423,13 @@ class MoERunner:
         ids_h = self._pinned("ids", tuple(ids.shape), torch.int32)
         w_h = self._pinned("weights", tuple(weights.shape), torch.float32)
         x_h = self._pinned("x", tuple(x.shape), torch.float32)  # as the CPU experts read it
-        copy_routing(ids, weights, x, ids_h, w_h, x_h)
+        routing_to_host(ids, weights, x, ids_h, w_h, x_h)
         self.compute_stream.synchronize()
         return ids_h.numpy(), w_h, x_h
 
     def routing_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host buffers (pinned on CUDA) for a staged decode step's routing, [rows, K] int32 ids,
-        [rows, K] fp32 weights and [rows, H] fp32 x, which captured pieces write (`copy_routing`)
+        [rows, K] fp32 weights and [rows, H] fp32 x, which captured pieces write (`routing_to_host`)
         and `stage_decode` reads. Allocated once: graphs keep their addresses."""
         if self._routing_host is None or self._routing_host[0].shape[0] < rows:
             pin = self.device.type == "cuda"
@@ -661,7 +668,7 @@ class MoERunner:
         device part (`routed`) inside the next piece's graph.
 
         ids_h, w_h, x_h: the layer's routing in host buffers (`routing_buffers` views of the real
-        rows), which the piece just launched copies there (`copy_routing`); this waits for it.
+        rows), which the piece just launched stores there (`routing_to_host`); this waits for it.
         Writes each route's slot (-1 where the route runs on the CPU) into slots_out [T, K] on the
         compute stream, after this step's fills. The CPU routes' weighted sum goes into cpu_out
         [T, H] (a `handoff_buffer` view) when the CPU job ends; the host does not wait for it:
@@ -889,14 +896,6 @@ class MoERunner:
 
 
 _NO_TIMER = contextlib.nullcontext()
-
-
-def copy_routing(ids, weights, x, ids_h, w_h, x_h) -> None:
-    """Queue the copies of a layer's routing into host buffers: ids as int32, weights and x as
-    fp32 (as the CPU experts read x; converted on the device). Capturable (pinned buffers)."""
-    ids_h.copy_(ids, non_blocking=True)
-    w_h.copy_(weights, non_blocking=True)
-    x_h.copy_(x.float(), non_blocking=True)
 
 
 def expected_unique_experts(tokens: int, num_experts: int, top_k: int) -> float:

@@ -14,8 +14,9 @@ import torch
 
 from moelab.engine.bank import ExpertBank
 from moelab.engine.cache import ExpertCache
-from moelab.engine.moe import MissPolicy, MoERunner, copy_routing
+from moelab.engine.moe import MissPolicy, MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
+from moelab.kernels.host_handoff import routing_to_host
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 12, 32, 16
 
@@ -148,7 +149,7 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
         slots_out = torch.full((2, 4), -7, dtype=torch.int32, device=dev)
         torch.cuda._sleep(20_000_000)  # the routing arrives late: the step must wait for it
         ids_h, w_h, x_h = r.routing_buffers(2)
-        copy_routing(ids, weights, x, ids_h, w_h, x_h)
+        routing_to_host(ids, weights, x, ids_h, w_h, x_h)
         out = torch.empty(2, HIDDEN)
         d, (wait_s, _, _) = r._native_step(
             planner, layer, ids_h, w_h, x_h, out, False, sync=True, slots_out=slots_out

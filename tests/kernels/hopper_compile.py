@@ -106,6 +106,12 @@ def compile_all() -> list[JITFunction]:
     for tokens in (1, 8):  # an offloaded decode layer's CPU part, awaited on the device
         out, part = torch.zeros(tokens, HIDDEN), torch.zeros(tokens, HIDDEN)
         host_handoff.add_when_ready_triton(out, part, host_handoff.handoff_sync(pin=False))
+        ids, weights = torch.zeros(tokens, TOP_K, dtype=torch.int64), torch.zeros(tokens, TOP_K)
+        host_handoff.routing_to_host_triton(
+            ids, weights, torch.zeros(tokens, HIDDEN, dtype=BF16),
+            torch.zeros(tokens, TOP_K, dtype=torch.int32), torch.zeros(tokens, TOP_K),
+            torch.zeros(tokens, HIDDEN),
+        )  # fmt: skip
     # the decode projections of the 30B geometry (qkv, o, router, lm_head): one token, and eight
     # (the multi-token path, split over K for o)
     for n, k in ((5120, HIDDEN), (HIDDEN, 4096), (EXPERTS, HIDDEN), (151936, HIDDEN)):

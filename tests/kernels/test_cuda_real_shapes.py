@@ -204,6 +204,29 @@ def test_add_when_ready_gives_up_on_the_device(gen):
     assert sync[TIMED_OUT] == 1 and torch.equal(out, before)
 
 
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_routing_to_host_stores_into_pinned_memory_from_a_graph(gen, tokens):
+    """The kernel a piece ends with: one launch, captured, storing over PCIe into pinned buffers."""
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    ids = ids.cuda()
+    weights = torch.rand(tokens, TOP_K, generator=gen).cuda()
+    x = cuda_randn(gen, tokens, HIDDEN)
+    ids_h = torch.full((tokens, TOP_K), -99, dtype=torch.int32).pin_memory()
+    w_h = torch.full((tokens, TOP_K), float("nan")).pin_memory()
+    x_h = torch.full((tokens, HIDDEN), float("nan")).pin_memory()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        host_handoff.routing_to_host(ids, weights, x, ids_h, w_h, x_h)
+    for _ in range(3):
+        ids.copy_(ids.roll(1, dims=1))
+        x.mul_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ids_h, ids.int().cpu())
+        assert torch.equal(w_h, weights.cpu())
+        assert torch.equal(x_h, x.float().cpu())
+
+
 def test_cpu_jobs_hand_over_to_a_replayed_graph(gen):
     """The engine's staged step: a captured graph adds what each native CPU job wrote, epoch by
     epoch, with the host queueing the replay before the job ends."""

@@ -149,3 +149,44 @@ def test_bad_handoff_inputs_get_a_clear_error(out, part, sync, words):
     for waiter in WAITERS.values():
         with pytest.raises(ValueError, match=words):
             waiter(out, part, sync)
+
+
+ROUTING = {
+    "triton": host_handoff.routing_to_host_triton,
+    "ref": host_handoff.routing_to_host_ref,
+}
+
+
+@pytest.mark.parametrize("kernel", list(ROUTING))
+@pytest.mark.parametrize(("tokens", "top_k", "hidden"), [(1, 8, 1500), (3, 4, 64), (8, 8, 2048)])
+def test_routing_to_host_stores_every_element_converted(gen, kernel, tokens, top_k, hidden):
+    ids = torch.stack([torch.randperm(128, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    # poisoned destinations: an element left unwritten fails
+    ids_h = torch.full((tokens, top_k), -99, dtype=torch.int32)
+    w_h = torch.full((tokens, top_k), float("nan"))
+    x_h = torch.full((tokens, hidden), float("nan"))
+    ROUTING[kernel](ids, weights, x, ids_h, w_h, x_h)
+    assert torch.equal(ids_h, ids.int())
+    assert torch.equal(w_h, weights)
+    assert torch.equal(x_h, x.float())
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"ids_h": torch.zeros(1, 4, dtype=torch.int64)}, "int32 ids"),
+        ({"x_h": torch.zeros(1, 32, dtype=torch.bfloat16)}, "fp32 x"),
+        ({"x_h": torch.zeros(2, 32)}, "shapes differ"),
+        ({"x": torch.zeros(2, 32), "x_h": torch.zeros(2, 32)}, "of one T"),
+    ],
+)
+def test_bad_routing_buffers_get_a_clear_error(change, words):
+    args = {
+        "ids": torch.zeros(1, 4, dtype=torch.int64), "weights": torch.zeros(1, 4),
+        "x": torch.zeros(1, 32), "ids_h": torch.zeros(1, 4, dtype=torch.int32),
+        "weights_h": torch.zeros(1, 4), "x_h": torch.zeros(1, 32),
+    } | change  # fmt: skip
+    with pytest.raises(ValueError, match=words):
+        host_handoff.routing_to_host(**args)
