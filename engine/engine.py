@@ -21,7 +21,8 @@ from .graphs import DecodeGraphs, DecodeRow
 from .kv import KVCache
 from .memory import VramPlan, log_plan, plan_vram
 from .model import Model, SeqSlice, StepBatch
-from .moe import MissPolicy, MoERunner, stream_threshold_tokens
+from .moe import MissPolicy, MoERunner
+from .prefill_stream import stream_threshold_tokens
 from .rope import Rotary
 from .sampling import Sampler, SamplingParams
 from .scheduler import Chunk, Scheduler, Sequence

@@ -5,15 +5,18 @@ into cache slots while the other m − q run on the CPU at the same time; both f
 q / Bp = (m − q) / Bh. Which misses are fetched: the ones picked most often so far (they are the
 likeliest to be reused from the cache), ties broken by the lower expert id.
 
-Prefill: a long chunk streams whole layers into a two-layer buffer on a second stream (layer l+1
-copies while layer l computes, because l+1's routing is not known yet); a short chunk routes first
-and then treats its misses like decode does.
+Decode layer steps are planned by the native `DecodePlanner` when the CPU experts are native (the
+same decisions as `_plan`, which is the reference); between two captured pieces of a decode step
+(engine/graphs.py) one native call waits for the routing, plans, starts the CPU job and queues the
+fills (`stage_decode`).
+
+Prefill: a long chunk streams whole layers into a two-layer buffer (prefill_stream.py); a short
+chunk routes first and then treats its misses like decode does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 import time
 from collections.abc import Callable
@@ -36,6 +39,7 @@ from ..kernels.host_handoff import (
 from .bank import ExpertBank
 from .cache import ExpertCache
 from .h2d import HostToDevice, driver_functions
+from .prefill_stream import PrefillStream
 
 # CPU jobs of decode between two updates of the auto split from their measured rate
 ADAPT_EVERY_JOBS = 48
@@ -190,7 +194,6 @@ class MoERunner:
         self.top_k = top_k
         self.device = cache.device
         self.dtype = cache.dtype
-        self.prefill_overlap = prefill_overlap
         self.prefill_stream_min_tokens = prefill_stream_min_tokens
         self._counters = LayerCounters.zeros(bank.num_layers, bank.num_experts)
         self.cpu_times = CpuJobTimes()
@@ -213,10 +216,10 @@ class MoERunner:
         self._h2d_copy = HostToDevice(self.copy_stream) if cuda else None
         self._expert_bytes = bank.expert_bytes
         self._views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
-        self._stage_w13: list[torch.Tensor] = []
-        self._stage_w2: list[torch.Tensor] = []
-        self._staged: dict[int, tuple[int, object]] = {}  # moe layer -> (buffer, ready event)
-        self._buffer_free: list[object | None] = [None, None]  # event: compute done reading it
+        self.prefill = PrefillStream(
+            bank, self.dtype, self.device, self.copy_stream, self.compute_stream,
+            overlap=prefill_overlap,
+        )  # fmt: skip
         # all-resident decode keeps its routing on the device and copies it to the host without
         # waiting (see _record_ids and snapshot_decode_ids)
         self._ids_dev: torch.Tensor | None = None
@@ -237,32 +240,26 @@ class MoERunner:
         self._planner: object | None = None
         self._planner_version = -1
 
-    # prefill buffers ----------------------------------------------------------------------------
+    # prefill buffers (prefill_stream.py) --------------------------------------------------------
 
     @property
     def stage_bytes(self) -> int:
         """Bytes of the two-layer prefill buffer (allocated by `allocate_prefill_buffers`)."""
-        return sum(t.nbytes for t in self._stage_w13 + self._stage_w2)
+        return self.prefill.nbytes
 
     @staticmethod
     def prefill_buffer_bytes(bank: ExpertBank) -> int:
-        return 2 * bank.num_experts * bank.expert_bytes
+        return PrefillStream.buffer_bytes(bank)
 
     def allocate_prefill_buffers(self) -> None:
-        e = self.bank.num_experts
-        shape13 = (e, *self.bank.w13[0].shape[1:])
-        shape2 = (e, *self.bank.w2[0].shape[1:])
-        self._stage_w13 = [
-            torch.empty(shape13, dtype=self.dtype, device=self.device) for _ in range(2)
-        ]
-        self._stage_w2 = [
-            torch.empty(shape2, dtype=self.dtype, device=self.device) for _ in range(2)
-        ]
+        self.prefill.allocate()
 
     def release_prefill_buffers(self) -> None:
-        self._stage_w13, self._stage_w2 = [], []
-        self._staged.clear()
-        self._buffer_free = [None, None]
+        self.prefill.release()
+
+    def reset_prefill(self) -> None:
+        """Forget staged layers (a prefill chunk ended early or the step failed)."""
+        self.prefill.reset()
 
     # the step ---------------------------------------------------------------------------------
 
@@ -282,8 +279,9 @@ class MoERunner:
                 ids_host = ids.cpu().numpy()
                 np.add.at(self.prefill_picks[moe_layer], ids_host.ravel(), 1)
             return self._all_resident(moe_layer, x, ids, weights, ids_host, decode)
-        if not decode and self._stage_w13 and x.shape[0] >= self.prefill_stream_min_tokens:
-            return self._prefill_streamed(moe_layer, x, ids, weights)
+        if not decode and self.prefill.allocated and x.shape[0] >= self.prefill_stream_min_tokens:
+            np.add.at(self.prefill_picks[moe_layer], ids.cpu().numpy().ravel(), 1)
+            return self.prefill.run(moe_layer, x, ids, weights)
         return self._split(moe_layer, x, ids, weights, decode)
 
     def _all_resident(self, moe_layer, x, ids, weights, ids_host, decode) -> torch.Tensor:
@@ -858,53 +856,5 @@ class MoERunner:
             check=False,  # the bank's tensors and this runner's buffers, right by construction
         )
 
-    def _prefill_streamed(self, moe_layer, x, ids, weights) -> torch.Tensor:
-        """A long prefill chunk: the whole layer from the two-layer buffer."""
-        np.add.at(self.prefill_picks[moe_layer], ids.cpu().numpy().ravel(), 1)
-        if moe_layer not in self._staged:
-            self._stage(moe_layer)
-        if self.prefill_overlap and moe_layer + 1 < self.bank.num_layers:
-            self._stage(moe_layer + 1)
-        buffer, ready = self._staged.pop(moe_layer)
-        if ready is not None:
-            self.compute_stream.wait_event(ready)
-        out = grouped_moe(x, ids, weights, self._stage_w13[buffer], self._stage_w2[buffer])
-        if self.copy_stream is not None:
-            done = torch.cuda.Event()
-            done.record(self.compute_stream)
-            self._buffer_free[buffer] = done
-        return out
-
-    def _stage(self, moe_layer: int) -> None:
-        """Start copying a whole layer's experts into the buffer not in use."""
-        buffer = moe_layer % 2
-        if self.copy_stream is None:
-            self._stage_w13[buffer].copy_(self.bank.w13[moe_layer])
-            self._stage_w2[buffer].copy_(self.bank.w2[moe_layer])
-            self._staged[moe_layer] = (buffer, None)
-            return
-        with torch.cuda.stream(self.copy_stream):
-            if self._buffer_free[buffer] is not None:
-                self.copy_stream.wait_event(self._buffer_free[buffer])
-            self._stage_w13[buffer].copy_(self.bank.w13[moe_layer], non_blocking=True)
-            self._stage_w2[buffer].copy_(self.bank.w2[moe_layer], non_blocking=True)
-        self._staged[moe_layer] = (buffer, self._record_copies())
-
-    def reset_prefill(self) -> None:
-        """Forget staged layers (a prefill chunk ended early or the step failed)."""
-        self._staged.clear()
-
 
 _NO_TIMER = contextlib.nullcontext()
-
-
-def expected_unique_experts(tokens: int, num_experts: int, top_k: int) -> float:
-    """Experts a chunk of `tokens` routes to under uniform routing."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
-
-
-def stream_threshold_tokens(num_experts: int, top_k: int, share: float = 0.5) -> int:
-    """Fewest tokens whose chunk is expected to need `share` of a layer's experts."""
-    if top_k >= num_experts:
-        return 1
-    return max(1, math.ceil(math.log(1 - share) / math.log(1 - top_k / num_experts)))
