@@ -488,12 +488,16 @@ class MoERunner:
         Returns the step and its native (wait, plan, copy) seconds."""
         route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
         flag, value = (self._handoff_sync, self._epoch + 1) if handoff else (None, 0)
-        experts, slots, admitted, on_cpu, job, seconds = planner.step(
-            moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
-            self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
-            0 if flag is None else flag.data_ptr(), value, sync,
-            0 if slots_out is None else slots_out.data_ptr(),
-        )  # fmt: skip
+        try:
+            experts, slots, admitted, on_cpu, job, seconds = planner.step(
+                moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
+                self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
+                0 if flag is None else flag.data_ptr(), value, sync,
+                0 if slots_out is None else slots_out.data_ptr(),
+            )  # fmt: skip
+        except RuntimeError:  # a driver call failed; a failed fill has freed its slots again
+            self.cache.changed()
+            raise
         if admitted:
             self.cache.changed()
         missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]

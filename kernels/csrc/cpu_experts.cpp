@@ -838,15 +838,22 @@ class DecodePlanner {
     }
     const auto t2 = Clock::now();
     if (route_slots_device) {
-      check_driver(copy_(route_slots_device, route_slots, R * sizeof(int32_t), stream_),
-                   "cuMemcpyHtoDAsync");
-      for (const auto& [e, slot] : admitted) {
+      int err = copy_(route_slots_device, route_slots, R * sizeof(int32_t), stream_);
+      for (size_t i = 0; i < admitted.size() && err == 0; ++i) {
+        const auto [e, slot] = admitted[i];
         const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
         const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
-        check_driver(copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, stream_),
-                     "cuMemcpyHtoDAsync");
-        check_driver(copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, stream_),
-                     "cuMemcpyHtoDAsync");
+        err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, stream_);
+        if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, stream_);
+      }
+      if (err != 0) {
+        // the admitted slots may never be filled: free them, so no later step reads them
+        for (const auto& [e, slot] : admitted) {
+          slot_of[e] = -1;
+          key_of_slot_[slot] = -1;
+          last_use_[slot] = -1;
+        }
+        check_driver(err, "cuMemcpyHtoDAsync");
       }
     }
     const auto t3 = Clock::now();

@@ -8,6 +8,8 @@ pressure (steps that need more slots than are free) and every kind of split.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -165,3 +167,50 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
             want = _cpu_part(d.on_cpu, ids.cpu().numpy(), weights.cpu(), x.float().cpu(),
                              bank.w13[layer], bank.w2[layer])  # fmt: skip
             torch.testing.assert_close(d.job.wait(), want, rtol=1e-4, atol=1e-4)
+
+
+_COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                         ctypes.c_void_p)  # fmt: skip
+_SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu):
+    """Stand-in driver functions (the planner only has their addresses): a failing sync changes
+    nothing; a failing fill raises, and the experts it was filling are not left resident."""
+    bank = _bank(torch.Generator().manual_seed(4))
+    r = _runner(bank, 6, 1.0, cpu, 2)
+    planner = r._decode_planner()
+    copies: list[int] = []
+
+    def failing_third_copy(dst, src, nbytes, stream) -> int:
+        copies.append(nbytes)
+        return 0 if len(copies) < 3 else 700  # cudaErrorIllegalAddress's code, say
+
+    copy = _COPY(failing_third_copy)
+    sync_result = [999]
+    sync = _SYNC(lambda stream: sync_result[0])
+    planner.set_device(_address(copy), _address(sync), 0, 1 << 40, 1 << 41, 2)
+    ids = torch.tensor([[3, 4]], dtype=torch.int32)
+    weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
+    slots_out = torch.zeros(1, 2, dtype=torch.int32)
+    before = _state(r)
+    with pytest.raises(RuntimeError, match="cuStreamSynchronize failed with CUDA driver error 999"):
+        r._native_step(planner, 0, ids, weights, x, out, False, sync=True, slots_out=slots_out)
+    assert _state(r) == before and not copies
+    sync_result[0] = 0
+    with pytest.raises(RuntimeError, match="cuMemcpyHtoDAsync failed with CUDA driver error 700"):
+        r._native_step(planner, 0, ids, weights, x, out, False, sync=True, slots_out=slots_out)
+    # the routes' slots, then expert 3's two matrices; the second failed
+    assert copies == [2 * 4, 2 * INTER * HIDDEN * 2, HIDDEN * INTER * 2]
+    assert r.cache.slot_of[0, 3] == -1 and r.cache.slot_of[0, 4] == -1
+    assert r.cache.resident == 0
+    # the next step fetches them again
+    copies.clear()
+    copy_ok = _COPY(lambda dst, src, nbytes, stream: 0)
+    planner.set_device(_address(copy_ok), _address(sync), 0, 1 << 40, 1 << 41, 2)
+    d, _ = r._native_step(planner, 0, ids, weights, x, out, False, sync=True, slots_out=slots_out)
+    assert [e for e, _ in d.admitted] == [3, 4] and r.cache.resident == 2
