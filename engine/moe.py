@@ -239,6 +239,10 @@ class MoERunner:
         # cache replaces its arrays
         self._planner: object | None = None
         self._planner_version = -1
+        # the native planner also waits for the routing and queues the copies itself, through
+        # the driver functions of `h2d.driver_functions` (with CUDA; a CPU test may stand in
+        # functions that copy host memory)
+        self.planner_copies = cuda
 
     # prefill buffers (prefill_stream.py) --------------------------------------------------------
 
@@ -522,11 +526,11 @@ class MoERunner:
                 state=cache.state, picks=self._counters.picks, w13=self.bank.w13,
                 w2=self.bank.w2, top_k=self.top_k,
             )  # fmt: skip
-            if planner is not None and self.device.type == "cuda":
+            if planner is not None and self.planner_copies:
                 assert self.bank.w13[0].element_size() == cache.w13.element_size()
                 copy, sync = driver_functions()
-                planner.set_device(copy, sync, self.compute_stream.cuda_stream,
-                                   cache.w13.data_ptr(), cache.w2.data_ptr(),
+                stream = self.compute_stream.cuda_stream if self.compute_stream else 0
+                planner.set_device(copy, sync, stream, cache.w13.data_ptr(), cache.w2.data_ptr(),
                                    cache.w13.element_size())  # fmt: skip
             self._planner, self._planner_version = planner, cache.version
         return self._planner
@@ -680,7 +684,7 @@ class MoERunner:
         clock = time.perf_counter
         t0 = clock()
         planner = self._decode_planner()
-        if planner is not None and self.device.type == "cuda":
+        if planner is not None and self.planner_copies:
             # the serial path in one native call, with nothing in Python between the routing's
             # arrival and the CPU job's start: wait, plan, start the CPU job, queue the copies
             d, (_, plan_s, fill_s) = self._native_step(

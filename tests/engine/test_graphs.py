@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from moelab.engine import moe as moe_module
 from moelab.engine.graphs import DecodeGraphs
 from moelab.engine.moe import StagedStepTimes
 from moelab.engine.sampling import SamplingParams
@@ -59,8 +61,33 @@ def _generate(engine) -> tuple[list[list[int]], dict[str, int]]:
     return outputs, counts
 
 
+_COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                         ctypes.c_void_p)  # fmt: skip
+_SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+def _host_driver(monkeypatch, calls: dict[str, int]) -> tuple:
+    """Stand-ins for the driver's copy and sync, on host memory: the native planner then takes
+    its CUDA path (wait, plan, start, copy in one call) on the CPU device. Counts the calls."""
+
+    def copy(dst, src, nbytes, stream) -> int:
+        calls["copy"] += 1
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    def sync(stream) -> int:
+        calls["sync"] += 1
+        return 0
+
+    functions = (_COPY(copy), _SYNC(sync))
+    addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in functions)
+    monkeypatch.setattr(moe_module, "driver_functions", lambda: addresses)
+    return functions  # kept alive by the caller
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
-def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint):
+@pytest.mark.parametrize("copies", ["python", "planner"])
+def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, copies):
     flags = ("--moe-cache-size", "20", "--moe-miss-policy", "split:0.5")
     eager = make_engine(checkpoint, *flags)
     try:
@@ -68,7 +95,12 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint):
     finally:
         eager.close()
     engine = make_engine(checkpoint, *flags)
+    calls = {"copy": 0, "sync": 0}
+    driver = _host_driver(monkeypatch, calls) if copies == "planner" else None
     try:
+        if driver is not None:  # the route slots and the fills queued by the native call
+            engine.moe.planner_copies = True
+            engine.moe._planner = None
         graphs = DecodeGraphs(
             engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
         )
@@ -95,6 +127,9 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint):
     stages = StagedStepTimes.STAGES
     assert all(staged[f"{name}_us"] > 0 for name in stages)
     assert staged["total_us"] == pytest.approx(sum(staged[f"{name}_us"] for name in stages))
+    if driver is not None:  # one wait per staged layer step, a slots copy each, and the fills
+        assert calls["sync"] == staged["layer_steps"]
+        assert calls["copy"] > calls["sync"]
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
