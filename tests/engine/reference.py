@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from pathlib import Path
@@ -186,3 +187,15 @@ def assert_same_greedy(ours: list[int], ref: list[int], margins: list[float]) ->
         if margins[i] <= 1e-3:
             return
         assert a == b, f"token {i}: moelab {a} != reference {b} (margin {margins[i]:.4f})"
+
+
+# The signatures of the CUDA driver functions the native decode planner calls by address
+# (cuMemcpyHtoDAsync, cuStreamSynchronize), for stand-ins written in Python.
+DRIVER_COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                               ctypes.c_void_p)  # fmt: skip
+DRIVER_SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+def address_of(function) -> int:
+    """A ctypes stand-in's address (keep the stand-in itself alive while it is used)."""
+    return ctypes.cast(function, ctypes.c_void_p).value

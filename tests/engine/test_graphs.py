@@ -15,7 +15,7 @@ from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import host_handoff
 
-from .reference import DEVICE, make_engine
+from .reference import DEVICE, DRIVER_COPY, DRIVER_SYNC, address_of, make_engine
 
 PROMPTS = [list(range(3, 23)), list(range(40, 47)), list(range(100, 131))]
 
@@ -61,11 +61,6 @@ def _generate(engine) -> tuple[list[list[int]], dict[str, int]]:
     return outputs, counts
 
 
-_COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
-                         ctypes.c_void_p)  # fmt: skip
-_SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-
-
 def _host_driver(monkeypatch, calls: dict[str, int]) -> tuple:
     """Stand-ins for the driver's copy and sync, on host memory: the native planner then takes
     its CUDA path (wait, plan, start, copy in one call) on the CPU device. Counts the calls."""
@@ -79,8 +74,8 @@ def _host_driver(monkeypatch, calls: dict[str, int]) -> tuple:
         calls["sync"] += 1
         return 0
 
-    functions = (_COPY(copy), _SYNC(sync))
-    addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in functions)
+    functions = (DRIVER_COPY(copy), DRIVER_SYNC(sync))
+    addresses = tuple(address_of(f) for f in functions)
     monkeypatch.setattr(moe_module, "driver_functions", lambda: addresses)
     return functions  # kept alive by the caller
 

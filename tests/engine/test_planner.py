@@ -8,8 +8,6 @@ pressure (steps that need more slots than are free) and every kind of split.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 import torch
@@ -19,6 +17,8 @@ from moelab.engine.cache import ExpertCache
 from moelab.engine.moe import MissPolicy, MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.host_handoff import routing_to_host
+
+from .reference import DRIVER_COPY, DRIVER_SYNC, address_of
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 12, 32, 16
 
@@ -169,15 +169,6 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
             torch.testing.assert_close(d.job.wait(), want, rtol=1e-4, atol=1e-4)
 
 
-_COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
-                         ctypes.c_void_p)  # fmt: skip
-_SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-
-
-def _address(fn) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value
-
-
 def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu):
     """Stand-in driver functions (the planner only has their addresses): a failing sync changes
     nothing; a failing fill raises, and the experts it was filling are not left resident."""
@@ -190,10 +181,10 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
         copies.append(nbytes)
         return 0 if len(copies) < 3 else 700  # cudaErrorIllegalAddress's code, say
 
-    copy = _COPY(failing_third_copy)
+    copy = DRIVER_COPY(failing_third_copy)
     sync_result = [999]
-    sync = _SYNC(lambda stream: sync_result[0])
-    planner.set_device(_address(copy), _address(sync), 0, 1 << 40, 1 << 41, 2)
+    sync = DRIVER_SYNC(lambda stream: sync_result[0])
+    planner.set_device(address_of(copy), address_of(sync), 0, 1 << 40, 1 << 41, 2)
     ids = torch.tensor([[3, 4]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     slots_out = torch.zeros(1, 2, dtype=torch.int32)
@@ -210,7 +201,7 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
     assert r.cache.resident == 0
     # the next step fetches them again
     copies.clear()
-    copy_ok = _COPY(lambda dst, src, nbytes, stream: 0)
-    planner.set_device(_address(copy_ok), _address(sync), 0, 1 << 40, 1 << 41, 2)
+    copy_ok = DRIVER_COPY(lambda dst, src, nbytes, stream: 0)
+    planner.set_device(address_of(copy_ok), address_of(sync), 0, 1 << 40, 1 << 41, 2)
     d, _ = r._native_step(planner, 0, ids, weights, x, out, False, sync=True, slots_out=slots_out)
     assert [e for e, _ in d.admitted] == [3, 4] and r.cache.resident == 2
