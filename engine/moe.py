@@ -111,11 +111,12 @@ class StagedStepTimes:
 
     The chain of one layer step is serial: the piece's graph is launched (`replay_s`), the host
     waits for its routing (`sync_s`: the piece's GPU work still running, which includes waiting
-    for the previous layer's fills and CPU job, then the copies), decides hits, fills and CPU work
-    and starts the CPU job (`plan_s`), queues the fills and the routes' slots (`fill_s`) and
-    counts (`count_s`); then the next piece is launched, without waiting for the CPU job (its
-    first kernel does, on the GPU).
-    Timed by the host's clock, a few reads of it per layer step.
+    for the previous layer's fills and CPU job, then the routing's store), decides hits, fills and
+    CPU work and starts the CPU job (`plan_s`), queues the fills and the routes' slots
+    (`fill_s`); then the next piece is launched, without waiting for the CPU job (its first kernel
+    does, on the GPU), and only then does the host count the step (`count_s`, `after_launch`).
+    Timed by the host's clock, a few reads of it per layer step; with the native planner on CUDA,
+    plan and fill are the planner's own timing inside its one call.
     """
 
     layer_steps: int = 0
