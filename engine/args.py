@@ -273,7 +273,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--no-overlap-decode",
         action="store_true",
         help="Wait for each decode step's tokens before preparing the next. By default, greedy "
-        "decode with CUDA graphs of whole steps queues step N+1 while the GPU runs step N.",
+        "decode with CUDA graphs queues step N+1 while the GPU runs step N (with offloaded "
+        "experts: while it runs step N's last CPU job and logits).",
     )
 
     server = parser.add_argument_group("server")

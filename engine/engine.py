@@ -378,9 +378,11 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Run one forward step; returns the sequences that got a token.
 
-        Overlapped decode (greedy requests, whole-step CUDA graphs): the step is queued on the
-        device and the previous step's tokens are read while it runs, so the host's work between
-        steps (scheduling, stop checks, streaming) hides behind the GPU's. A step in flight
+        Overlapped decode (greedy requests, CUDA graphs): the step is queued on the device and
+        the previous step's tokens are read while it runs, so the host's work between steps
+        (scheduling, stop checks, streaming) hides behind the GPU's. With piecewise graphs
+        (offloaded experts) the host stages every layer of the queued step first; its work
+        between steps then hides behind the step's last CPU job and the logits. A step in flight
         consumes its predecessor's tokens on the device; a sequence that stopped on the
         predecessor's token wastes one step of compute, whose token is dropped.
         """
@@ -409,7 +411,6 @@ class Engine:
         return (
             self.overlap_decode
             and graphs is not None
-            and not graphs.piecewise
             and 0 < len(chunks) <= graphs.max_bs
             and all(c.count == 1 and not c.seq.prefilling for c in chunks)
             and all(c.seq.params.greedy for c in chunks)
@@ -446,7 +447,7 @@ class Engine:
         if flight.done is not None:
             flight.done.synchronize()
         tokens = flight.tokens.tolist()
-        self.moe.after_decode_step(flight.routing)
+        self.moe.after_decode_step(flight.routing, settled=self._flight is None)
         for seq in flight.seqs:
             seq.pending -= 1
         now = time.perf_counter()

@@ -1,8 +1,10 @@
 """The MoE step: route, run hits from the GPU cache, split misses between fills and CPU execution.
 
-Decode: for the m missing experts of a layer step, q = round(m · Bp / (Bp + Bh)) are copied
-into cache slots while the other m − q run on the CPU at the same time; both finish together when
-q / Bp = (m − q) / Bh. Which misses are fetched: the ones picked most often so far (they are the
+Decode: for the m missing experts of a layer step, q of them are copied into cache slots while the
+other m − q run on the CPU at the same time; both would finish together at q = m · Bp / (Bp + Bh).
+Experts are whole, so q is whichever of the two whole numbers around it ends the step sooner (the
+later of the copies and the CPU; a tie fetches, since a fetched expert stays cached). Which misses
+are fetched: the ones picked most often so far (they are the
 likeliest to be reused from the cache), ties broken by the lower expert id.
 
 Decode layer steps are planned by the native `DecodePlanner` when the CPU experts are native (the
@@ -17,6 +19,7 @@ chunk routes first and then treats its misses like decode does.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import time
 from collections.abc import Callable
@@ -74,8 +77,19 @@ class MissPolicy:
         return cls("auto", bp_gbps / (bp_gbps + bh_gbps), bp_gbps, bh_gbps)
 
     def fetch_count(self, misses: int) -> int:
-        """q: how many of `misses` to copy into the cache."""
-        return min(misses, max(0, round(misses * self.fetch_fraction)))
+        """q: how many of `misses` to copy into the cache, the rest running on the CPU.
+
+        Of the two whole numbers around misses · f, the one whose later side (copies: q / Bp,
+        the CPU: (misses − q) / Bh; with f = Bp / (Bp + Bh), in proportion q · (1 − f) and
+        (misses − q) · f) ends sooner; a tie fetches. The native planner computes the same."""
+        f = self.fetch_fraction
+        low = min(misses, max(0, math.floor(misses * f)))
+        high = min(misses, low + 1)
+
+        def ends(q: int) -> float:
+            return max(q * (1.0 - f), (misses - q) * f)
+
+        return high if ends(high) <= ends(low) else low
 
 
 @dataclass(slots=True)
@@ -353,10 +367,17 @@ class MoERunner:
         host.copy_(self._ids_dev[:rows], non_blocking=True)
         return host, rows
 
-    def after_decode_step(self, snapshot: tuple[torch.Tensor, int] | None) -> None:
+    def after_decode_step(
+        self, snapshot: tuple[torch.Tensor, int] | None, settled: bool = True
+    ) -> None:
         """Keep a synchronized decode step's routing (from `snapshot_decode_ids`); it is counted
-        in batches, off the per-step path, when the counters are read or the backlog grows."""
-        self._end_handoff()
+        in batches, off the per-step path, when the counters are read or the backlog grows.
+
+        settled: no later step is queued. When one is (overlapped decode), its last staged CPU
+        job is still running: the next piece's launch ends it, not this (waiting here would hold
+        the host while the device still has that job and the logits to do)."""
+        if settled:
+            self._end_handoff()
         self._flush_accesses()
         if snapshot is None:
             return

@@ -660,8 +660,8 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
 //
 // The same decisions as MoERunner._plan (engine/moe.py) over ExpertCache (engine/cache.py), on the
 // same numpy arrays, which this object only holds the addresses of: count the picks, look the
-// routed experts up (hits become most recently used), fetch round(m * fraction) of the m misses
-// (the most picked first; ties: more tokens now, then the lower id) into free or least recently
+// routed experts up (hits become most recently used), fetch q of the m misses (fetch_count below;
+// the most picked first; ties: more tokens now, then the lower id) into free or least recently
 // used unprotected slots, run the rest on the CPU, write each route's slot (-1: on the CPU), and
 // queue the CPU job. With the device's copy functions set (`set_device`), one call also waits for
 // the routing (the stream's sync) and queues the routes' slots and the fills on that stream: the
@@ -671,6 +671,16 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
 // The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
 using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
 using CuStreamSynchronize = int (*)(void* stream);
+
+// How many of m misses to fetch: MissPolicy.fetch_count (engine/moe.py), in the same double
+// arithmetic. Of the two whole numbers around m * f, the one whose later side (the copies, in
+// proportion q * (1 - f); the CPU, (m - q) * f) ends sooner; a tie fetches.
+inline int64_t fetch_count(int64_t m, double f) {
+  const int64_t low = std::min<int64_t>(m, std::max<int64_t>(0, int64_t(std::floor(double(m) * f))));
+  const int64_t high = std::min<int64_t>(m, low + 1);
+  auto ends = [&](int64_t q) { return std::max(double(q) * (1.0 - f), double(m - q) * f); };
+  return ends(high) <= ends(low) ? high : low;
+}
 
 class DecodePlanner {
  public:
@@ -773,9 +783,7 @@ class DecodePlanner {
       }
     }
     const int64_t m = int64_t(missing.size());
-    // Python's round(): half to even, as nearbyint does in the default rounding mode
-    const int64_t q = std::min<int64_t>(
-        m, std::max<int64_t>(0, int64_t(std::nearbyint(double(m) * fetch_fraction))));
+    const int64_t q = fetch_count(m, fetch_fraction);
     if (q < m) {
       std::stable_sort(missing.begin(), missing.end(), [&](int32_t a, int32_t b) {
         if (picks[a] != picks[b]) return picks[a] > picks[b];

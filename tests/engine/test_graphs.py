@@ -80,31 +80,48 @@ def _host_driver(monkeypatch, calls: dict[str, int]) -> tuple:
     return functions  # kept alive by the caller
 
 
+OFFLOADED = ("--moe-cache-size", "20", "--moe-miss-policy", "split:0.5")
+
+
+def _piecewise_engine(checkpoint, *flags: str):
+    """An offloaded engine on the CPU whose decode steps replay stand-in graphs of pieces."""
+    engine = make_engine(checkpoint, *OFFLOADED, *flags)
+    graphs = DecodeGraphs(
+        engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
+    )
+    graphs.capture()
+    assert len(graphs.graphs[4]) == engine.spec.num_moe_layers + 1
+    engine.graphs = graphs
+    return engine
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
 @pytest.mark.parametrize("copies", ["python", "planner"])
-def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, copies):
-    flags = ("--moe-cache-size", "20", "--moe-miss-policy", "split:0.5")
-    eager = make_engine(checkpoint, *flags)
+def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, copies, overlap):
+    eager = make_engine(checkpoint, *OFFLOADED)
     try:
         expected, expected_counts = _generate(eager)
     finally:
         eager.close()
-    engine = make_engine(checkpoint, *flags)
     calls = {"copy": 0, "sync": 0}
     driver = _host_driver(monkeypatch, calls) if copies == "planner" else None
+    engine = _piecewise_engine(checkpoint, *(() if overlap else ("--no-overlap-decode",)))
     try:
         if driver is not None:  # the route slots and the fills queued by the native call
             engine.moe.planner_copies = True
             engine.moe._planner = None
-        graphs = DecodeGraphs(
-            engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
-        )
-        graphs.capture()
-        assert len(graphs.graphs[4]) == engine.spec.num_moe_layers + 1
-        engine.graphs = graphs
-        replays = []
+        graphs = engine.graphs
+        replays, queued_behind = [], []
         run = graphs.run
-        graphs.run = lambda rows: (replays.append(len(rows)), run(rows))[1]
+
+        def counted_run(rows):
+            replays.append(len(rows))
+            # a step queued behind an unread one takes its input tokens from the device
+            queued_behind.append(all(row.source >= 0 for row in rows))
+            return run(rows)
+
+        graphs.run = counted_run
         outputs, counts = _generate(engine)
         staged = engine.telemetry.stats(running=0, queued=0, model_name="m")["experts"][
             "staged_layer_us"
@@ -125,6 +142,40 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     if driver is not None:  # one wait per staged layer step, a slots copy each, and the fills
         assert calls["sync"] == staged["layer_steps"]
         assert calls["copy"] > calls["sync"]
+    # overlapped: most steps were staged while the step before them was still unread
+    assert sum(queued_behind) > len(replays) // 2 if overlap else not any(queued_behind)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
+def test_overlapped_piecewise_decode_with_stops_and_a_shrinking_batch(checkpoint):
+    """Requests that end at different steps, one on a stop token while the next step is already
+    staged: the tokens of eager steps, and the CPU jobs of the dropped step do not leak."""
+    eager = make_engine(checkpoint, *OFFLOADED)
+    try:
+        probe = _mixed_requests(eager, None)
+        eager.run_until_idle()
+        stop_token = probe[2].output_ids[9]
+        expected_seqs = _mixed_requests(eager, stop_token)
+        eager.run_until_idle()
+        expected = [(s.output_ids, s.finish_reason) for s in expected_seqs]
+    finally:
+        eager.close()
+    assert expected[2][1] == "stop"
+    engine = _piecewise_engine(checkpoint)
+    sources = []
+    run = engine.graphs.run
+    engine.graphs.run = lambda rows: sources.append([r.source for r in rows]) or run(rows)
+    try:
+        _mixed_requests(engine, None)
+        engine.run_until_idle()
+        seqs = _mixed_requests(engine, stop_token)
+        engine.run_until_idle()
+        assert engine.idle and engine.kv.used_blocks == 0
+        assert engine.moe._pending is None and not engine.moe._uncounted
+    finally:
+        engine.close()
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == expected
+    assert sum(all(src >= 0 for src in step) for step in sources) > len(sources) // 2
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")

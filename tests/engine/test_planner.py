@@ -65,6 +65,20 @@ def _state(r: MoERunner) -> tuple:
             r.counters.picks.tolist())  # fmt: skip
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 1 / 3, 0.39, 0.5, 0.72, 1.0])
+def test_fetch_count_is_the_whole_split_that_ends_the_step_soonest(fraction):
+    """The copies take q · (1 − f), the CPU (m − q) · f (in units of the whole-miss time): the
+    step ends at the later; no whole q ends it sooner, and of equals the most fetched is taken."""
+    policy = MissPolicy("split", fraction)
+    for misses in range(17):
+        q = policy.fetch_count(misses)
+        ends = [max(k * (1 - fraction), (misses - k) * fraction) for k in range(misses + 1)]
+        assert ends[q] == min(ends), (misses, q)
+        assert all(ends[k] > ends[q] for k in range(q + 1, misses + 1)), (misses, q)
+    # where rounding m · f would copy more than the CPU's share allows
+    assert MissPolicy("split", 0.39).fetch_count(4) == 1  # round(1.56) = 2 ends later
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.35, 0.5, 1.0])
 @pytest.mark.parametrize(("tokens", "top_k", "slots"), [(1, 4, 10), (3, 4, 6), (5, 3, 4)])
 def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots):
