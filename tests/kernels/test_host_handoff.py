@@ -34,43 +34,45 @@ def _set_later(sync: torch.Tensor, index: int, value: int, delay_s: float) -> th
 
 
 @pytest.mark.parametrize("waiter", list(WAITERS))
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_adds_the_part_only_once_the_epoch_is_done(gen, waiter, tokens):
-    out = torch.randn(tokens, 1500, generator=gen)  # not a multiple of the block
+@pytest.mark.parametrize(("tokens", "routes"), [(1, 8), (3, 2), (2, None)])
+def test_adds_the_part_only_once_the_epoch_is_done(gen, waiter, tokens, routes):
+    """The GPU's routes ([T, K, H], or [T, H] already summed) summed, plus the CPU's part."""
+    shape = (tokens, 1500) if routes is None else (tokens, routes, 1500)  # not a block multiple
+    gpu = torch.randn(shape, generator=gen)
     part = torch.randn(tokens, 1500, generator=gen)
-    expected = out + part
+    expected = (gpu if routes is None else gpu.sum(dim=1)) + part
     sync = host_handoff.handoff_sync(pin=False)
     sync[DONE], sync[EXPECTED] = 6, 7
     thread = _set_later(sync, DONE, 7, delay_s=0.3)
     started_s = time.perf_counter()
-    WAITERS[waiter](out, part, sync)
+    out = WAITERS[waiter](gpu, part, sync)
     waited_s = time.perf_counter() - started_s
     thread.join()
     assert waited_s >= 0.25, "it added before the CPU's epoch was done"
-    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     assert sync[TIMED_OUT] == 0
 
 
 @pytest.mark.parametrize("waiter", list(WAITERS))
 def test_an_epoch_already_done_adds_at_once(gen, waiter):
-    out, part = torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen)
-    expected = out + part
+    gpu, part = torch.randn(2, 3, 64, generator=gen), torch.randn(2, 64, generator=gen)
+    expected = gpu.sum(dim=1) + part
     sync = host_handoff.handoff_sync(pin=False)
     sync[DONE], sync[EXPECTED] = 9, 4  # DONE past EXPECTED: still ready
-    WAITERS[waiter](out, part, sync)
-    assert torch.equal(out, expected)
+    torch.testing.assert_close(WAITERS[waiter](gpu, part, sync), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_giving_up_sets_the_flag_and_leaves_out_alone(gen):
-    out, part = torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen)
-    before = out.clone()
+def test_giving_up_sets_the_flag_and_leaves_the_part_out(gen):
+    gpu, part = torch.randn(2, 4, 64, generator=gen), torch.randn(2, 64, generator=gen)
     sync = host_handoff.handoff_sync(pin=False)
     sync[EXPECTED] = 1
-    host_handoff.add_when_ready_triton(out, part, sync, max_polls=8)
-    assert sync[TIMED_OUT] == 1 and torch.equal(out, before)
+    out = host_handoff.add_when_ready_triton(gpu, part, sync, max_polls=8)
+    assert sync[TIMED_OUT] == 1
+    torch.testing.assert_close(out, gpu.sum(dim=1), rtol=1e-6, atol=1e-6)
     sync[TIMED_OUT] = 0
-    host_handoff.add_when_ready_ref(out, part, sync, timeout_s=0.05)
-    assert sync[TIMED_OUT] == 1 and torch.equal(out, before)
+    out = host_handoff.add_when_ready_ref(gpu, part, sync, timeout_s=0.05)
+    assert sync[TIMED_OUT] == 1
+    torch.testing.assert_close(out, gpu.sum(dim=1), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
@@ -86,10 +88,10 @@ def test_a_cpu_job_hands_its_output_to_the_waiting_kernel(gen, kernel):
     sync[EXPECTED] = 5
     with CpuExpertRunner(2, kernel) as runner:
         job = runner.submit(*args, out=part, done_flag=sync, done_value=5)
-        host_handoff.add_when_ready_triton(gpu_part, part, sync)
+        out = host_handoff.add_when_ready_triton(gpu_part, part, sync)
         job.wait()
     assert sync[DONE] == 5
-    torch.testing.assert_close(gpu_part, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
@@ -136,19 +138,20 @@ def test_bad_done_flags_get_a_clear_error(gen, call, words):
 
 
 @pytest.mark.parametrize(
-    ("out", "part", "sync", "words"),
+    ("routes", "part", "sync", "words"),
     [
-        (torch.zeros(2, 8), torch.zeros(2, 9), None, "one shape"),
+        (torch.zeros(2, 8), torch.zeros(2, 9), None, r"\[T, H\]"),
+        (torch.zeros(2, 4, 8), torch.zeros(2, 9), None, r"\[T, K, H\]"),
         (torch.zeros(2, 8).bfloat16(), torch.zeros(2, 8), None, "fp32"),
         (torch.zeros(2, 8), torch.zeros(8, 2).t(), None, "contiguous"),
         (torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(3, dtype=torch.int64), "handoff_sync"),
     ],
 )
-def test_bad_handoff_inputs_get_a_clear_error(out, part, sync, words):
+def test_bad_handoff_inputs_get_a_clear_error(routes, part, sync, words):
     sync = host_handoff.handoff_sync(pin=False) if sync is None else sync
     for waiter in WAITERS.values():
         with pytest.raises(ValueError, match=words):
-            waiter(out, part, sync)
+            waiter(routes, part, sync)
 
 
 ROUTING = {
