@@ -35,12 +35,20 @@ def _driver_sync() -> ctypes._CFuncPtr:
     return fn
 
 
-def driver_functions() -> tuple[int, int]:
-    """The addresses of the driver's cuMemcpyHtoDAsync and cuStreamSynchronize, for native code
-    that queues the same copies (the decode planner, kernels/cpu_experts.py)."""
-    return (
-        ctypes.cast(_driver_copy(), ctypes.c_void_p).value or 0,
-        ctypes.cast(_driver_sync(), ctypes.c_void_p).value or 0,
+@functools.cache
+def _driver_memset() -> ctypes._CFuncPtr:
+    fn = ctypes.CDLL("libcuda.so.1").cuMemsetD8Async
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def driver_functions() -> tuple[int, int, int]:
+    """The addresses of the driver's cuMemcpyHtoDAsync, cuStreamSynchronize and cuMemsetD8Async,
+    for native code that queues the same copies (the decode planner, kernels/cpu_experts.py)."""
+    return tuple(
+        ctypes.cast(fn(), ctypes.c_void_p).value or 0
+        for fn in (_driver_copy, _driver_sync, _driver_memset)
     )
 
 

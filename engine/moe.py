@@ -48,6 +48,8 @@ from .prefill_stream import PrefillStream
 ADAPT_EVERY_JOBS = 48
 # Decode rows whose routing the resident path records for telemetry (a decode batch is smaller)
 MAX_RECORDED_ROWS = 1024
+# A split miss is divided between the copy and the CPU at a multiple of I / SPLIT_CHUNKS rows
+SPLIT_CHUNKS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,26 @@ class MissPolicy:
             return max(q * (1.0 - f), (misses - q) * f)
 
         return high if ends(high) <= ends(low) else low
+
+    def fetch_plan(self, misses: int, chunks: int) -> tuple[int, int]:
+        """(q, j): copy q whole misses and, of one more, the first j / chunks of its gate/up rows
+        with all of its down projection (a third of an expert), while the CPU runs its other rows
+        and the rest; j = 0: no miss is split. The split replaces `fetch_count`'s whole split only
+        where it ends the step sooner, by the same measure (copied experts · (1 − f) against the
+        CPU's · f). The native planner computes the same."""
+        f = self.fetch_fraction
+        best_q, best_j = self.fetch_count(misses), 0
+        if chunks < 2:
+            return best_q, best_j
+        best = max(best_q * (1.0 - f), (misses - best_q) * f)
+        for q in range(misses):
+            for j in range(1, chunks):
+                u = j / chunks
+                copied = q + (1.0 + 2.0 * u) / 3.0
+                end = max(copied * (1.0 - f), (misses - q - u) * f)
+                if end < best:
+                    best, best_q, best_j = end, q, j
+        return best_q, best_j
 
 
 @dataclass(slots=True)
@@ -134,6 +156,7 @@ class StagedStepTimes:
     """
 
     layer_steps: int = 0
+    split_misses: int = 0  # misses split between the copy and the CPU
     replay_s: float = 0.0
     sync_s: float = 0.0
     plan_s: float = 0.0
@@ -149,7 +172,7 @@ class StagedStepTimes:
             f"{s}_us": 1e6 * getattr(self, f"{s}_s") / n if n else None for s in self.STAGES
         }
         total = sum(v for v in per_step.values() if v is not None) if n else None
-        return {"layer_steps": n, **per_step, "total_us": total}
+        return {"layer_steps": n, "split_misses": self.split_misses, **per_step, "total_us": total}
 
 
 @dataclass(slots=True)
@@ -166,10 +189,15 @@ class _Dispatch:
     cpu_mask: np.ndarray | None  # [T, K] routes run on the CPU (None: none, or already started)
     job: object | None = None  # the CPU job (CpuExpertJob)
     route_slots_host: torch.Tensor | None = None  # route_slots in a reusable (pinned) buffer
+    # the split miss (native planner): (expert, borrowed slot, first row on the CPU); its expert is
+    # in on_cpu too, and its share of rows on the device is split_share
+    split: tuple[int, int, int] | None = None
+    split_share: float = 0.0
 
     @property
-    def cpu_experts(self) -> int:
-        return len(self.on_cpu)
+    def cpu_experts(self) -> float:
+        """Experts' worth of weights the CPU reads (a split miss counts its rows on the CPU)."""
+        return len(self.on_cpu) - self.split_share
 
 
 @dataclass(slots=True)
@@ -258,6 +286,8 @@ class MoERunner:
         # the driver functions of `h2d.driver_functions` (with CUDA; a CPU test may stand in
         # functions that copy host memory)
         self.planner_copies = cuda
+        # with its copies, it may split one miss per layer step between the copy and the CPU
+        self.split_misses = True
 
     # prefill buffers (prefill_stream.py) --------------------------------------------------------
 
@@ -510,25 +540,35 @@ class MoERunner:
         """One DecodePlanner step over host tensors ids [T, K] (int32), weights [T, K] and x
         [T, H] (fp32), the CPU's part into out (and then the next handoff epoch, if `handoff`).
         sync: wait for the compute stream first (the routing's copies); slots_out: the device
-        tensor the routes' slots are copied to, with the fills, on the compute stream.
+        tensor the routes' slots are copied to, with the fills, on the compute stream (and then
+        one miss may be split between the copy and the CPU, unless `split_misses` is off).
         Returns the step and its native (wait, plan, copy) seconds."""
         route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
         flag, value = (self._handoff_sync, self._epoch + 1) if handoff else (None, 0)
+        inter = self.bank.w2[0].shape[-1]
+        chunks = (
+            SPLIT_CHUNKS
+            if slots_out is not None and self.split_misses and inter % SPLIT_CHUNKS == 0
+            else 0
+        )
         try:
-            experts, slots, admitted, on_cpu, job, seconds = planner.step(
+            experts, slots, admitted, on_cpu, split, job, seconds = planner.step(
                 moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
                 self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
                 0 if flag is None else flag.data_ptr(), value, sync,
-                0 if slots_out is None else slots_out.data_ptr(),
+                0 if slots_out is None else slots_out.data_ptr(), chunks,
             )  # fmt: skip
         except RuntimeError:  # a driver call failed; a failed fill has freed its slots again
             self.cache.changed()
             raise
-        if admitted:
+        if admitted or split is not None:
             self.cache.changed()
         missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
         d = _Dispatch(experts, slots, missing, admitted, on_cpu, route_slots.numpy(), None)
         d.route_slots_host = route_slots
+        if split is not None:
+            d.split, d.split_share = split, split[2] / inter
+            self.staged_times.split_misses += 1
         if job is not None:
             keep = (ids, weights, x, out) if flag is None else (ids, weights, x, out, flag)
             d.job = CpuExpertJob(out, job=job, keep=keep)
@@ -550,10 +590,10 @@ class MoERunner:
             )  # fmt: skip
             if planner is not None and self.planner_copies:
                 assert self.bank.w13[0].element_size() == cache.w13.element_size()
-                copy, sync = driver_functions()
+                copy, sync, memset = driver_functions()
                 stream = self.compute_stream.cuda_stream if self.compute_stream else 0
-                planner.set_device(copy, sync, stream, cache.w13.data_ptr(), cache.w2.data_ptr(),
-                                   cache.w13.element_size())  # fmt: skip
+                planner.set_device(copy, sync, memset, stream, cache.w13.data_ptr(),
+                                   cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
             self._planner, self._planner_version = planner, cache.version
         return self._planner
 
@@ -793,7 +833,7 @@ class MoERunner:
         assert d.job is not None
         out = d.job.wait()
         if decode:
-            weight_bytes, seconds = d.cpu_experts * self._expert_bytes, d.job.seconds()
+            weight_bytes, seconds = int(d.cpu_experts * self._expert_bytes), d.job.seconds()
             self.cpu_times.add(weight_bytes, seconds)
             self._cpu_window.add(weight_bytes, seconds)
             if self._cpu_window.jobs >= ADAPT_EVERY_JOBS:

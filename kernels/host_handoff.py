@@ -3,8 +3,8 @@
 In an offloaded decode step the CPU worker threads write their weighted sum of a layer's CPU routes
 into pinned host memory, then a completion epoch (kernels/cpu_experts.py, `done_flag`). The next
 piece of the step is queued before they finish; its `add_when_ready` sums the GPU's routes, polls
-the epoch over PCIe and adds the CPU's sum once it is there. The host neither waits for the CPU job nor
-copies its result nor launches the piece late: the GPU starts the moment the workers finish.
+the epoch over PCIe and adds the CPU's sum once it is there. The host neither waits for the CPU job
+nor copies its result nor launches the piece late: the GPU starts the moment the workers finish.
 
 The other direction, `routing_to_host`: a piece of an offloaded decode step ends by storing its
 routing (ids, weights and the MoE input x as fp32, as the CPU experts read it) straight into pinned

@@ -422,6 +422,10 @@ struct ExpertProblem {
   const void* w13;  // [E, 2I, H]
   const void* w2;   // [E, H, I]
   int64_t T, H, I, E;
+  // One expert may be split with the GPU (the decode planner's split miss): for it, only the
+  // intermediate rows from split_row on (gate/up rows, down projection columns) are computed here.
+  int32_t split_expert = -1;
+  int64_t split_row = 0;
 };
 
 // Tasks aim at this many weight bytes each: small enough to balance 16 threads over one expert,
@@ -479,7 +483,7 @@ class ExpertJob final : public Job {
     const WT* up = gate + I * H;
     const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
     const int64_t r_end = std::min(I, r0 + rows1_);
-    for (int64_t r = r0; r < r_end;) {
+    for (int64_t r = std::max(r0, first_row(g)); r < r_end;) {
       const int nr = r + 2 <= r_end ? 2 : 1;
       const WT* rows[4] = {gate + r * H, gate + (r + 1) * H, up + r * H, up + (r + 1) * H};
       if (nr == 1) rows[1] = up + r * H;
@@ -522,28 +526,29 @@ class ExpertJob final : public Job {
       // Phase 1 hands out its blocks in group order, so this wait is short and mostly on the last.
       spin_until([&] { return group_done_[g].value.load(std::memory_order_acquire) == blocks1_; });
       const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
+      const int64_t first = first_row(g), K = I - first;  // the down projection's columns here
       for (int64_t r = r0; r < r_end;) {
         const int nr = r + 4 <= r_end ? 4 : 1;
-        const WT* rows[4] = {down_rows(g, r)};
+        const WT* rows[4] = {down_rows(g, r) + first};
         for (int a = 1; a < nr; ++a) rows[a] = rows[0] + a * I;
         // Prefetch the next tile: further down this expert, else the next expert's first rows.
         const WT* next[4] = {nullptr};
         if (r + 8 <= r_end) {
           next[0] = rows[0] + 4 * I;
         } else if (g + 1 < groups && r0 + 4 <= r_end) {
-          next[0] = down_rows(g + 1, r0);
+          next[0] = down_rows(g + 1, r0) + first_row(g + 1);
         }
         for (int a = 1; a < 4; ++a) next[a] = next[0] + a * I;
         for (int32_t jt = j0; jt < j1; jt += kMaxTokensPerTile) {
           const int nt = std::min<int>(kMaxTokensPerTile, j1 - jt);
           const float* hs[kMaxTokensPerTile];
-          for (int q = 0; q < nt; ++q) hs[q] = h_.data() + int64_t(jt + q) * I;
+          for (int q = 0; q < nt; ++q) hs[q] = h_.data() + int64_t(jt + q) * I + first;
           float res[4 * kMaxTokensPerTile];
           if (nr == 4) {
-            dot_tile_n<B, WT, 4>(rows, next[0] != nullptr && jt == j0 ? next : nullptr, hs, nt, I,
+            dot_tile_n<B, WT, 4>(rows, next[0] != nullptr && jt == j0 ? next : nullptr, hs, nt, K,
                                  res);
           } else {
-            dot_tile_n<B, WT, 1>(rows, nullptr, hs, nt, I, res);
+            dot_tile_n<B, WT, 1>(rows, nullptr, hs, nt, K, res);
           }
           for (int a = 0; a < nr; ++a) {
             for (int q = 0; q < nt; ++q) {
@@ -554,6 +559,11 @@ class ExpertJob final : public Job {
         r += nr;
       }
     }
+  }
+
+  // The first intermediate row computed for group g (all but the split expert: 0).
+  int64_t first_row(int64_t g) const {
+    return group_expert_[g] == p_.split_expert ? p_.split_row : 0;
   }
 
   const ExpertProblem p_;
@@ -671,6 +681,7 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
 // The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
 using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
 using CuStreamSynchronize = int (*)(void* stream);
+using CuMemsetD8Async = int (*)(uint64_t dst, unsigned char value, size_t bytes, void* stream);
 
 // How many of m misses to fetch: MissPolicy.fetch_count (engine/moe.py), in the same double
 // arithmetic. Of the two whole numbers around m * f, the one whose later side (the copies, in
@@ -680,6 +691,26 @@ inline int64_t fetch_count(int64_t m, double f) {
   const int64_t high = std::min<int64_t>(m, low + 1);
   auto ends = [&](int64_t q) { return std::max(double(q) * (1.0 - f), double(m - q) * f); };
   return ends(high) <= ends(low) ? high : low;
+}
+
+// How to divide m misses with one of them split (MissPolicy.fetch_plan, engine/moe.py, in the same
+// double arithmetic): q whole experts copied, and of one more the first j / chunks of its
+// intermediate rows copied (its gate/up rows; its whole down projection is copied, a third of an
+// expert) while the CPU runs its other rows and the remaining misses. The split replaces
+// fetch_count's whole split only where it ends the step sooner. Returns {q, j}; j = 0: no split.
+inline std::pair<int64_t, int64_t> fetch_plan(int64_t m, double f, int64_t chunks) {
+  int64_t best_q = fetch_count(m, f), best_j = 0;
+  if (chunks < 2) return {best_q, best_j};
+  double best = std::max(double(best_q) * (1.0 - f), double(m - best_q) * f);
+  for (int64_t q = 0; q < m; ++q) {
+    for (int64_t j = 1; j < chunks; ++j) {
+      const double u = double(j) / double(chunks);
+      const double copied = double(q) + (1.0 + 2.0 * u) / 3.0;
+      const double end = std::max(copied * (1.0 - f), (double(m - q) - u) * f);
+      if (end < best) best = end, best_q = q, best_j = j;
+    }
+  }
+  return {best_q, best_j};
 }
 
 class DecodePlanner {
@@ -712,12 +743,13 @@ class DecodePlanner {
     }
   }
 
-  // The driver's cuMemcpyHtoDAsync and cuStreamSynchronize, the stream, and the cache's slot
-  // arrays on the device ([slots, 2I, H] and [slots, H, I], the bank's element type).
-  void set_device(uintptr_t copy, uintptr_t sync, uintptr_t stream, uintptr_t cache_w13,
-                  uintptr_t cache_w2, int64_t element_size) {
+  // The driver's cuMemcpyHtoDAsync, cuStreamSynchronize and cuMemsetD8Async, the stream, and the
+  // cache's slot arrays on the device ([slots, 2I, H] and [slots, H, I], the bank's element type).
+  void set_device(uintptr_t copy, uintptr_t sync, uintptr_t memset, uintptr_t stream,
+                  uintptr_t cache_w13, uintptr_t cache_w2, int64_t element_size) {
     copy_ = reinterpret_cast<CuMemcpyHtoDAsync>(copy);
     sync_ = reinterpret_cast<CuStreamSynchronize>(sync);
+    memset_ = reinterpret_cast<CuMemsetD8Async>(memset);
     stream_ = reinterpret_cast<void*>(stream);
     cache_w13_ = cache_w13;
     cache_w2_ = cache_w2;
@@ -729,17 +761,24 @@ class DecodePlanner {
   // writes route_slots [T, top_k]. CPU routes' weighted sum goes to out [T, H] (fp32), then
   // done_value to done_flag if that is not 0. With the device set: first waits for the stream
   // (sync, without the GIL), and after starting the CPU job queues the copy of route_slots to
-  // route_slots_device and the fills. Returns (experts ascending, their slots before the step,
-  // admitted (expert, slot) pairs, experts run on the CPU, the CPU job or None, and the seconds
-  // spent waiting, planning and queueing the copies).
+  // route_slots_device and the fills. split_chunks >= 2 (with route_slots_device only): one miss
+  // may be split, its first rows in chunks of I / split_chunks copied into the least recently used
+  // slot, which is freed again (its content is no expert), and the rest run on the CPU
+  // (fetch_plan). Returns (experts ascending, their slots before the step, admitted (expert, slot)
+  // pairs, experts run on the CPU (the split one first), the split (expert, slot, first CPU row)
+  // or None, the CPU job or None, and the seconds spent waiting, planning and queueing copies).
   py::tuple step(int64_t layer, uintptr_t ids_addr, uintptr_t weights_addr, uintptr_t x,
                  int64_t T, double fetch_fraction, uintptr_t route_slots_addr, uintptr_t out,
                  uintptr_t done_flag, int64_t done_value, bool sync,
-                 uintptr_t route_slots_device) {
+                 uintptr_t route_slots_device, int64_t split_chunks) {
     using Clock = std::chrono::steady_clock;
     if (layer < 0 || layer >= layers_) throw std::invalid_argument("no such MoE layer");
     if ((sync || route_slots_device) && copy_ == nullptr) {
       throw std::invalid_argument("sync and device copies need set_device first");
+    }
+    if (split_chunks >= 2 &&
+        (!route_slots_device || memset_ == nullptr || inter_ % split_chunks != 0)) {
+      throw std::invalid_argument("a split needs the device copies, a memset and chunks of I");
     }
     const auto t0 = Clock::now();
     if (sync) {
@@ -783,7 +822,7 @@ class DecodePlanner {
       }
     }
     const int64_t m = int64_t(missing.size());
-    const int64_t q = fetch_count(m, fetch_fraction);
+    const auto [q, split_j] = fetch_plan(m, fetch_fraction, split_chunks);
     if (q < m) {
       std::stable_sort(missing.begin(), missing.end(), [&](int32_t a, int32_t b) {
         if (picks[a] != picks[b]) return picks[a] > picks[b];
@@ -812,13 +851,33 @@ class DecodePlanner {
       protected_[slot] = 1;
       admitted.emplace_back(e, slot);
     }
+    // the split miss (the next in line after the whole ones) borrows the least recently used slot
+    // for this step; it stays free after, its old expert evicted
+    int32_t split_expert = -1;
+    int64_t split_slot = -1, split_row = 0;
+    if (split_j > 0 && int64_t(admitted.size()) == q) {
+      split_slot = victim();
+      if (split_slot >= 0) {
+        split_expert = missing[q];
+        split_row = split_j * (inter_ / split_chunks);
+        const int64_t old = key_of_slot_[split_slot];
+        if (old >= 0) {
+          slot_of_[old] = -1;
+          ++state_[kEvictions];
+        }
+        key_of_slot_[split_slot] = -1;
+        last_use_[split_slot] = -1;
+        protected_[split_slot] = 1;
+      }
+    }
     for (int32_t e : on_cpu) where_[e] = kOnCpu;
+    if (split_expert >= 0) where_[split_expert] = kSplit;
     std::vector<int32_t> pair_expert, pair_token;
     std::vector<float> pair_weight;
     for (int64_t r = 0; r < R; ++r) {
       const int32_t e = ids[r];
-      if (where_[e] == kOnCpu) {
-        route_slots[r] = -1;
+      if (where_[e] != kNotRouted) {  // on the CPU, or split: its other rows on the CPU
+        route_slots[r] = where_[e] == kSplit ? int32_t(split_slot) : -1;
         pair_expert.push_back(e);
         pair_token.push_back(int32_t(r / top_k_));
         pair_weight.push_back(weights[r]);
@@ -832,12 +891,13 @@ class DecodePlanner {
       where_[e] = kNotRouted;
       if (slot_of[e] >= 0) protected_[slot_of[e]] = 0;
     }
+    if (split_slot >= 0) protected_[split_slot] = 0;
     py::object job = py::none();
     if (!on_cpu.empty()) {
       const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
                             reinterpret_cast<const void*>(w13_[layer]),
                             reinterpret_cast<const void*>(w2_[layer]),
-                            T, hidden_, inter_, experts_};
+                            T, hidden_, inter_, experts_, split_expert, split_row};
       auto j = make_job(pool_, simd_, weight_type_, p, pair_expert.data(), pair_token.data(),
                         pair_weight.data(), int64_t(pair_expert.size()));
       j->set_done_flag(reinterpret_cast<int64_t*>(done_flag), done_value);
@@ -854,6 +914,10 @@ class DecodePlanner {
         err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, stream_);
         if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, stream_);
       }
+      const char* failed = "cuMemcpyHtoDAsync";
+      if (split_expert >= 0 && err == 0) {
+        err = copy_split(layer, split_expert, split_slot, split_row, &failed);
+      }
       if (err != 0) {
         // the admitted slots may never be filled: free them, so no later step reads them
         for (const auto& [e, slot] : admitted) {
@@ -861,18 +925,42 @@ class DecodePlanner {
           key_of_slot_[slot] = -1;
           last_use_[slot] = -1;
         }
-        check_driver(err, "cuMemcpyHtoDAsync");
+        check_driver(err, failed);
       }
     }
     const auto t3 = Clock::now();
     const auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
-    return py::make_tuple(routed, before, admitted, on_cpu, job,
+    py::object split = py::none();
+    if (split_expert >= 0) split = py::make_tuple(split_expert, split_slot, split_row);
+    return py::make_tuple(routed, before, admitted, on_cpu, split, job,
                           py::make_tuple(seconds(t1 - t0), seconds(t2 - t1), seconds(t3 - t2)));
   }
 
  private:
   static constexpr int64_t kTick = 0, kHits = 1, kFills = 2, kEvictions = 3;  // cache.py's state
-  static constexpr int8_t kNotRouted = 0, kOnCpu = 1;
+  static constexpr int8_t kNotRouted = 0, kOnCpu = 1, kSplit = 2;
+
+  // The device's part of a split expert into `slot`: its gate and up rows below `row`, all of its
+  // down projection, and zero gate and up rows from `row` on (silu(0) * 0 = 0: those rows add
+  // nothing; both are zeroed, as a slot never filled may hold NaNs). Returns the first driver
+  // error (naming its call in `failed`), or 0.
+  int copy_split(int64_t layer, int32_t e, int64_t slot, int64_t row, const char** failed) {
+    const int64_t elem = bytes2_ / (hidden_ * inter_), half = inter_ * hidden_ * elem;
+    const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
+    const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
+    const uint64_t gate = cache_w13_ + slot * bytes13_, up = gate + half;
+    const int64_t head = row * hidden_ * elem;
+    int err = copy_(gate, bank13, head, stream_);
+    if (err == 0) err = copy_(up, bank13 + half, head, stream_);
+    for (const uint64_t rows : {gate, up}) {
+      if (err == 0) {
+        err = memset_(rows + head, 0, half - head, stream_);
+        if (err != 0) *failed = "cuMemsetD8Async";
+      }
+    }
+    if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, stream_);
+    return err;
+  }
 
   static void check_driver(int err, const char* what) {
     if (err != 0) {
@@ -903,6 +991,7 @@ class DecodePlanner {
   const std::vector<uintptr_t> w13_, w2_;  // per layer: [experts, 2I, H], [experts, H, I]
   CuMemcpyHtoDAsync copy_ = nullptr;
   CuStreamSynchronize sync_ = nullptr;
+  CuMemsetD8Async memset_ = nullptr;
   void* stream_ = nullptr;
   uint64_t cache_w13_ = 0, cache_w2_ = 0;
   int64_t bytes13_ = 0, bytes2_ = 0;

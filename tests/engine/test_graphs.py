@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 
 import pytest
@@ -15,7 +14,7 @@ from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import host_handoff
 
-from .reference import DEVICE, DRIVER_COPY, DRIVER_SYNC, address_of, make_engine
+from .reference import DEVICE, address_of, host_driver, make_engine
 
 PROMPTS = [list(range(3, 23)), list(range(40, 47)), list(range(100, 131))]
 
@@ -62,19 +61,9 @@ def _generate(engine) -> tuple[list[list[int]], dict[str, int]]:
 
 
 def _host_driver(monkeypatch, calls: dict[str, int]) -> tuple:
-    """Stand-ins for the driver's copy and sync, on host memory: the native planner then takes
-    its CUDA path (wait, plan, start, copy in one call) on the CPU device. Counts the calls."""
-
-    def copy(dst, src, nbytes, stream) -> int:
-        calls["copy"] += 1
-        ctypes.memmove(dst, src, nbytes)
-        return 0
-
-    def sync(stream) -> int:
-        calls["sync"] += 1
-        return 0
-
-    functions = (DRIVER_COPY(copy), DRIVER_SYNC(sync))
+    """Stand-ins for the driver's copy, sync and memset, on host memory: the native planner then
+    takes its CUDA path (wait, plan, start, copy in one call) on the CPU device. Counts calls."""
+    functions = host_driver(calls)
     addresses = tuple(address_of(f) for f in functions)
     monkeypatch.setattr(moe_module, "driver_functions", lambda: addresses)
     return functions  # kept alive by the caller
@@ -97,19 +86,23 @@ def _piecewise_engine(checkpoint, *flags: str):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
-@pytest.mark.parametrize("copies", ["python", "planner"])
+@pytest.mark.parametrize("copies", ["python", "planner", "planner-split"])
 def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, copies, overlap):
+    """python: the Python planner, copies by the host; planner: the native planner's CUDA path
+    with whole misses only (the same decisions); planner-split: with split misses (the same
+    tokens, other decisions)."""
     eager = make_engine(checkpoint, *OFFLOADED)
     try:
         expected, expected_counts = _generate(eager)
     finally:
         eager.close()
-    calls = {"copy": 0, "sync": 0}
-    driver = _host_driver(monkeypatch, calls) if copies == "planner" else None
+    calls = {"copy": 0, "sync": 0, "memset": 0}
+    driver = _host_driver(monkeypatch, calls) if copies != "python" else None
     engine = _piecewise_engine(checkpoint, *(() if overlap else ("--no-overlap-decode",)))
     try:
         if driver is not None:  # the route slots and the fills queued by the native call
             engine.moe.planner_copies = True
+            engine.moe.split_misses = copies == "planner-split"
             engine.moe._planner = None
         graphs = engine.graphs
         replays, queued_behind = [], []
@@ -130,7 +123,12 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         engine.close()
     assert outputs == expected
     # three sequences ran in the size-4 graphs: the padding row was never sent to the experts
-    assert counts == expected_counts
+    if copies == "planner-split":  # a split miss counts on the CPU; it fills nothing
+        assert counts["reads"] == expected_counts["reads"]
+        assert counts["fills"] < expected_counts["fills"]
+        assert 0 < 2 * staged["split_misses"] == calls["memset"]
+    else:
+        assert counts == expected_counts and staged["split_misses"] == 0
     assert counts["fills"] > 0 and counts["cpu"] > 0
     # every replayed decode step staged every MoE layer once, and the host's time between the
     # pieces is accounted for by stage

@@ -16,9 +16,10 @@ from moelab.engine.bank import ExpertBank
 from moelab.engine.cache import ExpertCache
 from moelab.engine.moe import MissPolicy, MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
+from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
 from moelab.kernels.host_handoff import routing_to_host
 
-from .reference import DRIVER_COPY, DRIVER_SYNC, address_of
+from .reference import DRIVER_COPY, DRIVER_MEMSET, DRIVER_SYNC, address_of, host_driver
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 12, 32, 16
 
@@ -119,6 +120,73 @@ def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots):
         assert saw["short_of_slots"] > 0
 
 
+def test_fetch_plan_splits_a_miss_where_that_ends_the_step_sooner():
+    policy = MissPolicy("split", 0.39)
+    # two misses: one whole copy (0.61) or the CPU alone (0.78) against copying 12/16 of one's
+    # gate/up rows and all of its down projection while the CPU runs the rest (0.508)
+    assert policy.fetch_count(2) == 1
+    assert policy.fetch_plan(2, 16) == (0, 12)
+
+    def ends(misses: int, q: int, u: float) -> float:
+        copied = q + ((1 + 2 * u) / 3 if u else 0.0)
+        return max(copied * 0.61, (misses - q - u) * 0.39)
+
+    for misses in range(9):  # a split never ends later than the whole split, and only replaces it
+        q, j = policy.fetch_plan(misses, 16)
+        whole = policy.fetch_count(misses)
+        assert ends(misses, q, j / 16) <= ends(misses, whole, 0.0)
+        assert j > 0 or q == whole
+        assert policy.fetch_plan(misses, 0) == (whole, 0)
+    assert MissPolicy("gpu", 1.0).fetch_plan(3, 16) == (3, 0)
+    assert MissPolicy("cpu", 0.0).fetch_plan(3, 16) == (0, 0)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, tokens):
+    """With the planner's copies (stand-ins on host memory, the cache in host memory too), a
+    split miss's slot holds its first rows and its whole down projection, its other gate and up
+    rows are zero, and the device's routes plus the CPU's part are the whole layer's output."""
+    gen = torch.Generator().manual_seed(11)
+    bank = _bank(gen)
+    r = _runner(bank, 6, 0.39, cpu, 4)
+    planner = r._decode_planner()
+    functions = host_driver()
+    cache = r.cache
+    planner.set_device(*(address_of(f) for f in functions), 0, cache.w13.data_ptr(),
+                       cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
+    rng = np.random.default_rng(5)
+    splits = 0
+    for step in range(12):
+        layer = step % LAYERS
+        ids = torch.from_numpy(_routes(rng, tokens, 4))
+        weights = torch.rand(tokens, 4, generator=gen)
+        x = torch.randn(tokens, HIDDEN, generator=gen)
+        slots_out = torch.full((tokens, 4), -7, dtype=torch.int32)
+        out = torch.zeros(tokens, HIDDEN)
+        d, _ = r._native_step(planner, layer, ids, weights, x, out, False, slots_out=slots_out)
+        np.testing.assert_array_equal(slots_out.numpy(), d.route_slots)
+        device_part = fused_moe_decode_ref(x, slots_out, weights, cache.w13, cache.w2)
+        cpu_part = d.job.wait() if d.job is not None else torch.zeros(tokens, HIDDEN)
+        everything = torch.zeros(tokens, 4, dtype=torch.int32)  # every route from the bank
+        want = fused_moe_decode_ref(x, ids + everything, weights, bank.w13[layer], bank.w2[layer])
+        torch.testing.assert_close(device_part + cpu_part, want, rtol=1e-4, atol=1e-4)
+        if d.split is None:
+            continue
+        splits += 1
+        expert, slot, row = d.split
+        assert d.on_cpu[0] == expert and expert not in [e for e, _ in d.admitted]
+        assert set(d.route_slots[ids.numpy() == expert].tolist()) == {slot}
+        assert 0 < row < INTER and d.split_share == row / INTER
+        gate, up = cache.w13[slot, :INTER], cache.w13[slot, INTER:]
+        assert torch.equal(gate[:row], bank.w13[layer][expert, :row])
+        assert torch.equal(up[:row], bank.w13[layer][expert, INTER : INTER + row])
+        assert not gate[row:].any() and not up[row:].any()
+        assert torch.equal(cache.w2[slot], bank.w2[layer][expert])
+        # the borrowed slot holds no expert after the step
+        assert cache.key_of_slot[slot] == -1 and cache.slot_of[layer, expert] == -1
+    assert splits >= 3
+
+
 def test_a_bad_route_is_refused_and_changes_nothing(cpu):
     bank = _bank(torch.Generator().manual_seed(0))
     r = _runner(bank, 6, 0.5, cpu, 2)
@@ -157,6 +225,7 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
                   prefill_stream_min_tokens=64)  # fmt: skip
     planner = r._decode_planner()
     rng = np.random.default_rng(3)
+    splits = 0
     for step in range(8):
         layer = step % LAYERS
         ids = torch.from_numpy(_routes(rng, 2, 4)).to(dev)
@@ -177,10 +246,21 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
         for expert, slot in d.admitted:
             assert torch.equal(cache.w13[slot].cpu(), bank.w13[layer][expert])
             assert torch.equal(cache.w2[slot].cpu(), bank.w2[layer][expert])
-        if d.job is not None:
-            want = _cpu_part(d.on_cpu, ids.cpu().numpy(), weights.cpu(), x.float().cpu(),
-                             bank.w13[layer], bank.w2[layer])  # fmt: skip
-            torch.testing.assert_close(d.job.wait(), want, rtol=1e-4, atol=1e-4)
+        if d.split is not None:  # the device's rows of a split miss, the rest zero
+            splits += 1
+            expert, slot, row = d.split
+            gate, up = cache.w13[slot, :INTER].cpu(), cache.w13[slot, INTER:].cpu()
+            assert torch.equal(gate[:row], bank.w13[layer][expert, :row])
+            assert torch.equal(up[:row], bank.w13[layer][expert, INTER : INTER + row])
+            assert not gate[row:].any() and not up[row:].any()
+            assert torch.equal(cache.w2[slot].cpu(), bank.w2[layer][expert])
+        # the cached and copied routes on the device plus the CPU's part: the whole layer
+        device_part = fused_moe_decode(x, slots_out, weights, cache.w13, cache.w2).cpu()
+        cpu_part = d.job.wait() if d.job is not None else 0.0
+        want = fused_moe_decode_ref(x.float().cpu(), ids.int().cpu(), weights.cpu(),
+                                    bank.w13[layer], bank.w2[layer])  # fmt: skip
+        torch.testing.assert_close(device_part + cpu_part, want, rtol=3e-2, atol=3e-2)
+    assert splits > 0
 
 
 def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu):
@@ -198,7 +278,10 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
     copy = DRIVER_COPY(failing_third_copy)
     sync_result = [999]
     sync = DRIVER_SYNC(lambda stream: sync_result[0])
-    planner.set_device(address_of(copy), address_of(sync), 0, 1 << 40, 1 << 41, 2)
+    memset = DRIVER_MEMSET(lambda dst, value, nbytes, stream: 0)
+    planner.set_device(
+        address_of(copy), address_of(sync), address_of(memset), 0, 1 << 40, 1 << 41, 2
+    )
     ids = torch.tensor([[3, 4]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     slots_out = torch.zeros(1, 2, dtype=torch.int32)
@@ -216,6 +299,7 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
     # the next step fetches them again
     copies.clear()
     copy_ok = DRIVER_COPY(lambda dst, src, nbytes, stream: 0)
-    planner.set_device(address_of(copy_ok), address_of(sync), 0, 1 << 40, 1 << 41, 2)
+    planner.set_device(address_of(copy_ok), address_of(sync), address_of(memset), 0, 1 << 40,
+                       1 << 41, 2)  # fmt: skip
     d, _ = r._native_step(planner, 0, ids, weights, x, out, False, sync=True, slots_out=slots_out)
     assert [e for e, _ in d.admitted] == [3, 4] and r.cache.resident == 2
