@@ -211,21 +211,27 @@ def test_a_cpu_job_that_never_hands_over_fails_the_step_clearly(checkpoint, monk
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_offloaded_decode_replays_captured_pieces_on_cuda(checkpoint):
+@pytest.mark.parametrize("split", [True, False], ids=["split-misses", "whole-misses"])
+def test_offloaded_decode_replays_captured_pieces_on_cuda(checkpoint, split):
     flags = ("--device", "cuda", "--moe-cache-size", "20", "--moe-miss-policy", "split:0.5")
     eager = make_engine(checkpoint, *flags, "--no-cuda-graph")
     try:
         expected, expected_counts = _generate(eager)
     finally:
         eager.close()
-    engine = make_engine(checkpoint, *flags)
+    engine = make_engine(checkpoint, *flags, *(() if split else ("--no-split-misses",)))
     try:
         assert engine.config_in_force()["cuda_graph_mode"] == "piecewise"
         outputs, counts = _generate(engine)
+        split_misses = engine.moe.staged_times.split_misses
     finally:
         engine.close()
     assert outputs == expected
-    assert counts == expected_counts and counts["fills"] > 0 and counts["cpu"] > 0
+    assert counts["fills"] > 0 and counts["cpu"] > 0
+    if split:  # other decisions (a split miss counts on the CPU), the same tokens
+        assert counts["reads"] == expected_counts["reads"] and split_misses > 0
+    else:
+        assert counts == expected_counts and split_misses == 0
 
 
 def _resident_engine_with_replay_graphs(checkpoint, *flags: str):

@@ -259,7 +259,9 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
         cpu_part = d.job.wait() if d.job is not None else 0.0
         want = fused_moe_decode_ref(x.float().cpu(), ids.int().cpu(), weights.cpu(),
                                     bank.w13[layer], bank.w2[layer])  # fmt: skip
-        torch.testing.assert_close(device_part + cpu_part, want, rtol=3e-2, atol=3e-2)
+        # bf16 activations on the device: compared as a whole (a lost or doubled part of a
+        # split miss is a tenth of it or more)
+        assert ((device_part + cpu_part - want).norm() / want.norm()).item() < 1e-2
     assert splits > 0
 
 
