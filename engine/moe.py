@@ -809,9 +809,8 @@ class MoERunner:
     ) -> torch.Tensor:
         """The device part of a staged decode layer step (capturable): the cached experts'
         weighted sum, plus the CPU's part (cpu_part, host memory) once the CPU job has ended."""
-        # the routes' sum is left to add_when_ready: one launch fewer
-        routes = fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2, reduce=False)
-        return add_when_ready(routes, cpu_part, self._handoff_sync)
+        out = fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2)
+        return add_when_ready(out, cpu_part, self._handoff_sync)
 
     def _end_handoff(self) -> None:
         """After a sync: count the last staged CPU job (ended: the device waited for it), and

@@ -2,9 +2,9 @@
 
 In an offloaded decode step the CPU worker threads write their weighted sum of a layer's CPU routes
 into pinned host memory, then a completion epoch (kernels/cpu_experts.py, `done_flag`). The next
-piece of the step is queued before they finish; its `add_when_ready` sums the GPU's routes, polls
-the epoch over PCIe and adds the CPU's sum once it is there. The host neither waits for the CPU job
-nor copies its result nor launches the piece late: the GPU starts the moment the workers finish.
+piece of the step is queued before they finish; its `add_when_ready` polls the epoch over PCIe
+and adds the CPU's sum to the GPU's once it is there. The host neither waits for the CPU job nor
+copies its result nor launches the piece late: the GPU starts the moment the workers finish.
 
 The other direction, `routing_to_host`: a piece of an offloaded decode step ends by storing its
 routing (ids, weights and the MoE input x as fp32, as the CPU experts read it) straight into pinned
@@ -31,7 +31,6 @@ from . import common
 DONE, EXPECTED, TIMED_OUT = 0, 8, 16  # int64 indices: 64 bytes apart
 _SYNC_LEN = 24
 BLOCK = 1024
-HANDOFF_BLOCK = 256  # add_when_ready: one element a thread (its volatile loads go one by one)
 # Polls of the epoch before giving up: one is a PCIe round trip of about a microsecond, so a few
 # seconds, where a CPU job takes well under a millisecond. The reference waits as long by the clock.
 MAX_POLLS = 1 << 22
@@ -44,14 +43,12 @@ def handoff_sync(pin: bool) -> torch.Tensor:
 
 
 def add_when_ready_ref(
-    routes: torch.Tensor, part: torch.Tensor, sync: torch.Tensor, timeout_s: float | None = None
+    out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor, timeout_s: float | None = None
 ) -> torch.Tensor:
-    """Reference: wait (on the host) until sync's DONE reaches EXPECTED, then return the GPU's
-    routes summed plus the CPU's part: fp32 [T, H] from routes fp32 [T, K, H] (or [T, H]: K = 1)
-    and part fp32 [T, H] in host memory. On a timeout, sets TIMED_OUT and returns the routes' sum
-    alone."""
-    _check(routes, part, sync)
-    out = routes.sum(dim=1) if routes.dim() == 3 else routes.clone()
+    """Reference: wait (on the host) until sync's DONE reaches EXPECTED, then out += part (in
+    place; out fp32 [T, H], part fp32 [T, H] in host memory). On a timeout, sets TIMED_OUT and
+    leaves out as it was."""
+    _check(out, part, sync)
     state = sync.numpy()  # a view: each read sees the memory now
     deadline = time.monotonic() + (TIMEOUT_S if timeout_s is None else timeout_s)
     while state[DONE] < state[EXPECTED]:
@@ -64,16 +61,7 @@ def add_when_ready_ref(
 
 
 @triton.jit
-def _add_when_ready_kernel(
-    routes_ptr, part_ptr, sync_ptr, out_ptr, n, hidden, routes, max_polls, BLOCK: tl.constexpr
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    # the routes' sum first: it needs nothing from the host
-    row = routes_ptr + (offs // hidden) * routes * hidden + offs % hidden
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(routes):
-        acc += tl.load(row + k * hidden, mask=mask, other=0.0)
+def _add_when_ready_kernel(out_ptr, part_ptr, sync_ptr, n, max_polls, BLOCK: tl.constexpr):
     expected = tl.load(sync_ptr + 8, volatile=True)
     done = tl.load(sync_ptr, volatile=True)
     polls = 0
@@ -83,35 +71,31 @@ def _add_when_ready_kernel(
     if done < expected:
         tl.store(sync_ptr + 16, 1)
     else:
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
         # volatile: read the host's memory now, never a copy cached before the epoch was seen
-        # (triton 3.6 drops a .cv modifier). A thread's volatile loads go one by one, a PCIe
-        # round trip each (8 a thread took 12 µs on an H200): one a thread (HANDOFF_WARPS)
-        acc += tl.load(part_ptr + offs, mask=mask, other=0.0, volatile=True)
-    tl.store(out_ptr + offs, acc, mask=mask)
+        part = tl.load(part_ptr + offs, mask=mask, volatile=True)
+        acc = tl.load(out_ptr + offs, mask=mask)
+        tl.store(out_ptr + offs, acc + part, mask=mask)
 
 
 def add_when_ready_triton(
-    routes: torch.Tensor, part: torch.Tensor, sync: torch.Tensor, max_polls: int = MAX_POLLS
+    out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor, max_polls: int = MAX_POLLS
 ) -> torch.Tensor:
-    """Triton: the same in one launch, waiting on the device (graph-capturable: no host sync).
-    part and sync must be pinned host memory when routes is on a GPU."""
-    _check(routes, part, sync)
-    out = torch.empty(part.shape, dtype=torch.float32, device=routes.device)
-    n, hidden = out.numel(), out.shape[-1]
-    k = routes.shape[1] if routes.dim() == 3 else 1
-    _add_when_ready_kernel[(triton.cdiv(n, HANDOFF_BLOCK),)](
-        routes, part, sync, out, n, hidden, k, max_polls, BLOCK=HANDOFF_BLOCK,
-        num_warps=HANDOFF_BLOCK // 32,
-    )  # fmt: skip
+    """Triton: the same, waiting on the device (graph-capturable: no host sync). part and sync
+    must be pinned host memory when out is on a GPU."""
+    _check(out, part, sync)
+    n = out.numel()
+    _add_when_ready_kernel[(triton.cdiv(n, BLOCK),)](out, part, sync, n, max_polls, BLOCK=BLOCK)
     return out
 
 
-def add_when_ready(routes: torch.Tensor, part: torch.Tensor, sync: torch.Tensor) -> torch.Tensor:
-    """routes summed over K, plus part once the CPU has finished the awaited epoch: the Triton
-    kernel on CUDA, the reference elsewhere."""
-    if routes.is_cuda:
-        return add_when_ready_triton(routes, part, sync)
-    return add_when_ready_ref(routes, part, sync)
+def add_when_ready(out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor) -> torch.Tensor:
+    """out += part once the CPU has finished the awaited epoch: the Triton kernel on CUDA, the
+    reference elsewhere."""
+    if out.is_cuda:
+        return add_when_ready_triton(out, part, sync)
+    return add_when_ready_ref(out, part, sync)
 
 
 def routing_to_host_ref(
@@ -193,18 +177,17 @@ def _check_routing(ids, weights, x, ids_h, weights_h, x_h) -> None:
         raise ValueError("from a GPU, the routing's host buffers must be pinned")
 
 
-def _check(routes: torch.Tensor, part: torch.Tensor, sync: torch.Tensor) -> None:
-    summed = routes.shape[:1] + routes.shape[2:] if routes.dim() == 3 else routes.shape
-    if routes.dtype != torch.float32 or part.dtype != torch.float32 or summed != part.shape:
+def _check(out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor) -> None:
+    if out.dtype != torch.float32 or part.dtype != torch.float32 or out.shape != part.shape:
         raise ValueError(
-            f"routes {tuple(routes.shape)} {routes.dtype} and part {tuple(part.shape)} "
-            f"{part.dtype} must be fp32, [T, K, H] (or [T, H]) and [T, H]"
+            f"out {tuple(out.shape)} {out.dtype} and part {tuple(part.shape)} {part.dtype} must "
+            "be fp32 of one shape"
         )
-    if not (routes.is_contiguous() and part.is_contiguous()):
-        raise ValueError("routes and part must be contiguous")
+    if not (out.is_contiguous() and part.is_contiguous()):
+        raise ValueError("out and part must be contiguous")
     if sync.dtype != torch.int64 or sync.numel() < _SYNC_LEN or sync.device.type != "cpu":
         raise ValueError(f"sync must be a handoff_sync() tensor, got {sync.dtype} {sync.shape}")
-    if routes.is_cuda and not (part.is_pinned() and sync.is_pinned()):
-        raise ValueError("with routes on a GPU, part and sync must be pinned host memory")
-    if not routes.is_cuda:
-        common.check_same_device(routes=routes, part=part)
+    if out.is_cuda and not (part.is_pinned() and sync.is_pinned()):
+        raise ValueError("with out on a GPU, part and sync must be pinned host memory")
+    if not out.is_cuda:
+        common.check_same_device(out=out, part=part)
