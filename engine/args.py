@@ -203,11 +203,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "(fetch all), cpu (run all on the CPU), split:F (fetch a fixed share F).",
     )
     moe.add_argument(
-        "--no-split-misses",
+        "--split-misses",
         action="store_true",
-        help="Copy and run a decode step's misses as whole experts only. By default (CUDA graphs "
-        "of pieces) one miss per layer step may be split: its first rows copied, the rest run on "
-        "the CPU, so that the copies and the CPU end together.",
+        help="Let one miss per offloaded decode layer step (CUDA graphs of pieces) be split: its "
+        "first rows copied to the GPU, the rest run on the CPU, so that the copies and the CPU "
+        "end together. Off by default: on an H200 it measured no faster (docs/performance.md).",
     )
     moe.add_argument(
         "--moe-cpu-threads",
@@ -341,7 +341,7 @@ TUNABLE: tuple[Tunable, ...] = (
         "prefill speed against activation memory",
     ),
     Tunable("--no-prefill-overlap", "switch", why="streaming the next layer during prefill"),
-    Tunable("--no-split-misses", "switch", why="copies and CPU end together at batch 1"),
+    Tunable("--split-misses", "switch", why="copies and CPU end together where misses are few"),
     Tunable("--no-cuda-graph", "switch", why="graph replay cuts launch overhead"),
     Tunable("--no-overlap-decode", "switch", why="host work between steps hides behind the GPU"),
     Tunable(

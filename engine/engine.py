@@ -162,7 +162,7 @@ class Engine:
             prefill_overlap=not args.no_prefill_overlap,
             prefill_stream_min_tokens=self._stream_threshold(),
         )
-        self.moe.split_misses = not args.no_split_misses
+        self.moe.split_misses = args.split_misses
         if plan.all_resident:
             self._load_all_experts()
         elif plan.prefill_buffer_bytes:
@@ -597,7 +597,7 @@ class Engine:
             "cpu_threads": self.cpu.num_threads,
             "cpu_kernel": self.cpu.kernel,
             "cpu_spin_us": a.moe_cpu_spin_us,
-            "split_misses": not a.no_split_misses,
+            "split_misses": a.split_misses,
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,
             "rates_source": self.rates_source,

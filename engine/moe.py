@@ -287,7 +287,8 @@ class MoERunner:
         # functions that copy host memory)
         self.planner_copies = cuda
         # with its copies, it may split one miss per layer step between the copy and the CPU
-        self.split_misses = True
+        # (--split-misses)
+        self.split_misses = False
 
     # prefill buffers (prefill_stream.py) --------------------------------------------------------
 
@@ -541,7 +542,7 @@ class MoERunner:
         [T, H] (fp32), the CPU's part into out (and then the next handoff epoch, if `handoff`).
         sync: wait for the compute stream first (the routing's copies); slots_out: the device
         tensor the routes' slots are copied to, with the fills, on the compute stream (and then
-        one miss may be split between the copy and the CPU, unless `split_misses` is off).
+        one miss may be split between the copy and the CPU, if `split_misses`).
         Returns the step and its native (wait, plan, copy) seconds."""
         route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
         flag, value = (self._handoff_sync, self._epoch + 1) if handoff else (None, 0)

@@ -219,7 +219,7 @@ def test_offloaded_decode_replays_captured_pieces_on_cuda(checkpoint, split):
         expected, expected_counts = _generate(eager)
     finally:
         eager.close()
-    engine = make_engine(checkpoint, *flags, *(() if split else ("--no-split-misses",)))
+    engine = make_engine(checkpoint, *flags, *(("--split-misses",) if split else ()))
     try:
         assert engine.config_in_force()["cuda_graph_mode"] == "piecewise"
         outputs, counts = _generate(engine)

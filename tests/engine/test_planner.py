@@ -149,6 +149,7 @@ def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, token
     gen = torch.Generator().manual_seed(11)
     bank = _bank(gen)
     r = _runner(bank, 6, 0.39, cpu, 4)
+    r.split_misses = True
     planner = r._decode_planner()
     functions = host_driver()
     cache = r.cache
@@ -223,6 +224,7 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
     cache = ExpertCache(LAYERS, EXPERTS, 6, HIDDEN, INTER, torch.bfloat16, dev)
     r = MoERunner(bank, cache, MissPolicy("split", 0.5), cpu, top_k=4, prefill_overlap=False,
                   prefill_stream_min_tokens=64)  # fmt: skip
+    r.split_misses = True
     planner = r._decode_planner()
     rng = np.random.default_rng(3)
     splits = 0
