@@ -4,8 +4,8 @@ Decode: for the m missing experts of a layer step, q of them are copied into cac
 other m − q run on the CPU at the same time; both would finish together at q = m · Bp / (Bp + Bh).
 Experts are whole, so q is whichever of the two whole numbers around it ends the step sooner (the
 later of the copies and the CPU; a tie fetches, since a fetched expert stays cached). Which misses
-are fetched: the ones picked most often so far (they are the
-likeliest to be reused from the cache), ties broken by the lower expert id.
+are fetched: the ones picked most often so far (they are the likeliest to be reused from the cache),
+ties broken by the lower expert id.
 
 Decode layer steps are planned by the native `DecodePlanner` when the CPU experts are native (the
 same decisions as `_plan`, which is the reference); between two captured pieces of a decode step
@@ -84,14 +84,15 @@ class MissPolicy:
         Of the two whole numbers around misses · f, the one whose later side (copies: q / Bp,
         the CPU: (misses − q) / Bh; with f = Bp / (Bp + Bh), in proportion q · (1 − f) and
         (misses − q) · f) ends sooner; a tie fetches. The native planner computes the same."""
-        f = self.fetch_fraction
-        low = min(misses, max(0, math.floor(misses * f)))
+        low = min(misses, max(0, math.floor(misses * self.fetch_fraction)))
         high = min(misses, low + 1)
+        return high if self._ends(high, misses - high) <= self._ends(low, misses - low) else low
 
-        def ends(q: int) -> float:
-            return max(q * (1.0 - f), (misses - q) * f)
-
-        return high if ends(high) <= ends(low) else low
+    def _ends(self, copied: float, on_cpu: float) -> float:
+        """When a layer step's misses end, in proportion: the later of the copies of `copied`
+        experts' worth and the CPU's `on_cpu`."""
+        f = self.fetch_fraction
+        return max(copied * (1.0 - f), on_cpu * f)
 
     def fetch_plan(self, misses: int, chunks: int) -> tuple[int, int]:
         """(q, j): copy q whole misses and, of one more, the first j / chunks of its gate/up rows
@@ -99,16 +100,14 @@ class MissPolicy:
         and the rest; j = 0: no miss is split. The split replaces `fetch_count`'s whole split only
         where it ends the step sooner, by the same measure (copied experts · (1 − f) against the
         CPU's · f). The native planner computes the same."""
-        f = self.fetch_fraction
         best_q, best_j = self.fetch_count(misses), 0
         if chunks < 2:
             return best_q, best_j
-        best = max(best_q * (1.0 - f), (misses - best_q) * f)
+        best = self._ends(best_q, misses - best_q)
         for q in range(misses):
             for j in range(1, chunks):
                 u = j / chunks
-                copied = q + (1.0 + 2.0 * u) / 3.0
-                end = max(copied * (1.0 - f), (misses - q - u) * f)
+                end = self._ends(q + (1.0 + 2.0 * u) / 3.0, misses - q - u)
                 if end < best:
                     best, best_q, best_j = end, q, j
         return best_q, best_j

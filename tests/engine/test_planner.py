@@ -166,6 +166,10 @@ def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, token
         out = torch.zeros(tokens, HIDDEN)
         d, _ = r._native_step(planner, layer, ids, weights, x, out, False, slots_out=slots_out)
         np.testing.assert_array_equal(slots_out.numpy(), d.route_slots)
+        # the native planner's division is the Python policy's (there is room for it in these steps)
+        q, j = r.policy.fetch_plan(len(d.missing), 16)
+        assert len(d.admitted) == q
+        assert (d.split[2] if d.split else 0) == j * INTER // 16
         device_part = fused_moe_decode_ref(x, slots_out, weights, cache.w13, cache.w2)
         cpu_part = d.job.wait() if d.job is not None else torch.zeros(tokens, HIDDEN)
         everything = torch.zeros(tokens, 4, dtype=torch.int32)  # every route from the bank
