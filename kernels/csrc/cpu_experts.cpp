@@ -687,7 +687,8 @@ using CuMemsetD8Async = int (*)(uint64_t dst, unsigned char value, size_t bytes,
 // arithmetic. Of the two whole numbers around m * f, the one whose later side (the copies, in
 // proportion q * (1 - f); the CPU, (m - q) * f) ends sooner; a tie fetches.
 inline int64_t fetch_count(int64_t m, double f) {
-  const int64_t low = std::min<int64_t>(m, std::max<int64_t>(0, int64_t(std::floor(double(m) * f))));
+  const int64_t low =
+      std::min<int64_t>(m, std::max<int64_t>(0, int64_t(std::floor(double(m) * f))));
   const int64_t high = std::min<int64_t>(m, low + 1);
   auto ends = [&](int64_t q) { return std::max(double(q) * (1.0 - f), double(m - q) * f); };
   return ends(high) <= ends(low) ? high : low;
