@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .args import add_engine_flags
-from .moe import CpuJobTimes, StagedStepTimes
+from .moe_stats import CpuJobTimes, StagedStepTimes
 
 
 def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:

@@ -20,8 +20,9 @@ from .cpu import measure_bh_gbps, measure_bp_gbps, start_cpu_executor
 from .graphs import DecodeGraphs, DecodeRow
 from .kv import KVCache
 from .memory import VramPlan, log_plan, plan_vram
+from .misses import MissPolicy
 from .model import Model, SeqSlice, StepBatch
-from .moe import MissPolicy, MoERunner
+from .moe import MoERunner
 from .prefill_stream import stream_threshold_tokens
 from .rope import Rotary
 from .sampling import Sampler, SamplingParams

@@ -1,11 +1,9 @@
 """The MoE step: route, run hits from the GPU cache, split misses between fills and CPU execution.
 
-Decode: for the m missing experts of a layer step, q of them are copied into cache slots while the
-other m − q run on the CPU at the same time; both would finish together at q = m · Bp / (Bp + Bh).
-Experts are whole, so q is whichever of the two whole numbers around it ends the step sooner (the
-later of the copies and the CPU; a tie fetches, since a fetched expert stays cached). Which misses
-are fetched: the ones picked most often so far (they are the likeliest to be reused from the cache),
-ties broken by the lower expert id.
+Decode: a layer step's misses are divided between copies into cache slots and the CPU, both run
+at the same time (how many of each: misses.py). Which misses are fetched: the ones picked most
+often so far (they are the likeliest to be reused from the cache), ties broken by the lower expert
+id. What the step counts and times: moe_stats.py.
 
 Decode layer steps are planned by the native `DecodePlanner` when the CPU experts are native (the
 same decisions as `_plan`, which is the reference); between two captured pieces of a decode step
@@ -19,8 +17,6 @@ chunk routes first and then treats its misses like decode does.
 from __future__ import annotations
 
 import contextlib
-import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,136 +38,14 @@ from ..kernels.host_handoff import (
 from .bank import ExpertBank
 from .cache import ExpertCache
 from .h2d import HostToDevice, driver_functions
+from .misses import SPLIT_CHUNKS, MissPolicy
+from .moe_stats import CpuJobTimes, LayerCounters, StagedStepTimes
 from .prefill_stream import PrefillStream
 
 # CPU jobs of decode between two updates of the auto split from their measured rate
 ADAPT_EVERY_JOBS = 48
 # Decode rows whose routing the resident path records for telemetry (a decode batch is smaller)
 MAX_RECORDED_ROWS = 1024
-# A split miss is divided between the copy and the CPU at a multiple of I / SPLIT_CHUNKS rows
-SPLIT_CHUNKS = 16
-
-
-@dataclass(frozen=True, slots=True)
-class MissPolicy:
-    """How a layer step's cache misses are divided between GPU fills and CPU execution."""
-
-    mode: str  # "auto" | "gpu" | "cpu" | "split"
-    fetch_fraction: float  # share of misses fetched: from the bandwidths (auto) or fixed
-    bp_gbps: float | None = None  # auto: the rates the fraction comes from
-    bh_gbps: float | None = None
-
-    @classmethod
-    def parse(cls, text: str, bp_gbps: float, bh_gbps: float) -> MissPolicy:
-        if text == "gpu":
-            return cls("gpu", 1.0)
-        if text == "cpu":
-            return cls("cpu", 0.0)
-        match = re.fullmatch(r"split:([0-9.]+)", text)
-        if match:
-            return cls("split", float(match.group(1)))
-        assert text == "auto", text
-        return cls.auto(bp_gbps, bh_gbps)
-
-    @classmethod
-    def auto(cls, bp_gbps: float, bh_gbps: float) -> MissPolicy:
-        """Fetch Bp / (Bp + Bh) of the misses: the copies and the CPU then finish together."""
-        return cls("auto", bp_gbps / (bp_gbps + bh_gbps), bp_gbps, bh_gbps)
-
-    def fetch_count(self, misses: int) -> int:
-        """q: how many of `misses` to copy into the cache, the rest running on the CPU.
-
-        Of the two whole numbers around misses · f, the one whose later side (copies: q / Bp,
-        the CPU: (misses − q) / Bh; with f = Bp / (Bp + Bh), in proportion q · (1 − f) and
-        (misses − q) · f) ends sooner; a tie fetches. The native planner computes the same."""
-        low = min(misses, max(0, math.floor(misses * self.fetch_fraction)))
-        high = min(misses, low + 1)
-        return high if self._ends(high, misses - high) <= self._ends(low, misses - low) else low
-
-    def _ends(self, copied: float, on_cpu: float) -> float:
-        """When a layer step's misses end, in proportion: the later of the copies of `copied`
-        experts' worth and the CPU's `on_cpu`."""
-        f = self.fetch_fraction
-        return max(copied * (1.0 - f), on_cpu * f)
-
-    def fetch_plan(self, misses: int, chunks: int) -> tuple[int, int]:
-        """(q, j): copy q whole misses and, of one more, the first j / chunks of its gate/up rows
-        with all of its down projection (a third of an expert), while the CPU runs its other rows
-        and the rest; j = 0: no miss is split. The split replaces `fetch_count`'s whole split only
-        where it ends the step sooner, by the same measure (copied experts · (1 − f) against the
-        CPU's · f). The native planner computes the same."""
-        best_q, best_j = self.fetch_count(misses), 0
-        if chunks < 2:
-            return best_q, best_j
-        best = self._ends(best_q, misses - best_q)
-        for q in range(misses):
-            for j in range(1, chunks):
-                u = j / chunks
-                end = self._ends(q + (1.0 + 2.0 * u) / 3.0, misses - q - u)
-                if end < best:
-                    best, best_q, best_j = end, q, j
-        return best_q, best_j
-
-
-@dataclass(slots=True)
-class CpuJobTimes:
-    """What the CPU expert workers did in decode steps, timed by the native kernel itself."""
-
-    jobs: int = 0
-    weight_bytes: int = 0
-    start_s: float = 0.0  # queueing to the first task taken: the workers' reaction time
-    run_s: float = 0.0  # first task taken to last task done
-
-    def add(self, weight_bytes: int, seconds: tuple[float, float] | None) -> None:
-        if seconds is None:
-            return
-        self.jobs += 1
-        self.weight_bytes += weight_bytes
-        self.start_s += seconds[0]
-        self.run_s += seconds[1]
-
-    def to_dict(self) -> dict:
-        return {
-            "jobs": self.jobs,
-            "weight_bytes": self.weight_bytes,
-            "gbps": self.weight_bytes / self.run_s / 1e9 if self.run_s else None,
-            "start_us_mean": 1e6 * self.start_s / self.jobs if self.jobs else None,
-            "run_us_mean": 1e6 * self.run_s / self.jobs if self.jobs else None,
-        }
-
-
-@dataclass(slots=True)
-class StagedStepTimes:
-    """Where the host's time goes in offloaded decode layer steps between two captured pieces.
-
-    The chain of one layer step is serial: the piece's graph is launched (`replay_s`), the host
-    waits for its routing (`sync_s`: the piece's GPU work still running, which includes waiting
-    for the previous layer's fills and CPU job, then the routing's store), decides hits, fills and
-    CPU work and starts the CPU job (`plan_s`), queues the fills and the routes' slots
-    (`fill_s`); then the next piece is launched, without waiting for the CPU job (its first kernel
-    does, on the GPU), and only then does the host count the step (`count_s`, `after_launch`).
-    Timed by the host's clock, a few reads of it per layer step; with the native planner on CUDA,
-    plan and fill are the planner's own timing inside its one call.
-    """
-
-    layer_steps: int = 0
-    split_misses: int = 0  # misses split between the copy and the CPU
-    replay_s: float = 0.0
-    sync_s: float = 0.0
-    plan_s: float = 0.0
-    fill_s: float = 0.0
-    count_s: float = 0.0
-
-    STAGES = ("replay", "sync", "plan", "fill", "count")
-
-    def to_dict(self) -> dict:
-        """Microseconds per layer step of each stage, and their sum."""
-        n = self.layer_steps
-        per_step = {
-            f"{s}_us": 1e6 * getattr(self, f"{s}_s") / n if n else None for s in self.STAGES
-        }
-        total = sum(v for v in per_step.values() if v is not None) if n else None
-        return {"layer_steps": n, "split_misses": self.split_misses, **per_step, "total_us": total}
 
 
 @dataclass(slots=True)
@@ -197,22 +71,6 @@ class _Dispatch:
     def cpu_experts(self) -> float:
         """Experts' worth of weights the CPU reads (a split miss counts its rows on the CPU)."""
         return len(self.on_cpu) - self.split_share
-
-
-@dataclass(slots=True)
-class LayerCounters:
-    """Decode counters per MoE layer: expert reads and where each one ran."""
-
-    reads: np.ndarray
-    hits: np.ndarray
-    fills: np.ndarray
-    cpu: np.ndarray
-    picks: np.ndarray  # [layers, experts]: how often each expert was routed to
-
-    @classmethod
-    def zeros(cls, layers: int, experts: int) -> LayerCounters:
-        z = lambda: np.zeros(layers, dtype=np.int64)  # noqa: E731
-        return cls(z(), z(), z(), z(), np.zeros((layers, experts), dtype=np.int64))
 
 
 class MoERunner:

@@ -25,7 +25,8 @@ import torch
 
 from moelab.engine.bank import ExpertBank
 from moelab.engine.cache import ExpertCache
-from moelab.engine.moe import SPLIT_CHUNKS, MissPolicy, MoERunner
+from moelab.engine.misses import SPLIT_CHUNKS, MissPolicy
+from moelab.engine.moe import MoERunner
 from moelab.engine.synth import zipf_shares
 from moelab.kernels.cpu_experts import CpuExpertRunner
 

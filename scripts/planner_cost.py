@@ -22,7 +22,8 @@ import torch
 
 from moelab.engine.bank import ExpertBank
 from moelab.engine.cache import ExpertCache
-from moelab.engine.moe import MissPolicy, MoERunner
+from moelab.engine.misses import MissPolicy
+from moelab.engine.moe import MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner
 
 LAYERS, EXPERTS, TOP_K, HIDDEN, INTER = 12, 128, 8, 256, 64

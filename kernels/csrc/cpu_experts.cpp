@@ -683,7 +683,7 @@ using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, v
 using CuStreamSynchronize = int (*)(void* stream);
 using CuMemsetD8Async = int (*)(uint64_t dst, unsigned char value, size_t bytes, void* stream);
 
-// How many of m misses to fetch: MissPolicy.fetch_count (engine/moe.py), in the same double
+// How many of m misses to fetch: MissPolicy.fetch_count (engine/misses.py), in the same double
 // arithmetic. Of the two whole numbers around m * f, the one whose later side (the copies, in
 // proportion q * (1 - f); the CPU, (m - q) * f) ends sooner; a tie fetches.
 inline int64_t fetch_count(int64_t m, double f) {
@@ -694,8 +694,8 @@ inline int64_t fetch_count(int64_t m, double f) {
   return ends(high) <= ends(low) ? high : low;
 }
 
-// How to divide m misses with one of them split (MissPolicy.fetch_plan, engine/moe.py, in the same
-// double arithmetic): q whole experts copied, and of one more the first j / chunks of its
+// How to divide m misses with one of them split (MissPolicy.fetch_plan, engine/misses.py, in the
+// same double arithmetic): q whole experts copied, and of one more the first j / chunks of its
 // intermediate rows copied (its gate/up rows; its whole down projection is copied, a third of an
 // expert) while the CPU runs its other rows and the remaining misses. The split replaces
 // fetch_count's whole split only where it ends the step sooner. Returns {q, j}; j = 0: no split.

@@ -9,7 +9,7 @@ import torch
 
 from moelab.engine import moe as moe_module
 from moelab.engine.graphs import DecodeGraphs
-from moelab.engine.moe import StagedStepTimes
+from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import host_handoff

@@ -205,7 +205,8 @@ def test_exactly_the_advertised_context_fits(tmp_path):
 
 def test_the_auto_split_follows_the_cpu_rate_decode_sees(tmp_path, monkeypatch):
     import moelab.engine.moe as moe_module
-    from moelab.engine.moe import CpuJobTimes, MissPolicy
+    from moelab.engine.misses import MissPolicy
+    from moelab.engine.moe_stats import CpuJobTimes
 
     path = synthesize(
         tmp_path / "m", preset="tiny", routing_skew=0.5, seed=6, overrides={"num_experts": 16}

@@ -14,7 +14,8 @@ import torch
 
 from moelab.engine.bank import ExpertBank
 from moelab.engine.cache import ExpertCache
-from moelab.engine.moe import MissPolicy, MoERunner
+from moelab.engine.misses import MissPolicy
+from moelab.engine.moe import MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
 from moelab.kernels.host_handoff import routing_to_host

@@ -1,0 +1,79 @@
+"""How an offloaded decode layer step's cache misses are divided between copies and the CPU.
+
+For the m missing experts of a layer step, q of them are copied into cache slots while the other
+m − q run on the CPU at the same time; both would finish together at q = m · Bp / (Bp + Bh).
+Experts are whole, so q is whichever of the two whole numbers around it ends the step sooner
+(`MissPolicy.fetch_count`). With --split-misses one more miss may be divided, its first rows
+copied and the rest run on the CPU (`fetch_plan`). The native decode planner
+(kernels/csrc/cpu_experts.cpp) computes the same in the same double arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+# A split miss is divided between the copy and the CPU at a multiple of I / SPLIT_CHUNKS rows
+SPLIT_CHUNKS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class MissPolicy:
+    """How a layer step's cache misses are divided between GPU fills and CPU execution."""
+
+    mode: str  # "auto" | "gpu" | "cpu" | "split"
+    fetch_fraction: float  # share of misses fetched: from the bandwidths (auto) or fixed
+    bp_gbps: float | None = None  # auto: the rates the fraction comes from
+    bh_gbps: float | None = None
+
+    @classmethod
+    def parse(cls, text: str, bp_gbps: float, bh_gbps: float) -> MissPolicy:
+        if text == "gpu":
+            return cls("gpu", 1.0)
+        if text == "cpu":
+            return cls("cpu", 0.0)
+        match = re.fullmatch(r"split:([0-9.]+)", text)
+        if match:
+            return cls("split", float(match.group(1)))
+        assert text == "auto", text
+        return cls.auto(bp_gbps, bh_gbps)
+
+    @classmethod
+    def auto(cls, bp_gbps: float, bh_gbps: float) -> MissPolicy:
+        """Fetch Bp / (Bp + Bh) of the misses: the copies and the CPU then finish together."""
+        return cls("auto", bp_gbps / (bp_gbps + bh_gbps), bp_gbps, bh_gbps)
+
+    def fetch_count(self, misses: int) -> int:
+        """q: how many of `misses` to copy into the cache, the rest running on the CPU.
+
+        Of the two whole numbers around misses · f, the one whose later side (copies: q / Bp,
+        the CPU: (misses − q) / Bh; with f = Bp / (Bp + Bh), in proportion q · (1 − f) and
+        (misses − q) · f) ends sooner; a tie fetches. The native planner computes the same."""
+        low = min(misses, max(0, math.floor(misses * self.fetch_fraction)))
+        high = min(misses, low + 1)
+        return high if self._ends(high, misses - high) <= self._ends(low, misses - low) else low
+
+    def _ends(self, copied: float, on_cpu: float) -> float:
+        """When a layer step's misses end, in proportion: the later of the copies of `copied`
+        experts' worth and the CPU's `on_cpu`."""
+        f = self.fetch_fraction
+        return max(copied * (1.0 - f), on_cpu * f)
+
+    def fetch_plan(self, misses: int, chunks: int) -> tuple[int, int]:
+        """(q, j): copy q whole misses and, of one more, the first j / chunks of its gate/up rows
+        with all of its down projection (a third of an expert), while the CPU runs its other rows
+        and the rest; j = 0: no miss is split. The split replaces `fetch_count`'s whole split only
+        where it ends the step sooner, by the same measure (copied experts · (1 − f) against the
+        CPU's · f). The native planner computes the same."""
+        best_q, best_j = self.fetch_count(misses), 0
+        if chunks < 2:
+            return best_q, best_j
+        best = self._ends(best_q, misses - best_q)
+        for q in range(misses):
+            for j in range(1, chunks):
+                u = j / chunks
+                end = self._ends(q + (1.0 + 2.0 * u) / 3.0, misses - q - u)
+                if end < best:
+                    best, best_q, best_j = end, q, j
+        return best_q, best_j
