@@ -150,24 +150,15 @@ def test_overlapped_piecewise_decode_with_stops_and_a_shrinking_batch(checkpoint
     staged: the tokens of eager steps, and the CPU jobs of the dropped step do not leak."""
     eager = make_engine(checkpoint, *OFFLOADED)
     try:
-        probe = _mixed_requests(eager, None)
-        eager.run_until_idle()
-        stop_token = probe[2].output_ids[9]
-        expected_seqs = _mixed_requests(eager, stop_token)
-        eager.run_until_idle()
+        stop_token, expected_seqs = _run_with_a_stop(eager)
         expected = [(s.output_ids, s.finish_reason) for s in expected_seqs]
     finally:
         eager.close()
     assert expected[2][1] == "stop"
     engine = _piecewise_engine(checkpoint)
-    sources = []
-    run = engine.graphs.run
-    engine.graphs.run = lambda rows: sources.append([r.source for r in rows]) or run(rows)
+    sources = _recording_sources(engine)
     try:
-        _mixed_requests(engine, None)
-        engine.run_until_idle()
-        seqs = _mixed_requests(engine, stop_token)
-        engine.run_until_idle()
+        _, seqs = _run_with_a_stop(engine, stop_token)
         assert engine.idle and engine.kv.used_blocks == 0
         assert engine.moe._pending is None and not engine.moe._uncounted
     finally:
@@ -255,15 +246,32 @@ def _mixed_requests(engine, stop_token: int | None) -> list:
     ]
 
 
+def _run_with_a_stop(engine, stop_token: int | None = None) -> tuple[int, list]:
+    """The mixed requests to the end, then again with the third stopping on a token it makes
+    mid-way (taken from the first run when stop_token is None): both engines of a comparison
+    then have the same history. Returns the stop token and the second run's sequences."""
+    probe = _mixed_requests(engine, None)
+    engine.run_until_idle()
+    if stop_token is None:
+        stop_token = probe[2].output_ids[9]
+    seqs = _mixed_requests(engine, stop_token)
+    engine.run_until_idle()
+    return stop_token, seqs
+
+
+def _recording_sources(engine) -> list[list[int]]:
+    """Each replayed step's rows' token sources (-1: a token the host sent), from now on."""
+    sources: list[list[int]] = []
+    run = engine.graphs.run
+    engine.graphs.run = lambda rows: sources.append([r.source for r in rows]) or run(rows)
+    return sources
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
 def test_overlapped_decode_gives_the_tokens_of_synchronous_steps(checkpoint):
     eager = make_engine(checkpoint)
     try:
-        probe = _mixed_requests(eager, None)
-        eager.run_until_idle()
-        stop_token = probe[2].output_ids[9]  # a token the third request makes mid-way
-        expected_seqs = _mixed_requests(eager, stop_token)
-        eager.run_until_idle()
+        stop_token, expected_seqs = _run_with_a_stop(eager)
         expected = [(s.output_ids, s.finish_reason) for s in expected_seqs]
         c = eager.moe.counters
         expected_counts = {k: int(getattr(c, k).sum()) for k in ("reads", "hits", "picks")}
@@ -271,14 +279,9 @@ def test_overlapped_decode_gives_the_tokens_of_synchronous_steps(checkpoint):
         eager.close()
     assert expected[2][1] == "stop" and len(expected[2][0]) < 24
     engine = _resident_engine_with_replay_graphs(checkpoint)
-    sources = []
-    replay = engine.graphs.run
-    engine.graphs.run = lambda rows: sources.append([r.source for r in rows]) or replay(rows)
+    sources = _recording_sources(engine)
     try:
-        _mixed_requests(engine, None)
-        engine.run_until_idle()  # the same history as the eager engine before the compared run
-        seqs = _mixed_requests(engine, stop_token)
-        engine.run_until_idle()
+        _, seqs = _run_with_a_stop(engine, stop_token)
         assert engine.idle and engine.kv.used_blocks == 0
         c = engine.moe.counters
         counts = {k: int(getattr(c, k).sum()) for k in ("reads", "hits", "picks")}
