@@ -154,10 +154,22 @@ def test_planner_predicts_the_demo_at_two_contexts(
         )
     print("\n".join(["", "context planner on the demo model (CPU):", *lines]))
     assert measured[first]["slots"] == 27 and measured[second]["slots"] == 6
-    for kv in CONTEXTS:
+    for kv, other in ((first, second), (second, first)):
         p, m = predicted[kv], measured[kv]
         assert p["slots"] == m["slots"]  # the planner's VRAM arithmetic is the engine's
-        assert abs(p["decode_tok_s"] / m["tok_s"] - 1) <= 0.30, lines
-        # uniform routing would say 56% at 27 slots where the engine hits about 77%; at 6 slots
-        # the measured rate itself moves between 10% and 15% from run to run
+        # the run the prediction came from, as the daemon's samples saw it, is the test's own
+        # count of that run's tokens: the same engine process, so no run-to-run noise
+        assert abs(p["from_tok_s"] / measured[other]["tok_s"] - 1) <= 0.15, lines
+        # more slots, fewer misses: the prediction moves from that run in the right direction
+        if p["slots"] > measured[other]["slots"]:
+            assert p["decode_tok_s"] > p["from_tok_s"], lines
+        else:
+            assert p["decode_tok_s"] < p["from_tok_s"], lines
+        # against another engine process: on the 2-core CI machine two processes of the same
+        # flags decode this model 520-800 tok/s (its Python-bound steps swing with the VM), and
+        # the pairs in one test differed by up to 35%, where a miss here costs microseconds
+        # and the model predicts a 1-6% change; so this bound is the machine's, not the model's
+        assert abs(p["decode_tok_s"] / m["tok_s"] - 1) <= 0.5, lines
+        # uniform routing would say 56% at 27 slots where the engine hits about 70%; at 6 slots
+        # the engine hits 0.0-0.1% and the model says about 1%
         assert abs(p["hit_rate"] - m["hit_rate"]) <= 0.15, lines
