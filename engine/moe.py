@@ -307,6 +307,14 @@ class MoERunner:
         self._accesses = []
 
     @property
+    def decode_reads(self) -> tuple[int, int]:
+        """Decode expert (reads, misses) counted so far; resident steps still in the backlog
+        are left out, so read both together."""
+        c = self._counters
+        reads = int(c.reads.sum())
+        return reads, reads - int(c.hits.sum())
+
+    @property
     def counters(self) -> LayerCounters:
         """Decode counters per MoE layer, up to date."""
         self.count_backlog()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .moe_stats import MissCostFit
 from .whatif import StackDistances
 
 WINDOWS_S = (10, 60)
@@ -78,6 +79,8 @@ class Telemetry:
         self.whatif: StackDistances | None = None
         self._snapshots: deque[tuple[float, np.ndarray]] = deque()
         self.breakdown: dict[str, float] = {}
+        self.miss_cost = MissCostFit()
+        self._reads_seen = (0, 0)
         self._last_breakdown = 0.0
         if enabled:
             self.whatif = StackDistances(spec.num_moe_layers * spec.num_experts)
@@ -98,6 +101,13 @@ class Telemetry:
         if prefill_tokens:
             self.prefill.add(prefill_tokens, now)
             self.prefill_tokens_total += prefill_tokens
+        if self.enabled:
+            reads, misses = self.engine.moe.decode_reads
+            # a timed step runs its CPU part alone: its time is not what a miss costs
+            if decode_tokens and not prefill_tokens and timer is None:
+                seen_reads, seen_misses = self._reads_seen
+                self.miss_cost.add(decode_tokens, misses - seen_misses, reads - seen_reads, step_s)
+            self._reads_seen = reads, misses
         if timer is not None:
             self._last_breakdown = now
             shares = {name: timer.seconds[name] for name in PHASES}
@@ -235,6 +245,7 @@ class Telemetry:
             "hit_rate": float(current[1].sum() / current[0].sum()) if current[0].sum() else None,
             "cpu_jobs": engine.moe.cpu_times.to_dict(),
             "staged_layer_us": engine.moe.staged_times.to_dict(),
+            "miss_cost": self.miss_cost.to_dict(),
         }
 
 

@@ -7,12 +7,14 @@ the misses into time per token:
 
     seconds per token = fixed + reads per token x (1 - hit rate) x seconds per miss
 
-Seconds per miss come from the measured bandwidths: with the auto split, q of m misses are copied
-at Bp while m - q run on the CPU at Bh, both finishing together, so one miss costs
-expert bytes / (Bp + Bh). With a real run of the model (a server's stats), the fixed part is what
-its measured speed leaves after its own misses, and the hit rates come from its what-if curve;
-without one, the fixed part is the bandwidth bound of the dense weights and the hits, and the hit
-rate is an assumption (uniform routing), said so in `basis`.
+With a real run of the model (a server's stats), a miss costs what that engine's own decode steps
+say it added (engine/moe_stats.MissCostFit: copies, CPU work and the host's bookkeeping), the
+fixed part is what its measured speed leaves after its own misses, and the hit rates come from
+its what-if curve. Where the run's steps did not price a miss clearly, or without a run, seconds
+per miss come from the measured bandwidths: with the auto split, q of m misses are copied at Bp
+while m - q run on the CPU at Bh, both finishing together, so one miss costs
+expert bytes / (Bp + Bh). Without a run, the fixed part is the bandwidth bound of the dense
+weights and the hits, and the hit rate is an assumption (uniform routing), said so in `basis`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from ..engine.spec import ModelSpec
 from .advice import context_tiers
 from .flags import FlagChange, apply_changes, validate_flags
 from .machine import DeviceChoice, Machine, choose_device, plan_for
+
+MIN_FIT_STEPS = 200  # decode steps before a run's own miss cost is trusted over bandwidth
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,16 @@ class RunObservation:
     fetch_fraction: float | None
     slot_bytes: int
     server_id: int | None = None
+    policy: str | None = None  # its --moe-miss-policy
+    miss_cost: tuple[float, float, int] | None = None  # its fit: s per miss, stderr, steps
+
+    def measured_miss_s(self, policy: str) -> float | None:
+        """What a miss cost this run, as its own decode steps show, when that says something
+        under `policy`: the same miss policy, enough steps, and a slope clear of its noise."""
+        if self.miss_cost is None or self.policy != policy:
+            return None
+        slope, stderr, steps = self.miss_cost
+        return slope if steps >= MIN_FIT_STEPS and slope > 2 * stderr else None
 
     @classmethod
     def from_stats(
@@ -71,6 +85,10 @@ class RunObservation:
             running += v
             shares.append(running / total_picks)
         config = stats.get("config") or {}
+        fit = experts.get("miss_cost") or {}
+        miss_cost = None
+        if fit.get("us_per_miss") is not None and fit.get("stderr_us") is not None:
+            miss_cost = (fit["us_per_miss"] / 1e6, fit["stderr_us"] / 1e6, int(fit["steps"]))
         return cls(
             slots=int(experts.get("slots") or 0),
             experts_total=int(experts.get("num_layers") or 0)
@@ -85,6 +103,8 @@ class RunObservation:
             fetch_fraction=config.get("fetch_fraction"),
             slot_bytes=int(experts.get("slot_bytes") or 0),
             server_id=server_id,
+            policy=config.get("policy"),
+            miss_cost=miss_cost,
         )
 
 
@@ -220,18 +240,31 @@ def speed_model(
             bp, bh = bandwidths
         else:
             return None
-        miss_s = miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh)
+        source = f"server {run.server_id}" if run.server_id is not None else "a run"
+        measured = run.measured_miss_s(ns.moe_miss_policy)
+        if measured is not None and run.miss_cost is not None:
+            miss_s = measured
+            _, stderr, steps = run.miss_cost
+            priced = (
+                f"each miss costs {miss_s * 1e6:.0f} ± {stderr * 1e6:.0f} µs as its own {steps} "
+                f"decode steps show (the bytes alone at Bp {bp:.1f} + Bh {bh:.1f} GB/s: "
+                f"{miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh) * 1e6:.0f} µs)"
+            )
+        else:
+            miss_s = miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh)
+            priced = (
+                f"each miss costs {miss_s * 1e6:.0f} µs (expert of {slot_bytes / 2**20:.2f} MiB "
+                f"at Bp {bp:.1f} + Bh {bh:.1f} GB/s; its steps did not price a miss themselves)"
+            )
         observed_s = 1.0 / run.decode_tok_s
         misses = run.reads_per_token * (1.0 - run.hit_rate)
         fixed = max(observed_s - misses * miss_s, 0.1 * observed_s)
-        source = f"server {run.server_id}" if run.server_id is not None else "a run"
         return SpeedModel(
             fixed,
             miss_s,
             run.reads_per_token,
             f"{source} decoded {run.decode_tok_s:.1f} tok/s with {misses:.2f} misses per token; "
-            f"each miss costs {miss_s * 1e6:.0f} µs (expert of {slot_bytes / 2**20:.2f} MiB at "
-            f"Bp {bp:.1f} + Bh {bh:.1f} GB/s); the rest, {fixed * 1e3:.2f} ms per token, stays",
+            f"{priced}; the rest, {fixed * 1e3:.2f} ms per token, stays",
         )
     if bandwidths is None:
         return None

@@ -1,4 +1,5 @@
-"""Telemetry: the what-if curve against brute-force LRU, per-layer counters against a trace."""
+"""Telemetry: the what-if curve against brute-force LRU, per-layer counters against a trace,
+the miss cost fit on synthetic steps and over a real engine's."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
+from moelab.engine.moe_stats import MissCostFit
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.engine.whatif import StackDistances
@@ -153,5 +155,75 @@ def test_breakdown_is_sampled_with_every_phase(model):
         b = engine.telemetry.breakdown
         assert set(b) == {"route", "copy", "gpu_experts", "cpu_experts", "other", "step_s"}
         assert b["step_s"] > 0 and b["route"] > 0 and b["gpu_experts"] > 0
+    finally:
+        engine.close()
+
+
+def fitted_steps(seed: int, batches: tuple[int, ...], hit_rate: float, steps: int = 2000):
+    """A fit over synthetic decode steps: 1 ms per token, 40 µs per expert read, 30 µs more per
+    miss, 50 µs of noise; batch 1 always reads six experts, bigger batches 6-20."""
+    rng = np.random.default_rng(seed)
+    fit = MissCostFit()
+    for _ in range(steps):
+        batch = int(rng.choice(batches))
+        reads = 6 if batch == 1 else int(rng.integers(6, 21))
+        misses = int(rng.binomial(reads, 1 - hit_rate))
+        step_s = 1e-3 * batch + 40e-6 * reads + 30e-6 * misses + rng.normal(0, 50e-6)
+        fit.add(batch, misses, reads, step_s)
+    return fit
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_miss_cost_fit_finds_a_miss_apart_from_a_read(seed):
+    fit = fitted_steps(seed, (1, 2, 4), hit_rate=0.6)
+    slope, stderr = fit.fit()
+    assert stderr < 3e-6 and abs(slope - 30e-6) < 4 * stderr
+    # misses alone would charge each miss part of the reads' cost too (more reads, more misses)
+    sums = fit.sums[4]  # Σ z zᵀ, z = (1, misses, reads, seconds)
+    n, m, t = sums[0, 0], sums[0, 1], sums[0, 3]
+    alone = (sums[1, 3] - m * t / n) / (sums[1, 1] - m * m / n)
+    assert alone > 50e-6
+
+
+def test_miss_cost_fit_at_batch_one_uses_the_misses_alone():
+    fit = fitted_steps(3, (1,), hit_rate=0.6)  # six reads every step
+    slope, stderr = fit.fit()
+    assert abs(slope - 30e-6) < 4 * stderr < 20e-6
+
+
+def test_miss_cost_fit_says_nothing_it_cannot_tell():
+    assert fitted_steps(4, (1, 4), hit_rate=0.0).fit() is None  # every read a miss
+    assert fitted_steps(5, (1, 4), hit_rate=1.0).fit() is None  # no misses at all
+    assert fitted_steps(6, (4,), hit_rate=0.5, steps=3).fit() is None  # too few steps
+    assert MissCostFit().to_dict() == {"steps": 0, "us_per_miss": None, "stderr_us": None}
+
+
+def test_miss_cost_fit_counts_every_untimed_decode_step(model, monkeypatch):
+    engine = make_engine(model, "--moe-cache-size", "16", "--max-running-requests", "3")
+    telemetry = engine.telemetry
+    monkeypatch.setattr(telemetry, "want_timing", lambda: False)
+    steps = []
+    on_step = telemetry.on_step
+
+    def recording(decode_tokens, prefill_tokens, step_s, timer=None):
+        steps.append((decode_tokens, prefill_tokens))
+        on_step(decode_tokens, prefill_tokens, step_s, timer)
+
+    monkeypatch.setattr(telemetry, "on_step", recording)
+    try:
+        prompts = [list(range(5, 25)), list(range(30, 40)), list(range(50, 80))]
+        for prompt, n in zip(prompts, (12, 24, 36), strict=True):
+            engine.add(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+        engine.run_until_idle()
+        c = engine.moe.counters
+        fit = telemetry.miss_cost
+        decode_steps = [d for d, p in steps if d and not p]
+        assert fit.steps == len(decode_steps) > 30
+        assert sorted(fit.sums) == sorted(set(decode_steps)) == [1, 2, 3]  # the batch shrinks
+        total = sum(fit.sums.values())
+        assert total[0, 1] == c.reads.sum() - c.hits.sum() > 0  # every decode miss, once
+        assert total[0, 2] == c.reads.sum()
+        stats = telemetry.stats(running=0, queued=0, model_name="m")
+        assert stats["experts"]["miss_cost"]["steps"] == len(decode_steps)
     finally:
         engine.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from moelab.profiles.machine import GIB, Gpu, Machine, Rates
@@ -95,6 +97,33 @@ def test_a_run_predicts_its_own_speed_and_slower_with_fewer_slots() -> None:
     assert points[2048].to_json()["flags"] == ["--kv-reserve-tokens", "2048"]
 
 
+def test_a_run_prices_a_miss_as_its_own_steps_did() -> None:
+    spec = SPECS["tiny"]
+    flags = [*DEMO_BASE, "--kv-reserve-tokens", "1536"]
+    measured = run(slot_bytes=spec.expert_params * 4, policy="auto",
+                   miss_cost=(300e-6, 20e-6, 1000))  # fmt: skip
+    plan = plan_context(spec, CPU_PC, flags, run=measured)
+    fixed = 1 / 100.0 - 4 * 0.3 * 300e-6
+    for p in plan.points:
+        if p.fits:
+            expected = 1 / (fixed + 4 * (1 - p.hit_rate) * 300e-6)
+            assert p.decode_tok_s == pytest.approx(expected, abs=0.01)
+    bytes_only = spec.expert_params * 4 / 4e9 * 1e6
+    assert (
+        f"each miss costs 300 ± 20 µs as its own 1000 decode steps show (the bytes alone at "
+        f"Bp 2.0 + Bh 2.0 GB/s: {bytes_only:.0f} µs)" in plan.speed_basis
+    )
+    # what the fit cannot vouch for is priced by bandwidth, and the basis says so
+    for unusable in (
+        replace(measured, policy="gpu"),  # another miss policy
+        replace(measured, miss_cost=(300e-6, 200e-6, 1000)),  # lost in its noise
+        replace(measured, miss_cost=(300e-6, 20e-6, 100)),  # too few steps
+        replace(measured, miss_cost=None),  # an engine without the fit
+    ):
+        basis = plan_context(spec, CPU_PC, flags, run=unusable).speed_basis
+        assert f"each miss costs {bytes_only:.0f} µs" in basis and "did not price" in basis
+
+
 def test_without_a_run_the_bound_or_nothing() -> None:
     spec = SPECS["30b"]
     gpu = (Gpu(0, "24 GB card", "u", 24 * GIB, 23 * GIB),)
@@ -120,12 +149,13 @@ def test_without_a_run_the_bound_or_nothing() -> None:
 def test_run_observation_from_stats() -> None:
     stats = {
         "tokens": {"decode_total": 200},
-        "config": {"bp_gbps": 3.0, "bh_gbps": 1.0, "fetch_fraction": 0.75},
+        "config": {"bp_gbps": 3.0, "bh_gbps": 1.0, "fetch_fraction": 0.75, "policy": "auto"},
         "experts": {
             "num_layers": 2, "num_experts": 4, "slots": 4, "slot_bytes": 100,
             "layers": [{"reads": 300, "hits": 150}, {"reads": 100, "hits": 50}],
             "whatif": [{"slots": 4, "hit_rate": 0.4}, {"slots": 2, "hit_rate": 0.1}],
             "picks": [[5, 1, 0, 0], [3, 1, 0, 0]],
+            "miss_cost": {"steps": 400, "us_per_miss": 250.0, "stderr_us": 10.0},
         },
     }  # fmt: skip
     seen = RunObservation.from_stats(stats, decode_tok_s=20.0, server_id=3)
@@ -134,6 +164,13 @@ def test_run_observation_from_stats() -> None:
     assert seen.whatif == ((2, 0.1), (4, 0.4))
     assert seen.popular_shares[:3] == (0.5, 0.8, 0.9)
     assert (seen.bp_gbps, seen.bh_gbps, seen.decode_tok_s) == (3.0, 1.0, 20.0)
+    assert seen.policy == "auto" and seen.miss_cost == (250e-6, 10e-6, 400)
+    assert seen.measured_miss_s("auto") == 250e-6 and seen.measured_miss_s("gpu") is None
+    unfitted = {**stats["experts"], "miss_cost": {"steps": 9, "us_per_miss": None}}
+    assert (
+        RunObservation.from_stats({**stats, "experts": unfitted}, decode_tok_s=1.0).miss_cost
+        is None
+    )
     # no decode yet, or no what-if curve (telemetry off): nothing to learn from
     assert RunObservation.from_stats({**stats, "tokens": {}}, decode_tok_s=None) is None
     no_curve = {**stats, "experts": {**stats["experts"], "whatif": []}}
