@@ -74,6 +74,15 @@ class _StatsCollector:
                     model,
                     experts["hit_rate_60s"],
                 )
+            miss_cost = experts.get("miss_cost") or {}
+            if miss_cost.get("us_per_miss") is not None:
+                yield _gauge(
+                    "moelab_expert_miss_cost_seconds",
+                    "What one more expert miss adds to a decode step, fitted from the engine's "
+                    "own steps",
+                    model,
+                    miss_cost["us_per_miss"] / 1e6,
+                )
 
 
 def _gauge(name: str, doc: str, model: str, value: float) -> GaugeMetricFamily:

@@ -279,6 +279,7 @@ def test_stats_has_the_contract_fields(server):
         "picks",
         "whatif",
         "hit_rate_60s",
+        "miss_cost",
     }
     assert len(e["layers"]) == len(e["picks"]) == e["num_layers"]
     assert len(e["whatif"]) >= 20 and any(w["slots"] == e["slots"] for w in e["whatif"])

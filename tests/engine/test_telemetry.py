@@ -7,7 +7,9 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from moelab.engine.metrics import render_metrics
 from moelab.engine.moe_stats import MissCostFit
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
@@ -225,5 +227,13 @@ def test_miss_cost_fit_counts_every_untimed_decode_step(model, monkeypatch):
         assert total[0, 2] == c.reads.sum()
         stats = telemetry.stats(running=0, queued=0, model_name="m")
         assert stats["experts"]["miss_cost"]["steps"] == len(decode_steps)
+        # /metrics carries the fitted cost once there is one (synthetic steps: 30 µs a miss)
+        telemetry.miss_cost = fitted_steps(7, (1, 4), hit_rate=0.6)
+        text = render_metrics(telemetry.stats(running=0, queued=0, model_name="m"))[0].decode()
+        gauge = next(
+            f for f in text_string_to_metric_families(text)
+            if f.name == "moelab_expert_miss_cost_seconds"
+        )  # fmt: skip
+        assert gauge.samples[0].value == pytest.approx(30e-6, abs=3e-6)
     finally:
         engine.close()
