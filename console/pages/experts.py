@@ -106,6 +106,7 @@ def expert_data(daemon: Daemon, server_id: int, reveal: bool, minutes: int) -> d
                 "hit_rate",
                 "whatif",
                 "whatif_accesses",
+                "miss_cost",
             )
         },
         resident=resident,

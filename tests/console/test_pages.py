@@ -154,6 +154,7 @@ def test_json_alternates_carry_what_the_pages_show(daemon: Daemon, recorded: Rec
     assert len(experts["picks"]["matrix"]) == layers and experts["picks"]["source"] == "samples"
     assert [p["name"] for p in experts["cache_points"]] == ["now", "1.5x", "2x"]
     assert experts["advice"], "the recorded engine gives the advice rules something to say"
+    assert experts["experts"]["miss_cost"]["us_per_miss"] == 35.4
     servers = client.get("/servers?format=json").json()
     crashed = next(s for s in servers["servers"] if s["id"] == recorded.crashed_id)
     assert crashed["exit_code"] == 3 and "out of memory" in crashed["log_tail"]
@@ -176,6 +177,7 @@ def test_pages_draw_their_charts(daemon: Daemon, recorded: Recorded) -> None:
     experts = get_page(client, f"/experts/{recorded.running_id}", "en")
     for name in ("miss_heatmap", "pick_heatmap", "breakdown", "whatif"):
         assert f'data-chart="{name}"' in experts
+    assert "35 ± 10 µs" in experts and "fitted from 2,827 steps" in experts
 
 
 @pytest.mark.parametrize(
