@@ -241,20 +241,20 @@ def speed_model(
         else:
             return None
         source = f"server {run.server_id}" if run.server_id is not None else "a run"
+        bytes_s = miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh)
+        bytes_priced = f"expert of {slot_bytes / 2**20:.2f} MiB at Bp {bp:.1f} + Bh {bh:.1f} GB/s"
         measured = run.measured_miss_s(ns.moe_miss_policy)
         if measured is not None and run.miss_cost is not None:
-            miss_s = measured
-            _, stderr, steps = run.miss_cost
+            miss_s, (_, stderr, steps) = measured, run.miss_cost
             priced = (
                 f"each miss costs {miss_s * 1e6:.0f} ± {stderr * 1e6:.0f} µs as its own {steps} "
-                f"decode steps show (the bytes alone at Bp {bp:.1f} + Bh {bh:.1f} GB/s: "
-                f"{miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh) * 1e6:.0f} µs)"
+                f"decode steps show (the bytes alone, {bytes_priced}: {bytes_s * 1e6:.0f} µs)"
             )
         else:
-            miss_s = miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh)
+            miss_s = bytes_s
             priced = (
-                f"each miss costs {miss_s * 1e6:.0f} µs (expert of {slot_bytes / 2**20:.2f} MiB "
-                f"at Bp {bp:.1f} + Bh {bh:.1f} GB/s; its steps did not price a miss themselves)"
+                f"each miss costs {miss_s * 1e6:.0f} µs ({bytes_priced}; its own steps gave no "
+                "clear price of a miss under this policy)"
             )
         observed_s = 1.0 / run.decode_tok_s
         misses = run.reads_per_token * (1.0 - run.hit_rate)
