@@ -5,7 +5,7 @@ m − q run on the CPU at the same time; both would finish together at q = m · 
 Experts are whole, so q is whichever of the two whole numbers around it ends the step sooner
 (`MissPolicy.fetch_count`). With --split-misses one more miss may be divided, its first rows
 copied and the rest run on the CPU (`fetch_plan`). The native decode planner
-(kernels/csrc/cpu_experts.cpp) computes the same in the same double arithmetic.
+(kernels/csrc/decode_planner.h) computes the same in the same double arithmetic.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """MoE experts on the CPU, straight from the host expert bank: a compiled kernel, torch reference.
 
 `CpuExpertRunner` runs the experts of one MoE layer step on persistent worker threads while the
-caller's thread goes on launching GPU work. The native kernel (csrc/cpu_experts.cpp, built once per
-machine by torch's JIT extension loader) streams bf16/fp16/fp32 weights as stored at close to the
-host's memory bandwidth; `cpu_experts_ref` is the plain-torch reference and the fallback.
+caller's thread goes on launching GPU work. The native kernel (csrc/cpu_experts.cpp and its
+headers, built once per machine by torch's JIT extension loader) streams bf16/fp16/fp32 weights as
+stored at close to the host's memory bandwidth; `cpu_experts_ref` is the plain-torch reference and
+the fallback.
 Benchmark: `python -m moelab.kernels.cpu_experts --threads 1,2,4` (see docs/cpu-experts.md).
 """
 
@@ -403,7 +404,7 @@ class CpuExpertRunner:
         w2: list[torch.Tensor],
         top_k: int,
     ) -> object | None:
-        """The native DecodePlanner (kernels/csrc/cpu_experts.cpp) over an expert cache's arrays
+        """The native DecodePlanner (kernels/csrc/decode_planner.h) over an expert cache's arrays
         (engine/cache.py) and decode pick counts, queueing its CPU jobs on this runner's workers;
         None with the torch kernel.
 

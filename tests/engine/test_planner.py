@@ -1,7 +1,7 @@
 """The native decode planner makes the Python planner's decisions, on the same cache state.
 
 `MoERunner._plan` over `ExpertCache` is the reference (engine/moe.py, engine/cache.py); the native
-`DecodePlanner` (kernels/csrc/cpu_experts.cpp) plans offloaded decode layer steps without Python.
+`DecodePlanner` (kernels/csrc/decode_planner.h) plans offloaded decode layer steps without Python.
 Two runners start from identical caches and get the same routing, step after step, under cache
 pressure (steps that need more slots than are free) and every kind of split.
 """

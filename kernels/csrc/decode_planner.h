@@ -1,0 +1,359 @@
+// The decode planner: one offloaded decode layer step's host decisions without Python.
+// Included by cpu_experts.cpp only (one translation unit): internal linkage, like the rest.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "expert_job.h"
+#include "pool.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// The same decisions as MoERunner._plan (engine/moe.py) over ExpertCache (engine/cache.py), on the
+// same numpy arrays, which this object only holds the addresses of: count the picks, look the
+// routed experts up (hits become most recently used), fetch q of the m misses (fetch_count below;
+// the most picked first; ties: more tokens now, then the lower id) into free or least recently
+// used unprotected slots, run the rest on the CPU, write each route's slot (-1: on the CPU), and
+// queue the CPU job. With the device's copy functions set (`set_device`), one call also waits for
+// the routing (the stream's sync) and queues the routes' slots and the fills on that stream: the
+// whole serial host path of an offloaded layer step, where Python took ~100 µs, and several times
+// that when the CPU job before had just streamed the caches cold.
+
+// The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
+using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
+using CuStreamSynchronize = int (*)(void* stream);
+using CuMemsetD8Async = int (*)(uint64_t dst, unsigned char value, size_t bytes, void* stream);
+
+// How many of m misses to fetch: MissPolicy.fetch_count (engine/misses.py), in the same double
+// arithmetic. Of the two whole numbers around m * f, the one whose later side (the copies, in
+// proportion q * (1 - f); the CPU, (m - q) * f) ends sooner; a tie fetches.
+inline int64_t fetch_count(int64_t m, double f) {
+  const int64_t low =
+      std::min<int64_t>(m, std::max<int64_t>(0, int64_t(std::floor(double(m) * f))));
+  const int64_t high = std::min<int64_t>(m, low + 1);
+  auto ends = [&](int64_t q) { return std::max(double(q) * (1.0 - f), double(m - q) * f); };
+  return ends(high) <= ends(low) ? high : low;
+}
+
+// How to divide m misses with one of them split (MissPolicy.fetch_plan, engine/misses.py, in the
+// same double arithmetic): q whole experts copied, and of one more the first j / chunks of its
+// intermediate rows copied (its gate/up rows; its whole down projection is copied, a third of an
+// expert) while the CPU runs its other rows and the remaining misses. The split replaces
+// fetch_count's whole split only where it ends the step sooner. Returns {q, j}; j = 0: no split.
+inline std::pair<int64_t, int64_t> fetch_plan(int64_t m, double f, int64_t chunks) {
+  int64_t best_q = fetch_count(m, f), best_j = 0;
+  if (chunks < 2) return {best_q, best_j};
+  double best = std::max(double(best_q) * (1.0 - f), double(m - best_q) * f);
+  for (int64_t q = 0; q < m; ++q) {
+    for (int64_t j = 1; j < chunks; ++j) {
+      const double u = double(j) / double(chunks);
+      const double copied = double(q) + (1.0 + 2.0 * u) / 3.0;
+      const double end = std::max(copied * (1.0 - f), (double(m - q) - u) * f);
+      if (end < best) best = end, best_q = q, best_j = j;
+    }
+  }
+  return {best_q, best_j};
+}
+
+class DecodePlanner {
+ public:
+  DecodePlanner(Pool& pool, int simd, int weight_type, uintptr_t slot_of, uintptr_t key_of_slot,
+                uintptr_t last_use, int64_t slots, uintptr_t state, uintptr_t picks,
+                int64_t layers, int64_t experts, int64_t top_k, int64_t hidden, int64_t inter,
+                std::vector<uintptr_t> w13, std::vector<uintptr_t> w2)
+      : pool_(pool),
+        simd_(simd),
+        weight_type_(weight_type),
+        slot_of_(reinterpret_cast<int32_t*>(slot_of)),
+        key_of_slot_(reinterpret_cast<int64_t*>(key_of_slot)),
+        last_use_(reinterpret_cast<int64_t*>(last_use)),
+        slots_(slots),
+        state_(reinterpret_cast<int64_t*>(state)),
+        picks_(reinterpret_cast<int64_t*>(picks)),
+        layers_(layers),
+        experts_(experts),
+        top_k_(top_k),
+        hidden_(hidden),
+        inter_(inter),
+        w13_(std::move(w13)),
+        w2_(std::move(w2)),
+        tokens_(experts, 0),
+        where_(experts, kNotRouted),
+        protected_(slots, 0) {
+    if (int64_t(w13_.size()) != layers || int64_t(w2_.size()) != layers) {
+      throw std::invalid_argument("one w13 and one w2 address per layer are needed");
+    }
+  }
+
+  // The driver's cuMemcpyHtoDAsync, cuStreamSynchronize and cuMemsetD8Async, the stream, and the
+  // cache's slot arrays on the device ([slots, 2I, H] and [slots, H, I], the bank's element type).
+  void set_device(uintptr_t copy, uintptr_t sync, uintptr_t memset, uintptr_t stream,
+                  uintptr_t cache_w13, uintptr_t cache_w2, int64_t element_size) {
+    copy_ = reinterpret_cast<CuMemcpyHtoDAsync>(copy);
+    sync_ = reinterpret_cast<CuStreamSynchronize>(sync);
+    memset_ = reinterpret_cast<CuMemsetD8Async>(memset);
+    stream_ = reinterpret_cast<void*>(stream);
+    cache_w13_ = cache_w13;
+    cache_w2_ = cache_w2;
+    bytes13_ = 2 * inter_ * hidden_ * element_size;
+    bytes2_ = hidden_ * inter_ * element_size;
+  }
+
+  // Plans layer `layer` for routes ids/weights [T, top_k] (int32, fp32) of rows x [T, H] (fp32);
+  // writes route_slots [T, top_k]. CPU routes' weighted sum goes to out [T, H] (fp32), then
+  // done_value to done_flag if that is not 0. With the device set: first waits for the stream
+  // (sync, without the GIL), and after starting the CPU job queues the copy of route_slots to
+  // route_slots_device and the fills. split_chunks >= 2 (with route_slots_device only): one miss
+  // may be split, its first rows in chunks of I / split_chunks copied into the least recently used
+  // slot, which is freed again (its content is no expert), and the rest run on the CPU
+  // (fetch_plan). Returns (experts ascending, their slots before the step, admitted (expert, slot)
+  // pairs, experts run on the CPU (the split one first), the split (expert, slot, first CPU row)
+  // or None, the CPU job or None, and the seconds spent waiting, planning and queueing copies).
+  py::tuple step(int64_t layer, uintptr_t ids_addr, uintptr_t weights_addr, uintptr_t x,
+                 int64_t T, double fetch_fraction, uintptr_t route_slots_addr, uintptr_t out,
+                 uintptr_t done_flag, int64_t done_value, bool sync,
+                 uintptr_t route_slots_device, int64_t split_chunks) {
+    using Clock = std::chrono::steady_clock;
+    if (layer < 0 || layer >= layers_) throw std::invalid_argument("no such MoE layer");
+    if ((sync || route_slots_device) && copy_ == nullptr) {
+      throw std::invalid_argument("sync and device copies need set_device first");
+    }
+    if (split_chunks >= 2 &&
+        (!route_slots_device || memset_ == nullptr || inter_ % split_chunks != 0)) {
+      throw std::invalid_argument("a split needs the device copies, a memset and chunks of I");
+    }
+    const auto t0 = Clock::now();
+    if (sync) {
+      int err;
+      {
+        py::gil_scoped_release release;
+        err = sync_(stream_);
+      }
+      check_driver(err, "cuStreamSynchronize");
+    }
+    const auto t1 = Clock::now();
+    const auto* ids = reinterpret_cast<const int32_t*>(ids_addr);
+    const auto* weights = reinterpret_cast<const float*>(weights_addr);
+    auto* route_slots = reinterpret_cast<int32_t*>(route_slots_addr);
+    const int64_t R = T * top_k_;
+    for (int64_t r = 0; r < R; ++r) {
+      if (ids[r] < 0 || ids[r] >= experts_) {
+        throw std::invalid_argument("routed expert " + std::to_string(ids[r]) +
+                                    " is outside 0.." + std::to_string(experts_ - 1));
+      }
+    }
+    int64_t* picks = picks_ + layer * experts_;
+    int32_t* slot_of = slot_of_ + layer * experts_;
+    std::vector<int32_t> routed;  // the layer's experts, ascending
+    for (int64_t r = 0; r < R; ++r) {
+      const int32_t e = ids[r];
+      picks[e] += 1;
+      if (tokens_[e]++ == 0) routed.push_back(e);
+    }
+    std::sort(routed.begin(), routed.end());
+    std::vector<int32_t> before(routed.size()), missing;
+    for (size_t i = 0; i < routed.size(); ++i) {
+      const int32_t e = routed[i], slot = slot_of[e];
+      before[i] = slot;
+      if (slot >= 0) {
+        last_use_[slot] = ++state_[kTick];
+        ++state_[kHits];
+        protected_[slot] = 1;
+      } else {
+        missing.push_back(e);
+      }
+    }
+    const int64_t m = int64_t(missing.size());
+    const auto [q, split_j] = fetch_plan(m, fetch_fraction, split_chunks);
+    if (q < m) {
+      std::stable_sort(missing.begin(), missing.end(), [&](int32_t a, int32_t b) {
+        if (picks[a] != picks[b]) return picks[a] > picks[b];
+        if (tokens_[a] != tokens_[b]) return tokens_[a] > tokens_[b];
+        return a < b;
+      });
+    }
+    std::vector<std::pair<int32_t, int64_t>> admitted;  // (expert, slot)
+    std::vector<int32_t> on_cpu(missing.begin() + q, missing.end());
+    for (int64_t i = 0; i < q; ++i) {
+      const int32_t e = missing[i];
+      const int64_t slot = victim();
+      if (slot < 0) {  // every slot is in use by this step: the rest go to the CPU
+        on_cpu.insert(on_cpu.end(), missing.begin() + i, missing.begin() + q);
+        break;
+      }
+      const int64_t old = key_of_slot_[slot];
+      if (old >= 0) {
+        slot_of_[old] = -1;
+        ++state_[kEvictions];
+      }
+      key_of_slot_[slot] = layer * experts_ + e;
+      last_use_[slot] = ++state_[kTick];
+      slot_of[e] = int32_t(slot);
+      ++state_[kFills];
+      protected_[slot] = 1;
+      admitted.emplace_back(e, slot);
+    }
+    // the split miss (the next in line after the whole ones) borrows the least recently used slot
+    // for this step; it stays free after, its old expert evicted
+    int32_t split_expert = -1;
+    int64_t split_slot = -1, split_row = 0;
+    if (split_j > 0 && int64_t(admitted.size()) == q) {
+      split_slot = victim();
+      if (split_slot >= 0) {
+        split_expert = missing[q];
+        split_row = split_j * (inter_ / split_chunks);
+        const int64_t old = key_of_slot_[split_slot];
+        if (old >= 0) {
+          slot_of_[old] = -1;
+          ++state_[kEvictions];
+        }
+        key_of_slot_[split_slot] = -1;
+        last_use_[split_slot] = -1;
+        protected_[split_slot] = 1;
+      }
+    }
+    for (int32_t e : on_cpu) where_[e] = kOnCpu;
+    if (split_expert >= 0) where_[split_expert] = kSplit;
+    std::vector<int32_t> pair_expert, pair_token;
+    std::vector<float> pair_weight;
+    for (int64_t r = 0; r < R; ++r) {
+      const int32_t e = ids[r];
+      if (where_[e] != kNotRouted) {  // on the CPU, or split: its other rows on the CPU
+        route_slots[r] = where_[e] == kSplit ? int32_t(split_slot) : -1;
+        pair_expert.push_back(e);
+        pair_token.push_back(int32_t(r / top_k_));
+        pair_weight.push_back(weights[r]);
+      } else {
+        route_slots[r] = slot_of[e];
+      }
+    }
+    // back to the idle marks for the next step (a slot is protected only during its step)
+    for (int32_t e : routed) {
+      tokens_[e] = 0;
+      where_[e] = kNotRouted;
+      if (slot_of[e] >= 0) protected_[slot_of[e]] = 0;
+    }
+    if (split_slot >= 0) protected_[split_slot] = 0;
+    py::object job = py::none();
+    if (!on_cpu.empty()) {
+      const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
+                            reinterpret_cast<const void*>(w13_[layer]),
+                            reinterpret_cast<const void*>(w2_[layer]),
+                            T, hidden_, inter_, experts_, split_expert, split_row};
+      auto j = make_job(pool_, simd_, weight_type_, p, pair_expert.data(), pair_token.data(),
+                        pair_weight.data(), int64_t(pair_expert.size()));
+      j->set_done_flag(reinterpret_cast<int64_t*>(done_flag), done_value);
+      pool_.push(j);
+      job = py::cast(j);
+    }
+    const auto t2 = Clock::now();
+    if (route_slots_device) {
+      int err = copy_(route_slots_device, route_slots, R * sizeof(int32_t), stream_);
+      for (size_t i = 0; i < admitted.size() && err == 0; ++i) {
+        const auto [e, slot] = admitted[i];
+        const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
+        const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
+        err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, stream_);
+        if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, stream_);
+      }
+      const char* failed = "cuMemcpyHtoDAsync";
+      if (split_expert >= 0 && err == 0) {
+        err = copy_split(layer, split_expert, split_slot, split_row, &failed);
+      }
+      if (err != 0) {
+        // the admitted slots may never be filled: free them, so no later step reads them
+        for (const auto& [e, slot] : admitted) {
+          slot_of[e] = -1;
+          key_of_slot_[slot] = -1;
+          last_use_[slot] = -1;
+        }
+        check_driver(err, failed);
+      }
+    }
+    const auto t3 = Clock::now();
+    const auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+    py::object split = py::none();
+    if (split_expert >= 0) split = py::make_tuple(split_expert, split_slot, split_row);
+    return py::make_tuple(routed, before, admitted, on_cpu, split, job,
+                          py::make_tuple(seconds(t1 - t0), seconds(t2 - t1), seconds(t3 - t2)));
+  }
+
+ private:
+  static constexpr int64_t kTick = 0, kHits = 1, kFills = 2, kEvictions = 3;  // cache.py's state
+  static constexpr int8_t kNotRouted = 0, kOnCpu = 1, kSplit = 2;
+
+  // The device's part of a split expert into `slot`: its gate and up rows below `row`, all of its
+  // down projection, and zero gate and up rows from `row` on (silu(0) * 0 = 0: those rows add
+  // nothing; both are zeroed, as a slot never filled may hold NaNs). Returns the first driver
+  // error (naming its call in `failed`), or 0.
+  int copy_split(int64_t layer, int32_t e, int64_t slot, int64_t row, const char** failed) {
+    const int64_t elem = bytes2_ / (hidden_ * inter_), half = inter_ * hidden_ * elem;
+    const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
+    const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
+    const uint64_t gate = cache_w13_ + slot * bytes13_, up = gate + half;
+    const int64_t head = row * hidden_ * elem;
+    int err = copy_(gate, bank13, head, stream_);
+    if (err == 0) err = copy_(up, bank13 + half, head, stream_);
+    for (const uint64_t rows : {gate, up}) {
+      if (err == 0) {
+        err = memset_(rows + head, 0, half - head, stream_);
+        if (err != 0) *failed = "cuMemsetD8Async";
+      }
+    }
+    if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, stream_);
+    return err;
+  }
+
+  static void check_driver(int err, const char* what) {
+    if (err != 0) {
+      throw std::runtime_error(std::string(what) + " failed with CUDA driver error " +
+                               std::to_string(err));
+    }
+  }
+
+  // A free slot (last use -1), else the least recently used unprotected one; the lowest index on
+  // ties; -1 when every slot is protected.
+  int64_t victim() const {
+    int64_t best = -1;
+    for (int64_t s = 0; s < slots_; ++s) {
+      if (!protected_[s] && (best < 0 || last_use_[s] < last_use_[best])) best = s;
+    }
+    return best;
+  }
+
+  Pool& pool_;
+  const int simd_, weight_type_;
+  int32_t* const slot_of_;       // [layers, experts]
+  int64_t* const key_of_slot_;   // [slots]
+  int64_t* const last_use_;      // [slots]
+  const int64_t slots_;
+  int64_t* const state_;         // tick, hits, fills, evictions
+  int64_t* const picks_;         // [layers, experts]
+  const int64_t layers_, experts_, top_k_, hidden_, inter_;
+  const std::vector<uintptr_t> w13_, w2_;  // per layer: [experts, 2I, H], [experts, H, I]
+  CuMemcpyHtoDAsync copy_ = nullptr;
+  CuStreamSynchronize sync_ = nullptr;
+  CuMemsetD8Async memset_ = nullptr;
+  void* stream_ = nullptr;
+  uint64_t cache_w13_ = 0, cache_w2_ = 0;
+  int64_t bytes13_ = 0, bytes2_ = 0;
+  // scratch, all zero between steps
+  std::vector<int32_t> tokens_;   // per expert: routes to it this step
+  std::vector<int8_t> where_;     // per expert: kOnCpu this step
+  std::vector<int8_t> protected_; // per slot: read by this step
+};
+
+}  // namespace

@@ -1,0 +1,267 @@
+// The expert job: the routed experts of one MoE layer step on the pool, and submit_experts.
+// Included by cpu_experts.cpp only (one translation unit): internal linkage, like the rest.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+#include <vector>
+
+#include "pool.h"
+#include "simd.h"
+
+namespace {
+
+struct ExpertProblem {
+  const float* x;   // [T, H]
+  float* out;       // [T, H]
+  const void* w13;  // [E, 2I, H]
+  const void* w2;   // [E, H, I]
+  int64_t T, H, I, E;
+  // One expert may be split with the GPU (the decode planner's split miss): for it, only the
+  // intermediate rows from split_row on (gate/up rows, down projection columns) are computed here.
+  int32_t split_expert = -1;
+  int64_t split_row = 0;
+};
+
+// Tasks aim at this many weight bytes each: small enough to balance 16 threads over one expert,
+// large enough that claiming a task costs nothing next to streaming it.
+constexpr int64_t kTaskBytes = 96 * 1024;
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+template <class B, class WT>
+class ExpertJob final : public Job {
+ public:
+  ExpertJob(const ExpertProblem& p, std::vector<int32_t> group_expert,
+            std::vector<int32_t> group_start, std::vector<int32_t> token,
+            std::vector<float> weight, int num_threads)
+      : p_(p),
+        group_expert_(std::move(group_expert)),
+        group_start_(std::move(group_start)),
+        token_(std::move(token)),
+        weight_(std::move(weight)),
+        x_row_(token_.size()),
+        h_(token_.size() * p.I),
+        group_done_(new Counter[group_expert_.size()]) {
+    const int64_t groups = int64_t(group_expert_.size());
+    for (size_t k = 0; k < token_.size(); ++k) x_row_[k] = p.x + token_[k] * p.H;
+    // Phase 1: blocks of gate/up row pairs, even so that tiles of two pairs fill them.
+    const int64_t row_bytes = std::max<int64_t>(1, p.H * int64_t(sizeof(WT)));
+    rows1_ = std::max<int64_t>(2, round_up(kTaskBytes / (2 * row_bytes), 2));
+    blocks1_ = (p.I + rows1_ - 1) / rows1_;
+    phase1_tasks_ = groups * blocks1_;
+    // Phase 2: blocks of output rows, each over all experts; at least 4 blocks per thread.
+    const int64_t down_bytes_per_row = std::max<int64_t>(1, groups * p.I * int64_t(sizeof(WT)));
+    rows2_ = std::max<int64_t>(4, round_up(kTaskBytes / down_bytes_per_row, 4));
+    rows2_ = std::min(rows2_, std::max<int64_t>(4, round_up(p.H / (4 * num_threads), 4)));
+    const int64_t blocks2 = (p.H + rows2_ - 1) / rows2_;
+    set_num_tasks(groups == 0 ? 0 : phase1_tasks_ + blocks2);
+  }
+
+ protected:
+  // Tasks are handed out in order: phase 1 in group order, then phase 2; a task waits only for
+  // tasks handed out before it, so the waits always end.
+  void run_task(int64_t i) override {
+    if (i < phase1_tasks_) {
+      gate_up(i / blocks1_, (i % blocks1_) * rows1_);
+      group_done_[i / blocks1_].value.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    down((i - phase1_tasks_) * rows2_);
+  }
+
+ private:
+  // h[j, r0:r0+rows1] = silu(gate[r] . x[t_j]) * (up[r] . x[t_j]) for every pair j of group g.
+  void gate_up(int64_t g, int64_t r0) {
+    const int64_t H = p_.H, I = p_.I;
+    const WT* gate = static_cast<const WT*>(p_.w13) + int64_t(group_expert_[g]) * 2 * I * H;
+    const WT* up = gate + I * H;
+    const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
+    const int64_t r_end = std::min(I, r0 + rows1_);
+    for (int64_t r = std::max(r0, first_row(g)); r < r_end;) {
+      const int nr = r + 2 <= r_end ? 2 : 1;
+      const WT* rows[4] = {gate + r * H, gate + (r + 1) * H, up + r * H, up + (r + 1) * H};
+      if (nr == 1) rows[1] = up + r * H;
+      // The next tile's rows, fetched while this one computes: a thread's demand misses alone
+      // cannot keep enough reads in flight to reach its share of the memory bandwidth.
+      const WT* next[4] = {rows[0] + 2 * H, rows[1] + 2 * H, rows[2] + 2 * H, rows[3] + 2 * H};
+      const bool ahead = nr == 2 && r + 4 <= r_end;
+      for (int32_t jt = j0; jt < j1; jt += kMaxTokensPerTile) {
+        const int nt = std::min<int>(kMaxTokensPerTile, j1 - jt);
+        const WT* const* pf = ahead && jt == j0 ? next : nullptr;
+        float res[4 * kMaxTokensPerTile];
+        if (nr == 2) {
+          dot_tile_n<B, WT, 4>(rows, pf, x_row_.data() + jt, nt, H, res);
+        } else {
+          dot_tile_n<B, WT, 2>(rows, nullptr, x_row_.data() + jt, nt, H, res);
+        }
+        for (int a = 0; a < nr; ++a) {
+          for (int q = 0; q < nt; ++q) {
+            const float gv = res[a * nt + q], uv = res[(nr + a) * nt + q];
+            h_[int64_t(jt + q) * I + r + a] = gv / (1.0f + std::exp(-gv)) * uv;
+          }
+        }
+      }
+      r += nr;
+    }
+  }
+
+  // out[t, r0:r0+rows2] = sum over groups and pairs of weight_j * (w2[e] rows . h[j]).
+  void down(int64_t r0) {
+    const int64_t H = p_.H, I = p_.I;
+    const int64_t r_end = std::min(H, r0 + rows2_);
+    for (int64_t t = 0; t < p_.T; ++t) {
+      std::fill(p_.out + t * H + r0, p_.out + t * H + r_end, 0.0f);
+    }
+    const int64_t groups = int64_t(group_expert_.size());
+    auto down_rows = [&](int64_t g, int64_t r) {
+      return static_cast<const WT*>(p_.w2) + (int64_t(group_expert_[g]) * H + r) * I;
+    };
+    for (int64_t g = 0; g < groups; ++g) {
+      // Phase 1 hands out its blocks in group order, so this wait is short and mostly on the last.
+      spin_until([&] { return group_done_[g].value.load(std::memory_order_acquire) == blocks1_; });
+      const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
+      const int64_t first = first_row(g), K = I - first;  // the down projection's columns here
+      for (int64_t r = r0; r < r_end;) {
+        const int nr = r + 4 <= r_end ? 4 : 1;
+        const WT* rows[4] = {down_rows(g, r) + first};
+        for (int a = 1; a < nr; ++a) rows[a] = rows[0] + a * I;
+        // Prefetch the next tile: further down this expert, else the next expert's first rows.
+        const WT* next[4] = {nullptr};
+        if (r + 8 <= r_end) {
+          next[0] = rows[0] + 4 * I;
+        } else if (g + 1 < groups && r0 + 4 <= r_end) {
+          next[0] = down_rows(g + 1, r0) + first_row(g + 1);
+        }
+        for (int a = 1; a < 4; ++a) next[a] = next[0] + a * I;
+        for (int32_t jt = j0; jt < j1; jt += kMaxTokensPerTile) {
+          const int nt = std::min<int>(kMaxTokensPerTile, j1 - jt);
+          const float* hs[kMaxTokensPerTile];
+          for (int q = 0; q < nt; ++q) hs[q] = h_.data() + int64_t(jt + q) * I + first;
+          float res[4 * kMaxTokensPerTile];
+          if (nr == 4) {
+            dot_tile_n<B, WT, 4>(rows, next[0] != nullptr && jt == j0 ? next : nullptr, hs, nt, K,
+                                 res);
+          } else {
+            dot_tile_n<B, WT, 1>(rows, nullptr, hs, nt, K, res);
+          }
+          for (int a = 0; a < nr; ++a) {
+            for (int q = 0; q < nt; ++q) {
+              p_.out[int64_t(token_[jt + q]) * H + r + a] += weight_[jt + q] * res[a * nt + q];
+            }
+          }
+        }
+        r += nr;
+      }
+    }
+  }
+
+  // The first intermediate row computed for group g (all but the split expert: 0).
+  int64_t first_row(int64_t g) const {
+    return group_expert_[g] == p_.split_expert ? p_.split_row : 0;
+  }
+
+  const ExpertProblem p_;
+  const std::vector<int32_t> group_expert_;  // expert of each group
+  const std::vector<int32_t> group_start_;   // pairs of group g: [group_start[g], group_start[g+1])
+  const std::vector<int32_t> token_;         // per pair, sorted by expert
+  const std::vector<float> weight_;          // per pair, sorted by expert
+  std::vector<const float*> x_row_;          // per pair: its row of x
+  std::vector<float> h_;                     // [pairs, I]
+  int64_t phase1_tasks_ = 0, rows1_ = 0, blocks1_ = 0, rows2_ = 0;
+  std::unique_ptr<Counter[]> group_done_;  // phase-1 blocks done, per group
+};
+
+template <class B>
+std::shared_ptr<Job> make_expert_job(WeightType wt, const ExpertProblem& p,
+                                     std::vector<int32_t> ge, std::vector<int32_t> gs,
+                                     std::vector<int32_t> tok, std::vector<float> w, int threads) {
+  switch (wt) {
+    case WeightType::kF32:
+      return std::make_shared<ExpertJob<B, float>>(p, ge, gs, tok, w, threads);
+    case WeightType::kF16:
+      return std::make_shared<ExpertJob<B, f16>>(p, ge, gs, tok, w, threads);
+    case WeightType::kBF16:
+      return std::make_shared<ExpertJob<B, bf16>>(p, ge, gs, tok, w, threads);
+  }
+  throw std::invalid_argument("unknown weight type");
+}
+
+// Checks every pair's expert and token, groups the pairs by expert and makes the job (not queued).
+std::shared_ptr<Job> make_job(const Pool& pool, int simd, int weight_type, const ExpertProblem& p,
+                              const int32_t* pe, const int32_t* pt, const float* pw, int64_t J) {
+  for (int64_t j = 0; j < J; ++j) {
+    const std::string at = "[" + std::to_string(j) + "] = ";
+    if (pe[j] < 0 || pe[j] >= p.E) {
+      throw std::invalid_argument("pair_expert" + at + std::to_string(pe[j]) +
+                                  " is outside 0.." + std::to_string(p.E - 1));
+    }
+    if (pt[j] < 0 || pt[j] >= p.T) {
+      throw std::invalid_argument("pair_token" + at + std::to_string(pt[j]) + " is outside 0.." +
+                                  std::to_string(p.T - 1));
+    }
+  }
+  std::vector<int32_t> order(J);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [pe](int32_t a, int32_t b) { return pe[a] < pe[b]; });
+  std::vector<int32_t> group_expert, group_start, token(J);
+  std::vector<float> weight(J);
+  for (int64_t k = 0; k < J; ++k) {
+    const int32_t j = order[k];
+    if (k == 0 || pe[j] != group_expert.back()) {
+      group_expert.push_back(pe[j]);
+      group_start.push_back(int32_t(k));
+    }
+    token[k] = pt[j];
+    weight[k] = pw[j];
+  }
+  group_start.push_back(int32_t(J));
+  const auto wt = static_cast<WeightType>(weight_type);
+  const int threads = pool.num_threads();
+  std::shared_ptr<Job> job;
+  switch (static_cast<Simd>(simd)) {
+#ifdef MOELAB_HAVE_AVX512
+    case Simd::kAvx512:
+      job = make_expert_job<Avx512>(wt, p, group_expert, group_start, token, weight, threads);
+      break;
+#endif
+#ifdef MOELAB_HAVE_AVX2
+    case Simd::kAvx2:
+      job = make_expert_job<Avx2>(wt, p, group_expert, group_start, token, weight, threads);
+      break;
+#endif
+    case Simd::kScalar:
+      job = make_expert_job<Scalar>(wt, p, group_expert, group_start, token, weight, threads);
+      break;
+    default:
+      throw std::invalid_argument("this build has no such SIMD level");
+  }
+  if (J == 0) std::fill(p.out, p.out + p.T * p.H, 0.0f);  // no pairs: a job with no tasks, done
+  return job;
+}
+
+// Queues one call; the pair arrays are copied (grouped by expert) before this returns, the tensors
+// behind x, out, w13 and w2 must stay alive and unchanged until the job is done. done_flag: 0, or
+// the address of an int64 that receives done_value once out is written.
+std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintptr_t x,
+                                    uintptr_t out, uintptr_t w13, uintptr_t w2, int64_t T,
+                                    int64_t H, int64_t I, int64_t E, uintptr_t pair_expert,
+                                    uintptr_t pair_token, uintptr_t pair_weight, int64_t J,
+                                    uintptr_t done_flag, int64_t done_value) {
+  const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
+                        reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
+                        T, H, I, E};
+  auto job = make_job(pool, simd, weight_type, p, reinterpret_cast<const int32_t*>(pair_expert),
+                      reinterpret_cast<const int32_t*>(pair_token),
+                      reinterpret_cast<const float*>(pair_weight), J);
+  job->set_done_flag(reinterpret_cast<int64_t*>(done_flag), done_value);
+  if (J != 0) pool.push(job);
+  return job;
+}
+
+}  // namespace

@@ -1,0 +1,211 @@
+// Jobs of independent tasks and the persistent pool of worker threads that runs them.
+// Included by cpu_experts.cpp only (one translation unit): internal linkage, like the rest.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+inline void cpu_relax() {
+#ifdef MOELAB_X86
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Waits for ready() without sleeping: short bursts of pause instructions between yields of the
+// core, so that on an oversubscribed machine (CI, a busy desktop) the thread being waited for gets
+// to run; gives up after `limit` (the caller then sleeps on a condition variable).
+template <class Ready>
+bool spin_until(Ready ready, std::chrono::nanoseconds limit = std::chrono::nanoseconds::max()) {
+  const auto start = std::chrono::steady_clock::now();
+  while (true) {
+    for (int i = 0; i < 32; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() - start > limit) return false;
+    std::this_thread::yield();
+  }
+}
+
+// How long workers spin for the next job before sleeping, by default: longer than the gap
+// between two MoE layers of a decode step, so that a step's jobs never pay the wake-up of every
+// worker. Spinning workers slow the thread that feeds the GPU where they share its core, so the
+// engine makes it a flag (--moe-cpu-spin-us).
+constexpr int kDefaultWorkerSpinUs = 1000;
+// How long wait() spins before sleeping; the caller's core is not one the workers use.
+constexpr std::chrono::microseconds kWaiterSpin{2000};
+
+
+// A counter alone on its cache line, so that threads updating or spinning on it do not slow down
+// those using its neighbours.
+struct alignas(64) Counter {
+  std::atomic<int64_t> value{0};
+};
+
+// -------------------------------------------------------------------------------------------------
+// Jobs and the persistent pool.
+
+class Job {
+ public:
+  virtual ~Job() = default;
+
+  // Claims and runs tasks until none is left; returns when this job has nothing more to hand out.
+  void work() {
+    for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < num_tasks_;) {
+      if (i == 0) started_ = Clock::now();
+      run_task(i);
+      if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_tasks_) signal_done();
+    }
+  }
+  bool done() const { return done_.load(std::memory_order_acquire); }
+
+  void mark_queued() { queued_at_ = Clock::now(); }
+
+  // Once done, also store `value` at `flag` (an int64 that a GPU kernel may be polling in pinned
+  // memory): after every output write, so a reader that sees the value sees the output.
+  void set_done_flag(int64_t* flag, int64_t value) {
+    done_flag_ = flag;
+    done_value_ = value;
+    if (flag != nullptr && done()) __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+  }
+
+  // Seconds from queueing to the first task being claimed (the workers' reaction time) and from
+  // then to the last task finishing; both 0 until the job is done.
+  std::pair<double, double> seconds() const {
+    if (!done() || num_tasks_ == 0) return {0.0, 0.0};
+    const std::chrono::duration<double> start = started_ - queued_at_;
+    const std::chrono::duration<double> run = finished_at_ - started_;
+    return {start.count(), run.count()};
+  }
+
+  void wait() {
+    // The caller usually waits for well under a millisecond: spin a little before sleeping.
+    if (spin_until([this] { return done(); }, kWaiterSpin)) return;
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this] { return done(); });
+  }
+
+ protected:
+  void set_num_tasks(int64_t n) {
+    num_tasks_ = n;
+    if (n == 0) done_.store(true, std::memory_order_release);
+  }
+  virtual void run_task(int64_t i) = 0;
+
+ private:
+  void signal_done() {
+    finished_at_ = Clock::now();
+    // the last task's acq_rel increment ordered every worker's output writes before this store
+    if (done_flag_ != nullptr) __atomic_store_n(done_flag_, done_value_, __ATOMIC_RELEASE);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_.store(true, std::memory_order_release);
+    }
+    cv_.notify_all();
+  }
+
+  using Clock = std::chrono::steady_clock;
+  // Written before the job is queued, by the thread that claims task 0, and by the one that
+  // finishes the last task; read only once done_ is set (release/acquire orders them).
+  Clock::time_point queued_at_{}, started_{}, finished_at_{};
+  // Each counter on a cache line of its own: every worker updates them, the caller spins on done_.
+  int64_t num_tasks_ = 0;
+  int64_t* done_flag_ = nullptr;  // set before the job is queued
+  int64_t done_value_ = 0;
+  alignas(64) std::atomic<int64_t> next_{0};
+  alignas(64) std::atomic<int64_t> finished_{0};
+  alignas(64) std::atomic<bool> done_{false};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+};
+
+class Pool {
+ public:
+  explicit Pool(int num_threads, int spin_us = kDefaultWorkerSpinUs)
+      : num_threads_(num_threads), spin_(spin_us) {
+    if (num_threads < 1) throw std::invalid_argument("num_threads must be at least 1");
+    if (spin_us < 0) throw std::invalid_argument("spin_us must be 0 or more");
+    workers_.reserve(num_threads);
+    for (int i = 0; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  }
+  ~Pool() { close(); }
+
+  int num_threads() const { return num_threads_; }
+
+  void push(std::shared_ptr<Job> job) {
+    if (job->done()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) throw std::runtime_error("this CpuExpertRunner is closed");
+      job->mark_queued();
+      queue_.push_back(std::move(job));
+    }
+    // announced after the unlock: spinning workers that see it find the mutex free, rather than
+    // sleeping on it and costing this thread their wake-up
+    queued_.fetch_add(1, std::memory_order_release);
+    cv_.notify_all();
+  }
+
+  // Finishes the queued jobs, then ends the workers.
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_ && workers_.empty()) return;
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+    workers_.clear();
+  }
+
+ private:
+  std::shared_ptr<Job> next_job() {
+    std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+    // with a job announced, every spinning worker wants the mutex at once, each for a moment:
+    // take turns spinning on it rather than sleeping in the kernel one after another
+    if (spin_until([this] { return queued_.load(std::memory_order_acquire) > 0; }, spin_)) {
+      spin_until([&lock] { return lock.try_lock(); }, kWaiterSpin);
+    }
+    if (!lock.owns_lock()) lock.lock();
+    cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return nullptr;
+    return queue_.front();
+  }
+
+  void worker_loop() {
+    while (std::shared_ptr<Job> job = next_job()) {
+      job->work();
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!queue_.empty() && queue_.front() == job) {
+        queue_.pop_front();
+        queued_.fetch_sub(1, std::memory_order_release);
+      }
+    }
+  }
+
+  const int num_threads_;
+  const std::chrono::microseconds spin_;
+  std::vector<std::thread> workers_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  std::atomic<int64_t> queued_{0};
+  bool stopping_ = false;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+};
+
+}  // namespace
