@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,39 +37,14 @@ from ..kernels.host_handoff import (
 from .bank import ExpertBank
 from .cache import ExpertCache
 from .h2d import HostToDevice, driver_functions
+from .miss_plan import Dispatch, expert_mask, plan_layer
 from .misses import SPLIT_CHUNKS, MissPolicy
 from .moe_stats import CpuJobTimes, LayerCounters, StagedStepTimes
 from .prefill_stream import PrefillStream
+from .resident_record import ResidentRouting
 
 # CPU jobs of decode between two updates of the auto split from their measured rate
 ADAPT_EVERY_JOBS = 48
-# Decode rows whose routing the resident path records for telemetry (a decode batch is smaller)
-MAX_RECORDED_ROWS = 1024
-
-
-@dataclass(slots=True)
-class _Dispatch:
-    """Where the routes of one offloaded layer step run (`_plan`), and the CPU job started for
-    them (`_start`)."""
-
-    experts: list[int]  # the layer's routed experts, ascending
-    slots: list[int]  # their cache slots before this step, -1 where missing
-    missing: list[int]
-    admitted: list[tuple[int, int]]  # (expert, slot) to copy from the bank now
-    on_cpu: list[int]  # experts run on the CPU
-    route_slots: np.ndarray  # [T, K] cache slot of each route, -1 where it runs on the CPU
-    cpu_mask: np.ndarray | None  # [T, K] routes run on the CPU (None: none, or already started)
-    job: object | None = None  # the CPU job (CpuExpertJob)
-    route_slots_host: torch.Tensor | None = None  # route_slots in a reusable (pinned) buffer
-    # the split miss (native planner): (expert, borrowed slot, first row on the CPU); its expert is
-    # in on_cpu too, and its share of rows on the device is split_share
-    split: tuple[int, int, int] | None = None
-    split_share: float = 0.0
-
-    @property
-    def cpu_experts(self) -> float:
-        """Experts' worth of weights the CPU reads (a split miss counts its rows on the CPU)."""
-        return len(self.on_cpu) - self.split_share
 
 
 class MoERunner:
@@ -121,20 +95,18 @@ class MoERunner:
             overlap=prefill_overlap,
         )  # fmt: skip
         # all-resident decode keeps its routing on the device and copies it to the host without
-        # waiting (see _record_ids and snapshot_decode_ids)
-        self._ids_dev: torch.Tensor | None = None
-        self._ids_host: torch.Tensor | None = None
-        self._ids_buffer = 0
-        self._backlog: list[np.ndarray] = []
+        # waiting
+        self.resident_routing = ResidentRouting(bank.num_layers, bank.num_experts, top_k,
+                                                self.device)  # fmt: skip
         self._host_buffers: dict[str, torch.Tensor] = {}
         # staged decode hands the CPU's part to the next piece in host memory (host_handoff.py)
         self._handoff_sync = handoff_sync(pin=cuda)
         self._handoff_out: torch.Tensor | None = None
         self._routing_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # staged layer steps launched but not yet counted (counted after the next launch)
-        self._uncounted: list[tuple[_Dispatch, int]] = []
+        self._uncounted: list[tuple[Dispatch, int]] = []
         self._epoch = 0  # of the last CPU part handed over (the value DONE reaches)
-        self._pending: _Dispatch | None = None  # the staged layer whose CPU job is not ended
+        self._pending: Dispatch | None = None  # the staged layer whose CPU job is not ended
         # the native planner of decode layer steps (None: the Python `_plan`), rebuilt when the
         # cache replaces its arrays
         self._planner: object | None = None
@@ -206,7 +178,7 @@ class MoERunner:
             slots = cache.device_slot_map()[moe_layer][ids.long()]
             w13, w2 = cache.w13, cache.w2
         if decode:
-            self._record_ids(moe_layer, ids)
+            self.resident_routing.store(moe_layer, ids)
             with self._phase("gpu_experts"):
                 # the routes' outputs unsummed: the next residual add + RMSNorm sums them
                 return fused_moe_decode(x, slots, weights, w13, w2, reduce=False)
@@ -216,44 +188,19 @@ class MoERunner:
         return self.timer.phase(name) if self.timer is not None else _NO_TIMER
 
     def routing_record(self, moe_layer: int, tokens: int, decode: bool) -> torch.Tensor | None:
-        """Where the router writes a resident decode step's expert ids of one layer: its column of
-        the step's device record, which `snapshot_decode_ids` copies to the host (a copy launch
-        per layer less than copying them there). None off the resident decode path."""
-        if not (decode and self.cache.holds_everything) or tokens > MAX_RECORDED_ROWS:
+        """Where the router writes a resident decode step's expert ids of one layer (a copy launch
+        per layer less than copying them there); None off the resident decode path."""
+        if not (decode and self.cache.holds_everything):
             return None
-        if self._ids_dev is None:  # first met in an eager step, before any graph is captured
-            self._ids_dev = torch.zeros((MAX_RECORDED_ROWS, self.bank.num_layers, self.top_k),
-                                        dtype=torch.int32, device=self.device)  # fmt: skip
-        return self._ids_dev[:tokens, moe_layer]
-
-    def _record_ids(self, moe_layer: int, ids: torch.Tensor) -> None:
-        """Keep a resident decode step's routing of one layer in the device record, unless the
-        router wrote it there already (`routing_record`). No host sync (the step may be inside a
-        CUDA graph)."""
-        rows = min(ids.shape[0], MAX_RECORDED_ROWS)  # of a larger batch, the first rows
-        record = self.routing_record(moe_layer, rows, decode=True)
-        assert record is not None
-        if record.data_ptr() != ids.data_ptr():
-            record.copy_(ids[:rows])
+        return self.resident_routing.record(moe_layer, tokens)
 
     def snapshot_decode_ids(self, tokens: int) -> tuple[torch.Tensor, int] | None:
         """Queue the copy of a queued all-resident decode step's routing to pinned host memory
-        (no wait); hand the result to `after_decode_step` once the step has synchronized.
-
-        Two host buffers take turns, so one step's copy can land while the previous step's is
-        read. None when the step did not run on the resident path.
-        """
-        if not self.cache.holds_everything or self._ids_dev is None:
+        (no wait); hand the result to `after_decode_step` once the step has synchronized. None
+        when the step did not run on the resident path."""
+        if not self.cache.holds_everything:
             return None
-        if self._ids_host is None:
-            pin = self.device.type == "cuda"
-            self._ids_host = torch.empty((2, *self._ids_dev.shape), dtype=torch.int32,
-                                         pin_memory=pin)  # fmt: skip
-        rows = min(tokens, MAX_RECORDED_ROWS)
-        host = self._ids_host[self._ids_buffer, :rows]
-        self._ids_buffer ^= 1
-        host.copy_(self._ids_dev[:rows], non_blocking=True)
-        return host, rows
+        return self.resident_routing.snapshot(tokens)
 
     def after_decode_step(
         self, snapshot: tuple[torch.Tensor, int] | None, settled: bool = True
@@ -267,39 +214,18 @@ class MoERunner:
         if settled:
             self._end_handoff()
         self._flush_accesses()
-        if snapshot is None:
-            return
-        host, _ = snapshot
-        self._backlog.append(host.numpy().transpose(1, 0, 2).copy())  # [layers, tokens, k]
-        if len(self._backlog) >= 64:
+        if snapshot is not None and self.resident_routing.keep(snapshot):
             self.count_backlog()
 
     def count_backlog(self) -> None:
         """Count the kept resident steps at once: picks, reads (= hits), the what-if stream."""
         self._flush_accesses()
-        if not self._backlog:
+        unique = self.resident_routing.count(self._counters)
+        if unique is None:
             return
-        layers, experts = self.bank.num_layers, self.bank.num_experts
-        per_step = layers * experts
-        layer_base = (np.arange(layers, dtype=np.int64) * experts)[:, None, None]
-        rows_per_step = self._backlog
-        keys = np.concatenate([
-            (step * per_step + layer_base + rows).ravel() for step, rows in enumerate(rows_per_step)
-        ])  # fmt: skip
-        self._backlog = []
-        c = self._counters
-        c.picks.reshape(-1)[:] += np.bincount(keys % per_step, minlength=per_step)
-        seen = np.zeros(len(rows_per_step) * per_step, dtype=bool)
-        seen[keys] = True
-        unique = np.flatnonzero(
-            seen
-        )  # per step: layer-major, experts ascending (the cache's order)
-        reads = np.bincount((unique % per_step) // experts, minlength=layers)
-        c.reads += reads
-        c.hits += reads
         self.cache.hits += int(unique.size)
         if self.on_accesses is not None:
-            self.on_accesses(unique % per_step)
+            self.on_accesses(unique)
 
     def _flush_accesses(self) -> None:
         if self._accesses and self.on_accesses is not None:
@@ -373,7 +299,7 @@ class MoERunner:
     def _slots_to_device(self, name: str, slots: np.ndarray) -> torch.Tensor:
         return self._pinned_copy(name, slots).to(self.device, non_blocking=True)
 
-    def _dispatch(self, moe_layer, ids_host, weights_host, x_host, decode) -> _Dispatch:
+    def _dispatch(self, moe_layer, ids_host, weights_host, x_host, decode) -> Dispatch:
         """The host side of an eager offloaded layer step, from its routing on the host
         (`_routing_to_host`): plan and start, count. The caller copies the admitted experts."""
         d = self._plan_and_start(moe_layer, ids_host, weights_host, x_host, decode)
@@ -383,7 +309,7 @@ class MoERunner:
 
     def _plan_and_start(
         self, moe_layer, ids_host, weights_host, x_host, decode, handoff_out=None
-    ) -> _Dispatch:
+    ) -> Dispatch:
         """Plan a layer step and start its CPU job: in native code for decode when the CPU
         experts are native (`DecodePlanner`, the same decisions), else `_plan` and `_start`."""
         planner = self._decode_planner() if decode else None
@@ -402,7 +328,7 @@ class MoERunner:
 
     def _native_step(
         self, planner, moe_layer, ids, weights, x, out, handoff, sync=False, slots_out=None
-    ) -> tuple[_Dispatch, tuple[float, float, float]]:
+    ) -> tuple[Dispatch, tuple[float, float, float]]:
         """One DecodePlanner step over host tensors ids [T, K] (int32), weights [T, K] and x
         [T, H] (fp32), the CPU's part into out (and then the next handoff epoch, if `handoff`).
         sync: wait for the compute stream first (the routing's copies); slots_out: the device
@@ -430,7 +356,7 @@ class MoERunner:
         if admitted or split is not None:
             self.cache.changed()
         missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
-        d = _Dispatch(experts, slots, missing, admitted, on_cpu, route_slots.numpy(), None)
+        d = Dispatch(experts, slots, missing, admitted, on_cpu, route_slots.numpy(), None)
         d.route_slots_host = route_slots
         if split is not None:
             d.split, d.split_share = split, split[2] / inter
@@ -463,56 +389,14 @@ class MoERunner:
             self._planner, self._planner_version = planner, cache.version
         return self._planner
 
-    def _plan(self, moe_layer: int, ids_host: np.ndarray, decode: bool) -> _Dispatch:
-        """Look the routes up in the cache and admit the experts to fetch: which routes run from
-        a slot, which slots to fill, which routes go to the CPU.
-
-        On the serial path of every offloaded decode layer step: the per-expert work is on Python
-        lists (a numpy call on eight numbers costs more than the loop), numpy only for the routes.
-        """
-        picks = (self._counters.picks if decode else self.prefill_picks)[moe_layer]
-        if ids_host.shape[0] == 1:  # one token: its experts are distinct, no counting needed
-            picks[ids_host[0]] += 1
-            experts = sorted(ids_host[0].tolist())
-            tokens_of = None
-        else:
-            np.add.at(picks, ids_host.ravel(), 1)
-            unique, counts = np.unique(ids_host, return_counts=True)
-            experts = unique.tolist()
-            tokens_of = dict(zip(experts, counts.tolist(), strict=True))
-        cache = self.cache
-        slots = cache.lookup(moe_layer, experts)
-        missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
-        q = self.policy.fetch_count(len(missing))
-        if q < len(missing):
-            # fetch the most picked (likeliest reused); ties: more tokens now, then lower id
-            seen = dict(zip(missing, self._counters.picks[moe_layer][missing].tolist(),
-                            strict=True))  # fmt: skip
-            ranked = sorted(
-                missing, key=lambda e: (-seen[e], -(tokens_of[e] if tokens_of else 1), e)
-            )
-            fetch, on_cpu = ranked[:q], ranked[q:]
-        else:
-            fetch, on_cpu = missing, []
-        protected = {s for s in slots if s >= 0}
-        admitted: list[tuple[int, int]] = []
-        for expert in fetch:
-            slot = cache.admit(moe_layer, expert, protected)
-            if slot is None:
-                break
-            protected.add(slot)
-            admitted.append((expert, slot))
-        if len(admitted) < len(fetch):  # every slot is in use by this step: the rest go to the CPU
-            on_cpu = on_cpu + fetch[len(admitted) :]
-        route_slots = cache.slot_of[moe_layer][ids_host]
-        cpu_mask = None
-        if on_cpu:
-            cpu_mask = self._expert_mask(on_cpu)[ids_host]
-            route_slots[cpu_mask] = -1
-        return _Dispatch(experts, slots, missing, admitted, on_cpu, route_slots, cpu_mask)
+    def _plan(self, moe_layer: int, ids_host: np.ndarray, decode: bool) -> Dispatch:
+        """The Python planner of a layer step (miss_plan.py), which the native one matches."""
+        picks = self._counters.picks if decode else self.prefill_picks
+        return plan_layer(self.cache, self.policy, moe_layer, ids_host, picks[moe_layer],
+                          self._counters.picks[moe_layer])  # fmt: skip
 
     def _start(
-        self, d: _Dispatch, moe_layer, ids_host, weights_host, x_host, handoff_out=None
+        self, d: Dispatch, moe_layer, ids_host, weights_host, x_host, handoff_out=None
     ) -> None:
         """Start the CPU job of a planned layer step, if it has one (writing into handoff_out and
         ending the next epoch, when given)."""
@@ -521,7 +405,7 @@ class MoERunner:
                 moe_layer, x_host, ids_host, weights_host, d.cpu_mask, handoff_out
             )
 
-    def _count(self, d: _Dispatch, moe_layer: int) -> None:
+    def _count(self, d: Dispatch, moe_layer: int) -> None:
         """Count a planned decode layer step, and tell the observers."""
         experts, slots, missing = d.experts, d.slots, d.missing
         fetched = [expert for expert, _ in d.admitted]
@@ -537,12 +421,6 @@ class MoERunner:
             self._accesses += [base + e for e, s in zip(experts, slots, strict=True) if s >= 0]
             self._accesses += [base + e for e in missing]
 
-    def _expert_mask(self, experts: list[int]) -> np.ndarray:
-        """A layer's experts as a lookup table: True at `experts` (cheaper than np.isin)."""
-        mask = np.zeros(self.bank.num_experts, dtype=bool)
-        mask[experts] = True
-        return mask
-
     def _split(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
         """Hits on the device, misses split between slot fills and CPU execution (eager)."""
         ids_host, weights_host, x_host = self._routing_to_host(x, ids, weights)
@@ -551,7 +429,9 @@ class MoERunner:
             with self._phase("cpu_experts"):  # a timed step runs the CPU part alone
                 d.job.wait()
         kernel = fused_moe_decode if decode else grouped_moe
-        fetched_mask = self._expert_mask([expert for expert, _ in d.admitted])[ids_host]
+        fetched_mask = expert_mask(self.bank.num_experts, [expert for expert, _ in d.admitted])[
+            ids_host
+        ]
         hit_slots = np.where(fetched_mask, -1, d.route_slots)
         out = None
         with self._phase("gpu_experts"):
@@ -694,7 +574,7 @@ class MoERunner:
         if d is not None:
             self._wait_cpu(d, decode=True)
 
-    def _wait_cpu(self, d: _Dispatch, decode: bool) -> torch.Tensor:
+    def _wait_cpu(self, d: Dispatch, decode: bool) -> torch.Tensor:
         assert d.job is not None
         out = d.job.wait()
         if decode:
