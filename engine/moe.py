@@ -1,14 +1,12 @@
 """The MoE step: route, run hits from the GPU cache, split misses between fills and CPU execution.
 
 Decode: a layer step's misses are divided between copies into cache slots and the CPU, both run
-at the same time (how many of each: misses.py). Which misses are fetched: the ones picked most
-often so far (they are the likeliest to be reused from the cache), ties broken by the lower expert
-id. What the step counts and times: moe_stats.py.
+at the same time (how many of each: misses.py; which: miss_plan.py). What the step counts and
+times: moe_stats.py; the all-resident step's routing for telemetry: resident_record.py.
 
-Decode layer steps are planned by the native `DecodePlanner` when the CPU experts are native (the
-same decisions as `_plan`, which is the reference); between two captured pieces of a decode step
-(engine/graphs.py) one native call waits for the routing, plans, starts the CPU job and queues the
-fills (`stage_decode`).
+Offloaded decode steps replayed from captured pieces stage each layer step between two pieces
+(staged_decode.py, mixed into `MoERunner`); this module runs the eager steps, the fills and the
+CPU jobs both use.
 
 Prefill: a long chunk streams whole layers into a two-layer buffer (prefill_stream.py); a short
 chunk routes first and then treats its misses like decode does.
@@ -17,37 +15,32 @@ chunk routes first and then treats its misses like decode does.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from ..kernels.cpu_experts import CpuExpertJob, CpuExpertRunner
+from ..kernels.cpu_experts import CpuExpertRunner
 from ..kernels.fused_moe import fused_moe_decode
 from ..kernels.grouped_moe import grouped_moe
 from ..kernels.host_handoff import (
-    DONE,
-    EXPECTED,
-    TIMED_OUT,
-    add_when_ready,
-    handoff_sync,
     routing_to_host,
 )
 from .bank import ExpertBank
 from .cache import ExpertCache
-from .h2d import HostToDevice, driver_functions
+from .h2d import HostToDevice
 from .miss_plan import Dispatch, expert_mask, plan_layer
-from .misses import SPLIT_CHUNKS, MissPolicy
+from .misses import MissPolicy
 from .moe_stats import CpuJobTimes, LayerCounters, StagedStepTimes
 from .prefill_stream import PrefillStream
 from .resident_record import ResidentRouting
+from .staged_decode import StagedDecode
 
 # CPU jobs of decode between two updates of the auto split from their measured rate
 ADAPT_EVERY_JOBS = 48
 
 
-class MoERunner:
+class MoERunner(StagedDecode):
     """Runs the routed experts of every MoE layer from the host bank and the device cache."""
 
     def __init__(
@@ -99,25 +92,7 @@ class MoERunner:
         self.resident_routing = ResidentRouting(bank.num_layers, bank.num_experts, top_k,
                                                 self.device)  # fmt: skip
         self._host_buffers: dict[str, torch.Tensor] = {}
-        # staged decode hands the CPU's part to the next piece in host memory (host_handoff.py)
-        self._handoff_sync = handoff_sync(pin=cuda)
-        self._handoff_out: torch.Tensor | None = None
-        self._routing_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # staged layer steps launched but not yet counted (counted after the next launch)
-        self._uncounted: list[tuple[Dispatch, int]] = []
-        self._epoch = 0  # of the last CPU part handed over (the value DONE reaches)
-        self._pending: Dispatch | None = None  # the staged layer whose CPU job is not ended
-        # the native planner of decode layer steps (None: the Python `_plan`), rebuilt when the
-        # cache replaces its arrays
-        self._planner: object | None = None
-        self._planner_version = -1
-        # the native planner also waits for the routing and queues the copies itself, through
-        # the driver functions of `h2d.driver_functions` (with CUDA; a CPU test may stand in
-        # functions that copy host memory)
-        self.planner_copies = cuda
-        # with its copies, it may split one miss per layer step between the copy and the CPU
-        # (--split-misses)
-        self.split_misses = False
+        self._init_staged(cuda)
 
     # prefill buffers (prefill_stream.py) --------------------------------------------------------
 
@@ -273,21 +248,6 @@ class MoERunner:
         self.compute_stream.synchronize()
         return ids_h.numpy(), w_h, x_h
 
-    def routing_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Host buffers (pinned on CUDA) for a staged decode step's routing, [rows, K] int32 ids,
-        [rows, K] fp32 weights and [rows, H] fp32 x, which captured pieces write (`routing_to_host`)
-        and `stage_decode` reads. Allocated once: graphs keep their addresses."""
-        if self._routing_host is None or self._routing_host[0].shape[0] < rows:
-            pin = self.device.type == "cuda"
-            hidden = self.bank.w13[0].shape[-1]
-            self._routing_host = (
-                torch.zeros((rows, self.top_k), dtype=torch.int32, pin_memory=pin),
-                torch.zeros((rows, self.top_k), dtype=torch.float32, pin_memory=pin),
-                torch.zeros((rows, hidden), dtype=torch.float32, pin_memory=pin),
-            )
-        ids_h, w_h, x_h = self._routing_host
-        return ids_h[:rows], w_h[:rows], x_h[:rows]
-
     def _pinned_copy(self, name: str, values: np.ndarray) -> torch.Tensor:
         """`values` in a reusable pinned buffer (int32), ready for a non-blocking copy; the
         buffer is reused by the next layer only after that layer's routing sync, by which time
@@ -325,69 +285,6 @@ class MoERunner:
             out = self._pinned("cpu_out", tuple(x.shape), torch.float32)
         d, _ = self._native_step(planner, moe_layer, ids, weights, x, out, handoff_out is not None)
         return d
-
-    def _native_step(
-        self, planner, moe_layer, ids, weights, x, out, handoff, sync=False, slots_out=None
-    ) -> tuple[Dispatch, tuple[float, float, float]]:
-        """One DecodePlanner step over host tensors ids [T, K] (int32), weights [T, K] and x
-        [T, H] (fp32), the CPU's part into out (and then the next handoff epoch, if `handoff`).
-        sync: wait for the compute stream first (the routing's copies); slots_out: the device
-        tensor the routes' slots are copied to, with the fills, on the compute stream (and then
-        one miss may be split between the copy and the CPU, if `split_misses`).
-        Returns the step and its native (wait, plan, copy) seconds."""
-        route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
-        flag, value = (self._handoff_sync, self._epoch + 1) if handoff else (None, 0)
-        inter = self.bank.w2[0].shape[-1]
-        chunks = (
-            SPLIT_CHUNKS
-            if slots_out is not None and self.split_misses and inter % SPLIT_CHUNKS == 0
-            else 0
-        )
-        try:
-            experts, slots, admitted, on_cpu, split, job, seconds = planner.step(
-                moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
-                self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
-                0 if flag is None else flag.data_ptr(), value, sync,
-                0 if slots_out is None else slots_out.data_ptr(), chunks,
-            )  # fmt: skip
-        except RuntimeError:  # a driver call failed; a failed fill has freed its slots again
-            self.cache.changed()
-            raise
-        if admitted or split is not None:
-            self.cache.changed()
-        missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
-        d = Dispatch(experts, slots, missing, admitted, on_cpu, route_slots.numpy(), None)
-        d.route_slots_host = route_slots
-        if split is not None:
-            d.split, d.split_share = split, split[2] / inter
-            self.staged_times.split_misses += 1
-        if job is not None:
-            keep = (ids, weights, x, out) if flag is None else (ids, weights, x, out, flag)
-            d.job = CpuExpertJob(out, job=job, keep=keep)
-            if flag is not None:
-                self._epoch = value
-        return d, seconds
-
-    def _decode_planner(self) -> object | None:
-        """The native planner over this runner's cache (None: the Python `_plan`); with CUDA it
-        also waits for the routing and queues the copies (`DecodePlanner.set_device`)."""
-        cache = self.cache
-        if self.cpu is None or self.cpu.kernel != "native":
-            return None
-        if self._planner is None or self._planner_version != cache.version:
-            planner = self.cpu.decode_planner(
-                slot_of=cache.slot_of, key_of_slot=cache.key_of_slot, last_use=cache.last_use,
-                state=cache.state, picks=self._counters.picks, w13=self.bank.w13,
-                w2=self.bank.w2, top_k=self.top_k,
-            )  # fmt: skip
-            if planner is not None and self.planner_copies:
-                assert self.bank.w13[0].element_size() == cache.w13.element_size()
-                copy, sync, memset = driver_functions()
-                stream = self.compute_stream.cuda_stream if self.compute_stream else 0
-                planner.set_device(copy, sync, memset, stream, cache.w13.data_ptr(),
-                                   cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
-            self._planner, self._planner_version = planner, cache.version
-        return self._planner
 
     def _plan(self, moe_layer: int, ids_host: np.ndarray, decode: bool) -> Dispatch:
         """The Python planner of a layer step (miss_plan.py), which the native one matches."""
@@ -456,123 +353,6 @@ class MoERunner:
         if out is None:
             out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
         return out
-
-    def handoff_buffer(self, rows: int) -> torch.Tensor:
-        """The host buffer [rows, H] fp32 (pinned on CUDA) into which staged decode's CPU jobs
-        write their part, and from which the next piece's `routed` adds it. Captured graphs read
-        it, so it is allocated once and then only handed out again."""
-        hidden = self.bank.w13[0].shape[-1]
-        out = self._handoff_out
-        if out is None or out.shape[0] < rows:
-            pin = self.device.type == "cuda"
-            out = self._handoff_out = torch.zeros((rows, hidden), dtype=torch.float32,
-                                                  pin_memory=pin)  # fmt: skip
-        return out[:rows]
-
-    def stage_decode(
-        self,
-        moe_layer: int,
-        ids_h: torch.Tensor,
-        w_h: torch.Tensor,
-        x_h: torch.Tensor,
-        slots_out: torch.Tensor,
-        cpu_out: torch.Tensor,
-    ) -> None:
-        """An offloaded decode layer step between two captured pieces: the host part now, the
-        device part (`routed`) inside the next piece's graph.
-
-        ids_h, w_h, x_h: the layer's routing in host buffers (`routing_buffers` views of the real
-        rows), which the piece just launched stores there (`routing_to_host`); this waits for it.
-        Writes each route's slot (-1 where the route runs on the CPU) into slots_out [T, K] on the
-        compute stream, after this step's fills. The CPU routes' weighted sum goes into cpu_out
-        [T, H] (a `handoff_buffer` view) when the CPU job ends; the host does not wait for it:
-        the next piece's `routed` does, on the device. Only what the next piece needs is done
-        here; `after_launch` does the rest once it is launched.
-        """
-        clock = time.perf_counter
-        t0 = clock()
-        planner = self._decode_planner()
-        if planner is not None and self.planner_copies:
-            # the serial path in one native call, with nothing in Python between the routing's
-            # arrival and the CPU job's start: wait, plan, start the CPU job, queue the copies
-            d, (_, plan_s, fill_s) = self._native_step(
-                planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, slots_out=slots_out
-            )
-            t4 = clock()
-            sync_s = t4 - t0 - plan_s - fill_s  # the wait, and the call
-        else:
-            if self.device.type == "cuda":
-                self.compute_stream.synchronize()
-            t1 = clock()
-            # the CPU job and the fills as early as possible, the CPU job first: it takes as long
-            # as the fills (the split balances them) and costs the host more to start
-            d = self._plan_and_start(
-                moe_layer, ids_h.numpy(), w_h, x_h, decode=True, handoff_out=cpu_out
-            )
-            t3 = clock()
-            # the fills on the compute stream: nothing runs there until the next piece, which
-            # needs them (no stream switch or event to pay for)
-            h2d = self._h2d_compute
-            slots_host = d.route_slots_host
-            if slots_host is None:
-                slots_host = self._pinned_copy("route_slots", d.route_slots)
-            if h2d is None:
-                slots_out.copy_(slots_host)
-            else:
-                h2d.tensor(slots_out, slots_host)
-            self._fill_slots(moe_layer, d.admitted, h2d)
-            t4 = clock()
-            sync_s, plan_s, fill_s = t1 - t0, t3 - t1, t4 - t3
-        state = self._handoff_sync.numpy()
-        if d.job is None:  # nothing on the CPU: its part is zero, and ready now
-            cpu_out.zero_()
-            self._epoch += 1
-            state[DONE] = self._epoch
-        state[EXPECTED] = self._epoch  # read by the next piece's add_when_ready
-        self._uncounted.append((d, moe_layer))
-        times = self.staged_times
-        times.layer_steps += 1
-        times.sync_s += sync_s
-        times.plan_s += plan_s
-        times.fill_s += fill_s
-
-    def after_launch(self) -> None:
-        """The host's work of the staged layer steps that must not delay the next piece: after
-        it is launched, end the CPU job of the layer before the last staged one (the device
-        waited for it before making the last routing; fails if it gave up waiting), and count
-        the staged steps."""
-        t0 = time.perf_counter()
-        staged, self._uncounted = self._uncounted, []
-        for d, moe_layer in staged:
-            self._count(d, moe_layer)
-        self._end_handoff()
-        if staged and staged[-1][0].job is not None:
-            self._pending = staged[-1][0]
-        self.staged_times.count_s += time.perf_counter() - t0
-
-    def routed(
-        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, cpu_part: torch.Tensor
-    ) -> torch.Tensor:
-        """The device part of a staged decode layer step (capturable): the cached experts'
-        weighted sum, plus the CPU's part (cpu_part, host memory) once the CPU job has ended."""
-        out = fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2)
-        return add_when_ready(out, cpu_part, self._handoff_sync)
-
-    def _end_handoff(self) -> None:
-        """After a sync: count the last staged CPU job (ended: the device waited for it), and
-        fail if the device gave up waiting for one."""
-        state = self._handoff_sync.numpy()
-        if state[TIMED_OUT]:
-            state[TIMED_OUT] = 0
-            self._pending = None  # its job is waited for as it is dropped: no late write of DONE
-            raise RuntimeError(
-                "offloaded decode: the GPU gave up waiting for the CPU experts of a layer "
-                "(their job did not end within seconds); the step's output is wrong and was "
-                "dropped"
-            )
-        d, self._pending = self._pending, None
-        if d is not None:
-            self._wait_cpu(d, decode=True)
 
     def _wait_cpu(self, d: Dispatch, decode: bool) -> torch.Tensor:
         assert d.job is not None

@@ -22,7 +22,7 @@ namespace py = pybind11;
 
 namespace {
 
-// The same decisions as MoERunner._plan (engine/moe.py) over ExpertCache (engine/cache.py), on the
+// The same decisions as plan_layer (engine/miss_plan.py) over ExpertCache (engine/cache.py), on the
 // same numpy arrays, which this object only holds the addresses of: count the picks, look the
 // routed experts up (hits become most recently used), fetch q of the m misses (fetch_count below;
 // the most picked first; ties: more tokens now, then the lower id) into free or least recently

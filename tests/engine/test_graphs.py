@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from moelab.engine import moe as moe_module
+from moelab.engine import staged_decode
 from moelab.engine.graphs import DecodeGraphs
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.sampling import SamplingParams
@@ -65,7 +65,7 @@ def _host_driver(monkeypatch, calls: dict[str, int]) -> tuple:
     takes its CUDA path (wait, plan, start, copy in one call) on the CPU device. Counts calls."""
     functions = host_driver(calls)
     addresses = tuple(address_of(f) for f in functions)
-    monkeypatch.setattr(moe_module, "driver_functions", lambda: addresses)
+    monkeypatch.setattr(staged_decode, "driver_functions", lambda: addresses)
     return functions  # kept alive by the caller
 
 
