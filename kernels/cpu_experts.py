@@ -4,31 +4,23 @@
 caller's thread goes on launching GPU work. The native kernel (csrc/cpu_experts.cpp and its
 headers, built once per machine by torch's JIT extension loader) streams bf16/fp16/fp32 weights as
 stored at close to the host's memory bandwidth; `cpu_experts_ref` is the plain-torch reference and
-the fallback.
-Benchmark: `python -m moelab.kernels.cpu_experts --threads 1,2,4` (see docs/cpu-experts.md).
+the fallback. Its build: native_build.py; its benchmark: `python -m moelab.kernels.cpu_experts_bench
+--threads 1,2,4` (see docs/cpu-experts.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import hashlib
-import json
 import logging
-import os
-import platform
-import re
-import sys
 import time
-from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
-import platformdirs
 import torch
 import torch.nn.functional as F
+
+from .native_build import NativeKernelError, load_native
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +28,6 @@ KERNELS = ("auto", "native", "torch")
 SIMD_LEVELS = ("best", "avx512", "avx2", "scalar")
 _SIMD_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 _WEIGHT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_experts.cpp"
-_CFLAGS = ["-O3", "-march=native"]
-
-
-class NativeKernelError(RuntimeError):
-    """The compiled CPU expert kernel cannot be built or loaded on this machine."""
 
 
 def cpu_experts_ref(
@@ -153,69 +139,6 @@ def _check_pair_indices(
         if bad.numel():
             j = int(bad[0, 0])
             raise ValueError(f"{name}[{j}] = {int(values[j])} is outside 0..{bound - 1}")
-
-
-def native_build_dir() -> Path:
-    """Where the native kernel is built: the user cache dir, one folder per torch, Python and CPU.
-
-    Code built with -march=native must never be loaded on another CPU, so the folder is keyed by the
-    CPU's model and feature flags as well.
-    """
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        cpu = "".join(re.findall(r"^(?:model name|flags|Features)\s*:.*$", cpuinfo, re.M)[:2])
-    except OSError:
-        cpu = platform.processor() + platform.machine()
-    key = f"{torch.__version__}|{sys.version_info[:2]}|{cpu}"
-    tag = hashlib.sha1(key.encode()).hexdigest()[:12]
-    return Path(platformdirs.user_cache_dir("moelab")) / "torch_extensions" / f"cpu_experts-{tag}"
-
-
-def load_native() -> ModuleType:
-    """The compiled kernel module, built on first use; raises NativeKernelError saying why not."""
-    result = _load_native_or_error(native_build_dir())
-    if isinstance(result, NativeKernelError):
-        raise result
-    return result
-
-
-@functools.cache
-def _load_native_or_error(build_dir: Path) -> ModuleType | NativeKernelError:
-    from torch.utils import cpp_extension
-
-    # One module name per folder: torch's in-process versioner renames (and rebuilds) a module whose
-    # name was last loaded from another folder.
-    name = "moelab_cpu_experts_" + hashlib.sha1(str(build_dir).encode()).hexdigest()[:8]
-    started_s = time.perf_counter()
-    try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not any(build_dir.glob(f"{name}*.so")):
-            log.info(
-                "CPU experts: building the native kernel in %s (once per machine, ~20 s)", build_dir
-            )
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=_CFLAGS,
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-    except Exception as e:  # a compiler, ninja, file system or loader failure: no native kernel
-        return NativeKernelError(
-            f"the native CPU expert kernel could not be built in {build_dir}: {_build_error(e)}. "
-            "It needs a C++ compiler (g++ >= 9) and ninja; kernel='torch' runs without them."
-        )
-    log.debug("CPU experts: native kernel loaded in %.1f s", time.perf_counter() - started_s)
-    return module
-
-
-def _build_error(e: Exception) -> str:
-    """The line of a build failure that says what went wrong (the compiler's first error)."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    for line in lines:
-        if re.search(r"\berror\b", line, re.I) and not line.startswith("Error building extension"):
-            return line
-    return lines[-1] if lines else type(e).__name__
 
 
 def _ref_into(
@@ -517,143 +440,3 @@ def host_read_gbps(threads: int, size_bytes: int = 1 << 30) -> float:
 
 # ----------------------------------------------------------------------------------------------
 # Benchmark: python -m moelab.kernels.cpu_experts --threads 1,2,4 [--json]
-
-
-def _expert_gbps(
-    runner: CpuExpertRunner, w13: torch.Tensor, w2: torch.Tensor, k: int, min_s: float
-) -> float:
-    """Weight GB/s of one-token steps of k experts each.
-
-    Consecutive steps take disjoint experts in a fixed shuffled order and come back to an expert
-    only after the whole bank, so the weights come from memory, not from the last-level cache.
-    """
-    num_experts, hidden = w13.shape[0], w13.shape[2]
-    x = torch.randn(1, hidden)
-    pair_token = torch.zeros(k, dtype=torch.int32)
-    pair_weight = torch.full((k,), 1.0 / k)
-    order = torch.randperm(num_experts, generator=torch.Generator().manual_seed(0)).int()
-    steps = [order.roll(-k * s)[:k].clone() for s in range(num_experts // k)]
-    step_bytes = k * (w13[0].nbytes + w2[0].nbytes)
-    for s in range(3):
-        runner.run(x, w13, w2, steps[s % len(steps)], pair_token, pair_weight)
-    done, started_s = 0, time.perf_counter()
-    while done < 10 or time.perf_counter() - started_s < min_s:
-        runner.run(x, w13, w2, steps[done % len(steps)], pair_token, pair_weight)
-        done += 1
-    return done * step_bytes / (time.perf_counter() - started_s) / 1e9
-
-
-def bench(
-    threads: Sequence[int],
-    experts: Sequence[int],
-    shape: tuple[int, int, int],
-    simd: str,
-    min_s: float,
-    read_bytes: int,
-    say: Callable[[str], None],
-) -> dict:
-    """Per thread count: host read rate, native and torch expert weight rates, in GB/s.
-
-    shape: (hidden, intermediate, experts in the bank), bf16. The host read rate is measured before
-    and after the expert runs and the higher one kept, so that a busy machine lowers the share
-    rather than raising it.
-    """
-    hidden, inter, num_experts = shape
-    gen = torch.Generator().manual_seed(0)
-    w13 = torch.empty(num_experts, 2 * inter, hidden, dtype=torch.bfloat16)
-    w2 = torch.empty(num_experts, hidden, inter, dtype=torch.bfloat16)
-    w13.normal_(0, 0.02, generator=gen)
-    w2.normal_(0, 0.02, generator=gen)
-    results = []
-    for n in threads:
-        with CpuExpertRunner(n, "native", simd) as native, CpuExpertRunner(n, "torch") as ref:
-            read_before_gbps = native.read_gbps(read_bytes)
-            rates = {
-                k: (_expert_gbps(native, w13, w2, k, min_s), _expert_gbps(ref, w13, w2, k, min_s))
-                for k in experts
-            }
-            host_gbps = max(read_before_gbps, native.read_gbps(read_bytes))
-            simd_used = native.simd
-        row = {"threads": n, "simd": simd_used, "host_read_gbps": host_gbps, "experts": {}}
-        for k, (native_gbps, torch_gbps) in rates.items():
-            share = native_gbps / host_gbps
-            row["experts"][k] = {
-                "native_gbps": native_gbps,
-                "torch_gbps": torch_gbps,
-                "native_share_of_host": share,
-            }
-            say(
-                f"{n:>7} {host_gbps:>14.1f} {k:>7} {native_gbps:>11.1f} {torch_gbps:>10.1f} "
-                f"{share:>11.0%}"
-            )
-        results.append(row)
-    return {
-        "cpu": _cpu_name(),
-        "logical_cpus": os.cpu_count(),
-        "shape": {"hidden": hidden, "intermediate": inter, "num_experts": num_experts},
-        "dtype": "bfloat16",
-        "tokens": 1,
-        "results": results,
-    }
-
-
-def _cpu_name() -> str:
-    try:
-        found = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-    except OSError:
-        found = None
-    return found.group(1) if found else platform.processor() or platform.machine()
-
-
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",")]
-    if not values or min(values) < 1:
-        raise ValueError(text)
-    return values
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m moelab.kernels.cpu_experts",
-        description="CPU expert kernel benchmark: weight GB/s against the host memory read rate.",
-    )
-    parser.add_argument("--threads", default="1,2,4", help="comma-separated thread counts")
-    parser.add_argument("--experts", default="8,4", help="comma-separated experts per step")
-    parser.add_argument("--hidden", type=int, default=2048, help="H (Qwen3-30B-A3B: 2048)")
-    parser.add_argument("--intermediate", type=int, default=768, help="I (Qwen3-30B-A3B: 768)")
-    parser.add_argument("--num-experts", type=int, default=128, help="experts in the bank")
-    parser.add_argument("--simd", choices=SIMD_LEVELS, default="best", help="native code path")
-    parser.add_argument("--min-seconds", type=float, default=1.0, help="time per measurement")
-    parser.add_argument("--read-mib", type=int, default=1024, help="buffer of the host read test")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    try:
-        threads, experts = _int_list(args.threads), _int_list(args.experts)
-    except ValueError:
-        parser.error("--threads and --experts take positive comma-separated integers, e.g. 1,2,4")
-    if max(experts) > args.num_experts:
-        parser.error("--experts cannot exceed --num-experts")
-    say = (lambda _: None) if args.json else print
-    say(
-        f"{_cpu_name()}, {os.cpu_count()} logical CPUs; experts H={args.hidden} "
-        f"I={args.intermediate} bf16, 1 token, bank of {args.num_experts}"
-    )
-    say(
-        f"{'threads':>7} {'host read GB/s':>14} {'experts':>7} {'native GB/s':>11} "
-        f"{'torch GB/s':>10} {'native/host':>11}"
-    )
-    shape = (args.hidden, args.intermediate, args.num_experts)
-    try:
-        result = bench(
-            threads, experts, shape, args.simd, args.min_seconds, args.read_mib << 20, say
-        )
-    except (NativeKernelError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

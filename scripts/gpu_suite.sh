@@ -51,7 +51,7 @@ fi
 if [ "$part" = machine ] || [ "$part" = all ]; then
   run kernels_bench python3 -m moelab.kernels.bench
   run bw $B bw --threads 1,4,8,15,16 --json
-  run cpu_experts_bench python3 -m moelab.kernels.cpu_experts --threads 1,4,8,16
+  run cpu_experts_bench python3 -m moelab.kernels.cpu_experts_bench --threads 1,4,8,16
   run decode48_resident $B decode --preset qwen3-30b-a3b --routing-skew 1 --json
   run decode48_cache25 $B decode --preset qwen3-30b-a3b --routing-skew 1 --moe-cache-rate 0.25 --json
 fi

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moelab.kernels import cpu_experts
+from moelab.kernels import cpu_experts, cpu_experts_bench, native_build
 from moelab.kernels.cpu_experts import (
     CpuExpertRunner,
     NativeKernelError,
@@ -362,7 +362,7 @@ def test_auto_falls_back_to_torch_when_the_build_fails(
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("TORCH_DONT_CHECK_COMPILER_ABI", "1")
-    monkeypatch.setattr(cpu_experts, "native_build_dir", lambda: tmp_path / "build")
+    monkeypatch.setattr(native_build, "native_build_dir", lambda: tmp_path / "build")
     gen = torch.Generator().manual_seed(SEED)
     args = make_inputs(gen, 3, 40, 24, 2, [(0, 0), (2, 1), (0, 1)], torch.bfloat16)
 
@@ -448,7 +448,7 @@ def test_read_rate_is_plausible(kernel: str) -> None:
 def test_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--threads", "1,2", "--experts", "2,1", "--hidden", "64", "--intermediate", "32"]
     argv += ["--num-experts", "6", "--min-seconds", "0.01", "--read-mib", "16", "--json"]
-    assert cpu_experts.main(argv) == 0
+    assert cpu_experts_bench.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert [row["threads"] for row in result["results"]] == [1, 2]
     for row in result["results"]:
@@ -462,7 +462,7 @@ def test_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_bench_rejects_bad_lists(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        cpu_experts.main(["--threads", "0,2"])
+        cpu_experts_bench.main(["--threads", "0,2"])
     assert "positive comma-separated integers" in capsys.readouterr().err
 
 
