@@ -36,6 +36,7 @@ class StagedDecode:
     """The staged decode layer step and the native planner, for `MoERunner`."""
 
     def _init_staged(self, cuda: bool) -> None:
+        """The staged decode's own state; `MoERunner.__init__` calls this."""
         # staged decode hands the CPU's part to the next piece in host memory (host_handoff.py)
         self._handoff_sync = handoff_sync(pin=cuda)
         self._handoff_out: torch.Tensor | None = None
