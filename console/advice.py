@@ -1,10 +1,10 @@
 """Plain-language advice for one engine, read from its numbers; each claim carries its evidence.
 
 The rules look at what the engine measured (hit rate and the decode-step breakdown over the last
-minute, memory in use, the KV reserve against its peak use, the what-if curve) and at the machine
-(physical cores). A claim says what to do in English with `{placeholders}` (translated by the
-page), and lists the numbers it stands on with their kind, so every page shows them formatted and
-the JSON alternate carries them raw.
+minute, what one more miss adds to a step as fitted over its steps, memory in use, the KV reserve
+against its peak use, the what-if curve) and at the machine (physical cores). A claim says what to
+do in English with `{placeholders}` (translated by the page), and lists the numbers it stands on
+with their kind, so every page shows them formatted and the JSON alternate carries them raw.
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ def advise(stats: dict[str, Any], physical_cores: int | None) -> list[Claim]:
         )
     else:
         claims += _miss_claims(
-            hit_rate, slots, slot_bytes, total_experts, curve, breakdown, step_s, unplanned
-        )
+            hit_rate, slots, slot_bytes, total_experts, curve, _miss_share(experts, breakdown),
+            unplanned,
+        )  # fmt: skip
         claims += _cpu_claims(breakdown, step_s, config, physical_cores)
     if unplanned is None or unplanned < slot_bytes:  # memory is what limits the cache
         claims += _kv_claims(stats, slots, slot_bytes, total_experts)
@@ -136,21 +137,34 @@ def _share(breakdown: dict[str, Any], parts: tuple[str, ...], step_s: float) -> 
     return sum(breakdown.get(p) or 0.0 for p in parts) / step_s
 
 
+def _miss_share(experts: dict[str, Any], breakdown: dict[str, Any]) -> Number:
+    """The share of a decode step that misses take: from the engine's fit over all its untimed
+    steps (one more miss's cost x misses per step / mean step) once it has one, else from the
+    copies and CPU experts of the one step it timed by phase (which runs the phases one after
+    another, so copies and CPU work that overlap in a real step both count in full)."""
+    fit = experts.get("miss_cost") or {}
+    cost, misses, step_us = (fit.get(k) for k in ("us_per_miss", "misses_per_step", "step_us"))
+    if cost is not None and misses is not None and step_us:
+        share = max(0.0, cost * misses / step_us)
+        return Number(_("misses, share of a decode step (fitted over its steps)"), share, "percent")
+    share = _share(breakdown, ("copy", "cpu_experts"), breakdown.get("step_s") or 0.0)
+    return Number(_("copies and CPU experts, share of a decode step"), share, "percent")
+
+
 def _miss_claims(
     hit_rate: float,
     slots: int,
     slot_bytes: int,
     total_experts: int,
     curve: list[dict[str, Any]],
-    breakdown: dict[str, Any],
-    step_s: float,
+    share: Number,
     unplanned: int | None,
 ) -> list[Claim]:
     miss_rate = 1.0 - hit_rate
-    miss_share = _share(breakdown, ("copy", "cpu_experts"), step_s)
+    miss_share = share.value
     evidence = (
         Number(_("misses (last 60 s)"), miss_rate, "percent"),
-        Number(_("copies and CPU experts, share of a decode step"), miss_share, "percent"),
+        share,
         Number(_("device memory not planned for anything"), unplanned, "bytes"),
     )
     if slots >= total_experts:

@@ -141,9 +141,14 @@ class MissCostFit:
         return float(beta[0]), float((residual / dof * inverse[0, 0]) ** 0.5)
 
     def to_dict(self) -> dict:
+        """The fit, and the mean step it was fitted over (what share of a step misses take)."""
         fitted = self.fit()
+        n = self.steps
+        total = sum(self.sums.values(), start=np.zeros((4, 4)))
         return {
-            "steps": self.steps,
+            "steps": n,
             "us_per_miss": 1e6 * fitted[0] if fitted else None,
             "stderr_us": 1e6 * fitted[1] if fitted else None,
+            "misses_per_step": float(total[0, 1]) / n if n else None,
+            "step_us": 1e6 * float(total[0, 3]) / n if n else None,
         }

@@ -68,6 +68,28 @@ def test_misses_that_dominate_with_free_memory_ask_for_more_slots(stats: dict[st
     assert values["predicted"] == pytest.approx(whatif_hit_rate(stats["experts"]["whatif"], 34))
 
 
+def test_the_engines_miss_fit_outweighs_the_one_timed_step(stats: dict[str, Any]) -> None:
+    """The timed step runs copies and CPU work one after the other; the fit prices misses as
+    the untimed steps paid them, so the share it gives decides."""
+    stats["experts"]["hit_rate_60s"] = 0.6
+    fill_device(stats, 10 * 24576 + 100)
+    step(stats, copy=0.004, cpu_experts=0.003, other=0.003)  # the timed step: misses 70%
+    fit = {"steps": 5000, "us_per_miss": 30.0, "stderr_us": 3.0, "misses_per_step": 4.0,
+           "step_us": 2000.0}  # fmt: skip
+    stats["experts"]["miss_cost"] = fit  # 4 misses x 30 µs of a 2 ms step: 6%
+    assert "free_memory" in ids(stats) and "more_slots" not in ids(stats)
+    found = next(c for c in advise(stats, 8) if c.id == "free_memory")
+    assert found.values["share"].value == pytest.approx(0.06)
+    assert found.evidence[1].label == "misses, share of a decode step (fitted over its steps)"
+    stats["experts"]["miss_cost"] = {**fit, "us_per_miss": 300.0}  # 60%
+    step(stats, copy=0.0001, other=0.01)  # the timed step: misses 1%
+    assert ids(stats) == ["more_slots"]
+    # a fit the engine could not make (or an older engine's body): the timed step decides
+    stats["experts"]["miss_cost"] = {**fit, "us_per_miss": None}
+    assert ids(stats) == ["free_memory"]
+    assert claim(stats, "free_memory")["share"] == pytest.approx(0.0001 / 0.0101)
+
+
 def test_no_room_for_a_slot_means_no_slot_advice_but_the_kv_reserve_is_looked_at(
     stats: dict[str, Any],
 ) -> None:

@@ -197,7 +197,8 @@ def test_miss_cost_fit_says_nothing_it_cannot_tell():
     assert fitted_steps(4, (1, 4), hit_rate=0.0).fit() is None  # every read a miss
     assert fitted_steps(5, (1, 4), hit_rate=1.0).fit() is None  # no misses at all
     assert fitted_steps(6, (4,), hit_rate=0.5, steps=3).fit() is None  # too few steps
-    assert MissCostFit().to_dict() == {"steps": 0, "us_per_miss": None, "stderr_us": None}
+    assert MissCostFit().to_dict() == {"steps": 0, "us_per_miss": None, "stderr_us": None,
+                                       "misses_per_step": None, "step_us": None}  # fmt: skip
 
 
 def test_miss_cost_fit_counts_every_untimed_decode_step(model, monkeypatch):
@@ -226,7 +227,10 @@ def test_miss_cost_fit_counts_every_untimed_decode_step(model, monkeypatch):
         assert total[0, 1] == c.reads.sum() - c.hits.sum() > 0  # every decode miss, once
         assert total[0, 2] == c.reads.sum()
         stats = telemetry.stats(running=0, queued=0, model_name="m")
-        assert stats["experts"]["miss_cost"]["steps"] == len(decode_steps)
+        fitted = stats["experts"]["miss_cost"]
+        assert fitted["steps"] == len(decode_steps)
+        assert fitted["misses_per_step"] == pytest.approx(total[0, 1] / len(decode_steps))
+        assert fitted["step_us"] == pytest.approx(1e6 * total[0, 3] / len(decode_steps))
         # /metrics carries the fitted cost once there is one (synthetic steps: 30 µs a miss)
         telemetry.miss_cost = fitted_steps(7, (1, 4), hit_rate=0.6)
         text = render_metrics(telemetry.stats(running=0, queued=0, model_name="m"))[0].decode()
