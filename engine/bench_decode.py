@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .args import add_engine_flags
-from .moe_stats import CpuJobTimes, StagedStepTimes
+from .moe_stats import CpuJobTimes, MissCostFit, StagedStepTimes
 
 
 def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
@@ -176,6 +176,7 @@ def _decode(engine, args) -> dict:
     before = [a.copy() for a in (c.reads, c.hits, c.fills, c.cpu, c.picks)]
     engine.moe.cpu_times = CpuJobTimes()
     engine.moe.staged_times = StagedStepTimes()
+    engine.telemetry.miss_cost = MissCostFit()
     profiler = None
     if args.profile:
         import cProfile
@@ -187,6 +188,13 @@ def _decode(engine, args) -> dict:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    # of the timed steps only: --kernel-profile runs more steps below, under the profiler
+    timed = {
+        "breakdown": dict(engine.telemetry.breakdown),
+        "cpu_jobs": engine.moe.cpu_times.to_dict(),
+        "staged_layer_us": engine.moe.staged_times.to_dict(),
+        "miss_cost": engine.telemetry.miss_cost.to_dict(),
+    }
     if profiler is not None:
         import pstats
 
@@ -224,10 +232,8 @@ def _decode(engine, args) -> dict:
         "achieved_of_bound": tok_s / bound,
         "hbm_bound_tok_s": args.batch * rates["hbm_gbps"] * 1e9 / active,
         "active_bytes_per_token": active,
-        "breakdown": engine.telemetry.breakdown,
         "cuda_graphs": engine.config_in_force()["cuda_graph_mode"],
-        "cpu_jobs": engine.moe.cpu_times.to_dict(),
-        "staged_layer_us": engine.moe.staged_times.to_dict(),
+        **timed,
         **rates,
     }
 
