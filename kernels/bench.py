@@ -22,7 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import fused_moe, gemv, grouped_moe, paged_attention, rmsnorm, rope_kv, router
+from . import (
+    fused_moe,
+    gemv,
+    grouped_moe,
+    host_handoff,
+    paged_attention,
+    rmsnorm,
+    rope_kv,
+    router,
+)
 from .fused_moe_one_token import OneTokenMoEConfig
 from .measure import (
     Result,
@@ -187,6 +196,34 @@ class Bench:
             flops,
             ref_us,
         )
+
+    def handoff(self, tokens: int, parts: int = 1) -> None:
+        """The end of an offloaded decode layer step: the routes' sum of the fused MoE's parts
+        plus the CPU experts' part, read over PCIe from pinned memory once its epoch is done
+        (here done before the launch, so what is timed is the handoff's own cost). The
+        reference is torch's sum of the device parts alone: the launch the handoff costs above."""
+        ys = [
+            torch.randn(tokens, TOP_K, HIDDEN, device=DEVICE, generator=self.gen)
+            for _ in range(parts)
+        ]
+        cpu_part = torch.randn(tokens, HIDDEN).pin_memory()
+        sync = host_handoff.handoff_sync(pin=True)
+        sync[host_handoff.DONE] = sync[host_handoff.EXPECTED] = 1
+        calls = [lambda: host_handoff.sum_when_ready_triton(ys, cpu_part, sync)] * 16
+        time_us = graph_us_per_call(calls)
+        if sync[host_handoff.TIMED_OUT]:
+            raise RuntimeError("sum_when_ready timed out with its epoch done")
+
+        def device_sum() -> torch.Tensor:
+            out = ys[0].sum(dim=1)
+            for y in ys[1:]:
+                out += y.sum(dim=1)
+            return out
+
+        ref_us = graph_us_per_call([device_sum] * 16)
+        bytes_moved = tokens * HIDDEN * 4 * (parts * TOP_K + 2)  # the parts, the CPU's, out
+        label = f"T={tokens} K={TOP_K} H={HIDDEN}, {parts} device part{'s' * (parts > 1)}"
+        self.add("sum_when_ready", label, time_us, bytes_moved, 0, ref_us)
 
     @staticmethod
     def _moe_ref(
@@ -460,6 +497,8 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
         bench.router(tokens)
     for tokens in (1, 8):
         bench.rope_kv(tokens)
+        for parts in (1, 2):
+            bench.handoff(tokens, parts)
     for tokens in (1, 8):
         for name in PROJECTIONS:
             bench.linear(tokens, name)

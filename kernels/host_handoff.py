@@ -21,16 +21,18 @@ The handoff's state is one pinned int64 tensor (`handoff_sync`), a cache line pe
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from . import common
-
 DONE, EXPECTED, TIMED_OUT = 0, 8, 16  # int64 indices: 64 bytes apart
 _SYNC_LEN = 24
 BLOCK = 1024
+# sum_when_ready: elements of H per program, and its warps (all of them poll the epoch)
+SUM_BLOCK = 2048
+SUM_WARPS = 4
 # Polls of the epoch before giving up: one is a PCIe round trip of about a microsecond, so a few
 # seconds, where a CPU job takes well under a millisecond. The reference waits as long by the clock.
 MAX_POLLS = 1 << 22
@@ -49,15 +51,21 @@ def add_when_ready_ref(
     place; out fp32 [T, H], part fp32 [T, H] in host memory). On a timeout, sets TIMED_OUT and
     leaves out as it was."""
     _check(out, part, sync)
+    if _wait_on_host(sync, timeout_s):
+        out += part.to(out.device)
+    return out
+
+
+def _wait_on_host(sync: torch.Tensor, timeout_s: float | None) -> bool:
+    """Wait until sync's DONE reaches EXPECTED; False (and TIMED_OUT set) after the timeout."""
     state = sync.numpy()  # a view: each read sees the memory now
     deadline = time.monotonic() + (TIMEOUT_S if timeout_s is None else timeout_s)
     while state[DONE] < state[EXPECTED]:
         if time.monotonic() > deadline:
             state[TIMED_OUT] = 1
-            return out
+            return False
         time.sleep(0)
-    out += part.to(out.device)
-    return out
+    return True
 
 
 @triton.jit
@@ -96,6 +104,88 @@ def add_when_ready(out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor) ->
     if out.is_cuda:
         return add_when_ready_triton(out, part, sync)
     return add_when_ready_ref(out, part, sync)
+
+
+def sum_when_ready_ref(
+    parts: Sequence[torch.Tensor],
+    cpu_part: torch.Tensor,
+    sync: torch.Tensor,
+    timeout_s: float | None = None,
+) -> torch.Tensor:
+    """Reference: the routes' sum of each of parts (fp32 [T, K, H], the fused MoE's per-route
+    outputs) plus cpu_part (fp32 [T, H] in host memory) once sync's DONE reaches EXPECTED, waiting
+    on the host; fp32 [T, H]. On a timeout, sets TIMED_OUT and returns the parts' sum alone."""
+    _check_sum(parts, cpu_part, sync)
+    out = parts[0].sum(dim=1)
+    for extra in parts[1:]:
+        out += extra.sum(dim=1)
+    if _wait_on_host(sync, timeout_s):
+        out += cpu_part.to(out.device)
+    return out
+
+
+@triton.jit
+def _sum_when_ready_kernel(
+    y_ptr, y2_ptr, part_ptr, out_ptr, sync_ptr, hidden, max_polls,
+    K: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # the epoch's loads first: their PCIe round trip overlaps the device parts' sum
+    expected = tl.load(sync_ptr + 8, volatile=True)
+    done = tl.load(sync_ptr, volatile=True)
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    rows = t.to(tl.int64) * K * hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(y_ptr + rows + k * hidden + offs, mask=mask, other=0.0)
+        if TWO:
+            acc += tl.load(y2_ptr + rows + k * hidden + offs, mask=mask, other=0.0)
+    polls = 0
+    while (done < expected) & (polls < max_polls):
+        done = tl.load(sync_ptr, volatile=True)
+        polls += 1
+    if done < expected:
+        tl.store(sync_ptr + 16, 1)
+    else:
+        # volatile: read the host's memory now, never a copy cached before the epoch was seen
+        acc += tl.load(part_ptr + t.to(tl.int64) * hidden + offs, mask=mask, volatile=True)
+    tl.store(out_ptr + t.to(tl.int64) * hidden + offs, acc, mask=mask)
+
+
+def sum_when_ready_triton(
+    parts: Sequence[torch.Tensor],
+    cpu_part: torch.Tensor,
+    sync: torch.Tensor,
+    max_polls: int = MAX_POLLS,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton: the same in one launch, waiting on the device (graph-capturable). One program per
+    token row and SUM_BLOCK of H polls the epoch, so few warps cross PCIe while it waits. cpu_part
+    and sync must be pinned host memory when the parts are on a GPU. out: where to write (fp32
+    [T, H]); a new tensor if None."""
+    _check_sum(parts, cpu_part, sync)
+    y = parts[0]
+    tokens, top_k, hidden = y.shape
+    if out is None:
+        out = torch.empty((tokens, hidden), dtype=torch.float32, device=y.device)
+    _check(out, cpu_part, sync)
+    block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
+    _sum_when_ready_kernel[(tokens, triton.cdiv(hidden, block))](
+        y, parts[-1], cpu_part, out, sync, hidden, max_polls,
+        K=top_k, TWO=len(parts) == 2, BLOCK=block, num_warps=SUM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+def sum_when_ready(
+    parts: Sequence[torch.Tensor], cpu_part: torch.Tensor, sync: torch.Tensor
+) -> torch.Tensor:
+    """The routes' sum of the device parts plus the CPU's part once its epoch is done: the Triton
+    kernel on CUDA, the reference elsewhere."""
+    if parts[0].is_cuda:
+        return sum_when_ready_triton(parts, cpu_part, sync)
+    return sum_when_ready_ref(parts, cpu_part, sync)
 
 
 def routing_to_host_ref(
@@ -178,16 +268,41 @@ def _check_routing(ids, weights, x, ids_h, weights_h, x_h) -> None:
 
 
 def _check(out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor) -> None:
-    if out.dtype != torch.float32 or part.dtype != torch.float32 or out.shape != part.shape:
+    if out.dtype != torch.float32 or out.shape != part.shape or not out.is_contiguous():
         raise ValueError(
-            f"out {tuple(out.shape)} {out.dtype} and part {tuple(part.shape)} {part.dtype} must "
-            "be fp32 of one shape"
+            f"out {tuple(out.shape)} {out.dtype} and part {tuple(part.shape)} must be "
+            "contiguous fp32 of one shape"
         )
-    if not (out.is_contiguous() and part.is_contiguous()):
-        raise ValueError("out and part must be contiguous")
+    _check_part(part, sync, out.device)
+
+
+def _check_part(part: torch.Tensor, sync: torch.Tensor, device: torch.device) -> None:
+    """The CPU's part and the handoff state, for device parts on `device`."""
+    if part.dtype != torch.float32 or not part.is_contiguous():
+        raise ValueError(f"the CPU's part must be contiguous fp32, got {part.dtype}")
     if sync.dtype != torch.int64 or sync.numel() < _SYNC_LEN or sync.device.type != "cpu":
         raise ValueError(f"sync must be a handoff_sync() tensor, got {sync.dtype} {sync.shape}")
-    if out.is_cuda and not (part.is_pinned() and sync.is_pinned()):
-        raise ValueError("with out on a GPU, part and sync must be pinned host memory")
-    if not out.is_cuda:
-        common.check_same_device(out=out, part=part)
+    if device.type == "cuda":
+        if not (part.is_pinned() and sync.is_pinned()):
+            raise ValueError("with the output on a GPU, part and sync must be pinned host memory")
+    elif part.device != device:
+        raise ValueError(f"all tensors must be on one device: out on {device}, part on "
+                         f"{part.device}")  # fmt: skip
+
+
+def _check_sum(parts: Sequence[torch.Tensor], cpu_part: torch.Tensor, sync: torch.Tensor) -> None:
+    if not 1 <= len(parts) <= 2:
+        raise ValueError(f"sum_when_ready takes one or two device parts, got {len(parts)}")
+    y = parts[0]
+    for p in parts:
+        if p.dtype != torch.float32 or p.dim() != 3 or p.shape != y.shape:
+            raise ValueError(
+                f"the parts must be fp32 [T, K, H] of one shape, got {tuple(p.shape)} {p.dtype}"
+            )
+        if not p.is_contiguous() or p.device != y.device:
+            raise ValueError("the parts must be contiguous, on one device")
+    tokens, _, hidden = y.shape
+    if cpu_part.shape != (tokens, hidden):
+        shape = tuple(cpu_part.shape)
+        raise ValueError(f"the CPU's part must be [{tokens}, {hidden}], got {shape}")
+    _check_part(cpu_part, sync, y.device)

@@ -151,6 +151,70 @@ def test_bad_handoff_inputs_get_a_clear_error(out, part, sync, words):
             waiter(out, part, sync)
 
 
+SUMMERS = {
+    "triton": host_handoff.sum_when_ready_triton,
+    "ref": host_handoff.sum_when_ready_ref,
+}
+
+
+@pytest.mark.parametrize("summer", list(SUMMERS))
+@pytest.mark.parametrize(("tokens", "parts"), [(1, 1), (3, 2)])
+def test_sums_the_routes_and_adds_the_part_once_the_epoch_is_done(gen, summer, tokens, parts):
+    """The fused MoE's per-route outputs (one tensor, or the hits' and the fills') summed over the
+    routes, plus the CPU's part, only once its epoch is done."""
+    ys = [torch.randn(tokens, 4, 1500, generator=gen) for _ in range(parts)]
+    part = torch.randn(tokens, 1500, generator=gen)
+    expected = sum(y.sum(dim=1) for y in ys) + part
+    sync = host_handoff.handoff_sync(pin=False)
+    sync[DONE], sync[EXPECTED] = 6, 7
+    thread = _set_later(sync, DONE, 7, delay_s=0.3)
+    started_s = time.perf_counter()
+    if summer == "triton":  # poisoned: an element left unwritten fails
+        out = host_handoff.sum_when_ready_triton(
+            ys, part, sync, out=torch.full((tokens, 1500), float("nan"))
+        )
+    else:
+        out = SUMMERS[summer](ys, part, sync)
+    waited_s = time.perf_counter() - started_s
+    thread.join()
+    assert waited_s >= 0.25, "it added before the CPU's epoch was done"
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
+    assert sync[TIMED_OUT] == 0
+
+
+def test_summing_gives_up_with_the_flag_and_the_device_parts_alone(gen):
+    ys = [torch.randn(2, 3, 64, generator=gen) for _ in range(2)]
+    part = torch.randn(2, 64, generator=gen)
+    sync = host_handoff.handoff_sync(pin=False)
+    sync[EXPECTED] = 1
+    out = host_handoff.sum_when_ready_triton(ys, part, sync, max_polls=8)
+    assert sync[TIMED_OUT] == 1
+    torch.testing.assert_close(out, ys[0].sum(dim=1) + ys[1].sum(dim=1))
+    sync[TIMED_OUT] = 0
+    out = host_handoff.sum_when_ready_ref(ys, part, sync, timeout_s=0.05)
+    assert sync[TIMED_OUT] == 1
+    torch.testing.assert_close(out, ys[0].sum(dim=1) + ys[1].sum(dim=1))
+
+
+@pytest.mark.parametrize(
+    ("parts", "part", "words"),
+    [
+        ([], torch.zeros(2, 8), "one or two"),
+        ([torch.zeros(2, 4, 8)] * 3, torch.zeros(2, 8), "one or two"),
+        ([torch.zeros(2, 4, 8), torch.zeros(2, 3, 8)], torch.zeros(2, 8), "of one shape"),
+        ([torch.zeros(2, 8)], torch.zeros(2, 8), r"\[T, K, H\]"),
+        ([torch.zeros(2, 4, 8).bfloat16()], torch.zeros(2, 8), "fp32"),
+        ([torch.zeros(2, 4, 8)], torch.zeros(2, 9), r"must be \[2, 8\]"),
+        ([torch.zeros(2, 4, 8)], torch.zeros(2, 8).bfloat16(), "contiguous fp32"),
+    ],
+)
+def test_bad_sum_inputs_get_a_clear_error(parts, part, words):
+    sync = host_handoff.handoff_sync(pin=False)
+    for summer in SUMMERS.values():
+        with pytest.raises(ValueError, match=words):
+            summer(parts, part, sync)
+
+
 ROUTING = {
     "triton": host_handoff.routing_to_host_triton,
     "ref": host_handoff.routing_to_host_ref,
