@@ -5,7 +5,7 @@ A decode step with experts offloaded runs as CUDA graphs of the dense work betwe
 (engine/graphs.py). Each piece stores its routing into pinned host buffers (`routing_buffers`);
 between two replays the host stages the layer (`stage_decode`): waits for that routing, plans the
 layer step, starts the CPU job and queues the fills and the routes' slots. The next piece begins
-with `routed`: the cached experts' kernel, then `add_when_ready`, which waits on the device for the
+with `routed`: the cached experts' kernel, then `sum_when_ready`, which waits on the device for the
 CPU job's epoch and adds its part (kernels/host_handoff.py), so the host never waits for the CPU.
 What must not delay the next piece, counting and ending the CPU job before, waits until it is
 launched (`after_launch`).
@@ -26,7 +26,7 @@ import torch
 
 from ..kernels.cpu_experts import CpuExpertJob
 from ..kernels.fused_moe import fused_moe_decode
-from ..kernels.host_handoff import DONE, EXPECTED, TIMED_OUT, add_when_ready, handoff_sync
+from ..kernels.host_handoff import DONE, EXPECTED, TIMED_OUT, handoff_sync, sum_when_ready
 from .h2d import driver_functions
 from .miss_plan import Dispatch
 from .misses import SPLIT_CHUNKS
@@ -143,7 +143,7 @@ class StagedDecode:
             cpu_out.zero_()
             self._epoch += 1
             state[DONE] = self._epoch
-        state[EXPECTED] = self._epoch  # read by the next piece's add_when_ready
+        state[EXPECTED] = self._epoch  # read by the next piece's sum_when_ready
         self._uncounted.append((d, moe_layer))
         times = self.staged_times
         times.layer_steps += 1
@@ -170,8 +170,8 @@ class StagedDecode:
     ) -> torch.Tensor:
         """The device part of a staged decode layer step (capturable): the cached experts'
         weighted sum, plus the CPU's part (cpu_part, host memory) once the CPU job has ended."""
-        out = fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2)
-        return add_when_ready(out, cpu_part, self._handoff_sync)
+        parts = fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2, reduce=False)
+        return sum_when_ready([parts], cpu_part, self._handoff_sync)
 
     def _end_handoff(self) -> None:
         """After a sync: count the last staged CPU job (ended: the device waited for it), and

@@ -204,6 +204,31 @@ def test_add_when_ready_gives_up_on_the_device(gen):
     assert sync[TIMED_OUT] == 1 and torch.equal(out, before)
 
 
+@pytest.mark.parametrize(("tokens", "parts"), [(1, 1), (1, 2), (8, 2)])
+def test_sum_when_ready_waits_in_a_graph_for_the_host(gen, tokens, parts):
+    """A captured sum of the routes' parts that adds the CPU's part only after the host writes
+    the epoch, replay after replay."""
+    ys = [torch.randn(tokens, TOP_K, HIDDEN, generator=gen).cuda() for _ in range(parts)]
+    part = torch.randn(tokens, HIDDEN, generator=gen).pin_memory()
+    sync = host_handoff.handoff_sync(pin=True)
+    out = torch.full((tokens, HIDDEN), float("nan"), device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        host_handoff.sum_when_ready_triton(ys, part, sync, out=out)
+    for epoch in range(1, 4):
+        out.fill_(float("nan"))
+        part.normal_(generator=gen)
+        sync[EXPECTED] = epoch
+        graph.replay()
+        time.sleep(0.02)
+        assert not torch.cuda.current_stream().query(), "the kernel ended before the epoch"
+        sync[DONE] = epoch
+        torch.cuda.synchronize()
+        expected = sum(y.sum(dim=1) for y in ys) + part.cuda()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    assert sync[TIMED_OUT] == 0
+
+
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_routing_to_host_stores_into_pinned_memory_from_a_graph(gen, tokens):
     """The kernel a piece ends with: one launch, captured, storing over PCIe into pinned buffers."""

@@ -27,6 +27,7 @@ KERNELS = {
     "_tokens_kernel",
     "_sum_splits_kernel",
     "_add_when_ready_kernel",
+    "_sum_when_ready_kernel",
     "_routing_to_host_kernel",
 }
 
