@@ -2,9 +2,12 @@
 
 In an offloaded decode step the CPU worker threads write their weighted sum of a layer's CPU routes
 into pinned host memory, then a completion epoch (kernels/cpu_experts.py, `done_flag`). The next
-piece of the step is queued before they finish; its `add_when_ready` polls the epoch over PCIe
-and adds the CPU's sum to the GPU's once it is there. The host neither waits for the CPU job nor
-copies its result nor launches the piece late: the GPU starts the moment the workers finish.
+piece of the step is queued before they finish; its `sum_when_ready` sums the GPU's routes, polls
+the epoch over PCIe and adds the CPU's sum once it is there. The host neither waits for the CPU job
+nor copies its result nor launches the piece late: the GPU starts the moment the workers finish.
+One warp polls: on an H200 each warp that reads the host's words costs about 1.5 µs more, as reads
+of one address queue behind each other (the kernel this replaced polled from every warp of every
+program: 17 µs for one token, 92 µs for eight, with the epoch long done).
 
 The other direction, `routing_to_host`: a piece of an offloaded decode step ends by storing its
 routing (ids, weights and the MoE input x as fp32, as the CPU experts read it) straight into pinned
@@ -14,8 +17,8 @@ inside the graph took 21 µs per layer on an H200 (the copy engine's start laten
 The handoff's state is one pinned int64 tensor (`handoff_sync`), a cache line per field:
 - DONE: the last epoch the CPU has finished (written by the workers, or by the host when a layer
   has no CPU routes);
-- EXPECTED: the epoch the next `add_when_ready` waits for (written by the host before it queues it);
-- TIMED_OUT: set by the kernel when it gave up waiting (the host checks it after each sync).
+- EXPECTED: the epoch the next `sum_when_ready` waits for (written by the host before it queues it);
+- TIMED_OUT: set by the wait when it gave up (the host checks it after each sync).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ import triton.language as tl
 DONE, EXPECTED, TIMED_OUT = 0, 8, 16  # int64 indices: 64 bytes apart
 _SYNC_LEN = 24
 BLOCK = 1024
-# sum_when_ready: elements of H per program, and its warps (all of them poll the epoch)
-SUM_BLOCK = 2048
+# sum_when_ready's sum: elements of H per program, and its warps
+SUM_BLOCK = 1024
 SUM_WARPS = 4
 # Polls of the epoch before giving up: one is a PCIe round trip of about a microsecond, so a few
 # seconds, where a CPU job takes well under a millisecond. The reference waits as long by the clock.
@@ -42,68 +45,6 @@ TIMEOUT_S = 5.0
 def handoff_sync(pin: bool) -> torch.Tensor:
     """A zeroed handoff state in host memory (pinned, so a GPU kernel can read it, when pin)."""
     return torch.zeros(_SYNC_LEN, dtype=torch.int64, pin_memory=pin)
-
-
-def add_when_ready_ref(
-    out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor, timeout_s: float | None = None
-) -> torch.Tensor:
-    """Reference: wait (on the host) until sync's DONE reaches EXPECTED, then out += part (in
-    place; out fp32 [T, H], part fp32 [T, H] in host memory). On a timeout, sets TIMED_OUT and
-    leaves out as it was."""
-    _check(out, part, sync)
-    if _wait_on_host(sync, timeout_s):
-        out += part.to(out.device)
-    return out
-
-
-def _wait_on_host(sync: torch.Tensor, timeout_s: float | None) -> bool:
-    """Wait until sync's DONE reaches EXPECTED; False (and TIMED_OUT set) after the timeout."""
-    state = sync.numpy()  # a view: each read sees the memory now
-    deadline = time.monotonic() + (TIMEOUT_S if timeout_s is None else timeout_s)
-    while state[DONE] < state[EXPECTED]:
-        if time.monotonic() > deadline:
-            state[TIMED_OUT] = 1
-            return False
-        time.sleep(0)
-    return True
-
-
-@triton.jit
-def _add_when_ready_kernel(out_ptr, part_ptr, sync_ptr, n, max_polls, BLOCK: tl.constexpr):
-    expected = tl.load(sync_ptr + 8, volatile=True)
-    done = tl.load(sync_ptr, volatile=True)
-    polls = 0
-    while (done < expected) & (polls < max_polls):
-        done = tl.load(sync_ptr, volatile=True)
-        polls += 1
-    if done < expected:
-        tl.store(sync_ptr + 16, 1)
-    else:
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        # volatile: read the host's memory now, never a copy cached before the epoch was seen
-        part = tl.load(part_ptr + offs, mask=mask, volatile=True)
-        acc = tl.load(out_ptr + offs, mask=mask)
-        tl.store(out_ptr + offs, acc + part, mask=mask)
-
-
-def add_when_ready_triton(
-    out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor, max_polls: int = MAX_POLLS
-) -> torch.Tensor:
-    """Triton: the same, waiting on the device (graph-capturable: no host sync). part and sync
-    must be pinned host memory when out is on a GPU."""
-    _check(out, part, sync)
-    n = out.numel()
-    _add_when_ready_kernel[(triton.cdiv(n, BLOCK),)](out, part, sync, n, max_polls, BLOCK=BLOCK)
-    return out
-
-
-def add_when_ready(out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor) -> torch.Tensor:
-    """out += part once the CPU has finished the awaited epoch: the Triton kernel on CUDA, the
-    reference elsewhere."""
-    if out.is_cuda:
-        return add_when_ready_triton(out, part, sync)
-    return add_when_ready_ref(out, part, sync)
 
 
 def sum_when_ready_ref(
@@ -119,38 +60,51 @@ def sum_when_ready_ref(
     out = parts[0].sum(dim=1)
     for extra in parts[1:]:
         out += extra.sum(dim=1)
-    if _wait_on_host(sync, timeout_s):
-        out += cpu_part.to(out.device)
+    state = sync.numpy()  # a view: each read sees the memory now
+    deadline = time.monotonic() + (TIMEOUT_S if timeout_s is None else timeout_s)
+    while state[DONE] < state[EXPECTED]:
+        if time.monotonic() > deadline:
+            state[TIMED_OUT] = 1
+            return out
+        time.sleep(0)
+    out += cpu_part.to(out.device)
     return out
 
 
 @triton.jit
-def _sum_when_ready_kernel(
-    y_ptr, y2_ptr, part_ptr, out_ptr, sync_ptr, hidden, max_polls,
-    K: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    # the epoch's loads first: their PCIe round trip overlaps the device parts' sum
+def _wait_epoch_kernel(sync_ptr, ready_ptr, max_polls):
+    # one program of one warp: every warp that reads the host's words costs a PCIe round trip,
+    # and reads of one address queue behind each other (64 warps polling took 92 us on an H200)
     expected = tl.load(sync_ptr + 8, volatile=True)
     done = tl.load(sync_ptr, volatile=True)
-    t = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < hidden
-    rows = t.to(tl.int64) * K * hidden
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in tl.static_range(K):
-        acc += tl.load(y_ptr + rows + k * hidden + offs, mask=mask, other=0.0)
-        if TWO:
-            acc += tl.load(y2_ptr + rows + k * hidden + offs, mask=mask, other=0.0)
     polls = 0
     while (done < expected) & (polls < max_polls):
         done = tl.load(sync_ptr, volatile=True)
         polls += 1
-    if done < expected:
+    ready = done >= expected
+    if not ready:
         tl.store(sync_ptr + 16, 1)
-    else:
-        # volatile: read the host's memory now, never a copy cached before the epoch was seen
-        acc += tl.load(part_ptr + t.to(tl.int64) * hidden + offs, mask=mask, volatile=True)
-    tl.store(out_ptr + t.to(tl.int64) * hidden + offs, acc, mask=mask)
+    tl.store(ready_ptr, ready.to(tl.int32))
+
+
+@triton.jit
+def _sum_parts_kernel(
+    y_ptr, y2_ptr, part_ptr, out_ptr, ready_ptr, hidden,
+    K: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(y_ptr + (t * K + k) * hidden + offs, mask=mask, other=0.0)
+        if TWO:
+            acc += tl.load(y2_ptr + (t * K + k) * hidden + offs, mask=mask, other=0.0)
+    # device memory, written by the wait just before: none of the part if it gave up
+    part_len = tl.where(tl.load(ready_ptr) != 0, hidden, 0)
+    # volatile: read the host's memory now, never a copy cached before the epoch was seen
+    part = tl.load(part_ptr + t * hidden + offs, mask=offs < part_len, other=0.0, volatile=True)
+    tl.store(out_ptr + t * hidden + offs, acc + part, mask=mask)
 
 
 def sum_when_ready_triton(
@@ -160,19 +114,20 @@ def sum_when_ready_triton(
     max_polls: int = MAX_POLLS,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton: the same in one launch, waiting on the device (graph-capturable). One program per
-    token row and SUM_BLOCK of H polls the epoch, so few warps cross PCIe while it waits. cpu_part
-    and sync must be pinned host memory when the parts are on a GPU. out: where to write (fp32
-    [T, H]); a new tensor if None."""
+    """Triton: the same in two launches, waiting on the device (graph-capturable): a single warp
+    polls the epoch, then the sum reads the CPU's part over PCIe. cpu_part and sync must be pinned
+    host memory when the parts are on a GPU. out: where to write (fp32 [T, H]); new if None."""
     _check_sum(parts, cpu_part, sync)
     y = parts[0]
     tokens, top_k, hidden = y.shape
     if out is None:
         out = torch.empty((tokens, hidden), dtype=torch.float32, device=y.device)
     _check(out, cpu_part, sync)
+    ready = torch.empty(1, dtype=torch.int32, device=y.device)
+    _wait_epoch_kernel[(1,)](sync, ready, max_polls, num_warps=1)
     block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
-    _sum_when_ready_kernel[(tokens, triton.cdiv(hidden, block))](
-        y, parts[-1], cpu_part, out, sync, hidden, max_polls,
+    _sum_parts_kernel[(tokens, triton.cdiv(hidden, block))](
+        y, parts[-1], cpu_part, out, ready, hidden,
         K=top_k, TWO=len(parts) == 2, BLOCK=block, num_warps=SUM_WARPS,
     )  # fmt: skip
     return out
@@ -182,7 +137,7 @@ def sum_when_ready(
     parts: Sequence[torch.Tensor], cpu_part: torch.Tensor, sync: torch.Tensor
 ) -> torch.Tensor:
     """The routes' sum of the device parts plus the CPU's part once its epoch is done: the Triton
-    kernel on CUDA, the reference elsewhere."""
+    kernels on CUDA, the reference elsewhere."""
     if parts[0].is_cuda:
         return sum_when_ready_triton(parts, cpu_part, sync)
     return sum_when_ready_ref(parts, cpu_part, sync)
@@ -268,6 +223,7 @@ def _check_routing(ids, weights, x, ids_h, weights_h, x_h) -> None:
 
 
 def _check(out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor) -> None:
+    """The output [T, H], the CPU's part and the handoff state."""
     if out.dtype != torch.float32 or out.shape != part.shape or not out.is_contiguous():
         raise ValueError(
             f"out {tuple(out.shape)} {out.dtype} and part {tuple(part.shape)} must be "

@@ -104,10 +104,10 @@ def compile_all() -> list[JITFunction]:
         rmsnorm.rmsnorm_triton(x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
     router.topk_softmax_triton(torch.randn(4, EXPERTS, dtype=BF16), TOP_K, True)
     for tokens in (1, 8):  # an offloaded decode layer's CPU part, awaited on the device
-        out, part = torch.zeros(tokens, HIDDEN), torch.zeros(tokens, HIDDEN)
-        host_handoff.add_when_ready_triton(out, part, host_handoff.handoff_sync(pin=False))
-        ys = [torch.zeros(tokens, TOP_K, HIDDEN)] * 2  # the hits' and the fills' routes
-        host_handoff.sum_when_ready_triton(ys, part, host_handoff.handoff_sync(pin=False))
+        part = torch.zeros(tokens, HIDDEN)
+        for parts in (1, 2):  # the routes of the cached experts (and of the filled ones)
+            ys = [torch.zeros(tokens, TOP_K, HIDDEN)] * parts
+            host_handoff.sum_when_ready_triton(ys, part, host_handoff.handoff_sync(pin=False))
         ids, weights = torch.zeros(tokens, TOP_K, dtype=torch.int64), torch.zeros(tokens, TOP_K)
         host_handoff.routing_to_host_triton(
             ids, weights, torch.zeros(tokens, HIDDEN, dtype=BF16),

@@ -178,32 +178,6 @@ def test_router(gen):
     assert_top_k(weights, ids, logits, TOP_K, renormalize=True)
 
 
-def test_add_when_ready_waits_on_the_device_for_the_host(gen):
-    """The GPU polls pinned memory: nothing is added until the host writes the epoch."""
-    out = torch.randn(8, HIDDEN, generator=gen).cuda()
-    part = torch.randn(8, HIDDEN, generator=gen).pin_memory()
-    expected = out + part.cuda()
-    sync = host_handoff.handoff_sync(pin=True)
-    sync[EXPECTED] = 1
-    host_handoff.add_when_ready(out, part, sync)
-    time.sleep(0.05)
-    assert not torch.cuda.current_stream().query(), "the kernel ended before the epoch was done"
-    sync[DONE] = 1
-    torch.cuda.synchronize()
-    assert torch.equal(out, expected) and sync[TIMED_OUT] == 0
-
-
-def test_add_when_ready_gives_up_on_the_device(gen):
-    out = torch.randn(1, HIDDEN, generator=gen).cuda()
-    before = out.clone()
-    sync = host_handoff.handoff_sync(pin=True)
-    sync[EXPECTED] = 1
-    part = torch.zeros(1, HIDDEN).pin_memory()
-    host_handoff.add_when_ready_triton(out, part, sync, max_polls=1000)
-    torch.cuda.synchronize()
-    assert sync[TIMED_OUT] == 1 and torch.equal(out, before)
-
-
 @pytest.mark.parametrize(("tokens", "parts"), [(1, 1), (1, 2), (8, 2)])
 def test_sum_when_ready_waits_in_a_graph_for_the_host(gen, tokens, parts):
     """A captured sum of the routes' parts that adds the CPU's part only after the host writes
@@ -260,12 +234,10 @@ def test_cpu_jobs_hand_over_to_a_replayed_graph(gen):
     w2 = (torch.randn(experts, HIDDEN, INTER, generator=gen) * INTER**-0.5).to(BF16)
     part = torch.zeros(tokens, HIDDEN).pin_memory()
     sync = host_handoff.handoff_sync(pin=True)
-    gpu_part = torch.zeros(tokens, HIDDEN, device="cuda")
-    out = torch.zeros(tokens, HIDDEN, device="cuda")
+    gpu_part = torch.zeros(tokens, 1, HIDDEN, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out.copy_(gpu_part)
-        host_handoff.add_when_ready(out, part, sync)
+        out = host_handoff.sum_when_ready([gpu_part], part, sync)
     with CpuExpertRunner(8, "native") as runner:
         for epoch in range(1, 21):
             x = torch.randn(tokens, HIDDEN, generator=gen)
@@ -273,12 +245,12 @@ def test_cpu_jobs_hand_over_to_a_replayed_graph(gen):
             pair_token = torch.randint(0, tokens, (5,), generator=gen, dtype=torch.int32)
             pair_weight = torch.rand(5, generator=gen)
             args = (x, w13, w2, pair_expert, pair_token, pair_weight)
-            gpu_part.copy_(torch.randn(tokens, HIDDEN, generator=gen))
+            gpu_part.copy_(torch.randn(tokens, 1, HIDDEN, generator=gen))
             job = runner.submit(*args, out=part, done_flag=sync, done_value=epoch)
             sync[EXPECTED] = epoch
             graph.replay()
             torch.cuda.synchronize()
             job.wait()
-            expected = gpu_part.cpu() + cpu_experts_ref(*args)
+            expected = gpu_part[:, 0].cpu() + cpu_experts_ref(*args)
             torch.testing.assert_close(out.cpu(), expected, rtol=1e-3, atol=1e-3)
     assert sync[TIMED_OUT] == 0

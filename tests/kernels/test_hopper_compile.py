@@ -26,8 +26,8 @@ KERNELS = {
     "_one_token_kernel",
     "_tokens_kernel",
     "_sum_splits_kernel",
-    "_add_when_ready_kernel",
-    "_sum_when_ready_kernel",
+    "_wait_epoch_kernel",
+    "_sum_parts_kernel",
     "_routing_to_host_kernel",
 }
 

@@ -1,5 +1,6 @@
-"""The CPU experts' handoff to the GPU: the epoch the CPU job writes, and the kernel that waits
-for it (under the Triton interpreter here; on a GPU in test_cuda_real_shapes.py)."""
+"""The CPU experts' handoff to the GPU: the epoch the CPU job writes, and the kernels that wait
+for it (under the Triton interpreter without a GPU; on a GPU with pinned host memory, as the
+engine runs them; in a replayed graph in test_cuda_real_shapes.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,31 @@ from moelab.kernels import host_handoff
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.host_handoff import DONE, EXPECTED, TIMED_OUT
 
+from .kernel_inputs import DEVICE, randn
 from .test_cpu_experts import make_inputs, slow_inputs
 
 pytestmark = pytest.mark.usefixtures("triton_runs")
 
-WAITERS = {
-    "triton": host_handoff.add_when_ready_triton,
-    "ref": host_handoff.add_when_ready_ref,
+CUDA = DEVICE.type == "cuda"
+SUMMERS = {
+    "triton": host_handoff.sum_when_ready_triton,
+    "ref": host_handoff.sum_when_ready_ref,
 }
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """Host memory a GPU kernel can read: pinned when the kernels run on a GPU."""
+    return t.pin_memory() if CUDA else t
+
+
+def _sync() -> torch.Tensor:
+    return host_handoff.handoff_sync(pin=CUDA)
+
+
+def _finished() -> None:
+    """Wait for what the kernels queued (they run at once under the interpreter)."""
+    if CUDA:
+        torch.cuda.synchronize()
 
 
 def _set_later(sync: torch.Tensor, index: int, value: int, delay_s: float) -> threading.Thread:
@@ -33,44 +51,58 @@ def _set_later(sync: torch.Tensor, index: int, value: int, delay_s: float) -> th
     return thread
 
 
-@pytest.mark.parametrize("waiter", list(WAITERS))
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_adds_the_part_only_once_the_epoch_is_done(gen, waiter, tokens):
-    out = torch.randn(tokens, 1500, generator=gen)  # not a multiple of the block
-    part = torch.randn(tokens, 1500, generator=gen)
-    expected = out + part
-    sync = host_handoff.handoff_sync(pin=False)
+def _sum(summer: str, ys, part, sync, **kwargs) -> torch.Tensor:
+    """sum_when_ready by `summer`, the Triton one into a poisoned output (an element left
+    unwritten fails), waited for."""
+    if summer == "ref":
+        return host_handoff.sum_when_ready_ref(ys, part, sync, **kwargs)
+    tokens, _, hidden = ys[0].shape
+    out = torch.full((tokens, hidden), float("nan"), device=DEVICE)
+    host_handoff.sum_when_ready_triton(ys, part, sync, out=out, **kwargs)
+    _finished()
+    return out
+
+
+@pytest.mark.parametrize("summer", list(SUMMERS))
+@pytest.mark.parametrize(("tokens", "parts"), [(1, 1), (3, 2), (2, 1)])
+def test_sums_the_routes_and_adds_the_part_once_the_epoch_is_done(gen, summer, tokens, parts):
+    """The fused MoE's per-route outputs (one tensor, or the hits' and the fills') summed over the
+    routes, plus the CPU's part, only once its epoch is done."""
+    hidden = 2500 if tokens == 2 else 1500  # not a multiple of the block; more than one block
+    ys = [randn(gen, tokens, 4, hidden) for _ in range(parts)]
+    part = _host(torch.randn(tokens, hidden, generator=gen))
+    expected = sum(y.sum(dim=1) for y in ys) + part.to(DEVICE)
+    sync = _sync()
     sync[DONE], sync[EXPECTED] = 6, 7
     thread = _set_later(sync, DONE, 7, delay_s=0.3)
     started_s = time.perf_counter()
-    WAITERS[waiter](out, part, sync)
+    out = _sum(summer, ys, part, sync)
     waited_s = time.perf_counter() - started_s
     thread.join()
     assert waited_s >= 0.25, "it added before the CPU's epoch was done"
-    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
     assert sync[TIMED_OUT] == 0
 
 
-@pytest.mark.parametrize("waiter", list(WAITERS))
-def test_an_epoch_already_done_adds_at_once(gen, waiter):
-    out, part = torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen)
-    expected = out + part
-    sync = host_handoff.handoff_sync(pin=False)
+@pytest.mark.parametrize("summer", list(SUMMERS))
+def test_an_epoch_already_done_adds_at_once(gen, summer):
+    ys, part = [randn(gen, 2, 3, 64)], _host(torch.randn(2, 64, generator=gen))
+    sync = _sync()
     sync[DONE], sync[EXPECTED] = 9, 4  # DONE past EXPECTED: still ready
-    WAITERS[waiter](out, part, sync)
-    assert torch.equal(out, expected)
+    out = _sum(summer, ys, part, sync)
+    torch.testing.assert_close(out, ys[0].sum(dim=1) + part.to(DEVICE))
 
 
-def test_giving_up_sets_the_flag_and_leaves_out_alone(gen):
-    out, part = torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen)
-    before = out.clone()
-    sync = host_handoff.handoff_sync(pin=False)
+@pytest.mark.parametrize("summer", list(SUMMERS))
+def test_giving_up_sets_the_flag_and_returns_the_device_parts_alone(gen, summer):
+    ys = [randn(gen, 2, 3, 64) for _ in range(2)]
+    part = _host(torch.randn(2, 64, generator=gen))
+    sync = _sync()
     sync[EXPECTED] = 1
-    host_handoff.add_when_ready_triton(out, part, sync, max_polls=8)
-    assert sync[TIMED_OUT] == 1 and torch.equal(out, before)
-    sync[TIMED_OUT] = 0
-    host_handoff.add_when_ready_ref(out, part, sync, timeout_s=0.05)
-    assert sync[TIMED_OUT] == 1 and torch.equal(out, before)
+    limit = {"max_polls": 8} if summer == "triton" else {"timeout_s": 0.05}
+    out = _sum(summer, ys, part, sync, **limit)
+    assert sync[TIMED_OUT] == 1
+    torch.testing.assert_close(out, ys[0].sum(dim=1) + ys[1].sum(dim=1))
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
@@ -79,17 +111,17 @@ def test_a_cpu_job_hands_its_output_to_the_waiting_kernel(gen, kernel):
     num_tokens, hidden = 3, 96
     pairs = [(0, 0), (2, 0), (1, 1), (2, 2), (0, 2)]
     args = make_inputs(gen, 3, hidden, 40, num_tokens, pairs, torch.bfloat16)
-    gpu_part = torch.randn(num_tokens, hidden, generator=gen)
-    expected = gpu_part + cpu_experts_ref(*args)
-    part = torch.full((num_tokens, hidden), float("nan"))  # a stale part must not be added
-    sync = host_handoff.handoff_sync(pin=False)
+    ys = [randn(gen, num_tokens, 2, hidden)]
+    expected = ys[0].sum(dim=1).cpu() + cpu_experts_ref(*args)
+    part = _host(torch.full((num_tokens, hidden), float("nan")))  # a stale part must not be added
+    sync = _sync()
     sync[EXPECTED] = 5
     with CpuExpertRunner(2, kernel) as runner:
         job = runner.submit(*args, out=part, done_flag=sync, done_value=5)
-        host_handoff.add_when_ready_triton(gpu_part, part, sync)
+        out = _sum("triton", ys, part, sync)
         job.wait()
     assert sync[DONE] == 5
-    torch.testing.assert_close(gpu_part, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
@@ -138,62 +170,16 @@ def test_bad_done_flags_get_a_clear_error(gen, call, words):
 @pytest.mark.parametrize(
     ("out", "part", "sync", "words"),
     [
-        (torch.zeros(2, 8), torch.zeros(2, 9), None, "one shape"),
+        (torch.zeros(2, 9), torch.zeros(2, 8), None, "one shape"),
         (torch.zeros(2, 8).bfloat16(), torch.zeros(2, 8), None, "fp32"),
         (torch.zeros(2, 8), torch.zeros(8, 2).t(), None, "contiguous"),
         (torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(3, dtype=torch.int64), "handoff_sync"),
     ],
 )
-def test_bad_handoff_inputs_get_a_clear_error(out, part, sync, words):
+def test_bad_handoff_outputs_get_a_clear_error(out, part, sync, words):
     sync = host_handoff.handoff_sync(pin=False) if sync is None else sync
-    for waiter in WAITERS.values():
-        with pytest.raises(ValueError, match=words):
-            waiter(out, part, sync)
-
-
-SUMMERS = {
-    "triton": host_handoff.sum_when_ready_triton,
-    "ref": host_handoff.sum_when_ready_ref,
-}
-
-
-@pytest.mark.parametrize("summer", list(SUMMERS))
-@pytest.mark.parametrize(("tokens", "parts"), [(1, 1), (3, 2)])
-def test_sums_the_routes_and_adds_the_part_once_the_epoch_is_done(gen, summer, tokens, parts):
-    """The fused MoE's per-route outputs (one tensor, or the hits' and the fills') summed over the
-    routes, plus the CPU's part, only once its epoch is done."""
-    ys = [torch.randn(tokens, 4, 1500, generator=gen) for _ in range(parts)]
-    part = torch.randn(tokens, 1500, generator=gen)
-    expected = sum(y.sum(dim=1) for y in ys) + part
-    sync = host_handoff.handoff_sync(pin=False)
-    sync[DONE], sync[EXPECTED] = 6, 7
-    thread = _set_later(sync, DONE, 7, delay_s=0.3)
-    started_s = time.perf_counter()
-    if summer == "triton":  # poisoned: an element left unwritten fails
-        out = host_handoff.sum_when_ready_triton(
-            ys, part, sync, out=torch.full((tokens, 1500), float("nan"))
-        )
-    else:
-        out = SUMMERS[summer](ys, part, sync)
-    waited_s = time.perf_counter() - started_s
-    thread.join()
-    assert waited_s >= 0.25, "it added before the CPU's epoch was done"
-    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
-    assert sync[TIMED_OUT] == 0
-
-
-def test_summing_gives_up_with_the_flag_and_the_device_parts_alone(gen):
-    ys = [torch.randn(2, 3, 64, generator=gen) for _ in range(2)]
-    part = torch.randn(2, 64, generator=gen)
-    sync = host_handoff.handoff_sync(pin=False)
-    sync[EXPECTED] = 1
-    out = host_handoff.sum_when_ready_triton(ys, part, sync, max_polls=8)
-    assert sync[TIMED_OUT] == 1
-    torch.testing.assert_close(out, ys[0].sum(dim=1) + ys[1].sum(dim=1))
-    sync[TIMED_OUT] = 0
-    out = host_handoff.sum_when_ready_ref(ys, part, sync, timeout_s=0.05)
-    assert sync[TIMED_OUT] == 1
-    torch.testing.assert_close(out, ys[0].sum(dim=1) + ys[1].sum(dim=1))
+    with pytest.raises(ValueError, match=words):
+        host_handoff.sum_when_ready_triton([torch.zeros(2, 4, 8)], part, sync, out=out)
 
 
 @pytest.mark.parametrize(
@@ -225,16 +211,18 @@ ROUTING = {
 @pytest.mark.parametrize(("tokens", "top_k", "hidden"), [(1, 8, 1500), (3, 4, 64), (8, 8, 2048)])
 def test_routing_to_host_stores_every_element_converted(gen, kernel, tokens, top_k, hidden):
     ids = torch.stack([torch.randperm(128, generator=gen)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=gen)
-    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    ids = ids.to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
+    x = randn(gen, tokens, hidden, dtype=torch.bfloat16)
     # poisoned destinations: an element left unwritten fails
-    ids_h = torch.full((tokens, top_k), -99, dtype=torch.int32)
-    w_h = torch.full((tokens, top_k), float("nan"))
-    x_h = torch.full((tokens, hidden), float("nan"))
+    ids_h = _host(torch.full((tokens, top_k), -99, dtype=torch.int32))
+    w_h = _host(torch.full((tokens, top_k), float("nan")))
+    x_h = _host(torch.full((tokens, hidden), float("nan")))
     ROUTING[kernel](ids, weights, x, ids_h, w_h, x_h)
-    assert torch.equal(ids_h, ids.int())
-    assert torch.equal(w_h, weights)
-    assert torch.equal(x_h, x.float())
+    _finished()
+    assert torch.equal(ids_h, ids.int().cpu())
+    assert torch.equal(w_h, weights.cpu())
+    assert torch.equal(x_h, x.float().cpu())
 
 
 @pytest.mark.parametrize(
