@@ -124,16 +124,20 @@ class DecodeGraphs:
         self.seq_lens = self._int[tables:]
         self.slots.fill_(kv.pad_slot)
         self.logits_index = torch.arange(max_bs, device=dev)
-        # staged experts of the layer between two pieces: each route's slot, and the CPU's part
-        # (in host memory, where the CPU job writes it and the next piece reads it)
-        self.route_slots = torch.full((max_bs, model.spec.top_k), -1, dtype=torch.int32,
-                                      device=dev)  # fmt: skip
+        # staged experts of the layer between two pieces: each route's slot and the CPU's part,
+        # in host memory, where the host and the CPU job write them and the next piece reads them
+        self.slots_host = model.experts.route_slots_buffer(max_bs) if piecewise else None
         self.cpu_part = model.experts.handoff_buffer(max_bs) if piecewise else None
         # each piece that ends in a router copies its routing here (in its graph: no host launch
         # between the router and the host's read of it)
         self.routing_host = model.experts.routing_buffers(max_bs) if piecewise else None
         self.graphs: dict[int, list[Graph]] = {}
         self.outputs: dict[int, list[Outputs]] = {}  # per size, per piece
+        # piecewise: each piece after an MoE layer starts with a graph of its own, the cached
+        # experts' routes (run while the fills cross PCIe); per size, per piece (None: piece 0)
+        self.heads: dict[int, list[Graph | None]] = {}
+        # what a head hands to its piece: the cached routes' outputs and the filled routes' slots
+        self._head_out: tuple[torch.Tensor, torch.Tensor] | None = None
         self.pool: object | None = None
 
     def _batch(self, bs: int) -> StepBatch:
@@ -151,12 +155,23 @@ class DecodeGraphs:
         """The greedy next token of every row, kept on the device for the next replay."""
         torch.argmax(logits, dim=-1, out=self.sampled[:bs])
 
+    def _head(self, bs: int, state: StepState) -> Outputs:
+        """The start of a piece after an MoE layer: the layer's cached experts' routes."""
+        assert state.x is not None and state.weights is not None and self.slots_host is not None
+        self._head_out = self.model.experts.routed_cached(
+            state.x, self.slots_host[:bs], state.weights
+        )
+        return self._head_out
+
     def _piece(self, bs: int, piece: int, state: StepState) -> Outputs:
-        """One piece; after an MoE layer it starts with that layer's staged experts."""
+        """One piece; after an MoE layer it starts with that layer's filled experts' routes and
+        the sum of all of its parts."""
         if piece:
             assert state.x is not None and state.weights is not None and self.cpu_part is not None
-            state.routed = self.model.experts.routed(
-                state.x, self.route_slots[:bs], state.weights, self.cpu_part[:bs]
+            assert self._head_out is not None
+            cached_part, filled = self._head_out
+            state.routed = self.model.experts.routed_filled(
+                state.x, filled, state.weights, cached_part, self.cpu_part[:bs]
             )
         else:
             self._gather_inputs(bs)
@@ -197,20 +212,29 @@ class DecodeGraphs:
                 for _ in range(2):
                     state = StepState(self._batch(bs))
                     for piece in range(pieces):
+                        if self.piecewise and piece:
+                            self._head(bs, state)
                         self._work(bs, piece, state)()
         if stream is not None:
             torch.cuda.current_stream(model.device).wait_stream(stream)
         for bs in sorted(self.sizes, reverse=True):
             state = StepState(self._batch(bs))
             graphs: list[Graph] = []
+            heads: list[Graph | None] = []
             outputs: list[Outputs] = []
             for piece in range(pieces):
+                head = None
+                if self.piecewise and piece:
+                    head = self._graph_factory(self.pool)
+                    outputs.append(head.capture(partial(self._head, bs, state)))
+                    self.pool = head.pool
+                heads.append(head)
                 graph = self._graph_factory(self.pool)
                 outputs.append(graph.capture(self._work(bs, piece, state)))
                 self.pool = graph.pool
                 graphs.append(graph)
             # the outputs stay referenced: their memory is where every replay writes them
-            self.graphs[bs], self.outputs[bs] = graphs, outputs
+            self.graphs[bs], self.heads[bs], self.outputs[bs] = graphs, heads, outputs
         if cuda:
             torch.cuda.synchronize(model.device)
         log.info(
@@ -252,24 +276,28 @@ class DecodeGraphs:
         self._int[:used].copy_(host_int_t[:used], non_blocking=True)
         self.seq_lens[:bs].copy_(host_int_t[self.max_bs * self.max_blocks :][:bs],
                                  non_blocking=True)  # fmt: skip
-        if bs > n:
-            self.route_slots[n:bs].fill_(-1)
-        graphs, outputs = self.graphs[bs], self.outputs[bs]
+        graphs, heads = self.graphs[bs], self.heads[bs]
         experts = self.model.experts
         for piece, graph in enumerate(graphs):
             t0 = time.perf_counter()
+            head = heads[piece]
+            if head is not None:  # the cached experts' routes, then the wait for the fills
+                head.replay()
+                experts.join_fills()
             graph.replay()
             if self.piecewise and piece:  # the launch that ends a staged layer step
                 experts.staged_times.replay_s += time.perf_counter() - t0
                 experts.after_launch()
             if piece < len(graphs) - 1:
                 assert self.cpu_part is not None and self.routing_host is not None
+                assert self.slots_host is not None
                 # only the real rows: padding rows would fetch and run experts for nothing
                 ids_h, w_h, x_h = (t[:n] for t in self.routing_host)
-                experts.stage_decode(
-                    piece, ids_h, w_h, x_h, self.route_slots[:n], self.cpu_part[:n]
-                )
-        logits = outputs[-1][3]
+                experts.stage_decode(piece, ids_h, w_h, x_h, self.slots_host[:n], self.cpu_part[:n])
+                # padding rows run no experts (written after the stage's sync: an earlier
+                # step's graphs may read these rows until then)
+                self.slots_host[n:bs] = -1
+        logits = self.outputs[bs][-1][3]
         assert logits is not None
         return logits[:n]
 

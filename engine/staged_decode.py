@@ -4,11 +4,14 @@ device's part inside the next piece, the CPU's part handed over in pinned host m
 A decode step with experts offloaded runs as CUDA graphs of the dense work between two MoE layers
 (engine/graphs.py). Each piece stores its routing into pinned host buffers (`routing_buffers`);
 between two replays the host stages the layer (`stage_decode`): waits for that routing, plans the
-layer step, starts the CPU job and queues the fills and the routes' slots. The next piece begins
-with `routed`: the cached experts' kernel, then `sum_when_ready`, which waits on the device for the
-CPU job's epoch and adds its part (kernels/host_handoff.py), so the host never waits for the CPU.
-What must not delay the next piece, counting and ending the CPU job before, waits until it is
-launched (`after_launch`).
+layer step, starts the CPU job, queues the fills on the copy stream and writes each route's slot
+into a pinned table (`route_slots_buffer`), marking the routes the fills serve. The next piece
+comes in two graphs. The first, `routed_cached`, reads that table and runs the cached experts'
+routes while the fills are still crossing PCIe; the host then orders the compute stream after the
+fills (`join_fills`); the second begins with `routed_filled`: the filled experts' routes, then
+`sum_when_ready`, which sums both, waits on the device for the CPU job's epoch and adds its part
+(kernels/host_handoff.py), so the host never waits for the CPU. What must not delay the next
+piece, counting and ending the CPU job before, waits until it is launched (`after_launch`).
 
 With native CPU experts, one native call (`DecodePlanner`, kernels/csrc/decode_planner.h) does the
 whole serial host path of a layer step: wait, plan, start the CPU job, queue the copies.
@@ -22,13 +25,22 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..kernels.cpu_experts import CpuExpertJob
 from ..kernels.fused_moe import fused_moe_decode
-from ..kernels.host_handoff import DONE, EXPECTED, TIMED_OUT, handoff_sync, sum_when_ready
+from ..kernels.host_handoff import (
+    DONE,
+    EXPECTED,
+    TIMED_OUT,
+    filled_mark,
+    handoff_sync,
+    route_slots_from_host,
+    sum_when_ready,
+)
 from .h2d import driver_functions
-from .miss_plan import Dispatch
+from .miss_plan import Dispatch, expert_mask
 from .misses import SPLIT_CHUNKS
 
 
@@ -41,6 +53,8 @@ class StagedDecode:
         self._handoff_sync = handoff_sync(pin=cuda)
         self._handoff_out: torch.Tensor | None = None
         self._routing_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._route_slots_host: torch.Tensor | None = None
+        self._fills_queued = False  # the staged layer's fills, on the copy stream, not joined
         # staged layer steps launched but not yet counted (counted after the next launch)
         self._uncounted: list[tuple[Dispatch, int]] = []
         self._epoch = 0  # of the last CPU part handed over (the value DONE reaches)
@@ -72,6 +86,17 @@ class StagedDecode:
         ids_h, w_h, x_h = self._routing_host
         return ids_h[:rows], w_h[:rows], x_h[:rows]
 
+    def route_slots_buffer(self, rows: int) -> torch.Tensor:
+        """The host table [rows, K] int32 (pinned on CUDA) into which `stage_decode` writes each
+        route's slot (`filled_mark` for a route its fills serve) and which `routed_cached`
+        reads. Captured graphs read it, so it is allocated once."""
+        table = self._route_slots_host
+        if table is None or table.shape[0] < rows:
+            table = self._route_slots_host = torch.full(
+                (rows, self.top_k), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda"
+            )
+        return table[:rows]
+
     def handoff_buffer(self, rows: int) -> torch.Tensor:
         """The host buffer [rows, H] fp32 (pinned on CUDA) into which staged decode's CPU jobs
         write their part, and from which the next piece's `routed` adds it. Captured graphs read
@@ -90,29 +115,31 @@ class StagedDecode:
         ids_h: torch.Tensor,
         w_h: torch.Tensor,
         x_h: torch.Tensor,
-        slots_out: torch.Tensor,
+        slots_h: torch.Tensor,
         cpu_out: torch.Tensor,
     ) -> None:
         """An offloaded decode layer step between two captured pieces: the host part now, the
-        device part (`routed`) inside the next piece's graph.
+        device part (`routed_cached`, `join_fills`, `routed_filled`) in the next piece's graphs.
 
         ids_h, w_h, x_h: the layer's routing in host buffers (`routing_buffers` views of the real
         rows), which the piece just launched stores there (`routing_to_host`); this waits for it.
-        Writes each route's slot (-1 where the route runs on the CPU) into slots_out [T, K] on the
-        compute stream, after this step's fills. The CPU routes' weighted sum goes into cpu_out
-        [T, H] (a `handoff_buffer` view) when the CPU job ends; the host does not wait for it:
-        the next piece's `routed` does, on the device. Only what the next piece needs is done
-        here; `after_launch` does the rest once it is launched.
+        Writes each route's slot into slots_h [T, K] (a `route_slots_buffer` view): a cached
+        expert's slot, `filled_mark(slot)` for a route this step's fills serve (queued on the copy
+        stream), -1 for a route on the CPU. The CPU routes' weighted sum goes into cpu_out [T, H]
+        (a `handoff_buffer` view) when the CPU job ends; the host does not wait for it: the next
+        piece does, on the device. Only what the next piece needs is done here; `after_launch`
+        does the rest once it is launched.
         """
         clock = time.perf_counter
         t0 = clock()
         planner = self._decode_planner()
         if planner is not None and self.planner_copies:
             # the serial path in one native call, with nothing in Python between the routing's
-            # arrival and the CPU job's start: wait, plan, start the CPU job, queue the copies
+            # arrival and the CPU job's start: wait, plan, start the CPU job, queue the fills
             d, (_, plan_s, fill_s) = self._native_step(
-                planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, slots_out=slots_out
-            )
+                planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, copies=True,
+                route_slots=slots_h,
+            )  # fmt: skip
             t4 = clock()
             sync_s = t4 - t0 - plan_s - fill_s  # the wait, and the call
         else:
@@ -125,19 +152,13 @@ class StagedDecode:
                 moe_layer, ids_h.numpy(), w_h, x_h, decode=True, handoff_out=cpu_out
             )
             t3 = clock()
-            # the fills on the compute stream: nothing runs there until the next piece, which
-            # needs them (no stream switch or event to pay for)
-            h2d = self._h2d_compute
-            slots_host = d.route_slots_host
-            if slots_host is None:
-                slots_host = self._pinned_copy("route_slots", d.route_slots)
-            if h2d is None:
-                slots_out.copy_(slots_host)
-            else:
-                h2d.tensor(slots_out, slots_host)
-            self._fill_slots(moe_layer, d.admitted, h2d)
+            self._fill_slots(moe_layer, d.admitted, self._h2d_copy)
+            slots = d.route_slots
+            filled = expert_mask(self.bank.num_experts, [e for e, _ in d.admitted])[ids_h.numpy()]
+            slots_h.numpy()[...] = np.where(filled, filled_mark(slots), slots)
             t4 = clock()
             sync_s, plan_s, fill_s = t1 - t0, t3 - t1, t4 - t3
+        self._fills_queued = bool(d.admitted) or d.split is not None
         state = self._handoff_sync.numpy()
         if d.job is None:  # nothing on the CPU: its part is zero, and ready now
             cpu_out.zero_()
@@ -150,6 +171,13 @@ class StagedDecode:
         times.sync_s += sync_s
         times.plan_s += plan_s
         times.fill_s += fill_s
+
+    def join_fills(self) -> None:
+        """Between the next piece's two graphs: order the compute stream after the staged layer's
+        fills (the cached experts' routes, launched before this, run during them)."""
+        if self._fills_queued and self.copy_stream is not None:
+            self.compute_stream.wait_stream(self.copy_stream)
+        self._fills_queued = False
 
     def after_launch(self) -> None:
         """The host's work of the staged layer steps that must not delay the next piece: after
@@ -165,13 +193,32 @@ class StagedDecode:
             self._pending = staged[-1][0]
         self.staged_times.count_s += time.perf_counter() - t0
 
-    def routed(
-        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, cpu_part: torch.Tensor
+    def routed_cached(
+        self, x: torch.Tensor, slots_h: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first device part of a staged decode layer step (capturable), before its fills
+        are done: the route slots table slots_h read from the host, the cached experts' routes
+        run. Returns their per-route outputs [T, K, H] and the filled routes' slots [T, K]."""
+        cached = torch.empty(slots_h.shape, dtype=torch.int32, device=x.device)
+        filled = torch.empty_like(cached)
+        route_slots_from_host(slots_h, cached, filled)
+        w13, w2 = self.cache.w13, self.cache.w2
+        return fused_moe_decode(x, cached, weights, w13, w2, reduce=False), filled
+
+    def routed_filled(
+        self,
+        x: torch.Tensor,
+        filled: torch.Tensor,
+        weights: torch.Tensor,
+        cached_part: torch.Tensor,
+        cpu_part: torch.Tensor,
     ) -> torch.Tensor:
-        """The device part of a staged decode layer step (capturable): the cached experts'
-        weighted sum, plus the CPU's part (cpu_part, host memory) once the CPU job has ended."""
-        parts = fused_moe_decode(x, slots, weights, self.cache.w13, self.cache.w2, reduce=False)
-        return sum_when_ready([parts], cpu_part, self._handoff_sync)
+        """The second device part (capturable), once the fills are done: the filled experts'
+        routes, summed with the cached ones' (cached_part) and the CPU's part (cpu_part, host
+        memory) once the CPU job has ended."""
+        w13, w2 = self.cache.w13, self.cache.w2
+        filled_part = fused_moe_decode(x, filled, weights, w13, w2, reduce=False)
+        return sum_when_ready([cached_part, filled_part], cpu_part, self._handoff_sync)
 
     def _end_handoff(self) -> None:
         """After a sync: count the last staged CPU job (ended: the device waited for it), and
@@ -190,28 +237,26 @@ class StagedDecode:
             self._wait_cpu(d, decode=True)
 
     def _native_step(
-        self, planner, moe_layer, ids, weights, x, out, handoff, sync=False, slots_out=None
-    ) -> tuple[Dispatch, tuple[float, float, float]]:
+        self, planner, moe_layer, ids, weights, x, out, handoff, sync=False, copies=False,
+        route_slots=None,
+    ) -> tuple[Dispatch, tuple[float, float, float]]:  # fmt: skip
         """One DecodePlanner step over host tensors ids [T, K] (int32), weights [T, K] and x
         [T, H] (fp32), the CPU's part into out (and then the next handoff epoch, if `handoff`).
-        sync: wait for the compute stream first (the routing's copies); slots_out: the device
-        tensor the routes' slots are copied to, with the fills, on the compute stream (and then
-        one miss may be split between the copy and the CPU, if `split_misses`).
+        sync: wait for the compute stream first (the routing's copies); copies: queue the fills
+        on the copy stream and mark the routes they serve (and then one miss may be split
+        between the copy and the CPU, if `split_misses`). route_slots: the host table [T, K]
+        int32 the routes' slots go to (a reusable buffer if None).
         Returns the step and its native (wait, plan, copy) seconds."""
-        route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
+        if route_slots is None:
+            route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
         flag, value = (self._handoff_sync, self._epoch + 1) if handoff else (None, 0)
         inter = self.bank.w2[0].shape[-1]
-        chunks = (
-            SPLIT_CHUNKS
-            if slots_out is not None and self.split_misses and inter % SPLIT_CHUNKS == 0
-            else 0
-        )
+        chunks = SPLIT_CHUNKS if copies and self.split_misses and inter % SPLIT_CHUNKS == 0 else 0
         try:
             experts, slots, admitted, on_cpu, split, job, seconds = planner.step(
                 moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
                 self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
-                0 if flag is None else flag.data_ptr(), value, sync,
-                0 if slots_out is None else slots_out.data_ptr(), chunks,
+                0 if flag is None else flag.data_ptr(), value, sync, copies, chunks,
             )  # fmt: skip
         except RuntimeError:  # a driver call failed; a failed fill has freed its slots again
             self.cache.changed()
@@ -247,7 +292,8 @@ class StagedDecode:
                 assert self.bank.w13[0].element_size() == cache.w13.element_size()
                 copy, sync, memset = driver_functions()
                 stream = self.compute_stream.cuda_stream if self.compute_stream else 0
-                planner.set_device(copy, sync, memset, stream, cache.w13.data_ptr(),
+                fills = self.copy_stream.cuda_stream if self.copy_stream else 0
+                planner.set_device(copy, sync, memset, stream, fills, cache.w13.data_ptr(),
                                    cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
             self._planner, self._planner_version = planner, cache.version
         return self._planner

@@ -36,6 +36,8 @@ BLOCK = 1024
 # sum_when_ready's sum: elements of H per program, and its warps
 SUM_BLOCK = 1024
 SUM_WARPS = 4
+# route_slots_from_host reads every route in one program: a decode step's batch times top-k
+ROUTE_SLOTS_MAX = 1 << 14
 # Polls of the epoch before giving up: one is a PCIe round trip of about a microsecond, so a few
 # seconds, where a CPU job takes well under a millisecond. The reference waits as long by the clock.
 MAX_POLLS = 1 << 22
@@ -141,6 +143,73 @@ def sum_when_ready(
     if parts[0].is_cuda:
         return sum_when_ready_triton(parts, cpu_part, sync)
     return sum_when_ready_ref(parts, cpu_part, sync)
+
+
+def filled_mark(slot: int) -> int:
+    """How a route slots table marks a route served by this step's fill of `slot`: -2 - slot
+    (-1 is a route on the CPU; >= 0 a cached expert's slot)."""
+    return -2 - slot
+
+
+def route_slots_from_host_ref(
+    slots_h: torch.Tensor, cached: torch.Tensor, filled: torch.Tensor
+) -> None:
+    """Reference: the planner's route slots (int32 [T, K] in host memory, `filled_mark` for the
+    routes this step's fills serve) as two slot tables on the device: cached [T, K], the slot of
+    each route to an expert already cached, and filled [T, K], that of each route to one being
+    filled (-1 elsewhere in both)."""
+    _check_route_slots(slots_h, cached, filled)
+    slots = slots_h.to(cached.device)
+    cached.copy_(torch.where(slots >= 0, slots, -1))
+    filled.copy_(torch.where(slots <= -2, -2 - slots, -1))
+
+
+@triton.jit
+def _route_slots_from_host_kernel(slots_h_ptr, cached_ptr, filled_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    # volatile: the host wrote them just before the launch; never a copy cached before
+    slots = tl.load(slots_h_ptr + offs, mask=mask, other=-1, volatile=True)
+    tl.store(cached_ptr + offs, tl.where(slots >= 0, slots, -1), mask=mask)
+    tl.store(filled_ptr + offs, tl.where(slots <= -2, -2 - slots, -1), mask=mask)
+
+
+def route_slots_from_host_triton(
+    slots_h: torch.Tensor, cached: torch.Tensor, filled: torch.Tensor
+) -> None:
+    """Triton: the same in one launch reading the (pinned) host table over PCIe; graph-capturable,
+    and unlike a copy it never queues behind the fills on a copy engine."""
+    _check_route_slots(slots_h, cached, filled)
+    n = slots_h.numel()
+    _route_slots_from_host_kernel[(1,)](
+        slots_h, cached, filled, n, BLOCK=max(16, triton.next_power_of_2(n)), num_warps=1
+    )
+
+
+def route_slots_from_host(
+    slots_h: torch.Tensor, cached: torch.Tensor, filled: torch.Tensor
+) -> None:
+    """The planner's route slots into the device's two tables: the Triton kernel on a GPU, the
+    reference elsewhere."""
+    if cached.is_cuda:
+        route_slots_from_host_triton(slots_h, cached, filled)
+    else:
+        route_slots_from_host_ref(slots_h, cached, filled)
+
+
+def _check_route_slots(slots_h: torch.Tensor, cached: torch.Tensor, filled: torch.Tensor) -> None:
+    for name, t in (("slots_h", slots_h), ("cached", cached), ("filled", filled)):
+        if t.dtype != torch.int32 or not t.is_contiguous() or t.shape != slots_h.shape:
+            raise ValueError(
+                f"{name} must be a contiguous int32 table of the route slots' shape "
+                f"{tuple(slots_h.shape)}, got {tuple(t.shape)} {t.dtype}"
+            )
+    if slots_h.device.type != "cpu" or cached.device != filled.device:
+        raise ValueError("slots_h must be in host memory, cached and filled on one device")
+    if cached.is_cuda and not slots_h.is_pinned():
+        raise ValueError("with the tables on a GPU, slots_h must be pinned host memory")
+    if slots_h.numel() > ROUTE_SLOTS_MAX:
+        raise ValueError(f"at most {ROUTE_SLOTS_MAX} routes, got {slots_h.numel()}")
 
 
 def routing_to_host_ref(

@@ -71,12 +71,12 @@ def simulate(rule: str, skew: float, steps: int, f: float, cpu: CpuExpertRunner)
         planner = r._decode_planner()
         functions = _host_functions()
         addresses = [ctypes.cast(fn, ctypes.c_void_p).value for fn in functions]
-        planner.set_device(*addresses, 0, cache.w13.data_ptr(), cache.w2.data_ptr(), 2)
+        planner.set_device(*addresses, 0, 0, cache.w13.data_ptr(), cache.w2.data_ptr(), 2)
     rng = np.random.default_rng(1)
     shares = zipf_shares(EXPERTS, skew)
     ranks = [rng.permutation(EXPERTS) for _ in range(LAYERS)]
     x, weights = torch.zeros(1, HIDDEN), torch.full((1, TOP_K), 1.0 / TOP_K)
-    out, slots_out = torch.zeros(1, HIDDEN), torch.zeros(1, TOP_K, dtype=torch.int32)
+    out = torch.zeros(1, HIDDEN)
     total_us = copied = on_cpu = 0.0
     hits = reads = splits = 0
     for _ in range(steps):
@@ -85,7 +85,7 @@ def simulate(rule: str, skew: float, steps: int, f: float, cpu: CpuExpertRunner)
             ids = np.ascontiguousarray(ranks[layer][picked][None, :], dtype=np.int32)
             if planner is not None:
                 d, _ = r._native_step(planner, layer, torch.from_numpy(ids), weights, x, out,
-                                      False, slots_out=slots_out)  # fmt: skip
+                                      False, copies=True)  # fmt: skip
                 if d.job is not None:
                     d.job.wait()
             else:

@@ -28,9 +28,10 @@ namespace {
 // the most picked first; ties: more tokens now, then the lower id) into free or least recently
 // used unprotected slots, run the rest on the CPU, write each route's slot (-1: on the CPU), and
 // queue the CPU job. With the device's copy functions set (`set_device`), one call also waits for
-// the routing (the stream's sync) and queues the routes' slots and the fills on that stream: the
-// whole serial host path of an offloaded layer step, where Python took ~100 µs, and several times
-// that when the CPU job before had just streamed the caches cold.
+// the routing (the compute stream's sync) and queues the fills on the fill stream, marking the
+// routes they serve (-2 - slot) so that the device runs the cached experts' routes during them:
+// the whole serial host path of an offloaded layer step, where Python took ~100 µs, and several
+// times that when the CPU job before had just streamed the caches cold.
 
 // The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
 using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
@@ -98,14 +99,17 @@ class DecodePlanner {
     }
   }
 
-  // The driver's cuMemcpyHtoDAsync, cuStreamSynchronize and cuMemsetD8Async, the stream, and the
-  // cache's slot arrays on the device ([slots, 2I, H] and [slots, H, I], the bank's element type).
+  // The driver's cuMemcpyHtoDAsync, cuStreamSynchronize and cuMemsetD8Async, the compute stream
+  // (waited for), the fill stream (the copies), and the cache's slot arrays on the device
+  // ([slots, 2I, H] and [slots, H, I], the bank's element type).
   void set_device(uintptr_t copy, uintptr_t sync, uintptr_t memset, uintptr_t stream,
-                  uintptr_t cache_w13, uintptr_t cache_w2, int64_t element_size) {
+                  uintptr_t fill_stream, uintptr_t cache_w13, uintptr_t cache_w2,
+                  int64_t element_size) {
     copy_ = reinterpret_cast<CuMemcpyHtoDAsync>(copy);
     sync_ = reinterpret_cast<CuStreamSynchronize>(sync);
     memset_ = reinterpret_cast<CuMemsetD8Async>(memset);
     stream_ = reinterpret_cast<void*>(stream);
+    fill_stream_ = reinterpret_cast<void*>(fill_stream);
     cache_w13_ = cache_w13;
     cache_w2_ = cache_w2;
     bytes13_ = 2 * inter_ * hidden_ * element_size;
@@ -113,26 +117,27 @@ class DecodePlanner {
   }
 
   // Plans layer `layer` for routes ids/weights [T, top_k] (int32, fp32) of rows x [T, H] (fp32);
-  // writes route_slots [T, top_k]. CPU routes' weighted sum goes to out [T, H] (fp32), then
-  // done_value to done_flag if that is not 0. With the device set: first waits for the stream
-  // (sync, without the GIL), and after starting the CPU job queues the copy of route_slots to
-  // route_slots_device and the fills. split_chunks >= 2 (with route_slots_device only): one miss
-  // may be split, its first rows in chunks of I / split_chunks copied into the least recently used
-  // slot, which is freed again (its content is no expert), and the rest run on the CPU
-  // (fetch_plan). Returns (experts ascending, their slots before the step, admitted (expert, slot)
-  // pairs, experts run on the CPU (the split one first), the split (expert, slot, first CPU row)
-  // or None, the CPU job or None, and the seconds spent waiting, planning and queueing copies).
+  // writes route_slots [T, top_k] (a cached expert's slot; -1: on the CPU). CPU routes' weighted
+  // sum goes to out [T, H] (fp32), then done_value to done_flag if that is not 0. With the device
+  // set: sync first waits for the compute stream (without the GIL); copies, after starting the
+  // CPU job, queues the fills on the fill stream and writes -2 - slot for the routes they serve
+  // (the caller orders the device's reads of those slots after the fill stream).
+  // split_chunks >= 2 (with copies only): one miss may be split, its first rows in chunks of
+  // I / split_chunks copied into the least recently used slot, which is freed again (its content
+  // is no expert), and the rest run on the CPU (fetch_plan). Returns (experts ascending, their
+  // slots before the step, admitted (expert, slot) pairs, experts run on the CPU (the split one
+  // first), the split (expert, slot, first CPU row) or None, the CPU job or None, and the seconds
+  // spent waiting, planning and queueing copies).
   py::tuple step(int64_t layer, uintptr_t ids_addr, uintptr_t weights_addr, uintptr_t x,
                  int64_t T, double fetch_fraction, uintptr_t route_slots_addr, uintptr_t out,
-                 uintptr_t done_flag, int64_t done_value, bool sync,
-                 uintptr_t route_slots_device, int64_t split_chunks) {
+                 uintptr_t done_flag, int64_t done_value, bool sync, bool copies,
+                 int64_t split_chunks) {
     using Clock = std::chrono::steady_clock;
     if (layer < 0 || layer >= layers_) throw std::invalid_argument("no such MoE layer");
-    if ((sync || route_slots_device) && copy_ == nullptr) {
+    if ((sync || copies) && copy_ == nullptr) {
       throw std::invalid_argument("sync and device copies need set_device first");
     }
-    if (split_chunks >= 2 &&
-        (!route_slots_device || memset_ == nullptr || inter_ % split_chunks != 0)) {
+    if (split_chunks >= 2 && (!copies || memset_ == nullptr || inter_ % split_chunks != 0)) {
       throw std::invalid_argument("a split needs the device copies, a memset and chunks of I");
     }
     const auto t0 = Clock::now();
@@ -227,17 +232,20 @@ class DecodePlanner {
     }
     for (int32_t e : on_cpu) where_[e] = kOnCpu;
     if (split_expert >= 0) where_[split_expert] = kSplit;
+    if (copies) {
+      for (const auto& [e, slot] : admitted) where_[e] = kFilled;
+    }
     std::vector<int32_t> pair_expert, pair_token;
     std::vector<float> pair_weight;
     for (int64_t r = 0; r < R; ++r) {
       const int32_t e = ids[r];
-      if (where_[e] != kNotRouted) {  // on the CPU, or split: its other rows on the CPU
-        route_slots[r] = where_[e] == kSplit ? int32_t(split_slot) : -1;
+      if (where_[e] == kOnCpu || where_[e] == kSplit) {  // split: its other rows on the CPU
+        route_slots[r] = where_[e] == kSplit ? filled_mark(split_slot) : -1;
         pair_expert.push_back(e);
         pair_token.push_back(int32_t(r / top_k_));
         pair_weight.push_back(weights[r]);
       } else {
-        route_slots[r] = slot_of[e];
+        route_slots[r] = where_[e] == kFilled ? filled_mark(slot_of[e]) : slot_of[e];
       }
     }
     // back to the idle marks for the next step (a slot is protected only during its step)
@@ -260,14 +268,14 @@ class DecodePlanner {
       job = py::cast(j);
     }
     const auto t2 = Clock::now();
-    if (route_slots_device) {
-      int err = copy_(route_slots_device, route_slots, R * sizeof(int32_t), stream_);
+    if (copies) {
+      int err = 0;
       for (size_t i = 0; i < admitted.size() && err == 0; ++i) {
         const auto [e, slot] = admitted[i];
         const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
         const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
-        err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, stream_);
-        if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, stream_);
+        err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, fill_stream_);
+        if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, fill_stream_);
       }
       const char* failed = "cuMemcpyHtoDAsync";
       if (split_expert >= 0 && err == 0) {
@@ -293,7 +301,10 @@ class DecodePlanner {
 
  private:
   static constexpr int64_t kTick = 0, kHits = 1, kFills = 2, kEvictions = 3;  // cache.py's state
-  static constexpr int8_t kNotRouted = 0, kOnCpu = 1, kSplit = 2;
+  static constexpr int8_t kNotRouted = 0, kOnCpu = 1, kSplit = 2, kFilled = 3;
+
+  // A route served by this step's fill of `slot` (host_handoff.FILLED: -2 - slot).
+  static int32_t filled_mark(int64_t slot) { return int32_t(-2 - slot); }
 
   // The device's part of a split expert into `slot`: its gate and up rows below `row`, all of its
   // down projection, and zero gate and up rows from `row` on (silu(0) * 0 = 0: those rows add
@@ -305,15 +316,15 @@ class DecodePlanner {
     const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
     const uint64_t gate = cache_w13_ + slot * bytes13_, up = gate + half;
     const int64_t head = row * hidden_ * elem;
-    int err = copy_(gate, bank13, head, stream_);
-    if (err == 0) err = copy_(up, bank13 + half, head, stream_);
+    int err = copy_(gate, bank13, head, fill_stream_);
+    if (err == 0) err = copy_(up, bank13 + half, head, fill_stream_);
     for (const uint64_t rows : {gate, up}) {
       if (err == 0) {
-        err = memset_(rows + head, 0, half - head, stream_);
+        err = memset_(rows + head, 0, half - head, fill_stream_);
         if (err != 0) *failed = "cuMemsetD8Async";
       }
     }
-    if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, stream_);
+    if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, fill_stream_);
     return err;
   }
 
@@ -348,6 +359,7 @@ class DecodePlanner {
   CuStreamSynchronize sync_ = nullptr;
   CuMemsetD8Async memset_ = nullptr;
   void* stream_ = nullptr;
+  void* fill_stream_ = nullptr;
   uint64_t cache_w13_ = 0, cache_w2_ = 0;
   int64_t bytes13_ = 0, bytes2_ = 0;
   // scratch, all zero between steps

@@ -18,7 +18,7 @@ from moelab.engine.misses import MissPolicy
 from moelab.engine.moe import MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
-from moelab.kernels.host_handoff import routing_to_host
+from moelab.kernels.host_handoff import filled_mark, route_slots_from_host, routing_to_host
 
 from .reference import DRIVER_COPY, DRIVER_MEMSET, DRIVER_SYNC, address_of, host_driver
 
@@ -59,6 +59,34 @@ def _cpu_part(on_cpu, ids, weights, x, w13, w2) -> torch.Tensor:
     pair_expert = torch.from_numpy(np.ascontiguousarray(ids[rows, cols]))
     pair_weight = weights[torch.from_numpy(rows).long(), torch.from_numpy(cols).long()].contiguous()
     return cpu_experts_ref(x, w13, w2, pair_expert, torch.from_numpy(rows), pair_weight)
+
+
+def _assert_marked(d, ids: np.ndarray, slot_of: np.ndarray) -> None:
+    """A step with the planner's copies marks the routes its fills serve (the split one too)
+    and leaves -1 on the CPU's routes and the slot on the cached ones'."""
+    filled = {e: s for e, s in d.admitted}
+    if d.split is not None:
+        filled[d.split[0]] = d.split[1]
+    on_cpu = set(d.on_cpu) - set(filled)
+    for route, expert in np.ndenumerate(ids):
+        want = (
+            filled_mark(filled[expert]) if expert in filled
+            else -1 if expert in on_cpu
+            else slot_of[expert]
+        )  # fmt: skip
+        assert d.route_slots[route] == want, (route, expert)
+        assert want != -1 or expert in on_cpu
+
+
+def _device_part(d, x, weights, cache) -> torch.Tensor:
+    """What the device runs of a step with the planner's copies: the cached routes, then the
+    filled ones (the two tables `routed_cached` makes of the marked route slots)."""
+    slots_h = d.route_slots_host
+    cached = torch.empty(slots_h.shape, dtype=torch.int32, device=x.device)
+    filled = torch.empty_like(cached)
+    route_slots_from_host(slots_h, cached, filled)
+    parts = (fused_moe_decode(x, t, weights, cache.w13, cache.w2) for t in (cached, filled))
+    return sum(parts)
 
 
 def _state(r: MoERunner) -> tuple:
@@ -154,7 +182,7 @@ def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, token
     planner = r._decode_planner()
     functions = host_driver()
     cache = r.cache
-    planner.set_device(*(address_of(f) for f in functions), 0, cache.w13.data_ptr(),
+    planner.set_device(*(address_of(f) for f in functions), 0, 0, cache.w13.data_ptr(),
                        cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
     rng = np.random.default_rng(5)
     splits = 0
@@ -163,15 +191,14 @@ def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, token
         ids = torch.from_numpy(_routes(rng, tokens, 4))
         weights = torch.rand(tokens, 4, generator=gen)
         x = torch.randn(tokens, HIDDEN, generator=gen)
-        slots_out = torch.full((tokens, 4), -7, dtype=torch.int32)
         out = torch.zeros(tokens, HIDDEN)
-        d, _ = r._native_step(planner, layer, ids, weights, x, out, False, slots_out=slots_out)
-        np.testing.assert_array_equal(slots_out.numpy(), d.route_slots)
+        d, _ = r._native_step(planner, layer, ids, weights, x, out, False, copies=True)
+        _assert_marked(d, ids.numpy(), r.cache.slot_of[layer])
         # the native planner's division is the Python policy's (there is room for it in these steps)
         q, j = r.policy.fetch_plan(len(d.missing), 16)
         assert len(d.admitted) == q
         assert (d.split[2] if d.split else 0) == j * INTER // 16
-        device_part = fused_moe_decode_ref(x, slots_out, weights, cache.w13, cache.w2)
+        device_part = _device_part(d, x, weights, cache)
         cpu_part = d.job.wait() if d.job is not None else torch.zeros(tokens, HIDDEN)
         everything = torch.zeros(tokens, 4, dtype=torch.int32)  # every route from the bank
         want = fused_moe_decode_ref(x, ids + everything, weights, bank.w13[layer], bank.w2[layer])
@@ -181,7 +208,7 @@ def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, token
         splits += 1
         expert, slot, row = d.split
         assert d.on_cpu[0] == expert and expert not in [e for e, _ in d.admitted]
-        assert set(d.route_slots[ids.numpy() == expert].tolist()) == {slot}
+        assert set(d.route_slots[ids.numpy() == expert].tolist()) == {filled_mark(slot)}
         assert 0 < row < INTER and d.split_share == row / INTER
         gate, up = cache.w13[slot, :INTER], cache.w13[slot, INTER:]
         assert torch.equal(gate[:row], bank.w13[layer][expert, :row])
@@ -238,18 +265,17 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
         ids = torch.from_numpy(_routes(rng, 2, 4)).to(dev)
         weights = torch.rand(2, 4, generator=gen).to(dev)
         x = torch.randn(2, HIDDEN, generator=gen).bfloat16().to(dev)
-        slots_out = torch.full((2, 4), -7, dtype=torch.int32, device=dev)
         torch.cuda._sleep(20_000_000)  # the routing arrives late: the step must wait for it
         ids_h, w_h, x_h = r.routing_buffers(2)
         routing_to_host(ids, weights, x, ids_h, w_h, x_h)
         out = torch.empty(2, HIDDEN)
         d, (wait_s, _, _) = r._native_step(
-            planner, layer, ids_h, w_h, x_h, out, False, sync=True, slots_out=slots_out
+            planner, layer, ids_h, w_h, x_h, out, False, sync=True, copies=True
         )
         assert wait_s > 0
         assert d.experts == sorted(set(ids.cpu().flatten().tolist()))
-        torch.cuda.synchronize()
-        np.testing.assert_array_equal(slots_out.cpu().numpy(), d.route_slots)
+        torch.cuda.synchronize()  # the fills, on the copy stream
+        _assert_marked(d, ids_h.numpy(), r.cache.slot_of[layer])
         for expert, slot in d.admitted:
             assert torch.equal(cache.w13[slot].cpu(), bank.w13[layer][expert])
             assert torch.equal(cache.w2[slot].cpu(), bank.w2[layer][expert])
@@ -262,7 +288,7 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
             assert not gate[row:].any() and not up[row:].any()
             assert torch.equal(cache.w2[slot].cpu(), bank.w2[layer][expert])
         # the cached and copied routes on the device plus the CPU's part: the whole layer
-        device_part = fused_moe_decode(x, slots_out, weights, cache.w13, cache.w2).cpu()
+        device_part = _device_part(d, x, weights, cache).cpu()
         cpu_part = d.job.wait() if d.job is not None else 0.0
         want = fused_moe_decode_ref(x.float().cpu(), ids.int().cpu(), weights.cpu(),
                                     bank.w13[layer], bank.w2[layer])  # fmt: skip
@@ -280,35 +306,34 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
     planner = r._decode_planner()
     copies: list[int] = []
 
-    def failing_third_copy(dst, src, nbytes, stream) -> int:
+    def failing_second_copy(dst, src, nbytes, stream) -> int:
         copies.append(nbytes)
-        return 0 if len(copies) < 3 else 700  # cudaErrorIllegalAddress's code, say
+        return 0 if len(copies) < 2 else 700  # cudaErrorIllegalAddress's code, say
 
-    copy = DRIVER_COPY(failing_third_copy)
+    copy = DRIVER_COPY(failing_second_copy)
     sync_result = [999]
     sync = DRIVER_SYNC(lambda stream: sync_result[0])
     memset = DRIVER_MEMSET(lambda dst, value, nbytes, stream: 0)
     planner.set_device(
-        address_of(copy), address_of(sync), address_of(memset), 0, 1 << 40, 1 << 41, 2
+        address_of(copy), address_of(sync), address_of(memset), 0, 0, 1 << 40, 1 << 41, 2
     )
     ids = torch.tensor([[3, 4]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
-    slots_out = torch.zeros(1, 2, dtype=torch.int32)
     before = _state(r)
     with pytest.raises(RuntimeError, match="cuStreamSynchronize failed with CUDA driver error 999"):
-        r._native_step(planner, 0, ids, weights, x, out, False, sync=True, slots_out=slots_out)
+        r._native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
     assert _state(r) == before and not copies
     sync_result[0] = 0
     with pytest.raises(RuntimeError, match="cuMemcpyHtoDAsync failed with CUDA driver error 700"):
-        r._native_step(planner, 0, ids, weights, x, out, False, sync=True, slots_out=slots_out)
-    # the routes' slots, then expert 3's two matrices; the second failed
-    assert copies == [2 * 4, 2 * INTER * HIDDEN * 2, HIDDEN * INTER * 2]
+        r._native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
+    # expert 3's two matrices; the second failed
+    assert copies == [2 * INTER * HIDDEN * 2, HIDDEN * INTER * 2]
     assert r.cache.slot_of[0, 3] == -1 and r.cache.slot_of[0, 4] == -1
     assert r.cache.resident == 0
     # the next step fetches them again
     copies.clear()
     copy_ok = DRIVER_COPY(lambda dst, src, nbytes, stream: 0)
-    planner.set_device(address_of(copy_ok), address_of(sync), address_of(memset), 0, 1 << 40,
-                       1 << 41, 2)  # fmt: skip
-    d, _ = r._native_step(planner, 0, ids, weights, x, out, False, sync=True, slots_out=slots_out)
+    planner.set_device(address_of(copy_ok), address_of(sync), address_of(memset), 0, 0,
+                       1 << 40, 1 << 41, 2)  # fmt: skip
+    d, _ = r._native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
     assert [e for e, _ in d.admitted] == [3, 4] and r.cache.resident == 2

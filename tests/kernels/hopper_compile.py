@@ -108,6 +108,8 @@ def compile_all() -> list[JITFunction]:
         for parts in (1, 2):  # the routes of the cached experts (and of the filled ones)
             ys = [torch.zeros(tokens, TOP_K, HIDDEN)] * parts
             host_handoff.sum_when_ready_triton(ys, part, host_handoff.handoff_sync(pin=False))
+        table = torch.zeros(tokens, TOP_K, dtype=torch.int32)
+        host_handoff.route_slots_from_host_triton(table, table.clone(), table.clone())
         ids, weights = torch.zeros(tokens, TOP_K, dtype=torch.int64), torch.zeros(tokens, TOP_K)
         host_handoff.routing_to_host_triton(
             ids, weights, torch.zeros(tokens, HIDDEN, dtype=BF16),

@@ -201,6 +201,53 @@ def test_bad_sum_inputs_get_a_clear_error(parts, part, words):
             summer(parts, part, sync)
 
 
+SLOT_TABLES = {
+    "triton": host_handoff.route_slots_from_host_triton,
+    "ref": host_handoff.route_slots_from_host_ref,
+}
+
+
+@pytest.mark.parametrize("kernel", list(SLOT_TABLES))
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 8), (3, 5), (8, 8)])
+def test_route_slots_split_into_the_cached_and_the_filled_tables(gen, kernel, tokens, top_k):
+    """The planner's table (a slot, -1 on the CPU, or filled_mark(slot) for a route its fills
+    serve) as the two tables the device runs: one route lands in exactly one of them."""
+    slots = torch.randint(0, 384, (tokens, top_k), generator=gen, dtype=torch.int32)
+    kind = torch.randint(0, 3, (tokens, top_k), generator=gen)  # cached, on the CPU, filled
+    table = torch.where(kind == 0, slots, torch.where(kind == 1, -1, -2 - slots))
+    table[0, 0], table[-1, -1] = -2, 0  # slot 0, filled and cached: the edges of the marks
+    slots_h = _host(table.to(torch.int32))
+    # poisoned: an element left unwritten fails
+    cached = torch.full((tokens, top_k), -99, dtype=torch.int32, device=DEVICE)
+    filled = torch.full_like(cached, -99)
+    SLOT_TABLES[kernel](slots_h, cached, filled)
+    _finished()
+    want_cached = torch.where(kind == 0, slots, -1)
+    want_filled = torch.where(kind == 2, slots, -1)
+    want_cached[0, 0], want_filled[0, 0] = -1, 0
+    want_cached[-1, -1], want_filled[-1, -1] = 0, -1
+    assert torch.equal(cached.cpu(), want_cached)
+    assert torch.equal(filled.cpu(), want_filled)
+    assert host_handoff.filled_mark(0) == -2 and host_handoff.filled_mark(7) == -9
+
+
+@pytest.mark.parametrize(
+    ("slots_h", "cached", "words"),
+    [
+        (torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int32), "int32"),
+        (torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32), "shape"),
+        (torch.zeros(4, 2, dtype=torch.int32).t(), torch.zeros(2, 4, dtype=torch.int32),
+         "contiguous"),
+        (torch.zeros(1, 1 << 15, dtype=torch.int32), torch.zeros(1, 1 << 15, dtype=torch.int32),
+         "at most"),
+    ],
+)  # fmt: skip
+def test_bad_route_slot_tables_get_a_clear_error(slots_h, cached, words):
+    for kernel in SLOT_TABLES.values():
+        with pytest.raises(ValueError, match=words):
+            kernel(slots_h, cached, cached.clone())
+
+
 ROUTING = {
     "triton": host_handoff.routing_to_host_triton,
     "ref": host_handoff.routing_to_host_ref,
