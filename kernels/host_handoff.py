@@ -1,18 +1,24 @@
-"""The CPU experts' output handed to the GPU without the host: a kernel that waits for it there.
+"""Between the host and captured graphs through pinned memory: the CPU experts' output, awaited on
+the device; the routing, stored to the host; the routes' slots, read from it.
 
 In an offloaded decode step the CPU worker threads write their weighted sum of a layer's CPU routes
 into pinned host memory, then a completion epoch (kernels/cpu_experts.py, `done_flag`). The next
 piece of the step is queued before they finish; its `sum_when_ready` sums the GPU's routes, polls
 the epoch over PCIe and adds the CPU's sum once it is there. The host neither waits for the CPU job
 nor copies its result nor launches the piece late: the GPU starts the moment the workers finish.
-One warp polls: on an H200 each warp that reads the host's words costs about 1.5 µs more, as reads
-of one address queue behind each other (the kernel this replaced polled from every warp of every
-program: 17 µs for one token, 92 µs for eight, with the epoch long done).
+One warp polls: on an H200 each warp that reads the host's words costs 1–2 µs more, as reads of
+one address queue behind each other (the kernel this replaced polled from every warp of every
+program: with torch's sum before it, 17 µs for one token, 92 µs for eight, the epoch long done).
 
 The other direction, `routing_to_host`: a piece of an offloaded decode step ends by storing its
 routing (ids, weights and the MoE input x as fp32, as the CPU experts read it) straight into pinned
 host memory from one kernel, where the host reads it after its sync. Three copies and a conversion
 inside the graph took 21 µs per layer on an H200 (the copy engine's start latency, each time).
+
+The routes' slots go the same way as the CPU's part: the host writes them into a pinned table,
+marking the routes that this step's fills serve (`filled_mark`), and the next piece's first graph
+reads it with `route_slots_from_host`, which splits it into the cached experts' slots and the
+filled ones' on the device, so the cached routes run while the fills cross PCIe.
 
 The handoff's state is one pinned int64 tensor (`handoff_sync`), a cache line per field:
 - DONE: the last epoch the CPU has finished (written by the workers, or by the host when a layer

@@ -61,6 +61,8 @@ if [ "$part" = offload ]; then  # the offloaded decode step, with the CPU worker
   run decode12_cache25_skew1_cpu $B decode $C --moe-miss-policy cpu
   run decode12_cache25_skew1_t8 $B decode $C --moe-cpu-threads 8
   run decode12_cache25_skew1_profile $B decode $C --profile
+  run decode12_cache25_skew1_trace $B decode $C --kernel-profile --trace "$out/trace.json"
+  run decode12_timeline python3 scripts/decode_timeline.py "$out/trace.json"
 fi
 if [ "$part" = crossover ] || [ "$part" = all ]; then  # the bw profile first: the crossover joins it
   run bw_profile $B bw --json

@@ -37,3 +37,46 @@ def test_telemetry_cost_counts_every_step_it_times(tmp_path):
     line = run.stdout.strip().splitlines()[-1]  # the script asserts the counters saw every step
     assert line.startswith("telemetry host cost per decode step (3 MoE layers, batch 1): ")
     assert float(line.rsplit(" ", 2)[-2]) > 0
+
+
+def _kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_decode_timeline_measures_each_layer_step(tmp_path):
+    """A made-up trace of two layer steps, one with a fill and one without, in the shape
+    torch's profiler writes: each figure is what the events say."""
+    events = [
+        _kernel("_routing_to_host_kernel", 0, 2),  # step 1 starts at 2
+        _kernel("Memcpy HtoD (Pinned -> Device)", 30, 200, "gpu_memcpy"),  # the fill: 30..230
+        _kernel("_route_slots_from_host_kernel", 40, 3),
+        _kernel("_one_token_gate_up_kernel", 45, 10),
+        _kernel("_one_token_down_kernel", 56, 8),
+        _kernel("_one_token_gate_up_kernel", 232, 4),  # the filled routes
+        _kernel("_one_token_down_kernel", 237, 3),
+        _kernel("_wait_epoch_kernel", 241, 2),
+        _kernel("_sum_parts_kernel", 244, 5),  # ends at 249
+        _kernel("Memcpy HtoD (Pinned -> Device)", 250, 1, "gpu_memcpy"),  # small: not a fill
+        _kernel("_routing_to_host_kernel", 290, 2),  # step 2 starts at 292
+        _kernel("_route_slots_from_host_kernel", 300, 3),
+        _kernel("_wait_epoch_kernel", 330, 40),
+        _kernel("_sum_parts_kernel", 371, 5),  # ends at 376
+        _kernel("_routing_to_host_kernel", 420, 2),  # ends at 422
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 10, "dur": 1},
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "decode_timeline.py"), str(trace)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    with_fill, without = (json.loads(line) for line in run.stdout.splitlines())
+    assert with_fill == {
+        "fills": True, "layer_steps": 1, "period_us": 290, "routing_to_cached_head_us": 38,
+        "epoch_wait_us": 2, "sum_to_next_routing_us": 43, "routing_to_fill_us": 28,
+        "fill_span_us": 200, "fill_end_to_sum_end_us": 19, "cached_moe_during_fills": 2,
+    }  # fmt: skip
+    assert without == {
+        "fills": False, "layer_steps": 1, "period_us": 130, "routing_to_cached_head_us": 8,
+        "epoch_wait_us": 40, "sum_to_next_routing_us": 46,
+    }  # fmt: skip

@@ -1,0 +1,102 @@
+"""The device's timeline of an offloaded decode layer step, from a kernel-profile trace.
+
+    moelab bench decode ... --moe-cache-rate 0.25 --kernel-profile --trace trace.json
+    python scripts/decode_timeline.py trace.json
+
+A layer step runs from one `_routing_to_host` kernel's end (the host may plan) to the next's.
+Prints one JSON line per kind of step, those with fills and those without, with the medians in
+µs of: the period; from the routing to the first fill copy (the host's wake, plan and queueing),
+the fills' span, and from the fills' end to the end of the parts' sum (what waited for them);
+from the routing to the cached routes' head (`_route_slots_from_host`); the epoch wait; and from
+the sum to the next routing (attention, norms and router). `cached_moe_during_fills` counts the
+one-token MoE kernels that ran before the fills ended (2: the cached routes' run during them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+FILL_MIN_US = 20  # copies shorter than this are not expert fills
+
+
+def _end(e: dict) -> float:
+    return e["ts"] + e["dur"]
+
+
+def layer_steps(events: list[dict]) -> list[dict]:
+    """One record per layer step with a head, an epoch wait and a sum inside it."""
+    device = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")),
+        key=lambda e: e["ts"],
+    )
+    routing = [e for e in device if e["name"].startswith("_routing_to_host")]
+    steps = []
+    for before, after in itertools.pairwise(routing):
+        t0, t1 = _end(before), _end(after)
+        inside = [e for e in device if t0 <= e["ts"] < t1]
+
+        def first(prefix: str, inside=inside) -> dict | None:
+            return next((e for e in inside if e["name"].startswith(prefix)), None)
+
+        head, wait, total = (
+            first("_route_slots_from_host"),
+            first("_wait_epoch"),
+            first("_sum_parts"),
+        )
+        if head is None or wait is None or total is None:
+            continue
+        fills = [e for e in inside if e["cat"] == "gpu_memcpy" and e["dur"] > FILL_MIN_US]
+        step = {
+            "fills": bool(fills),
+            "period_us": t1 - t0,
+            "routing_to_cached_head_us": head["ts"] - t0,
+            "epoch_wait_us": wait["dur"],
+            "sum_to_next_routing_us": t1 - _end(total),
+        }
+        if fills:
+            fills_end = _end(fills[-1])
+            step |= {
+                "routing_to_fill_us": fills[0]["ts"] - t0,
+                "fill_span_us": fills_end - fills[0]["ts"],
+                "fill_end_to_sum_end_us": _end(total) - fills_end,
+                "cached_moe_during_fills": sum(
+                    e["name"].startswith("_one_token") and _end(e) <= fills_end for e in inside
+                ),
+            }
+        steps.append(step)
+    return steps
+
+
+def summary(steps: list[dict]) -> list[dict]:
+    """Medians of each field, for the steps with fills and for those without."""
+    rows = []
+    for fills in (True, False):
+        chosen = [s for s in steps if s["fills"] is fills]
+        if chosen:
+            keys = [k for k in chosen[0] if k != "fills"]
+            row = {"fills": fills, "layer_steps": len(chosen)}
+            row |= {k: round(statistics.median(s[k] for s in chosen), 1) for k in keys}
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    events = json.loads(Path(argv[0]).read_text())["traceEvents"]
+    rows = summary(layer_steps(events))
+    if not rows:
+        print("no offloaded decode layer steps in this trace", file=sys.stderr)
+        return 1
+    for row in rows:
+        print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
