@@ -1,0 +1,224 @@
+"""The engine's forward-step loop: run a step now, or queue it on the device and read the one
+before it while it runs (overlapped decode), then hand out the tokens and check the stops.
+
+`Stepping` is mixed into `Engine` (engine.py) and shares its state: the scheduler, the model and
+its experts (`moe`), the decode graphs, the sampler, the KV cache, telemetry, and the step in
+flight (`_flight`, `_flip`, `_last_landed`, set up by `Engine.__init__`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .graphs import DecodeRow
+from .model import SeqSlice, StepBatch
+from .scheduler import Chunk, Sequence
+from .telemetry import StepTimer
+
+
+@dataclass(slots=True)
+class Flight:
+    """A decode step queued on the device whose tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # pinned host [n]: the greedy tokens, once `done` has passed
+    routing: tuple[torch.Tensor, int] | None  # the resident routing copy (telemetry)
+    done: torch.cuda.Event | None  # None on the CPU, where the step ran synchronously
+    launched: float
+
+
+class Stepping:
+    """The step loop of `Engine`."""
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to run and no step in flight."""
+        return self.scheduler.idle and self._flight is None
+
+    def step(self) -> list[Sequence]:
+        """Run one forward step; returns the sequences that got a token.
+
+        Overlapped decode (greedy requests, CUDA graphs): the step is queued on the device and
+        the previous step's tokens are read while it runs, so the host's work between steps
+        (scheduling, stop checks, streaming) hides behind the GPU's. With piecewise graphs
+        (offloaded experts) the host stages every layer of the queued step first; its work
+        between steps then hides behind the step's last CPU job and the logits. A step in flight
+        consumes its predecessor's tokens on the device; a sequence that stopped on the
+        predecessor's token wastes one step of compute, whose token is dropped.
+        """
+        flight, self._flight = self._flight, None
+        chunks = self.scheduler.next_step()
+        if flight is not None and self._overlaps(chunks):
+            self._flight = self._launch(chunks, flight)
+            return self._land(flight)
+        done = self._land(flight) if flight is not None else []
+        chunks = [c for c in chunks if not c.seq.finished]
+        if not chunks:
+            return done
+        if flight is None and self._overlaps(chunks):
+            self._flight = self._launch(chunks, None)
+            return done
+        return done + self._step_now(chunks)
+
+    def drain(self) -> list[Sequence]:
+        """Finish the step in flight, if any (before the caches change or stats are read)."""
+        flight, self._flight = self._flight, None
+        return self._land(flight) if flight is not None else []
+
+    def _overlaps(self, chunks: list[Chunk]) -> bool:
+        """Whether this step can be queued before the previous one's tokens are read."""
+        graphs = self.graphs
+        return (
+            self.overlap_decode
+            and graphs is not None
+            and 0 < len(chunks) <= graphs.max_bs
+            and all(c.count == 1 and not c.seq.prefilling for c in chunks)
+            and all(c.seq.params.greedy for c in chunks)
+            and self.model.on_router is None
+            and not self.telemetry.want_timing()
+        )
+
+    def _launch(self, chunks: list[Chunk], previous: Flight | None) -> Flight:
+        """Queue one decode step of whole-step graphs; its tokens stay on the device."""
+        graphs = self.graphs
+        assert graphs is not None
+        t0 = time.perf_counter()
+        row_of = {s.id: i for i, s in enumerate(previous.seqs)} if previous is not None else {}
+        rows = []
+        for c in chunks:
+            source = row_of.get(c.seq.id, -1)
+            token = 0 if source >= 0 else c.seq.tokens[c.start]
+            rows.append(DecodeRow(token, c.start, c.seq.blocks, source))
+        graphs.run(rows)
+        self._flip ^= 1
+        tokens = graphs.sampled_to_host(len(rows), self._flip)
+        routing = self.moe.snapshot_decode_ids(len(rows))
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        for c in chunks:
+            c.seq.computed = c.start + 1
+            c.seq.pending += 1
+        return Flight([c.seq for c in chunks], tokens, routing, done, t0)
+
+    def _land(self, flight: Flight) -> list[Sequence]:
+        """Wait for a queued step and hand out its tokens."""
+        if flight.done is not None:
+            flight.done.synchronize()
+        tokens = flight.tokens.tolist()
+        self.moe.after_decode_step(flight.routing, settled=self._flight is None)
+        for seq in flight.seqs:
+            seq.pending -= 1
+        now = time.perf_counter()
+        # a step in flight overlaps the previous one: count its time from whichever began later
+        self.telemetry.on_step(
+            decode_tokens=len(flight.seqs),
+            prefill_tokens=0,
+            step_s=now - max(flight.launched, self._last_landed),
+        )
+        self._last_landed = now
+        live = [(s, t) for s, t in zip(flight.seqs, tokens, strict=True) if not s.finished]
+        self._deliver([s for s, _ in live], [t for _, t in live])
+        return [s for s, _ in live]
+
+    def _step_now(self, chunks: list[Chunk]) -> list[Sequence]:
+        """Run one step and wait for its tokens."""
+        t0 = time.perf_counter()
+        decode = all(c.count == 1 and not c.seq.prefilling for c in chunks)
+        timer = StepTimer(self.device) if decode and self.telemetry.want_timing() else None
+        graphs = self.graphs
+        replay = (
+            decode
+            and timer is None
+            and graphs is not None
+            and self.model.on_router is None
+            and len(chunks) <= graphs.max_bs
+        )
+        self.model.timer = self.moe.timer = timer
+        try:
+            if replay:
+                assert graphs is not None
+                logits = graphs.run([DecodeRow(c.seq.tokens[c.start], c.start, c.seq.blocks)
+                                     for c in chunks])  # fmt: skip
+            else:
+                logits = self.model.forward(self._batch(chunks))
+        except BaseException:
+            self.moe.reset_prefill()
+            raise
+        finally:
+            self.model.timer = self.moe.timer = None
+        routing = self.moe.snapshot_decode_ids(len(chunks)) if decode else None
+        sampled_chunks = [c for c in chunks if c.completes_prompt]
+        for c in chunks:
+            c.seq.computed = c.start + c.count
+        seqs = [c.seq for c in sampled_chunks]
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.id for s in seqs])
+        if decode:
+            self.moe.after_decode_step(routing)
+        now = time.perf_counter()
+        self.telemetry.on_step(
+            decode_tokens=len(chunks) if decode else 0,
+            prefill_tokens=0 if decode else sum(c.count for c in chunks),
+            step_s=now - t0,
+            timer=timer,
+        )
+        self._last_landed = now
+        self._deliver(seqs, tokens)
+        return seqs
+
+    def _deliver(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Append each sequence's new token, check its stop conditions and stream it."""
+        now = time.monotonic()
+        for seq, token in zip(seqs, tokens, strict=True):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.output_ids.append(token)
+            self._check_stop(seq, token)
+            if seq.on_token is not None:
+                seq.on_token(seq, token)
+            if seq.finished:
+                self.scheduler.finish(seq, seq.finish_reason)
+                self.sampler.forget(seq.id)
+                self.telemetry.on_finish(seq)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens:
+            seq.finish_reason = "length"
+
+    def _batch(self, chunks: list[Chunk]) -> StepBatch:
+        ids, positions, slots, seqs, logits_index = [], [], [], [], []
+        for c in chunks:
+            tokens = c.seq.tokens[c.start : c.start + c.count]
+            q_start = len(ids)
+            ids.extend(tokens)
+            for pos in range(c.start, c.start + c.count):
+                positions.append(pos)
+                slots.append(self.kv.slot(c.seq.blocks, pos))
+            seqs.append(SeqSlice(q_start, c.count, c.start + c.count, c.seq.blocks))
+            if c.completes_prompt:
+                logits_index.append(len(ids) - 1)
+        dev = self.device
+
+        def as_tensor(values: list[int], dtype=torch.long) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        batch = StepBatch(
+            as_tensor(ids), as_tensor(positions), as_tensor(slots), seqs, as_tensor(logits_index)
+        )
+        if all(c.count == 1 and not c.seq.prefilling for c in chunks):
+            width = max(len(c.seq.blocks) for c in chunks)
+            tables = [c.seq.blocks + [0] * (width - len(c.seq.blocks)) for c in chunks]
+            batch.block_tables = as_tensor(tables, torch.int32)
+            batch.seq_lens = as_tensor([c.start + 1 for c in chunks], torch.int32)
+        return batch
+
+    def run_until_idle(self) -> None:
+        while not self.idle:
+            self.step()
