@@ -130,7 +130,13 @@ def sum_when_ready_triton(
     tokens, top_k, hidden = y.shape
     if out is None:
         out = torch.empty((tokens, hidden), dtype=torch.float32, device=y.device)
-    _check(out, cpu_part, sync)
+    elif out.dtype != torch.float32 or out.shape != cpu_part.shape or not out.is_contiguous():
+        raise ValueError(
+            f"out {tuple(out.shape)} {out.dtype} must be contiguous fp32 of the CPU part's shape "
+            f"{tuple(cpu_part.shape)}"
+        )
+    elif out.device != y.device:
+        raise ValueError(f"out is on {out.device}, the parts on {y.device}")
     ready = torch.empty(1, dtype=torch.int32, device=y.device)
     _wait_epoch_kernel[(1,)](sync, ready, max_polls, num_warps=1)
     block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
@@ -295,16 +301,6 @@ def _check_routing(ids, weights, x, ids_h, weights_h, x_h) -> None:
         raise ValueError("the routing's buffers must be in host memory")
     if x.is_cuda and not all(t.is_pinned() for t in hosts):
         raise ValueError("from a GPU, the routing's host buffers must be pinned")
-
-
-def _check(out: torch.Tensor, part: torch.Tensor, sync: torch.Tensor) -> None:
-    """The output [T, H], the CPU's part and the handoff state."""
-    if out.dtype != torch.float32 or out.shape != part.shape or not out.is_contiguous():
-        raise ValueError(
-            f"out {tuple(out.shape)} {out.dtype} and part {tuple(part.shape)} must be "
-            "contiguous fp32 of one shape"
-        )
-    _check_part(part, sync, out.device)
 
 
 def _check_part(part: torch.Tensor, sync: torch.Tensor, device: torch.device) -> None:

@@ -170,7 +170,8 @@ def test_bad_done_flags_get_a_clear_error(gen, call, words):
 @pytest.mark.parametrize(
     ("out", "part", "sync", "words"),
     [
-        (torch.zeros(2, 9), torch.zeros(2, 8), None, "one shape"),
+        (torch.zeros(2, 9), torch.zeros(2, 8), None, "the CPU part's shape"),
+        (torch.zeros(2, 8, device="meta"), torch.zeros(2, 8), None, "out is on meta"),
         (torch.zeros(2, 8).bfloat16(), torch.zeros(2, 8), None, "fp32"),
         (torch.zeros(2, 8), torch.zeros(8, 2).t(), None, "contiguous"),
         (torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(3, dtype=torch.int64), "handoff_sync"),
