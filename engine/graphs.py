@@ -5,12 +5,15 @@ When every expert is in the cache the whole step is one graph. An offloaded MoE 
 to see the routing and choose copies, so it cannot sit inside a graph: then each piece of dense
 work (attention, norms and router between two MoE dispatches; `Model.run_piece`) is a graph of its
 own. Each piece copies its router's output into fixed pinned host memory inside its graph. Between
-two replays the host waits for it, starts the CPU experts and the slot fills, and writes each
-route's slot into a fixed buffer (engine/moe.py, one native call); it launches the next piece, and
-only then counts. The next piece's graph begins with the cached experts' kernel over those slots,
-then waits on the device for the CPU's part, which the CPU job writes into fixed host memory
-(kernels/host_handoff.py): the host launches the next piece as soon as it has dispatched, while
-the CPU job runs, and no kernel is launched eagerly. One set of graphs per
+two replays the host waits for it, starts the CPU experts and the slot fills (on the copy stream),
+and writes each route's slot into a fixed pinned table, marking the routes the fills serve
+(engine/staged_decode.py, one native call); it launches the next piece, and only then counts. The
+next piece is two graphs: a head that reads the table and runs the cached experts' routes while
+the fills cross PCIe, then, once the host has ordered the compute stream behind the fills, the
+piece itself, which begins with the filled experts' routes and waits on the device for the CPU's
+part, which the CPU job writes into fixed host memory (kernels/host_handoff.py): the host launches
+the next piece as soon as it has dispatched, while the CPU job runs, and no kernel is launched
+eagerly. One set of graphs per
 padded batch size; padding rows write their KV into a scratch block, attend to nothing, and are left
 out of the expert dispatch (their slots stay -1).
 
@@ -132,7 +135,7 @@ class DecodeGraphs:
         # between the router and the host's read of it)
         self.routing_host = model.experts.routing_buffers(max_bs) if piecewise else None
         self.graphs: dict[int, list[Graph]] = {}
-        self.outputs: dict[int, list[Outputs]] = {}  # per size, per piece
+        self.outputs: dict[int, list[Outputs]] = {}  # per size, each graph's in capture order
         # piecewise: each piece after an MoE layer starts with a graph of its own, the cached
         # experts' routes (run while the fills cross PCIe); per size, per piece (None: piece 0)
         self.heads: dict[int, list[Graph | None]] = {}
