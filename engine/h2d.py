@@ -64,8 +64,3 @@ class HostToDevice:
         err = self._copy(dst_ptr, src_ptr, nbytes, self._stream)
         if err:
             raise RuntimeError(f"cuMemcpyHtoDAsync failed with CUDA driver error {err}")
-
-    def tensor(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Queue dst.copy_(src) for contiguous tensors of one size (src in host memory)."""
-        assert dst.is_contiguous() and src.is_contiguous() and dst.nbytes == src.nbytes
-        self.copy(dst.data_ptr(), src.data_ptr(), src.nbytes)

@@ -28,7 +28,9 @@ class Dispatch:
     missing: list[int]
     admitted: list[tuple[int, int]]  # (expert, slot) to copy from the bank now
     on_cpu: list[int]  # experts run on the CPU
-    route_slots: np.ndarray  # [T, K] cache slot of each route, -1 where it runs on the CPU
+    # [T, K] cache slot of each route, -1 where it runs on the CPU; a staged decode step with the
+    # planner's copies holds filled_mark(slot) (kernels/host_handoff.py) for a route its fills serve
+    route_slots: np.ndarray
     cpu_mask: np.ndarray | None  # [T, K] routes run on the CPU (None: none, or already started)
     job: object | None = None  # the CPU job (CpuExpertJob)
     route_slots_host: torch.Tensor | None = None  # route_slots in a reusable (pinned) buffer

@@ -79,7 +79,6 @@ class MoERunner(StagedDecode):
         # than the small copies of a decode layer step)
         self.compute_stream = torch.cuda.current_stream(self.device) if cuda else None
         # fills queued by the driver directly: torch's copy_ costs the host several times more
-        self._h2d_compute = HostToDevice(self.compute_stream) if cuda else None
         self._h2d_copy = HostToDevice(self.copy_stream) if cuda else None
         self._expert_bytes = bank.expert_bytes
         self._views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
