@@ -200,11 +200,12 @@ def _decode(engine, args) -> dict:
 
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-    if args.kernel_profile:
-        _kernel_profile(engine, prompts, trace=args.trace)
+    # the timed steps' counts, taken before --kernel-profile runs more steps
     reads, hits, fills, cpu, picks = (
         a - b for a, b in zip((c.reads, c.hits, c.fills, c.cpu, c.picks), before, strict=True)
     )
+    if args.kernel_profile:
+        _kernel_profile(engine, prompts, trace=args.trace)
     steps = args.tokens
     tok_s = args.batch * steps / elapsed
     rates = concurrent_rates(engine)

@@ -7,10 +7,13 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 from starlette.testclient import TestClient
 
 from moelab.engine.args import build_parser
 from moelab.engine.server import Server
+from moelab.engine.spec import ModelSpec
+from moelab.engine.synth import make_config
 
 
 def moelab(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -95,6 +98,11 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     # the engine's miss cost fit over the timed steps alone, not the 16 profiled after them (one
     # may be timed by phase: left out)
     assert 3 <= result["miss_cost"]["steps"] <= 4 and result["miss_cost"]["misses_per_step"] > 0
+    # so are the per-step counts the bound is made of: misses of the timed reads alone
+    spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
+    reads = spec.num_moe_layers * spec.top_k
+    misses = result["fills_per_step"] + result["cpu_per_step"]
+    assert misses == pytest.approx((1 - result["hit_rate"]) * reads)
     assert f"timeline written to {trace}" in r.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("ph") == "X" for e in events) > 10  # timed calls of the profiled steps
