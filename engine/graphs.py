@@ -174,8 +174,9 @@ class DecodeGraphs:
             assert self._head_out is not None
             cached_part, filled = self._head_out
             state.routed = self.model.experts.routed_filled(
-                state.x, filled, state.weights, cached_part, self.cpu_part[:bs]
-            )
+                state.x, filled, state.weights, cached_part, self.cpu_part[:bs],
+                self.model.routed_dtype(piece - 1),
+            )  # fmt: skip
         else:
             self._gather_inputs(bs)
         self.model.run_piece(piece, state)

@@ -214,6 +214,12 @@ class Model:
         x = x.index_select(0, batch.logits_index)
         state.logits = linear(x, w.lm_head).float()
 
+    def routed_dtype(self, moe_layer: int) -> torch.dtype:
+        """The dtype an MoE layer's routed output may come in (state.routed): the model's where
+        nothing is added to it in fp32 first (no shared expert), so that no conversion follows."""
+        layer = self.weights.layers[self.spec.moe_layers[moe_layer]]
+        return torch.float32 if layer.shared_gate_up is not None else self.dtype
+
     def run_experts(self, piece: int, state: StepState) -> None:
         """The routed experts of the MoE layer that ends `piece`: state.routed (fp32)."""
         assert state.x is not None and state.ids is not None and state.weights is not None
@@ -328,7 +334,8 @@ class Model:
 
     def _after_experts(self, layer: LayerWeights, state: StepState) -> torch.Tensor:
         """The MoE layer's output: routed experts plus the shared expert, in the model dtype; or
-        the routes' fp32 outputs [T, K, H] as they came, which the next residual add sums."""
+        the routes' fp32 outputs [T, K, H] as they came, which the next residual add sums. The
+        routed output is fp32, or already the model's dtype (`routed_dtype`)."""
         out, x = state.routed, state.x
         assert out is not None and x is not None
         if out.dim() == 3:

@@ -61,8 +61,16 @@ class StagedStepTimes:
     plan_s: float = 0.0
     fill_s: float = 0.0
     count_s: float = 0.0
+    # the layer step's period, from its routing's arrival on the host to the next layer's, by
+    # its plan ("q+c": q experts copied, c run on the CPU; "s": one of those split): [steps, s]
+    periods: dict[str, list] = field(default_factory=dict)
 
     STAGES = ("replay", "sync", "plan", "fill", "count")
+
+    def add_period(self, plan: str, seconds: float) -> None:
+        entry = self.periods.setdefault(plan, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
 
     def to_dict(self) -> dict:
         """Microseconds per layer step of each stage, and their sum."""
@@ -71,7 +79,14 @@ class StagedStepTimes:
             f"{s}_us": 1e6 * getattr(self, f"{s}_s") / n if n else None for s in self.STAGES
         }
         total = sum(v for v in per_step.values() if v is not None) if n else None
-        return {"layer_steps": n, "split_misses": self.split_misses, **per_step, "total_us": total}
+        periods = {
+            plan: {"steps": k, "us": 1e6 * seconds / k}
+            for plan, (k, seconds) in sorted(self.periods.items())
+        }
+        return {
+            "layer_steps": n, "split_misses": self.split_misses, **per_step, "total_us": total,
+            "period_by_plan": periods,
+        }  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -59,6 +59,8 @@ class StagedDecode:
         self._uncounted: list[tuple[Dispatch, int]] = []
         self._epoch = 0  # of the last CPU part handed over (the value DONE reaches)
         self._pending: Dispatch | None = None  # the staged layer whose CPU job is not ended
+        # the last staged layer step: (MoE layer, host time its routing arrived, its plan's key)
+        self._last_arrival: tuple[int, float, str] | None = None
         # the native planner of decode layer steps (None: the Python `_plan`), rebuilt when the
         # cache replaces its arrays
         self._planner: object | None = None
@@ -142,6 +144,7 @@ class StagedDecode:
             )  # fmt: skip
             t4 = clock()
             sync_s = t4 - t0 - plan_s - fill_s  # the wait, and the call
+            arrived = t4 - plan_s - fill_s
         else:
             if self.device.type == "cuda":
                 self.compute_stream.synchronize()
@@ -158,6 +161,7 @@ class StagedDecode:
             slots_h.numpy()[...] = np.where(filled, filled_mark(slots), slots)
             t4 = clock()
             sync_s, plan_s, fill_s = t1 - t0, t3 - t1, t4 - t3
+            arrived = t1
         self._fills_queued = bool(d.admitted) or d.split is not None
         state = self._handoff_sync.numpy()
         if d.job is None:  # nothing on the CPU: its part is zero, and ready now
@@ -171,6 +175,10 @@ class StagedDecode:
         times.sync_s += sync_s
         times.plan_s += plan_s
         times.fill_s += fill_s
+        # the last layer step's period ends as this one's routing arrives (within one token)
+        last, self._last_arrival = self._last_arrival, (moe_layer, arrived, _plan_key(d))
+        if last is not None and last[0] == moe_layer - 1:
+            times.add_period(last[2], arrived - last[1])
 
     def join_fills(self) -> None:
         """Between the next piece's two graphs: order the compute stream after the staged layer's
@@ -212,13 +220,14 @@ class StagedDecode:
         weights: torch.Tensor,
         cached_part: torch.Tensor,
         cpu_part: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """The second device part (capturable), once the fills are done: the filled experts'
         routes, summed with the cached ones' (cached_part) and the CPU's part (cpu_part, host
-        memory) once the CPU job has ended."""
+        memory) once the CPU job has ended, in `dtype` [T, H]."""
         w13, w2 = self.cache.w13, self.cache.w2
         filled_part = fused_moe_decode(x, filled, weights, w13, w2, reduce=False)
-        return sum_when_ready([cached_part, filled_part], cpu_part, self._handoff_sync)
+        return sum_when_ready([cached_part, filled_part], cpu_part, self._handoff_sync, dtype)
 
     def _end_handoff(self) -> None:
         """After a sync: count the last staged CPU job (ended: the device waited for it), and
@@ -297,3 +306,9 @@ class StagedDecode:
                                    cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
             self._planner, self._planner_version = planner, cache.version
         return self._planner
+
+
+def _plan_key(d: Dispatch) -> str:
+    """A layer step's plan as `StagedStepTimes.periods` keys it: "q+c", q experts copied and c
+    run on the CPU, with "s" when one of those is split between the two."""
+    return f"{len(d.admitted)}+{len(d.on_cpu)}" + ("s" if d.split is not None else "")

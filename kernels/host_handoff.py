@@ -60,11 +60,14 @@ def sum_when_ready_ref(
     cpu_part: torch.Tensor,
     sync: torch.Tensor,
     timeout_s: float | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Reference: the routes' sum of each of parts (fp32 [T, K, H], the fused MoE's per-route
     outputs) plus cpu_part (fp32 [T, H] in host memory) once sync's DONE reaches EXPECTED, waiting
-    on the host; fp32 [T, H]. On a timeout, sets TIMED_OUT and returns the parts' sum alone."""
+    on the host; [T, H], summed in fp32 and rounded to `dtype` once. On a timeout, sets TIMED_OUT
+    and returns the parts' sum alone."""
     _check_sum(parts, cpu_part, sync)
+    _check_dtype(dtype)
     out = parts[0].sum(dim=1)
     for extra in parts[1:]:
         out += extra.sum(dim=1)
@@ -73,10 +76,10 @@ def sum_when_ready_ref(
     while state[DONE] < state[EXPECTED]:
         if time.monotonic() > deadline:
             state[TIMED_OUT] = 1
-            return out
+            return out.to(dtype)
         time.sleep(0)
     out += cpu_part.to(out.device)
-    return out
+    return out.to(dtype)
 
 
 @triton.jit
@@ -112,7 +115,8 @@ def _sum_parts_kernel(
     part_len = tl.where(tl.load(ready_ptr) != 0, hidden, 0)
     # volatile: read the host's memory now, never a copy cached before the epoch was seen
     part = tl.load(part_ptr + t * hidden + offs, mask=offs < part_len, other=0.0, volatile=True)
-    tl.store(out_ptr + t * hidden + offs, acc + part, mask=mask)
+    # rounded once, to the output's type (the model's: no separate conversion launch after)
+    tl.store(out_ptr + t * hidden + offs, (acc + part).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def sum_when_ready_triton(
@@ -121,19 +125,22 @@ def sum_when_ready_triton(
     sync: torch.Tensor,
     max_polls: int = MAX_POLLS,
     out: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Triton: the same in two launches, waiting on the device (graph-capturable): a single warp
     polls the epoch, then the sum reads the CPU's part over PCIe. cpu_part and sync must be pinned
-    host memory when the parts are on a GPU. out: where to write (fp32 [T, H]); new if None."""
+    host memory when the parts are on a GPU. out: where to write ([T, H] of `dtype`); new if
+    None."""
     _check_sum(parts, cpu_part, sync)
+    _check_dtype(dtype)
     y = parts[0]
     tokens, top_k, hidden = y.shape
     if out is None:
-        out = torch.empty((tokens, hidden), dtype=torch.float32, device=y.device)
-    elif out.dtype != torch.float32 or out.shape != cpu_part.shape or not out.is_contiguous():
+        out = torch.empty((tokens, hidden), dtype=dtype, device=y.device)
+    elif out.dtype != dtype or out.shape != cpu_part.shape or not out.is_contiguous():
         raise ValueError(
-            f"out {tuple(out.shape)} {out.dtype} must be contiguous fp32 of the CPU part's shape "
-            f"{tuple(cpu_part.shape)}"
+            f"out {tuple(out.shape)} {out.dtype} must be contiguous {dtype} of the CPU part's "
+            f"shape {tuple(cpu_part.shape)}"
         )
     elif out.device != y.device:
         raise ValueError(f"out is on {out.device}, the parts on {y.device}")
@@ -148,13 +155,16 @@ def sum_when_ready_triton(
 
 
 def sum_when_ready(
-    parts: Sequence[torch.Tensor], cpu_part: torch.Tensor, sync: torch.Tensor
+    parts: Sequence[torch.Tensor],
+    cpu_part: torch.Tensor,
+    sync: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The routes' sum of the device parts plus the CPU's part once its epoch is done: the Triton
-    kernels on CUDA, the reference elsewhere."""
+    """The routes' sum of the device parts plus the CPU's part once its epoch is done, in
+    `dtype`: the Triton kernels on CUDA, the reference elsewhere."""
     if parts[0].is_cuda:
-        return sum_when_ready_triton(parts, cpu_part, sync)
-    return sum_when_ready_ref(parts, cpu_part, sync)
+        return sum_when_ready_triton(parts, cpu_part, sync, dtype=dtype)
+    return sum_when_ready_ref(parts, cpu_part, sync, dtype=dtype)
 
 
 def filled_mark(slot: int) -> int:
@@ -315,6 +325,11 @@ def _check_part(part: torch.Tensor, sync: torch.Tensor, device: torch.device) ->
     elif part.device != device:
         raise ValueError(f"all tensors must be on one device: out on {device}, part on "
                          f"{part.device}")  # fmt: skip
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"the sum is written in fp32, bf16 or fp16, not {dtype}")
 
 
 def _check_sum(parts: Sequence[torch.Tensor], cpu_part: torch.Tensor, sync: torch.Tensor) -> None:

@@ -119,9 +119,10 @@ class DecodePlanner {
   // Plans layer `layer` for routes ids/weights [T, top_k] (int32, fp32) of rows x [T, H] (fp32);
   // writes route_slots [T, top_k] (a cached expert's slot; -1: on the CPU). CPU routes' weighted
   // sum goes to out [T, H] (fp32), then done_value to done_flag if that is not 0. With the device
-  // set: sync first waits for the compute stream (without the GIL); copies, after starting the
-  // CPU job, queues the fills on the fill stream and writes -2 - slot for the routes they serve
-  // (the caller orders the device's reads of those slots after the fill stream).
+  // set: sync first waits for the compute stream (without the GIL); copies queues the fills on
+  // the fill stream and writes -2 - slot for the routes they serve (the caller orders the
+  // device's reads of those slots after the fill stream), after starting the CPU job, or before
+  // it where the copies are the side that ends later.
   // split_chunks >= 2 (with copies only): one miss may be split, its first rows in chunks of
   // I / split_chunks copied into the least recently used slot, which is freed again (its content
   // is no expert), and the rest run on the CPU (fetch_plan). Returns (experts ascending, their
@@ -255,6 +256,17 @@ class DecodePlanner {
       if (slot_of[e] >= 0) protected_[slot_of[e]] = 0;
     }
     if (split_slot >= 0) protected_[split_slot] = 0;
+    // The side that ends later starts first: where the copies take longer than the CPU's part,
+    // they are queued before the CPU job is made and started (ends() as in fetch_plan).
+    const double f = fetch_fraction;
+    const double u = split_expert >= 0 ? double(split_j) / double(split_chunks) : 0.0;
+    const double copied = double(admitted.size()) + (split_expert >= 0 ? (1 + 2 * u) / 3 : 0.0);
+    const double cpu_share = double(on_cpu.size()) - u;
+    const bool copies_first = copies && copied * (1.0 - f) > cpu_share * f;
+    const auto t2 = Clock::now();
+    Clock::duration fill_time{};
+    if (copies_first) fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row);
+    const auto t_job = Clock::now();
     py::object job = py::none();
     if (!on_cpu.empty()) {
       const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
@@ -267,41 +279,52 @@ class DecodePlanner {
       pool_.push(j);
       job = py::cast(j);
     }
-    const auto t2 = Clock::now();
-    if (copies) {
-      int err = 0;
-      for (size_t i = 0; i < admitted.size() && err == 0; ++i) {
-        const auto [e, slot] = admitted[i];
-        const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
-        const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
-        err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, fill_stream_);
-        if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, fill_stream_);
-      }
-      const char* failed = "cuMemcpyHtoDAsync";
-      if (split_expert >= 0 && err == 0) {
-        err = copy_split(layer, split_expert, split_slot, split_row, &failed);
-      }
-      if (err != 0) {
-        // the admitted slots may never be filled: free them, so no later step reads them
-        for (const auto& [e, slot] : admitted) {
-          slot_of[e] = -1;
-          key_of_slot_[slot] = -1;
-          last_use_[slot] = -1;
-        }
-        check_driver(err, failed);
-      }
-    }
     const auto t3 = Clock::now();
+    if (copies && !copies_first) {
+      fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row);
+    }
     const auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
     py::object split = py::none();
     if (split_expert >= 0) split = py::make_tuple(split_expert, split_slot, split_row);
-    return py::make_tuple(routed, before, admitted, on_cpu, split, job,
-                          py::make_tuple(seconds(t1 - t0), seconds(t2 - t1), seconds(t3 - t2)));
+    return py::make_tuple(
+        routed, before, admitted, on_cpu, split, job,
+        py::make_tuple(seconds(t1 - t0), seconds((t2 - t1) + (t3 - t_job)), seconds(fill_time)));
   }
 
  private:
   static constexpr int64_t kTick = 0, kHits = 1, kFills = 2, kEvictions = 3;  // cache.py's state
   static constexpr int8_t kNotRouted = 0, kOnCpu = 1, kSplit = 2, kFilled = 3;
+
+  // Queues the step's fills on the fill stream (whole experts, then the split one); on a driver
+  // error frees the admitted slots (they may never be filled, so no later step may read them) and
+  // throws. Returns the time it took.
+  std::chrono::steady_clock::duration queue_fills(
+      int64_t layer, const std::vector<std::pair<int32_t, int64_t>>& admitted,
+      int32_t split_expert, int64_t split_slot, int64_t split_row) {
+    const auto t0 = std::chrono::steady_clock::now();
+    int err = 0;
+    for (size_t i = 0; i < admitted.size() && err == 0; ++i) {
+      const auto [e, slot] = admitted[i];
+      const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
+      const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
+      err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, fill_stream_);
+      if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, fill_stream_);
+    }
+    const char* failed = "cuMemcpyHtoDAsync";
+    if (split_expert >= 0 && err == 0) {
+      err = copy_split(layer, split_expert, split_slot, split_row, &failed);
+    }
+    if (err != 0) {
+      int32_t* slot_of = slot_of_ + layer * experts_;
+      for (const auto& [e, slot] : admitted) {
+        slot_of[e] = -1;
+        key_of_slot_[slot] = -1;
+        last_use_[slot] = -1;
+      }
+      check_driver(err, failed);
+    }
+    return std::chrono::steady_clock::now() - t0;
+  }
 
   // A route served by this step's fill of `slot` (host_handoff.FILLED: -2 - slot).
   static int32_t filled_mark(int64_t slot) { return int32_t(-2 - slot); }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -137,6 +138,14 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     stages = StagedStepTimes.STAGES
     assert all(staged[f"{name}_us"] > 0 for name in stages)
     assert staged["total_us"] == pytest.approx(sum(staged[f"{name}_us"] for name in stages))
+    # each layer step but a token's last has its period, keyed by its plan
+    periods = staged["period_by_plan"]
+    assert sum(p["steps"] for p in periods.values()) == len(replays) * (
+        engine.spec.num_moe_layers - 1
+    )
+    assert all(re.fullmatch(r"\d+\+\d+s?", plan) and p["us"] > 0 for plan, p in periods.items())
+    assert any(plan.endswith("s") for plan in periods) == (copies == "planner-split")
+    assert any(not plan.startswith("0+") for plan in periods)  # steps with fills
     if driver is not None:  # one wait per staged layer step; two copies per staged fill (the
         # decode steps run eagerly fill too, without them) and a split miss's three (its gate
         # and up rows, its down projection)

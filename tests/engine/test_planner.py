@@ -8,6 +8,8 @@ pressure (steps that need more slots than are free) and every kind of split.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,12 @@ from moelab.engine.misses import MissPolicy
 from moelab.engine.moe import MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
-from moelab.kernels.host_handoff import filled_mark, route_slots_from_host, routing_to_host
+from moelab.kernels.host_handoff import (
+    DONE,
+    filled_mark,
+    route_slots_from_host,
+    routing_to_host,
+)
 
 from .reference import DRIVER_COPY, DRIVER_MEMSET, DRIVER_SYNC, address_of, host_driver
 
@@ -296,6 +303,37 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
         # split miss is a tenth of it or more)
         assert ((device_part + cpu_part - want).norm() / want.norm()).item() < 1e-2
     assert splits > 0
+
+
+@pytest.mark.parametrize(
+    ("top_k", "copies_first"), [(2, True), (3, False)], ids=["copies-longer", "cpu-longer"]
+)
+def test_the_side_that_ends_later_starts_first(cpu, top_k, copies_first):
+    """At a copy share of 0.39, two misses are one copy and one CPU expert: the copy ends later,
+    so it is queued before the CPU job starts. Three misses are one copy and two on the CPU: the
+    CPU job starts first. The stand-in copy watches for the job's end while it is called."""
+    r = _runner(_bank(torch.Generator().manual_seed(6)), 6, 0.39, cpu, top_k)
+    planner = r._decode_planner()
+    done = r._handoff_sync.numpy()
+    seen: list[bool] = []
+
+    def copy(dst, src, nbytes, stream) -> int:
+        if not seen:  # the first copy: has the CPU job been started (and so ended, soon)?
+            deadline = time.monotonic() + (0.2 if copies_first else 10.0)
+            while done[DONE] != r._epoch + 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen.append(bool(done[DONE] == r._epoch + 1))
+        return 0
+
+    functions = (DRIVER_COPY(copy), DRIVER_SYNC(lambda stream: 0),
+                 DRIVER_MEMSET(lambda dst, value, nbytes, stream: 0))  # fmt: skip
+    planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
+    ids = torch.arange(top_k, dtype=torch.int32)[None]
+    weights, x, out = torch.rand(1, top_k), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
+    d, _ = r._native_step(planner, 0, ids, weights, x, out, True, copies=True)
+    assert (len(d.admitted), len(d.on_cpu)) == (1, top_k - 1)
+    d.job.wait()
+    assert seen == [not copies_first]
 
 
 def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu):
