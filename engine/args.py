@@ -232,6 +232,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "they share its cores; 0 sleeps at once.",
     )
     moe.add_argument(
+        "--moe-cpu-task-kb",
+        type=_positive_int,
+        default=96,  # kernels/cpu_experts.DEFAULT_TASK_KB (this module imports no torch)
+        help="The weight KiB each task of a CPU expert job aims at (the workers claim tasks one "
+        "at a time): smaller tasks balance the threads at a job's end, larger ones stream longer "
+        "runs of memory.",
+    )
+    moe.add_argument(
         "--bw-profile",
         default=None,
         help="Bandwidth profile written by `moelab bench bw`; default: the newest one for this "
@@ -356,6 +364,12 @@ TUNABLE: tuple[Tunable, ...] = (
         "choice",
         ("0", "300", "1000", "5000"),
         "idle CPU workers spinning against the thread that feeds the GPU",
+    ),
+    Tunable(
+        "--moe-cpu-task-kb",
+        "choice",
+        ("48", "96", "192", "384"),
+        "CPU expert tasks: balance at a job's end against longer streams",
     ),
 )
 

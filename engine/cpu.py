@@ -14,17 +14,19 @@ import time
 
 import torch
 
-from ..kernels.cpu_experts import CpuExpertRunner
+from ..kernels.cpu_experts import DEFAULT_TASK_KB, CpuExpertRunner
 from .args import default_cpu_threads
 from .bank import ExpertBank
 
 log = logging.getLogger("moelab.cpu")
 
 
-def start_cpu_executor(threads: int | None, kernel: str, spin_us: int = 1000) -> CpuExpertRunner:
+def start_cpu_executor(
+    threads: int | None, kernel: str, spin_us: int = 1000, task_kb: int = DEFAULT_TASK_KB
+) -> CpuExpertRunner:
     """Persistent CPU expert workers; `kernel` auto falls back to torch when native cannot build."""
     threads = threads or default_cpu_threads()
-    runner = CpuExpertRunner(threads, kernel, spin_us=spin_us)
+    runner = CpuExpertRunner(threads, kernel, spin_us=spin_us, task_kb=task_kb)
     log.info("CPU experts: %d threads, %s kernel", threads, runner.kernel)
     return runner
 

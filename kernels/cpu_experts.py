@@ -28,6 +28,9 @@ KERNELS = ("auto", "native", "torch")
 SIMD_LEVELS = ("best", "avx512", "avx2", "scalar")
 _SIMD_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 _WEIGHT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# the weight KiB a task of a native job aims at: 16 threads stay balanced over one expert, and
+# claiming a task costs nothing next to streaming it (kernels/csrc/pool.h, kDefaultTaskBytes)
+DEFAULT_TASK_KB = 96
 
 
 def cpu_experts_ref(
@@ -199,11 +202,17 @@ class CpuExpertRunner:
     kernel: "native" (compiled; NativeKernelError if it cannot be built), "torch" (the reference) or
     "auto" (native if it builds, else torch, saying why in the log). simd picks the native kernel's
     code path ("best": the widest this CPU has); the others are there to test and compare them.
-    spin_us: how long idle native workers spin for the next job before sleeping.
+    spin_us: how long idle native workers spin for the next job before sleeping. task_kb: the
+    weight KiB each task of a native job aims at (tasks are what the workers claim one at a time).
     """
 
     def __init__(
-        self, num_threads: int, kernel: str = "auto", simd: str = "best", spin_us: int = 1000
+        self,
+        num_threads: int,
+        kernel: str = "auto",
+        simd: str = "best",
+        spin_us: int = 1000,
+        task_kb: int = DEFAULT_TASK_KB,
     ) -> None:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
@@ -231,7 +240,9 @@ class CpuExpertRunner:
             self.simd = levels[0] if simd == "best" else simd
             if isinstance(spin_us, bool) or not isinstance(spin_us, int) or spin_us < 0:
                 raise ValueError(f"spin_us must be an int of 0 or more, got {spin_us!r}")
-            self._pool = self._module.Pool(num_threads, spin_us)
+            if isinstance(task_kb, bool) or not isinstance(task_kb, int) or task_kb < 1:
+                raise ValueError(f"task_kb must be a positive int, got {task_kb!r}")
+            self._pool = self._module.Pool(num_threads, spin_us, task_kb * 1024)
         else:
             if simd != "best":
                 raise ValueError(f"simd={simd!r} applies to the native kernel only")
@@ -397,6 +408,23 @@ class CpuExpertRunner:
     ) -> torch.Tensor:
         """submit() and wait(): the experts' output [T, H] fp32."""
         return self.submit(x, w13, w2, pair_expert, pair_token, pair_weight, out).wait()
+
+    def jobs_gbps(self, w13: torch.Tensor, w2: torch.Tensor, k: int, iterations: int) -> float:
+        """Weight GB/s of `iterations` one-token jobs of k experts each (native kernel), queued
+        back to back in native code as decode queues them, through the bank w13 [E, 2I, H], w2
+        [E, H, I] in a scattered turn (so from memory, with a bank larger than the caches)."""
+        if self._module is None:
+            raise RuntimeError("jobs_gbps times the native kernel; this runner uses torch")
+        num_experts, two_inter, hidden = w13.shape
+        if w2.shape != (num_experts, hidden, two_inter // 2) or w13.dtype != w2.dtype:
+            raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
+        if not (w13.is_contiguous() and w2.is_contiguous()) or w13.dtype not in _WEIGHT_CODES:
+            raise ValueError("the bank must be contiguous bf16, fp16 or fp32")
+        seconds = self._module.time_expert_jobs(
+            self._pool, _SIMD_CODES[self.simd], _WEIGHT_CODES[w13.dtype], w13.data_ptr(),
+            w2.data_ptr(), num_experts, hidden, two_inter // 2, k, iterations,
+        )  # fmt: skip
+        return iterations * k * (w13[0].nbytes + w2[0].nbytes) / seconds / 1e9
 
     def read_gbps(self, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
         """The host memory read rate in GB/s on these threads: the best of `repeats` buffer sums."""

@@ -1,7 +1,8 @@
 """CPU expert kernel benchmark: weight GB/s of the native kernel and of torch, against the host's
 memory read rate measured by the same threads.
 
-Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--json] (docs/cpu-experts.md)
+Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--task-kb 48,96] [--json]
+(docs/cpu-experts.md)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .cpu_experts import SIMD_LEVELS, CpuExpertRunner
+from .cpu_experts import DEFAULT_TASK_KB, SIMD_LEVELS, CpuExpertRunner
 from .native_build import NativeKernelError
 
 
@@ -46,6 +47,16 @@ def _expert_gbps(
     return done * step_bytes / (time.perf_counter() - started_s) / 1e9
 
 
+def _native_gbps(
+    runner: CpuExpertRunner, w13: torch.Tensor, w2: torch.Tensor, k: int, min_s: float
+) -> float:
+    """Weight GB/s of one-token jobs of k experts queued back to back in native code, as decode
+    queues them (`CpuExpertRunner.jobs_gbps`), for about min_s seconds."""
+    probe = runner.jobs_gbps(w13, w2, k, 10)
+    step_bytes = k * (w13[0].nbytes + w2[0].nbytes)
+    return runner.jobs_gbps(w13, w2, k, max(10, int(min_s * probe * 1e9 / step_bytes)))
+
+
 def bench(
     threads: Sequence[int],
     experts: Sequence[int],
@@ -54,8 +65,11 @@ def bench(
     min_s: float,
     read_bytes: int,
     say: Callable[[str], None],
+    task_kbs: Sequence[int] = (DEFAULT_TASK_KB,),
 ) -> dict:
-    """Per thread count: host read rate, native and torch expert weight rates, in GB/s.
+    """Per thread count and task size: host read rate, native and torch expert weight rates, in
+    GB/s. The native jobs are timed in native code (no Python between them, as in decode), the
+    torch ones through Python, one step at a time.
 
     shape: (hidden, intermediate, experts in the bank), bf16. The host read rate is measured before
     and after the expert runs and the higher one kept, so that a busy machine lowers the share
@@ -69,27 +83,28 @@ def bench(
     w2.normal_(0, 0.02, generator=gen)
     results = []
     for n in threads:
-        with CpuExpertRunner(n, "native", simd) as native, CpuExpertRunner(n, "torch") as ref:
-            read_before_gbps = native.read_gbps(read_bytes)
-            rates = {
-                k: (_expert_gbps(native, w13, w2, k, min_s), _expert_gbps(ref, w13, w2, k, min_s))
-                for k in experts
-            }
-            host_gbps = max(read_before_gbps, native.read_gbps(read_bytes))
-            simd_used = native.simd
-        row = {"threads": n, "simd": simd_used, "host_read_gbps": host_gbps, "experts": {}}
-        for k, (native_gbps, torch_gbps) in rates.items():
-            share = native_gbps / host_gbps
-            row["experts"][k] = {
-                "native_gbps": native_gbps,
-                "torch_gbps": torch_gbps,
-                "native_share_of_host": share,
-            }
-            say(
-                f"{n:>7} {host_gbps:>14.1f} {k:>7} {native_gbps:>11.1f} {torch_gbps:>10.1f} "
-                f"{share:>11.0%}"
-            )
-        results.append(row)
+        with CpuExpertRunner(n, "torch") as ref:
+            torch_rates = {k: _expert_gbps(ref, w13, w2, k, min_s) for k in experts}
+        for kb in task_kbs:
+            with CpuExpertRunner(n, "native", simd, task_kb=kb) as native:
+                read_before_gbps = native.read_gbps(read_bytes)
+                rates = {k: _native_gbps(native, w13, w2, k, min_s) for k in experts}
+                host_gbps = max(read_before_gbps, native.read_gbps(read_bytes))
+                simd_used = native.simd
+            row = {"threads": n, "task_kb": kb, "simd": simd_used, "host_read_gbps": host_gbps,
+                   "experts": {}}  # fmt: skip
+            for k, native_gbps in rates.items():
+                share = native_gbps / host_gbps
+                row["experts"][k] = {
+                    "native_gbps": native_gbps,
+                    "torch_gbps": torch_rates[k],
+                    "native_share_of_host": share,
+                }
+                say(
+                    f"{n:>7} {kb:>7} {host_gbps:>14.1f} {k:>7} {native_gbps:>11.1f} "
+                    f"{torch_rates[k]:>10.1f} {share:>11.0%}"
+                )
+            results.append(row)
     return {
         "cpu": _cpu_name(),
         "logical_cpus": os.cpu_count(),
@@ -126,14 +141,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=768, help="I (Qwen3-30B-A3B: 768)")
     parser.add_argument("--num-experts", type=int, default=128, help="experts in the bank")
     parser.add_argument("--simd", choices=SIMD_LEVELS, default="best", help="native code path")
+    parser.add_argument(
+        "--task-kb", default=str(DEFAULT_TASK_KB), help="comma-separated native task sizes, KiB"
+    )
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time per measurement")
     parser.add_argument("--read-mib", type=int, default=1024, help="buffer of the host read test")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
         threads, experts = _int_list(args.threads), _int_list(args.experts)
+        task_kbs = _int_list(args.task_kb)
     except ValueError:
-        parser.error("--threads and --experts take positive comma-separated integers, e.g. 1,2,4")
+        parser.error(
+            "--threads, --experts and --task-kb take positive comma-separated integers, e.g. 1,2,4"
+        )
     if max(experts) > args.num_experts:
         parser.error("--experts cannot exceed --num-experts")
     say = (lambda _: None) if args.json else print
@@ -142,14 +163,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"I={args.intermediate} bf16, 1 token, bank of {args.num_experts}"
     )
     say(
-        f"{'threads':>7} {'host read GB/s':>14} {'experts':>7} {'native GB/s':>11} "
+        f"{'threads':>7} {'task KiB':>7} {'host read GB/s':>14} {'experts':>7} {'native GB/s':>11} "
         f"{'torch GB/s':>10} {'native/host':>11}"
     )
     shape = (args.hidden, args.intermediate, args.num_experts)
     try:
         result = bench(
-            threads, experts, shape, args.simd, args.min_seconds, args.read_mib << 20, say
-        )
+            threads, experts, shape, args.simd, args.min_seconds, args.read_mib << 20, say,
+            task_kbs,
+        )  # fmt: skip
     except (NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

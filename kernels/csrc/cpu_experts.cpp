@@ -12,9 +12,11 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <numeric>
+#include <stdexcept>
 #include <vector>
 
 #include "decode_planner.h"
@@ -77,13 +79,43 @@ double read_sum(Pool& pool, uintptr_t data, int64_t n) {
   return job->total();
 }
 
+// Seconds for `iterations` one-token jobs of k experts each, queued one after another on the pool
+// as decode queues them (nothing in between), taking the bank's E experts in a scattered turn so
+// that the weights come from memory. Blocks with the GIL released.
+double time_expert_jobs(Pool& pool, int simd, int weight_type, uintptr_t w13, uintptr_t w2,
+                        int64_t E, int64_t H, int64_t I, int64_t k, int64_t iterations) {
+  if (k < 1 || k > E || iterations < 1) {
+    throw std::invalid_argument("need 1 <= k <= experts and at least one iteration");
+  }
+  std::vector<float> x(H, 0.01f), out(H);
+  std::vector<int32_t> pair_expert(k), pair_token(k, 0);
+  std::vector<float> pair_weight(k, 1.0f / float(k));
+  const ExpertProblem p{x.data(), out.data(), reinterpret_cast<const void*>(w13),
+                        reinterpret_cast<const void*>(w2), 1, H, I, E};
+  // a stride with no factor in common with E visits every expert before it comes back to one
+  int64_t stride = 37;
+  while (std::gcd(stride, E) != 1) ++stride;
+  py::gil_scoped_release release;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iterations; ++it) {
+    for (int64_t j = 0; j < k; ++j) pair_expert[j] = int32_t((it * k + j) * stride % E);
+    auto job = make_job(pool, simd, weight_type, p, pair_expert.data(), pair_token.data(),
+                        pair_weight.data(), k);
+    pool.push(job);
+    job->wait();
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "MoE experts on the CPU from bf16/fp16/fp32 weights, on a persistent thread pool";
   py::class_<Pool>(m, "Pool")
-      .def(py::init<int, int>(), py::arg("num_threads"), py::arg("spin_us") = kDefaultWorkerSpinUs)
+      .def(py::init<int, int, int64_t>(), py::arg("num_threads"),
+           py::arg("spin_us") = kDefaultWorkerSpinUs, py::arg("task_bytes") = kDefaultTaskBytes)
       .def_property_readonly("num_threads", &Pool::num_threads)
+      .def_property_readonly("task_bytes", &Pool::task_bytes)
       .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
   py::class_<Job, std::shared_ptr<Job>>(m, "Job")
       .def("done", &Job::done)
@@ -98,5 +130,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_device", &DecodePlanner::set_device)
       .def("step", &DecodePlanner::step);
   m.def("read_sum", &read_sum);
+  m.def("time_expert_jobs", &time_expert_jobs);
   m.def("simd_levels", &simd_levels);
 }

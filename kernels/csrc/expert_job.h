@@ -27,10 +27,6 @@ struct ExpertProblem {
   int64_t split_row = 0;
 };
 
-// Tasks aim at this many weight bytes each: small enough to balance 16 threads over one expert,
-// large enough that claiming a task costs nothing next to streaming it.
-constexpr int64_t kTaskBytes = 96 * 1024;
-
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 template <class B, class WT>
@@ -38,7 +34,7 @@ class ExpertJob final : public Job {
  public:
   ExpertJob(const ExpertProblem& p, std::vector<int32_t> group_expert,
             std::vector<int32_t> group_start, std::vector<int32_t> token,
-            std::vector<float> weight, int num_threads)
+            std::vector<float> weight, int num_threads, int64_t task_bytes)
       : p_(p),
         group_expert_(std::move(group_expert)),
         group_start_(std::move(group_start)),
@@ -51,12 +47,12 @@ class ExpertJob final : public Job {
     for (size_t k = 0; k < token_.size(); ++k) x_row_[k] = p.x + token_[k] * p.H;
     // Phase 1: blocks of gate/up row pairs, even so that tiles of two pairs fill them.
     const int64_t row_bytes = std::max<int64_t>(1, p.H * int64_t(sizeof(WT)));
-    rows1_ = std::max<int64_t>(2, round_up(kTaskBytes / (2 * row_bytes), 2));
+    rows1_ = std::max<int64_t>(2, round_up(task_bytes / (2 * row_bytes), 2));
     blocks1_ = (p.I + rows1_ - 1) / rows1_;
     phase1_tasks_ = groups * blocks1_;
     // Phase 2: blocks of output rows, each over all experts; at least 4 blocks per thread.
     const int64_t down_bytes_per_row = std::max<int64_t>(1, groups * p.I * int64_t(sizeof(WT)));
-    rows2_ = std::max<int64_t>(4, round_up(kTaskBytes / down_bytes_per_row, 4));
+    rows2_ = std::max<int64_t>(4, round_up(task_bytes / down_bytes_per_row, 4));
     rows2_ = std::min(rows2_, std::max<int64_t>(4, round_up(p.H / (4 * num_threads), 4)));
     const int64_t blocks2 = (p.H + rows2_ - 1) / rows2_;
     set_num_tasks(groups == 0 ? 0 : phase1_tasks_ + blocks2);
@@ -179,14 +175,15 @@ class ExpertJob final : public Job {
 template <class B>
 std::shared_ptr<Job> make_expert_job(WeightType wt, const ExpertProblem& p,
                                      std::vector<int32_t> ge, std::vector<int32_t> gs,
-                                     std::vector<int32_t> tok, std::vector<float> w, int threads) {
+                                     std::vector<int32_t> tok, std::vector<float> w, int threads,
+                                     int64_t task_bytes) {
   switch (wt) {
     case WeightType::kF32:
-      return std::make_shared<ExpertJob<B, float>>(p, ge, gs, tok, w, threads);
+      return std::make_shared<ExpertJob<B, float>>(p, ge, gs, tok, w, threads, task_bytes);
     case WeightType::kF16:
-      return std::make_shared<ExpertJob<B, f16>>(p, ge, gs, tok, w, threads);
+      return std::make_shared<ExpertJob<B, f16>>(p, ge, gs, tok, w, threads, task_bytes);
     case WeightType::kBF16:
-      return std::make_shared<ExpertJob<B, bf16>>(p, ge, gs, tok, w, threads);
+      return std::make_shared<ExpertJob<B, bf16>>(p, ge, gs, tok, w, threads, task_bytes);
   }
   throw std::invalid_argument("unknown weight type");
 }
@@ -223,20 +220,24 @@ std::shared_ptr<Job> make_job(const Pool& pool, int simd, int weight_type, const
   group_start.push_back(int32_t(J));
   const auto wt = static_cast<WeightType>(weight_type);
   const int threads = pool.num_threads();
+  const int64_t task_bytes = pool.task_bytes();
   std::shared_ptr<Job> job;
   switch (static_cast<Simd>(simd)) {
 #ifdef MOELAB_HAVE_AVX512
     case Simd::kAvx512:
-      job = make_expert_job<Avx512>(wt, p, group_expert, group_start, token, weight, threads);
+      job = make_expert_job<Avx512>(wt, p, group_expert, group_start, token, weight, threads,
+                                    task_bytes);
       break;
 #endif
 #ifdef MOELAB_HAVE_AVX2
     case Simd::kAvx2:
-      job = make_expert_job<Avx2>(wt, p, group_expert, group_start, token, weight, threads);
+      job = make_expert_job<Avx2>(wt, p, group_expert, group_start, token, weight, threads,
+                                    task_bytes);
       break;
 #endif
     case Simd::kScalar:
-      job = make_expert_job<Scalar>(wt, p, group_expert, group_start, token, weight, threads);
+      job = make_expert_job<Scalar>(wt, p, group_expert, group_start, token, weight, threads,
+                                    task_bytes);
       break;
     default:
       throw std::invalid_argument("this build has no such SIMD level");

@@ -134,18 +134,26 @@ class Job {
   std::condition_variable cv_;
 };
 
+// The weight bytes a task of an expert job aims at, by default: small enough to balance 16 threads
+// over one expert, large enough that claiming a task costs nothing next to streaming it.
+constexpr int64_t kDefaultTaskBytes = 96 * 1024;
+
 class Pool {
  public:
-  explicit Pool(int num_threads, int spin_us = kDefaultWorkerSpinUs)
-      : num_threads_(num_threads), spin_(spin_us) {
+  explicit Pool(int num_threads, int spin_us = kDefaultWorkerSpinUs,
+                int64_t task_bytes = kDefaultTaskBytes)
+      : num_threads_(num_threads), spin_(spin_us), task_bytes_(task_bytes) {
     if (num_threads < 1) throw std::invalid_argument("num_threads must be at least 1");
     if (spin_us < 0) throw std::invalid_argument("spin_us must be 0 or more");
+    if (task_bytes < 1024) throw std::invalid_argument("task_bytes must be 1024 or more");
     workers_.reserve(num_threads);
     for (int i = 0; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
   }
   ~Pool() { close(); }
 
   int num_threads() const { return num_threads_; }
+  // The weight bytes each task of the expert jobs on this pool aims at.
+  int64_t task_bytes() const { return task_bytes_; }
 
   void push(std::shared_ptr<Job> job) {
     if (job->done()) return;
@@ -200,6 +208,7 @@ class Pool {
 
   const int num_threads_;
   const std::chrono::microseconds spin_;
+  const int64_t task_bytes_;
   std::vector<std::thread> workers_;
   std::deque<std::shared_ptr<Job>> queue_;
   std::atomic<int64_t> queued_{0};

@@ -194,10 +194,38 @@ def test_qwen3_shape_is_right_and_independent_of_thread_count() -> None:
             alone = one.run(*args)
             shared = three.run(*args)
             again = three.run(*args)
+        for task_kb in (8, 1024):  # many small tasks, a few large ones
+            with CpuExpertRunner(3, "native", task_kb=task_kb) as runner:
+                assert torch.equal(runner.run(*args), shared), f"tasks of {task_kb} KiB differ"
         exact, bound = exact_and_bound(*args, worst_case=False)
         assert_within_bound(shared, exact, bound, f"qwen3 shape, {len(pairs)} pairs", 5e-2)
         assert torch.equal(alone, shared), "the result depends on the number of threads"
         assert torch.equal(shared, again), "two runs of the same call differ"
+
+
+def test_the_task_size_default_is_one_across_the_flag_the_runner_and_the_pool() -> None:
+    from moelab.engine.args import build_parser
+
+    flag = build_parser().parse_args(["--model-path", "m"]).moe_cpu_task_kb
+    with CpuExpertRunner(2, "native") as runner:
+        pool_kb = runner._pool.task_bytes // 1024
+    assert flag == cpu_experts.DEFAULT_TASK_KB == pool_kb
+    with CpuExpertRunner(2, "native", task_kb=192) as runner:
+        assert runner._pool.task_bytes == 192 * 1024
+
+
+def test_native_job_loop_rate_is_plausible_and_checks_its_bank() -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    w13 = torch.randn(8, 64, 128, generator=gen).bfloat16()
+    w2 = torch.randn(8, 128, 32, generator=gen).bfloat16()
+    with CpuExpertRunner(2, "native") as runner:
+        assert 0.01 < runner.jobs_gbps(w13, w2, k=2, iterations=20) < 5000
+        with pytest.raises(ValueError, match="does not match"):
+            runner.jobs_gbps(w13, w2[:, :, :16], k=2, iterations=1)
+        with pytest.raises(ValueError, match="1 <= k <= experts"):
+            runner.jobs_gbps(w13, w2, k=9, iterations=1)
+    with CpuExpertRunner(2, "torch") as runner, pytest.raises(RuntimeError, match="native"):
+        runner.jobs_gbps(w13, w2, k=2, iterations=1)
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
@@ -430,6 +458,7 @@ def test_bad_inputs_get_a_clear_error(kernel: str, bad: str) -> None:
         ({"num_threads": 2, "simd": "neon"}, "simd must be one of"),
         ({"num_threads": 2, "kernel": "torch", "simd": "avx2"}, "native kernel only"),
         ({"num_threads": 2, "kernel": "native", "spin_us": -1}, "spin_us must be"),
+        ({"num_threads": 2, "kernel": "native", "task_kb": 0}, "task_kb must be"),
     ],
 )
 def test_bad_runner_settings_get_a_clear_error(kwargs: dict, words: str) -> None:
@@ -448,9 +477,10 @@ def test_read_rate_is_plausible(kernel: str) -> None:
 def test_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--threads", "1,2", "--experts", "2,1", "--hidden", "64", "--intermediate", "32"]
     argv += ["--num-experts", "6", "--min-seconds", "0.01", "--read-mib", "16", "--json"]
-    assert cpu_experts_bench.main(argv) == 0
+    assert cpu_experts_bench.main([*argv, "--task-kb", "4,96"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert [row["threads"] for row in result["results"]] == [1, 2]
+    rows = [(row["threads"], row["task_kb"]) for row in result["results"]]
+    assert rows == [(1, 4), (1, 96), (2, 4), (2, 96)]
     for row in result["results"]:
         assert row["host_read_gbps"] > 0
         assert set(row["experts"]) == {"2", "1"}
@@ -464,6 +494,8 @@ def test_bench_rejects_bad_lists(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cpu_experts_bench.main(["--threads", "0,2"])
     assert "positive comma-separated integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cpu_experts_bench.main(["--task-kb", "96,-1"])
 
 
 def test_unchecked_submit_computes_the_same_and_still_checks_the_pairs() -> None:

@@ -231,7 +231,7 @@ def test_a_sum_in_an_unsupported_dtype_or_into_another_dtype_is_refused():
         with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
             summer(parts, part, sync, dtype=torch.int32)
     out = torch.zeros(2, 8)
-    with pytest.raises(ValueError, match="must be contiguous torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"must be contiguous torch\.bfloat16"):
         host_handoff.sum_when_ready_triton(parts, part, sync, out=out, dtype=torch.bfloat16)
 
 
