@@ -340,6 +340,21 @@ def _prefill(engine, args) -> dict:
             else None, **rates}  # fmt: skip
 
 
+def staged_lines(staged: dict) -> str:
+    """What `bench decode` prints of its staged layer steps (`StagedStepTimes.to_dict`): the host's
+    time by stage, and the commonest plans' periods; empty where no step was staged."""
+    if not staged["layer_steps"]:
+        return ""
+    stages = ", ".join(f"{name} {staged[f'{name}_us']:.0f}" for name in StagedStepTimes.STAGES)
+    out = f"\nhost per staged layer step, µs: {stages}; {staged['total_us']:.0f} in all"
+    periods = staged["period_by_plan"]
+    if periods:
+        common = sorted(periods.items(), key=lambda kv: -kv[1]["steps"])[:8]
+        shown = ", ".join(f"{plan} {p['us']:.0f} ({p['steps']})" for plan, p in common)
+        out += f"\nlayer step period by plan (copied+on the CPU), µs (steps): {shown}"
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
     if getattr(args, "trace", None) is not None and not args.kernel_profile:
         print("moelab bench decode: --trace needs --kernel-profile", file=sys.stderr)
@@ -376,12 +391,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{plan.experts_total}; HBM {result['hbm_gbps']:.0f} GB/s, Bp "
             f"{result['bp_gbps']:.1f}, B_host {result['host_gbps']:.1f} GB/s"
         )
-        staged = result["staged_layer_us"]
-        if staged["layer_steps"]:
-            stages = ", ".join(
-                f"{name} {staged[f'{name}_us']:.0f}" for name in StagedStepTimes.STAGES
-            )
-            line += f"\nhost per staged layer step, µs: {stages}; {staged['total_us']:.0f} in all"
+        line += staged_lines(result["staged_layer_us"])
     else:
         bound = result["pcie_bound_tok_s"]
         line = (

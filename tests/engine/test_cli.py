@@ -11,6 +11,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.engine.args import build_parser
+from moelab.engine.bench_decode import staged_lines
+from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.server import Server
 from moelab.engine.spec import ModelSpec
 from moelab.engine.synth import make_config
@@ -108,3 +110,20 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     assert sum(e.get("ph") == "X" for e in events) > 10  # timed calls of the profiled steps
     refused = moelab(*flags, "--trace", str(trace), check=False)
     assert refused.returncode == 2 and "--trace needs --kernel-profile" in refused.stderr
+
+
+def test_bench_decode_prints_the_staged_stages_and_the_commonest_plans_periods():
+    times = StagedStepTimes(layer_steps=4, replay_s=4e-5, sync_s=8e-4, plan_s=4e-5, fill_s=2e-5,
+                            count_s=4e-5)  # fmt: skip
+    for plan, seconds in [("1+1", 260e-6), ("1+1", 270e-6), ("0+1", 160e-6)] + [
+        (f"{q}+9", 1e-3) for q in range(8)
+    ]:
+        times.add_period(plan, seconds)
+    text = staged_lines(times.to_dict())
+    assert "host per staged layer step, µs: replay 10, sync 200, plan 10, fill 5, count 10" in text
+    periods = text.splitlines()[-1]
+    assert periods.startswith(
+        "layer step period by plan (copied+on the CPU), µs (steps): 1+1 265 (2)"
+    )
+    assert len(periods.split(": ")[1].split(", ")) == 8  # the eight commonest steps' plans
+    assert staged_lines(StagedStepTimes().to_dict()) == ""
