@@ -38,14 +38,26 @@ using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, v
 using CuStreamSynchronize = int (*)(void* stream);
 using CuMemsetD8Async = int (*)(uint64_t dst, unsigned char value, size_t bytes, void* stream);
 
+// The two sides of a layer step's misses, in proportion to their time at copy share f: the copies
+// of q whole experts and, split at u > 0, of one more's first rows (u of its gate/up rows and its
+// whole down projection, a third of an expert), (q + (1 + 2u) / 3) * (1 - f); the CPU's experts,
+// on_cpu * f (a split expert counts 1 - u of one).
+struct Sides {
+  double copies, cpu;
+  double end() const { return std::max(copies, cpu); }
+};
+inline Sides sides(double q, double u, double on_cpu, double f) {
+  return {(q + (u > 0 ? (1.0 + 2.0 * u) / 3.0 : 0.0)) * (1.0 - f), on_cpu * f};
+}
+
 // How many of m misses to fetch: MissPolicy.fetch_count (engine/misses.py), in the same double
-// arithmetic. Of the two whole numbers around m * f, the one whose later side (the copies, in
-// proportion q * (1 - f); the CPU, (m - q) * f) ends sooner; a tie fetches.
+// arithmetic. Of the two whole numbers around m * f, the one whose later side ends sooner; a tie
+// fetches.
 inline int64_t fetch_count(int64_t m, double f) {
   const int64_t low =
       std::min<int64_t>(m, std::max<int64_t>(0, int64_t(std::floor(double(m) * f))));
   const int64_t high = std::min<int64_t>(m, low + 1);
-  auto ends = [&](int64_t q) { return std::max(double(q) * (1.0 - f), double(m - q) * f); };
+  auto ends = [&](int64_t q) { return sides(double(q), 0.0, double(m - q), f).end(); };
   return ends(high) <= ends(low) ? high : low;
 }
 
@@ -57,12 +69,11 @@ inline int64_t fetch_count(int64_t m, double f) {
 inline std::pair<int64_t, int64_t> fetch_plan(int64_t m, double f, int64_t chunks) {
   int64_t best_q = fetch_count(m, f), best_j = 0;
   if (chunks < 2) return {best_q, best_j};
-  double best = std::max(double(best_q) * (1.0 - f), double(m - best_q) * f);
+  double best = sides(double(best_q), 0.0, double(m - best_q), f).end();
   for (int64_t q = 0; q < m; ++q) {
     for (int64_t j = 1; j < chunks; ++j) {
       const double u = double(j) / double(chunks);
-      const double copied = double(q) + (1.0 + 2.0 * u) / 3.0;
-      const double end = std::max(copied * (1.0 - f), (double(m - q) - u) * f);
+      const double end = sides(double(q), u, double(m - q) - u, f).end();
       if (end < best) best = end, best_q = q, best_j = j;
     }
   }
@@ -257,12 +268,11 @@ class DecodePlanner {
     }
     if (split_slot >= 0) protected_[split_slot] = 0;
     // The side that ends later starts first: where the copies take longer than the CPU's part,
-    // they are queued before the CPU job is made and started (ends() as in fetch_plan).
-    const double f = fetch_fraction;
+    // they are queued before the CPU job is made and started.
     const double u = split_expert >= 0 ? double(split_j) / double(split_chunks) : 0.0;
-    const double copied = double(admitted.size()) + (split_expert >= 0 ? (1 + 2 * u) / 3 : 0.0);
-    const double cpu_share = double(on_cpu.size()) - u;
-    const bool copies_first = copies && copied * (1.0 - f) > cpu_share * f;
+    const Sides planned =
+        sides(double(admitted.size()), u, double(on_cpu.size()) - u, fetch_fraction);
+    const bool copies_first = copies && planned.copies > planned.cpu;
     const auto t2 = Clock::now();
     Clock::duration fill_time{};
     if (copies_first) fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row);
