@@ -206,8 +206,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--split-misses",
         action="store_true",
         help="Let one miss per offloaded decode layer step (CUDA graphs of pieces) be split: its "
-        "first rows copied to the GPU, the rest run on the CPU, so that the copies and the CPU "
-        "end together. Off by default: on an H200 it measured no faster (docs/performance.md).",
+        "first rows (and the same columns of its down projection) copied to the GPU, the rest "
+        "run on the CPU, so that the copies and the CPU end together. Off by default: on an "
+        "H200 it measured no faster on average (docs/performance.md).",
     )
     moe.add_argument(
         "--moe-cpu-threads",

@@ -182,7 +182,9 @@ class ExpertCache:
     def _allocate(self, slots: int) -> None:
         h, i = self.hidden_size, self.intermediate_size
         self.w13 = torch.empty((slots, 2 * i, h), dtype=self.dtype, device=self.device)
-        self.w2 = torch.empty((slots, h, i), dtype=self.dtype, device=self.device)
+        # zeroed: a split miss's slot (decode_planner.h) adds its down projection's columns past
+        # the copied ones times zero, which must not be NaN in a slot never filled
+        self.w2 = torch.zeros((slots, h, i), dtype=self.dtype, device=self.device)
         self.key_of_slot = np.full(slots, -1, dtype=np.int64)
         self.last_use = np.full(slots, -1, dtype=np.int64)
         self.version += 1

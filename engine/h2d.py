@@ -36,20 +36,100 @@ def _driver_sync() -> ctypes._CFuncPtr:
 
 
 @functools.cache
-def _driver_memset() -> ctypes._CFuncPtr:
-    fn = ctypes.CDLL("libcuda.so.1").cuMemsetD8Async
-    fn.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
+def _driver_memset2d() -> ctypes._CFuncPtr:
+    fn = ctypes.CDLL("libcuda.so.1").cuMemsetD2D8Async
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_ubyte, ctypes.c_size_t,
+                   ctypes.c_size_t, ctypes.c_void_p]  # fmt: skip
     fn.restype = ctypes.c_int
     return fn
 
 
-def driver_functions() -> tuple[int, int, int]:
-    """The addresses of the driver's cuMemcpyHtoDAsync, cuStreamSynchronize and cuMemsetD8Async,
-    for native code that queues the same copies (the decode planner, kernels/cpu_experts.py)."""
+@functools.cache
+def _driver_copy2d() -> ctypes._CFuncPtr:
+    fn = ctypes.CDLL("libcuda.so.1").cuMemcpy2DAsync_v2
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def driver_functions() -> tuple[int, int, int, int]:
+    """The addresses of the driver's cuMemcpyHtoDAsync, cuStreamSynchronize, cuMemsetD2D8Async
+    and cuMemcpy2DAsync, for native code that queues the same copies (the decode planner,
+    kernels/cpu_experts.py)."""
     return tuple(
         ctypes.cast(fn(), ctypes.c_void_p).value or 0
-        for fn in (_driver_copy, _driver_sync, _driver_memset)
+        for fn in (_driver_copy, _driver_sync, _driver_memset2d, _driver_copy2d)
     )
+
+
+# The signatures of the driver functions above, for stand-ins written in Python
+COPY_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                 ctypes.c_void_p)  # fmt: skip
+SYNC_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+MEMSET2D_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t,
+                                     ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_size_t,
+                                     ctypes.c_void_p)  # fmt: skip
+COPY2D_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class Memcpy2D(ctypes.Structure):
+    """cuda.h's CUDA_MEMCPY2D (memory types: 1 host, 2 device)."""
+
+    _fields_ = [
+        ("src_x_bytes", ctypes.c_size_t), ("src_y", ctypes.c_size_t),
+        ("src_memory_type", ctypes.c_int), ("src_host", ctypes.c_void_p),
+        ("src_device", ctypes.c_uint64), ("src_array", ctypes.c_void_p),
+        ("src_pitch", ctypes.c_size_t),
+        ("dst_x_bytes", ctypes.c_size_t), ("dst_y", ctypes.c_size_t),
+        ("dst_memory_type", ctypes.c_int), ("dst_host", ctypes.c_void_p),
+        ("dst_device", ctypes.c_uint64), ("dst_array", ctypes.c_void_p),
+        ("dst_pitch", ctypes.c_size_t),
+        ("width_bytes", ctypes.c_size_t), ("height", ctypes.c_size_t),
+    ]  # fmt: skip
+
+
+def host_functions(calls: dict[str, int] | None = None) -> tuple:
+    """Stand-ins for the four functions of `driver_functions` that work on host memory (a
+    device address is a host address there), counting their calls by name in `calls`: the
+    native planner's CUDA path, run on the CPU (tests, scripts/miss_split_sim.py). Keep them
+    alive while their addresses (`address_of`) are in use."""
+    calls = {} if calls is None else calls
+
+    def count(name: str) -> None:
+        calls[name] = calls.get(name, 0) + 1
+
+    def copy(dst: int, src: int, nbytes: int, stream: int) -> int:
+        count("copy")
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    def sync(stream: int) -> int:
+        count("sync")
+        return 0
+
+    def memset2d(dst: int, pitch: int, value: int, width: int, height: int, stream: int) -> int:
+        count("memset2d")
+        for row in range(height):
+            ctypes.memset(dst + row * pitch, value, width)
+        return 0
+
+    def copy2d(address: int, stream: int) -> int:
+        count("copy2d")
+        c = Memcpy2D.from_address(address)
+        if (c.src_memory_type, c.dst_memory_type) != (1, 2) or c.src_x_bytes or c.dst_x_bytes:
+            return 1  # CUDA_ERROR_INVALID_VALUE: only host-to-device copies from offset 0 here
+        for row in range(c.height):
+            ctypes.memmove(c.dst_device + (c.dst_y + row) * c.dst_pitch,
+                           c.src_host + (c.src_y + row) * c.src_pitch, c.width_bytes)  # fmt: skip
+        return 0
+
+    return (COPY_FUNCTION(copy), SYNC_FUNCTION(sync), MEMSET2D_FUNCTION(memset2d),
+            COPY2D_FUNCTION(copy2d))  # fmt: skip
+
+
+def address_of(function: ctypes._CFuncPtr) -> int:
+    """A ctypes function's address (keep the function itself alive while it is used)."""
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
 
 
 class HostToDevice:

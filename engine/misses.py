@@ -3,8 +3,9 @@
 For the m missing experts of a layer step, q of them are copied into cache slots while the other
 m − q run on the CPU at the same time; both would finish together at q = m · Bp / (Bp + Bh).
 Experts are whole, so q is whichever of the two whole numbers around it ends the step sooner
-(`MissPolicy.fetch_count`). With --split-misses one more miss may be divided, its first rows
-copied and the rest run on the CPU (`fetch_plan`). The native decode planner
+(`MissPolicy.fetch_count`). With --split-misses one more miss may be divided, the first rows of
+its gate and up projections and the same columns of its down projection copied and the rest run
+on the CPU (`fetch_plan`). The native decode planner
 (kernels/csrc/decode_planner.h) computes the same in the same double arithmetic.
 """
 
@@ -16,6 +17,16 @@ from dataclasses import dataclass
 
 # A split miss is divided between the copy and the CPU at a multiple of I / SPLIT_CHUNKS rows
 SPLIT_CHUNKS = 16
+# The fixed parts of a layer step's two sides, in the unit of `MissPolicy._ends` (one expert's
+# copy time plus its CPU time, about 270 µs on the H200 of docs/performance.md), where that side
+# has work, as the H200's layer step periods by plan gave them (docs/performance.md, tenth
+# session): the copies' (from the routing to the first copy's start, and from the last one's end
+# to the parts' sum: the filled routes' pass, the sum; ~40 µs), the CPU job's (its start and its
+# end, ~25 µs), and a split's extra copy time (its 2D copies run slower than whole experts, and
+# its memset; ~27 µs). The native planner has the same constants.
+COPY_FIXED = 0.15
+CPU_FIXED = 0.09
+SPLIT_FIXED = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,18 +65,23 @@ class MissPolicy:
         high = min(misses, low + 1)
         return high if self._ends(high, misses - high) <= self._ends(low, misses - low) else low
 
-    def _ends(self, copied: float, on_cpu: float) -> float:
+    def _ends(self, copied: float, on_cpu: float, split: bool = False) -> float:
         """When a layer step's misses end, in proportion: the later of the copies of `copied`
-        experts' worth and the CPU's `on_cpu`."""
+        experts' worth (`split`: part of that is a split expert's) and the CPU's `on_cpu`, each
+        with its fixed part where it has work."""
         f = self.fetch_fraction
-        return max(copied * (1.0 - f), on_cpu * f)
+        copies = copied * (1.0 - f)
+        if copied > 0:
+            copies += COPY_FIXED + (SPLIT_FIXED if split else 0.0)
+        cpu = on_cpu * f + (CPU_FIXED if on_cpu > 0 else 0.0)
+        return max(copies, cpu)
 
     def fetch_plan(self, misses: int, chunks: int) -> tuple[int, int]:
-        """(q, j): copy q whole misses and, of one more, the first j / chunks of its gate/up rows
-        with all of its down projection (a third of an expert), while the CPU runs its other rows
-        and the rest; j = 0: no miss is split. The split replaces `fetch_count`'s whole split only
-        where it ends the step sooner, by the same measure (copied experts · (1 − f) against the
-        CPU's · f). The native planner computes the same."""
+        """(q, j): copy q whole misses and, of one more, the first j / chunks of its gate and up
+        rows with the same columns of its down projection, while the CPU runs its other rows and
+        the rest; j = 0: no miss is split. The split replaces `fetch_count`'s whole split only
+        where it ends the step sooner, by the same measure (`_ends`). The native planner computes
+        the same."""
         best_q, best_j = self.fetch_count(misses), 0
         if chunks < 2:
             return best_q, best_j
@@ -73,7 +89,7 @@ class MissPolicy:
         for q in range(misses):
             for j in range(1, chunks):
                 u = j / chunks
-                end = self._ends(q + (1.0 + 2.0 * u) / 3.0, misses - q - u)
+                end = self._ends(q + u, misses - q - u, split=True)
                 if end < best:
                     best, best_q, best_j = end, q, j
         return best_q, best_j

@@ -370,14 +370,19 @@ class MoERunner(StagedDecode):
         The start-up Bh is the workers' best streaming rate; inside decode each job also waits
         for the workers to wake, and on an H200 they averaged 60 GB/s against 109 measured at
         start, so the start-up split sent too many misses to the CPU. Half the new reading is
-        blended in per window, so one noisy window cannot swing the split.
+        blended in per window, so one noisy window cannot swing the split. The reading is the
+        window's marginal rate where its jobs' sizes vary enough to fit one (`CpuJobTimes`):
+        the planner counts each job's fixed part apart (misses.CPU_FIXED), so the average rate,
+        which spreads that part over the bytes, would count it twice.
         """
         window, self._cpu_window = self._cpu_window, CpuJobTimes()
         policy = self.policy
         busy_s = window.start_s + window.run_s
         if policy.mode != "auto" or not busy_s or policy.bp_gbps is None or not policy.bh_gbps:
             return
-        seen_gbps = window.weight_bytes / busy_s / 1e9
+        average_gbps = window.weight_bytes / busy_s / 1e9
+        # no faster than twice the average: a fit over few, noisy jobs may be steep
+        seen_gbps = min(window.marginal_gbps() or average_gbps, 2.0 * average_gbps)
         self.policy = MissPolicy.auto(policy.bp_gbps, 0.5 * (policy.bh_gbps + seen_gbps))
 
     def _copy_experts(self, moe_layer: int, admitted: list[tuple[int, int]]):

@@ -15,12 +15,21 @@ MIN_INDEPENDENT_SHARE = 0.1
 
 @dataclass(slots=True)
 class CpuJobTimes:
-    """What the CPU expert workers did in decode steps, timed by the native kernel itself."""
+    """What the CPU expert workers did in decode steps, timed by the native kernel itself.
+
+    Besides the totals it keeps the sums of a straight-line fit of each job's busy time (its
+    reaction and its run) against its weight bytes: the slope is the time a byte more costs (the
+    marginal rate, `marginal_gbps`), the intercept what any job costs (the workers' start, the
+    gate/up rows' last wave before the down projection, the end). The average rate folds that
+    fixed part into every byte."""
 
     jobs: int = 0
     weight_bytes: int = 0
     start_s: float = 0.0  # queueing to the first task taken: the workers' reaction time
     run_s: float = 0.0  # first task taken to last task done
+    # the fit's sums, over jobs: bytes in GB, busy time in seconds
+    sum_gb_sq: float = 0.0
+    sum_gb_s: float = 0.0
 
     def add(self, weight_bytes: int, seconds: tuple[float, float] | None) -> None:
         if seconds is None:
@@ -29,12 +38,31 @@ class CpuJobTimes:
         self.weight_bytes += weight_bytes
         self.start_s += seconds[0]
         self.run_s += seconds[1]
+        gb = weight_bytes / 1e9
+        self.sum_gb_sq += gb * gb
+        self.sum_gb_s += gb * (seconds[0] + seconds[1])
+
+    def marginal_gbps(self) -> float | None:
+        """GB/s of a job's bytes beyond its fixed part: the inverse of the fit's slope; None
+        where the jobs' sizes barely vary (the slope is then noise) or the slope is not
+        positive."""
+        n = self.jobs
+        if n < 2:
+            return None
+        mean_gb = self.weight_bytes / 1e9 / n
+        mean_s = (self.start_s + self.run_s) / n
+        var_gb = self.sum_gb_sq / n - mean_gb * mean_gb
+        if var_gb <= (0.05 * mean_gb) ** 2:  # sizes within about 5% of each other
+            return None
+        slope = (self.sum_gb_s / n - mean_gb * mean_s) / var_gb  # seconds per GB
+        return 1.0 / slope if slope > 0 else None
 
     def to_dict(self) -> dict:
         return {
             "jobs": self.jobs,
             "weight_bytes": self.weight_bytes,
             "gbps": self.weight_bytes / self.run_s / 1e9 if self.run_s else None,
+            "marginal_gbps": self.marginal_gbps(),
             "start_us_mean": 1e6 * self.start_s / self.jobs if self.jobs else None,
             "run_us_mean": 1e6 * self.run_s / self.jobs if self.jobs else None,
         }

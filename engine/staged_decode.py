@@ -226,7 +226,8 @@ class StagedDecode:
         routes, summed with the cached ones' (cached_part) and the CPU's part (cpu_part, host
         memory) once the CPU job has ended, in `dtype` [T, H]."""
         w13, w2 = self.cache.w13, self.cache.w2
-        filled_part = fused_moe_decode(x, filled, weights, w13, w2, reduce=False)
+        # one or two filled experts, mostly: their rows spread over the device (few_routes)
+        filled_part = fused_moe_decode(x, filled, weights, w13, w2, reduce=False, few_routes=True)
         return sum_when_ready([cached_part, filled_part], cpu_part, self._handoff_sync, dtype)
 
     def _end_handoff(self) -> None:
@@ -299,10 +300,9 @@ class StagedDecode:
             )  # fmt: skip
             if planner is not None and self.planner_copies:
                 assert self.bank.w13[0].element_size() == cache.w13.element_size()
-                copy, sync, memset = driver_functions()
                 stream = self.compute_stream.cuda_stream if self.compute_stream else 0
                 fills = self.copy_stream.cuda_stream if self.copy_stream else 0
-                planner.set_device(copy, sync, memset, stream, fills, cache.w13.data_ptr(),
+                planner.set_device(*driver_functions(), stream, fills, cache.w13.data_ptr(),
                                    cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
             self._planner, self._planner_version = planner, cache.version
         return self._planner

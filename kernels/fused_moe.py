@@ -215,12 +215,14 @@ def fused_moe_decode_triton(
     compute_dtype: torch.dtype | None = None,
     config: DecodeMoEConfig | OneTokenMoEConfig | None = None,
     reduce: bool = True,
+    few_routes: bool = False,
 ) -> torch.Tensor:
     """Triton decode MoE: fp32 [T, H], graph-capturable (no host sync, shapes fixed by T and K).
 
     config picks the path: a OneTokenMoEConfig the one-token kernels (T must be 1), a
     DecodeMoEConfig the tl.dot kernels (any T); None the one-token kernels with
-    `choose_one_token_config`'s tiles at T=1, else the tl.dot kernels with the default tiles.
+    `choose_one_token_config`'s tiles at T=1 (for few live routes if `few_routes`: the routes a
+    layer step's fills serve), else the tl.dot kernels with the default tiles.
     reduce=False: fp32 [T, K, H] whose sum over K is that result, without the sum's launch. How a
     slot named twice by one token splits between its routes depends on the path (one-token: each
     route holds its own weighted output, as the reference's parts do; tl.dot: the token's result
@@ -230,7 +232,8 @@ def fused_moe_decode_triton(
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
     if config is None and num_tokens == 1:
-        config = choose_one_token_config(top_k, hidden, inter, common.sm_count(x.device))
+        sms = common.sm_count(x.device)
+        config = choose_one_token_config(top_k, hidden, inter, sms, few_routes)
     one_token = isinstance(config, OneTokenMoEConfig)
     if one_token and num_tokens != 1:
         raise ValueError(
@@ -331,10 +334,16 @@ def fused_moe_decode(
     *,
     compute_dtype: torch.dtype | None = None,
     reduce: bool = True,
+    few_routes: bool = False,
 ) -> torch.Tensor:
-    """Decode MoE over cache slots: the Triton kernel on CUDA, the torch reference elsewhere."""
-    fn = fused_moe_decode_triton if x.is_cuda else fused_moe_decode_ref
-    return fn(x, slot_ids, route_weights, w13, w2, compute_dtype=compute_dtype, reduce=reduce)
+    """Decode MoE over cache slots: the Triton kernel on CUDA (few_routes: tiles for a launch
+    where few routes are live), the torch reference elsewhere."""
+    kwargs = {"compute_dtype": compute_dtype, "reduce": reduce}
+    if x.is_cuda:
+        return fused_moe_decode_triton(
+            x, slot_ids, route_weights, w13, w2, few_routes=few_routes, **kwargs
+        )
+    return fused_moe_decode_ref(x, slot_ids, route_weights, w13, w2, **kwargs)
 
 
 def _check(

@@ -23,7 +23,9 @@ from . import common, gemv
 @dataclass(frozen=True, slots=True)
 class OneTokenMoEConfig:
     """Tiles of the one-token launches: weight rows and reduction step per program of each,
-    warps, and how many reduction steps of weight loads are in flight at once (1: none)."""
+    warps, and how many reduction steps of weight loads are in flight at once (1: none).
+    loop_routes: one program per row block, looping over the routes (for launches where few
+    routes are live, as after a layer step's fills), instead of one per route and row block."""
 
     gate_up_block_n: int = 8
     gate_up_block_k: int = 256
@@ -31,6 +33,7 @@ class OneTokenMoEConfig:
     down_block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
+    loop_routes: bool = False
 
     def __post_init__(self) -> None:
         for name, least in (
@@ -47,8 +50,10 @@ class OneTokenMoEConfig:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
 
-@functools.lru_cache(maxsize=16)
-def choose_one_token_config(top_k: int, hidden: int, inter: int, sms: int) -> OneTokenMoEConfig:
+@functools.lru_cache(maxsize=32)
+def choose_one_token_config(
+    top_k: int, hidden: int, inter: int, sms: int, few_routes: bool = False
+) -> OneTokenMoEConfig:
     """One-token tiles for a geometry on a device with `sms` SMs, by gemv's rule for one token.
 
     Each launch takes the widest block of up to 16 rows whose grid (routes x row blocks) still
@@ -56,11 +61,17 @@ def choose_one_token_config(top_k: int, hidden: int, inter: int, sms: int) -> On
     weight loads at gemv.ROW_TILE_ELEMENTS (gate/up loads two tiles a step: gate and up rows).
     Qwen3-30B-A3B (H=2048, I=768, 8 routes) on 132 SMs: gate/up 8 rows by 256 (768 programs),
     down 16 rows by 256 (1024 programs).
+
+    few_routes: for a launch where one or two routes are live (the routes a layer step's fills
+    serve): the rule for one route, whose row blocks then loop over the routes (`loop_routes`),
+    so that one live route's rows spread over the whole device: there, gate/up 1 row by 2048
+    (768 programs), down 2 rows by 1024, all of I (1024 programs).
     """
+    routes = 1 if few_routes else top_k
 
     def rows_per_program(rows: int) -> int:
         block_n = 16
-        while block_n > 1 and top_k * triton.cdiv(rows, block_n) < gemv.ROW_PROGRAMS_PER_SM * sms:
+        while block_n > 1 and routes * triton.cdiv(rows, block_n) < gemv.ROW_PROGRAMS_PER_SM * sms:
             block_n //= 2
         return block_n
 
@@ -71,32 +82,17 @@ def choose_one_token_config(top_k: int, hidden: int, inter: int, sms: int) -> On
         gate_up_block_k=max(256, gemv.ROW_TILE_ELEMENTS // (2 * gate_up_n)),
         down_block_n=down_n,
         down_block_k=max(256, gemv.ROW_TILE_ELEMENTS // down_n),
+        loop_routes=few_routes,
     )
 
 
 @triton.jit
-def _one_token_gate_up_kernel(
-    x_ptr,
-    slots_ptr,
-    w13_ptr,
-    act_ptr,
-    hidden,
-    inter,
-    stride_ws,
-    stride_wn,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    COMPUTE: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    route = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot = tl.load(slots_ptr + route)
-    # A masked route (run on the CPU) has no rows: it loads nothing, and its act row is left for
-    # no one to read.
-    rows = tl.where(slot >= 0, inter, 0)
-    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n_idx < rows
+def _gate_up_rows(
+    x_ptr, slot, w13_ptr, act_ptr, hidden, inter, stride_ws, stride_wn, n_idx,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """act rows n_idx (a route's act row at act_ptr) of the expert in `slot` (>= 0)."""
+    n_ok = n_idx < inter
     expert = w13_ptr + slot.to(tl.int64) * stride_ws
     gate_rows = expert + n_idx[:, None].to(tl.int64) * stride_wn
     up_rows = expert + (inter + n_idx[:, None]).to(tl.int64) * stride_wn
@@ -118,44 +114,85 @@ def _one_token_gate_up_kernel(
     gate_row = tl.sum(acc_gate, axis=1)
     up_row = tl.sum(acc_up, axis=1)
     act = gate_row * tl.sigmoid(gate_row) * up_row
-    tl.store(act_ptr + route * inter + n_idx, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(act_ptr + n_idx, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _one_token_gate_up_kernel(
+    x_ptr, slots_ptr, w13_ptr, act_ptr, hidden, inter, stride_ws, stride_wn,
+    TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    # A masked route (run on the CPU) loads nothing, and its act row is left for no one to read.
+    if LOOP_ROUTES:  # one program per row block, over every route: few are live
+        n_idx = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        for route in range(TOP_K):
+            slot = tl.load(slots_ptr + route)
+            if slot >= 0:
+                _gate_up_rows(
+                    x_ptr, slot, w13_ptr, act_ptr + route * inter, hidden, inter, stride_ws,
+                    stride_wn, n_idx, BLOCK_N, BLOCK_K, COMPUTE, STAGES,
+                )  # fmt: skip
+    else:  # one program per route and row block
+        route = tl.program_id(0)
+        slot = tl.load(slots_ptr + route)
+        if slot >= 0:
+            n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            _gate_up_rows(
+                x_ptr, slot, w13_ptr, act_ptr + route * inter, hidden, inter, stride_ws,
+                stride_wn, n_idx, BLOCK_N, BLOCK_K, COMPUTE, STAGES,
+            )  # fmt: skip
+
+
+@triton.jit
+def _down_rows(
+    act_ptr, slot, w2_ptr, inter, stride_ws, stride_wn, n_idx, n_ok,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_N]: rows n_idx of the down projection in `slot` (>= 0) times a route's act
+    row (at act_ptr)."""
+    w_rows = w2_ptr + slot.to(tl.int64) * stride_ws + n_idx[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < inter
+        a = tl.load(act_ptr + k_idx, mask=k_ok, other=0.0)
+        w = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(COMPUTE).to(tl.float32) * a.to(tl.float32)[None, :]
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _one_token_down_kernel(
-    act_ptr,
-    slots_ptr,
-    weights_ptr,
-    w2_ptr,
-    y_ptr,
-    hidden,
-    inter,
-    stride_ws,
-    stride_wn,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    COMPUTE: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    route = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot = tl.load(slots_ptr + route)
-    # A masked route reduces over nothing (its act row was never written), so it writes zeros.
-    live = slot >= 0
-    k_len = tl.where(live, inter, 0)
-    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n_idx < hidden
-    w_rows = w2_ptr + slot.to(tl.int64) * stride_ws + n_idx[:, None].to(tl.int64) * stride_wn
-    act_row = act_ptr + route * inter
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k_idx < k_len
-        a = tl.load(act_row + k_idx, mask=k_ok, other=0.0)
-        w = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(COMPUTE).to(tl.float32) * a.to(tl.float32)[None, :]
-    route_w = tl.where(live, tl.load(weights_ptr + route).to(tl.float32), 0.0)
-    tl.store(y_ptr + route * hidden + n_idx, tl.sum(acc, axis=1) * route_w, mask=n_ok)
+    act_ptr, slots_ptr, weights_ptr, w2_ptr, y_ptr, hidden, inter, stride_ws, stride_wn,
+    TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    # A masked route's rows are zeros (its act row was never written).
+    if LOOP_ROUTES:  # one program per row block, over every route: few are live
+        n_idx = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n_idx < hidden
+        for route in range(TOP_K):
+            slot = tl.load(slots_ptr + route)
+            out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            if slot >= 0:
+                out = _down_rows(
+                    act_ptr + route * inter, slot, w2_ptr, inter, stride_ws, stride_wn, n_idx,
+                    n_ok, BLOCK_N, BLOCK_K, COMPUTE, STAGES,
+                ) * tl.load(weights_ptr + route).to(tl.float32)  # fmt: skip
+            tl.store(y_ptr + route * hidden + n_idx, out, mask=n_ok)
+    else:  # one program per route and row block
+        route = tl.program_id(0)
+        slot = tl.load(slots_ptr + route)
+        n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n_idx < hidden
+        out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if slot >= 0:
+            out = _down_rows(
+                act_ptr + route * inter, slot, w2_ptr, inter, stride_ws, stride_wn, n_idx, n_ok,
+                BLOCK_N, BLOCK_K, COMPUTE, STAGES,
+            ) * tl.load(weights_ptr + route).to(tl.float32)  # fmt: skip
+        tl.store(y_ptr + route * hidden + n_idx, out, mask=n_ok)
 
 
 def launch(
@@ -173,7 +210,10 @@ def launch(
     hidden = x.shape[1]
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
-    _one_token_gate_up_kernel[(top_k, triton.cdiv(inter, cfg.gate_up_block_n))](
+    loop = cfg.loop_routes  # a grid of row blocks only: each program loops over the routes
+    gate_up_blocks = triton.cdiv(inter, cfg.gate_up_block_n)
+    down_blocks = triton.cdiv(hidden, cfg.down_block_n)
+    _one_token_gate_up_kernel[(gate_up_blocks,) if loop else (top_k, gate_up_blocks)](
         x,
         slot_ids,
         w13,
@@ -182,13 +222,15 @@ def launch(
         inter,
         w13.stride(0),
         w13.stride(1),
+        TOP_K=top_k,
+        LOOP_ROUTES=loop,
         BLOCK_N=cfg.gate_up_block_n,
         BLOCK_K=min(cfg.gate_up_block_k, common.next_pow2(hidden, 16)),
         COMPUTE=compute,
         STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
     )
-    _one_token_down_kernel[(top_k, triton.cdiv(hidden, cfg.down_block_n))](
+    _one_token_down_kernel[(down_blocks,) if loop else (top_k, down_blocks)](
         act,
         slot_ids,
         route_weights,
@@ -198,6 +240,8 @@ def launch(
         inter,
         w2.stride(0),
         w2.stride(1),
+        TOP_K=top_k,
+        LOOP_ROUTES=loop,
         BLOCK_N=cfg.down_block_n,
         BLOCK_K=min(cfg.down_block_k, common.next_pow2(inter, 16)),
         COMPUTE=compute,

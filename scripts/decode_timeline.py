@@ -4,12 +4,13 @@
     python scripts/decode_timeline.py trace.json
 
 A layer step runs from one `_routing_to_host` kernel's end (the host may plan) to the next's.
-Prints one JSON line per kind of step, those with fills and those without, with the medians in
-µs of: the period; from the routing to the first fill copy (the host's wake, plan and queueing),
-the fills' span, and from the fills' end to the end of the parts' sum (what waited for them);
-from the routing to the cached routes' head (`_route_slots_from_host`); the epoch wait; and from
-the sum to the next routing (attention, norms and router). `cached_moe_during_fills` counts the
-one-token MoE kernels that ran before the fills ended (2: the cached routes' run during them).
+Prints one JSON line per kind of step (how many fill copies, and memsets, it has), with the
+medians in µs of: the period; from the routing to the first fill copy (the host's wake, plan
+and queueing), the fills' span, and from the fills' end to the end of the parts' sum (what
+waited for them); from the routing to the cached routes' head (`_route_slots_from_host`); the
+epoch wait; and from the sum to the next routing (attention, norms and router).
+`cached_moe_during_fills` counts the one-token MoE kernels that ran before the fills ended (2:
+the cached routes' run during them).
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def layer_steps(events: list[dict]) -> list[dict]:
         if head is None or wait is None or total is None:
             continue
         fills = [e for e in inside if e["cat"] == "gpu_memcpy" and e["dur"] > FILL_MIN_US]
+        memsets = [e for e in inside if e.get("cat") == "gpu_memset"]
         step = {
             "fills": bool(fills),
+            "kind": f"{len(fills)} copies" + (f", {len(memsets)} memsets" if memsets else ""),
             "period_us": t1 - t0,
             "routing_to_cached_head_us": head["ts"] - t0,
             "epoch_wait_us": wait["dur"],
@@ -72,13 +75,13 @@ def layer_steps(events: list[dict]) -> list[dict]:
 
 
 def summary(steps: list[dict]) -> list[dict]:
-    """Medians of each field, for the steps with fills and for those without."""
+    """Medians of each field, for the steps of each kind (their fill copies and memsets)."""
     rows = []
-    for fills in (True, False):
-        chosen = [s for s in steps if s["fills"] is fills]
+    for kind in sorted({s["kind"] for s in steps}):
+        chosen = [s for s in steps if s["kind"] == kind]
         if chosen:
-            keys = [k for k in chosen[0] if k != "fills"]
-            row = {"fills": fills, "layer_steps": len(chosen)}
+            keys = [k for k in chosen[0] if k not in ("fills", "kind")]
+            row = {"kind": kind, "layer_steps": len(chosen)}
             row |= {k: round(statistics.median(s[k] for s in chosen), 1) for k in keys}
             rows.append(row)
     return rows

@@ -17,7 +17,6 @@ the dense work, the host or the GPU's MoE.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 
 from moelab.engine.bank import ExpertBank
 from moelab.engine.cache import ExpertCache
+from moelab.engine.h2d import address_of, host_functions
 from moelab.engine.misses import SPLIT_CHUNKS, MissPolicy
 from moelab.engine.moe import MoERunner
 from moelab.engine.synth import zipf_shares
@@ -34,27 +34,12 @@ LAYERS, EXPERTS, TOP_K, SLOTS = 12, 128, 8, 384  # Qwen3-30B-A3B's counts, 12 la
 HIDDEN, INTER = 64, 2 * SPLIT_CHUNKS  # small experts: only the decisions matter here
 TF_US, TC_US = 200.0, 108.0  # one expert copied at 47 GB/s; run by the CPU at ~87 GB/s
 
-COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
-                        ctypes.c_void_p)  # fmt: skip
-SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-MEMSET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t,
-                          ctypes.c_void_p)  # fmt: skip
-
 
 class RoundedPolicy(MissPolicy):
     """The rule before: round(m · f)."""
 
     def fetch_count(self, misses: int) -> int:
         return min(misses, max(0, round(misses * self.fetch_fraction)))
-
-
-def _host_functions() -> tuple:
-    """Driver stand-ins on host memory (the cache lives there): copy, sync, memset."""
-    return (
-        COPY(lambda dst, src, n, stream: ctypes.memmove(dst, src, n) and 0),
-        SYNC(lambda stream: 0),
-        MEMSET(lambda dst, value, n, stream: ctypes.memset(dst, value, n) and 0),
-    )
 
 
 def simulate(rule: str, skew: float, steps: int, f: float, cpu: CpuExpertRunner) -> dict:
@@ -69,8 +54,8 @@ def simulate(rule: str, skew: float, steps: int, f: float, cpu: CpuExpertRunner)
     if rule == "split":
         r.split_misses = True
         planner = r._decode_planner()
-        functions = _host_functions()
-        addresses = [ctypes.cast(fn, ctypes.c_void_p).value for fn in functions]
+        functions = host_functions()
+        addresses = [address_of(fn) for fn in functions]
         planner.set_device(*addresses, 0, 0, cache.w13.data_ptr(), cache.w2.data_ptr(), 2)
     rng = np.random.default_rng(1)
     shares = zipf_shares(EXPERTS, skew)
@@ -91,7 +76,7 @@ def simulate(rule: str, skew: float, steps: int, f: float, cpu: CpuExpertRunner)
             else:
                 d = r._plan(layer, ids, decode=True)
             share = d.split_share
-            step_copied = len(d.admitted) + ((1.0 + 2.0 * share) / 3.0 if d.split else 0.0)
+            step_copied = len(d.admitted) + share
             step_cpu = len(d.on_cpu) - share
             total_us += max(step_copied * TF_US, step_cpu * TC_US)
             copied += step_copied

@@ -70,13 +70,13 @@ def test_decode_timeline_measures_each_layer_step(tmp_path):
         [sys.executable, str(ROOT / "scripts" / "decode_timeline.py"), str(trace)],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
-    with_fill, without = (json.loads(line) for line in run.stdout.splitlines())
+    without, with_fill = (json.loads(line) for line in run.stdout.splitlines())
     assert with_fill == {
-        "fills": True, "layer_steps": 1, "period_us": 290, "routing_to_cached_head_us": 38,
+        "kind": "1 copies", "layer_steps": 1, "period_us": 290, "routing_to_cached_head_us": 38,
         "epoch_wait_us": 2, "sum_to_next_routing_us": 43, "routing_to_fill_us": 28,
         "fill_span_us": 200, "fill_end_to_sum_end_us": 19, "cached_moe_during_fills": 2,
     }  # fmt: skip
     assert without == {
-        "fills": False, "layer_steps": 1, "period_us": 130, "routing_to_cached_head_us": 8,
+        "kind": "0 copies", "layer_steps": 1, "period_us": 130, "routing_to_cached_head_us": 8,
         "epoch_wait_us": 40, "sum_to_next_routing_us": 46,
     }  # fmt: skip

@@ -36,18 +36,43 @@ namespace {
 // The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
 using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
 using CuStreamSynchronize = int (*)(void* stream);
-using CuMemsetD8Async = int (*)(uint64_t dst, unsigned char value, size_t bytes, void* stream);
+// CUDA_MEMCPY2D, as cuda.h lays it out (memory types: 1 host, 2 device)
+struct Memcpy2D {
+  size_t src_x_bytes = 0, src_y = 0;
+  int src_memory_type = 0;
+  const void* src_host = nullptr;
+  uint64_t src_device = 0;
+  void* src_array = nullptr;
+  size_t src_pitch = 0;
+  size_t dst_x_bytes = 0, dst_y = 0;
+  int dst_memory_type = 0;
+  void* dst_host = nullptr;
+  uint64_t dst_device = 0;
+  void* dst_array = nullptr;
+  size_t dst_pitch = 0;
+  size_t width_bytes = 0, height = 0;
+};
+using CuMemcpy2DAsync = int (*)(const Memcpy2D* copy, void* stream);
+using CuMemsetD2D8Async = int (*)(uint64_t dst, size_t pitch, unsigned char value, size_t width,
+                                  size_t height, void* stream);
+
+// The fixed parts of the two sides of a layer step's misses, in the unit of `sides` (one
+// expert's copy time plus its CPU time; misses.py's COPY_FIXED, CPU_FIXED and SPLIT_FIXED).
+constexpr double kCopyFixed = 0.15, kCpuFixed = 0.09, kSplitFixed = 0.1;
 
 // The two sides of a layer step's misses, in proportion to their time at copy share f: the copies
-// of q whole experts and, split at u > 0, of one more's first rows (u of its gate/up rows and its
-// whole down projection, a third of an expert), (q + (1 + 2u) / 3) * (1 - f); the CPU's experts,
-// on_cpu * f (a split expert counts 1 - u of one).
+// of q whole experts and, split at u > 0, u of one more (u of each of its matrices),
+// (q + u) * (1 - f); the CPU's experts, on_cpu * f (a split expert counts 1 - u of one). Each side
+// that has work adds its fixed part, and a split the copies' extra part.
 struct Sides {
   double copies, cpu;
   double end() const { return std::max(copies, cpu); }
 };
 inline Sides sides(double q, double u, double on_cpu, double f) {
-  return {(q + (u > 0 ? (1.0 + 2.0 * u) / 3.0 : 0.0)) * (1.0 - f), on_cpu * f};
+  double copies = (q + u) * (1.0 - f), cpu = on_cpu * f;
+  if (q + u > 0) copies += kCopyFixed + (u > 0 ? kSplitFixed : 0.0);
+  if (on_cpu > 0) cpu += kCpuFixed;
+  return {copies, cpu};
 }
 
 // How many of m misses to fetch: MissPolicy.fetch_count (engine/misses.py), in the same double
@@ -63,8 +88,8 @@ inline int64_t fetch_count(int64_t m, double f) {
 
 // How to divide m misses with one of them split (MissPolicy.fetch_plan, engine/misses.py, in the
 // same double arithmetic): q whole experts copied, and of one more the first j / chunks of its
-// intermediate rows copied (its gate/up rows; its whole down projection is copied, a third of an
-// expert) while the CPU runs its other rows and the remaining misses. The split replaces
+// intermediate rows copied (those gate and up rows and those columns of its down projection)
+// while the CPU runs its other rows and the remaining misses. The split replaces
 // fetch_count's whole split only where it ends the step sooner. Returns {q, j}; j = 0: no split.
 inline std::pair<int64_t, int64_t> fetch_plan(int64_t m, double f, int64_t chunks) {
   int64_t best_q = fetch_count(m, f), best_j = 0;
@@ -110,15 +135,16 @@ class DecodePlanner {
     }
   }
 
-  // The driver's cuMemcpyHtoDAsync, cuStreamSynchronize and cuMemsetD8Async, the compute stream
-  // (waited for), the fill stream (the copies), and the cache's slot arrays on the device
-  // ([slots, 2I, H] and [slots, H, I], the bank's element type).
-  void set_device(uintptr_t copy, uintptr_t sync, uintptr_t memset, uintptr_t stream,
-                  uintptr_t fill_stream, uintptr_t cache_w13, uintptr_t cache_w2,
-                  int64_t element_size) {
+  // The driver's cuMemcpyHtoDAsync, cuStreamSynchronize, cuMemsetD2D8Async and cuMemcpy2DAsync,
+  // the compute stream (waited for), the fill stream (the copies), and the cache's slot arrays on
+  // the device ([slots, 2I, H] and [slots, H, I], the bank's element type).
+  void set_device(uintptr_t copy, uintptr_t sync, uintptr_t memset2d, uintptr_t copy2d,
+                  uintptr_t stream, uintptr_t fill_stream, uintptr_t cache_w13,
+                  uintptr_t cache_w2, int64_t element_size) {
     copy_ = reinterpret_cast<CuMemcpyHtoDAsync>(copy);
     sync_ = reinterpret_cast<CuStreamSynchronize>(sync);
-    memset_ = reinterpret_cast<CuMemsetD8Async>(memset);
+    memset2d_ = reinterpret_cast<CuMemsetD2D8Async>(memset2d);
+    copy2d_ = reinterpret_cast<CuMemcpy2DAsync>(copy2d);
     stream_ = reinterpret_cast<void*>(stream);
     fill_stream_ = reinterpret_cast<void*>(fill_stream);
     cache_w13_ = cache_w13;
@@ -149,8 +175,9 @@ class DecodePlanner {
     if ((sync || copies) && copy_ == nullptr) {
       throw std::invalid_argument("sync and device copies need set_device first");
     }
-    if (split_chunks >= 2 && (!copies || memset_ == nullptr || inter_ % split_chunks != 0)) {
-      throw std::invalid_argument("a split needs the device copies, a memset and chunks of I");
+    if (split_chunks >= 2 &&
+        (!copies || memset2d_ == nullptr || copy2d_ == nullptr || inter_ % split_chunks != 0)) {
+      throw std::invalid_argument("a split needs the device copies, their 2D forms and chunks of I");
     }
     const auto t0 = Clock::now();
     if (sync) {
@@ -339,25 +366,39 @@ class DecodePlanner {
   // A route served by this step's fill of `slot` (host_handoff.FILLED: -2 - slot).
   static int32_t filled_mark(int64_t slot) { return int32_t(-2 - slot); }
 
-  // The device's part of a split expert into `slot`: its gate and up rows below `row`, all of its
-  // down projection, and zero gate and up rows from `row` on (silu(0) * 0 = 0: those rows add
-  // nothing; both are zeroed, as a slot never filled may hold NaNs). Returns the first driver
-  // error (naming its call in `failed`), or 0.
+  // The device's part of a split expert into `slot`: its gate and up rows below `row` and the
+  // same columns of its down projection, with its gate and up rows from `row` on zeroed
+  // (silu(0) * 0 = 0: those rows add nothing, whatever the slot's down projection holds in their
+  // columns, as long as it is finite: the cache starts zeroed, and holds experts after that). Two
+  // 2D copies and one 2D memset. Returns the first driver error (naming its call in `failed`),
+  // or 0.
   int copy_split(int64_t layer, int32_t e, int64_t slot, int64_t row, const char** failed) {
-    const int64_t elem = bytes2_ / (hidden_ * inter_), half = inter_ * hidden_ * elem;
+    const size_t elem = size_t(bytes2_ / (hidden_ * inter_));
+    const size_t half = size_t(inter_ * hidden_) * elem, head = size_t(row * hidden_) * elem;
     const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
     const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
-    const uint64_t gate = cache_w13_ + slot * bytes13_, up = gate + half;
-    const int64_t head = row * hidden_ * elem;
-    int err = copy_(gate, bank13, head, fill_stream_);
-    if (err == 0) err = copy_(up, bank13 + half, head, fill_stream_);
-    for (const uint64_t rows : {gate, up}) {
-      if (err == 0) {
-        err = memset_(rows + head, 0, half - head, fill_stream_);
-        if (err != 0) *failed = "cuMemsetD8Async";
-      }
+    const uint64_t gate = cache_w13_ + slot * bytes13_;
+    Memcpy2D rows;  // the first `row` gate rows, then the first `row` up rows
+    rows.src_memory_type = 1, rows.src_host = bank13, rows.src_pitch = half;
+    rows.dst_memory_type = 2, rows.dst_device = gate, rows.dst_pitch = half;
+    rows.width_bytes = head, rows.height = 2;
+    int err = copy2d_(&rows, fill_stream_);
+    if (err != 0) {
+      *failed = "cuMemcpy2DAsync";
+      return err;
     }
-    if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, fill_stream_);
+    err = memset2d_(gate + head, half, 0, half - head, 2, fill_stream_);
+    if (err != 0) {
+      *failed = "cuMemsetD2D8Async";
+      return err;
+    }
+    Memcpy2D columns;  // the first `row` columns of each of the H rows of the down projection
+    columns.src_memory_type = 1, columns.src_host = bank2, columns.src_pitch = inter_ * elem;
+    columns.dst_memory_type = 2, columns.dst_device = cache_w2_ + slot * bytes2_;
+    columns.dst_pitch = inter_ * elem, columns.width_bytes = row * elem;
+    columns.height = hidden_;
+    err = copy2d_(&columns, fill_stream_);
+    if (err != 0) *failed = "cuMemcpy2DAsync";
     return err;
   }
 
@@ -390,7 +431,8 @@ class DecodePlanner {
   const std::vector<uintptr_t> w13_, w2_;  // per layer: [experts, 2I, H], [experts, H, I]
   CuMemcpyHtoDAsync copy_ = nullptr;
   CuStreamSynchronize sync_ = nullptr;
-  CuMemsetD8Async memset_ = nullptr;
+  CuMemsetD2D8Async memset2d_ = nullptr;
+  CuMemcpy2DAsync copy2d_ = nullptr;
   void* stream_ = nullptr;
   void* fill_stream_ = nullptr;
   uint64_t cache_w13_ = 0, cache_w2_ = 0;

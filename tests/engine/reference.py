@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 from pathlib import Path
@@ -187,43 +186,3 @@ def assert_same_greedy(ours: list[int], ref: list[int], margins: list[float]) ->
         if margins[i] <= 1e-3:
             return
         assert a == b, f"token {i}: moelab {a} != reference {b} (margin {margins[i]:.4f})"
-
-
-# The signatures of the CUDA driver functions the native decode planner calls by address
-# (cuMemcpyHtoDAsync, cuStreamSynchronize, cuMemsetD8Async), for stand-ins written in Python.
-DRIVER_COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
-                               ctypes.c_void_p)  # fmt: skip
-DRIVER_SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-DRIVER_MEMSET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t,
-                                 ctypes.c_void_p)  # fmt: skip
-
-
-def host_driver(calls: dict[str, int] | None = None) -> tuple:
-    """Stand-ins for the driver's copy, sync and memset that work on host memory (device
-    addresses are host addresses), counting their calls in `calls`. Keep the returned functions
-    alive while their addresses (`address_of`) are used."""
-    calls = {} if calls is None else calls
-
-    def count(name: str) -> None:
-        calls[name] = calls.get(name, 0) + 1
-
-    def copy(dst, src, nbytes, stream) -> int:
-        count("copy")
-        ctypes.memmove(dst, src, nbytes)
-        return 0
-
-    def sync(stream) -> int:
-        count("sync")
-        return 0
-
-    def memset(dst, value, nbytes, stream) -> int:
-        count("memset")
-        ctypes.memset(dst, value, nbytes)
-        return 0
-
-    return DRIVER_COPY(copy), DRIVER_SYNC(sync), DRIVER_MEMSET(memset)
-
-
-def address_of(function) -> int:
-    """A ctypes stand-in's address (keep the stand-in itself alive while it is used)."""
-    return ctypes.cast(function, ctypes.c_void_p).value

@@ -231,6 +231,14 @@ def test_the_auto_split_follows_the_cpu_rate_decode_sees(tmp_path, monkeypatch):
         auto._adapt_split()
         assert auto.policy == MissPolicy.auto(50.0, 80.0)
         assert auto.policy.fetch_fraction == pytest.approx(50 / 130)
+        # jobs of one and of three experts (1 and 3 GB), 10 ms and 20 ms: a fixed 5 ms, and
+        # 200 GB/s beyond it; blended half with 80
+        window = CpuJobTimes()
+        for gb, seconds in ((1, 0.010), (3, 0.020), (1, 0.010), (3, 0.020)):
+            window.add(gb * 1_000_000_000, (0.0, seconds))
+        auto._cpu_window = window
+        auto._adapt_split()
+        assert auto.policy.bh_gbps == pytest.approx(140.0)
     finally:
         for engine in engines.values():
             engine.close()

@@ -16,7 +16,15 @@ import torch
 
 from moelab.engine.bank import ExpertBank
 from moelab.engine.cache import ExpertCache
-from moelab.engine.misses import MissPolicy
+from moelab.engine.h2d import (
+    COPY2D_FUNCTION,
+    COPY_FUNCTION,
+    MEMSET2D_FUNCTION,
+    SYNC_FUNCTION,
+    address_of,
+    host_functions,
+)
+from moelab.engine.misses import COPY_FIXED, CPU_FIXED, SPLIT_FIXED, MissPolicy
 from moelab.engine.moe import MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
@@ -26,8 +34,6 @@ from moelab.kernels.host_handoff import (
     route_slots_from_host,
     routing_to_host,
 )
-
-from .reference import DRIVER_COPY, DRIVER_MEMSET, DRIVER_SYNC, address_of, host_driver
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 12, 32, 16
 
@@ -104,12 +110,17 @@ def _state(r: MoERunner) -> tuple:
 
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 1 / 3, 0.39, 0.5, 0.72, 1.0])
 def test_fetch_count_is_the_whole_split_that_ends_the_step_soonest(fraction):
-    """The copies take q · (1 − f), the CPU (m − q) · f (in units of the whole-miss time): the
-    step ends at the later; no whole q ends it sooner, and of equals the most fetched is taken."""
+    """The copies take q · (1 − f), the CPU (m − q) · f (in units of one expert's copy and CPU
+    time), each side with work its fixed part: the step ends at the later; no whole q ends it
+    sooner, and of equals the most fetched is taken."""
     policy = MissPolicy("split", fraction)
     for misses in range(17):
         q = policy.fetch_count(misses)
-        ends = [max(k * (1 - fraction), (misses - k) * fraction) for k in range(misses + 1)]
+        ends = [
+            max(k * (1 - fraction) + (COPY_FIXED if k else 0.0),
+                (misses - k) * fraction + (CPU_FIXED if misses - k else 0.0))
+            for k in range(misses + 1)
+        ]  # fmt: skip
         assert ends[q] == min(ends), (misses, q)
         assert all(ends[k] > ends[q] for k in range(q + 1, misses + 1)), (misses, q)
     # where rounding m · f would copy more than the CPU's share allows
@@ -158,14 +169,16 @@ def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots):
 
 def test_fetch_plan_splits_a_miss_where_that_ends_the_step_sooner():
     policy = MissPolicy("split", 0.39)
-    # two misses: one whole copy (0.61) or the CPU alone (0.78) against copying 12/16 of one's
-    # gate/up rows and all of its down projection while the CPU runs the rest (0.508)
+    # two misses: one whole copy (0.61 + its fixed 0.15) or the CPU alone (0.78 + 0.09) against
+    # copying 10/16 of one (0.38125 + 0.15 + the split's 0.1) while the CPU runs the rest
+    # (1.375 * 0.39 + 0.09): 0.631 and 0.626
     assert policy.fetch_count(2) == 1
-    assert policy.fetch_plan(2, 16) == (0, 12)
+    assert policy.fetch_plan(2, 16) == (0, 10)
 
     def ends(misses: int, q: int, u: float) -> float:
-        copied = q + ((1 + 2 * u) / 3 if u else 0.0)
-        return max(copied * 0.61, (misses - q - u) * 0.39)
+        copied, on_cpu = q + u, misses - q - u
+        copies = copied * 0.61 + (COPY_FIXED + (SPLIT_FIXED if u else 0.0) if copied else 0.0)
+        return max(copies, on_cpu * 0.39 + (CPU_FIXED if on_cpu else 0.0))
 
     for misses in range(9):  # a split never ends later than the whole split, and only replaces it
         q, j = policy.fetch_plan(misses, 16)
@@ -175,19 +188,23 @@ def test_fetch_plan_splits_a_miss_where_that_ends_the_step_sooner():
         assert policy.fetch_plan(misses, 0) == (whole, 0)
     assert MissPolicy("gpu", 1.0).fetch_plan(3, 16) == (3, 0)
     assert MissPolicy("cpu", 0.0).fetch_plan(3, 16) == (0, 0)
+    # one miss: 0.39 + 0.09 on the CPU; split at 4/16, the copies end at 0.25 * 0.61 + 0.25
+    # (0.4025) and the CPU at 0.75 * 0.39 + 0.09 (0.3825)
+    assert policy.fetch_plan(1, 16) == (0, 4)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, tokens):
     """With the planner's copies (stand-ins on host memory, the cache in host memory too), a
-    split miss's slot holds its first rows and its whole down projection, its other gate and up
-    rows are zero, and the device's routes plus the CPU's part are the whole layer's output."""
+    split miss's slot holds its first gate and up rows and the same columns of its down
+    projection, its other gate and up rows are zero, and the device's routes plus the CPU's part
+    are the whole layer's output."""
     gen = torch.Generator().manual_seed(11)
     bank = _bank(gen)
     r = _runner(bank, 6, 0.39, cpu, 4)
     r.split_misses = True
     planner = r._decode_planner()
-    functions = host_driver()
+    functions = host_functions()
     cache = r.cache
     planner.set_device(*(address_of(f) for f in functions), 0, 0, cache.w13.data_ptr(),
                        cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
@@ -221,7 +238,7 @@ def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, token
         assert torch.equal(gate[:row], bank.w13[layer][expert, :row])
         assert torch.equal(up[:row], bank.w13[layer][expert, INTER : INTER + row])
         assert not gate[row:].any() and not up[row:].any()
-        assert torch.equal(cache.w2[slot], bank.w2[layer][expert])
+        assert torch.equal(cache.w2[slot, :, :row], bank.w2[layer][expert, :, :row])
         # the borrowed slot holds no expert after the step
         assert cache.key_of_slot[slot] == -1 and cache.slot_of[layer, expert] == -1
     assert splits >= 3
@@ -293,7 +310,7 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
             assert torch.equal(gate[:row], bank.w13[layer][expert, :row])
             assert torch.equal(up[:row], bank.w13[layer][expert, INTER : INTER + row])
             assert not gate[row:].any() and not up[row:].any()
-            assert torch.equal(cache.w2[slot].cpu(), bank.w2[layer][expert])
+            assert torch.equal(cache.w2[slot, :, :row].cpu(), bank.w2[layer][expert, :, :row])
         # the cached and copied routes on the device plus the CPU's part: the whole layer
         device_part = _device_part(d, x, weights, cache).cpu()
         cpu_part = d.job.wait() if d.job is not None else 0.0
@@ -303,6 +320,12 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
         # split miss is a tenth of it or more)
         assert ((device_part + cpu_part - want).norm() / want.norm()).item() < 1e-2
     assert splits > 0
+
+
+def _no_2d() -> tuple:
+    """Stand-ins for the driver's 2D memset and copy that do nothing (no split in the test)."""
+    return (MEMSET2D_FUNCTION(lambda dst, pitch, value, width, height, stream: 0),
+            COPY2D_FUNCTION(lambda copy, stream: 0))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -325,8 +348,7 @@ def test_the_side_that_ends_later_starts_first(cpu, top_k, copies_first):
             seen.append(bool(done[DONE] == r._epoch + 1))
         return 0
 
-    functions = (DRIVER_COPY(copy), DRIVER_SYNC(lambda stream: 0),
-                 DRIVER_MEMSET(lambda dst, value, nbytes, stream: 0))  # fmt: skip
+    functions = (COPY_FUNCTION(copy), SYNC_FUNCTION(lambda stream: 0), *_no_2d())
     planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
     ids = torch.arange(top_k, dtype=torch.int32)[None]
     weights, x, out = torch.rand(1, top_k), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
@@ -348,13 +370,12 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
         copies.append(nbytes)
         return 0 if len(copies) < 2 else 700  # cudaErrorIllegalAddress's code, say
 
-    copy = DRIVER_COPY(failing_second_copy)
+    copy = COPY_FUNCTION(failing_second_copy)
     sync_result = [999]
-    sync = DRIVER_SYNC(lambda stream: sync_result[0])
-    memset = DRIVER_MEMSET(lambda dst, value, nbytes, stream: 0)
-    planner.set_device(
-        address_of(copy), address_of(sync), address_of(memset), 0, 0, 1 << 40, 1 << 41, 2
-    )
+    sync = SYNC_FUNCTION(lambda stream: sync_result[0])
+    two_d = _no_2d()
+    planner.set_device(address_of(copy), address_of(sync), *(address_of(f) for f in two_d), 0, 0,
+                       1 << 40, 1 << 41, 2)  # fmt: skip
     ids = torch.tensor([[3, 4]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     before = _state(r)
@@ -370,8 +391,8 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
     assert r.cache.resident == 0
     # the next step fetches them again
     copies.clear()
-    copy_ok = DRIVER_COPY(lambda dst, src, nbytes, stream: 0)
-    planner.set_device(address_of(copy_ok), address_of(sync), address_of(memset), 0, 0,
-                       1 << 40, 1 << 41, 2)  # fmt: skip
+    copy_ok = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
+    planner.set_device(address_of(copy_ok), address_of(sync), *(address_of(f) for f in two_d),
+                       0, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
     d, _ = r._native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
     assert [e for e, _ in d.admitted] == [3, 4] and r.cache.resident == 2

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from moelab.engine.metrics import render_metrics
-from moelab.engine.moe_stats import MissCostFit
+from moelab.engine.moe_stats import CpuJobTimes, MissCostFit
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.engine.whatif import StackDistances
@@ -241,3 +241,22 @@ def test_miss_cost_fit_counts_every_untimed_decode_step(model, monkeypatch):
         assert gauge.samples[0].value == pytest.approx(30e-6, abs=3e-6)
     finally:
         engine.close()
+
+
+def test_cpu_job_times_fit_the_marginal_rate_apart_from_the_fixed_part():
+    """Jobs of 1 to 4 experts of 9.4 MB, each 25 µs plus 81 µs an expert (the H200's figures,
+    in the tenth session): the marginal rate is 9.4 MB / 81 µs, where the average rate is
+    slower, as it spreads the 25 µs over the bytes."""
+    times = CpuJobTimes()
+    rng = np.random.default_rng(0)
+    for k in rng.integers(1, 5, size=64):
+        times.add(int(k * 9.4e6), (5e-6, 20e-6 + k * 81e-6))
+    want = 9.4e6 / 81e-6 / 1e9
+    assert times.marginal_gbps() == pytest.approx(want, rel=1e-9)
+    average = times.to_dict()["gbps"]
+    assert average < want and times.to_dict()["marginal_gbps"] == times.marginal_gbps()
+    # jobs all of one size: no slope to fit
+    same = CpuJobTimes()
+    for _ in range(8):
+        same.add(18_800_000, (5e-6, 180e-6))
+    assert same.marginal_gbps() is None and CpuJobTimes().marginal_gbps() is None

@@ -84,6 +84,8 @@ def compile_all() -> list[JITFunction]:
         w13 = torch.empty(16, 2 * INTER, HIDDEN, dtype=BF16)
         w2 = torch.empty(16, HIDDEN, INTER, dtype=BF16)
         fused_moe.fused_moe_decode_triton(x, slots, weights, w13, w2)
+        if tokens == 1:  # the filled routes' launch: row blocks looping over the routes
+            fused_moe.fused_moe_decode_triton(x, slots, weights, w13, w2, few_routes=True)
     for tokens in (8, 300, 2048):
         x = torch.randn(tokens, HIDDEN, dtype=BF16)
         ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).int()

@@ -57,13 +57,18 @@ def test_fused_moe_decode(gen, tokens, slots):
     assert_matches(out, ref, tol=2e-2)
 
 
-def test_fused_moe_decode_one_token_parts(gen):
-    """The engine's resident step: one token, the routes' outputs unsummed."""
+@pytest.mark.parametrize("masked", [0.25, 0.8])
+@pytest.mark.parametrize("few_routes", [False, True])
+def test_fused_moe_decode_one_token_parts(gen, few_routes, masked):
+    """The engine's resident step: one token, the routes' outputs unsummed; few_routes: the
+    launch after a layer step's fills, one or two routes live mostly (masked=0.8)."""
     x = cuda_randn(gen, 1, HIDDEN)
-    slot_ids = routes(gen, 1, 64, masked=0.25)
+    slot_ids = routes(gen, 1, 64, masked=masked)
     weights = torch.rand(1, TOP_K, generator=gen).cuda()
     w13, w2 = expert_weights(gen, 64)
-    parts = fused_moe.fused_moe_decode(x, slot_ids, weights, w13, w2, reduce=False)
+    parts = fused_moe.fused_moe_decode(
+        x, slot_ids, weights, w13, w2, reduce=False, few_routes=few_routes
+    )
     ref = fused_moe.fused_moe_decode_ref(*as_fp32(x, slot_ids, weights, w13, w2), reduce=False)
     assert_matches(parts, ref, tol=2e-2)
 

@@ -170,7 +170,8 @@ def test_one_token_takes_the_one_token_kernels_unless_told(gen, monkeypatch):
         real = getattr(module, name)
 
         def run(*args: object) -> None:
-            calls.append(name)
+            cfg = args[-1]
+            calls.append(f"{name} looping" if getattr(cfg, "loop_routes", False) else name)
             real(*args)
 
         monkeypatch.setattr(module, name, run)
@@ -185,7 +186,10 @@ def test_one_token_takes_the_one_token_kernels_unless_told(gen, monkeypatch):
     fused_moe.fused_moe_decode_triton(x[:1], *args)
     fused_moe.fused_moe_decode_triton(x[:1], *args, config=DecodeMoEConfig())
     fused_moe.fused_moe_decode_triton(x, slot_ids, weights, w13, w2)
-    assert calls == ["launch", "_tokens", "_tokens"]
+    # few live routes: the one-token kernels' row blocks loop over the routes; more tokens: tl.dot
+    fused_moe.fused_moe_decode_triton(x[:1], *args, few_routes=True)
+    fused_moe.fused_moe_decode_triton(x, slot_ids, weights, w13, w2, few_routes=True)
+    assert calls == ["launch", "_tokens", "_tokens", "launch looping", "_tokens"]
 
 
 def test_one_token_config_refuses_more_tokens(gen):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,15 +36,18 @@ def one_token_routes(case: str, gen: torch.Generator, top_k: int, slots: int) ->
     return slot_ids
 
 
+@pytest.mark.parametrize("loop", [False, True], ids=["route-grid", "loop-routes"])
 @pytest.mark.parametrize("reduce", [False, True])
 @pytest.mark.parametrize("case", ["all_gpu", "some_masked", "all_masked", "duplicate"])
-def test_one_token_matches_reference(gen, case, reduce):
+def test_one_token_matches_reference(gen, case, reduce, loop):
+    """loop: each program's row blocks loop over the routes (few live routes' launch)."""
     x = randn(gen, 1, ONE_TOKEN_HIDDEN)
     slot_ids = one_token_routes(case, gen, 4, 6)
     weights = route_weights(gen, 1, 4)
     w13, w2 = experts(gen, 6, ONE_TOKEN_HIDDEN, ONE_TOKEN_INTER)
+    config = dataclasses.replace(ONE_TOKEN_BLOCKS, loop_routes=loop)
     out = fused_moe.fused_moe_decode_triton(
-        x, slot_ids, weights, w13, w2, config=ONE_TOKEN_BLOCKS, reduce=reduce
+        x, slot_ids, weights, w13, w2, config=config, reduce=reduce
     )
     ref = fused_moe.fused_moe_decode_ref(x, slot_ids, weights, w13, w2, reduce=reduce)
     # reduce=False: each route's row is its own weighted output, a duplicate's included
@@ -113,3 +118,11 @@ def test_one_token_tiles_spread_routes_over_the_sms(sms):
         assert block_n == 16 or 8 * -(-rows // (2 * block_n)) < least
     if sms == 132:
         assert config == OneTokenMoEConfig(8, 256, 16, 256, num_warps=4, num_stages=3)
+
+
+def test_few_routes_tiles_spread_one_route_over_the_sms():
+    # the launch after a layer step's fills: one live route of 8 on 132 SMs gets as many
+    # programs as 8 routes would at the route-grid tiles (768 and 1024)
+    config = choose_one_token_config(8, 2048, 768, 132, few_routes=True)
+    assert config == OneTokenMoEConfig(1, 2048, 2, 2048, loop_routes=True)
+    assert -(-768 // config.gate_up_block_n) == 768 and -(-2048 // config.down_block_n) == 1024
