@@ -57,8 +57,7 @@ def driver_functions() -> tuple[int, int, int, int]:
     and cuMemcpy2DAsync, for native code that queues the same copies (the decode planner,
     kernels/cpu_experts.py)."""
     return tuple(
-        ctypes.cast(fn(), ctypes.c_void_p).value or 0
-        for fn in (_driver_copy, _driver_sync, _driver_memset2d, _driver_copy2d)
+        address_of(fn()) for fn in (_driver_copy, _driver_sync, _driver_memset2d, _driver_copy2d)
     )
 
 

@@ -53,7 +53,6 @@ def layer_steps(events: list[dict]) -> list[dict]:
         fills = [e for e in inside if e["cat"] == "gpu_memcpy" and e["dur"] > FILL_MIN_US]
         memsets = [e for e in inside if e.get("cat") == "gpu_memset"]
         step = {
-            "fills": bool(fills),
             "kind": f"{len(fills)} copies" + (f", {len(memsets)} memsets" if memsets else ""),
             "period_us": t1 - t0,
             "routing_to_cached_head_us": head["ts"] - t0,
@@ -80,7 +79,7 @@ def summary(steps: list[dict]) -> list[dict]:
     for kind in sorted({s["kind"] for s in steps}):
         chosen = [s for s in steps if s["kind"] == kind]
         if chosen:
-            keys = [k for k in chosen[0] if k not in ("fills", "kind")]
+            keys = [k for k in chosen[0] if k != "kind"]
             row = {"kind": kind, "layer_steps": len(chosen)}
             row |= {k: round(statistics.median(s[k] for s in chosen), 1) for k in keys}
             rows.append(row)
