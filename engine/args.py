@@ -202,13 +202,20 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="Where a decode step's cache misses run: auto (split by measured bandwidths), gpu "
         "(fetch all), cpu (run all on the CPU), split:F (fetch a fixed share F).",
     )
-    moe.add_argument(
+    split = moe.add_mutually_exclusive_group()
+    split.add_argument(
+        "--no-split-misses",
+        action="store_true",
+        help="Do not split a miss of an offloaded decode layer step (CUDA graphs of pieces). By "
+        "default one miss per layer step may be split: its first rows (and the same columns of "
+        "its down projection) copied to the GPU, the rest run on the CPU, so that the copies and "
+        "the CPU end together (docs/cpu-experts.md).",
+    )
+    split.add_argument(
         "--split-misses",
         action="store_true",
-        help="Let one miss per offloaded decode layer step (CUDA graphs of pieces) be split: its "
-        "first rows (and the same columns of its down projection) copied to the GPU, the rest "
-        "run on the CPU, so that the copies and the CPU end together. Off by default: on an "
-        "H200 it measured no faster on average (docs/performance.md).",
+        help="The default since the split became it; kept so that launch profiles saved with it "
+        "still start.",
     )
     moe.add_argument(
         "--moe-cpu-threads",
@@ -350,7 +357,7 @@ TUNABLE: tuple[Tunable, ...] = (
         "prefill speed against activation memory",
     ),
     Tunable("--no-prefill-overlap", "switch", why="streaming the next layer during prefill"),
-    Tunable("--split-misses", "switch", why="copies and CPU end together where misses are few"),
+    Tunable("--no-split-misses", "switch", why="copies and CPU end together where misses are few"),
     Tunable("--no-cuda-graph", "switch", why="graph replay cuts launch overhead"),
     Tunable("--no-overlap-decode", "switch", why="host work between steps hides behind the GPU"),
     Tunable(

@@ -152,7 +152,7 @@ class Engine(Stepping):
             prefill_overlap=not args.no_prefill_overlap,
             prefill_stream_min_tokens=self._stream_threshold(),
         )
-        self.moe.split_misses = args.split_misses
+        self.moe.split_misses = not args.no_split_misses
         if plan.all_resident:
             self._load_all_experts()
         elif plan.prefill_buffer_bytes:
@@ -398,7 +398,7 @@ class Engine(Stepping):
             "cpu_kernel": self.cpu.kernel,
             "cpu_spin_us": a.moe_cpu_spin_us,
             "cpu_task_kb": a.moe_cpu_task_kb,
-            "split_misses": a.split_misses,
+            "split_misses": not a.no_split_misses,
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,
             "rates_source": self.rates_source,

@@ -32,7 +32,6 @@ from functools import partial
 
 import torch
 
-from ..kernels.host_handoff import routing_to_host
 from .model import Model, SeqSlice, StepBatch, StepState
 
 log = logging.getLogger("moelab.graphs")
@@ -179,15 +178,14 @@ class DecodeGraphs:
             )  # fmt: skip
         else:
             self._gather_inputs(bs)
+        last = piece == self.model.num_pieces - 1
+        # the router of a piece's MoE layer stores its routing into the host's buffers too
+        assert last or self.routing_host is not None
+        state.routing_host = None if last else tuple(t[:bs] for t in self.routing_host)
         self.model.run_piece(piece, state)
-        if piece == self.model.num_pieces - 1:
+        if last:  # (by the piece's index: a replay that reruns this code sees the last logits)
             assert state.logits is not None
             self._sample(bs, state.logits)
-        else:  # (by the piece's index: a replay that reruns this code sees the last logits)
-            assert self.routing_host is not None
-            assert state.x is not None and state.ids is not None and state.weights is not None
-            ids_h, w_h, x_h = (t[:bs] for t in self.routing_host)
-            routing_to_host(state.ids, state.weights, state.x, ids_h, w_h, x_h)
         return state.x, state.ids, state.weights, state.logits
 
     def _whole(self, bs: int, state: StepState) -> Outputs:

@@ -3,9 +3,9 @@
 For the m missing experts of a layer step, q of them are copied into cache slots while the other
 m − q run on the CPU at the same time; both would finish together at q = m · Bp / (Bp + Bh).
 Experts are whole, so q is whichever of the two whole numbers around it ends the step sooner
-(`MissPolicy.fetch_count`). With --split-misses one more miss may be divided, the first rows of
-its gate and up projections and the same columns of its down projection copied and the rest run
-on the CPU (`fetch_plan`). The native decode planner
+(`MissPolicy.fetch_count`). One more miss may be divided (unless --no-split-misses), the first
+rows of its gate and up projections and the same columns of its down projection copied and the
+rest run on the CPU (`fetch_plan`). The native decode planner
 (kernels/csrc/decode_planner.h) computes the same in the same double arithmetic.
 """
 

@@ -125,6 +125,9 @@ class MoERunner(StagedDecode):
         *,
         decode: bool,
     ) -> torch.Tensor:
+        # an eager MoE layer (a prefill, a decode step not replayed) breaks the chain of staged
+        # layer steps: the next one starts no period (StagedStepTimes: periods, boundaries)
+        self._last_arrival = None
         if self.cache.holds_everything:
             if decode:
                 ids_host = None

@@ -92,6 +92,11 @@ class StagedStepTimes:
     # the layer step's period, from its routing's arrival on the host to the next layer's, by
     # its plan ("q+c": q experts copied, c run on the CPU; "s": one of those split): [steps, s]
     periods: dict[str, list] = field(default_factory=dict)
+    # from the last MoE layer's routing of one decode step to the first of the next replayed one
+    # (not across a prefill or an eager step): its layer step, the logits, the host's work
+    # between steps and the next step's first dense work
+    boundaries: int = 0
+    boundary_s: float = 0.0
 
     STAGES = ("replay", "sync", "plan", "fill", "count")
 
@@ -111,9 +116,10 @@ class StagedStepTimes:
             plan: {"steps": k, "us": 1e6 * seconds / k}
             for plan, (k, seconds) in sorted(self.periods.items())
         }
+        boundary = 1e6 * self.boundary_s / self.boundaries if self.boundaries else None
         return {
             "layer_steps": n, "split_misses": self.split_misses, **per_step, "total_us": total,
-            "period_by_plan": periods,
+            "period_by_plan": periods, "boundary_us": boundary,
         }  # fmt: skip
 
 

@@ -70,7 +70,7 @@ class StagedDecode:
         # functions that copy host memory)
         self.planner_copies = cuda
         # with its copies, it may split one miss per layer step between the copy and the CPU
-        # (--split-misses)
+        # (the engine's default; --no-split-misses turns it off)
         self.split_misses = False
 
     def routing_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,6 +179,9 @@ class StagedDecode:
         last, self._last_arrival = self._last_arrival, (moe_layer, arrived, _plan_key(d))
         if last is not None and last[0] == moe_layer - 1:
             times.add_period(last[2], arrived - last[1])
+        elif last is not None and moe_layer == 0:  # the previous step's last layer
+            times.boundaries += 1
+            times.boundary_s += arrived - last[1]
 
     def join_fills(self) -> None:
         """Between the next piece's two graphs: order the compute stream after the staged layer's

@@ -79,6 +79,15 @@ ONE_TOKEN_MOE_SWEEP = (
 )
 
 # Tiles of the skinny GEMM that --sweep times at each batch size, beside the heuristic's pick.
+# route's launch shapes swept (RouteConfig: program bytes, tile elements, warps, stages)
+ROUTE_SWEEP = (
+    (8 * 1024, 2048, 1, 3),
+    (4 * 1024, 2048, 1, 3),
+    (16 * 1024, 4096, 1, 3),
+    (8 * 1024, 4096, 2, 3),
+    (16 * 1024, 8192, 4, 3),
+    (4 * 1024, 1024, 1, 2),
+)
 GEMV_SWEEP = {
     1: [
         gemv.GemvConfig(block_n, block_k, split_k, warps, stages)
@@ -450,6 +459,36 @@ class Bench:
             ref_us,
         )
 
+    def route(self, tokens: int, host: bool, config: router.RouteConfig | None = None) -> None:
+        """A decode step's whole router (Qwen3: 128 experts of H=2048, top-8, renormalized) in
+        one launch; beside it (unless a config is swept) the launches it replaced: the skinny GEMM,
+        softmax + top-k and, with `host`, the routing's store into pinned memory."""
+        weight = self.randn(EXPERTS, HIDDEN, scale=HIDDEN**-0.5)
+        x = self.randn(tokens, HIDDEN)
+        buffers = (
+            torch.zeros(tokens, TOP_K, dtype=torch.int32, pin_memory=True),
+            torch.zeros(tokens, TOP_K, pin_memory=True),
+            torch.zeros(tokens, HIDDEN, pin_memory=True),
+        )
+        store = buffers if host else None
+
+        def fused() -> object:
+            return router.route_triton(x, weight, TOP_K, True, host=store, config=config)
+
+        def chain() -> object:
+            weights, ids = router.topk_softmax_triton(gemv.linear_decode(x, weight), TOP_K, True)
+            if store is not None:
+                host_handoff.routing_to_host_triton(ids, weights, x, *store)
+            return ids
+
+        time_us = graph_us_per_call([fused] * 8)
+        chain_us = None if config is not None else graph_us_per_call([chain] * 8)
+        label = f"T={tokens} E={EXPERTS} H={HIDDEN} K={TOP_K}" + (" + host" if host else "")
+        if config is not None:
+            label += f" {_short(config)}"
+        bytes_moved = EXPERTS * HIDDEN * ELEM_BYTES + tokens * HIDDEN * ELEM_BYTES
+        self.add("route", label, time_us, bytes_moved, 2 * tokens * EXPERTS * HIDDEN, chain_us)
+
 
 def _sdpa_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool, backends: Sequence[SDPBackend]
@@ -496,6 +535,9 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
         bench.rmsnorm(tokens)
         bench.router(tokens)
     for tokens in (1, 8):
+        for host in (False, True):
+            bench.route(tokens, host)
+    for tokens in (1, 8):
         bench.rope_kv(tokens)
         for parts in (1, 2):
             bench.handoff(tokens, parts)
@@ -523,6 +565,8 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
             for config in configs:
                 for name in ("qkv", "o"):
                     bench.linear(tokens, name, config)
+        for fields in ROUTE_SWEEP:
+            bench.route(1, True, router.RouteConfig(*fields))
         for backend in FUSED_SDPA:
             for length in (8192, 32768):
                 bench.sdpa_prefill(length, (backend,))

@@ -95,3 +95,17 @@ def check_routes(
         raise ValueError(f"{ids_name} must be int32 or int64, got {ids.dtype}")
     check_expert_weights(x, w13, w2)
     check_same_device(x=x, **{ids_name: ids}, route_weights=route_weights, w13=w13, w2=w2)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 x rounded to the nearest `dtype` value (ties to even), kept in fp32."""
+    if dtype == tl.bfloat16:
+        # By hand: the Triton interpreter truncates fp32 -> bf16; this rounds alike on both.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+    elif dtype == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import common
+from .common import round_to
 from .rmsnorm import rmsnorm_ref
 
 # torch's CUDA reduction (ATen/native/cuda/Reduce.cuh, torch 2.11): at most 512 threads per block;
@@ -77,20 +78,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr):
-    """fp32 x rounded to the nearest `dtype` value (ties to even), kept in fp32."""
-    if dtype == tl.bfloat16:
-        # By hand: the Triton interpreter truncates fp32 -> bf16; this rounds alike on both.
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
-    elif dtype == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
-
-
-@triton.jit
 def _inv_rms(src, eps, HEAD_DIM: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr):
     """1 / sqrt(mean(x^2) + eps) of one head, its squares added in torch's CUDA order: lane l
     accumulates elements l*VEC + i + r*LANES*VEC over r in order, one accumulator per i; a lane's
@@ -136,11 +123,11 @@ def _norm_rope(
         inv_rms = _inv_rms(src, eps, HEAD_DIM, LANES, VEC)
         w_lo = tl.load(norm_ptr + half).to(tl.float32)
         w_hi = tl.load(norm_ptr + HEAD_DIM // 2 + half).to(tl.float32)
-        x_lo = _round(_round(x_lo * inv_rms, DTYPE) * w_lo, DTYPE)
-        x_hi = _round(_round(x_hi * inv_rms, DTYPE) * w_hi, DTYPE)
+        x_lo = round_to(round_to(x_lo * inv_rms, DTYPE) * w_lo, DTYPE)
+        x_hi = round_to(round_to(x_hi * inv_rms, DTYPE) * w_hi, DTYPE)
     # x * cos + cat(-x_hi, x_lo) * sin, each product and the sum rounded to DTYPE
-    out_lo = _round(_round(x_lo * cos_lo, DTYPE) + _round(-x_hi * sin_lo, DTYPE), DTYPE)
-    out_hi = _round(_round(x_hi * cos_hi, DTYPE) + _round(x_lo * sin_hi, DTYPE), DTYPE)
+    out_lo = round_to(round_to(x_lo * cos_lo, DTYPE) + round_to(-x_hi * sin_lo, DTYPE), DTYPE)
+    out_hi = round_to(round_to(x_hi * cos_hi, DTYPE) + round_to(x_lo * sin_hi, DTYPE), DTYPE)
     return out_lo, out_hi
 
 

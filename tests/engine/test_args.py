@@ -47,3 +47,13 @@ def test_sizes_and_policies_parse():
     ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--model-path", "m", *bad])
+
+
+def test_split_misses_is_the_default_and_the_old_flag_still_parses():
+    parse = lambda *flags: build_parser().parse_args(["--model-path", "m", *flags])  # noqa: E731
+    assert not parse().no_split_misses
+    # launch profiles saved when the split was off by default name the old flag
+    assert not parse("--split-misses").no_split_misses
+    assert parse("--no-split-misses").no_split_misses
+    with pytest.raises(SystemExit):
+        parse("--split-misses", "--no-split-misses")

@@ -126,4 +126,9 @@ def test_bench_decode_prints_the_staged_stages_and_the_commonest_plans_periods()
         "layer step period by plan (copied+on the CPU), µs (steps): 1+1 265 (2)"
     )
     assert len(periods.split(": ")[1].split(", ")) == 8  # the eight commonest steps' plans
+    assert "between steps" not in text  # none measured
+    times.boundaries, times.boundary_s = 2, 1.1e-3
+    assert staged_lines(times.to_dict()).endswith(
+        "; between steps (the last layer's routing to the next step's first) 550"
+    )
     assert staged_lines(StagedStepTimes().to_dict()) == ""

@@ -146,6 +146,10 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     )
     assert all(re.fullmatch(r"\d+\+\d+s?", plan) and p["us"] > 0 for plan, p in periods.items())
     assert any(plan.endswith("s") for plan in periods) == (copies == "planner-split")
+    # and each replayed step after another has the period from that one's last routing to its
+    # first; a prefill between them breaks the chain (one prompt per sequence here, all at once)
+    times = engine.moe.staged_times
+    assert staged["boundary_us"] > 0 and times.boundaries == len(replays) - 1
     assert any(not plan.startswith("0+") for plan in periods)  # steps with fills
     if driver is not None:  # one wait per staged layer step; two copies per staged fill (the
         # decode steps run eagerly fill too, without them)
@@ -216,13 +220,14 @@ def test_a_cpu_job_that_never_hands_over_fails_the_step_clearly(checkpoint, monk
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("split", [True, False], ids=["split-misses", "whole-misses"])
 def test_offloaded_decode_replays_captured_pieces_on_cuda(checkpoint, split):
+    """Split misses are the default; --no-split-misses copies or runs every miss whole."""
     flags = ("--device", "cuda", "--moe-cache-size", "20", "--moe-miss-policy", "split:0.5")
     eager = make_engine(checkpoint, *flags, "--no-cuda-graph")
     try:
         expected, expected_counts = _generate(eager)
     finally:
         eager.close()
-    engine = make_engine(checkpoint, *flags, *(("--split-misses",) if split else ()))
+    engine = make_engine(checkpoint, *flags, *(() if split else ("--no-split-misses",)))
     try:
         assert engine.config_in_force()["cuda_graph_mode"] == "piecewise"
         outputs, counts = _generate(engine)

@@ -105,6 +105,15 @@ def compile_all() -> list[JITFunction]:
         rmsnorm.fused_add_rmsnorm_triton(parts, x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
         rmsnorm.rmsnorm_triton(x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
     router.topk_softmax_triton(torch.randn(4, EXPERTS, dtype=BF16), TOP_K, True)
+    for tokens in (1, 8):  # a decode step's whole router, with and without the host's copy
+        x, router_w = (
+            torch.randn(tokens, HIDDEN, dtype=BF16),
+            torch.randn(EXPERTS, HIDDEN, dtype=BF16),
+        )
+        host = (torch.zeros(tokens, TOP_K, dtype=torch.int32), torch.zeros(tokens, TOP_K),
+                torch.zeros(tokens, HIDDEN))  # fmt: skip
+        router.route_triton(x, router_w, TOP_K, True)
+        router.route_triton(x, router_w, TOP_K, True, host=host)
     for tokens in (1, 8):  # an offloaded decode layer's CPU part, awaited on the device
         part = torch.zeros(tokens, HIDDEN)
         for parts in (1, 2):  # the routes of the cached experts (and of the filled ones)

@@ -194,9 +194,13 @@ def test_qwen3_shape_is_right_and_independent_of_thread_count() -> None:
             alone = one.run(*args)
             shared = three.run(*args)
             again = three.run(*args)
-        for task_kb in (8, 1024):  # many small tasks, a few large ones
-            with CpuExpertRunner(3, "native", task_kb=task_kb) as runner:
-                assert torch.equal(runner.run(*args), shared), f"tasks of {task_kb} KiB differ"
+        # many small tasks, a few large ones, and more threads than cores (the tasks' sizes
+        # follow the thread count)
+        for threads, task_kb in ((3, 8), (3, 1024), (16, 96), (16, 1024)):
+            with CpuExpertRunner(threads, "native", task_kb=task_kb) as runner:
+                assert torch.equal(runner.run(*args), shared), (
+                    f"tasks of {task_kb} KiB on {threads} threads differ"
+                )
         exact, bound = exact_and_bound(*args, worst_case=False)
         assert_within_bound(shared, exact, bound, f"qwen3 shape, {len(pairs)} pairs", 5e-2)
         assert torch.equal(alone, shared), "the result depends on the number of threads"

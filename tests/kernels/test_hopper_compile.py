@@ -23,6 +23,7 @@ KERNELS = {
     "_merge_kernel",
     "_rmsnorm_kernel",
     "_topk_softmax_kernel",
+    "_route_kernel",
     "_one_token_kernel",
     "_tokens_kernel",
     "_sum_splits_kernel",
