@@ -19,7 +19,8 @@ from ..kernels.host_handoff import routing_to_host
 from ..kernels.paged_attention import paged_attention_decode
 from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from ..kernels.rope_kv import qk_norm_rope_kv
-from ..kernels.router import route, topk_softmax
+from ..kernels.route import route
+from ..kernels.router import topk_softmax
 from .kv import KVCache
 from .rope import Rotary
 from .spec import ModelSpec

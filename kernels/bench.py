@@ -30,6 +30,7 @@ from . import (
     paged_attention,
     rmsnorm,
     rope_kv,
+    route,
     router,
 )
 from .fused_moe_one_token import OneTokenMoEConfig
@@ -459,7 +460,7 @@ class Bench:
             ref_us,
         )
 
-    def route(self, tokens: int, host: bool, config: router.RouteConfig | None = None) -> None:
+    def route(self, tokens: int, host: bool, config: route.RouteConfig | None = None) -> None:
         """A decode step's whole router (Qwen3: 128 experts of H=2048, top-8, renormalized) in
         one launch; beside it (unless a config is swept) the launches it replaced: the skinny GEMM,
         softmax + top-k and, with `host`, the routing's store into pinned memory."""
@@ -473,7 +474,7 @@ class Bench:
         store = buffers if host else None
 
         def fused() -> object:
-            return router.route_triton(x, weight, TOP_K, True, host=store, config=config)
+            return route.route_triton(x, weight, TOP_K, True, host=store, config=config)
 
         def chain() -> object:
             weights, ids = router.topk_softmax_triton(gemv.linear_decode(x, weight), TOP_K, True)
@@ -566,7 +567,7 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
                 for name in ("qkv", "o"):
                     bench.linear(tokens, name, config)
         for fields in ROUTE_SWEEP:
-            bench.route(1, True, router.RouteConfig(*fields))
+            bench.route(1, True, route.RouteConfig(*fields))
         for backend in FUSED_SDPA:
             for length in (8192, 32768):
                 bench.sdpa_prefill(length, (backend,))

@@ -28,6 +28,7 @@ from moelab.kernels import (
     host_handoff,
     paged_attention,
     rmsnorm,
+    route,
     router,
 )
 
@@ -112,8 +113,8 @@ def compile_all() -> list[JITFunction]:
         )
         host = (torch.zeros(tokens, TOP_K, dtype=torch.int32), torch.zeros(tokens, TOP_K),
                 torch.zeros(tokens, HIDDEN))  # fmt: skip
-        router.route_triton(x, router_w, TOP_K, True)
-        router.route_triton(x, router_w, TOP_K, True, host=host)
+        route.route_triton(x, router_w, TOP_K, True)
+        route.route_triton(x, router_w, TOP_K, True, host=host)
     for tokens in (1, 8):  # an offloaded decode layer's CPU part, awaited on the device
         part = torch.zeros(tokens, HIDDEN)
         for parts in (1, 2):  # the routes of the cached experts (and of the filled ones)
