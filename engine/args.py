@@ -214,8 +214,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     split.add_argument(
         "--split-misses",
         action="store_true",
-        help="The default since the split became it; kept so that launch profiles saved with it "
-        "still start.",
+        help="Split misses, as by default; kept so that launch profiles saved with it still start.",
     )
     moe.add_argument(
         "--moe-cpu-threads",

@@ -332,7 +332,7 @@ class Model:
         k, renormalize, host = self.spec.top_k, self.spec.norm_topk_prob, state.routing_host
         with self.timer.phase("route") if self.timer is not None else _NO_TIMER:
             if host is not None and x.is_cuda and x.shape[0] == 1 and x.dtype == layer.router.dtype:
-                # logits, top-k and the host's copy in one launch (kernels/router.py): faster
+                # logits, top-k and the host's copy in one launch (kernels/route.py): faster
                 # only where the host's copy is a third launch saved, for one token
                 state.weights, state.ids = route(
                     x, layer.router, k, renormalize, ids_out=record, host=host

@@ -79,8 +79,8 @@ ONE_TOKEN_MOE_SWEEP = (
     (8, 256, 16, 256, 2, 3),
 )
 
-# Tiles of the skinny GEMM that --sweep times at each batch size, beside the heuristic's pick.
-# route's launch shapes swept (RouteConfig: program bytes, tile elements, warps, stages)
+# route's launch shapes that --sweep times (RouteConfig: program bytes, tile elements, warps,
+# stages), one token with the host's copy
 ROUTE_SWEEP = (
     (8 * 1024, 2048, 1, 3),
     (4 * 1024, 2048, 1, 3),
@@ -89,6 +89,7 @@ ROUTE_SWEEP = (
     (16 * 1024, 8192, 4, 3),
     (4 * 1024, 1024, 1, 2),
 )
+# Tiles of the skinny GEMM that --sweep times at each batch size, beside the heuristic's pick.
 GEMV_SWEEP = {
     1: [
         gemv.GemvConfig(block_n, block_k, split_k, warps, stages)
@@ -466,12 +467,15 @@ class Bench:
         softmax + top-k and, with `host`, the routing's store into pinned memory."""
         weight = self.randn(EXPERTS, HIDDEN, scale=HIDDEN**-0.5)
         x = self.randn(tokens, HIDDEN)
-        buffers = (
-            torch.zeros(tokens, TOP_K, dtype=torch.int32, pin_memory=True),
-            torch.zeros(tokens, TOP_K, pin_memory=True),
-            torch.zeros(tokens, HIDDEN, pin_memory=True),
+        store = (
+            (
+                torch.zeros(tokens, TOP_K, dtype=torch.int32, pin_memory=True),
+                torch.zeros(tokens, TOP_K, pin_memory=True),
+                torch.zeros(tokens, HIDDEN, pin_memory=True),
+            )
+            if host
+            else None
         )
-        store = buffers if host else None
 
         def fused() -> object:
             return route.route_triton(x, weight, TOP_K, True, host=store, config=config)
