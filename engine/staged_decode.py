@@ -75,8 +75,8 @@ class StagedDecode:
 
     def routing_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host buffers (pinned on CUDA) for a staged decode step's routing, [rows, K] int32 ids,
-        [rows, K] fp32 weights and [rows, H] fp32 x, which captured pieces write (`routing_to_host`)
-        and `stage_decode` reads. Allocated once: graphs keep their addresses."""
+        [rows, K] fp32 weights and [rows, H] fp32 x, which captured pieces' routers write
+        (`Model._route`) and `stage_decode` reads. Allocated once: graphs keep their addresses."""
         if self._routing_host is None or self._routing_host[0].shape[0] < rows:
             pin = self.device.type == "cuda"
             hidden = self.bank.w13[0].shape[-1]
@@ -124,7 +124,7 @@ class StagedDecode:
         device part (`routed_cached`, `join_fills`, `routed_filled`) in the next piece's graphs.
 
         ids_h, w_h, x_h: the layer's routing in host buffers (`routing_buffers` views of the real
-        rows), which the piece just launched stores there (`routing_to_host`); this waits for it.
+        rows), which the piece just launched stores there (its router); this waits for it.
         Writes each route's slot into slots_h [T, K] (a `route_slots_buffer` view): a cached
         expert's slot, `filled_mark(slot)` for a route this step's fills serve (queued on the copy
         stream), -1 for a route on the CPU. The CPU routes' weighted sum goes into cpu_out [T, H]

@@ -3,7 +3,9 @@
     moelab bench decode ... --moe-cache-rate 0.25 --kernel-profile --trace trace.json
     python scripts/decode_timeline.py trace.json
 
-A layer step runs from one `_routing_to_host` kernel's end (the host may plan) to the next's.
+A layer step runs from the end of the kernel that stores one layer's routing to the host (the host
+may plan then) to the next's: `_route_kernel` (the router in one launch, one token) or
+`_routing_to_host_kernel` (after the router, otherwise).
 Prints one JSON line per kind of step (how many fill copies, and memsets, it has), with the
 medians in µs of: the period; from the routing to the first fill copy (the host's wake, plan
 and queueing), the fills' span, and from the fills' end to the end of the parts' sum (what
@@ -22,6 +24,8 @@ import sys
 from pathlib import Path
 
 FILL_MIN_US = 20  # copies shorter than this are not expert fills
+# the kernels that end a layer's routing on the device (its store into pinned host memory)
+ROUTING_KERNELS = ("_route_kernel", "_routing_to_host_kernel")
 
 
 def _end(e: dict) -> float:
@@ -34,7 +38,7 @@ def layer_steps(events: list[dict]) -> list[dict]:
         (e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")),
         key=lambda e: e["ts"],
     )
-    routing = [e for e in device if e["name"].startswith("_routing_to_host")]
+    routing = [e for e in device if e["name"].startswith(ROUTING_KERNELS)]
     steps = []
     for before, after in itertools.pairwise(routing):
         t0, t1 = _end(before), _end(after)

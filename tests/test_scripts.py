@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +48,8 @@ def _kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
 
 def test_decode_timeline_measures_each_layer_step(tmp_path):
     """A made-up trace of two layer steps, one with a fill and one without, in the shape
-    torch's profiler writes: each figure is what the events say."""
+    torch's profiler writes: each figure is what the events say. A layer's routing ends with
+    either kernel that stores it to the host."""
     events = [
         _kernel("_routing_to_host_kernel", 0, 2),  # step 1 starts at 2
         _kernel("Memcpy HtoD (Pinned -> Device)", 30, 200, "gpu_memcpy"),  # the fill: 30..230
@@ -57,7 +61,7 @@ def test_decode_timeline_measures_each_layer_step(tmp_path):
         _kernel("_wait_epoch_kernel", 241, 2),
         _kernel("_sum_parts_kernel", 244, 5),  # ends at 249
         _kernel("Memcpy HtoD (Pinned -> Device)", 250, 1, "gpu_memcpy"),  # small: not a fill
-        _kernel("_routing_to_host_kernel", 290, 2),  # step 2 starts at 292
+        _kernel("_route_kernel", 290, 2),  # step 2 starts at 292 (the router in one launch)
         _kernel("_route_slots_from_host_kernel", 300, 3),
         _kernel("_wait_epoch_kernel", 330, 40),
         _kernel("_sum_parts_kernel", 371, 5),  # ends at 376
@@ -80,3 +84,41 @@ def test_decode_timeline_measures_each_layer_step(tmp_path):
         "kind": "0 copies", "layer_steps": 1, "period_us": 130, "routing_to_cached_head_us": 8,
         "epoch_wait_us": 40, "sum_to_next_routing_us": 46,
     }  # fmt: skip
+
+
+def _ab_decode():
+    spec = importlib.util.spec_from_file_location("ab_decode", ROOT / "scripts" / "ab_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_decode_compares_runs_pair_by_pair():
+    def run(tree: str, tok_s: float, share: float = 0.6) -> dict:
+        return {
+            "tree": tree,
+            "tok_s": tok_s,
+            "of_bound": share,
+            "cpu_gbps": 90.0,
+            "host_gbps": 99.0,
+        }
+
+    runs = [
+        run("A", 200.0), run("B", 220.0),
+        {"tree": "A", "error": "exit 1, see a2.log"}, run("B", 300.0),  # this pair is left out
+        run("A", 250.0, 0.7), run("B", 250.0, 0.5),
+    ]  # fmt: skip
+    out = _ab_decode().summary(runs, "A", "B")
+    assert out["a"] == {"tree": "A", "runs": 2, "tok_s": 225.0, "of_bound": pytest.approx(0.65)}
+    assert out["b"]["runs"] == 3 and out["b"]["tok_s"] == pytest.approx(770 / 3)
+    assert out["b_over_a"] == {"mean": pytest.approx(1.05), "min": 1.0, "max": 1.1, "pairs": 2}
+    assert _ab_decode().summary([runs[2]], "A", "B")["b_over_a"] is None
+
+
+def test_ab_decode_refuses_a_folder_that_is_no_source_tree(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "ab_decode.py"), str(tmp_path), str(ROOT),
+         "--pairs", "1", "--", "--preset", "tiny"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2 and "is not a moelab source tree" in run.stderr

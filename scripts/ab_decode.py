@@ -1,0 +1,107 @@
+"""Two source trees' `moelab bench decode` in interleaved pairs, on one machine.
+
+Usage: python scripts/ab_decode.py A_DIR B_DIR [--pairs 3] [--out DIR] -- BENCH_FLAGS...
+e.g.   git archive HEAD~1 | tar -x -C /tmp/A
+       python scripts/ab_decode.py /tmp/A . --pairs 3 -- --preset qwen3-30b-a3b \\
+           --set num_hidden_layers=12 --routing-skew 1 --moe-cache-rate 0.25
+
+Each run installs its tree (`pip install --no-deps -e`: both trees are the package `moelab`), with
+a cache folder of its own so that each tree's native CPU kernel is built once, then runs `bench
+decode BENCH_FLAGS --json`: A, B, A, B, ... Prints one JSON line per run (tok/s, the share of the
+bound, the CPU experts' GB/s inside decode, B_host) and a last line with each tree's means and the
+pairs' tok/s ratios B / A. The host's rates move between runs by more than most changes
+(docs/performance.md), so only pairs run side by side compare code; the CPU rate beside each run
+says which pairs ran on a disturbed host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_once(tree: Path, cache: Path, flags: list[str], log: Path) -> dict:
+    """Install `tree`, run one bench decode; its figures (or the failure) as a dict."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
+         str(tree)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    cmd = [sys.executable, "-m", "moelab.engine.cli", "bench", "decode", *flags, "--json"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    log.write_text(done.stdout + done.stderr)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"tree": str(tree), "error": f"exit {done.returncode}, see {log}"}
+    r = json.loads(lines[-1])
+    return {
+        "tree": str(tree),
+        "tok_s": r["decode_tok_s"],
+        "of_bound": r["achieved_of_bound"],
+        "cpu_gbps": (r.get("cpu_jobs") or {}).get("gbps"),
+        "host_gbps": r["host_gbps"],
+    }
+
+
+def summary(runs: list[dict], a: str, b: str) -> dict:
+    """Each tree's mean tok/s and share of the bound, and the pairs' B / A tok/s ratios (pairs
+    with a failed run left out)."""
+    out: dict = {}
+    for name, tree in (("a", a), ("b", b)):
+        ok = [r for r in runs if r["tree"] == tree and "error" not in r]
+        out[name] = {
+            "tree": tree, "runs": len(ok),
+            "tok_s": statistics.mean(r["tok_s"] for r in ok) if ok else None,
+            "of_bound": statistics.mean(r["of_bound"] for r in ok) if ok else None,
+        }  # fmt: skip
+    pairs = zip(runs[0::2], runs[1::2], strict=False)
+    ratios = [rb["tok_s"] / ra["tok_s"] for ra, rb in pairs if "error" not in ra | rb]
+    out["b_over_a"] = (
+        {
+            "mean": statistics.mean(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+            "pairs": len(ratios),
+        }
+        if ratios
+        else None
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path, help="the tree run first in each pair (the baseline)")
+    parser.add_argument("b", type=Path, help="the tree compared with it")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of runs (default 3)")
+    parser.add_argument("--out", type=Path, default=Path("ab_decode"), help="logs go here")
+    argv = sys.argv[1:] if argv is None else argv
+    # bench decode's flags follow "--": this script's own come before it
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, flags = parser.parse_args(argv[:cut]), argv[cut + 1 :]
+    if args.pairs < 1:
+        parser.error("--pairs must be 1 or more")
+    a, b = args.a.resolve(), args.b.resolve()
+    for tree in (a, b):
+        if not (tree / "pyproject.toml").is_file():
+            parser.error(f"{tree} is not a moelab source tree (no pyproject.toml)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for i in range(args.pairs):
+        for name, tree in (("a", a), ("b", b)):
+            cache = args.out / f"cache-{name}"
+            result = run_once(tree, cache, flags, args.out / f"{name}{i + 1}.log")
+            runs.append(result)
+            print(json.dumps({"run": f"{name}{i + 1}", **result}), flush=True)
+    print(json.dumps(summary(runs, str(a), str(b))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
