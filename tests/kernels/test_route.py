@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moelab.kernels import route as router
+from moelab.kernels import route
 
 from .kernel_inputs import DEVICE, assert_top_k, randn
 
@@ -53,7 +53,7 @@ def finished() -> None:
 @pytest.mark.parametrize(
     ("tokens", "experts", "hidden", "k", "renormalize"),
     [
-        (1, 128, 2048, 8, True),  # Qwen3-30B-A3B, one token: 32 programs in bf16
+        (1, 128, 2048, 8, True),  # Qwen3-30B-A3B, one token: 64 programs in bf16
         (5, 128, 256, 8, True),  # Qwen3's experts, a decode batch
         (3, 60, 200, 4, False),  # Qwen2-MoE: not renormalized, odd experts, a partial H-step
         (8, 8, 256, 2, True),  # Mixtral: one program
@@ -62,10 +62,10 @@ def finished() -> None:
 )
 def test_route_matches_reference(gen, tokens, experts, hidden, k, renormalize, dtype):
     x, router_w = grid_inputs(gen, tokens, experts, hidden, dtype)
-    weights, ids = router.route_triton(x, router_w, k, renormalize)
+    weights, ids = route.route_triton(x, router_w, k, renormalize)
     logits = route_logits(x, router_w)
     assert_top_k(weights, ids, logits, k, renormalize)
-    ref_weights, ref_ids = router.route_ref(x, router_w, k, renormalize)
+    ref_weights, ref_ids = route.route_ref(x, router_w, k, renormalize)
     assert_top_k(ref_weights, ref_ids, logits, k, renormalize)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
 
@@ -80,7 +80,7 @@ def test_route_rounds_the_logits_to_the_model_dtype():
     rounded = [1.0, 1.0, 1 + 2**-6, 1 + 2**-7, 1 + 2**-6]
     assert route_logits(x, router_w).float().tolist() == [rounded]
     for fn in ROUTERS:
-        (ids,) = getattr(router, fn)(x, router_w, 5, False)[1].tolist()
+        (ids,) = getattr(route, fn)(x, router_w, 5, False)[1].tolist()
         assert ids[:3] == [2, 4, 3], fn
         # experts 0 and 1 tie: the kernel takes the lower first; torch.topk does on the CPU only
         assert ids[3:] == [0, 1] or (fn == "route_ref" and CUDA and ids[3:] == [1, 0])
@@ -89,7 +89,7 @@ def test_route_rounds_the_logits_to_the_model_dtype():
 def test_route_ties_go_to_the_lower_expert_id():
     x = torch.ones(1, 1, device=DEVICE)
     router_w = torch.tensor([[1.0], [3.0], [3.0], [0.0], [3.0]], device=DEVICE)
-    weights, ids = router.route_triton(x, router_w, 2, True)
+    weights, ids = route.route_triton(x, router_w, 2, True)
     assert ids.tolist() == [[1, 2]]
     torch.testing.assert_close(weights, torch.tensor([[0.5, 0.5]], device=DEVICE))
 
@@ -99,7 +99,7 @@ def test_route_stores_the_routing_into_host_buffers(gen, fn):
     x, router_w = grid_inputs(gen, 3, 128, 256, torch.bfloat16)
     x = x + randn(gen, 3, 256, scale=1e-3, dtype=torch.bfloat16)  # x_h: not only the grid's values
     ids_h, weights_h, x_h = host_buffers(3, 8, 256)
-    weights, ids = getattr(router, fn)(x, router_w, 8, True, host=(ids_h, weights_h, x_h))
+    weights, ids = getattr(route, fn)(x, router_w, 8, True, host=(ids_h, weights_h, x_h))
     finished()
     assert_top_k(weights, ids, route_logits(x, router_w), 8, True)
     assert torch.equal(ids_h, ids.cpu())
@@ -111,7 +111,7 @@ def test_route_stores_the_routing_into_host_buffers(gen, fn):
 def test_route_writes_ids_into_a_strided_record(gen, fn):
     record = torch.full((6, 3, 8), -7, dtype=torch.int32, device=DEVICE)
     x, router_w = grid_inputs(gen, 4, 64, 128, torch.bfloat16)
-    weights, ids = getattr(router, fn)(x, router_w, 8, True, ids_out=record[:4, 1])
+    weights, ids = getattr(route, fn)(x, router_w, 8, True, ids_out=record[:4, 1])
     assert ids.data_ptr() == record[:4, 1].data_ptr()
     assert_top_k(weights, record[:4, 1], route_logits(x, router_w), 8, True)
     untouched = torch.ones_like(record, dtype=torch.bool)
@@ -124,10 +124,10 @@ def test_route_launches_in_a_row_each_route_their_own_inputs(gen):
     # one's count would find no last program (or the wrong one) and leave its outputs unwritten
     for tokens, experts, hidden in ((2, 128, 256), (5, 60, 128), (1, 128, 256)):
         x, router_w = grid_inputs(gen, tokens, experts, hidden, torch.bfloat16)
-        weights, ids = router.route_triton(x, router_w, 4, False)
+        weights, ids = route.route_triton(x, router_w, 4, False)
         assert_top_k(weights, ids, route_logits(x, router_w), 4, False)
-        assert router._route_counter(x.device).item() == 0
-    again = router.route_triton(x, router_w, 4, False)
+        assert route._route_counter(x.device).item() == 0
+    again = route.route_triton(x, router_w, 4, False)
     assert torch.equal(again[0], weights) and torch.equal(again[1], ids)
 
 
@@ -135,10 +135,10 @@ def test_route_launches_in_a_row_each_route_their_own_inputs(gen):
 def test_route_replays_in_a_cuda_graph(gen):
     x, router_w = grid_inputs(gen, 4, 128, 2048, torch.bfloat16)
     ids_h, weights_h, x_h = host_buffers(4, 8, 2048)
-    router.route_triton(x, router_w, 8, True)  # the counter, made before the capture
+    route.route_triton(x, router_w, 8, True)  # the counter, made before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        weights, ids = router.route_triton(x, router_w, 8, True, host=(ids_h, weights_h, x_h))
+        weights, ids = route.route_triton(x, router_w, 8, True, host=(ids_h, weights_h, x_h))
     for _ in range(3):
         x.copy_(grid_inputs(gen, 4, 128, 2048, torch.bfloat16)[0])
         graph.replay()
@@ -162,7 +162,7 @@ def test_route_refuses_inputs_it_cannot_route(gen, shape_x, shape_w, k, dtype_w,
     router_w = randn(gen, *shape_w, dtype=dtype_w)
     for fn in ROUTERS:
         with pytest.raises(ValueError, match=message):
-            getattr(router, fn)(x, router_w, k, True)
+            getattr(route, fn)(x, router_w, k, True)
 
 
 @pytest.mark.parametrize(
@@ -179,16 +179,16 @@ def test_route_refuses_host_buffers_it_cannot_fill(gen, index, bad, message):
     host[index] = bad
     for fn in ROUTERS:
         with pytest.raises(ValueError, match=message):
-            getattr(router, fn)(x, router_w, 4, True, host=tuple(host))
+            getattr(route, fn)(x, router_w, 4, True, host=tuple(host))
 
 
 def test_route_sends_cpu_tensors_to_the_reference(gen, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the Triton path ran on CPU tensors")
 
-    monkeypatch.setattr(router, "route_triton", refuse)
+    monkeypatch.setattr(route, "route_triton", refuse)
     x = torch.randn(3, 32, generator=gen)
     router_w = torch.randn(16, 32, generator=gen)
-    out = router.route(x, router_w, 4, True)
-    ref = router.route_ref(x, router_w, 4, True)
+    out = route.route(x, router_w, 4, True)
+    ref = route.route_ref(x, router_w, 4, True)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
