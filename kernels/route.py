@@ -196,7 +196,7 @@ def route_triton(
     num_tokens, hidden = x.shape
     num_experts = router_w.shape[0]
     config = config or RouteConfig()
-    block_e = route_block_e(num_experts, hidden, x.element_size(), config.program_bytes)
+    block_e = _route_block_e(num_experts, hidden, x.element_size(), config.program_bytes)
     programs = triton.cdiv(num_experts, block_e)
     block_t = common.next_pow2(num_tokens)
     logits = common.alloc((num_tokens, num_experts), torch.float32, x.device)
@@ -253,7 +253,7 @@ def route(
     return route_ref(x, router_w, k, renormalize, ids_out, host)
 
 
-def route_block_e(num_experts: int, hidden: int, itemsize: int, program_bytes: int) -> int:
+def _route_block_e(num_experts: int, hidden: int, itemsize: int, program_bytes: int) -> int:
     """Experts per program of `route`: a power of two whose router_w rows come to about
     program_bytes, between 1 and ROUTE_MAX_BLOCK_E (and no more than the experts)."""
     block_e = 1
