@@ -28,8 +28,8 @@ def _driver_copy() -> ctypes._CFuncPtr:
 
 
 @functools.cache
-def _driver_sync() -> ctypes._CFuncPtr:
-    fn = ctypes.CDLL("libcuda.so.1").cuStreamSynchronize
+def _driver_query() -> ctypes._CFuncPtr:
+    fn = ctypes.CDLL("libcuda.so.1").cuStreamQuery
     fn.argtypes = [ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
@@ -53,18 +53,18 @@ def _driver_copy2d() -> ctypes._CFuncPtr:
 
 
 def driver_functions() -> tuple[int, int, int, int]:
-    """The addresses of the driver's cuMemcpyHtoDAsync, cuStreamSynchronize, cuMemsetD2D8Async
+    """The addresses of the driver's cuMemcpyHtoDAsync, cuStreamQuery, cuMemsetD2D8Async
     and cuMemcpy2DAsync, for native code that queues the same copies (the decode planner,
     kernels/cpu_experts.py)."""
     return tuple(
-        address_of(fn()) for fn in (_driver_copy, _driver_sync, _driver_memset2d, _driver_copy2d)
+        address_of(fn()) for fn in (_driver_copy, _driver_query, _driver_memset2d, _driver_copy2d)
     )
 
 
 # The signatures of the driver functions above, for stand-ins written in Python
 COPY_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
                                  ctypes.c_void_p)  # fmt: skip
-SYNC_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+QUERY_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 MEMSET2D_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t,
                                      ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_size_t,
                                      ctypes.c_void_p)  # fmt: skip
@@ -102,8 +102,8 @@ def host_functions(calls: dict[str, int] | None = None) -> tuple:
         ctypes.memmove(dst, src, nbytes)
         return 0
 
-    def sync(stream: int) -> int:
-        count("sync")
+    def query(stream: int) -> int:  # every stream is idle
+        count("query")
         return 0
 
     def memset2d(dst: int, pitch: int, value: int, width: int, height: int, stream: int) -> int:
@@ -122,7 +122,7 @@ def host_functions(calls: dict[str, int] | None = None) -> tuple:
                            c.src_host + (c.src_y + row) * c.src_pitch, c.width_bytes)  # fmt: skip
         return 0
 
-    return (COPY_FUNCTION(copy), SYNC_FUNCTION(sync), MEMSET2D_FUNCTION(memset2d),
+    return (COPY_FUNCTION(copy), QUERY_FUNCTION(query), MEMSET2D_FUNCTION(memset2d),
             COPY2D_FUNCTION(copy2d))  # fmt: skip
 
 

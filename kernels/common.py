@@ -1,12 +1,19 @@
-"""Helpers shared by the Triton kernels: dtype mapping, buffer allocation, argument checks."""
+"""Helpers shared by the Triton kernels: dtype mapping, buffer allocation, argument checks, and
+programmatic dependent launch."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # triton 3.4 and later (the GPU machine's 3.6 and CI's 3.9 have it)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: programmatic dependent launch stays off
+    gdc_launch_dependents = gdc_wait = None
 
 _TL_DTYPES = {
     torch.float32: tl.float32,
@@ -40,6 +47,33 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
+def pdl(device: torch.device) -> bool:
+    """Whether the decode kernels on `device` use programmatic dependent launch (PDL): each is
+    launched with `launch_pdl` and starts with `pdl_start`, so that on a Hopper GPU or later it is
+    placed on the SMs while the kernel before it in the stream still runs, and waits there for
+    that kernel's writes instead of being launched after it ends. Off on the CPU, under the Triton
+    interpreter, before compute capability 9.0, with a triton that lacks it, and with
+    MOELAB_PDL=0 (to measure what it gains)."""
+    if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("MOELAB_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """A kernel's first statement: with PDL, wait until the kernel before it in the stream has
+    finished and its writes are visible, then let the kernel after it be placed (it will wait the
+    same way). Every kernel launched with `launch_pdl` must call it before it reads anything
+    another kernel wrote, and call it unconditionally: a kernel that skipped the wait could end
+    before the one before it, and the next kernel's wait would cover neither."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:

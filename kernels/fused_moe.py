@@ -114,7 +114,9 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    common.pdl_start(PDL)
     route = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot, leads, _, first_k, t_idx = _route_group(
@@ -171,7 +173,9 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    common.pdl_start(PDL)
     route = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot, leads, match, first_k, t_idx = _route_group(
@@ -268,6 +272,7 @@ def _tokens(
     num_tokens, hidden = x.shape
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
+    pdl = common.pdl(x.device)
     for t0 in range(0, num_tokens, MAX_TOKENS_PER_LAUNCH):
         t1 = min(t0 + MAX_TOKENS_PER_LAUNCH, num_tokens)
         chunk = t1 - t0
@@ -297,6 +302,8 @@ def _tokens(
             COMPUTE=compute,
             num_warps=cfg.num_warps,
             num_stages=num_stages,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
         grid_b = (chunk * top_k, triton.cdiv(hidden, cfg.down_block_n))
         _down_kernel[grid_b](
@@ -322,6 +329,8 @@ def _tokens(
             COMPUTE=compute,
             num_warps=cfg.num_warps,
             num_stages=num_stages,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
 
 

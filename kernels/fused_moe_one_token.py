@@ -121,8 +121,9 @@ def _gate_up_rows(
 def _one_token_gate_up_kernel(
     x_ptr, slots_ptr, w13_ptr, act_ptr, hidden, inter, stride_ws, stride_wn,
     TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+    COMPUTE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    common.pdl_start(PDL)
     # A masked route (run on the CPU) loads nothing, and its act row is left for no one to read.
     if LOOP_ROUTES:  # one program per row block, over every route: few are live
         n_idx = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,8 +167,9 @@ def _down_rows(
 def _one_token_down_kernel(
     act_ptr, slots_ptr, weights_ptr, w2_ptr, y_ptr, hidden, inter, stride_ws, stride_wn,
     TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+    COMPUTE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    common.pdl_start(PDL)
     # A masked route's rows are zeros (its act row was never written).
     if LOOP_ROUTES:  # one program per row block, over every route: few are live
         n_idx = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,6 +215,7 @@ def launch(
     loop = cfg.loop_routes  # a grid of row blocks only: each program loops over the routes
     gate_up_blocks = triton.cdiv(inter, cfg.gate_up_block_n)
     down_blocks = triton.cdiv(hidden, cfg.down_block_n)
+    pdl = common.pdl(x.device)
     _one_token_gate_up_kernel[(gate_up_blocks,) if loop else (top_k, gate_up_blocks)](
         x,
         slot_ids,
@@ -229,6 +232,8 @@ def launch(
         COMPUTE=compute,
         STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     _one_token_down_kernel[(down_blocks,) if loop else (top_k, down_blocks)](
         act,
@@ -247,4 +252,6 @@ def launch(
         COMPUTE=compute,
         STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
+        PDL=pdl,
+        launch_pdl=pdl,
     )

@@ -153,6 +153,8 @@ def _one_token_kernel(
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY_W: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -163,8 +165,21 @@ def _one_token_kernel(
     k_end = tl.minimum(k_start + k_per_split, k)
     # Products add up elementwise and are summed across K once, after the loop.
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if EARLY_W:
+        # The first step's weights are loaded before the wait for the kernel before (they are
+        # not its output), so they stream in while it still runs.
+        k_idx = k_start + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < k
+        w = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        common.pdl_start(PDL)
+        xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0).to(COMPUTE).to(tl.float32)
+        acc += w.to(COMPUTE).to(tl.float32) * xs[None, :]
+        k_loop = k_start + BLOCK_K
+    else:
+        common.pdl_start(PDL)
+        k_loop = k_start
     # num_stages on the loop itself: the launch's num_stages pipelines only loads that feed tl.dot.
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_loop, k_end, BLOCK_K, num_stages=STAGES):
         k_idx = k0 + tl.arange(0, BLOCK_K)
         k_ok = k_idx < k
         xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0)
@@ -196,7 +211,9 @@ def _tokens_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    common.pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     t_idx = tl.arange(0, BLOCK_T)
@@ -228,7 +245,9 @@ def _sum_splits_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    common.pdl_start(PDL)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < total
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -247,9 +266,15 @@ def linear_decode(
     *,
     compute_dtype: torch.dtype | None = None,
     config: GemvConfig | None = None,
+    early_weights: bool = False,
 ) -> torch.Tensor:
     """Triton x[T, K] @ weight[N, K]^T (+ bias) in x's dtype, fp32 accumulation, 1 <= T <=
-    MAX_TOKENS; one launch, or two when the config splits K. Graph-capturable (no host sync)."""
+    MAX_TOKENS; one launch, or two when the config splits K. Graph-capturable (no host sync).
+
+    early_weights: with programmatic dependent launch (`common.pdl`), one token reads its first
+    weight tile before it waits for the kernel before it in the stream, so the weights stream in
+    while that kernel runs. Only for a weight that kernel does not write (a model's parameters,
+    as `linear` passes them): what it writes is visible only after the wait."""
     _check(x, weight, bias)
     tokens, k = x.shape
     n = weight.shape[0]
@@ -268,6 +293,7 @@ def linear_decode(
     # Triton needs a tensor for every pointer argument; HAS_BIAS keeps this one unread.
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    pdl = common.pdl(x.device)
     flags = {
         "HAS_BIAS": bias is not None,
         "SPLIT": split,
@@ -276,6 +302,8 @@ def linear_decode(
         "COMPUTE": compute,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
+        "PDL": pdl,
+        "launch_pdl": pdl,
     }
     if tokens == 1:
         _one_token_kernel[grid](
@@ -289,6 +317,7 @@ def linear_decode(
             k_per_split,
             weight.stride(0),
             STAGES=cfg.num_stages,
+            EARLY_W=early_weights and pdl,
             **flags,
         )
     else:
@@ -318,6 +347,8 @@ def linear_decode(
             SPLIT_K=cfg.split_k,
             HAS_BIAS=bias is not None,
             BLOCK=SUM_BLOCK,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return out
 
@@ -337,9 +368,11 @@ def kernel_accepts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for the engine: the skinny GEMM for one token on CUDA, F.linear otherwise."""
+    """F.linear for the engine: the skinny GEMM for one token on CUDA, F.linear otherwise. The
+    weight is a model parameter, which no kernel writes, so its first tile is read early
+    (`linear_decode`'s early_weights)."""
     if x.is_cuda and x.shape[0] <= DISPATCH_MAX_TOKENS and kernel_accepts(x, weight, bias):
-        return linear_decode(x, weight, bias)
+        return linear_decode(x, weight, bias, early_weights=True)
     return F.linear(x, weight, bias)
 
 

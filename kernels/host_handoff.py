@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import common
+
 DONE, EXPECTED, TIMED_OUT = 0, 8, 16  # int64 indices: 64 bytes apart
 _SYNC_LEN = 24
 BLOCK = 1024
@@ -83,7 +85,8 @@ def sum_when_ready_ref(
 
 
 @triton.jit
-def _wait_epoch_kernel(sync_ptr, ready_ptr, max_polls):
+def _wait_epoch_kernel(sync_ptr, ready_ptr, max_polls, PDL: tl.constexpr):
+    common.pdl_start(PDL)
     # one program of one warp: every warp that reads the host's words costs a PCIe round trip,
     # and reads of one address queue behind each other (64 warps polling took 92 us on an H200)
     expected = tl.load(sync_ptr + 8, volatile=True)
@@ -101,8 +104,9 @@ def _wait_epoch_kernel(sync_ptr, ready_ptr, max_polls):
 @triton.jit
 def _sum_parts_kernel(
     y_ptr, y2_ptr, part_ptr, out_ptr, ready_ptr, hidden,
-    K: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr,
+    K: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    common.pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -145,11 +149,12 @@ def sum_when_ready_triton(
     elif out.device != y.device:
         raise ValueError(f"out is on {out.device}, the parts on {y.device}")
     ready = torch.empty(1, dtype=torch.int32, device=y.device)
-    _wait_epoch_kernel[(1,)](sync, ready, max_polls, num_warps=1)
+    pdl = common.pdl(y.device)
+    _wait_epoch_kernel[(1,)](sync, ready, max_polls, PDL=pdl, num_warps=1, launch_pdl=pdl)
     block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
     _sum_parts_kernel[(tokens, triton.cdiv(hidden, block))](
         y, parts[-1], cpu_part, out, ready, hidden,
-        K=top_k, TWO=len(parts) == 2, BLOCK=block, num_warps=SUM_WARPS,
+        K=top_k, TWO=len(parts) == 2, BLOCK=block, PDL=pdl, num_warps=SUM_WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -187,7 +192,10 @@ def route_slots_from_host_ref(
 
 
 @triton.jit
-def _route_slots_from_host_kernel(slots_h_ptr, cached_ptr, filled_ptr, n, BLOCK: tl.constexpr):
+def _route_slots_from_host_kernel(
+    slots_h_ptr, cached_ptr, filled_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    common.pdl_start(PDL)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     # volatile: the host wrote them just before the launch; never a copy cached before
@@ -203,9 +211,11 @@ def route_slots_from_host_triton(
     and unlike a copy it never queues behind the fills on a copy engine."""
     _check_route_slots(slots_h, cached, filled)
     n = slots_h.numel()
+    pdl = common.pdl(cached.device)
     _route_slots_from_host_kernel[(1,)](
-        slots_h, cached, filled, n, BLOCK=max(16, triton.next_power_of_2(n)), num_warps=1
-    )
+        slots_h, cached, filled, n, BLOCK=max(16, triton.next_power_of_2(n)), PDL=pdl,
+        num_warps=1, launch_pdl=pdl,
+    )  # fmt: skip
 
 
 def route_slots_from_host(
@@ -253,8 +263,9 @@ def routing_to_host_ref(
 @triton.jit
 def _routing_to_host_kernel(
     ids_ptr, w_ptr, x_ptr, ids_h_ptr, w_h_ptr, x_h_ptr, n_routes, n_x,
-    BLOCK: tl.constexpr, ROUTES: tl.constexpr,
+    BLOCK: tl.constexpr, ROUTES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    common.pdl_start(PDL)
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_x
@@ -281,9 +292,10 @@ def routing_to_host_triton(
         raise ValueError("routing_to_host_triton needs contiguous tensors")
     n_x, n_routes = x.numel(), ids.numel()
     grid = (max(1, triton.cdiv(n_x, BLOCK)),)
+    pdl = common.pdl(x.device)
     _routing_to_host_kernel[grid](
         ids, weights, x, ids_h, weights_h, x_h, n_routes, n_x,
-        BLOCK=BLOCK, ROUTES=max(16, triton.next_power_of_2(n_routes)),
+        BLOCK=BLOCK, ROUTES=max(16, triton.next_power_of_2(n_routes)), PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
 
 

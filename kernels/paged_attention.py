@@ -102,7 +102,9 @@ def _split_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    common.pdl_start(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -174,7 +176,9 @@ def _merge_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    common.pdl_start(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
@@ -230,6 +234,7 @@ def paged_attention_decode_triton(
     part_out = common.alloc((batch, num_q_heads, num_splits, head_dim), torch.float32, q.device)
     part_lse = common.alloc((batch, num_q_heads, num_splits), torch.float32, q.device)
     out = common.alloc(tuple(q.shape), q.dtype, q.device)
+    pdl = common.pdl(q.device)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -263,6 +268,8 @@ def paged_attention_decode_triton(
         COMPUTE=common.tl_dtype(compute_dtype or q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     _merge_kernel[(batch, num_q_heads)](
         part_out,
@@ -283,6 +290,8 @@ def paged_attention_decode_triton(
         BLOCK_S=common.next_pow2(num_splits),
         CHUNK=min(_MERGE_CHUNK, common.next_pow2(num_splits)),
         num_warps=8,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
 

@@ -76,7 +76,9 @@ def _rmsnorm_kernel(
     PARTS: tl.constexpr,
     MODEL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    common.pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -122,6 +124,7 @@ def _launch(
         common.check_last_dim_contiguous("residual", res_rows)
         new_residual = common.alloc((rows, hidden), model_dtype, x.device)
     block = common.next_pow2(hidden)
+    pdl = common.pdl(x.device)
     _rmsnorm_kernel[(rows,)](
         src,
         res_rows,
@@ -140,6 +143,8 @@ def _launch(
         MODEL=common.tl_dtype(model_dtype),
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     if new_residual is None:
         return out.view(shape), None

@@ -154,7 +154,9 @@ def _qk_norm_rope_kv_kernel(
     Q_LANES: tl.constexpr,
     K_LANES: tl.constexpr,
     VEC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    common.pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads first, then KV heads
     dtype = q_out_ptr.dtype.element_ty
@@ -214,6 +216,7 @@ def qk_norm_rope_kv_triton(
     q_lanes, vec = _torch_lanes(head_dim, tokens * num_heads)
     k_lanes, _ = _torch_lanes(head_dim, tokens * num_kv_heads)
     has_norm = q_norm is not None
+    pdl = common.pdl(qkv.device)
     _qk_norm_rope_kv_kernel[(tokens, num_heads + num_kv_heads)](
         qkv,
         positions,
@@ -238,6 +241,8 @@ def qk_norm_rope_kv_triton(
         VEC=vec,
         num_warps=max(1, min(4, head_dim // 128)),
         enable_fp_fusion=False,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return q_out
 

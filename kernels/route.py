@@ -101,7 +101,9 @@ def _route_kernel(
     STAGES: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     HOST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    common.pdl_start(PDL)
     pid = tl.program_id(0)
     t_idx = tl.arange(0, BLOCK_T)
     t_ok = t_idx < num_tokens
@@ -203,6 +205,7 @@ def route_triton(
     weights = common.alloc((num_tokens, k), torch.float32, x.device)
     ids = ids_out if ids_out is not None else common.alloc((num_tokens, k), torch.int32, x.device)
     ids_h, weights_h, x_h = host if host is not None else (ids, weights, weights)
+    pdl = common.pdl(x.device)
     _route_kernel[(programs,)](
         x,
         router_w,
@@ -234,6 +237,8 @@ def route_triton(
         RENORMALIZE=renormalize,
         HOST=host is not None,
         num_warps=config.num_warps,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return weights, ids
 

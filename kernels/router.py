@@ -41,7 +41,9 @@ def _topk_softmax_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    common.pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     e_idx = tl.arange(0, BLOCK_E)
     e_ok = e_idx < num_experts
@@ -80,6 +82,7 @@ def topk_softmax_triton(
     ids = ids_out if ids_out is not None else common.alloc((num_tokens, k), torch.int32,
                                                            logits.device)  # fmt: skip
     block_e = common.next_pow2(num_experts)
+    pdl = common.pdl(logits.device)
     _topk_softmax_kernel[(num_tokens,)](
         logits,
         weights,
@@ -93,6 +96,8 @@ def topk_softmax_triton(
         BLOCK_K=common.next_pow2(k),
         RENORMALIZE=renormalize,
         num_warps=max(1, min(8, block_e // 128)),
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return weights, ids
 

@@ -98,7 +98,7 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         expected, expected_counts = _generate(eager)
     finally:
         eager.close()
-    calls = {"copy": 0, "sync": 0, "memset2d": 0, "copy2d": 0}
+    calls = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
     driver = _host_driver(monkeypatch, calls) if copies != "python" else None
     engine = _piecewise_engine(checkpoint, *(() if overlap else ("--no-overlap-decode",)))
     try:
@@ -151,9 +151,9 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     times = engine.moe.staged_times
     assert staged["boundary_us"] > 0 and times.boundaries == len(replays) - 1
     assert any(not plan.startswith("0+") for plan in periods)  # steps with fills
-    if driver is not None:  # one wait per staged layer step; two copies per staged fill (the
-        # decode steps run eagerly fill too, without them)
-        assert calls["sync"] == staged["layer_steps"]
+    if driver is not None:  # one query per staged layer step (the stand-in stream is idle); two
+        # copies per staged fill (the decode steps run eagerly fill too, without them)
+        assert calls["query"] == staged["layer_steps"]
         whole = calls["copy"]
         assert 0 < whole <= 2 * counts["fills"] and whole % 2 == 0
     # overlapped: most steps were staged while the step before them was still unread

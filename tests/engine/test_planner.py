@@ -20,7 +20,7 @@ from moelab.engine.h2d import (
     COPY2D_FUNCTION,
     COPY_FUNCTION,
     MEMSET2D_FUNCTION,
-    SYNC_FUNCTION,
+    QUERY_FUNCTION,
     address_of,
     host_functions,
 )
@@ -348,7 +348,7 @@ def test_the_side_that_ends_later_starts_first(cpu, top_k, copies_first):
             seen.append(bool(done[DONE] == r._epoch + 1))
         return 0
 
-    functions = (COPY_FUNCTION(copy), SYNC_FUNCTION(lambda stream: 0), *_no_2d())
+    functions = (COPY_FUNCTION(copy), QUERY_FUNCTION(lambda stream: 0), *_no_2d())
     planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
     ids = torch.arange(top_k, dtype=torch.int32)[None]
     weights, x, out = torch.rand(1, top_k), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
@@ -359,8 +359,9 @@ def test_the_side_that_ends_later_starts_first(cpu, top_k, copies_first):
 
 
 def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu):
-    """Stand-in driver functions (the planner only has their addresses): a failing sync changes
-    nothing; a failing fill raises, and the experts it was filling are not left resident."""
+    """Stand-in driver functions (the planner only has their addresses): a failing query of the
+    stream changes nothing; a failing fill raises, and the experts it was filling are not left
+    resident."""
     bank = _bank(torch.Generator().manual_seed(4))
     r = _runner(bank, 6, 1.0, cpu, 2)
     planner = r._decode_planner()
@@ -372,14 +373,14 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
 
     copy = COPY_FUNCTION(failing_second_copy)
     sync_result = [999]
-    sync = SYNC_FUNCTION(lambda stream: sync_result[0])
+    sync = QUERY_FUNCTION(lambda stream: sync_result[0])
     two_d = _no_2d()
     planner.set_device(address_of(copy), address_of(sync), *(address_of(f) for f in two_d), 0, 0,
                        1 << 40, 1 << 41, 2)  # fmt: skip
     ids = torch.tensor([[3, 4]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     before = _state(r)
-    with pytest.raises(RuntimeError, match="cuStreamSynchronize failed with CUDA driver error 999"):
+    with pytest.raises(RuntimeError, match="cuStreamQuery failed with CUDA driver error 999"):
         r._native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
     assert _state(r) == before and not copies
     sync_result[0] = 0
@@ -396,3 +397,32 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
                        0, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
     d, _ = r._native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
     assert [e for e, _ in d.admitted] == [3, 4] and r.cache.resident == 2
+
+
+def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
+    """With the device set, a step first polls the compute stream (cuStreamQuery) until it has
+    no work left, and plans only then: here a stand-in answers CUDA_ERROR_NOT_READY three times."""
+    bank = _bank(torch.Generator().manual_seed(5))
+    r = _runner(bank, 6, 0.0, cpu, 2)
+    planner = r._decode_planner()
+    answers = [600, 600, 600, 0]
+    asked: list[int] = []
+
+    def query(stream) -> int:
+        asked.append(stream)
+        return answers[len(asked) - 1]
+
+    query_fn = QUERY_FUNCTION(query)
+    copy = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
+    planner.set_device(address_of(copy), address_of(query_fn), *(address_of(f) for f in _no_2d()),
+                       77, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
+    ids = torch.tensor([[1, 2]], dtype=torch.int32)
+    weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
+    before = r.cache.state.copy()
+    d, (wait_s, _, _) = r._native_step(planner, 0, ids, weights, x, out, False, sync=True)
+    assert asked == [77] * 4  # the compute stream's handle, until it answered 0
+    assert wait_s > 0 and d.job is not None
+    d.job.wait()
+    assert r.counters.picks[0, [1, 2]].tolist() == [1, 1]
+    assert r.cache.state[2] == before[2]  # policy 0.0: no fills, both on the CPU
+    assert sorted(d.on_cpu) == [1, 2]

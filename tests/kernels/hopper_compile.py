@@ -2,7 +2,9 @@
 
 Run in its own process with TRITON_INTERPRET unset (test_hopper_compile.py does): a stand-in driver
 reports an sm_90 device, and launches only compile. Prints the shared memory, registers and local
-(spilled) bytes of each compiled kernel, read from the cubin with the cuobjdump Triton ships.
+(spilled) bytes of each compiled kernel, read from the cubin with the cuobjdump Triton ships, and
+whether it waits for the kernel before it (programmatic dependent launch, which the kernels use on
+a Hopper GPU: `common.pdl`, here forced on since the tensors are on the CPU).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 from moelab.kernels import (
+    common,
     fused_moe,
     gemv,
     grouped_moe,
     host_handoff,
     paged_attention,
     rmsnorm,
+    rope_kv,
     route,
     router,
 )
@@ -67,14 +71,15 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"\b(REG|LOCAL|STACK):(\d+)", out)}
 
 
-def compile_all() -> list[JITFunction]:
-    """Call every wrapper at the shapes the engine uses; returns the kernels compiled."""
+def compile_all() -> list[tuple[str, str, int | None, object]]:
+    """Call every wrapper at the shapes the engine uses; returns (name, module, warps, kernel) of
+    each kernel compiled."""
     compiled = []
     run = JITFunction.run
 
     def compile_only(self: JITFunction, *args: object, grid: object, warmup: bool, **kw: object):
         kernel = run(self, *args, grid=grid, warmup=True, **kw)
-        compiled.append((self.fn.__name__, kw.get("num_warps"), kernel))
+        compiled.append((self.fn.__name__, self.fn.__module__, kw.get("num_warps"), kernel))
         return kernel
 
     JITFunction.run = compile_only
@@ -106,6 +111,16 @@ def compile_all() -> list[JITFunction]:
         rmsnorm.fused_add_rmsnorm_triton(parts, x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
         rmsnorm.rmsnorm_triton(x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
     router.topk_softmax_triton(torch.randn(4, EXPERTS, dtype=BF16), TOP_K, True)
+    for tokens in (1, 8):  # q/k norm, rotary and the KV write of the 30B geometry's attention
+        heads, kv_heads, head_dim = 32, 4, 128
+        cache = torch.empty(64, 16, kv_heads, head_dim, dtype=BF16)
+        table = torch.empty(4096, head_dim, dtype=BF16)
+        rope_kv.qk_norm_rope_kv_triton(
+            torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=BF16),
+            torch.arange(tokens), table, table, torch.ones(head_dim, dtype=BF16),
+            torch.ones(head_dim, dtype=BF16), 1e-6, cache, cache, torch.arange(tokens),
+            heads, kv_heads, head_dim,
+        )  # fmt: skip
     for tokens in (1, 8):  # a decode step's whole router, with and without the host's copy
         x, router_w = (
             torch.randn(tokens, HIDDEN, dtype=BF16),
@@ -133,7 +148,8 @@ def compile_all() -> list[JITFunction]:
     for n, k in ((5120, HIDDEN), (HIDDEN, 4096), (EXPERTS, HIDDEN), (151936, HIDDEN)):
         weight = torch.empty(n, k, dtype=BF16)
         for tokens in (1, 8):
-            gemv.linear_decode(torch.randn(tokens, k, dtype=BF16), weight)
+            # as the engine calls it: the first weight tile read before the wait (one token)
+            gemv.linear_decode(torch.randn(tokens, k, dtype=BF16), weight, early_weights=True)
     JITFunction.run = run
     return compiled
 
@@ -143,14 +159,17 @@ def main() -> int:
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
         return 2
     driver.set_active(HopperDriver())
-    for name, num_warps, kernel in compile_all():
+    common.pdl = lambda device: True  # the GPU's launches, though the tensors are the CPU's
+    for name, module, num_warps, kernel in compile_all():
         usage = resource_usage(kernel.asm["cubin"])
         print(
             json.dumps(
                 {
                     "kernel": name,
+                    "module": module,
                     "num_warps": num_warps,
                     "shared_bytes": kernel.metadata.shared,
+                    "waits_for_previous": "griddepcontrol.wait" in kernel.asm["ptx"],
                     **usage,
                 }
             )
