@@ -145,6 +145,14 @@ def concurrent_rates(engine, seconds: float = 0.6) -> dict:
     return {"hbm_gbps": hbm, "bp_gbps": bp, "host_gbps": host}
 
 
+def rates_around(before: dict, after: dict) -> dict:
+    """The rates a decode run is bounded by: the mean of each, measured before and after it (a
+    shared host's read rate drifts by a tenth or more between two measurements a minute apart),
+    with both measurements kept."""
+    mean = {k: (before[k] + after[k]) / 2 for k in ("hbm_gbps", "bp_gbps", "host_gbps")}
+    return {**mean, "rates_before": before, "rates_after": after}
+
+
 def _evenness(picks: np.ndarray) -> float:
     """Mean normalized entropy of the per-layer pick distributions (1 = perfectly even)."""
     out = []
@@ -177,6 +185,7 @@ def _decode(engine, args) -> dict:
     engine.moe.cpu_times = CpuJobTimes()
     engine.moe.staged_times = StagedStepTimes()
     engine.telemetry.miss_cost = MissCostFit()
+    rates_before = concurrent_rates(engine)
     profiler = None
     if args.profile:
         import cProfile
@@ -208,7 +217,7 @@ def _decode(engine, args) -> dict:
         _kernel_profile(engine, prompts, trace=args.trace)
     steps = args.tokens
     tok_s = args.batch * steps / elapsed
-    rates = concurrent_rates(engine)
+    rates = rates_around(rates_before, concurrent_rates(engine))
     eb = spec.expert_bytes * engine.dtype.itemsize // spec.dtype_bytes
     elem = engine.dtype.itemsize
     dense_step = (spec.dense_params - spec.vocab_size * spec.hidden_size) * elem

@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.engine.args import build_parser
-from moelab.engine.bench_decode import staged_lines
+from moelab.engine.bench_decode import rates_around, staged_lines
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.server import Server
 from moelab.engine.spec import ModelSpec
@@ -105,11 +105,22 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     reads = spec.num_moe_layers * spec.top_k
     misses = result["fills_per_step"] + result["cpu_per_step"]
     assert misses == pytest.approx((1 - result["hit_rate"]) * reads)
+    # the bound's rates: measured before and after the timed steps, the mean of the two
+    before, after = result["rates_before"], result["rates_after"]
+    assert result["host_gbps"] == pytest.approx((before["host_gbps"] + after["host_gbps"]) / 2)
     assert f"timeline written to {trace}" in r.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("ph") == "X" for e in events) > 10  # timed calls of the profiled steps
     refused = moelab(*flags, "--trace", str(trace), check=False)
     assert refused.returncode == 2 and "--trace needs --kernel-profile" in refused.stderr
+
+
+def test_the_bound_takes_each_rate_as_the_mean_of_before_and_after():
+    before = {"hbm_gbps": 4000.0, "bp_gbps": 50.0, "host_gbps": 90.0}
+    after = {"hbm_gbps": 4200.0, "bp_gbps": 46.0, "host_gbps": 110.0}
+    rates = rates_around(before, after)
+    assert (rates["hbm_gbps"], rates["bp_gbps"], rates["host_gbps"]) == (4100.0, 48.0, 100.0)
+    assert rates["rates_before"] == before and rates["rates_after"] == after
 
 
 def test_bench_decode_prints_the_staged_stages_and_the_commonest_plans_periods():
