@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # triton 3.4 and later (the GPU machine's 3.6 and CI's 3.9 have it)
+try:  # the GPU machine's triton 3.6 and CI's 3.9 have it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older triton: programmatic dependent launch stays off
     gdc_launch_dependents = gdc_wait = None
