@@ -30,10 +30,10 @@ namespace {
 // queue the CPU job. With the device's copy functions set (`set_device`), one call also waits for
 // the routing (polling the compute stream, and meanwhile pulling this planner's state for the
 // layer back into the CPU's caches, which the CPU job before streamed cold) and queues the fills
-// on the fill stream, marking the
-// routes they serve (-2 - slot) so that the device runs the cached experts' routes during them:
-// the whole serial host path of an offloaded layer step, where Python took ~100 µs, and several
-// times that when the CPU job before had just streamed the caches cold.
+// on the fill stream, marking the routes they serve (-2 - slot) so that the device runs the
+// cached experts' routes during them: the whole serial host path of an offloaded layer step,
+// where Python took ~100 µs, and several times that when the CPU job before had just streamed the
+// caches cold.
 
 // The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
 using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
@@ -191,7 +191,7 @@ class DecodePlanner {
         py::gil_scoped_release release;
         // Polled rather than waited for: the CPU job of the layer before streamed its experts
         // through the shared cache, and what this step reads first would be misses on the serial
-        // path (planning took 8-12 us with cold caches on the H200's host, 3 with warm ones).
+        // path (scripts/planner_cost.py on the CI machine: 3 us warm, 12 after such a sweep).
         while ((err = query_(stream_)) == kStreamNotReady) warm(layer);
       }
       check_driver(err, "cuStreamQuery");
