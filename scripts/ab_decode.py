@@ -8,10 +8,15 @@ e.g.   git archive HEAD~1 | tar -x -C /tmp/A
 Each run installs its tree (`pip install --no-deps -e`: both trees are the package `moelab`), with
 a cache folder of its own so that each tree's native CPU kernel is built once, then runs `bench
 decode BENCH_FLAGS --json`: A, B, A, B, ... Prints one JSON line per run (tok/s, the share of the
-bound, the CPU experts' GB/s inside decode, B_host) and a last line with each tree's means and the
-pairs' tok/s ratios B / A. The host's rates move between runs by more than most changes
+bound, the CPU experts' GB/s inside decode, B_host, the layer step period of each plan) and a last
+line with each tree's means, the pairs' tok/s ratios B / A and, for each plan both trees made, the
+mean period of each and B - A. The host's rates move between runs by more than most changes
 (docs/performance.md), so only pairs run side by side compare code; the CPU rate beside each run
 says which pairs ran on a disturbed host.
+
+With the auto miss policy each run's fetch share follows the rates it measured, so the runs make
+different plans. Pinning the share (`--moe-miss-policy split:0.33`) makes every run plan alike
+(the routing is seeded), so that the periods by plan compare the same work.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ def run_once(tree: Path, cache: Path, flags: list[str], log: Path) -> dict:
         "of_bound": r["achieved_of_bound"],
         "cpu_gbps": (r.get("cpu_jobs") or {}).get("gbps"),
         "host_gbps": r["host_gbps"],
+        "periods_us": {
+            plan: p["us"]
+            for plan, p in ((r.get("staged_layer_us") or {}).get("period_by_plan") or {}).items()
+        },
     }
 
 
@@ -72,7 +81,26 @@ def summary(runs: list[dict], a: str, b: str) -> dict:
         if ratios
         else None
     )
+    out["periods_us"] = _periods(runs, a, b)
     return out
+
+
+def _periods(runs: list[dict], a: str, b: str) -> dict:
+    """For each plan that runs of both trees made: each tree's mean period (µs) over its runs
+    that made it, and B - A."""
+    means = []
+    for tree in (a, b):
+        seen: dict[str, list[float]] = {}
+        for r in runs:
+            if r["tree"] == tree and "error" not in r:
+                for plan, us in (r.get("periods_us") or {}).items():
+                    seen.setdefault(plan, []).append(us)
+        means.append({plan: statistics.mean(values) for plan, values in seen.items()})
+    mean_a, mean_b = means
+    return {
+        plan: {"a": mean_a[plan], "b": mean_b[plan], "b_minus_a": mean_b[plan] - mean_a[plan]}
+        for plan in sorted(mean_a.keys() & mean_b.keys())
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

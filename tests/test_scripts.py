@@ -94,24 +94,31 @@ def _ab_decode():
 
 
 def test_ab_decode_compares_runs_pair_by_pair():
-    def run(tree: str, tok_s: float, share: float = 0.6) -> dict:
+    def run(tree: str, tok_s: float, share: float = 0.6, periods: dict | None = None) -> dict:
         return {
             "tree": tree,
             "tok_s": tok_s,
             "of_bound": share,
             "cpu_gbps": 90.0,
             "host_gbps": 99.0,
+            "periods_us": periods or {},
         }
 
     runs = [
-        run("A", 200.0), run("B", 220.0),
+        run("A", 200.0, periods={"0+2s": 240.0, "0+0": 150.0}),
+        run("B", 220.0, periods={"0+2s": 220.0, "1+3s": 370.0}),
         {"tree": "A", "error": "exit 1, see a2.log"}, run("B", 300.0),  # this pair is left out
-        run("A", 250.0, 0.7), run("B", 250.0, 0.5),
+        run("A", 250.0, 0.7, {"0+2s": 236.0}), run("B", 250.0, 0.5, {"0+2s": 224.0, "0+0": 110.0}),
     ]  # fmt: skip
     out = _ab_decode().summary(runs, "A", "B")
     assert out["a"] == {"tree": "A", "runs": 2, "tok_s": 225.0, "of_bound": pytest.approx(0.65)}
     assert out["b"]["runs"] == 3 and out["b"]["tok_s"] == pytest.approx(770 / 3)
     assert out["b_over_a"] == {"mean": pytest.approx(1.05), "min": 1.0, "max": 1.1, "pairs": 2}
+    # the plans both trees made (1+3s only B's), each tree's mean over the runs that made it
+    assert out["periods_us"] == {
+        "0+0": {"a": 150.0, "b": 110.0, "b_minus_a": -40.0},
+        "0+2s": {"a": 238.0, "b": 222.0, "b_minus_a": -16.0},
+    }
     assert _ab_decode().summary([runs[2]], "A", "B")["b_over_a"] is None
 
 
