@@ -55,9 +55,11 @@ def pdl(device: torch.device) -> bool:
     launched with `launch_pdl` and starts with `pdl_start`, so that on a Hopper GPU or later it is
     placed on the SMs while the kernel before it in the stream still runs, and waits there for
     that kernel's writes instead of being launched after it ends. Off on the CPU, under the Triton
-    interpreter, before compute capability 9.0, with a triton that lacks it, and with
+    interpreter, on ROCm, before compute capability 9.0, with a triton that lacks it, and with
     MOELAB_PDL=0 (to measure what it gains)."""
     if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.version.hip is not None:  # an NVIDIA launch attribute and instruction
         return False
     if os.environ.get("MOELAB_PDL", "1") == "0":
         return False

@@ -25,11 +25,17 @@ def test_off_on_the_cpu_and_under_the_interpreter(monkeypatch):
     assert common.pdl(torch.device("cuda", 0)) is False  # the interpreter has no such launch
 
 
+def test_off_on_rocm(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert common.pdl(torch.device("cuda", 0)) is False  # asked before any device is
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_on_from_hopper_unless_turned_off(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     device = torch.device("cuda", 0)
-    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    hopper = torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
     assert common.pdl(device) is hopper
     common.pdl.cache_clear()
     monkeypatch.setenv("MOELAB_PDL", "0")
