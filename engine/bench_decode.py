@@ -243,6 +243,7 @@ def _decode(engine, args) -> dict:
         "hbm_bound_tok_s": args.batch * rates["hbm_gbps"] * 1e9 / active,
         "active_bytes_per_token": active,
         "cuda_graphs": engine.config_in_force()["cuda_graph_mode"],
+        "pdl": engine.config_in_force()["pdl"],
         **timed,
         **rates,
     }

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels import common
 from .args import physical_cores
 from .bank import build_in_memory, load_bank
 from .bench import best, load_profile
@@ -412,6 +413,8 @@ class Engine(Stepping):
             "cuda_graph_mode": (
                 None if self.graphs is None else "piecewise" if self.graphs.piecewise else "whole"
             ),
+            # the decode kernels' programmatic dependent launch (kernels/common.py, MOELAB_PDL)
+            "pdl": common.pdl(self.device),
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }

@@ -108,6 +108,7 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     # the bound's rates: measured before and after the timed steps, the mean of the two
     before, after = result["rates_before"], result["rates_after"]
     assert result["host_gbps"] == pytest.approx((before["host_gbps"] + after["host_gbps"]) / 2)
+    assert result["pdl"] is False  # no such launch on the CPU
     assert f"timeline written to {trace}" in r.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("ph") == "X" for e in events) > 10  # timed calls of the profiled steps
