@@ -229,6 +229,7 @@ def _decode(engine, args) -> dict:
     )
     bound = args.batch / t_min
     active = dense_step + spec.num_moe_layers * spec.top_k * eb
+    config = engine.config_in_force()
     return {
         "batch": args.batch,
         "tokens": steps,
@@ -242,8 +243,8 @@ def _decode(engine, args) -> dict:
         "achieved_of_bound": tok_s / bound,
         "hbm_bound_tok_s": args.batch * rates["hbm_gbps"] * 1e9 / active,
         "active_bytes_per_token": active,
-        "cuda_graphs": engine.config_in_force()["cuda_graph_mode"],
-        "pdl": engine.config_in_force()["pdl"],
+        "cuda_graphs": config["cuda_graph_mode"],
+        "pdl": config["pdl"],
         **timed,
         **rates,
     }
