@@ -66,6 +66,13 @@ def pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """A decode kernel's launch settings for `device`, the two always together: its `PDL`
+    constexpr (whether `pdl_start` waits) and Triton's `launch_pdl`."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
     """A kernel's first statement: with PDL, wait until the kernel before it in the stream has

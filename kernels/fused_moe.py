@@ -272,7 +272,7 @@ def _tokens(
     num_tokens, hidden = x.shape
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
-    pdl = common.pdl(x.device)
+    pdl = common.pdl_launch(x.device)
     for t0 in range(0, num_tokens, MAX_TOKENS_PER_LAUNCH):
         t1 = min(t0 + MAX_TOKENS_PER_LAUNCH, num_tokens)
         chunk = t1 - t0
@@ -302,8 +302,7 @@ def _tokens(
             COMPUTE=compute,
             num_warps=cfg.num_warps,
             num_stages=num_stages,
-            PDL=pdl,
-            launch_pdl=pdl,
+            **pdl,
         )
         grid_b = (chunk * top_k, triton.cdiv(hidden, cfg.down_block_n))
         _down_kernel[grid_b](
@@ -329,8 +328,7 @@ def _tokens(
             COMPUTE=compute,
             num_warps=cfg.num_warps,
             num_stages=num_stages,
-            PDL=pdl,
-            launch_pdl=pdl,
+            **pdl,
         )
 
 

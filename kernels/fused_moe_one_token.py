@@ -215,7 +215,7 @@ def launch(
     loop = cfg.loop_routes  # a grid of row blocks only: each program loops over the routes
     gate_up_blocks = triton.cdiv(inter, cfg.gate_up_block_n)
     down_blocks = triton.cdiv(hidden, cfg.down_block_n)
-    pdl = common.pdl(x.device)
+    pdl = common.pdl_launch(x.device)
     _one_token_gate_up_kernel[(gate_up_blocks,) if loop else (top_k, gate_up_blocks)](
         x,
         slot_ids,
@@ -232,8 +232,7 @@ def launch(
         COMPUTE=compute,
         STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )
     _one_token_down_kernel[(down_blocks,) if loop else (top_k, down_blocks)](
         act,
@@ -252,6 +251,5 @@ def launch(
         COMPUTE=compute,
         STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )

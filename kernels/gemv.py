@@ -293,7 +293,7 @@ def linear_decode(
     # Triton needs a tensor for every pointer argument; HAS_BIAS keeps this one unread.
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
-    pdl = common.pdl(x.device)
+    pdl = common.pdl_launch(x.device)
     flags = {
         "HAS_BIAS": bias is not None,
         "SPLIT": split,
@@ -302,8 +302,7 @@ def linear_decode(
         "COMPUTE": compute,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
-        "PDL": pdl,
-        "launch_pdl": pdl,
+        **pdl,
     }
     if tokens == 1:
         _one_token_kernel[grid](
@@ -317,7 +316,7 @@ def linear_decode(
             k_per_split,
             weight.stride(0),
             STAGES=cfg.num_stages,
-            EARLY_W=early_weights and pdl,
+            EARLY_W=early_weights and pdl["PDL"],
             **flags,
         )
     else:
@@ -347,8 +346,7 @@ def linear_decode(
             SPLIT_K=cfg.split_k,
             HAS_BIAS=bias is not None,
             BLOCK=SUM_BLOCK,
-            PDL=pdl,
-            launch_pdl=pdl,
+            **pdl,
         )
     return out
 

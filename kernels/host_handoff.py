@@ -149,12 +149,12 @@ def sum_when_ready_triton(
     elif out.device != y.device:
         raise ValueError(f"out is on {out.device}, the parts on {y.device}")
     ready = torch.empty(1, dtype=torch.int32, device=y.device)
-    pdl = common.pdl(y.device)
-    _wait_epoch_kernel[(1,)](sync, ready, max_polls, PDL=pdl, num_warps=1, launch_pdl=pdl)
+    pdl = common.pdl_launch(y.device)
+    _wait_epoch_kernel[(1,)](sync, ready, max_polls, num_warps=1, **pdl)
     block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
     _sum_parts_kernel[(tokens, triton.cdiv(hidden, block))](
         y, parts[-1], cpu_part, out, ready, hidden,
-        K=top_k, TWO=len(parts) == 2, BLOCK=block, PDL=pdl, num_warps=SUM_WARPS, launch_pdl=pdl,
+        K=top_k, TWO=len(parts) == 2, BLOCK=block, num_warps=SUM_WARPS, **pdl,
     )  # fmt: skip
     return out
 
@@ -211,10 +211,9 @@ def route_slots_from_host_triton(
     and unlike a copy it never queues behind the fills on a copy engine."""
     _check_route_slots(slots_h, cached, filled)
     n = slots_h.numel()
-    pdl = common.pdl(cached.device)
     _route_slots_from_host_kernel[(1,)](
-        slots_h, cached, filled, n, BLOCK=max(16, triton.next_power_of_2(n)), PDL=pdl,
-        num_warps=1, launch_pdl=pdl,
+        slots_h, cached, filled, n, BLOCK=max(16, triton.next_power_of_2(n)), num_warps=1,
+        **common.pdl_launch(cached.device),
     )  # fmt: skip
 
 
@@ -292,10 +291,10 @@ def routing_to_host_triton(
         raise ValueError("routing_to_host_triton needs contiguous tensors")
     n_x, n_routes = x.numel(), ids.numel()
     grid = (max(1, triton.cdiv(n_x, BLOCK)),)
-    pdl = common.pdl(x.device)
     _routing_to_host_kernel[grid](
         ids, weights, x, ids_h, weights_h, x_h, n_routes, n_x,
-        BLOCK=BLOCK, ROUTES=max(16, triton.next_power_of_2(n_routes)), PDL=pdl, launch_pdl=pdl,
+        BLOCK=BLOCK, ROUTES=max(16, triton.next_power_of_2(n_routes)),
+        **common.pdl_launch(x.device),
     )  # fmt: skip
 
 

@@ -234,7 +234,7 @@ def paged_attention_decode_triton(
     part_out = common.alloc((batch, num_q_heads, num_splits, head_dim), torch.float32, q.device)
     part_lse = common.alloc((batch, num_q_heads, num_splits), torch.float32, q.device)
     out = common.alloc(tuple(q.shape), q.dtype, q.device)
-    pdl = common.pdl(q.device)
+    pdl = common.pdl_launch(q.device)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -268,8 +268,7 @@ def paged_attention_decode_triton(
         COMPUTE=common.tl_dtype(compute_dtype or q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )
     _merge_kernel[(batch, num_q_heads)](
         part_out,
@@ -290,8 +289,7 @@ def paged_attention_decode_triton(
         BLOCK_S=common.next_pow2(num_splits),
         CHUNK=min(_MERGE_CHUNK, common.next_pow2(num_splits)),
         num_warps=8,
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )
     return out
 

@@ -124,7 +124,7 @@ def _launch(
         common.check_last_dim_contiguous("residual", res_rows)
         new_residual = common.alloc((rows, hidden), model_dtype, x.device)
     block = common.next_pow2(hidden)
-    pdl = common.pdl(x.device)
+    pdl = common.pdl_launch(x.device)
     _rmsnorm_kernel[(rows,)](
         src,
         res_rows,
@@ -143,8 +143,7 @@ def _launch(
         MODEL=common.tl_dtype(model_dtype),
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )
     if new_residual is None:
         return out.view(shape), None

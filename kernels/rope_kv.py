@@ -216,7 +216,7 @@ def qk_norm_rope_kv_triton(
     q_lanes, vec = _torch_lanes(head_dim, tokens * num_heads)
     k_lanes, _ = _torch_lanes(head_dim, tokens * num_kv_heads)
     has_norm = q_norm is not None
-    pdl = common.pdl(qkv.device)
+    pdl = common.pdl_launch(qkv.device)
     _qk_norm_rope_kv_kernel[(tokens, num_heads + num_kv_heads)](
         qkv,
         positions,
@@ -241,8 +241,7 @@ def qk_norm_rope_kv_triton(
         VEC=vec,
         num_warps=max(1, min(4, head_dim // 128)),
         enable_fp_fusion=False,
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )
     return q_out
 

@@ -205,7 +205,7 @@ def route_triton(
     weights = common.alloc((num_tokens, k), torch.float32, x.device)
     ids = ids_out if ids_out is not None else common.alloc((num_tokens, k), torch.int32, x.device)
     ids_h, weights_h, x_h = host if host is not None else (ids, weights, weights)
-    pdl = common.pdl(x.device)
+    pdl = common.pdl_launch(x.device)
     _route_kernel[(programs,)](
         x,
         router_w,
@@ -237,8 +237,7 @@ def route_triton(
         RENORMALIZE=renormalize,
         HOST=host is not None,
         num_warps=config.num_warps,
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )
     return weights, ids
 

@@ -82,7 +82,7 @@ def topk_softmax_triton(
     ids = ids_out if ids_out is not None else common.alloc((num_tokens, k), torch.int32,
                                                            logits.device)  # fmt: skip
     block_e = common.next_pow2(num_experts)
-    pdl = common.pdl(logits.device)
+    pdl = common.pdl_launch(logits.device)
     _topk_softmax_kernel[(num_tokens,)](
         logits,
         weights,
@@ -96,8 +96,7 @@ def topk_softmax_triton(
         BLOCK_K=common.next_pow2(k),
         RENORMALIZE=renormalize,
         num_warps=max(1, min(8, block_e // 128)),
-        PDL=pdl,
-        launch_pdl=pdl,
+        **pdl,
     )
     return weights, ids
 
