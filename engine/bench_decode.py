@@ -366,6 +366,8 @@ def staged_lines(staged: dict) -> str:
     if staged["boundary_us"] is not None:
         boundary = staged["boundary_us"]
         out += f"; between steps (the last layer's routing to the next step's first) {boundary:.0f}"
+        if staged.get("boundary_host_us") is not None:
+            out += f", {staged['boundary_host_us']:.0f} of it before the next step's launch"
     return out
 
 

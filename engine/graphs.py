@@ -287,6 +287,7 @@ class DecodeGraphs:
                 head.replay()
                 experts.join_fills()
             graph.replay()
+            launched = time.perf_counter()
             if self.piecewise and piece:  # the launch that ends a staged layer step
                 experts.staged_times.replay_s += time.perf_counter() - t0
                 experts.after_launch()
@@ -295,7 +296,8 @@ class DecodeGraphs:
                 assert self.slots_host is not None
                 # only the real rows: padding rows would fetch and run experts for nothing
                 ids_h, w_h, x_h = (t[:n] for t in self.routing_host)
-                experts.stage_decode(piece, ids_h, w_h, x_h, self.slots_host[:n], self.cpu_part[:n])
+                experts.stage_decode(piece, ids_h, w_h, x_h, self.slots_host[:n], self.cpu_part[:n],
+                                     launched)  # fmt: skip
                 # padding rows run no experts (written after the stage's sync: an earlier
                 # step's graphs may read these rows until then)
                 self.slots_host[n:bs] = -1

@@ -97,6 +97,10 @@ class StagedStepTimes:
     # between steps and the next step's first dense work
     boundaries: int = 0
     boundary_s: float = 0.0
+    # of that, from the last layer's routing to the launch of the next step's first piece: the
+    # host's part (the last layer's plan, the last piece's launch, the work between steps); the
+    # rest runs from that launch to the first routing's arrival
+    boundary_host_s: float = 0.0
 
     STAGES = ("replay", "sync", "plan", "fill", "count")
 
@@ -116,10 +120,12 @@ class StagedStepTimes:
             plan: {"steps": k, "us": 1e6 * seconds / k}
             for plan, (k, seconds) in sorted(self.periods.items())
         }
-        boundary = 1e6 * self.boundary_s / self.boundaries if self.boundaries else None
+        k = self.boundaries
+        boundary = 1e6 * self.boundary_s / k if k else None
+        boundary_host = 1e6 * self.boundary_host_s / k if k else None
         return {
             "layer_steps": n, "split_misses": self.split_misses, **per_step, "total_us": total,
-            "period_by_plan": periods, "boundary_us": boundary,
+            "period_by_plan": periods, "boundary_us": boundary, "boundary_host_us": boundary_host,
         }  # fmt: skip
 
 

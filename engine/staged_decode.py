@@ -119,6 +119,7 @@ class StagedDecode:
         x_h: torch.Tensor,
         slots_h: torch.Tensor,
         cpu_out: torch.Tensor,
+        launched: float | None = None,
     ) -> None:
         """An offloaded decode layer step between two captured pieces: the host part now, the
         device part (`routed_cached`, `join_fills`, `routed_filled`) in the next piece's graphs.
@@ -130,7 +131,8 @@ class StagedDecode:
         stream), -1 for a route on the CPU. The CPU routes' weighted sum goes into cpu_out [T, H]
         (a `handoff_buffer` view) when the CPU job ends; the host does not wait for it: the next
         piece does, on the device. Only what the next piece needs is done here; `after_launch`
-        does the rest once it is launched.
+        does the rest once it is launched. launched: the host's clock (`time.perf_counter`) when
+        the piece was launched, which splits the time between two decode steps (`StagedStepTimes`).
         """
         clock = time.perf_counter
         t0 = clock()
@@ -182,6 +184,8 @@ class StagedDecode:
         elif last is not None and moe_layer == 0:  # the previous step's last layer
             times.boundaries += 1
             times.boundary_s += arrived - last[1]
+            if launched is not None:
+                times.boundary_host_s += launched - last[1]
 
     def join_fills(self) -> None:
         """Between the next piece's two graphs: order the compute stream after the staged layer's

@@ -139,8 +139,9 @@ def test_bench_decode_prints_the_staged_stages_and_the_commonest_plans_periods()
     )
     assert len(periods.split(": ")[1].split(", ")) == 8  # the eight commonest steps' plans
     assert "between steps" not in text  # none measured
-    times.boundaries, times.boundary_s = 2, 1.1e-3
+    times.boundaries, times.boundary_s, times.boundary_host_s = 2, 1.1e-3, 0.3e-3
     assert staged_lines(times.to_dict()).endswith(
-        "; between steps (the last layer's routing to the next step's first) 550"
+        "; between steps (the last layer's routing to the next step's first) 550, 150 of it "
+        "before the next step's launch"
     )
     assert staged_lines(StagedStepTimes().to_dict()) == ""

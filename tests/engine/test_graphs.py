@@ -150,6 +150,9 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     # first; a prefill between them breaks the chain (one prompt per sequence here, all at once)
     times = engine.moe.staged_times
     assert staged["boundary_us"] > 0 and times.boundaries == len(replays) - 1
+    # of which the host's part ends as the next step's first piece is launched, before its
+    # routing arrives
+    assert 0 < staged["boundary_host_us"] < staged["boundary_us"]
     assert any(not plan.startswith("0+") for plan in periods)  # steps with fills
     if driver is not None:  # one query per staged layer step (the stand-in stream is idle); two
         # copies per staged fill (the decode steps run eagerly fill too, without them)

@@ -426,3 +426,36 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
     assert r.counters.picks[0, [1, 2]].tolist() == [1, 1]
     assert r.cache.state[2] == before[2]  # policy 0.0: no fills, both on the CPU
     assert sorted(d.on_cpu) == [1, 2]
+
+
+def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
+    """The planner's wait first runs what is left of the CPU job its last step started, on the
+    waiting thread: here the pool's one worker is held by a long job queued before it, so only
+    that thread can have run the step's job, which is done when the next step returns while the
+    long one is not."""
+    with CpuExpertRunner(1, "native") as one:
+        r = _runner(_bank(torch.Generator().manual_seed(8)), 6, 0.0, one, 2)
+        planner = r._decode_planner()
+        functions = (COPY_FUNCTION(lambda dst, src, nbytes, stream: 0),
+                     QUERY_FUNCTION(lambda stream: 0), *_no_2d())  # fmt: skip
+        planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
+        # a job of about a second on one core: 256 tokens through two experts of 1024 x 512
+        gen = torch.Generator().manual_seed(9)
+        hidden, inter, tokens = 1024, 512, 256
+        w13 = torch.randn(2, 2 * inter, hidden, generator=gen).bfloat16()
+        w2 = torch.randn(2, hidden, inter, generator=gen).bfloat16()
+        pairs = torch.arange(2 * tokens, dtype=torch.int32)
+        held = one.submit(torch.randn(tokens, hidden, generator=gen), w13, w2, pairs % 2,
+                          pairs // 2, torch.rand(2 * tokens, generator=gen))  # fmt: skip
+        ids = torch.tensor([[1, 2]], dtype=torch.int32)
+        weights, x = torch.rand(1, 2, generator=gen), torch.randn(1, HIDDEN, generator=gen)
+        out = [torch.zeros(1, HIDDEN) for _ in range(2)]
+        first, _ = r._native_step(planner, 0, ids, weights, x, out[0], False, sync=True)
+        assert first.job is not None and not first.job.done()  # queued behind the long job
+        second, _ = r._native_step(planner, 1, ids, weights, x, out[1], False, sync=True)
+        assert first.job.done() and not held.done()
+        token = torch.zeros(2, dtype=torch.int32)
+        want = cpu_experts_ref(x, r.bank.w13[0], r.bank.w2[0], ids[0], token, weights[0])
+        assert torch.allclose(first.job.wait(), want, rtol=1e-5, atol=1e-5)
+        held.wait()
+        second.job.wait()
