@@ -175,6 +175,11 @@ class CpuExpertJob:
         """Whether the output is ready (wait() would not block)."""
         return self._job.done() if self._job is not None else self._future.done()
 
+    def unclaimed(self) -> int:
+        """Tasks of a native job not handed out yet to a worker (or to a thread that helps:
+        the decode planner's wait); 0 for the torch kernel."""
+        return self._job.unclaimed() if self._job is not None else 0
+
     def wait(self) -> torch.Tensor:
         """Blocks (without the GIL) until the output [T, H] fp32 is computed, and returns it."""
         if self._job is not None:

@@ -119,6 +119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
   py::class_<Job, std::shared_ptr<Job>>(m, "Job")
       .def("done", &Job::done)
+      .def("unclaimed", &Job::unclaimed)
       .def("seconds", &Job::seconds)
       .def("wait", &Job::wait, py::call_guard<py::gil_scoped_release>());
   m.def("submit_experts", &submit_experts);

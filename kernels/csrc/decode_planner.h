@@ -189,11 +189,13 @@ class DecodePlanner {
       int err;
       {
         py::gil_scoped_release release;
-        // First this thread works on the CPU job this planner started last, until it has no
-        // task left to hand out: the routing waited for cannot come before that job ends (the
-        // device waits for its part first), and the pool's workers leave this core free for
-        // this thread, so the job gets one core more for the rest of its run.
-        if (last_job_ != nullptr) last_job_->work();
+        // First this thread works on the CPU job this planner started last, while it has more
+        // tasks left to hand out than the pool has workers: the routing waited for cannot come
+        // before that job ends (the device waits for its part first), and the pool's workers
+        // leave this core free for this thread, so the job gets one core more for most of the
+        // rest of its run. Its last tasks are left to the workers, so that this thread does not
+        // end it late, and comes back to its own state sooner (a small job it leaves alone).
+        if (last_job_ != nullptr) last_job_->help(pool_.num_threads());
         last_job_.reset();
         // Polled rather than waited for: the CPU job of the layer before streamed its experts
         // through the shared cache, and what this step reads first would be misses on the serial

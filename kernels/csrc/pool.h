@@ -67,12 +67,24 @@ class Job {
   // Claims and runs tasks until none is left; returns when this job has nothing more to hand out.
   void work() {
     for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < num_tasks_;) {
-      if (i == 0) started_ = Clock::now();
-      run_task(i);
-      if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_tasks_) signal_done();
+      run_claimed(i);
+    }
+  }
+  // Claims and runs tasks while more than `keep` are left to hand out: a thread that is not one
+  // of the pool's helps with a job, leaving its last tasks to the workers (it may have other work
+  // to get back to, and it should not be the one that ends the job late).
+  void help(int64_t keep) {
+    for (int64_t i = next_.load(std::memory_order_relaxed); num_tasks_ - i > keep;) {
+      if (!next_.compare_exchange_weak(i, i + 1, std::memory_order_relaxed)) continue;
+      run_claimed(i);
+      i = next_.load(std::memory_order_relaxed);
     }
   }
   bool done() const { return done_.load(std::memory_order_acquire); }
+  // Tasks not handed out yet.
+  int64_t unclaimed() const {
+    return std::max<int64_t>(0, num_tasks_ - next_.load(std::memory_order_relaxed));
+  }
 
   void mark_queued() { queued_at_ = Clock::now(); }
 
@@ -108,6 +120,12 @@ class Job {
   virtual void run_task(int64_t i) = 0;
 
  private:
+  void run_claimed(int64_t i) {
+    if (i == 0) started_ = Clock::now();
+    run_task(i);
+    if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_tasks_) signal_done();
+  }
+
   void signal_done() {
     finished_at_ = Clock::now();
     // the last task's acq_rel increment ordered every worker's output writes before this store

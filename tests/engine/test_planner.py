@@ -429,10 +429,10 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
 
 
 def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
-    """The planner's wait first runs what is left of the CPU job its last step started, on the
-    waiting thread: here the pool's one worker is held by a long job queued before it, so only
-    that thread can have run the step's job, which is done when the next step returns while the
-    long one is not."""
+    """The planner's wait first runs the CPU job its last step started, on the waiting thread,
+    leaving as many tasks as the pool has workers: here the pool's one worker is held by a long
+    job queued before it, so only that thread can have taken the step's tasks, all but one when
+    the next step returns, while the long job is still running."""
     with CpuExpertRunner(1, "native") as one:
         r = _runner(_bank(torch.Generator().manual_seed(8)), 6, 0.0, one, 2)
         planner = r._decode_planner()
@@ -451,9 +451,10 @@ def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
         weights, x = torch.rand(1, 2, generator=gen), torch.randn(1, HIDDEN, generator=gen)
         out = [torch.zeros(1, HIDDEN) for _ in range(2)]
         first, _ = r._native_step(planner, 0, ids, weights, x, out[0], False, sync=True)
-        assert first.job is not None and not first.job.done()  # queued behind the long job
+        assert first.job is not None and first.job.unclaimed() > 1  # behind the long job
         second, _ = r._native_step(planner, 1, ids, weights, x, out[1], False, sync=True)
-        assert first.job.done() and not held.done()
+        assert first.job.unclaimed() == 1 and not held.done()
+        assert second.job is not None and second.job.unclaimed() > 1  # for the next step
         token = torch.zeros(2, dtype=torch.int32)
         want = cpu_experts_ref(x, r.bank.w13[0], r.bank.w2[0], ids[0], token, weights[0])
         assert torch.allclose(first.job.wait(), want, rtol=1e-5, atol=1e-5)
