@@ -289,7 +289,7 @@ class DecodeGraphs:
             graph.replay()
             launched = time.perf_counter()
             if self.piecewise and piece:  # the launch that ends a staged layer step
-                experts.staged_times.replay_s += time.perf_counter() - t0
+                experts.staged_times.replay_s += launched - t0
                 experts.after_launch()
             if piece < len(graphs) - 1:
                 assert self.cpu_part is not None and self.routing_host is not None
