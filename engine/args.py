@@ -247,6 +247,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "runs of memory.",
     )
     moe.add_argument(
+        "--moe-cpu-pin",
+        choices=("cores", "off"),
+        default="cores",
+        help="Where the CPU expert workers run: 'cores' keeps each on a physical core of its own "
+        "and off the first core, which is left to the thread that feeds the GPU (where the "
+        "machine has a core more than workers); 'off' lets the OS place and move them.",
+    )
+    moe.add_argument(
         "--bw-profile",
         default=None,
         help="Bandwidth profile written by `moelab bench bw`; default: the newest one for this "
@@ -377,6 +385,12 @@ TUNABLE: tuple[Tunable, ...] = (
         "choice",
         ("48", "96", "192", "384"),
         "CPU expert tasks: balance at a job's end against longer streams",
+    ),
+    Tunable(
+        "--moe-cpu-pin",
+        "choice",
+        ("cores", "off"),
+        "CPU expert workers on cores of their own against the OS's placement",
     ),
 )
 

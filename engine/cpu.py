@@ -10,7 +10,10 @@ with loading, and a median was once a tenth of the real rate on the H200 host.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -21,14 +24,73 @@ from .bank import ExpertBank
 log = logging.getLogger("moelab.cpu")
 
 
+def plan_worker_cpus(
+    threads: int, allowed: Sequence[int], core_of: Mapping[int, object]
+) -> list[int]:
+    """One logical CPU per worker, each on a physical core of its own, none on the first core
+    (left to the thread that feeds the GPU, and to the rest of the process); [] where the allowed
+    CPUs have fewer cores than threads + 1 (the OS then places the workers).
+
+    allowed: the logical CPUs this process may use; core_of: each one's physical core (any key
+    that is equal for the logical CPUs of one core).
+    """
+    cores: dict[object, int] = {}
+    for cpu in sorted(allowed):
+        cores.setdefault(core_of.get(cpu, ("cpu", cpu)), cpu)
+    firsts = list(cores.values())
+    return firsts[1 : threads + 1] if len(firsts) > threads else []
+
+
+def _core_of(cpu: int) -> tuple[str, str]:
+    """The (package, core) of a logical CPU, from Linux's sysfs; the CPU itself if not there."""
+    topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    try:
+        return (
+            (topology / "physical_package_id").read_text().strip(),
+            (topology / "core_id").read_text().strip(),
+        )
+    except OSError:
+        return ("cpu", str(cpu))
+
+
+def worker_cpus(threads: int) -> list[int]:
+    """This machine's placement for `threads` CPU expert workers (plan_worker_cpus)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return []
+    allowed = sorted(os.sched_getaffinity(0))
+    return plan_worker_cpus(threads, allowed, {cpu: _core_of(cpu) for cpu in allowed})
+
+
 def start_cpu_executor(
-    threads: int | None, kernel: str, spin_us: int = 1000, task_kb: int = DEFAULT_TASK_KB
+    threads: int | None,
+    kernel: str,
+    spin_us: int = 1000,
+    task_kb: int = DEFAULT_TASK_KB,
+    pin: bool = True,
 ) -> CpuExpertRunner:
-    """Persistent CPU expert workers; `kernel` auto falls back to torch when native cannot build."""
+    """Persistent CPU expert workers; `kernel` auto falls back to torch when native cannot build.
+
+    pin: keep each worker on a core of its own and off the first core (worker_cpus), where the
+    machine has a core more than threads. Spinning workers the OS moves around share cores with
+    each other and with the thread that feeds the GPU, slowing both at random.
+    """
     threads = threads or default_cpu_threads()
-    runner = CpuExpertRunner(threads, kernel, spin_us=spin_us, task_kb=task_kb)
-    log.info("CPU experts: %d threads, %s kernel", threads, runner.kernel)
+    cpus = worker_cpus(threads) if pin and kernel != "torch" else []
+    runner = CpuExpertRunner(threads, kernel, spin_us=spin_us, task_kb=task_kb, cpus=cpus or None)
+    where = f"pinned to CPUs {_ranges(cpus)}" if cpus and runner.kernel == "native" else "unpinned"
+    log.info("CPU experts: %d threads, %s, %s kernel", threads, where, runner.kernel)
     return runner
+
+
+def _ranges(cpus: Sequence[int]) -> str:
+    """1,2,3,5 -> '1-3,5'."""
+    spans: list[list[int]] = []
+    for cpu in cpus:
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def measure_bp_gbps(bank: ExpertBank, device: torch.device, samples: int = 10) -> float:

@@ -126,7 +126,11 @@ class Engine(Stepping):
             device,
         )
         self.cpu = start_cpu_executor(
-            args.moe_cpu_threads, args.moe_cpu_kernel, args.moe_cpu_spin_us, args.moe_cpu_task_kb
+            args.moe_cpu_threads,
+            args.moe_cpu_kernel,
+            args.moe_cpu_spin_us,
+            args.moe_cpu_task_kb,
+            pin=args.moe_cpu_pin == "cores",
         )
         # torch's own CPU threads spin after every op and would steal the cores the CPU expert
         # workers stream weights on: with a GPU the host's torch ops are tiny, so one thread
@@ -399,6 +403,7 @@ class Engine(Stepping):
             "cpu_kernel": self.cpu.kernel,
             "cpu_spin_us": a.moe_cpu_spin_us,
             "cpu_task_kb": a.moe_cpu_task_kb,
+            "cpu_pin": a.moe_cpu_pin,
             "split_misses": not a.no_split_misses,
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,

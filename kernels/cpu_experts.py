@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 
@@ -209,6 +210,8 @@ class CpuExpertRunner:
     code path ("best": the widest this CPU has); the others are there to test and compare them.
     spin_us: how long idle native workers spin for the next job before sleeping. task_kb: the
     weight KiB each task of a native job aims at (tasks are what the workers claim one at a time).
+    cpus: None (the OS places the native workers) or one logical CPU per thread, which that
+    worker stays on (engine/cpu.worker_cpus chooses them).
     """
 
     def __init__(
@@ -218,6 +221,7 @@ class CpuExpertRunner:
         simd: str = "best",
         spin_us: int = 1000,
         task_kb: int = DEFAULT_TASK_KB,
+        cpus: Sequence[int] | None = None,
     ) -> None:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
@@ -247,10 +251,14 @@ class CpuExpertRunner:
                 raise ValueError(f"spin_us must be an int of 0 or more, got {spin_us!r}")
             if isinstance(task_kb, bool) or not isinstance(task_kb, int) or task_kb < 1:
                 raise ValueError(f"task_kb must be a positive int, got {task_kb!r}")
-            self._pool = self._module.Pool(num_threads, spin_us, task_kb * 1024)
+            if cpus is not None and len(cpus) != num_threads:
+                raise ValueError(f"cpus must name one CPU per thread ({num_threads}), got {cpus}")
+            self._pool = self._module.Pool(num_threads, spin_us, task_kb * 1024, list(cpus or []))
         else:
             if simd != "best":
                 raise ValueError(f"simd={simd!r} applies to the native kernel only")
+            if cpus is not None:
+                log.info("CPU experts: the torch kernel places its own threads; cpus is ignored")
             self.kernel = "torch"
             self.simd = "torch"
             self._executor = ThreadPoolExecutor(
@@ -430,6 +438,10 @@ class CpuExpertRunner:
             w2.data_ptr(), num_experts, hidden, two_inter // 2, k, iterations,
         )  # fmt: skip
         return iterations * k * (w13[0].nbytes + w2[0].nbytes) / seconds / 1e9
+
+    def worker_cpus(self) -> list[list[int]] | None:
+        """The logical CPUs each native worker may run on (None for the torch kernel)."""
+        return None if self._module is None else [list(c) for c in self._pool.worker_cpus()]
 
     def read_gbps(self, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
         """The host memory read rate in GB/s on these threads: the best of `repeats` buffer sums."""

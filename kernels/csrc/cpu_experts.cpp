@@ -5,9 +5,12 @@
 // phase 1 splits every expert's gate/up rows into blocks (a block computes h = silu(g) * u for all
 // of that expert's tokens); phase 2 splits the output rows into blocks, each summing every expert's
 // down projection for its rows only, so the reduction has no races and a fixed order (results do
-// not depend on the thread count). Weights are streamed once per call, prefetched a tile ahead,
-// converted to fp32 in registers (bf16 by a 16-bit shift, fp16 by vcvtph2ps) and accumulated with
-// fp32 FMAs. Workers never touch Python; the caller blocks only in Job::wait, without the GIL.
+// not depend on the thread count). Weights are streamed once per call (an expert with one token,
+// as in decode at batch 1, one row after another, prefetched two rows ahead; one with several, in
+// tiles of rows times tokens, prefetched a tile ahead), converted to fp32 in registers (bf16 by a
+// 16-bit shift, fp16 by vcvtph2ps) and accumulated with fp32 FMAs. Workers never touch Python;
+// the caller blocks only in Job::wait, without the GIL. The pool may keep each worker on a CPU of
+// its own (engine/cpu.py chooses them).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -112,9 +115,11 @@ double time_expert_jobs(Pool& pool, int simd, int weight_type, uintptr_t w13, ui
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "MoE experts on the CPU from bf16/fp16/fp32 weights, on a persistent thread pool";
   py::class_<Pool>(m, "Pool")
-      .def(py::init<int, int, int64_t>(), py::arg("num_threads"),
-           py::arg("spin_us") = kDefaultWorkerSpinUs, py::arg("task_bytes") = kDefaultTaskBytes)
+      .def(py::init<int, int, int64_t, std::vector<int>>(), py::arg("num_threads"),
+           py::arg("spin_us") = kDefaultWorkerSpinUs, py::arg("task_bytes") = kDefaultTaskBytes,
+           py::arg("cpus") = std::vector<int>{})
       .def_property_readonly("num_threads", &Pool::num_threads)
+      .def("worker_cpus", &Pool::worker_cpus)
       .def_property_readonly("task_bytes", &Pool::task_bytes)
       .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
   py::class_<Job, std::shared_ptr<Job>>(m, "Job")

@@ -7,12 +7,19 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
+
+#ifdef __linux__
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #include "simd.h"
 
@@ -158,18 +165,50 @@ constexpr int64_t kDefaultTaskBytes = 96 * 1024;
 
 class Pool {
  public:
+  // cpus: empty (the OS places the workers), or one logical CPU per worker, which it stays on.
   explicit Pool(int num_threads, int spin_us = kDefaultWorkerSpinUs,
-                int64_t task_bytes = kDefaultTaskBytes)
+                int64_t task_bytes = kDefaultTaskBytes, std::vector<int> cpus = {})
       : num_threads_(num_threads), spin_(spin_us), task_bytes_(task_bytes) {
     if (num_threads < 1) throw std::invalid_argument("num_threads must be at least 1");
     if (spin_us < 0) throw std::invalid_argument("spin_us must be 0 or more");
     if (task_bytes < 1024) throw std::invalid_argument("task_bytes must be 1024 or more");
+    if (!cpus.empty() && int(cpus.size()) != num_threads) {
+      throw std::invalid_argument("cpus must name one CPU per thread (" +
+                                  std::to_string(num_threads) + "), got " +
+                                  std::to_string(cpus.size()));
+    }
     workers_.reserve(num_threads);
     for (int i = 0; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+    for (size_t i = 0; i < cpus.size(); ++i) {
+      const std::string err = pin(workers_[i], cpus[i]);
+      if (!err.empty()) {
+        close();
+        throw std::invalid_argument("cannot pin a worker to CPU " + std::to_string(cpus[i]) +
+                                    ": " + err);
+      }
+    }
   }
   ~Pool() { close(); }
 
   int num_threads() const { return num_threads_; }
+  // Each worker's allowed logical CPUs, as the OS has them (empty lists where it cannot tell).
+  std::vector<std::vector<int>> worker_cpus() {
+    std::vector<std::vector<int>> result;
+    for (auto& w : workers_) {
+      std::vector<int> allowed;
+#ifdef __linux__
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      if (pthread_getaffinity_np(w.native_handle(), sizeof set, &set) == 0) {
+        for (int c = 0; c < CPU_SETSIZE; ++c) {
+          if (CPU_ISSET(c, &set)) allowed.push_back(c);
+        }
+      }
+#endif
+      result.push_back(allowed);
+    }
+    return result;
+  }
   // The weight bytes each task of the expert jobs on this pool aims at.
   int64_t task_bytes() const { return task_bytes_; }
 
@@ -200,6 +239,22 @@ class Pool {
   }
 
  private:
+  // Keeps thread t on logical CPU `cpu`; returns why not, or "" once done.
+  static std::string pin(std::thread& t, int cpu) {
+#ifdef __linux__
+    if (cpu < 0 || cpu >= CPU_SETSIZE) return "no such CPU";
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    const int err = pthread_setaffinity_np(t.native_handle(), sizeof set, &set);
+    return err == 0 ? "" : std::string(std::strerror(err));
+#else
+    (void)t;
+    (void)cpu;
+    return "pinning threads is supported on Linux only";
+#endif
+  }
+
   std::shared_ptr<Job> next_job() {
     std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
     // with a job announced, every spinning worker wants the mutex at once, each for a moment:

@@ -1,0 +1,92 @@
+"""Where the CPU expert workers run: the placement plan, and the native pool keeping to it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from moelab.engine.args import build_parser
+from moelab.engine.cpu import plan_worker_cpus, start_cpu_executor, worker_cpus
+from moelab.kernels.cpu_experts import CpuExpertRunner
+
+ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+linux_only = pytest.mark.skipif(not ALLOWED, reason="needs Linux's thread affinity")
+
+
+def test_one_cpu_per_core_leaves_the_first_core_to_the_feeder():
+    cpus = list(range(16))
+    assert plan_worker_cpus(15, cpus, {c: c for c in cpus}) == list(range(1, 16))
+    assert plan_worker_cpus(4, cpus, {c: c for c in cpus}) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("core_of", "threads", "expected"),
+    [
+        ({c: c % 8 for c in range(16)}, 7, [1, 2, 3, 4, 5, 6, 7]),  # siblings c and c + 8
+        ({c: c // 2 for c in range(16)}, 3, [2, 4, 6]),  # siblings 2k and 2k + 1
+    ],
+)
+def test_hyperthreads_get_one_worker_per_physical_core(core_of, threads, expected):
+    assert plan_worker_cpus(threads, range(16), core_of) == expected
+
+
+def test_too_few_cores_leave_the_placement_to_the_os():
+    cpus = [0, 1, 2, 3]
+    assert plan_worker_cpus(4, cpus, {c: c for c in cpus}) == []
+    assert plan_worker_cpus(5, cpus, {c: c for c in cpus}) == []
+    # eight logical CPUs on four cores: three workers fit beside the feeder's core, four do not
+    smt = {c: c // 2 for c in range(8)}
+    assert plan_worker_cpus(3, range(8), smt) == [2, 4, 6]
+    assert plan_worker_cpus(4, range(8), smt) == []
+
+
+def test_only_the_allowed_cpus_are_used_and_unknown_cores_count_as_their_own():
+    assert plan_worker_cpus(2, [7, 4, 6, 5], {}) == [5, 6]
+    assert plan_worker_cpus(2, [4, 5, 6, 7], {4: "a", 5: "a", 6: "b", 7: "c"}) == [6, 7]
+
+
+@linux_only
+def test_this_machines_plan_is_made_of_allowed_cpus_on_distinct_cores():
+    for threads in range(1, len(ALLOWED) + 1):
+        cpus = worker_cpus(threads)
+        assert cpus == [] or (len(cpus) == threads and set(cpus) <= set(ALLOWED[1:]))
+        assert len(set(cpus)) == len(cpus)
+
+
+@linux_only
+def test_a_pinned_worker_stays_on_its_cpu():
+    cpu = ALLOWED[-1]
+    with CpuExpertRunner(1, "native", cpus=[cpu]) as runner:
+        assert runner.worker_cpus() == [[cpu]]
+    with CpuExpertRunner(2, "native") as runner:
+        assert runner.worker_cpus() == [ALLOWED, ALLOWED]
+
+
+@linux_only
+@pytest.mark.parametrize(
+    ("cpus", "words"),
+    [([100_000], "cannot pin a worker to CPU 100000"), ([0, 0], "one CPU per thread")],
+)
+def test_a_bad_placement_gets_a_clear_error(cpus, words):
+    with pytest.raises(ValueError, match=words):
+        CpuExpertRunner(1, "native", cpus=cpus)
+
+
+@linux_only
+@pytest.mark.parametrize("pin", [True, False])
+def test_the_engine_pins_its_workers_unless_told_not_to(pin):
+    runner = start_cpu_executor(1, "native", spin_us=0, pin=pin)
+    try:
+        planned = worker_cpus(1) if pin else []
+        assert runner.worker_cpus() == ([[c] for c in planned] if planned else [ALLOWED])
+    finally:
+        runner.close()
+
+
+def test_the_flag_takes_cores_or_off():
+    parser = build_parser()
+    assert parser.parse_args(["--model-path", "m"]).moe_cpu_pin == "cores"
+    assert parser.parse_args(["--model-path", "m", "--moe-cpu-pin", "off"]).moe_cpu_pin == "off"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "m", "--moe-cpu-pin", "all"])
