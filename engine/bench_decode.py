@@ -153,6 +153,61 @@ def rates_around(before: dict, after: dict) -> dict:
     return {**mean, "rates_before": before, "rates_after": after}
 
 
+def _cpu_ticks() -> dict[str, list[int]] | None:
+    """Each CPU's time counters from Linux's /proc/stat (None elsewhere)."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    fields = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    ticks = {}
+    for line in lines:
+        name, *values = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            ticks[name] = dict(zip(fields, map(int, values), strict=False))
+    return ticks
+
+
+def _thread_switches() -> tuple[int, int] | None:
+    """This thread's voluntary and involuntary context switches so far (None where unknown)."""
+    try:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+    except (ImportError, AttributeError, OSError):
+        return None
+    return usage.ru_nvcsw, usage.ru_nivcsw
+
+
+def host_disturbance(before: tuple, after: tuple) -> dict | None:
+    """What else the host did during a timed run, from _cpu_ticks and _thread_switches taken
+    around it: the share of the CPUs' time the hypervisor took (steal), the busiest CPU's share
+    spent on interrupts, and the switches of the thread that feeds the GPU. A run whose host
+    stages are slow for no reason of its own shows it here."""
+    (ticks0, switches0), (ticks1, switches1) = before, after
+    if ticks0 is None or ticks1 is None:
+        return None
+    steal = total = 0
+    irq_share = {}
+    for cpu, t1 in ticks1.items():
+        delta = {k: t1[k] - ticks0.get(cpu, t1).get(k, 0) for k in t1}
+        cpu_total = sum(delta.values())
+        steal += delta.get("steal", 0)
+        total += cpu_total
+        if cpu_total:
+            irq_share[cpu] = (delta.get("irq", 0) + delta.get("softirq", 0)) / cpu_total
+    busiest = max(irq_share, key=irq_share.get, default=None)
+    out = {
+        "steal_share": steal / total if total else 0.0,
+        "irq_busiest_cpu": busiest,
+        "irq_busiest_share": irq_share.get(busiest, 0.0),
+    }
+    if switches0 is not None and switches1 is not None:
+        out["feeder_switches"] = switches1[0] - switches0[0]
+        out["feeder_preemptions"] = switches1[1] - switches0[1]
+    return out
+
+
 def _evenness(picks: np.ndarray) -> float:
     """Mean normalized entropy of the per-layer pick distributions (1 = perfectly even)."""
     out = []
@@ -192,11 +247,13 @@ def _decode(engine, args) -> dict:
 
         profiler = cProfile.Profile()
         profiler.enable()
+    around = (_cpu_ticks(), _thread_switches())
     t0 = time.perf_counter()
     engine.run_until_idle()
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    disturbance = host_disturbance(around, (_cpu_ticks(), _thread_switches()))
     # of the timed steps only: --kernel-profile runs more steps below, under the profiler
     timed = {
         "breakdown": dict(engine.telemetry.breakdown),
@@ -245,6 +302,7 @@ def _decode(engine, args) -> dict:
         "active_bytes_per_token": active,
         "cuda_graphs": config["cuda_graph_mode"],
         "pdl": config["pdl"],
+        "host_disturbance": disturbance,
         **timed,
         **rates,
     }
@@ -408,6 +466,13 @@ def _run(args: argparse.Namespace) -> int:
             f"{result['bp_gbps']:.1f}, B_host {result['host_gbps']:.1f} GB/s"
         )
         line += staged_lines(result["staged_layer_us"])
+        if d := result.get("host_disturbance"):
+            line += (
+                f"\nhost during the run: {d['steal_share']:.1%} of CPU time stolen by the "
+                f"hypervisor, interrupts {d['irq_busiest_share']:.1%} of {d['irq_busiest_cpu']}"
+            )
+            if "feeder_preemptions" in d:
+                line += f", the feeding thread preempted {d['feeder_preemptions']} times"
     else:
         bound = result["pcie_bound_tok_s"]
         line = (

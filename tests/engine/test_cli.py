@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.engine.args import build_parser
-from moelab.engine.bench_decode import rates_around, staged_lines
+from moelab.engine.bench_decode import host_disturbance, rates_around, staged_lines
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.server import Server
 from moelab.engine.spec import ModelSpec
@@ -109,6 +109,10 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     before, after = result["rates_before"], result["rates_after"]
     assert result["host_gbps"] == pytest.approx((before["host_gbps"] + after["host_gbps"]) / 2)
     assert result["pdl"] is False  # no such launch on the CPU
+    if sys.platform == "linux":  # the host's own activity during the run, from /proc/stat
+        disturbance = result["host_disturbance"]
+        assert 0 <= disturbance["steal_share"] <= 1 and disturbance["feeder_preemptions"] >= 0
+        assert "of CPU time stolen by the hypervisor" in r.stderr
     assert f"timeline written to {trace}" in r.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("ph") == "X" for e in events) > 10  # timed calls of the profiled steps
@@ -122,6 +126,20 @@ def test_the_bound_takes_each_rate_as_the_mean_of_before_and_after():
     rates = rates_around(before, after)
     assert (rates["hbm_gbps"], rates["bp_gbps"], rates["host_gbps"]) == (4100.0, 48.0, 100.0)
     assert rates["rates_before"] == before and rates["rates_after"] == after
+
+
+def test_host_disturbance_is_the_steal_and_interrupt_share_between_two_readings():
+    def cpu(user, irq, steal):
+        return {"user": user, "idle": 0, "irq": irq, "softirq": 0, "steal": steal}
+
+    before = ({"cpu0": cpu(100, 0, 0), "cpu1": cpu(100, 0, 0)}, (10, 1))
+    after = ({"cpu0": cpu(160, 20, 20), "cpu1": cpu(200, 0, 0)}, (14, 4))
+    d = host_disturbance(before, after)
+    assert d["steal_share"] == pytest.approx(20 / 200)  # 20 of the 200 ticks both CPUs ran
+    assert (d["irq_busiest_cpu"], d["irq_busiest_share"]) == ("cpu0", pytest.approx(0.2))
+    assert (d["feeder_switches"], d["feeder_preemptions"]) == (4, 3)
+    assert host_disturbance((None, None), after) is None
+    assert "feeder_switches" not in host_disturbance((before[0], None), after)
 
 
 def test_bench_decode_prints_the_staged_stages_and_the_commonest_plans_periods():
