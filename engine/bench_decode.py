@@ -153,7 +153,7 @@ def rates_around(before: dict, after: dict) -> dict:
     return {**mean, "rates_before": before, "rates_after": after}
 
 
-def _cpu_ticks() -> dict[str, list[int]] | None:
+def _cpu_ticks() -> dict[str, dict[str, int]] | None:
     """Each CPU's time counters from Linux's /proc/stat (None elsewhere)."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()

@@ -71,8 +71,8 @@ def start_cpu_executor(
     """Persistent CPU expert workers; `kernel` auto falls back to torch when native cannot build.
 
     pin: keep each worker on a core of its own and off the first core (worker_cpus), where the
-    machine has a core more than threads. Spinning workers the OS moves around share cores with
-    each other and with the thread that feeds the GPU, slowing both at random.
+    machine has a core more than threads: unpinned, the OS may put a spinning worker on the core of
+    another worker or of the thread that feeds the GPU for a while, slowing both.
     """
     threads = threads or default_cpu_threads()
     cpus = worker_cpus(threads) if pin and kernel != "torch" else []
