@@ -77,13 +77,13 @@ def start_cpu_executor(
     threads = threads or default_cpu_threads()
     cpus = worker_cpus(threads) if pin and kernel != "torch" else []
     runner = CpuExpertRunner(threads, kernel, spin_us=spin_us, task_kb=task_kb, cpus=cpus or None)
-    where = f"pinned to CPUs {_ranges(cpus)}" if cpus and runner.kernel == "native" else "unpinned"
+    where = f"pinned to CPUs {cpu_ranges(runner.cpus)}" if runner.cpus else "unpinned"
     log.info("CPU experts: %d threads, %s, %s kernel", threads, where, runner.kernel)
     return runner
 
 
-def _ranges(cpus: Sequence[int]) -> str:
-    """1,2,3,5 -> '1-3,5'."""
+def cpu_ranges(cpus: Sequence[int]) -> str:
+    """CPU numbers as Linux writes them: [1, 2, 3, 5] -> '1-3,5'."""
     spans: list[list[int]] = []
     for cpu in cpus:
         if spans and cpu == spans[-1][1] + 1:

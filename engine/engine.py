@@ -16,7 +16,7 @@ from .bank import build_in_memory, load_bank
 from .bench import best, load_profile
 from .cache import ExpertCache
 from .checkpoint import SafetensorsSource, load_dense
-from .cpu import measure_bh_gbps, measure_bp_gbps, start_cpu_executor
+from .cpu import cpu_ranges, measure_bh_gbps, measure_bp_gbps, start_cpu_executor
 from .graphs import DecodeGraphs
 from .kv import KVCache
 from .memory import VramPlan, log_plan, plan_vram
@@ -404,6 +404,7 @@ class Engine(Stepping):
             "cpu_spin_us": a.moe_cpu_spin_us,
             "cpu_task_kb": a.moe_cpu_task_kb,
             "cpu_pin": a.moe_cpu_pin,
+            "cpu_worker_cpus": cpu_ranges(self.cpu.cpus) if self.cpu.cpus else "os",
             "split_misses": not a.no_split_misses,
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,

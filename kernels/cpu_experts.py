@@ -211,7 +211,8 @@ class CpuExpertRunner:
     spin_us: how long idle native workers spin for the next job before sleeping. task_kb: the
     weight KiB each task of a native job aims at (tasks are what the workers claim one at a time).
     cpus: None (the OS places the native workers) or one logical CPU per thread, which that
-    worker stays on (engine/cpu.worker_cpus chooses them).
+    worker stays on (engine/cpu.worker_cpus chooses them); `runner.cpus` keeps them (None where
+    the OS places the workers, and for the torch kernel).
     """
 
     def __init__(
@@ -254,11 +255,13 @@ class CpuExpertRunner:
             if cpus is not None and len(cpus) != num_threads:
                 raise ValueError(f"cpus must name one CPU per thread ({num_threads}), got {cpus}")
             self._pool = self._module.Pool(num_threads, spin_us, task_kb * 1024, list(cpus or []))
+            self.cpus = list(cpus) if cpus is not None else None
         else:
             if simd != "best":
                 raise ValueError(f"simd={simd!r} applies to the native kernel only")
             if cpus is not None:
                 log.info("CPU experts: the torch kernel places its own threads; cpus is ignored")
+            self.cpus = None
             self.kernel = "torch"
             self.simd = "torch"
             self._executor = ThreadPoolExecutor(

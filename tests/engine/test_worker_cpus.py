@@ -7,7 +7,7 @@ import os
 import pytest
 
 from moelab.engine.args import build_parser
-from moelab.engine.cpu import plan_worker_cpus, start_cpu_executor, worker_cpus
+from moelab.engine.cpu import cpu_ranges, plan_worker_cpus, start_cpu_executor, worker_cpus
 from moelab.kernels.cpu_experts import CpuExpertRunner
 
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -58,9 +58,11 @@ def test_this_machines_plan_is_made_of_allowed_cpus_on_distinct_cores():
 def test_a_pinned_worker_stays_on_its_cpu():
     cpu = ALLOWED[-1]
     with CpuExpertRunner(1, "native", cpus=[cpu]) as runner:
-        assert runner.worker_cpus() == [[cpu]]
+        assert runner.worker_cpus() == [[cpu]] and runner.cpus == [cpu]
     with CpuExpertRunner(2, "native") as runner:
-        assert runner.worker_cpus() == [ALLOWED, ALLOWED]
+        assert runner.worker_cpus() == [ALLOWED, ALLOWED] and runner.cpus is None
+    with CpuExpertRunner(1, "torch", cpus=[cpu]) as runner:  # places its own threads
+        assert runner.worker_cpus() is None and runner.cpus is None
 
 
 @linux_only
@@ -80,8 +82,14 @@ def test_the_engine_pins_its_workers_unless_told_not_to(pin):
     try:
         planned = worker_cpus(1) if pin else []
         assert runner.worker_cpus() == ([[c] for c in planned] if planned else [ALLOWED])
+        assert runner.cpus == (planned or None)
     finally:
         runner.close()
+
+
+def test_cpu_lists_are_written_as_ranges():
+    assert cpu_ranges([1, 2, 3, 5, 7, 8]) == "1-3,5,7-8"
+    assert cpu_ranges([4]) == "4"
 
 
 def test_the_flag_takes_cores_or_off():
