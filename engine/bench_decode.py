@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 from .args import add_engine_flags
@@ -153,19 +154,13 @@ def rates_around(before: dict, after: dict) -> dict:
     return {**mean, "rates_before": before, "rates_after": after}
 
 
-def _cpu_ticks() -> dict[str, dict[str, int]] | None:
-    """Each CPU's time counters from Linux's /proc/stat (None elsewhere)."""
-    try:
-        lines = Path("/proc/stat").read_text().splitlines()
-    except OSError:
-        return None
-    fields = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-    ticks = {}
-    for line in lines:
-        name, *values = line.split()
-        if name.startswith("cpu") and name != "cpu":
-            ticks[name] = dict(zip(fields, map(int, values), strict=False))
-    return ticks
+def _cpu_ticks() -> dict[str, dict[str, float]]:
+    """Each CPU's seconds by kind (user, idle, irq, steal, ... as the OS has them); guest time is
+    left out, Linux counts it in user time already."""
+    return {
+        f"cpu{i}": {k: v for k, v in t._asdict().items() if not k.startswith("guest")}
+        for i, t in enumerate(psutil.cpu_times(percpu=True))
+    }
 
 
 def _thread_switches() -> tuple[int, int] | None:
@@ -185,7 +180,7 @@ def host_disturbance(before: tuple, after: tuple) -> dict | None:
     spent on interrupts, and the switches of the thread that feeds the GPU. A run whose host
     stages are slow for no reason of its own shows it here."""
     (ticks0, switches0), (ticks1, switches1) = before, after
-    if ticks0 is None or ticks1 is None:
+    if not ticks0 or not ticks1:
         return None
     steal = total = 0
     irq_share = {}
