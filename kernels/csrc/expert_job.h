@@ -179,9 +179,9 @@ class ExpertJob final : public Job {
         return i < groups * n ? down_rows(i / n, r0 + i % n) + first_row(i / n) : nullptr;
       };
       for (int64_t g = 0; g < groups; ++g) {
-        wait_group(g);
-        const int32_t j = group_start_[g];
         const int64_t first = first_row(g);
+        wait_group(g, row(g * n), n, I - first);
+        const int32_t j = group_start_[g];
         const float* h = h_.data() + int64_t(j) * I + first;
         float* out = p_.out + int64_t(token_[j]) * H;
         for (int64_t i = g * n; i < (g + 1) * n; ++i) {
@@ -229,9 +229,17 @@ class ExpertJob final : public Job {
   }
 
   // Waits for group g's phase-1 blocks. Phase 1 hands out its blocks in group order, so this wait
-  // is short and mostly on the last group.
-  void wait_group(int64_t g) const {
-    spin_until([&] { return group_done_[g].value.load(std::memory_order_acquire) == blocks1_; });
+  // is short and mostly on the last group. While it lasts, the caller's next n rows of the down
+  // projection (len elements each, I apart) are fetched into the cache: they do not depend on h,
+  // and a worker that only waited here left the memory idle (in decode on the H200's host the
+  // workers waited 2-6 us a job on average, docs/cpu-experts.md).
+  void wait_group(int64_t g, const WT* rows = nullptr, int64_t n = 0, int64_t len = 0) const {
+    auto ready = [&] { return group_done_[g].value.load(std::memory_order_acquire) == blocks1_; };
+    constexpr int64_t kLine = 64 / int64_t(sizeof(WT));
+    for (int64_t i = 0; i < n && !ready(); ++i) {
+      for (int64_t l = 0; l < len; l += kLine) prefetch(rows + i * p_.I + l);
+    }
+    spin_until(ready);
   }
 
   // The first intermediate row computed for group g (all but the split expert: 0).

@@ -178,7 +178,7 @@ class Pool {
                                   std::to_string(cpus.size()));
     }
     workers_.reserve(num_threads);
-    for (int i = 0; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+    for (int i = 0; i < num_threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
     for (size_t i = 0; i < cpus.size(); ++i) {
       const std::string err = pin(workers_[i], cpus[i]);
       if (!err.empty()) {
@@ -214,31 +214,51 @@ class Pool {
 
   void push(std::shared_ptr<Job> job) {
     if (job->done()) return;
+    if ((reinterpret_cast<uintptr_t>(job.get()) >> kVersionShift) != 0) {
+      throw std::runtime_error("a job's address does not fit the pool's head word");
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (stopping_) throw std::runtime_error("this CpuExpertRunner is closed");
+      if (stopping_.load(std::memory_order_relaxed)) {
+        throw std::runtime_error("this CpuExpertRunner is closed");
+      }
       job->mark_queued();
       queue_.push_back(std::move(job));
+      if (queue_.size() == 1) publish_head();
     }
-    // announced after the unlock: spinning workers that see it find the mutex free, rather than
-    // sleeping on it and costing this thread their wake-up
-    queued_.fetch_add(1, std::memory_order_release);
-    cv_.notify_all();
+    cv_.notify_all();  // for workers that slept; spinning ones see the head word change
   }
 
   // Finishes the queued jobs, then ends the workers.
   void close() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (stopping_ && workers_.empty()) return;
-      stopping_ = true;
+      if (stopping_.load(std::memory_order_relaxed) && workers_.empty()) return;
+      stopping_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
     for (auto& w : workers_) w.join();
     workers_.clear();
+    retired_.clear();
   }
 
  private:
+  // The queue's first job is published in one word, its address under a version that changes
+  // with every publication, so that workers find it without the mutex (taking turns on a mutex,
+  // 15 workers began a job over 12-17 us) and tell a new job from the one they just left even when
+  // it has the same address.
+  static constexpr int kVersionShift = 48;
+  static Job* job_of(uint64_t word) {
+    return reinterpret_cast<Job*>(uintptr_t(word & ((uint64_t(1) << kVersionShift) - 1)));
+  }
+  // Under the mutex: the queue's front (or none) becomes the head.
+  void publish_head() {
+    ++version_;
+    const Job* front = queue_.empty() ? nullptr : queue_.front().get();
+    head_.store((version_ << kVersionShift) | uint64_t(reinterpret_cast<uintptr_t>(front)),
+                std::memory_order_seq_cst);
+  }
+
   // Keeps thread t on logical CPU `cpu`; returns why not, or "" once done.
   static std::string pin(std::thread& t, int cpu) {
 #ifdef __linux__
@@ -255,37 +275,82 @@ class Pool {
 #endif
   }
 
-  std::shared_ptr<Job> next_job() {
-    std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
-    // with a job announced, every spinning worker wants the mutex at once, each for a moment:
-    // take turns spinning on it rather than sleeping in the kernel one after another
-    if (spin_until([this] { return queued_.load(std::memory_order_acquire) > 0; }, spin_)) {
-      spin_until([&lock] { return lock.try_lock(); }, kWaiterSpin);
+  // The next head word this worker has not worked on (0 once the pool stops with nothing queued):
+  // spins for spin_, then sleeps until a push or close.
+  uint64_t next_head(uint64_t seen) {
+    uint64_t word = 0;
+    auto fresh = [&] {
+      word = head_.load(std::memory_order_acquire);
+      return (word != seen && job_of(word) != nullptr) ||
+             stopping_.load(std::memory_order_acquire);
+    };
+    if (!spin_until(fresh, spin_)) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, fresh);
     }
-    if (!lock.owns_lock()) lock.lock();
-    cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-    if (queue_.empty()) return nullptr;
-    return queue_.front();
+    return word;
   }
 
-  void worker_loop() {
-    while (std::shared_ptr<Job> job = next_job()) {
-      job->work();
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!queue_.empty() && queue_.front() == job) {
-        queue_.pop_front();
-        queued_.fetch_sub(1, std::memory_order_release);
+  void worker_loop(int index) {
+    Hazard& hazard = hazards_[index];
+    for (uint64_t seen = 0;;) {
+      const uint64_t word = next_head(seen);
+      Job* job = job_of(word);
+      if (job == nullptr) return;  // stopping, nothing queued
+      // The job stays alive while this worker's hazard names it: whoever retires it frees it
+      // only once no hazard does. Announce first, then check it is still the head.
+      hazard.job.store(job, std::memory_order_seq_cst);
+      if (head_.load(std::memory_order_seq_cst) != word) {
+        hazard.job.store(nullptr, std::memory_order_release);
+        continue;
       }
+      seen = word;
+      job->work();
+      retire(word);
+      hazard.job.store(nullptr, std::memory_order_release);
     }
   }
+
+  // The job of head word `word` has no task left to hand out: the first worker back takes it off
+  // the queue, publishes the next, and frees the jobs retired before that no worker still runs.
+  void retire(uint64_t word) {
+    std::vector<std::shared_ptr<Job>> unused;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (head_.load(std::memory_order_relaxed) != word) return;
+      retired_.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+      publish_head();
+      for (auto it = retired_.begin(); it != retired_.end();) {
+        const bool held =
+            std::any_of(hazards_.get(), hazards_.get() + num_threads_, [&](const Hazard& h) {
+              return h.job.load(std::memory_order_seq_cst) == it->get();
+            });
+        if (held) {
+          ++it;
+        } else {
+          unused.push_back(std::move(*it));
+          it = retired_.erase(it);
+        }
+      }
+    }
+    // the jobs' last references (if the caller dropped its own) go here, outside the mutex
+  }
+
+  struct alignas(64) Hazard {
+    std::atomic<Job*> job{nullptr};
+  };
 
   const int num_threads_;
   const std::chrono::microseconds spin_;
   const int64_t task_bytes_;
+  std::unique_ptr<Hazard[]> hazards_{new Hazard[size_t(num_threads_)]};
   std::vector<std::thread> workers_;
-  std::deque<std::shared_ptr<Job>> queue_;
-  std::atomic<int64_t> queued_{0};
-  bool stopping_ = false;
+  std::deque<std::shared_ptr<Job>> queue_;    // under mutex_
+  std::vector<std::shared_ptr<Job>> retired_;  // off the queue, maybe still run; under mutex_
+  uint64_t version_ = 0;                       // under mutex_
+  alignas(64) std::atomic<uint64_t> head_{0};  // version << kVersionShift | the front job
+  alignas(64) std::atomic<bool> stopping_{false};
   std::mutex mutex_;
   std::condition_variable cv_;
 };

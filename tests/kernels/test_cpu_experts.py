@@ -356,6 +356,39 @@ def test_submits_from_several_python_threads() -> None:
         assert_within_bound(results[k], *exact_and_bound(*args), f"thread call {k}")
 
 
+@pytest.mark.timeout(120)
+def test_many_jobs_from_several_threads_some_never_waited() -> None:
+    """Thousands of small jobs from three threads on four workers, every other one dropped by its
+    caller without a wait of its own (the workers take jobs without a lock, and the pool frees a
+    job only once no worker runs it): the waited ones are right, and closing the runner with jobs
+    still queued finishes them."""
+    gen = torch.Generator().manual_seed(SEED)
+    calls = [make_inputs(gen, 3, 64, 32, 2, [(k % 3, 0), (2, 1)], torch.bfloat16) for k in range(3)]
+    expected = [exact_and_bound(*args) for args in calls]
+    bad: list[str] = []
+    runner = CpuExpertRunner(4, "native")
+
+    def caller(k: int) -> None:
+        for n in range(600):
+            job = runner.submit(*calls[k])
+            if n % 2:
+                out = job.wait()
+                if not (out - expected[k][0]).abs().le(expected[k][1] * 1e-2 + 1e-6).all():
+                    bad.append(f"thread {k}, job {n}")
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    queued = [runner.submit(*calls[k % 3]) for k in range(50)]
+    runner.close()
+    assert not bad, bad[:5]
+    assert all(job.done() for job in queued), "close() returned with jobs still queued"
+    for k, job in enumerate(queued):
+        assert_within_bound(job.wait(), *expected[k % 3], f"queued job {k}")
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
 def test_workers_that_never_spin_still_take_every_job() -> None:
     args = slow_inputs(torch.Generator().manual_seed(SEED))
