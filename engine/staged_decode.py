@@ -24,6 +24,7 @@ the miss policy, the CPU executor, the compute stream, the counters and timers, 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ class StagedDecode:
         self._routing_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._route_slots_host: torch.Tensor | None = None
         self._fills_queued = False  # the staged layer's fills, on the copy stream, not joined
+        self._host_work: Callable[[], None] | None = None  # defer_host_work's, not run yet
         # staged layer steps launched but not yet counted (counted after the next launch)
         self._uncounted: list[tuple[Dispatch, int]] = []
         self._epoch = 0  # of the last CPU part handed over (the value DONE reaches)
@@ -207,6 +209,20 @@ class StagedDecode:
         if staged and staged[-1][0].job is not None:
             self._pending = staged[-1][0]
         self.staged_times.count_s += time.perf_counter() - t0
+        self.run_host_work()
+
+    def defer_host_work(self, work: Callable[[], None]) -> None:
+        """Run `work` once, in the host's next wait of a staged decode step: after a staged
+        layer's piece is launched and the steps before counted, before the wait for the next
+        layer's routing (the device then has that layer's work queued); or at `run_host_work`,
+        where no staged step comes first."""
+        self._host_work = work
+
+    def run_host_work(self) -> None:
+        """Run the deferred host work now, if it has not run."""
+        work, self._host_work = self._host_work, None
+        if work is not None:
+            work()
 
     def routed_cached(
         self, x: torch.Tensor, slots_h: torch.Tensor, weights: torch.Tensor

@@ -44,16 +44,17 @@ class Stepping:
         Overlapped decode (greedy requests, CUDA graphs): the step is queued on the device and
         the previous step's tokens are read while it runs, so the host's work between steps
         (scheduling, stop checks, streaming) hides behind the GPU's. With piecewise graphs
-        (offloaded experts) the host stages every layer of the queued step first; its work
-        between steps then hides behind the step's last CPU job and the logits. A step in flight
-        consumes its predecessor's tokens on the device; a sequence that stopped on the
-        predecessor's token wastes one step of compute, whose token is dropped.
+        (offloaded experts) the host stages every layer of the queued step; it reads the previous
+        step's tokens in its wait for the second layer's routing, so that what is left between
+        two steps (scheduling, the next step's inputs) hides behind the step's last CPU job and
+        the logits. A step in flight consumes its predecessor's tokens on the device; a sequence
+        that stopped on the predecessor's token wastes one step of compute, whose token is
+        dropped.
         """
         flight, self._flight = self._flight, None
         chunks = self.scheduler.next_step()
         if flight is not None and self._overlaps(chunks):
-            self._flight = self._launch(chunks, flight)
-            return self._land(flight)
+            return self._launch_and_land(chunks, flight)
         done = self._land(flight) if flight is not None else []
         chunks = [c for c in chunks if not c.seq.finished]
         if not chunks:
@@ -81,6 +82,29 @@ class Stepping:
             and not self.telemetry.want_timing()
         )
 
+    def _launch_and_land(self, chunks: list[Chunk], previous: Flight) -> list[Sequence]:
+        """Queue the next step and read `previous` meanwhile: in the host's wait of a staged
+        layer step (landing it after the last layer instead held the host 110 us per token on the
+        H200, while the device waited for the next step), or after the launch where no layer is
+        staged. An error in the landing is raised once the step is queued."""
+        landed: list[Sequence] = []
+        errors: list[BaseException] = []
+
+        def land() -> None:
+            try:
+                landed.extend(self._land(previous, settled=False))
+            except BaseException as e:
+                errors.append(e)
+
+        self.moe.defer_host_work(land)
+        try:
+            self._flight = self._launch(chunks, previous)
+        finally:
+            self.moe.run_host_work()
+        if errors:
+            raise errors[0]
+        return landed
+
     def _launch(self, chunks: list[Chunk], previous: Flight | None) -> Flight:
         """Queue one decode step of whole-step graphs; its tokens stay on the device."""
         graphs = self.graphs
@@ -105,12 +129,14 @@ class Stepping:
             c.seq.pending += 1
         return Flight([c.seq for c in chunks], tokens, routing, done, t0)
 
-    def _land(self, flight: Flight) -> list[Sequence]:
-        """Wait for a queued step and hand out its tokens."""
+    def _land(self, flight: Flight, settled: bool | None = None) -> list[Sequence]:
+        """Wait for a queued step and hand out its tokens. settled: no later step is queued
+        (by default, none is in flight)."""
         if flight.done is not None:
             flight.done.synchronize()
         tokens = flight.tokens.tolist()
-        self.moe.after_decode_step(flight.routing, settled=self._flight is None)
+        settled = self._flight is None if settled is None else settled
+        self.moe.after_decode_step(flight.routing, settled=settled)
         for seq in flight.seqs:
             seq.pending -= 1
         now = time.perf_counter()

@@ -107,16 +107,26 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
             engine.moe.split_misses = copies == "planner-split"
             engine.moe._planner = None
         graphs = engine.graphs
-        replays, queued_behind = [], []
-        run = graphs.run
+        replays, queued_behind, landed_while_staging = [], [], []
+        run, land = graphs.run, engine._land
+        staging = [False]
 
         def counted_run(rows):
             replays.append(len(rows))
             # a step queued behind an unread one takes its input tokens from the device
             queued_behind.append(all(row.source >= 0 for row in rows))
-            return run(rows)
+            staging[0] = True
+            try:
+                return run(rows)
+            finally:
+                staging[0] = False
+
+        def recorded_land(flight, settled=None):
+            landed_while_staging.append(staging[0])
+            return land(flight, settled)
 
         graphs.run = counted_run
+        engine._land = recorded_land
         outputs, counts = _generate(engine)
         staged = engine.telemetry.stats(running=0, queued=0, model_name="m")["experts"][
             "staged_layer_us"
@@ -159,8 +169,10 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         assert calls["query"] == staged["layer_steps"]
         whole = calls["copy"]
         assert 0 < whole <= 2 * counts["fills"] and whole % 2 == 0
-    # overlapped: most steps were staged while the step before them was still unread
+    # overlapped: most steps were staged while the step before them was still unread, which the
+    # host read in a wait of the staging
     assert sum(queued_behind) > len(replays) // 2 if overlap else not any(queued_behind)
+    assert sum(landed_while_staging) == sum(queued_behind)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
@@ -184,6 +196,36 @@ def test_overlapped_piecewise_decode_with_stops_and_a_shrinking_batch(checkpoint
         engine.close()
     assert [(s.output_ids, s.finish_reason) for s in seqs] == expected
     assert sum(all(src >= 0 for src in step) for step in sources) > len(sources) // 2
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
+def test_an_error_in_landing_during_the_staging_comes_after_the_step_is_queued(checkpoint):
+    """The previous step is landed inside the next one's staging; an error there (a streaming
+    callback that fails) surfaces once the step is fully queued, and decoding goes on."""
+    expected = make_engine(checkpoint, *OFFLOADED)
+    try:
+        want = expected.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
+    finally:
+        expected.close()
+    engine = _piecewise_engine(checkpoint)
+    try:
+        seq = engine.add(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+        calls = [0]
+
+        def on_token(s, token) -> None:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise ValueError("the client went away")
+
+        seq.on_token = on_token
+        with pytest.raises(ValueError, match="the client went away"):
+            engine.run_until_idle()
+        assert engine._flight is not None and not engine.moe._host_work
+        engine.run_until_idle()
+        assert engine.idle and engine.kv.used_blocks == 0
+    finally:
+        engine.close()
+    assert seq.output_ids == want[0]
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")

@@ -82,10 +82,11 @@ def test_whatif_at_todays_size_equals_observed_hit_rate_with_policy_gpu(model):
     try:
         prompts = [list(range(10, 40)), list(range(60, 90))]
         engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
-        c = engine.moe.counters
-        observed = c.hits.sum() / c.reads.sum()
         whatif = engine.telemetry.whatif
-        assert whatif.accesses == c.reads.sum()
+        held_back = whatif.accesses  # handed over in batches, off the steps' path
+        c = engine.moe.counters  # reading the counters hands over the rest
+        observed = c.hits.sum() / c.reads.sum()
+        assert held_back < whatif.accesses == c.reads.sum()
         assert whatif.hit_rate(20) == pytest.approx(observed)
         assert whatif.hit_rate(48) > whatif.hit_rate(20) > whatif.hit_rate(8)
     finally:
