@@ -146,6 +146,23 @@ def concurrent_rates(engine, seconds: float = 0.6) -> dict:
     return {"hbm_gbps": hbm, "bp_gbps": bp, "host_gbps": host}
 
 
+def cpu_jobs_line(jobs: dict) -> str:
+    """The timed steps' CPU jobs in one line ("" without any): their rate, and how together and
+    how busy the pool's workers were."""
+    if not jobs.get("jobs"):
+        return ""
+    line = f"\nCPU jobs: {jobs['jobs']}, {jobs['gbps']:.1f} GB/s"
+    if jobs.get("marginal_gbps"):
+        line += f" (marginal {jobs['marginal_gbps']:.1f})"
+    line += f"; the first worker began {jobs['start_us_mean']:.1f} µs after the queueing"
+    if jobs.get("last_worker_start_us_mean") is not None:
+        line += (
+            f", the last {jobs['last_worker_start_us_mean']:.1f} µs; the workers were in tasks "
+            f"{jobs['workers_busy_share']:.0%} of the runs"
+        )
+    return line
+
+
 def rates_around(before: dict, after: dict) -> dict:
     """The rates a decode run is bounded by: the mean of each, measured before and after it (a
     shared host's read rate drifts by a tenth or more between two measurements a minute apart),
@@ -461,6 +478,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{result['bp_gbps']:.1f}, B_host {result['host_gbps']:.1f} GB/s"
         )
         line += staged_lines(result["staged_layer_us"])
+        line += cpu_jobs_line(result["cpu_jobs"])
         if d := result.get("host_disturbance"):
             line += (
                 f"\nhost during the run: {d['steal_share']:.1%} of CPU time stolen by the "

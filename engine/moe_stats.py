@@ -30,10 +30,29 @@ class CpuJobTimes:
     # the fit's sums, over jobs: bytes in GB, busy time in seconds
     sum_gb_sq: float = 0.0
     sum_gb_s: float = 0.0
+    # the pool's workers (native jobs): queueing to the last worker's first task; their seconds in
+    # tasks, and their seconds in all (workers times the run)
+    timed_jobs: int = 0
+    last_start_s: float = 0.0
+    busy_s: float = 0.0
+    worker_run_s: float = 0.0
 
-    def add(self, weight_bytes: int, seconds: tuple[float, float] | None) -> None:
+    def add(
+        self,
+        weight_bytes: int,
+        seconds: tuple[float, float] | None,
+        workers: tuple[float, float] | None = None,
+        threads: int = 0,
+    ) -> None:
+        """One finished job: its bytes, its (start_s, run_s), and where known its workers'
+        (last_start_s, busy_s) from a pool of `threads` (CpuExpertJob.worker_seconds)."""
         if seconds is None:
             return
+        if workers is not None and threads > 0:
+            self.timed_jobs += 1
+            self.last_start_s += workers[0]
+            self.busy_s += workers[1]
+            self.worker_run_s += threads * seconds[1]
         self.jobs += 1
         self.weight_bytes += weight_bytes
         self.start_s += seconds[0]
@@ -65,6 +84,11 @@ class CpuJobTimes:
             "marginal_gbps": self.marginal_gbps(),
             "start_us_mean": 1e6 * self.start_s / self.jobs if self.jobs else None,
             "run_us_mean": 1e6 * self.run_s / self.jobs if self.jobs else None,
+            # how together the workers began a job, and the share of their time in its tasks
+            "last_worker_start_us_mean": (
+                1e6 * self.last_start_s / self.timed_jobs if self.timed_jobs else None
+            ),
+            "workers_busy_share": self.busy_s / self.worker_run_s if self.worker_run_s else None,
         }
 
 

@@ -197,6 +197,15 @@ class CpuExpertJob:
             return None
         return tuple(self._job.seconds())
 
+    def worker_seconds(self) -> tuple[float, float] | None:
+        """(last_start_s, busy_s) of a finished native job: from queueing to the last pool
+        worker's first task (how together the workers began), and the seconds the pool's workers
+        spent in its tasks, all together (a thread that helps, the decode planner's, is not
+        counted); None for the torch kernel."""
+        if self._job is None or not self._job.done():
+            return None
+        return tuple(self._job.worker_seconds())
+
     def __del__(self) -> None:
         if self._job is not None and self._keep:
             self._job.wait()

@@ -126,6 +126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("done", &Job::done)
       .def("unclaimed", &Job::unclaimed)
       .def("seconds", &Job::seconds)
+      .def("worker_seconds", &Job::worker_seconds)
       .def("wait", &Job::wait, py::call_guard<py::gil_scoped_release>());
   m.def("submit_experts", &submit_experts);
   py::class_<DecodePlanner>(m, "DecodePlanner")

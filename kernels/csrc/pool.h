@@ -69,12 +69,23 @@ struct alignas(64) Counter {
 
 class Job {
  public:
+  using Clock = std::chrono::steady_clock;
   virtual ~Job() = default;
 
   // Claims and runs tasks until none is left; returns when this job has nothing more to hand out.
+  // A pool worker's tasks are timed (worker_seconds).
   void work() {
+    bool first = true;
     for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < num_tasks_;) {
-      run_claimed(i);
+      const Clock::time_point t0 = Clock::now();
+      if (first) {
+        const int64_t since = ns(t0 - queued_at_);
+        int64_t seen = last_start_ns_.load(std::memory_order_relaxed);
+        while (since > seen && !last_start_ns_.compare_exchange_weak(seen, since)) {
+        }
+        first = false;
+      }
+      run_claimed(i, t0, true);
     }
   }
   // Claims and runs tasks while more than `keep` are left to hand out: a thread that is not one
@@ -83,7 +94,7 @@ class Job {
   void help(int64_t keep) {
     for (int64_t i = next_.load(std::memory_order_relaxed); num_tasks_ - i > keep;) {
       if (!next_.compare_exchange_weak(i, i + 1, std::memory_order_relaxed)) continue;
-      run_claimed(i);
+      run_claimed(i, Clock::now(), false);
       i = next_.load(std::memory_order_relaxed);
     }
   }
@@ -112,6 +123,16 @@ class Job {
     return {start.count(), run.count()};
   }
 
+  // The pool's workers in this job: seconds from queueing to the last one's first task (how
+  // together they began), and the seconds they spent in tasks, all together (divided by the
+  // workers times the run, the share of their time the job kept busy; a task's wait for the
+  // gate/up rows it needs counts as in it). Both 0 until the job is done.
+  std::pair<double, double> worker_seconds() const {
+    if (!done() || num_tasks_ == 0) return {0.0, 0.0};
+    return {1e-9 * double(last_start_ns_.load(std::memory_order_relaxed)),
+            1e-9 * double(busy_ns_.load(std::memory_order_relaxed))};
+  }
+
   void wait() {
     // The caller usually waits for well under a millisecond: spin a little before sleeping.
     if (spin_until([this] { return done(); }, kWaiterSpin)) return;
@@ -127,10 +148,16 @@ class Job {
   virtual void run_task(int64_t i) = 0;
 
  private:
-  void run_claimed(int64_t i) {
-    if (i == 0) started_ = Clock::now();
+  // Runs task i, claimed at t0; timed: a pool worker's, added to busy_ns_ (before the task
+  // counts as finished, so that a finished job's sum is whole).
+  void run_claimed(int64_t i, Clock::time_point t0, bool timed) {
+    if (i == 0) started_ = t0;
     run_task(i);
+    if (timed) busy_ns_.fetch_add(ns(Clock::now() - t0), std::memory_order_relaxed);
     if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_tasks_) signal_done();
+  }
+  static int64_t ns(Clock::duration d) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
   }
 
   void signal_done() {
@@ -144,7 +171,6 @@ class Job {
     cv_.notify_all();
   }
 
-  using Clock = std::chrono::steady_clock;
   // Written before the job is queued, by the thread that claims task 0, and by the one that
   // finishes the last task; read only once done_ is set (release/acquire orders them).
   Clock::time_point queued_at_{}, started_{}, finished_at_{};
@@ -155,6 +181,9 @@ class Job {
   alignas(64) std::atomic<int64_t> next_{0};
   alignas(64) std::atomic<int64_t> finished_{0};
   alignas(64) std::atomic<bool> done_{false};
+  // each worker adds to these once per task (busy) or once per job (the last start)
+  alignas(64) std::atomic<int64_t> busy_ns_{0};
+  std::atomic<int64_t> last_start_ns_{0};
   std::mutex mutex_;
   std::condition_variable cv_;
 };

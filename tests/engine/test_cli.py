@@ -111,6 +111,9 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     before, after = result["rates_before"], result["rates_after"]
     assert result["host_gbps"] == pytest.approx((before["host_gbps"] + after["host_gbps"]) / 2)
     assert result["pdl"] is False  # no such launch on the CPU
+    jobs = result["cpu_jobs"]  # the native workers' times, and their line
+    assert jobs["jobs"] > 0 and 0 < jobs["workers_busy_share"] <= 1.01
+    assert f"CPU jobs: {jobs['jobs']}, " in r.stderr and "were in tasks" in r.stderr
     if sys.platform == "linux":  # the host's own activity during the run, from /proc/stat
         disturbance = result["host_disturbance"]
         assert 0 <= disturbance["steal_share"] <= 1 and disturbance["feeder_preemptions"] >= 0

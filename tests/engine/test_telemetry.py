@@ -122,6 +122,10 @@ def test_per_layer_counters_agree_with_a_router_trace(model):
         assert 0 < jobs["jobs"] <= int(c.cpu.sum())
         assert jobs["weight_bytes"] == int(c.cpu.sum()) * engine.bank.expert_bytes
         assert jobs["gbps"] > 0 and jobs["start_us_mean"] >= 0 and jobs["run_us_mean"] > 0
+        # the pool's workers: the last began no sooner than the first, and were in tasks for a
+        # share of their time
+        assert jobs["last_worker_start_us_mean"] >= jobs["start_us_mean"]
+        assert 0 < jobs["workers_busy_share"] <= 1.01
     finally:
         engine.close()
 

@@ -290,6 +290,29 @@ def test_submit_returns_at_once_and_the_workers_leave_python_running() -> None:
     # the job's own timing: the workers' reaction, then the work, within the call's wall time
     start_s, run_s = job.seconds()
     assert start_s >= 0 and run_s > 0.05 and start_s + run_s < total_s
+    # one worker: it began the job as it took the first task, and was in tasks all the run
+    last_start_s, busy_s = job.worker_seconds()
+    assert last_start_s == pytest.approx(start_s, abs=1e-4)
+    assert 0.9 * run_s < busy_s <= run_s * 1.001
+
+
+def test_worker_seconds_of_a_job_on_several_workers() -> None:
+    """The workers' times of a finished job: none before it is done or for the torch kernel; the
+    last worker's start within the run; their time in tasks within workers times the run."""
+    gen = torch.Generator().manual_seed(SEED)
+    args = make_inputs(gen, 4, 512, 512, 2, [(e, t) for e in range(4) for t in range(2)],
+                       torch.bfloat16)  # fmt: skip
+    with CpuExpertRunner(2, "native", task_kb=8) as runner:
+        for _ in range(5):
+            job = runner.submit(*args)
+            job.wait()
+            (start_s, run_s), (last_start_s, busy_s) = job.seconds(), job.worker_seconds()
+            assert start_s <= last_start_s <= start_s + run_s
+            assert 0 < busy_s <= 2 * run_s * 1.001
+    with CpuExpertRunner(2, "torch") as runner:
+        job = runner.submit(*args)
+        job.wait()
+        assert job.worker_seconds() is None
 
 
 def test_wait_releases_the_gil() -> None:
