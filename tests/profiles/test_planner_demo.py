@@ -159,8 +159,11 @@ def test_planner_predicts_the_demo_at_two_contexts(
         print(f"context {kv}: miss cost {measured[kv]['miss_cost']}; {predicted[kv]['basis']}")
     assert measured[first]["slots"] == 27 and measured[second]["slots"] == 6
     # at 6 of 48 slots nearly every read misses: the engine's fit cannot tell a miss from a read
-    # and says nothing, so that run's misses are priced by bandwidth
-    assert measured[second]["miss_cost"]["us_per_miss"] is None, lines
+    # and says nothing (or, where the batches' timing left a few more hits, a slope within twice
+    # its own error: a CI run fitted 6.9 ± 10.4 µs), so that run's misses are priced by bandwidth
+    fit = measured[second]["miss_cost"]
+    assert fit["us_per_miss"] is None or fit["us_per_miss"] <= 2 * fit["stderr_us"], lines
+    assert "no clear price" in predicted[first]["basis"], lines
     assert measured[first]["miss_cost"]["steps"] > 500, lines
     for kv, other in ((first, second), (second, first)):
         p, m = predicted[kv], measured[kv]
