@@ -62,6 +62,15 @@ def _generate(engine) -> tuple[list[list[int]], dict[str, int]]:
     return outputs, counts
 
 
+def _eager_outputs(checkpoint, prompts: list[list[int]], max_tokens: int, *flags: str):
+    """Each prompt's tokens from an engine with eager steps (the reference for replayed ones)."""
+    eager = make_engine(checkpoint, *flags)
+    try:
+        return eager.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    finally:
+        eager.close()
+
+
 def _host_driver(monkeypatch, calls: dict[str, int]) -> tuple:
     """Stand-ins for the driver's copy, sync and memset, on host memory: the native planner then
     takes its CUDA path (wait, plan, start, copy in one call) on the CPU device. Counts calls."""
@@ -202,11 +211,7 @@ def test_overlapped_piecewise_decode_with_stops_and_a_shrinking_batch(checkpoint
 def test_an_error_in_landing_during_the_staging_comes_after_the_step_is_queued(checkpoint):
     """The previous step is landed inside the next one's staging; an error there (a streaming
     callback that fails) surfaces once the step is fully queued, and decoding goes on."""
-    expected = make_engine(checkpoint, *OFFLOADED)
-    try:
-        want = expected.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
-    finally:
-        expected.close()
+    want = _eager_outputs(checkpoint, PROMPTS[:1], 8, *OFFLOADED)
     engine = _piecewise_engine(checkpoint)
     try:
         seq = engine.add(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -361,11 +366,7 @@ def test_overlapped_decode_gives_the_tokens_of_synchronous_steps(checkpoint):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
 def test_cancel_and_sampled_requests_while_a_step_is_in_flight(checkpoint):
-    eager = make_engine(checkpoint)
-    try:
-        expected = eager.generate(PROMPTS[:2], SamplingParams(max_tokens=16, ignore_eos=True))
-    finally:
-        eager.close()
+    expected = _eager_outputs(checkpoint, PROMPTS[:2], 16)
     engine = _resident_engine_with_replay_graphs(checkpoint)
     try:
         params = SamplingParams(max_tokens=16, ignore_eos=True)
