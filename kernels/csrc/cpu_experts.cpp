@@ -129,6 +129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("worker_seconds", &Job::worker_seconds)
       .def("wait", &Job::wait, py::call_guard<py::gil_scoped_release>());
   m.def("submit_experts", &submit_experts);
+  m.def("even_blocks", &even_blocks);
   py::class_<DecodePlanner>(m, "DecodePlanner")
       .def(py::init<Pool&, int, int, uintptr_t, uintptr_t, uintptr_t, int64_t, uintptr_t,
                     uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t,

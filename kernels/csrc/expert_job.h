@@ -29,6 +29,19 @@ struct ExpertProblem {
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// The bounds of blocks that cut n rows into about n / per_block blocks, as many as a multiple of
+// `threads` where that leaves at least `quantum` rows a block, each a multiple of `quantum` rows
+// but the last: b[0] = 0 < b[1] < ... < b[blocks] = n (just {0} for n = 0).
+std::vector<int64_t> even_blocks(int64_t n, int64_t per_block, int64_t threads, int64_t quantum) {
+  const int64_t units = (n + quantum - 1) / quantum;
+  const int64_t wanted = (n + per_block - 1) / per_block;
+  int64_t blocks = std::max<int64_t>(1, (wanted + threads / 2) / threads) * threads;
+  blocks = std::min(blocks, units >= threads ? units / threads * threads : units);
+  std::vector<int64_t> bounds(size_t(blocks) + 1, n);
+  for (int64_t b = 0; b < blocks; ++b) bounds[b] = std::min(n, units * b / blocks * quantum);
+  return bounds;
+}
+
 // How many rows ahead of its reads a thread prefetches the rows of a one-token expert. On the
 // H200's host (Qwen3-30B-A3B's rows: 4 KiB of gate/up, 1.5 KiB of down) jobs of one to four
 // experts ran 5-12% faster with two rows than with one, and 8-20% faster than the tiles of four
@@ -77,42 +90,56 @@ class ExpertJob final : public Job {
         group_done_(new Counter[group_expert_.size()]) {
     const int64_t groups = int64_t(group_expert_.size());
     for (size_t k = 0; k < token_.size(); ++k) x_row_[k] = p.x + token_[k] * p.H;
-    // Phase 1: blocks of gate/up row pairs, even so that tiles of two pairs fill them.
-    const int64_t row_bytes = std::max<int64_t>(1, p.H * int64_t(sizeof(WT)));
-    rows1_ = std::max<int64_t>(2, round_up(task_bytes / (2 * row_bytes), 2));
-    blocks1_ = (p.I + rows1_ - 1) / rows1_;
-    phase1_tasks_ = groups * blocks1_;
-    // Phase 2: blocks of output rows, each over all experts; at least 4 blocks per thread.
-    const int64_t down_bytes_per_row = std::max<int64_t>(1, groups * p.I * int64_t(sizeof(WT)));
-    rows2_ = std::max<int64_t>(4, round_up(task_bytes / down_bytes_per_row, 4));
-    rows2_ = std::min(rows2_, std::max<int64_t>(4, round_up(p.H / (4 * num_threads), 4)));
-    const int64_t blocks2 = (p.H + rows2_ - 1) / rows2_;
     for (int64_t g = 0; g < groups; ++g) {
       one_token_each_ &= group_start_[g + 1] - group_start_[g] == 1;
     }
-    set_num_tasks(groups == 0 ? 0 : phase1_tasks_ + blocks2);
+    // Phase 1: the groups' gate/up row pairs, one after the other (the split expert's from its
+    // first CPU row), cut into blocks of about task_bytes; phase 2: the output rows, at least 4
+    // blocks per thread. Each phase has a multiple of num_threads blocks of equal size (to the
+    // row, or to the tile: two pairs, four rows), so that at the workers' speeds the last blocks
+    // end together: with 64 blocks on 15 workers, 4 ran a fifth block while 11 waited for them.
+    const int64_t row_bytes = std::max<int64_t>(1, p.H * int64_t(sizeof(WT)));
+    const int64_t pairs_per_task = std::max<int64_t>(2, round_up(task_bytes / (2 * row_bytes), 2));
+    group_rows_.resize(size_t(groups) + 1);
+    for (int64_t g = 0; g < groups; ++g) group_rows_[g + 1] = group_rows_[g] + p.I - first_row(g);
+    blocks1_ = even_blocks(group_rows_[groups], pairs_per_task, num_threads,
+                           one_token_each_ ? 1 : 2);
+    const int64_t down_bytes_per_row = std::max<int64_t>(1, groups * p.I * int64_t(sizeof(WT)));
+    int64_t rows2 = std::max<int64_t>(4, round_up(task_bytes / down_bytes_per_row, 4));
+    rows2 = std::min(rows2, std::max<int64_t>(4, round_up(p.H / (4 * num_threads), 4)));
+    blocks2_ = even_blocks(p.H, rows2, num_threads, one_token_each_ ? 1 : 4);
+    set_num_tasks(groups == 0 ? 0 : blocks1_.size() - 1 + blocks2_.size() - 1);
   }
 
  protected:
   // Tasks are handed out in order: phase 1 in group order, then phase 2; a task waits only for
   // tasks handed out before it, so the waits always end.
   void run_task(int64_t i) override {
-    if (i < phase1_tasks_) {
-      gate_up(i / blocks1_, (i % blocks1_) * rows1_);
-      group_done_[i / blocks1_].value.fetch_add(1, std::memory_order_release);
+    const int64_t phase1_tasks = int64_t(blocks1_.size()) - 1;
+    if (i >= phase1_tasks) {
+      down(blocks2_[i - phase1_tasks], blocks2_[i - phase1_tasks + 1]);
       return;
     }
-    down((i - phase1_tasks_) * rows2_);
+    // the block's rows [b0, b1) of the groups' rows one after the other, group by group
+    const int64_t b0 = blocks1_[i], b1 = blocks1_[i + 1];
+    auto g = int64_t(std::upper_bound(group_rows_.begin(), group_rows_.end(), b0) -
+                     group_rows_.begin()) - 1;
+    for (; g + 1 < int64_t(group_rows_.size()) && group_rows_[g] < b1; ++g) {
+      const int64_t from = std::max(b0, group_rows_[g]), to = std::min(b1, group_rows_[g + 1]);
+      if (from >= to) continue;
+      const int64_t first = first_row(g) - group_rows_[g];
+      gate_up(g, first + from, first + to);
+      group_done_[g].value.fetch_add(to - from, std::memory_order_release);
+    }
   }
 
  private:
-  // h[j, r0:r0+rows1] = silu(gate[r] . x[t_j]) * (up[r] . x[t_j]) for every pair j of group g.
-  void gate_up(int64_t g, int64_t r0) {
+  // h[j, r_begin:r_end] = silu(gate[r] . x[t_j]) * (up[r] . x[t_j]) for every pair j of group g.
+  void gate_up(int64_t g, int64_t r_begin, int64_t r_end) {
     const int64_t H = p_.H, I = p_.I;
     const WT* gate = static_cast<const WT*>(p_.w13) + int64_t(group_expert_[g]) * 2 * I * H;
     const WT* up = gate + I * H;
     const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
-    const int64_t r_begin = std::max(r0, first_row(g)), r_end = std::min(I, r0 + rows1_);
     if (j1 - j0 == 1) {
       // One token (decode at batch 1): the block's gate rows, then its up rows, one row at a
       // time, each read straight through.
@@ -160,10 +187,9 @@ class ExpertJob final : public Job {
     }
   }
 
-  // out[t, r0:r0+rows2] = sum over groups and pairs of weight_j * (w2[e] rows . h[j]).
-  void down(int64_t r0) {
+  // out[t, r0:r_end] = sum over groups and pairs of weight_j * (w2[e] rows . h[j]).
+  void down(int64_t r0, int64_t r_end) {
     const int64_t H = p_.H, I = p_.I;
-    const int64_t r_end = std::min(H, r0 + rows2_);
     for (int64_t t = 0; t < p_.T; ++t) {
       std::fill(p_.out + t * H + r0, p_.out + t * H + r_end, 0.0f);
     }
@@ -234,7 +260,10 @@ class ExpertJob final : public Job {
   // and a worker that only waited here left the memory idle (in decode on the H200's host the
   // workers waited 2-6 us a job on average, docs/cpu-experts.md).
   void wait_group(int64_t g, const WT* rows = nullptr, int64_t n = 0, int64_t len = 0) const {
-    auto ready = [&] { return group_done_[g].value.load(std::memory_order_acquire) == blocks1_; };
+    const int64_t group_rows = group_rows_[g + 1] - group_rows_[g];
+    auto ready = [&] {
+      return group_done_[g].value.load(std::memory_order_acquire) == group_rows;
+    };
     constexpr int64_t kLine = 64 / int64_t(sizeof(WT));
     for (int64_t i = 0; i < n && !ready(); ++i) {
       for (int64_t l = 0; l < len; l += kLine) prefetch(rows + i * p_.I + l);
@@ -254,8 +283,10 @@ class ExpertJob final : public Job {
   const std::vector<float> weight_;          // per pair, sorted by expert
   std::vector<const float*> x_row_;          // per pair: its row of x
   std::vector<float> h_;                     // [pairs, I]
-  int64_t phase1_tasks_ = 0, rows1_ = 0, blocks1_ = 0, rows2_ = 0;
-  std::unique_ptr<Counter[]> group_done_;  // phase-1 blocks done, per group
+  std::vector<int64_t> group_rows_;   // group g's phase-1 rows: [group_rows[g], group_rows[g+1])
+  std::vector<int64_t> blocks1_;      // phase-1 block b: those rows [blocks1[b], blocks1[b+1])
+  std::vector<int64_t> blocks2_;      // phase-2 block b: output rows [blocks2[b], blocks2[b+1])
+  std::unique_ptr<Counter[]> group_done_;  // phase-1 rows done, per group
   bool one_token_each_ = true;             // every group (expert) has one pair
 };
 
@@ -279,6 +310,7 @@ std::shared_ptr<Job> make_expert_job(WeightType wt, const ExpertProblem& p,
 std::shared_ptr<Job> make_job(const Pool& pool, int simd, int weight_type, const ExpertProblem& p,
                               const int32_t* pe, const int32_t* pt, const float* pw, int64_t J) {
   for (int64_t j = 0; j < J; ++j) {
+    if ((pe[j] >= 0 && pe[j] < p.E) && (pt[j] >= 0 && pt[j] < p.T)) continue;
     const std::string at = "[" + std::to_string(j) + "] = ";
     if (pe[j] < 0 || pe[j] >= p.E) {
       throw std::invalid_argument("pair_expert" + at + std::to_string(pe[j]) +

@@ -6,6 +6,7 @@ test session. Inputs are fresh random numbers on every run; the seed is in every
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -205,6 +206,49 @@ def test_qwen3_shape_is_right_and_independent_of_thread_count() -> None:
         assert_within_bound(shared, exact, bound, f"qwen3 shape, {len(pairs)} pairs", 5e-2)
         assert torch.equal(alone, shared), "the result depends on the number of threads"
         assert torch.equal(shared, again), "two runs of the same call differ"
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 64, 100, 768, 2048, 2049])
+@pytest.mark.parametrize("per_block,threads,quantum", [(12, 15, 1), (36, 15, 1), (2, 3, 2), (8, 4, 4)])
+def test_blocks_are_even_and_as_many_as_a_multiple_of_the_threads(
+    n: int, per_block: int, threads: int, quantum: int
+) -> None:
+    """A job's blocks (kernels/csrc/expert_job.h): n rows in blocks of whole quanta but the last,
+    their sizes at most a quantum apart, as many as a multiple of the threads near n / per_block
+    (one a thread at least, where there are that many quanta): 768 pairs in blocks of about 12 on 15 workers are 60 blocks,
+    not 64, of which 4 workers would run a fifth while 11 waited."""
+    bounds = load_native().even_blocks(n, per_block, threads, quantum)
+    blocks = len(bounds) - 1
+    assert bounds[0] == 0 and bounds[-1] == n
+    assert all(a < b for a, b in itertools.pairwise(bounds))
+    assert all(b % quantum == 0 for b in bounds[:-1])
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    assert not sizes or max(sizes[:-1] or sizes) - min(sizes[:-1] or sizes) <= quantum
+    units = -(-n // quantum)
+    if units >= threads:
+        assert blocks % threads == 0
+        # at least one block a thread, else the nearest multiple to the blocks of per_block rows
+        assert blocks == threads or abs(blocks - n / per_block) <= threads / 2 + 1
+    else:
+        assert blocks == units
+    if (n, per_block, threads) == (768, 12, 15):
+        assert blocks == 60
+
+
+def test_a_queued_job_has_a_multiple_of_the_threads_tasks_in_each_phase() -> None:
+    """A job queued behind a long one has all its tasks unclaimed: 100 gate/up pairs in blocks of
+    two pairs (task_kb=1 at H = 256, bf16) and 256 output rows in blocks of 8 make 50 + 32 = 82
+    tasks by size, 51 + 33 = 84 on 3 workers; the result is the same."""
+    gen = torch.Generator().manual_seed(SEED)
+    args = make_inputs(gen, 2, 256, 100, 1, [(1, 0)], torch.bfloat16)
+    with CpuExpertRunner(3, "native", "scalar", task_kb=1) as runner:
+        held = runner.submit(*slow_inputs(gen))
+        job = runner.submit(*args)
+        assert not held.done(), "the long job is too short for this test to mean anything"
+        assert job.unclaimed() == 84
+        out = job.wait()
+        held.wait()
+    torch.testing.assert_close(out, cpu_experts_ref(*args), rtol=1e-4, atol=1e-4)
 
 
 def test_the_task_size_default_is_one_across_the_flag_the_runner_and_the_pool() -> None:
