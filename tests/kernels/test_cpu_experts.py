@@ -209,14 +209,16 @@ def test_qwen3_shape_is_right_and_independent_of_thread_count() -> None:
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 64, 100, 768, 2048, 2049])
-@pytest.mark.parametrize("per_block,threads,quantum", [(12, 15, 1), (36, 15, 1), (2, 3, 2), (8, 4, 4)])
+@pytest.mark.parametrize(
+    "per_block,threads,quantum", [(12, 15, 1), (36, 15, 1), (2, 3, 2), (8, 4, 4)]
+)
 def test_blocks_are_even_and_as_many_as_a_multiple_of_the_threads(
     n: int, per_block: int, threads: int, quantum: int
 ) -> None:
     """A job's blocks (kernels/csrc/expert_job.h): n rows in blocks of whole quanta but the last,
     their sizes at most a quantum apart, as many as a multiple of the threads near n / per_block
-    (one a thread at least, where there are that many quanta): 768 pairs in blocks of about 12 on 15 workers are 60 blocks,
-    not 64, of which 4 workers would run a fifth while 11 waited."""
+    (one a thread at least, where there are that many quanta): 768 pairs in blocks of about 12 on
+    15 workers are 60 blocks, not 64, of which 4 workers would run a fifth while 11 waited."""
     bounds = load_native().even_blocks(n, per_block, threads, quantum)
     blocks = len(bounds) - 1
     assert bounds[0] == 0 and bounds[-1] == n
