@@ -197,6 +197,12 @@ class DecodePlanner {
         // end it late, and comes back to its own state sooner (a small job it leaves alone).
         if (last_job_ != nullptr) last_job_->help(pool_.num_threads());
         last_job_.reset();
+        // The job this step may start, made now: its allocations and first writes cost 5-6 us
+        // on the serial path (H200 host), where the CPU job's weights have just gone through
+        // the caches; once the routing is there it only takes its pairs.
+        if (spare_job_ == nullptr || spare_job_->capacity() < T * top_k_) {
+          spare_job_ = make_shell(pool_, simd_, weight_type_, T * top_k_, inter_);
+        }
         // Polled rather than waited for: the CPU job of the layer before streamed its experts
         // through the shared cache, and what this step reads first would be misses on the serial
         // path (scripts/planner_cost.py on the CI machine: 3 us warm, 12 after such a sweep).
@@ -290,8 +296,13 @@ class DecodePlanner {
     if (copies) {
       for (const auto& [e, slot] : admitted) where_[e] = kFilled;
     }
-    std::vector<int32_t> pair_expert, pair_token;
-    std::vector<float> pair_weight;
+    // members, so that their room is kept from step to step
+    std::vector<int32_t>& pair_expert = pair_expert_;
+    std::vector<int32_t>& pair_token = pair_token_;
+    std::vector<float>& pair_weight = pair_weight_;
+    pair_expert.clear();
+    pair_token.clear();
+    pair_weight.clear();
     for (int64_t r = 0; r < R; ++r) {
       const int32_t e = ids[r];
       if (where_[e] == kOnCpu || where_[e] == kSplit) {  // split: its other rows on the CPU
@@ -326,11 +337,16 @@ class DecodePlanner {
                             reinterpret_cast<const void*>(w13_[layer]),
                             reinterpret_cast<const void*>(w2_[layer]),
                             T, hidden_, inter_, experts_, split_expert, split_row};
-      auto j = make_job(pool_, simd_, weight_type_, p, pair_expert.data(), pair_token.data(),
-                        pair_weight.data(), int64_t(pair_expert.size()));
+      const auto pairs = int64_t(pair_expert.size());
+      std::shared_ptr<ExpertJobShell> j = std::move(spare_job_);
+      if (j == nullptr || j->capacity() < pairs) {
+        j = make_shell(pool_, simd_, weight_type_, pairs, inter_);
+      }
+      // every pair is in range: the experts were checked above, the tokens are r / top_k < T
+      j->assign(p, pair_expert.data(), pair_token.data(), pair_weight.data(), pairs);
       j->set_done_flag(reinterpret_cast<int64_t*>(done_flag), done_value);
       pool_.push(j);
-      job = py::cast(j);
+      job = py::cast(std::shared_ptr<Job>(j));
       last_job_ = j;
     }
     const auto t3 = Clock::now();
@@ -472,6 +488,9 @@ class DecodePlanner {
   int64_t bytes13_ = 0, bytes2_ = 0;
   // the CPU job the last step started, which the next step's wait works on (then none)
   std::shared_ptr<Job> last_job_;
+  std::shared_ptr<ExpertJobShell> spare_job_;  // the next step's job, not assigned yet
+  std::vector<int32_t> pair_expert_, pair_token_;  // a step's CPU pairs
+  std::vector<float> pair_weight_;
   // scratch, all zero between steps
   std::vector<int32_t> tokens_;   // per expert: routes to it this step
   std::vector<int8_t> where_;     // per expert: kOnCpu this step

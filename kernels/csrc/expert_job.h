@@ -29,16 +29,26 @@ struct ExpertProblem {
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-// The bounds of blocks that cut n rows into about n / per_block blocks, as many as a multiple of
-// `threads` where that leaves at least `quantum` rows a block, each a multiple of `quantum` rows
-// but the last: b[0] = 0 < b[1] < ... < b[blocks] = n (just {0} for n = 0).
+// n rows cut into about n / per_block blocks, as many as a multiple of `threads` where that leaves
+// at least `quantum` rows a block, each a multiple of `quantum` rows but the last: block b is rows
+// [at(b), at(b + 1)), at(0) = 0 < at(1) < ... < at(count) = n (no block for n = 0).
+struct EvenBlocks {
+  EvenBlocks() = default;
+  EvenBlocks(int64_t n, int64_t per_block, int64_t threads, int64_t quantum)
+      : n(n), units((n + quantum - 1) / quantum), quantum(quantum) {
+    const int64_t wanted = (n + per_block - 1) / per_block;
+    count = std::max<int64_t>(1, (wanted + threads / 2) / threads) * threads;
+    count = std::min(count, units >= threads ? units / threads * threads : units);
+  }
+  int64_t at(int64_t b) const { return b >= count ? n : std::min(n, units * b / count * quantum); }
+  int64_t n = 0, units = 0, quantum = 1, count = 0;
+};
+
+// Every bound of EvenBlocks(n, per_block, threads, quantum), for tests.
 std::vector<int64_t> even_blocks(int64_t n, int64_t per_block, int64_t threads, int64_t quantum) {
-  const int64_t units = (n + quantum - 1) / quantum;
-  const int64_t wanted = (n + per_block - 1) / per_block;
-  int64_t blocks = std::max<int64_t>(1, (wanted + threads / 2) / threads) * threads;
-  blocks = std::min(blocks, units >= threads ? units / threads * threads : units);
-  std::vector<int64_t> bounds(size_t(blocks) + 1, n);
-  for (int64_t b = 0; b < blocks; ++b) bounds[b] = std::min(n, units * b / blocks * quantum);
+  const EvenBlocks blocks(n, per_block, threads, quantum);
+  std::vector<int64_t> bounds(size_t(blocks.count) + 1);
+  for (int64_t b = 0; b <= blocks.count; ++b) bounds[b] = blocks.at(b);
   return bounds;
 }
 
@@ -74,22 +84,57 @@ float dot_row(const WT* row, const float* x, int64_t K, const WT* ahead) {
   return s;
 }
 
-template <class B, class WT>
-class ExpertJob final : public Job {
+// An expert job made before its pairs are known, with room for `capacity()` pairs: `assign` gives
+// it its problem and pairs without allocating (the decode planner makes the next step's job while
+// it waits for the routing, and only assigns it once the routing is there).
+class ExpertJobShell : public Job {
  public:
-  ExpertJob(const ExpertProblem& p, std::vector<int32_t> group_expert,
-            std::vector<int32_t> group_start, std::vector<int32_t> token,
-            std::vector<float> weight, int num_threads, int64_t task_bytes)
-      : p_(p),
-        group_expert_(std::move(group_expert)),
-        group_start_(std::move(group_start)),
-        token_(std::move(token)),
-        weight_(std::move(weight)),
-        x_row_(token_.size()),
-        h_(token_.size() * p.I),
-        group_done_(new Counter[group_expert_.size()]) {
+  // Pairs (expert pe[j], token pt[j], weight pw[j]), J <= capacity(), each in range (unchecked);
+  // p.I must be the shell's intermediate size. Once only, before the job is queued.
+  virtual void assign(const ExpertProblem& p, const int32_t* pe, const int32_t* pt,
+                      const float* pw, int64_t J) = 0;
+  virtual int64_t capacity() const = 0;
+};
+
+template <class B, class WT>
+class ExpertJob final : public ExpertJobShell {
+ public:
+  ExpertJob(int num_threads, int64_t task_bytes, int64_t capacity, int64_t inter)
+      : threads_(num_threads),
+        task_bytes_(task_bytes),
+        capacity_(capacity),
+        inter_(inter),
+        order_(size_t(capacity)),
+        h_(size_t(capacity * inter)),
+        group_done_(new Counter[size_t(std::max<int64_t>(1, capacity))]) {
+    for (auto* v : {&group_expert_, &group_start_, &token_}) v->reserve(size_t(capacity) + 1);
+    weight_.reserve(size_t(capacity));
+    x_row_.reserve(size_t(capacity));
+    group_rows_.reserve(size_t(capacity) + 1);
+  }
+
+  int64_t capacity() const override { return capacity_; }
+
+  void assign(const ExpertProblem& p, const int32_t* pe, const int32_t* pt, const float* pw,
+              int64_t J) override {
+    if (J > capacity_ || p.I != inter_) throw std::logic_error("an expert job's shell too small");
+    p_ = p;
+    // the pairs grouped by expert, in their order within a group
+    std::iota(order_.begin(), order_.begin() + J, 0);
+    std::stable_sort(order_.begin(), order_.begin() + J,
+                     [pe](int32_t a, int32_t b) { return pe[a] < pe[b]; });
+    for (int64_t k = 0; k < J; ++k) {
+      const int32_t j = order_[k];
+      if (k == 0 || pe[j] != group_expert_.back()) {
+        group_expert_.push_back(pe[j]);
+        group_start_.push_back(int32_t(k));
+      }
+      token_.push_back(pt[j]);
+      weight_.push_back(pw[j]);
+      x_row_.push_back(p.x + pt[j] * p.H);
+    }
+    group_start_.push_back(int32_t(J));
     const int64_t groups = int64_t(group_expert_.size());
-    for (size_t k = 0; k < token_.size(); ++k) x_row_[k] = p.x + token_[k] * p.H;
     for (int64_t g = 0; g < groups; ++g) {
       one_token_each_ &= group_start_[g + 1] - group_start_[g] == 1;
     }
@@ -99,29 +144,30 @@ class ExpertJob final : public Job {
     // row, or to the tile: two pairs, four rows), so that at the workers' speeds the last blocks
     // end together: with 64 blocks on 15 workers, 4 ran a fifth block while 11 waited for them.
     const int64_t row_bytes = std::max<int64_t>(1, p.H * int64_t(sizeof(WT)));
-    const int64_t pairs_per_task = std::max<int64_t>(2, round_up(task_bytes / (2 * row_bytes), 2));
-    group_rows_.resize(size_t(groups) + 1);
-    for (int64_t g = 0; g < groups; ++g) group_rows_[g + 1] = group_rows_[g] + p.I - first_row(g);
-    blocks1_ = even_blocks(group_rows_[groups], pairs_per_task, num_threads,
-                           one_token_each_ ? 1 : 2);
+    const int64_t pairs_per_task =
+        std::max<int64_t>(2, round_up(task_bytes_ / (2 * row_bytes), 2));
+    group_rows_.push_back(0);
+    for (int64_t g = 0; g < groups; ++g) {
+      group_rows_.push_back(group_rows_[g] + p.I - first_row(g));
+    }
+    blocks1_ = EvenBlocks(group_rows_[groups], pairs_per_task, threads_, one_token_each_ ? 1 : 2);
     const int64_t down_bytes_per_row = std::max<int64_t>(1, groups * p.I * int64_t(sizeof(WT)));
-    int64_t rows2 = std::max<int64_t>(4, round_up(task_bytes / down_bytes_per_row, 4));
-    rows2 = std::min(rows2, std::max<int64_t>(4, round_up(p.H / (4 * num_threads), 4)));
-    blocks2_ = even_blocks(p.H, rows2, num_threads, one_token_each_ ? 1 : 4);
-    set_num_tasks(groups == 0 ? 0 : blocks1_.size() - 1 + blocks2_.size() - 1);
+    int64_t rows2 = std::max<int64_t>(4, round_up(task_bytes_ / down_bytes_per_row, 4));
+    rows2 = std::min(rows2, std::max<int64_t>(4, round_up(p.H / (4 * threads_), 4)));
+    blocks2_ = EvenBlocks(p.H, rows2, threads_, one_token_each_ ? 1 : 4);
+    set_num_tasks(groups == 0 ? 0 : blocks1_.count + blocks2_.count);
   }
 
  protected:
   // Tasks are handed out in order: phase 1 in group order, then phase 2; a task waits only for
   // tasks handed out before it, so the waits always end.
   void run_task(int64_t i) override {
-    const int64_t phase1_tasks = int64_t(blocks1_.size()) - 1;
-    if (i >= phase1_tasks) {
-      down(blocks2_[i - phase1_tasks], blocks2_[i - phase1_tasks + 1]);
+    if (i >= blocks1_.count) {
+      down(blocks2_.at(i - blocks1_.count), blocks2_.at(i - blocks1_.count + 1));
       return;
     }
     // the block's rows [b0, b1) of the groups' rows one after the other, group by group
-    const int64_t b0 = blocks1_[i], b1 = blocks1_[i + 1];
+    const int64_t b0 = blocks1_.at(i), b1 = blocks1_.at(i + 1);
     auto g = int64_t(std::upper_bound(group_rows_.begin(), group_rows_.end(), b0) -
                      group_rows_.begin()) - 1;
     for (; g + 1 < int64_t(group_rows_.size()) && group_rows_[g] < b1; ++g) {
@@ -276,34 +322,58 @@ class ExpertJob final : public Job {
     return group_expert_[g] == p_.split_expert ? p_.split_row : 0;
   }
 
-  const ExpertProblem p_;
-  const std::vector<int32_t> group_expert_;  // expert of each group
-  const std::vector<int32_t> group_start_;   // pairs of group g: [group_start[g], group_start[g+1])
-  const std::vector<int32_t> token_;         // per pair, sorted by expert
-  const std::vector<float> weight_;          // per pair, sorted by expert
-  std::vector<const float*> x_row_;          // per pair: its row of x
-  std::vector<float> h_;                     // [pairs, I]
-  std::vector<int64_t> group_rows_;   // group g's phase-1 rows: [group_rows[g], group_rows[g+1])
-  std::vector<int64_t> blocks1_;      // phase-1 block b: those rows [blocks1[b], blocks1[b+1])
-  std::vector<int64_t> blocks2_;      // phase-2 block b: output rows [blocks2[b], blocks2[b+1])
+  const int threads_;
+  const int64_t task_bytes_, capacity_, inter_;
+  ExpertProblem p_{};
+  std::vector<int32_t> order_;         // scratch of assign
+  std::vector<int32_t> group_expert_;  // expert of each group
+  std::vector<int32_t> group_start_;   // pairs of group g: [group_start[g], group_start[g+1])
+  std::vector<int32_t> token_;         // per pair, sorted by expert
+  std::vector<float> weight_;          // per pair, sorted by expert
+  std::vector<const float*> x_row_;    // per pair: its row of x
+  std::vector<float> h_;               // [pairs, I]
+  std::vector<int64_t> group_rows_;  // group g's phase-1 rows: [group_rows[g], group_rows[g+1])
+  EvenBlocks blocks1_;               // of the groups' phase-1 rows, one group after the other
+  EvenBlocks blocks2_;               // of the output rows
   std::unique_ptr<Counter[]> group_done_;  // phase-1 rows done, per group
   bool one_token_each_ = true;             // every group (expert) has one pair
 };
 
 template <class B>
-std::shared_ptr<Job> make_expert_job(WeightType wt, const ExpertProblem& p,
-                                     std::vector<int32_t> ge, std::vector<int32_t> gs,
-                                     std::vector<int32_t> tok, std::vector<float> w, int threads,
-                                     int64_t task_bytes) {
+std::shared_ptr<ExpertJobShell> make_shell_for(WeightType wt, int threads, int64_t task_bytes,
+                                               int64_t capacity, int64_t inter) {
   switch (wt) {
     case WeightType::kF32:
-      return std::make_shared<ExpertJob<B, float>>(p, ge, gs, tok, w, threads, task_bytes);
+      return std::make_shared<ExpertJob<B, float>>(threads, task_bytes, capacity, inter);
     case WeightType::kF16:
-      return std::make_shared<ExpertJob<B, f16>>(p, ge, gs, tok, w, threads, task_bytes);
+      return std::make_shared<ExpertJob<B, f16>>(threads, task_bytes, capacity, inter);
     case WeightType::kBF16:
-      return std::make_shared<ExpertJob<B, bf16>>(p, ge, gs, tok, w, threads, task_bytes);
+      return std::make_shared<ExpertJob<B, bf16>>(threads, task_bytes, capacity, inter);
   }
   throw std::invalid_argument("unknown weight type");
+}
+
+// An expert job for up to `capacity` pairs of experts with `inter` intermediate rows, on this pool,
+// with this SIMD level and weight type, its pairs not yet assigned.
+std::shared_ptr<ExpertJobShell> make_shell(const Pool& pool, int simd, int weight_type,
+                                           int64_t capacity, int64_t inter) {
+  const auto wt = static_cast<WeightType>(weight_type);
+  const int threads = pool.num_threads();
+  const int64_t task_bytes = pool.task_bytes();
+  switch (static_cast<Simd>(simd)) {
+#ifdef MOELAB_HAVE_AVX512
+    case Simd::kAvx512:
+      return make_shell_for<Avx512>(wt, threads, task_bytes, capacity, inter);
+#endif
+#ifdef MOELAB_HAVE_AVX2
+    case Simd::kAvx2:
+      return make_shell_for<Avx2>(wt, threads, task_bytes, capacity, inter);
+#endif
+    case Simd::kScalar:
+      return make_shell_for<Scalar>(wt, threads, task_bytes, capacity, inter);
+    default:
+      throw std::invalid_argument("this build has no such SIMD level");
+  }
 }
 
 // Checks every pair's expert and token, groups the pairs by expert and makes the job (not queued).
@@ -316,51 +386,11 @@ std::shared_ptr<Job> make_job(const Pool& pool, int simd, int weight_type, const
       throw std::invalid_argument("pair_expert" + at + std::to_string(pe[j]) +
                                   " is outside 0.." + std::to_string(p.E - 1));
     }
-    if (pt[j] < 0 || pt[j] >= p.T) {
-      throw std::invalid_argument("pair_token" + at + std::to_string(pt[j]) + " is outside 0.." +
-                                  std::to_string(p.T - 1));
-    }
+    throw std::invalid_argument("pair_token" + at + std::to_string(pt[j]) + " is outside 0.." +
+                                std::to_string(p.T - 1));
   }
-  std::vector<int32_t> order(J);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [pe](int32_t a, int32_t b) { return pe[a] < pe[b]; });
-  std::vector<int32_t> group_expert, group_start, token(J);
-  std::vector<float> weight(J);
-  for (int64_t k = 0; k < J; ++k) {
-    const int32_t j = order[k];
-    if (k == 0 || pe[j] != group_expert.back()) {
-      group_expert.push_back(pe[j]);
-      group_start.push_back(int32_t(k));
-    }
-    token[k] = pt[j];
-    weight[k] = pw[j];
-  }
-  group_start.push_back(int32_t(J));
-  const auto wt = static_cast<WeightType>(weight_type);
-  const int threads = pool.num_threads();
-  const int64_t task_bytes = pool.task_bytes();
-  std::shared_ptr<Job> job;
-  switch (static_cast<Simd>(simd)) {
-#ifdef MOELAB_HAVE_AVX512
-    case Simd::kAvx512:
-      job = make_expert_job<Avx512>(wt, p, group_expert, group_start, token, weight, threads,
-                                    task_bytes);
-      break;
-#endif
-#ifdef MOELAB_HAVE_AVX2
-    case Simd::kAvx2:
-      job = make_expert_job<Avx2>(wt, p, group_expert, group_start, token, weight, threads,
-                                    task_bytes);
-      break;
-#endif
-    case Simd::kScalar:
-      job = make_expert_job<Scalar>(wt, p, group_expert, group_start, token, weight, threads,
-                                    task_bytes);
-      break;
-    default:
-      throw std::invalid_argument("this build has no such SIMD level");
-  }
+  auto job = make_shell(pool, simd, weight_type, J, p.I);
+  job->assign(p, pe, pt, pw, J);
   if (J == 0) std::fill(p.out, p.out + p.T * p.H, 0.0f);  // no pairs: a job with no tasks, done
   return job;
 }

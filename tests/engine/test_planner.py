@@ -428,6 +428,31 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
     assert sorted(d.on_cpu) == [1, 2]
 
 
+def test_the_job_made_during_the_wait_serves_steps_of_any_size(cpu):
+    """The wait makes the step's CPU job before the routing is there, with room for the step's
+    routes, and the step only gives it its pairs: steps of 1, 3, 1 and 2 tokens in turn (the room
+    grows, then is more than needed) each compute their routes right."""
+    gen = torch.Generator().manual_seed(12)
+    bank = _bank(gen)
+    r = _runner(bank, 6, 0.0, cpu, 2)
+    planner = r._decode_planner()
+    query = QUERY_FUNCTION(lambda stream: 0)
+    copy = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
+    planner.set_device(address_of(copy), address_of(query), *(address_of(f) for f in _no_2d()),
+                       0, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
+    rng = np.random.default_rng(12)
+    for step, tokens in enumerate((1, 3, 1, 2)):
+        layer = step % LAYERS
+        ids = torch.from_numpy(_routes(rng, tokens, 2))
+        weights = torch.rand(tokens, 2, generator=gen)
+        x = torch.randn(tokens, HIDDEN, generator=gen)
+        out = torch.full((tokens, HIDDEN), float("nan"))
+        d, _ = r._native_step(planner, layer, ids, weights, x, out, False, sync=True)
+        assert d.job is not None and sorted(d.on_cpu) == d.experts  # policy 0.0: all on the CPU
+        want = _cpu_part(d.on_cpu, ids.numpy(), weights, x, bank.w13[layer], bank.w2[layer])
+        torch.testing.assert_close(d.job.wait(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
     """The planner's wait first runs the CPU job its last step started, on the waiting thread,
     leaving as many tasks as the pool has workers: here the pool's one worker is held by a long
