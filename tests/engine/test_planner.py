@@ -450,7 +450,7 @@ def test_the_job_made_during_the_wait_serves_steps_of_any_size(cpu):
         d, _ = r._native_step(planner, layer, ids, weights, x, out, False, sync=True)
         assert d.job is not None and sorted(d.on_cpu) == d.experts  # policy 0.0: all on the CPU
         want = _cpu_part(d.on_cpu, ids.numpy(), weights, x, bank.w13[layer], bank.w2[layer])
-        torch.testing.assert_close(d.job.wait(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(d.job.wait(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
