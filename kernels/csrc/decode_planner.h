@@ -223,14 +223,21 @@ class DecodePlanner {
     }
     int64_t* picks = picks_ + layer * experts_;
     int32_t* slot_of = slot_of_ + layer * experts_;
-    std::vector<int32_t> routed;  // the layer's experts, ascending
+    // the step's lists: members, so that their room is kept from step to step
+    std::vector<int32_t>& routed = routed_;  // the layer's experts, ascending
+    std::vector<int32_t>& before = before_;
+    std::vector<int32_t>& missing = missing_;
+    std::vector<std::pair<int32_t, int64_t>>& admitted = admitted_;  // (expert, slot)
+    std::vector<int32_t>& on_cpu = on_cpu_;
+    for (auto* v : {&routed, &before, &missing, &on_cpu}) v->clear();
+    admitted.clear();
     for (int64_t r = 0; r < R; ++r) {
       const int32_t e = ids[r];
       picks[e] += 1;
       if (tokens_[e]++ == 0) routed.push_back(e);
     }
     std::sort(routed.begin(), routed.end());
-    std::vector<int32_t> before(routed.size()), missing;
+    before.resize(routed.size());
     for (size_t i = 0; i < routed.size(); ++i) {
       const int32_t e = routed[i], slot = slot_of[e];
       before[i] = slot;
@@ -251,8 +258,7 @@ class DecodePlanner {
         return a < b;
       });
     }
-    std::vector<std::pair<int32_t, int64_t>> admitted;  // (expert, slot)
-    std::vector<int32_t> on_cpu(missing.begin() + q, missing.end());
+    on_cpu.assign(missing.begin() + q, missing.end());
     for (int64_t i = 0; i < q; ++i) {
       const int32_t e = missing[i];
       const int64_t slot = victim();
@@ -489,6 +495,8 @@ class DecodePlanner {
   // the CPU job the last step started, which the next step's wait works on (then none)
   std::shared_ptr<Job> last_job_;
   std::shared_ptr<ExpertJobShell> spare_job_;  // the next step's job, not assigned yet
+  std::vector<int32_t> routed_, before_, missing_, on_cpu_;  // a step's lists
+  std::vector<std::pair<int32_t, int64_t>> admitted_;
   std::vector<int32_t> pair_expert_, pair_token_;  // a step's CPU pairs
   std::vector<float> pair_weight_;
   // scratch, all zero between steps
