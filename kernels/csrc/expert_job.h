@@ -117,7 +117,9 @@ class ExpertJob final : public ExpertJobShell {
 
   void assign(const ExpertProblem& p, const int32_t* pe, const int32_t* pt, const float* pw,
               int64_t J) override {
-    if (J > capacity_ || p.I != inter_) throw std::logic_error("an expert job's shell too small");
+    if (J > capacity_ || p.I != inter_) {
+      throw std::logic_error("an expert job was given more pairs than its room, or another I");
+    }
     p_ = p;
     // the pairs grouped by expert, in their order within a group
     std::iota(order_.begin(), order_.begin() + J, 0);
