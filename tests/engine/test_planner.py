@@ -430,8 +430,8 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
 
 def test_the_job_made_during_the_wait_serves_steps_of_any_size(cpu):
     """The wait makes the step's CPU job before the routing is there, with room for the step's
-    routes, and the step only gives it its pairs: steps of 1, 3, 1 and 2 tokens in turn (the room
-    grows, then is more than needed) each compute their routes right."""
+    routes, and the step only gives it its pairs: steps of 1, 3, 1 and 2 tokens in turn, each
+    through a job made in its own wait for its own size, compute their routes right."""
     gen = torch.Generator().manual_seed(12)
     bank = _bank(gen)
     r = _runner(bank, 6, 0.0, cpu, 2)
