@@ -229,8 +229,12 @@ class DecodePlanner {
     std::vector<int32_t>& missing = missing_;
     std::vector<std::pair<int32_t, int64_t>>& admitted = admitted_;  // (expert, slot)
     std::vector<int32_t>& on_cpu = on_cpu_;
-    for (auto* v : {&routed, &before, &missing, &on_cpu}) v->clear();
+    std::vector<int32_t>& pair_expert = pair_expert_;  // the CPU's pairs
+    std::vector<int32_t>& pair_token = pair_token_;
+    std::vector<float>& pair_weight = pair_weight_;
+    for (auto* v : {&routed, &before, &missing, &on_cpu, &pair_expert, &pair_token}) v->clear();
     admitted.clear();
+    pair_weight.clear();
     for (int64_t r = 0; r < R; ++r) {
       const int32_t e = ids[r];
       picks[e] += 1;
@@ -302,13 +306,6 @@ class DecodePlanner {
     if (copies) {
       for (const auto& [e, slot] : admitted) where_[e] = kFilled;
     }
-    // members, so that their room is kept from step to step
-    std::vector<int32_t>& pair_expert = pair_expert_;
-    std::vector<int32_t>& pair_token = pair_token_;
-    std::vector<float>& pair_weight = pair_weight_;
-    pair_expert.clear();
-    pair_token.clear();
-    pair_weight.clear();
     for (int64_t r = 0; r < R; ++r) {
       const int32_t e = ids[r];
       if (where_[e] == kOnCpu || where_[e] == kSplit) {  // split: its other rows on the CPU
@@ -495,9 +492,9 @@ class DecodePlanner {
   // the CPU job the last step started, which the next step's wait works on (then none)
   std::shared_ptr<Job> last_job_;
   std::shared_ptr<ExpertJobShell> spare_job_;  // the next step's job, not assigned yet
-  std::vector<int32_t> routed_, before_, missing_, on_cpu_;  // a step's lists
+  // a step's lists (kept for their room)
+  std::vector<int32_t> routed_, before_, missing_, on_cpu_, pair_expert_, pair_token_;
   std::vector<std::pair<int32_t, int64_t>> admitted_;
-  std::vector<int32_t> pair_expert_, pair_token_;  // a step's CPU pairs
   std::vector<float> pair_weight_;
   // scratch, all zero between steps
   std::vector<int32_t> tokens_;   // per expert: routes to it this step
