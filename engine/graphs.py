@@ -172,10 +172,19 @@ class DecodeGraphs:
             assert state.x is not None and state.weights is not None and self.cpu_part is not None
             assert self._head_out is not None
             cached_part, filled = self._head_out
-            state.routed = self.model.experts.routed_filled(
-                state.x, filled, state.weights, cached_part, self.cpu_part[:bs],
-                self.model.routed_dtype(piece - 1),
-            )  # fmt: skip
+            experts, cpu_part = self.model.experts, self.cpu_part[:bs]
+            norm = self.model.norm_after_experts(piece - 1)
+            if norm is None:
+                state.routed = experts.routed_filled(
+                    state.x, filled, state.weights, cached_part, cpu_part,
+                    self.model.routed_dtype(piece - 1),
+                )  # fmt: skip
+            else:  # the layer's sum, the residual add and the next norm in one launch
+                assert state.residual is not None
+                state.normed = experts.routed_filled_normed(
+                    state.x, filled, state.weights, cached_part, cpu_part, state.residual, norm,
+                    self.model.spec.rms_norm_eps,
+                )  # fmt: skip
         else:
             self._gather_inputs(bs)
         last = piece == self.model.num_pieces - 1

@@ -131,6 +131,9 @@ class StepState:
     ids: torch.Tensor | None = None  # its routing [T, K]
     weights: torch.Tensor | None = None
     routed: torch.Tensor | None = None  # fp32 [T, H] or per route [T, K, H]: the routed experts
+    # or, where the routed output was added to the residual and normalized with it
+    # (`norm_after_experts`): the next norm's output and the new residual
+    normed: tuple[torch.Tensor, torch.Tensor] | None = None
     logits: torch.Tensor | None = None
     # host buffers (ids, weights, x) the router also stores its routing into: an offloaded decode
     # piece's, which the host reads between pieces (engine/graphs.py)
@@ -204,7 +207,8 @@ class Model:
             first = 0
         else:
             done = moe_layers[piece - 1]
-            state.hidden = self._after_experts(w.layers[done], state)
+            if state.normed is None:
+                state.hidden = self._after_experts(w.layers[done], state)
             first = done + 1
         last = moe_layers[piece] if piece < len(moe_layers) else len(w.layers)
         for index in range(first, last):
@@ -215,9 +219,19 @@ class Model:
             state.x = self._attention_block(last, w.layers[last], state)
             self._route(last, piece, w.layers[last], state)
             return
-        x, _ = fused_add_rmsnorm(state.hidden, state.residual, w.final_norm, self.spec.rms_norm_eps)
+        x = self._next_norm(w.final_norm, state)
         x = x.index_select(0, batch.logits_index)
         state.logits = linear(x, w.lm_head).float()
+
+    def norm_after_experts(self, moe_layer: int) -> torch.Tensor | None:
+        """The weight of the RMSNorm that follows MoE layer `moe_layer`'s residual add (the next
+        layer's input norm, or the final norm), where the routed output can be added and
+        normalized in the same pass (state.normed); None where a shared expert is added first."""
+        index = self.spec.moe_layers[moe_layer]
+        layers = self.weights.layers
+        if layers[index].shared_gate_up is not None:
+            return None
+        return layers[index + 1].input_norm if index + 1 < len(layers) else self.weights.final_norm
 
     def routed_dtype(self, moe_layer: int) -> torch.dtype:
         """The dtype an MoE layer's routed output may come in (state.routed): the model's where
@@ -239,9 +253,7 @@ class Model:
             state.residual = state.hidden
             x = rmsnorm(state.hidden, layer.input_norm, eps)
         else:
-            x, state.residual = fused_add_rmsnorm(
-                state.hidden, state.residual, layer.input_norm, eps
-            )
+            x = self._next_norm(layer.input_norm, state)
         hidden = self._attention(index, layer, x, state.batch, state.rope)
         x, state.residual = fused_add_rmsnorm(hidden, state.residual, layer.post_norm, eps)
         return x
@@ -344,6 +356,19 @@ class Model:
                     routing_to_host(state.ids, state.weights, x, *host)
         if self.on_router is not None:
             self.on_router(index, state.x, state.ids)
+
+    def _next_norm(self, weight: torch.Tensor, state: StepState) -> torch.Tensor:
+        """The residual add and the RMSNorm of `weight` on state.hidden; or their output already
+        made with the MoE layer's sum (state.normed, taken once)."""
+        if state.normed is not None:
+            x, state.residual = state.normed
+            state.normed = None
+            return x
+        assert state.hidden is not None and state.residual is not None
+        x, state.residual = fused_add_rmsnorm(
+            state.hidden, state.residual, weight, self.spec.rms_norm_eps
+        )
+        return x
 
     def _after_experts(self, layer: LayerWeights, state: StepState) -> torch.Tensor:
         """The MoE layer's output: routed experts plus the shared expert, in the model dtype; or

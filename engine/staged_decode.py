@@ -38,6 +38,7 @@ from ..kernels.host_handoff import (
     filled_mark,
     handoff_sync,
     route_slots_from_host,
+    sum_norm_when_ready,
     sum_when_ready,
 )
 from .h2d import driver_functions
@@ -248,10 +249,33 @@ class StagedDecode:
         """The second device part (capturable), once the fills are done: the filled experts'
         routes, summed with the cached ones' (cached_part) and the CPU's part (cpu_part, host
         memory) once the CPU job has ended, in `dtype` [T, H]."""
+        parts = [cached_part, self._filled_part(x, filled, weights)]
+        return sum_when_ready(parts, cpu_part, self._handoff_sync, dtype)
+
+    def routed_filled_normed(
+        self,
+        x: torch.Tensor,
+        filled: torch.Tensor,
+        weights: torch.Tensor,
+        cached_part: torch.Tensor,
+        cpu_part: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`routed_filled` for a layer with nothing to add to its routed output: the sum goes
+        straight into the residual add and the RMSNorm after the layer (norm_weight), in the same
+        launch; returns (the norm's output, the new residual)."""
+        parts = [cached_part, self._filled_part(x, filled, weights)]
+        return sum_norm_when_ready(parts, cpu_part, self._handoff_sync, residual, norm_weight, eps)
+
+    def _filled_part(
+        self, x: torch.Tensor, filled: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The filled experts' routes [T, K, H] (one or two experts, mostly: their rows spread
+        over the device, few_routes)."""
         w13, w2 = self.cache.w13, self.cache.w2
-        # one or two filled experts, mostly: their rows spread over the device (few_routes)
-        filled_part = fused_moe_decode(x, filled, weights, w13, w2, reduce=False, few_routes=True)
-        return sum_when_ready([cached_part, filled_part], cpu_part, self._handoff_sync, dtype)
+        return fused_moe_decode(x, filled, weights, w13, w2, reduce=False, few_routes=True)
 
     def _end_handoff(self) -> None:
         """After a sync: count the last staged CPU job (ended: the device waited for it), and

@@ -236,6 +236,38 @@ class Bench:
         label = f"T={tokens} K={TOP_K} H={HIDDEN}, {parts} device part{'s' * (parts > 1)}"
         self.add("sum_when_ready", label, time_us, bytes_moved, 0, ref_us)
 
+    def handoff_norm(self, tokens: int) -> None:
+        """The handoff as the engine runs it where nothing is added to the routed output (no
+        shared expert): the cached and the filled routes' parts plus the CPU's part, into the
+        residual and the next RMSNorm, in one launch at one token (the epoch done before it). The
+        reference is the launches it replaces: sum_when_ready in the model's dtype, then the
+        fused residual add and norm."""
+        ys = [
+            torch.randn(tokens, TOP_K, HIDDEN, device=DEVICE, generator=self.gen) for _ in range(2)
+        ]
+        cpu_part = torch.randn(tokens, HIDDEN).pin_memory()
+        residual, weight = self.randn(tokens, HIDDEN), self.randn(HIDDEN)
+        sync = host_handoff.handoff_sync(pin=True)
+        sync[host_handoff.DONE] = sync[host_handoff.EXPECTED] = 1
+
+        def fused() -> object:
+            return host_handoff.sum_norm_when_ready_triton(
+                ys, cpu_part, sync, residual, weight, 1e-6
+            )
+
+        def replaced() -> object:
+            routed = host_handoff.sum_when_ready_triton(ys, cpu_part, sync, dtype=DTYPE)
+            return rmsnorm.fused_add_rmsnorm_triton(routed, residual, weight, 1e-6)
+
+        time_us = graph_us_per_call([fused] * 16)
+        ref_us = graph_us_per_call([replaced] * 16)
+        if sync[host_handoff.TIMED_OUT]:
+            raise RuntimeError("sum_norm_when_ready timed out with its epoch done")
+        # the parts, the CPU's, the residual in and out, the norm's output
+        bytes_moved = tokens * HIDDEN * (4 * (2 * TOP_K + 1) + 3 * ELEM_BYTES)
+        label = f"T={tokens} K={TOP_K} H={HIDDEN}, 2 device parts, + norm"
+        self.add("sum_norm_when_ready", label, time_us, bytes_moved, 0, ref_us)
+
     @staticmethod
     def _moe_ref(
         x: torch.Tensor,
@@ -546,6 +578,7 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
         bench.rope_kv(tokens)
         for parts in (1, 2):
             bench.handoff(tokens, parts)
+        bench.handoff_norm(tokens)
     for tokens in (1, 8):
         for name in PROJECTIONS:
             bench.linear(tokens, name)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from . import common
+from .rmsnorm import add_residual, fused_add_rmsnorm_ref, norm_row, row_warps
 
 DONE, EXPECTED, TIMED_OUT = 0, 8, 16  # int64 indices: 64 bytes apart
 _SYNC_LEN = 24
@@ -170,6 +171,128 @@ def sum_when_ready(
     if parts[0].is_cuda:
         return sum_when_ready_triton(parts, cpu_part, sync, dtype=dtype)
     return sum_when_ready_ref(parts, cpu_part, sync, dtype=dtype)
+
+
+def sum_norm_when_ready_ref(
+    parts: Sequence[torch.Tensor],
+    cpu_part: torch.Tensor,
+    sync: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    timeout_s: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: `sum_when_ready_ref` in the residual's dtype, then the residual add and the
+    RMSNorm after the MoE layer (`fused_add_rmsnorm_ref`): (normed, new_residual)."""
+    _check_norm(parts, residual, weight)
+    routed = sum_when_ready_ref(parts, cpu_part, sync, timeout_s, dtype=residual.dtype)
+    return fused_add_rmsnorm_ref(routed, residual, weight, eps)
+
+
+@triton.jit
+def _poll_epoch(sync_ptr, offs, max_polls):
+    """Whether the CPU's epoch is done (DONE >= EXPECTED), polled by the one thread that holds
+    element 0 of offs (a row's offsets) and handed to every thread by a reduction; sets TIMED_OUT
+    after max_polls polls. One thread, not the program: each warp that reads the host's word
+    costs a PCIe round trip more, as reads of one address queue behind each other."""
+    first = offs == 0
+    at = offs * 0
+    expected = tl.max(tl.load(sync_ptr + 8 + at, mask=first, other=0, volatile=True), axis=0)
+    done = tl.max(tl.load(sync_ptr + at, mask=first, other=0, volatile=True), axis=0)
+    polls = 0
+    while (done < expected) & (polls < max_polls):
+        done = tl.max(tl.load(sync_ptr + at, mask=first, other=0, volatile=True), axis=0)
+        polls += 1
+    ready = done >= expected
+    if not ready:
+        tl.store(sync_ptr + 16 + at, at + 1, mask=first)
+    return ready
+
+
+@triton.jit
+def _sum_norm_kernel(
+    y_ptr, y2_ptr, part_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, sync_ptr,
+    ready_ptr, hidden, eps, max_polls,
+    K: tl.constexpr, TWO: tl.constexpr, POLL: tl.constexpr, MODEL: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    common.pdl_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    # everything on the device first: the parts, the residual and the weight are loaded while
+    # the CPU job still runs
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(y_ptr + (t * K + k) * hidden + offs, mask=mask, other=0.0)
+        if TWO:
+            acc += tl.load(y2_ptr + (t * K + k) * hidden + offs, mask=mask, other=0.0)
+    residual = tl.load(residual_ptr + t * hidden + offs, mask=mask, other=0.0)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    if POLL:  # noqa: SIM108 (one program, one token: it waits for the epoch itself)
+        ready = _poll_epoch(sync_ptr, offs, max_polls)
+    else:  # written by _wait_epoch_kernel just before
+        ready = tl.load(ready_ptr) != 0
+    part_len = tl.where(ready, hidden, 0)
+    # volatile: read the host's memory now, never a copy cached before the epoch was seen
+    part = tl.load(part_ptr + t * hidden + offs, mask=offs < part_len, other=0.0, volatile=True)
+    # the MoE layer's output rounded once to the model's dtype, as sum_when_ready writes it
+    x = add_residual((acc + part).to(MODEL), residual, MODEL)
+    tl.store(new_residual_ptr + t * hidden + offs, x, mask=mask)
+    out = norm_row(x, weight, hidden, eps, MODEL)
+    tl.store(out_ptr + t * hidden + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_norm_when_ready_triton(
+    parts: Sequence[torch.Tensor],
+    cpu_part: torch.Tensor,
+    sync: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    max_polls: int = MAX_POLLS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton: the same, graph-capturable. One token: one launch, whose program loads the device
+    parts, the residual and the weight, then polls the epoch from one thread, reads the CPU's part
+    and normalizes (the wait, the sum and the norm were three launches). More tokens: the one-warp
+    wait, then the sum and the norm in one launch."""
+    _check_sum(parts, cpu_part, sync)
+    _check_norm(parts, residual, weight)
+    y = parts[0]
+    tokens, top_k, hidden = y.shape
+    out = common.alloc(
+        (tokens, hidden), torch.promote_types(weight.dtype, residual.dtype), y.device
+    )
+    new_residual = common.alloc((tokens, hidden), residual.dtype, y.device)
+    ready = torch.empty(1, dtype=torch.int32, device=y.device)
+    pdl = common.pdl_launch(y.device)
+    poll = tokens == 1
+    if not poll:
+        _wait_epoch_kernel[(1,)](sync, ready, max_polls, num_warps=1, **pdl)
+    block = common.next_pow2(hidden)
+    _sum_norm_kernel[(tokens,)](
+        y, parts[-1], cpu_part, residual, weight, out, new_residual, sync, ready, hidden, eps,
+        max_polls, K=top_k, TWO=len(parts) == 2, POLL=poll, MODEL=common.tl_dtype(residual.dtype),
+        BLOCK=block, num_warps=row_warps(block), **pdl,
+    )  # fmt: skip
+    return out, new_residual
+
+
+def sum_norm_when_ready(
+    parts: Sequence[torch.Tensor],
+    cpu_part: torch.Tensor,
+    sync: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE layer's output (the device parts' routes plus the CPU's part once its epoch is
+    done, rounded to the residual's dtype) added to the residual and normalized by the RMSNorm
+    that follows the layer: (normed, new_residual). The Triton kernels on CUDA, the reference
+    elsewhere."""
+    if parts[0].is_cuda:
+        return sum_norm_when_ready_triton(parts, cpu_part, sync, residual, weight, eps)
+    return sum_norm_when_ready_ref(parts, cpu_part, sync, residual, weight, eps)
 
 
 def filled_mark(slot: int) -> int:
@@ -341,6 +464,22 @@ def _check_part(part: torch.Tensor, sync: torch.Tensor, device: torch.device) ->
 def _check_dtype(dtype: torch.dtype) -> None:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"the sum is written in fp32, bf16 or fp16, not {dtype}")
+
+
+def _check_norm(
+    parts: Sequence[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor
+) -> None:
+    tokens, _, hidden = parts[0].shape
+    if residual.shape != (tokens, hidden) or not residual.is_contiguous():
+        raise ValueError(
+            f"the residual must be contiguous [{tokens}, {hidden}], got {tuple(residual.shape)}"
+        )
+    _check_dtype(residual.dtype)
+    if weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"the norm's weight must be contiguous [{hidden}], got "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    if residual.device != parts[0].device or weight.device != parts[0].device:
+        raise ValueError("the residual and the norm's weight must be on the parts' device")
 
 
 def _check_sum(parts: Sequence[torch.Tensor], cpu_part: torch.Tensor, sync: torch.Tensor) -> None:

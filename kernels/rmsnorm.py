@@ -92,15 +92,28 @@ def _rmsnorm_kernel(
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
-        # Rounded to the input dtype first, as x + residual is in torch.
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(MODEL)
+        x = add_residual(x, residual, MODEL)
         tl.store(new_residual_ptr + row * stride_n + cols, x, mask=ok)
+    weight = tl.load(weight_ptr + cols, mask=ok, other=0.0)
+    out = norm_row(x, weight, hidden, eps, MODEL)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def add_residual(x, residual, MODEL: tl.constexpr):
+    """x + residual, rounded to the model's dtype, as torch adds them in it."""
+    return (x.to(tl.float32) + residual.to(tl.float32)).to(MODEL)
+
+
+@triton.jit
+def norm_row(x, weight, hidden, eps, MODEL: tl.constexpr):
+    """One whole row x (model dtype; masked elements 0) normalized as HF does: in fp32, rounded to
+    the model's dtype, then times the weight; fp32, for the caller to store in the output's
+    dtype. (The fused residual add of host_handoff's `sum_norm_when_ready` shares it.)"""
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     normed = (xf * inv_rms).to(MODEL)
-    weight = tl.load(weight_ptr + cols, mask=ok, other=0.0)
-    out = normed.to(tl.float32) * weight.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+    return normed.to(tl.float32) * weight.to(tl.float32)
 
 
 def _launch(
@@ -142,12 +155,17 @@ def _launch(
         PARTS=x.shape[-2] if parts else 0,
         MODEL=common.tl_dtype(model_dtype),
         BLOCK=block,
-        num_warps=min(16, max(1, block // 256)),
+        num_warps=row_warps(block),
         **pdl,
     )
     if new_residual is None:
         return out.view(shape), None
     return out.view(shape), new_residual.view(shape)
+
+
+def row_warps(block: int) -> int:
+    """Warps of a program that holds one row of `block` elements: 8 elements a thread, 1 to 16."""
+    return min(16, max(1, block // 256))
 
 
 def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -43,11 +43,14 @@ class ReplayGraph:
                 kept.copy_(fresh)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe"])
+def checkpoint(tmp_path_factory, request):
+    """qwen2_moe: a shared expert, which the piece after each MoE layer adds before the residual;
+    qwen3_moe: none, so that piece sums the routes into the residual and the next norm at once
+    (sum_norm_when_ready)."""
     return synthesize(
         tmp_path_factory.mktemp("graphs"),
-        arch="qwen2_moe",  # a shared expert: the piece after each MoE layer adds it
+        arch=request.param,
         preset="tiny",
         routing_skew=0.8,
         seed=9,
@@ -109,7 +112,16 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         eager.close()
     calls = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
     driver = _host_driver(monkeypatch, calls) if copies != "python" else None
+    summed_into_norm = [0]
+    sum_norm = staged_decode.sum_norm_when_ready
+
+    def counted_sum_norm(*args, **kwargs):
+        summed_into_norm[0] += 1
+        return sum_norm(*args, **kwargs)
+
+    monkeypatch.setattr(staged_decode, "sum_norm_when_ready", counted_sum_norm)
     engine = _piecewise_engine(checkpoint, *(() if overlap else ("--no-overlap-decode",)))
+    summed_into_norm[0] = 0  # the replays' own, not the capture's
     try:
         if driver is not None:  # the fills queued by the native call
             engine.moe.planner_copies = True
@@ -143,6 +155,11 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     finally:
         engine.close()
     assert outputs == expected
+    # without a shared expert, every replayed piece after an MoE layer summed its routes into the
+    # residual and the next norm in one pass; with one, none did
+    shared = engine.model.norm_after_experts(0) is None
+    assert shared == (engine.spec.arch == "qwen2_moe")
+    assert summed_into_norm[0] == (0 if shared else len(replays) * engine.spec.num_moe_layers)
     # three sequences ran in the size-4 graphs: the padding row was never sent to the experts
     if copies == "planner-split":  # a split miss counts on the CPU; other decisions follow
         assert counts["reads"] == expected_counts["reads"]

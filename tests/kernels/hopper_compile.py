@@ -135,6 +135,14 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
         for parts in (1, 2):  # the routes of the cached experts (and of the filled ones)
             ys = [torch.zeros(tokens, TOP_K, HIDDEN)] * parts
             host_handoff.sum_when_ready_triton(ys, part, host_handoff.handoff_sync(pin=False))
+            # and, with no shared expert, into the residual and the next norm
+            residual, norm_w = (
+                torch.zeros(tokens, HIDDEN, dtype=BF16),
+                torch.ones(HIDDEN, dtype=BF16),
+            )
+            host_handoff.sum_norm_when_ready_triton(
+                ys, part, host_handoff.handoff_sync(pin=False), residual, norm_w, 1e-6
+            )
         table = torch.zeros(tokens, TOP_K, dtype=torch.int32)
         host_handoff.route_slots_from_host_triton(table, table.clone(), table.clone())
         ids, weights = torch.zeros(tokens, TOP_K, dtype=torch.int64), torch.zeros(tokens, TOP_K)

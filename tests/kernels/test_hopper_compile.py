@@ -29,6 +29,7 @@ KERNELS = {
     "_sum_splits_kernel",
     "_wait_epoch_kernel",
     "_sum_parts_kernel",
+    "_sum_norm_kernel",
     "_route_slots_from_host_kernel",
     "_routing_to_host_kernel",
     "_qk_norm_rope_kv_kernel",

@@ -13,6 +13,7 @@ import torch
 from moelab.kernels import host_handoff
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.host_handoff import DONE, EXPECTED, TIMED_OUT
+from moelab.kernels.rmsnorm import fused_add_rmsnorm_triton, rmsnorm_ref
 
 from .kernel_inputs import DEVICE, randn
 from .test_cpu_experts import make_inputs, slow_inputs
@@ -233,6 +234,100 @@ def test_a_sum_in_an_unsupported_dtype_or_into_another_dtype_is_refused():
     out = torch.zeros(2, 8)
     with pytest.raises(ValueError, match=r"must be contiguous torch\.bfloat16"):
         host_handoff.sum_when_ready_triton(parts, part, sync, out=out, dtype=torch.bfloat16)
+
+
+NORMERS = {
+    "triton": host_handoff.sum_norm_when_ready_triton,
+    "ref": host_handoff.sum_norm_when_ready_ref,
+}
+
+
+def _sum_norm(normer: str, ys, part, sync, residual, weight, **kwargs):
+    """sum_norm_when_ready by `normer` (the Triton one's outputs poisoned: conftest), waited for."""
+    out = NORMERS[normer](ys, part, sync, residual, weight, 1e-6, **kwargs)
+    _finished()
+    return out
+
+
+@pytest.mark.parametrize("normer", list(NORMERS))
+@pytest.mark.parametrize(("tokens", "parts"), [(1, 2), (1, 1), (3, 2)])
+def test_the_sum_goes_into_the_residual_and_the_norm_once_the_epoch_is_done(
+    gen, normer, tokens, parts
+):
+    """The MoE layer's output (the parts' routes and the CPU's part, added only once its epoch is
+    done) added to the residual and normalized: one token waits in the sum's own program, more
+    behind the one-warp wait."""
+    hidden = 1500  # not a power of two: a masked tail
+    ys = [randn(gen, tokens, 4, hidden) for _ in range(parts)]
+    part = _host(torch.randn(tokens, hidden, generator=gen))
+    residual, weight = randn(gen, tokens, hidden), randn(gen, hidden)
+    sync = _sync()
+    sync[DONE], sync[EXPECTED] = 6, 7
+    thread = _set_later(sync, DONE, 7, delay_s=0.3)
+    started_s = time.perf_counter()
+    normed, new_residual = _sum_norm(normer, ys, part, sync, residual, weight)
+    waited_s = time.perf_counter() - started_s
+    thread.join()
+    assert waited_s >= 0.25, "it added before the CPU's epoch was done"
+    expected_residual = sum(y.sum(dim=1) for y in ys) + part.to(DEVICE) + residual
+    torch.testing.assert_close(new_residual, expected_residual, rtol=1e-6, atol=1e-5)
+    expected = rmsnorm_ref(expected_residual, weight, 1e-6)
+    torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
+    assert sync[TIMED_OUT] == 0
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fused_sum_and_norm_give_the_bits_of_the_launches_they_replace(gen, tokens, dtype):
+    """In the model's dtype, one launch gives what sum_when_ready then fused_add_rmsnorm gave:
+    the routes' sum rounded once, added to the residual in that dtype, then normalized."""
+    hidden = 2100
+    ys = [randn(gen, tokens, 8, hidden) for _ in range(2)]
+    part = _host(torch.randn(tokens, hidden, generator=gen))
+    residual, weight = randn(gen, tokens, hidden, dtype=dtype), randn(gen, hidden, dtype=dtype)
+    sync = _sync()
+    sync[DONE], sync[EXPECTED] = 5, 5
+    normed, new_residual = _sum_norm("triton", ys, part, sync, residual, weight)
+    routed = host_handoff.sum_when_ready_triton(ys, part, sync, dtype=dtype)
+    expected, expected_residual = fused_add_rmsnorm_triton(routed, residual, weight, 1e-6)
+    _finished()
+    assert normed.dtype == new_residual.dtype == dtype
+    assert torch.equal(new_residual, expected_residual)
+    assert torch.equal(normed, expected)
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("normer", list(NORMERS))
+def test_giving_up_on_the_epoch_normalizes_the_device_parts_alone(gen, normer, tokens):
+    ys = [randn(gen, tokens, 3, 64) for _ in range(2)]
+    part = _host(torch.randn(tokens, 64, generator=gen))
+    residual, weight = randn(gen, tokens, 64), randn(gen, 64)
+    sync = _sync()
+    sync[EXPECTED] = 1
+    limit = {"max_polls": 8} if normer == "triton" else {"timeout_s": 0.05}
+    normed, new_residual = _sum_norm(normer, ys, part, sync, residual, weight, **limit)
+    assert sync[TIMED_OUT] == 1
+    expected_residual = ys[0].sum(dim=1) + ys[1].sum(dim=1) + residual
+    torch.testing.assert_close(new_residual, expected_residual)
+    torch.testing.assert_close(normed, rmsnorm_ref(expected_residual, weight, 1e-6))
+
+
+@pytest.mark.parametrize(
+    ("residual", "weight", "words"),
+    [
+        (torch.zeros(2, 9), torch.zeros(8), r"residual must be contiguous \[2, 8\]"),
+        (torch.zeros(8, 2).t(), torch.zeros(8), "residual must be contiguous"),
+        (torch.zeros(2, 8, dtype=torch.int32), torch.zeros(8), "fp32, bf16 or fp16"),
+        (torch.zeros(2, 8), torch.zeros(9), r"weight must be contiguous \[8\]"),
+        (torch.zeros(2, 8, device="meta"), torch.zeros(8), "the parts' device"),
+    ],
+)
+def test_bad_norm_inputs_get_a_clear_error(residual, weight, words):
+    parts, part = [torch.zeros(2, 4, 8)], torch.zeros(2, 8)
+    sync = host_handoff.handoff_sync(pin=False)
+    for normer in NORMERS.values():
+        with pytest.raises(ValueError, match=words):
+            normer(parts, part, sync, residual, weight, 1e-6)
 
 
 SLOT_TABLES = {
