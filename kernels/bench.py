@@ -564,7 +564,7 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
     bench.fused_moe(1, with_ref=False, reduce=False)
     for tokens in (512, 2048):
         bench.grouped_moe(tokens)
-    for seq_lens in ([300], [2048], [8192], [32768], [4096] * 8):
+    for seq_lens in ([2048], [8192], [32768], [4096] * 8):
         bench.paged_attention(seq_lens)
     for length in (2048, 8192, 32768):
         bench.sdpa_prefill(length)

@@ -42,26 +42,22 @@ def paged_cache(
     return k_cache, v_cache, tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32).to(DEVICE)
 
 
-def _slices(block_n: int, **kwargs) -> AttentionConfig:
-    """A config whose slices may be as short as one step of block_n tokens (many slices, merged
-    by the last one done)."""
-    return AttentionConfig(block_n=block_n, min_slice=block_n, **kwargs)
-
-
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "head_dim", "block_size", "seq_lens", "config"),
     [
-        (4, 4, 32, 4, [1, 3, 4, 5, 17], _slices(16)),  # GQA ratio 1
-        (4, 2, 48, 16, [15, 16, 17, 40], _slices(16, num_splits=3)),  # ratio 2
-        (8, 2, 32, 16, [1, 33, 64, 100], _slices(32, num_splits=1)),  # ratio 4, one slice each
-        (8, 2, 64, 8, [70, 9], _slices(16, num_splits=16)),  # more slices than steps
-        (8, 2, 32, 16, [50, 130], None),  # default tiles and slices: one slice each
-        (2, 1, 16, 16, [1200], _slices(16, num_splits=80)),  # 75 slices, 2 steps of the merge loop
-        # 21 slices of 8 query heads of 128 merged 8 at a time (3 steps), beside sequences
-        # of one slice in the same launch
-        (16, 2, 128, 16, [330, 12, 16], _slices(16, num_splits=24)),
-        # the default minimum slice: one slice under 256 tokens, more above
-        (8, 2, 32, 16, [255, 256, 257, 700], AttentionConfig(block_n=32, num_splits=8)),
+        (4, 4, 32, 4, [1, 3, 4, 5, 17], AttentionConfig(block_n=16)),  # GQA ratio 1
+        (4, 2, 48, 16, [15, 16, 17, 40], AttentionConfig(block_n=16, num_splits=3)),  # ratio 2
+        (8, 2, 32, 16, [1, 33, 64, 100], AttentionConfig(block_n=32, num_splits=1)),  # ratio 4
+        (
+            8,
+            2,
+            64,
+            8,
+            [70, 9],
+            AttentionConfig(block_n=16, num_splits=16),
+        ),  # more slices than steps
+        (8, 2, 32, 16, [50, 130], None),  # default tiles and slices
+        (2, 1, 16, 16, [1200], AttentionConfig(block_n=16, num_splits=80)),  # 75 slices, 2 merges
     ],
 )
 def test_matches_reference(gen, q_heads, kv_heads, head_dim, block_size, seq_lens, config):
@@ -82,34 +78,11 @@ def test_empty_sequence_gives_zeros(gen):
     k_cache, v_cache, tables, lens = paged_cache(gen, [0, 7], 4, 2, 32, 3)
     q = randn(gen, 2, 4, 32)
     out = paged_attention.paged_attention_decode_triton(
-        q, k_cache, v_cache, tables, lens, 0.2, config=_slices(16, num_splits=2)
+        q, k_cache, v_cache, tables, lens, 0.2, config=AttentionConfig(block_n=16, num_splits=2)
     )
     ref = paged_attention.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.2)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert_matches(out, ref, tol=1e-5)
-
-
-def test_each_launch_leaves_the_slice_counters_at_zero_for_the_next(gen):
-    """The last slice of each (sequence, KV head) merges it and zeroes its counter, so launches
-    in a row (a graph's replays, the next layer) each merge their own slices."""
-    k_cache, v_cache, tables, lens = paged_cache(gen, [90, 40, 7], 16, 2, 32, 7)
-    config = _slices(16, num_splits=8)
-    for _ in range(3):
-        q = randn(gen, 3, 8, 32)
-        out = paged_attention.paged_attention_decode_triton(
-            q, k_cache, v_cache, tables, lens, 0.3, config=config
-        )
-        ref = paged_attention.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, 0.3)
-        assert_matches(out, ref, tol=1e-5)
-        counters = paged_attention._SLICE_COUNTERS[q.device]
-        assert counters.numel() >= 3 * 2 and not counters.any()
-
-
-def test_a_minimum_slice_off_the_step_is_refused():
-    with pytest.raises(ValueError, match="multiple of block_n"):
-        AttentionConfig(block_n=32, min_slice=48)
-    with pytest.raises(ValueError, match="multiple of block_n"):
-        AttentionConfig(block_n=64, min_slice=32)
 
 
 def test_bf16_cache_with_fp32_compute_returns_bf16(gen):
