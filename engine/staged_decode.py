@@ -10,8 +10,10 @@ comes in two graphs. The first, `routed_cached`, reads that table and runs the c
 routes while the fills are still crossing PCIe; the host then orders the compute stream after the
 fills (`join_fills`); the second begins with `routed_filled`: the filled experts' routes, then
 `sum_when_ready`, which sums both, waits on the device for the CPU job's epoch and adds its part
-(kernels/host_handoff.py), so the host never waits for the CPU. What must not delay the next
-piece, counting and ending the CPU job before, waits until it is launched (`after_launch`).
+(kernels/host_handoff.py), so the host never waits for the CPU (`routed_filled_normed`, for a layer
+with no shared expert: the same sum added to the residual and normalized in the same launch). What
+must not delay the next piece, counting and ending the CPU job before, waits until it is launched
+(`after_launch`).
 
 With native CPU experts, one native call (`DecodePlanner`, kernels/csrc/decode_planner.h) does the
 whole serial host path of a layer step: wait, plan, start the CPU job, queue the copies.
