@@ -105,6 +105,20 @@ def _wait_epoch_kernel(sync_ptr, ready_ptr, max_polls, PDL: tl.constexpr):
 
 
 @triton.jit
+def _routes_sum(
+    y_ptr, y2_ptr, t, offs, mask, hidden, K: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Token t's routes summed in fp32 at offs of H (BLOCK of them): the K routes of the device
+    part y (and of y2, with TWO), added route by route, both parts' k-th together."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(y_ptr + (t * K + k) * hidden + offs, mask=mask, other=0.0)
+        if TWO:
+            acc += tl.load(y2_ptr + (t * K + k) * hidden + offs, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
 def _sum_parts_kernel(
     y_ptr, y2_ptr, part_ptr, out_ptr, ready_ptr, hidden,
     K: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -113,11 +127,7 @@ def _sum_parts_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in tl.static_range(K):
-        acc += tl.load(y_ptr + (t * K + k) * hidden + offs, mask=mask, other=0.0)
-        if TWO:
-            acc += tl.load(y2_ptr + (t * K + k) * hidden + offs, mask=mask, other=0.0)
+    acc = _routes_sum(y_ptr, y2_ptr, t, offs, mask, hidden, K, TWO, BLOCK)
     # device memory, written by the wait just before: none of the part if it gave up
     part_len = tl.where(tl.load(ready_ptr) != 0, hidden, 0)
     # volatile: read the host's memory now, never a copy cached before the epoch was seen
@@ -224,11 +234,7 @@ def _sum_norm_kernel(
     mask = offs < hidden
     # everything on the device first: the parts, the residual and the weight are loaded while
     # the CPU job still runs
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in tl.static_range(K):
-        acc += tl.load(y_ptr + (t * K + k) * hidden + offs, mask=mask, other=0.0)
-        if TWO:
-            acc += tl.load(y2_ptr + (t * K + k) * hidden + offs, mask=mask, other=0.0)
+    acc = _routes_sum(y_ptr, y2_ptr, t, offs, mask, hidden, K, TWO, BLOCK)
     residual = tl.load(residual_ptr + t * hidden + offs, mask=mask, other=0.0)
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     if POLL:  # noqa: SIM108 (one program, one token: it waits for the epoch itself)
