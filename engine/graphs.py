@@ -133,6 +133,8 @@ class DecodeGraphs:
         # each piece that ends in a router copies its routing here (in its graph: no host launch
         # between the router and the host's read of it)
         self.routing_host = model.experts.routing_buffers(max_bs) if piecewise else None
+        # which its router sets once the routing is there, for the host's wait
+        self.routing_signal = model.experts.routing_signal_buffer() if piecewise else None
         self.graphs: dict[int, list[Graph]] = {}
         self.outputs: dict[int, list[Outputs]] = {}  # per size, each graph's in capture order
         # piecewise: each piece after an MoE layer starts with a graph of its own, the cached
@@ -191,6 +193,7 @@ class DecodeGraphs:
         # the router of a piece's MoE layer stores its routing into the host's buffers too
         assert last or self.routing_host is not None
         state.routing_host = None if last else tuple(t[:bs] for t in self.routing_host)
+        state.routing_signal = None if last else self.routing_signal
         self.model.run_piece(piece, state)
         if last:  # (by the piece's index: a replay that reruns this code sees the last logits)
             assert state.logits is not None
@@ -295,6 +298,8 @@ class DecodeGraphs:
             if head is not None:  # the cached experts' routes, then the wait for the fills
                 head.replay()
                 experts.join_fills()
+            if self.piecewise and piece < len(graphs) - 1:
+                experts.expect_routing()  # its router sets the signal the stage waits for
             graph.replay()
             launched = time.perf_counter()
             if self.piecewise and piece:  # the launch that ends a staged layer step

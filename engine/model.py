@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.gemv import linear
-from ..kernels.host_handoff import routing_to_host
+from ..kernels.host_handoff import routing_to_host, signal_routing
 from ..kernels.paged_attention import paged_attention_decode
 from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from ..kernels.rope_kv import qk_norm_rope_kv
@@ -138,6 +138,8 @@ class StepState:
     # host buffers (ids, weights, x) the router also stores its routing into: an offloaded decode
     # piece's, which the host reads between pieces (engine/graphs.py)
     routing_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # with routing_host: the signal set once the routing is there (kernels/host_handoff.py)
+    routing_signal: torch.Tensor | None = None
 
 
 class Model:
@@ -342,18 +344,21 @@ class Model:
         # where the executor keeps this layer's routing (the resident decode record), if anywhere
         record = self.experts.routing_record(moe_layer, x.shape[0], state.batch.decode)
         k, renormalize, host = self.spec.top_k, self.spec.norm_topk_prob, state.routing_host
+        signal = state.routing_signal if host is not None else None
         with self.timer.phase("route") if self.timer is not None else _NO_TIMER:
             if host is not None and x.is_cuda and x.shape[0] == 1 and x.dtype == layer.router.dtype:
                 # logits, top-k and the host's copy in one launch (kernels/route.py): faster
                 # only where the host's copy is a third launch saved, for one token
                 state.weights, state.ids = route(
-                    x, layer.router, k, renormalize, ids_out=record, host=host
+                    x, layer.router, k, renormalize, ids_out=record, host=host, signal=signal
                 )
             else:
                 logits = linear(x, layer.router)
                 state.weights, state.ids = topk_softmax(logits, k, renormalize, ids_out=record)
                 if host is not None:
                     routing_to_host(state.ids, state.weights, x, *host)
+                    if signal is not None:
+                        signal_routing(signal, x.device)
         if self.on_router is not None:
             self.on_router(index, state.x, state.ids)
 

@@ -40,6 +40,7 @@ from ..kernels.host_handoff import (
     filled_mark,
     handoff_sync,
     route_slots_from_host,
+    routing_signal,
     sum_norm_when_ready,
     sum_when_ready,
 )
@@ -58,6 +59,9 @@ class StagedDecode:
         self._handoff_out: torch.Tensor | None = None
         self._routing_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._route_slots_host: torch.Tensor | None = None
+        # set by a piece's router once its routing is in the host's buffers (`expect_routing`)
+        self._routing_signal: torch.Tensor | None = None
+        self._routing_expected = False  # cleared, a signalling piece launched, not waited for
         self._fills_queued = False  # the staged layer's fills, on the copy stream, not joined
         self._host_work: Callable[[], None] | None = None  # defer_host_work's, not run yet
         # staged layer steps launched but not yet counted (counted after the next launch)
@@ -92,6 +96,25 @@ class StagedDecode:
             )
         ids_h, w_h, x_h = self._routing_host
         return ids_h[:rows], w_h[:rows], x_h[:rows]
+
+    def routing_signal_buffer(self) -> torch.Tensor:
+        """The routing's signal in host memory (pinned on CUDA), which captured pieces' routers
+        set once their routing is in `routing_buffers` (`Model._route`) and `stage_decode` waits
+        for after `expect_routing`. Captured graphs write it, so it is allocated once."""
+        if self._routing_signal is None:
+            self._routing_signal = routing_signal(pin=self.device.type == "cuda")
+        return self._routing_signal
+
+    def expect_routing(self) -> None:
+        """Just before launching a piece whose router sets the routing's signal: clear it, and
+        have the next `stage_decode` wait for it rather than for the stream to go idle. A
+        piece launched before whose routing was never waited for (an error came between) is
+        finished first, so that its late signal cannot pass for this one's."""
+        signal = self.routing_signal_buffer()
+        if self._routing_expected and self.device.type == "cuda":
+            self.compute_stream.synchronize()
+        signal[0] = 0
+        self._routing_expected = True
 
     def route_slots_buffer(self, rows: int) -> torch.Tensor:
         """The host table [rows, K] int32 (pinned on CUDA) into which `stage_decode` writes each
@@ -130,7 +153,8 @@ class StagedDecode:
         device part (`routed_cached`, `join_fills`, `routed_filled`) in the next piece's graphs.
 
         ids_h, w_h, x_h: the layer's routing in host buffers (`routing_buffers` views of the real
-        rows), which the piece just launched stores there (its router); this waits for it.
+        rows), which the piece just launched stores there (its router); this waits for it: for
+        the routing's signal after `expect_routing`, else for the compute stream to go idle.
         Writes each route's slot into slots_h [T, K] (a `route_slots_buffer` view): a cached
         expert's slot, `filled_mark(slot)` for a route this step's fills serve (queued on the copy
         stream), -1 for a route on the CPU. The CPU routes' weighted sum goes into cpu_out [T, H]
@@ -145,9 +169,10 @@ class StagedDecode:
         if planner is not None and self.planner_copies:
             # the serial path in one native call, with nothing in Python between the routing's
             # arrival and the CPU job's start: wait, plan, start the CPU job, queue the fills
+            signal = self._routing_signal if self._routing_expected else None
             d, (_, plan_s, fill_s) = self._native_step(
                 planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, copies=True,
-                route_slots=slots_h,
+                route_slots=slots_h, signal=signal,
             )  # fmt: skip
             t4 = clock()
             sync_s = t4 - t0 - plan_s - fill_s  # the wait, and the call
@@ -169,6 +194,7 @@ class StagedDecode:
             t4 = clock()
             sync_s, plan_s, fill_s = t1 - t0, t3 - t1, t4 - t3
             arrived = t1
+        self._routing_expected = False  # waited for (the stream's sync covers the signal)
         self._fills_queued = bool(d.admitted) or d.split is not None
         state = self._handoff_sync.numpy()
         if d.job is None:  # nothing on the CPU: its part is zero, and ready now
@@ -297,14 +323,15 @@ class StagedDecode:
 
     def _native_step(
         self, planner, moe_layer, ids, weights, x, out, handoff, sync=False, copies=False,
-        route_slots=None,
+        route_slots=None, signal=None,
     ) -> tuple[Dispatch, tuple[float, float, float]]:  # fmt: skip
         """One DecodePlanner step over host tensors ids [T, K] (int32), weights [T, K] and x
         [T, H] (fp32), the CPU's part into out (and then the next handoff epoch, if `handoff`).
         sync: wait for the compute stream first (the routing's copies); copies: queue the fills
         on the copy stream and mark the routes they serve (and then one miss may be split
         between the copy and the CPU, if `split_misses`). route_slots: the host table [T, K]
-        int32 the routes' slots go to (a reusable buffer if None).
+        int32 the routes' slots go to (a reusable buffer if None). signal: with sync, the
+        routing's signal to wait for instead of the stream (`routing_signal_buffer`).
         Returns the step and its native (wait, plan, copy) seconds."""
         if route_slots is None:
             route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
@@ -316,6 +343,7 @@ class StagedDecode:
                 moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
                 self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
                 0 if flag is None else flag.data_ptr(), value, sync, copies, chunks,
+                0 if signal is None else signal.data_ptr(),
             )  # fmt: skip
         except RuntimeError:  # a driver call failed; a failed fill has freed its slots again
             self.cache.changed()

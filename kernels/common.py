@@ -66,6 +66,16 @@ def pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def inline_ptx(device: torch.device) -> bool:
+    """Whether kernels on `device` may use inline PTX (`signal_host`): an NVIDIA GPU, never the
+    Triton interpreter (which runs no assembly) or ROCm."""
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    )
+
+
 def pdl_launch(device: torch.device) -> dict[str, bool]:
     """A decode kernel's launch settings for `device`, the two always together: its `PDL`
     constexpr (whether `pdl_start` waits) and Triton's `launch_pdl`."""

@@ -4,7 +4,9 @@ to the model's dtype, as HF computes them), the softmax and top-k as `topk_softm
 host_handoff's `routing_to_host`). Its programs each compute a block of experts' logits for
 every token into a scratch row; an integer atomic counts the programs done, and the last one
 reads all the logits back and routes them. No float atomics: the results are deterministic, and
-a graph replay matches an eager call bit for bit. On an H200 it saves a launch's time only where
+a graph replay matches an eager call bit for bit. With a routing signal (offloaded decode), the
+last program then sets it (`host_handoff.signal_host`), and the host waiting for the routing sees
+it there sooner than the stream's completion. On an H200 it saves a launch's time only where
 it replaces three (one token, with the host's copy): docs/kernels.md.
 """
 
@@ -61,15 +63,19 @@ def route_ref(
     renormalize: bool,
     ids_out: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    signal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: logits x [T, H] @ router_w [E, H]^T in fp32 rounded to x's dtype (as HF's
     router computes them in the model's dtype), then `topk_softmax_ref`. host: (ids_h int32 [T, K],
-    weights_h fp32 [T, K], x_h fp32 [T, H]) in host memory also receive ids, weights and x."""
-    _check_route(x, router_w, k, ids_out, host)
+    weights_h fp32 [T, K], x_h fp32 [T, H]) in host memory also receive ids, weights and x; then
+    signal (a `host_handoff.routing_signal`, with host only) is set."""
+    _check_route(x, router_w, k, ids_out, host, signal)
     logits = F.linear(x.float(), router_w.float()).to(x.dtype)
     weights, ids = topk_softmax_ref(logits, k, renormalize, ids_out)
     if host is not None:
         host_handoff.routing_to_host_ref(ids, weights, x, *host)
+    if signal is not None:
+        host_handoff.signal_routing(signal, x.device)
     return weights, ids
 
 
@@ -84,6 +90,7 @@ def _route_kernel(
     ids_h_ptr,
     weights_h_ptr,
     x_h_ptr,
+    signal_ptr,
     num_tokens,
     num_experts,
     hidden,
@@ -101,6 +108,8 @@ def _route_kernel(
     STAGES: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     HOST: tl.constexpr,
+    SIGNAL: tl.constexpr,
+    PTX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     common.pdl_start(PDL)
@@ -177,6 +186,8 @@ def _route_kernel(
         if HOST:
             tl.store(ids_h_ptr + tk_offs, top_i, mask=tk_ok)
             tl.store(weights_h_ptr + tk_offs, top_w, mask=tk_ok)
+        if SIGNAL:  # after every program's x and this one's routing (the acquire above)
+            host_handoff.signal_host(signal_ptr, PTX)
         # Every program has counted: zero for the next launch (or graph replay).
         tl.store(counter_ptr, 0)
 
@@ -189,12 +200,14 @@ def route_triton(
     ids_out: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: RouteConfig | None = None,
+    signal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton: the same in one launch, graph-capturable (no host sync; the host buffers pinned
-    when x is on a GPU, read by the host only after a sync). Weights fp32 [T, K] (descending), ids
-    int32 [T, K] (into `ids_out` when given: rows may be strided). Launches on one device share a
-    counter: issue them one at a time (decode does), never concurrently on two streams."""
-    _check_route(x, router_w, k, ids_out, host)
+    when x is on a GPU, read by the host once the signal is set or after a sync). Weights fp32
+    [T, K] (descending), ids int32 [T, K] (into `ids_out` when given: rows may be strided).
+    Launches on one device share a counter: issue them one at a time (decode does), never
+    concurrently on two streams."""
+    _check_route(x, router_w, k, ids_out, host, signal)
     num_tokens, hidden = x.shape
     num_experts = router_w.shape[0]
     config = config or RouteConfig()
@@ -206,16 +219,18 @@ def route_triton(
     ids = ids_out if ids_out is not None else common.alloc((num_tokens, k), torch.int32, x.device)
     ids_h, weights_h, x_h = host if host is not None else (ids, weights, weights)
     pdl = common.pdl_launch(x.device)
+    counter = _route_counter(x.device)
     _route_kernel[(programs,)](
         x,
         router_w,
         logits,
-        _route_counter(x.device),
+        counter,
         weights,
         ids,
         ids_h,
         weights_h,
         x_h,
+        signal if signal is not None else counter,
         num_tokens,
         num_experts,
         hidden,
@@ -236,6 +251,8 @@ def route_triton(
         STAGES=config.stages,
         RENORMALIZE=renormalize,
         HOST=host is not None,
+        SIGNAL=signal is not None,
+        PTX=common.inline_ptx(x.device),
         num_warps=config.num_warps,
         **pdl,
     )
@@ -249,12 +266,14 @@ def route(
     renormalize: bool,
     ids_out: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    signal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's router (logits, softmax, top-k, and the routing into host buffers when
-    given): the one-launch Triton kernel on CUDA, the reference elsewhere."""
+    given, then the routing's signal when given): the one-launch Triton kernel on CUDA, the
+    reference elsewhere."""
     if x.is_cuda:
-        return route_triton(x, router_w, k, renormalize, ids_out, host)
-    return route_ref(x, router_w, k, renormalize, ids_out, host)
+        return route_triton(x, router_w, k, renormalize, ids_out, host, signal=signal)
+    return route_ref(x, router_w, k, renormalize, ids_out, host, signal)
 
 
 def _route_block_e(num_experts: int, hidden: int, itemsize: int, program_bytes: int) -> int:
@@ -286,9 +305,11 @@ def _check_route(
     k: int,
     ids_out: torch.Tensor | None,
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    signal: torch.Tensor | None = None,
 ) -> None:
     """Validate x [T, H] (1 <= T <= ROUTE_MAX_TOKENS) and router_w [E, H] of one dtype, rows
-    contiguous; k and ids_out as _check; the host buffers (metadata only: no device sync)."""
+    contiguous; k and ids_out as _check; the host buffers and the signal (metadata only: no
+    device sync)."""
     if x.dim() != 2 or router_w.dim() != 2 or router_w.shape[1] != x.shape[1]:
         raise ValueError(
             f"x must be [T, H] and router_w [num_experts, H]: got {tuple(x.shape)} and "
@@ -309,6 +330,10 @@ def _check_route(
     check_k_and_ids_out(num_tokens, router_w.shape[0], k, ids_out)
     if ids_out is not None:
         common.check_same_device(x=x, ids_out=ids_out)
+    if signal is not None:
+        if host is None:
+            raise ValueError("a routing signal needs the host buffers it tells of (host=)")
+        host_handoff.check_signal(signal, x.device)
     if host is None:
         return
     if len(host) != 3:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from moelab.engine import model as model_module
 from moelab.engine import staged_decode
 from moelab.engine.graphs import DecodeGraphs
 from moelab.engine.h2d import address_of, host_functions
@@ -190,9 +191,9 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     # routing arrives
     assert 0 < staged["boundary_host_us"] < staged["boundary_us"]
     assert any(not plan.startswith("0+") for plan in periods)  # steps with fills
-    if driver is not None:  # one query per staged layer step (the stand-in stream is idle); two
-        # copies per staged fill (the decode steps run eagerly fill too, without them)
-        assert calls["query"] == staged["layer_steps"]
+    if driver is not None:  # every staged wait took its piece's routing signal, none asked the
+        # stream; two copies per staged fill (the decode steps run eagerly fill too, without them)
+        assert calls["query"] == 0
         whole = calls["copy"]
         assert 0 < whole <= 2 * counts["fills"] and whole % 2 == 0
     # overlapped: most steps were staged while the step before them was still unread, which the
@@ -282,6 +283,28 @@ def test_a_cpu_job_that_never_hands_over_fails_the_step_clearly(checkpoint, monk
             engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4, ignore_eos=True))
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
+def test_a_routing_that_never_signals_fails_the_step_clearly(checkpoint, monkeypatch):
+    """The native planner's wait takes the routing's signal, and asks the stream now and then
+    whether it is still running: a piece whose router stores the routing but never sets the
+    signal, on a stream gone idle, fails the step with a message (not a hang)."""
+    calls = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
+    driver = _host_driver(monkeypatch, calls)
+    engine = _piecewise_engine(checkpoint)
+    try:
+        engine.moe.planner_copies = True
+        engine.moe._planner = None
+        silent = lambda signal, device: None  # noqa: E731
+        monkeypatch.setattr(host_handoff, "signal_routing", silent)  # route_ref's
+        monkeypatch.setattr(model_module, "signal_routing", silent)  # the two-launch router's
+        with pytest.raises(RuntimeError, match="went idle without the routing's signal"):
+            engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert calls["query"] == 1  # asked once its polls were up, and idle
+    finally:
+        engine.close()
+    del driver
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

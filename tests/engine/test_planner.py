@@ -8,6 +8,7 @@ pressure (steps that need more slots than are free) and every kind of split.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -30,8 +31,10 @@ from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
 from moelab.kernels.host_handoff import (
     DONE,
+    ROUTED,
     filled_mark,
     route_slots_from_host,
+    routing_signal,
     routing_to_host,
 )
 
@@ -426,6 +429,47 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
     assert r.counters.picks[0, [1, 2]].tolist() == [1, 1]
     assert r.cache.state[2] == before[2]  # policy 0.0: no fills, both on the CPU
     assert sorted(d.on_cpu) == [1, 2]
+
+
+def test_the_wait_takes_the_routing_signal_and_asks_the_stream_only_now_and_then(cpu):
+    """With a routing signal, a step polls it (not the stream) until the router sets it: here a
+    thread sets it 50 ms in, while the stand-in stream stays busy. The stream is asked every
+    kPollsPerQuery polls only, for its errors: one fails the step and changes nothing."""
+    bank = _bank(torch.Generator().manual_seed(6))
+    r = _runner(bank, 6, 0.0, cpu, 2)
+    planner = r._decode_planner()
+    answers = [600]
+    asked = [0]
+
+    def query(stream) -> int:
+        asked[0] += 1
+        return answers[0]
+
+    query_fn = QUERY_FUNCTION(query)
+    copy = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
+    planner.set_device(address_of(copy), address_of(query_fn), *(address_of(f) for f in _no_2d()),
+                       77, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
+    signal = routing_signal(pin=False)
+    ids = torch.tensor([[1, 2]], dtype=torch.int32)
+    weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
+    setter = threading.Timer(0.05, lambda: signal.__setitem__(0, ROUTED))
+    setter.start()
+    t0 = time.perf_counter()
+    d, (wait_s, _, _) = r._native_step(planner, 0, ids, weights, x, out, False, sync=True,
+                                       signal=signal)  # fmt: skip
+    setter.join()
+    assert time.perf_counter() - t0 >= 0.05 and wait_s >= 0.05
+    assert d.job is not None and sorted(d.on_cpu) == [1, 2]
+    d.job.wait()
+    # the stream was asked (busy) while the signal was clear
+    assert asked[0] > 0 and r.counters.picks[0, [1, 2]].tolist() == [1, 1]
+    # a failing stream while the signal is clear: the driver's error, nothing changed
+    signal[0] = 0
+    answers[0] = 999
+    before = _state(r)
+    with pytest.raises(RuntimeError, match="cuStreamQuery failed with CUDA driver error 999"):
+        r._native_step(planner, 0, ids, weights, x, out, False, sync=True, signal=signal)
+    assert _state(r) == before
 
 
 def test_the_job_made_during_the_wait_serves_steps_of_any_size(cpu):

@@ -130,6 +130,11 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
                 torch.zeros(tokens, HIDDEN))  # fmt: skip
         route.route_triton(x, router_w, TOP_K, True)
         route.route_triton(x, router_w, TOP_K, True, host=host)
+        # offloaded decode's: then the routing's signal to the host
+        signal = host_handoff.routing_signal(pin=False)
+        route.route_triton(x, router_w, TOP_K, True, host=host, signal=signal)
+        # (signal_routing's kernel: its wrapper wants pinned memory with a GPU's routing)
+        host_handoff._signal_kernel[(1,)](signal, PTX=True, PDL=True, launch_pdl=True, num_warps=1)
     for tokens in (1, 8):  # an offloaded decode layer's CPU part, awaited on the device
         part = torch.zeros(tokens, HIDDEN)
         for parts in (1, 2):  # the routes of the cached experts (and of the filled ones)
@@ -168,6 +173,7 @@ def main() -> int:
         return 2
     driver.set_active(HopperDriver())
     common.pdl = lambda device: True  # the GPU's launches, though the tensors are the CPU's
+    common.inline_ptx = lambda device: True
     for name, module, num_warps, kernel in compile_all():
         usage = resource_usage(kernel.asm["cubin"])
         print(
@@ -178,6 +184,9 @@ def main() -> int:
                     "num_warps": num_warps,
                     "shared_bytes": kernel.metadata.shared,
                     "waits_for_previous": "griddepcontrol.wait" in kernel.asm["ptx"],
+                    # the routing's signal: a system-wide fence, then one thread's store
+                    "signals_host": "fence.sc.sys" in kernel.asm["ptx"]
+                    and "st.relaxed.sys.global.b32" in kernel.asm["ptx"],
                     **usage,
                 }
             )

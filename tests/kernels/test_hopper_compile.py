@@ -32,6 +32,7 @@ KERNELS = {
     "_sum_norm_kernel",
     "_route_slots_from_host_kernel",
     "_routing_to_host_kernel",
+    "_signal_kernel",
     "_qk_norm_rope_kv_kernel",
 }
 # Prefill's grouped GEMM is launched plainly; every decode kernel with programmatic dependent launch
@@ -50,3 +51,6 @@ def test_kernels_compile_for_hopper_within_its_limits():
         assert k["LOCAL"] == 0, f"registers spill to local memory: {k}"
         if k["module"] not in NOT_PDL:
             assert k["waits_for_previous"], k
+    # the routing's signal: the one-launch router with it, and the kernel that follows the copy
+    signalling = {k["kernel"] for k in kernels if k["signals_host"]}
+    assert signalling == {"_route_kernel", "_signal_kernel"}, signalling

@@ -418,3 +418,32 @@ def test_bad_routing_buffers_get_a_clear_error(change, words):
     } | change  # fmt: skip
     with pytest.raises(ValueError, match=words):
         host_handoff.routing_to_host(**args)
+
+
+def test_the_routing_signal_is_set_after_the_routing(gen):
+    """signal_routing sets the routing's signal (element 0 of its own cache line) after the work
+    queued before it: on a GPU a kernel after the routing's copy (test_route.py reads both with
+    no sync), elsewhere at once."""
+    signal = host_handoff.routing_signal(pin=DEVICE.type == "cuda")
+    assert signal.shape == (16,) and signal.dtype == torch.int32 and not signal.any()
+    ids, weights = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE), torch.rand(1, 4).to(DEVICE)
+    x = randn(gen, 1, 64, dtype=torch.bfloat16)
+    host = (_host(torch.zeros(1, 4, dtype=torch.int32)), _host(torch.zeros(1, 4)),
+            _host(torch.zeros(1, 64)))  # fmt: skip
+    host_handoff.routing_to_host(ids, weights, x, *host)
+    host_handoff.signal_routing(signal, DEVICE)
+    _finished()
+    assert signal.tolist() == [host_handoff.ROUTED] + [0] * 15
+
+
+@pytest.mark.parametrize(
+    ("signal", "device", "words"),
+    [
+        (torch.zeros(16, dtype=torch.int64), "cpu", "routing_signal\\(\\) tensor, got torch.int64"),
+        (torch.zeros(0, dtype=torch.int32), "cpu", "routing_signal\\(\\) tensor"),
+        (torch.zeros(16, dtype=torch.int32), "cuda", "must be pinned host memory"),
+    ],
+)
+def test_bad_routing_signals_get_a_clear_error(signal, device, words):
+    with pytest.raises(ValueError, match=words):
+        host_handoff.signal_routing(signal, torch.device(device))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moelab.kernels import route
+from moelab.kernels import host_handoff, route, router
 
 from .kernel_inputs import DEVICE, assert_top_k, randn
 
@@ -95,16 +95,34 @@ def test_route_ties_go_to_the_lower_expert_id():
 
 
 @pytest.mark.parametrize("fn", ROUTERS)
-def test_route_stores_the_routing_into_host_buffers(gen, fn):
+@pytest.mark.parametrize("signalled", [False, True], ids=["plain", "signalled"])
+def test_route_stores_the_routing_into_host_buffers(gen, fn, signalled):
     x, router_w = grid_inputs(gen, 3, 128, 256, torch.bfloat16)
     x = x + randn(gen, 3, 256, scale=1e-3, dtype=torch.bfloat16)  # x_h: not only the grid's values
     ids_h, weights_h, x_h = host_buffers(3, 8, 256)
-    weights, ids = getattr(route, fn)(x, router_w, 8, True, host=(ids_h, weights_h, x_h))
+    signal = host_handoff.routing_signal(pin=CUDA)
+    weights, ids = getattr(route, fn)(
+        x, router_w, 8, True, host=(ids_h, weights_h, x_h), signal=signal if signalled else None
+    )
     finished()
     assert_top_k(weights, ids, route_logits(x, router_w), 8, True)
     assert torch.equal(ids_h, ids.cpu())
     assert torch.equal(weights_h, weights.cpu())
     assert torch.equal(x_h, x.float().cpu())
+    # the signal is set, its one element only (the rest of its line untouched)
+    assert signal.tolist() == ([host_handoff.ROUTED] if signalled else [0]) + [0] * 15
+
+
+def test_route_refuses_a_signal_it_cannot_set(gen):
+    x, router_w = randn(gen, 2, 64), randn(gen, 16, 64)
+    host = host_buffers(2, 4, 64)
+    for fn in ROUTERS:
+        signal = host_handoff.routing_signal(pin=False)
+        with pytest.raises(ValueError, match="a routing signal needs the host buffers"):
+            getattr(route, fn)(x, router_w, 4, True, signal=signal)
+        with pytest.raises(ValueError, match=r"a routing_signal\(\) tensor, got torch.int64"):
+            getattr(route, fn)(x, router_w, 4, True, host=host, signal=signal.long())
+        assert signal[0] == 0
 
 
 @pytest.mark.parametrize("fn", ROUTERS)
@@ -146,6 +164,47 @@ def test_route_replays_in_a_cuda_graph(gen):
         assert_top_k(weights, ids, route_logits(x, router_w), 8, True)
         assert torch.equal(ids_h, ids.cpu()) and torch.equal(weights_h, weights.cpu())
         assert torch.equal(x_h, x.float().cpu())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 8], ids=["route", "logits-then-copy"])
+def test_a_host_that_sees_the_signal_sees_the_routing(gen, tokens):
+    """As offloaded decode's wait reads them: the host polls the signal of a replayed graph, with
+    no sync, then reads the routing at once; it must be whole, every time. One token: the router's
+    last program signals; eight: the logits, top-k and copy, then `signal_routing`'s kernel."""
+    hidden, experts, k = 2048, 128, 8
+    x, router_w = grid_inputs(gen, tokens, experts, hidden, torch.bfloat16)
+    host = host_buffers(tokens, k, hidden)
+    signal = host_handoff.routing_signal(pin=True)
+
+    def routing() -> tuple[torch.Tensor, torch.Tensor]:
+        if tokens == 1:
+            return route.route_triton(x, router_w, k, True, host=host, signal=signal)
+        weights, ids = router.topk_softmax(route_logits(x, router_w), k, True)
+        host_handoff.routing_to_host(ids, weights, x, *host)
+        host_handoff.signal_routing(signal, x.device)
+        return weights, ids
+
+    routing()  # the counter and the kernels, made before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = routing()
+    for _ in range(50):
+        x.copy_(grid_inputs(gen, tokens, experts, hidden, torch.bfloat16)[0])
+        for b in host:
+            b.fill_(-7)  # never a routing's value
+        signal[0] = 0
+        torch.cuda.synchronize()
+        graph.replay()
+        while signal[0] == 0:
+            pass
+        seen = [b.clone() for b in host]  # what the host reads on the signal, with no sync
+        torch.cuda.synchronize()
+        assert torch.equal(seen[0], ids.int().cpu()) and torch.equal(seen[1], weights.cpu())
+        assert torch.equal(seen[2], x.float().cpu())
+        assert_top_k(weights, ids, route_logits(x, router_w), k, True)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize(
