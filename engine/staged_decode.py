@@ -59,9 +59,11 @@ class StagedDecode:
         self._handoff_out: torch.Tensor | None = None
         self._routing_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._route_slots_host: torch.Tensor | None = None
-        # set by a piece's router once its routing is in the host's buffers (`expect_routing`)
+        # set by a piece's router once its routing is in the host's buffers (`expect_routing`),
+        # and whether it is known clear (CLEAR), awaited (EXPECTED: cleared, a signalling piece
+        # launched and not waited for yet) or neither (UNKNOWN: routers may have set it)
         self._routing_signal: torch.Tensor | None = None
-        self._routing_expected = False  # cleared, a signalling piece launched, not waited for
+        self._signal_state = _UNKNOWN
         self._fills_queued = False  # the staged layer's fills, on the copy stream, not joined
         self._host_work: Callable[[], None] | None = None  # defer_host_work's, not run yet
         # staged layer steps launched but not yet counted (counted after the next launch)
@@ -100,21 +102,26 @@ class StagedDecode:
     def routing_signal_buffer(self) -> torch.Tensor:
         """The routing's signal in host memory (pinned on CUDA), which captured pieces' routers
         set once their routing is in `routing_buffers` (`Model._route`) and `stage_decode` waits
-        for after `expect_routing`. Captured graphs write it, so it is allocated once."""
+        for after `expect_routing`. Captured graphs write it, so it is allocated once; whoever
+        takes it may run its routers outside a staged step (a capture's warm-ups), so its state
+        is unknown from then on until the next `expect_routing` clears it."""
         if self._routing_signal is None:
             self._routing_signal = routing_signal(pin=self.device.type == "cuda")
+        self._signal_state = _UNKNOWN
         return self._routing_signal
 
     def expect_routing(self) -> None:
-        """Just before launching a piece whose router sets the routing's signal: clear it, and
-        have the next `stage_decode` wait for it rather than for the stream to go idle. A
-        piece launched before whose routing was never waited for (an error came between) is
-        finished first, so that its late signal cannot pass for this one's."""
-        signal = self.routing_signal_buffer()
-        if self._routing_expected and self.device.type == "cuda":
-            self.compute_stream.synchronize()
-        signal[0] = 0
-        self._routing_expected = True
+        """Just before launching a piece whose router sets the routing's signal: have the next
+        `stage_decode` wait for that signal rather than for the stream to go idle. The signal
+        is clear after each wait for it (the native planner clears it on seeing it); where it is
+        not known to be, the device is finished first (a piece whose routing was never waited
+        for, an error having come between, or routers run outside a staged step), so that no
+        late signal can pass for this piece's, and it is cleared here."""
+        if self._signal_state != _CLEAR:
+            if self.device.type == "cuda":
+                self.compute_stream.synchronize()
+            self.routing_signal_buffer().numpy()[0] = 0
+        self._signal_state = _EXPECTED
 
     def route_slots_buffer(self, rows: int) -> torch.Tensor:
         """The host table [rows, K] int32 (pinned on CUDA) into which `stage_decode` writes each
@@ -166,10 +173,11 @@ class StagedDecode:
         clock = time.perf_counter
         t0 = clock()
         planner = self._decode_planner()
+        signal = None  # the routing's, where the native planner waits for it (and clears it)
         if planner is not None and self.planner_copies:
             # the serial path in one native call, with nothing in Python between the routing's
             # arrival and the CPU job's start: wait, plan, start the CPU job, queue the fills
-            signal = self._routing_signal if self._routing_expected else None
+            signal = self._routing_signal if self._signal_state == _EXPECTED else None
             d, (_, plan_s, fill_s) = self._native_step(
                 planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, copies=True,
                 route_slots=slots_h, signal=signal,
@@ -194,7 +202,10 @@ class StagedDecode:
             t4 = clock()
             sync_s, plan_s, fill_s = t1 - t0, t3 - t1, t4 - t3
             arrived = t1
-        self._routing_expected = False  # waited for (the stream's sync covers the signal)
+        if self._signal_state == _EXPECTED:  # waited for: cleared by the planner, or synced
+            if signal is None:
+                self.routing_signal_buffer().numpy()[0] = 0
+            self._signal_state = _CLEAR
         self._fills_queued = bool(d.admitted) or d.split is not None
         state = self._handoff_sync.numpy()
         if d.job is None:  # nothing on the CPU: its part is zero, and ready now
@@ -383,6 +394,10 @@ class StagedDecode:
                                    cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
             self._planner, self._planner_version = planner, cache.version
         return self._planner
+
+
+# StagedDecode's knowledge of the routing's signal (`expect_routing`)
+_CLEAR, _EXPECTED, _UNKNOWN = range(3)
 
 
 def _plan_key(d: Dispatch) -> str:

@@ -214,7 +214,7 @@ class DecodePlanner {
         // through the shared cache, and what this step reads first would be misses on the serial
         // path (scripts/planner_cost.py on the CI machine: 3 us warm, 12 after such a sweep).
         if (signal != 0) {
-          err = wait_signal(reinterpret_cast<const int32_t*>(signal), layer);
+          err = wait_signal(reinterpret_cast<int32_t*>(signal), layer);
         } else {
           while ((err = query_(stream_)) == kStreamNotReady) warm(layer);
         }
@@ -457,19 +457,27 @@ class DecodePlanner {
   // Polls the routing's signal (set by the router after the routing: one thread's store after a
   // system-wide fence, host_handoff.signal_host) until it is set, warming the layer's state
   // between polls; every kPollsPerQuery polls it asks the compute stream whether it failed (its
-  // error) or went idle with the signal still clear (kNoSignal). 0 once the signal is set. On an
+  // error) or went idle with the signal still clear (kNoSignal); 0 once the signal is set. On an
   // H200 the signal came 3.3 us before cuStreamQuery said the kernel was done, and a poll of it
   // costs 0.1 us where a cuStreamQuery call costs 1.7.
-  int wait_signal(const int32_t* signal, int64_t layer) const {
-    for (int64_t polls = 1; __atomic_load_n(signal, __ATOMIC_ACQUIRE) == 0; ++polls) {
+  // Once it has seen the signal, it clears it for the next piece's router: the one store that
+  // set it has landed, and no other comes before that piece is launched.
+  int wait_signal(int32_t* signal, int64_t layer) const {
+    const auto set = [signal] { return __atomic_load_n(signal, __ATOMIC_ACQUIRE) != 0; };
+    for (int64_t polls = 1; !set(); ++polls) {
+      // a few polls paced by pause (no core time taken from a sibling thread), then the warming
+      bool seen = false;
+      for (int i = 0; i < 4 && !(seen = set()); ++i) cpu_relax();
+      if (seen) break;
       warm(layer);
       if (polls % kPollsPerQuery != 0) continue;
       const int err = query_(stream_);
       if (err == kStreamNotReady) continue;
       if (err != 0) return err;
       // idle: the signal, stored before the kernel ended, must be visible by now
-      return __atomic_load_n(signal, __ATOMIC_ACQUIRE) != 0 ? 0 : kNoSignal;
+      if (!set()) return kNoSignal;
     }
+    __atomic_store_n(signal, 0, __ATOMIC_RELAXED);
     return 0;
   }
 

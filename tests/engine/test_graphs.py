@@ -156,6 +156,9 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     finally:
         engine.close()
     assert outputs == expected
+    # each wait cleared the routing's signal for the next piece (the planner, on seeing it; the
+    # Python path, after its sync)
+    assert engine.moe._routing_signal[0] == 0
     # without a shared expert, every replayed piece after an MoE layer summed its routes into the
     # residual and the next norm in one pass; with one, none did
     shared = engine.model.norm_after_experts(0) is None

@@ -432,9 +432,10 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
 
 
 def test_the_wait_takes_the_routing_signal_and_asks_the_stream_only_now_and_then(cpu):
-    """With a routing signal, a step polls it (not the stream) until the router sets it: here a
-    thread sets it 50 ms in, while the stand-in stream stays busy. The stream is asked every
-    kPollsPerQuery polls only, for its errors: one fails the step and changes nothing."""
+    """With a routing signal, a step polls it (not the stream) until the router sets it, then
+    clears it: here a thread sets it 50 ms in, while the stand-in stream stays busy. The stream
+    is asked every kPollsPerQuery polls only, for its errors: one fails the step and changes
+    nothing."""
     bank = _bank(torch.Generator().manual_seed(6))
     r = _runner(bank, 6, 0.0, cpu, 2)
     planner = r._decode_planner()
@@ -459,12 +460,12 @@ def test_the_wait_takes_the_routing_signal_and_asks_the_stream_only_now_and_then
                                        signal=signal)  # fmt: skip
     setter.join()
     assert time.perf_counter() - t0 >= 0.05 and wait_s >= 0.05
+    assert signal[0] == 0  # cleared once seen, for the next piece's router
     assert d.job is not None and sorted(d.on_cpu) == [1, 2]
     d.job.wait()
     # the stream was asked (busy) while the signal was clear
     assert asked[0] > 0 and r.counters.picks[0, [1, 2]].tolist() == [1, 1]
     # a failing stream while the signal is clear: the driver's error, nothing changed
-    signal[0] = 0
     answers[0] = 999
     before = _state(r)
     with pytest.raises(RuntimeError, match="cuStreamQuery failed with CUDA driver error 999"):
