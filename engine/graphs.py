@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 
-from .h2d import StreamOps
+from .h2d import HostToDevice
 from .model import Model, SeqSlice, StepBatch, StepState
 
 log = logging.getLogger("moelab.graphs")
@@ -127,9 +127,11 @@ class DecodeGraphs:
         self.seq_lens = self._int[tables:]
         self.slots.fill_(kv.pad_slot)
         self.logits_index = torch.arange(max_bs, device=dev)
-        # with CUDA, a step's copies as driver calls on the stream the graphs replay on (the
-        # engine's one stream, current now): computed addresses, no views, no torch copy_
-        self._ops = StreamOps(torch.cuda.current_stream(dev)) if pin else None
+        # with CUDA, a step's input copies as driver calls on the stream the graphs replay on
+        # (the engine's one stream, current now): computed addresses, no views, no torch copy_
+        # (three cost 27 us a step on the H200's host, its caches streamed cold by the CPU
+        # experts; docs/performance.md)
+        self._h2d = HostToDevice(torch.cuda.current_stream(dev)) if pin else None
         # staged experts of the layer between two pieces: each route's slot and the CPU's part,
         # in host memory, where the host and the CPU job write them and the next piece reads them
         self.slots_host = model.experts.route_slots_buffer(max_bs) if piecewise else None
@@ -323,23 +325,20 @@ class DecodeGraphs:
         """Queue the copies of a step's inputs from a pair of host mirrors: rows 1-4 of the
         long block, the first bs rows of the block tables, bs sequence lengths."""
         tables = self.max_bs * self.max_blocks
-        if self._ops is None:
+        if self._h2d is None:
             self._long[1:].copy_(host_long[1:])
             self._int[: bs * self.max_blocks].copy_(host_int[: bs * self.max_blocks])
             self.seq_lens[:bs].copy_(host_int[tables:][:bs])
             return
         row = self.max_bs * 8  # int64 rows of the long block
-        self._ops.copy(self._long.data_ptr() + row, host_long.data_ptr() + row, 4 * row)
+        self._h2d.copy(self._long.data_ptr() + row, host_long.data_ptr() + row, 4 * row)
         src, dst = host_int.data_ptr(), self._int.data_ptr()
-        self._ops.copy(dst, src, 4 * bs * self.max_blocks)
-        self._ops.copy(dst + 4 * tables, src + 4 * tables, 4 * bs)
+        self._h2d.copy(dst, src, 4 * bs * self.max_blocks)
+        self._h2d.copy(dst + 4 * tables, src + 4 * tables, 4 * bs)
 
     def sampled_to_host(self, n: int, buffer: int) -> torch.Tensor:
         """Queue the copy of the last replay's greedy tokens of its first `n` rows into pinned
         host buffer 0 or 1; the view is valid once the stream has passed this point."""
         host = self._host_sampled[buffer, :n]
-        if self._ops is None:
-            host.copy_(self.sampled[:n])
-        else:
-            self._ops.to_host(host.data_ptr(), self.sampled.data_ptr(), 8 * n)
+        host.copy_(self.sampled[:n], non_blocking=True)
         return host

@@ -52,23 +52,6 @@ def _driver_copy2d() -> ctypes._CFuncPtr:
     return fn
 
 
-@functools.cache
-def _driver_stream_functions() -> tuple[ctypes._CFuncPtr, ...]:
-    """The driver's cuMemcpyDtoHAsync, cuEventCreate, cuEventRecord and cuStreamWaitEvent."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    to_host = lib.cuMemcpyDtoHAsync_v2
-    to_host.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-    create = lib.cuEventCreate
-    create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-    record = lib.cuEventRecord
-    record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    wait = lib.cuStreamWaitEvent
-    wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-    for fn in (to_host, create, record, wait):
-        fn.restype = ctypes.c_int
-    return to_host, create, record, wait
-
-
 def driver_functions() -> tuple[int, int, int, int]:
     """The addresses of the driver's cuMemcpyHtoDAsync, cuStreamQuery, cuMemsetD2D8Async
     and cuMemcpy2DAsync, for native code that queues the same copies (the decode planner,
@@ -158,33 +141,6 @@ class HostToDevice:
     def copy(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         """Queue a copy of nbytes from host address src_ptr to device address dst_ptr."""
         _check(self._copy(dst_ptr, src_ptr, nbytes, self._stream), "cuMemcpyHtoDAsync")
-
-
-class StreamOps(HostToDevice):
-    """A decode step's own copies and stream joins on one CUDA stream, one driver call each
-    (`copy`, host to device, as HostToDevice; `to_host`; `join`): torch's `copy_` and
-    `wait_stream` cost the host 9-40 µs apiece between two decode steps on an H200's host, whose
-    caches the CPU experts have just streamed cold (docs/performance.md); the driver's calls take
-    a few. Addresses are the callers' (of tensors that outlive the copy)."""
-
-    _DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        super().__init__(stream)
-        self._d2h, create, self._record, self._wait = _driver_stream_functions()
-        event = ctypes.c_void_p()
-        _check(create(ctypes.byref(event), self._DISABLE_TIMING), "cuEventCreate")
-        self._event = event  # reused: each join records it anew (one per engine, kept)
-
-    def to_host(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
-        """Queue a copy of nbytes from device address src_ptr to host address dst_ptr."""
-        _check(self._d2h(dst_ptr, src_ptr, nbytes, self._stream), "cuMemcpyDtoHAsync")
-
-    def join(self, other: torch.cuda.Stream) -> None:
-        """Order this stream's later work after the work queued on `other` so far (as torch's
-        `wait_stream`)."""
-        _check(self._record(self._event, ctypes.c_void_p(other.cuda_stream)), "cuEventRecord")
-        _check(self._wait(self._stream, self._event, 0), "cuStreamWaitEvent")
 
 
 def _check(err: int, what: str) -> None:

@@ -28,7 +28,7 @@ from ..kernels.host_handoff import (
 )
 from .bank import ExpertBank
 from .cache import ExpertCache
-from .h2d import HostToDevice, StreamOps
+from .h2d import HostToDevice
 from .miss_plan import Dispatch, expert_mask, plan_layer
 from .misses import MissPolicy
 from .moe_stats import CpuJobTimes, LayerCounters, StagedStepTimes
@@ -84,8 +84,6 @@ class MoERunner(StagedDecode):
         self.compute_stream = torch.cuda.current_stream(self.device) if cuda else None
         # fills queued by the driver directly: torch's copy_ costs the host several times more
         self._h2d_copy = HostToDevice(self.copy_stream) if cuda else None
-        # the compute stream's join with the copy stream in two driver calls (`join_fills`)
-        self._compute_ops = StreamOps(self.compute_stream) if cuda else None
         self._expert_bytes = bank.expert_bytes
         self._views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self.prefill = PrefillStream(

@@ -233,7 +233,7 @@ class StagedDecode:
         """Between the next piece's two graphs: order the compute stream after the staged layer's
         fills (the cached experts' routes, launched before this, run during them)."""
         if self._fills_queued and self.copy_stream is not None:
-            self._compute_ops.join(self.copy_stream)  # as wait_stream, in two driver calls
+            self.compute_stream.wait_stream(self.copy_stream)
         self._fills_queued = False
 
     def after_launch(self) -> None:
