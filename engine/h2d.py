@@ -1,4 +1,5 @@
-"""Host-to-device copies for one driver call each: the offloaded decode step's slot fills.
+"""Host-to-device copies for one driver call each: the offloaded decode step's slot fills, and
+a decode step's inputs (engine/graphs.py).
 
 An offloaded decode layer step queues a few copies from pinned host memory (each fetched expert's
 two matrices, the routes' slots) on the serial path between two captured pieces. torch's `copy_`
