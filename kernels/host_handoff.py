@@ -34,8 +34,8 @@ The handoff's state is one pinned int64 tensor (`handoff_sync`), a cache line pe
 - EXPECTED: the epoch the next `sum_when_ready` waits for (written by the host before it queues it);
 - TIMED_OUT: set by the wait when it gave up (the host checks it after each sync).
 
-The routing's signal is apart from it, one int32 on its own cache line: 0 (cleared by the host
-before it launches a piece whose router signals) until the router sets it to ROUTED.
+The routing's signal is apart from it, one int32 on its own cache line: 0 until the router sets
+it to ROUTED; the host's wait clears it once it has seen it.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def signal_host(signal_ptr, PTX: tl.constexpr):
     (pinned host memory) once every write of this program, and every write it has seen through an
     acquire (another program's, before an atomic this one read), is visible to the host. With PTX,
     every thread fences at system scope (`fence.sc.sys`, cumulative: it orders what the thread has
-    seen too) and thread 0 alone stores, so that there is one store, which the host clears before
-    the next launch with no late duplicate to fear. Without (the interpreter), a plain store."""
+    seen too) and thread 0 alone stores, so that there is one store, which the host clears once
+    it has seen it with no late duplicate to fear. Without (the interpreter), a plain store."""
     tl.debug_barrier()  # the program's threads' writes before thread 0's signal
     if PTX:
         tl.inline_asm_elementwise(
