@@ -32,6 +32,7 @@ from functools import partial
 
 import torch
 
+from ..kernels.common import inline_ptx
 from .h2d import HostToDevice
 from .model import Model, SeqSlice, StepBatch, StepState
 
@@ -139,8 +140,11 @@ class DecodeGraphs:
         # each piece that ends in a router copies its routing here (in its graph: no host launch
         # between the router and the host's read of it)
         self.routing_host = model.experts.routing_buffers(max_bs) if piecewise else None
-        # which its router sets once the routing is there, for the host's wait
-        self.routing_signal = model.experts.routing_signal_buffer() if piecewise else None
+        # which its router sets once the routing is there, for the host's wait: where its store
+        # is ordered after the routing's (a fence in PTX on an NVIDIA GPU; the CPU's reference
+        # runs in order); elsewhere the host waits for the stream to go idle
+        signals = piecewise and (dev.type != "cuda" or inline_ptx(dev))
+        self.routing_signal = model.experts.routing_signal_buffer() if signals else None
         self.graphs: dict[int, list[Graph]] = {}
         self.outputs: dict[int, list[Outputs]] = {}  # per size, each graph's in capture order
         # piecewise: each piece after an MoE layer starts with a graph of its own, the cached
@@ -300,7 +304,7 @@ class DecodeGraphs:
             if head is not None:  # the cached experts' routes, then the wait for the fills
                 head.replay()
                 experts.join_fills()
-            if self.piecewise and piece < len(graphs) - 1:
+            if self.routing_signal is not None and piece < len(graphs) - 1:
                 experts.expect_routing()  # its router sets the signal the stage waits for
             graph.replay()
             launched = time.perf_counter()
