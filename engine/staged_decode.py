@@ -105,10 +105,8 @@ class StagedDecode:
         for after `expect_routing`. Captured graphs write it, so it is allocated once; whoever
         takes it may run its routers outside a staged step (a capture's warm-ups), so its state
         is unknown from then on until the next `expect_routing` clears it."""
-        if self._routing_signal is None:
-            self._routing_signal = routing_signal(pin=self.device.type == "cuda")
         self._signal_state = _UNKNOWN
-        return self._routing_signal
+        return self._signal()
 
     def expect_routing(self) -> None:
         """Just before launching a piece whose router sets the routing's signal: have the next
@@ -120,8 +118,17 @@ class StagedDecode:
         if self._signal_state != _CLEAR:
             if self.device.type == "cuda":
                 self.compute_stream.synchronize()
-            self.routing_signal_buffer().numpy()[0] = 0
+            self._clear_signal()
         self._signal_state = _EXPECTED
+
+    def _signal(self) -> torch.Tensor:
+        """The routing's signal, made on first use; its state is left to the caller."""
+        if self._routing_signal is None:
+            self._routing_signal = routing_signal(pin=self.device.type == "cuda")
+        return self._routing_signal
+
+    def _clear_signal(self) -> None:
+        self._signal().numpy()[0] = 0
 
     def route_slots_buffer(self, rows: int) -> torch.Tensor:
         """The host table [rows, K] int32 (pinned on CUDA) into which `stage_decode` writes each
@@ -204,7 +211,7 @@ class StagedDecode:
             arrived = t1
         if self._signal_state == _EXPECTED:  # waited for: cleared by the planner, or synced
             if signal is None:
-                self.routing_signal_buffer().numpy()[0] = 0
+                self._clear_signal()
             self._signal_state = _CLEAR
         self._fills_queued = bool(d.admitted) or d.split is not None
         state = self._handoff_sync.numpy()
