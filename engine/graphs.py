@@ -75,6 +75,12 @@ class Graph:
     def replay(self) -> None:
         self._graph.replay()
 
+    def exec_handle(self) -> int | None:
+        """The instantiated graph's cudaGraphExec_t, for native code to launch (None where this
+        torch does not expose it)."""
+        raw = getattr(self._graph, "raw_cuda_graph_exec", None)
+        return int(raw()) if raw is not None else None
+
 
 class DecodeGraphs:
     """Captured decode steps for batch sizes up to `max_bs`, replayed with the batch's inputs.
@@ -152,6 +158,9 @@ class DecodeGraphs:
         self.heads: dict[int, list[Graph | None]] = {}
         # what a head hands to its piece: the cached routes' outputs and the filled routes' slots
         self._head_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        # piecewise: per size, each piece's (head, piece) graph execs for the native planner to
+        # launch (`stage_decode`'s launch; head 0 for piece 0); None where a graph has none
+        self.execs: dict[int, list[tuple[int, int]] | None] = {}
         self.pool: object | None = None
 
     def _batch(self, bs: int) -> StepBatch:
@@ -259,6 +268,7 @@ class DecodeGraphs:
                 graphs.append(graph)
             # the outputs stay referenced: their memory is where every replay writes them
             self.graphs[bs], self.heads[bs], self.outputs[bs] = graphs, heads, outputs
+            self.execs[bs] = _execs(graphs, heads) if self.piecewise else None
         if cuda:
             torch.cuda.synchronize(model.device)
         log.info(
@@ -298,6 +308,10 @@ class DecodeGraphs:
         self._send_inputs(host_long_t, host_int_t, bs)
         graphs, heads = self.graphs[bs], self.heads[bs]
         experts = self.model.experts
+        execs = self.execs.get(bs)
+        if execs is not None and experts.launches_pieces():
+            self._run_launched(graphs[0], execs, n, bs)
+            return self._logits(bs, n)
         for piece, graph in enumerate(graphs):
             t0 = time.perf_counter()
             head = heads[piece]
@@ -320,7 +334,34 @@ class DecodeGraphs:
                                      launched)  # fmt: skip
                 # padding rows run no experts (written after the stage's sync: an earlier
                 # step's graphs may read these rows until then)
-                self.slots_host[n:bs] = -1
+                if n < bs:
+                    self.slots_host[n:bs] = -1
+        return self._logits(bs, n)
+
+    def _run_launched(self, first: Graph, execs: list[tuple[int, int]], n: int, bs: int) -> None:
+        """The pieces of one step, each after the first launched by the stage before it, in the
+        native call that waited for its routing (`StagedDecode.stage_decode`'s launch)."""
+        experts = self.model.experts
+        assert self.cpu_part is not None and self.routing_host is not None
+        assert self.slots_host is not None
+        signals = self.routing_signal is not None
+        last = len(execs) - 1
+        if signals:
+            experts.expect_routing()
+        first.replay()
+        launched = time.perf_counter()
+        # only the real rows: padding rows would fetch and run experts for nothing
+        ids_h, w_h, x_h = (t[:n] for t in self.routing_host)
+        slots_h, cpu_part = self.slots_host[:n], self.cpu_part[:n]
+        for piece in range(last):
+            experts.stage_decode(
+                piece, ids_h, w_h, x_h, slots_h, cpu_part, launched, launch=execs[piece + 1],
+                pad_rows=bs - n, signals=signals and piece + 1 < last,
+            )  # fmt: skip
+            launched = time.perf_counter()
+            experts.after_launch()
+
+    def _logits(self, bs: int, n: int) -> torch.Tensor:
         logits = self.outputs[bs][-1][3]
         assert logits is not None
         return logits[:n]
@@ -346,3 +387,16 @@ class DecodeGraphs:
         host = self._host_sampled[buffer, :n]
         host.copy_(self.sampled[:n], non_blocking=True)
         return host
+
+
+def _execs(graphs: list, heads: list) -> list[tuple[int, int]] | None:
+    """Each piece's (head, piece) graph execs (head 0 where a piece has none); None where a graph
+    has no exec to hand out."""
+    execs = []
+    for graph, head in zip(graphs, heads, strict=True):
+        handle = getattr(graph, "exec_handle", lambda: None)()
+        head_handle = 0 if head is None else getattr(head, "exec_handle", lambda: None)()
+        if handle is None or head_handle is None:
+            return None
+        execs.append((head_handle, handle))
+    return execs

@@ -1,5 +1,6 @@
 """Host-to-device copies for one driver call each: the offloaded decode step's slot fills, and
-a decode step's inputs (engine/graphs.py).
+a decode step's inputs (engine/graphs.py); and the driver's graph launches and event waits, which
+the decode planner calls to launch the next captured piece.
 
 An offloaded decode layer step queues a few copies from pinned host memory (each fetched expert's
 two matrices, the routes' slots) on the serial path between two captured pieces. torch's `copy_`
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -62,6 +64,41 @@ def driver_functions() -> tuple[int, int, int, int]:
     )
 
 
+@functools.cache
+def _driver_launches() -> tuple[ctypes._CFuncPtr, ...]:
+    lib = ctypes.CDLL("libcuda.so.1")
+    launch, record, wait = lib.cuGraphLaunch, lib.cuEventRecord, lib.cuStreamWaitEvent
+    launch.argtypes = record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    for fn in (launch, record, wait):
+        fn.restype = ctypes.c_int
+    return launch, record, wait
+
+
+def launch_functions() -> tuple[int, int, int]:
+    """The addresses of the driver's cuGraphLaunch, cuEventRecord and cuStreamWaitEvent, for
+    native code that launches the next captured piece of a decode step (the decode planner)."""
+    return tuple(address_of(fn) for fn in _driver_launches())
+
+
+class DriverEvent:
+    """A CUDA event of the driver's own (no timing), for native code to record and wait on; it
+    lives as long as this object."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        handle = ctypes.c_void_p()
+        _check(lib.cuEventCreate(ctypes.byref(handle), ctypes.c_uint(2)), "cuEventCreate")
+        self.handle: int = handle.value or 0
+        self._destroy = lib.cuEventDestroy_v2
+        self._destroy.argtypes = [ctypes.c_void_p]
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", 0):
+            self._destroy(ctypes.c_void_p(self.handle))
+            self.handle = 0
+
+
 # The signatures of the driver functions above, for stand-ins written in Python
 COPY_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
                                  ctypes.c_void_p)  # fmt: skip
@@ -70,6 +107,9 @@ MEMSET2D_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_siz
                                      ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_size_t,
                                      ctypes.c_void_p)  # fmt: skip
 COPY2D_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+LAUNCH_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)  # and record
+WAIT_EVENT_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_uint)  # fmt: skip
 
 
 class Memcpy2D(ctypes.Structure):
@@ -125,6 +165,42 @@ def host_functions(calls: dict[str, int] | None = None) -> tuple:
 
     return (COPY_FUNCTION(copy), QUERY_FUNCTION(query), MEMSET2D_FUNCTION(memset2d),
             COPY2D_FUNCTION(copy2d))  # fmt: skip
+
+
+def host_launch_functions(
+    replay: Callable[[int], None],
+    calls: dict[str, int] | None = None,
+    errors: list[BaseException] | None = None,
+) -> tuple:
+    """Stand-ins for the three functions of `launch_functions` on the CPU, where work runs as it
+    is launched: a launch calls replay(handle) (a stand-in graph's work; what it raises goes into
+    `errors`, and the launch fails as the driver's would), an event's record and a stream's wait
+    for it only count (every copy has already landed there). Counts calls by name in `calls`.
+    Keep them alive while their addresses (`address_of`) are in use."""
+    calls = {} if calls is None else calls
+    errors = [] if errors is None else errors
+
+    def count(name: str) -> None:
+        calls[name] = calls.get(name, 0) + 1
+
+    def launch(handle: int, stream: int) -> int:
+        count("launch")
+        try:
+            replay(handle)
+        except Exception as e:  # a callback cannot raise into native code: a driver-like error
+            errors.append(e)
+            return 1
+        return 0
+
+    def record(event: int, stream: int) -> int:
+        count("record")
+        return 0
+
+    def wait(stream: int, event: int, flags: int) -> int:
+        count("wait_event")
+        return 0
+
+    return LAUNCH_FUNCTION(launch), LAUNCH_FUNCTION(record), WAIT_EVENT_FUNCTION(wait)
 
 
 def address_of(function: ctypes._CFuncPtr) -> int:

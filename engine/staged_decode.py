@@ -44,7 +44,7 @@ from ..kernels.host_handoff import (
     sum_norm_when_ready,
     sum_when_ready,
 )
-from .h2d import driver_functions
+from .h2d import DriverEvent, driver_functions, launch_functions
 from .miss_plan import Dispatch, expert_mask
 from .misses import SPLIT_CHUNKS
 
@@ -83,6 +83,11 @@ class StagedDecode:
         # with its copies, it may split one miss per layer step between the copy and the CPU
         # (the engine's default; --no-split-misses turns it off)
         self.split_misses = False
+        # with its copies, it may also launch the next captured piece (`stage_decode`'s launch),
+        # through the driver functions of `h2d.launch_functions` (with CUDA; a CPU test may stand
+        # in functions that run stand-in graphs); joining the fills on an event of its own
+        self.planner_launches = cuda
+        self._join_event: DriverEvent | None = None
 
     def routing_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host buffers (pinned on CUDA) for a staged decode step's routing, [rows, K] int32 ids,
@@ -116,10 +121,15 @@ class StagedDecode:
         for, an error having come between, or routers run outside a staged step), so that no
         late signal can pass for this piece's, and it is cleared here."""
         if self._signal_state != _CLEAR:
-            if self.device.type == "cuda":
-                self.compute_stream.synchronize()
-            self._clear_signal()
+            self._settle_signal()
         self._signal_state = _EXPECTED
+
+    def _settle_signal(self) -> None:
+        """Finish the device's work, then clear the routing's signal: no late store can set it."""
+        if self.device.type == "cuda":
+            self.compute_stream.synchronize()
+        self._clear_signal()
+        self._signal_state = _CLEAR
 
     def _signal(self) -> torch.Tensor:
         """The routing's signal, made on first use; its state is left to the caller."""
@@ -162,6 +172,9 @@ class StagedDecode:
         slots_h: torch.Tensor,
         cpu_out: torch.Tensor,
         launched: float | None = None,
+        launch: tuple[int, int] | None = None,
+        pad_rows: int = 0,
+        signals: bool = False,
     ) -> None:
         """An offloaded decode layer step between two captured pieces: the host part now, the
         device part (`routed_cached`, `join_fills`, `routed_filled`) in the next piece's graphs.
@@ -176,23 +189,36 @@ class StagedDecode:
         piece does, on the device. Only what the next piece needs is done here; `after_launch`
         does the rest once it is launched. launched: the host's clock (`time.perf_counter`) when
         the piece was launched, which splits the time between two decode steps (`StagedStepTimes`).
+
+        launch (where `launches_pieces`): the next piece's two graph execs (its head, then the
+        piece), which the native call launches itself once the fills are queued, the piece after
+        them, so that no Python runs between the routing's arrival and the next piece; the
+        pad_rows rows of slots_h's buffer after the real ones are set to -1 first (a captured
+        batch's padding rows run no experts). signals: the launched piece's router sets the
+        routing's signal (`expect_routing` is then done).
         """
         clock = time.perf_counter
         t0 = clock()
+        if launch is not None and signals and self._signal_state not in (_CLEAR, _EXPECTED):
+            self._settle_signal()  # the launched piece's signal must be the only one to come
         planner = self._decode_planner()
         signal = None  # the routing's, where the native planner waits for it (and clears it)
         if planner is not None and self.planner_copies:
             # the serial path in one native call, with nothing in Python between the routing's
             # arrival and the CPU job's start: wait, plan, start the CPU job, queue the fills
             signal = self._routing_signal if self._signal_state == _EXPECTED else None
-            d, (_, plan_s, fill_s) = self._native_step(
+            d, (_, plan_s, fill_s, launch_s) = self._native_step(
                 planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, copies=True,
-                route_slots=slots_h, signal=signal,
+                route_slots=slots_h, signal=signal, expected=True, launch=launch,
+                pad_rows=pad_rows,
             )  # fmt: skip
             t4 = clock()
-            sync_s = t4 - t0 - plan_s - fill_s  # the wait, and the call
-            arrived = t4 - plan_s - fill_s
+            sync_s = t4 - t0 - plan_s - fill_s - launch_s  # the wait, and the call
+            arrived = t4 - plan_s - fill_s - launch_s
+            self.staged_times.replay_s += launch_s
         else:
+            if launch is not None:
+                raise ValueError("only the native planner with its copies launches pieces")
             if self.device.type == "cuda":
                 self.compute_stream.synchronize()
             t1 = clock()
@@ -213,13 +239,17 @@ class StagedDecode:
             if signal is None:
                 self._clear_signal()
             self._signal_state = _CLEAR
-        self._fills_queued = bool(d.admitted) or d.split is not None
-        state = self._handoff_sync.numpy()
-        if d.job is None:  # nothing on the CPU: its part is zero, and ready now
-            cpu_out.zero_()
-            self._epoch += 1
-            state[DONE] = self._epoch
-        state[EXPECTED] = self._epoch  # read by the next piece's sum_when_ready
+        if launch is not None:  # the next piece, launched after the fills (joined natively)
+            self._signal_state = _EXPECTED if signals else self._signal_state
+        else:
+            self._fills_queued = bool(d.admitted) or d.split is not None
+        if planner is None or not self.planner_copies:  # else handed over by the native call
+            state = self._handoff_sync.numpy()
+            if d.job is None:  # nothing on the CPU: its part is zero, and ready now
+                cpu_out.zero_()
+                self._epoch += 1
+                state[DONE] = self._epoch
+            state[EXPECTED] = self._epoch  # read by the next piece's sum_when_ready
         self._uncounted.append((d, moe_layer))
         times = self.staged_times
         times.layer_steps += 1
@@ -235,6 +265,11 @@ class StagedDecode:
             times.boundary_s += arrived - last[1]
             if launched is not None:
                 times.boundary_host_s += launched - last[1]
+
+    def launches_pieces(self) -> bool:
+        """Whether `stage_decode` can launch the next piece itself (the native planner, with its
+        copies and launches)."""
+        return self.planner_copies and self.planner_launches and self._decode_planner() is not None
 
     def join_fills(self) -> None:
         """Between the next piece's two graphs: order the compute stream after the staged layer's
@@ -341,8 +376,8 @@ class StagedDecode:
 
     def _native_step(
         self, planner, moe_layer, ids, weights, x, out, handoff, sync=False, copies=False,
-        route_slots=None, signal=None,
-    ) -> tuple[Dispatch, tuple[float, float, float]]:  # fmt: skip
+        route_slots=None, signal=None, expected=False, launch=None, pad_rows=0,
+    ) -> tuple[Dispatch, tuple[float, float, float, float]]:  # fmt: skip
         """One DecodePlanner step over host tensors ids [T, K] (int32), weights [T, K] and x
         [T, H] (fp32), the CPU's part into out (and then the next handoff epoch, if `handoff`).
         sync: wait for the compute stream first (the routing's copies); copies: queue the fills
@@ -350,10 +385,16 @@ class StagedDecode:
         between the copy and the CPU, if `split_misses`). route_slots: the host table [T, K]
         int32 the routes' slots go to (a reusable buffer if None). signal: with sync, the
         routing's signal to wait for instead of the stream (`routing_signal_buffer`).
-        Returns the step and its native (wait, plan, copy) seconds."""
+        expected (with handoff): the native call also completes the handoff to the next piece
+        (a zero part and its epoch where no CPU job runs; the epoch the piece waits for).
+        launch, pad_rows: the next piece's graph execs to launch, and the padding rows of
+        route_slots' buffer to mark (`stage_decode`). Returns the step and its native (wait,
+        plan, copy, launch) seconds."""
         if route_slots is None:
             route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
         flag, value = (self._handoff_sync, self._epoch + 1) if handoff else (None, 0)
+        expected_at = flag.data_ptr() + EXPECTED * flag.element_size() if expected else 0
+        head, piece = launch if launch is not None else (0, 0)
         inter = self.bank.w2[0].shape[-1]
         chunks = SPLIT_CHUNKS if copies and self.split_misses and inter % SPLIT_CHUNKS == 0 else 0
         try:
@@ -361,7 +402,7 @@ class StagedDecode:
                 moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
                 self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
                 0 if flag is None else flag.data_ptr(), value, sync, copies, chunks,
-                0 if signal is None else signal.data_ptr(),
+                0 if signal is None else signal.data_ptr(), expected_at, pad_rows, head, piece,
             )  # fmt: skip
         except RuntimeError:  # a driver call failed; a failed fill has freed its slots again
             self.cache.changed()
@@ -377,8 +418,8 @@ class StagedDecode:
         if job is not None:
             keep = (ids, weights, x, out) if flag is None else (ids, weights, x, out, flag)
             d.job = CpuExpertJob(out, job=job, keep=keep)
-            if flag is not None:
-                self._epoch = value
+        if flag is not None and (job is not None or expected):
+            self._epoch = value
         return d, seconds
 
     def _decode_planner(self) -> object | None:
@@ -399,6 +440,11 @@ class StagedDecode:
                 fills = self.copy_stream.cuda_stream if self.copy_stream else 0
                 planner.set_device(*driver_functions(), stream, fills, cache.w13.data_ptr(),
                                    cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
+                if self.planner_launches:
+                    if self._join_event is None and self.device.type == "cuda":
+                        self._join_event = DriverEvent()
+                    join = self._join_event.handle if self._join_event is not None else 0
+                    planner.set_launch(*launch_functions(), join)
             self._planner, self._planner_version = planner, cache.version
         return self._planner
 

@@ -136,6 +136,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<uintptr_t>, std::vector<uintptr_t>>(),
            py::keep_alive<1, 2>())
       .def("set_device", &DecodePlanner::set_device)
+      .def("set_launch", &DecodePlanner::set_launch)
       .def("step", &DecodePlanner::step);
   m.def("read_sum", &read_sum);
   m.def("time_expert_jobs", &time_expert_jobs);

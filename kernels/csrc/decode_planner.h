@@ -64,6 +64,10 @@ struct Memcpy2D {
 using CuMemcpy2DAsync = int (*)(const Memcpy2D* copy, void* stream);
 using CuMemsetD2D8Async = int (*)(uint64_t dst, size_t pitch, unsigned char value, size_t width,
                                   size_t height, void* stream);
+// cuGraphLaunch, cuEventRecord and cuStreamWaitEvent: the next piece's launches (`set_launch`)
+using CuGraphLaunch = int (*)(void* exec, void* stream);
+using CuEventRecord = int (*)(void* event, void* stream);
+using CuStreamWaitEvent = int (*)(void* stream, void* event, unsigned flags);
 
 // The fixed parts of the two sides of a layer step's misses, in the unit of `sides` (one
 // expert's copy time plus its CPU time; misses.py's COPY_FIXED, CPU_FIXED and SPLIT_FIXED).
@@ -162,6 +166,17 @@ class DecodePlanner {
     bytes2_ = hidden_ * inter_ * element_size;
   }
 
+  // The driver's cuGraphLaunch, cuEventRecord and cuStreamWaitEvent, and an event of this
+  // planner's own (`join`, recorded on the fill stream and waited for by the compute stream): with
+  // them a step may also launch the next captured piece (`step`'s head and piece).
+  void set_launch(uintptr_t graph_launch, uintptr_t event_record, uintptr_t stream_wait_event,
+                  uintptr_t join) {
+    launch_ = reinterpret_cast<CuGraphLaunch>(graph_launch);
+    record_ = reinterpret_cast<CuEventRecord>(event_record);
+    wait_event_ = reinterpret_cast<CuStreamWaitEvent>(stream_wait_event);
+    join_ = reinterpret_cast<void*>(join);
+  }
+
   // Plans layer `layer` for routes ids/weights [T, top_k] (int32, fp32) of rows x [T, H] (fp32);
   // writes route_slots [T, top_k] (a cached expert's slot; -1: on the CPU). CPU routes' weighted
   // sum goes to out [T, H] (fp32), then done_value to done_flag if that is not 0. With the device
@@ -176,17 +191,35 @@ class DecodePlanner {
   // I / split_chunks copied into the least recently used slot, which is freed again (its content
   // is no expert), and the rest run on the CPU (fetch_plan). Returns (experts ascending, their
   // slots before the step, admitted (expert, slot) pairs, experts run on the CPU (the split one
+  // The next piece (with the device set, copies and `set_launch`): `handoff` (with done_flag)
+  // completes the CPU part's handoff to it first: without a CPU job `out` is zeroed and
+  // done_value stored at done_flag, then, either way, done_value at `handoff` (the value the
+  // piece's sum waits for, host_handoff.EXPECTED); pad_rows rows of route_slots after the T
+  // routed ones are set to -1 (a captured batch's padding rows: no experts); then the graph execs
+  // `head` (the cached experts' routes) and `piece` are launched on the compute stream, `piece`
+  // after the fill stream where this step queued fills (0: no launch). Nothing Python runs between
+  // the routing's arrival and the next piece's launch.
+  // Returns (experts ascending, their
+  // slots before the step, admitted (expert, slot) pairs, experts run on the CPU (the split one
   // first), the split (expert, slot, first CPU row) or None, the CPU job or None, and the seconds
-  // spent waiting, planning and queueing copies).
+  // spent waiting, planning, queueing copies and launching).
   py::tuple step(int64_t layer, uintptr_t ids_addr, uintptr_t weights_addr, uintptr_t x,
                  int64_t T, double fetch_fraction, uintptr_t route_slots_addr, uintptr_t out,
                  uintptr_t done_flag, int64_t done_value, bool sync, bool copies,
-                 int64_t split_chunks, uintptr_t signal) {
+                 int64_t split_chunks, uintptr_t signal, uintptr_t handoff, int64_t pad_rows,
+                 uintptr_t head, uintptr_t piece) {
     using Clock = std::chrono::steady_clock;
     if (layer < 0 || layer >= layers_) throw std::invalid_argument("no such MoE layer");
     if ((sync || copies) && copy_ == nullptr) {
       throw std::invalid_argument("sync and device copies need set_device first");
     }
+    if ((head != 0 || piece != 0) && (launch_ == nullptr || !copies)) {
+      throw std::invalid_argument("launching the next piece needs set_launch and the copies");
+    }
+    if (handoff != 0 && done_flag == 0) {
+      throw std::invalid_argument("the handoff's expected value needs its done flag");
+    }
+    if (pad_rows < 0) throw std::invalid_argument("pad_rows must be 0 or more");
     if (split_chunks >= 2 &&
         (!copies || memset2d_ == nullptr || copy2d_ == nullptr || inter_ % split_chunks != 0)) {
       throw std::invalid_argument("a split needs the device copies, their 2D forms and chunks of I");
@@ -350,7 +383,7 @@ class DecodePlanner {
     Clock::duration fill_time{};
     if (copies_first) fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row);
     const auto t_job = Clock::now();
-    py::object job = py::none();
+    std::shared_ptr<ExpertJobShell> job_ptr;
     if (!on_cpu.empty()) {
       const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
                             reinterpret_cast<const void*>(w13_[layer]),
@@ -365,19 +398,33 @@ class DecodePlanner {
       j->assign(p, pair_expert.data(), pair_token.data(), pair_weight.data(), pairs);
       j->set_done_flag(reinterpret_cast<int64_t*>(done_flag), done_value);
       pool_.push(j);
-      job = py::cast(std::shared_ptr<Job>(j));
       last_job_ = j;
+      job_ptr = std::move(j);
     }
     const auto t3 = Clock::now();
     if (copies && !copies_first) {
       fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row);
     }
+    const auto t4 = Clock::now();
+    if (handoff != 0) {
+      if (job_ptr == nullptr) {  // nothing on the CPU: its part is zero, and ready now
+        std::memset(reinterpret_cast<void*>(out), 0, size_t(T * hidden_) * sizeof(float));
+        __atomic_store_n(reinterpret_cast<int64_t*>(done_flag), done_value, __ATOMIC_RELEASE);
+      }
+      __atomic_store_n(reinterpret_cast<int64_t*>(handoff), done_value, __ATOMIC_RELEASE);
+    }
+    std::fill(route_slots + R, route_slots + R + pad_rows * top_k_, -1);
+    const bool filled = copies && (!admitted.empty() || split_expert >= 0);
+    launch_next(head, piece, filled);
+    const auto t5 = Clock::now();
     const auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+    py::object job = job_ptr == nullptr ? py::none() : py::cast(std::shared_ptr<Job>(job_ptr));
     py::object split = py::none();
     if (split_expert >= 0) split = py::make_tuple(split_expert, split_slot, split_row);
     return py::make_tuple(
         routed, before, admitted, on_cpu, split, job,
-        py::make_tuple(seconds(t1 - t0), seconds((t2 - t1) + (t3 - t_job)), seconds(fill_time)));
+        py::make_tuple(seconds(t1 - t0), seconds((t2 - t1) + (t3 - t_job)), seconds(fill_time),
+                       seconds(t5 - t4)));
   }
 
  private:
@@ -413,6 +460,18 @@ class DecodePlanner {
       check_driver(err, failed);
     }
     return std::chrono::steady_clock::now() - t0;
+  }
+
+  // Launches the next piece's graphs on the compute stream: `head`, then, after the fill stream
+  // where `filled`, `piece` (0: none). Throws on a driver error.
+  void launch_next(uintptr_t head, uintptr_t piece, bool filled) {
+    if (head != 0) check_driver(launch_(reinterpret_cast<void*>(head), stream_), "cuGraphLaunch");
+    if (piece == 0) return;
+    if (filled) {
+      check_driver(record_(join_, fill_stream_), "cuEventRecord");
+      check_driver(wait_event_(stream_, join_, 0), "cuStreamWaitEvent");
+    }
+    check_driver(launch_(reinterpret_cast<void*>(piece), stream_), "cuGraphLaunch");
   }
 
   // A route served by this step's fill of `slot` (host_handoff.FILLED: -2 - slot).
@@ -528,6 +587,10 @@ class DecodePlanner {
   CuStreamQuery query_ = nullptr;
   CuMemsetD2D8Async memset2d_ = nullptr;
   CuMemcpy2DAsync copy2d_ = nullptr;
+  CuGraphLaunch launch_ = nullptr;
+  CuEventRecord record_ = nullptr;
+  CuStreamWaitEvent wait_event_ = nullptr;
+  void* join_ = nullptr;
   void* stream_ = nullptr;
   void* fill_stream_ = nullptr;
   uint64_t cache_w13_ = 0, cache_w2_ = 0;

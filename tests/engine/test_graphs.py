@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import ClassVar
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from moelab.engine import model as model_module
 from moelab.engine import staged_decode
 from moelab.engine.graphs import DecodeGraphs
-from moelab.engine.h2d import address_of, host_functions
+from moelab.engine.h2d import address_of, host_functions, host_launch_functions
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
@@ -42,6 +43,13 @@ class ReplayGraph:
         for kept, fresh in zip(self.outputs, self.work(), strict=True):
             if kept is not None:
                 kept.copy_(fresh)
+
+    # the stand-in graphs by the exec handles they handed out (`_host_launches` replays them)
+    by_handle: ClassVar[dict[int, ReplayGraph]] = {}
+
+    def exec_handle(self) -> int:
+        ReplayGraph.by_handle[id(self)] = self
+        return id(self)
 
 
 @pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe"])
@@ -84,6 +92,17 @@ def _host_driver(monkeypatch, calls: dict[str, int]) -> tuple:
     return functions  # kept alive by the caller
 
 
+def _host_launches(monkeypatch, calls: dict[str, int], errors: list[BaseException]) -> tuple:
+    """Stand-ins for the driver's graph launch and event record and wait: the native planner
+    then launches the next piece itself, a stand-in graph replayed as it is launched."""
+    functions = host_launch_functions(
+        lambda handle: ReplayGraph.by_handle[handle].replay(), calls, errors
+    )
+    addresses = tuple(address_of(f) for f in functions)
+    monkeypatch.setattr(staged_decode, "launch_functions", lambda: addresses)
+    return functions  # kept alive by the caller
+
+
 OFFLOADED = ("--moe-cache-size", "20", "--moe-miss-policy", "split:0.5")
 
 
@@ -101,11 +120,12 @@ def _piecewise_engine(checkpoint, *flags: str):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
-@pytest.mark.parametrize("copies", ["python", "planner", "planner-split"])
+@pytest.mark.parametrize("copies", ["python", "planner", "planner-split", "planner-launch"])
 def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, copies, overlap):
     """python: the Python planner, copies by the host; planner: the native planner's CUDA path
     with whole misses only (the same decisions); planner-split: with split misses (the same
-    tokens, other decisions)."""
+    tokens, other decisions); planner-launch: the same, the native call also launching the next
+    piece's graphs (the fills joined by an event)."""
     eager = make_engine(checkpoint, *OFFLOADED)
     try:
         expected, expected_counts = _generate(eager)
@@ -113,6 +133,9 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         eager.close()
     calls = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
     driver = _host_driver(monkeypatch, calls) if copies != "python" else None
+    launch_errors: list[BaseException] = []
+    launches = _host_launches(monkeypatch, calls, launch_errors)
+    native_launch = copies == "planner-launch"
     summed_into_norm = [0]
     sum_norm = staged_decode.sum_norm_when_ready
 
@@ -126,8 +149,17 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     try:
         if driver is not None:  # the fills queued by the native call
             engine.moe.planner_copies = True
-            engine.moe.split_misses = copies == "planner-split"
+            engine.moe.split_misses = copies in ("planner-split", "planner-launch")
+            engine.moe.planner_launches = native_launch
             engine.moe._planner = None
+        joins = [0]
+        join_fills = engine.moe.join_fills
+
+        def counted_join() -> None:
+            joins[0] += 1
+            join_fills()
+
+        monkeypatch.setattr(engine.moe, "join_fills", counted_join)
         graphs = engine.graphs
         replays, queued_behind, landed_while_staging = [], [], []
         run, land = graphs.run, engine._land
@@ -165,7 +197,7 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     assert shared == (engine.spec.arch == "qwen2_moe")
     assert summed_into_norm[0] == (0 if shared else len(replays) * engine.spec.num_moe_layers)
     # three sequences ran in the size-4 graphs: the padding row was never sent to the experts
-    if copies == "planner-split":  # a split miss counts on the CPU; other decisions follow
+    if copies in ("planner-split", "planner-launch"):  # a split counts on the CPU; other decisions
         assert counts["reads"] == expected_counts["reads"]
         # a split's two 2D copies (gate and up rows; down projection columns) and one memset
         assert 0 < staged["split_misses"] == calls["memset2d"] == calls["copy2d"] // 2
@@ -185,7 +217,7 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         engine.spec.num_moe_layers - 1
     )
     assert all(re.fullmatch(r"\d+\+\d+s?", plan) and p["us"] > 0 for plan, p in periods.items())
-    assert any(plan.endswith("s") for plan in periods) == (copies == "planner-split")
+    assert any(plan.endswith("s") for plan in periods) == (copies != "planner" and bool(driver))
     # and each replayed step after another has the period from that one's last routing to its
     # first; a prefill between them breaks the chain (one prompt per sequence here, all at once)
     times = engine.moe.staged_times
@@ -199,6 +231,15 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         assert calls["query"] == 0
         whole = calls["copy"]
         assert 0 < whole <= 2 * counts["fills"] and whole % 2 == 0
+    layer_steps = staged["layer_steps"]
+    if native_launch:  # each layer step launched its next piece's head and piece natively, and
+        # joined the fills where it queued any, by the event; Python joined none
+        assert not launch_errors
+        assert calls["launch"] == 2 * layer_steps and joins[0] == 0
+        assert 0 < calls["record"] == calls["wait_event"] < layer_steps
+    else:  # Python launched every piece after the first, joining the fills before each
+        assert calls.get("launch", 0) == 0 and joins[0] == layer_steps
+    del launches
     # overlapped: most steps were staged while the step before them was still unread, which the
     # host read in a wait of the staging
     assert sum(queued_behind) > len(replays) // 2 if overlap else not any(queued_behind)

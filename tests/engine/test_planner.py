@@ -20,8 +20,10 @@ from moelab.engine.cache import ExpertCache
 from moelab.engine.h2d import (
     COPY2D_FUNCTION,
     COPY_FUNCTION,
+    LAUNCH_FUNCTION,
     MEMSET2D_FUNCTION,
     QUERY_FUNCTION,
+    WAIT_EVENT_FUNCTION,
     address_of,
     host_functions,
 )
@@ -31,6 +33,7 @@ from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
 from moelab.kernels.host_handoff import (
     DONE,
+    EXPECTED,
     ROUTED,
     filled_mark,
     route_slots_from_host,
@@ -296,7 +299,7 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
         ids_h, w_h, x_h = r.routing_buffers(2)
         routing_to_host(ids, weights, x, ids_h, w_h, x_h)
         out = torch.empty(2, HIDDEN)
-        d, (wait_s, _, _) = r._native_step(
+        d, (wait_s, *_) = r._native_step(
             planner, layer, ids_h, w_h, x_h, out, False, sync=True, copies=True
         )
         assert wait_s > 0
@@ -422,7 +425,7 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
     ids = torch.tensor([[1, 2]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     before = r.cache.state.copy()
-    d, (wait_s, _, _) = r._native_step(planner, 0, ids, weights, x, out, False, sync=True)
+    d, (wait_s, *_) = r._native_step(planner, 0, ids, weights, x, out, False, sync=True)
     assert asked == [77] * 4  # the compute stream's handle, until it answered 0
     assert wait_s > 0 and d.job is not None
     d.job.wait()
@@ -456,7 +459,7 @@ def test_the_wait_takes_the_routing_signal_and_asks_the_stream_only_now_and_then
     setter = threading.Timer(0.05, lambda: signal.__setitem__(0, ROUTED))
     setter.start()
     t0 = time.perf_counter()
-    d, (wait_s, _, _) = r._native_step(planner, 0, ids, weights, x, out, False, sync=True,
+    d, (wait_s, *_) = r._native_step(planner, 0, ids, weights, x, out, False, sync=True,
                                        signal=signal)  # fmt: skip
     setter.join()
     assert time.perf_counter() - t0 >= 0.05 and wait_s >= 0.05
@@ -530,3 +533,95 @@ def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
         assert torch.allclose(first.job.wait(), want, rtol=1e-5, atol=1e-5)
         held.wait()
         second.job.wait()
+
+
+@pytest.mark.parametrize("on_cpu", [True, False], ids=["cpu-job", "no-cpu-job"])
+def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu):
+    """With its launches set, one step completes the CPU part's handoff (the epoch the next piece
+    waits for; a zero part and its epoch where nothing runs on the CPU), marks the padding rows'
+    routes, then launches the next piece's head, joins the fills (record on the fill stream, the
+    compute stream's wait) and launches the piece, in that order, after everything else."""
+    r = _runner(_bank(torch.Generator().manual_seed(11)), 6, 0.5 if on_cpu else 1.0, cpu, 2)
+    planner = r._decode_planner()
+    sync = r._handoff_sync.numpy()
+    order: list[tuple] = []
+
+    def copy(dst, src, nbytes, stream) -> int:
+        order.append(("copy", stream))
+        return 0
+
+    def launch(handle, stream) -> int:  # what the piece would read, as it is launched
+        order.append(("launch", handle, stream, int(sync[EXPECTED]), slots.copy()))
+        return 0
+
+    functions = (COPY_FUNCTION(copy), QUERY_FUNCTION(lambda stream: 0), *_no_2d())
+    planner.set_device(*(address_of(f) for f in functions), 7, 8, 1 << 40, 1 << 41, 2)
+
+    def record(event, stream) -> int:
+        order.append(("record", event, stream))
+        return 0
+
+    def wait(stream, event, flags) -> int:
+        order.append(("wait", stream, event))
+        return 0
+
+    launches = (LAUNCH_FUNCTION(launch), LAUNCH_FUNCTION(record), WAIT_EVENT_FUNCTION(wait))
+    planner.set_launch(*(address_of(f) for f in launches), 99)
+    table = torch.full((3, 2), 5, dtype=torch.int32)  # a size-3 batch's table, one real row
+    slots = table.numpy()
+    ids = torch.tensor([[3, 4]], dtype=torch.int32)
+    weights, x = torch.rand(1, 2), torch.randn(1, HIDDEN)
+    out = torch.full((1, HIDDEN), float("nan"))
+    epoch = r._epoch
+    d, seconds = r._native_step(
+        planner, 0, ids, weights, x, out, True, sync=True, copies=True, route_slots=table[:1],
+        expected=True, launch=(21, 22), pad_rows=2,
+    )  # fmt: skip
+    assert len(seconds) == 4 and seconds[3] >= 0
+    assert r._epoch == epoch + 1 and sync[EXPECTED] == epoch + 1
+    assert (d.job is not None) == on_cpu and d.admitted
+    *copies, head, record, wait, piece = order
+    assert copies and all(c == ("copy", 8) for c in copies)  # the fills, on the fill stream
+    assert head[:4] == ("launch", 21, 7, epoch + 1) and piece[:4] == ("launch", 22, 7, epoch + 1)
+    assert (record, wait) == (("record", 99, 8), ("wait", 7, 99))
+    # the padding rows were marked before the head was launched; the real row is the plan's
+    assert (head[4][1:] == -1).all() and (head[4][0] != 5).all()
+    if on_cpu:
+        torch.testing.assert_close(d.job.wait(), out)
+        assert sync[DONE] == epoch + 1
+    else:  # its part zero, its epoch done before the launch
+        assert sync[DONE] == epoch + 1 and (out == 0).all()
+    # without fills nothing is joined; wrong arguments change nothing and launch nothing
+    order.clear()
+    d, _ = r._native_step(planner, 0, ids, weights, x, out, True, sync=True, copies=True,
+                          route_slots=table[:1], expected=True, launch=(0, 22))  # fmt: skip
+    assert not d.admitted and order[-1][:2] == ("launch", 22)
+    assert not any(o[0] in ("record", "wait") for o in order)
+    order.clear()
+    before = _state(r)
+    with pytest.raises(ValueError, match="pad_rows"):
+        r._native_step(
+            planner, 0, ids, weights, x, out, True, sync=True, copies=True,
+            route_slots=table[:1], expected=True, launch=(21, 22), pad_rows=-1,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="needs set_launch and the copies"):
+        r._native_step(planner, 0, ids, weights, x, out, True, sync=True, launch=(21, 22))
+    assert _state(r) == before and not order
+
+
+def test_a_failed_launch_is_an_error(cpu):
+    """A graph launch the driver refuses fails the step with its code."""
+    r = _runner(_bank(torch.Generator().manual_seed(12)), 6, 1.0, cpu, 2)
+    planner = r._decode_planner()
+    functions = (COPY_FUNCTION(lambda dst, src, nbytes, stream: 0),
+                 QUERY_FUNCTION(lambda stream: 0), *_no_2d())  # fmt: skip
+    planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
+    launches = (LAUNCH_FUNCTION(lambda handle, stream: 0 if handle == 1 else 400),
+                LAUNCH_FUNCTION(lambda event, stream: 0),
+                WAIT_EVENT_FUNCTION(lambda stream, event, flags: 0))  # fmt: skip
+    planner.set_launch(*(address_of(f) for f in launches), 0)
+    ids = torch.tensor([[3, 4]], dtype=torch.int32)
+    weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
+    with pytest.raises(RuntimeError, match="cuGraphLaunch failed with CUDA driver error 400"):
+        r._native_step(planner, 0, ids, weights, x, out, True, sync=True, copies=True,
+                       expected=True, launch=(1, 2))  # fmt: skip
