@@ -33,6 +33,7 @@ from functools import partial
 import torch
 
 from ..kernels.common import inline_ptx
+from ..kernels.host_handoff import tokens_to_host
 from .h2d import HostToDevice
 from .model import Model, SeqSlice, StepBatch, StepState
 
@@ -129,6 +130,11 @@ class DecodeGraphs:
         # the sampled tokens, copied back to the host (two buffers: one step's copy may land
         # while the host still reads the previous step's)
         self._host_sampled = torch.zeros((2, max_bs), dtype=torch.long, pin_memory=pin)
+        # piecewise, the last piece stores them into this one itself (`sampled_to_host`)
+        self._tokens_host = torch.zeros(max_bs, dtype=torch.long, pin_memory=pin)
+        # steps run, and the last one known finished on the device (piecewise: a later step's
+        # first routing has arrived; `step_done`)
+        self._runs = self._passed = 0
         tables = max_bs * self.max_blocks
         self.block_tables = self._int[:tables].view(max_bs, self.max_blocks)
         self.seq_lens = self._int[tables:]
@@ -217,6 +223,7 @@ class DecodeGraphs:
         if last:  # (by the piece's index: a replay that reruns this code sees the last logits)
             assert state.logits is not None
             self._sample(bs, state.logits)
+            tokens_to_host(self.sampled[:bs], self._tokens_host[:bs])
         return state.x, state.ids, state.weights, state.logits
 
     def _whole(self, bs: int, state: StepState) -> Outputs:
@@ -284,6 +291,7 @@ class DecodeGraphs:
         n = len(rows)
         bs = next(s for s in self.sizes if s >= n)
         kv = self.model.kv
+        self._runs += 1
         self._mirror ^= 1
         host_long_t, host_int_t = self._host_longs[self._mirror], self._host_ints[self._mirror]
         host_long = host_long_t.numpy()
@@ -328,10 +336,14 @@ class DecodeGraphs:
             if piece < len(graphs) - 1:
                 assert self.cpu_part is not None and self.routing_host is not None
                 assert self.slots_host is not None
+                if piece + 2 == len(graphs):  # before the last piece, which writes the tokens
+                    experts.run_host_work()  # the host's work may still read (`sampled_to_host`)
                 # only the real rows: padding rows would fetch and run experts for nothing
                 ids_h, w_h, x_h = (t[:n] for t in self.routing_host)
                 experts.stage_decode(piece, ids_h, w_h, x_h, self.slots_host[:n], self.cpu_part[:n],
                                      launched)  # fmt: skip
+                if piece == 0:  # this step's first routing: the step before is finished
+                    self._passed = self._runs - 1
                 # padding rows run no experts (written after the stage's sync: an earlier
                 # step's graphs may read these rows until then)
                 if n < bs:
@@ -354,11 +366,15 @@ class DecodeGraphs:
         ids_h, w_h, x_h = (t[:n] for t in self.routing_host)
         slots_h, cpu_part = self.slots_host[:n], self.cpu_part[:n]
         for piece in range(last):
+            if piece + 1 == last:  # the host's work before the last piece, which writes the
+                experts.run_host_work()  # tokens the work may still read (`sampled_to_host`)
             experts.stage_decode(
                 piece, ids_h, w_h, x_h, slots_h, cpu_part, launched, launch=execs[piece + 1],
                 pad_rows=bs - n, signals=signals and piece + 1 < last,
             )  # fmt: skip
             launched = time.perf_counter()
+            if piece == 0:  # this step's first routing: the step before is finished
+                self._passed = self._runs - 1
             experts.after_launch()
 
     def _logits(self, bs: int, n: int) -> torch.Tensor:
@@ -382,11 +398,35 @@ class DecodeGraphs:
         self._h2d.copy(dst + 4 * tables, src + 4 * tables, 4 * bs)
 
     def sampled_to_host(self, n: int, buffer: int) -> torch.Tensor:
-        """Queue the copy of the last replay's greedy tokens of its first `n` rows into pinned
-        host buffer 0 or 1; the view is valid once the stream has passed this point."""
+        """The last replay's greedy tokens of its first `n` rows in pinned host memory, valid once
+        the step is done (`step_done`). Whole steps: a copy queued into host buffer 0 or 1.
+        Pieces: the last piece stored them into one buffer itself (a copy queued after the
+        launches cost the host 37-40 µs a step); the next step's tokens overwrite them only once
+        its last piece runs, and the host reads them before it launches that piece (during the
+        next step's staging, or after a wait for this one)."""
+        if self.piecewise:
+            return self._tokens_host[:n]
         host = self._host_sampled[buffer, :n]
         host.copy_(self.sampled[:n], non_blocking=True)
         return host
+
+    def step_done(self) -> Callable[[], None] | None:
+        """What waits until the step just run is finished on the device (None on the CPU, where
+        it is). Whole steps: an event recorded after it. Pieces: nothing to record, as a later
+        step's first routing, which its staging waits for, comes after it; the wait syncs the
+        stream only where no such routing has arrived yet."""
+        if self.model.device.type != "cuda":
+            return None
+        if self.piecewise:
+            return partial(self._wait_step, self._runs)
+        event = torch.cuda.Event()
+        event.record()
+        return event.synchronize
+
+    def _wait_step(self, run: int) -> None:
+        if self._passed < run:
+            torch.cuda.current_stream(self.model.device).synchronize()
+            self._passed = self._runs
 
 
 def _execs(graphs: list, heads: list) -> list[tuple[int, int]] | None:

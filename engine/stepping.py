@@ -9,6 +9,7 @@ flight (`_flight`, `_flip`, `_last_landed`, set up by `Engine.__init__`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +25,9 @@ class Flight:
     """A decode step queued on the device whose tokens the host has not read yet."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor  # pinned host [n]: the greedy tokens, once `done` has passed
+    tokens: torch.Tensor  # pinned host [n]: the greedy tokens, once `done` has returned
     routing: tuple[torch.Tensor, int] | None  # the resident routing copy (telemetry)
-    done: torch.cuda.Event | None  # None on the CPU, where the step ran synchronously
+    done: Callable[[], None] | None  # waits for the step; None on the CPU (it ran synchronously)
     launched: float
 
 
@@ -120,10 +121,7 @@ class Stepping:
         self._flip ^= 1
         tokens = graphs.sampled_to_host(len(rows), self._flip)
         routing = self.moe.snapshot_decode_ids(len(rows))
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
+        done = graphs.step_done()
         for c in chunks:
             c.seq.computed = c.start + 1
             c.seq.pending += 1
@@ -133,7 +131,7 @@ class Stepping:
         """Wait for a queued step and hand out its tokens. settled: no later step is queued
         (by default, none is in flight)."""
         if flight.done is not None:
-            flight.done.synchronize()
+            flight.done()
         tokens = flight.tokens.tolist()
         settled = self._flight is None if settled is None else settled
         self.moe.after_decode_step(flight.routing, settled=settled)

@@ -23,6 +23,10 @@ program, after a system-wide fence, so that a host that sees the signal sees the
 H200 the host saw it 3.3 µs (median) before `cuStreamQuery` said the kernel was done, and a read
 of the word costs 0.1 µs where a `cuStreamQuery` call costs 1.7 (docs/performance.md).
 
+A decode step's greedy tokens go to the host the same way, stored by its last piece's last
+kernel into pinned memory (`tokens_to_host`), where the host reads them once a later step's
+routing has arrived.
+
 The routes' slots go the same way as the CPU's part: the host writes them into a pinned table,
 marking the routes that this step's fills serve (`filled_mark`), and the next piece's first graph
 reads it with `route_slots_from_host`, which splits it into the cached experts' slots and the
@@ -52,6 +56,8 @@ from .rmsnorm import add_residual, fused_add_rmsnorm_ref, norm_row, row_warps
 
 DONE, EXPECTED, TIMED_OUT = 0, 8, 16  # int64 indices: 64 bytes apart
 _SYNC_LEN = 24
+# tokens_to_host's one program holds them all
+TOKENS_MAX = 4096
 # the routing's signal: its value once set, and its int32 elements (one cache line)
 ROUTED = 1
 _SIGNAL_LEN = 16
@@ -512,6 +518,55 @@ def routing_to_host(ids, weights, x, ids_h, weights_h, x_h) -> None:
         routing_to_host_triton(ids, weights, x, ids_h, weights_h, x_h)
     else:
         routing_to_host_ref(ids, weights, x, ids_h, weights_h, x_h)
+
+
+def tokens_to_host_ref(tokens: torch.Tensor, tokens_h: torch.Tensor) -> None:
+    """Reference: tokens_h[:] = tokens (int64 [n]; the destination in host memory). Queued, not
+    waited for, on a GPU (a pinned destination)."""
+    _check_tokens(tokens, tokens_h)
+    tokens_h.copy_(tokens, non_blocking=True)
+
+
+@triton.jit
+def _tokens_to_host_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    common.pdl_start(PDL)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+def tokens_to_host_triton(tokens: torch.Tensor, tokens_h: torch.Tensor) -> None:
+    """Triton: the same from one program, storing into the (pinned) host memory from the device;
+    graph-capturable (a decode step's greedy tokens, stored by its last piece: torch's copy to
+    the host cost that host 37-40 µs per step, after the graphs' launches)."""
+    _check_tokens(tokens, tokens_h)
+    if not (tokens.is_contiguous() and tokens_h.is_contiguous()):
+        raise ValueError("tokens_to_host_triton needs contiguous tensors")
+    n = tokens.numel()
+    _tokens_to_host_kernel[(1,)](
+        tokens, tokens_h, n, BLOCK=max(16, triton.next_power_of_2(n)),
+        **common.pdl_launch(tokens.device),
+    )  # fmt: skip
+
+
+def tokens_to_host(tokens: torch.Tensor, tokens_h: torch.Tensor) -> None:
+    """A step's tokens into a host buffer: the Triton kernel from a GPU, a copy elsewhere."""
+    if tokens.is_cuda and tokens.is_contiguous():
+        tokens_to_host_triton(tokens, tokens_h)
+    else:
+        tokens_to_host_ref(tokens, tokens_h)
+
+
+def _check_tokens(tokens: torch.Tensor, tokens_h: torch.Tensor) -> None:
+    if tokens.dtype != torch.int64 or tokens_h.dtype != torch.int64:
+        raise ValueError("tokens and their host buffer must be int64")
+    if tokens.dim() != 1 or tokens.shape != tokens_h.shape:
+        raise ValueError(f"tokens must be [n] as their host buffer, got {tuple(tokens.shape)} -> "
+                         f"{tuple(tokens_h.shape)}")  # fmt: skip
+    if tokens_h.device.type != "cpu":
+        raise ValueError("the tokens' buffer must be in host memory")
+    if tokens.numel() > TOKENS_MAX:
+        raise ValueError(f"at most {TOKENS_MAX} tokens, got {tokens.numel()}")
 
 
 def _check_routing(ids, weights, x, ids_h, weights_h, x_h) -> None:

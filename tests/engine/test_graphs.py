@@ -247,6 +247,31 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
+@pytest.mark.parametrize("launch", [False, True], ids=["python-launches", "planner-launches"])
+def test_overlapped_decode_of_one_moe_layer_reads_each_step_tokens(tmp_path, monkeypatch, launch):
+    """Two pieces a step: the last piece, which stores the step's tokens into the one host buffer
+    they are read from, is launched by the first staging, so the step before is landed ahead of
+    it (else its tokens would be read overwritten)."""
+    one = synthesize(tmp_path, arch="qwen3_moe", preset="tiny", routing_skew=0.8, seed=3,
+                     overrides={"num_experts": 16, "num_hidden_layers": 2})  # fmt: skip
+    expected = _eager_outputs(one, PROMPTS, 12, *OFFLOADED)
+    calls: dict[str, int] = {}
+    driver = _host_driver(monkeypatch, calls)
+    launches = _host_launches(monkeypatch, calls, errors := [])
+    engine = _piecewise_engine(one)
+    try:
+        assert engine.model.num_pieces == 2
+        engine.moe.planner_copies = engine.moe.planner_launches = launch
+        engine.moe._planner = None
+        outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    finally:
+        engine.close()
+    assert outputs == expected and not errors
+    assert (calls.get("launch", 0) > 0) == launch
+    del driver, launches
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
 def test_overlapped_piecewise_decode_with_stops_and_a_shrinking_batch(checkpoint):
     """Requests that end at different steps, one on a stop token while the next step is already
     staged: the tokens of eager steps, and the CPU jobs of the dropped step do not leak."""

@@ -156,6 +156,9 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
             torch.zeros(tokens, TOP_K, dtype=torch.int32), torch.zeros(tokens, TOP_K),
             torch.zeros(tokens, HIDDEN),
         )  # fmt: skip
+        host_handoff.tokens_to_host_triton(
+            torch.zeros(tokens, dtype=torch.int64), torch.zeros(tokens, dtype=torch.int64)
+        )
     # the decode projections of the 30B geometry (qkv, o, router, lm_head): one token, and eight
     # (the multi-token path, split over K for o)
     for n, k in ((5120, HIDDEN), (HIDDEN, 4096), (EXPERTS, HIDDEN), (151936, HIDDEN)):

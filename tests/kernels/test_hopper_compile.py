@@ -32,6 +32,7 @@ KERNELS = {
     "_sum_norm_kernel",
     "_route_slots_from_host_kernel",
     "_routing_to_host_kernel",
+    "_tokens_to_host_kernel",
     "_signal_kernel",
     "_qk_norm_rope_kv_kernel",
 }

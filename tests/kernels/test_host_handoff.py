@@ -401,6 +401,35 @@ def test_routing_to_host_stores_every_element_converted(gen, kernel, tokens, top
     assert torch.equal(x_h, x.float().cpu())
 
 
+TOKENS = {"triton": host_handoff.tokens_to_host_triton, "ref": host_handoff.tokens_to_host_ref}
+
+
+@pytest.mark.parametrize("kernel", list(TOKENS))
+@pytest.mark.parametrize("n", [1, 3, 8, 100])
+def test_tokens_to_host_stores_every_token(gen, kernel, n):
+    tokens = torch.randint(0, 151936, (n,), generator=gen).to(DEVICE)
+    tokens_h = _host(torch.full((n + 2,), -99, dtype=torch.int64))  # poisoned, one past the end
+    TOKENS[kernel](tokens, tokens_h[:n])
+    _finished()
+    assert torch.equal(tokens_h[:n], tokens.cpu())
+    assert (tokens_h[n:] == -99).all()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "tokens_h", "words"),
+    [
+        (torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), "int64"),
+        (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), r"must be \[n\]"),
+        (torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64), r"\[n\]"),
+        (torch.zeros(5000, dtype=torch.int64), torch.zeros(5000, dtype=torch.int64), "at most"),
+    ],
+)  # fmt: skip
+def test_bad_token_buffers_get_a_clear_error(tokens, tokens_h, words):
+    for kernel in TOKENS.values():
+        with pytest.raises(ValueError, match=words):
+            kernel(tokens, tokens_h)
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [
