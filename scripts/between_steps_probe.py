@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from moelab.engine import graphs, moe, staged_decode, stepping
+from moelab.engine import graphs, moe, scheduler, staged_decode, stepping
 from moelab.engine.cli import main
 
 pc = time.perf_counter
@@ -45,6 +45,9 @@ def probe() -> None:
     timed(staged_decode.StagedDecode, "join_fills", "join_fills")
     timed(staged_decode.StagedDecode, "expect_routing", "expect_routing")
     timed(stepping.Stepping, "_launch", "_launch")
+    timed(graphs.DecodeGraphs, "step_done", "step_done")
+    timed(stepping.Stepping, "_land", "_land")
+    timed(scheduler.Scheduler, "next_step", "next_step")
     copy, run, replay = torch.Tensor.copy_, graphs.DecodeGraphs.run, graphs.Graph.replay
 
     def timed_copy(self, *a, **k):  # torch copies in a step's inputs, before its first replay
