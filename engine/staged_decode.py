@@ -406,6 +406,9 @@ class StagedDecode:
             )  # fmt: skip
         except RuntimeError:  # a driver call failed; a failed fill has freed its slots again
             self.cache.changed()
+            if flag is not None:  # the epochs stay ahead of any the call may have written
+                state = flag.numpy()
+                self._epoch = max(self._epoch, int(state[DONE]), int(state[EXPECTED]))
             raise
         if admitted or split is not None:
             self.cache.changed()

@@ -183,14 +183,12 @@ class DecodePlanner {
   // set: sync first waits for the routing (polling without the GIL the int32 at `signal`, which
   // the router sets once the routing is in host memory, or where signal is 0 the compute stream
   // until it is idle; warming this layer's state in the CPU's caches between polls); copies
-  // queues the fills on
-  // the fill stream and writes -2 - slot for the routes they serve (the caller orders the
-  // device's reads of those slots after the fill stream), after starting the CPU job, or before
-  // it where the copies are the side that ends later.
+  // queues the fills on the fill stream and writes -2 - slot for the routes they serve (the
+  // caller orders the device's reads of those slots after the fill stream), after starting the
+  // CPU job, or before it where the copies are the side that ends later.
   // split_chunks >= 2 (with copies only): one miss may be split, its first rows in chunks of
   // I / split_chunks copied into the least recently used slot, which is freed again (its content
-  // is no expert), and the rest run on the CPU (fetch_plan). Returns (experts ascending, their
-  // slots before the step, admitted (expert, slot) pairs, experts run on the CPU (the split one
+  // is no expert), and the rest run on the CPU (fetch_plan).
   // The next piece (with the device set, copies and `set_launch`): `handoff` (with done_flag)
   // completes the CPU part's handoff to it first: without a CPU job `out` is zeroed and
   // done_value stored at done_flag, then, either way, done_value at `handoff` (the value the
@@ -199,10 +197,10 @@ class DecodePlanner {
   // `head` (the cached experts' routes) and `piece` are launched on the compute stream, `piece`
   // after the fill stream where this step queued fills (0: no launch). Nothing Python runs between
   // the routing's arrival and the next piece's launch.
-  // Returns (experts ascending, their
-  // slots before the step, admitted (expert, slot) pairs, experts run on the CPU (the split one
-  // first), the split (expert, slot, first CPU row) or None, the CPU job or None, and the seconds
-  // spent waiting, planning, queueing copies and launching).
+  // Returns (experts ascending, their slots before the step, admitted (expert, slot) pairs,
+  // experts run on the CPU (the split one first), the split (expert, slot, first CPU row) or
+  // None, the CPU job or None, and the seconds spent waiting, planning, queueing copies and
+  // launching).
   py::tuple step(int64_t layer, uintptr_t ids_addr, uintptr_t weights_addr, uintptr_t x,
                  int64_t T, double fetch_fraction, uintptr_t route_slots_addr, uintptr_t out,
                  uintptr_t done_flag, int64_t done_value, bool sync, bool copies,

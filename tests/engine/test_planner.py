@@ -622,6 +622,9 @@ def test_a_failed_launch_is_an_error(cpu):
     planner.set_launch(*(address_of(f) for f in launches), 0)
     ids = torch.tensor([[3, 4]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
+    epoch = r._epoch
     with pytest.raises(RuntimeError, match="cuGraphLaunch failed with CUDA driver error 400"):
         r._native_step(planner, 0, ids, weights, x, out, True, sync=True, copies=True,
                        expected=True, launch=(1, 2))  # fmt: skip
+    # the call had handed its epoch over: the next step's is past it
+    assert r._handoff_sync.numpy()[EXPECTED] == epoch + 1 and r._epoch == epoch + 1
