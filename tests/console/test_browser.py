@@ -92,13 +92,24 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @dataclass
 class Watched:
-    """A page and everything that went wrong on it: script errors, console errors, failed loads."""
+    """A page and everything that went wrong on it: script errors, console errors, failed loads.
+
+    A request the browser aborts because the test navigated away from its page (a favicon or an
+    htmx poll still in flight when `visit` opens the next page) is not a failure; `visits` counts
+    the navigations the test started, and each request remembers the count it began under."""
 
     page: Page
     problems: list[str] = field(default_factory=list)
+    visits: int = 0
+    began: dict[Any, int] = field(default_factory=dict)
 
     def check(self) -> None:
         assert not self.problems, self.problems
+
+    def failed(self, req: Any) -> None:
+        left_behind = self.began.get(req, self.visits) < self.visits
+        if not (left_behind and req.failure == "net::ERR_ABORTED"):
+            self.problems.append(f"failed: {req.url} {req.failure}")
 
 
 def open_page(browser: Browser, locale: str = "en-US", width: int = 1280) -> Watched:
@@ -111,10 +122,8 @@ def open_page(browser: Browser, locale: str = "en-US", width: int = 1280) -> Wat
             watched.problems.append(f"console: {msg.text}") if msg.type == "error" else None
         ),
     )
-    page.on(
-        "requestfailed",
-        lambda req: watched.problems.append(f"failed: {req.url} {req.failure}"),
-    )
+    page.on("request", lambda req: watched.began.setdefault(req, watched.visits))
+    page.on("requestfailed", watched.failed)
     page.on(
         "response",
         lambda r: watched.problems.append(f"{r.status}: {r.url}") if r.status >= 400 else None,
@@ -131,6 +140,7 @@ def charts_drawn(page: Page) -> list[str]:
 
 
 def visit(watched: Watched, url: str) -> None:
+    watched.visits += 1
     watched.page.goto(url, wait_until="networkidle")
     expected = watched.page.eval_on_selector_all(".chart[data-chart]", "els => els.length")
     wait_for(lambda: len(charts_drawn(watched.page)) == expected, 20, f"charts on {url}")
