@@ -322,21 +322,27 @@ class Model:
         return q, k, v
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of q [n, Hq, D] (the last n positions) over k, v [L, Hkv, D]."""
+        """Causal attention of q [n, Hq, D] (the last n positions) over k, v [L, Hkv, D].
+
+        The heads go in as one batch of 4-D tensors: torch's fused backends (flash, cuDNN,
+        memory-efficient) take only those, and 3-D input falls back to the math backend, which
+        materializes the [Hq, n, L] scores in fp32. A whole prompt shares the key/value heads
+        (enable_gqa); a later chunk's lower-right causal mask goes to a backend that takes masks,
+        with the key/value heads repeated for it."""
         n, length = q.shape[0], k.shape[0]
         groups = self.spec.num_heads // self.spec.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        if n == 1:
-            out = F.scaled_dot_product_attention(qt, kt, vt, scale=self.scale)
-        elif n == length:
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale)
-        else:
+        mask = None
+        if n not in (1, length):
             mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
-            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale)
-        return out.transpose(0, 1)
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+        qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=mask, is_causal=n == length > 1, scale=self.scale,
+            enable_gqa=kt.shape[1] != qt.shape[1],
+        )  # fmt: skip
+        return out.squeeze(0).transpose(0, 1)
 
     def _route(self, index: int, moe_layer: int, layer: LayerWeights, state: StepState) -> None:
         x = state.x
