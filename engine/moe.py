@@ -69,6 +69,8 @@ class MoERunner(StagedDecode):
         self.cpu_times = CpuJobTimes()
         self.staged_times = StagedStepTimes()
         self._cpu_window = CpuJobTimes()  # the CPU jobs since the auto split was last updated
+        # a prefill's picks as the planner counts them (decode's counters rank the misses); no
+        # one reads them, and a resident or streamed prefill leaves them alone (a host sync a layer)
         self.prefill_picks = np.zeros((bank.num_layers, bank.num_experts), dtype=np.int64)
         # decode-step observers: (layer, experts, slots before the step, fetched, run on CPU)
         self.on_decode_step: list[Callable] = []
@@ -133,18 +135,12 @@ class MoERunner(StagedDecode):
         # layer steps: the next one starts no period (StagedStepTimes: periods, boundaries)
         self._last_arrival = None
         if self.cache.holds_everything:
-            if decode:
-                ids_host = None
-            else:
-                ids_host = ids.cpu().numpy()
-                np.add.at(self.prefill_picks[moe_layer], ids_host.ravel(), 1)
-            return self._all_resident(moe_layer, x, ids, weights, ids_host, decode)
+            return self._all_resident(moe_layer, x, ids, weights, decode)
         if not decode and self.prefill.allocated and x.shape[0] >= self.prefill_stream_min_tokens:
-            np.add.at(self.prefill_picks[moe_layer], ids.cpu().numpy().ravel(), 1)
             return self.prefill.run(moe_layer, x, ids, weights)
         return self._split(moe_layer, x, ids, weights, decode)
 
-    def _all_resident(self, moe_layer, x, ids, weights, ids_host, decode) -> torch.Tensor:
+    def _all_resident(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
         cache = self.cache
         if cache.layer_major:
             # layer m's experts fill slots m*E .. m*E+E-1 in order: index that view by expert id
@@ -163,7 +159,9 @@ class MoERunner(StagedDecode):
             with self._phase("gpu_experts"):
                 # the routes' outputs unsummed: the next residual add + RMSNorm sums them
                 return fused_moe_decode(x, slots, weights, w13, w2, reduce=False)
-        return grouped_moe(x, slots, weights, w13, w2)
+        # the router's ids are in range: no check, and nothing in the layer waits for the device
+        e = self.bank.num_experts
+        return grouped_moe(x, slots, weights, w13, w2, layer_experts=e, checked=False)
 
     def _phase(self, name: str):
         return self.timer.phase(name) if self.timer is not None else _NO_TIMER

@@ -2,7 +2,9 @@
 
 Routes (token, k) are sorted by expert and padded to whole row blocks, so that each program of a
 launch multiplies one block of routes of one expert by one column block of its weights with tl.dot.
-The grouping syncs the host once (the number of row blocks sizes the grid); prefill is not captured.
+The grouping runs on the device without the host waiting for it: the grid is the most row blocks
+the routes can need, and the programs past the real blocks return at once. (A prefill is host-bound
+at a few thousand tokens: a sync a layer would add the device's time to the host's.)
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def _gate_up_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # past the routes' blocks
+        return
     routes = tl.load(routes_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     r_ok = routes >= 0
     tokens = routes // TOP_K
@@ -145,6 +149,8 @@ def _down_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # past the routes' blocks
+        return
     routes = tl.load(routes_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     r_ok = routes >= 0
     route_w = tl.load(weights_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
@@ -168,49 +174,53 @@ class _RouteBlocks:
     """Routes sorted by expert and padded to whole blocks: what the two launches iterate over."""
 
     routes: torch.Tensor  # [num_blocks * block_m] flat route index t*K+k, -1 for padding
-    block_expert: torch.Tensor  # [num_blocks] the expert of each block
-    skipped: torch.Tensor  # flat indices of routes with expert id -1
-    num_blocks: int
+    block_expert: torch.Tensor  # [num_blocks] the expert of each block, -1 past the last
+    skipped: torch.Tensor  # [T*K] True for the routes with expert id -1
+    num_blocks: int  # the grid: the most blocks the routes can need
 
 
 def _group_routes(
-    expert_ids: torch.Tensor, num_experts: int, config: GroupedMoEConfig | None
-) -> tuple[_RouteBlocks, GroupedMoEConfig]:
-    """Sort routes by expert and pad each expert's run to whole row blocks (one host sync).
+    expert_ids: torch.Tensor, num_experts: int, config: GroupedMoEConfig, distinct: int
+) -> _RouteBlocks:
+    """Sort routes by expert and pad each expert's run to whole row blocks, on the device.
 
-    Without a config, the block size follows the routes per expert among the experts in use: w13 may
-    be the whole expert cache, most of whose slots this call does not touch.
+    distinct: the most different experts the routes can name. Each expert's run wastes less than a
+    block, so T*K/block_m + distinct blocks hold them all; the blocks past the last run get -1.
     """
     device = expert_ids.device
+    block_m = config.block_m
     flat = expert_ids.reshape(-1).long()
-    # Skipped routes (-1) count under a virtual expert num_experts, which gets no blocks.
-    keyed = torch.where(flat >= 0, flat, num_experts)
-    counts = torch.bincount(keyed, minlength=num_experts + 1)
-    if counts.numel() > num_experts + 1:
-        raise ValueError(f"expert_ids name an expert >= {num_experts}, the experts in w13")
-    sizes = (config.block_m,) if config else BLOCK_M_CHOICES
-    size_t = torch.tensor(sizes, device=device)
-    blocks_by_size = (counts[:num_experts, None] + size_t - 1) // size_t
-    used = (counts[:num_experts] > 0).sum().view(1)
-    stats = torch.cat([used, counts[num_experts:], blocks_by_size.sum(0)]).tolist()
-    num_used, num_skipped, *num_blocks_by_size = stats
-    num_kept = flat.numel() - num_skipped
-    cfg = config or config_for(num_kept / max(num_used, 1))
-    block_m = cfg.block_m
-    blocks = blocks_by_size[:, sizes.index(block_m)]
-    num_blocks = num_blocks_by_size[sizes.index(block_m)]
+    num_routes = flat.numel()
+    num_blocks = -(-num_routes // block_m) + min(distinct, num_experts, num_routes)
+    # Skipped routes (-1) sort last, under a virtual expert num_experts that gets no blocks.
+    skipped = flat < 0
+    keyed = torch.where(skipped, num_experts, flat)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.index_add_(0, keyed, torch.ones_like(keyed))
+    counts = counts[:num_experts]
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
     order = torch.argsort(keyed, stable=True)
-    kept = order[:num_kept]
-    sorted_experts = keyed[kept]
-    run_start = torch.cumsum(counts[:num_experts], 0) - counts[:num_experts]
-    block_start = (torch.cumsum(blocks, 0) - blocks) * block_m
-    rank = torch.arange(num_kept, device=device) - run_start[sorted_experts]
-    routes = torch.full((num_blocks * block_m,), -1, dtype=torch.int64, device=device)
-    routes[block_start[sorted_experts] + rank] = kept
-    block_expert = torch.repeat_interleave(
-        torch.arange(num_experts, device=device), blocks, output_size=num_blocks
-    )
-    return _RouteBlocks(routes, block_expert, order[num_kept:], num_blocks), cfg
+    sorted_experts = keyed[order]
+    kept = sorted_experts < num_experts
+    expert = sorted_experts.clamp(max=num_experts - 1)
+    run_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_routes, device=device) - run_start[expert]
+    dest = (block_end[expert] - blocks[expert]) * block_m + rank
+    # one slot past the grid's rows takes the skipped routes' writes, and is never read
+    trash = num_blocks * block_m
+    routes = torch.full((trash + 1,), -1, dtype=torch.int64, device=device)
+    routes[torch.where(kept, dest, trash)] = order
+    block = torch.arange(num_blocks, device=device)
+    block_expert = torch.searchsorted(block_end, block, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return _RouteBlocks(routes[:trash], block_expert, skipped, num_blocks)
+
+
+def _check_expert_range(expert_ids: torch.Tensor, num_experts: int) -> None:
+    """Refuse expert ids beyond w13's experts (a host sync)."""
+    if expert_ids.numel() and int(expert_ids.max()) >= num_experts:
+        raise ValueError(f"expert_ids name an expert >= {num_experts}, the experts in w13")
 
 
 def grouped_moe_triton(
@@ -222,16 +232,29 @@ def grouped_moe_triton(
     *,
     compute_dtype: torch.dtype | None = None,
     config: GroupedMoEConfig | None = None,
+    layer_experts: int | None = None,
+    checked: bool = True,
 ) -> torch.Tensor:
-    """Triton prefill MoE: fp32 [T, H]; syncs the host once to size the grid."""
+    """Triton prefill MoE: fp32 [T, H].
+
+    layer_experts: the experts of one layer, the most different ids the routes can hold (w13 may
+    be the whole expert cache, most of whose slots one layer's routes cannot name); the tiles
+    follow the routes per expert this gives, unless `config` names them. checked: refuse ids
+    beyond w13 first, which waits for the device; the engine's own routes need no check and pass
+    False, so that nothing in a prefill's layer waits for the device.
+    """
     _check(x, expert_ids, route_weights, w13, w2)
     num_tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_experts = w13.shape[0]
+    if checked:
+        _check_expert_range(expert_ids, num_experts)
     inter = w13.shape[1] // 2
     compute = common.tl_dtype(compute_dtype or x.dtype)
-    grouped, cfg = _group_routes(expert_ids, num_experts, config)
     num_routes = num_tokens * top_k
+    distinct = min(layer_experts or num_experts, num_experts)
+    cfg = config or config_for(num_routes / max(min(distinct, num_routes), 1))
+    grouped = _group_routes(expert_ids, num_experts, cfg, distinct)
     act = common.alloc((num_routes, inter), compute_dtype or x.dtype, x.device)
     y = common.alloc((num_routes, hidden), torch.float32, x.device)
     if grouped.num_blocks:
@@ -277,8 +300,7 @@ def grouped_moe_triton(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-    if grouped.skipped.numel():
-        y.index_fill_(0, grouped.skipped, 0.0)
+    y.masked_fill_(grouped.skipped[:, None], 0.0)  # no block wrote the skipped routes' rows
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
@@ -290,12 +312,16 @@ def grouped_moe(
     w2: torch.Tensor,
     *,
     compute_dtype: torch.dtype | None = None,
+    layer_experts: int | None = None,
+    checked: bool = True,
 ) -> torch.Tensor:
-    """Prefill MoE over one layer's experts: the Triton kernels on CUDA, the reference elsewhere."""
+    """Prefill MoE over one layer's experts: the Triton kernels on CUDA, the reference elsewhere
+    (layer_experts and checked: see grouped_moe_triton)."""
     if x.is_cuda:
         return grouped_moe_triton(
-            x, expert_ids, route_weights, w13, w2, compute_dtype=compute_dtype
-        )
+            x, expert_ids, route_weights, w13, w2, compute_dtype=compute_dtype,
+            layer_experts=layer_experts, checked=checked,
+        )  # fmt: skip
     return grouped_moe_ref(x, expert_ids, route_weights, w13, w2, compute_dtype=compute_dtype)
 
 

@@ -104,6 +104,25 @@ def test_grouped_moe(gen, tokens):
     assert_matches(out, ref, tol=2e-2)
 
 
+def test_grouped_moe_unchecked_never_waits_for_the_device(gen):
+    """The engine's call (checked=False): no host sync in the whole layer, so a prefill's host
+    runs ahead of the device (torch raises on a sync in this mode)."""
+    x = cuda_randn(gen, 512, HIDDEN)
+    expert_ids = routes(gen, 512, EXPERTS, masked=0.05)
+    weights = torch.rand(512, TOP_K, generator=gen).cuda()
+    w13, w2 = expert_weights(gen, EXPERTS)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = grouped_moe.grouped_moe(
+            x, expert_ids, weights, w13, w2, layer_experts=EXPERTS, checked=False
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = grouped_moe.grouped_moe_ref(*as_fp32(x, expert_ids, weights, w13, w2))
+    assert_matches(out, ref, tol=2e-2)
+
+
 def paged_kv(gen: torch.Generator, seq_lens: list[int], max_blocks: int):
     num_blocks = len(seq_lens) * max_blocks
     k_cache = cuda_randn(gen, num_blocks, PAGE, KV_HEADS, HEAD_DIM)

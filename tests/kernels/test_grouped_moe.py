@@ -52,6 +52,42 @@ def test_few_experts_used_in_a_large_cache(gen):
     assert_matches(out, grouped_moe.grouped_moe_ref(x, expert_ids, weights, w13, w2), tol=1e-5)
 
 
+def test_one_layer_of_a_larger_cache(gen):
+    # w13 is a cache of 12 slots; the layer has 4 experts (slots 8..11): the tiles and the grid
+    # follow the 4, and every route still lands in one block of its own expert.
+    x = randn(gen, 30, 32)
+    picks = route_table(gen, 30, 3, 4, masked=0.2)
+    expert_ids = torch.where(picks >= 0, picks + 8, -1).to(torch.int32)
+    weights = route_weights(gen, 30, 3)
+    w13, w2 = experts(gen, 12, 32, 16)
+    out = grouped_moe.grouped_moe_triton(
+        x, expert_ids, weights, w13, w2, layer_experts=4, checked=False
+    )
+    assert_matches(out, grouped_moe.grouped_moe_ref(x, expert_ids, weights, w13, w2), tol=1e-5)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_route_blocks_hold_each_kept_route_once(gen, block_m):
+    ids = route_table(gen, 41, 4, 9, masked=0.15)
+    config = GroupedMoEConfig(block_m, 16, 16, 16, num_warps=4, num_stages=2)
+    grouped = grouped_moe._group_routes(ids, 9, config, distinct=9)
+    flat = ids.reshape(-1).cpu()
+    routes = grouped.routes.view(grouped.num_blocks, block_m).cpu()
+    block_expert = grouped.block_expert.cpu()
+    real = block_expert >= 0
+    # the real blocks come first, and the grid bound holds them
+    assert real.sum() >= 1 and not real[int(real.sum()) :].any()
+    assert grouped.num_blocks == -(-flat.numel() // block_m) + 9
+    placed = routes[real].reshape(-1)
+    placed = placed[placed >= 0]
+    assert sorted(placed.tolist()) == (flat >= 0).nonzero().reshape(-1).tolist()
+    for b in range(int(real.sum())):
+        members = routes[b][routes[b] >= 0]
+        assert members.numel() and (flat[members] == block_expert[b]).all()
+    assert not (routes[~real] >= 0).any()
+    assert torch.equal(grouped.skipped.cpu(), flat < 0)
+
+
 def test_all_routes_skipped_gives_zeros(gen):
     x = randn(gen, 3, 32)
     expert_ids = torch.full((3, 2), -1, dtype=torch.int32, device=DEVICE)
