@@ -49,19 +49,19 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
             action="store_true",
             help="print the device kernels of a few steps (torch.profiler) to stderr",
         )
+        p.add_argument(
+            "--trace",
+            type=Path,
+            default=None,
+            metavar="FILE",
+            help="with --kernel-profile: also write its timeline (host calls and device "
+            "kernels) to FILE as a Chrome trace (Perfetto, chrome://tracing)",
+        )
         if name == "decode":
             p.add_argument("--batch", type=int, default=1)
             p.add_argument("--tokens", type=int, default=64, help="timed tokens per sequence")
             p.add_argument("--warmup", type=int, default=32, help="untimed tokens first")
             p.add_argument("--prompt-tokens", type=int, default=16)
-            p.add_argument(
-                "--trace",
-                type=Path,
-                default=None,
-                metavar="FILE",
-                help="with --kernel-profile: also write its steps' timeline (host calls and "
-                "device kernels) to FILE as a Chrome trace (Perfetto, chrome://tracing)",
-            )
         else:
             p.add_argument("--prompt-tokens", type=int, default=2048)
             p.add_argument("--repeats", type=int, default=3)
@@ -253,12 +253,7 @@ def _decode(engine, args) -> dict:
     engine.moe.staged_times = StagedStepTimes()
     engine.telemetry.miss_cost = MissCostFit()
     rates_before = concurrent_rates(engine)
-    profiler = None
-    if args.profile:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
+    profiler = _host_profile_start(args.profile)
     around = (_cpu_ticks(), _thread_switches())
     t0 = time.perf_counter()
     engine.run_until_idle()
@@ -273,11 +268,7 @@ def _decode(engine, args) -> dict:
         "staged_layer_us": engine.moe.staged_times.to_dict(),
         "miss_cost": engine.telemetry.miss_cost.to_dict(),
     }
-    if profiler is not None:
-        import pstats
-
-        profiler.disable()
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    _host_profile_print(profiler)
     # the timed steps' counts, taken before --kernel-profile runs more steps
     reads, hits, fills, cpu, picks = (
         a - b for a, b in zip((c.reads, c.hits, c.fills, c.cpu, c.picks), before, strict=True)
@@ -320,17 +311,55 @@ def _decode(engine, args) -> dict:
     }
 
 
+def _host_profile_start(wanted: bool):
+    """A running cProfile profiler where --profile asked for one, else None."""
+    if not wanted:
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _host_profile_print(profiler) -> None:
+    """Stop a --profile profiler and print where the host spent its time, to stderr."""
+    if profiler is None:
+        return
+    import pstats
+
+    profiler.disable()
+    pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+
+
 def _kernel_profile(
     engine, prompts: list[list[int]], steps: int = 16, trace: Path | None = None
 ) -> None:
     """Device time per kernel over `steps` decode steps, to stderr; their timeline to `trace`."""
-    from torch.profiler import ProfilerActivity, profile
-
     from .sampling import SamplingParams
 
     seqs = [engine.add(p, SamplingParams(max_tokens=steps + 1, ignore_eos=True)) for p in prompts]
     while any(not s.output_ids for s in seqs):
         engine.step()
+    _profile_until_idle(engine, trace)
+
+
+def _prefill_kernel_profile(
+    engine, tokens: int, gen: torch.Generator, trace: Path | None = None
+) -> None:
+    """Device time per kernel over one prefill of a fresh `tokens`-token prompt, to stderr; its
+    timeline to `trace`."""
+    from .sampling import SamplingParams
+
+    prompt = torch.randint(0, engine.spec.vocab_size, (tokens,), generator=gen).tolist()
+    engine.add(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    _profile_until_idle(engine, trace)
+
+
+def _profile_until_idle(engine, trace: Path | None) -> None:
+    """Run the engine's queued work under torch.profiler: its kernels' table to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU]
     if engine.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -348,8 +377,8 @@ def _kernel_profile(
         print(f"timeline written to {trace}", file=sys.stderr)
 
 
-def _prefill_seconds(engine, tokens: int, repeats: int, gen: torch.Generator) -> float:
-    """Median seconds to prefill a fresh prompt of `tokens` tokens (one warm-up first)."""
+def _prefill_times(engine, tokens: int, repeats: int, gen: torch.Generator) -> list[float]:
+    """Seconds to prefill each of `repeats` fresh prompts of `tokens` tokens (one warm-up first)."""
     from .sampling import SamplingParams
 
     times = []
@@ -360,7 +389,12 @@ def _prefill_seconds(engine, tokens: int, repeats: int, gen: torch.Generator) ->
         engine.run_until_idle()
         times.append(time.perf_counter() - t0)
         assert seq.finished
-    return float(np.median(times[1:]))
+    return times[1:]
+
+
+def _prefill_seconds(engine, tokens: int, repeats: int, gen: torch.Generator) -> float:
+    """Median seconds to prefill a fresh prompt of `tokens` tokens (one warm-up first)."""
+    return float(np.median(_prefill_times(engine, tokens, repeats, gen)))
 
 
 def find_crossover(engine, repeats: int = 2) -> dict:
@@ -387,19 +421,14 @@ def find_crossover(engine, repeats: int = 2) -> dict:
 
 
 def _prefill(engine, args) -> dict:
-    from .sampling import SamplingParams
-
     spec = engine.spec
     gen = torch.Generator().manual_seed(2)
-    times = []
-    for _ in range(args.repeats + 1):
-        prompt = torch.randint(0, spec.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
-        seq = engine.add(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-        t0 = time.perf_counter()
-        engine.run_until_idle()
-        times.append(time.perf_counter() - t0)
-        assert seq.finished
-    elapsed = float(np.median(times[1:]))
+    profiler = _host_profile_start(args.profile)
+    times = _prefill_times(engine, args.prompt_tokens, args.repeats, gen)
+    _host_profile_print(profiler)
+    elapsed = float(np.median(times))
+    if args.kernel_profile:
+        _prefill_kernel_profile(engine, args.prompt_tokens, gen, trace=args.trace)
     rates = concurrent_rates(engine)
     eb = spec.expert_bytes * engine.dtype.itemsize // spec.dtype_bytes
     chunks = math.ceil(args.prompt_tokens / engine.args.prefill_chunk_tokens)
@@ -416,9 +445,9 @@ def _prefill(engine, args) -> dict:
         if crossover["stream_min_tokens"] is not None:
             save_crossover(engine, crossover["stream_min_tokens"], engine.args.bw_profile)
     return {"prompt_tokens": args.prompt_tokens, "prefill_tok_s": args.prompt_tokens / elapsed,
-            "crossover": crossover,
-            "seconds": elapsed, "pcie_bound_tok_s": args.prompt_tokens / stream_s if stream_s
-            else None, **rates}  # fmt: skip
+            "crossover": crossover, "seconds": elapsed, "seconds_each": times,
+            "pcie_bound_tok_s": args.prompt_tokens / stream_s if stream_s else None,
+            **rates}  # fmt: skip
 
 
 def staged_lines(staged: dict) -> str:
@@ -488,9 +517,11 @@ def _run(args: argparse.Namespace) -> int:
                 line += f", the feeding thread preempted {d['feeder_preemptions']} times"
     else:
         bound = result["pcie_bound_tok_s"]
+        rates = [result["prompt_tokens"] / t for t in result["seconds_each"]]
         line = (
             f"prefill {result['prefill_tok_s']:.1f} tok/s for {result['prompt_tokens']} "
-            f"tokens; PCIe streaming estimate "
+            f"tokens (median of {len(rates)}, {min(rates):.0f}–{max(rates):.0f}); "
+            f"PCIe streaming estimate "
             f"{f'{bound:.1f} tok/s' if bound else 'none (all experts resident)'}"
         )
     print(line, file=sys.stderr)
