@@ -547,8 +547,18 @@ def _short(config: object) -> str:
     return "/".join(str(v) for v in asdict(config).values())
 
 
-def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
-    """Measure the ceilings, then every kernel; returns the device summary, results and notes."""
+# The kernels `--only` can pick: the Bench methods whose rows `run` times.
+KERNELS = (
+    "fused_moe", "grouped_moe", "paged_attention", "sdpa_prefill", "rmsnorm", "router", "route",
+    "rope_kv", "handoff", "linear",
+)  # fmt: skip
+
+
+def run(
+    sweep: bool, only: Sequence[str] | None = None
+) -> tuple[dict[str, object], list[Result], list[str]]:
+    """Measure the ceilings, then every kernel (or those named in `only`, from KERNELS); returns
+    the device summary, results and notes."""
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}; measuring copy bandwidth and matmul rate", file=sys.stderr)
     bench = Bench(measure_copy_gbps(), measure_matmul_tflops())
@@ -562,29 +572,40 @@ def run(sweep: bool) -> tuple[dict[str, object], list[Result], list[str]]:
         f"copy {bench.copy_gbps:.0f} GB/s, bf16 matmul {bench.matmul_tflops:.0f} TFLOP/s",
         file=sys.stderr,
     )
-    for tokens in (1, 4, 8, 16):
-        bench.fused_moe(tokens)
-    bench.fused_moe(1, with_ref=False, reduce=False)
-    for tokens in (512, 2048):
-        bench.grouped_moe(tokens)
-    for seq_lens in ([2048], [8192], [32768], [4096] * 8):
-        bench.paged_attention(seq_lens)
-    for length in (2048, 8192, 32768):
-        bench.sdpa_prefill(length)
+    wanted = set(KERNELS if only is None else only)
+    if "fused_moe" in wanted:
+        for tokens in (1, 4, 8, 16):
+            bench.fused_moe(tokens)
+        bench.fused_moe(1, with_ref=False, reduce=False)
+    if "grouped_moe" in wanted:
+        for tokens in (512, 2048):
+            bench.grouped_moe(tokens)
+    if "paged_attention" in wanted:
+        for seq_lens in ([2048], [8192], [32768], [4096] * 8):
+            bench.paged_attention(seq_lens)
+    if "sdpa_prefill" in wanted:
+        for length in (2048, 8192, 32768):
+            bench.sdpa_prefill(length)
     for tokens in (1, 2048):
-        bench.rmsnorm(tokens)
-        bench.router(tokens)
+        if "rmsnorm" in wanted:
+            bench.rmsnorm(tokens)
+        if "router" in wanted:
+            bench.router(tokens)
+    if "route" in wanted:
+        for tokens in (1, 8):
+            for host in (False, True):
+                bench.route(tokens, host)
     for tokens in (1, 8):
-        for host in (False, True):
-            bench.route(tokens, host)
-    for tokens in (1, 8):
-        bench.rope_kv(tokens)
-        for parts in (1, 2):
-            bench.handoff(tokens, parts)
-        bench.handoff_norm(tokens)
-    for tokens in (1, 8):
-        for name in PROJECTIONS:
-            bench.linear(tokens, name)
+        if "rope_kv" in wanted:
+            bench.rope_kv(tokens)
+        if "handoff" in wanted:
+            for parts in (1, 2):
+                bench.handoff(tokens, parts)
+            bench.handoff_norm(tokens)
+    if "linear" in wanted:
+        for tokens in (1, 8):
+            for name in PROJECTIONS:
+                bench.linear(tokens, name)
     if sweep:
         for block_n, block_k, down_n, warps, stages in (
             (16, 128, 16, 4, 4),
@@ -632,6 +653,18 @@ def table(device: dict[str, object], results: list[Result], notes: Sequence[str]
     return "\n".join(lines)
 
 
+def _kernel_names(text: str) -> list[str]:
+    """`--only`'s value: known kernel names, comma-separated."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in KERNELS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown kernel {', '.join(unknown) or '(none given)'}; choose from "
+            f"{', '.join(KERNELS)}"
+        )
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m moelab.kernels.bench`."""
     parser = argparse.ArgumentParser(
@@ -646,11 +679,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also time tile configs of decode MoE, attention and the skinny GEMM, and each SDPA "
         "backend",
     )
+    parser.add_argument(
+        "--only",
+        type=_kernel_names,
+        default=None,
+        metavar="NAMES",
+        help=f"time only these kernels, comma-separated: {', '.join(KERNELS)}",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: the kernel benchmark needs a GPU (nothing measured)")
         return 0
-    device, results, notes = run(args.sweep)
+    device, results, notes = run(args.sweep, args.only)
     if args.json:
         rows = [r.to_json() for r in results]
         print(json.dumps({"device": device, "results": rows, "notes": notes}, indent=2))

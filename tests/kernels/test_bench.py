@@ -50,3 +50,29 @@ def test_working_set_outgrows_the_l2_cache():
     assert bench.layers_for(75_000_000) * 75_000_000 >= bench.MIN_WORKING_SET_BYTES
     assert bench.layers_for(10**10) == 2
     assert bench.layers_for(16) == bench.MAX_CALLS_PER_GRAPH  # a tiny call is launch-bound anyway
+
+
+def test_only_refuses_an_unknown_kernel_and_names_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--only", "paged_attention,flash"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown kernel flash" in err and "paged_attention" in err and "fused_moe" in err
+
+
+def test_only_runs_the_named_kernels_alone(monkeypatch):
+    timed = []
+    for name in bench.KERNELS:
+        monkeypatch.setattr(bench.Bench, name, lambda self, *a, _n=name, **k: timed.append(_n))
+    monkeypatch.setattr(bench.Bench, "handoff_norm", lambda self, *a, **k: timed.append("handoff"))
+    props = type("Props", (), {"name": "Fake GPU"})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _device: props)
+    monkeypatch.setattr(bench, "measure_copy_gbps", lambda: 4000.0)
+    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda: 600.0)
+    monkeypatch.setattr(bench, "DEVICE", torch.device("cpu"))  # the bench's random generator
+    bench.run(False, ["paged_attention", "rope_kv"])
+    assert sorted(set(timed)) == ["paged_attention", "rope_kv"]
+    assert timed.count("paged_attention") == 4
+    timed.clear()
+    bench.run(False)
+    assert set(timed) == set(bench.KERNELS)
