@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|all]
 # (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first.
 set -uo pipefail
@@ -14,7 +14,8 @@ run() {  # name, command...: keep going when one step fails, record its status
   local t0=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
-  grep -E "^(decode|prefill) |passed|failed" "$out/$name.log" | tail -2 | tee -a "$out/summary.txt"
+  grep -E "^(decode|prefill) |passed|failed|^(paged_attention|fused_moe_decode) " "$out/$name.log" \
+    | tail -5 | tee -a "$out/summary.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max,driver_version \
   --format=csv > "$out/gpu.txt" 2>&1
@@ -33,6 +34,19 @@ if [ "$part" = resident ]; then  # all experts resident: overlapped decode again
   run decode12_resident_b8 $B decode $G --routing-skew 1 --batch 8 --json
   run decode12_resident_profile $B decode $G --routing-skew 1 --json --kernel-profile
   run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json
+fi
+if [ "$part" = prefill ]; then  # pp512 in three processes (a host-bound prefill varies by process)
+  for i in 1 2 3; do
+    run prefill12_resident_$i $B prefill $G --prompt-tokens 512 --repeats 10 --json
+  done
+  run prefill12_resident_2048 $B prefill $G --prompt-tokens 2048 --repeats 5 --json
+  run prefill12_cache25 $B prefill $G --prompt-tokens 512 --moe-cache-rate 0.25 --json
+fi
+if [ "$part" = attention ]; then  # decode attention's rows twice, with programmatic dependent launch and without
+  for i in 1 2; do
+    run attention_pdl_$i python3 -m moelab.kernels.bench --only paged_attention,fused_moe
+    run attention_nopdl_$i env MOELAB_PDL=0 python3 -m moelab.kernels.bench --only paged_attention,fused_moe
+  done
 fi
 if [ "$part" = startup ] || [ "$part" = autotune ]; then  # an engine's start, phase by phase
   run synth_small python3 -m moelab.engine.cli synth --arch qwen3_moe --preset small --out /tmp/small
