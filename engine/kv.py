@@ -71,12 +71,16 @@ class KVCache:
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
+    def page_index(self, blocks: list[int], length: int) -> torch.Tensor:
+        """The pages holding a sequence's first `length` tokens, as a device index for `gather`
+        (a host-to-device copy: make it once a step, not once a layer)."""
+        return torch.tensor(blocks[: self.blocks_for(length)], device=self.k.device)
+
     def gather(
-        self, layer: int, blocks: list[int], length: int
+        self, layer: int, pages: torch.Tensor, length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `length` keys and values [length, Hkv, D] of a sequence's blocks."""
-        n = self.blocks_for(length)
-        index = torch.tensor(blocks[:n], device=self.k.device)
-        k = self.k[layer].index_select(0, index).flatten(0, 1)[:length]
-        v = self.v[layer].index_select(0, index).flatten(0, 1)[:length]
+        """The first `length` keys and values [length, Hkv, D] of a sequence's pages
+        (`page_index`)."""
+        k = self.k[layer].index_select(0, pages).flatten(0, 1)[:length]
+        v = self.v[layer].index_select(0, pages).flatten(0, 1)[:length]
         return k, v

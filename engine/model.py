@@ -99,6 +99,14 @@ class SeqSlice:
     q_len: int
     kv_len: int
     blocks: list[int]
+    pages: torch.Tensor | None = None  # its pages as a device index, once a layer asked for them
+
+    def kv_pages(self, kv: KVCache) -> torch.Tensor:
+        """The pages of its `kv_len` tokens on the device: copied there by the step's first layer
+        that reads them, and reused by the others."""
+        if self.pages is None:
+            self.pages = kv.page_index(self.blocks, self.kv_len)
+        return self.pages
 
 
 @dataclass(slots=True)
@@ -204,8 +212,7 @@ class Model:
             state.hidden = w.embed.index_select(0, batch.input_ids)
             state.residual = None
             # fused decode attention reads the full tables itself
-            fused = batch.decode and self._fused_qk
-            state.rope = None if fused else self.rotary.tables(batch.positions)
+            state.rope = None if self._fused_qk else self.rotary.tables(batch.positions)
             first = 0
         else:
             done = moe_layers[piece - 1]
@@ -272,8 +279,9 @@ class Model:
         tokens = x.shape[0]
         qkv = linear(x, layer.qkv, layer.qkv_bias)
         decode = batch.block_tables is not None
-        if decode and self._fused_qk:
-            # q/k norm, rotary and the KV write in one launch (the same arithmetic)
+        if self._fused_qk:
+            # q/k norm, rotary and the KV write in one launch (the same arithmetic); a prefill's
+            # attention then reads its keys and values back from the cache
             q = qk_norm_rope_kv(
                 qkv, batch.positions, self.rotary.cos, self.rotary.sin, layer.q_norm,
                 layer.k_norm, spec.rms_norm_eps, self.kv.k[index], self.kv.v[index], batch.slots,
@@ -292,10 +300,10 @@ class Model:
         out = torch.empty_like(q)
         for seq in batch.seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
-            if seq.kv_len == seq.q_len:
+            if seq.kv_len == seq.q_len and not self._fused_qk:
                 keys, values = k[rows], v[rows]
             else:
-                keys, values = self.kv.gather(index, seq.blocks, seq.kv_len)
+                keys, values = self.kv.gather(index, seq.kv_pages(self.kv), seq.kv_len)
             out[rows] = self._sdpa(q[rows], keys, values)
         return linear(out.reshape(tokens, spec.q_size), layer.o)
 

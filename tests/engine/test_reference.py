@@ -167,17 +167,24 @@ def test_comparison_catches_dropped_shared_expert_gate(tmp_path):
         engine.close()
 
 
-def test_fused_decode_attention_matches_reference(tmp_path):
-    """Power-of-two heads take the fused q/k-norm + rotary + KV-write path in decode."""
+@pytest.mark.parametrize("chunk", [None, 6], ids=["whole-prompts", "prompts-in-chunks"])
+def test_fused_attention_matches_reference(tmp_path, chunk):
+    """Power-of-two heads take the fused q/k-norm + rotary + KV-write path, in decode and in
+    prefill (whose attention then reads the keys back from the cache); in chunks of 6 tokens a
+    prompt's later chunks attend to the pages its earlier ones wrote."""
     geometry = dict(GEOMETRIES["qwen3_moe"], head_dim=16, num_key_value_heads=7)
     model = build_reference("qwen3_moe", tmp_path, seed=4, **geometry)
-    engine = make_engine(tmp_path)
+    flags = ("--prefill-chunk-tokens", str(chunk)) if chunk else ()
+    engine = make_engine(tmp_path, *flags)
     try:
         assert engine.model._fused_qk
-        prompts = [prompt(20 + i, n) for i, n in enumerate((5, 13))]
+        prompts = [prompt(20 + i, n) for i, n in enumerate((5, 13, 22))]
         outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        scored = prompt(30, 19)
+        logits = engine.score(scored)
     finally:
         engine.close()
     for ids, ours in zip(prompts, outputs, strict=True):
         ref, margins = hf_greedy(model, ids, 24)
         assert_same_greedy(ours, ref, margins)
+    assert relative_error(logits, hf_logits(model, scored)) < 1e-4
