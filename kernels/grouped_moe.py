@@ -173,48 +173,95 @@ def _down_kernel(
 class _RouteBlocks:
     """Routes sorted by expert and padded to whole blocks: what the two launches iterate over."""
 
-    routes: torch.Tensor  # [num_blocks * block_m] flat route index t*K+k, -1 for padding
-    block_expert: torch.Tensor  # [num_blocks] the expert of each block, -1 past the last
+    routes: torch.Tensor  # int32 [num_blocks * block_m] flat route index t*K+k, -1 for padding
+    block_expert: torch.Tensor  # int32 [num_blocks] the expert of each block, -1 past the last
     skipped: torch.Tensor  # [T*K] True for the routes with expert id -1
     num_blocks: int  # the grid: the most blocks the routes can need
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, num_routes, BLOCK_R: tl.constexpr):
+    """Routes per expert: counts [E] (zeroed) += 1 for each kept route."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    expert = tl.load(ids_ptr + r, mask=r < num_routes, other=-1)
+    tl.atomic_add(counts_ptr + expert, 1, mask=expert >= 0)
+
+
+@triton.jit
+def _blocks_kernel(
+    counts_ptr,
+    block_expert_ptr,
+    routes_ptr,
+    num_experts,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """One program: each expert's run of row blocks, its first row into counts (the scatter's
+    cursor), the expert of every block of the grid (-1 past the last run), every row -1."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    counts = tl.load(counts_ptr + e, mask=e_ok, other=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    tl.store(counts_ptr + e, (block_end - blocks) * BLOCK_M, mask=e_ok)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        # a block's expert: how many runs end at or before it
+        ended = (block_end[None, :] <= b[:, None]) & e_ok[None, :]
+        expert = tl.sum(ended.to(tl.int32), axis=1)
+        expert = tl.where(expert < num_experts, expert, -1)
+        tl.store(block_expert_ptr + b, expert, mask=b < num_blocks)
+    rows = num_blocks * BLOCK_M
+    for r0 in range(0, rows, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(routes_ptr + r, tl.full((FILL,), -1, tl.int32), mask=r < rows)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, cursor_ptr, routes_ptr, num_routes, BLOCK_R: tl.constexpr):
+    """Each kept route into the next free row of its expert's run (the order within a run is
+    the atomics'; each row's result does not depend on it)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    expert = tl.load(ids_ptr + r, mask=r < num_routes, other=-1)
+    kept = expert >= 0
+    row = tl.atomic_add(cursor_ptr + expert, 1, mask=kept)
+    tl.store(routes_ptr + row, r, mask=kept)
+
+
+_BLOCK_R = 1024  # routes per program of the count and the scatter
 
 
 def _group_routes(
     expert_ids: torch.Tensor, num_experts: int, config: GroupedMoEConfig, distinct: int
 ) -> _RouteBlocks:
-    """Sort routes by expert and pad each expert's run to whole row blocks, on the device.
+    """Group routes by expert and pad each expert's run to whole row blocks: three small launches,
+    nothing the host waits for.
 
     distinct: the most different experts the routes can name. Each expert's run wastes less than a
     block, so T*K/block_m + distinct blocks hold them all; the blocks past the last run get -1.
     """
     device = expert_ids.device
     block_m = config.block_m
-    flat = expert_ids.reshape(-1).long()
+    flat = expert_ids.reshape(-1)
     num_routes = flat.numel()
     num_blocks = -(-num_routes // block_m) + min(distinct, num_experts, num_routes)
-    # Skipped routes (-1) sort last, under a virtual expert num_experts that gets no blocks.
-    skipped = flat < 0
-    keyed = torch.where(skipped, num_experts, flat)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts.index_add_(0, keyed, torch.ones_like(keyed))
-    counts = counts[:num_experts]
-    blocks = (counts + block_m - 1) // block_m
-    block_end = torch.cumsum(blocks, 0)
-    order = torch.argsort(keyed, stable=True)
-    sorted_experts = keyed[order]
-    kept = sorted_experts < num_experts
-    expert = sorted_experts.clamp(max=num_experts - 1)
-    run_start = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(num_routes, device=device) - run_start[expert]
-    dest = (block_end[expert] - blocks[expert]) * block_m + rank
-    # one slot past the grid's rows takes the skipped routes' writes, and is never read
-    trash = num_blocks * block_m
-    routes = torch.full((trash + 1,), -1, dtype=torch.int64, device=device)
-    routes[torch.where(kept, dest, trash)] = order
-    block = torch.arange(num_blocks, device=device)
-    block_expert = torch.searchsorted(block_end, block, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
-    return _RouteBlocks(routes[:trash], block_expert, skipped, num_blocks)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    routes = common.alloc((num_blocks * block_m,), torch.int32, device)
+    block_expert = common.alloc((num_blocks,), torch.int32, device)
+    route_programs = (triton.cdiv(num_routes, _BLOCK_R),)
+    if num_routes:
+        _count_kernel[route_programs](flat, counts, num_routes, BLOCK_R=_BLOCK_R)
+    if num_blocks:
+        block_e = common.next_pow2(num_experts)
+        _blocks_kernel[(1,)](
+            counts, block_expert, routes, num_experts, num_blocks, BLOCK_M=block_m,
+            BLOCK_E=block_e, BLOCK_B=max(2, min(32, 8192 // block_e)), FILL=4096,
+        )  # fmt: skip
+        _scatter_kernel[route_programs](flat, counts, routes, num_routes, BLOCK_R=_BLOCK_R)
+    return _RouteBlocks(routes, block_expert, flat < 0, num_blocks)
 
 
 def _check_expert_range(expert_ids: torch.Tensor, num_experts: int) -> None:

@@ -97,7 +97,15 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
         ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).int()
         w13 = torch.empty(EXPERTS, 2 * INTER, HIDDEN, dtype=BF16)
         w2 = torch.empty(EXPERTS, HIDDEN, INTER, dtype=BF16)
-        grouped_moe.grouped_moe_triton(x, ids, torch.rand(tokens, TOP_K), w13, w2)
+        grouped_moe.grouped_moe_triton(x, ids, torch.rand(tokens, TOP_K), w13, w2, checked=False)
+    # the grouping over a whole expert cache of 12 layers' experts (its widest per-expert pass)
+    ids = torch.randint(0, 12 * EXPERTS, (512, TOP_K), dtype=torch.int32)
+    w13 = torch.empty(12 * EXPERTS, 2 * INTER, HIDDEN, dtype=BF16)
+    w2 = torch.empty(12 * EXPERTS, HIDDEN, INTER, dtype=BF16)
+    x = torch.randn(512, HIDDEN, dtype=BF16)
+    grouped_moe.grouped_moe_triton(
+        x, ids, torch.rand(512, TOP_K), w13, w2, layer_experts=EXPERTS, checked=False
+    )
     for batch, context in ((1, 32768), (8, 4096)):
         q = torch.randn(batch, 32, 128, dtype=BF16)
         cache = torch.empty(batch * context // 16, 16, 4, 128, dtype=BF16)

@@ -66,18 +66,22 @@ def test_one_layer_of_a_larger_cache(gen):
     assert_matches(out, grouped_moe.grouped_moe_ref(x, expert_ids, weights, w13, w2), tol=1e-5)
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_route_blocks_hold_each_kept_route_once(gen, block_m):
-    ids = route_table(gen, 41, 4, 9, masked=0.15)
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "block_m"),
+    [(41, 4, 9, 16), (41, 4, 9, 32), (300, 8, 1500, 16)],
+    ids=["few-experts", "wider-blocks", "a-whole-cache-many-programs"],
+)
+def test_route_blocks_hold_each_kept_route_once(gen, tokens, top_k, experts, block_m):
+    ids = route_table(gen, tokens, top_k, experts, masked=0.15)
     config = GroupedMoEConfig(block_m, 16, 16, 16, num_warps=4, num_stages=2)
-    grouped = grouped_moe._group_routes(ids, 9, config, distinct=9)
+    grouped = grouped_moe._group_routes(ids, experts, config, distinct=experts)
     flat = ids.reshape(-1).cpu()
     routes = grouped.routes.view(grouped.num_blocks, block_m).cpu()
     block_expert = grouped.block_expert.cpu()
     real = block_expert >= 0
     # the real blocks come first, and the grid bound holds them
     assert real.sum() >= 1 and not real[int(real.sum()) :].any()
-    assert grouped.num_blocks == -(-flat.numel() // block_m) + 9
+    assert grouped.num_blocks == -(-flat.numel() // block_m) + min(experts, flat.numel())
     placed = routes[real].reshape(-1)
     placed = placed[placed >= 0]
     assert sorted(placed.tolist()) == (flat >= 0).nonzero().reshape(-1).tolist()
@@ -85,6 +89,8 @@ def test_route_blocks_hold_each_kept_route_once(gen, block_m):
         members = routes[b][routes[b] >= 0]
         assert members.numel() and (flat[members] == block_expert[b]).all()
     assert not (routes[~real] >= 0).any()
+    # every row written: a route, or -1 for padding (the tests' buffers start poisoned)
+    assert ((routes == -1) | (routes >= 0)).all()
     assert torch.equal(grouped.skipped.cpu(), flat < 0)
 
 

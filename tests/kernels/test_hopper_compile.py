@@ -17,6 +17,9 @@ SM90_SHARED_BYTES = 232448
 KERNELS = {
     "_gate_up_kernel",
     "_down_kernel",
+    "_count_kernel",
+    "_blocks_kernel",
+    "_scatter_kernel",
     "_one_token_gate_up_kernel",
     "_one_token_down_kernel",
     "_split_kernel",
