@@ -211,7 +211,7 @@ class Model:
         if piece == 0:
             state.hidden = w.embed.index_select(0, batch.input_ids)
             state.residual = None
-            # fused decode attention reads the full tables itself
+            # the fused q/k norm + rotary reads the full tables itself
             state.rope = None if self._fused_qk else self.rotary.tables(batch.positions)
             first = 0
         else:

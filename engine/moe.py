@@ -69,8 +69,8 @@ class MoERunner(StagedDecode):
         self.cpu_times = CpuJobTimes()
         self.staged_times = StagedStepTimes()
         self._cpu_window = CpuJobTimes()  # the CPU jobs since the auto split was last updated
-        # a prefill's picks as the planner counts them (decode's counters rank the misses); no
-        # one reads them, and a resident or streamed prefill leaves them alone (a host sync a layer)
+        # what the planner adds a split prefill layer's picks to (decode's counters rank misses);
+        # a resident or streamed prefill does not count, which would cost a host sync a layer
         self.prefill_picks = np.zeros((bank.num_layers, bank.num_experts), dtype=np.int64)
         # decode-step observers: (layer, experts, slots before the step, fetched, run on CPU)
         self.on_decode_step: list[Callable] = []
