@@ -71,10 +71,13 @@ class KVCache:
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
-    def page_index(self, blocks: list[int], length: int) -> torch.Tensor:
-        """The pages holding a sequence's first `length` tokens, as a device index for `gather`
-        (a host-to-device copy: make it once a step, not once a layer)."""
-        return torch.tensor(blocks[: self.blocks_for(length)], device=self.k.device)
+    def page_indices(self, seqs: list[tuple[list[int], int]]) -> list[torch.Tensor]:
+        """For each (blocks, length): the pages holding its first `length` tokens as a device
+        index for `gather`; one host-to-device copy for all of them (a copy waits for the device:
+        make them with a step's inputs, not in a layer)."""
+        counts = [self.blocks_for(length) for _, length in seqs]
+        flat = [page for (blocks, _), n in zip(seqs, counts, strict=True) for page in blocks[:n]]
+        return list(torch.tensor(flat, device=self.k.device).split(counts))
 
     def gather(
         self, layer: int, pages: torch.Tensor, length: int

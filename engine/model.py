@@ -99,14 +99,9 @@ class SeqSlice:
     q_len: int
     kv_len: int
     blocks: list[int]
-    pages: torch.Tensor | None = None  # its pages as a device index, once a layer asked for them
-
-    def kv_pages(self, kv: KVCache) -> torch.Tensor:
-        """The pages of its `kv_len` tokens on the device: copied there by the step's first layer
-        that reads them, and reused by the others."""
-        if self.pages is None:
-            self.pages = kv.page_index(self.blocks, self.kv_len)
-        return self.pages
+    # a prefill's: the pages of its kv_len tokens as a device index (KVCache.gather), copied to the
+    # device with the step's other inputs, so that no layer waits for a copy
+    pages: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -303,7 +298,8 @@ class Model:
             if seq.kv_len == seq.q_len and not self._fused_qk:
                 keys, values = k[rows], v[rows]
             else:
-                keys, values = self.kv.gather(index, seq.kv_pages(self.kv), seq.kv_len)
+                assert seq.pages is not None, "a prefill's SeqSlice needs its pages"
+                keys, values = self.kv.gather(index, seq.pages, seq.kv_len)
             out[rows] = self._sdpa(q[rows], keys, values)
         return linear(out.reshape(tokens, spec.q_size), layer.o)
 

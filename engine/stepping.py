@@ -241,6 +241,10 @@ class Stepping:
             tables = [c.seq.blocks + [0] * (width - len(c.seq.blocks)) for c in chunks]
             batch.block_tables = as_tensor(tables, torch.int32)
             batch.seq_lens = as_tensor([c.start + 1 for c in chunks], torch.int32)
+        else:  # a prefill's attention reads cached keys through each sequence's pages
+            pages = self.kv.page_indices([(s.blocks, s.kv_len) for s in seqs])
+            for seq, seq_pages in zip(seqs, pages, strict=True):
+                seq.pages = seq_pages
         return batch
 
     def run_until_idle(self) -> None:

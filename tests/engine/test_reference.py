@@ -7,9 +7,11 @@ import dataclasses
 import pytest
 import torch
 
+from moelab.engine.model import SeqSlice, StepBatch
 from moelab.engine.sampling import SamplingParams
 
 from .reference import (
+    DEVICE,
     assert_same_greedy,
     build_reference,
     hf_greedy,
@@ -188,3 +190,36 @@ def test_fused_attention_matches_reference(tmp_path, chunk):
         ref, margins = hf_greedy(model, ids, 24)
         assert_same_greedy(ours, ref, margins)
     assert relative_error(logits, hf_logits(model, scored)) < 1e-4
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (MOELAB_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("head_dim", [16, 10], ids=["fused-qk", "unfused-qk"])
+@pytest.mark.parametrize("cached", [0, 11], ids=["whole-prompt", "after-cached-tokens"])
+def test_resident_prefill_never_waits_for_the_device(tmp_path, head_dim, cached):
+    """With every expert resident, a prefill's forward is launches only: the host runs ahead of
+    the device through all its layers (torch raises on a sync in this mode)."""
+    geometry = dict(GEOMETRIES["qwen3_moe"], head_dim=head_dim, num_key_value_heads=7)
+    build_reference("qwen3_moe", tmp_path, seed=5, **geometry)
+    engine = make_engine(tmp_path)
+    try:
+        assert engine.cache.holds_everything
+        kv, dev, n = engine.kv, engine.device, 30
+        blocks = kv.allocate(kv.blocks_for(cached + n))
+        new = range(cached, cached + n)
+        batch = StepBatch(
+            input_ids=torch.tensor(prompt(40, n), device=dev),
+            positions=torch.tensor(list(new), device=dev),
+            slots=torch.tensor([kv.slot(blocks, p) for p in new], device=dev),
+            seqs=[SeqSlice(0, n, cached + n, blocks, kv.page_indices([(blocks, cached + n)])[0])],
+            logits_index=torch.tensor([n - 1], device=dev),
+        )
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = engine.model.forward(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(logits).all()
+        kv.release(blocks)
+    finally:
+        engine.close()
