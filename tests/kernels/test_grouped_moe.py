@@ -41,27 +41,22 @@ def test_matches_reference(gen, tokens, top_k, hidden, inter, num_experts, confi
     assert_matches(out, ref, tol=1e-5)
 
 
-def test_few_experts_used_in_a_large_cache(gen):
-    # w13 may be the whole expert cache: 40 slots, of which the tokens use 3.
-    x = randn(gen, 50, 32)
-    picks = route_table(gen, 50, 2, 3, masked=0.1)
-    expert_ids = torch.where(picks >= 0, picks + 30, -1).to(torch.int32)
-    weights = route_weights(gen, 50, 2)
-    w13, w2 = experts(gen, 40, 32, 16)
-    out = grouped_moe.grouped_moe_triton(x, expert_ids, weights, w13, w2)
-    assert_matches(out, grouped_moe.grouped_moe_ref(x, expert_ids, weights, w13, w2), tol=1e-5)
-
-
-def test_one_layer_of_a_larger_cache(gen):
-    # w13 is a cache of 12 slots; the layer has 4 experts (slots 8..11): the tiles and the grid
-    # follow the 4, and every route still lands in one block of its own expert.
-    x = randn(gen, 30, 32)
-    picks = route_table(gen, 30, 3, 4, masked=0.2)
-    expert_ids = torch.where(picks >= 0, picks + 8, -1).to(torch.int32)
-    weights = route_weights(gen, 30, 3)
-    w13, w2 = experts(gen, 12, 32, 16)
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "slots", "used", "first", "layer_experts"),
+    [(50, 2, 40, 3, 30, None), (30, 3, 12, 4, 8, 4)],
+    ids=["few-slots-of-a-cache-used", "one-layer-of-a-cache-named"],
+)
+def test_routes_into_a_larger_cache(gen, tokens, top_k, slots, used, first, layer_experts):
+    # w13 may be the whole expert cache, of which the routes name `used` slots from `first`; told
+    # how many experts a layer has, the tiles and the grid follow those, and every route still
+    # lands in one block of its own expert.
+    x = randn(gen, tokens, 32)
+    picks = route_table(gen, tokens, top_k, used, masked=0.15)
+    expert_ids = torch.where(picks >= 0, picks + first, -1).to(torch.int32)
+    weights = route_weights(gen, tokens, top_k)
+    w13, w2 = experts(gen, slots, 32, 16)
     out = grouped_moe.grouped_moe_triton(
-        x, expert_ids, weights, w13, w2, layer_experts=4, checked=False
+        x, expert_ids, weights, w13, w2, layer_experts=layer_experts, checked=False
     )
     assert_matches(out, grouped_moe.grouped_moe_ref(x, expert_ids, weights, w13, w2), tol=1e-5)
 
