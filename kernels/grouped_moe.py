@@ -1,6 +1,6 @@
 """Prefill MoE over one layer's experts: routes grouped by expert, two tiled-GEMM launches.
 
-Routes (token, k) are sorted by expert and padded to whole row blocks, so that each program of a
+Routes (token, k) are grouped by expert and padded to whole row blocks, so that each program of a
 launch multiplies one block of routes of one expert by one column block of its weights with tl.dot.
 The grouping runs on the device without the host waiting for it: the grid is the most row blocks
 the routes can need, and the programs past the real blocks return at once. (A prefill is host-bound
@@ -171,7 +171,8 @@ def _down_kernel(
 
 @dataclass(frozen=True, slots=True)
 class _RouteBlocks:
-    """Routes sorted by expert and padded to whole blocks: what the two launches iterate over."""
+    """Routes grouped by expert and padded to whole blocks: what the two GEMM launches iterate
+    over."""
 
     routes: torch.Tensor  # int32 [num_blocks * block_m] flat route index t*K+k, -1 for padding
     block_expert: torch.Tensor  # int32 [num_blocks] the expert of each block, -1 past the last
