@@ -125,6 +125,22 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     assert refused.returncode == 2 and "--trace needs --kernel-profile" in refused.stderr
 
 
+def test_bench_prefill_reports_each_repeat_and_profiles_host_and_kernels(tmp_path):
+    trace = tmp_path / "prefill.json"
+    r = moelab("bench", "prefill", "--preset", "tiny", "--prompt-tokens", "24", "--repeats", "3",
+               "--json", "--profile", "--kernel-profile", "--trace", str(trace))  # fmt: skip
+    result = json.loads(r.stdout)
+    each = result["seconds_each"]
+    assert len(each) == 3 and min(each) <= result["seconds"] <= max(each)
+    assert result["prefill_tok_s"] == pytest.approx(24 / result["seconds"])
+    fastest, slowest = 24 / min(each), 24 / max(each)
+    assert f"(median of 3, {slowest:.0f}–{fastest:.0f})" in r.stderr
+    assert "function calls" in r.stderr and "tottime" in r.stderr  # --profile: cProfile's table
+    assert "Self CPU time total" in r.stderr  # --kernel-profile: torch.profiler's
+    assert f"timeline written to {trace}" in r.stderr
+    assert sum(e.get("ph") == "X" for e in json.loads(trace.read_text())["traceEvents"]) > 10
+
+
 def test_the_bound_takes_each_rate_as_the_mean_of_before_and_after():
     before = {"hbm_gbps": 4000.0, "bp_gbps": 50.0, "host_gbps": 90.0}
     after = {"hbm_gbps": 4200.0, "bp_gbps": 46.0, "host_gbps": 110.0}
