@@ -83,7 +83,7 @@ class KVCache:
         self, layer: int, pages: torch.Tensor, length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` keys and values [length, Hkv, D] of a sequence's pages
-        (`page_index`)."""
+        (`page_indices`)."""
         k = self.k[layer].index_select(0, pages).flatten(0, 1)[:length]
         v = self.v[layer].index_select(0, pages).flatten(0, 1)[:length]
         return k, v
