@@ -104,7 +104,7 @@ def _split_kernel(
     COMPUTE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    common.pdl_start(PDL)
+    common.pdl_wait(PDL)  # a wide grid: see pdl_wait
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

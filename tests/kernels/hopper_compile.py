@@ -195,6 +195,7 @@ def main() -> int:
                     "num_warps": num_warps,
                     "shared_bytes": kernel.metadata.shared,
                     "waits_for_previous": "griddepcontrol.wait" in kernel.asm["ptx"],
+                    "releases_early": "griddepcontrol.launch_dependents" in kernel.asm["ptx"],
                     # the routing's signal: a system-wide fence, then one thread's store
                     "signals_host": "fence.sc.sys" in kernel.asm["ptx"]
                     and "st.relaxed.sys.global.b32" in kernel.asm["ptx"],
