@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import torch
 
-from .args import add_engine_flags
+from .args import _positive_int, add_engine_flags
 from .moe_stats import CpuJobTimes, MissCostFit, StagedStepTimes
 
 
@@ -62,6 +62,13 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
             p.add_argument("--tokens", type=int, default=64, help="timed tokens per sequence")
             p.add_argument("--warmup", type=int, default=32, help="untimed tokens first")
             p.add_argument("--prompt-tokens", type=int, default=16)
+            p.add_argument(
+                "--repeats",
+                type=_positive_int,
+                default=1,
+                help="timed runs in this process, each against the rates measured before and "
+                "after it; the median run's figures are printed, and each run's tok/s",
+            )
         else:
             p.add_argument("--prompt-tokens", type=int, default=2048)
             p.add_argument("--repeats", type=int, default=3)
@@ -233,6 +240,8 @@ def _evenness(picks: np.ndarray) -> float:
 
 
 def _decode(engine, args) -> dict:
+    """`args.repeats` timed decode runs (after one warm-up) against the rates measured between
+    them: the median run's figures (by its share of the bound), with each run's in "runs"."""
     from .sampling import SamplingParams
 
     spec = engine.spec
@@ -243,6 +252,42 @@ def _decode(engine, args) -> dict:
     ]
     warm = SamplingParams(max_tokens=args.warmup, ignore_eos=True)
     engine.generate(prompts, warm)
+    runs = []
+    rates_before = concurrent_rates(engine)
+    for i in range(args.repeats):
+        timed = _timed_decode(engine, args, prompts, profile=args.profile and i == 0)
+        rates_after = concurrent_rates(engine)
+        rates = rates_around(rates_before, rates_after)
+        runs.append(_against_the_bound(engine, args, timed, rates))
+        rates_before = rates_after
+    if args.kernel_profile:  # more steps, after the timed ones (their counts are taken)
+        _kernel_profile(engine, prompts, trace=args.trace)
+    median = sorted(runs, key=lambda run: run["achieved_of_bound"])[(len(runs) - 1) // 2]
+    config = engine.config_in_force()
+    return {
+        **median,
+        "cuda_graphs": config["cuda_graph_mode"],
+        "pdl": config["pdl"],
+        "runs": [{k: run[k] for k in _RUN_FIELDS} for run in runs],
+    }
+
+
+# What `--repeats` keeps of each run besides the median's whole result
+_RUN_FIELDS = (
+    "decode_tok_s", "bound_tok_s", "achieved_of_bound", "hit_rate", "hbm_gbps", "bp_gbps",
+    "host_gbps", "rates_before", "rates_after", "host_disturbance",
+)  # fmt: skip
+
+
+# What a timed run measured besides its time and counts
+_TIMED_FIELDS = ("host_disturbance", "breakdown", "cpu_jobs", "staged_layer_us", "miss_cost")
+
+
+def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict:
+    """One timed run: `args.tokens` decode steps of a fresh batch of `prompts` (their prefill and
+    first token untimed), with the engine's counts and stage times of those steps alone."""
+    from .sampling import SamplingParams
+
     params = SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)
     seqs = [engine.add(p, params) for p in prompts]
     while any(not s.output_ids for s in seqs):
@@ -252,8 +297,7 @@ def _decode(engine, args) -> dict:
     engine.moe.cpu_times = CpuJobTimes()
     engine.moe.staged_times = StagedStepTimes()
     engine.telemetry.miss_cost = MissCostFit()
-    rates_before = concurrent_rates(engine)
-    profiler = _host_profile_start(args.profile)
+    profiler = _host_profile_start(profile)
     around = (_cpu_ticks(), _thread_switches())
     t0 = time.perf_counter()
     engine.run_until_idle()
@@ -261,23 +305,29 @@ def _decode(engine, args) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     disturbance = host_disturbance(around, (_cpu_ticks(), _thread_switches()))
-    # of the timed steps only: --kernel-profile runs more steps below, under the profiler
-    timed = {
+    _host_profile_print(profiler)
+    counts = (
+        a - b for a, b in zip((c.reads, c.hits, c.fills, c.cpu, c.picks), before, strict=True)
+    )
+    return {
+        "elapsed": elapsed,
+        "counts": dict(zip(("reads", "hits", "fills", "cpu", "picks"), counts, strict=True)),
+        "host_disturbance": disturbance,
         "breakdown": dict(engine.telemetry.breakdown),
         "cpu_jobs": engine.moe.cpu_times.to_dict(),
         "staged_layer_us": engine.moe.staged_times.to_dict(),
         "miss_cost": engine.telemetry.miss_cost.to_dict(),
     }
-    _host_profile_print(profiler)
-    # the timed steps' counts, taken before --kernel-profile runs more steps
-    reads, hits, fills, cpu, picks = (
-        a - b for a, b in zip((c.reads, c.hits, c.fills, c.cpu, c.picks), before, strict=True)
-    )
-    if args.kernel_profile:
-        _kernel_profile(engine, prompts, trace=args.trace)
+
+
+def _against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
+    """A timed run's tok/s beside its bound t_min, from its counts and the rates around it."""
+    spec = engine.spec
+    counts = timed["counts"]
+    reads, hits, fills, cpu = (counts[k] for k in ("reads", "hits", "fills", "cpu"))
     steps = args.tokens
+    elapsed = timed["elapsed"]
     tok_s = args.batch * steps / elapsed
-    rates = rates_around(rates_before, concurrent_rates(engine))
     eb = spec.expert_bytes * engine.dtype.itemsize // spec.dtype_bytes
     elem = engine.dtype.itemsize
     dense_step = (spec.dense_params - spec.vocab_size * spec.hidden_size) * elem
@@ -289,7 +339,6 @@ def _decode(engine, args) -> dict:
     )
     bound = args.batch / t_min
     active = dense_step + spec.num_moe_layers * spec.top_k * eb
-    config = engine.config_in_force()
     return {
         "batch": args.batch,
         "tokens": steps,
@@ -298,15 +347,12 @@ def _decode(engine, args) -> dict:
         "hit_rate": float(hits.sum() / reads.sum()) if reads.sum() else None,
         "fills_per_step": float(fills.sum() / steps),
         "cpu_per_step": float(cpu.sum() / steps),
-        "pick_evenness": _evenness(picks),
+        "pick_evenness": _evenness(counts["picks"]),
         "bound_tok_s": bound,
         "achieved_of_bound": tok_s / bound,
         "hbm_bound_tok_s": args.batch * rates["hbm_gbps"] * 1e9 / active,
         "active_bytes_per_token": active,
-        "cuda_graphs": config["cuda_graph_mode"],
-        "pdl": config["pdl"],
-        "host_disturbance": disturbance,
-        **timed,
+        **{k: timed[k] for k in _TIMED_FIELDS},
         **rates,
     }
 
@@ -506,6 +552,12 @@ def _run(args: argparse.Namespace) -> int:
             f"{plan.experts_total}; HBM {result['hbm_gbps']:.0f} GB/s, Bp "
             f"{result['bp_gbps']:.1f}, B_host {result['host_gbps']:.1f} GB/s"
         )
+        if len(result["runs"]) > 1:
+            line += "\nruns (this line's figures are the median's): " + ", ".join(
+                f"{run['decode_tok_s']:.1f} tok/s {run['achieved_of_bound']:.0%} "
+                f"(B_host {run['host_gbps']:.1f})"
+                for run in result["runs"]
+            )
         line += staged_lines(result["staged_layer_us"])
         line += cpu_jobs_line(result["cpu_jobs"])
         if d := result.get("host_disturbance"):

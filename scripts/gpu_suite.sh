@@ -14,7 +14,7 @@ run() {  # name, command...: keep going when one step fails, record its status
   local t0=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
-  grep -E "^(decode|prefill) |passed|failed|^(paged_attention|fused_moe_decode) " "$out/$name.log" \
+  grep -E "^(decode|prefill) |^runs |passed|failed|^(paged_attention|fused_moe_decode) " "$out/$name.log" \
     | tail -5 | tee -a "$out/summary.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max,driver_version \
@@ -54,9 +54,10 @@ if [ "$part" = startup ] || [ "$part" = autotune ]; then  # an engine's start, p
 fi
 if [ "$part" = engine ] || [ "$part" = decode ] || [ "$part" = all ]; then
   run decode12_resident_skew1 $B decode $G --routing-skew 1 --json --kernel-profile
-  run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json --profile
+  # the offloaded rows: three runs each in one process (the host's rate varies run to run)
+  run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json --repeats 3
   run decode12_resident_skew0 $B decode $G --routing-skew 0 --json
-  run decode12_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --json
+  run decode12_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --json --repeats 3
   run decode12_resident_b8 $B decode $G --routing-skew 1 --batch 8 --json
   run decode12_cache25_b8 $B decode $G --routing-skew 1 --batch 8 --moe-cache-rate 0.25 --json
   run prefill12_resident $B prefill $G --prompt-tokens 512 --json

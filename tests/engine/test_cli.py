@@ -125,6 +125,33 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     assert refused.returncode == 2 and "--trace needs --kernel-profile" in refused.stderr
 
 
+def test_bench_decode_repeats_report_each_run_and_the_median_runs_figures():
+    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
+             "--moe-cache-rate", "0.5", "--moe-miss-policy", "split:0.5", "--json"]  # fmt: skip
+    r = moelab(*flags, "--repeats", "3")
+    result = json.loads(r.stdout)
+    runs = result["runs"]
+    assert len(runs) == 3
+    for run in runs:
+        assert run["achieved_of_bound"] == pytest.approx(run["decode_tok_s"] / run["bound_tok_s"])
+    # the figures are the median run's, by its share of the bound
+    median = sorted(runs, key=lambda run: run["achieved_of_bound"])[1]
+    assert {k: result[k] for k in median} == median
+    # each run's bound takes the rates measured right before and after it: one measurement
+    # between two runs serves both
+    assert runs[0]["rates_after"] == runs[1]["rates_before"]
+    assert runs[1]["rates_after"] == runs[2]["rates_before"]
+    shares = sorted(run["achieved_of_bound"] for run in runs)
+    assert shares[0] <= result["achieved_of_bound"] <= shares[2]
+    line = r.stderr.split("runs (this line's figures are the median's): ")[1].splitlines()[0]
+    assert line.count("tok/s") == 3 and f"{runs[2]['decode_tok_s']:.1f} tok/s" in line
+    # one run (the default) prints no such line
+    single = moelab(*flags)
+    assert len(json.loads(single.stdout)["runs"]) == 1 and "runs (" not in single.stderr
+    refused = moelab(*flags, "--repeats", "0", check=False)
+    assert refused.returncode == 2 and "--repeats" in refused.stderr
+
+
 def test_bench_prefill_reports_each_repeat_and_profiles_host_and_kernels(tmp_path):
     trace = tmp_path / "prefill.json"
     r = moelab("bench", "prefill", "--preset", "tiny", "--prompt-tokens", "24", "--repeats", "3",
