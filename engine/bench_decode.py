@@ -1,6 +1,7 @@
 """`moelab bench decode` and `moelab bench prefill`: tok/s beside the machine's bound.
 
-Decode bound per step: t_min = resident_bytes / HBM + miss_bytes / (Bp + B_host), with the device
+Decode bound per step: t_min = resident_bytes / HBM + miss_bytes / (Bp + B_host), resident_bytes
+the dense weights, the KV cache the step's attention reads and the cached experts, with the device
 copy rate (HBM), the pinned host-to-device rate (Bp) and the host memory read rate (B_host) measured
 here, Bp and B_host while running at the same time. A slow kernel shows as a gap to this bound.
 """
@@ -320,6 +321,13 @@ def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict
     }
 
 
+def mean_context(prompt_tokens: int, steps: int) -> float:
+    """The mean number of tokens a sequence's attention reads over a timed run's `steps` decode
+    steps: the first output token (untimed) makes the context prompt + 1, each timed step reads
+    the context including the token it writes."""
+    return prompt_tokens + (steps + 1) / 2
+
+
 def _against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
     """A timed run's tok/s beside its bound t_min, from its counts and the rates around it."""
     spec = engine.spec
@@ -332,13 +340,15 @@ def _against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
     elem = engine.dtype.itemsize
     dense_step = (spec.dense_params - spec.vocab_size * spec.hidden_size) * elem
     hits_step, misses_step = hits.sum() / steps, (fills.sum() + cpu.sum()) / steps
-    resident_bytes = dense_step + hits_step * eb
+    kv_token = spec.kv_bytes_per_token * elem // spec.dtype_bytes  # every layer's K and V
+    kv_step = args.batch * mean_context(args.prompt_tokens, steps) * kv_token
+    resident_bytes = dense_step + kv_step + hits_step * eb
     miss_bytes = misses_step * eb
     t_min = resident_bytes / (rates["hbm_gbps"] * 1e9) + miss_bytes / (
         (rates["bp_gbps"] + rates["host_gbps"]) * 1e9
     )
     bound = args.batch / t_min
-    active = dense_step + spec.num_moe_layers * spec.top_k * eb
+    active = dense_step + kv_step / args.batch + spec.num_moe_layers * spec.top_k * eb
     return {
         "batch": args.batch,
         "tokens": steps,
@@ -352,6 +362,7 @@ def _against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
         "achieved_of_bound": tok_s / bound,
         "hbm_bound_tok_s": args.batch * rates["hbm_gbps"] * 1e9 / active,
         "active_bytes_per_token": active,
+        "kv_bytes_per_step": kv_step,
         **{k: timed[k] for k in _TIMED_FIELDS},
         **rates,
     }

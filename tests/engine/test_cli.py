@@ -7,11 +7,19 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 from starlette.testclient import TestClient
 
 from moelab.engine.args import build_parser
-from moelab.engine.bench_decode import host_disturbance, rates_around, staged_lines
+from moelab.engine.bench_decode import (
+    _TIMED_FIELDS,
+    _against_the_bound,
+    host_disturbance,
+    rates_around,
+    staged_lines,
+)
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.server import Server
 from moelab.engine.spec import ModelSpec
@@ -107,6 +115,11 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     reads = spec.num_moe_layers * spec.top_k
     misses = result["fills_per_step"] + result["cpu_per_step"]
     assert misses == pytest.approx((1 - result["hit_rate"]) * reads)
+    # the bound counts the KV cache the attention reads: the default 16-token prompt's keys and
+    # values over every layer, at the mean context of the 4 timed steps (16 + 1 + 1.5)
+    elem = torch.empty(0, dtype=getattr(torch, result["dtype"])).element_size()
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem
+    assert result["kv_bytes_per_step"] == pytest.approx(18.5 * per_token)
     # the bound's rates: measured before and after the timed steps, the mean of the two
     before, after = result["rates_before"], result["rates_after"]
     assert result["host_gbps"] == pytest.approx((before["host_gbps"] + after["host_gbps"]) / 2)
@@ -174,6 +187,36 @@ def test_the_bound_takes_each_rate_as_the_mean_of_before_and_after():
     rates = rates_around(before, after)
     assert (rates["hbm_gbps"], rates["bp_gbps"], rates["host_gbps"]) == (4100.0, 48.0, 100.0)
     assert rates["rates_before"] == before and rates["rates_after"] == after
+
+
+def test_the_decode_bound_reads_the_dense_weights_the_kv_cache_and_the_cached_experts_from_hbm():
+    spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
+    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16)
+    layers, experts = spec.num_moe_layers, spec.num_experts
+    per_layer = np.zeros((layers, experts), dtype=np.int64)
+    counts = {k: per_layer.copy() for k in ("reads", "hits", "fills", "cpu", "picks")}
+    counts["reads"][:, 0], counts["hits"][:, 0] = 12, 8  # 4 steps: 2 hits, 1 miss a layer each
+    counts["fills"][:, 0], counts["cpu"][:, 0] = 2, 2
+    timed = {"elapsed": 0.5, "counts": counts, **dict.fromkeys(_TIMED_FIELDS)}
+    rates = {"hbm_gbps": 1000.0, "bp_gbps": 40.0, "host_gbps": 60.0}
+
+    def bound(prompt_tokens: int) -> dict:
+        args = SimpleNamespace(batch=2, tokens=4, prompt_tokens=prompt_tokens)
+        return _against_the_bound(engine, args, timed, rates)
+
+    short, long = bound(16), bound(4096)
+    eb = spec.expert_bytes * 2 // spec.dtype_bytes
+    dense = (spec.dense_params - spec.vocab_size * spec.hidden_size) * 2
+    kv_token = spec.kv_bytes_per_token * 2 // spec.dtype_bytes
+    kv = 2 * (4096 + 2.5) * kv_token  # two sequences at the mean context of 4 steps
+    assert long["kv_bytes_per_step"] == pytest.approx(kv)
+    t_min = (dense + kv + 2 * layers * eb) / 1e12 + layers * eb / 100e9
+    assert long["bound_tok_s"] == pytest.approx(2 / t_min)
+    assert long["decode_tok_s"] == pytest.approx(2 * 4 / 0.5)
+    assert long["achieved_of_bound"] == pytest.approx(16 / long["bound_tok_s"])
+    # a longer context reads more: a lower bound, a higher share for the same time
+    assert long["bound_tok_s"] < short["bound_tok_s"]
+    assert long["achieved_of_bound"] > short["achieved_of_bound"]
 
 
 def test_host_disturbance_is_the_steal_and_interrupt_share_between_two_readings():
