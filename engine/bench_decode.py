@@ -68,7 +68,8 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 type=_positive_int,
                 default=1,
                 help="timed runs in this process, each against the rates measured before and "
-                "after it; the median run's figures are printed, and each run's tok/s",
+                "after it; the median run's figures are printed, and each run's tok/s "
+                "(--profile profiles the first run)",
             )
         else:
             p.add_argument("--prompt-tokens", type=int, default=2048)
