@@ -383,7 +383,7 @@ class Engine(Stepping):
                 input_ids=torch.tensor(prompt_ids, dtype=torch.long, device=dev),
                 positions=torch.arange(n, device=dev),
                 slots=torch.tensor([self.kv.slot(blocks, p) for p in range(n)], device=dev),
-                seqs=[SeqSlice(0, n, n, blocks, self.kv.page_indices([(blocks, n)])[0])],
+                seqs=[SeqSlice(0, n, n, self.kv.page_indices([(blocks, n)])[0])],
                 logits_index=torch.arange(n, device=dev),
             )
             return self.model.forward(batch)

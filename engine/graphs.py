@@ -175,7 +175,7 @@ class DecodeGraphs:
     def _batch(self, bs: int) -> StepBatch:
         return StepBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], slots=self.slots[:bs],
-            seqs=[SeqSlice(i, 1, 1, []) for i in range(bs)], logits_index=self.logits_index[:bs],
+            seqs=[SeqSlice(i, 1, 1) for i in range(bs)], logits_index=self.logits_index[:bs],
             block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
         )  # fmt: skip
 

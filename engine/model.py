@@ -98,7 +98,6 @@ class SeqSlice:
     q_start: int
     q_len: int
     kv_len: int
-    blocks: list[int]
     # a prefill's: the pages of its kv_len tokens as a device index (KVCache.gather), copied to the
     # device with the step's other inputs, so that no layer waits for a copy
     pages: torch.Tensor | None = None

@@ -225,7 +225,7 @@ class Stepping:
             for pos in range(c.start, c.start + c.count):
                 positions.append(pos)
                 slots.append(self.kv.slot(c.seq.blocks, pos))
-            seqs.append(SeqSlice(q_start, c.count, c.start + c.count, c.seq.blocks))
+            seqs.append(SeqSlice(q_start, c.count, c.start + c.count))
             if c.completes_prompt:
                 logits_index.append(len(ids) - 1)
         dev = self.device
@@ -242,7 +242,8 @@ class Stepping:
             batch.block_tables = as_tensor(tables, torch.int32)
             batch.seq_lens = as_tensor([c.start + 1 for c in chunks], torch.int32)
         else:  # a prefill's attention reads cached keys through each sequence's pages
-            pages = self.kv.page_indices([(s.blocks, s.kv_len) for s in seqs])
+            blocks_and_lengths = [(c.seq.blocks, c.start + c.count) for c in chunks]
+            pages = self.kv.page_indices(blocks_and_lengths)
             for seq, seq_pages in zip(seqs, pages, strict=True):
                 seq.pages = seq_pages
         return batch

@@ -210,7 +210,7 @@ def test_resident_prefill_never_waits_for_the_device(tmp_path, head_dim, cached)
             input_ids=torch.tensor(prompt(40, n), device=dev),
             positions=torch.tensor(list(new), device=dev),
             slots=torch.tensor([kv.slot(blocks, p) for p in new], device=dev),
-            seqs=[SeqSlice(0, n, cached + n, blocks, kv.page_indices([(blocks, cached + n)])[0])],
+            seqs=[SeqSlice(0, n, cached + n, kv.page_indices([(blocks, cached + n)])[0])],
             logits_index=torch.tensor([n - 1], device=dev),
         )
         torch.cuda.synchronize()
