@@ -11,16 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import psutil
 import torch
 
+from ..kernels.cpu_experts import process_thread_ids
 from .args import _positive_int, add_engine_flags
 from .moe_stats import CpuJobTimes, MissCostFit, StagedStepTimes
 
@@ -200,12 +203,57 @@ def _thread_switches() -> tuple[int, int] | None:
     return usage.ru_nvcsw, usage.ru_nivcsw
 
 
-def host_disturbance(before: tuple, after: tuple) -> dict | None:
-    """What else the host did during a timed run, from _cpu_ticks and _thread_switches taken
-    around it: the share of the CPUs' time the hypervisor took (steal), the busiest CPU's share
-    spent on interrupts, and the switches of the thread that feeds the GPU. A run whose host
-    stages are slow for no reason of its own shows it here."""
-    (ticks0, switches0), (ticks1, switches1) = before, after
+def _thread_times() -> dict[int, tuple[str, int, int]]:
+    """Each thread of this process: its name, and its ns on a CPU and runnable but waiting for one
+    so far (Linux's schedstat; {} elsewhere)."""
+    out = {}
+    for tid in process_thread_ids():
+        task = Path(f"/proc/self/task/{tid}")
+        try:
+            run_ns, wait_ns = (int(v) for v in (task / "schedstat").read_text().split()[:2])
+            out[tid] = ((task / "comm").read_text().strip(), run_ns, wait_ns)
+        except (OSError, ValueError):  # ended meanwhile, or no schedstat on this kernel
+            continue
+    return out
+
+
+def _process_times() -> dict[int, tuple[str, float]]:
+    """Every other process this user can see: its name and CPU seconds so far."""
+    me, out = os.getpid(), {}
+    for proc in psutil.process_iter(["name", "cpu_times"]):
+        times = proc.info["cpu_times"]
+        if proc.pid != me and times is not None:
+            out[proc.pid] = (proc.info["name"], times.user + times.system)
+    return out
+
+
+def host_snapshot() -> dict:
+    """What host_disturbance compares: the CPUs' ticks, the feeding thread's switches, this
+    process's threads' CPU and wait times, the other processes' CPU times."""
+    return {
+        "ticks": _cpu_ticks(),
+        "switches": _thread_switches(),
+        "threads": _thread_times(),
+        "procs": _process_times(),
+    }
+
+
+def _busiest(deltas: dict[str, float], n: int = 3, floor: float = 0.1) -> list[list]:
+    """The n largest of name -> ms (those of at least `floor`), largest first."""
+    top = sorted(deltas.items(), key=lambda kv: -kv[1])[:n]
+    return [[name, round(ms, 2)] for name, ms in top if ms >= floor]
+
+
+def host_disturbance(
+    before: dict, after: dict, feeder: int | None = None, workers: Sequence[int] = ()
+) -> dict | None:
+    """What else the host did during a timed run, from two host_snapshot()s taken around it: the
+    share of the CPUs' time the hypervisor took (steal), the busiest CPU's share spent on
+    interrupts, the switches of the thread that feeds the GPU (`feeder`, this thread), how long it
+    and the slowest CPU expert worker (`workers`: thread ids) waited for a CPU while runnable,
+    and which other threads of this process and which other processes ran the most. A run whose
+    host stages are slow for no reason of its own shows it here."""
+    ticks0, ticks1 = before.get("ticks"), after.get("ticks")
     if not ticks0 or not ticks1:
         return None
     steal = total = 0
@@ -223,10 +271,68 @@ def host_disturbance(before: tuple, after: tuple) -> dict | None:
         "irq_busiest_cpu": busiest,
         "irq_busiest_share": irq_share.get(busiest, 0.0),
     }
+    switches0, switches1 = before.get("switches"), after.get("switches")
     if switches0 is not None and switches1 is not None:
         out["feeder_switches"] = switches1[0] - switches0[0]
         out["feeder_preemptions"] = switches1[1] - switches0[1]
+    threads0, threads1 = before.get("threads") or {}, after.get("threads") or {}
+    both = threads0.keys() & threads1.keys()
+    if any(threads1[tid][1] != threads0[tid][1] for tid in both):  # a kernel that keeps schedstat
+        waited = {tid: (threads1[tid][2] - threads0[tid][2]) / 1e6 for tid in both}
+        if feeder in both:
+            out["feeder_wait_ms"] = waited[feeder]
+        worker_waits = [waited[tid] for tid in workers if tid in both]
+        if worker_waits:
+            out["worker_wait_ms_max"] = max(worker_waits)
+        others: dict[str, float] = {}
+        for tid in both - {feeder, *workers}:
+            name = f"{threads1[tid][0]}/{tid}"
+            others[name] = (threads1[tid][1] - threads0[tid][1]) / 1e6
+        out["busiest_threads"] = _busiest(others)
+    procs0, procs1 = before.get("procs") or {}, after.get("procs") or {}
+    if procs1:
+        out["busiest_processes"] = _busiest(
+            {
+                f"{procs1[pid][0]}/{pid}": 1e3 * (procs1[pid][1] - procs0[pid][1])
+                for pid in procs0.keys() & procs1.keys()
+            }
+        )
     return out
+
+
+def step_times(seconds: Sequence[float]) -> dict:
+    """A timed run's step durations: median, 99th percentile and longest, in ms, and the steps
+    that took over three times the median with the time they took beyond it (a stall)."""
+    ms = np.asarray(seconds, dtype=np.float64) * 1e3
+    if ms.size == 0:
+        return {"steps": 0}
+    median = float(np.median(ms))
+    slow = ms[ms > 3 * median]
+    return {
+        "steps": int(ms.size),
+        "median_ms": median,
+        "p99_ms": float(np.percentile(ms, 99)),
+        "max_ms": float(ms.max()),
+        "slow_steps": int(slow.size),
+        "slow_excess_ms": float((slow - median).sum()),
+    }
+
+
+def stall_words(run: dict) -> str:
+    """A run's steps in words: its longest and the time its stalls (steps over 3x the median)
+    took beyond the median; with what the feeding thread and the workers waited for a CPU."""
+    steps = run.get("step_ms") or {}
+    if not steps.get("steps"):
+        return ""
+    words = f"; steps {steps['median_ms']:.2f} ms median, {steps['max_ms']:.1f} longest"
+    if steps["slow_steps"]:
+        words += f", {steps['slow_steps']} over 3x: {steps['slow_excess_ms']:.1f} ms beyond"
+    d = run.get("host_disturbance") or {}
+    if "feeder_wait_ms" in d:
+        words += f"; waited for a CPU: the feeding thread {d['feeder_wait_ms']:.1f} ms"
+    if "worker_wait_ms_max" in d:
+        words += f", the longest-waiting worker {d['worker_wait_ms_max']:.1f} ms"
+    return words
 
 
 def _evenness(picks: np.ndarray) -> float:
@@ -277,12 +383,14 @@ def _decode(engine, args) -> dict:
 # What `--repeats` keeps of each run besides the median's whole result
 _RUN_FIELDS = (
     "decode_tok_s", "bound_tok_s", "achieved_of_bound", "hit_rate", "hbm_gbps", "bp_gbps",
-    "host_gbps", "rates_before", "rates_after", "host_disturbance",
+    "host_gbps", "rates_before", "rates_after", "host_disturbance", "step_ms", "cpu_jobs",
 )  # fmt: skip
 
 
 # What a timed run measured besides its time and counts
-_TIMED_FIELDS = ("host_disturbance", "breakdown", "cpu_jobs", "staged_layer_us", "miss_cost")
+_TIMED_FIELDS = (
+    "host_disturbance", "step_ms", "breakdown", "cpu_jobs", "staged_layer_us", "miss_cost",
+)  # fmt: skip
 
 
 def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict:
@@ -300,13 +408,18 @@ def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict
     engine.moe.staged_times = StagedStepTimes()
     engine.telemetry.miss_cost = MissCostFit()
     profiler = _host_profile_start(profile)
-    around = (_cpu_ticks(), _thread_switches())
-    t0 = time.perf_counter()
-    engine.run_until_idle()
+    around = host_snapshot()
+    stamps = [time.perf_counter()]  # the start, then the end of each step
+    t0 = stamps[0]
+    while not engine.idle:
+        engine.step()
+        stamps.append(time.perf_counter())
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    disturbance = host_disturbance(around, (_cpu_ticks(), _thread_switches()))
+    disturbance = host_disturbance(
+        around, host_snapshot(), threading.get_native_id(), engine.cpu.thread_ids
+    )
     _host_profile_print(profiler)
     counts = (
         a - b for a, b in zip((c.reads, c.hits, c.fills, c.cpu, c.picks), before, strict=True)
@@ -315,6 +428,7 @@ def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict
         "elapsed": elapsed,
         "counts": dict(zip(("reads", "hits", "fills", "cpu", "picks"), counts, strict=True)),
         "host_disturbance": disturbance,
+        "step_ms": step_times(np.diff(stamps)),
         "breakdown": dict(engine.telemetry.breakdown),
         "cpu_jobs": engine.moe.cpu_times.to_dict(),
         "staged_layer_us": engine.moe.staged_times.to_dict(),
@@ -567,7 +681,7 @@ def _run(args: argparse.Namespace) -> int:
         if len(result["runs"]) > 1:
             line += "\nruns (this line's figures are the median's): " + ", ".join(
                 f"{run['decode_tok_s']:.1f} tok/s {run['achieved_of_bound']:.0%} "
-                f"(B_host {run['host_gbps']:.1f})"
+                f"(B_host {run['host_gbps']:.1f}{stall_words(run)})"
                 for run in result["runs"]
             )
         line += staged_lines(result["staged_layer_us"])
@@ -579,6 +693,12 @@ def _run(args: argparse.Namespace) -> int:
             )
             if "feeder_preemptions" in d:
                 line += f", the feeding thread preempted {d['feeder_preemptions']} times"
+            for key, what in (("busiest_threads", "threads"), ("busiest_processes", "processes")):
+                if d.get(key):
+                    busy = ", ".join(f"{name} {ms:.1f} ms" for name, ms in d[key])
+                    line += f"; busiest other {what}: {busy}"
+        if words := stall_words(result):
+            line += "\nsteps" + words.removeprefix("; steps")
     else:
         bound = result["pcie_bound_tok_s"]
         rates = [result["prompt_tokens"] / t for t in result["seconds_each"]]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.cpu_experts import DEFAULT_TASK_KB, CpuExpertRunner
+from ..kernels.cpu_experts import DEFAULT_TASK_KB, CpuExpertRunner, process_thread_ids
 from .args import default_cpu_threads
 from .bank import ExpertBank
 
@@ -53,12 +53,69 @@ def _core_of(cpu: int) -> tuple[str, str]:
         return ("cpu", str(cpu))
 
 
+def spare_cpus(allowed: Sequence[int], core_of: Mapping[int, object], workers: Sequence[int]):
+    """The allowed logical CPUs on cores that hold no worker (keys as in plan_worker_cpus)."""
+    taken = {core_of.get(cpu, ("cpu", cpu)) for cpu in workers}
+    return [cpu for cpu in sorted(allowed) if core_of.get(cpu, ("cpu", cpu)) not in taken]
+
+
+def _allowed_cpus() -> dict[int, tuple[str, str]]:
+    """The logical CPUs this thread may use, each with its physical core ({} off Linux)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return {}
+    return {cpu: _core_of(cpu) for cpu in sorted(os.sched_getaffinity(0))}
+
+
 def worker_cpus(threads: int) -> list[int]:
     """This machine's placement for `threads` CPU expert workers (plan_worker_cpus)."""
-    if not hasattr(os, "sched_getaffinity"):
-        return []
-    allowed = sorted(os.sched_getaffinity(0))
-    return plan_worker_cpus(threads, allowed, {cpu: _core_of(cpu) for cpu in allowed})
+    allowed = _allowed_cpus()
+    return plan_worker_cpus(threads, list(allowed), allowed) if allowed else []
+
+
+class ProcessPlacement:
+    """`--moe-cpu-pin isolate`: every thread of this process but the CPU expert workers kept on
+    the cores the workers leave, so that none of them (the thread feeding the GPU, the driver's,
+    the server's) takes a worker's core for a while, and no job waits on a worker the OS set
+    aside. restore() puts back each thread's earlier CPUs; threads started meanwhile by a kept
+    thread were born with its CPUs and keep them.
+    """
+
+    def __init__(self, cpus: Sequence[int], keep_off: Sequence[int]) -> None:
+        self.cpus = list(cpus)
+        self._saved: dict[int, set[int]] = {}
+        for tid in sorted(process_thread_ids() - set(keep_off)):
+            try:
+                self._saved[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, self.cpus)
+            except OSError:  # the thread ended meanwhile
+                self._saved.pop(tid, None)
+
+    @classmethod
+    def around(cls, runner: CpuExpertRunner) -> ProcessPlacement | None:
+        """The rest of the process kept off `runner`'s pinned workers' cores; None where the
+        workers are not pinned or leave no core."""
+        allowed = _allowed_cpus()
+        if not runner.cpus or not allowed:
+            return None
+        spare = spare_cpus(list(allowed), allowed, runner.cpus)
+        if not spare:
+            return None
+        placement = cls(spare, runner.thread_ids)
+        log.info(
+            "the rest of the process (%d threads) kept on CPUs %s",
+            len(placement._saved),
+            cpu_ranges(spare),
+        )
+        return placement
+
+    def restore(self) -> None:
+        """Each moved thread back on the CPUs it had (those that still run)."""
+        for tid, cpus in self._saved.items():
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
+                pass
+        self._saved = {}
 
 
 def start_cpu_executor(

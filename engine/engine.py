@@ -16,7 +16,13 @@ from .bank import build_in_memory, load_bank
 from .bench import best, load_profile
 from .cache import ExpertCache
 from .checkpoint import SafetensorsSource, load_dense
-from .cpu import cpu_ranges, measure_bh_gbps, measure_bp_gbps, start_cpu_executor
+from .cpu import (
+    ProcessPlacement,
+    cpu_ranges,
+    measure_bh_gbps,
+    measure_bp_gbps,
+    start_cpu_executor,
+)
 from .graphs import DecodeGraphs
 from .kv import KVCache
 from .memory import VramPlan, log_plan, plan_vram
@@ -130,7 +136,10 @@ class Engine(Stepping):
             args.moe_cpu_kernel,
             args.moe_cpu_spin_us,
             args.moe_cpu_task_kb,
-            pin=args.moe_cpu_pin == "cores",
+            pin=args.moe_cpu_pin != "off",
+        )
+        self.placement = (
+            ProcessPlacement.around(self.cpu) if args.moe_cpu_pin == "isolate" else None
         )
         # torch's own CPU threads spin after every op and would steal the cores the CPU expert
         # workers stream weights on: with a GPU the host's torch ops are tiny, so one thread
@@ -405,6 +414,7 @@ class Engine(Stepping):
             "cpu_task_kb": a.moe_cpu_task_kb,
             "cpu_pin": a.moe_cpu_pin,
             "cpu_worker_cpus": cpu_ranges(self.cpu.cpus) if self.cpu.cpus else "os",
+            "process_cpus": cpu_ranges(self.placement.cpus) if self.placement else "os",
             "split_misses": not a.no_split_misses,
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,
@@ -427,3 +437,5 @@ class Engine(Stepping):
 
     def close(self) -> None:
         self.cpu.close()
+        if self.placement is not None:
+            self.placement.restore()

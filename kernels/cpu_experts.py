@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -211,6 +212,14 @@ class CpuExpertJob:
             self._job.wait()
 
 
+def process_thread_ids() -> set[int]:
+    """The OS ids of this process's threads (Linux; an empty set elsewhere)."""
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
 class CpuExpertRunner:
     """Runs MoE experts on persistent CPU worker threads; `submit` returns while they compute.
 
@@ -221,7 +230,9 @@ class CpuExpertRunner:
     weight KiB each task of a native job aims at (tasks are what the workers claim one at a time).
     cpus: None (the OS places the native workers) or one logical CPU per thread, which that
     worker stays on (engine/cpu.worker_cpus chooses them); `runner.cpus` keeps them (None where
-    the OS places the workers, and for the torch kernel).
+    the OS places the workers, and for the torch kernel). `runner.thread_ids`: the native workers'
+    OS thread ids (the threads this process gained while the pool started; [] off Linux and for
+    the torch kernel).
     """
 
     def __init__(
@@ -263,7 +274,9 @@ class CpuExpertRunner:
                 raise ValueError(f"task_kb must be a positive int, got {task_kb!r}")
             if cpus is not None and len(cpus) != num_threads:
                 raise ValueError(f"cpus must name one CPU per thread ({num_threads}), got {cpus}")
+            started = process_thread_ids()
             self._pool = self._module.Pool(num_threads, spin_us, task_kb * 1024, list(cpus or []))
+            self.thread_ids = sorted(process_thread_ids() - started)
             self.cpus = list(cpus) if cpus is not None else None
         else:
             if simd != "best":
@@ -271,6 +284,7 @@ class CpuExpertRunner:
             if cpus is not None:
                 log.info("CPU experts: the torch kernel places its own threads; cpus is ignored")
             self.cpus = None
+            self.thread_ids = []
             self.kernel = "torch"
             self.simd = "torch"
             self._executor = ThreadPoolExecutor(

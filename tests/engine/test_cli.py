@@ -19,6 +19,8 @@ from moelab.engine.bench_decode import (
     host_disturbance,
     rates_around,
     staged_lines,
+    stall_words,
+    step_times,
 )
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.server import Server
@@ -127,6 +129,9 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     jobs = result["cpu_jobs"]  # the native workers' times, and their line
     assert jobs["jobs"] > 0 and 0 < jobs["workers_busy_share"] <= 1.01
     assert f"CPU jobs: {jobs['jobs']}, " in r.stderr and "were in tasks" in r.stderr
+    steps = result["step_ms"]  # each timed step's time: 4 tokens (one more to drain the flight)
+    assert steps["steps"] in (4, 5) and 0 < steps["median_ms"] <= steps["max_ms"]
+    assert f"steps {steps['median_ms']:.2f} ms median" in r.stderr
     if sys.platform == "linux":  # the host's own activity during the run, from /proc/stat
         disturbance = result["host_disturbance"]
         assert 0 <= disturbance["steal_share"] <= 1 and disturbance["feeder_preemptions"] >= 0
@@ -152,6 +157,7 @@ def test_bench_decode_repeats_report_each_run_and_the_median_runs_figures():
     assert {k: result[k] for k in median} == median
     # each run's bound takes the rates measured right before and after it: one measurement
     # between two runs serves both
+    assert all(run["step_ms"]["steps"] >= 3 and run["cpu_jobs"]["jobs"] > 0 for run in runs)
     assert runs[0]["rates_after"] == runs[1]["rates_before"]
     assert runs[1]["rates_after"] == runs[2]["rates_before"]
     shares = sorted(run["achieved_of_bound"] for run in runs)
@@ -223,14 +229,51 @@ def test_host_disturbance_is_the_steal_and_interrupt_share_between_two_readings(
     def cpu(user, irq, steal):
         return {"user": user, "idle": 0, "irq": irq, "softirq": 0, "steal": steal}
 
-    before = ({"cpu0": cpu(100, 0, 0), "cpu1": cpu(100, 0, 0)}, (10, 1))
-    after = ({"cpu0": cpu(160, 20, 20), "cpu1": cpu(200, 0, 0)}, (14, 4))
-    d = host_disturbance(before, after)
+    # threads: name, ns on a CPU, ns waiting for one; processes: name, CPU seconds
+    before = {
+        "ticks": {"cpu0": cpu(100, 0, 0), "cpu1": cpu(100, 0, 0)},
+        "switches": (10, 1),
+        "threads": {1: ("python", 0, 0), 2: ("w", 0, 0), 3: ("w", 0, 0), 4: ("cuda", 5, 0)},
+        "procs": {50: ("agent", 1.0), 51: ("sshd", 2.0)},
+    }
+    after = {
+        "ticks": {"cpu0": cpu(160, 20, 20), "cpu1": cpu(200, 0, 0)},
+        "switches": (14, 4),
+        "threads": {
+            1: ("python", 9_000_000, 2_000_000),
+            2: ("w", 9_000_000, 500_000),
+            3: ("w", 9_000_000, 7_000_000),
+            4: ("cuda", 3_000_005, 0),
+            5: ("new", 8_000_000, 0),  # started during the run: not compared
+        },
+        "procs": {50: ("agent", 1.25), 51: ("sshd", 2.0), 52: ("new", 9.0)},
+    }
+    d = host_disturbance(before, after, feeder=1, workers=[2, 3])
     assert d["steal_share"] == pytest.approx(20 / 200)  # 20 of the 200 ticks both CPUs ran
     assert (d["irq_busiest_cpu"], d["irq_busiest_share"]) == ("cpu0", pytest.approx(0.2))
     assert (d["feeder_switches"], d["feeder_preemptions"]) == (4, 3)
-    assert host_disturbance((None, None), after) is None
-    assert "feeder_switches" not in host_disturbance((before[0], None), after)
+    assert d["feeder_wait_ms"] == pytest.approx(2.0)
+    assert d["worker_wait_ms_max"] == pytest.approx(7.0)
+    assert d["busiest_threads"] == [["cuda/4", 3.0]]
+    assert d["busiest_processes"] == [["agent/50", 250.0]]  # sshd ran 0 ms, "new" began later
+    assert host_disturbance({"ticks": None}, after) is None
+    partial = host_disturbance({"ticks": before["ticks"]}, after)
+    assert "feeder_switches" not in partial and "feeder_wait_ms" not in partial
+    # a kernel without schedstat reads every thread as 0 ns: no waits are reported from it
+    flat = {tid: (name, 0, 0) for tid, (name, _, _) in after["threads"].items()}
+    zeros = host_disturbance({**before, "threads": flat}, {**after, "threads": flat}, 1, [2, 3])
+    assert "feeder_wait_ms" not in zeros and "busiest_threads" not in zeros
+
+
+def test_step_times_find_the_stalls_of_a_run():
+    steps = step_times([0.002] * 9 + [0.020])
+    assert steps["steps"] == 10 and steps["median_ms"] == pytest.approx(2.0)
+    assert steps["max_ms"] == pytest.approx(20.0)
+    assert (steps["slow_steps"], steps["slow_excess_ms"]) == (1, pytest.approx(18.0))
+    assert step_times([0.002, 0.003, 0.004])["slow_steps"] == 0
+    assert step_times([]) == {"steps": 0}
+    words = stall_words({"step_ms": steps, "host_disturbance": {"feeder_wait_ms": 1.5}})
+    assert "20.0 longest, 1 over 3x: 18.0 ms beyond" in words and "feeding thread 1.5 ms" in words
 
 
 def test_bench_decode_prints_the_staged_stages_and_the_commonest_plans_periods():

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
 from moelab.engine.args import build_parser
-from moelab.engine.cpu import cpu_ranges, plan_worker_cpus, start_cpu_executor, worker_cpus
-from moelab.kernels.cpu_experts import CpuExpertRunner
+from moelab.engine.cpu import (
+    ProcessPlacement,
+    cpu_ranges,
+    plan_worker_cpus,
+    spare_cpus,
+    start_cpu_executor,
+    worker_cpus,
+)
+from moelab.kernels.cpu_experts import CpuExpertRunner, process_thread_ids
 
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 linux_only = pytest.mark.skipif(not ALLOWED, reason="needs Linux's thread affinity")
@@ -92,9 +100,51 @@ def test_cpu_lists_are_written_as_ranges():
     assert cpu_ranges([4]) == "4"
 
 
-def test_the_flag_takes_cores_or_off():
+def test_the_spare_cpus_are_those_of_cores_without_a_worker():
+    cpus = list(range(16))
+    assert spare_cpus(cpus, {c: c for c in cpus}, range(1, 16)) == [0]
+    assert spare_cpus(cpus, {c: c for c in cpus}, [1, 2]) == [0, *range(3, 16)]
+    # hyperthreads: a worker on CPU 1 takes its sibling 9 off the spare list too
+    assert spare_cpus(cpus, {c: c % 8 for c in cpus}, range(1, 8)) == [0, 8]
+    assert spare_cpus([0, 1], {}, [0, 1]) == []
+
+
+@linux_only
+def test_isolate_keeps_the_rest_of_the_process_off_the_workers_and_puts_it_back():
+    if len(worker_cpus(1)) != 1:
+        pytest.skip("needs a core beside the one worker's")
+    me = threading.get_native_id()
+    mine = os.sched_getaffinity(me)
+    runner = start_cpu_executor(1, "native", spin_us=0)
+    try:
+        (worker,) = runner.thread_ids
+        assert worker in process_thread_ids() and worker != me
+        placement = ProcessPlacement.around(runner)
+        assert placement is not None and runner.cpus[0] not in placement.cpus
+        assert os.sched_getaffinity(me) == set(placement.cpus)  # this thread: the feeder
+        assert os.sched_getaffinity(worker) == set(runner.cpus)  # the worker: its own CPU
+        seen = []  # a thread started now is born on the spare CPUs
+        started = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        started.start()
+        started.join()
+        assert seen == [set(placement.cpus)]
+        placement.restore()
+        assert os.sched_getaffinity(me) == mine
+        assert os.sched_getaffinity(worker) == set(runner.cpus)
+    finally:
+        runner.close()
+    unpinned = start_cpu_executor(1, "native", spin_us=0, pin=False)
+    try:
+        assert ProcessPlacement.around(unpinned) is None  # nothing to keep off
+    finally:
+        unpinned.close()
+
+
+def test_the_flag_takes_cores_isolate_or_off():
     parser = build_parser()
     assert parser.parse_args(["--model-path", "m"]).moe_cpu_pin == "cores"
-    assert parser.parse_args(["--model-path", "m", "--moe-cpu-pin", "off"]).moe_cpu_pin == "off"
+    for choice in ("isolate", "off"):
+        args = parser.parse_args(["--model-path", "m", "--moe-cpu-pin", choice])
+        assert args.moe_cpu_pin == choice
     with pytest.raises(SystemExit):
         parser.parse_args(["--model-path", "m", "--moe-cpu-pin", "all"])
