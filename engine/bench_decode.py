@@ -9,6 +9,7 @@ here, Bp and B_host while running at the same time. A slow kernel shows as a gap
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -300,6 +301,37 @@ def host_disturbance(
     return out
 
 
+class GcPauses:
+    """The cycle collector's runs while entered (through gc.callbacks): how many, their ms in all
+    and the longest, and how many were full (generation 2) collections."""
+
+    def __init__(self) -> None:
+        self.runs = self.full = 0
+        self.ms = self.max_ms = 0.0
+        self._start: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            ms = 1e3 * (time.perf_counter() - self._start)
+            self._start = None
+            self.runs += 1
+            self.full += info["generation"] == 2
+            self.ms += ms
+            self.max_ms = max(self.max_ms, ms)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+    def to_dict(self) -> dict:
+        return {"runs": self.runs, "full": self.full, "ms": self.ms, "max_ms": self.max_ms}
+
+
 def step_times(seconds: Sequence[float]) -> dict:
     """A timed run's step durations: median, 99th percentile and longest, in ms, and the steps
     that took over three times the median with the time they took beyond it (a stall)."""
@@ -327,6 +359,12 @@ def stall_words(run: dict) -> str:
     words = f"; steps {steps['median_ms']:.2f} ms median, {steps['max_ms']:.1f} longest"
     if steps["slow_steps"]:
         words += f", {steps['slow_steps']} over 3x: {steps['slow_excess_ms']:.1f} ms beyond"
+    collections = run.get("gc") or {}
+    if collections.get("runs"):
+        words += (
+            f"; {collections['runs']} collections ({collections['full']} full) "
+            f"{collections['ms']:.1f} ms, the longest {collections['max_ms']:.1f}"
+        )
     d = run.get("host_disturbance") or {}
     if "feeder_wait_ms" in d:
         words += f"; waited for a CPU: the feeding thread {d['feeder_wait_ms']:.1f} ms"
@@ -350,6 +388,7 @@ def _evenness(picks: np.ndarray) -> float:
 def _decode(engine, args) -> dict:
     """`args.repeats` timed decode runs (after one warm-up) against the rates measured between
     them: the median run's figures (by its share of the bound), with each run's in "runs"."""
+    from .engine import settle_heap
     from .sampling import SamplingParams
 
     spec = engine.spec
@@ -360,6 +399,10 @@ def _decode(engine, args) -> dict:
     ]
     warm = SamplingParams(max_tokens=args.warmup, ignore_eos=True)
     engine.generate(prompts, warm)
+    heap = {"full_collect_ms": settle_heap()}  # as serve does once its engine is ready
+    t0 = time.perf_counter()
+    gc.collect()
+    heap["full_collect_frozen_ms"] = 1e3 * (time.perf_counter() - t0)
     runs = []
     rates_before = concurrent_rates(engine)
     for i in range(args.repeats):
@@ -377,19 +420,20 @@ def _decode(engine, args) -> dict:
         "cuda_graphs": config["cuda_graph_mode"],
         "pdl": config["pdl"],
         "runs": [{k: run[k] for k in _RUN_FIELDS} for run in runs],
+        "heap": heap,
     }
 
 
 # What `--repeats` keeps of each run besides the median's whole result
 _RUN_FIELDS = (
     "decode_tok_s", "bound_tok_s", "achieved_of_bound", "hit_rate", "hbm_gbps", "bp_gbps",
-    "host_gbps", "rates_before", "rates_after", "host_disturbance", "step_ms", "cpu_jobs",
+    "host_gbps", "rates_before", "rates_after", "host_disturbance", "step_ms", "gc", "cpu_jobs",
 )  # fmt: skip
 
 
 # What a timed run measured besides its time and counts
 _TIMED_FIELDS = (
-    "host_disturbance", "step_ms", "breakdown", "cpu_jobs", "staged_layer_us", "miss_cost",
+    "host_disturbance", "step_ms", "gc", "breakdown", "cpu_jobs", "staged_layer_us", "miss_cost",
 )  # fmt: skip
 
 
@@ -411,11 +455,12 @@ def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict
     around = host_snapshot()
     stamps = [time.perf_counter()]  # the start, then the end of each step
     t0 = stamps[0]
-    while not engine.idle:
-        engine.step()
-        stamps.append(time.perf_counter())
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
+    with GcPauses() as collections:
+        while not engine.idle:
+            engine.step()
+            stamps.append(time.perf_counter())
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     disturbance = host_disturbance(
         around, host_snapshot(), threading.get_native_id(), engine.cpu.thread_ids
@@ -429,6 +474,7 @@ def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict
         "counts": dict(zip(("reads", "hits", "fills", "cpu", "picks"), counts, strict=True)),
         "host_disturbance": disturbance,
         "step_ms": step_times(np.diff(stamps)),
+        "gc": collections.to_dict(),
         "breakdown": dict(engine.telemetry.breakdown),
         "cpu_jobs": engine.moe.cpu_times.to_dict(),
         "staged_layer_us": engine.moe.staged_times.to_dict(),
@@ -699,6 +745,11 @@ def _run(args: argparse.Namespace) -> int:
                     line += f"; busiest other {what}: {busy}"
         if words := stall_words(result):
             line += "\nsteps" + words.removeprefix("; steps")
+        heap = result["heap"]
+        line += (
+            f"\nheap settled before the timed runs: a full collection took "
+            f"{heap['full_collect_ms']:.0f} ms, {heap['full_collect_frozen_ms']:.1f} ms after it"
+        )
     else:
         bound = result["pcie_bound_tok_s"]
         rates = [result["prompt_tokens"] / t for t in result["seconds_each"]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -67,9 +68,10 @@ class EngineWorker(threading.Thread):
 
     def run(self) -> None:
         try:
-            from .engine import Engine  # here, so that a broken install is reported too
+            from .engine import Engine, settle_heap  # here, so that a broken install is reported
 
             self.engine = Engine(self.args, progress=self._progress)
+            log.info("heap settled: a full collection took %.0f ms", settle_heap())
         except Exception as err:  # reported through /health; the process stays up to say why
             self.status = "error"
             self.error = f"{type(err).__name__}: {err}"
@@ -81,6 +83,7 @@ class EngineWorker(threading.Thread):
             self._loop()
         finally:
             self.engine.close()
+            gc.unfreeze()
 
     def stop(self) -> None:
         self._stopping.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from starlette.testclient import TestClient
 from moelab.engine.args import build_parser
 from moelab.engine.bench_decode import (
     _TIMED_FIELDS,
+    GcPauses,
     _against_the_bound,
     host_disturbance,
     rates_around,
@@ -132,6 +134,10 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     steps = result["step_ms"]  # each timed step's time: 4 tokens (one more to drain the flight)
     assert steps["steps"] in (4, 5) and 0 < steps["median_ms"] <= steps["max_ms"]
     assert f"steps {steps['median_ms']:.2f} ms median" in r.stderr
+    # the heap settled as serve settles it, then the timed runs' collections (cheap ones now)
+    heap = result["heap"]
+    assert heap["full_collect_frozen_ms"] >= 0 and "heap settled before the timed runs" in r.stderr
+    assert result["gc"]["runs"] >= result["gc"]["full"] >= 0
     if sys.platform == "linux":  # the host's own activity during the run, from /proc/stat
         disturbance = result["host_disturbance"]
         assert 0 <= disturbance["steal_share"] <= 1 and disturbance["feeder_preemptions"] >= 0
@@ -272,6 +278,11 @@ def test_step_times_find_the_stalls_of_a_run():
     assert (steps["slow_steps"], steps["slow_excess_ms"]) == (1, pytest.approx(18.0))
     assert step_times([0.002, 0.003, 0.004])["slow_steps"] == 0
     assert step_times([]) == {"steps": 0}
+    with GcPauses() as pauses:
+        gc.collect(0)
+        gc.collect()
+    assert (pauses.runs, pauses.full) == (2, 1) and 0 < pauses.max_ms <= pauses.ms
+    assert pauses not in gc.callbacks
     words = stall_words({"step_ms": steps, "host_disturbance": {"feeder_wait_ms": 1.5}})
     assert "20.0 longest, 1 over 3x: 18.0 ms beyond" in words and "feeding thread 1.5 ms" in words
 
