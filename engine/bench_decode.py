@@ -134,23 +134,29 @@ def concurrent_rates(engine, seconds: float = 0.6) -> dict:
     dst2 = torch.empty_like(bank.w2[0][0], device=dev)
     stop = threading.Event()
     copied = [0]
+    # written before the copies start: this thread fills it on one core, where (with
+    # --moe-cpu-pin isolate) the copying thread runs too
+    buf = torch.ones((1 << 30) // 4, dtype=torch.float32)
 
-    def copies() -> None:
+    def copies(in_flight: int = 4) -> None:
+        """Experts copied `in_flight` at a time, so that the copy engine stays busy while this
+        thread waits for a CPU (the feeding thread queues the engine's fills the same way)."""
         stream = torch.cuda.Stream(dev)
         i = 0
         with torch.cuda.stream(stream):
             while not stop.is_set():
-                layer, expert = i % bank.num_layers, (i // bank.num_layers) % bank.num_experts
-                dst13.copy_(bank.w13[layer][expert], non_blocking=True)
-                dst2.copy_(bank.w2[layer][expert], non_blocking=True)
+                for _ in range(in_flight):
+                    layer, expert = i % bank.num_layers, (i // bank.num_layers) % bank.num_experts
+                    dst13.copy_(bank.w13[layer][expert], non_blocking=True)
+                    dst2.copy_(bank.w2[layer][expert], non_blocking=True)
+                    i += 1
                 stream.synchronize()
-                copied[0] += bank.expert_bytes
-                i += 1
+                copied[0] += in_flight * bank.expert_bytes
 
     thread = threading.Thread(target=copies)
     t0 = time.perf_counter()
     thread.start()
-    host = engine.cpu.read_gbps(1 << 30, repeats=3)
+    host = engine.cpu.read_gbps(repeats=3, buf=buf)
     while time.perf_counter() - t0 < seconds:
         time.sleep(0.01)
     stop.set()
@@ -339,15 +345,29 @@ def step_times(seconds: Sequence[float]) -> dict:
     if ms.size == 0:
         return {"steps": 0}
     median = float(np.median(ms))
-    slow = ms[ms > 3 * median]
+    slow = ms > 3 * median
     return {
         "steps": int(ms.size),
         "median_ms": median,
         "p99_ms": float(np.percentile(ms, 99)),
         "max_ms": float(ms.max()),
-        "slow_steps": int(slow.size),
-        "slow_excess_ms": float((slow - median).sum()),
+        "slow_steps": int(slow.sum()),
+        "slow_excess_ms": float((ms[slow] - median).sum()),
+        "slow_at": np.flatnonzero(slow)[:8].tolist(),  # the first eight, counted from 0
     }
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """How often torch's caching allocators went to the driver so far: device memory
+    (cudaMalloc), and pinned host memory where this torch counts it; {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    out = {"device_allocs": stats.get("num_device_alloc", 0)}
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    if host_stats is not None:
+        out["host_allocs"] = host_stats().get("num_host_alloc", 0)
+    return out
 
 
 def stall_words(run: dict) -> str:
@@ -358,7 +378,12 @@ def stall_words(run: dict) -> str:
         return ""
     words = f"; steps {steps['median_ms']:.2f} ms median, {steps['max_ms']:.1f} longest"
     if steps["slow_steps"]:
-        words += f", {steps['slow_steps']} over 3x: {steps['slow_excess_ms']:.1f} ms beyond"
+        at = ",".join(str(i) for i in steps["slow_at"])
+        words += (
+            f", {steps['slow_steps']} over 3x (at {at}): {steps['slow_excess_ms']:.1f} ms beyond"
+        )
+    if allocations := {k: v for k, v in (run.get("allocations") or {}).items() if v}:
+        words += "; " + ", ".join(f"{k} {v}" for k, v in allocations.items())
     collections = run.get("gc") or {}
     if collections.get("runs"):
         words += (
@@ -427,13 +452,15 @@ def _decode(engine, args) -> dict:
 # What `--repeats` keeps of each run besides the median's whole result
 _RUN_FIELDS = (
     "decode_tok_s", "bound_tok_s", "achieved_of_bound", "hit_rate", "hbm_gbps", "bp_gbps",
-    "host_gbps", "rates_before", "rates_after", "host_disturbance", "step_ms", "gc", "cpu_jobs",
+    "host_gbps", "rates_before", "rates_after", "host_disturbance", "step_ms", "gc", "allocations",
+    "cpu_jobs",
 )  # fmt: skip
 
 
 # What a timed run measured besides its time and counts
 _TIMED_FIELDS = (
-    "host_disturbance", "step_ms", "gc", "breakdown", "cpu_jobs", "staged_layer_us", "miss_cost",
+    "host_disturbance", "step_ms", "gc", "allocations", "breakdown", "cpu_jobs",
+    "staged_layer_us", "miss_cost",
 )  # fmt: skip
 
 
@@ -452,7 +479,7 @@ def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict
     engine.moe.staged_times = StagedStepTimes()
     engine.telemetry.miss_cost = MissCostFit()
     profiler = _host_profile_start(profile)
-    around = host_snapshot()
+    around, allocs = host_snapshot(), allocator_counts(engine.device)
     stamps = [time.perf_counter()]  # the start, then the end of each step
     t0 = stamps[0]
     with GcPauses() as collections:
@@ -475,6 +502,7 @@ def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict
         "host_disturbance": disturbance,
         "step_ms": step_times(np.diff(stamps)),
         "gc": collections.to_dict(),
+        "allocations": {k: v - allocs[k] for k, v in allocator_counts(engine.device).items()},
         "breakdown": dict(engine.telemetry.breakdown),
         "cpu_jobs": engine.moe.cpu_times.to_dict(),
         "staged_layer_us": engine.moe.staged_times.to_dict(),

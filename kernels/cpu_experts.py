@@ -469,9 +469,14 @@ class CpuExpertRunner:
         """The logical CPUs each native worker may run on (None for the torch kernel)."""
         return None if self._module is None else [list(c) for c in self._pool.worker_cpus()]
 
-    def read_gbps(self, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
-        """The host memory read rate in GB/s on these threads: the best of `repeats` buffer sums."""
-        buf = torch.ones(size_bytes // 4, dtype=torch.float32)  # written, so every page is real
+    def read_gbps(
+        self, size_bytes: int = 1 << 30, repeats: int = 5, buf: torch.Tensor | None = None
+    ) -> float:
+        """The host memory read rate in GB/s on these threads: the best of `repeats` sums of `buf`
+        (a written float32 tensor; default a new one of size_bytes, written so every page is
+        real)."""
+        if buf is None:
+            buf = torch.ones(size_bytes // 4, dtype=torch.float32)
         best_s = float("inf")
         for _ in range(repeats):
             started_s = time.perf_counter()

@@ -54,10 +54,12 @@ if [ "$part" = startup ] || [ "$part" = autotune ]; then  # an engine's start, p
 fi
 if [ "$part" = engine ] || [ "$part" = decode ] || [ "$part" = all ]; then
   run decode12_resident_skew1 $B decode $G --routing-skew 1 --json --kernel-profile
-  # the offloaded rows: three runs each in one process (the host's rate varies run to run)
-  run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json --repeats 3
+  # the offloaded rows: three runs of 256 tokens each in one process (the host's rate varies run
+  # to run, and one stall of the host weighs less in a longer run)
+  O="--moe-cache-rate 0.25 --json --repeats 3 --tokens 256"
+  run decode12_cache25_skew1 $B decode $G --routing-skew 1 $O
   run decode12_resident_skew0 $B decode $G --routing-skew 0 --json
-  run decode12_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --json --repeats 3
+  run decode12_cache25_skew0 $B decode $G --routing-skew 0 $O
   run decode12_resident_b8 $B decode $G --routing-skew 1 --batch 8 --json
   run decode12_cache25_b8 $B decode $G --routing-skew 1 --batch 8 --moe-cache-rate 0.25 --json
   run prefill12_resident $B prefill $G --prompt-tokens 512 --json

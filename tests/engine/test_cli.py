@@ -276,6 +276,7 @@ def test_step_times_find_the_stalls_of_a_run():
     assert steps["steps"] == 10 and steps["median_ms"] == pytest.approx(2.0)
     assert steps["max_ms"] == pytest.approx(20.0)
     assert (steps["slow_steps"], steps["slow_excess_ms"]) == (1, pytest.approx(18.0))
+    assert steps["slow_at"] == [9]
     assert step_times([0.002, 0.003, 0.004])["slow_steps"] == 0
     assert step_times([]) == {"steps": 0}
     with GcPauses() as pauses:
@@ -284,7 +285,10 @@ def test_step_times_find_the_stalls_of_a_run():
     assert (pauses.runs, pauses.full) == (2, 1) and 0 < pauses.max_ms <= pauses.ms
     assert pauses not in gc.callbacks
     words = stall_words({"step_ms": steps, "host_disturbance": {"feeder_wait_ms": 1.5}})
-    assert "20.0 longest, 1 over 3x: 18.0 ms beyond" in words and "feeding thread 1.5 ms" in words
+    assert (
+        "20.0 longest, 1 over 3x (at 9): 18.0 ms beyond" in words
+        and "feeding thread 1.5 ms" in words
+    )
 
 
 def test_bench_decode_prints_the_staged_stages_and_the_commonest_plans_periods():

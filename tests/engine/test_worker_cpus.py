@@ -16,6 +16,7 @@ from moelab.engine.cpu import (
     start_cpu_executor,
     worker_cpus,
 )
+from moelab.engine.sampling import SamplingParams
 from moelab.kernels.cpu_experts import CpuExpertRunner, process_thread_ids
 
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -140,11 +141,36 @@ def test_isolate_keeps_the_rest_of_the_process_off_the_workers_and_puts_it_back(
         unpinned.close()
 
 
-def test_the_flag_takes_cores_isolate_or_off():
+def test_the_flag_takes_isolate_cores_or_off():
     parser = build_parser()
-    assert parser.parse_args(["--model-path", "m"]).moe_cpu_pin == "cores"
-    for choice in ("isolate", "off"):
+    assert parser.parse_args(["--model-path", "m"]).moe_cpu_pin == "isolate"
+    for choice in ("cores", "off"):
         args = parser.parse_args(["--model-path", "m", "--moe-cpu-pin", choice])
         assert args.moe_cpu_pin == choice
     with pytest.raises(SystemExit):
         parser.parse_args(["--model-path", "m", "--moe-cpu-pin", "all"])
+
+
+@linux_only
+def test_an_isolated_engine_keeps_its_threads_off_the_worker_and_gives_them_back(tmp_path):
+    if len(worker_cpus(1)) != 1:
+        pytest.skip("needs a core beside the one worker's")
+    from moelab.engine.synth_checkpoint import synthesize
+
+    from .reference import make_engine
+
+    path = synthesize(tmp_path / "m", preset="tiny", seed=3)
+    me = threading.get_native_id()
+    mine = os.sched_getaffinity(me)
+    engine = make_engine(path, "--moe-cpu-pin", "isolate")  # the last flag wins
+    try:
+        config = engine.config_in_force()
+        spare = engine.placement.cpus
+        assert config["cpu_pin"] == "isolate" and config["process_cpus"] == cpu_ranges(spare)
+        assert os.sched_getaffinity(me) == set(spare)
+        assert not set(spare) & set(engine.cpu.cpus)
+        out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0]) == 4  # decodes as before, from the spare CPUs
+    finally:
+        engine.close()
+    assert os.sched_getaffinity(me) == mine
