@@ -248,12 +248,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     moe.add_argument(
         "--moe-cpu-pin",
-        choices=("isolate", "cores", "off"),
-        default="isolate",
-        help="Where the CPU expert workers run: 'isolate' keeps each on a physical core of its "
-        "own and off the first core (where the machine has a core more than workers), and every "
-        "other thread of the engine (the one feeding the GPU among them) on the cores the "
-        "workers leave; 'cores' pins the workers alone; 'off' lets the OS place and move them.",
+        choices=("cores", "isolate", "off"),
+        default="cores",
+        help="Where the CPU expert workers run: 'cores' keeps each on a physical core of its own "
+        "and off the first core, which is left to the thread that feeds the GPU (where the "
+        "machine has a core more than workers); 'isolate' also keeps every other thread of the "
+        "engine (the one feeding the GPU among them) on the cores the workers leave; 'off' lets "
+        "the OS place and move them.",
     )
     moe.add_argument(
         "--bw-profile",
@@ -390,7 +391,7 @@ TUNABLE: tuple[Tunable, ...] = (
     Tunable(
         "--moe-cpu-pin",
         "choice",
-        ("isolate", "cores", "off"),
+        ("cores", "isolate", "off"),
         "CPU expert workers on cores of their own (and the rest of the engine off them) against "
         "the OS's placement",
     ),

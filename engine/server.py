@@ -206,6 +206,16 @@ class Server:
         else:
             if tok is None:
                 raise ApiError(400, "this model has no tokenizer; send the prompt as token ids")
+            floor = tok.min_tokens(parsed.prompt_text)
+            if floor >= engine.max_context:  # too long for certain: no need to encode it all
+                raise ApiError(
+                    400,
+                    f"this model's usable context is {engine.max_context} tokens, but the prompt "
+                    f"alone is at least {floor} ({len(parsed.prompt_text)} characters); shorten "
+                    "the prompt",
+                    param="messages" if chat else "prompt",
+                    code="context_length_exceeded",
+                )
             ids = await asyncio.to_thread(tok.encode, parsed.prompt_text)
         if not ids:
             raise api.bad("prompt", "is empty")

@@ -82,6 +82,11 @@ class Tokenizer:
             if token_id is not None:
                 eos.add(token_id)
         self.eos_token_ids = frozenset(eos)
+        # the most characters one token stands for (byte-level vocabularies write a byte a
+        # character, and no character of a text is less than a byte)
+        self.max_token_chars = max(
+            (len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -90,6 +95,12 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
+
+    def min_tokens(self, text: str) -> int:
+        """A floor under len(encode(text)) found without encoding: every token stands for at
+        most max_token_chars characters, of a text that normalizing may shorten, though not to
+        less than half (a margin: no normalizer of a released model does so)."""
+        return len(text) // (2 * self.max_token_chars)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -19,7 +19,7 @@ from tests.daemon.conftest import start_mgr, synth, wait_for
 # reserve of a quarter of the model's context leaves the context step a tier to prove.
 POOR = ["--device", "cpu", "--device-memory", "1GiB", "--prefill-chunk-tokens", "2",
         "--moe-cache-size", "1", "--kv-reserve-tokens", "1024"]  # fmt: skip
-RUN_TIMEOUT_S = 270.0
+RUN_TIMEOUT_S = 360.0  # a hang, not a speed test: the run takes about 4 min on a 2-core machine
 
 
 @pytest.mark.slow

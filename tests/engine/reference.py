@@ -145,10 +145,6 @@ def make_engine(path: Path, *flags: str) -> Engine:
             "float32",
             "--moe-cpu-threads",
             "1",
-            # the workers pinned alone: isolate moves every thread of this test process, until
-            # Engine.close(), and not every test closes its engines
-            "--moe-cpu-pin",
-            "cores",
             "--bank-dir",
             str(path / "bank"),
             *flags,

@@ -57,6 +57,21 @@ def test_tokenizer_is_byte_level_bpe_and_round_trips(tiny):
     assert tok.eos_token_ids == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
 
 
+def test_the_token_floor_never_exceeds_the_real_count(tiny):
+    tok = Tokenizer(tiny)
+    assert tok.max_token_chars >= len("<|endoftext|>")  # the added tokens count too
+    for text in (
+        " the" * 5000,  # the most common merges: the fewest tokens per character
+        "word " * 4000,
+        "朝の港はまだ暗く 🌦️ " * 300,
+        "<|im_end|>" * 500,  # special tokens, the longest ones
+        " " * 10_000,
+        "x",
+    ):
+        assert tok.min_tokens(text) <= len(tok.encode(text)), text[:20]
+    assert tok.min_tokens(" the" * 5000) > 0  # and it is a floor that says something
+
+
 def test_chat_template_is_chatml_with_thinking_switch(tiny):
     tok = Tokenizer(tiny)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -141,10 +141,10 @@ def test_isolate_keeps_the_rest_of_the_process_off_the_workers_and_puts_it_back(
         unpinned.close()
 
 
-def test_the_flag_takes_isolate_cores_or_off():
+def test_the_flag_takes_cores_isolate_or_off():
     parser = build_parser()
-    assert parser.parse_args(["--model-path", "m"]).moe_cpu_pin == "isolate"
-    for choice in ("cores", "off"):
+    assert parser.parse_args(["--model-path", "m"]).moe_cpu_pin == "cores"
+    for choice in ("isolate", "off"):
         args = parser.parse_args(["--model-path", "m", "--moe-cpu-pin", choice])
         assert args.moe_cpu_pin == choice
     with pytest.raises(SystemExit):
