@@ -16,7 +16,11 @@ from .moe_stats import MissCostFit
 from .whatif import StackDistances
 
 WINDOWS_S = (10, 60)
-BREAKDOWN_EVERY_S = 3.0
+# One decode step in this many seconds is timed phase by phase: eager (no graph replay) and
+# synchronizing at each phase, it took 20-40 ms on the H200 with 25% of the experts cached, where a
+# replayed step takes 3-6 ms (every 3 s, as it was, about 1% of decode and one stall in most
+# 256-token runs of `moelab bench decode`)
+BREAKDOWN_EVERY_S = 30.0
 PHASES = ("route", "copy", "gpu_experts", "cpu_experts")
 
 

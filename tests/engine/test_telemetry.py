@@ -166,6 +166,34 @@ def test_breakdown_is_sampled_with_every_phase(model):
         engine.close()
 
 
+def test_one_step_in_thirty_seconds_is_timed_by_phase(model, monkeypatch):
+    """The timed step runs eagerly and synchronizes at each phase (20-40 ms on the H200, against
+    3-6 ms for a replayed one): sampled at the first decode step, then again 30 s later."""
+    from moelab.engine import telemetry as telemetry_module
+
+    engine = make_engine(model, "--moe-cache-size", "16")
+    try:
+        clock = [1000.0]
+        monkeypatch.setattr(telemetry_module.time, "monotonic", lambda: clock[0])
+        timed_at = []
+        on_step = engine.telemetry.on_step
+
+        def record(*args, timer=None, **kw):
+            if timer is not None:
+                timed_at.append(clock[0])
+            on_step(*args, timer=timer, **kw)
+
+        monkeypatch.setattr(engine.telemetry, "on_step", record)
+        seq = engine.add(list(range(5, 25)), SamplingParams(max_tokens=70, ignore_eos=True))
+        while not engine.idle:
+            engine.step()
+            clock[0] += 1.0  # a second a step
+        assert len(seq.output_ids) == 70
+        assert len(timed_at) == 3 and timed_at[1] - timed_at[0] == timed_at[2] - timed_at[1] == 31
+    finally:
+        engine.close()
+
+
 def fitted_steps(seed: int, batches: tuple[int, ...], hit_rate: float, steps: int = 2000):
     """A fit over synthetic decode steps: 1 ms per token, 40 µs per expert read, 30 µs more per
     miss, 50 µs of noise; batch 1 always reads six experts, bigger batches 6-20."""
