@@ -53,7 +53,9 @@ def _core_of(cpu: int) -> tuple[str, str]:
         return ("cpu", str(cpu))
 
 
-def spare_cpus(allowed: Sequence[int], core_of: Mapping[int, object], workers: Sequence[int]):
+def spare_cpus(
+    allowed: Sequence[int], core_of: Mapping[int, object], workers: Sequence[int]
+) -> list[int]:
     """The allowed logical CPUs on cores that hold no worker (keys as in plan_worker_cpus)."""
     taken = {core_of.get(cpu, ("cpu", cpu)) for cpu in workers}
     return [cpu for cpu in sorted(allowed) if core_of.get(cpu, ("cpu", cpu)) not in taken]

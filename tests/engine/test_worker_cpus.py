@@ -21,6 +21,9 @@ from moelab.kernels.cpu_experts import CpuExpertRunner, process_thread_ids
 
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 linux_only = pytest.mark.skipif(not ALLOWED, reason="needs Linux's thread affinity")
+spare_core = pytest.mark.skipif(
+    len(worker_cpus(1)) != 1, reason="needs a core beside the one worker's"
+)
 
 
 def test_one_cpu_per_core_leaves_the_first_core_to_the_feeder():
@@ -111,9 +114,8 @@ def test_the_spare_cpus_are_those_of_cores_without_a_worker():
 
 
 @linux_only
+@spare_core
 def test_isolate_keeps_the_rest_of_the_process_off_the_workers_and_puts_it_back():
-    if len(worker_cpus(1)) != 1:
-        pytest.skip("needs a core beside the one worker's")
     me = threading.get_native_id()
     mine = os.sched_getaffinity(me)
     runner = start_cpu_executor(1, "native", spin_us=0)
@@ -152,9 +154,8 @@ def test_the_flag_takes_cores_isolate_or_off():
 
 
 @linux_only
+@spare_core
 def test_an_isolated_engine_keeps_its_threads_off_the_worker_and_gives_them_back(tmp_path):
-    if len(worker_cpus(1)) != 1:
-        pytest.skip("needs a core beside the one worker's")
     from moelab.engine.synth_checkpoint import synthesize
 
     from .reference import make_engine
