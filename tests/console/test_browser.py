@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import psutil
 import pytest
@@ -96,7 +97,10 @@ class Watched:
 
     A request the browser aborts because the test navigated away from its page (a favicon or an
     htmx poll still in flight when `visit` opens the next page) is not a failure; `visits` counts
-    the navigations the test started, and each request remembers the count it began under."""
+    the navigations the test started, and each request remembers the count it began under. Nor is
+    an aborted htmx poll for a part of a page (`?part=`): the browser drops it when the page
+    leaves, and Playwright may report one that began just before a visit once the visit has
+    started; such a part failing any other way, or with a status of 400 or more, still counts."""
 
     page: Page
     problems: list[str] = field(default_factory=list)
@@ -108,7 +112,8 @@ class Watched:
 
     def failed(self, req: Any) -> None:
         left_behind = self.began.get(req, self.visits) < self.visits
-        if not (left_behind and req.failure == "net::ERR_ABORTED"):
+        a_poll = "part" in parse_qs(urlsplit(req.url).query)
+        if not ((left_behind or a_poll) and req.failure == "net::ERR_ABORTED"):
             self.problems.append(f"failed: {req.url} {req.failure}")
 
 
