@@ -191,8 +191,9 @@ class StagedDecode:
         the piece was launched, which splits the time between two decode steps (`StagedStepTimes`).
 
         launch (where `launches_pieces`): the next piece's two graph execs (its head, then the
-        piece), which the native call launches itself once the fills are queued, the piece after
-        them, so that no Python runs between the routing's arrival and the next piece; the
+        piece), which the native call launches itself, the piece after the fills (the head before
+        them where the copies are the shorter side: it runs only cached experts' routes), so
+        that no Python runs between the routing's arrival and the next piece; the
         pad_rows rows of slots_h's buffer after the real ones are set to -1 first (a captured
         batch's padding rows run no experts). signals: the launched piece's router sets the
         routing's signal (`expect_routing` is then done).

@@ -195,8 +195,9 @@ class DecodePlanner {
   // piece's sum waits for, host_handoff.EXPECTED); pad_rows rows of route_slots after the T
   // routed ones are set to -1 (a captured batch's padding rows: no experts); then the graph execs
   // `head` (the cached experts' routes) and `piece` are launched on the compute stream, `piece`
-  // after the fill stream where this step queued fills (0: no launch). Nothing Python runs between
-  // the routing's arrival and the next piece's launch.
+  // after the fill stream where this step queued fills (0: no launch); `head` before the fills
+  // are queued where they are the shorter side. Nothing Python runs between the routing's
+  // arrival and the next piece's launch.
   // Returns (experts ascending, their slots before the step, admitted (expert, slot) pairs,
   // experts run on the CPU (the split one first), the split (expert, slot, first CPU row) or
   // None, the CPU job or None, and the seconds spent waiting, planning, queueing copies and
@@ -400,10 +401,6 @@ class DecodePlanner {
       job_ptr = std::move(j);
     }
     const auto t3 = Clock::now();
-    if (copies && !copies_first) {
-      fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row);
-    }
-    const auto t4 = Clock::now();
     if (handoff != 0) {
       if (job_ptr == nullptr) {  // nothing on the CPU: its part is zero, and ready now
         std::memset(reinterpret_cast<void*>(out), 0, size_t(T * hidden_) * sizeof(float));
@@ -413,7 +410,18 @@ class DecodePlanner {
     }
     std::fill(route_slots + R, route_slots + R + pad_rows * top_k_, -1);
     const bool filled = copies && (!admitted.empty() || split_expert >= 0);
-    launch_next(head, piece, filled);
+    // Where the copies are the shorter side and still to queue, the next piece's head goes
+    // first: it runs the cached experts' routes, whose slots no fill of this step writes (a fill
+    // takes a slot this step does not read), so the device starts on them while the host queues
+    // the copies instead of after. The piece still waits for the copies.
+    const bool head_first = filled && !copies_first && head != 0;
+    if (head_first) launch_next(head, 0, false);
+    const auto t4 = Clock::now();
+    if (copies && !copies_first) {
+      fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row);
+    }
+    const auto t_fills = Clock::now();
+    launch_next(head_first ? 0 : head, piece, filled);
     const auto t5 = Clock::now();
     const auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
     py::object job = job_ptr == nullptr ? py::none() : py::cast(std::shared_ptr<Job>(job_ptr));
@@ -422,7 +430,7 @@ class DecodePlanner {
     return py::make_tuple(
         routed, before, admitted, on_cpu, split, job,
         py::make_tuple(seconds(t1 - t0), seconds((t2 - t1) + (t3 - t_job)), seconds(fill_time),
-                       seconds(t5 - t4)));
+                       seconds((t4 - t3) + (t5 - t_fills))));
   }
 
  private:

@@ -535,13 +535,19 @@ def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
         second.job.wait()
 
 
-@pytest.mark.parametrize("on_cpu", [True, False], ids=["cpu-job", "no-cpu-job"])
-def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu):
+@pytest.mark.parametrize(
+    ("on_cpu", "top_k", "fraction", "head_first"),
+    [(True, 2, 0.5, False), (False, 2, 1.0, False), (True, 3, 0.39, True)],
+    ids=["cpu-job", "no-cpu-job", "cpu-longer"],
+)
+def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu, top_k, fraction, head_first):
     """With its launches set, one step completes the CPU part's handoff (the epoch the next piece
     waits for; a zero part and its epoch where nothing runs on the CPU), marks the padding rows'
-    routes, then launches the next piece's head, joins the fills (record on the fill stream, the
-    compute stream's wait) and launches the piece, in that order, after everything else."""
-    r = _runner(_bank(torch.Generator().manual_seed(11)), 6, 0.5 if on_cpu else 1.0, cpu, 2)
+    routes, launches the next piece's head, joins the fills (record on the fill stream, the
+    compute stream's wait) and launches the piece, in that order, after everything else; where
+    the CPU's part is the longer side (one copy, two CPU experts at a copy share of 0.39), the
+    head is launched before the fills are queued, the piece still after them."""
+    r = _runner(_bank(torch.Generator().manual_seed(11)), 6, fraction, cpu, top_k)
     planner = r._decode_planner()
     sync = r._handoff_sync.numpy()
     order: list[tuple] = []
@@ -567,10 +573,10 @@ def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu):
 
     launches = (LAUNCH_FUNCTION(launch), LAUNCH_FUNCTION(record), WAIT_EVENT_FUNCTION(wait))
     planner.set_launch(*(address_of(f) for f in launches), 99)
-    table = torch.full((3, 2), 5, dtype=torch.int32)  # a size-3 batch's table, one real row
+    table = torch.full((3, top_k), 5, dtype=torch.int32)  # a size-3 batch's table, one real row
     slots = table.numpy()
-    ids = torch.tensor([[3, 4]], dtype=torch.int32)
-    weights, x = torch.rand(1, 2), torch.randn(1, HIDDEN)
+    ids = torch.tensor([[3, 4, 1][:top_k]], dtype=torch.int32)
+    weights, x = torch.rand(1, top_k), torch.randn(1, HIDDEN)
     out = torch.full((1, HIDDEN), float("nan"))
     epoch = r._epoch
     d, seconds = r._native_step(
@@ -580,7 +586,11 @@ def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu):
     assert len(seconds) == 4 and seconds[3] >= 0
     assert r._epoch == epoch + 1 and sync[EXPECTED] == epoch + 1
     assert (d.job is not None) == on_cpu and d.admitted
-    *copies, head, record, wait, piece = order
+    if head_first:
+        assert (len(d.admitted), len(d.on_cpu)) == (1, 2)
+        head, *copies, record, wait, piece = order
+    else:
+        *copies, head, record, wait, piece = order
     assert copies and all(c == ("copy", 8) for c in copies)  # the fills, on the fill stream
     assert head[:4] == ("launch", 21, 7, epoch + 1) and piece[:4] == ("launch", 22, 7, epoch + 1)
     assert (record, wait) == (("record", 99, 8), ("wait", 7, 99))
@@ -591,12 +601,16 @@ def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu):
         assert sync[DONE] == epoch + 1
     else:  # its part zero, its epoch done before the launch
         assert sync[DONE] == epoch + 1 and (out == 0).all()
-    # without fills nothing is joined; wrong arguments change nothing and launch nothing
-    order.clear()
-    d, _ = r._native_step(planner, 0, ids, weights, x, out, True, sync=True, copies=True,
-                          route_slots=table[:1], expected=True, launch=(0, 22))  # fmt: skip
-    assert not d.admitted and order[-1][:2] == ("launch", 22)
-    assert not any(o[0] in ("record", "wait") for o in order)
+    if not head_first:  # the same routing again: its copied experts are hits now
+        # without fills nothing is joined
+        order.clear()
+        d, _ = r._native_step(planner, 0, ids, weights, x, out, True, sync=True, copies=True,
+                              route_slots=table[:1], expected=True, launch=(0, 22))  # fmt: skip
+        assert not d.admitted and order[-1][:2] == ("launch", 22)
+        assert not any(o[0] in ("record", "wait") for o in order)
+    # wrong arguments change nothing and launch nothing
+    if d.job is not None:
+        d.job.wait()
     order.clear()
     before = _state(r)
     with pytest.raises(ValueError, match="pad_rows"):
