@@ -8,9 +8,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # the least share of the misses' variation a fit needs apart from the reads': a cache that
-# misses nearly every read (6 of 48 slots) leaves 0.4%, and the few steps that hit then set
-# the slope (fitted at 1,400 ± 220 µs where a miss costs tens); 27 of 48 slots leave about 75%
+# misses nearly every read leaves little, and the few steps that hit then set the slope (the
+# demo model at 6 of 48 slots left 0.4% once, fitted at 1,400 ± 220 µs where a miss costs tens;
+# with more hits there since, 15-23%, where the jackknife below keeps such slopes unclear);
+# 27 of 48 slots leave about 75%
 MIN_INDEPENDENT_SHARE = 0.1
+# MissCostFit's jackknife: blocks of this many consecutive decode steps at first; at most
+# MAX_BLOCKS (then neighbours merge), and at least MIN_BLOCKS before it says anything
+BLOCK_STEPS = 64
+MAX_BLOCKS = 16
+MIN_BLOCKS = 4
 
 
 @dataclass(slots=True)
@@ -181,16 +188,41 @@ class MissCostFit:
     batch size always reads the same number of experts (batch 1: top-k per layer), misses alone.
     Running sums of z zᵀ, z = (1, misses, reads, seconds), per batch size: a step costs one outer
     product of four numbers.
+
+    The slope's error is the larger of least squares' and a delete-one-block jackknife's over
+    runs of consecutive steps (`blocks`): a host's slow spells and a cache's state last many
+    steps, so neighbouring steps are not independent draws, and least squares alone overstated
+    what a few thousand steps knew (the demo model at 6 of 48 slots fitted 62 ± 26, 81 ± 16,
+    396 ± 52 and 673 ± 45 µs a miss in four processes of the same flags).
     """
 
     sums: dict[int, np.ndarray] = field(default_factory=dict)  # batch -> Σ z zᵀ, 4 x 4
+    # the same sums over runs of block_steps consecutive steps, oldest first, the last filling
+    blocks: list[dict[int, np.ndarray]] = field(default_factory=list)
+    block_steps: int = BLOCK_STEPS
+    _in_block: int = 0
 
     def add(self, batch: int, misses: int, reads: int, step_s: float) -> None:
         z = np.array((1.0, misses, reads, step_s))
+        product = np.outer(z, z)
         sums = self.sums.get(batch)
         if sums is None:
             sums = self.sums[batch] = np.zeros((4, 4))
-        sums += np.outer(z, z)
+        sums += product
+        if not self.blocks or self._in_block == self.block_steps:
+            if len(self.blocks) == MAX_BLOCKS:  # every block full: pairs merge, twice as long
+                self.blocks = [
+                    _merged(a, b) for a, b in zip(self.blocks[::2], self.blocks[1::2], strict=True)
+                ]
+                self.block_steps *= 2
+            self.blocks.append({})
+            self._in_block = 0
+        block = self.blocks[-1]
+        if batch in block:
+            block[batch] += product
+        else:
+            block[batch] = product
+        self._in_block += 1
 
     @property
     def steps(self) -> int:
@@ -198,26 +230,24 @@ class MissCostFit:
 
     def fit(self) -> tuple[float, float] | None:
         """(seconds per miss, its standard error); None while the misses have not varied
-        apart from the reads within a batch size, or there are too few steps to say."""
-        centered = sum(
-            (s[1:, 1:] - np.outer(s[0, 1:], s[0, 1:]) / s[0, 0] for s in self.sums.values()),
-            start=np.zeros((3, 3)),
+        apart from the reads within a batch size, or there are too few steps to say, or (with
+        MIN_BLOCKS blocks or more) without one of the blocks."""
+        fitted = _fit_slope(self.sums)
+        if fitted is None or len(self.blocks) < MIN_BLOCKS:
+            return fitted
+        slope, stderr = fitted
+        left_out = []
+        for block in self.blocks:
+            rest = {b: s - block[b] if b in block else s for b, s in self.sums.items()}
+            without = _fit_slope({b: s for b, s in rest.items() if s[0, 0] > 0.5})
+            if without is None:
+                return None
+            left_out.append(without[0])
+        g = len(left_out)
+        jackknife = float(
+            ((g - 1) / g * np.sum((np.array(left_out) - np.mean(left_out)) ** 2)) ** 0.5
         )
-        xx, xt, tt = centered[:2, :2], centered[:2, 2], centered[2, 2]
-        scale = max(1.0, float(self.steps))
-        if xx[0, 0] <= 1e-9 * scale:
-            return None  # the misses never varied
-        if xx[1, 1] <= 1e-9 * scale:  # the reads never varied: misses alone
-            xx, xt = xx[:1, :1], xt[:1]
-        elif np.linalg.det(xx) < MIN_INDEPENDENT_SHARE * xx[0, 0] * xx[1, 1]:
-            return None  # misses move with the reads: nearly every read a miss, or none
-        dof = self.steps - len(self.sums) - len(xt)
-        if dof < 1:
-            return None
-        inverse = np.linalg.inv(xx)
-        beta = inverse @ xt
-        residual = max(0.0, float(tt - beta @ xt))
-        return float(beta[0]), float((residual / dof * inverse[0, 0]) ** 0.5)
+        return slope, max(stderr, jackknife)
 
     def to_dict(self) -> dict:
         """The fit, and the mean step it was fitted over (what share of a step misses take)."""
@@ -231,3 +261,36 @@ class MissCostFit:
             "misses_per_step": float(total[0, 1]) / n if n else None,
             "step_us": 1e6 * float(total[0, 3]) / n if n else None,
         }
+
+
+def _merged(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Two blocks' sums as one."""
+    out = {k: v.copy() for k, v in a.items()}
+    for k, v in b.items():
+        out[k] = out[k] + v if k in out else v.copy()
+    return out
+
+
+def _fit_slope(sums: dict[int, np.ndarray]) -> tuple[float, float] | None:
+    """MissCostFit's least squares over these per-batch sums: (seconds per miss, its standard
+    error), or None (see `MissCostFit.fit`)."""
+    steps = sum(float(s[0, 0]) for s in sums.values())
+    centered = sum(
+        (s[1:, 1:] - np.outer(s[0, 1:], s[0, 1:]) / s[0, 0] for s in sums.values()),
+        start=np.zeros((3, 3)),
+    )
+    xx, xt, tt = centered[:2, :2], centered[:2, 2], centered[2, 2]
+    scale = max(1.0, steps)
+    if xx[0, 0] <= 1e-9 * scale:
+        return None  # the misses never varied
+    if xx[1, 1] <= 1e-9 * scale:  # the reads never varied: misses alone
+        xx, xt = xx[:1, :1], xt[:1]
+    elif np.linalg.det(xx) < MIN_INDEPENDENT_SHARE * xx[0, 0] * xx[1, 1]:
+        return None  # misses move with the reads: nearly every read a miss, or none
+    dof = round(steps) - len(sums) - len(xt)
+    if dof < 1:
+        return None
+    inverse = np.linalg.inv(xx)
+    beta = inverse @ xt
+    residual = max(0.0, float(tt - beta @ xt))
+    return float(beta[0]), float((residual / dof * inverse[0, 0]) ** 0.5)
