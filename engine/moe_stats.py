@@ -3,6 +3,7 @@ own timing, the host's stages between two captured pieces, and what a miss adds 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -196,19 +197,14 @@ class MissCostFit:
     396 ± 52 and 673 ± 45 µs a miss in four processes of the same flags).
     """
 
-    sums: dict[int, np.ndarray] = field(default_factory=dict)  # batch -> Σ z zᵀ, 4 x 4
-    # the same sums over runs of block_steps consecutive steps, oldest first, the last filling
+    # Σ z zᵀ (4 x 4) per batch size over runs of block_steps consecutive steps, oldest first,
+    # the last one filling
     blocks: list[dict[int, np.ndarray]] = field(default_factory=list)
     block_steps: int = BLOCK_STEPS
     _in_block: int = 0
 
     def add(self, batch: int, misses: int, reads: int, step_s: float) -> None:
         z = np.array((1.0, misses, reads, step_s))
-        product = np.outer(z, z)
-        sums = self.sums.get(batch)
-        if sums is None:
-            sums = self.sums[batch] = np.zeros((4, 4))
-        sums += product
         if not self.blocks or self._in_block == self.block_steps:
             if len(self.blocks) == MAX_BLOCKS:  # every block full: pairs merge, twice as long
                 self.blocks = [
@@ -219,26 +215,32 @@ class MissCostFit:
             self._in_block = 0
         block = self.blocks[-1]
         if batch in block:
-            block[batch] += product
+            block[batch] += np.outer(z, z)
         else:
-            block[batch] = product
+            block[batch] = np.outer(z, z)
         self._in_block += 1
+
+    @property
+    def sums(self) -> dict[int, np.ndarray]:
+        """Σ z zᵀ per batch size over every step."""
+        return functools.reduce(_merged, self.blocks, {})
 
     @property
     def steps(self) -> int:
         return int(sum(s[0, 0] for s in self.sums.values()))
 
-    def fit(self) -> tuple[float, float] | None:
+    def fit(self, sums: dict[int, np.ndarray] | None = None) -> tuple[float, float] | None:
         """(seconds per miss, its standard error); None while the misses have not varied
         apart from the reads within a batch size, or there are too few steps to say, or (with
-        MIN_BLOCKS blocks or more) without one of the blocks."""
-        fitted = _fit_slope(self.sums)
+        MIN_BLOCKS blocks or more) without one of the blocks. sums: `self.sums`, if at hand."""
+        sums = self.sums if sums is None else sums
+        fitted = _fit_slope(sums)
         if fitted is None or len(self.blocks) < MIN_BLOCKS:
             return fitted
         slope, stderr = fitted
         left_out = []
         for block in self.blocks:
-            rest = {b: s - block[b] if b in block else s for b, s in self.sums.items()}
+            rest = {b: s - block[b] if b in block else s for b, s in sums.items()}
             without = _fit_slope({b: s for b, s in rest.items() if s[0, 0] > 0.5})
             if without is None:
                 return None
@@ -251,9 +253,10 @@ class MissCostFit:
 
     def to_dict(self) -> dict:
         """The fit, and the mean step it was fitted over (what share of a step misses take)."""
-        fitted = self.fit()
-        n = self.steps
-        total = sum(self.sums.values(), start=np.zeros((4, 4)))
+        sums = self.sums
+        fitted = self.fit(sums)
+        total = sum(sums.values(), start=np.zeros((4, 4)))
+        n = int(total[0, 0])
         return {
             "steps": n,
             "us_per_miss": 1e6 * fitted[0] if fitted else None,
