@@ -10,7 +10,11 @@ Prints one JSON line per kind of step (how many fill copies, and memsets, it has
 medians in µs of: the period; from the routing to the first fill copy (the host's wake, plan
 and queueing), the fills' span, and from the fills' end to the end of the parts' sum (what
 waited for them); from the routing to the cached routes' head (`_route_slots_from_host`); the
-epoch wait; and from the sum to the next routing (attention, norms and router).
+sum (`_sum_parts_kernel`, or at one token `_sum_norm_kernel`, which polls the CPU's epoch itself,
+so its time holds the wait); the epoch wait, where a kernel of its own does it
+(`_wait_epoch_kernel`); and from the sum to the next routing (attention, norms and router).
+With programmatic dependent launch a kernel is placed while the one before still runs, so its
+time also holds that wait.
 `cached_moe_during_fills` counts the one-token MoE kernels that ran before the fills ended (2:
 the cached routes' run during them).
 """
@@ -47,12 +51,11 @@ def layer_steps(events: list[dict]) -> list[dict]:
         def first(prefix: str, inside=inside) -> dict | None:
             return next((e for e in inside if e["name"].startswith(prefix)), None)
 
-        head, wait, total = (
-            first("_route_slots_from_host"),
-            first("_wait_epoch"),
-            first("_sum_parts"),
-        )
-        if head is None or wait is None or total is None:
+        # the parts' sum: with its own epoch wait before it, or (one token, nothing to add to
+        # the routed output) the sum, residual add and norm in one launch that polls the epoch
+        head, wait = first("_route_slots_from_host"), first("_wait_epoch")
+        total = first("_sum_parts") or first("_sum_norm")
+        if head is None or total is None:
             continue
         fills = [e for e in inside if e["cat"] == "gpu_memcpy" and e["dur"] > FILL_MIN_US]
         memsets = [e for e in inside if e.get("cat") == "gpu_memset"]
@@ -60,9 +63,11 @@ def layer_steps(events: list[dict]) -> list[dict]:
             "kind": f"{len(fills)} copies" + (f", {len(memsets)} memsets" if memsets else ""),
             "period_us": t1 - t0,
             "routing_to_cached_head_us": head["ts"] - t0,
-            "epoch_wait_us": wait["dur"],
+            "sum_us": total["dur"],
             "sum_to_next_routing_us": t1 - _end(total),
         }
+        if wait is not None:
+            step["epoch_wait_us"] = wait["dur"]
         if fills:
             fills_end = _end(fills[-1])
             step |= {
@@ -78,15 +83,15 @@ def layer_steps(events: list[dict]) -> list[dict]:
 
 
 def summary(steps: list[dict]) -> list[dict]:
-    """Medians of each field, for the steps of each kind (their fill copies and memsets)."""
+    """Medians of each field, for the steps of each kind (their fill copies and memsets), over
+    the steps that have it (an epoch wait of its own: only where the sum has one)."""
     rows = []
     for kind in sorted({s["kind"] for s in steps}):
         chosen = [s for s in steps if s["kind"] == kind]
-        if chosen:
-            keys = [k for k in chosen[0] if k != "kind"]
-            row = {"kind": kind, "layer_steps": len(chosen)}
-            row |= {k: round(statistics.median(s[k] for s in chosen), 1) for k in keys}
-            rows.append(row)
+        keys = list(dict.fromkeys(k for s in chosen for k in s if k != "kind"))
+        row = {"kind": kind, "layer_steps": len(chosen)}
+        row |= {k: round(statistics.median(s[k] for s in chosen if k in s), 1) for k in keys}
+        rows.append(row)
     return rows
 
 

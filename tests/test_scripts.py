@@ -66,6 +66,14 @@ def test_decode_timeline_measures_each_layer_step(tmp_path):
         _kernel("_wait_epoch_kernel", 330, 40),
         _kernel("_sum_parts_kernel", 371, 5),  # ends at 376
         _kernel("_routing_to_host_kernel", 420, 2),  # ends at 422
+        # one token with nothing added to the routed output: the sum polls the epoch itself
+        _kernel("Memcpy HtoD (Pinned -> Device)", 440, 100, "gpu_memcpy"),  # 440..540
+        _kernel("_route_slots_from_host_kernel", 430, 3),
+        _kernel("_one_token_gate_up_kernel", 435, 10),  # the cached routes, during the fill
+        _kernel("_one_token_down_kernel", 446, 4),
+        _kernel("_one_token_gate_up_kernel", 542, 4),  # the filled routes
+        _kernel("_sum_norm_kernel", 547, 60),  # ends at 607
+        _kernel("_route_kernel", 640, 2),  # ends at 642
         {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 10, "dur": 1},
     ]
     trace = tmp_path / "trace.json"
@@ -75,14 +83,16 @@ def test_decode_timeline_measures_each_layer_step(tmp_path):
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     without, with_fill = (json.loads(line) for line in run.stdout.splitlines())
+    # the fill kind's two steps: medians of two, and of one where only one has the field
     assert with_fill == {
-        "kind": "1 copies", "layer_steps": 1, "period_us": 290, "routing_to_cached_head_us": 38,
-        "epoch_wait_us": 2, "sum_to_next_routing_us": 43, "routing_to_fill_us": 28,
-        "fill_span_us": 200, "fill_end_to_sum_end_us": 19, "cached_moe_during_fills": 2,
+        "kind": "1 copies", "layer_steps": 2, "period_us": 255, "routing_to_cached_head_us": 23,
+        "sum_us": 32.5, "sum_to_next_routing_us": 39, "epoch_wait_us": 2,
+        "routing_to_fill_us": 23, "fill_span_us": 150, "fill_end_to_sum_end_us": 43,
+        "cached_moe_during_fills": 2,
     }  # fmt: skip
     assert without == {
         "kind": "0 copies", "layer_steps": 1, "period_us": 130, "routing_to_cached_head_us": 8,
-        "epoch_wait_us": 40, "sum_to_next_routing_us": 46,
+        "sum_us": 5, "sum_to_next_routing_us": 46, "epoch_wait_us": 40,
     }  # fmt: skip
 
 
