@@ -179,6 +179,11 @@ def cpu_jobs_line(jobs: dict) -> str:
             f", the last {jobs['last_worker_start_us_mean']:.1f} µs; the workers were in tasks "
             f"{jobs['workers_busy_share']:.0%} of the runs"
         )
+    if jobs.get("phase1_us_mean") is not None:
+        line += (
+            f"; a job ran {jobs['run_us_mean']:.1f} µs, its gate/up rows "
+            f"{jobs['phase1_us_mean']:.1f}, each worker waited {jobs['wait_us_mean']:.1f} for them"
+        )
     return line
 
 

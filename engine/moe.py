@@ -365,7 +365,10 @@ class MoERunner(StagedDecode):
         out = d.job.wait()
         if decode:
             weight_bytes, seconds = int(d.cpu_experts * self._expert_bytes), d.job.seconds()
-            self.cpu_times.add(weight_bytes, seconds, d.job.worker_seconds(), self.cpu.num_threads)
+            self.cpu_times.add(
+                weight_bytes, seconds, d.job.worker_seconds(), self.cpu.num_threads,
+                d.job.phase_seconds(),
+            )  # fmt: skip
             self._cpu_window.add(weight_bytes, seconds)
             if self._cpu_window.jobs >= ADAPT_EVERY_JOBS:
                 self._adapt_split()

@@ -44,6 +44,11 @@ class CpuJobTimes:
     last_start_s: float = 0.0
     busy_s: float = 0.0
     worker_run_s: float = 0.0
+    # the same jobs' gate/up phase (first task to its end) and their tasks' waits for it, the
+    # workers together (CpuExpertJob.phase_seconds)
+    phase1_s: float = 0.0
+    wait_s: float = 0.0
+    threads: int = 0
 
     def add(
         self,
@@ -51,9 +56,11 @@ class CpuJobTimes:
         seconds: tuple[float, float] | None,
         workers: tuple[float, float] | None = None,
         threads: int = 0,
+        phases: tuple[float, float] | None = None,
     ) -> None:
         """One finished job: its bytes, its (start_s, run_s), and where known its workers'
-        (last_start_s, busy_s) from a pool of `threads` (CpuExpertJob.worker_seconds)."""
+        (last_start_s, busy_s) from a pool of `threads` (CpuExpertJob.worker_seconds) and its
+        (phase1_s, wait_s) (CpuExpertJob.phase_seconds)."""
         if seconds is None:
             return
         if workers is not None and threads > 0:
@@ -61,6 +68,10 @@ class CpuJobTimes:
             self.last_start_s += workers[0]
             self.busy_s += workers[1]
             self.worker_run_s += threads * seconds[1]
+            self.threads = threads
+            if phases is not None:
+                self.phase1_s += phases[0]
+                self.wait_s += phases[1]
         self.jobs += 1
         self.weight_bytes += weight_bytes
         self.start_s += seconds[0]
@@ -97,6 +108,11 @@ class CpuJobTimes:
                 1e6 * self.last_start_s / self.timed_jobs if self.timed_jobs else None
             ),
             "workers_busy_share": self.busy_s / self.worker_run_s if self.worker_run_s else None,
+            # a job's gate/up phase, and what each worker waited for it (µs, means)
+            "phase1_us_mean": 1e6 * self.phase1_s / self.timed_jobs if self.timed_jobs else None,
+            "wait_us_mean": (
+                1e6 * self.wait_s / self.timed_jobs / self.threads if self.timed_jobs else None
+            ),
         }
 
 

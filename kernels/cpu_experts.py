@@ -207,6 +207,14 @@ class CpuExpertJob:
             return None
         return tuple(self._job.worker_seconds())
 
+    def phase_seconds(self) -> tuple[float, float] | None:
+        """(phase1_s, wait_s) of a finished native job: from its first task to the end of its
+        gate/up rows (the down projection needs them all), and the seconds its tasks waited for
+        them, all threads together; None for the torch kernel."""
+        if self._job is None or not self._job.done():
+            return None
+        return tuple(self._job.phase_seconds())
+
     def __del__(self) -> None:
         if self._job is not None and self._keep:
             self._job.wait()
@@ -452,6 +460,15 @@ class CpuExpertRunner:
         """Weight GB/s of `iterations` one-token jobs of k experts each (native kernel), queued
         back to back in native code as decode queues them, through the bank w13 [E, 2I, H], w2
         [E, H, I] in a scattered turn (so from memory, with a bank larger than the caches)."""
+        return self.jobs_profile(w13, w2, k, iterations)["gbps"]
+
+    def jobs_profile(
+        self, w13: torch.Tensor, w2: torch.Tensor, k: int, iterations: int
+    ) -> dict[str, float]:
+        """`jobs_gbps`'s jobs, with where a job's run went, means in µs: `run_us` from its first
+        task to its last, `phase1_us` from its first task to the end of its gate/up rows (the
+        down projection needs them all), `wait_us` what its tasks waited for those rows, per
+        worker (`CpuExpertJob.phase_seconds`); and `gbps`."""
         if self._module is None:
             raise RuntimeError("jobs_gbps times the native kernel; this runner uses torch")
         num_experts, two_inter, hidden = w13.shape
@@ -459,11 +476,17 @@ class CpuExpertRunner:
             raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
         if not (w13.is_contiguous() and w2.is_contiguous()) or w13.dtype not in _WEIGHT_CODES:
             raise ValueError("the bank must be contiguous bf16, fp16 or fp32")
-        seconds = self._module.time_expert_jobs(
+        seconds, run_s, phase1_s, wait_s = self._module.time_expert_jobs(
             self._pool, _SIMD_CODES[self.simd], _WEIGHT_CODES[w13.dtype], w13.data_ptr(),
             w2.data_ptr(), num_experts, hidden, two_inter // 2, k, iterations,
         )  # fmt: skip
-        return iterations * k * (w13[0].nbytes + w2[0].nbytes) / seconds / 1e9
+        per_job = 1e6 / iterations
+        return {
+            "gbps": iterations * k * (w13[0].nbytes + w2[0].nbytes) / seconds / 1e9,
+            "run_us": run_s * per_job,
+            "phase1_us": phase1_s * per_job,
+            "wait_us": wait_s * per_job / self.num_threads,
+        }
 
     def worker_cpus(self) -> list[list[int]] | None:
         """The logical CPUs each native worker may run on (None for the torch kernel)."""

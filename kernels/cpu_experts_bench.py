@@ -47,14 +47,15 @@ def _expert_gbps(
     return done * step_bytes / (time.perf_counter() - started_s) / 1e9
 
 
-def _native_gbps(
+def _native_profile(
     runner: CpuExpertRunner, w13: torch.Tensor, w2: torch.Tensor, k: int, min_s: float
-) -> float:
+) -> dict[str, float]:
     """Weight GB/s of one-token jobs of k experts queued back to back in native code, as decode
-    queues them (`CpuExpertRunner.jobs_gbps`), for about min_s seconds."""
+    queues them, for about min_s seconds, with where a job's run went
+    (`CpuExpertRunner.jobs_profile`)."""
     probe = runner.jobs_gbps(w13, w2, k, 10)
     step_bytes = k * (w13[0].nbytes + w2[0].nbytes)
-    return runner.jobs_gbps(w13, w2, k, max(10, int(min_s * probe * 1e9 / step_bytes)))
+    return runner.jobs_profile(w13, w2, k, max(10, int(min_s * probe * 1e9 / step_bytes)))
 
 
 def bench(
@@ -88,21 +89,26 @@ def bench(
         for kb in task_kbs:
             with CpuExpertRunner(n, "native", simd, task_kb=kb) as native:
                 read_before_gbps = native.read_gbps(read_bytes)
-                rates = {k: _native_gbps(native, w13, w2, k, min_s) for k in experts}
+                profiles = {k: _native_profile(native, w13, w2, k, min_s) for k in experts}
                 host_gbps = max(read_before_gbps, native.read_gbps(read_bytes))
                 simd_used = native.simd
             row = {"threads": n, "task_kb": kb, "simd": simd_used, "host_read_gbps": host_gbps,
                    "experts": {}}  # fmt: skip
-            for k, native_gbps in rates.items():
-                share = native_gbps / host_gbps
+            for k, prof in profiles.items():
+                share = prof["gbps"] / host_gbps
                 row["experts"][k] = {
-                    "native_gbps": native_gbps,
+                    "native_gbps": prof["gbps"],
                     "torch_gbps": torch_rates[k],
                     "native_share_of_host": share,
+                    # a job's run, its gate/up phase and each worker's wait for it, µs
+                    "run_us": prof["run_us"],
+                    "phase1_us": prof["phase1_us"],
+                    "wait_us": prof["wait_us"],
                 }
                 say(
-                    f"{n:>7} {kb:>7} {host_gbps:>14.1f} {k:>7} {native_gbps:>11.1f} "
-                    f"{torch_rates[k]:>10.1f} {share:>11.0%}"
+                    f"{n:>7} {kb:>7} {host_gbps:>14.1f} {k:>7} {prof['gbps']:>11.1f} "
+                    f"{torch_rates[k]:>10.1f} {share:>11.0%} {prof['run_us']:>7.1f} "
+                    f"{prof['phase1_us']:>9.1f} {prof['wait_us']:>7.1f}"
                 )
             results.append(row)
     return {
@@ -164,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     say(
         f"{'threads':>7} {'task KiB':>7} {'host read GB/s':>14} {'experts':>7} {'native GB/s':>11} "
-        f"{'torch GB/s':>10} {'native/host':>11}"
+        f"{'torch GB/s':>10} {'native/host':>11} {'run µs':>7} {'gate/up µs':>9} {'wait µs':>7}"
     )
     shape = (args.hidden, args.intermediate, args.num_experts)
     try:

@@ -20,6 +20,7 @@
 #include <memory>
 #include <numeric>
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
 #include "decode_planner.h"
@@ -82,10 +83,11 @@ double read_sum(Pool& pool, uintptr_t data, int64_t n) {
   return job->total();
 }
 
-// Seconds for `iterations` one-token jobs of k experts each, queued one after another on the pool
-// as decode queues them (nothing in between), taking the bank's E experts in a scattered turn so
-// that the weights come from memory. Blocks with the GIL released.
-double time_expert_jobs(Pool& pool, int simd, int weight_type, uintptr_t w13, uintptr_t w2,
+// `iterations` one-token jobs of k experts each, queued one after another on the pool as decode
+// queues them (nothing in between), taking the bank's E experts in a scattered turn so that the
+// weights come from memory: (seconds in all; the jobs' runs, their first phases and their waits
+// for them (Job::phase_seconds), each summed over the jobs). Blocks with the GIL released.
+std::tuple<double, double, double, double> time_expert_jobs(Pool& pool, int simd, int weight_type, uintptr_t w13, uintptr_t w2,
                         int64_t E, int64_t H, int64_t I, int64_t k, int64_t iterations) {
   if (k < 1 || k > E || iterations < 1) {
     throw std::invalid_argument("need 1 <= k <= experts and at least one iteration");
@@ -99,6 +101,7 @@ double time_expert_jobs(Pool& pool, int simd, int weight_type, uintptr_t w13, ui
   int64_t stride = 37;
   while (std::gcd(stride, E) != 1) ++stride;
   py::gil_scoped_release release;
+  double run_s = 0.0, phase1_s = 0.0, wait_s = 0.0;
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t it = 0; it < iterations; ++it) {
     for (int64_t j = 0; j < k; ++j) pair_expert[j] = int32_t((it * k + j) * stride % E);
@@ -106,8 +109,14 @@ double time_expert_jobs(Pool& pool, int simd, int weight_type, uintptr_t w13, ui
                         pair_weight.data(), k);
     pool.push(job);
     job->wait();
+    run_s += job->seconds().second;
+    const auto [phase1, waits] = job->phase_seconds();
+    phase1_s += phase1;
+    wait_s += waits;
   }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return {seconds, run_s, phase1_s, wait_s};
 }
 
 }  // namespace
@@ -127,6 +136,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unclaimed", &Job::unclaimed)
       .def("seconds", &Job::seconds)
       .def("worker_seconds", &Job::worker_seconds)
+      .def("phase_seconds", &Job::phase_seconds)
       .def("wait", &Job::wait, py::call_guard<py::gil_scoped_release>());
   m.def("submit_experts", &submit_experts);
   m.def("even_blocks", &even_blocks);

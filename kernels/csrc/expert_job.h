@@ -157,7 +157,14 @@ class ExpertJob final : public ExpertJobShell {
     int64_t rows2 = std::max<int64_t>(4, round_up(task_bytes_ / down_bytes_per_row, 4));
     rows2 = std::min(rows2, std::max<int64_t>(4, round_up(p.H / (4 * threads_), 4)));
     blocks2_ = EvenBlocks(p.H, rows2, threads_, one_token_each_ ? 1 : 4);
+    phase1_left_.store(blocks1_.count, std::memory_order_relaxed);
     set_num_tasks(groups == 0 ? 0 : blocks1_.count + blocks2_.count);
+  }
+
+  std::pair<double, double> phase_seconds() const override {
+    if (!done() || blocks1_.count == 0) return {0.0, 0.0};
+    const std::chrono::duration<double> phase1 = phase1_end_ - started_at();
+    return {phase1.count(), 1e-9 * double(wait_ns_.load(std::memory_order_relaxed))};
   }
 
  protected:
@@ -179,6 +186,9 @@ class ExpertJob final : public ExpertJobShell {
       gate_up(g, first + from, first + to);
       group_done_[g].value.fetch_add(to - from, std::memory_order_release);
     }
+    // the last phase-1 block to end times the phase (read once the job is done: the job's
+    // finishing count orders this write before it)
+    if (phase1_left_.fetch_sub(1, std::memory_order_relaxed) == 1) phase1_end_ = Clock::now();
   }
 
  private:
@@ -312,11 +322,15 @@ class ExpertJob final : public ExpertJobShell {
     auto ready = [&] {
       return group_done_[g].value.load(std::memory_order_acquire) == group_rows;
     };
+    if (ready()) return;
+    const Clock::time_point t0 = Clock::now();
     constexpr int64_t kLine = 64 / int64_t(sizeof(WT));
     for (int64_t i = 0; i < n && !ready(); ++i) {
       for (int64_t l = 0; l < len; l += kLine) prefetch(rows + i * p_.I + l);
     }
     spin_until(ready);
+    const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0);
+    wait_ns_.fetch_add(waited.count(), std::memory_order_relaxed);
   }
 
   // The first intermediate row computed for group g (all but the split expert: 0).
@@ -339,6 +353,10 @@ class ExpertJob final : public ExpertJobShell {
   EvenBlocks blocks2_;               // of the output rows
   std::unique_ptr<Counter[]> group_done_;  // phase-1 rows done, per group
   bool one_token_each_ = true;             // every group (expert) has one pair
+  // phase_seconds: phase-1 blocks not ended yet, when the last ended, the waits for them
+  alignas(64) std::atomic<int64_t> phase1_left_{0};
+  Clock::time_point phase1_end_{};
+  alignas(64) mutable std::atomic<int64_t> wait_ns_{0};
 };
 
 template <class B>

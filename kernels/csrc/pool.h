@@ -133,6 +133,11 @@ class Job {
             1e-9 * double(busy_ns_.load(std::memory_order_relaxed))};
   }
 
+  // Where a job of two phases spent its run: seconds from its first task to the end of its first
+  // phase, and the seconds its tasks waited for the first phase, all threads together (an expert
+  // job's down projection for the gate/up rows). Both 0 for a job of one phase, and until done.
+  virtual std::pair<double, double> phase_seconds() const { return {0.0, 0.0}; }
+
   void wait() {
     // The caller usually waits for well under a millisecond: spin a little before sleeping.
     if (spin_until([this] { return done(); }, kWaiterSpin)) return;
@@ -146,6 +151,8 @@ class Job {
     if (n == 0) done_.store(true, std::memory_order_release);
   }
   virtual void run_task(int64_t i) = 0;
+  // When task 0 was claimed; read only once the job is done.
+  Clock::time_point started_at() const { return started_; }
 
  private:
   // Runs task i, claimed at t0; timed: a pool worker's, added to busy_ns_ (before the task

@@ -131,6 +131,9 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     jobs = result["cpu_jobs"]  # the native workers' times, and their line
     assert jobs["jobs"] > 0 and 0 < jobs["workers_busy_share"] <= 1.01
     assert f"CPU jobs: {jobs['jobs']}, " in r.stderr and "were in tasks" in r.stderr
+    # where a job's run went: its gate/up phase within it, the workers' wait for that phase
+    assert 0 < jobs["phase1_us_mean"] <= jobs["run_us_mean"] and jobs["wait_us_mean"] >= 0
+    assert f"its gate/up rows {jobs['phase1_us_mean']:.1f}, each worker waited" in r.stderr
     steps = result["step_ms"]  # each timed step's time: 4 tokens (one more to drain the flight)
     assert steps["steps"] in (4, 5) and 0 < steps["median_ms"] <= steps["max_ms"]
     assert f"steps {steps['median_ms']:.2f} ms median" in r.stderr

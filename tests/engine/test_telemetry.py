@@ -331,3 +331,15 @@ def test_cpu_job_times_fit_the_marginal_rate_apart_from_the_fixed_part():
     for _ in range(8):
         same.add(18_800_000, (5e-6, 180e-6))
     assert same.marginal_gbps() is None and CpuJobTimes().marginal_gbps() is None
+
+
+def test_cpu_job_times_mean_the_gate_up_phase_and_each_workers_wait():
+    times = CpuJobTimes()
+    times.add(9_400_000, (2e-6, 90e-6), (4e-6, 1.2e-3), threads=15, phases=(60e-6, 150e-6))
+    times.add(9_400_000, (2e-6, 80e-6), (4e-6, 1.1e-3), threads=15, phases=(50e-6, 0.0))
+    times.add(9_400_000, (2e-6, 70e-6))  # no workers' figures: in the rate, not in the phases
+    d = times.to_dict()
+    assert d["phase1_us_mean"] == pytest.approx(55.0)
+    assert d["wait_us_mean"] == pytest.approx(5.0)  # 150 µs over 15 workers, over 2 jobs
+    assert d["run_us_mean"] == pytest.approx(80.0)
+    assert CpuJobTimes().to_dict()["phase1_us_mean"] is None

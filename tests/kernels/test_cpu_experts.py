@@ -270,6 +270,9 @@ def test_native_job_loop_rate_is_plausible_and_checks_its_bank() -> None:
     w2 = torch.randn(8, 128, 32, generator=gen).bfloat16()
     with CpuExpertRunner(2, "native") as runner:
         assert 0.01 < runner.jobs_gbps(w13, w2, k=2, iterations=20) < 5000
+        profile = runner.jobs_profile(w13, w2, k=1, iterations=20)
+        assert 0.01 < profile["gbps"] < 5000
+        assert 0 < profile["phase1_us"] <= profile["run_us"] and profile["wait_us"] >= 0
         with pytest.raises(ValueError, match="does not match"):
             runner.jobs_gbps(w13, w2[:, :, :16], k=2, iterations=1)
         with pytest.raises(ValueError, match="1 <= k <= experts"):
@@ -340,6 +343,9 @@ def test_submit_returns_at_once_and_the_workers_leave_python_running() -> None:
     last_start_s, busy_s = job.worker_seconds()
     assert last_start_s == pytest.approx(start_s, abs=1e-4)
     assert 0.9 * run_s < busy_s <= run_s * 1.001
+    # its gate/up rows end within the run, and it never waits for rows it made itself
+    phase1_s, wait_s = job.phase_seconds()
+    assert 0 < phase1_s < run_s and wait_s == 0.0
 
 
 def test_worker_seconds_of_a_job_on_several_workers() -> None:
@@ -355,10 +361,12 @@ def test_worker_seconds_of_a_job_on_several_workers() -> None:
             (start_s, run_s), (last_start_s, busy_s) = job.seconds(), job.worker_seconds()
             assert start_s <= last_start_s <= start_s + run_s
             assert 0 < busy_s <= 2 * run_s * 1.001
+            phase1_s, wait_s = job.phase_seconds()
+            assert 0 < phase1_s <= run_s and 0 <= wait_s <= 2 * run_s
     with CpuExpertRunner(2, "torch") as runner:
         job = runner.submit(*args)
         job.wait()
-        assert job.worker_seconds() is None
+        assert job.worker_seconds() is None and job.phase_seconds() is None
 
 
 def test_wait_releases_the_gil() -> None:
