@@ -87,8 +87,10 @@ double read_sum(Pool& pool, uintptr_t data, int64_t n) {
 // queues them (nothing in between), taking the bank's E experts in a scattered turn so that the
 // weights come from memory: (seconds in all; the jobs' runs, their first phases and their waits
 // for them (Job::phase_seconds), each summed over the jobs). Blocks with the GIL released.
-std::tuple<double, double, double, double> time_expert_jobs(Pool& pool, int simd, int weight_type, uintptr_t w13, uintptr_t w2,
-                        int64_t E, int64_t H, int64_t I, int64_t k, int64_t iterations) {
+std::tuple<double, double, double, double> time_expert_jobs(Pool& pool, int simd, int weight_type,
+                                                            uintptr_t w13, uintptr_t w2, int64_t E,
+                                                            int64_t H, int64_t I, int64_t k,
+                                                            int64_t iterations) {
   if (k < 1 || k > E || iterations < 1) {
     throw std::invalid_argument("need 1 <= k <= experts and at least one iteration");
   }
