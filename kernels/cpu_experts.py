@@ -470,7 +470,7 @@ class CpuExpertRunner:
         down projection needs them all), `wait_us` what its tasks waited for those rows, per
         worker (`CpuExpertJob.phase_seconds`); and `gbps`."""
         if self._module is None:
-            raise RuntimeError("jobs_gbps times the native kernel; this runner uses torch")
+            raise RuntimeError("jobs_profile times the native kernel; this runner uses torch")
         num_experts, two_inter, hidden = w13.shape
         if w2.shape != (num_experts, hidden, two_inter // 2) or w13.dtype != w2.dtype:
             raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
