@@ -44,11 +44,10 @@ class CpuJobTimes:
     last_start_s: float = 0.0
     busy_s: float = 0.0
     worker_run_s: float = 0.0
-    # the same jobs' gate/up phase (first task to its end) and their tasks' waits for it, the
-    # workers together (CpuExpertJob.phase_seconds)
+    # the same jobs' gate/up phase (first task to its end), and what each worker waited for it
+    # (CpuExpertJob.phase_seconds' wait over the pool's threads)
     phase1_s: float = 0.0
     wait_s: float = 0.0
-    threads: int = 0
 
     def add(
         self,
@@ -68,10 +67,9 @@ class CpuJobTimes:
             self.last_start_s += workers[0]
             self.busy_s += workers[1]
             self.worker_run_s += threads * seconds[1]
-            self.threads = threads
             if phases is not None:
                 self.phase1_s += phases[0]
-                self.wait_s += phases[1]
+                self.wait_s += phases[1] / threads
         self.jobs += 1
         self.weight_bytes += weight_bytes
         self.start_s += seconds[0]
@@ -110,9 +108,7 @@ class CpuJobTimes:
             "workers_busy_share": self.busy_s / self.worker_run_s if self.worker_run_s else None,
             # a job's gate/up phase, and what each worker waited for it (µs, means)
             "phase1_us_mean": 1e6 * self.phase1_s / self.timed_jobs if self.timed_jobs else None,
-            "wait_us_mean": (
-                1e6 * self.wait_s / self.timed_jobs / self.threads if self.timed_jobs else None
-            ),
+            "wait_us_mean": 1e6 * self.wait_s / self.timed_jobs if self.timed_jobs else None,
         }
 
 
