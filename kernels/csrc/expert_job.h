@@ -44,12 +44,40 @@ struct EvenBlocks {
   int64_t n = 0, units = 0, quantum = 1, count = 0;
 };
 
-// Every bound of EvenBlocks(n, per_block, threads, quantum), for tests.
-std::vector<int64_t> even_blocks(int64_t n, int64_t per_block, int64_t threads, int64_t quantum) {
-  const EvenBlocks blocks(n, per_block, threads, quantum);
-  std::vector<int64_t> bounds(size_t(blocks.count) + 1);
-  for (int64_t b = 0; b <= blocks.count; ++b) bounds[b] = blocks.at(b);
-  return bounds;
+// EvenBlocks whose last round (the last `threads` blocks) is cut again into blocks of about half
+// the size, as many as a multiple of the threads: a phase's blocks are handed out in order, so
+// the workers that end their earlier blocks first take more of the small ones, and the phase's
+// last blocks end closer together (with equal blocks, the first workers to end waited for the
+// last for about half a block's time). Where EvenBlocks gives one round, the same blocks.
+struct TaperedBlocks {
+  TaperedBlocks() = default;
+  TaperedBlocks(int64_t n, int64_t per_block, int64_t threads, int64_t quantum)
+      : even(n, per_block, threads, quantum), head_count(even.count) {
+    if (even.count >= 2 * threads) head_count = even.count - threads;
+    n_head = even.at(head_count);
+    if (n_head < n) {
+      tail = EvenBlocks(n - n_head, std::max<int64_t>(1, per_block / 2), threads, quantum);
+    }
+    count = head_count + tail.count;
+  }
+  int64_t at(int64_t b) const {
+    return b < head_count ? even.at(b) : n_head + tail.at(b - head_count);
+  }
+  EvenBlocks even, tail;  // the rounds but the last are even's first head_count blocks
+  int64_t head_count = 0, n_head = 0, count = 0;
+};
+
+// Every bound of EvenBlocks(n, per_block, threads, quantum) or, tapered, of TaperedBlocks, for
+// tests.
+std::vector<int64_t> even_blocks(int64_t n, int64_t per_block, int64_t threads, int64_t quantum,
+                                 bool tapered) {
+  auto bounds_of = [](const auto& blocks) {
+    std::vector<int64_t> bounds(size_t(blocks.count) + 1);
+    for (int64_t b = 0; b <= blocks.count; ++b) bounds[b] = blocks.at(b);
+    return bounds;
+  };
+  if (tapered) return bounds_of(TaperedBlocks(n, per_block, threads, quantum));
+  return bounds_of(EvenBlocks(n, per_block, threads, quantum));
 }
 
 // How many rows ahead of its reads a thread prefetches the rows of a one-token expert. On the
@@ -144,7 +172,9 @@ class ExpertJob final : public ExpertJobShell {
     // first CPU row), cut into blocks of about task_bytes; phase 2: the output rows, at least 4
     // blocks per thread. Each phase has a multiple of num_threads blocks of equal size (to the
     // row, or to the tile: two pairs, four rows), so that at the workers' speeds the last blocks
-    // end together: with 64 blocks on 15 workers, 4 ran a fifth block while 11 waited for them.
+    // end together: with 64 blocks on 15 workers, 4 ran a fifth block while 11 waited for them;
+    // the last round's blocks are cut in half again (TaperedBlocks), for the spread of the
+    // workers' speeds.
     const int64_t row_bytes = std::max<int64_t>(1, p.H * int64_t(sizeof(WT)));
     const int64_t pairs_per_task =
         std::max<int64_t>(2, round_up(task_bytes_ / (2 * row_bytes), 2));
@@ -152,11 +182,11 @@ class ExpertJob final : public ExpertJobShell {
     for (int64_t g = 0; g < groups; ++g) {
       group_rows_.push_back(group_rows_[g] + p.I - first_row(g));
     }
-    blocks1_ = EvenBlocks(group_rows_[groups], pairs_per_task, threads_, one_token_each_ ? 1 : 2);
+    blocks1_ = TaperedBlocks(group_rows_[groups], pairs_per_task, threads_, one_token_each_ ? 1 : 2);
     const int64_t down_bytes_per_row = std::max<int64_t>(1, groups * p.I * int64_t(sizeof(WT)));
     int64_t rows2 = std::max<int64_t>(4, round_up(task_bytes_ / down_bytes_per_row, 4));
     rows2 = std::min(rows2, std::max<int64_t>(4, round_up(p.H / (4 * threads_), 4)));
-    blocks2_ = EvenBlocks(p.H, rows2, threads_, one_token_each_ ? 1 : 4);
+    blocks2_ = TaperedBlocks(p.H, rows2, threads_, one_token_each_ ? 1 : 4);
     phase1_left_.store(blocks1_.count, std::memory_order_relaxed);
     set_num_tasks(groups == 0 ? 0 : blocks1_.count + blocks2_.count);
   }
@@ -349,8 +379,8 @@ class ExpertJob final : public ExpertJobShell {
   std::vector<const float*> x_row_;    // per pair: its row of x
   std::vector<float> h_;               // [pairs, I]
   std::vector<int64_t> group_rows_;  // group g's phase-1 rows: [group_rows[g], group_rows[g+1])
-  EvenBlocks blocks1_;               // of the groups' phase-1 rows, one group after the other
-  EvenBlocks blocks2_;               // of the output rows
+  TaperedBlocks blocks1_;  // of the groups' phase-1 rows, one group after the other
+  TaperedBlocks blocks2_;  // of the output rows
   std::unique_ptr<Counter[]> group_done_;  // phase-1 rows done, per group
   bool one_token_each_ = true;             // every group (expert) has one pair
   // phase_seconds: phase-1 blocks not ended yet, when the last ended, the waits for them

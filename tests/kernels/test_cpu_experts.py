@@ -237,17 +237,50 @@ def test_blocks_are_even_and_as_many_as_a_multiple_of_the_threads(
         assert blocks == 60
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 64, 100, 768, 2048, 2049])
+@pytest.mark.parametrize(
+    "per_block,threads,quantum", [(12, 15, 1), (36, 15, 1), (2, 3, 2), (8, 4, 4)]
+)
+def test_tapered_blocks_cut_the_last_round_in_half(
+    n: int, per_block: int, threads: int, quantum: int
+) -> None:
+    """The blocks a job's phases use: EvenBlocks' rounds but the last, then that round's rows in
+    blocks of about half the size, as many as a multiple of the threads; one round stays as it
+    is. 768 pairs in blocks of 12 on 15 workers: 45 blocks of 12 or 13 rows, then 30 of 6 or 7."""
+    native = load_native()
+    even = native.even_blocks(n, per_block, threads, quantum)
+    bounds = native.even_blocks(n, per_block, threads, quantum, tapered=True)
+    assert bounds[0] == 0 and bounds[-1] == n
+    assert all(a < b for a, b in itertools.pairwise(bounds))
+    assert all(b % quantum == 0 for b in bounds[:-1])
+    rounds = (len(even) - 1) // threads
+    if rounds < 2:
+        assert bounds == even
+        return
+    head = even[: len(even) - threads]  # the rounds before the last, as EvenBlocks cut them
+    assert bounds[: len(head)] == head
+    tail = [b - head[-1] for b in bounds[len(head) - 1 :]]
+    assert tail == native.even_blocks(n - head[-1], max(1, per_block // 2), threads, quantum)
+    assert (len(bounds) - 1) % threads == 0
+    # more blocks, unless they were a quantum each already
+    assert len(bounds) > len(even) or per_block <= quantum
+    if (n, per_block, threads) == (768, 12, 15):
+        sizes = [b - a for a, b in itertools.pairwise(bounds)]
+        assert len(sizes) == 75 and set(sizes[:45]) == {12, 13} and set(sizes[45:]) <= {6, 7}
+
+
 def test_a_queued_job_has_a_multiple_of_the_threads_tasks_in_each_phase() -> None:
     """A job queued behind a long one has all its tasks unclaimed: 100 gate/up pairs in blocks of
     two pairs (task_kb=1 at H = 256, bf16) and 256 output rows in blocks of 8 make 50 + 32 = 82
-    tasks by size, 51 + 33 = 84 on 3 workers; the result is the same."""
+    tasks by size, 51 + 33 = 84 on 3 workers, and with each phase's last round in blocks of half
+    the size, 48 + 6 and 30 + 6 = 90; the result is the same."""
     gen = torch.Generator().manual_seed(SEED)
     args = make_inputs(gen, 2, 256, 100, 1, [(1, 0)], torch.bfloat16)
     with CpuExpertRunner(3, "native", "scalar", task_kb=1) as runner:
         held = runner.submit(*slow_inputs(gen))
         job = runner.submit(*args)
         assert not held.done(), "the long job is too short for this test to mean anything"
-        assert job.unclaimed() == 84
+        assert job.unclaimed() == 90
         out = job.wait()
         held.wait()
     torch.testing.assert_close(out, cpu_experts_ref(*args), rtol=1e-4, atol=1e-4)
