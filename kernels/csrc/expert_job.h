@@ -182,7 +182,8 @@ class ExpertJob final : public ExpertJobShell {
     for (int64_t g = 0; g < groups; ++g) {
       group_rows_.push_back(group_rows_[g] + p.I - first_row(g));
     }
-    blocks1_ = TaperedBlocks(group_rows_[groups], pairs_per_task, threads_, one_token_each_ ? 1 : 2);
+    blocks1_ =
+        TaperedBlocks(group_rows_[groups], pairs_per_task, threads_, one_token_each_ ? 1 : 2);
     const int64_t down_bytes_per_row = std::max<int64_t>(1, groups * p.I * int64_t(sizeof(WT)));
     int64_t rows2 = std::max<int64_t>(4, round_up(task_bytes_ / down_bytes_per_row, 4));
     rows2 = std::min(rows2, std::max<int64_t>(4, round_up(p.H / (4 * threads_), 4)));
