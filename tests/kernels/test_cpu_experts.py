@@ -208,10 +208,15 @@ def test_qwen3_shape_is_right_and_independent_of_thread_count() -> None:
         assert torch.equal(shared, again), "two runs of the same call differ"
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 64, 100, 768, 2048, 2049])
-@pytest.mark.parametrize(
+# The rows, and the (rows per block, threads, quantum) of a job's blocks the block tests cut.
+BLOCK_ROWS = pytest.mark.parametrize("n", [0, 1, 7, 64, 100, 768, 2048, 2049])
+BLOCK_SHAPES = pytest.mark.parametrize(
     "per_block,threads,quantum", [(12, 15, 1), (36, 15, 1), (2, 3, 2), (8, 4, 4)]
 )
+
+
+@BLOCK_ROWS
+@BLOCK_SHAPES
 def test_blocks_are_even_and_as_many_as_a_multiple_of_the_threads(
     n: int, per_block: int, threads: int, quantum: int
 ) -> None:
@@ -237,10 +242,8 @@ def test_blocks_are_even_and_as_many_as_a_multiple_of_the_threads(
         assert blocks == 60
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 64, 100, 768, 2048, 2049])
-@pytest.mark.parametrize(
-    "per_block,threads,quantum", [(12, 15, 1), (36, 15, 1), (2, 3, 2), (8, 4, 4)]
-)
+@BLOCK_ROWS
+@BLOCK_SHAPES
 def test_tapered_blocks_cut_the_last_round_in_half(
     n: int, per_block: int, threads: int, quantum: int
 ) -> None:
