@@ -141,8 +141,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("phase_seconds", &Job::phase_seconds)
       .def("wait", &Job::wait, py::call_guard<py::gil_scoped_release>());
   m.def("submit_experts", &submit_experts);
-  m.def("even_blocks", &even_blocks, py::arg("n"), py::arg("per_block"), py::arg("threads"),
-        py::arg("quantum"), py::arg("tapered") = false);
+  m.def("even_blocks", &block_bounds<EvenBlocks>);
+  m.def("tapered_blocks", &block_bounds<TaperedBlocks>);
   py::class_<DecodePlanner>(m, "DecodePlanner")
       .def(py::init<Pool&, int, int, uintptr_t, uintptr_t, uintptr_t, int64_t, uintptr_t,
                     uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t,

@@ -67,17 +67,13 @@ struct TaperedBlocks {
   int64_t head_count = 0, n_head = 0, count = 0;
 };
 
-// Every bound of EvenBlocks(n, per_block, threads, quantum) or, tapered, of TaperedBlocks, for
-// tests.
-std::vector<int64_t> even_blocks(int64_t n, int64_t per_block, int64_t threads, int64_t quantum,
-                                 bool tapered) {
-  auto bounds_of = [](const auto& blocks) {
-    std::vector<int64_t> bounds(size_t(blocks.count) + 1);
-    for (int64_t b = 0; b <= blocks.count; ++b) bounds[b] = blocks.at(b);
-    return bounds;
-  };
-  if (tapered) return bounds_of(TaperedBlocks(n, per_block, threads, quantum));
-  return bounds_of(EvenBlocks(n, per_block, threads, quantum));
+// Every bound of a cut of n rows (EvenBlocks, TaperedBlocks), for tests.
+template <class Blocks>
+std::vector<int64_t> block_bounds(int64_t n, int64_t per_block, int64_t threads, int64_t quantum) {
+  const Blocks blocks(n, per_block, threads, quantum);
+  std::vector<int64_t> bounds(size_t(blocks.count) + 1);
+  for (int64_t b = 0; b <= blocks.count; ++b) bounds[b] = blocks.at(b);
+  return bounds;
 }
 
 // How many rows ahead of its reads a thread prefetches the rows of a one-token expert. On the

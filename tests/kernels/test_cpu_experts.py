@@ -252,7 +252,7 @@ def test_tapered_blocks_cut_the_last_round_in_half(
     is. 768 pairs in blocks of 12 on 15 workers: 45 blocks of 12 or 13 rows, then 30 of 6 or 7."""
     native = load_native()
     even = native.even_blocks(n, per_block, threads, quantum)
-    bounds = native.even_blocks(n, per_block, threads, quantum, tapered=True)
+    bounds = native.tapered_blocks(n, per_block, threads, quantum)
     assert bounds[0] == 0 and bounds[-1] == n
     assert all(a < b for a, b in itertools.pairwise(bounds))
     assert all(b % quantum == 0 for b in bounds[:-1])
