@@ -457,12 +457,14 @@ def test_the_wait_takes_the_routing_signal_and_asks_the_stream_only_now_and_then
     ids = torch.tensor([[1, 2]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     setter = threading.Timer(0.05, lambda: signal.__setitem__(0, ROUTED))
-    setter.start()
     t0 = time.perf_counter()
+    setter.start()
     d, (wait_s, *_) = r._native_step(planner, 0, ids, weights, x, out, False, sync=True,
                                        signal=signal)  # fmt: skip
     setter.join()
-    assert time.perf_counter() - t0 >= 0.05 and wait_s >= 0.05
+    # the step returned only after the signal; its wait began after the timer did, once the step
+    # was under way (a CI run measured 49.93 ms of 50), so most of the 50 ms, not all
+    assert time.perf_counter() - t0 >= 0.05 and wait_s >= 0.04
     assert signal[0] == 0  # cleared once seen, for the next piece's router
     assert d.job is not None and sorted(d.on_cpu) == [1, 2]
     d.job.wait()
