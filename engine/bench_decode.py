@@ -701,6 +701,15 @@ def _prefill(engine, args) -> dict:
             **rates}  # fmt: skip
 
 
+def policy_words(policy) -> str:
+    """The miss policy a run ended with: for auto, the share of misses it fetched and the CPU
+    rate that share came from (it follows the CPU jobs' measured rate)."""
+    words = f"miss policy {policy.mode}: fetches {policy.fetch_fraction:.0%} of the misses"
+    if policy.mode == "auto" and policy.bh_gbps is not None:
+        words += f" at the end (the CPU rate it planned with: {policy.bh_gbps:.1f} GB/s)"
+    return words
+
+
 def staged_lines(staged: dict) -> str:
     """What `bench decode` prints of its staged layer steps (`StagedStepTimes.to_dict`): the host's
     time by stage, and the commonest plans' periods; empty where no step was staged."""
@@ -757,6 +766,8 @@ def _run(args: argparse.Namespace) -> int:
             f"{plan.experts_total}; HBM {result['hbm_gbps']:.0f} GB/s, Bp "
             f"{result['bp_gbps']:.1f}, B_host {result['host_gbps']:.1f} GB/s"
         )
+        if result["experts_total"] > result["slots"]:
+            line += f"\n{policy_words(engine.policy)}"
         if len(result["runs"]) > 1:
             line += "\nruns (this line's figures are the median's): " + ", ".join(
                 f"{run['decode_tok_s']:.1f} tok/s {run['achieved_of_bound']:.0%} "

@@ -15,6 +15,7 @@ chunk routes first and then treats its misses like decode does.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -38,6 +39,17 @@ from .staged_decode import StagedDecode
 
 # CPU jobs of decode between two updates of the auto split from their measured rate
 ADAPT_EVERY_JOBS = 48
+# The auto split's way back from a CPU rate too low to give the CPU any job: jobs made rare by a
+# low rate find their workers asleep (waking them took milliseconds on a busy H200 host), measure
+# slow and keep the rate low, so one slow stretch of the host sent every miss to the copies for
+# good (4 of 6 processes on 2026-12-02: 36% of the bound against 58%). After this many layer
+# steps with misses and no CPU job, the rate moves half-way back to the start-up measurement and
+# the next few jobs are judged at once; each return the CPU did not confirm doubles the wait.
+RECOVER_AFTER_STEPS = 96
+RECOVER_AFTER_STEPS_MAX = 96 * 64
+ADAPT_AFTER_RECOVERY_JOBS = 8
+
+log = logging.getLogger("moelab.engine")
 # Offloaded decode accesses handed to `on_accesses` (the what-if stream) at once: handed over once
 # per step, they cost the host 45 of the 88 us of landing a step (CI machine, a test engine)
 ACCESS_BATCH = 4096
@@ -69,6 +81,12 @@ class MoERunner(StagedDecode):
         self.cpu_times = CpuJobTimes()
         self.staged_times = StagedStepTimes()
         self._cpu_window = CpuJobTimes()  # the CPU jobs since the auto split was last updated
+        self._adapt_every = ADAPT_EVERY_JOBS
+        # the auto split's way back to the CPU (`_note_cpu_use`): the start-up CPU rate, the
+        # layer steps with misses since one ran a CPU job, and how many of them make it return
+        self._bh_start = policy.bh_gbps
+        self._steps_without_cpu = 0
+        self._recover_after = RECOVER_AFTER_STEPS
         # what the planner adds a split prefill layer's picks to (decode's counters rank misses);
         # a resident or streamed prefill does not count, which would cost a host sync a layer
         self.prefill_picks = np.zeros((bank.num_layers, bank.num_experts), dtype=np.int64)
@@ -317,6 +335,8 @@ class MoERunner(StagedDecode):
         c.hits[moe_layer] += len(experts) - len(missing)
         c.fills[moe_layer] += len(fetched)
         c.cpu[moe_layer] += len(d.on_cpu)
+        if missing and self.policy.mode == "auto":
+            self._note_cpu_use(bool(d.on_cpu))
         for callback in self.on_decode_step:
             callback(moe_layer, experts, slots, fetched, d.on_cpu)
         if self.on_accesses is not None:
@@ -370,7 +390,7 @@ class MoERunner(StagedDecode):
                 d.job.phase_seconds(),
             )  # fmt: skip
             self._cpu_window.add(weight_bytes, seconds)
-            if self._cpu_window.jobs >= ADAPT_EVERY_JOBS:
+            if self._cpu_window.jobs >= self._adapt_every:
                 self._adapt_split()
         return out
 
@@ -394,6 +414,35 @@ class MoERunner(StagedDecode):
         # no faster than twice the average: a fit over few, noisy jobs may be steep
         seen_gbps = min(window.marginal_gbps() or average_gbps, 2.0 * average_gbps)
         self.policy = MissPolicy.auto(policy.bp_gbps, 0.5 * (policy.bh_gbps + seen_gbps))
+        self._adapt_every = ADAPT_EVERY_JOBS
+        if self._bh_start and self.policy.bh_gbps >= 0.5 * self._bh_start:
+            self._recover_after = RECOVER_AFTER_STEPS  # the CPU is back: the next wait is short
+
+    def _note_cpu_use(self, used: bool) -> None:
+        """Auto policy, after a decode layer step with misses that ran some (`used`) or none on
+        the CPU: once RECOVER_AFTER_STEPS (doubled after each return the CPU's jobs did not
+        confirm) ran none, move the CPU rate half-way back to the start-up measurement, so the
+        CPU gets jobs again and its rate is measured anew."""
+        if used:
+            self._steps_without_cpu = 0
+            return
+        self._steps_without_cpu += 1
+        policy = self.policy
+        if self._steps_without_cpu < self._recover_after or not self._bh_start:
+            return
+        if policy.bp_gbps is None or policy.bh_gbps is None or policy.bh_gbps >= self._bh_start:
+            return
+        bh_gbps = 0.5 * (policy.bh_gbps + self._bh_start)
+        log.info(
+            "auto miss split: no CPU job in %d layer steps with misses; the CPU rate it plans "
+            "with goes from %.1f back to %.1f GB/s (start-up %.1f) to measure it again",
+            self._steps_without_cpu, policy.bh_gbps, bh_gbps, self._bh_start,
+        )  # fmt: skip
+        self.policy = MissPolicy.auto(policy.bp_gbps, bh_gbps)
+        self._steps_without_cpu = 0
+        self._recover_after = min(2 * self._recover_after, RECOVER_AFTER_STEPS_MAX)
+        self._cpu_window = CpuJobTimes()
+        self._adapt_every = ADAPT_AFTER_RECOVERY_JOBS
 
     def _copy_experts(self, moe_layer: int, admitted: list[tuple[int, int]]):
         """Copy (expert, slot) pairs from the bank into their slots: on the copy stream, after the

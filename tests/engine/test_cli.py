@@ -128,6 +128,7 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     before, after = result["rates_before"], result["rates_after"]
     assert result["host_gbps"] == pytest.approx((before["host_gbps"] + after["host_gbps"]) / 2)
     assert result["pdl"] is False  # no such launch on the CPU
+    assert "\nmiss policy split: fetches 50% of the misses\n" in r.stderr
     jobs = result["cpu_jobs"]  # the native workers' times, and their line
     assert jobs["jobs"] > 0 and 0 < jobs["workers_busy_share"] <= 1.01
     assert f"CPU jobs: {jobs['jobs']}, " in r.stderr and "were in tasks" in r.stderr
@@ -150,6 +151,17 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     assert sum(e.get("ph") == "X" for e in events) > 10  # timed calls of the profiled steps
     refused = moelab(*flags, "--trace", str(trace), check=False)
     assert refused.returncode == 2 and "--trace needs --kernel-profile" in refused.stderr
+
+
+def test_bench_decode_says_what_the_auto_split_ended_with():
+    from moelab.engine.bench_decode import policy_words
+    from moelab.engine.misses import MissPolicy
+
+    assert policy_words(MissPolicy.auto(50.0, 100.0)) == (
+        "miss policy auto: fetches 33% of the misses at the end (the CPU rate it planned with: "
+        "100.0 GB/s)"
+    )
+    assert policy_words(MissPolicy("gpu", 1.0)) == "miss policy gpu: fetches 100% of the misses"
 
 
 def test_bench_decode_repeats_report_each_run_and_the_median_runs_figures():

@@ -203,6 +203,64 @@ def test_exactly_the_advertised_context_fits(tmp_path):
         engine.close()
 
 
+def test_the_auto_split_finds_its_way_back_to_the_cpu(tmp_path, monkeypatch, caplog):
+    """A CPU rate so low that no miss runs on the CPU is never measured again by jobs: after
+    RECOVER_AFTER_STEPS such layer steps the split moves it half-way back to the start-up rate
+    (10 GB/s here), the CPU gets jobs again, and each return it makes doubles the next wait."""
+    import moelab.engine.moe as moe_module
+    from moelab.engine.misses import MissPolicy
+    from moelab.engine.moe_stats import CpuJobTimes
+
+    path = synthesize(
+        tmp_path / "m", preset="tiny", routing_skew=0.5, seed=6, overrides={"num_experts": 16}
+    )
+    monkeypatch.setattr(moe_module, "RECOVER_AFTER_STEPS", 3)
+    engine = make_engine(path, "--moe-cache-size", "20", "--moe-miss-policy", "auto")
+    try:
+        moe = engine.moe
+        # a collapsed rate: f = 10 / 10.5, every miss of a layer step is fetched
+        moe.policy = MissPolicy.auto(10.0, 0.5)
+        assert moe.policy.fetch_count(2) == 2 and moe.policy.fetch_count(3) == 3
+        jobs = moe.cpu_times.jobs
+        with caplog.at_level("INFO", logger="moelab.engine"):
+            engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+        returns = [r for r in caplog.records if "no CPU job in 3 layer steps" in r.getMessage()]
+        assert returns, "the split never moved its CPU rate back"
+        assert "goes from 0.5 back to 5.2 GB/s (start-up 10.0)" in returns[0].getMessage()
+        assert moe.cpu_times.jobs > jobs  # the CPU ran misses again, and was measured
+        assert moe.policy.bh_gbps > 0.5
+
+        # the wait: counted over steps with misses that ran none on the CPU, reset by one that
+        # ran some, doubled by each return, short again once a window measures the CPU healthy
+        moe.policy = MissPolicy.auto(10.0, 1.0)
+        moe._steps_without_cpu, moe._recover_after = 0, 3
+        for used in (False, False, True, False, False):
+            moe._note_cpu_use(used)
+        assert moe.policy.bh_gbps == 1.0 and moe._steps_without_cpu == 2
+        moe._note_cpu_use(False)
+        assert moe.policy.bh_gbps == pytest.approx(5.5) and moe._recover_after == 6
+        assert moe._adapt_every == moe_module.ADAPT_AFTER_RECOVERY_JOBS
+        moe.policy = MissPolicy.auto(10.0, 1.0)
+        for _ in range(5):
+            moe._note_cpu_use(False)
+        assert moe.policy.bh_gbps == 1.0  # 6 steps now
+        moe._note_cpu_use(False)
+        assert moe.policy.bh_gbps == pytest.approx(5.5) and moe._recover_after == 12
+        window = CpuJobTimes()
+        window.add(8_000_000_000, (0.0, 1.0))  # 8 GB/s: blended with 5.5, at least half of 10
+        moe._cpu_window = window
+        moe._adapt_split()
+        assert moe.policy.bh_gbps == pytest.approx(6.75) and moe._recover_after == 3
+        assert moe._adapt_every == moe_module.ADAPT_EVERY_JOBS
+        # a rate at or above the start-up one is never moved down
+        moe.policy = MissPolicy.auto(10.0, 12.0)
+        for _ in range(10):
+            moe._note_cpu_use(False)
+        assert moe.policy.bh_gbps == 12.0
+    finally:
+        engine.close()
+
+
 def test_the_auto_split_follows_the_cpu_rate_decode_sees(tmp_path, monkeypatch):
     import moelab.engine.moe as moe_module
     from moelab.engine.misses import MissPolicy
