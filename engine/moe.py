@@ -43,8 +43,9 @@ ADAPT_EVERY_JOBS = 48
 # low rate find their workers asleep (waking them took milliseconds on a busy H200 host), measure
 # slow and keep the rate low, so one slow stretch of the host sent every miss to the copies for
 # good (4 of 6 processes on 2026-12-02: 36% of the bound against 58%). After this many layer
-# steps with misses and no CPU job, the rate moves half-way back to the start-up measurement and
-# the next few jobs are judged at once; each return the CPU did not confirm doubles the wait.
+# steps with misses that ran none on the CPU, before a window of jobs measured it, the rate moves
+# half-way back to the start-up measurement and the next few jobs are judged at once; each return
+# the CPU did not confirm doubles the wait.
 RECOVER_AFTER_STEPS = 96
 RECOVER_AFTER_STEPS_MAX = 96 * 64
 ADAPT_AFTER_RECOVERY_JOBS = 8
@@ -406,6 +407,7 @@ class MoERunner(StagedDecode):
         which spreads that part over the bytes, would count it twice.
         """
         window, self._cpu_window = self._cpu_window, CpuJobTimes()
+        self._steps_without_cpu = 0  # the CPU was measured: the way back's count starts again
         policy = self.policy
         busy_s = window.start_s + window.run_s
         if policy.mode != "auto" or not busy_s or policy.bp_gbps is None or not policy.bh_gbps:
@@ -420,11 +422,13 @@ class MoERunner(StagedDecode):
 
     def _note_cpu_use(self, used: bool) -> None:
         """Auto policy, after a decode layer step with misses that ran some (`used`) or none on
-        the CPU: once RECOVER_AFTER_STEPS (doubled after each return the CPU's jobs did not
-        confirm) ran none, move the CPU rate half-way back to the start-up measurement, so the
-        CPU gets jobs again and its rate is measured anew."""
+        the CPU: once RECOVER_AFTER_STEPS of them (doubled after each return the CPU's jobs did
+        not confirm) ran none before a window of jobs measured the CPU, move its rate half-way
+        back to the start-up measurement, so that it gets jobs again and is measured anew. Steps
+        that ran some do not reset the count: a rate that leaves the CPU a job now and then is
+        as stuck (those jobs find the workers asleep), and a healthy split fills a window long
+        before (nearly every step with misses runs some on the CPU)."""
         if used:
-            self._steps_without_cpu = 0
             return
         self._steps_without_cpu += 1
         policy = self.policy
@@ -434,8 +438,9 @@ class MoERunner(StagedDecode):
             return
         bh_gbps = 0.5 * (policy.bh_gbps + self._bh_start)
         log.info(
-            "auto miss split: no CPU job in %d layer steps with misses; the CPU rate it plans "
-            "with goes from %.1f back to %.1f GB/s (start-up %.1f) to measure it again",
+            "auto miss split: %d layer steps with misses ran none on the CPU since its rate "
+            "was last measured; the rate it plans with goes from %.1f back to %.1f GB/s "
+            "(start-up %.1f) to measure it again",
             self._steps_without_cpu, policy.bh_gbps, bh_gbps, self._bh_start,
         )  # fmt: skip
         self.policy = MissPolicy.auto(policy.bp_gbps, bh_gbps)

@@ -224,19 +224,28 @@ def test_the_auto_split_finds_its_way_back_to_the_cpu(tmp_path, monkeypatch, cap
         jobs = moe.cpu_times.jobs
         with caplog.at_level("INFO", logger="moelab.engine"):
             engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
-        returns = [r for r in caplog.records if "no CPU job in 3 layer steps" in r.getMessage()]
+        returns = [r for r in caplog.records if "3 layer steps with misses ran none" in r.message]
         assert returns, "the split never moved its CPU rate back"
         assert "goes from 0.5 back to 5.2 GB/s (start-up 10.0)" in returns[0].getMessage()
         assert moe.cpu_times.jobs > jobs  # the CPU ran misses again, and was measured
         assert moe.policy.bh_gbps > 0.5
 
-        # the wait: counted over steps with misses that ran none on the CPU, reset by one that
-        # ran some, doubled by each return, short again once a window measures the CPU healthy
+        # the wait: counted over steps with misses that ran none on the CPU (one that ran some
+        # does not reset it, a window of jobs measuring the CPU does), doubled by each return,
+        # short again once a window measures the CPU healthy
         moe.policy = MissPolicy.auto(10.0, 1.0)
         moe._steps_without_cpu, moe._recover_after = 0, 3
-        for used in (False, False, True, False, False):
+        for used in (False, True, False):
             moe._note_cpu_use(used)
         assert moe.policy.bh_gbps == 1.0 and moe._steps_without_cpu == 2
+        window = CpuJobTimes()
+        window.add(1_000_000_000, (0.0, 1.0))  # 1 GB/s: the rate stays, the count starts again
+        moe._cpu_window = window
+        moe._adapt_split()
+        assert moe.policy.bh_gbps == 1.0 and moe._steps_without_cpu == 0
+        for _ in range(2):
+            moe._note_cpu_use(False)
+        assert moe.policy.bh_gbps == 1.0
         moe._note_cpu_use(False)
         assert moe.policy.bh_gbps == pytest.approx(5.5) and moe._recover_after == 6
         assert moe._adapt_every == moe_module.ADAPT_AFTER_RECOVERY_JOBS
