@@ -39,8 +39,8 @@ from .staged_decode import StagedDecode
 
 # CPU jobs of decode between two updates of the auto split from their measured rate
 ADAPT_EVERY_JOBS = 48
-# The auto split's way back from a CPU rate too low to give the CPU any job: jobs made rare by a
-# low rate find their workers asleep (waking them took milliseconds on a busy H200 host), measure
+# The auto split's way back from a CPU rate so low that the CPU gets no job, or a rare one: jobs
+# made rare by a low rate find their workers asleep (waking them took milliseconds on a busy H200 host), measure
 # slow and keep the rate low, so one slow stretch of the host sent every miss to the copies for
 # good (4 of 6 processes on 2026-12-02: 36% of the bound against 58%). After this many layer
 # steps with misses that ran none on the CPU, before a window of jobs measured it, the rate moves
@@ -49,11 +49,11 @@ ADAPT_EVERY_JOBS = 48
 RECOVER_AFTER_STEPS = 96
 RECOVER_AFTER_STEPS_MAX = 96 * 64
 ADAPT_AFTER_RECOVERY_JOBS = 8
-
-log = logging.getLogger("moelab.engine")
 # Offloaded decode accesses handed to `on_accesses` (the what-if stream) at once: handed over once
 # per step, they cost the host 45 of the 88 us of landing a step (CI machine, a test engine)
 ACCESS_BATCH = 4096
+
+log = logging.getLogger("moelab.engine")
 
 
 class MoERunner(StagedDecode):
@@ -84,7 +84,8 @@ class MoERunner(StagedDecode):
         self._cpu_window = CpuJobTimes()  # the CPU jobs since the auto split was last updated
         self._adapt_every = ADAPT_EVERY_JOBS
         # the auto split's way back to the CPU (`_note_cpu_use`): the start-up CPU rate, the
-        # layer steps with misses since one ran a CPU job, and how many of them make it return
+        # layer steps with misses that ran none on the CPU since a window of jobs measured it,
+        # and how many of them make it return
         self._bh_start = policy.bh_gbps
         self._steps_without_cpu = 0
         self._recover_after = RECOVER_AFTER_STEPS
