@@ -42,6 +42,25 @@ def test_telemetry_cost_counts_every_step_it_times(tmp_path):
     assert float(line.rsplit(" ", 2)[-2]) > 0
 
 
+def test_split_recovery_sees_the_auto_split_come_back_to_the_cpu():
+    """A real (tiny, CPU) engine: after the collapse the policy plans with 5% of the start-up
+    CPU rate until the engine logs a return, which plans with more."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "split_recovery.py"), "--segments", "6",
+         "--segment-tokens", "24", "--", "--preset", "tiny", "--moe-cache-rate", "0.5",
+         "--warmup", "4"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["segment"] for r in rows] == ["before", 0, 1, 2, 3, 4, 5]
+    assert all(r["tok_s"] > 0 and r["fetched"] + r["on_cpu"] > 0 for r in rows)
+    collapsed = 0.05 * rows[0]["cpu_gbps_start"]
+    came_back = next(i for i, r in enumerate(rows) if r["returns"] > 0)
+    assert came_back >= 1 and "auto miss split: 96 layer steps with misses ran none" in run.stderr
+    assert all(r["cpu_gbps_planned"] == pytest.approx(collapsed) for r in rows[1:came_back])
+    assert rows[came_back]["cpu_gbps_planned"] > collapsed
+
+
 def _kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
