@@ -40,12 +40,12 @@ from .staged_decode import StagedDecode
 # CPU jobs of decode between two updates of the auto split from their measured rate
 ADAPT_EVERY_JOBS = 48
 # The auto split's way back from a CPU rate so low that the CPU gets no job, or a rare one: jobs
-# made rare by a low rate find their workers asleep (waking them took milliseconds on a busy H200 host), measure
-# slow and keep the rate low, so one slow stretch of the host sent every miss to the copies for
-# good (4 of 6 processes on 2026-12-02: 36% of the bound against 58%). After this many layer
-# steps with misses that ran none on the CPU, before a window of jobs measured it, the rate moves
-# half-way back to the start-up measurement and the next few jobs are judged at once; each return
-# the CPU did not confirm doubles the wait.
+# made rare by a low rate find their workers asleep (waking them took milliseconds on a busy H200
+# host), measure slow and keep the rate low, so one slow stretch of the host sent every miss to the
+# copies for good (4 of 6 processes on 2026-12-02: 36% of the bound against 58%). After this many
+# layer steps with misses that ran none on the CPU, before a window of jobs measured it, the rate
+# moves half-way back to the start-up measurement and the next few jobs are judged at once; each
+# return the CPU did not confirm doubles the wait.
 RECOVER_AFTER_STEPS = 96
 RECOVER_AFTER_STEPS_MAX = 96 * 64
 ADAPT_AFTER_RECOVERY_JOBS = 8
