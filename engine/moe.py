@@ -432,10 +432,8 @@ class MoERunner(StagedDecode):
         if used:
             return
         self._steps_without_cpu += 1
-        policy = self.policy
-        if self._steps_without_cpu < self._recover_after or not self._bh_start:
-            return
-        if policy.bp_gbps is None or policy.bh_gbps is None or policy.bh_gbps >= self._bh_start:
+        policy = self.policy  # auto: its rates are set
+        if self._steps_without_cpu < self._recover_after or policy.bh_gbps >= self._bh_start:
             return
         bh_gbps = 0.5 * (policy.bh_gbps + self._bh_start)
         log.info(

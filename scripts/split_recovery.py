@@ -23,13 +23,12 @@ import json
 import logging
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from moelab.engine.bench import add_bench_parser
-from moelab.engine.bench_decode import _engine
+from moelab.engine.bench_decode import _engine, _timed_decode
 from moelab.engine.misses import MissPolicy
 from moelab.engine.sampling import SamplingParams
 
@@ -57,37 +56,24 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     top = argparse.ArgumentParser(prog="moelab")
     add_bench_parser(top.add_subparsers(dest="command", required=True))
     bench = top.parse_args(["bench", "decode", *flags])
+    bench.tokens = script.segment_tokens
     if bench.moe_miss_policy != "auto":
         p.error("the way back is the auto policy's: leave --moe-miss-policy at auto")
     return script, bench
 
 
-def segment(engine, seq_tokens: list[int], tokens: int) -> dict:
-    """Decode `tokens` tokens of one sequence; the segment's figures."""
-    moe = engine.moe
-
-    def counts() -> tuple[int, int, int]:
-        c = moe.counters
-        return moe.cpu_times.jobs, int(c.fills.sum()), int(c.cpu.sum())
-
-    before = counts()
-    seq = engine.add(seq_tokens, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-    while not seq.output_ids:  # its prefill and first token, untimed
-        engine.step()
-    t0 = time.perf_counter()
-    while not engine.idle:
-        engine.step()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    jobs, fills, on_cpu = (a - b for a, b in zip(counts(), before, strict=True))
+def segment(engine, bench: argparse.Namespace, prompt: list[int]) -> dict:
+    """One sequence of `bench.tokens` tokens, timed as `bench decode` times a run; the segment's
+    figures."""
+    timed = _timed_decode(engine, bench, [prompt], profile=False)
+    counts, policy = timed["counts"], engine.moe.policy
     return {
-        "tok_s": round(tokens / elapsed, 1),
-        "cpu_jobs": jobs,
-        "fetched": fills,
-        "on_cpu": on_cpu,
-        "fetch_fraction": round(moe.policy.fetch_fraction, 3),
-        "cpu_gbps_planned": moe.policy.bh_gbps,
+        "tok_s": round(bench.tokens / timed["elapsed"], 1),
+        "cpu_jobs": timed["cpu_jobs"]["jobs"],
+        "fetched": int(counts["fills"].sum()),
+        "on_cpu": int(counts["cpu"].sum()),
+        "fetch_fraction": round(policy.fetch_fraction, 3),
+        "cpu_gbps_planned": policy.bh_gbps,
     }
 
 
@@ -108,13 +94,13 @@ def main(argv: list[str]) -> int:
             prompt = torch.randint(0, engine.spec.vocab_size, (bench.prompt_tokens,),
                                    generator=gen).tolist()  # fmt: skip
             engine.generate([prompt], SamplingParams(max_tokens=bench.warmup, ignore_eos=True))
-            first = segment(engine, prompt, script.segment_tokens)
+            first = segment(engine, bench, prompt)
             print(json.dumps({"segment": "before", **first, "returns": returns.count,
                               "cpu_gbps_start": moe._bh_start}), flush=True)  # fmt: skip
             collapsed = script.collapse * moe._bh_start
             moe.policy = MissPolicy.auto(moe.policy.bp_gbps, collapsed)
             for i in range(script.segments):
-                row = segment(engine, prompt, script.segment_tokens)
+                row = segment(engine, bench, prompt)
                 print(json.dumps({"segment": i, **row, "returns": returns.count}), flush=True)
         finally:
             engine.close()
