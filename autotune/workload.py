@@ -24,6 +24,8 @@ from typing import Any
 from .client import EngineClient, StreamTiming, WorkloadError
 
 PROOF_SHARE = 0.95  # a context tier counts as served when a prompt reaches this share of it
+PROOF_ATTEMPTS = 12  # prompts a context proof may send before it gives up
+REFUSED_SHRINK = 0.9  # a refused proof prompt with none served yet: this share of it next
 # the warm-up prompt: long enough to span KV pages and reach the engine's streamed prefill path,
 # never longer than one prefill chunk; a few generated tokens run the decode path
 WARMUP_MIN_TOKENS = 32
@@ -288,45 +290,72 @@ class Workload:
     ) -> ContextProof:
         """Prove a context: a prompt of 95% of `target_tokens` or more (the engine's count), served.
 
-        The prompt is grown or shrunk from the engine's own count until it lands between 95% and
-        the target, or the engine refuses a prompt that should fit.
+        The prompt's length in characters is searched from the engine's own counts until it lands
+        between 95% and the target, or the engine refuses a prompt that should fit. Each guess
+        scales the longest prompt served so far by the density around it; where that leaves the
+        bracket of served-too-short and refused lengths (the text's density changes inside the
+        window), the bracket is halved instead.
         """
         need = int(PROOF_SHARE * target_tokens + 0.999)
         ceiling = target_tokens - 1  # one token of room to generate
         aim = (need + ceiling) // 2
-        ratio = chars_per_token
-        rng = random.Random(self.spec.seed + 1)
-        body_text = excerpt(rng, int(aim * ratio * 1.1) + 2000)
-        last_tokens = 0
-        for _attempt in range(6):
-            text = fresh_line() + body_text[: max(1, int(aim * ratio))]
-            status, body = client.complete(text, 1)
+        seed = self.spec.seed + 1
+        # the same seed gives the same start: a longer excerpt extends a shorter one
+        body_text = excerpt(random.Random(seed), int(2 * aim * chars_per_token) + 2000)
+        served: list[tuple[int, int]] = []  # (characters, prompt tokens), each under `need`
+        refused: int | None = None  # the fewest characters the engine refused
+        chars = max(1, int(aim * chars_per_token))
+        for _attempt in range(PROOF_ATTEMPTS):
+            if chars > len(body_text):
+                body_text = excerpt(random.Random(seed), 2 * chars)
+            status, body = client.complete(fresh_line() + body_text[:chars], 1)
             if status == 200:
-                last_tokens = int(body["usage"]["prompt_tokens"])
-                if last_tokens >= need:
+                tokens = int(body["usage"]["prompt_tokens"])
+                if tokens >= need:
                     return ContextProof(
                         target_tokens,
-                        last_tokens,
+                        tokens,
                         True,
-                        f"a prompt of {last_tokens} tokens was served "
-                        f"({last_tokens / target_tokens:.0%} of {target_tokens})",
+                        f"a prompt of {tokens} tokens was served "
+                        f"({tokens / target_tokens:.0%} of {target_tokens})",
                     )
-                ratio = ratio * aim / max(1, last_tokens)
+                served.append((chars, tokens))
             elif body.get("error", {}).get("code") == "context_length_exceeded":
-                ratio *= 0.97
+                refused = chars if refused is None else min(refused, chars)
             else:
                 message = body.get("error", {}).get("message", str(body)[:300])
+                last_tokens = max((t for _, t in served), default=0)
                 return ContextProof(
                     target_tokens, last_tokens, False, f"the engine answered {status}: {message}"
                 )
-            if len(body_text) < int(aim * ratio):
-                body_text = excerpt(rng, int(aim * ratio * 1.2))
+            chars = _next_proof_chars(served, refused, aim)
+        last_tokens = max((t for _, t in served), default=0)
         return ContextProof(
             target_tokens,
             last_tokens,
             False,
             f"no prompt between {need} and {ceiling} tokens was served (last: {last_tokens})",
         )
+
+
+def _next_proof_chars(served: list[tuple[int, int]], refused: int | None, aim: int) -> int:
+    """The next prompt length of a context proof, in characters, aimed at `aim` tokens."""
+    if not served:
+        assert refused is not None
+        return max(1, int(refused * REFUSED_SHRINK))
+    longest = max(served)
+    below = [point for point in served if point[0] < longest[0]]
+    if below:  # the density just under the longest prompt, not the average from its start
+        nearest = max(below)
+        per_token = (longest[0] - nearest[0]) / max(1, longest[1] - nearest[1])
+    else:
+        per_token = longest[0] / max(1, longest[1])
+    guess = longest[0] + max(1, int((aim - longest[1]) * per_token))
+    if refused is None:
+        return guess
+    if longest[0] < guess < refused:
+        return guess
+    return (longest[0] + refused) // 2
 
 
 def warm_up_tokens(engine_config: dict[str, Any]) -> int:

@@ -281,6 +281,24 @@ def test_a_context_is_proven_by_a_prompt_of_95_percent_of_it(serve) -> None:
     assert not beyond.ok and beyond.prompt_tokens < 0.95 * 2 * CONTEXT
 
 
+def dense_tail_tokens(text: str) -> int:
+    """A tokenizer whose density jumps inside the proof's window: a token per 6 characters for
+    the first 16,200, then 3 per character (as where a cut lands in prose that splits into
+    several byte tokens a character)."""
+    thin = min(len(text), 16_200)
+    return thin // 6 + 3 * (len(text) - thin)
+
+
+def test_a_context_is_proven_where_the_density_jumps_inside_the_window(serve) -> None:
+    # 2,850-2,999 tokens is a span of only 50 characters here: a guess from the average density
+    # overshoots past the context and back below the window, and must close in instead
+    client = EngineClient(serve(FakeServer(tokens_of=dense_tail_tokens)), timeout_s=30)
+    for guess in (6.0, 5.0, 8.0):
+        proof = Workload(SPEC).prove_context(client, CONTEXT, chars_per_token=guess)
+        assert proof.ok, (guess, proof)
+        assert 0.95 * CONTEXT <= proof.prompt_tokens < CONTEXT
+
+
 def test_excerpts_come_from_the_shipped_corpus() -> None:
     paragraphs = corpus_paragraphs()
     assert any("def " in p for p in paragraphs) and any("港" in p for p in paragraphs)
