@@ -350,7 +350,8 @@ def _next_proof_chars(served: list[tuple[int, int]], refused: int | None, aim: i
         per_token = (longest[0] - nearest[0]) / max(1, longest[1] - nearest[1])
     else:
         per_token = longest[0] / max(1, longest[1])
-    guess = longest[0] + max(1, int((aim - longest[1]) * per_token))
+    # never past twice the longest served: a density from two close counts can be far off
+    guess = longest[0] + min(longest[0], max(1, int((aim - longest[1]) * per_token)))
     if refused is None:
         return guess
     if longest[0] < guess < refused:

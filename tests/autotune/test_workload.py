@@ -293,7 +293,7 @@ def test_a_context_is_proven_where_the_density_jumps_inside_the_window(serve) ->
     # 2,850-2,999 tokens is a span of only 50 characters here: a guess from the average density
     # overshoots past the context and back below the window, and must close in instead
     client = EngineClient(serve(FakeServer(tokens_of=dense_tail_tokens)), timeout_s=30)
-    for guess in (6.0, 5.0, 8.0):
+    for guess in (6.0, 5.0, 8.0, 1.5):  # 1.5: the first prompt a quarter of the aim
         proof = Workload(SPEC).prove_context(client, CONTEXT, chars_per_token=guess)
         assert proof.ok, (guess, proof)
         assert 0.95 * CONTEXT <= proof.prompt_tokens < CONTEXT
