@@ -221,7 +221,8 @@ class DecodePlanner {
     if (pad_rows < 0) throw std::invalid_argument("pad_rows must be 0 or more");
     if (split_chunks >= 2 &&
         (!copies || memset2d_ == nullptr || copy2d_ == nullptr || inter_ % split_chunks != 0)) {
-      throw std::invalid_argument("a split needs the device copies, their 2D forms and chunks of I");
+      throw std::invalid_argument(
+          "a split needs the device copies, their 2D forms and chunks of I");
     }
     const auto t0 = Clock::now();
     if (sync) {
@@ -550,7 +551,8 @@ class DecodePlanner {
   // layer's slots and picks, every slot's clock, key and protection, the per-expert scratch.
   void warm(int64_t layer) const {
     const auto touch = [](const void* p, size_t bytes) {
-      for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at);
+      const char* bytes_at = static_cast<const char*>(p);
+      for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(bytes_at + at);
     };
     touch(slot_of_ + layer * experts_, size_t(experts_) * sizeof(int32_t));
     touch(picks_ + layer * experts_, size_t(experts_) * sizeof(int64_t));
