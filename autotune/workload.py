@@ -347,11 +347,12 @@ def _next_proof_chars(served: list[tuple[int, int]], refused: int | None, aim: i
     below = [point for point in served if point[0] < longest[0]]
     if below:  # the density just under the longest prompt, not the average from its start
         nearest = max(below)
-        per_token = (longest[0] - nearest[0]) / max(1, longest[1] - nearest[1])
+        chars_per_token = (longest[0] - nearest[0]) / max(1, longest[1] - nearest[1])
     else:
-        per_token = longest[0] / max(1, longest[1])
+        chars_per_token = longest[0] / max(1, longest[1])
     # never past twice the longest served: a density from two close counts can be far off
-    guess = longest[0] + min(longest[0], max(1, int((aim - longest[1]) * per_token)))
+    step = max(1, int((aim - longest[1]) * chars_per_token))
+    guess = longest[0] + min(longest[0], step)
     if refused is None:
         return guess
     if longest[0] < guess < refused:
