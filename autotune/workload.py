@@ -324,12 +324,12 @@ class Workload:
                 refused = chars if refused is None else min(refused, chars)
             else:
                 message = body.get("error", {}).get("message", str(body)[:300])
-                last_tokens = max((t for _, t in served), default=0)
                 return ContextProof(
-                    target_tokens, last_tokens, False, f"the engine answered {status}: {message}"
-                )
+                    target_tokens, max(served)[1] if served else 0, False,
+                    f"the engine answered {status}: {message}",
+                )  # fmt: skip
             chars = _next_proof_chars(served, refused, aim)
-        last_tokens = max((t for _, t in served), default=0)
+        last_tokens = max(served)[1] if served else 0
         return ContextProof(
             target_tokens,
             last_tokens,
