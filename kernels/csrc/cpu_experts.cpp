@@ -6,9 +6,9 @@
 // of that expert's tokens); phase 2 splits the output rows into blocks, each summing every expert's
 // down projection for its rows only, so the reduction has no races and a fixed order (results do
 // not depend on the thread count). Weights are streamed once per call (an expert with one token,
-// as in decode at batch 1, one row after another, prefetched two rows ahead; one with several, in
-// tiles of rows times tokens, prefetched a tile ahead), converted to fp32 in registers (bf16 by a
-// 16-bit shift, fp16 by vcvtph2ps) and accumulated with fp32 FMAs. Workers never touch Python;
+// as in decode at batch 1, one row after another, prefetched about 8 KiB ahead; one with several,
+// in tiles of rows times tokens, prefetched a tile ahead), converted to fp32 in registers (bf16 by
+// a 16-bit shift, fp16 by vcvtph2ps) and accumulated with fp32 FMAs. Workers never touch Python;
 // the caller blocks only in Job::wait, without the GIL. The pool may keep each worker on a CPU of
 // its own (engine/cpu.py chooses them).
 #include <pybind11/pybind11.h>

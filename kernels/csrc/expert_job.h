@@ -76,14 +76,18 @@ std::vector<int64_t> block_bounds(int64_t n, int64_t per_block, int64_t threads,
   return bounds;
 }
 
-// How many rows ahead of its reads a thread prefetches the rows of a one-token expert. On the
-// H200's host (Qwen3-30B-A3B's rows: 4 KiB of gate/up, 1.5 KiB of down) jobs of one to four
-// experts ran 5-12% faster with two rows than with one, and 8-20% faster than the tiles of four
-// rows with the next tile prefetched (docs/performance.md, fourteenth session).
-constexpr int64_t kRowsAhead = 2;
+// How far ahead of its reads a thread prefetches the rows of a one-token expert, in bytes: two
+// of Qwen3-30B-A3B's gate/up rows (4 KiB each). On the H200's host jobs of one to four experts ran
+// 5-12% faster with two such rows than with one, and 8-20% faster than the tiles of four rows with
+// the next tile prefetched (docs/performance.md, fourteenth session). Shorter rows look as many
+// bytes ahead, in more rows (its 1.5 KiB down rows: 6, not 2 as before the twenty-ninth session).
+constexpr int64_t kAheadBytes = 8192;
+int64_t rows_ahead(int64_t row_bytes) {
+  return std::max<int64_t>(2, (kAheadBytes + row_bytes - 1) / std::max<int64_t>(1, row_bytes));
+}
 
 // row . x over K elements, fp32 accumulation. `ahead`, when given, is the row this thread reads
-// kRowsAhead rows after this one: its lines are prefetched, one per line read here (a thread's
+// rows_ahead() rows after this one: its lines are prefetched, one per line read here (a thread's
 // demand misses alone cannot keep enough reads in flight for its share of the memory bandwidth,
 // and the hardware's prefetchers stop at every 4 KiB page).
 template <class B, class WT>
@@ -231,15 +235,16 @@ class ExpertJob final : public ExpertJobShell {
       const float* x = x_row_[j0];
       float* h = h_.data() + int64_t(j0) * I;
       const int64_t n = std::max<int64_t>(0, r_end - r_begin);
+      const int64_t ahead = rows_ahead(H * int64_t(sizeof(WT)));
       auto row = [&](int64_t i) -> const WT* {
         return i < n ? gate + (r_begin + i) * H : i < 2 * n ? up + (r_begin + i - n) * H : nullptr;
       };
       for (int64_t i = 0; i < n; ++i) {
-        h[r_begin + i] = dot_row<B>(row(i), x, H, row(i + kRowsAhead));
+        h[r_begin + i] = dot_row<B>(row(i), x, H, row(i + ahead));
       }
       for (int64_t i = 0; i < n; ++i) {
         const float gv = h[r_begin + i];
-        const float uv = dot_row<B>(row(n + i), x, H, row(n + i + kRowsAhead));
+        const float uv = dot_row<B>(row(n + i), x, H, row(n + i + ahead));
         h[r_begin + i] = gv / (1.0f + std::exp(-gv)) * uv;
       }
       return;
@@ -295,8 +300,9 @@ class ExpertJob final : public ExpertJobShell {
         const int32_t j = group_start_[g];
         const float* h = h_.data() + int64_t(j) * I + first;
         float* out = p_.out + int64_t(token_[j]) * H;
+        const int64_t ahead = rows_ahead((I - first) * int64_t(sizeof(WT)));
         for (int64_t i = g * n; i < (g + 1) * n; ++i) {
-          out[r0 + i % n] += weight_[j] * dot_row<B>(row(i), h, I - first, row(i + kRowsAhead));
+          out[r0 + i % n] += weight_[j] * dot_row<B>(row(i), h, I - first, row(i + ahead));
         }
       }
       return;
