@@ -12,7 +12,11 @@ bound, the CPU experts' GB/s inside decode, B_host, the layer step period of eac
 line with each tree's means, the pairs' tok/s ratios B / A and, for each plan both trees made, the
 mean period of each and B - A. The host's rates move between runs by more than most changes
 (docs/performance.md), so only pairs run side by side compare code; the CPU rate beside each run
-says which pairs ran on a disturbed host.
+says which pairs ran on a disturbed host. A run where the hypervisor took more than `--max-steal`
+of the CPUs' time (its process's worst timed run: `bench decode`'s `host_disturbance.steal_share`;
+default 2%) is left out of the means and the periods, and its pair out of the ratios, counted as
+`disturbed_pairs`: on the H200's host such runs decoded at half their tree's rate, whatever the
+tree (docs/performance.md, twenty-ninth session).
 
 With the auto miss policy each run's fetch share follows the rates it measured, so the runs make
 different plans. Pinning the share (`--moe-miss-policy split:0.33`) makes every run plan alike
@@ -45,9 +49,14 @@ def run_once(tree: Path, cache: Path, flags: list[str], log: Path) -> dict:
     if done.returncode != 0 or not lines:
         return {"tree": str(tree), "error": f"exit {done.returncode}, see {log}"}
     r = json.loads(lines[-1])
+    steals = [
+        (run.get("host_disturbance") or {}).get("steal_share") for run in r.get("runs") or [r]
+    ]
+    steals = [v for v in steals if v is not None]
     return {
         "tree": str(tree),
         "tok_s": r["decode_tok_s"],
+        "steal_share": max(steals) if steals else None,
         "of_bound": r["achieved_of_bound"],
         "cpu_gbps": (r.get("cpu_jobs") or {}).get("gbps"),
         "host_gbps": r["host_gbps"],
@@ -58,19 +67,29 @@ def run_once(tree: Path, cache: Path, flags: list[str], log: Path) -> dict:
     }
 
 
-def summary(runs: list[dict], a: str, b: str) -> dict:
-    """Each tree's mean tok/s and share of the bound, and the pairs' B / A tok/s ratios (pairs
-    with a failed run left out)."""
+def summary(runs: list[dict], a: str, b: str, max_steal: float = 0.02) -> dict:
+    """Each tree's mean tok/s, share of the bound and periods by plan over its runs, and the
+    pairs' B / A tok/s ratios. Runs that failed, or ran on a host that took more than `max_steal`
+    of the CPUs' time, are left out of all of them, and the ratios leave out the pairs that hold
+    one (those on a disturbed host are counted as disturbed_pairs)."""
+
+    def disturbed(r: dict) -> bool:
+        return (r.get("steal_share") or 0.0) > max_steal
+
+    pairs = zip(runs[0::2], runs[1::2], strict=False)
+    ran = [(ra, rb) for ra, rb in pairs if "error" not in ra | rb]
+    kept = [(ra, rb) for ra, rb in ran if not (disturbed(ra) or disturbed(rb))]
+    counted = [r for r in runs if "error" not in r and not disturbed(r)]
     out: dict = {}
     for name, tree in (("a", a), ("b", b)):
-        ok = [r for r in runs if r["tree"] == tree and "error" not in r]
+        ok = [r for r in counted if r["tree"] == tree]
         out[name] = {
             "tree": tree, "runs": len(ok),
             "tok_s": statistics.mean(r["tok_s"] for r in ok) if ok else None,
             "of_bound": statistics.mean(r["of_bound"] for r in ok) if ok else None,
         }  # fmt: skip
-    pairs = zip(runs[0::2], runs[1::2], strict=False)
-    ratios = [rb["tok_s"] / ra["tok_s"] for ra, rb in pairs if "error" not in ra | rb]
+    ratios = [rb["tok_s"] / ra["tok_s"] for ra, rb in kept]
+    out["disturbed_pairs"] = len(ran) - len(kept)
     out["b_over_a"] = (
         {
             "mean": statistics.mean(ratios),
@@ -81,7 +100,7 @@ def summary(runs: list[dict], a: str, b: str) -> dict:
         if ratios
         else None
     )
-    out["periods_us"] = _periods(runs, a, b)
+    out["periods_us"] = _periods(counted, a, b)
     return out
 
 
@@ -109,12 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("b", type=Path, help="the tree compared with it")
     parser.add_argument("--pairs", type=int, default=3, help="pairs of runs (default 3)")
     parser.add_argument("--out", type=Path, default=Path("ab_decode"), help="logs go here")
+    parser.add_argument(
+        "--max-steal", type=float, default=0.02,
+        help="leave out pairs with a run whose stolen CPU share exceeds this (default 0.02)",
+    )  # fmt: skip
     argv = sys.argv[1:] if argv is None else argv
     # bench decode's flags follow "--": this script's own come before it
     cut = argv.index("--") if "--" in argv else len(argv)
     args, flags = parser.parse_args(argv[:cut]), argv[cut + 1 :]
     if args.pairs < 1:
         parser.error("--pairs must be 1 or more")
+    if not 0 <= args.max_steal <= 1:
+        parser.error("--max-steal is a share of the CPUs' time, from 0 to 1")
     a, b = args.a.resolve(), args.b.resolve()
     for tree in (a, b):
         if not (tree / "pyproject.toml").is_file():
@@ -127,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_once(tree, cache, flags, args.out / f"{name}{i + 1}.log")
             runs.append(result)
             print(json.dumps({"run": f"{name}{i + 1}", **result}), flush=True)
-    print(json.dumps(summary(runs, str(a), str(b))))
+    print(json.dumps(summary(runs, str(a), str(b), args.max_steal)))
     return 0
 
 

@@ -148,7 +148,48 @@ def test_ab_decode_compares_runs_pair_by_pair():
         "0+0": {"a": 150.0, "b": 110.0, "b_minus_a": -40.0},
         "0+2s": {"a": 238.0, "b": 222.0, "b_minus_a": -16.0},
     }
+    assert out["disturbed_pairs"] == 0
     assert _ab_decode().summary([runs[2]], "A", "B")["b_over_a"] is None
+
+
+def test_ab_decode_leaves_out_runs_on_a_host_that_took_the_cpus():
+    def run(tree: str, tok_s: float, steal: float | None, periods: dict) -> dict:
+        return {"tree": tree, "tok_s": tok_s, "of_bound": tok_s / 400, "steal_share": steal,
+                "periods_us": periods}  # fmt: skip
+
+    runs = [
+        run("A", 300.0, 0.004, {"0+2s": 230.0}), run("B", 330.0, 0.002, {"0+2s": 210.0}),
+        run("A", 320.0, 0.003, {"0+2s": 220.0}), run("B", 140.0, 0.085, {"0+2s": 400.0}),
+        run("A", 95.0, 0.097, {"0+2s": 540.0}), run("B", 340.0, None, {"0+2s": 200.0}),
+    ]  # fmt: skip
+    out = _ab_decode().summary(runs, "A", "B")
+    assert out["disturbed_pairs"] == 2
+    assert out["b_over_a"] == {"mean": 1.1, "min": 1.1, "max": 1.1, "pairs": 1}
+    # the disturbed runs are out of their trees' means and periods, their partners are in
+    assert out["a"] == {"tree": "A", "runs": 2, "tok_s": 310.0, "of_bound": 310.0 / 400}
+    assert out["b"]["runs"] == 2 and out["b"]["tok_s"] == 335.0
+    assert out["periods_us"] == {"0+2s": {"a": 225.0, "b": 205.0, "b_minus_a": -20.0}}
+    # a looser screen keeps them all
+    loose = _ab_decode().summary(runs, "A", "B", max_steal=0.1)
+    assert loose["disturbed_pairs"] == 0 and loose["b_over_a"]["pairs"] == 3
+
+
+def test_ab_decode_takes_the_worst_steal_of_a_process_runs(tmp_path, monkeypatch):
+    module = _ab_decode()
+    result = {
+        "decode_tok_s": 300.0, "achieved_of_bound": 0.7, "host_gbps": 99.0,
+        "host_disturbance": {"steal_share": 0.001},
+        "runs": [{"host_disturbance": {"steal_share": 0.001}},
+                 {"host_disturbance": {"steal_share": 0.06}}],
+    }  # fmt: skip
+
+    def fake_run(cmd, **kwargs):
+        out = json.dumps(result) if "bench" in cmd else ""
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    r = module.run_once(tmp_path, tmp_path / "cache", ["--preset", "tiny"], tmp_path / "a1.log")
+    assert r["steal_share"] == 0.06 and r["tok_s"] == 300.0
 
 
 def test_ab_decode_refuses_a_folder_that_is_no_source_tree(tmp_path):
