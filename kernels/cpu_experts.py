@@ -313,6 +313,7 @@ class CpuExpertRunner:
         done_flag: torch.Tensor | None = None,
         done_value: int = 0,
         check: bool = True,
+        own_rounds: int = 0,
     ) -> CpuExpertJob:
         """Queues one call (see cpu_experts_ref) and returns at once.
 
@@ -323,7 +324,11 @@ class CpuExpertRunner:
         kernels/host_handoff.py). check=False skips checking devices, dtypes, layouts and shapes,
         for a caller whose tensors are right by construction (the engine's decode steps, where
         the checks cost a tenth of the host's time per layer); the native kernel still checks
-        every pair's expert and token.
+        every pair's expert and token. own_rounds: the job's first rounds of gate/up blocks
+        belong to the pool's workers, one each a round (block w + r * threads to worker w, which
+        runs its own first; those an owner has not taken by the time the rest are handed out go
+        to whoever comes): a worker that fetched its blocks' weights while it waited reads them
+        from its own cache (`jobs_profile`'s `fetch_own`). The output is the same bit for bit.
         """
         if self._closed:
             raise RuntimeError("this CpuExpertRunner is closed")
@@ -369,6 +374,7 @@ class CpuExpertRunner:
             pair_expert.numel(),
             0 if done_flag is None else done_flag.data_ptr(),
             done_value,
+            int(own_rounds),
         )
         keep = (x, w13, w2, out) if done_flag is None else (x, w13, w2, out, done_flag)
         return CpuExpertJob(out, job=job, keep=keep)
@@ -463,12 +469,24 @@ class CpuExpertRunner:
         return self.jobs_profile(w13, w2, k, iterations)["gbps"]
 
     def jobs_profile(
-        self, w13: torch.Tensor, w2: torch.Tensor, k: int, iterations: int
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        k: int,
+        iterations: int,
+        *,
+        gap_us: float = 0.0,
+        own_rounds: int = 0,
+        fetch_own: bool = False,
     ) -> dict[str, float]:
         """`jobs_gbps`'s jobs, with where a job's run went, means in µs: `run_us` from its first
         task to its last, `phase1_us` from its first task to the end of its gate/up rows (the
         down projection needs them all), `wait_us` what its tasks waited for those rows, per
-        worker (`CpuExpertJob.phase_seconds`); and `gbps`."""
+        worker (`CpuExpertJob.phase_seconds`); and `gbps` (of the whole time, gaps included).
+        gap_us: the caller spins that long before queueing each job, as offloaded decode leaves
+        the workers idle between two layers' jobs. own_rounds: each job's first rounds of gate/up
+        blocks belong to the workers (`submit`); fetch_own: each worker is told of its own
+        blocks' weights when the gap begins, and fetches them into its cache while it waits."""
         if self._module is None:
             raise RuntimeError("jobs_profile times the native kernel; this runner uses torch")
         num_experts, two_inter, hidden = w13.shape
@@ -478,7 +496,8 @@ class CpuExpertRunner:
             raise ValueError("the bank must be contiguous bf16, fp16 or fp32")
         seconds, run_s, phase1_s, wait_s = self._module.time_expert_jobs(
             self._pool, _SIMD_CODES[self.simd], _WEIGHT_CODES[w13.dtype], w13.data_ptr(),
-            w2.data_ptr(), num_experts, hidden, two_inter // 2, k, iterations,
+            w2.data_ptr(), num_experts, hidden, two_inter // 2, k, iterations, float(gap_us),
+            int(own_rounds), bool(fetch_own),
         )  # fmt: skip
         per_job = 1e6 / iterations
         return {

@@ -1,7 +1,8 @@
 """CPU expert kernel benchmark: weight GB/s of the native kernel and of torch, against the host's
 memory read rate measured by the same threads.
 
-Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--task-kb 48,96] [--json]
+Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--task-kb 48,96]
+       [--gap-us 30 --own-rounds 0,2] [--json]
 (docs/cpu-experts.md)
 """
 
@@ -48,14 +49,24 @@ def _expert_gbps(
 
 
 def _native_profile(
-    runner: CpuExpertRunner, w13: torch.Tensor, w2: torch.Tensor, k: int, min_s: float
+    runner: CpuExpertRunner,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    k: int,
+    min_s: float,
+    gap_us: float = 0.0,
+    own_rounds: int = 0,
 ) -> dict[str, float]:
-    """Weight GB/s of one-token jobs of k experts queued back to back in native code, as decode
-    queues them, for about min_s seconds, with where a job's run went
+    """Weight GB/s of one-token jobs of k experts queued in native code as decode queues them
+    (gap_us apart; with own_rounds, the workers own and fetch their first rounds of blocks in
+    the gap), for about min_s seconds, with where a job's run went
     (`CpuExpertRunner.jobs_profile`)."""
     probe = runner.jobs_gbps(w13, w2, k, 10)
     step_bytes = k * (w13[0].nbytes + w2[0].nbytes)
-    return runner.jobs_profile(w13, w2, k, max(10, int(min_s * probe * 1e9 / step_bytes)))
+    iterations = max(10, int(min_s / (step_bytes / (probe * 1e9) + gap_us * 1e-6)))
+    return runner.jobs_profile(
+        w13, w2, k, iterations, gap_us=gap_us, own_rounds=own_rounds, fetch_own=own_rounds > 0
+    )
 
 
 def bench(
@@ -67,10 +78,13 @@ def bench(
     read_bytes: int,
     say: Callable[[str], None],
     task_kbs: Sequence[int] = (DEFAULT_TASK_KB,),
+    gap_us: float = 0.0,
+    own_rounds: Sequence[int] = (0,),
 ) -> dict:
-    """Per thread count and task size: host read rate, native and torch expert weight rates, in
-    GB/s. The native jobs are timed in native code (no Python between them, as in decode), the
-    torch ones through Python, one step at a time.
+    """Per thread count, task size and owned rounds: host read rate, native and torch expert
+    weight rates, in GB/s. The native jobs are timed in native code (no Python between them, as
+    in decode; gap_us apart, the workers owning and fetching their first own_rounds rounds of
+    gate/up blocks in the gap), the torch ones through Python, one step at a time.
 
     shape: (hidden, intermediate, experts in the bank), bf16. The host read rate is measured before
     and after the expert runs and the higher one kept, so that a busy machine lowers the share
@@ -86,14 +100,16 @@ def bench(
     for n in threads:
         with CpuExpertRunner(n, "torch") as ref:
             torch_rates = {k: _expert_gbps(ref, w13, w2, k, min_s) for k in experts}
-        for kb in task_kbs:
+        for kb, own in ((kb, own) for kb in task_kbs for own in own_rounds):
             with CpuExpertRunner(n, "native", simd, task_kb=kb) as native:
                 read_before_gbps = native.read_gbps(read_bytes)
-                profiles = {k: _native_profile(native, w13, w2, k, min_s) for k in experts}
+                profiles = {
+                    k: _native_profile(native, w13, w2, k, min_s, gap_us, own) for k in experts
+                }
                 host_gbps = max(read_before_gbps, native.read_gbps(read_bytes))
                 simd_used = native.simd
-            row = {"threads": n, "task_kb": kb, "simd": simd_used, "host_read_gbps": host_gbps,
-                   "experts": {}}  # fmt: skip
+            row = {"threads": n, "task_kb": kb, "gap_us": gap_us, "own_rounds": own,
+                   "simd": simd_used, "host_read_gbps": host_gbps, "experts": {}}  # fmt: skip
             for k, prof in profiles.items():
                 share = prof["gbps"] / host_gbps
                 row["experts"][k] = {
@@ -106,7 +122,7 @@ def bench(
                     "wait_us": prof["wait_us"],
                 }
                 say(
-                    f"{n:>7} {kb:>7} {host_gbps:>14.1f} {k:>7} {prof['gbps']:>11.1f} "
+                    f"{n:>7} {kb:>7} {own:>4} {host_gbps:>14.1f} {k:>7} {prof['gbps']:>11.1f} "
                     f"{torch_rates[k]:>10.1f} {share:>11.0%} {prof['run_us']:>7.1f} "
                     f"{prof['phase1_us']:>9.1f} {prof['wait_us']:>7.1f}"
                 )
@@ -129,9 +145,9 @@ def _cpu_name() -> str:
     return found.group(1) if found else platform.processor() or platform.machine()
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, minimum: int = 1) -> list[int]:
     values = [int(v) for v in text.split(",")]
-    if not values or min(values) < 1:
+    if not values or min(values) < minimum:
         raise ValueError(text)
     return values
 
@@ -150,6 +166,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--task-kb", default=str(DEFAULT_TASK_KB), help="comma-separated native task sizes, KiB"
     )
+    parser.add_argument(
+        "--gap-us", type=float, default=0.0,
+        help="the workers' idle time before each native job, µs (decode's: ~30)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--own-rounds", default="0",
+        help="comma-separated rounds of gate/up blocks the workers own and fetch in the gap",
+    )  # fmt: skip
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time per measurement")
     parser.add_argument("--read-mib", type=int, default=1024, help="buffer of the host read test")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -157,26 +181,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         threads, experts = _int_list(args.threads), _int_list(args.experts)
         task_kbs = _int_list(args.task_kb)
+        own_rounds = _int_list(args.own_rounds, minimum=0)
     except ValueError:
         parser.error(
-            "--threads, --experts and --task-kb take positive comma-separated integers, e.g. 1,2,4"
+            "--threads, --experts and --task-kb take positive comma-separated integers, e.g. "
+            "1,2,4; --own-rounds integers of 0 or more"
         )
+    if args.gap_us < 0:
+        parser.error("--gap-us must be 0 or more")
     if max(experts) > args.num_experts:
         parser.error("--experts cannot exceed --num-experts")
     say = (lambda _: None) if args.json else print
     say(
         f"{_cpu_name()}, {os.cpu_count()} logical CPUs; experts H={args.hidden} "
-        f"I={args.intermediate} bf16, 1 token, bank of {args.num_experts}"
+        f"I={args.intermediate} bf16, 1 token, bank of {args.num_experts}; native jobs "
+        f"{args.gap_us:g} µs apart"
     )
     say(
-        f"{'threads':>7} {'task KiB':>7} {'host read GB/s':>14} {'experts':>7} {'native GB/s':>11} "
+        f"{'threads':>7} {'task KiB':>7} {'own':>4} {'host read GB/s':>14} {'experts':>7} "
+        f"{'native GB/s':>11} "
         f"{'torch GB/s':>10} {'native/host':>11} {'run µs':>7} {'gate/up µs':>9} {'wait µs':>7}"
     )
     shape = (args.hidden, args.intermediate, args.num_experts)
     try:
         result = bench(
             threads, experts, shape, args.simd, args.min_seconds, args.read_mib << 20, say,
-            task_kbs,
+            task_kbs, args.gap_us, own_rounds,
         )  # fmt: skip
     except (NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -84,15 +84,23 @@ double read_sum(Pool& pool, uintptr_t data, int64_t n) {
 }
 
 // `iterations` one-token jobs of k experts each, queued one after another on the pool as decode
-// queues them (nothing in between), taking the bank's E experts in a scattered turn so that the
-// weights come from memory: (seconds in all; the jobs' runs, their first phases and their waits
-// for them (Job::phase_seconds), each summed over the jobs). Blocks with the GIL released.
+// queues them, taking the bank's E experts in a scattered turn so that the weights come from
+// memory: (seconds in all; the jobs' runs, their first phases and their waits for them
+// (Job::phase_seconds), each summed over the jobs). With gap_us the caller spins that long
+// before queueing each job (offloaded decode leaves the workers idle between two layers' jobs);
+// with own_rounds each job's first rounds of gate/up blocks belong to the workers, and with
+// fetch_own each worker is told of its blocks' weights when the gap begins (ExpertJobShell::
+// own_gate_up). Blocks with the GIL released.
 std::tuple<double, double, double, double> time_expert_jobs(Pool& pool, int simd, int weight_type,
                                                             uintptr_t w13, uintptr_t w2, int64_t E,
                                                             int64_t H, int64_t I, int64_t k,
-                                                            int64_t iterations) {
+                                                            int64_t iterations, double gap_us,
+                                                            int64_t own_rounds, bool fetch_own) {
   if (k < 1 || k > E || iterations < 1) {
     throw std::invalid_argument("need 1 <= k <= experts and at least one iteration");
+  }
+  if (gap_us < 0 || own_rounds < 0) {
+    throw std::invalid_argument("gap_us and own_rounds must be 0 or more");
   }
   std::vector<float> x(H, 0.01f), out(H);
   std::vector<int32_t> pair_expert(k), pair_token(k, 0);
@@ -109,6 +117,12 @@ std::tuple<double, double, double, double> time_expert_jobs(Pool& pool, int simd
     for (int64_t j = 0; j < k; ++j) pair_expert[j] = int32_t((it * k + j) * stride % E);
     auto job = make_job(pool, simd, weight_type, p, pair_expert.data(), pair_token.data(),
                         pair_weight.data(), k);
+    if (own_rounds > 0) job->own_gate_up(pool, own_rounds, fetch_own);
+    if (gap_us > 0) {
+      const auto until = std::chrono::steady_clock::now() +
+                         std::chrono::nanoseconds(int64_t(gap_us * 1e3));
+      spin_until([&] { return std::chrono::steady_clock::now() >= until; });
+    }
     pool.push(job);
     job->wait();
     run_s += job->seconds().second;

@@ -122,6 +122,11 @@ class ExpertJobShell : public Job {
   virtual void assign(const ExpertProblem& p, const int32_t* pe, const int32_t* pt,
                       const float* pw, int64_t J) = 0;
   virtual int64_t capacity() const = 0;
+  // After assign, before the job is queued: its first `rounds` rounds of gate/up blocks belong to
+  // the pool's workers (Job::set_owned: block w + r * threads to worker w), and, with `fetch`, the
+  // pool is told which weights each worker's blocks read (Pool::hint), for its idle workers to
+  // fetch into their caches while they wait for the job. Returns the blocks owned.
+  virtual int64_t own_gate_up(Pool& pool, int64_t rounds, bool fetch) = 0;
 };
 
 template <class B, class WT>
@@ -142,6 +147,35 @@ class ExpertJob final : public ExpertJobShell {
   }
 
   int64_t capacity() const override { return capacity_; }
+
+  int64_t own_gate_up(Pool& pool, int64_t rounds, bool fetch) override {
+    const int64_t owned = std::min(std::max<int64_t>(0, rounds) * threads_, blocks1_.count);
+    set_owned(owned);
+    if (!fetch || owned == 0) return owned;
+    // a block spans at most kGroupsPerBlock groups' rows here (more only where experts have
+    // fewer rows than a block: their first ones are fetched)
+    constexpr int kGroupsPerBlock = 2;
+    const int per = int(2 * kGroupsPerBlock * rounds);
+    if (per * threads_ > Pool::kMaxHintRanges) return owned;
+    hint_.assign(size_t(per * threads_), {nullptr, 0});
+    const int64_t row = p_.H * int64_t(sizeof(WT));
+    for (int64_t b = 0; b < owned; ++b) {
+      auto* out = hint_.data() + (b % threads_) * per + (b / threads_) * 2 * kGroupsPerBlock;
+      const int64_t b0 = blocks1_.at(b), b1 = blocks1_.at(b + 1);
+      int n = 0;
+      for (int64_t g = group_of(b0); g + 1 < int64_t(group_rows_.size()) &&
+                                     group_rows_[g] < b1 && n < 2 * kGroupsPerBlock; ++g) {
+        const int64_t from = std::max(b0, group_rows_[g]), to = std::min(b1, group_rows_[g + 1]);
+        const int64_t first = first_row(g) - group_rows_[g];
+        const auto* gate = static_cast<const char*>(p_.w13) +
+                           (int64_t(group_expert_[g]) * 2 * p_.I + first + from) * row;
+        out[n++] = {gate, (to - from) * row};
+        out[n++] = {gate + p_.I * row, (to - from) * row};
+      }
+    }
+    pool.hint(hint_.data(), int(hint_.size()), per);
+    return owned;
+  }
 
   void assign(const ExpertProblem& p, const int32_t* pe, const int32_t* pt, const float* pw,
               int64_t J) override {
@@ -208,9 +242,8 @@ class ExpertJob final : public ExpertJobShell {
     }
     // the block's rows [b0, b1) of the groups' rows one after the other, group by group
     const int64_t b0 = blocks1_.at(i), b1 = blocks1_.at(i + 1);
-    auto g = int64_t(std::upper_bound(group_rows_.begin(), group_rows_.end(), b0) -
-                     group_rows_.begin()) - 1;
-    for (; g + 1 < int64_t(group_rows_.size()) && group_rows_[g] < b1; ++g) {
+    for (int64_t g = group_of(b0); g + 1 < int64_t(group_rows_.size()) && group_rows_[g] < b1;
+         ++g) {
       const int64_t from = std::max(b0, group_rows_[g]), to = std::min(b1, group_rows_[g + 1]);
       if (from >= to) continue;
       const int64_t first = first_row(g) - group_rows_[g];
@@ -223,6 +256,12 @@ class ExpertJob final : public ExpertJobShell {
   }
 
  private:
+  // The group whose phase-1 rows hold row r of the groups' rows one after the other.
+  int64_t group_of(int64_t r) const {
+    return int64_t(std::upper_bound(group_rows_.begin(), group_rows_.end(), r) -
+                   group_rows_.begin()) - 1;
+  }
+
   // h[j, r_begin:r_end] = silu(gate[r] . x[t_j]) * (up[r] . x[t_j]) for every pair j of group g.
   void gate_up(int64_t g, int64_t r_begin, int64_t r_end) {
     const int64_t H = p_.H, I = p_.I;
@@ -350,7 +389,7 @@ class ExpertJob final : public ExpertJobShell {
   // projection (len elements each, I apart) are fetched into the cache: they do not depend on h,
   // and a worker that only waited here left the memory idle (in decode on the H200's host the
   // workers waited 2-6 us a job on average, docs/cpu-experts.md).
-  void wait_group(int64_t g, const WT* rows = nullptr, int64_t n = 0, int64_t len = 0) const {
+  void wait_group(int64_t g, const WT* rows = nullptr, int64_t n = 0, int64_t len = 0) {
     const int64_t group_rows = group_rows_[g + 1] - group_rows_[g];
     auto ready = [&] {
       return group_done_[g].value.load(std::memory_order_acquire) == group_rows;
@@ -361,7 +400,8 @@ class ExpertJob final : public ExpertJobShell {
     for (int64_t i = 0; i < n && !ready(); ++i) {
       for (int64_t l = 0; l < len; l += kLine) prefetch(rows + i * p_.I + l);
     }
-    spin_until(ready);
+    // an owned block whose owner has not come yet is run here rather than waited for
+    spin_until(ready, std::chrono::nanoseconds::max(), [this] { return run_unowned(); });
     const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0);
     wait_ns_.fetch_add(waited.count(), std::memory_order_relaxed);
   }
@@ -385,6 +425,7 @@ class ExpertJob final : public ExpertJobShell {
   TaperedBlocks blocks1_;  // of the groups' phase-1 rows, one group after the other
   TaperedBlocks blocks2_;  // of the output rows
   std::unique_ptr<Counter[]> group_done_;  // phase-1 rows done, per group
+  std::vector<std::pair<const void*, int64_t>> hint_;  // own_gate_up's, kept for the pool
   bool one_token_each_ = true;             // every group (expert) has one pair
   // phase_seconds: phase-1 blocks not ended yet, when the last ended, the waits for them
   alignas(64) std::atomic<int64_t> phase1_left_{0};
@@ -430,8 +471,9 @@ std::shared_ptr<ExpertJobShell> make_shell(const Pool& pool, int simd, int weigh
 }
 
 // Checks every pair's expert and token, groups the pairs by expert and makes the job (not queued).
-std::shared_ptr<Job> make_job(const Pool& pool, int simd, int weight_type, const ExpertProblem& p,
-                              const int32_t* pe, const int32_t* pt, const float* pw, int64_t J) {
+std::shared_ptr<ExpertJobShell> make_job(const Pool& pool, int simd, int weight_type,
+                                         const ExpertProblem& p, const int32_t* pe,
+                                         const int32_t* pt, const float* pw, int64_t J) {
   for (int64_t j = 0; j < J; ++j) {
     if ((pe[j] >= 0 && pe[j] < p.E) && (pt[j] >= 0 && pt[j] < p.T)) continue;
     const std::string at = "[" + std::to_string(j) + "] = ";
@@ -455,7 +497,7 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
                                     uintptr_t out, uintptr_t w13, uintptr_t w2, int64_t T,
                                     int64_t H, int64_t I, int64_t E, uintptr_t pair_expert,
                                     uintptr_t pair_token, uintptr_t pair_weight, int64_t J,
-                                    uintptr_t done_flag, int64_t done_value) {
+                                    uintptr_t done_flag, int64_t done_value, int64_t own_rounds) {
   const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
                         reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
                         T, H, I, E};
@@ -463,6 +505,7 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
                       reinterpret_cast<const int32_t*>(pair_token),
                       reinterpret_cast<const float*>(pair_weight), J);
   job->set_done_flag(reinterpret_cast<int64_t*>(done_flag), done_value);
+  if (own_rounds > 0) job->own_gate_up(pool, own_rounds, false);
   if (J != 0) pool.push(job);
   return job;
 }

@@ -36,13 +36,19 @@ inline void cpu_relax() {
 // Waits for ready() without sleeping: short bursts of pause instructions between yields of the
 // core, so that on an oversubscribed machine (CI, a busy desktop) the thread being waited for gets
 // to run; gives up after `limit` (the caller then sleeps on a condition variable).
-template <class Ready>
-bool spin_until(Ready ready, std::chrono::nanoseconds limit = std::chrono::nanoseconds::max()) {
+// `idle`, where given, is called between polls instead of a pause and says whether it did some
+// work (a worker fetching its share of a hint, a task running an owned task nobody has taken).
+struct NoIdleWork {
+  bool operator()() const { return false; }
+};
+template <class Ready, class Idle = NoIdleWork>
+bool spin_until(Ready ready, std::chrono::nanoseconds limit = std::chrono::nanoseconds::max(),
+                Idle idle = {}) {
   const auto start = std::chrono::steady_clock::now();
   while (true) {
     for (int i = 0; i < 32; ++i) {
       if (ready()) return true;
-      cpu_relax();
+      if (!idle()) cpu_relax();
     }
     if (std::chrono::steady_clock::now() - start > limit) return false;
     std::this_thread::yield();
@@ -73,10 +79,12 @@ class Job {
   virtual ~Job() = default;
 
   // Claims and runs tasks until none is left; returns when this job has nothing more to hand out.
-  // A pool worker's tasks are timed (worker_seconds).
-  void work() {
+  // Pool worker `worker` of `workers` first runs its own tasks (set_owned), then claims the
+  // others in order, then any owned task that no owner has taken. A pool worker's tasks are timed
+  // (worker_seconds).
+  void work(int worker = -1, int workers = 1) {
     bool first = true;
-    for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < num_tasks_;) {
+    auto run = [&](int64_t i) {
       const Clock::time_point t0 = Clock::now();
       if (first) {
         const int64_t since = ns(t0 - queued_at_);
@@ -86,7 +94,27 @@ class Job {
         first = false;
       }
       run_claimed(i, t0, true);
+    };
+    if (worker >= 0) {
+      for (int64_t t = worker; t < owned_; t += workers) {
+        if (claim_owned(t)) run(t);
+      }
     }
+    for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < num_tasks_;) run(i);
+    for (int64_t t = 0; t < owned_; ++t) {
+      if (claim_owned(t)) run(t);
+    }
+  }
+  // Tasks [0, n) belong to the pool's workers, task t to worker t % workers, before the job is
+  // queued: a worker that fetched its tasks' weights into its own cache while it waited for the
+  // job (Pool::hint) reads them from there. The others claim tasks from n on; an owned task that
+  // no owner has taken once they are all handed out goes to whoever comes first.
+  void set_owned(int64_t n) {
+    n = std::clamp<int64_t>(n, 0, num_tasks_);
+    owned_claims_.reset(new std::atomic<bool>[size_t(std::max<int64_t>(1, n))]);
+    for (int64_t t = 0; t < n; ++t) owned_claims_[t].store(false, std::memory_order_relaxed);
+    owned_ = n;
+    next_.store(n, std::memory_order_relaxed);
   }
   // Claims and runs tasks while more than `keep` are left to hand out: a thread that is not one
   // of the pool's helps with a job, leaving its last tasks to the workers (it may have other work
@@ -101,7 +129,11 @@ class Job {
   bool done() const { return done_.load(std::memory_order_acquire); }
   // Tasks not handed out yet.
   int64_t unclaimed() const {
-    return std::max<int64_t>(0, num_tasks_ - next_.load(std::memory_order_relaxed));
+    int64_t owned_left = 0;
+    for (int64_t t = 0; t < owned_; ++t) {
+      owned_left += owned_claims_[t].load(std::memory_order_relaxed) ? 0 : 1;
+    }
+    return std::max<int64_t>(0, num_tasks_ - next_.load(std::memory_order_relaxed)) + owned_left;
   }
 
   void mark_queued() { queued_at_ = Clock::now(); }
@@ -146,6 +178,18 @@ class Job {
   }
 
  protected:
+  // Runs one owned task that no owner has taken yet, if there is one, and says whether it did: a
+  // task that waits for earlier ones calls it, so that an owner late to the job (still in the
+  // job before, or asleep) never holds the job up. Untimed: the caller's task counts it.
+  bool run_unowned() {
+    for (int64_t t = 0; t < owned_; ++t) {
+      if (claim_owned(t)) {
+        run_claimed(t, Clock::now(), false);
+        return true;
+      }
+    }
+    return false;
+  }
   void set_num_tasks(int64_t n) {
     num_tasks_ = n;
     if (n == 0) done_.store(true, std::memory_order_release);
@@ -157,8 +201,16 @@ class Job {
  private:
   // Runs task i, claimed at t0; timed: a pool worker's, added to busy_ns_ (before the task
   // counts as finished, so that a finished job's sum is whole).
+  bool claim_owned(int64_t t) {
+    return !owned_claims_[t].load(std::memory_order_relaxed) &&
+           !owned_claims_[t].exchange(true, std::memory_order_acq_rel);
+  }
   void run_claimed(int64_t i, Clock::time_point t0, bool timed) {
-    if (i == 0) started_ = t0;
+    // the first task to start times the run (with owned tasks, task 0 need not be it)
+    if (!started_once_.load(std::memory_order_relaxed) &&
+        !started_once_.exchange(true, std::memory_order_relaxed)) {
+      started_ = t0;
+    }
     run_task(i);
     if (timed) busy_ns_.fetch_add(ns(Clock::now() - t0), std::memory_order_relaxed);
     if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_tasks_) signal_done();
@@ -185,6 +237,9 @@ class Job {
   int64_t num_tasks_ = 0;
   int64_t* done_flag_ = nullptr;  // set before the job is queued
   int64_t done_value_ = 0;
+  int64_t owned_ = 0;  // tasks [0, owned_) belong to the workers (set_owned)
+  std::unique_ptr<std::atomic<bool>[]> owned_claims_;
+  std::atomic<bool> started_once_{false};
   alignas(64) std::atomic<int64_t> next_{0};
   alignas(64) std::atomic<int64_t> finished_{0};
   alignas(64) std::atomic<bool> done_{false};
@@ -247,6 +302,30 @@ class Pool {
   }
   // The weight bytes each task of the expert jobs on this pool aims at.
   int64_t task_bytes() const { return task_bytes_; }
+
+  // Memory that each worker will read in a job still to come (its owned tasks, Job::set_owned):
+  // ranges [w * per_worker, (w + 1) * per_worker) of `ranges` are worker w's, (address, bytes)
+  // each, at most kMaxHintRanges in all. A worker that spins for a job fetches its ranges into its
+  // L2 meanwhile, kHintStep bytes between two polls, and stops at the next job. A new hint
+  // replaces the last. Only prefetches are issued: a hint that names the wrong memory costs
+  // bandwidth, never a result. One thread at a time may give hints.
+  void hint(const std::pair<const void*, int64_t>* ranges, int n, int per_worker) {
+    n = std::clamp(n, 0, kMaxHintRanges);
+    // a seqlock: odd while written, so that a worker never starts on a half-written hint
+    const uint64_t v = hint_version_.load(std::memory_order_relaxed);
+    hint_version_.store(v + 1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    for (int i = 0; i < n; ++i) {
+      hint_ranges_[i].address.store(reinterpret_cast<uintptr_t>(ranges[i].first),
+                                    std::memory_order_relaxed);
+      hint_ranges_[i].bytes.store(ranges[i].second, std::memory_order_relaxed);
+    }
+    hint_count_.store(n, std::memory_order_relaxed);
+    hint_per_worker_.store(std::max(0, per_worker), std::memory_order_relaxed);
+    hint_version_.store(v + 2, std::memory_order_release);
+  }
+  static constexpr int kMaxHintRanges = 256;
+  static constexpr int64_t kHintStep = 1024;
 
   void push(std::shared_ptr<Job> job) {
     if (job->done()) return;
@@ -311,16 +390,51 @@ class Pool {
 #endif
   }
 
+  // A worker's place in the hint: the version it works on, its next range and the offset in it.
+  struct HintCursor {
+    uint64_t version = 0;
+    int range = 0, end = 0;  // its ranges still to fetch: [range, end)
+    int64_t at = 0;
+  };
+
+  // One step of worker `index`'s share of the hint (kHintStep bytes into L2); says whether it
+  // fetched anything. A new hint restarts the share.
+  bool prefetch_hinted(int index, HintCursor& c) {
+    const uint64_t v = hint_version_.load(std::memory_order_acquire);
+    if (v != c.version) {
+      if (v & 1) return false;  // being written
+      const int per = hint_per_worker_.load(std::memory_order_relaxed);
+      c.version = v;
+      c.range = index * per;
+      c.end = std::min(hint_count_.load(std::memory_order_relaxed), c.range + per);
+      c.at = 0;
+    }
+    if (c.range >= c.end) return false;
+    // a hint rewritten meanwhile may be read torn here: a wrong address is only a wasted
+    // prefetch, and the next call starts on the new version
+    const int64_t bytes = hint_ranges_[c.range].bytes.load(std::memory_order_relaxed);
+    const uintptr_t address = hint_ranges_[c.range].address.load(std::memory_order_relaxed);
+    const auto* base = reinterpret_cast<const char*>(address);
+    const int64_t to = std::min(bytes, c.at + kHintStep);
+    for (int64_t o = c.at; o < to; o += 64) prefetch(base + o);
+    c.at = to;
+    if (c.at >= bytes) {
+      ++c.range;
+      c.at = 0;
+    }
+    return true;
+  }
+
   // The next head word this worker has not worked on (0 once the pool stops with nothing queued):
-  // spins for spin_, then sleeps until a push or close.
-  uint64_t next_head(uint64_t seen) {
+  // spins for spin_ (fetching its share of the hint meanwhile), then sleeps until a push or close.
+  uint64_t next_head(uint64_t seen, int index, HintCursor& cursor) {
     uint64_t word = 0;
     auto fresh = [&] {
       word = head_.load(std::memory_order_acquire);
       return (word != seen && job_of(word) != nullptr) ||
              stopping_.load(std::memory_order_acquire);
     };
-    if (!spin_until(fresh, spin_)) {
+    if (!spin_until(fresh, spin_, [&] { return prefetch_hinted(index, cursor); })) {
       std::unique_lock<std::mutex> lock(mutex_);
       cv_.wait(lock, fresh);
     }
@@ -329,8 +443,10 @@ class Pool {
 
   void worker_loop(int index) {
     Hazard& hazard = hazards_[index];
+    HintCursor cursor;
     for (uint64_t seen = 0;;) {
-      const uint64_t word = next_head(seen);
+      const uint64_t word = next_head(seen, index, cursor);
+      cursor.end = 0;  // a job came: what was hinted for it is its own to read now
       Job* job = job_of(word);
       if (job == nullptr) return;  // stopping, nothing queued
       // The job stays alive while this worker's hazard names it: whoever retires it frees it
@@ -341,7 +457,7 @@ class Pool {
         continue;
       }
       seen = word;
-      job->work();
+      job->work(index, num_threads_);
       retire(word);
       hazard.job.store(nullptr, std::memory_order_release);
     }
@@ -387,6 +503,14 @@ class Pool {
   uint64_t version_ = 0;                       // under mutex_
   alignas(64) std::atomic<uint64_t> head_{0};  // version << kVersionShift | the front job
   alignas(64) std::atomic<bool> stopping_{false};
+  // the hint (hint()): written by one thread, read by the spinning workers
+  struct HintRange {
+    std::atomic<uintptr_t> address{0};
+    std::atomic<int64_t> bytes{0};
+  };
+  alignas(64) std::atomic<uint64_t> hint_version_{0};
+  std::atomic<int> hint_count_{0}, hint_per_worker_{0};
+  HintRange hint_ranges_[kMaxHintRanges];
   // Spinning workers read head_ and stopping_ on every poll: the mutex and the condition variable
   // that push() writes are on lines of their own, so that queueing a job takes their lines from
   // no other core (only head_'s store reaches the spinners).

@@ -648,6 +648,67 @@ def test_bench_rejects_bad_lists(capsys: pytest.CaptureFixture[str]) -> None:
         cpu_experts_bench.main(["--task-kb", "96,-1"])
 
 
+@pytest.mark.parametrize("case", ["decode-8", "decode-3-aligned", "batch-shared"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_owned_blocks_give_the_same_output_bit_for_bit(case: str, threads: int) -> None:
+    """Blocks owned by the workers (own_rounds) are run by their owners or, late, by anyone: the
+    same tasks, each once, so the same output whatever the rounds (more than the job has too)."""
+    gen = torch.Generator().manual_seed(SEED + zlib.crc32(case.encode()))
+    num_experts, hidden, inter, num_tokens, pairs = CASES[case]
+    args = make_inputs(gen, num_experts, hidden, inter, num_tokens, pairs, torch.bfloat16)
+    with CpuExpertRunner(threads, "native", task_kb=1) as runner:
+        plain = runner.run(*args)
+        for rounds in (1, 2, 50):
+            poisoned = torch.full((num_tokens, hidden), float("nan"))
+            owned = runner.submit(*args, out=poisoned, own_rounds=rounds).wait()
+            assert torch.equal(owned, plain), (case, threads, rounds)
+
+
+def test_owned_blocks_end_when_their_owners_are_late() -> None:
+    """A job whose owners are still in the job before (or asleep) ends all the same: its other
+    workers take the owned blocks once the rest are handed out, or while they wait for them."""
+    gen = torch.Generator().manual_seed(SEED)
+    big = make_inputs(gen, 16, 512, 256, 1, [(e, 0) for e in range(16)], torch.bfloat16)
+    small = make_inputs(gen, 4, 256, 96, 1, [(1, 0), (3, 0)], torch.bfloat16)
+    with CpuExpertRunner(3, "native", spin_us=0, task_kb=1) as runner:
+        want_big, want_small = runner.run(*big), runner.run(*small)
+        for _ in range(20):
+            first = runner.submit(*big)
+            second = runner.submit(*small, own_rounds=2)
+            assert torch.equal(second.wait(), want_small)
+            assert torch.equal(first.wait(), want_big)
+
+
+def test_jobs_profile_with_a_gap_and_owned_blocks_fetched() -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    _, w13, w2, *_ = make_inputs(gen, 8, 256, 64, 1, [(0, 0)], torch.bfloat16)
+    with CpuExpertRunner(2, "native", task_kb=4) as runner:
+        plain = runner.jobs_profile(w13, w2, 2, 20)
+        fetched = runner.jobs_profile(w13, w2, 2, 20, gap_us=20, own_rounds=2, fetch_own=True)
+        for profile in (plain, fetched):
+            assert profile["gbps"] > 0 and profile["run_us"] > 0
+            assert 0 < profile["phase1_us"] <= profile["run_us"]
+        # 20 jobs 20 µs apart take at least 400 µs: the gaps are in the rate
+        job_bytes = 2 * (w13[0].nbytes + w2[0].nbytes)
+        assert fetched["gbps"] < 20 * job_bytes / 400e-6 / 1e9
+        with pytest.raises(ValueError, match="gap_us and own_rounds"):
+            runner.jobs_profile(w13, w2, 2, 5, gap_us=-1.0)
+
+
+def test_bench_with_a_gap_and_owned_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--threads", "2", "--experts", "1", "--hidden", "64", "--intermediate", "32"]
+    argv += ["--num-experts", "6", "--min-seconds", "0.01", "--read-mib", "16", "--json"]
+    assert cpu_experts_bench.main([*argv, "--gap-us", "10", "--own-rounds", "0,2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = [(row["gap_us"], row["own_rounds"]) for row in result["results"]]
+    assert rows == [(10.0, 0), (10.0, 2)]
+    assert all(row["experts"]["1"]["native_gbps"] > 0 for row in result["results"])
+    with pytest.raises(SystemExit):
+        cpu_experts_bench.main(["--own-rounds", "-1"])
+    with pytest.raises(SystemExit):
+        cpu_experts_bench.main(["--gap-us", "-5"])
+
+
 def test_unchecked_submit_computes_the_same_and_still_checks_the_pairs() -> None:
     """check=False (the engine's decode path) skips the Python checks, not the native ones."""
     gen = torch.Generator().manual_seed(SEED)
