@@ -156,7 +156,7 @@ class ExpertJob final : public ExpertJobShell {
     // fewer rows than a block: their first ones are fetched)
     constexpr int kGroupsPerBlock = 2;
     const int per = int(2 * kGroupsPerBlock * rounds);
-    if (per * threads_ > Pool::kMaxHintRanges) return owned;
+    if (per * threads_ > PrefetchHint::kMaxRanges) return owned;
     hint_.assign(size_t(per * threads_), {nullptr, 0});
     const int64_t row = p_.H * int64_t(sizeof(WT));
     for (int64_t b = 0; b < owned; ++b) {
@@ -425,7 +425,7 @@ class ExpertJob final : public ExpertJobShell {
   TaperedBlocks blocks1_;  // of the groups' phase-1 rows, one group after the other
   TaperedBlocks blocks2_;  // of the output rows
   std::unique_ptr<Counter[]> group_done_;  // phase-1 rows done, per group
-  std::vector<std::pair<const void*, int64_t>> hint_;  // own_gate_up's, kept for the pool
+  std::vector<std::pair<const void*, int64_t>> hint_;  // own_gate_up's ranges (Pool copies them)
   bool one_token_each_ = true;             // every group (expert) has one pair
   // phase_seconds: phase-1 blocks not ended yet, when the last ended, the waits for them
   alignas(64) std::atomic<int64_t> phase1_left_{0};

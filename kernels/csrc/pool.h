@@ -21,6 +21,7 @@
 #include <sched.h>
 #endif
 
+#include "prefetch_hint.h"
 #include "simd.h"
 
 namespace {
@@ -303,29 +304,12 @@ class Pool {
   // The weight bytes each task of the expert jobs on this pool aims at.
   int64_t task_bytes() const { return task_bytes_; }
 
-  // Memory that each worker will read in a job still to come (its owned tasks, Job::set_owned):
-  // ranges [w * per_worker, (w + 1) * per_worker) of `ranges` are worker w's, (address, bytes)
-  // each, at most kMaxHintRanges in all. A worker that spins for a job fetches its ranges into its
-  // L2 meanwhile, kHintStep bytes between two polls, and stops at the next job. A new hint
-  // replaces the last. Only prefetches are issued: a hint that names the wrong memory costs
-  // bandwidth, never a result. One thread at a time may give hints.
+  // What each worker will read in a job still to come, for it to fetch while it waits
+  // (PrefetchHint::set: ranges [w * per_worker, (w + 1) * per_worker) are worker w's). One
+  // thread at a time may give hints.
   void hint(const std::pair<const void*, int64_t>* ranges, int n, int per_worker) {
-    n = std::clamp(n, 0, kMaxHintRanges);
-    // a seqlock: odd while written, so that a worker never starts on a half-written hint
-    const uint64_t v = hint_version_.load(std::memory_order_relaxed);
-    hint_version_.store(v + 1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_release);
-    for (int i = 0; i < n; ++i) {
-      hint_ranges_[i].address.store(reinterpret_cast<uintptr_t>(ranges[i].first),
-                                    std::memory_order_relaxed);
-      hint_ranges_[i].bytes.store(ranges[i].second, std::memory_order_relaxed);
-    }
-    hint_count_.store(n, std::memory_order_relaxed);
-    hint_per_worker_.store(std::max(0, per_worker), std::memory_order_relaxed);
-    hint_version_.store(v + 2, std::memory_order_release);
+    hint_.set(ranges, n, per_worker);
   }
-  static constexpr int kMaxHintRanges = 256;
-  static constexpr int64_t kHintStep = 1024;
 
   void push(std::shared_ptr<Job> job) {
     if (job->done()) return;
@@ -390,51 +374,16 @@ class Pool {
 #endif
   }
 
-  // A worker's place in the hint: the version it works on, its next range and the offset in it.
-  struct HintCursor {
-    uint64_t version = 0;
-    int range = 0, end = 0;  // its ranges still to fetch: [range, end)
-    int64_t at = 0;
-  };
-
-  // One step of worker `index`'s share of the hint (kHintStep bytes into L2); says whether it
-  // fetched anything. A new hint restarts the share.
-  bool prefetch_hinted(int index, HintCursor& c) {
-    const uint64_t v = hint_version_.load(std::memory_order_acquire);
-    if (v != c.version) {
-      if (v & 1) return false;  // being written
-      const int per = hint_per_worker_.load(std::memory_order_relaxed);
-      c.version = v;
-      c.range = index * per;
-      c.end = std::min(hint_count_.load(std::memory_order_relaxed), c.range + per);
-      c.at = 0;
-    }
-    if (c.range >= c.end) return false;
-    // a hint rewritten meanwhile may be read torn here: a wrong address is only a wasted
-    // prefetch, and the next call starts on the new version
-    const int64_t bytes = hint_ranges_[c.range].bytes.load(std::memory_order_relaxed);
-    const uintptr_t address = hint_ranges_[c.range].address.load(std::memory_order_relaxed);
-    const auto* base = reinterpret_cast<const char*>(address);
-    const int64_t to = std::min(bytes, c.at + kHintStep);
-    for (int64_t o = c.at; o < to; o += 64) prefetch(base + o);
-    c.at = to;
-    if (c.at >= bytes) {
-      ++c.range;
-      c.at = 0;
-    }
-    return true;
-  }
-
   // The next head word this worker has not worked on (0 once the pool stops with nothing queued):
   // spins for spin_ (fetching its share of the hint meanwhile), then sleeps until a push or close.
-  uint64_t next_head(uint64_t seen, int index, HintCursor& cursor) {
+  uint64_t next_head(uint64_t seen, int index, PrefetchHint::Cursor& cursor) {
     uint64_t word = 0;
     auto fresh = [&] {
       word = head_.load(std::memory_order_acquire);
       return (word != seen && job_of(word) != nullptr) ||
              stopping_.load(std::memory_order_acquire);
     };
-    if (!spin_until(fresh, spin_, [&] { return prefetch_hinted(index, cursor); })) {
+    if (!spin_until(fresh, spin_, [&] { return hint_.fetch_some(index, cursor); })) {
       std::unique_lock<std::mutex> lock(mutex_);
       cv_.wait(lock, fresh);
     }
@@ -443,10 +392,10 @@ class Pool {
 
   void worker_loop(int index) {
     Hazard& hazard = hazards_[index];
-    HintCursor cursor;
+    PrefetchHint::Cursor cursor;
     for (uint64_t seen = 0;;) {
       const uint64_t word = next_head(seen, index, cursor);
-      cursor.end = 0;  // a job came: what was hinted for it is its own to read now
+      cursor.stop();  // a job came: what was hinted for it is its own to read now
       Job* job = job_of(word);
       if (job == nullptr) return;  // stopping, nothing queued
       // The job stays alive while this worker's hazard names it: whoever retires it frees it
@@ -503,14 +452,7 @@ class Pool {
   uint64_t version_ = 0;                       // under mutex_
   alignas(64) std::atomic<uint64_t> head_{0};  // version << kVersionShift | the front job
   alignas(64) std::atomic<bool> stopping_{false};
-  // the hint (hint()): written by one thread, read by the spinning workers
-  struct HintRange {
-    std::atomic<uintptr_t> address{0};
-    std::atomic<int64_t> bytes{0};
-  };
-  alignas(64) std::atomic<uint64_t> hint_version_{0};
-  std::atomic<int> hint_count_{0}, hint_per_worker_{0};
-  HintRange hint_ranges_[kMaxHintRanges];
+  PrefetchHint hint_;
   // Spinning workers read head_ and stopping_ on every poll: the mutex and the condition variable
   // that push() writes are on lines of their own, so that queueing a job takes their lines from
   // no other core (only head_'s store reaches the spinners).
