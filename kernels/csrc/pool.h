@@ -200,12 +200,13 @@ class Job {
   Clock::time_point started_at() const { return started_; }
 
  private:
-  // Runs task i, claimed at t0; timed: a pool worker's, added to busy_ns_ (before the task
-  // counts as finished, so that a finished job's sum is whole).
+  // Takes owned task t unless someone has; says whether this caller did.
   bool claim_owned(int64_t t) {
     return !owned_claims_[t].load(std::memory_order_relaxed) &&
            !owned_claims_[t].exchange(true, std::memory_order_acq_rel);
   }
+  // Runs task i, claimed at t0; timed: a pool worker's, added to busy_ns_ (before the task
+  // counts as finished, so that a finished job's sum is whole).
   void run_claimed(int64_t i, Clock::time_point t0, bool timed) {
     // the first task to start times the run (with owned tasks, task 0 need not be it)
     if (!started_once_.load(std::memory_order_relaxed) &&
