@@ -157,23 +157,20 @@ class ExpertJob final : public ExpertJobShell {
     constexpr int kGroupsPerBlock = 2;
     const int per = int(2 * kGroupsPerBlock * rounds);
     if (per * threads_ > PrefetchHint::kMaxRanges) return owned;
-    hint_.assign(size_t(per * threads_), {nullptr, 0});
+    std::vector<std::pair<const void*, int64_t>> ranges(size_t(per * threads_), {nullptr, 0});
     const int64_t row = p_.H * int64_t(sizeof(WT));
     for (int64_t b = 0; b < owned; ++b) {
-      auto* out = hint_.data() + (b % threads_) * per + (b / threads_) * 2 * kGroupsPerBlock;
-      const int64_t b0 = blocks1_.at(b), b1 = blocks1_.at(b + 1);
+      auto* out = ranges.data() + (b % threads_) * per + (b / threads_) * 2 * kGroupsPerBlock;
       int n = 0;
-      for (int64_t g = group_of(b0); g + 1 < int64_t(group_rows_.size()) &&
-                                     group_rows_[g] < b1 && n < 2 * kGroupsPerBlock; ++g) {
-        const int64_t from = std::max(b0, group_rows_[g]), to = std::min(b1, group_rows_[g + 1]);
-        const int64_t first = first_row(g) - group_rows_[g];
+      for_each_part(b, [&](int64_t g, int64_t r_begin, int64_t r_end) {
+        if (n == 2 * kGroupsPerBlock) return;
         const auto* gate = static_cast<const char*>(p_.w13) +
-                           (int64_t(group_expert_[g]) * 2 * p_.I + first + from) * row;
-        out[n++] = {gate, (to - from) * row};
-        out[n++] = {gate + p_.I * row, (to - from) * row};
-      }
+                           (int64_t(group_expert_[g]) * 2 * p_.I + r_begin) * row;
+        out[n++] = {gate, (r_end - r_begin) * row};
+        out[n++] = {gate + p_.I * row, (r_end - r_begin) * row};
+      });
     }
-    pool.hint(hint_.data(), int(hint_.size()), per);
+    pool.hint(ranges.data(), int(ranges.size()), per);
     return owned;
   }
 
@@ -240,26 +237,29 @@ class ExpertJob final : public ExpertJobShell {
       down(blocks2_.at(i - blocks1_.count), blocks2_.at(i - blocks1_.count + 1));
       return;
     }
-    // the block's rows [b0, b1) of the groups' rows one after the other, group by group
-    const int64_t b0 = blocks1_.at(i), b1 = blocks1_.at(i + 1);
-    for (int64_t g = group_of(b0); g + 1 < int64_t(group_rows_.size()) && group_rows_[g] < b1;
-         ++g) {
-      const int64_t from = std::max(b0, group_rows_[g]), to = std::min(b1, group_rows_[g + 1]);
-      if (from >= to) continue;
-      const int64_t first = first_row(g) - group_rows_[g];
-      gate_up(g, first + from, first + to);
-      group_done_[g].value.fetch_add(to - from, std::memory_order_release);
-    }
+    for_each_part(i, [&](int64_t g, int64_t r_begin, int64_t r_end) {
+      gate_up(g, r_begin, r_end);
+      group_done_[g].value.fetch_add(r_end - r_begin, std::memory_order_release);
+    });
     // the last phase-1 block to end times the phase (read once the job is done: the job's
     // finishing count orders this write before it)
     if (phase1_left_.fetch_sub(1, std::memory_order_relaxed) == 1) phase1_end_ = Clock::now();
   }
 
  private:
-  // The group whose phase-1 rows hold row r of the groups' rows one after the other.
-  int64_t group_of(int64_t r) const {
-    return int64_t(std::upper_bound(group_rows_.begin(), group_rows_.end(), r) -
-                   group_rows_.begin()) - 1;
+  // fn(g, r_begin, r_end) for each group g whose gate/up rows [r_begin, r_end) of its expert lie
+  // in gate/up block b (the block's rows of the groups' rows one after the other).
+  template <class Fn>
+  void for_each_part(int64_t b, Fn fn) const {
+    const int64_t b0 = blocks1_.at(b), b1 = blocks1_.at(b + 1);
+    auto g = int64_t(std::upper_bound(group_rows_.begin(), group_rows_.end(), b0) -
+                     group_rows_.begin()) - 1;
+    for (; g + 1 < int64_t(group_rows_.size()) && group_rows_[g] < b1; ++g) {
+      const int64_t from = std::max(b0, group_rows_[g]), to = std::min(b1, group_rows_[g + 1]);
+      if (from >= to) continue;
+      const int64_t first = first_row(g) - group_rows_[g];
+      fn(g, first + from, first + to);
+    }
   }
 
   // h[j, r_begin:r_end] = silu(gate[r] . x[t_j]) * (up[r] . x[t_j]) for every pair j of group g.
@@ -425,7 +425,6 @@ class ExpertJob final : public ExpertJobShell {
   TaperedBlocks blocks1_;  // of the groups' phase-1 rows, one group after the other
   TaperedBlocks blocks2_;  // of the output rows
   std::unique_ptr<Counter[]> group_done_;  // phase-1 rows done, per group
-  std::vector<std::pair<const void*, int64_t>> hint_;  // own_gate_up's ranges (Pool copies them)
   bool one_token_each_ = true;             // every group (expert) has one pair
   // phase_seconds: phase-1 blocks not ended yet, when the last ended, the waits for them
   alignas(64) std::atomic<int64_t> phase1_left_{0};
