@@ -23,10 +23,11 @@ python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)' 
 B="python3 -m moelab.engine.cli bench"
 G="--preset qwen3-30b-a3b --set num_hidden_layers=12"
 if [ "$part" = tests ] || [ "$part" = all ]; then
-  run kernel_tests python3 -m pytest -q tests/kernels -o addopts=-ra -p no:cacheprovider
-  run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q -o addopts=-ra \
-    -p no:cacheprovider --tb=short tests/engine/test_graphs.py tests/engine/test_offload.py \
-    tests/engine/test_reference.py tests/engine/test_telemetry.py tests/engine/test_attention.py
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'  # the root behind site-packages
+  run kernel_tests python3 -m pytest -q tests/kernels $T
+  run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_graphs.py tests/engine/test_offload.py tests/engine/test_reference.py \
+    tests/engine/test_telemetry.py tests/engine/test_attention.py
 fi
 if [ "$part" = resident ]; then  # all experts resident: overlapped decode against waiting steps
   run decode12_resident_skew1 $B decode $G --routing-skew 1 --json

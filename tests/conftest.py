@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 # Triton must be told to interpret before anything imports it; engine tests import the kernels
 # during collection. On a machine with an NVIDIA GPU the kernels run for real.
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The repository's root must be on sys.path so that `tests` imports, but behind site-packages: its
+# folders are moelab's subpackages under plain names, and ahead of site-packages kernels/ hides
+# Hugging Face's `kernels`, which transformers (the reference in the model tests) imports.
+# pyproject's --import-mode=append makes pytest add it last; `python -m pytest` put it first.
+_ROOT = Path(__file__).resolve().parent.parent
+_at_root = [p for p in sys.path if Path(p or ".").resolve() == _ROOT]
+sys.path[:] = [p for p in sys.path if p not in _at_root] + [str(_ROOT)]
