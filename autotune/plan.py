@@ -23,8 +23,15 @@ FIGURE_OF_FLAG = {
     "--prefill-chunk-tokens": "prefill",
     "--no-prefill-overlap": "prefill",
     "--max-running-requests": "aggregate",
+    "--moe-cpu-prefetch-rounds": "decode",
 }
-CUDA_ONLY = ("--no-cuda-graph", "--cuda-graph-max-bs", "--no-overlap-decode")
+# flags of CUDA graphs' decode: the guesses the prefetch plans come from one-token pieces' graphs
+CUDA_ONLY = (
+    "--no-cuda-graph",
+    "--cuda-graph-max-bs",
+    "--no-overlap-decode",
+    "--moe-cpu-prefetch-rounds",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,14 +39,16 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-def _whole_number(minimum: int):
-    """An argparse type: a whole number of at least `minimum`."""
+def _whole_number(minimum: int, maximum: int | None = None):
+    """An argparse type: a whole number of at least `minimum` (and at most `maximum`)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if maximum is not None and not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{value} must be from {minimum} to {maximum}")
         if value < minimum:
             word = "at least 1" if minimum == 1 else f"{minimum} or more"
             raise argparse.ArgumentTypeError(f"{value} must be {word}")
@@ -57,6 +59,9 @@ def _whole_number(minimum: int):
 
 _positive_int = _whole_number(1)
 _non_negative_int = _whole_number(0)
+# rounds of a CPU job's blocks fetched ahead: each worker is told of at most 4 ranges a round, of
+# 256 for all workers (kernels/csrc/prefetch_hint.h), so 4 rounds on up to 16 workers
+_prefetch_rounds = _whole_number(0, 4)
 
 
 def _rate(text: str) -> float:
@@ -247,6 +252,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "runs of memory.",
     )
     moe.add_argument(
+        "--moe-cpu-prefetch-rounds",
+        type=_prefetch_rounds,
+        default=0,
+        help="Offloaded decode at batch 1 (CUDA graphs, the native CPU kernel): each piece sends "
+        "a guess of its MoE layer's routing to the host ahead of the routing, and the idle CPU "
+        "expert workers fetch the weights of this many rounds of their first gate/up blocks of "
+        "the guessed job into their own caches; where the real job is the guessed one, those "
+        "blocks are theirs. 0 (off) to 4. Not yet measured on a GPU (docs/cpu-experts.md).",
+    )
+    moe.add_argument(
         "--moe-cpu-pin",
         choices=("cores", "isolate", "off"),
         default="cores",
@@ -389,6 +404,12 @@ TUNABLE: tuple[Tunable, ...] = (
         "CPU expert tasks: balance at a job's end against longer streams",
     ),
     Tunable(
+        "--moe-cpu-prefetch-rounds",
+        "choice",
+        ("0", "1", "2"),
+        "CPU workers fetching their first blocks while they wait, against the guess's launch",
+    ),
+    Tunable(
         "--moe-cpu-pin",
         "choice",
         ("cores", "isolate", "off"),
@@ -415,7 +436,7 @@ def describe_flags(parser: argparse.ArgumentParser | None = None) -> list[dict]:
             flag = action.option_strings[-1]
             if isinstance(action, argparse._StoreTrueAction):
                 kind = "switch"
-            elif action.type in (int, _positive_int, _non_negative_int):
+            elif action.type in (int, _positive_int, _non_negative_int, _prefetch_rounds):
                 kind = "int"
             elif action.type in (float, _rate):
                 kind = "float"

@@ -722,6 +722,12 @@ def staged_lines(staged: dict) -> str:
         common = sorted(periods.items(), key=lambda kv: -kv[1]["steps"])[:8]
         shown = ", ".join(f"{plan} {p['us']:.0f} ({p['steps']})" for plan, p in common)
         out += f"\nlayer step period by plan (copied+on the CPU), µs (steps): {shown}"
+    if staged.get("guesses"):
+        out += (
+            f"\nrouting guesses naming CPU work: {staged['guesses']}; CPU jobs whose workers had "
+            f"fetched their first blocks (plans marked p): {staged['prefetched_jobs']} of "
+            f"{staged['cpu_jobs']}"
+        )
     if staged["boundary_us"] is not None:
         boundary = staged["boundary_us"]
         out += f"; between steps (the last layer's routing to the next step's first) {boundary:.0f}"

@@ -184,6 +184,7 @@ class Engine(Stepping):
             prefill_stream_min_tokens=self._stream_threshold(),
         )
         self.moe.split_misses = not args.no_split_misses
+        self.moe.prefetch_rounds = args.moe_cpu_prefetch_rounds
         if plan.all_resident:
             self._load_all_experts()
         elif plan.prefill_buffer_bytes:
@@ -433,6 +434,7 @@ class Engine(Stepping):
             "cpu_worker_cpus": cpu_ranges(self.cpu.cpus) if self.cpu.cpus else "os",
             "process_cpus": cpu_ranges(self.placement.cpus) if self.placement else "os",
             "split_misses": not a.no_split_misses,
+            "cpu_prefetch_rounds": a.moe_cpu_prefetch_rounds,
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,
             "rates_source": self.rates_source,

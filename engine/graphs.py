@@ -160,6 +160,9 @@ class DecodeGraphs:
         # runs in order); elsewhere the host waits for the stream to go idle
         signals = piecewise and (dev.type != "cuda" or inline_ptx(dev))
         self.routing_signal = model.experts.routing_signal_buffer() if signals else None
+        # and where the executor wants them, a one-token piece after an MoE layer sends a guess
+        # of its routing ahead of it (kernels/route_guess.py), for the wait to plan
+        self.routing_guess = model.experts.guess_buffers() if signals else None
         self.graphs: dict[int, list[Graph]] = {}
         self.outputs: dict[int, list[Outputs]] = {}  # per size, each graph's in capture order
         # piecewise: each piece after an MoE layer starts with a graph of its own, the cached
@@ -222,12 +225,19 @@ class DecodeGraphs:
         assert last or self.routing_host is not None
         state.routing_host = None if last else tuple(t[:bs] for t in self.routing_host)
         state.routing_signal = None if last else self.routing_signal
+        state.routing_guess = self.routing_guess if self._guesses(bs, piece) else None
         self.model.run_piece(piece, state)
         if last:  # (by the piece's index: a replay that reruns this code sees the last logits)
             assert state.logits is not None
             self._sample(bs, state.logits)
             tokens_to_host(self.sampled[:bs], self._tokens_host[:bs])
         return state.x, state.ids, state.weights, state.logits
+
+    def _guesses(self, bs: int, piece: int) -> bool:
+        """Whether piece `piece` of batch size `bs` sends a guess of its routing: one token (a
+        guess of several tokens' jobs would rarely match), a piece after an MoE layer that ends
+        in a router."""
+        return self.routing_guess is not None and bs == 1 and 0 < piece < self.model.num_pieces - 1
 
     def _whole(self, bs: int, state: StepState) -> Outputs:
         self._gather_inputs(bs)
@@ -344,7 +354,7 @@ class DecodeGraphs:
                 # only the real rows: padding rows would fetch and run experts for nothing
                 ids_h, w_h, x_h = (t[:n] for t in self.routing_host)
                 experts.stage_decode(piece, ids_h, w_h, x_h, self.slots_host[:n], self.cpu_part[:n],
-                                     launched)  # fmt: skip
+                                     launched, guess=self._guesses(bs, piece))  # fmt: skip
                 if piece == 0:  # this step's first routing: the step before is finished
                     self._passed = self._runs - 1
                 # padding rows run no experts (written after the stage's sync: an earlier
@@ -374,6 +384,7 @@ class DecodeGraphs:
             experts.stage_decode(
                 piece, ids_h, w_h, x_h, slots_h, cpu_part, launched, launch=execs[piece + 1],
                 pad_rows=bs - n, signals=signals and piece + 1 < last,
+                guess=self._guesses(bs, piece),
             )  # fmt: skip
             launched = time.perf_counter()
             if piece == 0:  # this step's first routing: the step before is finished

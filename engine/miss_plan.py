@@ -38,6 +38,11 @@ class Dispatch:
     # in on_cpu too, and its share of rows on the device is split_share
     split: tuple[int, int, int] | None = None
     split_share: float = 0.0
+    # the native planner's guess of this step (`prefetch_rounds`): whether one naming CPU work
+    # came before the routing, and the gate/up blocks of the job its workers own, having fetched
+    # them while they waited (0: none, or the guess did not match)
+    guessed: bool = False
+    owned_blocks: int = 0
 
     @property
     def cpu_experts(self) -> float:

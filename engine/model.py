@@ -20,6 +20,7 @@ from ..kernels.paged_attention import paged_attention_decode
 from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.route import route
+from ..kernels.route_guess import guess_scale, guess_to_host
 from ..kernels.router import topk_softmax
 from .kv import KVCache
 from .rope import Rotary
@@ -142,6 +143,9 @@ class StepState:
     routing_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # with routing_host: the signal set once the routing is there (kernels/host_handoff.py)
     routing_signal: torch.Tensor | None = None
+    # a piece after an MoE layer: host buffers (logits, signal) its first attention input sends
+    # a guess of the piece's MoE routing to, ahead of it (kernels/route_guess.py)
+    routing_guess: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Model:
@@ -175,6 +179,13 @@ class Model:
         self.timer = None  # a telemetry StepTimer while one step is being timed by phase
         # called with (layer, router input, routed expert ids) on every MoE layer, when set
         self.on_router: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        # per piece after an MoE layer (None for piece 0): what turns the piece's first attention
+        # input into its MoE layer's router input as if no attention came between (`_guess`)
+        moe, layers = spec.moe_layers, weights.layers
+        self._guess_scales = [None] + [
+            guess_scale(layers[moe[p - 1] + 1].input_norm, layers[moe[p]].post_norm)
+            for p in range(1, len(moe))
+        ]
 
     @property
     def num_pieces(self) -> int:
@@ -214,12 +225,16 @@ class Model:
                 state.hidden = self._after_experts(w.layers[done], state)
             first = done + 1
         last = moe_layers[piece] if piece < len(moe_layers) else len(w.layers)
+        # a guess of this piece's MoE routing from its first attention input (state.routing_guess)
+        guess = piece if 0 < piece < len(moe_layers) else None
         for index in range(first, last):
             layer = w.layers[index]
-            x = self._attention_block(index, layer, state)
+            x = self._attention_block(index, layer, state, guess if index == first else None)
             state.hidden = _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
         if piece < len(moe_layers):
-            state.x = self._attention_block(last, w.layers[last], state)
+            state.x = self._attention_block(
+                last, w.layers[last], state, guess if last == first else None
+            )
             self._route(last, piece, w.layers[last], state)
             return
         x = self._next_norm(w.final_norm, state)
@@ -249,14 +264,20 @@ class Model:
             piece, state.x, state.ids, state.weights, decode=state.batch.decode
         )
 
-    def _attention_block(self, index: int, layer: LayerWeights, state: StepState) -> torch.Tensor:
-        """Input norm (with the residual add), attention, post-attention norm: the MLP's input."""
+    def _attention_block(
+        self, index: int, layer: LayerWeights, state: StepState, guess: int | None = None
+    ) -> torch.Tensor:
+        """Input norm (with the residual add), attention, post-attention norm: the MLP's input.
+        guess: where state.routing_guess is set, the piece whose MoE routing the attention's
+        input guesses first (`_guess`)."""
         eps = self.spec.rms_norm_eps
         if state.residual is None:
             state.residual = state.hidden
             x = rmsnorm(state.hidden, layer.input_norm, eps)
         else:
             x = self._next_norm(layer.input_norm, state)
+        if guess is not None and state.routing_guess is not None:
+            self._guess(guess, x, state.routing_guess)
         hidden = self._attention(index, layer, x, state.batch, state.rope)
         x, state.residual = fused_add_rmsnorm(hidden, state.residual, layer.post_norm, eps)
         return x
@@ -370,6 +391,13 @@ class Model:
                         signal_routing(signal, x.device)
         if self.on_router is not None:
             self.on_router(index, state.x, state.ids)
+
+    def _guess(self, piece: int, x: torch.Tensor, host: tuple[torch.Tensor, ...]) -> None:
+        """A guess of piece `piece`'s MoE routing, sent to the host ahead of it: the layer's
+        router on x (rmsnorm of the residual just after the MoE layer before, times the input
+        norm's weight) rescaled to the router's own norm, as if attention added nothing."""
+        router = self.weights.layers[self.spec.moe_layers[piece]].router
+        guess_to_host(x, self._guess_scales[piece], router, *host)
 
     def _next_norm(self, weight: torch.Tensor, state: StepState) -> torch.Tensor:
         """The residual add and the RMSNorm of `weight` on state.hidden; or their output already

@@ -128,6 +128,12 @@ class StagedStepTimes:
 
     layer_steps: int = 0
     split_misses: int = 0  # misses split between the copy and the CPU
+    # steps with a CPU job; steps whose guess of the routing named CPU work (the workers were
+    # told what to fetch); CPU jobs whose first blocks their workers had fetched (the guess's
+    # plan was the step's)
+    cpu_jobs: int = 0
+    guesses: int = 0
+    prefetched_jobs: int = 0
     replay_s: float = 0.0
     sync_s: float = 0.0
     plan_s: float = 0.0
@@ -168,7 +174,9 @@ class StagedStepTimes:
         boundary = 1e6 * self.boundary_s / k if k else None
         boundary_host = 1e6 * self.boundary_host_s / k if k else None
         return {
-            "layer_steps": n, "split_misses": self.split_misses, **per_step, "total_us": total,
+            "layer_steps": n, "split_misses": self.split_misses, "cpu_jobs": self.cpu_jobs,
+            "guesses": self.guesses, "prefetched_jobs": self.prefetched_jobs,
+            **per_step, "total_us": total,
             "period_by_plan": periods, "boundary_us": boundary, "boundary_host_us": boundary_host,
         }  # fmt: skip
 

@@ -16,7 +16,11 @@ must not delay the next piece, counting and ending the CPU job before, waits unt
 (`after_launch`).
 
 With native CPU experts, one native call (`DecodePlanner`, kernels/csrc/decode_planner.h) does the
-whole serial host path of a layer step: wait, plan, start the CPU job, queue the copies.
+whole serial host path of a layer step: wait, plan, start the CPU job, queue the copies. With
+`prefetch_rounds`, a one-token piece also sends a guess of its layer's routing ahead of the
+routing (kernels/route_guess.py): the wait plans the guessed step and the idle CPU workers fetch
+the weights of their first blocks of its job, which are theirs in the real job where the plans
+match.
 
 `StagedDecode` is mixed into `MoERunner` (moe.py) and shares its state: the bank and the cache,
 the miss policy, the CPU executor, the compute stream, the counters and timers, and its planning
@@ -88,6 +92,11 @@ class StagedDecode:
         # in functions that run stand-in graphs); joining the fills on an event of its own
         self.planner_launches = cuda
         self._join_event: DriverEvent | None = None
+        # rounds of a CPU job's gate/up blocks its workers fetch while they wait for it, from a
+        # guess of the routing (0: no guesses; --moe-cpu-prefetch-rounds), and the guess's host
+        # buffers: the logits [1, E] and their signal
+        self.prefetch_rounds = 0
+        self._guess_host: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def routing_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host buffers (pinned on CUDA) for a staged decode step's routing, [rows, K] int32 ids,
@@ -139,6 +148,21 @@ class StagedDecode:
 
     def _clear_signal(self) -> None:
         self._signal().numpy()[0] = 0
+        if self._guess_host is not None:  # set before the routing's, by the same pieces
+            self._guess_host[1].numpy()[0] = 0
+
+    def guess_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a one-token piece sends its guess of its layer's routing (`Model.run_piece`,
+        kernels/route_guess.py): fp32 logits [1, E] and their signal, in host memory (pinned on
+        CUDA); None where no guess is wanted (no prefetch rounds, or no native planner waiting
+        on signals with its copies). Captured graphs write them, so they are allocated once."""
+        if self.prefetch_rounds < 1 or not self.planner_copies or self._decode_planner() is None:
+            return None
+        if self._guess_host is None:
+            pin = self.device.type == "cuda"
+            logits = torch.zeros((1, self.bank.num_experts), dtype=torch.float32, pin_memory=pin)
+            self._guess_host = (logits, routing_signal(pin=pin))
+        return self._guess_host
 
     def route_slots_buffer(self, rows: int) -> torch.Tensor:
         """The host table [rows, K] int32 (pinned on CUDA) into which `stage_decode` writes each
@@ -175,6 +199,7 @@ class StagedDecode:
         launch: tuple[int, int] | None = None,
         pad_rows: int = 0,
         signals: bool = False,
+        guess: bool = False,
     ) -> None:
         """An offloaded decode layer step between two captured pieces: the host part now, the
         device part (`routed_cached`, `join_fills`, `routed_filled`) in the next piece's graphs.
@@ -196,7 +221,9 @@ class StagedDecode:
         that no Python runs between the routing's arrival and the next piece; the
         pad_rows rows of slots_h's buffer after the real ones are set to -1 first (a captured
         batch's padding rows run no experts). signals: the launched piece's router sets the
-        routing's signal (`expect_routing` is then done).
+        routing's signal (`expect_routing` is then done). guess: the piece just launched sends a
+        guess of this layer's routing ahead of it (`guess_buffers`), which the native wait on the
+        routing's signal plans for the CPU workers to fetch their first blocks.
         """
         clock = time.perf_counter
         t0 = clock()
@@ -208,10 +235,11 @@ class StagedDecode:
             # the serial path in one native call, with nothing in Python between the routing's
             # arrival and the CPU job's start: wait, plan, start the CPU job, queue the fills
             signal = self._routing_signal if self._signal_state == _EXPECTED else None
+            guessed = guess and signal is not None and self._guess_host is not None
             d, (_, plan_s, fill_s, launch_s) = self._native_step(
                 planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, copies=True,
                 route_slots=slots_h, signal=signal, expected=True, launch=launch,
-                pad_rows=pad_rows,
+                pad_rows=pad_rows, guess=self._guess_host if guessed else None,
             )  # fmt: skip
             t4 = clock()
             sync_s = t4 - t0 - plan_s - fill_s - launch_s  # the wait, and the call
@@ -254,6 +282,9 @@ class StagedDecode:
         self._uncounted.append((d, moe_layer))
         times = self.staged_times
         times.layer_steps += 1
+        times.cpu_jobs += d.job is not None
+        times.guesses += d.guessed
+        times.prefetched_jobs += d.owned_blocks > 0
         times.sync_s += sync_s
         times.plan_s += plan_s
         times.fill_s += fill_s
@@ -377,7 +408,7 @@ class StagedDecode:
 
     def _native_step(
         self, planner, moe_layer, ids, weights, x, out, handoff, sync=False, copies=False,
-        route_slots=None, signal=None, expected=False, launch=None, pad_rows=0,
+        route_slots=None, signal=None, expected=False, launch=None, pad_rows=0, guess=None,
     ) -> tuple[Dispatch, tuple[float, float, float, float]]:  # fmt: skip
         """One DecodePlanner step over host tensors ids [T, K] (int32), weights [T, K] and x
         [T, H] (fp32), the CPU's part into out (and then the next handoff epoch, if `handoff`).
@@ -389,8 +420,9 @@ class StagedDecode:
         expected (with handoff): the native call also completes the handoff to the next piece
         (a zero part and its epoch where no CPU job runs; the epoch the piece waits for).
         launch, pad_rows: the next piece's graph execs to launch, and the padding rows of
-        route_slots' buffer to mark (`stage_decode`). Returns the step and its native (wait,
-        plan, copy, launch) seconds."""
+        route_slots' buffer to mark (`stage_decode`). guess (with signal): the guess's logits and
+        signal (`guess_buffers`), planned during the wait for `prefetch_rounds` rounds of blocks.
+        Returns the step and its native (wait, plan, copy, launch) seconds."""
         if route_slots is None:
             route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
         flag, value = (self._handoff_sync, self._epoch + 1) if handoff else (None, 0)
@@ -398,12 +430,14 @@ class StagedDecode:
         head, piece = launch if launch is not None else (0, 0)
         inter = self.bank.w2[0].shape[-1]
         chunks = SPLIT_CHUNKS if copies and self.split_misses and inter % SPLIT_CHUNKS == 0 else 0
+        guess_logits, guess_signal = (t.data_ptr() for t in guess) if guess else (0, 0)
         try:
-            experts, slots, admitted, on_cpu, split, job, seconds = planner.step(
+            experts, slots, admitted, on_cpu, split, job, seconds, (guessed, owned) = planner.step(
                 moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
                 self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
                 0 if flag is None else flag.data_ptr(), value, sync, copies, chunks,
                 0 if signal is None else signal.data_ptr(), expected_at, pad_rows, head, piece,
+                guess_logits, guess_signal, self.prefetch_rounds if guess else 0,
             )  # fmt: skip
         except RuntimeError:  # a driver call failed; a failed fill has freed its slots again
             self.cache.changed()
@@ -416,6 +450,7 @@ class StagedDecode:
         missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
         d = Dispatch(experts, slots, missing, admitted, on_cpu, route_slots.numpy(), None)
         d.route_slots_host = route_slots
+        d.guessed, d.owned_blocks = guessed, owned
         if split is not None:
             d.split, d.split_share = split, split[2] / inter
             self.staged_times.split_misses += 1
@@ -459,5 +494,7 @@ _CLEAR, _EXPECTED, _UNKNOWN = range(3)
 
 def _plan_key(d: Dispatch) -> str:
     """A layer step's plan as `StagedStepTimes.periods` keys it: "q+c", q experts copied and c
-    run on the CPU, with "s" when one of those is split between the two."""
-    return f"{len(d.admitted)}+{len(d.on_cpu)}" + ("s" if d.split is not None else "")
+    run on the CPU, with "s" when one of those is split between the two, and "p" when its CPU
+    job's first blocks were fetched by their workers ahead of it (a guessed plan)."""
+    key = f"{len(d.admitted)}+{len(d.on_cpu)}" + ("s" if d.split is not None else "")
+    return key + ("p" if d.owned_blocks else "")

@@ -1,9 +1,12 @@
 """Two source trees' `moelab bench decode` in interleaved pairs, on one machine.
 
-Usage: python scripts/ab_decode.py A_DIR B_DIR [--pairs 3] [--out DIR] -- BENCH_FLAGS...
+Usage: python scripts/ab_decode.py A_DIR B_DIR [--pairs 3] [--out DIR] [--a-flags FLAGS]
+           [--b-flags FLAGS] -- BENCH_FLAGS...
 e.g.   git archive HEAD~1 | tar -x -C /tmp/A
        python scripts/ab_decode.py /tmp/A . --pairs 3 -- --preset qwen3-30b-a3b \\
            --set num_hidden_layers=12 --routing-skew 1 --moe-cache-rate 0.25
+or, one tree with and without a flag:
+       python scripts/ab_decode.py . . --b-flags "--moe-cpu-prefetch-rounds 2" -- ...
 
 Each run installs its tree (`pip install --no-deps -e`: both trees are the package `moelab`), with
 a cache folder of its own so that each tree's native CPU kernel is built once, then runs `bench
@@ -28,19 +31,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 
-def run_once(tree: Path, cache: Path, flags: list[str], log: Path) -> dict:
-    """Install `tree`, run one bench decode; its figures (or the failure) as a dict."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
-         str(tree)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+def run_once(tree: Path, cache: Path, flags: list[str], log: Path, install: bool = True) -> dict:
+    """Install `tree` (unless it is installed already), run one bench decode; its figures (or the
+    failure) as a dict."""
+    if install:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+             "-e", str(tree)],
+            check=True, capture_output=True,
+        )  # fmt: skip
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     cmd = [sys.executable, "-m", "moelab.engine.cli", "bench", "decode", *flags, "--json"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -132,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-steal", type=float, default=0.02,
         help="leave out pairs with a run whose stolen CPU share exceeds this (default 0.02)",
     )  # fmt: skip
+    parser.add_argument("--a-flags", default="", help="bench flags of A's runs only")
+    parser.add_argument("--b-flags", default="", help="bench flags of B's runs only")
     argv = sys.argv[1:] if argv is None else argv
     # bench decode's flags follow "--": this script's own come before it
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -145,14 +153,22 @@ def main(argv: list[str] | None = None) -> int:
         if not (tree / "pyproject.toml").is_file():
             parser.error(f"{tree} is not a moelab source tree (no pyproject.toml)")
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = []
+    # each side by its tree and its own flags (one tree may run on both sides)
+    sides = [(name, tree, own, f"{tree} {own}".strip())
+             for name, tree, own in (("a", a, args.a_flags), ("b", b, args.b_flags))]  # fmt: skip
+    if sides[0][3] == sides[1][3]:
+        parser.error("A and B are the same tree with the same flags: nothing to compare")
+    runs, installed = [], None
     for i in range(args.pairs):
-        for name, tree in (("a", a), ("b", b)):
+        for name, tree, own, label in sides:
             cache = args.out / f"cache-{name}"
-            result = run_once(tree, cache, flags, args.out / f"{name}{i + 1}.log")
+            log = args.out / f"{name}{i + 1}.log"
+            result = run_once(tree, cache, flags + shlex.split(own), log, install=tree != installed)
+            installed = tree
+            result["tree"] = label
             runs.append(result)
             print(json.dumps({"run": f"{name}{i + 1}", **result}), flush=True)
-    print(json.dumps(summary(runs, str(a), str(b), args.max_steal)))
+    print(json.dumps(summary(runs, sides[0][3], sides[1][3], args.max_steal)))
     return 0
 
 

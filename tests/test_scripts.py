@@ -199,3 +199,45 @@ def test_ab_decode_refuses_a_folder_that_is_no_source_tree(tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 2 and "is not a moelab source tree" in run.stderr
+
+
+def test_ab_decode_runs_one_tree_with_and_without_a_flag(tmp_path, monkeypatch, capsys):
+    """--a-flags / --b-flags: each side's runs get their own flags, the tree is installed once,
+    and the summary tells the sides apart by their flags; one tree with the same flags twice is
+    refused."""
+    module = _ab_decode()
+    calls = []
+
+    def fake_run_once(tree, cache, flags, log, install=True):
+        calls.append((flags, install))
+        prefetch = "--moe-cpu-prefetch-rounds" in flags
+        return {"tree": str(tree), "tok_s": 330.0 if prefetch else 300.0, "of_bound": 0.7}
+
+    monkeypatch.setattr(module, "run_once", fake_run_once)
+    argv = [str(ROOT), str(ROOT), "--pairs", "2", "--out", str(tmp_path), "--b-flags",
+            "--moe-cpu-prefetch-rounds 2", "--", "--preset", "tiny"]  # fmt: skip
+    assert module.main(argv) == 0
+    plain, prefetch = ["--preset", "tiny"], ["--preset", "tiny", "--moe-cpu-prefetch-rounds", "2"]
+    assert calls == [(plain, True), (prefetch, False), (plain, False), (prefetch, False)]
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert out["b"]["tree"] == f"{ROOT} --moe-cpu-prefetch-rounds 2" and out["a"]["runs"] == 2
+    assert out["b_over_a"]["mean"] == pytest.approx(1.1)
+    with pytest.raises(SystemExit):
+        module.main([str(ROOT), str(ROOT), "--out", str(tmp_path), "--", "--preset", "tiny"])
+    assert "nothing to compare" in capsys.readouterr().err
+
+
+def test_guess_accuracy_compares_the_guess_with_the_routing():
+    """On the tiny synthetic model the engine's guess names most of the routed experts, where a
+    guess at random would name top-k / experts of them (1 in 8)."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "guess_accuracy.py"), "--tokens", "48", "--",
+         "--preset", "tiny", "--routing-skew", "1", "--device", "cpu"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["guess_from"] for r in rows[:2]] == ["after the sum", "router input before"]
+    assert len(rows) == 2 * len({r["layer"] for r in rows}) >= 4
+    for r in rows:
+        assert all(0 <= r[k] <= 1 for k in ("routed_named", "tail_exact", "tail_named"))
+    assert all(r["routed_named"] > 0.5 for r in rows if r["guess_from"] == "after the sum")

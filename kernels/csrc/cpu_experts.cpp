@@ -145,6 +145,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("cpus") = std::vector<int>{})
       .def_property_readonly("num_threads", &Pool::num_threads)
       .def("worker_cpus", &Pool::worker_cpus)
+      .def("hinted", &Pool::hinted)
       .def_property_readonly("task_bytes", &Pool::task_bytes)
       .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
   py::class_<Job, std::shared_ptr<Job>>(m, "Job")

@@ -118,6 +118,19 @@ inline std::pair<int64_t, int64_t> fetch_plan(int64_t m, double f, int64_t chunk
   return {best_q, best_j};
 }
 
+// A guess of the routing a step waits for (DecodePlanner::step's guess): the layer router's
+// logits [T, experts] and their signal, stored by the piece before the routing; the step's x and
+// tokens, the copies' share and split chunks it plans with, and the rounds of gate/up blocks the
+// workers fetch.
+struct Guess {
+  const float* logits;
+  int32_t* signal;
+  uintptr_t x;
+  int64_t T;
+  double fraction;
+  int64_t chunks, rounds;
+};
+
 class DecodePlanner {
  public:
   DecodePlanner(Pool& pool, int simd, int weight_type, uintptr_t slot_of, uintptr_t key_of_slot,
@@ -198,15 +211,25 @@ class DecodePlanner {
   // after the fill stream where this step queued fills (0: no launch); `head` before the fills
   // are queued where they are the shorter side. Nothing Python runs between the routing's
   // arrival and the next piece's launch.
+  // A guess of the routing (`guess`: fp32 logits [T, experts] of this layer's router, stored by
+  // the piece before the routing with its own signal at `guess_signal`; kernels/route_guess.py):
+  // while the wait polls the routing's signal, once the guess's is set, it plans the step that
+  // routing would make (without changing anything: `plan_guess`) and tells each of the pool's
+  // workers which weights its first guess_rounds rounds of that CPU job's gate/up blocks read
+  // (ExpertJobShell::own_gate_up, Pool::hint); the idle workers fetch them into their own caches.
+  // Where the real step's CPU job has the guessed layout, its first rounds of blocks are then the
+  // workers' own. A wrong guess costs the fetches, never a result. 0: no guess.
   // Returns (experts ascending, their slots before the step, admitted (expert, slot) pairs,
   // experts run on the CPU (the split one first), the split (expert, slot, first CPU row) or
-  // None, the CPU job or None, and the seconds spent waiting, planning, queueing copies and
-  // launching).
+  // None, the CPU job or None, the seconds spent waiting, planning, queueing copies and
+  // launching, and (whether a guess of CPU work came for this step, the gate/up blocks its job's
+  // workers own: 0 where it did not match)).
   py::tuple step(int64_t layer, uintptr_t ids_addr, uintptr_t weights_addr, uintptr_t x,
                  int64_t T, double fetch_fraction, uintptr_t route_slots_addr, uintptr_t out,
                  uintptr_t done_flag, int64_t done_value, bool sync, bool copies,
                  int64_t split_chunks, uintptr_t signal, uintptr_t handoff, int64_t pad_rows,
-                 uintptr_t head, uintptr_t piece) {
+                 uintptr_t head, uintptr_t piece, uintptr_t guess, uintptr_t guess_signal,
+                 int64_t guess_rounds) {
     using Clock = std::chrono::steady_clock;
     if (layer < 0 || layer >= layers_) throw std::invalid_argument("no such MoE layer");
     if ((sync || copies) && copy_ == nullptr) {
@@ -219,12 +242,17 @@ class DecodePlanner {
       throw std::invalid_argument("the handoff's expected value needs its done flag");
     }
     if (pad_rows < 0) throw std::invalid_argument("pad_rows must be 0 or more");
+    if (guess != 0 && (guess_signal == 0 || !sync || signal == 0 || guess_rounds < 1)) {
+      throw std::invalid_argument(
+          "a routing guess needs its signal, the wait for the routing's signal and rounds >= 1");
+    }
     if (split_chunks >= 2 &&
         (!copies || memset2d_ == nullptr || copy2d_ == nullptr || inter_ % split_chunks != 0)) {
       throw std::invalid_argument(
           "a split needs the device copies, their 2D forms and chunks of I");
     }
     const auto t0 = Clock::now();
+    guess_layer_ = -1;  // a guess serves the step it came with
     if (sync) {
       int err = 0;
       {
@@ -247,7 +275,11 @@ class DecodePlanner {
         // through the shared cache, and what this step reads first would be misses on the serial
         // path (scripts/planner_cost.py on the CI machine: 3 us warm, 12 after such a sweep).
         if (signal != 0) {
-          err = wait_signal(reinterpret_cast<int32_t*>(signal), layer);
+          const Guess g{reinterpret_cast<const float*>(guess),
+                        reinterpret_cast<int32_t*>(guess_signal), x, T, fetch_fraction,
+                        split_chunks, guess_rounds};
+          err = wait_signal(reinterpret_cast<int32_t*>(signal), layer,
+                            guess != 0 ? &g : nullptr);
         } else {
           while ((err = query_(stream_)) == kStreamNotReady) warm(layer);
         }
@@ -366,6 +398,12 @@ class DecodePlanner {
         route_slots[r] = where_[e] == kFilled ? filled_mark(slot_of[e]) : slot_of[e];
       }
     }
+    // the job's first rounds of gate/up blocks are the workers' own where they fetched them: the
+    // guess came with this step and planned the same job layout
+    const bool guessed = guess_layer_ == layer;
+    const bool owns =
+        guessed && layout(pair_expert, split_expert, split_row, layout_) == guess_layout_;
+    guess_layer_ = -1;
     // back to the idle marks for the next step (a slot is protected only during its step)
     for (int32_t e : routed) {
       tokens_[e] = 0;
@@ -384,6 +422,7 @@ class DecodePlanner {
     if (copies_first) fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row);
     const auto t_job = Clock::now();
     std::shared_ptr<ExpertJobShell> job_ptr;
+    int64_t owned = 0;
     if (!on_cpu.empty()) {
       const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
                             reinterpret_cast<const void*>(w13_[layer]),
@@ -397,6 +436,7 @@ class DecodePlanner {
       // every pair is in range: the experts were checked above, the tokens are r / top_k < T
       j->assign(p, pair_expert.data(), pair_token.data(), pair_weight.data(), pairs);
       j->set_done_flag(reinterpret_cast<int64_t*>(done_flag), done_value);
+      if (owns) owned = j->own_gate_up(pool_, guess_rounds, false);
       pool_.push(j);
       last_job_ = j;
       job_ptr = std::move(j);
@@ -431,7 +471,8 @@ class DecodePlanner {
     return py::make_tuple(
         routed, before, admitted, on_cpu, split, job,
         py::make_tuple(seconds(t1 - t0), seconds((t2 - t1) + (t3 - t_job)), seconds(fill_time),
-                       seconds((t4 - t3) + (t5 - t_fills))));
+                       seconds((t4 - t3) + (t5 - t_fills))),
+        py::make_tuple(guessed, owned));
   }
 
  private:
@@ -528,13 +569,20 @@ class DecodePlanner {
   // costs 0.1 us where a cuStreamQuery call costs 1.7.
   // Once it has seen the signal, it clears it for the next piece's router: the one store that
   // set it has landed, and no other comes before that piece is launched.
-  int wait_signal(int32_t* signal, int64_t layer) const {
+  // With a guess: once the guess's signal is set (before the routing's: the piece stores the
+  // guess first), plan_guess; the guess's signal is cleared with the routing's.
+  int wait_signal(int32_t* signal, int64_t layer, const Guess* guess) {
     const auto set = [signal] { return __atomic_load_n(signal, __ATOMIC_ACQUIRE) != 0; };
+    bool guessed = guess == nullptr;
     for (int64_t polls = 1; !set(); ++polls) {
       // a few polls paced by pause (no core time taken from a sibling thread), then the warming
       bool seen = false;
       for (int i = 0; i < 4 && !(seen = set()); ++i) cpu_relax();
       if (seen) break;
+      if (!guessed && __atomic_load_n(guess->signal, __ATOMIC_ACQUIRE) != 0) {
+        guessed = true;
+        plan_guess(layer, *guess);
+      }
       warm(layer);
       if (polls % kPollsPerQuery != 0) continue;
       const int err = query_(stream_);
@@ -544,7 +592,90 @@ class DecodePlanner {
       if (!set()) return kNoSignal;
     }
     __atomic_store_n(signal, 0, __ATOMIC_RELAXED);
+    if (guess != nullptr) __atomic_store_n(guess->signal, 0, __ATOMIC_RELAXED);
     return 0;
+  }
+
+  // The step a guessed routing would make, planned as `step` plans (the picks, the hits, the
+  // split of the misses, the most picked first to the device) on the cache as it is, changing
+  // none of it; where it runs experts on the CPU, its job's layout is kept (guess_layout_) and
+  // each worker is told which weights its first guess.rounds rounds of gate/up blocks read.
+  // Assumes every fill finds a slot (the real step may not: then the layouts differ).
+  void plan_guess(int64_t layer, const Guess& g) {
+    const int64_t R = g.T * top_k_;
+    guess_ids_.resize(size_t(R));
+    for (int64_t t = 0; t < g.T; ++t) top_k(g.logits + t * experts_, guess_ids_.data() + t * top_k_);
+    const int64_t* picks = picks_ + layer * experts_;
+    const int32_t* slot_of = slot_of_ + layer * experts_;
+    // the step's lists, free until the step itself plans after the wait
+    std::vector<int32_t>& routed = routed_;
+    std::vector<int32_t>& missing = missing_;
+    for (auto* v : {&routed, &missing, &pair_expert_, &pair_token_}) v->clear();
+    pair_weight_.clear();
+    for (const int32_t e : guess_ids_) {
+      if (tokens_[e]++ == 0) routed.push_back(e);
+    }
+    std::sort(routed.begin(), routed.end());
+    for (const int32_t e : routed) {
+      if (slot_of[e] < 0) missing.push_back(e);
+    }
+    const int64_t m = int64_t(missing.size());
+    const auto [q, split_j] = fetch_plan(m, g.fraction, g.chunks);
+    if (q < m) {
+      std::stable_sort(missing.begin(), missing.end(), [&](int32_t a, int32_t b) {
+        const int64_t pa = picks[a] + tokens_[a], pb = picks[b] + tokens_[b];
+        if (pa != pb) return pa > pb;
+        if (tokens_[a] != tokens_[b]) return tokens_[a] > tokens_[b];
+        return a < b;
+      });
+    }
+    const int32_t split_expert = split_j > 0 ? missing[q] : -1;
+    const int64_t split_row = split_j > 0 ? split_j * (inter_ / g.chunks) : 0;
+    for (int64_t i = q; i < m; ++i) where_[missing[i]] = kOnCpu;
+    for (int64_t r = 0; r < R; ++r) {
+      if (where_[guess_ids_[r]] != kOnCpu) continue;
+      pair_expert_.push_back(guess_ids_[r]);
+      pair_token_.push_back(int32_t(r / top_k_));
+      pair_weight_.push_back(0.0f);
+    }
+    for (const int32_t e : routed) tokens_[e] = 0, where_[e] = kNotRouted;
+    if (pair_expert_.empty()) return;
+    const auto pairs = int64_t(pair_expert_.size());
+    if (guess_job_ == nullptr || guess_job_->capacity() < pairs) {
+      guess_job_ = make_shell(pool_, simd_, weight_type_, std::max(pairs, R), inter_);
+    }
+    const ExpertProblem p{reinterpret_cast<const float*>(g.x), nullptr, reinterpret_cast<const void*>(w13_[layer]),
+                          reinterpret_cast<const void*>(w2_[layer]),
+                          g.T, hidden_, inter_, experts_, split_expert, split_row};
+    guess_job_->assign(p, pair_expert_.data(), pair_token_.data(), pair_weight_.data(), pairs);
+    guess_job_->own_gate_up(pool_, g.rounds, true);
+    layout(pair_expert_, split_expert, split_row, guess_layout_);
+    guess_layer_ = layer;
+  }
+
+  // The k largest of one token's logits, the lower id first on ties (as the router's top-k).
+  void top_k(const float* logits, int32_t* ids) {
+    chosen_.assign(size_t(experts_), 0);
+    for (int64_t j = 0; j < top_k_; ++j) {
+      int32_t best = -1;
+      for (int32_t e = 0; e < experts_; ++e) {
+        if (!chosen_[e] && (best < 0 || logits[e] > logits[best])) best = e;
+      }
+      chosen_[best] = 1;
+      ids[j] = best;
+    }
+  }
+
+  // What an expert job's gate/up blocks depend on: its pairs' experts (sorted: how many pairs
+  // each group has), the split expert and its first CPU row; into `out`, which it returns.
+  static const std::vector<int64_t>& layout(const std::vector<int32_t>& pair_expert,
+                                            int32_t split_expert, int64_t split_row,
+                                            std::vector<int64_t>& out) {
+    out.assign(pair_expert.begin(), pair_expert.end());
+    std::sort(out.begin(), out.end());
+    out.push_back(split_expert);
+    out.push_back(split_row);
+    return out;
   }
 
   // Prefetches what a step of `layer` reads of this planner's state into the CPU's caches: the
@@ -606,6 +737,13 @@ class DecodePlanner {
   // the CPU job the last step started, which the next step's wait works on (then none)
   std::shared_ptr<Job> last_job_;
   std::shared_ptr<ExpertJobShell> spare_job_;  // the next step's job, not assigned yet
+  // the guess of the step waited for (plan_guess): its job, never queued, lays out the blocks;
+  // guess_layer_ is the layer it was made for (-1: none with CPU work for this step)
+  std::shared_ptr<ExpertJobShell> guess_job_;
+  std::vector<int64_t> guess_layout_, layout_;
+  std::vector<int32_t> guess_ids_;
+  std::vector<int8_t> chosen_;
+  int64_t guess_layer_ = -1;
   // a step's lists (kept for their room)
   std::vector<int32_t> routed_, before_, missing_, on_cpu_, pair_expert_, pair_token_;
   std::vector<std::pair<int32_t, int64_t>> admitted_;

@@ -118,7 +118,8 @@ float dot_row(const WT* row, const float* x, int64_t K, const WT* ahead) {
 class ExpertJobShell : public Job {
  public:
   // Pairs (expert pe[j], token pt[j], weight pw[j]), J <= capacity(), each in range (unchecked);
-  // p.I must be the shell's intermediate size. Once only, before the job is queued.
+  // p.I must be the shell's intermediate size. Before the job is queued; a shell that is never
+  // queued (the decode planner's guess of a step, for its layout) may be assigned again.
   virtual void assign(const ExpertProblem& p, const int32_t* pe, const int32_t* pt,
                       const float* pw, int64_t J) = 0;
   virtual int64_t capacity() const = 0;
@@ -180,6 +181,11 @@ class ExpertJob final : public ExpertJobShell {
       throw std::logic_error("an expert job was given more pairs than its room, or another I");
     }
     p_ = p;
+    for (auto* v : {&group_expert_, &group_start_, &token_}) v->clear();
+    weight_.clear();
+    x_row_.clear();
+    group_rows_.clear();
+    one_token_each_ = true;
     // the pairs grouped by expert, in their order within a group
     std::iota(order_.begin(), order_.begin() + J, 0);
     std::stable_sort(order_.begin(), order_.begin() + J,

@@ -312,6 +312,9 @@ class Pool {
     hint_.set(ranges, n, per_worker);
   }
 
+  // The hint the workers fetch now (PrefetchHint::read; for tests).
+  std::pair<std::vector<std::pair<uintptr_t, int64_t>>, int> hinted() const { return hint_.read(); }
+
   void push(std::shared_ptr<Job> job) {
     if (job->done()) return;
     if ((reinterpret_cast<uintptr_t>(job.get()) >> kVersionShift) != 0) {

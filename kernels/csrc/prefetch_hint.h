@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "simd.h"
 
@@ -44,6 +45,15 @@ class PrefetchHint {
     count_.store(n, std::memory_order_relaxed);
     per_worker_.store(std::max(0, per_worker), std::memory_order_relaxed);
     version_.store(v + 2, std::memory_order_release);
+  }
+
+  // The hint as it stands (for tests): its ranges, and how many of them are each worker's.
+  std::pair<std::vector<std::pair<uintptr_t, int64_t>>, int> read() const {
+    std::vector<std::pair<uintptr_t, int64_t>> ranges(size_t(count_.load()));
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      ranges[i] = {ranges_[i].address.load(), ranges_[i].bytes.load()};
+    }
+    return {ranges, per_worker_.load()};
   }
 
   // One step of worker `index`'s share (kStep bytes into L2); says whether it fetched anything.

@@ -38,9 +38,16 @@ def test_a_cpu_machine_gets_no_cuda_graphs_and_threads_up_to_its_cores() -> None
     assert "CUDA graphs do not apply" in why(plan, "--no-cuda-graph")
     # overlapped decode replays whole-step graphs: nothing to switch off on a CPU
     assert "CUDA graphs do not apply" in why(plan, "--no-overlap-decode")
+    # the guesses the CPU workers' prefetch needs come from the graphs' one-token pieces
+    assert "CUDA graphs do not apply" in why(plan, "--moe-cpu-prefetch-rounds")
     assert [k for k in keys(plan) if k.startswith("--moe-cpu-threads")] == ["--moe-cpu-threads=2"]
     gpu = make_plan([], MODEL, GPU_8, MODES["standard"], Objective("decode"))
     assert "--no-cuda-graph=on" in keys(gpu) and "--no-overlap-decode=on" in keys(gpu)
+    # rounds walked up from the default 0 (off): 1, then 2
+    prefetch = [c for c in gpu.candidates if c.change.flag == "--moe-cpu-prefetch-rounds"]
+    assert [(c.change.value, c.walk) for c in prefetch] == [("1", "up"), ("2", "up")]
+    prefill = make_plan([], MODEL, GPU_8, MODES["quick"], Objective("prefill"))
+    assert "moves decode tok/s" in why(prefill, "--moe-cpu-prefetch-rounds")
     threads = [c for c in gpu.candidates if c.change.flag == "--moe-cpu-threads"]
     # from the default of 7 (cores less one): up to 8, then down 4, 2, 1
     assert [(c.change.value, c.walk) for c in threads] == [

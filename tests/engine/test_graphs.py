@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -11,12 +12,14 @@ import torch
 
 from moelab.engine import model as model_module
 from moelab.engine import staged_decode
+from moelab.engine.bench_decode import staged_lines
 from moelab.engine.graphs import DecodeGraphs
-from moelab.engine.h2d import address_of, host_functions, host_launch_functions
+from moelab.engine.h2d import QUERY_FUNCTION, address_of, host_functions, host_launch_functions
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import host_handoff
+from moelab.kernels.host_handoff import ROUTED
 
 from .reference import DEVICE, make_engine
 
@@ -374,6 +377,71 @@ def test_a_routing_that_never_signals_fails_the_step_clearly(checkpoint, monkeyp
     finally:
         engine.close()
     del driver
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
+def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_token(
+    checkpoint, monkeypatch
+):
+    """With --moe-cpu-prefetch-rounds, each one-token piece after an MoE layer sends a guess of
+    its routing ahead of it, which the planner's wait plans: the CPU jobs whose plan was guessed
+    run with their first blocks their workers' own, and every token is the eager steps' token.
+    The stand-in graphs run as they are launched, so each routing is there before its wait
+    begins; here it is cleared and set again 2 ms into the wait, as a GPU's would come after
+    the guess."""
+    prompts = PROMPTS[:1]  # one sequence: the size-1 graphs, which guess
+    expected = _eager_outputs(checkpoint, prompts, 24, *OFFLOADED)
+    calls = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
+    functions = list(host_functions(calls))
+    functions[1] = QUERY_FUNCTION(lambda stream: 600)  # the stream busy: the signals decide
+    addresses = tuple(address_of(f) for f in functions)
+    monkeypatch.setattr(staged_decode, "driver_functions", lambda: addresses)
+    launch_errors: list[BaseException] = []
+    launches = _host_launches(monkeypatch, calls, launch_errors)
+    engine = make_engine(checkpoint, *OFFLOADED, "--moe-cpu-prefetch-rounds", "2")
+    try:
+        moe = engine.moe
+        moe.planner_copies = moe.planner_launches = moe.split_misses = True
+        moe._planner = None
+        graphs = DecodeGraphs(
+            engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
+        )
+        graphs.capture()
+        engine.graphs = graphs
+        assert graphs.routing_guess is moe.guess_buffers() is not None
+        native = moe._decode_planner()
+        signal = moe._routing_signal
+        timers: list[threading.Timer] = []
+
+        class LateRouting:
+            def step(self, *args):
+                if signal[0]:
+                    signal[0] = 0
+                    timers.append(threading.Timer(0.002, signal.__setitem__, (0, ROUTED)))
+                    timers[-1].start()
+                return native.step(*args)
+
+        late = LateRouting()
+        monkeypatch.setattr(moe, "_decode_planner", lambda: late)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        staged = engine.telemetry.stats(running=0, queued=0, model_name="m")["experts"][
+            "staged_layer_us"
+        ]
+    finally:
+        engine.close()
+    assert outputs == expected and not launch_errors and timers
+    # every layer step but each token's first had a guess; those of CPU work told the workers
+    # what to fetch, and the jobs whose plan they named gave them their blocks
+    assert staged["cpu_jobs"] > 0 and 0 < staged["prefetched_jobs"] <= staged["guesses"]
+    assert staged["prefetched_jobs"] <= staged["cpu_jobs"]
+    assert moe._guess_host[1][0] == 0  # cleared with each routing's signal
+    # their layer steps' periods apart from the others' (plans marked "p"), and said by the bench
+    periods = staged["period_by_plan"]
+    prefetched = sum(p["steps"] for plan, p in periods.items() if plan.endswith("p"))
+    assert 0 < prefetched <= staged["prefetched_jobs"]
+    said = f"blocks (plans marked p): {staged['prefetched_jobs']} of {staged['cpu_jobs']}"
+    assert said in staged_lines(staged)
+    del launches
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -644,3 +644,105 @@ def test_a_failed_launch_is_an_error(cpu):
                        expected=True, launch=(1, 2))  # fmt: skip
     # the call had handed its epoch over: the next step's is past it
     assert r._handoff_sync.numpy()[EXPECTED] == epoch + 1 and r._epoch == epoch + 1
+
+
+Hint = tuple[list[tuple[int, int]], int]  # Pool.hinted(): the ranges, how many are each worker's
+
+
+def _hint_of(module, bank: ExpertBank, layer: int, pair_experts: list[int], split, rounds: int,
+             threads: int, task_bytes: int) -> tuple[Hint, int]:  # fmt: skip
+    """The hint a CPU job of these pairs gives the pool for its first `rounds` rounds of gate/up
+    blocks (`ExpertJobShell::own_gate_up`: its ranges and how many are each worker's), and how
+    many blocks that is, laid out here from the job's rules: its groups by expert, their rows (a
+    split expert's from its first CPU row), TaperedBlocks of them, block b worker b % threads's,
+    each block's gate and up rows of at most two groups."""
+    experts = sorted(set(pair_experts))
+    first = {e: split[2] if split is not None and split[0] == e else 0 for e in experts}
+    starts = np.cumsum([0] + [INTER - first[e] for e in experts])
+    row = HIDDEN * bank.w13[layer].element_size()
+    per_task = max(2, -(-(task_bytes // (2 * row)) // 2) * 2)
+    one_each = all(pair_experts.count(e) == 1 for e in experts)
+    bounds = module.tapered_blocks(int(starts[-1]), per_task, threads, 1 if one_each else 2)
+    per, owned = 4 * rounds, min(rounds * threads, len(bounds) - 1)
+    ranges = [(0, 0)] * (per * threads)
+    for b in range(owned):
+        at = (b % threads) * per + (b // threads) * 4
+        for g, e in enumerate(experts):
+            lo, hi = max(bounds[b], starts[g]), min(bounds[b + 1], starts[g + 1])
+            if lo >= hi or at == (b % threads) * per + (b // threads) * 4 + 4:
+                continue
+            gate = bank.w13[layer][e].data_ptr() + (first[e] + lo - starts[g]) * row
+            ranges[at : at + 2] = [(gate, (hi - lo) * row), (gate + INTER * row, (hi - lo) * row)]
+            at += 2
+    return (ranges, per), owned
+
+
+def test_a_guess_before_the_routing_has_the_workers_fetch_the_blocks_the_job_gives_them():
+    """A guess of the routing (its logits and signal, set before the routing's) is planned during
+    the wait: each worker is told the gate and up rows of its first blocks of the guessed CPU job
+    (Pool.hinted), and the real step, where it plans that job, gives the workers those blocks.
+    A wrong guess, or none, gives them none. Whatever the guess, the plans and the CPU's results
+    are those of a planner given no guesses, bit for bit (two runners in step)."""
+    gen = torch.Generator().manual_seed(14)
+    bank = _bank(gen)
+    rounds = 2
+    with CpuExpertRunner(2, "native", task_kb=1) as guessing, CpuExpertRunner(2, "native") as plain:
+        runners = [_runner(bank, 6, 0.39, cpu, 4) for cpu in (guessing, plain)]
+        functions = list(host_functions())
+        functions[1] = QUERY_FUNCTION(lambda stream: 600)  # busy: the routing's signal decides
+        planners = []
+        for r in runners:
+            r.split_misses, r.prefetch_rounds = True, rounds
+            planner = r._decode_planner()
+            planner.set_device(*(address_of(f) for f in functions), 0, 0,
+                               r.cache.w13.data_ptr(), r.cache.w2.data_ptr(), 2)  # fmt: skip
+            planners.append(planner)
+        signal, guess_signal = routing_signal(pin=False), routing_signal(pin=False)
+        logits = torch.zeros(1, EXPERTS)
+        rng = np.random.default_rng(14)
+        owned_steps = wrong_steps = 0
+        for step in range(18):
+            layer = step % LAYERS
+            ids = torch.from_numpy(_routes(rng, 1, 4))
+            weights, x = torch.rand(1, 4, generator=gen), torch.randn(1, HIDDEN, generator=gen)
+            kind = ("right", "wrong", "none")[step % 3]
+            # a wrong guess names none of the routed experts: its CPU job cannot be the real one
+            others = np.setdiff1d(np.arange(EXPERTS), ids[0].numpy())[:4]
+            named = ids[0] if kind == "right" else torch.from_numpy(others)
+            logits.copy_(torch.randn(1, EXPERTS, generator=gen) - 10)
+            logits[0, named.long()] = torch.arange(4, 0, -1, dtype=torch.float32)
+            outs = [torch.zeros(1, HIDDEN) for _ in runners]
+            steps = []
+            for r, planner, out, guess in zip(runners, planners, outs, (True, False), strict=True):
+                guess_signal[0] = ROUTED if guess and kind != "none" else 0
+                setter = threading.Timer(0.005, lambda: signal.__setitem__(0, ROUTED))
+                setter.start()
+                d, _ = r._native_step(
+                    planner, layer, ids, weights, x, out, False, sync=True, copies=True,
+                    signal=signal, guess=(logits, guess_signal) if guess else None,
+                )  # fmt: skip
+                setter.join()
+                assert signal[0] == 0 and guess_signal[0] == 0  # both cleared
+                steps.append(d)
+            d, same = steps
+            assert (d.experts, d.admitted, d.on_cpu, d.split) == (
+                same.experts,
+                same.admitted,
+                same.on_cpu,
+                same.split,
+            )
+            assert _state(runners[0]) == _state(runners[1])
+            assert not same.guessed and same.owned_blocks == 0
+            if d.job is None:
+                continue
+            assert torch.equal(d.job.wait(), same.job.wait())  # bit for bit
+            pairs = [e for e in ids[0].tolist() if e in d.on_cpu]
+            hint, owned = _hint_of(guessing._module, bank, layer, pairs, d.split, rounds, 2, 1024)
+            if kind == "right":  # told its blocks, and given them
+                assert d.guessed and d.owned_blocks == owned > 0
+                assert guessing._pool.hinted() == hint
+                owned_steps += 1
+            else:  # a wrong guess told the workers of other blocks (where it had CPU work)
+                assert d.owned_blocks == 0 and not (kind == "none" and d.guessed)
+                wrong_steps += d.guessed
+        assert owned_steps >= 3 and wrong_steps >= 3

@@ -33,6 +33,7 @@ from moelab.kernels import (
     rmsnorm,
     rope_kv,
     route,
+    route_guess,
     router,
 )
 
@@ -143,6 +144,12 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
         route.route_triton(x, router_w, TOP_K, True, host=host, signal=signal)
         # (signal_routing's kernel: its wrapper wants pinned memory with a GPU's routing)
         host_handoff._signal_kernel[(1,)](signal, PTX=True, PDL=True, launch_pdl=True, num_warps=1)
+    # a one-token piece's guess of its routing, ahead of it (--moe-cpu-prefetch-rounds)
+    route_guess.guess_to_host_triton(
+        torch.randn(1, HIDDEN, dtype=BF16), torch.ones(HIDDEN),
+        torch.randn(EXPERTS, HIDDEN, dtype=BF16), torch.zeros(1, EXPERTS),
+        host_handoff.routing_signal(pin=False),
+    )  # fmt: skip
     for tokens in (1, 8):  # an offloaded decode layer's CPU part, awaited on the device
         part = torch.zeros(tokens, HIDDEN)
         for parts in (1, 2):  # the routes of the cached experts (and of the filled ones)

@@ -27,6 +27,7 @@ KERNELS = {
     "_rmsnorm_kernel",
     "_topk_softmax_kernel",
     "_route_kernel",
+    "_guess_kernel",
     "_one_token_kernel",
     "_tokens_kernel",
     "_sum_splits_kernel",
@@ -59,6 +60,7 @@ def test_kernels_compile_for_hopper_within_its_limits():
             assert k["waits_for_previous"], k
             # each releases the next kernel at its start, but decode attention's wide slice grid
             assert k["releases_early"] == (k["kernel"] not in RELEASED_AT_END), k
-    # the routing's signal: the one-launch router with it, and the kernel that follows the copy
+    # the routing's signal: the one-launch router with it, and the kernel that follows the copy;
+    # the guess's, the guess's kernel
     signalling = {k["kernel"] for k in kernels if k["signals_host"]}
-    assert signalling == {"_route_kernel", "_signal_kernel"}, signalling
+    assert signalling == {"_route_kernel", "_signal_kernel", "_guess_kernel"}, signalling

@@ -1,0 +1,191 @@
+"""A guess of an MoE layer's routing, sent to the host early (`guess_to_host`): the layer's
+router logits computed from the residual stream as it stands before the layer's attention,
+stored straight into pinned host memory, then a signal of their own.
+
+In offloaded decode the CPU workers sit idle from the end of one layer's CPU job until the next
+layer's routing reaches the host: the device's chain from the sum through attention to the router
+(about 30 µs on an H200). With a guess of that routing made right after the sum, the host plans
+the step it will probably get and tells each worker which weights its first blocks will read
+(`Pool::hint`); they fetch them into their own caches during the wait, and the real job, where
+its plan matches, hands them those same blocks (kernels/csrc/decode_planner.h).
+
+The guess's input is the layer's attention input x = rmsnorm(r) * w_in (the residual r just
+after the MoE layer before, normalized by the layer's input norm), rescaled by
+`scale = w_post / w_in` to rmsnorm(r) * w_post: the router's input as it would be if attention
+added nothing. On this project's synthetic Qwen3-30B-A3B geometry (4 layers, routing skew 1,
+CPU) it names 95% of the routed experts (docs/performance.md, thirtieth session).
+
+The logits are fp32 and not rounded to the model's dtype: only the host's top-k reads them. One
+launch: each program stores its block of experts' logits for every token into host memory, an
+integer atomic counts the programs, and the last one sets the signal (`host_handoff.signal_host`:
+a host that sees it sees every program's logits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import common, host_handoff
+
+# Most tokens a guess takes (a decode batch), and experts per program.
+GUESS_MAX_TOKENS = 16
+GUESS_BLOCK_E = 2
+# Elements of the [tokens, experts, H-step] product a program multiplies per step.
+GUESS_TILE_ELEMENTS = 2048
+# One counter per device, of the programs of the guess launch in flight.
+_GUESS_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def guess_scale(input_norm: torch.Tensor, post_norm: torch.Tensor) -> torch.Tensor:
+    """fp32 [H]: post_norm / input_norm, 0 where input_norm is 0 (that element of the attention
+    input carries nothing of the residual to rescale)."""
+    a, b = input_norm.float(), post_norm.float()
+    return torch.where(a != 0, b / torch.where(a != 0, a, 1.0), 0.0)
+
+
+def guess_to_host_ref(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    router_w: torch.Tensor,
+    logits_h: torch.Tensor,
+    signal: torch.Tensor,
+) -> None:
+    """Reference: logits_h[:] = (x * scale) @ router_w^T in fp32 (x [T, H], scale fp32 [H],
+    router_w [E, H]; logits_h fp32 [T, E] in host memory), then the signal set. Queued, not
+    waited for, on a GPU (pinned destinations)."""
+    _check_guess(x, scale, router_w, logits_h, signal)
+    logits = F.linear(x.float() * scale, router_w.float())
+    logits_h.copy_(logits, non_blocking=True)
+    host_handoff.signal_routing(signal, x.device)
+
+
+@triton.jit
+def _guess_kernel(
+    x_ptr, scale_ptr, w_ptr, logits_h_ptr, counter_ptr, signal_ptr,
+    num_tokens, num_experts, hidden, stride_x, stride_w,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+    PTX: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    common.pdl_start(PDL)
+    pid = tl.program_id(0)
+    t_idx = tl.arange(0, BLOCK_T)
+    t_ok = t_idx < num_tokens
+    e_idx = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e_idx < num_experts
+    w_rows = w_ptr + e_idx[:, None].to(tl.int64) * stride_w
+    x_rows = x_ptr + t_idx[:, None] * stride_x
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for h0 in tl.range(0, hidden, BLOCK_H, num_stages=STAGES):
+        h_idx = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h_idx < hidden
+        w = tl.load(w_rows + h_idx[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
+        xs = tl.load(x_rows + h_idx[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+        s = tl.load(scale_ptr + h_idx, mask=h_ok, other=0.0)
+        # in fp32, no tl.dot: one token's logits are a handful of dot products
+        xs = xs.to(tl.float32) * s[None, :]
+        acc += tl.sum(xs[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    tl.store(
+        logits_h_ptr + t_idx[:, None] * num_experts + e_idx[None, :],
+        acc,
+        mask=t_ok[:, None] & e_ok[None, :],
+    )
+    # every thread's logits stored before the one thread's atomic, whose release covers them
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        # the last program: every program's logits are stored (their releases, this acquire)
+        host_handoff.signal_host(signal_ptr, PTX)
+        tl.store(counter_ptr, 0)  # every program has counted: zero for the next launch
+
+
+def guess_to_host_triton(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    router_w: torch.Tensor,
+    logits_h: torch.Tensor,
+    signal: torch.Tensor,
+) -> None:
+    """Triton: the same in one launch, storing into the (pinned) host memory from the device;
+    graph-capturable. Launches on one device share a counter: issue them one at a time."""
+    _check_guess(x, scale, router_w, logits_h, signal)
+    num_tokens, hidden = x.shape
+    num_experts = router_w.shape[0]
+    block_t = common.next_pow2(num_tokens)
+    block_h = min(
+        common.next_pow2(hidden), common.next_pow2(GUESS_TILE_ELEMENTS // (block_t * GUESS_BLOCK_E))
+    )
+    _guess_kernel[(triton.cdiv(num_experts, GUESS_BLOCK_E),)](
+        x, scale, router_w, logits_h, _guess_counter(x.device), signal,
+        num_tokens, num_experts, hidden, x.stride(0), router_w.stride(0),
+        BLOCK_T=block_t, BLOCK_E=GUESS_BLOCK_E, BLOCK_H=block_h, STAGES=3,
+        PTX=common.inline_ptx(x.device), num_warps=1, **common.pdl_launch(x.device),
+    )  # fmt: skip
+
+
+def guess_to_host(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    router_w: torch.Tensor,
+    logits_h: torch.Tensor,
+    signal: torch.Tensor,
+) -> None:
+    """A guess of a layer's router logits from x (its attention input) into host memory, then
+    the guess's signal: the one-launch Triton kernel on a GPU, the reference elsewhere."""
+    if x.is_cuda:
+        guess_to_host_triton(x, scale, router_w, logits_h, signal)
+    else:
+        guess_to_host_ref(x, scale, router_w, logits_h, signal)
+
+
+def _guess_counter(device: torch.device) -> torch.Tensor:
+    """The device's int32 count of guess programs done: zeroed once, back to zero after each
+    launch. Made outside a CUDA graph capture (a capture would zero it only at its replays)."""
+    if device not in _GUESS_COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "guess_to_host's first call on a device must come before a CUDA graph capture "
+                "(it makes the device's counter): call it once eagerly, as a warm-up does"
+            )
+        _GUESS_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _GUESS_COUNTERS[device]
+
+
+def _check_guess(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    router_w: torch.Tensor,
+    logits_h: torch.Tensor,
+    signal: torch.Tensor,
+) -> None:
+    """x [T, H] (1 <= T <= GUESS_MAX_TOKENS) and router_w [E, H] of one dtype, rows contiguous,
+    scale contiguous fp32 [H] on their device; logits_h contiguous fp32 [T, E] in host memory
+    (pinned with x on a GPU); the signal a `host_handoff.routing_signal`. Metadata only."""
+    if x.dim() != 2 or router_w.dim() != 2 or router_w.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"x must be [T, H] and router_w [num_experts, H]: got {tuple(x.shape)} and "
+            f"{tuple(router_w.shape)}"
+        )
+    num_tokens, hidden = x.shape
+    if not 1 <= num_tokens <= GUESS_MAX_TOKENS:
+        raise ValueError(f"x has {num_tokens} tokens: a guess takes 1 to {GUESS_MAX_TOKENS}")
+    if x.dtype != router_w.dtype:
+        raise ValueError(f"x and router_w must share one dtype, got {x.dtype} and {router_w.dtype}")
+    common.tl_dtype(x.dtype)
+    common.check_last_dim_contiguous("x", x)
+    common.check_last_dim_contiguous("router_w", router_w)
+    if scale.dtype != torch.float32 or scale.shape != (hidden,) or not scale.is_contiguous():
+        raise ValueError(f"scale must be contiguous fp32 [{hidden}], got {scale.dtype} "
+                         f"{tuple(scale.shape)}")  # fmt: skip
+    common.check_same_device(x=x, router_w=router_w, scale=scale)
+    shape = (num_tokens, router_w.shape[0])
+    if logits_h.dtype != torch.float32 or logits_h.shape != shape or not logits_h.is_contiguous():
+        raise ValueError(f"logits_h must be contiguous fp32 {list(shape)}, got {logits_h.dtype} "
+                         f"{list(logits_h.shape)}")  # fmt: skip
+    if logits_h.device.type != "cpu":
+        raise ValueError(f"logits_h must be in host memory, got a tensor on {logits_h.device}")
+    if x.is_cuda and not logits_h.is_pinned():
+        raise ValueError("with x on a GPU, logits_h must be pinned host memory (pin_memory())")
+    host_handoff.check_signal(signal, x.device)
