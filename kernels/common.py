@@ -173,3 +173,19 @@ def round_to(x, dtype: tl.constexpr):
         return x.to(tl.float16).to(tl.float32)
     else:
         return x
+
+
+def device_counter(
+    counters: dict[torch.device, torch.Tensor], device: torch.device, who: str
+) -> torch.Tensor:
+    """The device's int32 count of a kernel's programs done (`counters` holds one per device):
+    zeroed once, and back to zero at the end of each launch (its last program zeroes it). Made
+    outside a CUDA graph capture, where its zeroing would run only at the graph's replays."""
+    if device not in counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{who}'s first call on a device must come before a CUDA graph capture "
+                "(it makes the device's counter): call it once eagerly, as a warm-up does"
+            )
+        counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counters[device]

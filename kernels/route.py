@@ -80,6 +80,31 @@ def route_ref(
 
 
 @triton.jit
+def logits_block(
+    x_ptr, w_ptr, scale_ptr, t_idx, t_ok, e_idx, e_ok, hidden, stride_x, stride_w,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+    SCALED: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_T, BLOCK_E]: the tokens t_idx of x [T, H] (times scale [H] fp32 where
+    SCALED) dotted with the rows e_idx of w [E, H], over H in steps of BLOCK_H."""
+    w_rows = w_ptr + e_idx[:, None].to(tl.int64) * stride_w
+    x_rows = x_ptr + t_idx[:, None] * stride_x
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    # num_stages on the loop itself: the launch's num_stages pipelines only loads that feed tl.dot.
+    for h0 in tl.range(0, hidden, BLOCK_H, num_stages=STAGES):
+        h_idx = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h_idx < hidden
+        w = tl.load(w_rows + h_idx[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
+        xs = tl.load(x_rows + h_idx[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+        xs = xs.to(tl.float32)
+        if SCALED:
+            xs = xs * tl.load(scale_ptr + h_idx, mask=h_ok, other=0.0)[None, :]
+        # Multiplied and added in fp32 (no tl.dot: the products of bf16 operands are exact).
+        acc += tl.sum(xs[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
 def _route_kernel(
     x_ptr,
     w_ptr,
@@ -118,18 +143,10 @@ def _route_kernel(
     t_ok = t_idx < num_tokens
     e_idx = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e_idx < num_experts
-    w_rows = w_ptr + e_idx[:, None].to(tl.int64) * stride_w
-    x_rows = x_ptr + t_idx[:, None] * stride_x
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    # num_stages on the loop itself: the launch's num_stages pipelines only loads that feed tl.dot.
-    for h0 in tl.range(0, hidden, BLOCK_H, num_stages=STAGES):
-        h_idx = h0 + tl.arange(0, BLOCK_H)
-        h_ok = h_idx < hidden
-        w = tl.load(w_rows + h_idx[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-        xs = tl.load(x_rows + h_idx[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
-        # Multiplied and added in fp32 (no tl.dot: the products of bf16 operands are exact).
-        prod = xs.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        acc += tl.sum(prod, axis=2)
+    acc = logits_block(
+        x_ptr, w_ptr, x_ptr, t_idx, t_ok, e_idx, e_ok, hidden, stride_x, stride_w,
+        BLOCK_T, BLOCK_E, BLOCK_H, STAGES, False,
+    )  # fmt: skip
     # Rounded to the model's dtype, as HF's router linear gives them; kept in fp32 scratch.
     logits = round_to(acc, x_ptr.dtype.element_ty)
     tl.store(
@@ -286,17 +303,8 @@ def _route_block_e(num_experts: int, hidden: int, itemsize: int, program_bytes: 
 
 
 def _route_counter(device: torch.device) -> torch.Tensor:
-    """The device's int32 count of `route` programs done: zeroed once, and back to zero at the
-    end of each launch."""
-    if device not in _ROUTE_COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # made in a capture, its zeroing would run only at the graph's replays
-            raise RuntimeError(
-                "route's first call on a device must come before a CUDA graph capture "
-                "(it makes the device's counter): call it once eagerly, as a warm-up does"
-            )
-        _ROUTE_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _ROUTE_COUNTERS[device]
+    """The device's int32 count of `route` programs done (`common.device_counter`)."""
+    return common.device_counter(_ROUTE_COUNTERS, device, "route")
 
 
 def _check_route(

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from . import common, host_handoff
+from .route import logits_block
 
 # Most tokens a guess takes (a decode batch), and experts per program.
 GUESS_MAX_TOKENS = 16
@@ -75,18 +76,10 @@ def _guess_kernel(
     t_ok = t_idx < num_tokens
     e_idx = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e_idx < num_experts
-    w_rows = w_ptr + e_idx[:, None].to(tl.int64) * stride_w
-    x_rows = x_ptr + t_idx[:, None] * stride_x
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for h0 in tl.range(0, hidden, BLOCK_H, num_stages=STAGES):
-        h_idx = h0 + tl.arange(0, BLOCK_H)
-        h_ok = h_idx < hidden
-        w = tl.load(w_rows + h_idx[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-        xs = tl.load(x_rows + h_idx[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
-        s = tl.load(scale_ptr + h_idx, mask=h_ok, other=0.0)
-        # in fp32, no tl.dot: one token's logits are a handful of dot products
-        xs = xs.to(tl.float32) * s[None, :]
-        acc += tl.sum(xs[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    acc = logits_block(
+        x_ptr, w_ptr, scale_ptr, t_idx, t_ok, e_idx, e_ok, hidden, stride_x, stride_w,
+        BLOCK_T, BLOCK_E, BLOCK_H, STAGES, True,
+    )  # fmt: skip
     tl.store(
         logits_h_ptr + t_idx[:, None] * num_experts + e_idx[None, :],
         acc,
@@ -141,16 +134,8 @@ def guess_to_host(
 
 
 def _guess_counter(device: torch.device) -> torch.Tensor:
-    """The device's int32 count of guess programs done: zeroed once, back to zero after each
-    launch. Made outside a CUDA graph capture (a capture would zero it only at its replays)."""
-    if device not in _GUESS_COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "guess_to_host's first call on a device must come before a CUDA graph capture "
-                "(it makes the device's counter): call it once eagerly, as a warm-up does"
-            )
-        _GUESS_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _GUESS_COUNTERS[device]
+    """The device's int32 count of guess programs done (`common.device_counter`)."""
+    return common.device_counter(_GUESS_COUNTERS, device, "guess_to_host")
 
 
 def _check_guess(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|all]
 # (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first.
 set -uo pipefail
@@ -14,7 +14,8 @@ run() {  # name, command...: keep going when one step fails, record its status
   local t0=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
-  grep -E "^(decode|prefill) |^runs |passed|failed|^(paged_attention|fused_moe_decode) " "$out/$name.log" \
+  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^(paged_attention|fused_moe_decode) " \
+    "$out/$name.log" \
     | tail -5 | tee -a "$out/summary.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max,driver_version \
@@ -35,6 +36,13 @@ if [ "$part" = resident ]; then  # all experts resident: overlapped decode again
   run decode12_resident_b8 $B decode $G --routing-skew 1 --batch 8 --json
   run decode12_resident_profile $B decode $G --routing-skew 1 --json --kernel-profile
   run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json
+fi
+if [ "$part" = guess ]; then  # the CPU workers' prefetch of guessed blocks: its tests, then A/B pairs
+  run guess_tests python3 -m pytest -q -o "addopts=-ra --import-mode=append" -p no:cacheprovider \
+    tests/kernels/test_route_guess.py tests/engine/test_planner.py tests/engine/test_graphs.py
+  run guess_ab python3 scripts/ab_decode.py . . --pairs 2 --out "$out/ab" \
+    --b-flags "--moe-cpu-prefetch-rounds 2" -- $G --routing-skew 1 --moe-cache-rate 0.25 \
+    --repeats 2 --tokens 256
 fi
 if [ "$part" = prefill ]; then  # pp512 in three processes (a host-bound prefill varies by process)
   for i in 1 2 3; do
