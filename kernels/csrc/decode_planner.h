@@ -337,11 +337,7 @@ class DecodePlanner {
     const int64_t m = int64_t(missing.size());
     const auto [q, split_j] = fetch_plan(m, fetch_fraction, split_chunks);
     if (q < m) {
-      std::stable_sort(missing.begin(), missing.end(), [&](int32_t a, int32_t b) {
-        if (picks[a] != picks[b]) return picks[a] > picks[b];
-        if (tokens_[a] != tokens_[b]) return tokens_[a] > tokens_[b];
-        return a < b;
-      });
+      order_misses(missing, picks, false);
     }
     on_cpu.assign(missing.begin() + q, missing.end());
     for (int64_t i = 0; i < q; ++i) {
@@ -604,7 +600,9 @@ class DecodePlanner {
   void plan_guess(int64_t layer, const Guess& g) {
     const int64_t R = g.T * top_k_;
     guess_ids_.resize(size_t(R));
-    for (int64_t t = 0; t < g.T; ++t) top_k(g.logits + t * experts_, guess_ids_.data() + t * top_k_);
+    for (int64_t t = 0; t < g.T; ++t) {
+      top_k(g.logits + t * experts_, guess_ids_.data() + t * top_k_);
+    }
     const int64_t* picks = picks_ + layer * experts_;
     const int32_t* slot_of = slot_of_ + layer * experts_;
     // the step's lists, free until the step itself plans after the wait
@@ -622,12 +620,7 @@ class DecodePlanner {
     const int64_t m = int64_t(missing.size());
     const auto [q, split_j] = fetch_plan(m, g.fraction, g.chunks);
     if (q < m) {
-      std::stable_sort(missing.begin(), missing.end(), [&](int32_t a, int32_t b) {
-        const int64_t pa = picks[a] + tokens_[a], pb = picks[b] + tokens_[b];
-        if (pa != pb) return pa > pb;
-        if (tokens_[a] != tokens_[b]) return tokens_[a] > tokens_[b];
-        return a < b;
-      });
+      order_misses(missing, picks, true);
     }
     const int32_t split_expert = split_j > 0 ? missing[q] : -1;
     const int64_t split_row = split_j > 0 ? split_j * (inter_ / g.chunks) : 0;
@@ -644,13 +637,27 @@ class DecodePlanner {
     if (guess_job_ == nullptr || guess_job_->capacity() < pairs) {
       guess_job_ = make_shell(pool_, simd_, weight_type_, std::max(pairs, R), inter_);
     }
-    const ExpertProblem p{reinterpret_cast<const float*>(g.x), nullptr, reinterpret_cast<const void*>(w13_[layer]),
+    const ExpertProblem p{reinterpret_cast<const float*>(g.x), nullptr,
+                          reinterpret_cast<const void*>(w13_[layer]),
                           reinterpret_cast<const void*>(w2_[layer]),
                           g.T, hidden_, inter_, experts_, split_expert, split_row};
     guess_job_->assign(p, pair_expert_.data(), pair_token_.data(), pair_weight_.data(), pairs);
     guess_job_->own_gate_up(pool_, g.rounds, true);
     layout(pair_expert_, split_expert, split_row, guess_layout_);
     guess_layer_ = layer;
+  }
+
+  // The misses in the order the device takes them: the most picked first (with this step's routes
+  // counted: `pending` where picks does not hold them yet, as in a guess), then the ones with more
+  // tokens now, then the lower id.
+  void order_misses(std::vector<int32_t>& missing, const int64_t* picks, bool pending) const {
+    std::stable_sort(missing.begin(), missing.end(), [&](int32_t a, int32_t b) {
+      const int64_t pa = picks[a] + (pending ? tokens_[a] : 0);
+      const int64_t pb = picks[b] + (pending ? tokens_[b] : 0);
+      if (pa != pb) return pa > pb;
+      if (tokens_[a] != tokens_[b]) return tokens_[a] > tokens_[b];
+      return a < b;
+    });
   }
 
   // The k largest of one token's logits, the lower id first on ties (as the router's top-k).
