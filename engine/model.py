@@ -146,6 +146,8 @@ class StepState:
     # a piece after an MoE layer: host buffers (logits, signal) its first attention input sends
     # a guess of the piece's MoE routing to, ahead of it (kernels/route_guess.py)
     routing_guess: tuple[torch.Tensor, torch.Tensor] | None = None
+    # on a GPU, the guess's side stream and its input, until the join before the router (`_guess`)
+    guess_pending: tuple[torch.cuda.Stream, torch.Tensor] | None = None
 
 
 class Model:
@@ -186,6 +188,9 @@ class Model:
             guess_scale(layers[moe[p - 1] + 1].input_norm, layers[moe[p]].post_norm)
             for p in range(1, len(moe))
         ]
+        # the stream the guesses run on beside the piece's chain (`_guess`), made here: never
+        # during a graph's capture
+        self._guess_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def num_pieces(self) -> int:
@@ -235,6 +240,9 @@ class Model:
             state.x = self._attention_block(
                 last, w.layers[last], state, guess if last == first else None
             )
+            # joined before the router: the guess's signal comes before the routing's, whose wait
+            # clears both (kernels/csrc/decode_planner.h)
+            self._join_guess(state)
             self._route(last, piece, w.layers[last], state)
             return
         x = self._next_norm(w.final_norm, state)
@@ -277,7 +285,7 @@ class Model:
         else:
             x = self._next_norm(layer.input_norm, state)
         if guess is not None and state.routing_guess is not None:
-            self._guess(guess, x, state.routing_guess)
+            self._guess(guess, x, state)
         hidden = self._attention(index, layer, x, state.batch, state.rope)
         x, state.residual = fused_add_rmsnorm(hidden, state.residual, layer.post_norm, eps)
         return x
@@ -392,12 +400,35 @@ class Model:
         if self.on_router is not None:
             self.on_router(index, state.x, state.ids)
 
-    def _guess(self, piece: int, x: torch.Tensor, host: tuple[torch.Tensor, ...]) -> None:
+    def _guess(self, piece: int, x: torch.Tensor, state: StepState) -> None:
         """A guess of piece `piece`'s MoE routing, sent to the host ahead of it: the layer's
         router on x (rmsnorm of the residual just after the MoE layer before, times the input
-        norm's weight) rescaled to the router's own norm, as if attention added nothing."""
+        norm's weight) rescaled to the router's own norm, as if attention added nothing.
+
+        On a GPU it runs on a side stream, off the piece's chain (which would otherwise wait for
+        its launch before the attention), joined before the piece's router (`_join_guess`); x
+        is held until then, so that no kernel of the chain reuses its memory while it is read."""
         router = self.weights.layers[self.spec.moe_layers[piece]].router
-        guess_to_host(x, self._guess_scales[piece], router, *host)
+        assert state.routing_guess is not None
+        if not x.is_cuda:
+            guess_to_host(x, self._guess_scales[piece], router, *state.routing_guess)
+            return
+        side = self._guess_stream
+        assert side is not None
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            guess_to_host(x, self._guess_scales[piece], router, *state.routing_guess)
+        state.guess_pending = (side, x)
+
+    @staticmethod
+    def _join_guess(state: StepState) -> None:
+        """The piece's stream waits for its guess's side stream (a graph's capture must end
+        joined, and the routing's signal must come after the guess's), and the guess's input is
+        let go."""
+        if state.guess_pending is not None:
+            side, x = state.guess_pending
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            state.guess_pending = None
 
     def _next_norm(self, weight: torch.Tensor, state: StepState) -> torch.Tensor:
         """The residual add and the RMSNorm of `weight` on state.hidden; or their output already

@@ -2,7 +2,8 @@
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|all]
 # (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
-# On the device machine (torch and triton preinstalled): pip install --no-deps -e . first.
+# On the device machine (torch and triton preinstalled): pip install --no-deps -e . first, and the
+# wheels of scripts/device_wheels.sh (carry .whl) on PYTHONPATH.
 set -uo pipefail
 out=${1:?output directory}
 part=${2:-all}

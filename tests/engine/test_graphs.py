@@ -469,6 +469,36 @@ def test_offloaded_decode_replays_captured_pieces_on_cuda(checkpoint, split):
         assert counts == expected_counts and split_misses == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_guessed_routings_on_cuda_run_beside_the_chain_and_change_no_token(checkpoint):
+    """--moe-cpu-prefetch-rounds on CUDA: each one-token piece's guess runs on a side stream of
+    its captured graph, joined before the router (Model._guess); the guesses reach the host and
+    the tokens are the eager steps'. Whether the host plans a guess depends on its wait starting
+    before the routing comes, which on this small model it often does not (on the H200, no guess
+    was planned in three of four runs, one of two with the guess on the chain); the planning is
+    tested with a late routing on the CPU
+    (`test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_token`)."""
+    flags = ("--device", "cuda", "--moe-cache-size", "20", "--moe-miss-policy", "split:0.5")
+    prompts = PROMPTS[:1]  # one sequence: the size-1 graphs, which guess
+    expected = _eager_outputs(checkpoint, prompts, 24, *flags, "--no-cuda-graph")
+    engine = make_engine(checkpoint, *flags, "--moe-cpu-prefetch-rounds", "2")
+    try:
+        assert engine.config_in_force()["cuda_graph_mode"] == "piecewise"
+        assert engine.graphs.routing_guess is engine.moe.guess_buffers() is not None
+        logits, signal = engine.graphs.routing_guess
+        logits.fill_(0.0)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        cpu_jobs = engine.telemetry.stats(running=0, queued=0, model_name="m")["experts"][
+            "staged_layer_us"
+        ]["cpu_jobs"]
+    finally:
+        engine.close()
+    assert outputs == expected and cpu_jobs > 0
+    # the replayed pieces stored their guesses' logits (a router's, never all zero) and the
+    # waits cleared their signal with the routing's
+    assert torch.count_nonzero(logits) > 0 and signal[0] == 0
+
+
 def _resident_engine_with_replay_graphs(checkpoint, *flags: str):
     """An all-resident engine on the CPU whose decode steps replay whole-step stand-in graphs."""
     engine = make_engine(checkpoint, *flags)
