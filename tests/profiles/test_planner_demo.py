@@ -25,6 +25,7 @@ from moelab.daemon.service import Daemon
 from moelab.engine.launch import get_json
 from moelab.engine.memory import activation_bytes
 from moelab.engine.spec import ModelSpec
+from moelab.profiles.planner import MIN_FIT_STEPS
 from tests.daemon.conftest import asgi_client, make_daemon, wait_for
 
 CONTEXTS = (1536, 2048)
@@ -158,13 +159,23 @@ def test_planner_predicts_the_demo_at_two_contexts(
     for kv in CONTEXTS:
         print(f"context {kv}: miss cost {measured[kv]['miss_cost']}; {predicted[kv]['basis']}")
     assert measured[first]["slots"] == 27 and measured[second]["slots"] == 6
-    # at 6 of 48 slots nearly every read misses (0-9% hits): the engine's fit cannot tell a miss
-    # from a read and says nothing, or a slope within twice its own error, whose jackknife counts
-    # the spells of slow steps (runs fitted 311 ± 175 and -256 ± 159 µs; least squares alone
-    # called 62 ± 26 to 673 ± 45 clear), so that run's misses are priced by bandwidth
+    # at 6 of 48 slots nearly every read misses (0-9% hits): the engine's fit can rarely tell a
+    # miss from a read and mostly says nothing, or a slope within twice its own error, whose
+    # jackknife counts the spells of slow steps (runs fitted 311 ± 175 and -256 ± 159 µs; least
+    # squares alone called 62 ± 26 to 673 ± 45 clear), so that run's misses are priced by
+    # bandwidth; where a run's slope does come out clear (seen once in CI's runs), the planner
+    # prices them at that slope. Either way the basis says which.
     fit = measured[second]["miss_cost"]
-    assert fit["us_per_miss"] is None or fit["us_per_miss"] <= 2 * fit["stderr_us"], lines
-    assert "no clear price" in predicted[first]["basis"], lines
+    clear = (
+        fit["us_per_miss"] is not None
+        and fit["steps"] >= MIN_FIT_STEPS
+        and fit["us_per_miss"] > 2 * fit["stderr_us"]
+    )
+    basis = predicted[first]["basis"]
+    if clear:
+        assert "as its own" in basis and "no clear price" not in basis, lines
+    else:
+        assert "no clear price" in basis, lines
     assert measured[first]["miss_cost"]["steps"] > 500, lines
     for kv, other in ((first, second), (second, first)):
         p, m = predicted[kv], measured[kv]
