@@ -726,7 +726,7 @@ def staged_lines(staged: dict) -> str:
         out += (
             f"\nrouting guesses naming CPU work: {staged['guesses']}; CPU jobs whose workers had "
             f"fetched their first blocks (plans marked p): {staged['prefetched_jobs']} of "
-            f"{staged['cpu_jobs']}"
+            f"{staged['cpu_jobs']}; other layer steps with a guess: plans marked w"
         )
     if staged["boundary_us"] is not None:
         boundary = staged["boundary_us"]

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from moelab.engine import staged_decode
 from moelab.engine.bench_decode import staged_lines
 from moelab.engine.graphs import DecodeGraphs
 from moelab.engine.h2d import QUERY_FUNCTION, address_of, host_functions, host_launch_functions
+from moelab.engine.miss_plan import Dispatch
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
@@ -379,6 +381,21 @@ def test_a_routing_that_never_signals_fails_the_step_clearly(checkpoint, monkeyp
     del driver
 
 
+def test_a_layer_steps_plan_key_marks_its_split_and_its_guess():
+    """`_plan_key`: "q+c" (copied + on the CPU), "s" for a split miss, then "p" where the CPU
+    job's first blocks were its workers' (a matching guess), "w" where a guess of CPU work came
+    and the job was another, nothing where no such guess came."""
+
+    def dispatch(**fields) -> Dispatch:
+        none = np.zeros((1, 2), dtype=np.int64)
+        return Dispatch([3, 5, 9], [0, -1, -1], [5, 9], [(5, 1)], [9], none, None, **fields)
+
+    assert staged_decode._plan_key(dispatch()) == "1+1"
+    assert staged_decode._plan_key(dispatch(split=(9, 2, 16))) == "1+1s"
+    assert staged_decode._plan_key(dispatch(guessed=True, owned_blocks=4)) == "1+1p"
+    assert staged_decode._plan_key(dispatch(split=(9, 2, 16), guessed=True)) == "1+1sw"
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
 def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_token(
     checkpoint, monkeypatch
@@ -439,6 +456,10 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
     periods = staged["period_by_plan"]
     prefetched = sum(p["steps"] for plan, p in periods.items() if plan.endswith("p"))
     assert 0 < prefetched <= staged["prefetched_jobs"]
+    # the steps whose guess named another job (plans marked "w") apart too: with the prefetched
+    # ones, at most one a guess
+    wrong = sum(p["steps"] for plan, p in periods.items() if plan.endswith("w"))
+    assert prefetched + wrong <= staged["guesses"]
     said = f"blocks (plans marked p): {staged['prefetched_jobs']} of {staged['cpu_jobs']}"
     assert said in staged_lines(staged)
     del launches
