@@ -61,7 +61,7 @@ _positive_int = _whole_number(1)
 _non_negative_int = _whole_number(0)
 # rounds of a CPU job's blocks fetched ahead: each worker is told of at most 4 ranges a round, of
 # 256 for all workers (kernels/csrc/prefetch_hint.h), so 4 rounds on up to 16 workers
-_prefetch_rounds = _whole_number(0, 4)
+parse_prefetch_rounds = _whole_number(0, 4)
 
 
 def _rate(text: str) -> float:
@@ -253,7 +253,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     moe.add_argument(
         "--moe-cpu-prefetch-rounds",
-        type=_prefetch_rounds,
+        type=parse_prefetch_rounds,
         default=0,
         help="Offloaded decode at batch 1 (CUDA graphs, the native CPU kernel): each piece sends "
         "a guess of its MoE layer's routing to the host ahead of the routing, and the idle CPU "
@@ -438,7 +438,7 @@ def describe_flags(parser: argparse.ArgumentParser | None = None) -> list[dict]:
             flag = action.option_strings[-1]
             if isinstance(action, argparse._StoreTrueAction):
                 kind = "switch"
-            elif action.type in (int, _positive_int, _non_negative_int, _prefetch_rounds):
+            elif action.type in (int, _positive_int, _non_negative_int, parse_prefetch_rounds):
                 kind = "int"
             elif action.type in (float, _rate):
                 kind = "float"

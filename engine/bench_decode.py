@@ -25,7 +25,7 @@ import psutil
 import torch
 
 from ..kernels.cpu_experts import process_thread_ids
-from .args import _positive_int, add_engine_flags
+from .args import _positive_int, add_engine_flags, parse_prefetch_rounds
 from .moe_stats import CpuJobTimes, MissCostFit, StagedStepTimes
 
 
@@ -74,6 +74,16 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 help="timed runs in this process, each against the rates measured before and "
                 "after it; the median run's figures are printed, and each run's tok/s "
                 "(--profile profiles the first run)",
+            )
+            p.add_argument(
+                "--alternate-prefetch-rounds",
+                type=parse_prefetch_rounds,
+                default=None,
+                metavar="N",
+                help="compare two settings in one process: the timed runs alternate between "
+                "--moe-cpu-prefetch-rounds and N (the pieces send their guesses in both; with "
+                "0 the wait ignores them); each pair's tok/s ratio and each side's periods by "
+                "plan are printed",
             )
         else:
             p.add_argument("--prompt-tokens", type=int, default=2048)
@@ -415,9 +425,10 @@ def _evenness(picks: np.ndarray) -> float:
     return float(np.mean(out)) if out else float("nan")
 
 
-def _decode(engine, args) -> dict:
+def _decode(engine, args, sides: tuple[int, int] | None = None) -> dict:
     """`args.repeats` timed decode runs (after one warm-up) against the rates measured between
-    them: the median run's figures (by its share of the bound), with each run's in "runs"."""
+    them: the median run's figures (by its share of the bound), with each run's in "runs".
+    sides: the prefetch rounds the runs alternate between (A first; `alternation`)."""
     from .engine import settle_heap
     from .sampling import SamplingParams
 
@@ -436,22 +447,75 @@ def _decode(engine, args) -> dict:
     runs = []
     rates_before = concurrent_rates(engine)
     for i in range(args.repeats):
+        if sides is not None:
+            engine.moe.set_prefetch_rounds(sides[i % 2])
         timed = _timed_decode(engine, args, prompts, profile=args.profile and i == 0)
         rates_after = concurrent_rates(engine)
         rates = rates_around(rates_before, rates_after)
         runs.append(_against_the_bound(engine, args, timed, rates))
+        if sides is not None:
+            runs[-1]["prefetch_rounds"] = sides[i % 2]
+            runs[-1]["period_by_plan"] = timed["staged_layer_us"]["period_by_plan"]
         rates_before = rates_after
     if args.kernel_profile:  # more steps, after the timed ones (their counts are taken)
         _kernel_profile(engine, prompts, trace=args.trace)
     median = sorted(runs, key=lambda run: run["achieved_of_bound"])[(len(runs) - 1) // 2]
     config = engine.config_in_force()
+    fields = _RUN_FIELDS + (("prefetch_rounds", "period_by_plan") if sides else ())
     return {
         **median,
         "cuda_graphs": config["cuda_graph_mode"],
         "pdl": config["pdl"],
-        "runs": [{k: run[k] for k in _RUN_FIELDS} for run in runs],
+        "runs": [{k: run[k] for k in fields} for run in runs],
         "heap": heap,
+        **({"alternated": alternation(runs)} if sides else {}),
     }
+
+
+def alternation(runs: list[dict]) -> dict:
+    """An A/B comparison of alternating runs (A first, each run's `prefetch_rounds` saying its
+    side): each pair's B/A tok/s and their mean, and each side's layer step periods by plan
+    over all its runs (the steps' mean, weighted by their counts)."""
+    a_rounds = runs[0]["prefetch_rounds"]
+    a = [r for r in runs if r["prefetch_rounds"] == a_rounds]
+    b = [r for r in runs if r["prefetch_rounds"] != a_rounds]
+    # an odd number of runs leaves the last A run unpaired
+    ratios = [y["decode_tok_s"] / x["decode_tok_s"] for x, y in zip(a, b, strict=False)]
+
+    def periods(side: list[dict]) -> dict[str, dict[str, float]]:
+        merged: dict[str, list[float]] = {}
+        for run in side:
+            for plan, p in run["period_by_plan"].items():
+                total = merged.setdefault(plan, [0.0, 0.0])
+                total[0] += p["us"] * p["steps"]
+                total[1] += p["steps"]
+        return {plan: {"us": t / n, "steps": n} for plan, (t, n) in merged.items() if n}
+
+    return {
+        "rounds": [a_rounds, b[0]["prefetch_rounds"] if b else None],
+        "ratios": ratios,
+        "mean_ratio": float(np.mean(ratios)) if ratios else None,
+        "tok_s": [[r["decode_tok_s"] for r in a], [r["decode_tok_s"] for r in b]],
+        "period_by_plan": [periods(a), periods(b)],
+    }
+
+
+def alternation_lines(alt: dict) -> str:
+    """What `bench decode` prints of --alternate-prefetch-rounds: the pairs' B/A, their mean and
+    range, and each side's commonest plans' periods."""
+    (ra, rb), ratios = alt["rounds"], alt["ratios"]
+    if not ratios:
+        return f"\nalternated prefetch rounds {ra} (A) and {rb} (B): no pair ran"
+    out = (
+        f"\nalternated prefetch rounds {ra} (A) and {rb} (B), {len(ratios)} pairs: B/A tok/s "
+        + ", ".join(f"{r:.3f}" for r in ratios)
+        + f"; mean {alt['mean_ratio']:.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
+    )
+    for side, periods in zip("AB", alt["period_by_plan"], strict=True):
+        common = sorted(periods.items(), key=lambda kv: -kv[1]["steps"])[:10]
+        shown = ", ".join(f"{plan} {p['us']:.0f} ({p['steps']:.0f})" for plan, p in common)
+        out += f"\n{side}'s layer step periods by plan, µs (steps): {shown or 'none'}"
+    return out
 
 
 # What `--repeats` keeps of each run besides the median's whole result
@@ -740,10 +804,32 @@ def _run(args: argparse.Namespace) -> int:
     if getattr(args, "trace", None) is not None and not args.kernel_profile:
         print("moelab bench decode: --trace needs --kernel-profile", file=sys.stderr)
         return 2
+    sides = None
+    if getattr(args, "alternate_prefetch_rounds", None) is not None:
+        sides = (args.moe_cpu_prefetch_rounds, args.alternate_prefetch_rounds)
+        if sides[0] == sides[1] or args.repeats < 2:
+            print(
+                "moelab bench decode: --alternate-prefetch-rounds needs a number of rounds other "
+                "than --moe-cpu-prefetch-rounds' and --repeats 2 or more",
+                file=sys.stderr,
+            )
+            return 2
+        args.moe_cpu_prefetch_rounds = max(sides)  # the pieces are captured sending guesses
     with tempfile.TemporaryDirectory() as workdir:
         engine = _engine(args, Path(workdir))
         try:
-            result = _decode(engine, args) if args.bench == "decode" else _prefill(engine, args)
+            if sides is not None and (engine.graphs is None or engine.graphs.routing_guess is None):
+                print(
+                    "moelab bench decode: --alternate-prefetch-rounds needs pieces that send "
+                    "routing guesses: offloaded decode on CUDA with its graphs and the native "
+                    "planner",
+                    file=sys.stderr,
+                )
+                return 2
+            if args.bench == "decode":
+                result = _decode(engine, args, sides)
+            else:
+                result = _prefill(engine, args)
         finally:
             engine.close()
     spec = engine.spec
@@ -781,6 +867,8 @@ def _run(args: argparse.Namespace) -> int:
                 for run in result["runs"]
             )
         line += staged_lines(result["staged_layer_us"])
+        if "alternated" in result:
+            line += alternation_lines(result["alternated"])
         line += cpu_jobs_line(result["cpu_jobs"])
         if d := result.get("host_disturbance"):
             line += (

@@ -164,6 +164,18 @@ class StagedDecode:
             self._guess_host = (logits, routing_signal(pin=pin))
         return self._guess_host
 
+    def set_prefetch_rounds(self, rounds: int) -> None:
+        """Change the rounds of blocks the wait has the workers fetch from the guesses, between
+        runs (`bench decode --alternate-prefetch-rounds`): pieces captured with guesses keep
+        sending them, and with 0 the wait ignores them. More than 0 needs pieces that send
+        guesses (captured with `guess_buffers`). The device must be idle: the guess's signal is
+        cleared, so that no guess of a step the wait ignored passes for the next one's."""
+        if rounds > 0 and self._guess_host is None:
+            raise ValueError("no routing guesses are sent: the pieces were captured without them")
+        self.prefetch_rounds = rounds
+        if self._guess_host is not None:
+            self._guess_host[1].numpy()[0] = 0
+
     def route_slots_buffer(self, rows: int) -> torch.Tensor:
         """The host table [rows, K] int32 (pinned on CUDA) into which `stage_decode` writes each
         route's slot (`filled_mark` for a route its fills serve) and which `routed_cached`
@@ -236,6 +248,7 @@ class StagedDecode:
             # arrival and the CPU job's start: wait, plan, start the CPU job, queue the fills
             signal = self._routing_signal if self._signal_state == _EXPECTED else None
             guessed = guess and signal is not None and self._guess_host is not None
+            guessed = guessed and self.prefetch_rounds > 0  # 0: the guesses sent are ignored
             d, (_, plan_s, fill_s, launch_s) = self._native_step(
                 planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, copies=True,
                 route_slots=slots_h, signal=signal, expected=True, launch=launch,

@@ -15,7 +15,7 @@ run() {  # name, command...: keep going when one step fails, record its status
   local t0=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
-  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^(paged_attention|fused_moe_decode) " \
+  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^alternated |^(paged_attention|fused_moe_decode) " \
     "$out/$name.log" \
     | tail -5 | tee -a "$out/summary.txt"
 }
@@ -38,12 +38,15 @@ if [ "$part" = resident ]; then  # all experts resident: overlapped decode again
   run decode12_resident_profile $B decode $G --routing-skew 1 --json --kernel-profile
   run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json
 fi
-if [ "$part" = guess ]; then  # the CPU workers' prefetch of guessed blocks: its tests, then A/B pairs
+if [ "$part" = guess ]; then  # the CPU workers' prefetch of guessed blocks: its tests, then
+  # runs alternating 0 and 2 rounds in one process (two processes), the host's drift shared
   run guess_tests python3 -m pytest -q -o "addopts=-ra --import-mode=append" -p no:cacheprovider \
-    tests/kernels/test_route_guess.py tests/engine/test_planner.py tests/engine/test_graphs.py
-  run guess_ab python3 scripts/ab_decode.py . . --pairs 2 --out "$out/ab" \
-    --b-flags "--moe-cpu-prefetch-rounds 2" -- $G --routing-skew 1 --moe-cache-rate 0.25 \
-    --repeats 2 --tokens 256
+    tests/kernels/test_route_guess.py tests/engine/test_planner.py tests/engine/test_graphs.py \
+    tests/engine/test_cli.py -k "planner or graphs or guess or alternat or cuda"
+  for i in 1 2; do
+    run guess_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
+      --repeats 12 --alternate-prefetch-rounds 2 --json
+  done
 fi
 if [ "$part" = prefill ]; then  # pp512 in three processes (a host-bound prefill varies by process)
   for i in 1 2 3; do

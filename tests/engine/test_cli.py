@@ -18,6 +18,8 @@ from moelab.engine.bench_decode import (
     _TIMED_FIELDS,
     GcPauses,
     _against_the_bound,
+    alternation,
+    alternation_lines,
     host_disturbance,
     rates_around,
     staged_lines,
@@ -190,6 +192,69 @@ def test_bench_decode_repeats_report_each_run_and_the_median_runs_figures():
     assert len(json.loads(single.stdout)["runs"]) == 1 and "runs (" not in single.stderr
     refused = moelab(*flags, "--repeats", "0", check=False)
     assert refused.returncode == 2 and "--repeats" in refused.stderr
+
+
+def test_alternating_runs_compare_each_pair_and_each_sides_plans():
+    """--alternate-prefetch-rounds: runs A, B, A, B, A (the last A unpaired); each pair's B/A,
+    and each side's periods by plan merged over its runs, weighted by their steps."""
+    rng = np.random.default_rng()
+    tok_s = rng.uniform(200.0, 400.0, size=5)
+    runs = [
+        {
+            "prefetch_rounds": (0, 2)[i % 2],
+            "decode_tok_s": float(t),
+            "period_by_plan": {"0+1s": {"us": 100.0 + i, "steps": 10 * (i + 1)}}
+            | ({"0+1sp": {"us": 90.0, "steps": 5}} if i % 2 else {}),
+        }
+        for i, t in enumerate(tok_s)
+    ]
+    alt = alternation(runs)
+    assert alt["rounds"] == [0, 2]
+    assert alt["ratios"] == pytest.approx([tok_s[1] / tok_s[0], tok_s[3] / tok_s[2]])
+    assert alt["mean_ratio"] == pytest.approx(np.mean(alt["ratios"]))
+    a, b = alt["period_by_plan"]
+    assert a == {"0+1s": {"us": pytest.approx((100 * 10 + 102 * 30 + 104 * 50) / 90), "steps": 90}}
+    assert b["0+1s"] == {"us": pytest.approx((101 * 20 + 103 * 40) / 60), "steps": 60}
+    assert b["0+1sp"] == {"us": pytest.approx(90.0), "steps": 10}
+    text = alternation_lines(alt)
+    lo, hi = min(alt["ratios"]), max(alt["ratios"])
+    assert f"2 pairs: B/A tok/s {alt['ratios'][0]:.3f}, {alt['ratios'][1]:.3f}; mean " in text
+    assert f"({lo:.3f}–{hi:.3f})" in text
+    assert text.splitlines()[-1] == (
+        f"B's layer step periods by plan, µs (steps): 0+1s {b['0+1s']['us']:.0f} (60), "
+        "0+1sp 90 (10)"
+    )
+    assert "no pair ran" in alternation_lines(alternation(runs[:1]))
+
+
+def test_bench_decode_alternation_is_refused_where_it_cannot_compare():
+    """Without guessing pieces (the CPU: no native planner's copies), with the same rounds on
+    both sides, or with one run, --alternate-prefetch-rounds is a clear error."""
+    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
+             "--moe-cache-rate", "0.5", "--repeats", "2"]  # fmt: skip
+    if not torch.cuda.is_available():
+        r = moelab(*flags, "--alternate-prefetch-rounds", "2", check=False)
+        assert r.returncode == 2 and "needs pieces that send routing guesses" in r.stderr
+    for wrong in (["--moe-cpu-prefetch-rounds", "2"], ["--repeats", "1"]):
+        r = moelab(*flags, *wrong, "--alternate-prefetch-rounds", "2", check=False)
+        assert r.returncode == 2 and "needs a number of rounds other than" in r.stderr
+    r = moelab(*flags, "--alternate-prefetch-rounds", "5", check=False)
+    assert r.returncode == 2 and "--alternate-prefetch-rounds" in r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_decode_alternates_prefetch_rounds_on_cuda():
+    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "8", "--warmup", "2",
+             "--moe-cache-rate", "0.5", "--repeats", "4", "--json"]  # fmt: skip
+    r = moelab(*flags, "--alternate-prefetch-rounds", "2")
+    result = json.loads(r.stdout)
+    assert [run["prefetch_rounds"] for run in result["runs"]] == [0, 2, 0, 2]
+    alt = result["alternated"]
+    assert alt["rounds"] == [0, 2] and len(alt["ratios"]) == 2
+    assert "alternated prefetch rounds 0 (A) and 2 (B), 2 pairs" in r.stderr
+    # the A runs' waits ignored the guesses: none of their plans is marked
+    assert alt["period_by_plan"][0]
+    assert not any(plan.endswith(("p", "w")) for plan in alt["period_by_plan"][0])
 
 
 def test_bench_prefill_reports_each_repeat_and_profiles_host_and_kernels(tmp_path):

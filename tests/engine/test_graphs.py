@@ -444,9 +444,21 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
         staged = engine.telemetry.stats(running=0, queued=0, model_name="m")["experts"][
             "staged_layer_us"
         ]
+        # between runs (bench decode --alternate-prefetch-rounds), 0 rounds: the pieces still
+        # send guesses, the waits ignore them; then 2 again
+        again = []
+        for rounds in (0, 2):
+            moe.set_prefetch_rounds(rounds)
+            moe.staged_times = StagedStepTimes()
+            params = SamplingParams(max_tokens=24, ignore_eos=True)
+            again.append((engine.generate(prompts, params), moe.staged_times))
     finally:
         engine.close()
     assert outputs == expected and not launch_errors and timers
+    (ignored, ignoring), (resumed, resuming) = again
+    assert ignored == resumed == expected
+    assert ignoring.guesses == ignoring.prefetched_jobs == 0 and ignoring.cpu_jobs > 0
+    assert resuming.guesses > 0 and resuming.prefetched_jobs > 0
     # every layer step but each token's first had a guess; those of CPU work told the workers
     # what to fetch, and the jobs whose plan they named gave them their blocks
     assert staged["cpu_jobs"] > 0 and 0 < staged["prefetched_jobs"] <= staged["guesses"]
