@@ -81,9 +81,9 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 default=None,
                 metavar="N",
                 help="compare two settings in one process: the timed runs alternate between "
-                "--moe-cpu-prefetch-rounds and N (the pieces send their guesses in both; with "
-                "0 the wait ignores them); each pair's tok/s ratio and each side's periods by "
-                "plan are printed",
+                "--moe-cpu-prefetch-rounds (A) and N (B) in the order A B B A, repeated (the "
+                "pieces send their guesses in both; with 0 the wait ignores them); each pair's "
+                "tok/s ratio and each side's periods by plan are printed",
             )
         else:
             p.add_argument("--prompt-tokens", type=int, default=2048)
@@ -428,7 +428,7 @@ def _evenness(picks: np.ndarray) -> float:
 def _decode(engine, args, sides: tuple[int, int] | None = None) -> dict:
     """`args.repeats` timed decode runs (after one warm-up) against the rates measured between
     them: the median run's figures (by its share of the bound), with each run's in "runs".
-    sides: the prefetch rounds the runs alternate between (A first; `alternation`)."""
+    sides: the prefetch rounds the runs alternate between, A and B (`ab_side`, `alternation`)."""
     from .engine import settle_heap
     from .sampling import SamplingParams
 
@@ -448,13 +448,13 @@ def _decode(engine, args, sides: tuple[int, int] | None = None) -> dict:
     rates_before = concurrent_rates(engine)
     for i in range(args.repeats):
         if sides is not None:
-            engine.moe.set_prefetch_rounds(sides[i % 2])
+            engine.moe.set_prefetch_rounds(sides[ab_side(i)])
         timed = _timed_decode(engine, args, prompts, profile=args.profile and i == 0)
         rates_after = concurrent_rates(engine)
         rates = rates_around(rates_before, rates_after)
         runs.append(_against_the_bound(engine, args, timed, rates))
         if sides is not None:
-            runs[-1]["prefetch_rounds"] = sides[i % 2]
+            runs[-1]["prefetch_rounds"] = sides[ab_side(i)]
             runs[-1]["period_by_plan"] = timed["staged_layer_us"]["period_by_plan"]
         rates_before = rates_after
     if args.kernel_profile:  # more steps, after the timed ones (their counts are taken)
@@ -472,14 +472,22 @@ def _decode(engine, args, sides: tuple[int, int] | None = None) -> dict:
     }
 
 
+def ab_side(run: int) -> int:
+    """The side (0: A, 1: B) of timed run `run` when two settings alternate: A B B A, repeated,
+    so that each pair of runs (0 and 1, 2 and 3, ...) holds both, and a disturbance of the host
+    that comes every other run (seen on the H200's host) falls on both sides alike."""
+    return int(run % 4 in (1, 2))
+
+
 def alternation(runs: list[dict]) -> dict:
-    """An A/B comparison of alternating runs (A first, each run's `prefetch_rounds` saying its
-    side): each pair's B/A tok/s and their mean, and each side's layer step periods by plan
-    over all its runs (the steps' mean, weighted by their counts)."""
+    """An A/B comparison of alternating runs (`ab_side`'s order, each run's `prefetch_rounds`
+    saying its side): each pair's B/A tok/s and their mean, and each side's layer step periods
+    by plan over all its runs (the steps' mean, weighted by their counts)."""
     a_rounds = runs[0]["prefetch_rounds"]
     a = [r for r in runs if r["prefetch_rounds"] == a_rounds]
     b = [r for r in runs if r["prefetch_rounds"] != a_rounds]
-    # an odd number of runs leaves the last A run unpaired
+    # each pair's A and B are the same pair's (`ab_side`); an odd number of runs leaves the last
+    # one unpaired
     ratios = [y["decode_tok_s"] / x["decode_tok_s"] for x, y in zip(a, b, strict=False)]
 
     def periods(side: list[dict]) -> dict[str, dict[str, float]]:

@@ -45,7 +45,7 @@ if [ "$part" = guess ]; then  # the CPU workers' prefetch of guessed blocks: its
     tests/engine/test_cli.py -k "planner or graphs or guess or alternat or cuda"
   for i in 1 2; do
     run guess_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
-      --repeats 12 --alternate-prefetch-rounds 2 --json
+      --repeats 16 --alternate-prefetch-rounds 2 --json
   done
 fi
 if [ "$part" = prefill ]; then  # pp512 in three processes (a host-bound prefill varies by process)

@@ -18,6 +18,7 @@ from moelab.engine.bench_decode import (
     _TIMED_FIELDS,
     GcPauses,
     _against_the_bound,
+    ab_side,
     alternation,
     alternation_lines,
     host_disturbance,
@@ -195,33 +196,36 @@ def test_bench_decode_repeats_report_each_run_and_the_median_runs_figures():
 
 
 def test_alternating_runs_compare_each_pair_and_each_sides_plans():
-    """--alternate-prefetch-rounds: runs A, B, A, B, A (the last A unpaired); each pair's B/A,
+    """--alternate-prefetch-rounds: runs A, B, B, A, A (the last A unpaired); each pair's B/A,
     and each side's periods by plan merged over its runs, weighted by their steps."""
+    assert [ab_side(i) for i in range(8)] == [0, 1, 1, 0, 0, 1, 1, 0]
     rng = np.random.default_rng()
     tok_s = rng.uniform(200.0, 400.0, size=5)
     runs = [
         {
-            "prefetch_rounds": (0, 2)[i % 2],
+            "prefetch_rounds": (0, 2)[ab_side(i)],
             "decode_tok_s": float(t),
             "period_by_plan": {"0+1s": {"us": 100.0 + i, "steps": 10 * (i + 1)}}
-            | ({"0+1sp": {"us": 90.0, "steps": 5}} if i % 2 else {}),
+            | ({"0+1sp": {"us": 90.0, "steps": 5}} if ab_side(i) else {}),
         }
         for i, t in enumerate(tok_s)
     ]
     alt = alternation(runs)
     assert alt["rounds"] == [0, 2]
-    assert alt["ratios"] == pytest.approx([tok_s[1] / tok_s[0], tok_s[3] / tok_s[2]])
+    assert alt["ratios"] == pytest.approx([tok_s[1] / tok_s[0], tok_s[2] / tok_s[3]])
     assert alt["mean_ratio"] == pytest.approx(np.mean(alt["ratios"]))
     a, b = alt["period_by_plan"]
-    assert a == {"0+1s": {"us": pytest.approx((100 * 10 + 102 * 30 + 104 * 50) / 90), "steps": 90}}
-    assert b["0+1s"] == {"us": pytest.approx((101 * 20 + 103 * 40) / 60), "steps": 60}
+    assert a == {
+        "0+1s": {"us": pytest.approx((100 * 10 + 103 * 40 + 104 * 50) / 100), "steps": 100}
+    }
+    assert b["0+1s"] == {"us": pytest.approx((101 * 20 + 102 * 30) / 50), "steps": 50}
     assert b["0+1sp"] == {"us": pytest.approx(90.0), "steps": 10}
     text = alternation_lines(alt)
     lo, hi = min(alt["ratios"]), max(alt["ratios"])
     assert f"2 pairs: B/A tok/s {alt['ratios'][0]:.3f}, {alt['ratios'][1]:.3f}; mean " in text
     assert f"({lo:.3f}–{hi:.3f})" in text
     assert text.splitlines()[-1] == (
-        f"B's layer step periods by plan, µs (steps): 0+1s {b['0+1s']['us']:.0f} (60), "
+        f"B's layer step periods by plan, µs (steps): 0+1s {b['0+1s']['us']:.0f} (50), "
         "0+1sp 90 (10)"
     )
     assert "no pair ran" in alternation_lines(alternation(runs[:1]))
@@ -248,7 +252,7 @@ def test_bench_decode_alternates_prefetch_rounds_on_cuda():
              "--moe-cache-rate", "0.5", "--repeats", "4", "--json"]  # fmt: skip
     r = moelab(*flags, "--alternate-prefetch-rounds", "2")
     result = json.loads(r.stdout)
-    assert [run["prefetch_rounds"] for run in result["runs"]] == [0, 2, 0, 2]
+    assert [run["prefetch_rounds"] for run in result["runs"]] == [0, 2, 2, 0]
     alt = result["alternated"]
     assert alt["rounds"] == [0, 2] and len(alt["ratios"]) == 2
     assert "alternated prefetch rounds 0 (A) and 2 (B), 2 pairs" in r.stderr
