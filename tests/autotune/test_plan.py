@@ -43,9 +43,9 @@ def test_a_cpu_machine_gets_no_cuda_graphs_and_threads_up_to_its_cores() -> None
     assert [k for k in keys(plan) if k.startswith("--moe-cpu-threads")] == ["--moe-cpu-threads=2"]
     gpu = make_plan([], MODEL, GPU_8, MODES["standard"], Objective("decode"))
     assert "--no-cuda-graph=on" in keys(gpu) and "--no-overlap-decode=on" in keys(gpu)
-    # rounds walked up from the default 0 (off): 1, then 2
+    # rounds walked down from the default 4: 2, then 0 (off)
     prefetch = [c for c in gpu.candidates if c.change.flag == "--moe-cpu-prefetch-rounds"]
-    assert [(c.change.value, c.walk) for c in prefetch] == [("1", "up"), ("2", "up")]
+    assert [(c.change.value, c.walk) for c in prefetch] == [("2", "down"), ("0", "down")]
     prefill = make_plan([], MODEL, GPU_8, MODES["quick"], Objective("prefill"))
     assert "moves decode tok/s" in why(prefill, "--moe-cpu-prefetch-rounds")
     threads = [c for c in gpu.candidates if c.change.flag == "--moe-cpu-threads"]

@@ -250,7 +250,7 @@ def test_bench_decode_alternation_is_refused_where_it_cannot_compare():
 def test_bench_decode_alternates_prefetch_rounds_on_cuda():
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "8", "--warmup", "2",
              "--moe-cache-rate", "0.5", "--repeats", "4", "--json"]  # fmt: skip
-    r = moelab(*flags, "--alternate-prefetch-rounds", "2")
+    r = moelab(*flags, "--moe-cpu-prefetch-rounds", "0", "--alternate-prefetch-rounds", "2")
     result = json.loads(r.stdout)
     assert [run["prefetch_rounds"] for run in result["runs"]] == [0, 2, 2, 0]
     alt = result["alternated"]
