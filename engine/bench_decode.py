@@ -447,14 +447,15 @@ def _decode(engine, args, sides: tuple[int, int] | None = None) -> dict:
     runs = []
     rates_before = concurrent_rates(engine)
     for i in range(args.repeats):
-        if sides is not None:
-            engine.moe.set_prefetch_rounds(sides[ab_side(i)])
+        rounds = sides[ab_side(i)] if sides is not None else None
+        if rounds is not None:
+            engine.moe.set_prefetch_rounds(rounds)
         timed = _timed_decode(engine, args, prompts, profile=args.profile and i == 0)
         rates_after = concurrent_rates(engine)
         rates = rates_around(rates_before, rates_after)
         runs.append(_against_the_bound(engine, args, timed, rates))
-        if sides is not None:
-            runs[-1]["prefetch_rounds"] = sides[ab_side(i)]
+        if rounds is not None:
+            runs[-1]["prefetch_rounds"] = rounds
             runs[-1]["period_by_plan"] = timed["staged_layer_us"]["period_by_plan"]
         rates_before = rates_after
     if args.kernel_profile:  # more steps, after the timed ones (their counts are taken)

@@ -247,8 +247,8 @@ class StagedDecode:
             # the serial path in one native call, with nothing in Python between the routing's
             # arrival and the CPU job's start: wait, plan, start the CPU job, queue the fills
             signal = self._routing_signal if self._signal_state == _EXPECTED else None
-            guessed = guess and signal is not None and self._guess_host is not None
-            guessed = guessed and self.prefetch_rounds > 0  # 0: the guesses sent are ignored
+            # with 0 rounds (set between runs) the guesses the pieces still send are ignored
+            guessed = guess and self.prefetch_rounds > 0 and signal is not None
             d, (_, plan_s, fill_s, launch_s) = self._native_step(
                 planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, copies=True,
                 route_slots=slots_h, signal=signal, expected=True, launch=launch,
