@@ -25,7 +25,7 @@ from moelab.daemon.service import Daemon
 from moelab.engine.launch import get_json
 from moelab.engine.memory import activation_bytes
 from moelab.engine.spec import ModelSpec
-from moelab.profiles.planner import MIN_FIT_STEPS
+from moelab.profiles.planner import FIT_SIGMAS, MIN_FIT_STEPS
 from tests.daemon.conftest import asgi_client, make_daemon, wait_for
 
 CONTEXTS = (1536, 2048)
@@ -159,23 +159,26 @@ def test_planner_predicts_the_demo_at_two_contexts(
     for kv in CONTEXTS:
         print(f"context {kv}: miss cost {measured[kv]['miss_cost']}; {predicted[kv]['basis']}")
     assert measured[first]["slots"] == 27 and measured[second]["slots"] == 6
-    # at 6 of 48 slots nearly every read misses (0-9% hits): the engine's fit can rarely tell a
+    # at 6 of 48 slots nearly every read misses (0-21% hits): the engine's fit can rarely tell a
     # miss from a read and mostly says nothing, or a slope within twice its own error, whose
     # jackknife counts the spells of slow steps (runs fitted 311 ± 175 and -256 ± 159 µs; least
     # squares alone called 62 ± 26 to 673 ± 45 clear), so that run's misses are priced by
-    # bandwidth; where a run's slope does come out clear (seen once in CI's runs), the planner
-    # prices them at that slope. Either way the basis says which.
+    # bandwidth; where a run's slope does come out clear (CI's runs: 213 ± 82 µs for an expert
+    # whose bytes take 4), the planner prices a miss at the fit's lower bound, two standard
+    # errors below the slope, where that is above the bytes' price. The basis says which.
     fit = measured[second]["miss_cost"]
-    clear = (
-        fit["us_per_miss"] is not None
-        and fit["steps"] >= MIN_FIT_STEPS
-        and fit["us_per_miss"] > 2 * fit["stderr_us"]
-    )
     basis = predicted[first]["basis"]
-    if clear:
-        assert "as its own" in basis and "no clear price" not in basis, lines
-    else:
+    lower = (
+        fit["us_per_miss"] - FIT_SIGMAS * fit["stderr_us"]
+        if fit["us_per_miss"] is not None and fit["steps"] >= MIN_FIT_STEPS
+        else None
+    )
+    if lower is None or lower <= 0:
         assert "no clear price" in basis, lines
+    elif "as its own" in basis:
+        assert f"each miss costs {lower:.0f} µs as its own" in basis, lines
+    else:  # clear, but not above the bytes' price
+        assert "no clear price" in basis and f"they fitted {fit['us_per_miss']:.0f}" in basis
     assert measured[first]["miss_cost"]["steps"] > 500, lines
     for kv, other in ((first, second), (second, first)):
         p, m = predicted[kv], measured[kv]
@@ -193,6 +196,10 @@ def test_planner_predicts_the_demo_at_two_contexts(
         # the pairs in one test differed by up to 35%, where a miss here costs microseconds
         # and the model predicts a 1-6% change; so this bound is the machine's, not the model's
         assert abs(p["decode_tok_s"] / m["tok_s"] - 1) <= 0.5, lines
-        # uniform routing would say 56% at 27 slots where the engine hits about 70%; at 6 slots
-        # the engine hit 0-9% in one process or another and the model says 1-5%
-        assert abs(p["hit_rate"] - m["hit_rate"]) <= 0.15, lines
+        # at 27 slots the model said 0.67-0.76 where engines hit 0.70-0.72 (uniform routing
+        # would say 0.56). At 6 slots the engine's hits hang on how many misses it fetches, which
+        # the Bp / Bh it measures at its start set (1.4-2.9 GB/s on this VM): in three runs whose
+        # 6-slot engine measured Bp 1.4 it hit 16-21% of its reads, in seven others 0-2%, where
+        # the model, from the other run, said 0.03-0.09: the bound there is the engine's spread
+        bound = 0.1 if m["slots"] > 20 else 0.2
+        assert abs(p["hit_rate"] - m["hit_rate"]) <= bound, lines
