@@ -6,7 +6,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,13 +22,10 @@ def test_importing_mgr_loads_neither_torch_nor_numpy() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_mgr_answers_quickly_and_prints_the_url_and_token(tmp_path: Path, demo_model: Path) -> None:
-    began = time.monotonic()
+def test_mgr_prints_the_url_and_token(tmp_path: Path, demo_model: Path) -> None:
+    # what keeps its start short is test_importing_mgr_loads_neither_torch_nor_numpy's
     mgr = start_mgr(tmp_path / "data", "--models-dir", str(demo_model.parent))
-    ready_s = time.monotonic() - began
     try:
-        # a cold Python start plus SQLite set-up; torch alone would take longer than this
-        assert ready_s < 4.0, f"mgr took {ready_s:.2f} s to answer"
         output = wait_for(lambda: "control token" in mgr.output() and mgr.output(), 5, "banner")
         assert f"http://127.0.0.1:{mgr.port}/" in output
         assert mgr.token in output

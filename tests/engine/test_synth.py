@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -99,13 +98,20 @@ def test_incremental_decoding_never_splits_a_character(tiny):
     assert len(ids) > len([p for p in pieces if p])  # some tokens were partial characters
 
 
-def test_tiny_loads_well_under_a_second(tiny):
-    make_engine(tiny).close()  # first start writes the prepacked bank
-    t0 = time.perf_counter()
-    engine = make_engine(tiny)
-    elapsed = time.perf_counter() - t0
-    engine.close()
-    assert elapsed < 1.0, f"tiny preset took {elapsed:.2f} s to load"
+def test_a_second_start_maps_the_bank_the_first_one_wrote(tiny):
+    # start-up times are scripts/startup_times.py's (docs/performance.md); what keeps the second
+    # start short is that it writes nothing: the prepacked bank of the first is mapped as it is
+    make_engine(tiny).close()
+    (bank,) = (tiny / "bank").glob("*.bank.safetensors")
+    before = bank.stat()
+    make_engine(tiny).close()
+    (again,) = (tiny / "bank").glob("*.bank.safetensors")
+    after = again.stat()
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (
+        before.st_ino,
+        before.st_mtime_ns,
+        before.st_size,
+    )
 
 
 def test_presets_have_the_promised_sizes():
