@@ -59,8 +59,10 @@ def _whole_number(minimum: int, maximum: int | None = None):
 
 _positive_int = _whole_number(1)
 _non_negative_int = _whole_number(0)
-# rounds of a CPU job's blocks fetched ahead: each worker is told of at most 4 ranges a round, of
-# 256 for all workers (kernels/csrc/prefetch_hint.h), so 4 rounds on up to 16 workers
+# rounds of a CPU job's blocks fetched ahead, at most the 4 measured on the H200 (16 workers: 64
+# blocks, about one Qwen3-30B-A3B expert's gate and up rows); the hint holds 4 ranges a worker a
+# round, 1024 in all (kernels/csrc/prefetch_hint.h): 4 rounds for up to 64 workers, and more
+# workers are told of the rounds that fit
 parse_prefetch_rounds = _whole_number(0, 4)
 
 

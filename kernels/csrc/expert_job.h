@@ -156,15 +156,21 @@ class ExpertJob final : public ExpertJobShell {
     // a block spans at most kGroupsPerBlock groups' rows here (more only where experts have
     // fewer rows than a block: their first ones are fetched)
     constexpr int kGroupsPerBlock = 2;
-    const int per = int(2 * kGroupsPerBlock * rounds);
-    if (per * threads_ > PrefetchHint::kMaxRanges) return owned;
+    constexpr int kPerRound = 2 * kGroupsPerBlock;
+    // the rounds the hint holds for this many workers: their blocks are fetched, the rest of the
+    // owned ones are only owned
+    const int64_t hinted_rounds =
+        std::min<int64_t>(rounds, PrefetchHint::kMaxRanges / (kPerRound * threads_));
+    if (hinted_rounds < 1) return owned;
+    const int per = int(kPerRound * hinted_rounds);
+    const int64_t hinted = std::min(owned, hinted_rounds * threads_);
     std::vector<std::pair<const void*, int64_t>> ranges(size_t(per * threads_), {nullptr, 0});
     const int64_t row = p_.H * int64_t(sizeof(WT));
-    for (int64_t b = 0; b < owned; ++b) {
-      auto* out = ranges.data() + (b % threads_) * per + (b / threads_) * 2 * kGroupsPerBlock;
+    for (int64_t b = 0; b < hinted; ++b) {
+      auto* out = ranges.data() + (b % threads_) * per + (b / threads_) * kPerRound;
       int n = 0;
       for_each_part(b, [&](int64_t g, int64_t r_begin, int64_t r_end) {
-        if (n == 2 * kGroupsPerBlock) return;
+        if (n == kPerRound) return;
         const auto* gate = static_cast<const char*>(p_.w13) +
                            (int64_t(group_expert_[g]) * 2 * p_.I + r_begin) * row;
         out[n++] = {gate, (r_end - r_begin) * row};

@@ -19,7 +19,9 @@ namespace {
 // the wrong memory costs bandwidth, never a result. Written by one thread, read by the workers.
 class PrefetchHint {
  public:
-  static constexpr int kMaxRanges = 256;
+  // 4 ranges a worker a round (ExpertJob::own_gate_up): 4 rounds for up to 64 workers; more
+  // workers are told of the rounds that fit
+  static constexpr int kMaxRanges = 1024;
   static constexpr int64_t kStep = 1024;
 
   // A worker's place in the hint: the version it works on, its next range and the offset in it.

@@ -695,6 +695,38 @@ def test_jobs_profile_with_a_gap_and_owned_blocks_fetched() -> None:
             runner.jobs_profile(w13, w2, 2, 5, gap_us=-1.0)
 
 
+@pytest.mark.parametrize(("threads", "hinted_rounds"), [(20, 4), (70, 3)])
+def test_many_workers_are_told_of_the_rounds_the_hint_holds(threads: int, hinted_rounds: int):
+    """4 ranges a worker a round, 1024 in all: 20 workers are told of all 4 rounds of their
+    blocks (the hint once held 256 ranges and told more than 16 workers nothing), 70 of the 3
+    that fit; the blocks owned are 4 rounds' either way, and the output is the same bit for bit."""
+    gen = torch.Generator().manual_seed(SEED + threads)
+    num_experts, hidden, inter = 8, 64, 256
+    pairs = [(e, 0) for e in range(num_experts)]
+    args = make_inputs(gen, num_experts, hidden, inter, 1, pairs, torch.bfloat16)
+    _, w13, w2, *_ = args
+    with CpuExpertRunner(threads, "native", spin_us=0, task_kb=1) as runner:
+        plain = runner.run(*args)
+        poisoned = torch.full((1, hidden), float("nan"))
+        assert torch.equal(runner.submit(*args, out=poisoned, own_rounds=4).wait(), plain)
+        runner.jobs_profile(w13, w2, num_experts, 1, own_rounds=4, fetch_own=True)
+        ranges, per = runner._pool.hinted()
+    assert per == 4 * hinted_rounds and len(ranges) == per * threads <= 1024
+    # 2048 gate/up rows in blocks of a few rows (1 KiB tasks of 128-byte rows), more than 4
+    # rounds of them: each worker's every hinted round names its block's gate rows and the same
+    # rows of up, of one expert or two, in the bank
+    row, low, high = hidden * 2, w13.data_ptr(), w13.data_ptr() + w13.nbytes
+    for w in range(threads):
+        own = ranges[w * per : (w + 1) * per]
+        for r in range(hinted_rounds):
+            parts = [part for part in own[4 * r : 4 * r + 4] if part != (0, 0)]
+            assert len(parts) in (2, 4), (w, r, parts)
+            for gate, up in zip(parts[::2], parts[1::2], strict=True):
+                assert gate[1] == up[1] > 0 and gate[1] % row == 0
+                assert up[0] - gate[0] == inter * row
+                assert low <= gate[0] and up[0] + up[1] <= high
+
+
 def test_bench_with_a_gap_and_owned_rounds(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--threads", "2", "--experts", "1", "--hidden", "64", "--intermediate", "32"]
     argv += ["--num-experts", "6", "--min-seconds", "0.01", "--read-mib", "16", "--json"]
