@@ -160,8 +160,8 @@ class DecodeGraphs:
         # runs in order); elsewhere the host waits for the stream to go idle
         signals = piecewise and (dev.type != "cuda" or inline_ptx(dev))
         self.routing_signal = model.experts.routing_signal_buffer() if signals else None
-        # and where the executor wants them, a one-token piece after an MoE layer sends a guess
-        # of its routing ahead of it (kernels/route_guess.py), for the wait to plan
+        # and where the executor wants them, a one-token piece that ends in a router sends a
+        # guess of its routing ahead of it (kernels/route_guess.py), for the wait to plan
         self.routing_guess = model.experts.guess_buffers() if signals else None
         self.graphs: dict[int, list[Graph]] = {}
         self.outputs: dict[int, list[Outputs]] = {}  # per size, each graph's in capture order
@@ -235,9 +235,9 @@ class DecodeGraphs:
 
     def _guesses(self, bs: int, piece: int) -> bool:
         """Whether piece `piece` of batch size `bs` sends a guess of its routing: one token (a
-        guess of several tokens' jobs would rarely match), a piece after an MoE layer that ends
-        in a router."""
-        return self.routing_guess is not None and bs == 1 and 0 < piece < self.model.num_pieces - 1
+        guess of several tokens' jobs would rarely match), a piece that ends in a router (piece 0
+        too: its guess comes from the embedding)."""
+        return self.routing_guess is not None and bs == 1 and piece < self.model.num_pieces - 1
 
     def _whole(self, bs: int, state: StepState) -> Outputs:
         self._gather_inputs(bs)

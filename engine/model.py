@@ -181,12 +181,13 @@ class Model:
         self.timer = None  # a telemetry StepTimer while one step is being timed by phase
         # called with (layer, router input, routed expert ids) on every MoE layer, when set
         self.on_router: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        # per piece after an MoE layer (None for piece 0): what turns the piece's first attention
-        # input into its MoE layer's router input as if no attention came between (`_guess`)
+        # per piece that ends in a router: what turns the piece's first attention input (after
+        # the MoE layer before; piece 0's, after the embedding) into its MoE layer's router input
+        # as if no attention came between (`_guess`)
         moe, layers = spec.moe_layers, weights.layers
-        self._guess_scales = [None] + [
-            guess_scale(layers[moe[p - 1] + 1].input_norm, layers[moe[p]].post_norm)
-            for p in range(1, len(moe))
+        self._guess_scales = [
+            guess_scale(layers[moe[p - 1] + 1 if p else 0].input_norm, layers[moe[p]].post_norm)
+            for p in range(len(moe))
         ]
         # the stream the guesses run on beside the piece's chain (`_guess`), made here: never
         # during a graph's capture
@@ -231,7 +232,7 @@ class Model:
             first = done + 1
         last = moe_layers[piece] if piece < len(moe_layers) else len(w.layers)
         # a guess of this piece's MoE routing from its first attention input (state.routing_guess)
-        guess = piece if 0 < piece < len(moe_layers) else None
+        guess = piece if piece < len(moe_layers) else None
         for index in range(first, last):
             layer = w.layers[index]
             x = self._attention_block(index, layer, state, guess if index == first else None)
@@ -402,8 +403,9 @@ class Model:
 
     def _guess(self, piece: int, x: torch.Tensor, state: StepState) -> None:
         """A guess of piece `piece`'s MoE routing, sent to the host ahead of it: the layer's
-        router on x (rmsnorm of the residual just after the MoE layer before, times the input
-        norm's weight) rescaled to the router's own norm, as if attention added nothing.
+        router on x (rmsnorm of the residual just after the MoE layer before, or in piece 0 of
+        the embedding, times the input norm's weight) rescaled to the router's own norm, as if
+        attention added nothing.
 
         On a GPU it runs on a side stream, off the piece's chain (which would otherwise wait for
         its launch before the attention), joined before the piece's router (`_join_guess`); x

@@ -5,11 +5,12 @@ e.g.   python scripts/guess_accuracy.py -- --preset qwen3-30b-a3b --set num_hidd
            --routing-skew 1 --device cpu --dtype bfloat16 --device-memory 24GiB
 
 The engine is built as `moelab bench decode` builds it (the same flags) and reads one prompt of
-random tokens. For every MoE layer after the first, the guess `--moe-cpu-prefetch-rounds` sends
+random tokens. For every MoE layer, the guess `--moe-cpu-prefetch-rounds` sends
 (kernels/route_guess.py, `Model._guess`: the layer's router on the first attention input after
-the MoE layer before, rescaled to the router's norm) is taken from the same forward pass and
-compared with the routing the layer then makes; so is the guess from an earlier input, the
-router input of the MoE layer before (rescaled the same way), which would be ready sooner.
+the MoE layer before, or for the first MoE layer after the embedding, rescaled to the router's
+norm) is taken from the same forward pass and compared with the routing the layer then makes;
+so is, after the first, the guess from an earlier input, the router input of the MoE layer
+before (rescaled the same way), which would be ready sooner.
 One JSON line per layer and input: the share of the routed experts the guess names, the share
 of tokens whose routed experts outside the layer's 25% most picked (the misses of a 25% cache,
 roughly) it names exactly, and the share of those it names.
@@ -30,6 +31,7 @@ from moelab.engine import model as model_module
 from moelab.engine.bench import add_bench_parser
 from moelab.engine.bench_decode import _engine
 from moelab.kernels.host_handoff import routing_signal
+from moelab.kernels.rmsnorm import rmsnorm_ref
 from moelab.kernels.route_guess import GUESS_MAX_TOKENS, guess_scale, guess_to_host_ref
 
 
@@ -93,15 +95,18 @@ def main(argv: list[str]) -> int:
         finally:
             model_module.Model._next_norm = next_norm
             model.on_router = None
-        for p in range(1, len(moe)):
+        # piece 0's first attention input: the embedding, normalized by layer 0's input norm
+        embedded = model.weights.embed.index_select(0, prompt.to(model.device))
+        attention_in[0] = rmsnorm_ref(embedded, layers[0].input_norm, spec.rms_norm_eps)
+        for p in range(len(moe)):
             router, real = layers[moe[p]].router, routed[moe[p]][1].long().cpu().numpy()
-            inputs = {
-                "after the sum": (attention_in[p], model._guess_scales[p]),
-                "router input before": (
+            name = "after the sum" if p else "embedding"
+            inputs = {name: (attention_in[p], model._guess_scales[p])}
+            if p:
+                inputs["router input before"] = (
                     routed[moe[p - 1]][0],
                     guess_scale(layers[moe[p - 1]].post_norm, layers[moe[p]].post_norm),
-                ),
-            }
+                )
             for name, (x, scale) in inputs.items():
                 ids = guess_ids(x.cpu(), scale.cpu(), router.cpu(), spec.top_k)
                 row = {"layer": moe[p], "guess_from": name, **compare(ids, real, spec.num_experts)}

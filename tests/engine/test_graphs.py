@@ -400,8 +400,9 @@ def test_a_layer_steps_plan_key_marks_its_split_and_its_guess():
 def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_token(
     checkpoint, monkeypatch
 ):
-    """With --moe-cpu-prefetch-rounds, each one-token piece after an MoE layer sends a guess of
-    its routing ahead of it, which the planner's wait plans: the CPU jobs whose plan was guessed
+    """With --moe-cpu-prefetch-rounds, each one-token piece that ends in a router (the first
+    one too, from the embedding) sends a guess of its routing ahead of it, which the planner's
+    wait plans: the CPU jobs whose plan was guessed
     run with their first blocks their workers' own, and every token is the eager steps' token.
     The stand-in graphs run as they are launched, so each routing is there before its wait
     begins; here it is cleared and set again 2 ms into the wait, as a GPU's would come after
@@ -429,9 +430,12 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
         native = moe._decode_planner()
         signal = moe._routing_signal
         timers: list[threading.Timer] = []
+        guessed_layers: set[int] = set()  # the MoE layers whose waits were given a guess
 
         class LateRouting:
             def step(self, *args):
+                if args[-3]:  # the guess's logits
+                    guessed_layers.add(args[0])
                 if signal[0]:
                     signal[0] = 0
                     timers.append(threading.Timer(0.002, signal.__setitem__, (0, ROUTED)))
@@ -455,12 +459,13 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
     finally:
         engine.close()
     assert outputs == expected and not launch_errors and timers
+    assert guessed_layers == set(range(len(engine.spec.moe_layers)))
     (ignored, ignoring), (resumed, resuming) = again
     assert ignored == resumed == expected
     assert ignoring.guesses == ignoring.prefetched_jobs == 0 and ignoring.cpu_jobs > 0
     assert resuming.guesses > 0 and resuming.prefetched_jobs > 0
-    # every layer step but each token's first had a guess; those of CPU work told the workers
-    # what to fetch, and the jobs whose plan they named gave them their blocks
+    # the layer steps had guesses; those of CPU work told the workers what to fetch, and the
+    # jobs whose plan they named gave them their blocks
     assert staged["cpu_jobs"] > 0 and 0 < staged["prefetched_jobs"] <= staged["guesses"]
     assert staged["prefetched_jobs"] <= staged["cpu_jobs"]
     assert moe._guess_host[1][0] == 0  # cleared with each routing's signal
