@@ -262,7 +262,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "expert workers fetch the weights of this many rounds of their first gate/up blocks of "
         "the guessed job into their own caches; where the real job is the guessed one, those "
         "blocks are theirs. 0 (off) to 4. On the H200, 12 layers of Qwen3-30B-A3B with a 25% "
-        "cache, 2 rounds decoded 3.5% faster than none and 4 rounds 4% faster than 2 (runs "
+        "cache, 4 rounds decoded 3-9% faster than none and 8 no faster than 4 (runs "
         'alternated in one process; docs/cpu-experts.md, "Guessed steps"); the autotuner tries '
         "fewer per machine.",
     )
