@@ -17,7 +17,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,15 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 "--moe-cpu-prefetch-rounds (A) and N (B) in the order A B B A, repeated (the "
                 "pieces send their guesses in both; with 0 the wait ignores them); each pair's "
                 "tok/s ratio and each side's periods by plan are printed",
+            )
+            p.add_argument(
+                "--alternate-cpu-pin",
+                choices=("cores", "isolate"),
+                default=None,
+                metavar="MODE",
+                help="as --alternate-prefetch-rounds, between --moe-cpu-pin (A, cores or isolate) "
+                "and MODE (B): the rest of the engine's threads are moved off the CPU expert "
+                "workers' cores, or back, between runs",
             )
         else:
             p.add_argument("--prompt-tokens", type=int, default=2048)
@@ -425,10 +435,50 @@ def _evenness(picks: np.ndarray) -> float:
     return float(np.mean(out)) if out else float("nan")
 
 
-def _decode(engine, args, sides: tuple[int, int] | None = None) -> dict:
+@dataclass(frozen=True)
+class Sides:
+    """Two settings of one flag that the timed runs alternate between (`ab_side`'s order): A,
+    the flag's own value, and B; `apply` sets one on the engine between runs."""
+
+    flag: str
+    values: tuple[object, object]
+    apply: Callable[[object, object], None]
+
+
+def alternated_sides(args: argparse.Namespace) -> Sides | str | None:
+    """The --alternate-... flag's two sides, None without one, or why they cannot compare."""
+    asked = [
+        (flag, getattr(args, dest, None))
+        for flag, dest in (
+            ("--alternate-prefetch-rounds", "alternate_prefetch_rounds"),
+            ("--alternate-cpu-pin", "alternate_cpu_pin"),
+        )
+    ]
+    asked = [(flag, value) for flag, value in asked if value is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        return "one --alternate-... flag at a time"
+    flag, b = asked[0]
+    if flag == "--alternate-prefetch-rounds":
+        sides = Sides(
+            "--moe-cpu-prefetch-rounds",
+            (args.moe_cpu_prefetch_rounds, b),
+            lambda engine, rounds: engine.moe.set_prefetch_rounds(rounds),
+        )
+    else:
+        sides = Sides(
+            "--moe-cpu-pin", (args.moe_cpu_pin, b), lambda engine, mode: engine.set_cpu_pin(mode)
+        )
+    if sides.values[0] == sides.values[1] or args.repeats < 2:
+        return f"{flag} needs a value other than {sides.flag}'s and --repeats 2 or more"
+    return sides
+
+
+def _decode(engine, args, sides: Sides | None = None) -> dict:
     """`args.repeats` timed decode runs (after one warm-up) against the rates measured between
     them: the median run's figures (by its share of the bound), with each run's in "runs".
-    sides: the prefetch rounds the runs alternate between, A and B (`ab_side`, `alternation`)."""
+    sides: the two settings the runs alternate between, A and B (`ab_side`, `alternation`)."""
     from .engine import settle_heap
     from .sampling import SamplingParams
 
@@ -447,29 +497,29 @@ def _decode(engine, args, sides: tuple[int, int] | None = None) -> dict:
     runs = []
     rates_before = concurrent_rates(engine)
     for i in range(args.repeats):
-        rounds = sides[ab_side(i)] if sides is not None else None
-        if rounds is not None:
-            engine.moe.set_prefetch_rounds(rounds)
+        if sides is not None:
+            sides.apply(engine, sides.values[ab_side(i)])
         timed = _timed_decode(engine, args, prompts, profile=args.profile and i == 0)
         rates_after = concurrent_rates(engine)
         rates = rates_around(rates_before, rates_after)
         runs.append(_against_the_bound(engine, args, timed, rates))
-        if rounds is not None:
-            runs[-1]["prefetch_rounds"] = rounds
+        if sides is not None:
+            runs[-1]["side"] = ab_side(i)
+            runs[-1]["setting"] = sides.values[ab_side(i)]
             runs[-1]["period_by_plan"] = timed["staged_layer_us"]["period_by_plan"]
         rates_before = rates_after
     if args.kernel_profile:  # more steps, after the timed ones (their counts are taken)
         _kernel_profile(engine, prompts, trace=args.trace)
     median = sorted(runs, key=lambda run: run["achieved_of_bound"])[(len(runs) - 1) // 2]
     config = engine.config_in_force()
-    fields = _RUN_FIELDS + (("prefetch_rounds", "period_by_plan") if sides else ())
+    fields = _RUN_FIELDS + (("side", "setting", "period_by_plan") if sides else ())
     return {
         **median,
         "cuda_graphs": config["cuda_graph_mode"],
         "pdl": config["pdl"],
         "runs": [{k: run[k] for k in fields} for run in runs],
         "heap": heap,
-        **({"alternated": alternation(runs)} if sides else {}),
+        **({"alternated": alternation(runs, sides.flag)} if sides else {}),
     }
 
 
@@ -480,13 +530,12 @@ def ab_side(run: int) -> int:
     return int(run % 4 in (1, 2))
 
 
-def alternation(runs: list[dict]) -> dict:
-    """An A/B comparison of alternating runs (`ab_side`'s order, each run's `prefetch_rounds`
-    saying its side): each pair's B/A tok/s and their mean, and each side's layer step periods
-    by plan over all its runs (the steps' mean, weighted by their counts)."""
-    a_rounds = runs[0]["prefetch_rounds"]
-    a = [r for r in runs if r["prefetch_rounds"] == a_rounds]
-    b = [r for r in runs if r["prefetch_rounds"] != a_rounds]
+def alternation(runs: list[dict], flag: str) -> dict:
+    """An A/B comparison of runs alternating between two settings of `flag` (`ab_side`'s order,
+    each run's `side` and `setting`): each pair's B/A tok/s and their mean, and each side's layer
+    step periods by plan over all its runs (the steps' mean, weighted by their counts)."""
+    a = [r for r in runs if r["side"] == 0]
+    b = [r for r in runs if r["side"] == 1]
     # each pair's A and B are the same pair's (`ab_side`); an odd number of runs leaves the last
     # one unpaired
     ratios = [y["decode_tok_s"] / x["decode_tok_s"] for x, y in zip(a, b, strict=False)]
@@ -501,7 +550,8 @@ def alternation(runs: list[dict]) -> dict:
         return {plan: {"us": t / n, "steps": n} for plan, (t, n) in merged.items() if n}
 
     return {
-        "rounds": [a_rounds, b[0]["prefetch_rounds"] if b else None],
+        "flag": flag,
+        "sides": [a[0]["setting"] if a else None, b[0]["setting"] if b else None],
         "ratios": ratios,
         "mean_ratio": float(np.mean(ratios)) if ratios else None,
         "tok_s": [[r["decode_tok_s"] for r in a], [r["decode_tok_s"] for r in b]],
@@ -510,13 +560,14 @@ def alternation(runs: list[dict]) -> dict:
 
 
 def alternation_lines(alt: dict) -> str:
-    """What `bench decode` prints of --alternate-prefetch-rounds: the pairs' B/A, their mean and
+    """What `bench decode` prints of an --alternate-... flag: the pairs' B/A, their mean and
     range, and each side's commonest plans' periods."""
-    (ra, rb), ratios = alt["rounds"], alt["ratios"]
+    (a, b), ratios = alt["sides"], alt["ratios"]
+    sides = f"\nalternated {alt['flag']} {a} (A) and {b} (B)"
     if not ratios:
-        return f"\nalternated prefetch rounds {ra} (A) and {rb} (B): no pair ran"
+        return f"{sides}: no pair ran"
     out = (
-        f"\nalternated prefetch rounds {ra} (A) and {rb} (B), {len(ratios)} pairs: B/A tok/s "
+        f"{sides}, {len(ratios)} pairs: B/A tok/s "
         + ", ".join(f"{r:.3f}" for r in ratios)
         + f"; mean {alt['mean_ratio']:.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
     )
@@ -813,21 +864,17 @@ def _run(args: argparse.Namespace) -> int:
     if getattr(args, "trace", None) is not None and not args.kernel_profile:
         print("moelab bench decode: --trace needs --kernel-profile", file=sys.stderr)
         return 2
-    sides = None
-    if getattr(args, "alternate_prefetch_rounds", None) is not None:
-        sides = (args.moe_cpu_prefetch_rounds, args.alternate_prefetch_rounds)
-        if sides[0] == sides[1] or args.repeats < 2:
-            print(
-                "moelab bench decode: --alternate-prefetch-rounds needs a number of rounds other "
-                "than --moe-cpu-prefetch-rounds' and --repeats 2 or more",
-                file=sys.stderr,
-            )
-            return 2
-        args.moe_cpu_prefetch_rounds = max(sides)  # the pieces are captured sending guesses
+    sides = alternated_sides(args) if args.bench == "decode" else None
+    if isinstance(sides, str):
+        print(f"moelab bench decode: {sides}", file=sys.stderr)
+        return 2
+    rounds = sides is not None and sides.flag == "--moe-cpu-prefetch-rounds"
+    if rounds:  # the pieces are captured sending guesses
+        args.moe_cpu_prefetch_rounds = max(sides.values)
     with tempfile.TemporaryDirectory() as workdir:
         engine = _engine(args, Path(workdir))
         try:
-            if sides is not None and (engine.graphs is None or engine.graphs.routing_guess is None):
+            if rounds and (engine.graphs is None or engine.graphs.routing_guess is None):
                 print(
                     "moelab bench decode: --alternate-prefetch-rounds needs pieces that send "
                     "routing guesses: offloaded decode on CUDA with its graphs and the native "
@@ -835,6 +882,13 @@ def _run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 2
+            if sides is not None:
+                try:  # each side once, so that one the engine cannot take is refused now
+                    for value in reversed(sides.values):
+                        sides.apply(engine, value)
+                except ValueError as err:
+                    print(f"moelab bench decode: {sides.flag} {value}: {err}", file=sys.stderr)
+                    return 2
             if args.bench == "decode":
                 result = _decode(engine, args, sides)
             else:

@@ -158,6 +158,7 @@ class Engine(Stepping):
         self.placement = (
             ProcessPlacement.around(self.cpu) if args.moe_cpu_pin == "isolate" else None
         )
+        self.cpu_pin = args.moe_cpu_pin  # as set_cpu_pin may change it
         # torch's own CPU threads spin after every op and would steal the cores the CPU expert
         # workers stream weights on: with a GPU the host's torch ops are tiny, so one thread
         torch.set_num_threads(
@@ -430,7 +431,7 @@ class Engine(Stepping):
             "cpu_kernel": self.cpu.kernel,
             "cpu_spin_us": a.moe_cpu_spin_us,
             "cpu_task_kb": a.moe_cpu_task_kb,
-            "cpu_pin": a.moe_cpu_pin,
+            "cpu_pin": self.cpu_pin,
             "cpu_worker_cpus": cpu_ranges(self.cpu.cpus) if self.cpu.cpus else "os",
             "process_cpus": cpu_ranges(self.placement.cpus) if self.placement else "os",
             "split_misses": not a.no_split_misses,
@@ -453,6 +454,24 @@ class Engine(Stepping):
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }
+
+    def set_cpu_pin(self, mode: str) -> None:
+        """--moe-cpu-pin's 'cores' or 'isolate' from now on (between runs: `bench decode
+        --alternate-cpu-pin`): the rest of the engine's threads moved off the CPU expert
+        workers' cores, or back to the CPUs they had. ValueError where isolate cannot be had
+        (workers not pinned, or no core left over) or for another mode."""
+        if mode == "isolate":
+            if self.placement is None:
+                self.placement = ProcessPlacement.around(self.cpu)
+            if self.placement is None:
+                raise ValueError("needs CPU expert workers pinned to cores, with a core left over")
+        elif mode == "cores":
+            if self.placement is not None:
+                self.placement.restore()
+                self.placement = None
+        else:
+            raise ValueError(f"a placement to switch to is 'cores' or 'isolate', not {mode!r}")
+        self.cpu_pin = mode
 
     def close(self) -> None:
         self.cpu.close()

@@ -27,6 +27,7 @@ from moelab.engine.bench_decode import (
     stall_words,
     step_times,
 )
+from moelab.engine.cpu import worker_cpus
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.server import Server
 from moelab.engine.spec import ModelSpec
@@ -196,22 +197,23 @@ def test_bench_decode_repeats_report_each_run_and_the_median_runs_figures():
 
 
 def test_alternating_runs_compare_each_pair_and_each_sides_plans():
-    """--alternate-prefetch-rounds: runs A, B, B, A, A (the last A unpaired); each pair's B/A,
-    and each side's periods by plan merged over its runs, weighted by their steps."""
+    """An --alternate-... flag: runs A, B, B, A, A (the last A unpaired); each pair's B/A, and
+    each side's periods by plan merged over its runs, weighted by their steps."""
     assert [ab_side(i) for i in range(8)] == [0, 1, 1, 0, 0, 1, 1, 0]
     rng = np.random.default_rng()
     tok_s = rng.uniform(200.0, 400.0, size=5)
     runs = [
         {
-            "prefetch_rounds": (0, 2)[ab_side(i)],
+            "side": ab_side(i),
+            "setting": (0, 2)[ab_side(i)],
             "decode_tok_s": float(t),
             "period_by_plan": {"0+1s": {"us": 100.0 + i, "steps": 10 * (i + 1)}}
             | ({"0+1sp": {"us": 90.0, "steps": 5}} if ab_side(i) else {}),
         }
         for i, t in enumerate(tok_s)
     ]
-    alt = alternation(runs)
-    assert alt["rounds"] == [0, 2]
+    alt = alternation(runs, "--moe-cpu-prefetch-rounds")
+    assert alt["flag"] == "--moe-cpu-prefetch-rounds" and alt["sides"] == [0, 2]
     assert alt["ratios"] == pytest.approx([tok_s[1] / tok_s[0], tok_s[2] / tok_s[3]])
     assert alt["mean_ratio"] == pytest.approx(np.mean(alt["ratios"]))
     a, b = alt["period_by_plan"]
@@ -221,6 +223,7 @@ def test_alternating_runs_compare_each_pair_and_each_sides_plans():
     assert b["0+1s"] == {"us": pytest.approx((101 * 20 + 102 * 30) / 50), "steps": 50}
     assert b["0+1sp"] == {"us": pytest.approx(90.0), "steps": 10}
     text = alternation_lines(alt)
+    assert "alternated --moe-cpu-prefetch-rounds 0 (A) and 2 (B), 2 pairs" in text
     lo, hi = min(alt["ratios"]), max(alt["ratios"])
     assert f"2 pairs: B/A tok/s {alt['ratios'][0]:.3f}, {alt['ratios'][1]:.3f}; mean " in text
     assert f"({lo:.3f}–{hi:.3f})" in text
@@ -228,12 +231,13 @@ def test_alternating_runs_compare_each_pair_and_each_sides_plans():
         f"B's layer step periods by plan, µs (steps): 0+1s {b['0+1s']['us']:.0f} (50), "
         "0+1sp 90 (10)"
     )
-    assert "no pair ran" in alternation_lines(alternation(runs[:1]))
+    assert "no pair ran" in alternation_lines(alternation(runs[:1], "--moe-cpu-prefetch-rounds"))
 
 
 def test_bench_decode_alternation_is_refused_where_it_cannot_compare():
-    """Without guessing pieces (the CPU: no native planner's copies), with the same rounds on
-    both sides, or with one run, --alternate-prefetch-rounds is a clear error."""
+    """Without guessing pieces (the CPU: no native planner's copies), with the same value on
+    both sides, with one run, with two --alternate-... flags, or with a side the engine cannot
+    take (isolate needs pinned workers), an alternation is a clear error."""
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
              "--moe-cache-rate", "0.5", "--repeats", "2"]  # fmt: skip
     if not torch.cuda.is_available():
@@ -241,9 +245,17 @@ def test_bench_decode_alternation_is_refused_where_it_cannot_compare():
         assert r.returncode == 2 and "needs pieces that send routing guesses" in r.stderr
     for wrong in (["--moe-cpu-prefetch-rounds", "2"], ["--repeats", "1"]):
         r = moelab(*flags, *wrong, "--alternate-prefetch-rounds", "2", check=False)
-        assert r.returncode == 2 and "needs a number of rounds other than" in r.stderr
+        assert r.returncode == 2 and "needs a value other than" in r.stderr
     r = moelab(*flags, "--alternate-prefetch-rounds", "5", check=False)
     assert r.returncode == 2 and "--alternate-prefetch-rounds" in r.stderr
+    r = moelab(*flags, "--moe-cpu-pin", "isolate", "--alternate-cpu-pin", "isolate", check=False)
+    assert r.returncode == 2 and "needs a value other than --moe-cpu-pin's" in r.stderr
+    both = ["--alternate-cpu-pin", "isolate", "--alternate-prefetch-rounds", "2"]
+    r = moelab(*flags, *both, check=False)
+    assert r.returncode == 2 and "one --alternate-... flag at a time" in r.stderr
+    r = moelab(*flags, "--moe-cpu-pin", "off", "--alternate-cpu-pin", "isolate", check=False)
+    refused = "--moe-cpu-pin isolate: needs CPU expert workers pinned"
+    assert r.returncode == 2 and refused in r.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -252,13 +264,31 @@ def test_bench_decode_alternates_prefetch_rounds_on_cuda():
              "--moe-cache-rate", "0.5", "--repeats", "4", "--json"]  # fmt: skip
     r = moelab(*flags, "--moe-cpu-prefetch-rounds", "0", "--alternate-prefetch-rounds", "2")
     result = json.loads(r.stdout)
-    assert [run["prefetch_rounds"] for run in result["runs"]] == [0, 2, 2, 0]
+    assert [run["setting"] for run in result["runs"]] == [0, 2, 2, 0]
     alt = result["alternated"]
-    assert alt["rounds"] == [0, 2] and len(alt["ratios"]) == 2
-    assert "alternated prefetch rounds 0 (A) and 2 (B), 2 pairs" in r.stderr
+    assert alt["sides"] == [0, 2] and len(alt["ratios"]) == 2
+    assert "alternated --moe-cpu-prefetch-rounds 0 (A) and 2 (B), 2 pairs" in r.stderr
     # the A runs' waits ignored the guesses: none of their plans is marked
     assert alt["period_by_plan"][0]
     assert not any(plan.endswith(("p", "w")) for plan in alt["period_by_plan"][0])
+
+
+@pytest.mark.skipif(
+    len(worker_cpus(1)) != 1, reason="needs two cores: a pinned worker and one left over"
+)
+def test_bench_decode_alternates_cpu_pin():
+    """--alternate-cpu-pin: the runs alternate between the workers' cores alone (A) and the rest
+    of the engine kept off them (B), and the pairs are compared."""
+    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
+             "--moe-cache-rate", "0.5", "--repeats", "4", "--json"]  # fmt: skip
+    r = moelab(*flags, "--moe-cpu-pin", "cores", "--alternate-cpu-pin", "isolate")
+    result = json.loads(r.stdout)
+    assert [run["setting"] for run in result["runs"]] == ["cores", "isolate", "isolate", "cores"]
+    assert [run["side"] for run in result["runs"]] == [0, 1, 1, 0]
+    alt = result["alternated"]
+    assert alt["flag"] == "--moe-cpu-pin" and alt["sides"] == ["cores", "isolate"]
+    assert len(alt["ratios"]) == 2
+    assert "alternated --moe-cpu-pin cores (A) and isolate (B), 2 pairs" in r.stderr
 
 
 def test_bench_prefill_reports_each_repeat_and_profiles_host_and_kernels(tmp_path):

@@ -175,3 +175,54 @@ def test_an_isolated_engine_keeps_its_threads_off_the_worker_and_gives_them_back
     finally:
         engine.close()
     assert os.sched_getaffinity(me) == mine
+
+
+@linux_only
+@spare_core
+def test_an_engine_switches_between_cores_and_isolate_between_runs(tmp_path):
+    """Engine.set_cpu_pin (bench decode --alternate-cpu-pin): isolate moves the rest of the
+    engine off the worker's core, cores gives its threads their CPUs back, each as often as
+    asked; the config says which is in force; off or another word is refused."""
+    from moelab.engine.synth_checkpoint import synthesize
+
+    from .reference import make_engine
+
+    path = synthesize(tmp_path / "m", preset="tiny", seed=3)
+    me = threading.get_native_id()
+    mine = os.sched_getaffinity(me)
+    engine = make_engine(path, "--moe-cpu-pin", "cores")
+    try:
+        assert engine.placement is None and engine.config_in_force()["cpu_pin"] == "cores"
+        for _ in range(2):
+            engine.set_cpu_pin("isolate")
+            spare = engine.placement.cpus
+            assert not set(spare) & set(engine.cpu.cpus)
+            assert os.sched_getaffinity(me) == set(spare)
+            config = engine.config_in_force()
+            assert config["cpu_pin"] == "isolate" and config["process_cpus"] == cpu_ranges(spare)
+            engine.set_cpu_pin("cores")
+            assert engine.placement is None and os.sched_getaffinity(me) == mine
+            assert engine.config_in_force()["cpu_pin"] == "cores"
+        for wrong in ("off", "all"):
+            with pytest.raises(ValueError, match="'cores' or 'isolate'"):
+                engine.set_cpu_pin(wrong)
+        assert engine.config_in_force()["cpu_pin"] == "cores"
+    finally:
+        engine.close()
+    assert os.sched_getaffinity(me) == mine
+
+
+@linux_only
+def test_isolate_is_refused_where_the_workers_are_not_pinned(tmp_path):
+    from moelab.engine.synth_checkpoint import synthesize
+
+    from .reference import make_engine
+
+    path = synthesize(tmp_path / "m", preset="tiny", seed=3)
+    engine = make_engine(path, "--moe-cpu-pin", "off")
+    try:
+        with pytest.raises(ValueError, match="pinned to cores"):
+            engine.set_cpu_pin("isolate")
+        assert engine.placement is None and engine.config_in_force()["cpu_pin"] == "off"
+    finally:
+        engine.close()
