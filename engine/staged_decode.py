@@ -510,6 +510,6 @@ def _plan_key(d: Dispatch) -> str:
     run on the CPU, with "s" when one of those is split between the two, then "p" when its CPU
     job's first blocks were fetched by their workers ahead of it (a guessed plan), or "w" when a
     guess of CPU work came and the job was another (the workers fetched for nothing); no mark
-    where no such guess came (prefetch off, a batch of several tokens, a guess come late)."""
+    where no such guess came (prefetch off, a batch of several tokens, a guess that came late)."""
     key = f"{len(d.admitted)}+{len(d.on_cpu)}" + ("s" if d.split is not None else "")
     return key + ("p" if d.owned_blocks else "w" if d.guessed else "")
