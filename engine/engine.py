@@ -435,7 +435,7 @@ class Engine(Stepping):
             "cpu_worker_cpus": cpu_ranges(self.cpu.cpus) if self.cpu.cpus else "os",
             "process_cpus": cpu_ranges(self.placement.cpus) if self.placement else "os",
             "split_misses": not a.no_split_misses,
-            "cpu_prefetch_rounds": a.moe_cpu_prefetch_rounds,
+            "cpu_prefetch_rounds": self.moe.prefetch_rounds,  # as set_prefetch_rounds leaves it
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,
             "rates_source": self.rates_source,

@@ -453,6 +453,7 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
         again = []
         for rounds in (0, 2):
             moe.set_prefetch_rounds(rounds)
+            assert engine.config_in_force()["cpu_prefetch_rounds"] == rounds
             moe.staged_times = StagedStepTimes()
             params = SamplingParams(max_tokens=24, ignore_eos=True)
             again.append((engine.generate(prompts, params), moe.staged_times))
