@@ -447,14 +447,15 @@ class Sides:
 
 def alternated_sides(args: argparse.Namespace) -> Sides | str | None:
     """The --alternate-... flag's two sides, None without one, or why they cannot compare."""
+    flags = {
+        "--alternate-prefetch-rounds": "alternate_prefetch_rounds",
+        "--alternate-cpu-pin": "alternate_cpu_pin",
+    }
     asked = [
-        (flag, getattr(args, dest, None))
-        for flag, dest in (
-            ("--alternate-prefetch-rounds", "alternate_prefetch_rounds"),
-            ("--alternate-cpu-pin", "alternate_cpu_pin"),
-        )
+        (flag, value)
+        for flag, dest in flags.items()
+        if (value := getattr(args, dest, None)) is not None
     ]
-    asked = [(flag, value) for flag, value in asked if value is not None]
     if not asked:
         return None
     if len(asked) > 1:
