@@ -246,6 +246,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "they share its cores; 0 sleeps at once.",
     )
     moe.add_argument(
+        "--moe-cpu-redo-us",
+        type=_non_negative_int,
+        default=150,  # kernels/cpu_experts.DEFAULT_REDO_US (this module imports no torch)
+        help="How long a task of a CPU expert job in decode may be in flight before an idle "
+        "worker runs it again, in microseconds: a task takes 15-25 us, but a worker whose core "
+        "the OS gives to another thread holds the job's end up until it gets a core back "
+        "(milliseconds); the first of the two runs to finish writes the result. 0: never.",
+    )
+    moe.add_argument(
         "--moe-cpu-task-kb",
         type=_positive_int,
         default=96,  # kernels/cpu_experts.DEFAULT_TASK_KB (this module imports no torch)
@@ -401,6 +410,12 @@ TUNABLE: tuple[Tunable, ...] = (
         "choice",
         ("0", "300", "1000", "5000"),
         "idle CPU workers spinning against the thread that feeds the GPU",
+    ),
+    Tunable(
+        "--moe-cpu-redo-us",
+        "choice",
+        ("0", "150", "1000"),
+        "idle CPU workers running again the task of one the OS stopped, against double reads",
     ),
     Tunable(
         "--moe-cpu-task-kb",

@@ -26,7 +26,7 @@ import psutil
 import torch
 
 from ..kernels.cpu_experts import process_thread_ids
-from .args import _positive_int, add_engine_flags, parse_prefetch_rounds
+from .args import _non_negative_int, _positive_int, add_engine_flags, parse_prefetch_rounds
 from .moe_stats import CpuJobTimes, MissCostFit, StagedStepTimes
 
 
@@ -94,6 +94,14 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 help="as --alternate-prefetch-rounds, between --moe-cpu-pin (A, cores or isolate) "
                 "and MODE (B): the rest of the engine's threads are moved off the CPU expert "
                 "workers' cores, or back, between runs",
+            )
+            p.add_argument(
+                "--alternate-cpu-redo-us",
+                type=_non_negative_int,
+                default=None,
+                metavar="US",
+                help="as --alternate-prefetch-rounds, between --moe-cpu-redo-us (A) and US (B): "
+                "how long a CPU task may be in flight before an idle worker runs it again",
             )
         else:
             p.add_argument("--prompt-tokens", type=int, default=2048)
@@ -204,6 +212,8 @@ def cpu_jobs_line(jobs: dict) -> str:
             f"; a job ran {jobs['run_us_mean']:.1f} µs, its gate/up rows "
             f"{jobs['phase1_us_mean']:.1f}, each worker waited {jobs['wait_us_mean']:.1f} for them"
         )
+    if jobs.get("redone_tasks"):
+        line += f"; {jobs['redone_tasks']} tasks of stalled workers run again"
     return line
 
 
@@ -450,6 +460,7 @@ def alternated_sides(args: argparse.Namespace) -> Sides | str | None:
     flags = {
         "--alternate-prefetch-rounds": "alternate_prefetch_rounds",
         "--alternate-cpu-pin": "alternate_cpu_pin",
+        "--alternate-cpu-redo-us": "alternate_cpu_redo_us",
     }
     asked = [
         (flag, value)
@@ -467,9 +478,15 @@ def alternated_sides(args: argparse.Namespace) -> Sides | str | None:
             (args.moe_cpu_prefetch_rounds, b),
             lambda engine, rounds: engine.moe.set_prefetch_rounds(rounds),
         )
-    else:
+    elif flag == "--alternate-cpu-pin":
         sides = Sides(
             "--moe-cpu-pin", (args.moe_cpu_pin, b), lambda engine, mode: engine.set_cpu_pin(mode)
+        )
+    else:
+        sides = Sides(
+            "--moe-cpu-redo-us",
+            (args.moe_cpu_redo_us, b),
+            lambda engine, us: setattr(engine.cpu, "redo_us", us),
         )
     if sides.values[0] == sides.values[1] or args.repeats < 2:
         return f"{flag} needs a value other than {sides.flag}'s and --repeats 2 or more"

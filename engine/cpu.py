@@ -17,7 +17,12 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.cpu_experts import DEFAULT_TASK_KB, CpuExpertRunner, process_thread_ids
+from ..kernels.cpu_experts import (
+    DEFAULT_REDO_US,
+    DEFAULT_TASK_KB,
+    CpuExpertRunner,
+    process_thread_ids,
+)
 from .args import default_cpu_threads
 from .bank import ExpertBank
 
@@ -126,6 +131,7 @@ def start_cpu_executor(
     spin_us: int = 1000,
     task_kb: int = DEFAULT_TASK_KB,
     pin: bool = True,
+    redo_us: int = DEFAULT_REDO_US,
 ) -> CpuExpertRunner:
     """Persistent CPU expert workers; `kernel` auto falls back to torch when native cannot build.
 
@@ -135,7 +141,9 @@ def start_cpu_executor(
     """
     threads = threads or default_cpu_threads()
     cpus = worker_cpus(threads) if pin and kernel != "torch" else []
-    runner = CpuExpertRunner(threads, kernel, spin_us=spin_us, task_kb=task_kb, cpus=cpus or None)
+    runner = CpuExpertRunner(
+        threads, kernel, spin_us=spin_us, task_kb=task_kb, cpus=cpus or None, redo_us=redo_us
+    )
     where = f"pinned to CPUs {cpu_ranges(runner.cpus)}" if runner.cpus else "unpinned"
     log.info("CPU experts: %d threads, %s, %s kernel", threads, where, runner.kernel)
     return runner

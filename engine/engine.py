@@ -154,6 +154,7 @@ class Engine(Stepping):
             args.moe_cpu_spin_us,
             args.moe_cpu_task_kb,
             pin=args.moe_cpu_pin != "off",
+            redo_us=args.moe_cpu_redo_us,
         )
         self.placement = (
             ProcessPlacement.around(self.cpu) if args.moe_cpu_pin == "isolate" else None
@@ -431,6 +432,7 @@ class Engine(Stepping):
             "cpu_kernel": self.cpu.kernel,
             "cpu_spin_us": a.moe_cpu_spin_us,
             "cpu_task_kb": a.moe_cpu_task_kb,
+            "cpu_redo_us": self.cpu.redo_us,  # as a bench's alternation leaves it
             "cpu_pin": self.cpu_pin,
             "cpu_worker_cpus": cpu_ranges(self.cpu.cpus) if self.cpu.cpus else "os",
             "process_cpus": cpu_ranges(self.placement.cpus) if self.placement else "os",

@@ -389,7 +389,7 @@ class MoERunner(StagedDecode):
             weight_bytes, seconds = int(d.cpu_experts * self._expert_bytes), d.job.seconds()
             self.cpu_times.add(
                 weight_bytes, seconds, d.job.worker_seconds(), self.cpu.num_threads,
-                d.job.phase_seconds(),
+                d.job.phase_seconds(), d.job.redone(),
             )  # fmt: skip
             self._cpu_window.add(weight_bytes, seconds)
             if self._cpu_window.jobs >= self._adapt_every:

@@ -48,6 +48,9 @@ class CpuJobTimes:
     # (CpuExpertJob.phase_seconds' wait over the pool's threads)
     phase1_s: float = 0.0
     wait_s: float = 0.0
+    # tasks an idle worker ran again and finished first, the one that began them having stalled
+    # (CpuExpertJob.redone)
+    redone_tasks: int = 0
 
     def add(
         self,
@@ -56,12 +59,14 @@ class CpuJobTimes:
         workers: tuple[float, float] | None = None,
         threads: int = 0,
         phases: tuple[float, float] | None = None,
+        redone: int = 0,
     ) -> None:
         """One finished job: its bytes, its (start_s, run_s), and where known its workers'
-        (last_start_s, busy_s) from a pool of `threads` (CpuExpertJob.worker_seconds) and its
-        (phase1_s, wait_s) (CpuExpertJob.phase_seconds)."""
+        (last_start_s, busy_s) from a pool of `threads` (CpuExpertJob.worker_seconds), its
+        (phase1_s, wait_s) (CpuExpertJob.phase_seconds) and its tasks run again (redone)."""
         if seconds is None:
             return
+        self.redone_tasks += redone
         if workers is not None and threads > 0:
             self.timed_jobs += 1
             self.last_start_s += workers[0]
@@ -109,6 +114,7 @@ class CpuJobTimes:
             # a job's gate/up phase, and what each worker waited for it (µs, means)
             "phase1_us_mean": 1e6 * self.phase1_s / self.timed_jobs if self.timed_jobs else None,
             "wait_us_mean": 1e6 * self.wait_s / self.timed_jobs if self.timed_jobs else None,
+            "redone_tasks": self.redone_tasks,
         }
 
 

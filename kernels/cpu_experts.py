@@ -33,6 +33,14 @@ _WEIGHT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # the weight KiB a task of a native job aims at: 16 threads stay balanced over one expert, and
 # claiming a task costs nothing next to streaming it (kernels/csrc/pool.h, kDefaultTaskBytes)
 DEFAULT_TASK_KB = 96
+# how long a task of a redoable job may be in flight before an idle worker runs it again, in us
+# (kernels/csrc/pool.h, kDefaultRedoUs: a task takes 15-25 us; a stopped worker, milliseconds)
+DEFAULT_REDO_US = 150
+
+
+def _check_redo_us(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"redo_us must be an int of 0 or more (0: never), got {value!r}")
 
 
 def cpu_experts_ref(
@@ -207,6 +215,16 @@ class CpuExpertJob:
             return None
         return tuple(self._job.worker_seconds())
 
+    def redoable(self) -> bool:
+        """Whether a stalled task of this native job may be run again by another worker
+        (`CpuExpertRunner.redo_us`); False for the torch kernel."""
+        return self._job.redoable() if self._job is not None else False
+
+    def redone(self) -> int:
+        """Tasks of a native job that a worker ran again and finished first, the one that began
+        them having stalled (`CpuExpertRunner.redo_us`); 0 for the torch kernel."""
+        return self._job.redone() if self._job is not None else 0
+
     def phase_seconds(self) -> tuple[float, float] | None:
         """(phase1_s, wait_s) of a finished native job: from its first task to the end of its
         gate/up rows (the down projection needs them all), and the seconds its tasks waited for
@@ -251,6 +269,7 @@ class CpuExpertRunner:
         spin_us: int = 1000,
         task_kb: int = DEFAULT_TASK_KB,
         cpus: Sequence[int] | None = None,
+        redo_us: int = DEFAULT_REDO_US,
     ) -> None:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
@@ -282,8 +301,11 @@ class CpuExpertRunner:
                 raise ValueError(f"task_kb must be a positive int, got {task_kb!r}")
             if cpus is not None and len(cpus) != num_threads:
                 raise ValueError(f"cpus must name one CPU per thread ({num_threads}), got {cpus}")
+            _check_redo_us(redo_us)
             started = process_thread_ids()
-            self._pool = self._module.Pool(num_threads, spin_us, task_kb * 1024, list(cpus or []))
+            self._pool = self._module.Pool(
+                num_threads, spin_us, task_kb * 1024, list(cpus or []), redo_us
+            )
             self.thread_ids = sorted(process_thread_ids() - started)
             self.cpus = list(cpus) if cpus is not None else None
         else:
@@ -295,10 +317,35 @@ class CpuExpertRunner:
             self.thread_ids = []
             self.kernel = "torch"
             self.simd = "torch"
+            _check_redo_us(redo_us)
             self._executor = ThreadPoolExecutor(
                 1, "moelab-cpu-experts", initializer=torch.set_num_threads, initargs=(num_threads,)
             )
         self._closed = False
+        # the weights of redoable jobs, which a late run of a task may read after its job is
+        # done: held until the workers have ended (close)
+        self._held: dict[int, torch.Tensor] = {}
+
+    @property
+    def redo_us(self) -> int:
+        """How long a task of a redoable job (`submit`'s `redoable`, the decode planner's jobs)
+        may be in flight before a worker with nothing else to do runs it again: the OS may take a
+        worker's core in the middle of a task, and the job would wait for it (0: never; the torch
+        kernel has no tasks)."""
+        return self._pool.redo_us if self._module is not None else 0
+
+    @redo_us.setter
+    def redo_us(self, value: int) -> None:
+        _check_redo_us(value)
+        if self._module is None:
+            if value:
+                raise ValueError("redo_us applies to the native kernel's tasks only")
+            return
+        self._pool.redo_us = value
+
+    def _hold(self, *weights: torch.Tensor) -> None:
+        for t in weights:
+            self._held[id(t)] = t
 
     def submit(
         self,
@@ -314,6 +361,7 @@ class CpuExpertRunner:
         done_value: int = 0,
         check: bool = True,
         own_rounds: int = 0,
+        redoable: bool = False,
     ) -> CpuExpertJob:
         """Queues one call (see cpu_experts_ref) and returns at once.
 
@@ -329,6 +377,11 @@ class CpuExpertRunner:
         runs its own first; those an owner has not taken by the time the rest are handed out go
         to whoever comes): a worker that fetched its blocks' weights while it waited reads them
         from its own cache (`jobs_profile`'s `fetch_own`). The output is the same bit for bit.
+        redoable: a task in flight for longer than `redo_us` may be run again by an idle worker,
+        the first run to finish writing its results (native kernel); the job keeps its own copy
+        of x (where T * H <= 65536, else it is not redoable), and the runner holds w13 and w2
+        until it closes, since the late run goes on reading them. The output is the same bit for
+        bit.
         """
         if self._closed:
             raise RuntimeError("this CpuExpertRunner is closed")
@@ -375,7 +428,10 @@ class CpuExpertRunner:
             0 if done_flag is None else done_flag.data_ptr(),
             done_value,
             int(own_rounds),
+            bool(redoable),
         )
+        if redoable:
+            self._hold(w13, w2)
         keep = (x, w13, w2, out) if done_flag is None else (x, w13, w2, out, done_flag)
         return CpuExpertJob(out, job=job, keep=keep)
 
@@ -396,7 +452,8 @@ class CpuExpertRunner:
         None with the torch kernel.
 
         It keeps the arrays' addresses: they must stay alive and in place while it is used, and a
-        cache that replaces them needs a new planner.
+        cache that replaces them needs a new planner. Its CPU jobs are redoable (`redo_us`): the
+        runner holds the weights until it closes.
         """
         if self._module is None:
             return None
@@ -430,6 +487,7 @@ class CpuExpertRunner:
                     "every layer's w13 and w2 must be contiguous host tensors of "
                     f"[{experts}, 2I, H] and [{experts}, H, I], one dtype"
                 )
+        self._hold(*w13, *w2)
         return self._module.DecodePlanner(
             self._pool,
             _SIMD_CODES[self.simd],
@@ -538,6 +596,7 @@ class CpuExpertRunner:
             self._pool.close()
         else:
             self._executor.shutdown(wait=True)
+        self._held = {}  # no worker runs any more
 
     def __enter__(self) -> CpuExpertRunner:
         return self

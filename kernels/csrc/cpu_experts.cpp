@@ -44,7 +44,7 @@ class ReadJob final : public Job {
   double total() const { return std::accumulate(sums_.begin(), sums_.end(), 0.0); }
 
  protected:
-  void run_task(int64_t i) override {
+  bool run_task(int64_t i) override {
     const float* p = data_ + i * kBlock;
     const int64_t n = std::min(kBlock, n_ - i * kBlock);
     typename B::V acc[4] = {B::zero(), B::zero(), B::zero(), B::zero()};
@@ -54,7 +54,9 @@ class ReadJob final : public Job {
     }
     float s = B::sum(B::add(B::add(acc[0], acc[1]), B::add(acc[2], acc[3])));
     for (; k < n; ++k) s += p[k];
+    if (!commit(i)) return false;
     sums_[i] = s;
+    return true;
   }
 
  private:
@@ -140,10 +142,11 @@ std::tuple<double, double, double, double> time_expert_jobs(Pool& pool, int simd
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "MoE experts on the CPU from bf16/fp16/fp32 weights, on a persistent thread pool";
   py::class_<Pool>(m, "Pool")
-      .def(py::init<int, int, int64_t, std::vector<int>>(), py::arg("num_threads"),
+      .def(py::init<int, int, int64_t, std::vector<int>, int>(), py::arg("num_threads"),
            py::arg("spin_us") = kDefaultWorkerSpinUs, py::arg("task_bytes") = kDefaultTaskBytes,
-           py::arg("cpus") = std::vector<int>{})
+           py::arg("cpus") = std::vector<int>{}, py::arg("redo_us") = kDefaultRedoUs)
       .def_property_readonly("num_threads", &Pool::num_threads)
+      .def_property("redo_us", &Pool::redo_us, &Pool::set_redo_us)
       .def("worker_cpus", &Pool::worker_cpus)
       .def("hinted", &Pool::hinted)
       .def_property_readonly("task_bytes", &Pool::task_bytes)
@@ -154,6 +157,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("seconds", &Job::seconds)
       .def("worker_seconds", &Job::worker_seconds)
       .def("phase_seconds", &Job::phase_seconds)
+      .def("redone", &Job::redone)
+      .def("redoable", &Job::redoable)
       .def("wait", &Job::wait, py::call_guard<py::gil_scoped_release>());
   m.def("submit_experts", &submit_experts);
   m.def("even_blocks", &block_bounds<EvenBlocks>);

@@ -423,7 +423,8 @@ class DecodePlanner {
       const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
                             reinterpret_cast<const void*>(w13_[layer]),
                             reinterpret_cast<const void*>(w2_[layer]),
-                            T, hidden_, inter_, experts_, split_expert, split_row};
+                            T, hidden_, inter_, experts_, split_expert, split_row,
+                            /*weights_outlive_pool=*/true};
       const auto pairs = int64_t(pair_expert.size());
       std::shared_ptr<ExpertJobShell> j = std::move(spare_job_);
       if (j == nullptr || j->capacity() < pairs) {

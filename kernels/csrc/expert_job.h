@@ -25,7 +25,22 @@ struct ExpertProblem {
   // intermediate rows from split_row on (gate/up rows, down projection columns) are computed here.
   int32_t split_expert = -1;
   int64_t split_row = 0;
+  // The weights outlive the pool's workers (the engine's bank, which the pool is closed before):
+  // the job keeps its own copy of x (where x is at most kMaxOwnedX floats) and may then be
+  // redone (Job::redo_stalled), its late runs reading only the weights and that copy.
+  bool weights_outlive_pool = false;
 };
+
+// The most floats of x a job copies to be redoable (T = 32 tokens of 2048).
+constexpr int64_t kMaxOwnedX = 64 * 1024;
+
+// Per thread, where a task of an expert job computes its results before it commits them
+// (Job::run_task): one for the gate/up blocks, one for the down projection's (which may run a
+// gate/up block inside, ExpertJob::wait_group).
+std::vector<float>& task_scratch(bool down) {
+  static thread_local std::vector<float> gate_up, out;
+  return down ? out : gate_up;
+}
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -206,6 +221,12 @@ class ExpertJob final : public ExpertJobShell {
       weight_.push_back(pw[j]);
       x_row_.push_back(p.x + pt[j] * p.H);
     }
+    const bool own_x = p.weights_outlive_pool && p.T * p.H <= kMaxOwnedX;
+    if (own_x) {
+      x_copy_.assign(p.x, p.x + p.T * p.H);
+      for (int64_t k = 0; k < J; ++k) x_row_[k] = x_copy_.data() + token_[k] * p.H;
+    }
+    set_redoable(own_x);
     group_start_.push_back(int32_t(J));
     const int64_t groups = int64_t(group_expert_.size());
     for (int64_t g = 0; g < groups; ++g) {
@@ -243,19 +264,54 @@ class ExpertJob final : public ExpertJobShell {
 
  protected:
   // Tasks are handed out in order: phase 1 in group order, then phase 2; a task waits only for
-  // tasks handed out before it, so the waits always end.
-  void run_task(int64_t i) override {
+  // tasks handed out before it, so the waits always end. Each computes into its thread's
+  // scratch and, once it commits, copies that to h (gate/up) or out (down).
+  bool run_task(int64_t i) override {
     if (i >= blocks1_.count) {
-      down(blocks2_.at(i - blocks1_.count), blocks2_.at(i - blocks1_.count + 1));
-      return;
+      const int64_t r0 = blocks2_.at(i - blocks1_.count);
+      const int64_t r1 = blocks2_.at(i - blocks1_.count + 1), n = r1 - r0;
+      std::vector<float>& rows = task_scratch(true);
+      rows.assign(size_t(p_.T * n), 0.0f);  // [T, n]
+      down(r0, r1, rows.data());
+      if (!commit(i)) return false;
+      for (int64_t t = 0; t < p_.T; ++t) {
+        std::copy_n(rows.data() + t * n, n, p_.out + t * p_.H + r0);
+      }
+      return true;
     }
+    // each part's [pairs of its group, its rows], one after the other
+    auto part_size = [&](int64_t g, int64_t r_begin, int64_t r_end) {
+      return int64_t(group_start_[g + 1] - group_start_[g]) * (r_end - r_begin);
+    };
+    std::vector<float>& h = task_scratch(false);
+    int64_t at = 0;
     for_each_part(i, [&](int64_t g, int64_t r_begin, int64_t r_end) {
-      gate_up(g, r_begin, r_end);
-      group_done_[g].value.fetch_add(r_end - r_begin, std::memory_order_release);
+      at += part_size(g, r_begin, r_end);
+    });
+    h.resize(size_t(at));
+    at = 0;
+    for_each_part(i, [&](int64_t g, int64_t r_begin, int64_t r_end) {
+      gate_up(g, r_begin, r_end, h.data() + at);
+      at += part_size(g, r_begin, r_end);
+    });
+    if (!commit(i)) return false;
+    at = 0;
+    for_each_part(i, [&](int64_t g, int64_t r_begin, int64_t r_end) {
+      const int64_t n = r_end - r_begin;
+      for (int32_t j = group_start_[g]; j < group_start_[g + 1]; ++j, at += n) {
+        std::copy_n(h.data() + at, n, h_.data() + int64_t(j) * p_.I + r_begin);
+      }
+      group_done_[g].value.fetch_add(n, std::memory_order_release);
     });
     // the last phase-1 block to end times the phase (read once the job is done: the job's
     // finishing count orders this write before it)
     if (phase1_left_.fetch_sub(1, std::memory_order_relaxed) == 1) phase1_end_ = Clock::now();
+    return true;
+  }
+  // While phase 1 runs, its blocks only: a down projection's block waits for them.
+  int64_t ready_tasks() const override {
+    return phase1_left_.load(std::memory_order_relaxed) > 0 ? blocks1_.count
+                                                            : blocks1_.count + blocks2_.count;
   }
 
  private:
@@ -274,8 +330,9 @@ class ExpertJob final : public ExpertJobShell {
     }
   }
 
-  // h[j, r_begin:r_end] = silu(gate[r] . x[t_j]) * (up[r] . x[t_j]) for every pair j of group g.
-  void gate_up(int64_t g, int64_t r_begin, int64_t r_end) {
+  // h[j - j0, r - r_begin] = silu(gate[r] . x[t_j]) * (up[r] . x[t_j]) for every pair j of group
+  // g (j0 its first) and row r in [r_begin, r_end).
+  void gate_up(int64_t g, int64_t r_begin, int64_t r_end, float* h) {
     const int64_t H = p_.H, I = p_.I;
     const WT* gate = static_cast<const WT*>(p_.w13) + int64_t(group_expert_[g]) * 2 * I * H;
     const WT* up = gate + I * H;
@@ -284,19 +341,16 @@ class ExpertJob final : public ExpertJobShell {
       // One token (decode at batch 1): the block's gate rows, then its up rows, one row at a
       // time, each read straight through.
       const float* x = x_row_[j0];
-      float* h = h_.data() + int64_t(j0) * I;
       const int64_t n = std::max<int64_t>(0, r_end - r_begin);
       const int64_t ahead = rows_ahead(H * int64_t(sizeof(WT)));
       auto row = [&](int64_t i) -> const WT* {
         return i < n ? gate + (r_begin + i) * H : i < 2 * n ? up + (r_begin + i - n) * H : nullptr;
       };
+      for (int64_t i = 0; i < n; ++i) h[i] = dot_row<B>(row(i), x, H, row(i + ahead));
       for (int64_t i = 0; i < n; ++i) {
-        h[r_begin + i] = dot_row<B>(row(i), x, H, row(i + ahead));
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        const float gv = h[r_begin + i];
+        const float gv = h[i];
         const float uv = dot_row<B>(row(n + i), x, H, row(n + i + ahead));
-        h[r_begin + i] = gv / (1.0f + std::exp(-gv)) * uv;
+        h[i] = gv / (1.0f + std::exp(-gv)) * uv;
       }
       return;
     }
@@ -320,7 +374,8 @@ class ExpertJob final : public ExpertJobShell {
         for (int a = 0; a < nr; ++a) {
           for (int q = 0; q < nt; ++q) {
             const float gv = res[a * nt + q], uv = res[(nr + a) * nt + q];
-            h_[int64_t(jt + q) * I + r + a] = gv / (1.0f + std::exp(-gv)) * uv;
+            h[(jt + q - j0) * (r_end - r_begin) + r - r_begin + a] =
+                gv / (1.0f + std::exp(-gv)) * uv;
           }
         }
       }
@@ -328,12 +383,10 @@ class ExpertJob final : public ExpertJobShell {
     }
   }
 
-  // out[t, r0:r_end] = sum over groups and pairs of weight_j * (w2[e] rows . h[j]).
-  void down(int64_t r0, int64_t r_end) {
-    const int64_t H = p_.H, I = p_.I;
-    for (int64_t t = 0; t < p_.T; ++t) {
-      std::fill(p_.out + t * H + r0, p_.out + t * H + r_end, 0.0f);
-    }
+  // out[t, r - r0] += sum over groups and pairs of weight_j * (w2[e] row r . h[j]), for the
+  // rows r in [r0, r_end) (out: [T, r_end - r0]).
+  void down(int64_t r0, int64_t r_end, float* out) {
+    const int64_t H = p_.H, I = p_.I, n = r_end - r0;
     const int64_t groups = int64_t(group_expert_.size());
     auto down_rows = [&](int64_t g, int64_t r) {
       return static_cast<const WT*>(p_.w2) + (int64_t(group_expert_[g]) * H + r) * I;
@@ -341,7 +394,6 @@ class ExpertJob final : public ExpertJobShell {
     if (one_token_each_) {
       // One token an expert (decode at batch 1): each expert's rows of this block read straight
       // through, one row at a time, expert after expert.
-      const int64_t n = r_end - r0;
       auto row = [&](int64_t i) -> const WT* {
         return i < groups * n ? down_rows(i / n, r0 + i % n) + first_row(i / n) : nullptr;
       };
@@ -350,10 +402,10 @@ class ExpertJob final : public ExpertJobShell {
         wait_group(g, row(g * n), n, I - first);
         const int32_t j = group_start_[g];
         const float* h = h_.data() + int64_t(j) * I + first;
-        float* out = p_.out + int64_t(token_[j]) * H;
+        float* token_out = out + int64_t(token_[j]) * n;
         const int64_t ahead = rows_ahead((I - first) * int64_t(sizeof(WT)));
         for (int64_t i = g * n; i < (g + 1) * n; ++i) {
-          out[r0 + i % n] += weight_[j] * dot_row<B>(row(i), h, I - first, row(i + ahead));
+          token_out[i % n] += weight_[j] * dot_row<B>(row(i), h, I - first, row(i + ahead));
         }
       }
       return;
@@ -387,7 +439,7 @@ class ExpertJob final : public ExpertJobShell {
           }
           for (int a = 0; a < nr; ++a) {
             for (int q = 0; q < nt; ++q) {
-              p_.out[int64_t(token_[jt + q]) * H + r + a] += weight_[jt + q] * res[a * nt + q];
+              out[int64_t(token_[jt + q]) * n + r - r0 + a] += weight_[jt + q] * res[a * nt + q];
             }
           }
         }
@@ -412,8 +464,10 @@ class ExpertJob final : public ExpertJobShell {
     for (int64_t i = 0; i < n && !ready(); ++i) {
       for (int64_t l = 0; l < len; l += kLine) prefetch(rows + i * p_.I + l);
     }
-    // an owned block whose owner has not come yet is run here rather than waited for
-    spin_until(ready, std::chrono::nanoseconds::max(), [this] { return run_unowned(); });
+    // an owned block whose owner has not come yet is run here rather than waited for, and so
+    // is a block whose thread stalled (its task in the counts)
+    spin_until(ready, std::chrono::nanoseconds::max(),
+               [this] { return run_unowned() || redo_stalled(false, blocks1_.count); });
     const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0);
     wait_ns_.fetch_add(waited.count(), std::memory_order_relaxed);
   }
@@ -433,6 +487,7 @@ class ExpertJob final : public ExpertJobShell {
   std::vector<float> weight_;          // per pair, sorted by expert
   std::vector<const float*> x_row_;    // per pair: its row of x
   std::vector<float> h_;               // [pairs, I]
+  std::vector<float> x_copy_;          // [T, H]: x, where the job keeps its own (redoable)
   std::vector<int64_t> group_rows_;  // group g's phase-1 rows: [group_rows[g], group_rows[g+1])
   TaperedBlocks blocks1_;  // of the groups' phase-1 rows, one group after the other
   TaperedBlocks blocks2_;  // of the output rows
@@ -502,16 +557,19 @@ std::shared_ptr<ExpertJobShell> make_job(const Pool& pool, int simd, int weight_
 }
 
 // Queues one call; the pair arrays are copied (grouped by expert) before this returns, the tensors
-// behind x, out, w13 and w2 must stay alive and unchanged until the job is done. done_flag: 0, or
+// behind x, out, w13 and w2 must stay alive and unchanged until the job is done (w13 and w2 until
+// the pool is closed where weights_outlive_pool says they do: ExpertProblem). done_flag: 0, or
 // the address of an int64 that receives done_value once out is written.
 std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintptr_t x,
                                     uintptr_t out, uintptr_t w13, uintptr_t w2, int64_t T,
                                     int64_t H, int64_t I, int64_t E, uintptr_t pair_expert,
                                     uintptr_t pair_token, uintptr_t pair_weight, int64_t J,
-                                    uintptr_t done_flag, int64_t done_value, int64_t own_rounds) {
-  const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
-                        reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
-                        T, H, I, E};
+                                    uintptr_t done_flag, int64_t done_value, int64_t own_rounds,
+                                    bool weights_outlive_pool) {
+  ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
+                  reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
+                  T, H, I, E};
+  p.weights_outlive_pool = weights_outlive_pool;
   auto job = make_job(pool, simd, weight_type, p, reinterpret_cast<const int32_t*>(pair_expert),
                       reinterpret_cast<const int32_t*>(pair_token),
                       reinterpret_cast<const float*>(pair_weight), J);

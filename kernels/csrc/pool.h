@@ -65,6 +65,12 @@ constexpr int kDefaultWorkerSpinUs = 1000;
 constexpr std::chrono::microseconds kWaiterSpin{2000};
 
 
+// How long a task may be in flight before a worker with nothing else to do runs it again, by
+// default (Job::redo_stalled): a task streams about 96 KiB in 15-25 us, and a worker the OS took
+// its core from (one pinned to it waits for it to come back) had held a job's end up for 25-89 ms
+// in a run (docs/performance.md, thirty-fifth session).
+constexpr int kDefaultRedoUs = 150;
+
 // A counter alone on its cache line, so that threads updating or spinning on it do not slow down
 // those using its neighbours.
 struct alignas(64) Counter {
@@ -94,7 +100,7 @@ class Job {
         }
         first = false;
       }
-      run_claimed(i, t0, true);
+      run_claimed(i, t0, true, false);
     };
     if (worker >= 0) {
       for (int64_t t = worker; t < owned_; t += workers) {
@@ -123,11 +129,50 @@ class Job {
   void help(int64_t keep) {
     for (int64_t i = next_.load(std::memory_order_relaxed); num_tasks_ - i > keep;) {
       if (!next_.compare_exchange_weak(i, i + 1, std::memory_order_relaxed)) continue;
-      run_claimed(i, Clock::now(), false);
+      run_claimed(i, Clock::now(), false, false);
       i = next_.load(std::memory_order_relaxed);
     }
   }
   bool done() const { return done_.load(std::memory_order_acquire); }
+
+  // Whether a task of this job may be run again by another thread (redo_stalled): only where
+  // everything its tasks read outlives the job, since the thread that began a task runs it to
+  // the end even once the job is done, and where the pool that queued it redoes tasks.
+  bool redoable() const { return redoable_ && redo_after_.count() > 0; }
+  // The tasks that a thread other than the one that began them finished first (redo_stalled).
+  int64_t redone() const { return redone_.load(std::memory_order_relaxed); }
+
+  // Runs again the earliest task that a thread began longer than the pool's redo time ago
+  // (Pool::redo_us) and has not finished (the OS took that thread's core; a thread kept on one
+  // CPU waits for that CPU), so that the job ends without it; says whether it ran one. For a
+  // thread with nothing else of this job to do: its pool's worker that has handed out all of
+  // it, or one of its tasks waiting for earlier ones (timed = false: that task counts the time;
+  // only tasks below `below`, which wait for nothing that task could). The first of the two runs
+  // to finish writes the results (commit); the other writes nothing. Only the tasks that wait
+  // for no other (ready_tasks) are run again. Scans at most every redo time / 4.
+  bool redo_stalled(bool timed = true, int64_t below = INT64_MAX) {
+    if (!redoable() || done()) return false;
+    const Clock::time_point t0 = Clock::now();
+    const int64_t now = stamp(t0), after = redo_after_.count();
+    int64_t next_scan = next_scan_ns_.load(std::memory_order_relaxed);
+    if (now < next_scan ||
+        !next_scan_ns_.compare_exchange_strong(next_scan, now + after / 4,
+                                               std::memory_order_relaxed)) {
+      return false;
+    }
+    const int64_t limit = std::min(below, ready_tasks());
+    int64_t i = oldest_.load(std::memory_order_relaxed);
+    while (i < limit && began_[i].load(std::memory_order_relaxed) == kFinished) ++i;
+    oldest_.store(i, std::memory_order_relaxed);  // only ever behind the finished tasks
+    for (; i < limit; ++i) {
+      int64_t began = began_[i].load(std::memory_order_relaxed);
+      if (began <= 0 || now - began < after) continue;  // finished, not begun, or recent
+      if (!began_[i].compare_exchange_strong(began, now, std::memory_order_relaxed)) continue;
+      run_claimed(i, t0, timed, true);
+      return true;
+    }
+    return false;
+  }
   // Tasks not handed out yet.
   int64_t unclaimed() const {
     int64_t owned_left = 0;
@@ -137,7 +182,12 @@ class Job {
     return std::max<int64_t>(0, num_tasks_ - next_.load(std::memory_order_relaxed)) + owned_left;
   }
 
-  void mark_queued() { queued_at_ = Clock::now(); }
+  // By the pool that queues the job: when, and how long a task may be in flight before it is
+  // run again (0: never).
+  void mark_queued(std::chrono::nanoseconds redo_after) {
+    queued_at_ = Clock::now();
+    redo_after_ = redo_after;
+  }
 
   // Once done, also store `value` at `flag` (an int64 that a GPU kernel may be polling in pinned
   // memory): after every output write, so a reader that sees the value sees the output.
@@ -185,7 +235,7 @@ class Job {
   bool run_unowned() {
     for (int64_t t = 0; t < owned_; ++t) {
       if (claim_owned(t)) {
-        run_claimed(t, Clock::now(), false);
+        run_claimed(t, Clock::now(), false, false);
         return true;
       }
     }
@@ -193,9 +243,31 @@ class Job {
   }
   void set_num_tasks(int64_t n) {
     num_tasks_ = n;
+    if (n > began_room_) {
+      began_.reset(new std::atomic<int64_t>[size_t(n)]);
+      began_room_ = n;
+    }
+    for (int64_t i = 0; i < n; ++i) began_[i].store(0, std::memory_order_relaxed);
+    oldest_.store(0, std::memory_order_relaxed);
     if (n == 0) done_.store(true, std::memory_order_release);
   }
-  virtual void run_task(int64_t i) = 0;
+  // Before the job is queued (redoable).
+  void set_redoable(bool redoable) { redoable_ = redoable; }
+  // Runs task i: computes its results where no other thread reads them, then, if commit(i) says
+  // this is the first run of it to finish, writes them where the job's readers (its later
+  // tasks, its caller) find them and returns true; otherwise writes nothing and returns false (a
+  // run of a stalled task, redo_stalled, finished first).
+  virtual bool run_task(int64_t i) = 0;
+  // Whether this run of task i is the first to finish it (see run_task); once per run.
+  bool commit(int64_t i) {
+    int64_t began = began_[i].load(std::memory_order_relaxed);
+    while (began != kFinished) {
+      if (began_[i].compare_exchange_weak(began, kFinished, std::memory_order_acq_rel)) return true;
+    }
+    return false;
+  }
+  // The tasks [0, n) that wait for no task not finished yet: redo_stalled runs only these again.
+  virtual int64_t ready_tasks() const { return num_tasks_; }
   // When task 0 was claimed; read only once the job is done.
   Clock::time_point started_at() const { return started_; }
 
@@ -205,21 +277,27 @@ class Job {
     return !owned_claims_[t].load(std::memory_order_relaxed) &&
            !owned_claims_[t].exchange(true, std::memory_order_acq_rel);
   }
-  // Runs task i, claimed at t0; timed: a pool worker's, added to busy_ns_ (before the task
-  // counts as finished, so that a finished job's sum is whole).
-  void run_claimed(int64_t i, Clock::time_point t0, bool timed) {
+  // Runs task i, claimed at t0 (redo: again, redo_stalled); timed: a pool worker's, added to
+  // busy_ns_ (before the task counts as finished, so that a finished job's sum is whole). Only
+  // the run that finishes it first counts.
+  void run_claimed(int64_t i, Clock::time_point t0, bool timed, bool redo) {
+    if (!redo) began_[i].store(stamp(t0), std::memory_order_relaxed);
     // the first task to start times the run (with owned tasks, task 0 need not be it)
     if (!started_once_.load(std::memory_order_relaxed) &&
         !started_once_.exchange(true, std::memory_order_relaxed)) {
       started_ = t0;
     }
-    run_task(i);
+    if (!run_task(i)) return;
+    if (redo) redone_.fetch_add(1, std::memory_order_relaxed);
     if (timed) busy_ns_.fetch_add(ns(Clock::now() - t0), std::memory_order_relaxed);
     if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_tasks_) signal_done();
   }
   static int64_t ns(Clock::duration d) {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
   }
+  // A time as began_ holds it: nanoseconds of the steady clock, never 0 or kFinished.
+  static int64_t stamp(Clock::time_point t) { return std::max<int64_t>(1, ns(t.time_since_epoch())); }
+  static constexpr int64_t kFinished = -1;
 
   void signal_done() {
     finished_at_ = Clock::now();
@@ -241,7 +319,16 @@ class Job {
   int64_t done_value_ = 0;
   int64_t owned_ = 0;  // tasks [0, owned_) belong to the workers (set_owned)
   std::unique_ptr<std::atomic<bool>[]> owned_claims_;
+  bool redoable_ = false;  // set before the job is queued
+  std::chrono::nanoseconds redo_after_{0};  // set as it is queued
+  // per task: 0 until begun, then when its latest run began (stamp), kFinished once committed
+  std::unique_ptr<std::atomic<int64_t>[]> began_;
+  int64_t began_room_ = 0;
   std::atomic<bool> started_once_{false};
+  // redo_stalled's: the tasks before oldest_ are finished; no scan before next_scan_ns_
+  alignas(64) std::atomic<int64_t> oldest_{0};
+  std::atomic<int64_t> next_scan_ns_{0};
+  std::atomic<int64_t> redone_{0};
   alignas(64) std::atomic<int64_t> next_{0};
   alignas(64) std::atomic<int64_t> finished_{0};
   alignas(64) std::atomic<bool> done_{false};
@@ -259,11 +346,15 @@ constexpr int64_t kDefaultTaskBytes = 96 * 1024;
 class Pool {
  public:
   // cpus: empty (the OS places the workers), or one logical CPU per worker, which it stays on.
+  // redo_us: how long a task of a redoable job may be in flight before an idle worker runs it
+  // again (Job::redo_stalled; 0: never).
   explicit Pool(int num_threads, int spin_us = kDefaultWorkerSpinUs,
-                int64_t task_bytes = kDefaultTaskBytes, std::vector<int> cpus = {})
+                int64_t task_bytes = kDefaultTaskBytes, std::vector<int> cpus = {},
+                int redo_us = kDefaultRedoUs)
       : num_threads_(num_threads), spin_(spin_us), task_bytes_(task_bytes) {
     if (num_threads < 1) throw std::invalid_argument("num_threads must be at least 1");
     if (spin_us < 0) throw std::invalid_argument("spin_us must be 0 or more");
+    set_redo_us(redo_us);
     if (task_bytes < 1024) throw std::invalid_argument("task_bytes must be 1024 or more");
     if (!cpus.empty() && int(cpus.size()) != num_threads) {
       throw std::invalid_argument("cpus must name one CPU per thread (" +
@@ -305,6 +396,14 @@ class Pool {
   // The weight bytes each task of the expert jobs on this pool aims at.
   int64_t task_bytes() const { return task_bytes_; }
 
+  // How long a task of a redoable job may be in flight before an idle worker runs it again
+  // (0: never); may change while jobs run.
+  int redo_us() const { return int(redo_ns_.load(std::memory_order_relaxed) / 1000); }
+  void set_redo_us(int redo_us) {
+    if (redo_us < 0) throw std::invalid_argument("redo_us must be 0 or more");
+    redo_ns_.store(int64_t(redo_us) * 1000, std::memory_order_relaxed);
+  }
+
   // What each worker will read in a job still to come, for it to fetch while it waits
   // (PrefetchHint::set: ranges [w * per_worker, (w + 1) * per_worker) are worker w's). One
   // thread at a time may give hints.
@@ -325,7 +424,7 @@ class Pool {
       if (stopping_.load(std::memory_order_relaxed)) {
         throw std::runtime_error("this CpuExpertRunner is closed");
       }
-      job->mark_queued();
+      job->mark_queued(std::chrono::nanoseconds(redo_ns_.load(std::memory_order_relaxed)));
       queue_.push_back(std::move(job));
       if (queue_.size() == 1) publish_head();
     }
@@ -346,6 +445,11 @@ class Pool {
   }
 
  private:
+  // What a worker's job is while it may still touch it (see worker_loop and retire).
+  struct alignas(64) Hazard {
+    std::atomic<Job*> job{nullptr};
+  };
+
   // The queue's first job is published in one word, its address under a version that changes
   // with every publication, so that workers find it without the mutex (taking turns on a mutex,
   // 15 workers began a job over 12-17 us) and tell a new job from the one they just left even when
@@ -379,15 +483,34 @@ class Pool {
   }
 
   // The next head word this worker has not worked on (0 once the pool stops with nothing queued):
-  // spins for spin_ (fetching its share of the hint meanwhile), then sleeps until a push or close.
-  uint64_t next_head(uint64_t seen, int index, PrefetchHint::Cursor& cursor) {
+  // spins for spin_, then sleeps until a push or close. While it spins it runs the stalled tasks
+  // of `watched` (the job it worked on last, which its hazard keeps alive; Job::redo_stalled)
+  // until that job is done, and fetches its share of the hint; it lets go of the job (sets it to
+  // null, and its hazard) once the job is done or before it sleeps.
+  uint64_t next_head(uint64_t seen, int index, PrefetchHint::Cursor& cursor, Hazard& hazard,
+                     Job*& watched) {
     uint64_t word = 0;
     auto fresh = [&] {
       word = head_.load(std::memory_order_acquire);
       return (word != seen && job_of(word) != nullptr) ||
              stopping_.load(std::memory_order_acquire);
     };
-    if (!spin_until(fresh, spin_, [&] { return hint_.fetch_some(index, cursor); })) {
+    auto let_go = [&] {
+      watched = nullptr;
+      hazard.job.store(nullptr, std::memory_order_release);
+    };
+    auto idle = [&] {
+      if (watched != nullptr) {
+        if (watched->done()) {
+          let_go();
+        } else if (watched->redo_stalled()) {
+          return true;
+        }
+      }
+      return hint_.fetch_some(index, cursor);
+    };
+    if (!spin_until(fresh, spin_, idle)) {
+      let_go();
       std::unique_lock<std::mutex> lock(mutex_);
       cv_.wait(lock, fresh);
     }
@@ -397,14 +520,16 @@ class Pool {
   void worker_loop(int index) {
     Hazard& hazard = hazards_[index];
     PrefetchHint::Cursor cursor;
+    Job* watched = nullptr;
     for (uint64_t seen = 0;;) {
-      const uint64_t word = next_head(seen, index, cursor);
+      const uint64_t word = next_head(seen, index, cursor, hazard, watched);
       cursor.stop();  // a job came: what was hinted for it is its own to read now
       Job* job = job_of(word);
       if (job == nullptr) return;  // stopping, nothing queued
       // The job stays alive while this worker's hazard names it: whoever retires it frees it
       // only once no hazard does. Announce first, then check it is still the head.
       hazard.job.store(job, std::memory_order_seq_cst);
+      watched = nullptr;
       if (head_.load(std::memory_order_seq_cst) != word) {
         hazard.job.store(nullptr, std::memory_order_release);
         continue;
@@ -412,7 +537,12 @@ class Pool {
       seen = word;
       job->work(index, num_threads_);
       retire(word);
-      hazard.job.store(nullptr, std::memory_order_release);
+      // a redoable job stays named by the hazard, for its stalled tasks, until it is done
+      if (job->redoable()) {
+        watched = job;
+      } else {
+        hazard.job.store(nullptr, std::memory_order_release);
+      }
     }
   }
 
@@ -442,13 +572,10 @@ class Pool {
     // the jobs' last references (if the caller dropped its own) go here, outside the mutex
   }
 
-  struct alignas(64) Hazard {
-    std::atomic<Job*> job{nullptr};
-  };
-
   const int num_threads_;
   const std::chrono::microseconds spin_;
   const int64_t task_bytes_;
+  std::atomic<int64_t> redo_ns_{0};
   std::unique_ptr<Hazard[]> hazards_{new Hazard[size_t(num_threads_)]};
   std::vector<std::thread> workers_;
   std::deque<std::shared_ptr<Job>> queue_;    // under mutex_

@@ -256,6 +256,10 @@ def test_bench_decode_alternation_is_refused_where_it_cannot_compare():
     r = moelab(*flags, "--moe-cpu-pin", "off", "--alternate-cpu-pin", "isolate", check=False)
     refused = "--moe-cpu-pin isolate: needs CPU expert workers pinned"
     assert r.returncode == 2 and refused in r.stderr
+    torch_kernel = ["--moe-cpu-kernel", "torch", "--alternate-cpu-redo-us", "0"]
+    r = moelab(*flags, *torch_kernel, check=False)
+    refused = "--moe-cpu-redo-us 150: redo_us applies to the native kernel's tasks only"
+    assert r.returncode == 2 and refused in r.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -289,6 +293,20 @@ def test_bench_decode_alternates_cpu_pin():
     assert alt["flag"] == "--moe-cpu-pin" and alt["sides"] == ["cores", "isolate"]
     assert len(alt["ratios"]) == 2
     assert "alternated --moe-cpu-pin cores (A) and isolate (B), 2 pairs" in r.stderr
+
+
+def test_bench_decode_alternates_cpu_redo_us():
+    """--alternate-cpu-redo-us: the runs alternate between never running a stalled CPU task
+    again (A) and running it again after 1 µs (B), and the pairs are compared."""
+    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
+             "--moe-cache-rate", "0.5", "--repeats", "4", "--json"]  # fmt: skip
+    r = moelab(*flags, "--moe-cpu-redo-us", "0", "--alternate-cpu-redo-us", "1")
+    result = json.loads(r.stdout)
+    assert [run["setting"] for run in result["runs"]] == [0, 1, 1, 0]
+    alt = result["alternated"]
+    assert alt["flag"] == "--moe-cpu-redo-us" and alt["sides"] == [0, 1]
+    assert "alternated --moe-cpu-redo-us 0 (A) and 1 (B), 2 pairs" in r.stderr
+    assert result["cpu_jobs"]["jobs"] > 0 and "redone_tasks" in result["cpu_jobs"]
 
 
 def test_bench_prefill_reports_each_repeat_and_profiles_host_and_kernels(tmp_path):

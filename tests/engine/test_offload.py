@@ -54,6 +54,18 @@ def _margins(logits: torch.Tensor) -> list[float]:
     return (top2[:, 0] - top2[:, 1]).tolist()
 
 
+def _assert_same_tokens(outputs, ref_outputs, ref_logits) -> None:
+    """The greedy tokens are the resident engine's, up to the first near tie of its logits."""
+    for prompt, out, ref, ref_full_logits in zip(
+        PROMPTS, outputs, ref_outputs, ref_logits, strict=True
+    ):
+        margins = _margins(ref_full_logits)[len(prompt) - 1 :]
+        for i, (a, b) in enumerate(zip(out, ref, strict=True)):
+            if margins[i] <= 1e-3:
+                break
+            assert a == b, f"token {i}: offloaded {a} != resident {b}"
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompt", "chunked"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("slots", ["one-layer", "half"])
@@ -73,14 +85,7 @@ def test_offloaded_matches_all_resident(model, policy, slots, chunked):
             assert relative_error(engine.score(ids), ref) < 1e-4
     finally:
         engine.close()
-    for prompt, out, ref, ref_full_logits in zip(
-        PROMPTS, outputs, ref_outputs, ref_logits, strict=True
-    ):
-        margins = _margins(ref_full_logits)[len(prompt) - 1 :]
-        for i, (a, b) in enumerate(zip(out, ref, strict=True)):
-            if margins[i] <= 1e-3:
-                break
-            assert a == b, f"token {i}: offloaded {a} != resident {b}"
+    _assert_same_tokens(outputs, ref_outputs, ref_logits)
     # the identity is not won by never missing
     if policy == "cpu":
         assert fills == 0 and cpu > 0
@@ -88,6 +93,24 @@ def test_offloaded_matches_all_resident(model, policy, slots, chunked):
         assert fills > 0 and evictions > 0
     else:
         assert fills > 0 and evictions > 0 and cpu > 0
+
+
+def test_cpu_tasks_run_again_decode_the_same_tokens(model):
+    """--moe-cpu-redo-us 1, three CPU workers: an idle worker runs again nearly every task of a
+    decode step's CPU job that it finds in flight, and the first run to finish writes it. The
+    tokens are still the resident engine's; the config says what is in force."""
+    path, ref_outputs, _, ref_logits = model
+    flags = ["--moe-cache-size", "16", "--moe-miss-policy", "cpu"]
+    engine = make_engine(path, *flags, "--moe-cpu-threads", "3", "--moe-cpu-redo-us", "1")
+    try:
+        assert engine.config_in_force()["cpu_redo_us"] == 1
+        outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+        assert engine.moe.counters.cpu.sum() > 0 and engine.moe.cpu_times.jobs > 0
+        engine.cpu.redo_us = 0
+        assert engine.config_in_force()["cpu_redo_us"] == 0
+    finally:
+        engine.close()
+    _assert_same_tokens(outputs, ref_outputs, ref_logits)
 
 
 @pytest.mark.parametrize("policy", ["gpu", "split:0.5"])

@@ -15,6 +15,7 @@ import random
 import re
 import threading
 import time
+import weakref
 import zlib
 from pathlib import Path
 
@@ -289,13 +290,16 @@ def test_a_queued_job_has_a_multiple_of_the_threads_tasks_in_each_phase() -> Non
     torch.testing.assert_close(out, cpu_experts_ref(*args), rtol=1e-4, atol=1e-4)
 
 
-def test_the_task_size_default_is_one_across_the_flag_the_runner_and_the_pool() -> None:
+def test_the_task_size_and_redo_defaults_are_one_across_the_flag_the_runner_and_the_pool():
     from moelab.engine.args import build_parser
 
-    flag = build_parser().parse_args(["--model-path", "m"]).moe_cpu_task_kb
+    args = build_parser().parse_args(["--model-path", "m"])
     with CpuExpertRunner(2, "native") as runner:
         pool_kb = runner._pool.task_bytes // 1024
-    assert flag == cpu_experts.DEFAULT_TASK_KB == pool_kb
+        runner_redo = runner.redo_us
+    assert args.moe_cpu_task_kb == cpu_experts.DEFAULT_TASK_KB == pool_kb
+    native_redo = load_native().Pool(1).redo_us  # the pool's own default
+    assert args.moe_cpu_redo_us == cpu_experts.DEFAULT_REDO_US == runner_redo == native_redo
     with CpuExpertRunner(2, "native", task_kb=192) as runner:
         assert runner._pool.task_bytes == 192 * 1024
 
@@ -754,3 +758,87 @@ def test_unchecked_submit_computes_the_same_and_still_checks_the_pairs() -> None
         bad_expert = torch.full_like(pair_token, num_experts)
         with pytest.raises(ValueError, match=re.escape(f"pair_expert[0] = {num_experts}")):
             runner.submit(x, w13, w2, bad_expert, pair_token, pair_weight, check=False)
+
+
+# A job whose tasks take tens of microseconds: 16 experts of 512 x 256 for one token.
+def long_tasks_inputs(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    return make_inputs(gen, 16, 512, 256, 1, [(e, 0) for e in range(16)], torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", ["decode-8", "batch-shared", "batch-1-expert-per-token", "long"])
+def test_tasks_run_again_give_the_same_output_bit_for_bit(case: str) -> None:
+    """With redo_us=1 an idle worker runs again nearly every task it finds in flight, so two
+    runs of a task race to write it: the output must be the single run's, bit for bit, whichever
+    finishes first (the other writes nothing: out is NaN-poisoned, h is the job's own). More
+    workers than cores, owned blocks too, and a split expert in the planner's test below."""
+    gen = torch.Generator().manual_seed(SEED + zlib.crc32(case.encode()))
+    if case == "long":
+        args, num_tokens, hidden = long_tasks_inputs(gen), 1, 512
+    else:
+        num_experts, hidden, inter, num_tokens, pairs = CASES[case]
+        args = make_inputs(gen, num_experts, hidden, inter, num_tokens, pairs, torch.bfloat16)
+    with CpuExpertRunner(4, "native", task_kb=1, redo_us=0) as runner:
+        want = runner.run(*args)
+        assert runner.submit(*args, redoable=True).redoable() is False  # redo_us=0: never
+    redone = 0
+    with CpuExpertRunner(4, "native", task_kb=1, redo_us=1) as runner:
+        for i in range(200):
+            poisoned = torch.full((num_tokens, hidden), float("nan"))
+            job = runner.submit(*args, out=poisoned, own_rounds=i % 3, redoable=True)
+            assert job.redoable()
+            assert torch.equal(job.wait(), want), (case, i)
+            redone += job.redone()
+    if case == "long":  # the test covered what it is about
+        assert redone > 0
+
+
+def test_only_jobs_asked_to_be_are_run_again() -> None:
+    """A job not submitted redoable (its weights may go once it is done) is never run again,
+    however long its tasks; nor is one whose x is too large to copy (T * H > 65536)."""
+    gen = torch.Generator().manual_seed(SEED)
+    args = long_tasks_inputs(gen)
+    x, w13, w2, _, _, _ = args
+    wide = make_inputs(gen, 2, 4096, 32, 17, [(0, t) for t in range(17)], torch.bfloat16)
+    with CpuExpertRunner(4, "native", task_kb=1, redo_us=1) as runner:
+        want = runner.run(*args)
+        for _ in range(50):
+            job = runner.submit(*args)
+            assert not job.redoable()
+            assert torch.equal(job.wait(), want) and job.redone() == 0
+        big = runner.submit(*wide, redoable=True)
+        assert not big.redoable()
+        assert torch.equal(big.wait(), runner.run(*wide))
+    with CpuExpertRunner(2, "torch") as runner:
+        job = runner.submit(*args, redoable=True)
+        job.wait()
+        assert not job.redoable() and job.redone() == 0 and runner.redo_us == 0
+
+
+def test_the_runner_holds_the_weights_of_redoable_jobs_until_it_closes() -> None:
+    """A late run of a task goes on reading the weights after its job is done: the runner keeps
+    them alive until its workers have ended (and only those of redoable jobs)."""
+
+    gen = torch.Generator().manual_seed(SEED)
+    x, w13, w2, pe, pt, pw = long_tasks_inputs(gen)
+    w13_other, w2_other = w13.clone(), w2.clone()
+    held = [weakref.ref(w13), weakref.ref(w2)]
+    not_held = [weakref.ref(w13_other), weakref.ref(w2_other)]
+    runner = CpuExpertRunner(2, "native", redo_us=50)
+    runner.submit(x, w13, w2, pe, pt, pw, redoable=True).wait()
+    runner.submit(x, w13_other, w2_other, pe, pt, pw).wait()
+    del w13, w2, w13_other, w2_other
+    assert all(ref() is not None for ref in held)
+    assert all(ref() is None for ref in not_held)
+    runner.close()
+    assert all(ref() is None for ref in held)
+
+
+def test_redo_us_is_checked_and_changes_while_the_workers_run() -> None:
+    with pytest.raises(ValueError, match="redo_us must be an int of 0 or more"):
+        CpuExpertRunner(2, "native", redo_us=-1)
+    with CpuExpertRunner(2, "native") as runner:
+        assert runner.redo_us == cpu_experts.DEFAULT_REDO_US
+        runner.redo_us = 0
+        assert runner.redo_us == 0
+        with pytest.raises(ValueError, match="redo_us must be"):
+            runner.redo_us = 1.5
