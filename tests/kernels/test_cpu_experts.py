@@ -797,7 +797,6 @@ def test_only_jobs_asked_to_be_are_run_again() -> None:
     however long its tasks; nor is one whose x is too large to copy (T * H > 65536)."""
     gen = torch.Generator().manual_seed(SEED)
     args = long_tasks_inputs(gen)
-    x, w13, w2, _, _, _ = args
     wide = make_inputs(gen, 2, 4096, 32, 17, [(0, t) for t in range(17)], torch.bfloat16)
     with CpuExpertRunner(4, "native", task_kb=1, redo_us=1) as runner:
         want = runner.run(*args)
