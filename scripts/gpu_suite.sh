@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|all]
 # (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first, and the
 # wheels of scripts/device_wheels.sh (carry .whl) on PYTHONPATH.
@@ -30,6 +30,23 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
   run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_graphs.py tests/engine/test_offload.py tests/engine/test_reference.py \
     tests/engine/test_telemetry.py tests/engine/test_attention.py
+fi
+if [ "$part" = redo ]; then  # idle CPU workers running again a task whose worker stalled: its
+  # tests, runs alternating never (0) and the default 150 us in one process (three processes),
+  # then the 25%-cache rows with the default flags
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run redo_tests python3 -m pytest -q $T tests/kernels/test_cpu_experts.py \
+    tests/engine/test_planner.py tests/engine/test_cli.py -k "not prefill"
+  run redo_engine_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_graphs.py tests/engine/test_offload.py
+  for i in 1 2 3; do
+    run redo_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
+      --repeats 12 --moe-cpu-redo-us 0 --alternate-cpu-redo-us 150 --json
+  done
+  run redo_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
+    --repeats 3 --json
+  run redo_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --tokens 256 \
+    --repeats 3 --json
 fi
 if [ "$part" = resident ]; then  # all experts resident: overlapped decode against waiting steps
   run decode12_resident_skew1 $B decode $G --routing-skew 1 --json
