@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|all]
 # (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first, and the
 # wheels of scripts/device_wheels.sh (carry .whl) on PYTHONPATH.
@@ -47,6 +47,16 @@ if [ "$part" = redo ]; then  # idle CPU workers running again a task whose worke
     --repeats 3 --json
   run redo_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --tokens 256 \
     --repeats 3 --json
+fi
+if [ "$part" = redo_busy ]; then  # the same alternation with another program busy on CPU 3 (a
+  # worker's core under --moe-cpu-pin cores), as on a desktop running something else
+  taskset -c 3 python3 -c 'while True: pass' &
+  hog=$!
+  for i in 1 2 3; do
+    run redo_busy_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
+      --repeats 8 --moe-cpu-redo-us 0 --alternate-cpu-redo-us 150 --json
+  done
+  kill $hog
 fi
 if [ "$part" = resident ]; then  # all experts resident: overlapped decode against waiting steps
   run decode12_resident_skew1 $B decode $G --routing-skew 1 --json

@@ -272,7 +272,7 @@ class ExpertJob final : public ExpertJobShell {
       const int64_t r1 = blocks2_.at(i - blocks1_.count + 1), n = r1 - r0;
       std::vector<float>& rows = task_scratch(true);
       rows.assign(size_t(p_.T * n), 0.0f);  // [T, n]
-      down(r0, r1, rows.data());
+      down(i, r0, r1, rows.data());
       if (!commit(i)) return false;
       for (int64_t t = 0; t < p_.T; ++t) {
         std::copy_n(rows.data() + t * n, n, p_.out + t * p_.H + r0);
@@ -384,8 +384,8 @@ class ExpertJob final : public ExpertJobShell {
   }
 
   // out[t, r - r0] += sum over groups and pairs of weight_j * (w2[e] row r . h[j]), for the
-  // rows r in [r0, r_end) (out: [T, r_end - r0]).
-  void down(int64_t r0, int64_t r_end, float* out) {
+  // rows r in [r0, r_end) (out: [T, r_end - r0]); of task `task`.
+  void down(int64_t task, int64_t r0, int64_t r_end, float* out) {
     const int64_t H = p_.H, I = p_.I, n = r_end - r0;
     const int64_t groups = int64_t(group_expert_.size());
     auto down_rows = [&](int64_t g, int64_t r) {
@@ -399,7 +399,7 @@ class ExpertJob final : public ExpertJobShell {
       };
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t first = first_row(g);
-        wait_group(g, row(g * n), n, I - first);
+        wait_group(task, g, row(g * n), n, I - first);
         const int32_t j = group_start_[g];
         const float* h = h_.data() + int64_t(j) * I + first;
         float* token_out = out + int64_t(token_[j]) * n;
@@ -411,7 +411,7 @@ class ExpertJob final : public ExpertJobShell {
       return;
     }
     for (int64_t g = 0; g < groups; ++g) {
-      wait_group(g);
+      wait_group(task, g);
       const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
       const int64_t first = first_row(g), K = I - first;  // the down projection's columns here
       for (int64_t r = r0; r < r_end;) {
@@ -453,7 +453,10 @@ class ExpertJob final : public ExpertJobShell {
   // projection (len elements each, I apart) are fetched into the cache: they do not depend on h,
   // and a worker that only waited here left the memory idle (in decode on the H200's host the
   // workers waited 2-6 us a job on average, docs/cpu-experts.md).
-  void wait_group(int64_t g, const WT* rows = nullptr, int64_t n = 0, int64_t len = 0) {
+  // The waiting task's clock restarts after the wait (Job::restart): only its own work counts
+  // towards its being stalled.
+  void wait_group(int64_t task, int64_t g, const WT* rows = nullptr, int64_t n = 0,
+                  int64_t len = 0) {
     const int64_t group_rows = group_rows_[g + 1] - group_rows_[g];
     auto ready = [&] {
       return group_done_[g].value.load(std::memory_order_acquire) == group_rows;
@@ -468,8 +471,10 @@ class ExpertJob final : public ExpertJobShell {
     // is a block whose thread stalled (its task in the counts)
     spin_until(ready, std::chrono::nanoseconds::max(),
                [this] { return run_unowned() || redo_stalled(false, blocks1_.count); });
-    const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0);
-    wait_ns_.fetch_add(waited.count(), std::memory_order_relaxed);
+    const Clock::time_point t1 = Clock::now();
+    wait_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count(),
+                       std::memory_order_relaxed);
+    restart(task, t1);
   }
 
   // The first intermediate row computed for group g (all but the split expert: 0).

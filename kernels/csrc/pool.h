@@ -266,6 +266,14 @@ class Job {
     }
     return false;
   }
+  // Task i, in flight, waited for other tasks until t: its run counts as begun at t for
+  // redo_stalled (unless it has finished, or another run of it began since).
+  void restart(int64_t i, Clock::time_point t) {
+    int64_t began = began_[i].load(std::memory_order_relaxed);
+    if (began > 0 && began < stamp(t)) {
+      began_[i].compare_exchange_strong(began, stamp(t), std::memory_order_relaxed);
+    }
+  }
   // The tasks [0, n) that wait for no task not finished yet: redo_stalled runs only these again.
   virtual int64_t ready_tasks() const { return num_tasks_; }
   // When task 0 was claimed; read only once the job is done.
