@@ -24,6 +24,7 @@ FIGURE_OF_FLAG = {
     "--no-prefill-overlap": "prefill",
     "--max-running-requests": "aggregate",
     "--moe-cpu-prefetch-rounds": "decode",
+    "--moe-cpu-redo-us": "decode",  # the decode planner's CPU jobs only
 }
 # flags of CUDA graphs' decode: the guesses the prefetch plans come from one-token pieces' graphs
 CUDA_ONLY = (

@@ -192,9 +192,14 @@ def test_every_trial_after_the_calibration_runs_the_same_workload() -> None:
 
 def test_a_run_on_a_cold_engine_with_per_request_costs_lasts_the_target_per_trial() -> None:
     result, journal = search(FakeEngine(seed=51, **H200), [], DECODE, mode=H200_QUICK)
-    later = [t.result.workload_s for t in journal.trials.values() if t.n > 1]
-    assert result["overhead"]["workload_s_per_trial"] == pytest.approx(40.0, rel=0.15)
-    assert all(0.7 * 40.0 < s < 1.3 * 40.0 for s in later), later
+    later = [t for t in journal.trials.values() if t.n > 1]
+    # the flags the workload was sized on run it in the target's time; the faster flags the
+    # search finds (here the CPU policy, ~17% faster) run it in less, all within 30%
+    sized_on = [t.result.workload_s for t in later if t.request.flags == ()]
+    assert len(sized_on) >= 3
+    assert all(s == pytest.approx(40.0, rel=0.15) for s in sized_on), sized_on
+    assert all(0.7 * 40.0 < t.result.workload_s < 1.3 * 40.0 for t in later)
+    assert result["overhead"]["workload_s_per_trial"] == pytest.approx(40.0, rel=0.2)
 
 
 def test_the_overhead_share_is_small_when_restarts_are_small_against_the_target() -> None:
