@@ -36,7 +36,7 @@ if [ "$part" = redo ]; then  # idle CPU workers running again a task whose worke
   # then the 25%-cache rows with the default flags
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run redo_tests python3 -m pytest -q $T tests/kernels/test_cpu_experts.py \
-    tests/engine/test_planner.py tests/engine/test_cli.py::test_bench_decode_alternates_cpu_redo_us
+    tests/engine/test_planner.py tests/engine/test_cli.py::test_bench_decode_alternates_a_cpu_flag
   run redo_engine_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_graphs.py tests/engine/test_offload.py
   for i in 1 2 3; do

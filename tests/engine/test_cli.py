@@ -277,35 +277,34 @@ def test_bench_decode_alternates_prefetch_rounds_on_cuda():
     assert not any(plan.endswith(("p", "w")) for plan in alt["period_by_plan"][0])
 
 
-@pytest.mark.skipif(
-    len(worker_cpus(1)) != 1, reason="needs two cores: a pinned worker and one left over"
-)
-def test_bench_decode_alternates_cpu_pin():
-    """--alternate-cpu-pin: the runs alternate between the workers' cores alone (A) and the rest
-    of the engine kept off them (B), and the pairs are compared."""
+@pytest.mark.parametrize(
+    ("flag", "a", "b"),
+    [
+        pytest.param(
+            "--moe-cpu-pin", "cores", "isolate",
+            marks=pytest.mark.skipif(
+                len(worker_cpus(1)) != 1,
+                reason="needs two cores: a pinned worker and one left over",
+            ),
+        ),
+        ("--moe-cpu-redo-us", 0, 1),
+    ],
+)  # fmt: skip
+def test_bench_decode_alternates_a_cpu_flag(flag, a, b):
+    """--alternate-cpu-pin (the workers' cores alone, then the rest of the engine kept off them)
+    and --alternate-cpu-redo-us (never running a stalled CPU task again, then after 1 µs): the
+    runs alternate A B B A, and the pairs are compared."""
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
              "--moe-cache-rate", "0.5", "--repeats", "4", "--json"]  # fmt: skip
-    r = moelab(*flags, "--moe-cpu-pin", "cores", "--alternate-cpu-pin", "isolate")
+    alternate = flag.replace("--moe-", "--alternate-")
+    r = moelab(*flags, flag, str(a), alternate, str(b))
     result = json.loads(r.stdout)
-    assert [run["setting"] for run in result["runs"]] == ["cores", "isolate", "isolate", "cores"]
+    assert [run["setting"] for run in result["runs"]] == [a, b, b, a]
     assert [run["side"] for run in result["runs"]] == [0, 1, 1, 0]
     alt = result["alternated"]
-    assert alt["flag"] == "--moe-cpu-pin" and alt["sides"] == ["cores", "isolate"]
+    assert alt["flag"] == flag and alt["sides"] == [a, b]
     assert len(alt["ratios"]) == 2
-    assert "alternated --moe-cpu-pin cores (A) and isolate (B), 2 pairs" in r.stderr
-
-
-def test_bench_decode_alternates_cpu_redo_us():
-    """--alternate-cpu-redo-us: the runs alternate between never running a stalled CPU task
-    again (A) and running it again after 1 µs (B), and the pairs are compared."""
-    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
-             "--moe-cache-rate", "0.5", "--repeats", "4", "--json"]  # fmt: skip
-    r = moelab(*flags, "--moe-cpu-redo-us", "0", "--alternate-cpu-redo-us", "1")
-    result = json.loads(r.stdout)
-    assert [run["setting"] for run in result["runs"]] == [0, 1, 1, 0]
-    alt = result["alternated"]
-    assert alt["flag"] == "--moe-cpu-redo-us" and alt["sides"] == [0, 1]
-    assert "alternated --moe-cpu-redo-us 0 (A) and 1 (B), 2 pairs" in r.stderr
+    assert f"alternated {flag} {a} (A) and {b} (B), 2 pairs" in r.stderr
     assert result["cpu_jobs"]["jobs"] > 0 and "redone_tasks" in result["cpu_jobs"]
 
 
