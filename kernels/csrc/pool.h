@@ -66,9 +66,10 @@ constexpr std::chrono::microseconds kWaiterSpin{2000};
 
 
 // How long a task may be in flight before a worker with nothing else to do runs it again, by
-// default (Job::redo_stalled): a task streams about 96 KiB in 15-25 us, and a worker the OS took
-// its core from (one pinned to it waits for it to come back) had held a job's end up for 25-89 ms
-// in a run (docs/performance.md, thirty-fifth session).
+// default (Job::redo_stalled): a task streams about 96 KiB in 15-25 us, while a worker whose
+// core the OS or the hypervisor took holds its task for milliseconds. On the H200's host, 150
+// us decoded 1.8-2.2 times faster than never under steal or another busy program, as fast on a
+// quiet host, and 50 us no faster than 150 (docs/performance.md, thirty-sixth session).
 constexpr int kDefaultRedoUs = 150;
 
 // A counter alone on its cache line, so that threads updating or spinning on it do not slow down
