@@ -293,9 +293,11 @@ def test_bench_decode_alternates_prefetch_rounds_on_cuda():
 def test_bench_decode_alternates_a_cpu_flag(flag, a, b):
     """--alternate-cpu-pin (the workers' cores alone, then the rest of the engine kept off them)
     and --alternate-cpu-redo-us (never running a stalled CPU task again, then after 1 µs): the
-    runs alternate A B B A, and the pairs are compared."""
+    runs alternate A B B A, and the pairs are compared. The misses run on the CPU, so that every
+    run has CPU jobs for the flags to act on."""
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
-             "--moe-cache-rate", "0.5", "--repeats", "4", "--json"]  # fmt: skip
+             "--moe-cache-rate", "0.5", "--moe-miss-policy", "cpu", "--repeats", "4",
+             "--json"]  # fmt: skip
     alternate = flag.replace("--moe-", "--alternate-")
     r = moelab(*flags, flag, str(a), alternate, str(b))
     result = json.loads(r.stdout)
