@@ -277,6 +277,7 @@ class CpuExpertRunner:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
         if simd not in SIMD_LEVELS:
             raise ValueError(f"simd must be one of {', '.join(SIMD_LEVELS)}; got {simd!r}")
+        _check_redo_us(redo_us)
         self.num_threads = num_threads
         self._module: ModuleType | None = None
         if kernel != "torch":
@@ -301,7 +302,6 @@ class CpuExpertRunner:
                 raise ValueError(f"task_kb must be a positive int, got {task_kb!r}")
             if cpus is not None and len(cpus) != num_threads:
                 raise ValueError(f"cpus must name one CPU per thread ({num_threads}), got {cpus}")
-            _check_redo_us(redo_us)
             started = process_thread_ids()
             self._pool = self._module.Pool(
                 num_threads, spin_us, task_kb * 1024, list(cpus or []), redo_us
@@ -317,7 +317,6 @@ class CpuExpertRunner:
             self.thread_ids = []
             self.kernel = "torch"
             self.simd = "torch"
-            _check_redo_us(redo_us)
             self._executor = ThreadPoolExecutor(
                 1, "moelab-cpu-experts", initializer=torch.set_num_threads, initargs=(num_threads,)
             )

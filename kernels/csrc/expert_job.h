@@ -207,6 +207,11 @@ class ExpertJob final : public ExpertJobShell {
     x_row_.clear();
     group_rows_.clear();
     one_token_each_ = true;
+    // the rows of x the tasks read: the job's own copy where it may be redone
+    const bool own_x = p.weights_outlive_pool && p.T * p.H <= kMaxOwnedX;
+    if (own_x) x_copy_.assign(p.x, p.x + p.T * p.H);
+    set_redoable(own_x);
+    const float* x = own_x ? x_copy_.data() : p.x;
     // the pairs grouped by expert, in their order within a group
     std::iota(order_.begin(), order_.begin() + J, 0);
     std::stable_sort(order_.begin(), order_.begin() + J,
@@ -219,14 +224,8 @@ class ExpertJob final : public ExpertJobShell {
       }
       token_.push_back(pt[j]);
       weight_.push_back(pw[j]);
-      x_row_.push_back(p.x + pt[j] * p.H);
+      x_row_.push_back(x + pt[j] * p.H);
     }
-    const bool own_x = p.weights_outlive_pool && p.T * p.H <= kMaxOwnedX;
-    if (own_x) {
-      x_copy_.assign(p.x, p.x + p.T * p.H);
-      for (int64_t k = 0; k < J; ++k) x_row_[k] = x_copy_.data() + token_[k] * p.H;
-    }
-    set_redoable(own_x);
     group_start_.push_back(int32_t(J));
     const int64_t groups = int64_t(group_expert_.size());
     for (int64_t g = 0; g < groups; ++g) {
