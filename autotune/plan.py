@@ -25,6 +25,7 @@ FIGURE_OF_FLAG = {
     "--max-running-requests": "aggregate",
     "--moe-cpu-prefetch-rounds": "decode",
     "--moe-cpu-redo-us": "decode",  # the decode planner's CPU jobs only
+    "--moe-copy-ahead": "decode",
 }
 # flags of CUDA graphs' decode: the guesses the prefetch plans come from one-token pieces' graphs
 CUDA_ONLY = (
@@ -32,6 +33,7 @@ CUDA_ONLY = (
     "--cuda-graph-max-bs",
     "--no-overlap-decode",
     "--moe-cpu-prefetch-rounds",
+    "--moe-copy-ahead",
 )
 
 

@@ -76,6 +76,17 @@ def _rate(text: str) -> float:
     return value
 
 
+def parse_share(text: str) -> float:
+    """A number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be from 0 to 1")
+    return value
+
+
 def parse_miss_policy(text: str) -> str:
     """`auto`, `gpu`, `cpu` or `split:F` with F the fixed share of misses to fetch, in [0, 1]."""
     if text in ("auto", "gpu", "cpu"):
@@ -276,6 +287,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "fewer per machine.",
     )
     moe.add_argument(
+        "--moe-copy-ahead",
+        type=parse_share,
+        default=0.75,
+        help="Offloaded decode at batch 1 (CUDA graphs, the native planner, split misses): once "
+        "a piece's guess of its MoE layer's routing reaches the host, the device's first miss "
+        "of the guessed step starts copying into a cache slot, its first rows as many as the "
+        "copies move in this share of the guesses' usual lead over the routing (measured as "
+        "decode runs); where the guess was right, the step's copies then take only the rest, "
+        "and the CPU fewer rows. A wrong guess costs that copy and the slot's expert. 0: off.",
+    )
+    moe.add_argument(
         "--moe-cpu-pin",
         choices=("cores", "isolate", "off"),
         default="cores",
@@ -430,6 +452,12 @@ TUNABLE: tuple[Tunable, ...] = (
         "CPU workers fetching their first blocks while they wait, against the guess's launch",
     ),
     Tunable(
+        "--moe-copy-ahead",
+        "choice",
+        ("0", "0.75"),
+        "a guessed miss's first rows copied before the routing, against a wrong guess's copy",
+    ),
+    Tunable(
         "--moe-cpu-pin",
         "choice",
         ("cores", "isolate", "off"),
@@ -458,7 +486,7 @@ def describe_flags(parser: argparse.ArgumentParser | None = None) -> list[dict]:
                 kind = "switch"
             elif action.type in (int, _positive_int, _non_negative_int, parse_prefetch_rounds):
                 kind = "int"
-            elif action.type in (float, _rate):
+            elif action.type in (float, _rate, parse_share):
                 kind = "float"
             elif action.type is parse_bytes:
                 kind = "bytes"

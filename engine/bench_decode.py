@@ -26,7 +26,13 @@ import psutil
 import torch
 
 from ..kernels.cpu_experts import process_thread_ids
-from .args import _non_negative_int, _positive_int, add_engine_flags, parse_prefetch_rounds
+from .args import (
+    _non_negative_int,
+    _positive_int,
+    add_engine_flags,
+    parse_prefetch_rounds,
+    parse_share,
+)
 from .moe_stats import CpuJobTimes, MissCostFit, StagedStepTimes
 
 
@@ -94,6 +100,15 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 help="as --alternate-prefetch-rounds, between --moe-cpu-pin (A, cores or isolate) "
                 "and MODE (B): the rest of the engine's threads are moved off the CPU expert "
                 "workers' cores, or back, between runs",
+            )
+            p.add_argument(
+                "--alternate-copy-ahead",
+                type=parse_share,
+                default=None,
+                metavar="SHARE",
+                help="as --alternate-prefetch-rounds, between --moe-copy-ahead (A) and SHARE (B): "
+                "the share of the guesses' lead in which the guessed first device miss is copied "
+                "ahead of the routing",
             )
             p.add_argument(
                 "--alternate-cpu-redo-us",
@@ -461,6 +476,7 @@ def alternated_sides(args: argparse.Namespace) -> Sides | str | None:
         "--alternate-prefetch-rounds": "alternate_prefetch_rounds",
         "--alternate-cpu-pin": "alternate_cpu_pin",
         "--alternate-cpu-redo-us": "alternate_cpu_redo_us",
+        "--alternate-copy-ahead": "alternate_copy_ahead",
     }
     asked = [
         (flag, value)
@@ -481,6 +497,12 @@ def alternated_sides(args: argparse.Namespace) -> Sides | str | None:
     elif flag == "--alternate-cpu-pin":
         sides = Sides(
             "--moe-cpu-pin", (args.moe_cpu_pin, b), lambda engine, mode: engine.set_cpu_pin(mode)
+        )
+    elif flag == "--alternate-copy-ahead":
+        sides = Sides(
+            "--moe-copy-ahead",
+            (args.moe_copy_ahead, b),
+            lambda engine, share: engine.moe.set_copy_ahead(share),
         )
     else:
         sides = Sides(
@@ -652,7 +674,10 @@ def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict
         "allocations": {k: v - allocs[k] for k, v in allocator_counts(engine.device).items()},
         "breakdown": dict(engine.telemetry.breakdown),
         "cpu_jobs": engine.moe.cpu_times.to_dict(),
-        "staged_layer_us": engine.moe.staged_times.to_dict(),
+        "staged_layer_us": {
+            **engine.moe.staged_times.to_dict(),
+            "guess_lead_us": 1e6 * engine.moe.guess_lead_seconds(),
+        },
         "miss_cost": engine.telemetry.miss_cost.to_dict(),
     }
 
@@ -870,12 +895,26 @@ def staged_lines(staged: dict) -> str:
             f"fetched their first blocks (plans marked p): {staged['prefetched_jobs']} of "
             f"{staged['cpu_jobs']}; other layer steps with a guess: plans marked w"
         )
+    if staged.get("copied_ahead") or staged.get("ahead_missed"):
+        out += (
+            f"\ncopies ahead of the routing (plans marked a): {staged['copied_ahead']} steps took "
+            f"one, {staged['ahead_missed']} copied an expert the step did not miss; the guesses' "
+            f"lead over the routing {staged.get('guess_lead_us', 0.0):.1f} µs"
+        )
     if staged["boundary_us"] is not None:
         boundary = staged["boundary_us"]
         out += f"; between steps (the last layer's routing to the next step's first) {boundary:.0f}"
         if staged.get("boundary_host_us") is not None:
             out += f", {staged['boundary_host_us']:.0f} of it before the next step's launch"
     return out
+
+
+# the flags whose runs need pieces that send routing guesses: the --alternate-... flag of each,
+# and its own dest (the engine starts with the larger of the two sides)
+_GUESSING = {
+    "--moe-cpu-prefetch-rounds": ("--alternate-prefetch-rounds", "moe_cpu_prefetch_rounds"),
+    "--moe-copy-ahead": ("--alternate-copy-ahead", "moe_copy_ahead"),
+}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -886,15 +925,15 @@ def _run(args: argparse.Namespace) -> int:
     if isinstance(sides, str):
         print(f"moelab bench decode: {sides}", file=sys.stderr)
         return 2
-    rounds = sides is not None and sides.flag == "--moe-cpu-prefetch-rounds"
-    if rounds:  # the pieces are captured sending guesses
-        args.moe_cpu_prefetch_rounds = max(sides.values)
+    guessing = sides is not None and sides.flag in _GUESSING
+    if guessing:  # the pieces are captured sending guesses
+        setattr(args, _GUESSING[sides.flag][1], max(sides.values))
     with tempfile.TemporaryDirectory() as workdir:
         engine = _engine(args, Path(workdir))
         try:
-            if rounds and (engine.graphs is None or engine.graphs.routing_guess is None):
+            if guessing and (engine.graphs is None or engine.graphs.routing_guess is None):
                 print(
-                    "moelab bench decode: --alternate-prefetch-rounds needs pieces that send "
+                    f"moelab bench decode: {_GUESSING[sides.flag][0]} needs pieces that send "
                     "routing guesses: offloaded decode on CUDA with its graphs and the native "
                     "planner",
                     file=sys.stderr,

@@ -187,6 +187,8 @@ class Engine(Stepping):
         )
         self.moe.split_misses = not args.no_split_misses
         self.moe.prefetch_rounds = args.moe_cpu_prefetch_rounds
+        self.moe.copy_ahead = args.moe_copy_ahead
+        self.moe.copy_rate = self.bp_gbps * 1e9
         if plan.all_resident:
             self._load_all_experts()
         elif plan.prefill_buffer_bytes:
@@ -438,6 +440,7 @@ class Engine(Stepping):
             "process_cpus": cpu_ranges(self.placement.cpus) if self.placement else "os",
             "split_misses": not a.no_split_misses,
             "cpu_prefetch_rounds": self.moe.prefetch_rounds,  # as set_prefetch_rounds leaves it
+            "copy_ahead": self.moe.copy_ahead,  # as set_copy_ahead leaves it
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,
             "rates_source": self.rates_source,

@@ -43,6 +43,11 @@ class Dispatch:
     # them while they waited (0: none, or the guess did not match)
     guessed: bool = False
     owned_blocks: int = 0
+    # the native planner's copy ahead (`copy_ahead`): rows of the device's first miss copied once
+    # the guess came, before the routing (0: none served this step), and whether one was copied
+    # for an expert the step did not miss
+    ahead_rows: int = 0
+    ahead_missed: bool = False
 
     @property
     def cpu_experts(self) -> float:

@@ -65,14 +65,15 @@ class MissPolicy:
         high = min(misses, low + 1)
         return high if self._ends(high, misses - high) <= self._ends(low, misses - low) else low
 
-    def _ends(self, copied: float, on_cpu: float, split: bool = False) -> float:
+    def _ends(self, copied: float, on_cpu: float, split: bool = False, lead: float = 0.0) -> float:
         """When a layer step's misses end, in proportion: the later of the copies of `copied`
-        experts' worth (`split`: part of that is a split expert's) and the CPU's `on_cpu`, each
-        with its fixed part where it has work."""
+        experts' worth (`split`: part of that is a split expert's; `lead`: that share of one
+        expert was copied ahead, and the rest of it goes in 2D copies, as a split's) and the
+        CPU's `on_cpu`, each with its fixed part where it has work."""
         f = self.fetch_fraction
-        copies = copied * (1.0 - f)
+        copies = max(0.0, copied - lead) * (1.0 - f)
         if copied > 0:
-            copies += COPY_FIXED + (SPLIT_FIXED if split else 0.0)
+            copies += COPY_FIXED + (SPLIT_FIXED if split or lead > 0 else 0.0)
         cpu = on_cpu * f + (CPU_FIXED if on_cpu > 0 else 0.0)
         return max(copies, cpu)
 
@@ -92,4 +93,31 @@ class MissPolicy:
                 end = self._ends(q + u, misses - q - u, split=True)
                 if end < best:
                     best, best_q, best_j = end, q, j
+        return best_q, best_j
+
+    def lead_plan(self, misses: int, chunks: int, lead: float) -> tuple[int, int] | None:
+        """(q, j) as `fetch_plan`, where the share `lead` of the device's first miss was copied
+        ahead of the routing (the native planner's copy ahead): the device takes at least those
+        rows (q >= 1, or a split at j / chunks >= lead), counted as copied, the rest of that
+        expert in 2D copies as a split's. Of those divisions the one that ends soonest (the whole
+        ones first, then the splits; the first of equal ends), where it ends no later than
+        `fetch_plan`'s; else None (the copy ahead is left unused). misses > 0, chunks >= 2 and
+        lead > 0. The native planner computes the same."""
+        best, best_q, best_j = math.inf, 0, 0
+        for q in range(1, misses + 1):
+            end = self._ends(q, misses - q, lead=lead)
+            if end < best:
+                best, best_q = end, q
+        for q in range(misses):
+            for j in range(1, chunks):
+                u = j / chunks
+                if q == 0 and u < lead:
+                    continue
+                end = self._ends(q + u, misses - q - u, split=True, lead=lead)
+                if end < best:
+                    best, best_q, best_j = end, q, j
+        q0, j0 = self.fetch_plan(misses, chunks)
+        u0 = j0 / chunks
+        if self._ends(q0 + u0, misses - q0 - u0, split=j0 > 0) < best:
+            return None
         return best_q, best_j

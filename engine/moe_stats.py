@@ -140,6 +140,10 @@ class StagedStepTimes:
     cpu_jobs: int = 0
     guesses: int = 0
     prefetched_jobs: int = 0
+    # steps whose device took a miss copied in part ahead of the routing (the guess's first
+    # device miss, `copy_ahead`), and copies ahead of an expert the step did not miss
+    copied_ahead: int = 0
+    ahead_missed: int = 0
     replay_s: float = 0.0
     sync_s: float = 0.0
     plan_s: float = 0.0
@@ -182,6 +186,7 @@ class StagedStepTimes:
         return {
             "layer_steps": n, "split_misses": self.split_misses, "cpu_jobs": self.cpu_jobs,
             "guesses": self.guesses, "prefetched_jobs": self.prefetched_jobs,
+            "copied_ahead": self.copied_ahead, "ahead_missed": self.ahead_missed,
             **per_step, "total_us": total,
             "period_by_plan": periods, "boundary_us": boundary, "boundary_host_us": boundary_host,
         }  # fmt: skip

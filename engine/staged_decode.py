@@ -97,6 +97,11 @@ class StagedDecode:
         # buffers: the logits [1, E] and their signal
         self.prefetch_rounds = 0
         self._guess_host: tuple[torch.Tensor, torch.Tensor] | None = None
+        # where a guess came, the share of its lead over the routing in which the device's first
+        # miss of the guessed step starts copying (0: none; --moe-copy-ahead), and the copies'
+        # rate that sizes it (bytes/s: the engine's measured Bp)
+        self.copy_ahead = 0.0
+        self.copy_rate = 0.0
 
     def routing_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host buffers (pinned on CUDA) for a staged decode step's routing, [rows, K] int32 ids,
@@ -154,9 +159,11 @@ class StagedDecode:
     def guess_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where a one-token piece sends its guess of its layer's routing (`Model.run_piece`,
         kernels/route_guess.py): fp32 logits [1, E] and their signal, in host memory (pinned on
-        CUDA); None where no guess is wanted (no prefetch rounds, or no native planner waiting
-        on signals with its copies). Captured graphs write them, so they are allocated once."""
-        if self.prefetch_rounds < 1 or not self.planner_copies or self._decode_planner() is None:
+        CUDA); None where no guess is wanted (no prefetch rounds and no copies ahead, or no
+        native planner waiting on signals with its copies). Captured graphs write them, so they
+        are allocated once."""
+        wanted = self.prefetch_rounds > 0 or self.copy_ahead > 0
+        if not wanted or not self.planner_copies or self._decode_planner() is None:
             return None
         if self._guess_host is None:
             pin = self.device.type == "cuda"
@@ -175,6 +182,26 @@ class StagedDecode:
         self.prefetch_rounds = rounds
         if self._guess_host is not None:
             self._guess_host[1].numpy()[0] = 0
+
+    def set_copy_ahead(self, share: float) -> None:
+        """Change the share of a guess's lead the copy ahead takes (`copy_ahead`), between runs
+        (`bench decode --alternate-copy-ahead`); more than 0 needs pieces that send guesses. The
+        device must be idle, as for `set_prefetch_rounds`."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"copy_ahead must be in [0, 1], got {share}")
+        if share > 0 and self._guess_host is None:
+            raise ValueError("no routing guesses are sent: the pieces were captured without them")
+        self.copy_ahead = share
+        if self._planner is not None and self.planner_copies:
+            self._planner.set_copy_ahead(share, self.copy_rate)
+        if self._guess_host is not None:
+            self._guess_host[1].numpy()[0] = 0
+
+    def guess_lead_seconds(self) -> float:
+        """The guesses' usual lead over the routing, as the native planner measures it (a
+        running mean; 0 before a guess came, or without the native planner)."""
+        planner = self._planner
+        return planner.guess_lead_seconds() if planner is not None else 0.0
 
     def route_slots_buffer(self, rows: int) -> torch.Tensor:
         """The host table [rows, K] int32 (pinned on CUDA) into which `stage_decode` writes each
@@ -247,8 +274,10 @@ class StagedDecode:
             # the serial path in one native call, with nothing in Python between the routing's
             # arrival and the CPU job's start: wait, plan, start the CPU job, queue the fills
             signal = self._routing_signal if self._signal_state == _EXPECTED else None
-            # with 0 rounds (set between runs) the guesses the pieces still send are ignored
-            guessed = guess and self.prefetch_rounds > 0 and signal is not None
+            # with 0 rounds and no copies ahead (set between runs) the guesses the pieces still
+            # send are ignored
+            wanted = self.prefetch_rounds > 0 or self.copy_ahead > 0
+            guessed = guess and wanted and signal is not None
             d, (_, plan_s, fill_s, launch_s) = self._native_step(
                 planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, copies=True,
                 route_slots=slots_h, signal=signal, expected=True, launch=launch,
@@ -298,6 +327,8 @@ class StagedDecode:
         times.cpu_jobs += d.job is not None
         times.guesses += d.guessed
         times.prefetched_jobs += d.owned_blocks > 0
+        times.copied_ahead += d.ahead_rows > 0
+        times.ahead_missed += d.ahead_missed
         times.sync_s += sync_s
         times.plan_s += plan_s
         times.fill_s += fill_s
@@ -434,7 +465,8 @@ class StagedDecode:
         (a zero part and its epoch where no CPU job runs; the epoch the piece waits for).
         launch, pad_rows: the next piece's graph execs to launch, and the padding rows of
         route_slots' buffer to mark (`stage_decode`). guess (with signal): the guess's logits and
-        signal (`guess_buffers`), planned during the wait for `prefetch_rounds` rounds of blocks.
+        signal (`guess_buffers`), planned during the wait for `prefetch_rounds` rounds of blocks
+        and, with `copy_ahead` and the copies, the copy ahead of its first device miss.
         Returns the step and its native (wait, plan, copy, launch) seconds."""
         if route_slots is None:
             route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
@@ -445,7 +477,7 @@ class StagedDecode:
         chunks = SPLIT_CHUNKS if copies and self.split_misses and inter % SPLIT_CHUNKS == 0 else 0
         guess_logits, guess_signal = (t.data_ptr() for t in guess) if guess else (0, 0)
         try:
-            experts, slots, admitted, on_cpu, split, job, seconds, (guessed, owned) = planner.step(
+            experts, slots, admitted, on_cpu, split, job, seconds, guessed_step = planner.step(
                 moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
                 self.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
                 0 if flag is None else flag.data_ptr(), value, sync, copies, chunks,
@@ -463,7 +495,7 @@ class StagedDecode:
         missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
         d = Dispatch(experts, slots, missing, admitted, on_cpu, route_slots.numpy(), None)
         d.route_slots_host = route_slots
-        d.guessed, d.owned_blocks = guessed, owned
+        d.guessed, d.owned_blocks, d.ahead_rows, d.ahead_missed = guessed_step
         if split is not None:
             d.split, d.split_share = split, split[2] / inter
             self.staged_times.split_misses += 1
@@ -497,6 +529,7 @@ class StagedDecode:
                         self._join_event = DriverEvent()
                     join = self._join_event.handle if self._join_event is not None else 0
                     planner.set_launch(*launch_functions(), join)
+                planner.set_copy_ahead(self.copy_ahead, self.copy_rate)
             self._planner, self._planner_version = planner, cache.version
         return self._planner
 
@@ -510,6 +543,8 @@ def _plan_key(d: Dispatch) -> str:
     run on the CPU, with "s" when one of those is split between the two, then "p" when its CPU
     job's first blocks were fetched by their workers ahead of it (a guessed plan), or "w" when a
     guess of CPU work came and the job was another (the workers fetched for nothing); no mark
-    where no such guess came (prefetch off, a batch of several tokens, a guess that came late)."""
+    where no such guess came (prefetch off, a batch of several tokens, a guess that came late);
+    then "a" when the device's first miss was copied in part ahead of the routing (`copy_ahead`)."""
     key = f"{len(d.admitted)}+{len(d.on_cpu)}" + ("s" if d.split is not None else "")
-    return key + ("p" if d.owned_blocks else "w" if d.guessed else "")
+    key += "p" if d.owned_blocks else "w" if d.guessed else ""
+    return key + ("a" if d.ahead_rows else "")

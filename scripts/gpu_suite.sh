@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|all]
 # (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first, and the
 # wheels of scripts/device_wheels.sh (carry .whl) on PYTHONPATH.
@@ -46,6 +46,26 @@ if [ "$part" = redo ]; then  # idle CPU workers running again a task whose worke
   run redo_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
     --repeats 3 --json
   run redo_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --tokens 256 \
+    --repeats 3 --json
+fi
+if [ "$part" = ahead ]; then  # the guessed first device miss copied ahead of the routing: its
+  # tests (the planner's and the engine's on CUDA), then runs alternating off (0) and 0.75 in
+  # one process (two processes)
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run ahead_tests python3 -m pytest -q $T tests/engine/test_planner.py
+  run ahead_engine_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_graphs.py tests/engine/test_offload.py
+  for i in 1 2; do
+    run ahead_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
+      --repeats 12 --moe-copy-ahead 0 --alternate-copy-ahead 0.75 --json
+  done
+fi
+if [ "$part" = ahead_rows ]; then  # one more alternation, then the 25%-cache rows (default flags)
+  run ahead_alternate_3 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
+    --repeats 12 --moe-copy-ahead 0 --alternate-copy-ahead 0.75 --json
+  run ahead_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
+    --repeats 3 --json
+  run ahead_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --tokens 256 \
     --repeats 3 --json
 fi
 if [ "$part" = redo_busy ]; then  # the same alternation with another program busy on CPU 3 (a

@@ -170,6 +170,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::keep_alive<1, 2>())
       .def("set_device", &DecodePlanner::set_device)
       .def("set_launch", &DecodePlanner::set_launch)
+      .def("set_copy_ahead", &DecodePlanner::set_copy_ahead)
+      .def("guess_lead_seconds", &DecodePlanner::guess_lead_seconds)
       .def("step", &DecodePlanner::step);
   m.def("read_sum", &read_sum);
   m.def("time_expert_jobs", &time_expert_jobs);

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -76,14 +77,16 @@ constexpr double kCopyFixed = 0.15, kCpuFixed = 0.09, kSplitFixed = 0.1;
 // The two sides of a layer step's misses, in proportion to their time at copy share f: the copies
 // of q whole experts and, split at u > 0, u of one more (u of each of its matrices),
 // (q + u) * (1 - f); the CPU's experts, on_cpu * f (a split expert counts 1 - u of one). Each side
-// that has work adds its fixed part, and a split the copies' extra part.
+// that has work adds its fixed part, and a split the copies' extra part. lead: the share of one
+// expert (the device's first miss) copied ahead of the routing (`DecodePlanner::copy_ahead`),
+// which the copies no longer take; their copies of the rest are 2D, as a split's.
 struct Sides {
   double copies, cpu;
   double end() const { return std::max(copies, cpu); }
 };
-inline Sides sides(double q, double u, double on_cpu, double f) {
-  double copies = (q + u) * (1.0 - f), cpu = on_cpu * f;
-  if (q + u > 0) copies += kCopyFixed + (u > 0 ? kSplitFixed : 0.0);
+inline Sides sides(double q, double u, double on_cpu, double f, double lead = 0.0) {
+  double copies = std::max(0.0, q + u - lead) * (1.0 - f), cpu = on_cpu * f;
+  if (q + u > 0) copies += kCopyFixed + (u > 0 || lead > 0 ? kSplitFixed : 0.0);
   if (on_cpu > 0) cpu += kCpuFixed;
   return {copies, cpu};
 }
@@ -115,6 +118,34 @@ inline std::pair<int64_t, int64_t> fetch_plan(int64_t m, double f, int64_t chunk
       if (end < best) best = end, best_q = q, best_j = j;
     }
   }
+  return {best_q, best_j};
+}
+
+// The division of m misses that takes a lead (MissPolicy.lead_plan, in the same double
+// arithmetic): the share `lead` of the device's first miss was copied ahead of the routing, so
+// the device takes at least those rows (q >= 1, or a split at j / chunks >= lead), counted as
+// copied, the rest of that expert in 2D copies. Of those divisions the one that ends soonest
+// (whole ones first, then splits, fewer copies first: the first of equal ends), where it ends
+// no later than fetch_plan's; else {-1, 0} (the copy ahead is left unused). Needs m > 0,
+// chunks >= 2 and lead > 0.
+inline std::pair<int64_t, int64_t> lead_plan(int64_t m, double f, int64_t chunks, double lead) {
+  double best = std::numeric_limits<double>::infinity();
+  int64_t best_q = 0, best_j = 0;
+  for (int64_t q = 1; q <= m; ++q) {
+    const double end = sides(double(q), 0.0, double(m - q), f, lead).end();
+    if (end < best) best = end, best_q = q;
+  }
+  for (int64_t q = 0; q < m; ++q) {
+    for (int64_t j = 1; j < chunks; ++j) {
+      const double u = double(j) / double(chunks);
+      if (q == 0 && u < lead) continue;
+      const double end = sides(double(q), u, double(m - q) - u, f, lead).end();
+      if (end < best) best = end, best_q = q, best_j = j;
+    }
+  }
+  const auto [q0, j0] = fetch_plan(m, f, chunks);
+  const double u0 = double(j0) / double(chunks);
+  if (sides(double(q0), u0, double(m - q0) - u0, f).end() < best) return {-1, 0};
   return {best_q, best_j};
 }
 
@@ -190,6 +221,25 @@ class DecodePlanner {
     join_ = reinterpret_cast<void*>(join);
   }
 
+  // Copies ahead of the routing (with the device set and a guess with the step): once a guess
+  // of the routing comes, the device's first miss of the step it plans (`plan_guess`) starts
+  // copying into a slot (its first rows, as a split's, in the time `share` of the guess's usual
+  // lead over the routing takes at `bytes_per_second`); the step, where that expert is a miss,
+  // takes it on the device and copies only the rest (`fetch_plan`'s lead). share 0: never.
+  // The lead is measured from step to step (`guess_lead_seconds`), so the first guesses copy
+  // nothing ahead.
+  void set_copy_ahead(double share, double bytes_per_second) {
+    if (!(share >= 0.0 && share <= 1.0) || !(bytes_per_second >= 0.0)) {
+      throw std::invalid_argument("copy_ahead needs a share in [0, 1] and a rate >= 0");
+    }
+    ahead_share_ = share;
+    ahead_rate_ = bytes_per_second;
+  }
+
+  // The guess's usual lead over the routing (seconds; 0 before one was measured): a running mean
+  // of the time from seeing a guess's signal to seeing the routing's.
+  double guess_lead_seconds() const { return lead_seconds_; }
+
   // Plans layer `layer` for routes ids/weights [T, top_k] (int32, fp32) of rows x [T, H] (fp32);
   // writes route_slots [T, top_k] (a cached expert's slot; -1: on the CPU). CPU routes' weighted
   // sum goes to out [T, H] (fp32), then done_value to done_flag if that is not 0. With the device
@@ -219,11 +269,15 @@ class DecodePlanner {
   // (ExpertJobShell::own_gate_up, Pool::hint); the idle workers fetch them into their own caches.
   // Where the real step's CPU job has the guessed layout, its first rounds of blocks are then the
   // workers' own. A wrong guess costs the fetches, never a result. 0: no guess.
+  // With a guess and copies (split_chunks >= 2), the device's first miss of the guessed step may
+  // be copied ahead (`set_copy_ahead`).
   // Returns (experts ascending, their slots before the step, admitted (expert, slot) pairs,
   // experts run on the CPU (the split one first), the split (expert, slot, first CPU row) or
   // None, the CPU job or None, the seconds spent waiting, planning, queueing copies and
   // launching, and (whether a guess of CPU work came for this step, the gate/up blocks its job's
-  // workers own: 0 where it did not match)).
+  // workers own: 0 where it did not match, the rows of the device's first miss (admitted or
+  // split) copied ahead of the routing: 0 where none served the step, whether a copy ahead was
+  // made for an expert the step did not miss)).
   py::tuple step(int64_t layer, uintptr_t ids_addr, uintptr_t weights_addr, uintptr_t x,
                  int64_t T, double fetch_fraction, uintptr_t route_slots_addr, uintptr_t out,
                  uintptr_t done_flag, int64_t done_value, bool sync, bool copies,
@@ -242,9 +296,11 @@ class DecodePlanner {
       throw std::invalid_argument("the handoff's expected value needs its done flag");
     }
     if (pad_rows < 0) throw std::invalid_argument("pad_rows must be 0 or more");
-    if (guess != 0 && (guess_signal == 0 || !sync || signal == 0 || guess_rounds < 1)) {
+    if (guess != 0 && (guess_signal == 0 || !sync || signal == 0 || guess_rounds < 0 ||
+                       (guess_rounds == 0 && ahead_share_ == 0.0))) {
       throw std::invalid_argument(
-          "a routing guess needs its signal, the wait for the routing's signal and rounds >= 1");
+          "a routing guess needs its signal, the wait for the routing's signal and rounds >= 1 "
+          "(or 0 with copies ahead)");
     }
     if (split_chunks >= 2 &&
         (!copies || memset2d_ == nullptr || copy2d_ == nullptr || inter_ % split_chunks != 0)) {
@@ -253,6 +309,8 @@ class DecodePlanner {
     }
     const auto t0 = Clock::now();
     guess_layer_ = -1;  // a guess serves the step it came with
+    ahead_ = Ahead{};   // and so does its copy ahead
+    ahead_error_ = 0;
     if (sync) {
       int err = 0;
       {
@@ -278,8 +336,8 @@ class DecodePlanner {
           const Guess g{reinterpret_cast<const float*>(guess),
                         reinterpret_cast<int32_t*>(guess_signal), x, T, fetch_fraction,
                         split_chunks, guess_rounds};
-          err = wait_signal(reinterpret_cast<int32_t*>(signal), layer,
-                            guess != 0 ? &g : nullptr);
+          err = wait_signal(reinterpret_cast<int32_t*>(signal), layer, guess != 0 ? &g : nullptr,
+                            copies && split_chunks >= 2);
         } else {
           while ((err = query_(stream_)) == kStreamNotReady) warm(layer);
         }
@@ -290,6 +348,7 @@ class DecodePlanner {
             "before this wait stores no routing");
       }
       check_driver(err, "cuStreamQuery");
+      check_driver(ahead_error_, "cuMemcpy2DAsync (the copy ahead)");
     }
     const auto t1 = Clock::now();
     const auto* ids = reinterpret_cast<const int32_t*>(ids_addr);
@@ -335,14 +394,29 @@ class DecodePlanner {
       }
     }
     const int64_t m = int64_t(missing.size());
-    const auto [q, split_j] = fetch_plan(m, fetch_fraction, split_chunks);
+    // the copy ahead serves this step where its expert is a miss (it cannot have become a hit):
+    // the device takes that expert first, and at least the rows copied
+    auto [q, split_j] = fetch_plan(m, fetch_fraction, split_chunks);
+    bool ahead_used = false;
+    if (ahead_.layer == layer && copies && split_chunks >= 2 &&
+        where_missing(missing, ahead_.expert)) {
+      const double lead = double(ahead_.rows) / double(inter_);
+      const auto plan = lead_plan(m, fetch_fraction, split_chunks, lead);
+      if (plan.first >= 0) ahead_used = true, q = plan.first, split_j = plan.second;
+    }
+    const int64_t lead_rows = ahead_used ? ahead_.rows : 0;
     if (q < m) {
       order_misses(missing, picks, false);
+    }
+    if (ahead_used) {  // the device's first, where the guess put it
+      const auto at = std::find(missing.begin(), missing.end(), ahead_.expert);
+      std::rotate(missing.begin(), at, at + 1);
     }
     on_cpu.assign(missing.begin() + q, missing.end());
     for (int64_t i = 0; i < q; ++i) {
       const int32_t e = missing[i];
-      const int64_t slot = victim();
+      // the slot copied into ahead is free: its expert evicted when the copy began
+      const int64_t slot = i == 0 && ahead_used ? ahead_.slot : victim();
       if (slot < 0) {  // every slot is in use by this step: the rest go to the CPU
         on_cpu.insert(on_cpu.end(), missing.begin() + i, missing.begin() + q);
         break;
@@ -364,7 +438,7 @@ class DecodePlanner {
     int32_t split_expert = -1;
     int64_t split_slot = -1, split_row = 0;
     if (split_j > 0 && int64_t(admitted.size()) == q) {
-      split_slot = victim();
+      split_slot = q == 0 && ahead_used ? ahead_.slot : victim();
       if (split_slot >= 0) {
         split_expert = missing[q];
         split_row = split_j * (inter_ / split_chunks);
@@ -410,12 +484,14 @@ class DecodePlanner {
     // The side that ends later starts first: where the copies take longer than the CPU's part,
     // they are queued before the CPU job is made and started.
     const double u = split_expert >= 0 ? double(split_j) / double(split_chunks) : 0.0;
-    const Sides planned =
-        sides(double(admitted.size()), u, double(on_cpu.size()) - u, fetch_fraction);
+    const Sides planned = sides(double(admitted.size()), u, double(on_cpu.size()) - u,
+                                fetch_fraction, double(lead_rows) / double(inter_));
     const bool copies_first = copies && planned.copies > planned.cpu;
     const auto t2 = Clock::now();
     Clock::duration fill_time{};
-    if (copies_first) fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row);
+    if (copies_first) {
+      fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row, lead_rows);
+    }
     const auto t_job = Clock::now();
     std::shared_ptr<ExpertJobShell> job_ptr;
     int64_t owned = 0;
@@ -456,7 +532,7 @@ class DecodePlanner {
     if (head_first) launch_next(head, 0, false);
     const auto t4 = Clock::now();
     if (copies && !copies_first) {
-      fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row);
+      fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row, lead_rows);
     }
     const auto t_fills = Clock::now();
     launch_next(head_first ? 0 : head, piece, filled);
@@ -469,7 +545,7 @@ class DecodePlanner {
         routed, before, admitted, on_cpu, split, job,
         py::make_tuple(seconds(t1 - t0), seconds((t2 - t1) + (t3 - t_job)), seconds(fill_time),
                        seconds((t4 - t3) + (t5 - t_fills))),
-        py::make_tuple(guessed, owned));
+        py::make_tuple(guessed, owned, lead_rows, ahead_.layer == layer && !ahead_used));
   }
 
  private:
@@ -478,22 +554,28 @@ class DecodePlanner {
 
   // Queues the step's fills on the fill stream (whole experts, then the split one); on a driver
   // error frees the admitted slots (they may never be filled, so no later step may read them) and
-  // throws. Returns the time it took.
+  // throws. lead_rows > 0: the device's first miss (the first admitted, else the split one) had
+  // its first lead_rows rows copied ahead; only the rest are copied. Returns the time it took.
   std::chrono::steady_clock::duration queue_fills(
       int64_t layer, const std::vector<std::pair<int32_t, int64_t>>& admitted,
-      int32_t split_expert, int64_t split_slot, int64_t split_row) {
+      int32_t split_expert, int64_t split_slot, int64_t split_row, int64_t lead_rows) {
     const auto t0 = std::chrono::steady_clock::now();
     int err = 0;
+    const char* failed = "cuMemcpyHtoDAsync";
     for (size_t i = 0; i < admitted.size() && err == 0; ++i) {
       const auto [e, slot] = admitted[i];
+      if (i == 0 && lead_rows > 0) {  // the rest of its rows, no zeroing: it is whole
+        err = copy_rows(layer, e, slot, lead_rows, inter_, &failed);
+        continue;
+      }
       const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
       const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
       err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, fill_stream_);
       if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, fill_stream_);
     }
-    const char* failed = "cuMemcpyHtoDAsync";
     if (split_expert >= 0 && err == 0) {
-      err = copy_split(layer, split_expert, split_slot, split_row, &failed);
+      err = copy_split(layer, split_expert, split_slot, admitted.empty() ? lead_rows : 0,
+                       split_row, &failed);
     }
     if (err != 0) {
       int32_t* slot_of = slot_of_ + layer * experts_;
@@ -525,35 +607,45 @@ class DecodePlanner {
   // The device's part of a split expert into `slot`: its gate and up rows below `row` and the
   // same columns of its down projection, with its gate and up rows from `row` on zeroed
   // (silu(0) * 0 = 0: those rows add nothing, whatever the slot's down projection holds in their
-  // columns, as long as it is finite: the cache starts zeroed, and holds experts after that). Two
-  // 2D copies and one 2D memset. Returns the first driver error (naming its call in `failed`),
-  // or 0.
-  int copy_split(int64_t layer, int32_t e, int64_t slot, int64_t row, const char** failed) {
+  // columns, as long as it is finite: the cache starts zeroed, and holds experts after that).
+  // Rows below `from` are there already (copied ahead). Two 2D copies and one 2D memset. Returns
+  // the first driver error (naming its call in `failed`), or 0.
+  int copy_split(int64_t layer, int32_t e, int64_t slot, int64_t from, int64_t row,
+                 const char** failed) {
+    int err = copy_rows(layer, e, slot, from, row, failed);
+    if (err != 0) return err;
     const size_t elem = size_t(bytes2_ / (hidden_ * inter_));
     const size_t half = size_t(inter_ * hidden_) * elem, head = size_t(row * hidden_) * elem;
+    err = memset2d_(cache_w13_ + slot * bytes13_ + head, half, 0, half - head, 2, fill_stream_);
+    if (err != 0) *failed = "cuMemsetD2D8Async";
+    return err;
+  }
+
+  // Copies expert e's gate and up rows [from, to) into `slot`, and the same columns of its down
+  // projection: two 2D copies (none where from == to). Returns the first driver error (naming
+  // its call in `failed`), or 0.
+  int copy_rows(int64_t layer, int32_t e, int64_t slot, int64_t from, int64_t to,
+                const char** failed) {
+    if (from >= to) return 0;
+    const size_t elem = size_t(bytes2_ / (hidden_ * inter_));
+    const size_t half = size_t(inter_ * hidden_) * elem, skip = size_t(from * hidden_) * elem;
     const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
     const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
-    const uint64_t gate = cache_w13_ + slot * bytes13_;
-    Memcpy2D rows;  // the first `row` gate rows, then the first `row` up rows
-    rows.src_memory_type = 1, rows.src_host = bank13, rows.src_pitch = half;
-    rows.dst_memory_type = 2, rows.dst_device = gate, rows.dst_pitch = half;
-    rows.width_bytes = head, rows.height = 2;
+    Memcpy2D rows;  // gate rows [from, to), then the same up rows
+    rows.src_memory_type = 1, rows.src_host = bank13 + skip, rows.src_pitch = half;
+    rows.dst_memory_type = 2, rows.dst_device = cache_w13_ + slot * bytes13_ + skip;
+    rows.dst_pitch = half, rows.width_bytes = size_t((to - from) * hidden_) * elem;
+    rows.height = 2;
     int err = copy2d_(&rows, fill_stream_);
-    if (err != 0) {
-      *failed = "cuMemcpy2DAsync";
-      return err;
+    if (err == 0) {
+      Memcpy2D columns;  // columns [from, to) of each of the H rows of the down projection
+      columns.src_memory_type = 1, columns.src_host = bank2 + from * elem;
+      columns.src_pitch = inter_ * elem, columns.dst_memory_type = 2;
+      columns.dst_device = cache_w2_ + slot * bytes2_ + from * elem;
+      columns.dst_pitch = inter_ * elem, columns.width_bytes = (to - from) * elem;
+      columns.height = hidden_;
+      err = copy2d_(&columns, fill_stream_);
     }
-    err = memset2d_(gate + head, half, 0, half - head, 2, fill_stream_);
-    if (err != 0) {
-      *failed = "cuMemsetD2D8Async";
-      return err;
-    }
-    Memcpy2D columns;  // the first `row` columns of each of the H rows of the down projection
-    columns.src_memory_type = 1, columns.src_host = bank2, columns.src_pitch = inter_ * elem;
-    columns.dst_memory_type = 2, columns.dst_device = cache_w2_ + slot * bytes2_;
-    columns.dst_pitch = inter_ * elem, columns.width_bytes = row * elem;
-    columns.height = hidden_;
-    err = copy2d_(&columns, fill_stream_);
     if (err != 0) *failed = "cuMemcpy2DAsync";
     return err;
   }
@@ -567,10 +659,12 @@ class DecodePlanner {
   // Once it has seen the signal, it clears it for the next piece's router: the one store that
   // set it has landed, and no other comes before that piece is launched.
   // With a guess: once the guess's signal is set (before the routing's: the piece stores the
-  // guess first), plan_guess; the guess's signal is cleared with the routing's.
-  int wait_signal(int32_t* signal, int64_t layer, const Guess* guess) {
+  // guess first), plan_guess (with `ahead`, its copy ahead too); the guess's signal is cleared
+  // with the routing's, and the time between the two signals seen goes into the guess's lead.
+  int wait_signal(int32_t* signal, int64_t layer, const Guess* guess, bool ahead) {
     const auto set = [signal] { return __atomic_load_n(signal, __ATOMIC_ACQUIRE) != 0; };
     bool guessed = guess == nullptr;
+    std::chrono::steady_clock::time_point guess_seen;
     for (int64_t polls = 1; !set(); ++polls) {
       // a few polls paced by pause (no core time taken from a sibling thread), then the warming
       bool seen = false;
@@ -578,7 +672,8 @@ class DecodePlanner {
       if (seen) break;
       if (!guessed && __atomic_load_n(guess->signal, __ATOMIC_ACQUIRE) != 0) {
         guessed = true;
-        plan_guess(layer, *guess);
+        guess_seen = std::chrono::steady_clock::now();
+        plan_guess(layer, *guess, ahead);
       }
       warm(layer);
       if (polls % kPollsPerQuery != 0) continue;
@@ -590,15 +685,23 @@ class DecodePlanner {
     }
     __atomic_store_n(signal, 0, __ATOMIC_RELAXED);
     if (guess != nullptr) __atomic_store_n(guess->signal, 0, __ATOMIC_RELAXED);
+    if (guess != nullptr && guessed) {
+      const double lead =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - guess_seen).count();
+      lead_seconds_ = lead_seconds_ == 0.0 ? lead : lead_seconds_ + (lead - lead_seconds_) / 16.0;
+    }
     return 0;
   }
 
   // The step a guessed routing would make, planned as `step` plans (the picks, the hits, the
   // split of the misses, the most picked first to the device) on the cache as it is, changing
-  // none of it; where it runs experts on the CPU, its job's layout is kept (guess_layout_) and
-  // each worker is told which weights its first guess.rounds rounds of gate/up blocks read.
-  // Assumes every fill finds a slot (the real step may not: then the layouts differ).
-  void plan_guess(int64_t layer, const Guess& g) {
+  // none of it but for the copy ahead; where it runs experts on the CPU, its job's layout is kept
+  // (guess_layout_) and each worker is told which weights its first guess.rounds rounds of
+  // gate/up blocks read. With `ahead` (copies ahead on, `set_copy_ahead`, and a measured lead),
+  // the device's first miss starts copying now (`copy_ahead`), and the plan counts it as the
+  // step will where the guess is right. Assumes every fill finds a slot (the real step may not:
+  // then the layouts differ).
+  void plan_guess(int64_t layer, const Guess& g, bool ahead) {
     const int64_t R = g.T * top_k_;
     guess_ids_.resize(size_t(R));
     for (int64_t t = 0; t < g.T; ++t) {
@@ -619,9 +722,27 @@ class DecodePlanner {
       if (slot_of[e] < 0) missing.push_back(e);
     }
     const int64_t m = int64_t(missing.size());
-    const auto [q, split_j] = fetch_plan(m, g.fraction, g.chunks);
+    auto [q, split_j] = fetch_plan(m, g.fraction, g.chunks);
+    int64_t lead_rows = ahead && m > 0 && g.chunks >= 2 ? ahead_rows() : 0;
+    if (lead_rows > 0) {  // copied ahead only where the step would take it
+      const auto lead = lead_plan(m, g.fraction, g.chunks, double(lead_rows) / double(inter_));
+      if (lead.first >= 0) {
+        q = lead.first, split_j = lead.second;
+      } else {
+        lead_rows = 0;
+      }
+    }
     if (q < m) {
       order_misses(missing, picks, true);
+    }
+    // where no slot is free for it, no copy ahead: the layout is then the step's without one
+    if (lead_rows > 0 && !copy_ahead(layer, missing[0], lead_rows, routed)) {
+      for (const int32_t e : routed) tokens_[e] = 0;
+      return;
+    }
+    if (g.rounds < 1) {  // no blocks to fetch: only the copy ahead
+      for (const int32_t e : routed) tokens_[e] = 0;
+      return;
     }
     const int32_t split_expert = split_j > 0 ? missing[q] : -1;
     const int64_t split_row = split_j > 0 ? split_j * (inter_ / g.chunks) : 0;
@@ -646,6 +767,46 @@ class DecodePlanner {
     guess_job_->own_gate_up(pool_, g.rounds, true);
     layout(pair_expert_, split_expert, split_row, guess_layout_);
     guess_layer_ = layer;
+  }
+
+  // The rows of one expert a copy ahead takes: those the copies move in ahead_share_ of the
+  // guess's usual lead (gate, up and down: 3 H elements a row), at most all of them.
+  int64_t ahead_rows() const {
+    const double row_bytes = double(bytes13_ + bytes2_) / double(inter_);
+    const double rows = ahead_share_ * lead_seconds_ * ahead_rate_ / row_bytes;
+    return std::min<int64_t>(inter_, int64_t(std::floor(rows)));
+  }
+
+  // Starts copying expert e's first `rows` rows of layer `layer` (as a split's, without the
+  // zeroing) into the least recently used slot no expert in `routed` (the guess's) holds,
+  // evicting its expert: the slot is free until the step takes it (ahead_). False where every
+  // slot is held by a routed expert. A driver error frees nothing more and is kept for the step
+  // (ahead_error_), which fails with it.
+  bool copy_ahead(int64_t layer, int32_t e, int64_t rows, const std::vector<int32_t>& routed) {
+    const int32_t* slot_of = slot_of_ + layer * experts_;
+    for (const int32_t r : routed) {
+      if (slot_of[r] >= 0) protected_[slot_of[r]] = 1;
+    }
+    const int64_t slot = victim();
+    for (const int32_t r : routed) {
+      if (slot_of[r] >= 0) protected_[slot_of[r]] = 0;
+    }
+    if (slot < 0) return false;
+    const int64_t old = key_of_slot_[slot];
+    if (old >= 0) {
+      slot_of_[old] = -1;
+      ++state_[kEvictions];
+    }
+    key_of_slot_[slot] = -1;
+    last_use_[slot] = -1;
+    const char* failed = "";
+    ahead_error_ = copy_rows(layer, e, slot, 0, rows, &failed);
+    if (ahead_error_ == 0) ahead_ = Ahead{layer, e, slot, rows};
+    return true;
+  }
+
+  static bool where_missing(const std::vector<int32_t>& missing, int32_t e) {
+    return std::find(missing.begin(), missing.end(), e) != missing.end();
   }
 
   // The misses in the order the device takes them: the most picked first (with this step's routes
@@ -752,6 +913,17 @@ class DecodePlanner {
   std::vector<int32_t> guess_ids_;
   std::vector<int8_t> chosen_;
   int64_t guess_layer_ = -1;
+  // copies ahead (`set_copy_ahead`): the share of the guess's lead they take, the copies' rate
+  // (bytes/s), the lead (a running mean, seconds), and the copy ahead of the step waited for:
+  // its layer (-1: none), expert, slot and rows; a driver error of it (the step fails with it)
+  double ahead_share_ = 0.0, ahead_rate_ = 0.0, lead_seconds_ = 0.0;
+  struct Ahead {
+    int64_t layer = -1;
+    int32_t expert = -1;
+    int64_t slot = -1, rows = 0;
+  };
+  Ahead ahead_;
+  int ahead_error_ = 0;
   // a step's lists (kept for their room)
   std::vector<int32_t> routed_, before_, missing_, on_cpu_, pair_expert_, pair_token_;
   std::vector<std::pair<int32_t, int64_t>> admitted_;

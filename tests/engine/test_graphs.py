@@ -384,7 +384,8 @@ def test_a_routing_that_never_signals_fails_the_step_clearly(checkpoint, monkeyp
 def test_a_layer_steps_plan_key_marks_its_split_and_its_guess():
     """`_plan_key`: "q+c" (copied + on the CPU), "s" for a split miss, then "p" where the CPU
     job's first blocks were its workers' (a matching guess), "w" where a guess of CPU work came
-    and the job was another, nothing where no such guess came."""
+    and the job was another, nothing where no such guess came; then "a" where the device's first
+    miss was copied in part ahead of the routing."""
 
     def dispatch(**fields) -> Dispatch:
         none = np.zeros((1, 2), dtype=np.int64)
@@ -394,6 +395,53 @@ def test_a_layer_steps_plan_key_marks_its_split_and_its_guess():
     assert staged_decode._plan_key(dispatch(split=(9, 2, 16))) == "1+1s"
     assert staged_decode._plan_key(dispatch(guessed=True, owned_blocks=4)) == "1+1p"
     assert staged_decode._plan_key(dispatch(split=(9, 2, 16), guessed=True)) == "1+1sw"
+    assert staged_decode._plan_key(dispatch(guessed=True, ahead_rows=8)) == "1+1wa"
+    assert staged_decode._plan_key(dispatch(ahead_rows=8)) == "1+1a"
+
+
+class _LateRouting:
+    """The native planner's `step`, with each routing cleared and set again 2 ms into the wait,
+    as a GPU's would come after the guess (the stand-in graphs run as they are launched, so the
+    routing is there before the wait begins); it notes the MoE layers whose waits got a guess."""
+
+    def __init__(self, native, signal) -> None:
+        self.native, self.signal = native, signal
+        self.timers: list[threading.Timer] = []
+        self.guessed_layers: set[int] = set()
+
+    def step(self, *args):
+        if args[-3]:  # the guess's logits
+            self.guessed_layers.add(args[0])
+        if self.signal[0]:
+            self.signal[0] = 0
+            self.timers.append(threading.Timer(0.002, self.signal.__setitem__, (0, ROUTED)))
+            self.timers[-1].start()
+        return self.native.step(*args)
+
+
+def _guessing_engine(checkpoint, monkeypatch, calls: dict, launch_errors: list, *flags: str):
+    """An offloaded engine on the CPU whose one-token pieces (stand-in graphs, launched by the
+    native planner through stand-in driver functions on host memory) send guesses of their
+    routing, and whose routings come late (`_LateRouting`): (engine, the late planner)."""
+    functions = list(host_functions(calls))
+    functions[1] = QUERY_FUNCTION(lambda stream: 600)  # the stream busy: the signals decide
+    addresses = tuple(address_of(f) for f in functions)
+    monkeypatch.setattr(staged_decode, "driver_functions", lambda: addresses)
+    launches = _host_launches(monkeypatch, calls, launch_errors)
+    engine = make_engine(checkpoint, *OFFLOADED, *flags)
+    moe = engine.moe
+    moe.planner_copies = moe.planner_launches = moe.split_misses = True
+    moe._planner = None
+    graphs = DecodeGraphs(
+        engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
+    )
+    graphs.capture()
+    engine.graphs = graphs
+    assert graphs.routing_guess is moe.guess_buffers() is not None
+    late = _LateRouting(moe._decode_planner(), moe._routing_signal)
+    late.stand_ins = (functions, launches)  # alive while their addresses are in use
+    monkeypatch.setattr(moe, "_decode_planner", lambda: late)
+    return engine, late
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
@@ -403,47 +451,17 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
     """With --moe-cpu-prefetch-rounds, each one-token piece that ends in a router (the first
     one too, from the embedding) sends a guess of its routing ahead of it, which the planner's
     wait plans: the CPU jobs whose plan was guessed
-    run with their first blocks their workers' own, and every token is the eager steps' token.
-    The stand-in graphs run as they are launched, so each routing is there before its wait
-    begins; here it is cleared and set again 2 ms into the wait, as a GPU's would come after
-    the guess."""
+    run with their first blocks their workers' own, and every token is the eager steps' token."""
     prompts = PROMPTS[:1]  # one sequence: the size-1 graphs, which guess
     expected = _eager_outputs(checkpoint, prompts, 24, *OFFLOADED)
     calls = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
-    functions = list(host_functions(calls))
-    functions[1] = QUERY_FUNCTION(lambda stream: 600)  # the stream busy: the signals decide
-    addresses = tuple(address_of(f) for f in functions)
-    monkeypatch.setattr(staged_decode, "driver_functions", lambda: addresses)
     launch_errors: list[BaseException] = []
-    launches = _host_launches(monkeypatch, calls, launch_errors)
-    engine = make_engine(checkpoint, *OFFLOADED, "--moe-cpu-prefetch-rounds", "2")
+    engine, late = _guessing_engine(
+        checkpoint, monkeypatch, calls, launch_errors,
+        "--moe-cpu-prefetch-rounds", "2", "--moe-copy-ahead", "0",
+    )  # fmt: skip
+    moe = engine.moe
     try:
-        moe = engine.moe
-        moe.planner_copies = moe.planner_launches = moe.split_misses = True
-        moe._planner = None
-        graphs = DecodeGraphs(
-            engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
-        )
-        graphs.capture()
-        engine.graphs = graphs
-        assert graphs.routing_guess is moe.guess_buffers() is not None
-        native = moe._decode_planner()
-        signal = moe._routing_signal
-        timers: list[threading.Timer] = []
-        guessed_layers: set[int] = set()  # the MoE layers whose waits were given a guess
-
-        class LateRouting:
-            def step(self, *args):
-                if args[-3]:  # the guess's logits
-                    guessed_layers.add(args[0])
-                if signal[0]:
-                    signal[0] = 0
-                    timers.append(threading.Timer(0.002, signal.__setitem__, (0, ROUTED)))
-                    timers[-1].start()
-                return native.step(*args)
-
-        late = LateRouting()
-        monkeypatch.setattr(moe, "_decode_planner", lambda: late)
         outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
         staged = engine.telemetry.stats(running=0, queued=0, model_name="m")["experts"][
             "staged_layer_us"
@@ -459,8 +477,8 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
             again.append((engine.generate(prompts, params), moe.staged_times))
     finally:
         engine.close()
-    assert outputs == expected and not launch_errors and timers
-    assert guessed_layers == set(range(len(engine.spec.moe_layers)))
+    assert outputs == expected and not launch_errors and late.timers
+    assert late.guessed_layers == set(range(len(engine.spec.moe_layers)))
     (ignored, ignoring), (resumed, resuming) = again
     assert ignored == resumed == expected
     assert ignoring.guesses == ignoring.prefetched_jobs == 0 and ignoring.cpu_jobs > 0
@@ -469,6 +487,7 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
     # jobs whose plan they named gave them their blocks
     assert staged["cpu_jobs"] > 0 and 0 < staged["prefetched_jobs"] <= staged["guesses"]
     assert staged["prefetched_jobs"] <= staged["cpu_jobs"]
+    assert staged["copied_ahead"] == staged["ahead_missed"] == 0  # --moe-copy-ahead 0
     assert moe._guess_host[1][0] == 0  # cleared with each routing's signal
     # their layer steps' periods apart from the others' (plans marked "p"), and said by the bench
     periods = staged["period_by_plan"]
@@ -480,7 +499,53 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
     assert prefetched + wrong <= staged["guesses"]
     said = f"blocks (plans marked p): {staged['prefetched_jobs']} of {staged['cpu_jobs']}"
     assert said in staged_lines(staged)
-    del launches
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
+@pytest.mark.parametrize("rounds", ["0", "2"])
+def test_copies_ahead_of_the_routing_change_no_token(checkpoint, monkeypatch, rounds):
+    """With --moe-copy-ahead (here without the workers' prefetch too), each guess starts copying
+    the first rows of its step's first device miss into a slot before the routing comes; the
+    steps whose miss it was take those rows on the device and copy only the rest, and every
+    token is the eager steps' token. The first guesses copy nothing: the lead they size the
+    copy by is measured from them. Then 0 between runs (`set_copy_ahead`): no copies ahead."""
+    prompts = PROMPTS[:1]
+    expected = _eager_outputs(checkpoint, prompts, 24, *OFFLOADED)
+    calls = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
+    launch_errors: list[BaseException] = []
+    engine, late = _guessing_engine(
+        checkpoint, monkeypatch, calls, launch_errors,
+        "--moe-cpu-prefetch-rounds", rounds, "--moe-copy-ahead", "1",
+    )  # fmt: skip
+    moe = engine.moe
+    # a rate at which the 2 ms lead copies about half an expert's rows (the engine's own, the
+    # rate of host copies on this machine, would copy whole ones)
+    inter = moe.bank.w2[0].shape[-1]
+    row_bytes = 3 * moe.bank.w2[0].shape[1] * moe.bank.w2[0].element_size()
+    moe.copy_rate = inter / 2 * row_bytes / 0.002
+    moe.set_copy_ahead(1.0)
+    try:
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        staged = moe.staged_times.to_dict()
+        lead = moe.guess_lead_seconds()
+        moe.set_copy_ahead(0.0)
+        assert engine.config_in_force()["copy_ahead"] == 0.0
+        moe.staged_times = StagedStepTimes()
+        off = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        off_staged = moe.staged_times.to_dict()
+    finally:
+        engine.close()
+    assert outputs == off == expected and not launch_errors and late.timers
+    assert 0.002 <= lead < 1.0
+    assert staged["copied_ahead"] > 0 and off_staged["copied_ahead"] == 0
+    assert off_staged["ahead_missed"] == 0
+    # marked "a" in the periods, and said by the bench
+    periods = staged["period_by_plan"]
+    ahead = sum(p["steps"] for plan, p in periods.items() if plan.endswith("a"))
+    assert 0 < ahead <= staged["copied_ahead"]
+    assert f"(plans marked a): {staged['copied_ahead']} steps took one" in staged_lines(
+        {**staged, "guess_lead_us": 1e6 * lead}
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

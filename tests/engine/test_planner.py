@@ -203,6 +203,51 @@ def test_fetch_plan_splits_a_miss_where_that_ends_the_step_sooner():
     assert policy.fetch_plan(1, 16) == (0, 4)
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.39, 0.7, 1.0])
+def test_a_lead_copied_ahead_gives_the_device_those_rows_where_that_ends_the_step_no_later(
+    fraction,
+):
+    """lead_plan (the share `lead` of the device's first miss copied ahead of the routing): the
+    device takes at least those rows, and the plan ends soonest of all such divisions (counting
+    the lead as copied and the rest in 2D copies), no later than fetch_plan's; where every such
+    division ends later (a CPU far faster than the copies), the lead is left unused (None)."""
+    policy = MissPolicy("split", fraction)
+    f = fraction
+
+    def ends(misses: int, q: int, u: float, lead: float) -> float:
+        copied, on_cpu = q + u, misses - q - u
+        copies = max(0.0, copied - lead) * (1 - f)
+        if copied:
+            copies += COPY_FIXED + (SPLIT_FIXED if u or lead else 0.0)
+        return max(copies, on_cpu * f + (CPU_FIXED if on_cpu else 0.0))
+
+    unused = 0
+    for misses in range(1, 7):
+        q0, j0 = policy.fetch_plan(misses, 16)
+        plain = ends(misses, q0, j0 / 16, 0.0)
+        for lead in (1 / 16, 0.1, 0.3, 0.5, 1.0):
+            choices = [(k, 0) for k in range(1, misses + 1)] + [
+                (k, i) for k in range(misses) for i in range(1, 16) if k or i / 16 >= lead
+            ]
+            best = min(ends(misses, k, i / 16, lead) for k, i in choices)
+            plan = policy.lead_plan(misses, 16, lead)
+            if plan is None:
+                assert best > plain
+                unused += 1
+                continue
+            q, j = plan
+            assert q >= 1 or j / 16 >= lead  # the rows copied ahead stay on the device
+            assert ends(misses, q, j / 16, lead) == best <= plain
+    # at 0 the CPU's part costs only its fixed part: no division that takes the lead ends sooner
+    assert unused > 0 or fraction != 0.0
+    if fraction == 0.39:
+        # one miss with a third of it ahead: the split moves from 4/16 to 7/16, the copies
+        # taking the rest (0.104 of an expert: 0.0635 + 0.25) while the CPU runs 9/16 (0.309):
+        # 0.3135, sooner than 0.4025 without the lead
+        assert policy.fetch_plan(1, 16) == (0, 4)
+        assert policy.lead_plan(1, 16, 1 / 3) == (0, 7)
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, tokens):
     """With the planner's copies (stand-ins on host memory, the cache in host memory too), a
@@ -750,3 +795,99 @@ def test_a_guess_before_the_routing_has_the_workers_fetch_the_blocks_the_job_giv
                 assert d.owned_blocks == 0 and not (kind == "none" and d.guessed)
                 wrong_steps += d.guessed
         assert owned_steps >= 3 and wrong_steps >= 3
+
+
+def _slot_holds(cache, bank, layer: int, expert: int, slot: int, rows: int) -> bool:
+    """Whether `slot` holds the expert's first `rows` gate and up rows and the same columns of
+    its down projection (all of it where rows is INTER)."""
+    w13, w2 = bank.w13[layer][expert], bank.w2[layer][expert]
+    gate, up = cache.w13[slot, :INTER], cache.w13[slot, INTER:]
+    return (
+        torch.equal(gate[:rows], w13[:rows])
+        and torch.equal(up[:rows], w13[INTER : INTER + rows])
+        and torch.equal(cache.w2[slot, :, :rows], w2[:, :rows])
+    )
+
+
+@pytest.mark.parametrize("rounds", [0, 2])
+def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
+    """With copies ahead (`set_copy_ahead`), a guess of the routing that comes before it starts
+    copying the first rows of the guessed step's first device miss into a slot (the least
+    recently used one no guessed expert holds, its expert evicted), as many as the copies move
+    in that share of the guesses' usual lead. The step takes that expert on the device, whole or
+    split at no fewer rows, copies only the rest, and divides the misses as
+    `MissPolicy.fetch_plan` with that lead; its output is the layer's. A wrong guess's copy
+    serves nothing and its slot stays free; the first guess copies nothing (no lead measured)."""
+    gen = torch.Generator().manual_seed(21)
+    bank = _bank(gen)
+    r = _runner(bank, 6, 0.39, cpu, 4)
+    r.split_misses, r.prefetch_rounds = True, rounds
+    r.copy_ahead, r.copy_rate = 1.0, 1.0
+    planner = r._decode_planner()
+    functions = list(host_functions())
+    functions[1] = QUERY_FUNCTION(lambda stream: 600)  # busy: the routing's signal decides
+    cache = r.cache
+    planner.set_device(*(address_of(f) for f in functions), 0, 0, cache.w13.data_ptr(),
+                       cache.w2.data_ptr(), 2)  # fmt: skip
+    signal, guess_signal = routing_signal(pin=False), routing_signal(pin=False)
+    logits = torch.zeros(1, EXPERTS)
+    rng = np.random.default_rng(21)
+    row_bytes = 3 * HIDDEN * 2
+    seen = {"whole": 0, "split": 0, "wrong": 0}
+    for step in range(30):
+        layer = step % LAYERS
+        ids = torch.from_numpy(_routes(rng, 1, 4))
+        weights, x = torch.rand(1, 4, generator=gen), torch.randn(1, HIDDEN, generator=gen)
+        right = step % 4 != 3
+        others = np.setdiff1d(np.arange(EXPERTS), ids[0].numpy())[:4]
+        named = ids[0] if right else torch.from_numpy(others)
+        logits.copy_(torch.randn(1, EXPERTS, generator=gen) - 10)
+        logits[0, named.long()] = torch.arange(4, 0, -1, dtype=torch.float32)
+        # the rate at which the lead measured so far copies `want` rows (half a row more: floor)
+        lead = planner.guess_lead_seconds()
+        want = (3, 8, 13, INTER)[step % 4]
+        rate = (want + 0.5) * row_bytes / lead if lead else 1.0
+        planner.set_copy_ahead(1.0, rate)
+        slot_of_before = cache.slot_of[layer].copy()
+        missing = [e for e in np.unique(ids) if slot_of_before[e] < 0]
+        guess_signal[0] = ROUTED
+        setter = threading.Timer(0.003, lambda: signal.__setitem__(0, ROUTED))
+        setter.start()
+        out = torch.zeros(1, HIDDEN)
+        d, _ = r._native_step(
+            planner, layer, ids, weights, x, out, True, sync=True, copies=True,
+            signal=signal, guess=(logits, guess_signal),
+        )  # fmt: skip
+        setter.join()
+        assert signal[0] == 0 and guess_signal[0] == 0
+        # the device's part and the CPU's are the layer's output, whatever was copied ahead
+        _assert_marked(d, ids.numpy(), cache.slot_of[layer])
+        device_part = _device_part(d, x, weights, cache)
+        cpu_part = d.job.wait() if d.job is not None else torch.zeros(1, HIDDEN)
+        want_out = fused_moe_decode_ref(x, ids, weights, bank.w13[layer], bank.w2[layer])
+        torch.testing.assert_close(device_part + cpu_part, want_out, rtol=1e-4, atol=1e-4)
+        if not lead:  # the first guess: no lead measured, nothing copied ahead
+            assert d.ahead_rows == 0 and not d.ahead_missed
+            continue
+        if not right:  # a copy ahead of an expert the step did not miss (where it had one)
+            assert d.ahead_rows == 0
+            seen["wrong"] += d.ahead_missed
+            continue
+        if not missing:
+            assert d.ahead_rows == 0 and not d.ahead_missed
+            continue
+        assert d.ahead_rows == want and not d.ahead_missed
+        q, j = MissPolicy("split", 0.39).lead_plan(len(missing), 16, want / INTER)
+        assert len(d.admitted) == q and (d.split[2] if d.split else 0) == j * INTER // 16
+        if q:  # the expert copied ahead is the first admitted, whole now
+            expert, slot = d.admitted[0]
+            assert _slot_holds(cache, bank, layer, expert, slot, INTER)
+            assert cache.slot_of[layer, expert] == slot
+            seen["whole"] += 1
+        else:  # split at no fewer rows than were copied ahead
+            expert, slot, row = d.split
+            assert row >= want and _slot_holds(cache, bank, layer, expert, slot, row)
+            assert not cache.w13[slot, row:INTER].any() and not cache.w13[slot, INTER + row :].any()
+            seen["split"] += 1
+        assert expert in missing
+    assert seen["whole"] and seen["split"] and seen["wrong"], seen
