@@ -27,6 +27,9 @@ SPLIT_CHUNKS = 16
 COPY_FIXED = 0.15
 CPU_FIXED = 0.09
 SPLIT_FIXED = 0.1
+# The share of a row's bytes a copy ahead of the routing moves (the native planner's: the gate
+# and up of the device's first miss's first rows, not the down projection's columns)
+AHEAD_BYTES = 2.0 / 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +70,13 @@ class MissPolicy:
 
     def _ends(self, copied: float, on_cpu: float, split: bool = False, lead: float = 0.0) -> float:
         """When a layer step's misses end, in proportion: the later of the copies of `copied`
-        experts' worth (`split`: part of that is a split expert's; `lead`: that share of one
-        expert was copied ahead, and the rest of it goes in 2D copies, as a split's) and the
-        CPU's `on_cpu`, each with its fixed part where it has work."""
+        experts' worth (`split`: part of that is a split expert's; `lead`: the gate and up of that
+        share of one expert's rows were copied ahead, AHEAD_BYTES of their bytes) and the CPU's
+        `on_cpu`, each with its fixed part where it has work."""
         f = self.fetch_fraction
-        copies = max(0.0, copied - lead) * (1.0 - f)
+        copies = max(0.0, copied - lead * AHEAD_BYTES) * (1.0 - f)
         if copied > 0:
-            copies += COPY_FIXED + (SPLIT_FIXED if split or lead > 0 else 0.0)
+            copies += COPY_FIXED + (SPLIT_FIXED if split else 0.0)
         cpu = on_cpu * f + (CPU_FIXED if on_cpu > 0 else 0.0)
         return max(copies, cpu)
 
@@ -96,10 +99,10 @@ class MissPolicy:
         return best_q, best_j
 
     def lead_plan(self, misses: int, chunks: int, lead: float) -> tuple[int, int] | None:
-        """(q, j) as `fetch_plan`, where the share `lead` of the device's first miss was copied
-        ahead of the routing (the native planner's copy ahead): the device takes at least those
-        rows (q >= 1, or a split at j / chunks >= lead), counted as copied, the rest of that
-        expert in 2D copies as a split's. Of those divisions the one that ends soonest (the whole
+        """(q, j) as `fetch_plan`, where the gate and up of the share `lead` of the device's first
+        miss's rows were copied ahead of the routing (the native planner's copy ahead): the
+        device takes at least those rows (q >= 1, or a split at j / chunks >= lead), their copied
+        bytes counted as copied. Of those divisions the one that ends soonest (the whole
         ones first, then the splits; the first of equal ends), where it ends no later than
         `fetch_plan`'s; else None (the copy ahead is left unused). misses > 0, chunks >= 2 and
         lead > 0. The native planner computes the same."""

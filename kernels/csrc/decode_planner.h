@@ -77,16 +77,17 @@ constexpr double kCopyFixed = 0.15, kCpuFixed = 0.09, kSplitFixed = 0.1;
 // The two sides of a layer step's misses, in proportion to their time at copy share f: the copies
 // of q whole experts and, split at u > 0, u of one more (u of each of its matrices),
 // (q + u) * (1 - f); the CPU's experts, on_cpu * f (a split expert counts 1 - u of one). Each side
-// that has work adds its fixed part, and a split the copies' extra part. lead: the share of one
-// expert (the device's first miss) copied ahead of the routing (`DecodePlanner::copy_ahead`),
-// which the copies no longer take; their copies of the rest are 2D, as a split's.
+// that has work adds its fixed part, and a split the copies' extra part. lead: the share of the
+// rows of the device's first miss whose gate and up were copied ahead of the routing
+// (`DecodePlanner::copy_ahead`): the copies no longer take those bytes, kAheadShare of theirs.
+constexpr double kAheadShare = 2.0 / 3.0;  // a row's gate and up of its gate, up and down
 struct Sides {
   double copies, cpu;
   double end() const { return std::max(copies, cpu); }
 };
 inline Sides sides(double q, double u, double on_cpu, double f, double lead = 0.0) {
-  double copies = std::max(0.0, q + u - lead) * (1.0 - f), cpu = on_cpu * f;
-  if (q + u > 0) copies += kCopyFixed + (u > 0 || lead > 0 ? kSplitFixed : 0.0);
+  double copies = std::max(0.0, q + u - lead * kAheadShare) * (1.0 - f), cpu = on_cpu * f;
+  if (q + u > 0) copies += kCopyFixed + (u > 0 ? kSplitFixed : 0.0);
   if (on_cpu > 0) cpu += kCpuFixed;
   return {copies, cpu};
 }
@@ -122,9 +123,9 @@ inline std::pair<int64_t, int64_t> fetch_plan(int64_t m, double f, int64_t chunk
 }
 
 // The division of m misses that takes a lead (MissPolicy.lead_plan, in the same double
-// arithmetic): the share `lead` of the device's first miss was copied ahead of the routing, so
-// the device takes at least those rows (q >= 1, or a split at j / chunks >= lead), counted as
-// copied, the rest of that expert in 2D copies. Of those divisions the one that ends soonest
+// arithmetic): the gate and up rows of the share `lead` of the device's first miss's rows were
+// copied ahead of the routing, so the device takes at least those rows (q >= 1, or a split at
+// j / chunks >= lead), their copied bytes counted as copied. Of those divisions the one that ends soonest
 // (whole ones first, then splits, fewer copies first: the first of equal ends), where it ends
 // no later than fetch_plan's; else {-1, 0} (the copy ahead is left unused). Needs m > 0,
 // chunks >= 2 and lead > 0.
@@ -223,9 +224,10 @@ class DecodePlanner {
 
   // Copies ahead of the routing (with the device set and a guess with the step): once a guess
   // of the routing comes, the device's first miss of the step it plans (`plan_guess`) starts
-  // copying into a slot (its first rows, as a split's, in the time `share` of the guess's usual
-  // lead over the routing takes at `bytes_per_second`); the step, where that expert is a miss,
-  // takes it on the device and copies only the rest (`fetch_plan`'s lead). share 0: never.
+  // copying into a slot (the gate and up of its first rows, as many as `bytes_per_second` moves
+  // in `share` of the guess's usual lead over the routing); the step, where that expert is a
+  // miss and that ends it no later, takes it on the device and copies only the rest
+  // (`lead_plan`). share 0: never.
   // The lead is measured from step to step (`guess_lead_seconds`), so the first guesses copy
   // nothing ahead.
   void set_copy_ahead(double share, double bytes_per_second) {
@@ -555,7 +557,8 @@ class DecodePlanner {
   // Queues the step's fills on the fill stream (whole experts, then the split one); on a driver
   // error frees the admitted slots (they may never be filled, so no later step may read them) and
   // throws. lead_rows > 0: the device's first miss (the first admitted, else the split one) had
-  // its first lead_rows rows copied ahead; only the rest are copied. Returns the time it took.
+  // the gate and up of its first lead_rows rows copied ahead; only the rest are copied. Returns
+  // the time it took.
   std::chrono::steady_clock::duration queue_fills(
       int64_t layer, const std::vector<std::pair<int32_t, int64_t>>& admitted,
       int32_t split_expert, int64_t split_slot, int64_t split_row, int64_t lead_rows) {
@@ -564,13 +567,13 @@ class DecodePlanner {
     const char* failed = "cuMemcpyHtoDAsync";
     for (size_t i = 0; i < admitted.size() && err == 0; ++i) {
       const auto [e, slot] = admitted[i];
-      if (i == 0 && lead_rows > 0) {  // the rest of its rows, no zeroing: it is whole
-        err = copy_rows(layer, e, slot, lead_rows, inter_, &failed);
-        continue;
-      }
       const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
       const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
-      err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, fill_stream_);
+      if (i == 0 && lead_rows > 0) {  // the rest of its gate and up rows
+        err = copy_gate_up(layer, e, slot, lead_rows, inter_, &failed);
+      } else {
+        err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, fill_stream_);
+      }
       if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, fill_stream_);
     }
     if (split_expert >= 0 && err == 0) {
@@ -608,44 +611,46 @@ class DecodePlanner {
   // same columns of its down projection, with its gate and up rows from `row` on zeroed
   // (silu(0) * 0 = 0: those rows add nothing, whatever the slot's down projection holds in their
   // columns, as long as it is finite: the cache starts zeroed, and holds experts after that).
-  // Rows below `from` are there already (copied ahead). Two 2D copies and one 2D memset. Returns
-  // the first driver error (naming its call in `failed`), or 0.
+  // Gate and up rows below `from` are there already (copied ahead). Two 2D copies and one 2D
+  // memset. Returns the first driver error (naming its call in `failed`), or 0.
   int copy_split(int64_t layer, int32_t e, int64_t slot, int64_t from, int64_t row,
                  const char** failed) {
-    int err = copy_rows(layer, e, slot, from, row, failed);
+    int err = copy_gate_up(layer, e, slot, from, row, failed);
     if (err != 0) return err;
     const size_t elem = size_t(bytes2_ / (hidden_ * inter_));
     const size_t half = size_t(inter_ * hidden_) * elem, head = size_t(row * hidden_) * elem;
     err = memset2d_(cache_w13_ + slot * bytes13_ + head, half, 0, half - head, 2, fill_stream_);
-    if (err != 0) *failed = "cuMemsetD2D8Async";
+    if (err != 0) {
+      *failed = "cuMemsetD2D8Async";
+      return err;
+    }
+    Memcpy2D columns;  // the first `row` columns of each of the H rows of the down projection
+    columns.src_memory_type = 1;
+    columns.src_host = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
+    columns.src_pitch = inter_ * elem, columns.dst_memory_type = 2;
+    columns.dst_device = cache_w2_ + slot * bytes2_;
+    columns.dst_pitch = inter_ * elem, columns.width_bytes = row * elem;
+    columns.height = hidden_;
+    err = copy2d_(&columns, fill_stream_);
+    if (err != 0) *failed = "cuMemcpy2DAsync";
     return err;
   }
 
-  // Copies expert e's gate and up rows [from, to) into `slot`, and the same columns of its down
-  // projection: two 2D copies (none where from == to). Returns the first driver error (naming
-  // its call in `failed`), or 0.
-  int copy_rows(int64_t layer, int32_t e, int64_t slot, int64_t from, int64_t to,
-                const char** failed) {
+  // Copies expert e's gate and up rows [from, to) into `slot`: one 2D copy of two runs (none
+  // where from == to). Returns the driver's error (naming its call in `failed`), or 0.
+  int copy_gate_up(int64_t layer, int32_t e, int64_t slot, int64_t from, int64_t to,
+                   const char** failed) {
     if (from >= to) return 0;
     const size_t elem = size_t(bytes2_ / (hidden_ * inter_));
     const size_t half = size_t(inter_ * hidden_) * elem, skip = size_t(from * hidden_) * elem;
-    const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
-    const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
     Memcpy2D rows;  // gate rows [from, to), then the same up rows
-    rows.src_memory_type = 1, rows.src_host = bank13 + skip, rows.src_pitch = half;
-    rows.dst_memory_type = 2, rows.dst_device = cache_w13_ + slot * bytes13_ + skip;
+    rows.src_memory_type = 1;
+    rows.src_host = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_ + skip;
+    rows.src_pitch = half, rows.dst_memory_type = 2;
+    rows.dst_device = cache_w13_ + slot * bytes13_ + skip;
     rows.dst_pitch = half, rows.width_bytes = size_t((to - from) * hidden_) * elem;
     rows.height = 2;
-    int err = copy2d_(&rows, fill_stream_);
-    if (err == 0) {
-      Memcpy2D columns;  // columns [from, to) of each of the H rows of the down projection
-      columns.src_memory_type = 1, columns.src_host = bank2 + from * elem;
-      columns.src_pitch = inter_ * elem, columns.dst_memory_type = 2;
-      columns.dst_device = cache_w2_ + slot * bytes2_ + from * elem;
-      columns.dst_pitch = inter_ * elem, columns.width_bytes = (to - from) * elem;
-      columns.height = hidden_;
-      err = copy2d_(&columns, fill_stream_);
-    }
+    const int err = copy2d_(&rows, fill_stream_);
     if (err != 0) *failed = "cuMemcpy2DAsync";
     return err;
   }
@@ -769,16 +774,16 @@ class DecodePlanner {
     guess_layer_ = layer;
   }
 
-  // The rows of one expert a copy ahead takes: those the copies move in ahead_share_ of the
-  // guess's usual lead (gate, up and down: 3 H elements a row), at most all of them.
+  // The rows of one expert whose gate and up a copy ahead takes: those the copies move in
+  // ahead_share_ of the guess's usual lead (2 H elements a row), at most all of them.
   int64_t ahead_rows() const {
-    const double row_bytes = double(bytes13_ + bytes2_) / double(inter_);
+    const double row_bytes = double(bytes13_) / double(inter_);
     const double rows = ahead_share_ * lead_seconds_ * ahead_rate_ / row_bytes;
     return std::min<int64_t>(inter_, int64_t(std::floor(rows)));
   }
 
-  // Starts copying expert e's first `rows` rows of layer `layer` (as a split's, without the
-  // zeroing) into the least recently used slot no expert in `routed` (the guess's) holds,
+  // Starts copying the gate and up of expert e's first `rows` rows of layer `layer` (one 2D
+  // copy, cheap to queue: the wait is on the serial path) into the least recently used slot no expert in `routed` (the guess's) holds,
   // evicting its expert: the slot is free until the step takes it (ahead_). False where every
   // slot is held by a routed expert. A driver error frees nothing more and is kept for the step
   // (ahead_error_), which fails with it.
@@ -800,7 +805,7 @@ class DecodePlanner {
     key_of_slot_[slot] = -1;
     last_use_[slot] = -1;
     const char* failed = "";
-    ahead_error_ = copy_rows(layer, e, slot, 0, rows, &failed);
+    ahead_error_ = copy_gate_up(layer, e, slot, 0, rows, &failed);
     if (ahead_error_ == 0) ahead_ = Ahead{layer, e, slot, rows};
     return true;
   }

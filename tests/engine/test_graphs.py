@@ -521,7 +521,7 @@ def test_copies_ahead_of_the_routing_change_no_token(checkpoint, monkeypatch, ro
     # a rate at which the 2 ms lead copies about half an expert's rows (the engine's own, the
     # rate of host copies on this machine, would copy whole ones)
     inter = moe.bank.w2[0].shape[-1]
-    row_bytes = 3 * moe.bank.w2[0].shape[1] * moe.bank.w2[0].element_size()
+    row_bytes = 2 * moe.bank.w2[0].shape[1] * moe.bank.w2[0].element_size()  # gate and up
     moe.copy_rate = inter / 2 * row_bytes / 0.002
     moe.set_copy_ahead(1.0)
     try:

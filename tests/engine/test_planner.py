@@ -27,7 +27,7 @@ from moelab.engine.h2d import (
     address_of,
     host_functions,
 )
-from moelab.engine.misses import COPY_FIXED, CPU_FIXED, SPLIT_FIXED, MissPolicy
+from moelab.engine.misses import AHEAD_BYTES, COPY_FIXED, CPU_FIXED, SPLIT_FIXED, MissPolicy
 from moelab.engine.moe import MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
@@ -207,18 +207,19 @@ def test_fetch_plan_splits_a_miss_where_that_ends_the_step_sooner():
 def test_a_lead_copied_ahead_gives_the_device_those_rows_where_that_ends_the_step_no_later(
     fraction,
 ):
-    """lead_plan (the share `lead` of the device's first miss copied ahead of the routing): the
-    device takes at least those rows, and the plan ends soonest of all such divisions (counting
-    the lead as copied and the rest in 2D copies), no later than fetch_plan's; where every such
-    division ends later (a CPU far faster than the copies), the lead is left unused (None)."""
+    """lead_plan (the gate and up of the share `lead` of the device's first miss's rows copied
+    ahead of the routing, AHEAD_BYTES of those rows' bytes): the device takes at least those
+    rows, and the plan ends soonest of all such divisions (counting those bytes as copied), no
+    later than fetch_plan's; where every such division ends later (a CPU far faster than the
+    copies), the lead is left unused (None)."""
     policy = MissPolicy("split", fraction)
     f = fraction
 
     def ends(misses: int, q: int, u: float, lead: float) -> float:
         copied, on_cpu = q + u, misses - q - u
-        copies = max(0.0, copied - lead) * (1 - f)
+        copies = max(0.0, copied - lead * AHEAD_BYTES) * (1 - f)
         if copied:
-            copies += COPY_FIXED + (SPLIT_FIXED if u or lead else 0.0)
+            copies += COPY_FIXED + (SPLIT_FIXED if u else 0.0)
         return max(copies, on_cpu * f + (CPU_FIXED if on_cpu else 0.0))
 
     unused = 0
@@ -241,11 +242,11 @@ def test_a_lead_copied_ahead_gives_the_device_those_rows_where_that_ends_the_ste
     # at 0 the CPU's part costs only its fixed part: no division that takes the lead ends sooner
     assert unused > 0 or fraction != 0.0
     if fraction == 0.39:
-        # one miss with a third of it ahead: the split moves from 4/16 to 7/16, the copies
-        # taking the rest (0.104 of an expert: 0.0635 + 0.25) while the CPU runs 9/16 (0.309):
-        # 0.3135, sooner than 0.4025 without the lead
+        # one miss with the gate and up of a third of its rows ahead (2/9 of its bytes): the
+        # split moves from 4/16 to 6/16, the copies taking the rest of those rows (0.153 of an
+        # expert: 0.093 + 0.25) while the CPU runs 10/16 (0.334): 0.343, sooner than 0.4025
         assert policy.fetch_plan(1, 16) == (0, 4)
-        assert policy.lead_plan(1, 16, 1 / 3) == (0, 7)
+        assert policy.lead_plan(1, 16, 1 / 3) == (0, 6)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -832,7 +833,7 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
     signal, guess_signal = routing_signal(pin=False), routing_signal(pin=False)
     logits = torch.zeros(1, EXPERTS)
     rng = np.random.default_rng(21)
-    row_bytes = 3 * HIDDEN * 2
+    row_bytes = 2 * HIDDEN * 2  # a copy ahead moves a row's gate and up
     seen = {"whole": 0, "split": 0, "wrong": 0}
     for step in range(30):
         layer = step % LAYERS
