@@ -123,12 +123,12 @@ inline std::pair<int64_t, int64_t> fetch_plan(int64_t m, double f, int64_t chunk
 }
 
 // The division of m misses that takes a lead (MissPolicy.lead_plan, in the same double
-// arithmetic): the gate and up rows of the share `lead` of the device's first miss's rows were
-// copied ahead of the routing, so the device takes at least those rows (q >= 1, or a split at
-// j / chunks >= lead), their copied bytes counted as copied. Of those divisions the one that ends soonest
-// (whole ones first, then splits, fewer copies first: the first of equal ends), where it ends
-// no later than fetch_plan's; else {-1, 0} (the copy ahead is left unused). Needs m > 0,
-// chunks >= 2 and lead > 0.
+// arithmetic): the gate and up of the share `lead` of the device's first miss's rows were copied
+// ahead of the routing, so the device takes at least those rows (q >= 1, or a split at
+// j / chunks >= lead), their copied bytes counted as copied. Of those divisions the one that
+// ends soonest (whole ones first, then splits, fewer copies first: the first of equal ends),
+// where it ends no later than fetch_plan's; else {-1, 0} (the copy ahead is left unused). Needs
+// m > 0, chunks >= 2 and lead > 0.
 inline std::pair<int64_t, int64_t> lead_plan(int64_t m, double f, int64_t chunks, double lead) {
   double best = std::numeric_limits<double>::infinity();
   int64_t best_q = 0, best_j = 0;
@@ -783,10 +783,10 @@ class DecodePlanner {
   }
 
   // Starts copying the gate and up of expert e's first `rows` rows of layer `layer` (one 2D
-  // copy, cheap to queue: the wait is on the serial path) into the least recently used slot no expert in `routed` (the guess's) holds,
-  // evicting its expert: the slot is free until the step takes it (ahead_). False where every
-  // slot is held by a routed expert. A driver error frees nothing more and is kept for the step
-  // (ahead_error_), which fails with it.
+  // copy, cheap to queue: the wait is on the serial path) into the least recently used slot no
+  // expert in `routed` (the guess's) holds, evicting its expert: the slot is free until the step
+  // takes it (ahead_). False where every slot is held by a routed expert. A driver error frees
+  // nothing more and is kept for the step (ahead_error_), which fails with it.
   bool copy_ahead(int64_t layer, int32_t e, int64_t rows, const std::vector<int32_t>& routed) {
     const int32_t* slot_of = slot_of_ + layer * experts_;
     for (const int32_t r : routed) {
