@@ -55,14 +55,14 @@ if [ "$part" = ahead ]; then  # the guessed first device miss copied ahead of th
   run ahead_tests python3 -m pytest -q $T tests/engine/test_planner.py
   run ahead_engine_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_graphs.py tests/engine/test_offload.py
-  for i in 1 2; do
-    run ahead_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
-      --repeats 12 --moe-copy-ahead 0 --alternate-copy-ahead 0.75 --json
+  for i in 1 2; do  # short runs, many pairs: the host drifts within a process
+    run ahead_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 128 \
+      --repeats 24 --moe-copy-ahead 0 --alternate-copy-ahead 0.75 --json
   done
 fi
 if [ "$part" = ahead_rows ]; then  # one more alternation, then the 25%-cache rows (default flags)
-  run ahead_alternate_3 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
-    --repeats 12 --moe-copy-ahead 0 --alternate-copy-ahead 0.75 --json
+  run ahead_alternate_3 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 128 \
+    --repeats 24 --moe-copy-ahead 0 --alternate-copy-ahead 0.75 --json
   run ahead_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
     --repeats 3 --json
   run ahead_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --tokens 256 \
