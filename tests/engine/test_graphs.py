@@ -536,7 +536,7 @@ def test_copies_ahead_of_the_routing_change_no_token(checkpoint, monkeypatch, ro
     finally:
         engine.close()
     assert outputs == off == expected and not launch_errors and late.timers
-    assert 0.002 <= lead < 1.0
+    assert 0.001 < lead < 1.0  # the routings came 2 ms after the wait began
     assert staged["copied_ahead"] > 0 and off_staged["copied_ahead"] == 0
     assert off_staged["ahead_missed"] == 0
     # marked "a" in the periods, and said by the bench
