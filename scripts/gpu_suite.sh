@@ -60,9 +60,12 @@ if [ "$part" = ahead ]; then  # the guessed first device miss copied ahead of th
       --repeats 24 --moe-copy-ahead 0 --alternate-copy-ahead 0.75 --json
   done
 fi
-if [ "$part" = ahead_rows ]; then  # one more alternation, then the 25%-cache rows (default flags)
+if [ "$part" = ahead_rows ]; then  # one more alternation, one against a share of 0.5, then the
+  # 25%-cache rows (default flags)
   run ahead_alternate_3 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 128 \
     --repeats 24 --moe-copy-ahead 0 --alternate-copy-ahead 0.75 --json
+  run ahead_alternate_half $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 128 \
+    --repeats 24 --moe-copy-ahead 0 --alternate-copy-ahead 0.5 --json
   run ahead_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
     --repeats 3 --json
   run ahead_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --tokens 256 \
