@@ -39,8 +39,15 @@ def test_sizes_and_policies_parse():
         ["--model-path", "m", "--moe-miss-policy", "split:0.25", "--device-memory", "512MiB"]
     )
     assert args.moe_miss_policy == "split:0.25" and args.device_memory == 512 * 1024**2
+    assert build_parser().parse_args(["--model-path", "m"]).moe_copy_ahead == 0.75
+    assert (
+        build_parser().parse_args(["--model-path", "m", "--moe-copy-ahead", "0"]).moe_copy_ahead
+        == 0
+    )
     for bad in (
         ["--moe-cache-rate", "1.5"],
+        ["--moe-copy-ahead", "1.5"],
+        ["--moe-copy-ahead", "some"],
         ["--moe-miss-policy", "split:2"],
         ["--device-memory", "lots"],
         ["--kv-reserve-tokens", "0"],

@@ -241,13 +241,18 @@ def test_bench_decode_alternation_is_refused_where_it_cannot_compare():
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
              "--moe-cache-rate", "0.5", "--repeats", "2"]  # fmt: skip
     if not torch.cuda.is_available():
-        r = moelab(*flags, "--alternate-prefetch-rounds", "2", check=False)
-        assert r.returncode == 2 and "needs pieces that send routing guesses" in r.stderr
+        for alternate, value in (("--alternate-prefetch-rounds", "2"),
+                                 ("--alternate-copy-ahead", "0")):  # fmt: skip
+            r = moelab(*flags, alternate, value, check=False)
+            refused = f"{alternate} needs pieces that send routing guesses"
+            assert r.returncode == 2 and refused in r.stderr
     for wrong in (["--moe-cpu-prefetch-rounds", "2"], ["--repeats", "1"]):
         r = moelab(*flags, *wrong, "--alternate-prefetch-rounds", "2", check=False)
         assert r.returncode == 2 and "needs a value other than" in r.stderr
     r = moelab(*flags, "--alternate-prefetch-rounds", "5", check=False)
     assert r.returncode == 2 and "--alternate-prefetch-rounds" in r.stderr
+    r = moelab(*flags, "--alternate-copy-ahead", "2", check=False)
+    assert r.returncode == 2 and "2.0 must be from 0 to 1" in r.stderr
     r = moelab(*flags, "--moe-cpu-pin", "isolate", "--alternate-cpu-pin", "isolate", check=False)
     assert r.returncode == 2 and "needs a value other than --moe-cpu-pin's" in r.stderr
     both = ["--alternate-cpu-pin", "isolate", "--alternate-prefetch-rounds", "2"]
@@ -275,6 +280,23 @@ def test_bench_decode_alternates_prefetch_rounds_on_cuda():
     # the A runs' waits ignored the guesses: none of their plans is marked
     assert alt["period_by_plan"][0]
     assert not any(plan.endswith(("p", "w")) for plan in alt["period_by_plan"][0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_decode_alternates_copies_ahead_on_cuda():
+    """--alternate-copy-ahead: with no prefetch rounds the pieces still send guesses (the engine
+    starts with the larger share); the A runs (0) copy nothing ahead."""
+    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "8", "--warmup", "2",
+             "--moe-cache-rate", "0.5", "--repeats", "4", "--moe-cpu-prefetch-rounds", "0",
+             "--json"]  # fmt: skip
+    r = moelab(*flags, "--moe-copy-ahead", "0", "--alternate-copy-ahead", "0.75")
+    result = json.loads(r.stdout)
+    assert [run["setting"] for run in result["runs"]] == [0, 0.75, 0.75, 0]
+    alt = result["alternated"]
+    assert alt["sides"] == [0, 0.75] and len(alt["ratios"]) == 2
+    assert "alternated --moe-copy-ahead 0.0 (A) and 0.75 (B), 2 pairs" in r.stderr
+    assert alt["period_by_plan"][0]
+    assert not any(plan.endswith("a") for plan in alt["period_by_plan"][0])
 
 
 @pytest.mark.parametrize(
