@@ -423,11 +423,7 @@ class DecodePlanner {
         on_cpu.insert(on_cpu.end(), missing.begin() + i, missing.begin() + q);
         break;
       }
-      const int64_t old = key_of_slot_[slot];
-      if (old >= 0) {
-        slot_of_[old] = -1;
-        ++state_[kEvictions];
-      }
+      evict(slot);
       key_of_slot_[slot] = layer * experts_ + e;
       last_use_[slot] = ++state_[kTick];
       slot_of[e] = int32_t(slot);
@@ -444,13 +440,7 @@ class DecodePlanner {
       if (split_slot >= 0) {
         split_expert = missing[q];
         split_row = split_j * (inter_ / split_chunks);
-        const int64_t old = key_of_slot_[split_slot];
-        if (old >= 0) {
-          slot_of_[old] = -1;
-          ++state_[kEvictions];
-        }
-        key_of_slot_[split_slot] = -1;
-        last_use_[split_slot] = -1;
+        free_slot(split_slot);
         protected_[split_slot] = 1;
       }
     }
@@ -797,17 +787,27 @@ class DecodePlanner {
       if (slot_of[r] >= 0) protected_[slot_of[r]] = 0;
     }
     if (slot < 0) return false;
+    free_slot(slot);
+    const char* failed = "";
+    ahead_error_ = copy_gate_up(layer, e, slot, 0, rows, &failed);
+    if (ahead_error_ == 0) ahead_ = Ahead{layer, e, slot, rows};
+    return true;
+  }
+
+  // The expert in `slot`, if any, is no longer cached there (an eviction).
+  void evict(int64_t slot) {
     const int64_t old = key_of_slot_[slot];
     if (old >= 0) {
       slot_of_[old] = -1;
       ++state_[kEvictions];
     }
+  }
+
+  // `slot` holds no expert and is free (the first victim): its expert evicted.
+  void free_slot(int64_t slot) {
+    evict(slot);
     key_of_slot_[slot] = -1;
     last_use_[slot] = -1;
-    const char* failed = "";
-    ahead_error_ = copy_gate_up(layer, e, slot, 0, rows, &failed);
-    if (ahead_error_ == 0) ahead_ = Ahead{layer, e, slot, rows};
-    return true;
   }
 
   static bool where_missing(const std::vector<int32_t>& missing, int32_t e) {

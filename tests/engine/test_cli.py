@@ -268,35 +268,29 @@ def test_bench_decode_alternation_is_refused_where_it_cannot_compare():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bench_decode_alternates_prefetch_rounds_on_cuda():
+@pytest.mark.parametrize(
+    ("own", "alternate", "a", "b", "others", "marks"),
+    [
+        ("--moe-cpu-prefetch-rounds", "--alternate-prefetch-rounds", 0, 2, [], ("p", "w")),
+        # with no prefetch rounds the pieces still send guesses for the copies ahead
+        ("--moe-copy-ahead", "--alternate-copy-ahead", 0.0, 0.75,
+         ["--moe-cpu-prefetch-rounds", "0"], ("a",)),
+    ],
+)  # fmt: skip
+def test_bench_decode_alternates_a_guessing_flag_on_cuda(own, alternate, a, b, others, marks):
+    """--alternate-prefetch-rounds and --alternate-copy-ahead: the engine starts with guessing
+    pieces (the larger side), the runs alternate A B B A, and the A runs' waits ignore the guesses
+    (none of their plans is marked)."""
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "8", "--warmup", "2",
-             "--moe-cache-rate", "0.5", "--repeats", "4", "--json"]  # fmt: skip
-    r = moelab(*flags, "--moe-cpu-prefetch-rounds", "0", "--alternate-prefetch-rounds", "2")
+             "--moe-cache-rate", "0.5", "--repeats", "4", "--json", *others]  # fmt: skip
+    r = moelab(*flags, own, str(a), alternate, str(b))
     result = json.loads(r.stdout)
-    assert [run["setting"] for run in result["runs"]] == [0, 2, 2, 0]
+    assert [run["setting"] for run in result["runs"]] == [a, b, b, a]
     alt = result["alternated"]
-    assert alt["sides"] == [0, 2] and len(alt["ratios"]) == 2
-    assert "alternated --moe-cpu-prefetch-rounds 0 (A) and 2 (B), 2 pairs" in r.stderr
-    # the A runs' waits ignored the guesses: none of their plans is marked
+    assert alt["sides"] == [a, b] and len(alt["ratios"]) == 2
+    assert f"alternated {own} {a} (A) and {b} (B), 2 pairs" in r.stderr
     assert alt["period_by_plan"][0]
-    assert not any(plan.endswith(("p", "w")) for plan in alt["period_by_plan"][0])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bench_decode_alternates_copies_ahead_on_cuda():
-    """--alternate-copy-ahead: with no prefetch rounds the pieces still send guesses (the engine
-    starts with the larger share); the A runs (0) copy nothing ahead."""
-    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "8", "--warmup", "2",
-             "--moe-cache-rate", "0.5", "--repeats", "4", "--moe-cpu-prefetch-rounds", "0",
-             "--json"]  # fmt: skip
-    r = moelab(*flags, "--moe-copy-ahead", "0", "--alternate-copy-ahead", "0.75")
-    result = json.loads(r.stdout)
-    assert [run["setting"] for run in result["runs"]] == [0, 0.75, 0.75, 0]
-    alt = result["alternated"]
-    assert alt["sides"] == [0, 0.75] and len(alt["ratios"]) == 2
-    assert "alternated --moe-copy-ahead 0.0 (A) and 0.75 (B), 2 pairs" in r.stderr
-    assert alt["period_by_plan"][0]
-    assert not any(plan.endswith("a") for plan in alt["period_by_plan"][0])
+    assert not any(plan.endswith(marks) for plan in alt["period_by_plan"][0])
 
 
 @pytest.mark.parametrize(
