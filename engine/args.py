@@ -292,10 +292,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=0.75,
         help="Offloaded decode at batch 1 (CUDA graphs, the native planner, split misses): once "
         "a piece's guess of its MoE layer's routing reaches the host, the device's first miss "
-        "of the guessed step starts copying into a cache slot, its first rows as many as the "
-        "copies move in this share of the guesses' usual lead over the routing (measured as "
-        "decode runs); where the guess was right, the step's copies then take only the rest, "
-        "and the CPU fewer rows. A wrong guess costs that copy and the slot's expert. 0: off.",
+        "of the guessed step starts copying into a cache slot: the gate and up projections of "
+        "as many of its first rows as the copies move in this share of the guesses' usual lead "
+        "over the routing (measured as decode runs). Where the guess was right, the step's "
+        "copies then take only the rest, and the CPU fewer rows; a wrong guess costs that copy "
+        "and the slot's expert. 0: off.",
     )
     moe.add_argument(
         "--moe-cpu-pin",

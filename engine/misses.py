@@ -29,7 +29,7 @@ CPU_FIXED = 0.09
 SPLIT_FIXED = 0.1
 # The share of a row's bytes a copy ahead of the routing moves (the native planner's: the gate
 # and up of the device's first miss's first rows, not the down projection's columns)
-AHEAD_BYTES = 2.0 / 3.0
+AHEAD_SHARE = 2.0 / 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +71,10 @@ class MissPolicy:
     def _ends(self, copied: float, on_cpu: float, split: bool = False, lead: float = 0.0) -> float:
         """When a layer step's misses end, in proportion: the later of the copies of `copied`
         experts' worth (`split`: part of that is a split expert's; `lead`: the gate and up of that
-        share of one expert's rows were copied ahead, AHEAD_BYTES of their bytes) and the CPU's
+        share of one expert's rows were copied ahead, AHEAD_SHARE of their bytes) and the CPU's
         `on_cpu`, each with its fixed part where it has work."""
         f = self.fetch_fraction
-        copies = max(0.0, copied - lead * AHEAD_BYTES) * (1.0 - f)
+        copies = max(0.0, copied - lead * AHEAD_SHARE) * (1.0 - f)
         if copied > 0:
             copies += COPY_FIXED + (SPLIT_FIXED if split else 0.0)
         cpu = on_cpu * f + (CPU_FIXED if on_cpu > 0 else 0.0)

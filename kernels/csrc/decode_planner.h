@@ -80,7 +80,7 @@ constexpr double kCopyFixed = 0.15, kCpuFixed = 0.09, kSplitFixed = 0.1;
 // that has work adds its fixed part, and a split the copies' extra part. lead: the share of the
 // rows of the device's first miss whose gate and up were copied ahead of the routing
 // (`DecodePlanner::copy_ahead`): the copies no longer take those bytes, kAheadShare of theirs.
-constexpr double kAheadShare = 2.0 / 3.0;  // a row's gate and up of its gate, up and down
+constexpr double kAheadShare = 2.0 / 3.0;  // misses.py's AHEAD_SHARE: gate and up of a row
 struct Sides {
   double copies, cpu;
   double end() const { return std::max(copies, cpu); }

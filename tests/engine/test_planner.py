@@ -27,7 +27,7 @@ from moelab.engine.h2d import (
     address_of,
     host_functions,
 )
-from moelab.engine.misses import AHEAD_BYTES, COPY_FIXED, CPU_FIXED, SPLIT_FIXED, MissPolicy
+from moelab.engine.misses import AHEAD_SHARE, COPY_FIXED, CPU_FIXED, SPLIT_FIXED, MissPolicy
 from moelab.engine.moe import MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
@@ -208,7 +208,7 @@ def test_a_lead_copied_ahead_gives_the_device_those_rows_where_that_ends_the_ste
     fraction,
 ):
     """lead_plan (the gate and up of the share `lead` of the device's first miss's rows copied
-    ahead of the routing, AHEAD_BYTES of those rows' bytes): the device takes at least those
+    ahead of the routing, AHEAD_SHARE of those rows' bytes): the device takes at least those
     rows, and the plan ends soonest of all such divisions (counting those bytes as copied), no
     later than fetch_plan's; where every such division ends later (a CPU far faster than the
     copies), the lead is left unused (None)."""
@@ -217,7 +217,7 @@ def test_a_lead_copied_ahead_gives_the_device_those_rows_where_that_ends_the_ste
 
     def ends(misses: int, q: int, u: float, lead: float) -> float:
         copied, on_cpu = q + u, misses - q - u
-        copies = max(0.0, copied - lead * AHEAD_BYTES) * (1 - f)
+        copies = max(0.0, copied - lead * AHEAD_SHARE) * (1 - f)
         if copied:
             copies += COPY_FIXED + (SPLIT_FIXED if u else 0.0)
         return max(copies, on_cpu * f + (CPU_FIXED if on_cpu else 0.0))
