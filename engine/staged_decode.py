@@ -162,14 +162,17 @@ class StagedDecode:
         CUDA); None where no guess is wanted (no prefetch rounds and no copies ahead, or no
         native planner waiting on signals with its copies). Captured graphs write them, so they
         are allocated once."""
-        wanted = self.prefetch_rounds > 0 or self.copy_ahead > 0
-        if not wanted or not self.planner_copies or self._decode_planner() is None:
+        if not self._uses_guesses() or not self.planner_copies or self._decode_planner() is None:
             return None
         if self._guess_host is None:
             pin = self.device.type == "cuda"
             logits = torch.zeros((1, self.bank.num_experts), dtype=torch.float32, pin_memory=pin)
             self._guess_host = (logits, routing_signal(pin=pin))
         return self._guess_host
+
+    def _uses_guesses(self) -> bool:
+        """Whether the waits plan the guesses: for the workers' prefetch or the copies ahead."""
+        return self.prefetch_rounds > 0 or self.copy_ahead > 0
 
     def set_prefetch_rounds(self, rounds: int) -> None:
         """Change the rounds of blocks the wait has the workers fetch from the guesses, between
@@ -276,8 +279,7 @@ class StagedDecode:
             signal = self._routing_signal if self._signal_state == _EXPECTED else None
             # with 0 rounds and no copies ahead (set between runs) the guesses the pieces still
             # send are ignored
-            wanted = self.prefetch_rounds > 0 or self.copy_ahead > 0
-            guessed = guess and wanted and signal is not None
+            guessed = guess and self._uses_guesses() and signal is not None
             d, (_, plan_s, fill_s, launch_s) = self._native_step(
                 planner, moe_layer, ids_h, w_h, x_h, cpu_out, True, sync=True, copies=True,
                 route_slots=slots_h, signal=signal, expected=True, launch=launch,

@@ -150,6 +150,23 @@ inline std::pair<int64_t, int64_t> lead_plan(int64_t m, double f, int64_t chunks
   return {best_q, best_j};
 }
 
+// A step's division of its m misses: fetch_plan's, or lead_plan's where the gate and up of
+// lead_rows of the device's first miss's inter rows were copied ahead (lead_rows > 0, chunks >=
+// 2) and that division takes them. {q, j, whether it takes the rows copied ahead}.
+struct MissPlan {
+  int64_t q, j;
+  bool lead;
+};
+inline MissPlan plan_misses(int64_t m, double f, int64_t chunks, int64_t lead_rows,
+                            int64_t inter) {
+  if (lead_rows > 0 && m > 0 && chunks >= 2) {
+    const auto [q, j] = lead_plan(m, f, chunks, double(lead_rows) / double(inter));
+    if (q >= 0) return {q, j, true};
+  }
+  const auto [q, j] = fetch_plan(m, f, chunks);
+  return {q, j, false};
+}
+
 // A guess of the routing a step waits for (DecodePlanner::step's guess): the layer router's
 // logits [T, experts] and their signal, stored by the piece before the routing; the step's x and
 // tokens, the copies' share and split chunks it plans with, and the rounds of gate/up blocks the
@@ -398,14 +415,12 @@ class DecodePlanner {
     const int64_t m = int64_t(missing.size());
     // the copy ahead serves this step where its expert is a miss (it cannot have become a hit):
     // the device takes that expert first, and at least the rows copied
-    auto [q, split_j] = fetch_plan(m, fetch_fraction, split_chunks);
-    bool ahead_used = false;
-    if (ahead_.layer == layer && copies && split_chunks >= 2 &&
-        where_missing(missing, ahead_.expert)) {
-      const double lead = double(ahead_.rows) / double(inter_);
-      const auto plan = lead_plan(m, fetch_fraction, split_chunks, lead);
-      if (plan.first >= 0) ahead_used = true, q = plan.first, split_j = plan.second;
-    }
+    const bool ahead_here =
+        ahead_.layer == layer && copies && where_missing(missing, ahead_.expert);
+    const MissPlan plan =
+        plan_misses(m, fetch_fraction, split_chunks, ahead_here ? ahead_.rows : 0, inter_);
+    const int64_t q = plan.q, split_j = plan.j;
+    const bool ahead_used = plan.lead;
     const int64_t lead_rows = ahead_used ? ahead_.rows : 0;
     if (q < m) {
       order_misses(missing, picks, false);
@@ -717,25 +732,16 @@ class DecodePlanner {
       if (slot_of[e] < 0) missing.push_back(e);
     }
     const int64_t m = int64_t(missing.size());
-    auto [q, split_j] = fetch_plan(m, g.fraction, g.chunks);
-    int64_t lead_rows = ahead && m > 0 && g.chunks >= 2 ? ahead_rows() : 0;
-    if (lead_rows > 0) {  // copied ahead only where the step would take it
-      const auto lead = lead_plan(m, g.fraction, g.chunks, double(lead_rows) / double(inter_));
-      if (lead.first >= 0) {
-        q = lead.first, split_j = lead.second;
-      } else {
-        lead_rows = 0;
-      }
-    }
+    // copied ahead only where the step would take it
+    const int64_t lead_rows = ahead ? ahead_rows() : 0;
+    const MissPlan plan = plan_misses(m, g.fraction, g.chunks, lead_rows, inter_);
+    const int64_t q = plan.q, split_j = plan.j;
     if (q < m) {
       order_misses(missing, picks, true);
     }
-    // where no slot is free for it, no copy ahead: the layout is then the step's without one
-    if (lead_rows > 0 && !copy_ahead(layer, missing[0], lead_rows, routed)) {
-      for (const int32_t e : routed) tokens_[e] = 0;
-      return;
-    }
-    if (g.rounds < 1) {  // no blocks to fetch: only the copy ahead
+    // where no slot is free for the copy ahead, the layout is the step's without one; without
+    // rounds of blocks to fetch, the copy ahead is all
+    if ((plan.lead && !copy_ahead(layer, missing[0], lead_rows, routed)) || g.rounds < 1) {
       for (const int32_t e : routed) tokens_[e] = 0;
       return;
     }
