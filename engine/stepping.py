@@ -238,6 +238,13 @@ class Stepping:
         )
         if all(c.count == 1 and not c.seq.prefilling for c in chunks):
             width = max(len(c.seq.blocks) for c in chunks)
+            if dev.type == "cuda":
+                # as wide as the decode graphs' tables: the attention kernels' launch (its
+                # context slices, the table's stride) is then one the graphs compiled at
+                # capture, whatever the sequences' lengths. Tables as wide as the longest
+                # sequence compiled a variant for each new width an eager step met (the
+                # phase-timed step every 30 s, docs/performance.md)
+                width = max(width, self.kv.blocks_for(self.max_context))
             tables = [c.seq.blocks + [0] * (width - len(c.seq.blocks)) for c in chunks]
             batch.block_tables = as_tensor(tables, torch.int32)
             batch.seq_lens = as_tensor([c.start + 1 for c in chunks], torch.int32)

@@ -20,7 +20,7 @@ from moelab.engine.miss_plan import Dispatch
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
-from moelab.kernels import host_handoff
+from moelab.kernels import host_handoff, paged_attention
 from moelab.kernels.host_handoff import ROUTED
 
 from .reference import DEVICE, make_engine
@@ -721,3 +721,31 @@ def test_overlapped_decode_on_cuda_gives_the_tokens_of_eager_steps(checkpoint):
     assert [(s.output_ids, s.finish_reason) for s in seqs] == [
         (s.output_ids, s.finish_reason) for s in expected_seqs
     ]
+
+
+def _attention_variants() -> int:
+    """The decode attention kernels' compiled variants on every device (the first entry of
+    each of Triton's per-device caches is its compiled kernels by specialization)."""
+    kernels = (paged_attention._split_kernel, paged_attention._merge_kernel)
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_eager_decode_steps_beside_the_graphs_compile_no_attention_variant(checkpoint, monkeypatch):
+    """A decode step run eagerly beside the captured graphs (the telemetry's phase-timed step,
+    one every 30 s) launches the attention with the graphs' table width, so that sequences of
+    any length compile nothing new. Tables as wide as the batch's longest sequence compiled a
+    variant for each new width such a step met."""
+    engine = make_engine(checkpoint, "--device", "cuda")
+    try:
+        assert engine.config_in_force()["cuda_graph_mode"] == "whole"
+        captured = _attention_variants()
+        monkeypatch.setattr(engine.telemetry, "want_timing", lambda: True)  # every step eager
+        # 2, 6 and 4 pages of 16 tokens: one, two and one context slices at their own width
+        for prompts, max_tokens in ((PROMPTS[:1], 4), (PROMPTS[2:], 60), (PROMPTS[:2], 30)):
+            engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        timed = engine.telemetry.breakdown
+    finally:
+        engine.close()
+    assert captured > 0 and timed["step_s"] > 0
+    assert _attention_variants() == captured
