@@ -25,6 +25,7 @@ import numpy as np
 import psutil
 import torch
 
+from ..kernels.common import compiled_variants
 from ..kernels.cpu_experts import process_thread_ids
 from .args import (
     _non_negative_int,
@@ -434,6 +435,10 @@ def stall_words(run: dict) -> str:
         )
     if allocations := {k: v for k, v in (run.get("allocations") or {}).items() if v}:
         words += "; " + ", ".join(f"{k} {v}" for k, v in allocations.items())
+    if run.get("compiled"):
+        words += f"; {run['compiled']} Triton kernels compiled"
+    if run.get("timed_steps"):
+        words += f"; {run['timed_steps']} phase-timed (eager) steps"
     collections = run.get("gc") or {}
     if collections.get("runs"):
         words += (
@@ -622,14 +627,14 @@ def alternation_lines(alt: dict) -> str:
 _RUN_FIELDS = (
     "decode_tok_s", "bound_tok_s", "achieved_of_bound", "hit_rate", "hbm_gbps", "bp_gbps",
     "host_gbps", "rates_before", "rates_after", "host_disturbance", "step_ms", "gc", "allocations",
-    "cpu_jobs",
+    "compiled", "timed_steps", "cpu_jobs",
 )  # fmt: skip
 
 
 # What a timed run measured besides its time and counts
 _TIMED_FIELDS = (
-    "host_disturbance", "step_ms", "gc", "allocations", "breakdown", "cpu_jobs",
-    "staged_layer_us", "miss_cost",
+    "host_disturbance", "step_ms", "gc", "allocations", "compiled", "timed_steps", "breakdown",
+    "cpu_jobs", "staged_layer_us", "miss_cost",
 )  # fmt: skip
 
 
@@ -649,6 +654,7 @@ def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict
     engine.telemetry.miss_cost = MissCostFit()
     profiler = _host_profile_start(profile)
     around, allocs = host_snapshot(), allocator_counts(engine.device)
+    compiled, timed_steps = compiled_variants(), engine.telemetry.timed_steps
     stamps = [time.perf_counter()]  # the start, then the end of each step
     t0 = stamps[0]
     with GcPauses() as collections:
@@ -672,6 +678,8 @@ def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict
         "step_ms": step_times(np.diff(stamps)),
         "gc": collections.to_dict(),
         "allocations": {k: v - allocs[k] for k, v in allocator_counts(engine.device).items()},
+        "compiled": compiled_variants() - compiled,
+        "timed_steps": engine.telemetry.timed_steps - timed_steps,
         "breakdown": dict(engine.telemetry.breakdown),
         "cpu_jobs": engine.moe.cpu_times.to_dict(),
         "staged_layer_us": {

@@ -86,6 +86,7 @@ class Telemetry:
         self.miss_cost = MissCostFit()
         self._reads_seen = (0, 0)
         self._last_breakdown = 0.0
+        self.timed_steps = 0  # decode steps run eagerly, phase by phase, for the breakdown
         if enabled:
             self.whatif = StackDistances(spec.num_moe_layers * spec.num_experts)
             engine.moe.on_accesses = self.whatif.add
@@ -113,6 +114,7 @@ class Telemetry:
                 self.miss_cost.add(decode_tokens, misses - seen_misses, reads - seen_reads, step_s)
             self._reads_seen = reads, misses
         if timer is not None:
+            self.timed_steps += 1
             self._last_breakdown = now
             shares = {name: timer.seconds[name] for name in PHASES}
             shares["other"] = max(0.0, step_s - sum(shares.values()))

@@ -1,14 +1,17 @@
 """Helpers shared by the Triton kernels: dtype mapping, buffer allocation, argument checks, and
-programmatic dependent launch."""
+programmatic dependent launch, and the count of compiled kernels."""
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
+from collections.abc import Iterable
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 try:  # the GPU machine's triton 3.6 and CI's 3.9 have it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -189,3 +192,22 @@ def device_counter(
             )
         counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return counters[device]
+
+
+def compiled_variants(kernels: Iterable[JITFunction] | None = None) -> int:
+    """How many kernels Triton compiled in this process, one per specialization and device (a
+    new one stalls its launch for a compilation): of `kernels`, or of every kernel in this
+    package's imported modules. 0 under the interpreter, which compiles none."""
+    if kernels is None:
+        package = __name__.rpartition(".")[0]
+        kernels = [
+            kernel
+            for name, module in list(sys.modules.items())
+            if name.startswith(package + ".")
+            for kernel in vars(module).values()
+            if isinstance(kernel, JITFunction)
+        ]
+    # each device's cache is a tuple whose first entry holds the compiled kernels by key (triton
+    # 3.6 and 3.9)
+    caches = (getattr(k, "device_caches", {}) for k in kernels)  # none: interpreted
+    return sum(len(by_device[0]) for c in caches for by_device in c.values())

@@ -183,6 +183,9 @@ def test_bench_decode_repeats_report_each_run_and_the_median_runs_figures():
     # each run's bound takes the rates measured right before and after it: one measurement
     # between two runs serves both
     assert all(run["step_ms"]["steps"] >= 3 and run["cpu_jobs"]["jobs"] > 0 for run in runs)
+    # the warm-up took the telemetry's phase-timed step, the next is 30 s later: none in a run;
+    # no Triton kernel on the CPU
+    assert all(run["timed_steps"] == 0 and run["compiled"] == 0 for run in runs)
     assert runs[0]["rates_after"] == runs[1]["rates_before"]
     assert runs[1]["rates_after"] == runs[2]["rates_before"]
     shares = sorted(run["achieved_of_bound"] for run in runs)
@@ -433,11 +436,14 @@ def test_step_times_find_the_stalls_of_a_run():
         gc.collect()
     assert (pauses.runs, pauses.full) == (2, 1) and 0 < pauses.max_ms <= pauses.ms
     assert pauses not in gc.callbacks
-    words = stall_words({"step_ms": steps, "host_disturbance": {"feeder_wait_ms": 1.5}})
+    words = stall_words({"step_ms": steps, "host_disturbance": {"feeder_wait_ms": 1.5},
+                         "compiled": 2, "timed_steps": 1})  # fmt: skip
     assert (
         "20.0 longest, 1 over 3x (at 9): 18.0 ms beyond" in words
         and "feeding thread 1.5 ms" in words
+        and "2 Triton kernels compiled; 1 phase-timed (eager) steps" in words
     )
+    assert "compiled" not in stall_words({"step_ms": steps, "compiled": 0, "timed_steps": 0})
 
 
 def test_bench_decode_prints_the_staged_stages_and_the_commonest_plans_periods():

@@ -21,6 +21,7 @@ from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import host_handoff, paged_attention
+from moelab.kernels.common import compiled_variants
 from moelab.kernels.host_handoff import ROUTED
 
 from .reference import DEVICE, make_engine
@@ -724,10 +725,7 @@ def test_overlapped_decode_on_cuda_gives_the_tokens_of_eager_steps(checkpoint):
 
 
 def _attention_variants() -> int:
-    """The decode attention kernels' compiled variants on every device (the first entry of
-    each of Triton's per-device caches is its compiled kernels by specialization)."""
-    kernels = (paged_attention._split_kernel, paged_attention._merge_kernel)
-    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+    return compiled_variants((paged_attention._split_kernel, paged_attention._merge_kernel))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
