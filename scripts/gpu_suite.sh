@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|eager|all]
 # (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first, and the
 # wheels of scripts/device_wheels.sh (carry .whl) on PYTHONPATH.
@@ -70,6 +70,17 @@ if [ "$part" = ahead_rows ]; then  # one more alternation, one against a share o
     --repeats 3 --json
   run ahead_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --tokens 256 \
     --repeats 3 --json
+fi
+if [ "$part" = eager ]; then  # the eager decode steps' attention at the graphs' width: its CUDA
+  # test and the compile test, then two processes of 24 runs (their seventeenth run holds the
+  # telemetry's phase-timed step: compiled 0), alternating the copies ahead at 0.75 and 1.0
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run eager_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/kernels/test_compile_variants.py tests/engine/test_graphs.py -k "eager or cuda or compiles"
+  for i in 1 2; do
+    run eager_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 128 \
+      --repeats 24 --moe-copy-ahead 0.75 --alternate-copy-ahead 1.0 --json
+  done
 fi
 if [ "$part" = redo_busy ]; then  # the same alternation with another program busy on CPU 3 (a
   # worker's core under --moe-cpu-pin cores), as on a desktop running something else
