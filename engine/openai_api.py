@@ -51,6 +51,11 @@ class ParsedRequest:
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
     stop: tuple[str, ...]
     seed: int | None
     stream: bool
@@ -64,6 +69,11 @@ class ParsedRequest:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias=self.logit_bias,
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
@@ -85,10 +95,55 @@ def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False):
     return int(value) if integer else float(value)
 
 
+# Fields that would change what a request returns and that this server does not do: refused
+# rather than ignored, each with what it asked for (`_refuse_unsupported`)
+MAX_LOGIT_BIAS = 300
+
+
+def _refuse_unsupported(body: dict) -> None:
+    logprobs = body.get("logprobs")  # completions' 0 still asks for the chosen tokens' own
+    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs"):
+        raise bad("logprobs", "log probabilities are not supported")
+    if body.get("echo"):
+        raise bad("echo", "echoing the prompt is not supported")
+    if body.get("suffix"):
+        raise bad("suffix", "a suffix (insertion) is not supported")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise bad("best_of", "only best_of=1 is supported")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind != "text":
+            raise bad("response_format", "only the text format is supported (no JSON mode)")
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object of token ids (as strings) to biases in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise bad("logit_bias", "must be an object of token ids to biases")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens")
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad("logit_bias", f"{key!r} is not a token id") from None
+        if token < 0:
+            raise bad("logit_bias", f"{key!r} is not a token id")
+        out.append((token, _number({"logit_bias": value}, "logit_bias", 0.0, lo=-100, hi=100)))
+    return tuple(out)
+
+
 def parse_common(body: dict) -> dict:
     """Fields shared by /v1/completions and /v1/chat/completions."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _refuse_unsupported(body)
     n = _number(body, "n", 1, lo=1, integer=True)
     if n != 1:
         raise bad("n", "only n=1 is supported")
@@ -127,6 +182,11 @@ def parse_common(body: dict) -> dict:
         temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=_number(body, "top_p", 1.0, lo=1e-9, hi=1.0),
         top_k=max(0, _number(body, "top_k", 0, lo=-1, integer=True)),
+        min_p=_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        logit_bias=_logit_bias(body),
         stop=stops,
         seed=seed,
         stream=stream,

@@ -1,24 +1,42 @@
-"""Next-token sampling: greedy, temperature, top-k and top-p, seeded per request."""
+"""Next-token sampling: greedy, temperature, top-k, top-p and min-p, seeded per request; the
+logits first adjusted by the request's logit bias and its repetition, frequency and presence
+penalties."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How one request picks its tokens and when it stops."""
+    """How one request picks its tokens and when it stops.
+
+    The adjustments of the logits, applied in this order before the temperature:
+    - logit_bias: (token, bias) pairs added to those tokens' logits;
+    - repetition_penalty (1: off): each token in the prompt or the output so far has its logit
+      divided by it where positive and multiplied by it where not (as Hugging Face's and vLLM's);
+    - frequency_penalty and presence_penalty (0: off): subtracted from each token's logit, the
+      first times the times it appears in the output so far, the second once if it appears there
+      (OpenAI's).
+    min_p (0: off) keeps the tokens at least that share of the likeliest one's probability."""
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -29,10 +47,39 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be 0 (off) or more")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not self.repetition_penalty > 0:
+            raise ValueError("repetition_penalty must be above 0 (1: off)")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before the choice (a bias or a penalty)."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+        )
+
+    @property
+    def picks_the_top(self) -> bool:
+        """Whether the token is the likeliest one after the adjustments (no draw)."""
+        return self.temperature == 0 or self.top_k == 1
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Whether the token is the model's own top logit: the device may take it itself."""
+        return self.picks_the_top and not self.adjusts_logits
+
+
+class Sampled(Protocol):
+    """What the sampler reads of a sequence (scheduler.Sequence)."""
+
+    id: int
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -41,22 +88,22 @@ class Sampler:
 
     generators: dict[int, torch.Generator] = field(default_factory=dict)
 
-    def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]
-    ) -> list[int]:
-        """One token per row of `logits` [N, V] (fp32)."""
-        if all(p.greedy for p in params):
+    def sample(self, logits: torch.Tensor, seqs: Sequence[Sampled]) -> list[int]:
+        """One token per row of `logits` [N, V] (fp32), row i for seqs[i]."""
+        if all(s.params.greedy for s in seqs):
             return logits.argmax(dim=-1).tolist()
         out = []
-        for row, p, seq_id in zip(logits, params, seq_ids, strict=True):
+        for row, seq in zip(logits, seqs, strict=True):
+            p = seq.params
             if p.greedy:
                 out.append(int(row.argmax()))
                 continue
             # on the logits' device: a vocabulary-sized sort and softmax there, one small sync
-            out.append(self._sample_row(row.float(), p, seq_id))
+            row = adjust_logits(row.float(), seq) if p.adjusts_logits else row.float()
+            out.append(int(row.argmax()) if p.picks_the_top else self._draw(row, p, seq.id))
         return out
 
-    def _sample_row(self, row: torch.Tensor, p: SamplingParams, seq_id: int) -> int:
+    def _draw(self, row: torch.Tensor, p: SamplingParams, seq_id: int) -> int:
         gen = self.generators.get(seq_id)
         if gen is None:
             gen = torch.Generator(device=row.device)
@@ -76,7 +123,33 @@ class Sampler:
             drop = cumulative - sorted_probs > p.top_p
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs, 1, generator=gen))
 
     def forget(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
+
+
+def adjust_logits(row: torch.Tensor, seq: Sampled) -> torch.Tensor:
+    """One sequence's logits [V] after its logit bias and penalties (SamplingParams), a new
+    tensor on row's device."""
+    p = seq.params
+    row = row.clone()
+    dev, vocab = row.device, row.numel()
+    if p.logit_bias:
+        tokens, biases = zip(*p.logit_bias, strict=True)
+        index = torch.tensor(tokens, dtype=torch.long, device=dev)
+        row.index_add_(0, index, torch.tensor(biases, dtype=row.dtype, device=dev))
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(seq.prompt_ids + seq.output_ids, dtype=torch.long, device=dev)
+        seen = seen.unique()
+        values = row[seen]
+        row[seen] = torch.where(
+            values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+        )
+    if (p.frequency_penalty or p.presence_penalty) and seq.output_ids:
+        out = torch.tensor(seq.output_ids, dtype=torch.long, device=dev)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return row

@@ -219,6 +219,8 @@ class Server:
             ids = await asyncio.to_thread(tok.encode, parsed.prompt_text)
         if not ids:
             raise api.bad("prompt", "is empty")
+        if outside := [t for t, _ in parsed.logit_bias if t >= engine.spec.vocab_size]:
+            raise api.bad("logit_bias", f"token ids {outside[:5]} are outside the vocabulary")
         context = engine.max_context
         room = context - len(ids)
         max_tokens = parsed.max_tokens or min(api.DEFAULT_MAX_TOKENS, max(room, 1))

@@ -180,7 +180,7 @@ class Stepping:
         for c in chunks:
             c.seq.computed = c.start + c.count
         seqs = [c.seq for c in sampled_chunks]
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.id for s in seqs])
+        tokens = self.sampler.sample(logits, seqs)
         if decode:
             self.moe.after_decode_step(routing)
         now = time.perf_counter()

@@ -173,6 +173,22 @@ def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     return out, margins
 
 
+@torch.no_grad()
+def hf_greedy_processed(model, ids: list[int], n: int, processors) -> tuple[list[int], list[float]]:
+    """hf_greedy with Hugging Face logits processors applied to each step's logits (the
+    prompt and the tokens so far as their input ids); the margins are the processed ones'."""
+    ids = list(ids)
+    out, margins = [], []
+    for _ in range(n):
+        logits = processors(torch.tensor([ids]), hf_logits(model, ids)[-1:].clone())[0]
+        top2 = torch.topk(logits, 2).values
+        margins.append(float(top2[0] - top2[1]))
+        token = int(logits.argmax())
+        out.append(token)
+        ids.append(token)
+    return out, margins
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest difference over the largest reference value (the engine's on the test device,
     transformers' on the CPU)."""

@@ -15,6 +15,7 @@ from .reference import (
     assert_same_greedy,
     build_reference,
     hf_greedy,
+    hf_greedy_processed,
     hf_logits,
     make_engine,
     relative_error,
@@ -103,6 +104,30 @@ def test_greedy_continuation_matches_and_is_varied(reference):
     num_experts = engine.spec.num_experts
     for layer, experts in picked.items():
         assert len(experts) >= num_experts // 2, f"{arch} layer {layer} routed to {experts}"
+
+
+def test_penalized_greedy_continuation_matches_transformers_processors(reference):
+    """A logit bias and a repetition penalty at temperature 0: the engine's host sampler against
+    Hugging Face's SequenceBias and RepetitionPenalty processors, in the same order."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    _arch, model, engine, _ = reference
+    ids = prompt(3, 11)
+    params = SamplingParams(
+        max_tokens=24, ignore_eos=True, repetition_penalty=1.8, logit_bias=((7, 1.5),)
+    )
+    [ours] = engine.generate([ids], params)
+    processors = LogitsProcessorList(
+        [SequenceBiasLogitsProcessor({(7,): 1.5}), RepetitionPenaltyLogitsProcessor(1.8)]
+    )
+    ref, margins = hf_greedy_processed(model, ids, 24, processors)
+    assert_same_greedy(ours, ref, margins)
+    plain, _ = hf_greedy(model, ids, 24)
+    assert ref != plain  # the adjustments changed the continuation
 
 
 def test_batch_of_different_lengths_matches_alone(reference):

@@ -199,6 +199,58 @@ def test_errors_are_openai_json_and_name_the_field(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
+def test_logit_bias_penalties_and_min_p_reach_the_sampler(server, client, model):
+    tok = Tokenizer(model)
+    token = tok.encode(" river")[0]
+    forced = client.completions.create(model="tiny-moe", prompt="The harbour", max_tokens=4,
+                                       temperature=0, logit_bias={str(token): 100})  # fmt: skip
+    assert forced.choices[0].text == tok.decode([token] * 4)
+    banned = client.completions.create(model="tiny-moe", prompt="The harbour", max_tokens=8,
+                                       temperature=0, logit_bias={str(token): -100})  # fmt: skip
+    assert token not in tok.encode(banned.choices[0].text)
+
+    def penalized() -> str:
+        return (
+            client.chat.completions.create(
+                model="tiny-moe", messages=[{"role": "user", "content": "Tell a story"}],
+                max_tokens=12, temperature=0.8, seed=5, frequency_penalty=1.0,
+                presence_penalty=0.5, extra_body={"repetition_penalty": 1.2, "min_p": 0.05},
+            )  # fmt: skip
+            .choices[0]
+            .message.content
+        )
+
+    assert penalized() == penalized()  # seeded, and every adjustment accepted
+
+
+def test_fields_that_would_change_the_answer_are_refused_not_ignored(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, extra, param in (
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"logprobs": 0}, "logprobs"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"5": 150}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": [5]}, "logit_bias"),
+        ("/v1/completions", {"frequency_penalty": 3}, "frequency_penalty"),
+        ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"min_p": 2}, "min_p"),
+    ):
+        body = {**(chat if "chat" in path else {"prompt": "x", "max_tokens": 2}), **extra}
+        r = _post(server, path, body)
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.text)
+    # their "off" values are fine
+    off = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1,
+           "response_format": {"type": "text"}, "logit_bias": {}}  # fmt: skip
+    assert _post(server, "/v1/chat/completions", {**chat, **off}).status_code == 200
+
+
 def test_context_length_exceeded_gives_both_numbers(server):
     context = httpx.get(server.base_url + "/health").json()["max_model_len"]
     r = _post(server, "/v1/completions", {"prompt": list(range(1, 101)), "max_tokens": context})
