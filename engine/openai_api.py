@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Protocol
 
-from .sampling import SamplingParams
+from .sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
 DEFAULT_MAX_TOKENS = 1024
 MAX_STOPS = 16
@@ -56,6 +57,7 @@ class ParsedRequest:
     frequency_penalty: float
     presence_penalty: float
     logit_bias: tuple[tuple[int, float], ...]
+    logprobs: int | None
     stop: tuple[str, ...]
     seed: int | None
     stream: bool
@@ -74,6 +76,7 @@ class ParsedRequest:
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             logit_bias=self.logit_bias,
+            logprobs=self.logprobs,
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
@@ -101,9 +104,6 @@ MAX_LOGIT_BIAS = 300
 
 
 def _refuse_unsupported(body: dict) -> None:
-    logprobs = body.get("logprobs")  # completions' 0 still asks for the chosen tokens' own
-    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs"):
-        raise bad("logprobs", "log probabilities are not supported")
     if body.get("echo"):
         raise bad("echo", "echoing the prompt is not supported")
     if body.get("suffix"):
@@ -139,8 +139,23 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def parse_common(body: dict) -> dict:
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many of the likeliest tokens' log probabilities each output token comes with (0:
+    only its own), or None: chat's `logprobs` (true or false) and `top_logprobs`, completions'
+    `logprobs` (a count)."""
+    if not chat:
+        return _number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise bad("logprobs", "must be true or false")
+    top = _number(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and top > 0 and not wanted:
+        raise bad("top_logprobs", "needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def parse_common(body: dict, chat: bool = False) -> dict:
+    """Fields shared by /v1/completions and /v1/chat/completions (chat: the latter's forms)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _refuse_unsupported(body)
@@ -187,6 +202,7 @@ def parse_common(body: dict) -> dict:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         logit_bias=_logit_bias(body),
+        logprobs=_logprobs(body, chat),
         stop=stops,
         seed=seed,
         stream=stream,
@@ -248,7 +264,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, u: dict) -> dict:
+def chat_response(rid: str, model: str, text: str, finish: str, u: dict,
+                  logprobs: dict | None = None) -> dict:  # fmt: skip
     return {
         "id": rid,
         "object": "chat.completion",
@@ -258,7 +275,7 @@ def chat_response(rid: str, model: str, text: str, finish: str, u: dict) -> dict
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         ],
@@ -267,14 +284,19 @@ def chat_response(rid: str, model: str, text: str, finish: str, u: dict) -> dict
 
 
 def chat_chunk(
-    rid: str, model: str, delta: dict, finish: str | None, u: dict | None = None
+    rid: str,
+    model: str,
+    delta: dict,
+    finish: str | None,
+    u: dict | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     chunk = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
     }
     if u is not None:
         chunk["choices"] = []
@@ -282,25 +304,26 @@ def chat_chunk(
     return chunk
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, u: dict) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str, u: dict,
+                        logprobs: dict | None = None) -> dict:  # fmt: skip
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         "usage": u,
     }
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None,
-                     u: dict | None = None) -> dict:  # fmt: skip
+                     u: dict | None = None, logprobs: dict | None = None) -> dict:  # fmt: skip
     chunk = {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
     }
     if u is not None:
         chunk["choices"] = []
@@ -334,3 +357,55 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+class TokenNames(Protocol):
+    """What the logprobs shapes read of a tokenizer (tokenizer.Tokenizer)."""
+
+    def token_text(self, token_id: int) -> str: ...
+    def token_bytes(self, token_id: int) -> list[int]: ...
+
+
+class TokenIds:
+    """Names for a model without a tokenizer: each token as its id."""
+
+    @staticmethod
+    def token_text(token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    @staticmethod
+    def token_bytes(token_id: int) -> list[int]:
+        return []
+
+
+def chat_logprobs(entries: list[TokenLogprobs], names: TokenNames) -> dict:
+    """Chat's logprobs object: each output token's text, log probability and bytes, with the
+    likeliest tokens'."""
+
+    def one(token: int, logprob: float) -> dict:
+        return {"token": names.token_text(token), "logprob": logprob,
+                "bytes": names.token_bytes(token)}  # fmt: skip
+
+    return {
+        "content": [
+            {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprobs], names: TokenNames, offset: int) -> dict:
+    """The legacy completions' logprobs object; `offset`: the text's length before these
+    tokens (text_offset counts from the completion's start)."""
+    tokens, offsets = [], []
+    for e in entries:
+        text = names.token_text(e.token)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{names.token_text(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }

@@ -1,6 +1,6 @@
 """Next-token sampling: greedy, temperature, top-k, top-p and min-p, seeded per request; the
 logits first adjusted by the request's logit bias and its repetition, frequency and presence
-penalties."""
+penalties; each chosen token's log probability and the likeliest alternatives where asked."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +24,10 @@ class SamplingParams:
     - frequency_penalty and presence_penalty (0: off): subtracted from each token's logit, the
       first times the times it appears in the output so far, the second once if it appears there
       (OpenAI's).
-    min_p (0: off) keeps the tokens at least that share of the likeliest one's probability."""
+    min_p (0: off) keeps the tokens at least that share of the likeliest one's probability.
+    logprobs (None: off): each chosen token's log probability and that many of the likeliest
+    tokens' (up to MAX_TOP_LOGPROBS), under the model's own distribution: the softmax of its
+    logits before any adjustment or temperature (`TokenLogprobs`)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -37,6 +42,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -51,6 +57,8 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if not self.repetition_penalty > 0:
             raise ValueError("repetition_penalty must be above 0 (1: off)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be None (off) or 0 to {MAX_TOP_LOGPROBS}")
 
     @property
     def adjusts_logits(self) -> bool:
@@ -69,8 +77,18 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether the token is the model's own top logit: the device may take it itself."""
-        return self.picks_the_top and not self.adjusts_logits
+        """Whether the token is the model's own top logit and nothing else is read of the
+        logits: the device may take it itself."""
+        return self.picks_the_top and not self.adjusts_logits and self.logprobs is None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A chosen token's log probability and the likeliest tokens' (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Sampled(Protocol):
@@ -88,20 +106,23 @@ class Sampler:
 
     generators: dict[int, torch.Generator] = field(default_factory=dict)
 
-    def sample(self, logits: torch.Tensor, seqs: Sequence[Sampled]) -> list[int]:
-        """One token per row of `logits` [N, V] (fp32), row i for seqs[i]."""
+    def sample(
+        self, logits: torch.Tensor, seqs: Sequence[Sampled]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per row of `logits` [N, V] (fp32), row i for seqs[i], and its log
+        probabilities where seqs[i] asks for them."""
         if all(s.params.greedy for s in seqs):
-            return logits.argmax(dim=-1).tolist()
-        out = []
-        for row, seq in zip(logits, seqs, strict=True):
+            return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for raw, seq in zip(logits, seqs, strict=True):
             p = seq.params
-            if p.greedy:
-                out.append(int(row.argmax()))
-                continue
             # on the logits' device: a vocabulary-sized sort and softmax there, one small sync
-            row = adjust_logits(row.float(), seq) if p.adjusts_logits else row.float()
-            out.append(int(row.argmax()) if p.picks_the_top else self._draw(row, p, seq.id))
-        return out
+            row = adjust_logits(raw.float(), seq) if p.adjusts_logits else raw.float()
+            token = int(row.argmax()) if p.picks_the_top else self._draw(row, p, seq.id)
+            tokens.append(token)
+            logprobs.append(None if p.logprobs is None else token_logprobs(raw, token, p.logprobs))
+        return tokens, logprobs
 
     def _draw(self, row: torch.Tensor, p: SamplingParams, seq_id: int) -> int:
         gen = self.generators.get(seq_id)
@@ -153,3 +174,14 @@ def adjust_logits(row: torch.Tensor, seq: Sampled) -> torch.Tensor:
         counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return row
+
+
+def token_logprobs(raw: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """`token`'s log probability under the softmax of the model's logits `raw` [V], with the
+    `top` likeliest tokens'."""
+    logp = torch.log_softmax(raw.float(), dim=-1)
+    best = ()
+    if top:
+        values, ids = logp.topk(min(top, logp.numel()))
+        best = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(token, float(logp[token]), best)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv import KVCache
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
 
@@ -27,6 +27,8 @@ class Sequence:
     on_token: Callable[[Sequence, int], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
+    # each output token's log probabilities, where params.logprobs asks for them
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the cache (or being written by a step in flight)
     pending: int = 0  # tokens sampled on the device by a step in flight, not yet in output_ids

@@ -159,7 +159,7 @@ class Server:
             self._check_key(request)
             engine = self._ready()
             body = await read_json(request)
-            common = api.parse_common(body)
+            common = api.parse_common(body, chat=True)
             self._check_model(common["model"])
             messages = api.parse_messages(body)
             kwargs = body.get("chat_template_kwargs") or {}
@@ -258,11 +258,12 @@ class Server:
         return await self._collect(request, req, engine, parsed, rid, chat, len(ids))
 
     async def _tokens(self, req: EngineRequest, engine, parsed: api.ParsedRequest):
-        """(text piece, finish reason) as tokens arrive; stop strings applied."""
+        """(text piece, finish reason, the token's log probabilities or None) as tokens arrive;
+        stop strings applied."""
         decoder = IncrementalDecoder(engine.tokenizer) if engine.tokenizer else None
         stops = api.StopMatcher(parsed.stop)
         while True:
-            token, finish = await req.events.get()
+            token, finish, logprobs = await req.events.get()
             if token < 0:
                 raise ApiError(
                     500,
@@ -276,19 +277,31 @@ class Server:
             text, stopped = stops.feed(piece)
             if stopped:
                 self.worker.cancel(req)
-                yield text, "stop"
+                yield text, "stop", logprobs
                 return
             if finish is not None:
-                yield text + stops.flush(), finish
+                yield text + stops.flush(), finish, logprobs
                 return
-            yield text, None
+            yield text, None, logprobs
+
+    def _logprobs(self, engine, entries: list, chat: bool, offset: int) -> dict | None:
+        """The logprobs object of `entries` (tokens whose text begins `offset` characters into
+        the completion), or None where the request asked for none."""
+        if not entries:
+            return None
+        names = engine.tokenizer or api.TokenIds()
+        if chat:
+            return api.chat_logprobs(entries, names)
+        return api.completion_logprobs(entries, names, offset)
 
     async def _collect(self, request, req, engine, parsed, rid, chat, prompt_tokens) -> Response:
-        pieces, finish, completion = [], "stop", 0
+        pieces, finish, completion, entries = [], "stop", 0, []
         try:
-            async for text, reason in self._tokens(req, engine, parsed):
+            async for text, reason, logprobs in self._tokens(req, engine, parsed):
                 completion += 1
                 pieces.append(text)
+                if logprobs is not None:
+                    entries.append(logprobs)
                 if reason is not None:
                     finish = reason
         except asyncio.CancelledError:
@@ -297,7 +310,7 @@ class Server:
         u = api.usage(prompt_tokens, self._completion_tokens(req, completion))
         text = "".join(pieces)
         body = (api.chat_response if chat else api.completion_response)(
-            rid, self.model_name, text, finish, u
+            rid, self.model_name, text, finish, u, self._logprobs(engine, entries, chat, 0)
         )
         return JSONResponse(body)
 
@@ -311,13 +324,22 @@ class Server:
         try:
             if chat:
                 yield _sse(api.chat_chunk(rid, name, {"role": "assistant", "content": ""}, None))
-            async for text, reason in self._tokens(req, engine, parsed):
+            # the tokens' log probabilities go with the chunk that carries their text (text held
+            # back, a character's first bytes or a possible stop string, keeps them waiting)
+            entries: list = []
+            offset = 0
+            async for text, reason, logprobs in self._tokens(req, engine, parsed):
+                if logprobs is not None:
+                    entries.append(logprobs)
                 if text or reason is not None:
+                    lp = self._logprobs(engine, entries, chat, offset)
+                    offset += sum(len(t) for t in lp["tokens"]) if lp and not chat else 0
+                    entries = []
                     if chat:
                         delta = {"content": text} if text else {}
-                        yield _sse(api.chat_chunk(rid, name, delta, reason))
+                        yield _sse(api.chat_chunk(rid, name, delta, reason, logprobs=lp))
                     else:
-                        yield _sse(api.completion_chunk(rid, name, text, reason))
+                        yield _sse(api.completion_chunk(rid, name, text, reason, logprobs=lp))
             done = True
             if parsed.include_usage:
                 u = api.usage(prompt_tokens, self._completion_tokens(req, 0))

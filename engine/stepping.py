@@ -16,6 +16,7 @@ import torch
 
 from .graphs import DecodeRow
 from .model import SeqSlice, StepBatch
+from .sampling import TokenLogprobs
 from .scheduler import Chunk, Sequence
 from .telemetry import StepTimer
 
@@ -180,7 +181,7 @@ class Stepping:
         for c in chunks:
             c.seq.computed = c.start + c.count
         seqs = [c.seq for c in sampled_chunks]
-        tokens = self.sampler.sample(logits, seqs)
+        tokens, logprobs = self.sampler.sample(logits, seqs)
         if decode:
             self.moe.after_decode_step(routing)
         now = time.perf_counter()
@@ -191,16 +192,24 @@ class Stepping:
             timer=timer,
         )
         self._last_landed = now
-        self._deliver(seqs, tokens)
+        self._deliver(seqs, tokens, logprobs)
         return seqs
 
-    def _deliver(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        """Append each sequence's new token, check its stop conditions and stream it."""
+    def _deliver(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> None:
+        """Append each sequence's new token (and its log probabilities, where the sampler took
+        them), check its stop conditions and stream it."""
         now = time.monotonic()
-        for seq, token in zip(seqs, tokens, strict=True):
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.output_ids.append(token)
+            if logprobs is not None and logprobs[i] is not None:
+                seq.output_logprobs.append(logprobs[i])
             self._check_stop(seq, token)
             if seq.on_token is not None:
                 seq.on_token(seq, token)

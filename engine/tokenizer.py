@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -111,6 +113,38 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it decodes alone (a special token's own text too); a piece of a
+        multi-byte character decodes to U+FFFD: `token_bytes` has its bytes."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """One token's bytes (OpenAI's logprobs `bytes`): a byte-level vocabulary's pieces
+        mapped back to their bytes, a byte-fallback piece (<0xAB>) as its byte, else the UTF-8
+        of the token's text."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None or token_id in self._added_ids:
+            return list(self.token_text(token_id).encode())
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return [_BYTE_OF_CHAR[c] for c in piece]
+        if match := _BYTE_PIECE.fullmatch(piece):
+            return [int(match.group(1), 16)]
+        return list(self.token_text(token_id).encode())
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the decoder maps bytes to characters as GPT-2 did (ByteLevel, alone or in a
+        sequence of decoders)."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        parts = [decoder]
+        if decoder.get("type") == "Sequence":
+            parts = decoder.get("decoders") or []
+        return any(part.get("type") == "ByteLevel" for part in parts)
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -168,6 +202,24 @@ class IncrementalDecoder:
         full_text = self.tokenizer.decode(self.ids[self._prefix :], self.skip)
         self._prefix = self._read = len(self.ids)
         return full_text[len(prefix_text) :]
+
+
+def _bytes_to_chars() -> dict[int, str]:
+    """GPT-2's byte-level map: each byte a printable character (tokenizers' ByteLevel)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_chars().items()}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _read_json(path: Path) -> dict:

@@ -155,7 +155,9 @@ class EngineWorker(threading.Thread):
             self._in_flight += 1
 
         def on_token(seq: Sequence, token: int) -> None:
-            request.deliver((token, seq.finish_reason))
+            # the token's log probabilities, where the request asked for them
+            logprobs = seq.output_logprobs[-1] if token >= 0 and seq.output_logprobs else None
+            request.deliver((token, seq.finish_reason, logprobs))
             if seq.finish_reason is not None:
                 self._done()
 
@@ -165,7 +167,7 @@ class EngineWorker(threading.Thread):
                 request.seq.arrival_time = request.arrival
             except ValueError as err:
                 self._done()
-                request.deliver((-1, f"error: {err}"))
+                request.deliver((-1, f"error: {err}", None))
 
         self._commands.put((add, None))
 

@@ -29,12 +29,15 @@ class Seq:
 
 def _draws(params: SamplingParams, logits: torch.Tensor, n: int = 300) -> set[int]:
     sampler = Sampler()
-    return {sampler.sample(logits[None], [Seq(params, i)])[0] for i in range(n)}
+    return {sampler.sample(logits[None], [Seq(params, i)])[0][0] for i in range(n)}
 
 
 def test_greedy_takes_the_largest_logit():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
-    assert Sampler().sample(logits, [Seq(SamplingParams(), 1), Seq(SamplingParams(), 2)]) == [1, 0]
+    tokens, logprobs = Sampler().sample(
+        logits, [Seq(SamplingParams(), 1), Seq(SamplingParams(), 2)]
+    )
+    assert tokens == [1, 0] and logprobs == [None, None]
 
 
 def test_top_k_top_p_and_min_p_limit_the_choices():
@@ -58,7 +61,7 @@ def test_a_seed_repeats_its_tokens_and_others_differ():
     def run(seed: int) -> list[int]:
         sampler = Sampler()
         seq = Seq(SamplingParams(temperature=1.0, seed=seed), 7)
-        return [sampler.sample(row[None], [seq])[0] for row in logits]
+        return [sampler.sample(row[None], [seq])[0][0] for row in logits]
 
     assert run(11) == run(11)
     assert run(11) != run(12)
@@ -94,18 +97,42 @@ def test_the_logit_bias_and_penalties_steer_even_a_greedy_pick():
     logits = torch.tensor([[4.0, 3.0, 1.0, 0.0]])
     bias = SamplingParams(logit_bias=((3, 100.0), (0, -100.0)))
     assert bias.adjusts_logits and not bias.greedy and bias.picks_the_top
-    assert Sampler().sample(logits, [Seq(bias)]) == [3]
+    assert Sampler().sample(logits, [Seq(bias)])[0] == [3]
     # token 0, in the prompt, divided by 2: token 1 is the top one now
     repeat = SamplingParams(repetition_penalty=2.0)
-    assert Sampler().sample(logits, [Seq(repeat, 0, [0], [])]) == [1]
+    assert Sampler().sample(logits, [Seq(repeat, 0, [0], [])])[0] == [1]
     # a batch mixing plain greedy rows and adjusted ones
     both = torch.cat([logits, logits])
-    assert Sampler().sample(both, [Seq(SamplingParams()), Seq(bias)]) == [0, 3]
+    assert Sampler().sample(both, [Seq(SamplingParams()), Seq(bias)])[0] == [0, 3]
     # the adjustments leave the caller's logits as they were
     assert logits.tolist() == [[4.0, 3.0, 1.0, 0.0]]
 
 
+def test_logprobs_are_the_models_own_before_any_adjustment():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 50, generator=gen) * 2
+    expected = torch.log_softmax(logits, dim=-1)
+    seqs = [
+        Seq(SamplingParams(logprobs=3), 1),  # greedy, with the top three
+        Seq(SamplingParams(temperature=0.7, seed=1, logprobs=0), 2),  # a draw, its own only
+        Seq(SamplingParams(logprobs=2, logit_bias=((7, 50.0),)), 3),  # the bias picks 7
+    ]
+    tokens, logprobs = Sampler().sample(logits, seqs)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == 7
+    for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        assert lp.token == token
+        assert lp.logprob == pytest.approx(expected[i, token].item(), abs=1e-6)
+    top_values, top_ids = expected[0].topk(3)
+    assert [t for t, _ in logprobs[0].top] == top_ids.tolist()
+    assert [v for _, v in logprobs[0].top] == pytest.approx(top_values.tolist(), abs=1e-6)
+    assert logprobs[1].top == () and len(logprobs[2].top) == 2
+    assert 7 not in [t for t, _ in logprobs[2].top]  # the model's likeliest, not the biased
+    # asking for them keeps a request off the device's own argmax
+    assert not SamplingParams(logprobs=0).greedy and SamplingParams().greedy
+
+
 def test_bad_params_are_refused():
-    for bad in (dict(min_p=1.5), dict(min_p=-0.1), dict(repetition_penalty=0.0)):
+    for bad in (dict(min_p=1.5), dict(min_p=-0.1), dict(repetition_penalty=0.0),
+                dict(logprobs=21), dict(logprobs=-1)):  # fmt: skip
         with pytest.raises(ValueError):
             SamplingParams(**bad)

@@ -212,10 +212,15 @@ def test_logit_bias_penalties_and_min_p_reach_the_sampler(server, client, model)
     def penalized() -> str:
         return (
             client.chat.completions.create(
-                model="tiny-moe", messages=[{"role": "user", "content": "Tell a story"}],
-                max_tokens=12, temperature=0.8, seed=5, frequency_penalty=1.0,
-                presence_penalty=0.5, extra_body={"repetition_penalty": 1.2, "min_p": 0.05},
-            )  # fmt: skip
+                model="tiny-moe",
+                messages=[{"role": "user", "content": "Tell a story"}],
+                max_tokens=12,
+                temperature=0.8,
+                seed=5,
+                frequency_penalty=1.0,
+                presence_penalty=0.5,
+                extra_body={"repetition_penalty": 1.2, "min_p": 0.05},
+            )
             .choices[0]
             .message.content
         )
@@ -226,9 +231,11 @@ def test_logit_bias_penalties_and_min_p_reach_the_sampler(server, client, model)
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(server):
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for path, extra, param in (
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-        ("/v1/chat/completions", {"top_logprobs": 2}, "logprobs"),
-        ("/v1/completions", {"logprobs": 0}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": "yes"}, "logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"logprobs": True}, "logprobs"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
@@ -249,6 +256,47 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(server):
     off = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1,
            "response_format": {"type": "text"}, "logit_bias": {}}  # fmt: skip
     assert _post(server, "/v1/chat/completions", {**chat, **off}).status_code == 200
+
+
+def test_logprobs_in_chat_and_completions_streamed_or_not(server, client, model):
+    tok = Tokenizer(model)
+    tok_texts = {tok.token_text(i) for i in range(tok.vocab_size)}
+    kwargs = dict(model="tiny-moe", messages=[{"role": "user", "content": "Tell a story"}],
+                  max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    reply = client.chat.completions.create(**kwargs)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 12
+    for entry in content:
+        # greedy: each token is the likeliest, its log probability the first of the three
+        assert len(entry.top_logprobs) == 3 and entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == entry.top_logprobs[0].logprob <= 0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token or "\ufffd" in entry.token
+    # the tokens' bytes make the reply's text (random weights also pick bytes that make no
+    # character: replaced, as the text has them)
+    text = b"".join(bytes(e.bytes) for e in content).decode(errors="replace")
+    assert text == reply.choices[0].message.content
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(**kwargs, stream=True)
+                if c.choices and c.choices[0].logprobs]  # fmt: skip
+    # the same tokens; their log probabilities to rounding (an expert run by the cache on one
+    # request may run on the CPU workers on the next)
+    again = [e for lp in streamed for e in lp.content]
+    assert [(e.token, e.bytes) for e in again] == [(e.token, e.bytes) for e in content]
+    assert [e.logprob for e in again] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    # the legacy shape: tokens, their log probabilities, the top ones and each token's offset
+    legacy = client.completions.create(model="tiny-moe", prompt="The harbour", max_tokens=8,
+                                       temperature=0, logprobs=2)  # fmt: skip
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    assert all(len(top) <= 2 and max(top.values()) == p
+               for top, p in zip(lp.top_logprobs, lp.token_logprobs, strict=True))  # fmt: skip
+    # each one a token's own text
+    assert all(t in tok_texts for t in lp.tokens)
+    # without the field, none
+    plain = client.completions.create(model="tiny-moe", prompt="The harbour", max_tokens=2)
+    assert plain.choices[0].logprobs is None
 
 
 def test_context_length_exceeded_gives_both_numbers(server):

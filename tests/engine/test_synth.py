@@ -98,6 +98,32 @@ def test_incremental_decoding_never_splits_a_character(tiny):
     assert len(ids) > len([p for p in pieces if p])  # some tokens were partial characters
 
 
+def test_each_tokens_bytes_make_the_text_and_byte_fallback_pieces_are_their_byte(tiny, tmp_path):
+    tok = Tokenizer(tiny)  # byte-level: pieces of a character map back to their bytes
+    text = "朝の港 🌦️ は暗く, harbour"
+    ids = tok.encode(text)
+    assert b"".join(bytes(tok.token_bytes(i)) for i in ids) == text.encode()
+    assert any("\ufffd" in tok.token_text(i) for i in ids)  # a piece alone is no character
+    im_end = tok.token_to_id("<|im_end|>")  # a special token: its own text
+    assert (
+        tok.token_text(im_end) == "<|im_end|>" and bytes(tok.token_bytes(im_end)) == b"<|im_end|>"
+    )
+    # a SentencePiece-style vocabulary whose bytes fall back to <0xAB> pieces
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "▁a": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    fallback = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    fallback.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    (tmp_path / "sp").mkdir()
+    fallback.save(str(tmp_path / "sp" / "tokenizer.json"))
+    sp = Tokenizer(tmp_path / "sp")
+    assert sp.token_bytes(2 + 0xE6) == [0xE6]
+    assert sp.token_bytes(1) == list(b" a")
+
+
 def test_a_second_start_maps_the_bank_the_first_one_wrote(tiny):
     # start-up times are scripts/startup_times.py's (docs/performance.md); what keeps the second
     # start short is that it writes nothing: the prepacked bank of the first is mapped as it is
