@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from .tool_calls import speaks_hermes
 
 DEFAULT_MAX_TOKENS = 1024
 MAX_STOPS = 16
@@ -64,6 +65,7 @@ class ParsedRequest:
     include_usage: bool
     ignore_eos: bool
     model: str | None
+    parse_tools: bool = False  # chat: tool calls taken out of the reply (tool_calls.py)
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -264,8 +266,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, u: dict,
-                  logprobs: dict | None = None) -> dict:  # fmt: skip
+def chat_response(
+    rid: str,
+    model: str,
+    text: str,
+    finish: str,
+    u: dict,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
+) -> dict:
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
     return {
         "id": rid,
         "object": "chat.completion",
@@ -274,7 +286,7 @@ def chat_response(rid: str, model: str, text: str, finish: str, u: dict,
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }
@@ -409,3 +421,14 @@ def completion_logprobs(entries: list[TokenLogprobs], names: TokenNames, offset:
         "top_logprobs": [{names.token_text(t): lp for t, lp in e.top} for e in entries],
         "text_offset": offsets,
     }
+
+
+def tool_parsing(body: dict, tools: list | None, template_source: str | None) -> bool:
+    """Whether a chat request's tool calls are taken out of its reply: it gives tools, its
+    `tool_choice` lets the model choose (absent or "auto"; "none": the reply stays text), and
+    the chat template writes calls in <tool_call> blocks. A choice the server cannot enforce
+    (required, or one named function) is refused: nothing constrains the reply."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise bad("tool_choice", 'only "auto" and "none" are supported (nothing forces a call)')
+    return bool(tools) and choice != "none" and speaks_hermes(template_source)

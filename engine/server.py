@@ -20,6 +20,7 @@ from starlette.routing import Route
 from . import openai_api as api
 from .openai_api import ApiError
 from .tokenizer import ChatTemplateError, IncrementalDecoder
+from .tool_calls import ToolCallStream, split_reply
 from .worker import EngineWorker, QueueFull
 from .worker import Request as EngineRequest
 
@@ -176,7 +177,10 @@ class Server:
                 )
             except ChatTemplateError as err:
                 raise api.bad("messages", str(err)) from None
-            parsed = api.ParsedRequest(prompt_text=text, prompt_ids=None, **common)
+            parse_tools = api.tool_parsing(body, tools, engine.tokenizer.chat_template_source)
+            parsed = api.ParsedRequest(
+                prompt_text=text, prompt_ids=None, **common, parse_tools=parse_tools
+            )
             return await self._run(request, engine, parsed, chat=True)
         except ClientDisconnect:
             return Response(status_code=499)
@@ -309,10 +313,18 @@ class Server:
             raise
         u = api.usage(prompt_tokens, self._completion_tokens(req, completion))
         text = "".join(pieces)
-        body = (api.chat_response if chat else api.completion_response)(
-            rid, self.model_name, text, finish, u, self._logprobs(engine, entries, chat, 0)
+        logprobs = self._logprobs(engine, entries, chat, 0)
+        if not chat:
+            return JSONResponse(
+                api.completion_response(rid, self.model_name, text, finish, u, logprobs)
+            )
+        calls = None
+        if parsed.parse_tools:
+            text, calls = split_reply(text)
+            finish = "tool_calls" if calls and finish == "stop" else finish
+        return JSONResponse(
+            api.chat_response(rid, self.model_name, text, finish, u, logprobs, calls)
         )
-        return JSONResponse(body)
 
     @staticmethod
     def _completion_tokens(req: EngineRequest, fallback: int) -> int:
@@ -328,18 +340,20 @@ class Server:
             # back, a character's first bytes or a possible stop string, keeps them waiting)
             entries: list = []
             offset = 0
+            tools = ToolCallStream() if parsed.parse_tools else None
             async for text, reason, logprobs in self._tokens(req, engine, parsed):
                 if logprobs is not None:
                     entries.append(logprobs)
-                if text or reason is not None:
+                if chat:
+                    for i, (delta, finish) in enumerate(_chat_deltas(tools, text, reason)):
+                        lp = self._logprobs(engine, entries, chat, 0) if i == 0 else None
+                        entries = [] if i == 0 else entries
+                        yield _sse(api.chat_chunk(rid, name, delta, finish, logprobs=lp))
+                elif text or reason is not None:
                     lp = self._logprobs(engine, entries, chat, offset)
-                    offset += sum(len(t) for t in lp["tokens"]) if lp and not chat else 0
+                    offset += sum(len(t) for t in lp["tokens"]) if lp else 0
                     entries = []
-                    if chat:
-                        delta = {"content": text} if text else {}
-                        yield _sse(api.chat_chunk(rid, name, delta, reason, logprobs=lp))
-                    else:
-                        yield _sse(api.completion_chunk(rid, name, text, reason, logprobs=lp))
+                    yield _sse(api.completion_chunk(rid, name, text, reason, logprobs=lp))
             done = True
             if parsed.include_usage:
                 u = api.usage(prompt_tokens, self._completion_tokens(req, 0))
@@ -445,6 +459,30 @@ class Server:
                 raise ApiError(409, str(err), type_="conflict", code="does_not_fit") from None
         finally:
             worker.engine.scheduler.paused = False
+
+
+def _chat_deltas(
+    tools: ToolCallStream | None, text: str, reason: str | None
+) -> list[tuple[dict, str | None]]:
+    """The chat chunks (delta, finish reason) one arrival of text makes: its content, then each
+    tool call that closed (`tools`: the request's calls taken out of the reply), the finish
+    reason on the last ("tool_calls" where the reply ended on its own after making calls);
+    none while everything is held back."""
+    calls: list[dict] = []
+    if tools is not None:
+        text, calls = tools.feed(text)
+        if reason is not None:
+            rest, more = tools.flush()
+            text, calls = text + rest, calls + more
+        if reason == "stop" and tools.calls_made:
+            reason = "tool_calls"
+    deltas: list[dict] = [{"content": text}] if text else []
+    first = tools.calls_made - len(calls) if tools is not None else 0
+    deltas += [{"tool_calls": [{"index": first + i, **c}]} for i, c in enumerate(calls)]
+    if reason is not None and not deltas:
+        deltas = [{}]
+    last = len(deltas) - 1
+    return [(delta, reason if i == last else None) for i, delta in enumerate(deltas)]
 
 
 def _sse(obj: dict) -> str:

@@ -56,6 +56,11 @@ def corpus_text() -> str:
     )
 
 
+# Added tokens that decoding keeps, as Qwen3's tokenizer marks them (not special): the reasoning
+# and tool-call tags a client reads in the text (the server parses the tool calls out of it)
+KEPT_IN_TEXT = {"<think>", "</think>", "<tool_call>", "</tool_call>"}
+
+
 def build_tokenizer(vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE of at most `vocab_size` tokens on the shipped corpus."""
     tok = Tokenizer(models.BPE())
@@ -68,7 +73,10 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(corpus_text().split("\n\n"), trainer=trainer)
-    return tok
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:
+        added["special"] = added["content"] not in KEPT_IN_TEXT
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def write_tokenizer_files(out: Path, vocab_size: int) -> Tokenizer:
@@ -80,7 +88,7 @@ def write_tokenizer_files(out: Path, vocab_size: int) -> Tokenizer:
     added = {
         str(tok.token_to_id(t)): {
             "content": t,
-            "special": True,
+            "special": t not in KEPT_IN_TEXT,
             "lstrip": False,
             "rstrip": False,
             "normalized": False,

@@ -62,6 +62,7 @@ class Tokenizer:
         if template is None and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         self._template = None
+        self.chat_template_source: str | None = template or None
         if template:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]

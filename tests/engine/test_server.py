@@ -247,6 +247,11 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(server):
         ("/v1/completions", {"frequency_penalty": 3}, "frequency_penalty"),
         ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
         ("/v1/completions", {"min_p": 2}, "min_p"),
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+            "tool_choice",
+        ),
     ):
         body = {**(chat if "chat" in path else {"prompt": "x", "max_tokens": 2}), **extra}
         r = _post(server, path, body)
