@@ -159,28 +159,16 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy continuation (full recompute each step) and the top-2 margin at each step."""
+def hf_greedy(model, ids: list[int], n: int, processors=None) -> tuple[list[int], list[float]]:
+    """Greedy continuation (full recompute each step) and the top-2 margin at each step; with
+    Hugging Face logits `processors` applied to each step's logits first (the prompt and the
+    tokens so far as their input ids), the margins then the processed ones'."""
     ids = list(ids)
     out, margins = [], []
     for _ in range(n):
         logits = hf_logits(model, ids)[-1]
-        top2 = torch.topk(logits, 2).values
-        margins.append(float(top2[0] - top2[1]))
-        token = int(logits.argmax())
-        out.append(token)
-        ids.append(token)
-    return out, margins
-
-
-@torch.no_grad()
-def hf_greedy_processed(model, ids: list[int], n: int, processors) -> tuple[list[int], list[float]]:
-    """hf_greedy with Hugging Face logits processors applied to each step's logits (the
-    prompt and the tokens so far as their input ids); the margins are the processed ones'."""
-    ids = list(ids)
-    out, margins = [], []
-    for _ in range(n):
-        logits = processors(torch.tensor([ids]), hf_logits(model, ids)[-1:].clone())[0]
+        if processors is not None:
+            logits = processors(torch.tensor([ids]), logits[None].clone())[0]
         top2 = torch.topk(logits, 2).values
         margins.append(float(top2[0] - top2[1]))
         token = int(logits.argmax())
