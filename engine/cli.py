@@ -66,6 +66,12 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument(
         "--json",
@@ -121,6 +127,18 @@ def _generate(args: argparse.Namespace) -> int:
     from .engine import Engine
     from .sampling import SamplingParams
 
+    # the sampling first: a wrong value is refused before the model loads
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        seed=args.seed,
+    )
     engine = Engine(args)
     try:
         if args.prompt_ids is not None:
@@ -141,9 +159,6 @@ def _generate(args: argparse.Namespace) -> int:
             if args.chat:
                 text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
             prompt_ids = engine.tokenizer.encode(text)
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-        )
         [output] = engine.generate([prompt_ids], params)
         text = engine.tokenizer.decode(output) if engine.tokenizer else ""
         if args.json:

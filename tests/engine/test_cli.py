@@ -66,6 +66,19 @@ def test_synth_then_generate_json(tmp_path):
     assert again == result  # greedy by default
     text = moelab("generate", *flags, "--prompt", "The harbour town", "--json").stdout
     assert len(json.loads(text)["prompt_ids"]) > 1
+    # the sampling flags reach the sampler: drawing at temperature 1 leaves the greedy
+    # continuation, top-k 1 brings it back; a wrong value is refused in one line
+    ids = ["--prompt-ids", "5,6,7", "--json"]
+
+    def run(*extra: str) -> list[int]:
+        return json.loads(moelab("generate", *flags[:-1], "16", *ids, *extra).stdout)["output_ids"]
+
+    greedy = run()
+    assert run("--temperature", "1", "--seed", "3") != greedy
+    assert run("--temperature", "1", "--seed", "3", "--top-k", "1") == greedy
+    refused = moelab("generate", *flags, *ids, "--min-p", "2", check=False)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == "moelab generate: min_p must be in [0, 1]"
 
 
 def test_errors_are_messages_not_tracebacks(tmp_path):
