@@ -196,7 +196,7 @@ class Engine(Stepping):
         self.kv = KVCache(spec, plan.kv_blocks, args.kv_block_size, device, dtype)
         self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1)
         self.scheduler = Scheduler(self.kv, args.max_running_requests, args.prefill_chunk_tokens)
-        self.sampler = Sampler()
+        self.sampler = Sampler(args.seed)
         self.eos_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else spec.eos_token_ids
         )

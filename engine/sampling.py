@@ -4,6 +4,7 @@ penalties; each chosen token's log probability and the likeliest alternatives wh
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -102,9 +103,17 @@ class Sampled(Protocol):
 
 @dataclass(slots=True)
 class Sampler:
-    """Samples for a batch of sequences, each with its own params and generator."""
+    """Samples for a batch of sequences, each with its own params and generator. A request
+    without a seed takes the next one of a stream seeded with `seed` (the engine's --seed): a
+    server's unseeded requests differ from each other, and the same requests in the same order
+    after a start with the same seed get the same tokens."""
 
+    seed: int = 0
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    _unseeded: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._unseeded = random.Random(self.seed)
 
     def sample(
         self, logits: torch.Tensor, seqs: Sequence[Sampled]
@@ -128,10 +137,7 @@ class Sampler:
         gen = self.generators.get(seq_id)
         if gen is None:
             gen = torch.Generator(device=row.device)
-            if p.seed is not None:
-                gen.manual_seed(p.seed)
-            else:
-                gen.seed()
+            gen.manual_seed(p.seed if p.seed is not None else self._unseeded.getrandbits(63))
             self.generators[seq_id] = gen
         row = row / p.temperature
         if p.top_k:

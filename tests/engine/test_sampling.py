@@ -67,6 +67,20 @@ def test_a_seed_repeats_its_tokens_and_others_differ():
     assert run(11) != run(12)
 
 
+def test_unseeded_requests_differ_and_repeat_from_the_engines_seed():
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0)
+
+    def requests(engine_seed: int) -> list[list[int]]:
+        sampler = Sampler(engine_seed)  # four requests, ids 0..3, eight tokens each
+        return [[sampler.sample(logits, [Seq(params, i)])[0][0] for _ in range(8)]
+                for i in range(4)]  # fmt: skip
+
+    first = requests(7)
+    assert len({tuple(r) for r in first}) == 4  # no two requests alike
+    assert requests(7) == first and requests(8) != first
+
+
 def test_the_repetition_penalty_is_hugging_faces_over_the_prompt_and_the_output():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(64, generator=gen) * 3  # positive and negative logits
