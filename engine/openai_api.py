@@ -100,12 +100,12 @@ def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False):
     return int(value) if integer else float(value)
 
 
-# Fields that would change what a request returns and that this server does not do: refused
-# rather than ignored, each with what it asked for (`_refuse_unsupported`)
-MAX_LOGIT_BIAS = 300
+MAX_LOGIT_BIAS = 300  # tokens a request may bias, as OpenAI's limit
 
 
 def _refuse_unsupported(body: dict) -> None:
+    """Fields that would change what a request returns and that this server does not do:
+    refused rather than ignored, each naming what was asked for."""
     if body.get("echo"):
         raise bad("echo", "echoing the prompt is not supported")
     if body.get("suffix"):
