@@ -909,6 +909,12 @@ def staged_lines(staged: dict) -> str:
             f"one, {staged['ahead_missed']} copied an expert the step did not miss; the guesses' "
             f"lead over the routing {staged.get('guess_lead_us', 0.0):.1f} µs"
         )
+    if staged.get("guess_plans"):
+        out += (
+            f"\nguesses planned in the wait: {staged['guess_plans']}, "
+            f"{staged['guess_plan_us']:.1f} µs each (their copies ahead queued too); the routing "
+            f"came during {staged['guess_late']} of them"
+        )
     if staged["boundary_us"] is not None:
         boundary = staged["boundary_us"]
         out += f"; between steps (the last layer's routing to the next step's first) {boundary:.0f}"

@@ -48,6 +48,10 @@ class Dispatch:
     # for an expert the step did not miss
     ahead_rows: int = 0
     ahead_missed: bool = False
+    # the wait's planning of this step's guess: its seconds (0: none), and whether the routing
+    # came during it
+    guess_s: float = 0.0
+    guess_late: bool = False
 
     @property
     def cpu_experts(self) -> float:

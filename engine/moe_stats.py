@@ -144,6 +144,11 @@ class StagedStepTimes:
     # device miss, `copy_ahead`), and copies ahead of an expert the step did not miss
     copied_ahead: int = 0
     ahead_missed: int = 0
+    # guesses the wait planned (with their copies ahead), the host's time on them, and how many
+    # times the routing came during that planning (its step then started late)
+    guess_plans: int = 0
+    guess_s: float = 0.0
+    guess_late: int = 0
     replay_s: float = 0.0
     sync_s: float = 0.0
     plan_s: float = 0.0
@@ -187,6 +192,8 @@ class StagedStepTimes:
             "layer_steps": n, "split_misses": self.split_misses, "cpu_jobs": self.cpu_jobs,
             "guesses": self.guesses, "prefetched_jobs": self.prefetched_jobs,
             "copied_ahead": self.copied_ahead, "ahead_missed": self.ahead_missed,
+            "guess_plans": self.guess_plans, "guess_late": self.guess_late,
+            "guess_plan_us": 1e6 * self.guess_s / self.guess_plans if self.guess_plans else None,
             **per_step, "total_us": total,
             "period_by_plan": periods, "boundary_us": boundary, "boundary_host_us": boundary_host,
         }  # fmt: skip

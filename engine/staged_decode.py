@@ -331,6 +331,9 @@ class StagedDecode:
         times.prefetched_jobs += d.owned_blocks > 0
         times.copied_ahead += d.ahead_rows > 0
         times.ahead_missed += d.ahead_missed
+        times.guess_plans += d.guess_s > 0
+        times.guess_s += d.guess_s
+        times.guess_late += d.guess_late
         times.sync_s += sync_s
         times.plan_s += plan_s
         times.fill_s += fill_s
@@ -497,7 +500,9 @@ class StagedDecode:
         missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
         d = Dispatch(experts, slots, missing, admitted, on_cpu, route_slots.numpy(), None)
         d.route_slots_host = route_slots
-        d.guessed, d.owned_blocks, d.ahead_rows, d.ahead_missed = guessed_step
+        d.guessed, d.owned_blocks, d.ahead_rows, d.ahead_missed, d.guess_s, d.guess_late = (
+            guessed_step
+        )
         if split is not None:
             d.split, d.split_share = split, split[2] / inter
             self.staged_times.split_misses += 1

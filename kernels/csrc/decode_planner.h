@@ -296,7 +296,9 @@ class DecodePlanner {
   // launching, and (whether a guess of CPU work came for this step, the gate/up blocks its job's
   // workers own: 0 where it did not match, the rows of the device's first miss (admitted or
   // split) copied ahead of the routing: 0 where none served the step, whether a copy ahead was
-  // made for an expert the step did not miss)).
+  // made for an expert the step did not miss, the seconds the wait spent planning the guess (its
+  // copy ahead queued too; 0: no guess came before the routing), whether the routing came
+  // during that planning)).
   py::tuple step(int64_t layer, uintptr_t ids_addr, uintptr_t weights_addr, uintptr_t x,
                  int64_t T, double fetch_fraction, uintptr_t route_slots_addr, uintptr_t out,
                  uintptr_t done_flag, int64_t done_value, bool sync, bool copies,
@@ -330,6 +332,8 @@ class DecodePlanner {
     guess_layer_ = -1;  // a guess serves the step it came with
     ahead_ = Ahead{};   // and so does its copy ahead
     ahead_error_ = 0;
+    guess_seconds_ = 0.0;  // this step's guess, planned in the wait (wait_signal)
+    guess_late_ = false;
     if (sync) {
       int err = 0;
       {
@@ -552,7 +556,8 @@ class DecodePlanner {
         routed, before, admitted, on_cpu, split, job,
         py::make_tuple(seconds(t1 - t0), seconds((t2 - t1) + (t3 - t_job)), seconds(fill_time),
                        seconds((t4 - t3) + (t5 - t_fills))),
-        py::make_tuple(guessed, owned, lead_rows, ahead_.layer == layer && !ahead_used));
+        py::make_tuple(guessed, owned, lead_rows, ahead_.layer == layer && !ahead_used,
+                       guess_seconds_, guess_late_));
   }
 
  private:
@@ -684,6 +689,11 @@ class DecodePlanner {
         guessed = true;
         guess_seen = std::chrono::steady_clock::now();
         plan_guess(layer, *guess, ahead);
+        // the host's time on the guess (its copy ahead queued too), and whether the routing
+        // came meanwhile: then the step started that much later
+        guess_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                       guess_seen).count();
+        guess_late_ = set();
       }
       warm(layer);
       if (polls % kPollsPerQuery != 0) continue;
@@ -935,6 +945,10 @@ class DecodePlanner {
   };
   Ahead ahead_;
   int ahead_error_ = 0;
+  // this step's guess in the wait: the host's time planning it, and whether the routing came
+  // meanwhile (the last entries of step's last tuple)
+  double guess_seconds_ = 0.0;
+  bool guess_late_ = false;
   // a step's lists (kept for their room)
   std::vector<int32_t> routed_, before_, missing_, on_cpu_, pair_expert_, pair_token_;
   std::vector<std::pair<int32_t, int64_t>> admitted_;

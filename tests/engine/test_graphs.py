@@ -544,9 +544,12 @@ def test_copies_ahead_of_the_routing_change_no_token(checkpoint, monkeypatch, ro
     periods = staged["period_by_plan"]
     ahead = sum(p["steps"] for plan, p in periods.items() if plan.endswith("a"))
     assert 0 < ahead <= staged["copied_ahead"]
-    assert f"(plans marked a): {staged['copied_ahead']} steps took one" in staged_lines(
-        {**staged, "guess_lead_us": 1e6 * lead}
-    )
+    lines = staged_lines({**staged, "guess_lead_us": 1e6 * lead})
+    assert f"(plans marked a): {staged['copied_ahead']} steps took one" in lines
+    # the guesses the wait planned, and the host's time on them (the routings came 2 ms late)
+    assert staged["guess_plans"] >= staged["copied_ahead"] and staged["guess_plan_us"] > 0
+    assert staged["guess_late"] == 0
+    assert f"guesses planned in the wait: {staged['guess_plans']}, " in lines
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

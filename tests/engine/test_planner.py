@@ -827,14 +827,33 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
     planner = r._decode_planner()
     functions = list(host_functions())
     functions[1] = QUERY_FUNCTION(lambda stream: 600)  # busy: the routing's signal decides
+    signal, guess_signal = routing_signal(pin=False), routing_signal(pin=False)
+    # the routing set once a step: 3 ms into it, or (`on_copy`) as its copy ahead is queued, in
+    # the middle of the guess's planning, which the step then reports
+    routing = {"armed": False, "on_copy": False}
+    lock = threading.Lock()
+
+    def route_once() -> None:
+        with lock:
+            if routing["armed"]:
+                routing["armed"] = False
+                signal[0] = ROUTED
+
+    copy2d = functions[3]
+
+    def copy2d_routing(address: int, stream: int) -> int:
+        if routing["on_copy"]:
+            route_once()
+        return copy2d(address, stream)
+
+    functions[3] = COPY2D_FUNCTION(copy2d_routing)
     cache = r.cache
     planner.set_device(*(address_of(f) for f in functions), 0, 0, cache.w13.data_ptr(),
                        cache.w2.data_ptr(), 2)  # fmt: skip
-    signal, guess_signal = routing_signal(pin=False), routing_signal(pin=False)
     logits = torch.zeros(1, EXPERTS)
     rng = np.random.default_rng(21)
     row_bytes = 2 * HIDDEN * 2  # a copy ahead moves a row's gate and up
-    seen = {"whole": 0, "split": 0, "wrong": 0, "all_rows": 0}
+    seen = {"whole": 0, "split": 0, "wrong": 0, "all_rows": 0, "late": 0}
     for step in range(30):
         layer = step % LAYERS
         ids = torch.from_numpy(_routes(rng, 1, 4))
@@ -852,7 +871,8 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
         slot_of_before = cache.slot_of[layer].copy()
         missing = [e for e in np.unique(ids) if slot_of_before[e] < 0]
         guess_signal[0] = ROUTED
-        setter = threading.Timer(0.003, lambda: signal.__setitem__(0, ROUTED))
+        routing["armed"], routing["on_copy"] = True, step % 3 == 2
+        setter = threading.Timer(0.003, route_once)
         setter.start()
         out = torch.zeros(1, HIDDEN)
         d, _ = r._native_step(
@@ -861,6 +881,11 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
         )  # fmt: skip
         setter.join()
         assert signal[0] == 0 and guess_signal[0] == 0
+        # the guess came first and was planned; the routing came during that planning where it
+        # came with the copy ahead
+        copied = d.ahead_rows > 0 or d.ahead_missed
+        assert d.guess_s > 0 and d.guess_late == (routing["on_copy"] and copied)
+        seen["late"] += d.guess_late
         # the device's part and the CPU's are the layer's output, whatever was copied ahead
         _assert_marked(d, ids.numpy(), cache.slot_of[layer])
         device_part = _device_part(d, x, weights, cache)
