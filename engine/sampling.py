@@ -127,7 +127,8 @@ class Sampler:
         for raw, seq in zip(logits, seqs, strict=True):
             p = seq.params
             # on the logits' device: a vocabulary-sized sort and softmax there, one small sync
-            row = adjust_logits(raw.float(), seq) if p.adjusts_logits else raw.float()
+            raw = raw.float()
+            row = adjust_logits(raw, seq) if p.adjusts_logits else raw
             token = int(row.argmax()) if p.picks_the_top else self._draw(row, p, seq.id)
             tokens.append(token)
             logprobs.append(None if p.logprobs is None else token_logprobs(raw, token, p.logprobs))
@@ -183,9 +184,9 @@ def adjust_logits(row: torch.Tensor, seq: Sampled) -> torch.Tensor:
 
 
 def token_logprobs(raw: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    """`token`'s log probability under the softmax of the model's logits `raw` [V], with the
+    """`token`'s log probability under the softmax of the model's fp32 logits `raw` [V], with the
     `top` likeliest tokens'."""
-    logp = torch.log_softmax(raw.float(), dim=-1)
+    logp = torch.log_softmax(raw, dim=-1)
     best = ()
     if top:
         values, ids = logp.topk(min(top, logp.numel()))

@@ -345,9 +345,11 @@ class Server:
                 if logprobs is not None:
                     entries.append(logprobs)
                 if chat:
-                    for i, (delta, finish) in enumerate(_chat_deltas(tools, text, reason)):
-                        lp = self._logprobs(engine, entries, chat, 0) if i == 0 else None
-                        entries = [] if i == 0 else entries
+                    deltas = _chat_deltas(tools, text, reason)
+                    if deltas:  # the waiting entries go with the first chunk
+                        lp, entries = self._logprobs(engine, entries, chat, 0), []
+                    for i, (delta, finish) in enumerate(deltas):
+                        lp = None if i else lp
                         yield _sse(api.chat_chunk(rid, name, delta, finish, logprobs=lp))
                 elif text or reason is not None:
                     lp = self._logprobs(engine, entries, chat, offset)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -59,7 +59,7 @@ class ToolCallStream:
 
     _held: str = ""  # text not yet given out: a possible opening tag, or an open block
     _inside: bool = False
-    calls_made: int = field(default=0)
+    calls_made: int = 0
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         text = self._held + piece

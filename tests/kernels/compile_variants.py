@@ -5,13 +5,10 @@ TRITON_INTERPRET unset (test_compile_variants.py does), as hopper_compile.py is.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
-from hopper_compile import HopperDriver
-from triton.runtime import driver
-from triton.runtime.jit import JITFunction
+from hopper_compile import as_hopper, compile_only
 
 from moelab.kernels import common, paged_attention
 
@@ -30,17 +27,9 @@ def attend(pages: int, length: int) -> int:
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET"):
-        print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
+    if not as_hopper():
         return 2
-    driver.set_active(HopperDriver())
-    common.pdl = lambda device: True
-    run = JITFunction.run
-
-    def compile_only(self: JITFunction, *args: object, grid: object, warmup: bool, **kw: object):
-        return run(self, *args, grid=grid, warmup=True, **kw)
-
-    JITFunction.run = compile_only
+    compile_only()
     # bench decode's sequences: a 16-token prompt; 32 tokens of warm-up (3 pages), 128 timed
     # (9 pages); the graphs' tables as wide as a 4,096-token context (256 pages)
     counts = {

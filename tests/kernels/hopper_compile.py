@@ -76,14 +76,11 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
     """Call every wrapper at the shapes the engine uses; returns (name, module, warps, kernel) of
     each kernel compiled."""
     compiled = []
-    run = JITFunction.run
-
-    def compile_only(self: JITFunction, *args: object, grid: object, warmup: bool, **kw: object):
-        kernel = run(self, *args, grid=grid, warmup=True, **kw)
-        compiled.append((self.fn.__name__, self.fn.__module__, kw.get("num_warps"), kernel))
-        return kernel
-
-    JITFunction.run = compile_only
+    run = compile_only(
+        lambda fn, kw, kernel: compiled.append(
+            (fn.fn.__name__, fn.fn.__module__, kw.get("num_warps"), kernel)
+        )
+    )
     for tokens in (1, 16, 64):
         x = torch.randn(tokens, HIDDEN, dtype=BF16)
         slots = torch.randint(0, 16, (tokens, TOP_K), dtype=torch.int32)
@@ -185,13 +182,36 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
     return compiled
 
 
-def main() -> int:
+def as_hopper() -> bool:
+    """From here on, launches compile for sm_90 (the stand-in driver, and the GPU's launch
+    options though the tensors are the CPU's); False, with why, under the interpreter."""
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
-        return 2
+        return False
     driver.set_active(HopperDriver())
-    common.pdl = lambda device: True  # the GPU's launches, though the tensors are the CPU's
+    common.pdl = lambda device: True
     common.inline_ptx = lambda device: True
+    return True
+
+
+def compile_only(on_compile=None):
+    """Make every launch compile its kernel and run nothing (`on_compile(jit_function, launch
+    options, kernel)` told of each); returns the real `JITFunction.run`, to put back."""
+    run = JITFunction.run
+
+    def compiled_only(self: JITFunction, *args: object, grid: object, warmup: bool, **kw: object):
+        kernel = run(self, *args, grid=grid, warmup=True, **kw)
+        if on_compile is not None:
+            on_compile(self, kw, kernel)
+        return kernel
+
+    JITFunction.run = compiled_only
+    return run
+
+
+def main() -> int:
+    if not as_hopper():
+        return 2
     for name, module, num_warps, kernel in compile_all():
         usage = resource_usage(kernel.asm["cubin"])
         print(
