@@ -356,9 +356,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     batching.add_argument(
         "--no-overlap-decode",
         action="store_true",
-        help="Wait for each decode step's tokens before preparing the next. By default, greedy "
-        "decode with CUDA graphs queues step N+1 while the GPU runs step N (with offloaded "
-        "experts: while it runs step N's last CPU job and logits).",
+        help="Wait for each decode step's tokens before preparing the next. By default, decode "
+        "with CUDA graphs queues step N+1 while the GPU runs step N (with offloaded experts: "
+        "while it runs step N's last CPU job and logits), the tokens greedy or drawn on the "
+        "GPU; requests with penalties, a logit bias or log probabilities wait for the host's "
+        "sampler.",
     )
 
     server = parser.add_argument_group("server")

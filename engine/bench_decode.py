@@ -76,6 +76,16 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
             p.add_argument("--warmup", type=int, default=32, help="untimed tokens first")
             p.add_argument("--prompt-tokens", type=int, default=16)
             p.add_argument(
+                "--temperature",
+                type=float,
+                default=0.0,
+                help="draw each token at this temperature, seeded per sequence (0: greedy); with "
+                "CUDA graphs the draws run on the GPU (engine/graphs.py)",
+            )
+            p.add_argument(
+                "--top-p", type=float, default=1.0, help="with --temperature: the draws' top-p"
+            )
+            p.add_argument(
                 "--repeats",
                 type=_positive_int,
                 default=1,
@@ -525,7 +535,6 @@ def _decode(engine, args, sides: Sides | None = None) -> dict:
     them: the median run's figures (by its share of the bound), with each run's in "runs".
     sides: the two settings the runs alternate between, A and B (`ab_side`, `alternation`)."""
     from .engine import settle_heap
-    from .sampling import SamplingParams
 
     spec = engine.spec
     gen = torch.Generator().manual_seed(1)
@@ -533,8 +542,7 @@ def _decode(engine, args, sides: Sides | None = None) -> dict:
         torch.randint(0, spec.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
         for _ in range(args.batch)
     ]
-    warm = SamplingParams(max_tokens=args.warmup, ignore_eos=True)
-    engine.generate(prompts, warm)
+    engine.generate(prompts, _params(args, args.warmup))
     heap = {"full_collect_ms": settle_heap()}  # as serve does once its engine is ready
     t0 = time.perf_counter()
     gc.collect()
@@ -560,6 +568,8 @@ def _decode(engine, args, sides: Sides | None = None) -> dict:
     fields = _RUN_FIELDS + (("side", "setting", "period_by_plan") if sides else ())
     return {
         **median,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "cuda_graphs": config["cuda_graph_mode"],
         "pdl": config["pdl"],
         "runs": [{k: run[k] for k in fields} for run in runs],
@@ -638,12 +648,28 @@ _TIMED_FIELDS = (
 )  # fmt: skip
 
 
+def _params(args, max_tokens: int):
+    """The decode runs' sampling: greedy, or drawn at --temperature and --top-p (each sequence
+    seeded apart by the engine's --seed)."""
+    from .sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, temperature=args.temperature, top_p=args.top_p
+    )
+
+
+def _drawn_words(args) -> str:
+    """How the runs' tokens were drawn, where they were not greedy."""
+    if not args.temperature:
+        return ""
+    top_p = f", top-p {args.top_p:g}" if args.top_p < 1 else ""
+    return f", drawn at temperature {args.temperature:g}{top_p}"
+
+
 def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict:
     """One timed run: `args.tokens` decode steps of a fresh batch of `prompts` (their prefill and
     first token untimed), with the engine's counts and stage times of those steps alone."""
-    from .sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True)
+    params = _params(args, args.tokens + 1)
     seqs = [engine.add(p, params) for p in prompts]
     while any(not s.output_ids for s in seqs):
         engine.step()
@@ -935,6 +961,12 @@ def _run(args: argparse.Namespace) -> int:
     if getattr(args, "trace", None) is not None and not args.kernel_profile:
         print("moelab bench decode: --trace needs --kernel-profile", file=sys.stderr)
         return 2
+    if args.bench == "decode":
+        try:  # a wrong --temperature or --top-p, before the model loads
+            _params(args, 1)
+        except ValueError as err:
+            print(f"moelab bench decode: {err}", file=sys.stderr)
+            return 2
     sides = alternated_sides(args) if args.bench == "decode" else None
     if isinstance(sides, str):
         print(f"moelab bench decode: {sides}", file=sys.stderr)
@@ -984,8 +1016,9 @@ def _run(args: argparse.Namespace) -> int:
     )
     if args.bench == "decode":
         line = (
-            f"decode {result['decode_tok_s']:.1f} tok/s at batch {result['batch']} "
-            f"({result['ms_per_step']:.2f} ms/step); bound {result['bound_tok_s']:.1f} tok/s, "
+            f"decode {result['decode_tok_s']:.1f} tok/s at batch {result['batch']}"
+            f"{_drawn_words(args)} ({result['ms_per_step']:.2f} ms/step); bound "
+            f"{result['bound_tok_s']:.1f} tok/s, "
             f"achieved {result['achieved_of_bound']:.0%}; hit rate "
             f"{result['hit_rate'] if result['hit_rate'] is not None else float('nan'):.3f}, "
             f"pick evenness {result['pick_evenness']:.3f}; slots {plan.slots}/"

@@ -19,6 +19,10 @@ out of the expert dispatch (their slots stay -1).
 
 Each step also takes its greedy next tokens on the device, and a row's input token may be one of
 them: the engine can then replay step N+1 before it has read step N's tokens (engine/engine.py).
+Where a row draws its token (a temperature), a small graph replayed after the step's own draws
+every row's token on the device instead (`draw_tokens`, the host sampler's function, so a
+seeded request gets the same tokens either way); one graph per batch size with the sort that
+top-k and top-p need, one without.
 """
 
 from __future__ import annotations
@@ -36,8 +40,18 @@ from ..kernels.common import inline_ptx
 from ..kernels.host_handoff import tokens_to_host
 from .h2d import HostToDevice
 from .model import Model, SeqSlice, StepBatch, StepState
+from .sampling import GREEDY_ROW, RowDraw, draw_tokens
 
 log = logging.getLogger("moelab.graphs")
+
+_LONG_ROWS = 7  # of the step's int64 inputs (`DecodeGraphs.__init__`)
+_INT_TAIL = 4  # rows of the int32 inputs after the block tables: sequence lengths, draws' floats
+
+
+def _greedy_floats() -> list[list[float]]:
+    """A greedy row's fp32 draw values (a column of the int32 block's last three rows)."""
+    inv_t, min_offset = GREEDY_ROW.device_values()
+    return [[inv_t], [GREEDY_ROW.top_p], [min_offset]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +66,7 @@ class DecodeRow:
     position: int
     blocks: list[int]
     source: int = -1
+    draw: RowDraw = GREEDY_ROW  # how its next token is drawn (GREEDY_ROW: the top logit)
 
 
 # What a captured piece hands to the host: the MoE layer's input, routing and weights, and the
@@ -111,20 +126,31 @@ class DecodeGraphs:
         self.max_bs = max_bs
         self.max_blocks = -(-max_context // kv.block_size)
         # A step's inputs: written on the host into pinned mirrors, sent in three copies. Row 0 of
-        # the long block is the last replay's greedy tokens (written on the device, never sent);
+        # the long block is the last replay's tokens (written on the device, never sent);
         # each row's input token is gathered from rows 0-1 by its index in row 4, so it can be a
-        # token the host has not seen yet.
+        # token the host has not seen yet. Rows 5-6 are each row's seed and top-k for its draw
+        # (`RowDraw`). The int32 block holds the block tables, then the sequence lengths, then
+        # three fp32 rows of the draws: the inverse temperature, top-p and min-p's offset.
         # Two sets of mirrors, used in turn: with overlapped decode the host writes step N+2's
         # inputs once step N is done, while step N+1's copies may still be queued.
         pin = dev.type == "cuda"
-        self._host_longs = [torch.zeros((5, max_bs), dtype=torch.long, pin_memory=pin)
+        self._host_longs = [torch.zeros((_LONG_ROWS, max_bs), dtype=torch.long, pin_memory=pin)
                             for _ in range(2)]  # fmt: skip
-        self._host_ints = [torch.zeros(max_bs * (self.max_blocks + 1), dtype=torch.int32,
-                                       pin_memory=pin) for _ in range(2)]  # fmt: skip
+        ints = max_bs * (self.max_blocks + _INT_TAIL)
+        self._host_ints = [torch.zeros(ints, dtype=torch.int32, pin_memory=pin)
+                           for _ in range(2)]  # fmt: skip
         self._mirror = 0
-        self._long = torch.zeros((5, max_bs), dtype=torch.long, device=dev)
-        self._int = torch.zeros(max_bs * (self.max_blocks + 1), dtype=torch.int32, device=dev)
-        self.sampled, _, self.positions, self.slots, self._token_index = self._long
+        tables = max_bs * self.max_blocks
+        self._host_floats = [m[tables + max_bs :].view(torch.float32).numpy().reshape(3, max_bs)
+                             for m in self._host_ints]  # fmt: skip
+        self._long = torch.zeros((_LONG_ROWS, max_bs), dtype=torch.long, device=dev)
+        self._int = torch.zeros(ints, dtype=torch.int32, device=dev)
+        self.sampled, _, self.positions, self.slots, self._token_index, self._seeds, self._top_k = (
+            self._long
+        )
+        self._inv_t, self._top_p, self._min_offset = (
+            self._int[tables + max_bs :].view(torch.float32).view(3, max_bs)
+        )
         self._token_pool = self._long[:2].view(-1)
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
         # the sampled tokens, copied back to the host (two buffers: one step's copy may land
@@ -138,9 +164,8 @@ class DecodeGraphs:
         # steps run, and the last one known finished on the device (piecewise: a later step's
         # first routing has arrived; `step_done`)
         self._runs = self._passed = 0
-        tables = max_bs * self.max_blocks
         self.block_tables = self._int[:tables].view(max_bs, self.max_blocks)
-        self.seq_lens = self._int[tables:]
+        self.seq_lens = self._int[tables : tables + max_bs]
         self.slots.fill_(kv.pad_slot)
         self.logits_index = torch.arange(max_bs, device=dev)
         # with CUDA, a step's input copies as driver calls on the stream the graphs replay on
@@ -173,6 +198,9 @@ class DecodeGraphs:
         # piecewise: per size, each piece's (head, piece) graph execs for the native planner to
         # launch (`stage_decode`'s launch; head 0 for piece 0); None where a graph has none
         self.execs: dict[int, list[tuple[int, int]] | None] = {}
+        # per (batch size, filtered): the graph that draws every row's token after a step
+        # (`_draw`); filtered: with the sort for top-k and top-p
+        self.draws: dict[tuple[int, bool], Graph] = {}
         self.pool: object | None = None
 
     def _batch(self, bs: int) -> StepBatch:
@@ -189,6 +217,20 @@ class DecodeGraphs:
     def _sample(self, bs: int, logits: torch.Tensor) -> None:
         """The greedy next token of every row, kept on the device for the next replay."""
         torch.argmax(logits, dim=-1, out=self.sampled[:bs])
+
+    def _draw(self, bs: int, filtered: bool, logits: torch.Tensor) -> Outputs:
+        """Every row's next token drawn by its `RowDraw` (the top logit where it has none), over
+        the greedy ones the step took, and where pieces are captured into the host's buffer as
+        the last piece stores them. A row's position for its noise is its sequence length."""
+        rows = slice(0, bs)
+        draw_tokens(
+            logits[:bs], self._inv_t[rows], self._top_k[rows], self._top_p[rows],
+            self._min_offset[rows], self._seeds[rows], self.seq_lens[rows],
+            out=self.sampled[rows], filtered=filtered,
+        )  # fmt: skip
+        if self.piecewise:
+            tokens_to_host(self.sampled[rows], self._tokens_host[rows])
+        return ()
 
     def _head(self, bs: int, state: StepState) -> Outputs:
         """The start of a piece after an MoE layer: the layer's cached experts' routes."""
@@ -268,6 +310,9 @@ class DecodeGraphs:
                         if self.piecewise and piece:
                             self._head(bs, state)
                         self._work(bs, piece, state)()
+                    assert state.logits is not None
+                    for filtered in (False, True):
+                        self._draw(bs, filtered, state.logits)
         if stream is not None:
             torch.cuda.current_stream(model.device).wait_stream(stream)
         for bs in sorted(self.sizes, reverse=True):
@@ -289,6 +334,11 @@ class DecodeGraphs:
             # the outputs stay referenced: their memory is where every replay writes them
             self.graphs[bs], self.heads[bs], self.outputs[bs] = graphs, heads, outputs
             self.execs[bs] = _execs(graphs, heads) if self.piecewise else None
+            for filtered in (False, True):
+                graph = self._graph_factory(self.pool)
+                graph.capture(partial(self._draw, bs, filtered, self._logits(bs, bs)))
+                self.pool = graph.pool
+                self.draws[bs, filtered] = graph
         if cuda:
             torch.cuda.synchronize(model.device)
         log.info(
@@ -310,8 +360,10 @@ class DecodeGraphs:
         host_long = host_long_t.numpy()
         host_int = host_int_t.numpy()
         tables = host_int[: self.max_bs * self.max_blocks].reshape(self.max_bs, self.max_blocks)
-        seq_lens = host_int[self.max_bs * self.max_blocks :]
+        seq_lens = host_int[self.max_bs * self.max_blocks :][: self.max_bs]
         max_bs = self.max_bs
+        drawn = any(row.draw is not GREEDY_ROW for row in rows)
+        floats = self._host_floats[self._mirror]
         for i, row in enumerate(rows):
             pos = row.position
             host_long[1, i] = row.token
@@ -321,17 +373,27 @@ class DecodeGraphs:
             host_long[4, i] = row.source if row.source >= 0 else max_bs + i
             tables[i, : len(row.blocks)] = row.blocks
             seq_lens[i] = pos + 1
+            if drawn:
+                d = row.draw
+                host_long[5, i], host_long[6, i] = d.seed, d.top_k
+                inv_t, min_offset = d.device_values()
+                floats[:, i] = inv_t, d.top_p, min_offset
         # padding rows: token 0 at position 0, KV into the scratch block, nothing to attend to
+        # (and the top logit, where a row draws)
         host_long[1:, n:bs] = 0
         host_long[3, n:bs] = kv.pad_slot
         host_long[4, n:bs] = range(max_bs + n, max_bs + bs)
+        floats[:, n:bs] = _greedy_floats()
         seq_lens[n:bs] = 0
         self._send_inputs(host_long_t, host_int_t, bs)
+        draw = self.draws[bs, any(r.draw.filtered for r in rows)] if drawn else None
         graphs, heads = self.graphs[bs], self.heads[bs]
         experts = self.model.experts
         execs = self.execs.get(bs)
         if execs is not None and experts.launches_pieces():
             self._run_launched(graphs[0], execs, n, bs)
+            if draw is not None:
+                draw.replay()
             return self._logits(bs, n)
         for piece, graph in enumerate(graphs):
             t0 = time.perf_counter()
@@ -361,6 +423,8 @@ class DecodeGraphs:
                 # step's graphs may read these rows until then)
                 if n < bs:
                     self.slots_host[n:bs] = -1
+        if draw is not None:
+            draw.replay()
         return self._logits(bs, n)
 
     def _run_launched(self, first: Graph, execs: list[tuple[int, int]], n: int, bs: int) -> None:
@@ -397,22 +461,24 @@ class DecodeGraphs:
         return logits[:n]
 
     def _send_inputs(self, host_long: torch.Tensor, host_int: torch.Tensor, bs: int) -> None:
-        """Queue the copies of a step's inputs from a pair of host mirrors: rows 1-4 of the
-        long block, the first bs rows of the block tables, bs sequence lengths."""
+        """Queue the copies of a step's inputs from a pair of host mirrors: rows 1-6 of the
+        long block, the first bs rows of the block tables, the rest of the int32 block (the
+        sequence lengths and the draws' floats)."""
         tables = self.max_bs * self.max_blocks
         if self._h2d is None:
             self._long[1:].copy_(host_long[1:])
             self._int[: bs * self.max_blocks].copy_(host_int[: bs * self.max_blocks])
-            self.seq_lens[:bs].copy_(host_int[tables:][:bs])
+            self._int[tables:].copy_(host_int[tables:])
             return
         row = self.max_bs * 8  # int64 rows of the long block
-        self._h2d.copy(self._long.data_ptr() + row, host_long.data_ptr() + row, 4 * row)
+        self._h2d.copy(self._long.data_ptr() + row, host_long.data_ptr() + row,
+                       (_LONG_ROWS - 1) * row)  # fmt: skip
         src, dst = host_int.data_ptr(), self._int.data_ptr()
         self._h2d.copy(dst, src, 4 * bs * self.max_blocks)
-        self._h2d.copy(dst + 4 * tables, src + 4 * tables, 4 * bs)
+        self._h2d.copy(dst + 4 * tables, src + 4 * tables, 4 * _INT_TAIL * self.max_bs)
 
     def sampled_to_host(self, n: int, buffer: int) -> torch.Tensor:
-        """The last replay's greedy tokens of its first `n` rows in pinned host memory, valid once
+        """The last replay's tokens of its first `n` rows in pinned host memory, valid once
         the step is done (`step_done`). Whole steps: a copy queued into host buffer 0 or 1.
         Pieces: the last piece stored them into one buffer itself (a copy queued after the
         launches cost the host 37-40 µs a step); the next step's tokens overwrite them only once

@@ -115,7 +115,10 @@ def plan_vram(
     kv_blocks = -(-kv_reserve_tokens // block_size)
     kv_bytes = kv_blocks * block_size * kv_per_token
     act = activation_bytes(spec, prefill_chunk_tokens, max_running, elem_bytes)
-    graphs = (32 * 1024**2 + max_running * 4 * 1024**2) if cuda_graphs else 0
+    # the graphs' pool: the steps' own, and the device draws' (engine/graphs.py): a sort, its
+    # indices, the noise's hashes and a few fp32 rows of the vocabulary per batch row
+    draws = max_running * spec.vocab_size * 64
+    graphs = (32 * 1024**2 + max_running * 4 * 1024**2 + draws) if cuda_graphs else 0
     fixed = weights_bytes + kv_bytes + act + graphs + headroom_bytes
     need = fixed
     if need > budget_bytes:

@@ -1,15 +1,26 @@
 """Next-token sampling: greedy, temperature, top-k, top-p and min-p, seeded per request; the
 logits first adjusted by the request's logit bias and its repetition, frequency and presence
-penalties; each chosen token's log probability and the likeliest alternatives where asked."""
+penalties; each chosen token's log probability and the likeliest alternatives where asked.
+
+A draw is the Gumbel-max trick: the likeliest token after adding to each logit (divided by the
+temperature) the noise -log(-log(u)), u uniform, picks tokens in the softmax's proportions. The
+noise is a hash of the request's seed, the drawn token's position and the token (`draw_tokens`),
+not a generator's state: the same seeded request gets the same tokens whichever path draws them
+(the host's sampler, or the decode graphs on the device while the host reads the step before,
+engine/graphs.py), and after a preemption recomputes it.
+"""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
+
+from ..kernels.draw import gumbel_argmax
 
 MAX_TOP_LOGPROBS = 20
 
@@ -80,7 +91,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether the token is the model's own top logit and nothing else is read of the
         logits: the device may take it itself."""
-        return self.picks_the_top and not self.adjusts_logits and self.logprobs is None
+        return self.picks_the_top and self.on_device
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the decode graphs may draw the token on the device (`draw_tokens`): nothing
+        adjusts the logits (the penalties read the host's token lists) and nothing else is
+        read of them."""
+        return not self.adjusts_logits and self.logprobs is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,62 +119,142 @@ class Sampled(Protocol):
     output_ids: list[int]
 
 
+class RowDraw(NamedTuple):
+    """What one row's draw reads (`draw_tokens`): temperature 0 takes the top logit."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+
+    @property
+    def filtered(self) -> bool:
+        """Whether the draw needs the logits sorted (top-k or top-p)."""
+        return self.top_k > 0 or self.top_p < 1
+
+    def device_values(self) -> tuple[float, float]:
+        """What the device reads of the temperature and min-p: the inverse temperature (0: the
+        top logit) and min-p's offset from the top logit (-inf: off), T * ln(min_p), since
+        p_i >= min_p * p_max is logit_i >= logit_max + T * ln(min_p)."""
+        if self.temperature <= 0:
+            return 0.0, -math.inf
+        offset = self.temperature * math.log(self.min_p) if self.min_p > 0 else -math.inf
+        return 1.0 / self.temperature, offset
+
+
+GREEDY_ROW = RowDraw(0.0, 0, 1.0, 0.0, 0)
+
+
 @dataclass(slots=True)
 class Sampler:
-    """Samples for a batch of sequences, each with its own params and generator. A request
-    without a seed takes the next one of a stream seeded with `seed` (the engine's --seed): a
-    server's unseeded requests differ from each other, and the same requests in the same order
-    after a start with the same seed get the same tokens."""
+    """Samples for a batch of sequences, each with its own params and seed. A request without a
+    seed takes the next one of a stream seeded with `seed` (the engine's --seed) at its first
+    draw: a server's unseeded requests differ from each other, and the same requests in the same
+    order after a start with the same seed get the same tokens."""
 
     seed: int = 0
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    seeds: dict[int, int] = field(default_factory=dict)
     _unseeded: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
         self._unseeded = random.Random(self.seed)
 
+    def row_draw(self, seq: Sampled) -> RowDraw:
+        """What `draw_tokens` reads for `seq`'s next token."""
+        p = seq.params
+        if p.picks_the_top:
+            return GREEDY_ROW
+        seed = self.seeds.get(seq.id)
+        if seed is None:
+            seed = p.seed if p.seed is not None else self._unseeded.getrandbits(63)
+            self.seeds[seq.id] = seed
+        return RowDraw(p.temperature, p.top_k, p.top_p, p.min_p, seed)
+
     def sample(
         self, logits: torch.Tensor, seqs: Sequence[Sampled]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per row of `logits` [N, V] (fp32), row i for seqs[i], and its log
-        probabilities where seqs[i] asks for them."""
+        probabilities where seqs[i] asks for them. Row i's token is the one at position
+        len(prompt) + len(output) of seqs[i]."""
         if all(s.params.greedy for s in seqs):
             return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
-        tokens: list[int] = []
-        logprobs: list[TokenLogprobs | None] = []
-        for raw, seq in zip(logits, seqs, strict=True):
-            p = seq.params
-            # on the logits' device: a vocabulary-sized sort and softmax there, one small sync
-            raw = raw.float()
-            row = adjust_logits(raw, seq) if p.adjusts_logits else raw
-            token = int(row.argmax()) if p.picks_the_top else self._draw(row, p, seq.id)
-            tokens.append(token)
-            logprobs.append(None if p.logprobs is None else token_logprobs(raw, token, p.logprobs))
+        raw = logits.float()
+        rows = raw
+        if any(s.params.adjusts_logits for s in seqs):
+            rows = torch.stack([adjust_logits(r, s) if s.params.adjusts_logits else r
+                                for r, s in zip(raw, seqs, strict=True)])  # fmt: skip
+        draws = [self.row_draw(s) for s in seqs]
+        positions = [len(s.prompt_ids) + len(s.output_ids) for s in seqs]
+        # on the logits' device: a vocabulary-sized sort where a row filters, one small sync
+        tokens = draw_tokens(rows, *draw_tensors(draws, positions, rows.device)).tolist()
+        logprobs = [None if s.params.logprobs is None else token_logprobs(r, t, s.params.logprobs)
+                    for r, t, s in zip(raw, tokens, seqs, strict=True)]  # fmt: skip
         return tokens, logprobs
 
-    def _draw(self, row: torch.Tensor, p: SamplingParams, seq_id: int) -> int:
-        gen = self.generators.get(seq_id)
-        if gen is None:
-            gen = torch.Generator(device=row.device)
-            gen.manual_seed(p.seed if p.seed is not None else self._unseeded.getrandbits(63))
-            self.generators[seq_id] = gen
-        row = row / p.temperature
-        if p.top_k:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            cumulative = sorted_probs.cumsum(0)
-            drop = cumulative - sorted_probs > p.top_p
-            sorted_probs[drop] = 0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        if p.min_p > 0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs, 1, generator=gen))
-
     def forget(self, seq_id: int) -> None:
-        self.generators.pop(seq_id, None)
+        self.seeds.pop(seq_id, None)
+
+
+def draw_tensors(
+    draws: Sequence[RowDraw], positions: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """`draw_tokens`' per-row arguments (after the logits) from each row's draw and position."""
+    values = [d.device_values() for d in draws]
+
+    def as_tensor(items, dtype) -> torch.Tensor:
+        return torch.tensor(list(items), dtype=dtype, device=device)
+
+    return (
+        as_tensor((v[0] for v in values), torch.float32),
+        as_tensor((d.top_k for d in draws), torch.long),
+        as_tensor((d.top_p for d in draws), torch.float32),
+        as_tensor((v[1] for v in values), torch.float32),
+        as_tensor((d.seed for d in draws), torch.long),
+        as_tensor(positions, torch.long),
+    )
+
+
+def draw_tokens(
+    logits: torch.Tensor,
+    inv_t: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_offset: torch.Tensor,
+    seed: torch.Tensor,
+    position: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    filtered: bool | None = None,
+) -> torch.Tensor:
+    """One token per row of `logits` [n, V]: the top logit where the row's inverse temperature
+    `inv_t` is 0, else a draw from the softmax of logits * inv_t, limited to the top_k (0: off)
+    likeliest tokens, then to the fewest whose probability before the last one is within top_p,
+    and to the tokens whose logit is at least the top one's plus `min_offset` (min-p; -inf: off;
+    `RowDraw.device_values`). The draw is kernels/draw.py's Gumbel-max, its noise a hash of the
+    row's seed and `position` (the drawn token's). Every argument is [n] on the logits' device
+    (position int32 or int64); no value is read on the host, so a CUDA graph can hold the draw.
+    filtered: whether any row has top_k or top_p (False skips the sort; None: read them, a sync).
+    Returns int64 [n] (into `out` where given)."""
+    logits = logits.float()
+    if filtered is None:
+        filtered = bool(((top_k > 0) | (top_p < 1)).any())
+    if filtered:
+        vocab = logits.shape[1]
+        ordered = torch.sort(logits, dim=-1, descending=True).values
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        ranks = torch.arange(vocab, device=logits.device)
+        in_k = ranks[None, :] < k[:, None]
+        probs = torch.softmax((ordered * inv_t[:, None]).masked_fill(~in_k, -math.inf), dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        kept = torch.where(top_p[:, None] < 1, in_k & (before <= top_p[:, None]), in_k)
+        last = kept.sum(dim=-1, keepdim=True).clamp(min=1) - 1
+        threshold = torch.maximum(ordered.gather(1, last), ordered[:, :1] + min_offset[:, None])
+        # a greedy row keeps every token (its softmax above was of zeros)
+        threshold = torch.where(inv_t[:, None] > 0, threshold, -math.inf)[:, 0]
+    else:  # min-p alone (greedy rows' offset is -inf)
+        threshold = logits.amax(dim=-1) + min_offset
+    return gumbel_argmax(logits, inv_t, threshold, seed, position, out)
 
 
 def adjust_logits(row: torch.Tensor, seq: Sampled) -> torch.Tensor:

@@ -26,7 +26,7 @@ class Flight:
     """A decode step queued on the device whose tokens the host has not read yet."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor  # pinned host [n]: the greedy tokens, once `done` has returned
+    tokens: torch.Tensor  # pinned host [n]: the step's tokens, once `done` has returned
     routing: tuple[torch.Tensor, int] | None  # the resident routing copy (telemetry)
     done: Callable[[], None] | None  # waits for the step; None on the CPU (it ran synchronously)
     launched: float
@@ -43,7 +43,8 @@ class Stepping:
     def step(self) -> list[Sequence]:
         """Run one forward step; returns the sequences that got a token.
 
-        Overlapped decode (greedy requests, CUDA graphs): the step is queued on the device and
+        Overlapped decode (CUDA graphs; requests whose tokens the device can take: greedy or
+        drawn, with no penalty, bias or log probabilities): the step is queued on the device and
         the previous step's tokens are read while it runs, so the host's work between steps
         (scheduling, stop checks, streaming) hides behind the GPU's. With piecewise graphs
         (offloaded experts) the host stages every layer of the queued step; it reads the previous
@@ -79,7 +80,7 @@ class Stepping:
             and graphs is not None
             and 0 < len(chunks) <= graphs.max_bs
             and all(c.count == 1 and not c.seq.prefilling for c in chunks)
-            and all(c.seq.params.greedy for c in chunks)
+            and all(c.seq.params.on_device for c in chunks)
             and self.model.on_router is None
             and not self.telemetry.want_timing()
         )
@@ -117,7 +118,8 @@ class Stepping:
         for c in chunks:
             source = row_of.get(c.seq.id, -1)
             token = 0 if source >= 0 else c.seq.tokens[c.start]
-            rows.append(DecodeRow(token, c.start, c.seq.blocks, source))
+            draw = self.sampler.row_draw(c.seq)
+            rows.append(DecodeRow(token, c.start, c.seq.blocks, source, draw))
         graphs.run(rows)
         self._flip ^= 1
         tokens = graphs.sampled_to_host(len(rows), self._flip)

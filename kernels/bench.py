@@ -17,12 +17,14 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import (
+    draw,
     fused_moe,
     gemv,
     grouped_moe,
@@ -496,6 +498,30 @@ class Bench:
             ref_us,
         )
 
+    def draw(self, tokens: int, filtered: bool) -> None:
+        """A decode step's token draws over the 30B geometry's vocabulary (fp32 logits): the
+        Gumbel-max kernels, beside their torch reference; with `filtered`, the whole device draw
+        at top-p 0.95 (engine/sampling.py's draw_tokens: torch's sort and the thresholds, then
+        the kernels), as the decode graphs replay it."""
+        from ..engine.sampling import RowDraw, draw_tensors, draw_tokens
+
+        logits = self.randn(tokens, VOCAB).float()
+        top_p = 0.95 if filtered else 1.0
+        draws = [RowDraw(0.8, 0, top_p, 0.0, seed) for seed in range(tokens)]
+        args = draw_tensors(draws, list(range(100, 100 + tokens)), logits.device)
+        inv_t, _, _, _, seed, position = args
+        threshold = torch.full((tokens,), -math.inf, device=DEVICE)
+        kernel = (draw.gumbel_argmax_triton, draw.gumbel_argmax_ref)
+        calls = [partial(f, logits, inv_t, threshold, seed, position) for f in kernel]
+        if filtered:
+            calls = [partial(draw_tokens, logits, *args, filtered=True)]
+        time_us = graph_us_per_call([calls[0]] * 8)
+        ref_us = graph_us_per_call([calls[1]] * 8) if len(calls) > 1 else None
+        name = "draw_top_p" if filtered else "draw"
+        # per token: the score's multiply and add, the noise's two logs, negations and scale
+        flops = 8 * tokens * VOCAB
+        self.add(name, f"T={tokens} V={VOCAB}", time_us, tokens * VOCAB * 4, flops, ref_us)
+
     def route(self, tokens: int, host: bool, config: route.RouteConfig | None = None) -> None:
         """A decode step's whole router (Qwen3: 128 experts of H=2048, top-8, renormalized) in
         one launch; beside it (unless a config is swept) the launches it replaced: the skinny GEMM,
@@ -550,7 +576,7 @@ def _short(config: object) -> str:
 # The kernels `--only` can pick: the Bench methods whose rows `run` times.
 KERNELS = (
     "fused_moe", "grouped_moe", "paged_attention", "sdpa_prefill", "rmsnorm", "router", "route",
-    "rope_kv", "handoff", "linear",
+    "rope_kv", "handoff", "linear", "draw",
 )  # fmt: skip
 
 
@@ -606,6 +632,10 @@ def run(
         for tokens in (1, 8):
             for name in PROJECTIONS:
                 bench.linear(tokens, name)
+    if "draw" in wanted:
+        for tokens in (1, 8):
+            for filtered in (False, True):
+                bench.draw(tokens, filtered)
     if sweep:
         for block_n, block_k, down_n, warps, stages in (
             (16, 128, 16, 4, 4),

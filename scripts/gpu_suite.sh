@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|eager|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|eager|drawn|all]
 # (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first, and the
 # wheels of scripts/device_wheels.sh (carry .whl) on PYTHONPATH.
@@ -81,6 +81,27 @@ if [ "$part" = eager ]; then  # the eager decode steps' attention at the graphs'
     run eager_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 128 \
       --repeats 24 --moe-copy-ahead 0.75 --alternate-copy-ahead 1.0 --json
   done
+fi
+if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: their CUDA tests,
+  # then decode greedy, drawn (overlapped) and drawn by the host's sampler (--no-overlap-decode,
+  # the path every drawn request took before), resident at batch 1 and 8, and offloaded
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run drawn_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/kernels/test_draw.py tests/kernels/test_hopper_compile.py tests/engine/test_sampling.py
+  run drawn_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_graphs.py -k "draw or overlapped_decode_on_cuda"
+  run drawn_kernels python3 -m moelab.kernels.bench --only draw
+  D="--temperature 0.8 --top-p 0.95"
+  for b in 1 8; do
+    run drawn_resident_b${b}_greedy $B decode $G --routing-skew 1 --batch $b --json
+    run drawn_resident_b${b} $B decode $G --routing-skew 1 --batch $b $D --json
+    run drawn_resident_b${b}_host $B decode $G --routing-skew 1 --batch $b $D --json \
+      --no-overlap-decode
+  done
+  run drawn_cache25_greedy $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json
+  run drawn_cache25 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $D --json
+  run drawn_cache25_host $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $D --json \
+    --no-overlap-decode
 fi
 if [ "$part" = redo_busy ]; then  # the same alternation with another program busy on CPU 3 (a
   # worker's core under --moe-cpu-pin cores), as on a desktop running something else

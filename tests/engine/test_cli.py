@@ -212,6 +212,21 @@ def test_bench_decode_repeats_report_each_run_and_the_median_runs_figures():
     assert refused.returncode == 2 and "--repeats" in refused.stderr
 
 
+def test_bench_decode_draws_its_tokens_at_a_temperature():
+    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2"]
+    r = moelab(*flags, "--temperature", "0.8", "--top-p", "0.9", "--json")
+    result = json.loads(r.stdout)
+    assert result["temperature"] == 0.8 and result["top_p"] == 0.9
+    assert "at batch 1, drawn at temperature 0.8, top-p 0.9 (" in r.stderr
+    greedy = moelab(*flags, "--json")
+    assert json.loads(greedy.stdout)["temperature"] == 0 and "drawn" not in greedy.stderr
+    for wrong, said in ((["--temperature", "-1"], "temperature must be 0 or more"),
+                        (["--top-p", "0"], "top_p must be in (0, 1]")):  # fmt: skip
+        refused = moelab(*flags, *wrong, check=False)
+        assert refused.returncode == 2 and said in refused.stderr
+        assert "Traceback" not in refused.stderr and "VRAM plan" not in refused.stderr
+
+
 def test_alternating_runs_compare_each_pair_and_each_sides_plans():
     """An --alternate-... flag: runs A, B, B, A, A (the last A unpaired); each pair's B/A, and
     each side's periods by plan merged over its runs, weighted by their steps."""

@@ -679,6 +679,68 @@ def test_overlapped_decode_gives_the_tokens_of_synchronous_steps(checkpoint):
     assert sum(all(src >= 0 for src in step) for step in sources) > len(sources) // 2
 
 
+def _drawn_requests(engine) -> list:
+    """Seeded requests whose tokens are drawn (with and without top-k, top-p and min-p) beside a
+    greedy one, ending at different steps."""
+
+    def params(max_tokens: int, **draw) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **draw)
+
+    return [
+        engine.add(PROMPTS[0], params(20, temperature=0.9, seed=1)),
+        engine.add(PROMPTS[1], params(14)),
+        engine.add(PROMPTS[2], params(10, temperature=1.1, top_p=0.9, top_k=40, seed=2)),
+        engine.add(list(range(60, 64)), params(18, temperature=0.7, min_p=0.05, seed=3)),
+    ]
+
+
+def _counting_draws(engine) -> dict[tuple[int, bool], int]:
+    """How often each draw graph (batch size, filtered) replays, from now on."""
+    replays: dict[tuple[int, bool], int] = {}
+    for key, graph in engine.graphs.draws.items():
+
+        def counted(replay=graph.replay, key=key) -> None:
+            replays[key] = replays.get(key, 0) + 1
+            replay()
+
+        graph.replay = counted
+    return replays
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
+def test_drawn_tokens_taken_on_the_device_are_the_host_samplers(checkpoint, pieces):
+    """Requests with a temperature overlap their steps too: the graphs draw their tokens on the
+    device with the host sampler's function, so a seeded request gets the same tokens as from
+    an engine whose host samples every step."""
+    flags = OFFLOADED if pieces else ()
+    eager = make_engine(checkpoint, *flags)
+    try:
+        expected = [s.output_ids for s in _drawn_requests(eager)]
+        eager.run_until_idle()
+        greedy = eager.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True))
+    finally:
+        eager.close()
+    engine = (
+        _piecewise_engine(checkpoint) if pieces else _resident_engine_with_replay_graphs(checkpoint)
+    )
+    sources = _recording_sources(engine)
+    replays = _counting_draws(engine)
+    try:
+        seqs = _drawn_requests(engine)
+        engine.run_until_idle()
+    finally:
+        engine.close()
+    assert [s.output_ids for s in seqs] == expected
+    # the draws are draws: not the greedy tokens
+    assert expected[0] != greedy[0] and expected[2] != greedy[2][:10]
+    # most steps took their input tokens from the step before, on the device; each drawn
+    # step's tokens came from a draw graph: the sorting one while the top-k/top-p request ran
+    assert sum(all(src >= 0 for src in step) for step in sources) > len(sources) // 2
+    assert sum(replays.values()) == len(sources)
+    assert replays.get((4, True), 0) >= 5 and replays.get((2, False), 0) >= 1
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
 def test_cancel_and_sampled_requests_while_a_step_is_in_flight(checkpoint):
     expected = _eager_outputs(checkpoint, PROMPTS[:2], 16)
@@ -690,16 +752,24 @@ def test_cancel_and_sampled_requests_while_a_step_is_in_flight(checkpoint):
             engine.step()
         assert engine._flight is not None and first.pending == 1
         engine.cancel(first)
-        # a sampled (non-greedy) request joins: its steps wait for their tokens
-        sampled = engine.add(PROMPTS[2], SamplingParams(max_tokens=5, temperature=0.8, seed=3))
+        # a request asking for log probabilities joins: the host reads its logits, so its
+        # steps wait for their tokens
+        sampled = engine.add(
+            PROMPTS[2], SamplingParams(max_tokens=5, temperature=0.8, seed=3, logprobs=2)
+        )
+        in_flight = []  # while it runs
+        while not sampled.finished:
+            engine.step()
+            in_flight.append(engine._flight is not None)
         engine.run_until_idle()
-        assert engine.kv.used_blocks == 0 and engine._flight is None
+        assert engine.kv.used_blocks == 0
     finally:
         engine.close()
     assert first.finish_reason == "cancelled"
     assert first.output_ids == expected[0][: len(first.output_ids)]
     assert second.output_ids == expected[1]
     assert len(sampled.output_ids) == 5 and sampled.finish_reason == "length"
+    assert len(sampled.output_logprobs) == 5 and not any(in_flight)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -725,6 +795,34 @@ def test_overlapped_decode_on_cuda_gives_the_tokens_of_eager_steps(checkpoint):
     assert [(s.output_ids, s.finish_reason) for s in seqs] == [
         (s.output_ids, s.finish_reason) for s in expected_seqs
     ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
+def test_drawn_tokens_on_cuda_are_the_host_samplers(checkpoint, pieces):
+    """The CUDA draw graphs (one with torch's sort captured) give a seeded request the tokens
+    that the host's sampler draws from the same graphs' logits."""
+    flags = ("--device", "cuda", *(OFFLOADED if pieces else ()))
+    synchronous = make_engine(checkpoint, *flags, "--no-overlap-decode")
+    try:
+        expected = [s.output_ids for s in _drawn_requests(synchronous)]
+        synchronous.run_until_idle()
+    finally:
+        synchronous.close()
+    engine = make_engine(checkpoint, *flags)
+    in_flight = 0
+    try:
+        mode = engine.config_in_force()["cuda_graph_mode"]
+        assert mode == ("piecewise" if pieces else "whole")
+        replays = _counting_draws(engine)
+        seqs = _drawn_requests(engine)
+        while not engine.idle:
+            engine.step()
+            in_flight += engine._flight is not None
+    finally:
+        engine.close()
+    assert [s.output_ids for s in seqs] == expected
+    assert in_flight > 10 and sum(replays.values()) >= in_flight
 
 
 def _attention_variants() -> int:

@@ -1,6 +1,8 @@
 """Sampling: greedy picks the top logit; top-k, top-p and min-p limit the choices; seeds repeat;
 the logit bias and the repetition, frequency and presence penalties adjust the logits first
-(against Hugging Face's logits processors where it has them)."""
+(against Hugging Face's logits processors where it has them); draws come in the softmax's
+proportions, each row's from its own seed and position alone (their kernel: tests/kernels/
+test_draw.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,15 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
 )
 
-from moelab.engine.sampling import Sampler, SamplingParams, adjust_logits
+from moelab.engine.sampling import (
+    GREEDY_ROW,
+    RowDraw,
+    Sampler,
+    SamplingParams,
+    adjust_logits,
+    draw_tensors,
+    draw_tokens,
+)
 
 
 @dataclass
@@ -150,3 +160,109 @@ def test_bad_params_are_refused():
                 dict(logprobs=21), dict(logprobs=-1)):  # fmt: skip
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def _draw_rows(logits: torch.Tensor, draw: RowDraw, positions: range, **kw) -> torch.Tensor:
+    """One draw per position, all from the same logits [V] and draw (a batch of rows)."""
+    n = len(positions)
+    args = draw_tensors([draw] * n, list(positions), logits.device)
+    return draw_tokens(logits.expand(n, -1), *args, **kw)
+
+
+def _expected_shares(logits: torch.Tensor, temperature: float, kept: list[int]) -> torch.Tensor:
+    probs = torch.zeros_like(logits)
+    probs[kept] = torch.softmax(logits[kept] / temperature, dim=-1)
+    return probs
+
+
+@pytest.mark.parametrize(
+    "draw, kept",
+    [
+        (RowDraw(1.0, 0, 1.0, 0.0, 3), [0, 1, 2, 3, 4, 5]),
+        (RowDraw(0.5, 0, 1.0, 0.0, 4), [0, 1, 2, 3, 4, 5]),
+        (RowDraw(1.0, 3, 1.0, 0.0, 5), [0, 1, 2]),
+        # within top-p 0.7 before the last: 0.4, then 0.4 + 0.25 (the third token is the last)
+        (RowDraw(1.0, 0, 0.7, 0.0, 6), [0, 1, 2]),
+        (RowDraw(1.0, 0, 1.0, 0.3, 7), [0, 1, 2]),  # min-p: at least 0.3 * 0.4
+        (RowDraw(1.0, 4, 0.5, 0.0, 8), [0, 1]),  # top-k, then top-p of the top four
+    ],
+    ids=["plain", "cold", "top-k", "top-p", "min-p", "top-k-top-p"],
+)
+def test_draws_come_in_the_softmaxs_proportions_within_the_filters(draw, kept):
+    logits = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]).log()
+    n = 40_000
+    tokens = _draw_rows(logits, draw, range(1000, 1000 + n))
+    counts = torch.bincount(tokens, minlength=6).double()
+    shares = _expected_shares(logits, draw.temperature, kept).double()
+    assert set(torch.nonzero(counts).flatten().tolist()) == set(kept)
+    # each share within 5 standard errors of its probability
+    tolerance = 5 * (shares * (1 - shares) / n).sqrt() + 1e-9
+    assert ((counts / n - shares).abs() <= tolerance).all(), (counts / n, shares)
+
+
+def test_a_rows_draw_depends_on_its_seed_and_position_alone():
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 500, generator=gen)
+    draws = [RowDraw(0.9, 0, 1.0, 0.0, 11), RowDraw(1.2, 40, 0.9, 0.0, 12), GREEDY_ROW,
+             RowDraw(0.7, 0, 1.0, 0.05, 2**62 + 5), RowDraw(1.0, 0, 0.95, 0.0, 11),
+             RowDraw(1.0, 1, 1.0, 0.0, 13)]  # fmt: skip
+    positions = [5, 9, 3, 70_000, 6, 8]
+    together = draw_tokens(logits, *draw_tensors(draws, positions, logits.device))
+    alone = []
+    for i in range(6):
+        args = draw_tensors(draws[i : i + 1], positions[i : i + 1], logits.device)
+        alone.append(int(draw_tokens(logits[i : i + 1], *args)))
+    assert together.tolist() == alone
+    assert alone[2] == int(logits[2].argmax()) and alone[5] == int(logits[5].argmax())
+    # without top-k or top-p, the draw without the sort is the same
+    plain = [0, 2, 3]
+    args = draw_tensors([draws[i] for i in plain], [positions[i] for i in plain], logits.device)
+    assert draw_tokens(logits[plain], *args, filtered=False).tolist() == [alone[i] for i in plain]
+
+
+def test_a_sequence_draws_the_same_tokens_whatever_else_the_sampler_saw():
+    """A seeded request's tokens follow from its seed and positions: the same whether it is
+    sampled alone or beside others, by a fresh sampler or an old one (its draws have no state
+    to lose, so a preempted sequence recomputed draws them again)."""
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(8, 300, generator=gen)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=21)
+
+    def tokens(sampler: Sampler, neighbour: bool) -> list[int]:
+        seq = Seq(params, 5, [1, 2, 3], [])
+        other = Seq(SamplingParams(temperature=0.5), 6, [4], [])
+        for row in logits:
+            batch = [seq, other] if neighbour else [seq]
+            picked = sampler.sample(row.expand(len(batch), -1), batch)[0]
+            seq.output_ids.append(picked[0])
+            other.output_ids.append(picked[-1])
+        return seq.output_ids
+
+    used = Sampler(3)
+    used.sample(logits[:2], [Seq(SamplingParams(temperature=1.0), 1), Seq(params, 2)])
+    first = tokens(Sampler(), False)
+    assert tokens(used, True) == first and tokens(Sampler(), True) == first
+    assert len(set(first)) > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_draw_captured_in_a_cuda_graph_gives_the_eager_draws_tokens():
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    logits = torch.randn(4, 151_936, device="cuda", generator=gen) * 3
+    draws = [RowDraw(0.8, 0, 0.95, 0.0, 1), RowDraw(1.0, 50, 1.0, 0.02, 2), GREEDY_ROW,
+             RowDraw(0.6, 0, 1.0, 0.0, 3)]  # fmt: skip
+    args = draw_tensors(draws, [10, 20, 30, 40], logits.device)
+    out = torch.zeros(4, dtype=torch.long, device="cuda")
+    for filtered in (True, False):
+        expected = draw_tokens(logits, *args, filtered=filtered)
+        graph = torch.cuda.CUDAGraph()
+        draw_tokens(logits, *args, out=out, filtered=filtered)  # warm-up
+        with torch.cuda.graph(graph):
+            draw_tokens(logits, *args, out=out, filtered=filtered)
+        out.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        if filtered:
+            assert torch.equal(out, expected)
+        else:  # rows 0 and 1 filter: only the unfiltered rows' draws are meant to match
+            assert torch.equal(out[2:], expected[2:])

@@ -25,6 +25,7 @@ from triton.runtime.jit import JITFunction
 
 from moelab.kernels import (
     common,
+    draw,
     fused_moe,
     gemv,
     grouped_moe,
@@ -171,6 +172,12 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
         host_handoff.tokens_to_host_triton(
             torch.zeros(tokens, dtype=torch.int64), torch.zeros(tokens, dtype=torch.int64)
         )
+    for tokens in (1, 8):  # a decode step's draws over the 30B geometry's vocabulary
+        long = torch.zeros(tokens, dtype=torch.int64)
+        draw.gumbel_argmax_triton(
+            torch.randn(tokens, 151936), torch.ones(tokens), torch.zeros(tokens), long,
+            torch.zeros(tokens, dtype=torch.int32),
+        )  # fmt: skip
     # the decode projections of the 30B geometry (qkv, o, router, lm_head): one token, and eight
     # (the multi-token path, split over K for o)
     for n, k in ((5120, HIDDEN), (HIDDEN, 4096), (EXPERTS, HIDDEN), (151936, HIDDEN)):

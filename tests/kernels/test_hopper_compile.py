@@ -39,6 +39,8 @@ KERNELS = {
     "_tokens_to_host_kernel",
     "_signal_kernel",
     "_qk_norm_rope_kv_kernel",
+    "_draw_kernel",
+    "_pick_kernel",
 }
 # Prefill's grouped GEMM is launched plainly; every decode kernel with programmatic dependent launch
 NOT_PDL = {"moelab.kernels.grouped_moe"}
