@@ -378,6 +378,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="Turn off expert telemetry (per-layer counters, what-if curve, time breakdown).",
     )
     server.add_argument(
+        "--generation-config",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: a request that leaves out temperature, top_p, top_k, min_p or "
+        "repetition_penalty takes the checkpoint's generation_config.json value, where it has "
+        "one (as vLLM does); off: OpenAI's defaults (temperature 1, the rest off).",
+    )
+    server.add_argument(
         "--seed",
         type=int,
         default=0,

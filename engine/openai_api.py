@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from .sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
@@ -12,6 +15,19 @@ from .tool_calls import speaks_hermes
 
 DEFAULT_MAX_TOKENS = 1024
 MAX_STOPS = 16
+
+log = logging.getLogger("moelab.openai_api")
+
+# The sampling fields a request may leave out: OpenAI's default (top_k and min_p: off) and the
+# range a request's value must fall in, (default, lo, hi, integer). A checkpoint's
+# generation_config.json may set other defaults (`generation_defaults`).
+SAMPLING_FIELDS: dict[str, tuple[float, float | None, float | None, bool]] = {
+    "temperature": (1.0, 0.0, 2.0, False),
+    "top_p": (1.0, 1e-9, 1.0, False),
+    "top_k": (0, -1, None, True),
+    "min_p": (0.0, 0.0, 1.0, False),
+    "repetition_penalty": (1.0, 0.01, 10.0, False),
+}
 
 
 class ApiError(Exception):
@@ -156,8 +172,37 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def parse_common(body: dict, chat: bool = False) -> dict:
-    """Fields shared by /v1/completions and /v1/chat/completions (chat: the latter's forms)."""
+def generation_defaults(model_path: str | Path) -> dict[str, float]:
+    """The sampling defaults a checkpoint's generation_config.json sets (the SAMPLING_FIELDS it
+    has, as vLLM's --generation-config auto reads them). A value a request could not send is
+    skipped with a warning that says why; no file (or not JSON): none."""
+    path = Path(model_path) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    defaults: dict[str, float] = {}
+    for name, (_, lo, hi, integer) in SAMPLING_FIELDS.items():
+        if name not in config:
+            continue
+        try:
+            defaults[name] = _number(config, name, None, lo=lo, hi=hi, integer=integer)
+        except ApiError as err:
+            log.warning("%s: %s: skipped", path, err.message)
+    return defaults
+
+
+def describe_defaults(defaults: dict[str, float]) -> str:
+    """`temperature 0.6, top_p 0.95, top_k 20`."""
+    return ", ".join(f"{name} {value:g}" for name, value in defaults.items())
+
+
+def parse_common(body: dict, chat: bool = False, defaults: dict[str, float] | None = None) -> dict:
+    """Fields shared by /v1/completions and /v1/chat/completions (chat: the latter's forms).
+    defaults: the sampling fields' values where the request leaves them out or null (the
+    checkpoint's, `generation_defaults`), else OpenAI's."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _refuse_unsupported(body)
@@ -194,13 +239,15 @@ def parse_common(body: dict, chat: bool = False) -> dict:
     seed = body.get("seed")
     if seed is not None:
         seed = _number(body, "seed", None, integer=True)
+    sampling = {
+        name: _number(body, name, (defaults or {}).get(name, default), lo=lo, hi=hi,
+                      integer=integer)
+        for name, (default, lo, hi, integer) in SAMPLING_FIELDS.items()
+    }  # fmt: skip
+    sampling["top_k"] = max(0, sampling["top_k"])  # -1: off, as 0
     return dict(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        top_p=_number(body, "top_p", 1.0, lo=1e-9, hi=1.0),
-        top_k=max(0, _number(body, "top_k", 0, lo=-1, integer=True)),
-        min_p=_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0),
+        **sampling,
         frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         logit_bias=_logit_bias(body),
@@ -214,8 +261,8 @@ def parse_common(body: dict, chat: bool = False) -> dict:
     )
 
 
-def parse_completion(body: dict) -> ParsedRequest:
-    common = parse_common(body)
+def parse_completion(body: dict, defaults: dict[str, float] | None = None) -> ParsedRequest:
+    common = parse_common(body, defaults=defaults)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one

@@ -71,6 +71,16 @@ class Server:
         self.args = args
         self.worker = worker
         self.model_name = args.served_model_name or Path(args.model_path).resolve().name
+        # what a request's omitted sampling fields take: the checkpoint's, or OpenAI's
+        self.sampling_defaults = (
+            api.generation_defaults(args.model_path) if args.generation_config == "auto" else {}
+        )
+        if self.sampling_defaults:
+            log.info(
+                "sampling defaults from generation_config.json: %s (a request's own values win; "
+                "--generation-config off for OpenAI's)",
+                api.describe_defaults(self.sampling_defaults),
+            )
         self.draining = False
         self.started = time.time()
         self.app = Starlette(routes=[
@@ -160,7 +170,7 @@ class Server:
             self._check_key(request)
             engine = self._ready()
             body = await read_json(request)
-            common = api.parse_common(body, chat=True)
+            common = api.parse_common(body, chat=True, defaults=self.sampling_defaults)
             self._check_model(common["model"])
             messages = api.parse_messages(body)
             kwargs = body.get("chat_template_kwargs") or {}
@@ -192,7 +202,7 @@ class Server:
             self._check_key(request)
             engine = self._ready()
             body = await read_json(request)
-            parsed = api.parse_completion(body)
+            parsed = api.parse_completion(body, self.sampling_defaults)
             self._check_model(parsed.model)
             return await self._run(request, engine, parsed, chat=False)
         except ClientDisconnect:
