@@ -94,7 +94,8 @@ def tokenizer(tmp_path_factory):
 
 def _app(tokenizer: Tokenizer, reply: str) -> TestClient:
     args = argparse.Namespace(served_model_name="m", model_path="m", api_key=None,
-                              max_running_requests=8, max_queued_requests=8)  # fmt: skip
+                              max_running_requests=8, max_queued_requests=8,
+                              generation_config="off")  # fmt: skip
     return TestClient(Server(args, ScriptedWorker(tokenizer, reply)).app)
 
 
