@@ -386,6 +386,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "one (as vLLM does); off: OpenAI's defaults (temperature 1, the rest off).",
     )
     server.add_argument(
+        "--reasoning-parser",
+        choices=["off", "think"],
+        default="off",
+        help="think: a chat reply's reasoning, what a thinking model (Qwen3, QwQ, DeepSeek-R1) "
+        "writes between <think> and </think>, goes into the message's reasoning_content and "
+        "the rest into its content (streamed alike), as vLLM's reasoning parsers do; off: the "
+        "reply stays one text, tags and all.",
+    )
+    server.add_argument(
         "--seed",
         type=int,
         default=0,

@@ -82,6 +82,9 @@ class ParsedRequest:
     ignore_eos: bool
     model: str | None
     parse_tools: bool = False  # chat: tool calls taken out of the reply (tool_calls.py)
+    # chat with --reasoning-parser think: whether the prompt opened the reply's reasoning
+    # (reasoning.py); None: the reasoning stays in the text
+    think_opened: bool | None = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -321,10 +324,15 @@ def chat_response(
     u: dict,
     logprobs: dict | None = None,
     tool_calls: list[dict] | None = None,
+    reasoning: str | bool | None = False,
 ) -> dict:
+    """reasoning: the message's reasoning_content (None: it has none); False: no such field."""
     message: dict = {"role": "assistant", "content": text}
+    if reasoning is not False:
+        message["reasoning_content"] = reasoning
     if tool_calls:
-        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+        message["content"] = text or None
+        message["tool_calls"] = tool_calls
     return {
         "id": rid,
         "object": "chat.completion",

@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from . import openai_api as api
 from .openai_api import ApiError
+from .reasoning import ReasoningStream, opened_by_prompt, split_reasoning
 from .tokenizer import ChatTemplateError, IncrementalDecoder
 from .tool_calls import ToolCallStream, split_reply
 from .worker import EngineWorker, QueueFull
@@ -188,9 +189,11 @@ class Server:
             except ChatTemplateError as err:
                 raise api.bad("messages", str(err)) from None
             parse_tools = api.tool_parsing(body, tools, engine.tokenizer.chat_template_source)
+            opened = opened_by_prompt(text) if self.args.reasoning_parser == "think" else None
             parsed = api.ParsedRequest(
-                prompt_text=text, prompt_ids=None, **common, parse_tools=parse_tools
-            )
+                prompt_text=text, prompt_ids=None, **common, parse_tools=parse_tools,
+                think_opened=opened,
+            )  # fmt: skip
             return await self._run(request, engine, parsed, chat=True)
         except ClientDisconnect:
             return Response(status_code=499)
@@ -328,12 +331,15 @@ class Server:
             return JSONResponse(
                 api.completion_response(rid, self.model_name, text, finish, u, logprobs)
             )
+        reasoning: str | bool | None = False
+        if parsed.think_opened is not None:
+            reasoning, text = split_reasoning(text, parsed.think_opened)
         calls = None
-        if parsed.parse_tools:
+        if parsed.parse_tools:  # in the content only: a call the reasoning mentions is none
             text, calls = split_reply(text)
             finish = "tool_calls" if calls and finish == "stop" else finish
         return JSONResponse(
-            api.chat_response(rid, self.model_name, text, finish, u, logprobs, calls)
+            api.chat_response(rid, self.model_name, text, finish, u, logprobs, calls, reasoning)
         )
 
     @staticmethod
@@ -351,11 +357,13 @@ class Server:
             entries: list = []
             offset = 0
             tools = ToolCallStream() if parsed.parse_tools else None
+            opened = parsed.think_opened
+            thinking = ReasoningStream(opened) if opened is not None else None
             async for text, reason, logprobs in self._tokens(req, engine, parsed):
                 if logprobs is not None:
                     entries.append(logprobs)
                 if chat:
-                    deltas = _chat_deltas(tools, text, reason)
+                    deltas = _chat_deltas(tools, thinking, text, reason)
                     if deltas:  # the waiting entries go with the first chunk
                         lp, entries = self._logprobs(engine, entries, chat, 0), []
                     for i, (delta, finish) in enumerate(deltas):
@@ -474,12 +482,22 @@ class Server:
 
 
 def _chat_deltas(
-    tools: ToolCallStream | None, text: str, reason: str | None
+    tools: ToolCallStream | None,
+    thinking: ReasoningStream | None,
+    text: str,
+    reason: str | None,
 ) -> list[tuple[dict, str | None]]:
-    """The chat chunks (delta, finish reason) one arrival of text makes: its content, then each
-    tool call that closed (`tools`: the request's calls taken out of the reply), the finish
-    reason on the last ("tool_calls" where the reply ended on its own after making calls);
-    none while everything is held back."""
+    """The chat chunks (delta, finish reason) one arrival of text makes: its reasoning
+    (`thinking`: the reply's reasoning taken out of it), its content, then each tool call that
+    closed (`tools`: the request's calls taken out of the content), the finish reason on the
+    last ("tool_calls" where the reply ended on its own after making calls); none while
+    everything is held back."""
+    reasoning = ""
+    if thinking is not None:
+        reasoning, text = thinking.feed(text)
+        if reason is not None:
+            more, rest = thinking.flush()
+            reasoning, text = reasoning + more, text + rest
     calls: list[dict] = []
     if tools is not None:
         text, calls = tools.feed(text)
@@ -488,7 +506,8 @@ def _chat_deltas(
             text, calls = text + rest, calls + more
         if reason == "stop" and tools.calls_made:
             reason = "tool_calls"
-    deltas: list[dict] = [{"content": text}] if text else []
+    deltas: list[dict] = [{"reasoning_content": reasoning}] if reasoning else []
+    deltas += [{"content": text}] if text else []
     first = tools.calls_made - len(calls) if tools is not None else 0
     deltas += [{"tool_calls": [{"index": first + i, **c}]} for i, c in enumerate(calls)]
     if reason is not None and not deltas:

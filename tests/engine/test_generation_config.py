@@ -1,6 +1,7 @@
 """A checkpoint's generation_config.json sets the sampling of requests that leave it out (as
 vLLM's --generation-config auto): read and checked, applied under a request's own values, and off
-with --generation-config off; a real server process for the end to end."""
+with --generation-config off; a real server process for the end to end (with
+--reasoning-parser's plumbing)."""
 
 from __future__ import annotations
 
@@ -80,9 +81,15 @@ def test_a_server_applies_the_checkpoints_sampling_unless_told_not_to(top_one_mo
         assert "sampling defaults from generation_config.json: temperature 0.7, top_k 1" in log
     finally:
         stop_engine(engine)
-    engine = serve(top_one_model, tmp_path, "--generation-config", "off")
+    engine = serve(top_one_model, tmp_path, "--generation-config", "off",
+                   "--reasoning-parser", "think")  # fmt: skip
     try:
         plain = _texts(engine)  # OpenAI's defaults: temperature 1, no top-k
         assert plain[0] != plain[1]
+        # (and a chat message gets its reasoning field: a random model writes no <think>)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        reply = httpx.post(engine.base_url + "/v1/chat/completions", json=chat, timeout=60)
+        message = reply.json()["choices"][0]["message"]
+        assert "reasoning_content" in message and message["content"]
     finally:
         stop_engine(engine)

@@ -12,7 +12,6 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.engine.server import Server
-from moelab.engine.synth_tokenizer import write_tokenizer_files
 from moelab.engine.tokenizer import Tokenizer
 from moelab.engine.tool_calls import ToolCallStream, split_reply
 
@@ -85,17 +84,10 @@ class ScriptedWorker:
         pass
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(path, 2048)
-    return Tokenizer(path)
-
-
-def _app(tokenizer: Tokenizer, reply: str) -> TestClient:
+def _app(tokenizer: Tokenizer, reply: str, reasoning: str = "off") -> TestClient:
     args = argparse.Namespace(served_model_name="m", model_path="m", api_key=None,
                               max_running_requests=8, max_queued_requests=8,
-                              generation_config="off")  # fmt: skip
+                              generation_config="off", reasoning_parser=reasoning)  # fmt: skip
     return TestClient(Server(args, ScriptedWorker(tokenizer, reply)).app)
 
 
