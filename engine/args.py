@@ -197,6 +197,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=16,
         help="Tokens per page of the paged KV cache.",
     )
+    memory.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="Compute every prompt whole. By default a prompt that begins with whole KV pages "
+        "an earlier request computed (a chat's history, a shared system prompt) reuses them "
+        "and is prefilled from there; pages no request holds stay cached until new ones need "
+        "the room.",
+    )
 
     moe = parser.add_argument_group("experts")
     size = moe.add_mutually_exclusive_group()

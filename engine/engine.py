@@ -193,7 +193,8 @@ class Engine(Stepping):
             self._load_all_experts()
         elif plan.prefill_buffer_bytes:
             self.moe.allocate_prefill_buffers()
-        self.kv = KVCache(spec, plan.kv_blocks, args.kv_block_size, device, dtype)
+        self.kv = KVCache(spec, plan.kv_blocks, args.kv_block_size, device, dtype,
+                          prefix_cache=not args.no_prefix_cache)  # fmt: skip
         self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1)
         self.scheduler = Scheduler(self.kv, args.max_running_requests, args.prefill_chunk_tokens)
         self.sampler = Sampler(args.seed)
@@ -356,7 +357,8 @@ class Engine(Stepping):
             cache_rate=args.moe_cache_rate,
         )
         self.kv.k = self.kv.v = torch.empty(0)
-        self.kv = KVCache(self.spec, plan.kv_blocks, args.kv_block_size, self.device, self.dtype)
+        self.kv = KVCache(self.spec, plan.kv_blocks, args.kv_block_size, self.device, self.dtype,
+                          prefix_cache=not args.no_prefix_cache)  # fmt: skip
         self.model.kv = self.scheduler.kv = self.kv
         if plan.max_context + 1 > self.model.rotary.cos.shape[0]:
             self.model.rotary = Rotary(self.spec, plan.max_context + 1, self.device, self.dtype)

@@ -1,10 +1,28 @@
-"""Paged KV cache: fixed-size token blocks on the compute device and a free-list allocator."""
+"""Paged KV cache: fixed-size token blocks on the compute device, a free-list allocator, and the
+prefix cache: full blocks named by their tokens, kept after their sequence ends and handed to a
+later prompt that begins with the same tokens.
+
+A block's name is (its parent's name hashed, its tokens): the tokens of every block before it
+are in the name, so a prompt's prefix matches block by block from its start. A block no sequence
+holds any more stays named (idle) until a new allocation needs it; the least recently released
+go first. Only full blocks are named, and a sequence writes only past its matched prefix, so a
+block is never written while another sequence may read it.
+"""
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
 from .spec import ModelSpec
+
+BlockName = tuple[int, tuple[int, ...]]  # (the parent's name hashed, 0 for none; the tokens)
+
+
+def block_name(parent: int, tokens: Sequence[int]) -> BlockName:
+    return parent, tuple(tokens)
 
 
 class KVCache:
@@ -17,6 +35,7 @@ class KVCache:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        prefix_cache: bool = True,
     ) -> None:
         assert num_blocks >= 1 and block_size >= 1
         # one extra block, never handed out, takes the writes of padding rows in CUDA graphs
@@ -26,6 +45,11 @@ class KVCache:
         self.block_size = block_size
         self.pad_slot = num_blocks * block_size
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._holders = [0] * num_blocks  # sequences holding each block
+        self.prefix_cache = prefix_cache
+        self._named: dict[BlockName, int] = {}  # full blocks by name
+        self._name_of: dict[int, BlockName] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # named, held by none; oldest first
         self.peak_blocks_used = 0
 
     @property
@@ -38,11 +62,17 @@ class KVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: the free ones and the idle named ones."""
+        return len(self._free) + len(self._idle)
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Named blocks (held or idle): what later prompts may match."""
+        return len(self._named)
 
     @property
     def nbytes(self) -> int:
@@ -56,15 +86,70 @@ class KVCache:
         return -(-tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks; the caller checks `free_blocks` first."""
-        assert n <= len(self._free), "KV allocation beyond the free blocks"
-        blocks = [self._free.pop() for _ in range(n)]
+        """Take `n` blocks, free ones first, then the idle named ones least recently released
+        (forgetting their names); the caller checks `free_blocks` first."""
+        assert n <= self.free_blocks, "KV allocation beyond the free blocks"
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._idle.popitem(last=False)
+                del self._named[self._name_of.pop(block)]
+            self._holders[block] = 1
+            blocks.append(block)
         self.peak_blocks_used = max(self.peak_blocks_used, self.used_blocks)
         return blocks
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """Let go of a sequence's blocks (and empty the list): a block no sequence holds is free,
+        or idle where it is named. The last blocks go idle first, so that an allocation takes a
+        prompt's tail before its head, which more prompts share."""
+        for block in reversed(blocks):
+            self._holders[block] -= 1
+            if self._holders[block] == 0:
+                if block in self._name_of:
+                    self._idle[block] = None
+                else:
+                    self._free.append(block)
         blocks.clear()
+
+    def match(self, tokens: Sequence[int]) -> tuple[list[int], int]:
+        """The named blocks that hold the longest prefix of `tokens` in whole blocks, leaving
+        at least its last token to compute (a step needs one to give logits), and the last
+        one's name hashed (0 for none). Nothing is taken yet (`hold`)."""
+        blocks: list[int] = []
+        parent = 0
+        if not self.prefix_cache:
+            return blocks, parent
+        size = self.block_size
+        for start in range(0, (len(tokens) - 1) // size * size, size):
+            name = block_name(parent, tokens[start : start + size])
+            block = self._named.get(name)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = hash(name)
+        return blocks, parent
+
+    def idle_among(self, blocks: list[int]) -> int:
+        """How many of `blocks` are idle (counted in `free_blocks` until held)."""
+        return sum(block in self._idle for block in blocks)
+
+    def hold(self, blocks: list[int]) -> None:
+        """Take matched blocks for one more sequence."""
+        for block in blocks:
+            if self._holders[block] == 0:
+                del self._idle[block]
+            self._holders[block] += 1
+        self.peak_blocks_used = max(self.peak_blocks_used, self.used_blocks)
+
+    def name(self, block: int, name: BlockName) -> None:
+        """Name a full block by its tokens, for later prompts to match (a name already given to
+        another block keeps that one)."""
+        if self.prefix_cache and name not in self._named and block not in self._name_of:
+            self._named[name] = block
+            self._name_of[block] = name
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at flat token slots [T] (block * block_size + offset)."""

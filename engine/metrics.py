@@ -55,6 +55,17 @@ class _StatsCollector:
         for kind in ("tokens_total", "tokens_used", "tokens_peak", "max_context"):
             kv.add_metric([model, kind.removeprefix("tokens_")], s["kv"][kind])
         yield kv
+        prefix = s["kv"].get("prefix_cache")
+        if prefix:
+            prompt = CounterMetricFamily(
+                "moelab_prompt_tokens",
+                "Prompt tokens admitted, by whether the prefix cache held their KV",
+                labels=["model", "source"],
+            )
+            cached = prefix["cached_tokens"]
+            prompt.add_metric([model, "cached"], cached)
+            prompt.add_metric([model, "computed"], prefix["prompt_tokens"] - cached)
+            yield prompt
         experts = s.get("experts")
         if experts:
             layer_counts = CounterMetricFamily(

@@ -1,8 +1,10 @@
 """Continuous batching: which sequences run, which prompt chunk or decode batch goes next.
 
 A request is admitted when the KV cache can hold its whole prompt plus `max_tokens`, so a running
-sequence never runs out of KV; requests that cannot fit yet wait in the queue. Long prompts are
-prefilled in chunks, alternating with decode steps of the running sequences.
+sequence never runs out of KV; requests that cannot fit yet wait in the queue. A prompt that
+begins with blocks an earlier request computed takes them from the prefix cache (kv.py) and is
+prefilled from there. Long prompts are prefilled in chunks, alternating with decode steps of the
+running sequences.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .kv import KVCache
+from .kv import KVCache, block_name
 from .sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
@@ -31,6 +33,9 @@ class Sequence:
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the cache (or being written by a step in flight)
+    cached_tokens: int = 0  # of the prompt, taken from the prefix cache at admission
+    named_blocks: int = 0  # leading blocks named in the prefix cache (`Scheduler.name_blocks`)
+    chain: int = 0  # the last named block's name hashed
     pending: int = 0  # tokens sampled on the device by a step in flight, not yet in output_ids
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     first_token_time: float | None = None
@@ -77,6 +82,8 @@ class Scheduler:
         self.kv = kv
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
+        # prompt tokens admitted, and those of them the prefix cache held
+        self.prompt_tokens = self.cached_tokens = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False
@@ -92,11 +99,18 @@ class Scheduler:
     def _admit(self) -> None:
         while not self.paused and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            need = self.kv.blocks_for(seq.max_length)
-            if need > self.kv.free_blocks:
+            kv = self.kv
+            cached, chain = kv.match(seq.prompt_ids)
+            need = kv.blocks_for(seq.max_length) - len(cached)
+            if need > kv.free_blocks - kv.idle_among(cached):
                 break  # it waits until running sequences free their blocks
             self.waiting.popleft()
-            seq.blocks = self.kv.allocate(need)
+            kv.hold(cached)
+            seq.blocks = cached + kv.allocate(need)
+            seq.named_blocks, seq.chain = len(cached), chain
+            seq.computed = seq.cached_tokens = len(cached) * kv.block_size
+            self.prompt_tokens += len(seq.prompt_ids)
+            self.cached_tokens += seq.cached_tokens
             self.running.append(seq)
 
     def next_step(self) -> list[Chunk]:
@@ -123,6 +137,20 @@ class Scheduler:
             for s in decoding
             if len(s.output_ids) + s.pending < s.params.max_tokens
         ]
+
+    def name_blocks(self, seq: Sequence) -> None:
+        """Name the sequence's blocks that are full, computed and whose tokens the host knows
+        (a token a step in flight drew is not known yet), for later prompts to match."""
+        size = self.kv.block_size
+        full = min(seq.computed, seq.length) // size
+        if seq.named_blocks >= full or not self.kv.prefix_cache:
+            return
+        tokens = seq.tokens
+        for i in range(seq.named_blocks, full):
+            name = block_name(seq.chain, tokens[i * size : (i + 1) * size])
+            self.kv.name(seq.blocks[i], name)
+            seq.chain = hash(name)
+        seq.named_blocks = full
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (finished, cancelled or failed) and free its KV at once."""

@@ -324,7 +324,7 @@ class Server:
         except asyncio.CancelledError:
             self.worker.cancel(req)
             raise
-        u = api.usage(prompt_tokens, self._completion_tokens(req, completion))
+        u = api.usage(prompt_tokens, self._completion_tokens(req, completion), _cached(req))
         text = "".join(pieces)
         logprobs = self._logprobs(engine, entries, chat, 0)
         if not chat:
@@ -376,7 +376,7 @@ class Server:
                     yield _sse(api.completion_chunk(rid, name, text, reason, logprobs=lp))
             done = True
             if parsed.include_usage:
-                u = api.usage(prompt_tokens, self._completion_tokens(req, 0))
+                u = api.usage(prompt_tokens, self._completion_tokens(req, 0), _cached(req))
                 maker = api.chat_chunk if chat else api.completion_chunk
                 yield _sse(maker(rid, name, {}, None, u) if chat else maker(rid, name, "", None, u))
             yield "data: [DONE]\n\n"
@@ -514,6 +514,11 @@ def _chat_deltas(
         deltas = [{}]
     last = len(deltas) - 1
     return [(delta, reason if i == last else None) for i, delta in enumerate(deltas)]
+
+
+def _cached(req: EngineRequest) -> int | None:
+    """The request's prompt tokens the prefix cache held (None: it never ran)."""
+    return req.seq.cached_tokens if req.seq is not None else None
 
 
 def _sse(obj: dict) -> str:

@@ -210,6 +210,7 @@ class Stepping:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.output_ids.append(token)
+            self.scheduler.name_blocks(seq)  # its computed blocks, for later prompts to match
             if logprobs is not None and logprobs[i] is not None:
                 seq.output_logprobs.append(logprobs[i])
             self._check_stop(seq, token)

@@ -211,6 +211,13 @@ class Telemetry:
                 "tokens_peak": kv.peak_blocks_used * kv.block_size,
                 "max_context": engine.max_context,
                 "bytes_per_token": engine.spec.kv_bytes_per_token,
+                # prompt tokens admitted, those the prefix cache held, and what it holds now
+                "prefix_cache": {
+                    "enabled": kv.prefix_cache,
+                    "prompt_tokens": engine.scheduler.prompt_tokens,
+                    "cached_tokens": engine.scheduler.cached_tokens,
+                    "tokens_held": kv.cached_blocks * kv.block_size,
+                },
             },
             "config": engine.config_in_force(),
         }

@@ -150,6 +150,22 @@ def test_prefill_in_chunks_matches(reference):
     assert_same_greedy(ours, ref, margins)
 
 
+def test_a_prompt_continued_from_the_prefix_cache_matches(reference):
+    """A second turn (the first prompt, its reply and more) takes the first turn's KV pages from
+    the prefix cache, its reply's included, and continues as transformers does from scratch."""
+    _arch, model, engine, _ = reference
+    first = prompt(4, 40)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    [reply] = engine.generate([first], params)
+    second = first + reply + prompt(5, 9)
+    seq = engine.add(second, params)
+    engine.run_until_idle()
+    # pages of 16: the first prompt and its reply computed 59 tokens, 3 whole pages
+    assert seq.cached_tokens == 48
+    ref, margins = hf_greedy(model, second, 20)
+    assert_same_greedy(seq.output_ids, ref, margins)
+
+
 def _spec_variant(engine, **changes):
     engine.model.spec = dataclasses.replace(engine.spec, **changes)
     engine.spec = engine.model.spec

@@ -351,6 +351,38 @@ def test_client_disconnect_mid_stream_frees_kv(server):
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_a_shared_prefix_is_reported_cached_in_usage_stats_and_metrics(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    system = {"role": "system", "content": "You answer questions about harbours. " * 12}
+
+    def ask(question: str):
+        return client.chat.completions.create(
+            model="tiny-moe", messages=[system, {"role": "user", "content": question}],
+            max_tokens=4, temperature=0,
+        ).usage  # fmt: skip
+
+    before = httpx.get(server.base_url + "/v1/stats").json()["kv"]["prefix_cache"]
+    first, second = ask("Which is the deepest?"), ask("Which is the oldest?")
+    # the second takes the system prompt's whole pages (16 tokens each) from the first
+    assert second.prompt_tokens_details.cached_tokens >= 64
+    assert second.prompt_tokens_details.cached_tokens % 16 == 0
+    assert second.prompt_tokens_details.cached_tokens < second.prompt_tokens
+    after = httpx.get(server.base_url + "/v1/stats").json()["kv"]["prefix_cache"]
+    assert after["enabled"] and after["tokens_held"] > 0
+    cached = first.prompt_tokens_details.cached_tokens + second.prompt_tokens_details.cached_tokens
+    assert after["cached_tokens"] - before["cached_tokens"] == cached
+    assert after["prompt_tokens"] - before["prompt_tokens"] == first.prompt_tokens + (
+        second.prompt_tokens
+    )
+    families = {
+        f.name: f
+        for f in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
+    }
+    samples = {s.labels["source"]: s.value for s in families["moelab_prompt_tokens"].samples}
+    assert samples["cached"] == after["cached_tokens"]
+
+
 def test_stats_has_the_contract_fields(server):
     s = httpx.get(server.base_url + "/v1/stats").json()
     assert set(s["throughput"]) >= {
