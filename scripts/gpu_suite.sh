@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|eager|drawn|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|eager|drawn|prefix|all]
 # (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first, and the
 # wheels of scripts/device_wheels.sh (carry .whl) on PYTHONPATH.
@@ -102,6 +102,14 @@ if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: th
   run drawn_cache25 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $D --json
   run drawn_cache25_host $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $D --json \
     --no-overlap-decode
+fi
+if [ "$part" = prefix ]; then  # a multi-turn chat's time to first token, with the prefix cache
+  # and without, all resident and with a 25% expert cache
+  for rate in 1.0 0.25; do
+    run prefix_ttft_$rate python3 scripts/prefix_cache_ttft.py --preset qwen3-30b-a3b \
+      --set num_hidden_layers=12 --system 4096 --question 128 --device cuda \
+      --moe-cache-rate $rate --log-level warning
+  done
 fi
 if [ "$part" = redo_busy ]; then  # the same alternation with another program busy on CPU 3 (a
   # worker's core under --moe-cpu-pin cores), as on a desktop running something else

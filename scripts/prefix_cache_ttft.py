@@ -1,0 +1,96 @@
+"""Time to first token of a multi-turn chat, with the prefix cache and without it.
+
+Usage: python scripts/prefix_cache_ttft.py [--preset small] [--set FIELD=VALUE ...] [--turns 4]
+[--system 1024] [--question 64] [--reply 32] [ENGINE FLAGS...]
+
+Runs an engine on the preset's geometry with dummy weights (or on --model-path), the same
+conversation twice, once with the prefix cache and once with `--no-prefix-cache`. Each turn's
+prompt is the last prompt, its reply and a new question, after a system prompt of --system tokens.
+Prints each turn's prompt tokens, the tokens the cache held, and the time to the first token both
+ways. Other flags go to both engines (for example `--device cuda`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moelab.engine.args import build_parser
+from moelab.engine.cli import _parse_overrides
+from moelab.engine.engine import Engine
+from moelab.engine.sampling import SamplingParams
+from moelab.engine.spec import ModelSpec
+from moelab.engine.synth import make_config
+
+
+def conversation(
+    engine: Engine, args: argparse.Namespace, seed: int
+) -> list[tuple[int, int, float]]:
+    """(prompt tokens, cached tokens, seconds to the first token) of each turn of a conversation
+    of random tokens drawn from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def words(n: int) -> list[int]:
+        return torch.randint(3, engine.spec.vocab_size, (n,), generator=gen).tolist()
+
+    prompt = words(args.system)
+    turns = []
+    for _ in range(args.turns):
+        prompt = prompt + words(args.question)
+        t0 = time.perf_counter()
+        seq = engine.add(prompt, SamplingParams(max_tokens=args.reply, ignore_eos=True))
+        while not seq.output_ids:
+            engine.step()
+        first = time.perf_counter() - t0
+        engine.run_until_idle()
+        turns.append((len(prompt), seq.cached_tokens, first))
+        prompt = prompt + seq.output_ids
+    return turns
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system", type=int, default=1024, help="system prompt tokens")
+    p.add_argument("--question", type=int, default=64, help="tokens each turn adds")
+    p.add_argument("--reply", type=int, default=32, help="tokens of each reply")
+    args, engine_flags = p.parse_known_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = None
+        path = args.model_path
+        if path is None:  # the preset's geometry, dummy weights (as `moelab bench`)
+            config = make_config("qwen3_moe", args.preset, _parse_overrides(args.set))
+            (Path(tmp) / "config.json").write_text(json.dumps(config))
+            path, spec = tmp, ModelSpec.from_config(config)
+            engine_flags = ["--dummy-weights", *engine_flags]
+        results = {}
+        for cached in (True, False):
+            flags = ["--model-path", path, "--bank-dir", f"{tmp}/bank", *engine_flags]
+            if not cached:
+                flags.append("--no-prefix-cache")
+            engine = Engine(build_parser().parse_args(flags), spec=spec)
+            try:
+                conversation(engine, args, 1)  # warm-up (other tokens: nothing to share)
+                results[cached] = conversation(engine, args, 7)
+            finally:
+                engine.close()
+    heads = ("turn", "prompt", "cached", "TTFT cached", "TTFT whole", "speed-up")
+    print("  ".join(f"{h:>11}" for h in heads))
+    for i, (with_cache, whole) in enumerate(zip(results[True], results[False], strict=True)):
+        (n, hit, on), off = with_cache, whole[2]
+        row = (i + 1, n, hit, f"{on * 1e3:.1f} ms", f"{off * 1e3:.1f} ms", f"{off / on:.1f}x")
+        print("  ".join(f"{v:>11}" for v in row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
