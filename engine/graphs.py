@@ -48,10 +48,8 @@ _LONG_ROWS = 7  # of the step's int64 inputs (`DecodeGraphs.__init__`)
 _INT_TAIL = 4  # rows of the int32 inputs after the block tables: sequence lengths, draws' floats
 
 
-def _greedy_floats() -> list[list[float]]:
-    """A greedy row's fp32 draw values (a column of the int32 block's last three rows)."""
-    inv_t, min_offset = GREEDY_ROW.device_values()
-    return [[inv_t], [GREEDY_ROW.top_p], [min_offset]]
+# a greedy row's fp32 draw values: a column of the int32 block's last three rows
+_GREEDY_FLOATS = [[value] for value in GREEDY_ROW.device_floats()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,14 +374,14 @@ class DecodeGraphs:
             if drawn:
                 d = row.draw
                 host_long[5, i], host_long[6, i] = d.seed, d.top_k
-                inv_t, min_offset = d.device_values()
-                floats[:, i] = inv_t, d.top_p, min_offset
+                floats[:, i] = d.device_floats()
         # padding rows: token 0 at position 0, KV into the scratch block, nothing to attend to
         # (and the top logit, where a row draws)
         host_long[1:, n:bs] = 0
         host_long[3, n:bs] = kv.pad_slot
         host_long[4, n:bs] = range(max_bs + n, max_bs + bs)
-        floats[:, n:bs] = _greedy_floats()
+        if drawn:
+            floats[:, n:bs] = _GREEDY_FLOATS
         seq_lens[n:bs] = 0
         self._send_inputs(host_long_t, host_int_t, bs)
         draw = self.draws[bs, any(r.draw.filtered for r in rows)] if drawn else None

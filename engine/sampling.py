@@ -133,14 +133,14 @@ class RowDraw(NamedTuple):
         """Whether the draw needs the logits sorted (top-k or top-p)."""
         return self.top_k > 0 or self.top_p < 1
 
-    def device_values(self) -> tuple[float, float]:
-        """What the device reads of the temperature and min-p: the inverse temperature (0: the
-        top logit) and min-p's offset from the top logit (-inf: off), T * ln(min_p), since
+    def device_floats(self) -> tuple[float, float, float]:
+        """What the device reads as floats: the inverse temperature (0: the top logit), top-p,
+        and min-p's offset from the top logit (-inf: off), T * ln(min_p), since
         p_i >= min_p * p_max is logit_i >= logit_max + T * ln(min_p)."""
         if self.temperature <= 0:
-            return 0.0, -math.inf
+            return 0.0, self.top_p, -math.inf
         offset = self.temperature * math.log(self.min_p) if self.min_p > 0 else -math.inf
-        return 1.0 / self.temperature, offset
+        return 1.0 / self.temperature, self.top_p, offset
 
 
 GREEDY_ROW = RowDraw(0.0, 0, 1.0, 0.0, 0)
@@ -200,16 +200,16 @@ def draw_tensors(
     draws: Sequence[RowDraw], positions: Sequence[int], device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """`draw_tokens`' per-row arguments (after the logits) from each row's draw and position."""
-    values = [d.device_values() for d in draws]
+    inv_t, top_p, min_offset = zip(*(d.device_floats() for d in draws), strict=True)
 
     def as_tensor(items, dtype) -> torch.Tensor:
         return torch.tensor(list(items), dtype=dtype, device=device)
 
     return (
-        as_tensor((v[0] for v in values), torch.float32),
+        as_tensor(inv_t, torch.float32),
         as_tensor((d.top_k for d in draws), torch.long),
-        as_tensor((d.top_p for d in draws), torch.float32),
-        as_tensor((v[1] for v in values), torch.float32),
+        as_tensor(top_p, torch.float32),
+        as_tensor(min_offset, torch.float32),
         as_tensor((d.seed for d in draws), torch.long),
         as_tensor(positions, torch.long),
     )
@@ -231,7 +231,7 @@ def draw_tokens(
     `inv_t` is 0, else a draw from the softmax of logits * inv_t, limited to the top_k (0: off)
     likeliest tokens, then to the fewest whose probability before the last one is within top_p,
     and to the tokens whose logit is at least the top one's plus `min_offset` (min-p; -inf: off;
-    `RowDraw.device_values`). The draw is kernels/draw.py's Gumbel-max, its noise a hash of the
+    `RowDraw.device_floats`). The draw is kernels/draw.py's Gumbel-max, its noise a hash of the
     row's seed and `position` (the drawn token's). Every argument is [n] on the logits' device
     (position int32 or int64); no value is read on the host, so a CUDA graph can hold the draw.
     filtered: whether any row has top_k or top_p (False skips the sort; None: read them, a sync).
