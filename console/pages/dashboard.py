@@ -36,7 +36,16 @@ def now_figures(stats: dict[str, Any] | None) -> dict[str, Any]:
         "hit_rate_60s": experts.get("hit_rate_60s"),
         "kv_tokens_used": kv.get("tokens_used"),
         "kv_tokens_total": kv.get("tokens_total"),
+        "prefix_cached_share": prefix_cached_share(kv.get("prefix_cache")),
     }
+
+
+def prefix_cached_share(prefix: dict[str, Any] | None) -> float | None:
+    """The share of the prompt tokens admitted so far that the prefix cache held (None before
+    any prompt, with the cache off, or from an engine that does not report it)."""
+    if not prefix or not prefix.get("enabled") or not prefix.get("prompt_tokens"):
+        return None
+    return prefix["cached_tokens"] / prefix["prompt_tokens"]
 
 
 def dashboard_data(daemon: Daemon, reveal: bool, minutes: int) -> dict[str, Any]:

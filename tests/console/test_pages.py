@@ -9,6 +9,7 @@ from html.parser import HTMLParser
 import pytest
 from starlette.testclient import TestClient
 
+from moelab.console.pages.dashboard import prefix_cached_share
 from moelab.daemon.service import Daemon
 
 from .conftest import LAN_HOST, MODES, Recorded, client_for, lan_client, local_client
@@ -158,6 +159,21 @@ def test_json_alternates_carry_what_the_pages_show(daemon: Daemon, recorded: Rec
     servers = client.get("/servers?format=json").json()
     crashed = next(s for s in servers["servers"] if s["id"] == recorded.crashed_id)
     assert crashed["exit_code"] == 3 and "out of memory" in crashed["log_tail"]
+
+
+def test_the_prefix_caches_share_of_the_prompt_tokens_is_shown_where_known(
+    daemon: Daemon, recorded: Recorded
+) -> None:
+    on = {"enabled": True, "prompt_tokens": 400, "cached_tokens": 300, "tokens_held": 512}
+    assert prefix_cached_share(on) == 0.75
+    # before any prompt, with the cache off, from an engine that does not report it: unknown
+    assert prefix_cached_share({**on, "prompt_tokens": 0}) is None
+    assert prefix_cached_share({**on, "enabled": False}) is None
+    assert prefix_cached_share(None) is None
+    # the recorded engine predates the figure: its card says so with a dash
+    html = get_page(local_client(daemon), "/", "en")
+    card = html[html.index("prompt tokens from the prefix cache") - 200 :]
+    assert '<span class="value">–</span><span class="label">prompt tokens from the prefix' in card
 
 
 def test_a_crashed_engine_shows_its_exit_code_and_last_lines(
