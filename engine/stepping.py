@@ -182,6 +182,8 @@ class Stepping:
         sampled_chunks = [c for c in chunks if c.completes_prompt]
         for c in chunks:
             c.seq.computed = c.start + c.count
+            if not decode:  # a long prompt's pages, named chunk by chunk as they are computed
+                self.scheduler.name_blocks(c.seq)
         seqs = [c.seq for c in sampled_chunks]
         tokens, logprobs = self.sampler.sample(logits, seqs)
         if decode:

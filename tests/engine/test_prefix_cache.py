@@ -126,3 +126,20 @@ def test_a_full_cache_gives_its_idle_pages_to_new_prompts(checkpoint):
         assert engine.scheduler.cached_tokens - before == 48
     finally:
         engine.close()
+
+
+def test_a_long_prompts_pages_are_named_chunk_by_chunk(checkpoint):
+    """A request admitted while a long prompt is still being prefilled takes the pages its
+    earlier chunks computed."""
+    engine = make_engine(checkpoint, "--prefill-chunk-tokens", "32")
+    try:
+        system = _prompt(60, 100)
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        first = engine.add(system + _prompt(61, 5), params)
+        engine.step()  # the first 32 tokens
+        engine.step()  # 64
+        second = engine.add(system + _prompt(62, 5), params)
+        engine.run_until_idle()
+    finally:
+        engine.close()
+    assert first.cached_tokens == 0 and second.cached_tokens == 64
