@@ -100,10 +100,16 @@ class Scheduler:
         while not self.paused and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             kv = self.kv
-            cached, chain = kv.match(seq.prompt_ids)
-            need = kv.blocks_for(seq.max_length) - len(cached)
-            if need > kv.free_blocks - kv.idle_among(cached):
+            need = kv.blocks_for(seq.max_length)
+            # what the cache could save at most: while even that leaves too few blocks, a
+            # waiting prompt is not matched again at every step
+            at_most = min(kv.cached_blocks, (len(seq.prompt_ids) - 1) // kv.block_size)
+            if need - at_most > kv.free_blocks:
                 break  # it waits until running sequences free their blocks
+            cached, chain = kv.match(seq.prompt_ids)
+            need -= len(cached)
+            if need > kv.free_blocks - kv.idle_among(cached):
+                break
             self.waiting.popleft()
             kv.hold(cached)
             seq.blocks = cached + kv.allocate(need)
