@@ -241,7 +241,7 @@ def parse_common(body: dict, chat: bool = False, defaults: dict[str, float] | No
         raise bad("model", "must be a string")
     seed = body.get("seed")
     if seed is not None:
-        seed = _number(body, "seed", None, integer=True)
+        seed = _number(body, "seed", None, lo=-(2**63), hi=2**63 - 1, integer=True)
     sampling = {
         name: _number(body, name, (defaults or {}).get(name, default), lo=lo, hi=hi,
                       integer=integer)

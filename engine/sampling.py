@@ -69,6 +69,8 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if not self.repetition_penalty > 0:
             raise ValueError("repetition_penalty must be above 0 (1: off)")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError("seed must fit in 64 bits (-2**63 to 2**63 - 1)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be None (off) or 0 to {MAX_TOP_LOGPROBS}")
 

@@ -157,7 +157,7 @@ def test_logprobs_are_the_models_own_before_any_adjustment():
 
 def test_bad_params_are_refused():
     for bad in (dict(min_p=1.5), dict(min_p=-0.1), dict(repetition_penalty=0.0),
-                dict(logprobs=21), dict(logprobs=-1)):  # fmt: skip
+                dict(logprobs=21), dict(logprobs=-1), dict(seed=2**63)):  # fmt: skip
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 

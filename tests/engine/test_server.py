@@ -197,6 +197,10 @@ def test_errors_are_openai_json_and_name_the_field(server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = _post(server, "/v1/completions", {"prompt": "x", "n": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = _post(server, "/v1/completions", {"prompt": "x", "seed": 2**64, "temperature": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    r = _post(server, "/v1/completions", {"prompt": "x", "seed": -(2**63), "max_tokens": 2})
+    assert r.status_code == 200  # the whole int64 range draws
 
 
 def test_logit_bias_penalties_and_min_p_reach_the_sampler(server, client, model):
