@@ -105,6 +105,20 @@ class SeqSlice:
 
 
 @dataclass(slots=True)
+class Scoring:
+    """Tokens of a step whose next token's log probability is wanted (a prompt's, scored): the
+    rows of those tokens [M], the next tokens [M], and how many of the likeliest tokens' to give
+    with each. The model sets the results."""
+
+    rows: torch.Tensor  # [M] long
+    targets: torch.Tensor  # [M] long
+    top: int
+    logprobs: torch.Tensor | None = None  # fp32 [M]: each target's log probability
+    top_values: torch.Tensor | None = None  # fp32 [M, top]
+    top_ids: torch.Tensor | None = None  # long [M, top]
+
+
+@dataclass(slots=True)
 class StepBatch:
     """The tokens of one forward step, flattened across sequences."""
 
@@ -116,6 +130,7 @@ class StepBatch:
     # decode steps: every sequence's pages [B, max_blocks] and cached tokens [B] (int32, device)
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    scoring: Scoring | None = None  # prefill steps: tokens whose next token is scored
 
     @property
     def decode(self) -> bool:
@@ -247,6 +262,8 @@ class Model:
             self._route(last, piece, w.layers[last], state)
             return
         x = self._next_norm(w.final_norm, state)
+        if batch.scoring is not None:
+            _score(x, w.lm_head, batch.scoring)
         x = x.index_select(0, batch.logits_index)
         state.logits = linear(x, w.lm_head).float()
 
@@ -462,6 +479,29 @@ class Model:
 
 
 _NO_TIMER = contextlib.nullcontext()
+
+
+# rows of the vocabulary's log-softmax a scoring step holds at once (as many as the memory plan
+# gives a step's logits: engine/memory.py, activation_bytes)
+SCORE_ROWS = 8
+
+
+def _score(x: torch.Tensor, lm_head: torch.Tensor, scoring: Scoring) -> None:
+    """Each scored row's log-softmax over the vocabulary, a few rows at a time, reduced to its
+    target's log probability and its likeliest tokens' (into `scoring`)."""
+    picked, values, ids = [], [], []
+    for start in range(0, scoring.rows.numel(), SCORE_ROWS):
+        rows = scoring.rows[start : start + SCORE_ROWS]
+        logp = torch.log_softmax(linear(x.index_select(0, rows), lm_head).float(), dim=-1)
+        targets = scoring.targets[start : start + SCORE_ROWS]
+        picked.append(logp.gather(1, targets[:, None])[:, 0])
+        if scoring.top:
+            top = logp.topk(scoring.top, dim=-1)
+            values.append(top.values)
+            ids.append(top.indices)
+    scoring.logprobs = torch.cat(picked)
+    if scoring.top:
+        scoring.top_values, scoring.top_ids = torch.cat(values), torch.cat(ids)
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

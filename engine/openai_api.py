@@ -81,6 +81,7 @@ class ParsedRequest:
     include_usage: bool
     ignore_eos: bool
     model: str | None
+    echo: bool = False  # completions: the prompt comes first in the text (and its logprobs)
     parse_tools: bool = False  # chat: tool calls taken out of the reply (tool_calls.py)
     # chat with --reasoning-parser think: whether the prompt opened the reply's reasoning
     # (reasoning.py); None: the reasoning stays in the text
@@ -98,6 +99,7 @@ class ParsedRequest:
             presence_penalty=self.presence_penalty,
             logit_bias=self.logit_bias,
             logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
@@ -122,11 +124,11 @@ def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False):
 MAX_LOGIT_BIAS = 300  # tokens a request may bias, as OpenAI's limit
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(body: dict, chat: bool) -> None:
     """Fields that would change what a request returns and that this server does not do:
     refused rather than ignored, each naming what was asked for."""
-    if body.get("echo"):
-        raise bad("echo", "echoing the prompt is not supported")
+    if chat and body.get("echo"):
+        raise bad("echo", "echo is a /v1/completions field")
     if body.get("suffix"):
         raise bad("suffix", "a suffix (insertion) is not supported")
     best_of = body.get("best_of")
@@ -208,14 +210,18 @@ def parse_common(body: dict, chat: bool = False, defaults: dict[str, float] | No
     checkpoint's, `generation_defaults`), else OpenAI's."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat)
     n = _number(body, "n", 1, lo=1, integer=True)
     if n != 1:
         raise bad("n", "only n=1 is supported")
+    echo = False if chat else body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise bad("echo", "must be true or false")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        max_tokens = _number({name: max_tokens}, name, None, lo=1, integer=True)
+        # 0 with echo: the prompt (and its log probabilities) alone, as for scoring
+        max_tokens = _number({name: max_tokens}, name, None, lo=0 if echo else 1, integer=True)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -261,6 +267,7 @@ def parse_common(body: dict, chat: bool = False, defaults: dict[str, float] | No
         include_usage=bool(options.get("include_usage", False)),
         ignore_eos=ignore_eos,
         model=model,
+        echo=echo,
     )
 
 
@@ -478,7 +485,11 @@ def completion_logprobs(entries: list[TokenLogprobs], names: TokenNames, offset:
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{names.token_text(t): lp for t, lp in e.top} for e in entries],
+        # (None: an echoed prompt's first token, which nothing predicts)
+        "top_logprobs": [
+            None if e.logprob is None else {names.token_text(t): lp for t, lp in e.top}
+            for e in entries
+        ],
         "text_offset": offsets,
     }
 

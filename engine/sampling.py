@@ -39,7 +39,9 @@ class SamplingParams:
     min_p (0: off) keeps the tokens at least that share of the likeliest one's probability.
     logprobs (None: off): each chosen token's log probability and that many of the likeliest
     tokens' (up to MAX_TOP_LOGPROBS), under the model's own distribution: the softmax of its
-    logits before any adjustment or temperature (`TokenLogprobs`)."""
+    logits before any adjustment or temperature (`TokenLogprobs`).
+    prompt_logprobs (None: off): the same for each prompt token after the first, given the
+    tokens before it (a prompt's score; its prefill then takes nothing from the prefix cache)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -55,6 +57,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -71,8 +74,10 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be above 0 (1: off)")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError("seed must fit in 64 bits (-2**63 to 2**63 - 1)")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be None (off) or 0 to {MAX_TOP_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be None (off) or 0 to {MAX_TOP_LOGPROBS}")
 
     @property
     def adjusts_logits(self) -> bool:
@@ -105,10 +110,11 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """A chosen token's log probability and the likeliest tokens' (most likely first)."""
+    """A chosen token's log probability and the likeliest tokens' (most likely first). None: a
+    prompt's first token, which nothing before it predicts."""
 
     token: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 

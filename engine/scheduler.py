@@ -31,6 +31,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     # each output token's log probabilities, where params.logprobs asks for them
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # each prompt token's after the first, where params.prompt_logprobs asks for them
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the cache (or being written by a step in flight)
     cached_tokens: int = 0  # of the prompt, taken from the prefix cache at admission
@@ -106,7 +108,9 @@ class Scheduler:
             at_most = min(kv.cached_blocks, (len(seq.prompt_ids) - 1) // kv.block_size)
             if need - at_most > kv.free_blocks:
                 break  # it waits until running sequences free their blocks
-            cached, chain = kv.match(seq.prompt_ids)
+            # a scored prompt computes every token: its logits are wanted
+            scored = seq.params.prompt_logprobs is not None
+            cached, chain = kv.match(seq.prompt_ids) if not scored else ([], 0)
             need -= len(cached)
             if need > kv.free_blocks - kv.idle_among(cached):
                 break

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from . import openai_api as api
 from .openai_api import ApiError
 from .reasoning import ReasoningStream, opened_by_prompt, split_reasoning
+from .sampling import TokenLogprobs
 from .tokenizer import ChatTemplateError, IncrementalDecoder
 from .tool_calls import ToolCallStream, split_reply
 from .worker import EngineWorker, QueueFull
@@ -240,7 +241,9 @@ class Server:
             raise api.bad("logit_bias", f"token ids {outside[:5]} are outside the vocabulary")
         context = engine.max_context
         room = context - len(ids)
-        max_tokens = parsed.max_tokens or min(api.DEFAULT_MAX_TOKENS, max(room, 1))
+        max_tokens = parsed.max_tokens
+        if max_tokens is None:
+            max_tokens = min(api.DEFAULT_MAX_TOKENS, max(room, 1))
         if len(ids) + max_tokens > context:
             raise ApiError(
                 400,
@@ -251,7 +254,8 @@ class Server:
                 code="context_length_exceeded",
             )
         try:
-            params = parsed.sampling(max_tokens)
+            # echo with max_tokens 0 (the prompt's score alone): one token, not handed out
+            params = parsed.sampling(max(max_tokens, 1))
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         req = EngineRequest(ids, params, asyncio.get_running_loop())
@@ -324,8 +328,14 @@ class Server:
         except asyncio.CancelledError:
             self.worker.cancel(req)
             raise
-        u = api.usage(prompt_tokens, self._completion_tokens(req, completion), _cached(req))
+        completion = self._completion_tokens(req, completion)
+        if parsed.max_tokens == 0:  # echo alone: the token drawn is not handed out
+            pieces, entries, completion, finish = [], [], 0, "length"
         text = "".join(pieces)
+        if parsed.echo:
+            text = _prompt_text(engine, parsed, req) + text
+            entries = _prompt_entries(req, parsed) + entries
+        u = api.usage(prompt_tokens, completion, _cached(req))
         logprobs = self._logprobs(engine, entries, chat, 0)
         if not chat:
             return JSONResponse(
@@ -359,7 +369,16 @@ class Server:
             tools = ToolCallStream() if parsed.parse_tools else None
             opened = parsed.think_opened
             thinking = ReasoningStream(opened) if opened is not None else None
+            echo = parsed.echo
             async for text, reason, logprobs in self._tokens(req, engine, parsed):
+                if echo:  # the prompt first, once its scores are in (with the first token)
+                    echo = False
+                    lp = self._logprobs(engine, _prompt_entries(req, parsed), chat, offset)
+                    prompt_text = _prompt_text(engine, parsed, req)
+                    offset += len(prompt_text)
+                    yield _sse(api.completion_chunk(rid, name, prompt_text, None, logprobs=lp))
+                if parsed.max_tokens == 0:  # echo alone: the token drawn is not handed out
+                    text, logprobs, reason = "", None, "length"
                 if logprobs is not None:
                     entries.append(logprobs)
                 if chat:
@@ -376,7 +395,8 @@ class Server:
                     yield _sse(api.completion_chunk(rid, name, text, reason, logprobs=lp))
             done = True
             if parsed.include_usage:
-                u = api.usage(prompt_tokens, self._completion_tokens(req, 0), _cached(req))
+                completion = 0 if parsed.max_tokens == 0 else self._completion_tokens(req, 0)
+                u = api.usage(prompt_tokens, completion, _cached(req))
                 maker = api.chat_chunk if chat else api.completion_chunk
                 yield _sse(maker(rid, name, {}, None, u) if chat else maker(rid, name, "", None, u))
             yield "data: [DONE]\n\n"
@@ -514,6 +534,23 @@ def _chat_deltas(
         deltas = [{}]
     last = len(deltas) - 1
     return [(delta, reason if i == last else None) for i, delta in enumerate(deltas)]
+
+
+def _prompt_text(engine, parsed: api.ParsedRequest, req: EngineRequest) -> str:
+    """An echoed prompt's text: as sent, or its token ids decoded ("" without a tokenizer)."""
+    if parsed.prompt_text is not None:
+        return parsed.prompt_text
+    tokenizer = engine.tokenizer
+    return tokenizer.decode(req.prompt_ids) if tokenizer is not None else ""
+
+
+def _prompt_entries(req: EngineRequest, parsed: api.ParsedRequest) -> list[TokenLogprobs]:
+    """An echoed prompt's log probabilities, where the request asked for them: its first token
+    with none, then each token's given the ones before it."""
+    if parsed.logprobs is None or req.seq is None:
+        return []
+    first = TokenLogprobs(req.seq.prompt_ids[0], None)
+    return [first, *req.seq.prompt_logprobs]
 
 
 def _cached(req: EngineRequest) -> int | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .graphs import DecodeRow
-from .model import SeqSlice, StepBatch
+from .model import Scoring, SeqSlice, StepBatch
 from .sampling import TokenLogprobs
 from .scheduler import Chunk, Sequence
 from .telemetry import StepTimer
@@ -166,13 +166,15 @@ class Stepping:
             and len(chunks) <= graphs.max_bs
         )
         self.model.timer = self.moe.timer = timer
+        batch = None
         try:
             if replay:
                 assert graphs is not None
                 logits = graphs.run([DecodeRow(c.seq.tokens[c.start], c.start, c.seq.blocks)
                                      for c in chunks])  # fmt: skip
             else:
-                logits = self.model.forward(self._batch(chunks))
+                batch = self._batch(chunks)
+                logits = self.model.forward(batch)
         except BaseException:
             self.moe.reset_prefill()
             raise
@@ -180,6 +182,8 @@ class Stepping:
             self.model.timer = self.moe.timer = None
         routing = self.moe.snapshot_decode_ids(len(chunks)) if decode else None
         sampled_chunks = [c for c in chunks if c.completes_prompt]
+        if not decode and batch is not None and batch.scoring is not None:
+            _hand_out_scores(chunks, batch.scoring)
         for c in chunks:
             c.seq.computed = c.start + c.count
             if not decode:  # a long prompt's pages, named chunk by chunk as they are computed
@@ -267,8 +271,54 @@ class Stepping:
             pages = self.kv.page_indices(blocks_and_lengths)
             for seq, seq_pages in zip(seqs, pages, strict=True):
                 seq.pages = seq_pages
+            batch.scoring = _scoring(chunks, dev)
         return batch
 
     def run_until_idle(self) -> None:
         while not self.idle:
             self.step()
+
+
+def _scored_positions(chunks: list[Chunk]) -> list[tuple[Chunk, int, int]]:
+    """(chunk, row in the step, position) of each prompt token whose next prompt token a
+    scored sequence (params.prompt_logprobs) wants the log probability of, in step order."""
+    out, row = [], 0
+    for c in chunks:
+        prompt = c.seq.prompt_ids
+        if c.seq.params.prompt_logprobs is not None:
+            out += [(c, row + p - c.start, p)
+                    for p in range(c.start, min(c.start + c.count, len(prompt) - 1))]  # fmt: skip
+        row += c.count
+    return out
+
+
+def _scoring(chunks: list[Chunk], dev: torch.device) -> Scoring | None:
+    """What a prefill step scores: each scored prompt token's next one (None: nothing)."""
+    scored = _scored_positions(chunks)
+    if not scored:
+        return None
+    rows = [row for _, row, _ in scored]
+    targets = [c.seq.prompt_ids[p + 1] for c, _, p in scored]
+    top = max(c.seq.params.prompt_logprobs or 0 for c, _, _ in scored)
+    return Scoring(
+        torch.tensor(rows, dtype=torch.long, device=dev),
+        torch.tensor(targets, dtype=torch.long, device=dev),
+        top,
+    )
+
+
+def _hand_out_scores(chunks: list[Chunk], scoring: Scoring) -> None:
+    """Append each scored prompt token's log probabilities to its sequence."""
+    assert scoring.logprobs is not None
+    logprobs = scoring.logprobs.tolist()
+    values = scoring.top_values.tolist() if scoring.top_values is not None else None
+    ids = scoring.top_ids.tolist() if scoring.top_ids is not None else None
+    for i, (c, _, p) in enumerate(_scored_positions(chunks)):
+        seq = c.seq
+        wanted = seq.params.prompt_logprobs or 0
+        top = (
+            ()
+            if values is None or ids is None
+            else tuple(zip(ids[i][:wanted], values[i][:wanted], strict=True))
+        )
+        seq.prompt_logprobs.append(TokenLogprobs(seq.prompt_ids[p + 1], logprobs[i], top))

@@ -263,3 +263,27 @@ def test_resident_prefill_never_waits_for_the_device(tmp_path, head_dim, cached)
         kv.release(blocks)
     finally:
         engine.close()
+
+
+def test_a_prompts_scores_are_transformers_log_softmax_in_any_chunks(reference):
+    """prompt_logprobs: each prompt token's log probability given the tokens before it, with the
+    likeliest tokens', as transformers' log-softmax over one pass, whatever the chunking."""
+    _arch, model, _engine, path = reference
+    ids = prompt(6, 30)
+    expected = torch.log_softmax(hf_logits(model, ids), dim=-1)
+    for chunk in ("7", "2048"):
+        engine = make_engine(path, "--prefill-chunk-tokens", chunk)
+        try:
+            # a cached prefix first: a scored prompt computes every token anyway
+            engine.generate([ids], SamplingParams(max_tokens=1))
+            seq = engine.add(ids, SamplingParams(max_tokens=1, prompt_logprobs=3))
+            engine.run_until_idle()
+        finally:
+            engine.close()
+        assert seq.cached_tokens == 0
+        assert [e.token for e in seq.prompt_logprobs] == ids[1:]
+        for p, entry in enumerate(seq.prompt_logprobs):
+            assert entry.logprob == pytest.approx(expected[p, ids[p + 1]].item(), abs=1e-4)
+            values, tokens = expected[p].topk(3)
+            assert [t for t, _ in entry.top] == tokens.tolist()
+            assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)

@@ -240,7 +240,9 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(server):
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
         ("/v1/completions", {"logprobs": True}, "logprobs"),
-        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"echo": "yes"}, "echo"),
+        ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
@@ -306,6 +308,45 @@ def test_logprobs_in_chat_and_completions_streamed_or_not(server, client, model)
     # without the field, none
     plain = client.completions.create(model="tiny-moe", prompt="The harbour", max_tokens=2)
     assert plain.choices[0].logprobs is None
+
+
+def test_echo_gives_the_prompt_and_its_scores_before_the_completion(server, client, model):
+    """echo (lm-evaluation-harness's way of scoring a text): the prompt's text first, with each
+    prompt token's log probability given the ones before it (the first has none); max_tokens 0
+    gives the prompt alone."""
+    tok = Tokenizer(model)
+    prompt = "The harbour was quiet that night"
+    ids = tok.encode(prompt)
+    scored = client.completions.create(model="tiny-moe", prompt=prompt, max_tokens=0, echo=True,
+                                       logprobs=2)  # fmt: skip
+    choice = scored.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == [tok.token_text(i) for i in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(p <= 0 for p in lp.token_logprobs[1:])
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert scored.usage.prompt_tokens == len(ids) and scored.usage.completion_tokens == 0
+    # with a completion: the prompt, then what the same request without echo gives
+    kwargs = dict(model="tiny-moe", prompt=prompt, max_tokens=5, temperature=0, logprobs=1)
+    plain = client.completions.create(**kwargs).choices[0]
+    echoed = client.completions.create(**kwargs, echo=True).choices[0]
+    assert echoed.text == prompt + plain.text
+    assert echoed.logprobs.tokens == lp.tokens + plain.logprobs.tokens
+    assert echoed.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(
+        lp.token_logprobs[1:], abs=1e-4
+    )
+    # streamed: the prompt's chunk first, then the completion's
+    chunks = list(client.completions.create(**kwargs, echo=True, stream=True))
+    assert chunks[0].choices[0].text == prompt
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.text
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.tokens]  # fmt: skip
+    assert streamed == echoed.logprobs.tokens
+    # a prompt of token ids is echoed as its text
+    by_ids = client.completions.create(model="tiny-moe", prompt=ids, max_tokens=0, echo=True)
+    assert by_ids.choices[0].text == tok.decode(ids)
 
 
 def test_context_length_exceeded_gives_both_numbers(server):
