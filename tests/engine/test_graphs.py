@@ -772,6 +772,15 @@ def test_cancel_and_sampled_requests_while_a_step_is_in_flight(checkpoint):
     assert len(sampled.output_logprobs) == 5 and not any(in_flight)
 
 
+def _steps_in_flight(engine) -> int:
+    """Step the engine until it is idle; how many steps left one in flight."""
+    in_flight = 0
+    while not engine.idle:
+        engine.step()
+        in_flight += engine._flight is not None
+    return in_flight
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_overlapped_decode_on_cuda_gives_the_tokens_of_eager_steps(checkpoint):
     flags = ("--device", "cuda")
@@ -782,13 +791,10 @@ def test_overlapped_decode_on_cuda_gives_the_tokens_of_eager_steps(checkpoint):
     finally:
         eager.close()
     engine = make_engine(checkpoint, *flags)
-    in_flight = 0
     try:
         assert engine.config_in_force()["cuda_graph_mode"] == "whole"
         seqs = _mixed_requests(engine, None)
-        while not engine.idle:
-            engine.step()
-            in_flight += engine._flight is not None
+        in_flight = _steps_in_flight(engine)
     finally:
         engine.close()
     assert in_flight > 10
@@ -810,15 +816,12 @@ def test_drawn_tokens_on_cuda_are_the_host_samplers(checkpoint, pieces):
     finally:
         synchronous.close()
     engine = make_engine(checkpoint, *flags)
-    in_flight = 0
     try:
         mode = engine.config_in_force()["cuda_graph_mode"]
         assert mode == ("piecewise" if pieces else "whole")
         replays = _counting_draws(engine)
         seqs = _drawn_requests(engine)
-        while not engine.idle:
-            engine.step()
-            in_flight += engine._flight is not None
+        in_flight = _steps_in_flight(engine)
     finally:
         engine.close()
     assert [s.output_ids for s in seqs] == expected
