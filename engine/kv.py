@@ -12,7 +12,7 @@ block is never written while another sequence may read it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -21,8 +21,16 @@ from .spec import ModelSpec
 BlockName = tuple[int, tuple[int, ...]]  # (the parent's name hashed, 0 for none; the tokens)
 
 
-def block_name(parent: int, tokens: Sequence[int]) -> BlockName:
-    return parent, tuple(tokens)
+def block_names(
+    tokens: Sequence[int], size: int, first: int, last: int, parent: int
+) -> Iterator[tuple[BlockName, int]]:
+    """The names of blocks first..last-1 of `tokens` in blocks of `size`, the chain starting
+    from `parent` (block first-1's name hashed, 0 for none), each with its own name hashed: the
+    one chain both naming (the scheduler) and matching (`KVCache.match`) walk."""
+    for i in range(first, last):
+        name = parent, tuple(tokens[i * size : (i + 1) * size])
+        parent = hash(name)
+        yield name, parent
 
 
 class KVCache:
@@ -119,18 +127,17 @@ class KVCache:
         at least its last token to compute (a step needs one to give logits), and the last
         one's name hashed (0 for none). Nothing is taken yet (`hold`)."""
         blocks: list[int] = []
-        parent = 0
+        chain = 0
         if not self.prefix_cache:
-            return blocks, parent
+            return blocks, chain
         size = self.block_size
-        for start in range(0, (len(tokens) - 1) // size * size, size):
-            name = block_name(parent, tokens[start : start + size])
+        for name, hashed in block_names(tokens, size, 0, (len(tokens) - 1) // size, 0):
             block = self._named.get(name)
             if block is None:
                 break
             blocks.append(block)
-            parent = hash(name)
-        return blocks, parent
+            chain = hashed
+        return blocks, chain
 
     def idle_among(self, blocks: list[int]) -> int:
         """How many of `blocks` are idle (counted in `free_blocks` until held)."""

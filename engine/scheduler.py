@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .kv import KVCache, block_name
+from .kv import KVCache, block_names
 from .sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
@@ -155,11 +155,10 @@ class Scheduler:
         full = min(seq.computed, seq.length) // size
         if seq.named_blocks >= full or not self.kv.prefix_cache:
             return
-        tokens = seq.tokens
-        for i in range(seq.named_blocks, full):
-            name = block_name(seq.chain, tokens[i * size : (i + 1) * size])
-            self.kv.name(seq.blocks[i], name)
-            seq.chain = hash(name)
+        names = block_names(seq.tokens, size, seq.named_blocks, full, seq.chain)
+        for block, (name, chain) in zip(seq.blocks[seq.named_blocks : full], names, strict=True):
+            self.kv.name(block, name)
+            seq.chain = chain
         seq.named_blocks = full
 
     def finish(self, seq: Sequence, reason: str) -> None:

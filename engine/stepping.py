@@ -182,7 +182,7 @@ class Stepping:
             self.model.timer = self.moe.timer = None
         routing = self.moe.snapshot_decode_ids(len(chunks)) if decode else None
         sampled_chunks = [c for c in chunks if c.completes_prompt]
-        if not decode and batch is not None and batch.scoring is not None:
+        if batch is not None and batch.scoring is not None:  # (a prefill's)
             _hand_out_scores(chunks, batch.scoring)
         for c in chunks:
             c.seq.computed = c.start + c.count

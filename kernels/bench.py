@@ -511,12 +511,13 @@ class Bench:
         args = draw_tensors(draws, list(range(100, 100 + tokens)), logits.device)
         inv_t, _, _, _, seed, position = args
         threshold = torch.full((tokens,), -math.inf, device=DEVICE)
-        kernel = (draw.gumbel_argmax_triton, draw.gumbel_argmax_ref)
-        calls = [partial(f, logits, inv_t, threshold, seed, position) for f in kernel]
         if filtered:
-            calls = [partial(draw_tokens, logits, *args, filtered=True)]
-        time_us = graph_us_per_call([calls[0]] * 8)
-        ref_us = graph_us_per_call([calls[1]] * 8) if len(calls) > 1 else None
+            call, ref = partial(draw_tokens, logits, *args, filtered=True), None
+        else:
+            call, ref = (partial(f, logits, inv_t, threshold, seed, position)
+                         for f in (draw.gumbel_argmax_triton, draw.gumbel_argmax_ref))  # fmt: skip
+        time_us = graph_us_per_call([call] * 8)
+        ref_us = graph_us_per_call([ref] * 8) if ref is not None else None
         name = "draw_top_p" if filtered else "draw"
         # per token: the score's multiply and add, the noise's two logs, negations and scale
         flops = 8 * tokens * VOCAB

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.engine.kv import KVCache, block_name
+from moelab.engine.kv import KVCache, block_names
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.spec import ModelSpec
 from moelab.engine.synth import make_config
@@ -23,11 +23,8 @@ def _kv(blocks: int, prefix_cache: bool = True) -> KVCache:
 
 def _named(kv: KVCache, blocks: list[int], tokens: list[int]) -> None:
     """Name `blocks` as a sequence of `tokens` would (the scheduler's chain)."""
-    parent = 0
-    for i, block in enumerate(blocks):
-        name = block_name(parent, tokens[4 * i : 4 * i + 4])
+    for block, (name, _) in zip(blocks, block_names(tokens, 4, 0, len(blocks), 0), strict=True):
         kv.name(block, name)
-        parent = hash(name)
 
 
 def test_a_prompt_matches_whole_named_pages_from_its_start_leaving_its_last_token():
