@@ -86,6 +86,12 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 "--top-p", type=float, default=1.0, help="with --temperature: the draws' top-p"
             )
             p.add_argument(
+                "--top-k",
+                type=int,
+                default=0,
+                help="with --temperature: the draws' top-k (0: off; Qwen3 recommends 20)",
+            )
+            p.add_argument(
                 "--repeats",
                 type=_positive_int,
                 default=1,
@@ -570,6 +576,7 @@ def _decode(engine, args, sides: Sides | None = None) -> dict:
         **median,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "draw_top_k": args.top_k,  # top_k: the experts each token routes to
         "cuda_graphs": config["cuda_graph_mode"],
         "pdl": config["pdl"],
         "runs": [{k: run[k] for k in fields} for run in runs],
@@ -649,13 +656,14 @@ _TIMED_FIELDS = (
 
 
 def _params(args, max_tokens: int):
-    """The decode runs' sampling: greedy, or drawn at --temperature and --top-p (each sequence
-    seeded apart by the engine's --seed)."""
+    """The decode runs' sampling: greedy, or drawn at --temperature, --top-p and --top-k (each
+    sequence seeded apart by the engine's --seed)."""
     from .sampling import SamplingParams
 
     return SamplingParams(
-        max_tokens=max_tokens, ignore_eos=True, temperature=args.temperature, top_p=args.top_p
-    )
+        max_tokens=max_tokens, ignore_eos=True, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k,
+    )  # fmt: skip
 
 
 def _drawn_words(args) -> str:
@@ -663,7 +671,8 @@ def _drawn_words(args) -> str:
     if not args.temperature:
         return ""
     top_p = f", top-p {args.top_p:g}" if args.top_p < 1 else ""
-    return f", drawn at temperature {args.temperature:g}{top_p}"
+    top_k = f", top-k {args.top_k}" if args.top_k else ""
+    return f", drawn at temperature {args.temperature:g}{top_p}{top_k}"
 
 
 def _timed_decode(engine, args, prompts: list[list[int]], profile: bool) -> dict:
@@ -962,7 +971,7 @@ def _run(args: argparse.Namespace) -> int:
         print("moelab bench decode: --trace needs --kernel-profile", file=sys.stderr)
         return 2
     if args.bench == "decode":
-        try:  # a wrong --temperature or --top-p, before the model loads
+        try:  # a wrong --temperature, --top-p or --top-k, before the model loads
             _params(args, 1)
         except ValueError as err:
             print(f"moelab bench decode: {err}", file=sys.stderr)

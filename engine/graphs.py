@@ -40,7 +40,7 @@ from ..kernels.common import inline_ptx
 from ..kernels.host_handoff import tokens_to_host
 from .h2d import HostToDevice
 from .model import Model, SeqSlice, StepBatch, StepState
-from .sampling import GREEDY_ROW, RowDraw, draw_tokens
+from .sampling import GREEDY_ROW, Cut, RowDraw, draw_tokens
 
 log = logging.getLogger("moelab.graphs")
 
@@ -196,9 +196,9 @@ class DecodeGraphs:
         # piecewise: per size, each piece's (head, piece) graph execs for the native planner to
         # launch (`stage_decode`'s launch; head 0 for piece 0); None where a graph has none
         self.execs: dict[int, list[tuple[int, int]] | None] = {}
-        # per (batch size, filtered): the graph that draws every row's token after a step
-        # (`_draw`); filtered: with the sort for top-k and top-p
-        self.draws: dict[tuple[int, bool], Graph] = {}
+        # per (batch size, cut): the graph that draws every row's token after a step (`_draw`),
+        # cut: what of the sorted logits the rows' filters read (sampling.Cut)
+        self.draws: dict[tuple[int, Cut], Graph] = {}
         self.pool: object | None = None
 
     def _batch(self, bs: int) -> StepBatch:
@@ -216,7 +216,7 @@ class DecodeGraphs:
         """The greedy next token of every row, kept on the device for the next replay."""
         torch.argmax(logits, dim=-1, out=self.sampled[:bs])
 
-    def _draw(self, bs: int, filtered: bool, logits: torch.Tensor) -> Outputs:
+    def _draw(self, bs: int, cut: Cut, logits: torch.Tensor) -> Outputs:
         """Every row's next token drawn by its `RowDraw` (the top logit where it has none), over
         the greedy ones the step took, and where pieces are captured into the host's buffer as
         the last piece stores them. A row's position for its noise is its sequence length."""
@@ -224,7 +224,7 @@ class DecodeGraphs:
         draw_tokens(
             logits[:bs], self._inv_t[rows], self._top_k[rows], self._top_p[rows],
             self._min_offset[rows], self._seeds[rows], self.seq_lens[rows],
-            out=self.sampled[rows], filtered=filtered,
+            out=self.sampled[rows], cut=cut,
         )  # fmt: skip
         if self.piecewise:
             tokens_to_host(self.sampled[rows], self._tokens_host[rows])
@@ -309,8 +309,8 @@ class DecodeGraphs:
                             self._head(bs, state)
                         self._work(bs, piece, state)()
                     assert state.logits is not None
-                    for filtered in (False, True):
-                        self._draw(bs, filtered, state.logits)
+                    for cut in Cut:
+                        self._draw(bs, cut, state.logits)
         if stream is not None:
             torch.cuda.current_stream(model.device).wait_stream(stream)
         for bs in sorted(self.sizes, reverse=True):
@@ -332,11 +332,11 @@ class DecodeGraphs:
             # the outputs stay referenced: their memory is where every replay writes them
             self.graphs[bs], self.heads[bs], self.outputs[bs] = graphs, heads, outputs
             self.execs[bs] = _execs(graphs, heads) if self.piecewise else None
-            for filtered in (False, True):
+            for cut in Cut:
                 graph = self._graph_factory(self.pool)
-                graph.capture(partial(self._draw, bs, filtered, self._logits(bs, bs)))
+                graph.capture(partial(self._draw, bs, cut, self._logits(bs, bs)))
                 self.pool = graph.pool
-                self.draws[bs, filtered] = graph
+                self.draws[bs, cut] = graph
         if cuda:
             torch.cuda.synchronize(model.device)
         log.info(
@@ -384,7 +384,7 @@ class DecodeGraphs:
             floats[:, n:bs] = _GREEDY_FLOATS
         seq_lens[n:bs] = 0
         self._send_inputs(host_long_t, host_int_t, bs)
-        draw = self.draws[bs, any(r.draw.filtered for r in rows)] if drawn else None
+        draw = self.draws[bs, max(r.draw.cut for r in rows)] if drawn else None
         graphs, heads = self.graphs[bs], self.heads[bs]
         experts = self.model.experts
         execs = self.execs.get(bs)

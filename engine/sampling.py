@@ -12,6 +12,7 @@ engine/graphs.py), and after a preemption recomputes it.
 
 from __future__ import annotations
 
+import enum
 import math
 import random
 from collections.abc import Sequence
@@ -23,6 +24,17 @@ import torch
 from ..kernels.draw import gumbel_argmax
 
 MAX_TOP_LOGPROBS = 20
+# the widest top_k whose draw takes the logits' torch.topk of this width, not a vocabulary sort
+TOP_K_WIDTH = 128
+
+
+class Cut(enum.IntEnum):
+    """What a draw's filters read of the sorted logits (`draw_tokens`); a batch takes its rows'
+    widest."""
+
+    TOP = 0  # min-p at most: the top logit (one amax)
+    NARROW = 1  # top_k within TOP_K_WIDTH (top-p inside it): torch.topk of that width
+    SORT = 2  # top-p over a wider top_k or none: the vocabulary sorted
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +149,11 @@ class RowDraw(NamedTuple):
     seed: int
 
     @property
-    def filtered(self) -> bool:
-        """Whether the draw needs the logits sorted (top-k or top-p)."""
-        return self.top_k > 0 or self.top_p < 1
+    def cut(self) -> Cut:
+        """What of the sorted logits the draw's filters read."""
+        if 0 < self.top_k <= TOP_K_WIDTH:
+            return Cut.NARROW
+        return Cut.SORT if self.top_k > 0 or self.top_p < 1 else Cut.TOP
 
     def device_floats(self) -> tuple[float, float, float]:
         """What the device reads as floats: the inverse temperature (0: the top logit), top-p,
@@ -194,8 +208,9 @@ class Sampler:
                                 for r, s in zip(raw, seqs, strict=True)])  # fmt: skip
         draws = [self.row_draw(s) for s in seqs]
         positions = [len(s.prompt_ids) + len(s.output_ids) for s in seqs]
-        # on the logits' device: a vocabulary-sized sort where a row filters, one small sync
-        tokens = draw_tokens(rows, *draw_tensors(draws, positions, rows.device)).tolist()
+        # on the logits' device (a top-k or a vocabulary sort where a row filters), one small sync
+        cut = max(d.cut for d in draws)
+        tokens = draw_tokens(rows, *draw_tensors(draws, positions, rows.device), cut=cut).tolist()
         logprobs = [None if s.params.logprobs is None else token_logprobs(r, t, s.params.logprobs)
                     for r, t, s in zip(raw, tokens, seqs, strict=True)]  # fmt: skip
         return tokens, logprobs
@@ -233,7 +248,7 @@ def draw_tokens(
     position: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
-    filtered: bool | None = None,
+    cut: Cut | None = None,
 ) -> torch.Tensor:
     """One token per row of `logits` [n, V]: the top logit where the row's inverse temperature
     `inv_t` is 0, else a draw from the softmax of logits * inv_t, limited to the top_k (0: off)
@@ -242,27 +257,52 @@ def draw_tokens(
     `RowDraw.device_floats`). The draw is kernels/draw.py's Gumbel-max, its noise a hash of the
     row's seed and `position` (the drawn token's). Every argument is [n] on the logits' device
     (position int32 or int64); no value is read on the host, so a CUDA graph can hold the draw.
-    filtered: whether any row has top_k or top_p (False skips the sort; None: read them, a sync).
+    cut: the widest of the rows' `RowDraw.cut` (a narrower one draws wrongly; None: read the
+    rows, a sync). A row's tokens do not depend on the cut its batch takes: a row with top_k
+    within TOP_K_WIDTH takes its threshold from that many sorted logits under either cut.
     Returns int64 [n] (into `out` where given)."""
     logits = logits.float()
-    if filtered is None:
-        filtered = bool(((top_k > 0) | (top_p < 1)).any())
-    if filtered:
-        vocab = logits.shape[1]
+    vocab = logits.shape[1]
+    width = min(TOP_K_WIDTH, vocab)
+    narrow = (top_k > 0) & (top_k <= TOP_K_WIDTH)
+    if cut is None:
+        cut = Cut.SORT if bool((~narrow & ((top_k > 0) | (top_p < 1))).any()) else (
+            Cut.NARROW if bool(narrow.any()) else Cut.TOP)  # fmt: skip
+    top = logits.amax(dim=-1) if cut is Cut.TOP else None
+    if cut is Cut.NARROW:
+        ordered = torch.topk(logits, width, dim=-1).values
+        top = ordered[:, 0]
+        # a row that does not filter keeps what min-p keeps
+        threshold = torch.where(narrow, _threshold(ordered, inv_t, top_k, top_p), -math.inf)
+    elif cut is Cut.SORT:
         ordered = torch.sort(logits, dim=-1, descending=True).values
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-        ranks = torch.arange(vocab, device=logits.device)
-        in_k = ranks[None, :] < k[:, None]
-        probs = torch.softmax((ordered * inv_t[:, None]).masked_fill(~in_k, -math.inf), dim=-1)
-        before = probs.cumsum(dim=-1) - probs
-        kept = torch.where(top_p[:, None] < 1, in_k & (before <= top_p[:, None]), in_k)
-        last = kept.sum(dim=-1, keepdim=True).clamp(min=1) - 1
-        threshold = torch.maximum(ordered.gather(1, last), ordered[:, :1] + min_offset[:, None])
-        # a greedy row keeps every token (its softmax above was of zeros)
-        threshold = torch.where(inv_t[:, None] > 0, threshold, -math.inf)[:, 0]
-    else:  # min-p alone (greedy rows' offset is -inf)
-        threshold = logits.amax(dim=-1) + min_offset
+        top = ordered[:, 0]
+        threshold = torch.where(
+            narrow,
+            _threshold(ordered[:, :width].contiguous(), inv_t, top_k, top_p),
+            _threshold(ordered, inv_t, top_k, top_p),
+        )
+    else:
+        threshold = torch.full_like(top, -math.inf)
+    threshold = torch.maximum(threshold, top + min_offset)
+    # a greedy row keeps every token (min-p's offset is -inf there too)
+    threshold = torch.where(inv_t > 0, threshold, -math.inf)
     return gumbel_argmax(logits, inv_t, threshold, seed, position, out)
+
+
+def _threshold(
+    ordered: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Each row's least kept logit under its top-k and top-p (`draw_tokens`), from the row's
+    likeliest logits sorted [n, W]: top-k caps at W (0: W), top-p counts within the top-k."""
+    width = ordered.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=width), width)
+    in_k = torch.arange(width, device=ordered.device)[None, :] < k[:, None]
+    probs = torch.softmax((ordered * inv_t[:, None]).masked_fill(~in_k, -math.inf), dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    kept = torch.where(top_p[:, None] < 1, in_k & (before <= top_p[:, None]), in_k)
+    last = kept.sum(dim=-1, keepdim=True).clamp(min=1) - 1
+    return ordered.gather(1, last)[:, 0]
 
 
 def adjust_logits(row: torch.Tensor, seq: Sampled) -> torch.Tensor:

@@ -498,27 +498,28 @@ class Bench:
             ref_us,
         )
 
-    def draw(self, tokens: int, filtered: bool) -> None:
-        """A decode step's token draws over the 30B geometry's vocabulary (fp32 logits): the
-        Gumbel-max kernels, beside their torch reference; with `filtered`, the whole device draw
-        at top-p 0.95 (engine/sampling.py's draw_tokens: torch's sort and the thresholds, then
-        the kernels), as the decode graphs replay it."""
+    def draw(self, tokens: int, cut: str) -> None:
+        """A decode step's token draws over the 30B geometry's vocabulary (fp32 logits). cut
+        "top": the Gumbel-max kernels, beside their torch reference. "top_k" and "top_p": the
+        whole device draw (engine/sampling.py's draw_tokens, as the decode graphs replay it) at
+        Qwen3's defaults, top-k 20 and top-p 0.95 (torch.topk of sampling.TOP_K_WIDTH), and at
+        top-p 0.95 alone (torch's vocabulary sort)."""
         from ..engine.sampling import RowDraw, draw_tensors, draw_tokens
 
         logits = self.randn(tokens, VOCAB).float()
-        top_p = 0.95 if filtered else 1.0
-        draws = [RowDraw(0.8, 0, top_p, 0.0, seed) for seed in range(tokens)]
+        top_k, top_p = {"top": (0, 1.0), "top_k": (20, 0.95), "top_p": (0, 0.95)}[cut]
+        draws = [RowDraw(0.8, top_k, top_p, 0.0, seed) for seed in range(tokens)]
         args = draw_tensors(draws, list(range(100, 100 + tokens)), logits.device)
         inv_t, _, _, _, seed, position = args
         threshold = torch.full((tokens,), -math.inf, device=DEVICE)
-        if filtered:
-            call, ref = partial(draw_tokens, logits, *args, filtered=True), None
-        else:
+        if cut == "top":
             call, ref = (partial(f, logits, inv_t, threshold, seed, position)
                          for f in (draw.gumbel_argmax_triton, draw.gumbel_argmax_ref))  # fmt: skip
+        else:
+            call, ref = partial(draw_tokens, logits, *args, cut=draws[0].cut), None
         time_us = graph_us_per_call([call] * 8)
         ref_us = graph_us_per_call([ref] * 8) if ref is not None else None
-        name = "draw_top_p" if filtered else "draw"
+        name = "draw" if cut == "top" else f"draw_{cut}"
         # per token: the score's multiply and add, the noise's two logs, negations and scale
         flops = 8 * tokens * VOCAB
         self.add(name, f"T={tokens} V={VOCAB}", time_us, tokens * VOCAB * 4, flops, ref_us)
@@ -635,8 +636,8 @@ def run(
                 bench.linear(tokens, name)
     if "draw" in wanted:
         for tokens in (1, 8):
-            for filtered in (False, True):
-                bench.draw(tokens, filtered)
+            for cut in ("top", "top_k", "top_p"):
+                bench.draw(tokens, cut)
     if sweep:
         for block_n, block_k, down_n, warps, stages in (
             (16, 128, 16, 4, 4),

@@ -91,16 +91,18 @@ if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: th
   run drawn_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_graphs.py -k "draw or overlapped_decode_on_cuda"
   run drawn_kernels python3 -m moelab.kernels.bench --only draw
-  D="--temperature 0.8 --top-p 0.95"
+  D="--temperature 0.8 --top-p 0.95"  # the sort's cut
+  Q="--temperature 0.6 --top-p 0.95 --top-k 20"  # Qwen3's defaults: the top-k's cut
   for b in 1 8; do
     run drawn_resident_b${b}_greedy $B decode $G --routing-skew 1 --batch $b --json
     run drawn_resident_b${b} $B decode $G --routing-skew 1 --batch $b $D --json
-    run drawn_resident_b${b}_host $B decode $G --routing-skew 1 --batch $b $D --json \
+    run drawn_resident_b${b}_top_k $B decode $G --routing-skew 1 --batch $b $Q --json
+    run drawn_resident_b${b}_host $B decode $G --routing-skew 1 --batch $b $Q --json \
       --no-overlap-decode
   done
   run drawn_cache25_greedy $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json
-  run drawn_cache25 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $D --json
-  run drawn_cache25_host $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $D --json \
+  run drawn_cache25_top_k $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $Q --json
+  run drawn_cache25_host $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $Q --json \
     --no-overlap-decode
 fi
 if [ "$part" = prefix ]; then  # a multi-turn chat's time to first token, with the prefix cache

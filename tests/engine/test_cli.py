@@ -214,14 +214,15 @@ def test_bench_decode_repeats_report_each_run_and_the_median_runs_figures():
 
 def test_bench_decode_draws_its_tokens_at_a_temperature():
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2"]
-    r = moelab(*flags, "--temperature", "0.8", "--top-p", "0.9", "--json")
+    r = moelab(*flags, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--json")
     result = json.loads(r.stdout)
-    assert result["temperature"] == 0.8 and result["top_p"] == 0.9
-    assert "at batch 1, drawn at temperature 0.8, top-p 0.9 (" in r.stderr
+    assert result["temperature"] == 0.8 and result["top_p"] == 0.9 and result["draw_top_k"] == 20
+    assert "at batch 1, drawn at temperature 0.8, top-p 0.9, top-k 20 (" in r.stderr
     greedy = moelab(*flags, "--json")
     assert json.loads(greedy.stdout)["temperature"] == 0 and "drawn" not in greedy.stderr
     for wrong, said in ((["--temperature", "-1"], "temperature must be 0 or more"),
-                        (["--top-p", "0"], "top_p must be in (0, 1]")):  # fmt: skip
+                        (["--top-p", "0"], "top_p must be in (0, 1]"),
+                        (["--top-k", "-1"], "top_k must be 0 (off) or more")):  # fmt: skip
         refused = moelab(*flags, *wrong, check=False)
         assert refused.returncode == 2 and said in refused.stderr
         assert "Traceback" not in refused.stderr and "VRAM plan" not in refused.stderr

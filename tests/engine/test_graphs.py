@@ -18,7 +18,7 @@ from moelab.engine.graphs import DecodeGraphs
 from moelab.engine.h2d import QUERY_FUNCTION, address_of, host_functions, host_launch_functions
 from moelab.engine.miss_plan import Dispatch
 from moelab.engine.moe_stats import StagedStepTimes
-from moelab.engine.sampling import SamplingParams
+from moelab.engine.sampling import Cut, SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import host_handoff, paged_attention
 from moelab.kernels.common import compiled_variants
@@ -680,8 +680,9 @@ def test_overlapped_decode_gives_the_tokens_of_synchronous_steps(checkpoint):
 
 
 def _drawn_requests(engine) -> list:
-    """Seeded requests whose tokens are drawn (with and without top-k, top-p and min-p) beside a
-    greedy one, ending at different steps."""
+    """Seeded requests whose tokens are drawn beside a greedy one, ending at different steps:
+    the batch's widest cut (sampling.Cut) is the sort while the top-p request runs, then the
+    top-k one's, then the top logit's."""
 
     def params(max_tokens: int, **draw) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **draw)
@@ -689,14 +690,14 @@ def _drawn_requests(engine) -> list:
     return [
         engine.add(PROMPTS[0], params(20, temperature=0.9, seed=1)),
         engine.add(PROMPTS[1], params(14)),
-        engine.add(PROMPTS[2], params(10, temperature=1.1, top_p=0.9, top_k=40, seed=2)),
-        engine.add(list(range(60, 64)), params(18, temperature=0.7, min_p=0.05, seed=3)),
+        engine.add(PROMPTS[2], params(14, temperature=1.1, top_p=0.9, top_k=40, seed=2)),
+        engine.add(list(range(60, 64)), params(6, temperature=0.7, top_p=0.8, min_p=0.05, seed=3)),
     ]
 
 
-def _counting_draws(engine) -> dict[tuple[int, bool], int]:
-    """How often each draw graph (batch size, filtered) replays, from now on."""
-    replays: dict[tuple[int, bool], int] = {}
+def _counting_draws(engine) -> dict[tuple[int, Cut], int]:
+    """How often each draw graph (batch size, cut) replays, from now on."""
+    replays: dict[tuple[int, Cut], int] = {}
     for key, graph in engine.graphs.draws.items():
 
         def counted(replay=graph.replay, key=key) -> None:
@@ -733,12 +734,13 @@ def test_drawn_tokens_taken_on_the_device_are_the_host_samplers(checkpoint, piec
         engine.close()
     assert [s.output_ids for s in seqs] == expected
     # the draws are draws: not the greedy tokens
-    assert expected[0] != greedy[0] and expected[2] != greedy[2][:10]
+    assert expected[0] != greedy[0] and expected[2] != greedy[2][:14]
     # most steps took their input tokens from the step before, on the device; each drawn
-    # step's tokens came from a draw graph: the sorting one while the top-k/top-p request ran
+    # step's tokens came from a draw graph, the one of the batch's widest cut
     assert sum(all(src >= 0 for src in step) for step in sources) > len(sources) // 2
     assert sum(replays.values()) == len(sources)
-    assert replays.get((4, True), 0) >= 5 and replays.get((2, False), 0) >= 1
+    assert replays.get((4, Cut.SORT), 0) >= 3 and replays.get((4, Cut.NARROW), 0) >= 5
+    assert replays.get((1, Cut.TOP), 0) >= 3
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")

@@ -18,6 +18,8 @@ from transformers.generation.logits_process import (
 
 from moelab.engine.sampling import (
     GREEDY_ROW,
+    TOP_K_WIDTH,
+    Cut,
     RowDraw,
     Sampler,
     SamplingParams,
@@ -217,7 +219,32 @@ def test_a_rows_draw_depends_on_its_seed_and_position_alone():
     # without top-k or top-p, the draw without the sort is the same
     plain = [0, 2, 3]
     args = draw_tensors([draws[i] for i in plain], [positions[i] for i in plain], logits.device)
-    assert draw_tokens(logits[plain], *args, filtered=False).tolist() == [alone[i] for i in plain]
+    assert draw_tokens(logits[plain], *args, cut=Cut.TOP).tolist() == [alone[i] for i in plain]
+
+
+def test_a_rows_tokens_do_not_depend_on_the_cut_its_batch_takes():
+    """A row draws the same tokens under its own cut and any wider one its neighbours bring:
+    a top_k within TOP_K_WIDTH reads that many sorted logits from torch.topk or from the sort.
+    A top_k one past the width takes the sort and draws its last token too."""
+    gen = torch.Generator().manual_seed(12)
+    vocab, n = 400, 3000
+    logits = torch.randn(vocab, generator=gen) * 0.05  # nearly flat: every kept token is drawn
+    ranks = logits.argsort(descending=True)
+    draws = {
+        Cut.TOP: [RowDraw(1.0, 0, 1.0, 0.0, 1), RowDraw(0.8, 0, 1.0, 0.5, 2), GREEDY_ROW],
+        Cut.NARROW: [RowDraw(1.0, 20, 0.9, 0.0, 3), RowDraw(1.0, TOP_K_WIDTH, 1.0, 0.0, 4)],
+        Cut.SORT: [RowDraw(1.0, TOP_K_WIDTH + 1, 1.0, 0.0, 5), RowDraw(1.0, 0, 0.5, 0.0, 6)],
+    }
+    for own, rows in draws.items():
+        for draw in rows:
+            assert draw.cut is own
+            tokens = {cut: _draw_rows(logits, draw, range(n), cut=cut) for cut in Cut if cut >= own}
+            assert all(torch.equal(t, tokens[own]) for t in tokens.values()), draw
+            # the last token top_k keeps is drawn, none past it
+            if draw.top_k and draw.top_p == 1:
+                drawn = set(tokens[own].tolist())
+                assert drawn <= set(ranks[: draw.top_k].tolist())
+                assert int(ranks[draw.top_k - 1]) in drawn
 
 
 def test_a_sequence_draws_the_same_tokens_whatever_else_the_sampler_saw():
@@ -253,16 +280,16 @@ def test_a_draw_captured_in_a_cuda_graph_gives_the_eager_draws_tokens():
              RowDraw(0.6, 0, 1.0, 0.0, 3)]  # fmt: skip
     args = draw_tensors(draws, [10, 20, 30, 40], logits.device)
     out = torch.zeros(4, dtype=torch.long, device="cuda")
-    for filtered in (True, False):
-        expected = draw_tokens(logits, *args, filtered=filtered)
+    expected = draw_tokens(logits, *args)
+    for cut in Cut:
         graph = torch.cuda.CUDAGraph()
-        draw_tokens(logits, *args, out=out, filtered=filtered)  # warm-up
+        draw_tokens(logits, *args, out=out, cut=cut)  # warm-up
         with torch.cuda.graph(graph):
-            draw_tokens(logits, *args, out=out, filtered=filtered)
+            draw_tokens(logits, *args, out=out, cut=cut)
         out.fill_(-1)
         graph.replay()
         torch.cuda.synchronize()
-        if filtered:
-            assert torch.equal(out, expected)
-        else:  # rows 0 and 1 filter: only the unfiltered rows' draws are meant to match
-            assert torch.equal(out[2:], expected[2:])
+        # row 0 (top-p) needs the sort, row 1 (top-k 50) the top-k: the rows whose cut this is
+        # or is narrower than it draw the eager tokens
+        rows = {Cut.SORT: [0, 1, 2, 3], Cut.NARROW: [1, 2, 3], Cut.TOP: [2, 3]}[cut]
+        assert torch.equal(out[rows], expected[rows])
