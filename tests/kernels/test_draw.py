@@ -46,10 +46,11 @@ def test_the_noise_is_uniform_in_the_open_interval_and_keyed_by_seed_and_positio
 
 
 def _inputs(gen, rows: int, vocab: int, dtype=torch.float32):
-    """Logits; rows drawn at various temperatures, the second greedy; thresholds (`threshold`)."""
+    """Logits; rows drawn at various temperatures, the second (where there is one) greedy;
+    thresholds (`threshold`)."""
     logits = randn(gen, rows, vocab, scale=3.0, dtype=dtype)
     inv_t = (torch.rand(rows, generator=gen) * 2 + 0.3).to(DEVICE)
-    inv_t[1] = 0.0  # greedy
+    inv_t[1:2] = 0.0  # greedy
     x = logits.float()
     # thresholds keeping about half the tokens, then one keeping about 1% (the third row), and
     # none (the first)
@@ -145,3 +146,84 @@ def test_matches_reference_at_the_real_vocabulary_and_in_a_graph(gen, rows):
     torch.cuda.synchronize()
     logits, inv_t, _, seed, position = inputs
     _assert_same_draws(out, ref, logits, inv_t, seed, position)
+
+
+def _top_k_inputs(gen, rows: int, vocab: int, dtype=torch.float32):
+    """Logits; rows at various temperatures, top-k within the width and past it (and off),
+    top-p on and off; the second row (where there is one) greedy."""
+    logits = randn(gen, rows, vocab, scale=3.0, dtype=dtype)
+    inv_t = (torch.rand(rows, generator=gen) * 2 + 0.3).to(DEVICE)
+    inv_t[1:2] = 0.0
+    ks = [20, 1, draw.TOP_WIDTH, 0, draw.TOP_WIDTH + 1, 5, 64, 127, 40]
+    ps = [0.95, 1.0, 1.0, 0.8, 0.5, 1.0, 0.3, 0.999, 0.7]
+    top_k = torch.tensor([ks[i % len(ks)] for i in range(rows)], device=DEVICE)
+    top_p = torch.tensor([ps[i % len(ps)] for i in range(rows)], device=DEVICE)
+    return logits, inv_t, top_k, top_p
+
+
+def _assert_same_thresholds(got, ref, logits, inv_t, top_k, top_p) -> None:
+    """Thresholds equal the reference's, except where top-p's boundary falls within fp32
+    rounding of the kept share (the kernel sums in another order): there the two may keep one
+    token apart. Rows whose top_k is off or past the width are -inf in both."""
+    assert not got.isnan().any(), "unwritten (poisoned) thresholds"
+    narrow = (top_k > 0) & (top_k <= draw.TOP_WIDTH)
+    assert torch.isneginf(got[~narrow]).all() and torch.isneginf(ref[~narrow]).all()
+    x = logits.float().double()
+    for row in torch.nonzero(narrow & (got != ref)).flatten().tolist():
+        k = int(top_k[row])
+        ordered = x[row].sort(descending=True).values[:k]
+        probs = torch.softmax(ordered * float(inv_t[row]), dim=0)
+        before = probs.cumsum(0) - probs
+        near = (before - float(top_p[row])).abs().min()
+        assert near < 1e-5, (row, float(got[row]), float(ref[row]))
+    assert (got == ref)[narrow].float().mean() >= 0.8
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab", "split", "dtype"),
+    [
+        (7, 1200, 256, torch.float32),  # five programs a row, the last partly past the end
+        (4, 1000, 1024, torch.bfloat16),  # one program a row, read as fp32
+        (6, 100, 128, torch.float32),  # a vocabulary narrower than the width
+    ],
+)
+def test_top_k_thresholds_match_the_reference(gen, rows, vocab, split, dtype):
+    inputs = _top_k_inputs(gen, rows, vocab, dtype)
+    got = draw.top_k_threshold_triton(*inputs, split=split)
+    ref = draw.top_k_threshold_ref(*inputs)
+    if vocab >= draw.TOP_WIDTH:
+        _assert_same_thresholds(got, ref, *inputs)
+    else:  # top_k past the vocabulary keeps it all: the kernel's -inf, the reference's least
+        logits, inv_t, top_k, _ = inputs
+        kept = logits.float() >= got[:, None]
+        assert torch.equal(kept, logits.float() >= ref[:, None])
+    # top-k alone keeps exactly k tokens (distinct random logits)
+    logits, inv_t, top_k, top_p = inputs
+    alone = (top_k > 0) & (top_k <= min(vocab, draw.TOP_WIDTH)) & (top_p >= 1) & (inv_t > 0)
+    kept = (logits.float() >= got[:, None]).sum(dim=1)
+    assert alone.any() and torch.equal(kept[alone], top_k[alone])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 8])
+def test_top_k_thresholds_at_the_real_vocabulary_and_in_a_graph(gen, rows):
+    inputs = _top_k_inputs(gen, rows, 151_936)
+    ref = draw.top_k_threshold_ref(*inputs)
+    draw.top_k_threshold_triton(*inputs)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = draw.top_k_threshold_triton(*inputs)
+    got.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_same_thresholds(got, ref, *inputs)
+
+
+def test_top_k_thresholds_refuse_bad_inputs():
+    logits = torch.zeros(2, 300, device=DEVICE)
+    f32 = torch.zeros(2, device=DEVICE)
+    i64 = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"top_k must be \[2\] torch.int64"):
+        draw.top_k_threshold(logits, f32, f32, f32)
+    with pytest.raises(ValueError, match=r"top_p must be \[2\]"):
+        draw.top_k_threshold(logits, f32, i64, f32[:1])
