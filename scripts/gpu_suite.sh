@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|eager|drawn|prefix|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|eager|drawn|cut|rows25|prefix|all]
 # (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled): pip install --no-deps -e . first, and the
 # wheels of scripts/device_wheels.sh (carry .whl) on PYTHONPATH.
@@ -104,6 +104,25 @@ if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: th
   run drawn_cache25_top_k $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $Q --json
   run drawn_cache25_host $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $Q --json \
     --no-overlap-decode
+fi
+if [ "$part" = cut ]; then  # the top-k cut's threshold kernels (draw.top_k_threshold): the draw
+  # tests on CUDA, the kernels' rows, then decode at Qwen3's sampling defaults, batch 1 and 8
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run cut_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/kernels/test_draw.py tests/engine/test_sampling.py
+  run cut_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_graphs.py -k draw
+  run cut_kernels python3 -m moelab.kernels.bench --only draw
+  Q="--temperature 0.6 --top-p 0.95 --top-k 20"
+  for b in 1 8; do
+    run cut_resident_b${b}_top_k $B decode $G --routing-skew 1 --batch $b $Q --json
+  done
+fi
+if [ "$part" = rows25 ]; then  # the 25%-cache rows at routing skew 1 and 0, default flags
+  for skew in 1 0; do
+    run rows25_skew$skew $B decode $G --routing-skew $skew --moe-cache-rate 0.25 --tokens 256 \
+      --repeats 3 --json
+  done
 fi
 if [ "$part" = prefix ]; then  # a multi-turn chat's time to first token, with the prefix cache
   # and without, all resident and with a 25% expert cache
