@@ -21,11 +21,11 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..kernels.draw import TOP_WIDTH, gumbel_argmax, top_k_threshold, top_p_threshold
+from ..kernels.draw import gumbel_argmax
 
 MAX_TOP_LOGPROBS = 20
-# the widest top_k whose draw reads that many of the largest logits, not the vocabulary sorted
-TOP_K_WIDTH = TOP_WIDTH
+# the widest top_k whose draw takes the logits' torch.topk of this width, not a vocabulary sort
+TOP_K_WIDTH = 128
 
 
 class Cut(enum.IntEnum):
@@ -33,7 +33,7 @@ class Cut(enum.IntEnum):
     widest."""
 
     TOP = 0  # min-p at most: the top logit (one amax)
-    NARROW = 1  # top_k within TOP_K_WIDTH (top-p inside it): kernels/draw.py's top_k_threshold
+    NARROW = 1  # top_k within TOP_K_WIDTH (top-p inside it): torch.topk of that width
     SORT = 2  # top-p over a wider top_k or none: the vocabulary sorted
 
 
@@ -262,21 +262,47 @@ def draw_tokens(
     within TOP_K_WIDTH takes its threshold from that many sorted logits under either cut.
     Returns int64 [n] (into `out` where given)."""
     logits = logits.float()
+    vocab = logits.shape[1]
+    width = min(TOP_K_WIDTH, vocab)
     narrow = (top_k > 0) & (top_k <= TOP_K_WIDTH)
     if cut is None:
         cut = Cut.SORT if bool((~narrow & ((top_k > 0) | (top_p < 1))).any()) else (
             Cut.NARROW if bool(narrow.any()) else Cut.TOP)  # fmt: skip
-    threshold = logits.amax(dim=-1) + min_offset  # min-p's
-    if cut is not Cut.TOP:  # -inf where a row's top_k is not within the width
-        filtered = top_k_threshold(logits, inv_t, top_k, top_p)
-        if cut is Cut.SORT:
-            ordered = torch.sort(logits, dim=-1, descending=True).values
-            wide = top_p_threshold(ordered, inv_t, top_k, top_p)
-            filtered = torch.where(narrow, filtered, wide)
-        threshold = torch.maximum(filtered, threshold)
+    top = logits.amax(dim=-1) if cut is Cut.TOP else None
+    if cut is Cut.NARROW:
+        ordered = torch.topk(logits, width, dim=-1).values
+        top = ordered[:, 0]
+        # a row that does not filter keeps what min-p keeps
+        threshold = torch.where(narrow, _threshold(ordered, inv_t, top_k, top_p), -math.inf)
+    elif cut is Cut.SORT:
+        ordered = torch.sort(logits, dim=-1, descending=True).values
+        top = ordered[:, 0]
+        threshold = torch.where(
+            narrow,
+            _threshold(ordered[:, :width].contiguous(), inv_t, top_k, top_p),
+            _threshold(ordered, inv_t, top_k, top_p),
+        )
+    else:
+        threshold = torch.full_like(top, -math.inf)
+    threshold = torch.maximum(threshold, top + min_offset)
     # a greedy row keeps every token (min-p's offset is -inf there too)
     threshold = torch.where(inv_t > 0, threshold, -math.inf)
     return gumbel_argmax(logits, inv_t, threshold, seed, position, out)
+
+
+def _threshold(
+    ordered: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Each row's least kept logit under its top-k and top-p (`draw_tokens`), from the row's
+    likeliest logits sorted [n, W]: top-k caps at W (0: W), top-p counts within the top-k."""
+    width = ordered.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=width), width)
+    in_k = torch.arange(width, device=ordered.device)[None, :] < k[:, None]
+    probs = torch.softmax((ordered * inv_t[:, None]).masked_fill(~in_k, -math.inf), dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    kept = torch.where(top_p[:, None] < 1, in_k & (before <= top_p[:, None]), in_k)
+    last = kept.sum(dim=-1, keepdim=True).clamp(min=1) - 1
+    return ordered.gather(1, last)[:, 0]
 
 
 def adjust_logits(row: torch.Tensor, seq: Sampled) -> torch.Tensor:

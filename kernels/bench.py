@@ -524,22 +524,6 @@ class Bench:
         flops = 8 * tokens * VOCAB
         self.add(name, f"T={tokens} V={VOCAB}", time_us, tokens * VOCAB * 4, flops, ref_us)
 
-    def top_k_threshold(self, tokens: int, split: int) -> None:
-        """The top-k cut's threshold (Qwen3's top-k 20, top-p 0.95) over the 30B geometry's
-        vocabulary: the two Triton launches at `split` token ids per first program, beside the
-        reference (torch.topk of the width and the threshold's small ops)."""
-        logits = self.randn(tokens, VOCAB).float()
-        inv_t = torch.full((tokens,), 1 / 0.6, device=DEVICE)
-        top_k = torch.full((tokens,), 20, dtype=torch.long, device=DEVICE)
-        top_p = torch.full((tokens,), 0.95, device=DEVICE)
-        args = (logits, inv_t, top_k, top_p)
-        time_us = graph_us_per_call([partial(draw.top_k_threshold_triton, *args, split=split)] * 8)
-        ref_us = graph_us_per_call([partial(draw.top_k_threshold_ref, *args)] * 8)
-        shape = f"T={tokens} V={VOCAB} split={split}"
-        # per token: a bitonic sort's comparisons, log2(split)^2 / 2 of them
-        flops = tokens * VOCAB * math.log2(split) ** 2 // 2
-        self.add("top_k_threshold", shape, time_us, tokens * VOCAB * 4, flops, ref_us)
-
     def route(self, tokens: int, host: bool, config: route.RouteConfig | None = None) -> None:
         """A decode step's whole router (Qwen3: 128 experts of H=2048, top-8, renormalized) in
         one launch; beside it (unless a config is swept) the launches it replaced: the skinny GEMM,
@@ -654,8 +638,6 @@ def run(
         for tokens in (1, 8):
             for cut in ("top", "top_k", "top_p"):
                 bench.draw(tokens, cut)
-            for split in (4096, draw.TOPK_SPLIT, 16384):
-                bench.top_k_threshold(tokens, split)
     if sweep:
         for block_n, block_k, down_n, warps, stages in (
             (16, 128, 16, 4, 4),

@@ -8,12 +8,6 @@ logit is at least the row's threshold, g = -log(-log(u)) with u uniform in (0, 1
 perturbed logit draws each token with its softmax probability (the Gumbel-max trick); the hash
 makes the draw a function of (seed, position, logits) alone, on any device and in any batch.
 Ties go to the lowest token id, as torch.argmax's.
-
-`top_k_threshold` sets a row's top-k and top-p threshold from its TOP_WIDTH largest logits, for a
-top_k within TOP_WIDTH (sampling.Cut.NARROW): on CUDA, a program per row and TOPK_SPLIT token ids
-sorts them and keeps its TOP_WIDTH largest, then a program per row sorts those and computes the
-threshold (two launches in place of torch.topk's, which took 90 us at one row, and the
-threshold's ten small ops).
 """
 
 from __future__ import annotations
@@ -28,9 +22,6 @@ MASK32 = 0xFFFFFFFF
 # the Triton kernel: token ids per program, and per loop step of a program
 SPLIT = 4096
 BLOCK = 1024
-# the widest top_k `top_k_threshold` takes, and the token ids each of its first programs sorts
-TOP_WIDTH = 128
-TOPK_SPLIT = 8192
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -198,135 +189,6 @@ def gumbel_argmax(
     if logits.is_cuda:
         return gumbel_argmax_triton(logits, inv_t, threshold, seed, position, out)
     return gumbel_argmax_ref(logits, inv_t, threshold, seed, position, out)
-
-
-def top_p_threshold(
-    ordered: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Each row's least kept logit under its top-k and top-p, from the row's likeliest logits
-    sorted [n, W] (fp32): top_k caps at W (0: W), and top-p keeps the fewest tokens whose
-    probability, renormalized within the top-k, before the last one is within top_p."""
-    width = ordered.shape[1]
-    k = torch.where(top_k > 0, top_k.clamp(max=width), width)
-    in_k = torch.arange(width, device=ordered.device)[None, :] < k[:, None]
-    probs = torch.softmax((ordered * inv_t[:, None]).masked_fill(~in_k, -torch.inf), dim=-1)
-    before = probs.cumsum(dim=-1) - probs
-    kept = torch.where(top_p[:, None] < 1, in_k & (before <= top_p[:, None]), in_k)
-    last = kept.sum(dim=-1, keepdim=True).clamp(min=1) - 1
-    return ordered.gather(1, last)[:, 0]
-
-
-def top_k_threshold_ref(
-    logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Reference: each row's threshold (`top_p_threshold`) from its TOP_WIDTH largest logits
-    where its top_k is in [1, TOP_WIDTH], else -inf (the caller's to set). logits [n, V] (any
-    float dtype, read as fp32), inv_t and top_p fp32 [n], top_k int64 [n]; fp32 [n]."""
-    _check_top_k(logits, inv_t, top_k, top_p)
-    x = logits.float()
-    ordered = torch.topk(x, min(TOP_WIDTH, x.shape[1]), dim=-1).values
-    narrow = (top_k > 0) & (top_k <= TOP_WIDTH)
-    return torch.where(narrow, top_p_threshold(ordered, inv_t, top_k, top_p), -torch.inf)
-
-
-@triton.jit
-def _top_block_kernel(
-    logits_ptr, cand_ptr, vocab, stride_l, SPLIT: tl.constexpr, WIDTH: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    """Program (row, part): the WIDTH largest logits of token ids [part * SPLIT, (part + 1) *
-    SPLIT), sorted, into cand[row, part * WIDTH:] (fp32; -inf past the vocabulary)."""
-    common.pdl_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    parts = tl.num_programs(1)
-    ids = part * SPLIT + tl.arange(0, SPLIT)
-    x = tl.load(logits_ptr + row * stride_l + ids, mask=ids < vocab, other=float("-inf"))
-    x = tl.sort(x.to(tl.float32), descending=True)
-    # row 0 of [SPLIT / WIDTH, WIDTH] is the WIDTH largest: each column's largest
-    top = tl.max(tl.reshape(x, (SPLIT // WIDTH, WIDTH)), axis=0)
-    tl.store(cand_ptr + (row * parts + part) * WIDTH + tl.arange(0, WIDTH), top)
-
-
-@triton.jit
-def _top_threshold_kernel(
-    cand_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, threshold_ptr, count, CAND: tl.constexpr,
-    WIDTH: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Program row: the WIDTH largest of its `count` candidates sorted, then its threshold
-    (`top_p_threshold`; -inf where top_k is not in [1, WIDTH])."""
-    common.pdl_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, CAND)
-    x = tl.load(cand_ptr + row * count + c, mask=c < count, other=float("-inf"))
-    x = tl.sort(x, descending=True)
-    v = tl.max(tl.reshape(x, (CAND // WIDTH, WIDTH)), axis=0)
-    inv_t = tl.load(inv_t_ptr + row)
-    top_k = tl.load(top_k_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
-    i = tl.arange(0, WIDTH)
-    in_k = i < top_k
-    # the softmax's numerators within the top-k; top-p compares the sum before each with
-    # top_p times their total
-    p = tl.where(in_k, tl.exp((v - tl.max(v, axis=0)) * inv_t), 0.0)
-    before = tl.cumsum(p, axis=0) - p
-    limit = tl.where(top_p < 1.0, top_p * tl.sum(p, axis=0), float("inf"))
-    kept = in_k & (before <= limit)
-    last = tl.maximum(tl.sum(kept.to(tl.int32), axis=0), 1) - 1
-    threshold = tl.max(tl.where(i == last, v, float("-inf")), axis=0)
-    threshold = tl.where((top_k > 0) & (top_k <= WIDTH), threshold, float("-inf"))
-    tl.store(threshold_ptr + row, threshold)
-
-
-def top_k_threshold_triton(
-    logits: torch.Tensor,
-    inv_t: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    split: int = TOPK_SPLIT,
-) -> torch.Tensor:
-    """Triton: `top_k_threshold_ref` in two launches whatever the batch, graph-capturable. split:
-    the token ids each first program sorts (a power of two, at least TOP_WIDTH)."""
-    _check_top_k(logits, inv_t, top_k, top_p)
-    n, vocab = logits.shape
-    dev = logits.device
-    parts = triton.cdiv(vocab, split)
-    cand = common.alloc((n, parts * TOP_WIDTH), torch.float32, dev)
-    threshold = common.alloc((n,), torch.float32, dev)
-    pdl = common.pdl_launch(dev)
-    _top_block_kernel[(n, parts)](
-        logits, cand, vocab, logits.stride(0), SPLIT=split, WIDTH=TOP_WIDTH,
-        num_warps=8 if split > 4096 else 4, **pdl,
-    )  # fmt: skip
-    _top_threshold_kernel[(n,)](
-        cand, inv_t, top_k, top_p, threshold, parts * TOP_WIDTH,
-        CAND=common.next_pow2(parts * TOP_WIDTH), WIDTH=TOP_WIDTH, num_warps=4, **pdl,
-    )  # fmt: skip
-    return threshold
-
-
-def top_k_threshold(
-    logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Each row's top-k and top-p threshold for a top_k within TOP_WIDTH (-inf elsewhere): the
-    Triton kernels on CUDA, the reference elsewhere."""
-    if logits.is_cuda:
-        return top_k_threshold_triton(logits, inv_t, top_k, top_p)
-    return top_k_threshold_ref(logits, inv_t, top_k, top_p)
-
-
-def _check_top_k(logits, inv_t, top_k, top_p) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [n, vocab], got {tuple(logits.shape)}")
-    common.check_last_dim_contiguous("logits", logits)
-    n = logits.shape[0]
-    for name, t, dtype in (
-        ("inv_t", inv_t, torch.float32), ("top_k", top_k, torch.int64),
-        ("top_p", top_p, torch.float32),
-    ):  # fmt: skip
-        if t.shape != (n,) or t.dtype != dtype:
-            raise ValueError(f"{name} must be [{n}] {dtype}, got {tuple(t.shape)} {t.dtype}")
-    common.check_same_device(logits=logits, inv_t=inv_t, top_k=top_k, top_p=top_p)
 
 
 def _check(logits, inv_t, threshold, seed, position, out) -> None:

@@ -105,8 +105,8 @@ if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: th
   run drawn_cache25_host $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $Q --json \
     --no-overlap-decode
 fi
-if [ "$part" = cut ]; then  # the top-k cut's threshold kernels (draw.top_k_threshold): the draw
-  # tests on CUDA, the kernels' rows, then decode at Qwen3's sampling defaults, batch 1 and 8
+if [ "$part" = cut ]; then  # the draws' cuts (sampling.Cut): the draw tests on CUDA, the
+  # kernels' rows, then decode at Qwen3's sampling defaults (the top-k's cut), batch 1 and 8
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run cut_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/kernels/test_draw.py tests/engine/test_sampling.py

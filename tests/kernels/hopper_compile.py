@@ -178,8 +178,6 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
             torch.randn(tokens, 151936), torch.ones(tokens), torch.zeros(tokens), long,
             torch.zeros(tokens, dtype=torch.int32),
         )  # fmt: skip
-        draw.top_k_threshold_triton(torch.randn(tokens, 151936), torch.ones(tokens), long,
-                                    torch.ones(tokens))  # fmt: skip
     # the decode projections of the 30B geometry (qkv, o, router, lm_head): one token, and eight
     # (the multi-token path, split over K for o)
     for n, k in ((5120, HIDDEN), (HIDDEN, 4096), (EXPERTS, HIDDEN), (151936, HIDDEN)):

@@ -41,8 +41,6 @@ KERNELS = {
     "_qk_norm_rope_kv_kernel",
     "_draw_kernel",
     "_pick_kernel",
-    "_top_block_kernel",
-    "_top_threshold_kernel",
 }
 # Prefill's grouped GEMM is launched plainly; every decode kernel with programmatic dependent launch
 NOT_PDL = {"moelab.kernels.grouped_moe"}
