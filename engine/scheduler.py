@@ -111,6 +111,8 @@ class Scheduler:
             # a scored prompt computes every token: its logits are wanted
             scored = seq.params.prompt_logprobs is not None
             cached, chain = kv.match(seq.prompt_ids) if not scored else ([], 0)
+            if not scored and self._prefill_computes(seq, len(cached)):
+                break  # it matches the page once that prefill names it
             need -= len(cached)
             if need > kv.free_blocks - kv.idle_among(cached):
                 break
@@ -122,6 +124,21 @@ class Scheduler:
             self.prompt_tokens += len(seq.prompt_ids)
             self.cached_tokens += seq.cached_tokens
             self.running.append(seq)
+
+    def _prefill_computes(self, seq: Sequence, matched: int) -> bool:
+        """Whether a running prefill is computing the page of `seq`'s prompt after its `matched`
+        cached ones and has not named it yet. The prompt then waits to take the page from the
+        cache rather than compute it again, as n requests with one prompt, or with one few-shot
+        prefix, sent at once would."""
+        size = self.kv.block_size
+        if not self.kv.prefix_cache or matched >= (len(seq.prompt_ids) - 1) // size:
+            return False
+        end = (matched + 1) * size
+        page = seq.prompt_ids[:end]
+        return any(
+            s.prefilling and s.named_blocks <= matched and s.prompt_ids[:end] == page
+            for s in self.running
+        )
 
     def next_step(self) -> list[Chunk]:
         """The chunks of the next forward step ([] when there is nothing to run)."""

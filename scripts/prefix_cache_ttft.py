@@ -1,13 +1,15 @@
 """Time to first token of a multi-turn chat, with the prefix cache and without it.
 
 Usage: python scripts/prefix_cache_ttft.py [--preset small] [--set FIELD=VALUE ...] [--turns 4]
-[--system 1024] [--question 64] [--reply 32] [ENGINE FLAGS...]
+[--system 1024] [--question 64] [--reply 32] [--at-once N] [ENGINE FLAGS...]
 
 Runs an engine on the preset's geometry with dummy weights (or on --model-path), the same
 conversation twice, once with the prefix cache and once with `--no-prefix-cache`. Each turn's
 prompt is the last prompt, its reply and a new question, after a system prompt of --system tokens.
 Prints each turn's prompt tokens, the tokens the cache held, and the time to the first token both
-ways. Other flags go to both engines (for example `--device cuda`).
+ways. With --at-once N, instead: N requests sent at once, each the system prompt and a question
+of its own (a few-shot prefix from an evaluation harness), and the time until every one has its
+first token. Other flags go to both engines (for example `--device cuda`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,26 @@ def conversation(
     return turns
 
 
+def at_once(engine: Engine, args: argparse.Namespace, seed: int) -> list[tuple[int, int, float]]:
+    """One row: (prompt tokens, cached tokens, seconds until every request has its first token)
+    of --at-once requests sharing the system prompt, sent together."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def words(n: int) -> list[int]:
+        return torch.randint(3, engine.spec.vocab_size, (n,), generator=gen).tolist()
+
+    system = words(args.system)
+    params = SamplingParams(max_tokens=args.reply, ignore_eos=True)
+    t0 = time.perf_counter()
+    seqs = [engine.add(system + words(args.question), params) for _ in range(args.at_once)]
+    while not all(s.output_ids for s in seqs):
+        engine.step()
+    first = time.perf_counter() - t0
+    engine.run_until_idle()
+    prompt = sum(len(s.prompt_ids) for s in seqs)
+    return [(prompt, sum(s.cached_tokens for s in seqs), first)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small")
@@ -63,6 +85,8 @@ def main() -> int:
     p.add_argument("--system", type=int, default=1024, help="system prompt tokens")
     p.add_argument("--question", type=int, default=64, help="tokens each turn adds")
     p.add_argument("--reply", type=int, default=32, help="tokens of each reply")
+    p.add_argument("--at-once", type=int, default=0, metavar="N",
+                   help="N requests with the system prompt sent together, not a chat")  # fmt: skip
     args, engine_flags = p.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
         spec = None
@@ -79,15 +103,19 @@ def main() -> int:
                 flags.append("--no-prefix-cache")
             engine = Engine(build_parser().parse_args(flags), spec=spec)
             try:
-                conversation(engine, args, 1)  # warm-up (other tokens: nothing to share)
-                results[cached] = conversation(engine, args, 7)
+                run = at_once if args.at_once else conversation
+                run(engine, args, 1)  # warm-up (other tokens: nothing to share)
+                results[cached] = run(engine, args, 7)
             finally:
                 engine.close()
     heads = ("turn", "prompt", "cached", "TTFT cached", "TTFT whole", "speed-up")
+    if args.at_once:  # one row: every request's first token
+        heads = ("requests", "prompts", "cached", "all cached", "all whole", "speed-up")
     print("  ".join(f"{h:>11}" for h in heads))
     for i, (with_cache, whole) in enumerate(zip(results[True], results[False], strict=True)):
         (n, hit, on), off = with_cache, whole[2]
-        row = (i + 1, n, hit, f"{on * 1e3:.1f} ms", f"{off * 1e3:.1f} ms", f"{off / on:.1f}x")
+        first = args.at_once or i + 1
+        row = (first, n, hit, f"{on * 1e3:.1f} ms", f"{off * 1e3:.1f} ms", f"{off / on:.1f}x")
         print("  ".join(f"{v:>11}" for v in row))
     return 0
 

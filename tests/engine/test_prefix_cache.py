@@ -126,8 +126,8 @@ def test_a_full_cache_gives_its_idle_pages_to_new_prompts(checkpoint):
 
 
 def test_a_long_prompts_pages_are_named_chunk_by_chunk(checkpoint):
-    """A request admitted while a long prompt is still being prefilled takes the pages its
-    earlier chunks computed."""
+    """A request sent while a long prompt is still being prefilled takes the pages its chunks
+    compute: it waits while the prefill computes the next page it would match."""
     engine = make_engine(checkpoint, "--prefill-chunk-tokens", "32")
     try:
         system = _prompt(60, 100)
@@ -139,4 +139,33 @@ def test_a_long_prompts_pages_are_named_chunk_by_chunk(checkpoint):
         engine.run_until_idle()
     finally:
         engine.close()
-    assert first.cached_tokens == 0 and second.cached_tokens == 64
+    # all six whole pages of the shared 100 tokens, the last two named after it was sent
+    assert first.cached_tokens == 0 and second.cached_tokens == 96
+
+
+def test_requests_sent_at_once_with_one_prefix_compute_it_once(checkpoint):
+    """Four requests with one few-shot prefix (and the same prompt twice) sent at once: the
+    first computes the prefix's pages, the others wait for them and take them from the cache,
+    and every request gets the tokens it gets alone without the cache."""
+    shots = _prompt(70, 90)  # five whole pages of 16 and 10 tokens
+    prompts = [shots + _prompt(71 + i, 7) for i in range(3)]
+    prompts.append(prompts[0])
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain = make_engine(checkpoint, "--no-prefix-cache")
+    try:
+        expected = [plain.generate([p], params)[0] for p in prompts]
+        together = plain.generate(prompts, params)
+        assert plain.scheduler.prompt_tokens == 8 * 97 and together == expected
+    finally:
+        plain.close()
+    engine = make_engine(checkpoint)
+    try:
+        outputs = engine.generate(prompts, params)
+        seqs = engine.scheduler
+        computed = seqs.prompt_tokens - seqs.cached_tokens
+    finally:
+        engine.close()
+    assert outputs == expected
+    # the first computed its 97 tokens, the next two the 17 after the five shared pages, and
+    # the repeat its last token alone (it waited for the sixth page as well)
+    assert seqs.cached_tokens == 2 * 80 + 96 and computed == 97 + 2 * 17 + 1
