@@ -262,31 +262,25 @@ def draw_tokens(
     within TOP_K_WIDTH takes its threshold from that many sorted logits under either cut.
     Returns int64 [n] (into `out` where given)."""
     logits = logits.float()
-    vocab = logits.shape[1]
-    width = min(TOP_K_WIDTH, vocab)
     narrow = (top_k > 0) & (top_k <= TOP_K_WIDTH)
     if cut is None:
         cut = Cut.SORT if bool((~narrow & ((top_k > 0) | (top_p < 1))).any()) else (
             Cut.NARROW if bool(narrow.any()) else Cut.TOP)  # fmt: skip
-    top = logits.amax(dim=-1) if cut is Cut.TOP else None
-    if cut is Cut.NARROW:
+    if cut is Cut.TOP:  # min-p alone (a greedy row's offset is -inf: it keeps every token)
+        return gumbel_argmax(logits, inv_t, logits.amax(dim=-1) + min_offset, seed, position, out)
+    width = min(TOP_K_WIDTH, logits.shape[1])
+    if cut is Cut.NARROW:  # a row that does not filter keeps what min-p keeps
         ordered = torch.topk(logits, width, dim=-1).values
-        top = ordered[:, 0]
-        # a row that does not filter keeps what min-p keeps
         threshold = torch.where(narrow, _threshold(ordered, inv_t, top_k, top_p), -math.inf)
-    elif cut is Cut.SORT:
+    else:
         ordered = torch.sort(logits, dim=-1, descending=True).values
-        top = ordered[:, 0]
         threshold = torch.where(
             narrow,
             _threshold(ordered[:, :width].contiguous(), inv_t, top_k, top_p),
             _threshold(ordered, inv_t, top_k, top_p),
         )
-    else:
-        threshold = torch.full_like(top, -math.inf)
-    threshold = torch.maximum(threshold, top + min_offset)
-    # a greedy row keeps every token (min-p's offset is -inf there too)
-    threshold = torch.where(inv_t > 0, threshold, -math.inf)
+    # a greedy row's threshold never passes its top logit, which its draw takes
+    threshold = torch.maximum(threshold, ordered[:, 0] + min_offset)
     return gumbel_argmax(logits, inv_t, threshold, seed, position, out)
 
 
