@@ -262,12 +262,11 @@ def draw_tokens(
     within TOP_K_WIDTH takes its threshold from that many sorted logits under either cut.
     Returns int64 [n] (into `out` where given)."""
     logits = logits.float()
-    narrow = (top_k > 0) & (top_k <= TOP_K_WIDTH)
     if cut is None:
-        cut = Cut.SORT if bool((~narrow & ((top_k > 0) | (top_p < 1))).any()) else (
-            Cut.NARROW if bool(narrow.any()) else Cut.TOP)  # fmt: skip
+        cut = _widest_cut(top_k, top_p)
     if cut is Cut.TOP:  # min-p alone (a greedy row's offset is -inf: it keeps every token)
         return gumbel_argmax(logits, inv_t, logits.amax(dim=-1) + min_offset, seed, position, out)
+    narrow = (top_k > 0) & (top_k <= TOP_K_WIDTH)
     width = min(TOP_K_WIDTH, logits.shape[1])
     if cut is Cut.NARROW:  # a row that does not filter keeps what min-p keeps
         ordered = torch.topk(logits, width, dim=-1).values
@@ -282,6 +281,14 @@ def draw_tokens(
     # a greedy row's threshold never passes its top logit, which its draw takes
     threshold = torch.maximum(threshold, ordered[:, 0] + min_offset)
     return gumbel_argmax(logits, inv_t, threshold, seed, position, out)
+
+
+def _widest_cut(top_k: torch.Tensor, top_p: torch.Tensor) -> Cut:
+    """The widest `RowDraw.cut` of rows given as tensors (read on the host: a sync)."""
+    narrow = (top_k > 0) & (top_k <= TOP_K_WIDTH)
+    if bool((~narrow & ((top_k > 0) | (top_p < 1))).any()):
+        return Cut.SORT
+    return Cut.NARROW if bool(narrow.any()) else Cut.TOP
 
 
 def _threshold(
