@@ -2,7 +2,7 @@
 
 `CpuExpertRunner` runs the experts of one MoE layer step on persistent worker threads while the
 caller's thread goes on launching GPU work. The native kernel (csrc/cpu_experts.cpp and its
-headers, built once per machine by torch's JIT extension loader) streams bf16/fp16/fp32 weights as
+headers, built once per source by torch's JIT extension loader) streams bf16/fp16/fp32 weights as
 stored at close to the host's memory bandwidth; `cpu_experts_ref` is the plain-torch reference and
 the fallback. Its build: native_build.py; its benchmark: `python -m moelab.kernels.cpu_experts_bench
 --threads 1,2,4` (see docs/cpu-experts.md).

@@ -1,0 +1,2 @@
+#pragma once
+constexpr long kAnswer = 42;
