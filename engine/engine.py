@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import common
+from ..kernels.native_build import NativeKernelError, load_native
 from .args import physical_cores
 from .bank import build_in_memory, load_bank
 from .bench import best, load_profile
@@ -27,6 +28,7 @@ from .cpu import (
 )
 from .graphs import DecodeGraphs
 from .kv import KVCache
+from .loading import LoadProgress
 from .memory import VramPlan, log_plan, plan_vram
 from .misses import MissPolicy
 from .model import Model, SeqSlice, StepBatch
@@ -42,8 +44,6 @@ from .telemetry import Telemetry
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("moelab.engine")
-
-Progress = Callable[[int, int], None]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,19 +61,6 @@ def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dty
     if name != "auto":
         return getattr(torch, name)
     return torch.float32 if device.type == "cpu" else getattr(torch, spec.dtype)
-
-
-class _PhaseClock:
-    """Records the seconds since the previous mark under each phase's name."""
-
-    def __init__(self, into: dict[str, float]) -> None:
-        self._into = into
-        self._last = time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self._into[name] = now - self._last
-        self._last = now
 
 
 def settle_heap() -> float:
@@ -99,11 +86,13 @@ class Engine(Stepping):
         args: argparse.Namespace,
         *,
         spec: ModelSpec | None = None,
-        progress: Progress | None = None,
+        progress: LoadProgress | None = None,
     ) -> None:
         t0 = time.perf_counter()
-        self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
-        mark = _PhaseClock(self.startup_s)
+        progress = progress or LoadProgress()
+        self.startup_s = progress.startup_s  # seconds per start-up phase, in order
+        begin = progress.begin
+        begin("plan")
         self.args = args
         path = Path(args.model_path)
         self.spec = spec = spec or ModelSpec.from_dir(path)
@@ -115,7 +104,7 @@ class Engine(Stepping):
             elem, cache_size=args.moe_cache_size, cache_rate=args.moe_cache_rate
         )
         log_plan(plan)
-        mark("plan")
+        begin("dense weights")
 
         synth_info = spec.extra.get("moelab_synth") or {}
         self.synth_source: SynthSource | None = None
@@ -128,17 +117,24 @@ class Engine(Stepping):
         else:
             source = SafetensorsSource(path)
         dense = load_dense(spec, source, device, dtype)
-        mark("dense weights")
+        begin("expert bank")
         pin = device.type == "cuda"
         if args.dummy_weights:
-            self.bank = build_in_memory(spec, source, dtype, pin=pin, progress=progress)
+            self.bank = build_in_memory(spec, source, dtype, pin=pin, progress=progress.bytes)
         else:
             bank_dir = Path(args.bank_dir) if args.bank_dir else None
             self.bank = load_bank(
-                spec, source, dtype, bank_dir=bank_dir, pin=pin, progress=progress
+                spec, source, dtype, bank_dir=bank_dir, pin=pin, progress=progress.bytes
             )
-
-        mark("expert bank")
+        begin("CPU kernel")
+        if args.moe_cpu_kernel != "torch":
+            try:  # built (or waited for) here, so that /health tells that phase apart
+                load_native(progress.build)
+            except NativeKernelError:
+                if args.moe_cpu_kernel == "native":
+                    raise
+                # auto: the CPU workers fall back on the torch kernel and say why
+        begin("CPU workers")
         self.cache = ExpertCache(
             spec.num_moe_layers,
             spec.num_experts,
@@ -165,9 +161,9 @@ class Engine(Stepping):
         torch.set_num_threads(
             1 if device.type == "cuda" else max(1, physical_cores() - self.cpu.num_threads)
         )
-        mark("CPU workers")
+        begin("bandwidths")
         self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
-        mark("bandwidths")
+        begin("caches")
         policy = MissPolicy.parse(args.moe_miss_policy, self.bp_gbps, self.bh_gbps)
         log.info(
             "miss split: Bp %.1f GB/s, Bh %.1f GB/s -> policy %s fetches %.0f%% of misses",
@@ -201,10 +197,10 @@ class Engine(Stepping):
         self.eos_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else spec.eos_token_ids
         )
-        mark("caches")
         if self.synth_source is not None:
+            begin("routing calibration")
             calibrate_routing(self, self.synth_source)
-            mark("routing calibration")
+        begin("CUDA graphs")
         self.telemetry = Telemetry(self, enabled=not args.no_stats)
         self.graphs: DecodeGraphs | None = None
         self.overlap_decode = not args.no_overlap_decode
@@ -212,7 +208,7 @@ class Engine(Stepping):
         self._flip = 0  # which of the two host buffers the next flight's tokens land in
         self._last_landed = 0.0
         self._capture_graphs()
-        mark("CUDA graphs")
+        begin(None)
         self.load_s = time.perf_counter() - t0
         log.info(
             "engine ready in %.2f s (%s)",

@@ -149,7 +149,7 @@ class Server:
         w = self.worker
         body: dict = {"status": w.status, "model": self.model_name}
         if w.status == "loading":
-            body.update(loaded_bytes=w.loaded_bytes, total_bytes=w.total_bytes)
+            body.update(w.loading.to_json())
         elif w.status == "error":
             body["error"] = w.error
         else:

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from .loading import LoadProgress
 from .sampling import SamplingParams
 from .scheduler import Sequence
 
@@ -53,8 +54,7 @@ class EngineWorker(threading.Thread):
         self.args = args
         self.status = "loading"
         self.error: str | None = None
-        self.loaded_bytes = 0
-        self.total_bytes = 0
+        self.loading = LoadProgress()
         self.engine = None
         self._commands: queue.Queue[tuple[Callable, Future | None]] = queue.Queue()
         self._stopping = threading.Event()
@@ -63,21 +63,17 @@ class EngineWorker(threading.Thread):
 
     # lifecycle ---------------------------------------------------------------------------------
 
-    def _progress(self, done: int, total: int) -> None:
-        self.loaded_bytes, self.total_bytes = done, total
-
     def run(self) -> None:
         try:
             from .engine import Engine, settle_heap  # here, so that a broken install is reported
 
-            self.engine = Engine(self.args, progress=self._progress)
+            self.engine = Engine(self.args, progress=self.loading)
             log.info("heap settled: a full collection took %.0f ms", settle_heap())
         except Exception as err:  # reported through /health; the process stays up to say why
             self.status = "error"
             self.error = f"{type(err).__name__}: {err}"
             log.error("loading failed: %s\n%s", self.error, traceback.format_exc())
             return
-        self.loaded_bytes = self.total_bytes = self.engine.bank.nbytes
         self.status = "ok"
         try:
             self._loop()

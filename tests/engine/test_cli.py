@@ -28,6 +28,7 @@ from moelab.engine.bench_decode import (
     step_times,
 )
 from moelab.engine.cpu import worker_cpus
+from moelab.engine.loading import LoadProgress
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.server import Server
 from moelab.engine.spec import ModelSpec
@@ -103,10 +104,14 @@ def test_errors_are_messages_not_tracebacks(tmp_path):
 
 def test_while_loading_the_api_answers_503_and_health_reports_progress():
     args = build_parser().parse_args(["--model-path", "/nowhere/tiny"])
-    worker = SimpleNamespace(status="loading", loaded_bytes=10, total_bytes=100, error=None)
+    loading = LoadProgress()
+    loading.begin("expert bank")
+    loading.bytes(10, 100)
+    worker = SimpleNamespace(status="loading", loading=loading, error=None)
     client = TestClient(Server(args, worker).app)
     health = client.get("/health").json()
-    assert health == {"status": "loading", "model": "tiny", "loaded_bytes": 10, "total_bytes": 100}
+    assert health == {"status": "loading", "model": "tiny", "phase": "expert bank",
+                      "loaded_bytes": 10, "total_bytes": 100}  # fmt: skip
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
     assert r.headers["retry-after"]
