@@ -2,7 +2,8 @@
 
 The rules, in the order they are applied to every request:
 
-1. A `Host` header the daemon does not serve is refused with 400 (DNS rebinding).
+1. A `Host` header the daemon does not serve is refused with 400 (DNS rebinding); what it
+   serves is engine/hosts.py's rule, which the engine applies too.
 2. GET, HEAD and OPTIONS are open to everyone who can reach the port (read-only viewing).
 3. An unsafe method with a foreign `Origin` (or a browser saying the request is cross-site) is
    refused with 403, token or not.
@@ -18,22 +19,26 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
 import secrets
-import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
-import psutil
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..engine.hosts import (
+    ServedHosts,
+    is_foreign,
+    is_loopback_address,
+    is_loopback_host,
+    split_host,
+)
 from .schema import AuditEvent
 from .store import Store
 
@@ -41,7 +46,6 @@ TOKEN_NAME = "control-token"
 COOKIE_NAME = "mgr_session"
 COOKIE_MAX_AGE_S = 30 * 24 * 3600
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 # paths an unsafe request may reach without the token (they are how one presents it)
 TOKEN_FREE_PATHS = frozenset({"/api/auth/login", "/api/auth/logout"})
 
@@ -63,85 +67,6 @@ def load_or_create_token(data_dir: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
-
-
-def is_loopback_address(address: str) -> bool:
-    """Whether a peer address is this machine's loopback (IPv4, IPv6, IPv4-mapped IPv6)."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
-
-
-def split_host(header: str) -> tuple[str, int | None]:
-    """`Host` or an origin's authority as (lower-case name without brackets, port or None)."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        name, _, rest = header[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    elif header.count(":") == 1:
-        name, port = header.split(":")
-    else:
-        name, port = header, ""
-    try:
-        return name.rstrip("."), int(port) if port else None
-    except ValueError:
-        return "", None
-
-
-def is_loopback_host(name: str) -> bool:
-    return name in LOOPBACK_NAMES or is_loopback_address(name)
-
-
-class ServedHosts:
-    """The names and addresses the daemon answers to; anything else in `Host` is refused.
-
-    Bound to a wildcard address, that is every address of every interface (re-read every few
-    seconds, as DHCP may change them), the machine's host names, and the names given with
-    --allow-host. Bound to one address, that address, loopback names and the extra names.
-    """
-
-    REFRESH_S = 10.0
-
-    def __init__(self, bind_host: str, extra: Iterable[str] = ()) -> None:
-        self.bind_host = bind_host
-        self.extra = {split_host(name)[0] for name in extra}
-        self._cached: frozenset[str] = frozenset()
-        self._cached_at = -1e9
-        self._lock = threading.Lock()
-
-    @property
-    def wildcard(self) -> bool:
-        return self.bind_host in ("0.0.0.0", "::", "")
-
-    def names(self) -> frozenset[str]:
-        with self._lock:
-            if time.monotonic() - self._cached_at > self.REFRESH_S:
-                self._cached = frozenset(self._collect())
-                self._cached_at = time.monotonic()
-            return self._cached
-
-    def _collect(self) -> set[str]:
-        names = set(LOOPBACK_NAMES) | {"127.0.0.1", "::1"} | self.extra
-        if not self.wildcard:
-            names.add(self.bind_host.strip("[]").lower())
-            return names
-        for addresses in psutil.net_if_addrs().values():
-            for address in addresses:
-                if address.family in (socket.AF_INET, socket.AF_INET6):
-                    names.add(address.address.split("%", 1)[0].lower())
-        hostname = socket.gethostname().lower()
-        names |= {hostname, hostname.split(".")[0], hostname.split(".")[0] + ".local"}
-        return names
-
-    def serves(self, host_header: str | None) -> bool:
-        if not host_header:
-            return False
-        name, _port = split_host(host_header)
-        return bool(name) and (is_loopback_address(name) or name in self.names())
 
 
 class LoginLimiter:
@@ -233,14 +158,20 @@ class AccessPolicy:
     limiter: LoginLimiter = field(default_factory=LoginLimiter)
 
     def decide(
-        self, method: str, path: str, address: str, headers: dict[str, str]
+        self,
+        method: str,
+        path: str,
+        address: str,
+        headers: dict[str, str],
+        local_address: str | None = None,
     ) -> tuple[Access, tuple[int, str, str] | None]:
-        """The request's access, and (status, code, message) when it must be refused."""
+        """The request's access, and (status, code, message) when it must be refused;
+        `local_address`: the address the connection arrived on (served whatever it is)."""
         host = headers.get("host")
         access = Access(
             address, is_loopback_address(address), is_loopback_host(split_host(host or "")[0]), None
         )
-        if not self.hosts.serves(host):
+        if not self.hosts.serves(host, local_address):
             return access, (
                 400,
                 "unknown_host",
@@ -256,7 +187,7 @@ class AccessPolicy:
             access.via, wrong_token = self._credential(headers, address)
         if method in SAFE_METHODS:
             return access, None
-        if self._foreign(headers, host or ""):
+        if is_foreign(headers, host or ""):
             return access, (
                 403,
                 "foreign_origin",
@@ -293,18 +224,6 @@ class AccessPolicy:
         if self.credentials.cookie_ok(_cookie(headers, COOKIE_NAME)):
             return "cookie", False
         return None, False
-
-    @staticmethod
-    def _foreign(headers: dict[str, str], host: str) -> bool:
-        if headers.get("sec-fetch-site") in ("cross-site", "same-site"):
-            return True
-        origin = headers.get("origin")
-        if origin is None:
-            return False
-        scheme, _, authority = origin.partition("://")
-        if scheme not in ("http", "https") or not authority:
-            return True  # "null" (sandboxed frames, file: pages) and other oddities
-        return split_host(authority) != split_host(host)
 
 
 def _bearer(headers: dict[str, str]) -> str | None:
@@ -343,7 +262,8 @@ class AccessMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         address = (scope.get("client") or ("", 0))[0]
         method, path = scope["method"], scope["path"]
-        access, refusal = self.policy.decide(method, path, address, headers)
+        local_address = (scope.get("server") or ("", 0))[0]
+        access, refusal = self.policy.decide(method, path, address, headers, local_address)
         scope.setdefault("state", {})["access"] = access
         if refusal is not None:
             status, code, message = refusal

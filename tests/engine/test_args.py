@@ -19,10 +19,14 @@ def test_docs_flags_md_is_generated_from_the_parser():
     )
 
 
-def test_importing_args_and_launch_does_not_import_torch():
-    code = "import sys, moelab.engine.args, moelab.engine.launch; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+def test_the_modules_the_manager_reads_import_without_torch():
+    # torch made unimportable: any import of it, however indirect, fails the import
+    code = (
+        "import sys; sys.modules['torch'] = None; "
+        "import moelab.engine.args, moelab.engine.launch, moelab.engine.hosts; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
 
 
 def test_every_flag_has_help_and_tunables_exist():
