@@ -289,8 +289,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "a guess of its MoE layer's routing to the host ahead of the routing, and the idle CPU "
         "expert workers fetch the weights of this many rounds of their first gate/up blocks of "
         "the guessed job into their own caches; where the real job is the guessed one, those "
-        "blocks are theirs. 0 (off) to 4. On the H200, 12 layers of Qwen3-30B-A3B with a 25% "
-        "cache, 4 rounds decoded 3-9% faster than none and 8 no faster than 4 (runs "
+        "blocks are theirs. 0 (off) to 4. On the H200, 12 layers of Qwen3-30B-A3B with a 25%% "
+        "cache, 4 rounds decoded 3-9%% faster than none and 8 no faster than 4 (runs "
         'alternated in one process; docs/cpu-experts.md, "Guessed steps"); the autotuner tries '
         "fewer per machine.",
     )
@@ -504,6 +504,7 @@ def describe_flags(parser: argparse.ArgumentParser | None = None) -> list[dict]:
         names = [a.option_strings[-1] for a in group._group_actions]
         for name in names:
             exclusive[name] = [n for n in names if n != name]
+    formatter = parser._get_formatter()  # the help as --help prints it (`%%` as `%`)
     out = []
     for group in parser._action_groups:
         for action in group._group_actions:
@@ -525,7 +526,7 @@ def describe_flags(parser: argparse.ArgumentParser | None = None) -> list[dict]:
                     "flag": flag,
                     "dest": action.dest,
                     "group": group.title,
-                    "help": action.help or "",
+                    "help": formatter._expand_help(action) if action.help else "",
                     "kind": kind,
                     "choices": list(action.choices) if action.choices else None,
                     "default": action.default,

@@ -81,17 +81,22 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_flags(p)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`moelab` and every subcommand."""
+    from .bench import add_bench_parser
+    from .serve_cli import add_serve_parser
+
     parser = argparse.ArgumentParser(prog="moelab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _synth_parser(sub)
     _generate_parser(sub)
-    from .bench import add_bench_parser
-    from .serve_cli import add_serve_parser
-
     add_serve_parser(sub)
     add_bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "info").upper()
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import subprocess
@@ -13,6 +14,9 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
+from moelab.autotune.__main__ import main as autotune_main
+from moelab.console.main import main as mgr_main
+from moelab.engine import cli
 from moelab.engine.args import build_parser
 from moelab.engine.bench_decode import (
     _TIMED_FIELDS,
@@ -33,6 +37,33 @@ from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.server import Server
 from moelab.engine.spec import ModelSpec
 from moelab.engine.synth import make_config
+
+
+def subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """Every command path of a parser: (), ("serve",), ("bench", "bw"), ..."""
+    yield path
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from subcommands(sub, (*path, name))
+
+
+def test_every_commands_help_renders(capsys):
+    paths = list(subcommands(cli.build_parser()))
+    assert {
+        ("serve",),
+        ("generate",),
+        ("bench", "bw"),
+        ("bench", "decode"),
+        ("bench", "prefill"),
+    } <= set(paths)
+    commands = [(cli.main, list(p)) for p in paths]
+    commands += [(mgr_main, []), (autotune_main, [])]
+    for main, path in commands:
+        with pytest.raises(SystemExit) as exit:
+            main([*path, "--help"])
+        assert exit.value.code == 0, path
+        assert capsys.readouterr().out.startswith("usage:"), path
 
 
 def moelab(*args: str, check: bool = True) -> subprocess.CompletedProcess:
