@@ -87,6 +87,32 @@ def parse_share(text: str) -> float:
     return value
 
 
+def parse_origins(text: str) -> tuple[str, ...]:
+    """Origins as a browser sends them, comma-separated (http://localhost:3000), or * for any."""
+    origins = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not origins:
+        raise argparse.ArgumentTypeError("give at least one origin, e.g. http://localhost:3000")
+    for origin in origins:
+        scheme, _, authority = origin.partition("://")
+        if origin != "*" and (scheme not in ("http", "https") or not authority or "/" in authority):
+            raise argparse.ArgumentTypeError(
+                f"{origin!r} is not an origin; write scheme://host[:port] as a browser sends it "
+                "(no path, no trailing slash), e.g. http://localhost:3000, or * for any origin"
+            )
+    return origins
+
+
+def parse_host_names(text: str) -> tuple[str, ...]:
+    """Host names or addresses, comma-separated (llm.lan,gpu-box.example)."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names or any("/" in name or " " in name for name in names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of host names; write names or addresses separated by "
+            "commas, e.g. llm.lan,gpu-box.example"
+        )
+    return names
+
+
 def parse_miss_policy(text: str) -> str:
     """`auto`, `gpu`, `cpu` or `split:F` with F the fixed share of misses to fetch, in [0, 1]."""
     if text in ("auto", "gpu", "cpu"):
@@ -379,6 +405,24 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Require `Authorization: Bearer KEY` on every API request (and allow control "
         "endpoints from other machines).",
+    )
+    server.add_argument(
+        "--allowed-origins",
+        type=parse_origins,
+        default=None,
+        help="Web origins whose pages may call the inference endpoints from a browser "
+        "(cross-origin, with CORS), comma-separated: http://localhost:3000,https://chat.example, "
+        "or * for any. Default: none; a page of another origin gets 403. Cache resizing never "
+        "takes a request from another site's page.",
+    )
+    server.add_argument(
+        "--allow-host",
+        type=parse_host_names,
+        default=None,
+        help="More names the engine answers to in the Host header (DNS aliases, a proxy that "
+        "keeps the client's Host), comma-separated. Always served: loopback, the address it "
+        "listens on (with 0.0.0.0: every address and the host names) and the address a "
+        "request arrived on; any other Host gets 400 (DNS rebinding).",
     )
     server.add_argument(
         "--no-stats",

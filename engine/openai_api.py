@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,6 +16,13 @@ from .tool_calls import speaks_hermes
 
 DEFAULT_MAX_TOKENS = 1024
 MAX_STOPS = 16
+# how deep a request's JSON may nest: a chat with tools' schemas is a dozen levels; deeper is no
+# request, and Python's decoder and the template's filters recurse
+MAX_JSON_DEPTH = 64
+# the largest top_k taken (any value past the vocabulary is the whole of it)
+MAX_TOP_K = 2**31 - 1
+# chat template variables a request names in their own fields, not in chat_template_kwargs
+TEMPLATE_FIELDS = ("messages", "tools", "add_generation_prompt")
 
 log = logging.getLogger("moelab.openai_api")
 
@@ -24,7 +32,7 @@ log = logging.getLogger("moelab.openai_api")
 SAMPLING_FIELDS: dict[str, tuple[float, float | None, float | None, bool]] = {
     "temperature": (1.0, 0.0, 2.0, False),
     "top_p": (1.0, 1e-9, 1.0, False),
-    "top_k": (0, -1, None, True),
+    "top_k": (0, -1, MAX_TOP_K, True),
     "min_p": (0.0, 0.0, 1.0, False),
     "repetition_penalty": (1.0, 0.01, 10.0, False),
 }
@@ -106,12 +114,80 @@ class ParsedRequest:
         )
 
 
+def decode_body(raw: bytes):
+    """A request body's JSON, strictly: no NaN or Infinity (which Python's decoder takes, and
+    which no field means) and no number past a float's range, each refused naming its field;
+    nesting at most MAX_JSON_DEPTH deep; every string valid Unicode (no lone surrogate, which no
+    tokenizer encodes)."""
+    try:
+        body = json.loads(raw, parse_constant=_NotFinite, parse_float=_finite_float)
+    except RecursionError:
+        raise ApiError(
+            400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        ) from None
+    except ValueError as err:  # UnicodeDecodeError included
+        raise ApiError(
+            400, f"the request body is not valid JSON: {err}", code="invalid_json"
+        ) from None
+    _check_tree(body)
+    return body
+
+
+class _NotFinite(str):
+    """Where the body has NaN, Infinity or a number past a float's range: refused by
+    `_check_tree`, which knows the field's name."""
+
+
+def _finite_float(text: str) -> float | _NotFinite:
+    value = float(text)
+    return value if math.isfinite(value) else _NotFinite(text)
+
+
+def _check_tree(body, root: str = "") -> None:
+    """Refuse nesting past MAX_JSON_DEPTH, numbers that are not finite and strings that are not
+    valid Unicode, naming where (`messages[0].content`; `root`: where `body` itself is)."""
+    stack = [(body, root, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, _NotFinite):
+            raise bad(path or "body", f"must be a finite number, got {value}")
+        if isinstance(value, str):
+            _check_text(value, path)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise bad(path, f"nests deeper than {MAX_JSON_DEPTH} levels")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+            if isinstance(key, str):
+                _check_text(key, where)
+            if isinstance(item, (str, dict, list)):
+                stack.append((item, where, depth + 1))
+
+
+def _check_text(text: str, path: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        raise bad(
+            path or "body",
+            f"holds a lone surrogate (U+{code:04X}), which is not text; send valid UTF-8",
+        ) from None
+
+
 def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False):
     value = body.get(name, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(name, f"must be a number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad(name, f"must be a finite number, got {value}")
     if integer and int(value) != value:
         raise bad(name, f"must be a whole number, got {value}")
     if lo is not None and value < lo:
@@ -239,6 +315,9 @@ def parse_common(body: dict, chat: bool = False, defaults: dict[str, float] | No
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "must be an object")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad("stream_options.include_usage", "must be true or false")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad("ignore_eos", "must be true or false")
@@ -290,25 +369,97 @@ def parse_completion(body: dict, defaults: dict[str, float] | None = None) -> Pa
 
 
 def parse_messages(body: dict) -> list[dict]:
+    """The chat's messages as the template takes them: text parts joined, and an assistant's
+    tool call arguments parsed from their JSON string into the object templates iterate."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list")
     out = []
     for i, message in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad(f"messages[{i}]", "must be an object with a role")
+            raise bad(where, "must be an object with a role")
         content = message.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text":
-                    raise bad(f"messages[{i}].content", "only text content parts are supported")
-                texts.append(str(part.get("text", "")))
+                    raise bad(f"{where}.content", "only text content parts are supported")
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise bad(f"{where}.content[{j}].text", "must be a string")
+                texts.append(text)
             content = "".join(texts)
         elif content is not None and not isinstance(content, str):
-            raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
-        out.append({**message, "content": content})
+            raise bad(f"{where}.content", "must be a string or a list of text parts")
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if message.get(name) is not None and not isinstance(message[name], str):
+                raise bad(f"{where}.{name}", "must be a string")
+        parsed = {**message, "content": content}
+        if message.get("tool_calls") is not None:
+            parsed["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        out.append(parsed)
     return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool calls, each function's arguments as an object: OpenAI sends
+    them as a JSON string, and chat templates (Qwen3-Coder's, Qwen3.5's) iterate their items."""
+    if not isinstance(calls, list):
+        raise bad(where, "must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(
+                f"{where}[{j}]", 'must be {"type": "function", "function": {"name", "arguments"}}'
+            )
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(
+                    arguments or "{}", parse_constant=_NotFinite, parse_float=_finite_float
+                )
+            except (ValueError, RecursionError) as err:
+                raise bad(
+                    f"{where}[{j}].function.arguments",
+                    f"is not valid JSON ({err}); send the arguments as a JSON object in a string",
+                ) from None
+            _check_tree(arguments, f"{where}[{j}].function.arguments")
+        if not isinstance(arguments, dict):
+            raise bad(
+                f"{where}[{j}].function.arguments",
+                f"must be a JSON object of the arguments, got {type(arguments).__name__}",
+            )
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def parse_tools(body: dict) -> list[dict] | None:
+    """The tools offered to the model (each an object, as the template reads them), or None."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("tools", "must be a list")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise bad(f"tools[{i}]", 'must be an object, {"type": "function", "function": {...}}')
+    return tools
+
+
+def parse_template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs: more variables for the chat template (enable_thinking, ...)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", "must be an object")
+    for name in TEMPLATE_FIELDS:
+        if name in kwargs:
+            raise bad(
+                f"chat_template_kwargs.{name}",
+                "is no template option: the server sets it from the request",
+            )
+    return kwargs
 
 
 def new_id(prefix: str) -> str:

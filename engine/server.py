@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import logging
 import secrets
@@ -13,11 +12,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import openai_api as api
+from .access import access_middleware
+from .hosts import ServedHosts, is_loopback_address
 from .openai_api import ApiError
 from .reasoning import ReasoningStream, opened_by_prompt, split_reasoning
 from .sampling import TokenLogprobs
@@ -30,14 +32,16 @@ log = logging.getLogger("moelab.server")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 RESIZE_WAIT_S = 30.0
+MAX_RESIZE = 2**31 - 1  # slots or tokens: past any machine's memory, within the planner's ints
 
 
 def _error(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-async def read_json(request: Request) -> dict:
-    """The JSON body, refusing bodies past MAX_BODY_BYTES before reading them whole."""
+async def read_json(request: Request):
+    """The JSON body (strict: `api.decode_body`), refusing bodies past MAX_BODY_BYTES before
+    reading them whole."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise ApiError(
@@ -53,17 +57,36 @@ async def read_json(request: Request) -> dict:
                 413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large"
             )
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+    return api.decode_body(b"".join(chunks))
 
 
-def is_loopback(host: str | None) -> bool:
-    try:
-        return host is not None and ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+async def _no_route(request: Request, exc: Exception) -> Response:
+    """Starlette's routing refusals (an unknown path, a method a path does not take) as
+    OpenAI-style JSON."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        paths = ", ".join(route.path for route in request.app.routes)
+        message = f"no endpoint {request.url.path}; this server has {paths}"
+    elif exc.status_code == 405:
+        allowed = exc.headers.get("Allow", "") if exc.headers else ""
+        message = f"{request.url.path} does not take {request.method}; it takes {allowed}"
+    else:
+        message = str(exc.detail)
+    return _error(ApiError(exc.status_code, message, headers=exc.headers))
+
+
+def _internal_error(exc: Exception) -> ApiError:
+    """What a client is told of an error no handler expected (the log has the traceback)."""
+    return ApiError(
+        500,
+        f"the engine failed on this request ({type(exc).__name__}); its log has the details",
+        type_="server_error",
+        code="internal_error",
+    )
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    return _error(_internal_error(exc))  # uvicorn logs the traceback
 
 
 class Server:
@@ -93,7 +116,9 @@ class Server:
             Route("/v1/stats", self.stats),
             Route("/metrics", self.metrics),
             Route("/v1/cache/resize", self.resize, methods=["POST"]),
-        ])  # fmt: skip
+        ], middleware=access_middleware(
+            ServedHosts(args.host, args.allow_host or ()), args.allowed_origins or ()
+        ), exception_handlers={HTTPException: _no_route, Exception: _internal})  # fmt: skip
 
     # guards ------------------------------------------------------------------------------------
 
@@ -175,12 +200,8 @@ class Server:
             common = api.parse_common(body, chat=True, defaults=self.sampling_defaults)
             self._check_model(common["model"])
             messages = api.parse_messages(body)
-            kwargs = body.get("chat_template_kwargs") or {}
-            if not isinstance(kwargs, dict):
-                raise api.bad("chat_template_kwargs", "must be an object")
-            tools = body.get("tools")
-            if tools is not None and not isinstance(tools, list):
-                raise api.bad("tools", "must be a list")
+            kwargs = api.parse_template_kwargs(body)
+            tools = api.parse_tools(body)
             if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
                 raise ApiError(400, "this model has no chat template; use /v1/completions")
             try:
@@ -403,6 +424,10 @@ class Server:
         except ApiError as err:
             yield _sse(err.body())
             yield "data: [DONE]\n\n"
+        except Exception as err:  # the status is sent: the failure can only be one more event
+            log.exception("stream %s failed", rid)
+            yield _sse(_internal_error(err).body())
+            yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client went away (or the stream failed): free the KV now
                 self.worker.cancel(req)
@@ -433,8 +458,8 @@ class Server:
     async def resize(self, request: Request) -> Response:
         try:
             self._check_key(request)
-            if not self.args.api_key and not is_loopback(
-                request.client.host if request.client else None
+            if not self.args.api_key and not is_loopback_address(
+                request.client.host if request.client else ""
             ):
                 raise ApiError(
                     403,
@@ -452,8 +477,12 @@ class Server:
                 raise ApiError(400, 'send {"moe_cache_size": N} or {"kv_reserve_tokens": N}')
             key = "moe_cache_size" if "moe_cache_size" in body else "kv_reserve_tokens"
             value = body[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise api.bad(key, "must be a whole number >= 0")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_RESIZE
+            ):
+                raise api.bad(key, f"must be a whole number from 0 to {MAX_RESIZE}")
             result = await self._resize(key, value)
         except ApiError as err:
             return _error(err)

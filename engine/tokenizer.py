@@ -154,21 +154,23 @@ class Tokenizer:
         tools: list[dict] | None = None,
         **kwargs,
     ) -> str:
-        """Render `messages` with the checkpoint's template and the variables HF templates use."""
+        """Render `messages` with the checkpoint's template and the variables HF templates use;
+        `kwargs` (a request's chat_template_kwargs) add more, or replace a special token's."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        variables = {k: v for k, v in self.special.items() if v is not None}
+        variables.update(kwargs, messages=messages, tools=tools)
+        variables["add_generation_prompt"] = add_generation_prompt
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                **{k: v for k, v in self.special.items() if v is not None},
-                **kwargs,
-            )
+            return self._template.render(variables)
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as err:
-            raise ChatTemplateError(f"the chat template failed: {err}") from None
+        except Exception as err:
+            # the template is the checkpoint's code run on the request's data: whatever it raises
+            # (a filter given a value of the wrong type, most often) is a request it cannot render
+            raise ChatTemplateError(
+                f"the chat template failed: {type(err).__name__}: {err}"
+            ) from None
 
 
 class IncrementalDecoder:

@@ -6,6 +6,7 @@ bound to 0.0.0.0 from 10.x.y.2: a LAN machine in every respect the daemon can se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from moelab.engine.launch import start_engine, stop_engine, wait_ready
 
 from .conftest import MgrProcess, free_port, start_mgr
 
@@ -130,3 +133,62 @@ def test_the_access_matrix_from_a_lan_address(
     # the same daemon, asked from this machine over loopback, needs no token
     status, _ = lan_mgr.request("POST", "/api/profiles", profile("local"))
     assert status == 201
+
+
+@contextlib.contextmanager
+def address_added(server_ip: str) -> Iterator[str]:
+    """One more address on the interface that holds `server_ip`, as a new Wi-Fi, a VPN or a
+    DHCP lease adds one after start; removed after."""
+    shown = subprocess.run(
+        ["ip", "-o", "-4", "addr", "show", "to", server_ip],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.split()  # fmt: skip
+    device = shown[1].split("@")[0]
+    new_ip = server_ip.rsplit(".", 1)[0] + ".3"
+    _ip("addr", "add", f"{new_ip}/24", "dev", device)
+    try:
+        yield new_ip
+    finally:
+        subprocess.run(["ip", "addr", "del", f"{new_ip}/24", "dev", device],
+                       capture_output=True, timeout=30)  # fmt: skip
+
+
+def test_an_address_that_comes_up_after_mgr_started_is_served_at_once(
+    lan: tuple[str, str, str], lan_mgr: MgrProcess
+) -> None:
+    namespace, server_ip, _ = lan
+    url = f"http://{server_ip}:{lan_mgr.port}/api/status"
+    # a LAN client on the address mgr saw at start: mgr has read its interfaces' addresses
+    assert from_lan(namespace, [["GET", url, {}, None]])[0][0] == 200
+    with address_added(server_ip) as new_ip:
+        url = f"http://{new_ip}:{lan_mgr.port}/api/status"
+        assert from_lan(namespace, [["GET", url, {}, None]])[0][0] == 200
+
+
+def test_an_engine_on_the_lan_serves_an_address_that_came_up_after_start(
+    lan: tuple[str, str, str], demo_model: Path, tmp_path: Path
+) -> None:
+    namespace, server_ip, _ = lan
+    port = free_port()
+    engine = start_engine(
+        ["--model-path", str(demo_model), "--host", "0.0.0.0", "--port", str(port),
+         "--device-memory", "1GiB", "--bank-dir", str(tmp_path / "bank")],
+        tmp_path / "engine.log",
+    )  # fmt: skip
+    try:
+        wait_ready(engine, timeout_s=300)
+        completion = {"prompt": "The harbour", "max_tokens": 2}
+        base = f"http://{server_ip}:{port}"
+        assert from_lan(namespace, [["GET", base + "/v1/models", {}, None]])[0][0] == 200
+        with address_added(server_ip) as new_ip:
+            base = f"http://{new_ip}:{port}"
+            results = from_lan(namespace, [
+                ["GET", base + "/v1/models", {}, None],
+                ["POST", base + "/v1/completions", {}, completion],
+                ["GET", base + "/v1/models", {"Host": f"rebound.example:{port}"}, None],
+            ])  # fmt: skip
+        assert [status for status, _ in results] == [200, 200, 400]
+        assert results[1][1]["usage"]["completion_tokens"] == 2
+        assert results[2][1]["error"]["code"] == "unknown_host"
+    finally:
+        stop_engine(engine)

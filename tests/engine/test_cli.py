@@ -139,7 +139,7 @@ def test_while_loading_the_api_answers_503_and_health_reports_progress():
     loading.begin("expert bank")
     loading.bytes(10, 100)
     worker = SimpleNamespace(status="loading", loading=loading, error=None)
-    client = TestClient(Server(args, worker).app)
+    client = TestClient(Server(args, worker).app, base_url="http://127.0.0.1:8000")
     health = client.get("/health").json()
     assert health == {"status": "loading", "model": "tiny", "phase": "expert bank",
                       "loaded_bytes": 10, "total_bytes": 100}  # fmt: skip

@@ -495,6 +495,29 @@ def test_cache_resize_without_reloading(server):
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3}).status_code == 200
 
 
+def test_a_cross_site_page_cannot_resize_the_cache_nor_reach_the_engine_by_another_name(server):
+    def slots() -> int:
+        return httpx.get(server.base_url + "/v1/stats").json()["experts"]["slots"]
+
+    before = slots()
+    # a page on another site posting a form-like body: no CORS preflight is asked for
+    r = _post(
+        server,
+        "/v1/cache/resize",
+        json.dumps({"moe_cache_size": before + 1}).encode(),
+        headers={"Content-Type": "text/plain", "Origin": "http://evil.example",
+                 "Sec-Fetch-Site": "cross-site"},
+    )  # fmt: skip
+    assert r.status_code == 403 and r.json()["error"]["code"] == "foreign_origin"
+    assert slots() == before
+    # DNS rebinding: the attacker's name resolved to this machine
+    port = server.base_url.rsplit(":", 1)[1]
+    body = {"prompt": "x", "max_tokens": 2}
+    r = _post(server, "/v1/completions", body, headers={"Host": f"rebind.example:{port}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_host"
+    assert _post(server, "/v1/completions", body, headers={"Host": f"localhost:{port}"}).is_success
+
+
 def test_queue_overflow_gets_429_with_a_retry_hint(model, tmp_path):
     engine = serve(model, tmp_path, "--max-running-requests", "1", "--max-queued-requests", "1")
     try:

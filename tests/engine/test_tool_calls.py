@@ -12,6 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.engine.server import Server
+from moelab.engine.synth_tokenizer import write_tokenizer_files
 from moelab.engine.tokenizer import Tokenizer
 from moelab.engine.tool_calls import ToolCallStream, split_reply
 
@@ -67,7 +68,7 @@ def test_a_tags_start_is_held_only_while_it_may_be_one():
 
 class ScriptedWorker:
     """The engine thread's stand-in: every request is answered with `reply`'s tokens, the last
-    one ending it."""
+    one ending it; `prompts` holds the prompt ids it was given."""
 
     status = "ok"
 
@@ -75,8 +76,10 @@ class ScriptedWorker:
         self.ids = tokenizer.encode(reply)
         spec = SimpleNamespace(vocab_size=tokenizer.vocab_size)
         self.engine = SimpleNamespace(tokenizer=tokenizer, spec=spec, max_context=4096)
+        self.prompts: list[list[int]] = []
 
     def submit(self, req, limit: int) -> None:
+        self.prompts.append(req.prompt_ids)
         for i, token in enumerate(self.ids):
             req.deliver((token, "stop" if i == len(self.ids) - 1 else None, None))
 
@@ -85,10 +88,16 @@ class ScriptedWorker:
 
 
 def _app(tokenizer: Tokenizer, reply: str, reasoning: str = "off") -> TestClient:
+    return served(ScriptedWorker(tokenizer, reply), reasoning)
+
+
+def served(worker: ScriptedWorker, reasoning: str = "off") -> TestClient:
+    """The server's app over `worker`, asked from this machine."""
     args = argparse.Namespace(served_model_name="m", model_path="m", api_key=None,
                               max_running_requests=8, max_queued_requests=8,
-                              generation_config="off", reasoning_parser=reasoning)  # fmt: skip
-    return TestClient(Server(args, ScriptedWorker(tokenizer, reply)).app)
+                              generation_config="off", reasoning_parser=reasoning,
+                              host="127.0.0.1", allow_host=None, allowed_origins=None)  # fmt: skip
+    return TestClient(Server(args, worker).app, base_url="http://127.0.0.1:8000")
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
@@ -126,3 +135,69 @@ def test_a_reply_without_calls_is_plain_content(tokenizer):
     choice = client.post("/v1/chat/completions", json=ASK).json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "Sunny, <tool_cx> not a tag."}
     assert choice["finish_reason"] == "stop"
+
+
+# Qwen3-Coder's way of writing an assistant's tool calls (Qwen3.5's is the same): each argument
+# as a <parameter=...> block, iterating the arguments' items, which needs them as a mapping
+CODER_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+    "{%- for args_name, args_value in tool_call.arguments|items %}"
+    "{{- '<parameter=' + args_name + '>\\n' }}"
+    "{%- set args_value = args_value if args_value is string else args_value|tojson|safe %}"
+    "{{- args_value }}{{- '\\n</parameter>\\n' }}"
+    "{%- endfor %}"
+    "{{- '</function>\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def coder_tokenizer(tmp_path_factory) -> Tokenizer:
+    path = tmp_path_factory.mktemp("coder")
+    write_tokenizer_files(path, 2048)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": CODER_TEMPLATE})
+    )
+    return Tokenizer(path)
+
+
+def _history(arguments: str) -> dict:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+    return {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, clear"},
+    ]}  # fmt: skip
+
+
+def test_a_history_with_a_tool_call_renders_where_the_template_iterates_its_arguments(
+    coder_tokenizer,
+):
+    worker = ScriptedWorker(coder_tokenizer, "Sunny in Paris.")
+    client = served(worker)
+    r = client.post("/v1/chat/completions", json=_history('{"city": "Paris", "days": 2}'))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "Sunny in Paris."
+    prompt = coder_tokenizer.decode(worker.prompts[-1], skip_special_tokens=False)
+    assert (
+        "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n</function>"
+    ) in prompt
+    where = "messages[1].tool_calls[0].function.arguments"
+    for arguments, why in (("{not json", "is not valid JSON"), ('["Paris"]', "JSON object")):
+        r = client.post("/v1/chat/completions", json=_history(arguments))
+        assert r.status_code == 400 and r.json()["error"]["param"] == where, r.text
+        assert why in r.json()["error"]["message"]
