@@ -163,7 +163,9 @@ def _generate(args: argparse.Namespace) -> int:
             text = args.prompt
             if args.chat:
                 text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-            prompt_ids = engine.tokenizer.encode(text)
+            # a plain prompt gets the tokenizer's BOS, as /v1/completions gives it; a chat
+            # template writes its own
+            prompt_ids = engine.tokenizer.encode(text, add_special_tokens=not args.chat)
         [output] = engine.generate([prompt_ids], params)
         text = engine.tokenizer.decode(output) if engine.tokenizer else ""
         if args.json:

@@ -89,6 +89,9 @@ class ParsedRequest:
     include_usage: bool
     ignore_eos: bool
     model: str | None
+    # the tokenizer's own special tokens around the prompt text (its BOS, as its post-processor
+    # adds them): completions' default; a chat template writes its own
+    add_special_tokens: bool
     echo: bool = False  # completions: the prompt comes first in the text (and its logprobs)
     parse_tools: bool = False  # chat: tool calls taken out of the reply (tool_calls.py)
     # chat with --reasoning-parser think: whether the prompt opened the reply's reasoning
@@ -324,6 +327,9 @@ def parse_common(body: dict, chat: bool = False, defaults: dict[str, float] | No
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "must be a string")
+    add_special_tokens = body.get("add_special_tokens", not chat)
+    if not isinstance(add_special_tokens, bool):
+        raise bad("add_special_tokens", "must be true or false")
     seed = body.get("seed")
     if seed is not None:
         seed = _number(body, "seed", None, lo=-(2**63), hi=2**63 - 1, integer=True)
@@ -343,9 +349,10 @@ def parse_common(body: dict, chat: bool = False, defaults: dict[str, float] | No
         stop=stops,
         seed=seed,
         stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=include_usage,
         ignore_eos=ignore_eos,
         model=model,
+        add_special_tokens=add_special_tokens,
         echo=echo,
     )
 

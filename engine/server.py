@@ -255,7 +255,7 @@ class Server:
                     param="messages" if chat else "prompt",
                     code="context_length_exceeded",
                 )
-            ids = await asyncio.to_thread(tok.encode, parsed.prompt_text)
+            ids = await asyncio.to_thread(tok.encode, parsed.prompt_text, parsed.add_special_tokens)
         if not ids:
             raise api.bad("prompt", "is empty")
         if outside := [t for t, _ in parsed.logit_bias if t >= engine.spec.vocab_size]:
