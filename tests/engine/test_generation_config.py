@@ -35,6 +35,11 @@ def test_the_sampling_fields_are_read_and_bad_ones_skipped_with_why(tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="moelab.openai_api"):
         assert api.generation_defaults(tmp_path) == {}
     assert "temperature: must be at most 2.0" in caplog.text and "top_p" in caplog.text
+    # Python's json reads NaN and Infinity, and NaN passes every range check by comparison
+    _write(tmp_path, temperature=float("nan"), top_k=float("inf"))
+    with caplog.at_level(logging.WARNING, logger="moelab.openai_api"):
+        assert api.generation_defaults(tmp_path) == {}
+    assert "temperature: must be a finite number, got nan" in caplog.text
     # no file, or a file that is not JSON: no defaults
     (tmp_path / "generation_config.json").unlink()
     assert api.generation_defaults(tmp_path) == {}
