@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .hosts import ServedHosts, is_foreign
+from .openai_api import ApiError
 
 READ_METHODS = frozenset({"GET", "HEAD"})
 # the OpenAI API a browser client calls (a chat page lists the models first)
@@ -59,17 +60,17 @@ class EngineAccess:
             "*" in self.allowed_origins or origin in self.allowed_origins
         )
 
-    def refusal(self, scope: Scope) -> tuple[int, str, str] | None:
-        """(status, code, message) when the request must be refused, else None."""
+    def refusal(self, scope: Scope) -> ApiError | None:
+        """Why the request must be refused, or None."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host")
         local_address = (scope.get("server") or ("", 0))[0]
         if not self.hosts.serves(host, local_address):
-            return (
+            return ApiError(
                 400,
-                "unknown_host",
                 f"this engine does not serve the host {host!r}; open it by this machine's "
                 "address or name, or start it with --allow-host NAME",
+                code="unknown_host",
             )
         method = scope["method"]
         if method in READ_METHODS or not is_foreign(headers, host or ""):
@@ -78,21 +79,23 @@ class EngineAccess:
         if method == "OPTIONS":  # a CORS preflight: judged by the request it asks about
             method = headers.get("access-control-request-method", method).upper()
         if scope["path"] not in INFERENCE_PATHS and method not in READ_METHODS:
-            return (
+            return ApiError(
                 403,
-                "foreign_origin",
                 f"{scope['path']} takes no request from another site's page (Origin {origin!r} "
                 f"is not {host!r}); --allowed-origins opens the inference endpoints alone",
+                type_="permission_error",
+                code="foreign_origin",
             )
         if self.origin_allowed(origin):
             return None
         listed = origin if origin and "://" in origin else "ORIGIN"
-        return (
+        return ApiError(
             403,
-            "origin_not_allowed",
             f"the engine takes no cross-origin request from {origin or 'another site'!r}; to let "
             f"a browser page of that origin call the API, start the engine with "
             f"--allowed-origins {listed}",
+            type_="permission_error",
+            code="origin_not_allowed",
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -103,8 +106,5 @@ class EngineAccess:
         if refused is None:
             await self.app(scope, receive, send)
             return
-        status, code, message = refused
-        kind = "invalid_request_error" if status == 400 else "permission_error"
-        body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-        response = JSONResponse(body, status_code=status)
+        response = JSONResponse(refused.body(), status_code=refused.status)
         await response(scope, receive, send)
