@@ -2,9 +2,11 @@
 
 Candidates come from the engine's own list of tunable flags (`engine/args.py` TUNABLE: the flag,
 how its values are chosen, the values it suggests), read against this machine and this model:
-thread counts from the physical cores, no CUDA graphs without a GPU, no prefill chunk longer than
-the workload's prompt can tell apart. Ordered values (chunk sizes, running requests, threads,
-cache shares) are walked outwards from the value in force, one step at a time.
+thread counts from the physical cores, nothing that needs a GPU where the engine runs on the CPU
+(CUDA graphs, split misses, fetching misses, overlapped copies), no prefill chunk longer than the
+workload's prompt can tell apart, no more running requests than the workload's clients. Ordered
+values (chunk sizes, running requests, threads, cache shares) are walked outwards from the value
+in force, one step at a time.
 """
 
 from __future__ import annotations
@@ -27,14 +29,19 @@ FIGURE_OF_FLAG = {
     "--moe-cpu-redo-us": "decode",  # the decode planner's CPU jobs only
     "--moe-copy-ahead": "decode",
 }
-# flags of CUDA graphs' decode: the guesses the prefetch plans come from one-token pieces' graphs
-CUDA_ONLY = (
-    "--no-cuda-graph",
-    "--cuda-graph-max-bs",
-    "--no-overlap-decode",
-    "--moe-cpu-prefetch-rounds",
-    "--moe-copy-ahead",
-)
+# flags that do nothing where the engine runs on the CPU, and why
+GPU_ONLY = {
+    "--no-cuda-graph": "CUDA graphs do not apply",
+    "--cuda-graph-max-bs": "CUDA graphs do not apply",
+    "--no-overlap-decode": "CUDA graphs do not apply (overlapped decode replays whole steps)",
+    # the guesses the prefetch and the copy ahead work from come from one-token pieces' graphs
+    "--moe-cpu-prefetch-rounds": "CUDA graphs do not apply (it works from their guesses)",
+    "--moe-copy-ahead": "CUDA graphs do not apply (it works from their guesses)",
+    "--no-split-misses": "a miss is split between a copy to the GPU and the CPU: there is no GPU",
+    "--no-prefill-overlap": "the next layer's copy can run beside the compute only on a GPU",
+}
+# values that do nothing where the engine runs on the CPU: a fetched miss is only copied within RAM
+GPU_ONLY_VALUES = {"--moe-miss-policy": ("gpu", "split:")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +180,13 @@ class _Planner:
             if flag_info(t.flag) is None:
                 self.skip(t.flag, None, "the engine's parser does not know this flag")
                 continue
-            if t.flag in CUDA_ONLY and self.on_cpu:
-                self.skip(t.flag, None, "the engine runs on the CPU here: CUDA graphs do not apply")
+            if t.flag in GPU_ONLY and self.on_cpu:
+                self.skip(t.flag, None, f"the engine runs on the CPU here: {GPU_ONLY[t.flag]}")
+                continue
+            if t.flag == "--moe-cpu-pin" and self.machine.physical_cores < 2:
+                self.skip(
+                    t.flag, None, "one physical core: the workers cannot have cores of their own"
+                )
                 continue
             figure = FIGURE_OF_FLAG.get(t.flag)
             if t.flag == "--max-running-requests" and self.objective.name != "aggregate":
@@ -212,7 +224,15 @@ class _Planner:
         if all(n is not None for n in numbers) and _number(current) is not None:
             self._walk(t, [v for v in t.values], str(current))
             return
-        values = [v for v in t.values if v != current]
+        values = []
+        for value in t.values:
+            reason = self._inapplicable(t.flag, value)
+            if value == current:
+                continue
+            if reason:
+                self.skip(t.flag, value, reason)
+            else:
+                values.append(value)
         keep = values if self.mode.values_per_flag is None else values[: self.mode.values_per_flag]
         for value in values:
             if value in keep:
@@ -239,6 +259,15 @@ class _Planner:
                 else:
                     self.add(t.flag, text, t.why, walk=direction)
 
+    def _inapplicable(self, flag: str, value: str) -> str | None:
+        """Why a value of an unordered choice cannot apply on this machine, else None."""
+        if self.on_cpu and value.startswith(GPU_ONLY_VALUES.get(flag, ())):
+            return (
+                "the engine runs on the CPU here: there is no GPU to fetch misses to (a fetch "
+                "would only copy the expert within RAM)"
+            )
+        return None
+
     def _unusable(self, flag: str, value: float) -> str | None:
         """Why a value of an ordered flag cannot be told apart or cannot run, else None."""
         if flag == "--prefill-chunk-tokens":
@@ -252,6 +281,9 @@ class _Planner:
                 )
         if flag == "--moe-cpu-threads" and value > self.machine.physical_cores:
             return f"more than the {self.machine.physical_cores} physical cores"
+        clients = self.objective.clients
+        if flag == "--max-running-requests" and value > clients > 0:
+            return f"more than the workload's {clients} concurrent clients: the room is never used"
         return None
 
     def _switch(self, t: Tunable) -> None:

@@ -239,7 +239,7 @@ def test_viewers_without_control_never_see_the_engine_api_key(
 ) -> None:
     with running_app(tmp_path / "mgr", demo_model.parent) as (daemon, client):
         record_fresh_rates(daemon, demo_model)
-        use_fake(client.app, FakeEngine(seed=26, crash=("--moe-miss-policy=gpu",)))
+        use_fake(client.app, FakeEngine(seed=26, crash=("--moe-miss-policy=cpu",)))
         run = start(client, demo_model, base_flags=[*POOR, "--api-key", "sekrit"],
                     only_flags=["--moe-miss-policy"])  # fmt: skip
         wait_status(client, run["id"], ("done",))

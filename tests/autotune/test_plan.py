@@ -58,6 +58,43 @@ def test_a_cpu_machine_gets_no_cuda_graphs_and_threads_up_to_its_cores() -> None
     ]
 
 
+def test_a_cpu_machine_leaves_out_what_needs_a_gpu() -> None:
+    plan = make_plan([], MODEL, CPU_2, MODES["standard"], Objective("decode"))
+    # without a GPU a fetched miss is only copied within RAM: the CPU runs it where it lies
+    policies = [k for k in keys(plan) if k.startswith("--moe-miss-policy")]
+    assert policies == ["--moe-miss-policy=cpu"]
+    for value in ("gpu", "split:0.25", "split:0.75"):
+        assert "no GPU to fetch misses to" in why(plan, "--moe-miss-policy", value)
+    # misses are split between a copy to the GPU and the CPU; prefill copies overlap on a GPU
+    assert "there is no GPU" in why(plan, "--no-split-misses")
+    assert "only on a GPU" in why(plan, "--no-prefill-overlap")
+    # a GPU machine tries every one of them
+    gpu = keys(make_plan([], MODEL, GPU_8, MODES["standard"], Objective("decode")))
+    assert {"--moe-miss-policy=gpu", "--moe-miss-policy=split:0.25", "--no-split-misses=on",
+            "--no-prefill-overlap=on"} <= set(gpu)  # fmt: skip
+    # flags that say --device cpu run the engine on the CPU whatever the machine has
+    forced = make_plan(["--device", "cpu"], MODEL, GPU_8, MODES["standard"], Objective("decode"))
+    assert "--moe-miss-policy=gpu" not in keys(forced)
+    # a policy the start has is not listed as left out: it is measured as the baseline
+    started = make_plan(["--moe-miss-policy", "gpu"], MODEL, CPU_2, MODES["standard"],
+                        Objective("decode"))  # fmt: skip
+    assert not any(s.flag == "--moe-miss-policy" and s.value == "gpu" for s in started.skipped)
+
+
+def test_one_core_leaves_nothing_to_pin_and_clients_bound_running_requests() -> None:
+    one = make_plan([], MODEL, MachineFacts(physical_cores=1), MODES["standard"],
+                    Objective("decode"))  # fmt: skip
+    assert "cores of their own" in why(one, "--moe-cpu-pin")
+    assert not [k for k in keys(one) if k.startswith("--moe-cpu-pin")]
+    assert [k for k in keys(make_plan([], MODEL, CPU_2, MODES["standard"], Objective("decode")))
+            if k.startswith("--moe-cpu-pin")]  # fmt: skip
+    # 4 clients never fill 8 or 16 running requests: only fewer are tried
+    four = make_plan([], MODEL, GPU_8, MODES["standard"], Objective("aggregate", 4))
+    running = [c.change.value for c in four.candidates if c.change.flag == "--max-running-requests"]
+    assert running == ["4", "2", "1"]
+    assert "4 concurrent clients" in why(four, "--max-running-requests", "16")
+
+
 def test_running_requests_only_for_the_aggregate_objective() -> None:
     single = make_plan([], MODEL, GPU_8, MODES["standard"], Objective("decode"))
     assert "side by side" in why(single, "--max-running-requests")
