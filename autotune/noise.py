@@ -181,13 +181,21 @@ class NoiseRule:
         if new is None or not old:
             return Judgement(False, 0.0, f"no {objective.label} was measured")
         gain = new / old - 1.0
-        head = f"{objective.label} {new:,.1f} against {old:,.1f} ({gain:+.1%})"
+        head = f"{objective.label} {new:,.1f} against {old:,.1f}"
+        if gain < -threshold:
+            return Judgement(False, gain, f"{head}: slower by {-gain:.1%}")
         if gain <= threshold:
-            return Judgement(False, gain, f"{head}: not above the {threshold:.1%} threshold")
+            return Judgement(
+                False,
+                gain,
+                f"{head}: within the noise ({gain:+.1%}; a change must gain more than "
+                f"{threshold:.1%})",
+            )
+        faster = f"{head}: faster by {gain:.1%}"
         cost = self._cost(objective.side_figures, candidate, incumbent, spreads) if sides else None
         if cost:
-            return Judgement(False, gain, f"{head}, but {cost}")
-        return Judgement(True, gain, f"{head}, above the {threshold:.1%} threshold")
+            return Judgement(False, gain, f"{faster}, but {cost}")
+        return Judgement(True, gain, f"{faster}, more than the {threshold:.1%} noise threshold")
 
     def holds(
         self, objective: Objective, candidate: Figures, incumbent: Figures, spreads: Spreads
@@ -198,7 +206,9 @@ class NoiseRule:
         cost = self._cost(FIGURES, candidate, incumbent, spreads)
         if cost:
             return Judgement(False, gain, cost)
-        return Judgement(True, gain, f"speed holds ({objective.label} {gain:+.1%})")
+        return Judgement(
+            True, gain, f"speed holds ({objective.label} {gain:+.1%}, within the noise)"
+        )
 
     def _cost(
         self, names: Sequence[str], candidate: Figures, incumbent: Figures, spreads: Spreads
@@ -212,7 +222,7 @@ class NoiseRule:
             allowed = self.allowed_cost(name, spreads)
             if cost > allowed:
                 return (
-                    f"{name} tok/s {new:,.1f} against {old:,.1f} costs {cost:.1%} "
-                    f"(more than {allowed:.1%})"
+                    f"{name} is slower by {cost:.1%} ({new:,.1f} against {old:,.1f} tok/s; at "
+                    f"most {allowed:.1%} is allowed)"
                 )
         return None

@@ -213,7 +213,7 @@ def test_context_rises_by_tiers_while_speed_holds() -> None:
     assert value_of(result["flags"], "--kv-reserve-tokens") == "16384"
     tiers = result["context"]["tiers"]
     assert [(t["tokens"], t["kept"]) for t in tiers] == [(16384, True), (32768, False)]
-    assert "speed" not in tiers[0].get("why", "") and "costs" in tiers[1]["why"]
+    assert "speed" not in tiers[0].get("why", "") and "slower by" in tiers[1]["why"]
     proofs = [
         t.result.context_proof for t in journal.trials.values() if t.request.role == "context"
     ]
