@@ -13,11 +13,14 @@ turning point (the first step that does not win).
 from __future__ import annotations
 
 import statistics
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .flagset import Change, apply_change, same_flags, value_of
+from .eta import TimeLeft, candidate_trials
+from .flagset import Change, apply_change, effective_value, same_flags, value_of
 from .journal import Journal
 from .modes import Mode
 from .noise import Figures, Judgement, NoiseRule, Objective, Spreads
@@ -85,7 +88,12 @@ class Search:
     """One run of the search over a plan; the journal runs (or replays) and records the trials."""
 
     def __init__(
-        self, plan: Plan, base_flags: list[str], settings: SearchSettings, journal: Journal
+        self,
+        plan: Plan,
+        base_flags: list[str],
+        settings: SearchSettings,
+        journal: Journal,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.plan = plan
         self.base_flags = list(base_flags)
@@ -102,7 +110,8 @@ class Search:
         self.tries: dict[str, list[str]] = defaultdict(list)  # flag -> "value (trial n: why)"
         self._turned: set[tuple[str, str]] = set()
         self._raised: set[str] = set()
-        self._left = len(plan.candidates)
+        self._next = 0  # the index of the next planned candidate
+        self.time_left = TimeLeft(clock)
         self.spreads = Spreads(0.0, {})
         self.incumbent: Incumbent | None = None
         self.context: dict[str, Any] = {}
@@ -142,7 +151,7 @@ class Search:
         estimate for the target, warm, in the same engine; the run's workload is sized from the
         warm stage. The minimum absorbs a cold start (compile caches)."""
         runs = self.mode.baseline_runs
-        self._progress("baseline", 1 + runs + self._left + self._context_estimate())
+        self._progress("baseline", 1 + runs + self._candidates_left() + self._context_estimate())
         self.journal.event(
             "phase",
             f"calibration: the mode's minimum workload on {self.settings.base_origin}, then the "
@@ -166,7 +175,7 @@ class Search:
 
     def _baseline(self) -> Figures:
         runs = self.mode.baseline_runs
-        self._progress("baseline", runs + self._left + self._context_estimate())
+        self._progress("baseline", runs + self._candidates_left() + self._context_estimate())
         self.journal.event("phase", f"baseline: {runs} runs of {self.settings.base_origin}")
         ok: list[tuple[int, TrialResult]] = []
         last_error = ""
@@ -178,7 +187,8 @@ class Search:
             else:
                 last_error = f"{result.failure}: {result.error}"
                 self.journal.set_verdict(n, "failed", last_error)
-            self._progress("baseline", runs - i - 1 + self._left + self._context_estimate())
+            left = runs - i - 1 + self._candidates_left() + self._context_estimate()
+            self._progress("baseline", left)
         if not ok:
             raise SearchFailed(f"the starting flags do not run ({last_error})")
         trials = [r for _n, r in ok]
@@ -205,10 +215,10 @@ class Search:
     def _candidates(self) -> None:
         self.journal.event("phase", f"one change at a time: {len(self.plan.candidates)} planned")
         for i, candidate in enumerate(self.plan.candidates):
-            self._left = len(self.plan.candidates) - i
-            self._progress("candidates", self._left + self._context_estimate())
+            self._next = i
+            self._progress("candidates", self._candidates_left() + self._context_estimate())
             self._try(candidate)
-        self._left = 0
+        self._next = len(self.plan.candidates)
 
     def _try(self, candidate: Candidate) -> None:
         assert self.incumbent is not None
@@ -236,7 +246,9 @@ class Search:
             self._reject(candidate, n1, "rejected", judged.reason)
             return
         self.journal.set_verdict(n1, "pending", f"{judged.reason}; running it again to confirm")
-        self._progress("candidates", self._left + 1 + self._context_estimate())
+        # the best flags again and the confirmation, then the candidates after this one
+        self._next += 1
+        self._progress("candidates", 2 + self._candidates_left() + self._context_estimate())
         fresh = self._incumbent_again(n1)
         n2, second = self._trial(self._request(flags, change, "confirm"))
         verdict = self._confirm(first, second, fresh)
@@ -311,25 +323,15 @@ class Search:
     # ---- context ----------------------------------------------------------------------------
 
     def _context_tiers(self, usable: int) -> list[int]:
-        top = self.settings.model_max_context
-        cap = value_of(self.incumbent.flags if self.incumbent else [], "--max-context")
-        if cap is not None:
-            top = min(top or int(cap), int(cap))
-        if not top or top <= usable:
-            return []
-        tiers = []
-        tier = usable * 2
-        while tier < top:
-            tiers.append(tier)
-            tier *= 2
-        tiers.append(top)
-        limit = self.mode.context_tiers
-        return tiers if limit is None else tiers[:limit]
+        flags = self.incumbent.flags if self.incumbent else self.base_flags
+        return context_tiers(usable, flags, self.settings.model_max_context, self.mode)
 
     def _context_estimate(self) -> int:
         if self.settings.pick_up and not self.kept:
             return 0
-        usable = self.incumbent.usable_context if self.incumbent else None
+        if self.incumbent is None:
+            return context_trials(self.base_flags, self.settings.model_max_context, self.mode)
+        usable = self.incumbent.usable_context
         return 1 + len(self._context_tiers(usable)) if usable else 1
 
     def _context(self) -> None:
@@ -410,9 +412,17 @@ class Search:
 
     # ---- progress and result ----------------------------------------------------------------
 
+    def _candidates_left(self) -> int:
+        """Trials the planned candidates not yet begun are expected to take."""
+        return candidate_trials(
+            self.plan.candidates[self._next :],
+            self.mode.stop_at_turn,
+            frozenset(self._turned),
+            frozenset(self._raised),
+        )
+
     def _progress(self, phase: str, trials_left: int) -> None:
-        trial_s = self._trial_s()
-        self.journal.progress(phase, None if trial_s is None else trials_left * trial_s)
+        self.journal.progress(phase, self.time_left.update(trials_left, self._trial_s()))
 
     def _trial_s(self) -> float | None:
         """What a trial takes: the median of the sized ones, or, before any ran, the calibration
@@ -426,6 +436,45 @@ class Search:
             return None
         expected_s = self.sizing.expected_s or calibration.workload_s or 0.0
         return calibration.duration_s - (calibration.workload_s or 0.0) + expected_s
+
+
+def context_tiers(
+    usable: int, flags: list[str], model_max_context: int | None, mode: Mode
+) -> list[int]:
+    """The context tiers above `usable` tokens the context step tries: doubling up to the
+    model's context (or `--max-context`), as many as the mode tries."""
+    top = model_max_context
+    cap = value_of(flags, "--max-context")
+    if cap is not None:
+        top = min(top or int(cap), int(cap))
+    if not top or top <= usable:
+        return []
+    tiers = []
+    tier = usable * 2
+    while tier < top:
+        tiers.append(tier)
+        tier *= 2
+    tiers.append(top)
+    return tiers if mode.context_tiers is None else tiers[: mode.context_tiers]
+
+
+def context_trials(flags: list[str], model_max_context: int | None, mode: Mode) -> int:
+    """The context step's trials as foreseen before the engine says its context: the proof of
+    the KV reserve in `flags`, then the tiers above it."""
+    reserve = effective_value(flags, CONTEXT_FLAG)
+    usable = int(str(reserve)) if reserve else 0
+    return 1 + (len(context_tiers(usable, flags, model_max_context, mode)) if usable else 0)
+
+
+def planned_trials(plan: Plan, base_flags: list[str], settings: SearchSettings) -> int:
+    """The trials a run of `plan` is expected to take, as its time left counts them before the
+    first trial: the calibration trial, the baseline runs, the candidates (a walk that stops at
+    its turning point counted one step each way) and the context step."""
+    mode = settings.mode
+    trials = 1 + mode.baseline_runs + candidate_trials(plan.candidates, mode.stop_at_turn)
+    if not settings.pick_up:
+        trials += context_trials(base_flags, settings.model_max_context, mode)
+    return trials
 
 
 def _num(value: float | None) -> str:

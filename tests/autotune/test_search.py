@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import replace
 
 import pytest
@@ -219,16 +218,3 @@ def test_context_rises_by_tiers_while_speed_holds() -> None:
     ]
     assert [p.target_tokens for p in proofs] == [8192, 16384, 32768]
     assert all(p.prompt_tokens >= 0.95 * p.target_tokens for p in proofs[:2])
-
-
-def test_eta_is_estimated_from_measured_trial_times() -> None:
-    result, journal = search(FakeEngine(seed=13, speed=5.0))
-    etas = [eta for _phase, eta in journal.phases if eta is not None]
-    assert etas[0] > etas[len(etas) // 2] > 0 and journal.phases[-1] == ("result", 0.0)
-    # the first estimate, after the calibration trial: the planned trials at the time it
-    # foresees for a trial of the sized workload, which the trials then take
-    calibration = journal.trials[1].result
-    foreseen_s = calibration.duration_s - calibration.workload_s + result["workload"]["expected_s"]
-    assert etas[0] / foreseen_s == pytest.approx(round(etas[0] / foreseen_s))
-    baseline_s = [journal.trials[n].result.duration_s for n in (2, 3, 4)]
-    assert foreseen_s == pytest.approx(statistics.median(baseline_s), rel=0.1)
