@@ -62,7 +62,7 @@ MODES: dict[str, Mode] = {
             stop_at_turn=True,
             context_tiers=1,
             skip_off_objective=True,
-            describe="a few values of the flags that move the objective; minutes on the demo model",
+            describe="a few values of the flags that move the objective",
         ),
         Mode(
             "standard",

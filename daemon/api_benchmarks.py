@@ -17,6 +17,7 @@ from ..autotune.modes import MODES
 from ..autotune.noise import OBJECTIVES
 from .api import access_of, audit, blocking, json_body, path_id, query_number
 from .api_profiles import profile_json
+from .benchmark_estimate import mode_durations
 from .benchmark_setup import RunOptions
 from .benchmark_store import event_json, events_of, run_json, trial_json, trials_of
 from .benchmarks import BenchmarkService
@@ -24,6 +25,7 @@ from .errors import BadRequest, NotFound
 from .flags import redact_flags
 from .schema import BenchmarkRun
 from .store import iso_time
+from .supervisor import resolve_device
 
 
 def service_of(request: Request) -> BenchmarkService:
@@ -108,37 +110,57 @@ async def list_runs(request: Request) -> Response:
     )
 
 
+def plan_json(service: BenchmarkService, options: RunOptions, reveal: bool) -> dict[str, Any]:
+    """What a run would start from and try, each mode's expected duration, and the engines of
+    this mgr that would share the machine with its trials."""
+    setup = service.setup(options)
+    trial_device = resolve_device(setup.base_flags, setup.machine.gpus)
+    engines = [
+        {**engine, "takes_the_gpu": trial_device != "cpu" and engine["device"] == trial_device}
+        for engine in service.engines()
+    ]
+    return {
+        "model": setup.model.path,
+        "model_name": setup.model.name,
+        "mode": setup.mode,
+        "base_flags": setup.base_flags if reveal else redact_flags(setup.base_flags),
+        "base_origin": setup.base_origin,
+        "pick_up_from": setup.pick_up_from,
+        "candidates": [c.to_json() for c in setup.plan.candidates],
+        "skipped": [s.to_json() for s in setup.plan.skipped],
+        "durations": mode_durations(service.daemon, setup, options),
+        "trial_device": trial_device,
+        "engines": engines,
+    }
+
+
 async def preview(request: Request) -> Response:
     """What a run would start from and try: `?model=&mode=&objective=&clients=&pick_up=1`."""
     service = service_of(request)
     options = options_of(request)
-    setup = await blocking(service.setup, options)
-    candidates = [c.to_json() for c in setup.plan.candidates]
-    if options.pick_up and not candidates:
-        message = f"nothing new to try since run {setup.pick_up_from}"
+    body = await blocking(plan_json, service, options, access_of(request).control)
+    if options.pick_up and not body["candidates"]:
+        body["message"] = f"nothing new to try since run {body['pick_up_from']}"
     else:
-        message = f"{len(candidates)} candidate(s) to try"
-    return JSONResponse(
-        {
-            "model": setup.model.path,
-            "base_flags": setup.base_flags
-            if access_of(request).control
-            else redact_flags(setup.base_flags),
-            "base_origin": setup.base_origin,
-            "pick_up_from": setup.pick_up_from,
-            "candidates": candidates,
-            "skipped": [s.to_json() for s in setup.plan.skipped],
-            "message": message,
-        }
-    )
+        body["message"] = f"{len(body['candidates'])} candidate(s) to try"
+    return JSONResponse(body)
 
 
 async def start_run(request: Request) -> Response:
     service = service_of(request)
     options = RunOptions.from_body(await json_body(request))
     run_id = await blocking(service.start, options)
-    audit(request, "start benchmark", f"benchmark {run_id}", model=options.model, mode=options.mode)
-    return JSONResponse(await blocking(full_run, service, run_id, True), status_code=202)
+    body = await blocking(full_run, service, run_id, True)
+    audit(request, "start benchmark", f"benchmark {run_id}", model=options.model, mode=body["mode"])
+    return JSONResponse(body, status_code=202)
+
+
+async def stop_engines(request: Request) -> Response:
+    """Stop every engine of this mgr, so that a run's trials have the machine to themselves."""
+    service = service_of(request)
+    stopped = await blocking(service.stop_engines)
+    audit(request, "stop engines for a benchmark", None, servers=stopped)
+    return JSONResponse({"stopped": stopped})
 
 
 async def get_run(request: Request) -> Response:
@@ -213,6 +235,7 @@ def routes() -> list[Route]:
         Route("/api/benchmarks", start_run, methods=["POST"]),
         Route("/api/benchmarks/plan", preview),
         Route("/api/benchmarks/compare", compare),
+        Route("/api/benchmarks/stop-engines", stop_engines, methods=["POST"]),
         Route("/api/benchmarks/{id:int}", get_run),
         Route("/api/benchmarks/{id:int}", delete_run, methods=["DELETE"]),
         Route("/api/benchmarks/{id:int}/trials/{n:int}", get_trial),

@@ -38,7 +38,7 @@ class RunOptions:
     """What a client asks of a run (POST /api/benchmarks), checked."""
 
     model: str
-    mode: str = "standard"
+    mode: str | None = None  # None: quick on the demo model or without a GPU, else standard
     objective: str = "decode"
     clients: int = 0
     base_flags: tuple[str, ...] | None = None
@@ -57,13 +57,14 @@ class RunOptions:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequest("model must be a checkpoint path or id (GET /api/models lists them)")
-        mode = body.get("mode", "standard")
+        mode = body.get("mode") or None
         objective = body.get("objective", "decode")
         clients = body.get("clients", 8 if objective == "aggregate" else 0)
         if not isinstance(clients, int) or isinstance(clients, bool) or not 0 <= clients <= 256:
             raise BadRequest("clients must be a whole number from 2 to 256")
         try:
-            mode_named(str(mode))
+            if mode is not None:
+                mode_named(str(mode))
             Objective(str(objective), clients if objective == "aggregate" else 0)
             rule = NoiseRule(
                 min_gain=_share(body, "min_gain", 0.03),
@@ -100,7 +101,7 @@ class RunOptions:
             raise BadRequest("give at most one of base_flags, profile_id and pick_up")
         return cls(
             model=model,
-            mode=str(mode),
+            mode=None if mode is None else str(mode),
             objective=str(objective),
             clients=clients if objective == "aggregate" else 0,
             base_flags=tuple(base) if base is not None else None,
@@ -120,17 +121,38 @@ def _share(body: dict[str, Any], name: str, default: float) -> float:
 
 @dataclass(slots=True)
 class Setup:
-    """A run's starting point, resolved: model, flags, where they came from, and its plan."""
+    """A run's starting point, resolved: model, flags, where they came from, its mode and the
+    plan of every mode (the chosen one runs; the others are for the plan page's durations)."""
 
     model: Model
     spec: ModelSpec
     base_flags: list[str]
     base_origin: str
-    plan: Plan
+    mode: str
+    plans: dict[str, Plan]
     machine: MachineFacts
     pick_up_from: int | None = None
     tried_in: dict[str, int] = field(default_factory=dict)
     hardware: dict[str, Any] | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return self.plans[self.mode]
+
+    @property
+    def on_cpu(self) -> bool:
+        return on_cpu(self.base_flags, self.machine)
+
+
+def on_cpu(flags: list[str], machine: MachineFacts) -> bool:
+    """Whether trials of `flags` run on the CPU: no GPU here, or the flags say --device cpu."""
+    return machine.gpus == 0 or effective_value(flags, "--device") == "cpu"
+
+
+def default_mode(is_demo: bool, on_cpu: bool) -> str:
+    """The mode a run takes when none is asked for: quick on the demo model or on the CPU (a
+    standard run's 60 s trials take an hour or more there), else standard."""
+    return "quick" if is_demo or on_cpu else "standard"
 
 
 def machine_facts(daemon: Daemon) -> MachineFacts:
@@ -173,16 +195,20 @@ def resolve_setup(daemon: Daemon, options: RunOptions) -> Setup:
         validate_flags(model.path, base)
     except FlagError as err:
         raise BadRequest(f"the starting flags: {err}", code="invalid_flags") from None
-    plan = make_plan(
-        base,
-        ModelFacts(model.path, spec.num_moe_layers, spec.num_experts, model.max_context),
-        machine,
-        MODES[options.mode],
-        Objective(options.objective, options.clients),
-        only_flags=frozenset(options.only_flags) if options.only_flags else None,
-        tried=tried_in,
-    )
-    return Setup(model, spec, base, origin, plan, machine, pick_up_from, tried_in, hardware)
+    plans = {
+        name: make_plan(
+            base,
+            ModelFacts(model.path, spec.num_moe_layers, spec.num_experts, model.max_context),
+            machine,
+            each,
+            Objective(options.objective, options.clients),
+            only_flags=frozenset(options.only_flags) if options.only_flags else None,
+            tried=tried_in,
+        )
+        for name, each in MODES.items()
+    }
+    mode = options.mode or default_mode(model.is_demo, on_cpu(base, machine))
+    return Setup(model, spec, base, origin, mode, plans, machine, pick_up_from, tried_in, hardware)
 
 
 def recommended_flags(daemon: Daemon, model_path: str) -> list[str]:

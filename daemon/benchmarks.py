@@ -147,7 +147,7 @@ class BenchmarkService:
             with self.store.session() as session:
                 row = BenchmarkRun(
                     model=setup.model.path,
-                    mode=options.mode,
+                    mode=setup.mode,
                     objective=options.objective,
                     status="running",
                     phase="starting",
@@ -177,11 +177,40 @@ class BenchmarkService:
             self.store,
             run_id,
             "status",
-            f"started: {options.mode} mode, {Objective(options.objective, options.clients).label}, "
+            f"started: {setup.mode} mode, {Objective(options.objective, options.clients).label}, "
             f"from {setup.base_origin}",
         )
         self._warn_if_shared(run_id)
         return run_id
+
+    def engines(self) -> list[dict[str, Any]]:
+        """This mgr's engines that run (or start) now: they take the CPU, memory and GPU the
+        trials need, and move their figures."""
+        supervisor = self.daemon.supervisor
+        out = []
+        for handle in supervisor.handles():
+            if handle.stopping:
+                continue
+            row = supervisor.row(handle.server_id)
+            out.append(
+                {
+                    "id": row.id,
+                    "name": row.name,
+                    "model": row.model,
+                    "device": handle.device,
+                    "pid": handle.engine.pid,
+                    "status": row.status,
+                }
+            )
+        return out
+
+    def stop_engines(self) -> list[int]:
+        """Stop every engine of this mgr (before a run); returns the servers stopped."""
+        stopped = []
+        for engine in self.engines():
+            self.daemon.supervisor.stop(engine["id"])
+            stopped.append(engine["id"])
+        return stopped
 
     def _warn_if_shared(self, run_id: int) -> None:
         engines = self.daemon.supervisor.handles()

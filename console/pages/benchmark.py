@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlencode
 
 import plotly.graph_objects as go
 from sqlalchemy import select
@@ -15,11 +16,17 @@ from starlette.routing import Route
 from ...autotune.modes import MODES
 from ...autotune.noise import OBJECTIVES
 from ...daemon.api import blocking, daemon_of, path_id
-from ...daemon.api_benchmarks import compare_runs, full_run, options_of, run_summary, service_of
+from ...daemon.api_benchmarks import (
+    compare_runs,
+    full_run,
+    options_of,
+    plan_json,
+    run_summary,
+    service_of,
+)
 from ...daemon.benchmarks import BenchmarkService
 from ...daemon.catalog import model_json
 from ...daemon.errors import BadRequest
-from ...daemon.flags import redact_flags
 from ...daemon.schema import Profile
 from ...daemon.service import Daemon
 from .. import charts
@@ -42,7 +49,7 @@ OBJECTIVE_LABELS = {
     "aggregate": _("Aggregate tok/s (concurrent clients)"),
 }
 MODE_LABELS = {
-    "quick": _("Quick: a few values of the flags that move the objective (minutes on the demo)"),
+    "quick": _("Quick: a few values of the flags that move the objective"),
     "standard": _("Standard: every tunable flag, ordered values walked while they win"),
     "thorough": _("Thorough: every value of every flag, longer workloads, every context tier"),
 }
@@ -78,20 +85,18 @@ async def benchmark_page(request: Request) -> Response:
 
 def plan_data(service: BenchmarkService, request: Request) -> dict[str, Any]:
     options = options_of(request)
-    setup = service.setup(options)
+    plan = plan_json(service, options, request.state.access.control)
+    path, name, mode = plan.pop("model"), plan.pop("model_name"), plan.pop("mode")
+    asked = {k: v for k, v in request.query_params.items() if k not in ("format", "part")}
+    links = {each: "/benchmark/plan?" + urlencode({**asked, "mode": each}) for each in MODES}
     return {
-        "model": {"path": setup.model.path, "name": setup.model.name},
-        "run_mode": options.mode,
+        **plan,
+        "mode_links": links,
+        "model": {"path": path, "name": name},
+        "run_mode": mode,
         "objective": options.objective,
         "clients": options.clients,
         "pick_up": options.pick_up,
-        "pick_up_from": setup.pick_up_from,
-        "base_flags": setup.base_flags
-        if request.state.access.control
-        else redact_flags(setup.base_flags),
-        "base_origin": setup.base_origin,
-        "candidates": [c.to_json() for c in setup.plan.candidates],
-        "skipped": [s.to_json() for s in setup.plan.skipped],
         "running": service.active_id,
         "labels": LABELS,
     }
