@@ -157,10 +157,18 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def configure_logging() -> None:
+    """mgr's own lines at INFO; the HTTP client's one line per request (the benchmark's trials
+    send hundreds) only when something goes wrong, so the URL and the token stay in sight."""
+    logging.basicConfig(level=logging.INFO, format="mgr: %(message)s")
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     data_dir = (args.data_dir or Path(platformdirs.user_data_dir("moelab"))).expanduser().resolve()
-    logging.basicConfig(level=logging.INFO, format="mgr: %(message)s")
+    configure_logging()
     lock = DataDirLock(data_dir)
     try:
         lock.acquire()

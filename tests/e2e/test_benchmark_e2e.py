@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from moelab.autotune.flagset import Change, apply_change, same_flags
+from moelab.daemon.service import Daemon, DaemonConfig
+from tests.autotune.conftest import record_fresh_rates
 from tests.daemon.conftest import start_mgr, synth, wait_for
 
 # prefill in chunks of 2 tokens reads a prompt in hundreds of steps, and a one-slot expert cache
@@ -22,6 +24,46 @@ POOR = ["--device", "cpu", "--device-memory", "1GiB", "--prefill-chunk-tokens", 
 # A hang, not a speed test: the run takes about 4 min on a 2-core machine, and a CI run on a slow
 # day (the whole suite 22 min against 15-16) ran out of 6.
 RUN_TIMEOUT_S = 600.0
+# what mgr prints to its terminal: the URL, the token, and a few lines of its own
+MGR_LINES_MAX = 10
+
+
+def assert_terminal_short(output: str, token: str) -> None:
+    """mgr's terminal keeps its URL and token in sight: no line per HTTP request of a trial."""
+    assert "HTTP Request" not in output, output[-2000:]
+    assert len(output.splitlines()) <= MGR_LINES_MAX, output[-2000:]
+    assert f"control token: {token}" in output
+
+
+@pytest.mark.slow
+def test_mgr_s_terminal_stays_short_while_trials_run(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    demo = synth(models / "demo-tiny")
+    data = tmp_path / "data"
+    # a fresh hardware reading: the run goes straight to its trials
+    daemon = Daemon(DaemonConfig(data_dir=data, models_dirs=(models,), write_demo=False))
+    record_fresh_rates(daemon, demo)
+    daemon.close()
+    mgr = start_mgr(data, "--models-dir", str(models))
+    try:
+        run = mgr.post(
+            "/api/benchmarks",
+            {"model": str(demo), "mode": "quick", "objective": "decode",
+             "base_flags": ["--device", "cpu", "--device-memory", "1GiB"],
+             "only_flags": ["--moe-miss-policy"]},
+        )  # fmt: skip
+        # the calibration trial and a baseline run: two engines started, each sent a warm-up
+        # and its workloads over HTTP (dozens of requests), their stats read, stopped
+        wait_for(
+            lambda: len(mgr.get(f"/api/benchmarks/{run['id']}")["trials"]) >= 2,
+            RUN_TIMEOUT_S,
+            "two trials",
+            poll_s=1.0,
+        )
+        mgr.post(f"/api/benchmarks/{run['id']}/cancel")
+    finally:
+        mgr.stop()
+    assert_terminal_short(mgr.output(), mgr.token)
 
 
 @pytest.mark.slow
@@ -114,3 +156,4 @@ def test_quick_run_on_the_demo_model_through_the_api(tmp_path: Path) -> None:
         assert "demo tuned" in text
     finally:
         mgr.stop()
+    assert_terminal_short(mgr.output(), mgr.token)
