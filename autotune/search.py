@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .eta import TimeLeft, candidate_trials
-from .flagset import Change, apply_change, effective_value, same_flags, value_of
+from .eta import CONTEXT_FLAG, TimeLeft, candidate_trials, context_tiers, context_trials
+from .flagset import Change, apply_change, same_flags
 from .journal import Journal
 from .modes import Mode
 from .noise import Figures, Judgement, NoiseRule, Objective, Spreads
@@ -28,8 +28,6 @@ from .plan import Candidate, Plan, Skipped
 from .result import build_result
 from .sizing import Sizing, size_workload
 from .trial import TrialRequest, TrialResult
-
-CONTEXT_FLAG = "--kv-reserve-tokens"
 
 
 class SearchFailed(RuntimeError):
@@ -436,45 +434,6 @@ class Search:
             return None
         expected_s = self.sizing.expected_s or calibration.workload_s or 0.0
         return calibration.duration_s - (calibration.workload_s or 0.0) + expected_s
-
-
-def context_tiers(
-    usable: int, flags: list[str], model_max_context: int | None, mode: Mode
-) -> list[int]:
-    """The context tiers above `usable` tokens the context step tries: doubling up to the
-    model's context (or `--max-context`), as many as the mode tries."""
-    top = model_max_context
-    cap = value_of(flags, "--max-context")
-    if cap is not None:
-        top = min(top or int(cap), int(cap))
-    if not top or top <= usable:
-        return []
-    tiers = []
-    tier = usable * 2
-    while tier < top:
-        tiers.append(tier)
-        tier *= 2
-    tiers.append(top)
-    return tiers if mode.context_tiers is None else tiers[: mode.context_tiers]
-
-
-def context_trials(flags: list[str], model_max_context: int | None, mode: Mode) -> int:
-    """The context step's trials as foreseen before the engine says its context: the proof of
-    the KV reserve in `flags`, then the tiers above it."""
-    reserve = effective_value(flags, CONTEXT_FLAG)
-    usable = int(str(reserve)) if reserve else 0
-    return 1 + (len(context_tiers(usable, flags, model_max_context, mode)) if usable else 0)
-
-
-def planned_trials(plan: Plan, base_flags: list[str], settings: SearchSettings) -> int:
-    """The trials a run of `plan` is expected to take, as its time left counts them before the
-    first trial: the calibration trial, the baseline runs, the candidates (a walk that stops at
-    its turning point counted one step each way) and the context step."""
-    mode = settings.mode
-    trials = 1 + mode.baseline_runs + candidate_trials(plan.candidates, mode.stop_at_turn)
-    if not settings.pick_up:
-        trials += context_trials(base_flags, settings.model_max_context, mode)
-    return trials
 
 
 def _num(value: float | None) -> str:

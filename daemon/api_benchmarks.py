@@ -128,7 +128,7 @@ def plan_json(service: BenchmarkService, options: RunOptions, reveal: bool) -> d
         "pick_up_from": setup.pick_up_from,
         "candidates": [c.to_json() for c in setup.plan.candidates],
         "skipped": [s.to_json() for s in setup.plan.skipped],
-        "durations": mode_durations(service.daemon, setup, options),
+        "durations": mode_durations(service.daemon, setup),
         "trial_device": trial_device,
         "engines": engines,
     }

@@ -1,7 +1,7 @@
 """How long a benchmark run of each mode would take on this PC, shown on the plan before it starts.
 
 A run's trials are counted as its time left counts them before the first trial
-(`autotune.search.planned_trials`). A trial lasts a restart (start-up, warm-up and stop) plus the
+(`autotune.eta.planned_trials`). A trial lasts a restart (start-up, warm-up and stop) plus the
 mode's target for the sized workload, and the calibration trial runs a first estimate of the
 target besides its minimum. The restart is measured where this PC has measured it: the trials of
 this model's earlier runs here, else this model's server starts by this mgr; else it is a first
@@ -16,10 +16,9 @@ from typing import Any
 
 from sqlalchemy import select
 
+from ..autotune.eta import planned_trials
 from ..autotune.modes import MODES
-from ..autotune.noise import Objective
-from ..autotune.search import SearchSettings, planned_trials
-from .benchmark_setup import RunOptions, Setup, fresh_rates
+from .benchmark_setup import Setup, fresh_rates
 from .schema import BenchmarkRun, Model, Server, Trial
 from .service import Daemon
 
@@ -82,19 +81,18 @@ def restart_time(daemon: Daemon, model: Model, on_cpu: bool) -> Restart:
     return Restart(guess, "guess", 0)
 
 
-def mode_durations(daemon: Daemon, setup: Setup, options: RunOptions) -> dict[str, Any]:
+def mode_durations(daemon: Daemon, setup: Setup) -> dict[str, Any]:
     """Every mode's trials and expected seconds for this start, and what they rest on."""
     restart = restart_time(daemon, setup.model, setup.on_cpu)
-    objective = Objective(options.objective, options.clients)
     modes = {}
     for name, mode in MODES.items():
-        settings = SearchSettings(
+        trials = planned_trials(
+            setup.plans[name],
+            setup.base_flags,
             mode,
-            objective,
-            model_max_context=setup.model.max_context,
+            setup.model.max_context,
             pick_up=setup.pick_up_from is not None,
         )
-        trials = planned_trials(setup.plans[name], setup.base_flags, settings)
         trial_s = restart.seconds + mode.target_s
         modes[name] = {
             "trials": trials,

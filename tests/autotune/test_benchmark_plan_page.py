@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
+from moelab.autotune.eta import planned_trials
 from moelab.autotune.modes import MODES
-from moelab.autotune.noise import Objective
 from moelab.autotune.plan import MachineFacts, Plan
-from moelab.autotune.search import SearchSettings, planned_trials
 from moelab.daemon import benchmark_setup
 from moelab.daemon.schema import Model, Profile, Server
 
@@ -76,10 +75,8 @@ def test_a_run_without_a_mode_takes_the_default_one(
 def expected(plan_json: dict, mode: str, restart_s: float, model_max: int | None) -> float:
     """The seconds the plan should say for `mode` with a restart of `restart_s`."""
     each = MODES[mode]
-    settings = SearchSettings(each, Objective("decode"), model_max_context=model_max)
-    trials = planned_trials(
-        Plan.from_json({"candidates": plan_json["candidates"]}), plan_json["base_flags"], settings
-    )
+    candidates = Plan.from_json({"candidates": plan_json["candidates"]})
+    trials = planned_trials(candidates, plan_json["base_flags"], each, model_max)
     assert plan_json["durations"]["modes"][mode]["trials"] == trials
     return trials * (restart_s + each.target_s) + each.target_s
 

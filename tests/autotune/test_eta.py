@@ -9,10 +9,10 @@ from itertools import pairwise
 
 import pytest
 
-from moelab.autotune.eta import TimeLeft, candidate_trials
+from moelab.autotune.eta import TimeLeft, candidate_trials, planned_trials
 from moelab.autotune.modes import MODES
 from moelab.autotune.noise import NoiseRule, Objective
-from moelab.autotune.search import Search, SearchSettings, planned_trials
+from moelab.autotune.search import Search, SearchSettings
 from moelab.autotune.trial import TrialRequest, TrialResult
 
 from .fake import MODEL_MAX_CONTEXT, FakeEngine, MemoryJournal
@@ -145,7 +145,7 @@ def test_a_run_s_time_left_glides_after_a_slow_first_engine() -> None:
     for t, eta in shown[len(shown) // 2 : -1]:
         assert eta == pytest.approx(clock.now - t, rel=0.2)
     # the first estimate counted about the trials that ran (a walk counted a step each way)
-    foreseen = planned_trials(plan, [], settings)
+    foreseen = planned_trials(plan, [], settings.mode, MODEL_MAX_CONTEXT)
     assert foreseen - 2 <= len(journal.trials) <= foreseen + 4
 
 
@@ -163,6 +163,9 @@ def test_the_first_estimate_comes_from_the_calibration_trial_then_the_measured_o
     calibration = journal.trials[1].result
     foreseen_s = calibration.duration_s - calibration.workload_s + result["workload"]["expected_s"]
     assert etas[0] / foreseen_s == pytest.approx(round(etas[0] / foreseen_s))
-    assert round(etas[0] / foreseen_s) == planned_trials(plan, POOR, settings) - 1
+    assert (
+        round(etas[0] / foreseen_s)
+        == planned_trials(plan, POOR, settings.mode, MODEL_MAX_CONTEXT) - 1
+    )
     baseline_s = [journal.trials[n].result.duration_s for n in (2, 3, 4)]
     assert foreseen_s == pytest.approx(statistics.median(baseline_s), rel=0.1)
