@@ -106,14 +106,17 @@ class TimeLeft:
         self.shown_s: float | None = None
         self._at = 0.0
 
-    def update(self, trials_left: int, trial_s: float | None) -> float | None:
+    def update(
+        self, trials_left: int, trial_s: float | None, *, settle: bool = False
+    ) -> float | None:
         """The time left to show now that `trials_left` trials of `trial_s` seconds each are
-        expected; None while nothing tells a trial's time."""
+        expected; None while nothing tells a trial's time. `settle` shows the estimate as it
+        is (a resumed run replays its stored trials in an instant: their time has passed)."""
         if trial_s is None:
             return self.shown_s
         now = self.clock()
         estimate_s = trials_left * trial_s
-        if self.shown_s is None or trials_left == 0:
+        if self.shown_s is None or trials_left == 0 or settle:
             self.shown_s, self._at = estimate_s, now
             return estimate_s
         elapsed = max(0.0, now - self._at)

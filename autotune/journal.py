@@ -84,6 +84,11 @@ class Journal(ABC):
         self.save_trial(StoredTrial(n, request, result, verdict, result.error or ""))
         return n, result
 
+    @property
+    def replaying(self) -> bool:
+        """Whether stored trials are still being handed back (no time passes between them)."""
+        return bool(self.stored)
+
     def event(self, kind: str, message: str, **data: Any) -> None:
         """Record a line of the run's story, once."""
         if (kind, message) in self._said:

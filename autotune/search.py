@@ -420,7 +420,8 @@ class Search:
         )
 
     def _progress(self, phase: str, trials_left: int) -> None:
-        self.journal.progress(phase, self.time_left.update(trials_left, self._trial_s()))
+        eta_s = self.time_left.update(trials_left, self._trial_s(), settle=self.journal.replaying)
+        self.journal.progress(phase, eta_s)
 
     def _trial_s(self) -> float | None:
         """What a trial takes: the median of the sized ones, or, before any ran, the calibration

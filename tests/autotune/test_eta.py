@@ -15,7 +15,7 @@ from moelab.autotune.noise import NoiseRule, Objective
 from moelab.autotune.search import Search, SearchSettings
 from moelab.autotune.trial import TrialRequest, TrialResult
 
-from .fake import MODEL_MAX_CONTEXT, FakeEngine, MemoryJournal
+from .fake import MODEL_MAX_CONTEXT, FakeEngine, Interrupted, MemoryJournal
 from .test_search import POOR, plan_for
 
 # beyond the clock's count-down, one update moves the time shown by at most this share of it
@@ -118,14 +118,14 @@ class SlowFirstStart:
 class ClockedJournal(MemoryJournal):
     """Keeps when each time left was given, by the test's clock."""
 
-    def __init__(self, runner: SlowFirstStart) -> None:
-        super().__init__(runner)
+    def __init__(self, runner: SlowFirstStart, previous: MemoryJournal | None = None) -> None:
+        super().__init__(runner, previous)
         self.clock = runner.clock
-        self.times: list[tuple[float, float | None]] = []
+        self.times: list[tuple[float, float | None, bool]] = []
 
     def progress(self, phase: str, eta_s: float | None) -> None:
         super().progress(phase, eta_s)
-        self.times.append((self.clock.now, eta_s))
+        self.times.append((self.clock.now, eta_s, self.replaying))
 
 
 def test_a_run_s_time_left_glides_after_a_slow_first_engine() -> None:
@@ -135,7 +135,7 @@ def test_a_run_s_time_left_glides_after_a_slow_first_engine() -> None:
     settings = SearchSettings(MODES["quick"], objective, NoiseRule(), MODEL_MAX_CONTEXT)
     plan = plan_for([], objective, "quick")
     Search(plan, [], settings, journal, clock=clock).run()
-    shown = [(t, eta) for t, eta in journal.times if eta is not None]
+    shown = [(t, eta) for t, eta, _replaying in journal.times if eta is not None]
     assert journal.phases[-1] == ("result", 0.0)
     # the slow first engine made the first estimate several times the time the run then took
     assert shown[0][1] > 5 * (clock.now - shown[0][0])
@@ -156,7 +156,7 @@ def test_the_first_estimate_comes_from_the_calibration_trial_then_the_measured_o
     settings = SearchSettings(MODES["standard"], objective, NoiseRule(), MODEL_MAX_CONTEXT)
     plan = plan_for(POOR, objective, "standard")
     result = Search(plan, POOR, settings, journal, clock=clock).run()
-    etas = [eta for _t, eta in journal.times if eta is not None]
+    etas = [eta for _t, eta, _replaying in journal.times if eta is not None]
     assert etas[0] > etas[len(etas) // 2] > 0 and journal.phases[-1] == ("result", 0.0)
     # the first estimate, after the calibration trial: the planned trials at the time it
     # foresees for a trial of the sized workload, which the trials then take
@@ -169,3 +169,23 @@ def test_the_first_estimate_comes_from_the_calibration_trial_then_the_measured_o
     )
     baseline_s = [journal.trials[n].result.duration_s for n in (2, 3, 4)]
     assert foreseen_s == pytest.approx(statistics.median(baseline_s), rel=0.1)
+
+
+def test_a_resumed_run_takes_its_stored_trials_times_at_once() -> None:
+    clock = Clock()
+    engine = FakeEngine(seed=13, speed=5.0, interrupt_at=12)
+    journal = ClockedJournal(SlowFirstStart(engine, clock, extra_s=60.0))
+    objective = Objective("decode")
+    settings = SearchSettings(MODES["quick"], objective, NoiseRule(), MODEL_MAX_CONTEXT)
+    plan = plan_for([], objective, "quick")
+    with pytest.raises(Interrupted):
+        Search(plan, [], settings, journal, clock=clock).run()
+    # the next mgr replays the 11 stored trials in an instant: their measured times stand at
+    # once, rather than the first engine's slow guess that the time shown would glide from
+    clock.now += 3600.0
+    runner = SlowFirstStart(FakeEngine(seed=13, speed=5.0), clock, extra_s=0.0)
+    again = ClockedJournal(runner, previous=journal)
+    Search(plan, [], settings, again, clock=clock).run()
+    live = [(t, eta) for t, eta, replaying in again.times if not replaying and eta]
+    began, first_eta = live[0]
+    assert first_eta == pytest.approx(clock.now - began, rel=0.3)
