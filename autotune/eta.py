@@ -4,10 +4,10 @@ measured time, damped.
 The trials are counted as they are expected to run: a walk that stops at its turning point one
 step each way, the context step's tiers as the mode and the model allow. The plain product of
 trials and a trial's time moves in steps: the first trials of the sized workload replace the
-calibration trial's guess of a trial's time (a first engine that compiled its kernels made that
-guess several times too long), and a kept change adds its confirmation. Shown as it was, a run's
-time left went from 9 min 12 s to 1 min 56 s within 40 s. So the time shown counts down with the
-clock between two updates and moves towards each new product only by a share that grows with the
+calibration trial's guess of a trial's time (a first engine that compiles its kernels makes that
+guess several times too long), and a kept change adds its confirmation: shown as it is, a run's
+time left can fall from 9 min to 2 min within 40 s. So the time shown counts down with the clock
+between two updates and moves towards each new product only by a share that grows with the
 time since the last update: half of the way in two trials' time. Updates in one instant
 (candidates skipped one after the other) do not move it; the last update of a run (nothing left)
 shows 0.
