@@ -22,6 +22,10 @@ from .schema import Measurement
 from .store import Store, iso_time
 
 PCIE_LOADED_EVERY_S = 600.0
+# A disk read is timed only over a model file at least this big: a few MiB (the demo model's
+# files) are read in one request and time the disk's latency and the system's call overhead, not
+# the bandwidth that loading a real checkpoint sees.
+MIN_DISK_READ_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +89,12 @@ def parse_bench_output(stdout: str) -> dict[str, Any]:
 class HardwareService:
     """Takes readings, stores them, and answers "what is the latest" and "what was it before"."""
 
-    def __init__(self, store: Store, jobs: Jobs) -> None:
+    def __init__(
+        self, store: Store, jobs: Jobs, min_disk_read_bytes: int = MIN_DISK_READ_BYTES
+    ) -> None:
         self.store = store
         self.jobs = jobs
+        self.min_disk_read_bytes = min_disk_read_bytes
         self._inventory: Inventory | None = None
         self._lock = threading.Lock()
         self._loaded_pcie: dict[int, tuple[tuple[int, int], float]] = {}
@@ -146,7 +153,14 @@ class HardwareService:
         inventory = self.record_inventory()
         job.progress(f"{len(inventory.gpus)} GPU(s); NVML: {inventory.nvml}")
         disk_readings = []
-        for path in _one_file_per_disk(model_paths):
+        for path, size in _one_file_per_disk(model_paths):
+            if size < self.min_disk_read_bytes:
+                job.progress(
+                    f"not timing the disk under {path}: its largest model file is "
+                    f"{size / 2**20:.0f} MiB, too small to tell its bandwidth (at least "
+                    f"{self.min_disk_read_bytes / 2**20:.0f} MiB is)"
+                )
+                continue
             job.progress(f"reading {path} with its page cache dropped")
             reading = measure_disk_read(path)
             params = {
@@ -159,7 +173,7 @@ class HardwareService:
             disk_readings.append(Reading("disk.read", reading.read_gbps, "GB/s", params))
             job.progress(
                 f"{reading.mountpoint}: {reading.read_gbps:.2f} GB/s "
-                f"over {reading.bytes_read / 1e6:.0f} MB"
+                f"over {reading.bytes_read / 2**20:,.0f} MiB"
             )
         self.record(disk_readings, "disk read", inventory)
         job.progress("running moelab bench bw")
@@ -247,8 +261,8 @@ class HardwareService:
             return list(session.scalars(query))
 
 
-def _one_file_per_disk(model_paths: list[Path]) -> list[Path]:
-    """The largest safetensors file of the models on each distinct device."""
+def _one_file_per_disk(model_paths: list[Path]) -> list[tuple[Path, int]]:
+    """The largest safetensors file of the models on each distinct device, with its size."""
     best: dict[int, tuple[int, Path]] = {}
     for model in model_paths:
         for path in model.glob("*.safetensors"):
@@ -258,7 +272,7 @@ def _one_file_per_disk(model_paths: list[Path]) -> list[Path]:
                 continue
             if stat.st_size > best.get(stat.st_dev, (-1, path))[0]:
                 best[stat.st_dev] = (stat.st_size, path.resolve())
-    return [path for _size, path in best.values()]
+    return [(path, size) for size, path in best.values()]
 
 
 def measurement_json(row: Measurement) -> dict[str, Any]:
