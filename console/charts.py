@@ -33,13 +33,22 @@ COLOURS = {
 }
 
 
+# The legend sits at the bottom of the chart's box (container coordinates), where Plotly makes
+# room for it below the x axis's tick labels, however many rows it wraps into at phone width; in
+# paper coordinates (y < 0) it is placed a share of the plot's height below the axis and meets
+# rotated or two-line tick labels. It wraps within the plot's width: keep y-axis labels short.
+LEGEND = {"orientation": "h", "x": 0, "xanchor": "left", "y": 0, "yref": "container",
+          "yanchor": "bottom"}  # fmt: skip
+
+
 def layout(t: Translator, *, title: str = "", height_px: int = 280, **extra: Any) -> dict[str, Any]:
-    """The layout every console chart starts from: compact margins, legend below, no logo."""
+    """The layout every console chart starts from: compact margins, legend below, no logo.
+
+    `legend` and `xaxis` in `extra` are merged into the defaults rather than replacing them."""
     base: dict[str, Any] = {
         "title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
         "height": height_px,
-        "margin": {"l": 55, "r": 15, "t": 36 if title else 12, "b": 40},
-        "legend": {"orientation": "h", "y": -0.22, "x": 0},
+        "margin": {"l": 55, "r": 15, "t": 36 if title else 12, "b": 10},
         "paper_bgcolor": "rgba(0,0,0,0)",
         "plot_bgcolor": "#ffffff",
         "font": {"size": 12},
@@ -47,6 +56,8 @@ def layout(t: Translator, *, title: str = "", height_px: int = 280, **extra: Any
         "hovermode": "x unified",
     }
     base.update(extra)
+    base["legend"] = {**LEGEND, **extra.get("legend", {})}
+    base["xaxis"] = {"automargin": True, **extra.get("xaxis", {})}
     return base
 
 

@@ -28,6 +28,11 @@ DEMO_SYNTH_ARGS = [
     "0",
 ]
 
+# The demo engine's flags: half of its 48 experts in the cache. With every expert resident (what
+# the engine's default cache size gives so small a model) the Experts page has no misses, no
+# split between copies and the CPU and no gain on the what-if curve: nothing of what moelab is for.
+DEMO_FLAGS = ["--moe-cache-rate", "0.5"]
+
 
 class ModelCatalog:
     """Checkpoints the daemon knows, refreshed from the model roots on start and on request."""

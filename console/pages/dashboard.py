@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ...daemon.api import blocking, daemon_of
+from ...daemon.catalog import DEMO_FLAGS
 from ...daemon.service import Daemon
 from .. import charts, engines
 from ..i18n import Translator, _
@@ -92,6 +93,7 @@ def dashboard_data(daemon: Daemon, reveal: bool, minutes: int) -> dict[str, Any]
         ),
         "models_found": len(models),
         "demo_model": next((m.path for m in models if m.is_demo), None),
+        "demo_flags": DEMO_FLAGS,
         "demo_job": demo_job.to_json() if demo_job else None,
         "ended": [s for s in everything if s["status"] in ("crashed", "failed", "dead")][:3],
     }
@@ -163,7 +165,8 @@ def dashboard_charts(data: dict[str, Any], t: Translator) -> Mapping[str, go.Fig
                 yaxis2={"overlaying": "y", "side": "right", "rangemode": "tozero", "title": "ms"},
             ),
         )
-    figures["vram"] = _vram_figure(data, t)
+    if data["gpus"] or any(card["devices"] for card in data["engines"]):
+        figures["vram"] = _vram_figure(data, t)
     figures["host_ram"] = _host_figure(data["host_ram"], t)
     return figures
 
@@ -178,15 +181,16 @@ def _vram_figure(data: dict[str, Any], t: Translator) -> go.Figure:
             label = server["device"] if server["device"] != "cpu" else t("CPU (planned budget)")
             if server["device"].startswith("cuda"):
                 used_gpus.add(device["index"])
+            # two short lines: a long one-line label would narrow the plot and so its legend
             rows.append(
-                (f"{label} · {server['name']}", {**device["parts"], "free": device["free"]})
+                (f"{server['name']}<br>{label}", {**device["parts"], "free": device["free"]})
             )
     for gpu in data["gpus"]:
         if gpu["index"] in used_gpus or gpu["total"] is None:
             continue
         free = gpu["free"] or 0
         rows.append(
-            (f"cuda:{gpu['index']} · {gpu['name']}", {"other": gpu["total"] - free, "free": free})
+            (f"cuda:{gpu['index']}<br>{gpu['name']}", {"other": gpu["total"] - free, "free": free})
         )
     traces = []
     for part in (*engines.DEVICE_PARTS, "free"):

@@ -265,7 +265,6 @@ def _picks_figure(data: dict[str, Any], layers: list[str], t: Translator) -> go.
             },
             height_px=max(300, 150 + 16 * len(layers)),
             hovermode="closest",
-            legend={"orientation": "h", "y": -0.3, "x": 0},
         ),
     )
 

@@ -116,7 +116,7 @@ def hardware_charts(data: dict[str, Any], t: Translator) -> Mapping[str, go.Figu
                 yaxis={"rangemode": "tozero"},
                 hovermode="closest",
                 height_px=300 + 18 * len(traces),
-                legend={"orientation": "h", "y": -0.25, "x": 0, "font": {"size": 11}},
+                legend={"font": {"size": 11}},
             ),
         )
     return figures
