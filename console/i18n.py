@@ -128,6 +128,13 @@ class Translator:
             return f"{value_s * 1000:,.0f} ms"
         return f"{value_s:,.2f} s"
 
+    def setting(self, value: Any) -> str:
+        """An engine setting as its stats report it, a fraction or a rate to 3 significant
+        digits (a measured 0.43126043242602813 is 0.431)."""
+        if isinstance(value, float):
+            return self.number(value) if abs(value) >= 100 else f"{value:.3g}"
+        return str(value)
+
     def value(self, kind: str, value: float | str | None) -> str:
         """A number of a given kind (as advice.Number carries them) written for this language."""
         if value is None or isinstance(value, str):

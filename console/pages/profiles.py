@@ -119,6 +119,7 @@ def editor_data(flags: list[str], draft: Mapping[str, str] | None) -> dict[str, 
             for name, items in groups.items()
         ],
         "problems": len(problems),
+        "set_count": len(values),
     }
 
 

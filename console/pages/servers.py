@@ -12,13 +12,14 @@ from starlette.routing import Route
 
 from ...daemon.api import blocking, daemon_of, path_id, query_number
 from ...daemon.api_servers import server_json
-from ...daemon.catalog import model_json
+from ...daemon.catalog import DEMO_FLAGS, model_json
 from ...daemon.flags import hide_secrets, redact_flags
 from ...daemon.schema import Profile
 from ...daemon.service import Daemon
 from ...engine import launch
 from .. import engines
 from ..i18n import _
+from ..reach import Viewer, client_json
 from ..web import NavEntry, render
 
 LOG_LINES = 200
@@ -47,6 +48,7 @@ def servers_data(daemon: Daemon, reveal: bool) -> dict[str, Any]:
         "models": models,
         "profiles": profiles(daemon, reveal),
         "demo_job": demo_job.to_json() if demo_job else None,
+        "demo_flags": DEMO_FLAGS,
     }
 
 
@@ -55,7 +57,9 @@ async def servers_page(request: Request) -> Response:
     return render(request, "servers.html", data, parts=("server_list",))
 
 
-def server_data(daemon: Daemon, server_id: int, reveal: bool, lines: int) -> dict[str, Any]:
+def server_data(
+    daemon: Daemon, server_id: int, reveal: bool, lines: int, viewer: Viewer
+) -> dict[str, Any]:
     row = daemon.supervisor.row(server_id)
     log = launch.log_tail(row.log_path, lines)
     if not reveal:
@@ -65,6 +69,7 @@ def server_data(daemon: Daemon, server_id: int, reveal: bool, lines: int) -> dic
         "server": server_json(row, daemon, reveal),
         "command": ["moelab", "serve", "--model-path", row.model, *(
             row.flags if reveal else redact_flags(row.flags))],
+        "client": client_json(row.host, row.port, row.model, row.flags, viewer),
         "log": {"path": row.log_path, "lines": log.splitlines()},
         "sampled_at": sampled_at,
         "config": (stats or {}).get("config"),
@@ -73,8 +78,10 @@ def server_data(daemon: Daemon, server_id: int, reveal: bool, lines: int) -> dic
 
 async def server_page(request: Request) -> Response:
     lines = int(query_number(request, "lines", LOG_LINES, 1, 5000) or LOG_LINES)
+    access = request.state.access
+    viewer = Viewer(request.url.hostname or "127.0.0.1", access.loopback_client)
     data = await blocking(
-        server_data, daemon_of(request), path_id(request), request.state.access.control, lines
+        server_data, daemon_of(request), path_id(request), access.control, lines, viewer
     )
     return render(request, "server.html", data, parts=("server_head", "log"))
 

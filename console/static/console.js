@@ -1,5 +1,6 @@
 // The console's behaviour: draw Plotly figures, send control actions to the JSON API and show its
-// errors, copy the token. htmx does the live refreshes; this file holds no page-specific logic.
+// errors, copy text, filter a list by a search box. htmx does the live refreshes; this file holds
+// no page-specific logic.
 "use strict";
 
 (function () {
@@ -29,8 +30,13 @@
 
   function formBody(form) {
     const body = {};
+    const extraFlags = [];
     for (const el of form.elements) {
       if (!el.name || el.disabled) continue;
+      if (el.type === "checkbox" && el.dataset.addsFlags !== undefined) {
+        if (el.checked) extraFlags.push(...splitArgs(el.dataset.addsFlags));
+        continue;
+      }
       if (el.type === "checkbox") { body[el.name] = el.checked; continue; }
       if (el.value === "" && !el.required) continue;
       if (el.dataset.kind === "args") body[el.name] = splitArgs(el.value);
@@ -38,6 +44,7 @@
       else if (el.dataset.kind === "int-list") body[el.name] = el.value.split(/[\s,]+/).filter(Boolean).map(Number);
       else body[el.name] = el.value;
     }
+    if (extraFlags.length) body.flags = (body.flags || []).concat(extraFlags);
     return body;
   }
 
@@ -80,6 +87,28 @@
     }
   }
 
+  // The clipboard API needs a secure context (https, or the PC itself); a LAN browser on plain
+  // http has none, so the text is selected for the person to copy.
+  function copy(source, button) {
+    const text = source.textContent.trim();
+    if (navigator.clipboard && window.isSecureContext) {
+      navigator.clipboard.writeText(text).then(function () {
+        button.textContent = button.dataset.copied;
+      }, function () { select(source, button); });
+      return;
+    }
+    select(source, button);
+  }
+
+  function select(source, button) {
+    const range = document.createRange();
+    range.selectNodeContents(source);
+    const selection = window.getSelection();
+    selection.removeAllRanges();
+    selection.addRange(range);
+    button.textContent = button.dataset.selected || button.dataset.copied;
+  }
+
   document.addEventListener("submit", function (event) {
     const form = event.target.closest("form[data-api]");
     if (!form) return;
@@ -92,16 +121,33 @@
     const button = event.target.closest("[data-api-post],[data-copy]");
     if (!button) return;
     if (button.dataset.copy) {
-      const text = document.querySelector(button.dataset.copy).textContent.trim();
-      navigator.clipboard.writeText(text).then(function () {
-        button.textContent = button.dataset.copied;
-      });
+      copy(document.querySelector(button.dataset.copy), button);
       return;
     }
     if (button.dataset.confirm && !window.confirm(button.dataset.confirm)) return;
     button.disabled = true;
     callApi(button.dataset.method || "POST", button.dataset.apiPost, undefined, button.dataset.then, null)
       .finally(function () { button.disabled = false; });
+  });
+
+  // a search box that reveals the items it names: `data-filter` selects the items, and those
+  // whose text holds what is typed get the class "found" (the stylesheet decides what it shows)
+  document.addEventListener("input", function (event) {
+    const box = event.target.closest("input[data-filter]");
+    if (!box) return;
+    const query = box.value.trim().toLowerCase();
+    for (const item of document.querySelectorAll(box.dataset.filter)) {
+      item.classList.toggle("found", query !== "" && item.textContent.toLowerCase().includes(query));
+    }
+  });
+
+  // on a phone the nav is one row that scrolls sideways: keep the current page's link in sight
+  document.addEventListener("DOMContentLoaded", function () {
+    const current = document.querySelector(".nav [aria-current=page]");
+    const nav = current && current.parentElement;
+    if (nav && nav.scrollWidth > nav.clientWidth) {
+      nav.scrollLeft = current.offsetLeft - nav.offsetLeft - (nav.clientWidth - current.offsetWidth) / 2;
+    }
   });
 
   // htmx fires its load event on <body> once the page is ready, and on every swapped-in part

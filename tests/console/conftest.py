@@ -43,7 +43,14 @@ class Recorded:
     crashed_id: int
 
 
-def record_engine(daemon: Daemon, model: Path) -> Recorded:
+def record_engine(
+    daemon: Daemon,
+    model: Path,
+    name: str = "recorded-demo",
+    port: int = 8199,
+    host: str = "127.0.0.1",
+    flags: tuple[str, ...] = ("--device", "cpu"),
+) -> Recorded:
     """A server row whose telemetry is the recorded bodies, as the sampler would have stored
     them (with a picks row), plus a crashed server with its exit code and last log lines."""
     first, second = recorded_stats()
@@ -53,8 +60,8 @@ def record_engine(daemon: Daemon, model: Path) -> Recorded:
     log.write_text("engine ready in 1.0 s\n")
     with daemon.store.session() as session:
         running = Server(
-            name="recorded-demo", model=str(model), flags=["--device", "cpu", "--port", "8199"],
-            host="127.0.0.1", port=8199, device="cpu", status="running", log_path=str(log),
+            name=name, model=str(model), flags=[*flags, "--port", str(port)],
+            host=host, port=port, device="cpu", status="running", log_path=str(log),
             created=now - 120, started=now - 120, ready=now - 100,
             last_stats=second, last_stats_time=now - 1,
         )  # fmt: skip

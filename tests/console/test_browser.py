@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import psutil
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
+from moelab.daemon.models import DEMO_NAME
 from tests.daemon.conftest import MgrProcess, http, start_mgr, wait_for
 
 pytestmark = pytest.mark.browser
@@ -212,13 +214,20 @@ def test_start_watch_and_stop_the_demo_engine_from_the_servers_page(
     visit(watched, mgr.url + "/servers")
     assert page.is_visible("#server-list >> text=No engine has been started yet")
     page.fill("#start-model input[name=flags]", ENGINE_FLAGS)
+    page.check("#start-model input[name=lan]")
     page.click("#start-model button[type=submit]")
     page.wait_for_url("**/servers/*")
     server_id = int(page.url.rsplit("/", 1)[1])
     page.wait_for_selector("#server-head .status-running", timeout=READY_S * 1000)
     server = mgr.get(f"/api/servers/{server_id}")
     assert server["status"] == "running" and "--moe-cpu-kernel" in server["flags"]
+    assert server["host"] == "0.0.0.0"  # "reachable from the LAN"
     page.wait_for_selector("#log >> text=engine ready")
+    # what the page gives an OpenAI client works: base_url and model name
+    base_url = page.text_content("#client-base-url")
+    assert base_url == f"http://127.0.0.1:{server['port']}/v1"
+    models = http("GET", base_url + "/models")[1]["data"]
+    assert [m["id"] for m in models] == [page.text_content("#client-model")]
 
     engine_traffic(server)
     if os.environ.get("MOELAB_SCREENSHOTS"):
@@ -261,6 +270,53 @@ def test_start_watch_and_stop_the_demo_engine_from_the_servers_page(
     page.click(f"#server-{server_id} button.danger")
     page.wait_for_selector(f"#server-{server_id}[data-status=stopped]", timeout=60_000)
     assert mgr.get(f"/api/servers/{server_id}")["status"] == "stopped"
+    watched.check()
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def demo_mgr(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[MgrProcess]:
+    """A `mgr` whose one checkpoint is the demo model it writes on a first start."""
+    data_dir = tmp_path_factory.mktemp("first-start") / "data"
+    shutil.copytree(demo_model, data_dir / "models" / DEMO_NAME)
+    process = start_mgr(data_dir)
+    yield process
+    for server in process.get("/api/servers")["servers"]:
+        if server["status"] in ("starting", "running"):
+            process.post(f"/api/servers/{server['id']}/stop")
+    process.stop()
+
+
+def test_the_demo_engine_misses_in_its_expert_cache_on_first_look(
+    demo_mgr: MgrProcess, browser: Browser
+) -> None:
+    watched = open_page(browser)
+    page = watched.page
+    visit(watched, demo_mgr.url + "/")
+    page.click("#nothing-running button[type=submit]")  # "Start the demo model"
+    page.wait_for_url("**/servers/*")
+    server_id = int(page.url.rsplit("/", 1)[1])
+    page.wait_for_selector("#server-head .status-running", timeout=READY_S * 1000)
+    server = demo_mgr.get(f"/api/servers/{server_id}")
+    engine_traffic(server)
+
+    def layers_with_misses() -> list[dict[str, Any]]:
+        stats = demo_mgr.get(f"/api/servers/{server_id}/stats")["stats"] or {}
+        layers = (stats.get("experts") or {}).get("layers") or []
+        return [layer for layer in layers if layer["reads"] > layer["hits"]]
+
+    assert wait_for(layers_with_misses, 90, "the demo engine's cache misses in its stats")
+    experts = demo_mgr.get(f"/api/servers/{server_id}/stats")["stats"]["experts"]
+    assert experts["slots"] < experts["num_layers"] * experts["num_experts"]
+    # the Experts page has a larger cache to offer, not "a larger cache cannot help"
+    wait_for(
+        lambda: any("d" in s for s in demo_mgr.get(f"/api/servers/{server_id}/samples")["samples"]),
+        30, "a stored sample with expert reads",
+    )  # fmt: skip
+    visit(watched, f"{demo_mgr.url}/experts/{server_id}")
+    assert "cannot help" not in page.text_content("main")
+    curve = page.evaluate("document.getElementById('chart-whatif').data[0].y")
+    assert max(curve) > min(curve)
     watched.check()
     page.close()
 
