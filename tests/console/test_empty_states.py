@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from moelab.daemon.hardware import GpuInfo
 from moelab.daemon.service import Daemon
 from tests.daemon.conftest import make_daemon
 
@@ -57,3 +59,25 @@ def test_no_checkpoint_anywhere_says_where_to_put_one(empty_daemon: Daemon) -> N
     assert "mgr found no checkpoint." in client.get("/").text
     servers = client.get("/servers").text
     assert "mgr found no checkpoint yet" in servers and "No models found." in servers
+
+
+def test_a_pc_without_a_gpu_says_so_instead_of_an_empty_memory_chart(
+    idle_daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probed = idle_daemon.hardware.inventory()
+    monkeypatch.setattr(
+        idle_daemon.hardware, "inventory", lambda **_: dataclasses.replace(probed, gpus=())
+    )
+    client = local_client(idle_daemon)
+    dashboard = client.get("/").text
+    assert 'data-chart="vram"' not in dashboard and 'data-chart="host_ram"' in dashboard
+    assert "<strong>No GPU</strong>: engines on this PC run on the CPU." in dashboard
+    japanese = client.get("/", headers={"Accept-Language": "ja"}).text
+    assert "<strong>GPU なし</strong>" in japanese
+    # with a GPU, its memory is charted even before any engine runs
+    gpu = GpuInfo(0, "Test GPU", "GPU-0", None, 8 << 30, 7 << 30, None, None, None, None)
+    monkeypatch.setattr(
+        idle_daemon.hardware, "inventory", lambda **_: dataclasses.replace(probed, gpus=(gpu,))
+    )
+    dashboard = client.get("/").text
+    assert 'data-chart="vram"' in dashboard and "No GPU" not in dashboard

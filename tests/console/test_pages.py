@@ -185,6 +185,22 @@ def test_a_crashed_engine_shows_its_exit_code_and_last_lines(
     assert "終了コード 3。" in html_ja and "異常終了" in html_ja
 
 
+def test_settings_in_force_are_rounded(daemon: Daemon, recorded: Recorded) -> None:
+    html = get_page(local_client(daemon), f"/servers/{recorded.running_id}", "en")
+    settings = html[html.index("Settings in force") :].split("</code>")[0]
+    # the recorded engine measured fetch_fraction 0.429792621857573 and Bp 2.317179019726841
+    assert "fetch_fraction=0.43," in settings and "bp_gbps=2.32," in settings
+    assert "slots=24," in settings and "kv_reserve_tokens=8192," in settings
+    assert "0.4297" not in settings and "2.3171" not in settings
+
+
+def test_a_read_only_viewer_sees_no_measure_again_heading(daemon: Daemon) -> None:
+    for lang, heading in (("en", "Measure again"), ("ja", "再測定")):
+        html = get_page(lan_client(daemon), "/hardware", lang)
+        assert f"<h2>{heading}</h2>" not in html
+        assert f"<h2>{heading}</h2>" in get_page(local_client(daemon), "/hardware", lang)
+
+
 def test_pages_draw_their_charts(daemon: Daemon, recorded: Recorded) -> None:
     client = local_client(daemon)
     dashboard = get_page(client, "/", "en")
