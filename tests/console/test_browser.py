@@ -317,6 +317,7 @@ def test_the_demo_engine_misses_in_its_expert_cache_on_first_look(
     assert "cannot help" not in page.text_content("main")
     curve = page.evaluate("document.getElementById('chart-whatif').data[0].y")
     assert max(curve) > min(curve)
+    demo_mgr.post(f"/api/servers/{server_id}/stop")
     watched.check()
     page.close()
 
