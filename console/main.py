@@ -200,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (StoreError, RuntimeError) as err:
             print(f"mgr: {err}", file=sys.stderr)
             return 1
+        except OSError as err:
+            print(f"mgr: cannot use the data dir {data_dir}: {err}", file=sys.stderr)
+            return 1
         import uvicorn
 
         server = uvicorn.Server(

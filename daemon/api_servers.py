@@ -38,7 +38,7 @@ def server_json(row: Server, daemon: Daemon, reveal: bool) -> dict[str, Any]:
         "pid": row.pid,
         "exit_code": row.exit_code,
         "error": row.error,
-        "log_tail": (row.log_tail if reveal else hide_secrets(row.log_tail or "", row.flags))
+        "log_tail": (row.log_tail if reveal else hide_secrets(row.log_tail or ""))
         if ended
         else None,
         "health": handle.health if handle else None,
@@ -141,7 +141,7 @@ async def server_logs(request: Request) -> Response:
     lines = int(query_number(request, "lines", 200, 1, 5000) or 200)
     text = await blocking(launch.log_tail, row.log_path, lines)
     if not access_of(request).control:
-        text = hide_secrets(text, row.flags)
+        text = hide_secrets(text)
     return JSONResponse({"server_id": row.id, "path": row.log_path, "lines": text.splitlines()})
 
 

@@ -197,7 +197,7 @@ def trial_json(row: Trial, reveal: bool, full: bool = False) -> dict[str, Any]:
         "reason": extra.get("reason", ""),
         "role": extra.get("role"),
         "failure": extra.get("failure"),
-        "error": row.error if reveal else hide_secrets(row.error or "", row.flags) or None,
+        "error": row.error if reveal else hide_secrets(row.error or "") or None,
         "usable_context": extra.get("usable_context"),
         "context_proof": extra.get("context_proof"),
     }
@@ -205,7 +205,7 @@ def trial_json(row: Trial, reveal: bool, full: bool = False) -> dict[str, Any]:
         body["stats"] = extra.get("engine")
         body["details"] = extra.get("details")
         tail = row.log_tail or ""
-        body["log_tail"] = tail if reveal else hide_secrets(tail, row.flags)
+        body["log_tail"] = tail if reveal else hide_secrets(tail)
     return body
 
 

@@ -14,6 +14,7 @@ from .child import run_moelab
 from .errors import BadRequest, NotFound
 from .jobs import Job, JobError, Jobs
 from .models import DEMO_NAME, Checkpoint, ModelRoot, discover
+from .private import make_private
 from .schema import Model
 from .store import Store, iso_time
 
@@ -100,6 +101,7 @@ class ModelCatalog:
             raise JobError(
                 f"`moelab synth` failed with exit code {result.returncode}: {result.stderr_tail}"
             )
+        make_private(staging)
         # rename last, so a half-written model is never discovered
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)

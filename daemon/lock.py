@@ -6,6 +6,8 @@ import fcntl
 import os
 from pathlib import Path
 
+from .private import DIR_MODE, FILE_MODE
+
 LOCK_NAME = "mgr.lock"
 
 
@@ -34,8 +36,8 @@ class DataDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.data_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

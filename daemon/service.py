@@ -14,6 +14,7 @@ from .catalog import ModelCatalog
 from .jobs import Jobs
 from .measure import HardwareService
 from .models import ModelRoot, default_roots
+from .private import make_private
 from .retention import Retention
 from .sampler import Sampler
 from .store import Store
@@ -50,6 +51,7 @@ class Daemon:
         self.data_dir = config.data_dir
         self.started = time.time()
         self.pid = os.getpid()
+        make_private(config.data_dir)
         self.store = Store.open(config.data_dir)
         self.token = load_or_create_token(config.data_dir)
         self.policy = AccessPolicy(

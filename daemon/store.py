@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from .migrations import SchemaTooNew, migrate
+from .private import DIR_MODE, FILE_MODE, create_private_file
 
 DB_NAME = "mgr.sqlite3"
 BUSY_TIMEOUT_MS = 10_000
@@ -50,11 +52,20 @@ class Store:
 
     @staticmethod
     def _prepare(path: Path) -> None:
-        """Create or upgrade the file before SQLAlchemy sees it."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Create or upgrade the file before SQLAlchemy sees it.
+
+        The file is created 0600 by us, not by SQLite: SQLite gives its -wal and -shm files the
+        database file's mode, so those are private from their start too.
+        """
+        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         try:
+            create_private_file(path)
+            for suffix in ("-wal", "-shm"):
+                side = path.with_name(path.name + suffix)
+                if side.exists():
+                    os.chmod(side, FILE_MODE)
             conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
-        except sqlite3.Error as err:
+        except (OSError, sqlite3.Error) as err:
             raise StoreError(f"cannot open the database {path}: {err}") from None
         try:
             if conn.execute("PRAGMA page_count").fetchone()[0] == 0:

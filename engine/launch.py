@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .redact import redact_flags
+
 
 class EngineFailed(RuntimeError):
     """The engine exited, reported an error, or never became ready."""
@@ -81,14 +83,21 @@ def start_engine(
     env: dict[str, str] | None = None,
     python: str | None = None,
 ) -> EngineProcess:
-    """Start `moelab serve` with `flags` in a new process group, stdout and stderr to `log_path`."""
+    """Start `moelab serve` with `flags` in a new process group, stdout and stderr to `log_path`.
+
+    The log is readable by its owner only (mode 0600, in a folder made 0700), and its first line
+    shows the command with the secret flags' values hidden.
+    """
     log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     argv = engine_argv(flags, python)
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
-    with open(log_path, "ab") as log:
-        log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)  # a log an older moelab created readable by all
+    with os.fdopen(fd, "ab") as log:
+        command = " ".join(redact_flags(argv))
+        log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {command}\n".encode())
         log.flush()
         popen = subprocess.Popen(
             argv,

@@ -63,7 +63,7 @@ def server_data(
     row = daemon.supervisor.row(server_id)
     log = launch.log_tail(row.log_path, lines)
     if not reveal:
-        log = hide_secrets(log, row.flags)
+        log = hide_secrets(log)
     sampled_at, stats = engines.latest_stats(daemon, server_id)
     return {
         "server": server_json(row, daemon, reveal),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -118,6 +120,32 @@ def test_start_from_a_profile_stop_and_restart(mgr: MgrProcess, demo_model: Path
     assert http("GET", running["url"] + "/health")[1]["status"] == "ok"
     mgr.post(f"/api/servers/{server['id']}/stop")
     assert not launch.pid_alive(restarted["pid"])
+
+
+def test_an_engine_log_is_private_and_never_holds_the_api_key(
+    mgr: MgrProcess, demo_model: Path
+) -> None:
+    key = "sk-" + secrets.token_hex(12)
+    server = start(mgr, {"model": str(demo_model), "flags": ["--device", "cpu", "--api-key", key]})
+    try:
+        assert server["status"] == "running", server
+        # mgr itself talks to the engine with the key: the sampler gets its stats
+        wait_for(lambda: mgr.get(f"/api/servers/{server['id']}/stats")["stats"], 30, "stats")
+        mgr.post(f"/api/servers/{server['id']}/restart", expect=(202,))
+        running = wait_status(mgr, server["id"], ("running", "crashed", "failed"), READY_S)
+        assert running["status"] == "running", running
+    finally:
+        mgr.post(f"/api/servers/{server['id']}/stop")
+    log_path = mgr.data_dir / "logs" / f"server-{server['id']}.log"
+    text = log_path.read_text()
+    assert key not in text
+    starts = [line for line in text.splitlines() if " starting: " in line]
+    assert len(starts) == 2 and all("--api-key (hidden) " in line for line in starts), starts
+    assert stat.S_IMODE(os.stat(log_path).st_mode) == 0o600
+    for folder in (mgr.data_dir, log_path.parent):
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700, folder
+    for name in ("mgr.sqlite3", "mgr.sqlite3-wal", "mgr.sqlite3-shm"):
+        assert stat.S_IMODE(os.stat(mgr.data_dir / name).st_mode) == 0o600, name
 
 
 def test_ports_in_use_are_refused_with_the_reason(mgr: MgrProcess, demo_model: Path) -> None:

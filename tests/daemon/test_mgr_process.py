@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +86,11 @@ def test_first_start_without_models_writes_the_demo_model(tmp_path: Path) -> Non
         assert demo["is_demo"] and demo["is_moe"]
         assert demo["path"] == str((tmp_path / "data" / "models" / "moelab-demo-tiny").resolve())
         assert "writing a demo model" in mgr.output()
+        # written into the private data dir, private itself
+        folder = Path(demo["path"])
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        files = list(folder.iterdir())
+        assert files and all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f in files)
     finally:
         mgr.stop()
     # the next start finds it and writes nothing
