@@ -100,7 +100,7 @@ def build_app(daemon: Daemon) -> Starlette:
             Middleware(
                 AccessMiddleware,
                 policy=daemon.policy,
-                store=daemon.store,
+                audit=daemon.audit,
                 render_error=error_response,
             )
         ],

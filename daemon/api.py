@@ -228,6 +228,7 @@ async def get_audit(request: Request) -> Response:
                     "action": r.action,
                     "target": r.target,
                     "detail": r.detail,
+                    "count": r.count,
                 }
                 for r in rows
             ]

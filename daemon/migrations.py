@@ -190,6 +190,23 @@ MIGRATIONS: tuple[Migration, ...] = (
         CREATE INDEX ix_benchmark_events_run ON benchmark_events (run_id, time)
         """,
     ),
+    Migration(
+        4,
+        "refusals in the audit table counted per address, reason and minute; long fields cut",
+        """
+        ALTER TABLE audit_events ADD COLUMN count INTEGER NOT NULL DEFAULT 1;
+        ALTER TABLE audit_events ADD COLUMN minute INTEGER;
+        CREATE UNIQUE INDEX ix_audit_refusals ON audit_events (minute, address, action, status);
+        UPDATE audit_events SET
+            path = substr(path, 1, 200),
+            method = substr(method, 1, 16),
+            action = substr(action, 1, 200),
+            target = substr(target, 1, 200),
+            address = substr(address, 1, 64)
+        WHERE length(path) > 200 OR length(method) > 16 OR length(action) > 200
+            OR length(target) > 200 OR length(address) > 64
+        """,
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -1,4 +1,5 @@
-"""Telemetry retention: old rows merged into coarser ones, old rows deleted, a size cap.
+"""Retention: telemetry's old rows merged into coarser ones, old rows deleted, a size cap; the audit
+table's old rows deleted and its row count capped.
 
 Merging sums counter increases and combines gauges by kind: tok/s, TTFT and hit rate averaged over
 time, running and queued requests and peaks maxed, everything else the newest value.
@@ -13,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import delete, func, select
 
-from .schema import TelemetrySample
+from .schema import AuditEvent, TelemetrySample
 from .store import Store
 from .telemetry import PICKS, STATS, any_nonzero, decode, encode, plus
 
@@ -74,16 +75,20 @@ def merge(kind: str, rows: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]
 
 @dataclass(frozen=True, slots=True)
 class Retention:
-    """How long telemetry stays at which resolution, and how much of it may exist at all."""
+    """How long telemetry stays at which resolution, how much of it may exist at all, and how
+    long and how many audit rows are kept."""
 
     fine_keep_s: float = 24 * 3600.0  # 2-s stats and 60-s picks are kept this long...
     stats_rollup_s: float = 60.0  # ...then stats are merged into rows of this length
     picks_rollup_s: float = 3600.0  # ...and picks into rows of this length
     max_age_s: float = 30 * 24 * 3600.0
     max_bytes: int = 256 * 1024**2
+    audit_max_age_s: float = 90 * 24 * 3600.0
+    audit_max_rows: int = 50_000
 
     def __post_init__(self) -> None:
         assert self.fine_keep_s > 0 and self.max_age_s >= self.fine_keep_s and self.max_bytes > 0
+        assert self.audit_max_age_s > 0 and self.audit_max_rows > 0
 
 
 def rollup(store: Store, kind: str, bucket_s: float, older_than: float, batch: int = 20_000) -> int:
@@ -162,9 +167,27 @@ def maintain(store: Store, policy: Retention, now: float | None = None) -> dict[
         )
         report["expired"] = result.rowcount or 0
     report["over_cap"] = _enforce_cap(store, policy.max_bytes)
-    if report["expired"] or report["over_cap"] or report["rolled_stats"] or report["rolled_picks"]:
+    report["audit_expired"] = expire_audit(store, policy, now)
+    if any(report.values()):
         store.reclaim_space()
     return report
+
+
+def expire_audit(store: Store, policy: Retention, now: float | None = None) -> int:
+    """Delete audit rows older than the policy's age, then the oldest beyond its row count;
+    returns how many went."""
+    now = time.time() if now is None else now
+    with store.session() as session:
+        expired = session.execute(
+            delete(AuditEvent).where(AuditEvent.time < now - policy.audit_max_age_s)
+        ).rowcount
+        # ids grow with time: the newest rows are the highest ids
+        newest_kept = select(AuditEvent.id).order_by(AuditEvent.id.desc())
+        boundary = session.scalar(newest_kept.offset(policy.audit_max_rows - 1).limit(1))
+        over = 0
+        if boundary is not None:
+            over = session.execute(delete(AuditEvent).where(AuditEvent.id < boundary)).rowcount
+    return (expired or 0) + (over or 0)
 
 
 def _enforce_cap(store: Store, max_bytes: int) -> int:

@@ -107,7 +107,12 @@ class Server(Base):
 
 
 class AuditEvent(Base):
-    """One state-changing request: what it asked, who asked (address, credential), the outcome."""
+    """A state-changing request: what it asked, who asked (address, credential), the outcome.
+
+    Refusals, and requests from callers without control, are one row per address, action,
+    status and minute (`minute`, since the epoch), `count` saying how many came; the row keeps
+    the first one's time, method and path. Other requests are a row each (`minute` is null).
+    """
 
     __tablename__ = "audit_events"
 
@@ -121,6 +126,8 @@ class AuditEvent(Base):
     action: Mapped[str]
     target: Mapped[str | None]
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    count: Mapped[int] = mapped_column(default=1)
+    minute: Mapped[int | None]
 
 
 class TelemetrySample(Base):

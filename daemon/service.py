@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import child
+from .audit import AuditLog
 from .auth import AccessPolicy, Credentials, LoginLimiter, ServedHosts, load_or_create_token
 from .catalog import ModelCatalog
 from .jobs import Jobs
@@ -53,6 +54,7 @@ class Daemon:
         self.pid = os.getpid()
         make_private(config.data_dir)
         self.store = Store.open(config.data_dir)
+        self.audit = AuditLog(self.store, config.retention)
         self.token = load_or_create_token(config.data_dir)
         self.policy = AccessPolicy(
             Credentials(self.token), ServedHosts(config.host, config.allow_hosts), LoginLimiter()

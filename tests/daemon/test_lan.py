@@ -129,7 +129,9 @@ def test_the_access_matrix_from_a_lan_address(
     assert names == {"lan-right"}
     events = lan_mgr.get("/api/audit")["events"]
     lan_events = [e for e in events if e["address"] == client_ip and e["method"] == "POST"]
-    assert sorted(e["status"] for e in lan_events) == [201, 401, 401, 401, 403]
+    # refusals are counted per address, reason and minute, not written a row each
+    statuses = [e["status"] for e in lan_events for _ in range(e["count"])]
+    assert sorted(statuses) == [201, 401, 401, 401, 403]
     # the same daemon, asked from this machine over loopback, needs no token
     status, _ = lan_mgr.request("POST", "/api/profiles", profile("local"))
     assert status == 201

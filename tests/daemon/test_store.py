@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from moelab.daemon.migrations import LATEST_VERSION, MIGRATIONS, current_version, migrate
-from moelab.daemon.schema import Base, Profile, Server, TelemetrySample
+from moelab.daemon.schema import AuditEvent, Base, Profile, Server, TelemetrySample
 from moelab.daemon.store import Store, StoreError
 from moelab.daemon.telemetry import encode
 
@@ -89,6 +89,24 @@ def test_profile_written_by_version_1_reads_through_todays_orm(tmp_path: Path) -
         )  # fmt: skip
     assert profile.flags == ["--moe-cache-rate", "0.5"]
     assert (profile.name, profile.model, profile.notes) == ("fast", "/models/q", "n")
+    store.close()
+
+
+def test_audit_rows_of_version_3_get_their_long_fields_cut(tmp_path: Path) -> None:
+    path = tmp_path / "mgr.sqlite3"
+    conn = sqlite3.connect(path, isolation_level=None)
+    migrate(conn, target=3)
+    conn.execute(
+        "INSERT INTO audit_events (time, address, via, method, path, status, action) "
+        "VALUES (1, '10.0.0.9', 'none', 'POST', ?, 401, 'refused: token_required')",
+        ("/api/" + "x" * 30_000,),
+    )
+    conn.close()
+    store = Store(path)
+    with store.session() as session:
+        row = session.scalars(select(AuditEvent)).one()
+    assert len(row.path) == 200 and row.path.startswith("/api/xxx")
+    assert (row.count, row.minute, row.action) == (1, None, "refused: token_required")
     store.close()
 
 
