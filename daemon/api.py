@@ -31,7 +31,7 @@ from .hardware import package_version
 from .measure import inventory_json, measurement_json
 from .schema import AuditEvent
 from .service import Daemon
-from .store import iso_time
+from .store import MAX_ROW_ID, iso_time
 
 log = logging.getLogger("moelab.mgr")
 T = TypeVar("T")
@@ -98,18 +98,65 @@ async def json_body(request: Request) -> dict[str, Any]:
         return {}
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("application/x-www-form-urlencoded"):
-        return {k: v[-1] for k, v in parse_qs(raw.decode()).items()}
+        try:
+            fields = parse_qs(raw.decode(), errors="strict")
+        except UnicodeDecodeError:
+            raise BadRequest("the form is not valid UTF-8", code="invalid_form") from None
+        return {k: v[-1] for k, v in fields.items()}
     try:
         body = json.loads(raw)
     except ValueError:
         raise BadRequest("the request body is not valid JSON", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequest(
+            "the request body nests arrays or objects too deeply", code="invalid_json"
+        ) from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", code="invalid_json")
+    _check_text(body)
     return body
 
 
+def _check_text(body: dict[str, Any]) -> None:
+    """BadRequest naming the field when a string holds an unpaired surrogate (`"\\ud800"`):
+    valid JSON, but not text, which nothing can store or print."""
+    pending: list[tuple[Any, str]] = [(body, "")]
+    while pending:
+        value, where = pending.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                # the key is looked at first: the item's message names the field by it
+                pending.append((item, f"{where}.{key}" if where else str(key)))
+                pending.append((key, f"a field name in {where or 'the body'}"))
+        elif isinstance(value, list):
+            pending.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise BadRequest(
+                    f"{where} holds an unpaired surrogate escape (such as \\ud800); send text "
+                    "as UTF-8, or a character beyond U+FFFF as an escaped pair",
+                    code="invalid_json",
+                ) from None
+
+
 def path_id(request: Request, name: str = "id") -> int:
-    return int(request.path_params[name])
+    """A whole number from the path; NotFound past the largest id a row can have."""
+    value = int(request.path_params[name])
+    if value > MAX_ROW_ID:
+        raise NotFound(f"nothing at {request.url.path}: no {name} is larger than {MAX_ROW_ID}")
+    return value
+
+
+def body_id(body: dict[str, Any], name: str) -> int | None:
+    """An id field of a request body (absent: None); BadRequest unless a whole number in range."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_ROW_ID:
+        raise BadRequest(f"{name} must be a whole number from 1 to {MAX_ROW_ID}")
+    return value
 
 
 def query_number(

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine import launch
-from .api import access_of, audit, blocking, daemon_of, json_body, path_id, query_number
+from .api import access_of, audit, blocking, body_id, daemon_of, json_body, path_id, query_number
 from .errors import BadRequest, NotFound
 from .flags import hide_secrets, redact_flags
 from .schema import Profile, Server
@@ -71,9 +71,9 @@ async def start_server(request: Request) -> Response:
     if "profile_id" in body:
         if set(body) - {"profile_id"}:
             raise BadRequest("give either profile_id alone, or model and flags")
-        profile_id = body["profile_id"]
-        if not isinstance(profile_id, int):
-            raise BadRequest("profile_id must be a whole number")
+        profile_id = body_id(body, "profile_id")
+        if profile_id is None:
+            raise BadRequest("profile_id must be a whole number, or leave it out and give model")
 
         def profile() -> Profile:
             with daemon.store.session() as session:

@@ -22,6 +22,7 @@ from ..autotune.plan import MachineFacts, ModelFacts, Plan, make_plan
 from ..autotune.trial import Cancelled
 from ..engine.args import TUNABLE
 from ..engine.spec import ModelSpec
+from .api import body_id
 from .benchmark_store import add_event, update_run
 from .errors import BadRequest, NotFound
 from .flags import FlagError, validate_flags
@@ -89,11 +90,7 @@ class RunOptions:
                     f"not tunable: {', '.join(wrong)}; the tunable flags are "
                     f"{', '.join(sorted(TUNABLE_FLAGS))}"
                 )
-        profile_id = body.get("profile_id")
-        if profile_id is not None and (
-            not isinstance(profile_id, int) or isinstance(profile_id, bool)
-        ):
-            raise BadRequest("profile_id must be a whole number")
+        profile_id = body_id(body, "profile_id")
         pick_up = body.get("pick_up", False)
         if not isinstance(pick_up, bool):
             raise BadRequest("pick_up must be true or false")

@@ -16,7 +16,7 @@ from .jobs import Job, JobError, Jobs
 from .models import DEMO_NAME, Checkpoint, ModelRoot, discover
 from .private import make_private
 from .schema import Model
-from .store import Store, iso_time
+from .store import MAX_ROW_ID, Store, iso_time
 
 DEMO_SYNTH_ARGS = [
     "--arch",
@@ -74,11 +74,16 @@ class ModelCatalog:
             return list(session.scalars(query))
 
     def get(self, model_id: int) -> Model | None:
+        if not 0 < model_id <= MAX_ROW_ID:
+            return None
         with self.store.session() as session:
             return session.get(Model, model_id)
 
     def by_path(self, path: str) -> Model | None:
-        resolved = str(Path(path).expanduser().resolve())
+        try:
+            resolved = str(Path(path).expanduser().resolve())
+        except (ValueError, OSError):  # a NUL in it, a loop of links: no model is there
+            return None
         with self.store.session() as session:
             return session.scalars(select(Model).where(Model.path == resolved)).first()
 
@@ -111,7 +116,7 @@ class ModelCatalog:
 
     def resolve(self, model: str) -> tuple[Model, ModelSpec]:
         """A model by path or id and its spec; NotFound or BadRequest (unsupported) otherwise."""
-        row = self.get(int(model)) if model.isdigit() else self.by_path(model)
+        row = self.get(int(model)) if model.isascii() and model.isdigit() else self.by_path(model)
         if row is None:
             raise NotFound(
                 f"unknown model {model!r}; GET /api/models lists them", code="model_not_found"

@@ -18,6 +18,7 @@ from .private import DIR_MODE, FILE_MODE, create_private_file
 
 DB_NAME = "mgr.sqlite3"
 BUSY_TIMEOUT_MS = 10_000
+MAX_ROW_ID = 2**63 - 1  # SQLite's largest integer: a larger id names no row (and cannot be bound)
 
 
 class StoreError(RuntimeError):

@@ -60,6 +60,17 @@ def resolve_device(flags: list[str], gpu_count: int) -> str:
     return device
 
 
+def checkpoint_dir(model: str) -> Path:
+    """The folder of a checkpoint to serve; BadRequest when it holds no config.json."""
+    model_dir = Path(model).expanduser()
+    if not (model_dir / "config.json").is_file():
+        raise BadRequest(
+            f"no checkpoint at {model} (a folder with config.json); GET /api/models lists them",
+            code="model_not_found",
+        )
+    return model_dir
+
+
 def port_free(host: str, port: int) -> bool:
     """Whether `port` can be bound on `host` now (as the engine's server would bind it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -131,12 +142,7 @@ class Supervisor:
         profile_id: int | None = None,
     ) -> Server:
         """Start an engine for `model` with `flags`; returns its row with status "starting"."""
-        model_dir = Path(model).expanduser()
-        if not (model_dir / "config.json").is_file():
-            raise BadRequest(
-                f"no checkpoint at {model} (a folder with config.json); GET /api/models lists them",
-                code="model_not_found",
-            )
+        model_dir = checkpoint_dir(model)
         try:
             validate_flags(str(model_dir), flags)
         except FlagError as err:
@@ -216,6 +222,7 @@ class Supervisor:
 
     def restart(self, server_id: int) -> Server:
         """Stop the engine if it runs, then start it again with the same model, flags and port."""
+        checkpoint_dir(self.row(server_id).model)  # moved or deleted since: refused, not started
         row = self.stop(server_id)
         with self._lock:
             self._check_device_free(row.device)
