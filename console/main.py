@@ -146,7 +146,9 @@ def _announce(daemon: Daemon) -> None:
 
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # named as TCP, or asyncio leaves Nagle on for the connections it accepts, and every answer
+    # after the first on a kept-alive connection (a browser's) waits for the client's delayed ACK
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

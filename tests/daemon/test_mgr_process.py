@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from moelab.console.main import _listen
 
 from .conftest import free_port, mgr_env, start_mgr, wait_for
 
@@ -99,3 +102,26 @@ def test_first_start_without_models_writes_the_demo_model(tmp_path: Path) -> Non
         assert mgr.get("/api/models")["demo_job"] is None
     finally:
         mgr.stop()
+
+
+def test_connections_mgr_accepts_send_each_answer_at_once() -> None:
+    # with Nagle on, an answer after the first on a kept-alive connection waits ~40 ms for the
+    # browser's delayed ACK; asyncio turns it off only on sockets made as TCP
+    listening = _listen("127.0.0.1", 0)
+
+    async def nodelay_of_an_accepted_connection() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=listening)
+        async with server:
+            _, writer = await asyncio.open_connection(*listening.getsockname()[:2])
+            nodelay = await asyncio.wait_for(seen, 30)
+            writer.close()
+        return nodelay
+
+    assert asyncio.run(nodelay_of_an_accepted_connection()) != 0
