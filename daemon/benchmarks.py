@@ -3,8 +3,10 @@
 A run is a thread of the daemon; its rows (benchmark_runs, trials, benchmark_events) are the truth.
 A daemon that stops during a run stops the trial's engine and marks the run interrupted; the next
 daemon marks runs still "running" in the file as interrupted and stops any trial engine a killed
-daemon left behind. Resuming runs the search again over the stored trials (autotune/journal.py):
-only the trials after the last stored one start engines.
+daemon left behind, on a thread of its own: an engine can take many seconds to stop (one that is
+loading finishes its step first), and the daemon serves meanwhile. Resuming runs the search again
+over the stored trials (autotune/journal.py): only the trials after the last stored one start
+engines, and none before the left-behind engines are gone.
 """
 
 from __future__ import annotations
@@ -60,25 +62,35 @@ class BenchmarkService:
         self.make_runner: Callable[..., EngineTrialRunner] = EngineTrialRunner
         self._lock = threading.Lock()
         self._active: ActiveRun | None = None
+        # set once the trial engines a killed daemon left behind are gone
+        self._orphans_gone = threading.Event()
+        self._orphans_gone.set()
 
     # ---- life of the service ----------------------------------------------------------------
 
     def open(self) -> None:
-        """Mark runs a previous daemon left "running" as interrupted; stop their trial engines."""
+        """Mark runs a previous daemon left "running" as interrupted; stop their trial engines
+        on a thread of its own."""
         with self.store.session() as session:
             rows = list(
                 session.scalars(select(BenchmarkRun).where(BenchmarkRun.status == "running"))
             )
         for row in rows:
-            stopped = self._stop_orphan(row.id)
             update_run(self.store, row.id, status="interrupted", eta_s=None)
             add_event(
                 self.store,
                 row.id,
                 "status",
-                "interrupted: mgr stopped during the run; resume it to go on"
-                + (f" (its trial engine, pid {stopped}, was stopped)" if stopped else ""),
+                "interrupted: mgr stopped during the run; resume it to go on",
             )
+        if rows:
+            self._orphans_gone.clear()
+            threading.Thread(
+                target=self._stop_orphans,
+                args=([row.id for row in rows],),
+                name="benchmark-orphans",
+                daemon=True,
+            ).start()
 
     def close(self) -> None:
         """Stop the active run's trial (the run becomes interrupted, to be resumed later)."""
@@ -90,6 +102,20 @@ class BenchmarkService:
         active.cancel.set()
         if active.thread is not None:
             active.thread.join(timeout=60)
+
+    def _stop_orphans(self, run_ids: list[int]) -> None:
+        try:
+            for run_id in run_ids:
+                stopped = self._stop_orphan(run_id)
+                if stopped is not None:
+                    add_event(
+                        self.store,
+                        run_id,
+                        "status",
+                        f"the trial engine a stopped mgr left running (pid {stopped}) was stopped",
+                    )
+        finally:
+            self._orphans_gone.set()
 
     def _stop_orphan(self, run_id: int) -> int | None:
         """Stop the engine of a trial that was running when its daemon died, if it still runs."""
@@ -278,6 +304,8 @@ class BenchmarkService:
 
     def _drive(self, active: ActiveRun) -> None:
         run_id = active.run_id
+        # a trial beside an engine left from before would share its GPU, memory and ports
+        self._orphans_gone.wait()
         try:
             result = self._search(active)
             update_run(

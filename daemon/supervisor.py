@@ -352,7 +352,11 @@ class Supervisor:
     # ---- adoption after a daemon restart ----------------------------------------------------
 
     def adopt(self) -> None:
-        """Take over live engines recorded by an earlier daemon; mark the vanished ones dead."""
+        """Take over live engines recorded by an earlier daemon; mark the vanished ones dead.
+
+        Only the process table is read here: asking each engine how it is goes to a thread of
+        its own, so that engines slow to answer do not hold up the daemon's start.
+        """
         with self.store.session() as session:
             rows = list(session.scalars(select(Server).where(Server.status.in_(LIVE))))
         for row in rows:
@@ -373,16 +377,12 @@ class Supervisor:
                 )
                 with self._lock:
                     self._handles[row.id] = handle
-                health = launch.get_json(engine.base_url + "/health", timeout_s=2.0)
-                if health is not None and health.get("status") == "ok":
-                    handle.health, handle.ready = health, True
-                    self._update(row.id, status="running")
-                else:
-                    # still loading (or not answering): it gets what is left of its ready time
-                    self._update(row.id, status="starting")
-                    waited_s = time.time() - (row.started or time.time())
-                    remaining_s = max(ADOPTED_READY_MIN_S, self.ready_timeout_s - waited_s)
-                    self._wait_in_background(handle, remaining_s)
+                threading.Thread(
+                    target=self._check_adopted,
+                    args=(handle, row.started),
+                    name="engine-adopt",
+                    daemon=True,
+                ).start()
             else:
                 self._update(
                     row.id,
@@ -391,6 +391,20 @@ class Supervisor:
                     log_tail=launch.log_tail(row.log_path),
                     stopped=time.time(),
                 )
+
+    def _check_adopted(self, handle: EngineHandle, started: float | None) -> None:
+        health = launch.get_json(handle.base_url + "/health", timeout_s=2.0)
+        with self._lock:
+            if self._handles.get(handle.server_id) is not handle or handle.stopping:
+                return
+            if health is not None and health.get("status") == "ok":
+                handle.health, handle.ready = health, True
+                self._update(handle.server_id, status="running")
+                return
+            # still loading (or not answering): it gets what is left of its ready time
+            self._update(handle.server_id, status="starting")
+        waited_s = time.time() - (started or time.time())
+        self._wait_ready(handle, max(ADOPTED_READY_MIN_S, self.ready_timeout_s - waited_s))
 
     @staticmethod
     def _is_same_process(row: Server) -> bool:

@@ -243,3 +243,20 @@ def test_guess_accuracy_compares_the_guess_with_the_routing():
     for r in rows:
         assert all(0 <= r[k] <= 1 for k in ("routed_named", "tail_exact", "tail_named"))
     assert all(r["routed_named"] > 0.5 for r in rows if r["guess_from"] in froms[:2])
+
+
+def test_mgr_restart_times_mgr_over_a_trial_engine_left_loading(tmp_path):
+    model = tmp_path / "tiny"
+    subprocess.run(
+        [sys.executable, "-m", "moelab.engine.cli", "synth", "--preset", "tiny", "--out",
+         str(model)],
+        capture_output=True, timeout=300, check=True,
+    )  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "mgr_restart.py"), str(model), "1", "0.5", "--",
+         "--device", "cpu"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    line = json.loads(run.stdout.strip().splitlines()[-1])
+    assert line["database_mb"] >= 1 and line["answered_after_s"] > 0
+    assert isinstance(line["trial_engine_alive_then"], bool)

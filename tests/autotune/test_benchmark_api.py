@@ -4,6 +4,7 @@ after a daemon restart, pick up, save as profile, and Recommended following the 
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.autotune.flagset import value_of
-from moelab.daemon.benchmark_store import add_event
+from moelab.autotune.trial import TrialRequest, TrialResult
+from moelab.daemon.benchmark_store import add_event, update_run
 from moelab.daemon.schema import BenchmarkRun, Profile
 from moelab.engine import launch
 
@@ -172,28 +174,96 @@ def test_a_run_resumes_after_the_daemon_restarts(tmp_path: Path, demo_model: Pat
             assert full["details"]["workload"] == spec, trial["n"]
 
 
+def leave_a_running_trial(data_dir: Path, models: Path, orphan: subprocess.Popen) -> int:
+    """The rows a killed mgr leaves mid-trial: a run "running" and its trial engine's pid."""
+    with running_app(data_dir, models) as (daemon, _client):
+        now = time.time()
+        with daemon.store.session() as session:
+            row = BenchmarkRun(model=str(models), mode="quick", objective="decode",
+                               status="running", base_flags=[], options={}, created=now,
+                               updated=now)  # fmt: skip
+            session.add(row)
+            session.flush()
+            run_id = row.id
+        add_event(daemon.store, run_id, "engine", "trial 1: engine", {
+            "n": 1, "pid": orphan.pid, "process_started": launch.process_start_time(orphan.pid),
+            "port": 8200, "log": ""})  # fmt: skip
+    return run_id
+
+
+def wait_event(client: TestClient, run_id: int, text: str) -> dict:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        events = client.get(f"/api/benchmarks/{run_id}").json()["events"]
+        found = [e for e in events if text in e["message"]]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no event of run {run_id} says {text!r}: {events}")
+
+
 def test_a_killed_daemon_leaves_no_trial_engine_behind(tmp_path: Path, demo_model: Path) -> None:
     data_dir = tmp_path / "mgr"
     # a trial engine that outlived a killed mgr (its own process group, as launch starts them)
     orphan = subprocess.Popen(["sleep", "120"], start_new_session=True)
     try:
-        with running_app(data_dir, demo_model.parent) as (daemon, client):
-            now = time.time()
-            with daemon.store.session() as session:
-                row = BenchmarkRun(model=str(demo_model), mode="quick", objective="decode",
-                                   status="running", base_flags=[], options={}, created=now,
-                                   updated=now)  # fmt: skip
-                session.add(row)
-                session.flush()
-                run_id = row.id
-            add_event(daemon.store, run_id, "engine", "trial 1: engine", {
-                "n": 1, "pid": orphan.pid, "process_started": launch.process_start_time(orphan.pid),
-                "port": 8200, "log": ""})  # fmt: skip
-        with running_app(data_dir, demo_model.parent) as (daemon, client):
+        run_id = leave_a_running_trial(data_dir, demo_model.parent, orphan)
+        with running_app(data_dir, demo_model.parent) as (_daemon, client):
             run = client.get(f"/api/benchmarks/{run_id}").json()
             assert run["status"] == "interrupted"
-            assert f"pid {orphan.pid}" in run["events"][-1]["message"]
+            assert "was stopped" in wait_event(client, run_id, f"pid {orphan.pid}")["message"]
         assert orphan.wait(timeout=10) is not None
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+
+
+def test_the_daemon_serves_while_a_left_trial_engine_is_still_stopping(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    """Stopping an engine can take long (a loading one finishes its step first): the daemon
+    answers meanwhile, and the resumed run starts no trial before that engine is gone."""
+    data_dir = tmp_path / "mgr"
+    # an engine that, told to stop, goes only when the test closes its stdin
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys, time\n"
+         "signal.signal(signal.SIGTERM, lambda *_: (sys.stdin.read(), sys.exit(0)))\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(120)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert orphan.stdout is not None and orphan.stdout.readline() == "ready\n"
+        with running_app(data_dir, demo_model.parent) as (daemon, client):
+            record_fresh_rates(daemon, demo_model)
+            runners = use_fake(client.app, FakeEngine(seed=25), block_at=3)
+            run_id = start(client, demo_model)["id"]
+            deadline = time.monotonic() + 30
+            while not (runners and runners[0].blocked.is_set()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        # what a killed mgr leaves instead of a clean stop: "running", and trial 3's engine
+        update_run(daemon.store, run_id, status="running")
+        add_event(daemon.store, run_id, "engine", "trial 3: engine", {
+            "n": 3, "pid": orphan.pid, "process_started": launch.process_start_time(orphan.pid),
+            "port": 8200, "log": ""})  # fmt: skip
+        with running_app(data_dir, demo_model.parent) as (daemon, client):
+            assert client.get(f"/api/benchmarks/{run_id}").json()["status"] == "interrupted"
+            assert orphan.poll() is None, "the daemon waited for the engine before serving"
+            alive_at_trials: list[bool] = []
+
+            class Watched(FakeEngine):
+                def __call__(self, request: TrialRequest, n: int) -> TrialResult:
+                    alive_at_trials.append(orphan.poll() is None)
+                    return super().__call__(request, n)
+
+            use_fake(client.app, Watched(seed=25))
+            assert client.post(f"/api/benchmarks/{run_id}/resume").status_code == 202
+            assert orphan.stdin is not None
+            orphan.stdin.close()
+            assert orphan.wait(timeout=30) == 0
+            wait_event(client, run_id, f"pid {orphan.pid}) was stopped")
+            assert wait_status(client, run_id, ("done", "failed"))["status"] == "done"
+            assert alive_at_trials and not any(alive_at_trials)
     finally:
         if orphan.poll() is None:
             orphan.kill()

@@ -7,6 +7,7 @@ import secrets
 import signal
 import socket
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from moelab.daemon.errors import Conflict
+from moelab.daemon.schema import Server
 from moelab.daemon.supervisor import EngineHandle
 from moelab.engine import launch
 
@@ -305,6 +307,50 @@ def test_engines_are_adopted_after_mgr_is_killed(tmp_path: Path, demo_model: Pat
         wait_for(lambda: not launch.pid_alive(kept["pid"]), 20, "the adopted engine to stop")
     finally:
         second.stop()
+
+
+def test_adoption_does_not_wait_for_the_engines_to_answer(
+    tmp_path: Path, demo_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asking an adopted engine how it is happens off the daemon's start: one slow to answer
+    (busy, or stopped in a debugger) holds up neither the start nor the other engines."""
+    engine = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    answer = threading.Event()
+    asked: list[str] = []
+
+    def health(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> dict | None:
+        asked.append(url)
+        answer.wait(60)
+        return {"status": "ok"}
+
+    try:
+        daemon = make_daemon(tmp_path / "data", demo_model.parent)
+        now = time.time()
+        with daemon.store.session() as session:
+            session.add(
+                Server(
+                    id=1, name="kept", model=str(demo_model), flags=[], host="127.0.0.1",
+                    port=8150, device="cpu", status="running", pid=engine.pid,
+                    process_started=launch.process_start_time(engine.pid), log_path="",
+                    created=now, started=now,
+                )
+            )  # fmt: skip
+        monkeypatch.setattr(launch, "get_json", health)
+        opened = threading.Thread(target=daemon.supervisor.open)
+        opened.start()
+        opened.join(timeout=30)
+        assert not opened.is_alive(), "the start waited for the engine's answer"
+        handle = daemon.supervisor.handle(1)
+        assert handle is not None and not handle.ready
+        answer.set()
+        wait_for(lambda: daemon.supervisor.handle(1).ready, 30, "the engine to be adopted")
+        assert asked == ["http://127.0.0.1:8150/health"]
+        assert daemon.supervisor.row(1).status == "running"
+        daemon.close()
+    finally:
+        answer.set()
+        engine.kill()
+        engine.wait()
 
 
 def test_a_gpu_in_use_by_another_server_is_refused(tmp_path: Path, demo_model: Path) -> None:
