@@ -26,7 +26,7 @@ from starlette.routing import Route
 from ..engine.args import describe_flags
 from .auth import COOKIE_MAX_AGE_S, COOKIE_NAME, Access
 from .catalog import model_json
-from .errors import ApiError, BadRequest, Conflict, NotFound
+from .errors import ApiError, BadRequest, Conflict, NotFound, disk_full
 from .hardware import package_version
 from .measure import inventory_json, measurement_json
 from .schema import AuditEvent
@@ -65,6 +65,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
+    full = disk_full(exc, daemon_of(request).data_dir)
+    if full is not None:
+        # the audit row of a refused write fails the same way after its handler: so it arrives
+        log.error("%s %s: %s", request.method, request.url.path, full.message)
+        return error_response(full.status, full.code, full.message)
     log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(
         500, "internal", f"mgr failed on this request ({type(exc).__name__}); see its log"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import threading
@@ -40,7 +41,12 @@ from ..engine.hosts import (
     is_loopback_host,
     split_host,
 )
-from .audit import AuditEntry, AuditLog
+from .audit import AuditEntry, AuditLog, cut
+from .errors import DiskFull
+
+log = logging.getLogger("moelab.mgr")
+
+log = logging.getLogger("moelab.mgr")
 
 TOKEN_NAME = "control-token"
 COOKIE_NAME = "mgr_session"
@@ -306,4 +312,7 @@ class AccessMiddleware:
             # what a caller without control can cause comes in any number: counted, not listed
             counted=refused is not None or not access.control,
         )
-        await anyio.to_thread.run_sync(self.audit.record, entry)
+        try:
+            await anyio.to_thread.run_sync(self.audit.record, entry)
+        except DiskFull as full:  # the request has its answer (a 507 if it wrote): serve on
+            log.error("no audit row for %s %s: %s", entry.method, cut(entry.path), full.message)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..engine import launch
+from .errors import DiskFull
 from .measure import HardwareService
 from .retention import Retention, maintain
 from .schema import Server
 from .store import Store
 from .supervisor import EngineHandle, Supervisor
 from .telemetry import Compactor, write_rows
+
+log = logging.getLogger("moelab.mgr")
 
 StatsSource = Callable[[EngineHandle], "dict[str, Any] | None"]
 
@@ -59,6 +63,7 @@ class Sampler:
         self._latest: dict[int, tuple[float, dict[str, Any]]] = {}
         self._persisted: dict[int, float] = {}
         self._last_maintained = 0.0
+        self._disk_full = False
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
@@ -73,10 +78,16 @@ class Sampler:
     def _run(self) -> None:
         while not self._closing.is_set():
             began = time.monotonic()
-            self.poll_once()
-            if time.time() - self._last_maintained >= self.maintain_every_s:
-                self._last_maintained = time.time()
-                maintain(self.store, self.retention)
+            try:
+                self.poll_once()
+                if time.time() - self._last_maintained >= self.maintain_every_s:
+                    self._last_maintained = time.time()
+                    maintain(self.store, self.retention)
+                self._disk_full = False
+            except DiskFull as full:  # those samples are lost; sampling goes on once space is freed
+                if not self._disk_full:
+                    log.error("telemetry not stored until space is freed: %s", full.message)
+                self._disk_full = True
             self._closing.wait(max(0.0, self.interval_s - (time.monotonic() - began)))
 
     def poll_once(self, now: float | None = None) -> int:

@@ -11,8 +11,10 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from .errors import disk_full
 from .migrations import SchemaTooNew, migrate
 from .private import DIR_MODE, FILE_MODE, create_private_file
 
@@ -84,9 +86,18 @@ class Store:
 
     @contextmanager
     def session(self) -> Iterator[Session]:
-        """A session that commits when the block ends normally and rolls back otherwise."""
-        with self._sessions() as session, session.begin():
-            yield session
+        """A session that commits when the block ends normally and rolls back otherwise.
+
+        A write that fails for want of space raises DiskFull, naming the database's path.
+        """
+        try:
+            with self._sessions() as session, session.begin():
+                yield session
+        except SQLAlchemyError as err:
+            full = disk_full(err, self.path)
+            if full is None:
+                raise
+            raise full from err
 
     def reclaim_space(self) -> None:
         """Give freed pages back to the file system (after retention deleted rows)."""

@@ -11,6 +11,7 @@ reported an error or timed out, and was stopped), dead (gone when the daemon res
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -22,10 +23,12 @@ from typing import Any
 from sqlalchemy import select
 
 from ..engine import launch
-from .errors import BadRequest, Conflict, NotFound
+from .errors import BadRequest, Conflict, DiskFull, NotFound
 from .flags import FlagError, validate_flags
 from .schema import Server
 from .store import Store
+
+log = logging.getLogger("moelab.mgr")
 
 LIVE = ("starting", "running", "stopping")
 DEFAULT_PORTS = range(8100, 8200)
@@ -105,6 +108,7 @@ class Supervisor:
         self.stop_grace_s = stop_grace_s
         self.watch_interval_s = watch_interval_s
         self._handles: dict[int, EngineHandle] = {}
+        self._unrecorded: set[int] = set()  # ended engines the full disk kept from their rows
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
@@ -327,9 +331,17 @@ class Supervisor:
                     if handle.stopping or not handle.ready:
                         continue  # stop() and the ready waiter report those
                     code = handle.engine.exit_code()
-                    if code is not None:
-                        self._handles.pop(handle.server_id, None)
+                    if code is None:
+                        continue
+                    try:
                         self._ended(handle, code, None, launch.log_tail(handle.engine.log_path))
+                    except DiskFull as full:  # recorded at a later round, once space is freed
+                        if handle.server_id not in self._unrecorded:
+                            self._unrecorded.add(handle.server_id)
+                            log.error("server %d ended: %s", handle.server_id, full.message)
+                        continue
+                    self._unrecorded.discard(handle.server_id)
+                    self._handles.pop(handle.server_id, None)
 
     def _ended(self, handle: EngineHandle, code: int, message: str | None, tail: str) -> None:
         adopted = handle.engine.popen is None
