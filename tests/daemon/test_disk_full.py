@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from moelab.daemon.errors import DiskFull
+from moelab.daemon.errors import DiskFull, disk_full
 from moelab.daemon.sampler import Sampler
 from moelab.daemon.schema import Profile, Server
 from moelab.daemon.store import Store
@@ -180,3 +180,18 @@ def test_an_engine_that_ends_on_a_full_disk_is_recorded_once_space_is_freed(
     finally:
         supervisor.close()
         store.close()
+
+
+def test_a_file_write_on_a_full_disk_is_a_disk_full(small_disk: Path) -> None:
+    """An engine's log written on a full disk: the refusal names the data dir (the write itself
+    does not say which file), or the file where the error names one."""
+    fill(small_disk)
+    try:
+        launch.start_engine(["--port", "1"], small_disk / "logs" / "server-3.log")
+    except OSError as err:
+        full = disk_full(err, small_disk)
+    assert full is not None and full.status == 507 and full.code == "disk_full"
+    assert f"the disk holding {small_disk} is full" in full.message
+    named = OSError(errno.ENOSPC, "No space left on device", str(small_disk / "token"))
+    assert str(small_disk / "token") in disk_full(named, small_disk).message
+    assert disk_full(RuntimeError("not about the disk"), small_disk) is None
