@@ -3,12 +3,13 @@
 The engine is never reused: every trial starts a new process through engine/launch.py, waits for
 /health, sends one warm-up request, runs the workload the request names (the same one for every
 trial after the calibration trial, which runs its stages in its one engine: autotune/sizing.py),
-reads /v1/stats and stops the process group. A crash, an out-of-memory or a timeout becomes a
-failed trial with the log tail; the run goes on.
+reads /v1/stats and stops the process group. A crash, an out-of-memory (said only on evidence:
+engine/exits.py) or a timeout becomes a failed trial with the log tail; the run goes on.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 
 from ..engine import launch
+from ..engine.exits import OomWatch, exit_words
 from .client import EngineClient, WorkloadError
 from .flagset import Change, without
 from .sizing import calibrate
@@ -72,7 +74,7 @@ class TrialResult:
     startup_s: float | None = None
     warmup_s: float | None = None
     stop_s: float | None = None
-    failure: str | None = None  # "crash", "out of memory", "timeout", "error"
+    failure: str | None = None  # "crash", "out of memory", "killed by signal 9", "timeout", "error"
     error: str | None = None
     log_tail: str | None = None
     stats: dict[str, Any] | None = None
@@ -131,12 +133,19 @@ def decode_hit_rate(stats: dict[str, Any] | None) -> float | None:
     return hits / reads if reads else None
 
 
-def classify_failure(message: str, log_tail: str, exit_code: int | None) -> str:
+def classify_failure(
+    message: str, log_tail: str, exit_code: int | None, oom_evidence: str | None = None
+) -> str:
+    """What ended a trial, in a few words. Out of memory only on evidence: the engine's own
+    report in its log, or the kernel's (engine/exits.py); a SIGKILL alone says nothing of who
+    sent it."""
     text = f"{message}\n{log_tail}".lower()
-    if any(mark in text for mark in _OOM_MARKS) or exit_code in (-9, 137):
+    if oom_evidence is not None or any(mark in text for mark in _OOM_MARKS):
         return "out of memory"
     if "not ready after" in text or "timed out" in text or "timeout" in message.lower():
         return "timeout"
+    if exit_code == -signal.SIGKILL:
+        return "killed by signal 9"
     if exit_code is not None:
         return "crash"
     return "error"
@@ -188,6 +197,7 @@ class EngineTrialRunner:
         engine = launch.start_engine(
             ["--model-path", self.model, *flags], self.logs_dir / f"{log_name}.log"
         )
+        oom = OomWatch.start(engine.pid)
         on_started(engine)
         finished = threading.Event()
         watcher = threading.Thread(
@@ -199,7 +209,7 @@ class EngineTrialRunner:
         try:
             result = self._measure(request, workload, engine, started, times)
         except (launch.EngineFailed, WorkloadError, httpx.HTTPError, OSError, KeyError) as err:
-            result = self._failed(err, workload, engine, started, times)
+            result = self._failed(err, workload, engine, oom, started, times)
         finally:
             finished.set()
             stop_start = time.monotonic()
@@ -215,6 +225,7 @@ class EngineTrialRunner:
         err: Exception,
         workload: Workload,
         engine: launch.EngineProcess,
+        oom: OomWatch,
         started: float,
         times: dict[str, float],
     ) -> TrialResult:
@@ -225,14 +236,17 @@ class EngineTrialRunner:
         if isinstance(err, httpx.TimeoutException):
             message = f"a workload request timed out: {message}"
         if code is not None and not isinstance(err, launch.EngineFailed):
-            message = f"the engine exited with code {code} during the workload ({message})"
+            message = f"the engine {exit_words(code)} during the workload ({message})"
+        evidence = oom.evidence() if exit_code == -signal.SIGKILL else None
+        if evidence is not None:
+            message = f"{message}: {evidence}"
         return TrialResult(
             ok=False,
             started=started,
             duration_s=time.time() - started,
             engine_pid=engine.pid,
             startup_s=times.get("startup_s"),
-            failure=classify_failure(message, tail, exit_code),
+            failure=classify_failure(message, tail, exit_code, evidence),
             error=message,
             log_tail=tail,
             details={"workload": workload.spec.to_json()},

@@ -12,6 +12,7 @@ reported an error or timed out, and was stopped), dead (gone when the daemon res
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 from sqlalchemy import select
 
 from ..engine import launch
+from ..engine.exits import OomWatch, exit_words
 from .errors import BadRequest, Conflict, DiskFull, NotFound
 from .flags import FlagError, validate_flags
 from .schema import Server
@@ -47,6 +49,7 @@ class EngineHandle:
     ready: bool = False
     stopping: bool = False
     health: dict[str, Any] | None = None
+    oom: OomWatch | None = None  # the kernel's OOM kills counted since it started (or was adopted)
 
     @property
     def base_url(self) -> str:
@@ -189,6 +192,7 @@ class Supervisor:
             device=row.device,
             api_key=launch.flag_value(row.flags, "--api-key"),
             fresh=True,
+            oom=OomWatch.start(engine.pid),
         )
         self._handles[row.id] = handle
         row = self._update(
@@ -350,8 +354,13 @@ class Supervisor:
             message = (
                 "the engine exited (its exit code is unknown: it was adopted from an earlier mgr)"
                 if adopted
-                else f"the engine exited with code {code}"
+                else f"the engine {exit_words(code)}"
             )
+        # out of memory only on the kernel's word: a SIGKILL may as well be a user's kill -9
+        if handle.oom is not None and (adopted or code == -signal.SIGKILL):
+            evidence = handle.oom.evidence()
+            if evidence is not None:
+                message = f"{message}: {evidence}"
         self._update(
             handle.server_id,
             status="crashed",
@@ -386,6 +395,7 @@ class Supervisor:
                     device=row.device,
                     api_key=launch.flag_value(row.flags, "--api-key"),
                     fresh=False,
+                    oom=OomWatch.start(engine.pid),
                 )
                 with self._lock:
                     self._handles[row.id] = handle

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .exits import exit_words
 from .redact import redact_flags
 
 
@@ -165,8 +166,9 @@ def wait_ready(
     while True:
         code = engine.exit_code()
         if code is not None:
+            how = exit_words(code) if engine.popen is not None else "ended (its status is unknown)"
             raise EngineFailed(
-                f"engine exited with code {code} before it was ready",
+                f"engine {how} before it was ready",
                 exit_code=code,
                 log_tail=log_tail(engine.log_path),
             )

@@ -190,14 +190,16 @@ def test_bad_requests_never_start_an_engine(mgr: MgrProcess, demo_model: Path) -
 def test_an_engine_that_dies_while_loading_reports_its_exit_code_and_log(
     mgr: MgrProcess, demo_model: Path
 ) -> None:
-    """An early exit (here the OOM killer's SIGKILL during start-up) is seen at once."""
+    """An early exit (here a SIGKILL during start-up) is seen at once, and not taken for an
+    out-of-memory kill: nothing says the kernel sent it."""
     server = mgr.post("/api/servers", {"model": str(demo_model), "flags": []}, expect=(202,))
     began = time.monotonic()
     os.kill(server["pid"], signal.SIGKILL)  # still importing torch: far from ready
     crashed = wait_status(mgr, server["id"], ("crashed", "running", "failed"), 30)
     assert crashed["status"] == "crashed", crashed
     assert crashed["exit_code"] == -signal.SIGKILL
-    assert str(-signal.SIGKILL) in crashed["error"]
+    assert "was killed by signal 9 (SIGKILL) before it was ready" in crashed["error"]
+    assert "memory" not in crashed["error"]
     assert "starting:" in crashed["log_tail"]  # the launcher's first line of the log
     assert time.monotonic() - began < 10
 
@@ -225,7 +227,7 @@ def test_an_engine_killed_while_serving_is_reported_crashed(
     os.kill(server["pid"], signal.SIGKILL)
     crashed = wait_status(mgr, server["id"], ("crashed",), 10)
     assert crashed["exit_code"] == -signal.SIGKILL
-    assert "exited" in crashed["error"]
+    assert crashed["error"] == "the engine was killed by signal 9 (SIGKILL)"
 
 
 def test_twenty_concurrent_readers_while_an_engine_runs(mgr: MgrProcess, demo_model: Path) -> None:

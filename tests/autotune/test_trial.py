@@ -1,0 +1,43 @@
+"""One trial with a real `moelab serve` on the demo model: how a failed engine is recorded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+from moelab.autotune.trial import EngineTrialRunner, TrialRequest, classify_failure
+from moelab.autotune.workload import Workload, WorkloadSpec
+from moelab.engine import launch
+
+
+def test_a_trial_engine_killed_with_sigkill_is_not_recorded_as_out_of_memory(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    workload = Workload(WorkloadSpec())
+    runner = EngineTrialRunner(str(demo_model), workload, tmp_path, threading.Event())
+
+    def kill(engine: launch.EngineProcess) -> None:
+        os.kill(engine.pid, signal.SIGKILL)  # a user's kill -9: the kernel killed nothing
+
+    result = runner.run(
+        TrialRequest(("--device", "cpu"), None, "baseline"), "trial-1", on_started=kill
+    )
+    assert not result.ok
+    assert result.failure == "killed by signal 9"
+    assert "killed by signal 9 (SIGKILL)" in (result.error or "")
+    assert "memory" not in (result.error or "")
+
+
+def test_out_of_memory_needs_evidence() -> None:
+    killed = "engine was killed by signal 9 (SIGKILL) before it was ready"
+    assert classify_failure(killed, "loading the expert bank", -signal.SIGKILL) == (
+        "killed by signal 9"
+    )
+    kernel = "the kernel's OOM killer ended it (oom_kill in memory.events went from 0 to 1)"
+    assert classify_failure(killed, "", -signal.SIGKILL, kernel) == "out of memory"
+    # the engine's own report of an allocation that failed
+    tail = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert classify_failure("engine exited with code 1", tail, 1) == "out of memory"
+    assert classify_failure("engine was killed by signal 11 (SIGSEGV)", "", -11) == "crash"
