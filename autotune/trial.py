@@ -10,10 +10,10 @@ engine/exits.py) or a timeout becomes a failed trial with the log tail; the run 
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -100,19 +100,6 @@ class TrialResult:
         return getattr(self, f"{name}_tok_s")
 
 
-def free_port(ports: range, host: str = "127.0.0.1") -> int:
-    """The first port of `ports` nothing listens on."""
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1} for a trial engine")
-
-
 def compact_stats(stats: dict[str, Any] | None) -> dict[str, Any] | None:
     """/v1/stats without the per-expert pick matrix and the 60 s window (kept small per trial)."""
     if not isinstance(stats, dict):
@@ -185,18 +172,26 @@ class EngineTrialRunner:
     ) -> TrialResult:
         """Run one trial; raises Cancelled (engine stopped) when the run is cancelled meanwhile."""
         started = time.time()
-        port = free_port(self.ports)
-        flags = [
-            *without(list(request.flags), ("--port", "--host")),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ]
-        self.on_step("starting the engine")
-        engine = launch.start_engine(
-            ["--model-path", self.model, *flags], self.logs_dir / f"{log_name}.log"
-        )
+        # bound here and handed to the engine: no other program can take it meanwhile
+        listener = launch.listen_on("127.0.0.1", self.ports)
+        if listener is None:
+            raise RuntimeError(
+                f"no free port in {self.ports.start}-{self.ports.stop - 1} for a trial engine"
+            )
+        with closing(listener):
+            flags = [
+                *without(list(request.flags), ("--port", "--host")),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(listener.getsockname()[1]),
+            ]
+            self.on_step("starting the engine")
+            engine = launch.start_engine(
+                ["--model-path", self.model, *flags],
+                self.logs_dir / f"{log_name}.log",
+                listener=listener,
+            )
         oom = OomWatch.start(engine.pid)
         on_started(engine)
         finished = threading.Event()

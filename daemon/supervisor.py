@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,18 +76,6 @@ def checkpoint_dir(model: str) -> Path:
             code="model_not_found",
         )
     return model_dir
-
-
-def port_free(host: str, port: int) -> bool:
-    """Whether `port` can be bound on `host` now (as the engine's server would bind it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class Supervisor:
@@ -160,32 +149,37 @@ class Supervisor:
             host = launch.flag_value(flags, "--host", "127.0.0.1") or "127.0.0.1"
             explicit = launch.flag_value(flags, "--port")
             if explicit is not None:
-                self._check_port_free(host, int(explicit))
+                listener = self._listen(host, int(explicit))
                 flags = list(flags)
             else:
-                flags = [*flags, "--port", str(self._free_port(host))]
-            now = time.time()
-            with self.store.session() as session:
-                row = Server(
-                    profile_id=profile_id,
-                    name=name or model_dir.resolve().name,
-                    model=str(model_dir.resolve()),
-                    flags=flags,
-                    host=host,
-                    port=int(launch.flag_value(flags, "--port") or 0),
-                    device=device,
-                    status="starting",
-                    log_path="",
-                    created=now,
-                )
-                session.add(row)
-                session.flush()
-                row.log_path = str(self.logs_dir / f"server-{row.id}.log")
-            return self._launch(row)
+                listener = self._listen_on_a_free_port(host)
+                flags = [*flags, "--port", str(listener.getsockname()[1])]
+            with closing(listener):
+                now = time.time()
+                with self.store.session() as session:
+                    row = Server(
+                        profile_id=profile_id,
+                        name=name or model_dir.resolve().name,
+                        model=str(model_dir.resolve()),
+                        flags=flags,
+                        host=host,
+                        port=listener.getsockname()[1],
+                        device=device,
+                        status="starting",
+                        log_path="",
+                        created=now,
+                    )
+                    session.add(row)
+                    session.flush()
+                    row.log_path = str(self.logs_dir / f"server-{row.id}.log")
+                return self._launch(row, listener)
 
-    def _launch(self, row: Server) -> Server:
-        """Run the engine for a row (new or restarted) and start waiting for it to be ready."""
-        engine = launch.start_engine(["--model-path", row.model, *row.flags], row.log_path)
+    def _launch(self, row: Server, listener: socket.socket) -> Server:
+        """Run the engine for a row (new or restarted) on the socket bound for it, and start
+        waiting for it to be ready."""
+        engine = launch.start_engine(
+            ["--model-path", row.model, *row.flags], row.log_path, listener=listener
+        )
         handle = EngineHandle(
             server_id=row.id,
             engine=engine,
@@ -234,8 +228,8 @@ class Supervisor:
         row = self.stop(server_id)
         with self._lock:
             self._check_device_free(row.device)
-            self._check_port_free(row.host, row.port)
-            return self._launch(row)
+            with closing(self._listen(row.host, row.port)) as listener:
+                return self._launch(row, listener)
 
     def forget(self, server_id: int) -> None:
         """Delete a server that is not running (with its telemetry)."""
@@ -262,7 +256,9 @@ class Supervisor:
                     code="gpu_taken",
                 )
 
-    def _check_port_free(self, host: str, port: int) -> None:
+    def _listen(self, host: str, port: int) -> socket.socket:
+        """The engine's socket on `port`, bound here so that nothing takes the port before the
+        engine serves on it."""
         for other in self._handles.values():
             if other.engine.port == port and not other.stopping:
                 row = self.row(other.server_id)
@@ -271,23 +267,25 @@ class Supervisor:
                     "or leave it out to get a free one",
                     code="port_in_use",
                 )
-        if not port_free(host, port):
+        listener = launch.listen_on(host, [port])
+        if listener is None:
             raise Conflict(
                 f"port {port} on {host} is in use by another program; choose another --port or "
                 "leave it out to get a free one",
                 code="port_in_use",
             )
+        return listener
 
-    def _free_port(self, host: str) -> int:
+    def _listen_on_a_free_port(self, host: str) -> socket.socket:
         taken = {h.engine.port for h in self._handles.values()}
-        for port in self.ports:
-            if port not in taken and port_free(host, port):
-                return port
-        raise Conflict(
-            f"no free port in {self.ports.start}-{self.ports.stop - 1}; stop a server or give "
-            "--port",
-            code="no_free_port",
-        )
+        listener = launch.listen_on(host, (port for port in self.ports if port not in taken))
+        if listener is None:
+            raise Conflict(
+                f"no free port in {self.ports.start}-{self.ports.stop - 1}; stop a server or give "
+                "--port",
+                code="no_free_port",
+            )
+        return listener
 
     # ---- watching ---------------------------------------------------------------------------
 

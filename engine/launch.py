@@ -1,6 +1,9 @@
 """Start a `moelab serve` process in its own process group, wait for it to be ready, stop it.
 
-Torch-free: the daemon's supervisor and the benchmark's trials both use it.
+The caller binds the engine's port (`listen_on`) and the engine inherits the listening socket
+(its file descriptor in MOELAB_LISTEN_FD), so no other program can take the port between the
+choice and the engine's start. Torch-free: the daemon's supervisor and the benchmark's trials
+both use it.
 """
 
 from __future__ import annotations
@@ -8,17 +11,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .exits import exit_words
 from .redact import redact_flags
+
+LISTEN_FD_ENV = "MOELAB_LISTEN_FD"
 
 
 class EngineFailed(RuntimeError):
@@ -72,6 +78,24 @@ class EngineProcess:
         return self.exit_code() is None
 
 
+def listen_on(host: str, ports: Iterable[int]) -> socket.socket | None:
+    """A listening socket on the first of `ports` that `host` lets this process bind (the
+    engine's server takes it over); None when every one is in use."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in ports:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        # as the engine's server sets it: a port left in TIME_WAIT by a stopped engine is free
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(2048)
+        except OSError:
+            sock.close()
+            continue
+        return sock
+    return None
+
+
 def engine_argv(flags: list[str], python: str | None = None) -> list[str]:
     """The command line that runs `moelab serve` with `flags` under this Python."""
     return [python or sys.executable, "-m", "moelab.engine.cli", "serve", *flags]
@@ -83,17 +107,25 @@ def start_engine(
     *,
     env: dict[str, str] | None = None,
     python: str | None = None,
+    listener: socket.socket | None = None,
 ) -> EngineProcess:
     """Start `moelab serve` with `flags` in a new process group, stdout and stderr to `log_path`.
 
     The log is readable by its owner only (mode 0600, in a folder made 0700), and its first line
-    shows the command with the secret flags' values hidden.
+    shows the command with the secret flags' values hidden. With `listener` (from listen_on;
+    `flags` give its port as --port), the engine serves on that socket; the caller closes its own
+    copy once this returns.
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     argv = engine_argv(flags, python)
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
+    child_env.pop(LISTEN_FD_ENV, None)
+    inherited: tuple[int, ...] = ()
+    if listener is not None:
+        child_env[LISTEN_FD_ENV] = str(listener.fileno())
+        inherited = (listener.fileno(),)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.fchmod(fd, 0o600)  # a log an older moelab created readable by all
     with os.fdopen(fd, "ab") as log:
@@ -107,6 +139,7 @@ def start_engine(
             stderr=subprocess.STDOUT,
             env=child_env,
             start_new_session=True,
+            pass_fds=inherited,
         )
     return EngineProcess(
         pid=popen.pid,

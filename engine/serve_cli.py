@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from typing import NoReturn
 
 import uvicorn
 
 from .args import add_engine_flags
+from .launch import LISTEN_FD_ENV
 
 log = logging.getLogger("moelab.serve")
 
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     http = _DrainingServer(config, drain)
     log.info("moelab serve: http://%s:%d/v1 (model %s)", args.host, args.port, server.model_name)
     try:
-        http.run()
+        http.run(sockets=_inherited_listener())
     except SystemExit:
         pass  # uvicorn's own exit when it cannot start (a port in use): said below, status 1
     finally:
@@ -69,6 +71,16 @@ def run(args: argparse.Namespace) -> NoReturn:
         _exit_now(1)
     log.info("stopped: the HTTP server is down and the engine closed")
     _exit_now(0)
+
+
+def _inherited_listener() -> list[socket.socket] | None:
+    """The listening socket the process that started this one bound for it (engine/launch.py:
+    the port was taken when it was chosen), else None: uvicorn binds --host and --port."""
+    fd = os.environ.pop(LISTEN_FD_ENV, None)
+    if fd is None:
+        return None
+    os.set_inheritable(int(fd), False)  # not for the engine's own children (compile workers)
+    return [socket.socket(fileno=int(fd))]
 
 
 def _exit_now(code: int) -> NoReturn:

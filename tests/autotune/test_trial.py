@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -28,6 +29,29 @@ def test_a_trial_engine_killed_with_sigkill_is_not_recorded_as_out_of_memory(
     assert result.failure == "killed by signal 9"
     assert "killed by signal 9 (SIGKILL)" in (result.error or "")
     assert "memory" not in (result.error or "")
+
+
+def test_no_program_takes_a_trial_engines_port_before_it_serves(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    workload = Workload(WorkloadSpec())
+    runner = EngineTrialRunner(str(demo_model), workload, tmp_path, threading.Event())
+    late_binds: list[bool] = []
+
+    def try_its_port(engine: launch.EngineProcess) -> None:
+        # the engine is still importing torch: another program tries its port
+        with socket.socket() as late:
+            late.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                late.bind(("127.0.0.1", engine.port))
+                late.listen()
+                late_binds.append(True)
+            except OSError:
+                late_binds.append(False)
+        os.kill(engine.pid, signal.SIGKILL)  # that is all this trial is for
+
+    runner.run(TrialRequest(("--device", "cpu"), None, "baseline"), "trial-1", try_its_port)
+    assert late_binds == [False]
 
 
 def test_out_of_memory_needs_evidence() -> None:

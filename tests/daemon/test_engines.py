@@ -21,7 +21,15 @@ from moelab.daemon.schema import Server
 from moelab.daemon.supervisor import EngineHandle
 from moelab.engine import launch
 
-from .conftest import MgrProcess, copy_model, http, make_daemon, start_mgr, wait_for
+from .conftest import (
+    MgrProcess,
+    copy_model,
+    free_port,
+    http,
+    make_daemon,
+    start_mgr,
+    wait_for,
+)
 
 READY_S = 240.0
 
@@ -172,6 +180,39 @@ def test_ports_in_use_are_refused_with_the_reason(mgr: MgrProcess, demo_model: P
         assert status == 409 and "another program" in body["error"]["message"]
     finally:
         mgr.post(f"/api/servers/{server['id']}/stop")
+
+
+def test_no_program_takes_the_port_between_its_choice_and_the_engine(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    """The port is bound when it is chosen and the engine serves on that socket: a program that
+    tries it while the engine still loads finds it taken, and a port another program holds is
+    passed over. The row says the port the engine serves on."""
+    first = free_port()
+    daemon = make_daemon(tmp_path / "data", demo_model.parent, engine_ports=range(first, first + 8))
+    supervisor = daemon.supervisor
+    supervisor.open()
+    foreign = socket.socket()
+    foreign.bind(("127.0.0.1", first))
+    foreign.listen()
+    try:
+        row = supervisor.start(model=str(demo_model), flags=["--device", "cpu"])
+        assert row.port != first and launch.flag_value(row.flags, "--port") == str(row.port)
+        # the engine is still importing torch: another program tries its port
+        with socket.socket() as late:
+            late.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                late.bind(("127.0.0.1", row.port))
+                late.listen()
+        running = wait_for(
+            lambda: (r := supervisor.row(row.id)).status != "starting" and r, READY_S, "ready"
+        )
+        assert running.status == "running", running.error
+        assert http("GET", f"http://127.0.0.1:{running.port}/health")[1]["status"] == "ok"
+        supervisor.stop(row.id)
+    finally:
+        foreign.close()
+        daemon.close()
 
 
 def test_bad_requests_never_start_an_engine(mgr: MgrProcess, demo_model: Path) -> None:
