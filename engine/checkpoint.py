@@ -16,9 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .model import DenseWeights, LayerWeights
-from .spec import CheckpointError, ModelSpec
-
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+from .spec import SAFETENSORS_DTYPES, CheckpointError, ModelSpec
 
 
 class TensorSource(Protocol):
@@ -83,9 +81,9 @@ class SafetensorsSource:
 
     def dtype(self, name: str) -> str:
         code = self._meta[name]["dtype"]
-        if code not in _ST_DTYPES:
+        if code not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"tensor {name} has dtype {code}; moelab reads BF16, F16 and F32")
-        return _ST_DTYPES[code]
+        return SAFETENSORS_DTYPES[code]
 
     def has(self, name: str) -> bool:
         return name in self._where

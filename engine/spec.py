@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -16,6 +18,8 @@ _ARCH_BY_CLASS = {
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# the safetensors dtypes the engine reads, and their names in torch
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 class CheckpointError(ValueError):
@@ -180,8 +184,13 @@ class ModelSpec:
     # construction ------------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, config: dict) -> ModelSpec:
-        """Normalize a Hugging Face config.json of a supported architecture."""
+    def from_config(cls, config: dict, source: str = "config.json") -> ModelSpec:
+        """Normalize a Hugging Face config.json of a supported architecture.
+
+        Every field is checked for its type and range; an error names the field and `source`
+        (the file the config came from)."""
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{source} holds {type(config).__name__}, not a JSON object")
         arch = config.get("model_type")
         if arch not in ARCHITECTURES:
             for name in config.get("architectures") or ():
@@ -190,54 +199,54 @@ class ModelSpec:
             found = config.get("model_type") or config.get("architectures")
             raise CheckpointError(
                 f"architecture {found!r} is not supported; moelab serves "
-                f"{', '.join(ARCHITECTURES)} (config.json model_type)"
+                f"{', '.join(ARCHITECTURES)} ({source} model_type)"
             )
+        quantized = config.get("quantization_config") or config.get("compression_config")
+        if quantized:
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+            raise CheckpointError(
+                f"the weights are quantized ({source} quantization_config, quant_method "
+                f"{method!r}); moelab reads bf16, fp16 and fp32 weights: use the checkpoint's "
+                "unquantized release"
+            )
+        read = _Fields(config, source, arch)
 
-        def need(*names: str):
-            for name in names:
-                if config.get(name) is not None:
-                    return config[name]
-            raise CheckpointError(f"config.json has no {' / '.join(names)} (needed for {arch})")
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        layers = int(need("num_hidden_layers"))
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        num_experts = int(need("num_experts", "num_local_experts"))
-        top_k = int(need("num_experts_per_tok"))
-        intermediate = int(config.get("intermediate_size") or 0)
+        hidden = read.whole("hidden_size")
+        heads = read.whole("num_attention_heads")
+        layers = read.whole("num_hidden_layers")
+        kv_heads = read.whole("num_key_value_heads", default=heads)
+        head_dim = read.whole("head_dim", default=hidden // heads)
+        num_experts = read.whole("num_experts", "num_local_experts")
+        top_k = read.whole("num_experts_per_tok")
+        intermediate = read.whole("intermediate_size", default=0, minimum=0)
+        max_position = read.whole("max_position_embeddings", default=4096)
 
         if arch in ("qwen3_moe", "qwen2_moe"):
-            moe_inter = int(need("moe_intermediate_size"))
-            step = int(config.get("decoder_sparse_step") or 1)
-            only = set(config.get("mlp_only_layers") or [])
+            moe_inter = read.whole("moe_intermediate_size")
+            step = read.whole("decoder_sparse_step", default=1)
+            only = set(read.indices("mlp_only_layers"))
             moe_layers = tuple(
                 i
                 for i in range(layers)
                 if i not in only and num_experts > 0 and (i + 1) % step == 0
             )
             if len(moe_layers) < layers and intermediate < 1:
-                raise CheckpointError("config.json has dense MLP layers but no intermediate_size")
+                raise CheckpointError(f"{source} has dense MLP layers but no intermediate_size")
             norm_topk = bool(config.get("norm_topk_prob", arch == "qwen3_moe"))
         else:
-            moe_inter = int(need("intermediate_size"))
+            moe_inter = read.whole("intermediate_size")
             moe_layers = tuple(range(layers))
             norm_topk = True if arch == "mixtral" else bool(config.get("norm_topk_prob", False))
 
-        if config.get("use_sliding_window") or (
-            arch == "mixtral"
-            and config.get("sliding_window")
-            and config["sliding_window"] < int(config.get("max_position_embeddings", 0))
-        ):
+        sliding = read.whole("sliding_window", default=0, minimum=0) if arch == "mixtral" else 0
+        if config.get("use_sliding_window") or 0 < sliding < max_position:
             raise CheckpointError(
-                "sliding-window attention is not supported; this checkpoint's config.json "
-                "enables it"
+                f"sliding-window attention is not supported; this checkpoint's {source} enables it"
             )
 
-        rope = config.get("rope_parameters") or {}
-        rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        scaling = config.get("rope_scaling") or (
+        rope = read.mapping("rope_parameters") or {}
+        rope_theta = read.real("rope_theta", default=rope.get("rope_theta") or 10000.0)
+        scaling = read.mapping("rope_scaling") or (
             {k: v for k, v in rope.items() if k != "rope_theta"} if rope else None
         )
         if scaling:
@@ -249,9 +258,11 @@ class ModelSpec:
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
 
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+        vocab = read.whole("vocab_size")
         eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        vocab = int(need("vocab_size"))
+        eos_ids = read.indices("eos_token_id") if isinstance(eos, list) else ()
+        if eos is not None and not isinstance(eos, list):
+            eos_ids = (read.whole("eos_token_id", minimum=0),)
         eos_ids = tuple(i for i in eos_ids if 0 <= i < vocab)
         qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none")
         attention_bias = bool(
@@ -271,20 +282,20 @@ class ModelSpec:
             moe_intermediate_size=moe_inter,
             intermediate_size=intermediate,
             norm_topk_prob=norm_topk,
-            rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
+            rms_norm_eps=read.real("rms_norm_eps", default=1e-6),
             rope_theta=rope_theta,
-            max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+            max_position_embeddings=max_position,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             qk_norm=qk_norm,
-            clip_qkv=config.get("clip_qkv") if arch == "olmoe" else None,
+            clip_qkv=read.real("clip_qkv", default=None) if arch == "olmoe" else None,
             shared_expert_intermediate_size=(
-                int(need("shared_expert_intermediate_size")) if arch == "qwen2_moe" else 0
+                read.whole("shared_expert_intermediate_size") if arch == "qwen2_moe" else 0
             ),
             moe_layers=moe_layers,
             rope_scaling=scaling,
             dtype=dtype,
-            bos_token_id=config.get("bos_token_id"),
+            bos_token_id=read.whole("bos_token_id", default=None, minimum=0),
             eos_token_ids=eos_ids,
             extra={"moelab_synth": config.get("moelab_synth")}
             if config.get("moelab_synth")
@@ -301,4 +312,66 @@ class ModelSpec:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError) as err:
             raise CheckpointError(f"{config_path} cannot be read as JSON: {err}") from None
-        return cls.from_config(config)
+        return cls.from_config(config, str(config_path))
+
+
+class _Fields:
+    """Typed reads of a config.json's fields; a wrong type or range names the field and file."""
+
+    def __init__(self, config: dict, source: str, arch: str) -> None:
+        self.config = config
+        self.source = source
+        self.arch = arch
+
+    def _say(self, name: str, what: str, value: object) -> CheckpointError:
+        return CheckpointError(f"{self.source}: {name} must be {what}, not {json.dumps(value)}")
+
+    def whole(self, *names: str, default: Any = ..., minimum: int = 1) -> Any:
+        """The first of `names` given, a whole number of at least `minimum` (8.0 passes as 8);
+        `default` where none is given (without one, a missing field is an error)."""
+        given = [name for name in names if self.config.get(name) is not None]
+        if not given:
+            if default is ...:
+                raise CheckpointError(
+                    f"{self.source} has no {' / '.join(names)} (needed for {self.arch})"
+                )
+            return default
+        name = given[0]
+        value = self.config[name]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value != int(value)
+        ):
+            raise self._say(name, "a whole number", value)
+        if value < minimum:
+            raise self._say(name, f"at least {minimum}", value)
+        return int(value)
+
+    def real(self, name: str, default: float | None) -> Any:
+        """A finite number above zero; `default` where the field is not given."""
+        value = self.config.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._say(name, "a number", value)
+        if not math.isfinite(value) or value <= 0:
+            raise self._say(name, "a number above zero", value)
+        return float(value)
+
+    def indices(self, name: str) -> tuple[int, ...]:
+        """A list of whole numbers from zero (layer numbers, token ids)."""
+        value = self.config.get(name) or []
+        if not isinstance(value, list):
+            raise self._say(name, "a list", value)
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+                raise self._say(name, "a list of whole numbers from 0", value)
+        return tuple(value)
+
+    def mapping(self, name: str) -> dict | None:
+        value = self.config.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise self._say(name, "a JSON object", value)
+        return value

@@ -135,6 +135,40 @@ def test_unsupported_architecture_and_missing_fields(qwen, tmp_path):
         ModelSpec.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("num_experts", "lots", 'num_experts must be a whole number, not "lots"'),
+        ("num_hidden_layers", -2, "num_hidden_layers must be at least 1, not -2"),
+        ("hidden_size", 64.5, "hidden_size must be a whole number, not 64.5"),
+        ("rms_norm_eps", "small", 'rms_norm_eps must be a number, not "small"'),
+        ("mlp_only_layers", "all", 'mlp_only_layers must be a list, not "all"'),
+        ("rope_scaling", [1, 2], "rope_scaling must be a JSON object, not [1, 2]"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_named_with_the_file(qwen, tmp_path, field, value, says):
+    _, path = qwen
+    bad = _broken_copy(path, tmp_path / "b", config_edit=lambda c: c.update({field: value}))
+    expected = f"{bad / 'config.json'}: {says}"
+    with pytest.raises(CheckpointError) as read:
+        ModelSpec.from_dir(bad)
+    assert str(read.value) == expected
+    with pytest.raises(CheckpointError) as loaded:  # the engine's own load says the same
+        make_engine(bad)
+    assert str(loaded.value) == expected
+
+
+def test_quantized_weights_are_refused_before_any_tensor_is_read(qwen, tmp_path):
+    _, path = qwen
+
+    def fp8(config):
+        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+
+    bad = _broken_copy(path, tmp_path / "q", config_edit=fp8)
+    with pytest.raises(CheckpointError, match=r"config\.json quantization_config.*'fp8'"):
+        make_engine(bad)
+
+
 def test_not_safetensors_is_refused(qwen, tmp_path):
     _, path = qwen
     bad = tmp_path / "junk"
