@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from ..engine.spec import CheckpointError, ModelSpec
+from ..engine.spec import ModelSpec
 from .child import run_moelab
 from .errors import BadRequest, NotFound
 from .jobs import Job, JobError, Jobs
@@ -121,13 +121,9 @@ class ModelCatalog:
             raise NotFound(
                 f"unknown model {model!r}; GET /api/models lists them", code="model_not_found"
             )
-        try:
-            spec = ModelSpec.from_config(row.config or {})
-        except CheckpointError as err:
-            raise BadRequest(
-                f"{row.name} cannot be served: {err}", code="unsupported_model"
-            ) from None
-        return row, spec
+        if row.error is not None:
+            raise BadRequest(f"{row.name} cannot be served: {row.error}", code="unsupported_model")
+        return row, ModelSpec.from_config(row.config)
 
 
 def _fill(row: Model, checkpoint: Checkpoint, now: float) -> None:

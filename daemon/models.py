@@ -2,7 +2,9 @@
 
 A checkpoint is a directory with a config.json and at least one *.safetensors file. The dense and
 expert byte counts come from the safetensors headers (a few KB read per file), so discovery never
-reads weights.
+reads weights. A checkpoint moelab cannot serve is listed with the reason in `error`: the engine's
+own reading of config.json (engine/spec.py: the architecture, quantized weights, each field's type
+and range) and the weights' dtypes in the headers, so that nothing has to start to find out.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..engine.spec import SAFETENSORS_DTYPES, CheckpointError, ModelSpec
 
 DEMO_NAME = "moelab-demo-tiny"
 # routed experts: "...mlp.experts.3.gate_proj.weight", "...block_sparse_moe.experts.0.w1.weight",
@@ -130,14 +134,17 @@ def read_checkpoint(directory: Path, source: str, *, name: str | None = None) ->
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as err:
         return Checkpoint(**base, error=f"config.json cannot be read: {err}")
+    if not isinstance(config, dict):
+        return Checkpoint(**base, error="config.json does not hold a JSON object")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     architectures = config.get("architectures") or [None]
     try:
-        dense_bytes, expert_bytes = tensor_bytes(directory)
-        error = None
+        dense_bytes, expert_bytes, unread = tensor_bytes(directory)
     except (OSError, ValueError) as err:
         dense_bytes = expert_bytes = None
         error = f"safetensors headers cannot be read: {err}"
+    else:
+        error = serving_problem(config, unread)
     return Checkpoint(
         **base,
         architecture=architectures[0],
@@ -155,6 +162,22 @@ def read_checkpoint(directory: Path, source: str, *, name: str | None = None) ->
     )
 
 
+def serving_problem(config: dict[str, Any], unread: dict[str, str]) -> str | None:
+    """Why the engine would refuse this checkpoint: its config.json as the engine reads it, or
+    weights of a dtype it does not read (`unread`: dtype -> a tensor of that dtype)."""
+    try:
+        ModelSpec.from_config(config)
+    except CheckpointError as err:
+        return str(err)
+    if unread:
+        listed = ", ".join(f"{dtype} ({name})" for dtype, name in sorted(unread.items()))
+        return (
+            f"weights of dtype {listed}: quantized weights are not read; moelab reads "
+            f"{', '.join(SAFETENSORS_DTYPES)}"
+        )
+    return None
+
+
 def _first_int(config: dict[str, Any], *keys: str) -> int | None:
     for key in keys:
         value = config.get(key)
@@ -163,9 +186,11 @@ def _first_int(config: dict[str, Any], *keys: str) -> int | None:
     return None
 
 
-def tensor_bytes(directory: Path) -> tuple[int, int]:
-    """(dense bytes, routed-expert bytes) of every tensor in the directory's safetensors files."""
+def tensor_bytes(directory: Path) -> tuple[int, int, dict[str, str]]:
+    """(dense bytes, routed-expert bytes) of every tensor in the directory's safetensors files,
+    and the weights the engine would not read: dtype -> the first such tensor's name."""
     dense = experts = 0
+    unread: dict[str, str] = {}
     for path in sorted(directory.glob("*.safetensors")):
         for name, info in read_safetensors_header(path).items():
             if name == "__metadata__":
@@ -175,7 +200,9 @@ def tensor_bytes(directory: Path) -> tuple[int, int]:
                 experts += end - start
             else:
                 dense += end - start
-    return dense, experts
+            if name.endswith(".weight") and info.get("dtype") not in SAFETENSORS_DTYPES:
+                unread.setdefault(str(info.get("dtype")), name)
+    return dense, experts, unread
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ..engine import launch
 from ..engine.exits import OomWatch, exit_words
 from .errors import BadRequest, Conflict, DiskFull, NotFound
 from .flags import FlagError, validate_flags
+from .models import read_checkpoint
 from .schema import Server
 from .store import Store
 
@@ -68,13 +69,17 @@ def resolve_device(flags: list[str], gpu_count: int) -> str:
 
 
 def checkpoint_dir(model: str) -> Path:
-    """The folder of a checkpoint to serve; BadRequest when it holds no config.json."""
+    """The folder of a checkpoint to serve; BadRequest when it holds no config.json or moelab
+    cannot serve what it holds."""
     model_dir = Path(model).expanduser()
     if not (model_dir / "config.json").is_file():
         raise BadRequest(
             f"no checkpoint at {model} (a folder with config.json); GET /api/models lists them",
             code="model_not_found",
         )
+    problem = read_checkpoint(model_dir, "start").error
+    if problem is not None:
+        raise BadRequest(f"{model_dir.name} cannot be served: {problem}", code="unsupported_model")
     return model_dir
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import stat
@@ -25,6 +26,25 @@ def test_importing_mgr_loads_neither_torch_nor_numpy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_engine_modules_the_manager_reads_are_torch_free_and_the_only_ones() -> None:
+    """docs/architecture.md lists them; each imports with torch absent, and mgr, the benchmark
+    and the profiles load no other engine module."""
+    doc = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    listed = re.search(r"the only ones the manager reads:((?:\s*`\w+\.py`,?)+)", doc)
+    assert listed is not None
+    modules = sorted(re.findall(r"`(\w+)\.py`", listed.group(1)))
+    code = (
+        "import importlib, sys\n"
+        "sys.modules['torch'] = None  # `import torch` raises ImportError\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module('moelab.engine.' + name)\n"
+        "import moelab.console.main, moelab.autotune.__main__, moelab.profiles.recommend\n"
+        "print(sorted(m.split('.')[2] for m in sys.modules if m.startswith('moelab.engine.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == repr(modules)
 
 
 def test_mgr_prints_the_url_and_token(tmp_path: Path, demo_model: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moelab.daemon.catalog import ModelCatalog
+from moelab.daemon.catalog import ModelCatalog, model_json
 from moelab.daemon.jobs import Jobs
 from moelab.daemon.models import (
     ModelRoot,
@@ -20,12 +20,12 @@ from moelab.daemon.models import (
 )
 from moelab.daemon.store import Store
 
-from .conftest import synth
+from .conftest import asgi_client, make_daemon, synth
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> int:
     """A safetensors file with zero-filled tensors; returns the bytes of tensor data written."""
-    sizes = {"BF16": 2, "F32": 4}
+    sizes = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
     header, offset = {}, 0
     for name, (dtype, shape) in tensors.items():
         n = sizes[dtype]
@@ -134,6 +134,103 @@ def test_a_damaged_checkpoint_is_listed_with_its_problem(tmp_path: Path, demo_mo
     checkpoint = read_checkpoint(broken, "x")
     assert checkpoint.error is not None and "safetensors" in checkpoint.error
     assert checkpoint.num_experts is not None  # the config part still reads
+
+
+def edited_copy(demo_model: Path, target: Path, **fields: object) -> Path:
+    """The demo checkpoint with fields of its config.json set (None: removed)."""
+    shutil.copytree(demo_model, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(fields)
+    kept = {k: v for k, v in config.items() if v is not None}
+    (target / "config.json").write_text(json.dumps(kept))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("quantization", "method"),
+    [
+        ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, "fp8"),
+        ({"quant_method": "mxfp4"}, "mxfp4"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "awq"),
+    ],
+)
+def test_a_quantized_checkpoint_is_listed_with_why_it_cannot_be_served(
+    tmp_path: Path, demo_model: Path, quantization: dict, method: str
+) -> None:
+    model = edited_copy(demo_model, tmp_path / method, quantization_config=quantization)
+    checkpoint = read_checkpoint(model, "~/models")
+    assert checkpoint.error is not None
+    assert "quantized" in checkpoint.error and f"quant_method {method!r}" in checkpoint.error
+    assert checkpoint.num_experts is not None  # listed with what can be read
+
+
+def test_quantized_weights_without_a_quantization_config_are_named(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    model = tmp_path / "fp8"
+    model.mkdir()
+    shutil.copy(demo_model / "config.json", model)
+    write_safetensors(
+        model / "model.safetensors",
+        {
+            "model.embed_tokens.weight": ("BF16", [4, 4]),
+            "model.layers.0.mlp.experts.0.up_proj.weight": ("F8_E4M3", [4, 4]),
+            "model.layers.0.mlp.experts.0.up_proj.weight_scale_inv": ("F32", [1, 1]),
+        },
+    )
+    error = read_checkpoint(model, "x").error
+    assert error is not None
+    assert "F8_E4M3 (model.layers.0.mlp.experts.0.up_proj.weight)" in error
+    assert "BF16, F16, F32" in error
+
+
+def test_an_architecture_moelab_does_not_serve_is_listed_with_why(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    model = edited_copy(
+        demo_model, tmp_path / "llama", model_type="llama", architectures=["LlamaForCausalLM"]
+    )
+    error = read_checkpoint(model, "x").error
+    assert error is not None and "'llama' is not supported" in error and "qwen3_moe" in error
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("num_experts", "lots", 'config.json: num_experts must be a whole number, not "lots"'),
+        ("num_hidden_layers", -2, "config.json: num_hidden_layers must be at least 1, not -2"),
+        ("num_experts_per_tok", None, "config.json has no num_experts_per_tok"),
+    ],
+)
+def test_a_config_with_a_wrong_field_is_listed_naming_it(
+    tmp_path: Path, demo_model: Path, field: str, value: object, says: str
+) -> None:
+    model = edited_copy(demo_model, tmp_path / "bad", **{field: value})
+    error = read_checkpoint(model, "x").error
+    assert error is not None and error.startswith(says)
+
+
+def test_a_model_that_cannot_be_served_is_refused_before_anything_starts(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    models = tmp_path / "models"
+    edited_copy(demo_model, models / "lots", num_experts="lots")
+    daemon = make_daemon(tmp_path / "data", models)
+    daemon.catalog.rescan()
+    (listed,) = [model_json(m) for m in daemon.catalog.list()]
+    assert listed["error"] == 'config.json: num_experts must be a whole number, not "lots"'
+    client = asgi_client(daemon, "127.0.0.1", "127.0.0.1")
+    reply = client.post("/api/servers", json={"model": listed["path"], "flags": []})
+    assert reply.status_code == 400
+    assert reply.json()["error"] == {
+        "code": "unsupported_model",
+        "message": "lots cannot be served: config.json: num_experts must be a whole number, not "
+        '"lots"',
+    }
+    assert client.get("/api/servers").json()["servers"] == []
+    daemon.close()
 
 
 def test_default_roots_follow_home_and_hf_home(
