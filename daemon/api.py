@@ -65,9 +65,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
+    # a file written on a full disk (an engine's log): the database's own writes come as DiskFull
     full = disk_full(exc, daemon_of(request).data_dir)
     if full is not None:
-        # the audit row of a refused write fails the same way after its handler: so it arrives
         log.error("%s %s: %s", request.method, request.url.path, full.message)
         return error_response(full.status, full.code, full.message)
     log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)

@@ -142,7 +142,7 @@ def read_checkpoint(directory: Path, source: str, *, name: str | None = None) ->
         dense_bytes, expert_bytes, unread = tensor_bytes(directory)
     except (OSError, ValueError) as err:
         dense_bytes = expert_bytes = None
-        error = f"safetensors headers cannot be read: {err}"
+        error = f"the safetensors files cannot be read: {err}"
     else:
         error = serving_problem(config, unread)
     return Checkpoint(
@@ -206,7 +206,10 @@ def tensor_bytes(directory: Path) -> tuple[int, int, dict[str, str]]:
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file: tensor name -> dtype, shape, data_offsets."""
+    """The JSON header of a safetensors file: tensor name -> dtype, shape, data_offsets.
+
+    A file shorter than its header says (a download cut short) is refused here, as the engine
+    would refuse it when it loads."""
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
@@ -215,6 +218,14 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
         if length > _MAX_HEADER_BYTES:
             raise ValueError(f"{path.name} has an implausible header length {length}")
         header = json.loads(f.read(length))
+        size = os.fstat(f.fileno()).st_size
     if not isinstance(header, dict):
         raise ValueError(f"{path.name} has a header that is not a JSON object")
+    ends = [info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"]
+    needed = 8 + length + max(ends, default=0)
+    if size < needed:
+        raise ValueError(
+            f"{path.name} is cut short ({size} of the {needed} bytes its header describes): "
+            "download it again"
+        )
     return header

@@ -7,14 +7,19 @@ tests are skipped with the reason), filled with a file until the kernel says ENO
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import json
 import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from starlette.requests import Request
 
+from moelab.console.main import build_app
+from moelab.daemon.api import EXCEPTION_HANDLERS
 from moelab.daemon.errors import DiskFull, disk_full
 from moelab.daemon.sampler import Sampler
 from moelab.daemon.schema import Profile, Server
@@ -23,7 +28,7 @@ from moelab.daemon.supervisor import EngineHandle, Supervisor
 from moelab.daemon.telemetry import STATS, read_samples
 from moelab.engine import launch
 
-from .conftest import MgrProcess, start_mgr, wait_for
+from .conftest import MgrProcess, make_daemon, start_mgr, wait_for
 from .test_telemetry import FakeEngine, FakeHandle, FakeProcess, FakeSupervisor
 
 
@@ -195,3 +200,20 @@ def test_a_file_write_on_a_full_disk_is_a_disk_full(small_disk: Path) -> None:
     named = OSError(errno.ENOSPC, "No space left on device", str(small_disk / "token"))
     assert str(small_disk / "token") in disk_full(named, small_disk).message
     assert disk_full(RuntimeError("not about the disk"), small_disk) is None
+
+
+def test_an_oserror_of_a_full_disk_in_a_handler_is_answered_507(
+    small_disk: Path, demo_model: Path
+) -> None:
+    """A handler's own file write (an engine's log) that finds the disk full: 507, not 500."""
+    daemon = make_daemon(small_disk / "data", demo_model.parent)
+    fill(small_disk)
+    app = build_app(daemon)
+    request = Request({"type": "http", "app": app, "method": "POST", "path": "/api/servers",
+                       "headers": []})  # fmt: skip
+    full = OSError(errno.ENOSPC, "No space left on device")
+    response = asyncio.run(EXCEPTION_HANDLERS[Exception](request, full))
+    body = json.loads(response.body)
+    assert response.status_code == 507 and body["error"]["code"] == "disk_full"
+    assert f"the disk holding {small_disk / 'data'} is full" in body["error"]["message"]
+    daemon.close()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import threading
 import time
@@ -248,13 +250,22 @@ def test_an_engine_that_dies_while_loading_reports_its_exit_code_and_log(
 def test_an_engine_that_cannot_load_its_checkpoint_fails_with_its_error(
     mgr: MgrProcess, demo_model: Path, tmp_path: Path
 ) -> None:
+    # a tensor of the wrong shape (its bytes the same): only loading the checkpoint tells
     broken = copy_model(demo_model, tmp_path / "broken")
-    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    weights = broken / "model.safetensors"
+    raw = weights.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    name = "model.layers.0.self_attn.k_proj.weight"
+    header[name]["shape"] = header[name]["shape"][::-1]
+    edited = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    assert len(edited) == length
+    weights.write_bytes(raw[:8] + edited + raw[8 + length :])
     began = time.monotonic()
     server = start(mgr, {"model": str(broken), "flags": []})
     # the engine stays up and says "error" on /health: the daemon reports it and stops it
     assert server["status"] == "failed", server
-    assert "safetensors" in server["error"]
+    assert f"tensor {name} has shape" in server["error"]
     assert "Traceback" in server["log_tail"]
     assert not launch.pid_alive(server["pid"])
     assert time.monotonic() - began < 120  # when it happened, not after the ready timeout

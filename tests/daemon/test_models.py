@@ -233,6 +233,20 @@ def test_a_model_that_cannot_be_served_is_refused_before_anything_starts(
     daemon.close()
 
 
+def test_a_download_cut_short_is_listed_with_its_problem(tmp_path: Path, demo_model: Path) -> None:
+    cut = tmp_path / "cut"
+    shutil.copytree(demo_model, cut)
+    weights = cut / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 4096)
+    error = read_checkpoint(cut, "x").error
+    assert error == (
+        f"the safetensors files cannot be read: model.safetensors is cut short ({size - 4096} of "
+        f"the {size} bytes its header describes): download it again"
+    )
+
+
 def test_default_roots_follow_home_and_hf_home(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
