@@ -74,6 +74,8 @@ def test_a_full_disk_refuses_writes_with_507_naming_the_path_and_reads_go_on(
     mgr: MgrProcess = start_mgr(small_disk / "data", "--models-dir", str(demo_model.parent))
     try:
         assert mgr.post("/api/profiles", profile(0, demo_model), expect=(201,))
+        # the probe mgr stores at start, on a thread of its own, is in before the disk fills
+        wait_for(lambda: mgr.get("/api/hardware")["latest"], 30, "the start's inventory")
         filler = fill(small_disk)
         # SQLite may still find room in its write-ahead log for a write or two: write until refused
         for n in range(1, 200):
