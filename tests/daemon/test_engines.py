@@ -211,9 +211,10 @@ def test_no_program_takes_the_port_between_its_choice_and_the_engine(
         )
         assert running.status == "running", running.error
         assert http("GET", f"http://127.0.0.1:{running.port}/health")[1]["status"] == "ok"
-        supervisor.stop(row.id)
     finally:
         foreign.close()
+        for handle in supervisor.handles():
+            supervisor.stop(handle.server_id)
         daemon.close()
 
 
