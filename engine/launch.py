@@ -83,7 +83,7 @@ def listen_on(host: str, ports: Iterable[int]) -> socket.socket | None:
     engine's server takes it over); None when every one is in use."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for port in ports:
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         # as the engine's server sets it: a port left in TIME_WAIT by a stopped engine is free
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
