@@ -85,6 +85,39 @@ double read_sum(Pool& pool, uintptr_t data, int64_t n) {
   return job->total();
 }
 
+// -------------------------------------------------------------------------------------------------
+// A gate: a job of one task that holds the worker taking it until the int64 at `gate` is not 0.
+
+class GateJob final : public Job {
+ public:
+  GateJob(int64_t* gate, std::chrono::nanoseconds limit) : gate_(gate), limit_(limit) {
+    set_num_tasks(1);
+  }
+
+ protected:
+  bool run_task(int64_t i) override {
+    const bool opened =
+        spin_until([this] { return __atomic_load_n(gate_, __ATOMIC_ACQUIRE) != 0; }, limit_);
+    if (!opened) __atomic_store_n(gate_, -1, __ATOMIC_RELEASE);
+    return commit(i);
+  }
+
+ private:
+  int64_t* gate_;
+  const std::chrono::nanoseconds limit_;
+};
+
+// Queues a gate on the pool: the jobs queued behind it start only once the caller writes a
+// value other than 0 at `gate`, so that a test decides when they run instead of racing them.
+// After limit_s the gate gives up and writes -1 there (what the test waited for never came).
+std::shared_ptr<Job> submit_gate(Pool& pool, uintptr_t gate, double limit_s) {
+  if (!(limit_s > 0)) throw std::invalid_argument("a gate needs a limit of more than 0 s");
+  const auto limit = std::chrono::nanoseconds(int64_t(limit_s * 1e9));
+  auto job = std::make_shared<GateJob>(reinterpret_cast<int64_t*>(gate), limit);
+  pool.push(job);
+  return job;
+}
+
 // `iterations` one-token jobs of k experts each, queued one after another on the pool as decode
 // queues them, taking the bank's E experts in a scattered turn so that the weights come from
 // memory: (seconds in all; the jobs' runs, their first phases and their waits for them
@@ -172,7 +205,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_launch", &DecodePlanner::set_launch)
       .def("set_copy_ahead", &DecodePlanner::set_copy_ahead)
       .def("guess_lead_seconds", &DecodePlanner::guess_lead_seconds)
+      .def("set_clock", &DecodePlanner::set_clock)
       .def("step", &DecodePlanner::step);
+  m.def("submit_gate", &submit_gate);
   m.def("read_sum", &read_sum);
   m.def("time_expert_jobs", &time_expert_jobs);
   m.def("simd_levels", &simd_levels);

@@ -4,8 +4,10 @@ engine runs them; in a replayed graph in test_cuda_real_shapes.py)."""
 
 from __future__ import annotations
 
-import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
 
 import pytest
 import torch
@@ -15,12 +17,14 @@ from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.host_handoff import DONE, EXPECTED, TIMED_OUT
 from moelab.kernels.rmsnorm import fused_add_rmsnorm_triton, rmsnorm_ref
 
+from .gate import Gate
 from .kernel_inputs import DEVICE, randn
 from .test_cpu_experts import make_inputs, slow_inputs
 
 pytestmark = pytest.mark.usefixtures("triton_runs")
 
 CUDA = DEVICE.type == "cuda"
+T = TypeVar("T")
 SUMMERS = {
     "triton": host_handoff.sum_when_ready_triton,
     "ref": host_handoff.sum_when_ready_ref,
@@ -42,14 +46,22 @@ def _finished() -> None:
         torch.cuda.synchronize()
 
 
-def _set_later(sync: torch.Tensor, index: int, value: int, delay_s: float) -> threading.Thread:
-    def later() -> None:
-        time.sleep(delay_s)
-        sync[index] = value
+def _once_the_epoch_is_done(run: Callable[[], T], sync, part, value: torch.Tensor) -> T:
+    """`run()`, a sum that waits for the CPU's epoch, in a thread while the epoch is not done: it
+    is still waiting a while later (it cannot return before the epoch), and the part it adds is
+    `value`, written into `part` only then (one read before the epoch would be the stale part).
+    Then the epoch is done, and run's result returned."""
+    with ThreadPoolExecutor(1) as pool:
+        summed = pool.submit(run)
+        wait([summed], timeout=0.2)
+        assert not summed.done(), "it added before the CPU's epoch was done"
+        part.copy_(value)
+        sync[DONE] = sync[EXPECTED]
+        return summed.result()
 
-    thread = threading.Thread(target=later)
-    thread.start()
-    return thread
+
+# no giving up on the epoch while the test holds it back (only a stall of minutes would)
+NO_GIVING_UP = {"triton": {}, "ref": {"timeout_s": 600.0}}
 
 
 def _sum(summer: str, ys, part, sync, **kwargs) -> torch.Tensor:
@@ -72,16 +84,14 @@ def test_sums_the_routes_and_adds_the_part_once_the_epoch_is_done(gen, summer, t
     routes, plus the CPU's part, only once its epoch is done."""
     hidden = 2500 if tokens == 2 else 1500  # not a multiple of the block; more than one block
     ys = [randn(gen, tokens, 4, hidden) for _ in range(parts)]
-    part = _host(torch.randn(tokens, hidden, generator=gen))
-    expected = sum(y.sum(dim=1) for y in ys) + part.to(DEVICE)
+    value = torch.randn(tokens, hidden, generator=gen)
+    part = _host(torch.full((tokens, hidden), float("nan")))
+    expected = sum(y.sum(dim=1) for y in ys) + value.to(DEVICE)
     sync = _sync()
     sync[DONE], sync[EXPECTED] = 6, 7
-    thread = _set_later(sync, DONE, 7, delay_s=0.3)
-    started_s = time.perf_counter()
-    out = _sum(summer, ys, part, sync)
-    waited_s = time.perf_counter() - started_s
-    thread.join()
-    assert waited_s >= 0.25, "it added before the CPU's epoch was done"
+    out = _once_the_epoch_is_done(
+        lambda: _sum(summer, ys, part, sync, **NO_GIVING_UP[summer]), sync, part, value
+    )
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
     assert sync[TIMED_OUT] == 0
 
@@ -155,8 +165,10 @@ def test_done_flag_comes_after_the_output(kernel):
     out = torch.full_like(expected, float("nan"))
     flag = torch.zeros(8, dtype=torch.int64)
     with CpuExpertRunner(1, kernel, **({"simd": "scalar"} if kernel == "native" else {})) as runner:
+        gate = Gate(runner)
         job = runner.submit(*args, out=out, done_flag=flag, done_value=42)
         assert flag[0] == 0, "the epoch was written before the job ran"
+        gate.open()
         while flag[0] != 42:
             time.sleep(0)
         seen = out.clone()  # read at the moment the epoch appeared, before wait()
@@ -259,17 +271,16 @@ def test_the_sum_goes_into_the_residual_and_the_norm_once_the_epoch_is_done(
     behind the one-warp wait."""
     hidden = 1500  # not a power of two: a masked tail
     ys = [randn(gen, tokens, 4, hidden) for _ in range(parts)]
-    part = _host(torch.randn(tokens, hidden, generator=gen))
+    value = torch.randn(tokens, hidden, generator=gen)
+    part = _host(torch.full((tokens, hidden), float("nan")))
     residual, weight = randn(gen, tokens, hidden), randn(gen, hidden)
     sync = _sync()
     sync[DONE], sync[EXPECTED] = 6, 7
-    thread = _set_later(sync, DONE, 7, delay_s=0.3)
-    started_s = time.perf_counter()
-    normed, new_residual = _sum_norm(normer, ys, part, sync, residual, weight)
-    waited_s = time.perf_counter() - started_s
-    thread.join()
-    assert waited_s >= 0.25, "it added before the CPU's epoch was done"
-    expected_residual = sum(y.sum(dim=1) for y in ys) + part.to(DEVICE) + residual
+    normed, new_residual = _once_the_epoch_is_done(
+        lambda: _sum_norm(normer, ys, part, sync, residual, weight, **NO_GIVING_UP[normer]),
+        sync, part, value,
+    )  # fmt: skip
+    expected_residual = sum(y.sum(dim=1) for y in ys) + value.to(DEVICE) + residual
     torch.testing.assert_close(new_residual, expected_residual, rtol=1e-6, atol=1e-5)
     expected = rmsnorm_ref(expected_residual, weight, 1e-6)
     torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
