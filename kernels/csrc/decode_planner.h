@@ -259,6 +259,11 @@ class DecodePlanner {
   // of the time from seeing a guess's signal to seeing the routing's.
   double guess_lead_seconds() const { return lead_seconds_; }
 
+  // The clock the wait times a guess by (its lead over the routing, its planning): the steady
+  // clock, or a function that returns seconds (0: the steady clock again). Tests set their own,
+  // so that a lead is theirs and not the machine's.
+  void set_clock(uintptr_t seconds) { clock_ = reinterpret_cast<double (*)()>(seconds); }
+
   // Plans layer `layer` for routes ids/weights [T, top_k] (int32, fp32) of rows x [T, H] (fp32);
   // writes route_slots [T, top_k] (a cached expert's slot; -1: on the CPU). CPU routes' weighted
   // sum goes to out [T, H] (fp32), then done_value to done_flag if that is not 0. With the device
@@ -665,6 +670,13 @@ class DecodePlanner {
     return err;
   }
 
+  // Seconds by the wait's clock (set_clock).
+  double now_s() const {
+    if (clock_ != nullptr) return clock_();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
   // Polls the routing's signal (set by the router after the routing: one thread's store after a
   // system-wide fence, host_handoff.signal_host) until it is set, warming the layer's state
   // between polls; every kPollsPerQuery polls it asks the compute stream whether it failed (its
@@ -679,7 +691,7 @@ class DecodePlanner {
   int wait_signal(int32_t* signal, int64_t layer, const Guess* guess, bool ahead) {
     const auto set = [signal] { return __atomic_load_n(signal, __ATOMIC_ACQUIRE) != 0; };
     bool guessed = guess == nullptr;
-    std::chrono::steady_clock::time_point guess_seen;
+    double guess_seen = 0.0;
     for (int64_t polls = 1; !set(); ++polls) {
       // a few polls paced by pause (no core time taken from a sibling thread), then the warming
       bool seen = false;
@@ -687,12 +699,11 @@ class DecodePlanner {
       if (seen) break;
       if (!guessed && __atomic_load_n(guess->signal, __ATOMIC_ACQUIRE) != 0) {
         guessed = true;
-        guess_seen = std::chrono::steady_clock::now();
+        guess_seen = now_s();
         plan_guess(layer, *guess, ahead);
         // the host's time on the guess (its copy ahead queued too), and whether the routing
         // came meanwhile: then the step started that much later
-        guess_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                                       guess_seen).count();
+        guess_seconds_ = now_s() - guess_seen;
         guess_late_ = set();
       }
       warm(layer);
@@ -706,8 +717,7 @@ class DecodePlanner {
     __atomic_store_n(signal, 0, __ATOMIC_RELAXED);
     if (guess != nullptr) __atomic_store_n(guess->signal, 0, __ATOMIC_RELAXED);
     if (guess != nullptr && guessed) {
-      const double lead =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - guess_seen).count();
+      const double lead = now_s() - guess_seen;
       lead_seconds_ = lead_seconds_ == 0.0 ? lead : lead_seconds_ + (lead - lead_seconds_) / 16.0;
     }
     return 0;
@@ -938,6 +948,7 @@ class DecodePlanner {
   // (bytes/s), the lead (a running mean, seconds), and the copy ahead of the step waited for:
   // its layer (-1: none), expert, slot and rows; a driver error of it (the step fails with it)
   double ahead_share_ = 0.0, ahead_rate_ = 0.0, lead_seconds_ = 0.0;
+  double (*clock_)() = nullptr;  // the wait's clock (set_clock); null: the steady clock
   struct Ahead {
     int64_t layer = -1;
     int32_t expert = -1;

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -15,15 +14,15 @@ from moelab.engine import model as model_module
 from moelab.engine import staged_decode
 from moelab.engine.bench_decode import staged_lines
 from moelab.engine.graphs import DecodeGraphs
-from moelab.engine.h2d import QUERY_FUNCTION, address_of, host_functions, host_launch_functions
+from moelab.engine.h2d import address_of, host_functions, host_launch_functions
 from moelab.engine.miss_plan import Dispatch
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.sampling import Cut, SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import host_handoff, paged_attention
 from moelab.kernels.common import compiled_variants
-from moelab.kernels.host_handoff import ROUTED
 
+from .late_routing import TICK_S, LateRouting
 from .reference import DEVICE, make_engine
 
 PROMPTS = [list(range(3, 23)), list(range(40, 47)), list(range(100, 131))]
@@ -401,22 +400,23 @@ def test_a_layer_steps_plan_key_marks_its_split_and_its_guess():
 
 
 class _LateRouting:
-    """The native planner's `step`, with each routing cleared and set again 2 ms into the wait,
-    as a GPU's would come after the guess (the stand-in graphs run as they are launched, so the
+    """The native planner's `step`, with each routing taken back as the wait begins and set
+    again at its next query of the stream, 2 ms after by the wait's clock (`LateRouting`), as a
+    GPU's would come after the guess (the stand-in graphs run as they are launched, so the
     routing is there before the wait begins); it notes the MoE layers whose waits got a guess."""
 
-    def __init__(self, native, signal) -> None:
-        self.native, self.signal = native, signal
-        self.timers: list[threading.Timer] = []
+    LATE_S = 0.002
+
+    def __init__(self, native, signal, routing: LateRouting) -> None:
+        self.native, self.signal, self.routing = native, signal, routing
         self.guessed_layers: set[int] = set()
+        routing.set_clock_of(native)
 
     def step(self, *args):
         if args[-3]:  # the guess's logits
             self.guessed_layers.add(args[0])
         if self.signal[0]:
-            self.signal[0] = 0
-            self.timers.append(threading.Timer(0.002, self.signal.__setitem__, (0, ROUTED)))
-            self.timers[-1].start()
+            self.routing.arm(self.signal)
         return self.native.step(*args)
 
 
@@ -424,8 +424,9 @@ def _guessing_engine(checkpoint, monkeypatch, calls: dict, launch_errors: list, 
     """An offloaded engine on the CPU whose one-token pieces (stand-in graphs, launched by the
     native planner through stand-in driver functions on host memory) send guesses of their
     routing, and whose routings come late (`_LateRouting`): (engine, the late planner)."""
+    routing = LateRouting(_LateRouting.LATE_S)
     functions = list(host_functions(calls))
-    functions[1] = QUERY_FUNCTION(lambda stream: 600)  # the stream busy: the signals decide
+    functions[1] = routing.query  # the stream busy until the routing comes: the signals decide
     addresses = tuple(address_of(f) for f in functions)
     monkeypatch.setattr(staged_decode, "driver_functions", lambda: addresses)
     launches = _host_launches(monkeypatch, calls, launch_errors)
@@ -439,7 +440,7 @@ def _guessing_engine(checkpoint, monkeypatch, calls: dict, launch_errors: list, 
     graphs.capture()
     engine.graphs = graphs
     assert graphs.routing_guess is moe.guess_buffers() is not None
-    late = _LateRouting(moe._decode_planner(), moe._routing_signal)
+    late = _LateRouting(moe._decode_planner(), moe._routing_signal, routing)
     late.stand_ins = (functions, launches)  # alive while their addresses are in use
     monkeypatch.setattr(moe, "_decode_planner", lambda: late)
     return engine, late
@@ -478,7 +479,7 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
             again.append((engine.generate(prompts, params), moe.staged_times))
     finally:
         engine.close()
-    assert outputs == expected and not launch_errors and late.timers
+    assert outputs == expected and not launch_errors and late.routing.arrivals
     assert late.guessed_layers == set(range(len(engine.spec.moe_layers)))
     (ignored, ignoring), (resumed, resuming) = again
     assert ignored == resumed == expected
@@ -519,11 +520,13 @@ def test_copies_ahead_of_the_routing_change_no_token(checkpoint, monkeypatch, ro
         "--moe-cpu-prefetch-rounds", rounds, "--moe-copy-ahead", "1",
     )  # fmt: skip
     moe = engine.moe
-    # a rate at which the 2 ms lead copies about half an expert's rows (the engine's own, the
-    # rate of host copies on this machine, would copy whole ones)
+    # a rate at which the lead (the routing's 2 ms, and the wait's two readings of its clock
+    # after the guess's) copies half an expert's rows (the engine's own, the rate of host copies
+    # on this machine, would copy whole ones)
+    lead_s = _LateRouting.LATE_S + 2 * TICK_S
     inter = moe.bank.w2[0].shape[-1]
     row_bytes = 2 * moe.bank.w2[0].shape[1] * moe.bank.w2[0].element_size()  # gate and up
-    moe.copy_rate = inter / 2 * row_bytes / 0.002
+    moe.copy_rate = (inter // 2 + 0.5) * row_bytes / lead_s
     moe.set_copy_ahead(1.0)
     try:
         outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
@@ -536,8 +539,8 @@ def test_copies_ahead_of_the_routing_change_no_token(checkpoint, monkeypatch, ro
         off_staged = moe.staged_times.to_dict()
     finally:
         engine.close()
-    assert outputs == off == expected and not launch_errors and late.timers
-    assert 0.001 < lead < 1.0  # the routings came 2 ms after the wait began
+    assert outputs == off == expected and not launch_errors and late.routing.arrivals
+    assert lead == pytest.approx(lead_s)  # every routing came 2 ms after its guess
     assert staged["copied_ahead"] > 0 and off_staged["copied_ahead"] == 0
     assert off_staged["ahead_missed"] == 0
     # marked "a" in the periods, and said by the bench
@@ -546,8 +549,10 @@ def test_copies_ahead_of_the_routing_change_no_token(checkpoint, monkeypatch, ro
     assert 0 < ahead <= staged["copied_ahead"]
     lines = staged_lines({**staged, "guess_lead_us": 1e6 * lead})
     assert f"(plans marked a): {staged['copied_ahead']} steps took one" in lines
-    # the guesses the wait planned, and the host's time on them (the routings came 2 ms late)
-    assert staged["guess_plans"] >= staged["copied_ahead"] and staged["guess_plan_us"] > 0
+    # the guesses the wait planned, and the host's time on them (one reading of the wait's
+    # clock each; the routings came 2 ms late)
+    assert staged["guess_plans"] >= staged["copied_ahead"]
+    assert staged["guess_plan_us"] == pytest.approx(1e6 * TICK_S)
     assert staged["guess_late"] == 0
     assert f"guesses planned in the wait: {staged['guess_plans']}, " in lines
 

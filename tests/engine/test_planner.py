@@ -8,9 +8,6 @@ pressure (steps that need more slots than are free) and every kind of split.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -40,6 +37,9 @@ from moelab.kernels.host_handoff import (
     routing_signal,
     routing_to_host,
 )
+
+from ..kernels.gate import Gate
+from .late_routing import TICK_S, LateRouting
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 12, 32, 16
 
@@ -390,25 +390,23 @@ def _no_2d() -> tuple:
 def test_the_side_that_ends_later_starts_first(cpu, top_k, copies_first):
     """At a copy share of 0.39, two misses are one copy and one CPU expert: the copy ends later,
     so it is queued before the CPU job starts. Three misses are one copy and two on the CPU: the
-    CPU job starts first. The stand-in copy watches for the job's end while it is called."""
+    CPU job starts first. The stand-in copy looks, as it is called, whether the job was started:
+    the epoch the next piece waits for (EXPECTED), which the call stores as it starts the job."""
     r = _runner(_bank(torch.Generator().manual_seed(6)), 6, 0.39, cpu, top_k)
     planner = r._decode_planner()
-    done = r._handoff_sync.numpy()
+    state = r._handoff_sync.numpy()
     seen: list[bool] = []
 
     def copy(dst, src, nbytes, stream) -> int:
-        if not seen:  # the first copy: has the CPU job been started (and so ended, soon)?
-            deadline = time.monotonic() + (0.2 if copies_first else 10.0)
-            while done[DONE] != r._epoch + 1 and time.monotonic() < deadline:
-                time.sleep(0.001)
-            seen.append(bool(done[DONE] == r._epoch + 1))
+        if not seen:  # the first copy: has the CPU job been started?
+            seen.append(bool(state[EXPECTED] == r._epoch + 1))
         return 0
 
     functions = (COPY_FUNCTION(copy), QUERY_FUNCTION(lambda stream: 0), *_no_2d())
     planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
     ids = torch.arange(top_k, dtype=torch.int32)[None]
     weights, x, out = torch.rand(1, top_k), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
-    d, _ = r._native_step(planner, 0, ids, weights, x, out, True, copies=True)
+    d, _ = r._native_step(planner, 0, ids, weights, x, out, True, copies=True, expected=True)
     assert (len(d.admitted), len(d.on_cpu)) == (1, top_k - 1)
     d.job.wait()
     assert seen == [not copies_first]
@@ -486,40 +484,35 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
 
 def test_the_wait_takes_the_routing_signal_and_asks_the_stream_only_now_and_then(cpu):
     """With a routing signal, a step polls it (not the stream) until the router sets it, then
-    clears it: here a thread sets it 50 ms in, while the stand-in stream stays busy. The stream
-    is asked every kPollsPerQuery polls only, for its errors: one fails the step and changes
-    nothing."""
+    clears it: here the router sets it as the stand-in stream, still busy, is asked the third
+    time. The stream is asked every kPollsPerQuery polls only, for its errors, and no more once
+    the signal is set: one error fails the step and changes nothing."""
     bank = _bank(torch.Generator().manual_seed(6))
     r = _runner(bank, 6, 0.0, cpu, 2)
     planner = r._decode_planner()
+    signal = routing_signal(pin=False)
     answers = [600]
     asked = [0]
 
     def query(stream) -> int:
         asked[0] += 1
+        if asked[0] == 3:
+            signal[0] = ROUTED
         return answers[0]
 
     query_fn = QUERY_FUNCTION(query)
     copy = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
     planner.set_device(address_of(copy), address_of(query_fn), *(address_of(f) for f in _no_2d()),
                        77, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
-    signal = routing_signal(pin=False)
     ids = torch.tensor([[1, 2]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
-    setter = threading.Timer(0.05, lambda: signal.__setitem__(0, ROUTED))
-    t0 = time.perf_counter()
-    setter.start()
     d, (wait_s, *_) = r._native_step(planner, 0, ids, weights, x, out, False, sync=True,
                                        signal=signal)  # fmt: skip
-    setter.join()
-    # the step returned only after the signal; its wait began after the timer did, once the step
-    # was under way (a CI run measured 49.93 ms of 50), so most of the 50 ms, not all
-    assert time.perf_counter() - t0 >= 0.05 and wait_s >= 0.04
+    assert asked[0] == 3 and wait_s > 0  # returned only after the signal, asking no more
     assert signal[0] == 0  # cleared once seen, for the next piece's router
     assert d.job is not None and sorted(d.on_cpu) == [1, 2]
     d.job.wait()
-    # the stream was asked (busy) while the signal was clear
-    assert asked[0] > 0 and r.counters.picks[0, [1, 2]].tolist() == [1, 1]
+    assert r.counters.picks[0, [1, 2]].tolist() == [1, 1]
     # a failing stream while the signal is clear: the driver's error, nothing changed
     answers[0] = 999
     before = _state(r)
@@ -555,36 +548,31 @@ def test_the_job_made_during_the_wait_serves_steps_of_any_size(cpu):
 
 def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
     """The planner's wait first runs the CPU job its last step started, on the waiting thread,
-    leaving as many tasks as the pool has workers: here the pool's one worker is held by a long
-    job queued before it, so only that thread can have taken the step's tasks, all but one when
-    the next step returns, while the long job is still running."""
+    leaving as many tasks as the pool has workers: here the pool's one worker is held by a gate
+    queued before it, so only that thread can have taken the step's tasks, all but one when the
+    next step returns."""
     with CpuExpertRunner(1, "native") as one:
         r = _runner(_bank(torch.Generator().manual_seed(8)), 6, 0.0, one, 2)
         planner = r._decode_planner()
         functions = (COPY_FUNCTION(lambda dst, src, nbytes, stream: 0),
                      QUERY_FUNCTION(lambda stream: 0), *_no_2d())  # fmt: skip
         planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
-        # a job of about a second on one core: 256 tokens through two experts of 1024 x 512
         gen = torch.Generator().manual_seed(9)
-        hidden, inter, tokens = 1024, 512, 256
-        w13 = torch.randn(2, 2 * inter, hidden, generator=gen).bfloat16()
-        w2 = torch.randn(2, hidden, inter, generator=gen).bfloat16()
-        pairs = torch.arange(2 * tokens, dtype=torch.int32)
-        held = one.submit(torch.randn(tokens, hidden, generator=gen), w13, w2, pairs % 2,
-                          pairs // 2, torch.rand(2 * tokens, generator=gen))  # fmt: skip
+        gate = Gate(one)
         ids = torch.tensor([[1, 2]], dtype=torch.int32)
         weights, x = torch.rand(1, 2, generator=gen), torch.randn(1, HIDDEN, generator=gen)
         out = [torch.zeros(1, HIDDEN) for _ in range(2)]
         first, _ = r._native_step(planner, 0, ids, weights, x, out[0], False, sync=True)
-        assert first.job is not None and first.job.unclaimed() > 1  # behind the long job
+        assert first.job is not None and first.job.unclaimed() > 1  # behind the gate
         second, _ = r._native_step(planner, 1, ids, weights, x, out[1], False, sync=True)
-        assert first.job.unclaimed() == 1 and not held.done()
+        assert first.job.unclaimed() == 1
         assert second.job is not None and second.job.unclaimed() > 1  # for the next step
+        gate.open()
         token = torch.zeros(2, dtype=torch.int32)
         want = cpu_experts_ref(x, r.bank.w13[0], r.bank.w2[0], ids[0], token, weights[0])
         assert torch.allclose(first.job.wait(), want, rtol=1e-5, atol=1e-5)
-        held.wait()
         second.job.wait()
+        assert gate.opened()
 
 
 @pytest.mark.parametrize(
@@ -738,8 +726,9 @@ def test_a_guess_before_the_routing_has_the_workers_fetch_the_blocks_the_job_giv
     rounds = 2
     with CpuExpertRunner(2, "native", task_kb=1) as guessing, CpuExpertRunner(2, "native") as plain:
         runners = [_runner(bank, 6, 0.39, cpu, 4) for cpu in (guessing, plain)]
+        late = LateRouting(late_s=0.001)
         functions = list(host_functions())
-        functions[1] = QUERY_FUNCTION(lambda stream: 600)  # busy: the routing's signal decides
+        functions[1] = late.query  # busy until the routing comes
         planners = []
         for r in runners:
             r.split_misses, r.prefetch_rounds = True, rounds
@@ -765,13 +754,11 @@ def test_a_guess_before_the_routing_has_the_workers_fetch_the_blocks_the_job_giv
             steps = []
             for r, planner, out, guess in zip(runners, planners, outs, (True, False), strict=True):
                 guess_signal[0] = ROUTED if guess and kind != "none" else 0
-                setter = threading.Timer(0.005, lambda: signal.__setitem__(0, ROUTED))
-                setter.start()
+                late.arm(signal)  # the guess first, then the routing, during the wait
                 d, _ = r._native_step(
                     planner, layer, ids, weights, x, out, False, sync=True, copies=True,
                     signal=signal, guess=(logits, guess_signal) if guess else None,
                 )  # fmt: skip
-                setter.join()
                 assert signal[0] == 0 and guess_signal[0] == 0  # both cleared
                 steps.append(d)
             d, same = steps
@@ -796,6 +783,7 @@ def test_a_guess_before_the_routing_has_the_workers_fetch_the_blocks_the_job_giv
                 assert d.owned_blocks == 0 and not (kind == "none" and d.guessed)
                 wrong_steps += d.guessed
         assert owned_steps >= 3 and wrong_steps >= 3
+        assert late.arrivals == 2 * 18  # every routing came during its wait
 
 
 def _slot_holds(cache, bank, layer: int, expert: int, slot: int, rows: int) -> bool:
@@ -825,28 +813,22 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
     r.split_misses, r.prefetch_rounds = True, rounds
     r.copy_ahead, r.copy_rate = 1.0, 1.0
     planner = r._decode_planner()
+    # the routing comes once a step: 3 ms after the guess, or (`on_copy`) as the guess's copy
+    # ahead is queued, in the middle of its planning, which the step then reports
+    late = LateRouting(late_s=0.003)
+    late.set_clock_of(planner)
+    on_copy = [False]
     functions = list(host_functions())
-    functions[1] = QUERY_FUNCTION(lambda stream: 600)  # busy: the routing's signal decides
-    signal, guess_signal = routing_signal(pin=False), routing_signal(pin=False)
-    # the routing set once a step: 3 ms into it, or (`on_copy`) as its copy ahead is queued, in
-    # the middle of the guess's planning, which the step then reports
-    routing = {"armed": False, "on_copy": False}
-    lock = threading.Lock()
-
-    def route_once() -> None:
-        with lock:
-            if routing["armed"]:
-                routing["armed"] = False
-                signal[0] = ROUTED
-
+    functions[1] = late.query
     copy2d = functions[3]
 
     def copy2d_routing(address: int, stream: int) -> int:
-        if routing["on_copy"]:
-            route_once()
+        if on_copy[0]:
+            late.come(after_s=0.0)
         return copy2d(address, stream)
 
     functions[3] = COPY2D_FUNCTION(copy2d_routing)
+    signal, guess_signal = routing_signal(pin=False), routing_signal(pin=False)
     cache = r.cache
     planner.set_device(*(address_of(f) for f in functions), 0, 0, cache.w13.data_ptr(),
                        cache.w2.data_ptr(), 2)  # fmt: skip
@@ -871,20 +853,23 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
         slot_of_before = cache.slot_of[layer].copy()
         missing = [e for e in np.unique(ids) if slot_of_before[e] < 0]
         guess_signal[0] = ROUTED
-        routing["armed"], routing["on_copy"] = True, step % 3 == 2
-        setter = threading.Timer(0.003, route_once)
-        setter.start()
+        late.arm(signal)
+        on_copy[0] = step % 3 == 2
         out = torch.zeros(1, HIDDEN)
         d, _ = r._native_step(
             planner, layer, ids, weights, x, out, True, sync=True, copies=True,
             signal=signal, guess=(logits, guess_signal),
         )  # fmt: skip
-        setter.join()
         assert signal[0] == 0 and guess_signal[0] == 0
-        # the guess came first and was planned; the routing came during that planning where it
-        # came with the copy ahead
+        # the guess came first and was planned (one reading of the wait's clock); the routing
+        # came during that planning where it came with the copy ahead
         copied = d.ahead_rows > 0 or d.ahead_missed
-        assert d.guess_s > 0 and d.guess_late == (routing["on_copy"] and copied)
+        assert d.guess_s == pytest.approx(TICK_S)
+        assert d.guess_late == (on_copy[0] and copied)
+        if not d.guess_late:  # the lead is the routing's 3 ms by the wait's clock
+            assert planner.guess_lead_seconds() == pytest.approx(
+                lead + (0.003 + 2 * TICK_S - lead) / 16 if lead else 0.003 + 2 * TICK_S
+            )
         seen["late"] += d.guess_late
         # the device's part and the CPU's are the layer's output, whatever was copied ahead
         _assert_marked(d, ids.numpy(), cache.slot_of[layer])
