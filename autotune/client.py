@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,16 +53,28 @@ class EngineClient:
     """Completion requests to one engine over HTTP, streamed and timed.
 
     One connection pool serves every request of a trial (threads included), so a request's
-    time is the engine's, not that of building a client and connecting.
+    time is the engine's, not that of building a client and connecting. `clock` (seconds) times
+    the requests and the workload; tests give a clock of their own with a `transport` that
+    answers in-process (httpx.MockTransport), so that the time a fake engine takes is theirs.
     """
 
-    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float,
+        api_key: str | None = None,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url
+        self.clock = clock
         self._http = httpx.Client(
             timeout=timeout_s,
             headers=headers,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            transport=transport,
         )
 
     def __enter__(self) -> EngineClient:
@@ -86,7 +99,7 @@ class EngineClient:
         }
         first = last = None
         usage: dict[str, Any] | None = None
-        sent = time.perf_counter()
+        sent = self.clock()
         with self._http.stream("POST", self.base_url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 response.read()
@@ -100,7 +113,7 @@ class EngineClient:
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 if chunk.get("choices"):
-                    now = time.perf_counter()
+                    now = self.clock()
                     first = now if first is None else first
                     last = now
         if usage is None or first is None or last is None:

@@ -1,23 +1,22 @@
-"""The workload against a fake OpenAI server whose speeds are known, and a workload
-sized to a duration there."""
+"""The workload against a fake OpenAI engine whose speeds are known, and a workload sized to a
+duration there.
+
+The fake engine answers in-process (httpx.MockTransport) on the requesting thread, and its time is
+virtual (`VirtualTime`, the client's clock): it takes exactly its stated seconds per prompt token
+and per generated token, so every figure the workload measures is known to the bit and no busy
+test machine changes it.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
-import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+import httpx
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
 
 from moelab.autotune.client import EngineClient
 from moelab.autotune.sizing import calibrate, size_workload
@@ -37,7 +36,41 @@ CHARS_PER_TOKEN = 4
 CONTEXT = 3000
 
 
-class FakeServer:
+class VirtualTime:
+    """Seconds that pass only as the fake engine serves, each thread's as it receives.
+
+    The thread that made it (the workload's) reads the latest time any thread has reached: it
+    reads after its concurrent clients have all ended. Another thread (a concurrent client)
+    starts at the making thread's time when it first reads, and goes on from its own since:
+    concurrent requests take their time side by side, as the fake engine serves them."""
+
+    def __init__(self) -> None:
+        self._owner = threading.get_ident()
+        self._owner_s = 0.0
+        self._latest_s = 0.0
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        if threading.get_ident() == self._owner:
+            self._owner_s = max(self._owner_s, self._latest_s)
+            return self._owner_s
+        if not hasattr(self._local, "s"):
+            self._local.s = self._owner_s
+        return self._local.s
+
+    def advance(self, seconds: float) -> None:
+        """The calling thread's request takes `seconds` more."""
+        later = self.now() + seconds
+        if threading.get_ident() == self._owner:
+            self._owner_s = later
+        else:
+            self._local.s = later
+        with self._lock:
+            self._latest_s = max(self._latest_s, later)
+
+
+class FakeEngine:
     """/v1/completions that takes a known time per prompt token and per generated token,
     `speed` times faster than the module's figures, plus `request_s` per request; the first
     `cold_requests` requests take `cold_s` longer (kernels compiled on first use)."""
@@ -60,62 +93,50 @@ class FakeServer:
         self.max_tokens: list[int] = []
         self.prefill_s_per_token = PREFILL_S_PER_TOKEN / speed
         self.decode_s_per_token = DECODE_S_PER_TOKEN / speed
+        self.time = VirtualTime()
+        self._lock = threading.Lock()
 
-    async def completions(self, request: Request):
-        body = await request.json()
+    def client(self) -> EngineClient:
+        """A client of this engine, timed by its virtual time."""
+        transport = httpx.MockTransport(self.completions)
+        return EngineClient("http://fake", timeout_s=30, clock=self.time.now, transport=transport)
+
+    def completions(self, request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/completions"
+        body = json.loads(request.content)
         prompt, max_tokens = body["prompt"], body["max_tokens"]
-        self.prompts.append(prompt)
-        self.max_tokens.append(max_tokens)
-        cold = len(self.prompts) <= self.cold_requests
-        await asyncio.sleep(self.request_s + (self.cold_s if cold else 0.0))
+        with self._lock:
+            self.prompts.append(prompt)
+            self.max_tokens.append(max_tokens)
+            cold = len(self.prompts) <= self.cold_requests
         tokens = max(1, self.tokens_of(prompt))
         if tokens + max_tokens > CONTEXT:
-            return JSONResponse(
-                {"error": {"message": "too long", "code": "context_length_exceeded"}}, 400
-            )
+            error = {"error": {"message": "too long", "code": "context_length_exceeded"}}
+            return httpx.Response(400, json=error)
         usage = {"prompt_tokens": tokens, "completion_tokens": max_tokens}
+        before_s = self.request_s + (self.cold_s if cold else 0.0)
+        prefill_s = tokens * self.prefill_s_per_token
         if not body.get("stream"):
-            await asyncio.sleep(tokens * self.prefill_s_per_token)
-            return JSONResponse({"choices": [{"text": "x"}], "usage": usage})
+            self.time.advance(before_s + prefill_s)
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "usage": usage})
 
-        async def chunks():
-            await asyncio.sleep(tokens * self.prefill_s_per_token)
+        def chunks() -> Iterator[bytes]:
+            # runs on the requesting thread as it reads: the time passes for that thread
+            self.time.advance(before_s + prefill_s)
             held = []
             for i in range(max_tokens):
                 if i:
-                    await asyncio.sleep(self.decode_s_per_token)
-                chunk = f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n"
+                    self.time.advance(self.decode_s_per_token)
+                chunk = f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n".encode()
                 if self.burst:
                     held.append(chunk)
                 else:
                     yield chunk
-            for chunk in held:
-                yield chunk
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
+            yield from held
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(chunks(), media_type="text/event-stream")
-
-
-@pytest.fixture
-def serve() -> Iterator:
-    servers = []
-
-    def start(fake: FakeServer) -> str:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        app = Starlette(routes=[Route("/v1/completions", fake.completions, methods=["POST"])])
-        server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="error"))
-        threading.Thread(target=server.run, daemon=True).start()
-        while not server.started:
-            time.sleep(0.01)
-        servers.append(server)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for server in servers:
-        server.should_exit = True
+        return httpx.Response(200, content=chunks(), headers={"content-type": "text/event-stream"})
 
 
 SPEC = WorkloadSpec(
@@ -130,32 +151,39 @@ SPEC = WorkloadSpec(
 
 
 @pytest.mark.parametrize("burst", [False, True])
-def test_figures_match_the_speeds_of_the_server(serve, burst: bool) -> None:
-    fake = FakeServer(burst=burst)
-    client = EngineClient(serve(fake), timeout_s=30)
+def test_figures_match_the_speeds_of_the_server(burst: bool) -> None:
+    fake = FakeEngine(burst=burst)
+    client = fake.client()
     workload = Workload(SPEC)
     chars = workload.warm_up(client, {})
     assert chars == pytest.approx(CHARS_PER_TOKEN, rel=0.05)
     result = workload.run(client, CONTEXT, chars)
     assert result.prefill_prompt_tokens == pytest.approx(1024, rel=0.02)
     assert result.details["prompt_chars_per_token"] == pytest.approx(CHARS_PER_TOKEN, rel=0.01)
-    # the seconds the workload took: its parts, each at the server's known speeds
-    parts = result.details["parts_s"]
-    assert 0.9 < sum(parts.values()) / result.details["workload_s"] <= 1.0
-    assert parts["prefill"] >= 2 * 1024 * PREFILL_S_PER_TOKEN
-    assert parts["decode"] >= 3 * 39 * DECODE_S_PER_TOKEN
-    assert parts["aggregate"] >= 2 * 29 * DECODE_S_PER_TOKEN
-    # a busy test machine only slows the client down: the bounds are tight above, loose below
-    assert 0.5 < result.prefill_tok_s * PREFILL_S_PER_TOKEN < 1.15
+    # the seconds the workload took: its parts, each at the engine's speeds, and nothing else
+    details, parts = result.details, result.details["parts_s"]
+    prefill_s = sum(details["prefill_prompt_tokens"]) * PREFILL_S_PER_TOKEN
+    assert parts["prefill"] == pytest.approx(prefill_s)
+    decodes = zip(details["decode_prompt_tokens"], details["decode_tokens"], strict=True)
+    decode_s = sum(p * PREFILL_S_PER_TOKEN + (n - 1) * DECODE_S_PER_TOKEN for p, n in decodes)
+    assert parts["decode"] == pytest.approx(decode_s)
+    # a round of concurrent streams lasts as long as its longest one
+    round_s = (
+        max(fake.tokens_of(p) for p in fake.prompts[-8:]) * PREFILL_S_PER_TOKEN
+        + (SPEC.aggregate_tokens - 1) * DECODE_S_PER_TOKEN
+    )
+    assert details["aggregate"]["rounds_wall_s"] == pytest.approx([round_s, round_s])
+    assert sum(parts.values()) == pytest.approx(details["workload_s"])
+    assert result.prefill_tok_s == pytest.approx(1 / PREFILL_S_PER_TOKEN)
     # chunks held back and sent in one burst do not make decode look faster than it is
-    assert 0.6 < result.decode_tok_s * DECODE_S_PER_TOKEN < 1.15
-    assert 0.5 < result.aggregate_tok_s * DECODE_S_PER_TOKEN / 4 < 1.15
+    assert result.decode_tok_s == pytest.approx(1 / DECODE_S_PER_TOKEN)
+    assert result.aggregate_tok_s == pytest.approx(SPEC.clients * SPEC.aggregate_tokens / round_s)
     assert len(result.details["aggregate"]["rounds_tok_s"]) == 2
 
 
-def test_every_trial_sends_the_same_text_behind_a_fresh_first_line(serve) -> None:
-    fake = FakeServer()
-    client = EngineClient(serve(fake), timeout_s=30)
+def test_every_trial_sends_the_same_text_behind_a_fresh_first_line() -> None:
+    fake = FakeEngine()
+    client = fake.client()
     spec = WorkloadSpec(prefill_tokens=64, prefill_requests=1, decode_requests=2, decode_tokens=2)
     for _trial in range(2):
         Workload(spec).run(client, CONTEXT, 4.0)
@@ -175,10 +203,10 @@ def test_every_trial_sends_the_same_text_behind_a_fresh_first_line(serve) -> Non
         ({"prefill_stream_min_tokens": 6, "prefill_chunk_tokens": 2}, 2),
     ],
 )
-def test_the_warm_up_is_one_short_request(serve, config: dict, tokens: int) -> None:
+def test_the_warm_up_is_one_short_request(config: dict, tokens: int) -> None:
     # long enough for the engine's streamed prefill path, never more than one prefill chunk
-    fake = FakeServer()
-    client = EngineClient(serve(fake), timeout_s=30)
+    fake = FakeEngine()
+    client = fake.client()
     Workload(WorkloadSpec(prefill_tokens=1024, prefill_chars=4096)).warm_up(client, config)
     assert len(fake.prompts) == 1 and fake.max_tokens == [WARMUP_GENERATED_TOKENS]
     assert len(fake.prompts[0]) // CHARS_PER_TOKEN == tokens
@@ -209,27 +237,27 @@ def run_sized(client: EngineClient, spec: WorkloadSpec) -> float:
     return sized.run(client, CONTEXT, sized.warm_up(client, {})).details["workload_s"]
 
 
-def test_a_workload_sized_to_a_duration_lasts_about_that_long(serve) -> None:
+def test_a_workload_sized_to_a_duration_lasts_about_that_long() -> None:
     specs = {}
     for speed in (1.0, 4.0):
-        client = EngineClient(serve(FakeServer(speed=speed)), timeout_s=30)
+        client = FakeEngine(speed=speed).client()
         calibration = calibration_trial(client, MINIMUM)
         sizing = size_workload(MINIMUM, calibration, TARGET_S)
         assert sizing.measured_s < TARGET_S / 2
         assert sizing.expected_s == pytest.approx(TARGET_S, rel=0.15)
-        # a busy test machine only makes it longer: tight below, loose above
-        assert 0.8 * TARGET_S < run_sized(client, sizing.spec) < 1.5 * TARGET_S, sizing
+        # a later trial's workload lasts what the sizing expected
+        assert run_sized(client, sizing.spec) == pytest.approx(sizing.expected_s), sizing
         specs[speed] = sizing.spec
     slow, fast = specs[1.0], specs[4.0]
     assert fast.decode_tokens * fast.decode_requests > 2 * slow.decode_tokens * slow.decode_requests
     assert fast.prefill_requests > slow.prefill_requests >= MINIMUM.prefill_requests
 
 
-def test_a_cold_server_with_per_request_costs_is_sized_from_the_warm_stage(serve) -> None:
+def test_a_cold_server_with_per_request_costs_is_sized_from_the_warm_stage() -> None:
     # as on an H200: the first requests compile kernels (the warm-up does not reach them all),
     # and every request costs a time that does not grow with its tokens
-    fake = FakeServer(speed=4.0, request_s=0.02, cold_requests=3, cold_s=0.3)
-    client = EngineClient(serve(fake), timeout_s=30)
+    fake = FakeEngine(speed=4.0, request_s=0.02, cold_requests=3, cold_s=0.3)
+    client = fake.client()
     calibration = calibration_trial(client, MINIMUM)
     sizing = size_workload(MINIMUM, calibration, TARGET_S)
     # the first estimate lasted under half the target: a second estimate ran before the sizing
@@ -240,9 +268,10 @@ def test_a_cold_server_with_per_request_costs_is_sized_from_the_warm_stage(serve
     assert alone.expected_s == pytest.approx(TARGET_S, rel=0.15)
     assert first["workload"] == alone.spec.to_json()
     assert first["workload_s"] < TARGET_S / 2, sizing.reason
-    assert 0.85 * TARGET_S < second["workload_s"] < 1.5 * TARGET_S, sizing.reason
-    # sized from that warm stage, a later trial lasts the target (a busy machine only adds)
-    assert 0.85 * TARGET_S < run_sized(client, sizing.spec) < 1.5 * TARGET_S, sizing.reason
+    assert second["workload_s"] == pytest.approx(TARGET_S, rel=0.15), sizing.reason
+    # sized from that warm stage, a later trial lasts the target, as the sizing expected
+    assert sizing.expected_s == pytest.approx(TARGET_S, rel=0.15), sizing.reason
+    assert run_sized(client, sizing.spec) == pytest.approx(sizing.expected_s), sizing.reason
 
 
 def uneven_tokens(text: str) -> int:
@@ -252,11 +281,11 @@ def uneven_tokens(text: str) -> int:
     return ascii_chars // 6 + len(text) - ascii_chars
 
 
-def test_the_long_prompt_is_cut_to_the_engines_count_of_tokens(serve) -> None:
+def test_the_long_prompt_is_cut_to_the_engines_count_of_tokens() -> None:
     # the warm-up's short prompt is no guide to the long one's density: the calibration trial
     # corrects each cut by the engine's count of the ones before it
-    fake = FakeServer(tokens_of=uneven_tokens)
-    client = EngineClient(serve(fake), timeout_s=30)
+    fake = FakeEngine(tokens_of=uneven_tokens)
+    client = fake.client()
     minimum = replace(MINIMUM, prefill_tokens=1000, prefill_requests=3)
     calibration = calibration_trial(client, minimum)
     counts = calibration.details["stages"][0]["prefill_prompt_tokens"]
@@ -271,8 +300,8 @@ def test_the_long_prompt_is_cut_to_the_engines_count_of_tokens(serve) -> None:
     assert sent[0] == sent[1]
 
 
-def test_a_context_is_proven_by_a_prompt_of_95_percent_of_it(serve) -> None:
-    client = EngineClient(serve(FakeServer()), timeout_s=30)
+def test_a_context_is_proven_by_a_prompt_of_95_percent_of_it() -> None:
+    client = FakeEngine().client()
     # start from a wrong guess of characters per token: the engine's count corrects it
     proof = Workload(SPEC).prove_context(client, CONTEXT, chars_per_token=2.5)
     assert proof.ok, proof
@@ -289,10 +318,10 @@ def dense_tail_tokens(text: str) -> int:
     return thin // 6 + 3 * (len(text) - thin)
 
 
-def test_a_context_is_proven_where_the_density_jumps_inside_the_window(serve) -> None:
+def test_a_context_is_proven_where_the_density_jumps_inside_the_window() -> None:
     # 2,850-2,999 tokens is a span of only 50 characters here: a guess from the average density
     # overshoots past the context and back below the window, and must close in instead
-    client = EngineClient(serve(FakeServer(tokens_of=dense_tail_tokens)), timeout_s=30)
+    client = FakeEngine(tokens_of=dense_tail_tokens).client()
     for guess in (6.0, 5.0, 8.0, 1.5):  # 1.5: the first prompt a quarter of the aim
         proof = Workload(SPEC).prove_context(client, CONTEXT, chars_per_token=guess)
         assert proof.ok, (guess, proof)
