@@ -386,13 +386,12 @@ def test_client_disconnect_mid_stream_frees_kv(server):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
-    deadline = time.time() + 20
-    while time.time() < deadline:
+
+    def freed() -> bool:
         stats = httpx.get(server.base_url + "/v1/stats").json()
-        if stats["kv"]["tokens_used"] == 0 and stats["requests"]["running"] == 0:
-            break
-        time.sleep(0.2)
-    assert stats["kv"]["tokens_used"] == 0 and stats["requests"]["running"] == 0
+        return stats["kv"]["tokens_used"] == 0 and stats["requests"]["running"] == 0
+
+    _until(freed, "the request to end and free its KV")
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
@@ -518,36 +517,78 @@ def test_a_cross_site_page_cannot_resize_the_cache_nor_reach_the_engine_by_anoth
     assert _post(server, "/v1/completions", body, headers={"Host": f"localhost:{port}"}).is_success
 
 
+def _until(check, what: str, timeout_s: float = 60.0):
+    """Polls `check()` until it returns something truthy, and returns that; fails naming `what`
+    after timeout_s, which only a hung engine reaches (each wait is for something it reports)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _first_token(response: httpx.Response):
+    """A streamed completion's lines after its first token (so the request is running). Keep
+    them while the request should run: dropped, they close the stream, which cancels it."""
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    next(line for line in lines if line.startswith("data: "))
+    return lines
+
+
 def test_queue_overflow_gets_429_with_a_retry_hint(model, tmp_path):
+    """With one request running and one queued, a third is refused: here the first is a stream
+    whose first token has come and which runs for thousands of tokens more, and the second is
+    queued behind it once the engine says so."""
     engine = serve(model, tmp_path, "--max-running-requests", "1", "--max-queued-requests", "1")
+    url = engine.base_url
+    long = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    short = {"prompt": "x", "max_tokens": 4, "ignore_eos": True}
     try:
-        body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True}
-        with concurrent.futures.ThreadPoolExecutor(5) as pool:
-            replies = list(pool.map(lambda _: _post(engine, "/v1/completions", body), range(5)))
-        codes = sorted(r.status_code for r in replies)
-        assert codes.count(200) >= 2 and 429 in codes
-        rejected = next(r for r in replies if r.status_code == 429)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as running:
+                lines = _first_token(running)
+                queued = pool.submit(_post, engine, "/v1/completions", short)
+                _until(
+                    lambda: httpx.get(url + "/v1/stats").json()["requests"]["queued"] == 1,
+                    "the second request to be queued",
+                )
+                rejected = _post(engine, "/v1/completions", short)
+                lines.close()  # the first request is cancelled: the queued one runs
+            assert queued.result(timeout=60).status_code == 200
+        assert rejected.status_code == 429
         assert rejected.headers["retry-after"] and rejected.json()["error"]["code"] == "queue_full"
     finally:
         stop_engine(engine)
 
 
 def test_sigterm_drains_running_requests_then_exits(model, tmp_path):
+    """A request running when SIGTERM comes (a stream whose first token has come) is finished,
+    a request after the engine says it drains is refused (503, or the listener is already
+    closed), and the process exits 0."""
     engine = serve(model, tmp_path)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(
-            _post, engine, "/v1/completions", {"prompt": "x", "max_tokens": 300, "ignore_eos": True}
-        )
-        time.sleep(1.0)
+    body = {"prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+    def draining() -> bool:
+        try:
+            return httpx.get(engine.base_url + "/health", timeout=10).json()["draining"]
+        except httpx.TransportError:
+            return True  # the listener is closed: as refusing
+
+    with httpx.stream("POST", engine.base_url + "/v1/completions", json=body, timeout=60) as r:
+        lines = _first_token(r)
         engine.popen.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        _until(draining, "the engine to say it drains")
         try:
             late = _post(engine, "/v1/completions", {"prompt": "x", "max_tokens": 2})
-            assert late.status_code == 503
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
         except httpx.TransportError:
             pass  # the listener may already be closed: also a refusal
-        reply = running.result(timeout=60)
-    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 300
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 300
     assert engine.popen.wait(timeout=30) == 0
     # the process ends without the interpreter's teardown, its log written to the end
     log = Path(engine.log_path).read_text()
