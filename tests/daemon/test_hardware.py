@@ -154,9 +154,11 @@ FAKE_BENCH = """
 import json, sys
 for line in ("measuring host-to-device", "measuring CPU experts with 1 thread"):
     print(line, file=sys.stderr, flush=True)
-if "--slow" in sys.argv:
-    import time
-    time.sleep(3)
+if "--hold" in sys.argv:  # until the test creates the file named next
+    import pathlib, time
+    release = pathlib.Path(sys.argv[sys.argv.index("--hold") + 1])
+    while not release.exists():
+        time.sleep(0.01)
 if "--fail" in sys.argv:
     print("boom: no memory", file=sys.stderr)
     sys.exit(3)
@@ -282,8 +284,10 @@ def test_one_measurement_at_a_time(fake_moelab: Path, tmp_path: Path) -> None:
     store = Store(tmp_path / "mgr.sqlite3")
     jobs = Jobs()
     service = HardwareService(store, jobs)
-    first, new = service.start_measure([], ["--slow"])
+    release = tmp_path / "release"
+    first, new = service.start_measure([], ["--hold", str(release)])
     second, second_new = service.start_measure([], [])
     assert new and not second_new and second is first
+    release.touch()
     assert jobs.wait(first, 60) and first.status == "done"
     store.close()
