@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import common
+from ..kernels import common, no_triton
 from ..kernels.native_build import NativeKernelError, load_native
 from .args import physical_cores
 from .bank import build_in_memory, load_bank
@@ -48,10 +48,13 @@ log = logging.getLogger("moelab.engine")
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: this machine has no CUDA device; use --device cpu")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(name)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this machine has no CUDA device; use --device cpu")
+    if device.type == "cuda" and not common.HAVE_TRITON:
+        raise ValueError(f"--device {name} (CUDA): {no_triton.MISSING}")
     return device
 
 

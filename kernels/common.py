@@ -1,5 +1,7 @@
 """Helpers shared by the Triton kernels: dtype mapping, buffer allocation, argument checks, and
-programmatic dependent launch, and the count of compiled kernels."""
+programmatic dependent launch, and the count of compiled kernels. The kernel modules take Triton
+from here: where it is not installed (a CPU-only install), its stand-in `no_triton`, whose kernels
+say so when launched (HAVE_TRITON is False)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,23 @@ import sys
 from collections.abc import Iterable
 
 import torch
-import triton
-import triton.language as tl
-from triton.runtime.jit import JITFunction
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+except ImportError:  # a CPU-only install: the engine runs the kernels' torch references
+    from . import no_triton as triton
+
+    tl = triton.language
+    JITFunction = triton.JITFunction
+    HAVE_TRITON = False
+else:
+    HAVE_TRITON = True
 
 try:  # the GPU machine's triton 3.6 and CI's 3.9 have it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older triton: programmatic dependent launch stays off
+except ImportError:  # pragma: no cover - older triton, or none: programmatic dependent launch off
     gdc_launch_dependents = gdc_wait = None
 
 _TL_DTYPES = {

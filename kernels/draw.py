@@ -13,10 +13,9 @@ Ties go to the lowest token id, as torch.argmax's.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import common
+from .common import tl, triton
 
 MASK32 = 0xFFFFFFFF
 # the Triton kernel: token ids per program, and per loop step of a program

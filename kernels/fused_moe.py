@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from . import common, fused_moe_one_token
+from .common import tl, triton
 from .fused_moe_one_token import OneTokenMoEConfig, choose_one_token_config
 
 # Tokens one program handles at once; larger batches are split into chunks of this many tokens.

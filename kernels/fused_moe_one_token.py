@@ -14,10 +14,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from . import common, gemv
+from .common import tl, triton
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from . import common
+from .common import tl, triton
 
 # Largest batch the kernel takes: the tokens of one tl.dot tile. The engine calls it for decode
 # batches only; `linear` sends larger inputs to F.linear.

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from . import common
+from .common import tl, triton
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,10 +48,9 @@ import time
 from collections.abc import Sequence
 
 import torch
-import triton
-import triton.language as tl
 
 from . import common
+from .common import tl, triton
 from .rmsnorm import add_residual, fused_add_rmsnorm_ref, norm_row, row_warps
 
 DONE, EXPECTED, TIMED_OUT = 0, 8, 16  # int64 indices: 64 bytes apart

@@ -13,10 +13,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from . import common
+from .common import tl, triton
 
 _LOG2E = 1.4426950408889634
 # Partial results merged per step of the merge loop: few steps, since each waits on its loads.

@@ -11,10 +11,9 @@ done in two launches of its own (a sum and a cast) per layer of every decode ste
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import common
+from .common import tl, triton
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,11 +17,9 @@ replaces, so the engine's greedy tokens stay those of Hugging Face:
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import common
-from .common import round_to
+from .common import round_to, tl, triton
 from .rmsnorm import rmsnorm_ref
 
 # torch's CUDA reduction (ATen/native/cuda/Reduce.cuh, torch 2.11): at most 512 threads per block;

@@ -16,11 +16,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from . import common, host_handoff
-from .common import round_to
+from .common import round_to, tl, triton
 from .router import check_k_and_ids_out, topk_softmax_ref
 
 # Most tokens `route` takes: a decode step's batch; the last program routes them all at once.

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from . import common, host_handoff
+from .common import tl, triton
 from .route import logits_block
 
 # Most tokens a guess takes (a decode batch), and experts per program.

@@ -7,10 +7,9 @@ router in one launch.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import common
+from .common import tl, triton
 
 
 def topk_softmax_ref(

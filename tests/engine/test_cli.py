@@ -133,6 +133,52 @@ def test_errors_are_messages_not_tracebacks(tmp_path):
     assert r.returncode == 2 and "use auto, gpu, cpu or split:F" in r.stderr
 
 
+# `moelab` in an interpreter where Triton cannot be imported, as on a CPU-only install
+WITHOUT_TRITON = (
+    "import sys; sys.modules['triton'] = None; "
+    "from moelab.engine.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def test_a_cpu_only_install_without_triton_generates_the_same_tokens(tmp_path):
+    """Triton comes with PyTorch's CUDA builds, not its CPU build, and moelab does not require
+    it: on the CPU the engine runs each kernel's torch reference, so it generates without Triton,
+    and the same tokens."""
+    out = tmp_path / "demo"
+    moelab("synth", "--out", str(out), "--preset", "tiny", "--routing-skew", "1.0")
+    flags = ["--model-path", str(out), "--bank-dir", str(tmp_path / "bank"), "--device", "cpu",
+             "--prompt", "The harbour town", "--max-tokens", "8", "--json"]  # fmt: skip
+    without = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TRITON, "generate", *flags],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert without.returncode == 0, without.stderr
+    assert "Traceback" not in without.stderr
+    assert json.loads(without.stdout) == json.loads(moelab("generate", *flags).stdout)
+
+
+def test_cuda_without_triton_says_what_to_install(monkeypatch):
+    """On a CUDA machine whose torch brought no Triton, the engine refuses the CUDA device with
+    what to install, or to use the CPU; a GPU kernel launched all the same says the same."""
+    from moelab.engine import engine as engine_module
+    from moelab.kernels import no_triton
+
+    monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module.common, "HAVE_TRITON", False)
+    for device in ("cuda", "auto"):
+        with pytest.raises(ValueError, match="Triton is not installed") as refused:
+            engine_module.resolve_device(device)
+        assert "PyTorch's CUDA build" in str(refused.value) and "--device cpu" in str(refused.value)
+    assert engine_module.resolve_device("cpu").type == "cpu"
+
+    @no_triton.jit
+    def _kernel(x_ptr):
+        pass
+
+    with pytest.raises(no_triton.TritonMissing, match="_kernel: Triton is not installed"):
+        _kernel[(1,)](0)
+
+
 def test_while_loading_the_api_answers_503_and_health_reports_progress():
     args = build_parser().parse_args(["--model-path", "/nowhere/tiny"])
     loading = LoadProgress()
