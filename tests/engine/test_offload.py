@@ -309,7 +309,9 @@ def test_the_auto_split_follows_the_cpu_rate_decode_sees(tmp_path, monkeypatch):
         for engine in engines.values():
             engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
         auto, fixed = engines["auto"].moe, engines["split:0.5"].moe
-        assert auto.cpu_times.jobs >= 8
+        # a window of jobs at least (how many more the moved split leaves the CPU is the
+        # machine's)
+        assert auto.cpu_times.jobs >= moe_module.ADAPT_EVERY_JOBS
         # the start-up rates were 10 and 10 GB/s; the workers' own timing moved Bh, and the
         # fraction fetched follows it
         assert auto.policy.bh_gbps != 10.0 and auto.policy.bp_gbps == 10.0
