@@ -90,30 +90,39 @@ double read_sum(Pool& pool, uintptr_t data, int64_t n) {
 
 class GateJob final : public Job {
  public:
-  GateJob(int64_t* gate, std::chrono::nanoseconds limit) : gate_(gate), limit_(limit) {
+  GateJob(int64_t* gate, std::chrono::nanoseconds limit, bool redoable)
+      : gate_(gate), limit_(limit) {
     set_num_tasks(1);
+    set_redoable(redoable);
   }
 
  protected:
+  // The run that began first waits at the gate; a run of it again (redoable: another worker
+  // took it for stalled) passes.
   bool run_task(int64_t i) override {
-    const bool opened =
-        spin_until([this] { return __atomic_load_n(gate_, __ATOMIC_ACQUIRE) != 0; }, limit_);
-    if (!opened) __atomic_store_n(gate_, -1, __ATOMIC_RELEASE);
+    if (runs_.fetch_add(1, std::memory_order_relaxed) == 0) {
+      const bool opened =
+          spin_until([this] { return __atomic_load_n(gate_, __ATOMIC_ACQUIRE) != 0; }, limit_);
+      if (!opened) __atomic_store_n(gate_, -1, __ATOMIC_RELEASE);
+    }
     return commit(i);
   }
 
  private:
   int64_t* gate_;
   const std::chrono::nanoseconds limit_;
+  std::atomic<int> runs_{0};
 };
 
 // Queues a gate on the pool: the jobs queued behind it start only once the caller writes a
 // value other than 0 at `gate`, so that a test decides when they run instead of racing them.
 // After limit_s the gate gives up and writes -1 there (what the test waited for never came).
-std::shared_ptr<Job> submit_gate(Pool& pool, uintptr_t gate, double limit_s) {
+// redoable: an idle worker may run the held task again (Pool::redo_us), which passes, so that
+// the job ends while its first run is still held: a stalled task, made by the test.
+std::shared_ptr<Job> submit_gate(Pool& pool, uintptr_t gate, double limit_s, bool redoable) {
   if (!(limit_s > 0)) throw std::invalid_argument("a gate needs a limit of more than 0 s");
   const auto limit = std::chrono::nanoseconds(int64_t(limit_s * 1e9));
-  auto job = std::make_shared<GateJob>(reinterpret_cast<int64_t*>(gate), limit);
+  auto job = std::make_shared<GateJob>(reinterpret_cast<int64_t*>(gate), limit, redoable);
   pool.push(job);
   return job;
 }

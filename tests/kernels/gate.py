@@ -22,7 +22,7 @@ class Gate:
         if runner.kernel == "native":
             # a worker takes one gate's one task and stays in it: one gate for each worker
             for _ in range(runner.num_threads):
-                runner._module.submit_gate(runner._pool, self._word.data_ptr(), limit_s)
+                runner._module.submit_gate(runner._pool, self._word.data_ptr(), limit_s, False)
         else:
 
             def hold() -> None:
