@@ -20,6 +20,7 @@ from typing import Any
 
 from ..engine.args import physical_cores
 from ..engine.spec import CheckpointError, ModelSpec
+from ..engine.text import Text
 from .flagset import Change, apply_change, effective_value
 from .journal import Journal, StoredTrial
 from .modes import MODES
@@ -57,12 +58,12 @@ class PrintJournal(Journal):
         else:
             print(f"  failed ({r.failure}): {r.error}", flush=True)
 
-    def set_verdict(self, n: int, verdict: str, reason: str) -> None:
+    def set_verdict(self, n: int, verdict: str, reason: Text) -> None:
         old = self.trials[n]
         self.trials[n] = StoredTrial(n, old.request, old.result, verdict, reason)
         print(f"  trial {n}: {verdict}: {reason}", flush=True)
 
-    def save_event(self, kind: str, message: str, data: dict[str, Any]) -> None:
+    def save_event(self, kind: str, message: Text, data: dict[str, Any]) -> None:
         print(f"{kind}: {message}", flush=True)
 
     def forget_from(self, n: int) -> None:

@@ -12,6 +12,7 @@ from functools import cache
 from typing import Any
 
 from ..engine.args import describe_flags
+from ..engine.text import Text
 
 ChangeValue = str | bool | None
 
@@ -48,13 +49,15 @@ class Change:
         return f"{self.flag}={self.value}"
 
     @property
-    def label(self) -> str:
+    def label(self) -> Text:
         """How the change reads in the console and in notes."""
         if self.value is None:
-            return f"drop {self.flag}"
+            return Text("drop {flag}", flag=self.flag)
         if isinstance(self.value, bool):
-            return f"{self.flag} {'on' if self.value else 'off'}"
-        return f"{self.flag} {self.value}"
+            if self.value:
+                return Text("{flag} on", flag=self.flag)
+            return Text("{flag} off", flag=self.flag)
+        return Text("{flag} {value}", flag=self.flag, value=self.value)
 
     def to_json(self) -> dict[str, Any]:
         return {"flag": self.flag, "value": self.value}

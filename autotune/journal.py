@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.text import Text
 from .flagset import same_flags
 from .trial import Cancelled, TrialRequest, TrialResult
 
@@ -36,7 +37,7 @@ class StoredTrial:
     request: TrialRequest
     result: TrialResult
     verdict: str
-    reason: str = ""
+    reason: Text | str = ""
 
 
 class Journal(ABC):
@@ -54,7 +55,7 @@ class Journal(ABC):
     ) -> None:
         self.runner = runner
         self.stored = sorted(stored or [], key=lambda t: t.n)
-        self._said = set(stored_events or [])
+        self._said = {(kind, str(message)) for kind, message in stored_events or []}
         self.cancelled = cancelled
         self.next_n = 1
         self.replayed = 0
@@ -89,11 +90,11 @@ class Journal(ABC):
         """Whether stored trials are still being handed back (no time passes between them)."""
         return bool(self.stored)
 
-    def event(self, kind: str, message: str, **data: Any) -> None:
-        """Record a line of the run's story, once."""
-        if (kind, message) in self._said:
+    def event(self, kind: str, message: Text, **data: Any) -> None:
+        """Record a line of the run's story, once (stored events are known by their English)."""
+        if (kind, str(message)) in self._said:
             return
-        self._said.add((kind, message))
+        self._said.add((kind, str(message)))
         self.save_event(kind, message, data)
 
     # ---- what subclasses keep ---------------------------------------------------------------
@@ -107,11 +108,11 @@ class Journal(ABC):
         """Store a trial that just ran, with its provisional verdict."""
 
     @abstractmethod
-    def set_verdict(self, n: int, verdict: str, reason: str) -> None:
+    def set_verdict(self, n: int, verdict: str, reason: Text) -> None:
         """Store trial n's final verdict and the measured reason for it."""
 
     @abstractmethod
-    def save_event(self, kind: str, message: str, data: dict[str, Any]) -> None:
+    def save_event(self, kind: str, message: Text, data: dict[str, Any]) -> None:
         """Store a line of the run's story."""
 
     @abstractmethod

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..engine.text import Text
 from .workload import WorkloadSpec
+
+# each mode's name as a word inside sentences (plan reasons, events)
+MODE_NAMES = {"quick": Text("quick"), "standard": Text("standard"), "thorough": Text("thorough")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,4 +112,6 @@ def mode_named(name: str) -> Mode:
     try:
         return MODES[name]
     except KeyError:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {name!r}") from None
+        raise ValueError(
+            Text("mode must be one of {choices}, not {name!r}", choices=", ".join(MODES), name=name)
+        ) from None

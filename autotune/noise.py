@@ -13,10 +13,16 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..engine.text import Text
 from .trial import TrialResult
 
 OBJECTIVES = ("decode", "prefill", "both", "aggregate")
 FIGURES = ("prefill", "decode", "aggregate")
+FIGURE_NAMES = {
+    "prefill": Text("prefill"),
+    "decode": Text("decode"),
+    "aggregate": Text("aggregate"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,17 +72,24 @@ class Objective:
 
     def __post_init__(self) -> None:
         if self.name not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, not {self.name!r}")
+            raise ValueError(
+                Text(
+                    "objective must be one of {choices}, not {name!r}",
+                    choices=", ".join(OBJECTIVES),
+                    name=self.name,
+                )
+            )
         if self.name == "aggregate" and self.clients < 2:
-            raise ValueError("the aggregate objective needs at least 2 concurrent clients")
+            raise ValueError(Text("the aggregate objective needs at least 2 concurrent clients"))
 
     @property
-    def label(self) -> str:
+    def label(self) -> Text:
+        if self.name == "aggregate":
+            return Text("aggregate tok/s with {clients} clients", clients=self.clients)
         return {
-            "decode": "decode tok/s",
-            "prefill": "prefill tok/s",
-            "both": "prefill x decode (geometric mean)",
-            "aggregate": f"aggregate tok/s with {self.clients} clients",
+            "decode": Text("decode tok/s"),
+            "prefill": Text("prefill tok/s"),
+            "both": Text("prefill x decode (geometric mean)"),
         }[self.name]
 
     def score(self, figures: Figures) -> float | None:
@@ -135,7 +148,7 @@ class Judgement:
 
     beats: bool
     gain: float  # relative change of the objective
-    reason: str
+    reason: Text
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +169,7 @@ class NoiseRule:
             0 <= self.min_gain < 1 and self.spread_factor >= 0 and 0 <= self.side_tolerance < 1
         ):
             raise ValueError(
-                "min_gain and side_tolerance are shares in [0, 1); spread_factor is 0 or more"
+                Text("min_gain and side_tolerance are shares in [0, 1); spread_factor is 0 or more")
             )
 
     def threshold(self, spreads: Spreads) -> float:
@@ -179,23 +192,40 @@ class NoiseRule:
         threshold = self.threshold(spreads)
         new, old = objective.score(candidate), objective.score(incumbent)
         if new is None or not old:
-            return Judgement(False, 0.0, f"no {objective.label} was measured")
+            return Judgement(False, 0.0, Text("no {figure} was measured", figure=objective.label))
         gain = new / old - 1.0
-        head = f"{objective.label} {new:,.1f} against {old:,.1f}"
+        head = Text(
+            "{figure} {new:,.1f} against {old:,.1f}", figure=objective.label, new=new, old=old
+        )
         if gain < -threshold:
-            return Judgement(False, gain, f"{head}: slower by {-gain:.1%}")
+            return Judgement(
+                False, gain, Text("{head}: slower by {loss:.1%}", head=head, loss=-gain)
+            )
         if gain <= threshold:
             return Judgement(
                 False,
                 gain,
-                f"{head}: within the noise ({gain:+.1%}; a change must gain more than "
-                f"{threshold:.1%})",
+                Text(
+                    "{head}: within the noise ({gain:+.1%}; a change must gain more than "
+                    "{threshold:.1%})",
+                    head=head,
+                    gain=gain,
+                    threshold=threshold,
+                ),
             )
-        faster = f"{head}: faster by {gain:.1%}"
+        faster = Text("{head}: faster by {gain:.1%}", head=head, gain=gain)
         cost = self._cost(objective.side_figures, candidate, incumbent, spreads) if sides else None
         if cost:
-            return Judgement(False, gain, f"{faster}, but {cost}")
-        return Judgement(True, gain, f"{faster}, more than the {threshold:.1%} noise threshold")
+            return Judgement(False, gain, Text("{faster}, but {cost}", faster=faster, cost=cost))
+        return Judgement(
+            True,
+            gain,
+            Text(
+                "{faster}, more than the {threshold:.1%} noise threshold",
+                faster=faster,
+                threshold=threshold,
+            ),
+        )
 
     def holds(
         self, objective: Objective, candidate: Figures, incumbent: Figures, spreads: Spreads
@@ -207,12 +237,18 @@ class NoiseRule:
         if cost:
             return Judgement(False, gain, cost)
         return Judgement(
-            True, gain, f"speed holds ({objective.label} {gain:+.1%}, within the noise)"
+            True,
+            gain,
+            Text(
+                "speed holds ({figure} {gain:+.1%}, within the noise)",
+                figure=objective.label,
+                gain=gain,
+            ),
         )
 
     def _cost(
         self, names: Sequence[str], candidate: Figures, incumbent: Figures, spreads: Spreads
-    ) -> str | None:
+    ) -> Text | None:
         """Words for the first figure that got worse by more than allowed, else None."""
         for name in names:
             new, old = candidate.get(name), incumbent.get(name)
@@ -221,8 +257,13 @@ class NoiseRule:
             cost = 1.0 - new / old
             allowed = self.allowed_cost(name, spreads)
             if cost > allowed:
-                return (
-                    f"{name} is slower by {cost:.1%} ({new:,.1f} against {old:,.1f} tok/s; at "
-                    f"most {allowed:.1%} is allowed)"
+                return Text(
+                    "{figure} is slower by {cost:.1%} ({new:,.1f} against {old:,.1f} tok/s; at "
+                    "most {allowed:.1%} is allowed)",
+                    figure=FIGURE_NAMES[name],
+                    cost=cost,
+                    new=new,
+                    old=old,
+                    allowed=allowed,
                 )
         return None

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.args import TUNABLE, Tunable
+from ..engine.text import Text, text_fields, text_of
 from .flagset import Change, effective_value, flag_info, has_flag, split_flags
-from .modes import Mode
-from .noise import Objective
+from .modes import MODE_NAMES, Mode
+from .noise import FIGURE_NAMES, Objective
 
 CACHE_SHARES = ("1.0", "0.75", "0.5", "0.25")
 # the figure a flag can move, where that is narrower than all of them
@@ -31,14 +32,16 @@ FIGURE_OF_FLAG = {
 }
 # flags that do nothing where the engine runs on the CPU, and why
 GPU_ONLY = {
-    "--no-cuda-graph": "CUDA graphs do not apply",
-    "--cuda-graph-max-bs": "CUDA graphs do not apply",
-    "--no-overlap-decode": "CUDA graphs do not apply (overlapped decode replays whole steps)",
+    "--no-cuda-graph": Text("CUDA graphs do not apply"),
+    "--cuda-graph-max-bs": Text("CUDA graphs do not apply"),
+    "--no-overlap-decode": Text("CUDA graphs do not apply (overlapped decode replays whole steps)"),
     # the guesses the prefetch and the copy ahead work from come from one-token pieces' graphs
-    "--moe-cpu-prefetch-rounds": "CUDA graphs do not apply (it works from their guesses)",
-    "--moe-copy-ahead": "CUDA graphs do not apply (it works from their guesses)",
-    "--no-split-misses": "a miss is split between a copy to the GPU and the CPU: there is no GPU",
-    "--no-prefill-overlap": "the next layer's copy can run beside the compute only on a GPU",
+    "--moe-cpu-prefetch-rounds": Text("CUDA graphs do not apply (it works from their guesses)"),
+    "--moe-copy-ahead": Text("CUDA graphs do not apply (it works from their guesses)"),
+    "--no-split-misses": Text(
+        "a miss is split between a copy to the GPU and the CPU: there is no GPU"
+    ),
+    "--no-prefill-overlap": Text("the next layer's copy can run beside the compute only on a GPU"),
 }
 # values that do nothing where the engine runs on the CPU: a fetched miss is only copied within RAM
 GPU_ONLY_VALUES = {"--moe-miss-policy": ("gpu", "split:")}
@@ -67,15 +70,20 @@ class Candidate:
     """One change to try against the best flags so far; `walk` marks a step of an ordered walk."""
 
     change: Change
-    why: str
+    why: Text | str
     walk: str | None = None  # "up" or "down"
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.change.to_json(), "key": self.change.key, "why": self.why, "walk": self.walk}
+        return {
+            **self.change.to_json(),
+            "key": self.change.key,
+            **text_fields("why", self.why),
+            "walk": self.walk,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Candidate:
-        return cls(Change.from_json(data), str(data.get("why", "")), data.get("walk"))
+        return cls(Change.from_json(data), text_of(data, "why"), data.get("walk"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +92,14 @@ class Skipped:
 
     flag: str
     value: str | bool | None
-    why: str
+    why: Text | str
 
     def to_json(self) -> dict[str, Any]:
-        return {"flag": self.flag, "value": self.value, "why": self.why}
+        return {"flag": self.flag, "value": self.value, **text_fields("why", self.why)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Skipped:
-        return cls(str(data["flag"]), data.get("value"), str(data["why"]))
+        return cls(str(data["flag"]), data.get("value"), text_of(data, "why"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,10 +166,12 @@ class _Planner:
         device = effective_value(self.base, "--device")
         return self.machine.gpus == 0 or device == "cpu"
 
-    def skip(self, flag: str, value: str | bool | None, why: str) -> None:
+    def skip(self, flag: str, value: str | bool | None, why: Text) -> None:
         self.skipped.append(Skipped(flag, value, why))
 
-    def add(self, flag: str, value: str | bool | None, why: str, walk: str | None = None) -> None:
+    def add(
+        self, flag: str, value: str | bool | None, why: Text | str, walk: str | None = None
+    ) -> None:
         self.candidates.append(Candidate(Change(flag, value), why, walk))
 
     def objective_figures(self) -> set[str]:
@@ -175,22 +185,30 @@ class _Planner:
     def plan(self, tunable: tuple[Tunable, ...], only: frozenset[str] | None) -> None:
         for t in tunable:
             if only is not None and t.flag not in only:
-                self.skip(t.flag, None, "not among the flags this run was asked to tune")
+                self.skip(t.flag, None, Text("not among the flags this run was asked to tune"))
                 continue
             if flag_info(t.flag) is None:
-                self.skip(t.flag, None, "the engine's parser does not know this flag")
+                self.skip(t.flag, None, Text("the engine's parser does not know this flag"))
                 continue
             if t.flag in GPU_ONLY and self.on_cpu:
-                self.skip(t.flag, None, f"the engine runs on the CPU here: {GPU_ONLY[t.flag]}")
+                self.skip(
+                    t.flag,
+                    None,
+                    Text("the engine runs on the CPU here: {why}", why=GPU_ONLY[t.flag]),
+                )
                 continue
             if t.flag == "--moe-cpu-pin" and self.machine.physical_cores < 2:
                 self.skip(
-                    t.flag, None, "one physical core: the workers cannot have cores of their own"
+                    t.flag,
+                    None,
+                    Text("one physical core: the workers cannot have cores of their own"),
                 )
                 continue
             figure = FIGURE_OF_FLAG.get(t.flag)
             if t.flag == "--max-running-requests" and self.objective.name != "aggregate":
-                self.skip(t.flag, None, "only the aggregate objective runs requests side by side")
+                self.skip(
+                    t.flag, None, Text("only the aggregate objective runs requests side by side")
+                )
                 continue
             if (
                 figure is not None
@@ -200,13 +218,22 @@ class _Planner:
                 self.skip(
                     t.flag,
                     None,
-                    f"{self.mode.name} mode: it moves {figure} tok/s, not {self.objective.label}",
+                    Text(
+                        "{mode} mode: it moves {figure} tok/s, not {objective}",
+                        mode=MODE_NAMES[self.mode.name],
+                        figure=FIGURE_NAMES[figure],
+                        objective=self.objective.label,
+                    ),
                 )
                 continue
             self._drop_excluded(t)
             method = getattr(self, f"_{t.kind}", None)
             if method is None:
-                self.skip(t.flag, None, f"the benchmark cannot vary flags of kind {t.kind!r}")
+                self.skip(
+                    t.flag,
+                    None,
+                    Text("the benchmark cannot vary flags of kind {kind!r}", kind=t.kind),
+                )
                 continue
             method(t)
 
@@ -214,7 +241,7 @@ class _Planner:
         """A flag in the base that excludes this one: going back to its default comes first."""
         for other in flag_info(t.flag)["exclusive_with"]:
             if has_flag(self.base, other):
-                self.add(other, None, f"back to the engine's default ({t.why})")
+                self.add(other, None, Text("back to the engine's default ({why})", why=t.why))
 
     def _choice(self, t: Tunable) -> None:
         current = effective_value(self.base, t.flag)
@@ -238,7 +265,7 @@ class _Planner:
             if value in keep:
                 self.add(t.flag, value, t.why)
             else:
-                self.skip(t.flag, value, f"{self.mode.name} mode tries {len(keep)} values")
+                self.skip(t.flag, value, self._values_only(len(keep)))
 
     def _walk(self, t: Tunable, values: list[str], current: str) -> None:
         """Ordered values: upwards from the one in force, then downwards, one step at a time."""
@@ -255,35 +282,55 @@ class _Planner:
                 if reason:
                     self.skip(t.flag, text, reason)
                 elif limit is not None and i >= limit:
-                    self.skip(t.flag, text, f"{self.mode.name} mode walks {limit} steps each way")
+                    self.skip(
+                        t.flag,
+                        text,
+                        Text(
+                            "{mode} mode walks {steps} steps each way",
+                            mode=MODE_NAMES[self.mode.name],
+                            steps=limit,
+                        ),
+                    )
                 else:
                     self.add(t.flag, text, t.why, walk=direction)
 
-    def _inapplicable(self, flag: str, value: str) -> str | None:
+    def _values_only(self, count: int) -> Text:
+        return Text(
+            "{mode} mode tries {count} values", mode=MODE_NAMES[self.mode.name], count=count
+        )
+
+    def _inapplicable(self, flag: str, value: str) -> Text | None:
         """Why a value of an unordered choice cannot apply on this machine, else None."""
         if self.on_cpu and value.startswith(GPU_ONLY_VALUES.get(flag, ())):
-            return (
+            return Text(
                 "the engine runs on the CPU here: there is no GPU to fetch misses to (a fetch "
                 "would only copy the expert within RAM)"
             )
         return None
 
-    def _unusable(self, flag: str, value: float) -> str | None:
+    def _unusable(self, flag: str, value: float) -> Text | None:
         """Why a value of an ordered flag cannot be told apart or cannot run, else None."""
         if flag == "--prefill-chunk-tokens":
             prompt = self.mode.workload.prefill_tokens
             if self.model.max_context and value > self.model.max_context:
-                return f"longer than the model's context ({self.model.max_context} tokens)"
+                return Text(
+                    "longer than the model's context ({tokens} tokens)",
+                    tokens=self.model.max_context,
+                )
             if value >= prompt and _number(effective_value(self.base, flag) or 0) >= prompt:
-                return (
-                    f"the workload's long prompt is {prompt} tokens: chunks of {prompt} or more "
-                    "read it in one piece either way"
+                return Text(
+                    "the workload's long prompt is {tokens} tokens: chunks of {tokens} or more "
+                    "read it in one piece either way",
+                    tokens=prompt,
                 )
         if flag == "--moe-cpu-threads" and value > self.machine.physical_cores:
-            return f"more than the {self.machine.physical_cores} physical cores"
+            return Text("more than the {cores} physical cores", cores=self.machine.physical_cores)
         clients = self.objective.clients
         if flag == "--max-running-requests" and value > clients > 0:
-            return f"more than the workload's {clients} concurrent clients: the room is never used"
+            return Text(
+                "more than the workload's {clients} concurrent clients: the room is never used",
+                clients=clients,
+            )
         return None
 
     def _switch(self, t: Tunable) -> None:
@@ -309,7 +356,7 @@ class _Planner:
             limit = self.mode.values_per_flag
             for i, value in enumerate(values):
                 if limit is not None and i >= limit:
-                    self.skip(t.flag, value, f"{self.mode.name} mode tries {limit} values")
+                    self.skip(t.flag, value, self._values_only(limit))
                 else:
                     self.add(t.flag, value, t.why)
             return
@@ -325,7 +372,7 @@ class _Planner:
     def _tokens(self, t: Tunable) -> None:
         current = _number(effective_value(self.base, t.flag))
         if current is None:
-            self.skip(t.flag, None, "no value in force to walk from")
+            self.skip(t.flag, None, Text("no value in force to walk from"))
             return
         values = [current / 4, current / 2, current * 2, current * 4]
         self._walk(t, [_fmt(v) for v in values if v >= 1], _fmt(current))
@@ -357,7 +404,7 @@ def make_plan(
             planner.skip(
                 candidate.change.flag,
                 candidate.change.value,
-                f"tried in run {tried[key]}",
+                Text("tried in run {run}", run=tried[key]),
             )
             continue
         candidates.append(candidate)

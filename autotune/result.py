@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from ..engine.text import Text, text_fields
 from .flagset import split_flags
 from .noise import Figures
 
@@ -69,27 +70,37 @@ def build_result(search: Search, baseline: Figures) -> dict[str, Any]:
 def notes(search: Search) -> list[dict[str, Any]]:
     """The measured reason for each chosen flag, and for each flag whose default stayed.
 
-    A note is `{"flag", "value", "reason", "source"}`; source "measured" when trials decided
-    it, "baseline" when the flag came with the starting flags and nothing beat it.
+    A note is `{"flag", "value", "reason", "source"}` (with the reason's stored form beside it,
+    engine/text.py); source "measured" when trials decided it, "baseline" when the flag came
+    with the starting flags and nothing beat it.
     """
     assert search.incumbent is not None
     by_flag = {k.change.flag: k for k in search.kept}
     out = []
     chosen = split_flags(search.incumbent.flags)
+    origin = search.settings.base_origin
     for flag, value in chosen:
         kept = by_flag.get(flag)
+        reason: Text
         if kept is not None:
             reason, source = kept.reason, "measured"
+        elif search.tries.get(flag):
+            reason = Text(
+                "from {origin}; tried instead: {tries}", origin=origin, tries=search.tries[flag]
+            )
+            source = "baseline"
         else:
-            reason, source = f"from {search.settings.base_origin}", "baseline"
-            if search.tries.get(flag):
-                reason += "; tried instead: " + "; ".join(search.tries[flag])
-        out.append({"flag": flag, "value": value, "reason": reason, "source": source})
+            reason, source = Text("from {origin}", origin=origin), "baseline"
+        note = {"flag": flag, "value": value, **text_fields("reason", reason), "source": source}
+        out.append(note)
     names = {flag for flag, _value in chosen}
     for flag, tries in search.tries.items():
         if flag in names:
             continue
         kept = by_flag.get(flag)
-        reason = kept.reason if kept else "the engine's default stayed; tried: " + "; ".join(tries)
-        out.append({"flag": flag, "value": None, "reason": reason, "source": "measured"})
+        stayed = Text("the engine's default stayed; tried: {tries}", tries=tries)
+        reason = kept.reason if kept else stayed
+        out.append(
+            {"flag": flag, "value": None, **text_fields("reason", reason), "source": "measured"}
+        )
     return out

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.text import Text, text_fields
 from .eta import CONTEXT_FLAG, TimeLeft, candidate_trials, context_tiers, context_trials
 from .flagset import Change, apply_change, same_flags
 from .journal import Journal
@@ -29,9 +30,13 @@ from .result import build_result
 from .sizing import Sizing, size_workload
 from .trial import TrialRequest, TrialResult
 
+# the directions of an ordered walk, as words in sentences
+WALKS = {"up": Text("up"), "down": Text("down")}
+STARTING_FLAGS = Text("the starting flags")
+
 
 class SearchFailed(RuntimeError):
-    """The run cannot go on (the starting flags do not run); the message says why."""
+    """The run cannot go on (the starting flags do not run); the message (a Text) says why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +48,7 @@ class SearchSettings:
     rule: NoiseRule = field(default_factory=NoiseRule)
     model_max_context: int | None = None
     pick_up: bool = False  # the base is an earlier run's result: context only if a change is kept
-    base_origin: str = "the starting flags"
+    base_origin: Text | str = STARTING_FLAGS
 
 
 @dataclass(slots=True)
@@ -68,15 +73,15 @@ class Kept:
     """A change that was kept, the trials behind it and the measured reason."""
 
     change: Change
-    reason: str
+    reason: Text
     trials: tuple[int, ...]
     gain: float
 
     def to_json(self) -> dict[str, Any]:
         return {
             **self.change.to_json(),
-            "label": self.change.label,
-            "reason": self.reason,
+            **text_fields("label", self.change.label),
+            **text_fields("reason", self.reason),
             "trials": list(self.trials),
             "gain": self.gain,
         }
@@ -105,7 +110,7 @@ class Search:
         self.skipped: list[Skipped] = list(plan.skipped)
         # the starting value of each planned flag was measured too: a later run need not try it
         self.tried: list[str] = list(plan.starting)
-        self.tries: dict[str, list[str]] = defaultdict(list)  # flag -> "value (trial n: why)"
+        self.tries: dict[str, list[Text]] = defaultdict(list)  # flag -> "value (trial n: why)"
         self._turned: set[tuple[str, str]] = set()
         self._raised: set[str] = set()
         self._next = 0  # the index of the next planned candidate
@@ -152,9 +157,12 @@ class Search:
         self._progress("baseline", 1 + runs + self._candidates_left() + self._context_estimate())
         self.journal.event(
             "phase",
-            f"calibration: the mode's minimum workload on {self.settings.base_origin}, then the "
-            f"first estimate of a {self.mode.target_s:.0f} s workload, warm, to size the "
-            "workload of every trial",
+            Text(
+                "calibration: the mode's minimum workload on {origin}, then the first estimate of "
+                "a {target_s:.0f} s workload, warm, to size the workload of every trial",
+                origin=self.settings.base_origin,
+                target_s=self.mode.target_s,
+            ),
         )
         request = TrialRequest(
             tuple(self.base_flags),
@@ -167,28 +175,39 @@ class Search:
         self.calibration_trial = n
         sizing = self.sizing = size_workload(self.minimum, result, self.mode.target_s)
         verdict = "calibration" if result.ok else "failed"
-        reason = sizing.reason if result.ok else f"{sizing.reason}: {result.error}"
+        reason = (
+            sizing.reason
+            if result.ok
+            else Text("{reason}: {error}", reason=sizing.reason, error=result.error or "")
+        )
         self.journal.set_verdict(n, verdict, reason)
         self.journal.event("workload", sizing.reason, **sizing.to_json())
 
     def _baseline(self) -> Figures:
         runs = self.mode.baseline_runs
         self._progress("baseline", runs + self._candidates_left() + self._context_estimate())
-        self.journal.event("phase", f"baseline: {runs} runs of {self.settings.base_origin}")
+        self.journal.event(
+            "phase",
+            Text("baseline: {runs} runs of {origin}", runs=runs, origin=self.settings.base_origin),
+        )
         ok: list[tuple[int, TrialResult]] = []
-        last_error = ""
+        last_error: Text | None = None
         for i in range(runs):
             n, result = self._trial(self._request(self.base_flags, None, "baseline"))
             if result.ok:
                 ok.append((n, result))
-                self.journal.set_verdict(n, "base", f"baseline run {i + 1}: {_figures(result)}")
+                self.journal.set_verdict(
+                    n,
+                    "base",
+                    Text("baseline run {i}: {figures}", i=i + 1, figures=_figures(result)),
+                )
             else:
-                last_error = f"{result.failure}: {result.error}"
+                last_error = result.why_failed
                 self.journal.set_verdict(n, "failed", last_error)
             left = runs - i - 1 + self._candidates_left() + self._context_estimate()
             self._progress("baseline", left)
         if not ok:
-            raise SearchFailed(f"the starting flags do not run ({last_error})")
+            raise SearchFailed(Text("the starting flags do not run ({error})", error=last_error))
         trials = [r for _n, r in ok]
         self.spreads = Spreads.measure(self.objective, trials)
         self.incumbent = Incumbent(list(self.base_flags), trials, [n for n, _r in ok])
@@ -197,21 +216,33 @@ class Search:
         if len(ok) < 2:
             self.journal.event(
                 "noise",
-                "only one baseline run succeeded: the run-to-run spread is unknown and the "
-                f"{self.rule.min_gain:.0%} floor applies",
+                Text(
+                    "only one baseline run succeeded: the run-to-run spread is unknown and the "
+                    "{floor:.0%} floor applies",
+                    floor=self.rule.min_gain,
+                ),
             )
         score = self.objective.score(figures)
         self.journal.event(
             "noise",
-            f"baseline {self.objective.label}: {_num(score)}; run-to-run spread "
-            f"{self.spreads.objective:.1%}; a change must gain more than {threshold:.1%}",
+            Text(
+                "baseline {figure}: {score}; run-to-run spread {spread:.1%}; a change must gain "
+                "more than {threshold:.1%}",
+                figure=self.objective.label,
+                score=_num(score),
+                spread=self.spreads.objective,
+                threshold=threshold,
+            ),
             spreads=self.spreads.to_json(),
             threshold=threshold,
         )
         return figures
 
     def _candidates(self) -> None:
-        self.journal.event("phase", f"one change at a time: {len(self.plan.candidates)} planned")
+        self.journal.event(
+            "phase",
+            Text("one change at a time: {n} planned", n=len(self.plan.candidates)),
+        )
         for i, candidate in enumerate(self.plan.candidates):
             self._next = i
             self._progress("candidates", self._candidates_left() + self._context_estimate())
@@ -223,18 +254,19 @@ class Search:
         change = candidate.change
         why_not = self._why_not(candidate)
         flags = apply_change(self.incumbent.flags, change)
-        if why_not is None and same_flags(flags, self.incumbent.flags):
-            why_not = "already in force"
+        in_force = why_not is None and same_flags(flags, self.incumbent.flags)
+        if in_force:
+            why_not = Text("already in force")
         if why_not is not None:
             self.skipped.append(Skipped(change.flag, change.value, why_not))
-            if why_not != "already in force":
+            if not in_force:
                 self.tried.append(change.key)
-            self.journal.event("skip", f"{change.label}: {why_not}")
+            self.journal.event("skip", Text("{change}: {why}", change=change.label, why=why_not))
             return
         self.tried.append(change.key)
         n1, first = self._trial(self._request(flags, change, "candidate"))
         if not first.ok:
-            self._reject(candidate, n1, "failed", f"{first.failure}: {first.error}")
+            self._reject(candidate, n1, "failed", first.why_failed)
             return
         # one run's other figures are too noisy to refuse on: the two runs' mean is judged
         judged = self.rule.judge(
@@ -243,7 +275,9 @@ class Search:
         if not judged.beats:
             self._reject(candidate, n1, "rejected", judged.reason)
             return
-        self.journal.set_verdict(n1, "pending", f"{judged.reason}; running it again to confirm")
+        self.journal.set_verdict(
+            n1, "pending", Text("{reason}; running it again to confirm", reason=judged.reason)
+        )
         # the best flags again and the confirmation, then the candidates after this one
         self._next += 1
         self._progress("candidates", 2 + self._candidates_left() + self._context_estimate())
@@ -251,18 +285,33 @@ class Search:
         n2, second = self._trial(self._request(flags, change, "confirm"))
         verdict = self._confirm(first, second, fresh)
         if verdict.beats:
-            reason = f"{verdict.reason} (trials {n1} and {n2})"
+            reason = Text(
+                "{reason} (trials {first} and {second})", reason=verdict.reason, first=n1, second=n2
+            )
             self.journal.set_verdict(n1, "kept", reason)
-            self.journal.set_verdict(n2, "confirm", f"agrees: {_figures(second)}")
+            self.journal.set_verdict(
+                n2, "confirm", Text("agrees: {figures}", figures=_figures(second))
+            )
             self.incumbent = Incumbent(flags, [first, second], [n1, n2])
             self.kept.append(Kept(change, reason, (n1, n2), verdict.gain))
-            self.tries[change.flag].append(f"{_value(change)} kept (trials {n1}, {n2})")
+            self.tries[change.flag].append(
+                Text(
+                    "{value} kept (trials {first}, {second})",
+                    value=_value(change),
+                    first=n1,
+                    second=n2,
+                )
+            )
             if candidate.walk == "up":
                 self._raised.add(change.flag)
-            self.journal.event("kept", f"kept {change.label}: {reason}")
+            self.journal.event(
+                "kept", Text("kept {change}: {reason}", change=change.label, reason=reason)
+            )
         else:
-            self.journal.set_verdict(n2, "confirm", f"does not agree: {verdict.reason}")
-            self._reject(candidate, n1, "rejected", f"trial {n2} did not confirm it")
+            self.journal.set_verdict(
+                n2, "confirm", Text("does not agree: {reason}", reason=verdict.reason)
+            )
+            self._reject(candidate, n1, "rejected", Text("trial {n} did not confirm it", n=n2))
 
     def _incumbent_again(self, candidate_n: int) -> TrialResult | None:
         """The best flags once more, right before the confirmation run.
@@ -273,12 +322,18 @@ class Search:
         assert self.incumbent is not None
         n, again = self._trial(self._request(self.incumbent.flags, None, "baseline"))
         if not again.ok:
-            self.journal.set_verdict(n, "failed", f"{again.failure}: {again.error}")
+            self.journal.set_verdict(n, "failed", again.why_failed)
             return None
         self.incumbent.runs.append(again)
         self.incumbent.trials.append(n)
         self.journal.set_verdict(
-            n, "base", f"the best flags again, beside trial {candidate_n}: {_figures(again)}"
+            n,
+            "base",
+            Text(
+                "the best flags again, beside trial {n}: {figures}",
+                n=candidate_n,
+                figures=_figures(again),
+            ),
         )
         return again
 
@@ -289,33 +344,44 @@ class Search:
         the two runs together must beat the incumbent's median and spare the other figures."""
         assert self.incumbent is not None
         if not second.ok:
-            return Judgement(False, 0.0, f"the second run failed ({second.failure})")
+            return Judgement(
+                False, 0.0, Text("the second run failed ({failure})", failure=second.why_failed)
+            )
         reference = Figures.of(fresh) if fresh is not None else self.incumbent.figures
         again = self.rule.judge(
             self.objective, Figures.of(second), reference, self.spreads, sides=False
         )
         if again.gain <= self.rule.threshold(self.spreads):
-            return Judgement(False, again.gain, f"beside the best flags run again: {again.reason}")
+            return Judgement(
+                False,
+                again.gain,
+                Text("beside the best flags run again: {reason}", reason=again.reason),
+            )
         both = Figures.mean([first, second])
         return self.rule.judge(self.objective, both, self.incumbent.figures, self.spreads)
 
-    def _reject(self, candidate: Candidate, n: int, verdict: str, reason: str) -> None:
+    def _reject(self, candidate: Candidate, n: int, verdict: str, reason: Text) -> None:
         self.journal.set_verdict(n, verdict, reason)
         self.tries[candidate.change.flag].append(
-            f"{_value(candidate.change)} (trial {n}: {reason})"
+            Text(
+                "{value} (trial {n}: {reason})", value=_value(candidate.change), n=n, reason=reason
+            )
         )
         if candidate.walk is not None:
             self._turned.add((candidate.change.flag, candidate.walk))
 
-    def _why_not(self, candidate: Candidate) -> str | None:
+    def _why_not(self, candidate: Candidate) -> Text | None:
         """Why a planned step of a walk is no longer worth a trial, else None."""
         if candidate.walk is None or not self.mode.stop_at_turn:
             return None
         flag = candidate.change.flag
         if (flag, candidate.walk) in self._turned:
-            return f"past the turning point: the step before it ({candidate.walk}) did not win"
+            return Text(
+                "past the turning point: the step before it ({direction}) did not win",
+                direction=WALKS[candidate.walk],
+            )
         if candidate.walk == "down" and flag in self._raised:
-            return "raising it won, so lowering it is not tried"
+            return Text("raising it won, so lowering it is not tried")
         return None
 
     # ---- context ----------------------------------------------------------------------------
@@ -336,18 +402,26 @@ class Search:
         assert self.incumbent is not None
         if self.settings.pick_up and not self.kept:
             self.journal.event(
-                "phase", "context: skipped, no new change was kept (the last result's stands)"
+                "phase",
+                Text("context: skipped, no new change was kept (the last result's stands)"),
             )
             return
         usable = self.incumbent.usable_context
         if not usable:
-            self.journal.event("phase", "context: skipped, the engine did not say its context")
+            self.journal.event(
+                "phase", Text("context: skipped, the engine did not say its context")
+            )
             return
         tiers = self._context_tiers(usable)
         self.journal.event(
             "phase",
-            f"context: prove {usable} tokens"
-            + (f", then try {', '.join(map(str, tiers))}" if tiers else ""),
+            Text(
+                "context: prove {tokens} tokens, then try {tiers}",
+                tokens=usable,
+                tiers=", ".join(map(str, tiers)),
+            )
+            if tiers
+            else Text("context: prove {tokens} tokens", tokens=usable),
         )
         self._progress("context", 1 + len(tiers))
         n, proof_run = self._trial(
@@ -355,10 +429,14 @@ class Search:
         )
         proof = proof_run.context_proof
         if not proof_run.ok or proof is None:
-            self.journal.set_verdict(n, "failed", f"{proof_run.failure}: {proof_run.error}")
+            self.journal.set_verdict(n, "failed", proof_run.why_failed)
             self.context = {"usable_tokens": usable, "proven": False, "trials": [n]}
             return
-        self.journal.set_verdict(n, "base", f"{proof.message}; {_figures(proof_run)}")
+        self.journal.set_verdict(
+            n,
+            "base",
+            Text("{proof}; {figures}", proof=proof.message, figures=_figures(proof_run)),
+        )
         self.context = {
             "usable_tokens": usable,
             "proven": proof.ok,
@@ -367,7 +445,10 @@ class Search:
             "tiers": [],
         }
         if not proof.ok:
-            self.journal.event("context", f"the advertised context of {usable} is not served")
+            self.journal.event(
+                "context",
+                Text("the advertised context of {tokens} is not served", tokens=usable),
+            )
             return
         reference = self.incumbent.figures
         for i, tier in enumerate(tiers):
@@ -383,29 +464,38 @@ class Search:
         n, run = self._trial(self._request(flags, change, "context", context_tokens=tier))
         self.context["trials"].append(n)
         proof = run.context_proof
+        reason: Text | str
         if not run.ok or proof is None:
-            reason = f"{run.failure}: {run.error}"
+            reason = run.why_failed
             self.journal.set_verdict(n, "failed", reason)
         elif (run.usable_context or 0) < tier:
-            reason = f"the engine advertises {run.usable_context} tokens with these flags"
+            reason = Text(
+                "the engine advertises {tokens} tokens with these flags", tokens=run.usable_context
+            )
             self.journal.set_verdict(n, "rejected", reason)
         elif not proof.ok:
             reason = proof.message
             self.journal.set_verdict(n, "rejected", reason)
         else:
             holds = self.rule.holds(self.objective, Figures.of(run), reference, self.spreads)
-            reason = f"{proof.message}; {holds.reason}"
+            reason = Text("{proof}; {holds}", proof=proof.message, holds=holds.reason)
             if holds.beats:
                 self.journal.set_verdict(n, "kept", reason)
                 self.incumbent = Incumbent(flags, [run], [n])
                 self.kept.append(Kept(change, reason, (n,), holds.gain))
                 self.context["usable_tokens"] = tier
                 self.context["tiers"].append({"tokens": tier, "kept": True, "trial": n})
-                self.journal.event("kept", f"context {tier}: {reason}")
+                self.journal.event(
+                    "kept", Text("context {tokens}: {reason}", tokens=tier, reason=reason)
+                )
                 return True
             self.journal.set_verdict(n, "rejected", reason)
-        self.context["tiers"].append({"tokens": tier, "kept": False, "trial": n, "why": reason})
-        self.journal.event("context", f"context {tier}: not kept ({reason})")
+        self.context["tiers"].append(
+            {"tokens": tier, "kept": False, "trial": n, **text_fields("why", reason)}
+        )
+        self.journal.event(
+            "context", Text("context {tokens}: not kept ({reason})", tokens=tier, reason=reason)
+        )
         return False
 
     # ---- progress and result ----------------------------------------------------------------
@@ -441,16 +531,21 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
-def _figures(result: TrialResult) -> str:
-    parts = [f"prefill {_num(result.prefill_tok_s)}", f"decode {_num(result.decode_tok_s)}"]
-    if result.aggregate_tok_s is not None:
-        parts.append(f"aggregate {_num(result.aggregate_tok_s)}")
-    return ", ".join(parts) + " tok/s"
+def _figures(result: TrialResult) -> Text:
+    prefill, decode = _num(result.prefill_tok_s), _num(result.decode_tok_s)
+    if result.aggregate_tok_s is None:
+        return Text("prefill {prefill}, decode {decode} tok/s", prefill=prefill, decode=decode)
+    return Text(
+        "prefill {prefill}, decode {decode}, aggregate {aggregate} tok/s",
+        prefill=prefill,
+        decode=decode,
+        aggregate=_num(result.aggregate_tok_s),
+    )
 
 
-def _value(change: Change) -> str:
+def _value(change: Change) -> Text | str:
     if change.value is None:
-        return "the default"
+        return Text("the default")
     if isinstance(change.value, bool):
-        return "on" if change.value else "off"
+        return Text("on") if change.value else Text("off")
     return change.value

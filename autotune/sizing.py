@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ..engine.text import Text, text_fields
 from .workload import WorkloadResult, WorkloadSpec, chars_for_tokens
 
 if TYPE_CHECKING:  # the trial runner imports this module
@@ -46,7 +47,14 @@ if TYPE_CHECKING:  # the trial runner imports this module
 MAX_GENERATION_TOKENS = 1024
 # a warm stage shorter than this share of the target is run again at the estimate sized from it
 REPEAT_BELOW_SHARE = 0.5
-STAGES = ("the mode's minimum", "the first estimate", "the second estimate")
+# the kinds of a trial's failure (trial.py classifies them) as words in sentences
+FAILURES = {
+    "crash": Text("crash"),
+    "out of memory": Text("out of memory"),
+    "timeout": Text("timeout"),
+    "error": Text("error"),
+}
+STAGES = (Text("the mode's minimum"), Text("the first estimate"), Text("the second estimate"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,29 +73,43 @@ class Sizing:
         return self.stages_s[0] if self.stages_s else None
 
     @property
-    def reason(self) -> str:
+    def reason(self) -> Text:
         """The calibration trial's verdict in words."""
         if self.failure is not None:
-            return (
-                f"calibration failed ({self.failure}): every trial runs the mode's minimum workload"
+            return Text(
+                "calibration failed ({failure}): every trial runs the mode's minimum workload",
+                failure=FAILURES.get(self.failure, self.failure),
             )
         assert self.measured_s is not None and self.expected_s is not None
         if len(self.stages_s) == 1 and self.measured_s >= self.target_s:
-            return (
-                f"calibration: the mode's minimum workload took {self.measured_s:.1f} s, not "
-                f"less than the {self.target_s:.0f} s target: kept as it is ({describe(self.spec)})"
+            return Text(
+                "calibration: the mode's minimum workload took {measured_s:.1f} s, not less than "
+                "the {target_s:.0f} s target: kept as it is ({workload})",
+                measured_s=self.measured_s,
+                target_s=self.target_s,
+                workload=describe(self.spec),
             )
         if len(self.stages_s) == 1:  # a trial stored before calibration took two stages
-            return (
-                f"calibration: workload sized to {self.expected_s:.1f} s (target "
-                f"{self.target_s:.0f} s; the mode's minimum took {self.measured_s:.1f} s): "
-                f"{describe(self.spec)}"
+            return Text(
+                "calibration: workload sized to {expected_s:.1f} s (target {target_s:.0f} s; the "
+                "mode's minimum took {measured_s:.1f} s): {workload}",
+                expected_s=self.expected_s,
+                target_s=self.target_s,
+                measured_s=self.measured_s,
+                workload=describe(self.spec),
             )
-        stages = [f"the mode's minimum took {self.measured_s:.1f} s cold"]
-        stages += [f"{STAGES[i]} {s:.1f} s warm" for i, s in enumerate(self.stages_s[1:], 1)]
-        return (
-            f"calibration: {'; '.join(stages)}; workload sized to {self.expected_s:.1f} s "
-            f"(target {self.target_s:.0f} s): {describe(self.spec)}"
+        stages = [Text("the mode's minimum took {time_s:.1f} s cold", time_s=self.measured_s)]
+        stages += [
+            Text("{stage} {time_s:.1f} s warm", stage=STAGES[i], time_s=s)
+            for i, s in enumerate(self.stages_s[1:], 1)
+        ]
+        return Text(
+            "calibration: {stages}; workload sized to {expected_s:.1f} s (target {target_s:.0f} "
+            "s): {workload}",
+            stages=stages,
+            expected_s=self.expected_s,
+            target_s=self.target_s,
+            workload=describe(self.spec),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -98,7 +120,7 @@ class Sizing:
             "stages_s": list(self.stages_s),
             "expected_s": self.expected_s,
             "failure": self.failure,
-            "reason": self.reason,
+            **text_fields("reason", self.reason),
         }
 
 
@@ -142,39 +164,52 @@ class Speeds:
         return self.other_s + sum(self.parts_s(spec).values())
 
 
-def describe(spec: WorkloadSpec) -> str:
+def describe(spec: WorkloadSpec) -> Text:
     """A spec in a line: how many requests of how many tokens each part sends."""
-    parts = [
-        f"prefill {spec.prefill_requests} x {spec.prefill_tokens} tokens",
-        f"decode {spec.decode_requests} x {spec.decode_tokens} tokens",
-    ]
-    if spec.clients > 0:
-        parts.append(
-            f"aggregate {spec.aggregate_rounds} rounds of {spec.clients} x "
-            f"{spec.aggregate_tokens} tokens"
-        )
-    return ", ".join(parts)
+    parts = Text(
+        "prefill {prefill_requests} x {prefill_tokens} tokens, decode {decode_requests} x "
+        "{decode_tokens} tokens",
+        prefill_requests=spec.prefill_requests,
+        prefill_tokens=spec.prefill_tokens,
+        decode_requests=spec.decode_requests,
+        decode_tokens=spec.decode_tokens,
+    )
+    if spec.clients <= 0:
+        return parts
+    return Text(
+        "{parts}, aggregate {rounds} rounds of {clients} x {tokens} tokens",
+        parts=parts,
+        rounds=spec.aggregate_rounds,
+        clients=spec.clients,
+        tokens=spec.aggregate_tokens,
+    )
 
 
 def calibrate(
     minimum: WorkloadSpec,
     target_s: float,
     run: Callable[[WorkloadSpec], WorkloadResult],
-    on_stage: Callable[[str], None] = lambda _stage: None,
+    on_stage: Callable[[Text], None] = lambda _stage: None,
 ) -> WorkloadResult:
     """The calibration trial's workload: the stages, each `run` in the same engine.
 
     The result's figures are the last (warm) stage's; its details hold every stage's readings
     (`stages`), the spec the trial was asked for (the minimum) and the seconds of all stages.
     """
-    on_stage(f"calibration: {STAGES[0]}")
+    on_stage(Text("calibration: {stage}", stage=STAGES[0]))
     results = [run(minimum)]
     while len(results) < len(STAGES):
         last_s = float(results[-1].details["workload_s"])
         if last_s >= (target_s if len(results) == 1 else REPEAT_BELOW_SHARE * target_s):
             break
         spec, expected_s = sized(minimum, [r.details for r in results], target_s)
-        on_stage(f"calibration: {STAGES[len(results)]} ({expected_s:.0f} s)")
+        on_stage(
+            Text(
+                "calibration: {stage} ({time_s:.0f} s)",
+                stage=STAGES[len(results)],
+                time_s=expected_s,
+            )
+        )
         results.append(run(spec))
     last = results[-1]
     details = {

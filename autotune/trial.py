@@ -22,9 +22,10 @@ import httpx
 
 from ..engine import launch
 from ..engine.exits import OomWatch, exit_words
+from ..engine.text import Text, error_text
 from .client import EngineClient, WorkloadError
 from .flagset import Change, without
-from .sizing import calibrate
+from .sizing import FAILURES, calibrate
 from .workload import ContextProof, Workload, WorkloadResult, WorkloadSpec
 
 TRIAL_PORTS = range(8200, 8300)  # the daemon's supervisor hands out 8100-8199
@@ -75,7 +76,7 @@ class TrialResult:
     warmup_s: float | None = None
     stop_s: float | None = None
     failure: str | None = None  # "crash", "out of memory", "killed by signal 9", "timeout", "error"
-    error: str | None = None
+    error: Text | str | None = None
     log_tail: str | None = None
     stats: dict[str, Any] | None = None
     details: dict[str, Any] = field(default_factory=dict)
@@ -99,6 +100,14 @@ class TrialResult:
     def figure(self, name: str) -> float | None:
         return getattr(self, f"{name}_tok_s")
 
+    @property
+    def why_failed(self) -> Text:
+        """The failure in words: its kind and the error."""
+        failure = self.failure or "error"
+        return Text(
+            "{failure}: {error}", failure=FAILURES.get(failure, failure), error=self.error or ""
+        )
+
 
 def compact_stats(stats: dict[str, Any] | None) -> dict[str, Any] | None:
     """/v1/stats without the per-expert pick matrix and the 60 s window (kept small per trial)."""
@@ -121,7 +130,7 @@ def decode_hit_rate(stats: dict[str, Any] | None) -> float | None:
 
 
 def classify_failure(
-    message: str, log_tail: str, exit_code: int | None, oom_evidence: str | None = None
+    message: Text | str, log_tail: str, exit_code: int | None, oom_evidence: Text | None = None
 ) -> str:
     """What ended a trial, in a few words. Out of memory only on evidence: the engine's own
     report in its log, or the kernel's (engine/exits.py); a SIGKILL alone says nothing of who
@@ -129,7 +138,7 @@ def classify_failure(
     text = f"{message}\n{log_tail}".lower()
     if oom_evidence is not None or any(mark in text for mark in _OOM_MARKS):
         return "out of memory"
-    if "not ready after" in text or "timed out" in text or "timeout" in message.lower():
+    if "not ready after" in text or "timed out" in text or "timeout" in str(message).lower():
         return "timeout"
     if exit_code == -signal.SIGKILL:
         return "killed by signal 9"
@@ -152,7 +161,7 @@ class EngineTrialRunner:
         ready_timeout_s: float = 3600.0,
         stall_s: float = 600.0,
         stop_grace_s: float = 15.0,
-        on_step: Callable[[str], None] = lambda _step: None,
+        on_step: Callable[[Text], None] = lambda _step: None,
     ) -> None:
         self.model = model
         self.workload = workload
@@ -176,7 +185,11 @@ class EngineTrialRunner:
         listener = launch.listen_on("127.0.0.1", self.ports)
         if listener is None:
             raise RuntimeError(
-                f"no free port in {self.ports.start}-{self.ports.stop - 1} for a trial engine"
+                Text(
+                    "no free port in {first}-{last} for a trial engine",
+                    first=self.ports.start,
+                    last=self.ports.stop - 1,
+                )
             )
         with closing(listener):
             flags = [
@@ -186,7 +199,7 @@ class EngineTrialRunner:
                 "--port",
                 str(listener.getsockname()[1]),
             ]
-            self.on_step("starting the engine")
+            self.on_step(Text("starting the engine"))
             engine = launch.start_engine(
                 ["--model-path", self.model, *flags],
                 self.logs_dir / f"{log_name}.log",
@@ -227,14 +240,18 @@ class EngineTrialRunner:
         code = engine.exit_code()
         tail = getattr(err, "log_tail", "") or launch.log_tail(engine.log_path)
         exit_code = getattr(err, "exit_code", None) if code is None else code
-        message = str(err) or type(err).__name__
+        message: Text | str = error_text(err) or type(err).__name__
         if isinstance(err, httpx.TimeoutException):
-            message = f"a workload request timed out: {message}"
+            message = Text("a workload request timed out: {error}", error=message)
         if code is not None and not isinstance(err, launch.EngineFailed):
-            message = f"the engine {exit_words(code)} during the workload ({message})"
+            message = Text(
+                "the engine {how} during the workload ({error})",
+                how=exit_words(code),
+                error=message,
+            )
         evidence = oom.evidence() if exit_code == -signal.SIGKILL else None
         if evidence is not None:
-            message = f"{message}: {evidence}"
+            message = Text("{message}: {evidence}", message=message, evidence=evidence)
         return TrialResult(
             ok=False,
             started=started,
@@ -258,7 +275,7 @@ class EngineTrialRunner:
         health = self._wait_ready(engine)
         times["startup_s"] = time.time() - started
         usable = int(health.get("max_model_len") or 0)
-        self.on_step("warm-up request")
+        self.on_step(Text("warm-up request"))
         warm_start = time.monotonic()
         # the warm-up is sized to the engine's prefill settings, which /v1/stats tells
         before = launch.get_json(engine.base_url + "/v1/stats", timeout_s=30.0)
@@ -266,7 +283,7 @@ class EngineTrialRunner:
         with EngineClient(engine.base_url, workload.spec.request_timeout_s) as client:
             chars_per_token = workload.warm_up(client, config)
             warmup_s = time.monotonic() - warm_start
-            self.on_step("workload")
+            self.on_step(Text("workload"))
 
             def run(spec: WorkloadSpec) -> WorkloadResult:
                 return Workload(spec).run(client, usable, chars_per_token, self.cancel.is_set)
@@ -277,11 +294,13 @@ class EngineTrialRunner:
                 result = run(workload.spec)
             proof = None
             if request.context_tokens:
-                self.on_step(f"proving a context of {request.context_tokens} tokens")
+                self.on_step(
+                    Text("proving a context of {tokens} tokens", tokens=request.context_tokens)
+                )
                 counted = result.details["prompt_chars_per_token"]
                 proof = workload.prove_context(client, request.context_tokens, counted)
         stats = compact_stats(launch.get_json(engine.base_url + "/v1/stats", timeout_s=30.0))
-        self.on_step("stopping the engine")
+        self.on_step(Text("stopping the engine"))
         return TrialResult(
             ok=True,
             started=started,
@@ -326,13 +345,17 @@ class EngineTrialRunner:
                 now = time.monotonic()
                 if now - seen["at"] > self.stall_s:
                     raise launch.EngineFailed(
-                        f"engine loading made no progress for {self.stall_s:.0f} s "
-                        f"(/health: {seen['body']})",
+                        Text(
+                            "engine loading made no progress for {time_s:.0f} s "
+                            "(/health: {health})",
+                            time_s=self.stall_s,
+                            health=str(seen["body"]),
+                        ),
                         log_tail=launch.log_tail(engine.log_path),
                     ) from None
                 if now >= deadline:
                     raise launch.EngineFailed(
-                        f"engine not ready after {self.ready_timeout_s:.0f} s",
+                        Text("engine not ready after {time_s:.0f} s", time_s=self.ready_timeout_s),
                         log_tail=launch.log_tail(engine.log_path),
                     ) from None
 

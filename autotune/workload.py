@@ -20,6 +20,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from ..engine.text import Text, text_fields, text_of
 from .client import EngineClient, StreamTiming, WorkloadError
 
 PROOF_SHARE = 0.95  # a context tier counts as served when a prompt reaches this share of it
@@ -96,15 +97,24 @@ class ContextProof:
     target_tokens: int
     prompt_tokens: int
     ok: bool
-    message: str
+    message: Text | str
 
     def to_json(self) -> dict[str, Any]:
         return {
             "target_tokens": self.target_tokens,
             "prompt_tokens": self.prompt_tokens,
             "ok": self.ok,
-            "message": self.message,
+            **text_fields("message", self.message),
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ContextProof:
+        return cls(
+            int(data["target_tokens"]),
+            int(data["prompt_tokens"]),
+            bool(data["ok"]),
+            text_of(data, "message"),
+        )
 
 
 @cache
@@ -315,8 +325,12 @@ class Workload:
                         target_tokens,
                         tokens,
                         True,
-                        f"a prompt of {tokens} tokens was served "
-                        f"({tokens / target_tokens:.0%} of {target_tokens})",
+                        Text(
+                            "a prompt of {tokens} tokens was served ({share:.0%} of {target})",
+                            tokens=tokens,
+                            share=tokens / target_tokens,
+                            target=target_tokens,
+                        ),
                     )
                 served.append((chars, tokens))
             elif body.get("error", {}).get("code") == "context_length_exceeded":
@@ -325,7 +339,7 @@ class Workload:
                 message = body.get("error", {}).get("message", str(body)[:300])
                 return ContextProof(
                     target_tokens, max(served)[1] if served else 0, False,
-                    f"the engine answered {status}: {message}",
+                    Text("the engine answered {status}: {message}", status=status, message=message),
                 )  # fmt: skip
             chars = _next_proof_chars(served, refused, aim)
         last_tokens = max(served)[1] if served else 0
@@ -333,7 +347,12 @@ class Workload:
             target_tokens,
             last_tokens,
             False,
-            f"no prompt between {need} and {ceiling} tokens was served (last: {last_tokens})",
+            Text(
+                "no prompt between {low} and {high} tokens was served (last: {last})",
+                low=need,
+                high=ceiling,
+                last=last_tokens,
+            ),
         )
 
 

@@ -4,7 +4,9 @@ duration and time formats for it.
 Messages are written in English in the templates and the code (`t("Servers")`, with `{name}`
 placeholders filled by keyword). English is the source language, so it needs no catalog;
 `messages/ja.json` maps each English message to its Japanese text. A message missing from a
-catalog is shown in English (the tests check that none is missing).
+catalog is shown in English (the tests check that none is missing). Sentences the daemon, the
+benchmark and the profiles make are `Text`s (engine/text.py), whose templates share the catalog:
+`t.text(...)` renders one in the page's language.
 
 The language is, in order: the `lang` cookie (set by the switcher, `/lang/ja`), the best match in
 `Accept-Language`, English.
@@ -15,11 +17,16 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from markupsafe import Markup, escape
+
+from ..engine.text import Text, text_of, texts_of
 
 MESSAGES_DIR = Path(__file__).parent / "messages"
 LANGUAGES: dict[str, str] = {"en": "English", "ja": "日本語"}
@@ -71,11 +78,12 @@ class Units:
     ago: str
     date_time: str  # strftime pattern
     time_only: str
+    list_separator: str  # between the sentences of a list inside a sentence
 
 
 UNITS: dict[str, Units] = {
-    "en": Units(" h", " min", " s", "{} ago", "%Y-%m-%d %H:%M:%S", "%H:%M:%S"),
-    "ja": Units("時間", "分", "秒", "{}前", "%Y年%m月%d日 %H:%M:%S", "%H:%M:%S"),
+    "en": Units(" h", " min", " s", "{} ago", "%Y-%m-%d %H:%M:%S", "%H:%M:%S", "; "),
+    "ja": Units("時間", "分", "秒", "{}前", "%Y年%m月%d日 %H:%M:%S", "%H:%M:%S", "；"),
 }
 
 
@@ -86,8 +94,48 @@ class Translator:
     lang: str
 
     def __call__(self, message: str, **values: Any) -> str:
-        text = catalog(self.lang).get(message, message)
+        text = self._template(message)
+        if any(isinstance(v, Markup) for v in values.values()):  # a sentence from t.text
+            return Markup(escape(text)).format(**values)
         return text.format(**values) if values else text
+
+    def plain(self, value: Text | Mapping[str, Any] | str | None) -> str:
+        """A sentence made by the daemon, the benchmark or the profiles (engine/text.py), or its
+        stored form, in this language, as plain text; English kept from before sentences had a
+        stored form is shown as it is."""
+        if value is None:
+            return ""
+        if isinstance(value, Mapping):
+            value = Text.from_json(value)
+        if isinstance(value, Text):
+            return value.render(self._template, UNITS[self.lang].list_separator)
+        return value
+
+    def text(self, value: Text | Mapping[str, Any] | str | None) -> Markup:
+        """`plain` for a page: the values that are data (flags, paths, another program's words)
+        marked translate="no", as a browser's translation should leave them."""
+        if isinstance(value, Mapping):
+            value = Text.from_json(value)
+        if not isinstance(value, Text):
+            return escape(value or "")
+        html = value.render(
+            self._template,
+            UNITS[self.lang].list_separator,
+            words=lambda text: str(escape(text)),
+            data=lambda text: f'<span translate="no">{escape(text)}</span>',
+        )
+        return Markup(html)  # every piece of it was escaped above
+
+    def text_of(self, data: Mapping[str, Any], name: str) -> Markup:
+        """The sentence a JSON object carries under `name` (with its stored form beside it)."""
+        return self.text(text_of(data, name))
+
+    def texts_of(self, data: Mapping[str, Any], name: str) -> list[Markup]:
+        """The sentences a JSON object carries as a list under `name`."""
+        return [self.text(value) for value in texts_of(data, name)]
+
+    def _template(self, message: str) -> str:
+        return catalog(self.lang).get(message, message)
 
     def plural(self, one: str, many: str, n: int, **values: Any) -> str:
         """`one` for n == 1 else `many`, each translated and filled with `n` and `values`."""
@@ -126,7 +174,7 @@ class Translator:
             return "–"
         if value_s < 1:
             return f"{value_s * 1000:,.0f} ms"
-        return f"{value_s:,.2f} s"
+        return f"{value_s:,.2f}{UNITS[self.lang].seconds}"
 
     def setting(self, value: Any) -> str:
         """An engine setting as its stats report it, a fraction or a rate to 3 significant

@@ -22,14 +22,14 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
 from ..daemon import api_benchmarks
-from ..daemon.api import EXCEPTION_HANDLERS, api_routes, error_response
+from ..daemon.api import EXCEPTION_HANDLERS, api_routes
 from ..daemon.auth import AccessMiddleware
 from ..daemon.benchmarks import BenchmarkService
 from ..daemon.lock import DataDirLock, DataDirLocked
 from ..daemon.service import Daemon, DaemonConfig
 from ..daemon.store import StoreError
 from . import pages
-from .web import frame_routes, page_aware
+from .web import api_error, frame_routes, page_aware
 
 DEFAULT_PORT = 1901
 
@@ -101,7 +101,7 @@ def build_app(daemon: Daemon) -> Starlette:
                 AccessMiddleware,
                 policy=daemon.policy,
                 audit=daemon.audit,
-                render_error=error_response,
+                render_error=api_error,
             )
         ],
         lifespan=lifespan,

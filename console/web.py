@@ -11,6 +11,7 @@ lists NAME in `parts`. Charts are Plotly figures built in Python from `data` by 
 from __future__ import annotations
 
 import html
+import json
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -26,11 +27,13 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..daemon.api import error_response
 from ..daemon.auth import Access
 from ..daemon.errors import ApiError
-from .i18n import LANG_COOKIE, LANGUAGES, Translator, choose_language
+from ..engine.text import Text, text_of
+from .i18n import DEFAULT_LANGUAGE, LANG_COOKIE, LANGUAGES, Translator, choose_language
 
 if TYPE_CHECKING:  # the pages that draw charts import plotly.graph_objects themselves
     import plotly.graph_objects as go
@@ -88,7 +91,8 @@ def window_minutes(request: Request) -> int:
     raw = request.query_params.get("minutes", "60")
     if not raw.isdigit() or int(raw) not in WINDOWS_MIN:
         raise ApiError(
-            f"minutes must be one of {', '.join(map(str, WINDOWS_MIN))}", code="bad_request"
+            Text("minutes must be one of {choices}", choices=", ".join(map(str, WINDOWS_MIN))),
+            code="bad_request",
         )
     return int(raw)
 
@@ -185,7 +189,11 @@ async def set_language(request: Request) -> Response:
     lang = request.path_params["lang"]
     if lang not in LANGUAGES:
         raise ApiError(
-            f"no language {lang!r}; the console speaks {', '.join(LANGUAGES)}",
+            Text(
+                "no language {lang!r}; the console speaks {languages}",
+                lang=lang,
+                languages=", ".join(LANGUAGES),
+            ),
             code="unknown_language",
             status=404,
         )
@@ -217,23 +225,51 @@ def _is_page(request: Request) -> bool:
     return not request.url.path.startswith("/api/") and not wants_json(request)
 
 
-def error_page(request: Request, status: int, message: str) -> Response:
+def error_page(request: Request, status: int, message: Text | str) -> Response:
     t = translator_of(request)
-    context = {**frame_context(request, t), "status": status, "message": message}
+    context = {**frame_context(request, t), "status": status, "message": t.text(message)}
     body = ENV.get_template("error.html").render(context)
     return Response(body, status_code=status, media_type="text/html; charset=utf-8")
+
+
+def localized(request: Request, response: Response) -> Response:
+    """An API error as the console's scripts show it: beside the English `message`, the same
+    sentence in the language of the page that asked, as `localized` (from `message_text`)."""
+    t = translator_of(request)
+    if t.lang == DEFAULT_LANGUAGE:
+        return response
+    body = json.loads(bytes(response.body))
+    error = body["error"]
+    error["localized"] = t.plain(text_of(error, "message"))
+    kept = {
+        k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")
+    }
+    return JSONResponse(body, status_code=response.status_code, headers=kept)
+
+
+def api_error(
+    status: int, code: str, message: Text | str, headers: dict[str, str] | None = None
+) -> ASGIApp:
+    """A refusal of the access rules (daemon/auth.py), answered in the asker's language too."""
+
+    async def respond(scope: Scope, receive: Receive, send: Send) -> None:
+        response = localized(Request(scope), error_response(status, code, message, headers))
+        await response(scope, receive, send)
+
+    return respond
 
 
 def page_aware(
     api_handlers: Mapping[Any, Callable[..., Any]],
 ) -> dict[Any, Callable[..., Any]]:
-    """The API's exception handlers, answering with an HTML page on console paths."""
+    """The API's exception handlers, answering with an HTML page on console paths and in the
+    page's language beside the English on the API (`localized`)."""
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         if _is_page(request):
-            return error_page(request, exc.status, exc.message)
-        return await api_handlers[ApiError](request, exc)
+            return error_page(request, exc.status, exc.text)
+        return localized(request, await api_handlers[ApiError](request, exc))
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -246,8 +282,10 @@ def page_aware(
             )
             return error_page(request, exc.status_code, message)
         if not request.url.path.startswith("/api/") and exc.status_code == 404:
-            return error_response(404, "not_found", f"nothing at {request.url.path}")
-        return await api_handlers[HTTPException](request, exc)
+            return error_response(
+                404, "not_found", Text("nothing at {path}", path=request.url.path)
+            )
+        return localized(request, await api_handlers[HTTPException](request, exc))
 
     async def on_internal_error(request: Request, exc: Exception) -> Response:
         if _is_page(request):
@@ -258,6 +296,6 @@ def page_aware(
                 500,
                 t("mgr failed on this page ({error}); see its log.", error=type(exc).__name__),
             )
-        return await api_handlers[Exception](request, exc)
+        return localized(request, await api_handlers[Exception](request, exc))
 
     return {ApiError: on_api_error, HTTPException: on_http_error, Exception: on_internal_error}

@@ -1,6 +1,7 @@
 """The JSON API: routes, the error shape, and the handlers for auth, hardware, models and flags.
 
-Every error is `{"error": {"message": str, "code": str}}` with a 4xx/5xx status. Handlers are
+Every error is `{"error": {"message": str, "code": str}}` with a 4xx/5xx status; a message made
+as a Text (engine/text.py) also carries its stored form as `message_text`. Handlers are
 async only to read bodies; blocking work (SQLite, child processes, engine stops) runs on the
 thread pool. State-changing handlers describe what they did in `request.state.audit`, which the
 access middleware writes to the audit table.
@@ -24,7 +25,8 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from ..engine.args import describe_flags
-from .auth import COOKIE_MAX_AGE_S, COOKIE_NAME, Access
+from ..engine.text import Text, text_fields
+from .auth import COOKIE_MAX_AGE_S, COOKIE_NAME, WRONG_TOKEN, Access, too_many_attempts
 from .catalog import model_json
 from .errors import ApiError, BadRequest, Conflict, NotFound, disk_full
 from .hardware import package_version
@@ -41,25 +43,29 @@ T = TypeVar("T")
 
 
 def error_response(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
+    status: int, code: str, message: Text | str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "code": code}}, status_code=status, headers=headers
+        {"error": {**text_fields("message", message), "code": code}},
+        status_code=status,
+        headers=headers,
     )
 
 
 async def _api_error(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.code, exc.message)
+    return error_response(exc.status, exc.code, exc.text, exc.headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        return error_response(404, "not_found", f"nothing at {request.url.path}")
+        return error_response(404, "not_found", Text("nothing at {path}", path=request.url.path))
     if exc.status_code == 405:
         return error_response(
-            405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}"
+            405,
+            "method_not_allowed",
+            Text("{method} is not allowed on {path}", method=request.method, path=request.url.path),
         )
     return error_response(exc.status_code, "http_error", str(exc.detail))
 
@@ -72,7 +78,9 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
         return error_response(full.status, full.code, full.message)
     log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(
-        500, "internal", f"mgr failed on this request ({type(exc).__name__}); see its log"
+        500,
+        "internal",
+        Text("mgr failed on this request ({error}); see its log", error=type(exc).__name__),
     )
 
 
@@ -111,13 +119,13 @@ async def json_body(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except ValueError:
-        raise BadRequest("the request body is not valid JSON", code="invalid_json") from None
+        raise BadRequest(Text("the request body is not valid JSON"), code="invalid_json") from None
     except RecursionError:
         raise BadRequest(
-            "the request body nests arrays or objects too deeply", code="invalid_json"
+            Text("the request body nests arrays or objects too deeply"), code="invalid_json"
         ) from None
     if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object", code="invalid_json")
+        raise BadRequest(Text("the request body must be a JSON object"), code="invalid_json")
     _check_text(body)
     return body
 
@@ -173,9 +181,9 @@ def query_number(
     try:
         value = float(raw)
     except ValueError:
-        raise BadRequest(f"{name} must be a number, not {raw!r}") from None
+        raise BadRequest(Text("{name} must be a number, not {raw!r}", name=name, raw=raw)) from None
     if not lo <= value <= hi:
-        raise BadRequest(f"{name} must be between {lo:g} and {hi:g}")
+        raise BadRequest(Text("{name} must be between {lo:g} and {hi:g}", name=name, lo=lo, hi=hi))
     return value
 
 
@@ -225,17 +233,17 @@ async def login(request: Request) -> Response:
     wait_s = limiter.retry_after_s(access.address)
     if wait_s > 0:
         audit(request, "login refused: too many attempts")
-        return error_response(
-            429,
-            "too_many_attempts",
-            f"too many wrong tokens from {access.address}; try again in {wait_s:.0f} s",
-            {"retry-after": str(int(wait_s) + 1)},
+        raise ApiError(
+            too_many_attempts(access.address, wait_s),
+            code="too_many_attempts",
+            status=429,
+            headers={"retry-after": str(int(wait_s) + 1)},
         )
     token = body.get("token")
     if not isinstance(token, str) or not daemon.policy.credentials.token_ok(token.strip()):
         limiter.failed(access.address)
         audit(request, "login failed")
-        return error_response(401, "token_invalid", "the control token is wrong")
+        raise ApiError(WRONG_TOKEN, code="token_invalid", status=401)
     limiter.succeeded(access.address)
     audit(request, "login")
     next_path = body.get("next") if isinstance(body.get("next"), str) else "/"
@@ -308,7 +316,9 @@ async def get_hardware(request: Request) -> Response:
 async def get_hardware_history(request: Request) -> Response:
     kind = request.query_params.get("kind")
     if not kind:
-        raise BadRequest("give ?kind=, e.g. ?kind=disk.read (GET /api/hardware lists the kinds)")
+        raise BadRequest(
+            Text("give ?kind=, e.g. ?kind=disk.read (GET /api/hardware lists the kinds)")
+        )
     limit = int(query_number(request, "limit", 500, 1, 10000) or 500)
     rows = await blocking(daemon_of(request).hardware.history, kind, limit)
     return JSONResponse({"kind": kind, "measurements": [measurement_json(m) for m in rows]})
@@ -321,18 +331,26 @@ async def measure_hardware(request: Request) -> Response:
     bench_args: list[str] = []
     model = body.get("model")
     if model is not None:
-        if not isinstance(model, str) or await blocking(daemon.catalog.by_path, model) is None:
-            raise BadRequest(f"unknown model {model!r}; GET /api/models lists them")
+        if not isinstance(model, str):
+            raise BadRequest(
+                Text("model must be the path of a checkpoint folder (see GET /api/models)")
+            )
+        if await blocking(daemon.catalog.by_path, model) is None:
+            raise BadRequest(
+                Text("unknown model {model!r}; GET /api/models lists them", model=model)
+            )
         bench_args += ["--model-path", model]
     threads = body.get("threads")
     if threads is not None:
         if not isinstance(threads, list) or not all(isinstance(t, int) and t > 0 for t in threads):
-            raise BadRequest("threads must be a list of positive whole numbers, e.g. [1, 2, 4]")
+            raise BadRequest(
+                Text("threads must be a list of positive whole numbers, e.g. [1, 2, 4]")
+            )
         bench_args += ["--threads", ",".join(str(t) for t in threads)]
     paths = [m.path for m in await blocking(daemon.catalog.list)]
     job, new = daemon.hardware.start_measure([Path(p) for p in paths], bench_args)
     if not new:
-        raise Conflict(f"a measurement is already running (job {job.id})", code="busy")
+        raise Conflict(Text("a measurement is already running (job {id})", id=job.id), code="busy")
     audit(request, "measure hardware", f"job {job.id}", bench_args=bench_args)
     return JSONResponse({"job": job.to_json()}, status_code=202)
 
@@ -340,7 +358,9 @@ async def measure_hardware(request: Request) -> Response:
 async def get_job(request: Request) -> Response:
     job = daemon_of(request).jobs.get(path_id(request))
     if job is None:
-        raise NotFound(f"no job {path_id(request)} (jobs last as long as the daemon process)")
+        raise NotFound(
+            Text("no job {id} (jobs last as long as the daemon process)", id=path_id(request))
+        )
     return JSONResponse(job.to_json())
 
 
@@ -363,7 +383,7 @@ async def get_models(request: Request) -> Response:
 async def get_model(request: Request) -> Response:
     row = await blocking(daemon_of(request).catalog.get, path_id(request))
     if row is None:
-        raise NotFound(f"no model {path_id(request)}")
+        raise NotFound(Text("no model {id}", id=path_id(request)))
     return JSONResponse(model_json(row))
 
 

@@ -15,6 +15,7 @@ from starlette.routing import Route
 from ..autotune.flagset import split_flags
 from ..autotune.modes import MODES
 from ..autotune.noise import OBJECTIVES
+from ..engine.text import Text, text_fields, text_of, texts_fields
 from .api import access_of, audit, blocking, json_body, path_id, query_number
 from .api_profiles import profile_json
 from .benchmark_estimate import mode_durations
@@ -46,7 +47,7 @@ def run_summary(row: BenchmarkRun, active_id: int | None) -> dict[str, Any]:
         "phase": row.phase,
         "eta_s": row.eta_s if row.status == "running" else None,
         "gain": result.get("gain"),
-        "changes": [c.get("label") for c in result.get("changes", [])],
+        **texts_fields("changes", [text_of(c, "label") for c in result.get("changes", [])]),
         "pick_up_from": (row.options or {}).get("pick_up_from"),
         "created": iso_time(row.created),
         "finished": iso_time(row.finished),
@@ -124,7 +125,7 @@ def plan_json(service: BenchmarkService, options: RunOptions, reveal: bool) -> d
         "model_name": setup.model.name,
         "mode": setup.mode,
         "base_flags": setup.base_flags if reveal else redact_flags(setup.base_flags),
-        "base_origin": setup.base_origin,
+        **text_fields("base_origin", setup.base_origin),
         "pick_up_from": setup.pick_up_from,
         "candidates": [c.to_json() for c in setup.plan.candidates],
         "skipped": [s.to_json() for s in setup.plan.skipped],
@@ -176,7 +177,7 @@ async def get_trial(request: Request) -> Response:
     rows = await blocking(trials_of, service.store, run_id)
     row = next((t for t in rows if t.n == n), None)
     if row is None:
-        raise NotFound(f"run {run_id} has no trial {n}")
+        raise NotFound(Text("run {run_id} has no trial {n}", run_id=run_id, n=n))
     return JSONResponse(trial_json(row, access_of(request).control, full=True))
 
 
@@ -206,7 +207,7 @@ async def save_profile(request: Request) -> Response:
     body = await json_body(request)
     name = body.get("name")
     if name is not None and not isinstance(name, str):
-        raise BadRequest("name must be a string")
+        raise BadRequest(Text("name must be a string"))
     profile = await blocking(service.save_profile, path_id(request), name or None)
     audit(request, "save benchmark as profile", f"profile {profile.id}", run=path_id(request))
     return JSONResponse(profile_json(profile, True), status_code=201)
@@ -224,7 +225,7 @@ async def compare(request: Request) -> Response:
     a = query_number(request, "a", None, 1, 2**62)
     b = query_number(request, "b", None, 1, 2**62)
     if a is None or b is None:
-        raise BadRequest("give two runs: ?a=ID&b=ID")
+        raise BadRequest(Text("give two runs: ?a=ID&b=ID"))
     body = await blocking(compare_runs, service, int(a), int(b), access_of(request).control)
     return JSONResponse(body)
 

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..engine.text import Text, error_text
 from ..profiles.cmdline import from_command_line, to_command_line
 from ..profiles.flags import FlagChange, FlagError, apply_changes, canonical, changes_from_json
 from ..profiles.toml_file import ProfileFile, dumps, loads
@@ -51,27 +52,38 @@ def checked_fields(body: dict[str, Any], current: Profile | None) -> dict[str, A
     """The profile fields of a request body, validated; missing ones keep `current`'s values."""
     unknown = set(body) - set(FIELDS)
     if unknown:
-        raise BadRequest(f"unknown field(s) {sorted(unknown)}; a profile has {list(FIELDS)}")
+        raise BadRequest(
+            Text(
+                "unknown field(s) {unknown}; a profile has {fields}",
+                unknown=str(sorted(unknown)),
+                fields=str(list(FIELDS)),
+            )
+        )
     merged = {f: getattr(current, f) for f in FIELDS} if current else {}
     merged.update(body)
     name, model = merged.get("name"), merged.get("model")
     if not isinstance(name, str) or not name.strip() or len(name) > 200:
-        raise BadRequest("name must be a non-empty string of at most 200 characters")
+        raise BadRequest(Text("name must be a non-empty string of at most 200 characters"))
     if not isinstance(model, str) or not model.strip():
-        raise BadRequest("model must be the path of a checkpoint folder (see GET /api/models)")
+        raise BadRequest(
+            Text("model must be the path of a checkpoint folder (see GET /api/models)")
+        )
     model_dir = Path(model).expanduser()
     if "model" in body and not (model_dir / "config.json").is_file():
         raise BadRequest(
-            f"no checkpoint at {model} (a folder with config.json); GET /api/models lists them",
+            Text(
+                "no checkpoint at {model} (a folder with config.json); GET /api/models lists them",
+                model=model,
+            ),
             code="model_not_found",
         )
     try:
         flags = canonical(merged.get("flags", []))
     except FlagError as err:
-        raise BadRequest(str(err), code="invalid_flags") from None
+        raise BadRequest(error_text(err), code="invalid_flags") from None
     for text_field in ("notes", "origin"):
         if text_field in merged and not isinstance(merged[text_field], str):
-            raise BadRequest(f"{text_field} must be a string")
+            raise BadRequest(Text("{field} must be a string", field=text_field))
     out = {
         "name": name.strip(),
         "model": str(model_dir.resolve()) if "model" in body else model,
@@ -89,7 +101,7 @@ def save_profile(store: Store, profile_id: int | None, body: dict[str, Any]) -> 
         with store.session() as session:
             row = session.get(Profile, profile_id) if profile_id is not None else None
             if profile_id is not None and row is None:
-                raise NotFound(f"no profile {profile_id}")
+                raise NotFound(Text("no profile {profile_id}", profile_id=profile_id))
             fields = checked_fields(body, row)
             if row is None:
                 row = Profile(
@@ -104,7 +116,8 @@ def save_profile(store: Store, profile_id: int | None, body: dict[str, Any]) -> 
             return row
     except IntegrityError:
         raise Conflict(
-            f"a profile named {body.get('name')!r} exists already", code="name_taken"
+            Text("a profile named {name!r} exists already", name=body.get("name")),
+            code="name_taken",
         ) from None
 
 
@@ -117,7 +130,7 @@ def profile_row(store: Store, profile_id: int) -> Profile:
     with store.session() as session:
         row = session.get(Profile, profile_id)
         if row is None:
-            raise NotFound(f"no profile {profile_id}")
+            raise NotFound(Text("no profile {profile_id}", profile_id=profile_id))
         return row
 
 
@@ -126,7 +139,7 @@ def delete_row(store: Store, profile_id: int) -> list[int]:
     with store.session() as session:
         row = session.get(Profile, profile_id)
         if row is None:
-            raise NotFound(f"no profile {profile_id}")
+            raise NotFound(Text("no profile {profile_id}", profile_id=profile_id))
         servers = list(session.scalars(select(Server.id).where(Server.profile_id == profile_id)))
         session.delete(row)
         return servers
@@ -161,19 +174,19 @@ async def create_profile(request: Request) -> Response:
     paste_notes: list[str] = []
     if "command" in body:
         if "flags" in body:
-            raise BadRequest("give flags or a command line, not both")
+            raise BadRequest(Text("give flags or a command line, not both"))
         try:
             pasted = from_command_line(str(body.pop("command")))
         except FlagError as err:
-            raise BadRequest(str(err), code="invalid_flags") from None
+            raise BadRequest(error_text(err), code="invalid_flags") from None
         if not body.get("model"):
             if pasted.model is None:
-                raise BadRequest("the command line names no --model-path; choose the model")
+                raise BadRequest(Text("the command line names no --model-path; choose the model"))
             body["model"] = pasted.model
         body["flags"], paste_notes = pasted.flags, pasted.notes
     if _truthy(body.pop("recommended", False)):
         if not isinstance(body.get("model"), str) or not body["model"]:
-            raise BadRequest("choose the model to recommend flags for")
+            raise BadRequest(Text("choose the model to recommend flags for"))
         changes, origin = await blocking(recommended_flags, daemon, body["model"], None)
         body["flags"] = apply_changes(body.get("flags") or [], changes)
         body.setdefault("origin", origin)
@@ -246,11 +259,15 @@ async def apply_to_profile(request: Request) -> Response:
         elif "flag" in body:
             changes = changes_from_json([{"flag": body["flag"], "value": body.get("value")}])
         else:
-            raise BadRequest('give {"changes": [{"flag", "value"}]}, {"flag", "value"} or '
-                             '{"recommended": true}')  # fmt: skip
+            raise BadRequest(
+                Text(
+                    'give {{"changes": [{{"flag", "value"}}]}}, {{"flag", "value"}} or '
+                    '{{"recommended": true}}'
+                )
+            )
         flags = apply_changes(row.flags, changes)
     except FlagError as err:
-        raise BadRequest(str(err), code="invalid_flags") from None
+        raise BadRequest(error_text(err), code="invalid_flags") from None
     update: dict[str, Any] = {"flags": flags}
     if origin is not None:
         update["origin"] = origin
@@ -294,17 +311,17 @@ async def import_toml(request: Request) -> Response:
     else:
         text, name = (await request.body()).decode("utf-8", "replace"), None
     if not isinstance(text, str) or not text.strip():
-        raise BadRequest('send the TOML file as the body, or as {"toml": "..."}')
+        raise BadRequest(Text('send the TOML file as the body, or as {{"toml": "..."}}'))
     try:
         parsed = loads(text)
     except FlagError as err:
-        raise BadRequest(str(err), code="invalid_profile_file") from None
+        raise BadRequest(error_text(err), code="invalid_profile_file") from None
     fields: dict[str, Any] = {"name": name or parsed.name, "model": parsed.model,
                               "flags": parsed.flags}  # fmt: skip
     if not fields["name"]:
-        raise BadRequest('the file has no name; give one (name = "..." or {"name"})')
+        raise BadRequest(Text('the file has no name; give one (name = "..." or {{"name"}})'))
     if not parsed.model:
-        raise BadRequest('the file has no model (model = "/path/to/checkpoint")')
+        raise BadRequest(Text('the file has no model (model = "/path/to/checkpoint")'))
     fields["origin"] = parsed.origin or "imported"
     if parsed.notes is not None:
         fields["notes"] = parsed.notes
@@ -318,11 +335,11 @@ async def parse_command(request: Request) -> Response:
     body = await json_body(request)
     command = body.get("command")
     if not isinstance(command, str):
-        raise BadRequest('give {"command": "moelab serve --model-path ... --flag value"}')
+        raise BadRequest(Text('give {{"command": "moelab serve --model-path ... --flag value"}}'))
     try:
         pasted = from_command_line(command)
     except FlagError as err:
-        raise BadRequest(str(err), code="invalid_flags") from None
+        raise BadRequest(error_text(err), code="invalid_flags") from None
     audit(request, "read a command line")
     return JSONResponse({"model": pasted.model, "flags": pasted.flags, "notes": pasted.notes})
 

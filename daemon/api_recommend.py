@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from ..engine.memory import MemoryPlanError
 from ..engine.spec import ModelSpec
+from ..engine.text import Text, error_text, text_fields
 from ..profiles.flags import FlagError
 from ..profiles.machine import Gpu, Machine
 from ..profiles.planner import RunObservation, plan_context
@@ -150,10 +151,10 @@ def gather(daemon: Daemon, model: str | None, profile_id: int | None) -> Inputs:
         with daemon.store.session() as session:
             profile = session.get(Profile, profile_id)
         if profile is None:
-            raise NotFound(f"no profile {profile_id}")
+            raise NotFound(Text("no profile {profile_id}", profile_id=profile_id))
         model = model or profile.model
     if not model:
-        raise BadRequest("give ?model= (a path or an id from GET /api/models) or ?profile=")
+        raise BadRequest(Text("give ?model= (a path or an id from GET /api/models) or ?profile="))
     row, spec = daemon.catalog.resolve(model)
     return Inputs(
         model=row,
@@ -205,7 +206,7 @@ def recommendation_json(
         planner = plan_context(inputs.spec, machine, base, run=inputs.run).to_json()
         planner["base_flags"] = base if reveal else redact_flags(base)
     except (FlagError, MemoryPlanError) as err:
-        planner = {"error": str(err)}
+        planner = text_fields("error", error_text(err))
     run = inputs.run
     planner["run"] = (
         {

@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine import launch
+from ..engine.text import Text, text_fields
 from .api import access_of, audit, blocking, body_id, daemon_of, json_body, path_id, query_number
 from .errors import BadRequest, NotFound
 from .flags import hide_secrets, redact_flags
@@ -37,7 +38,7 @@ def server_json(row: Server, daemon: Daemon, reveal: bool) -> dict[str, Any]:
         "status": row.status,
         "pid": row.pid,
         "exit_code": row.exit_code,
-        "error": row.error,
+        **text_fields("error", Text.from_json(row.error_text) if row.error_text else row.error),
         "log_tail": (row.log_tail if reveal else hide_secrets(row.log_tail or ""))
         if ended
         else None,
@@ -70,16 +71,18 @@ async def start_server(request: Request) -> Response:
     body = await json_body(request)
     if "profile_id" in body:
         if set(body) - {"profile_id"}:
-            raise BadRequest("give either profile_id alone, or model and flags")
+            raise BadRequest(Text("give either profile_id alone, or model and flags"))
         profile_id = body_id(body, "profile_id")
         if profile_id is None:
-            raise BadRequest("profile_id must be a whole number, or leave it out and give model")
+            raise BadRequest(
+                Text("profile_id must be a whole number, or leave it out and give model")
+            )
 
         def profile() -> Profile:
             with daemon.store.session() as session:
                 row = session.get(Profile, profile_id)
                 if row is None:
-                    raise NotFound(f"no profile {profile_id}")
+                    raise NotFound(Text("no profile {profile_id}", profile_id=profile_id))
                 return row
 
         p = await blocking(profile)
@@ -88,7 +91,10 @@ async def start_server(request: Request) -> Response:
         unknown = set(body) - {"model", "flags", "name"}
         if unknown:
             raise BadRequest(
-                f"unknown field(s) {sorted(unknown)}; give profile_id, or model and flags"
+                Text(
+                    "unknown field(s) {unknown}; give profile_id, or model and flags",
+                    unknown=str(sorted(unknown)),
+                )
             )
         model, flags, name, profile_id = (
             body.get("model"),
@@ -97,9 +103,11 @@ async def start_server(request: Request) -> Response:
             None,
         )
         if not isinstance(model, str):
-            raise BadRequest("model must be the path of a checkpoint (GET /api/models lists them)")
+            raise BadRequest(
+                Text("model must be the path of a checkpoint (GET /api/models lists them)")
+            )
         if name is not None and not isinstance(name, str):
-            raise BadRequest("name must be a string")
+            raise BadRequest(Text("name must be a string"))
     row = await blocking(
         daemon.supervisor.start, model=model, flags=flags, name=name, profile_id=profile_id
     )
@@ -168,7 +176,7 @@ async def server_samples(request: Request) -> Response:
     row = await blocking(daemon.supervisor.row, path_id(request))
     kind = request.query_params.get("kind", STATS)
     if kind not in (STATS, PICKS):
-        raise BadRequest(f"kind must be {STATS} or {PICKS}")
+        raise BadRequest(Text("kind must be {stats} or {picks}", stats=STATS, picks=PICKS))
     since = query_number(request, "since", None, 0, 1e12)
     until = query_number(request, "until", None, 0, 1e12)
     limit = int(query_number(request, "limit", 5000, 1, 50000) or 5000)

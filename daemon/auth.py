@@ -41,10 +41,9 @@ from ..engine.hosts import (
     is_loopback_host,
     split_host,
 )
+from ..engine.text import Text
 from .audit import AuditEntry, AuditLog, cut
 from .errors import DiskFull
-
-log = logging.getLogger("moelab.mgr")
 
 log = logging.getLogger("moelab.mgr")
 
@@ -54,6 +53,16 @@ COOKIE_MAX_AGE_S = 30 * 24 * 3600
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # paths an unsafe request may reach without the token (they are how one presents it)
 TOKEN_FREE_PATHS = frozenset({"/api/auth/login", "/api/auth/logout"})
+WRONG_TOKEN = Text("the control token is wrong")
+
+
+def too_many_attempts(address: str, wait_s: float) -> Text:
+    """Why an address that gave too many wrong tokens lately is refused, and for how long."""
+    return Text(
+        "too many wrong tokens from {address}; try again in {wait_s:.0f} s",
+        address=address,
+        wait_s=wait_s,
+    )
 
 
 def load_or_create_token(data_dir: Path) -> str:
@@ -170,7 +179,7 @@ class AccessPolicy:
         address: str,
         headers: dict[str, str],
         local_address: str | None = None,
-    ) -> tuple[Access, tuple[int, str, str] | None]:
+    ) -> tuple[Access, tuple[int, str, Text] | None]:
         """The request's access, and (status, code, message) when it must be refused;
         `local_address`: the address the connection arrived on (served whatever it is)."""
         host = headers.get("host")
@@ -181,8 +190,11 @@ class AccessPolicy:
             return access, (
                 400,
                 "unknown_host",
-                f"this daemon does not serve the host {host!r}; open it by this machine's address "
-                "or name, or start mgr with --allow-host NAME",
+                Text(
+                    "this daemon does not serve the host {host!r}; open it by this machine's "
+                    "address or name, or start mgr with --allow-host NAME",
+                    host=host,
+                ),
             )
         # a blocked address gets no credential checked at all, or it could go on guessing
         wait_s = 0.0 if access.may_see_token else self.limiter.retry_after_s(address)
@@ -197,24 +209,26 @@ class AccessPolicy:
             return access, (
                 403,
                 "foreign_origin",
-                "requests that change something must come from this daemon's own pages "
-                f"(Origin {headers.get('origin')!r} is not {host!r})",
+                Text(
+                    "requests that change something must come from this daemon's own pages "
+                    "(Origin {origin!r} is not {host!r})",
+                    origin=headers.get("origin"),
+                    host=host,
+                ),
             )
         if path in TOKEN_FREE_PATHS or access.control:
             return access, None
         if wait_s > 0:
-            return access, (
-                429,
-                "too_many_attempts",
-                f"too many wrong tokens from {address}; try again in {wait_s:.0f} s",
-            )
+            return access, (429, "too_many_attempts", too_many_attempts(address, wait_s))
         if wrong_token:
-            return access, (401, "token_invalid", "the control token is wrong")
+            return access, (401, "token_invalid", WRONG_TOKEN)
         return access, (
             401,
             "token_required",
-            "changing anything needs the control token (printed by mgr at start, and stored in "
-            "its data dir): send `Authorization: Bearer TOKEN` or log in",
+            Text(
+                "changing anything needs the control token (printed by mgr at start, and stored "
+                "in its data dir): send `Authorization: Bearer TOKEN` or log in"
+            ),
         )
 
     def _credential(self, headers: dict[str, str], address: str) -> tuple[str | None, bool]:
@@ -254,7 +268,7 @@ class AccessMiddleware:
         app: ASGIApp,
         policy: AccessPolicy,
         audit: AuditLog,
-        render_error: Callable[[int, str, str, dict[str, str]], Any],
+        render_error: Callable[[int, str, Text, dict[str, str]], Any],
     ) -> None:
         self.app = app
         self.policy = policy

@@ -22,6 +22,7 @@ from ..autotune.plan import MachineFacts, ModelFacts, Plan, make_plan
 from ..autotune.trial import Cancelled
 from ..engine.args import TUNABLE
 from ..engine.spec import ModelSpec
+from ..engine.text import Text, error_text
 from .api import body_id
 from .benchmark_store import add_event, update_run
 from .errors import BadRequest, NotFound
@@ -54,15 +55,23 @@ class RunOptions:
                  "only_flags", "min_gain", "side_tolerance"}  # fmt: skip
         unknown = set(body) - known
         if unknown:
-            raise BadRequest(f"unknown field(s) {sorted(unknown)}; a run takes {sorted(known)}")
+            raise BadRequest(
+                Text(
+                    "unknown field(s) {unknown}; a run takes {known}",
+                    unknown=str(sorted(unknown)),
+                    known=str(sorted(known)),
+                )
+            )
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise BadRequest("model must be a checkpoint path or id (GET /api/models lists them)")
+            raise BadRequest(
+                Text("model must be a checkpoint path or id (GET /api/models lists them)")
+            )
         mode = body.get("mode") or None
         objective = body.get("objective", "decode")
         clients = body.get("clients", 8 if objective == "aggregate" else 0)
         if not isinstance(clients, int) or isinstance(clients, bool) or not 0 <= clients <= 256:
-            raise BadRequest("clients must be a whole number from 2 to 256")
+            raise BadRequest(Text("clients must be a whole number from 2 to 256"))
         try:
             if mode is not None:
                 mode_named(str(mode))
@@ -72,30 +81,33 @@ class RunOptions:
                 side_tolerance=_share(body, "side_tolerance", 0.05),
             )
         except ValueError as err:
-            raise BadRequest(str(err)) from None
+            raise BadRequest(error_text(err)) from None
         base = body.get("base_flags")
         if base is not None and (
             not isinstance(base, list) or not all(isinstance(f, str) for f in base)
         ):
             raise BadRequest(
-                'base_flags must be a list of strings, e.g. ["--moe-cache-rate", "0.5"]'
+                Text('base_flags must be a list of strings, e.g. ["--moe-cache-rate", "0.5"]')
             )
         only = body.get("only_flags")
         if only is not None:
             if not isinstance(only, list) or not all(isinstance(f, str) for f in only):
-                raise BadRequest("only_flags must be a list of flag names")
+                raise BadRequest(Text("only_flags must be a list of flag names"))
             wrong = sorted(set(only) - TUNABLE_FLAGS)
             if wrong:
                 raise BadRequest(
-                    f"not tunable: {', '.join(wrong)}; the tunable flags are "
-                    f"{', '.join(sorted(TUNABLE_FLAGS))}"
+                    Text(
+                        "not tunable: {wrong}; the tunable flags are {tunable}",
+                        wrong=", ".join(wrong),
+                        tunable=", ".join(sorted(TUNABLE_FLAGS)),
+                    )
                 )
         profile_id = body_id(body, "profile_id")
         pick_up = body.get("pick_up", False)
         if not isinstance(pick_up, bool):
-            raise BadRequest("pick_up must be true or false")
+            raise BadRequest(Text("pick_up must be true or false"))
         if sum(x is not None and x is not False for x in (base, profile_id, pick_up or None)) > 1:
-            raise BadRequest("give at most one of base_flags, profile_id and pick_up")
+            raise BadRequest(Text("give at most one of base_flags, profile_id and pick_up"))
         return cls(
             model=model,
             mode=None if mode is None else str(mode),
@@ -112,7 +124,7 @@ class RunOptions:
 def _share(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 0.5:
-        raise ValueError(f"{name} must be a share from 0 to 0.5 (e.g. 0.05 for 5%)")
+        raise ValueError(Text("{name} must be a share from 0 to 0.5 (e.g. 0.05 for 5%)", name=name))
     return float(value)
 
 
@@ -124,7 +136,7 @@ class Setup:
     model: Model
     spec: ModelSpec
     base_flags: list[str]
-    base_origin: str
+    base_origin: Text
     mode: str
     plans: dict[str, Plan]
     machine: MachineFacts
@@ -167,12 +179,15 @@ def resolve_setup(daemon: Daemon, options: RunOptions) -> Setup:
         last = last_done(daemon, model.path, options.objective, options.clients)
         if last is None:
             raise BadRequest(
-                f"no finished {options.objective} run of {model.name} to pick up from; "
-                "run a benchmark first",
+                Text(
+                    "no finished {objective} run of {name} to pick up from; run a benchmark first",
+                    objective=options.objective,
+                    name=model.name,
+                ),
                 code="nothing_to_pick_up",
             )
         result = last.result or {}
-        base, origin = list(result.get("flags", [])), f"the result of run {last.id}"
+        base, origin = list(result.get("flags", [])), Text("the result of run {run}", run=last.id)
         pick_up_from, hardware = last.id, (last.options or {}).get("hardware")
         tried_in = dict(result.get("tried_in") or {})
         for key in result.get("tried", []):
@@ -181,17 +196,19 @@ def resolve_setup(daemon: Daemon, options: RunOptions) -> Setup:
         with daemon.store.session() as session:
             profile = session.get(Profile, options.profile_id)
         if profile is None:
-            raise NotFound(f"no profile {options.profile_id}")
-        base, origin = list(profile.flags), f"profile {profile.name!r}"
+            raise NotFound(Text("no profile {profile_id}", profile_id=options.profile_id))
+        base, origin = list(profile.flags), Text("profile {name!r}", name=profile.name)
     elif options.base_flags is not None:
-        base, origin = list(options.base_flags), "the flags given"
+        base, origin = list(options.base_flags), Text("the flags given")
     else:
-        base, origin = recommended_flags(daemon, model.path), "Recommended"
+        base, origin = recommended_flags(daemon, model.path), Text("Recommended")
     base = for_this_machine(base, machine)
     try:
         validate_flags(model.path, base)
     except FlagError as err:
-        raise BadRequest(f"the starting flags: {err}", code="invalid_flags") from None
+        raise BadRequest(
+            Text("the starting flags: {error}", error=error_text(err)), code="invalid_flags"
+        ) from None
     plans = {
         name: make_plan(
             base,
@@ -254,12 +271,16 @@ def hardware_phase(
             daemon.store,
             row.id,
             "phase",
-            f"hardware: measured {(time.time() - fresh) / 3600:.1f} h ago at this expert size; "
-            "not measured again",
+            Text(
+                "hardware: measured {hours:.1f} h ago at this expert size; not measured again",
+                hours=(time.time() - fresh) / 3600,
+            ),
         )
     else:
         update_run(daemon.store, row.id, phase="hardware")
-        add_event(daemon.store, row.id, "phase", "hardware: moelab bench bw at this expert size")
+        add_event(
+            daemon.store, row.id, "phase", Text("hardware: moelab bench bw at this expert size")
+        )
         job, _new = daemon.hardware.start_measure([Path(row.model)], ["--model-path", row.model])
         while not daemon.jobs.wait(job, 0.5):
             if cancelled():
@@ -269,7 +290,10 @@ def hardware_phase(
                 daemon.store,
                 row.id,
                 "warning",
-                f"hardware: the measurement failed ({job.error}); the engines measure at start",
+                Text(
+                    "hardware: the measurement failed ({error}); the engines measure at start",
+                    error=job.error,
+                ),
             )
     inventory = daemon.hardware.inventory(max_age_s=3600.0)
     rates = {

@@ -3,6 +3,11 @@
 A trial row holds the figures in columns and the rest in `stats` (JSON): the engine's /v1/stats,
 the workload's per-request readings, the trial's role, the measured reason for its verdict, the
 context it proved. Everything a resumed run needs to replay a trial is in its row.
+
+Reasons, errors and events are sentences (engine/text.py): each is kept in English (the columns
+and fields the API serves) with its stored form beside it (`reason_text`, `error_text`, the
+events' `text` column), so the console shows them in the viewer's language. Rows from before
+the stored forms keep their English.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from ..autotune.flagset import Change
 from ..autotune.journal import Journal, StoredTrial
 from ..autotune.trial import TrialRequest, TrialResult
 from ..autotune.workload import ContextProof
+from ..engine.text import Text, text_columns, text_fields, text_of
 from .flags import HIDDEN, SECRET_FLAGS, hide_secrets, redact_flags
 from .schema import BenchmarkEvent, BenchmarkRun, Trial
 from .store import Store, iso_time
@@ -39,12 +45,13 @@ def trial_values(trial: StoredTrial) -> dict[str, Any]:
         "ttft_s": r.ttft_s,
         "hit_rate": r.hit_rate,
         "verdict": trial.verdict,
-        "error": r.error,
+        "error": None if r.error is None else str(r.error),
         "log_tail": r.log_tail,
         "stats": {
             "ok": r.ok,
             "role": q.role,
-            "reason": trial.reason,
+            **text_fields("reason", trial.reason),
+            "error_text": r.error.to_json() if isinstance(r.error, Text) else None,
             "context_tokens": q.context_tokens,
             "usable_context": r.usable_context,
             "context_proof": r.context_proof.to_json() if r.context_proof else None,
@@ -61,6 +68,8 @@ def stored_trial(row: Trial) -> StoredTrial:
     """A trial row as the journal replays it."""
     extra = row.stats or {}
     proof = extra.get("context_proof")
+    stored_error = extra.get("error_text")
+    error = Text.from_json(stored_error) if stored_error else row.error
     request = TrialRequest(
         tuple(row.flags),
         Change.from_json(row.change) if row.change else None,
@@ -77,18 +86,18 @@ def stored_trial(row: Trial) -> StoredTrial:
         ttft_s=row.ttft_s,
         hit_rate=row.hit_rate,
         usable_context=extra.get("usable_context"),
-        context_proof=ContextProof(**proof) if proof else None,
+        context_proof=ContextProof.from_json(proof) if proof else None,
         engine_pid=row.engine_pid,
         startup_s=row.startup_s,
         warmup_s=extra.get("warmup_s"),
         stop_s=extra.get("stop_s"),
         failure=extra.get("failure"),
-        error=row.error,
+        error=error,
         log_tail=row.log_tail,
         stats=extra.get("engine"),
         details=extra.get("details") or {},
     )
-    return StoredTrial(row.n, request, result, row.verdict, extra.get("reason", ""))
+    return StoredTrial(row.n, request, result, row.verdict, text_of(extra, "reason"))
 
 
 def trials_of(store: Store, run_id: int) -> list[Trial]:
@@ -106,11 +115,20 @@ def events_of(store: Store, run_id: int, limit: int | None = None) -> list[Bench
         return rows[::-1]
 
 
-def add_event(store: Store, run_id: int, kind: str, message: str, data: dict | None = None) -> None:
+def add_event(
+    store: Store, run_id: int, kind: str, message: Text | str, data: dict | None = None
+) -> None:
+    """A line of a run's story: its English, and its stored form to show in other languages."""
     with store.session() as session:
+        columns = text_columns("message", message)
         session.add(
             BenchmarkEvent(
-                run_id=run_id, time=time.time(), kind=kind, message=message, data=data or {}
+                run_id=run_id,
+                time=time.time(),
+                kind=kind,
+                message=columns["message"],
+                text=columns["message_text"],
+                data=data or {},
             )
         )
 
@@ -152,15 +170,15 @@ class DbJournal(Journal):
         with self.store.session() as session:
             session.add(Trial(run_id=self.run_id, **trial_values(trial)))
 
-    def set_verdict(self, n: int, verdict: str, reason: str) -> None:
+    def set_verdict(self, n: int, verdict: str, reason: Text) -> None:
         with self.store.session() as session:
             row = session.scalars(
                 select(Trial).where(Trial.run_id == self.run_id, Trial.n == n)
             ).one()
             row.verdict = verdict
-            row.stats = {**(row.stats or {}), "reason": reason}
+            row.stats = {**(row.stats or {}), **text_fields("reason", reason)}
 
-    def save_event(self, kind: str, message: str, data: dict[str, Any]) -> None:
+    def save_event(self, kind: str, message: Text, data: dict[str, Any]) -> None:
         add_event(self.store, self.run_id, kind, message, data)
 
     def forget_from(self, n: int) -> None:
@@ -194,7 +212,7 @@ def trial_json(row: Trial, reveal: bool, full: bool = False) -> dict[str, Any]:
         "ttft_s": row.ttft_s,
         "hit_rate": row.hit_rate,
         "verdict": row.verdict,
-        "reason": extra.get("reason", ""),
+        **text_fields("reason", text_of(extra, "reason")),
         "role": extra.get("role"),
         "failure": extra.get("failure"),
         "error": row.error if reveal else hide_secrets(row.error or "") or None,
@@ -214,7 +232,7 @@ def event_json(row: BenchmarkEvent) -> dict[str, Any]:
         "id": row.id,
         "time": iso_time(row.time),
         "kind": row.kind,
-        "message": row.message,
+        **text_fields("message", Text.from_json(row.text) if row.text else row.message),
         "data": row.data,
     }
 
@@ -251,7 +269,7 @@ def run_json(
         "phase": row.phase,
         "eta_s": row.eta_s if row.status == "running" else None,
         "base_flags": row.base_flags if reveal else redact_flags(row.base_flags),
-        "base_origin": options.get("base_origin"),
+        **text_fields("base_origin", text_of(options, "base_origin")),
         "pick_up_from": options.get("pick_up_from"),
         "plan": options.get("plan"),
         "options": {k: v for k, v in options.items() if k not in ("plan", "hardware")},
@@ -259,7 +277,7 @@ def run_json(
         "trials": [trial_json(t, reveal) for t in trials],
         "current": (live or {}).get("current"),
         "result": result,
-        "error": row.error,
+        **text_fields("error", Text.from_json(row.error_text) if row.error_text else row.error),
         "engine_version": row.engine_version,
         "created": iso_time(row.created),
         "updated": iso_time(row.updated),

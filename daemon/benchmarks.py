@@ -22,13 +22,14 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from ..autotune.modes import mode_named
+from ..autotune.modes import MODE_NAMES, mode_named
 from ..autotune.noise import NoiseRule, Objective
 from ..autotune.plan import Plan
-from ..autotune.search import Search, SearchFailed, SearchSettings
+from ..autotune.search import STARTING_FLAGS, Search, SearchFailed, SearchSettings
 from ..autotune.trial import TRIAL_PORTS, Cancelled, EngineTrialRunner, TrialRequest
 from ..autotune.workload import Workload
 from ..engine import launch
+from ..engine.text import Text, error_text, text_columns, text_fields, text_of
 from .benchmark_setup import RunOptions, Setup, hardware_phase, resolve_setup
 from .benchmark_store import DbJournal, add_event, events_of, trials_of, update_run
 from .errors import BadRequest, Conflict, NotFound
@@ -81,7 +82,7 @@ class BenchmarkService:
                 self.store,
                 row.id,
                 "status",
-                "interrupted: mgr stopped during the run; resume it to go on",
+                Text("interrupted: mgr stopped during the run; resume it to go on"),
             )
         if rows:
             self._orphans_gone.clear()
@@ -112,7 +113,10 @@ class BenchmarkService:
                         self.store,
                         run_id,
                         "status",
-                        f"the trial engine a stopped mgr left running (pid {stopped}) was stopped",
+                        Text(
+                            "the trial engine a stopped mgr left running (pid {pid}) was stopped",
+                            pid=stopped,
+                        ),
                     )
         finally:
             self._orphans_gone.set()
@@ -158,8 +162,11 @@ class BenchmarkService:
         setup = self.setup(options)
         if options.pick_up and not setup.plan.candidates:
             raise Conflict(
-                f"nothing new to try: every candidate was tried in run {setup.pick_up_from} or "
-                "before (a newer engine or the thorough mode adds candidates)",
+                Text(
+                    "nothing new to try: every candidate was tried in run {pick_up_from} or before "
+                    "(a newer engine or the thorough mode adds candidates)",
+                    pick_up_from=setup.pick_up_from,
+                ),
                 code="nothing_new",
             )
         self._check_device(setup.base_flags)
@@ -168,7 +175,8 @@ class BenchmarkService:
         with self._lock:
             if self._active is not None:
                 raise Conflict(
-                    f"run {self._active.run_id} is running; one run at a time", code="busy"
+                    Text("run {run_id} is running; one run at a time", run_id=self._active.run_id),
+                    code="busy",
                 )
             with self.store.session() as session:
                 row = BenchmarkRun(
@@ -180,7 +188,7 @@ class BenchmarkService:
                     base_flags=setup.base_flags,
                     options={
                         "clients": options.clients,
-                        "base_origin": setup.base_origin,
+                        **text_fields("base_origin", setup.base_origin),
                         "pick_up_from": setup.pick_up_from,
                         "tried_in": setup.tried_in,
                         "only_flags": list(options.only_flags) if options.only_flags else None,
@@ -203,8 +211,12 @@ class BenchmarkService:
             self.store,
             run_id,
             "status",
-            f"started: {setup.mode} mode, {Objective(options.objective, options.clients).label}, "
-            f"from {setup.base_origin}",
+            Text(
+                "started: {mode} mode, {objective}, from {origin}",
+                mode=MODE_NAMES[setup.mode],
+                objective=Objective(options.objective, options.clients).label,
+                origin=setup.base_origin,
+            ),
         )
         self._warn_if_shared(run_id)
         return run_id
@@ -245,8 +257,11 @@ class BenchmarkService:
                 self.store,
                 run_id,
                 "warning",
-                f"{len(engines)} engine(s) of this mgr are running: they share this machine's CPU "
-                "and memory with the trials and move their figures",
+                Text(
+                    "{n} engine(s) of this mgr are running: they share this machine's CPU and "
+                    "memory with the trials and move their figures",
+                    n=len(engines),
+                ),
             )
 
     def resume(self, run_id: int) -> None:
@@ -254,19 +269,26 @@ class BenchmarkService:
         with self._lock:
             if self._active is not None:
                 raise Conflict(
-                    f"run {self._active.run_id} is running; one run at a time", code="busy"
+                    Text("run {run_id} is running; one run at a time", run_id=self._active.run_id),
+                    code="busy",
                 )
             row = self.get(run_id)
             if row.status in ("running", "done"):
                 raise Conflict(
-                    f"run {run_id} is {row.status}; only a stopped run resumes",
+                    Text(
+                        "run {run_id} is {status}; only a stopped run resumes",
+                        run_id=run_id,
+                        status=row.status,
+                    ),
                     code="not_resumable",
                 )
             self._check_device(row.base_flags)
-            update_run(self.store, run_id, status="running", error=None, finished=None)
+            update_run(
+                self.store, run_id, status="running", **text_columns("error", None), finished=None
+            )
             self._launch(run_id)
         done = len(trials_of(self.store, run_id))
-        add_event(self.store, run_id, "status", f"resumed after {done} trials")
+        add_event(self.store, run_id, "status", Text("resumed after {n} trials", n=done))
         self._warn_if_shared(run_id)
 
     def cancel(self, run_id: int) -> None:
@@ -275,7 +297,10 @@ class BenchmarkService:
             active = self._active
         if active is None or active.run_id != run_id:
             row = self.get(run_id)
-            raise Conflict(f"run {run_id} is {row.status}, not running", code="not_running")
+            raise Conflict(
+                Text("run {run_id} is {status}, not running", run_id=run_id, status=row.status),
+                code="not_running",
+            )
         active.cancel.set()
         if active.thread is not None:
             active.thread.join(timeout=60)
@@ -287,8 +312,12 @@ class BenchmarkService:
         for handle in self.daemon.supervisor.handles():
             if handle.device == device and not handle.stopping:
                 raise Conflict(
-                    f"{device} is used by server {handle.server_id}; stop it before a benchmark "
-                    "(trials need the GPU to themselves)",
+                    Text(
+                        "{device} is used by server {server_id}; stop it before a benchmark "
+                        "(trials need the GPU to themselves)",
+                        device=device,
+                        server_id=handle.server_id,
+                    ),
                     code="gpu_taken",
                 )
 
@@ -322,14 +351,24 @@ class BenchmarkService:
                 self.store,
                 run_id,
                 "status",
-                "done" + (f": {gain:+.1%} over the starting flags" if gain is not None else ""),
+                Text("done")
+                if gain is None
+                else Text("done: {gain:+.1%} over the starting flags", gain=gain),
             )
         except Cancelled:
-            status = "interrupted" if active.shutdown.is_set() else "cancelled"
+            shutdown = active.shutdown.is_set()
+            status = "interrupted" if shutdown else "cancelled"
             update_run(self.store, run_id, status=status, eta_s=None, finished=time.time())
-            add_event(self.store, run_id, "status", f"{status}: the trial's engine was stopped")
+            add_event(
+                self.store,
+                run_id,
+                "status",
+                Text("interrupted: the trial's engine was stopped")
+                if shutdown
+                else Text("cancelled: the trial's engine was stopped"),
+            )
         except SearchFailed as err:
-            self._failed(run_id, str(err))
+            self._failed(run_id, error_text(err))
         except Exception as err:  # a bug: the run fails with the type, the log keeps the trace
             log.exception("benchmark run %s failed", run_id)
             self._failed(run_id, f"{type(err).__name__}: {err}")
@@ -338,11 +377,16 @@ class BenchmarkService:
                 if self._active is active:
                     self._active = None
 
-    def _failed(self, run_id: int, message: str) -> None:
+    def _failed(self, run_id: int, message: Text | str) -> None:
         update_run(
-            self.store, run_id, status="failed", error=message, eta_s=None, finished=time.time()
+            self.store,
+            run_id,
+            status="failed",
+            **text_columns("error", message),
+            eta_s=None,
+            finished=time.time(),
         )
-        add_event(self.store, run_id, "status", f"failed: {message}")
+        add_event(self.store, run_id, "status", Text("failed: {error}", error=message))
 
     def _search(self, active: ActiveRun) -> dict[str, Any]:
         row = self.get(active.run_id)
@@ -355,7 +399,7 @@ class BenchmarkService:
                 self.store,
                 row.id,
                 "phase",
-                f"hardware: the figures of run {options['pick_up_from']} are used",
+                Text("hardware: the figures of run {run} are used", run=options["pick_up_from"]),
             )
         mode = mode_named(row.mode)
         objective = Objective(row.objective, options.get("clients", 0))
@@ -376,7 +420,12 @@ class BenchmarkService:
                     self.store,
                     row.id,
                     "engine",
-                    f"trial {n}: engine pid {engine.pid} on port {engine.port}",
+                    Text(
+                        "trial {n}: engine pid {pid} on port {port}",
+                        n=n,
+                        pid=engine.pid,
+                        port=engine.port,
+                    ),
                     {
                         "n": n,
                         "pid": engine.pid,
@@ -402,7 +451,7 @@ class BenchmarkService:
             NoiseRule(min_gain=options["min_gain"], side_tolerance=options["side_tolerance"]),
             model_max_context=options.get("model_max_context"),
             pick_up=bool(options.get("pick_up_from")),
-            base_origin=options.get("base_origin", "the starting flags"),
+            base_origin=text_of(options, "base_origin") or STARTING_FLAGS,
         )
         result = Search(Plan.from_json(options["plan"]), row.base_flags, settings, journal).run()
         tried_in = dict(options.get("tried_in") or {})
@@ -412,26 +461,27 @@ class BenchmarkService:
             tried_in=tried_in,
             hardware=options["hardware"],
             pick_up_from=options.get("pick_up_from"),
-            base_origin=options.get("base_origin"),
+            **text_fields("base_origin", text_of(options, "base_origin")),
             mode=row.mode,
         )
         return result
 
     def _trial_starting(self, active: ActiveRun, n: int, request: TrialRequest) -> None:
+        label = request.change.label if request.change else Text("the flags as they are")
         active.current = {
             "n": n,
             "role": request.role,
             "change": request.change.to_json() if request.change else None,
-            "label": request.change.label if request.change else "the flags as they are",
+            **text_fields("label", label),
             "started": time.time(),
-            "step": "starting the engine",
+            **text_fields("step", Text("starting the engine")),
             "engine_pid": None,
         }
 
     @staticmethod
-    def _step(active: ActiveRun, step: str) -> None:
+    def _step(active: ActiveRun, step: Text) -> None:
         if active.current is not None:
-            active.current["step"] = step
+            active.current.update(text_fields("step", step))
 
     # ---- reading and keeping results --------------------------------------------------------
 
@@ -439,7 +489,7 @@ class BenchmarkService:
         with self.store.session() as session:
             row = session.get(BenchmarkRun, run_id)
             if row is None:
-                raise NotFound(f"no benchmark run {run_id}")
+                raise NotFound(Text("no benchmark run {run_id}", run_id=run_id))
             return row
 
     def runs(self, model: str | None = None) -> list[BenchmarkRun]:
@@ -452,11 +502,13 @@ class BenchmarkService:
     def delete(self, run_id: int) -> None:
         """Forget a run that is not running, with its trials, events and trial logs."""
         if self.active_id == run_id:
-            raise Conflict(f"run {run_id} is running; cancel it first", code="running")
+            raise Conflict(
+                Text("run {run_id} is running; cancel it first", run_id=run_id), code="running"
+            )
         with self.store.session() as session:
             row = session.get(BenchmarkRun, run_id)
             if row is None:
-                raise NotFound(f"no benchmark run {run_id}")
+                raise NotFound(Text("no benchmark run {run_id}", run_id=run_id))
             session.delete(row)
         for path in self.logs_dir.glob(f"bench-{run_id}-trial-*.log"):
             path.unlink(missing_ok=True)
@@ -466,12 +518,17 @@ class BenchmarkService:
         row = self.get(run_id)
         if row.status != "done" or not row.result:
             raise Conflict(
-                f"run {run_id} is {row.status}: only a finished run has a result", code="no_result"
+                Text(
+                    "run {run_id} is {status}: only a finished run has a result",
+                    run_id=run_id,
+                    status=row.status,
+                ),
+                code="no_result",
             )
         result = row.result
         name = (name or f"{Path(row.model).name} benchmark {run_id}").strip()
         if not name or len(name) > 200:
-            raise BadRequest("name must be a non-empty string of at most 200 characters")
+            raise BadRequest(Text("name must be a non-empty string of at most 200 characters"))
         gain = result.get("gain")
         lines = [
             f"Benchmark run {run_id} ({row.mode} mode, {row.objective}): "
@@ -494,4 +551,6 @@ class BenchmarkService:
                 session.flush()
                 return profile
         except IntegrityError:
-            raise Conflict(f"a profile named {name!r} exists already", code="name_taken") from None
+            raise Conflict(
+                Text("a profile named {name!r} exists already", name=name), code="name_taken"
+            ) from None

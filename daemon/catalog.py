@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import select
 
 from ..engine.spec import ModelSpec
+from ..engine.text import Text
 from .child import run_moelab
 from .errors import BadRequest, NotFound
 from .jobs import Job, JobError, Jobs
@@ -99,19 +100,23 @@ class ModelCatalog:
         staging = target.with_name(f".{DEMO_NAME}.partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.parent.mkdir(parents=True, exist_ok=True)
-        job.progress(f"writing the demo model into {target}")
+        job.progress(Text("writing the demo model into {target}", target=str(target)))
         result = run_moelab(["synth", *DEMO_SYNTH_ARGS, "--out", str(staging)], job.progress)
         if result.returncode != 0:
             shutil.rmtree(staging, ignore_errors=True)
             raise JobError(
-                f"`moelab synth` failed with exit code {result.returncode}: {result.stderr_tail}"
+                Text(
+                    "`moelab synth` failed with exit code {code}: {stderr}",
+                    code=result.returncode,
+                    stderr=result.stderr_tail,
+                )
             )
         make_private(staging)
         # rename last, so a half-written model is never discovered
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
         self.rescan()
-        job.progress("demo model ready")
+        job.progress(Text("demo model ready"))
         return {"path": str(target)}
 
     def resolve(self, model: str) -> tuple[Model, ModelSpec]:
@@ -119,10 +124,14 @@ class ModelCatalog:
         row = self.get(int(model)) if model.isascii() and model.isdigit() else self.by_path(model)
         if row is None:
             raise NotFound(
-                f"unknown model {model!r}; GET /api/models lists them", code="model_not_found"
+                Text("unknown model {model!r}; GET /api/models lists them", model=model),
+                code="model_not_found",
             )
         if row.error is not None:
-            raise BadRequest(f"{row.name} cannot be served: {row.error}", code="unsupported_model")
+            raise BadRequest(
+                Text("{name} cannot be served: {error}", name=row.name, error=row.error),
+                code="unsupported_model",
+            )
         return row, ModelSpec.from_config(row.config)
 
 

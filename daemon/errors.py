@@ -8,20 +8,35 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+from ..engine.text import Text
+
 # less free than this, and an I/O error of SQLite is taken for a full disk (its -shm file alone
 # needs 32 KiB)
 NEARLY_FULL_BYTES = 1024**2
 
 
 class ApiError(Exception):
-    """A refusal the API turns into `{"error": {"message", "code"}}` with `status`."""
+    """A refusal the API turns into `{"error": {"message", "code"}}` with `status`.
+
+    The message is a Text (engine/text.py): the API answers its English, with its stored form
+    beside it; the console shows it in the viewer's language.
+    """
 
     status = 400
     code = "bad_request"
 
-    def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
-        super().__init__(message)
-        self.message = message
+    def __init__(
+        self,
+        message: Text | str,
+        *,
+        code: str | None = None,
+        status: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(str(message))
+        self.text = message
+        self.message = str(message)
+        self.headers = headers
         if code is not None:
             self.code = code
         if status is not None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import psutil
 
+from ..engine.text import Text
+
 
 @dataclass(frozen=True, slots=True)
 class GpuInfo:
@@ -48,7 +50,7 @@ class Inventory:
     ram_total_bytes: int
     ram_available_bytes: int
     gpus: tuple[GpuInfo, ...] = ()
-    nvml: str = "ok"  # "ok", or why there is no GPU information
+    nvml: Text | str = "ok"  # "ok", or why there is no GPU information
     driver_version: str | None = None
     cuda_version: str | None = None
     engine_version: str = "unknown"
@@ -88,10 +90,10 @@ def cpu_model() -> str:
 
 
 _nvml_lock = threading.Lock()
-_nvml_state: str | None = None  # None: not tried; "ok"; else the reason it is unavailable
+_nvml_state: Text | str | None = None  # None: not tried; "ok"; else why it is unavailable
 
 
-def nvml_status() -> str:
+def nvml_status() -> Text | str:
     """Initialise NVML once per process; "ok" or the reason it cannot be used."""
     global _nvml_state
     with _nvml_lock:
@@ -102,9 +104,9 @@ def nvml_status() -> str:
                 pynvml.nvmlInit()
                 _nvml_state = "ok"
             except ImportError:
-                _nvml_state = "the nvidia-ml-py package is not installed"
+                _nvml_state = Text("the nvidia-ml-py package is not installed")
             except Exception as err:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-                _nvml_state = f"no NVIDIA driver ({err})"
+                _nvml_state = Text("no NVIDIA driver ({error})", error=str(err))
         return _nvml_state
 
 

@@ -11,28 +11,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.text import Text, error_text, text_fields, texts_fields
 from .store import iso_time
 
 
 class JobError(RuntimeError):
-    """A job failed for a reason the user can act on; its message is shown as is."""
+    """A job failed for a reason the user can act on; its message (a Text) is shown as is."""
 
 
 @dataclass(slots=True)
 class Job:
-    """One background task: its progress lines (the last 200), outcome and times."""
+    """One background task: its progress lines (the last 200), outcome and times.
+
+    A line is a Text (engine/text.py) when the daemon says it, a string when a program it runs
+    printed it."""
 
     id: int
     kind: str
     status: str = "running"  # running, done, failed
-    lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))
+    lines: deque[Text | str] = field(default_factory=lambda: deque(maxlen=200))
     started: float = field(default_factory=time.time)
     finished: float | None = None
-    error: str | None = None
+    error: Text | str | None = None
     result: Any = None
 
-    def progress(self, line: str) -> None:
-        self.lines.append(line.rstrip())
+    def progress(self, line: Text | str) -> None:
+        self.lines.append(line.rstrip() if isinstance(line, str) else line)
 
     @property
     def running(self) -> bool:
@@ -43,10 +47,10 @@ class Job:
             "id": self.id,
             "kind": self.kind,
             "status": self.status,
-            "lines": list(self.lines),
+            **texts_fields("lines", list(self.lines)),
             "started": iso_time(self.started),
             "finished": iso_time(self.finished),
-            "error": self.error,
+            **text_fields("error", self.error),
             "result": self.result,
         }
 
@@ -82,7 +86,7 @@ class Jobs:
             job.result = work(job)
             job.status = "done"
         except JobError as err:
-            job.error = str(err)
+            job.error = error_text(err)
             job.status = "failed"
         except Exception as err:  # a bug, not a user error: keep the trace for the report
             job.error = f"{type(err).__name__}: {err}"

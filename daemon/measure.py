@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from ..engine.text import Text, text_fields
 from .child import run_moelab
 from .hardware import GpuInfo, Inventory, measure_disk_read, pcie_link, probe_inventory
 from .jobs import Job, JobError, Jobs
@@ -80,9 +81,9 @@ def parse_bench_output(stdout: str) -> dict[str, Any]:
     try:
         report = json.loads(stdout)
     except ValueError:
-        raise JobError("`moelab bench bw --json` printed no JSON report") from None
+        raise JobError(Text("`moelab bench bw --json` printed no JSON report")) from None
     if not isinstance(report, dict) or not isinstance(report.get("results"), list):
-        raise JobError("`moelab bench bw --json` printed JSON without a results list")
+        raise JobError(Text("`moelab bench bw --json` printed JSON without a results list"))
     return report
 
 
@@ -149,19 +150,24 @@ class HardwareService:
 
     def measure(self, job: Job, model_paths: list[Path], bench_args: list[str]) -> dict[str, Any]:
         """The "measure again" job: inventory, a cold read per disk, then `moelab bench bw`."""
-        job.progress("probing CPU, RAM and GPUs")
+        job.progress(Text("probing CPU, RAM and GPUs"))
         inventory = self.record_inventory()
-        job.progress(f"{len(inventory.gpus)} GPU(s); NVML: {inventory.nvml}")
+        job.progress(Text("{n} GPU(s); NVML: {nvml}", n=len(inventory.gpus), nvml=inventory.nvml))
         disk_readings = []
         for path, size in _one_file_per_disk(model_paths):
             if size < self.min_disk_read_bytes:
                 job.progress(
-                    f"not timing the disk under {path}: its largest model file is "
-                    f"{size / 2**20:.0f} MiB, too small to tell its bandwidth (at least "
-                    f"{self.min_disk_read_bytes / 2**20:.0f} MiB is)"
+                    Text(
+                        "not timing the disk under {path}: its largest model file is "
+                        "{size_mib:.0f} MiB, too small to tell its bandwidth (at least "
+                        "{min_mib:.0f} MiB is)",
+                        path=str(path),
+                        size_mib=size / 2**20,
+                        min_mib=self.min_disk_read_bytes / 2**20,
+                    )
                 )
                 continue
-            job.progress(f"reading {path} with its page cache dropped")
+            job.progress(Text("reading {path} with its page cache dropped", path=str(path)))
             reading = measure_disk_read(path)
             params = {
                 "file": reading.path,
@@ -172,16 +178,23 @@ class HardwareService:
             }
             disk_readings.append(Reading("disk.read", reading.read_gbps, "GB/s", params))
             job.progress(
-                f"{reading.mountpoint}: {reading.read_gbps:.2f} GB/s "
-                f"over {reading.bytes_read / 2**20:,.0f} MiB"
+                Text(
+                    "{mountpoint}: {read_gbps:.2f} GB/s over {mib:,.0f} MiB",
+                    mountpoint=reading.mountpoint,
+                    read_gbps=reading.read_gbps,
+                    mib=reading.bytes_read / 2**20,
+                )
             )
         self.record(disk_readings, "disk read", inventory)
-        job.progress("running moelab bench bw")
+        job.progress(Text("running moelab bench bw"))
         result = run_moelab(["bench", "bw", "--json", *bench_args], job.progress)
         if result.returncode != 0:
             raise JobError(
-                f"`moelab bench bw` failed with exit code {result.returncode}:\n"
-                + result.stderr_tail
+                Text(
+                    "`moelab bench bw` failed with exit code {code}:\n{stderr}",
+                    code=result.returncode,
+                    stderr=result.stderr_tail,
+                )
             )
         report = parse_bench_output(result.stdout)
         readings = [
@@ -194,7 +207,7 @@ class HardwareService:
             for k, v in (report.get("versions") or {}).items()
         }
         self.record(readings, "moelab bench bw", inventory, versions)
-        job.progress(f"stored {len(readings)} measured rates")
+        job.progress(Text("stored {n} measured rates", n=len(readings)))
         return {"disks": len(disk_readings), "rates": len(readings), "versions": versions}
 
     def start_measure(self, model_paths: list[Path], bench_args: list[str]) -> tuple[Job, bool]:
@@ -327,7 +340,7 @@ def inventory_json(inventory: Inventory) -> dict[str, Any]:
             }
             for g in inventory.gpus
         ],
-        "nvml": inventory.nvml,
+        **text_fields("nvml", inventory.nvml),
         "versions": {
             "moelab": inventory.engine_version,
             "torch": inventory.torch_version,

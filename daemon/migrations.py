@@ -207,6 +207,15 @@ MIGRATIONS: tuple[Migration, ...] = (
             OR length(target) > 200 OR length(address) > 64
         """,
     ),
+    Migration(
+        5,
+        "sentences in the viewer's language: stored forms beside the English",
+        """
+        ALTER TABLE benchmark_events ADD COLUMN text TEXT;
+        ALTER TABLE benchmark_runs ADD COLUMN error_text TEXT;
+        ALTER TABLE servers ADD COLUMN error_text TEXT
+        """,
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

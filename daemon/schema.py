@@ -96,7 +96,8 @@ class Server(Base):
     process_started: Mapped[float | None]
     log_path: Mapped[str]
     exit_code: Mapped[int | None]
-    error: Mapped[str | None]
+    error: Mapped[str | None]  # English
+    error_text: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     log_tail: Mapped[str | None]
     created: Mapped[float]
     started: Mapped[float | None]
@@ -160,7 +161,8 @@ class BenchmarkRun(Base):
     base_flags: Mapped[list[str]] = mapped_column(JSON, default=list)
     options: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
-    error: Mapped[str | None]
+    error: Mapped[str | None]  # English
+    error_text: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     engine_version: Mapped[str | None]
     machine_id: Mapped[str | None]
     created: Mapped[float]
@@ -202,5 +204,6 @@ class BenchmarkEvent(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("benchmark_runs.id", ondelete="CASCADE"))
     time: Mapped[float]
     kind: Mapped[str]
-    message: Mapped[str]
+    message: Mapped[str]  # English
+    text: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # Text.to_json()
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

@@ -26,6 +26,7 @@ from sqlalchemy import select
 
 from ..engine import launch
 from ..engine.exits import OomWatch, exit_words
+from ..engine.text import Text, error_text, text_columns
 from .errors import BadRequest, Conflict, DiskFull, NotFound
 from .flags import FlagError, validate_flags
 from .models import read_checkpoint
@@ -147,7 +148,7 @@ class Supervisor:
         try:
             validate_flags(str(model_dir), flags)
         except FlagError as err:
-            raise BadRequest(str(err), code="invalid_flags") from None
+            raise BadRequest(error_text(err), code="invalid_flags") from None
         with self._lock:
             device = resolve_device(flags, self.gpu_count())
             self._check_device_free(device)
@@ -203,7 +204,7 @@ class Supervisor:
             ready=None,
             stopped=None,
             exit_code=None,
-            error=None,
+            **text_columns("error", None),
             log_tail=None,
         )
         self._wait_in_background(handle, self.ready_timeout_s)
@@ -240,11 +241,14 @@ class Supervisor:
         """Delete a server that is not running (with its telemetry)."""
         with self._lock:
             if server_id in self._handles:
-                raise Conflict(f"server {server_id} is running; stop it first", code="running")
+                raise Conflict(
+                    Text("server {server_id} is running; stop it first", server_id=server_id),
+                    code="running",
+                )
             with self.store.session() as session:
                 row = session.get(Server, server_id)
                 if row is None:
-                    raise NotFound(f"no server {server_id}")
+                    raise NotFound(Text("no server {server_id}", server_id=server_id))
                 session.delete(row)
 
     # ---- refusals ---------------------------------------------------------------------------
@@ -256,8 +260,14 @@ class Supervisor:
             if other.device == device and not other.stopping:
                 row = self.row(other.server_id)
                 raise Conflict(
-                    f"{device} is taken by server {row.id} ({row.name}, port {row.port}); stop it "
-                    "first or choose another --device",
+                    Text(
+                        "{device} is taken by server {id} ({name}, port {port}); stop it first or "
+                        "choose another --device",
+                        device=device,
+                        id=row.id,
+                        name=row.name,
+                        port=row.port,
+                    ),
                     code="gpu_taken",
                 )
 
@@ -268,15 +278,24 @@ class Supervisor:
             if other.engine.port == port and not other.stopping:
                 row = self.row(other.server_id)
                 raise Conflict(
-                    f"port {port} is used by server {row.id} ({row.name}); choose another --port "
-                    "or leave it out to get a free one",
+                    Text(
+                        "port {port} is used by server {id} ({name}); choose another --port or "
+                        "leave it out to get a free one",
+                        port=port,
+                        id=row.id,
+                        name=row.name,
+                    ),
                     code="port_in_use",
                 )
         listener = launch.listen_on(host, [port])
         if listener is None:
             raise Conflict(
-                f"port {port} on {host} is in use by another program; choose another --port or "
-                "leave it out to get a free one",
+                Text(
+                    "port {port} on {host} is in use by another program; choose another --port or "
+                    "leave it out to get a free one",
+                    port=port,
+                    host=host,
+                ),
                 code="port_in_use",
             )
         return listener
@@ -286,8 +305,11 @@ class Supervisor:
         listener = launch.listen_on(host, (port for port in self.ports if port not in taken))
         if listener is None:
             raise Conflict(
-                f"no free port in {self.ports.start}-{self.ports.stop - 1}; stop a server or give "
-                "--port",
+                Text(
+                    "no free port in {first}-{last}; stop a server or give --port",
+                    first=self.ports.start,
+                    last=self.ports.stop - 1,
+                ),
                 code="no_free_port",
             )
         return listener
@@ -311,7 +333,7 @@ class Supervisor:
                     return
                 if err.exit_code is not None:
                     self._handles.pop(handle.server_id, None)
-                    self._ended(handle, err.exit_code, str(err), err.log_tail)
+                    self._ended(handle, err.exit_code, error_text(err), err.log_tail)
                     return
                 handle.stopping = True
             # an error report or a timeout: the process may still run; do not leave it behind
@@ -321,7 +343,7 @@ class Supervisor:
                 self._update(
                     handle.server_id,
                     status="failed",
-                    error=str(err),
+                    **text_columns("error", error_text(err)),
                     log_tail=launch.log_tail(handle.engine.log_path),
                     stopped=time.time(),
                 )
@@ -350,25 +372,30 @@ class Supervisor:
                     self._unrecorded.discard(handle.server_id)
                     self._handles.pop(handle.server_id, None)
 
-    def _ended(self, handle: EngineHandle, code: int, message: str | None, tail: str) -> None:
+    def _ended(
+        self, handle: EngineHandle, code: int, message: Text | str | None, tail: str
+    ) -> None:
         adopted = handle.engine.popen is None
         exit_code = None if adopted else code
         if message is None:
             message = (
-                "the engine exited (its exit code is unknown: it was adopted from an earlier mgr)"
+                Text(
+                    "the engine exited (its exit code is unknown: it was adopted from an earlier "
+                    "mgr)"
+                )
                 if adopted
-                else f"the engine {exit_words(code)}"
+                else Text("the engine {how}", how=exit_words(code))
             )
         # out of memory only on the kernel's word: a SIGKILL may as well be a user's kill -9
         if handle.oom is not None and (adopted or code == -signal.SIGKILL):
             evidence = handle.oom.evidence()
             if evidence is not None:
-                message = f"{message}: {evidence}"
+                message = Text("{message}: {evidence}", message=message, evidence=evidence)
         self._update(
             handle.server_id,
             status="crashed",
             exit_code=exit_code,
-            error=message,
+            **text_columns("error", message),
             log_tail=tail,
             stopped=time.time(),
         )
@@ -412,7 +439,10 @@ class Supervisor:
                 self._update(
                     row.id,
                     status="dead",
-                    error=f"the engine (pid {row.pid}) was gone when mgr started again",
+                    **text_columns(
+                        "error",
+                        Text("the engine (pid {pid}) was gone when mgr started again", pid=row.pid),
+                    ),
                     log_tail=launch.log_tail(row.log_path),
                     stopped=time.time(),
                 )
@@ -455,14 +485,14 @@ class Supervisor:
         with self.store.session() as session:
             row = session.get(Server, server_id)
             if row is None:
-                raise NotFound(f"no server {server_id}")
+                raise NotFound(Text("no server {server_id}", server_id=server_id))
             return row
 
     def _update(self, server_id: int, **fields: Any) -> Server:
         with self.store.session() as session:
             row = session.get(Server, server_id)
             if row is None:
-                raise NotFound(f"no server {server_id}")
+                raise NotFound(Text("no server {server_id}", server_id=server_id))
             for key, value in fields.items():
                 setattr(row, key, value)
             return row

@@ -11,6 +11,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from .text import Text
+
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -34,7 +36,11 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; write a number with an optional unit, e.g. 24GiB, 512MiB, 8G"
+            Text(
+                "{text!r} is not a size; write a number with an optional unit, e.g. 24GiB, 512MiB, "
+                "8G",
+                text=text,
+            )
         )
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
@@ -46,12 +52,24 @@ def _whole_number(minimum: int, maximum: int | None = None):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+            raise argparse.ArgumentTypeError(
+                Text("{text!r} is not a whole number", text=text)
+            ) from None
         if maximum is not None and not minimum <= value <= maximum:
-            raise argparse.ArgumentTypeError(f"{value} must be from {minimum} to {maximum}")
+            raise argparse.ArgumentTypeError(
+                Text(
+                    "{value} must be from {minimum} to {maximum}",
+                    value=value,
+                    minimum=minimum,
+                    maximum=maximum,
+                )
+            )
+        if value < minimum and minimum == 1:
+            raise argparse.ArgumentTypeError(Text("{value} must be at least 1", value=value))
         if value < minimum:
-            word = "at least 1" if minimum == 1 else f"{minimum} or more"
-            raise argparse.ArgumentTypeError(f"{value} must be {word}")
+            raise argparse.ArgumentTypeError(
+                Text("{value} must be {minimum} or more", value=value, minimum=minimum)
+            )
         return value
 
     return parse
@@ -70,9 +88,11 @@ def _rate(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(Text("{text!r} is not a number", text=text)) from None
     if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} must be a share of all experts, in (0, 1]")
+        raise argparse.ArgumentTypeError(
+            Text("{value} must be a share of all experts, in (0, 1]", value=value)
+        )
     return value
 
 
@@ -81,9 +101,9 @@ def parse_share(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(Text("{text!r} is not a number", text=text)) from None
     if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} must be from 0 to 1")
+        raise argparse.ArgumentTypeError(Text("{value} must be from 0 to 1", value=value))
     return value
 
 
@@ -91,13 +111,18 @@ def parse_origins(text: str) -> tuple[str, ...]:
     """Origins as a browser sends them, comma-separated (http://localhost:3000), or * for any."""
     origins = tuple(part.strip() for part in text.split(",") if part.strip())
     if not origins:
-        raise argparse.ArgumentTypeError("give at least one origin, e.g. http://localhost:3000")
+        raise argparse.ArgumentTypeError(
+            Text("give at least one origin, e.g. http://localhost:3000")
+        )
     for origin in origins:
         scheme, _, authority = origin.partition("://")
         if origin != "*" and (scheme not in ("http", "https") or not authority or "/" in authority):
             raise argparse.ArgumentTypeError(
-                f"{origin!r} is not an origin; write scheme://host[:port] as a browser sends it "
-                "(no path, no trailing slash), e.g. http://localhost:3000, or * for any origin"
+                Text(
+                    "{origin!r} is not an origin; write scheme://host[:port] as a browser sends it "
+                    "(no path, no trailing slash), e.g. http://localhost:3000, or * for any origin",
+                    origin=origin,
+                )
             )
     return origins
 
@@ -107,8 +132,11 @@ def parse_host_names(text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     if not names or any("/" in name or " " in name for name in names):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a list of host names; write names or addresses separated by "
-            "commas, e.g. llm.lan,gpu-box.example"
+            Text(
+                "{text!r} is not a list of host names; write names or addresses separated by "
+                "commas, e.g. llm.lan,gpu-box.example",
+                text=text,
+            )
         )
     return names
 
@@ -121,7 +149,10 @@ def parse_miss_policy(text: str) -> str:
     if match and 0.0 <= float(match.group(1)) <= 1.0:
         return f"split:{float(match.group(1)):g}"
     raise argparse.ArgumentTypeError(
-        f"{text!r} is not a miss policy; use auto, gpu, cpu or split:F with F in [0, 1]"
+        Text(
+            "{text!r} is not a miss policy; use auto, gpu, cpu or split:F with F in [0, 1]",
+            text=text,
+        )
     )
 
 
@@ -467,7 +498,7 @@ class Tunable:
     flag: str
     kind: str  # "choice": values as listed; "switch": on/off; "threads", "slots", "tokens": derived
     values: tuple[str, ...] = ()
-    why: str = ""
+    why: Text | str = ""  # in words: what the flag trades against what
 
     def __post_init__(self) -> None:
         assert self.kind in ("choice", "switch", "threads", "slots", "tokens"), self.kind
@@ -478,63 +509,71 @@ TUNABLE: tuple[Tunable, ...] = (
         "--moe-miss-policy",
         "choice",
         ("auto", "gpu", "cpu", "split:0.25", "split:0.75"),
-        "where cache misses run decides decode speed",
+        Text("where cache misses run decides decode speed"),
     ),
-    Tunable("--moe-cpu-threads", "threads", why="CPU expert speed against memory bandwidth"),
-    Tunable("--moe-cache-rate", "slots", why="expert slots against KV and prefill space"),
+    Tunable("--moe-cpu-threads", "threads", why=Text("CPU expert speed against memory bandwidth")),
+    Tunable("--moe-cache-rate", "slots", why=Text("expert slots against KV and prefill space")),
     Tunable(
         "--prefill-chunk-tokens",
         "choice",
         ("512", "1024", "2048", "4096", "8192"),
-        "prefill speed against activation memory",
+        Text("prefill speed against activation memory"),
     ),
-    Tunable("--no-prefill-overlap", "switch", why="streaming the next layer during prefill"),
-    Tunable("--no-split-misses", "switch", why="copies and CPU end together where misses are few"),
-    Tunable("--no-cuda-graph", "switch", why="graph replay cuts launch overhead"),
-    Tunable("--no-overlap-decode", "switch", why="host work between steps hides behind the GPU"),
+    Tunable("--no-prefill-overlap", "switch", why=Text("streaming the next layer during prefill")),
+    Tunable(
+        "--no-split-misses", "switch", why=Text("copies and CPU end together where misses are few")
+    ),
+    Tunable("--no-cuda-graph", "switch", why=Text("graph replay cuts launch overhead")),
+    Tunable(
+        "--no-overlap-decode", "switch", why=Text("host work between steps hides behind the GPU")
+    ),
     Tunable(
         "--max-running-requests",
         "choice",
         ("1", "2", "4", "8", "16"),
-        "batching against expert-cache thrash",
+        Text("batching against expert-cache thrash"),
     ),
-    Tunable("--moe-cpu-kernel", "choice", ("native", "torch"), "which CPU expert kernel is faster"),
+    Tunable(
+        "--moe-cpu-kernel", "choice", ("native", "torch"), Text("which CPU expert kernel is faster")
+    ),
     Tunable(
         "--moe-cpu-spin-us",
         "choice",
         ("0", "300", "1000", "5000"),
-        "idle CPU workers spinning against the thread that feeds the GPU",
+        Text("idle CPU workers spinning against the thread that feeds the GPU"),
     ),
     Tunable(
         "--moe-cpu-redo-us",
         "choice",
         ("0", "150", "1000"),
-        "idle CPU workers running again the task of one the OS stopped, against double reads",
+        Text("idle CPU workers running again the task of one the OS stopped, against double reads"),
     ),
     Tunable(
         "--moe-cpu-task-kb",
         "choice",
         ("48", "96", "192", "384"),
-        "CPU expert tasks: balance at a job's end against longer streams",
+        Text("CPU expert tasks: balance at a job's end against longer streams"),
     ),
     Tunable(
         "--moe-cpu-prefetch-rounds",
         "choice",
         ("0", "2", "4"),
-        "CPU workers fetching their first blocks while they wait, against the guess's launch",
+        Text("CPU workers fetching their first blocks while they wait, against the guess's launch"),
     ),
     Tunable(
         "--moe-copy-ahead",
         "choice",
         ("0", "0.75"),
-        "a guessed miss's first rows copied before the routing, against a wrong guess's copy",
+        Text("a guessed miss's first rows copied before the routing, against a wrong guess's copy"),
     ),
     Tunable(
         "--moe-cpu-pin",
         "choice",
         ("cores", "isolate", "off"),
-        "CPU expert workers on cores of their own (and the rest of the engine off them) against "
-        "the OS's placement",
+        Text(
+            "CPU expert workers on cores of their own (and the rest of the engine off them) "
+            "against the OS's placement"
+        ),
     ),
 )
 

@@ -15,21 +15,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .text import Text
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 KERNEL_LOG = Path("/dev/kmsg")
 _MAX_KERNEL_RECORDS = 200_000
 
 
-def exit_words(code: int) -> str:
+def exit_words(code: int) -> Text:
     """An exit status (Popen's: a signal is negative) as it follows "the engine": "exited with
     code 1", "was killed by signal 9 (SIGKILL)"."""
     if code >= 0:
-        return f"exited with code {code}"
+        return Text("exited with code {code}", code=code)
     try:
-        name = f" ({signal.Signals(-code).name})"
+        name = signal.Signals(-code).name
     except ValueError:
-        name = ""
-    return f"was killed by signal {-code}{name}"
+        return Text("was killed by signal {signal}", signal=-code)
+    return Text("was killed by signal {signal} ({name})", signal=-code, name=name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,17 +51,20 @@ class OomWatch:
         since_s = time.clock_gettime(time.CLOCK_MONOTONIC) - 1.0
         return cls(pid, counter, read_oom_kills(counter) if counter else None, since_s)
 
-    def evidence(self) -> str | None:
+    def evidence(self) -> Text | None:
         """Why the OOM killer is known to have ended the process, or None when nothing says so."""
         if self.counter is not None and self.count_at_start is not None:
             now = read_oom_kills(self.counter)
             if now is not None and now > self.count_at_start:
-                return (
-                    f"the kernel's OOM killer ended it (oom_kill in {self.counter} went from "
-                    f"{self.count_at_start} to {now})"
+                return Text(
+                    "the kernel's OOM killer ended it (oom_kill in {counter} went from {before} "
+                    "to {now})",
+                    counter=str(self.counter),
+                    before=self.count_at_start,
+                    now=now,
                 )
         report = kernel_oom_report(self.pid, self.since_s)
-        return f"the kernel's log says: {report}" if report else None
+        return Text("the kernel's log says: {report}", report=report) if report else None
 
 
 def memory_counter(pid: int, root: Path = CGROUP_ROOT) -> Path | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .exits import exit_words
 from .redact import redact_flags
+from .text import Text
 
 LISTEN_FD_ENV = "MOELAB_LISTEN_FD"
 
@@ -30,7 +31,9 @@ LISTEN_FD_ENV = "MOELAB_LISTEN_FD"
 class EngineFailed(RuntimeError):
     """The engine exited, reported an error, or never became ready."""
 
-    def __init__(self, message: str, *, exit_code: int | None = None, log_tail: str = "") -> None:
+    def __init__(
+        self, message: Text | str, *, exit_code: int | None = None, log_tail: str = ""
+    ) -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.log_tail = log_tail
@@ -199,9 +202,13 @@ def wait_ready(
     while True:
         code = engine.exit_code()
         if code is not None:
-            how = exit_words(code) if engine.popen is not None else "ended (its status is unknown)"
+            how = (
+                exit_words(code)
+                if engine.popen is not None
+                else Text("ended (its status is unknown)")
+            )
             raise EngineFailed(
-                f"engine {how} before it was ready",
+                Text("engine {how} before it was ready", how=how),
                 exit_code=code,
                 log_tail=log_tail(engine.log_path),
             )
@@ -215,12 +222,13 @@ def wait_ready(
                 return health
             if status == "error":
                 raise EngineFailed(
-                    f"engine reported an error: {health.get('error', 'unknown')}",
+                    Text("engine reported an error: {error}", error=health.get("error", "unknown")),
                     log_tail=log_tail(engine.log_path),
                 )
         if time.monotonic() > deadline:
             raise EngineFailed(
-                f"engine not ready after {timeout_s:.0f} s", log_tail=log_tail(engine.log_path)
+                Text("engine not ready after {time_s:.0f} s", time_s=timeout_s),
+                log_tail=log_tail(engine.log_path),
             )
         time.sleep(poll_s)
 

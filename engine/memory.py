@@ -9,6 +9,7 @@ import logging
 from dataclasses import asdict, dataclass
 
 from .spec import ModelSpec
+from .text import Text
 
 log = logging.getLogger("moelab.memory")
 
@@ -123,11 +124,18 @@ def plan_vram(
     need = fixed
     if need > budget_bytes:
         raise MemoryPlanError(
-            f"device memory of {budget_bytes / GIB:.2f} GiB cannot hold the dense weights "
-            f"({weights_bytes / GIB:.2f} GiB), a KV reserve of {kv_reserve_tokens} tokens "
-            f"({kv_bytes / GIB:.2f} GiB), activations ({act / GIB:.2f} GiB) and headroom "
-            f"({headroom_bytes / GIB:.2f} GiB); lower --kv-reserve-tokens, "
-            "--prefill-chunk-tokens or --memory-headroom"
+            Text(
+                "device memory of {budget:.2f} GiB cannot hold the dense weights ({weights:.2f} "
+                "GiB), a KV reserve of {tokens} tokens ({kv:.2f} GiB), activations "
+                "({activations:.2f} GiB) and headroom ({headroom:.2f} GiB); lower "
+                "--kv-reserve-tokens, --prefill-chunk-tokens or --memory-headroom",
+                budget=budget_bytes / GIB,
+                weights=weights_bytes / GIB,
+                tokens=kv_reserve_tokens,
+                kv=kv_bytes / GIB,
+                activations=act / GIB,
+                headroom=headroom_bytes / GIB,
+            )
         )
     left = budget_bytes - need
     if cache_size is not None:
@@ -141,10 +149,17 @@ def plan_vram(
         buffer = 0 if wanted >= total else 2 * spec.num_experts * slot_bytes
         if wanted * slot_bytes + buffer > left:
             raise MemoryPlanError(
-                f"{wanted} expert slots ({wanted * slot_bytes / GIB:.2f} GiB) and the prefill "
-                f"buffer ({buffer / GIB:.2f} GiB) do not fit in the {left / GIB:.2f} GiB left "
-                f"after weights and {kv_reserve_tokens} KV tokens; at most "
-                f"{max(0, (left - buffer) // slot_bytes)} slots fit"
+                Text(
+                    "{wanted} expert slots ({slots:.2f} GiB) and the prefill buffer ({buffer:.2f} "
+                    "GiB) do not fit in the {left:.2f} GiB left after weights and {tokens} KV "
+                    "tokens; at most {most} slots fit",
+                    wanted=wanted,
+                    slots=wanted * slot_bytes / GIB,
+                    buffer=buffer / GIB,
+                    left=left / GIB,
+                    tokens=kv_reserve_tokens,
+                    most=max(0, (left - buffer) // slot_bytes),
+                )
             )
         slots = wanted
     elif left >= total * slot_bytes:

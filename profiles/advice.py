@@ -8,6 +8,7 @@ from typing import Any
 
 from ..engine.memory import MemoryPlanError, VramPlan
 from ..engine.spec import ModelSpec
+from ..engine.text import Text, error_text, text_fields
 from .flags import validate_flags
 from .machine import GIB, Machine, choose_device, plan_for
 
@@ -23,7 +24,7 @@ class Advice:
 
     flag: str
     value: str | bool | None
-    reason: str
+    reason: Text | str
     source: str = "rule"  # "rule" or "measured"
     numbers: dict[str, Any] = field(default_factory=dict)
 
@@ -31,7 +32,7 @@ class Advice:
         return {
             "flag": self.flag,
             "value": self.value,
-            "reason": self.reason,
+            **text_fields("reason", self.reason),
             "source": self.source,
             "numbers": self.numbers,
         }
@@ -61,13 +62,15 @@ def flags_of(advice: list[Advice]) -> list[str]:
     return out
 
 
-def try_plan(machine: Machine, spec: ModelSpec, flags: list[str], **kw: int) -> VramPlan | str:
+def try_plan(
+    machine: Machine, spec: ModelSpec, flags: list[str], **kw: int
+) -> VramPlan | Text | str:
     """The engine's plan under `flags`, or why it does not fit."""
     ns = validate_flags(flags)
     try:
         return plan_for(spec, choose_device(machine, spec, ns), ns, **kw)
     except MemoryPlanError as err:
-        return str(err)
+        return error_text(err)
 
 
 # ---- on a GPU --------------------------------------------------------------------------------
@@ -81,28 +84,40 @@ def threads_advice(machine: Machine) -> Advice:
         return Advice(
             "--moe-cpu-threads",
             str(cap),
-            f"not measured yet: one thread per physical core ({machine.physical_cores}) less one "
-            + (
-                "that keeps feeding the GPU"
-                if machine.gpus
-                else "that runs the rest of each step (attention, routing)"
+            Text(
+                "not measured yet: one thread per physical core ({cores}) less one that keeps "
+                "feeding the GPU, the engine's default",
+                cores=machine.physical_cores,
             )
-            + ", the engine's default",
+            if machine.gpus
+            else Text(
+                "not measured yet: one thread per physical core ({cores}) less one that runs the "
+                "rest of each step (attention, routing), the engine's default",
+                cores=machine.physical_cores,
+            ),
             numbers={"physical_cores": machine.physical_cores},
         )
     best_t = max(usable, key=lambda t: (usable[t], -t))
     best = usable[best_t]
     chosen = min(t for t, r in usable.items() if r >= THREADS_NEAR_BEST * best)
     if chosen == best_t:
-        reason = (
-            f"{chosen} threads run experts fastest of those measured ({best:.1f} GB/s), within "
-            f"the {machine.physical_cores} physical cores less one"
+        reason = Text(
+            "{threads} threads run experts fastest of those measured ({best:.1f} GB/s), within "
+            "the {cores} physical cores less one",
+            threads=chosen,
+            best=best,
+            cores=machine.physical_cores,
         )
     else:
-        reason = (
-            f"{chosen} threads run experts at {usable[chosen]:.1f} GB/s, "
-            f"{usable[chosen] / best:.0%} of the best measured ({best:.1f} GB/s at {best_t}); "
-            "more threads add little and take cores from the rest"
+        reason = Text(
+            "{threads} threads run experts at {rate:.1f} GB/s, {share:.0%} of the best measured "
+            "({best:.1f} GB/s at {best_threads}); more threads add little and take cores from "
+            "the rest",
+            threads=chosen,
+            rate=usable[chosen],
+            share=usable[chosen] / best,
+            best=best,
+            best_threads=best_t,
         )
     return Advice(
         "--moe-cpu-threads",
@@ -113,21 +128,39 @@ def threads_advice(machine: Machine) -> Advice:
     )
 
 
-def ram_warnings(machine: Machine, bank_bytes: int, how: str, other_bytes: int) -> list[str]:
+def ram_warnings(machine: Machine, bank_bytes: int, how: Text, other_bytes: int) -> list[Text]:
     ram = machine.ram_total_bytes
     need = bank_bytes + other_bytes
+    if need > ram and other_bytes:
+        return [
+            Text(
+                "the expert pool ({pool}) does not fit in {ram} of RAM beside {other} of weights "
+                "and KV: the engine cannot hold this model; use a machine with more RAM or a "
+                "smaller checkpoint",
+                pool=gib(bank_bytes),
+                ram=gib(ram),
+                other=gib(other_bytes),
+            )
+        ]
     if need > ram:
         return [
-            f"the expert pool ({gib(bank_bytes)}) does not fit in {gib(ram)} of RAM"
-            + (f" beside {gib(other_bytes)} of weights and KV" if other_bytes else "")
-            + ": the engine cannot hold this model; use a machine with more RAM or a smaller "
-            "checkpoint"
+            Text(
+                "the expert pool ({pool}) does not fit in {ram} of RAM: the engine cannot hold "
+                "this model; use a machine with more RAM or a smaller checkpoint",
+                pool=gib(bank_bytes),
+                ram=gib(ram),
+            )
         ]
     if need > ram - RAM_RESERVE_BYTES:
         return [
-            f"the expert pool ({gib(bank_bytes)}, {how}) leaves less than "
-            f"{gib(RAM_RESERVE_BYTES)} of the {gib(ram)} of RAM for everything else: expect "
-            "swapping, or the engine being killed"
+            Text(
+                "the expert pool ({pool}, {how}) leaves less than {reserve} of the {ram} of RAM "
+                "for everything else: expect swapping, or the engine being killed",
+                pool=gib(bank_bytes),
+                how=how,
+                reserve=gib(RAM_RESERVE_BYTES),
+                ram=gib(ram),
+            )
         ]
     return []
 

@@ -6,6 +6,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from ..engine.text import Text
 from .flags import FlagError, FlagProblem, find_problems, last_wins, validate_flags
 
 PROGRAM = "moelab serve"
@@ -40,13 +41,17 @@ def to_command_line(model: str, flags: list[str], *, multiline: bool = False) ->
 
 
 def _not_a_command(text: str) -> FlagError:
-    what = (
-        f"not a `moelab serve` command line: {text.strip().splitlines()[0][:80]!r}"
-        if text.strip()
-        else "the command line is empty"
-    )
     example = "moelab serve --model-path ~/models/Qwen3-30B-A3B --kv-reserve-tokens 32768"
-    return FlagError([FlagProblem(None, "command", f"{what}; paste something like `{example}`")])
+    message = (
+        Text(
+            "not a `moelab serve` command line: {line!r}; paste something like `{example}`",
+            line=text.strip().splitlines()[0][:80],
+            example=example,
+        )
+        if text.strip()
+        else Text("the command line is empty; paste something like `{example}`", example=example)
+    )
+    return FlagError([FlagProblem(None, "command", message)])
 
 
 def from_command_line(text: str) -> PastedCommand:
@@ -63,7 +68,13 @@ def from_command_line(text: str) -> PastedCommand:
         tokens = shlex.split(joined, comments=True)
     except ValueError as err:
         raise FlagError(
-            [FlagProblem(None, "command", f"the command line cannot be read: {err}")]
+            [
+                FlagProblem(
+                    None,
+                    "command",
+                    Text("the command line cannot be read: {error}", error=str(err)),
+                )
+            ]
         ) from None
     notes = []
     env = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..engine.memory import VramPlan
 from ..engine.spec import ModelSpec
+from ..engine.text import Text
 from .advice import (
     RAM_RESERVE_BYTES,
     Advice,
@@ -23,18 +24,22 @@ MIB = 1024**2
 
 def cpu_rules(
     machine: Machine, spec: ModelSpec, asked: int | None
-) -> tuple[list[Advice], list[str]]:
+) -> tuple[list[Advice], list[Text]]:
     advice = [
-        Advice("--device", "cpu", "no GPU found: the engine runs everything on the CPU"),
+        Advice("--device", "cpu", Text("no GPU found: the engine runs everything on the CPU")),
         Advice(
             "--moe-cache-size",
             "0",
-            "on a CPU device a cache would hold a second copy of experts the CPU kernel reads "
-            "in place",
+            Text(
+                "on a CPU device a cache would hold a second copy of experts the CPU kernel reads "
+                "in place"
+            ),
         ),
-        Advice("--moe-miss-policy", "cpu", "every expert runs where it lies: in RAM, on the CPU"),
+        Advice(
+            "--moe-miss-policy", "cpu", Text("every expert runs where it lies: in RAM, on the CPU")
+        ),
     ]
-    warnings: list[str] = []
+    warnings: list[Text] = []
     reserve = RAM_RESERVE_BYTES
     bank32 = spec.experts_total * spec.expert_params * 4
     if spec.dtype_bytes < 4 and bank32 + spec.dense_params * 4 + reserve > machine.ram_total_bytes:
@@ -44,9 +49,15 @@ def cpu_rules(
                 Advice(
                     "--dtype",
                     spec.dtype,
-                    f"in float32 (the engine's choice on a CPU) the experts take {gib(bank32)}, "
-                    f"more than the {gib(machine.ram_total_bytes)} of RAM allows; the "
-                    f"checkpoint's {spec.dtype} halves that to {gib(bank)}",
+                    Text(
+                        "in float32 (the engine's choice on a CPU) the experts take {float32}, "
+                        "more than the {ram} of RAM allows; the checkpoint's {dtype} halves that "
+                        "to {size}",
+                        float32=gib(bank32),
+                        ram=gib(machine.ram_total_bytes),
+                        dtype=spec.dtype,
+                        size=gib(bank),
+                    ),
                     numbers={"bank_float32_bytes": bank32, "bank_bytes": bank},
                 )
             )
@@ -65,23 +76,28 @@ def cpu_rules(
     if asked is not None:
         t = min(asked, longest)
         if needed(t) <= room:
-            chosen, reason = t, f"the {t}-token context asked for"
+            chosen, reason = t, Text("the {tokens}-token context asked for", tokens=t)
         else:
-            warnings.append(f"a {t}-token context does not fit in RAM beside the experts")
+            warnings.append(
+                Text("a {tokens}-token context does not fit in RAM beside the experts", tokens=t)
+            )
     if chosen is None:
         tiers = context_tiers(longest)
         chosen = max((t for t in tiers if needed(t) <= room), default=tiers[0])
         reason = (
-            f"the model's whole context ({longest} tokens)"
+            Text("the model's whole context ({tokens} tokens)", tokens=longest)
             if chosen == longest
-            else f"the largest tier whose KV fits in RAM beside the experts ({chosen} tokens)"
+            else Text(
+                "the largest tier whose KV fits in RAM beside the experts ({tokens} tokens)",
+                tokens=chosen,
+            )
         )
     kv = chosen * 2 * spec.num_layers * spec.kv_size * elem
     advice.append(
         Advice(
             "--kv-reserve-tokens",
             str(chosen),
-            f"{reason}: {gib(kv)} of KV in RAM",
+            Text("{reason}: {size} of KV in RAM", reason=reason, size=gib(kv)),
             numbers={"kv_tokens": chosen, "kv_bytes": kv},
         )
     )
@@ -91,12 +107,15 @@ def cpu_rules(
             Advice(
                 "--device-memory",
                 f"{device_bytes // MIB}MiB",
-                f"what these flags plan on the CPU device (weights, KV, buffers, headroom), "
-                f"{gib(device_bytes)}: the engine's default of "
-                f"{gib(CPU_DEFAULT_BUDGET_BYTES)} cannot hold them",
+                Text(
+                    "what these flags plan on the CPU device (weights, KV, buffers, headroom), "
+                    "{size}: the engine's default of {default} cannot hold them",
+                    size=gib(device_bytes),
+                    default=gib(CPU_DEFAULT_BUDGET_BYTES),
+                ),
                 numbers={"device_bytes": device_bytes},
             )
         )
     advice.append(threads_advice(machine))
-    warnings += ram_warnings(machine, bank, "in RAM", device_bytes)
+    warnings += ram_warnings(machine, bank, Text("in RAM"), device_bytes)
     return advice, warnings

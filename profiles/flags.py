@@ -16,21 +16,38 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import args as engine_args
+from ..engine.text import Text, error_text
 
 # Free-text flags the engine checks only when it starts; checked here so a profile cannot hold them.
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-_DEVICE_WORDS = "auto, cpu, cuda or cuda:N"
+_DEVICE_WORDS = Text("auto, cpu, cuda or cuda:N")
+# the values the engine's own argparse types take, in words
+_SHAPES: dict[Callable[[str], Any], Text] = {
+    engine_args.parse_bytes: Text("a size such as 24GiB, 512M, 1.5g or 1073741824, in bytes"),
+    engine_args.parse_origins: Text(
+        "origins as a browser sends them, comma-separated (http://localhost:3000), or * for any"
+    ),
+    engine_args.parse_host_names: Text(
+        "host names or addresses, comma-separated (llm.lan,gpu-box.example)"
+    ),
+    engine_args.parse_miss_policy: Text(
+        "auto, gpu, cpu or split:F with F the fixed share of misses to fetch, in [0, 1]"
+    ),
+}
 
 
 class FlagError(ValueError):
-    """Flags the engine would refuse; `problems` holds one message per problem found."""
+    """Flags the engine would refuse; `problems` holds one message per problem found. Its
+    message (a Text, engine/text.py) is the first problem's, or all of them."""
 
     def __init__(self, problems: list[FlagProblem]) -> None:
         assert problems
         self.problems = problems
         text = problems[0].message
         if len(problems) > 1:
-            text = f"{len(problems)} problems: " + "; ".join(p.message for p in problems)
+            text = Text(
+                "{n} problems: {problems}", n=len(problems), problems=[p.message for p in problems]
+            )
         super().__init__(text)
 
 
@@ -40,7 +57,7 @@ class FlagProblem:
 
     flag: str | None
     kind: str  # unknown, value, choice, missing_value, switch_value, exclusive, duplicate, ...
-    message: str
+    message: Text | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +73,7 @@ class FlagInfo:
     default: Any
     tunable: bool
     exclusive_with: tuple[str, ...]
-    expects: str  # what a value must look like, in words
+    expects: Text  # what a value must look like, in words
     convert: Callable[[str], Any] | None
 
     @property
@@ -92,27 +109,25 @@ def _accepts(convert: Callable[[str], Any], text: str) -> bool:
     return True
 
 
-def _expects(kind: str, choices: tuple[str, ...] | None, convert: Callable | None) -> str:
-    """A value's shape in words, read off the parser (type functions are probed, not named)."""
+def _expects(kind: str, choices: tuple[str, ...] | None, convert: Callable | None) -> Text:
+    """A value's shape in words, read off the parser (number types are probed, not named)."""
     if kind == "switch":
-        return "nothing: give the flag alone to switch it on, leave it out for off"
+        return Text("nothing: give the flag alone to switch it on, leave it out for off")
     if choices:
-        return "one of " + ", ".join(choices)
-    doc = (getattr(convert, "__doc__", None) or "").strip().splitlines()
-    if doc and kind in ("str", "bytes"):
-        text = doc[0].replace("`", "").rstrip(".")
-        return text[0].lower() + text[1:]
+        return Text("one of {choices}", choices=", ".join(choices))
+    if convert in _SHAPES:
+        return _SHAPES[convert]
     if kind == "int" and convert is not None:
         if _accepts(convert, "-1"):
-            return "a whole number"
-        return (
-            "a whole number, 0 or more" if _accepts(convert, "0") else "a whole number, 1 or more"
-        )
+            return Text("a whole number")
+        if _accepts(convert, "0"):
+            return Text("a whole number, 0 or more")
+        return Text("a whole number, 1 or more")
     if kind == "float" and convert is not None:
         if _accepts(convert, "1") and not _accepts(convert, "0") and not _accepts(convert, "1.5"):
-            return "a number in (0, 1]"
-        return "a number"
-    return "text"
+            return Text("a number in (0, 1]")
+        return Text("a number")
+    return Text("text")
 
 
 @functools.cache
@@ -152,15 +167,27 @@ def _is_flag_token(token: str) -> bool:
 def _unknown(name: str) -> FlagProblem:
     if name == "--model-path":
         return FlagProblem(
-            name, "model", "give the checkpoint in the model field, not as --model-path"
+            name, "model", Text("give the checkpoint in the model field, not as --model-path")
         )
     if name in ("-h", "--help"):
-        return FlagProblem(name, "unknown", f"{name} is not an engine setting")
-    known = list(catalog())
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]}?" if close else ""
+        return FlagProblem(name, "unknown", Text("{name} is not an engine setting", name=name))
+    known = ", ".join(catalog())
+    close = difflib.get_close_matches(name, list(catalog()), n=1, cutoff=0.6)
+    if close:
+        return FlagProblem(
+            name,
+            "unknown",
+            Text(
+                "unknown flag {name}; did you mean {close}? The engine's flags: {known}",
+                name=name,
+                close=close[0],
+                known=known,
+            ),
+        )
     return FlagProblem(
-        name, "unknown", f"unknown flag {name}{hint} The engine's flags: {', '.join(known)}"
+        name,
+        "unknown",
+        Text("unknown flag {name} The engine's flags: {known}", name=name, known=known),
     )
 
 
@@ -174,30 +201,66 @@ def check_value(flag: str, value: str | None) -> FlagProblem | None:
         return FlagProblem(
             flag,
             "switch_value",
-            f"{flag} is an on/off flag and takes no value (got {value!r}); give it alone to "
-            "switch it on, leave it out for off",
+            Text(
+                "{flag} is an on/off flag and takes no value (got {value!r}); give it alone to "
+                "switch it on, leave it out for off",
+                flag=flag,
+                value=value,
+            ),
         )
     if value is None or value == "":
-        return FlagProblem(flag, "missing_value", f"{flag} needs a value: {info.expects}")
+        return FlagProblem(
+            flag,
+            "missing_value",
+            Text("{flag} needs a value: {expects}", flag=flag, expects=info.expects),
+        )
     if info.choices is not None and value not in info.choices:
         close = difflib.get_close_matches(value, info.choices, n=1, cutoff=0.5)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        choices = ", ".join(info.choices)
+        if close:
+            return FlagProblem(
+                flag,
+                "choice",
+                Text(
+                    "{flag} {value} is not allowed; choose one of {choices} (did you mean "
+                    "{close}?)",
+                    flag=flag,
+                    value=value,
+                    choices=choices,
+                    close=close[0],
+                ),
+            )
         return FlagProblem(
             flag,
             "choice",
-            f"{flag} {value} is not allowed; choose one of {', '.join(info.choices)}{hint}",
+            Text(
+                "{flag} {value} is not allowed; choose one of {choices}",
+                flag=flag,
+                value=value,
+                choices=choices,
+            ),
         )
     if info.convert is not None:
         try:
             info.convert(value)
         except (argparse.ArgumentTypeError, ValueError, TypeError) as err:
-            detail = str(err) or f"{value!r} is not valid"
+            detail = error_text(err) or Text("{value!r} is not valid", value=value)
             # the parser's own words name the allowed shape except for bare numbers
             if info.kind in ("int", "float"):
-                detail += f" (allowed: {info.expects})"
-            return FlagProblem(flag, "value", f"{flag} {value}: {detail}")
+                detail = Text("{detail} (allowed: {expects})", detail=detail, expects=info.expects)
+            return FlagProblem(
+                flag,
+                "value",
+                Text("{flag} {value}: {detail}", flag=flag, value=value, detail=detail),
+            )
     if flag == "--device" and not _DEVICE.fullmatch(value):
-        return FlagProblem(flag, "value", f"--device {value}: not a device; use {_DEVICE_WORDS}")
+        return FlagProblem(
+            flag,
+            "value",
+            Text(
+                "--device {value}: not a device; use {devices}", value=value, devices=_DEVICE_WORDS
+            ),
+        )
     return None
 
 
@@ -248,7 +311,11 @@ def _stray(token: str) -> FlagProblem:
     return FlagProblem(
         None,
         "stray",
-        f"{token!r} belongs to no flag; every value follows its flag (e.g. --moe-cache-rate 0.5)",
+        Text(
+            "{token!r} belongs to no flag; every value follows its flag (e.g. --moe-cache-rate "
+            "0.5)",
+            token=token,
+        ),
     )
 
 
@@ -259,7 +326,7 @@ def find_problems(flags: Any) -> list[FlagProblem]:
             FlagProblem(
                 None,
                 "not_strings",
-                'flags must be a list of strings, e.g. ["--moe-cache-rate", "0.5"]',
+                Text('flags must be a list of strings, e.g. ["--moe-cache-rate", "0.5"]'),
             )
         ]
     settings, problems = split_flags(flags)
@@ -267,10 +334,17 @@ def find_problems(flags: Any) -> list[FlagProblem]:
     for s in settings:
         if s.flag in seen:
             before = seen[s.flag]
-            values = "" if s.value is None else f" ({before.value} and {s.value})"
-            problems.append(
-                FlagProblem(s.flag, "duplicate", f"{s.flag} is given twice{values}; keep one")
+            twice = (
+                Text("{flag} is given twice; keep one", flag=s.flag)
+                if s.value is None
+                else Text(
+                    "{flag} is given twice ({first} and {second}); keep one",
+                    flag=s.flag,
+                    first=before.value,
+                    second=s.value,
+                )
             )
+            problems.append(FlagProblem(s.flag, "duplicate", twice))
         seen[s.flag] = s
     for s in seen.values():
         for other in catalog()[s.flag].exclusive_with:
@@ -279,8 +353,12 @@ def find_problems(flags: Any) -> list[FlagProblem]:
                     FlagProblem(
                         s.flag,
                         "exclusive",
-                        f"{s.flag} and {other} cannot both be given: they set the same thing; "
-                        "keep one",
+                        Text(
+                            "{flag} and {other} cannot both be given: they set the same thing; "
+                            "keep one",
+                            flag=s.flag,
+                            other=other,
+                        ),
                     )
                 )
     return problems
@@ -297,7 +375,7 @@ def validate_flags(flags: Any, model: str = "MODEL") -> argparse.Namespace:
     parser = engine_args.build_parser()
 
     def refuse(message: str) -> None:
-        raise FlagError([FlagProblem(None, "engine", message)])
+        raise FlagError([FlagProblem(None, "engine", message)])  # argparse's own words
 
     # argparse reports errors by printing and exiting; here they become FlagError
     parser.error = refuse  # type: ignore[method-assign]
@@ -305,7 +383,7 @@ def validate_flags(flags: Any, model: str = "MODEL") -> argparse.Namespace:
     try:
         return parser.parse_args(["--model-path", model, *flags])
     except argparse.ArgumentError as err:
-        raise FlagError([FlagProblem(None, "engine", str(err))]) from None
+        raise FlagError([FlagProblem(None, "engine", error_text(err))]) from None
 
 
 def canonical(flags: list[str]) -> list[str]:
@@ -366,7 +444,11 @@ def apply_changes(flags: list[str], changes: Iterable[FlagChange]) -> list[str]:
                         FlagProblem(
                             change.flag,
                             "missing_value",
-                            f"{change.flag} needs a value ({info.expects}), not on/off",
+                            Text(
+                                "{flag} needs a value ({expects}), not on/off",
+                                flag=change.flag,
+                                expects=info.expects,
+                            ),
                         )
                     ]
                 )
@@ -398,7 +480,10 @@ def changes_from_json(items: Any) -> list[FlagChange]:
                     FlagProblem(
                         None,
                         "not_strings",
-                        'a change is {"flag": "--name", "value": "text" | true | false | null}',
+                        Text(
+                            'a change is {{"flag": "--name", "value": "text" | true | false | '
+                            "null}}"
+                        ),
                     )
                 ]
             )

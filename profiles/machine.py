@@ -13,6 +13,7 @@ from typing import Any
 
 from ..engine.memory import MemoryPlanError, VramPlan, plan_vram
 from ..engine.spec import DTYPE_BYTES, ModelSpec
+from ..engine.text import Text
 
 GIB = 1024**3
 CPU_DEFAULT_BUDGET_BYTES = 2 * GIB  # the engine's --device-memory default on a CPU device
@@ -196,8 +197,13 @@ def choose_device(machine: Machine, spec: ModelSpec, ns: argparse.Namespace) -> 
         gpu = next((g for g in machine.gpus if g.index == index), None)
         if gpu is None:
             raise MemoryPlanError(
-                f"--device {ns.device}: this machine has no GPU {index} "
-                f"({len(machine.gpus)} found); use --device cpu or another index"
+                Text(
+                    "--device {device}: this machine has no GPU {index} ({n} found); use --device "
+                    "cpu or another index",
+                    device=ns.device,
+                    index=index,
+                    n=len(machine.gpus),
+                )
             )
     if ns.dtype != "auto":
         elem = DTYPE_BYTES[ns.dtype]

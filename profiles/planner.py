@@ -27,6 +27,7 @@ from typing import Any
 
 from ..engine.memory import MemoryPlanError
 from ..engine.spec import ModelSpec
+from ..engine.text import Text, text_fields
 from .advice import context_tiers
 from .flags import FlagChange, apply_changes, validate_flags
 from .machine import DeviceChoice, Machine, choose_device, plan_for
@@ -37,6 +38,11 @@ MIN_FIT_STEPS = 200  # decode steps before a run's own miss cost is trusted over
 # price (213 +- 82 us for a 4 us expert), and such a slope taken at face value predicted a 95%
 # speed-up the next engine did not show
 FIT_SIGMAS = 2.0
+ASSUMED = Text(
+    "assumed: uniform routing, so S slots serve S / all experts of the reads (real models route "
+    "unevenly, so real hit rates are higher); start the model once to replace this with its own "
+    "what-if curve"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +63,13 @@ class RunObservation:
     server_id: int | None = None
     policy: str | None = None  # its --moe-miss-policy
     miss_cost: tuple[float, float, int] | None = None  # its fit: s per miss, stderr, steps
+
+    @property
+    def source(self) -> Text:
+        """The run in words: its server, where known."""
+        if self.server_id is None:
+            return Text("a run")
+        return Text("server {id}", id=self.server_id)
 
     def measured_miss_s(self, policy: str) -> float | None:
         """The least a miss cost this run, as its own decode steps show (the fit's slope less
@@ -143,16 +156,11 @@ class HitModel:
     lru: tuple[tuple[int, float], ...] = ()
     popular_shares: tuple[float, ...] = ()
     blend: float = 0.0
-    basis: str = ""
+    basis: Text = ASSUMED
 
     @classmethod
     def assumed(cls, experts_total: int) -> HitModel:
-        return cls(
-            experts_total,
-            basis="assumed: uniform routing, so S slots serve S / all experts of the reads (real "
-            "models route unevenly, so real hit rates are higher); start the model once to "
-            "replace this with its own what-if curve",
-        )
+        return cls(experts_total, basis=ASSUMED)
 
     @classmethod
     def from_run(cls, run: RunObservation) -> HitModel:
@@ -160,15 +168,20 @@ class HitModel:
         low, high = model._bounds(run.slots)
         blend = (run.hit_rate - low) / (high - low) if high > low else 0.0
         blend = min(1.0, max(0.0, blend))
-        source = f"server {run.server_id}" if run.server_id is not None else "a run"
         return cls(
             run.experts_total,
             run.whatif,
             run.popular_shares,
             blend,
-            basis=f"the what-if curve of {source} ({run.slots} slots, hit rate "
-            f"{run.hit_rate:.0%}), placed {blend:.0%} of the way from LRU to holding the most "
-            "picked experts, as that run was",
+            basis=Text(
+                "the what-if curve of {source} ({slots} slots, hit rate {hit_rate:.0%}), placed "
+                "{blend:.0%} of the way from LRU to holding the most picked experts, as that run "
+                "was",
+                source=run.source,
+                slots=run.slots,
+                hit_rate=run.hit_rate,
+                blend=blend,
+            ),
         )
 
     def _bounds(self, slots: int) -> tuple[float, float]:
@@ -195,7 +208,7 @@ class SpeedModel:
     fixed_s: float
     miss_s: float
     reads_per_token: float
-    basis: str
+    basis: Text
 
     def decode_tok_s(self, hit_rate: float) -> float:
         return 1.0 / (self.fixed_s + self.reads_per_token * (1.0 - hit_rate) * self.miss_s)
@@ -247,27 +260,52 @@ def speed_model(
             bp, bh = bandwidths
         else:
             return None
-        source = f"server {run.server_id}" if run.server_id is not None else "a run"
         bytes_s = miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh)
-        bytes_priced = f"expert of {slot_bytes / 2**20:.2f} MiB at Bp {bp:.1f} + Bh {bh:.1f} GB/s"
+        bytes_priced = Text(
+            "expert of {mib:.2f} MiB at Bp {bp:.1f} + Bh {bh:.1f} GB/s",
+            mib=slot_bytes / 2**20,
+            bp=bp,
+            bh=bh,
+        )
         measured = run.measured_miss_s(ns.moe_miss_policy)
-        fitted = ""
+        fitted = None
         if run.miss_cost is not None:
             slope, stderr, steps = run.miss_cost
-            fitted = f"they fitted {slope * 1e6:.0f} ± {stderr * 1e6:.0f} µs over {steps} steps"
+            fitted = Text(
+                "they fitted {slope_us:.0f} ± {stderr_us:.0f} µs over {steps} steps",
+                slope_us=slope * 1e6,
+                stderr_us=stderr * 1e6,
+                steps=steps,
+            )
         if measured is not None and measured > bytes_s:
+            assert fitted is not None
             miss_s = measured
-            priced = (
-                f"each miss costs {miss_s * 1e6:.0f} µs as its own decode steps show ({fitted}, "
-                f"taken at {FIT_SIGMAS:.0f} standard errors below; the bytes alone, "
-                f"{bytes_priced}: {bytes_s * 1e6:.0f} µs)"
+            priced = Text(
+                "each miss costs {miss_us:.0f} µs as its own decode steps show ({fitted}, taken "
+                "at {sigmas:.0f} standard errors below; the bytes alone, {priced}: "
+                "{bytes_us:.0f} µs)",
+                miss_us=miss_s * 1e6,
+                fitted=fitted,
+                sigmas=FIT_SIGMAS,
+                priced=bytes_priced,
+                bytes_us=bytes_s * 1e6,
+            )
+        elif fitted is not None:
+            miss_s = bytes_s
+            priced = Text(
+                "each miss costs {miss_us:.0f} µs ({priced}; its own steps gave no clear price of "
+                "a miss above that under this policy: {fitted})",
+                miss_us=miss_s * 1e6,
+                priced=bytes_priced,
+                fitted=fitted,
             )
         else:
             miss_s = bytes_s
-            priced = (
-                f"each miss costs {miss_s * 1e6:.0f} µs ({bytes_priced}; its own steps gave no "
-                f"clear price of a miss above that under this policy{': ' if fitted else ''}"
-                f"{fitted})"
+            priced = Text(
+                "each miss costs {miss_us:.0f} µs ({priced}; its own steps gave no clear price of "
+                "a miss above that under this policy)",
+                miss_us=miss_s * 1e6,
+                priced=bytes_priced,
             )
         observed_s = 1.0 / run.decode_tok_s
         misses = run.reads_per_token * (1.0 - run.hit_rate)
@@ -276,8 +314,15 @@ def speed_model(
             fixed,
             miss_s,
             run.reads_per_token,
-            f"{source} decoded {run.decode_tok_s:.1f} tok/s with {misses:.2f} misses per token; "
-            f"{priced}; the rest, {fixed * 1e3:.2f} ms per token, stays",
+            Text(
+                "{source} decoded {tok_s:.1f} tok/s with {misses:.2f} misses per token; {priced}; "
+                "the rest, {fixed_ms:.2f} ms per token, stays",
+                source=run.source,
+                tok_s=run.decode_tok_s,
+                misses=misses,
+                priced=priced,
+                fixed_ms=fixed * 1e3,
+            ),
         )
     if bandwidths is None:
         return None
@@ -299,9 +344,15 @@ def speed_model(
         fixed,
         miss_s,
         reads,
-        f"bandwidth bound of one request (no run of this model yet): dense weights and hits at "
-        f"{device_gbps:.0f} GB/s, each miss {miss_s * 1e6:.0f} µs at Bp {bp:.1f} + Bh "
-        f"{bh:.1f} GB/s; real engines reach a share of it",
+        Text(
+            "bandwidth bound of one request (no run of this model yet): dense weights and hits "
+            "at {device_gbps:.0f} GB/s, each miss {miss_us:.0f} µs at Bp {bp:.1f} + Bh {bh:.1f} "
+            "GB/s; real engines reach a share of it",
+            device_gbps=device_gbps,
+            miss_us=miss_s * 1e6,
+            bp=bp,
+            bh=bh,
+        ),
     )
 
 
@@ -359,8 +410,8 @@ class ContextPlan:
     experts_total: int
     points: tuple[PlanPoint, ...]
     current_kv_tokens: int
-    hit_basis: str
-    speed_basis: str | None
+    hit_basis: Text
+    speed_basis: Text | None
 
     def point(self, kv_tokens: int) -> PlanPoint | None:
         return next((p for p in self.points if p.kv_reserve_tokens == kv_tokens), None)
@@ -374,7 +425,10 @@ class ContextPlan:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "experts_total": self.experts_total,
             "current_kv_tokens": self.current_kv_tokens,
-            "basis": {"hit_rate": self.hit_basis, "speed": self.speed_basis},
+            "basis": {
+                **text_fields("hit_rate", self.hit_basis),
+                **text_fields("speed", self.speed_basis),
+            },
             "points": [p.to_json() for p in self.points],
         }
 

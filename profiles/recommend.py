@@ -12,6 +12,7 @@ from typing import Any
 
 from ..engine.memory import MemoryPlanError, VramPlan
 from ..engine.spec import ModelSpec
+from ..engine.text import Text, error_text, text_of, texts_fields
 from .advice import Advice
 from .flags import FlagChange, catalog, split_flags, validate_flags
 from .machine import GIB, Machine, choose_device, plan_for
@@ -29,8 +30,8 @@ class BenchmarkResult:
 
     run_id: int
     flags: list[str]
-    notes: dict[str, str] = field(default_factory=dict)
-    general_notes: list[str] = field(default_factory=list)
+    notes: dict[str, Text | str] = field(default_factory=dict)
+    general_notes: list[Text | str] = field(default_factory=list)
     engine_version: str | None = None
     machine_id: str | None = None
     gpu_uuids: tuple[str, ...] | None = None
@@ -47,13 +48,14 @@ class BenchmarkResult:
         finished: str | None = None,
     ) -> BenchmarkResult:
         """Read a `benchmark_runs.result` object: `{"flags": [...], "notes": [...],
-        "hardware": {"gpu_uuids": [...]}}`, where a note is `{"flag", "note"}` or plain text."""
+        "hardware": {"gpu_uuids": [...]}}`, where a note is `{"flag", "reason"}` (its stored form
+        beside it, engine/text.py), `{"flag", "note"}` or plain text."""
         flags = [str(f) for f in result.get("flags") or []]
-        notes: dict[str, str] = {}
-        general: list[str] = []
+        notes: dict[str, Text | str] = {}
+        general: list[Text | str] = []
         for note in result.get("notes") or []:
             if isinstance(note, dict) and isinstance(note.get("flag"), str):
-                notes[note["flag"]] = str(note.get("note") or note.get("reason") or "")
+                notes[note["flag"]] = text_of(note, "reason") or str(note.get("note") or "")
             elif isinstance(note, str):
                 general.append(note)
         uuids = (result.get("hardware") or {}).get("gpu_uuids")
@@ -77,11 +79,11 @@ class Recommendation:
     model: str
     advice: tuple[Advice, ...]
     plan: VramPlan | None
-    warnings: tuple[str, ...]
+    warnings: tuple[Text | str, ...]
     basis: str  # "rules" or "benchmark"
     benchmark_run: int | None = None
-    notes: tuple[str, ...] = ()
-    stale_reasons: tuple[str, ...] = ()
+    notes: tuple[Text | str, ...] = ()
+    stale_reasons: tuple[Text, ...] = ()
 
     @property
     def stale(self) -> bool:
@@ -132,12 +134,12 @@ class Recommendation:
             "flags": [a.to_json() for a in self.advice],
             "command_flags": self.flags,
             "vram_split": self.vram_split(),
-            "warnings": list(self.warnings),
-            "notes": list(self.notes),
+            **texts_fields("warnings", self.warnings),
+            **texts_fields("notes", self.notes),
             "basis": self.basis,
             "benchmark_run": self.benchmark_run,
             "stale": self.stale,
-            "stale_reasons": list(self.stale_reasons),
+            **texts_fields("stale_reasons", self.stale_reasons),
         }
 
 
@@ -153,17 +155,20 @@ def recommend(
     only for the flags it did not cover. `context_tokens` asks for a context (default: the
     model's own when it leaves room for experts; see rules.py)."""
     advice, warnings = rule_advice(machine, spec, context_tokens)
-    stale: list[str] = []
+    stale: list[Text] = []
     if benchmark is None:
         rates = machine.rates
         if rates is not None and rates.engine_version not in (None, machine.engine_version):
             stale.append(
-                f"the rates were measured with moelab {rates.engine_version}; this is "
-                f"{machine.engine_version}: measure again"
+                Text(
+                    "the rates were measured with moelab {then}; this is {now}: measure again",
+                    then=rates.engine_version,
+                    now=machine.engine_version,
+                )
             )
         uuids = {g.uuid for g in machine.gpus}
         if rates is not None and rates.gpu_uuid is not None and rates.gpu_uuid not in uuids:
-            stale.append("the rates were measured on a GPU this machine no longer has")
+            stale.append(Text("the rates were measured on a GPU this machine no longer has"))
         basis, run_id, notes = "rules", None, ()
     else:
         advice = _benchmark_advice(benchmark) + _uncovered(advice, benchmark)
@@ -185,7 +190,10 @@ def recommend(
     except MemoryPlanError as err:
         plan = None
         if basis == "benchmark":
-            warnings = [*warnings, f"the benchmark's flags no longer fit: {err}"]
+            warnings = [
+                *warnings,
+                Text("the benchmark's flags no longer fit: {error}", error=error_text(err)),
+            ]
     return Recommendation(
         model=model,
         advice=recommendation.advice,
@@ -202,7 +210,9 @@ def _benchmark_advice(benchmark: BenchmarkResult) -> list[Advice]:
     settings, _ = split_flags(benchmark.flags)
     out = []
     for s in settings:
-        reason = benchmark.notes.get(s.flag) or f"chosen by benchmark run {benchmark.run_id}"
+        reason = benchmark.notes.get(s.flag) or Text(
+            "chosen by benchmark run {run}", run=benchmark.run_id
+        )
         out.append(Advice(s.flag, True if s.value is None else s.value, reason, "measured"))
     chosen = {s.flag for s in settings}
     for flag, note in benchmark.notes.items():
@@ -222,19 +232,24 @@ def _uncovered(rules: list[Advice], benchmark: BenchmarkResult) -> list[Advice]:
     return [a for a in rules if a.flag not in covered]
 
 
-def _benchmark_staleness(benchmark: BenchmarkResult, machine: Machine) -> list[str]:
+def _benchmark_staleness(benchmark: BenchmarkResult, machine: Machine) -> list[Text]:
     out = []
     if benchmark.engine_version and benchmark.engine_version != machine.engine_version:
         out.append(
-            f"benchmark run {benchmark.run_id} ran moelab {benchmark.engine_version}; this is "
-            f"{machine.engine_version}: run it again (pick up from the last result)"
+            Text(
+                "benchmark run {run} ran moelab {then}; this is {now}: run it again (pick up from "
+                "the last result)",
+                run=benchmark.run_id,
+                then=benchmark.engine_version,
+                now=machine.engine_version,
+            )
         )
     if benchmark.machine_id and benchmark.machine_id != machine.machine_id:
-        out.append(f"benchmark run {benchmark.run_id} ran on another machine")
+        out.append(Text("benchmark run {run} ran on another machine", run=benchmark.run_id))
     if benchmark.gpu_uuids is not None and set(benchmark.gpu_uuids) != {
         g.uuid for g in machine.gpus
     }:
-        out.append(f"the GPUs changed since benchmark run {benchmark.run_id}")
+        out.append(Text("the GPUs changed since benchmark run {run}", run=benchmark.run_id))
     return out
 
 

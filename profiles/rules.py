@@ -16,6 +16,7 @@ from typing import Any
 
 from ..engine.memory import VramPlan, activation_bytes
 from ..engine.spec import ModelSpec
+from ..engine.text import Text
 from .advice import Advice, context_tiers, flags_of, gib, ram_warnings, threads_advice, try_plan
 from .cpu_rules import cpu_rules
 from .flags import catalog
@@ -30,7 +31,7 @@ TOKENS_PER_REQUEST = 2048  # a typical conversation a running request needs KV f
 
 def rule_advice(
     machine: Machine, spec: ModelSpec, context_tokens: int | None = None
-) -> tuple[list[Advice], list[str]]:
+) -> tuple[list[Advice], list[Text]]:
     """The advice of every rule, and warnings, for `spec` on `machine`."""
     if machine.gpus:
         return _gpu_rules(machine, spec, context_tokens)
@@ -39,7 +40,7 @@ def rule_advice(
 
 def _gpu_rules(
     machine: Machine, spec: ModelSpec, context_tokens: int | None
-) -> tuple[list[Advice], list[str]]:
+) -> tuple[list[Advice], list[Text]]:
     gpu = max(machine.gpus, key=lambda g: (g.usable_bytes, -g.index))
     advice: list[Advice] = []
     if len(machine.gpus) > 1:
@@ -47,9 +48,15 @@ def _gpu_rules(
             Advice(
                 "--device",
                 f"cuda:{gpu.index}",
-                f"{len(machine.gpus)} GPUs, and one engine runs on one (layers are not split "
-                f"across GPUs yet): GPU {gpu.index} ({gpu.name}) has the most memory, "
-                f"{gib(gpu.usable_bytes)}; the other can serve a second model",
+                Text(
+                    "{n} GPUs, and one engine runs on one (layers are not split across GPUs "
+                    "yet): GPU {index} ({name}) has the most memory, {size}; the other can serve "
+                    "a second model",
+                    n=len(machine.gpus),
+                    index=gpu.index,
+                    name=gpu.name,
+                    size=gib(gpu.usable_bytes),
+                ),
                 numbers={f"gpu{g.index}_bytes": g.usable_bytes for g in machine.gpus},
             )
         )
@@ -67,7 +74,7 @@ def _gpu_rules(
     advice.append(threads)
     advice.append(_policy_advice(machine, plan, int(str(threads.value))))
     bank = spec.experts_total * spec.expert_params * spec.dtype_bytes
-    warnings += ram_warnings(machine, bank, "pinned, so it never swaps", 0)
+    warnings += ram_warnings(machine, bank, Text("pinned, so it never swaps"), 0)
     return advice, warnings
 
 
@@ -85,23 +92,28 @@ def _chunk_advice(spec: ModelSpec, gpu: Gpu) -> Advice:
     return Advice(
         "--prefill-chunk-tokens",
         str(chunk),
-        f"each prefill chunk streams every expert of every layer once "
-        f"({gib(spec.expert_pool_bytes)} for this model), so longer chunks amortize it; "
-        f"{chunk} tokens need {gib(act)} of activations, within 1/8 of the "
-        f"{gib(room)} left after the weights",
+        Text(
+            "each prefill chunk streams every expert of every layer once ({pool} for this "
+            "model), so longer chunks amortize it; {chunk} tokens need {activations} of "
+            "activations, within 1/8 of the {room} left after the weights",
+            pool=gib(spec.expert_pool_bytes),
+            chunk=chunk,
+            activations=gib(act),
+            room=gib(room),
+        ),
         numbers={"activation_bytes": act, "room_bytes": room, "chunk_tokens": chunk},
     )
 
 
 def _context_advice(
     machine: Machine, spec: ModelSpec, flags: list[str], asked: int | None
-) -> tuple[Advice | None, VramPlan | None, list[str]]:
+) -> tuple[Advice | None, VramPlan | None, list[Text]]:
     """The KV reserve: the context asked, else the model's own when it leaves 10% of the experts
     as slots, else the largest tier that does, else the engine's default with a warning."""
     total = spec.experts_total
     need = math.ceil(SLOT_FLOOR_SHARE * total)
     longest = spec.max_position_embeddings
-    warnings: list[str] = []
+    warnings: list[Text] = []
 
     def numbers(t: int, p: VramPlan) -> dict[str, Any]:
         return {
@@ -113,62 +125,100 @@ def _context_advice(
             "context_tokens": p.max_context,
         }
 
-    def slots_text(p: VramPlan) -> str:
-        return f"{p.slots} expert slots ({p.slots / total:.0%} of {total} experts)"
+    def slots_text(p: VramPlan) -> Text:
+        return Text(
+            "{slots} expert slots ({share:.0%} of {total} experts)",
+            slots=p.slots,
+            share=p.slots / total,
+            total=total,
+        )
 
     if asked is not None:
         if asked > longest:
-            warnings.append(f"the model supports at most {longest} tokens; planned for that")
+            warnings.append(
+                Text("the model supports at most {tokens} tokens; planned for that", tokens=longest)
+            )
         t = min(asked, longest)
         p = try_plan(machine, spec, flags, kv_tokens=t)
         if isinstance(p, VramPlan):
             if p.slots < need and not p.all_resident:
                 warnings.append(
-                    f"a {t}-token context leaves only {slots_text(p)}, under 10%: decoding will "
-                    "wait on expert copies; a shorter context gives the cache more room"
+                    Text(
+                        "a {tokens}-token context leaves only {slots}, under 10%: decoding will "
+                        "wait on expert copies; a shorter context gives the cache more room",
+                        tokens=t,
+                        slots=slots_text(p),
+                    )
                 )
-            reason = f"the {t}-token context asked for: {gib(p.kv_bytes)} of KV, leaving " + (
-                slots_text(p)
+            reason = Text(
+                "the {tokens}-token context asked for: {kv} of KV, leaving {slots}",
+                tokens=t,
+                kv=gib(p.kv_bytes),
+                slots=slots_text(p),
             )
             return Advice("--kv-reserve-tokens", str(t), reason, numbers=numbers(t, p)), p, warnings
-        warnings.append(f"a {t}-token context does not fit ({p}); chose one by the rule instead")
+        warnings.append(
+            Text(
+                "a {tokens}-token context does not fit ({error}); chose one by the rule instead",
+                tokens=t,
+                error=p,
+            )
+        )
 
     plans = {t: try_plan(machine, spec, flags, kv_tokens=t) for t in context_tiers(longest)}
     fitting = {t: p for t, p in plans.items() if isinstance(p, VramPlan)}
     if not fitting:
         smallest = plans[min(plans)]
-        warnings.append(f"this model does not fit on this device at any context: {smallest}")
+        assert not isinstance(smallest, VramPlan)
+        warnings.append(
+            Text("this model does not fit on this device at any context: {error}", error=smallest)
+        )
         return None, None, warnings
     chosen = next((t for t in sorted(fitting, reverse=True) if fitting[t].slots >= need), None)
     if chosen == longest:
         p = fitting[chosen]
-        reason = (
-            f"the model's whole context ({longest} tokens, {gib(p.kv_bytes)} of KV) still "
-            f"leaves {slots_text(p)}, at least 10%"
+        reason = Text(
+            "the model's whole context ({tokens} tokens, {kv} of KV) still leaves {slots}, at "
+            "least 10%",
+            tokens=longest,
+            kv=gib(p.kv_bytes),
+            slots=slots_text(p),
         )
     elif chosen is not None:
         p = fitting[chosen]
         full = plans[longest]
         cost = (
-            f"would leave only {slots_text(full)}" if isinstance(full, VramPlan) else "does not fit"
+            Text("would leave only {slots}", slots=slots_text(full))
+            if isinstance(full, VramPlan)
+            else Text("does not fit")
         )
-        reason = (
-            f"the model's whole context ({longest} tokens) {cost}; {chosen} tokens is the "
-            f"largest tier that leaves at least 10%: {slots_text(p)}"
+        reason = Text(
+            "the model's whole context ({tokens} tokens) {cost}; {chosen} tokens is the largest "
+            "tier that leaves at least 10%: {slots}",
+            tokens=longest,
+            cost=cost,
+            chosen=chosen,
+            slots=slots_text(p),
         )
     else:
         default = catalog()["--kv-reserve-tokens"].default
         chosen = max((t for t in fitting if t <= default), default=min(fitting))
         p = fitting[chosen]
-        reason = (
-            f"no context leaves 10% of the experts ({need} slots) beside the weights; "
-            f"{chosen} tokens keeps the most usable context without giving up more slots: "
-            f"{slots_text(p)}"
+        reason = Text(
+            "no context leaves 10% of the experts ({need} slots) beside the weights; {chosen} "
+            "tokens keeps the most usable context without giving up more slots: {slots}",
+            need=need,
+            chosen=chosen,
+            slots=slots_text(p),
         )
         warnings.append(
-            f"fewer than 10% of the experts fit in the GPU cache at any context ({slots_text(p)} "
-            f"at {chosen} tokens): most of every decode step waits on host RAM; a GPU with more "
-            "memory or a smaller checkpoint decodes much faster"
+            Text(
+                "fewer than 10% of the experts fit in the GPU cache at any context ({slots} at "
+                "{tokens} tokens): most of every decode step waits on host RAM; a GPU with more "
+                "memory or a smaller checkpoint decodes much faster",
+                slots=slots_text(p),
+                tokens=chosen,
+            )
         )
     return (
         Advice("--kv-reserve-tokens", str(chosen), reason, numbers=numbers(chosen, p)),
@@ -184,26 +234,39 @@ def _running_advice(spec: ModelSpec, plan: VramPlan) -> Advice:
     if not plan.all_resident and share < SMALL_CACHE_SHARE:
         running = 4
         reasons.append(
-            f"the cache holds {share:.0%} of the experts: unrelated requests route to different "
-            "experts and evict each other's, so fewer run together"
+            Text(
+                "the cache holds {share:.0%} of the experts: unrelated requests route to "
+                "different experts and evict each other's, so fewer run together",
+                share=share,
+            )
         )
     fits = max(1, plan.kv_tokens // TOKENS_PER_REQUEST)
     if fits < running:
         running = fits
         reasons.append(
-            f"the KV reserve of {plan.kv_tokens} tokens holds {fits} request(s) of "
-            f"{TOKENS_PER_REQUEST} tokens at once"
+            Text(
+                "the KV reserve of {kv_tokens} tokens holds {fits} request(s) of {tokens} tokens "
+                "at once",
+                kv_tokens=plan.kv_tokens,
+                fits=fits,
+                tokens=TOKENS_PER_REQUEST,
+            )
         )
     if not reasons:
-        reasons.append(
-            f"the engine's default: the KV reserve of {plan.kv_tokens} tokens holds {running} "
-            f"requests of {TOKENS_PER_REQUEST} tokens"
-            + (", and every expert is resident" if plan.all_resident else "")
+        default = Text(
+            "the engine's default: the KV reserve of {kv_tokens} tokens holds {running} requests "
+            "of {tokens} tokens",
+            kv_tokens=plan.kv_tokens,
+            running=running,
+            tokens=TOKENS_PER_REQUEST,
         )
+        if plan.all_resident:
+            default = Text("{default}, and every expert is resident", default=default)
+        reasons.append(default)
     return Advice(
         "--max-running-requests",
         str(running),
-        "; ".join(reasons),
+        Text("{reasons}", reasons=reasons),  # one after another
         numbers={"kv_tokens": plan.kv_tokens, "slot_share": round(share, 4)},
     )
 
@@ -215,32 +278,41 @@ def _cache_advice(plan: VramPlan, gpu: Gpu) -> Advice:
         "expert_cache_bytes": plan.expert_cache_bytes,
     }
     if plan.all_resident:
-        reason = (
-            f"every expert fits: {plan.experts_total} slots, {gib(plan.expert_cache_bytes)}; "
-            "nothing is copied while decoding"
+        reason = Text(
+            "every expert fits: {slots} slots, {size}; nothing is copied while decoding",
+            slots=plan.experts_total,
+            size=gib(plan.expert_cache_bytes),
         )
     else:
-        reason = (
+        reason = Text(
             "left to the engine, which gives the expert cache what remains after the weights, "
-            f"KV and buffers: about {plan.slots} slots ({plan.slots / plan.experts_total:.0%} of "
-            f"{plan.experts_total} experts, {gib(plan.expert_cache_bytes)}) on "
-            f"{gib(gpu.usable_bytes)}; a fixed number would stop the engine from starting when "
-            "a little less memory is free"
+            "KV and buffers: about {slots} slots ({share:.0%} of {total} experts, {size}) on "
+            "{memory}; a fixed number would stop the engine from starting when a little less "
+            "memory is free",
+            slots=plan.slots,
+            share=plan.slots / plan.experts_total,
+            total=plan.experts_total,
+            size=gib(plan.expert_cache_bytes),
+            memory=gib(gpu.usable_bytes),
         )
     return Advice("--moe-cache-size", None, reason, numbers=numbers)
 
 
 def _policy_advice(machine: Machine, plan: VramPlan, threads: int) -> Advice:
     if plan.all_resident:
-        return Advice("--moe-miss-policy", "auto", "every expert fits in VRAM: no misses to place")
+        return Advice(
+            "--moe-miss-policy", "auto", Text("every expert fits in VRAM: no misses to place")
+        )
     rates = machine.rates
     cpu = rates.cpu_rate(threads) if rates else None
     if rates is None or rates.h2d_gbps is None or cpu is None:
         return Advice(
             "--moe-miss-policy",
             "auto",
-            "not measured yet: the engine measures both rates for a few seconds at start and "
-            "splits misses by them; measure the hardware for a lasting choice",
+            Text(
+                "not measured yet: the engine measures both rates for a few seconds at start and "
+                "splits misses by them; measure the hardware for a lasting choice"
+            ),
         )
     bp, (t, bh) = rates.h2d_gbps, cpu
     numbers: dict[str, Any] = {"h2d_gbps": round(bp, 3), "cpu_experts_gbps": round(bh, 3)}
@@ -250,9 +322,13 @@ def _policy_advice(machine: Machine, plan: VramPlan, threads: int) -> Advice:
         return Advice(
             "--moe-miss-policy",
             "gpu",
-            f"running experts on the CPU slows the copies more than it adds: together "
-            f"{together[0]:.1f} + {together[1]:.1f} GB/s, no more than {bp:.1f} GB/s copying "
-            "alone",
+            Text(
+                "running experts on the CPU slows the copies more than it adds: together "
+                "{copies:.1f} + {cpu:.1f} GB/s, no more than {bp:.1f} GB/s copying alone",
+                copies=together[0],
+                cpu=together[1],
+                bp=bp,
+            ),
             "measured",
             numbers,
         )
@@ -261,9 +337,15 @@ def _policy_advice(machine: Machine, plan: VramPlan, threads: int) -> Advice:
     return Advice(
         "--moe-miss-policy",
         "auto",
-        f"misses split by the measured rates: copies {bp:.1f} GB/s, CPU experts {bh:.1f} GB/s "
-        f"at {t} threads, so {fetch:.0%} of misses are fetched and the rest run on the CPU at "
-        "the same time",
+        Text(
+            "misses split by the measured rates: copies {bp:.1f} GB/s, CPU experts {bh:.1f} "
+            "GB/s at {threads} threads, so {fetch:.0%} of misses are fetched and the rest run on "
+            "the CPU at the same time",
+            bp=bp,
+            bh=bh,
+            threads=t,
+            fetch=fetch,
+        ),
         "measured",
         numbers,
     )

@@ -24,6 +24,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+from ..engine.text import Text
 from .flags import FlagError, FlagProblem, catalog, split_flags, validate_flags
 
 if sys.version_info >= (3, 11):
@@ -92,7 +93,7 @@ def dumps(profile: ProfileFile) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _problem(message: str) -> FlagError:
+def _problem(message: Text) -> FlagError:
     return FlagError([FlagProblem(None, "toml", message)])
 
 
@@ -102,30 +103,44 @@ def loads(text: str) -> ProfileFile:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise _problem(
-            f"the file is not valid TOML: {err} (a key given twice is refused by TOML itself)"
+            Text(
+                "the file is not valid TOML: {error} (a key given twice is refused by TOML itself)",
+                error=str(err),
+            )
         ) from None
     unknown = sorted(set(data) - {*FIELDS, "flags"})
     if unknown:
         raise _problem(
-            f"unknown key(s) {', '.join(unknown)}; a profile file has "
-            f"{', '.join(FIELDS)} and a [flags] table"
+            Text(
+                "unknown key(s) {unknown}; a profile file has {fields} and a [flags] table",
+                unknown=", ".join(unknown),
+                fields=", ".join(FIELDS),
+            )
         )
     for field in FIELDS:
         if field in data and not isinstance(data[field], str):
-            raise _problem(f"{field} must be a string")
+            raise _problem(Text("{field} must be a string", field=field))
     table = data.get("flags", {})
     if not isinstance(table, dict):
-        raise _problem("flags must be a table: [flags] with one key per flag")
+        raise _problem(Text("flags must be a table: [flags] with one key per flag"))
     flags: list[str] = []
     for key, value in table.items():
         flag = key if key.startswith("--") else f"--{key}"
         info = catalog().get(flag)
         if info is not None and info.switch and not isinstance(value, bool):
-            raise _problem(f"{key} is on/off: write {key} = true, or leave it out for off")
+            raise _problem(
+                Text("{key} is on/off: write {key} = true, or leave it out for off", key=key)
+            )
         if isinstance(value, bool):
             if info is not None and not info.switch:
                 raise _problem(
-                    f"{key} = {str(value).lower()}: {flag} is not on/off; it takes {info.expects}"
+                    Text(
+                        "{key} = {value}: {flag} is not on/off; it takes {expects}",
+                        key=key,
+                        value=str(value).lower(),
+                        flag=flag,
+                        expects=info.expects,
+                    )
                 )
             if value:
                 flags.append(flag)
@@ -133,7 +148,7 @@ def loads(text: str) -> ProfileFile:
         if isinstance(value, (int, float, str)):
             flags += [flag, str(value)]
             continue
-        raise _problem(f"{key}: a flag's value is a string, a number or true/false")
+        raise _problem(Text("{key}: a flag's value is a string, a number or true/false", key=key))
     validate_flags(flags)
     return ProfileFile(
         name=data.get("name"),

@@ -29,6 +29,7 @@ from ...daemon.catalog import model_json
 from ...daemon.errors import BadRequest
 from ...daemon.schema import Profile
 from ...daemon.service import Daemon
+from ...engine.text import Text
 from .. import charts
 from ..i18n import Translator, _
 from ..web import NavEntry, render
@@ -131,7 +132,7 @@ async def compare_page(request: Request) -> Response:
     service = service_of(request)
     raw_a, raw_b = request.query_params.get("a", ""), request.query_params.get("b", "")
     if not raw_a.isdigit() or not raw_b.isdigit():
-        raise BadRequest("choose two runs to compare (?a=ID&b=ID)")
+        raise BadRequest(Text("choose two runs to compare (?a=ID&b=ID)"))
     data = await blocking(
         compare_runs, service, int(raw_a), int(raw_b), request.state.access.control
     )

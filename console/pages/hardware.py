@@ -43,8 +43,12 @@ KIND_LABELS = {
     "h2d_pinned_concurrent": _("host to GPU copy while the CPU runs experts"),
     "cpu_experts_concurrent": _("CPU expert kernel while copies run"),
 }
-# units of the probe's readings and a job's statuses, marked for the catalog (shown with t())
-WORDS = (_("cores"), _("lanes"), _("generation"), _("running"), _("done"), _("failed"))
+# units of the probe's readings, where readings come from, and a job's statuses, marked for the
+# catalog (shown with t())
+WORDS = (
+    _("cores"), _("lanes"), _("generation"), _("probe"), _("disk read"), _("under load"),
+    _("running"), _("done"), _("failed"),
+)  # fmt: skip
 # parameters that describe the workload's geometry, the same for every reading of a run
 QUIET_PARAMS = frozenset(
     {"hidden", "intermediate", "dtype", "expert_bytes", "file", "mountpoint", "fstype", "bytes",
@@ -111,7 +115,7 @@ def hardware_charts(data: dict[str, Any], t: Translator) -> Mapping[str, go.Figu
             traces,
             charts.layout(
                 t,
-                title=shown,
+                title=t(shown),
                 xaxis=charts.time_axis(t),
                 yaxis={"rangemode": "tozero"},
                 hovermode="closest",

@@ -9,6 +9,7 @@ query, and each flag shows its problem inline) and saves with a PUT of the form 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,10 +26,11 @@ from ...daemon.errors import ApiError
 from ...daemon.flags import redact_flags
 from ...daemon.schema import Server
 from ...daemon.service import Daemon
+from ...engine.text import Text, text_fields
 from ...profiles.cmdline import to_command_line
 from ...profiles.flags import catalog, check_value, find_problems, split_flags
 from ..i18n import Translator, _
-from ..web import NavEntry, render
+from ..web import ENV, NavEntry, render
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -42,6 +44,20 @@ GROUPS = {
     "server": _("Server"),
 }
 STATES = {"not set": _("not set"), "different": _("different"), "same": _("same")}
+# the origins mgr gives profiles, in words (an origin given through the API is shown as it is)
+ORIGINS = (_("by hand"), _("Recommended"), _("imported"))
+BENCHMARK_ORIGIN = re.compile(r"benchmark run (\d+)")
+
+
+def origin_words(origin: str, t: Translator) -> str:
+    """A profile's origin in the page's language."""
+    match = BENCHMARK_ORIGIN.fullmatch(origin)
+    if match:
+        return t("benchmark run {n}", n=match.group(1))
+    return t(origin) if origin in ORIGINS else origin
+
+
+ENV.filters["origin"] = origin_words
 
 
 def servers_of(daemon: Daemon) -> dict[int, list[dict[str, Any]]]:
@@ -79,7 +95,7 @@ def editor_data(flags: list[str], draft: Mapping[str, str] | None) -> dict[str, 
     if draft is None:
         settings, _problems = split_flags(flags)
         values: dict[str, str | None] = {s.flag: s.value for s in settings}
-        problems: dict[str, str] = {}
+        problems: dict[str, Text | str] = {}
     else:
         values, problems = {}, {}
         for flag, info in catalog().items():
@@ -105,12 +121,12 @@ def editor_data(flags: list[str], draft: Mapping[str, str] | None) -> dict[str, 
                 "help": info.help,
                 "choices": list(info.choices) if info.choices else None,
                 "default": None if info.default in (None, False) else str(info.default),
-                "expects": info.expects,
+                **text_fields("expects", info.expects),
                 "tunable": info.tunable,
                 "exclusive_with": list(info.exclusive_with),
                 "set": flag in values,
                 "value": values.get(flag),
-                "problem": problems.get(flag),
+                **text_fields("problem", problems.get(flag)),
             }
         )
     return {
@@ -152,7 +168,7 @@ def recommended_data(daemon: Daemon, profile_id: int, reveal: bool) -> dict[str,
     try:
         inputs = api_recommend.gather(daemon, None, profile_id)
     except ApiError as err:
-        return {"error": err.message}
+        return text_fields("error", err.text)
     body = api_recommend.recommendation_json(inputs, None, reveal)
     states = body["profile"]["comparison"]
     body["rows"] = [
@@ -177,6 +193,7 @@ def profile_data(
         "recommended": recommended_data(daemon, row.id, reveal),
         "saved": False,
         "save_error": None,
+        "save_error_text": None,
     }
 
 
@@ -242,19 +259,19 @@ async def save_flags(request: Request) -> Response:
     form = {k: str(v) for k, v in (await request.form()).items()}
     values = _draft_of(form)
     data = await blocking(profile_data, daemon, profile_id, True, form)
-    error = None
+    error: Text | str | None = None
     if not data["editor"]["problems"]:
         body = {"name": form.get("name", ""), "model": form.get("model", ""),
                 "notes": form.get("notes", ""), "flags": draft_flags(values)}  # fmt: skip
         try:
             row = await blocking(save_profile, daemon.store, profile_id, body)
         except ApiError as err:
-            error = err.message
+            error = err.text
         else:
             audit(request, "update profile", f"profile {row.id}", flags=redact_flags(row.flags))
             data = await blocking(profile_data, daemon, profile_id, True, None)
             data["saved"] = True
-    data["save_error"] = error
+    data.update(text_fields("save_error", error))
     response = render(request, "_profile_editor.html", data)
     if data.get("saved"):
         response.headers["HX-Trigger"] = "profile-saved"

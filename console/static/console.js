@@ -66,7 +66,9 @@
     let reply = null;
     try { reply = await response.json(); } catch (err) { reply = null; }
     if (!response.ok) {
-      const message = reply && reply.error ? reply.error.message : response.status + " " + response.statusText;
+      // `localized`: the same message in the page's language, where it is not English
+      const error = reply && reply.error;
+      const message = error ? error.localized || error.message : response.status + " " + response.statusText;
       show(message, errorBox);
       return;
     }

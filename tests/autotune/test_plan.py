@@ -18,7 +18,7 @@ def keys(plan: Plan) -> list[str]:
 
 
 def why(plan: Plan, flag: str, value: object = None) -> str:
-    return next(s.why for s in plan.skipped if s.flag == flag and s.value == value)
+    return next(str(s.why) for s in plan.skipped if s.flag == flag and s.value == value)
 
 
 def test_every_candidate_is_the_base_plus_exactly_one_change() -> None:
@@ -177,4 +177,4 @@ def test_plans_survive_storage() -> None:
                      Objective("aggregate", 4))  # fmt: skip
     assert Plan.from_json(plan.to_json()) == plan
     assert effective_value([], "--no-cuda-graph") is False
-    assert Change("--x", None).label == "drop --x"
+    assert str(Change("--x", None).label) == "drop --x"

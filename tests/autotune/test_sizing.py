@@ -56,7 +56,7 @@ def test_a_faster_machine_gets_a_bigger_workload_and_both_last_the_target(
         calibration = calibrate(engine, mode, objective)
         sizing = size_workload(mode.workload_for(objective.clients), calibration, mode.target_s)
         assert sizing.measured_s < mode.target_s / 2 and len(sizing.stages_s) == 2
-        assert "workload sized to" in sizing.reason
+        assert "workload sized to" in str(sizing.reason)
         sized = run_sized(engine, sizing.spec)
         assert sized.workload_s == pytest.approx(mode.target_s, rel=0.1)
         assert sizing.expected_s == pytest.approx(sized.workload_s, rel=0.02)
@@ -102,11 +102,11 @@ def test_a_slow_machine_keeps_the_minimum_and_a_failed_calibration_too() -> None
     slow = size_workload(minimum, calibrate(engine, mode, DECODE), 40.0)
     assert replace(slow.spec, prefill_chars=None) == minimum
     assert slow.spec.prefill_chars is not None, "the text is fixed all the same"
-    assert "kept as it is" in slow.reason and slow.measured_s > mode.target_s
+    assert "kept as it is" in str(slow.reason) and slow.measured_s > mode.target_s
     assert slow.stages_s == (slow.measured_s,), "no second stage once the minimum is long enough"
     failed = TrialResult(ok=False, started=0.0, duration_s=3.0, failure="crash", error="boom")
     sizing = size_workload(minimum, failed, mode.target_s)
-    assert sizing.spec == minimum and "calibration failed (crash)" in sizing.reason
+    assert sizing.spec == minimum and "calibration failed (crash)" in str(sizing.reason)
 
 
 def test_a_cold_engine_with_per_request_costs_is_sized_from_the_warm_stage() -> None:
@@ -131,7 +131,7 @@ def test_a_cold_engine_with_per_request_costs_is_sized_from_the_warm_stage() -> 
     assert warm_s == pytest.approx(old_s) and cold_s < warm_s < REPEAT_BELOW_SHARE * mode.target_s
     assert second_s == pytest.approx(mode.target_s, rel=0.15)
     assert calibration.workload_s == pytest.approx(cold_s + warm_s + second_s)
-    assert sizing.reason.startswith(
+    assert str(sizing.reason).startswith(
         f"calibration: the mode's minimum took {cold_s:.1f} s cold; the first estimate "
         f"{warm_s:.1f} s warm; the second estimate {second_s:.1f} s warm; workload sized to "
         f"{sizing.expected_s:.1f} s (target 40 s): "
@@ -146,7 +146,7 @@ def test_a_first_estimate_far_too_short_is_run_again_before_sizing() -> None:
     sizing = size_workload(mode.workload_for(0), calibration, mode.target_s)
     _minimum_s, first_s, second_s = sizing.stages_s
     assert first_s < REPEAT_BELOW_SHARE * mode.target_s <= second_s <= 1.15 * mode.target_s
-    assert "the second estimate" in sizing.reason
+    assert "the second estimate" in str(sizing.reason)
     sized_s = run_sized(FakeEngine(seed=50, noise=0.0, **H200), sizing.spec).workload_s
     assert sized_s == pytest.approx(mode.target_s, rel=0.15)
 
@@ -168,7 +168,7 @@ def test_the_calibration_trial_comes_first_and_is_not_a_baseline_run() -> None:
     result, journal = search(FakeEngine(seed=44, noise=0.005, cold=0.6), [], DECODE)
     first = journal.trials[1]
     assert first.request.role == "calibration" and first.verdict == "calibration"
-    assert "workload sized to" in first.reason
+    assert "workload sized to" in str(first.reason)
     cold, warm = first.result.details["stages"]
     assert cold["decode_tok_s"][0] == pytest.approx(60.0, rel=0.02)
     assert first.result.decode_tok_s == warm["decode_tok_s"][0] == pytest.approx(100.0, rel=0.02)
@@ -178,7 +178,9 @@ def test_the_calibration_trial_comes_first_and_is_not_a_baseline_run() -> None:
     assert [t.n for t in bases[:3]] == [2, 3, 4]
     assert result["spreads"]["objective"] < 0.02 and result["threshold"] == pytest.approx(0.03)
     assert result["baseline"]["decode_tok_s"] == pytest.approx(100.0, rel=0.02)
-    assert any(kind == "workload" and "sized to" in message for kind, message, _ in journal.events)
+    assert any(
+        kind == "workload" and "sized to" in str(message) for kind, message, _ in journal.events
+    )
 
 
 def test_every_trial_after_the_calibration_runs_the_same_workload() -> None:

@@ -27,8 +27,8 @@ def test_a_trial_engine_killed_with_sigkill_is_not_recorded_as_out_of_memory(
     )
     assert not result.ok
     assert result.failure == "killed by signal 9"
-    assert "killed by signal 9 (SIGKILL)" in (result.error or "")
-    assert "memory" not in (result.error or "")
+    assert "killed by signal 9 (SIGKILL)" in str(result.error)
+    assert "memory" not in str(result.error)
 
 
 def test_no_program_takes_a_trial_engines_port_before_it_serves(

@@ -359,6 +359,7 @@ def test_a_lan_browser_is_read_only_until_it_logs_in(
     page.fill("input[name=token]", "not the token")
     page.click("form[data-api='/api/auth/login'] button")
     page.wait_for_selector(".form-error:not([hidden])")
+    assert page.text_content(".form-error") == "制御トークンが違います"
     # the wrong token's 401 is the one failed request this test causes on purpose
     assert [p for p in watched.problems if "401" not in p] == []
     watched.problems.clear()

@@ -11,23 +11,45 @@ from jinja2 import nodes
 
 from moelab.console.i18n import Translator, catalog, choose_language, parse_accept_language
 from moelab.console.web import ENV
+from moelab.engine.args import describe_flags
 
-CONSOLE = Path(__file__).resolve().parents[2] / "console"
+ROOT = Path(__file__).resolve().parents[2]
+CONSOLE = ROOT / "console"
+# the packages whose sentences the console shows, as Text("...") (engine/text.py)
+PRODUCERS = ("engine", "profiles", "autotune", "daemon", "console")
+
+
+def _literals(call: ast.Call) -> list[str]:
+    return [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+
+
+def _calls(source: str) -> list[ast.Call]:
+    return [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)]
+
+
+def _is_text(call: ast.Call) -> bool:
+    return isinstance(call.func, ast.Name) and call.func.id == "Text"
 
 
 def _python_messages(source: str) -> list[str]:
-    """English literals given to t(...), t.plural(...) and _(...) in Python code."""
+    """English literals given to t(...), t.plural(...) and _(...) in the console's code."""
     found = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Call):
-            continue
-        func = node.func
+    for call in _calls(source):
+        func = call.func
         named = isinstance(func, ast.Name) and func.id in ("t", "_")
         plural = isinstance(func, ast.Attribute) and func.attr == "plural"
         if named or plural:
-            found += [a.value for a in node.args if isinstance(a, ast.Constant)
-                      and isinstance(a.value, str)]  # fmt: skip
+            found += _literals(call)
     return found
+
+
+def _text_templates(source: str) -> list[str]:
+    """The templates of Text("...", ...) in Python code."""
+    return [call.args[0].value for call in _calls(source) if _is_text(call) and _literals(call)]
+
+
+def producer_files() -> list[Path]:
+    return [path for package in PRODUCERS for path in sorted((ROOT / package).rglob("*.py"))]
 
 
 def _template_messages(source: str) -> list[str]:
@@ -44,7 +66,9 @@ def _template_messages(source: str) -> list[str]:
 
 
 def used_messages() -> dict[str, str]:
-    """Every English message the console shows, with the file it comes from."""
+    """Every English message the console shows, with where it comes from: the console's t()
+    and _() messages, every Text template of the packages that make sentences, and the help of
+    every engine flag (the profile editor shows it)."""
     found: dict[str, str] = {}
     for path in CONSOLE.rglob("*.py"):
         for message in _python_messages(path.read_text(encoding="utf-8")):
@@ -52,17 +76,37 @@ def used_messages() -> dict[str, str]:
     for path in CONSOLE.rglob("*.html"):
         for message in _template_messages(path.read_text(encoding="utf-8")):
             found.setdefault(message, path.name)
+    for path in producer_files():
+        for message in _text_templates(path.read_text(encoding="utf-8")):
+            found.setdefault(message, str(path.relative_to(ROOT)))
+    for flag in describe_flags():
+        found.setdefault(flag["help"], f"engine/args.py {flag['flag']}")
     found.pop("", None)
     return found
 
 
-def fields(text: str) -> set[str]:
-    return {name for _, name, _, _ in string.Formatter().parse(text) if name}
+def test_every_text_template_is_a_literal() -> None:
+    """A template built at run time could not be found here, so it would have no Japanese."""
+    built = []
+    for path in producer_files():
+        for call in _calls(path.read_text(encoding="utf-8")):
+            first = call.args[0] if call.args else None
+            literal = isinstance(first, ast.Constant) and isinstance(first.value, str)
+            if _is_text(call) and not literal:
+                built.append(f"{path.relative_to(ROOT)}:{call.lineno}")
+    assert not built, f"Text(...) without a literal template: {built}"
+
+
+def fields(text: str) -> set[tuple[str, str]]:
+    """The placeholders of a message with their number formats (a translation keeps both)."""
+    return {(name, spec or "") for _, name, spec, _ in string.Formatter().parse(text) if name}
 
 
 def test_every_message_has_japanese_with_the_same_placeholders() -> None:
     messages = used_messages()
     assert len(messages) > 50, "the message scan found too little; is the pattern broken?"
+    sources = set(messages.values())
+    assert any(s.startswith("autotune/") for s in sources), "no Text found in autotune/"
     ja = catalog("ja")
     missing = sorted(m for m in messages if m not in ja)
     assert not missing, f"messages without Japanese in console/messages/ja.json: {missing}"

@@ -37,6 +37,7 @@ from moelab.daemon.api import api_routes
 from moelab.daemon.schema import BenchmarkRun, Profile, Server
 from moelab.daemon.service import Daemon
 from moelab.engine import launch
+from moelab.engine.text import Text
 
 from .conftest import asgi_client, make_daemon, wait_for
 
@@ -269,7 +270,10 @@ def _check(status: int, method: str, raw: bytes, what: str) -> None:
     if status >= 400 and method != "HEAD":
         body = json.loads(raw)
         error = body["error"]
-        assert set(error) == {"message", "code"}, (what, body)
+        # message_text: the message's stored form (engine/text.py), the same sentence
+        assert {"message", "code"} <= set(error) <= {"message", "code", "message_text"}, body
+        if "message_text" in error:
+            assert str(Text.from_json(error["message_text"])) == error["message"], (what, body)
         assert isinstance(error["message"], str) and error["message"], (what, body)
         assert isinstance(error["code"], str) and error["code"], (what, body)
 

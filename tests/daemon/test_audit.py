@@ -86,7 +86,7 @@ def test_a_flood_of_refusals_from_a_lan_address_grows_the_database_by_a_bounded_
             reply = json.loads(response.read())
         finally:
             conn.close()
-        assert response.status == 200 or set(reply["error"]) == {"message", "code"}, reply
+        assert response.status == 200 or {"message", "code"} <= set(reply["error"]), reply
         return response.status
 
     statuses: Counter[int] = Counter()

@@ -23,7 +23,8 @@ def test_the_modules_the_manager_reads_import_without_torch():
     # torch made unimportable: any import of it, however indirect, fails the import
     code = (
         "import sys; sys.modules['torch'] = None; "
-        "import moelab.engine.args, moelab.engine.launch, moelab.engine.hosts; print('ok')"
+        "import moelab.engine.args, moelab.engine.launch, moelab.engine.hosts, "
+        "moelab.engine.text; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr

@@ -21,7 +21,7 @@ from moelab.profiles.flags import (
 def only_problem(flags: list[str]) -> tuple[str, str]:
     problems = find_problems(flags)
     assert len(problems) == 1, problems
-    return problems[0].kind, problems[0].message
+    return problems[0].kind, str(problems[0].message)
 
 
 def test_a_typo_names_the_nearest_flag_and_lists_them_all() -> None:

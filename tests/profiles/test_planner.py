@@ -46,7 +46,7 @@ def test_hit_rate_sits_where_the_run_was_between_lru_and_the_most_picked() -> No
     assert hits.hit_rate(18) == pytest.approx(0.4 + 0.5 * (0.6 - 0.4))  # LRU interpolated
     assert hits.hit_rate(48) == 1.0  # everything resident: no misses at all
     assert hits.hit_rate(0) == 0.0
-    assert "server 7 (24 slots, hit rate 70%), placed 50% of the way" in hits.basis
+    assert "server 7 (24 slots, hit rate 70%), placed 50% of the way" in str(hits.basis)
     # without picks, the what-if curve alone
     assert HitModel.from_run(run(popular_shares=())).hit_rate(12) == pytest.approx(0.2)
 
@@ -54,7 +54,7 @@ def test_hit_rate_sits_where_the_run_was_between_lru_and_the_most_picked() -> No
 def test_hit_rate_without_a_run_is_a_stated_assumption() -> None:
     hits = HitModel.assumed(48)
     assert hits.hit_rate(12) == 0.25 and hits.hit_rate(48) == 1.0
-    assert hits.basis.startswith("assumed: uniform routing")
+    assert str(hits.basis).startswith("assumed: uniform routing")
 
 
 def test_miss_cost_per_policy() -> None:
@@ -93,7 +93,9 @@ def test_a_run_predicts_its_own_speed_and_slower_with_fewer_slots() -> None:
             expected = 1 / (fixed + 4 * (1 - p.hit_rate) * miss_s)
             assert p.decode_tok_s == pytest.approx(expected, abs=0.01)
     assert points[2048].decode_tok_s < points[1536].decode_tok_s < points[1024].decode_tok_s
-    assert plan.speed_basis.startswith("server 7 decoded 100.0 tok/s with 1.20 misses per token")
+    assert str(plan.speed_basis).startswith(
+        "server 7 decoded 100.0 tok/s with 1.20 misses per token"
+    )
     assert points[2048].to_json()["flags"] == ["--kv-reserve-tokens", "2048"]
 
 
@@ -113,7 +115,7 @@ def test_a_run_prices_a_miss_as_its_own_steps_did() -> None:
     assert (
         "each miss costs 260 µs as its own decode steps show (they fitted 300 ± 20 µs over 1000 "
         "steps, taken at 2 standard errors below; the bytes alone, expert of 0.02 MiB at Bp 2.0 "
-        f"+ Bh 2.0 GB/s: {bytes_only:.0f} µs)" in plan.speed_basis
+        f"+ Bh 2.0 GB/s: {bytes_only:.0f} µs)" in str(plan.speed_basis)
     )
     # what the fit cannot vouch for is priced by bandwidth, and the basis says so
     for unusable in (
@@ -123,7 +125,7 @@ def test_a_run_prices_a_miss_as_its_own_steps_did() -> None:
         replace(measured, miss_cost=(4e-6, 1e-7, 1000)),  # clear, but below the bytes' price
         replace(measured, miss_cost=None),  # an engine without the fit
     ):
-        basis = plan_context(spec, CPU_PC, flags, run=unusable).speed_basis
+        basis = str(plan_context(spec, CPU_PC, flags, run=unusable).speed_basis)
         assert f"each miss costs {bytes_only:.0f} µs" in basis and "no clear price" in basis
         if unusable.miss_cost is not None:
             slope, stderr, steps = unusable.miss_cost
@@ -133,7 +135,7 @@ def test_a_run_prices_a_miss_as_its_own_steps_did() -> None:
     chance = plan_context(
         spec, CPU_PC, flags, run=replace(measured, miss_cost=(213e-6, 82e-6, 2000))
     )
-    assert "each miss costs 49 µs as its own" in chance.speed_basis
+    assert "each miss costs 49 µs as its own" in str(chance.speed_basis)
 
 
 def test_without_a_run_the_bound_or_nothing() -> None:
@@ -143,7 +145,7 @@ def test_without_a_run_the_bound_or_nothing() -> None:
     plan = plan_context(spec, Machine("pc", "0.1.0", 16, 64 * GIB, gpu, rates), [])
     fits = [p for p in plan.points if p.fits]
     assert plan.device == "cuda:0" and fits
-    assert plan.speed_basis.startswith("bandwidth bound of one request")
+    assert str(plan.speed_basis).startswith("bandwidth bound of one request")
     # 48 layers x 8 experts a token; hit rate assumed S / 6144
     point = fits[-1]
     dense = (spec.dense_params - spec.vocab_size * spec.hidden_size) * 2
