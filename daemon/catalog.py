@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import select
 
 from ..engine.spec import ModelSpec
-from ..engine.text import Text
+from ..engine.text import Text, text_columns, text_fields
 from .child import run_moelab
 from .errors import BadRequest, NotFound
 from .jobs import Job, JobError, Jobs
@@ -129,7 +129,7 @@ class ModelCatalog:
             )
         if row.error is not None:
             raise BadRequest(
-                Text("{name} cannot be served: {error}", name=row.name, error=row.error),
+                Text("{name} cannot be served: {error}", name=row.name, error=serving_error(row)),
                 code="unsupported_model",
             )
         return row, ModelSpec.from_config(row.config)
@@ -148,12 +148,18 @@ def _fill(row: Model, checkpoint: Checkpoint, now: float) -> None:
         "expert_bytes",
         "max_context",
         "is_demo",
-        "error",
         "config",
     ):
         setattr(row, name, getattr(checkpoint, name))
+    for name, value in text_columns("error", checkpoint.error).items():
+        setattr(row, name, value)
     row.present = True
     row.updated = now
+
+
+def serving_error(row: Model) -> Text | str | None:
+    """Why a model cannot be served (None: it can), as discovery said it."""
+    return Text.from_json(row.error_text) if row.error_text else row.error
 
 
 def model_json(row: Model) -> dict[str, Any]:
@@ -174,7 +180,7 @@ def model_json(row: Model) -> dict[str, Any]:
         "is_moe": bool(row.num_experts and row.num_experts > 1),
         "is_demo": row.is_demo,
         "present": row.present,
-        "error": row.error,
+        **text_fields("error", serving_error(row)),
         "discovered": iso_time(row.discovered),
         "updated": iso_time(row.updated),
     }

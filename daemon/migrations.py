@@ -213,7 +213,8 @@ MIGRATIONS: tuple[Migration, ...] = (
         """
         ALTER TABLE benchmark_events ADD COLUMN text TEXT;
         ALTER TABLE benchmark_runs ADD COLUMN error_text TEXT;
-        ALTER TABLE servers ADD COLUMN error_text TEXT
+        ALTER TABLE servers ADD COLUMN error_text TEXT;
+        ALTER TABLE models ADD COLUMN error_text TEXT
         """,
     ),
 )

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.spec import SAFETENSORS_DTYPES, CheckpointError, ModelSpec
+from ..engine.text import Text, error_text
 
 DEMO_NAME = "moelab-demo-tiny"
 # routed experts: "...mlp.experts.3.gate_proj.weight", "...block_sparse_moe.experts.0.w1.weight",
@@ -53,7 +54,7 @@ class Checkpoint:
     expert_bytes: int | None = None
     max_context: int | None = None
     is_demo: bool = False
-    error: str | None = None
+    error: Text | str | None = None  # why it cannot be served
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -133,16 +134,18 @@ def read_checkpoint(directory: Path, source: str, *, name: str | None = None) ->
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as err:
-        return Checkpoint(**base, error=f"config.json cannot be read: {err}")
+        return Checkpoint(**base, error=Text("config.json cannot be read: {error}", error=str(err)))
     if not isinstance(config, dict):
-        return Checkpoint(**base, error="config.json does not hold a JSON object")
+        return Checkpoint(**base, error=Text("config.json does not hold a JSON object"))
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     architectures = config.get("architectures") or [None]
     try:
         dense_bytes, expert_bytes, unread = tensor_bytes(directory)
     except (OSError, ValueError) as err:
         dense_bytes = expert_bytes = None
-        error = f"the safetensors files cannot be read: {err}"
+        error: Text | str | None = Text(
+            "the safetensors files cannot be read: {error}", error=error_text(err)
+        )
     else:
         error = serving_problem(config, unread)
     return Checkpoint(
@@ -162,18 +165,19 @@ def read_checkpoint(directory: Path, source: str, *, name: str | None = None) ->
     )
 
 
-def serving_problem(config: dict[str, Any], unread: dict[str, str]) -> str | None:
+def serving_problem(config: dict[str, Any], unread: dict[str, str]) -> Text | str | None:
     """Why the engine would refuse this checkpoint: its config.json as the engine reads it, or
     weights of a dtype it does not read (`unread`: dtype -> a tensor of that dtype)."""
     try:
         ModelSpec.from_config(config)
     except CheckpointError as err:
-        return str(err)
+        return error_text(err)
     if unread:
         listed = ", ".join(f"{dtype} ({name})" for dtype, name in sorted(unread.items()))
-        return (
-            f"weights of dtype {listed}: quantized weights are not read; moelab reads "
-            f"{', '.join(SAFETENSORS_DTYPES)}"
+        return Text(
+            "weights of dtype {listed}: quantized weights are not read; moelab reads {dtypes}",
+            listed=listed,
+            dtypes=", ".join(SAFETENSORS_DTYPES),
         )
     return None
 
@@ -213,19 +217,30 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
-            raise ValueError(f"{path.name} is too short to be a safetensors file")
+            raise ValueError(Text("{name} is too short to be a safetensors file", name=path.name))
         (length,) = struct.unpack("<Q", prefix)
         if length > _MAX_HEADER_BYTES:
-            raise ValueError(f"{path.name} has an implausible header length {length}")
+            raise ValueError(
+                Text(
+                    "{name} has an implausible header length {length}",
+                    name=path.name,
+                    length=length,
+                )
+            )
         header = json.loads(f.read(length))
         size = os.fstat(f.fileno()).st_size
     if not isinstance(header, dict):
-        raise ValueError(f"{path.name} has a header that is not a JSON object")
+        raise ValueError(Text("{name} has a header that is not a JSON object", name=path.name))
     ends = [info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"]
     needed = 8 + length + max(ends, default=0)
     if size < needed:
         raise ValueError(
-            f"{path.name} is cut short ({size} of the {needed} bytes its header describes): "
-            "download it again"
+            Text(
+                "{name} is cut short ({size} of the {needed} bytes its header describes): "
+                "download it again",
+                name=path.name,
+                size=size,
+                needed=needed,
+            )
         )
     return header

@@ -57,7 +57,8 @@ class Model(Base):
     max_context: Mapped[int | None]
     is_demo: Mapped[bool] = mapped_column(default=False)
     present: Mapped[bool] = mapped_column(default=True)
-    error: Mapped[str | None]
+    error: Mapped[str | None]  # English: why it cannot be served
+    error_text: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     discovered: Mapped[float]
     updated: Mapped[float]

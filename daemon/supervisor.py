@@ -75,12 +75,18 @@ def checkpoint_dir(model: str) -> Path:
     model_dir = Path(model).expanduser()
     if not (model_dir / "config.json").is_file():
         raise BadRequest(
-            f"no checkpoint at {model} (a folder with config.json); GET /api/models lists them",
+            Text(
+                "no checkpoint at {model} (a folder with config.json); GET /api/models lists them",
+                model=model,
+            ),
             code="model_not_found",
         )
     problem = read_checkpoint(model_dir, "start").error
     if problem is not None:
-        raise BadRequest(f"{model_dir.name} cannot be served: {problem}", code="unsupported_model")
+        raise BadRequest(
+            Text("{name} cannot be served: {error}", name=model_dir.name, error=problem),
+            code="unsupported_model",
+        )
     return model_dir
 
 

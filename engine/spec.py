@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .text import Text
+
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 _ARCH_BY_CLASS = {
@@ -17,13 +19,15 @@ _ARCH_BY_CLASS = {
     "OlmoeForCausalLM": "olmoe",
 }
 
+ROPE_SCALINGS = ("default", "linear", "yarn")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # the safetensors dtypes the engine reads, and their names in torch
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 class CheckpointError(ValueError):
-    """A checkpoint moelab cannot serve, with a message that names what is wrong."""
+    """A checkpoint moelab cannot serve, with a message that names what is wrong (a Text, which
+    the catalog shows in the console's language)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +65,11 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise CheckpointError(
-                f"architecture {self.arch!r} is not supported; moelab serves "
-                f"{', '.join(ARCHITECTURES)}"
+                Text(
+                    "architecture {found} is not supported; moelab serves {architectures}",
+                    found=repr(self.arch),
+                    architectures=", ".join(ARCHITECTURES),
+                )
             )
         for name in (
             "vocab_size",
@@ -77,24 +84,39 @@ class ModelSpec:
         ):
             if getattr(self, name) < 1:
                 raise CheckpointError(
-                    f"config field for {name} must be at least 1, got {getattr(self, name)}"
+                    Text(
+                        "config field for {name} must be at least 1, got {value}",
+                        name=name,
+                        value=getattr(self, name),
+                    )
                 )
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
-                f"num_attention_heads ({self.num_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
+                Text(
+                    "num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                    "({kv_heads})",
+                    heads=self.num_heads,
+                    kv_heads=self.num_kv_heads,
+                )
             )
         if self.top_k > self.num_experts:
             raise CheckpointError(
-                f"num_experts_per_tok ({self.top_k}) exceeds the number of experts "
-                f"({self.num_experts})"
+                Text(
+                    "num_experts_per_tok ({top_k}) exceeds the number of experts ({experts})",
+                    top_k=self.top_k,
+                    experts=self.num_experts,
+                )
             )
         if self.dtype not in DTYPE_BYTES:
             raise CheckpointError(
-                f"dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPE_BYTES)}"
+                Text(
+                    "dtype {dtype} is not supported; use one of {dtypes}",
+                    dtype=repr(self.dtype),
+                    dtypes=", ".join(DTYPE_BYTES),
+                )
             )
         if any(not 0 <= layer < self.num_layers for layer in self.moe_layers):
-            raise CheckpointError("an MoE layer index lies outside the model's layers")
+            raise CheckpointError(Text("an MoE layer index lies outside the model's layers"))
 
     # derived geometry -------------------------------------------------------------------------
 
@@ -190,7 +212,13 @@ class ModelSpec:
         Every field is checked for its type and range; an error names the field and `source`
         (the file the config came from)."""
         if not isinstance(config, dict):
-            raise CheckpointError(f"{source} holds {type(config).__name__}, not a JSON object")
+            raise CheckpointError(
+                Text(
+                    "{source} holds {kind}, not a JSON object",
+                    source=source,
+                    kind=type(config).__name__,
+                )
+            )
         arch = config.get("model_type")
         if arch not in ARCHITECTURES:
             for name in config.get("architectures") or ():
@@ -198,16 +226,25 @@ class ModelSpec:
         if arch not in ARCHITECTURES:
             found = config.get("model_type") or config.get("architectures")
             raise CheckpointError(
-                f"architecture {found!r} is not supported; moelab serves "
-                f"{', '.join(ARCHITECTURES)} ({source} model_type)"
+                Text(
+                    "architecture {found} is not supported; moelab serves {architectures} "
+                    "({source} model_type)",
+                    found=repr(found),
+                    architectures=", ".join(ARCHITECTURES),
+                    source=source,
+                )
             )
         quantized = config.get("quantization_config") or config.get("compression_config")
         if quantized:
             method = quantized.get("quant_method") if isinstance(quantized, dict) else None
             raise CheckpointError(
-                f"the weights are quantized ({source} quantization_config, quant_method "
-                f"{method!r}); moelab reads bf16, fp16 and fp32 weights: use the checkpoint's "
-                "unquantized release"
+                Text(
+                    "the weights are quantized ({source} quantization_config, quant_method "
+                    "{method}); moelab reads bf16, fp16 and fp32 weights: use the checkpoint's "
+                    "unquantized release",
+                    source=source,
+                    method=repr(method),
+                )
             )
         read = _Fields(config, source, arch)
 
@@ -231,7 +268,9 @@ class ModelSpec:
                 if i not in only and num_experts > 0 and (i + 1) % step == 0
             )
             if len(moe_layers) < layers and intermediate < 1:
-                raise CheckpointError(f"{source} has dense MLP layers but no intermediate_size")
+                raise CheckpointError(
+                    Text("{source} has dense MLP layers but no intermediate_size", source=source)
+                )
             norm_topk = bool(config.get("norm_topk_prob", arch == "qwen3_moe"))
         else:
             moe_inter = read.whole("intermediate_size")
@@ -241,7 +280,11 @@ class ModelSpec:
         sliding = read.whole("sliding_window", default=0, minimum=0) if arch == "mixtral" else 0
         if config.get("use_sliding_window") or 0 < sliding < max_position:
             raise CheckpointError(
-                f"sliding-window attention is not supported; this checkpoint's {source} enables it"
+                Text(
+                    "sliding-window attention is not supported; this checkpoint's {source} "
+                    "enables it",
+                    source=source,
+                )
             )
 
         rope = read.mapping("rope_parameters") or {}
@@ -251,9 +294,13 @@ class ModelSpec:
         )
         if scaling:
             kind = scaling.get("rope_type") or scaling.get("type") or "default"
-            if kind not in ("default", "linear", "yarn"):
+            if kind not in ROPE_SCALINGS:
                 raise CheckpointError(
-                    f"rope scaling {kind!r} is not supported; moelab supports default, linear, yarn"
+                    Text(
+                        "rope scaling {kind} is not supported; moelab supports {supported}",
+                        kind=repr(kind),
+                        supported=", ".join(ROPE_SCALINGS),
+                    )
                 )
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
 
@@ -307,11 +354,17 @@ class ModelSpec:
         """Read `config.json` from a checkpoint directory."""
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
-            raise CheckpointError(f"{path} has no config.json; is it a Hugging Face checkpoint?")
+            raise CheckpointError(
+                Text("{path} has no config.json; is it a Hugging Face checkpoint?", path=str(path))
+            )
         try:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError) as err:
-            raise CheckpointError(f"{config_path} cannot be read as JSON: {err}") from None
+            raise CheckpointError(
+                Text(
+                    "{path} cannot be read as JSON: {error}", path=str(config_path), error=str(err)
+                )
+            ) from None
         return cls.from_config(config, str(config_path))
 
 
@@ -323,8 +376,16 @@ class _Fields:
         self.source = source
         self.arch = arch
 
-    def _say(self, name: str, what: str, value: object) -> CheckpointError:
-        return CheckpointError(f"{self.source}: {name} must be {what}, not {json.dumps(value)}")
+    def _say(self, name: str, what: Text, value: object) -> CheckpointError:
+        return CheckpointError(
+            Text(
+                "{source}: {name} must be {what}, not {value}",
+                source=self.source,
+                name=name,
+                what=what,
+                value=json.dumps(value),
+            )
+        )
 
     def whole(self, *names: str, default: Any = ..., minimum: int = 1) -> Any:
         """The first of `names` given, a whole number of at least `minimum` (8.0 passes as 8);
@@ -333,7 +394,12 @@ class _Fields:
         if not given:
             if default is ...:
                 raise CheckpointError(
-                    f"{self.source} has no {' / '.join(names)} (needed for {self.arch})"
+                    Text(
+                        "{source} has no {names} (needed for {arch})",
+                        source=self.source,
+                        names=" / ".join(names),
+                        arch=self.arch,
+                    )
                 )
             return default
         name = given[0]
@@ -344,9 +410,9 @@ class _Fields:
             or not math.isfinite(value)
             or value != int(value)
         ):
-            raise self._say(name, "a whole number", value)
+            raise self._say(name, Text("a whole number"), value)
         if value < minimum:
-            raise self._say(name, f"at least {minimum}", value)
+            raise self._say(name, Text("at least {minimum}", minimum=minimum), value)
         return int(value)
 
     def real(self, name: str, default: float | None) -> Any:
@@ -355,23 +421,23 @@ class _Fields:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self._say(name, "a number", value)
+            raise self._say(name, Text("a number"), value)
         if not math.isfinite(value) or value <= 0:
-            raise self._say(name, "a number above zero", value)
+            raise self._say(name, Text("a number above zero"), value)
         return float(value)
 
     def indices(self, name: str) -> tuple[int, ...]:
         """A list of whole numbers from zero (layer numbers, token ids)."""
         value = self.config.get(name) or []
         if not isinstance(value, list):
-            raise self._say(name, "a list", value)
+            raise self._say(name, Text("a list"), value)
         for item in value:
             if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-                raise self._say(name, "a list of whole numbers from 0", value)
+                raise self._say(name, Text("a list of whole numbers from 0"), value)
         return tuple(value)
 
     def mapping(self, name: str) -> dict | None:
         value = self.config.get(name)
         if value is not None and not isinstance(value, dict):
-            raise self._say(name, "a JSON object", value)
+            raise self._say(name, Text("a JSON object"), value)
         return value
