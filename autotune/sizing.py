@@ -51,6 +51,7 @@ REPEAT_BELOW_SHARE = 0.5
 FAILURES = {
     "crash": Text("crash"),
     "out of memory": Text("out of memory"),
+    "killed by signal 9": Text("killed by signal {signal}", signal=9),
     "timeout": Text("timeout"),
     "error": Text("error"),
 }

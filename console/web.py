@@ -146,8 +146,13 @@ def render(
     if part is not None:
         if part not in parts or not _PART_NAME.fullmatch(part):
             raise ApiError(
-                f"this page has no part {part!r}"
-                + (f" (it has: {', '.join(parts)})" if parts else ""),
+                Text(
+                    "this page has no part {part} (it has: {parts})",
+                    part=repr(part),
+                    parts=", ".join(parts),
+                )
+                if parts
+                else Text("this page has no part {part}", part=repr(part)),
                 code="no_such_part",
                 status=404,
             )

@@ -75,7 +75,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     full = disk_full(exc, daemon_of(request).data_dir)
     if full is not None:
         log.error("%s %s: %s", request.method, request.url.path, full.message)
-        return error_response(full.status, full.code, full.message)
+        return error_response(full.status, full.code, full.text)
     log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(
         500,
@@ -114,7 +114,7 @@ async def json_body(request: Request) -> dict[str, Any]:
         try:
             fields = parse_qs(raw.decode(), errors="strict")
         except UnicodeDecodeError:
-            raise BadRequest("the form is not valid UTF-8", code="invalid_form") from None
+            raise BadRequest(Text("the form is not valid UTF-8"), code="invalid_form") from None
         return {k: v[-1] for k, v in fields.items()}
     try:
         body = json.loads(raw)
@@ -130,17 +130,20 @@ async def json_body(request: Request) -> dict[str, Any]:
     return body
 
 
+THE_BODY = Text("the body")
+
+
 def _check_text(body: dict[str, Any]) -> None:
     """BadRequest naming the field when a string holds an unpaired surrogate (`"\\ud800"`):
     valid JSON, but not text, which nothing can store or print."""
-    pending: list[tuple[Any, str]] = [(body, "")]
+    pending: list[tuple[Any, Text | str]] = [(body, "")]
     while pending:
         value, where = pending.pop()
         if isinstance(value, dict):
             for key, item in value.items():
                 # the key is looked at first: the item's message names the field by it
                 pending.append((item, f"{where}.{key}" if where else str(key)))
-                pending.append((key, f"a field name in {where or 'the body'}"))
+                pending.append((key, Text("a field name in {where}", where=where or THE_BODY)))
         elif isinstance(value, list):
             pending.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
         elif isinstance(value, str) and not value.isascii():
@@ -148,8 +151,11 @@ def _check_text(body: dict[str, Any]) -> None:
                 value.encode()
             except UnicodeEncodeError:
                 raise BadRequest(
-                    f"{where} holds an unpaired surrogate escape (such as \\ud800); send text "
-                    "as UTF-8, or a character beyond U+FFFF as an escaped pair",
+                    Text(
+                        "{where} holds an unpaired surrogate escape (such as \\ud800); send text "
+                        "as UTF-8, or a character beyond U+FFFF as an escaped pair",
+                        where=where,
+                    ),
                     code="invalid_json",
                 ) from None
 
@@ -158,7 +164,14 @@ def path_id(request: Request, name: str = "id") -> int:
     """A whole number from the path; NotFound past the largest id a row can have."""
     value = int(request.path_params[name])
     if value > MAX_ROW_ID:
-        raise NotFound(f"nothing at {request.url.path}: no {name} is larger than {MAX_ROW_ID}")
+        raise NotFound(
+            Text(
+                "nothing at {path}: no {name} is larger than {largest}",
+                path=request.url.path,
+                name=name,
+                largest=MAX_ROW_ID,
+            )
+        )
     return value
 
 
@@ -168,7 +181,9 @@ def body_id(body: dict[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_ROW_ID:
-        raise BadRequest(f"{name} must be a whole number from 1 to {MAX_ROW_ID}")
+        raise BadRequest(
+            Text("{name} must be a whole number from 1 to {largest}", name=name, largest=MAX_ROW_ID)
+        )
     return value
 
 

@@ -67,11 +67,20 @@ class DiskFull(ApiError):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
         free = _free_bytes(path)
-        left = "" if free is None else f" ({free / 1024**2:.1f} MiB left)"
-        super().__init__(
-            f"mgr could not write: the disk holding {self.path} is full{left}. Free some space "
-            "on it and try again; reading works meanwhile."
-        )
+        if free is None:
+            message = Text(
+                "mgr could not write: the disk holding {path} is full. Free some space on it and "
+                "try again; reading works meanwhile.",
+                path=self.path,
+            )
+        else:
+            message = Text(
+                "mgr could not write: the disk holding {path} is full ({free_mib:.1f} MiB left). "
+                "Free some space on it and try again; reading works meanwhile.",
+                path=self.path,
+                free_mib=free / 1024**2,
+            )
+        super().__init__(message)
 
 
 def disk_full(err: BaseException | None, path: str | os.PathLike) -> DiskFull | None:

@@ -187,7 +187,7 @@ def probe_inventory() -> Inventory:
         ram_total_bytes=memory.total,
         ram_available_bytes=memory.available,
         gpus=gpus,
-        nvml=status if status != "ok" or gpus else "NVML works but reports no GPU",
+        nvml=status if status != "ok" or gpus else Text("NVML works but reports no GPU"),
         driver_version=_nvml("nvmlSystemGetDriverVersion") if status == "ok" else None,  # type: ignore[arg-type]
         cuda_version=_cuda_version() if status == "ok" else None,
         engine_version=package_version("moelab") or "unknown",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from moelab.autotune.trial import EngineTrialRunner, TrialRequest, classify_failure
 from moelab.autotune.workload import Workload, WorkloadSpec
+from moelab.console.i18n import Translator
 from moelab.engine import launch
 
 
@@ -29,6 +30,10 @@ def test_a_trial_engine_killed_with_sigkill_is_not_recorded_as_out_of_memory(
     assert result.failure == "killed by signal 9"
     assert "killed by signal 9 (SIGKILL)" in str(result.error)
     assert "memory" not in str(result.error)
+    # the trials' "why" column on a Japanese page
+    assert Translator("ja").plain(result.why_failed) == (
+        "シグナル 9 で強制終了: エンジンが準備完了前にシグナル 9（SIGKILL）で強制終了した"
+    )
 
 
 def test_no_program_takes_a_trial_engines_port_before_it_serves(

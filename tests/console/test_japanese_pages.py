@@ -3,8 +3,11 @@ daemon says (reasons, events, errors) reaches a Japanese page in Japanese and sc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,12 +19,19 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.console.i18n import LANGUAGES
-from moelab.daemon.schema import BenchmarkEvent
+from moelab.console.pages import profiles as profile_pages
+from moelab.daemon import api_profiles
+from moelab.daemon.errors import DiskFull
+from moelab.daemon.schema import BenchmarkEvent, Server
 from moelab.daemon.service import Daemon
+from moelab.daemon.supervisor import EngineHandle
+from moelab.engine import launch
 from moelab.engine.args import describe_flags
+from moelab.kernels.native_build import COMPILING, WAITING
 from tests.autotune.conftest import record_fresh_rates, running_app
 from tests.autotune.fake import FakeEngine
 from tests.autotune.test_benchmark_api import start, use_fake, wait_status
+from tests.daemon.test_models import edited_copy
 
 from .conftest import Recorded, record_engine
 
@@ -135,17 +145,64 @@ class FullMgr:
     client: TestClient  # a browser on the machine itself
     lan: TestClient  # a read-only LAN viewer
     runs: tuple[int, ...]  # done, done, failed
-    profiles: tuple[int, ...]  # saved from a run, made by hand
+    profiles: tuple[int, ...]  # saved from a run, made by hand, for a model that cannot be served
     recorded: Recorded
+    starting: int  # a server whose engine is loading
     model: Path
+
+
+# the phases a loading engine reports in /health: the engine's (engine/engine.py), the native
+# kernel's build (kernels/native_build.py) and the first one, before any
+ENGINE_SOURCE = Path(__file__).parents[2] / "engine" / "engine.py"
+LOADING_PHASES = (
+    "starting",
+    *re.findall(r'begin\("([^"]+)"\)', ENGINE_SOURCE.read_text()),
+    COMPILING,
+    WAITING,
+)
+
+
+def checkpoints(models: Path, demo_model: Path) -> Path:
+    """The demo model and two checkpoints moelab cannot serve: quantized weights, and a
+    config.json with a field of the wrong type. Returns the demo model's copy."""
+    good = models / demo_model.name
+    shutil.copytree(demo_model, good)
+    edited_copy(
+        demo_model, models / "Qwen3-30B-A3B-FP8", quantization_config={"quant_method": "fp8"}
+    )
+    edited_copy(demo_model, models / "OLMoE-1B-7B-0924", num_experts="lots")
+    return good
+
+
+def loading_engine(daemon: Daemon, model: Path) -> tuple[int, subprocess.Popen]:
+    """A server whose engine is still loading: its row and the supervisor's handle of a process
+    that stands for the engine (its /health is set by the tests)."""
+    process = subprocess.Popen(["sleep", "600"])
+    now = time.time()
+    log = daemon.data_dir / "logs" / "loading.log"
+    with daemon.store.session() as session:
+        row = Server(name="loading-demo", model=str(model), flags=["--device", "cpu", "--port",
+                     "8197"], host="127.0.0.1", port=8197, device="cpu", status="starting",
+                     pid=process.pid, log_path=str(log), created=now, started=now)  # fmt: skip
+        session.add(row)
+        session.flush()
+        server_id = row.id
+    engine = launch.EngineProcess(process.pid, "127.0.0.1", 8197, str(log), now, popen=process)
+    daemon.supervisor._handles[server_id] = EngineHandle(
+        server_id, engine, "cpu", None, fresh=True, health={"status": "loading", "phase": "plan"}
+    )
+    return server_id, process
 
 
 @pytest.fixture(scope="module")
 def full_mgr(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[FullMgr]:
-    """The demo model; a running and a crashed engine with telemetry; hardware rates and a
-    measurement that failed; two finished benchmark runs (a trial of the first crashes) and one
-    whose starting flags do not run; a profile saved from a run and one made by hand."""
-    with running_app(tmp_path_factory.mktemp("mgr"), demo_model.parent) as (daemon, client):
+    """The demo model and two that cannot be served; a running and a crashed engine with
+    telemetry, and one loading; hardware rates and a measurement that failed; two finished
+    benchmark runs (a trial of the first crashes) and one whose starting flags do not run; a
+    profile saved from a run, one made by hand and one for a model that cannot be served."""
+    models = tmp_path_factory.mktemp("models")
+    demo_model = checkpoints(models, demo_model)
+    with running_app(tmp_path_factory.mktemp("mgr"), models) as (daemon, client):
         record_fresh_rates(daemon, demo_model)
         use_fake(client.app, FakeEngine(seed=31, crash=("--moe-miss-policy=cpu",)))
         first = wait_status(client, start(client, demo_model)["id"], ("done",))
@@ -156,18 +213,26 @@ def full_mgr(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iter
         failed = wait_status(client, start(client, demo_model, mode="quick")["id"], ("failed",))
         saved = client.post(f"/api/benchmarks/{first['id']}/save-profile", json={"name": "tuned"})
         by_hand = client.post("/api/profiles", json={"name": "by hand", "model": str(demo_model)})
+        unservable = {"name": "fp8", "model": str(models / "Qwen3-30B-A3B-FP8")}
+        for_fp8 = client.post("/api/profiles", json=unservable)
         job, _new = daemon.hardware.start_measure([demo_model], ["--threads", "x"])
         assert daemon.jobs.wait(job, 120) and job.status == "failed", job.to_json()
         lan = TestClient(client.app, base_url="http://127.0.0.1", client=("192.168.1.50", 50123))
-        yield FullMgr(
-            daemon,
-            client,
-            lan,
-            (first["id"], second["id"], failed["id"]),
-            (saved.json()["id"], by_hand.json()["id"]),
-            record_engine(daemon, demo_model),
-            demo_model,
-        )
+        starting, process = loading_engine(daemon, demo_model)
+        try:
+            yield FullMgr(
+                daemon,
+                client,
+                lan,
+                (first["id"], second["id"], failed["id"]),
+                tuple(reply.json()["id"] for reply in (saved, by_hand, for_fp8)),
+                record_engine(daemon, demo_model),
+                starting,
+                demo_model,
+            )
+        finally:
+            process.kill()
+            process.wait()
 
 
 def page_paths(mgr: FullMgr) -> list[str]:
@@ -183,6 +248,7 @@ def page_paths(mgr: FullMgr) -> list[str]:
         f"/servers/{running}",
         f"/servers/{crashed}",
         f"/servers/{crashed}?part=server_head",
+        f"/servers/{mgr.starting}",
         "/hardware",
         "/hardware?part=measure_job",
         "/experts",
@@ -192,6 +258,7 @@ def page_paths(mgr: FullMgr) -> list[str]:
         "/profiles",
         *(f"/profiles/{p}" for p in mgr.profiles),
         *(f"/profiles/{p}?part=recommended" for p in mgr.profiles),
+        f"/profiles/{mgr.profiles[-1]}?part=profile_editor",
         "/benchmark",
         *(f"/benchmark/{run}" for run in mgr.runs),
         f"/benchmark/{failed}?part=benchmark_live",
@@ -220,21 +287,99 @@ def names_of(mgr: FullMgr) -> set[str]:
     return names
 
 
-def test_japanese_pages_show_no_english(full_mgr: FullMgr) -> None:
-    names = names_of(full_mgr)
+def english_on(pages: dict[str, str], names: set[str]) -> dict[str, set[str]]:
+    """The texts with English words of Japanese pages (path -> html), and where each is."""
     found: dict[str, set[str]] = {}
-    for viewer in (full_mgr.client, full_mgr.lan):
-        for path in page_paths(full_mgr):
-            reply = viewer.get(path, headers=JA)
-            assert reply.headers["content-type"].startswith("text/html"), path
-            texts, options = visible_text(reply.text)
-            shown = [(text, names) for text in texts]
-            shown += [(text, names | flag_values()) for text in options]
-            for text, allowed in shown:
-                if english_words(text, allowed):
-                    found.setdefault(text, set()).add(path.split("?")[0])
+    for path, html in pages.items():
+        texts, options = visible_text(html)
+        shown = [(text, names) for text in texts]
+        shown += [(text, names | flag_values()) for text in options]
+        for text, allowed in shown:
+            if english_words(text, allowed):
+                found.setdefault(text, set()).add(path.split("?")[0])
+    return found
+
+
+def assert_japanese(pages: dict[str, str], names: set[str]) -> None:
+    found = english_on(pages, names)
     report = "\n".join(f"{text!r}  ({', '.join(sorted(paths))})" for text, paths in found.items())
     assert not found, f"English on Japanese pages:\n{report}"
+
+
+def japanese_pages(viewer: TestClient, paths: list[str]) -> dict[str, str]:
+    pages = {}
+    for path in paths:
+        reply = viewer.get(path, headers=JA)
+        assert reply.headers["content-type"].startswith("text/html"), path
+        pages[path] = reply.text
+    return pages
+
+
+def test_japanese_pages_show_no_english(full_mgr: FullMgr) -> None:
+    names = names_of(full_mgr)
+    assert_japanese(japanese_pages(full_mgr.lan, page_paths(full_mgr)), names)
+    pages = japanese_pages(full_mgr.client, page_paths(full_mgr))
+    assert_japanese(pages, names)
+    # what main's pages add is on them: the reasons a model cannot be served, a loading
+    # engine, the running engines on the plan with each mode's duration, the base_url
+    servers = pages["/servers"]
+    assert "量子化されています" in servers and "ではなく整数にしてください" in servers
+    assert 'id="model-problem"' in pages[f"/profiles/{full_mgr.profiles[-1]}"]
+    assert 'class="phase' in pages[f"/servers/{full_mgr.starting}"]
+    plan = pages[f"/benchmark/plan?model={full_mgr.model}"]
+    assert 'id="running-engines"' in plan and 'id="durations"' in plan
+    assert 'id="client-base-url"' in pages[f"/servers/{full_mgr.recorded.running_id}"]
+
+
+def test_each_loading_phase_reads_in_japanese(full_mgr: FullMgr) -> None:
+    handle = full_mgr.daemon.supervisor.handle(full_mgr.starting)
+    assert handle is not None and len(LOADING_PHASES) > 8, LOADING_PHASES
+    path = f"/servers/{full_mgr.starting}?part=server_head"
+    pages = {}
+    for phase, holder in [(p, None) for p in LOADING_PHASES] + [(WAITING, 4242)]:
+        handle.health = {"status": "loading", "phase": phase, "total_bytes": 3 << 30,
+                         "loaded_bytes": 1 << 30, "build_holder_pid": holder}  # fmt: skip
+        html = full_mgr.client.get(path, headers=JA).text
+        assert 'class="phase' in html, phase
+        pages[f"{path}&phase={phase}&holder={holder}"] = html
+    assert_japanese(pages, names_of(full_mgr))
+
+
+def test_a_pc_without_a_gpu_and_nothing_yet_reads_in_japanese(
+    tmp_path: Path, demo_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with running_app(tmp_path / "mgr", demo_model.parent) as (daemon, client):
+        probed = daemon.hardware.inventory()
+        monkeypatch.setattr(
+            daemon.hardware, "inventory", lambda **_: dataclasses.replace(probed, gpus=())
+        )
+        pages = japanese_pages(
+            client, ["/", "/servers", "/profiles", "/benchmark", "/hardware", "/experts"]
+        )
+        assert 'id="no-gpu"' in pages["/"]
+        machine = f"{probed.hostname} {probed.cpu_model}"
+        assert_japanese(pages, {"demo", "tiny", *WORD.findall(machine)})
+
+
+def test_a_full_disk_reads_in_japanese(full_mgr: FullMgr, monkeypatch: pytest.MonkeyPatch) -> None:
+    database = full_mgr.daemon.data_dir / "mgr.sqlite3"
+
+    def full(*_args: Any, **_kwargs: Any) -> None:
+        raise DiskFull(database)
+
+    monkeypatch.setattr(api_profiles, "save_profile", full)
+    monkeypatch.setattr(profile_pages, "save_profile", full)
+    profile_id = full_mgr.profiles[1]
+    form = {"name": "by hand", "model": str(full_mgr.model), "notes": ""}
+    editor = full_mgr.client.put(f"/profiles/{profile_id}/flags", data=form, headers=JA).text
+    assert "ディスクがいっぱいです" in editor
+    assert_japanese({"/profiles/flags": editor}, names_of(full_mgr))
+    more = {"name": "more", "model": str(full_mgr.model)}
+    reply = full_mgr.client.post("/api/profiles", json=more, headers=JA)
+    error = reply.json()["error"]
+    assert reply.status_code == 507 and error["code"] == "disk_full"
+    assert error["message"].startswith(f"mgr could not write: the disk holding {database} is full")
+    assert error["localized"].startswith(f"mgr が書き込めませんでした: {database} のあるディスク")
 
 
 def test_the_api_says_it_in_english_with_the_stored_form_beside(full_mgr: FullMgr) -> None:

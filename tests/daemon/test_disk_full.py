@@ -87,6 +87,13 @@ def test_a_full_disk_refuses_writes_with_507_naming_the_path_and_reads_go_on(
         message = body["error"]["message"]
         assert str(small_disk / "data") in message and "full" in message
         assert "log" not in message
+        # a page in Japanese asked: its scripts show the same in Japanese
+        status, body = mgr.request(
+            "POST", "/api/profiles", profile(n, demo_model), {"Accept-Language": "ja"}
+        )
+        assert status == 507 and body["error"]["code"] == "disk_full"
+        assert f"{small_disk / 'data'}" in body["error"]["localized"]
+        assert "ディスクがいっぱいです" in body["error"]["localized"]
         # reads go on, the console's pages too
         assert mgr.get("/api/status")["pid"] == mgr.process.pid
         names = [p["name"] for p in mgr.get("/api/profiles")["profiles"]]
