@@ -287,7 +287,9 @@ class AccessMiddleware:
         scope.setdefault("state", {})["access"] = access
         if refusal is not None:
             status, code, message = refusal
-            extra = {"retry-after": str(int(self.policy.limiter.window_s))} if status == 429 else {}
+            extra = {}
+            if status == 429:  # the time this address has left to wait, as the login's 429 says
+                extra["retry-after"] = str(int(self.policy.limiter.retry_after_s(address)) + 1)
             response = self.render_error(status, code, message, extra)
             # written before the answer goes out, so a flood of refusals goes at the pace of
             # the audit's writes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import stat
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -181,6 +182,19 @@ def test_failed_logins_are_rate_limited_even_for_the_right_token(session_daemon:
     # another address is not affected, and loopback never is
     other = asgi_client(session_daemon, next(_addresses), HOSTS["lan"])
     assert other.post("/api/models/rescan", headers=bearer).status_code == 200
+
+
+def test_a_blocked_address_is_told_the_wait_it_has_left(session_daemon: Daemon) -> None:
+    address = next(_addresses)
+    limiter = session_daemon.policy.limiter
+    for _ in range(limiter.max_failures):  # five wrong tokens, 20 s ago
+        limiter.failed(address, now=time.monotonic() - 20)
+    http = asgi_client(session_daemon, address, HOSTS["lan"])
+    bearer = {"Authorization": "Bearer " + session_daemon.token}
+    refused = http.post("/api/models/rescan", headers=bearer)
+    assert refused.status_code == 429
+    # what is left of the window (40 s at most), not the whole window of 60 s again
+    assert 0 < int(refused.headers["retry-after"]) <= limiter.window_s - 20 + 1
 
 
 def test_the_limiter_forgets_failures_after_its_window() -> None:
