@@ -163,9 +163,9 @@ def _check_tree(body, root: str = "") -> None:
             raise bad(path, f"nests deeper than {MAX_JSON_DEPTH} levels")
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
-            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
             if isinstance(key, str):
-                _check_text(key, where)
+                _check_text(key, f"{path} (a key)" if path else "body (a key)")
+            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
             if isinstance(item, (str, dict, list)):
                 stack.append((item, where, depth + 1))
 

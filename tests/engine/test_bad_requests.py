@@ -110,6 +110,9 @@ def post(client: httpx.Client, path: str, body: bytes, content_type: str | None 
         ("/v1/completions", b'{"prompt": "x", "top_k": 1e30}', "top_k"),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
          "messages[0].content"),
+        # a lone surrogate as a key: the field is named without it, which JSON could not carry
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": ""}], '
+         b'"max_tokens": {"\\ud800": null}}', "max_tokens (a key)"),
         ("/v1/chat/completions",
          b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
          "messages[0].content[0].text"),
