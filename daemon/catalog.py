@@ -15,7 +15,7 @@ from .child import run_moelab
 from .errors import BadRequest, NotFound
 from .jobs import Job, JobError, Jobs
 from .models import DEMO_NAME, Checkpoint, ModelRoot, discover
-from .private import make_private
+from .private import DIR_MODE, make_private
 from .schema import Model
 from .store import MAX_ROW_ID, Store, iso_time
 
@@ -99,7 +99,7 @@ class ModelCatalog:
         target = self.demo_path
         staging = target.with_name(f".{DEMO_NAME}.partial")
         shutil.rmtree(staging, ignore_errors=True)
-        staging.parent.mkdir(parents=True, exist_ok=True)
+        staging.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         job.progress(Text("writing the demo model into {target}", target=str(target)))
         result = run_moelab(["synth", *DEMO_SYNTH_ARGS, "--out", str(staging)], job.progress)
         if result.returncode != 0:

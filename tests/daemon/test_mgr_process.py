@@ -112,6 +112,7 @@ def test_first_start_without_models_writes_the_demo_model(tmp_path: Path) -> Non
         # written into the private data dir, private itself
         folder = Path(demo["path"])
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(folder.parent).st_mode) == 0o700  # the data dir's models/
         files = list(folder.iterdir())
         assert files and all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f in files)
     finally:
