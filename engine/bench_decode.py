@@ -152,13 +152,12 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
 
 
 def _engine(args: argparse.Namespace, workdir: Path):
-    from .cli import _parse_overrides
     from .engine import Engine
     from .spec import ModelSpec
-    from .synth import make_config
+    from .synth import make_config, parse_overrides
 
     if args.preset:
-        config = make_config(args.arch, args.preset, _parse_overrides(args.set))
+        config = make_config(args.arch, args.preset, parse_overrides(args.set))
         config["moelab_synth"] = {
             "preset": args.preset,
             "seed": args.seed,

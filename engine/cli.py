@@ -46,19 +46,6 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _parse_overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set {item!r}: write FIELD=VALUE, e.g. --set num_experts=64")
-        key, text = item.split("=", 1)
-        try:
-            out[key.strip()] = json.loads(text)
-        except ValueError:
-            out[key.strip()] = text
-    return out
-
-
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="run one prompt through the engine (greedy by default)")
     prompt = p.add_mutually_exclusive_group(required=True)
@@ -110,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "synth":
+        from .synth import parse_overrides
         from .synth_checkpoint import synthesize
 
         out = synthesize(
             args.out,
             arch=args.arch,
             preset=args.preset,
-            overrides=_parse_overrides(args.set),
+            overrides=parse_overrides(args.set),
             seed=args.seed,
             routing_skew=args.routing_skew,
             shard_bytes=args.shard_size,

@@ -9,6 +9,7 @@ law.
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 
@@ -75,6 +76,21 @@ _DIM0 = 2.0  # the constant residual value of hidden dimension 0 (see module doc
 _LOGIT_GAIN = 4.0  # lm_head gain, so next-token distributions are peaked rather than flat
 _TILE = 1 << 22  # elements of the random block that large tensors are tiled from
 _RANDN_MAX = 1 << 16  # tensors up to this many elements get their own random draw
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`make_config`'s overrides from --set FIELD=VALUE items: each value read as JSON where it
+    is JSON (numbers, lists, booleans), else taken as the string."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: write FIELD=VALUE, e.g. --set num_experts=64")
+        key, text = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(text)
+        except ValueError:
+            out[key.strip()] = text
+    return out
 
 
 def make_config(arch: str, preset: str = "tiny", overrides: dict | None = None) -> dict:

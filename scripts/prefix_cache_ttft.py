@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 
 from moelab.engine.args import build_parser
-from moelab.engine.cli import _parse_overrides
 from moelab.engine.engine import Engine
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.spec import ModelSpec
-from moelab.engine.synth import make_config
+from moelab.engine.synth import make_config, parse_overrides
 
 
 def conversation(
@@ -92,7 +91,7 @@ def main() -> int:
         spec = None
         path = args.model_path
         if path is None:  # the preset's geometry, dummy weights (as `moelab bench`)
-            config = make_config("qwen3_moe", args.preset, _parse_overrides(args.set))
+            config = make_config("qwen3_moe", args.preset, parse_overrides(args.set))
             (Path(tmp) / "config.json").write_text(json.dumps(config))
             path, spec = tmp, ModelSpec.from_config(config)
             engine_flags = ["--dummy-weights", *engine_flags]

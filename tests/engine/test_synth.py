@@ -10,7 +10,7 @@ import torch
 
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.spec import ModelSpec
-from moelab.engine.synth import PRESETS, make_config
+from moelab.engine.synth import PRESETS, make_config, parse_overrides
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.engine.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -285,3 +285,12 @@ def test_config_overrides_and_bad_presets():
     with pytest.raises(ValueError, match="unknown architecture"):
         make_config("llama", "tiny")
     assert set(PRESETS) == {"tiny", "small", "qwen3-30b-a3b"}
+
+
+def test_set_items_are_json_values_or_strings_and_need_an_equals_sign():
+    """--set FIELD=VALUE (synth, bench decode/prefill): JSON where the value is JSON."""
+    items = ["num_experts=64", " mlp_only_layers =[]", "rope_theta=1e6", "name=a=b", "act=silu"]
+    assert parse_overrides(items) == {"num_experts": 64, "mlp_only_layers": [],
+                                      "rope_theta": 1e6, "name": "a=b", "act": "silu"}  # fmt: skip
+    with pytest.raises(ValueError, match="--set 'num_experts': write FIELD=VALUE"):
+        parse_overrides(["num_experts"])
