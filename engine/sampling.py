@@ -12,7 +12,6 @@ engine/graphs.py), and after a preemption recomputes it.
 
 from __future__ import annotations
 
-import enum
 import math
 import random
 from collections.abc import Sequence
@@ -21,20 +20,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..kernels.draw import gumbel_argmax
+from ..kernels.draw import TOP_K_WIDTH, Cut, draw_tokens
 
 MAX_TOP_LOGPROBS = 20
-# the widest top_k whose draw takes the logits' torch.topk of this width, not a vocabulary sort
-TOP_K_WIDTH = 128
-
-
-class Cut(enum.IntEnum):
-    """What a draw's filters read of the sorted logits (`draw_tokens`); a batch takes its rows'
-    widest."""
-
-    TOP = 0  # min-p at most: the top logit (one amax)
-    NARROW = 1  # top_k within TOP_K_WIDTH (top-p inside it): torch.topk of that width
-    SORT = 2  # top-p over a wider top_k or none: the vocabulary sorted
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,74 +224,6 @@ def draw_tensors(
         as_tensor((d.seed for d in draws), torch.long),
         as_tensor(positions, torch.long),
     )
-
-
-def draw_tokens(
-    logits: torch.Tensor,
-    inv_t: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_offset: torch.Tensor,
-    seed: torch.Tensor,
-    position: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    cut: Cut | None = None,
-) -> torch.Tensor:
-    """One token per row of `logits` [n, V]: the top logit where the row's inverse temperature
-    `inv_t` is 0, else a draw from the softmax of logits * inv_t, limited to the top_k (0: off)
-    likeliest tokens, then to the fewest whose probability before the last one is within top_p,
-    and to the tokens whose logit is at least the top one's plus `min_offset` (min-p; -inf: off;
-    `RowDraw.device_floats`). The draw is kernels/draw.py's Gumbel-max, its noise a hash of the
-    row's seed and `position` (the drawn token's). Every argument is [n] on the logits' device
-    (position int32 or int64); no value is read on the host, so a CUDA graph can hold the draw.
-    cut: the widest of the rows' `RowDraw.cut` (a narrower one draws wrongly; None: read the
-    rows, a sync). A row's tokens do not depend on the cut its batch takes: a row with top_k
-    within TOP_K_WIDTH takes its threshold from that many sorted logits under either cut.
-    Returns int64 [n] (into `out` where given)."""
-    logits = logits.float()
-    if cut is None:
-        cut = _widest_cut(top_k, top_p)
-    if cut is Cut.TOP:  # min-p alone (a greedy row's offset is -inf: it keeps every token)
-        return gumbel_argmax(logits, inv_t, logits.amax(dim=-1) + min_offset, seed, position, out)
-    narrow = (top_k > 0) & (top_k <= TOP_K_WIDTH)
-    width = min(TOP_K_WIDTH, logits.shape[1])
-    if cut is Cut.NARROW:  # a row that does not filter keeps what min-p keeps
-        ordered = torch.topk(logits, width, dim=-1).values
-        threshold = torch.where(narrow, _threshold(ordered, inv_t, top_k, top_p), -math.inf)
-    else:
-        ordered = torch.sort(logits, dim=-1, descending=True).values
-        threshold = torch.where(
-            narrow,
-            _threshold(ordered[:, :width].contiguous(), inv_t, top_k, top_p),
-            _threshold(ordered, inv_t, top_k, top_p),
-        )
-    # a greedy row's threshold never passes its top logit, which its draw takes
-    threshold = torch.maximum(threshold, ordered[:, 0] + min_offset)
-    return gumbel_argmax(logits, inv_t, threshold, seed, position, out)
-
-
-def _widest_cut(top_k: torch.Tensor, top_p: torch.Tensor) -> Cut:
-    """The widest `RowDraw.cut` of rows given as tensors (read on the host: a sync)."""
-    narrow = (top_k > 0) & (top_k <= TOP_K_WIDTH)
-    if bool((~narrow & ((top_k > 0) | (top_p < 1))).any()):
-        return Cut.SORT
-    return Cut.NARROW if bool(narrow.any()) else Cut.TOP
-
-
-def _threshold(
-    ordered: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Each row's least kept logit under its top-k and top-p (`draw_tokens`), from the row's
-    likeliest logits sorted [n, W]: top-k caps at W (0: W), top-p counts within the top-k."""
-    width = ordered.shape[1]
-    k = torch.where(top_k > 0, top_k.clamp(max=width), width)
-    in_k = torch.arange(width, device=ordered.device)[None, :] < k[:, None]
-    probs = torch.softmax((ordered * inv_t[:, None]).masked_fill(~in_k, -math.inf), dim=-1)
-    before = probs.cumsum(dim=-1) - probs
-    kept = torch.where(top_p[:, None] < 1, in_k & (before <= top_p[:, None]), in_k)
-    last = kept.sum(dim=-1, keepdim=True).clamp(min=1) - 1
-    return ordered.gather(1, last)[:, 0]
 
 
 def adjust_logits(row: torch.Tensor, seq: Sampled) -> torch.Tensor:

@@ -501,22 +501,27 @@ class Bench:
     def draw(self, tokens: int, cut: str) -> None:
         """A decode step's token draws over the 30B geometry's vocabulary (fp32 logits). cut
         "top": the Gumbel-max kernels, beside their torch reference. "top_k" and "top_p": the
-        whole device draw (engine/sampling.py's draw_tokens, as the decode graphs replay it) at
-        Qwen3's defaults, top-k 20 and top-p 0.95 (torch.topk of sampling.TOP_K_WIDTH), and at
-        top-p 0.95 alone (torch's vocabulary sort)."""
-        from ..engine.sampling import RowDraw, draw_tensors, draw_tokens
-
+        whole device draw (`draw.draw_tokens`, as the decode graphs replay it) at Qwen3's
+        defaults, top-k 20 and top-p 0.95 (torch.topk of `draw.TOP_K_WIDTH`), and at top-p 0.95
+        alone (torch's vocabulary sort)."""
         logits = self.randn(tokens, VOCAB).float()
-        top_k, top_p = {"top": (0, 1.0), "top_k": (20, 0.95), "top_p": (0, 0.95)}[cut]
-        draws = [RowDraw(0.8, top_k, top_p, 0.0, seed) for seed in range(tokens)]
-        args = draw_tensors(draws, list(range(100, 100 + tokens)), logits.device)
-        inv_t, _, _, _, seed, position = args
-        threshold = torch.full((tokens,), -math.inf, device=DEVICE)
+        inv_t = torch.full((tokens,), 1 / 0.8, device=DEVICE)  # temperature 0.8
+        seed = torch.arange(tokens, device=DEVICE)
+        position = torch.arange(100, 100 + tokens, device=DEVICE)
         if cut == "top":
+            threshold = torch.full((tokens,), -math.inf, device=DEVICE)
             call, ref = (partial(f, logits, inv_t, threshold, seed, position)
                          for f in (draw.gumbel_argmax_triton, draw.gumbel_argmax_ref))  # fmt: skip
         else:
-            call, ref = partial(draw_tokens, logits, *args, cut=draws[0].cut), None
+            top_k, top_p, rows_cut = {"top_k": (20, 0.95, draw.Cut.NARROW),
+                                      "top_p": (0, 0.95, draw.Cut.SORT)}[cut]  # fmt: skip
+            filters = (
+                torch.full((tokens,), top_k, device=DEVICE),
+                torch.full((tokens,), top_p, device=DEVICE),
+                torch.full((tokens,), -math.inf, device=DEVICE),  # min-p off
+            )
+            call = partial(draw.draw_tokens, logits, inv_t, *filters, seed, position, cut=rows_cut)
+            ref = None
         time_us = graph_us_per_call([call] * 8)
         ref_us = graph_us_per_call([ref] * 8) if ref is not None else None
         name = "draw" if cut == "top" else f"draw_{cut}"
