@@ -29,7 +29,7 @@ import torch
 
 from moelab.engine import model as model_module
 from moelab.engine.bench import add_bench_parser
-from moelab.engine.bench_decode import _engine
+from moelab.engine.bench_decode import open_engine
 from moelab.kernels.host_handoff import routing_signal
 from moelab.kernels.rmsnorm import rmsnorm_ref
 from moelab.kernels.route_guess import GUESS_MAX_TOKENS, guess_scale, guess_to_host_ref
@@ -71,7 +71,7 @@ def compare(guess: np.ndarray, real: np.ndarray, experts: int) -> dict:
 def main(argv: list[str]) -> int:
     script, bench = parse(argv)
     with tempfile.TemporaryDirectory() as workdir:
-        engine = _engine(bench, Path(workdir))
+        engine = open_engine(bench, Path(workdir))
         model, spec = engine.model, engine.spec
         layers, moe = model.weights.layers, spec.moe_layers
         firsts = {moe[p - 1] + 1: p for p in range(1, len(moe))}  # a piece's first layer

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from moelab.engine.bench import add_bench_parser
-from moelab.engine.bench_decode import _engine, _timed_decode
+from moelab.engine.bench_decode import open_engine
+from moelab.engine.bench_runner import timed_decode
 from moelab.engine.misses import MissPolicy
 from moelab.engine.sampling import SamplingParams
 
@@ -65,7 +66,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
 def segment(engine, bench: argparse.Namespace, prompt: list[int]) -> dict:
     """One sequence of `bench.tokens` tokens, timed as `bench decode` times a run; the segment's
     figures."""
-    timed = _timed_decode(engine, bench, [prompt], profile=False)
+    timed = timed_decode(engine, bench, [prompt], profile=False)
     counts, policy = timed["counts"], engine.moe.policy
     return {
         "tok_s": round(bench.tokens / timed["elapsed"], 1),
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> int:
     returns = Returns()
     logging.getLogger("moelab.engine").addHandler(returns)
     with tempfile.TemporaryDirectory() as workdir:
-        engine = _engine(bench, Path(workdir))
+        engine = open_engine(bench, Path(workdir))
         try:
             moe = engine.moe
             if moe.policy.mode != "auto" or moe.policy.bh_gbps is None:

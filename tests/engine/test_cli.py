@@ -18,20 +18,12 @@ from moelab.autotune.__main__ import main as autotune_main
 from moelab.console.main import main as mgr_main
 from moelab.engine import cli
 from moelab.engine.args import build_parser
-from moelab.engine.bench_decode import (
-    _TIMED_FIELDS,
-    GcPauses,
-    _against_the_bound,
-    ab_side,
-    alternation,
-    alternation_lines,
-    host_disturbance,
-    rates_around,
-    staged_lines,
-    stall_words,
-    step_times,
-)
+from moelab.engine.bench_alternate import ab_side, alternation
+from moelab.engine.bench_bound import against_the_bound, rates_around
+from moelab.engine.bench_report import alternation_lines, staged_lines, stall_words
+from moelab.engine.bench_runner import TIMED_FIELDS
 from moelab.engine.cpu import worker_cpus
+from moelab.engine.host_watch import GcPauses, host_disturbance, step_times
 from moelab.engine.loading import LoadProgress
 from moelab.engine.moe_stats import StagedStepTimes
 from moelab.engine.server import Server
@@ -253,7 +245,7 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
 
 
 def test_bench_decode_says_what_the_auto_split_ended_with():
-    from moelab.engine.bench_decode import policy_words
+    from moelab.engine.bench_report import policy_words
     from moelab.engine.misses import MissPolicy
 
     assert policy_words(MissPolicy.auto(50.0, 100.0)) == (
@@ -472,12 +464,12 @@ def test_the_decode_bound_reads_the_dense_weights_the_kv_cache_and_the_cached_ex
     counts = {k: per_layer.copy() for k in ("reads", "hits", "fills", "cpu", "picks")}
     counts["reads"][:, 0], counts["hits"][:, 0] = 12, 8  # 4 steps: 2 hits, 1 miss a layer each
     counts["fills"][:, 0], counts["cpu"][:, 0] = 2, 2
-    timed = {"elapsed": 0.5, "counts": counts, **dict.fromkeys(_TIMED_FIELDS)}
+    timed = {"elapsed": 0.5, "counts": counts, **dict.fromkeys(TIMED_FIELDS)}
     rates = {"hbm_gbps": 1000.0, "bp_gbps": 40.0, "host_gbps": 60.0}
 
     def bound(prompt_tokens: int) -> dict:
         args = SimpleNamespace(batch=2, tokens=4, prompt_tokens=prompt_tokens)
-        return _against_the_bound(engine, args, timed, rates)
+        return against_the_bound(engine, args, timed, rates)
 
     short, long = bound(16), bound(4096)
     eb = spec.expert_bytes * 2 // spec.dtype_bytes

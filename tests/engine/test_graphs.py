@@ -12,7 +12,7 @@ import torch
 
 from moelab.engine import model as model_module
 from moelab.engine import staged_decode
-from moelab.engine.bench_decode import staged_lines
+from moelab.engine.bench_report import staged_lines
 from moelab.engine.graphs import DecodeGraphs
 from moelab.engine.h2d import address_of, host_functions, host_launch_functions
 from moelab.engine.miss_plan import Dispatch
