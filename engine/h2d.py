@@ -131,8 +131,8 @@ class Memcpy2D(ctypes.Structure):
 def host_functions(calls: dict[str, int] | None = None) -> tuple:
     """Stand-ins for the four functions of `driver_functions` that work on host memory (a
     device address is a host address there), counting their calls by name in `calls`: the
-    native planner's CUDA path, run on the CPU (tests, scripts/miss_split_sim.py). Keep them
-    alive while their addresses (`address_of`) are in use."""
+    native planner's CUDA path, run on the CPU (tests). Keep them alive while their addresses
+    (`address_of`) are in use."""
     calls = {} if calls is None else calls
 
     def count(name: str) -> None:
