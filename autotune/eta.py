@@ -6,9 +6,9 @@ step each way, the context step's tiers as the mode and the model allow. The pla
 trials and a trial's time moves in steps: the first trials of the sized workload replace the
 calibration trial's guess of a trial's time (a first engine that compiles its kernels makes that
 guess several times too long), and a kept change adds its confirmation: shown as it is, a run's
-time left can fall from 9 min to 2 min within 40 s. So the time shown counts down with the clock
-between two updates and moves towards each new product only by a share that grows with the
-time since the last update: half of the way in two trials' time. Updates in one instant
+time left can fall to a fraction of itself within a minute. So the time shown counts down with
+the clock between two updates and moves towards each new product only by a share that grows
+with the time since the last update: half of the way in two trials' time. Updates in one instant
 (candidates skipped one after the other) do not move it; the last update of a run (nothing left)
 shows 0.
 """

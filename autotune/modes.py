@@ -2,12 +2,12 @@
 
 A mode's `workload` is the least a trial sends (the calibration trial sends exactly that); its
 `target_s` is how long the measured part of every later trial should last (autotune/sizing.py).
-The targets, against the restart + warm-up R of a trial (about 2.2 s for the demo model on a
-2-core CPU, 8-9 s for the small preset on an H200), give an overhead share of R / (R + target):
-- quick, 4 s: the demo's quick run stays a few minutes on a CPU (the 25-trial CI run takes about
-  two), and an H200's one-second workload becomes four; restarts still take most of the time;
-- standard, 60 s: restart + warm-up at most 15% of a trial while they take up to 10 s (the H200
-  small preset: 8-9 s, 7-9 of them start-up, measured 2026-11-30; at 40 s they were 18-23%);
+The targets, against the restart + warm-up R of a trial (a few seconds for the demo model on a
+CPU, up to about 10 s for the small preset on a GPU, most of it start-up; docs/benchmark.md),
+give an overhead share of R / (R + target):
+- quick, 4 s: the demo's quick run stays a few minutes on a CPU, and a GPU's one-second workload
+  becomes four; restarts still take most of the time;
+- standard, 60 s: restart + warm-up at most 15% of a trial while they take up to 10 s;
 - thorough, 90 s: at most 10% up to 10 s restarts, and the steadiest figures.
 """
 

@@ -1,9 +1,9 @@
 """A run's workload sized to a duration: measured by the calibration trial, then fixed.
 
 A mode's workload (modes.py) is the least a trial sends, and how long it lasts depends on the
-machine: a few seconds on a 2-core CPU with the demo model, about one on an H200. Scaling that
-one reading by target / measured undershot on an H200 by 4x: the minimum ran cold (its first
-requests compiled kernels: prefill read 6.4k tok/s, 22-24k warm) and most of its second was
+machine: a few seconds on a small CPU with the demo model, about one on a GPU. Scaling that one
+reading by target / measured undershoots several times over: the minimum runs cold (its first
+requests compile kernels, so its prefill reads several times slower than warm) and much of it is
 per-request costs (HTTP, the first token) that do not grow with the tokens. So the calibration
 trial sizes in stages, in its one engine (calibrate):
 
@@ -13,11 +13,11 @@ trial sizes in stages, in its one engine (calibrate):
 (c) the run's workload, sized again from (b)'s readings, for every later trial.
 
 When (b) lasted less than REPEAT_BELOW_SHARE of the target, the sizing would stretch its readings
-too far: (b) runs once more at the estimate sized from it, and (c) sizes from that. On an H200
-with the small preset, a run sized from a first estimate of 10 s (a quarter of the 40 s target)
-ran 30 s per trial, not the 38 s the sizing expected; hence half. A minimum that
-already took the target or longer is kept without a second stage. The sizing is a function of
-the stored stages' readings alone, so a resumed run that replays the trial gets the same spec.
+too far: (b) runs once more at the estimate sized from it, and (c) sizes from that. A run sized
+from a first estimate of a quarter of the target came out well short of what the sizing expected;
+hence half. A minimum that already took the target or longer is kept without a second stage.
+The sizing is a function of the stored stages' readings alone, so a resumed run that replays the
+trial gets the same spec.
 
 Sizing from a stage models each part by that stage's own readings (Speeds): a long prompt takes
 the same time per request (it is the same prompt), a generation a fixed time (its prompt, the

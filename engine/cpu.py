@@ -4,7 +4,7 @@ Bp is the rate of copying one expert from the host bank into a device slot; Bh i
 the CPU executor runs one expert for one token (weight bytes read per second). Their ratio decides
 how many of a step's misses are fetched (`engine/moe.py`). Measured at start (when no profile from
 `moelab bench bw` exists) as the best of several samples: a start-up measurement shares the machine
-with loading, and a median was once a tenth of the real rate on the H200 host.
+with loading, which can slow most samples to a small fraction of the real rate.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ the decode planner calls to launch the next captured piece.
 
 An offloaded decode layer step queues a few copies from pinned host memory (each fetched expert's
 two matrices, the routes' slots) on the serial path between two captured pieces. torch's `copy_`
-costs the host 10-15 µs per such copy on an H200's host (operator dispatch, and an event recorded
-for the pinned allocator); the CUDA driver's cuMemcpyHtoDAsync queues the same copy in 1-2 µs.
+costs the host several times what the CUDA driver's cuMemcpyHtoDAsync does for the same copy
+(operator dispatch, and an event recorded for the pinned allocator).
 Addresses are computed, not viewed: making a tensor view costs as much as the call.
 
 The sources must stay valid until the copy has run: the bank lives as long as the engine, and a

@@ -58,8 +58,8 @@ DEVICE = "cuda"
 DTYPE = torch.bfloat16
 ELEM_BYTES = 2
 EXPERT_BYTES = 3 * HIDDEN * INTER * ELEM_BYTES
-# Bytes each graph of calls reads at least, so that L2 (50 MiB on an H200) cannot hold them; calls
-# that read less than this over MAX_CALLS_PER_GRAPH are bound by launches, not by memory.
+# Bytes each graph of calls reads at least, so that the GPU's L2 cache (tens of MiB) cannot hold
+# them; calls that read less over MAX_CALLS_PER_GRAPH are bound by launches, not by memory.
 MIN_WORKING_SET_BYTES = 512 << 20
 MAX_CALLS_PER_GRAPH = 64
 FUSED_SDPA = (

@@ -25,7 +25,7 @@ except ImportError:  # a CPU-only install: the engine runs the kernels' torch re
 else:
     HAVE_TRITON = True
 
-try:  # the GPU machine's triton 3.6 and CI's 3.9 have it
+try:  # programmatic dependent launch's intrinsics, where this triton has them
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older triton, or none: programmatic dependent launch off
     gdc_launch_dependents = gdc_wait = None
@@ -58,7 +58,8 @@ def next_pow2(n: int, minimum: int = 1) -> int:
 
 @functools.lru_cache(maxsize=8)
 def sm_count(device: torch.device) -> int:
-    """Number of streaming multiprocessors, used to size split grids; 132 (an H100/H200) off-GPU."""
+    """Number of streaming multiprocessors, used to size split grids; off-GPU, 132 (the count of
+    the Hopper GPUs the kernels are tuned for)."""
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -115,8 +116,7 @@ def pdl_wait(PDL: tl.constexpr):
     """`pdl_start` without the early release: wait for the kernel before, and let the kernel after
     be placed only as this one's programs end (the implicit release). For a wide grid that fills
     the SMs itself (decode attention's context slices): released early, the next kernels' programs
-    are placed among its own, and at 32k context the pair took 39 us against 28 us (the H200,
-    docs/kernels.md)."""
+    are placed among its own and slow it down, most at long contexts (docs/kernels.md)."""
     if PDL:
         gdc_wait()
 

@@ -34,7 +34,8 @@ _WEIGHT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # claiming a task costs nothing next to streaming it (kernels/csrc/pool.h, kDefaultTaskBytes)
 DEFAULT_TASK_KB = 96
 # how long a task of a redoable job may be in flight before an idle worker runs it again, in us
-# (kernels/csrc/pool.h, kDefaultRedoUs: a task takes 15-25 us; a stopped worker, milliseconds)
+# (kernels/csrc/pool.h, kDefaultRedoUs: a task takes tens of us; a stopped worker holds it for
+# milliseconds)
 DEFAULT_REDO_US = 150
 
 

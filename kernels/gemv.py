@@ -1,9 +1,9 @@
 """Skinny GEMM for decode: x[T, K] @ weight[N, K]^T (+ bias) for a few tokens, at HBM speed.
 
 A decode step's dense projections read a large weight for one to a few tokens, so their time is
-the time to stream the weight; at one token cuBLAS reaches 44-58% of an H200's copy bandwidth on
-the attention projections of Qwen3-30B-A3B, this kernel 57-66% (kernels/bench.py). At eight
-tokens cuBLAS is faster, so the engine's `linear` takes the kernel for one token only. Here each
+the time to stream the weight; at one token this kernel streams it faster than cuBLAS does, at
+eight cuBLAS is faster (kernels/bench.py), so the engine's `linear` takes the kernel for one token
+only. Here each
 program reads a block of weight rows once, along K, for every token of the batch:
 - one token: a multiply and a row sum, no tl.dot, so a block can be as narrow as one row and a
   2048-row matrix still spreads over several programs per SM;
@@ -38,10 +38,9 @@ ROW_TILE_ELEMENTS = 4096
 # Outputs each program of the split-adding launch writes.
 SUM_BLOCK = 1024
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-# Tokens up to which `linear` (the engine's call) takes the kernel rather than cuBLAS. On an H200
-# at Qwen3-30B-A3B shapes the kernel wins at one token (qkv 7.6 against 8.5 us, o 6.9 against
-# 8.9, lm_head 141.5 against 154.3) and loses at eight (10.6 against 8.1, 10.4 against 8.8,
-# 190.8 against 156.4): python -m moelab.kernels.bench, 2026-11-30.
+# Tokens up to which `linear` (the engine's call) takes the kernel rather than cuBLAS: at
+# Qwen3-30B-A3B's shapes the kernel wins at one token (qkv, o, lm_head) and loses at eight
+# (python -m moelab.kernels.bench; docs/performance.md).
 DISPATCH_MAX_TOKENS = 1
 
 

@@ -6,22 +6,22 @@ into pinned host memory, then a completion epoch (kernels/cpu_experts.py, `done_
 piece of the step is queued before they finish; its `sum_when_ready` sums the GPU's routes, polls
 the epoch over PCIe and adds the CPU's sum once it is there. The host neither waits for the CPU job
 nor copies its result nor launches the piece late: the GPU starts the moment the workers finish.
-One warp polls: on an H200 each warp that reads the host's words costs 1–2 µs more, as reads of
-one address queue behind each other (the kernel this replaced polled from every warp of every
-program: with torch's sum before it, 17 µs for one token, 92 µs for eight, the epoch long done).
+One warp polls: each warp that reads the host's words adds a PCIe round trip, as reads of one
+address queue behind each other, so polling from every warp of every program would cost far more
+than the sum itself.
 Where nothing is added to the routed output, `sum_norm_when_ready` also adds it to the residual
 and applies the next RMSNorm; at one token in one launch, whose program polls from one thread.
 
 The other direction, `routing_to_host`: a piece of an offloaded decode step ends by storing its
 routing (ids, weights and the MoE input x as fp32, as the CPU experts read it) straight into pinned
-host memory from one kernel, where the host reads it after its sync. Three copies and a conversion
-inside the graph took 21 µs per layer on an H200 (the copy engine's start latency, each time).
+host memory from one kernel, where the host reads it after its sync: three copies and a conversion
+inside the graph would each pay the copy engine's start latency.
 
 The host learns that a routing has arrived from a signal the router stores after it, into a word
 of pinned memory of its own (`routing_signal`, `signal_host`): one thread of the router's last
-program, after a system-wide fence, so that a host that sees the signal sees the routing. On an
-H200 the host saw it 3.3 µs (median) before `cuStreamQuery` said the kernel was done, and a read
-of the word costs 0.1 µs where a `cuStreamQuery` call costs 1.7 (docs/performance.md).
+program, after a system-wide fence, so that a host that sees the signal sees the routing. The
+host sees it before `cuStreamQuery` says the kernel is done, and a read of the word costs the host
+a fraction of a `cuStreamQuery` call (docs/kernels.md).
 
 A decode step's greedy tokens go to the host the same way, stored by its last piece's last
 kernel into pinned memory (`tokens_to_host`), where the host reads them once a later step's
@@ -173,7 +173,7 @@ def sum_when_ready_ref(
 def _wait_epoch_kernel(sync_ptr, ready_ptr, max_polls, PDL: tl.constexpr):
     common.pdl_start(PDL)
     # one program of one warp: every warp that reads the host's words costs a PCIe round trip,
-    # and reads of one address queue behind each other (64 warps polling took 92 us on an H200)
+    # and reads of one address queue behind each other
     expected = tl.load(sync_ptr + 8, volatile=True)
     done = tl.load(sync_ptr, volatile=True)
     polls = 0
@@ -537,7 +537,7 @@ def _tokens_to_host_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.con
 def tokens_to_host_triton(tokens: torch.Tensor, tokens_h: torch.Tensor) -> None:
     """Triton: the same from one program, storing into the (pinned) host memory from the device;
     graph-capturable (a decode step's greedy tokens, stored by its last piece: torch's copy to
-    the host cost that host 37-40 µs per step, after the graphs' launches)."""
+    the host would cost the host a launch and a sync per step, after the graphs' launches)."""
     _check_tokens(tokens, tokens_h)
     if not (tokens.is_contiguous() and tokens_h.is_contiguous()):
         raise ValueError("tokens_to_host_triton needs contiguous tensors")

@@ -6,8 +6,8 @@ every token into a scratch row; an integer atomic counts the programs done, and 
 reads all the logits back and routes them. No float atomics: the results are deterministic, and
 a graph replay matches an eager call bit for bit. With a routing signal (offloaded decode), the
 last program then sets it (`host_handoff.signal_host`), and the host waiting for the routing sees
-it there sooner than the stream's completion. On an H200 it saves a launch's time only where
-it replaces three (one token, with the host's copy): docs/kernels.md.
+it there sooner than the stream's completion. It saves a launch's time only where it replaces
+three launches (one token, with the host's copy; docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -3,17 +3,17 @@ router logits computed from the residual stream as it stands before the layer's 
 stored straight into pinned host memory, then a signal of their own.
 
 In offloaded decode the CPU workers sit idle from the end of one layer's CPU job until the next
-layer's routing reaches the host: the device's chain from the sum through attention to the router
-(about 30 µs on an H200). With a guess of that routing made right after the sum, the host plans
-the step it will probably get and tells each worker which weights its first blocks will read
-(`Pool::hint`); they fetch them into their own caches during the wait, and the real job, where
-its plan matches, hands them those same blocks (kernels/csrc/decode_planner.h).
+layer's routing reaches the host: the device's chain from the sum through attention to the
+router. With a guess of that routing made right after the sum, the host plans the step it will
+probably get and tells each worker which weights its first blocks will read (`Pool::hint`); they
+fetch them into their own caches during the wait, and the real job, where its plan matches, hands
+them those same blocks (kernels/csrc/decode_planner.h).
 
 The guess's input is the layer's attention input x = rmsnorm(r) * w_in (the residual r just
 after the MoE layer before, normalized by the layer's input norm), rescaled by
 `scale = w_post / w_in` to rmsnorm(r) * w_post: the router's input as it would be if attention
-added nothing. On this project's synthetic Qwen3-30B-A3B geometry (4 layers, routing skew 1,
-CPU) it names 94.5-95.7% of the routed experts (docs/cpu-experts.md, "Guessed steps").
+added nothing. On this project's synthetic Qwen3-30B-A3B geometry it names most of the routed
+experts (docs/cpu-experts.md, "Guessed steps").
 
 The logits are fp32 and not rounded to the model's dtype: only the host's top-k reads them. One
 launch: each program stores its block of experts' logits for every token into host memory, an

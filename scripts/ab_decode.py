@@ -18,8 +18,8 @@ mean period of each and B - A. The host's rates move between runs by more than m
 says which pairs ran on a disturbed host. A run where the hypervisor took more than `--max-steal`
 of the CPUs' time (its process's worst timed run: `bench decode`'s `host_disturbance.steal_share`;
 default 2%) is left out of the means and the periods, and its pair out of the ratios, counted as
-`disturbed_pairs`: on the H200's host such runs decoded at half their tree's rate, whatever the
-tree (docs/performance.md, twenty-ninth session).
+`disturbed_pairs`: such runs decode far below their tree's rate, whatever the tree
+(docs/performance.md).
 
 With the auto miss policy each run's fetch share follows the rates it measured, so the runs make
 different plans. Pinning the share (`--moe-miss-policy split:0.33`) makes every run plan alike

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|eager|drawn|cut|rows25|prefix|all]
-# (tests, then resident: a session's first GPU calls after hot-path changes, each under 10 minutes)
+# (tests, then resident: the first GPU runs after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled), first the wheels of
 # scripts/device_wheels.sh (carry .whl) on PYTHONPATH, then
 # `python3 -m pip install --no-deps --no-build-isolation -e .` (it has no index to build from).

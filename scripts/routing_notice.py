@@ -15,7 +15,7 @@ the cost of one cuStreamQuery call and of one read of the flag, and the clock so
 replayed; the host waits for it ("query": cuStreamQuery until idle; "signal": the flag;
 "signal+query": the flag, then one cuStreamQuery call), then times a 1 MiB cuMemcpyHtoDAsync on
 another stream, a small graph's replay, a torch setitem on pinned memory, and another small
-graph's replay. Medians of 1,500 rounds, µs. (docs/performance.md, eighteenth session.)
+graph's replay. Medians of 1,500 rounds, µs (docs/kernels.md).
 """
 
 import ctypes

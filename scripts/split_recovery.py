@@ -8,9 +8,9 @@ e.g.   python scripts/split_recovery.py -- --preset qwen3-30b-a3b --set num_hidd
 
 The engine is built as `moelab bench decode` builds it (the same flags), warmed up by
 `--warmup` tokens, and then decodes a sequence in each segment of `--segment-tokens` tokens: the
-first as the policy left it, then with the rate set to `--collapse` times the start-up one (on an
-H200 a collapse left 4.9-6.3 GB/s of 59-73: docs/performance.md), which
-`MoERunner._note_cpu_use` moves back (docs/cpu-experts.md). One JSON line per segment: its tok/s
+first as the policy left it, then with the rate set to `--collapse` times the start-up one (as
+low as a collapse leaves it: docs/performance.md), which `MoERunner._note_cpu_use` moves back
+(docs/cpu-experts.md). One JSON line per segment: its tok/s
 (its prefill untimed), its CPU jobs, the misses it fetched and ran on the CPU, the share of misses
 the policy fetches and the CPU rate it plans with at the segment's end, and the returns logged
 so far (the first line also the start-up CPU rate).

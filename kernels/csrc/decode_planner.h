@@ -33,8 +33,8 @@ namespace {
 // layer back into the CPU's caches, which the CPU job before streamed cold) and queues the fills
 // on the fill stream, marking the routes they serve (-2 - slot) so that the device runs the
 // cached experts' routes during them: the whole serial host path of an offloaded layer step,
-// where Python took ~100 µs, and several times that when the CPU job before had just streamed the
-// caches cold.
+// which in Python costs several times as much, most when the CPU job before has just streamed
+// the caches cold (docs/cpu-experts.md).
 
 // The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
 using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
@@ -42,7 +42,8 @@ using CuStreamQuery = int (*)(void* stream);
 // cuStreamQuery's answer while the stream still has work queued (CUDA_ERROR_NOT_READY)
 constexpr int kStreamNotReady = 600;
 // While it polls a routing signal, the wait asks the stream every this many polls whether it has
-// failed, or ended without setting the signal (each poll warms the layer's state: about 0.3 us).
+// failed, or ended without setting the signal (each poll warms the layer's state, a fraction of a
+// microsecond; a query costs several polls).
 constexpr int64_t kPollsPerQuery = 128;
 // wait_signal's answer when the stream went idle with the signal still clear (no driver code)
 constexpr int kNoSignal = -1;
@@ -352,14 +353,14 @@ class DecodePlanner {
         if (last_job_ != nullptr) last_job_->help(pool_.num_threads());
         last_job_.reset();
         // The job this step may start, made now: on the serial path its allocations and first
-        // writes took 6.2 us (H200 host), the CPU job's weights having just gone through the
-        // caches; once the routing is there it only takes its pairs (0.8 us).
+        // writes would miss the caches the CPU job's weights have just gone through; once the
+        // routing is there it only takes its pairs.
         if (spare_job_ == nullptr || spare_job_->capacity() < T * top_k_) {
           spare_job_ = make_shell(pool_, simd_, weight_type_, T * top_k_, inter_);
         }
         // Polled rather than waited for: the CPU job of the layer before streamed its experts
         // through the shared cache, and what this step reads first would be misses on the serial
-        // path (scripts/planner_cost.py on the CI machine: 3 us warm, 12 after such a sweep).
+        // path (scripts/planner_cost.py measures both).
         if (signal != 0) {
           const Guess g{reinterpret_cast<const float*>(guess),
                         reinterpret_cast<int32_t*>(guess_signal), x, T, fetch_fraction,
@@ -680,9 +681,9 @@ class DecodePlanner {
   // Polls the routing's signal (set by the router after the routing: one thread's store after a
   // system-wide fence, host_handoff.signal_host) until it is set, warming the layer's state
   // between polls; every kPollsPerQuery polls it asks the compute stream whether it failed (its
-  // error) or went idle with the signal still clear (kNoSignal); 0 once the signal is set. On an
-  // H200 the signal came 3.3 us before cuStreamQuery said the kernel was done, and a poll of it
-  // costs 0.1 us where a cuStreamQuery call costs 1.7.
+  // error) or went idle with the signal still clear (kNoSignal); 0 once the signal is set. The
+  // signal comes before cuStreamQuery says the kernel is done, and a poll of it costs a fraction
+  // of a cuStreamQuery call (docs/kernels.md).
   // Once it has seen the signal, it clears it for the next piece's router: the one store that
   // set it has landed, and no other comes before that piece is launched.
   // With a guess: once the guess's signal is set (before the routing's: the piece stores the

@@ -92,10 +92,9 @@ std::vector<int64_t> block_bounds(int64_t n, int64_t per_block, int64_t threads,
 }
 
 // How far ahead of its reads a thread prefetches the rows of a one-token expert, in bytes: two
-// of Qwen3-30B-A3B's gate/up rows (4 KiB each). On the H200's host jobs of one to four experts ran
-// 5-12% faster with two such rows than with one, and 8-20% faster than the tiles of four rows with
-// the next tile prefetched (docs/performance.md, fourteenth session). Shorter rows look as many
-// bytes ahead, in more rows (its 1.5 KiB down rows: 6, not 2 as before the twenty-ninth session).
+// of Qwen3-30B-A3B's gate/up rows (4 KiB each), which ran jobs of one to four experts faster than
+// one row ahead, or than tiles of four rows with the next tile prefetched (docs/cpu-experts.md).
+// Shorter rows look as many bytes ahead, in more rows (its 1.5 KiB down rows: 6).
 constexpr int64_t kAheadBytes = 8192;
 int64_t rows_ahead(int64_t row_bytes) {
   return std::max<int64_t>(2, (kAheadBytes + row_bytes - 1) / std::max<int64_t>(1, row_bytes));
@@ -450,8 +449,7 @@ class ExpertJob final : public ExpertJobShell {
   // Waits for group g's phase-1 blocks. Phase 1 hands out its blocks in group order, so this wait
   // is short and mostly on the last group. While it lasts, the caller's next n rows of the down
   // projection (len elements each, I apart) are fetched into the cache: they do not depend on h,
-  // and a worker that only waited here left the memory idle (in decode on the H200's host the
-  // workers waited 2-6 us a job on average, docs/cpu-experts.md).
+  // and a worker that only waited here would leave the memory idle (docs/cpu-experts.md).
   // The waiting task's clock restarts after the wait (Job::restart): only its own work counts
   // towards its being stalled.
   void wait_group(int64_t task, int64_t g, const WT* rows = nullptr, int64_t n = 0,

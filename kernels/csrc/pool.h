@@ -66,10 +66,11 @@ constexpr std::chrono::microseconds kWaiterSpin{2000};
 
 
 // How long a task may be in flight before a worker with nothing else to do runs it again, by
-// default (Job::redo_stalled): a task streams about 96 KiB in 15-25 us, while a worker whose
-// core the OS or the hypervisor took holds its task for milliseconds. On the H200's host, 150
-// us decoded 1.8-2.2 times faster than never under steal or another busy program, as fast on a
-// quiet host, and 50 us no faster than 150 (docs/performance.md, thirty-sixth session).
+// default (Job::redo_stalled): a task streams about 96 KiB in tens of microseconds, while a worker
+// whose core the OS or the hypervisor took holds its task for milliseconds. Several times a
+// task's run is long enough that a task running normally is not run twice, and short enough to
+// win back most of a stall under steal or another busy program; a shorter limit was no faster
+// (docs/performance.md).
 constexpr int kDefaultRedoUs = 150;
 
 // A counter alone on its cache line, so that threads updating or spinning on it do not slow down
@@ -461,8 +462,8 @@ class Pool {
 
   // The queue's first job is published in one word, its address under a version that changes
   // with every publication, so that workers find it without the mutex (taking turns on a mutex,
-  // 15 workers began a job over 12-17 us) and tell a new job from the one they just left even when
-  // it has the same address.
+  // a pool's workers would begin a job one after another) and tell a new job from the one they
+  // just left even when it has the same address.
   static constexpr int kVersionShift = 48;
   static Job* job_of(uint64_t word) {
     return reinterpret_cast<Job*>(uintptr_t(word & ((uint64_t(1) << kVersionShift) - 1)));
