@@ -1,7 +1,7 @@
 """What the pages read about engines: server rows as the API shows them, the latest stats body,
 stored telemetry, and how device and host memory are split between uses.
 
-Blocking (SQLite); page handlers call these through `daemon.api.blocking`.
+Blocking (SQLite); page handlers call these through `daemon.http.blocking`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..daemon.api_servers import server_json
+from ..daemon.servers import server_json
 from ..daemon.service import Daemon
 from ..daemon.store import iso_time
 from ..daemon.telemetry import PICKS, STATS, read_samples

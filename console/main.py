@@ -21,10 +21,10 @@ import psutil
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
-from ..daemon import api_benchmarks
-from ..daemon.api import EXCEPTION_HANDLERS, api_routes
+from ..daemon.api import api_routes
 from ..daemon.auth import AccessMiddleware
 from ..daemon.benchmarks import BenchmarkService
+from ..daemon.http import EXCEPTION_HANDLERS
 from ..daemon.lock import DataDirLock, DataDirLocked
 from ..daemon.service import Daemon, DaemonConfig
 from ..daemon.store import StoreError
@@ -75,12 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_app(daemon: Daemon) -> Starlette:
-    """The web app of a daemon: its JSON API and the console's pages, behind the access rules."""
+    """The web app of a daemon: its JSON API and the console's pages, behind the access rules.
 
-    # ---- the benchmark (issue 9): runs live with the app; a stopping mgr interrupts them ------
+    Benchmark runs live with the app: a stopping mgr interrupts the one running."""
     benchmarks = BenchmarkService(daemon)
-    benchmark_routes = api_benchmarks.routes()
-    # --------------------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -94,7 +92,7 @@ def build_app(daemon: Daemon) -> Starlette:
             daemon.close()
 
     app = Starlette(
-        routes=[*api_routes(), *benchmark_routes, *frame_routes(), *pages.routes()],
+        routes=[*api_routes(), *frame_routes(), *pages.routes()],
         exception_handlers=page_aware(EXCEPTION_HANDLERS),
         middleware=[
             Middleware(
@@ -108,6 +106,7 @@ def build_app(daemon: Daemon) -> Starlette:
     )
     app.state.daemon = daemon
     app.state.benchmarks = benchmarks
+    app.state.nav = pages.nav()
     return app
 
 

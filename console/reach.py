@@ -8,11 +8,11 @@ viewer used to reach the console; on one address, by that address.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..daemon.flags import SECRET_FLAGS
-from ..engine.launch import flag_value
+from ..daemon.schema import Server
+from ..daemon.servers import served_model_name
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -27,20 +27,14 @@ class Viewer:
     on_this_pc: bool
 
 
-def served_model_name(model_path: str, flags: list[str]) -> str:
-    """The name clients put in `model`, by the engine's own rule (engine/server.py)."""
-    return flag_value(flags, "--served-model-name") or Path(model_path).resolve().name
-
-
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def client_json(
-    engine_host: str, port: int, model_path: str, flags: list[str], viewer: Viewer
-) -> dict[str, Any]:
-    """The OpenAI `base_url` and `model` that work from the viewer's machine, and whether the
-    engine can be reached from there at all."""
+def client_json(server: Server, viewer: Viewer) -> dict[str, Any]:
+    """The OpenAI `base_url` and `model` that work from the viewer's machine to a server's
+    engine, and whether the engine can be reached from there at all."""
+    engine_host = server.host
     only_this_pc = engine_host in LOOPBACK_HOSTS
     if only_this_pc:
         host = engine_host
@@ -49,9 +43,9 @@ def client_json(
     else:
         host = engine_host
     return {
-        "base_url": f"http://{_url_host(host)}:{port}/v1",
-        "model": served_model_name(model_path, flags),
+        "base_url": f"http://{_url_host(host)}:{server.port}/v1",
+        "model": served_model_name(server),
         "only_this_pc": only_this_pc,
         "reachable_from_viewer": viewer.on_this_pc or not only_this_pc,
-        "needs_api_key": any(f.split("=", 1)[0] in SECRET_FLAGS for f in flags),
+        "needs_api_key": any(f.split("=", 1)[0] in SECRET_FLAGS for f in server.flags),
     }

@@ -29,9 +29,9 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..daemon.api import error_response
 from ..daemon.auth import Access
 from ..daemon.errors import ApiError
+from ..daemon.http import error_response
 from ..engine.text import Text, text_of
 from .i18n import DEFAULT_LANGUAGE, LANG_COOKIE, LANGUAGES, Translator, choose_language
 
@@ -168,9 +168,8 @@ def render(
 
 
 def frame_context(request: Request, t: Translator) -> dict[str, Any]:
-    """What base.html needs: language, access mode, the token for this machine's browser, nav."""
-    from .pages import nav  # here, not at the top: the page modules import this one
-
+    """What base.html needs: language, access mode, the token for this machine's browser, nav
+    (the pages' entries, which the app keeps: console/main.py)."""
     access: Access = request.state.access
     daemon = request.app.state.daemon
     here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -180,7 +179,7 @@ def frame_context(request: Request, t: Translator) -> dict[str, Any]:
         "languages": LANGUAGES,
         "mode": mode_json(access),
         "token": daemon.token if access.may_see_token else None,
-        "nav": nav(),
+        "nav": request.app.state.nav,
         "path": request.url.path,
         "here": here,
     }

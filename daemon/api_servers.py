@@ -3,52 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine import launch
-from ..engine.text import Text, text_fields
-from .api import access_of, audit, blocking, body_id, daemon_of, json_body, path_id, query_number
-from .errors import BadRequest, NotFound
-from .flags import hide_secrets, redact_flags
-from .schema import Profile, Server
-from .service import Daemon
+from ..engine.text import Text
+from .errors import BadRequest
+from .flags import redact_flags
+from .http import access_of, audit, blocking, body_id, daemon_of, json_body, path_id, query_number
+from .servers import server_json, server_log
 from .store import iso_time
 from .telemetry import PICKS, STATS, read_samples
-
-
-def server_json(row: Server, daemon: Daemon, reveal: bool) -> dict[str, Any]:
-    """A server as the API shows it; secret flag values only to callers with control."""
-    handle = daemon.supervisor.handle(row.id)
-    ended = row.status in ("crashed", "failed", "dead")
-    uptime_s = time.time() - row.started if row.status == "running" and row.started else None
-    return {
-        "id": row.id,
-        "profile_id": row.profile_id,
-        "name": row.name,
-        "model": row.model,
-        "flags": row.flags if reveal else redact_flags(row.flags),
-        "host": row.host,
-        "port": row.port,
-        "url": f"http://{'127.0.0.1' if row.host in ('0.0.0.0', '') else row.host}:{row.port}",
-        "device": row.device,
-        "status": row.status,
-        "pid": row.pid,
-        "exit_code": row.exit_code,
-        **text_fields("error", Text.from_json(row.error_text) if row.error_text else row.error),
-        "log_tail": (row.log_tail if reveal else hide_secrets(row.log_tail or ""))
-        if ended
-        else None,
-        "health": handle.health if handle else None,
-        "created": iso_time(row.created),
-        "started": iso_time(row.started),
-        "ready": iso_time(row.ready),
-        "stopped": iso_time(row.stopped),
-        "uptime_s": uptime_s,
-    }
 
 
 async def list_servers(request: Request) -> Response:
@@ -77,16 +43,8 @@ async def start_server(request: Request) -> Response:
             raise BadRequest(
                 Text("profile_id must be a whole number, or leave it out and give model")
             )
-
-        def profile() -> Profile:
-            with daemon.store.session() as session:
-                row = session.get(Profile, profile_id)
-                if row is None:
-                    raise NotFound(Text("no profile {profile_id}", profile_id=profile_id))
-                return row
-
-        p = await blocking(profile)
-        model, flags, name = p.model, list(p.flags), p.name
+        profile = await blocking(daemon.profiles.get_or_404, profile_id)
+        model, flags, name = profile.model, list(profile.flags), profile.name
     else:
         unknown = set(body) - {"model", "flags", "name"}
         if unknown:
@@ -147,9 +105,7 @@ async def server_logs(request: Request) -> Response:
     daemon = daemon_of(request)
     row = await blocking(daemon.supervisor.row, path_id(request))
     lines = int(query_number(request, "lines", 200, 1, 5000) or 200)
-    text = await blocking(launch.log_tail, row.log_path, lines)
-    if not access_of(request).control:
-        text = hide_secrets(text)
+    text = await blocking(server_log, row, lines, access_of(request).control)
     return JSONResponse({"server_id": row.id, "path": row.log_path, "lines": text.splitlines()})
 
 

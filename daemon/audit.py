@@ -17,11 +17,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.dialects.sqlite import insert
 
 from .retention import Retention, expire_audit
 from .schema import AuditEvent
-from .store import Store
+from .store import Store, iso_time
 
 MAX_TEXT = 200  # a path, an action, a target, a string in the details
 MAX_ADDRESS = 64  # an IPv6 address with a zone fits
@@ -60,6 +61,23 @@ class AuditEntry:
     target: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     counted: bool = False
+
+
+def audit_json(row: AuditEvent) -> dict[str, Any]:
+    """An audit row as the API shows it."""
+    return {
+        "id": row.id,
+        "time": iso_time(row.time),
+        "address": row.address,
+        "via": row.via,
+        "method": row.method,
+        "path": row.path,
+        "status": row.status,
+        "action": row.action,
+        "target": row.target,
+        "detail": row.detail,
+        "count": row.count,
+    }
 
 
 class AuditLog:
@@ -105,3 +123,9 @@ class AuditLog:
                 self._writes = 0
         if trim:
             expire_audit(self.store, self.retention, entry.time)
+
+    def recent(self, limit: int) -> list[AuditEvent]:
+        """The newest `limit` rows, newest first."""
+        with self.store.session() as session:
+            query = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(limit)
+            return list(session.scalars(query))

@@ -23,11 +23,12 @@ from ..autotune.trial import Cancelled
 from ..engine.args import TUNABLE
 from ..engine.spec import ModelSpec
 from ..engine.text import Text, error_text
-from .api import body_id
 from .benchmark_store import add_event, update_run
-from .errors import BadRequest, NotFound
+from .errors import BadRequest
 from .flags import FlagError, validate_flags
-from .schema import BenchmarkRun, Model, Profile
+from .http import body_id
+from .recommend import recommended_flags
+from .schema import BenchmarkRun, Model
 from .service import Daemon
 
 HARDWARE_FRESH_S = 7 * 24 * 3600.0
@@ -193,10 +194,7 @@ def resolve_setup(daemon: Daemon, options: RunOptions) -> Setup:
         for key in result.get("tried", []):
             tried_in.setdefault(key, last.id)
     elif options.profile_id is not None:
-        with daemon.store.session() as session:
-            profile = session.get(Profile, options.profile_id)
-        if profile is None:
-            raise NotFound(Text("no profile {profile_id}", profile_id=options.profile_id))
+        profile = daemon.profiles.get_or_404(options.profile_id)
         base, origin = list(profile.flags), Text("profile {name!r}", name=profile.name)
     elif options.base_flags is not None:
         base, origin = list(options.base_flags), Text("the flags given")
@@ -223,15 +221,6 @@ def resolve_setup(daemon: Daemon, options: RunOptions) -> Setup:
     }
     mode = options.mode or default_mode(model.is_demo, on_cpu(base, machine))
     return Setup(model, spec, base, origin, mode, plans, machine, pick_up_from, tried_in, hardware)
-
-
-def recommended_flags(daemon: Daemon, model_path: str) -> list[str]:
-    """The Recommended flags from the rules (an earlier benchmark's result is for pick-up)."""
-    from ..profiles.recommend import recommend
-    from .api_recommend import gather
-
-    inputs = gather(daemon, model_path, None)
-    return recommend(inputs.machine, inputs.spec, model=model_path).flags
 
 
 def for_this_machine(flags: list[str], machine: MachineFacts) -> list[str]:

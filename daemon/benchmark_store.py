@@ -100,6 +100,20 @@ def stored_trial(row: Trial) -> StoredTrial:
     return StoredTrial(row.n, request, result, row.verdict, text_of(extra, "reason"))
 
 
+def newest_result(store: Store, model_path: str) -> BenchmarkRun | None:
+    """The newest finished run of a model that has a result, of any objective."""
+    with store.session() as session:
+        return session.scalars(
+            select(BenchmarkRun)
+            .where(
+                BenchmarkRun.model == model_path,
+                BenchmarkRun.status == "done",
+                BenchmarkRun.result.is_not(None),
+            )
+            .order_by(BenchmarkRun.finished.desc(), BenchmarkRun.id.desc())
+        ).first()
+
+
 def trials_of(store: Store, run_id: int) -> list[Trial]:
     with store.session() as session:
         return list(session.scalars(select(Trial).where(Trial.run_id == run_id).order_by(Trial.n)))

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 
 from ..autotune.modes import MODE_NAMES, mode_named
 from ..autotune.noise import NoiseRule, Objective
@@ -32,9 +31,10 @@ from ..engine import launch
 from ..engine.text import Text, error_text, text_columns, text_fields, text_of
 from .benchmark_setup import RunOptions, Setup, hardware_phase, resolve_setup
 from .benchmark_store import DbJournal, add_event, events_of, trials_of, update_run
-from .errors import BadRequest, Conflict, NotFound
+from .errors import BadRequest, Conflict
 from .schema import BenchmarkRun, Profile
 from .service import Daemon
+from .store import row_or_404
 from .supervisor import resolve_device
 
 log = logging.getLogger("moelab.mgr")
@@ -486,11 +486,7 @@ class BenchmarkService:
     # ---- reading and keeping results --------------------------------------------------------
 
     def get(self, run_id: int) -> BenchmarkRun:
-        with self.store.session() as session:
-            row = session.get(BenchmarkRun, run_id)
-            if row is None:
-                raise NotFound(Text("no benchmark run {run_id}", run_id=run_id))
-            return row
+        return self.store.get_or_404(BenchmarkRun, run_id)
 
     def runs(self, model: str | None = None) -> list[BenchmarkRun]:
         with self.store.session() as session:
@@ -506,10 +502,7 @@ class BenchmarkService:
                 Text("run {run_id} is running; cancel it first", run_id=run_id), code="running"
             )
         with self.store.session() as session:
-            row = session.get(BenchmarkRun, run_id)
-            if row is None:
-                raise NotFound(Text("no benchmark run {run_id}", run_id=run_id))
-            session.delete(row)
+            session.delete(row_or_404(session, BenchmarkRun, run_id))
         for path in self.logs_dir.glob(f"bench-{run_id}-trial-*.log"):
             path.unlink(missing_ok=True)
 
@@ -535,22 +528,10 @@ class BenchmarkService:
             + (f"{gain:+.1%} over {result.get('base_origin')}." if gain is not None else "")
         ]
         lines += [f"{c['label']}: {c['reason']}" for c in result.get("changes", [])]
-        now = time.time()
-        try:
-            with self.store.session() as session:
-                profile = Profile(
-                    name=name,
-                    model=row.model,
-                    flags=list(result["flags"]),
-                    notes="\n".join(lines),
-                    origin=f"benchmark run {run_id}",
-                    created=now,
-                    updated=now,
-                )
-                session.add(profile)
-                session.flush()
-                return profile
-        except IntegrityError:
-            raise Conflict(
-                Text("a profile named {name!r} exists already", name=name), code="name_taken"
-            ) from None
+        return self.daemon.profiles.add(
+            name=name,
+            model=row.model,
+            flags=list(result["flags"]),
+            notes="\n".join(lines),
+            origin=f"benchmark run {run_id}",
+        )

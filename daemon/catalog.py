@@ -80,6 +80,10 @@ class ModelCatalog:
         with self.store.session() as session:
             return session.get(Model, model_id)
 
+    def get_or_404(self, model_id: int) -> Model:
+        """One model by id (present or not); NotFound when there is none."""
+        return self.store.get_or_404(Model, model_id)
+
     def by_path(self, path: str) -> Model | None:
         try:
             resolved = str(Path(path).expanduser().resolve())

@@ -16,6 +16,7 @@ from .jobs import Jobs
 from .measure import HardwareService
 from .models import ModelRoot, default_roots
 from .private import make_private
+from .profile_store import ProfileStore
 from .retention import Retention
 from .sampler import Sampler
 from .store import Store
@@ -45,7 +46,7 @@ class DaemonConfig:
 
 
 class Daemon:
-    """Store, token, hardware, models, supervisor and sampler of one running `mgr`."""
+    """Store, token, hardware, models, profiles, supervisor and sampler of one running `mgr`."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -59,6 +60,7 @@ class Daemon:
         self.policy = AccessPolicy(
             Credentials(self.token), ServedHosts(config.host, config.allow_hosts), LoginLimiter()
         )
+        self.profiles = ProfileStore(self.store)
         self.jobs = Jobs()
         self.hardware = HardwareService(self.store, self.jobs)
         self.catalog = ModelCatalog(self.store, config.roots(), config.data_dir, self.jobs)

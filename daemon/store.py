@@ -4,27 +4,47 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeVar
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from .errors import disk_full
+from ..engine.text import Text
+from .errors import NotFound, disk_full
 from .migrations import SchemaTooNew, migrate
 from .private import DIR_MODE, FILE_MODE, create_private_file
+from .schema import BenchmarkRun, Model, Profile, Server
 
 DB_NAME = "mgr.sqlite3"
 BUSY_TIMEOUT_MS = 10_000
 MAX_ROW_ID = 2**63 - 1  # SQLite's largest integer: a larger id names no row (and cannot be bound)
+Row = TypeVar("Row")
+
+# what a request that names a row which does not exist is told, by table
+MISSING: dict[type, Callable[[int], Text]] = {
+    Profile: lambda row_id: Text("no profile {profile_id}", profile_id=row_id),
+    Server: lambda row_id: Text("no server {server_id}", server_id=row_id),
+    BenchmarkRun: lambda row_id: Text("no benchmark run {run_id}", run_id=row_id),
+    Model: lambda row_id: Text("no model {id}", id=row_id),
+}
 
 
 class StoreError(RuntimeError):
     """The database cannot be opened (a newer schema, a damaged file)."""
+
+
+def row_or_404(session: Session, table: type[Row], row_id: int) -> Row:
+    """The row of `table` with this id; NotFound naming it (`MISSING`) when there is none."""
+    row = session.get(table, row_id)
+    if row is None:
+        raise NotFound(MISSING[table](row_id))
+    return row
 
 
 def iso_time(epoch_s: float | None) -> str | None:
@@ -98,6 +118,11 @@ class Store:
             if full is None:
                 raise
             raise full from err
+
+    def get_or_404(self, table: type[Row], row_id: int) -> Row:
+        """One row by id, read in a session of its own; NotFound when there is none."""
+        with self.session() as session:
+            return row_or_404(session, table, row_id)
 
     def reclaim_space(self) -> None:
         """Give freed pages back to the file system (after retention deleted rows)."""

@@ -27,11 +27,11 @@ from sqlalchemy import select
 from ..engine import launch
 from ..engine.exits import OomWatch, exit_words
 from ..engine.text import Text, error_text, text_columns
-from .errors import BadRequest, Conflict, DiskFull, NotFound
+from .errors import BadRequest, Conflict, DiskFull
 from .flags import FlagError, validate_flags
 from .models import read_checkpoint
 from .schema import Server
-from .store import Store
+from .store import Store, row_or_404
 
 log = logging.getLogger("moelab.mgr")
 
@@ -252,10 +252,7 @@ class Supervisor:
                     code="running",
                 )
             with self.store.session() as session:
-                row = session.get(Server, server_id)
-                if row is None:
-                    raise NotFound(Text("no server {server_id}", server_id=server_id))
-                session.delete(row)
+                session.delete(row_or_404(session, Server, server_id))
 
     # ---- refusals ---------------------------------------------------------------------------
 
@@ -488,17 +485,22 @@ class Supervisor:
 
     def row(self, server_id: int) -> Server:
         """One server's row; NotFound when there is none."""
+        return self.store.get_or_404(Server, server_id)
+
+    def servers_with_stats(self, model_path: str) -> list[Server]:
+        """The servers of a model that kept a stats body, the newest body first."""
         with self.store.session() as session:
-            row = session.get(Server, server_id)
-            if row is None:
-                raise NotFound(Text("no server {server_id}", server_id=server_id))
-            return row
+            return list(
+                session.scalars(
+                    select(Server)
+                    .where(Server.model == model_path, Server.last_stats.is_not(None))
+                    .order_by(Server.last_stats_time.desc())
+                )
+            )
 
     def _update(self, server_id: int, **fields: Any) -> Server:
         with self.store.session() as session:
-            row = session.get(Server, server_id)
-            if row is None:
-                raise NotFound(Text("no server {server_id}", server_id=server_id))
+            row = row_or_404(session, Server, server_id)
             for key, value in fields.items():
                 setattr(row, key, value)
             return row

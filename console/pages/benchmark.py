@@ -8,15 +8,13 @@ from typing import Any
 from urllib.parse import urlencode
 
 import plotly.graph_objects as go
-from sqlalchemy import select
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from ...autotune.modes import MODES
 from ...autotune.noise import OBJECTIVES
-from ...daemon.api import blocking, daemon_of, path_id
-from ...daemon.api_benchmarks import (
+from ...daemon.benchmark_views import (
     compare_runs,
     full_run,
     options_of,
@@ -27,7 +25,7 @@ from ...daemon.api_benchmarks import (
 from ...daemon.benchmarks import BenchmarkService
 from ...daemon.catalog import model_json
 from ...daemon.errors import BadRequest
-from ...daemon.schema import Profile
+from ...daemon.http import blocking, daemon_of, path_id
 from ...daemon.service import Daemon
 from ...engine.text import Text
 from .. import charts
@@ -112,11 +110,8 @@ def run_data(
     daemon: Daemon, service: BenchmarkService, run_id: int, reveal: bool
 ) -> dict[str, Any]:
     run = full_run(service, run_id, reveal)
-    with daemon.store.session() as session:
-        saved = session.scalars(
-            select(Profile).where(Profile.origin == f"benchmark run {run_id}").order_by(Profile.id)
-        )
-        profiles = [{"id": p.id, "name": p.name} for p in saved]
+    saved = daemon.profiles.with_origin(f"benchmark run {run_id}")
+    profiles = [{"id": p.id, "name": p.name} for p in saved]
     return {"run": run, "saved_profiles": profiles, "labels": LABELS}
 
 

@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ...daemon.api import blocking, daemon_of
 from ...daemon.catalog import DEMO_FLAGS
+from ...daemon.http import blocking, daemon_of
 from ...daemon.service import Daemon
 from .. import charts, engines
 from ..i18n import Translator, _

@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ...daemon.api import blocking, daemon_of, path_id
-from ...daemon.api_servers import server_json
+from ...daemon.http import blocking, daemon_of, path_id
+from ...daemon.servers import server_json
 from ...daemon.service import Daemon
 from .. import charts, engines
 from ..advice import advise, whatif_hit_rate

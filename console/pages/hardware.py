@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ...daemon.api import blocking, daemon_of
+from ...daemon.http import blocking, daemon_of
 from ...daemon.measure import inventory_json, measurement_json
 from ...daemon.service import Daemon
 from .. import charts

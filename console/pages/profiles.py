@@ -13,18 +13,16 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ...daemon import api_recommend
-from ...daemon.api import audit, blocking, daemon_of, path_id
-from ...daemon.api_profiles import profile_json, profile_row, profile_rows, save_profile
 from ...daemon.catalog import model_json
 from ...daemon.errors import ApiError
 from ...daemon.flags import redact_flags
-from ...daemon.schema import Server
+from ...daemon.http import audit, blocking, daemon_of, path_id
+from ...daemon.profile_store import profile_json
+from ...daemon.recommend import gather, recommendation_json
 from ...daemon.service import Daemon
 from ...engine.text import Text, text_fields
 from ...profiles.cmdline import to_command_line
@@ -61,21 +59,20 @@ ENV.filters["origin"] = origin_words
 
 
 def servers_of(daemon: Daemon) -> dict[int, list[dict[str, Any]]]:
-    """The servers started from each profile: id, name and status."""
-    with daemon.store.session() as session:
-        rows = session.scalars(select(Server).where(Server.profile_id.is_not(None)))
-        out: dict[int, list[dict[str, Any]]] = {}
-        for r in rows:
+    """The servers started from each profile, oldest first: id, name and status."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in reversed(daemon.supervisor.servers()):
+        if r.profile_id is not None:
             out.setdefault(r.profile_id, []).append(
                 {"id": r.id, "name": r.name, "status": r.status}
             )
-        return out
+    return out
 
 
 def list_data(daemon: Daemon, reveal: bool) -> dict[str, Any]:
     using = servers_of(daemon)
     profiles = []
-    for row in profile_rows(daemon.store):
+    for row in daemon.profiles.list():
         profiles.append({**profile_json(row, reveal), "servers": using.get(row.id, [])})
     return {"profiles": profiles, "models": [model_json(m) for m in daemon.catalog.list()]}
 
@@ -166,10 +163,10 @@ def _draft_of(form: Mapping[str, str]) -> dict[str, str | None]:
 def recommended_data(daemon: Daemon, profile_id: int, reveal: bool) -> dict[str, Any]:
     """Recommended beside this profile and the planner, or why there is none."""
     try:
-        inputs = api_recommend.gather(daemon, None, profile_id)
+        inputs = gather(daemon, None, profile_id)
     except ApiError as err:
         return text_fields("error", err.text)
-    body = api_recommend.recommendation_json(inputs, None, reveal)
+    body = recommendation_json(inputs, None, reveal)
     states = body["profile"]["comparison"]
     body["rows"] = [
         {**advice, "state": row["state"], "state_label": STATES[row["state"]],
@@ -182,7 +179,7 @@ def recommended_data(daemon: Daemon, profile_id: int, reveal: bool) -> dict[str,
 def profile_data(
     daemon: Daemon, profile_id: int, reveal: bool, draft: Mapping[str, str] | None
 ) -> dict[str, Any]:
-    row = profile_row(daemon.store, profile_id)
+    row = daemon.profiles.get_or_404(profile_id)
     flags = row.flags if reveal else redact_flags(row.flags)
     return {
         "profile": profile_json(row, reveal),
@@ -264,7 +261,7 @@ async def save_flags(request: Request) -> Response:
         body = {"name": form.get("name", ""), "model": form.get("model", ""),
                 "notes": form.get("notes", ""), "flags": draft_flags(values)}  # fmt: skip
         try:
-            row = await blocking(save_profile, daemon.store, profile_id, body)
+            row = await blocking(daemon.profiles.save, profile_id, body)
         except ApiError as err:
             error = err.text
         else:

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ...daemon.api import blocking, daemon_of, path_id, query_number
-from ...daemon.api_servers import server_json
 from ...daemon.catalog import DEMO_FLAGS, model_json
-from ...daemon.flags import hide_secrets, redact_flags
-from ...daemon.schema import Profile
+from ...daemon.flags import redact_flags
+from ...daemon.http import blocking, daemon_of, path_id, query_number
+from ...daemon.servers import server_json, server_log
 from ...daemon.service import Daemon
-from ...engine import launch
 from .. import engines
 from ..i18n import _
 from ..reach import Viewer, client_json
@@ -27,17 +24,15 @@ LOG_LINES = 200
 
 def profiles(daemon: Daemon, reveal: bool) -> list[dict[str, Any]]:
     """The launch profiles to start from (name, model, flags)."""
-    with daemon.store.session() as session:
-        rows = session.scalars(select(Profile).order_by(Profile.name))
-        return [
-            {
-                "id": p.id,
-                "name": p.name,
-                "model": p.model,
-                "flags": p.flags if reveal else redact_flags(p.flags),
-            }
-            for p in rows
-        ]
+    return [
+        {
+            "id": p.id,
+            "name": p.name,
+            "model": p.model,
+            "flags": p.flags if reveal else redact_flags(p.flags),
+        }
+        for p in daemon.profiles.list()
+    ]
 
 
 def servers_data(daemon: Daemon, reveal: bool) -> dict[str, Any]:
@@ -61,15 +56,13 @@ def server_data(
     daemon: Daemon, server_id: int, reveal: bool, lines: int, viewer: Viewer
 ) -> dict[str, Any]:
     row = daemon.supervisor.row(server_id)
-    log = launch.log_tail(row.log_path, lines)
-    if not reveal:
-        log = hide_secrets(log)
+    log = server_log(row, lines, reveal)
     sampled_at, stats = engines.latest_stats(daemon, server_id)
     return {
         "server": server_json(row, daemon, reveal),
         "command": ["moelab", "serve", "--model-path", row.model, *(
             row.flags if reveal else redact_flags(row.flags))],
-        "client": client_json(row.host, row.port, row.model, row.flags, viewer),
+        "client": client_json(row, viewer),
         "log": {"path": row.log_path, "lines": log.splitlines()},
         "sampled_at": sampled_at,
         "config": (stats or {}).get("config"),

@@ -19,8 +19,6 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.console.i18n import LANGUAGES
-from moelab.console.pages import profiles as profile_pages
-from moelab.daemon import api_profiles
 from moelab.daemon.errors import DiskFull
 from moelab.daemon.schema import BenchmarkEvent, Server
 from moelab.daemon.service import Daemon
@@ -367,8 +365,7 @@ def test_a_full_disk_reads_in_japanese(full_mgr: FullMgr, monkeypatch: pytest.Mo
     def full(*_args: Any, **_kwargs: Any) -> None:
         raise DiskFull(database)
 
-    monkeypatch.setattr(api_profiles, "save_profile", full)
-    monkeypatch.setattr(profile_pages, "save_profile", full)
+    monkeypatch.setattr(full_mgr.daemon.profiles, "save", full)
     profile_id = full_mgr.profiles[1]
     form = {"name": "by hand", "model": str(full_mgr.model), "notes": ""}
     editor = full_mgr.client.put(f"/profiles/{profile_id}/flags", data=form, headers=JA).text

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from starlette.routing import Route
 
 from moelab.console.main import build_app
-from moelab.daemon import api_benchmarks, child
+from moelab.daemon import child
 from moelab.daemon.api import api_routes
 from moelab.daemon.schema import BenchmarkRun, Profile, Server
 from moelab.daemon.service import Daemon
@@ -42,7 +42,7 @@ from moelab.engine.text import Text
 from .conftest import asgi_client, make_daemon, wait_for
 
 MISSING_MODEL = "/nonexistent/moelab-fuzz/model"
-API_ROUTES = [*api_routes(), *api_benchmarks.routes()]  # in build_app's order
+API_ROUTES = api_routes()  # in build_app's order
 FAKE_BENCH = 'import json; print(json.dumps({"results": [], "versions": {}}))'
 
 # names that handlers read from bodies and query strings, so that generated requests reach them

@@ -19,8 +19,8 @@ import pytest
 from starlette.requests import Request
 
 from moelab.console.main import build_app
-from moelab.daemon.api import EXCEPTION_HANDLERS
 from moelab.daemon.errors import DiskFull, disk_full
+from moelab.daemon.http import EXCEPTION_HANDLERS
 from moelab.daemon.sampler import Sampler
 from moelab.daemon.schema import Profile, Server
 from moelab.daemon.store import Store

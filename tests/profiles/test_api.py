@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from moelab.daemon.api_recommend import loaded_decode_tok_s
 from moelab.daemon.hardware import GpuInfo
 from moelab.daemon.measure import Reading
+from moelab.daemon.recommend import loaded_decode_tok_s
 from moelab.daemon.schema import BenchmarkRun, Server
 from moelab.daemon.service import Daemon
 from moelab.profiles.machine import GIB
