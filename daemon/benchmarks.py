@@ -389,62 +389,12 @@ class BenchmarkService:
         add_event(self.store, run_id, "status", Text("failed: {error}", error=message))
 
     def _search(self, active: ActiveRun) -> dict[str, Any]:
+        """Run the search of the active run to its result: the hardware phase, then the trials
+        through the run's journal."""
         row = self.get(active.run_id)
-        options = dict(row.options or {})
-        if options.get("hardware") is None:
-            options["hardware"] = hardware_phase(self.daemon, row, active.cancel.is_set)
-            update_run(self.store, row.id, options=options)
-        elif options.get("pick_up_from"):
-            add_event(
-                self.store,
-                row.id,
-                "phase",
-                Text("hardware: the figures of run {run} are used", run=options["pick_up_from"]),
-            )
+        options = self._hardware_phase(row, active)
         mode = mode_named(row.mode)
         objective = Objective(row.objective, options.get("clients", 0))
-        runner = self.make_runner(
-            row.model,
-            Workload(mode.workload_for(objective.clients)),
-            self.logs_dir,
-            active.cancel,
-            ports=self.ports,
-            on_step=lambda step: self._step(active, step),
-        )
-
-        def run_trial(request: TrialRequest, n: int) -> Any:
-            def started(engine: launch.EngineProcess) -> None:
-                if active.current is not None:
-                    active.current["engine_pid"] = engine.pid
-                add_event(
-                    self.store,
-                    row.id,
-                    "engine",
-                    Text(
-                        "trial {n}: engine pid {pid} on port {port}",
-                        n=n,
-                        pid=engine.pid,
-                        port=engine.port,
-                    ),
-                    {
-                        "n": n,
-                        "pid": engine.pid,
-                        "process_started": launch.process_start_time(engine.pid),
-                        "port": engine.port,
-                        "log": engine.log_path,
-                    },
-                )
-
-            return runner.run(request, f"bench-{row.id}-trial-{n}", on_started=started)
-
-        journal = DbJournal(
-            self.store,
-            row.id,
-            run_trial,
-            active.cancel.is_set,
-            on_trial=lambda n, request: self._trial_starting(active, n, request),
-            on_progress=lambda phase, eta: update_run(self.store, row.id, phase=phase, eta_s=eta),
-        )
         settings = SearchSettings(
             mode,
             objective,
@@ -453,6 +403,7 @@ class BenchmarkService:
             pick_up=bool(options.get("pick_up_from")),
             base_origin=text_of(options, "base_origin") or STARTING_FLAGS,
         )
+        journal = self._journal(row, active, Workload(mode.workload_for(objective.clients)))
         result = Search(Plan.from_json(options["plan"]), row.base_flags, settings, journal).run()
         tried_in = dict(options.get("tried_in") or {})
         for key in result["tried"]:
@@ -465,6 +416,70 @@ class BenchmarkService:
             mode=row.mode,
         )
         return result
+
+    def _hardware_phase(self, row: BenchmarkRun, active: ActiveRun) -> dict[str, Any]:
+        """The run's options with the hardware it runs on: measured now (phase (a)) unless a
+        resumed run measured it already or a picked-up run's figures are used."""
+        options = dict(row.options or {})
+        if options.get("hardware") is None:
+            options["hardware"] = hardware_phase(self.daemon, row, active.cancel.is_set)
+            update_run(self.store, row.id, options=options)
+        elif options.get("pick_up_from"):
+            add_event(
+                self.store,
+                row.id,
+                "phase",
+                Text("hardware: the figures of run {run} are used", run=options["pick_up_from"]),
+            )
+        return options
+
+    def _journal(self, row: BenchmarkRun, active: ActiveRun, workload: Workload) -> DbJournal:
+        """The run's journal over the store, running each new trial as a fresh engine."""
+        runner = self.make_runner(
+            row.model,
+            workload,
+            self.logs_dir,
+            active.cancel,
+            ports=self.ports,
+            on_step=lambda step: self._step(active, step),
+        )
+
+        def run_trial(request: TrialRequest, n: int) -> Any:
+            return runner.run(
+                request,
+                f"bench-{row.id}-trial-{n}",
+                on_started=lambda engine: self._engine_started(active, n, engine),
+            )
+
+        return DbJournal(
+            self.store,
+            row.id,
+            run_trial,
+            active.cancel.is_set,
+            on_trial=lambda n, request: self._trial_starting(active, n, request),
+            on_progress=lambda phase, eta: update_run(self.store, row.id, phase=phase, eta_s=eta),
+        )
+
+    def _engine_started(self, active: ActiveRun, n: int, engine: launch.EngineProcess) -> None:
+        """Note a trial's engine: shown live, and kept so that a later mgr can stop it should
+        this one die during the trial."""
+        if active.current is not None:
+            active.current["engine_pid"] = engine.pid
+        add_event(
+            self.store,
+            active.run_id,
+            "engine",
+            Text(
+                "trial {n}: engine pid {pid} on port {port}", n=n, pid=engine.pid, port=engine.port
+            ),
+            {
+                "n": n,
+                "pid": engine.pid,
+                "process_started": launch.process_start_time(engine.pid),
+                "port": engine.port,
+                "log": engine.log_path,
+            },
+        )
 
     def _trial_starting(self, active: ActiveRun, n: int, request: TrialRequest) -> None:
         label = request.change.label if request.change else Text("the flags as they are")
