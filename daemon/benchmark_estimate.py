@@ -23,8 +23,8 @@ from .schema import BenchmarkRun, Model, Server, Trial
 from .service import Daemon
 
 # a first guess of a restart where nothing was measured: an engine's start without its weights,
-# warm-up and stop (about 2 s for the demo model on a 2-core CPU; 7 s for the small preset on an
-# H200, most of it CUDA starting), and the checkpoint read at this rate
+# warm-up and stop (longer on a GPU, where most of it is CUDA starting), and the checkpoint read
+# at this rate
 GUESS_START_S = {"cpu": 2.0, "gpu": 8.0}
 GUESS_READ_GBPS = 2.0
 RECENT = 30  # the newest readings the median is taken over

@@ -148,7 +148,7 @@ class TelemetrySample(Base):
 
 
 class BenchmarkRun(Base):
-    """A benchmark (autotune) run of one model; filled by the benchmark issue's runner."""
+    """A benchmark (autotune) run of one model, driven by daemon/benchmarks.py."""
 
     __tablename__ = "benchmark_runs"
 
