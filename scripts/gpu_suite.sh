@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|guess|redo|redo_busy|ahead|ahead_rows|eager|drawn|cut|rows25|prefix|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|compare|all]
+# compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
+# `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
+# this tree's, process by process in turn, ROUNDS times (default 2)
 # (tests, then resident: the first GPU runs after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled), first the wheels of
 # scripts/device_wheels.sh (carry .whl) on PYTHONPATH, then
@@ -32,57 +35,6 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
     tests/engine/test_graphs.py tests/engine/test_offload.py tests/engine/test_reference.py \
     tests/engine/test_telemetry.py tests/engine/test_attention.py
 fi
-if [ "$part" = redo ]; then  # idle CPU workers running again a task whose worker stalled: its
-  # tests, runs alternating never (0) and the default 150 us in one process (three processes),
-  # then the 25%-cache rows with the default flags
-  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
-  run redo_tests python3 -m pytest -q $T tests/kernels/test_cpu_experts.py \
-    tests/engine/test_planner.py tests/engine/test_cli.py::test_bench_decode_alternates_a_cpu_flag
-  run redo_engine_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
-    tests/engine/test_graphs.py tests/engine/test_offload.py
-  for i in 1 2 3; do
-    run redo_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
-      --repeats 12 --moe-cpu-redo-us 0 --alternate-cpu-redo-us 150 --json
-  done
-  run redo_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
-    --repeats 3 --json
-  run redo_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --tokens 256 \
-    --repeats 3 --json
-fi
-if [ "$part" = ahead ]; then  # the guessed first device miss copied ahead of the routing: its
-  # tests (the planner's and the engine's on CUDA), then runs alternating off (0) and 0.75 in
-  # one process (two processes)
-  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
-  run ahead_tests python3 -m pytest -q $T tests/engine/test_planner.py
-  run ahead_engine_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
-    tests/engine/test_graphs.py tests/engine/test_offload.py
-  for i in 1 2; do  # short runs, many pairs: the host drifts within a process
-    run ahead_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 128 \
-      --repeats 24 --moe-copy-ahead 0 --alternate-copy-ahead 0.75 --json
-  done
-fi
-if [ "$part" = ahead_rows ]; then  # one more alternation, one against a share of 0.5, then the
-  # 25%-cache rows (default flags)
-  run ahead_alternate_3 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 128 \
-    --repeats 24 --moe-copy-ahead 0 --alternate-copy-ahead 0.75 --json
-  run ahead_alternate_half $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 128 \
-    --repeats 24 --moe-copy-ahead 0 --alternate-copy-ahead 0.5 --json
-  run ahead_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
-    --repeats 3 --json
-  run ahead_cache25_skew0 $B decode $G --routing-skew 0 --moe-cache-rate 0.25 --tokens 256 \
-    --repeats 3 --json
-fi
-if [ "$part" = eager ]; then  # the eager decode steps' attention at the graphs' width: its CUDA
-  # test and the compile test, then two processes of 24 runs (their seventeenth run holds the
-  # telemetry's phase-timed step: compiled 0), alternating the copies ahead at 0.75 and 1.0
-  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
-  run eager_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
-    tests/kernels/test_compile_variants.py tests/engine/test_graphs.py -k "eager or cuda or compiles"
-  for i in 1 2; do
-    run eager_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 128 \
-      --repeats 24 --moe-copy-ahead 0.75 --alternate-copy-ahead 1.0 --json
-  done
-fi
 if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: their CUDA tests,
   # then decode greedy, drawn (overlapped) and drawn by the host's sampler (--no-overlap-decode,
   # the path every drawn request took before), resident at batch 1 and 8, and offloaded
@@ -106,19 +58,6 @@ if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: th
   run drawn_cache25_host $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $Q --json \
     --no-overlap-decode
 fi
-if [ "$part" = cut ]; then  # the draws' cuts (sampling.Cut): the draw tests on CUDA, the
-  # kernels' rows, then decode at Qwen3's sampling defaults (the top-k's cut), batch 1 and 8
-  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
-  run cut_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
-    tests/kernels/test_draw.py tests/engine/test_sampling.py
-  run cut_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
-    tests/engine/test_graphs.py -k draw
-  run cut_kernels python3 -m moelab.kernels.bench --only draw
-  Q="--temperature 0.6 --top-p 0.95 --top-k 20"
-  for b in 1 8; do
-    run cut_resident_b${b}_top_k $B decode $G --routing-skew 1 --batch $b $Q --json
-  done
-fi
 if [ "$part" = rows25 ]; then  # the 25%-cache rows at routing skew 1 and 0, default flags
   for skew in 1 0; do
     run rows25_skew$skew $B decode $G --routing-skew $skew --moe-cache-rate 0.25 --tokens 256 \
@@ -133,32 +72,12 @@ if [ "$part" = prefix ]; then  # a multi-turn chat's time to first token, with t
       --moe-cache-rate $rate --log-level warning
   done
 fi
-if [ "$part" = redo_busy ]; then  # the same alternation with another program busy on CPU 3 (a
-  # worker's core under --moe-cpu-pin cores), as on a desktop running something else
-  taskset -c 3 python3 -c 'while True: pass' &
-  hog=$!
-  for i in 1 2 3; do
-    run redo_busy_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
-      --repeats 8 --moe-cpu-redo-us 0 --alternate-cpu-redo-us 150 --json
-  done
-  kill $hog
-fi
 if [ "$part" = resident ]; then  # all experts resident: overlapped decode against waiting steps
   run decode12_resident_skew1 $B decode $G --routing-skew 1 --json
   run decode12_resident_skew1_sync $B decode $G --routing-skew 1 --json --no-overlap-decode
   run decode12_resident_b8 $B decode $G --routing-skew 1 --batch 8 --json
   run decode12_resident_profile $B decode $G --routing-skew 1 --json --kernel-profile
   run decode12_cache25_skew1 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json
-fi
-if [ "$part" = guess ]; then  # the CPU workers' prefetch of guessed blocks: its tests, then
-  # runs alternating 0 and 2 rounds in one process (two processes), the host's drift shared
-  run guess_tests python3 -m pytest -q -o "addopts=-ra --import-mode=append" -p no:cacheprovider \
-    tests/kernels/test_route_guess.py tests/engine/test_planner.py tests/engine/test_graphs.py \
-    tests/engine/test_cli.py -k "planner or graphs or guess or alternat or cuda"
-  for i in 1 2; do
-    run guess_alternate_$i $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --tokens 256 \
-      --repeats 16 --alternate-prefetch-rounds 2 --json
-  done
 fi
 if [ "$part" = prefill ]; then  # pp512 in three processes (a host-bound prefill varies by process)
   for i in 1 2 3; do
@@ -213,4 +132,29 @@ fi
 if [ "$part" = autotune ]; then  # trial overhead of the benchmark, small preset, standard's target
   run autotune_small python3 -m moelab.autotune --model-path /tmp/small --mode quick \
     --target-s 60 --objective decode --only no-overlap-decode --out "$out/autotune_small.json"
+fi
+if [ "$part" = compare ]; then  # the mode rows of docs/performance.md, an older tree against this one
+  pkg=$(mktemp -d)
+  mkdir -p "$pkg/moelab"
+  for d in engine kernels profiles autotune; do ln -s "$(realpath "${BEFORE:?}/$d")" "$pkg/moelab/$d"; done
+  # the older tree through PYTHONPATH, with this tree's editable install's finder taken away
+  before() {
+    PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}" python3 -c 'import runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+sys.argv[0] = "moelab"
+import moelab.engine; print("tree:", moelab.engine.__file__, flush=True)
+runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
+  }
+  after() { python3 -m moelab.engine.cli "$@"; }
+  for i in $(seq "${ROUNDS:-2}"); do
+    for tree in before after; do
+      run compare_${tree}_resident_b1_$i $tree bench decode $G --routing-skew 1 --json
+      run compare_${tree}_resident_b8_$i $tree bench decode $G --routing-skew 1 --batch 8 --json
+      for skew in 0 1; do
+        run compare_${tree}_cache25_skew${skew}_$i $tree bench decode $G --routing-skew $skew \
+          --moe-cache-rate 0.25 --tokens 256 --json
+      done
+      run compare_${tree}_prefill512_$i $tree bench prefill $G --prompt-tokens 512 --repeats 5 --json
+    done
+  done
 fi
