@@ -1,4 +1,5 @@
-"""`moelab bench bw`: this machine's bandwidths, as the profile the engine's miss split reads.
+"""`moelab bench bw`: this machine's bandwidths, as the profile the engine's miss split reads
+(engine/bandwidth.py keeps it).
 
 Measured: host-to-device copies of one expert (pinned and pageable), device copy bandwidth, host
 memory read rate and CPU expert rate per thread count, device expert rate, and copies with CPU
@@ -21,15 +22,9 @@ from pathlib import Path
 import torch
 
 from .args import physical_cores
+from .bandwidth import PROFILE_VERSION, save_profile
 
-PROFILE_VERSION = 1
 QWEN3_30B_EXPERT = (2048, 768)  # hidden, moe intermediate: the default geometry
-
-
-def profile_path() -> Path:
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("moelab")) / "bw-profile.json"
 
 
 def machine_identity() -> dict:
@@ -267,58 +262,6 @@ def _concurrent(runner, pinned13, pinned2, d13, d2, x_host, w13, w2, num_experts
     )
 
 
-def best(profile: dict, kind: str, **match) -> float | None:
-    """The highest value of `kind` whose params contain `match`."""
-    values = [
-        r["value"]
-        for r in profile.get("results", [])
-        if r["kind"] == kind and all(r["params"].get(k) == v for k, v in match.items())
-    ]
-    return max(values) if values else None
-
-
-def load_profile(hidden: int, intermediate: int, dtype: torch.dtype,
-                 path: str | Path | None = None) -> dict | None:  # fmt: skip
-    """This machine's profile for this expert geometry, or None (other machine, stale version)."""
-    path = Path(path) if path else profile_path()
-    try:
-        profile = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if profile.get("profile_version") != PROFILE_VERSION:
-        return None
-    if profile.get("machine", {}).get("hostname") != socket.gethostname():
-        return None
-    expert = profile.get("expert", {})
-    if (expert.get("hidden"), expert.get("intermediate"), expert.get("dtype")) != (
-        hidden,
-        intermediate,
-        str(dtype)[6:],
-    ):
-        return None
-    return profile
-
-
-def save_crossover(engine, tokens: int, path: str | Path | None = None) -> None:
-    """Record the measured prefill crossover for this geometry in the bandwidth profile."""
-    spec = engine.spec
-    out = Path(path) if path else profile_path()
-    profile = load_profile(spec.hidden_size, spec.moe_intermediate_size, engine.dtype, out)
-    if profile is None:
-        raise ValueError(
-            f"no bandwidth profile for this machine and geometry at {out}; run "
-            "`moelab bench bw --model-path ...` first"
-        )
-    profile["results"] = [r for r in profile["results"] if r["kind"] != "prefill_crossover"]
-    profile["results"].append({
-        "kind": "prefill_crossover", "params": {**profile["expert"],
-        "num_experts": spec.num_experts, "top_k": spec.top_k}, "value": tokens, "unit": "tokens",
-    })  # fmt: skip
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile, indent=2))
-    tmp.replace(out)
-
-
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="measure bandwidths, decode and prefill speed")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -369,11 +312,7 @@ def _run_bw(args: argparse.Namespace) -> int:
 
     say(f"moelab bench bw: threads {threads}")
     profile = run_bw(hidden, inter, getattr(torch, args.dtype), threads, say)
-    out = Path(args.out) if args.out else profile_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile, indent=2))
-    tmp.replace(out)
+    out = save_profile(profile, args.out)
     say(f"profile written to {out}")
     if args.json:
         print(json.dumps(profile))

@@ -165,11 +165,12 @@ def prefill_run(engine, args) -> dict:
     )
     crossover = None
     if args.crossover:
-        from .bench import save_crossover
+        from .bandwidth import save_crossover
 
         crossover = find_crossover(engine)
-        if crossover["stream_min_tokens"] is not None:
-            save_crossover(engine, crossover["stream_min_tokens"], engine.args.bw_profile)
+        tokens = crossover["stream_min_tokens"]
+        if tokens is not None:
+            save_crossover(engine.spec, engine.dtype_name, tokens, engine.args.bw_profile)
     return {"prompt_tokens": args.prompt_tokens, "prefill_tok_s": args.prompt_tokens / elapsed,
             "crossover": crossover, "seconds": elapsed, "seconds_each": times,
             "pcie_bound_tok_s": args.prompt_tokens / stream_s if stream_s else None,

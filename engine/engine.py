@@ -15,8 +15,8 @@ import torch
 from ..kernels import common, no_triton
 from ..kernels.native_build import NativeKernelError, load_native
 from .args import physical_cores
+from .bandwidth import best, load_profile
 from .bank import build_in_memory, load_bank
-from .bench import best, load_profile
 from .cache import ExpertCache
 from .checkpoint import SafetensorsSource, load_dense
 from .cpu import (
@@ -256,7 +256,7 @@ class Engine(Stepping):
         """Bp and Bh: from this machine's `moelab bench bw` profile, else measured now."""
         spec, cpu = self.spec, self.cpu
         profile = load_profile(
-            spec.hidden_size, spec.moe_intermediate_size, self.dtype, self.args.bw_profile
+            spec.hidden_size, spec.moe_intermediate_size, self.dtype_name, self.args.bw_profile
         )
         bp = bh = None
         if profile is not None:
@@ -274,7 +274,7 @@ class Engine(Stepping):
         half of a layer's experts."""
         spec = self.spec
         profile = load_profile(
-            spec.hidden_size, spec.moe_intermediate_size, self.dtype, self.args.bw_profile
+            spec.hidden_size, spec.moe_intermediate_size, self.dtype_name, self.args.bw_profile
         )
         measured = profile and best(
             profile, "prefill_crossover", num_experts=spec.num_experts, top_k=spec.top_k
@@ -375,6 +375,11 @@ class Engine(Stepping):
     def max_context(self) -> int:
         return self.plan.max_context
 
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype by name (bfloat16, float32, ...)."""
+        return str(self.dtype).removeprefix("torch.")
+
     def add(
         self,
         prompt_ids: list[int],
@@ -458,7 +463,7 @@ class Engine(Stepping):
             # the decode kernels' programmatic dependent launch (kernels/common.py, MOELAB_PDL)
             "pdl": common.pdl(self.device),
             "device": str(self.device),
-            "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype": self.dtype_name,
         }
 
     def set_cpu_pin(self, mode: str) -> None:
