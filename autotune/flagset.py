@@ -1,35 +1,24 @@
 """Engine flag lists as the benchmark edits them: read a flag's value, apply exactly one change.
 
-A flag list is what a profile stores: `["--moe-cache-rate", "0.5", "--no-cuda-graph"]`. A change
-sets a value (a string), switches an on/off flag (True / False), or drops a flag (None) so the
-engine's default applies again.
+A flag list is what a profile stores: `["--moe-cache-rate", "0.5", "--no-cuda-graph"]`, read and
+written by engine/flag_list.py. A change sets a value (a string), switches an on/off flag (True /
+False), or drops a flag (None) so the engine's default applies again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
-from ..engine.args import describe_flags
+from ..engine.flag_list import FlagList, FlagSetting, described
 from ..engine.text import Text
 
 ChangeValue = str | bool | None
 
 
-@cache
-def _described() -> dict[str, dict[str, Any]]:
-    return {f["flag"]: f for f in describe_flags()}
-
-
 def flag_info(flag: str) -> dict[str, Any] | None:
     """What the engine's parser says about `flag` (kind, default, exclusive flags), or None."""
-    return _described().get(flag)
-
-
-def is_switch(flag: str) -> bool:
-    info = flag_info(flag)
-    return info is not None and info["kind"] == "switch"
+    return described().get(flag)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,45 +56,18 @@ class Change:
         return cls(str(data["flag"]), data.get("value"))
 
 
-def split_flags(flags: list[str]) -> list[tuple[str, str | None]]:
+def split_flags(flags: list[str]) -> list[FlagSetting]:
     """The list as (flag, value) pairs in order; on/off flags have the value None."""
-    pairs: list[tuple[str, str | None]] = []
-    i = 0
-    while i < len(flags):
-        item = flags[i]
-        if "=" in item and item.startswith("--"):
-            name, value = item.split("=", 1)
-            pairs.append((name, value))
-            i += 1
-        elif is_switch(item) or i + 1 >= len(flags) or flags[i + 1].startswith("--"):
-            pairs.append((item, None))
-            i += 1
-        else:
-            pairs.append((item, flags[i + 1]))
-            i += 2
-    return pairs
-
-
-def join_flags(pairs: list[tuple[str, str | None]]) -> list[str]:
-    out: list[str] = []
-    for name, value in pairs:
-        out.append(name)
-        if value is not None:
-            out.append(value)
-    return out
+    return list(FlagList.parse(flags))
 
 
 def has_flag(flags: list[str], flag: str) -> bool:
-    return any(name == flag for name, _value in split_flags(flags))
+    return FlagList.parse(flags).has(flag)
 
 
 def value_of(flags: list[str], flag: str) -> str | None:
     """The value `flags` gives `flag` (the last one wins), else None."""
-    value = None
-    for name, given in split_flags(flags):
-        if name == flag:
-            value = given
-    return value
+    return FlagList.parse(flags).get(flag)
 
 
 def effective_value(flags: list[str], flag: str) -> str | bool | None:
@@ -113,36 +75,24 @@ def effective_value(flags: list[str], flag: str) -> str | bool | None:
 
     On/off flags answer True or False.
     """
-    if is_switch(flag):
-        return has_flag(flags, flag)
-    given = value_of(flags, flag)
-    if given is not None:
-        return given
-    info = flag_info(flag)
-    default = info["default"] if info else None
-    return None if default is None else str(default)
+    return FlagList.parse(flags).in_force(flag)
 
 
 def apply_change(flags: list[str], change: Change) -> list[str]:
-    """`flags` with `change` applied; setting a flag also drops the flags it excludes."""
-    info = flag_info(change.flag)
-    excluded = set(info["exclusive_with"]) if info else set()
-    pairs = [(n, v) for n, v in split_flags(flags) if n not in excluded]
-    present = any(n == change.flag for n, _v in pairs)
+    """`flags` with `change` applied; setting or dropping a flag also drops the flags it
+    excludes (they set the same thing)."""
+    given = FlagList.parse(flags)
     if change.value is None or change.value is False:
-        return join_flags([(n, v) for n, v in pairs if n != change.flag])
-    if change.value is True:
-        return join_flags(pairs if present else [*pairs, (change.flag, None)])
-    if present:
-        return join_flags([(n, change.value if n == change.flag else v) for n, v in pairs])
-    return join_flags([*pairs, (change.flag, change.value)])
+        info = flag_info(change.flag)
+        return given.drop(change.flag, *(info["exclusive_with"] if info else ())).render()
+    return given.set(change.flag, None if change.value is True else change.value).render()
 
 
 def without(flags: list[str], names: tuple[str, ...]) -> list[str]:
     """`flags` less every flag in `names` (with its value)."""
-    return join_flags([(n, v) for n, v in split_flags(flags) if n not in names])
+    return FlagList.parse(flags).drop(*names).render()
 
 
 def same_flags(a: list[str], b: list[str]) -> bool:
     """Whether two lists ask the engine for the same thing (order aside, last value wins)."""
-    return dict(split_flags(a)) == dict(split_flags(b))
+    return FlagList.parse(a).as_dict() == FlagList.parse(b).as_dict()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .exits import exit_words
+from .flag_list import FlagList
 from .redact import redact_flags
 from .text import Text
 
@@ -41,13 +42,7 @@ class EngineFailed(RuntimeError):
 
 def flag_value(flags: list[str], name: str, default: str | None = None) -> str | None:
     """The value given to `name` in a flag list (`--port 8000` or `--port=8000`), last one wins."""
-    value = default
-    for i, item in enumerate(flags):
-        if item == name and i + 1 < len(flags):
-            value = flags[i + 1]
-        elif item.startswith(name + "="):
-            value = item.split("=", 1)[1]
-    return value
+    return FlagList.parse(flags).get(name, default)
 
 
 @dataclass(slots=True)
@@ -144,10 +139,11 @@ def start_engine(
             start_new_session=True,
             pass_fds=inherited,
         )
+    given = FlagList.parse(flags)
     return EngineProcess(
         pid=popen.pid,
-        host=flag_value(flags, "--host", "127.0.0.1") or "127.0.0.1",
-        port=int(flag_value(flags, "--port", "8000") or 8000),
+        host=given.get("--host") or "127.0.0.1",
+        port=int(given.get("--port") or 8000),
         log_path=str(log_path),
         started=time.time(),
         argv=argv,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import args as engine_args
+from ..engine.flag_list import FlagList, FlagSetting, read_items
 from ..engine.text import Text, error_text
 
 # Free-text flags the engine checks only when it starts; checked here so a profile cannot hold them.
@@ -82,18 +83,6 @@ class FlagInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class FlagSetting:
-    """A flag and its value as text (None for an on/off flag, which is on when present)."""
-
-    flag: str
-    value: str | None
-
-    @property
-    def argv(self) -> list[str]:
-        return [self.flag] if self.value is None else [self.flag, self.value]
-
-
-@dataclass(frozen=True, slots=True)
 class FlagChange:
     """Set a flag (a string), switch an on/off flag (True/False), or drop a flag (None)."""
 
@@ -157,11 +146,6 @@ def catalog() -> dict[str, FlagInfo]:
             convert=convert,
         )
     return out
-
-
-def _is_flag_token(token: str) -> bool:
-    """Whether a list item names a flag (a negative number such as -1 is a value)."""
-    return token.startswith("-") and not re.fullmatch(r"-[0-9.]+", token)
 
 
 def _unknown(name: str) -> FlagProblem:
@@ -265,45 +249,26 @@ def check_value(flag: str, value: str | None) -> FlagProblem | None:
 
 
 def split_flags(flags: Iterable[str]) -> tuple[list[FlagSetting], list[FlagProblem]]:
-    """Read a flag list into settings, in order; problems for unknown flags, missing or stray
-    values, and values given to on/off flags. Duplicates are kept (see `find_problems`)."""
-    items = list(flags)
+    """Read a flag list into settings, in order (engine/flag_list.py); problems for unknown
+    flags (a mistyped flag's value goes with it), missing or stray values, and values given to
+    on/off flags. Duplicates are kept (see `find_problems`)."""
     settings: list[FlagSetting] = []
     problems: list[FlagProblem] = []
-    previous_switch: str | None = None  # an on/off flag just read: a value after it is a mistake
-    i = 0
-    while i < len(items):
-        token = items[i]
-        i += 1
-        if not _is_flag_token(token):
-            if previous_switch is not None:
-                problems.append(check_value(previous_switch, token))  # type: ignore[arg-type]
-            else:
-                problems.append(_stray(token))
-            previous_switch = None
-            continue
-        name, eq, inline = token.partition("=")
-        info = catalog().get(name)
-        previous_switch = name if info is not None and info.switch and not eq else None
-        if info is None:
-            problems.append(_unknown(name))
-            if not eq and i < len(items) and not _is_flag_token(items[i]):
-                i += 1  # its value goes with it: one problem per mistyped flag
-            continue
-        if eq:
-            value: str | None = inline
-        elif info.switch:
-            value = None
-        elif i < len(items) and not _is_flag_token(items[i]):
-            value = items[i]
-            i += 1
+    previous: FlagSetting | str | None = None
+    for item in read_items(flags):
+        if isinstance(item, str) and isinstance(previous, FlagSetting) and previous.value is None:
+            problem = check_value(previous.flag, item)  # a value given to an on/off flag
+        elif isinstance(item, str):
+            problem = _stray(item)
+        elif item.flag not in catalog():
+            problem = _unknown(item.flag)
         else:
-            value = ""
-        problem = check_value(name, value)
+            problem = check_value(item.flag, item.value)
+            if problem is None:
+                settings.append(item)
         if problem is not None:
             problems.append(problem)
-        else:
-            settings.append(FlagSetting(name, value))
+        previous = item
     return settings, problems
 
 
@@ -389,15 +354,13 @@ def validate_flags(flags: Any, model: str = "MODEL") -> argparse.Namespace:
 def canonical(flags: list[str]) -> list[str]:
     """Valid flags in their stored form: `--flag value` pairs, each flag once (FlagError if not)."""
     validate_flags(flags)
-    settings, _ = split_flags(flags)
-    return [item for s in settings for item in s.argv]
+    return FlagList.parse(flags).render()
 
 
 def settings_of(flags: list[str]) -> dict[str, str | None]:
     """Valid flags as {flag: value} (None for an on/off flag that is on)."""
     validate_flags(flags)
-    settings, _ = split_flags(flags)
-    return {s.flag: s.value for s in settings}
+    return FlagList.parse(flags).as_dict()
 
 
 def last_wins(flags: list[str]) -> tuple[list[str], list[str]]:
@@ -406,19 +369,16 @@ def last_wins(flags: list[str]) -> tuple[list[str], list[str]]:
     Returns the flags and a note per collapsed flag. Other problems are left for validation.
     """
     settings, _problems = split_flags(flags)
-    last: dict[str, FlagSetting] = {}
-    counts: dict[str, list[str | None]] = {}
-    for s in settings:
-        last[s.flag] = s
-        counts.setdefault(s.flag, []).append(s.value)
+    given = FlagList(tuple(settings))
+    kept = given.unique()
     notes = []
-    for flag, values in counts.items():
+    for flag, value in kept:
+        values = [v for f, v in given if f == flag]
         if len(values) > 1:
             shown = ", ".join("on" if v is None else v for v in values)
-            kept = "on" if last[flag].value is None else last[flag].value
-            notes.append(f"{flag} was given {len(values)} times ({shown}); kept the last, {kept}")
-    order = list(dict.fromkeys(s.flag for s in settings))
-    return [item for flag in order for item in last[flag].argv], notes
+            last = "on" if value is None else value
+            notes.append(f"{flag} was given {len(values)} times ({shown}); kept the last, {last}")
+    return kept.render(), notes
 
 
 def apply_changes(flags: list[str], changes: Iterable[FlagChange]) -> list[str]:
@@ -428,14 +388,14 @@ def apply_changes(flags: list[str], changes: Iterable[FlagChange]) -> list[str]:
     settings, problems = split_flags(flags)
     if problems:
         raise FlagError(problems)
-    current = {s.flag: s for s in settings}
+    current = FlagList(tuple(settings)).unique()
     for change in changes:
         info = catalog().get(change.flag)
         if info is None:
             raise FlagError([_unknown(change.flag)])
         value = change.value
         if value is None or value is False:
-            current.pop(change.flag, None)
+            current = current.drop(change.flag)
             continue
         if value is True:
             if not info.switch:
@@ -458,10 +418,8 @@ def apply_changes(flags: list[str], changes: Iterable[FlagChange]) -> list[str]:
             problem = check_value(change.flag, text)
             if problem is not None:
                 raise FlagError([problem])
-        for other in info.exclusive_with:
-            current.pop(other, None)
-        current[change.flag] = FlagSetting(change.flag, text)
-    out = [item for s in current.values() for item in s.argv]
+        current = current.set(change.flag, text)
+    out = current.render()
     validate_flags(out)
     return out
 
