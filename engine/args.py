@@ -1,7 +1,7 @@
 """Every `moelab serve` flag: one torch-free argparse parser, and the flags the benchmark may tune.
 
 The daemon, the profile editor and the benchmark all read this module; importing it must stay cheap
-(no torch, no numpy).
+(no torch, no numpy). engine/config.py turns what the parser read into the engine's typed settings.
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ _SIZE_UNITS = {
     "tib": 1024**4,
 }
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+CPU_KERNELS = ("auto", "native", "torch")
+CPU_PINS = ("cores", "isolate", "off")
+GENERATION_CONFIGS = ("auto", "off")
+REASONING_PARSERS = ("off", "think")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 def parse_bytes(text: str) -> int:
     """A size such as `24GiB`, `512M`, `1.5g` or `1073741824`, in bytes."""
@@ -45,16 +52,32 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-def _whole_number(minimum: int, maximum: int | None = None):
-    """An argparse type: a whole number of at least `minimum` (and at most `maximum`)."""
+def check_bytes(value: int) -> None:
+    """A size in bytes, as parse_bytes reads one: 0 or more."""
+    if value < 0:
+        raise argparse.ArgumentTypeError(Text("{value} is not a size", value=value))
 
-    def parse(text: str) -> int:
+
+@dataclass(frozen=True, slots=True)
+class WholeNumber:
+    """An argparse type: a whole number of at least `minimum` (and at most `maximum`). `check`
+    is the same rule for a value already read (engine/config.py checks its settings with it)."""
+
+    minimum: int
+    maximum: int | None = None
+
+    def __call__(self, text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 Text("{text!r} is not a whole number", text=text)
             ) from None
+        self.check(value)
+        return value
+
+    def check(self, value: int) -> None:
+        minimum, maximum = self.minimum, self.maximum
         if maximum is not None and not minimum <= value <= maximum:
             raise argparse.ArgumentTypeError(
                 Text(
@@ -70,41 +93,41 @@ def _whole_number(minimum: int, maximum: int | None = None):
             raise argparse.ArgumentTypeError(
                 Text("{value} must be {minimum} or more", value=value, minimum=minimum)
             )
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """An argparse type: a number from 0 to 1 (above 0 where `above_zero`, as a share of all
+    experts is); `check` is the same rule for a value already read."""
+
+    above_zero: bool = False
+
+    def __call__(self, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(Text("{text!r} is not a number", text=text)) from None
+        self.check(value)
         return value
 
-    return parse
+    def check(self, value: float) -> None:
+        if self.above_zero and not 0.0 < value <= 1.0:
+            raise argparse.ArgumentTypeError(
+                Text("{value} must be a share of all experts, in (0, 1]", value=value)
+            )
+        if not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(Text("{value} must be from 0 to 1", value=value))
 
 
-_positive_int = _whole_number(1)
-_non_negative_int = _whole_number(0)
-# rounds of a CPU job's blocks fetched ahead, at most the 4 measured on the H200 (16 workers: 64
-# blocks, about one Qwen3-30B-A3B expert's gate and up rows); the hint holds 4 ranges a worker a
-# round, 1024 in all (kernels/csrc/prefetch_hint.h): 4 rounds for up to 64 workers, and more
-# workers are told of the rounds that fit
-parse_prefetch_rounds = _whole_number(0, 4)
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(Text("{text!r} is not a number", text=text)) from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(
-            Text("{value} must be a share of all experts, in (0, 1]", value=value)
-        )
-    return value
-
-
-def parse_share(text: str) -> float:
-    """A number from 0 to 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(Text("{text!r} is not a number", text=text)) from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(Text("{value} must be from 0 to 1", value=value))
-    return value
+_positive_int = WholeNumber(1)
+_non_negative_int = WholeNumber(0)
+# rounds of a CPU job's blocks fetched ahead, at most 4 (16 workers' 4 rounds are 64 blocks, about
+# one Qwen3-30B-A3B expert's gate and up rows); the hint holds 4 ranges a worker a round, 1024 in
+# all (kernels/csrc/prefetch_hint.h): 4 rounds for up to 64 workers, and more workers are told of
+# the rounds that fit
+parse_prefetch_rounds = WholeNumber(0, 4)
+_rate = Share(above_zero=True)
+parse_share = Share()
 
 
 def parse_origins(text: str) -> tuple[str, ...]:
@@ -156,6 +179,16 @@ def parse_miss_policy(text: str) -> str:
     )
 
 
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def parse_device(text: str) -> str:
+    """auto, cpu, cuda or cuda:N."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(Text("not a device; use auto, cpu, cuda or cuda:N"))
+    return text
+
+
 def physical_cores() -> int:
     """Physical cores of this machine (logical ones when that cannot be told)."""
     try:
@@ -184,7 +217,27 @@ def build_parser(prog: str = "moelab serve") -> argparse.ArgumentParser:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Add every engine flag to `parser`, grouped the way the console shows them."""
-    model = parser.add_argument_group("model")
+    _model_flags(parser.add_argument_group("model"))
+    _memory_flags(parser.add_argument_group("memory"))
+    experts = parser.add_argument_group("experts")
+    _expert_cache_flags(experts)
+    _cpu_expert_flags(experts)
+    experts.add_argument(
+        "--bw-profile",
+        default=None,
+        help="Bandwidth profile written by `moelab bench bw`; default: the newest one for this "
+        "machine in the user cache directory, else a short measurement at start.",
+    )
+    _prefill_flags(parser.add_argument_group("prefill"))
+    _batching_flags(parser.add_argument_group("batching"))
+    _server_flags(parser.add_argument_group("server"))
+
+
+Group = argparse._ArgumentGroup
+
+
+def _model_flags(model: Group) -> None:
+
     model.add_argument(
         "--model-path",
         required=True,
@@ -199,7 +252,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "bfloat16", "float16", "float32"],
+        choices=DTYPES,
         help="Compute and weight dtype; auto keeps the checkpoint's on a GPU and uses float32 "
         "on a CPU device.",
     )
@@ -216,9 +269,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "user cache directory.",
     )
 
-    memory = parser.add_argument_group("memory")
+
+def _memory_flags(memory: Group) -> None:
     memory.add_argument(
         "--device",
+        type=parse_device,
         default="auto",
         help="Compute device: auto (CUDA when present), cpu, cuda or cuda:N.",
     )
@@ -263,7 +318,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "the room.",
     )
 
-    moe = parser.add_argument_group("experts")
+
+def _expert_cache_flags(moe: Group) -> None:
     size = moe.add_mutually_exclusive_group()
     size.add_argument(
         "--moe-cache-size",
@@ -299,6 +355,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Split misses, as by default; kept so that launch profiles saved with it still start.",
     )
+
+
+def _cpu_expert_flags(moe: Group) -> None:
     moe.add_argument(
         "--moe-cpu-threads",
         type=_positive_int,
@@ -308,7 +367,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     moe.add_argument(
         "--moe-cpu-kernel",
         default="auto",
-        choices=["auto", "native", "torch"],
+        choices=CPU_KERNELS,
         help="CPU expert kernel: native (compiled, reads weights at memory speed), torch "
         "(the reference), auto (native when it builds).",
     )
@@ -346,10 +405,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "a guess of its MoE layer's routing to the host ahead of the routing, and the idle CPU "
         "expert workers fetch the weights of this many rounds of their first gate/up blocks of "
         "the guessed job into their own caches; where the real job is the guessed one, those "
-        "blocks are theirs. 0 (off) to 4. On the H200, 12 layers of Qwen3-30B-A3B with a 25%% "
-        "cache, 4 rounds decoded 3-9%% faster than none and 8 no faster than 4 (runs "
-        'alternated in one process; docs/cpu-experts.md, "Guessed steps"); the autotuner tries '
-        "fewer per machine.",
+        'blocks are theirs. 0 (off) to 4 (docs/cpu-experts.md, "Guessed steps"); the autotuner '
+        "tries fewer per machine.",
     )
     moe.add_argument(
         "--moe-copy-ahead",
@@ -365,7 +422,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     moe.add_argument(
         "--moe-cpu-pin",
-        choices=("cores", "isolate", "off"),
+        choices=CPU_PINS,
         default="cores",
         help="Where the CPU expert workers run: 'cores' keeps each on a physical core of its own "
         "and off the first core, which is left to the thread that feeds the GPU (where the "
@@ -373,14 +430,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "engine (the one feeding the GPU among them) on the cores the workers leave; 'off' lets "
         "the OS place and move them.",
     )
-    moe.add_argument(
-        "--bw-profile",
-        default=None,
-        help="Bandwidth profile written by `moelab bench bw`; default: the newest one for this "
-        "machine in the user cache directory, else a short measurement at start.",
-    )
 
-    prefill = parser.add_argument_group("prefill")
+
+def _prefill_flags(prefill: Group) -> None:
     prefill.add_argument(
         "--prefill-chunk-tokens",
         type=_positive_int,
@@ -394,7 +446,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="Do not stream the next layer's experts while this layer computes (for comparison).",
     )
 
-    batching = parser.add_argument_group("batching")
+
+def _batching_flags(batching: Group) -> None:
     batching.add_argument(
         "--max-running-requests",
         type=_positive_int,
@@ -428,7 +481,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "sampler.",
     )
 
-    server = parser.add_argument_group("server")
+
+def _server_flags(server: Group) -> None:
     server.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     server.add_argument("--port", type=_positive_int, default=8000, help="Port to listen on.")
     server.add_argument(
@@ -462,7 +516,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--generation-config",
-        choices=["auto", "off"],
+        choices=GENERATION_CONFIGS,
         default="auto",
         help="auto: a request that leaves out temperature, top_p, top_k, min_p or "
         "repetition_penalty takes the checkpoint's generation_config.json value, where it has "
@@ -470,7 +524,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--reasoning-parser",
-        choices=["off", "think"],
+        choices=REASONING_PARSERS,
         default="off",
         help="think: a chat reply's reasoning, what a thinking model (Qwen3, QwQ, DeepSeek-R1) "
         "writes between <think> and </think>, goes into the message's reasoning_content and "
@@ -486,7 +540,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--log-level",
         default="info",
-        choices=["debug", "info", "warning", "error"],
+        choices=LOG_LEVELS,
         help="How much the engine logs.",
     )
 
@@ -596,9 +650,9 @@ def describe_flags(parser: argparse.ArgumentParser | None = None) -> list[dict]:
             flag = action.option_strings[-1]
             if isinstance(action, argparse._StoreTrueAction):
                 kind = "switch"
-            elif action.type in (int, _positive_int, _non_negative_int, parse_prefetch_rounds):
+            elif action.type is int or isinstance(action.type, WholeNumber):
                 kind = "int"
-            elif action.type in (float, _rate, parse_share):
+            elif action.type is float or isinstance(action.type, Share):
                 kind = "float"
             elif action.type is parse_bytes:
                 kind = "bytes"

@@ -141,6 +141,7 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
 def open_engine(args: argparse.Namespace, workdir: Path):
     """The engine a bench command times: --model-path's, or a --preset's synthetic geometry
     (its config.json written into `workdir`, dummy weights)."""
+    from .config import EngineConfig
     from .engine import Engine
     from .spec import ModelSpec
     from .synth import make_config, parse_overrides
@@ -155,10 +156,10 @@ def open_engine(args: argparse.Namespace, workdir: Path):
         (workdir / "config.json").write_text(json.dumps(config))
         args.model_path = str(workdir)
         args.dummy_weights = True
-        return Engine(args, spec=ModelSpec.from_config(config))
+        return Engine(EngineConfig.from_args(args), spec=ModelSpec.from_config(config))
     if not args.model_path:
         raise ValueError("give --model-path DIR or --preset NAME")
-    return Engine(args)
+    return Engine(EngineConfig.from_args(args))
 
 
 # the flags whose runs need pieces that send routing guesses: the --alternate-... flag of each,

@@ -157,7 +157,7 @@ def prefill_run(engine, args) -> dict:
         _prefill_kernel_profile(engine, args.prompt_tokens, gen, trace=args.trace)
     rates = concurrent_rates(engine)
     eb = spec.expert_bytes * engine.dtype.itemsize // spec.dtype_bytes
-    chunks = math.ceil(args.prompt_tokens / engine.args.prefill_chunk_tokens)
+    chunks = math.ceil(args.prompt_tokens / engine.config.prefill.chunk_tokens)
     stream_s = (
         0.0
         if engine.cache.holds_everything
@@ -170,7 +170,7 @@ def prefill_run(engine, args) -> dict:
         crossover = find_crossover(engine)
         tokens = crossover["stream_min_tokens"]
         if tokens is not None:
-            save_crossover(engine.spec, engine.dtype_name, tokens, engine.args.bw_profile)
+            save_crossover(engine.spec, engine.dtype_name, tokens, engine.config.experts.bw_profile)
     return {"prompt_tokens": args.prompt_tokens, "prefill_tok_s": args.prompt_tokens / elapsed,
             "crossover": crossover, "seconds": elapsed, "seconds_each": times,
             "pcie_bound_tok_s": args.prompt_tokens / stream_s if stream_s else None,
@@ -187,7 +187,7 @@ def find_crossover(engine, repeats: int = 2) -> dict:
     rows = []
     try:
         for tokens in (4, 8, 16, 32, 64, 128, 256, 512):
-            if tokens > engine.args.prefill_chunk_tokens:
+            if tokens > engine.config.prefill.chunk_tokens:
                 break
             moe.prefill_stream_min_tokens = 10**9
             routed = float(np.median(_prefill_times(engine, tokens, repeats, gen)))

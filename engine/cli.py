@@ -117,6 +117,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from .config import EngineConfig
     from .engine import Engine
     from .sampling import SamplingParams
 
@@ -132,7 +133,7 @@ def _generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty,
         seed=args.seed,
     )
-    engine = Engine(args)
+    engine = Engine(EngineConfig.from_args(args))
     try:
         if args.prompt_ids is not None:
             try:

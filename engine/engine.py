@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import gc
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,9 +16,10 @@ from ..kernels import common, no_triton
 from ..kernels.native_build import NativeKernelError, load_native
 from .args import physical_cores
 from .bandwidth import best, load_profile
-from .bank import build_in_memory, load_bank
+from .bank import ExpertBank, build_in_memory, load_bank
 from .cache import ExpertCache
-from .checkpoint import SafetensorsSource, load_dense
+from .checkpoint import SafetensorsSource, TensorSource, load_dense
+from .config import EngineConfig
 from .cpu import (
     ProcessPlacement,
     cpu_ranges,
@@ -29,9 +30,9 @@ from .cpu import (
 from .graphs import DecodeGraphs
 from .kv import KVCache
 from .loading import LoadProgress
-from .memory import VramPlan, log_plan, plan_vram
+from .memory import MemoryRequest, VramPlan, log_plan
 from .misses import MissPolicy
-from .model import Model, SeqSlice, StepBatch
+from .model import DenseWeights, Model, SeqSlice, StepBatch
 from .moe import MoERunner
 from .prefill_stream import stream_threshold_tokens
 from .rope import Rotary
@@ -47,6 +48,8 @@ log = logging.getLogger("moelab.engine")
 
 
 def resolve_device(name: str) -> torch.device:
+    """The compute device --device names (auto: CUDA where there is one); ValueError where this
+    machine cannot compute on it."""
     if name == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -56,14 +59,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not common.HAVE_TRITON:
         raise ValueError(f"--device {name} (CUDA): {no_triton.MISSING}")
     return device
-
-
-def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
-    """The compute dtype: the checkpoint's on a GPU; float32 on a CPU device, where torch's
-    half-precision matmuls are slower than float32 ones."""
-    if name != "auto":
-        return getattr(torch, name)
-    return torch.float32 if device.type == "cpu" else getattr(torch, spec.dtype)
 
 
 def settle_heap() -> float:
@@ -86,88 +81,139 @@ class Engine(Stepping):
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        config: EngineConfig,
         *,
         spec: ModelSpec | None = None,
         progress: LoadProgress | None = None,
     ) -> None:
         t0 = time.perf_counter()
         progress = progress or LoadProgress()
+        self.config = config
         self.startup_s = progress.startup_s  # seconds per start-up phase, in order
-        begin = progress.begin
-        begin("plan")
-        self.args = args
-        path = Path(args.model_path)
-        self.spec = spec = spec or ModelSpec.from_dir(path)
-        self.device = device = resolve_device(args.device)
-        self.dtype = dtype = resolve_dtype(args.dtype, spec, device)
-        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
-        elem = torch.empty((), dtype=dtype).element_size()
-        self.plan = plan = self._plan(
-            elem, cache_size=args.moe_cache_size, cache_rate=args.moe_cache_rate
+        progress.begin("plan")
+        self._resolve(spec)
+        progress.begin("dense weights")
+        source, dense = self._load_dense()
+        progress.begin("expert bank")
+        self.bank = self._load_bank(source, progress)
+        progress.begin("CPU kernel")
+        self._build_cpu_kernel(progress)
+        progress.begin("CPU workers")
+        self._start_cpu_workers()
+        progress.begin("bandwidths")
+        self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
+        progress.begin("caches")
+        self._build_caches(dense)
+        if self.synth_source is not None:
+            progress.begin("routing calibration")
+            calibrate_routing(self, self.synth_source)
+        progress.begin("CUDA graphs")
+        self.telemetry = Telemetry(self, enabled=config.server.stats)
+        self.graphs: DecodeGraphs | None = None
+        self.overlap_decode = config.batching.overlap_decode
+        self._flight: Flight | None = None  # an overlapped decode step queued on the device
+        self._flip = 0  # which of the two host buffers the next flight's tokens land in
+        self._last_landed = 0.0
+        self._capture_graphs()
+        progress.begin(None)
+        self.load_s = time.perf_counter() - t0
+        log.info(
+            "engine ready in %.2f s (%s)",
+            self.load_s,
+            ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_s.items()),
         )
-        log_plan(plan)
-        begin("dense weights")
 
+    # setup --------------------------------------------------------------------------------------
+
+    def _resolve(self, spec: ModelSpec | None) -> None:
+        """The checkpoint's geometry and tokenizer, the device and dtype, and the memory plan."""
+        path = Path(self.config.model.path)
+        self.spec = spec = spec or ModelSpec.from_dir(path)
+        self.device = resolve_device(self.config.memory.device)
+        on_cpu = self.device.type == "cpu"
+        self.dtype = getattr(torch, self.config.model.compute_dtype(spec.dtype, cpu=on_cpu))
+        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        self.plan = self.memory_request().plan(spec)
+        log_plan(self.plan)
+
+    def _load_dense(self) -> tuple[TensorSource, DenseWeights]:
+        """Where the weights come from (the checkpoint, or its geometry's synthetic weights with
+        --dummy-weights) and the dense weights, on the device."""
+        spec, model = self.spec, self.config.model
         synth_info = spec.extra.get("moelab_synth") or {}
         self.synth_source: SynthSource | None = None
-        if args.dummy_weights:
+        source: TensorSource
+        if model.dummy_weights:
             source = self.synth_source = SynthSource(
                 spec,
-                seed=int(synth_info.get("seed", args.seed)),
+                seed=int(synth_info.get("seed", self.config.server.seed)),
                 skew=float(synth_info.get("routing_skew", 0.0)),
             )
         else:
-            source = SafetensorsSource(path)
-        dense = load_dense(spec, source, device, dtype)
-        begin("expert bank")
-        pin = device.type == "cuda"
-        if args.dummy_weights:
-            self.bank = build_in_memory(spec, source, dtype, pin=pin, progress=progress.bytes)
-        else:
-            bank_dir = Path(args.bank_dir) if args.bank_dir else None
-            self.bank = load_bank(
-                spec, source, dtype, bank_dir=bank_dir, pin=pin, progress=progress.bytes
-            )
-        begin("CPU kernel")
-        if args.moe_cpu_kernel != "torch":
-            try:  # built (or waited for) here, so that /health tells that phase apart
-                load_native(progress.build)
-            except NativeKernelError:
-                if args.moe_cpu_kernel == "native":
-                    raise
-                # auto: the CPU workers fall back on the torch kernel and say why
-        begin("CPU workers")
+            source = SafetensorsSource(Path(model.path))
+        return source, load_dense(spec, source, self.device, self.dtype)
+
+    def _load_bank(self, source: TensorSource, progress: LoadProgress) -> ExpertBank:
+        """The expert bank in host memory: built in memory for synthetic weights, else the
+        prepacked file (written first where there is none)."""
+        pin = self.device.type == "cuda"
+        if not isinstance(source, SafetensorsSource):  # --dummy-weights
+            return build_in_memory(self.spec, source, self.dtype, pin=pin, progress=progress.bytes)
+        named = self.config.model.bank_dir
+        return load_bank(
+            self.spec,
+            source,
+            self.dtype,
+            bank_dir=Path(named) if named else None,
+            pin=pin,
+            progress=progress.bytes,
+        )
+
+    def _build_cpu_kernel(self, progress: LoadProgress) -> None:
+        """Build (or wait for) the native CPU expert kernel here, so that /health tells that
+        phase apart; with `auto`, a kernel that does not build leaves the torch one."""
+        kernel = self.config.experts.cpu_kernel
+        if kernel == "torch":
+            return
+        try:
+            load_native(progress.build)
+        except NativeKernelError:
+            if kernel == "native":
+                raise
+            # auto: the CPU workers fall back on the torch kernel and say why
+
+    def _start_cpu_workers(self) -> None:
+        """The expert cache on the device, and the CPU expert workers placed per --moe-cpu-pin."""
+        spec, experts = self.spec, self.config.experts
         self.cache = ExpertCache(
             spec.num_moe_layers,
             spec.num_experts,
-            plan.slots,
+            self.plan.slots,
             spec.hidden_size,
             spec.moe_intermediate_size,
-            dtype,
-            device,
+            self.dtype,
+            self.device,
         )
         self.cpu = start_cpu_executor(
-            args.moe_cpu_threads,
-            args.moe_cpu_kernel,
-            args.moe_cpu_spin_us,
-            args.moe_cpu_task_kb,
-            pin=args.moe_cpu_pin != "off",
-            redo_us=args.moe_cpu_redo_us,
+            experts.cpu_threads,
+            experts.cpu_kernel,
+            experts.cpu_spin_us,
+            experts.cpu_task_kb,
+            pin=experts.cpu_pin != "off",
+            redo_us=experts.cpu_redo_us,
         )
-        self.placement = (
-            ProcessPlacement.around(self.cpu) if args.moe_cpu_pin == "isolate" else None
-        )
-        self.cpu_pin = args.moe_cpu_pin  # as set_cpu_pin may change it
+        self.placement = ProcessPlacement.around(self.cpu) if experts.cpu_pin == "isolate" else None
+        self.cpu_pin = experts.cpu_pin  # as set_cpu_pin may change it
         # torch's own CPU threads spin after every op and would steal the cores the CPU expert
         # workers stream weights on: with a GPU the host's torch ops are tiny, so one thread
-        torch.set_num_threads(
-            1 if device.type == "cuda" else max(1, physical_cores() - self.cpu.num_threads)
-        )
-        begin("bandwidths")
-        self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
-        begin("caches")
-        policy = MissPolicy.parse(args.moe_miss_policy, self.bp_gbps, self.bh_gbps)
+        cuda = self.device.type == "cuda"
+        torch.set_num_threads(1 if cuda else max(1, physical_cores() - self.cpu.num_threads))
+
+    def _build_caches(self, dense: DenseWeights) -> None:
+        """The MoE runner over the bank, cache and CPU workers; the KV cache, the model, the
+        scheduler and the sampler."""
+        config, spec, plan = self.config, self.spec, self.plan
+        policy = MissPolicy.parse(config.experts.miss_policy, self.bp_gbps, self.bh_gbps)
         log.info(
             "miss split: Bp %.1f GB/s, Bh %.1f GB/s -> policy %s fetches %.0f%% of misses",
             self.bp_gbps,
@@ -181,83 +227,51 @@ class Engine(Stepping):
             policy,
             self.cpu,
             top_k=spec.top_k,
-            prefill_overlap=not args.no_prefill_overlap,
+            prefill_overlap=config.prefill.overlap,
             prefill_stream_min_tokens=self._stream_threshold(),
         )
-        self.moe.split_misses = not args.no_split_misses
-        self.moe.prefetch_rounds = args.moe_cpu_prefetch_rounds
-        self.moe.copy_ahead = args.moe_copy_ahead
+        self.moe.split_misses = config.experts.split_misses
+        self.moe.prefetch_rounds = config.experts.prefetch_rounds
+        self.moe.copy_ahead = config.experts.copy_ahead
         self.moe.copy_rate = self.bp_gbps * 1e9
         if plan.all_resident:
             self._load_all_experts()
         elif plan.prefill_buffer_bytes:
             self.moe.allocate_prefill_buffers()
-        self.kv = KVCache(spec, plan.kv_blocks, args.kv_block_size, device, dtype,
-                          prefix_cache=not args.no_prefix_cache)  # fmt: skip
+        self.kv = self._new_kv(plan)
         self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1)
-        self.scheduler = Scheduler(self.kv, args.max_running_requests, args.prefill_chunk_tokens)
-        self.sampler = Sampler(args.seed)
-        self.eos_ids = frozenset(
-            self.tokenizer.eos_token_ids if self.tokenizer else spec.eos_token_ids
+        self.scheduler = Scheduler(
+            self.kv, config.batching.max_running_requests, config.prefill.chunk_tokens
         )
-        if self.synth_source is not None:
-            begin("routing calibration")
-            calibrate_routing(self, self.synth_source)
-        begin("CUDA graphs")
-        self.telemetry = Telemetry(self, enabled=not args.no_stats)
-        self.graphs: DecodeGraphs | None = None
-        self.overlap_decode = not args.no_overlap_decode
-        self._flight: Flight | None = None  # an overlapped decode step queued on the device
-        self._flip = 0  # which of the two host buffers the next flight's tokens land in
-        self._last_landed = 0.0
-        self._capture_graphs()
-        begin(None)
-        self.load_s = time.perf_counter() - t0
-        log.info(
-            "engine ready in %.2f s (%s)",
-            self.load_s,
-            ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_s.items()),
-        )
+        self.sampler = Sampler(config.server.seed)
+        tokenizer = self.tokenizer
+        eos_ids = tokenizer.eos_token_ids if tokenizer else spec.eos_token_ids
+        self.eos_ids = frozenset(eos_ids)
 
-    # setup --------------------------------------------------------------------------------------
+    def _new_kv(self, plan: VramPlan) -> KVCache:
+        memory = self.config.memory
+        return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, self.device, self.dtype,
+                       prefix_cache=memory.prefix_cache)  # fmt: skip
 
-    def _plan(
-        self,
-        elem: int,
-        *,
-        budget: int | None = None,
-        kv_tokens: int | None = None,
-        cache_size: int | None = None,
-        cache_rate: float | None = None,
-    ) -> VramPlan:
-        args, spec = self.args, self.spec
-        if budget is None and self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = min(free, args.device_memory) if args.device_memory else free
-        elif budget is None:
-            budget = args.device_memory or 2 * 1024**3
-        return plan_vram(
-            spec,
-            budget_bytes=budget,
-            weights_bytes=spec.dense_params * elem,
-            elem_bytes=elem,
-            kv_reserve_tokens=kv_tokens or args.kv_reserve_tokens,
-            block_size=args.kv_block_size,
-            prefill_chunk_tokens=args.prefill_chunk_tokens,
-            max_running=args.max_running_requests,
-            headroom_bytes=args.memory_headroom,
-            cache_size=cache_size,
-            cache_rate=cache_rate,
-            cuda_graphs=self.device.type == "cuda" and not args.no_cuda_graph,
-            max_context=args.max_context,
+    def memory_request(
+        self, *, budget_bytes: int | None = None, kv_tokens: int | None = None
+    ) -> MemoryRequest:
+        """What this engine's settings ask of its device's memory: within `budget_bytes`, else
+        the budget of the device as it is now (a GPU's free memory)."""
+        cuda = self.device.type == "cuda"
+        if budget_bytes is None:
+            free = torch.cuda.mem_get_info(self.device)[0] if cuda else None
+            budget_bytes = self.config.memory.budget_bytes(free)
+        return self.config.memory_request(
+            budget_bytes=budget_bytes,
+            elem_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            cuda=cuda,
+            kv_tokens=kv_tokens,
         )
 
     def _bandwidths(self) -> tuple[float, float, str]:
         """Bp and Bh: from this machine's `moelab bench bw` profile, else measured now."""
-        spec, cpu = self.spec, self.cpu
-        profile = load_profile(
-            spec.hidden_size, spec.moe_intermediate_size, self.dtype_name, self.args.bw_profile
-        )
+        cpu, profile = self.cpu, self._bandwidth_profile()
         bp = bh = None
         if profile is not None:
             kind = "h2d_pinned" if self.bank.pinned_layers else "h2d_pageable"
@@ -272,14 +286,20 @@ class Engine(Stepping):
         """Prefill chunk length from which whole layers are streamed: measured by `moelab bench
         prefill --crossover` when the profile has it, else where a chunk is expected to route to
         half of a layer's experts."""
-        spec = self.spec
-        profile = load_profile(
-            spec.hidden_size, spec.moe_intermediate_size, self.dtype_name, self.args.bw_profile
-        )
+        spec, profile = self.spec, self._bandwidth_profile()
         measured = profile and best(
             profile, "prefill_crossover", num_experts=spec.num_experts, top_k=spec.top_k
         )
         return int(measured) if measured else stream_threshold_tokens(spec.num_experts, spec.top_k)
+
+    def _bandwidth_profile(self) -> dict | None:
+        spec = self.spec
+        return load_profile(
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            self.dtype_name,
+            self.config.experts.bw_profile,
+        )
 
     def _load_all_experts(self) -> None:
         """Every expert fits: fill the cache once, nothing is fetched afterwards."""
@@ -301,15 +321,15 @@ class Engine(Stepping):
         the dense pieces between the MoE layers (the experts run eagerly between them)."""
         self.drain()  # a queued step still replays the old graphs
         self.graphs = None  # captured graphs hold the old cache and KV tensors
-        args = self.args
-        if self.device.type != "cuda" or args.no_cuda_graph:
+        batching = self.config.batching
+        if self.device.type != "cuda" or not batching.cuda_graph:
             return
         t0 = time.perf_counter()
         whole = self.cache.holds_everything
         if whole:
             self.cache.device_slot_map()  # upload the slot map now: a capture cannot copy it
         graphs = DecodeGraphs(
-            self.model, args.cuda_graph_max_bs, self.max_context, piecewise=not whole
+            self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole
         )
         graphs.capture()
         self.graphs = graphs
@@ -335,10 +355,10 @@ class Engine(Stepping):
         Raises MemoryPlanError when the current KV and `slots` do not fit the budget.
         """
         assert not self.scheduler.running, "resize while requests run"
-        elem = self.cache.w13.element_size()
-        plan = self._plan(
-            elem, budget=self.plan.budget_bytes, kv_tokens=self.kv.capacity_tokens, cache_size=slots
+        request = self.memory_request(
+            budget_bytes=self.plan.budget_bytes, kv_tokens=self.kv.capacity_tokens
         )
+        plan = replace(request, cache_size=slots, cache_rate=None).plan(self.spec)
         self._apply_plan(plan)
         log.info("expert cache resized: %s", plan.describe())
 
@@ -346,18 +366,10 @@ class Engine(Stepping):
         """Reserve `tokens` of KV and give the expert cache what is left (no request running)."""
         assert not self.scheduler.running, "resize while requests run"
         self.drain()  # a queued step still writes the old KV
-        elem = self.cache.w13.element_size()
-        args = self.args
-        plan = self._plan(
-            elem,
-            budget=self.plan.budget_bytes,
-            kv_tokens=tokens,
-            cache_size=args.moe_cache_size,
-            cache_rate=args.moe_cache_rate,
-        )
+        request = self.memory_request(budget_bytes=self.plan.budget_bytes, kv_tokens=tokens)
+        plan = request.plan(self.spec)
         self.kv.k = self.kv.v = torch.empty(0)
-        self.kv = KVCache(self.spec, plan.kv_blocks, args.kv_block_size, self.device, self.dtype,
-                          prefix_cache=not args.no_prefix_cache)  # fmt: skip
+        self.kv = self._new_kv(plan)
         self.model.kv = self.scheduler.kv = self.kv
         if plan.max_context + 1 > self.model.rotary.cos.shape[0]:
             self.model.rotary = Rotary(self.spec, plan.max_context + 1, self.device, self.dtype)
@@ -429,36 +441,36 @@ class Engine(Stepping):
 
     def config_in_force(self) -> dict:
         """The resolved settings the engine runs with (what /v1/stats reports as config)."""
-        a = self.args
+        config, graphs = self.config, self.graphs
         return {
-            "policy": a.moe_miss_policy,
+            "policy": config.experts.miss_policy,
             "policy_mode": self.policy.mode,
             # auto: follows the CPU's rate as decode sees it (MoERunner._adapt_split)
             "fetch_fraction": self.policy.fetch_fraction,
             "policy_bh_gbps": self.policy.bh_gbps,
             "cpu_threads": self.cpu.num_threads,
             "cpu_kernel": self.cpu.kernel,
-            "cpu_spin_us": a.moe_cpu_spin_us,
-            "cpu_task_kb": a.moe_cpu_task_kb,
+            "cpu_spin_us": config.experts.cpu_spin_us,
+            "cpu_task_kb": config.experts.cpu_task_kb,
             "cpu_redo_us": self.cpu.redo_us,  # as a bench's alternation leaves it
             "cpu_pin": self.cpu_pin,
             "cpu_worker_cpus": cpu_ranges(self.cpu.cpus) if self.cpu.cpus else "os",
             "process_cpus": cpu_ranges(self.placement.cpus) if self.placement else "os",
-            "split_misses": not a.no_split_misses,
+            "split_misses": config.experts.split_misses,
             "cpu_prefetch_rounds": self.moe.prefetch_rounds,  # as set_prefetch_rounds leaves it
             "copy_ahead": self.moe.copy_ahead,  # as set_copy_ahead leaves it
             "bp_gbps": self.bp_gbps,
             "bh_gbps": self.bh_gbps,
             "rates_source": self.rates_source,
             "slots": self.cache.slots,
-            "kv_reserve_tokens": a.kv_reserve_tokens,
-            "prefill_chunk_tokens": a.prefill_chunk_tokens,
-            "prefill_overlap": not a.no_prefill_overlap,
+            "kv_reserve_tokens": config.memory.kv_reserve_tokens,
+            "prefill_chunk_tokens": config.prefill.chunk_tokens,
+            "prefill_overlap": config.prefill.overlap,
             "prefill_stream_min_tokens": self.moe.prefill_stream_min_tokens,
-            "max_running_requests": a.max_running_requests,
-            "cuda_graphs": self.graphs is not None,
+            "max_running_requests": config.batching.max_running_requests,
+            "cuda_graphs": graphs is not None,
             "cuda_graph_mode": (
-                None if self.graphs is None else "piecewise" if self.graphs.piecewise else "whole"
+                None if graphs is None else "piecewise" if graphs.piecewise else "whole"
             ),
             # the decode kernels' programmatic dependent launch (kernels/common.py, MOELAB_PDL)
             "pdl": common.pdl(self.device),

@@ -93,6 +93,13 @@ def activation_bytes(spec: ModelSpec, chunk_tokens: int, max_running: int, elem:
     return int(t * per_token * 1.25) + logits + 64 * 1024**2
 
 
+def graph_pool_bytes(spec: ModelSpec, max_running: int) -> int:
+    """The CUDA graphs' pool: the steps' own, and the device draws' (engine/graphs.py): a sort,
+    its indices, the noise's hashes and a few fp32 rows of the vocabulary per batch row."""
+    draws = max_running * spec.vocab_size * 64
+    return 32 * 1024**2 + max_running * 4 * 1024**2 + draws
+
+
 def plan_vram(
     spec: ModelSpec,
     *,
@@ -111,17 +118,12 @@ def plan_vram(
 ) -> VramPlan:
     """Divide `budget_bytes` of device memory; raise MemoryPlanError when the flags cannot fit."""
     slot_bytes = spec.expert_params * elem_bytes
-    total = spec.experts_total
     kv_per_token = 2 * spec.num_layers * spec.kv_size * elem_bytes
     kv_blocks = -(-kv_reserve_tokens // block_size)
     kv_bytes = kv_blocks * block_size * kv_per_token
     act = activation_bytes(spec, prefill_chunk_tokens, max_running, elem_bytes)
-    # the graphs' pool: the steps' own, and the device draws' (engine/graphs.py): a sort, its
-    # indices, the noise's hashes and a few fp32 rows of the vocabulary per batch row
-    draws = max_running * spec.vocab_size * 64
-    graphs = (32 * 1024**2 + max_running * 4 * 1024**2 + draws) if cuda_graphs else 0
-    fixed = weights_bytes + kv_bytes + act + graphs + headroom_bytes
-    need = fixed
+    graphs = graph_pool_bytes(spec, max_running) if cuda_graphs else 0
+    need = weights_bytes + kv_bytes + act + graphs + headroom_bytes
     if need > budget_bytes:
         raise MemoryPlanError(
             Text(
@@ -138,40 +140,11 @@ def plan_vram(
             )
         )
     left = budget_bytes - need
-    if cache_size is not None:
-        wanted = cache_size
-    elif cache_rate is not None:
-        wanted = round(cache_rate * total)
-    else:
-        wanted = None
-    if wanted is not None:
-        wanted = min(wanted, total)
-        buffer = 0 if wanted >= total else 2 * spec.num_experts * slot_bytes
-        if wanted * slot_bytes + buffer > left:
-            raise MemoryPlanError(
-                Text(
-                    "{wanted} expert slots ({slots:.2f} GiB) and the prefill buffer ({buffer:.2f} "
-                    "GiB) do not fit in the {left:.2f} GiB left after weights and {tokens} KV "
-                    "tokens; at most {most} slots fit",
-                    wanted=wanted,
-                    slots=wanted * slot_bytes / GIB,
-                    buffer=buffer / GIB,
-                    left=left / GIB,
-                    tokens=kv_reserve_tokens,
-                    most=max(0, (left - buffer) // slot_bytes),
-                )
-            )
-        slots = wanted
-    elif left >= total * slot_bytes:
-        slots, buffer = total, 0
-    else:
-        buffer = 2 * spec.num_experts * slot_bytes
-        if buffer > left:
-            buffer = 0  # no room to stream whole layers: prefill fetches what it routes to
-        slots = max(0, (left - buffer) // slot_bytes)
-    rest = left - buffer - slots * slot_bytes
+    wanted = _wanted_slots(spec, cache_size, cache_rate)
+    slots, buffer = _expert_slots(spec, left, slot_bytes, wanted, kv_reserve_tokens)
     if wanted is None:
         # the remainder after whole slots goes to KV, up to what the running requests can use
+        rest = left - buffer - slots * slot_bytes
         useful = -(-max_running * spec.max_position_embeddings // block_size)
         kv_blocks = max(kv_blocks, min(kv_blocks + rest // (block_size * kv_per_token), useful))
         kv_bytes = kv_blocks * block_size * kv_per_token
@@ -191,10 +164,88 @@ def plan_vram(
         headroom_bytes=headroom_bytes,
         slots=int(slots),
         slot_bytes=slot_bytes,
-        experts_total=total,
+        experts_total=spec.experts_total,
         max_context=context,
         model_max_context=spec.max_position_embeddings,
     )
+
+
+def _wanted_slots(spec: ModelSpec, cache_size: int | None, cache_rate: float | None) -> int | None:
+    """The expert slots asked for (--moe-cache-size or --moe-cache-rate), at most every expert;
+    None: whatever fits."""
+    if cache_size is not None:
+        return min(cache_size, spec.experts_total)
+    if cache_rate is not None:
+        return min(round(cache_rate * spec.experts_total), spec.experts_total)
+    return None
+
+
+def _expert_slots(
+    spec: ModelSpec, left: int, slot_bytes: int, wanted: int | None, kv_reserve_tokens: int
+) -> tuple[int, int]:
+    """Expert slots and the prefill buffer's bytes in the `left` bytes: the slots `wanted`
+    (MemoryPlanError where they do not fit), else every expert where all fit, else as many as
+    fit beside the buffer that streams two layers' experts (no buffer where even it does not)."""
+    total = spec.experts_total
+    buffer = 2 * spec.num_experts * slot_bytes
+    if wanted is not None:
+        buffer = 0 if wanted >= total else buffer
+        if wanted * slot_bytes + buffer > left:
+            raise MemoryPlanError(
+                Text(
+                    "{wanted} expert slots ({slots:.2f} GiB) and the prefill buffer ({buffer:.2f} "
+                    "GiB) do not fit in the {left:.2f} GiB left after weights and {tokens} KV "
+                    "tokens; at most {most} slots fit",
+                    wanted=wanted,
+                    slots=wanted * slot_bytes / GIB,
+                    buffer=buffer / GIB,
+                    left=left / GIB,
+                    tokens=kv_reserve_tokens,
+                    most=max(0, (left - buffer) // slot_bytes),
+                )
+            )
+        return wanted, buffer
+    if left >= total * slot_bytes:
+        return total, 0
+    if buffer > left:
+        buffer = 0  # no room to stream whole layers: prefill fetches what it routes to
+    return max(0, (left - buffer) // slot_bytes), buffer
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRequest:
+    """What an engine's settings ask of its device's memory (engine/config.py makes it): the
+    inputs of plan_vram but the model's geometry."""
+
+    budget_bytes: int
+    elem_bytes: int  # bytes per weight at the compute dtype
+    kv_reserve_tokens: int
+    block_size: int
+    prefill_chunk_tokens: int
+    max_running: int
+    headroom_bytes: int
+    cache_size: int | None
+    cache_rate: float | None
+    cuda_graphs: bool
+    max_context: int | None
+
+    def plan(self, spec: ModelSpec) -> VramPlan:
+        """The plan of this request for `spec`'s model (MemoryPlanError where it cannot fit)."""
+        return plan_vram(
+            spec,
+            budget_bytes=self.budget_bytes,
+            weights_bytes=spec.dense_params * self.elem_bytes,
+            elem_bytes=self.elem_bytes,
+            kv_reserve_tokens=self.kv_reserve_tokens,
+            block_size=self.block_size,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
+            max_running=self.max_running,
+            headroom_bytes=self.headroom_bytes,
+            cache_size=self.cache_size,
+            cache_rate=self.cache_rate,
+            cuda_graphs=self.cuda_graphs,
+            max_context=self.max_context,
+        )
 
 
 def log_plan(plan: VramPlan) -> None:

@@ -12,6 +12,7 @@ from typing import NoReturn
 import uvicorn
 
 from .args import add_engine_flags
+from .config import EngineConfig
 from .launch import LISTEN_FD_ENV
 
 log = logging.getLogger("moelab.serve")
@@ -44,8 +45,10 @@ def run(args: argparse.Namespace) -> NoReturn:
     from .server import Server
     from .worker import EngineWorker
 
-    worker = EngineWorker(args)
-    server = Server(args, worker)
+    config = EngineConfig.from_args(args)
+    listen = config.server
+    worker = EngineWorker(config)
+    server = Server(config, worker)
     worker.start()
 
     def drain() -> None:
@@ -53,12 +56,14 @@ def run(args: argparse.Namespace) -> NoReturn:
             log.info("shutdown signal: draining (no new requests, %d s grace)", DRAIN_GRACE_S)
         server.draining = True
 
-    config = uvicorn.Config(
-        server.app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=DRAIN_GRACE_S, access_log=args.log_level == "debug",
+    uvicorn_config = uvicorn.Config(
+        server.app, host=listen.host, port=listen.port, log_level=listen.log_level,
+        timeout_graceful_shutdown=DRAIN_GRACE_S, access_log=listen.log_level == "debug",
     )  # fmt: skip
-    http = _DrainingServer(config, drain)
-    log.info("moelab serve: http://%s:%d/v1 (model %s)", args.host, args.port, server.model_name)
+    http = _DrainingServer(uvicorn_config, drain)
+    log.info(
+        "moelab serve: http://%s:%d/v1 (model %s)", listen.host, listen.port, server.model_name
+    )
     try:
         http.run(sockets=_inherited_listener())
     except SystemExit:
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> NoReturn:
         worker.stop()
         worker.join(timeout=10)
     if not http.started:
-        print(f"moelab serve: could not listen on {args.host}:{args.port}", file=sys.stderr)
+        print(f"moelab serve: could not listen on {listen.host}:{listen.port}", file=sys.stderr)
         _exit_now(1)
     log.info("stopped: the HTTP server is down and the engine closed")
     _exit_now(0)
@@ -86,10 +91,10 @@ def _inherited_listener() -> list[socket.socket] | None:
 def _exit_now(code: int) -> NoReturn:
     """End the process here, without the interpreter's teardown.
 
-    Unloading torch and its extensions took 0.6 s of a 0.84 s stop on the 2-core CI machine (a
-    GPU adds the CUDA context's), and the benchmark pays a stop on every trial. By now the HTTP
-    server is down and the engine thread has closed the engine; the log is all that is left to
-    write, and it is flushed first.
+    Unloading torch and its extensions is most of an interpreter's exit (a GPU adds the CUDA
+    context's), and the benchmark pays a stop on every trial. By now the HTTP server is down and
+    the engine thread has closed the engine; the log is all that is left to write, and it is
+    flushed first.
     """
     logging.shutdown()
     sys.stdout.flush()

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -19,6 +17,7 @@ from starlette.routing import Route
 
 from . import openai_api as api
 from .access import access_middleware
+from .config import EngineConfig
 from .hosts import ServedHosts, is_loopback_address
 from .openai_api import ApiError
 from .reasoning import ReasoningStream, opened_by_prompt, split_reasoning
@@ -92,13 +91,14 @@ async def _internal(request: Request, exc: Exception) -> Response:
 class Server:
     """The HTTP side of one engine."""
 
-    def __init__(self, args: argparse.Namespace, worker: EngineWorker) -> None:
-        self.args = args
+    def __init__(self, config: EngineConfig, worker: EngineWorker) -> None:
+        self.config = config
+        server = config.server
         self.worker = worker
-        self.model_name = args.served_model_name or Path(args.model_path).resolve().name
+        self.model_name = config.model.name
         # what a request's omitted sampling fields take: the checkpoint's, or OpenAI's
         self.sampling_defaults = (
-            api.generation_defaults(args.model_path) if args.generation_config == "auto" else {}
+            api.generation_defaults(config.model.path) if server.generation_config == "auto" else {}
         )
         if self.sampling_defaults:
             log.info(
@@ -117,13 +117,13 @@ class Server:
             Route("/metrics", self.metrics),
             Route("/v1/cache/resize", self.resize, methods=["POST"]),
         ], middleware=access_middleware(
-            ServedHosts(args.host, args.allow_host or ()), args.allowed_origins or ()
+            ServedHosts(server.host, server.allow_host or ()), server.allowed_origins or ()
         ), exception_handlers={HTTPException: _no_route, Exception: _internal})  # fmt: skip
 
     # guards ------------------------------------------------------------------------------------
 
     def _check_key(self, request: Request) -> None:
-        key = self.args.api_key
+        key = self.config.server.api_key
         if not key:
             return
         given = request.headers.get("authorization", "")
@@ -211,7 +211,9 @@ class Server:
             except ChatTemplateError as err:
                 raise api.bad("messages", str(err)) from None
             parse_tools = api.tool_parsing(body, tools, engine.tokenizer.chat_template_source)
-            opened = opened_by_prompt(text) if self.args.reasoning_parser == "think" else None
+            opened = (
+                opened_by_prompt(text) if self.config.server.reasoning_parser == "think" else None
+            )
             parsed = api.ParsedRequest(
                 prompt_text=text, prompt_ids=None, **common, parse_tools=parse_tools,
                 think_opened=opened,
@@ -280,9 +282,8 @@ class Server:
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         req = EngineRequest(ids, params, asyncio.get_running_loop())
-        limit = self.args.max_running_requests + self.args.max_queued_requests
         try:
-            self.worker.submit(req, limit)
+            self.worker.submit(req, self.config.batching.max_requests_in_flight)
         except QueueFull as err:
             raise ApiError(
                 429,
@@ -458,7 +459,7 @@ class Server:
     async def resize(self, request: Request) -> Response:
         try:
             self._check_key(request)
-            if not self.args.api_key and not is_loopback_address(
+            if not self.config.server.api_key and not is_loopback_address(
                 request.client.host if request.client else ""
             ):
                 raise ApiError(

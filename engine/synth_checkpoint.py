@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .args import build_parser
+from .config import EngineConfig
 from .spec import ModelSpec
 from .synth import SynthSource, make_config
 from .synth_tokenizer import write_tokenizer_files
@@ -59,7 +59,7 @@ def _calibrated_source(out: Path, spec: ModelSpec) -> SynthSource:
 
     total = (spec.dense_params + spec.experts_total * spec.expert_params) * 4
     with tempfile.TemporaryDirectory() as bank_dir:
-        args = build_parser().parse_args(
+        config = EngineConfig.from_flags(
             [
                 "--model-path",
                 str(out),
@@ -82,7 +82,7 @@ def _calibrated_source(out: Path, spec: ModelSpec) -> SynthSource:
                 "1",
             ]
         )
-        engine = Engine(args, spec=spec)
+        engine = Engine(config, spec=spec)
         try:
             assert engine.synth_source is not None
             return engine.synth_source

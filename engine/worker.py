@@ -6,7 +6,6 @@ thread, between steps, so the scheduler and caches need no locks.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
@@ -19,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import EngineConfig
 from .loading import LoadProgress
 from .sampling import SamplingParams
 from .scheduler import Sequence
@@ -49,9 +49,9 @@ class Request:
 class EngineWorker(threading.Thread):
     """Owns the Engine; the HTTP side submits requests and calls functions on it."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         super().__init__(name="moelab-engine", daemon=True)
-        self.args = args
+        self.config = config
         self.status = "loading"
         self.error: str | None = None
         self.loading = LoadProgress()
@@ -67,7 +67,7 @@ class EngineWorker(threading.Thread):
         try:
             from .engine import Engine, settle_heap  # here, so that a broken install is reported
 
-            self.engine = Engine(self.args, progress=self.loading)
+            self.engine = Engine(self.config, progress=self.loading)
             log.info("heap settled: a full collection took %.0f ms", settle_heap())
         except Exception as err:  # reported through /health; the process stays up to say why
             self.status = "error"

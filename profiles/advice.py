@@ -9,7 +9,7 @@ from typing import Any
 from ..engine.memory import MemoryPlanError, VramPlan
 from ..engine.spec import ModelSpec
 from ..engine.text import Text, error_text, text_fields
-from .flags import validate_flags
+from .flags import engine_config
 from .machine import GIB, Machine, choose_device, plan_for
 
 FIRST_TIER_TOKENS = 2048
@@ -66,9 +66,9 @@ def try_plan(
     machine: Machine, spec: ModelSpec, flags: list[str], **kw: int
 ) -> VramPlan | Text | str:
     """The engine's plan under `flags`, or why it does not fit."""
-    ns = validate_flags(flags)
+    config = engine_config(flags)
     try:
-        return plan_for(spec, choose_device(machine, spec, ns), ns, **kw)
+        return plan_for(spec, choose_device(machine, spec, config), config, **kw)
     except MemoryPlanError as err:
         return error_text(err)
 

@@ -4,6 +4,7 @@ fit."""
 
 from __future__ import annotations
 
+from ..engine.config import CPU_DEFAULT_BUDGET_BYTES
 from ..engine.memory import VramPlan
 from ..engine.spec import ModelSpec
 from ..engine.text import Text
@@ -17,7 +18,7 @@ from .advice import (
     threads_advice,
     try_plan,
 )
-from .machine import CPU_DEFAULT_BUDGET_BYTES, Machine
+from .machine import Machine
 
 MIB = 1024**2
 

@@ -10,20 +10,18 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ..engine import args as engine_args
+from ..engine.config import EngineConfig
 from ..engine.flag_list import FlagList, FlagSetting, read_items
 from ..engine.text import Text, error_text
 
-# Free-text flags the engine checks only when it starts; checked here so a profile cannot hold them.
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-_DEVICE_WORDS = Text("auto, cpu, cuda or cuda:N")
 # the values the engine's own argparse types take, in words
 _SHAPES: dict[Callable[[str], Any], Text] = {
+    engine_args.parse_device: Text("auto, cpu, cuda or cuda:N"),
     engine_args.parse_bytes: Text("a size such as 24GiB, 512M, 1.5g or 1073741824, in bytes"),
     engine_args.parse_origins: Text(
         "origins as a browser sends them, comma-separated (http://localhost:3000), or * for any"
@@ -140,9 +138,7 @@ def catalog() -> dict[str, FlagInfo]:
             default=d["default"],
             tunable=d["tunable"],
             exclusive_with=tuple(d["exclusive_with"]),
-            expects=_DEVICE_WORDS
-            if d["flag"] == "--device"
-            else _expects(d["kind"], choices, convert),
+            expects=_expects(d["kind"], choices, convert),
             convert=convert,
         )
     return out
@@ -237,14 +233,6 @@ def check_value(flag: str, value: str | None) -> FlagProblem | None:
                 "value",
                 Text("{flag} {value}: {detail}", flag=flag, value=value, detail=detail),
             )
-    if flag == "--device" and not _DEVICE.fullmatch(value):
-        return FlagProblem(
-            flag,
-            "value",
-            Text(
-                "--device {value}: not a device; use {devices}", value=value, devices=_DEVICE_WORDS
-            ),
-        )
     return None
 
 
@@ -349,6 +337,12 @@ def validate_flags(flags: Any, model: str = "MODEL") -> argparse.Namespace:
         return parser.parse_args(["--model-path", model, *flags])
     except argparse.ArgumentError as err:
         raise FlagError([FlagProblem(None, "engine", error_text(err))]) from None
+
+
+def engine_config(flags: Any, model: str = "MODEL") -> EngineConfig:
+    """The engine's settings of `moelab serve --model-path MODEL FLAGS` (FlagError when the
+    engine would refuse the flags)."""
+    return EngineConfig.from_args(validate_flags(flags, model))
 
 
 def canonical(flags: list[str]) -> list[str]:

@@ -6,17 +6,16 @@ anything itself; tests build it directly.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.memory import MemoryPlanError, VramPlan, plan_vram
+from ..engine.config import EngineConfig
+from ..engine.memory import MemoryPlanError, MemoryRequest, VramPlan
 from ..engine.spec import DTYPE_BYTES, ModelSpec
 from ..engine.text import Text
 
 GIB = 1024**3
-CPU_DEFAULT_BUDGET_BYTES = 2 * GIB  # the engine's --device-memory default on a CPU device
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,10 +182,11 @@ class DeviceChoice:
         return self.gpu is not None
 
 
-def choose_device(machine: Machine, spec: ModelSpec, ns: argparse.Namespace) -> DeviceChoice:
-    """The device, memory budget and dtype an engine started with `ns` would use here (the same
-    resolution as the engine's, from measurements instead of a live query)."""
-    name = ns.device
+def choose_device(machine: Machine, spec: ModelSpec, config: EngineConfig) -> DeviceChoice:
+    """The device, memory budget and dtype an engine started with `config` would use here (the
+    same resolution as the engine's, from measurements instead of a live query)."""
+    memory = config.memory
+    name = memory.device
     if name == "auto":
         name = "cuda:0" if machine.gpus else "cpu"
     elif name == "cuda":
@@ -200,52 +200,50 @@ def choose_device(machine: Machine, spec: ModelSpec, ns: argparse.Namespace) -> 
                 Text(
                     "--device {device}: this machine has no GPU {index} ({n} found); use --device "
                     "cpu or another index",
-                    device=ns.device,
+                    device=memory.device,
                     index=index,
                     n=len(machine.gpus),
                 )
             )
-    if ns.dtype != "auto":
-        elem = DTYPE_BYTES[ns.dtype]
-    else:
-        elem = spec.dtype_bytes if gpu is not None else 4  # the engine runs float32 on a CPU
+    elem = DTYPE_BYTES[config.model.compute_dtype(spec.dtype, cpu=gpu is None)]
+    budget = memory.budget_bytes(gpu.usable_bytes if gpu is not None else None)
     if gpu is None:
-        budget = ns.device_memory or CPU_DEFAULT_BUDGET_BYTES
-        source = (
-            "--device-memory" if ns.device_memory else "the engine's 2 GiB default on a CPU device"
-        )
+        default = "the engine's 2 GiB default on a CPU device"
+        source = "--device-memory" if memory.device_memory_bytes else default
+    elif budget < gpu.usable_bytes:
+        source = "--device-memory"
     else:
-        budget = gpu.usable_bytes
         source = (
             f"{gpu.name}'s {'free' if gpu.vram_free_bytes is not None else 'total'} memory "
             f"({budget / GIB:.1f} GiB)"
         )
-        if ns.device_memory and ns.device_memory < budget:
-            budget, source = ns.device_memory, "--device-memory"
     return DeviceChoice(name, gpu, budget, elem, source)
+
+
+def memory_request(
+    choice: DeviceChoice,
+    config: EngineConfig,
+    *,
+    kv_tokens: int | None = None,
+    budget_bytes: int | None = None,
+) -> MemoryRequest:
+    """What an engine with `config` would ask of the memory of the device `choice` names (with
+    `budget_bytes` in place of the device's budget, where given)."""
+    return config.memory_request(
+        budget_bytes=choice.budget_bytes if budget_bytes is None else budget_bytes,
+        elem_bytes=choice.elem_bytes,
+        cuda=choice.cuda,
+        kv_tokens=kv_tokens,
+    )
 
 
 def plan_for(
     spec: ModelSpec,
     choice: DeviceChoice,
-    ns: argparse.Namespace,
+    config: EngineConfig,
     *,
     kv_tokens: int | None = None,
     budget_bytes: int | None = None,
 ) -> VramPlan:
-    """The engine's VRAM plan for these flags (MemoryPlanError when they cannot fit)."""
-    return plan_vram(
-        spec,
-        budget_bytes=budget_bytes if budget_bytes is not None else choice.budget_bytes,
-        weights_bytes=spec.dense_params * choice.elem_bytes,
-        elem_bytes=choice.elem_bytes,
-        kv_reserve_tokens=kv_tokens or ns.kv_reserve_tokens,
-        block_size=ns.kv_block_size,
-        prefill_chunk_tokens=ns.prefill_chunk_tokens,
-        max_running=ns.max_running_requests,
-        headroom_bytes=ns.memory_headroom,
-        cache_size=ns.moe_cache_size,
-        cache_rate=ns.moe_cache_rate,
-        cuda_graphs=choice.cuda and not ns.no_cuda_graph,
-        max_context=ns.max_context,
-    )
+    """The engine's VRAM plan for these settings (MemoryPlanError when they cannot fit)."""
+    return memory_request(choice, config, kv_tokens=kv_tokens, budget_bytes=budget_bytes).plan(spec)

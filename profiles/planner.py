@@ -19,24 +19,24 @@ weights and the hits, and the hit rate is an assumption (uniform routing), said 
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.config import EngineConfig
 from ..engine.memory import MemoryPlanError
 from ..engine.spec import ModelSpec
 from ..engine.text import Text, text_fields
 from .advice import context_tiers
-from .flags import FlagChange, apply_changes, validate_flags
+from .flags import FlagChange, apply_changes, engine_config
 from .machine import DeviceChoice, Machine, choose_device, plan_for
 
 MIN_FIT_STEPS = 200  # decode steps before a run's own miss cost is trusted over bandwidth
 # a run's fitted price of a miss is used at its lower bound, this many standard errors below the
-# slope: fits of runs that miss nearly every read have come out clear by chance at 50x the bytes'
-# price (213 +- 82 us for a 4 us expert), and such a slope taken at face value predicted a 95%
-# speed-up the next engine did not show
+# slope: fits of runs that miss nearly every read can come out clear by chance at many times the
+# bytes' price, and such a slope taken at face value predicts a speed-up the next engine does not
+# show
 FIT_SIGMAS = 2.0
 ASSUMED = Text(
     "assumed: uniform routing, so S slots serve S / all experts of the reads (real models route "
@@ -228,12 +228,12 @@ def miss_seconds(expert_bytes: int, policy: str, bp_gbps: float, bh_gbps: float)
 
 
 def _machine_bandwidths(
-    machine: Machine, choice: DeviceChoice, ns: argparse.Namespace
+    machine: Machine, choice: DeviceChoice, config: EngineConfig
 ) -> tuple[float, float] | None:
     rates = machine.rates
     if rates is None:
         return None
-    threads = ns.moe_cpu_threads or machine.default_cpu_threads
+    threads = config.experts.cpu_threads or machine.default_cpu_threads
     cpu = rates.cpu_rate(threads)
     bp = rates.h2d_gbps if choice.cuda else rates.host_gbps
     if cpu is None or bp is None:
@@ -245,101 +245,131 @@ def speed_model(
     spec: ModelSpec,
     machine: Machine,
     choice: DeviceChoice,
-    ns: argparse.Namespace,
+    config: EngineConfig,
     run: RunObservation | None,
     hits: HitModel,
 ) -> SpeedModel | None:
     """From a run's measured speed when there is one, else the bandwidth bound; None without
     either (nothing measured)."""
-    slot_bytes = spec.expert_params * choice.elem_bytes
-    bandwidths = _machine_bandwidths(machine, choice, ns)
+    bandwidths = _machine_bandwidths(machine, choice, config)
     if run is not None and run.decode_tok_s:
         if run.bp_gbps and run.bh_gbps:
-            bp, bh = run.bp_gbps, run.bh_gbps
-        elif bandwidths is not None:
-            bp, bh = bandwidths
-        else:
+            bandwidths = run.bp_gbps, run.bh_gbps
+        if bandwidths is None:
             return None
-        bytes_s = miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh)
-        bytes_priced = Text(
-            "expert of {mib:.2f} MiB at Bp {bp:.1f} + Bh {bh:.1f} GB/s",
-            mib=slot_bytes / 2**20,
-            bp=bp,
-            bh=bh,
-        )
-        measured = run.measured_miss_s(ns.moe_miss_policy)
-        fitted = None
-        if run.miss_cost is not None:
-            slope, stderr, steps = run.miss_cost
-            fitted = Text(
-                "they fitted {slope_us:.0f} ± {stderr_us:.0f} µs over {steps} steps",
-                slope_us=slope * 1e6,
-                stderr_us=stderr * 1e6,
-                steps=steps,
-            )
-        if measured is not None and measured > bytes_s:
-            assert fitted is not None
-            miss_s = measured
-            priced = Text(
-                "each miss costs {miss_us:.0f} µs as its own decode steps show ({fitted}, taken "
-                "at {sigmas:.0f} standard errors below; the bytes alone, {priced}: "
-                "{bytes_us:.0f} µs)",
-                miss_us=miss_s * 1e6,
-                fitted=fitted,
-                sigmas=FIT_SIGMAS,
-                priced=bytes_priced,
-                bytes_us=bytes_s * 1e6,
-            )
-        elif fitted is not None:
-            miss_s = bytes_s
-            priced = Text(
-                "each miss costs {miss_us:.0f} µs ({priced}; its own steps gave no clear price of "
-                "a miss above that under this policy: {fitted})",
-                miss_us=miss_s * 1e6,
-                priced=bytes_priced,
-                fitted=fitted,
-            )
-        else:
-            miss_s = bytes_s
-            priced = Text(
-                "each miss costs {miss_us:.0f} µs ({priced}; its own steps gave no clear price of "
-                "a miss above that under this policy)",
-                miss_us=miss_s * 1e6,
-                priced=bytes_priced,
-            )
-        observed_s = 1.0 / run.decode_tok_s
-        misses = run.reads_per_token * (1.0 - run.hit_rate)
-        fixed = max(observed_s - misses * miss_s, 0.1 * observed_s)
-        return SpeedModel(
-            fixed,
-            miss_s,
-            run.reads_per_token,
-            Text(
-                "{source} decoded {tok_s:.1f} tok/s with {misses:.2f} misses per token; {priced}; "
-                "the rest, {fixed_ms:.2f} ms per token, stays",
-                source=run.source,
-                tok_s=run.decode_tok_s,
-                misses=misses,
-                priced=priced,
-                fixed_ms=fixed * 1e3,
-            ),
-        )
+        return _run_speed(spec, choice, config, run, *bandwidths)
     if bandwidths is None:
         return None
+    return _bound_speed(spec, machine, choice, config, hits, *bandwidths)
+
+
+def _run_speed(
+    spec: ModelSpec,
+    choice: DeviceChoice,
+    config: EngineConfig,
+    run: RunObservation,
+    bp: float,
+    bh: float,
+) -> SpeedModel:
+    """A run's measured speed: its misses priced (`_miss_price`), the rest of each token's time
+    fixed."""
+    assert run.decode_tok_s
+    slot_bytes = spec.expert_params * choice.elem_bytes
+    miss_s, priced = _miss_price(run, slot_bytes, config.experts.miss_policy, bp, bh)
+    observed_s = 1.0 / run.decode_tok_s
+    misses = run.reads_per_token * (1.0 - run.hit_rate)
+    fixed = max(observed_s - misses * miss_s, 0.1 * observed_s)
+    return SpeedModel(
+        fixed,
+        miss_s,
+        run.reads_per_token,
+        Text(
+            "{source} decoded {tok_s:.1f} tok/s with {misses:.2f} misses per token; {priced}; "
+            "the rest, {fixed_ms:.2f} ms per token, stays",
+            source=run.source,
+            tok_s=run.decode_tok_s,
+            misses=misses,
+            priced=priced,
+            fixed_ms=fixed * 1e3,
+        ),
+    )
+
+
+def _miss_price(
+    run: RunObservation, slot_bytes: int, policy: str, bp: float, bh: float
+) -> tuple[float, Text]:
+    """What one miss of `slot_bytes` costs under `policy`, in seconds and in words: what the
+    run's own steps show where that is clear and above the price of its bytes, else the price
+    of its bytes."""
+    bytes_s = miss_seconds(slot_bytes, policy, bp, bh)
+    bytes_priced = Text(
+        "expert of {mib:.2f} MiB at Bp {bp:.1f} + Bh {bh:.1f} GB/s",
+        mib=slot_bytes / 2**20,
+        bp=bp,
+        bh=bh,
+    )
+    measured = run.measured_miss_s(policy)
+    fitted = None
+    if run.miss_cost is not None:
+        slope, stderr, steps = run.miss_cost
+        fitted = Text(
+            "they fitted {slope_us:.0f} ± {stderr_us:.0f} µs over {steps} steps",
+            slope_us=slope * 1e6,
+            stderr_us=stderr * 1e6,
+            steps=steps,
+        )
+    if measured is not None and measured > bytes_s:
+        assert fitted is not None
+        return measured, Text(
+            "each miss costs {miss_us:.0f} µs as its own decode steps show ({fitted}, taken "
+            "at {sigmas:.0f} standard errors below; the bytes alone, {priced}: "
+            "{bytes_us:.0f} µs)",
+            miss_us=measured * 1e6,
+            fitted=fitted,
+            sigmas=FIT_SIGMAS,
+            priced=bytes_priced,
+            bytes_us=bytes_s * 1e6,
+        )
+    if fitted is not None:
+        return bytes_s, Text(
+            "each miss costs {miss_us:.0f} µs ({priced}; its own steps gave no clear price of "
+            "a miss above that under this policy: {fitted})",
+            miss_us=bytes_s * 1e6,
+            priced=bytes_priced,
+            fitted=fitted,
+        )
+    return bytes_s, Text(
+        "each miss costs {miss_us:.0f} µs ({priced}; its own steps gave no clear price of "
+        "a miss above that under this policy)",
+        miss_us=bytes_s * 1e6,
+        priced=bytes_priced,
+    )
+
+
+def _bound_speed(
+    spec: ModelSpec,
+    machine: Machine,
+    choice: DeviceChoice,
+    config: EngineConfig,
+    hits: HitModel,
+    bp: float,
+    bh: float,
+) -> SpeedModel | None:
+    """The bandwidth bound of one request, where the device's rate was measured."""
     rates = machine.rates
     assert rates is not None
     device_gbps = rates.device_gbps if choice.cuda else rates.host_gbps
     if not device_gbps:
         return None
-    bp, bh = bandwidths
+    slot_bytes = spec.expert_params * choice.elem_bytes
     reads = float(spec.num_moe_layers * spec.top_k)
     dense = (spec.dense_params - spec.vocab_size * spec.hidden_size) * choice.elem_bytes
     # hits read from device memory: count them into the fixed part at the hit rate of the
     # base flags' own cache, so only the misses move with the context
-    base_slots = min(spec.experts_total, _base_slots(spec, choice, ns))
+    base_slots = min(spec.experts_total, _base_slots(spec, choice, config))
     hit_bytes = reads * hits.hit_rate(base_slots) * slot_bytes
     fixed = (dense + hit_bytes) / (device_gbps * 1e9)
-    miss_s = miss_seconds(slot_bytes, ns.moe_miss_policy, bp, bh)
+    miss_s = miss_seconds(slot_bytes, config.experts.miss_policy, bp, bh)
     return SpeedModel(
         fixed,
         miss_s,
@@ -356,9 +386,9 @@ def speed_model(
     )
 
 
-def _base_slots(spec: ModelSpec, choice: DeviceChoice, ns: argparse.Namespace) -> int:
+def _base_slots(spec: ModelSpec, choice: DeviceChoice, config: EngineConfig) -> int:
     try:
-        return plan_for(spec, choice, ns).slots
+        return plan_for(spec, choice, config).slots
     except MemoryPlanError:
         return 0
 
@@ -450,18 +480,19 @@ def plan_context(
 ) -> ContextPlan:
     """Predicted slots, hit rate and decode tok/s for each context on top of `base_flags`
     (FlagError when they are invalid; MemoryPlanError when the device cannot be used)."""
-    ns = validate_flags(base_flags)
-    choice = choose_device(machine, spec, ns)
+    config = engine_config(base_flags)
+    choice = choose_device(machine, spec, config)
     hits = HitModel.from_run(run) if run is not None else HitModel.assumed(spec.experts_total)
-    speed = speed_model(spec, machine, choice, ns, run, hits)
-    wanted = tiers or planner_tiers(spec.max_position_embeddings, (ns.kv_reserve_tokens,))
+    speed = speed_model(spec, machine, choice, config, run, hits)
+    current = config.memory.kv_reserve_tokens
+    wanted = tiers or planner_tiers(spec.max_position_embeddings, (current,))
     points = []
     for t in wanted:
-        point_ns = validate_flags(
+        point = engine_config(
             apply_changes(base_flags, [FlagChange("--kv-reserve-tokens", str(t))])
         )
         try:
-            plan = plan_for(spec, choice, point_ns)
+            plan = plan_for(spec, choice, point)
         except MemoryPlanError as err:
             points.append(PlanPoint(t, fits=False, error=str(err)))
             continue
@@ -487,7 +518,7 @@ def plan_context(
         kv_bytes_per_token=2 * spec.num_layers * spec.kv_size * choice.elem_bytes,
         experts_total=spec.experts_total,
         points=tuple(points),
-        current_kv_tokens=ns.kv_reserve_tokens,
+        current_kv_tokens=current,
         hit_basis=hits.basis,
         speed_basis=speed.basis if speed else None,
     )

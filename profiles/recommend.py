@@ -14,7 +14,7 @@ from ..engine.memory import MemoryPlanError, VramPlan
 from ..engine.spec import ModelSpec
 from ..engine.text import Text, error_text, text_of, texts_fields
 from .advice import Advice
-from .flags import FlagChange, catalog, split_flags, validate_flags
+from .flags import FlagChange, catalog, engine_config, split_flags
 from .machine import GIB, Machine, choose_device, plan_for
 from .rules import rule_advice
 
@@ -185,8 +185,8 @@ def recommend(
         stale_reasons=tuple(stale),
     )
     try:
-        ns = validate_flags(recommendation.flags)
-        plan = plan_for(spec, choose_device(machine, spec, ns), ns)
+        config = engine_config(recommendation.flags)
+        plan = plan_for(spec, choose_device(machine, spec, config), config)
     except MemoryPlanError as err:
         plan = None
         if basis == "benchmark":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.engine.args import build_parser
+from moelab.engine.config import EngineConfig
 from moelab.engine.engine import Engine
 from moelab.engine.sampling import SamplingParams
 from moelab.engine.spec import ModelSpec
@@ -100,7 +100,7 @@ def main() -> int:
             flags = ["--model-path", path, "--bank-dir", f"{tmp}/bank", *engine_flags]
             if not cached:
                 flags.append("--no-prefix-cache")
-            engine = Engine(build_parser().parse_args(flags), spec=spec)
+            engine = Engine(EngineConfig.from_flags(flags), spec=spec)
             try:
                 run = at_once if args.at_once else conversation
                 run(engine, args, 1)  # warm-up (other tokens: nothing to share)

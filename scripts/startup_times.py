@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moelab.engine.args import build_parser
+from moelab.engine.config import EngineConfig
 from moelab.engine.engine import Engine
 
 
@@ -27,7 +27,7 @@ def drop_from_page_cache(folder: Path) -> None:
 def main() -> None:
     model = Path(sys.argv[1])
     bank = Path(tempfile.mkdtemp())
-    args = build_parser().parse_args([
+    config = EngineConfig.from_flags([
         "--model-path", str(model), "--bank-dir", str(bank), "--device-memory", "8GiB",
         "--kv-reserve-tokens", "4096", "--max-running-requests", "2", "--moe-cache-rate", "0.5",
     ])  # fmt: skip
@@ -41,7 +41,7 @@ def main() -> None:
         for folder in folders:
             drop_from_page_cache(folder)
         t0 = time.perf_counter()
-        Engine(args).close()
+        Engine(config).close()
         out[label] = round(time.perf_counter() - t0, 2)
     print(json.dumps(out))
 

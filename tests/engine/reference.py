@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.engine.args import build_parser
+from moelab.engine.config import EngineConfig
 from moelab.engine.engine import Engine
 
 HF_CLASSES = {
@@ -135,7 +135,7 @@ DEVICE = os.environ.get("MOELAB_TEST_DEVICE", "cpu")
 
 
 def make_engine(path: Path, *flags: str) -> Engine:
-    args = build_parser().parse_args(
+    config = EngineConfig.from_flags(
         [
             "--model-path",
             str(path),
@@ -150,7 +150,7 @@ def make_engine(path: Path, *flags: str) -> Engine:
             *flags,
         ]
     )
-    return Engine(args)
+    return Engine(config)
 
 
 @torch.no_grad()

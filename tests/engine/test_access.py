@@ -10,6 +10,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.engine.args import build_parser
+from moelab.engine.config import EngineConfig
 from moelab.engine.server import Server
 
 from .test_tool_calls import ScriptedWorker
@@ -26,8 +27,8 @@ APP = "http://app.example:3000"
 
 def engine_app(tokenizer, *flags: str, host: str = "127.0.0.1:8000") -> TestClient:
     """The app of `moelab serve --model-path m FLAGS`, asked from this machine by `host`."""
-    args = build_parser().parse_args(["--model-path", "m", *flags])
-    app = Server(args, ScriptedWorker(tokenizer, "Sunny.")).app
+    config = EngineConfig.from_flags(["--model-path", "m", *flags])
+    app = Server(config, ScriptedWorker(tokenizer, "Sunny.")).app
     return TestClient(app, base_url=f"http://{host}", client=("127.0.0.1", 50123))
 
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from moelab.engine.args import build_parser
+from moelab.engine.config import EngineConfig
 from moelab.engine.launch import start_engine, stop_engine, wait_ready
 from moelab.engine.server import Server
 from moelab.engine.synth_checkpoint import synthesize
@@ -306,8 +306,8 @@ class FailingWorker(ScriptedWorker):
 
 
 def test_an_unexpected_error_is_a_json_500_and_routing_errors_are_json(tokenizer):
-    args = build_parser().parse_args(["--model-path", "m"])
-    app = Server(args, FailingWorker(tokenizer, "x")).app
+    config = EngineConfig.from_flags(["--model-path", "m"])
+    app = Server(config, FailingWorker(tokenizer, "x")).app
     client = TestClient(app, base_url="http://127.0.0.1:8000", raise_server_exceptions=False)
     for method, path in (("POST", "/v1/completions"), ("GET", "/v1/stats")):
         body = {"prompt": "x", "max_tokens": 2} if method == "POST" else None

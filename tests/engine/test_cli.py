@@ -17,11 +17,11 @@ from starlette.testclient import TestClient
 from moelab.autotune.__main__ import main as autotune_main
 from moelab.console.main import main as mgr_main
 from moelab.engine import cli
-from moelab.engine.args import build_parser
 from moelab.engine.bench_alternate import ab_side, alternation
 from moelab.engine.bench_bound import against_the_bound, rates_around
 from moelab.engine.bench_report import alternation_lines, staged_lines, stall_words
 from moelab.engine.bench_runner import TIMED_FIELDS
+from moelab.engine.config import EngineConfig
 from moelab.engine.cpu import worker_cpus
 from moelab.engine.host_watch import GcPauses, host_disturbance, step_times
 from moelab.engine.loading import LoadProgress
@@ -172,12 +172,12 @@ def test_cuda_without_triton_says_what_to_install(monkeypatch):
 
 
 def test_while_loading_the_api_answers_503_and_health_reports_progress():
-    args = build_parser().parse_args(["--model-path", "/nowhere/tiny"])
+    config = EngineConfig.from_flags(["--model-path", "/nowhere/tiny"])
     loading = LoadProgress()
     loading.begin("expert bank")
     loading.bytes(10, 100)
     worker = SimpleNamespace(status="loading", loading=loading, error=None)
-    client = TestClient(Server(args, worker).app, base_url="http://127.0.0.1:8000")
+    client = TestClient(Server(config, worker).app, base_url="http://127.0.0.1:8000")
     health = client.get("/health").json()
     assert health == {"status": "loading", "model": "tiny", "phase": "expert bank",
                       "loaded_bytes": 10, "total_bytes": 100}  # fmt: skip

@@ -4,13 +4,13 @@ and the tokenizer real)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from types import SimpleNamespace
 
 import pytest
 from starlette.testclient import TestClient
 
+from moelab.engine.config import EngineConfig
 from moelab.engine.server import Server
 from moelab.engine.synth_tokenizer import write_tokenizer_files
 from moelab.engine.tokenizer import Tokenizer
@@ -93,11 +93,12 @@ def _app(tokenizer: Tokenizer, reply: str, reasoning: str = "off") -> TestClient
 
 def served(worker: ScriptedWorker, reasoning: str = "off") -> TestClient:
     """The server's app over `worker`, asked from this machine."""
-    args = argparse.Namespace(served_model_name="m", model_path="m", api_key=None,
-                              max_running_requests=8, max_queued_requests=8,
-                              generation_config="off", reasoning_parser=reasoning,
-                              host="127.0.0.1", allow_host=None, allowed_origins=None)  # fmt: skip
-    return TestClient(Server(args, worker).app, base_url="http://127.0.0.1:8000")
+    config = EngineConfig.from_flags([
+        "--model-path", "m", "--served-model-name", "m", "--max-running-requests", "8",
+        "--max-queued-requests", "8", "--generation-config", "off",
+        "--reasoning-parser", reasoning, "--host", "127.0.0.1",
+    ])  # fmt: skip
+    return TestClient(Server(config, worker).app, base_url="http://127.0.0.1:8000")
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from moelab.engine.memory import MemoryPlanError
-from moelab.profiles.flags import validate_flags
+from moelab.profiles.flags import engine_config, validate_flags
 from moelab.profiles.machine import GIB, Gpu, Machine, Rates, choose_device, plan_for
 from moelab.profiles.recommend import BenchmarkResult, compare, recommend
 
@@ -261,13 +261,13 @@ def test_matrix_invariants(device: str, ram: int, cores: int, rates: bool, model
     if device == "none":
         return
     assert rec.plan is not None
-    ns = validate_flags(rec.flags)
-    choice = choose_device(pc, spec, ns)
+    config = engine_config(rec.flags)
+    choice = choose_device(pc, spec, config)
     need = math.ceil(0.1 * spec.experts_total)
     if context < spec.max_position_embeddings:
         # a longer context would have cost the cache its 10%
         try:
-            longest = plan_for(spec, choice, ns, kv_tokens=spec.max_position_embeddings)
+            longest = plan_for(spec, choice, config, kv_tokens=spec.max_position_embeddings)
             assert longest.slots < need
         except MemoryPlanError:
             pass
