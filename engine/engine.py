@@ -39,7 +39,7 @@ from .rope import Rotary
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, Sequence
 from .spec import ModelSpec
-from .stepping import Flight, Stepping
+from .stepping import Stepper
 from .synth import SynthSource, calibrate_routing
 from .telemetry import Telemetry
 from .tokenizer import Tokenizer
@@ -76,8 +76,9 @@ def settle_heap() -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
-class Engine(Stepping):
-    """One loaded model: its weights, caches, scheduler and sampler."""
+class Engine:
+    """One loaded model: its weights, caches, scheduler and sampler, and the step loop that runs
+    them (`stepper`)."""
 
     def __init__(
         self,
@@ -109,11 +110,7 @@ class Engine(Stepping):
             calibrate_routing(self, self.synth_source)
         progress.begin("CUDA graphs")
         self.telemetry = Telemetry(self, enabled=config.server.stats)
-        self.graphs: DecodeGraphs | None = None
-        self.overlap_decode = config.batching.overlap_decode
-        self._flight: Flight | None = None  # an overlapped decode step queued on the device
-        self._flip = 0  # which of the two host buffers the next flight's tokens land in
-        self._last_landed = 0.0
+        self.stepper = self._build_stepper()
         self._capture_graphs()
         progress.begin(None)
         self.load_s = time.perf_counter() - t0
@@ -244,14 +241,27 @@ class Engine(Stepping):
             self.kv, config.batching.max_running_requests, config.prefill.chunk_tokens
         )
         self.sampler = Sampler(config.server.seed)
-        tokenizer = self.tokenizer
-        eos_ids = tokenizer.eos_token_ids if tokenizer else spec.eos_token_ids
-        self.eos_ids = frozenset(eos_ids)
 
     def _new_kv(self, plan: VramPlan) -> KVCache:
         memory = self.config.memory
         return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, self.device, self.dtype,
                        prefix_cache=memory.prefix_cache)  # fmt: skip
+
+    def _build_stepper(self) -> Stepper:
+        tokenizer = self.tokenizer
+        eos_ids = tokenizer.eos_token_ids if tokenizer else self.spec.eos_token_ids
+        return Stepper(
+            self.model,
+            self.moe,
+            self.scheduler,
+            self.sampler,
+            self.kv,
+            self.telemetry,
+            device=self.device,
+            eos_ids=frozenset(eos_ids),
+            max_context=self.max_context,
+            overlap_decode=self.config.batching.overlap_decode,
+        )
 
     def memory_request(
         self, *, budget_bytes: int | None = None, kv_tokens: int | None = None
@@ -319,8 +329,9 @@ class Engine(Stepping):
     def _capture_graphs(self) -> None:
         """Capture decode steps on a CUDA device: whole steps when every expert is resident, else
         the dense pieces between the MoE layers (the experts run eagerly between them)."""
-        self.drain()  # a queued step still replays the old graphs
-        self.graphs = None  # captured graphs hold the old cache and KV tensors
+        stepper = self.stepper
+        stepper.drain()  # a queued step still replays the old graphs
+        stepper.graphs = None  # captured graphs hold the old cache and KV tensors
         batching = self.config.batching
         if self.device.type != "cuda" or not batching.cuda_graph:
             return
@@ -332,13 +343,13 @@ class Engine(Stepping):
             self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole
         )
         graphs.capture()
-        self.graphs = graphs
+        stepper.graphs = graphs
         log.info("decode CUDA graphs captured in %.2f s", time.perf_counter() - t0)
 
     def _apply_plan(self, plan: VramPlan) -> None:
         """Resize the expert cache to `plan` (idle engine), keeping the most recent experts."""
-        self.drain()
-        self.graphs = None
+        self.stepper.drain()
+        self.stepper.graphs = None
         self.moe.count_backlog()  # resident steps still kept, counted before the cache changes
         self.moe.release_prefill_buffers()
         self.cache.resize(plan.slots, self.moe.refill)
@@ -347,6 +358,7 @@ class Engine(Stepping):
         elif plan.prefill_buffer_bytes:
             self.moe.allocate_prefill_buffers()
         self.plan = plan
+        self.stepper.use_kv(self.kv, plan.max_context)
         self._capture_graphs()
 
     def resize_cache(self, slots: int) -> None:
@@ -365,7 +377,7 @@ class Engine(Stepping):
     def resize_kv(self, tokens: int) -> None:
         """Reserve `tokens` of KV and give the expert cache what is left (no request running)."""
         assert not self.scheduler.running, "resize while requests run"
-        self.drain()  # a queued step still writes the old KV
+        self.stepper.drain()  # a queued step still writes the old KV
         request = self.memory_request(budget_bytes=self.plan.budget_bytes, kv_tokens=tokens)
         plan = request.plan(self.spec)
         self.kv.k = self.kv.v = torch.empty(0)
@@ -391,6 +403,27 @@ class Engine(Stepping):
     def dtype_name(self) -> str:
         """The compute dtype by name (bfloat16, float32, ...)."""
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The decode steps' CUDA graphs (None: steps run eagerly)."""
+        return self.stepper.graphs
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to run and no step in flight."""
+        return self.stepper.idle
+
+    def step(self) -> list[Sequence]:
+        """Run one forward step; returns the sequences that got a token (stepping.py)."""
+        return self.stepper.step()
+
+    def drain(self) -> list[Sequence]:
+        """Finish the step in flight, if any (before the caches change or stats are read)."""
+        return self.stepper.drain()
+
+    def run_until_idle(self) -> None:
+        self.stepper.run_until_idle()
 
     def add(
         self,

@@ -1,9 +1,10 @@
 """The engine's forward-step loop: run a step now, or queue it on the device and read the one
 before it while it runs (overlapped decode), then hand out the tokens and check the stops.
 
-`Stepping` is mixed into `Engine` (engine.py) and shares its state: the scheduler, the model and
-its experts (`moe`), the decode graphs, the sampler, the KV cache, telemetry, and the step in
-flight (`_flight`, `_flip`, `_last_landed`, set up by `Engine.__init__`).
+`Stepper` owns the loop's state (the step in flight, which host buffer its tokens land in, when
+the last step landed, the decode graphs it replays) and is built from the parts it drives: the
+model and its experts, the scheduler, the sampler, the KV cache and the telemetry. `Engine`
+(engine.py) builds one and hands it new graphs or a new KV cache when it resizes its caches.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .graphs import DecodeRow
-from .model import Scoring, SeqSlice, StepBatch
-from .sampling import TokenLogprobs
-from .scheduler import Chunk, Sequence
-from .telemetry import StepTimer
+from .graphs import DecodeGraphs, DecodeRow
+from .kv import KVCache
+from .model import Model, Scoring, SeqSlice, StepBatch
+from .moe import MoERunner
+from .sampling import Sampler, TokenLogprobs
+from .scheduler import Chunk, Scheduler, Sequence
+from .telemetry import StepTimer, Telemetry
 
 
 @dataclass(slots=True)
@@ -32,13 +35,52 @@ class Flight:
     launched: float
 
 
-class Stepping:
-    """The step loop of `Engine`."""
+class Stepper:
+    """The step loop of one engine."""
+
+    def __init__(
+        self,
+        model: Model,
+        moe: MoERunner,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        kv: KVCache,
+        telemetry: Telemetry,
+        *,
+        device: torch.device,
+        eos_ids: frozenset[int],
+        max_context: int,
+        overlap_decode: bool,
+    ) -> None:
+        self.model = model
+        self.moe = moe
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.telemetry = telemetry
+        self.eos_ids = eos_ids
+        self.overlap_decode = overlap_decode
+        self.device = device
+        self.kv = kv
+        self.max_context = max_context
+        self.graphs: DecodeGraphs | None = None  # the decode steps' graphs; None: eager steps
+        self._flight: Flight | None = None  # an overlapped decode step queued on the device
+        self._flip = 0  # which of the two host buffers the next flight's tokens land in
+        self._last_landed = 0.0
+
+    def use_kv(self, kv: KVCache, max_context: int) -> None:
+        """Run later steps on `kv`, whose plan gives `max_context` (no step in flight)."""
+        assert self._flight is None, "the KV cache changed under a step in flight"
+        self.kv, self.max_context = kv, max_context
 
     @property
     def idle(self) -> bool:
         """Nothing to run and no step in flight."""
         return self.scheduler.idle and self._flight is None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a decode step is queued on the device, its tokens not read yet."""
+        return self._flight is not None
 
     def step(self) -> list[Sequence]:
         """Run one forward step; returns the sequences that got a token.
@@ -87,9 +129,9 @@ class Stepping:
 
     def _launch_and_land(self, chunks: list[Chunk], previous: Flight) -> list[Sequence]:
         """Queue the next step and read `previous` meanwhile: in the host's wait of a staged
-        layer step (landing it after the last layer instead held the host 110 us per token on the
-        H200, while the device waited for the next step), or after the launch where no layer is
-        staged. An error in the landing is raised once the step is queued."""
+        layer step (landed after the last layer instead, it would hold the host while the device
+        waits for the next step), or after the launch where no layer is staged. An error in the
+        landing is raised once the step is queued."""
         landed: list[Sequence] = []
         errors: list[BaseException] = []
 
@@ -260,8 +302,8 @@ class Stepping:
                 # as wide as the decode graphs' tables: the attention kernels' launch (its
                 # context slices, the table's stride) is then one the graphs compiled at
                 # capture, whatever the sequences' lengths. Tables as wide as the longest
-                # sequence compiled a variant for each new width an eager step met (the
-                # phase-timed step every 30 s, docs/performance.md)
+                # sequence would compile a variant for each new width an eager step meets (the
+                # phase-timed step every 30 s)
                 width = max(width, self.kv.blocks_for(self.max_context))
             tables = [c.seq.blocks + [0] * (width - len(c.seq.blocks)) for c in chunks]
             batch.block_tables = as_tensor(tables, torch.int32)

@@ -119,7 +119,7 @@ def _piecewise_engine(checkpoint, *flags: str):
     )
     graphs.capture()
     assert len(graphs.graphs[4]) == engine.spec.num_moe_layers + 1
-    engine.graphs = graphs
+    engine.stepper.graphs = graphs
     return engine
 
 
@@ -167,7 +167,7 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         monkeypatch.setattr(engine.moe, "join_fills", counted_join)
         graphs = engine.graphs
         replays, queued_behind, landed_while_staging = [], [], []
-        run, land = graphs.run, engine._land
+        run, land = graphs.run, engine.stepper._land
         staging = [False]
 
         def counted_run(rows):
@@ -185,7 +185,7 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
             return land(flight, settled)
 
         graphs.run = counted_run
-        engine._land = recorded_land
+        engine.stepper._land = recorded_land
         outputs, counts = _generate(engine)
         staged = engine.telemetry.stats(running=0, queued=0, model_name="m")["experts"][
             "staged_layer_us"
@@ -317,7 +317,7 @@ def test_an_error_in_landing_during_the_staging_comes_after_the_step_is_queued(c
         seq.on_token = on_token
         with pytest.raises(ValueError, match="the client went away"):
             engine.run_until_idle()
-        assert engine._flight is not None and not engine.moe._host_work
+        assert engine.stepper.in_flight and not engine.moe._host_work
         engine.run_until_idle()
         assert engine.idle and engine.kv.used_blocks == 0
     finally:
@@ -337,7 +337,7 @@ def test_a_cpu_job_that_never_hands_over_fails_the_step_clearly(checkpoint, monk
             engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
         )
         graphs.capture()
-        engine.graphs = graphs
+        engine.stepper.graphs = graphs
         # a job that never writes its epoch
         native = engine.moe._decode_planner()
         if planner == "native":
@@ -438,7 +438,7 @@ def _guessing_engine(checkpoint, monkeypatch, calls: dict, launch_errors: list, 
         engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
     )
     graphs.capture()
-    engine.graphs = graphs
+    engine.stepper.graphs = graphs
     assert graphs.routing_guess is moe.guess_buffers() is not None
     late = _LateRouting(moe._decode_planner(), moe._routing_signal, routing)
     late.stand_ins = (functions, launches)  # alive while their addresses are in use
@@ -618,7 +618,7 @@ def _resident_engine_with_replay_graphs(checkpoint, *flags: str):
     assert engine.cache.holds_everything
     graphs = DecodeGraphs(engine.model, 4, engine.max_context, graph_factory=ReplayGraph)
     graphs.capture()
-    engine.graphs = graphs
+    engine.stepper.graphs = graphs
     return engine
 
 
@@ -757,7 +757,7 @@ def test_cancel_and_sampled_requests_while_a_step_is_in_flight(checkpoint):
         first, second = (engine.add(p, params) for p in PROMPTS[:2])
         while len(first.output_ids) < 4:
             engine.step()
-        assert engine._flight is not None and first.pending == 1
+        assert engine.stepper.in_flight and first.pending == 1
         engine.cancel(first)
         # a request asking for log probabilities joins: the host reads its logits, so its
         # steps wait for their tokens
@@ -767,7 +767,7 @@ def test_cancel_and_sampled_requests_while_a_step_is_in_flight(checkpoint):
         in_flight = []  # while it runs
         while not sampled.finished:
             engine.step()
-            in_flight.append(engine._flight is not None)
+            in_flight.append(engine.stepper.in_flight)
         engine.run_until_idle()
         assert engine.kv.used_blocks == 0
     finally:
@@ -784,7 +784,7 @@ def _steps_in_flight(engine) -> int:
     in_flight = 0
     while not engine.idle:
         engine.step()
-        in_flight += engine._flight is not None
+        in_flight += engine.stepper.in_flight
     return in_flight
 
 
