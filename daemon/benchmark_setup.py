@@ -20,7 +20,7 @@ from ..autotune.modes import MODES, mode_named
 from ..autotune.noise import NoiseRule, Objective
 from ..autotune.plan import MachineFacts, ModelFacts, Plan, make_plan
 from ..autotune.trial import Cancelled
-from ..engine.args import TUNABLE
+from ..engine.args import CPU_DEFAULT_BUDGET_BYTES, TUNABLE
 from ..engine.spec import ModelSpec
 from ..engine.text import Text, error_text
 from .benchmark_store import add_event, update_run
@@ -32,7 +32,8 @@ from .schema import BenchmarkRun, Model
 from .service import Daemon
 
 HARDWARE_FRESH_S = 7 * 24 * 3600.0
-CPU_DEVICE_MEMORY = "2GiB"  # the engine's own budget on a CPU device, made explicit
+# the engine's own budget on a CPU device, made explicit
+CPU_DEVICE_MEMORY = f"{CPU_DEFAULT_BUDGET_BYTES // 1024**3}GiB"
 TUNABLE_FLAGS = {t.flag for t in TUNABLE}
 
 

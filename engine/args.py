@@ -36,6 +36,8 @@ CPU_PINS = ("cores", "isolate", "off")
 GENERATION_CONFIGS = ("auto", "off")
 REASONING_PARSERS = ("off", "think")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# the memory a CPU device plans with where --device-memory is not given (a GPU plans its free one)
+CPU_DEFAULT_BUDGET_BYTES = 2 * 1024**3
 
 
 def parse_bytes(text: str) -> int:
@@ -282,7 +284,8 @@ def _memory_flags(memory: Group) -> None:
         type=parse_bytes,
         default=None,
         help="Memory budget of the compute device (e.g. 24GiB). Default: the free memory of the "
-        "GPU; required to plan memory on a CPU-only machine, where it defaults to 2GiB.",
+        "GPU; required to plan memory on a CPU-only machine, where it defaults to "
+        f"{CPU_DEFAULT_BUDGET_BYTES // 1024**3}GiB.",
     )
     memory.add_argument(
         "--kv-reserve-tokens",

@@ -19,10 +19,6 @@ from . import args as flags
 from .memory import MemoryRequest
 from .text import Text, error_text
 
-GIB = 1024**3
-# what a CPU device plans with where --device-memory is not given
-CPU_DEFAULT_BUDGET_BYTES = 2 * GIB
-
 
 class ConfigError(ValueError):
     """A setting the engine refuses; the message names the flag."""
@@ -125,9 +121,9 @@ class MemoryConfig(_FlagGroup):
 
     def budget_bytes(self, device_free_bytes: int | None) -> int:
         """The device memory to plan: the free memory of a GPU (`device_free_bytes`), at most
-        --device-memory; on a CPU device (None), --device-memory or 2 GiB."""
+        --device-memory; on a CPU device (None), --device-memory or its default there."""
         if device_free_bytes is None:
-            return self.device_memory_bytes or CPU_DEFAULT_BUDGET_BYTES
+            return self.device_memory_bytes or flags.CPU_DEFAULT_BUDGET_BYTES
         if self.device_memory_bytes:
             return min(device_free_bytes, self.device_memory_bytes)
         return device_free_bytes

@@ -30,7 +30,7 @@ from .cpu import (
 from .graphs import DecodeGraphs
 from .kv import KVCache
 from .loading import LoadProgress
-from .memory import MemoryRequest, VramPlan, log_plan
+from .memory import VramPlan, log_plan
 from .misses import MissPolicy
 from .model import DenseWeights, Model, SeqSlice, StepBatch
 from .moe import MoERunner
@@ -127,10 +127,16 @@ class Engine:
         path = Path(self.config.model.path)
         self.spec = spec = spec or ModelSpec.from_dir(path)
         self.device = resolve_device(self.config.memory.device)
-        on_cpu = self.device.type == "cpu"
-        self.dtype = getattr(torch, self.config.model.compute_dtype(spec.dtype, cpu=on_cpu))
+        cuda = self.device.type == "cuda"
+        self.dtype = getattr(torch, self.config.model.compute_dtype(spec.dtype, cpu=not cuda))
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
-        self.plan = self.memory_request().plan(spec)
+        free_bytes = torch.cuda.mem_get_info(self.device)[0] if cuda else None
+        request = self.config.memory_request(
+            budget_bytes=self.config.memory.budget_bytes(free_bytes),
+            elem_bytes=self.dtype.itemsize,
+            cuda=cuda,
+        )
+        self.plan = request.plan(spec)
         log_plan(self.plan)
 
     def _load_dense(self) -> tuple[TensorSource, DenseWeights]:
@@ -263,22 +269,6 @@ class Engine:
             overlap_decode=self.config.batching.overlap_decode,
         )
 
-    def memory_request(
-        self, *, budget_bytes: int | None = None, kv_tokens: int | None = None
-    ) -> MemoryRequest:
-        """What this engine's settings ask of its device's memory: within `budget_bytes`, else
-        the budget of the device as it is now (a GPU's free memory)."""
-        cuda = self.device.type == "cuda"
-        if budget_bytes is None:
-            free = torch.cuda.mem_get_info(self.device)[0] if cuda else None
-            budget_bytes = self.config.memory.budget_bytes(free)
-        return self.config.memory_request(
-            budget_bytes=budget_bytes,
-            elem_bytes=torch.empty((), dtype=self.dtype).element_size(),
-            cuda=cuda,
-            kv_tokens=kv_tokens,
-        )
-
     def _bandwidths(self) -> tuple[float, float, str]:
         """Bp and Bh: from this machine's `moelab bench bw` profile, else measured now."""
         cpu, profile = self.cpu, self._bandwidth_profile()
@@ -346,6 +336,17 @@ class Engine:
         stepper.graphs = graphs
         log.info("decode CUDA graphs captured in %.2f s", time.perf_counter() - t0)
 
+    def _replan(self, kv_tokens: int, **settings: int | float | None) -> VramPlan:
+        """The plan of the budget in force with `kv_tokens` of KV, and the memory request's
+        `settings` (cache_size, cache_rate) where given in place of the configuration's."""
+        request = self.config.memory_request(
+            budget_bytes=self.plan.budget_bytes,
+            elem_bytes=self.dtype.itemsize,
+            cuda=self.device.type == "cuda",
+            kv_tokens=kv_tokens,
+        )
+        return replace(request, **settings).plan(self.spec)
+
     def _apply_plan(self, plan: VramPlan) -> None:
         """Resize the expert cache to `plan` (idle engine), keeping the most recent experts."""
         self.stepper.drain()
@@ -367,10 +368,7 @@ class Engine:
         Raises MemoryPlanError when the current KV and `slots` do not fit the budget.
         """
         assert not self.scheduler.running, "resize while requests run"
-        request = self.memory_request(
-            budget_bytes=self.plan.budget_bytes, kv_tokens=self.kv.capacity_tokens
-        )
-        plan = replace(request, cache_size=slots, cache_rate=None).plan(self.spec)
+        plan = self._replan(self.kv.capacity_tokens, cache_size=slots, cache_rate=None)
         self._apply_plan(plan)
         log.info("expert cache resized: %s", plan.describe())
 
@@ -378,8 +376,7 @@ class Engine:
         """Reserve `tokens` of KV and give the expert cache what is left (no request running)."""
         assert not self.scheduler.running, "resize while requests run"
         self.stepper.drain()  # a queued step still writes the old KV
-        request = self.memory_request(budget_bytes=self.plan.budget_bytes, kv_tokens=tokens)
-        plan = request.plan(self.spec)
+        plan = self._replan(tokens)
         self.kv.k = self.kv.v = torch.empty(0)
         self.kv = self._new_kv(plan)
         self.model.kv = self.scheduler.kv = self.kv

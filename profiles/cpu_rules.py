@@ -4,7 +4,7 @@ fit."""
 
 from __future__ import annotations
 
-from ..engine.config import CPU_DEFAULT_BUDGET_BYTES
+from ..engine.args import CPU_DEFAULT_BUDGET_BYTES
 from ..engine.memory import VramPlan
 from ..engine.spec import ModelSpec
 from ..engine.text import Text

@@ -10,8 +10,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.args import CPU_DEFAULT_BUDGET_BYTES
 from ..engine.config import EngineConfig
-from ..engine.memory import MemoryPlanError, MemoryRequest, VramPlan
+from ..engine.memory import MemoryPlanError, VramPlan
 from ..engine.spec import DTYPE_BYTES, ModelSpec
 from ..engine.text import Text
 
@@ -208,7 +209,7 @@ def choose_device(machine: Machine, spec: ModelSpec, config: EngineConfig) -> De
     elem = DTYPE_BYTES[config.model.compute_dtype(spec.dtype, cpu=gpu is None)]
     budget = memory.budget_bytes(gpu.usable_bytes if gpu is not None else None)
     if gpu is None:
-        default = "the engine's 2 GiB default on a CPU device"
+        default = f"the engine's {CPU_DEFAULT_BUDGET_BYTES / GIB:g} GiB default on a CPU device"
         source = "--device-memory" if memory.device_memory_bytes else default
     elif budget < gpu.usable_bytes:
         source = "--device-memory"
@@ -220,23 +221,6 @@ def choose_device(machine: Machine, spec: ModelSpec, config: EngineConfig) -> De
     return DeviceChoice(name, gpu, budget, elem, source)
 
 
-def memory_request(
-    choice: DeviceChoice,
-    config: EngineConfig,
-    *,
-    kv_tokens: int | None = None,
-    budget_bytes: int | None = None,
-) -> MemoryRequest:
-    """What an engine with `config` would ask of the memory of the device `choice` names (with
-    `budget_bytes` in place of the device's budget, where given)."""
-    return config.memory_request(
-        budget_bytes=choice.budget_bytes if budget_bytes is None else budget_bytes,
-        elem_bytes=choice.elem_bytes,
-        cuda=choice.cuda,
-        kv_tokens=kv_tokens,
-    )
-
-
 def plan_for(
     spec: ModelSpec,
     choice: DeviceChoice,
@@ -245,5 +229,13 @@ def plan_for(
     kv_tokens: int | None = None,
     budget_bytes: int | None = None,
 ) -> VramPlan:
-    """The engine's VRAM plan for these settings (MemoryPlanError when they cannot fit)."""
-    return memory_request(choice, config, kv_tokens=kv_tokens, budget_bytes=budget_bytes).plan(spec)
+    """The engine's VRAM plan for these settings on the device `choice` names, within
+    `budget_bytes` in place of the device's budget where given (MemoryPlanError when they cannot
+    fit)."""
+    request = config.memory_request(
+        budget_bytes=choice.budget_bytes if budget_bytes is None else budget_bytes,
+        elem_bytes=choice.elem_bytes,
+        cuda=choice.cuda,
+        kv_tokens=kv_tokens,
+    )
+    return request.plan(spec)
