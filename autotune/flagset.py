@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.flag_list import FlagList, FlagSetting, described
+from ..engine.flag_list import FlagList, described
 from ..engine.text import Text
 
 ChangeValue = str | bool | None
@@ -54,11 +54,6 @@ class Change:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Change:
         return cls(str(data["flag"]), data.get("value"))
-
-
-def split_flags(flags: list[str]) -> list[FlagSetting]:
-    """The list as (flag, value) pairs in order; on/off flags have the value None."""
-    return list(FlagList.parse(flags))
 
 
 def has_flag(flags: list[str], flag: str) -> bool:

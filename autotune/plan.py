@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine.args import TUNABLE, Tunable
 from ..engine.text import Text, text_fields, text_of
-from .flagset import Change, effective_value, flag_info, has_flag, split_flags
+from .flagset import Change, effective_value, flag_info, has_flag, value_of
 from .modes import MODE_NAMES, Mode
 from .noise import FIGURE_NAMES, Objective
 
@@ -364,10 +364,7 @@ class _Planner:
 
     def _cache_share(self) -> float | None:
         """The expert cache in force as a share of all experts, when the flags say it."""
-        given = dict(split_flags(self.base))
-        if "--moe-cache-rate" in given:
-            return _number(given["--moe-cache-rate"])
-        return None
+        return _number(value_of(self.base, "--moe-cache-rate"))
 
     def _tokens(self, t: Tunable) -> None:
         current = _number(effective_value(self.base, t.flag))

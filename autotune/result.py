@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from ..engine.flag_list import FlagList
 from ..engine.text import Text, text_fields
-from .flagset import split_flags
 from .noise import Figures
 
 if TYPE_CHECKING:  # the search imports this module
@@ -77,7 +77,7 @@ def notes(search: Search) -> list[dict[str, Any]]:
     assert search.incumbent is not None
     by_flag = {k.change.flag: k for k in search.kept}
     out = []
-    chosen = split_flags(search.incumbent.flags)
+    chosen = FlagList.parse(search.incumbent.flags)
     origin = search.settings.base_origin
     for flag, value in chosen:
         kept = by_flag.get(flag)

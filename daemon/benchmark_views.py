@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from ..autotune.flagset import split_flags
+from ..engine.flag_list import FlagList
 from ..engine.text import text_fields, text_of, texts_fields
 from .benchmark_estimate import mode_durations
 from .benchmark_setup import RunOptions
@@ -58,8 +58,8 @@ def full_run(service: BenchmarkService, run_id: int, reveal: bool) -> dict[str, 
 def compare_runs(service: BenchmarkService, a: int, b: int, reveal: bool) -> dict[str, Any]:
     """Two runs side by side: each one's figures and, flag by flag, what each chose."""
     left, right = full_run(service, a, reveal), full_run(service, b, reveal)
-    flags_a = dict(split_flags((left["result"] or {}).get("flags", [])))
-    flags_b = dict(split_flags((right["result"] or {}).get("flags", [])))
+    flags_a = FlagList.parse((left["result"] or {}).get("flags", [])).as_dict()
+    flags_b = FlagList.parse((right["result"] or {}).get("flags", [])).as_dict()
     rows = []
     for flag in dict.fromkeys([*flags_a, *flags_b]):
         in_a, in_b = flag in flags_a, flag in flags_b

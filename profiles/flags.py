@@ -236,10 +236,10 @@ def check_value(flag: str, value: str | None) -> FlagProblem | None:
     return None
 
 
-def split_flags(flags: Iterable[str]) -> tuple[list[FlagSetting], list[FlagProblem]]:
-    """Read a flag list into settings, in order (engine/flag_list.py); problems for unknown
-    flags (a mistyped flag's value goes with it), missing or stray values, and values given to
-    on/off flags. Duplicates are kept (see `find_problems`)."""
+def split_flags(flags: Iterable[str]) -> tuple[FlagList, list[FlagProblem]]:
+    """A flag list's valid settings, in order, and its problems: unknown flags (a mistyped
+    flag's value goes with it), missing or stray values, and values given to on/off flags.
+    Duplicates are kept (see `find_problems`)."""
     settings: list[FlagSetting] = []
     problems: list[FlagProblem] = []
     previous: FlagSetting | str | None = None
@@ -257,7 +257,7 @@ def split_flags(flags: Iterable[str]) -> tuple[list[FlagSetting], list[FlagProbl
         if problem is not None:
             problems.append(problem)
         previous = item
-    return settings, problems
+    return FlagList(tuple(settings)), problems
 
 
 def _stray(token: str) -> FlagProblem:
@@ -362,8 +362,7 @@ def last_wins(flags: list[str]) -> tuple[list[str], list[str]]:
 
     Returns the flags and a note per collapsed flag. Other problems are left for validation.
     """
-    settings, _problems = split_flags(flags)
-    given = FlagList(tuple(settings))
+    given, _problems = split_flags(flags)
     kept = given.unique()
     notes = []
     for flag, value in kept:
@@ -379,10 +378,10 @@ def apply_changes(flags: list[str], changes: Iterable[FlagChange]) -> list[str]:
     """`flags` with each change made: a set value replaces the flag in place (or is added at the
     end) and drops flags exclusive with it; True switches an on/off flag on, False or None drops
     a flag. The result is validated (FlagError)."""
-    settings, problems = split_flags(flags)
+    given, problems = split_flags(flags)
     if problems:
         raise FlagError(problems)
-    current = FlagList(tuple(settings)).unique()
+    current = given.unique()
     for change in changes:
         info = catalog().get(change.flag)
         if info is None:

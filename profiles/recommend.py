@@ -258,8 +258,8 @@ def compare(advice: tuple[Advice, ...] | list[Advice], profile_flags: list[str])
 
     Advice to leave a flag unset is "same" when the profile leaves it out too.
     """
-    settings, _ = split_flags(profile_flags)
-    have = {s.flag: s.value for s in settings}
+    given, _ = split_flags(profile_flags)
+    have = given.as_dict()
     out = []
     for a in advice:
         present = a.flag in have

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from moelab.autotune.flagset import Change, apply_change, effective_value, same_flags, split_flags
+from moelab.autotune.flagset import Change, apply_change, effective_value, same_flags
 from moelab.autotune.modes import MODES
 from moelab.autotune.noise import Objective
 from moelab.autotune.plan import MachineFacts, ModelFacts, Plan, make_plan
 from moelab.engine.args import TUNABLE, Tunable
+from moelab.engine.flag_list import FlagList
 
 MODEL = ModelFacts("/m", num_moe_layers=3, num_experts=16, max_context=4096)
 CPU_2 = MachineFacts(physical_cores=2, gpus=0)
@@ -27,7 +28,7 @@ def test_every_candidate_is_the_base_plus_exactly_one_change() -> None:
     for candidate in plan.candidates:
         flags = apply_change(base, candidate.change)
         assert not same_flags(flags, base), candidate
-        changed = set(split_flags(flags)) ^ set(split_flags(base))
+        changed = set(FlagList.parse(flags)) ^ set(FlagList.parse(base))
         names = {name for name, _value in changed}
         # one flag changes; setting the cache rate also drops the cache size it excludes
         assert names in ({candidate.change.flag}, {"--moe-cache-rate", "--moe-cache-size"})
