@@ -11,6 +11,20 @@ def test_the_daemon_and_the_console_import_in_no_circle() -> None:
     assert cycles(import_graph(folders=MANAGER)) == []
 
 
+def test_the_engine_imports_in_no_circle_and_nothing_of_the_benchmark() -> None:
+    """The engine reads the bandwidth profile `moelab bench bw` writes through its own module
+    (engine/bandwidth.py): the benchmark's modules import the engine, never the other way."""
+    graph = import_graph(folders=("engine",))
+    assert cycles(graph) == []
+    reached, todo = set(), ["engine.engine"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph[module]
+    assert sorted(m for m in reached if m.startswith("engine.bench")) == []
+
+
 def test_the_routes_are_gathered_in_one_place() -> None:
     """The route modules (daemon/api_*.py) are imported by the composition root alone: the HTTP
     plumbing (daemon/http.py), the services and the console's pages import none of them."""
