@@ -685,7 +685,8 @@ def flags_markdown() -> str:
         "",
         "Generated from `engine/args.py` by `python -m moelab.engine.args > docs/flags.md`; "
         "`moelab generate` and `moelab bench decode|prefill` take the same flags. Flags marked "
-        "*tunable* are the ones the benchmark may change.",
+        "*tunable* are the ones the benchmark may change. The engine reads them as "
+        "`EngineConfig` (`engine/config.py`): one typed group of settings per group below.",
     ]
     group = None
     for flag in describe_flags():
