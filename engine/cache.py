@@ -1,12 +1,13 @@
-"""ExpertCache: S expert slots on the device shared by all MoE layers, least recently used out.
+"""ExpertCache: S expert slots on the device shared by all MoE layers, least recently used out;
+SlotFills: the copies of experts from the host bank into its slots.
 
-The cache only decides which (layer, expert) lives in which slot; copying weights into a slot is the
-MoE step's job (`engine/moe.py`), which knows the streams.
+The cache only decides which (layer, expert) lives in which slot; `SlotFills` copies the weights,
+on the copy stream after the compute stream's work.
 
 Its state is a few numpy arrays (the slot of each expert, the key and the last use of each slot,
 the use clock and the counters), so that the native decode planner (kernels/cpu_experts.py,
 `DecodePlanner`) can make the same decisions on the same state without Python; this class is the
-reference for those decisions.
+specification of those decisions (engine/miss_plan.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from .bank import ExpertBank
+from .h2d import HostToDevice
 
 # indices into ExpertCache.state (int64): the use clock, then the counters
 TICK, HITS, FILLS, EVICTIONS = range(4)
@@ -100,6 +104,14 @@ class ExpertCache:
     def resident_per_layer(self) -> list[int]:
         return [int(n) for n in (self.slot_of >= 0).sum(axis=1)]
 
+    def snapshot(self) -> dict:
+        """The cache's size and what each layer holds, as `/v1/stats` reports them."""
+        return {
+            "slots": self.slots,
+            "slot_bytes": self.slot_bytes,
+            "resident_per_layer": self.resident_per_layer(),
+        }
+
     @property
     def layer_major(self) -> bool:
         """Every expert resident, (layer m, expert e) in slot m * E + e."""
@@ -114,7 +126,7 @@ class ExpertCache:
     def holds_everything(self) -> bool:
         everything = self.num_layers * self.num_experts
         # the slot count first: asked once a decode step, where counting the resident slots
-        # took 16 us on the H200's host (its caches streamed cold by the CPU experts)
+        # costs a host whose caches the CPU experts streamed cold tens of microseconds
         return self.slots >= everything and self.resident == everything
 
     # lookups ---------------------------------------------------------------------------------
@@ -213,3 +225,63 @@ class ExpertCache:
             self.last_use[slot] = last_use
             self._set(key, slot)
             refill(*divmod(key, self.num_experts), slot)
+
+
+class SlotFills:
+    """Copies experts from the host bank into the cache's slots: on the copy stream, one driver
+    call a matrix (`HostToDevice`: torch's copy_ costs the host several times more); at once
+    without CUDA."""
+
+    def __init__(
+        self,
+        bank: ExpertBank,
+        cache: ExpertCache,
+        copy_stream: torch.cuda.Stream | None,
+        compute_stream: torch.cuda.Stream | None,
+    ) -> None:
+        self.bank = bank
+        self.cache = cache
+        self.copy_stream = copy_stream
+        # the engine's stream (the device's current one), looked up once: the lookup costs more
+        # than the small copies of a decode layer step
+        self.compute_stream = compute_stream
+        self._h2d = HostToDevice(copy_stream) if copy_stream is not None else None
+
+    def copy(self, moe_layer: int, admitted: list[tuple[int, int]]) -> torch.cuda.Event | None:
+        """Copy (expert, slot) pairs into their slots after the compute stream's queued work
+        (which may still read the slots being refilled); returns the event that marks them
+        done (None without CUDA, where the copies are done on return)."""
+        stream = self.copy_stream
+        if stream is None:
+            self.queue(moe_layer, admitted)
+            return None
+        stream.wait_stream(self.compute_stream)
+        self.queue(moe_layer, admitted)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def queue(self, moe_layer: int, admitted: list[tuple[int, int]]) -> None:
+        """Queue the copies of (expert, slot) pairs on the copy stream without waiting for
+        anything (done at once without CUDA)."""
+        bank_w13, bank_w2 = self.bank.w13[moe_layer], self.bank.w2[moe_layer]
+        cache, h2d = self.cache, self._h2d
+        if h2d is None:
+            for expert, slot in admitted:
+                cache.w13[slot].copy_(bank_w13[expert])
+                cache.w2[slot].copy_(bank_w2[expert])
+            return
+        n13 = cache.w13.stride(0) * cache.w13.element_size()  # one expert's matrix, in bytes
+        n2 = cache.w2.stride(0) * cache.w2.element_size()
+        assert bank_w13.is_contiguous() and bank_w13.stride(0) == cache.w13.stride(0)
+        dst13, dst2 = cache.w13.data_ptr(), cache.w2.data_ptr()
+        src13, src2 = bank_w13.data_ptr(), bank_w2.data_ptr()
+        for expert, slot in admitted:
+            h2d.copy(dst13 + slot * n13, src13 + expert * n13, n13)
+            h2d.copy(dst2 + slot * n2, src2 + expert * n2, n2)
+
+    def refill(self, moe_layer: int, expert: int, slot: int) -> None:
+        """Copy one expert into a slot and wait (cache resize, warm-up)."""
+        event = self.copy(moe_layer, [(expert, slot)])
+        if event is not None:
+            event.synchronize()

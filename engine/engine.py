@@ -109,7 +109,10 @@ class Engine:
             progress.begin("routing calibration")
             calibrate_routing(self, self.synth_source)
         progress.begin("CUDA graphs")
-        self.telemetry = Telemetry(self, enabled=config.server.stats)
+        self.telemetry = Telemetry(
+            self.spec, self, self.moe, self.cache, self.bank, self.scheduler,
+            enabled=config.server.stats,
+        )  # fmt: skip
         self.stepper = self._build_stepper()
         self._capture_graphs()
         progress.begin(None)
@@ -232,11 +235,11 @@ class Engine:
             top_k=spec.top_k,
             prefill_overlap=config.prefill.overlap,
             prefill_stream_min_tokens=self._stream_threshold(),
+            split_misses=config.experts.split_misses,
+            prefetch_rounds=config.experts.prefetch_rounds,
+            copy_ahead=config.experts.copy_ahead,
+            copy_rate=self.bp_gbps * 1e9,
         )
-        self.moe.split_misses = config.experts.split_misses
-        self.moe.prefetch_rounds = config.experts.prefetch_rounds
-        self.moe.copy_ahead = config.experts.copy_ahead
-        self.moe.copy_rate = self.bp_gbps * 1e9
         if plan.all_resident:
             self._load_all_experts()
         elif plan.prefill_buffer_bytes:

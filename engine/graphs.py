@@ -41,6 +41,7 @@ from ..kernels.host_handoff import tokens_to_host
 from .h2d import HostToDevice
 from .model import Model, SeqSlice, StepBatch, StepState
 from .sampling import GREEDY_ROW, Cut, RowDraw, draw_tokens
+from .staged_decode import StagedDecode
 
 log = logging.getLogger("moelab.graphs")
 
@@ -171,21 +172,25 @@ class DecodeGraphs:
         # (three cost 27 us a step on the H200's host, its caches streamed cold by the CPU
         # experts; docs/performance.md)
         self._h2d = HostToDevice(torch.cuda.current_stream(dev)) if pin else None
+        # the experts' staged decode (MoERunner.staged), which stages each MoE layer between two
+        # pieces, and its host buffers
+        self.staged: StagedDecode | None = model.experts.staged if piecewise else None
+        buffers = self.staged.buffers if self.staged is not None else None
         # staged experts of the layer between two pieces: each route's slot and the CPU's part,
         # in host memory, where the host and the CPU job write them and the next piece reads them
-        self.slots_host = model.experts.route_slots_buffer(max_bs) if piecewise else None
-        self.cpu_part = model.experts.handoff_buffer(max_bs) if piecewise else None
+        self.slots_host = buffers.route_slots(max_bs) if buffers else None
+        self.cpu_part = buffers.cpu_out(max_bs) if buffers else None
         # each piece that ends in a router copies its routing here (in its graph: no host launch
         # between the router and the host's read of it)
-        self.routing_host = model.experts.routing_buffers(max_bs) if piecewise else None
+        self.routing_host = buffers.routing(max_bs) if buffers else None
         # which its router sets once the routing is there, for the host's wait: where its store
         # is ordered after the routing's (a fence in PTX on an NVIDIA GPU; the CPU's reference
         # runs in order); elsewhere the host waits for the stream to go idle
-        signals = piecewise and (dev.type != "cuda" or inline_ptx(dev))
-        self.routing_signal = model.experts.routing_signal_buffer() if signals else None
-        # and where the executor wants them, a one-token piece that ends in a router sends a
+        signals = buffers is not None and (dev.type != "cuda" or inline_ptx(dev))
+        self.routing_signal = buffers.routing_signal() if signals else None
+        # and where the planner wants them, a one-token piece that ends in a router sends a
         # guess of its routing ahead of it (kernels/route_guess.py), for the wait to plan
-        self.routing_guess = model.experts.guess_buffers() if signals else None
+        self.routing_guess = self.staged.guess_buffers() if signals else None
         self.graphs: dict[int, list[Graph]] = {}
         self.outputs: dict[int, list[Outputs]] = {}  # per size, each graph's in capture order
         # piecewise: each piece after an MoE layer starts with a graph of its own, the cached
@@ -233,9 +238,8 @@ class DecodeGraphs:
     def _head(self, bs: int, state: StepState) -> Outputs:
         """The start of a piece after an MoE layer: the layer's cached experts' routes."""
         assert state.x is not None and state.weights is not None and self.slots_host is not None
-        self._head_out = self.model.experts.routed_cached(
-            state.x, self.slots_host[:bs], state.weights
-        )
+        assert self.staged is not None
+        self._head_out = self.staged.routed_cached(state.x, self.slots_host[:bs], state.weights)
         return self._head_out
 
     def _piece(self, bs: int, piece: int, state: StepState) -> Outputs:
@@ -243,18 +247,18 @@ class DecodeGraphs:
         the sum of all of its parts."""
         if piece:
             assert state.x is not None and state.weights is not None and self.cpu_part is not None
-            assert self._head_out is not None
+            assert self._head_out is not None and self.staged is not None
             cached_part, filled = self._head_out
-            experts, cpu_part = self.model.experts, self.cpu_part[:bs]
+            staged, cpu_part = self.staged, self.cpu_part[:bs]
             norm = self.model.norm_after_experts(piece - 1)
             if norm is None:
-                state.routed = experts.routed_filled(
+                state.routed = staged.routed_filled(
                     state.x, filled, state.weights, cached_part, cpu_part,
                     self.model.routed_dtype(piece - 1),
                 )  # fmt: skip
             else:  # the layer's sum, the residual add and the next norm in one launch
                 assert state.residual is not None
-                state.normed = experts.routed_filled_normed(
+                state.normed = staged.routed_filled_normed(
                     state.x, filled, state.weights, cached_part, cpu_part, state.residual, norm,
                     self.model.spec.rms_norm_eps,
                 )  # fmt: skip
@@ -386,35 +390,32 @@ class DecodeGraphs:
         self._send_inputs(host_long_t, host_int_t, bs)
         draw = self.draws[bs, max(r.draw.cut for r in rows)] if drawn else None
         graphs, heads = self.graphs[bs], self.heads[bs]
-        experts = self.model.experts
+        staged = self.staged
         execs = self.execs.get(bs)
-        if execs is not None and experts.launches_pieces():
+        if execs is not None and staged.launches_pieces():
             self._run_launched(graphs[0], execs, n, bs)
             if draw is not None:
                 draw.replay()
             return self._logits(bs, n)
+        # only the real rows: padding rows would fetch and run experts for nothing
+        staged_rows = staged.buffers.rows(n, 0) if staged is not None else None
         for piece, graph in enumerate(graphs):
             t0 = time.perf_counter()
             head = heads[piece]
             if head is not None:  # the cached experts' routes, then the wait for the fills
                 head.replay()
-                experts.join_fills()
+                staged.join_fills()
             if self.routing_signal is not None and piece < len(graphs) - 1:
-                experts.expect_routing()  # its router sets the signal the stage waits for
+                staged.buffers.expect_routing()  # its router sets the signal the stage waits for
             graph.replay()
             launched = time.perf_counter()
             if self.piecewise and piece:  # the launch that ends a staged layer step
-                experts.staged_times.replay_s += launched - t0
-                experts.after_launch()
+                staged.after_launch(launched - t0)
             if piece < len(graphs) - 1:
-                assert self.cpu_part is not None and self.routing_host is not None
-                assert self.slots_host is not None
+                assert staged_rows is not None and self.slots_host is not None
                 if piece + 2 == len(graphs):  # before the last piece, which writes the tokens
-                    experts.run_host_work()  # the host's work may still read (`sampled_to_host`)
-                # only the real rows: padding rows would fetch and run experts for nothing
-                ids_h, w_h, x_h = (t[:n] for t in self.routing_host)
-                experts.stage_decode(piece, ids_h, w_h, x_h, self.slots_host[:n], self.cpu_part[:n],
-                                     launched, guess=self._guesses(bs, piece))  # fmt: skip
+                    staged.run_host_work()  # the host's work may still read (`sampled_to_host`)
+                staged.stage_decode(piece, staged_rows, launched, guess=self._guesses(bs, piece))
                 if piece == 0:  # this step's first routing: the step before is finished
                     self._passed = self._runs - 1
                 # padding rows run no experts (written after the stage's sync: an earlier
@@ -428,30 +429,27 @@ class DecodeGraphs:
     def _run_launched(self, first: Graph, execs: list[tuple[int, int]], n: int, bs: int) -> None:
         """The pieces of one step, each after the first launched by the stage before it, in the
         native call that waited for its routing (`StagedDecode.stage_decode`'s launch)."""
-        experts = self.model.experts
-        assert self.cpu_part is not None and self.routing_host is not None
-        assert self.slots_host is not None
+        staged = self.staged
+        assert staged is not None
         signals = self.routing_signal is not None
         last = len(execs) - 1
         if signals:
-            experts.expect_routing()
+            staged.buffers.expect_routing()
         first.replay()
         launched = time.perf_counter()
         # only the real rows: padding rows would fetch and run experts for nothing
-        ids_h, w_h, x_h = (t[:n] for t in self.routing_host)
-        slots_h, cpu_part = self.slots_host[:n], self.cpu_part[:n]
+        staged_rows = staged.buffers.rows(n, bs - n)
         for piece in range(last):
             if piece + 1 == last:  # the host's work before the last piece, which writes the
-                experts.run_host_work()  # tokens the work may still read (`sampled_to_host`)
-            experts.stage_decode(
-                piece, ids_h, w_h, x_h, slots_h, cpu_part, launched, launch=execs[piece + 1],
-                pad_rows=bs - n, signals=signals and piece + 1 < last,
-                guess=self._guesses(bs, piece),
+                staged.run_host_work()  # tokens the work may still read (`sampled_to_host`)
+            staged.stage_decode(
+                piece, staged_rows, launched, launch=execs[piece + 1],
+                signals=signals and piece + 1 < last, guess=self._guesses(bs, piece),
             )  # fmt: skip
             launched = time.perf_counter()
             if piece == 0:  # this step's first routing: the step before is finished
                 self._passed = self._runs - 1
-            experts.after_launch()
+            staged.after_launch()
 
     def _logits(self, bs: int, n: int) -> torch.Tensor:
         logits = self.outputs[bs][-1][3]

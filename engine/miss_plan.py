@@ -1,21 +1,35 @@
 """Where the routes of one offloaded layer step run: from a slot (a hit, or a miss fetched now)
-or on the CPU.
+or on the CPU; and the planner that decides it and starts the step's CPU job.
 
-`plan_layer` is the Python planner; the native `DecodePlanner` (kernels/csrc/decode_planner.h)
-makes the same decisions and is checked against it. Of a step's misses, `MissPolicy.fetch_count`
-(misses.py) says how many to fetch; the fetched ones are those picked most often so far (the
-likeliest to be reused from the cache), ties broken by more tokens now, then the lower expert id.
+The specification is Python: `plan_layer` over `ExpertCache` (cache.py), with
+`MissPolicy.fetch_count` / `fetch_plan` / `lead_plan` (misses.py) saying how many misses to fetch.
+Of a step's misses, the fetched ones are those picked most often so far (the likeliest to be
+reused from the cache), ties broken by more tokens now, then the lower expert id.
+
+The native `DecodePlanner` (kernels/csrc/decode_planner.h) reimplements those decisions for
+speed, on the same numpy arrays, and adds what only it does: waiting for the routing, queueing
+the fills through the driver, splitting a miss between the copy and the CPU, launching the next
+captured piece, planning a guess of the routing. `LayerPlanner` runs it for decode where the CPU
+experts are native, and `plan_layer` otherwise (the torch kernel, prefill). Where the two could
+differ, the Python code is right: tests/engine/test_planner.py runs both over the same caches
+and routings and compares their plans, cache states and CPU outputs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .cache import ExpertCache
-from .misses import MissPolicy
+from ..kernels.cpu_experts import CpuExpertJob, CpuExpertRunner
+from ..kernels.host_handoff import DONE, EXPECTED, handoff_sync
+from .bank import ExpertBank
+from .cache import ExpertCache, SlotFills
+from .h2d import DriverEvent, driver_functions, launch_functions
+from .misses import SPLIT_CHUNKS, MissPolicy, MissSplit
+from .moe_stats import DecodeStats
 
 
 @dataclass(slots=True)
@@ -117,3 +131,248 @@ def expert_mask(num_experts: int, experts: list[int]) -> np.ndarray:
     mask = np.zeros(num_experts, dtype=bool)
     mask[experts] = True
     return mask
+
+
+class Handoff:
+    """Where a staged decode step's CPU job hands its part over to the next piece: a pinned word
+    (kernels/host_handoff.py) the job writes its epoch into once its part is in host memory
+    (DONE) and whose EXPECTED entry the piece waits for, and the epoch of the last part handed
+    over."""
+
+    def __init__(self, pin: bool) -> None:
+        self.sync = handoff_sync(pin=pin)
+        self.state = self.sync.numpy()
+        self.epoch = 0
+
+
+class LayerPlanner:
+    """Plans offloaded layer steps and starts and ends their CPU jobs: `plan_layer`, or for
+    decode where the CPU experts are native, the native `DecodePlanner` over the same cache.
+
+    Settings of the native planner: `copies`, it also waits for the routing and queues the fills,
+    and `launches`, it also launches the next captured piece (`DecodePlanner.set_device`,
+    `set_launch`; through the driver functions of `h2d`, with CUDA; a CPU test may stand in
+    functions on host memory and set them). `split_misses`: with its copies, one miss per layer
+    step may be split between the copy and the CPU (--no-split-misses). `prefetch_rounds`: rounds
+    of a CPU job's gate/up blocks its workers fetch while they wait for it, from a guess of the
+    routing (--moe-cpu-prefetch-rounds). `copy_ahead`: the share of a guess's lead over the
+    routing in which the device's first miss of the guessed step starts copying, at `copy_rate`
+    bytes/s (--moe-copy-ahead; the engine's measured Bp).
+    """
+
+    def __init__(
+        self,
+        bank: ExpertBank,
+        cache: ExpertCache,
+        split: MissSplit,
+        cpu: CpuExpertRunner | None,
+        stats: DecodeStats,
+        fills: SlotFills,
+        handoff: Handoff,
+        pinned: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor],
+        *,
+        top_k: int,
+        split_misses: bool,
+        prefetch_rounds: int,
+        copy_ahead: float,
+        copy_rate: float,
+    ) -> None:
+        self.bank = bank
+        self.cache = cache
+        self.split = split
+        self.cpu = cpu
+        self.stats = stats
+        self.fills = fills
+        self.handoff = handoff
+        self._pinned = pinned  # reusable host buffers by name (`MoERunner._pinned`)
+        self.top_k = top_k
+        cuda = cache.device.type == "cuda"
+        self.copies = self.launches = cuda
+        self.split_misses = split_misses
+        self.prefetch_rounds = prefetch_rounds
+        self.copy_ahead = copy_ahead
+        self.copy_rate = copy_rate
+        # the counters are never replaced: the native planner holds the picks' address
+        self._counters = stats.counters
+        self._inter = bank.w2[0].shape[-1]
+        self._expert_bytes = bank.expert_bytes
+        self._native: object | None = None  # rebuilt when the cache replaces its arrays
+        self._native_version = -1
+        self._join_event: DriverEvent | None = None
+
+    def native(self) -> object | None:
+        """The native planner over the cache (None: `plan_layer`, the torch CPU kernel); with
+        `copies` it also waits for the routing and queues the copies, with `launches` it also
+        launches the next piece, joining the fills on an event of its own."""
+        cache = self.cache
+        if self.cpu is None or self.cpu.kernel != "native":
+            return None
+        if self._native is None or self._native_version != cache.version:
+            native = self.cpu.decode_planner(
+                slot_of=cache.slot_of, key_of_slot=cache.key_of_slot, last_use=cache.last_use,
+                state=cache.state, picks=self._counters.picks, w13=self.bank.w13,
+                w2=self.bank.w2, top_k=self.top_k,
+            )  # fmt: skip
+            if native is not None and self.copies:
+                assert self.bank.w13[0].element_size() == cache.w13.element_size()
+                compute, fills = self.fills.compute_stream, self.fills.copy_stream
+                native.set_device(*driver_functions(),
+                                  compute.cuda_stream if compute is not None else 0,
+                                  fills.cuda_stream if fills is not None else 0,
+                                  cache.w13.data_ptr(), cache.w2.data_ptr(),
+                                  cache.w13.element_size())  # fmt: skip
+                if self.launches:
+                    if self._join_event is None and cache.device.type == "cuda":
+                        self._join_event = DriverEvent()
+                    join = self._join_event.handle if self._join_event is not None else 0
+                    native.set_launch(*launch_functions(), join)
+                native.set_copy_ahead(self.copy_ahead, self.copy_rate)
+            self._native, self._native_version = native, cache.version
+        return self._native
+
+    def uses_guesses(self) -> bool:
+        """Whether the waits plan the routing's guesses: for the workers' prefetch or the copies
+        ahead."""
+        return self.prefetch_rounds > 0 or self.copy_ahead > 0
+
+    def set_copy_ahead(self, share: float) -> None:
+        """`copy_ahead` from now on, in the native planner too."""
+        self.copy_ahead = share
+        if self._native is not None and self.copies:
+            self._native.set_copy_ahead(share, self.copy_rate)
+
+    def guess_lead_seconds(self) -> float:
+        """The guesses' usual lead over the routing, as the native planner measures it (a
+        running mean; 0 before a guess came, or without the native planner)."""
+        native = self._native
+        return native.guess_lead_seconds() if native is not None else 0.0
+
+    def plan(self, moe_layer: int, ids_host: np.ndarray, decode: bool) -> Dispatch:
+        """The Python plan of a layer step (`plan_layer`)."""
+        counters = self._counters
+        picks = counters.picks if decode else self.stats.prefill_picks
+        return plan_layer(self.cache, self.split.policy, moe_layer, ids_host, picks[moe_layer],
+                          counters.picks[moe_layer])  # fmt: skip
+
+    def start(
+        self, d: Dispatch, moe_layer, ids_host, weights_host, x_host, handoff_out=None
+    ) -> None:
+        """Start the CPU job of a planned layer step, if it has one (writing into handoff_out and
+        ending the next epoch, when given)."""
+        if d.cpu_mask is not None:
+            d.job = self._submit(moe_layer, x_host, ids_host, weights_host, d.cpu_mask, handoff_out)
+
+    def plan_and_start(
+        self, moe_layer, ids_host, weights_host, x_host, decode, handoff_out=None
+    ) -> Dispatch:
+        """Plan a layer step and start its CPU job: in native code for decode where the CPU
+        experts are native (the same decisions), else `plan` and `start`."""
+        native = self.native() if decode else None
+        if native is None:
+            d = self.plan(moe_layer, ids_host, decode)
+            self.start(d, moe_layer, ids_host, weights_host, x_host, handoff_out)
+            return d
+        ids = torch.from_numpy(np.ascontiguousarray(ids_host, dtype=np.int32))
+        weights = weights_host.float().contiguous()
+        x = x_host.float().contiguous()
+        out = handoff_out
+        if out is None:
+            out = self._pinned("cpu_out", tuple(x.shape), torch.float32)
+        d, _ = self.native_step(native, moe_layer, ids, weights, x, out, handoff_out is not None)
+        return d
+
+    def native_step(
+        self, native, moe_layer, ids, weights, x, out, handoff, sync=False, copies=False,
+        route_slots=None, signal=None, expected=False, launch=None, pad_rows=0, guess=None,
+    ) -> tuple[Dispatch, tuple[float, float, float, float]]:  # fmt: skip
+        """One DecodePlanner step over host tensors ids [T, K] (int32), weights [T, K] and x
+        [T, H] (fp32), the CPU's part into out (and then the next handoff epoch, if `handoff`).
+        sync: wait for the compute stream first (the routing's copies); copies: queue the fills
+        on the copy stream and mark the routes they serve (and then one miss may be split
+        between the copy and the CPU, if `split_misses`). route_slots: the host table [T, K]
+        int32 the routes' slots go to (a reusable buffer if None). signal: with sync, the
+        routing's signal to wait for instead of the stream. expected (with handoff): the native
+        call also completes the handoff to the next piece (a zero part and its epoch where no
+        CPU job runs; the epoch the piece waits for). launch, pad_rows: the next piece's graph
+        execs to launch, and the padding rows of route_slots' buffer to mark. guess (with
+        signal): the guess's logits and signal, planned during the wait for `prefetch_rounds`
+        rounds of blocks and, with `copy_ahead` and the copies, the copy ahead of its first
+        device miss. Returns the step and its native (wait, plan, copy, launch) seconds."""
+        if route_slots is None:
+            route_slots = self._pinned("route_slots", tuple(ids.shape), torch.int32)
+        h = self.handoff
+        flag, value = (h.sync, h.epoch + 1) if handoff else (None, 0)
+        expected_at = flag.data_ptr() + EXPECTED * flag.element_size() if expected else 0
+        head, piece = launch if launch is not None else (0, 0)
+        inter = self._inter
+        chunks = SPLIT_CHUNKS if copies and self.split_misses and inter % SPLIT_CHUNKS == 0 else 0
+        guess_logits, guess_signal = (t.data_ptr() for t in guess) if guess else (0, 0)
+        try:
+            experts, slots, admitted, on_cpu, split, job, seconds, guessed_step = native.step(
+                moe_layer, ids.data_ptr(), weights.data_ptr(), x.data_ptr(), ids.shape[0],
+                self.split.policy.fetch_fraction, route_slots.data_ptr(), out.data_ptr(),
+                0 if flag is None else flag.data_ptr(), value, sync, copies, chunks,
+                0 if signal is None else signal.data_ptr(), expected_at, pad_rows, head, piece,
+                guess_logits, guess_signal, self.prefetch_rounds if guess else 0,
+            )  # fmt: skip
+        except RuntimeError:  # a driver call failed; a failed fill has freed its slots again
+            self.cache.changed()
+            if flag is not None:  # the epochs stay ahead of any the call may have written
+                h.epoch = max(h.epoch, int(h.state[DONE]), int(h.state[EXPECTED]))
+            raise
+        if admitted or split is not None:
+            self.cache.changed()
+        missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
+        d = Dispatch(experts, slots, missing, admitted, on_cpu, route_slots.numpy(), None)
+        d.route_slots_host = route_slots
+        d.guessed, d.owned_blocks, d.ahead_rows, d.ahead_missed, d.guess_s, d.guess_late = (
+            guessed_step
+        )
+        if split is not None:
+            d.split, d.split_share = split, split[2] / inter
+        if job is not None:
+            keep = (ids, weights, x, out) if flag is None else (ids, weights, x, out, flag)
+            d.job = CpuExpertJob(out, job=job, keep=keep)
+        if flag is not None and (job is not None or expected):
+            h.epoch = value
+        return d, seconds
+
+    def end_job(self, d: Dispatch, decode: bool) -> torch.Tensor:
+        """Wait for a layer step's CPU job and return its part; a decode job's own timing goes to
+        the counters and to the miss split."""
+        job = d.job
+        assert job is not None
+        out = job.wait()
+        if decode:
+            weight_bytes, seconds = int(d.cpu_experts * self._expert_bytes), job.seconds()
+            self.stats.cpu_times.add(
+                weight_bytes, seconds, job.worker_seconds(), self.cpu.num_threads,
+                job.phase_seconds(), job.redone(),
+            )  # fmt: skip
+            self.split.job_done(weight_bytes, seconds)
+        return out
+
+    def _submit(self, moe_layer, x_host, ids_host, weights_host, cpu_mask, handoff_out):
+        rows, cols = np.nonzero(cpu_mask)
+        pair_expert = torch.from_numpy(ids_host[rows, cols].astype(np.int32, copy=False))
+        pair_token = torch.from_numpy(rows.astype(np.int32))
+        pair_weight = torch.from_numpy(weights_host.numpy()[rows, cols])
+        handoff = {}
+        if handoff_out is None:
+            out = self._pinned("cpu_out", tuple(x_host.shape), torch.float32)
+        else:
+            out, h = handoff_out, self.handoff
+            h.epoch += 1
+            handoff = {"done_flag": h.sync, "done_value": h.epoch}
+        assert self.cpu is not None, "CPU execution chosen without a CPU executor"
+        return self.cpu.submit(
+            x_host.float(),
+            self.bank.w13[moe_layer],
+            self.bank.w2[moe_layer],
+            pair_expert,
+            pair_token,
+            pair_weight,
+            out,
+            **handoff,
+            check=False,  # the bank's tensors and the runner's buffers, right by construction
+        )

@@ -1,24 +1,32 @@
-"""What the offloaded MoE step counts and times: per-layer decode counters, the CPU jobs'
-own timing, the host's stages between two captured pieces, and what a miss adds to a step."""
+"""What the offloaded MoE step counts and times: per-layer decode counters, the CPU jobs' own
+timing, the host's stages between two captured pieces, and what a miss adds to a step.
+
+`DecodeStats` holds them for one runner and is fed once per layer step (`layer_step` when a
+decode layer step is counted, `staged_step` when a staged one is planned); telemetry reads its
+`snapshot`.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 # the least share of the misses' variation a fit needs apart from the reads': a cache that
-# misses nearly every read leaves little, and the few steps that hit then set the slope (the
-# demo model at 6 of 48 slots left 0.4% once, fitted at 1,400 ± 220 µs where a miss costs tens;
-# with more hits there since, 15-23%, where the jackknife below keeps such slopes unclear);
-# 27 of 48 slots leave about 75%
+# misses nearly every read leaves little, and the few steps that hit then set the slope far off
+# what a miss costs; a cache that holds about half of the experts leaves most of it
 MIN_INDEPENDENT_SHARE = 0.1
 # MissCostFit's jackknife: blocks of this many consecutive decode steps at first; at most
 # MAX_BLOCKS (then neighbours merge), and at least MIN_BLOCKS before it says anything
 BLOCK_STEPS = 64
 MAX_BLOCKS = 16
 MIN_BLOCKS = 4
+# Offloaded decode accesses handed to `on_accesses` (the what-if stream) at once: handing them
+# over every step costs the host about half of what landing a step costs
+ACCESS_BATCH = 4096
 
 
 @dataclass(slots=True)
@@ -230,9 +238,8 @@ class MissCostFit:
 
     The slope's error is the larger of least squares' and a delete-one-block jackknife's over
     runs of consecutive steps (`blocks`): a host's slow spells and a cache's state last many
-    steps, so neighbouring steps are not independent draws, and least squares alone overstated
-    what a few thousand steps knew (the demo model at 6 of 48 slots fitted 62 ± 26, 81 ± 16,
-    396 ± 52 and 673 ± 45 µs a miss in four processes of the same flags).
+    steps, so neighbouring steps are not independent draws, and least squares alone overstates
+    what a few thousand steps know (processes of the same flags fit slopes far apart).
     """
 
     # Σ z zᵀ (4 x 4) per batch size over runs of block_steps consecutive steps, oldest first,
@@ -335,3 +342,124 @@ def _fit_slope(sums: dict[int, np.ndarray]) -> tuple[float, float] | None:
     beta = inverse @ xt
     residual = max(0.0, float(tt - beta @ xt))
     return float(beta[0]), float((residual / dof * inverse[0, 0]) ** 0.5)
+
+
+class PlannedStep(Protocol):
+    """What the counters read of a planned layer step (`miss_plan.Dispatch`)."""
+
+    experts: list[int]
+    slots: list[int]
+    missing: list[int]
+    admitted: list[tuple[int, int]]
+    on_cpu: list[int]
+    job: object | None
+    split: tuple[int, int, int] | None
+    guessed: bool
+    owned_blocks: int
+    ahead_rows: int
+    ahead_missed: bool
+    guess_s: float
+    guess_late: bool
+
+
+class DecodeStats:
+    """One runner's decode counters and timers, fed once per layer step, and the observers of
+    its decode steps (the what-if curve's access stream)."""
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.counters = LayerCounters.zeros(num_layers, num_experts)
+        # what the planner adds a split prefill layer's picks to (decode's counters rank misses);
+        # a resident or streamed prefill does not count, which would cost a host sync a layer
+        self.prefill_picks = np.zeros((num_layers, num_experts), dtype=np.int64)
+        self.cpu_times = CpuJobTimes()
+        self.staged_times = StagedStepTimes()
+        # decode-step observers: (layer, experts, slots before the step, fetched, run on CPU)
+        self.on_decode_step: list[Callable] = []
+        # the decode access stream, keys layer * E + expert in the order the cache sees them
+        self.on_accesses: Callable[[np.ndarray], None] | None = None
+        # offloaded steps' accesses, handed over in batches (`flush_accesses`)
+        self._accesses: list[int] = []
+        # the last staged layer step: (MoE layer, host time its routing arrived, its plan's key)
+        self._last_arrival: tuple[int, float, str] | None = None
+
+    def snapshot(self) -> dict:
+        """The CPU jobs' and the staged layer steps' figures, as `/v1/stats` reports them."""
+        return {
+            "cpu_jobs": self.cpu_times.to_dict(),
+            "staged_layer_us": self.staged_times.to_dict(),
+        }
+
+    def layer_step(self, d: PlannedStep, moe_layer: int) -> None:
+        """Count a planned decode layer step, and tell the observers."""
+        experts, slots, missing = d.experts, d.slots, d.missing
+        fetched = [expert for expert, _ in d.admitted]
+        c = self.counters
+        c.reads[moe_layer] += len(experts)
+        c.hits[moe_layer] += len(experts) - len(missing)
+        c.fills[moe_layer] += len(fetched)
+        c.cpu[moe_layer] += len(d.on_cpu)
+        for callback in self.on_decode_step:
+            callback(moe_layer, experts, slots, fetched, d.on_cpu)
+        if self.on_accesses is not None:
+            base = moe_layer * self.num_experts
+            self._accesses += [base + e for e, s in zip(experts, slots, strict=True) if s >= 0]
+            self._accesses += [base + e for e in missing]
+
+    def staged_step(
+        self, d: PlannedStep, moe_layer: int, sync_s: float, plan_s: float, fill_s: float,
+        replay_s: float, arrived: float, launched: float | None,
+    ) -> None:  # fmt: skip
+        """Time a staged decode layer step (`StagedStepTimes`): its stages' seconds, its routing's
+        arrival on the host's clock, which ends the last layer step's period, and the launch of
+        the piece it follows (`launched`, None where unknown)."""
+        times = self.staged_times
+        times.layer_steps += 1
+        times.split_misses += d.split is not None
+        times.cpu_jobs += d.job is not None
+        times.guesses += d.guessed
+        times.prefetched_jobs += d.owned_blocks > 0
+        times.copied_ahead += d.ahead_rows > 0
+        times.ahead_missed += d.ahead_missed
+        times.guess_plans += d.guess_s > 0
+        times.guess_s += d.guess_s
+        times.guess_late += d.guess_late
+        times.sync_s += sync_s
+        times.plan_s += plan_s
+        times.fill_s += fill_s
+        times.replay_s += replay_s
+        # the last layer step's period ends as this one's routing arrives (within one token)
+        last, self._last_arrival = self._last_arrival, (moe_layer, arrived, plan_key(d))
+        if last is not None and last[0] == moe_layer - 1:
+            times.add_period(last[2], arrived - last[1])
+        elif last is not None and moe_layer == 0:  # the previous step's last layer
+            times.boundaries += 1
+            times.boundary_s += arrived - last[1]
+            if launched is not None:
+                times.boundary_host_s += launched - last[1]
+
+    def break_chain(self) -> None:
+        """An eager MoE layer ran (a prefill, a decode step not replayed): the next staged layer
+        step starts no period and no boundary."""
+        self._last_arrival = None
+
+    def flush_accesses(self, at_least: int = 0) -> None:
+        """Hand the offloaded steps' accesses to `on_accesses`, where there are `at_least`."""
+        accesses = self._accesses
+        if len(accesses) < at_least or not accesses:
+            return
+        if self.on_accesses is not None:
+            self.on_accesses(np.array(accesses, dtype=np.int64))
+        self._accesses = []
+
+
+def plan_key(d: PlannedStep) -> str:
+    """A layer step's plan as `StagedStepTimes.periods` keys it: "q+c", q experts copied and c
+    run on the CPU, with "s" when one of those is split between the two, then "p" when its CPU
+    job's first blocks were fetched by their workers ahead of it (a guessed plan), or "w" when a
+    guess of CPU work came and the job was another (the workers fetched for nothing); no mark
+    where no such guess came (prefetch off, a batch of several tokens, a guess that came late);
+    then "a" when the device's first miss was copied in part ahead of the routing (`copy_ahead`)."""
+    key = f"{len(d.admitted)}+{len(d.on_cpu)}" + ("s" if d.split is not None else "")
+    key += "p" if d.owned_blocks else "w" if d.guessed else ""
+    return key + ("a" if d.ahead_rows else "")

@@ -1,5 +1,10 @@
 """Telemetry: throughput windows, requests and TTFT, memory, per-layer expert counters, the what-if
-curve and the per-token time breakdown, as `GET /v1/stats` and `GET /metrics` report them."""
+curve and the per-token time breakdown, as `GET /v1/stats` and `GET /metrics` report them.
+
+`Telemetry` is given the parts it reports on: the MoE runner (its counters, and the figures of its
+miss split and its decode timers, `MoERunner.snapshot`), the expert cache (`ExpertCache.snapshot`),
+the expert bank, the scheduler (the prefix cache's tokens), and of the engine itself only what a
+resize replaces or the engine alone knows (`EngineState`)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -15,11 +21,20 @@ import torch
 from .moe_stats import MissCostFit
 from .whatif import StackDistances
 
+if TYPE_CHECKING:
+    from .bank import ExpertBank
+    from .cache import ExpertCache
+    from .kv import KVCache
+    from .memory import VramPlan
+    from .moe import MoERunner
+    from .scheduler import Scheduler
+    from .spec import ModelSpec
+
 WINDOWS_S = (10, 60)
 # One decode step in this many seconds is timed phase by phase: eager (no graph replay) and
-# synchronizing at each phase, it took 20-40 ms on the H200 with 25% of the experts cached, where a
-# replayed step takes 3-6 ms (every 3 s, as it was, about 1% of decode and one stall in most
-# 256-token runs of `moelab bench decode`)
+# synchronizing at each phase, it takes several times a replayed step (docs/performance.md), so
+# timing one every few seconds cost about 1% of decode and a stall in most runs of `moelab bench
+# decode`
 BREAKDOWN_EVERY_S = 30.0
 PHASES = ("route", "copy", "gpu_experts", "cpu_experts")
 
@@ -65,11 +80,37 @@ class StepTimer:
             self.seconds[name] += time.perf_counter() - t0
 
 
+class EngineState(Protocol):
+    """What telemetry reads of the engine itself: its device, what a resize replaces (the memory
+    plan, the KV cache, the usable context) and the settings in force."""
+
+    device: torch.device
+    plan: VramPlan
+    kv: KVCache
+    max_context: int
+
+    def config_in_force(self) -> dict: ...
+
+
 class Telemetry:
     """Everything the engine reports about itself, fed by the engine thread."""
 
-    def __init__(self, engine, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        engine: EngineState,
+        moe: MoERunner,
+        cache: ExpertCache,
+        bank: ExpertBank,
+        scheduler: Scheduler,
+        enabled: bool = True,
+    ) -> None:
+        self.spec = spec
         self.engine = engine
+        self.moe = moe
+        self.cache = cache
+        self.bank = bank
+        self.scheduler = scheduler
         self.enabled = enabled
         self.started = time.time()
         self._t0 = time.monotonic()
@@ -79,7 +120,6 @@ class Telemetry:
         self.completed = 0
         self.decode_tokens_total = 0
         self.prefill_tokens_total = 0
-        spec = engine.spec
         self.whatif: StackDistances | None = None
         self._snapshots: deque[tuple[float, np.ndarray]] = deque()
         self.breakdown: dict[str, float] = {}
@@ -89,7 +129,7 @@ class Telemetry:
         self.timed_steps = 0  # decode steps run eagerly, phase by phase, for the breakdown
         if enabled:
             self.whatif = StackDistances(spec.num_moe_layers * spec.num_experts)
-            engine.moe.on_accesses = self.whatif.add
+            moe.stats.on_accesses = self.whatif.add
 
     # fed by the engine thread --------------------------------------------------------------------
 
@@ -107,7 +147,7 @@ class Telemetry:
             self.prefill.add(prefill_tokens, now)
             self.prefill_tokens_total += prefill_tokens
         if self.enabled:
-            reads, misses = self.engine.moe.decode_reads
+            reads, misses = self.moe.decode_reads
             # a timed step runs its CPU part alone: its time is not what a miss costs
             if decode_tokens and not prefill_tokens and timer is None:
                 seen_reads, seen_misses = self._reads_seen
@@ -133,7 +173,7 @@ class Telemetry:
     # reading ---------------------------------------------------------------------------------
 
     def _counter_matrix(self) -> np.ndarray:
-        c = self.engine.moe.counters
+        c = self.moe.counters
         return np.stack([c.reads, c.hits, c.fills, c.cpu]).copy()
 
     @staticmethod
@@ -169,8 +209,8 @@ class Telemetry:
             "total": plan.budget_bytes,
             "weights": weights,
             "kv": kv.nbytes,
-            "expert_cache": engine.cache.nbytes,
-            "prefill_buffer": engine.moe.stage_bytes,
+            "expert_cache": self.cache.nbytes,
+            "prefill_buffer": self.moe.stage_bytes,
             "activations": plan.activation_bytes,
             "graphs": plan.graph_bytes,
         }
@@ -201,8 +241,8 @@ class Telemetry:
             "memory": {
                 "device": [used_device],
                 "host_rss": _host_rss(),
-                "expert_bank": engine.bank.nbytes,
-                "expert_bank_pinned_layers": engine.bank.pinned_layers,
+                "expert_bank": self.bank.nbytes,
+                "expert_bank_pinned_layers": self.bank.pinned_layers,
                 "plan": plan.to_dict(),
             },
             "kv": {
@@ -210,12 +250,12 @@ class Telemetry:
                 "tokens_used": kv.used_blocks * kv.block_size,
                 "tokens_peak": kv.peak_blocks_used * kv.block_size,
                 "max_context": engine.max_context,
-                "bytes_per_token": engine.spec.kv_bytes_per_token,
+                "bytes_per_token": self.spec.kv_bytes_per_token,
                 # prompt tokens admitted, those the prefix cache held, and what it holds now
                 "prefix_cache": {
                     "enabled": kv.prefix_cache,
-                    "prompt_tokens": engine.scheduler.prompt_tokens,
-                    "cached_tokens": engine.scheduler.cached_tokens,
+                    "prompt_tokens": self.scheduler.prompt_tokens,
+                    "cached_tokens": self.scheduler.cached_tokens,
                     "tokens_held": kv.cached_blocks * kv.block_size,
                 },
             },
@@ -226,18 +266,19 @@ class Telemetry:
         return stats
 
     def _experts(self, now: float) -> dict:
-        engine = self.engine
-        spec = engine.spec
-        cache = engine.cache
+        spec = self.spec
+        cache = self.cache.snapshot()
+        moe = self.moe.snapshot()
         current = self._counter_matrix()
         base = next((m for t, m in self._snapshots if t >= now - 60), None)
         window = current - base if base is not None else current
         reads_60 = window[0].sum()
         total = spec.experts_total
+        slots = cache["slots"]
         sizes = sorted(
             {max(1, round(total * f / 24)) for f in range(1, 25)}
-            | {cache.slots}
-            | {min(total, round(cache.slots * 1.5)), min(total, cache.slots * 2)}
+            | {slots}
+            | {min(total, round(slots * 1.5)), min(total, slots * 2)}
         )
         whatif = self.whatif.curve([s for s in sizes if s > 0]) if self.whatif else []
         moe_layers = list(spec.moe_layers)
@@ -246,18 +287,18 @@ class Telemetry:
             "layer_ids": moe_layers,
             "num_experts": spec.num_experts,
             "top_k": spec.top_k,
-            "slots": cache.slots,
-            "slot_bytes": cache.slot_bytes,
-            "policy": engine.policy.mode,
-            "layers": self._layers(current, cache.resident_per_layer()),
+            "slots": slots,
+            "slot_bytes": cache["slot_bytes"],
+            "policy": moe["policy"],
+            "layers": self._layers(current, cache["resident_per_layer"]),
             "window_60s": {"layers": self._layers(window)},
-            "picks": engine.moe.counters.picks.tolist(),
+            "picks": self.moe.counters.picks.tolist(),
             "whatif": whatif,
             "whatif_accesses": self.whatif.accesses if self.whatif else 0,
             "hit_rate_60s": float(window[1].sum() / reads_60) if reads_60 else None,
             "hit_rate": float(current[1].sum() / current[0].sum()) if current[0].sum() else None,
-            "cpu_jobs": engine.moe.cpu_times.to_dict(),
-            "staged_layer_us": engine.moe.staged_times.to_dict(),
+            "cpu_jobs": moe["cpu_jobs"],
+            "staged_layer_us": moe["staged_layer_us"],
             "miss_cost": self.miss_cost.to_dict(),
         }
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from moelab.engine import miss_plan, staged_decode
 from moelab.engine import model as model_module
-from moelab.engine import staged_decode
 from moelab.engine.bench_report import staged_lines
 from moelab.engine.graphs import DecodeGraphs
 from moelab.engine.h2d import address_of, host_functions, host_launch_functions
 from moelab.engine.miss_plan import Dispatch
-from moelab.engine.moe_stats import StagedStepTimes
+from moelab.engine.moe_stats import StagedStepTimes, plan_key
 from moelab.engine.sampling import Cut, SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import host_handoff, paged_attention
@@ -93,7 +93,7 @@ def _host_driver(monkeypatch, calls: dict[str, int]) -> tuple:
     takes its CUDA path (wait, plan, start, copy in one call) on the CPU device. Counts calls."""
     functions = host_functions(calls)
     addresses = tuple(address_of(f) for f in functions)
-    monkeypatch.setattr(staged_decode, "driver_functions", lambda: addresses)
+    monkeypatch.setattr(miss_plan, "driver_functions", lambda: addresses)
     return functions  # kept alive by the caller
 
 
@@ -104,7 +104,7 @@ def _host_launches(monkeypatch, calls: dict[str, int], errors: list[BaseExceptio
         lambda handle: ReplayGraph.by_handle[handle].replay(), calls, errors
     )
     addresses = tuple(address_of(f) for f in functions)
-    monkeypatch.setattr(staged_decode, "launch_functions", lambda: addresses)
+    monkeypatch.setattr(miss_plan, "launch_functions", lambda: addresses)
     return functions  # kept alive by the caller
 
 
@@ -152,19 +152,20 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     engine = _piecewise_engine(checkpoint, *(() if overlap else ("--no-overlap-decode",)))
     summed_into_norm[0] = 0  # the replays' own, not the capture's
     try:
+        planner = engine.moe.planner
         if driver is not None:  # the fills queued by the native call
-            engine.moe.planner_copies = True
-            engine.moe.split_misses = copies in ("planner-split", "planner-launch")
-            engine.moe.planner_launches = native_launch
-            engine.moe._planner = None
+            planner.copies = True
+            planner.split_misses = copies in ("planner-split", "planner-launch")
+            planner.launches = native_launch
+            planner._native = None
         joins = [0]
-        join_fills = engine.moe.join_fills
+        join_fills = engine.moe.staged.join_fills
 
         def counted_join() -> None:
             joins[0] += 1
             join_fills()
 
-        monkeypatch.setattr(engine.moe, "join_fills", counted_join)
+        monkeypatch.setattr(engine.moe.staged, "join_fills", counted_join)
         graphs = engine.graphs
         replays, queued_behind, landed_while_staging = [], [], []
         run, land = graphs.run, engine.stepper._land
@@ -195,7 +196,7 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
     assert outputs == expected
     # each wait cleared the routing's signal for the next piece (the planner, on seeing it; the
     # Python path, after its sync)
-    assert engine.moe._routing_signal[0] == 0
+    assert engine.moe.staged.buffers.signal[0] == 0
     # without a shared expert, every replayed piece after an MoE layer summed its routes into the
     # residual and the next norm in one pass; with one, none did
     shared = engine.model.norm_after_experts(0) is None
@@ -266,8 +267,9 @@ def test_overlapped_decode_of_one_moe_layer_reads_each_step_tokens(tmp_path, mon
     engine = _piecewise_engine(one)
     try:
         assert engine.model.num_pieces == 2
-        engine.moe.planner_copies = engine.moe.planner_launches = launch
-        engine.moe._planner = None
+        planner = engine.moe.planner
+        planner.copies = planner.launches = launch
+        planner._native = None
         outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     finally:
         engine.close()
@@ -292,7 +294,7 @@ def test_overlapped_piecewise_decode_with_stops_and_a_shrinking_batch(checkpoint
     try:
         _, seqs = _run_with_a_stop(engine, stop_token)
         assert engine.idle and engine.kv.used_blocks == 0
-        assert engine.moe._pending is None and not engine.moe._uncounted
+        assert engine.moe.staged._pending is None and not engine.moe.staged._uncounted
     finally:
         engine.close()
     assert [(s.output_ids, s.finish_reason) for s in seqs] == expected
@@ -317,7 +319,7 @@ def test_an_error_in_landing_during_the_staging_comes_after_the_step_is_queued(c
         seq.on_token = on_token
         with pytest.raises(ValueError, match="the client went away"):
             engine.run_until_idle()
-        assert engine.stepper.in_flight and not engine.moe._host_work
+        assert engine.stepper.in_flight and not engine.moe.staged._host_work
         engine.run_until_idle()
         assert engine.idle and engine.kv.used_blocks == 0
     finally:
@@ -339,7 +341,7 @@ def test_a_cpu_job_that_never_hands_over_fails_the_step_clearly(checkpoint, monk
         graphs.capture()
         engine.stepper.graphs = graphs
         # a job that never writes its epoch
-        native = engine.moe._decode_planner()
+        native = engine.moe.planner.native()
         if planner == "native":
             assert native is not None
 
@@ -348,9 +350,9 @@ def test_a_cpu_job_that_never_hands_over_fails_the_step_clearly(checkpoint, monk
                     done_flag = 8  # step's argument: its address, 0 for none
                     return native.step(*args[:done_flag], 0, *args[done_flag + 1 :])
 
-            monkeypatch.setattr(engine.moe, "_decode_planner", NoHandover)
+            monkeypatch.setattr(engine.moe.planner, "native", NoHandover)
         else:
-            monkeypatch.setattr(engine.moe, "_decode_planner", lambda: None)
+            monkeypatch.setattr(engine.moe.planner, "native", lambda: None)
             submit = engine.moe.cpu.submit
             monkeypatch.setattr(engine.moe.cpu, "submit", lambda *a, **handoff: submit(*a))
         with pytest.raises(RuntimeError, match="gave up waiting for the CPU experts"):
@@ -368,8 +370,8 @@ def test_a_routing_that_never_signals_fails_the_step_clearly(checkpoint, monkeyp
     driver = _host_driver(monkeypatch, calls)
     engine = _piecewise_engine(checkpoint)
     try:
-        engine.moe.planner_copies = True
-        engine.moe._planner = None
+        engine.moe.planner.copies = True
+        engine.moe.planner._native = None
         silent = lambda signal, device: None  # noqa: E731
         monkeypatch.setattr(host_handoff, "signal_routing", silent)  # route_ref's
         monkeypatch.setattr(model_module, "signal_routing", silent)  # the two-launch router's
@@ -382,7 +384,7 @@ def test_a_routing_that_never_signals_fails_the_step_clearly(checkpoint, monkeyp
 
 
 def test_a_layer_steps_plan_key_marks_its_split_and_its_guess():
-    """`_plan_key`: "q+c" (copied + on the CPU), "s" for a split miss, then "p" where the CPU
+    """`plan_key`: "q+c" (copied + on the CPU), "s" for a split miss, then "p" where the CPU
     job's first blocks were its workers' (a matching guess), "w" where a guess of CPU work came
     and the job was another, nothing where no such guess came; then "a" where the device's first
     miss was copied in part ahead of the routing."""
@@ -391,12 +393,12 @@ def test_a_layer_steps_plan_key_marks_its_split_and_its_guess():
         none = np.zeros((1, 2), dtype=np.int64)
         return Dispatch([3, 5, 9], [0, -1, -1], [5, 9], [(5, 1)], [9], none, None, **fields)
 
-    assert staged_decode._plan_key(dispatch()) == "1+1"
-    assert staged_decode._plan_key(dispatch(split=(9, 2, 16))) == "1+1s"
-    assert staged_decode._plan_key(dispatch(guessed=True, owned_blocks=4)) == "1+1p"
-    assert staged_decode._plan_key(dispatch(split=(9, 2, 16), guessed=True)) == "1+1sw"
-    assert staged_decode._plan_key(dispatch(guessed=True, ahead_rows=8)) == "1+1wa"
-    assert staged_decode._plan_key(dispatch(ahead_rows=8)) == "1+1a"
+    assert plan_key(dispatch()) == "1+1"
+    assert plan_key(dispatch(split=(9, 2, 16))) == "1+1s"
+    assert plan_key(dispatch(guessed=True, owned_blocks=4)) == "1+1p"
+    assert plan_key(dispatch(split=(9, 2, 16), guessed=True)) == "1+1sw"
+    assert plan_key(dispatch(guessed=True, ahead_rows=8)) == "1+1wa"
+    assert plan_key(dispatch(ahead_rows=8)) == "1+1a"
 
 
 class _LateRouting:
@@ -428,21 +430,21 @@ def _guessing_engine(checkpoint, monkeypatch, calls: dict, launch_errors: list, 
     functions = list(host_functions(calls))
     functions[1] = routing.query  # the stream busy until the routing comes: the signals decide
     addresses = tuple(address_of(f) for f in functions)
-    monkeypatch.setattr(staged_decode, "driver_functions", lambda: addresses)
+    monkeypatch.setattr(miss_plan, "driver_functions", lambda: addresses)
     launches = _host_launches(monkeypatch, calls, launch_errors)
     engine = make_engine(checkpoint, *OFFLOADED, *flags)
     moe = engine.moe
-    moe.planner_copies = moe.planner_launches = moe.split_misses = True
-    moe._planner = None
+    moe.planner.copies = moe.planner.launches = moe.planner.split_misses = True
+    moe.planner._native = None
     graphs = DecodeGraphs(
         engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
     )
     graphs.capture()
     engine.stepper.graphs = graphs
-    assert graphs.routing_guess is moe.guess_buffers() is not None
-    late = _LateRouting(moe._decode_planner(), moe._routing_signal, routing)
+    assert graphs.routing_guess is moe.staged.guess_buffers() is not None
+    late = _LateRouting(moe.planner.native(), moe.staged.buffers.signal, routing)
     late.stand_ins = (functions, launches)  # alive while their addresses are in use
-    monkeypatch.setattr(moe, "_decode_planner", lambda: late)
+    monkeypatch.setattr(moe.planner, "native", lambda: late)
     return engine, late
 
 
@@ -490,7 +492,7 @@ def test_guessed_routings_have_the_workers_fetch_their_blocks_and_change_no_toke
     assert staged["cpu_jobs"] > 0 and 0 < staged["prefetched_jobs"] <= staged["guesses"]
     assert staged["prefetched_jobs"] <= staged["cpu_jobs"]
     assert staged["copied_ahead"] == staged["ahead_missed"] == 0  # --moe-copy-ahead 0
-    assert moe._guess_host[1][0] == 0  # cleared with each routing's signal
+    assert moe.staged.buffers.guess[1][0] == 0  # cleared with each routing's signal
     # their layer steps' periods apart from the others' (plans marked "p"), and said by the bench
     periods = staged["period_by_plan"]
     prefetched = sum(p["steps"] for plan, p in periods.items() if plan.endswith("p"))
@@ -526,7 +528,7 @@ def test_copies_ahead_of_the_routing_change_no_token(checkpoint, monkeypatch, ro
     lead_s = _LateRouting.LATE_S + 2 * TICK_S
     inter = moe.bank.w2[0].shape[-1]
     row_bytes = 2 * moe.bank.w2[0].shape[1] * moe.bank.w2[0].element_size()  # gate and up
-    moe.copy_rate = (inter // 2 + 0.5) * row_bytes / lead_s
+    moe.planner.copy_rate = (inter // 2 + 0.5) * row_bytes / lead_s
     moe.set_copy_ahead(1.0)
     try:
         outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
@@ -597,7 +599,7 @@ def test_guessed_routings_on_cuda_run_beside_the_chain_and_change_no_token(check
     engine = make_engine(checkpoint, *flags, "--moe-cpu-prefetch-rounds", "2")
     try:
         assert engine.config_in_force()["cuda_graph_mode"] == "piecewise"
-        assert engine.graphs.routing_guess is engine.moe.guess_buffers() is not None
+        assert engine.graphs.routing_guess is engine.moe.staged.guess_buffers() is not None
         logits, signal = engine.graphs.routing_guess
         logits.fill_(0.0)
         outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))

@@ -128,7 +128,7 @@ def test_cache_matches_an_independent_lru_simulation(tmp_path, policy):
             trace.append((spec.moe_index(layer), ids.cpu().numpy().copy()))
 
     engine.model.on_router = on_router
-    engine.moe.on_decode_step.append(
+    engine.moe.stats.on_decode_step.append(
         lambda layer, experts, slots, fetched, cpu: fetched_log.append(list(fetched))
     )
     # prompts longer than the streaming threshold: prefill never touches the cache
@@ -230,19 +230,19 @@ def test_the_auto_split_finds_its_way_back_to_the_cpu(tmp_path, monkeypatch, cap
     """A CPU rate so low that no miss runs on the CPU is never measured again by jobs: after
     RECOVER_AFTER_STEPS such layer steps the split moves it half-way back to the start-up rate
     (10 GB/s here), the CPU gets jobs again, and each return it makes doubles the next wait."""
-    import moelab.engine.moe as moe_module
+    import moelab.engine.misses as misses_module
     from moelab.engine.misses import MissPolicy
     from moelab.engine.moe_stats import CpuJobTimes
 
     path = synthesize(
         tmp_path / "m", preset="tiny", routing_skew=0.5, seed=6, overrides={"num_experts": 16}
     )
-    monkeypatch.setattr(moe_module, "RECOVER_AFTER_STEPS", 3)
+    monkeypatch.setattr(misses_module, "RECOVER_AFTER_STEPS", 3)
     engine = make_engine(path, "--moe-cache-size", "20", "--moe-miss-policy", "auto")
     try:
-        moe = engine.moe
+        moe, split = engine.moe, engine.moe.split
         # a collapsed rate: f = 10 / 10.5, every miss of a layer step is fetched
-        moe.policy = MissPolicy.auto(10.0, 0.5)
+        split.policy = MissPolicy.auto(10.0, 0.5)
         assert moe.policy.fetch_count(2) == 2 and moe.policy.fetch_count(3) == 3
         jobs = moe.cpu_times.jobs
         with caplog.at_level("INFO", logger="moelab.engine"):
@@ -257,52 +257,52 @@ def test_the_auto_split_finds_its_way_back_to_the_cpu(tmp_path, monkeypatch, cap
         # the wait: counted over steps with misses that ran none on the CPU (one that ran some
         # does not reset it, a window of jobs measuring the CPU does), doubled by each return,
         # short again once a window measures the CPU healthy
-        moe.policy = MissPolicy.auto(10.0, 1.0)
-        moe._steps_without_cpu, moe._recover_after = 0, 3
+        split.policy = MissPolicy.auto(10.0, 1.0)
+        split._steps_without_cpu, split._recover_after = 0, 3
         for used in (False, True, False):
-            moe._note_cpu_use(used)
-        assert moe.policy.bh_gbps == 1.0 and moe._steps_without_cpu == 2
+            split.note_cpu_use(used)
+        assert moe.policy.bh_gbps == 1.0 and split._steps_without_cpu == 2
         window = CpuJobTimes()
         window.add(1_000_000_000, (0.0, 1.0))  # 1 GB/s: the rate stays, the count starts again
-        moe._cpu_window = window
-        moe._adapt_split()
-        assert moe.policy.bh_gbps == 1.0 and moe._steps_without_cpu == 0
+        split._window = window
+        split._adapt()
+        assert moe.policy.bh_gbps == 1.0 and split._steps_without_cpu == 0
         for _ in range(2):
-            moe._note_cpu_use(False)
+            split.note_cpu_use(False)
         assert moe.policy.bh_gbps == 1.0
-        moe._note_cpu_use(False)
-        assert moe.policy.bh_gbps == pytest.approx(5.5) and moe._recover_after == 6
-        assert moe._adapt_every == moe_module.ADAPT_AFTER_RECOVERY_JOBS
-        moe.policy = MissPolicy.auto(10.0, 1.0)
+        split.note_cpu_use(False)
+        assert moe.policy.bh_gbps == pytest.approx(5.5) and split._recover_after == 6
+        assert split._adapt_every == misses_module.ADAPT_AFTER_RECOVERY_JOBS
+        split.policy = MissPolicy.auto(10.0, 1.0)
         for _ in range(5):
-            moe._note_cpu_use(False)
+            split.note_cpu_use(False)
         assert moe.policy.bh_gbps == 1.0  # 6 steps now
-        moe._note_cpu_use(False)
-        assert moe.policy.bh_gbps == pytest.approx(5.5) and moe._recover_after == 12
+        split.note_cpu_use(False)
+        assert moe.policy.bh_gbps == pytest.approx(5.5) and split._recover_after == 12
         window = CpuJobTimes()
         window.add(8_000_000_000, (0.0, 1.0))  # 8 GB/s: blended with 5.5, at least half of 10
-        moe._cpu_window = window
-        moe._adapt_split()
-        assert moe.policy.bh_gbps == pytest.approx(6.75) and moe._recover_after == 3
-        assert moe._adapt_every == moe_module.ADAPT_EVERY_JOBS
+        split._window = window
+        split._adapt()
+        assert moe.policy.bh_gbps == pytest.approx(6.75) and split._recover_after == 3
+        assert split._adapt_every == misses_module.ADAPT_EVERY_JOBS
         # a rate at or above the start-up one is left where it is
-        moe.policy = MissPolicy.auto(10.0, 12.0)
+        split.policy = MissPolicy.auto(10.0, 12.0)
         for _ in range(10):
-            moe._note_cpu_use(False)
+            split.note_cpu_use(False)
         assert moe.policy.bh_gbps == 12.0
     finally:
         engine.close()
 
 
 def test_the_auto_split_follows_the_cpu_rate_decode_sees(tmp_path, monkeypatch):
-    import moelab.engine.moe as moe_module
+    import moelab.engine.misses as misses_module
     from moelab.engine.misses import MissPolicy
     from moelab.engine.moe_stats import CpuJobTimes
 
     path = synthesize(
         tmp_path / "m", preset="tiny", routing_skew=0.5, seed=6, overrides={"num_experts": 16}
     )
-    monkeypatch.setattr(moe_module, "ADAPT_EVERY_JOBS", 4)
+    monkeypatch.setattr(misses_module, "ADAPT_EVERY_JOBS", 4)
     engines = {p: make_engine(path, "--moe-cache-size", "20", "--moe-miss-policy", p)
                for p in ("auto", "split:0.5")}  # fmt: skip
     try:
@@ -311,7 +311,7 @@ def test_the_auto_split_follows_the_cpu_rate_decode_sees(tmp_path, monkeypatch):
         auto, fixed = engines["auto"].moe, engines["split:0.5"].moe
         # a window of jobs at least (how many more the moved split leaves the CPU is the
         # machine's)
-        assert auto.cpu_times.jobs >= moe_module.ADAPT_EVERY_JOBS
+        assert auto.cpu_times.jobs >= misses_module.ADAPT_EVERY_JOBS
         # the start-up rates were 10 and 10 GB/s; the workers' own timing moved Bh, and the
         # fraction fetched follows it
         assert auto.policy.bh_gbps != 10.0 and auto.policy.bp_gbps == 10.0
@@ -319,9 +319,11 @@ def test_the_auto_split_follows_the_cpu_rate_decode_sees(tmp_path, monkeypatch):
         assert engines["auto"].config_in_force()["fetch_fraction"] == auto.policy.fetch_fraction
         assert fixed.policy == MissPolicy("split", 0.5)
         # one window: 6 GB in 0.1 s busy (reaction + run) is 60 GB/s, blended half with 100
-        auto.policy = MissPolicy.auto(50.0, 100.0)
-        auto._cpu_window = CpuJobTimes(jobs=4, weight_bytes=6_000_000_000, start_s=0.02, run_s=0.08)
-        auto._adapt_split()
+        auto.split.policy = MissPolicy.auto(50.0, 100.0)
+        auto.split._window = CpuJobTimes(
+            jobs=4, weight_bytes=6_000_000_000, start_s=0.02, run_s=0.08
+        )
+        auto.split._adapt()
         assert auto.policy == MissPolicy.auto(50.0, 80.0)
         assert auto.policy.fetch_fraction == pytest.approx(50 / 130)
         # jobs of one and of three experts (1 and 3 GB), 10 ms and 20 ms: a fixed 5 ms, and
@@ -329,8 +331,8 @@ def test_the_auto_split_follows_the_cpu_rate_decode_sees(tmp_path, monkeypatch):
         window = CpuJobTimes()
         for gb, seconds in ((1, 0.010), (3, 0.020), (1, 0.010), (3, 0.020)):
             window.add(gb * 1_000_000_000, (0.0, seconds))
-        auto._cpu_window = window
-        auto._adapt_split()
+        auto.split._window = window
+        auto.split._adapt()
         assert auto.policy.bh_gbps == pytest.approx(140.0)
     finally:
         for engine in engines.values():

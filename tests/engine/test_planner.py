@@ -1,7 +1,8 @@
 """The native decode planner makes the Python planner's decisions, on the same cache state.
 
-`MoERunner._plan` over `ExpertCache` is the reference (engine/moe.py, engine/cache.py); the native
-`DecodePlanner` (kernels/csrc/decode_planner.h) plans offloaded decode layer steps without Python.
+`plan_layer` over `ExpertCache` is the specification (engine/miss_plan.py, engine/cache.py); the
+native `DecodePlanner` (kernels/csrc/decode_planner.h) plans offloaded decode layer steps without
+Python.
 Two runners start from identical caches and get the same routing, step after step, under cache
 pressure (steps that need more slots than are free) and every kind of split.
 """
@@ -53,12 +54,15 @@ def cpu():
         yield runner
 
 
-def _runner(bank: ExpertBank, slots: int, fraction: float, cpu, top_k: int) -> MoERunner:
+def _runner(
+    bank: ExpertBank, slots: int, fraction: float, cpu, top_k: int, **settings
+) -> MoERunner:
     cache = ExpertCache(LAYERS, EXPERTS, slots, HIDDEN, INTER, torch.bfloat16, torch.device("cpu"))
     policy = MissPolicy("split", fraction)
     return MoERunner(
-        bank, cache, policy, cpu, top_k=top_k, prefill_overlap=False, prefill_stream_min_tokens=64
-    )
+        bank, cache, policy, cpu, top_k=top_k, prefill_overlap=False, prefill_stream_min_tokens=64,
+        **settings,
+    )  # fmt: skip
 
 
 def _bank(gen: torch.Generator) -> ExpertBank:
@@ -142,7 +146,7 @@ def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots):
     gen = torch.Generator().manual_seed(int(fraction * 100) + tokens)
     bank = _bank(gen)
     python, native = (_runner(bank, slots, fraction, cpu, top_k) for _ in range(2))
-    assert native._decode_planner() is not None
+    assert native.planner.native() is not None
     rng = np.random.default_rng(tokens * 7 + top_k)
     saw = {"admitted": 0, "cpu": 0, "short_of_slots": 0}
     for step in range(60):
@@ -150,9 +154,9 @@ def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots):
         ids = _routes(rng, tokens, top_k)
         weights = torch.rand(tokens, top_k, generator=gen)
         x = torch.randn(tokens, HIDDEN, generator=gen)
-        want = python._plan(layer, ids, decode=True)
-        python._start(want, layer, ids, weights, x)
-        got = native._plan_and_start(layer, ids, weights, x, decode=True)
+        want = python.planner.plan(layer, ids, decode=True)
+        python.planner.start(want, layer, ids, weights, x)
+        got = native.planner.plan_and_start(layer, ids, weights, x, decode=True)
         assert got.route_slots_host is not None
         for field in ("experts", "slots", "missing", "admitted", "on_cpu"):
             assert getattr(got, field) == getattr(want, field), (step, field)
@@ -257,9 +261,8 @@ def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, token
     are the whole layer's output."""
     gen = torch.Generator().manual_seed(11)
     bank = _bank(gen)
-    r = _runner(bank, 6, 0.39, cpu, 4)
-    r.split_misses = True
-    planner = r._decode_planner()
+    r = _runner(bank, 6, 0.39, cpu, 4, split_misses=True)
+    planner = r.planner.native()
     functions = host_functions()
     cache = r.cache
     planner.set_device(*(address_of(f) for f in functions), 0, 0, cache.w13.data_ptr(),
@@ -272,7 +275,7 @@ def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, token
         weights = torch.rand(tokens, 4, generator=gen)
         x = torch.randn(tokens, HIDDEN, generator=gen)
         out = torch.zeros(tokens, HIDDEN)
-        d, _ = r._native_step(planner, layer, ids, weights, x, out, False, copies=True)
+        d, _ = r.planner.native_step(planner, layer, ids, weights, x, out, False, copies=True)
         _assert_marked(d, ids.numpy(), r.cache.slot_of[layer])
         # the native planner's division is the Python policy's (there is room for it in these steps)
         q, j = r.policy.fetch_plan(len(d.missing), 16)
@@ -306,25 +309,25 @@ def test_a_bad_route_is_refused_and_changes_nothing(cpu):
     before = _state(r)
     ids = np.array([[1, EXPERTS]], dtype=np.int32)
     with pytest.raises(ValueError, match=f"routed expert {EXPERTS} is outside 0..{EXPERTS - 1}"):
-        r._plan_and_start(0, ids, torch.rand(1, 2), torch.randn(1, HIDDEN), decode=True)
+        r.planner.plan_and_start(0, ids, torch.rand(1, 2), torch.randn(1, HIDDEN), decode=True)
     assert _state(r) == before
     # and the planner still works
-    d = r._plan_and_start(0, np.array([[1, 2]], dtype=np.int32), torch.rand(1, 2),
-                          torch.randn(1, HIDDEN), decode=True)  # fmt: skip
+    d = r.planner.plan_and_start(0, np.array([[1, 2]], dtype=np.int32), torch.rand(1, 2),
+                                 torch.randn(1, HIDDEN), decode=True)  # fmt: skip
     assert d.experts == [1, 2] and d.missing == [1, 2]
 
 
 def test_a_resized_cache_gets_a_new_planner(cpu):
     bank = _bank(torch.Generator().manual_seed(1))
     r = _runner(bank, 6, 1.0, cpu, 2)
-    first = r._decode_planner()
-    r._plan_and_start(0, np.array([[3, 4]], dtype=np.int32), torch.rand(1, 2),
-                      torch.randn(1, HIDDEN), decode=True)  # fmt: skip
+    first = r.planner.native()
+    r.planner.plan_and_start(0, np.array([[3, 4]], dtype=np.int32), torch.rand(1, 2),
+                             torch.randn(1, HIDDEN), decode=True)  # fmt: skip
     r.cache.resize(3, r.refill)
-    assert r._decode_planner() is not first
+    assert r.planner.native() is not first
     assert sorted(r.cache.key_of_slot.tolist()) == [-1, 3, 4]
-    d = r._plan_and_start(0, np.array([[4, 5]], dtype=np.int32), torch.rand(1, 2),
-                          torch.randn(1, HIDDEN), decode=True)  # fmt: skip
+    d = r.planner.plan_and_start(0, np.array([[4, 5]], dtype=np.int32), torch.rand(1, 2),
+                                 torch.randn(1, HIDDEN), decode=True)  # fmt: skip
     assert d.slots[0] >= 0 and d.admitted == [(5, int(r.cache.slot_of[0, 5]))]
 
 
@@ -335,9 +338,8 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
     bank = _bank(gen)
     cache = ExpertCache(LAYERS, EXPERTS, 6, HIDDEN, INTER, torch.bfloat16, dev)
     r = MoERunner(bank, cache, MissPolicy("split", 0.5), cpu, top_k=4, prefill_overlap=False,
-                  prefill_stream_min_tokens=64)  # fmt: skip
-    r.split_misses = True
-    planner = r._decode_planner()
+                  prefill_stream_min_tokens=64, split_misses=True)  # fmt: skip
+    planner = r.planner.native()
     rng = np.random.default_rng(3)
     splits = 0
     for step in range(8):
@@ -346,10 +348,10 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
         weights = torch.rand(2, 4, generator=gen).to(dev)
         x = torch.randn(2, HIDDEN, generator=gen).bfloat16().to(dev)
         torch.cuda._sleep(20_000_000)  # the routing arrives late: the step must wait for it
-        ids_h, w_h, x_h = r.routing_buffers(2)
+        ids_h, w_h, x_h = r.staged.buffers.routing(2)
         routing_to_host(ids, weights, x, ids_h, w_h, x_h)
         out = torch.empty(2, HIDDEN)
-        d, (wait_s, *_) = r._native_step(
+        d, (wait_s, *_) = r.planner.native_step(
             planner, layer, ids_h, w_h, x_h, out, False, sync=True, copies=True
         )
         assert wait_s > 0
@@ -393,20 +395,20 @@ def test_the_side_that_ends_later_starts_first(cpu, top_k, copies_first):
     CPU job starts first. The stand-in copy looks, as it is called, whether the job was started:
     the epoch the next piece waits for (EXPECTED), which the call stores as it starts the job."""
     r = _runner(_bank(torch.Generator().manual_seed(6)), 6, 0.39, cpu, top_k)
-    planner = r._decode_planner()
-    state = r._handoff_sync.numpy()
+    planner = r.planner.native()
+    state = r.planner.handoff.state
     seen: list[bool] = []
 
     def copy(dst, src, nbytes, stream) -> int:
         if not seen:  # the first copy: has the CPU job been started?
-            seen.append(bool(state[EXPECTED] == r._epoch + 1))
+            seen.append(bool(state[EXPECTED] == r.planner.handoff.epoch + 1))
         return 0
 
     functions = (COPY_FUNCTION(copy), QUERY_FUNCTION(lambda stream: 0), *_no_2d())
     planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
     ids = torch.arange(top_k, dtype=torch.int32)[None]
     weights, x, out = torch.rand(1, top_k), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
-    d, _ = r._native_step(planner, 0, ids, weights, x, out, True, copies=True, expected=True)
+    d, _ = r.planner.native_step(planner, 0, ids, weights, x, out, True, copies=True, expected=True)
     assert (len(d.admitted), len(d.on_cpu)) == (1, top_k - 1)
     d.job.wait()
     assert seen == [not copies_first]
@@ -418,7 +420,7 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
     resident."""
     bank = _bank(torch.Generator().manual_seed(4))
     r = _runner(bank, 6, 1.0, cpu, 2)
-    planner = r._decode_planner()
+    planner = r.planner.native()
     copies: list[int] = []
 
     def failing_second_copy(dst, src, nbytes, stream) -> int:
@@ -435,11 +437,11 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     before = _state(r)
     with pytest.raises(RuntimeError, match="cuStreamQuery failed with CUDA driver error 999"):
-        r._native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
+        r.planner.native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
     assert _state(r) == before and not copies
     sync_result[0] = 0
     with pytest.raises(RuntimeError, match="cuMemcpyHtoDAsync failed with CUDA driver error 700"):
-        r._native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
+        r.planner.native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
     # expert 3's two matrices; the second failed
     assert copies == [2 * INTER * HIDDEN * 2, HIDDEN * INTER * 2]
     assert r.cache.slot_of[0, 3] == -1 and r.cache.slot_of[0, 4] == -1
@@ -449,7 +451,7 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
     copy_ok = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
     planner.set_device(address_of(copy_ok), address_of(sync), *(address_of(f) for f in two_d),
                        0, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
-    d, _ = r._native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
+    d, _ = r.planner.native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
     assert [e for e, _ in d.admitted] == [3, 4] and r.cache.resident == 2
 
 
@@ -458,7 +460,7 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
     no work left, and plans only then: here a stand-in answers CUDA_ERROR_NOT_READY three times."""
     bank = _bank(torch.Generator().manual_seed(5))
     r = _runner(bank, 6, 0.0, cpu, 2)
-    planner = r._decode_planner()
+    planner = r.planner.native()
     answers = [600, 600, 600, 0]
     asked: list[int] = []
 
@@ -473,7 +475,7 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
     ids = torch.tensor([[1, 2]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     before = r.cache.state.copy()
-    d, (wait_s, *_) = r._native_step(planner, 0, ids, weights, x, out, False, sync=True)
+    d, (wait_s, *_) = r.planner.native_step(planner, 0, ids, weights, x, out, False, sync=True)
     assert asked == [77] * 4  # the compute stream's handle, until it answered 0
     assert wait_s > 0 and d.job is not None
     d.job.wait()
@@ -489,7 +491,7 @@ def test_the_wait_takes_the_routing_signal_and_asks_the_stream_only_now_and_then
     the signal is set: one error fails the step and changes nothing."""
     bank = _bank(torch.Generator().manual_seed(6))
     r = _runner(bank, 6, 0.0, cpu, 2)
-    planner = r._decode_planner()
+    planner = r.planner.native()
     signal = routing_signal(pin=False)
     answers = [600]
     asked = [0]
@@ -506,7 +508,7 @@ def test_the_wait_takes_the_routing_signal_and_asks_the_stream_only_now_and_then
                        77, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
     ids = torch.tensor([[1, 2]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
-    d, (wait_s, *_) = r._native_step(planner, 0, ids, weights, x, out, False, sync=True,
+    d, (wait_s, *_) = r.planner.native_step(planner, 0, ids, weights, x, out, False, sync=True,
                                        signal=signal)  # fmt: skip
     assert asked[0] == 3 and wait_s > 0  # returned only after the signal, asking no more
     assert signal[0] == 0  # cleared once seen, for the next piece's router
@@ -517,7 +519,7 @@ def test_the_wait_takes_the_routing_signal_and_asks_the_stream_only_now_and_then
     answers[0] = 999
     before = _state(r)
     with pytest.raises(RuntimeError, match="cuStreamQuery failed with CUDA driver error 999"):
-        r._native_step(planner, 0, ids, weights, x, out, False, sync=True, signal=signal)
+        r.planner.native_step(planner, 0, ids, weights, x, out, False, sync=True, signal=signal)
     assert _state(r) == before
 
 
@@ -528,7 +530,7 @@ def test_the_job_made_during_the_wait_serves_steps_of_any_size(cpu):
     gen = torch.Generator().manual_seed(12)
     bank = _bank(gen)
     r = _runner(bank, 6, 0.0, cpu, 2)
-    planner = r._decode_planner()
+    planner = r.planner.native()
     query = QUERY_FUNCTION(lambda stream: 0)
     copy = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
     planner.set_device(address_of(copy), address_of(query), *(address_of(f) for f in _no_2d()),
@@ -540,7 +542,7 @@ def test_the_job_made_during_the_wait_serves_steps_of_any_size(cpu):
         weights = torch.rand(tokens, 2, generator=gen)
         x = torch.randn(tokens, HIDDEN, generator=gen)
         out = torch.full((tokens, HIDDEN), float("nan"))
-        d, _ = r._native_step(planner, layer, ids, weights, x, out, False, sync=True)
+        d, _ = r.planner.native_step(planner, layer, ids, weights, x, out, False, sync=True)
         assert d.job is not None and sorted(d.on_cpu) == d.experts  # policy 0.0: all on the CPU
         want = _cpu_part(d.on_cpu, ids.numpy(), weights, x, bank.w13[layer], bank.w2[layer])
         torch.testing.assert_close(d.job.wait(), want, rtol=1e-4, atol=1e-4)
@@ -553,7 +555,7 @@ def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
     next step returns."""
     with CpuExpertRunner(1, "native") as one:
         r = _runner(_bank(torch.Generator().manual_seed(8)), 6, 0.0, one, 2)
-        planner = r._decode_planner()
+        planner = r.planner.native()
         functions = (COPY_FUNCTION(lambda dst, src, nbytes, stream: 0),
                      QUERY_FUNCTION(lambda stream: 0), *_no_2d())  # fmt: skip
         planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
@@ -562,9 +564,9 @@ def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
         ids = torch.tensor([[1, 2]], dtype=torch.int32)
         weights, x = torch.rand(1, 2, generator=gen), torch.randn(1, HIDDEN, generator=gen)
         out = [torch.zeros(1, HIDDEN) for _ in range(2)]
-        first, _ = r._native_step(planner, 0, ids, weights, x, out[0], False, sync=True)
+        first, _ = r.planner.native_step(planner, 0, ids, weights, x, out[0], False, sync=True)
         assert first.job is not None and first.job.unclaimed() > 1  # behind the gate
-        second, _ = r._native_step(planner, 1, ids, weights, x, out[1], False, sync=True)
+        second, _ = r.planner.native_step(planner, 1, ids, weights, x, out[1], False, sync=True)
         assert first.job.unclaimed() == 1
         assert second.job is not None and second.job.unclaimed() > 1  # for the next step
         gate.open()
@@ -588,8 +590,8 @@ def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu, top_k, fract
     the CPU's part is the longer side (one copy, two CPU experts at a copy share of 0.39), the
     head is launched before the fills are queued, the piece still after them."""
     r = _runner(_bank(torch.Generator().manual_seed(11)), 6, fraction, cpu, top_k)
-    planner = r._decode_planner()
-    sync = r._handoff_sync.numpy()
+    planner = r.planner.native()
+    sync = r.planner.handoff.state
     order: list[tuple] = []
 
     def copy(dst, src, nbytes, stream) -> int:
@@ -618,13 +620,13 @@ def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu, top_k, fract
     ids = torch.tensor([[3, 4, 1][:top_k]], dtype=torch.int32)
     weights, x = torch.rand(1, top_k), torch.randn(1, HIDDEN)
     out = torch.full((1, HIDDEN), float("nan"))
-    epoch = r._epoch
-    d, seconds = r._native_step(
+    epoch = r.planner.handoff.epoch
+    d, seconds = r.planner.native_step(
         planner, 0, ids, weights, x, out, True, sync=True, copies=True, route_slots=table[:1],
         expected=True, launch=(21, 22), pad_rows=2,
     )  # fmt: skip
     assert len(seconds) == 4 and seconds[3] >= 0
-    assert r._epoch == epoch + 1 and sync[EXPECTED] == epoch + 1
+    assert r.planner.handoff.epoch == epoch + 1 and sync[EXPECTED] == epoch + 1
     assert (d.job is not None) == on_cpu and d.admitted
     if head_first:
         assert (len(d.admitted), len(d.on_cpu)) == (1, 2)
@@ -644,7 +646,7 @@ def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu, top_k, fract
     if not head_first:  # the same routing again: its copied experts are hits now
         # without fills nothing is joined
         order.clear()
-        d, _ = r._native_step(planner, 0, ids, weights, x, out, True, sync=True, copies=True,
+        d, _ = r.planner.native_step(planner, 0, ids, weights, x, out, True, sync=True, copies=True,
                               route_slots=table[:1], expected=True, launch=(0, 22))  # fmt: skip
         assert not d.admitted and order[-1][:2] == ("launch", 22)
         assert not any(o[0] in ("record", "wait") for o in order)
@@ -654,19 +656,19 @@ def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu, top_k, fract
     order.clear()
     before = _state(r)
     with pytest.raises(ValueError, match="pad_rows"):
-        r._native_step(
+        r.planner.native_step(
             planner, 0, ids, weights, x, out, True, sync=True, copies=True,
             route_slots=table[:1], expected=True, launch=(21, 22), pad_rows=-1,
         )  # fmt: skip
     with pytest.raises(ValueError, match="needs set_launch and the copies"):
-        r._native_step(planner, 0, ids, weights, x, out, True, sync=True, launch=(21, 22))
+        r.planner.native_step(planner, 0, ids, weights, x, out, True, sync=True, launch=(21, 22))
     assert _state(r) == before and not order
 
 
 def test_a_failed_launch_is_an_error(cpu):
     """A graph launch the driver refuses fails the step with its code."""
     r = _runner(_bank(torch.Generator().manual_seed(12)), 6, 1.0, cpu, 2)
-    planner = r._decode_planner()
+    planner = r.planner.native()
     functions = (COPY_FUNCTION(lambda dst, src, nbytes, stream: 0),
                  QUERY_FUNCTION(lambda stream: 0), *_no_2d())  # fmt: skip
     planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
@@ -676,12 +678,12 @@ def test_a_failed_launch_is_an_error(cpu):
     planner.set_launch(*(address_of(f) for f in launches), 0)
     ids = torch.tensor([[3, 4]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
-    epoch = r._epoch
+    epoch = r.planner.handoff.epoch
     with pytest.raises(RuntimeError, match="cuGraphLaunch failed with CUDA driver error 400"):
-        r._native_step(planner, 0, ids, weights, x, out, True, sync=True, copies=True,
+        r.planner.native_step(planner, 0, ids, weights, x, out, True, sync=True, copies=True,
                        expected=True, launch=(1, 2))  # fmt: skip
     # the call had handed its epoch over: the next step's is past it
-    assert r._handoff_sync.numpy()[EXPECTED] == epoch + 1 and r._epoch == epoch + 1
+    assert r.planner.handoff.state[EXPECTED] == epoch + 1 and r.planner.handoff.epoch == epoch + 1
 
 
 Hint = tuple[list[tuple[int, int]], int]  # Pool.hinted(): the ranges, how many are each worker's
@@ -725,14 +727,16 @@ def test_a_guess_before_the_routing_has_the_workers_fetch_the_blocks_the_job_giv
     bank = _bank(gen)
     rounds = 2
     with CpuExpertRunner(2, "native", task_kb=1) as guessing, CpuExpertRunner(2, "native") as plain:
-        runners = [_runner(bank, 6, 0.39, cpu, 4) for cpu in (guessing, plain)]
+        runners = [
+            _runner(bank, 6, 0.39, cpu, 4, split_misses=True, prefetch_rounds=rounds)
+            for cpu in (guessing, plain)
+        ]
         late = LateRouting(late_s=0.0)  # these planners keep their own clock: no lead is used
         functions = list(host_functions())
         functions[1] = late.query  # busy until the routing comes
         planners = []
         for r in runners:
-            r.split_misses, r.prefetch_rounds = True, rounds
-            planner = r._decode_planner()
+            planner = r.planner.native()
             planner.set_device(*(address_of(f) for f in functions), 0, 0,
                                r.cache.w13.data_ptr(), r.cache.w2.data_ptr(), 2)  # fmt: skip
             planners.append(planner)
@@ -755,7 +759,7 @@ def test_a_guess_before_the_routing_has_the_workers_fetch_the_blocks_the_job_giv
             for r, planner, out, guess in zip(runners, planners, outs, (True, False), strict=True):
                 guess_signal[0] = ROUTED if guess and kind != "none" else 0
                 late.arm(signal)  # the guess first, then the routing, during the wait
-                d, _ = r._native_step(
+                d, _ = r.planner.native_step(
                     planner, layer, ids, weights, x, out, False, sync=True, copies=True,
                     signal=signal, guess=(logits, guess_signal) if guess else None,
                 )  # fmt: skip
@@ -809,10 +813,9 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
     serves nothing and its slot stays free; the first guess copies nothing (no lead measured)."""
     gen = torch.Generator().manual_seed(21)
     bank = _bank(gen)
-    r = _runner(bank, 6, 0.39, cpu, 4)
-    r.split_misses, r.prefetch_rounds = True, rounds
-    r.copy_ahead, r.copy_rate = 1.0, 1.0
-    planner = r._decode_planner()
+    r = _runner(bank, 6, 0.39, cpu, 4, split_misses=True, prefetch_rounds=rounds,
+                copy_ahead=1.0, copy_rate=1.0)  # fmt: skip
+    planner = r.planner.native()
     # the routing comes once a step: 3 ms after the guess, or (`on_copy`) as the guess's copy
     # ahead is queued, in the middle of its planning, which the step then reports
     late = LateRouting(late_s=0.003)
@@ -856,7 +859,7 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
         late.arm(signal)
         on_copy[0] = step % 3 == 2
         out = torch.zeros(1, HIDDEN)
-        d, _ = r._native_step(
+        d, _ = r.planner.native_step(
             planner, layer, ids, weights, x, out, True, sync=True, copies=True,
             signal=signal, guess=(logits, guess_signal),
         )  # fmt: skip

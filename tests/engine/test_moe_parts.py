@@ -1,0 +1,188 @@
+"""The parts of the MoE layer's runtime on their own: the miss split's controller fed a sequence of
+CPU rates, the decode counters fed one call per layer step, the staged decode's host buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moelab.engine import misses
+from moelab.engine.miss_plan import Dispatch, Handoff
+from moelab.engine.misses import MissPolicy, MissSplit
+from moelab.engine.moe_stats import DecodeStats
+from moelab.engine.staged_decode import StagedBuffers
+
+GB = 1_000_000_000
+
+
+def _window(split: MissSplit, gbps: float, jobs: int, gb: float = 1.0) -> None:
+    """`jobs` CPU jobs of `gb` GB each at `gbps`, by their own timing (reaction, run)."""
+    for _ in range(jobs):
+        split.job_done(int(gb * GB), (0.0, gb / gbps))
+
+
+def test_the_auto_split_follows_a_sequence_of_cpu_rates(monkeypatch):
+    """Each window of jobs blends half of the rate it shows into the rate the split plans with,
+    and the share of misses copied follows it; a window not yet full changes nothing."""
+    monkeypatch.setattr(misses, "ADAPT_EVERY_JOBS", 4)
+    split = MissSplit(MissPolicy.auto(50.0, 100.0))
+    _window(split, 60.0, 3)
+    assert split.policy == MissPolicy.auto(50.0, 100.0)
+    planned = []
+    _window(split, 60.0, 1)
+    planned.append(split.policy.bh_gbps)
+    for gbps in (60.0, 200.0, 20.0):
+        _window(split, gbps, 4)
+        planned.append(split.policy.bh_gbps)
+    assert planned == pytest.approx([80.0, 70.0, 135.0, 77.5])
+    assert split.policy.fetch_fraction == pytest.approx(50.0 / (50.0 + 77.5))
+    # jobs of 1 and 3 GB in 10 and 20 ms: 5 ms fixed and 200 GB/s beyond it, which the planner
+    # prices apart from the fixed part (CPU_FIXED): the window's marginal rate, at most twice
+    # its average (4 GB in 30 ms)
+    for gb, seconds in ((1, 0.010), (3, 0.020), (1, 0.010), (3, 0.020)):
+        split.job_done(gb * GB, (0.0, seconds))
+    assert split.policy.bh_gbps == pytest.approx(0.5 * (77.5 + 200.0))
+
+
+def test_a_fixed_split_stays_whatever_the_cpu_shows(monkeypatch):
+    monkeypatch.setattr(misses, "ADAPT_EVERY_JOBS", 4)
+    split = MissSplit(MissPolicy("split", 0.5))
+    for gbps in (1.0, 500.0):
+        _window(split, gbps, 8)
+        split.note_cpu_use(False)
+    assert split.policy == MissPolicy("split", 0.5)
+    assert split.snapshot() == {"policy": "split"}
+
+
+def test_the_auto_split_comes_back_to_a_cpu_no_job_measures(monkeypatch):
+    """A rate so low that the CPU runs no miss moves half-way back to the start-up rate after
+    RECOVER_AFTER_STEPS layer steps with misses and none on the CPU (steps with some on the CPU do
+    not reset the count); each return the CPU's jobs do not confirm doubles the wait, and a
+    window of jobs at a healthy rate makes it short again."""
+    monkeypatch.setattr(misses, "RECOVER_AFTER_STEPS", 3)
+    monkeypatch.setattr(misses, "ADAPT_EVERY_JOBS", 4)
+    split = MissSplit(MissPolicy.auto(10.0, 10.0))
+    _window(split, 1.0, 4)
+    _window(split, 1.0, 4)
+    _window(split, 1.0, 4)
+    assert split.policy.bh_gbps == pytest.approx(2.125)  # collapsed: 10 -> 5.5 -> 3.25 -> 2.125
+    for used in (False, True, False):
+        split.note_cpu_use(used)
+    assert split.policy.bh_gbps == pytest.approx(2.125)
+    split.note_cpu_use(False)
+    assert split.policy.bh_gbps == pytest.approx(6.0625)  # half-way back to 10
+    for _ in range(5):
+        split.note_cpu_use(False)
+    assert split.policy.bh_gbps == pytest.approx(6.0625)  # the wait is 6 steps now
+    split.note_cpu_use(False)
+    assert split.policy.bh_gbps == pytest.approx(8.03125)
+    # after a return the next window is judged after ADAPT_AFTER_RECOVERY_JOBS jobs
+    _window(split, 9.0, misses.ADAPT_AFTER_RECOVERY_JOBS - 1)
+    assert split.policy.bh_gbps == pytest.approx(8.03125)
+    _window(split, 9.0, 1)
+    assert split.policy.bh_gbps == pytest.approx(0.5 * (8.03125 + 9.0))
+    # that window found the CPU healthy (at least half the start-up rate): a short wait again
+    split.policy = MissPolicy.auto(10.0, 1.0)
+    for _ in range(3):
+        split.note_cpu_use(False)
+    assert split.policy.bh_gbps == pytest.approx(5.5)
+    # a rate at or above the start-up one stays where it is
+    split.policy = MissPolicy.auto(10.0, 12.0)
+    for _ in range(50):
+        split.note_cpu_use(False)
+    assert split.policy.bh_gbps == 12.0
+
+
+def _dispatch(experts, slots, admitted, on_cpu, **fields) -> Dispatch:
+    missing = [e for e, s in zip(experts, slots, strict=True) if s < 0]
+    routes = np.zeros((1, len(experts)), dtype=np.int32)
+    return Dispatch(experts, slots, missing, admitted, on_cpu, routes, None, **fields)
+
+
+def test_one_call_a_staged_layer_step_keeps_every_figure_of_it():
+    """`staged_step`: the step's stages, what its plan had (a CPU job, a guess, blocks fetched
+    ahead, a split, a copy ahead), its period from the last layer step's routing keyed by that
+    step's plan, and the boundary between two decode steps; an eager layer breaks the chain."""
+    stats = DecodeStats(num_layers=3, num_experts=8)
+    guessed = _dispatch([1, 2, 5], [0, -1, -1], [(2, 3)], [5], job=object(), guessed=True,
+                        owned_blocks=2, guess_s=1e-5)  # fmt: skip
+    split = _dispatch([3, 4], [-1, -1], [], [3, 4], job=object(), split=(4, 6, 8), ahead_rows=4,
+                      ahead_missed=True, guessed=True, guess_s=2e-5, guess_late=True)  # fmt: skip
+    hits = _dispatch([6, 7], [1, 2], [], [])
+    steps = [  # (dispatch, layer, routing's arrival, piece launched)
+        (guessed, 0, 10.000, 9.990),
+        (split, 1, 10.001, 10.0005),
+        (hits, 2, 10.003, 10.002),
+        (guessed, 0, 10.010, 10.006),  # the next decode step
+    ]
+    for i, (d, layer, arrived, launched) in enumerate(steps):
+        stats.staged_step(d, layer, 1e-6 * i, 2e-6, 3e-6, 4e-6, arrived, launched)
+    stats.break_chain()  # an eager step between
+    stats.staged_step(split, 1, 1e-6, 2e-6, 3e-6, 0.0, 11.0, None)
+    t = stats.staged_times
+    assert (t.layer_steps, t.cpu_jobs, t.split_misses, t.guesses, t.prefetched_jobs) == (
+        5, 4, 2, 4, 2,
+    )  # fmt: skip
+    assert (t.copied_ahead, t.ahead_missed, t.guess_plans, t.guess_late) == (2, 2, 4, 2)
+    assert t.guess_s == pytest.approx(2e-5 + 2 * 2e-5)
+    assert (t.sync_s, t.plan_s, t.fill_s, t.replay_s) == pytest.approx((7e-6, 10e-6, 15e-6, 16e-6))
+    assert set(t.periods) == {"1+1p", "0+2swa"}
+    assert t.periods["1+1p"] == [1, pytest.approx(0.001)]
+    assert t.periods["0+2swa"] == [1, pytest.approx(0.002)]
+    assert (t.boundaries, t.boundary_s, t.boundary_host_s) == (
+        1, pytest.approx(0.007), pytest.approx(0.003),
+    )  # fmt: skip
+    assert stats.snapshot()["staged_layer_us"] == t.to_dict()
+
+
+def test_one_call_a_counted_layer_step_counts_it_and_tells_the_observers():
+    """`layer_step`: reads, hits, fills and CPU experts per layer, each observer told the step,
+    and the accesses in the order the cache saw them, handed over in batches."""
+    stats = DecodeStats(num_layers=2, num_experts=8)
+    seen, handed = [], []
+    stats.on_decode_step.append(lambda *step: seen.append(step))
+    stats.on_accesses = handed.append
+    stats.layer_step(_dispatch([1, 2, 5], [0, -1, -1], [(2, 3)], [5]), 1)
+    stats.layer_step(_dispatch([0, 3], [4, 5], [], []), 0)
+    c = stats.counters
+    assert (c.reads.tolist(), c.hits.tolist(), c.fills.tolist(), c.cpu.tolist()) == (
+        [2, 3], [2, 1], [0, 1], [0, 1],
+    )  # fmt: skip
+    assert seen == [(1, [1, 2, 5], [0, -1, -1], [2], [5]), (0, [0, 3], [4, 5], [], [])]
+    stats.flush_accesses(at_least=6)  # 5 so far: kept
+    assert handed == []
+    stats.flush_accesses()
+    assert [a.tolist() for a in handed] == [[9, 10, 13, 0, 3]]
+    stats.flush_accesses()
+    assert len(handed) == 1
+
+
+def test_a_steps_staged_views_are_made_once_and_follow_a_larger_buffer():
+    """`StagedBuffers.rows`: the same views for every step of a batch size (no view made per
+    layer step), into the buffers the captured graphs read; a capture of a larger batch
+    allocates larger buffers and the views follow them."""
+    buffers = StagedBuffers(8, 2, 4, Handoff(pin=False), compute_stream=None)
+    ids, _, _ = buffers.routing(4)
+    slots, cpu_out = buffers.route_slots(4), buffers.cpu_out(4)
+    rows = buffers.rows(3, 1)
+    assert buffers.rows(3, 1) is rows and buffers.rows(3, 0) is not rows
+    assert rows.ids.shape == (3, 2) and rows.x.shape == (3, 4) and rows.pad_rows == 1
+    assert rows.slots.data_ptr() == slots.data_ptr()
+    assert rows.cpu_out.data_ptr() == cpu_out.data_ptr()
+    rows.ids_np[2, 1] = 7  # the numpy views are the buffers the routers write
+    rows.slots_np[0, 0] = 5
+    assert ids[2, 1] == 7 and slots[0, 0] == 5
+    bigger, _, _ = buffers.routing(8)
+    again = buffers.rows(3, 1)
+    assert again is not rows and again.ids.data_ptr() == bigger.data_ptr()
+
+
+def test_a_late_routing_signal_is_cleared_before_a_piece_is_expected():
+    """A router run outside a staged step (a capture's warm-ups) may set the signal and the
+    guess's: `expect_routing` clears both before the next piece's wait is readied."""
+    buffers = StagedBuffers(8, 2, 4, Handoff(pin=False), compute_stream=None)
+    signal = buffers.routing_signal()
+    _, guess_signal = buffers.guesses()
+    signal[0] = guess_signal[0] = 1
+    buffers.expect_routing()
+    assert signal[0] == 0 and guess_signal[0] == 0
