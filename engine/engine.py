@@ -40,7 +40,7 @@ from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, Sequence
 from .spec import ModelSpec
 from .stepping import Stepper
-from .synth import SynthSource, calibrate_routing
+from .synth import SynthSource
 from .telemetry import Telemetry
 from .tokenizer import Tokenizer
 
@@ -105,9 +105,6 @@ class Engine:
         self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
         progress.begin("caches")
         self._build_caches(dense)
-        if self.synth_source is not None:
-            progress.begin("routing calibration")
-            calibrate_routing(self, self.synth_source)
         progress.begin("CUDA graphs")
         self.telemetry = Telemetry(
             self.spec, self, self.moe, self.cache, self.bank, self.scheduler,
@@ -150,10 +147,12 @@ class Engine:
         self.synth_source: SynthSource | None = None
         source: TensorSource
         if model.dummy_weights:
-            source = self.synth_source = SynthSource(
+            source = self.synth_source = SynthSource.calibrated(
                 spec,
                 seed=int(synth_info.get("seed", self.config.server.seed)),
                 skew=float(synth_info.get("routing_skew", 0.0)),
+                device=self.device,
+                dtype=self.dtype,
             )
         else:
             source = SafetensorsSource(Path(model.path))

@@ -4,7 +4,8 @@ Weights are deterministic (seeded by the seed and each tensor's name) and scaled
 bounded through every layer. Routing skew lives in the router weights: hidden dimension 0 carries a
 constant ("massive activation", as real models have) that no layer writes to, so the router's
 column 0 acts as a per-expert bias; the biases are calibrated so expert popularity follows a Zipf
-law.
+law: first from a Monte Carlo model of the router, then, in a source made by
+`SynthSource.calibrated`, with forward passes of the synthetic model itself.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import zlib
 import numpy as np
 import torch
 
+from ..kernels.grouped_moe import grouped_moe
+from .args import default_cpu_threads
+from .checkpoint import iter_layer_experts, load_dense
+from .kv import KVCache
+from .model import Model, SeqSlice, StepBatch
 from .spec import ARCHITECTURES, CheckpointError, ModelSpec
 
 # Geometry shared by the architectures; each is mapped to its own config.json field names below.
@@ -76,6 +82,11 @@ _DIM0 = 2.0  # the constant residual value of hidden dimension 0 (see module doc
 _LOGIT_GAIN = 4.0  # lm_head gain, so next-token distributions are peaked rather than flat
 _TILE = 1 << 22  # elements of the random block that large tensors are tiled from
 _RANDN_MAX = 1 << 16  # tensors up to this many elements get their own random draw
+# The calibration's forward passes: random prompts of up to this many tokens, this many tokens a
+# round, this many rounds
+CALIBRATION_PROMPT_TOKENS = 256
+CALIBRATION_TOKENS = 1024
+CALIBRATION_ROUNDS = 4
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -214,6 +225,35 @@ def calibrate_biases(
 class SynthSource:
     """A TensorSource of deterministic synthetic weights for a spec (nothing read from disk)."""
 
+    @classmethod
+    def calibrated(
+        cls,
+        spec: ModelSpec,
+        seed: int = 0,
+        skew: float = 0.0,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> SynthSource:
+        """A source whose routers are calibrated with forward passes of the synthetic model on
+        `device` in `dtype` (`_calibrate`): the same weights for the same spec, seed, skew,
+        device type and dtype."""
+        source = cls(spec, seed=seed, skew=skew)
+        if device.type == "cuda":
+            source._calibrate(device, dtype)
+            torch.cuda.empty_cache()  # what the calibration's model held goes back to the device
+            return source
+        # torch's threads, one per physical core but one: as an engine on the CPU leaves them
+        # (its CPU experts take that core), and on a busy machine the small ops of a synthetic
+        # model run many times slower where each of its cores has a thread spinning on them
+        threads = torch.get_num_threads()
+        torch.set_num_threads(default_cpu_threads())
+        try:
+            source._calibrate(device, dtype)
+        finally:
+            torch.set_num_threads(threads)
+        return source
+
     def __init__(self, spec: ModelSpec, seed: int = 0, skew: float = 0.0) -> None:
         self.spec = spec
         self.seed = seed
@@ -221,7 +261,7 @@ class SynthSource:
         self.dtype = getattr(torch, spec.dtype)
         self._shapes = self._all_shapes()
         # per MoE layer: each expert's target share of picks, and its logit bias (first from a
-        # Monte Carlo model of the router; `calibrate_routing` refines both with real forwards)
+        # Monte Carlo model of the router; `_calibrate` refines them and the constant's scale)
         self.targets: dict[int, np.ndarray] = {}
         self.biases: dict[int, np.ndarray] = {}
         self.dim0_scale = [1.0 / _DIM0] * spec.num_layers
@@ -273,6 +313,46 @@ class SynthSource:
         if writes_residual:
             t[0] = 0  # nothing writes to the constant dimension
         return t
+
+    # calibration -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _calibrate(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Refine each router's bias column with forward passes over random tokens.
+
+        Each round measures, per MoE layer, the mean of the router input's constant dimension (it
+        is divided by each token's RMS at every norm, so it depends on how the residual stream
+        grew) and the experts' pick shares, then moves the biases toward the Zipf targets.
+        """
+        spec = self.spec
+        length = min(CALIBRATION_PROMPT_TOKENS, spec.max_position_embeddings)
+        dense = load_dense(spec, self, device, dtype)
+        experts = _CalibrationExperts(self, device, dtype)
+        kv = KVCache(spec, 1, length, device, dtype, prefix_cache=False)  # one prompt's block
+        model = Model(spec, dense, experts, kv, max_positions=length + 1)
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        prompts = max(1, CALIBRATION_TOKENS // length)
+        dim0: dict[int, list[float]] = {layer: [] for layer in spec.moe_layers}
+        picks = {layer: np.zeros(spec.num_experts) for layer in spec.moe_layers}
+
+        def record(layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
+            dim0[layer].append(float(x[:, 0].float().mean()))
+            np.add.at(picks[layer], ids.flatten().cpu().numpy(), 1)
+
+        model.on_router = record
+        for _ in range(CALIBRATION_ROUNDS):
+            for layer in spec.moe_layers:
+                dim0[layer].clear()
+                picks[layer][:] = 0
+            for _ in range(prompts):
+                _prefill(model, torch.randint(0, spec.vocab_size, (length,), generator=gen))
+            for layer in spec.moe_layers:
+                self.dim0_scale[layer] = 1.0 / max(float(np.mean(dim0[layer])), 1e-3)
+                observed = (picks[layer] + 0.5) / (picks[layer] + 0.5).sum()
+                bias = self.biases[layer] + 0.7 * (np.log(self.targets[layer]) - np.log(observed))
+                self.biases[layer] = bias - bias.mean()
+                router = model.weights.layers[layer].router
+                router.copy_(self.get(router_name(spec, layer)).to(router.device, router.dtype))
 
     # internals ---------------------------------------------------------------------------------
 
@@ -373,38 +453,46 @@ def router_name(spec: ModelSpec, layer: int) -> str:
     return f"model.layers.{layer}.{block}gate.weight"
 
 
-def calibrate_routing(engine, source: SynthSource, tokens: int = 1024, rounds: int = 4) -> None:
-    """Refine each router's bias column with forward passes over random tokens.
+class _CalibrationExperts:
+    """The routed experts of a synthetic model for its calibration (an `ExpertExecutor`): each
+    MoE layer's experts packed as the expert bank packs them, in the compute dtype, all on the
+    device where they fit, else each layer copied there as it runs."""
 
-    Each round measures, per MoE layer, the mean of the router input's constant dimension (it is
-    divided by each token's RMS at every norm, so it depends on how the residual stream grew) and
-    the experts' pick shares, then moves the biases toward the Zipf targets.
-    """
-    spec = engine.spec
-    gen = torch.Generator().manual_seed(source.seed + 1)
-    length = min(256, engine.kv.capacity_tokens, engine.max_context)
-    prompts = max(1, tokens // length)
-    dim0: dict[int, list[float]] = {layer: [] for layer in spec.moe_layers}
-    picks = {layer: np.zeros(spec.num_experts) for layer in spec.moe_layers}
-
-    def record(layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
-        dim0[layer].append(float(x[:, 0].float().mean()))
-        np.add.at(picks[layer], ids.flatten().cpu().numpy(), 1)
-
-    for _ in range(rounds):
+    def __init__(self, source: SynthSource, device: torch.device, dtype: torch.dtype) -> None:
+        spec = source.spec
+        e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+        self.device = device
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in spec.moe_layers:
-            dim0[layer].clear()
-            picks[layer][:] = 0
-        engine.model.on_router = record
-        try:
-            for _ in range(prompts):
-                engine.score(torch.randint(0, spec.vocab_size, (length,), generator=gen).tolist())
-        finally:
-            engine.model.on_router = None
-        for layer in spec.moe_layers:
-            source.dim0_scale[layer] = 1.0 / max(float(np.mean(dim0[layer])), 1e-3)
-            observed = (picks[layer] + 0.5) / (picks[layer] + 0.5).sum()
-            bias = source.biases[layer] + 0.7 * (np.log(source.targets[layer]) - np.log(observed))
-            source.biases[layer] = bias - bias.mean()
-            weights = engine.model.weights.layers[layer].router
-            weights.copy_(source.get(router_name(spec, layer)).to(weights.device, weights.dtype))
+            w13 = torch.empty((e, 2 * i, h), dtype=dtype)
+            w2 = torch.empty((e, h, i), dtype=dtype)
+            for x, gate_up, down in iter_layer_experts(spec, source, layer):
+                w13[x].copy_(gate_up)
+                w2[x].copy_(down)
+            self.layers.append((w13, w2))
+        nbytes = sum(w13.nbytes + w2.nbytes for w13, w2 in self.layers)
+        if device.type != "cuda" or nbytes < 0.9 * torch.cuda.mem_get_info(device)[0]:
+            self.layers = [(w13.to(device), w2.to(device)) for w13, w2 in self.layers]
+
+    def forward(self, moe_layer, x, ids, weights, *, decode: bool) -> torch.Tensor:
+        w13, w2 = (w.to(self.device) for w in self.layers[moe_layer])
+        e = w13.shape[0]
+        return grouped_moe(x, ids, weights, w13, w2, layer_experts=e, checked=False)
+
+    def routing_record(self, moe_layer: int, tokens: int, decode: bool) -> None:
+        return None
+
+
+def _prefill(model: Model, tokens: torch.Tensor) -> None:
+    """One prompt's forward pass from the start of a free KV cache (its last token's logits)."""
+    kv, device, n = model.kv, model.device, tokens.numel()
+    blocks = kv.allocate(kv.blocks_for(n))
+    try:
+        model.forward(StepBatch(
+            input_ids=tokens.to(device), positions=torch.arange(n, device=device),
+            slots=torch.tensor([kv.slot(blocks, p) for p in range(n)], device=device),
+            seqs=[SeqSlice(0, n, n, kv.page_indices([(blocks, n)])[0])],
+            logits_index=torch.tensor([n - 1], device=device),
+        ))  # fmt: skip
+    finally:
+        kv.release(blocks)

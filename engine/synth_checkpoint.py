@@ -5,20 +5,18 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from .config import EngineConfig
 from .spec import ModelSpec
 from .synth import SynthSource, make_config
 from .synth_tokenizer import write_tokenizer_files
 
 log = logging.getLogger("moelab.synth")
 
-# models up to this size are loaded once to calibrate their routing skew with a real forward pass
+# models up to this size calibrate their routing skew with forward passes on the CPU
 CALIBRATE_MAX_BYTES = 6 * 1024**3
 
 
@@ -47,47 +45,15 @@ def synthesize(
             f"vocab_size {spec.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.get_vocab_size()} tokens; raise it with --set vocab_size=N"
         )
-    source = SynthSource(spec, seed=seed, skew=routing_skew)
     if spec.dense_bytes + spec.expert_pool_bytes <= CALIBRATE_MAX_BYTES:
-        source = _calibrated_source(out, spec)
+        cpu = torch.device("cpu")
+        source = SynthSource.calibrated(
+            spec, seed=seed, skew=routing_skew, device=cpu, dtype=torch.float32
+        )
+    else:
+        source = SynthSource(spec, seed=seed, skew=routing_skew)
     _write_weights(out, source, shard_bytes)
     return out
-
-
-def _calibrated_source(out: Path, spec: ModelSpec) -> SynthSource:
-    from .engine import Engine  # the engine is only needed to calibrate skewed routing
-
-    total = (spec.dense_params + spec.experts_total * spec.expert_params) * 4
-    with tempfile.TemporaryDirectory() as bank_dir:
-        config = EngineConfig.from_flags(
-            [
-                "--model-path",
-                str(out),
-                "--dummy-weights",
-                "--device",
-                "cpu",
-                "--dtype",
-                "float32",
-                "--device-memory",
-                str(2 * total + 2 * 1024**3),
-                "--kv-reserve-tokens",
-                "512",
-                "--moe-cpu-kernel",
-                "torch",
-                "--moe-cpu-threads",
-                "1",
-                "--bank-dir",
-                bank_dir,
-                "--max-running-requests",
-                "1",
-            ]
-        )
-        engine = Engine(config, spec=spec)
-        try:
-            assert engine.synth_source is not None
-            return engine.synth_source
-        finally:
-            engine.close()
 
 
 def _write_weights(out: Path, source: SynthSource, shard_bytes: int) -> None:
