@@ -1,16 +1,29 @@
 """The parts of the MoE layer's runtime on their own: the miss split's controller fed a sequence of
-CPU rates, the decode counters fed one call per layer step, the staged decode's host buffers."""
+CPU rates, the decode counters fed one call per layer step, the staged decode's host buffers, the
+runner's settings, and telemetry given the parts."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 
 from moelab.engine import misses
+from moelab.engine.bank import ExpertBank
+from moelab.engine.cache import ExpertCache
+from moelab.engine.kv import KVCache
+from moelab.engine.memory import VramPlan
 from moelab.engine.miss_plan import Dispatch, Handoff
 from moelab.engine.misses import MissPolicy, MissSplit
+from moelab.engine.moe import MoERunner
 from moelab.engine.moe_stats import DecodeStats
+from moelab.engine.scheduler import Scheduler
+from moelab.engine.spec import ModelSpec
 from moelab.engine.staged_decode import StagedBuffers
+from moelab.engine.synth import make_config
+from moelab.engine.telemetry import Telemetry
 
 GB = 1_000_000_000
 
@@ -186,3 +199,55 @@ def test_a_late_routing_signal_is_cleared_before_a_piece_is_expected():
     signal[0] = guess_signal[0] = 1
     buffers.expect_routing()
     assert signal[0] == 0 and guess_signal[0] == 0
+
+
+def _runner(slots: int, **settings) -> tuple[ModelSpec, MoERunner]:
+    """A tiny geometry's runner on the CPU (zero weights; no CPU executor)."""
+    spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
+    e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    layers = spec.num_moe_layers
+    bank = ExpertBank([torch.zeros(e, 2 * i, h) for _ in range(layers)],
+                      [torch.zeros(e, h, i) for _ in range(layers)])  # fmt: skip
+    cache = ExpertCache(layers, e, slots, h, i, torch.float32, torch.device("cpu"))
+    runner = MoERunner(bank, cache, MissPolicy.auto(20.0, 10.0), None, top_k=spec.top_k,
+                       prefill_overlap=False, prefill_stream_min_tokens=64, **settings)  # fmt: skip
+    return spec, runner
+
+
+def test_the_runner_takes_its_settings_where_it_is_built():
+    _, runner = _runner(8, split_misses=True, prefetch_rounds=2, copy_ahead=0.5, copy_rate=4e10)
+    planner = runner.planner
+    assert (planner.split_misses, planner.prefetch_rounds) == (True, 2)
+    assert (planner.copy_ahead, planner.copy_rate) == (0.5, 4e10)
+    assert (runner.prefetch_rounds, runner.copy_ahead) == (2, 0.5)
+    _, plain = _runner(8)
+    assert (plain.planner.split_misses, plain.prefetch_rounds, plain.copy_ahead) == (False, 0, 0.0)
+
+
+def test_telemetry_reports_the_parts_it_is_given():
+    """No engine: given the runner, the expert cache, the bank, the scheduler and the engine's
+    state (its device, plan, KV cache and settings), `/v1/stats` reports each part's own
+    figures, and the runner's decode accesses reach the what-if curve."""
+    spec, runner = _runner(8)
+    kv = KVCache(spec, 4, 16, torch.device("cpu"), torch.float32)
+    plan = VramPlan(budget_bytes=1 << 30, weights_bytes=1 << 20, kv_bytes=kv.nbytes, kv_tokens=64,
+                    kv_blocks=4, prefill_buffer_bytes=0, activation_bytes=1 << 16, graph_bytes=0,
+                    headroom_bytes=0, slots=8, slot_bytes=runner.cache.slot_bytes,
+                    experts_total=spec.experts_total, max_context=64,
+                    model_max_context=64)  # fmt: skip
+    state = SimpleNamespace(device=torch.device("cpu"), plan=plan, kv=kv, max_context=64,
+                            config_in_force=lambda: {"policy": "auto"})  # fmt: skip
+    telemetry = Telemetry(spec, state, runner, runner.cache, runner.bank, Scheduler(kv, 2, 64))
+    runner.stats.layer_step(_dispatch([1, 2, 5], [0, -1, -1], [(2, 3)], [5]), 1)
+    telemetry.on_step(1, 0, 0.01)
+    stats = telemetry.stats(running=0, queued=0, model_name="tiny")
+    experts = stats["experts"]
+    assert experts["slots"] == 8 and experts["policy"] == "auto"
+    assert experts["layers"][1] == {"layer": 1, "reads": 3, "hits": 1, "fills": 1, "cpu": 1,
+                                    "resident": 0}  # fmt: skip
+    assert experts["cpu_jobs"]["jobs"] == 0 and experts["staged_layer_us"]["layer_steps"] == 0
+    assert experts["whatif_accesses"] == 3
+    device = stats["memory"]["device"][0]
+    assert device["expert_cache"] == runner.cache.nbytes and device["kv"] == kv.nbytes
+    assert stats["memory"]["expert_bank"] == runner.bank.nbytes
+    assert stats["config"] == {"policy": "auto"}
