@@ -41,7 +41,7 @@ from ..kernels.host_handoff import tokens_to_host
 from .h2d import HostToDevice
 from .model import Model, SeqSlice, StepBatch, StepState
 from .sampling import GREEDY_ROW, Cut, RowDraw, draw_tokens
-from .staged_decode import StagedDecode
+from .staged_decode import LayerStage, StagedDecode
 
 log = logging.getLogger("moelab.graphs")
 
@@ -186,8 +186,8 @@ class DecodeGraphs:
         # which its router sets once the routing is there, for the host's wait: where its store
         # is ordered after the routing's (a fence in PTX on an NVIDIA GPU; the CPU's reference
         # runs in order); elsewhere the host waits for the stream to go idle
-        signals = buffers is not None and (dev.type != "cuda" or inline_ptx(dev))
-        self.routing_signal = buffers.routing_signal() if signals else None
+        signals = self.staged is not None and (dev.type != "cuda" or inline_ptx(dev))
+        self.routing_signal = self.staged.routing_signal() if signals else None
         # and where the planner wants them, a one-token piece that ends in a router sends a
         # guess of its routing ahead of it (kernels/route_guess.py), for the wait to plan
         self.routing_guess = self.staged.guess_buffers() if signals else None
@@ -198,9 +198,11 @@ class DecodeGraphs:
         self.heads: dict[int, list[Graph | None]] = {}
         # what a head hands to its piece: the cached routes' outputs and the filled routes' slots
         self._head_out: tuple[torch.Tensor, torch.Tensor] | None = None
-        # piecewise: per size, each piece's (head, piece) graph execs for the native planner to
-        # launch (`stage_decode`'s launch; head 0 for piece 0); None where a graph has none
-        self.execs: dict[int, list[tuple[int, int]] | None] = {}
+        # piecewise: per size, the staged layer step after each piece but the last, as Python
+        # launches the pieces, and as the native planner launches them (each holding the next
+        # piece's (head, piece) graph execs; None where a graph has none)
+        self.stages: dict[int, list[LayerStage]] = {}
+        self.launched_stages: dict[int, list[LayerStage] | None] = {}
         # per (batch size, cut): the graph that draws every row's token after a step (`_draw`),
         # cut: what of the sorted logits the rows' filters read (sampling.Cut)
         self.draws: dict[tuple[int, Cut], Graph] = {}
@@ -283,6 +285,20 @@ class DecodeGraphs:
         too: its guess comes from the embedding)."""
         return self.routing_guess is not None and bs == 1 and piece < self.model.num_pieces - 1
 
+    def _stage(self, bs: int, execs: list[tuple[int, int]] | None) -> None:
+        """The staged layer steps of batch size `bs` between its captured pieces, as Python
+        launches the pieces and, where the graphs have execs, as the native planner does."""
+        pieces = self.model.num_pieces
+        self.stages[bs] = [
+            LayerStage(piece, guess=self._guesses(bs, piece)) for piece in range(pieces - 1)
+        ]
+        signals = self.routing_signal is not None
+        self.launched_stages[bs] = None if execs is None else [
+            LayerStage(piece, execs[piece + 1], signals and piece + 2 < pieces,
+                       self._guesses(bs, piece))
+            for piece in range(pieces - 1)
+        ]  # fmt: skip
+
     def _whole(self, bs: int, state: StepState) -> Outputs:
         self._gather_inputs(bs)
         state.logits = self.model.forward(state.batch)
@@ -335,7 +351,8 @@ class DecodeGraphs:
                 graphs.append(graph)
             # the outputs stay referenced: their memory is where every replay writes them
             self.graphs[bs], self.heads[bs], self.outputs[bs] = graphs, heads, outputs
-            self.execs[bs] = _execs(graphs, heads) if self.piecewise else None
+            if self.piecewise:
+                self._stage(bs, _execs(graphs, heads))
             for cut in Cut:
                 graph = self._graph_factory(self.pool)
                 graph.capture(partial(self._draw, bs, cut, self._logits(bs, bs)))
@@ -391,14 +408,15 @@ class DecodeGraphs:
         draw = self.draws[bs, max(r.draw.cut for r in rows)] if drawn else None
         graphs, heads = self.graphs[bs], self.heads[bs]
         staged = self.staged
-        execs = self.execs.get(bs)
-        if execs is not None and staged.launches_pieces():
-            self._run_launched(graphs[0], execs, n, bs)
+        launched_stages = self.launched_stages.get(bs)
+        if launched_stages is not None and staged.launches_pieces():
+            self._run_launched(graphs[0], launched_stages, n, bs)
             if draw is not None:
                 draw.replay()
             return self._logits(bs, n)
         # only the real rows: padding rows would fetch and run experts for nothing
         staged_rows = staged.buffers.rows(n, 0) if staged is not None else None
+        stages = self.stages.get(bs)
         for piece, graph in enumerate(graphs):
             t0 = time.perf_counter()
             head = heads[piece]
@@ -406,16 +424,17 @@ class DecodeGraphs:
                 head.replay()
                 staged.join_fills()
             if self.routing_signal is not None and piece < len(graphs) - 1:
-                staged.buffers.expect_routing()  # its router sets the signal the stage waits for
+                staged.expect_routing()  # its router sets the signal the stage waits for
             graph.replay()
             launched = time.perf_counter()
             if self.piecewise and piece:  # the launch that ends a staged layer step
                 staged.after_launch(launched - t0)
             if piece < len(graphs) - 1:
-                assert staged_rows is not None and self.slots_host is not None
+                assert stages is not None and staged_rows is not None
+                assert self.slots_host is not None
                 if piece + 2 == len(graphs):  # before the last piece, which writes the tokens
                     staged.run_host_work()  # the host's work may still read (`sampled_to_host`)
-                staged.stage_decode(piece, staged_rows, launched, guess=self._guesses(bs, piece))
+                staged.stage_decode(stages[piece], staged_rows, launched)
                 if piece == 0:  # this step's first routing: the step before is finished
                     self._passed = self._runs - 1
                 # padding rows run no experts (written after the stage's sync: an earlier
@@ -426,26 +445,22 @@ class DecodeGraphs:
             draw.replay()
         return self._logits(bs, n)
 
-    def _run_launched(self, first: Graph, execs: list[tuple[int, int]], n: int, bs: int) -> None:
+    def _run_launched(self, first: Graph, stages: list[LayerStage], n: int, bs: int) -> None:
         """The pieces of one step, each after the first launched by the stage before it, in the
-        native call that waited for its routing (`StagedDecode.stage_decode`'s launch)."""
+        native call that waited for its routing (`LayerStage.launch`)."""
         staged = self.staged
         assert staged is not None
-        signals = self.routing_signal is not None
-        last = len(execs) - 1
-        if signals:
-            staged.buffers.expect_routing()
+        last = len(stages)
+        if self.routing_signal is not None:
+            staged.expect_routing()
         first.replay()
         launched = time.perf_counter()
         # only the real rows: padding rows would fetch and run experts for nothing
         staged_rows = staged.buffers.rows(n, bs - n)
-        for piece in range(last):
+        for piece, stage in enumerate(stages):
             if piece + 1 == last:  # the host's work before the last piece, which writes the
                 staged.run_host_work()  # tokens the work may still read (`sampled_to_host`)
-            staged.stage_decode(
-                piece, staged_rows, launched, launch=execs[piece + 1],
-                signals=signals and piece + 1 < last, guess=self._guesses(bs, piece),
-            )  # fmt: skip
+            staged.stage_decode(stage, staged_rows, launched)
             launched = time.perf_counter()
             if piece == 0:  # this step's first routing: the step before is finished
                 self._passed = self._runs - 1

@@ -144,6 +144,14 @@ class Handoff:
         self.state = self.sync.numpy()
         self.epoch = 0
 
+    def expect(self, ready: bool) -> None:
+        """Have the next piece wait for the last epoch handed over: the last CPU job's, or where
+        `ready` (a step with nothing on the CPU, its part zeroed), a new one, done now."""
+        if ready:
+            self.epoch += 1
+            self.state[DONE] = self.epoch
+        self.state[EXPECTED] = self.epoch
+
 
 class LayerPlanner:
     """Plans offloaded layer steps and starts and ends their CPU jobs: `plan_layer`, or for

@@ -83,8 +83,7 @@ class MoERunner:
             top_k=top_k, split_misses=split_misses, prefetch_rounds=prefetch_rounds,
             copy_ahead=copy_ahead, copy_rate=copy_rate,
         )  # fmt: skip
-        buffers = StagedBuffers(bank.num_experts, top_k, bank.w13[0].shape[-1], handoff,
-                                self.compute_stream)  # fmt: skip
+        buffers = StagedBuffers(bank.num_experts, top_k, bank.w13[0].shape[-1], handoff, cuda)
         self.staged = StagedDecode(buffers, cache, self.planner, self.fills, self.split,
                                    self.stats)  # fmt: skip
         self.prefill = PrefillStream(

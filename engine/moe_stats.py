@@ -1,14 +1,15 @@
 """What the offloaded MoE step counts and times: per-layer decode counters, the CPU jobs' own
 timing, the host's stages between two captured pieces, and what a miss adds to a step.
 
-`DecodeStats` holds them for one runner and is fed once per layer step (`layer_step` when a
-decode layer step is counted, `staged_step` when a staged one is planned); telemetry reads its
-`snapshot`.
+`DecodeStats` holds them for one runner and is fed one call per layer step: `layer_step` for an
+eager decode layer step, `staged_steps` for the staged ones a piece's launch ends (their records,
+`StagedStep`, are reused, not made per step); telemetry reads its `snapshot`.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -178,7 +179,9 @@ class StagedStepTimes:
     STAGES = ("replay", "sync", "plan", "fill", "count")
 
     def add_period(self, plan: str, seconds: float) -> None:
-        entry = self.periods.setdefault(plan, [0, 0.0])
+        entry = self.periods.get(plan)
+        if entry is None:
+            entry = self.periods[plan] = [0, 0.0]
         entry[0] += 1
         entry[1] += seconds
 
@@ -362,6 +365,24 @@ class PlannedStep(Protocol):
     guess_late: bool
 
 
+@dataclass(slots=True)
+class StagedStep:
+    """The host's record of one staged decode layer step, for `DecodeStats.staged_steps`: the
+    planned step, its MoE layer, and on the host's clock when its stage began (`started`), when
+    its routing arrived, its planning, its fills and the native launch of the next piece
+    (`replay_s`, 0 where Python launches it), and the launch of the piece it follows
+    (`launched`, None where unknown). The staged decode reuses these records."""
+
+    d: PlannedStep | None = None
+    moe_layer: int = 0
+    started: float = 0.0
+    arrived: float = 0.0
+    plan_s: float = 0.0
+    fill_s: float = 0.0
+    replay_s: float = 0.0
+    launched: float | None = None
+
+
 class DecodeStats:
     """One runner's decode counters and timers, fed once per layer step, and the observers of
     its decode steps (the what-if curve's access stream)."""
@@ -380,8 +401,11 @@ class DecodeStats:
         self.on_accesses: Callable[[np.ndarray], None] | None = None
         # offloaded steps' accesses, handed over in batches (`flush_accesses`)
         self._accesses: list[int] = []
-        # the last staged layer step: (MoE layer, host time its routing arrived, its plan's key)
-        self._last_arrival: tuple[int, float, str] | None = None
+        # the last staged layer step of the chain: its MoE layer (None: no chain), when its
+        # routing arrived on the host, its plan's key
+        self._last_layer: int | None = None
+        self._last_arrived = 0.0
+        self._last_plan = ""
 
     def snapshot(self) -> dict:
         """The CPU jobs' and the staged layer steps' figures, as `/v1/stats` reports them."""
@@ -406,42 +430,47 @@ class DecodeStats:
             self._accesses += [base + e for e, s in zip(experts, slots, strict=True) if s >= 0]
             self._accesses += [base + e for e in missing]
 
-    def staged_step(
-        self, d: PlannedStep, moe_layer: int, sync_s: float, plan_s: float, fill_s: float,
-        replay_s: float, arrived: float, launched: float | None,
-    ) -> None:  # fmt: skip
-        """Time a staged decode layer step (`StagedStepTimes`): its stages' seconds, its routing's
-        arrival on the host's clock, which ends the last layer step's period, and the launch of
-        the piece it follows (`launched`, None where unknown)."""
+    def staged_steps(self, steps: list[StagedStep], replay_s: float, started: float) -> None:
+        """Count the staged decode layer steps a piece's launch ends (`layer_step`) and time them
+        (`StagedStepTimes`): each one's stages, and its routing's arrival, which ends the last
+        layer step's period (or, at layer 0, the boundary from the decode step before, whose
+        host part ends at the launch of the piece it follows); then the launch's replay_s where
+        Python launched the piece, and the host's counting since `started`."""
         times = self.staged_times
-        times.layer_steps += 1
-        times.split_misses += d.split is not None
-        times.cpu_jobs += d.job is not None
-        times.guesses += d.guessed
-        times.prefetched_jobs += d.owned_blocks > 0
-        times.copied_ahead += d.ahead_rows > 0
-        times.ahead_missed += d.ahead_missed
-        times.guess_plans += d.guess_s > 0
-        times.guess_s += d.guess_s
-        times.guess_late += d.guess_late
-        times.sync_s += sync_s
-        times.plan_s += plan_s
-        times.fill_s += fill_s
+        for step in steps:
+            d, moe_layer, arrived = step.d, step.moe_layer, step.arrived
+            self.layer_step(d, moe_layer)
+            times.layer_steps += 1
+            times.split_misses += d.split is not None
+            times.cpu_jobs += d.job is not None
+            times.guesses += d.guessed
+            times.prefetched_jobs += d.owned_blocks > 0
+            times.copied_ahead += d.ahead_rows > 0
+            times.ahead_missed += d.ahead_missed
+            times.guess_plans += d.guess_s > 0
+            times.guess_s += d.guess_s
+            times.guess_late += d.guess_late
+            times.sync_s += arrived - step.started
+            times.plan_s += step.plan_s
+            times.fill_s += step.fill_s
+            times.replay_s += step.replay_s
+            # the last layer step's period ends as this one's routing arrives (within one token)
+            last = self._last_layer
+            if last == moe_layer - 1:
+                times.add_period(self._last_plan, arrived - self._last_arrived)
+            elif last is not None and moe_layer == 0:  # the previous step's last layer
+                times.boundaries += 1
+                times.boundary_s += arrived - self._last_arrived
+                if step.launched is not None:
+                    times.boundary_host_s += step.launched - self._last_arrived
+            self._last_layer, self._last_arrived, self._last_plan = moe_layer, arrived, plan_key(d)
         times.replay_s += replay_s
-        # the last layer step's period ends as this one's routing arrives (within one token)
-        last, self._last_arrival = self._last_arrival, (moe_layer, arrived, plan_key(d))
-        if last is not None and last[0] == moe_layer - 1:
-            times.add_period(last[2], arrived - last[1])
-        elif last is not None and moe_layer == 0:  # the previous step's last layer
-            times.boundaries += 1
-            times.boundary_s += arrived - last[1]
-            if launched is not None:
-                times.boundary_host_s += launched - last[1]
+        times.count_s += time.perf_counter() - started
 
     def break_chain(self) -> None:
         """An eager MoE layer ran (a prefill, a decode step not replayed): the next staged layer
         step starts no period and no boundary."""
-        self._last_arrival = None
+        self._last_layer = None
 
     def flush_accesses(self, at_least: int = 0) -> None:
         """Hand the offloaded steps' accesses to `on_accesses`, where there are `at_least`."""

@@ -23,7 +23,10 @@ the weights of their first blocks of its job, which are theirs in the real job w
 match.
 
 `StagedDecode` works with the runner's parts, given to it: the planner (miss_plan.py), the fills
-(cache.py), the miss split (misses.py) and the counters (moe_stats.py).
+(cache.py), the miss split (misses.py) and the counters (moe_stats.py), which it feeds one call
+per launch, after it. What the captured pieces fix of a layer step (its layer, the native launch
+of the next piece, its signal, its guess) is a `LayerStage` made at capture; the buffers' views of
+a step's rows, a `StagedRows` made once per batch.
 """
 
 from __future__ import annotations
@@ -37,8 +40,6 @@ import torch
 
 from ..kernels.fused_moe import fused_moe_decode
 from ..kernels.host_handoff import (
-    DONE,
-    EXPECTED,
     TIMED_OUT,
     filled_mark,
     route_slots_from_host,
@@ -49,12 +50,26 @@ from ..kernels.host_handoff import (
 from .cache import ExpertCache, SlotFills
 from .miss_plan import Dispatch, Handoff, LayerPlanner, expert_mask
 from .misses import MissSplit
-from .moe_stats import DecodeStats
+from .moe_stats import DecodeStats, StagedStep
 
-# What the host knows of the routing's signal (`StagedBuffers.expect_routing`): clear, awaited
+# What the host knows of the routing's signal (`StagedDecode.expect_routing`): clear, awaited
 # (cleared, a signalling piece launched and not waited for yet), or neither (routers may have set
 # it)
 _CLEAR, _EXPECTED, _UNKNOWN = range(3)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStage:
+    """A staged layer step as the captured pieces fix it: the MoE layer between piece moe_layer
+    and the next, which the native call launches where `launch` holds the next piece's (head,
+    piece) graph execs (None: Python launches it); signals: the next piece's router sets the
+    routing's signal; guess: the piece before sends a guess of this layer's routing
+    (`StagedDecode.guess_buffers`)."""
+
+    moe_layer: int
+    launch: tuple[int, int] | None = None
+    signals: bool = False
+    guess: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,28 +91,18 @@ class StagedRows:
 
 class StagedBuffers:
     """The host memory staged decode shares with the captured pieces (pinned with CUDA): the
-    routing the pieces' routers store, the routing's signal and what the host knows of it, the
-    table of each route's slot, the CPU's part and its handoff, and the guess of the routing.
-    Captured graphs keep their addresses: each is allocated once and then only handed out."""
+    routing the pieces' routers store and its signal, the table of each route's slot, the CPU's
+    part and its handoff, and the guess of the routing. Captured graphs keep their addresses:
+    each is allocated once and then only handed out."""
 
-    def __init__(
-        self,
-        num_experts: int,
-        top_k: int,
-        hidden: int,
-        handoff: Handoff,
-        compute_stream: torch.cuda.Stream | None,
-    ) -> None:
+    def __init__(self, num_experts: int, top_k: int, hidden: int, handoff: Handoff, pin: bool):
         self.num_experts, self.top_k, self.hidden = num_experts, top_k, hidden
         self.handoff = handoff
-        self.compute_stream = compute_stream
-        self.pin = compute_stream is not None
+        self.pin = pin
         self.routing_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.route_slots_host: torch.Tensor | None = None
         self.cpu_part: torch.Tensor | None = None
-        # set by a piece's router once its routing is in the routing buffers, and its state
-        self.signal: torch.Tensor | None = None
-        self.signal_state = _UNKNOWN
+        self.signal: torch.Tensor | None = None  # set by a piece's router once its routing is in
         self.guess: tuple[torch.Tensor, torch.Tensor] | None = None  # logits [1, E], signal
         self._rows: dict[tuple[int, int], StagedRows] = {}
 
@@ -149,57 +154,36 @@ class StagedBuffers:
 
     def routing_signal(self) -> torch.Tensor:
         """The routing's signal, which captured pieces' routers set once their routing is in
-        the routing buffers (`Model._route`) and `stage_decode` waits for after
-        `expect_routing`. Whoever takes it may run its routers outside a staged step (a
-        capture's warm-ups), so its state is unknown from then on until the next
-        `expect_routing` clears it."""
-        self.signal_state = _UNKNOWN
-        return self._signal()
+        the routing buffers (`Model._route`); made on first use."""
+        if self.signal is None:
+            self.signal = routing_signal(pin=self.pin)
+        return self.signal
 
     def guesses(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Where a one-token piece sends its guess of its layer's routing (`Model.run_piece`,
-        kernels/route_guess.py): fp32 logits [1, E] and their signal."""
+        kernels/route_guess.py): fp32 logits [1, E] and their signal; made on first use."""
         if self.guess is None:
             logits = torch.zeros((1, self.num_experts), dtype=torch.float32, pin_memory=self.pin)
             self.guess = (logits, routing_signal(pin=self.pin))
         return self.guess
 
-    def expect_routing(self) -> None:
-        """Just before launching a piece whose router sets the routing's signal: have the next
-        `stage_decode` wait for that signal rather than for the stream to go idle. The signal
-        is clear after each wait for it (the native planner clears it on seeing it); where it is
-        not known to be, the device is finished first (a piece whose routing was never waited
-        for, an error having come between, or routers run outside a staged step), so that no
-        late signal can pass for this piece's, and it is cleared here."""
-        if self.signal_state != _CLEAR:
-            self.settle_signal()
-        self.signal_state = _EXPECTED
-
-    def settle_signal(self) -> None:
-        """Finish the device's work, then clear the routing's signal: no late store can set it."""
-        if self.compute_stream is not None:
-            self.compute_stream.synchronize()
-        self.clear_signal()
-        self.signal_state = _CLEAR
-
-    def clear_signal(self) -> None:
-        self._signal().numpy()[0] = 0
-        self.clear_guess()  # set before the routing's, by the same pieces
+    def clear_signals(self) -> None:
+        """Clear the routing's signal and the guess's (set before it, by the same pieces)."""
+        self.routing_signal().numpy()[0] = 0
+        self.clear_guess()
 
     def clear_guess(self) -> None:
         if self.guess is not None:
             self.guess[1].numpy()[0] = 0
 
-    def _signal(self) -> torch.Tensor:
-        """The routing's signal, made on first use; its state is left to the caller."""
-        if self.signal is None:
-            self.signal = routing_signal(pin=self.pin)
-        return self.signal
-
 
 class StagedDecode:
     """The host's part of offloaded decode layer steps between captured pieces, and the device's
-    parts the pieces capture (`routed_cached`, `routed_filled`)."""
+    parts the pieces capture (`routed_cached`, `routed_filled`).
+
+    It keeps what the host knows of the routing's signal (`expect_routing`), whether the staged
+    layer's fills are still to be joined, the staged steps not yet counted and the CPU job not
+    yet ended, and the host's work deferred to the next wait (`defer_host_work`)."""
 
     def __init__(
         self,
@@ -216,12 +200,44 @@ class StagedDecode:
         self.fills = fills
         self.split = split
         self.stats = stats
+        self.compute_stream = fills.compute_stream  # the engine's, which the fills follow
         self._sync = buffers.handoff.sync
+        self._signal_state = _UNKNOWN
         self._fills_queued = False  # the staged layer's fills, on the copy stream, not joined
         self._host_work: Callable[[], None] | None = None  # defer_host_work's, not run yet
-        # staged layer steps launched but not yet counted (counted after the next launch)
-        self._uncounted: list[tuple[Dispatch, int]] = []
+        # staged layer steps launched but not yet counted (counted after the next launch), and
+        # the records of counted ones, which the next steps reuse
+        self._uncounted: list[StagedStep] = []
+        self._spare: list[StagedStep] = []
         self._pending: Dispatch | None = None  # the staged layer whose CPU job is not ended
+
+    # the routing's signal and its guess -------------------------------------------------------
+
+    def routing_signal(self) -> torch.Tensor:
+        """The routing's signal (`StagedBuffers.routing_signal`), which `stage_decode` waits for
+        after `expect_routing`. Whoever takes it may run its routers outside a staged step (a
+        capture's warm-ups), so its state is unknown from then on until the next
+        `expect_routing` clears it."""
+        self._signal_state = _UNKNOWN
+        return self.buffers.routing_signal()
+
+    def expect_routing(self) -> None:
+        """Just before launching a piece whose router sets the routing's signal: have the next
+        `stage_decode` wait for that signal rather than for the stream to go idle. The signal
+        is clear after each wait for it (the native planner clears it on seeing it); where it is
+        not known to be, the device is finished first (a piece whose routing was never waited
+        for, an error having come between, or routers run outside a staged step), so that no
+        late signal can pass for this piece's, and it is cleared here."""
+        if self._signal_state != _CLEAR:
+            self._settle_signal()
+        self._signal_state = _EXPECTED
+
+    def _settle_signal(self) -> None:
+        """Finish the device's work, then clear the routing's signal: no late store can set it."""
+        if self.compute_stream is not None:
+            self.compute_stream.synchronize()
+        self.buffers.clear_signals()
+        self._signal_state = _CLEAR
 
     def guess_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The guess buffers (`StagedBuffers.guesses`) where a guess is wanted: prefetch rounds or
@@ -253,6 +269,8 @@ class StagedDecode:
         self.planner.set_copy_ahead(share)
         self.buffers.clear_guess()
 
+    # the staged layer step ---------------------------------------------------------------------
+
     def launches_pieces(self) -> bool:
         """Whether `stage_decode` can launch the next piece itself (the native planner, with its
         copies and launches)."""
@@ -260,13 +278,7 @@ class StagedDecode:
         return planner.copies and planner.launches and planner.native() is not None
 
     def stage_decode(
-        self,
-        moe_layer: int,
-        rows: StagedRows,
-        launched: float | None = None,
-        launch: tuple[int, int] | None = None,
-        signals: bool = False,
-        guess: bool = False,
+        self, stage: LayerStage, rows: StagedRows, launched: float | None = None
     ) -> None:
         """An offloaded decode layer step between two captured pieces: the host part now, the
         device part (`routed_cached`, `join_fills`, `routed_filled`) in the next piece's graphs.
@@ -275,66 +287,73 @@ class StagedDecode:
         the compute stream to go idle), plans the step, starts its CPU job (its part into
         rows.cpu_out, which the next piece waits for on the device), queues the fills and writes
         each route's slot into rows.slots (`filled_mark(slot)` for a route the fills serve, -1
-        on the CPU); `after_launch` does the rest once the next piece is launched. launched: the
-        host's clock when the piece was launched (`StagedStepTimes`). launch (where
-        `launches_pieces`): the next piece's (head, piece) graph execs, which the native call
-        launches itself; signals: that piece's router sets the routing's signal. guess: the
-        piece just launched sends a guess of this layer's routing (`guess_buffers`), which the
-        native wait plans for the CPU workers.
-        """
-        clock = time.perf_counter
-        t0 = clock()
-        buffers, planner = self.buffers, self.planner
-        if launch is not None and signals and buffers.signal_state not in (_CLEAR, _EXPECTED):
-            buffers.settle_signal()  # the launched piece's signal must be the only one to come
-        native = planner.native()
-        signal = None  # the routing's, where the native planner waits for it (and clears it)
-        if native is not None and planner.copies:
-            # the serial path in one native call, with nothing in Python between the routing's
-            # arrival and the CPU job's start: wait, plan, start the CPU job, queue the fills
-            signal = buffers.signal if buffers.signal_state == _EXPECTED else None
-            # with 0 rounds and no copies ahead (set between runs) the guesses the pieces still
-            # send are ignored
-            guessed = guess and signal is not None and planner.uses_guesses()
-            d, (_, plan_s, fill_s, replay_s) = planner.native_step(
-                native, moe_layer, rows.ids, rows.weights, rows.x, rows.cpu_out, True, sync=True,
-                copies=True, route_slots=rows.slots, signal=signal, expected=True, launch=launch,
-                pad_rows=rows.pad_rows, guess=buffers.guess if guessed else None,
-            )  # fmt: skip
-            arrived = clock() - plan_s - fill_s - replay_s
+        on the CPU), and launches the next piece where the stage says (`LayerStage`);
+        `after_launch` counts the step once the next piece is launched. launched: the host's
+        clock when the piece before was launched (`StagedStepTimes`)."""
+        step = self._spare.pop() if self._spare else StagedStep()
+        step.started, step.moe_layer, step.launched = time.perf_counter(), stage.moe_layer, launched
+        native = self.planner.native()
+        if native is not None and self.planner.copies:
+            self._stage_natively(native, stage, rows, step)
         else:
-            if launch is not None:
-                raise ValueError("only the native planner with its copies launches pieces")
-            if buffers.compute_stream is not None:
-                buffers.compute_stream.synchronize()
-            arrived = clock()
-            # the CPU job and the fills as early as possible, the CPU job first: it takes as long
-            # as the fills (the split balances them) and costs the host more to start
-            d = planner.plan_and_start(moe_layer, rows.ids_np, rows.weights, rows.x, True,
-                                       rows.cpu_out)  # fmt: skip
-            t3 = clock()
-            self.fills.queue(moe_layer, d.admitted)
-            slots = d.route_slots
-            filled = expert_mask(self.cache.num_experts, [e for e, _ in d.admitted])[rows.ids_np]
-            rows.slots_np[...] = np.where(filled, filled_mark(slots), slots)
-            plan_s, fill_s, replay_s = t3 - arrived, clock() - t3, 0.0
-            handoff = buffers.handoff  # the native call hands over with its copies
-            if d.job is None:  # nothing on the CPU: its part is zero, and ready now
-                rows.cpu_out.zero_()
-                handoff.epoch += 1
-                handoff.state[DONE] = handoff.epoch
-            handoff.state[EXPECTED] = handoff.epoch  # read by the next piece's sum_when_ready
-        if buffers.signal_state == _EXPECTED:  # waited for: cleared by the planner, or synced
-            if signal is None:
-                buffers.clear_signal()
-            buffers.signal_state = _CLEAR
-        if launch is None:
+            self._stage_in_python(stage, rows, step)
+        self._uncounted.append(step)
+
+    def _stage_natively(
+        self, native: object, stage: LayerStage, rows: StagedRows, step: StagedStep
+    ) -> None:
+        """The serial host path in one native call, with nothing in Python between the routing's
+        arrival and the CPU job's start: wait, plan, start the CPU job, queue the fills, hand
+        over to the next piece and, where the stage says, launch it."""
+        if stage.signals and self._signal_state == _UNKNOWN:
+            self._settle_signal()  # the launched piece's signal must be the only one to come
+        buffers, planner = self.buffers, self.planner
+        awaited = self._signal_state == _EXPECTED  # the wait takes the signal and clears it
+        # with 0 rounds and no copies ahead (set between runs) the guesses the pieces still send
+        # are ignored
+        guessed = stage.guess and awaited and planner.uses_guesses()
+        d, (_, plan_s, fill_s, replay_s) = planner.native_step(
+            native, stage.moe_layer, rows.ids, rows.weights, rows.x, rows.cpu_out, True,
+            sync=True, copies=True, route_slots=rows.slots,
+            signal=buffers.signal if awaited else None, expected=True, launch=stage.launch,
+            pad_rows=rows.pad_rows, guess=buffers.guess if guessed else None,
+        )  # fmt: skip
+        step.arrived = time.perf_counter() - plan_s - fill_s - replay_s
+        step.d, step.plan_s, step.fill_s, step.replay_s = d, plan_s, fill_s, replay_s
+        if awaited:
+            self._signal_state = _CLEAR
+        if stage.launch is None:
             self._fills_queued = bool(d.admitted) or d.split is not None
-        elif signals:  # the next piece, launched after the fills (joined natively)
-            buffers.signal_state = _EXPECTED
-        self._uncounted.append((d, moe_layer))
-        self.stats.staged_step(d, moe_layer, arrived - t0, plan_s, fill_s, replay_s, arrived,
-                               launched)  # fmt: skip
+        elif stage.signals:  # the next piece, launched after the fills (joined natively)
+            self._signal_state = _EXPECTED
+
+    def _stage_in_python(self, stage: LayerStage, rows: StagedRows, step: StagedStep) -> None:
+        """Wait for the compute stream, plan and start the CPU job, queue the fills, write the
+        routes' slots and hand over to the next piece."""
+        if stage.launch is not None:
+            raise ValueError("only the native planner with its copies launches pieces")
+        clock = time.perf_counter
+        if self.compute_stream is not None:
+            self.compute_stream.synchronize()
+        arrived = clock()
+        # the CPU job and the fills as early as possible, the CPU job first: it takes as long as
+        # the fills (the split balances them) and costs the host more to start
+        d = self.planner.plan_and_start(stage.moe_layer, rows.ids_np, rows.weights, rows.x, True,
+                                        rows.cpu_out)  # fmt: skip
+        planned = clock()
+        self.fills.queue(stage.moe_layer, d.admitted)
+        slots = d.route_slots
+        filled = expert_mask(self.cache.num_experts, [e for e, _ in d.admitted])[rows.ids_np]
+        rows.slots_np[...] = np.where(filled, filled_mark(slots), slots)
+        step.d, step.arrived, step.plan_s = d, arrived, planned - arrived
+        step.fill_s, step.replay_s = clock() - planned, 0.0
+        if d.job is None:  # nothing on the CPU: its part is zero, and ready now
+            rows.cpu_out.zero_()
+        self.buffers.handoff.expect(ready=d.job is None)  # the native call hands over itself
+        if self._signal_state == _EXPECTED:  # waited for by the sync
+            self.buffers.clear_signals()
+            self._signal_state = _CLEAR
+        self._fills_queued = bool(d.admitted) or d.split is not None
 
     def join_fills(self) -> None:
         """Between the next piece's two graphs: order the compute stream after the staged layer's
@@ -348,24 +367,22 @@ class StagedDecode:
         """The host's work of the staged layer steps that must not delay the next piece: after
         it is launched (in replay_s, where Python launched it), end the CPU job of the layer
         before the last staged one (the device waited for it before making the last routing;
-        fails if it gave up waiting), and count the staged steps."""
-        t0 = time.perf_counter()
-        staged, self._uncounted = self._uncounted, []
-        stats, split = self.stats, self.split
-        auto = split.policy.mode == "auto"
-        for d, moe_layer in staged:
-            stats.layer_step(d, moe_layer)
-            if auto and d.missing:
-                split.note_cpu_use(bool(d.on_cpu))
-        self.end_handoff()
-        if staged and staged[-1][0].job is not None:
-            self._pending = staged[-1][0]
-        times = stats.staged_times
-        times.replay_s += replay_s
-        times.count_s += time.perf_counter() - t0
-        work, self._host_work = self._host_work, None  # `run_host_work`, once a layer step
-        if work is not None:
-            work()
+        fails if it gave up waiting), and count the staged steps; then the deferred host work."""
+        started = time.perf_counter()
+        staged, split = self._uncounted, self.split
+        if split.policy.mode == "auto":  # its controller follows the CPU's use
+            for step in staged:
+                if step.d.missing:
+                    split.note_cpu_use(bool(step.d.on_cpu))
+        try:
+            self.end_handoff()
+            if staged and staged[-1].d.job is not None:
+                self._pending = staged[-1].d
+        finally:  # counted once, whether or not the device gave up waiting
+            self.stats.staged_steps(staged, replay_s, started)
+            self._spare += staged
+            staged.clear()
+        self.run_host_work()
 
     def end_handoff(self) -> None:
         """After a sync: count the last staged CPU job (ended: the device waited for it), and

@@ -124,6 +124,41 @@ def _piecewise_engine(checkpoint, *flags: str):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
+def test_a_capture_fixes_its_layer_stages_and_replays_reuse_their_records(checkpoint):
+    """What a staged layer step takes of the captured pieces is fixed at capture: its layer and,
+    where the native call launches the pieces, the next piece's (head, piece) execs and whether
+    its router signals (every piece but the last). Replayed steps hand the counters records
+    that the staged decode reuses: a few records for every layer step of the run."""
+    engine = _piecewise_engine(checkpoint)
+    records: set[int] = set()
+    stats = engine.moe.stats
+    staged_steps = stats.staged_steps
+
+    def kept(steps, replay_s, started) -> None:
+        records.update(id(step) for step in steps)
+        staged_steps(steps, replay_s, started)
+
+    stats.staged_steps = kept
+    try:
+        graphs = engine.graphs
+        layers = engine.spec.num_moe_layers
+        for bs in graphs.sizes:
+            assert [s.moe_layer for s in graphs.stages[bs]] == list(range(layers))
+            assert all(s.launch is None and not s.signals for s in graphs.stages[bs])
+            launched = graphs.launched_stages[bs]
+            pieces, heads = graphs.graphs[bs], graphs.heads[bs]
+            assert [s.launch for s in launched] == [
+                (id(heads[p]), id(pieces[p])) for p in range(1, layers + 1)
+            ]
+            assert [s.signals for s in launched] == [True] * (layers - 1) + [False]
+        engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    finally:
+        engine.close()
+    assert stats.staged_times.layer_steps >= 5 * layers
+    assert 0 < len(records) <= 2
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
 @pytest.mark.parametrize("copies", ["python", "planner", "planner-split", "planner-launch"])
 def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, copies, overlap):

@@ -4,6 +4,7 @@ runner's settings, and telemetry given the parts."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,7 +19,7 @@ from moelab.engine.memory import VramPlan
 from moelab.engine.miss_plan import Dispatch, Handoff
 from moelab.engine.misses import MissPolicy, MissSplit
 from moelab.engine.moe import MoERunner
-from moelab.engine.moe_stats import DecodeStats
+from moelab.engine.moe_stats import DecodeStats, StagedStep
 from moelab.engine.scheduler import Scheduler
 from moelab.engine.spec import ModelSpec
 from moelab.engine.staged_decode import StagedBuffers
@@ -112,10 +113,11 @@ def _dispatch(experts, slots, admitted, on_cpu, **fields) -> Dispatch:
     return Dispatch(experts, slots, missing, admitted, on_cpu, routes, None, **fields)
 
 
-def test_one_call_a_staged_layer_step_keeps_every_figure_of_it():
-    """`staged_step`: the step's stages, what its plan had (a CPU job, a guess, blocks fetched
-    ahead, a split, a copy ahead), its period from the last layer step's routing keyed by that
-    step's plan, and the boundary between two decode steps; an eager layer breaks the chain."""
+def test_one_call_a_launch_counts_and_times_its_staged_layer_steps():
+    """`staged_steps`: each step counted, its stages, what its plan had (a CPU job, a guess,
+    blocks fetched ahead, a split, a copy ahead), its period from the last layer step's routing
+    keyed by that step's plan, and the boundary between two decode steps; then the launch's
+    replay and the counting's own time; an eager layer breaks the chain."""
     stats = DecodeStats(num_layers=3, num_experts=8)
     guessed = _dispatch([1, 2, 5], [0, -1, -1], [(2, 3)], [5], job=object(), guessed=True,
                         owned_blocks=2, guess_s=1e-5)  # fmt: skip
@@ -129,22 +131,26 @@ def test_one_call_a_staged_layer_step_keeps_every_figure_of_it():
         (guessed, 0, 10.010, 10.006),  # the next decode step
     ]
     for i, (d, layer, arrived, launched) in enumerate(steps):
-        stats.staged_step(d, layer, 1e-6 * i, 2e-6, 3e-6, 4e-6, arrived, launched)
+        step = StagedStep(d, layer, arrived - 1e-6 * i, arrived, 2e-6, 3e-6, 4e-6, launched)
+        stats.staged_steps([step], 1e-6, time.perf_counter())
     stats.break_chain()  # an eager step between
-    stats.staged_step(split, 1, 1e-6, 2e-6, 3e-6, 0.0, 11.0, None)
+    step = StagedStep(split, 1, 11.0 - 1e-6, 11.0, 2e-6, 3e-6, 0.0, None)
+    stats.staged_steps([step], 0.0, time.perf_counter())
     t = stats.staged_times
     assert (t.layer_steps, t.cpu_jobs, t.split_misses, t.guesses, t.prefetched_jobs) == (
         5, 4, 2, 4, 2,
     )  # fmt: skip
     assert (t.copied_ahead, t.ahead_missed, t.guess_plans, t.guess_late) == (2, 2, 4, 2)
     assert t.guess_s == pytest.approx(2e-5 + 2 * 2e-5)
-    assert (t.sync_s, t.plan_s, t.fill_s, t.replay_s) == pytest.approx((7e-6, 10e-6, 15e-6, 16e-6))
+    assert (t.sync_s, t.plan_s, t.fill_s, t.replay_s) == pytest.approx((7e-6, 10e-6, 15e-6, 20e-6))
+    assert t.count_s > 0
     assert set(t.periods) == {"1+1p", "0+2swa"}
     assert t.periods["1+1p"] == [1, pytest.approx(0.001)]
     assert t.periods["0+2swa"] == [1, pytest.approx(0.002)]
     assert (t.boundaries, t.boundary_s, t.boundary_host_s) == (
         1, pytest.approx(0.007), pytest.approx(0.003),
     )  # fmt: skip
+    assert stats.counters.reads.tolist() == [6, 4, 2]  # each step counted once
     assert stats.snapshot()["staged_layer_us"] == t.to_dict()
 
 
@@ -174,7 +180,7 @@ def test_a_steps_staged_views_are_made_once_and_follow_a_larger_buffer():
     """`StagedBuffers.rows`: the same views for every step of a batch size (no view made per
     layer step), into the buffers the captured graphs read; a capture of a larger batch
     allocates larger buffers and the views follow them."""
-    buffers = StagedBuffers(8, 2, 4, Handoff(pin=False), compute_stream=None)
+    buffers = StagedBuffers(8, 2, 4, Handoff(pin=False), pin=False)
     ids, _, _ = buffers.routing(4)
     slots, cpu_out = buffers.route_slots(4), buffers.cpu_out(4)
     rows = buffers.rows(3, 1)
@@ -190,17 +196,6 @@ def test_a_steps_staged_views_are_made_once_and_follow_a_larger_buffer():
     assert again is not rows and again.ids.data_ptr() == bigger.data_ptr()
 
 
-def test_a_late_routing_signal_is_cleared_before_a_piece_is_expected():
-    """A router run outside a staged step (a capture's warm-ups) may set the signal and the
-    guess's: `expect_routing` clears both before the next piece's wait is readied."""
-    buffers = StagedBuffers(8, 2, 4, Handoff(pin=False), compute_stream=None)
-    signal = buffers.routing_signal()
-    _, guess_signal = buffers.guesses()
-    signal[0] = guess_signal[0] = 1
-    buffers.expect_routing()
-    assert signal[0] == 0 and guess_signal[0] == 0
-
-
 def _runner(slots: int, **settings) -> tuple[ModelSpec, MoERunner]:
     """A tiny geometry's runner on the CPU (zero weights; no CPU executor)."""
     spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
@@ -212,6 +207,17 @@ def _runner(slots: int, **settings) -> tuple[ModelSpec, MoERunner]:
     runner = MoERunner(bank, cache, MissPolicy.auto(20.0, 10.0), None, top_k=spec.top_k,
                        prefill_overlap=False, prefill_stream_min_tokens=64, **settings)  # fmt: skip
     return spec, runner
+
+
+def test_a_late_routing_signal_is_cleared_before_a_piece_is_expected():
+    """A router run outside a staged step (a capture's warm-ups) may set the signal and the
+    guess's: `expect_routing` clears both before the next piece's wait is readied."""
+    staged = _runner(8)[1].staged
+    signal = staged.routing_signal()
+    _, guess_signal = staged.buffers.guesses()
+    signal[0] = guess_signal[0] = 1
+    staged.expect_routing()
+    assert signal[0] == 0 and guess_signal[0] == 0
 
 
 def test_the_runner_takes_its_settings_where_it_is_built():
