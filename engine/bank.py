@@ -70,6 +70,10 @@ class ExpertBank:
     def pinned_layers(self) -> int:
         return sum(self.pinned)
 
+    def snapshot(self) -> dict:
+        """The bank's bytes and its layers in pinned memory (telemetry's `Reports`)."""
+        return {"bytes": self.nbytes, "pinned_layers": self.pinned_layers}
+
 
 def bank_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     return spec.experts_total * spec.expert_params * torch.empty((), dtype=dtype).element_size()

@@ -105,10 +105,11 @@ class ExpertCache:
         return [int(n) for n in (self.slot_of >= 0).sum(axis=1)]
 
     def snapshot(self) -> dict:
-        """The cache's size and what each layer holds, as `/v1/stats` reports them."""
+        """The cache's size and what each layer holds (telemetry's `Reports`)."""
         return {
             "slots": self.slots,
             "slot_bytes": self.slot_bytes,
+            "bytes": self.nbytes,
             "resident_per_layer": self.resident_per_layer(),
         }
 

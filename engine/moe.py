@@ -129,8 +129,18 @@ class MoERunner:
         self.stats.staged_times = times
 
     def snapshot(self) -> dict:
-        """The miss split's, the CPU jobs' and the staged steps' figures for `/v1/stats`."""
-        return {**self.split.snapshot(), **self.stats.snapshot()}
+        """The miss split's, the CPU jobs' and the staged steps' figures and the prefill
+        buffer's bytes (telemetry's `ExpertReports`)."""
+        return {
+            **self.split.snapshot(),
+            **self.stats.snapshot(),
+            "prefill_buffer_bytes": self.stage_bytes,
+        }
+
+    def watch_accesses(self, observer: Callable[[np.ndarray], None]) -> None:
+        """Hand the decode accesses to `observer` from now on, in batches: keys layer * E +
+        expert, in the order the cache saw them (the what-if curve's stream)."""
+        self.stats.on_accesses = observer
 
     @property
     def decode_reads(self) -> tuple[int, int]:

@@ -95,6 +95,17 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    def snapshot(self) -> dict:
+        """The prefix cache as telemetry reports it (`Reports`): prompt tokens admitted, those
+        of them the cache held, and what it holds now."""
+        kv = self.kv
+        return {
+            "enabled": kv.prefix_cache,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "tokens_held": kv.cached_blocks * kv.block_size,
+        }
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

@@ -1,16 +1,18 @@
 """Telemetry: throughput windows, requests and TTFT, memory, per-layer expert counters, the what-if
 curve and the per-token time breakdown, as `GET /v1/stats` and `GET /metrics` report them.
 
-`Telemetry` is given the parts it reports on: the MoE runner (its counters, and the figures of its
-miss split and its decode timers, `MoERunner.snapshot`), the expert cache (`ExpertCache.snapshot`),
-the expert bank, the scheduler (the prefix cache's tokens), and of the engine itself only what a
-resize replaces or the engine alone knows (`EngineState`)."""
+`Telemetry` is given the parts it reports on, each through a small interface it implements: the
+expert cache, the expert bank and the scheduler report their figures (`Reports.snapshot`); the MoE
+runner its figures too, its decode counters and its stream of decode accesses (`ExpertReports`);
+of the engine itself telemetry reads only what a resize replaces or the engine alone knows
+(`EngineState`)."""
 
 from __future__ import annotations
 
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -18,16 +20,12 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from .moe_stats import MissCostFit
+from .moe_stats import LayerCounters, MissCostFit
 from .whatif import StackDistances
 
 if TYPE_CHECKING:
-    from .bank import ExpertBank
-    from .cache import ExpertCache
     from .kv import KVCache
     from .memory import VramPlan
-    from .moe import MoERunner
-    from .scheduler import Scheduler
     from .spec import ModelSpec
 
 WINDOWS_S = (10, 60)
@@ -80,6 +78,29 @@ class StepTimer:
             self.seconds[name] += time.perf_counter() - t0
 
 
+class Reports(Protocol):
+    """A part that reports its own figures to telemetry."""
+
+    def snapshot(self) -> dict:
+        """The part's figures now, JSON-ready, as `/v1/stats` reports them."""
+        ...
+
+
+class ExpertReports(Reports, Protocol):
+    """The MoE runner as telemetry reads it: its figures (the miss split in force, the CPU jobs,
+    the staged layer steps, the prefill buffer's bytes), its decode counters per MoE layer, read
+    each second, the decode reads and misses so far, read each step, and the decode accesses
+    (keys layer * E + expert, in the order the cache saw them), which it hands to an observer."""
+
+    @property
+    def counters(self) -> LayerCounters: ...
+
+    @property
+    def decode_reads(self) -> tuple[int, int]: ...
+
+    def watch_accesses(self, observer: Callable[[np.ndarray], None]) -> None: ...
+
+
 class EngineState(Protocol):
     """What telemetry reads of the engine itself: its device, what a resize replaces (the memory
     plan, the KV cache, the usable context) and the settings in force."""
@@ -99,15 +120,15 @@ class Telemetry:
         self,
         spec: ModelSpec,
         engine: EngineState,
-        moe: MoERunner,
-        cache: ExpertCache,
-        bank: ExpertBank,
-        scheduler: Scheduler,
+        experts: ExpertReports,
+        cache: Reports,
+        bank: Reports,
+        scheduler: Reports,
         enabled: bool = True,
     ) -> None:
         self.spec = spec
         self.engine = engine
-        self.moe = moe
+        self.experts = experts
         self.cache = cache
         self.bank = bank
         self.scheduler = scheduler
@@ -129,7 +150,7 @@ class Telemetry:
         self.timed_steps = 0  # decode steps run eagerly, phase by phase, for the breakdown
         if enabled:
             self.whatif = StackDistances(spec.num_moe_layers * spec.num_experts)
-            moe.stats.on_accesses = self.whatif.add
+            experts.watch_accesses(self.whatif.add)
 
     # fed by the engine thread --------------------------------------------------------------------
 
@@ -147,7 +168,7 @@ class Telemetry:
             self.prefill.add(prefill_tokens, now)
             self.prefill_tokens_total += prefill_tokens
         if self.enabled:
-            reads, misses = self.moe.decode_reads
+            reads, misses = self.experts.decode_reads
             # a timed step runs its CPU part alone: its time is not what a miss costs
             if decode_tokens and not prefill_tokens and timer is None:
                 seen_reads, seen_misses = self._reads_seen
@@ -173,7 +194,7 @@ class Telemetry:
     # reading ---------------------------------------------------------------------------------
 
     def _counter_matrix(self) -> np.ndarray:
-        c = self.moe.counters
+        c = self.experts.counters
         return np.stack([c.reads, c.hits, c.fills, c.cpu]).copy()
 
     @staticmethod
@@ -194,6 +215,7 @@ class Telemetry:
 
     def stats(self, *, running: int, queued: int, model_name: str) -> dict:
         engine = self.engine
+        cache, experts, bank = self.cache.snapshot(), self.experts.snapshot(), self.bank.snapshot()
         now = time.monotonic()
         plan = engine.plan
         recent = [t for when, t in self.ttft if when >= now - 300] or [t for _, t in self.ttft]
@@ -209,8 +231,8 @@ class Telemetry:
             "total": plan.budget_bytes,
             "weights": weights,
             "kv": kv.nbytes,
-            "expert_cache": self.cache.nbytes,
-            "prefill_buffer": self.moe.stage_bytes,
+            "expert_cache": cache["bytes"],
+            "prefill_buffer": experts["prefill_buffer_bytes"],
             "activations": plan.activation_bytes,
             "graphs": plan.graph_bytes,
         }
@@ -241,8 +263,8 @@ class Telemetry:
             "memory": {
                 "device": [used_device],
                 "host_rss": _host_rss(),
-                "expert_bank": self.bank.nbytes,
-                "expert_bank_pinned_layers": self.bank.pinned_layers,
+                "expert_bank": bank["bytes"],
+                "expert_bank_pinned_layers": bank["pinned_layers"],
                 "plan": plan.to_dict(),
             },
             "kv": {
@@ -251,24 +273,18 @@ class Telemetry:
                 "tokens_peak": kv.peak_blocks_used * kv.block_size,
                 "max_context": engine.max_context,
                 "bytes_per_token": self.spec.kv_bytes_per_token,
-                # prompt tokens admitted, those the prefix cache held, and what it holds now
-                "prefix_cache": {
-                    "enabled": kv.prefix_cache,
-                    "prompt_tokens": self.scheduler.prompt_tokens,
-                    "cached_tokens": self.scheduler.cached_tokens,
-                    "tokens_held": kv.cached_blocks * kv.block_size,
-                },
+                "prefix_cache": self.scheduler.snapshot(),
             },
             "config": engine.config_in_force(),
         }
-        stats["experts"] = self._experts(now) if self.enabled else None
+        stats["experts"] = self._experts(now, cache, experts) if self.enabled else None
         stats["breakdown"] = dict(self.breakdown) if self.breakdown else None
         return stats
 
-    def _experts(self, now: float) -> dict:
+    def _experts(self, now: float, cache: dict, experts: dict) -> dict:
+        """The expert section: the cache's and the runner's figures (their snapshots), the
+        counters per layer in all and over the last minute, the what-if curve."""
         spec = self.spec
-        cache = self.cache.snapshot()
-        moe = self.moe.snapshot()
         current = self._counter_matrix()
         base = next((m for t, m in self._snapshots if t >= now - 60), None)
         window = current - base if base is not None else current
@@ -289,16 +305,16 @@ class Telemetry:
             "top_k": spec.top_k,
             "slots": slots,
             "slot_bytes": cache["slot_bytes"],
-            "policy": moe["policy"],
+            "policy": experts["policy"],
             "layers": self._layers(current, cache["resident_per_layer"]),
             "window_60s": {"layers": self._layers(window)},
-            "picks": self.moe.counters.picks.tolist(),
+            "picks": self.experts.counters.picks.tolist(),
             "whatif": whatif,
             "whatif_accesses": self.whatif.accesses if self.whatif else 0,
             "hit_rate_60s": float(window[1].sum() / reads_60) if reads_60 else None,
             "hit_rate": float(current[1].sum() / current[0].sum()) if current[0].sum() else None,
-            "cpu_jobs": moe["cpu_jobs"],
-            "staged_layer_us": moe["staged_layer_us"],
+            "cpu_jobs": experts["cpu_jobs"],
+            "staged_layer_us": experts["staged_layer_us"],
             "miss_cost": self.miss_cost.to_dict(),
         }
 

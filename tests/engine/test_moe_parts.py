@@ -256,4 +256,7 @@ def test_telemetry_reports_the_parts_it_is_given():
     device = stats["memory"]["device"][0]
     assert device["expert_cache"] == runner.cache.nbytes and device["kv"] == kv.nbytes
     assert stats["memory"]["expert_bank"] == runner.bank.nbytes
+    assert stats["memory"]["expert_bank_pinned_layers"] == 0
+    assert stats["kv"]["prefix_cache"] == {"enabled": True, "prompt_tokens": 0,
+                                           "cached_tokens": 0, "tokens_held": 0}  # fmt: skip
     assert stats["config"] == {"policy": "auto"}
