@@ -6,8 +6,8 @@ on the copy stream after the compute stream's work.
 
 Its state is a few numpy arrays (the slot of each expert, the key and the last use of each slot,
 the use clock and the counters), so that the native decode planner (kernels/cpu_experts.py,
-`DecodePlanner`) can make the same decisions on the same state without Python; this class is the
-specification of those decisions (engine/miss_plan.py).
+`DecodePlanner`) can decide on the same state without Python (engine/miss_plan.py says which
+implementation is the specification).
 """
 
 from __future__ import annotations

@@ -1,18 +1,21 @@
 """Where the routes of one offloaded layer step run: from a slot (a hit, or a miss fetched now)
 or on the CPU; and the planner that decides it and starts the step's CPU job.
 
-The specification is Python: `plan_layer` over `ExpertCache` (cache.py), with
-`MissPolicy.fetch_count` / `fetch_plan` / `lead_plan` (misses.py) saying how many misses to fetch.
-Of a step's misses, the fetched ones are those picked most often so far (the likeliest to be
+The Python code is the specification of these decisions: `plan_layer` over `ExpertCache`'s state
+(cache.py: lookups, admissions, the least recently used slot out), with `MissPolicy` (misses.py)
+saying how many misses to copy (`fetch_count`), whether to split one between the copy and the CPU
+(`fetch_plan`) and how a copy ahead of the routing counts (`lead_plan`), its constants included.
+Of a step's misses, the copied ones are those picked most often so far (the likeliest to be
 reused from the cache), ties broken by more tokens now, then the lower expert id.
 
 The native `DecodePlanner` (kernels/csrc/decode_planner.h) reimplements those decisions for
-speed, on the same numpy arrays, and adds what only it does: waiting for the routing, queueing
-the fills through the driver, splitting a miss between the copy and the CPU, launching the next
-captured piece, planning a guess of the routing. `LayerPlanner` runs it for decode where the CPU
-experts are native, and `plan_layer` otherwise (the torch kernel, prefill). Where the two could
-differ, the Python code is right: tests/engine/test_planner.py runs both over the same caches
-and routings and compares their plans, cache states and CPU outputs.
+speed, on the same numpy arrays and in the same double arithmetic, and adds what only it does:
+waiting for the routing, queueing the fills through the driver, splitting a miss, launching the
+next captured piece, planning a guess of the routing. `LayerPlanner` runs it for decode where the
+CPU experts are native, and `plan_layer` otherwise (the torch kernel, prefill). Where the two
+differ, the native code is wrong: a change to the policy is made here, then in the native planner,
+and tests/engine/test_planner.py runs both over the same caches and routings and compares their
+plans, cache states and CPU outputs.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ m − q run on the CPU at the same time; both would finish together at q = m · 
 Experts are whole, so q is whichever of the two whole numbers around it ends the step sooner
 (`MissPolicy.fetch_count`). One more miss may be divided (unless --no-split-misses), the first
 rows of its gate and up projections and the same columns of its down projection copied and the
-rest run on the CPU (`fetch_plan`). `MissPolicy` is the specification of these divisions: the
-native decode planner (kernels/csrc/decode_planner.h) computes the same in the same double
-arithmetic (miss_plan.py says which planner runs; tests/engine/test_planner.py compares them).
+rest run on the CPU (`fetch_plan`). The native decode planner reimplements these divisions
+(engine/miss_plan.py says which implementation is the specification).
 
 `MissSplit` holds the policy in force; under the auto policy it moves the CPU rate the policy
 plans with to the rate decode's CPU jobs show.
@@ -29,7 +28,7 @@ SPLIT_CHUNKS = 16
 # (docs/performance.md): the copies' (from the routing to the first copy's start, and from the
 # last one's end to the parts' sum: the filled routes' pass, the sum), the CPU job's (its start
 # and its end), and a split's extra copy time (its 2D copies run slower than whole experts, and
-# its memset). The native planner has the same constants.
+# its memset).
 COPY_FIXED = 0.15
 CPU_FIXED = 0.09
 SPLIT_FIXED = 0.1
@@ -69,7 +68,7 @@ class MissPolicy:
 
         Of the two whole numbers around misses · f, the one whose later side (copies: q / Bp,
         the CPU: (misses − q) / Bh; with f = Bp / (Bp + Bh), in proportion q · (1 − f) and
-        (misses − q) · f) ends sooner; a tie fetches. The native planner computes the same."""
+        (misses − q) · f) ends sooner; a tie fetches."""
         low = min(misses, max(0, math.floor(misses * self.fetch_fraction)))
         high = min(misses, low + 1)
         return high if self._ends(high, misses - high) <= self._ends(low, misses - low) else low
@@ -90,8 +89,7 @@ class MissPolicy:
         """(q, j): copy q whole misses and, of one more, the first j / chunks of its gate and up
         rows with the same columns of its down projection, while the CPU runs its other rows and
         the rest; j = 0: no miss is split. The split replaces `fetch_count`'s whole split only
-        where it ends the step sooner, by the same measure (`_ends`). The native planner computes
-        the same."""
+        where it ends the step sooner, by the same measure (`_ends`)."""
         best_q, best_j = self.fetch_count(misses), 0
         if chunks < 2:
             return best_q, best_j
@@ -111,7 +109,7 @@ class MissPolicy:
         bytes counted as copied. Of those divisions the one that ends soonest (the whole
         ones first, then the splits; the first of equal ends), where it ends no later than
         `fetch_plan`'s; else None (the copy ahead is left unused). misses > 0, chunks >= 2 and
-        lead > 0. The native planner computes the same."""
+        lead > 0."""
         best, best_q, best_j = math.inf, 0, 0
         for q in range(1, misses + 1):
             end = self._ends(q, misses - q, lead=lead)
