@@ -156,7 +156,8 @@ class DecodeGraphs:
         # while the host still reads the previous step's)
         self._host_sampled = torch.zeros((2, max_bs), dtype=torch.long, pin_memory=pin)
         # piecewise, the last piece stores them into this one itself (`sampled_to_host`), whose
-        # views are kept (a view costs that host 10 µs per step, its caches cold)
+        # views are kept (making a view each step costs a host whose caches are cold more than
+        # keeping them)
         self._tokens_host = torch.zeros(max_bs, dtype=torch.long, pin_memory=pin)
         self._tokens_views: dict[int, torch.Tensor] = {}
         self._cuda = pin
@@ -169,8 +170,8 @@ class DecodeGraphs:
         self.logits_index = torch.arange(max_bs, device=dev)
         # with CUDA, a step's input copies as driver calls on the stream the graphs replay on
         # (the engine's one stream, current now): computed addresses, no views, no torch copy_
-        # (three cost 27 us a step on the H200's host, its caches streamed cold by the CPU
-        # experts; docs/performance.md)
+        # (torch's copies cost the host several times more, most when the CPU experts have
+        # streamed its caches cold)
         self._h2d = HostToDevice(torch.cuda.current_stream(dev)) if pin else None
         # the experts' staged decode (MoERunner.staged), which stages each MoE layer between two
         # pieces, and its host buffers
@@ -492,9 +493,9 @@ class DecodeGraphs:
         """The last replay's tokens of its first `n` rows in pinned host memory, valid once
         the step is done (`step_done`). Whole steps: a copy queued into host buffer 0 or 1.
         Pieces: the last piece stored them into one buffer itself (a copy queued after the
-        launches cost the host 37-40 µs a step); the next step's tokens overwrite them only once
-        its last piece runs, and the host reads them before it launches that piece (during the
-        next step's staging, or after a wait for this one)."""
+        launches costs the host more than the piece's store); the next step's tokens overwrite
+        them only once its last piece runs, and the host reads them before it launches that piece
+        (during the next step's staging, or after a wait for this one)."""
         if self.piecewise:
             view = self._tokens_views.get(n)
             if view is None:

@@ -30,9 +30,8 @@ if TYPE_CHECKING:
 
 WINDOWS_S = (10, 60)
 # One decode step in this many seconds is timed phase by phase: eager (no graph replay) and
-# synchronizing at each phase, it takes several times a replayed step (docs/performance.md), so
-# timing one every few seconds cost about 1% of decode and a stall in most runs of `moelab bench
-# decode`
+# synchronizing at each phase, it takes several times a replayed step, so timing one every few
+# seconds would cost a visible share of decode and stall a benchmark's runs
 BREAKDOWN_EVERY_S = 30.0
 PHASES = ("route", "copy", "gpu_experts", "cpu_experts")
 

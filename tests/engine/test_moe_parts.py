@@ -25,6 +25,7 @@ from moelab.engine.spec import ModelSpec
 from moelab.engine.staged_decode import StagedBuffers
 from moelab.engine.synth import make_config
 from moelab.engine.telemetry import Telemetry
+from tests.test_comments import ROOT, notebook_lines
 
 GB = 1_000_000_000
 
@@ -260,3 +261,14 @@ def test_telemetry_reports_the_parts_it_is_given():
     assert stats["kv"]["prefix_cache"] == {"enabled": True, "prompt_tokens": 0,
                                            "cached_tokens": 0, "tokens_held": 0}  # fmt: skip
     assert stats["config"] == {"policy": "auto"}
+
+
+# the MoE layer's runtime and what reports it: comments say why, never when or on which host
+MOE_RUNTIME = ("moe.py", "staged_decode.py", "misses.py", "miss_plan.py", "moe_stats.py",
+               "cache.py", "prefill_stream.py", "resident_record.py", "telemetry.py", "graphs.py",
+               "synth.py", "synth_checkpoint.py")  # fmt: skip
+
+
+def test_the_moe_runtime_keeps_no_lab_notebook():
+    engine = ROOT / "engine"
+    assert [line for name in MOE_RUNTIME for line in notebook_lines(engine / name)] == []
