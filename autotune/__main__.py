@@ -18,16 +18,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..engine.args import physical_cores
-from ..engine.spec import CheckpointError, ModelSpec
+from ..engine.config.args import physical_cores
+from ..engine.model.spec import CheckpointError, ModelSpec
 from ..engine.text import Text
 from .flagset import Change, apply_change, effective_value
 from .journal import Journal, StoredTrial
 from .modes import MODES
 from .noise import OBJECTIVES, NoiseRule, Objective
 from .plan import MachineFacts, ModelFacts, make_plan
-from .search import Search, SearchFailed, SearchSettings
-from .trial import EngineTrialRunner, TrialRequest, TrialResult
+from .search import Search, SearchFailed
+from .search_records import SearchSettings
+from .trial import EngineTrialRunner
+from .trial_record import TrialRequest, TrialResult
 from .workload import Workload
 
 

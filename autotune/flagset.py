@@ -1,8 +1,8 @@
 """Engine flag lists as the benchmark edits them: read a flag's value, apply exactly one change.
 
 A flag list is what a profile stores: `["--moe-cache-rate", "0.5", "--no-cuda-graph"]`, read and
-written by engine/flag_list.py. A change sets a value (a string), switches an on/off flag (True /
-False), or drops a flag (None) so the engine's default applies again.
+written by engine/config/flag_list.py. A change sets a value (a string), switches an on/off flag
+(True / False), or drops a flag (None) so the engine's default applies again.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.flag_list import FlagList, described
+from ..engine.config.flag_list import FlagList, described
 from ..engine.text import Text
 
 ChangeValue = str | bool | None

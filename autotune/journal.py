@@ -17,7 +17,7 @@ from typing import Any
 
 from ..engine.text import Text
 from .flagset import same_flags
-from .trial import Cancelled, TrialRequest, TrialResult
+from .trial_record import Cancelled, TrialRequest, TrialResult
 
 # provisional verdicts: a candidate waits for its confirmation, a context tier for its judgement
 PROVISIONAL = {

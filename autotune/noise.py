@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..engine.text import Text
-from .trial import TrialResult
+from .trial_record import TrialResult
 
 OBJECTIVES = ("decode", "prefill", "both", "aggregate")
 FIGURES = ("prefill", "decode", "aggregate")

@@ -1,7 +1,7 @@
 """The plan of a run: which single-flag changes to try, in what order, and which to skip and why.
 
-Candidates come from the engine's own list of tunable flags (`engine/args.py` TUNABLE: the flag,
-how its values are chosen, the values it suggests), read against this machine and this model:
+Candidates come from the engine's own list of tunable flags (`engine/config/args.py` TUNABLE: the
+flag, how its values are chosen, the values it suggests), read against this machine and this model:
 thread counts from the physical cores, nothing that needs a GPU where the engine runs on the CPU
 (CUDA graphs, split misses, fetching misses, overlapped copies), no prefill chunk longer than the
 workload's prompt can tell apart, no more running requests than the workload's clients. Ordered
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.args import TUNABLE, Tunable
+from ..engine.config.args import TUNABLE, Tunable
 from ..engine.text import Text, text_fields, text_of
 from .flagset import Change, effective_value, flag_info, has_flag, value_of
 from .modes import MODE_NAMES, Mode

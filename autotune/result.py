@@ -6,14 +6,33 @@ The result is what a run stores and what Recommended reads (`flags`, `notes`); i
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ..engine.flag_list import FlagList
+from ..engine.config.flag_list import FlagList
 from ..engine.text import Text, text_fields
-from .noise import Figures
+from .noise import Figures, NoiseRule, Objective, Spreads
+from .plan import Skipped
+from .search_records import Incumbent, Kept, SearchSettings
+from .sizing import Sizing
+from .trial_record import TrialResult
 
-if TYPE_CHECKING:  # the search imports this module
-    from .search import Search
+
+class Search(Protocol):
+    """What the result reads of a finished search (autotune/search.py)."""
+
+    settings: SearchSettings
+    objective: Objective
+    rule: NoiseRule
+    results: dict[int, TrialResult]
+    kept: list[Kept]
+    skipped: list[Skipped]
+    tried: list[str]
+    tries: dict[str, list[Text]]
+    spreads: Spreads
+    incumbent: Incumbent | None
+    context: dict[str, Any]
+    sizing: Sizing | None
+    calibration_trial: int | None
 
 
 def build_result(search: Search, baseline: Figures) -> dict[str, Any]:

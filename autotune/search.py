@@ -16,7 +16,6 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.text import Text, text_fields
@@ -24,67 +23,19 @@ from .eta import CONTEXT_FLAG, TimeLeft, candidate_trials, context_tiers, contex
 from .flagset import Change, apply_change, same_flags
 from .journal import Journal
 from .modes import Mode
-from .noise import Figures, Judgement, NoiseRule, Objective, Spreads
+from .noise import Figures, Judgement, Spreads
 from .plan import Candidate, Plan, Skipped
 from .result import build_result
+from .search_records import Incumbent, Kept, SearchSettings
 from .sizing import Sizing, size_workload
-from .trial import TrialRequest, TrialResult
+from .trial_record import TrialRequest, TrialResult
 
 # the directions of an ordered walk, as words in sentences
 WALKS = {"up": Text("up"), "down": Text("down")}
-STARTING_FLAGS = Text("the starting flags")
 
 
 class SearchFailed(RuntimeError):
     """The run cannot go on (the starting flags do not run); the message (a Text) says why."""
-
-
-@dataclass(frozen=True, slots=True)
-class SearchSettings:
-    """What a run optimises and how: mode, objective, noise rule, and what it starts from."""
-
-    mode: Mode
-    objective: Objective
-    rule: NoiseRule = field(default_factory=NoiseRule)
-    model_max_context: int | None = None
-    pick_up: bool = False  # the base is an earlier run's result: context only if a change is kept
-    base_origin: Text | str = STARTING_FLAGS
-
-
-@dataclass(slots=True)
-class Incumbent:
-    """The best flags so far and the runs that measured them (their median is the reference)."""
-
-    flags: list[str]
-    runs: list[TrialResult]
-    trials: list[int]
-
-    @property
-    def figures(self) -> Figures:
-        return Figures.median(self.runs)
-
-    @property
-    def usable_context(self) -> int | None:
-        return self.runs[-1].usable_context
-
-
-@dataclass(frozen=True, slots=True)
-class Kept:
-    """A change that was kept, the trials behind it and the measured reason."""
-
-    change: Change
-    reason: Text
-    trials: tuple[int, ...]
-    gain: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.change.to_json(),
-            **text_fields("label", self.change.label),
-            **text_fields("reason", self.reason),
-            "trials": list(self.trials),
-            "gain": self.gain,
-        }
 
 
 class Search:

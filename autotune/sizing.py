@@ -36,25 +36,16 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..engine.text import Text, text_fields
+from .trial_record import FAILURES, TrialResult
 from .workload import WorkloadResult, WorkloadSpec, chars_for_tokens
-
-if TYPE_CHECKING:  # the trial runner imports this module
-    from .trial import TrialResult
 
 MAX_GENERATION_TOKENS = 1024
 # a warm stage shorter than this share of the target is run again at the estimate sized from it
 REPEAT_BELOW_SHARE = 0.5
 # the kinds of a trial's failure (trial.py classifies them) as words in sentences
-FAILURES = {
-    "crash": Text("crash"),
-    "out of memory": Text("out of memory"),
-    "killed by signal 9": Text("killed by signal {signal}", signal=9),
-    "timeout": Text("timeout"),
-    "error": Text("error"),
-}
 STAGES = (Text("the mode's minimum"), Text("the first estimate"), Text("the second estimate"))
 
 

@@ -1,10 +1,11 @@
 """One trial: a fresh `moelab serve` with the trial's flags, the workload, its stats, then stop.
 
-The engine is never reused: every trial starts a new process through engine/launch.py, waits for
-/health, sends one warm-up request, runs the workload the request names (the same one for every
-trial after the calibration trial, which runs its stages in its one engine: autotune/sizing.py),
-reads /v1/stats and stops the process group. A crash, an out-of-memory (said only on evidence:
-engine/exits.py) or a timeout becomes a failed trial with the log tail; the run goes on.
+The engine is never reused: every trial starts a new process through engine/process/launch.py,
+waits for /health, sends one warm-up request, runs the workload the request names (the same one for
+every trial after the calibration trial, which runs its stages in its one engine:
+autotune/sizing.py), reads /v1/stats and stops the process group. A crash, an out-of-memory (said
+only on evidence: engine/process/exits.py) or a timeout becomes a failed trial with the log tail;
+the run goes on.
 """
 
 from __future__ import annotations
@@ -14,99 +15,23 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import closing
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from ..engine import launch
-from ..engine.exits import OomWatch, exit_words
+from ..engine.process import launch
+from ..engine.process.exits import OomWatch, exit_words
 from ..engine.text import Text, error_text
 from .client import EngineClient, WorkloadError
-from .flagset import Change, without
-from .sizing import FAILURES, calibrate
-from .workload import ContextProof, Workload, WorkloadResult, WorkloadSpec
+from .flagset import without
+from .sizing import calibrate
+from .trial_record import Cancelled, TrialRequest, TrialResult
+from .workload import Workload, WorkloadResult, WorkloadSpec
 
 TRIAL_PORTS = range(8200, 8300)  # the daemon's supervisor hands out 8100-8199
-ROLES = ("calibration", "baseline", "candidate", "confirm", "context")
 _OOM_MARKS = ("out of memory", "outofmemoryerror", "memoryplanerror", "does not fit")
-
-
-class Cancelled(Exception):
-    """The run was cancelled (or the daemon is stopping) during a trial; its engine is stopped."""
-
-
-@dataclass(frozen=True, slots=True)
-class TrialRequest:
-    """What a trial runs: the flags, the one change they carry, why, a context to prove, and the
-    workload (None: the runner's own, the mode's minimum).
-
-    A calibration trial with `target_s` runs `workload` and then the stages sized from it for
-    that target, in the same engine (autotune/sizing.py: calibrate).
-    """
-
-    flags: tuple[str, ...]
-    change: Change | None
-    role: str
-    context_tokens: int | None = None
-    workload: WorkloadSpec | None = None
-    target_s: float | None = None
-
-    def __post_init__(self) -> None:
-        assert self.role in ROLES, self.role
-
-
-@dataclass(frozen=True, slots=True)
-class TrialResult:
-    """What one trial measured, or how it failed."""
-
-    ok: bool
-    started: float
-    duration_s: float
-    prefill_tok_s: float | None = None
-    decode_tok_s: float | None = None
-    aggregate_tok_s: float | None = None
-    ttft_s: float | None = None
-    hit_rate: float | None = None
-    usable_context: int | None = None
-    context_proof: ContextProof | None = None
-    engine_pid: int | None = None
-    startup_s: float | None = None
-    warmup_s: float | None = None
-    stop_s: float | None = None
-    failure: str | None = None  # "crash", "out of memory", "killed by signal 9", "timeout", "error"
-    error: Text | str | None = None
-    log_tail: str | None = None
-    stats: dict[str, Any] | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def overhead_s(self) -> float:
-        """Restart and warm-up: the time a trial spends on anything but the workload."""
-        return (self.startup_s or 0.0) + (self.warmup_s or 0.0) + (self.stop_s or 0.0)
-
-    @property
-    def workload_s(self) -> float | None:
-        """Seconds the measured workload took (kept in `details`, which every store keeps)."""
-        return self.details.get("workload_s")
-
-    @property
-    def workload(self) -> WorkloadSpec | None:
-        """The workload this trial was asked to run, as it recorded it."""
-        spec = self.details.get("workload")
-        return WorkloadSpec.from_json(spec) if spec else None
-
-    def figure(self, name: str) -> float | None:
-        return getattr(self, f"{name}_tok_s")
-
-    @property
-    def why_failed(self) -> Text:
-        """The failure in words: its kind and the error."""
-        failure = self.failure or "error"
-        return Text(
-            "{failure}: {error}", failure=FAILURES.get(failure, failure), error=self.error or ""
-        )
 
 
 def compact_stats(stats: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -133,8 +58,8 @@ def classify_failure(
     message: Text | str, log_tail: str, exit_code: int | None, oom_evidence: Text | None = None
 ) -> str:
     """What ended a trial, in a few words. Out of memory only on evidence: the engine's own
-    report in its log, or the kernel's (engine/exits.py); a SIGKILL alone says nothing of who
-    sent it."""
+    report in its log, or the kernel's (engine/process/exits.py); a SIGKILL alone says nothing of
+    who sent it."""
     text = f"{message}\n{log_tail}".lower()
     if oom_evidence is not None or any(mark in text for mark in _OOM_MARKS):
         return "out of memory"

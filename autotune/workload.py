@@ -119,8 +119,8 @@ class ContextProof:
 
 @cache
 def corpus_paragraphs() -> tuple[str, ...]:
-    """The paragraphs of the corpus shipped in moelab.engine (read once)."""
-    root = resources.files("moelab.engine") / "data" / "corpus"
+    """The paragraphs of the corpus shipped in moelab.engine.model (read once)."""
+    root = resources.files("moelab.engine.model") / "data" / "corpus"
     paragraphs: list[str] = []
     for entry in sorted(root.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".txt"):

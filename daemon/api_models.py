@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine.args import describe_flags
+from ..engine.config.args import describe_flags
 from .catalog import model_json
 from .http import audit, blocking, daemon_of, path_id
 

@@ -3,7 +3,7 @@
 The rules, in the order they are applied to every request:
 
 1. A `Host` header the daemon does not serve is refused with 400 (DNS rebinding); what it
-   serves is engine/hosts.py's rule, which the engine applies too.
+   serves is engine/serving/hosts.py's rule, which the engine applies too.
 2. GET, HEAD and OPTIONS are open to everyone who can reach the port (read-only viewing).
 3. An unsafe method with a foreign `Origin` (or a browser saying the request is cross-site) is
    refused with 403, token or not.
@@ -34,7 +34,7 @@ from typing import Any
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..engine.hosts import (
+from ..engine.serving.hosts import (
     ServedHosts,
     is_foreign,
     is_loopback_address,

@@ -19,9 +19,9 @@ from ..autotune.flagset import Change, apply_change, effective_value, has_flag
 from ..autotune.modes import MODES, mode_named
 from ..autotune.noise import NoiseRule, Objective
 from ..autotune.plan import MachineFacts, ModelFacts, Plan, make_plan
-from ..autotune.trial import Cancelled
-from ..engine.args import CPU_DEFAULT_BUDGET_BYTES, TUNABLE
-from ..engine.spec import ModelSpec
+from ..autotune.trial_record import Cancelled
+from ..engine.config.args import CPU_DEFAULT_BUDGET_BYTES, TUNABLE
+from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, error_text
 from .benchmark_store import add_event, update_run
 from .errors import BadRequest

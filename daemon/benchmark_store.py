@@ -20,7 +20,7 @@ from sqlalchemy import delete, select
 
 from ..autotune.flagset import Change
 from ..autotune.journal import Journal, StoredTrial
-from ..autotune.trial import TrialRequest, TrialResult
+from ..autotune.trial_record import TrialRequest, TrialResult
 from ..autotune.workload import ContextProof
 from ..engine.text import Text, text_columns, text_fields, text_of
 from .flags import HIDDEN, SECRET_FLAGS, hide_secrets, redact_flags

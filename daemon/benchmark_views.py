@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from ..engine.flag_list import FlagList
+from ..engine.config.flag_list import FlagList
 from ..engine.text import text_fields, text_of, texts_fields
 from .benchmark_estimate import mode_durations
 from .benchmark_setup import RunOptions

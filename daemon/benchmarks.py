@@ -24,10 +24,12 @@ from sqlalchemy import select
 from ..autotune.modes import MODE_NAMES, mode_named
 from ..autotune.noise import NoiseRule, Objective
 from ..autotune.plan import Plan
-from ..autotune.search import STARTING_FLAGS, Search, SearchFailed, SearchSettings
-from ..autotune.trial import TRIAL_PORTS, Cancelled, EngineTrialRunner, TrialRequest
+from ..autotune.search import Search, SearchFailed
+from ..autotune.search_records import STARTING_FLAGS, SearchSettings
+from ..autotune.trial import TRIAL_PORTS, EngineTrialRunner
+from ..autotune.trial_record import Cancelled, TrialRequest
 from ..autotune.workload import Workload
-from ..engine import launch
+from ..engine.process import launch
 from ..engine.text import Text, error_text, text_columns, text_fields, text_of
 from .benchmark_setup import RunOptions, Setup, hardware_phase, resolve_setup
 from .benchmark_store import DbJournal, add_event, events_of, trials_of, update_run

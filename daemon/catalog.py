@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from ..engine.spec import ModelSpec
+from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, text_columns, text_fields
 from .child import run_moelab
 from .errors import BadRequest, NotFound

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..engine.redact import HIDDEN, SECRET_FLAGS, hide_secrets, redact_flags
+from ..engine.process.redact import HIDDEN, SECRET_FLAGS, hide_secrets, redact_flags
 from ..profiles import flags as profile_flags
 from ..profiles.flags import FlagError
 

@@ -3,8 +3,8 @@
 A checkpoint is a directory with a config.json and at least one *.safetensors file. The dense and
 expert byte counts come from the safetensors headers (a few KB read per file), so discovery never
 reads weights. A checkpoint moelab cannot serve is listed with the reason in `error`: the engine's
-own reading of config.json (engine/spec.py: the architecture, quantized weights, each field's type
-and range) and the weights' dtypes in the headers, so that nothing has to start to find out.
+own reading of config.json (engine/model/spec.py: the architecture, quantized weights, each field's
+type and range) and the weights' dtypes in the headers, so that nothing has to start to find out.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.spec import SAFETENSORS_DTYPES, CheckpointError, ModelSpec
+from ..engine.model.spec import SAFETENSORS_DTYPES, CheckpointError, ModelSpec
 from ..engine.text import Text, error_text
 
 DEMO_NAME = "moelab-demo-tiny"

@@ -14,8 +14,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.memory import MemoryPlanError
-from ..engine.spec import ModelSpec
+from ..engine.config.memory import MemoryPlanError
+from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, error_text, text_fields
 from ..profiles.flags import FlagChange, FlagError
 from ..profiles.machine import Gpu, Machine

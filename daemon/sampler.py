@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..engine import launch
+from ..engine.process import launch
 from .errors import DiskFull
 from .measure import HardwareService
 from .retention import Retention, maintain

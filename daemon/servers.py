@@ -1,6 +1,7 @@
 """A server as the API and the console show it: its JSON, its log's last lines, its model's name.
 
-Both read engines through here and the supervisor, never through engine/launch.py themselves.
+Both read engines through here and the supervisor, never through engine/process/launch.py
+themselves.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..engine import launch
+from ..engine.process import launch
 from ..engine.text import Text, text_fields
 from .flags import hide_secrets, redact_flags
 from .schema import Server
@@ -55,5 +56,5 @@ def server_log(row: Server, lines: int, reveal: bool) -> str:
 
 
 def served_model_name(row: Server) -> str:
-    """The name clients put in `model`, by the engine's own rule (engine/server.py)."""
+    """The name clients put in `model`, by the engine's own rule (engine/serving/server.py)."""
     return launch.flag_value(row.flags, "--served-model-name") or Path(row.model).resolve().name

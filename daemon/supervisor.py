@@ -1,8 +1,8 @@
 """Engines the daemon runs: start, watch, stop, restart, and find again after the daemon restarts.
 
-Each engine is a `moelab serve` process in its own process group (engine/launch.py), logging to
-`<data dir>/logs/server-N.log`. Its row in the servers table is the truth a restarted daemon
-reads: pid, port and the process's start time together tell a live engine from a reused pid.
+Each engine is a `moelab serve` process in its own process group (engine/process/launch.py),
+logging to `<data dir>/logs/server-N.log`. Its row in the servers table is the truth a restarted
+daemon reads: pid, port and the process's start time together tell a live engine from a reused pid.
 
 Server statuses: starting (loading, /health not ok yet), running, stopping, stopped (by request),
 crashed (exited on its own; exit code and last log lines kept), failed (never became ready: it
@@ -24,8 +24,8 @@ from typing import Any
 
 from sqlalchemy import select
 
-from ..engine import launch
-from ..engine.exits import OomWatch, exit_words
+from ..engine.process import launch
+from ..engine.process.exits import OomWatch, exit_words
 from ..engine.text import Text, error_text, text_columns
 from .errors import BadRequest, Conflict, DiskFull
 from .flags import FlagError, validate_flags

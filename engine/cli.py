@@ -7,13 +7,13 @@ import json
 import logging
 import sys
 
-from .args import add_engine_flags, parse_bytes
-from .spec import CheckpointError
+from .config.args import add_engine_flags, parse_bytes
+from .model.spec import CheckpointError
 
 
 def _synth_parser(sub: argparse._SubParsersAction) -> None:
-    from .spec import ARCHITECTURES
-    from .synth import PRESETS
+    from .model.spec import ARCHITECTURES
+    from .model.synth import PRESETS
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint in Hugging Face layout")
     p.add_argument("--out", required=True, help="directory to write the checkpoint into")
@@ -70,8 +70,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """`moelab` and every subcommand."""
-    from .bench import add_bench_parser
-    from .serve_cli import add_serve_parser
+    from .bench.bandwidth import add_bench_parser
+    from .serving.serve_cli import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="moelab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "synth":
-        from .synth import parse_overrides
+        from .model.synth import parse_overrides
         from .synth_checkpoint import synthesize
 
         out = synthesize(
@@ -117,9 +117,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .config import EngineConfig
-    from .engine import Engine
-    from .sampling import SamplingParams
+    from .config.config import EngineConfig
+    from .runtime.engine import Engine
+    from .runtime.sampling import SamplingParams
 
     # the sampling first: a wrong value is refused before the model loads
     params = SamplingParams(

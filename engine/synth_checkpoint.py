@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .spec import ModelSpec
-from .synth import SynthSource, make_config
-from .synth_tokenizer import write_tokenizer_files
+from .model.spec import ModelSpec
+from .model.synth import SynthSource, make_config
+from .model.synth_tokenizer import write_tokenizer_files
 
 log = logging.getLogger("moelab.synth")
 

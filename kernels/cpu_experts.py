@@ -448,8 +448,8 @@ class CpuExpertRunner:
         top_k: int,
     ) -> object | None:
         """The native DecodePlanner (kernels/csrc/decode_planner.h) over an expert cache's arrays
-        (engine/cache.py) and decode pick counts, queueing its CPU jobs on this runner's workers;
-        None with the torch kernel.
+        (engine/experts/cache.py) and decode pick counts, queueing its CPU jobs on this runner's
+        workers; None with the torch kernel.
 
         It keeps the arrays' addresses: they must stay alive and in place while it is used, and a
         cache that replaces them needs a new planner. Its CPU jobs are redoable (`redo_us`): the

@@ -1,7 +1,7 @@
 """A decode step's token draws: each row's Gumbel-max over its logits, the noise hashed from the
 row's seed, the drawn token's position and the token id; `draw_tokens` sets the thresholds of
-top-k, top-p and min-p on the device and calls it (engine/sampling.py maps each request to its
-row's arguments).
+top-k, top-p and min-p on the device and calls it (engine/runtime/sampling.py maps each request to
+its row's arguments).
 
 `gumbel_argmax` picks, per row, the token of the largest logit * inv_t + g among those whose
 logit is at least the row's threshold, g = -log(-log(u)) with u uniform in (0, 1) from

@@ -19,7 +19,7 @@ The logits are fp32 and not rounded to the model's dtype: only the host's top-k 
 launch: each program stores its block of experts' logits for every token into host memory, an
 integer atomic counts the programs, and the last one sets the signal (`host_handoff.signal_host`:
 a host that sees it sees every program's logits). The engine launches it on a side stream, off
-the chain to the router, which waits for it (engine/model.py, `Model._guess`).
+the chain to the router, which waits for it (engine/model/model.py, `Model._guess`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.memory import MemoryPlanError, VramPlan
-from ..engine.spec import ModelSpec
+from ..engine.config.memory import MemoryPlanError, VramPlan
+from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, error_text, text_fields
 from .flags import engine_config
 from .machine import GIB, Machine, choose_device, plan_for

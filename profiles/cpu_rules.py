@@ -4,9 +4,9 @@ fit."""
 
 from __future__ import annotations
 
-from ..engine.args import CPU_DEFAULT_BUDGET_BYTES
-from ..engine.memory import VramPlan
-from ..engine.spec import ModelSpec
+from ..engine.config.args import CPU_DEFAULT_BUDGET_BYTES
+from ..engine.config.memory import VramPlan
+from ..engine.model.spec import ModelSpec
 from ..engine.text import Text
 from .advice import (
     RAM_RESERVE_BYTES,

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import args as engine_args
-from ..engine.config import EngineConfig
-from ..engine.flag_list import FlagList, FlagSetting, read_items
+from ..engine.config import args as engine_args
+from ..engine.config.config import EngineConfig
+from ..engine.config.flag_list import FlagList, FlagSetting, read_items
 from ..engine.text import Text, error_text
 
 # the values the engine's own argparse types take, in words

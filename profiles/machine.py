@@ -10,10 +10,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.args import CPU_DEFAULT_BUDGET_BYTES
-from ..engine.config import EngineConfig
-from ..engine.memory import MemoryPlanError, VramPlan
-from ..engine.spec import DTYPE_BYTES, ModelSpec
+from ..engine.config.args import CPU_DEFAULT_BUDGET_BYTES
+from ..engine.config.config import EngineConfig
+from ..engine.config.memory import MemoryPlanError, VramPlan
+from ..engine.model.spec import DTYPE_BYTES, ModelSpec
 from ..engine.text import Text
 
 GIB = 1024**3

@@ -1,9 +1,9 @@
 """The context planner: predicted decode tok/s against the context reserved.
 
 Each point is one `--kv-reserve-tokens` value on top of a profile's flags. The engine's VRAM plan
-(engine/memory.py, the same arithmetic the engine runs) says how many expert slots that context
-leaves; a hit-rate model says what share of expert reads those slots serve; a speed model turns
-the misses into time per token:
+(engine/config/memory.py, the same arithmetic the engine runs) says how many expert slots that
+context leaves; a hit-rate model says what share of expert reads those slots serve; a speed model
+turns the misses into time per token:
 
     seconds per token = fixed + reads per token x (1 - hit rate) x seconds per miss
 
@@ -24,9 +24,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.config import EngineConfig
-from ..engine.memory import MemoryPlanError
-from ..engine.spec import ModelSpec
+from ..engine.config.config import EngineConfig
+from ..engine.config.memory import MemoryPlanError
+from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, text_fields
 from .advice import context_tiers
 from .flags import FlagChange, apply_changes, engine_config

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.memory import MemoryPlanError, VramPlan
-from ..engine.spec import ModelSpec
+from ..engine.config.memory import MemoryPlanError, VramPlan
+from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, error_text, text_of, texts_fields
 from .advice import Advice
 from .flags import FlagChange, catalog, engine_config, split_flags

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..engine.memory import VramPlan, activation_bytes
-from ..engine.spec import ModelSpec
+from ..engine.config.memory import VramPlan, activation_bytes
+from ..engine.model.spec import ModelSpec
 from ..engine.text import Text
 from .advice import Advice, context_tiers, flags_of, gib, ram_warnings, threads_advice, try_plan
 from .cpu_rules import cpu_rules

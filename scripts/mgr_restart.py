@@ -30,7 +30,7 @@ from moelab.daemon.benchmark_store import add_event
 from moelab.daemon.schema import AuditEvent, BenchmarkRun, Server
 from moelab.daemon.store import Store
 from moelab.daemon.telemetry import Compactor, write_rows
-from moelab.engine import launch
+from moelab.engine.process import launch
 
 LAYERS, EXPERTS = 48, 128
 

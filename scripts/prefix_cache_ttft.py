@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from moelab.engine.config import EngineConfig
-from moelab.engine.engine import Engine
-from moelab.engine.sampling import SamplingParams
-from moelab.engine.spec import ModelSpec
-from moelab.engine.synth import make_config, parse_overrides
+from moelab.engine.config.config import EngineConfig
+from moelab.engine.model.spec import ModelSpec
+from moelab.engine.model.synth import make_config, parse_overrides
+from moelab.engine.runtime.engine import Engine
+from moelab.engine.runtime.sampling import SamplingParams
 
 
 def conversation(

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moelab.engine import launch
+from moelab.engine.process import launch
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from moelab.engine.config import EngineConfig
-from moelab.engine.engine import Engine
+from moelab.engine.config.config import EngineConfig
+from moelab.engine.runtime.engine import Engine
 
 
 def drop_from_page_cache(folder: Path) -> None:

@@ -1,10 +1,77 @@
-"""No import circles on the manager's side: daemon/ and console/ read as layers."""
+"""The package's import rules: no circles anywhere, the engine's subpackages in layers, and the
+engine modules the manager imports free of torch (docs/architecture.md names them)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 from tests.import_graph import cycles, import_graph
 
 MANAGER = ("daemon", "console")
+PACKAGE = ("engine", "kernels", "profiles", "autotune", "daemon", "console")
+
+# what each part of the engine may import (beyond itself): each layer only those below it
+ENGINE_LAYERS = {
+    "engine.text": set(),
+    "engine.model": {"engine.text", "kernels"},
+    "engine.config": {"engine.model", "engine.text"},
+    "engine.process": {"engine.config", "engine.text"},
+    "engine.experts": {"engine.config", "engine.model", "engine.text", "kernels"},
+    "engine.runtime": {"engine.config", "engine.experts", "engine.model", "engine.text", "kernels"},
+    "engine.serving": {
+        "engine.config", "engine.model", "engine.process", "engine.runtime", "engine.text",
+    },
+    "engine.bench": {
+        "engine.config", "engine.experts", "engine.model", "engine.runtime", "engine.text",
+        "kernels",
+    },
+}  # fmt: skip
+
+
+def part_of(module: str) -> str:
+    """engine.experts.cache -> engine.experts; kernels.fp8 -> kernels; engine.cli -> engine.cli."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "engine" else parts[0]
+
+
+def test_the_package_imports_in_no_circle() -> None:
+    assert cycles(import_graph(folders=PACKAGE)) == []
+
+
+def test_the_engine_parts_import_only_the_layers_below_them() -> None:
+    graph = import_graph(folders=("engine", "kernels"))
+    parts = {part_of(m) for m in graph if m.startswith("engine.")}
+    assert set(ENGINE_LAYERS) <= parts, "a layer was renamed: update ENGINE_LAYERS"
+    crossings = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if part_of(module) in ENGINE_LAYERS
+        for target in targets
+        if part_of(target) != part_of(module)
+        and part_of(target) not in ENGINE_LAYERS[part_of(module)]
+    )
+    assert crossings == []
+
+
+def test_the_engine_modules_the_manager_imports_load_without_torch() -> None:
+    """Every engine module reachable from the manager's side (daemon, console, profiles,
+    autotune), imported in one process where any import of torch fails."""
+    graph = import_graph(folders=PACKAGE)
+    todo = [m for m in graph if part_of(m) in {"daemon", "console", "profiles", "autotune"}]
+    reached: set[str] = set()
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph[module]
+    shared = sorted(m for m in reached if m.startswith("engine."))
+    assert "engine.model.spec" in shared and "engine.config.memory" in shared
+    code = "import sys; sys.modules['torch'] = None\n" + "".join(
+        f"import moelab.{m}\n" for m in shared
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
 
 
 def test_the_daemon_and_the_console_import_in_no_circle() -> None:
@@ -13,10 +80,10 @@ def test_the_daemon_and_the_console_import_in_no_circle() -> None:
 
 def test_the_engine_imports_in_no_circle_and_nothing_of_the_benchmark() -> None:
     """The engine reads the bandwidth profile `moelab bench bw` writes through its own module
-    (engine/bandwidth.py): the benchmark's modules import the engine, never the other way."""
+    (engine/config/bandwidth.py): the benchmark's modules import the engine, never the other way."""
     graph = import_graph(folders=("engine",))
     assert cycles(graph) == []
-    reached, todo = set(), ["engine.engine"]
+    reached, todo = set(), ["engine.runtime.engine"]
     while todo:
         module = todo.pop()
         if module not in reached:

@@ -10,7 +10,7 @@
 // in tiles of rows times tokens, prefetched a tile ahead), converted to fp32 in registers (bf16 by
 // a 16-bit shift, fp16 by vcvtph2ps) and accumulated with fp32 FMAs. Workers never touch Python;
 // the caller blocks only in Job::wait, without the GIL. The pool may keep each worker on a CPU of
-// its own (engine/cpu.py chooses them).
+// its own (engine/experts/cpu.py chooses them).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -23,7 +23,7 @@ namespace py = pybind11;
 
 namespace {
 
-// The same decisions as plan_layer (engine/miss_plan.py) over ExpertCache (engine/cache.py), on the
+// The same decisions as plan_layer (engine/experts/miss_plan.py) over ExpertCache (engine/experts/cache.py), on the
 // same numpy arrays, which this object only holds the addresses of: count the picks, look the
 // routed experts up (hits become most recently used), fetch q of the m misses (fetch_count below;
 // the most picked first; ties: more tokens now, then the lower id) into free or least recently
@@ -93,7 +93,7 @@ inline Sides sides(double q, double u, double on_cpu, double f, double lead = 0.
   return {copies, cpu};
 }
 
-// How many of m misses to fetch: MissPolicy.fetch_count (engine/misses.py), in the same double
+// How many of m misses to fetch: MissPolicy.fetch_count (engine/experts/misses.py), in the same double
 // arithmetic. Of the two whole numbers around m * f, the one whose later side ends sooner; a tie
 // fetches.
 inline int64_t fetch_count(int64_t m, double f) {
@@ -104,7 +104,7 @@ inline int64_t fetch_count(int64_t m, double f) {
   return ends(high) <= ends(low) ? high : low;
 }
 
-// How to divide m misses with one of them split (MissPolicy.fetch_plan, engine/misses.py, in the
+// How to divide m misses with one of them split (MissPolicy.fetch_plan, engine/experts/misses.py, in the
 // same double arithmetic): q whole experts copied, and of one more the first j / chunks of its
 // intermediate rows copied (those gate and up rows and those columns of its down projection)
 // while the CPU runs its other rows and the remaining misses. The split replaces

@@ -15,7 +15,7 @@ from moelab.console.main import build_app
 from moelab.daemon.measure import Reading
 from moelab.daemon.models import ModelRoot
 from moelab.daemon.service import Daemon, DaemonConfig
-from moelab.engine.spec import ModelSpec
+from moelab.engine.model.spec import ModelSpec
 
 
 @pytest.fixture(scope="session")

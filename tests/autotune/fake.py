@@ -16,7 +16,7 @@ from typing import Any
 from moelab.autotune.flagset import effective_value, value_of
 from moelab.autotune.journal import Journal, StoredTrial
 from moelab.autotune.sizing import calibrate
-from moelab.autotune.trial import Cancelled, TrialRequest, TrialResult
+from moelab.autotune.trial_record import Cancelled, TrialRequest, TrialResult
 from moelab.autotune.workload import ContextProof, WorkloadResult, WorkloadSpec
 
 POLICY = {"auto": 1.0, "gpu": 0.8, "cpu": 1.25, "split:0.25": 1.1, "split:0.75": 0.9}

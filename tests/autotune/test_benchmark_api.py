@@ -13,10 +13,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.autotune.flagset import value_of
-from moelab.autotune.trial import TrialRequest, TrialResult
+from moelab.autotune.trial_record import TrialRequest, TrialResult
 from moelab.daemon.benchmark_store import add_event, update_run
 from moelab.daemon.schema import BenchmarkRun, Profile
-from moelab.engine import launch
+from moelab.engine.process import launch
 
 from .conftest import record_fresh_rates, running_app
 from .fake import FakeEngine, FakeRunner

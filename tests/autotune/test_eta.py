@@ -12,8 +12,9 @@ import pytest
 from moelab.autotune.eta import TimeLeft, candidate_trials, planned_trials
 from moelab.autotune.modes import MODES
 from moelab.autotune.noise import NoiseRule, Objective
-from moelab.autotune.search import Search, SearchSettings
-from moelab.autotune.trial import TrialRequest, TrialResult
+from moelab.autotune.search import Search
+from moelab.autotune.search_records import SearchSettings
+from moelab.autotune.trial_record import TrialRequest, TrialResult
 
 from .fake import MODEL_MAX_CONTEXT, FakeEngine, Interrupted, MemoryJournal
 from .test_search import POOR, plan_for

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moelab.autotune.noise import Figures, NoiseRule, Objective, Spreads, spread
-from moelab.autotune.trial import TrialResult
+from moelab.autotune.trial_record import TrialResult
 
 
 def run(prefill: float, decode: float, aggregate: float | None = None) -> TrialResult:

@@ -6,8 +6,8 @@ from moelab.autotune.flagset import Change, apply_change, effective_value, same_
 from moelab.autotune.modes import MODES
 from moelab.autotune.noise import Objective
 from moelab.autotune.plan import MachineFacts, ModelFacts, Plan, make_plan
-from moelab.engine.args import TUNABLE, Tunable
-from moelab.engine.flag_list import FlagList
+from moelab.engine.config.args import TUNABLE, Tunable
+from moelab.engine.config.flag_list import FlagList
 
 MODEL = ModelFacts("/m", num_moe_layers=3, num_experts=16, max_context=4096)
 CPU_2 = MachineFacts(physical_cores=2, gpus=0)

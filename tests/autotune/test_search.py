@@ -10,8 +10,9 @@ from moelab.autotune.flagset import has_flag, value_of
 from moelab.autotune.modes import MODES, Mode
 from moelab.autotune.noise import NoiseRule, Objective
 from moelab.autotune.plan import MachineFacts, ModelFacts, Plan, make_plan
-from moelab.autotune.search import Search, SearchFailed, SearchSettings
-from moelab.engine.args import TUNABLE, Tunable
+from moelab.autotune.search import Search, SearchFailed
+from moelab.autotune.search_records import SearchSettings
+from moelab.engine.config.args import TUNABLE, Tunable
 
 from .fake import MODEL_MAX_CONTEXT, FakeEngine, Interrupted, MemoryJournal
 

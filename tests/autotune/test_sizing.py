@@ -12,7 +12,7 @@ import pytest
 from moelab.autotune.modes import MODES, Mode
 from moelab.autotune.noise import Objective
 from moelab.autotune.sizing import MAX_GENERATION_TOKENS, REPEAT_BELOW_SHARE, size_workload
-from moelab.autotune.trial import TrialRequest, TrialResult
+from moelab.autotune.trial_record import TrialRequest, TrialResult
 from moelab.autotune.workload import WorkloadSpec
 
 from .fake import DECODE_PROMPT_TOKENS, RESTART_S, FakeEngine, Interrupted, MemoryJournal

@@ -8,10 +8,11 @@ import socket
 import threading
 from pathlib import Path
 
-from moelab.autotune.trial import EngineTrialRunner, TrialRequest, classify_failure
+from moelab.autotune.trial import EngineTrialRunner, classify_failure
+from moelab.autotune.trial_record import TrialRequest
 from moelab.autotune.workload import Workload, WorkloadSpec
 from moelab.console.i18n import Translator
-from moelab.engine import launch
+from moelab.engine.process import launch
 
 
 def test_a_trial_engine_killed_with_sigkill_is_not_recorded_as_out_of_memory(

@@ -20,7 +20,7 @@ import pytest
 
 from moelab.autotune.client import EngineClient
 from moelab.autotune.sizing import calibrate, size_workload
-from moelab.autotune.trial import TrialResult
+from moelab.autotune.trial_record import TrialResult
 from moelab.autotune.workload import (
     WARMUP_GENERATED_TOKENS,
     Workload,

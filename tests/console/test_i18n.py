@@ -11,7 +11,7 @@ from jinja2 import nodes
 
 from moelab.console.i18n import Translator, catalog, choose_language, parse_accept_language
 from moelab.console.web import ENV
-from moelab.engine.args import describe_flags
+from moelab.engine.config.args import describe_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSOLE = ROOT / "console"
@@ -80,7 +80,7 @@ def used_messages() -> dict[str, str]:
         for message in _text_templates(path.read_text(encoding="utf-8")):
             found.setdefault(message, str(path.relative_to(ROOT)))
     for flag in describe_flags():
-        found.setdefault(flag["help"], f"engine/args.py {flag['flag']}")
+        found.setdefault(flag["help"], f"engine/config/args.py {flag['flag']}")
     found.pop("", None)
     return found
 

@@ -23,8 +23,8 @@ from moelab.daemon.errors import DiskFull
 from moelab.daemon.schema import BenchmarkEvent, Server
 from moelab.daemon.service import Daemon
 from moelab.daemon.supervisor import EngineHandle
-from moelab.engine import launch
-from moelab.engine.args import describe_flags
+from moelab.engine.config.args import describe_flags
+from moelab.engine.process import launch
 from moelab.kernels.native_build import COMPILING, WAITING
 from tests.autotune.conftest import record_fresh_rates, running_app
 from tests.autotune.fake import FakeEngine
@@ -149,8 +149,8 @@ class FullMgr:
     model: Path
 
 
-# the phases a loading engine reports in /health: the engine's (engine/engine.py), the native
-# kernel's build (kernels/native_build.py) and the first one, before any
+# the phases a loading engine reports in /health: the engine's (engine/runtime/engine.py), the
+# native kernel's build (kernels/native_build.py) and the first one, before any
 ENGINE_SOURCE = Path(__file__).parents[2] / "engine" / "engine.py"
 LOADING_PHASES = (
     "starting",

@@ -36,7 +36,7 @@ from moelab.daemon import child
 from moelab.daemon.api import api_routes
 from moelab.daemon.schema import BenchmarkRun, Profile, Server
 from moelab.daemon.service import Daemon
-from moelab.engine import launch
+from moelab.engine.process import launch
 from moelab.engine.text import Text
 
 from .conftest import asgi_client, make_daemon, wait_for

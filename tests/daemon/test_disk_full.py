@@ -26,7 +26,7 @@ from moelab.daemon.schema import Profile, Server
 from moelab.daemon.store import Store
 from moelab.daemon.supervisor import EngineHandle, Supervisor
 from moelab.daemon.telemetry import STATS, read_samples
-from moelab.engine import launch
+from moelab.engine.process import launch
 
 from .conftest import MgrProcess, make_daemon, start_mgr, wait_for
 from .test_telemetry import FakeEngine, FakeHandle, FakeProcess, FakeSupervisor

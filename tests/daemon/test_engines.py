@@ -21,7 +21,7 @@ import pytest
 from moelab.daemon.errors import Conflict
 from moelab.daemon.schema import Server
 from moelab.daemon.supervisor import EngineHandle
-from moelab.engine import launch
+from moelab.engine.process import launch
 
 from .conftest import (
     MgrProcess,

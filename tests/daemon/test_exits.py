@@ -19,8 +19,8 @@ import pytest
 
 from moelab.daemon.schema import Server
 from moelab.daemon.supervisor import EngineHandle, Supervisor
-from moelab.engine import launch
-from moelab.engine.exits import OomWatch, exit_words, memory_counter
+from moelab.engine.process import launch
+from moelab.engine.process.exits import OomWatch, exit_words, memory_counter
 
 from .conftest import make_daemon, wait_for
 

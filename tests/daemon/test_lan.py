@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from moelab.engine.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
 
 from .conftest import MgrProcess, free_port, start_mgr
 

@@ -11,7 +11,7 @@ import pytest
 
 from moelab.daemon.schema import Server
 from moelab.daemon.service import Daemon
-from moelab.engine.redact import hide_secrets, redact_flags
+from moelab.engine.process.redact import hide_secrets, redact_flags
 
 from .conftest import asgi_client, start_mgr
 

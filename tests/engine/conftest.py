@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moelab.engine.synth_tokenizer import write_tokenizer_files
-from moelab.engine.tokenizer import Tokenizer
+from moelab.engine.model.synth_tokenizer import write_tokenizer_files
+from moelab.engine.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import ctypes
 import numpy as np
 import torch
 
-from moelab.engine.h2d import QUERY_FUNCTION, address_of
+from moelab.engine.experts.h2d import QUERY_FUNCTION, address_of
 from moelab.kernels.host_handoff import ROUTED
 
 CLOCK_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_double)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from moelab.engine.config import EngineConfig
-from moelab.engine.engine import Engine
+from moelab.engine.config.config import EngineConfig
+from moelab.engine.runtime.engine import Engine
 
 HF_CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),

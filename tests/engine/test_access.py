@@ -1,4 +1,4 @@
-"""The engine's Host and Origin rules and CORS (engine/access.py), over the real app.
+"""The engine's Host and Origin rules and CORS (engine/serving/access.py), over the real app.
 
 The app runs over a scripted engine thread (tests/engine/test_tool_calls.py); the same rules on a
 real `moelab serve` process: tests/engine/test_server.py and tests/daemon/test_lan.py.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from moelab.engine.args import build_parser
-from moelab.engine.config import EngineConfig
-from moelab.engine.server import Server
+from moelab.engine.config.args import build_parser
+from moelab.engine.config.config import EngineConfig
+from moelab.engine.serving.server import Server
 
 from .test_tool_calls import ScriptedWorker
 

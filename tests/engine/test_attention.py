@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from moelab.engine.model import Model
+from moelab.engine.model.model import Model
 
 from .reference import DEVICE
 

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from moelab.engine.config import EngineConfig
-from moelab.engine.launch import start_engine, stop_engine, wait_ready
-from moelab.engine.server import Server
+from moelab.engine.config.config import EngineConfig
+from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.serving.server import Server
 from moelab.engine.synth_checkpoint import synthesize
 
 from .test_tool_calls import ScriptedWorker

@@ -6,15 +6,15 @@ import socket
 
 import pytest
 
-from moelab.engine.bandwidth import (
+from moelab.engine.config.bandwidth import (
     PROFILE_VERSION,
     best,
     load_profile,
     save_crossover,
     save_profile,
 )
-from moelab.engine.spec import ModelSpec
-from moelab.engine.synth import make_config
+from moelab.engine.model.spec import ModelSpec
+from moelab.engine.model.synth import make_config
 
 
 def profile(hostname: str | None = None) -> dict:

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moelab.engine import bank as bank_module
-from moelab.engine.bank import HostMemoryError, load_bank, map_prepacked
-from moelab.engine.checkpoint import SafetensorsSource, iter_layer_experts
-from moelab.engine.memory import log_plan, plan_vram
-from moelab.engine.spec import ModelSpec
+from moelab.engine.config.memory import log_plan, plan_vram
+from moelab.engine.experts import bank as bank_module
+from moelab.engine.experts.bank import HostMemoryError, load_bank, map_prepacked
+from moelab.engine.model.checkpoint import SafetensorsSource, iter_layer_experts
+from moelab.engine.model.spec import ModelSpec
 from moelab.engine.synth_checkpoint import synthesize
 
 
@@ -83,7 +83,7 @@ def test_pinning_failure_falls_back_to_pageable_memory_per_layer(
 
 
 def test_the_context_trap_is_logged_with_the_way_out(caplog):
-    from moelab.engine.synth import make_config
+    from moelab.engine.model.synth import make_config
 
     spec = ModelSpec.from_config(make_config("qwen3_moe", "qwen3-30b-a3b"))
     plan = plan_vram(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moelab.engine.spec import CheckpointError, ModelSpec
+from moelab.engine.model.spec import CheckpointError, ModelSpec
 
 from .reference import build_reference, hf_logits, make_engine, relative_error
 

@@ -17,18 +17,18 @@ from starlette.testclient import TestClient
 from moelab.autotune.__main__ import main as autotune_main
 from moelab.console.main import main as mgr_main
 from moelab.engine import cli
-from moelab.engine.bench_alternate import ab_side, alternation
-from moelab.engine.bench_bound import against_the_bound, rates_around
-from moelab.engine.bench_report import alternation_lines, staged_lines, stall_words
-from moelab.engine.bench_runner import TIMED_FIELDS
-from moelab.engine.config import EngineConfig
-from moelab.engine.cpu import worker_cpus
-from moelab.engine.host_watch import GcPauses, host_disturbance, step_times
-from moelab.engine.loading import LoadProgress
-from moelab.engine.moe_stats import StagedStepTimes
-from moelab.engine.server import Server
-from moelab.engine.spec import ModelSpec
-from moelab.engine.synth import make_config
+from moelab.engine.bench.alternate import ab_side, alternation
+from moelab.engine.bench.bound import against_the_bound, rates_around
+from moelab.engine.bench.host_watch import GcPauses, host_disturbance, step_times
+from moelab.engine.bench.report import alternation_lines, staged_lines, stall_words
+from moelab.engine.bench.runner import TIMED_FIELDS
+from moelab.engine.config.config import EngineConfig
+from moelab.engine.experts.cpu import worker_cpus
+from moelab.engine.experts.moe_stats import StagedStepTimes
+from moelab.engine.model.spec import ModelSpec
+from moelab.engine.model.synth import make_config
+from moelab.engine.runtime.loading import LoadProgress
+from moelab.engine.serving.server import Server
 
 
 def subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -152,7 +152,7 @@ def test_a_cpu_only_install_without_triton_generates_the_same_tokens(tmp_path):
 def test_cuda_without_triton_says_what_to_install(monkeypatch):
     """On a CUDA machine whose torch brought no Triton, the engine refuses the CUDA device with
     what to install, or to use the CPU; a GPU kernel launched all the same says the same."""
-    from moelab.engine import engine as engine_module
+    from moelab.engine.runtime import engine as engine_module
     from moelab.kernels import no_triton
 
     monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
@@ -245,8 +245,8 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
 
 
 def test_bench_decode_says_what_the_auto_split_ended_with():
-    from moelab.engine.bench_report import policy_words
-    from moelab.engine.misses import MissPolicy
+    from moelab.engine.bench.report import policy_words
+    from moelab.engine.experts.misses import MissPolicy
 
     assert policy_words(MissPolicy.auto(50.0, 100.0)) == (
         "miss policy auto: fetches 33% of the misses at the end (the CPU rate it planned with: "

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from moelab.engine import cli
-from moelab.engine.args import CPU_DEFAULT_BUDGET_BYTES, build_parser
-from moelab.engine.config import ConfigError, EngineConfig
+from moelab.engine.config.args import CPU_DEFAULT_BUDGET_BYTES, build_parser
+from moelab.engine.config.config import ConfigError, EngineConfig
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.profiles.machine import Machine, choose_device, plan_for
 

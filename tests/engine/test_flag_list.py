@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moelab.engine.args import describe_flags
-from moelab.engine.flag_list import FlagList, FlagSetting, read_items
-from moelab.engine.launch import flag_value
+from moelab.engine.config.args import describe_flags
+from moelab.engine.config.flag_list import FlagList, FlagSetting, read_items
+from moelab.engine.process.launch import flag_value
 
 FLAGS = {f["flag"]: f for f in describe_flags()}
 # a value as a command line gives one: a word, a size, a share, a negative number

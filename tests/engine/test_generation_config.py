@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moelab.engine import openai_api as api
-from moelab.engine.launch import stop_engine
+from moelab.engine.process.launch import stop_engine
+from moelab.engine.serving import openai_api as api
 from moelab.engine.synth_checkpoint import synthesize
 
 from .test_server import serve

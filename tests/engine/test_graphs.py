@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from moelab.engine import miss_plan, staged_decode
-from moelab.engine import model as model_module
-from moelab.engine.bench_report import staged_lines
-from moelab.engine.graphs import DecodeGraphs
-from moelab.engine.h2d import address_of, host_functions, host_launch_functions
-from moelab.engine.miss_plan import Dispatch
-from moelab.engine.moe_stats import StagedStepTimes, plan_key
-from moelab.engine.sampling import Cut, SamplingParams
+from moelab.engine.bench.report import staged_lines
+from moelab.engine.experts import miss_plan, staged_decode
+from moelab.engine.experts.h2d import address_of, host_functions, host_launch_functions
+from moelab.engine.experts.miss_plan import Dispatch
+from moelab.engine.experts.moe_stats import StagedStepTimes, plan_key
+from moelab.engine.model import model as model_module
+from moelab.engine.runtime.graphs import DecodeGraphs
+from moelab.engine.runtime.sampling import Cut, SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import host_handoff, paged_attention
 from moelab.kernels.common import compiled_variants

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.engine.h2d import HostToDevice
+from moelab.engine.experts.h2d import HostToDevice
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

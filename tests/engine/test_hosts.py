@@ -1,10 +1,10 @@
-"""engine/hosts.py: the Host and Origin rules that the engine and `mgr` share."""
+"""engine/serving/hosts.py: the Host and Origin rules that the engine and `mgr` share."""
 
 from __future__ import annotations
 
 import pytest
 
-from moelab.engine.hosts import ServedHosts, is_foreign, split_host
+from moelab.engine.serving.hosts import ServedHosts, is_foreign, split_host
 
 # documentation addresses (RFC 5737, RFC 3849): on no interface of any machine
 ARRIVED_ON = ("192.0.2.44", "::ffff:192.0.2.44", "2001:db8::5")

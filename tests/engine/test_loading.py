@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moelab.engine.launch import get_json, start_engine, stop_engine
+from moelab.engine.process.launch import get_json, start_engine, stop_engine
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels.native_build import COMPILING
 from tests.daemon.conftest import free_port, wait_for

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from moelab.engine.memory import GIB, MemoryPlanError, activation_bytes, plan_vram
-from moelab.engine.spec import ModelSpec
-from moelab.engine.synth import make_config
+from moelab.engine.config.memory import GIB, MemoryPlanError, activation_bytes, plan_vram
+from moelab.engine.model.spec import ModelSpec
+from moelab.engine.model.synth import make_config
 
 SPEC = ModelSpec.from_config(make_config("qwen3_moe", "qwen3-30b-a3b"))
 ELEM = 2

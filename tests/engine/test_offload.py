@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from moelab.engine.sampling import SamplingParams
+from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 
 from .reference import make_engine, relative_error
@@ -19,7 +19,7 @@ ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 @pytest.fixture(autouse=True)
 def equal_rates(monkeypatch):
     """Bp = Bh, so the auto policy fetches half of the misses whatever machine runs the tests."""
-    import moelab.engine.engine as engine_module
+    import moelab.engine.runtime.engine as engine_module
 
     monkeypatch.setattr(engine_module, "measure_bp_gbps", lambda bank, device: 10.0)
     monkeypatch.setattr(engine_module, "measure_bh_gbps", lambda runner, bank: 10.0)
@@ -230,9 +230,9 @@ def test_the_auto_split_finds_its_way_back_to_the_cpu(tmp_path, monkeypatch, cap
     """A CPU rate so low that no miss runs on the CPU is never measured again by jobs: after
     RECOVER_AFTER_STEPS such layer steps the split moves it half-way back to the start-up rate
     (10 GB/s here), the CPU gets jobs again, and each return it makes doubles the next wait."""
-    import moelab.engine.misses as misses_module
-    from moelab.engine.misses import MissPolicy
-    from moelab.engine.moe_stats import CpuJobTimes
+    import moelab.engine.experts.misses as misses_module
+    from moelab.engine.experts.misses import MissPolicy
+    from moelab.engine.experts.moe_stats import CpuJobTimes
 
     path = synthesize(
         tmp_path / "m", preset="tiny", routing_skew=0.5, seed=6, overrides={"num_experts": 16}
@@ -295,9 +295,9 @@ def test_the_auto_split_finds_its_way_back_to_the_cpu(tmp_path, monkeypatch, cap
 
 
 def test_the_auto_split_follows_the_cpu_rate_decode_sees(tmp_path, monkeypatch):
-    import moelab.engine.misses as misses_module
-    from moelab.engine.misses import MissPolicy
-    from moelab.engine.moe_stats import CpuJobTimes
+    import moelab.engine.experts.misses as misses_module
+    from moelab.engine.experts.misses import MissPolicy
+    from moelab.engine.experts.moe_stats import CpuJobTimes
 
     path = synthesize(
         tmp_path / "m", preset="tiny", routing_skew=0.5, seed=6, overrides={"num_experts": 16}

@@ -1,10 +1,10 @@
 """The native decode planner makes the Python planner's decisions, on the same cache state.
 
-`plan_layer` over `ExpertCache` is the specification (engine/miss_plan.py, engine/cache.py); the
-native `DecodePlanner` (kernels/csrc/decode_planner.h) plans offloaded decode layer steps without
-Python.
-Two runners start from identical caches and get the same routing, step after step, under cache
-pressure (steps that need more slots than are free) and every kind of split.
+`plan_layer` over `ExpertCache` is the specification (engine/experts/miss_plan.py,
+engine/experts/cache.py); the native `DecodePlanner` (kernels/csrc/decode_planner.h) plans
+offloaded decode layer steps without Python. Two runners start from identical caches and get the
+same routing, step after step, under cache pressure (steps that need more slots than are free) and
+every kind of split.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from moelab.engine.bank import ExpertBank
-from moelab.engine.cache import ExpertCache
-from moelab.engine.h2d import (
+from moelab.engine.experts.bank import ExpertBank
+from moelab.engine.experts.cache import ExpertCache
+from moelab.engine.experts.h2d import (
     COPY2D_FUNCTION,
     COPY_FUNCTION,
     LAUNCH_FUNCTION,
@@ -25,8 +25,8 @@ from moelab.engine.h2d import (
     address_of,
     host_functions,
 )
-from moelab.engine.misses import AHEAD_SHARE, COPY_FIXED, CPU_FIXED, SPLIT_FIXED, MissPolicy
-from moelab.engine.moe import MoERunner
+from moelab.engine.experts.misses import AHEAD_SHARE, COPY_FIXED, CPU_FIXED, SPLIT_FIXED, MissPolicy
+from moelab.engine.experts.moe import MoERunner
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
 from moelab.kernels.host_handoff import (

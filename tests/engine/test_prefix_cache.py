@@ -1,16 +1,16 @@
-"""The prefix cache (engine/kv.py, engine/scheduler.py): whole KV pages named by their tokens,
-matched from a prompt's start, held while used, kept idle after, and taken back least recently
-released first; the engine's counts of it; and a real server's usage and stats."""
+"""The prefix cache (engine/model/kv.py, engine/runtime/scheduler.py): whole KV pages named by
+their tokens, matched from a prompt's start, held while used, kept idle after, and taken back least
+recently released first; the engine's counts of it; and a real server's usage and stats."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moelab.engine.kv import KVCache, block_names
-from moelab.engine.sampling import SamplingParams
-from moelab.engine.spec import ModelSpec
-from moelab.engine.synth import make_config
+from moelab.engine.model.kv import KVCache, block_names
+from moelab.engine.model.spec import ModelSpec
+from moelab.engine.model.synth import make_config
+from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 
 from .reference import make_engine

@@ -1,6 +1,6 @@
-"""A chat reply's reasoning taken out of its text (engine/reasoning.py), whole and streamed, and
-through the server's chat endpoint with a scripted engine thread (tests/engine/test_tool_calls.py)
-and `--reasoning-parser think`."""
+"""A chat reply's reasoning taken out of its text (engine/serving/reasoning.py), whole and
+streamed, and through the server's chat endpoint with a scripted engine thread
+(tests/engine/test_tool_calls.py) and `--reasoning-parser think`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from moelab.engine.reasoning import ReasoningStream, opened_by_prompt, split_reasoning
-from moelab.engine.synth_tokenizer import CHAT_TEMPLATE, write_tokenizer_files
-from moelab.engine.tokenizer import Tokenizer
+from moelab.engine.model.synth_tokenizer import CHAT_TEMPLATE, write_tokenizer_files
+from moelab.engine.model.tokenizer import Tokenizer
+from moelab.engine.serving.reasoning import ReasoningStream, opened_by_prompt, split_reasoning
 
 from .test_tool_calls import ASK, REPLY, _app, _named, split_reply
 

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from moelab.engine.model import SeqSlice, StepBatch
-from moelab.engine.sampling import SamplingParams
+from moelab.engine.model.model import SeqSlice, StepBatch
+from moelab.engine.runtime.sampling import SamplingParams
 
 from .reference import (
     DEVICE,
@@ -186,7 +186,7 @@ def test_comparison_catches_wrong_rope_theta(reference):
     _arch, model, _engine, path = reference
     engine = make_engine(path)
     try:
-        from moelab.engine.rope import Rotary
+        from moelab.engine.model.rope import Rotary
 
         wrong = dataclasses.replace(engine.spec, rope_theta=engine.spec.rope_theta * 2)
         engine.model.rotary = Rotary(wrong, 512, engine.device, engine.dtype)

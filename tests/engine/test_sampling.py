@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
 )
 
-from moelab.engine.sampling import (
+from moelab.engine.runtime.sampling import (
     GREEDY_ROW,
     TOP_K_WIDTH,
     Cut,

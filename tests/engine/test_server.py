@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moelab.engine.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.model.tokenizer import Tokenizer
+from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
 from moelab.engine.synth_checkpoint import synthesize
-from moelab.engine.tokenizer import Tokenizer
 
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
 

@@ -10,8 +10,12 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, processors
 
-from moelab.engine.synth_tokenizer import CHAT_TEMPLATE, build_tokenizer, write_tokenizer_files
-from moelab.engine.tokenizer import Tokenizer
+from moelab.engine.model.synth_tokenizer import (
+    CHAT_TEMPLATE,
+    build_tokenizer,
+    write_tokenizer_files,
+)
+from moelab.engine.model.tokenizer import Tokenizer
 
 from .test_tool_calls import ScriptedWorker, served
 

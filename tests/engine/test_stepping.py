@@ -1,11 +1,12 @@
-"""The step loop (engine/stepping.py): a part built from the engine's parts, owning its state."""
+"""The step loop (engine/runtime/stepping.py): a part built from the engine's parts, owning its
+state."""
 
 from __future__ import annotations
 
 import pytest
 
-from moelab.engine.sampling import SamplingParams
-from moelab.engine.stepping import Stepper
+from moelab.engine.runtime.sampling import SamplingParams
+from moelab.engine.runtime.stepping import Stepper
 from moelab.engine.synth_checkpoint import synthesize
 
 from .reference import make_engine

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from moelab.engine.sampling import SamplingParams
-from moelab.engine.spec import ModelSpec
-from moelab.engine.synth import PRESETS, make_config, parse_overrides
+from moelab.engine.model.spec import ModelSpec
+from moelab.engine.model.synth import PRESETS, make_config, parse_overrides
+from moelab.engine.model.tokenizer import IncrementalDecoder, Tokenizer
+from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
-from moelab.engine.tokenizer import IncrementalDecoder, Tokenizer
 
 from .reference import make_engine
 

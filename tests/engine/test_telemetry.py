@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moelab.engine.metrics import render_metrics
-from moelab.engine.moe_stats import (
+from moelab.engine.experts.moe_stats import (
     BLOCK_STEPS,
     MAX_BLOCKS,
     CpuJobTimes,
     MissCostFit,
     _fit_slope,
 )
-from moelab.engine.sampling import SamplingParams
+from moelab.engine.experts.whatif import StackDistances
+from moelab.engine.runtime.sampling import SamplingParams
+from moelab.engine.serving.metrics import render_metrics
 from moelab.engine.synth_checkpoint import synthesize
-from moelab.engine.whatif import StackDistances
 
 from .reference import make_engine
 
@@ -175,7 +175,7 @@ def test_breakdown_is_sampled_with_every_phase(model):
 def test_one_step_in_thirty_seconds_is_timed_by_phase(model, monkeypatch):
     """The timed step runs eagerly and synchronizes at each phase (20-40 ms on the H200, against
     3-6 ms for a replayed one): sampled at the first decode step, then again 30 s later."""
-    from moelab.engine import telemetry as telemetry_module
+    from moelab.engine.runtime import telemetry as telemetry_module
 
     engine = make_engine(model, "--moe-cache-size", "16")
     try:

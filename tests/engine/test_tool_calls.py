@@ -1,6 +1,6 @@
-"""Tool calls taken out of a chat reply (engine/tool_calls.py), whole and streamed, and through
-the server's chat endpoint with a scripted engine thread (the reply's tokens given, the HTTP side
-and the tokenizer real)."""
+"""Tool calls taken out of a chat reply (engine/serving/tool_calls.py), whole and streamed, and
+through the server's chat endpoint with a scripted engine thread (the reply's tokens given, the
+HTTP side and the tokenizer real)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from starlette.testclient import TestClient
 
-from moelab.engine.config import EngineConfig
-from moelab.engine.server import Server
-from moelab.engine.synth_tokenizer import write_tokenizer_files
-from moelab.engine.tokenizer import Tokenizer
-from moelab.engine.tool_calls import ToolCallStream, split_reply
+from moelab.engine.config.config import EngineConfig
+from moelab.engine.model.synth_tokenizer import write_tokenizer_files
+from moelab.engine.model.tokenizer import Tokenizer
+from moelab.engine.serving.server import Server
+from moelab.engine.serving.tool_calls import ToolCallStream, split_reply
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Tromsø", "days": 2}}'
 REPLY = f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n" + (

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from moelab.engine.args import build_parser
-from moelab.engine.cpu import (
+from moelab.engine.config.args import build_parser
+from moelab.engine.experts.cpu import (
     ProcessPlacement,
     cpu_ranges,
     plan_worker_cpus,
@@ -16,7 +16,7 @@ from moelab.engine.cpu import (
     start_cpu_executor,
     worker_cpus,
 )
-from moelab.engine.sampling import SamplingParams
+from moelab.engine.runtime.sampling import SamplingParams
 from moelab.kernels.cpu_experts import CpuExpertRunner, process_thread_ids
 
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

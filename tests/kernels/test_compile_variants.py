@@ -1,7 +1,7 @@
 """The decode attention's compiled kernels follow the block table's width, not the sequence's
 length: why the engine's eager decode steps on CUDA pass tables as wide as the graphs'
-(engine/stepping.py, `_batch`). Compiled for sm_90 without a GPU, as test_hopper_compile.py does;
-also checks that `common.compiled_variants` counts Triton's compiled kernels."""
+(engine/runtime/stepping.py, `_batch`). Compiled for sm_90 without a GPU, as test_hopper_compile.py
+does; also checks that `common.compiled_variants` counts Triton's compiled kernels."""
 
 from __future__ import annotations
 

@@ -293,7 +293,7 @@ def test_a_queued_job_has_a_multiple_of_the_threads_tasks_in_each_phase() -> Non
 
 
 def test_the_task_size_and_redo_defaults_are_one_across_the_flag_the_runner_and_the_pool():
-    from moelab.engine.args import build_parser
+    from moelab.engine.config.args import build_parser
 
     args = build_parser().parse_args(["--model-path", "m"])
     with CpuExpertRunner(2, "native") as runner:

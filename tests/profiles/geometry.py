@@ -1,9 +1,10 @@
 """Checkpoint geometries for the profile tests: the synth presets tiny, small and Qwen3-30B-A3B,
-all qwen3_moe in bfloat16 (engine/synth.py imports torch, so the config dicts are written out)."""
+all qwen3_moe in bfloat16 (engine/model/synth.py imports torch, so the config dicts are written
+out)."""
 
 from __future__ import annotations
 
-from moelab.engine.spec import ModelSpec
+from moelab.engine.model.spec import ModelSpec
 
 COMMON = {
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moelab.engine.args import build_parser, describe_flags
+from moelab.engine.config.args import build_parser, describe_flags
 from moelab.profiles.flags import (
     FlagChange,
     FlagError,

@@ -28,9 +28,9 @@ from starlette.testclient import TestClient
 
 from moelab.daemon.schema import Server
 from moelab.daemon.service import Daemon
-from moelab.engine.launch import get_json
-from moelab.engine.memory import activation_bytes
-from moelab.engine.spec import ModelSpec
+from moelab.engine.config.memory import activation_bytes
+from moelab.engine.model.spec import ModelSpec
+from moelab.engine.process.launch import get_json
 from moelab.profiles.planner import FIT_SIGMAS, MIN_FIT_STEPS, miss_seconds
 from tests.daemon.conftest import asgi_client, make_daemon, wait_for
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from moelab.engine.memory import MemoryPlanError
+from moelab.engine.config.memory import MemoryPlanError
 from moelab.profiles.flags import engine_config, validate_flags
 from moelab.profiles.machine import GIB, Gpu, Machine, Rates, choose_device, plan_for
 from moelab.profiles.recommend import BenchmarkResult, compare, recommend

@@ -1,0 +1,1 @@
+"""`moelab bench`: the bandwidth profile's measurement and the decode benchmark."""

@@ -1,0 +1,288 @@
+"""ExpertCache: S expert slots on the device shared by all MoE layers, least recently used out;
+SlotFills: the copies of experts from the host bank into its slots.
+
+The cache only decides which (layer, expert) lives in which slot; `SlotFills` copies the weights,
+on the copy stream after the compute stream's work.
+
+Its state is a few numpy arrays (the slot of each expert, the key and the last use of each slot,
+the use clock and the counters), so that the native decode planner (kernels/cpu_experts.py,
+`DecodePlanner`) can decide on the same state without Python (engine/experts/miss_plan.py says which
+implementation is the specification).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .bank import ExpertBank
+from .h2d import HostToDevice
+
+# indices into ExpertCache.state (int64): the use clock, then the counters
+TICK, HITS, FILLS, EVICTIONS = range(4)
+
+
+class ExpertCache:
+    """Slots of expert weights on the device, keyed by (MoE layer, expert), LRU eviction."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        slots: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.dtype = dtype
+        self.device = device
+        self.w13 = torch.empty(0)
+        self.w2 = torch.empty(0)
+        self.slot_of = np.full((num_layers, num_experts), -1, dtype=np.int32)
+        # the same map on the device, for steps that look slots up without the host (CUDA graphs)
+        self.slot_of_device = torch.full(
+            (num_layers, num_experts), -1, dtype=torch.int32, device=device
+        )
+        # per slot: its key (layer * E + expert, -1 while free) and its last use (-1 while free:
+        # free slots go first, the lowest first; then the least recently used)
+        self.key_of_slot = np.empty(0, dtype=np.int64)
+        self.last_use = np.empty(0, dtype=np.int64)
+        self.state = np.zeros(4, dtype=np.int64)
+        # bumped whenever the slot arrays are replaced (a planner holding their addresses is stale)
+        self.version = 0
+        self._layer_major: bool | None = None
+        self._device_stale = False
+        self._allocate(slots)
+
+    # counters --------------------------------------------------------------------------------
+
+    @property
+    def hits(self) -> int:
+        return int(self.state[HITS])
+
+    @hits.setter
+    def hits(self, value: int) -> None:
+        self.state[HITS] = value
+
+    @property
+    def fills(self) -> int:
+        return int(self.state[FILLS])
+
+    @fills.setter
+    def fills(self, value: int) -> None:
+        self.state[FILLS] = value
+
+    @property
+    def evictions(self) -> int:
+        return int(self.state[EVICTIONS])
+
+    # sizes -----------------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def slot_bytes(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size * self.w13.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+    @property
+    def resident(self) -> int:
+        return int(np.count_nonzero(self.key_of_slot >= 0))
+
+    def resident_per_layer(self) -> list[int]:
+        return [int(n) for n in (self.slot_of >= 0).sum(axis=1)]
+
+    def snapshot(self) -> dict:
+        """The cache's size and what each layer holds (telemetry's `Reports`)."""
+        return {
+            "slots": self.slots,
+            "slot_bytes": self.slot_bytes,
+            "bytes": self.nbytes,
+            "resident_per_layer": self.resident_per_layer(),
+        }
+
+    @property
+    def layer_major(self) -> bool:
+        """Every expert resident, (layer m, expert e) in slot m * E + e."""
+        if not self.holds_everything:
+            return False
+        if self._layer_major is None:
+            expected = np.arange(self.num_layers * self.num_experts).reshape(self.slot_of.shape)
+            self._layer_major = bool((self.slot_of == expected).all())
+        return self._layer_major
+
+    @property
+    def holds_everything(self) -> bool:
+        everything = self.num_layers * self.num_experts
+        # the slot count first: asked once a decode step, where counting the resident slots
+        # costs a host whose caches the CPU experts streamed cold tens of microseconds
+        return self.slots >= everything and self.resident == everything
+
+    # lookups ---------------------------------------------------------------------------------
+
+    def lookup(self, layer: int, experts: list[int]) -> list[int]:
+        """Slots of `experts` (-1 where missing); the ones found become most recently used, in
+        the order given."""
+        slots = self.slot_of[layer][experts].tolist()
+        state, last_use = self.state, self.last_use
+        for slot in slots:
+            if slot >= 0:
+                state[TICK] += 1
+                last_use[slot] = state[TICK]
+                state[HITS] += 1
+        return slots
+
+    def admit(self, layer: int, expert: int, protected: set[int]) -> int | None:
+        """A slot for (layer, expert): a free one, else the least recently used unprotected one,
+        whose expert is evicted.
+
+        `protected` holds slots the current step still reads; None when every slot is protected.
+        The caller copies the weights into the returned slot before using it.
+        """
+        key = layer * self.num_experts + expert
+        assert self.slot_of[layer, expert] < 0, "admitting an expert that is already resident"
+        if protected:
+            candidates = self.last_use.copy()
+            candidates[list(protected)] = np.iinfo(np.int64).max
+            slot = int(candidates.argmin())
+            if slot in protected:
+                return None
+        else:
+            slot = int(self.last_use.argmin())
+        victim = int(self.key_of_slot[slot])
+        if victim >= 0:
+            self._set(victim, -1)
+            self.state[EVICTIONS] += 1
+        self.key_of_slot[slot] = key
+        self.state[TICK] += 1
+        self.last_use[slot] = self.state[TICK]
+        self._set(key, slot)
+        self.state[FILLS] += 1
+        return slot
+
+    def _set(self, key: int, slot: int) -> None:
+        layer, expert = divmod(key, self.num_experts)
+        self.slot_of[layer, expert] = slot
+        self.changed()
+
+    def changed(self) -> None:
+        """The slot map changed (here, or in the native planner): derived views are stale."""
+        self._layer_major = None
+        self._device_stale = True
+
+    def device_slot_map(self) -> torch.Tensor:
+        """The (layer, expert) -> slot map on the device, uploaded only after it changed.
+
+        The offloaded step decides on the host; only the all-resident path (and its CUDA graphs,
+        which keep this tensor's address) reads the device copy.
+        """
+        if self._device_stale:
+            self.slot_of_device.copy_(torch.from_numpy(self.slot_of))
+            self._device_stale = False
+        return self.slot_of_device
+
+    # sizing ----------------------------------------------------------------------------------
+
+    def _allocate(self, slots: int) -> None:
+        h, i = self.hidden_size, self.intermediate_size
+        self.w13 = torch.empty((slots, 2 * i, h), dtype=self.dtype, device=self.device)
+        # zeroed: a split miss's slot (decode_planner.h) adds its down projection's columns past
+        # the copied ones times zero, which must not be NaN in a slot never filled
+        self.w2 = torch.zeros((slots, h, i), dtype=self.dtype, device=self.device)
+        self.key_of_slot = np.full(slots, -1, dtype=np.int64)
+        self.last_use = np.full(slots, -1, dtype=np.int64)
+        self.version += 1
+
+    def resize(self, slots: int, refill: Callable[[int, int, int], None]) -> None:
+        """Change the number of slots, keeping the most recently used experts that still fit.
+
+        The old slots are freed first (so growing needs no room for both); `refill(layer, expert,
+        slot)` copies each kept expert back from the host bank.
+        """
+        used = np.flatnonzero(self.key_of_slot >= 0)
+        by_use = used[np.argsort(self.last_use[used], kind="stable")]
+        keep = [(int(self.key_of_slot[s]), int(self.last_use[s])) for s in by_use]
+        keep = keep[-slots:] if slots else []
+        self.w13 = self.w2 = torch.empty(0)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.slot_of.fill(-1)
+        self.changed()
+        self._allocate(slots)
+        for slot, (key, last_use) in enumerate(keep):
+            self.key_of_slot[slot] = key
+            self.last_use[slot] = last_use
+            self._set(key, slot)
+            refill(*divmod(key, self.num_experts), slot)
+
+
+class SlotFills:
+    """Copies experts from the host bank into the cache's slots: on the copy stream, one driver
+    call a matrix (`HostToDevice`: torch's copy_ costs the host several times more); at once
+    without CUDA."""
+
+    def __init__(
+        self,
+        bank: ExpertBank,
+        cache: ExpertCache,
+        copy_stream: torch.cuda.Stream | None,
+        compute_stream: torch.cuda.Stream | None,
+    ) -> None:
+        self.bank = bank
+        self.cache = cache
+        self.copy_stream = copy_stream
+        # the engine's stream (the device's current one), looked up once: the lookup costs more
+        # than the small copies of a decode layer step
+        self.compute_stream = compute_stream
+        self._h2d = HostToDevice(copy_stream) if copy_stream is not None else None
+
+    def copy(self, moe_layer: int, admitted: list[tuple[int, int]]) -> torch.cuda.Event | None:
+        """Copy (expert, slot) pairs into their slots after the compute stream's queued work
+        (which may still read the slots being refilled); returns the event that marks them
+        done (None without CUDA, where the copies are done on return)."""
+        stream = self.copy_stream
+        if stream is None:
+            self.queue(moe_layer, admitted)
+            return None
+        stream.wait_stream(self.compute_stream)
+        self.queue(moe_layer, admitted)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def queue(self, moe_layer: int, admitted: list[tuple[int, int]]) -> None:
+        """Queue the copies of (expert, slot) pairs on the copy stream without waiting for
+        anything (done at once without CUDA)."""
+        bank_w13, bank_w2 = self.bank.w13[moe_layer], self.bank.w2[moe_layer]
+        cache, h2d = self.cache, self._h2d
+        if h2d is None:
+            for expert, slot in admitted:
+                cache.w13[slot].copy_(bank_w13[expert])
+                cache.w2[slot].copy_(bank_w2[expert])
+            return
+        n13 = cache.w13.stride(0) * cache.w13.element_size()  # one expert's matrix, in bytes
+        n2 = cache.w2.stride(0) * cache.w2.element_size()
+        assert bank_w13.is_contiguous() and bank_w13.stride(0) == cache.w13.stride(0)
+        dst13, dst2 = cache.w13.data_ptr(), cache.w2.data_ptr()
+        src13, src2 = bank_w13.data_ptr(), bank_w2.data_ptr()
+        for expert, slot in admitted:
+            h2d.copy(dst13 + slot * n13, src13 + expert * n13, n13)
+            h2d.copy(dst2 + slot * n2, src2 + expert * n2, n2)
+
+    def refill(self, moe_layer: int, expert: int, slot: int) -> None:
+        """Copy one expert into a slot and wait (cache resize, warm-up)."""
+        event = self.copy(moe_layer, [(expert, slot)])
+        if event is not None:
+            event.synchronize()

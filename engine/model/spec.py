@@ -1,0 +1,443 @@
+"""ModelSpec: one normalized description of a supported MoE checkpoint's geometry and rules."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..text import Text
+
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+_ARCH_BY_CLASS = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
+}
+
+ROPE_SCALINGS = ("default", "linear", "yarn")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# the safetensors dtypes the engine reads, and their names in torch
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint moelab cannot serve, with a message that names what is wrong (a Text, which
+    the catalog shows in the console's language)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Everything the engine needs to know about a checkpoint's architecture, normalized."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    # dense MLP width for layers that are not MoE (qwen mlp_only_layers / decoder_sparse_step)
+    intermediate_size: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: str = "none"  # "none" | "head" (Qwen3: per head) | "full" (OLMoE: whole projection)
+    clip_qkv: float | None = None
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's shared expert (gated by a sigmoid)
+    moe_layers: tuple[int, ...] = ()
+    rope_scaling: dict | None = None
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise CheckpointError(
+                Text(
+                    "architecture {found} is not supported; moelab serves {architectures}",
+                    found=repr(self.arch),
+                    architectures=", ".join(ARCHITECTURES),
+                )
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_experts",
+            "top_k",
+            "moe_intermediate_size",
+        ):
+            if getattr(self, name) < 1:
+                raise CheckpointError(
+                    Text(
+                        "config field for {name} must be at least 1, got {value}",
+                        name=name,
+                        value=getattr(self, name),
+                    )
+                )
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                Text(
+                    "num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                    "({kv_heads})",
+                    heads=self.num_heads,
+                    kv_heads=self.num_kv_heads,
+                )
+            )
+        if self.top_k > self.num_experts:
+            raise CheckpointError(
+                Text(
+                    "num_experts_per_tok ({top_k}) exceeds the number of experts ({experts})",
+                    top_k=self.top_k,
+                    experts=self.num_experts,
+                )
+            )
+        if self.dtype not in DTYPE_BYTES:
+            raise CheckpointError(
+                Text(
+                    "dtype {dtype} is not supported; use one of {dtypes}",
+                    dtype=repr(self.dtype),
+                    dtypes=", ".join(DTYPE_BYTES),
+                )
+            )
+        if any(not 0 <= layer < self.num_layers for layer in self.moe_layers):
+            raise CheckpointError(Text("an MoE layer index lies outside the model's layers"))
+
+    # derived geometry -------------------------------------------------------------------------
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_params * self.dtype_bytes
+
+    @property
+    def experts_total(self) -> int:
+        """Routed experts over all MoE layers (the size of the host bank, in experts)."""
+        return self.num_moe_layers * self.num_experts
+
+    @property
+    def expert_pool_bytes(self) -> int:
+        return self.experts_total * self.expert_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_size * self.dtype_bytes
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters that stay on the device: everything but the routed experts."""
+        h = self.hidden_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm == "head":
+            attn += 2 * self.head_dim
+        elif self.qk_norm == "full":
+            attn += self.q_size + self.kv_size
+        moe = h * self.num_experts
+        if self.shared_expert_intermediate_size:
+            moe += 3 * h * self.shared_expert_intermediate_size + h
+        dense_mlp = 3 * h * self.intermediate_size
+        per_layer = attn * self.num_layers
+        mlps = moe * self.num_moe_layers + dense_mlp * (self.num_layers - self.num_moe_layers)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return per_layer + mlps + embed + h
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.dense_params * self.dtype_bytes
+
+    @property
+    def active_bytes_per_token(self) -> int:
+        """Weight bytes one decode token reads: the dense weights (less the embedding table) and
+        top-k experts per MoE layer."""
+        embed_unused = self.vocab_size * self.hidden_size * self.dtype_bytes
+        if self.tie_word_embeddings:
+            embed_unused = 0
+        return (
+            self.dense_bytes - embed_unused + self.num_moe_layers * self.top_k * self.expert_bytes
+        )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def moe_index(self, layer: int) -> int:
+        """Position of an MoE layer among the MoE layers (the bank and the cache count this way)."""
+        return self.moe_layers.index(layer)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+
+    # construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: dict, source: str = "config.json") -> ModelSpec:
+        """Normalize a Hugging Face config.json of a supported architecture.
+
+        Every field is checked for its type and range; an error names the field and `source`
+        (the file the config came from)."""
+        if not isinstance(config, dict):
+            raise CheckpointError(
+                Text(
+                    "{source} holds {kind}, not a JSON object",
+                    source=source,
+                    kind=type(config).__name__,
+                )
+            )
+        arch = config.get("model_type")
+        if arch not in ARCHITECTURES:
+            for name in config.get("architectures") or ():
+                arch = _ARCH_BY_CLASS.get(name, arch)
+        if arch not in ARCHITECTURES:
+            found = config.get("model_type") or config.get("architectures")
+            raise CheckpointError(
+                Text(
+                    "architecture {found} is not supported; moelab serves {architectures} "
+                    "({source} model_type)",
+                    found=repr(found),
+                    architectures=", ".join(ARCHITECTURES),
+                    source=source,
+                )
+            )
+        quantized = config.get("quantization_config") or config.get("compression_config")
+        if quantized:
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+            raise CheckpointError(
+                Text(
+                    "the weights are quantized ({source} quantization_config, quant_method "
+                    "{method}); moelab reads bf16, fp16 and fp32 weights: use the checkpoint's "
+                    "unquantized release",
+                    source=source,
+                    method=repr(method),
+                )
+            )
+        read = _Fields(config, source, arch)
+
+        hidden = read.whole("hidden_size")
+        heads = read.whole("num_attention_heads")
+        layers = read.whole("num_hidden_layers")
+        kv_heads = read.whole("num_key_value_heads", default=heads)
+        head_dim = read.whole("head_dim", default=hidden // heads)
+        num_experts = read.whole("num_experts", "num_local_experts")
+        top_k = read.whole("num_experts_per_tok")
+        intermediate = read.whole("intermediate_size", default=0, minimum=0)
+        max_position = read.whole("max_position_embeddings", default=4096)
+
+        if arch in ("qwen3_moe", "qwen2_moe"):
+            moe_inter = read.whole("moe_intermediate_size")
+            step = read.whole("decoder_sparse_step", default=1)
+            only = set(read.indices("mlp_only_layers"))
+            moe_layers = tuple(
+                i
+                for i in range(layers)
+                if i not in only and num_experts > 0 and (i + 1) % step == 0
+            )
+            if len(moe_layers) < layers and intermediate < 1:
+                raise CheckpointError(
+                    Text("{source} has dense MLP layers but no intermediate_size", source=source)
+                )
+            norm_topk = bool(config.get("norm_topk_prob", arch == "qwen3_moe"))
+        else:
+            moe_inter = read.whole("intermediate_size")
+            moe_layers = tuple(range(layers))
+            norm_topk = True if arch == "mixtral" else bool(config.get("norm_topk_prob", False))
+
+        sliding = read.whole("sliding_window", default=0, minimum=0) if arch == "mixtral" else 0
+        if config.get("use_sliding_window") or 0 < sliding < max_position:
+            raise CheckpointError(
+                Text(
+                    "sliding-window attention is not supported; this checkpoint's {source} "
+                    "enables it",
+                    source=source,
+                )
+            )
+
+        rope = read.mapping("rope_parameters") or {}
+        rope_theta = read.real("rope_theta", default=rope.get("rope_theta") or 10000.0)
+        scaling = read.mapping("rope_scaling") or (
+            {k: v for k, v in rope.items() if k != "rope_theta"} if rope else None
+        )
+        if scaling:
+            kind = scaling.get("rope_type") or scaling.get("type") or "default"
+            if kind not in ROPE_SCALINGS:
+                raise CheckpointError(
+                    Text(
+                        "rope scaling {kind} is not supported; moelab supports {supported}",
+                        kind=repr(kind),
+                        supported=", ".join(ROPE_SCALINGS),
+                    )
+                )
+            scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+        vocab = read.whole("vocab_size")
+        eos = config.get("eos_token_id")
+        eos_ids = read.indices("eos_token_id") if isinstance(eos, list) else ()
+        if eos is not None and not isinstance(eos, list):
+            eos_ids = (read.whole("eos_token_id", minimum=0),)
+        eos_ids = tuple(i for i in eos_ids if 0 <= i < vocab)
+        qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none")
+        attention_bias = bool(
+            config.get("qkv_bias", True) if arch == "qwen2_moe" else config.get("attention_bias")
+        )
+
+        return cls(
+            arch=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            num_experts=num_experts,
+            top_k=top_k,
+            moe_intermediate_size=moe_inter,
+            intermediate_size=intermediate,
+            norm_topk_prob=norm_topk,
+            rms_norm_eps=read.real("rms_norm_eps", default=1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=max_position,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=qk_norm,
+            clip_qkv=read.real("clip_qkv", default=None) if arch == "olmoe" else None,
+            shared_expert_intermediate_size=(
+                read.whole("shared_expert_intermediate_size") if arch == "qwen2_moe" else 0
+            ),
+            moe_layers=moe_layers,
+            rope_scaling=scaling,
+            dtype=dtype,
+            bos_token_id=read.whole("bos_token_id", default=None, minimum=0),
+            eos_token_ids=eos_ids,
+            extra={"moelab_synth": config.get("moelab_synth")}
+            if config.get("moelab_synth")
+            else {},
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelSpec:
+        """Read `config.json` from a checkpoint directory."""
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(
+                Text("{path} has no config.json; is it a Hugging Face checkpoint?", path=str(path))
+            )
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as err:
+            raise CheckpointError(
+                Text(
+                    "{path} cannot be read as JSON: {error}", path=str(config_path), error=str(err)
+                )
+            ) from None
+        return cls.from_config(config, str(config_path))
+
+
+class _Fields:
+    """Typed reads of a config.json's fields; a wrong type or range names the field and file."""
+
+    def __init__(self, config: dict, source: str, arch: str) -> None:
+        self.config = config
+        self.source = source
+        self.arch = arch
+
+    def _say(self, name: str, what: Text, value: object) -> CheckpointError:
+        return CheckpointError(
+            Text(
+                "{source}: {name} must be {what}, not {value}",
+                source=self.source,
+                name=name,
+                what=what,
+                value=json.dumps(value),
+            )
+        )
+
+    def whole(self, *names: str, default: Any = ..., minimum: int = 1) -> Any:
+        """The first of `names` given, a whole number of at least `minimum` (8.0 passes as 8);
+        `default` where none is given (without one, a missing field is an error)."""
+        given = [name for name in names if self.config.get(name) is not None]
+        if not given:
+            if default is ...:
+                raise CheckpointError(
+                    Text(
+                        "{source} has no {names} (needed for {arch})",
+                        source=self.source,
+                        names=" / ".join(names),
+                        arch=self.arch,
+                    )
+                )
+            return default
+        name = given[0]
+        value = self.config[name]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value != int(value)
+        ):
+            raise self._say(name, Text("a whole number"), value)
+        if value < minimum:
+            raise self._say(name, Text("at least {minimum}", minimum=minimum), value)
+        return int(value)
+
+    def real(self, name: str, default: float | None) -> Any:
+        """A finite number above zero; `default` where the field is not given."""
+        value = self.config.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._say(name, Text("a number"), value)
+        if not math.isfinite(value) or value <= 0:
+            raise self._say(name, Text("a number above zero"), value)
+        return float(value)
+
+    def indices(self, name: str) -> tuple[int, ...]:
+        """A list of whole numbers from zero (layer numbers, token ids)."""
+        value = self.config.get(name) or []
+        if not isinstance(value, list):
+            raise self._say(name, Text("a list"), value)
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+                raise self._say(name, Text("a list of whole numbers from 0"), value)
+        return tuple(value)
+
+    def mapping(self, name: str) -> dict | None:
+        value = self.config.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise self._say(name, Text("a JSON object"), value)
+        return value

@@ -1,0 +1,534 @@
+"""Engine: loads a checkpoint per the VRAM plan and runs forward steps for scheduled sequences."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ...kernels import common, no_triton
+from ...kernels.native_build import NativeKernelError, load_native
+from ..config.args import physical_cores
+from ..config.bandwidth import best, load_profile
+from ..config.config import EngineConfig
+from ..config.memory import VramPlan, log_plan
+from ..experts.bank import ExpertBank, build_in_memory, load_bank
+from ..experts.cache import ExpertCache
+from ..experts.cpu import (
+    ProcessPlacement,
+    cpu_ranges,
+    measure_bh_gbps,
+    measure_bp_gbps,
+    start_cpu_executor,
+)
+from ..experts.misses import MissPolicy
+from ..experts.moe import MoERunner
+from ..experts.prefill_stream import stream_threshold_tokens
+from ..model.checkpoint import SafetensorsSource, TensorSource, load_dense
+from ..model.kv import KVCache
+from ..model.model import DenseWeights, Model, SeqSlice, StepBatch
+from ..model.rope import Rotary
+from ..model.spec import ModelSpec
+from ..model.synth import SynthSource
+from ..model.tokenizer import Tokenizer
+from .graphs import DecodeGraphs
+from .loading import LoadProgress
+from .sampling import Sampler, SamplingParams
+from .scheduler import Scheduler, Sequence
+from .stepping import Stepper
+from .telemetry import Telemetry
+
+log = logging.getLogger("moelab.engine")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The compute device --device names (auto: CUDA where there is one); ValueError where this
+    machine cannot compute on it."""
+    if name == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(name)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this machine has no CUDA device; use --device cpu")
+    if device.type == "cuda" and not common.HAVE_TRITON:
+        raise ValueError(f"--device {name} (CUDA): {no_triton.MISSING}")
+    return device
+
+
+def settle_heap() -> float:
+    """Collects the loading's garbage, then moves every object left (modules, the model, the
+    graphs) out of the cycle collector's reach (gc.freeze), so that no full collection walks them
+    between two decode steps: one such walk is a stall of 100 ms or more. Returns the ms the full
+    collection took. A serving process calls it once its engine is ready, and gc.unfreeze() once
+    that engine is closed, so that its cycles can be collected; so does the interpreter's exit
+    (frozen, the compiler's bindings report their objects as leaked there)."""
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)  # registered once however often the heap is settled
+    atexit.register(gc.unfreeze)
+    return 1e3 * (time.perf_counter() - t0)
+
+
+class Engine:
+    """One loaded model: its weights, caches, scheduler and sampler, and the step loop that runs
+    them (`stepper`)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        spec: ModelSpec | None = None,
+        progress: LoadProgress | None = None,
+    ) -> None:
+        t0 = time.perf_counter()
+        progress = progress or LoadProgress()
+        self.config = config
+        self.startup_s = progress.startup_s  # seconds per start-up phase, in order
+        progress.begin("plan")
+        self._resolve(spec)
+        progress.begin("dense weights")
+        source, dense = self._load_dense()
+        progress.begin("expert bank")
+        self.bank = self._load_bank(source, progress)
+        progress.begin("CPU kernel")
+        self._build_cpu_kernel(progress)
+        progress.begin("CPU workers")
+        self._start_cpu_workers()
+        progress.begin("bandwidths")
+        self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
+        progress.begin("caches")
+        self._build_caches(dense)
+        progress.begin("CUDA graphs")
+        self.telemetry = Telemetry(
+            self.spec, self, self.moe, self.cache, self.bank, self.scheduler,
+            enabled=config.server.stats,
+        )  # fmt: skip
+        self.stepper = self._build_stepper()
+        self._capture_graphs()
+        progress.begin(None)
+        self.load_s = time.perf_counter() - t0
+        log.info(
+            "engine ready in %.2f s (%s)",
+            self.load_s,
+            ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_s.items()),
+        )
+
+    # setup --------------------------------------------------------------------------------------
+
+    def _resolve(self, spec: ModelSpec | None) -> None:
+        """The checkpoint's geometry and tokenizer, the device and dtype, and the memory plan."""
+        path = Path(self.config.model.path)
+        self.spec = spec = spec or ModelSpec.from_dir(path)
+        self.device = resolve_device(self.config.memory.device)
+        cuda = self.device.type == "cuda"
+        self.dtype = getattr(torch, self.config.model.compute_dtype(spec.dtype, cpu=not cuda))
+        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        free_bytes = torch.cuda.mem_get_info(self.device)[0] if cuda else None
+        request = self.config.memory_request(
+            budget_bytes=self.config.memory.budget_bytes(free_bytes),
+            elem_bytes=self.dtype.itemsize,
+            cuda=cuda,
+        )
+        self.plan = request.plan(spec)
+        log_plan(self.plan)
+
+    def _load_dense(self) -> tuple[TensorSource, DenseWeights]:
+        """Where the weights come from (the checkpoint, or its geometry's synthetic weights with
+        --dummy-weights) and the dense weights, on the device."""
+        spec, model = self.spec, self.config.model
+        synth_info = spec.extra.get("moelab_synth") or {}
+        self.synth_source: SynthSource | None = None
+        source: TensorSource
+        if model.dummy_weights:
+            source = self.synth_source = SynthSource.calibrated(
+                spec,
+                seed=int(synth_info.get("seed", self.config.server.seed)),
+                skew=float(synth_info.get("routing_skew", 0.0)),
+                device=self.device,
+                dtype=self.dtype,
+            )
+        else:
+            source = SafetensorsSource(Path(model.path))
+        return source, load_dense(spec, source, self.device, self.dtype)
+
+    def _load_bank(self, source: TensorSource, progress: LoadProgress) -> ExpertBank:
+        """The expert bank in host memory: built in memory for synthetic weights, else the
+        prepacked file (written first where there is none)."""
+        pin = self.device.type == "cuda"
+        if not isinstance(source, SafetensorsSource):  # --dummy-weights
+            return build_in_memory(self.spec, source, self.dtype, pin=pin, progress=progress.bytes)
+        named = self.config.model.bank_dir
+        return load_bank(
+            self.spec,
+            source,
+            self.dtype,
+            bank_dir=Path(named) if named else None,
+            pin=pin,
+            progress=progress.bytes,
+        )
+
+    def _build_cpu_kernel(self, progress: LoadProgress) -> None:
+        """Build (or wait for) the native CPU expert kernel here, so that /health tells that
+        phase apart; with `auto`, a kernel that does not build leaves the torch one."""
+        kernel = self.config.experts.cpu_kernel
+        if kernel == "torch":
+            return
+        try:
+            load_native(progress.build)
+        except NativeKernelError:
+            if kernel == "native":
+                raise
+            # auto: the CPU workers fall back on the torch kernel and say why
+
+    def _start_cpu_workers(self) -> None:
+        """The expert cache on the device, and the CPU expert workers placed per --moe-cpu-pin."""
+        spec, experts = self.spec, self.config.experts
+        self.cache = ExpertCache(
+            spec.num_moe_layers,
+            spec.num_experts,
+            self.plan.slots,
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            self.dtype,
+            self.device,
+        )
+        self.cpu = start_cpu_executor(
+            experts.cpu_threads,
+            experts.cpu_kernel,
+            experts.cpu_spin_us,
+            experts.cpu_task_kb,
+            pin=experts.cpu_pin != "off",
+            redo_us=experts.cpu_redo_us,
+        )
+        self.placement = ProcessPlacement.around(self.cpu) if experts.cpu_pin == "isolate" else None
+        self.cpu_pin = experts.cpu_pin  # as set_cpu_pin may change it
+        # torch's own CPU threads spin after every op and would steal the cores the CPU expert
+        # workers stream weights on: with a GPU the host's torch ops are tiny, so one thread
+        cuda = self.device.type == "cuda"
+        torch.set_num_threads(1 if cuda else max(1, physical_cores() - self.cpu.num_threads))
+
+    def _build_caches(self, dense: DenseWeights) -> None:
+        """The MoE runner over the bank, cache and CPU workers; the KV cache, the model, the
+        scheduler and the sampler."""
+        config, spec, plan = self.config, self.spec, self.plan
+        policy = MissPolicy.parse(config.experts.miss_policy, self.bp_gbps, self.bh_gbps)
+        log.info(
+            "miss split: Bp %.1f GB/s, Bh %.1f GB/s -> policy %s fetches %.0f%% of misses",
+            self.bp_gbps,
+            self.bh_gbps,
+            policy.mode,
+            100 * policy.fetch_fraction,
+        )
+        self.moe = MoERunner(
+            self.bank,
+            self.cache,
+            policy,
+            self.cpu,
+            top_k=spec.top_k,
+            prefill_overlap=config.prefill.overlap,
+            prefill_stream_min_tokens=self._stream_threshold(),
+            split_misses=config.experts.split_misses,
+            prefetch_rounds=config.experts.prefetch_rounds,
+            copy_ahead=config.experts.copy_ahead,
+            copy_rate=self.bp_gbps * 1e9,
+        )
+        if plan.all_resident:
+            self._load_all_experts()
+        elif plan.prefill_buffer_bytes:
+            self.moe.allocate_prefill_buffers()
+        self.kv = self._new_kv(plan)
+        self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1)
+        self.scheduler = Scheduler(
+            self.kv, config.batching.max_running_requests, config.prefill.chunk_tokens
+        )
+        self.sampler = Sampler(config.server.seed)
+
+    def _new_kv(self, plan: VramPlan) -> KVCache:
+        memory = self.config.memory
+        return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, self.device, self.dtype,
+                       prefix_cache=memory.prefix_cache)  # fmt: skip
+
+    def _build_stepper(self) -> Stepper:
+        tokenizer = self.tokenizer
+        eos_ids = tokenizer.eos_token_ids if tokenizer else self.spec.eos_token_ids
+        return Stepper(
+            self.model,
+            self.moe,
+            self.scheduler,
+            self.sampler,
+            self.kv,
+            self.telemetry,
+            device=self.device,
+            eos_ids=frozenset(eos_ids),
+            max_context=self.max_context,
+            overlap_decode=self.config.batching.overlap_decode,
+        )
+
+    def _bandwidths(self) -> tuple[float, float, str]:
+        """Bp and Bh: from this machine's `moelab bench bw` profile, else measured now."""
+        cpu, profile = self.cpu, self._bandwidth_profile()
+        bp = bh = None
+        if profile is not None:
+            kind = "h2d_pinned" if self.bank.pinned_layers else "h2d_pageable"
+            bp = best(profile, kind) if self.device.type == "cuda" else None
+            bh = best(profile, "cpu_experts", threads=cpu.num_threads, experts=4, kernel=cpu.kernel)
+        source = "profile" if bp and bh else "measured at start"
+        bp = bp or measure_bp_gbps(self.bank, self.device)
+        bh = bh or measure_bh_gbps(cpu, self.bank)
+        return bp, bh, source
+
+    def _stream_threshold(self) -> int:
+        """Prefill chunk length from which whole layers are streamed: measured by `moelab bench
+        prefill --crossover` when the profile has it, else where a chunk is expected to route to
+        half of a layer's experts."""
+        spec, profile = self.spec, self._bandwidth_profile()
+        measured = profile and best(
+            profile, "prefill_crossover", num_experts=spec.num_experts, top_k=spec.top_k
+        )
+        return int(measured) if measured else stream_threshold_tokens(spec.num_experts, spec.top_k)
+
+    def _bandwidth_profile(self) -> dict | None:
+        spec = self.spec
+        return load_profile(
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            self.dtype_name,
+            self.config.experts.bw_profile,
+        )
+
+    def _load_all_experts(self) -> None:
+        """Every expert fits: fill the cache once, nothing is fetched afterwards."""
+        fills = self.cache.fills
+        for m in range(self.bank.num_layers):
+            for e in range(self.bank.num_experts):
+                if self.cache.slot_of[m, e] >= 0:
+                    continue
+                slot = self.cache.admit(m, e, set())
+                assert slot is not None
+                self.cache.w13[slot].copy_(self.bank.w13[m][e], non_blocking=True)
+                self.cache.w2[slot].copy_(self.bank.w2[m][e], non_blocking=True)
+        self.cache.fills = fills
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _capture_graphs(self) -> None:
+        """Capture decode steps on a CUDA device: whole steps when every expert is resident, else
+        the dense pieces between the MoE layers (the experts run eagerly between them)."""
+        stepper = self.stepper
+        stepper.drain()  # a queued step still replays the old graphs
+        stepper.graphs = None  # captured graphs hold the old cache and KV tensors
+        batching = self.config.batching
+        if self.device.type != "cuda" or not batching.cuda_graph:
+            return
+        t0 = time.perf_counter()
+        whole = self.cache.holds_everything
+        if whole:
+            self.cache.device_slot_map()  # upload the slot map now: a capture cannot copy it
+        graphs = DecodeGraphs(
+            self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole
+        )
+        graphs.capture()
+        stepper.graphs = graphs
+        log.info("decode CUDA graphs captured in %.2f s", time.perf_counter() - t0)
+
+    def _replan(self, kv_tokens: int, **settings: int | float | None) -> VramPlan:
+        """The plan of the budget in force with `kv_tokens` of KV, and the memory request's
+        `settings` (cache_size, cache_rate) where given in place of the configuration's."""
+        request = self.config.memory_request(
+            budget_bytes=self.plan.budget_bytes,
+            elem_bytes=self.dtype.itemsize,
+            cuda=self.device.type == "cuda",
+            kv_tokens=kv_tokens,
+        )
+        return replace(request, **settings).plan(self.spec)
+
+    def _apply_plan(self, plan: VramPlan) -> None:
+        """Resize the expert cache to `plan` (idle engine), keeping the most recent experts."""
+        self.stepper.drain()
+        self.stepper.graphs = None
+        self.moe.count_backlog()  # resident steps still kept, counted before the cache changes
+        self.moe.release_prefill_buffers()
+        self.cache.resize(plan.slots, self.moe.refill)
+        if plan.all_resident:
+            self._load_all_experts()
+        elif plan.prefill_buffer_bytes:
+            self.moe.allocate_prefill_buffers()
+        self.plan = plan
+        self.stepper.use_kv(self.kv, plan.max_context)
+        self._capture_graphs()
+
+    def resize_cache(self, slots: int) -> None:
+        """Set the number of expert slots without reloading weights (no request may be running).
+
+        Raises MemoryPlanError when the current KV and `slots` do not fit the budget.
+        """
+        assert not self.scheduler.running, "resize while requests run"
+        plan = self._replan(self.kv.capacity_tokens, cache_size=slots, cache_rate=None)
+        self._apply_plan(plan)
+        log.info("expert cache resized: %s", plan.describe())
+
+    def resize_kv(self, tokens: int) -> None:
+        """Reserve `tokens` of KV and give the expert cache what is left (no request running)."""
+        assert not self.scheduler.running, "resize while requests run"
+        self.stepper.drain()  # a queued step still writes the old KV
+        plan = self._replan(tokens)
+        self.kv.k = self.kv.v = torch.empty(0)
+        self.kv = self._new_kv(plan)
+        self.model.kv = self.scheduler.kv = self.kv
+        if plan.max_context + 1 > self.model.rotary.cos.shape[0]:
+            self.model.rotary = Rotary(self.spec, plan.max_context + 1, self.device, self.dtype)
+        self._apply_plan(plan)
+        log.info("KV reserve changed: %s", plan.describe())
+
+    # running ------------------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> MissPolicy:
+        """The miss split in force (auto follows the CPU rate decode sees)."""
+        return self.moe.policy
+
+    @property
+    def max_context(self) -> int:
+        return self.plan.max_context
+
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype by name (bfloat16, float32, ...)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The decode steps' CUDA graphs (None: steps run eagerly)."""
+        return self.stepper.graphs
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to run and no step in flight."""
+        return self.stepper.idle
+
+    def step(self) -> list[Sequence]:
+        """Run one forward step; returns the sequences that got a token (stepping.py)."""
+        return self.stepper.step()
+
+    def drain(self) -> list[Sequence]:
+        """Finish the step in flight, if any (before the caches change or stats are read)."""
+        return self.stepper.drain()
+
+    def run_until_idle(self) -> None:
+        self.stepper.run_until_idle()
+
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_token: Callable[[Sequence, int], None] | None = None,
+    ) -> Sequence:
+        """Queue a request; raise ValueError when it can never fit the context."""
+        total = len(prompt_ids) + params.max_tokens
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if total > self.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the usable context of {self.max_context} tokens"
+            )
+        seq = Sequence(list(prompt_ids), params, on_token, arrival_time=time.monotonic())
+        self.scheduler.add(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, "cancelled")
+        self.sampler.forget(seq.id)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Output token ids for each prompt, all run together (continuous batching)."""
+        seqs = [self.add(p, params) for p in prompts]
+        self.run_until_idle()
+        return [s.output_ids for s in seqs]
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Next-token logits [n, vocab] (fp32) after every prefix of one prompt, in one pass."""
+        n = len(prompt_ids)
+        blocks = self.kv.allocate(self.kv.blocks_for(n))
+        try:
+            dev = self.device
+            batch = StepBatch(
+                input_ids=torch.tensor(prompt_ids, dtype=torch.long, device=dev),
+                positions=torch.arange(n, device=dev),
+                slots=torch.tensor([self.kv.slot(blocks, p) for p in range(n)], device=dev),
+                seqs=[SeqSlice(0, n, n, self.kv.page_indices([(blocks, n)])[0])],
+                logits_index=torch.arange(n, device=dev),
+            )
+            return self.model.forward(batch)
+        finally:
+            self.kv.release(blocks)
+
+    def config_in_force(self) -> dict:
+        """The resolved settings the engine runs with (what /v1/stats reports as config)."""
+        config, graphs = self.config, self.graphs
+        return {
+            "policy": config.experts.miss_policy,
+            "policy_mode": self.policy.mode,
+            # auto: follows the CPU's rate as decode sees it (MoERunner._adapt_split)
+            "fetch_fraction": self.policy.fetch_fraction,
+            "policy_bh_gbps": self.policy.bh_gbps,
+            "cpu_threads": self.cpu.num_threads,
+            "cpu_kernel": self.cpu.kernel,
+            "cpu_spin_us": config.experts.cpu_spin_us,
+            "cpu_task_kb": config.experts.cpu_task_kb,
+            "cpu_redo_us": self.cpu.redo_us,  # as a bench's alternation leaves it
+            "cpu_pin": self.cpu_pin,
+            "cpu_worker_cpus": cpu_ranges(self.cpu.cpus) if self.cpu.cpus else "os",
+            "process_cpus": cpu_ranges(self.placement.cpus) if self.placement else "os",
+            "split_misses": config.experts.split_misses,
+            "cpu_prefetch_rounds": self.moe.prefetch_rounds,  # as set_prefetch_rounds leaves it
+            "copy_ahead": self.moe.copy_ahead,  # as set_copy_ahead leaves it
+            "bp_gbps": self.bp_gbps,
+            "bh_gbps": self.bh_gbps,
+            "rates_source": self.rates_source,
+            "slots": self.cache.slots,
+            "kv_reserve_tokens": config.memory.kv_reserve_tokens,
+            "prefill_chunk_tokens": config.prefill.chunk_tokens,
+            "prefill_overlap": config.prefill.overlap,
+            "prefill_stream_min_tokens": self.moe.prefill_stream_min_tokens,
+            "max_running_requests": config.batching.max_running_requests,
+            "cuda_graphs": graphs is not None,
+            "cuda_graph_mode": (
+                None if graphs is None else "piecewise" if graphs.piecewise else "whole"
+            ),
+            # the decode kernels' programmatic dependent launch (kernels/common.py, MOELAB_PDL)
+            "pdl": common.pdl(self.device),
+            "device": str(self.device),
+            "dtype": self.dtype_name,
+        }
+
+    def set_cpu_pin(self, mode: str) -> None:
+        """--moe-cpu-pin's 'cores' or 'isolate' from now on (between runs: `bench decode
+        --alternate-cpu-pin`): the rest of the engine's threads moved off the CPU expert
+        workers' cores, or back to the CPUs they had. ValueError where isolate cannot be had
+        (workers not pinned, or no core left over) or for another mode."""
+        if mode == "isolate":
+            if self.placement is None:
+                self.placement = ProcessPlacement.around(self.cpu)
+            if self.placement is None:
+                raise ValueError("needs CPU expert workers pinned to cores, with a core left over")
+        elif mode == "cores":
+            if self.placement is not None:
+                self.placement.restore()
+                self.placement = None
+        else:
+            raise ValueError(f"a placement to switch to is 'cores' or 'isolate', not {mode!r}")
+        self.cpu_pin = mode
+
+    def close(self) -> None:
+        self.cpu.close()
+        if self.placement is not None:
+            self.placement.restore()

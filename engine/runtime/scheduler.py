@@ -1,0 +1,200 @@
+"""Continuous batching: which sequences run, which prompt chunk or decode batch goes next.
+
+A request is admitted when the KV cache can hold its whole prompt plus `max_tokens`, so a running
+sequence never runs out of KV; requests that cannot fit yet wait in the queue. A prompt that
+begins with blocks an earlier request computed takes them from the prefix cache (kv.py) and is
+prefilled from there. Long prompts are prefilled in chunks, alternating with decode steps of the
+running sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..model.kv import KVCache, block_names
+from .sampling import SamplingParams, TokenLogprobs
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's tokens and state."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_token: Callable[[Sequence, int], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    # each output token's log probabilities, where params.logprobs asks for them
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # each prompt token's after the first, where params.prompt_logprobs asks for them
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is in the cache (or being written by a step in flight)
+    cached_tokens: int = 0  # of the prompt, taken from the prefix cache at admission
+    named_blocks: int = 0  # leading blocks named in the prefix cache (`Scheduler.name_blocks`)
+    chain: int = 0  # the last named block's name hashed
+    pending: int = 0  # tokens sampled on the device by a step in flight, not yet in output_ids
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def max_length(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Part of a step: `count` tokens of `seq` starting at token `start`."""
+
+    seq: Sequence
+    start: int
+    count: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.count >= len(self.seq.prompt_ids)
+
+
+class Scheduler:
+    """Holds the waiting and running sequences and forms each step's batch."""
+
+    def __init__(self, kv: KVCache, max_running: int, chunk_tokens: int) -> None:
+        self.kv = kv
+        self.max_running = max_running
+        self.chunk_tokens = chunk_tokens
+        # prompt tokens admitted, and those of them the prefix cache held
+        self.prompt_tokens = self.cached_tokens = 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_was_prefill = False
+        self.paused = False  # set from the server while the caches are resized: admit nothing
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def snapshot(self) -> dict:
+        """The prefix cache as telemetry reports it (`Reports`): prompt tokens admitted, those
+        of them the cache held, and what it holds now."""
+        kv = self.kv
+        return {
+            "enabled": kv.prefix_cache,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "tokens_held": kv.cached_blocks * kv.block_size,
+        }
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def _admit(self) -> None:
+        while not self.paused and self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            kv = self.kv
+            need = kv.blocks_for(seq.max_length)
+            # what the cache could save at most: while even that leaves too few blocks, a
+            # waiting prompt is not matched again at every step
+            at_most = min(kv.cached_blocks, (len(seq.prompt_ids) - 1) // kv.block_size)
+            if need - at_most > kv.free_blocks:
+                break  # it waits until running sequences free their blocks
+            # a scored prompt computes every token: its logits are wanted
+            scored = seq.params.prompt_logprobs is not None
+            cached, chain = kv.match(seq.prompt_ids) if not scored else ([], 0)
+            if not scored and self._prefill_computes(seq, len(cached)):
+                break  # it matches the page once that prefill names it
+            need -= len(cached)
+            if need > kv.free_blocks - kv.idle_among(cached):
+                break
+            self.waiting.popleft()
+            kv.hold(cached)
+            seq.blocks = cached + kv.allocate(need)
+            seq.named_blocks, seq.chain = len(cached), chain
+            seq.computed = seq.cached_tokens = len(cached) * kv.block_size
+            self.prompt_tokens += len(seq.prompt_ids)
+            self.cached_tokens += seq.cached_tokens
+            self.running.append(seq)
+
+    def _prefill_computes(self, seq: Sequence, matched: int) -> bool:
+        """Whether a running prefill is computing the page of `seq`'s prompt after its `matched`
+        cached ones and has not named it yet. The prompt then waits to take the page from the
+        cache rather than compute it again, as n requests with one prompt, or with one few-shot
+        prefix, sent at once would."""
+        size = self.kv.block_size
+        if not self.kv.prefix_cache or matched >= (len(seq.prompt_ids) - 1) // size:
+            return False
+        end = (matched + 1) * size
+        page = seq.prompt_ids[:end]
+        return any(
+            s.prefilling and s.named_blocks <= matched and s.prompt_ids[:end] == page
+            for s in self.running
+        )
+
+    def next_step(self) -> list[Chunk]:
+        """The chunks of the next forward step ([] when there is nothing to run)."""
+        self._admit()
+        prefilling = [s for s in self.running if s.prefilling]
+        decoding = [s for s in self.running if not s.prefilling]
+        do_prefill = bool(prefilling) and (not decoding or not self._last_was_prefill)
+        if do_prefill:
+            self._last_was_prefill = True
+            chunks, budget = [], self.chunk_tokens
+            for seq in prefilling:
+                if budget <= 0:
+                    break
+                count = min(budget, len(seq.prompt_ids) - seq.computed)
+                chunks.append(Chunk(seq, seq.computed, count))
+                budget -= count
+            return chunks
+        self._last_was_prefill = False
+        # A token still in flight is the next step's input (read on the device); a sequence whose
+        # token in flight is its last one has nothing more to run.
+        return [
+            Chunk(s, s.length - 1 + s.pending, 1)
+            for s in decoding
+            if len(s.output_ids) + s.pending < s.params.max_tokens
+        ]
+
+    def name_blocks(self, seq: Sequence) -> None:
+        """Name the sequence's blocks that are full, computed and whose tokens the host knows
+        (a token a step in flight drew is not known yet), for later prompts to match."""
+        size = self.kv.block_size
+        full = min(seq.computed, seq.length) // size
+        if seq.named_blocks >= full or not self.kv.prefix_cache:
+            return
+        names = block_names(seq.tokens, size, seq.named_blocks, full, seq.chain)
+        for block, (name, chain) in zip(seq.blocks[seq.named_blocks : full], names, strict=True):
+            self.kv.name(block, name)
+            seq.chain = chain
+        seq.named_blocks = full
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (finished, cancelled or failed) and free its KV at once."""
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.release(seq.blocks)

@@ -1,0 +1,3 @@
+"""The HTTP server: the OpenAI-compatible API, tool-call and reasoning parsers, access
+rules and secrets, and /metrics.
+"""
