@@ -11,19 +11,19 @@ import numpy as np
 import pytest
 import torch
 
+from moelab.engine.config.memory import VramPlan
 from moelab.engine.experts import misses
 from moelab.engine.experts.bank import ExpertBank
 from moelab.engine.experts.cache import ExpertCache
-from moelab.engine.model.kv import KVCache
-from moelab.engine.config.memory import VramPlan
 from moelab.engine.experts.miss_plan import Dispatch, Handoff
 from moelab.engine.experts.misses import MissPolicy, MissSplit
 from moelab.engine.experts.moe import MoERunner
 from moelab.engine.experts.moe_stats import DecodeStats, StagedStep
-from moelab.engine.runtime.scheduler import Scheduler
-from moelab.engine.model.spec import ModelSpec
 from moelab.engine.experts.staged_decode import StagedBuffers
+from moelab.engine.model.kv import KVCache
+from moelab.engine.model.spec import ModelSpec
 from moelab.engine.model.synth import make_config
+from moelab.engine.runtime.scheduler import Scheduler
 from moelab.engine.runtime.telemetry import Telemetry
 from tests.test_comments import ROOT, notebook_lines
 
