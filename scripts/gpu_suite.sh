@@ -3,7 +3,7 @@
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|compare|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
-# this tree's, process by process in turn, ROUNDS times (default 2)
+# this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
 # (tests, then resident: the first GPU runs after hot-path changes, each under 10 minutes)
 # On the device machine (torch and triton preinstalled), first the wheels of
 # scripts/device_wheels.sh (carry .whl) on PYTHONPATH, then
@@ -146,15 +146,19 @@ import moelab.engine; print("tree:", moelab.engine.__file__, flush=True)
 runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
   }
   after() { python3 -m moelab.engine.cli "$@"; }
+  cases=${CASES:-resident_b1 resident_b8 cache25_skew0 cache25_skew1 prefill512}
   for i in $(seq "${ROUNDS:-2}"); do
-    for tree in before after; do
-      run compare_${tree}_resident_b1_$i $tree bench decode $G --routing-skew 1 --json
-      run compare_${tree}_resident_b8_$i $tree bench decode $G --routing-skew 1 --batch 8 --json
-      for skew in 0 1; do
-        run compare_${tree}_cache25_skew${skew}_$i $tree bench decode $G --routing-skew $skew \
-          --moe-cache-rate 0.25 --tokens 256 --json
+    for case in $cases; do
+      for tree in before after; do
+        case $case in
+          resident_b1) args=(decode $G --routing-skew 1 --json) ;;
+          resident_b8) args=(decode $G --routing-skew 1 --batch 8 --json) ;;
+          cache25_skew*) args=(decode $G --routing-skew "${case#cache25_skew}" \
+            --moe-cache-rate 0.25 --tokens 256 --json) ;;
+          prefill512) args=(prefill $G --prompt-tokens 512 --repeats 5 --json) ;;
+        esac
+        run compare_${case}_${tree}_$i $tree bench "${args[@]}"
       done
-      run compare_${tree}_prefill512_$i $tree bench prefill $G --prompt-tokens 512 --repeats 5 --json
     done
   done
 fi
