@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.cpu_experts import CpuExpertJob, CpuExpertRunner
-from ..kernels.host_handoff import DONE, EXPECTED, handoff_sync
+from ...kernels.cpu_experts import CpuExpertJob, CpuExpertRunner
+from ...kernels.host_handoff import DONE, EXPECTED, handoff_sync
 from .bank import ExpertBank
 from .cache import ExpertCache, SlotFills
 from .h2d import DriverEvent, driver_functions, launch_functions

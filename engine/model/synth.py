@@ -17,8 +17,8 @@ import zlib
 import numpy as np
 import torch
 
-from ..kernels.grouped_moe import grouped_moe
-from .args import default_cpu_threads
+from ...kernels.grouped_moe import grouped_moe
+from ..config.args import default_cpu_threads
 from .checkpoint import iter_layer_experts, load_dense
 from .kv import KVCache
 from .model import Model, SeqSlice, StepBatch

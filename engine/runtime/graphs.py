@@ -38,9 +38,9 @@ import torch
 from ...kernels.common import inline_ptx
 from ...kernels.host_handoff import tokens_to_host
 from ..experts.h2d import HostToDevice
+from ..experts.staged_decode import LayerStage, StagedDecode
 from ..model.model import Model, SeqSlice, StepBatch, StepState
 from .sampling import GREEDY_ROW, Cut, RowDraw, draw_tokens
-from .staged_decode import LayerStage, StagedDecode
 
 log = logging.getLogger("moelab.graphs")
 
