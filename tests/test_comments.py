@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("kernels", "autotune", "profiles", "scripts")
+FOLDERS = ("engine", "kernels", "autotune", "profiles", "daemon", "console", "scripts")
 SOURCES = ("*.py", "*.h", "*.cpp", "*.c", "*.sh")
 ORDINAL = (
     r"(?:[a-z]+-)?(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|"

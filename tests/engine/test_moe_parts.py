@@ -25,7 +25,6 @@ from moelab.engine.model.spec import ModelSpec
 from moelab.engine.model.synth import make_config
 from moelab.engine.runtime.scheduler import Scheduler
 from moelab.engine.runtime.telemetry import Telemetry
-from tests.test_comments import ROOT, notebook_lines
 
 GB = 1_000_000_000
 
@@ -264,11 +263,3 @@ def test_telemetry_reports_the_parts_it_is_given():
 
 
 # the MoE layer's runtime and what reports it: comments say why, never when or on which host
-MOE_RUNTIME = ("moe.py", "staged_decode.py", "misses.py", "miss_plan.py", "moe_stats.py",
-               "cache.py", "prefill_stream.py", "resident_record.py", "telemetry.py", "graphs.py",
-               "synth.py", "synth_checkpoint.py")  # fmt: skip
-
-
-def test_the_moe_runtime_keeps_no_lab_notebook():
-    engine = ROOT / "engine"
-    assert [line for name in MOE_RUNTIME for line in notebook_lines(engine / name)] == []
