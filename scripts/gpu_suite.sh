@@ -156,6 +156,7 @@ runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
           cache25_skew*) args=(decode $G --routing-skew "${case#cache25_skew}" \
             --moe-cache-rate 0.25 --tokens 256 --json) ;;
           prefill512) args=(prefill $G --prompt-tokens 512 --repeats 5 --json) ;;
+          prefill512_skew1) args=(prefill $G --routing-skew 1 --prompt-tokens 512 --repeats 5 --json) ;;
         esac
         run compare_${case}_${tree}_$i $tree bench "${args[@]}"
       done
