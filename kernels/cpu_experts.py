@@ -2,10 +2,11 @@
 
 `CpuExpertRunner` runs the experts of one MoE layer step on persistent worker threads while the
 caller's thread goes on launching GPU work. The native kernel (csrc/cpu_experts.cpp and its
-headers, built once per source by torch's JIT extension loader) streams bf16/fp16/fp32 weights as
-stored at close to the host's memory bandwidth; `cpu_experts_ref` is the plain-torch reference and
-the fallback. Its build: native_build.py; its benchmark: `python -m moelab.kernels.cpu_experts_bench
---threads 1,2,4` (see docs/cpu-experts.md).
+headers, built once per source by torch's JIT extension loader) streams bf16/fp16/fp32 weights, or
+FP8 weights with their block factors (kernels/fp8.py), as stored at close to the host's memory
+bandwidth; `cpu_experts_ref` is the plain-torch reference and the fallback. Its build:
+native_build.py; its benchmark: `python -m moelab.kernels.cpu_experts_bench --threads 1,2,4` (see
+docs/cpu-experts.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import fp8
 from .native_build import NativeKernelError, load_native
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,11 @@ log = logging.getLogger(__name__)
 KERNELS = ("auto", "native", "torch")
 SIMD_LEVELS = ("best", "avx512", "avx2", "scalar")
 _SIMD_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
-_WEIGHT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# FP8 weights (e4m3fn, or its bits as uint8) come with one fp32 factor per 128 x 128 block
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+_WEIGHT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2} | dict.fromkeys(
+    _FP8_DTYPES, 3
+)
 # the weight KiB a task of a native job aims at: 16 threads stay balanced over one expert, and
 # claiming a task costs nothing next to streaming it (kernels/csrc/pool.h, kDefaultTaskBytes)
 DEFAULT_TASK_KB = 96
@@ -51,30 +57,48 @@ def cpu_experts_ref(
     pair_expert: torch.Tensor,
     pair_token: torch.Tensor,
     pair_weight: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' output [T, H] fp32 in plain torch: the reference and the fallback kernel.
 
     out[t] = sum over the pairs j with pair_token[j] = t of
     pair_weight[j] * w2[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = pair_expert[j],
-    gate = w13[e, :I], up = w13[e, I:]. Computed in fp32.
+    gate = w13[e, :I], up = w13[e, I:]. Computed in fp32. FP8 weights (float8_e4m3fn, or their
+    bits as uint8) need their block factors, w13_scale [E, ceil(2I/128), ceil(H/128)] and w2_scale
+    [E, ceil(H/128), ceil(I/128)] fp32 (kernels/fp8.py; a weight is its value times its factor).
     """
     num_tokens, hidden, inter, num_experts = _check_inputs(
-        x, w13, w2, pair_expert, pair_token, pair_weight, None
+        x, w13, w2, pair_expert, pair_token, pair_weight, None, w13_scale, w2_scale
     )
     _check_pair_indices(pair_expert, pair_token, num_experts, num_tokens)
+
+    def weights(w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
+        return w[e].float() if scale is None else _dequantized(w[e], scale[e])
+
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     experts = pair_expert.long()
     tokens = pair_token.long()
     for e in torch.unique(experts).tolist():
         picked = (experts == e).nonzero().squeeze(1)
         rows = tokens[picked]
-        gate_up = x[rows] @ w13[e].float().T
+        gate_up = x[rows] @ weights(w13, w13_scale, e).T
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out.index_add_(0, rows, (h @ w2[e].float().T) * pair_weight[picked, None])
+        out.index_add_(0, rows, (h @ weights(w2, w2_scale, e).T) * pair_weight[picked, None])
     return out
 
 
+def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One expert's FP8 weights [N, K] in fp32: torch's cast of the values (exact; kernels/fp8.py
+    decodes the same bits, 3-4x slower) times each one's block factor."""
+    n, k = q.shape
+    factors = scale.repeat_interleave(fp8.BLOCK, 0)[:n].repeat_interleave(fp8.BLOCK, 1)[:, :k]
+    return q.view(torch.float8_e4m3fn).float() * factors
+
+
 _INPUT_NAMES = ("x", "w13", "w2", "pair_expert", "pair_token", "pair_weight", "out")
+_FACTOR_NAMES = ("w13_scale", "w2_scale")
 
 
 def _check_inputs(
@@ -85,11 +109,12 @@ def _check_inputs(
     pair_token: torch.Tensor,
     pair_weight: torch.Tensor,
     out: torch.Tensor | None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int]:
     """Checks devices, dtypes, layouts and shapes; returns (T, H, I, E)."""
-    for name, t in zip(
-        _INPUT_NAMES, (x, w13, w2, pair_expert, pair_token, pair_weight, out), strict=True
-    ):
+    tensors = (x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale)
+    for name, t in zip(_INPUT_NAMES + _FACTOR_NAMES, tensors, strict=True):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
@@ -102,8 +127,8 @@ def _check_inputs(
         raise ValueError(f"x must be [T, H] float32, got {list(x.shape)} {x.dtype}")
     if w13.dtype not in _WEIGHT_CODES or w2.dtype != w13.dtype:
         raise ValueError(
-            f"w13 and w2 must share one dtype of bfloat16, float16 or float32; got {w13.dtype} "
-            f"and {w2.dtype}"
+            "w13 and w2 must share one dtype of bfloat16, float16, float32 or FP8 "
+            f"(float8_e4m3fn, or its bits as uint8); got {w13.dtype} and {w2.dtype}"
         )
     num_tokens, hidden = x.shape
     if w13.dim() != 3 or w2.dim() != 3:
@@ -116,6 +141,7 @@ def _check_inputs(
             f"with x [T={num_tokens}, H={hidden}], w13 must be [E, 2I, {hidden}] and w2 "
             f"[E, {hidden}, I] with I > 0; got w13 {list(w13.shape)} and w2 {list(w2.shape)}"
         )
+    _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, inter)
     num_pairs = pair_expert.numel()
     if (
         pair_expert.dtype != torch.int32
@@ -141,6 +167,41 @@ def _check_inputs(
     return num_tokens, hidden, inter, num_experts
 
 
+def _check_factors(
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+) -> None:
+    """FP8 weights need their block factors, fp32 of the blocks' shape; other weights have none."""
+    factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+    if w13.dtype not in _FP8_DTYPES:
+        given = [name for name, t in factors.items() if t is not None]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} belong to FP8 weights only; w13 and w2 are {w13.dtype}"
+            )
+        return
+    shapes = {
+        "w13_scale": (num_experts, fp8.blocks(2 * inter), fp8.blocks(hidden)),
+        "w2_scale": (num_experts, fp8.blocks(hidden), fp8.blocks(inter)),
+    }
+    for name, t in factors.items():
+        want = list(shapes[name])
+        if t is None:
+            raise ValueError(
+                f"FP8 weights ({w13.dtype}) need {name}: their fp32 factors, one per "
+                f"{fp8.BLOCK}x{fp8.BLOCK} block, {want} here"
+            )
+        if t.dtype != torch.float32 or t.shape != shapes[name]:
+            raise ValueError(
+                f"{name} must be {want} float32 (one factor per {fp8.BLOCK}x{fp8.BLOCK} block "
+                f"of w13 [E, 2I, H] and w2 [E, H, I]), got {list(t.shape)} {t.dtype}"
+            )
+
+
 def _check_pair_indices(
     pair_expert: torch.Tensor, pair_token: torch.Tensor, num_experts: int, num_tokens: int
 ) -> None:
@@ -156,11 +217,15 @@ def _check_pair_indices(
 
 
 def _ref_into(
-    out: torch.Tensor, done_flag: torch.Tensor, done_value: int, *args: torch.Tensor
+    out: torch.Tensor,
+    done_flag: torch.Tensor,
+    done_value: int,
+    *args: torch.Tensor,
+    **factors: torch.Tensor | None,
 ) -> torch.Tensor:
     """The reference kernel writing into out, then done_value into done_flag (as the native job
     does)."""
-    out.copy_(cpu_experts_ref(*args))
+    out.copy_(cpu_experts_ref(*args, **factors))
     done_flag.view(-1)[0] = done_value
     return out
 
@@ -357,6 +422,8 @@ class CpuExpertRunner:
         pair_weight: torch.Tensor,
         out: torch.Tensor | None = None,
         *,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
         done_flag: torch.Tensor | None = None,
         done_value: int = 0,
         check: bool = True,
@@ -365,7 +432,9 @@ class CpuExpertRunner:
     ) -> CpuExpertJob:
         """Queues one call (see cpu_experts_ref) and returns at once.
 
-        x, the weights and out must stay unchanged until the job's wait() returns. out: an optional
+        The weights' dtype picks the kernel's loads: FP8 weights (float8_e4m3fn or uint8 bits)
+        need w13_scale and w2_scale, their block factors (cpu_experts_ref). x, the weights, their
+        factors and out must stay unchanged until the job's wait() returns. out: an optional
         [T, H] fp32 buffer to write into (e.g. pinned memory, for the copy to the GPU); it is
         overwritten, never accumulated into. done_flag: an int64 tensor whose first element
         receives done_value once out is written (with out, the handoff a GPU kernel polls for:
@@ -379,15 +448,16 @@ class CpuExpertRunner:
         from its own cache (`jobs_profile`'s `fetch_own`). The output is the same bit for bit.
         redoable: a task in flight for longer than `redo_us` may be run again by an idle worker,
         the first run to finish writing its results (native kernel); the job keeps its own copy
-        of x (where T * H <= 65536, else it is not redoable), and the runner holds w13 and w2
-        until it closes, since the late run goes on reading them. The output is the same bit for
-        bit.
+        of x (where T * H <= 65536, else it is not redoable), and the runner holds the weights
+        and their factors until it closes, since the late run goes on reading them. The output is
+        the same bit for bit.
         """
         if self._closed:
             raise RuntimeError("this CpuExpertRunner is closed")
+        factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
         if check or self._module is None:
             num_tokens, hidden, inter, num_experts = _check_inputs(
-                x, w13, w2, pair_expert, pair_token, pair_weight, out
+                x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale
             )
         else:
             (num_tokens, hidden), (num_experts, _, inter) = x.shape, w2.shape
@@ -404,9 +474,10 @@ class CpuExpertRunner:
             args = (x, w13, w2, pair_expert, pair_token, pair_weight)
             if done_flag is not None:
                 assert out is not None
-                work = functools.partial(_ref_into, out, done_flag, done_value, *args)
+                work = functools.partial(_ref_into, out, done_flag, done_value, *args, **factors)
                 return CpuExpertJob(None, future=self._executor.submit(work))
-            return CpuExpertJob(out, future=self._executor.submit(cpu_experts_ref, *args))
+            work = functools.partial(cpu_experts_ref, *args, **factors)
+            return CpuExpertJob(out, future=self._executor.submit(work))
         if out is None:
             out = torch.empty(num_tokens, hidden, dtype=torch.float32)
         job = self._module.submit_experts(
@@ -429,10 +500,13 @@ class CpuExpertRunner:
             done_value,
             int(own_rounds),
             bool(redoable),
+            _address(w13_scale),
+            _address(w2_scale),
         )
+        weights = tuple(t for t in (w13, w2, w13_scale, w2_scale) if t is not None)
         if redoable:
-            self._hold(w13, w2)
-        keep = (x, w13, w2, out) if done_flag is None else (x, w13, w2, out, done_flag)
+            self._hold(*weights)
+        keep = (x, *weights, out) if done_flag is None else (x, *weights, out, done_flag)
         return CpuExpertJob(out, job=job, keep=keep)
 
     def decode_planner(
@@ -448,14 +522,15 @@ class CpuExpertRunner:
         top_k: int,
     ) -> object | None:
         """The native DecodePlanner (kernels/csrc/decode_planner.h) over an expert cache's arrays
-        (engine/experts/cache.py) and decode pick counts, queueing its CPU jobs on this runner's
-        workers; None with the torch kernel.
+        (engine/experts/cache.py) and decode pick counts, queueing its CPU jobs on this runner's workers;
+        None with the torch kernel, and for FP8 weights, which it does not read (the caller
+        plans in Python and submits the jobs with their factors).
 
         It keeps the arrays' addresses: they must stay alive and in place while it is used, and a
         cache that replaces them needs a new planner. Its CPU jobs are redoable (`redo_us`): the
         runner holds the weights until it closes.
         """
-        if self._module is None:
+        if self._module is None or w13[0].dtype in _FP8_DTYPES:
             return None
         layers, experts = slot_of.shape
         arrays = {
@@ -516,15 +591,30 @@ class CpuExpertRunner:
         pair_token: torch.Tensor,
         pair_weight: torch.Tensor,
         out: torch.Tensor | None = None,
+        *,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """submit() and wait(): the experts' output [T, H] fp32."""
-        return self.submit(x, w13, w2, pair_expert, pair_token, pair_weight, out).wait()
+        args = (x, w13, w2, pair_expert, pair_token, pair_weight, out)
+        return self.submit(*args, w13_scale=w13_scale, w2_scale=w2_scale).wait()
 
-    def jobs_gbps(self, w13: torch.Tensor, w2: torch.Tensor, k: int, iterations: int) -> float:
+    def jobs_gbps(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        k: int,
+        iterations: int,
+        *,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+    ) -> float:
         """Weight GB/s of `iterations` one-token jobs of k experts each (native kernel), queued
         back to back in native code as decode queues them, through the bank w13 [E, 2I, H], w2
-        [E, H, I] in a scattered turn (so from memory, with a bank larger than the caches)."""
-        return self.jobs_profile(w13, w2, k, iterations)["gbps"]
+        [E, H, I] (FP8 with its factors, counted in the bytes) in a scattered turn (so from
+        memory, with a bank larger than the caches)."""
+        factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        return self.jobs_profile(w13, w2, k, iterations, **factors)["gbps"]
 
     def jobs_profile(
         self,
@@ -536,6 +626,8 @@ class CpuExpertRunner:
         gap_us: float = 0.0,
         own_rounds: int = 0,
         fetch_own: bool = False,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """`jobs_gbps`'s jobs, with where a job's run went, means in µs: `run_us` from its first
         task to its last, `phase1_us` from its first task to the end of its gate/up rows (the
@@ -544,22 +636,25 @@ class CpuExpertRunner:
         gap_us: the caller spins that long before queueing each job, as offloaded decode leaves
         the workers idle between two layers' jobs. own_rounds: each job's first rounds of gate/up
         blocks belong to the workers (`submit`); fetch_own: each worker is told of its own
-        blocks' weights when the gap begins, and fetches them into its cache while it waits."""
+        blocks' weights when the gap begins, and fetches them into its cache while it waits.
+        An FP8 bank takes its factors (w13_scale, w2_scale: `submit`), which `gbps` counts."""
         if self._module is None:
             raise RuntimeError("jobs_profile times the native kernel; this runner uses torch")
         num_experts, two_inter, hidden = w13.shape
         if w2.shape != (num_experts, hidden, two_inter // 2) or w13.dtype != w2.dtype:
             raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
-        if not (w13.is_contiguous() and w2.is_contiguous()) or w13.dtype not in _WEIGHT_CODES:
-            raise ValueError("the bank must be contiguous bf16, fp16 or fp32")
+        bank = [t for t in (w13, w2, w13_scale, w2_scale) if t is not None]
+        if not all(t.is_contiguous() for t in bank) or w13.dtype not in _WEIGHT_CODES:
+            raise ValueError("the bank must be contiguous bf16, fp16, fp32 or FP8 (and factors)")
+        _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, two_inter // 2)
         seconds, run_s, phase1_s, wait_s = self._module.time_expert_jobs(
             self._pool, _SIMD_CODES[self.simd], _WEIGHT_CODES[w13.dtype], w13.data_ptr(),
-            w2.data_ptr(), num_experts, hidden, two_inter // 2, k, iterations, float(gap_us),
-            int(own_rounds), bool(fetch_own),
+            w2.data_ptr(), _address(w13_scale), _address(w2_scale), num_experts, hidden,
+            two_inter // 2, k, iterations, float(gap_us), int(own_rounds), bool(fetch_own),
         )  # fmt: skip
         per_job = 1e6 / iterations
         return {
-            "gbps": iterations * k * (w13[0].nbytes + w2[0].nbytes) / seconds / 1e9,
+            "gbps": iterations * k * sum(t[0].nbytes for t in bank) / seconds / 1e9,
             "run_us": run_s * per_job,
             "phase1_us": phase1_s * per_job,
             "wait_us": wait_s * per_job / self.num_threads,
@@ -607,6 +702,10 @@ class CpuExpertRunner:
     def __del__(self) -> None:
         if hasattr(self, "_closed"):
             self.close()
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def host_read_gbps(threads: int, size_bytes: int = 1 << 30) -> float:

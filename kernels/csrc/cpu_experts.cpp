@@ -1,4 +1,5 @@
-// MoE experts on the CPU, straight from the host expert bank: bf16, fp16 or fp32 weights as stored.
+// MoE experts on the CPU, straight from the host expert bank: bf16, fp16, fp32 or FP8 (e4m3, with
+// one fp32 factor per 128 x 128 block) weights as stored.
 //
 // out[t] = sum over the pairs j of token t of weight_j * w2[e_j] @ (silu(gate[e_j] x[t]) *
 // (up[e_j] x[t])). A persistent pool of std::threads runs each call as a job of independent tasks:
@@ -8,9 +9,10 @@
 // not depend on the thread count). Weights are streamed once per call (an expert with one token,
 // as in decode at batch 1, one row after another, prefetched about 8 KiB ahead; one with several,
 // in tiles of rows times tokens, prefetched a tile ahead), converted to fp32 in registers (bf16 by
-// a 16-bit shift, fp16 by vcvtph2ps) and accumulated with fp32 FMAs. Workers never touch Python;
-// the caller blocks only in Job::wait, without the GIL. The pool may keep each worker on a CPU of
-// its own (engine/experts/cpu.py chooses them).
+// a 16-bit shift, fp16 by vcvtph2ps, e4m3 by vcvtph2ps of its bits moved into an fp16, then its
+// block's factor: simd.h) and accumulated with fp32 FMAs. Workers never touch Python; the caller
+// blocks only in Job::wait, without the GIL. The pool may keep each worker on a CPU of its own
+// (engine/experts/cpu.py chooses them).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -135,11 +137,10 @@ std::shared_ptr<Job> submit_gate(Pool& pool, uintptr_t gate, double limit_s, boo
 // with own_rounds each job's first rounds of gate/up blocks belong to the workers, and with
 // fetch_own each worker is told of its blocks' weights when the gap begins (ExpertJobShell::
 // own_gate_up). Blocks with the GIL released.
-std::tuple<double, double, double, double> time_expert_jobs(Pool& pool, int simd, int weight_type,
-                                                            uintptr_t w13, uintptr_t w2, int64_t E,
-                                                            int64_t H, int64_t I, int64_t k,
-                                                            int64_t iterations, double gap_us,
-                                                            int64_t own_rounds, bool fetch_own) {
+std::tuple<double, double, double, double> time_expert_jobs(
+    Pool& pool, int simd, int weight_type, uintptr_t w13, uintptr_t w2, uintptr_t w13_factors,
+    uintptr_t w2_factors, int64_t E, int64_t H, int64_t I, int64_t k, int64_t iterations,
+    double gap_us, int64_t own_rounds, bool fetch_own) {
   if (k < 1 || k > E || iterations < 1) {
     throw std::invalid_argument("need 1 <= k <= experts and at least one iteration");
   }
@@ -149,8 +150,10 @@ std::tuple<double, double, double, double> time_expert_jobs(Pool& pool, int simd
   std::vector<float> x(H, 0.01f), out(H);
   std::vector<int32_t> pair_expert(k), pair_token(k, 0);
   std::vector<float> pair_weight(k, 1.0f / float(k));
-  const ExpertProblem p{x.data(), out.data(), reinterpret_cast<const void*>(w13),
-                        reinterpret_cast<const void*>(w2), 1, H, I, E};
+  ExpertProblem p{x.data(), out.data(), reinterpret_cast<const void*>(w13),
+                  reinterpret_cast<const void*>(w2), 1, H, I, E};
+  p.w13_factors = reinterpret_cast<const float*>(w13_factors);
+  p.w2_factors = reinterpret_cast<const float*>(w2_factors);
   // a stride with no factor in common with E visits every expert before it comes back to one
   int64_t stride = 37;
   while (std::gcd(stride, E) != 1) ++stride;
@@ -179,10 +182,40 @@ std::tuple<double, double, double, double> time_expert_jobs(Pool& pool, int simd
   return {seconds, run_s, phase1_s, wait_s};
 }
 
+// -------------------------------------------------------------------------------------------------
+// FP8 widening as the expert jobs' loads do it, for tests: n e4m3 bytes at src (n a multiple of
+// 16) to fp32 at dst, each times `factor`, with this SIMD level (the NaN bytes come out finite:
+// the dot products look for them apart).
+
+template <class B>
+void widen_with(const e4m3* src, float* dst, int64_t n, float factor) {
+  const typename B::V factor256 = B::set1(factor * 256.0f);
+  for (int64_t i = 0; i + B::W <= n; i += B::W) {
+    const typename B::V v = B::mul(B::load(src + i), factor256);
+    std::memcpy(dst + i, &v, sizeof v);
+  }
+}
+
+void widen_e4m3(int simd, uintptr_t src, uintptr_t dst, int64_t n, float factor) {
+  if (n % 16 != 0) throw std::invalid_argument("widen_e4m3 takes a multiple of 16 bytes");
+  const auto* in = reinterpret_cast<const e4m3*>(src);
+  auto* out = reinterpret_cast<float*>(dst);
+  switch (static_cast<Simd>(simd)) {
+#ifdef MOELAB_HAVE_AVX512
+    case Simd::kAvx512: return widen_with<Avx512>(in, out, n, factor);
+#endif
+#ifdef MOELAB_HAVE_AVX2
+    case Simd::kAvx2: return widen_with<Avx2>(in, out, n, factor);
+#endif
+    case Simd::kScalar: return widen_with<Scalar>(in, out, n, factor);
+    default: throw std::invalid_argument("this build has no such SIMD level");
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "MoE experts on the CPU from bf16/fp16/fp32 weights, on a persistent thread pool";
+  m.doc() = "MoE experts on the CPU from bf16/fp16/fp32/FP8 weights, on a persistent thread pool";
   py::class_<Pool>(m, "Pool")
       .def(py::init<int, int, int64_t, std::vector<int>, int>(), py::arg("num_threads"),
            py::arg("spin_us") = kDefaultWorkerSpinUs, py::arg("task_bytes") = kDefaultTaskBytes,
@@ -220,4 +253,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_sum", &read_sum);
   m.def("time_expert_jobs", &time_expert_jobs);
   m.def("simd_levels", &simd_levels);
+  m.def("widen_e4m3", &widen_e4m3);
 }

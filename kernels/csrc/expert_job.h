@@ -29,6 +29,10 @@ struct ExpertProblem {
   // the job keeps its own copy of x (where x is at most kMaxOwnedX floats) and may then be
   // redone (Job::redo_stalled), its late runs reading only the weights and that copy.
   bool weights_outlive_pool = false;
+  // e4m3 weights' block factors (kernels/fp8.py): [E, ceil(2I/128), ceil(H/128)] and
+  // [E, ceil(H/128), ceil(I/128)] fp32; unused for the other weight types.
+  const float* w13_factors = nullptr;
+  const float* w2_factors = nullptr;
 };
 
 // The most floats of x a job copies to be redoable (T = 32 tokens of 2048).
@@ -103,9 +107,10 @@ int64_t rows_ahead(int64_t row_bytes) {
 // row . x over K elements, fp32 accumulation. `ahead`, when given, is the row this thread reads
 // rows_ahead() rows after this one: its lines are prefetched, one per line read here (a thread's
 // demand misses alone cannot keep enough reads in flight for its share of the memory bandwidth,
-// and the hardware's prefetchers stop at every 4 KiB page).
+// and the hardware's prefetchers stop at every 4 KiB page). `factors`: e4m3 rows' (below).
 template <class B, class WT>
-float dot_row(const WT* row, const float* x, int64_t K, const WT* ahead) {
+float dot_row(const WT* row, const float* /*factors*/, const float* x, int64_t K,
+              const WT* ahead) {
   constexpr int U = 4;
   constexpr int W = B::W;
   constexpr int64_t kLine = 64 / int64_t(sizeof(WT));
@@ -124,6 +129,54 @@ float dot_row(const WT* row, const float* x, int64_t K, const WT* ahead) {
   float s = B::sum(B::add(B::add(acc[0], acc[1]), B::add(acc[2], acc[3])));
   for (; k < K; ++k) s += to_float(row[k]) * x[k];
   return s;
+}
+
+// The same for an e4m3 row, its block factors at `factors` (one per 128 columns). The products of
+// each whole block are summed as the loads give them (2^-8 of the weights' values) and the sums
+// multiplied by 2^8 times the block's factor: one product a block and chain rather than one a
+// weight, which the conversion leaves little room for. The NaN bytes are looked for on the way
+// (a NaN weight makes the product NaN, as with the dequantized weights); a last block of fewer
+// than 128 columns takes the dequantized weights, as dot_tile does.
+template <class B>
+float dot_row(const e4m3* row, const float* factors, const float* x, int64_t K,
+              const e4m3* ahead) {
+  constexpr int U = 4;
+  constexpr int W = B::W;
+  constexpr int kSteps = int(kFp8Block / (U * W));
+  static_assert(kSteps * U * W == kFp8Block, "a block must be whole steps of the loop");
+  using V = typename B::V;
+  V total[U];
+  for (int u = 0; u < U; ++u) total[u] = B::zero();
+  typename B::Seen seen = B::none_seen();
+  int64_t k = 0;
+  for (; k + kFp8Block <= K; k += kFp8Block) {
+    V acc[U];
+    for (int u = 0; u < U; ++u) acc[u] = B::zero();
+    for (int step = 0; step < kSteps; ++step) {
+      const int64_t at = k + step * U * W;
+      if (ahead != nullptr && at % 64 == 0) prefetch(ahead + at);
+      seen = B::note_nan(seen, row + at);
+      for (int u = 0; u < U; ++u) {
+        acc[u] = B::fma(B::load(row + at + u * W), B::load(x + at + u * W), acc[u]);
+      }
+    }
+    const V factor256 = B::set1(factors[k / kFp8Block] * 256.0f);
+    for (int u = 0; u < U; ++u) total[u] = B::fma(acc[u], factor256, total[u]);
+  }
+  float s = B::sum(B::add(B::add(total[0], total[1]), B::add(total[2], total[3])));
+  bool nan = B::saw_nan(seen);
+  if (k < K) {
+    const float factor = factors[k / kFp8Block];
+    nan |= any_nan<B>(row + k, K - k);
+    const V factor256 = B::set1(factor * 256.0f);
+    V acc = B::zero();
+    for (; k + W <= K; k += W) {
+      acc = B::fma(B::mul(B::load(row + k), factor256), B::load(x + k), acc);
+    }
+    s += B::sum(acc);
+    for (; k < K; ++k) s += to_float(row[k], factor) * x[k];
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : s;
 }
 
 // An expert job made before its pairs are known, with room for `capacity()` pairs: `assign` gives
@@ -199,6 +252,15 @@ class ExpertJob final : public ExpertJobShell {
               int64_t J) override {
     if (J > capacity_ || p.I != inter_) {
       throw std::logic_error("an expert job was given more pairs than its room, or another I");
+    }
+    if constexpr (kBlockScaled<WT>) {
+      if (p.w13_factors == nullptr || p.w2_factors == nullptr) {
+        throw std::invalid_argument("FP8 (e4m3) weights need their block factors");
+      }
+      // each step of the dot products lies in one block from a row's first column on
+      if (p.split_expert >= 0 && p.split_row % kFp8Block != 0) {
+        throw std::invalid_argument("an expert of FP8 weights splits at a multiple of 128 rows");
+      }
     }
     p_ = p;
     for (auto* v : {&group_expert_, &group_start_, &token_}) v->clear();
@@ -331,8 +393,8 @@ class ExpertJob final : public ExpertJobShell {
   // h[j - j0, r - r_begin] = silu(gate[r] . x[t_j]) * (up[r] . x[t_j]) for every pair j of group
   // g (j0 its first) and row r in [r_begin, r_end).
   void gate_up(int64_t g, int64_t r_begin, int64_t r_end, float* h) {
-    const int64_t H = p_.H, I = p_.I;
-    const WT* gate = static_cast<const WT*>(p_.w13) + int64_t(group_expert_[g]) * 2 * I * H;
+    const int64_t H = p_.H, I = p_.I, e = group_expert_[g];
+    const WT* gate = static_cast<const WT*>(p_.w13) + e * 2 * I * H;
     const WT* up = gate + I * H;
     const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
     if (j1 - j0 == 1) {
@@ -344,10 +406,13 @@ class ExpertJob final : public ExpertJobShell {
       auto row = [&](int64_t i) -> const WT* {
         return i < n ? gate + (r_begin + i) * H : i < 2 * n ? up + (r_begin + i - n) * H : nullptr;
       };
-      for (int64_t i = 0; i < n; ++i) h[i] = dot_row<B>(row(i), x, H, row(i + ahead));
+      for (int64_t i = 0; i < n; ++i) {
+        h[i] = dot_row<B>(row(i), factors13(e, r_begin + i), x, H, row(i + ahead));
+      }
       for (int64_t i = 0; i < n; ++i) {
         const float gv = h[i];
-        const float uv = dot_row<B>(row(n + i), x, H, row(n + i + ahead));
+        const float uv =
+            dot_row<B>(row(n + i), factors13(e, I + r_begin + i), x, H, row(n + i + ahead));
         h[i] = gv / (1.0f + std::exp(-gv)) * uv;
       }
       return;
@@ -355,7 +420,14 @@ class ExpertJob final : public ExpertJobShell {
     for (int64_t r = r_begin; r < r_end;) {
       const int nr = r + 2 <= r_end ? 2 : 1;
       const WT* rows[4] = {gate + r * H, gate + (r + 1) * H, up + r * H, up + (r + 1) * H};
-      if (nr == 1) rows[1] = up + r * H;
+      const float* factors[4] = {factors13(e, r), nullptr, factors13(e, I + r), nullptr};
+      if (nr == 2) {
+        factors[1] = factors13(e, r + 1);
+        factors[3] = factors13(e, I + r + 1);
+      } else {
+        rows[1] = up + r * H;
+        factors[1] = factors[2];
+      }
       // The next tile's rows, fetched while this one computes: a thread's demand misses alone
       // cannot keep enough reads in flight to reach its share of the memory bandwidth.
       const WT* next[4] = {rows[0] + 2 * H, rows[1] + 2 * H, rows[2] + 2 * H, rows[3] + 2 * H};
@@ -365,9 +437,9 @@ class ExpertJob final : public ExpertJobShell {
         const WT* const* pf = ahead && jt == j0 ? next : nullptr;
         float res[4 * kMaxTokensPerTile];
         if (nr == 2) {
-          dot_tile_n<B, WT, 4>(rows, pf, x_row_.data() + jt, nt, H, res);
+          dot_tile_n<B, WT, 4>(rows, factors, pf, x_row_.data() + jt, nt, H, res);
         } else {
-          dot_tile_n<B, WT, 2>(rows, nullptr, x_row_.data() + jt, nt, H, res);
+          dot_tile_n<B, WT, 2>(rows, factors, nullptr, x_row_.data() + jt, nt, H, res);
         }
         for (int a = 0; a < nr; ++a) {
           for (int q = 0; q < nt; ++q) {
@@ -403,7 +475,9 @@ class ExpertJob final : public ExpertJobShell {
         float* token_out = out + int64_t(token_[j]) * n;
         const int64_t ahead = rows_ahead((I - first) * int64_t(sizeof(WT)));
         for (int64_t i = g * n; i < (g + 1) * n; ++i) {
-          token_out[i % n] += weight_[j] * dot_row<B>(row(i), h, I - first, row(i + ahead));
+          const float* factors = factors2(group_expert_[g], r0 + i % n, first);
+          token_out[i % n] +=
+              weight_[j] * dot_row<B>(row(i), factors, h, I - first, row(i + ahead));
         }
       }
       return;
@@ -415,7 +489,11 @@ class ExpertJob final : public ExpertJobShell {
       for (int64_t r = r0; r < r_end;) {
         const int nr = r + 4 <= r_end ? 4 : 1;
         const WT* rows[4] = {down_rows(g, r) + first};
-        for (int a = 1; a < nr; ++a) rows[a] = rows[0] + a * I;
+        const float* factors[4] = {factors2(group_expert_[g], r, first)};
+        for (int a = 1; a < nr; ++a) {
+          rows[a] = rows[0] + a * I;
+          factors[a] = factors2(group_expert_[g], r + a, first);
+        }
         // Prefetch the next tile: further down this expert, else the next expert's first rows.
         const WT* next[4] = {nullptr};
         if (r + 8 <= r_end) {
@@ -430,10 +508,10 @@ class ExpertJob final : public ExpertJobShell {
           for (int q = 0; q < nt; ++q) hs[q] = h_.data() + int64_t(jt + q) * I + first;
           float res[4 * kMaxTokensPerTile];
           if (nr == 4) {
-            dot_tile_n<B, WT, 4>(rows, next[0] != nullptr && jt == j0 ? next : nullptr, hs, nt, K,
-                                 res);
+            dot_tile_n<B, WT, 4>(rows, factors, next[0] != nullptr && jt == j0 ? next : nullptr,
+                                 hs, nt, K, res);
           } else {
-            dot_tile_n<B, WT, 1>(rows, nullptr, hs, nt, K, res);
+            dot_tile_n<B, WT, 1>(rows, factors, nullptr, hs, nt, K, res);
           }
           for (int a = 0; a < nr; ++a) {
             for (int q = 0; q < nt; ++q) {
@@ -474,6 +552,26 @@ class ExpertJob final : public ExpertJobShell {
     restart(task, t1);
   }
 
+  // Where the block factors of row r of expert e's gate/up ([2I, H]) begin, and of row r of its
+  // down projection ([H, I]) from column `first` (a multiple of the block: assign checks the
+  // split); nullptr for weights without factors.
+  const float* factors13(int64_t e, int64_t r) const {
+    if constexpr (kBlockScaled<WT>) {
+      return p_.w13_factors + (e * blocks(2 * p_.I) + r / kFp8Block) * blocks(p_.H);
+    } else {
+      return nullptr;
+    }
+  }
+  const float* factors2(int64_t e, int64_t r, int64_t first) const {
+    if constexpr (kBlockScaled<WT>) {
+      return p_.w2_factors + (e * blocks(p_.H) + r / kFp8Block) * blocks(p_.I) +
+             first / kFp8Block;
+    } else {
+      return nullptr;
+    }
+  }
+  static int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+
   // The first intermediate row computed for group g (all but the split expert: 0).
   int64_t first_row(int64_t g) const {
     return group_expert_[g] == p_.split_expert ? p_.split_row : 0;
@@ -511,6 +609,8 @@ std::shared_ptr<ExpertJobShell> make_shell_for(WeightType wt, int threads, int64
       return std::make_shared<ExpertJob<B, f16>>(threads, task_bytes, capacity, inter);
     case WeightType::kBF16:
       return std::make_shared<ExpertJob<B, bf16>>(threads, task_bytes, capacity, inter);
+    case WeightType::kE4M3:
+      return std::make_shared<ExpertJob<B, e4m3>>(threads, task_bytes, capacity, inter);
   }
   throw std::invalid_argument("unknown weight type");
 }
@@ -559,19 +659,23 @@ std::shared_ptr<ExpertJobShell> make_job(const Pool& pool, int simd, int weight_
 }
 
 // Queues one call; the pair arrays are copied (grouped by expert) before this returns, the tensors
-// behind x, out, w13 and w2 must stay alive and unchanged until the job is done (w13 and w2 until
-// the pool is closed where weights_outlive_pool says they do: ExpertProblem). done_flag: 0, or
-// the address of an int64 that receives done_value once out is written.
+// behind x, out, w13 and w2 (and their block factors: e4m3; 0 for the other types) must stay
+// alive and unchanged until the job is done (the weights until the pool is closed where
+// weights_outlive_pool says they do: ExpertProblem). done_flag: 0, or the address of an int64
+// that receives done_value once out is written.
 std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintptr_t x,
                                     uintptr_t out, uintptr_t w13, uintptr_t w2, int64_t T,
                                     int64_t H, int64_t I, int64_t E, uintptr_t pair_expert,
                                     uintptr_t pair_token, uintptr_t pair_weight, int64_t J,
                                     uintptr_t done_flag, int64_t done_value, int64_t own_rounds,
-                                    bool weights_outlive_pool) {
+                                    bool weights_outlive_pool, uintptr_t w13_factors,
+                                    uintptr_t w2_factors) {
   ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
                   reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
                   T, H, I, E};
   p.weights_outlive_pool = weights_outlive_pool;
+  p.w13_factors = reinterpret_cast<const float*>(w13_factors);
+  p.w2_factors = reinterpret_cast<const float*>(w2_factors);
   auto job = make_job(pool, simd, weight_type, p, reinterpret_cast<const int32_t*>(pair_expert),
                       reinterpret_cast<const int32_t*>(pair_token),
                       reinterpret_cast<const float*>(pair_weight), J);
