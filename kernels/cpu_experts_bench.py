@@ -1,8 +1,8 @@
-"""CPU expert kernel benchmark: weight GB/s of the native kernel and of torch, against the host's
-memory read rate measured by the same threads.
+"""CPU expert kernel benchmark: weight GB/s of the native kernel and of torch, bf16 and FP8,
+against the host's memory read rate measured by the same threads.
 
-Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--task-kb 48,96]
-       [--gap-us 30 --own-rounds 0,2] [--json]
+Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--dtype bf16,fp8]
+       [--task-kb 48,96] [--gap-us 30 --own-rounds 0,2] [--json]
 (docs/cpu-experts.md)
 """
 
@@ -20,38 +20,65 @@ from pathlib import Path
 
 import torch
 
+from . import fp8
 from .cpu_experts import DEFAULT_TASK_KB, SIMD_LEVELS, CpuExpertRunner
 from .native_build import NativeKernelError
 
+DTYPES = ("bf16", "fp8")
 
-def _expert_gbps(
-    runner: CpuExpertRunner, w13: torch.Tensor, w2: torch.Tensor, k: int, min_s: float
-) -> float:
+
+class Bank:
+    """The experts of one layer as the host bank holds them: w13 [E, 2I, H] and w2 [E, H, I], bf16,
+    or FP8 with their block factors (`factors`, the keywords the runner takes)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, dtype: str) -> None:
+        self.dtype = dtype
+        self.factors: dict[str, torch.Tensor] = {}
+        if dtype == "bf16":
+            self.w13, self.w2 = w13, w2
+            return
+        # one expert at a time: the bank in fp32 at once would take 4x its bf16 size
+        parts = [[fp8.quantize(w[e]) for e in range(w.shape[0])] for w in (w13, w2)]
+        self.w13, self.w2 = (torch.stack([q for q, _ in p]) for p in parts)
+        scales = [torch.stack([s for _, s in p]) for p in parts]
+        self.factors = {"w13_scale": scales[0], "w2_scale": scales[1]}
+
+    @property
+    def expert_bytes(self) -> int:
+        """What one expert's weights (and factors) take: what a run reads for it."""
+        tensors = (self.w13, self.w2, *self.factors.values())
+        return sum(t[0].nbytes for t in tensors)
+
+
+def _expert_gbps(runner: CpuExpertRunner, bank: Bank, k: int, min_s: float) -> float:
     """Weight GB/s of one-token steps of k experts each.
 
     Consecutive steps take disjoint experts in a fixed shuffled order and come back to an expert
     only after the whole bank, so the weights come from memory, not from the last-level cache.
     """
-    num_experts, hidden = w13.shape[0], w13.shape[2]
+    num_experts, hidden = bank.w13.shape[0], bank.w13.shape[2]
     x = torch.randn(1, hidden)
     pair_token = torch.zeros(k, dtype=torch.int32)
     pair_weight = torch.full((k,), 1.0 / k)
     order = torch.randperm(num_experts, generator=torch.Generator().manual_seed(0)).int()
     steps = [order.roll(-k * s)[:k].clone() for s in range(num_experts // k)]
-    step_bytes = k * (w13[0].nbytes + w2[0].nbytes)
+
+    def step(s: int) -> None:
+        runner.run(x, bank.w13, bank.w2, steps[s % len(steps)], pair_token, pair_weight,
+                   **bank.factors)  # fmt: skip
+
     for s in range(3):
-        runner.run(x, w13, w2, steps[s % len(steps)], pair_token, pair_weight)
+        step(s)
     done, started_s = 0, time.perf_counter()
     while done < 10 or time.perf_counter() - started_s < min_s:
-        runner.run(x, w13, w2, steps[done % len(steps)], pair_token, pair_weight)
+        step(done)
         done += 1
-    return done * step_bytes / (time.perf_counter() - started_s) / 1e9
+    return done * k * bank.expert_bytes / (time.perf_counter() - started_s) / 1e9
 
 
 def _native_profile(
     runner: CpuExpertRunner,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    bank: Bank,
     k: int,
     min_s: float,
     gap_us: float = 0.0,
@@ -61,12 +88,13 @@ def _native_profile(
     (gap_us apart; with own_rounds, the workers own and fetch their first rounds of blocks in
     the gap), for about min_s seconds, with where a job's run went
     (`CpuExpertRunner.jobs_profile`)."""
-    probe = runner.jobs_gbps(w13, w2, k, 10)
-    step_bytes = k * (w13[0].nbytes + w2[0].nbytes)
+    probe = runner.jobs_gbps(bank.w13, bank.w2, k, 10, **bank.factors)
+    step_bytes = k * bank.expert_bytes
     iterations = max(10, int(min_s / (step_bytes / (probe * 1e9) + gap_us * 1e-6)))
     return runner.jobs_profile(
-        w13, w2, k, iterations, gap_us=gap_us, own_rounds=own_rounds, fetch_own=own_rounds > 0
-    )
+        bank.w13, bank.w2, k, iterations, gap_us=gap_us, own_rounds=own_rounds,
+        fetch_own=own_rounds > 0, **bank.factors,
+    )  # fmt: skip
 
 
 def bench(
@@ -80,15 +108,18 @@ def bench(
     task_kbs: Sequence[int] = (DEFAULT_TASK_KB,),
     gap_us: float = 0.0,
     own_rounds: Sequence[int] = (0,),
+    dtypes: Sequence[str] = DTYPES,
 ) -> dict:
-    """Per thread count, task size and owned rounds: host read rate, native and torch expert
-    weight rates, in GB/s. The native jobs are timed in native code (no Python between them, as
-    in decode; gap_us apart, the workers owning and fetching their first own_rounds rounds of
-    gate/up blocks in the gap), the torch ones through Python, one step at a time.
+    """Per thread count, weight dtype, task size and owned rounds: host read rate, native and
+    torch expert weight rates, in GB/s. The native jobs are timed in native code (no Python
+    between them, as in decode; gap_us apart, the workers owning and fetching their first
+    own_rounds rounds of gate/up blocks in the gap), the torch ones through Python, one step at a
+    time.
 
-    shape: (hidden, intermediate, experts in the bank), bf16. The host read rate is measured before
-    and after the expert runs and the higher one kept, so that a busy machine lowers the share
-    rather than raising it.
+    shape: (hidden, intermediate, experts in the bank). dtypes: "bf16", and "fp8" (the same
+    weights quantized, kernels/fp8.py: its rates count the FP8 bytes and the block factors). The
+    host read rate is measured before and after the expert runs and the higher one kept, so that
+    a busy machine lowers the share rather than raising it.
     """
     hidden, inter, num_experts = shape
     gen = torch.Generator().manual_seed(0)
@@ -96,20 +127,22 @@ def bench(
     w2 = torch.empty(num_experts, hidden, inter, dtype=torch.bfloat16)
     w13.normal_(0, 0.02, generator=gen)
     w2.normal_(0, 0.02, generator=gen)
+    banks = [Bank(w13, w2, dtype) for dtype in dtypes]
     results = []
-    for n in threads:
+    for n, bank in ((n, bank) for n in threads for bank in banks):
         with CpuExpertRunner(n, "torch") as ref:
-            torch_rates = {k: _expert_gbps(ref, w13, w2, k, min_s) for k in experts}
+            torch_rates = {k: _expert_gbps(ref, bank, k, min_s) for k in experts}
         for kb, own in ((kb, own) for kb in task_kbs for own in own_rounds):
             with CpuExpertRunner(n, "native", simd, task_kb=kb) as native:
                 read_before_gbps = native.read_gbps(read_bytes)
                 profiles = {
-                    k: _native_profile(native, w13, w2, k, min_s, gap_us, own) for k in experts
+                    k: _native_profile(native, bank, k, min_s, gap_us, own) for k in experts
                 }
                 host_gbps = max(read_before_gbps, native.read_gbps(read_bytes))
                 simd_used = native.simd
-            row = {"threads": n, "task_kb": kb, "gap_us": gap_us, "own_rounds": own,
-                   "simd": simd_used, "host_read_gbps": host_gbps, "experts": {}}  # fmt: skip
+            row = {"threads": n, "dtype": bank.dtype, "task_kb": kb, "gap_us": gap_us,
+                   "own_rounds": own, "simd": simd_used, "host_read_gbps": host_gbps,
+                   "experts": {}}  # fmt: skip
             for k, prof in profiles.items():
                 share = prof["gbps"] / host_gbps
                 row["experts"][k] = {
@@ -122,7 +155,8 @@ def bench(
                     "wait_us": prof["wait_us"],
                 }
                 say(
-                    f"{n:>7} {kb:>7} {own:>4} {host_gbps:>14.1f} {k:>7} {prof['gbps']:>11.1f} "
+                    f"{n:>7} {bank.dtype:>5} {kb:>7} {own:>4} {host_gbps:>14.1f} {k:>7} "
+                    f"{prof['gbps']:>11.1f} "
                     f"{torch_rates[k]:>10.1f} {share:>11.0%} {prof['run_us']:>7.1f} "
                     f"{prof['phase1_us']:>9.1f} {prof['wait_us']:>7.1f}"
                 )
@@ -131,7 +165,6 @@ def bench(
         "cpu": _cpu_name(),
         "logical_cpus": os.cpu_count(),
         "shape": {"hidden": hidden, "intermediate": inter, "num_experts": num_experts},
-        "dtype": "bfloat16",
         "tokens": 1,
         "results": results,
     }
@@ -143,6 +176,13 @@ def _cpu_name() -> str:
     except OSError:
         found = None
     return found.group(1) if found else platform.processor() or platform.machine()
+
+
+def _dtype_list(text: str) -> list[str]:
+    values = text.split(",")
+    if not set(values) <= set(DTYPES):
+        raise ValueError(text)
+    return values
 
 
 def _int_list(text: str, minimum: int = 1) -> list[int]:
@@ -163,6 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=768, help="I (Qwen3-30B-A3B: 768)")
     parser.add_argument("--num-experts", type=int, default=128, help="experts in the bank")
     parser.add_argument("--simd", choices=SIMD_LEVELS, default="best", help="native code path")
+    parser.add_argument(
+        "--dtype", default=",".join(DTYPES),
+        help="comma-separated expert weight types: bf16, fp8 (e4m3, 128x128 block factors)",
+    )  # fmt: skip
     parser.add_argument(
         "--task-kb", default=str(DEFAULT_TASK_KB), help="comma-separated native task sizes, KiB"
     )
@@ -187,6 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--threads, --experts and --task-kb take positive comma-separated integers, e.g. "
             "1,2,4; --own-rounds integers of 0 or more"
         )
+    try:
+        dtypes = _dtype_list(args.dtype)
+    except ValueError:
+        parser.error(f"--dtype takes a comma-separated list of {', '.join(DTYPES)}")
     if args.gap_us < 0:
         parser.error("--gap-us must be 0 or more")
     if max(experts) > args.num_experts:
@@ -194,11 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     say = (lambda _: None) if args.json else print
     say(
         f"{_cpu_name()}, {os.cpu_count()} logical CPUs; experts H={args.hidden} "
-        f"I={args.intermediate} bf16, 1 token, bank of {args.num_experts}; native jobs "
-        f"{args.gap_us:g} µs apart"
+        f"I={args.intermediate}, 1 token, bank of {args.num_experts}; native jobs "
+        f"{args.gap_us:g} µs apart; GB/s of the weights as stored (fp8: with their factors)"
     )
     say(
-        f"{'threads':>7} {'task KiB':>7} {'own':>4} {'host read GB/s':>14} {'experts':>7} "
+        f"{'threads':>7} {'dtype':>5} {'task KiB':>7} {'own':>4} {'host read GB/s':>14} "
+        f"{'experts':>7} "
         f"{'native GB/s':>11} "
         f"{'torch GB/s':>10} {'native/host':>11} {'run µs':>7} {'gate/up µs':>9} {'wait µs':>7}"
     )
@@ -206,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = bench(
             threads, experts, shape, args.simd, args.min_seconds, args.read_mib << 20, say,
-            task_kbs, args.gap_us, own_rounds,
+            task_kbs, args.gap_us, own_rounds, dtypes,
         )  # fmt: skip
     except (NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -658,8 +658,10 @@ def test_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> Non
     argv += ["--num-experts", "6", "--min-seconds", "0.01", "--read-mib", "16", "--json"]
     assert cpu_experts_bench.main([*argv, "--task-kb", "4,96"]) == 0
     result = json.loads(capsys.readouterr().out)
-    rows = [(row["threads"], row["task_kb"]) for row in result["results"]]
-    assert rows == [(1, 4), (1, 96), (2, 4), (2, 96)]
+    rows = [(row["threads"], row["dtype"], row["task_kb"]) for row in result["results"]]
+    assert rows == [
+        (threads, dtype, kb) for threads in (1, 2) for dtype in ("bf16", "fp8") for kb in (4, 96)
+    ]
     for row in result["results"]:
         assert row["host_read_gbps"] > 0
         assert set(row["experts"]) == {"2", "1"}
@@ -759,7 +761,10 @@ def test_many_workers_are_told_of_the_rounds_the_hint_holds(threads: int, hinted
 def test_bench_with_a_gap_and_owned_rounds(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--threads", "2", "--experts", "1", "--hidden", "64", "--intermediate", "32"]
     argv += ["--num-experts", "6", "--min-seconds", "0.01", "--read-mib", "16", "--json"]
-    assert cpu_experts_bench.main([*argv, "--gap-us", "10", "--own-rounds", "0,2"]) == 0
+    assert (
+        cpu_experts_bench.main([*argv, "--gap-us", "10", "--own-rounds", "0,2", "--dtype", "fp8"])
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     rows = [(row["gap_us"], row["own_rounds"]) for row in result["results"]]
     assert rows == [(10.0, 0), (10.0, 2)]

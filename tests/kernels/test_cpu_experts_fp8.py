@@ -9,6 +9,7 @@ random numbers on every run; the seed is in every failure message.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import weakref
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from moelab.kernels import fp8
+from moelab.kernels import cpu_experts_bench, fp8
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref, load_native
 
 from .test_cpu_experts import CASES, SEED, assert_within_bound, exact_and_bound
@@ -351,3 +352,29 @@ def test_native_job_loop_rate_counts_the_fp8_bytes_and_checks_the_factors() -> N
         assert 0 < runner.jobs_gbps(w13, w2, 1, 10, **factors) < 5000
         with pytest.raises(ValueError, match="need w2_scale"):
             runner.jobs_gbps(w13, w2, 1, 1, w13_scale=factors["w13_scale"])
+
+
+def test_bench_reports_fp8_beside_bf16(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each thread count and task size gets a bf16 row and an FP8 row; FP8's GB/s count its
+    bytes (values and factors), its share is of the same host read rate."""
+    argv = ["--threads", "2", "--experts", "2,1", "--hidden", "256", "--intermediate", "128"]
+    argv += ["--num-experts", "6", "--min-seconds", "0.01", "--read-mib", "16", "--json"]
+    assert cpu_experts_bench.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [(row["threads"], row["dtype"]) for row in result["results"]] == [
+        (2, "bf16"),
+        (2, "fp8"),
+    ]
+    for row in result["results"]:
+        for rates in row["experts"].values():
+            assert rates["native_gbps"] > 0 and rates["torch_gbps"] > 0
+            share = rates["native_gbps"] / row["host_read_gbps"]
+            assert rates["native_share_of_host"] == pytest.approx(share)
+    bank = cpu_experts_bench.Bank(
+        torch.zeros(6, 256, 256, dtype=torch.bfloat16), torch.zeros(6, 256, 128), "fp8"
+    )
+    # an expert's FP8 bytes: 256 x 256 + 256 x 128 values, 2 x 2 + 2 x 1 factors of 4 bytes
+    assert bank.expert_bytes == 256 * 256 + 256 * 128 + 4 * 6
+    with pytest.raises(SystemExit):
+        cpu_experts_bench.main(["--dtype", "bf16,int4"])
+    assert "--dtype takes a comma-separated list of bf16, fp8" in capsys.readouterr().err
