@@ -321,7 +321,7 @@ class CpuExpertRunner:
     spin_us: how long idle native workers spin for the next job before sleeping. task_kb: the
     weight KiB each task of a native job aims at (tasks are what the workers claim one at a time).
     cpus: None (the OS places the native workers) or one logical CPU per thread, which that
-    worker stays on (engine/cpu.worker_cpus chooses them); `runner.cpus` keeps them (None where
+    worker stays on (engine/experts/cpu.worker_cpus chooses them); `runner.cpus` keeps them (None where
     the OS places the workers, and for the torch kernel). `runner.thread_ids`: the native workers'
     OS thread ids (the threads this process gained while the pool started; [] off Linux and for
     the torch kernel).
@@ -522,9 +522,9 @@ class CpuExpertRunner:
         top_k: int,
     ) -> object | None:
         """The native DecodePlanner (kernels/csrc/decode_planner.h) over an expert cache's arrays
-        (engine/experts/cache.py) and decode pick counts, queueing its CPU jobs on this runner's workers;
-        None with the torch kernel, and for FP8 weights, which it does not read (the caller
-        plans in Python and submits the jobs with their factors).
+        (engine/experts/cache.py) and decode pick counts, queueing its CPU jobs on this runner's
+        workers; None with the torch kernel, and for FP8 weights, which it does not read (the
+        caller plans in Python and submits the jobs with their factors).
 
         It keeps the arrays' addresses: they must stay alive and in place while it is used, and a
         cache that replaces them needs a new planner. Its CPU jobs are redoable (`redo_us`): the
