@@ -321,10 +321,10 @@ class CpuExpertRunner:
     spin_us: how long idle native workers spin for the next job before sleeping. task_kb: the
     weight KiB each task of a native job aims at (tasks are what the workers claim one at a time).
     cpus: None (the OS places the native workers) or one logical CPU per thread, which that
-    worker stays on (engine/experts/cpu.worker_cpus chooses them); `runner.cpus` keeps them (None where
-    the OS places the workers, and for the torch kernel). `runner.thread_ids`: the native workers'
-    OS thread ids (the threads this process gained while the pool started; [] off Linux and for
-    the torch kernel).
+    worker stays on (engine/experts/cpu.worker_cpus chooses them); `runner.cpus` keeps them (None
+    where the OS places the workers, and for the torch kernel). `runner.thread_ids`: the native
+    workers' OS thread ids (the threads this process gained while the pool started; [] off Linux
+    and for the torch kernel).
     """
 
     def __init__(
