@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import common, fused_moe_one_token
+from . import common, fp8, fp8_moe, fused_moe_one_token
 from .common import tl, triton
 from .fused_moe_one_token import OneTokenMoEConfig, choose_one_token_config
 
@@ -43,6 +43,13 @@ class DecodeMoEConfig:
                 raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {value}")
 
 
+# The tl.dot path's tiles over an FP8 bank: rows 16 per warp (the weights are the dot's first
+# operand, fp8_moe.dot_step: a warp that shared its rows with another would widen them twice).
+FP8_DECODE_CONFIG = DecodeMoEConfig(
+    gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128, num_warps=2
+)
+
+
 def fused_moe_decode_ref(
     x: torch.Tensor,
     slot_ids: torch.Tensor,
@@ -50,27 +57,34 @@ def fused_moe_decode_ref(
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     reduce: bool = True,
 ) -> torch.Tensor:
     """Reference, a torch loop: sum over routes of weight * w2[s] @ (silu(gate·x) * (up·x)).
 
-    reduce=False: each route's weighted output, fp32 [T, K, H] (zeros where masked), for a
-    consumer that sums them itself."""
-    _check(x, slot_ids, route_weights, w13, w2)
+    An FP8 bank (with its block factors) is dequantized to fp32 slot by slot, then read as a
+    bf16 one is. reduce=False: each route's weighted output, fp32 [T, K, H] (zeros where
+    masked), for a consumer that sums them itself."""
+    fp8_bank = _check(x, slot_ids, route_weights, w13, w2, w13_scale_inv, w2_scale_inv)
     dtype = compute_dtype or x.dtype
     inter = w13.shape[1] // 2
     parts = torch.zeros((*slot_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)
     slots = slot_ids.tolist()
     weights = route_weights.float()
+
+    def expert(w: torch.Tensor, scale_inv: torch.Tensor | None, slot: int) -> torch.Tensor:
+        return fp8_moe.dequantized(w[slot], scale_inv[slot] if fp8_bank else None).to(dtype)
+
     for t, row in enumerate(slots):
         xt = x[t].to(dtype)
         for k, slot in enumerate(row):
             if slot < 0:
                 continue
-            gate_up = w13[slot].to(dtype) @ xt
+            gate_up = expert(w13, w13_scale_inv, slot) @ xt
             act = F.silu(gate_up[:inter]) * gate_up[inter:]
-            parts[t, k] = weights[t, k] * (w2[slot].to(dtype) @ act).float()
+            parts[t, k] = weights[t, k] * (expert(w2, w2_scale_inv, slot) @ act).float()
     return parts.sum(dim=1) if reduce else parts
 
 
@@ -98,6 +112,7 @@ def _gate_up_kernel(
     x_ptr,
     slots_ptr,
     w13_ptr,
+    s13_ptr,
     act_ptr,
     num_tokens,
     hidden,
@@ -105,6 +120,8 @@ def _gate_up_kernel(
     stride_xt,
     stride_ws,
     stride_wn,
+    stride_ss,
+    stride_sn,
     stride_at,
     stride_ak,
     TOP_K: tl.constexpr,
@@ -113,6 +130,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     common.pdl_start(PDL)
@@ -125,29 +143,57 @@ def _gate_up_kernel(
         has = first_k < BLOCK_R
         n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n_idx < inter
-        gate_base = (
-            w13_ptr + slot.to(tl.int64) * stride_ws + n_idx[None, :].to(tl.int64) * stride_wn
-        )
-        up_base = gate_base + inter * stride_wn
-        x_base = x_ptr + t_idx[:, None].to(tl.int64) * stride_xt
-        acc_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            k_idx = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k_idx < hidden
-            xs = tl.load(x_base + k_idx[None, :], mask=has[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & n_ok[None, :]
-            gate = tl.load(gate_base + k_idx[:, None], mask=w_mask, other=0.0)
-            up = tl.load(up_base + k_idx[:, None], mask=w_mask, other=0.0)
-            xs = xs.to(COMPUTE)
-            # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
-            acc_gate += tl.dot(xs, gate.to(COMPUTE), input_precision="ieee")
-            acc_up += tl.dot(xs, up.to(COMPUTE), input_precision="ieee")
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-        act_ptrs = (
-            act_ptr + t_idx[:, None] * stride_at + first_k[:, None] * stride_ak + n_idx[None, :]
-        )
-        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=has[:, None] & n_ok[None, :])
+        if FP8:  # the transposed product, act^T [BLOCK_N, BLOCK_T]: fp8_moe.dot_step
+            expert = w13_ptr + slot.to(tl.int64) * stride_ws
+            gate_rows = expert + n_idx[:, None].to(tl.int64) * stride_wn
+            up_rows = expert + (inter + n_idx[:, None]).to(tl.int64) * stride_wn
+            factors = s13_ptr + slot.to(tl.int64) * stride_ss
+            gate_factors = factors + (n_idx // 128) * stride_sn
+            up_factors = factors + ((inter + n_idx) // 128) * stride_sn
+            xt_base = x_ptr + t_idx[None, :].to(tl.int64) * stride_xt
+            acc_gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                k_idx = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k_idx < hidden
+                xt = tl.load(xt_base + k_idx[:, None], mask=k_ok[:, None] & has[None, :], other=0.0)
+                xt = xt.to(COMPUTE)
+                acc_gate = fp8_moe.dot_step(
+                    acc_gate, gate_rows, gate_factors, n_ok, k_idx, k_ok, k0, xt, COMPUTE
+                )
+                acc_up = fp8_moe.dot_step(
+                    acc_up, up_rows, up_factors, n_ok, k_idx, k_ok, k0, xt, COMPUTE
+                )
+            act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+            act_base = act_ptr + t_idx * stride_at + first_k * stride_ak
+            act_ptrs = act_base[None, :] + n_idx[:, None]
+            act_ok = n_ok[:, None] & has[None, :]
+            tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=act_ok)
+        else:
+            gate_base = (
+                w13_ptr + slot.to(tl.int64) * stride_ws + n_idx[None, :].to(tl.int64) * stride_wn
+            )
+            up_base = gate_base + inter * stride_wn
+            x_base = x_ptr + t_idx[:, None].to(tl.int64) * stride_xt
+            acc_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                k_idx = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k_idx < hidden
+                xs = tl.load(x_base + k_idx[None, :], mask=has[:, None] & k_ok[None, :], other=0.0)
+                w_mask = k_ok[:, None] & n_ok[None, :]
+                gate = tl.load(gate_base + k_idx[:, None], mask=w_mask, other=0.0)
+                up = tl.load(up_base + k_idx[:, None], mask=w_mask, other=0.0)
+                xs = xs.to(COMPUTE)
+                # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16
+                # ignore it.
+                acc_gate += tl.dot(xs, gate.to(COMPUTE), input_precision="ieee")
+                acc_up += tl.dot(xs, up.to(COMPUTE), input_precision="ieee")
+            act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+            act_ptrs = (
+                act_ptr + t_idx[:, None] * stride_at + first_k[:, None] * stride_ak + n_idx[None, :]
+            )
+            tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=has[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -156,6 +202,7 @@ def _down_kernel(
     slots_ptr,
     weights_ptr,
     w2_ptr,
+    s2_ptr,
     y_ptr,
     num_tokens,
     hidden,
@@ -164,6 +211,8 @@ def _down_kernel(
     stride_ak,
     stride_ws,
     stride_wn,
+    stride_ss,
+    stride_sn,
     stride_yt,
     stride_yk,
     TOP_K: tl.constexpr,
@@ -172,6 +221,7 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     common.pdl_start(PDL)
@@ -188,17 +238,37 @@ def _down_kernel(
         flat = t_idx[:, None] * TOP_K + k_all[None, :]
         route_w = tl.load(weights_ptr + flat, mask=match, other=0.0).to(tl.float32)
         token_w = tl.sum(route_w, axis=1)
-        w_base = w2_ptr + slot.to(tl.int64) * stride_ws + n_idx[None, :].to(tl.int64) * stride_wn
-        a_base = act_ptr + t_idx[:, None] * stride_at + first_k[:, None] * stride_ak
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k_idx = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k_idx < inter
-            a = tl.load(a_base + k_idx[None, :], mask=has[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + k_idx[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc += tl.dot(a.to(COMPUTE), w.to(COMPUTE), input_precision="ieee")
-        y_ptrs = y_ptr + t_idx[:, None] * stride_yt + first_k[:, None] * stride_yk + n_idx[None, :]
-        tl.store(y_ptrs, acc * token_w[:, None], mask=has[:, None] & n_ok[None, :])
+        if FP8:  # the transposed product, y^T [BLOCK_N, BLOCK_T]: fp8_moe.dot_step
+            expert = w2_ptr + slot.to(tl.int64) * stride_ws
+            w_rows = expert + n_idx[:, None].to(tl.int64) * stride_wn
+            row_factors = s2_ptr + slot.to(tl.int64) * stride_ss + (n_idx // 128) * stride_sn
+            at_base = (act_ptr + t_idx * stride_at + first_k * stride_ak)[None, :]
+            acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                k_idx = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k_idx < inter
+                at = tl.load(at_base + k_idx[:, None], mask=k_ok[:, None] & has[None, :], other=0.0)
+                acc = fp8_moe.dot_step(
+                    acc, w_rows, row_factors, n_ok, k_idx, k_ok, k0, at.to(COMPUTE), COMPUTE
+                )
+            y_ptrs = (y_ptr + t_idx * stride_yt + first_k * stride_yk)[None, :] + n_idx[:, None]
+            tl.store(y_ptrs, acc * token_w[None, :], mask=n_ok[:, None] & has[None, :])
+        else:
+            w_base = (
+                w2_ptr + slot.to(tl.int64) * stride_ws + n_idx[None, :].to(tl.int64) * stride_wn
+            )
+            a_base = act_ptr + t_idx[:, None] * stride_at + first_k[:, None] * stride_ak
+            acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                k_idx = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k_idx < inter
+                a = tl.load(a_base + k_idx[None, :], mask=has[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + k_idx[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc += tl.dot(a.to(COMPUTE), w.to(COMPUTE), input_precision="ieee")
+            y_ptrs = (
+                y_ptr + t_idx[:, None] * stride_yt + first_k[:, None] * stride_yk + n_idx[None, :]
+            )
+            tl.store(y_ptrs, acc * token_w[:, None], mask=has[:, None] & n_ok[None, :])
     # This route's own row of y is zero when its slot is masked or named earlier by its token.
     own_t = route // TOP_K
     own_k = route % TOP_K
@@ -215,6 +285,8 @@ def fused_moe_decode_triton(
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     config: DecodeMoEConfig | OneTokenMoEConfig | None = None,
     reduce: bool = True,
@@ -222,15 +294,18 @@ def fused_moe_decode_triton(
 ) -> torch.Tensor:
     """Triton decode MoE: fp32 [T, H], graph-capturable (no host sync, shapes fixed by T and K).
 
+    w13/w2 are the slots' weights, bf16/fp16/fp32, or FP8 (float8_e4m3fn or its uint8 bits) with
+    their block factors w13_scale_inv/w2_scale_inv (fp8_moe: the layout), widened in registers.
     config picks the path: a OneTokenMoEConfig the one-token kernels (T must be 1), a
-    DecodeMoEConfig the tl.dot kernels (any T); None the one-token kernels with
-    `choose_one_token_config`'s tiles at T=1 (for few live routes if `few_routes`: the routes a
-    layer step's fills serve), else the tl.dot kernels with the default tiles.
+    DecodeMoEConfig the tl.dot kernels (any T; an FP8 bank's reduction steps are at most 128
+    wide); None the one-token kernels with `choose_one_token_config`'s tiles at T=1 (for few
+    live routes if `few_routes`: the routes a layer step's fills serve), else the tl.dot kernels
+    with the default tiles.
     reduce=False: fp32 [T, K, H] whose sum over K is that result, without the sum's launch. How a
     slot named twice by one token splits between its routes depends on the path (one-token: each
     route holds its own weighted output, as the reference's parts do; tl.dot: the token's result
     at its first route, zeros at the other), so a consumer may rely on the sum over K only."""
-    _check(x, slot_ids, route_weights, w13, w2)
+    fp8_bank = _check(x, slot_ids, route_weights, w13, w2, w13_scale_inv, w2_scale_inv)
     num_tokens, hidden = x.shape
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
@@ -249,10 +324,16 @@ def fused_moe_decode_triton(
     route_weights = route_weights.contiguous()
     act = common.alloc((num_tokens, top_k, inter), act_dtype, x.device)
     y = common.alloc((num_tokens, top_k, hidden), torch.float32, x.device)
+    if fp8_bank:
+        w13, w2 = fp8_moe.bits(w13), fp8_moe.bits(w2)
+    scales = (w13_scale_inv, w2_scale_inv) if fp8_bank else None
     if one_token:
-        fused_moe_one_token.launch(x, slot_ids, route_weights, w13, w2, act, y, compute, config)
+        fused_moe_one_token.launch(
+            x, slot_ids, route_weights, w13, w2, scales, act, y, compute, config
+        )
     else:
-        _tokens(x, slot_ids, route_weights, w13, w2, act, y, compute, config or DecodeMoEConfig())
+        cfg = config or (FP8_DECODE_CONFIG if fp8_bank else DecodeMoEConfig())
+        _tokens(x, slot_ids, route_weights, w13, w2, scales, act, y, compute, cfg)
     return y.sum(dim=1) if reduce else y
 
 
@@ -262,16 +343,24 @@ def _tokens(
     route_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
     act: torch.Tensor,
     y: torch.Tensor,
     compute: tl.dtype,
     cfg: DecodeMoEConfig,
 ) -> None:
-    """The tl.dot launches, MAX_TOKENS_PER_LAUNCH tokens at a time: act, then y."""
+    """The tl.dot launches, MAX_TOKENS_PER_LAUNCH tokens at a time: act, then y. scales: the
+    block factors of w13 and w2 where the bank is FP8 (uint8 bits), else None."""
     num_tokens, hidden = x.shape
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
     pdl = common.pdl_launch(x.device)
+    gate_up_k = min(cfg.gate_up_block_k, common.next_pow2(hidden, 16))
+    down_k = min(cfg.down_block_k, common.next_pow2(inter, 16))
+    if scales is not None:  # FP8: one factor per row in each reduction step
+        gate_up_k, down_k = min(gate_up_k, fp8.BLOCK), min(down_k, fp8.BLOCK)
+    # (a bf16 bank passes its weights as the factors, never read)
+    s13, s2 = scales if scales is not None else (w13, w2)
     for t0 in range(0, num_tokens, MAX_TOKENS_PER_LAUNCH):
         t1 = min(t0 + MAX_TOKENS_PER_LAUNCH, num_tokens)
         chunk = t1 - t0
@@ -284,6 +373,7 @@ def _tokens(
             x[t0:t1],
             slot_ids[t0:t1],
             w13,
+            s13,
             act[t0:t1],
             chunk,
             hidden,
@@ -291,14 +381,17 @@ def _tokens(
             x.stride(0),
             w13.stride(0),
             w13.stride(1),
+            s13.stride(0),
+            s13.stride(1),
             act.stride(0),
             act.stride(1),
             TOP_K=top_k,
             BLOCK_T=block_t,
             BLOCK_R=block_r,
             BLOCK_N=cfg.gate_up_block_n,
-            BLOCK_K=min(cfg.gate_up_block_k, common.next_pow2(hidden, 16)),
+            BLOCK_K=gate_up_k,
             COMPUTE=compute,
+            FP8=scales is not None,
             num_warps=cfg.num_warps,
             num_stages=num_stages,
             **pdl,
@@ -309,6 +402,7 @@ def _tokens(
             slot_ids[t0:t1],
             route_weights[t0:t1],
             w2,
+            s2,
             y[t0:t1],
             chunk,
             hidden,
@@ -317,14 +411,17 @@ def _tokens(
             act.stride(1),
             w2.stride(0),
             w2.stride(1),
+            s2.stride(0),
+            s2.stride(1),
             y.stride(0),
             y.stride(1),
             TOP_K=top_k,
             BLOCK_T=block_t,
             BLOCK_R=block_r,
             BLOCK_N=cfg.down_block_n,
-            BLOCK_K=min(cfg.down_block_k, common.next_pow2(inter, 16)),
+            BLOCK_K=down_k,
             COMPUTE=compute,
+            FP8=scales is not None,
             num_warps=cfg.num_warps,
             num_stages=num_stages,
             **pdl,
@@ -338,13 +435,21 @@ def fused_moe_decode(
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     reduce: bool = True,
     few_routes: bool = False,
 ) -> torch.Tensor:
     """Decode MoE over cache slots: the Triton kernel on CUDA (few_routes: tiles for a launch
-    where few routes are live), the torch reference elsewhere."""
-    kwargs = {"compute_dtype": compute_dtype, "reduce": reduce}
+    where few routes are live), the torch reference elsewhere. An FP8 bank passes its block
+    factors as w13_scale_inv and w2_scale_inv (fused_moe_decode_triton)."""
+    kwargs = {
+        "w13_scale_inv": w13_scale_inv,
+        "w2_scale_inv": w2_scale_inv,
+        "compute_dtype": compute_dtype,
+        "reduce": reduce,
+    }
     if x.is_cuda:
         return fused_moe_decode_triton(
             x, slot_ids, route_weights, w13, w2, few_routes=few_routes, **kwargs
@@ -358,5 +463,9 @@ def _check(
     route_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-) -> None:
+    w13_scale_inv: torch.Tensor | None,
+    w2_scale_inv: torch.Tensor | None,
+) -> bool:
+    """Validate the arguments (no device sync); whether the bank is FP8."""
     common.check_routes(x, slot_ids, route_weights, w13, w2, ids_name="slot_ids")
+    return fp8_moe.check_bank(w13, w2, w13_scale_inv, w2_scale_inv)

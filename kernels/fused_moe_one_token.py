@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import common, gemv
+from . import common, fp8, fp8_moe, gemv
 from .common import tl, triton
 
 
@@ -87,10 +87,31 @@ def choose_one_token_config(
 
 @triton.jit
 def _gate_up_rows(
-    x_ptr, slot, w13_ptr, act_ptr, hidden, inter, stride_ws, stride_wn, n_idx,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+    x_ptr, slot, w13_ptr, s13_ptr, act_ptr, hidden, inter, stride_ws, stride_wn, stride_ss,
+    stride_sn, n_idx, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+    COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """act rows n_idx (a route's act row at act_ptr) of the expert in `slot` (>= 0)."""
+    if FP8:
+        gate_row, up_row = _gate_up_sums_fp8(
+            x_ptr, slot, w13_ptr, s13_ptr, hidden, inter, stride_ws, stride_wn, stride_ss,
+            stride_sn, n_idx, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES,
+        )  # fmt: skip
+    else:
+        gate_row, up_row = _gate_up_sums(
+            x_ptr, slot, w13_ptr, hidden, inter, stride_ws, stride_wn, n_idx, BLOCK_N, BLOCK_K,
+            COMPUTE, STAGES,
+        )  # fmt: skip
+    act = gate_row * tl.sigmoid(gate_row) * up_row
+    tl.store(act_ptr + n_idx, act.to(act_ptr.dtype.element_ty), mask=n_idx < inter)
+
+
+@triton.jit
+def _gate_up_sums(
+    x_ptr, slot, w13_ptr, hidden, inter, stride_ws, stride_wn, n_idx,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_N] gate and up rows n_idx of the expert in `slot` times x."""
     n_ok = n_idx < inter
     expert = w13_ptr + slot.to(tl.int64) * stride_ws
     gate_rows = expert + n_idx[:, None].to(tl.int64) * stride_wn
@@ -110,17 +131,53 @@ def _gate_up_rows(
         xs = xs.to(COMPUTE).to(tl.float32)[None, :]
         acc_gate += gate.to(COMPUTE).to(tl.float32) * xs
         acc_up += up.to(COMPUTE).to(tl.float32) * xs
-    gate_row = tl.sum(acc_gate, axis=1)
-    up_row = tl.sum(acc_up, axis=1)
-    act = gate_row * tl.sigmoid(gate_row) * up_row
-    tl.store(act_ptr + n_idx, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+    return tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
+
+
+@triton.jit
+def _gate_up_sums_fp8(
+    x_ptr, slot, w13_ptr, s13_ptr, hidden, inter, stride_ws, stride_wn, stride_ss, stride_sn,
+    n_idx, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+    COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """_gate_up_sums of an FP8 expert: each step's BLOCK_K columns as spans of SUB (<= 128)
+    columns, each inside one 128-column block, so that a span takes one factor per row. The
+    weights are widened exactly (fp8_moe) and multiplied by their factors in fp32; only x is
+    rounded to the compute dtype."""
+    n_ok = n_idx < inter
+    expert = w13_ptr + slot.to(tl.int64) * stride_ws
+    gate_rows = expert + n_idx[:, None, None].to(tl.int64) * stride_wn
+    up_rows = expert + (inter + n_idx[:, None, None]).to(tl.int64) * stride_wn
+    factors = s13_ptr + slot.to(tl.int64) * stride_ss
+    gate_factors = factors + (n_idx[:, None] // 128) * stride_sn
+    up_factors = factors + ((inter + n_idx[:, None]) // 128) * stride_sn
+    spans = tl.arange(0, BLOCK_K // SUB) * SUB
+    cols = spans[:, None] + tl.arange(0, SUB)[None, :]
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K // SUB, SUB), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K // SUB, SUB), dtype=tl.float32)
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
+        k_idx = k0 + cols
+        k_ok = k_idx < hidden
+        w_ok = n_ok[:, None, None] & k_ok[None, :, :]
+        f_ok = n_ok[:, None] & (k0 + spans < hidden)[None, :]
+        block = ((k0 + spans) // 128)[None, :]
+        xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0).to(COMPUTE).to(tl.float32)
+        xs = fp8_moe.activation(xs)[None, :, :]
+        gate = tl.load(gate_rows + k_idx[None, :, :], mask=w_ok, other=0)
+        up = tl.load(up_rows + k_idx[None, :, :], mask=w_ok, other=0)
+        gate_f = fp8_moe.weight_factor(tl.load(gate_factors + block, mask=f_ok, other=0.0))
+        up_f = fp8_moe.weight_factor(tl.load(up_factors + block, mask=f_ok, other=0.0))
+        acc_gate += fp8_moe.widened(gate) * gate_f[:, :, None] * xs
+        acc_up += fp8_moe.widened(up) * up_f[:, :, None] * xs
+    return tl.sum(tl.sum(acc_gate, axis=2), axis=1), tl.sum(tl.sum(acc_up, axis=2), axis=1)
 
 
 @triton.jit
 def _one_token_gate_up_kernel(
-    x_ptr, slots_ptr, w13_ptr, act_ptr, hidden, inter, stride_ws, stride_wn,
-    TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COMPUTE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, slots_ptr, w13_ptr, s13_ptr, act_ptr, hidden, inter, stride_ws, stride_wn, stride_ss,
+    stride_sn, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     common.pdl_start(PDL)
     # A masked route (run on the CPU) loads nothing, and its act row is left for no one to read.
@@ -130,8 +187,9 @@ def _one_token_gate_up_kernel(
             slot = tl.load(slots_ptr + route)
             if slot >= 0:
                 _gate_up_rows(
-                    x_ptr, slot, w13_ptr, act_ptr + route * inter, hidden, inter, stride_ws,
-                    stride_wn, n_idx, BLOCK_N, BLOCK_K, COMPUTE, STAGES,
+                    x_ptr, slot, w13_ptr, s13_ptr, act_ptr + route * inter, hidden, inter,
+                    stride_ws, stride_wn, stride_ss, stride_sn, n_idx, BLOCK_N, BLOCK_K, SUB,
+                    COMPUTE, STAGES, FP8,
                 )  # fmt: skip
     else:  # one program per route and row block
         route = tl.program_id(0)
@@ -139,34 +197,55 @@ def _one_token_gate_up_kernel(
         if slot >= 0:
             n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             _gate_up_rows(
-                x_ptr, slot, w13_ptr, act_ptr + route * inter, hidden, inter, stride_ws,
-                stride_wn, n_idx, BLOCK_N, BLOCK_K, COMPUTE, STAGES,
+                x_ptr, slot, w13_ptr, s13_ptr, act_ptr + route * inter, hidden, inter, stride_ws,
+                stride_wn, stride_ss, stride_sn, n_idx, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES,
+                FP8,
             )  # fmt: skip
 
 
 @triton.jit
 def _down_rows(
-    act_ptr, slot, w2_ptr, inter, stride_ws, stride_wn, n_idx, n_ok,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+    act_ptr, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn, stride_ss, stride_sn, n_idx,
+    n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+    COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """fp32 [BLOCK_N]: rows n_idx of the down projection in `slot` (>= 0) times a route's act
     row (at act_ptr)."""
-    w_rows = w2_ptr + slot.to(tl.int64) * stride_ws + n_idx[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k_idx < inter
-        a = tl.load(act_ptr + k_idx, mask=k_ok, other=0.0)
-        w = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(COMPUTE).to(tl.float32) * a.to(tl.float32)[None, :]
-    return tl.sum(acc, axis=1)
+    expert = w2_ptr + slot.to(tl.int64) * stride_ws
+    if FP8:  # as _gate_up_sums_fp8: spans of SUB columns, one factor per row and span
+        w_rows = expert + n_idx[:, None, None].to(tl.int64) * stride_wn
+        row_factors = s2_ptr + slot.to(tl.int64) * stride_ss + (n_idx[:, None] // 128) * stride_sn
+        spans = tl.arange(0, BLOCK_K // SUB) * SUB
+        cols = spans[:, None] + tl.arange(0, SUB)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K // SUB, SUB), dtype=tl.float32)
+        for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
+            k_idx = k0 + cols
+            k_ok = k_idx < inter
+            a = fp8_moe.activation(tl.load(act_ptr + k_idx, mask=k_ok, other=0.0).to(tl.float32))
+            w = tl.load(w_rows + k_idx[None, :, :], mask=n_ok[:, None, None] & k_ok[None], other=0)
+            f_ok = n_ok[:, None] & (k0 + spans < inter)[None, :]
+            f = tl.load(row_factors + ((k0 + spans) // 128)[None, :], mask=f_ok, other=0.0)
+            acc += fp8_moe.widened(w) * fp8_moe.weight_factor(f)[:, :, None] * a[None, :, :]
+        sums = tl.sum(tl.sum(acc, axis=2), axis=1)
+    else:
+        w_rows = expert + n_idx[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
+            k_idx = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k_idx < inter
+            a = tl.load(act_ptr + k_idx, mask=k_ok, other=0.0)
+            w = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(COMPUTE).to(tl.float32) * a.to(tl.float32)[None, :]
+        sums = tl.sum(acc, axis=1)
+    return sums
 
 
 @triton.jit
 def _one_token_down_kernel(
-    act_ptr, slots_ptr, weights_ptr, w2_ptr, y_ptr, hidden, inter, stride_ws, stride_wn,
-    TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COMPUTE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, hidden, inter, stride_ws, stride_wn,
+    stride_ss, stride_sn, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     common.pdl_start(PDL)
     # A masked route's rows are zeros (its act row was never written).
@@ -178,8 +257,8 @@ def _one_token_down_kernel(
             out = tl.zeros((BLOCK_N,), dtype=tl.float32)
             if slot >= 0:
                 out = _down_rows(
-                    act_ptr + route * inter, slot, w2_ptr, inter, stride_ws, stride_wn, n_idx,
-                    n_ok, BLOCK_N, BLOCK_K, COMPUTE, STAGES,
+                    act_ptr + route * inter, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn,
+                    stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8,
                 ) * tl.load(weights_ptr + route).to(tl.float32)  # fmt: skip
             tl.store(y_ptr + route * hidden + n_idx, out, mask=n_ok)
     else:  # one program per route and row block
@@ -190,8 +269,8 @@ def _one_token_down_kernel(
         out = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if slot >= 0:
             out = _down_rows(
-                act_ptr + route * inter, slot, w2_ptr, inter, stride_ws, stride_wn, n_idx, n_ok,
-                BLOCK_N, BLOCK_K, COMPUTE, STAGES,
+                act_ptr + route * inter, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn,
+                stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8,
             ) * tl.load(weights_ptr + route).to(tl.float32)  # fmt: skip
         tl.store(y_ptr + route * hidden + n_idx, out, mask=n_ok)
 
@@ -202,12 +281,14 @@ def launch(
     route_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
     act: torch.Tensor,
     y: torch.Tensor,
     compute: tl.dtype,
     cfg: OneTokenMoEConfig,
 ) -> None:
-    """The one-token launches: act [1, K, I] from x, then y [1, K, H] from act."""
+    """The one-token launches: act [1, K, I] from x, then y [1, K, H] from act. scales: the
+    block factors of w13 and w2 where the bank is FP8 (uint8 bits), else None."""
     hidden = x.shape[1]
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
@@ -215,21 +296,30 @@ def launch(
     gate_up_blocks = triton.cdiv(inter, cfg.gate_up_block_n)
     down_blocks = triton.cdiv(hidden, cfg.down_block_n)
     pdl = common.pdl_launch(x.device)
+    gate_up_k = min(cfg.gate_up_block_k, common.next_pow2(hidden, 16))
+    down_k = min(cfg.down_block_k, common.next_pow2(inter, 16))
+    # FP8: factors and their strides (a bf16 bank passes its weights, never read as factors)
+    s13, s2 = scales if scales is not None else (w13, w2)
     _one_token_gate_up_kernel[(gate_up_blocks,) if loop else (top_k, gate_up_blocks)](
         x,
         slot_ids,
         w13,
+        s13,
         act,
         hidden,
         inter,
         w13.stride(0),
         w13.stride(1),
+        s13.stride(0),
+        s13.stride(1),
         TOP_K=top_k,
         LOOP_ROUTES=loop,
         BLOCK_N=cfg.gate_up_block_n,
-        BLOCK_K=min(cfg.gate_up_block_k, common.next_pow2(hidden, 16)),
+        BLOCK_K=gate_up_k,
+        SUB=min(gate_up_k, fp8.BLOCK),
         COMPUTE=compute,
         STAGES=cfg.num_stages,
+        FP8=scales is not None,
         num_warps=cfg.num_warps,
         **pdl,
     )
@@ -238,17 +328,22 @@ def launch(
         slot_ids,
         route_weights,
         w2,
+        s2,
         y,
         hidden,
         inter,
         w2.stride(0),
         w2.stride(1),
+        s2.stride(0),
+        s2.stride(1),
         TOP_K=top_k,
         LOOP_ROUTES=loop,
         BLOCK_N=cfg.down_block_n,
-        BLOCK_K=min(cfg.down_block_k, common.next_pow2(inter, 16)),
+        BLOCK_K=down_k,
+        SUB=min(down_k, fp8.BLOCK),
         COMPUTE=compute,
         STAGES=cfg.num_stages,
+        FP8=scales is not None,
         num_warps=cfg.num_warps,
         **pdl,
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import common
+from . import common, fp8, fp8_moe
 from .common import tl, triton
 
 
@@ -58,21 +58,28 @@ def grouped_moe_ref(
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Reference: for each expert, its routed tokens through gate/up, SiLU·up and down, weighted."""
-    _check(x, expert_ids, route_weights, w13, w2)
+    """Reference: for each expert, its routed tokens through gate/up, SiLU·up and down, weighted
+    (an FP8 bank dequantized to fp32 expert by expert)."""
+    fp8_bank = _check(x, expert_ids, route_weights, w13, w2, w13_scale_inv, w2_scale_inv)
     dtype = compute_dtype or x.dtype
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+
+    def weight(w: torch.Tensor, scale_inv: torch.Tensor | None, expert: int) -> torch.Tensor:
+        return fp8_moe.dequantized(w[expert], scale_inv[expert] if fp8_bank else None).to(dtype)
+
     for expert in expert_ids.unique().tolist():
         if expert < 0:
             continue
         tokens, ks = (expert_ids == expert).nonzero(as_tuple=True)
-        gate_up = x[tokens].to(dtype) @ w13[expert].to(dtype).t()
+        gate_up = x[tokens].to(dtype) @ weight(w13, w13_scale_inv, expert).t()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = (act @ w2[expert].to(dtype).t()).float() * route_weights[tokens, ks].float()[:, None]
-        out.index_add_(0, tokens, y)
+        y = (act @ weight(w2, w2_scale_inv, expert).t()).float()
+        out.index_add_(0, tokens, y * route_weights[tokens, ks].float()[:, None])
     return out
 
 
@@ -82,18 +89,22 @@ def _gate_up_kernel(
     routes_ptr,
     block_expert_ptr,
     w13_ptr,
+    s13_ptr,
     act_ptr,
     hidden,
     inter,
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_ar,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -108,6 +119,9 @@ def _gate_up_kernel(
     gate_base = w13_ptr + expert * stride_we + n_idx[None, :].to(tl.int64) * stride_wn
     up_base = gate_base + inter * stride_wn
     x_base = x_ptr + tokens[:, None] * stride_xt
+    # FP8: the factors of the step's 128-column block (BLOCK_K <= 128), one per row
+    gate_factors = s13_ptr + expert * stride_se + (n_idx // 128) * stride_sn
+    up_factors = s13_ptr + expert * stride_se + ((inter + n_idx) // 128) * stride_sn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -118,9 +132,17 @@ def _gate_up_kernel(
         gate = tl.load(gate_base + k_idx[:, None], mask=w_mask, other=0.0)
         up = tl.load(up_base + k_idx[:, None], mask=w_mask, other=0.0)
         xs = xs.to(COMPUTE)
-        # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
-        acc_gate += tl.dot(xs, gate.to(COMPUTE), input_precision="ieee")
-        acc_up += tl.dot(xs, up.to(COMPUTE), input_precision="ieee")
+        if FP8:  # exact e4m3 values into the dot, the block's factor on its fp32 result
+            gate_f = tl.load(gate_factors + k0 // 128, mask=n_ok, other=0.0)
+            up_f = tl.load(up_factors + k0 // 128, mask=n_ok, other=0.0)
+            gate = fp8_moe.values(gate).to(COMPUTE)
+            up = fp8_moe.values(up).to(COMPUTE)
+            acc_gate += tl.dot(xs, gate, input_precision="ieee") * gate_f[None, :]
+            acc_up += tl.dot(xs, up, input_precision="ieee") * up_f[None, :]
+        else:
+            # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
+            acc_gate += tl.dot(xs, gate.to(COMPUTE), input_precision="ieee")
+            acc_up += tl.dot(xs, up.to(COMPUTE), input_precision="ieee")
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
     act_ptrs = act_ptr + routes[:, None] * stride_ar + n_idx[None, :]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
@@ -133,17 +155,21 @@ def _down_kernel(
     block_expert_ptr,
     weights_ptr,
     w2_ptr,
+    s2_ptr,
     y_ptr,
     hidden,
     inter,
     stride_ar,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_yr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -157,13 +183,19 @@ def _down_kernel(
     n_ok = n_idx < hidden
     w_base = w2_ptr + expert * stride_we + n_idx[None, :].to(tl.int64) * stride_wn
     a_base = act_ptr + routes[:, None] * stride_ar
+    row_factors = s2_ptr + expert * stride_se + (n_idx // 128) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_idx = k0 + tl.arange(0, BLOCK_K)
         k_ok = k_idx < inter
         a = tl.load(a_base + k_idx[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + k_idx[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(a.to(COMPUTE), w.to(COMPUTE), input_precision="ieee")
+        if FP8:  # as in _gate_up_kernel
+            f = tl.load(row_factors + k0 // 128, mask=n_ok, other=0.0)
+            w = fp8_moe.values(w).to(COMPUTE)
+            acc += tl.dot(a.to(COMPUTE), w, input_precision="ieee") * f[None, :]
+        else:
+            acc += tl.dot(a.to(COMPUTE), w.to(COMPUTE), input_precision="ieee")
     y_ptrs = y_ptr + routes[:, None] * stride_yr + n_idx[None, :]
     tl.store(y_ptrs, acc * route_w[:, None], mask=r_ok[:, None] & n_ok[None, :])
 
@@ -277,6 +309,8 @@ def grouped_moe_triton(
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     config: GroupedMoEConfig | None = None,
     layer_experts: int | None = None,
@@ -284,13 +318,16 @@ def grouped_moe_triton(
 ) -> torch.Tensor:
     """Triton prefill MoE: fp32 [T, H].
 
-    layer_experts: the experts of one layer, the most different ids the routes can hold (w13 may
-    be the whole expert cache, most of whose slots one layer's routes cannot name); the tiles
-    follow the routes per expert this gives, unless `config` names them. checked: refuse ids
-    beyond w13 first, which waits for the device; the engine's own routes need no check and pass
-    False, so that nothing in a prefill's layer waits for the device.
+    w13/w2: bf16/fp16/fp32, or FP8 (float8_e4m3fn or its uint8 bits) with their block factors
+    w13_scale_inv/w2_scale_inv (fp8_moe: the layout), widened in registers; an FP8 bank's
+    reduction steps are at most 128 wide. layer_experts: the experts of one layer, the most
+    different ids the routes can hold (w13 may be the whole expert cache, most of whose slots one
+    layer's routes cannot name); the tiles follow the routes per expert this gives, unless
+    `config` names them. checked: refuse ids beyond w13 first, which waits for the device; the
+    engine's own routes need no check and pass False, so that nothing in a prefill's layer waits
+    for the device.
     """
-    _check(x, expert_ids, route_weights, w13, w2)
+    fp8_bank = _check(x, expert_ids, route_weights, w13, w2, w13_scale_inv, w2_scale_inv)
     num_tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_experts = w13.shape[0]
@@ -304,46 +341,60 @@ def grouped_moe_triton(
     grouped = _group_routes(expert_ids, num_experts, cfg, distinct)
     act = common.alloc((num_routes, inter), compute_dtype or x.dtype, x.device)
     y = common.alloc((num_routes, hidden), torch.float32, x.device)
+    if fp8_bank:
+        w13, w2 = fp8_moe.bits(w13), fp8_moe.bits(w2)
+    gate_up_k = min(cfg.block_k, common.next_pow2(hidden, 16))
+    down_k = min(cfg.block_k, common.next_pow2(inter, 16))
+    if fp8_bank:  # one factor per row in each reduction step
+        gate_up_k, down_k = min(gate_up_k, fp8.BLOCK), min(down_k, fp8.BLOCK)
+    # (a bf16 bank passes its weights as the factors, never read)
+    s13, s2 = (w13_scale_inv, w2_scale_inv) if fp8_bank else (w13, w2)
     if grouped.num_blocks:
-        block_k = min(cfg.block_k, common.next_pow2(hidden, 16))
         _gate_up_kernel[(grouped.num_blocks, triton.cdiv(inter, cfg.gate_up_block_n))](
             x,
             grouped.routes,
             grouped.block_expert,
             w13,
+            s13,
             act,
             hidden,
             inter,
             x.stride(0),
             w13.stride(0),
             w13.stride(1),
+            s13.stride(0),
+            s13.stride(1),
             act.stride(0),
             TOP_K=top_k,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.gate_up_block_n,
-            BLOCK_K=block_k,
+            BLOCK_K=gate_up_k,
             COMPUTE=compute,
+            FP8=fp8_bank,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-        block_k = min(cfg.block_k, common.next_pow2(inter, 16))
         _down_kernel[(grouped.num_blocks, triton.cdiv(hidden, cfg.down_block_n))](
             act,
             grouped.routes,
             grouped.block_expert,
             route_weights.contiguous(),
             w2,
+            s2,
             y,
             hidden,
             inter,
             act.stride(0),
             w2.stride(0),
             w2.stride(1),
+            s2.stride(0),
+            s2.stride(1),
             y.stride(0),
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.down_block_n,
-            BLOCK_K=block_k,
+            BLOCK_K=down_k,
             COMPUTE=compute,
+            FP8=fp8_bank,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -358,18 +409,23 @@ def grouped_moe(
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     layer_experts: int | None = None,
     checked: bool = True,
 ) -> torch.Tensor:
     """Prefill MoE over one layer's experts: the Triton kernels on CUDA, the reference elsewhere
-    (layer_experts and checked: see grouped_moe_triton)."""
+    (an FP8 bank's factors, layer_experts and checked: see grouped_moe_triton)."""
+    scales = {"w13_scale_inv": w13_scale_inv, "w2_scale_inv": w2_scale_inv}
     if x.is_cuda:
         return grouped_moe_triton(
             x, expert_ids, route_weights, w13, w2, compute_dtype=compute_dtype,
-            layer_experts=layer_experts, checked=checked,
+            layer_experts=layer_experts, checked=checked, **scales,
         )  # fmt: skip
-    return grouped_moe_ref(x, expert_ids, route_weights, w13, w2, compute_dtype=compute_dtype)
+    return grouped_moe_ref(
+        x, expert_ids, route_weights, w13, w2, compute_dtype=compute_dtype, **scales
+    )
 
 
 def _check(
@@ -378,5 +434,9 @@ def _check(
     route_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-) -> None:
+    w13_scale_inv: torch.Tensor | None,
+    w2_scale_inv: torch.Tensor | None,
+) -> bool:
+    """Validate the arguments (no device sync); whether the bank is FP8."""
     common.check_routes(x, expert_ids, route_weights, w13, w2, ids_name="expert_ids")
+    return fp8_moe.check_bank(w13, w2, w13_scale_inv, w2_scale_inv)

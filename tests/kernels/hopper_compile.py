@@ -5,10 +5,15 @@ reports an sm_90 device, and launches only compile. Prints the shared memory, re
 (spilled) bytes of each compiled kernel, read from the cubin with the cuobjdump Triton ships, and
 whether it waits for the kernel before it (programmatic dependent launch, which the kernels use on
 a Hopper GPU: `common.pdl`, here forced on since the tensors are on the CPU).
+
+`--arch 86` (a consumer Ampere GPU) or `--arch 75` (Turing): the MoE kernels over FP8 banks
+alone, for that GPU, with bf16 (Ampere) or fp16 (Turing: no bf16) activations, and whether their
+code holds an FP8 instruction, which those GPUs do not have.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -26,6 +31,7 @@ from triton.runtime.jit import JITFunction
 from moelab.kernels import (
     common,
     draw,
+    fp8,
     fused_moe,
     gemv,
     grouped_moe,
@@ -43,7 +49,10 @@ BF16 = torch.bfloat16
 
 
 class HopperDriver:
-    """Answers Triton's questions about the current device as an sm_90 GPU would."""
+    """Answers Triton's questions about the current device as an sm_90 GPU (or `arch`) would."""
+
+    def __init__(self, arch: int = 90) -> None:
+        self.arch = arch
 
     def get_current_device(self) -> int:
         return 0
@@ -52,7 +61,7 @@ class HopperDriver:
         return 0
 
     def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.arch, 32)
 
     def get_active_torch_device(self) -> torch.device:
         return torch.device("cpu")
@@ -82,21 +91,8 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
             (fn.fn.__name__, fn.fn.__module__, kw.get("num_warps"), kernel)
         )
     )
-    for tokens in (1, 16, 64):
-        x = torch.randn(tokens, HIDDEN, dtype=BF16)
-        slots = torch.randint(0, 16, (tokens, TOP_K), dtype=torch.int32)
-        weights = torch.rand(tokens, TOP_K)
-        w13 = torch.empty(16, 2 * INTER, HIDDEN, dtype=BF16)
-        w2 = torch.empty(16, HIDDEN, INTER, dtype=BF16)
-        fused_moe.fused_moe_decode_triton(x, slots, weights, w13, w2)
-        if tokens == 1:  # the filled routes' launch: row blocks looping over the routes
-            fused_moe.fused_moe_decode_triton(x, slots, weights, w13, w2, few_routes=True)
-    for tokens in (8, 300, 2048):
-        x = torch.randn(tokens, HIDDEN, dtype=BF16)
-        ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).int()
-        w13 = torch.empty(EXPERTS, 2 * INTER, HIDDEN, dtype=BF16)
-        w2 = torch.empty(EXPERTS, HIDDEN, INTER, dtype=BF16)
-        grouped_moe.grouped_moe_triton(x, ids, torch.rand(tokens, TOP_K), w13, w2, checked=False)
+    compile_moe(BF16, fp8_bank=False)
+    compile_moe(BF16, fp8_bank=True)
     # the grouping over a whole expert cache of 12 layers' experts (its widest per-expert pass)
     ids = torch.randint(0, 12 * EXPERTS, (512, TOP_K), dtype=torch.int32)
     w13 = torch.empty(12 * EXPERTS, 2 * INTER, HIDDEN, dtype=BF16)
@@ -189,6 +185,39 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
     return compiled
 
 
+def compile_moe(dtype: torch.dtype, fp8_bank: bool) -> None:
+    """The decode and prefill MoE launches of the engine's shapes, activations in `dtype`, over a
+    bank in `dtype` or FP8 (float8_e4m3fn with its block factors)."""
+
+    def bank(experts: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        weight = torch.float8_e4m3fn if fp8_bank else dtype
+        w13 = torch.empty(experts, 2 * INTER, HIDDEN, dtype=weight)
+        w2 = torch.empty(experts, HIDDEN, INTER, dtype=weight)
+        if not fp8_bank:
+            return w13, w2, {}
+        scales = {
+            "w13_scale_inv": torch.ones(experts, fp8.blocks(2 * INTER), fp8.blocks(HIDDEN)),
+            "w2_scale_inv": torch.ones(experts, fp8.blocks(HIDDEN), fp8.blocks(INTER)),
+        }
+        return w13, w2, scales
+
+    for tokens in (1, 16, 64):
+        x = torch.randn(tokens, HIDDEN, dtype=dtype)
+        slots = torch.randint(0, 16, (tokens, TOP_K), dtype=torch.int32)
+        weights = torch.rand(tokens, TOP_K)
+        w13, w2, scales = bank(16)
+        fused_moe.fused_moe_decode_triton(x, slots, weights, w13, w2, **scales)
+        if tokens == 1:  # the filled routes' launch: row blocks looping over the routes
+            fused_moe.fused_moe_decode_triton(x, slots, weights, w13, w2, few_routes=True, **scales)
+    w13, w2, scales = bank(EXPERTS)
+    for tokens in (8, 300, 2048):
+        x = torch.randn(tokens, HIDDEN, dtype=dtype)
+        ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).int()
+        grouped_moe.grouped_moe_triton(
+            x, ids, torch.rand(tokens, TOP_K), w13, w2, checked=False, **scales
+        )
+
+
 def as_hopper() -> bool:
     """From here on, launches compile for sm_90 (the stand-in driver, and the GPU's launch
     options though the tensors are the CPU's); False, with why, under the interpreter."""
@@ -216,7 +245,12 @@ def compile_only(on_compile=None):
     return run
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", type=int, choices=(75, 86), help="FP8 MoE kernels for this GPU")
+    args = parser.parse_args(argv)
+    if args.arch is not None:
+        return main_fp8(args.arch)
     if not as_hopper():
         return 2
     for name, module, num_warps, kernel in compile_all():
@@ -237,6 +271,29 @@ def main() -> int:
                 }
             )
         )
+    return 0
+
+
+def main_fp8(arch: int) -> int:
+    """The MoE kernels over FP8 banks, compiled for an sm_86 or sm_75 GPU: a JSON line each."""
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
+        return 2
+    driver.set_active(HopperDriver(arch))
+    compiled = []
+    run = compile_only(lambda fn, kw, kernel: compiled.append((fn, kernel)))
+    compile_moe(torch.float16 if arch < 80 else BF16, fp8_bank=True)
+    JITFunction.run = run
+    for fn, kernel in compiled:
+        line = {
+            "kernel": fn.fn.__name__,
+            "module": fn.fn.__module__,
+            "arch": arch,
+            "shared_bytes": kernel.metadata.shared,
+            "fp8_instructions": bool(re.search(r"e4m3|e5m2", kernel.asm["ptx"])),
+            **resource_usage(kernel.asm["cubin"]),
+        }
+        print(json.dumps(line))
     return 0
 
 

@@ -10,7 +10,15 @@ import time
 import pytest
 import torch
 
-from moelab.kernels import fused_moe, grouped_moe, host_handoff, paged_attention, rmsnorm, router
+from moelab.kernels import (
+    fp8,
+    fused_moe,
+    grouped_moe,
+    host_handoff,
+    paged_attention,
+    rmsnorm,
+    router,
+)
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.host_handoff import DONE, EXPECTED, TIMED_OUT
 
@@ -120,6 +128,78 @@ def test_grouped_moe_unchecked_never_waits_for_the_device(gen):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     ref = grouped_moe.grouped_moe_ref(*as_fp32(x, expert_ids, weights, w13, w2))
+    assert_matches(out, ref, tol=2e-2)
+
+
+def fp8_experts(gen: torch.Generator, count: int):
+    """An FP8 bank of `count` random experts (fp8.quantize), float8_e4m3fn, with its factors as
+    the kernels take them, and the fp32 weights it dequantizes to (the reference's)."""
+    w13, s13 = fp8.quantize(cuda_randn(gen, count, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5))
+    w2, s2 = fp8.quantize(cuda_randn(gen, count, HIDDEN, INTER, scale=INTER**-0.5))
+    scales = {"w13_scale_inv": s13, "w2_scale_inv": s2}
+    return w13, w2, scales, (fp8.dequantize(w13, s13), fp8.dequantize(w2, s2))
+
+
+@pytest.mark.parametrize(("tokens", "slots"), [(1, 64), (4, 64), (16, 64), (16, 12)])
+def test_fused_moe_decode_fp8(gen, tokens, slots):
+    x = cuda_randn(gen, tokens, HIDDEN)
+    slot_ids = routes(gen, tokens, slots, masked=0.25)
+    weights = torch.rand(tokens, TOP_K, generator=gen).cuda()
+    w13, w2, scales, wide = fp8_experts(gen, slots)
+    out = fused_moe.fused_moe_decode(x, slot_ids, weights, w13, w2, **scales)
+    ref = fused_moe.fused_moe_decode_ref(*as_fp32(x, slot_ids, weights), *wide)
+    assert_matches(out, ref, tol=2e-2)
+
+
+@pytest.mark.parametrize("masked", [0.25, 0.8])
+@pytest.mark.parametrize("few_routes", [False, True])
+def test_fused_moe_decode_fp8_one_token_parts(gen, few_routes, masked):
+    """The engine's resident step and the launch after a layer step's fills, over FP8 slots."""
+    x = cuda_randn(gen, 1, HIDDEN)
+    slot_ids = routes(gen, 1, 64, masked=masked)
+    weights = torch.rand(1, TOP_K, generator=gen).cuda()
+    w13, w2, scales, wide = fp8_experts(gen, 64)
+    parts = fused_moe.fused_moe_decode(
+        x, slot_ids, weights, w13, w2, reduce=False, few_routes=few_routes, **scales
+    )
+    ref = fused_moe.fused_moe_decode_ref(*as_fp32(x, slot_ids, weights), *wide, reduce=False)
+    assert_matches(parts, ref, tol=2e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_fused_moe_decode_fp8_replays_in_a_cuda_graph(gen, tokens):
+    x = cuda_randn(gen, tokens, HIDDEN)
+    slot_ids = routes(gen, tokens, 32, masked=0.25)
+    weights = torch.rand(tokens, TOP_K, generator=gen).cuda()
+    w13, w2, scales, wide = fp8_experts(gen, 32)
+    fused_moe.fused_moe_decode(x, slot_ids, weights, w13, w2, **scales)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe.fused_moe_decode(x, slot_ids, weights, w13, w2, **scales)
+    x.copy_(cuda_randn(gen, tokens, HIDDEN))
+    slot_ids.copy_(routes(gen, tokens, 32, masked=0.25))
+    weights.copy_(torch.rand(tokens, TOP_K, generator=gen))
+    graph.replay()
+    ref = fused_moe.fused_moe_decode_ref(*as_fp32(x, slot_ids, weights), *wide)
+    assert_matches(out, ref, tol=2e-2)
+
+
+@pytest.mark.parametrize("tokens", [64, 1024])
+def test_grouped_moe_fp8_never_waits_for_the_device(gen, tokens):
+    x = cuda_randn(gen, tokens, HIDDEN)
+    expert_ids = routes(gen, tokens, EXPERTS, masked=0.05)
+    weights = torch.rand(tokens, TOP_K, generator=gen).cuda()
+    w13, w2, scales, wide = fp8_experts(gen, EXPERTS)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = grouped_moe.grouped_moe(
+            x, expert_ids, weights, w13, w2, layer_experts=EXPERTS, checked=False, **scales
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = grouped_moe.grouped_moe_ref(*as_fp32(x, expert_ids, weights), *wide)
     assert_matches(out, ref, tol=2e-2)
 
 

@@ -12,8 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Dynamic shared memory a block may use on sm_90.
+# Dynamic shared memory a block may use on sm_90, sm_86 and sm_75.
 SM90_SHARED_BYTES = 232448
+SHARED_BYTES = {86: 101376, 75: 65536}
+# The kernels of the MoE launches (fused_moe, fused_moe_one_token, grouped_moe).
+MOE_KERNELS = {
+    "_gate_up_kernel",
+    "_down_kernel",
+    "_count_kernel",
+    "_blocks_kernel",
+    "_scatter_kernel",
+    "_one_token_gate_up_kernel",
+    "_one_token_down_kernel",
+}
 KERNELS = {
     "_gate_up_kernel",
     "_down_kernel",
@@ -66,3 +77,28 @@ def test_kernels_compile_for_hopper_within_its_limits():
     # the guess's, the guess's kernel
     signalling = {k["kernel"] for k in kernels if k["signals_host"]}
     assert signalling == {"_route_kernel", "_signal_kernel", "_guess_kernel"}, signalling
+
+
+def test_fp8_moe_kernels_compile_for_ampere_and_turing_without_fp8_instructions():
+    """FP8 banks on GPUs without FP8 (consumer Ampere, Turing): the widening is integer ops."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("hopper_compile.py")
+    runs = {  # one process per GPU: a kernel's compiled variants are cached per device, not arch
+        arch: subprocess.Popen(
+            [sys.executable, str(script), "--arch", str(arch)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for arch in SHARED_BYTES
+    }
+    for arch, run in runs.items():
+        out, err = run.communicate()
+        assert run.returncode == 0, err[-3000:]
+        kernels = [json.loads(line) for line in out.splitlines()]
+        assert {k["kernel"] for k in kernels} == MOE_KERNELS
+        for k in kernels:
+            assert k["arch"] == arch and not k["fp8_instructions"], k
+            assert k["shared_bytes"] <= SHARED_BYTES[arch], k
+            assert k["LOCAL"] == 0, f"registers spill to local memory: {k}"
