@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import (
     draw,
+    fp8,
     fused_moe,
     gemv,
     grouped_moe,
@@ -58,6 +59,10 @@ DEVICE = "cuda"
 DTYPE = torch.bfloat16
 ELEM_BYTES = 2
 EXPERT_BYTES = 3 * HIDDEN * INTER * ELEM_BYTES
+# An FP8 expert: its values and the fp32 factors of its 128x128 blocks.
+FP8_EXPERT_BYTES = 3 * HIDDEN * INTER + 4 * (
+    fp8.blocks(2 * INTER) * fp8.blocks(HIDDEN) + fp8.blocks(HIDDEN) * fp8.blocks(INTER)
+)
 # Bytes each graph of calls reads at least, so that the GPU's L2 cache (tens of MiB) cannot hold
 # them; calls that read less over MAX_CALLS_PER_GRAPH are bound by launches, not by memory.
 MIN_WORKING_SET_BYTES = 512 << 20
@@ -79,6 +84,19 @@ ONE_TOKEN_MOE_SWEEP = (
     (8, 256, 16, 256, 4, 4),
     (8, 512, 16, 256, 8, 3),
     (8, 256, 16, 256, 2, 3),
+)
+
+# The same for an FP8 bank (the engine's form: reduce=False), whose steps of a given width read
+# half the bytes.
+ONE_TOKEN_FP8_MOE_SWEEP = (
+    (8, 256, 16, 256, 4, 3),
+    (8, 256, 16, 256, 4, 5),
+    (8, 512, 16, 512, 4, 3),
+    (8, 512, 16, 512, 8, 3),
+    (4, 512, 8, 512, 4, 4),
+    (16, 256, 32, 256, 4, 3),
+    (8, 128, 16, 128, 4, 6),
+    (8, 256, 16, 256, 2, 4),
 )
 
 # route's launch shapes that --sweep times (RouteConfig: program bytes, tile elements, warps,
@@ -270,6 +288,59 @@ class Bench:
         label = f"T={tokens} K={TOP_K} H={HIDDEN}, 2 device parts, + norm"
         self.add("sum_norm_when_ready", label, time_us, bytes_moved, 0, ref_us)
 
+    def fused_moe_fp8(
+        self,
+        tokens: int,
+        config: fused_moe.DecodeMoEConfig | OneTokenMoEConfig | None = None,
+        reduce: bool = True,
+    ) -> None:
+        """Decode MoE over an FP8 bank, as `fused_moe` over a bf16 one; the bytes are the FP8
+        values and their factors. The reference column holds the bf16 kernel's time on a bf16
+        bank of as many layers, the same routes and x."""
+        layers = layers_for(FP8_EXPERT_BYTES * min(EXPERTS, tokens * TOP_K))
+        w13, w2, scales = self.fp8_bank(layers)
+        x = self.randn(tokens, HIDDEN)
+        weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
+        slot_sets = [self.routes(tokens, layer * EXPERTS, EXPERTS) for layer in range(layers)]
+        unique = sum(s.unique().numel() for s in slot_sets) / layers
+        out_bytes = tokens * HIDDEN * 4 * (1 if reduce else TOP_K)
+        bytes_moved = int(unique * FP8_EXPERT_BYTES) + tokens * HIDDEN * ELEM_BYTES + out_bytes
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+
+        def call(slots: torch.Tensor, bank: tuple, **kwargs: object) -> Callable[[], object]:
+            return lambda: fused_moe.fused_moe_decode_triton(
+                x, slots, weights, *bank, config=config, reduce=reduce, **kwargs
+            )
+
+        time_us = graph_us_per_call([call(s, (w13, w2), **scales) for s in slot_sets])
+        bf16_us = None
+        if config is None:
+            del w13, w2, scales
+            bf16 = (
+                self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5),
+                self.randn(layers * EXPERTS, HIDDEN, INTER, scale=INTER**-0.5),
+            )
+            bf16_us = graph_us_per_call([call(s, bf16) for s in slot_sets])
+        label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}" + ("" if reduce else " parts")
+        if config is not None:
+            path = "one-token" if isinstance(config, OneTokenMoEConfig) else "tl.dot"
+            label += f" {path} {_short(config)}"
+        self.add("fused_moe_decode_fp8", label, time_us, bytes_moved, flops, bf16_us)
+
+    def fp8_bank(self, copies: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """w13, w2 and their block factors of one layer's experts quantized by fp8.quantize, in
+        `copies` copies of their own memory (one per layer): float8_e4m3fn, as a loader holds."""
+        w13, s13 = fp8.quantize(self.randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5))
+        w2, s2 = fp8.quantize(self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5))
+
+        def copied(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype == torch.float8_e4m3fn:
+                return t.view(torch.uint8).repeat(copies, 1, 1).view(t.dtype)
+            return t.repeat(copies, 1, 1)
+
+        scales = {"w13_scale_inv": copied(s13), "w2_scale_inv": copied(s2)}
+        return copied(w13), copied(w2), scales
+
     @staticmethod
     def _moe_ref(
         x: torch.Tensor,
@@ -290,15 +361,46 @@ class Bench:
         used = ids.unique().numel()
         bytes_moved = used * EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
         flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
-        time_us = median_event_us(  # the engine's call: no range check, so no host sync
-            lambda: grouped_moe.grouped_moe_triton(
-                x, ids, weights, w13, w2, layer_experts=EXPERTS, checked=False
-            ),
-            10,
-        )
+        time_us = self._grouped_us(x, ids, weights, w13, w2)
         ref_us = median_event_us(lambda: grouped_moe.grouped_moe_ref(x, ids, weights, w13, w2), 3)
         self.add(
             "grouped_moe", f"T={tokens} K={TOP_K} E={EXPERTS}", time_us, bytes_moved, flops, ref_us
+        )
+
+    def grouped_moe_fp8(self, tokens: int) -> None:
+        """Prefill MoE over one layer's FP8 experts; the reference column holds the bf16
+        kernel's time on the same routes and x."""
+        w13, w2, scales = self.fp8_bank(1)
+        x = self.randn(tokens, HIDDEN)
+        ids = self.routes(tokens, 0, EXPERTS)
+        weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
+        used = ids.unique().numel()
+        bytes_moved = used * FP8_EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+        time_us = self._grouped_us(x, ids, weights, w13, w2, **scales)
+        bf16 = (
+            self.randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5),
+            self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5),
+        )
+        bf16_us = self._grouped_us(x, ids, weights, *bf16)
+        label = f"T={tokens} K={TOP_K} E={EXPERTS}"
+        self.add("grouped_moe_fp8", label, time_us, bytes_moved, flops, bf16_us)
+
+    @staticmethod
+    def _grouped_us(
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        **scales: torch.Tensor,
+    ) -> float:
+        """The engine's call: no range check, so no host sync."""
+        return median_event_us(
+            lambda: grouped_moe.grouped_moe_triton(
+                x, ids, weights, w13, w2, layer_experts=EXPERTS, checked=False, **scales
+            ),
+            10,
         )
 
     def paged_attention(
@@ -582,8 +684,8 @@ def _short(config: object) -> str:
 
 # The kernels `--only` can pick: the Bench methods whose rows `run` times.
 KERNELS = (
-    "fused_moe", "grouped_moe", "paged_attention", "sdpa_prefill", "rmsnorm", "router", "route",
-    "rope_kv", "handoff", "linear", "draw",
+    "fused_moe", "fused_moe_fp8", "grouped_moe", "grouped_moe_fp8", "paged_attention",
+    "sdpa_prefill", "rmsnorm", "router", "route", "rope_kv", "handoff", "linear", "draw",
 )  # fmt: skip
 
 
@@ -610,9 +712,15 @@ def run(
         for tokens in (1, 4, 8, 16):
             bench.fused_moe(tokens)
         bench.fused_moe(1, with_ref=False, reduce=False)
-    if "grouped_moe" in wanted:
-        for tokens in (512, 2048):
+    if "fused_moe_fp8" in wanted:
+        for tokens in (1, 4, 8, 16):
+            bench.fused_moe_fp8(tokens)
+        bench.fused_moe_fp8(1, reduce=False)
+    for tokens in (512, 2048):
+        if "grouped_moe" in wanted:
             bench.grouped_moe(tokens)
+        if "grouped_moe_fp8" in wanted:
+            bench.grouped_moe_fp8(tokens)
     if "paged_attention" in wanted:
         for seq_lens in ([2048], [8192], [32768], [4096] * 8):
             bench.paged_attention(seq_lens)
@@ -656,6 +764,8 @@ def run(
             bench.fused_moe(1, config, with_ref=False)
         for fields in ONE_TOKEN_MOE_SWEEP:
             bench.fused_moe(1, OneTokenMoEConfig(*fields), with_ref=False)
+        for fields in ONE_TOKEN_FP8_MOE_SWEEP:
+            bench.fused_moe_fp8(1, OneTokenMoEConfig(*fields), reduce=False)
         for block_n in (32, 64, 128):
             for splits in (64, 128, 256):
                 config = paged_attention.AttentionConfig(block_n, splits)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|compare|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|compare|fp8|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -19,7 +19,7 @@ run() {  # name, command...: keep going when one step fails, record its status
   local t0=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
-  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^alternated |^(paged_attention|fused_moe_decode) " \
+  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^alternated |^(paged_attention|fused_moe_decode|grouped_moe)" \
     "$out/$name.log" \
     | tail -5 | tee -a "$out/summary.txt"
 }
@@ -57,6 +57,17 @@ if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: th
   run drawn_cache25_top_k $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $Q --json
   run drawn_cache25_host $B decode $G --routing-skew 1 --moe-cache-rate 0.25 $Q --json \
     --no-overlap-decode
+fi
+if [ "$part" = fp8 ]; then  # the MoE kernels over FP8 expert banks: their tests (the small ones
+  # natively, the real shapes in bf16, the compile for sm_90, sm_86 and sm_75), then the decode
+  # and prefill rows of both banks, bf16 and FP8
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run fp8_tests python3 -m pytest -q $T --tb=short tests/kernels/test_fp8_moe.py \
+    tests/kernels/test_hopper_compile.py
+  run fp8_cuda_tests python3 -m pytest -q $T --tb=short tests/kernels/test_cuda_real_shapes.py \
+    -k fp8
+  run fp8_kernels python3 -m moelab.kernels.bench \
+    --only fused_moe,fused_moe_fp8,grouped_moe,grouped_moe_fp8
 fi
 if [ "$part" = rows25 ]; then  # the 25%-cache rows at routing skew 1 and 0, default flags
   for skew in 1 0; do
