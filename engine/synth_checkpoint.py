@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .config.args import default_cpu_threads
 from .model.spec import ModelSpec
 from .model.synth import SynthSource, make_config
 from .model.synth_tokenizer import write_tokenizer_files
@@ -48,7 +49,12 @@ def synthesize(
     if spec.dense_bytes + spec.expert_pool_bytes <= CALIBRATE_MAX_BYTES:
         cpu = torch.device("cpu")
         source = SynthSource.calibrated(
-            spec, seed=seed, skew=routing_skew, device=cpu, dtype=torch.float32
+            spec,
+            seed=seed,
+            skew=routing_skew,
+            device=cpu,
+            dtype=torch.float32,
+            cpu_threads=default_cpu_threads(),
         )
     else:
         source = SynthSource(spec, seed=seed, skew=routing_skew)

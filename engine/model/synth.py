@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from ...kernels.grouped_moe import grouped_moe
-from ..config.args import default_cpu_threads
 from .checkpoint import iter_layer_experts, load_dense
 from .kv import KVCache
 from .model import Model, SeqSlice, StepBatch
@@ -234,20 +233,21 @@ class SynthSource:
         *,
         device: torch.device,
         dtype: torch.dtype,
+        cpu_threads: int = 1,
     ) -> SynthSource:
         """A source whose routers are calibrated with forward passes of the synthetic model on
-        `device` in `dtype` (`_calibrate`): the same weights for the same spec, seed, skew,
-        device type and dtype."""
+        `device` in `dtype` (`_calibrate`), on the CPU with `cpu_threads` of torch's threads: the
+        same weights for the same spec, seed, skew, device type and dtype."""
         source = cls(spec, seed=seed, skew=skew)
         if device.type == "cuda":
             source._calibrate(device, dtype)
             torch.cuda.empty_cache()  # what the calibration's model held goes back to the device
             return source
-        # torch's threads, one per physical core but one: as an engine on the CPU leaves them
-        # (its CPU experts take that core), and on a busy machine the small ops of a synthetic
-        # model run many times slower where each of its cores has a thread spinning on them
+        # torch's threads as the caller gives them (an engine on the CPU leaves one physical core
+        # to its CPU experts): on a busy machine the small ops of a synthetic model run many times
+        # slower where each of its cores has a thread spinning on them
         threads = torch.get_num_threads()
-        torch.set_num_threads(default_cpu_threads())
+        torch.set_num_threads(cpu_threads)
         try:
             source._calibrate(device, dtype)
         finally:

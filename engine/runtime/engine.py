@@ -14,7 +14,7 @@ import torch
 
 from ...kernels import common, no_triton
 from ...kernels.native_build import NativeKernelError, load_native
-from ..config.args import physical_cores
+from ..config.args import default_cpu_threads, physical_cores
 from ..config.bandwidth import best, load_profile
 from ..config.config import EngineConfig
 from ..config.memory import VramPlan, log_plan
@@ -153,6 +153,7 @@ class Engine:
                 skew=float(synth_info.get("routing_skew", 0.0)),
                 device=self.device,
                 dtype=self.dtype,
+                cpu_threads=default_cpu_threads(),
             )
         else:
             source = SafetensorsSource(Path(model.path))
