@@ -51,6 +51,7 @@ class PrintJournal(Journal):
             print(
                 f"  prefill {r.prefill_tok_s:,.1f}  decode {r.decode_tok_s:,.1f}"
                 + (f"  aggregate {r.aggregate_tok_s:,.1f}" if r.aggregate_tok_s else "")
+                + (f"  agent session {r.agent_tok_s:,.1f}" if r.agent_tok_s else "")
                 + f" tok/s; start-up {r.startup_s:.1f} s, warm-up {r.warmup_s:.1f} s, "
                 f"workload {r.workload_s:.1f} s of {r.duration_s:.1f} s",
                 flush=True,
@@ -167,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="moelab-bench-"))
     print(f"{len(plan.candidates)} candidates; engine logs in {logs}", flush=True)
     runner = EngineTrialRunner(
-        args.model_path, Workload(mode.workload_for(objective.clients)), logs, threading.Event()
+        args.model_path,
+        Workload(mode.workload_for(objective.clients, objective.agent)),
+        logs,
+        threading.Event(),
     )
 
     def run(request: TrialRequest, n: int) -> TrialResult:

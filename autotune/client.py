@@ -10,6 +10,8 @@ from typing import Any
 
 import httpx
 
+from ..engine.bench.agent_session import MessagesClient, refusal_text
+
 
 class WorkloadError(RuntimeError):
     """The engine refused or broke off a workload request; the message says which and why."""
@@ -103,7 +105,7 @@ class EngineClient:
         with self._http.stream("POST", self.base_url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 response.read()
-                raise WorkloadError(_error_text(response))
+                raise WorkloadError(refusal_text(response))
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -126,6 +128,10 @@ class EngineClient:
             last_token=last,
         )
 
+    def messages(self) -> MessagesClient:
+        """The engine's Messages API over this client's connections and clock."""
+        return MessagesClient(self._http, self.base_url, clock=self.clock)
+
     def complete(self, prompt: str, max_tokens: int) -> tuple[int, dict[str, Any]]:
         """One plain completion: (HTTP status, body)."""
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
@@ -134,11 +140,3 @@ class EngineClient:
             return response.status_code, response.json()
         except ValueError:
             return response.status_code, {"error": {"message": response.text[:500]}}
-
-
-def _error_text(response: httpx.Response) -> str:
-    try:
-        message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text[:500]
-    return f"the engine answered {response.status_code}: {message}"

@@ -36,15 +36,22 @@ class Mode:
     context_tiers: int | None  # context tiers tried above the usable one; None: up to the model's
     skip_off_objective: bool  # leave out flags that cannot move the objective's figures
     describe: str
+    # the agent objective's sessions: turns, system prompt, the most a result and a reply take
+    agent: tuple[int, int, int, int] = (20, 12_000, 4_000, 300)
 
     def __post_init__(self) -> None:
         assert self.baseline_runs >= 2, "the noise rule needs at least two baseline runs"
         assert self.target_s > 0, self.target_s
 
-    def workload_for(self, clients: int) -> WorkloadSpec:
+    def workload_for(self, clients: int, agent: bool = False) -> WorkloadSpec:
         """This mode's minimum workload, with `clients` concurrent streams for the aggregate
-        figure."""
-        return replace(self.workload, clients=clients)
+        figure and (`agent`) its agent sessions for the agent figure."""
+        spec = replace(self.workload, clients=clients)
+        if not agent:
+            return spec
+        turns, system, result, reply = self.agent
+        return replace(spec, agent_turns=turns, agent_system_tokens=system,
+                       agent_result_tokens=result, agent_reply_tokens=reply)  # fmt: skip
 
 
 MODES: dict[str, Mode] = {
@@ -67,6 +74,7 @@ MODES: dict[str, Mode] = {
             context_tiers=1,
             skip_off_objective=True,
             describe="a few values of the flags that move the objective",
+            agent=(6, 2_048, 1_024, 64),
         ),
         Mode(
             "standard",

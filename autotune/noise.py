@@ -1,9 +1,10 @@
 """What a run optimises, and when a measured gain is real rather than noise.
 
-Objectives: single-request decode tok/s, prefill tok/s, both (their geometric mean), or aggregate
-tok/s with N concurrent clients. A change counts only when it beats the incumbent by more than the
-larger of 3% and twice the run-to-run spread measured on the baseline, and it may not cost any
-other figure more than 5% (both adjustable).
+Objectives: single-request decode tok/s, prefill tok/s, both (their geometric mean), aggregate
+tok/s with N concurrent clients, or a coding agent's session (its generated tokens over its whole
+time, each turn's wait for its first token included: engine/bench/agent_session.py). A change counts
+only when it beats the incumbent by more than the larger of 3% and twice the run-to-run spread
+measured on the baseline, and it may not cost any other figure more than 5% (both adjustable).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from dataclasses import dataclass
 from ..engine.text import Text
 from .trial_record import TrialResult
 
-OBJECTIVES = ("decode", "prefill", "both", "aggregate")
-FIGURES = ("prefill", "decode", "aggregate")
+OBJECTIVES = ("decode", "prefill", "both", "aggregate", "agent")
+FIGURES = ("prefill", "decode", "aggregate", "agent")
 FIGURE_NAMES = {
     "prefill": Text("prefill"),
     "decode": Text("decode"),
     "aggregate": Text("aggregate"),
+    "agent": Text("agent session"),
 }
 
 
@@ -32,10 +34,12 @@ class Figures:
     prefill: float | None
     decode: float | None
     aggregate: float | None = None
+    agent: float | None = None
 
     @classmethod
     def of(cls, trial: TrialResult) -> Figures:
-        return cls(trial.prefill_tok_s, trial.decode_tok_s, trial.aggregate_tok_s)
+        return cls(trial.prefill_tok_s, trial.decode_tok_s, trial.aggregate_tok_s,
+                   trial.agent_tok_s)  # fmt: skip
 
     @classmethod
     def median(cls, trials: Sequence[TrialResult]) -> Figures:
@@ -65,7 +69,8 @@ def _mean(values: list[float | None]) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Objective:
-    """The figure a run maximises; `clients` concurrent streams for the aggregate one."""
+    """The figure a run maximises; `clients` concurrent streams for the aggregate one. The agent
+    session's replays the mode's sessions (`Mode.workload_for`)."""
 
     name: str
     clients: int = 0
@@ -83,6 +88,11 @@ class Objective:
             raise ValueError(Text("the aggregate objective needs at least 2 concurrent clients"))
 
     @property
+    def agent(self) -> bool:
+        """Whether the workload replays agent sessions (the agent objective)."""
+        return self.name == "agent"
+
+    @property
     def label(self) -> Text:
         if self.name == "aggregate":
             return Text("aggregate tok/s with {clients} clients", clients=self.clients)
@@ -90,6 +100,7 @@ class Objective:
             "decode": Text("decode tok/s"),
             "prefill": Text("prefill tok/s"),
             "both": Text("prefill x decode (geometric mean)"),
+            "agent": Text("agent session tok/s"),
         }[self.name]
 
     def score(self, figures: Figures) -> float | None:
@@ -102,7 +113,7 @@ class Objective:
     @property
     def side_figures(self) -> tuple[str, ...]:
         """The measured figures that are not the objective and must not get much worse."""
-        if self.name == "aggregate":
+        if self.name in ("aggregate", "agent"):
             return ("prefill", "decode")
         if self.name == "both":
             return ()

@@ -180,6 +180,8 @@ class _Planner:
             "prefill": {"prefill"},
             "both": {"prefill", "decode"},
             "aggregate": {"aggregate", "decode"},
+            # an agent's turns read long prompts and decode replies
+            "agent": {"agent", "prefill", "decode"},
         }[self.objective.name]
 
     def plan(self, tunable: tuple[Tunable, ...], only: frozenset[str] | None) -> None:

@@ -69,7 +69,7 @@ class Search:
         self.spreads = Spreads(0.0, {})
         self.incumbent: Incumbent | None = None
         self.context: dict[str, Any] = {}
-        self.minimum = self.mode.workload_for(self.objective.clients)
+        self.minimum = self.mode.workload_for(self.objective.clients, self.objective.agent)
         self.sizing: Sizing | None = None  # set by the calibration trial
         self.calibration_trial: int | None = None
 
@@ -484,6 +484,13 @@ def _num(value: float | None) -> str:
 
 def _figures(result: TrialResult) -> Text:
     prefill, decode = _num(result.prefill_tok_s), _num(result.decode_tok_s)
+    if result.agent_tok_s is not None:
+        return Text(
+            "prefill {prefill}, decode {decode}, agent session {agent} tok/s",
+            prefill=prefill,
+            decode=decode,
+            agent=_num(result.agent_tok_s),
+        )
     if result.aggregate_tok_s is None:
         return Text("prefill {prefill}, decode {decode} tok/s", prefill=prefill, decode=decode)
     return Text(

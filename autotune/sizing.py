@@ -28,7 +28,8 @@ its share of the target (none shrinks below the minimum):
   prefill chunks against it);
 - decode: longer generations first, up to MAX_GENERATION_TOKENS and never longer than the long
   prompt (so no request needs more context than the minimum workload did), then more of them;
-- aggregate: more rounds of the same concurrent streams.
+- aggregate: more rounds of the same concurrent streams;
+- agent: more sessions of the same shape, one after the other.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class Speeds:
     decode_fixed_s: float  # a generation's prompt, request and first token
     decode_token_s: float  # each generated token after the first
     aggregate_round_s: float  # one round of concurrent streams
+    agent_session_s: float  # one agent session
     other_s: float  # outside any request: prompt building, thread start-up
 
     @classmethod
@@ -138,6 +140,7 @@ class Speeds:
             decode_fixed_s=max(0.0, per_request_s - (spec.decode_tokens - 1) * token_s),
             decode_token_s=token_s,
             aggregate_round_s=parts.get("aggregate", 0.0) / spec.aggregate_rounds,
+            agent_session_s=parts.get("agent", 0.0) / spec.agent_sessions,
             other_s=max(0.0, float(details["workload_s"]) - sum(parts.values())),
         )
 
@@ -150,6 +153,7 @@ class Speeds:
             "prefill": spec.prefill_requests * self.prefill_request_s,
             "decode": spec.decode_requests * self.generation_s(spec.decode_tokens),
             "aggregate": spec.aggregate_rounds * self.aggregate_round_s if spec.clients else 0.0,
+            "agent": spec.agent_sessions * self.agent_session_s if spec.agent_turns else 0.0,
         }
 
     def workload_s(self, spec: WorkloadSpec) -> float:
@@ -166,15 +170,22 @@ def describe(spec: WorkloadSpec) -> Text:
         decode_requests=spec.decode_requests,
         decode_tokens=spec.decode_tokens,
     )
-    if spec.clients <= 0:
-        return parts
-    return Text(
-        "{parts}, aggregate {rounds} rounds of {clients} x {tokens} tokens",
-        parts=parts,
-        rounds=spec.aggregate_rounds,
-        clients=spec.clients,
-        tokens=spec.aggregate_tokens,
-    )
+    if spec.clients > 0:
+        parts = Text(
+            "{parts}, aggregate {rounds} rounds of {clients} x {tokens} tokens",
+            parts=parts,
+            rounds=spec.aggregate_rounds,
+            clients=spec.clients,
+            tokens=spec.aggregate_tokens,
+        )
+    if spec.agent_turns > 0:
+        parts = Text(
+            "{parts}, agent {sessions} sessions of {turns} turns",
+            parts=parts,
+            sessions=spec.agent_sessions,
+            turns=spec.agent_turns,
+        )
+    return parts
 
 
 def calibrate(
@@ -248,6 +259,7 @@ def sized(
         decode_tokens=decode_tokens,
         decode_requests=decode_requests,
         aggregate_rounds=max(base.aggregate_rounds, round(base.aggregate_rounds * scale)),
+        agent_sessions=max(base.agent_sessions, round(base.agent_sessions * scale)),
     )
     return spec, speeds.workload_s(spec)
 

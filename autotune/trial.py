@@ -233,6 +233,7 @@ class EngineTrialRunner:
             prefill_tok_s=result.prefill_tok_s,
             decode_tok_s=result.decode_tok_s,
             aggregate_tok_s=result.aggregate_tok_s,
+            agent_tok_s=result.agent_tok_s,
             ttft_s=result.ttft_s,
             hit_rate=decode_hit_rate(stats),
             usable_context=usable,

@@ -54,6 +54,7 @@ class TrialResult:
     prefill_tok_s: float | None = None
     decode_tok_s: float | None = None
     aggregate_tok_s: float | None = None
+    agent_tok_s: float | None = None
     ttft_s: float | None = None
     hit_rate: float | None = None
     usable_context: int | None = None

@@ -5,6 +5,10 @@ fixed seed so every trial reads the same text. Each prompt starts with a random 
 cache cannot make a later request cheaper than the first. Lengths in tokens come from the engine's
 own `usage`, never from a guess. How much a trial sends is a `WorkloadSpec`: a mode's minimum for
 the calibration trial, then the spec sized from it (autotune/sizing.py) for every later trial.
+
+The agent objective's workload adds coding agents' sessions (engine/bench/agent_session.py): each a
+system prompt with tool definitions and turns that each add a tool result and generate a reply,
+through the Messages API, shrunk where it would not fit the engine's usable context.
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cache
-from importlib import resources
 from typing import Any
 
+from ..engine.bench.agent_session import AgentSession, SessionError, SessionResult, SessionShape
+from ..engine.model.corpus import excerpt
 from ..engine.text import Text, text_fields, text_of
 from .client import EngineClient, StreamTiming, WorkloadError
 
@@ -57,12 +61,31 @@ class WorkloadSpec:
     aggregate_rounds: int = 2  # rounds of `clients` streams at once; the median round counts
     request_timeout_s: float = 600.0
     prefill_chars: int | None = None
+    # the agent sessions (0 turns leaves agent tok/s unmeasured): their turns, system prompt,
+    # and the most tokens a result adds (from an eighth of it) and a reply asks (from a sixth)
+    agent_turns: int = 0
+    agent_system_tokens: int = 12_000
+    agent_result_tokens: int = 4_000
+    agent_reply_tokens: int = 300
+    agent_sessions: int = 1  # sessions one after the other; agent tok/s is their median
 
     def __post_init__(self) -> None:
         assert self.prefill_tokens >= 16 and self.decode_tokens >= 2, self
         assert self.prefill_requests >= 1 and self.decode_requests >= 1, self
         assert self.aggregate_rounds >= 1, self
         assert self.prefill_chars is None or self.prefill_chars > 0, self
+        assert self.agent_sessions >= 1 and self.agent_reply_tokens >= 6, self
+        assert self.agent_result_tokens >= 8, self
+
+    def session(self, index: int) -> SessionShape:
+        """The shape of the `index`-th agent session."""
+        return SessionShape(
+            turns=self.agent_turns,
+            system_tokens=self.agent_system_tokens,
+            result_tokens=(self.agent_result_tokens // 8, self.agent_result_tokens),
+            reply_tokens=(self.agent_reply_tokens // 6, self.agent_reply_tokens),
+            seed=self.seed + index,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -77,9 +100,9 @@ class WorkloadResult:
     """The figures of one trial's workload, with the per-request readings behind them.
 
     `details` holds the readings, the spec that was run (`workload`), the seconds it took
-    (`workload_s`) and each part of them (`parts_s`: prefill, decode, aggregate), and the long
-    prompts' lengths in characters and as the engine counted them (`prefill_cuts`): what the
-    calibration trial sizes the run's workload from.
+    (`workload_s`) and each part of them (`parts_s`: prefill, decode, aggregate, agent), and
+    the long prompts' lengths in characters and as the engine counted them (`prefill_cuts`):
+    what the calibration trial sizes the run's workload from.
     """
 
     prefill_tok_s: float
@@ -87,6 +110,7 @@ class WorkloadResult:
     decode_tok_s: float
     ttft_s: float
     aggregate_tok_s: float | None = None
+    agent_tok_s: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -115,33 +139,6 @@ class ContextProof:
             bool(data["ok"]),
             text_of(data, "message"),
         )
-
-
-@cache
-def corpus_paragraphs() -> tuple[str, ...]:
-    """The paragraphs of the corpus shipped in moelab.engine.model (read once)."""
-    root = resources.files("moelab.engine.model") / "data" / "corpus"
-    paragraphs: list[str] = []
-    for entry in sorted(root.iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".txt"):
-            text = entry.read_text(encoding="utf-8")
-            paragraphs += [p.strip() for p in text.split("\n\n") if p.strip()]
-    assert paragraphs, "the engine's corpus is empty"
-    return tuple(paragraphs)
-
-
-def excerpt(rng: random.Random, chars: int) -> str:
-    """Consecutive corpus paragraphs from a seeded start, wrapping around, about `chars` long."""
-    paragraphs = corpus_paragraphs()
-    i = rng.randrange(len(paragraphs))
-    out: list[str] = []
-    size = 0
-    while size < chars:
-        piece = paragraphs[i % len(paragraphs)]
-        out.append(piece)
-        size += len(piece) + 2
-        i += 1
-    return "\n\n".join(out)[:chars]
 
 
 def fresh_line() -> str:
@@ -205,7 +202,8 @@ class Workload:
         chars_per_token: float,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> WorkloadResult:
-        """Prefill, then single-request decode, then (when asked) concurrent clients.
+        """Prefill, then single-request decode, then (when asked) concurrent clients and
+        agent sessions.
 
         The long prompt is the spec's `prefill_chars` of text; without them (the calibration
         trial), the first is cut by `chars_per_token` (the warm-up's count) and each next one
@@ -257,6 +255,11 @@ class Workload:
             _check(cancelled)
             aggregate_tok_s, details["aggregate"] = self._aggregate(client, rng, cancelled)
             details["parts_s"]["aggregate"] = sum(details["aggregate"]["rounds_wall_s"])
+        agent_tok_s = None
+        if spec.agent_turns > 0:
+            _check(cancelled)
+            agent_tok_s, details["agent"] = self._agent(client, usable_context, cancelled)
+            details["parts_s"]["agent"] = sum(details["agent"]["sessions_s"])
         details["workload"] = spec.to_json()
         details["workload_s"] = client.clock() - began
         return WorkloadResult(
@@ -265,8 +268,31 @@ class Workload:
             decode_tok_s=statistics.median(decode_rates),
             ttft_s=statistics.median(t.ttft_s for t in decodes),
             aggregate_tok_s=aggregate_tok_s,
+            agent_tok_s=agent_tok_s,
             details=details,
         )
+
+    def _agent(
+        self, client: EngineClient, usable_context: int, cancelled: Callable[[], bool]
+    ) -> tuple[float, dict[str, Any]]:
+        """Agent sessions one after the other: each one's generated tokens over its time."""
+        messages = client.messages()
+        results: list[SessionResult] = []
+        for index in range(self.spec.agent_sessions):
+            _check(cancelled)
+            try:
+                # shrunk to fit, a tenth of the context to spare: its sizes are estimates
+                shape = self.spec.session(index)
+                session = AgentSession.sized(shape, messages, usable_context * 9 // 10)
+                results.append(session.run(messages))
+            except SessionError as err:
+                raise WorkloadError(str(err)) from None
+        details = {
+            "sessions_s": [r.session_s for r in results],
+            "sessions_tok_s": [r.agent_tok_s for r in results],
+            "sessions": [r.to_json() for r in results],
+        }
+        return statistics.median(r.agent_tok_s for r in results), details
 
     def _aggregate(
         self, client: EngineClient, rng: random.Random, cancelled: Callable[[], bool]

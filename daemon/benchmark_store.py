@@ -58,6 +58,7 @@ def trial_values(trial: StoredTrial) -> dict[str, Any]:
             "warmup_s": r.warmup_s,
             "stop_s": r.stop_s,
             "failure": r.failure,
+            "agent_tok_s": r.agent_tok_s,  # beside the figures' columns: no column of its own
             "details": r.details,
             "engine": r.stats,
         },
@@ -83,6 +84,7 @@ def stored_trial(row: Trial) -> StoredTrial:
         prefill_tok_s=row.prefill_tok_s,
         decode_tok_s=row.decode_tok_s,
         aggregate_tok_s=row.aggregate_tok_s,
+        agent_tok_s=extra.get("agent_tok_s"),
         ttft_s=row.ttft_s,
         hit_rate=row.hit_rate,
         usable_context=extra.get("usable_context"),
@@ -223,6 +225,7 @@ def trial_json(row: Trial, reveal: bool, full: bool = False) -> dict[str, Any]:
         "prefill_tok_s": row.prefill_tok_s,
         "decode_tok_s": row.decode_tok_s,
         "aggregate_tok_s": row.aggregate_tok_s,
+        "agent_tok_s": extra.get("agent_tok_s"),
         "ttft_s": row.ttft_s,
         "hit_rate": row.hit_rate,
         "verdict": row.verdict,

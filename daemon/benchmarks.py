@@ -405,7 +405,8 @@ class BenchmarkService:
             pick_up=bool(options.get("pick_up_from")),
             base_origin=text_of(options, "base_origin") or STARTING_FLAGS,
         )
-        journal = self._journal(row, active, Workload(mode.workload_for(objective.clients)))
+        workload = Workload(mode.workload_for(objective.clients, objective.agent))
+        journal = self._journal(row, active, workload)
         result = Search(Plan.from_json(options["plan"]), row.base_flags, settings, journal).run()
         tried_in = dict(options.get("tried_in") or {})
         for key in result["tried"]:

@@ -14,6 +14,7 @@ from .model.spec import CheckpointError
 def _synth_parser(sub: argparse._SubParsersAction) -> None:
     from .model.spec import ARCHITECTURES
     from .model.synth import PRESETS
+    from .model.synth_tokenizer import CHAT_TEMPLATES
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint in Hugging Face layout")
     p.add_argument("--out", required=True, help="directory to write the checkpoint into")
@@ -38,6 +39,20 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
         help="expert popularity follows a Zipf law of this exponent; 0 = uniform",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chat-template",
+        default="qwen3",
+        choices=list(CHAT_TEMPLATES),
+        help="qwen3 (tool calls as JSON in <tool_call> blocks, <think> reasoning), "
+        "qwen3_thinking (the same, the reply's reasoning opened by the prompt) or qwen3_coder "
+        "(tool calls as <function=...> blocks)",
+    )
+    p.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="write all but the weights: serve the checkpoint with --dummy-weights, which builds "
+        "them in memory (for benchmarks of a geometry too big to write out)",
+    )
     p.add_argument(
         "--shard-size",
         type=parse_bytes,
@@ -108,6 +123,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             seed=args.seed,
             routing_skew=args.routing_skew,
             shard_bytes=args.shard_size,
+            chat_template=args.chat_template,
+            weights=not args.no_weights,
         )
         print(out)
         return 0

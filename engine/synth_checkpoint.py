@@ -30,8 +30,13 @@ def synthesize(
     seed: int = 0,
     routing_skew: float = 0.0,
     shard_bytes: int = 2 * 1024**3,
+    chat_template: str = "qwen3",
+    weights: bool = True,
 ) -> Path:
-    """Write config, tokenizer, generation config and safetensors weights into `out`."""
+    """Write config, tokenizer (with the chat template of that name: synth_tokenizer's
+    CHAT_TEMPLATES), generation config and safetensors weights into `out`; without `weights`,
+    all but the weights (an engine serves it with --dummy-weights, which builds its weights in
+    memory: a benchmark of a geometry too big to write out)."""
     if routing_skew < 0:
         raise ValueError("--routing-skew must be 0 (uniform) or more")
     out = Path(out)
@@ -40,12 +45,14 @@ def synthesize(
     spec = ModelSpec.from_config(config)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer = write_tokenizer_files(out, spec.vocab_size)
+    tokenizer = write_tokenizer_files(out, spec.vocab_size, chat_template)
     if tokenizer.get_vocab_size() > spec.vocab_size:
         raise ValueError(
             f"vocab_size {spec.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.get_vocab_size()} tokens; raise it with --set vocab_size=N"
         )
+    if not weights:
+        return out
     if spec.dense_bytes + spec.expert_pool_bytes <= CALIBRATE_MAX_BYTES:
         cpu = torch.device("cpu")
         source = SynthSource.calibrated(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|compare|fp8|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -19,7 +19,7 @@ run() {  # name, command...: keep going when one step fails, record its status
   local t0=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
-  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^alternated |^(paged_attention|fused_moe_decode|grouped_moe)" \
+  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^alternated |^session: |^(paged_attention|fused_moe_decode|grouped_moe)" \
     "$out/$name.log" \
     | tail -5 | tee -a "$out/summary.txt"
 }
@@ -81,6 +81,17 @@ if [ "$part" = prefix ]; then  # a multi-turn chat's time to first token, with t
     run prefix_ttft_$rate python3 scripts/prefix_cache_ttft.py --preset qwen3-30b-a3b \
       --set num_hidden_layers=12 --system 4096 --question 128 --device cuda \
       --moe-cache-rate $rate --log-level warning
+  done
+fi
+if [ "$part" = agent ]; then  # a coding agent's session through the Messages API (`moelab bench
+  # agent`: a 12k-token system prompt with tools, 20 turns of 0.5-4k-token results and 50-300-token
+  # replies), the 12 layers' geometry with dummy weights behind the synthetic tokenizer, with a
+  # 25% expert cache and all resident
+  python3 -m moelab.engine.cli synth --out "$out/agent_model" --preset qwen3-30b-a3b \
+    --set num_hidden_layers=12 --routing-skew 1 --no-weights > /dev/null
+  for rate in 0.25 1.0; do
+    run agent_session_$rate $B agent --json -- --model-path "$out/agent_model" --dummy-weights \
+      --device cuda --moe-cache-rate $rate --kv-reserve-tokens 65536 --log-level warning
   done
 fi
 if [ "$part" = resident ]; then  # all experts resident: overlapped decode against waiting steps

@@ -23,8 +23,8 @@ ENGINE_LAYERS = {
         "engine.config", "engine.model", "engine.process", "engine.runtime", "engine.text",
     },
     "engine.bench": {
-        "engine.config", "engine.experts", "engine.model", "engine.runtime", "engine.text",
-        "kernels",
+        "engine.config", "engine.experts", "engine.model", "engine.process", "engine.runtime",
+        "engine.text", "kernels",
     },
 }  # fmt: skip
 

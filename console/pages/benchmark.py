@@ -32,7 +32,12 @@ from .. import charts
 from ..i18n import Translator, _
 from ..web import NavEntry, render
 
-FIGURES = (("prefill", _("Prefill")), ("decode", _("Decode")), ("aggregate", _("Aggregate")))
+FIGURES = (
+    ("prefill", _("Prefill")),
+    ("decode", _("Decode")),
+    ("aggregate", _("Aggregate")),
+    ("agent", _("Agent session")),
+)
 VERDICT_COLOURS = {
     "base": "#5d6677",
     "kept": "#1f7a3e",
@@ -46,6 +51,7 @@ OBJECTIVE_LABELS = {
     "prefill": _("Prefill tok/s (one long prompt)"),
     "both": _("Both (geometric mean of prefill and decode)"),
     "aggregate": _("Aggregate tok/s (concurrent clients)"),
+    "agent": _("Agent session tok/s (a coding agent's turns over a growing prompt)"),
 }
 MODE_LABELS = {
     "quick": _("Quick: a few values of the flags that move the objective"),

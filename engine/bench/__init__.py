@@ -1,1 +1,2 @@
-"""`moelab bench`: the bandwidth profile's measurement and the decode benchmark."""
+"""`moelab bench`: the bandwidth profile's measurement, the decode benchmark and a coding
+agent's session replayed."""

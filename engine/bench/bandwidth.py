@@ -263,7 +263,9 @@ def _concurrent(runner, pinned13, pinned2, d13, d2, x_host, w13, w2, num_experts
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="measure bandwidths, decode and prefill speed")
+    bench = sub.add_parser(
+        "bench", help="measure bandwidths, decode and prefill speed, a coding agent's session"
+    )
     kinds = bench.add_subparsers(dest="bench", required=True)
     bw = kinds.add_parser("bw", help="bandwidths the miss split and the bounds are built on")
     bw.add_argument("--model-path", help="measure at this checkpoint's expert size")
@@ -276,9 +278,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bw.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     bw.add_argument("--out", default=None, help="profile file (default: the user cache dir)")
     bw.set_defaults(run=_run_bw)
+    from .agent import add_agent_parser
     from .decode import add_decode_parsers
 
     add_decode_parsers(kinds)
+    add_agent_parser(kinds)
 
 
 def _threads(text: str | None) -> list[int]:

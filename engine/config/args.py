@@ -36,6 +36,7 @@ CPU_KERNELS = ("auto", "native", "torch")
 CPU_PINS = ("cores", "isolate", "off")
 GENERATION_CONFIGS = ("auto", "off")
 REASONING_PARSERS = ("off", "think")
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen_xml")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # the memory a CPU device plans with where --device-memory is not given (a GPU plans its free one)
 CPU_DEFAULT_BUDGET_BYTES = 2 * 1024**3
@@ -535,6 +536,23 @@ def _server_flags(server: Group) -> None:
         "writes between <think> and </think>, goes into the message's reasoning_content and "
         "the rest into its content (streamed alike), as vLLM's reasoning parsers do; off: the "
         "reply stays one text, tags and all.",
+    )
+    server.add_argument(
+        "--reasoning-budget",
+        type=_non_negative_int,
+        default=None,
+        help="End a chat reply's <think> block after this many of its tokens by writing the "
+        "closing tag, so that the model goes on with its answer (0: no reasoning); a request's "
+        "reasoning_budget (Anthropic's thinking.budget_tokens) takes the place of this one. "
+        "Default: no limit.",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="auto",
+        help="How a chat reply's tool calls are read: hermes (JSON in <tool_call> blocks: "
+        "Qwen2.5, Qwen3), qwen_xml (<function=...> and <parameter=...> blocks: Qwen3-Coder, "
+        "Qwen3.5), or auto (the form the chat template writes; none where it writes neither).",
     )
     server.add_argument(
         "--seed",

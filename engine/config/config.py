@@ -190,6 +190,8 @@ class ServerConfig(_FlagGroup):
     stats: bool = _setting("--no-stats", negated=True)
     generation_config: str = _setting("--generation-config", _one_of(flags.GENERATION_CONFIGS))
     reasoning_parser: str = _setting("--reasoning-parser", _one_of(flags.REASONING_PARSERS))
+    reasoning_budget: int | None = _setting("--reasoning-budget", flags.WholeNumber(0).check)
+    tool_call_parser: str = _setting("--tool-call-parser", _one_of(flags.TOOL_CALL_PARSERS))
     seed: int = _setting("--seed")
     log_level: str = _setting("--log-level", _one_of(flags.LOG_LEVELS))
 

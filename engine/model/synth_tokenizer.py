@@ -1,4 +1,5 @@
-"""A real byte-level BPE tokenizer and ChatML chat template for synthetic checkpoints."""
+"""A real byte-level BPE tokenizer and ChatML chat templates (Qwen3's, its thinking models', and
+Qwen3-Coder's) for synthetic checkpoints."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ SPECIAL_TOKENS = [
     "</tool_call>",
 ]
 
-# ChatML as the Qwen family writes it, with tools and the enable_thinking switch.
-CHAT_TEMPLATE = (
+# ChatML turns as Qwen3 writes them: tools offered in the system turn, an assistant's tool calls as
+# JSON in <tool_call> blocks (the Hermes form), tool results in <tool_response> blocks of a user
+# turn.
+_QWEN3_TURNS = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
@@ -34,10 +37,30 @@ CHAT_TEMPLATE = (
     "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{- raise_exception('unknown message role: ' + message.role) }}"
     "{%- endif %}"
-    "{%- if not (message.role == 'system' and loop.first) %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if (loop.first and message.content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}"
+    "{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + (message.content or '') + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- elif not (message.role == 'system' and loop.first) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
+)
+# Qwen3's: the generation prompt, with an empty reasoning closed where enable_thinking is false
+CHAT_TEMPLATE = _QWEN3_TURNS + (
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"
@@ -45,6 +68,81 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endif %}"
 )
+# Qwen3's thinking models of 2507 (and DeepSeek-R1): the generation prompt opens the reasoning
+THINKING_CHAT_TEMPLATE = _QWEN3_TURNS + (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+# Qwen3-Coder's form (Qwen3.5's is the same): the tools listed with their parameters, an
+# assistant's tool calls as <function=...> blocks of <parameter=...> blocks, tool results in
+# <tool_response> blocks of a user turn; no reasoning.
+CODER_CHAT_TEMPLATE = (
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{%- set system_message = messages[0].content %}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- if system_message is defined or tools %}"
+    "{{- '<|im_start|>system\\n' + (system_message or 'You are a helpful coding assistant.') }}"
+    "{%- endif %}"
+    "{%- if tools %}"
+    "{{- '\\n\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- for tool in tools %}"
+    "{%- if tool.function is defined %}{%- set tool = tool.function %}{%- endif %}"
+    "{{- '\\n<function>\\n<name>' + tool.name + '</name>' }}"
+    "{{- '\\n<description>' + (tool.description or '') + '</description>\\n<parameters>' }}"
+    "{%- for name, fields in ((tool.parameters or {}).properties or {}) | items %}"
+    "{{- '\\n<parameter>\\n<name>' + name + '</name>' }}"
+    "{%- if fields.type is defined %}{{- '\\n<type>' + (fields.type | string) + '</type>' }}"
+    "{%- endif %}"
+    "{{- '\\n</parameter>' }}"
+    "{%- endfor %}"
+    "{{- '\\n</parameters>\\n</function>' }}"
+    "{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following "
+    "format with NO suffix:\\n\\n<tool_call>\\n<function=example_function_name>\\n"
+    "<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n</function>\\n"
+    "</tool_call>' }}"
+    "{%- endif %}"
+    "{%- if system_message is defined or tools %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('unknown message role: ' + message.role) }}"
+    "{%- endif %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content | trim + '\\n' }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+    "{%- for args_name, args_value in tool_call.arguments | items %}"
+    "{{- '<parameter=' + args_name + '>\\n' }}"
+    "{%- if args_value is mapping or (args_value is sequence and args_value is not string) %}"
+    "{{- args_value | tojson }}{%- else %}{{- args_value | string }}{%- endif %}"
+    "{{- '\\n</parameter>\\n' }}"
+    "{%- endfor %}"
+    "{{- '</function>\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or loop_messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user\\n' }}"
+    "{%- endif %}"
+    "{{- '<tool_response>\\n' + (message.content or '') + '\\n</tool_response>\\n' }}"
+    "{%- if loop.last or loop_messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# the chat templates a synthetic checkpoint may carry, by the name `moelab synth` takes
+CHAT_TEMPLATES = {
+    "qwen3": CHAT_TEMPLATE,
+    "qwen3_thinking": THINKING_CHAT_TEMPLATE,
+    "qwen3_coder": CODER_CHAT_TEMPLATE,
+}
 
 
 def corpus_text() -> str:
@@ -79,8 +177,9 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(data))
 
 
-def write_tokenizer_files(out: Path, vocab_size: int) -> Tokenizer:
-    """Write tokenizer.json, tokenizer_config.json and generation_config.json into `out`."""
+def write_tokenizer_files(out: Path, vocab_size: int, chat_template: str = "qwen3") -> Tokenizer:
+    """Write tokenizer.json, tokenizer_config.json (with the chat template of that name, from
+    CHAT_TEMPLATES) and generation_config.json into `out`."""
     tok = build_tokenizer(vocab_size)
     tok.save(str(out / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
@@ -104,7 +203,7 @@ def write_tokenizer_files(out: Path, vocab_size: int) -> Tokenizer:
         "pad_token": "<|endoftext|>",
         "unk_token": None,
         "model_max_length": 131072,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": CHAT_TEMPLATES[chat_template],
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))

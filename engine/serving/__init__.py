@@ -1,3 +1,3 @@
-"""The HTTP server: the OpenAI-compatible API, tool-call and reasoning parsers, access
-rules and secrets, and /metrics.
+"""The HTTP server: the OpenAI-compatible API and Anthropic's Messages API, tool-call and
+reasoning parsers, access rules and secrets, and /metrics.
 """

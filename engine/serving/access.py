@@ -28,8 +28,11 @@ from .hosts import ServedHosts, is_foreign
 from .openai_api import ApiError
 
 READ_METHODS = frozenset({"GET", "HEAD"})
-# the OpenAI API a browser client calls (a chat page lists the models first)
-INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+# the OpenAI and Anthropic APIs a browser client calls (a chat page lists the models first)
+INFERENCE_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages",
+    "/v1/messages/count_tokens",
+})  # fmt: skip
 
 
 def access_middleware(hosts: ServedHosts, allowed_origins: Iterable[str] = ()) -> list[Middleware]:

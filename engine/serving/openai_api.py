@@ -11,10 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from starlette.requests import Request
+
 from ..runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
-from .tool_calls import speaks_hermes
+from .tool_calls import ToolParser, parser_for
 
 DEFAULT_MAX_TOKENS = 1024
+MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_STOPS = 16
 # how deep a request's JSON may nest: a chat with tools' schemas is a dozen levels; deeper is no
 # request, and Python's decoder and the template's filters recurse
@@ -93,10 +96,17 @@ class ParsedRequest:
     # adds them): completions' default; a chat template writes its own
     add_special_tokens: bool
     echo: bool = False  # completions: the prompt comes first in the text (and its logprobs)
-    parse_tools: bool = False  # chat: tool calls taken out of the reply (tool_calls.py)
+    # chat: how tool calls are taken out of the reply (tool_calls.py); None: they stay text
+    tool_parser: ToolParser | None = None
+    # chat: the reply's start the prompt wrote (a forced tool call's opening), part of its text
+    reply_prefix: str = ""
     # chat with --reasoning-parser think: whether the prompt opened the reply's reasoning
     # (reasoning.py); None: the reasoning stays in the text
     think_opened: bool | None = None
+    # chat: the reply's tokens inside its <think> block before the server closes it
+    reasoning_budget: int | None = None
+    # max_tokens past the context's room left is cut to it (the Messages API's way), not refused
+    fit_context: bool = False
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -115,6 +125,27 @@ class ParsedRequest:
             stop=self.stop,
             ignore_eos=self.ignore_eos,
         )
+
+
+async def read_body(request: Request):
+    """The JSON body (strict: `decode_body`), refusing bodies past MAX_BODY_BYTES before
+    reading them whole."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(
+            413,
+            f"request body of {int(length)} bytes exceeds {MAX_BODY_BYTES}",
+            code="request_too_large",
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(
+                413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large"
+            )
+        chunks.append(chunk)
+    return decode_body(b"".join(chunks))
 
 
 def decode_body(raw: bytes):
@@ -495,8 +526,10 @@ def chat_response(
     logprobs: dict | None = None,
     tool_calls: list[dict] | None = None,
     reasoning: str | bool | None = False,
+    stop_reason: str | None = None,
 ) -> dict:
-    """reasoning: the message's reasoning_content (None: it has none); False: no such field."""
+    """reasoning: the message's reasoning_content (None: it has none); False: no such field.
+    stop_reason: the stop string the reply ended before, as vLLM's choices give it."""
     message: dict = {"role": "assistant", "content": text}
     if reasoning is not False:
         message["reasoning_content"] = reasoning
@@ -514,6 +547,7 @@ def chat_response(
                 "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish,
+                "stop_reason": stop_reason,
             }
         ],
         "usage": u,
@@ -527,41 +561,53 @@ def chat_chunk(
     finish: str | None,
     u: dict | None = None,
     logprobs: dict | None = None,
+    stop_reason: str | None = None,
 ) -> dict:
     chunk = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-    }
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                     "stop_reason": stop_reason}],
+    }  # fmt: skip
     if u is not None:
         chunk["choices"] = []
         chunk["usage"] = u
     return chunk
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, u: dict,
-                        logprobs: dict | None = None) -> dict:  # fmt: skip
+def completion_response(
+    rid: str,
+    model: str,
+    text: str,
+    finish: str,
+    u: dict,
+    logprobs: dict | None = None,
+    stop_reason: str | None = None,
+) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                     "stop_reason": stop_reason}],
         "usage": u,
-    }
+    }  # fmt: skip
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None,
-                     u: dict | None = None, logprobs: dict | None = None) -> dict:  # fmt: skip
+                     u: dict | None = None, logprobs: dict | None = None,
+                     stop_reason: str | None = None) -> dict:  # fmt: skip
     chunk = {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-    }
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                     "stop_reason": stop_reason}],
+    }  # fmt: skip
     if u is not None:
         chunk["choices"] = []
         chunk["usage"] = u
@@ -575,6 +621,7 @@ class StopMatcher:
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
+        self.matched: str | None = None  # the stop string reached
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Text safe to emit now, and whether a stop string was reached."""
@@ -583,6 +630,7 @@ class StopMatcher:
             at = self.pending.find(stop)
             if at >= 0:
                 out, self.pending = self.pending[:at], ""
+                self.matched = stop
                 return out, True
         if self.hold == 0:
             out, self.pending = self.pending, ""
@@ -652,12 +700,70 @@ def completion_logprobs(entries: list[TokenLogprobs], names: TokenNames, offset:
     }
 
 
-def tool_parsing(body: dict, tools: list | None, template_source: str | None) -> bool:
-    """Whether a chat request's tool calls are taken out of its reply: it gives tools, its
-    `tool_choice` lets the model choose (absent or "auto"; "none": the reply stays text), and
-    the chat template writes calls in <tool_call> blocks. A choice the server cannot enforce
-    (required, or one named function) is refused: nothing constrains the reply."""
+def tool_use(
+    body: dict, tools: list | None, template_source: str | None, parser: str = "auto"
+) -> tuple[ToolParser | None, str]:
+    """How a chat request's tool calls are taken out of its reply (None: they stay text), and
+    the opening of the call its reply must begin with ("" where the model chooses).
+
+    `tool_choice` absent or "auto": calls are read where the request gives tools and the reply
+    has a form to read them in (`parser`: --tool-call-parser; auto: the chat template's form);
+    "none": the reply stays text. "required", or a named function
+    (`{"type": "function", "function": {"name": ...}}`), makes the reply begin with the opening
+    of a call (of that function), which the prompt writes: the model goes on inside it.
+    `parallel_tool_calls` false ends the reply at its first call."""
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise bad("tool_choice", 'only "auto" and "none" are supported (nothing forces a call)')
-    return bool(tools) and choice != "none" and speaks_hermes(template_source)
+    forced, name = _forced_call(choice)
+    if not tools or choice == "none":
+        if forced:
+            raise bad("tool_choice", "asks for a tool call, but the request gives no tools")
+        return None, ""
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "must be true or false")
+    form = parser_for(template_source, parser)
+    reader = ToolParser.of(form, tools, parallel) if form else None
+    if not forced:
+        return reader, ""
+    if name is not None and name not in _tool_names(tools):
+        raise bad("tool_choice", f"names {name!r}, which is not among the request's tools")
+    if reader is None:
+        raise bad(
+            "tool_choice",
+            "this model's chat template writes no tool calls this server reads; start it with "
+            "--tool-call-parser hermes or qwen_xml to force a call",
+        )
+    return reader, reader.opening(name)
+
+
+def _forced_call(choice) -> tuple[bool, str | None]:
+    """Whether `tool_choice` forces a call, and the function it names (None: any)."""
+    if choice in (None, "auto", "none"):
+        return False, None
+    if choice == "required":
+        return True, None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return True, function["name"]
+    raise bad(
+        "tool_choice",
+        'must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+    )
+
+
+def _tool_names(tools: list) -> set[str]:
+    """The function names a request's tools offer."""
+    names = set()
+    for tool in tools:
+        function = tool.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.add(function["name"])
+    return names
+
+
+def parse_reasoning_budget(body: dict, default: int | None) -> int | None:
+    """`reasoning_budget`: the reply's tokens inside its <think> block before the server closes
+    it (0: none); absent or null: the server's --reasoning-budget."""
+    budget = _number(body, "reasoning_budget", None, lo=0, integer=True)
+    return default if budget is None else budget

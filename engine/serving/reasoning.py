@@ -8,18 +8,31 @@ itself opens with <think>. Otherwise it has no reasoning (Qwen3 with enable_thin
 whose template closes an empty block in the prompt; any other model). The reasoning ends at
 </think>, and everything after it is content. A reply cut short inside its reasoning is all
 reasoning. Whitespace around the reasoning and before the content is dropped.
+
+A reasoning budget (`ReasoningBudget`: `--reasoning-budget`, a request's own) ends the block after
+that many of the reply's tokens inside it: the server then writes the closing tag as the chat
+templates write it (`CLOSING`) and the model goes on with its answer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<think>", "</think>"
+# a block's end as the Qwen templates write a past turn's reasoning (and an empty one)
+CLOSING = "\n</think>\n\n"
 
 
 def opened_by_prompt(prompt: str) -> bool:
     """Whether the rendered prompt ends inside a <think> block, so the reply starts in it."""
     return prompt.rstrip().endswith(OPEN)
+
+
+def closed(prompt: str) -> str:
+    """The rendered prompt with the <think> block it ends in closed empty (as Qwen3's template
+    writes it with enable_thinking false), so that the reply starts with its answer; any other
+    prompt as it is."""
+    return prompt + CLOSING if opened_by_prompt(prompt) else prompt
 
 
 def split_reasoning(text: str, opened: bool) -> tuple[str | None, str]:
@@ -44,6 +57,11 @@ class ReasoningStream:
 
     def __post_init__(self) -> None:
         self._state = "reasoning" if self.opened else "start"
+
+    @property
+    def inside(self) -> bool:
+        """Whether the text so far ends inside the reasoning."""
+        return self._state in ("reasoning", "thinking")
 
     def feed(self, piece: str) -> tuple[str, str]:
         text, self._held = self._held + piece, ""
@@ -99,3 +117,26 @@ def _held_back(text: str) -> int:
                 if CLOSE.startswith(text[-k:])), 0)  # fmt: skip
     body = text[: len(text) - tag]
     return tag + len(body) - len(body.rstrip())
+
+
+@dataclass
+class ReasoningBudget:
+    """Counts a reply's tokens inside its <think> block, one `feed` a token, and tells when
+    `tokens` of them are spent with the block still open: the closing tag is then due."""
+
+    tokens: int
+    opened: bool = False  # the prompt opened the block
+    spent: int = 0
+    _text: ReasoningStream = field(init=False)
+
+    def __post_init__(self) -> None:
+        assert self.tokens >= 0, self.tokens
+        self._text = ReasoningStream(self.opened)
+
+    def feed(self, piece: str) -> bool:
+        """Take one token's text; whether the budget is spent and the reply still thinking."""
+        was_inside = self._text.inside
+        self._text.feed(piece)
+        if was_inside:
+            self.spent += 1
+        return self._text.inside and self.spent >= self.tokens

@@ -8,6 +8,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -16,20 +17,21 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..config.config import EngineConfig
-from ..model.tokenizer import ChatTemplateError, IncrementalDecoder
+from ..model.tokenizer import ChatTemplateError
 from ..runtime.sampling import TokenLogprobs
-from ..runtime.worker import EngineWorker, QueueFull
+from ..runtime.worker import EngineWorker
 from ..runtime.worker import Request as EngineRequest
+from . import anthropic_api, anthropic_reply
 from . import openai_api as api
 from .access import access_middleware
+from .generation import Generation
 from .hosts import ServedHosts, is_loopback_address
 from .openai_api import ApiError
-from .reasoning import ReasoningStream, opened_by_prompt, split_reasoning
-from .tool_calls import ToolCallStream, split_reply
+from .reasoning import ReasoningStream, closed, opened_by_prompt, split_reasoning
+from .tool_calls import ToolCallStream
 
 log = logging.getLogger("moelab.server")
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
 RESIZE_WAIT_S = 30.0
 MAX_RESIZE = 2**31 - 1  # slots or tokens: past any machine's memory, within the planner's ints
 
@@ -38,25 +40,11 @@ def _error(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-async def read_json(request: Request):
-    """The JSON body (strict: `api.decode_body`), refusing bodies past MAX_BODY_BYTES before
-    reading them whole."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(
-            413,
-            f"request body of {int(length)} bytes exceeds {MAX_BODY_BYTES}",
-            code="request_too_large",
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(
-                413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large"
-            )
-        chunks.append(chunk)
-    return api.decode_body(b"".join(chunks))
+def _refusal(request: Request, err: ApiError) -> JSONResponse:
+    """An error in the shape of the API the path belongs to: Anthropic's, or OpenAI's."""
+    if request.url.path.startswith(anthropic_api.PATH):
+        return anthropic_reply.error_response(err)
+    return _error(err)
 
 
 async def _no_route(request: Request, exc: Exception) -> Response:
@@ -71,7 +59,7 @@ async def _no_route(request: Request, exc: Exception) -> Response:
         message = f"{request.url.path} does not take {request.method}; it takes {allowed}"
     else:
         message = str(exc.detail)
-    return _error(ApiError(exc.status_code, message, headers=exc.headers))
+    return _refusal(request, ApiError(exc.status_code, message, headers=exc.headers))
 
 
 def _internal_error(exc: Exception) -> ApiError:
@@ -85,7 +73,7 @@ def _internal_error(exc: Exception) -> ApiError:
 
 
 async def _internal(request: Request, exc: Exception) -> Response:
-    return _error(_internal_error(exc))  # uvicorn logs the traceback
+    return _refusal(request, _internal_error(exc))  # uvicorn logs the traceback
 
 
 class Server:
@@ -116,11 +104,18 @@ class Server:
             Route("/v1/stats", self.stats),
             Route("/metrics", self.metrics),
             Route("/v1/cache/resize", self.resize, methods=["POST"]),
+            *anthropic_api.routes(self),
         ], middleware=access_middleware(
             ServedHosts(server.host, server.allow_host or ()), server.allowed_origins or ()
         ), exception_handlers={HTTPException: _no_route, Exception: _internal})  # fmt: skip
 
     # guards ------------------------------------------------------------------------------------
+
+    def admit(self, request: Request):
+        """The engine, for a request with the API key while the model is ready (else an
+        ApiError that says which is missing)."""
+        self._check_key(request)
+        return self._ready()
 
     def _check_key(self, request: Request) -> None:
         key = self.config.server.api_key
@@ -128,10 +123,11 @@ class Server:
             return
         given = request.headers.get("authorization", "")
         token = given[7:] if given.lower().startswith("bearer ") else ""
+        token = request.headers.get("x-api-key", token)  # Anthropic's clients send it so
         if not secrets.compare_digest(token.encode(), key.encode()):
             raise ApiError(
                 401,
-                "a valid API key is required (Authorization: Bearer KEY)",
+                "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
                 type_="authentication_error",
                 code="invalid_api_key",
             )
@@ -196,48 +192,69 @@ class Server:
         try:
             self._check_key(request)
             engine = self._ready()
-            body = await read_json(request)
-            common = api.parse_common(body, chat=True, defaults=self.sampling_defaults)
-            self._check_model(common["model"])
-            messages = api.parse_messages(body)
-            kwargs = api.parse_template_kwargs(body)
-            tools = api.parse_tools(body)
-            if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
-                raise ApiError(400, "this model has no chat template; use /v1/completions")
-            try:
-                text = await asyncio.to_thread(
-                    engine.tokenizer.apply_chat_template, messages, tools=tools, **kwargs
-                )
-            except ChatTemplateError as err:
-                raise api.bad("messages", str(err)) from None
-            parse_tools = api.tool_parsing(body, tools, engine.tokenizer.chat_template_source)
-            opened = (
-                opened_by_prompt(text) if self.config.server.reasoning_parser == "think" else None
-            )
-            parsed = api.ParsedRequest(
-                prompt_text=text, prompt_ids=None, **common, parse_tools=parse_tools,
-                think_opened=opened,
-            )  # fmt: skip
-            return await self._run(request, engine, parsed, chat=True)
+            body = await api.read_body(request)
+            parsed = await self.parse_chat(engine, body)
+            return await self._run(engine, parsed, chat=True)
         except ClientDisconnect:
             return Response(status_code=499)
         except ApiError as err:
             return _error(err)
+
+    async def parse_chat(self, engine, body) -> api.ParsedRequest:
+        """A chat request's fields and its prompt, rendered by the chat template: with the
+        opening of the call a forced tool choice makes, and the reasoning closed where it gets
+        no tokens (a forced call, or a budget of 0)."""
+        common = api.parse_common(body, chat=True, defaults=self.sampling_defaults)
+        self._check_model(common["model"])
+        messages = api.parse_messages(body)
+        kwargs = api.parse_template_kwargs(body)
+        tools = api.parse_tools(body)
+        server = self.config.server
+        budget = api.parse_reasoning_budget(body, server.reasoning_budget)
+        if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
+            raise ApiError(400, "this model has no chat template; use /v1/completions")
+        try:
+            text = await asyncio.to_thread(
+                engine.tokenizer.apply_chat_template, messages, tools=tools, **kwargs
+            )
+        except ChatTemplateError as err:
+            raise api.bad("messages", str(err)) from None
+        source = engine.tokenizer.chat_template_source
+        tool_parser, opening = api.tool_use(body, tools, source, server.tool_call_parser)
+        if opening or budget == 0:
+            text = closed(text) + opening
+        opened = opened_by_prompt(text) if server.reasoning_parser == "think" else None
+        return api.ParsedRequest(
+            prompt_text=text, prompt_ids=None, **common, tool_parser=tool_parser,
+            reply_prefix=opening, think_opened=opened, reasoning_budget=budget,
+        )  # fmt: skip
 
     async def completions(self, request: Request) -> Response:
         try:
             self._check_key(request)
             engine = self._ready()
-            body = await read_json(request)
+            body = await api.read_body(request)
             parsed = api.parse_completion(body, self.sampling_defaults)
             self._check_model(parsed.model)
-            return await self._run(request, engine, parsed, chat=False)
+            return await self._run(engine, parsed, chat=False)
         except ClientDisconnect:
             return Response(status_code=499)
         except ApiError as err:
             return _error(err)
 
-    async def _run(self, request: Request, engine, parsed: api.ParsedRequest, *, chat: bool):
+    async def _run(self, engine, parsed: api.ParsedRequest, *, chat: bool) -> Response:
+        gen = await self.generate(engine, parsed, chat=chat)
+        rid = api.new_id("chatcmpl" if chat else "cmpl")
+        if parsed.stream:
+            stream = _sse_lines(self.chunks(gen, rid, chat))
+            return StreamingResponse(
+                stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        return JSONResponse(await self.collect(gen, rid, chat))
+
+    async def generate(self, engine, parsed: api.ParsedRequest, *, chat: bool) -> Generation:
+        """The request's prompt checked against the vocabulary and the context (chat: its
+        messages), and its generation queued."""
         tok = engine.tokenizer
         if parsed.prompt_ids is not None:
             ids = parsed.prompt_ids
@@ -267,6 +284,8 @@ class Server:
         max_tokens = parsed.max_tokens
         if max_tokens is None:
             max_tokens = min(api.DEFAULT_MAX_TOKENS, max(room, 1))
+        elif parsed.fit_context:
+            max_tokens = min(max_tokens, max(room, 1))
         if len(ids) + max_tokens > context:
             raise ApiError(
                 400,
@@ -281,51 +300,11 @@ class Server:
             params = parsed.sampling(max(max_tokens, 1))
         except ValueError as err:
             raise ApiError(400, str(err)) from None
-        req = EngineRequest(ids, params, asyncio.get_running_loop())
-        try:
-            self.worker.submit(req, self.config.batching.max_requests_in_flight)
-        except QueueFull as err:
-            raise ApiError(
-                429,
-                f"too many requests: {err}; retry shortly",
-                type_="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            ) from None
-        rid = api.new_id("chatcmpl" if chat else "cmpl")
-        if parsed.stream:
-            stream = self._stream(req, engine, parsed, rid, chat, len(ids))
-            return StreamingResponse(
-                stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
-        return await self._collect(request, req, engine, parsed, rid, chat, len(ids))
-
-    async def _tokens(self, req: EngineRequest, engine, parsed: api.ParsedRequest):
-        """(text piece, finish reason, the token's log probabilities or None) as tokens arrive;
-        stop strings applied."""
-        decoder = IncrementalDecoder(engine.tokenizer) if engine.tokenizer else None
-        stops = api.StopMatcher(parsed.stop)
-        while True:
-            token, finish, logprobs = await req.events.get()
-            if token < 0:
-                raise ApiError(
-                    500,
-                    f"generation failed: {finish or 'engine error'}",
-                    type_="server_error",
-                    code="engine_error",
-                )
-            piece = decoder.push(token) if decoder else ""
-            if decoder and finish is not None:
-                piece += decoder.flush()
-            text, stopped = stops.feed(piece)
-            if stopped:
-                self.worker.cancel(req)
-                yield text, "stop", logprobs
-                return
-            if finish is not None:
-                yield text + stops.flush(), finish, logprobs
-                return
-            yield text, None, logprobs
+        gen = Generation(
+            self.worker, engine, parsed, ids, params, self.config.batching.max_requests_in_flight
+        )
+        gen.submit()
+        return gen
 
     def _logprobs(self, engine, entries: list, chat: bool, offset: int) -> dict | None:
         """The logprobs object of `entries` (tokens whose text begins `offset` characters into
@@ -337,10 +316,12 @@ class Server:
             return api.chat_logprobs(entries, names)
         return api.completion_logprobs(entries, names, offset)
 
-    async def _collect(self, request, req, engine, parsed, rid, chat, prompt_tokens) -> Response:
+    async def collect(self, gen: Generation, rid: str, chat: bool) -> dict:
+        """The whole response (chat.completion or text_completion) once generation ends."""
+        engine, parsed = gen.engine, gen.parsed
         pieces, finish, completion, entries = [], "stop", 0, []
         try:
-            async for text, reason, logprobs in self._tokens(req, engine, parsed):
+            async for text, reason, logprobs in gen.pieces():
                 completion += 1
                 pieces.append(text)
                 if logprobs is not None:
@@ -348,90 +329,93 @@ class Server:
                 if reason is not None:
                     finish = reason
         except asyncio.CancelledError:
-            self.worker.cancel(req)
+            gen.cancel()
             raise
-        completion = self._completion_tokens(req, completion)
+        completion = gen.completion_tokens(completion)
         if parsed.max_tokens == 0:  # echo alone: the token drawn is not handed out
             pieces, entries, completion, finish = [], [], 0, "length"
-        text = "".join(pieces)
+        text = parsed.reply_prefix + "".join(pieces)
         if parsed.echo:
-            text = _prompt_text(engine, parsed, req) + text
-            entries = _prompt_entries(req, parsed) + entries
-        u = api.usage(prompt_tokens, completion, _cached(req))
+            text = _prompt_text(engine, parsed, gen.first) + text
+            entries = _prompt_entries(gen.first, parsed) + entries
+        u = api.usage(gen.prompt_tokens, completion, gen.cached_tokens)
         logprobs = self._logprobs(engine, entries, chat, 0)
+        name, stopped = self.model_name, gen.stop_matched
         if not chat:
-            return JSONResponse(
-                api.completion_response(rid, self.model_name, text, finish, u, logprobs)
-            )
+            return api.completion_response(rid, name, text, finish, u, logprobs, stopped)
         reasoning: str | bool | None = False
         if parsed.think_opened is not None:
             reasoning, text = split_reasoning(text, parsed.think_opened)
         calls = None
-        if parsed.parse_tools:  # in the content only: a call the reasoning mentions is none
-            text, calls = split_reply(text)
-            finish = "tool_calls" if calls and finish == "stop" else finish
-        return JSONResponse(
-            api.chat_response(rid, self.model_name, text, finish, u, logprobs, calls, reasoning)
-        )
+        parser = parsed.tool_parser
+        if parser:  # in the content only: a call the reasoning mentions is none
+            text, calls = parser.split(text)
+            # a reply held to one call ended with it, whatever the model wrote after
+            ended = finish == "stop" or not parser.parallel
+            finish = "tool_calls" if calls and ended else finish
+        return api.chat_response(rid, name, text, finish, u, logprobs, calls, reasoning, stopped)
 
-    @staticmethod
-    def _completion_tokens(req: EngineRequest, fallback: int) -> int:
-        return len(req.seq.output_ids) if req.seq is not None else fallback
-
-    async def _stream(self, req, engine, parsed, rid, chat, prompt_tokens) -> AsyncIterator[str]:
-        name = self.model_name
+    async def chunks(self, gen: Generation, rid: str, chat: bool) -> AsyncIterator[dict | ApiError]:
+        """The stream's chunks (chat.completion.chunk or text_completion) as tokens arrive, the
+        usage's last where asked; a failure after the start as its ApiError, last."""
+        engine, parsed, name = gen.engine, gen.parsed, self.model_name
         done = False
         try:
             if chat:
-                yield _sse(api.chat_chunk(rid, name, {"role": "assistant", "content": ""}, None))
+                yield api.chat_chunk(rid, name, {"role": "assistant", "content": ""}, None)
             # the tokens' log probabilities go with the chunk that carries their text (text held
             # back, a character's first bytes or a possible stop string, keeps them waiting)
             entries: list = []
             offset = 0
-            tools = ToolCallStream() if parsed.parse_tools else None
+            tools = parsed.tool_parser.stream() if parsed.tool_parser else None
             opened = parsed.think_opened
             thinking = ReasoningStream(opened) if opened is not None else None
             echo = parsed.echo
-            async for text, reason, logprobs in self._tokens(req, engine, parsed):
+            prefix = parsed.reply_prefix
+            async for text, reason, logprobs in gen.pieces():
                 if echo:  # the prompt first, once its scores are in (with the first token)
                     echo = False
-                    lp = self._logprobs(engine, _prompt_entries(req, parsed), chat, offset)
-                    prompt_text = _prompt_text(engine, parsed, req)
+                    lp = self._logprobs(engine, _prompt_entries(gen.first, parsed), chat, offset)
+                    prompt_text = _prompt_text(engine, parsed, gen.first)
                     offset += len(prompt_text)
-                    yield _sse(api.completion_chunk(rid, name, prompt_text, None, logprobs=lp))
+                    yield api.completion_chunk(rid, name, prompt_text, None, logprobs=lp)
                 if parsed.max_tokens == 0:  # echo alone: the token drawn is not handed out
                     text, logprobs, reason = "", None, "length"
                 if logprobs is not None:
                     entries.append(logprobs)
+                stopped = gen.stop_matched if reason is not None else None
                 if chat:
+                    text, prefix = prefix + text, ""
                     deltas = _chat_deltas(tools, thinking, text, reason)
                     if deltas:  # the waiting entries go with the first chunk
                         lp, entries = self._logprobs(engine, entries, chat, 0), []
                     for i, (delta, finish) in enumerate(deltas):
                         lp = None if i else lp
-                        yield _sse(api.chat_chunk(rid, name, delta, finish, logprobs=lp))
+                        yield api.chat_chunk(rid, name, delta, finish, logprobs=lp,
+                                             stop_reason=stopped if finish else None)  # fmt: skip
+                    if tools is not None and tools.full:  # its one call made: the reply ends
+                        gen.cancel()
+                        break
                 elif text or reason is not None:
                     lp = self._logprobs(engine, entries, chat, offset)
                     offset += sum(len(t) for t in lp["tokens"]) if lp else 0
                     entries = []
-                    yield _sse(api.completion_chunk(rid, name, text, reason, logprobs=lp))
+                    yield api.completion_chunk(rid, name, text, reason, logprobs=lp,
+                                               stop_reason=stopped)  # fmt: skip
             done = True
             if parsed.include_usage:
-                completion = 0 if parsed.max_tokens == 0 else self._completion_tokens(req, 0)
-                u = api.usage(prompt_tokens, completion, _cached(req))
+                completion = 0 if parsed.max_tokens == 0 else gen.completion_tokens(0)
+                u = api.usage(gen.prompt_tokens, completion, gen.cached_tokens)
                 maker = api.chat_chunk if chat else api.completion_chunk
-                yield _sse(maker(rid, name, {}, None, u) if chat else maker(rid, name, "", None, u))
-            yield "data: [DONE]\n\n"
+                yield maker(rid, name, {}, None, u) if chat else maker(rid, name, "", None, u)
         except ApiError as err:
-            yield _sse(err.body())
-            yield "data: [DONE]\n\n"
+            yield err
         except Exception as err:  # the status is sent: the failure can only be one more event
             log.exception("stream %s failed", rid)
-            yield _sse(_internal_error(err).body())
-            yield "data: [DONE]\n\n"
+            yield _internal_error(err)
         finally:
             if not done:  # the client went away (or the stream failed): free the KV now
-                self.worker.cancel(req)
+                gen.cancel()
 
     async def stats(self, request: Request) -> Response:
         try:
@@ -470,7 +454,7 @@ class Server:
                     code="forbidden",
                 )
             self._ready()
-            body = await read_json(request)
+            body = await api.read_body(request)
             if (
                 not isinstance(body, dict)
                 or len({"moe_cache_size", "kv_reserve_tokens"} & set(body)) != 1
@@ -540,8 +524,8 @@ def _chat_deltas(
     """The chat chunks (delta, finish reason) one arrival of text makes: its reasoning
     (`thinking`: the reply's reasoning taken out of it), its content, then each tool call that
     closed (`tools`: the request's calls taken out of the content), the finish reason on the
-    last ("tool_calls" where the reply ended on its own after making calls); none while
-    everything is held back."""
+    last ("tool_calls" where the reply ended on its own after making calls, or made the one call
+    it may make); none while everything is held back."""
     reasoning = ""
     if thinking is not None:
         reasoning, text = thinking.feed(text)
@@ -551,6 +535,8 @@ def _chat_deltas(
     calls: list[dict] = []
     if tools is not None:
         text, calls = tools.feed(text)
+        if tools.full:  # its one call made (parallel_tool_calls false): the reply ends here
+            reason = "stop"
         if reason is not None:
             rest, more = tools.flush()
             text, calls = text + rest, calls + more
@@ -583,10 +569,14 @@ def _prompt_entries(req: EngineRequest, parsed: api.ParsedRequest) -> list[Token
     return [first, *req.seq.prompt_logprobs]
 
 
-def _cached(req: EngineRequest) -> int | None:
-    """The request's prompt tokens the prefix cache held (None: it never ran)."""
-    return req.seq.cached_tokens if req.seq is not None else None
-
-
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse_lines(chunks: AsyncIterator[dict | ApiError]) -> AsyncIterator[str]:
+    """A stream's chunks as OpenAI's server-sent events, a failure's error as one of them, and
+    `[DONE]` last."""
+    async with aclosing(chunks):
+        async for item in chunks:
+            yield _sse(item.body() if isinstance(item, ApiError) else item)
+    yield "data: [DONE]\n\n"

@@ -137,7 +137,9 @@ class FakeEngine:
                 spec, usable, prefill, decode, aggregate, self.request_s,
                 self.compile_s if cold else 0.0, self.other_s,
             )  # fmt: skip
-            return WorkloadResult(prefill, spec.prefill_tokens, decode, 0.1, aggregate, details)
+            agent = details.get("agent_tok_s")
+            return WorkloadResult(prefill, spec.prefill_tokens, decode, 0.1, aggregate, agent,
+                                  details)  # fmt: skip
 
         if request.role == "calibration" and request.target_s is not None:
             result = calibrate(spec, request.target_s, run)
@@ -146,7 +148,8 @@ class FakeEngine:
         return TrialResult(
             ok=True, started=float(n), duration_s=RESTART_S + result.details["workload_s"],
             prefill_tok_s=result.prefill_tok_s, decode_tok_s=result.decode_tok_s,
-            aggregate_tok_s=result.aggregate_tok_s, ttft_s=result.ttft_s, hit_rate=0.5,
+            aggregate_tok_s=result.aggregate_tok_s, agent_tok_s=result.agent_tok_s,
+            ttft_s=result.ttft_s, hit_rate=0.5,
             usable_context=usable, context_proof=proof, engine_pid=1000 + n, startup_s=1.5,
             warmup_s=0.3, stop_s=0.2, details=result.details,
         )  # fmt: skip
@@ -164,7 +167,7 @@ def timed_workload(
 ) -> dict[str, Any]:
     """The readings a trial of `spec` records (autotune/workload.py) at these speeds, each
     request `request_s` longer and the first `first_request_s` more, and `other_s` spent outside
-    any request (building prompts)."""
+    any request (building prompts); with agent sessions, their figure as `agent_tok_s`."""
     prompt = min(spec.prefill_tokens, (usable - 64) // 2)
     one_decode_s = request_s + DECODE_PROMPT_TOKENS / prefill + (spec.decode_tokens - 1) / decode
     parts = {
@@ -174,7 +177,18 @@ def timed_workload(
     if spec.clients:
         tokens = spec.clients * spec.aggregate_tokens
         parts["aggregate"] = spec.aggregate_rounds * (request_s + tokens / aggregate)
+    agent = {}
+    if spec.agent_turns:
+        # a session: each turn a request, its new prompt tokens (the rest cached) and its reply
+        shape = spec.session(0).fitted(usable * 9 // 10)
+        draws = shape.draws()
+        replies = sum(reply for _, reply in draws)
+        new_tokens = shape.system_tokens + sum(result for result, _ in draws)
+        session_s = shape.turns * request_s + new_tokens / prefill + replies / decode
+        parts["agent"] = spec.agent_sessions * session_s
+        agent = {"agent_tok_s": replies / session_s}
     return {
+        **agent,
         "prefill_tok_s": [prefill] * spec.prefill_requests,
         "prefill_target_tokens": prompt,
         "prefill_prompt_tokens": [prompt] * spec.prefill_requests,

@@ -77,6 +77,12 @@ def test_objectives() -> None:
     with pytest.raises(ValueError, match="one of"):
         Objective("latency")
     assert Figures.median([run(1, 10), run(3, 30), run(2, 99)]) == Figures(2, 30, None)
+    # an agent session: its own figure, judged with prefill and decode beside it
+    agent = Objective("agent")
+    assert agent.agent and not both.agent
+    assert agent.score(Figures(1.0, 2.0, None, 40.0)) == 40.0
+    assert agent.side_figures == ("prefill", "decode")
+    assert str(agent.label) == "agent session tok/s"
 
 
 def test_speed_holds_within_the_tolerance_only() -> None:

@@ -62,6 +62,19 @@ def test_finds_the_known_optimum_from_a_poor_baseline() -> None:
     assert all(verdict != "pending" for _n, verdict, _key in journal.verdicts())
 
 
+def test_an_agent_session_objective_tunes_what_moves_prefill_and_decode() -> None:
+    result, journal = search(FakeEngine(seed=3), objective=Objective("agent"), mode="quick")
+    flags = result["flags"]
+    # the fake's session time is its new prompt tokens at the prefill rate and its replies at the
+    # decode rate: the decode optimum is the session's too, and batching is not tried
+    assert value_of(flags, "--moe-miss-policy") == "cpu"
+    assert not has_flag(flags, "--moe-cache-size")
+    assert value_of(flags, "--max-running-requests") == "1"
+    assert result["gain"] > 0.3  # faster decode, the same prefill: less than decode alone gains
+    trials = [t.result for t in journal.trials.values() if t.result.ok]
+    assert trials and all(t.agent_tok_s for t in trials)
+
+
 def test_every_kept_change_was_confirmed_by_a_second_run() -> None:
     result, journal = search(FakeEngine(seed=2))
     trials = journal.trials

@@ -20,10 +20,11 @@ from .test_search import search
 
 DECODE = Objective("decode")
 AGGREGATE = Objective("aggregate", clients=8)
+AGENT = Objective("agent")
 
 
 def calibrate(engine: FakeEngine, mode: Mode, objective: Objective, flags=()) -> TrialResult:
-    minimum = mode.workload_for(objective.clients)
+    minimum = mode.workload_for(objective.clients, objective.agent)
     request = TrialRequest(tuple(flags), None, "calibration", workload=minimum)
     return engine(replace(request, target_s=mode.target_s), 1)
 
@@ -66,6 +67,25 @@ def test_a_faster_machine_gets_a_bigger_workload_and_both_last_the_target(
     assert fast.prefill_requests > 5 * slow.prefill_requests
     if objective.clients:
         assert fast.aggregate_rounds > 5 * slow.aggregate_rounds
+
+
+def test_agent_sessions_are_added_one_after_another_to_fill_the_target() -> None:
+    mode = MODES["standard"]
+    minimum = mode.workload_for(0, agent=True)
+    assert (minimum.agent_turns, minimum.agent_system_tokens) == (20, 12_000)
+    specs = {}
+    for speed in (10.0, 50.0):
+        engine = FakeEngine(seed=43, noise=0.0, speed=speed)
+        sizing = size_workload(minimum, calibrate(engine, mode, AGENT), mode.target_s)
+        sized = run_sized(engine, sizing.spec)
+        assert sized.workload_s == pytest.approx(mode.target_s, rel=0.1)
+        assert sized.agent_tok_s is not None
+        assert "agent" in str(sizing.reason) or sizing.spec.agent_sessions > 1
+        specs[speed] = sizing.spec
+    slow, fast = specs[10.0], specs[50.0]
+    assert fast.agent_sessions > 2 * slow.agent_sessions >= 2
+    # the session's shape stays the mode's: more sessions, not longer ones
+    assert (fast.agent_turns, fast.agent_result_tokens) == (20, minimum.agent_result_tokens)
 
 
 def test_each_part_grows_its_own_way_and_none_shrinks() -> None:

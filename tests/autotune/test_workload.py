@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -19,6 +20,7 @@ import httpx
 import pytest
 
 from moelab.autotune.client import EngineClient
+from moelab.autotune.modes import MODES
 from moelab.autotune.sizing import calibrate, size_workload
 from moelab.autotune.trial_record import TrialResult
 from moelab.autotune.workload import (
@@ -26,9 +28,9 @@ from moelab.autotune.workload import (
     Workload,
     WorkloadResult,
     WorkloadSpec,
-    corpus_paragraphs,
-    excerpt,
 )
+from moelab.engine.bench.agent_session import SessionShape
+from moelab.engine.model.corpus import corpus_paragraphs, excerpt
 
 PREFILL_S_PER_TOKEN = 0.0005  # 2,000 tok/s
 DECODE_S_PER_TOKEN = 0.01  # 100 tok/s per request, any number of requests at once
@@ -73,7 +75,9 @@ class VirtualTime:
 class FakeEngine:
     """/v1/completions that takes a known time per prompt token and per generated token,
     `speed` times faster than the module's figures, plus `request_s` per request; the first
-    `cold_requests` requests take `cold_s` longer (kernels compiled on first use)."""
+    `cold_requests` requests take `cold_s` longer (kernels compiled on first use). /v1/messages
+    the same, its prompt's tokens past the last request's prompt (where it begins with that)
+    taken from a prefix cache."""
 
     def __init__(
         self,
@@ -95,11 +99,53 @@ class FakeEngine:
         self.decode_s_per_token = DECODE_S_PER_TOKEN / speed
         self.time = VirtualTime()
         self._lock = threading.Lock()
+        self.last_prompt = ""  # the last Messages request's, which the prefix cache holds
+        self.messages: list[tuple[int, int, int]] = []  # (prompt, cached, max_tokens) tokens
 
     def client(self) -> EngineClient:
         """A client of this engine, timed by its virtual time."""
-        transport = httpx.MockTransport(self.completions)
+        transport = httpx.MockTransport(self.route)
         return EngineClient("http://fake", timeout_s=30, clock=self.time.now, transport=transport)
+
+    def route(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/v1/messages"):
+            return self.messages_api(request)
+        return self.completions(request)
+
+    def messages_api(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        parts = [json.dumps(body.get("system")), json.dumps(body.get("tools"))]
+        parts += [json.dumps(m["content"]) for m in body["messages"]]
+        prompt = "".join(parts)  # a request whose history grows begins with the one before it
+        tokens = max(1, self.tokens_of(prompt))
+        if request.url.path.endswith("/count_tokens"):
+            return httpx.Response(200, json={"input_tokens": tokens})
+        max_tokens = body["max_tokens"]
+        if tokens + max_tokens > CONTEXT:
+            error = {"type": "error", "error": {"type": "invalid_request_error", "message": "long"}}
+            return httpx.Response(400, json=error)
+        cached = self.tokens_of(self.last_prompt) if prompt.startswith(self.last_prompt) else 0
+        self.last_prompt = prompt
+        self.messages.append((tokens, cached, max_tokens))
+        usage = {"input_tokens": tokens - cached, "cache_read_input_tokens": cached}
+
+        def event(data: dict) -> bytes:
+            return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
+
+        def events() -> Iterator[bytes]:
+            self.time.advance(self.request_s + (tokens - cached) * self.prefill_s_per_token)
+            yield event(
+                {"type": "message_start", "message": {"usage": {**usage, "output_tokens": 0}}}
+            )
+            for i in range(max_tokens):
+                if i:
+                    self.time.advance(self.decode_s_per_token)
+                delta = {"type": "text_delta", "text": "x"}
+                yield event({"type": "content_block_delta", "index": 0, "delta": delta})
+            yield event({"type": "message_delta", "usage": {**usage, "output_tokens": max_tokens}})
+            yield event({"type": "message_stop"})
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
 
     def completions(self, request: httpx.Request) -> httpx.Response:
         assert request.url.path == "/v1/completions"
@@ -191,6 +237,32 @@ def test_every_trial_sends_the_same_text_behind_a_fresh_first_line() -> None:
     assert [p.split("\n", 1)[1] for p in first] == [p.split("\n", 1)[1] for p in second]
     heads = [p.split("\n", 1)[0] for p in fake.prompts]
     assert len(set(heads)) == len(heads), "no two prompts share a first line"
+
+
+def test_agent_sessions_give_their_tokens_over_their_time_and_fit_the_context() -> None:
+    fake = FakeEngine()
+    client = fake.client()
+    quick = MODES["quick"].workload_for(0, agent=True)
+    spec = replace(quick, prefill_tokens=64, prefill_requests=1, decode_requests=1,
+                   decode_tokens=2, agent_sessions=2)  # fmt: skip
+    result = Workload(spec).run(client, CONTEXT, 4.0)
+    agent = result.details["agent"]
+    assert len(agent["sessions"]) == 2 and all(len(s["turns"]) == 6 for s in agent["sessions"])
+    # the quick mode's session needs more than this engine's context: it was shrunk to fit
+    assert SessionShape(6, 2048, (128, 1024), (10, 64)).context_tokens > CONTEXT
+    assert all(prompt + reply <= CONTEXT for prompt, _, reply in fake.messages)
+    # every turn's prompt but the first begins with the one before it: the cache holds that much
+    turns = fake.messages[:6]  # the first session's
+    assert turns[0][1] == 0 and all(cached > 0 for _, cached, _ in turns[1:])
+    # a session's figure: its tokens over its time, each turn's new prompt tokens at the
+    # prefill rate and its tokens after the first at the decode rate
+    seconds = sum((p - c) * PREFILL_S_PER_TOKEN + (n - 1) * DECODE_S_PER_TOKEN
+                  for p, c, n in turns)  # fmt: skip
+    first = agent["sessions"][0]
+    assert first["session_s"] == pytest.approx(seconds)
+    assert first["agent_tok_s"] == pytest.approx(sum(n for _, _, n in turns) / seconds)
+    assert result.agent_tok_s == pytest.approx(statistics.median(agent["sessions_tok_s"]))
+    assert result.details["parts_s"]["agent"] == pytest.approx(sum(agent["sessions_s"]))
 
 
 @pytest.mark.parametrize(

@@ -69,16 +69,29 @@ def assert_error_shape(response: httpx.Response) -> dict:
     return error
 
 
+def assert_anthropic_error_shape(response: httpx.Response) -> dict:
+    """The Messages API's documented error: `{"type": "error", "error": {"type", "message"}}`."""
+    assert response.headers["content-type"].startswith("application/json"), response.text
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert isinstance(body["error"]["type"], str) and body["error"]["message"]
+    return body["error"]
+
+
 def assert_answered(response: httpx.Response) -> None:
-    """Not a 5xx; an error has the documented shape; a stream's error events too."""
+    """Not a 5xx; an error has the documented shape (Anthropic's under /v1/messages); a
+    stream's error events too."""
     assert response.status_code < 500, (response.status_code, response.text[:500])
+    anthropic = response.request.url.path.startswith("/v1/messages")
     if response.status_code >= 400:
-        assert_error_shape(response)
+        (assert_anthropic_error_shape if anthropic else assert_error_shape)(response)
         return
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: {")]
         for event in map(json.loads, events):
-            if "error" in event:
+            if anthropic and event.get("type") == "error":
+                assert set(event["error"]) == {"type", "message"}
+            elif "error" in event:
                 assert set(event["error"]) == {"message", "type", "param", "code"}
 
 
@@ -226,6 +239,38 @@ RESIZE_BODIES = st.one_of(
     ),
     JSON,
 )
+# the Messages API's: blocks of every kind it reads and some it refuses, and its own fields
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": TEXT | JSON}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": TEXT | JSON, "name": TEXT | JSON,
+                           "input": st.dictionaries(TEXT, JSON, max_size=2) | JSON}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": TEXT | JSON},
+                          optional={"content": TEXT | JSON, "is_error": JSON}),
+    st.fixed_dictionaries({"type": st.sampled_from(["thinking", "redacted_thinking"]),
+                           "thinking": TEXT | JSON}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image", "document"]) | TEXT}),
+    JSON,
+)  # fmt: skip
+ANTHROPIC_MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant"]) | TEXT,
+         "content": TEXT | st.lists(BLOCK, max_size=3) | JSON}
+    ),
+    min_size=1,
+    max_size=3,
+)  # fmt: skip
+ANTHROPIC_FIELDS = st.dictionaries(
+    st.sampled_from(["system", "tools", "tool_choice", "thinking", "stop_sequences", "stream",
+                     "temperature", "top_k", "top_p", "model", "max_tokens", "messages",
+                     "output_config", "metadata", "ignore_eos"]) | TEXT,
+    JSON | st.integers(min_value=0, max_value=8),
+    max_size=2,
+)  # fmt: skip
+MESSAGES_BODIES = st.one_of(
+    st.builds(_merged, st.fixed_dictionaries({"messages": ANTHROPIC_MESSAGES,
+                                              "max_tokens": MAX_TOKENS}), ANTHROPIC_FIELDS),
+    JSON,
+)  # fmt: skip
 CONTENT_TYPES = st.sampled_from(
     ["application/json", "text/plain", "application/x-www-form-urlencoded",
      "multipart/form-data; boundary=x", "application/json; charset=utf-16", "", None]
@@ -233,6 +278,7 @@ CONTENT_TYPES = st.sampled_from(
 ENDPOINTS = [
     ("GET", "/health"), ("GET", "/v1/models"), ("GET", "/v1/stats"), ("GET", "/metrics"),
     ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/cache/resize"),
+    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
 ]  # fmt: skip
 
 
@@ -257,6 +303,19 @@ def test_generated_completion_requests(engine, body, content_type):
 )  # fmt: skip
 def test_generated_chat_requests(engine, body, content_type):
     assert_answered(post(engine, "/v1/chat/completions", json.dumps(body).encode(), content_type))
+    assert_serves(engine)
+
+
+@FUZZ
+@given(body=MESSAGES_BODIES, content_type=CONTENT_TYPES, counting=st.booleans())
+@example(
+    body={"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
+    content_type="application/json", counting=False,
+)  # fmt: skip
+def test_generated_messages_requests(engine, body, content_type, counting):
+    path = "/v1/messages/count_tokens" if counting else "/v1/messages"
+    assert_answered(post(engine, path, json.dumps(body).encode(), content_type))
     assert_serves(engine)
 
 
@@ -315,6 +374,9 @@ def test_an_unexpected_error_is_a_json_500_and_routing_errors_are_json(tokenizer
         assert r.status_code == 500
         error = assert_error_shape(r)
         assert error["code"] == "internal_error" and "log" in error["message"]
+    r = client.post("/v1/messages", json={"max_tokens": 2, "messages": [
+        {"role": "user", "content": "x"}]})  # fmt: skip
+    assert r.status_code == 500 and assert_anthropic_error_shape(r)["type"] == "api_error"
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]
     r = client.get("/v1/completions")

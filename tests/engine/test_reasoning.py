@@ -10,9 +10,15 @@ import pytest
 
 from moelab.engine.model.synth_tokenizer import CHAT_TEMPLATE, write_tokenizer_files
 from moelab.engine.model.tokenizer import Tokenizer
-from moelab.engine.serving.reasoning import ReasoningStream, opened_by_prompt, split_reasoning
+from moelab.engine.serving.reasoning import (
+    CLOSING,
+    ReasoningBudget,
+    ReasoningStream,
+    opened_by_prompt,
+    split_reasoning,
+)
 
-from .test_tool_calls import ASK, REPLY, _app, _named, split_reply
+from .test_tool_calls import ASK, REPLY, ScriptedWorker, _app, _named, served, split_reply
 
 THOUGHT = "The user wants the weather.\nI should call the tool."
 REASONED = f"<think>\n{THOUGHT}\n</think>\n\nSunny in Oslo."
@@ -124,3 +130,66 @@ def test_a_template_that_opens_the_reasoning_gives_it_without_the_tag(tmp_path):
     client = _app(Tokenizer(tmp_path), f"{THOUGHT}\n</think>\n\nSunny.", reasoning="think")
     message = client.post("/v1/chat/completions", json=ASK).json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (THOUGHT, "Sunny.")
+
+
+def test_a_budget_counts_the_tokens_inside_the_block_and_ends_it_once_they_are_spent():
+    # the prompt opened the block: every token counts
+    budget = ReasoningBudget(3, opened=True)
+    assert [budget.feed(t) for t in ("a", " b", " c", " d")] == [False, False, True, True]
+    # the reply opens it: its tag does not count; a block closed in time needs no end
+    budget = ReasoningBudget(2)
+    assert [budget.feed(t) for t in ("<think>", "x", "</think>", "answer")] == [False] * 4
+    budget = ReasoningBudget(2)
+    assert [budget.feed(t) for t in ("<think>", "x", "y")] == [False, False, True]
+    # no block at all: nothing to end
+    budget = ReasoningBudget(0)
+    assert [budget.feed(t) for t in ("plain", " text")] == [False, False]
+    assert ReasoningBudget(0).feed("<think>")  # 0: the block ends as it opens
+
+
+def _thinking_app(tmp_path, worker_replies: tuple[str, ...], *flags: str):
+    write_tokenizer_files(tmp_path, 2048, "qwen3_thinking")
+    tok = Tokenizer(tmp_path)
+    worker = ScriptedWorker(tok, *worker_replies)
+    return tok, worker, served(worker, "think", *flags)
+
+
+def test_a_spent_budget_closes_the_reasoning_and_the_answer_follows(tmp_path):
+    thought = "one two three four five six seven eight nine ten"
+    tok, worker, client = _thinking_app(tmp_path, (thought, "Sunny."), "--reasoning-budget", "3")
+    ask = {"messages": [{"role": "user", "content": "Weather?"}]}
+    message = client.post("/v1/chat/completions", json=ask).json()["choices"][0]["message"]
+    first = tok.encode(thought)[:3]
+    assert message["reasoning_content"] == tok.decode(first).strip()
+    assert message["content"] == "Sunny."
+    # the first request was cancelled, and its continuation's prompt is the first's, the
+    # reasoning's three tokens and the closing tag
+    assert worker.cancelled == 1
+    prompt, continuation = worker.prompts
+    assert continuation == prompt + first + tok.encode(CLOSING)
+    # streamed alike
+    with client.stream("POST", "/v1/chat/completions", json={**ask, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == "Sunny."
+    # a request's own budget wins; 0 closes the reasoning in the prompt itself
+    body = {**ask, "reasoning_budget": 5}
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["reasoning_content"] == tok.decode(tok.encode(thought)[:5]).strip()
+    requests = len(worker.prompts)
+    message = client.post("/v1/chat/completions", json={**ask, "reasoning_budget": 0}).json()
+    assert len(worker.prompts) == requests + 1  # no continuation
+    assert tok.decode(worker.prompts[-1], skip_special_tokens=False).endswith("<think>\n" + CLOSING)
+    r = client.post("/v1/chat/completions", json={**ask, "reasoning_budget": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_budget"
+
+
+def test_a_budget_leaves_a_reply_that_thinks_within_it_alone(tmp_path):
+    reply = "short\n</think>\n\nSunny."
+    _, worker, client = _thinking_app(tmp_path, (reply,), "--reasoning-budget", "50")
+    ask = {"messages": [{"role": "user", "content": "Weather?"}]}
+    message = client.post("/v1/chat/completions", json=ask).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("short", "Sunny.")
+    assert worker.cancelled == 0 and len(worker.prompts) == 1

@@ -255,7 +255,10 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(server):
         ("/v1/completions", {"min_p": 2}, "min_p"),
         (
             "/v1/chat/completions",
-            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
             "tool_choice",
         ),
     ):

@@ -174,6 +174,19 @@ def test_every_architecture_synthesizes_and_generates(tmp_path, arch):
         engine.close()
 
 
+def test_a_checkpoint_without_weights_is_served_with_dummy_ones(tmp_path):
+    path = synthesize(tmp_path / "geometry", preset="tiny", seed=3, weights=False)
+    assert not list(path.glob("*.safetensors")) and (path / "tokenizer.json").is_file()
+    engine = make_engine(path, "--dummy-weights")
+    try:
+        prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello"}]))  # fmt: skip
+        [out] = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out) == 4
+    finally:
+        engine.close()
+
+
 def test_seeded_and_deterministic(tmp_path):
     a = synthesize(tmp_path / "a", preset="tiny", seed=7, routing_skew=0.5)
     b = synthesize(tmp_path / "b", preset="tiny", seed=7, routing_skew=0.5)

@@ -11,10 +11,20 @@ import pytest
 from starlette.testclient import TestClient
 
 from moelab.engine.config.config import EngineConfig
-from moelab.engine.model.synth_tokenizer import write_tokenizer_files
+from moelab.engine.model.synth_tokenizer import (
+    CHAT_TEMPLATE,
+    CODER_CHAT_TEMPLATE,
+    write_tokenizer_files,
+)
 from moelab.engine.model.tokenizer import Tokenizer
 from moelab.engine.serving.server import Server
-from moelab.engine.serving.tool_calls import ToolCallStream, split_reply
+from moelab.engine.serving.tool_calls import (
+    ToolCallStream,
+    ToolParser,
+    parser_for,
+    split_reply,
+    typed,
+)
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Tromsø", "days": 2}}'
 REPLY = f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n" + (
@@ -67,36 +77,39 @@ def test_a_tags_start_is_held_only_while_it_may_be_one():
 
 
 class ScriptedWorker:
-    """The engine thread's stand-in: every request is answered with `reply`'s tokens, the last
-    one ending it; `prompts` holds the prompt ids it was given."""
+    """The engine thread's stand-in: the requests are answered with the replies' tokens in turn
+    (one reply: every request with it), the last one ending it; `prompts` holds the prompt ids
+    it was given, `cancelled` the number of requests cancelled."""
 
     status = "ok"
 
-    def __init__(self, tokenizer: Tokenizer, reply: str) -> None:
-        self.ids = tokenizer.encode(reply)
+    def __init__(self, tokenizer: Tokenizer, *replies: str) -> None:
+        self.replies = [tokenizer.encode(reply) for reply in replies]
         spec = SimpleNamespace(vocab_size=tokenizer.vocab_size)
         self.engine = SimpleNamespace(tokenizer=tokenizer, spec=spec, max_context=4096)
         self.prompts: list[list[int]] = []
+        self.cancelled = 0
 
     def submit(self, req, limit: int) -> None:
+        ids = self.replies[len(self.prompts) % len(self.replies)]
         self.prompts.append(req.prompt_ids)
-        for i, token in enumerate(self.ids):
-            req.deliver((token, "stop" if i == len(self.ids) - 1 else None, None))
+        for i, token in enumerate(ids):
+            req.deliver((token, "stop" if i == len(ids) - 1 else None, None))
 
     def cancel(self, req) -> None:
-        pass
+        self.cancelled += 1
 
 
 def _app(tokenizer: Tokenizer, reply: str, reasoning: str = "off") -> TestClient:
     return served(ScriptedWorker(tokenizer, reply), reasoning)
 
 
-def served(worker: ScriptedWorker, reasoning: str = "off") -> TestClient:
-    """The server's app over `worker`, asked from this machine."""
+def served(worker: ScriptedWorker, reasoning: str = "off", *flags: str) -> TestClient:
+    """The server's app over `worker` with `moelab serve` flags, asked from this machine."""
     config = EngineConfig.from_flags([
         "--model-path", "m", "--served-model-name", "m", "--max-running-requests", "8",
         "--max-queued-requests", "8", "--generation-config", "off",
-        "--reasoning-parser", reasoning, "--host", "127.0.0.1",
+        "--reasoning-parser", reasoning, "--host", "127.0.0.1", *flags,
     ])  # fmt: skip
     return TestClient(Server(config, worker).app, base_url="http://127.0.0.1:8000")
 
@@ -125,10 +138,6 @@ def test_the_chat_endpoint_answers_tool_calls_whole_and_streamed(tokenizer):
         choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
         assert choice["message"]["content"] == REPLY and choice["finish_reason"] == "stop"
         assert "tool_calls" not in choice["message"]
-    # a choice nothing could enforce
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = client.post("/v1/chat/completions", json={**ASK, "tool_choice": choice})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
 def test_a_reply_without_calls_is_plain_content(tokenizer):
@@ -138,39 +147,11 @@ def test_a_reply_without_calls_is_plain_content(tokenizer):
     assert choice["finish_reason"] == "stop"
 
 
-# Qwen3-Coder's way of writing an assistant's tool calls (Qwen3.5's is the same): each argument
-# as a <parameter=...> block, iterating the arguments' items, which needs them as a mapping
-CODER_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' and message.tool_calls %}"
-    "{{- '<|im_start|>assistant' }}"
-    "{%- for tool_call in message.tool_calls %}"
-    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
-    "{%- for args_name, args_value in tool_call.arguments|items %}"
-    "{{- '<parameter=' + args_name + '>\\n' }}"
-    "{%- set args_value = args_value if args_value is string else args_value|tojson|safe %}"
-    "{{- args_value }}{{- '\\n</parameter>\\n' }}"
-    "{%- endfor %}"
-    "{{- '</function>\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
 @pytest.fixture(scope="module")
 def coder_tokenizer(tmp_path_factory) -> Tokenizer:
+    """The synthetic tokenizer with Qwen3-Coder's chat template (the XML form)."""
     path = tmp_path_factory.mktemp("coder")
-    write_tokenizer_files(path, 2048)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({**config, "chat_template": CODER_TEMPLATE})
-    )
+    write_tokenizer_files(path, 2048, "qwen3_coder")
     return Tokenizer(path)
 
 
@@ -202,3 +183,183 @@ def test_a_history_with_a_tool_call_renders_where_the_template_iterates_its_argu
         r = client.post("/v1/chat/completions", json=_history(arguments))
         assert r.status_code == 400 and r.json()["error"]["param"] == where, r.text
         assert why in r.json()["error"]["message"]
+
+
+# Qwen3-Coder's form: two calls, values of three types, one spanning lines
+XML_REPLY = (
+    "I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nTromsø\n</parameter>\n"
+    '<parameter=days>\n2\n</parameter>\n<parameter=detail>\n{"wind": true}\n</parameter>\n'
+    "</function>\n</tool_call>\n<tool_call>\n<function=run>\n<parameter=command>\nls -l\n"
+    "echo 1\n</parameter>\n</function>\n</tool_call>"
+)
+SCHEMA_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "detail": {"type": "object"}}}}},
+    {"type": "function", "function": {"name": "run", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}}}},
+]  # fmt: skip
+XML_CALLS = [
+    ("get_weather", {"city": "Tromsø", "days": 2, "detail": {"wind": True}}),
+    ("run", {"command": "ls -l\necho 1"}),
+]
+XML = ToolParser.of("qwen_xml", SCHEMA_TOOLS)
+
+
+def test_the_xml_form_splits_into_calls_with_values_typed_by_the_schema():
+    content, calls = XML.split(XML_REPLY)
+    assert content == "I will check."
+    assert _named(calls) == XML_CALLS
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    # a block in the other form stays text
+    hermes = '<tool_call>{"name": "run", "arguments": {}}</tool_call>'
+    assert XML.split(hermes) == (hermes, [])
+    # a parameter or function the model left unclosed ends where the next begins, or the block
+    loose = (
+        "<tool_call>\n<function=run>\n<parameter=command>\nls\n<parameter=cwd>\n/tmp\n</tool_call>"
+    )
+    assert _named(XML.split(loose)[1]) == [("run", {"command": "ls", "cwd": "/tmp"})]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_the_xml_form_streamed_in_pieces_of_any_size_gives_the_whole_replys_split(size):
+    stream = XML.stream()
+    content, calls = "", []
+    for i in range(0, len(XML_REPLY), size):
+        text, made = stream.feed(XML_REPLY[i : i + size])
+        content, calls = content + text, calls + made
+        assert "<" not in text
+    rest, more = stream.flush()
+    assert (content + rest).strip() == "I will check." and not more
+    assert _named(calls) == XML_CALLS
+
+
+def test_a_value_is_typed_only_where_its_schema_asks_and_the_text_is_one():
+    assert typed("2", {"type": "integer"}) == 2
+    assert typed("2.0", {"type": "integer"}) == 2
+    assert typed("2.5", {"type": "number"}) == 2.5
+    assert typed("two", {"type": "integer"}) == "two"
+    assert typed("2", {"type": "string"}) == "2"
+    assert typed("2", None) == "2"  # a parameter the schema does not name
+    assert typed("True", {"type": "boolean"}) is True
+    assert typed("null", {"type": ["string", "null"]}) is None
+    assert typed("null", {"type": "string"}) == "null"
+    assert typed("[1, 2]", {"anyOf": [{"type": "array"}, {"type": "string"}]}) == [1, 2]
+    assert typed("NaN", {"type": "number"}) == "NaN"  # no JSON number
+    assert typed(" keep  ", {"type": "string"}) == " keep  "
+
+
+def test_the_form_is_the_chat_templates_unless_the_flag_names_one():
+    assert parser_for(CHAT_TEMPLATE) == "hermes"
+    assert parser_for(CODER_CHAT_TEMPLATE) == "qwen_xml"
+    assert parser_for("{{ messages }}") is None and parser_for(None) is None
+    assert parser_for("{{ messages }}", "qwen_xml") == "qwen_xml"
+    assert parser_for(CODER_CHAT_TEMPLATE, "hermes") == "hermes"
+
+
+def _events(client: TestClient, body: dict) -> list[dict]:
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def _streamed_calls(events: list[dict]) -> list[dict]:
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    return [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+
+
+def test_the_chat_endpoint_reads_calls_in_the_form_of_the_template_or_the_flag(coder_tokenizer):
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": SCHEMA_TOOLS}
+    client = served(ScriptedWorker(coder_tokenizer, XML_REPLY))
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["message"]["content"] == "I will check."
+    assert _named(choice["message"]["tool_calls"]) == XML_CALLS
+    assert choice["finish_reason"] == "tool_calls"
+    events = _events(client, body)
+    assert _named(_streamed_calls(events)) == XML_CALLS
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    hermes = served(
+        ScriptedWorker(coder_tokenizer, XML_REPLY), "off", "--tool-call-parser", "hermes"
+    )
+    choice = hermes.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["message"]["content"] == XML_REPLY and choice["finish_reason"] == "stop"
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer(tmp_path_factory) -> Tokenizer:
+    """The synthetic tokenizer with a template whose generation prompt opens <think>."""
+    path = tmp_path_factory.mktemp("thinking")
+    write_tokenizer_files(path, 2048, "qwen3_thinking")
+    return Tokenizer(path)
+
+
+def test_a_forced_call_opens_in_the_prompt_and_the_reply_goes_on_inside_it(
+    tokenizer, coder_tokenizer, thinking_tokenizer
+):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cases = [
+        # Hermes, a named function: the reply begins with its arguments
+        (tokenizer, named, '{"city": "Oslo"}}\n</tool_call>',
+         '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '),
+        # the XML form, any function: the reply begins with its name
+        (coder_tokenizer, "required",
+         "get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+         "<|im_start|>assistant\n<tool_call>\n<function="),
+        # a prompt that opens the reasoning has it closed empty before the call
+        (thinking_tokenizer, "required", 'get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+         '<think>\n\n</think>\n\n<tool_call>\n{"name": "'),
+    ]  # fmt: skip
+    for tok, choice, reply, opening in cases:
+        worker = ScriptedWorker(tok, reply)
+        client = served(worker, "think")
+        body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": SCHEMA_TOOLS,
+                "tool_choice": choice}  # fmt: skip
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert tok.decode(worker.prompts[-1], skip_special_tokens=False).endswith(opening)
+        assert _named(message["tool_calls"]) == [("get_weather", {"city": "Oslo"})], message
+        assert message["reasoning_content"] is None
+        assert _named(_streamed_calls(_events(client, body))) == [("get_weather", {"city": "Oslo"})]
+
+
+def test_a_forced_choice_that_cannot_be_made_is_refused(tokenizer, tmp_path):
+    client = _app(tokenizer, REPLY)
+    for body, why in [
+        ({**ASK, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "not among the request's tools"),
+        ({"messages": ASK["messages"], "tool_choice": "required"}, "gives no tools"),
+        ({**ASK, "tool_choice": "always"}, "must be"),
+        ({**ASK, "parallel_tool_calls": "no"}, "true or false"),
+    ]:  # fmt: skip
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert why in r.json()["error"]["message"]
+    # a template that writes no tool calls: a call is forced only in the form the flag names
+    write_tokenizer_files(tmp_path, 2048)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    plain = "{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": plain}))
+    worker = ScriptedWorker(Tokenizer(tmp_path), '{"city": "Oslo"}}</tool_call>')
+    body = {**ASK, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    r = served(worker).post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
+    r = served(worker, "off", "--tool-call-parser", "hermes").post(
+        "/v1/chat/completions", json=body
+    )
+    assert _named(r.json()["choices"][0]["message"]["tool_calls"]) == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+
+
+def test_without_parallel_tool_calls_the_reply_ends_at_its_first_call(tokenizer):
+    worker = ScriptedWorker(tokenizer, REPLY)
+    client = served(worker)
+    body = {**ASK, "parallel_tool_calls": False}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert _named(choice["message"]["tool_calls"]) == [
+        ("get_weather", {"city": "Tromsø", "days": 2})
+    ]
+    assert choice["finish_reason"] == "tool_calls"
+    cancelled = worker.cancelled
+    events = _events(client, body)
+    assert _named(_streamed_calls(events)) == [("get_weather", {"city": "Tromsø", "days": 2})]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert worker.cancelled > cancelled  # the engine stops generating at the call
