@@ -151,7 +151,7 @@ class FullMgr:
 
 # the phases a loading engine reports in /health: the engine's (engine/runtime/engine.py), the
 # native kernel's build (kernels/native_build.py) and the first one, before any
-ENGINE_SOURCE = Path(__file__).parents[2] / "engine" / "engine.py"
+ENGINE_SOURCE = Path(__file__).parents[2] / "engine" / "runtime" / "engine.py"
 LOADING_PHASES = (
     "starting",
     *re.findall(r'begin\("([^"]+)"\)', ENGINE_SOURCE.read_text()),
