@@ -100,8 +100,8 @@ UNITS = {"tok", "s", "ms", "µs", "GiB", "MiB", "KiB", "GB", "MB", "KB", "TB", "
 ACRONYMS = {"CPU", "CPUs", "GPU", "GPUs", "RAM", "VRAM", "KV", "PCIe", "NVML", "CUDA", "API",
             "JSON", "TOML", "LRU", "LAN", "URL", "ID", "PID", "pid", "HTTP", "GET", "POST", "PUT",
             "DELETE", "CORS", "DNS", "OS", "TTFT", "p95", "MoE", "PC", "Bp", "Bh"}  # fmt: skip
-NAMES = {"NVIDIA", "OpenAI", "vLLM", "Qwen", "QwQ", "DeepSeek", "moelab", "mgr", "htmx", "Plotly",
-         "torch", "dtype", "cpu", "cuda", *LANGUAGES.values()}  # fmt: skip
+NAMES = {"NVIDIA", "OpenAI", "Anthropic", "vLLM", "Qwen", "Coder", "QwQ", "DeepSeek", "moelab",
+         "mgr", "htmx", "Plotly", "torch", "dtype", "cpu", "cuda", *LANGUAGES.values()}  # fmt: skip
 TERMS = UNITS | ACRONYMS | NAMES
 WORD = re.compile(r"[A-Za-z][A-Za-z']+")
 CODE_LIKE = re.compile(
