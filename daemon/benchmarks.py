@@ -208,7 +208,6 @@ class BenchmarkService:
                 session.add(row)
                 session.flush()
                 run_id = row.id
-            self._launch(run_id)
         add_event(
             self.store,
             run_id,
@@ -220,6 +219,8 @@ class BenchmarkService:
                 origin=setup.base_origin,
             ),
         )
+        # the start is the run's first event: its thread writes the next ones
+        self._launch(run_id)
         self._warn_if_shared(run_id)
         return run_id
 
