@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import common
+from . import common, fp8_kv, fp8_moe
 from .common import tl, triton
 
 _LOG2E = 1.4426950408889634
@@ -47,10 +47,16 @@ def paged_attention_decode_ref(
     scale: float,
     *,
     compute_dtype: torch.dtype | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Reference: gather each sequence's pages, softmax(q·k·scale) in fp32, weighted sum of v."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    """Reference: gather each sequence's pages, softmax(q·k·scale) in fp32, weighted sum of v.
+    FP8 caches (uint8 bits) come with their factors in `kv_scales` (kernels/fp8_kv.py) and are
+    widened to fp32 first."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, kv_scales)
     dtype = compute_dtype or q.dtype
+    if kv_scales is not None:
+        k_cache = fp8_kv.dequantize_heads(k_cache, kv_scales[0], torch.float32)
+        v_cache = fp8_kv.dequantize_heads(v_cache, kv_scales[1], torch.float32)
     _, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -76,6 +82,8 @@ def _split_kernel(
     v_ptr,
     tables_ptr,
     lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     part_out_ptr,
     part_lse_ptr,
     scale_log2,
@@ -95,12 +103,14 @@ def _split_kernel(
     stride_lb,
     stride_lh,
     GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     common.pdl_wait(PDL)  # a wide grid: see pdl_wait
@@ -133,13 +143,25 @@ def _split_kernel(
             kv_mask = p_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + k_rows[:, None] + d_idx[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + v_rows[:, None] + d_idx[None, :], mask=kv_mask, other=0.0)
+            if FP8:
+                # e4m3 bits widened exactly (every e4m3 value is a bf16 and an fp16 one); each
+                # token's factors go on its score and its probability, in fp32
+                factor_rows = (page * PAGE + pos % PAGE) * NUM_KV_HEADS + kv_head
+                k_factor = tl.load(k_scale_ptr + factor_rows, mask=p_ok, other=0.0)
+                v_factor = tl.load(v_scale_ptr + factor_rows, mask=p_ok, other=0.0)
+                k = fp8_moe.values(k)
+                v = fp8_moe.values(v)
             # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
             scores = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision="ieee")
+            if FP8:
+                scores = scores * k_factor[None, :]
             scores = tl.where(p_ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if FP8:
+                p = p * v_factor[None, :]
             acc = acc * alpha[:, None] + tl.dot(
                 p.to(COMPUTE), v.to(COMPUTE), input_precision="ieee"
             )
@@ -218,9 +240,12 @@ def paged_attention_decode_triton(
     *,
     compute_dtype: torch.dtype | None = None,
     config: AttentionConfig | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Triton split-context decode attention: [B, Hq, D] in q's dtype, graph-capturable."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    """Triton split-context decode attention: [B, Hq, D] in q's dtype, graph-capturable. FP8
+    caches (uint8 bits, their factors in `kv_scales`) are widened in registers with integer
+    ops."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, kv_scales)
     cfg = config or AttentionConfig()
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -234,12 +259,14 @@ def paged_attention_decode_triton(
     part_lse = common.alloc((batch, num_q_heads, num_splits), torch.float32, q.device)
     out = common.alloc(tuple(q.shape), q.dtype, q.device)
     pdl = common.pdl_launch(q.device)
+    fp8 = kv_scales is not None
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
-        k_cache,
-        v_cache,
+        fp8_moe.bits(k_cache) if fp8 else k_cache,
+        fp8_moe.bits(v_cache) if fp8 else v_cache,
         block_tables,
         seq_lens,
+        *(kv_scales or (seq_lens, seq_lens)),
         part_out,
         part_lse,
         scale * _LOG2E,
@@ -259,12 +286,14 @@ def paged_attention_decode_triton(
         part_lse.stride(0),
         part_lse.stride(1),
         GROUP=group,
+        NUM_KV_HEADS=num_kv_heads,
         BLOCK_G=common.next_pow2(group, 16),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         PAGE=block_size,
         BLOCK_N=cfg.block_n,
         COMPUTE=common.tl_dtype(compute_dtype or q.dtype),
+        FP8=fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,
@@ -308,15 +337,14 @@ def paged_attention_decode(
     scale: float,
     *,
     compute_dtype: torch.dtype | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention over paged KV: the Triton kernels on CUDA, the reference elsewhere."""
-    if q.is_cuda:
-        return paged_attention_decode_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, compute_dtype=compute_dtype
-        )
-    return paged_attention_decode_ref(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, compute_dtype=compute_dtype
-    )
+    fn = paged_attention_decode_triton if q.is_cuda else paged_attention_decode_ref
+    return fn(
+        q, k_cache, v_cache, block_tables, seq_lens, scale,
+        compute_dtype=compute_dtype, kv_scales=kv_scales,
+    )  # fmt: skip
 
 
 def _check(
@@ -325,12 +353,18 @@ def _check(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """Validate shapes (metadata only: no device sync, so the call stays graph-capturable)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     batch, num_q_heads, head_dim = q.shape
-    if k_cache.dim() != 4 or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+    if (
+        k_cache.dim() != 4
+        or k_cache.shape[3] != head_dim
+        or v_cache.shape != k_cache.shape
+        or v_cache.dtype != k_cache.dtype
+    ):
         raise ValueError(
             f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, {head_dim}]:"
             f" got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
@@ -345,6 +379,22 @@ def _check(
             f"block_tables must be [B={batch}, max_blocks] and seq_lens [B]: got "
             f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
         )
+    if (k_cache.dtype == torch.uint8) != (kv_scales is not None):
+        raise ValueError(
+            f"k_cache is {k_cache.dtype}: FP8 caches (uint8 bits) and only they come with "
+            "kv_scales, their factors (kernels/fp8_kv.py)"
+        )
+    named = dict(zip(("k_scale", "v_scale"), kv_scales, strict=True)) if kv_scales else {}
+    for name, factors in named.items():
+        if (
+            tuple(factors.shape) != tuple(k_cache.shape[:3])
+            or factors.dtype != torch.float32
+            or not factors.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous float32 {tuple(k_cache.shape[:3])} tensor (one "
+                f"factor per slot and KV head), got {factors.dtype} {tuple(factors.shape)}"
+            )
     for name, tensor in (
         ("q", q),
         ("k_cache", k_cache),

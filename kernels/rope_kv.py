@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import common
+from . import common, fp8_kv
 from .common import round_to, tl, triton
 from .rmsnorm import rmsnorm_ref
 
@@ -29,6 +29,8 @@ _TORCH_WARP = 32
 _TORCH_VEC_FROM = 128
 _TORCH_VEC = 4
 MAX_HEAD_DIM = 512  # beyond it torch splits a row across warps, which the kernel does not model
+# the caches' dtypes besides FP8 (uint8 bits with their factors, kernels/fp8_kv.py)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def qk_norm_rope_kv_ref(
@@ -45,12 +47,14 @@ def qk_norm_rope_kv_ref(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reference: split qkv, RMSNorm each q and k head (when norms are given), rotate q and k
     (rotate-half) with the tables' rows at `positions`, write k and v into the caches at the flat
-    `slots`; returns the rotated q [T, Hq, D]."""
+    `slots` (in the caches' dtype; FP8 caches, uint8, with their factors in `kv_scales`,
+    kernels/fp8_kv.py); returns the rotated q [T, Hq, D]."""
     _check(qkv, positions, cos_table, sin_table, q_norm, k_norm, k_cache, v_cache, slots,
-           num_heads, num_kv_heads, head_dim)  # fmt: skip
+           num_heads, num_kv_heads, head_dim, kv_scales)  # fmt: skip
     tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -64,10 +68,30 @@ def qk_norm_rope_kv_ref(
     sin = sin_table[positions].unsqueeze(1)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    flat_slots = slots.long()
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, flat_slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, flat_slots, v)
+    write_kv(k_cache, v_cache, kv_scales, slots, k, v)
     return q.contiguous()
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Store k and v [T, Hkv, D] at the flat `slots` of the caches: in the caches' dtype, or as
+    FP8 bits and their factors where `kv_scales` are given (kernels/fp8_kv.py)."""
+    flat_slots = slots.long()
+    heads = k.shape[1:]
+    if kv_scales is None:
+        k_cache.view(-1, *heads).index_copy_(0, flat_slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *heads).index_copy_(0, flat_slots, v.to(v_cache.dtype))
+        return
+    for cache, scales, x in ((k_cache, kv_scales[0], k), (v_cache, kv_scales[1], v)):
+        bits, factors = fp8_kv.quantize_heads(x)
+        cache.view(-1, *heads).index_copy_(0, flat_slots, bits)
+        scales.view(-1, heads[0]).index_copy_(0, flat_slots, factors)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -140,6 +164,8 @@ def _qk_norm_rope_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slots_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     q_out_ptr,
     eps,
     stride_qkv,
@@ -152,6 +178,7 @@ def _qk_norm_rope_kv_kernel(
     Q_LANES: tl.constexpr,
     K_LANES: tl.constexpr,
     VEC: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     common.pdl_start(PDL)
@@ -183,11 +210,30 @@ def _qk_norm_rope_kv_kernel(
         )  # fmt: skip
         slot = tl.load(slots_ptr + token).to(tl.int64)
         offset = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
-        tl.store(k_cache_ptr + offset + half, out_lo.to(dtype))
-        tl.store(k_cache_ptr + offset + HEAD_DIM // 2 + half, out_hi.to(dtype))
         cols = tl.arange(0, HEAD_DIM)
         v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + cols)
-        tl.store(v_cache_ptr + offset + cols, v)
+        if FP8:
+            # the head's factor from its largest magnitude, then its values over it as e4m3
+            k_amax = tl.maximum(tl.max(tl.abs(out_lo), axis=0), tl.max(tl.abs(out_hi), axis=0))
+            k_factor = fp8_kv.head_factor(k_amax)
+            v = v.to(tl.float32)
+            v_factor = fp8_kv.head_factor(tl.max(tl.abs(v), axis=0))
+            tl.store(k_cache_ptr + offset + half, fp8_kv.head_bits(out_lo, k_factor))
+            tl.store(
+                k_cache_ptr + offset + HEAD_DIM // 2 + half, fp8_kv.head_bits(out_hi, k_factor)
+            )
+            tl.store(v_cache_ptr + offset + cols, fp8_kv.head_bits(v, v_factor))
+            tl.store(k_scale_ptr + slot * NUM_KV_HEADS + kv_head, k_factor)
+            tl.store(v_scale_ptr + slot * NUM_KV_HEADS + kv_head, v_factor)
+        else:
+            # a cache narrower than the model's dtype (a bf16 cache under fp32) rounds to nearest
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            out_lo = round_to(out_lo, cache_dtype)
+            out_hi = round_to(out_hi, cache_dtype)
+            v = round_to(v.to(tl.float32), cache_dtype)
+            tl.store(k_cache_ptr + offset + half, out_lo.to(cache_dtype))
+            tl.store(k_cache_ptr + offset + HEAD_DIM // 2 + half, out_hi.to(cache_dtype))
+            tl.store(v_cache_ptr + offset + cols, v.to(cache_dtype))
 
 
 def qk_norm_rope_kv_triton(
@@ -204,11 +250,12 @@ def qk_norm_rope_kv_triton(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton: one launch over (token, q and KV head), bit-exact with the reference; no host sync,
     so it can be captured in a CUDA graph."""
     _check(qkv, positions, cos_table, sin_table, q_norm, k_norm, k_cache, v_cache, slots,
-           num_heads, num_kv_heads, head_dim)  # fmt: skip
+           num_heads, num_kv_heads, head_dim, kv_scales)  # fmt: skip
     tokens = qkv.shape[0]
     q_out = common.alloc((tokens, num_heads, head_dim), qkv.dtype, qkv.device)
     q_lanes, vec = _torch_lanes(head_dim, tokens * num_heads)
@@ -225,6 +272,7 @@ def qk_norm_rope_kv_triton(
         k_cache,
         v_cache,
         slots,
+        *(kv_scales or (slots, slots)),
         q_out,
         eps,
         qkv.stride(0),
@@ -237,6 +285,7 @@ def qk_norm_rope_kv_triton(
         Q_LANES=q_lanes,
         K_LANES=k_lanes,
         VEC=vec,
+        FP8=kv_scales is not None,
         num_warps=max(1, min(4, head_dim // 128)),
         enable_fp_fusion=False,
         **pdl,
@@ -258,11 +307,12 @@ def qk_norm_rope_kv(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """qk norm + RoPE + KV write: the Triton kernel on CUDA, the reference elsewhere."""
     fn = qk_norm_rope_kv_triton if qkv.is_cuda else qk_norm_rope_kv_ref
     return fn(qkv, positions, cos_table, sin_table, q_norm, k_norm, eps, k_cache, v_cache, slots,
-              num_heads, num_kv_heads, head_dim)  # fmt: skip
+              num_heads, num_kv_heads, head_dim, kv_scales)  # fmt: skip
 
 
 def _torch_lanes(head_dim: int, rows: int) -> tuple[int, int]:
@@ -297,6 +347,7 @@ def _check(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """Validate shapes, dtypes and layouts (metadata only: no device sync, so graph-capturable)."""
     if head_dim < 16 or head_dim & (head_dim - 1) or head_dim > MAX_HEAD_DIM:
@@ -332,22 +383,39 @@ def _check(
                 f"{name} must be [{head_dim}] {qkv.dtype} (one weight for every head), got "
                 f"{weight.dtype} {tuple(weight.shape)}"
             )
+    fp8 = kv_scales is not None
+    cache_dtypes = (torch.uint8,) if fp8 else CACHE_DTYPES
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if (
             cache.dim() < 3
             or tuple(cache.shape[-2:]) != (num_kv_heads, head_dim)
-            or cache.dtype != qkv.dtype
+            or cache.dtype not in cache_dtypes
+            or cache.dtype != k_cache.dtype
             or not cache.is_contiguous()
         ):
+            kinds = "uint8 (FP8 bits, with kv_scales)" if fp8 else "float32, bfloat16 or float16"
             raise ValueError(
                 f"{name} must be a contiguous [..., Hkv={num_kv_heads}, D={head_dim}] "
-                f"{qkv.dtype} tensor (slots index its leading dimensions flattened), got "
-                f"{cache.dtype} {tuple(cache.shape)}"
+                f"{kinds} tensor (slots index its leading dimensions flattened), both caches of "
+                f"one dtype; got {cache.dtype} {tuple(cache.shape)}"
+            )
+    named = dict(zip(("k_scale", "v_scale"), kv_scales, strict=True)) if kv_scales else {}
+    for name, scale in named.items():
+        if (
+            tuple(scale.shape) != tuple(k_cache.shape[:-1])
+            or scale.dtype != torch.float32
+            or not scale.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous float32 {tuple(k_cache.shape[:-1])} tensor (one "
+                f"factor per slot and KV head of the FP8 cache), got {scale.dtype} "
+                f"{tuple(scale.shape)}"
             )
     for name, tensor in (("qkv", qkv), ("cos_table", cos_table), ("sin_table", sin_table)):
         common.check_last_dim_contiguous(name, tensor)
     norms = {"q_norm": q_norm, "k_norm": k_norm} if q_norm is not None else {}
+    scales = {"k_scale": kv_scales[0], "v_scale": kv_scales[1]} if kv_scales else {}
     common.check_same_device(
         qkv=qkv, positions=positions, cos_table=cos_table, sin_table=sin_table,
-        k_cache=k_cache, v_cache=v_cache, slots=slots, **norms,
+        k_cache=k_cache, v_cache=v_cache, slots=slots, **norms, **scales,
     )  # fmt: skip
