@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.config.config import EngineConfig
-from ..engine.config.memory import MemoryPlanError
+from ..engine.config.memory import MemoryPlanError, kv_bytes_per_token
 from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, text_fields
 from .advice import context_tiers
@@ -515,7 +515,9 @@ def plan_context(
         device=choice.device,
         budget_bytes=choice.budget_bytes,
         budget_source=choice.budget_source,
-        kv_bytes_per_token=2 * spec.num_layers * spec.kv_size * choice.elem_bytes,
+        kv_bytes_per_token=kv_bytes_per_token(
+            spec, choice.elem_bytes, config.memory.kv_cache_dtype
+        ),
         experts_total=spec.experts_total,
         points=tuple(points),
         current_kv_tokens=current,

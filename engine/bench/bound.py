@@ -95,7 +95,7 @@ def against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
     elem = engine.dtype.itemsize
     dense_step = (spec.dense_params - spec.vocab_size * spec.hidden_size) * elem
     hits_step, misses_step = hits.sum() / steps, (fills.sum() + cpu.sum()) / steps
-    kv_token = spec.kv_bytes_per_token * elem // spec.dtype_bytes  # every layer's K and V
+    kv_token = engine.kv.bytes_per_token  # every layer's K and V, as --kv-cache-dtype holds them
     kv_step = args.batch * mean_context(args.prompt_tokens, steps) * kv_token
     resident_bytes = dense_step + kv_step + hits_step * eb
     miss_bytes = misses_step * eb

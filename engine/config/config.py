@@ -117,6 +117,7 @@ class MemoryConfig(_FlagGroup):
     max_context: int | None = _setting("--max-context", flags.WholeNumber(1).check)
     headroom_bytes: int = _setting("--memory-headroom", flags.check_bytes)
     kv_block_size: int = _setting("--kv-block-size", flags.WholeNumber(1).check)
+    kv_cache_dtype: str = _setting("--kv-cache-dtype", _one_of(flags.KV_CACHE_DTYPES))
     prefix_cache: bool = _setting("--no-prefix-cache", negated=True)
 
     def budget_bytes(self, device_free_bytes: int | None) -> int:
@@ -236,6 +237,7 @@ class EngineConfig:
             elem_bytes=elem_bytes,
             kv_reserve_tokens=kv_tokens or memory.kv_reserve_tokens,
             block_size=memory.kv_block_size,
+            kv_cache_dtype=memory.kv_cache_dtype,
             prefill_chunk_tokens=self.prefill.chunk_tokens,
             max_running=batching.max_running_requests,
             headroom_bytes=memory.headroom_bytes,

@@ -14,6 +14,8 @@ from ..text import Text
 log = logging.getLogger("moelab.memory")
 
 GIB = 1024**3
+# an FP8 KV cache's fp32 factor per token and KV head (kernels/fp8_kv.py SCALE_BYTES)
+FP8_KV_FACTOR_BYTES = 4
 
 
 class MemoryPlanError(ValueError):
@@ -78,6 +80,16 @@ class VramPlan:
         )
 
 
+def kv_bytes_per_token(spec: ModelSpec, elem_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """Every layer's keys and values of one token as --kv-cache-dtype stores them: in the compute
+    dtype (auto, `elem_bytes` each), in bf16, or in FP8 with a factor per KV head."""
+    if kv_cache_dtype == "fp8":
+        per_head = spec.head_dim + FP8_KV_FACTOR_BYTES
+    else:
+        per_head = spec.head_dim * (2 if kv_cache_dtype == "bf16" else elem_bytes)
+    return 2 * spec.num_layers * spec.num_kv_heads * per_head
+
+
 def activation_bytes(spec: ModelSpec, chunk_tokens: int, max_running: int, elem: int) -> int:
     """Transient memory of one step at the largest prefill chunk (an estimate with margin)."""
     t = chunk_tokens
@@ -111,6 +123,7 @@ def plan_vram(
     prefill_chunk_tokens: int,
     max_running: int,
     headroom_bytes: int,
+    kv_cache_dtype: str = "auto",
     cache_size: int | None = None,
     cache_rate: float | None = None,
     cuda_graphs: bool = False,
@@ -118,7 +131,7 @@ def plan_vram(
 ) -> VramPlan:
     """Divide `budget_bytes` of device memory; raise MemoryPlanError when the flags cannot fit."""
     slot_bytes = spec.expert_params * elem_bytes
-    kv_per_token = 2 * spec.num_layers * spec.kv_size * elem_bytes
+    kv_per_token = kv_bytes_per_token(spec, elem_bytes, kv_cache_dtype)
     kv_blocks = -(-kv_reserve_tokens // block_size)
     kv_bytes = kv_blocks * block_size * kv_per_token
     act = activation_bytes(spec, prefill_chunk_tokens, max_running, elem_bytes)
@@ -221,6 +234,7 @@ class MemoryRequest:
     elem_bytes: int  # bytes per weight at the compute dtype
     kv_reserve_tokens: int
     block_size: int
+    kv_cache_dtype: str
     prefill_chunk_tokens: int
     max_running: int
     headroom_bytes: int
@@ -238,6 +252,7 @@ class MemoryRequest:
             elem_bytes=self.elem_bytes,
             kv_reserve_tokens=self.kv_reserve_tokens,
             block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
             prefill_chunk_tokens=self.prefill_chunk_tokens,
             max_running=self.max_running,
             headroom_bytes=self.headroom_bytes,

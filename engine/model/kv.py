@@ -2,6 +2,10 @@
 prefix cache: full blocks named by their tokens, kept after their sequence ends and handed to a
 later prompt that begins with the same tokens.
 
+Keys and values are held in the compute dtype, in bf16, or in FP8 (`--kv-cache-dtype`): e4m3 bits
+with one fp32 factor per token and KV head (kernels/fp8_kv.py), quantized as they are written and
+widened as they are read.
+
 A block's name is (its parent's name hashed, its tokens): the tokens of every block before it
 are in the name, so a prompt's prefix matches block by block from its start. A block no sequence
 holds any more stays named (idle) until a new allocation needs it; the least recently released
@@ -16,6 +20,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from ...kernels import fp8_kv
+from ...kernels.rope_kv import write_kv
 from .spec import ModelSpec
 
 BlockName = tuple[int, tuple[int, ...]]  # (the parent's name hashed, 0 for none; the tokens)
@@ -44,12 +50,22 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         prefix_cache: bool = True,
+        cache_dtype: str = "auto",
     ) -> None:
+        """`dtype`: the compute dtype, which reads give; `cache_dtype`: --kv-cache-dtype."""
         assert num_blocks >= 1 and block_size >= 1
+        assert cache_dtype in ("auto", "bf16", "fp8"), cache_dtype
         # one extra block, never handed out, takes the writes of padding rows in CUDA graphs
         shape = (spec.num_layers, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        held = {"auto": dtype, "bf16": torch.bfloat16, "fp8": torch.uint8}[cache_dtype]
+        self.dtype = dtype
+        self.k = torch.zeros(shape, device=device, dtype=held)
+        self.v = torch.zeros(shape, device=device, dtype=held)
+        # FP8 pages' factors, one per token and KV head (an all-zero page widens to zeros)
+        self.k_scale = self.v_scale = None
+        if cache_dtype == "fp8":
+            self.k_scale = torch.ones(shape[:-1], device=device, dtype=torch.float32)
+            self.v_scale = torch.ones(shape[:-1], device=device, dtype=torch.float32)
         self.block_size = block_size
         self.pad_slot = num_blocks * block_size
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -84,7 +100,24 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        factors = 0 if self.k_scale is None or self.v_scale is None else 2 * self.k_scale.nbytes
+        return self.k.nbytes + self.v.nbytes + factors
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Every layer's keys and values of one token, factors included."""
+        return self.nbytes // (self.k.shape[1] * self.block_size)
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A layer's FP8 factors (keys', values'), for the kernels; None where not FP8."""
+        if self.k_scale is None or self.v_scale is None:
+            return None
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def free_memory(self) -> None:
+        """Let go of the pages' memory at once (the cache is not used after)."""
+        self.k = self.v = torch.empty(0)
+        self.k_scale = self.v_scale = None
 
     def slot(self, blocks: list[int], position: int) -> int:
         """The flat KV slot of a sequence's token at `position`, given the sequence's pages."""
@@ -160,8 +193,7 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at flat token slots [T] (block * block_size + offset)."""
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        write_kv(self.k[layer], self.v[layer], self.scales(layer), slots, k, v)
 
     def page_indices(self, seqs: list[tuple[list[int], int]]) -> list[torch.Tensor]:
         """For each (blocks, length): the pages holding its first `length` tokens as a device
@@ -175,7 +207,14 @@ class KVCache:
         self, layer: int, pages: torch.Tensor, length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` keys and values [length, Hkv, D] of a sequence's pages
-        (`page_indices`)."""
+        (`page_indices`), in the compute dtype."""
         k = self.k[layer].index_select(0, pages).flatten(0, 1)[:length]
         v = self.v[layer].index_select(0, pages).flatten(0, 1)[:length]
-        return k, v
+        if self.k_scale is None or self.v_scale is None:
+            return k.to(self.dtype), v.to(self.dtype)
+        k_factors = self.k_scale[layer].index_select(0, pages).flatten(0, 1)[:length]
+        v_factors = self.v_scale[layer].index_select(0, pages).flatten(0, 1)[:length]
+        return (
+            fp8_kv.dequantize_heads(k, k_factors, self.dtype),
+            fp8_kv.dequantize_heads(v, v_factors, self.dtype),
+        )

@@ -326,7 +326,7 @@ class Model:
             q = qk_norm_rope_kv(
                 qkv, batch.positions, self.rotary.cos, self.rotary.sin, layer.q_norm,
                 layer.k_norm, spec.rms_norm_eps, self.kv.k[index], self.kv.v[index], batch.slots,
-                spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                spec.num_heads, spec.num_kv_heads, spec.head_dim, self.kv.scales(index),
             )  # fmt: skip
         else:
             assert rope is not None
@@ -335,7 +335,7 @@ class Model:
         if decode:
             out = paged_attention_decode(
                 q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
-                self.scale,
+                self.scale, kv_scales=self.kv.scales(index),
             )  # fmt: skip
             return linear(out.reshape(tokens, spec.q_size), layer.o)
         out = torch.empty_like(q)

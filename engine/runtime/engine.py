@@ -254,7 +254,8 @@ class Engine:
     def _new_kv(self, plan: VramPlan) -> KVCache:
         memory = self.config.memory
         return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, self.device, self.dtype,
-                       prefix_cache=memory.prefix_cache)  # fmt: skip
+                       prefix_cache=memory.prefix_cache,
+                       cache_dtype=memory.kv_cache_dtype)  # fmt: skip
 
     def _build_stepper(self) -> Stepper:
         tokenizer = self.tokenizer
@@ -380,7 +381,7 @@ class Engine:
         assert not self.scheduler.running, "resize while requests run"
         self.stepper.drain()  # a queued step still writes the old KV
         plan = self._replan(tokens)
-        self.kv.k = self.kv.v = torch.empty(0)
+        self.kv.free_memory()
         self.kv = self._new_kv(plan)
         self.model.kv = self.scheduler.kv = self.kv
         if plan.max_context + 1 > self.model.rotary.cos.shape[0]:

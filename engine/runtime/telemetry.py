@@ -271,7 +271,7 @@ class Telemetry:
                 "tokens_used": kv.used_blocks * kv.block_size,
                 "tokens_peak": kv.peak_blocks_used * kv.block_size,
                 "max_context": engine.max_context,
-                "bytes_per_token": self.spec.kv_bytes_per_token,
+                "bytes_per_token": kv.bytes_per_token,
                 "prefix_cache": self.scheduler.snapshot(),
             },
             "config": engine.config_in_force(),
