@@ -196,3 +196,17 @@ def test_tiers_on_the_chart() -> None:
     assert planner_tiers(4096) == [1024, 1536, 2048, 3072, 4096]
     assert planner_tiers(40960, (12000,))[-3:] == [32768, 36864, 40960]
     assert 12000 in planner_tiers(40960, (12000,))
+
+
+def test_fp8_kv_pages_let_each_context_keep_more_expert_slots() -> None:
+    """--kv-cache-dtype fp8 in the base flags: a token's KV costs FP8 bytes and a factor per head,
+    so a context that fits in float32 pages leaves more slots, and a longer one fits."""
+    spec = SPECS["tiny"]
+    flags = [*DEMO_BASE, "--kv-reserve-tokens", "1536"]
+    fp32 = plan_context(spec, CPU_PC, flags)
+    fp8 = plan_context(spec, CPU_PC, [*flags, "--kv-cache-dtype", "fp8"])
+    assert fp8.kv_bytes_per_token == 2 * 4 * 2 * (16 + 4)  # layers, KV heads, bits and factor
+    fp32_points = {p.kv_reserve_tokens: p for p in fp32.points}
+    fp8_points = {p.kv_reserve_tokens: p for p in fp8.points}
+    assert fp8_points[2048].slots > fp32_points[2048].slots
+    assert not fp32_points[4096].fits and fp8_points[4096].fits
