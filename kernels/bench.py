@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import (
     draw,
     fp8,
+    fp8_kv,
     fused_moe,
     gemv,
     grouped_moe,
@@ -408,58 +409,49 @@ class Bench:
         seq_lens: list[int],
         config: paged_attention.AttentionConfig | None = None,
         with_ref: bool = True,
+        fp8: bool = False,
     ) -> None:
-        """Decode attention: each call reads one layer's KV pages."""
+        """Decode attention: each call reads one layer's KV pages (`fp8`: e4m3 pages and their
+        factors, kernels/fp8_kv.py)."""
         batch = len(seq_lens)
-        kv_bytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * ELEM_BYTES
+        head_bytes = HEAD_DIM + fp8_kv.SCALE_BYTES if fp8 else HEAD_DIM * ELEM_BYTES
+        kv_bytes = sum(seq_lens) * KV_HEADS * 2 * head_bytes
         layers = layers_for(kv_bytes)
         max_blocks = -(-max(seq_lens) // PAGE)
         blocks = batch * max_blocks
-        caches = [
-            (
-                self.randn(blocks, PAGE, KV_HEADS, HEAD_DIM),
-                self.randn(blocks, PAGE, KV_HEADS, HEAD_DIM),
-            )
-            for _ in range(layers)
-        ]
+
+        def pages() -> tuple[torch.Tensor, torch.Tensor | None]:
+            values = self.randn(blocks, PAGE, KV_HEADS, HEAD_DIM)
+            return fp8_kv.quantize_heads(values) if fp8 else (values, None)
+
+        caches = [(pages(), pages()) for _ in range(layers)]
         tables = torch.randperm(blocks, device=DEVICE).view(batch, max_blocks).int()
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         q = self.randn(batch, Q_HEADS, HEAD_DIM)
         scale = HEAD_DIM**-0.5
 
-        def call(k: torch.Tensor, v: torch.Tensor) -> Callable[[], object]:
-            return lambda: paged_attention.paged_attention_decode_triton(
-                q, k, v, tables, lens, scale, config=config
-            )
+        def call(k_pages, v_pages, fn=paged_attention.paged_attention_decode_triton, **kw):
+            (k, k_scale), (v, v_scale) = k_pages, v_pages
+            kv_scales = (k_scale, v_scale) if fp8 else None
+            return lambda: fn(q, k, v, tables, lens, scale, kv_scales=kv_scales, **kw)
 
-        time_us = graph_us_per_call([call(k, v) for k, v in caches])
+        time_us = graph_us_per_call([call(k, v, config=config) for k, v in caches])
         ref_us = None
         if with_ref:
-            ref_calls = [self._attention_ref(q, k, v, tables, lens, scale) for k, v in caches[:2]]
-            ref_us = eager_us_per_call(ref_calls)
+            ref = paged_attention.paged_attention_decode_ref
+            ref_us = eager_us_per_call([call(k, v, ref) for k, v in caches[:2]])
         bytes_moved = kv_bytes + 2 * q.numel() * ELEM_BYTES
         flops = 4 * sum(seq_lens) * Q_HEADS * HEAD_DIM
         lens_label = str(seq_lens[0]) if len(set(seq_lens)) == 1 else "mixed"
         label = f"B={batch} ctx={lens_label} Hq={Q_HEADS} Hkv={KV_HEADS}"
         self.add(
-            "paged_attention",
+            "paged_attention_fp8" if fp8 else "paged_attention",
             label + (f" {_short(config)}" if config else ""),
             time_us,
             bytes_moved,
             flops,
             ref_us,
         )
-
-    @staticmethod
-    def _attention_ref(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
-        scale: float,
-    ) -> Callable[[], object]:
-        return lambda: paged_attention.paged_attention_decode_ref(q, k, v, tables, lens, scale)
 
     def sdpa_prefill(self, length: int, backends: Sequence[SDPBackend] = FUSED_SDPA) -> None:
         """torch SDPA for prefill (causal, GQA): what the engine uses unless a kernel beats it.
@@ -685,7 +677,8 @@ def _short(config: object) -> str:
 # The kernels `--only` can pick: the Bench methods whose rows `run` times.
 KERNELS = (
     "fused_moe", "fused_moe_fp8", "grouped_moe", "grouped_moe_fp8", "paged_attention",
-    "sdpa_prefill", "rmsnorm", "router", "route", "rope_kv", "handoff", "linear", "draw",
+    "paged_attention_fp8", "sdpa_prefill", "rmsnorm", "router", "route", "rope_kv", "handoff",
+    "linear", "draw",
 )  # fmt: skip
 
 
@@ -721,9 +714,11 @@ def run(
             bench.grouped_moe(tokens)
         if "grouped_moe_fp8" in wanted:
             bench.grouped_moe_fp8(tokens)
-    if "paged_attention" in wanted:
-        for seq_lens in ([2048], [8192], [32768], [4096] * 8):
+    for seq_lens in ([2048], [8192], [32768], [4096] * 8):
+        if "paged_attention" in wanted:
             bench.paged_attention(seq_lens)
+        if "paged_attention_fp8" in wanted:
+            bench.paged_attention(seq_lens, fp8=True)
     if "sdpa_prefill" in wanted:
         for length in (2048, 8192, 32768):
             bench.sdpa_prefill(length)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -68,6 +68,29 @@ if [ "$part" = fp8 ]; then  # the MoE kernels over FP8 expert banks: their tests
     -k fp8
   run fp8_kernels python3 -m moelab.kernels.bench \
     --only fused_moe,fused_moe_fp8,grouped_moe,grouped_moe_fp8
+fi
+if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively and at real shapes,
+  # the engine's long-prompt test on CUDA (it prints the logits' difference), decode attention
+  # over bf16 and FP8 pages, decode at 8K and 32K tokens of context with each cache, then the
+  # context a 24 GiB budget gives all 48 layers with each cache (kv_tokens, max_context, slots
+  # in the JSON) and a prompt of that context
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run fp8kv_tests python3 -m pytest -q $T --tb=short tests/kernels/test_fp8_kv.py \
+    tests/kernels/test_rope_kv.py tests/kernels/test_paged_attention.py
+  run fp8kv_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q -s $T --tb=short \
+    tests/engine/test_fp8_kv.py
+  run fp8kv_kernels python3 -m moelab.kernels.bench --only paged_attention,paged_attention_fp8
+  for kv in auto fp8; do
+    for ctx in 8192 32768; do
+      run fp8kv_decode12_ctx${ctx}_$kv $B decode $G --routing-skew 1 --prompt-tokens $ctx \
+        --kv-reserve-tokens $((ctx + 1024)) --kv-cache-dtype $kv --json
+    done
+    M="--preset qwen3-30b-a3b --routing-skew 1 --device-memory 24GiB --kv-cache-dtype $kv"
+    run fp8kv_context48_$kv $B decode $M --tokens 16 --warmup 4 --json
+    ctx=$(tail -1 "$out/fp8kv_context48_$kv.log" | python3 -c \
+      'import json, sys; print(json.load(sys.stdin)["max_context"] - 64)')
+    run fp8kv_prompt48_$kv $B prefill $M --prompt-tokens "$ctx" --repeats 1 --json
+  done
 fi
 if [ "$part" = rows25 ]; then  # the 25%-cache rows at routing skew 1 and 0, default flags
   for skew in 1 0; do
