@@ -453,6 +453,10 @@ class Bench:
             ref_us,
         )
 
+    def paged_attention_fp8(self, seq_lens: list[int]) -> None:
+        """Decode attention over FP8 pages (`paged_attention` with `fp8`)."""
+        self.paged_attention(seq_lens, fp8=True)
+
     def sdpa_prefill(self, length: int, backends: Sequence[SDPBackend] = FUSED_SDPA) -> None:
         """torch SDPA for prefill (causal, GQA): what the engine uses unless a kernel beats it.
 
@@ -718,7 +722,7 @@ def run(
         if "paged_attention" in wanted:
             bench.paged_attention(seq_lens)
         if "paged_attention_fp8" in wanted:
-            bench.paged_attention(seq_lens, fp8=True)
+            bench.paged_attention_fp8(seq_lens)
     if "sdpa_prefill" in wanted:
         for length in (2048, 8192, 32768):
             bench.sdpa_prefill(length)
