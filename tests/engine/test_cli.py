@@ -25,6 +25,7 @@ from moelab.engine.bench.runner import TIMED_FIELDS
 from moelab.engine.config.config import EngineConfig
 from moelab.engine.experts.cpu import worker_cpus
 from moelab.engine.experts.moe_stats import StagedStepTimes
+from moelab.engine.model.kv import KVCache
 from moelab.engine.model.spec import ModelSpec
 from moelab.engine.model.synth import make_config
 from moelab.engine.runtime.loading import LoadProgress
@@ -458,7 +459,8 @@ def test_the_bound_takes_each_rate_as_the_mean_of_before_and_after():
 
 def test_the_decode_bound_reads_the_dense_weights_the_kv_cache_and_the_cached_experts_from_hbm():
     spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
-    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16)
+    kv = KVCache(spec, 1, 16, torch.device("cpu"), torch.bfloat16)
+    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16, kv=kv)
     layers, experts = spec.num_moe_layers, spec.num_experts
     per_layer = np.zeros((layers, experts), dtype=np.int64)
     counts = {k: per_layer.copy() for k in ("reads", "hits", "fills", "cpu", "picks")}
@@ -484,6 +486,10 @@ def test_the_decode_bound_reads_the_dense_weights_the_kv_cache_and_the_cached_ex
     # a longer context reads more: a lower bound, a higher share for the same time
     assert long["bound_tok_s"] < short["bound_tok_s"]
     assert long["achieved_of_bound"] > short["achieved_of_bound"]
+    # FP8 KV pages: a byte a value and a factor per KV head, as the cache holds them
+    engine.kv = KVCache(spec, 1, 16, torch.device("cpu"), torch.bfloat16, cache_dtype="fp8")
+    fp8_token = 2 * spec.num_layers * spec.num_kv_heads * (spec.head_dim + 4)
+    assert bound(4096)["kv_bytes_per_step"] == pytest.approx(2 * (4096 + 2.5) * fp8_token)
 
 
 def test_host_disturbance_is_the_steal_and_interrupt_share_between_two_readings():
