@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import tl, triton
+from . import fp8_moe
+from .common import round_to, tl, triton
 from .fp8 import E4M3_MAX
 
 SCALE_BYTES = 4  # one fp32 factor per (token, KV head)
@@ -70,3 +71,68 @@ def head_bits(x, factor):
     """A head's values x (fp32) over its factor, as e4m3 bits (uint8) to store."""
     q = tl.minimum(tl.maximum(tl.div_rn(x, factor), -448.0), 448.0)
     return narrowed(q).to(tl.uint8)
+
+
+def gather_ref(
+    bits: torch.Tensor, factors: torch.Tensor, pages: torch.Tensor, length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Reference: the first `length` tokens [length, Hkv, D] of a sequence's FP8 `pages` (page
+    ids into bits [num_blocks, block_size, Hkv, D] and factors [num_blocks, block_size, Hkv]),
+    widened to `dtype`."""
+    k = bits.index_select(0, pages).flatten(0, 1)[:length]
+    f = factors.index_select(0, pages).flatten(0, 1)[:length]
+    return dequantize_heads(k, f, dtype)
+
+
+@triton.jit
+def _gather_kernel(
+    bits_ptr,
+    factors_ptr,
+    pages_ptr,
+    out_ptr,
+    length,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    head = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < length
+    d = tl.arange(0, HEAD_DIM)
+    page = tl.load(pages_ptr + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+    rows = (page * PAGE + t % PAGE) * NUM_KV_HEADS + head
+    b = tl.load(bits_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=t_ok[:, None], other=0)
+    factor = tl.load(factors_ptr + rows, mask=t_ok, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    value = round_to(fp8_moe.values(b) * factor[:, None], dtype)
+    out_rows = t.to(tl.int64) * NUM_KV_HEADS + head
+    tl.store(
+        out_ptr + out_rows[:, None] * HEAD_DIM + d[None, :], value.to(dtype), mask=t_ok[:, None]
+    )
+
+
+def gather_triton(
+    bits: torch.Tensor, factors: torch.Tensor, pages: torch.Tensor, length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Triton: one launch over (block of tokens, KV head), the bits widened in registers with
+    integer ops; bit for bit the reference."""
+    _, block_size, num_kv_heads, head_dim = bits.shape
+    assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    assert bits.is_contiguous() and factors.is_contiguous() and pages.is_contiguous()
+    out = torch.empty(length, num_kv_heads, head_dim, dtype=dtype, device=bits.device)
+    block_t = 32
+    _gather_kernel[(triton.cdiv(length, block_t), num_kv_heads)](
+        fp8_moe.bits(bits), factors, pages, out, length,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_T=block_t,
+    )  # fmt: skip
+    return out
+
+
+def gather(
+    bits: torch.Tensor, factors: torch.Tensor, pages: torch.Tensor, length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A sequence's keys or values from FP8 pages, widened to `dtype` (what prefill attention
+    reads): the Triton kernel on CUDA, the reference elsewhere."""
+    fn = gather_triton if bits.is_cuda else gather_ref
+    return fn(bits, factors, pages, length, dtype)

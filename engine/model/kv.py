@@ -208,13 +208,11 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` keys and values [length, Hkv, D] of a sequence's pages
         (`page_indices`), in the compute dtype."""
+        if self.k_scale is not None and self.v_scale is not None:
+            return (
+                fp8_kv.gather(self.k[layer], self.k_scale[layer], pages, length, self.dtype),
+                fp8_kv.gather(self.v[layer], self.v_scale[layer], pages, length, self.dtype),
+            )
         k = self.k[layer].index_select(0, pages).flatten(0, 1)[:length]
         v = self.v[layer].index_select(0, pages).flatten(0, 1)[:length]
-        if self.k_scale is None or self.v_scale is None:
-            return k.to(self.dtype), v.to(self.dtype)
-        k_factors = self.k_scale[layer].index_select(0, pages).flatten(0, 1)[:length]
-        v_factors = self.v_scale[layer].index_select(0, pages).flatten(0, 1)[:length]
-        return (
-            fp8_kv.dequantize_heads(k, k_factors, self.dtype),
-            fp8_kv.dequantize_heads(v, v_factors, self.dtype),
-        )
+        return k.to(self.dtype), v.to(self.dtype)

@@ -174,6 +174,19 @@ def test_the_reference_widens_by_the_formats_definition(gen):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+@pytest.mark.parametrize("length", [1, 37, 64])
+def test_a_sequences_pages_widen_for_prefill_bit_for_bit(gen, dtype, length):
+    k_bits, _, (k_factors, _), tables, _ = fp8_paged_cache(gen, [64], 8, 2, 32, 9)
+    pages = tables[0, : -(-length // 8)].long()
+    out = fp8_kv.gather_triton(k_bits, k_factors, pages, length, dtype)
+    ref = fp8_kv.gather_ref(k_bits, k_factors, pages, length, dtype)
+    assert out.shape == (length, 2, 32) and out.dtype == dtype
+    assert torch.equal(out, ref)
+
+
 def test_fp8_pages_need_their_factors():
     q = torch.ones(1, 2, 16)
     cache = torch.zeros(2, 4, 1, 16, dtype=torch.uint8)
@@ -209,3 +222,6 @@ def test_real_shapes_on_the_gpu(gen):
         q, k_bits, v_bits, tables, lens, 128**-0.5, compute_dtype=torch.float32, kv_scales=scales
     )
     assert_matches(out, ref, tol=2e-2)
+    pages = tables[2, : -(-4000 // 16)].long()
+    widened = fp8_kv.gather_triton(k_bits, scales[0], pages, 4000, torch.bfloat16)
+    assert torch.equal(widened, fp8_kv.gather_ref(k_bits, scales[0], pages, 4000, torch.bfloat16))
