@@ -149,8 +149,8 @@ def _split_kernel(
                 factor_rows = (page * PAGE + pos % PAGE) * NUM_KV_HEADS + kv_head
                 k_factor = tl.load(k_scale_ptr + factor_rows, mask=p_ok, other=0.0)
                 v_factor = tl.load(v_scale_ptr + factor_rows, mask=p_ok, other=0.0)
-                k = fp8_moe.values(k)
-                v = fp8_moe.values(v)
+                k = fp8_moe.values(k).to(COMPUTE)
+                v = fp8_moe.values(v).to(COMPUTE)
             # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
             scores = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision="ieee")
             if FP8:

@@ -6,7 +6,8 @@ reports an sm_90 device, and launches only compile. Prints the shared memory, re
 whether it waits for the kernel before it (programmatic dependent launch, which the kernels use on
 a Hopper GPU: `common.pdl`, here forced on since the tensors are on the CPU).
 
-`--arch 86` (a consumer Ampere GPU) or `--arch 75` (Turing): the MoE kernels over FP8 banks
+`--arch 86` (a consumer Ampere GPU) or `--arch 75` (Turing): the kernels that read FP8 (the MoE
+kernels over FP8 banks, and the KV write, decode attention and prefill gather over FP8 KV pages)
 alone, for that GPU, with bf16 (Ampere) or fp16 (Turing: no bf16) activations, and whether their
 code holds an FP8 instruction, which those GPUs do not have.
 """
@@ -32,6 +33,7 @@ from moelab.kernels import (
     common,
     draw,
     fp8,
+    fp8_kv,
     fused_moe,
     gemv,
     grouped_moe,
@@ -107,6 +109,7 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
         tables = torch.arange(batch * context // 16, dtype=torch.int32).view(batch, -1)
         lens = torch.full((batch,), context, dtype=torch.int32)
         paged_attention.paged_attention_decode_triton(q, cache, cache, tables, lens, 0.1)
+    compile_fp8_kv(BF16)
     for tokens in (1, 2048):
         x = torch.randn(tokens, HIDDEN, dtype=BF16)
         rmsnorm.fused_add_rmsnorm_triton(x, x, torch.ones(HIDDEN, dtype=BF16), 1e-6)
@@ -183,6 +186,30 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
             gemv.linear_decode(torch.randn(tokens, k, dtype=BF16), weight, early_weights=True)
     JITFunction.run = run
     return compiled
+
+
+def compile_fp8_kv(dtype: torch.dtype) -> None:
+    """The launches over FP8 KV pages of the 30B geometry's attention (32 q heads, 4 KV heads of
+    128), activations in `dtype`: the KV write, decode attention, the prefill gather."""
+    heads, kv_heads, head_dim, page = 32, 4, 128, 16
+    bits = torch.empty(4096, page, kv_heads, head_dim, dtype=torch.uint8)
+    factors = (torch.ones(4096, page, kv_heads), torch.ones(4096, page, kv_heads))
+    table = torch.empty(4096, head_dim, dtype=dtype)
+    for tokens in (1, 8):
+        rope_kv.qk_norm_rope_kv_triton(
+            torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype),
+            torch.arange(tokens), table, table, torch.ones(head_dim, dtype=dtype),
+            torch.ones(head_dim, dtype=dtype), 1e-6, bits, bits, torch.arange(tokens),
+            heads, kv_heads, head_dim, factors,
+        )  # fmt: skip
+    for batch, context in ((1, 32768), (8, 4096)):
+        q = torch.randn(batch, heads, head_dim, dtype=dtype)
+        tables = torch.arange(batch * context // page, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        paged_attention.paged_attention_decode_triton(
+            q, bits, bits, tables, lens, 0.1, kv_scales=factors
+        )
+    fp8_kv.gather_triton(bits, factors[0], torch.arange(512), 8192, dtype)
 
 
 def compile_moe(dtype: torch.dtype, fp8_bank: bool) -> None:
@@ -275,14 +302,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_fp8(arch: int) -> int:
-    """The MoE kernels over FP8 banks, compiled for an sm_86 or sm_75 GPU: a JSON line each."""
+    """The kernels over FP8 banks and FP8 KV pages, compiled for an sm_86 or sm_75 GPU: a JSON
+    line each."""
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
         return 2
     driver.set_active(HopperDriver(arch))
     compiled = []
     run = compile_only(lambda fn, kw, kernel: compiled.append((fn, kernel)))
-    compile_moe(torch.float16 if arch < 80 else BF16, fp8_bank=True)
+    dtype = torch.float16 if arch < 80 else BF16
+    compile_moe(dtype, fp8_bank=True)
+    compile_fp8_kv(dtype)
     JITFunction.run = run
     for fn, kernel in compiled:
         line = {

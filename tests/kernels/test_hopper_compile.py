@@ -25,6 +25,8 @@ MOE_KERNELS = {
     "_one_token_gate_up_kernel",
     "_one_token_down_kernel",
 }
+# The kernels over FP8 KV pages (rope_kv's write, decode attention, the prefill gather)
+FP8_KV_KERNELS = {"_qk_norm_rope_kv_kernel", "_split_kernel", "_merge_kernel", "_gather_kernel"}
 KERNELS = {
     "_gate_up_kernel",
     "_down_kernel",
@@ -52,9 +54,10 @@ KERNELS = {
     "_qk_norm_rope_kv_kernel",
     "_draw_kernel",
     "_pick_kernel",
+    "_gather_kernel",
 }
 # Prefill's grouped GEMM is launched plainly; every decode kernel with programmatic dependent launch
-NOT_PDL = {"moelab.kernels.grouped_moe"}
+NOT_PDL = {"moelab.kernels.grouped_moe", "moelab.kernels.fp8_kv"}
 # Decode kernels that wait without releasing the next one early (common.pdl_wait)
 RELEASED_AT_END = {"_split_kernel"}
 
@@ -79,8 +82,9 @@ def test_kernels_compile_for_hopper_within_its_limits():
     assert signalling == {"_route_kernel", "_signal_kernel", "_guess_kernel"}, signalling
 
 
-def test_fp8_moe_kernels_compile_for_ampere_and_turing_without_fp8_instructions():
-    """FP8 banks on GPUs without FP8 (consumer Ampere, Turing): the widening is integer ops."""
+def test_fp8_kernels_compile_for_ampere_and_turing_without_fp8_instructions():
+    """FP8 banks and FP8 KV pages on GPUs without FP8 (consumer Ampere, Turing): the narrowing
+    and the widening are integer ops."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("hopper_compile.py")
     runs = {  # one process per GPU: a kernel's compiled variants are cached per device, not arch
@@ -97,7 +101,7 @@ def test_fp8_moe_kernels_compile_for_ampere_and_turing_without_fp8_instructions(
         out, err = run.communicate()
         assert run.returncode == 0, err[-3000:]
         kernels = [json.loads(line) for line in out.splitlines()]
-        assert {k["kernel"] for k in kernels} == MOE_KERNELS
+        assert {k["kernel"] for k in kernels} == MOE_KERNELS | FP8_KV_KERNELS
         for k in kernels:
             assert k["arch"] == arch and not k["fp8_instructions"], k
             assert k["shared_bytes"] <= SHARED_BYTES[arch], k
