@@ -514,16 +514,23 @@ class Bench:
     ) -> Callable[[], object]:
         return lambda: fn(x, residual, weight, 1e-6)
 
-    def rope_kv(self, tokens: int) -> None:
+    def rope_kv(self, tokens: int, fp8: bool = False) -> None:
         """Per-head qk RMSNorm, RoPE and the KV write of one layer (Qwen3), fused in one launch;
-        the reference is the dozen torch ops the engine ran before."""
+        the reference is the dozen torch ops the engine ran before (`fp8`: into FP8 pages, each
+        head quantized, kernels/fp8_kv.py)."""
         width = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
         cache_shape = (-(-tokens // PAGE) + 1, PAGE, KV_HEADS, HEAD_DIM)
         layers = layers_for(tokens * width * ELEM_BYTES)
-        sets = [
-            (self.randn(tokens, width), self.randn(*cache_shape), self.randn(*cache_shape))
-            for _ in range(layers)
-        ]
+
+        def cache() -> torch.Tensor:
+            if fp8:
+                return torch.zeros(cache_shape, dtype=torch.uint8, device=DEVICE)
+            return self.randn(*cache_shape)
+
+        sets = [(self.randn(tokens, width), cache(), cache()) for _ in range(layers)]
+        factors = None
+        if fp8:
+            factors = tuple(torch.ones(cache_shape[:-1], device=DEVICE) for _ in range(2))
         tables = (self.randn(4096, HEAD_DIM), self.randn(4096, HEAD_DIM))
         norms = (self.randn(HEAD_DIM), self.randn(HEAD_DIM))
         positions = torch.randint(0, 4096, (tokens,), generator=self.gen, device=DEVICE)
@@ -536,22 +543,30 @@ class Bench:
             v_cache: torch.Tensor,
         ) -> Callable[[], object]:
             return lambda: fn(qkv, positions, *tables, *norms, 1e-6, k_cache, v_cache, slots,
-                              Q_HEADS, KV_HEADS, HEAD_DIM)  # fmt: skip
+                              Q_HEADS, KV_HEADS, HEAD_DIM, factors)  # fmt: skip
 
         time_us = graph_us_per_call([call(rope_kv.qk_norm_rope_kv_triton, *s) for s in sets])
         ref_us = graph_us_per_call([call(rope_kv.qk_norm_rope_kv_ref, *s) for s in sets[:2]])
-        # read qkv, a cos and a sin row per token and the norms; write q, k and v
+        # read qkv, a cos and a sin row per token and the norms; write q, k and v (FP8: k and v
+        # as bits and a factor a head)
         bytes_moved = (2 * tokens * width + 2 * tokens * HEAD_DIM + 2 * HEAD_DIM) * ELEM_BYTES
+        if fp8:
+            head_saved = HEAD_DIM * ELEM_BYTES - (HEAD_DIM + fp8_kv.SCALE_BYTES)
+            bytes_moved -= 2 * tokens * KV_HEADS * head_saved
         # per q or k element: square and add, two scalings, two products and a sum
         flops = 7 * tokens * (Q_HEADS + KV_HEADS) * HEAD_DIM
         self.add(
-            "qk_norm_rope_kv",
+            "qk_norm_rope_kv_fp8" if fp8 else "qk_norm_rope_kv",
             f"T={tokens} Hq={Q_HEADS} Hkv={KV_HEADS} D={HEAD_DIM} qk norm",
             time_us,
             bytes_moved,
             flops,
             ref_us,
         )
+
+    def rope_kv_fp8(self, tokens: int) -> None:
+        """The KV write into FP8 pages (`rope_kv` with `fp8`)."""
+        self.rope_kv(tokens, fp8=True)
 
     def linear(self, tokens: int, name: str, config: gemv.GemvConfig | None = None) -> None:
         """A decode batch through a dense projection: the skinny GEMM, and beside it (unless a
@@ -681,8 +696,8 @@ def _short(config: object) -> str:
 # The kernels `--only` can pick: the Bench methods whose rows `run` times.
 KERNELS = (
     "fused_moe", "fused_moe_fp8", "grouped_moe", "grouped_moe_fp8", "paged_attention",
-    "paged_attention_fp8", "sdpa_prefill", "rmsnorm", "router", "route", "rope_kv", "handoff",
-    "linear", "draw",
+    "paged_attention_fp8", "sdpa_prefill", "rmsnorm", "router", "route", "rope_kv", "rope_kv_fp8",
+    "handoff", "linear", "draw",
 )  # fmt: skip
 
 
@@ -738,6 +753,8 @@ def run(
     for tokens in (1, 8):
         if "rope_kv" in wanted:
             bench.rope_kv(tokens)
+        if "rope_kv_fp8" in wanted:
+            bench.rope_kv_fp8(tokens)
         if "handoff" in wanted:
             for parts in (1, 2):
                 bench.handoff(tokens, parts)

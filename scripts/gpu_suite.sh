@@ -79,7 +79,8 @@ if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively an
     tests/kernels/test_rope_kv.py tests/kernels/test_paged_attention.py
   run fp8kv_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q -s $T --tb=short \
     tests/engine/test_fp8_kv.py
-  run fp8kv_kernels python3 -m moelab.kernels.bench --only paged_attention,paged_attention_fp8
+  run fp8kv_kernels python3 -m moelab.kernels.bench \
+    --only paged_attention,paged_attention_fp8,rope_kv,rope_kv_fp8
   for kv in auto fp8; do
     for ctx in 8192 32768; do
       run fp8kv_decode12_ctx${ctx}_$kv $B decode $G --routing-skew 1 --prompt-tokens $ctx \
