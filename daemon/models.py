@@ -25,6 +25,8 @@ DEMO_NAME = "moelab-demo-tiny"
 # routed experts: "...mlp.experts.3.gate_proj.weight", "...block_sparse_moe.experts.0.w1.weight",
 # fused "...mlp.experts.gate_up_proj"; not "shared_experts" / "shared_expert" (those are dense)
 _EXPERT_TENSOR = re.compile(r"(^|\.)experts\.")
+# the dtypes the engine reads without a quantization_config (F8_E4M3 only with an fp8 one)
+UNQUANTIZED_DTYPES = [code for code in SAFETENSORS_DTYPES if code != "F8_E4M3"]
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -169,15 +171,19 @@ def serving_problem(config: dict[str, Any], unread: dict[str, str]) -> Text | st
     """Why the engine would refuse this checkpoint: its config.json as the engine reads it, or
     weights of a dtype it does not read (`unread`: dtype -> a tensor of that dtype)."""
     try:
-        ModelSpec.from_config(config)
+        spec = ModelSpec.from_config(config)
     except CheckpointError as err:
         return error_text(err)
+    if spec.quantization == "fp8":  # FP8 weights are read where config.json says they are
+        unread = {dtype: name for dtype, name in unread.items() if dtype != "F8_E4M3"}
     if unread:
         listed = ", ".join(f"{dtype} ({name})" for dtype, name in sorted(unread.items()))
         return Text(
-            "weights of dtype {listed}: quantized weights are not read; moelab reads {dtypes}",
+            "weights of dtype {listed}: moelab reads {dtypes}, and F8_E4M3 weights where "
+            "config.json's quantization_config is fine-grained FP8 (quant_method fp8, "
+            "weight_block_size [128, 128])",
             listed=listed,
-            dtypes=", ".join(SAFETENSORS_DTYPES),
+            dtypes=", ".join(UNQUANTIZED_DTYPES),
         )
     return None
 
@@ -204,7 +210,7 @@ def tensor_bytes(directory: Path) -> tuple[int, int, dict[str, str]]:
                 experts += end - start
             else:
                 dense += end - start
-            if name.endswith(".weight") and info.get("dtype") not in SAFETENSORS_DTYPES:
+            if name.endswith(".weight") and info.get("dtype") not in UNQUANTIZED_DTYPES:
                 unread.setdefault(str(info.get("dtype")), name)
     return dense, experts, unread
 

@@ -54,6 +54,13 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
         "them in memory (for benchmarks of a geometry too big to write out)",
     )
     p.add_argument(
+        "--dtype",
+        default="bf16",
+        choices=["bf16", "fp8"],
+        help="fp8: linear weights in Hugging Face's fine-grained FP8 layout (e4m3, one fp32 "
+        "factor per 128x128 block); embeddings, norms, routers and lm_head stay bf16",
+    )
+    p.add_argument(
         "--shard-size",
         type=parse_bytes,
         default=parse_bytes("2GiB"),
@@ -125,6 +132,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             shard_bytes=args.shard_size,
             chat_template=args.chat_template,
             weights=not args.no_weights,
+            dtype=args.dtype,
         )
         print(out)
         return 0

@@ -10,15 +10,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..kernels import fp8
 from .config.args import default_cpu_threads
-from .model.spec import ModelSpec
-from .model.synth import SynthSource, make_config
+from .model.spec import FP8_BLOCK, ModelSpec
+from .model.synth import SynthSource, make_config, router_name
 from .model.synth_tokenizer import write_tokenizer_files
 
 log = logging.getLogger("moelab.synth")
 
 # models up to this size calibrate their routing skew with forward passes on the CPU
 CALIBRATE_MAX_BYTES = 6 * 1024**3
+DTYPES = ("bf16", "fp8")
 
 
 def synthesize(
@@ -32,17 +34,34 @@ def synthesize(
     shard_bytes: int = 2 * 1024**3,
     chat_template: str = "qwen3",
     weights: bool = True,
+    dtype: str = "bf16",
 ) -> Path:
     """Write config, tokenizer (with the chat template of that name: synth_tokenizer's
     CHAT_TEMPLATES), generation config and safetensors weights into `out`; without `weights`,
     all but the weights (an engine serves it with --dummy-weights, which builds its weights in
-    memory: a benchmark of a geometry too big to write out)."""
+    memory: a benchmark of a geometry too big to write out).
+
+    dtype "fp8": the linear weights are written in Hugging Face's fine-grained FP8 layout
+    (float8_e4m3fn values and fp32 `weight_scale_inv` per 128x128 block, kernels/fp8.py) and
+    config.json says so in `quantization_config`; embeddings, norms, routers and lm_head stay
+    bf16, named in `modules_to_not_convert`."""
     if routing_skew < 0:
         raise ValueError("--routing-skew must be 0 (uniform) or more")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     out = Path(out)
     config = make_config(arch, preset, overrides)
     config["moelab_synth"] = {"preset": preset, "seed": seed, "routing_skew": routing_skew}
     spec = ModelSpec.from_config(config)
+    keep = _not_converted(spec) if dtype == "fp8" else None
+    if keep is not None:
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "modules_to_not_convert": keep,
+        }
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer = write_tokenizer_files(out, spec.vocab_size, chat_template)
@@ -65,11 +84,48 @@ def synthesize(
         )
     else:
         source = SynthSource(spec, seed=seed, skew=routing_skew)
-    _write_weights(out, source, shard_bytes)
+    _write_weights(out, source, shard_bytes, keep)
     return out
 
 
-def _write_weights(out: Path, source: SynthSource, shard_bytes: int) -> None:
+def _not_converted(spec: ModelSpec) -> list[str]:
+    """The modules an FP8 checkpoint keeps unquantized, by their full names as transformers
+    matches them: the embeddings, every norm, the routers (and qwen2_moe's shared expert gates)
+    and lm_head."""
+    names = ["model.embed_tokens"]
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        names += [p + "input_layernorm", p + "post_attention_layernorm"]
+        if spec.qk_norm != "none":
+            names += [p + "self_attn.q_norm", p + "self_attn.k_norm"]
+        if spec.is_moe_layer(layer):
+            names.append(router_name(spec, layer).removesuffix(".weight"))
+            if spec.shared_expert_intermediate_size:
+                names.append(p + "mlp.shared_expert_gate")
+    names.append("model.norm")
+    if not spec.tie_word_embeddings:
+        names.append("lm_head")
+    return names
+
+
+def _tensors(source: SynthSource, names: list[str], keep: set[str] | None) -> dict:
+    """The named tensors as written: with `keep` (an FP8 checkpoint), every weight of a module
+    not kept as FP8 values and its `weight_scale_inv`."""
+    out = {}
+    for name in names:
+        t = source.get(name)
+        module = name.removesuffix(".weight")
+        if keep is None or not name.endswith(".weight") or module in keep:
+            out[name] = t
+            continue
+        out[name], out[name + "_scale_inv"] = fp8.quantize(t)
+    return out
+
+
+def _write_weights(
+    out: Path, source: SynthSource, shard_bytes: int, keep: list[str] | None = None
+) -> None:
+    kept = set(keep) if keep is not None else None
     names = source.names()
     elem = torch.empty((), dtype=source.dtype).element_size()
     shards: list[list[str]] = [[]]
@@ -87,13 +143,14 @@ def _write_weights(out: Path, source: SynthSource, shard_bytes: int) -> None:
         old.unlink()
     meta = {"format": "pt"}
     if len(shards) == 1:
-        _save_atomic(out / "model.safetensors", {n: source.get(n) for n in shards[0]}, meta)
+        _save_atomic(out / "model.safetensors", _tensors(source, shards[0], kept), meta)
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _save_atomic(out / file, {n: source.get(n) for n in shard}, meta)
-        weight_map.update(dict.fromkeys(shard, file))
+        tensors = _tensors(source, shard, kept)
+        _save_atomic(out / file, tensors, meta)
+        weight_map.update(dict.fromkeys(tensors, file))
         log.info("wrote %s (%d/%d)", file, i, len(shards))
     index = {
         "metadata": {"total_size": sum((out / f).stat().st_size for f in set(weight_map.values()))},

@@ -128,6 +128,12 @@ def threads_advice(machine: Machine) -> Advice:
     )
 
 
+def bank_bytes(spec: ModelSpec, elem_bytes: int) -> int:
+    """The host bank of the checkpoint's experts as the engine holds them by default: FP8 values
+    and their factors for an FP8 checkpoint, else `elem_bytes` a weight."""
+    return spec.experts_total * spec.expert_bytes_as(spec.expert_format(), elem_bytes)
+
+
 def ram_warnings(machine: Machine, bank_bytes: int, how: Text, other_bytes: int) -> list[Text]:
     ram = machine.ram_total_bytes
     need = bank_bytes + other_bytes

@@ -11,6 +11,7 @@ from ..engine.text import Text
 from .advice import (
     RAM_RESERVE_BYTES,
     Advice,
+    bank_bytes,
     context_tiers,
     flags_of,
     gib,
@@ -42,9 +43,9 @@ def cpu_rules(
     ]
     warnings: list[Text] = []
     reserve = RAM_RESERVE_BYTES
-    bank32 = spec.experts_total * spec.expert_params * 4
+    bank32 = bank_bytes(spec, 4)
     if spec.dtype_bytes < 4 and bank32 + spec.dense_params * 4 + reserve > machine.ram_total_bytes:
-        bank = spec.experts_total * spec.expert_params * spec.dtype_bytes
+        bank = bank_bytes(spec, spec.dtype_bytes)
         if bank + spec.dense_params * spec.dtype_bytes + reserve <= machine.ram_total_bytes:
             advice.append(
                 Advice(
@@ -63,7 +64,7 @@ def cpu_rules(
                 )
             )
     elem = spec.dtype_bytes if any(a.flag == "--dtype" for a in advice) else 4
-    bank = spec.experts_total * spec.expert_params * elem
+    bank = bank_bytes(spec, elem)
 
     def needed(t: int) -> int:
         """Device bytes the flags plan with a `t`-token KV reserve (nothing left over)."""

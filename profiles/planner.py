@@ -274,7 +274,7 @@ def _run_speed(
     """A run's measured speed: its misses priced (`_miss_price`), the rest of each token's time
     fixed."""
     assert run.decode_tok_s
-    slot_bytes = spec.expert_params * choice.elem_bytes
+    slot_bytes = _slot_bytes(spec, choice, config)
     miss_s, priced = _miss_price(run, slot_bytes, config.experts.miss_policy, bp, bh)
     observed_s = 1.0 / run.decode_tok_s
     misses = run.reads_per_token * (1.0 - run.hit_rate)
@@ -361,7 +361,7 @@ def _bound_speed(
     device_gbps = rates.device_gbps if choice.cuda else rates.host_gbps
     if not device_gbps:
         return None
-    slot_bytes = spec.expert_params * choice.elem_bytes
+    slot_bytes = _slot_bytes(spec, choice, config)
     reads = float(spec.num_moe_layers * spec.top_k)
     dense = (spec.dense_params - spec.vocab_size * spec.hidden_size) * choice.elem_bytes
     # hits read from device memory: count them into the fixed part at the hit rate of the
@@ -524,3 +524,8 @@ def plan_context(
         hit_basis=hits.basis,
         speed_basis=speed.basis if speed else None,
     )
+
+
+def _slot_bytes(spec: ModelSpec, choice: DeviceChoice, config: EngineConfig) -> int:
+    """One expert's bytes as the engine holds it (--moe-expert-dtype): a miss moves them."""
+    return spec.expert_bytes_as(spec.expert_format(config.model.expert_dtype), choice.elem_bytes)

@@ -17,7 +17,16 @@ from typing import Any
 from ..engine.config.memory import VramPlan, activation_bytes
 from ..engine.model.spec import ModelSpec
 from ..engine.text import Text
-from .advice import Advice, context_tiers, flags_of, gib, ram_warnings, threads_advice, try_plan
+from .advice import (
+    Advice,
+    bank_bytes,
+    context_tiers,
+    flags_of,
+    gib,
+    ram_warnings,
+    threads_advice,
+    try_plan,
+)
 from .cpu_rules import cpu_rules
 from .flags import catalog
 from .machine import Gpu, Machine
@@ -73,7 +82,7 @@ def _gpu_rules(
     threads = threads_advice(machine)
     advice.append(threads)
     advice.append(_policy_advice(machine, plan, int(str(threads.value))))
-    bank = spec.experts_total * spec.expert_params * spec.dtype_bytes
+    bank = bank_bytes(spec, spec.dtype_bytes)
     warnings += ram_warnings(machine, bank, Text("pinned, so it never swaps"), 0)
     return advice, warnings
 

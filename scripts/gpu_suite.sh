@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -91,6 +91,27 @@ if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively an
     ctx=$(tail -1 "$out/fp8kv_context48_$kv.log" | python3 -c \
       'import json, sys; print(json.load(sys.stdin)["max_context"] - 64)')
     run fp8kv_prompt48_$kv $B prefill $M --prompt-tokens "$ctx" --repeats 1 --json
+  done
+fi
+if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoint tests on CUDA,
+  # then issue 52's rows, one process each, bf16 beside FP8 with the same device-memory budget
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run fp8_engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_fp8.py
+  M="--device-memory 24GiB --json"
+  for dtype in bf16 fp8; do
+    for skew in 1 0; do
+      run fp8engine_decode12_24g_skew${skew}_$dtype $B decode $G --routing-skew $skew $M \
+        --moe-expert-dtype $dtype --tokens 256 --repeats 3
+    done
+    run fp8engine_decode48_24g_skew1_$dtype $B decode --preset qwen3-30b-a3b --routing-skew 1 \
+      $M --moe-expert-dtype $dtype --tokens 256 --repeats 3
+    run fp8engine_decode12_resident_$dtype $B decode $G --routing-skew 1 --json \
+      --moe-expert-dtype $dtype
+    for n in 512 8192; do
+      run fp8engine_prefill12_cache25_${n}_$dtype $B prefill $G --prompt-tokens $n \
+        --moe-cache-rate 0.25 --json --moe-expert-dtype $dtype
+    done
   done
 fi
 if [ "$part" = rows25 ]; then  # the 25%-cache rows at routing skew 1 and 0, default flags

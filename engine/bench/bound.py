@@ -1,9 +1,10 @@
 """The decode benchmark's bound: the fastest a decode step could run on this machine.
 
 t_min = resident_bytes / HBM + miss_bytes / (Bp + B_host), resident_bytes the dense weights, the
-KV cache the step's attention reads and the cached experts, with the device copy rate (HBM), the
-pinned host-to-device rate (Bp) and the host memory read rate (B_host) measured here, Bp and
-B_host while running at the same time. A slow kernel shows as a gap to this bound.
+KV cache the step's attention reads and the cached experts (an expert's bytes as the bank holds
+it: FP8 values and their block factors with --moe-expert-dtype fp8), with the device copy rate
+(HBM), the pinned host-to-device rate (Bp) and the host memory read rate (B_host) measured here,
+Bp and B_host while running at the same time. A slow kernel shows as a gap to this bound.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ def concurrent_rates(engine, seconds: float = 0.6) -> dict:
     hbm = 2 * 10 * big.nbytes / (time.perf_counter() - t0) / 1e9
     del big, out
     bank = engine.bank
-    dst13 = torch.empty_like(bank.w13[0][0], device=dev)
-    dst2 = torch.empty_like(bank.w2[0][0], device=dev)
+    slots = [torch.empty_like(t[0], device=dev) for t in bank.layer_tensors(0)]
     stop = threading.Event()
     copied = [0]
     # written before the copies start: this thread fills it on one core, where (with
@@ -50,8 +50,8 @@ def concurrent_rates(engine, seconds: float = 0.6) -> dict:
             while not stop.is_set():
                 for _ in range(in_flight):
                     layer, expert = i % bank.num_layers, (i // bank.num_layers) % bank.num_experts
-                    dst13.copy_(bank.w13[layer][expert], non_blocking=True)
-                    dst2.copy_(bank.w2[layer][expert], non_blocking=True)
+                    for slot, src in zip(slots, bank.layer_tensors(layer), strict=True):
+                        slot.copy_(src[expert], non_blocking=True)
                     i += 1
                 stream.synchronize()
                 copied[0] += in_flight * bank.expert_bytes
@@ -91,7 +91,7 @@ def against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
     steps = args.tokens
     elapsed = timed["elapsed"]
     tok_s = args.batch * steps / elapsed
-    eb = spec.expert_bytes * engine.dtype.itemsize // spec.dtype_bytes
+    eb = engine.bank.expert_bytes  # as held: FP8 values and their factors, or the dtype's
     elem = engine.dtype.itemsize
     dense_step = (spec.dense_params - spec.vocab_size * spec.hidden_size) * elem
     hits_step, misses_step = hits.sum() / steps, (fills.sum() + cpu.sum()) / steps

@@ -229,6 +229,8 @@ def _run(args: argparse.Namespace) -> int:
         max_context=plan.max_context,
         device=str(engine.device),
         dtype=str(engine.dtype)[6:],
+        expert_dtype=engine.bank.fmt,  # "fp8", or "bf16": the experts in the compute dtype
+        expert_bytes=engine.bank.expert_bytes,
         gpu=torch.cuda.get_device_name(0) if engine.device.type == "cuda" else None,
         policy=engine.policy.mode,
         fetch_fraction=engine.policy.fetch_fraction,  # at the end: auto follows the CPU rate

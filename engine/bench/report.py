@@ -18,7 +18,8 @@ def decode_text(result: dict, args: argparse.Namespace, policy) -> str:
         f"{drawn_words(args)} ({result['ms_per_step']:.2f} ms/step); bound "
         f"{result['bound_tok_s']:.1f} tok/s, achieved {result['achieved_of_bound']:.0%}; hit "
         f"rate {hit_rate:.3f}, pick evenness {result['pick_evenness']:.3f}; slots "
-        f"{result['slots']}/{result['experts_total']}; HBM {result['hbm_gbps']:.0f} GB/s, Bp "
+        f"{result['slots']}/{result['experts_total']} ({result['expert_dtype']} experts of "
+        f"{result['expert_bytes'] / 2**20:.2f} MiB); HBM {result['hbm_gbps']:.0f} GB/s, Bp "
         f"{result['bp_gbps']:.1f}, B_host {result['host_gbps']:.1f} GB/s"
     )
     if result["experts_total"] > result["slots"]:

@@ -33,6 +33,7 @@ _SIZE_UNITS = {
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+EXPERT_DTYPES = ("auto", "bf16", "fp8")
 CPU_KERNELS = ("auto", "native", "torch")
 CPU_PINS = ("cores", "isolate", "off")
 GENERATION_CONFIGS = ("auto", "off")
@@ -261,6 +262,16 @@ def _model_flags(model: Group) -> None:
         choices=DTYPES,
         help="Compute and weight dtype; auto keeps the checkpoint's on a GPU and uses float32 "
         "on a CPU device.",
+    )
+    model.add_argument(
+        "--moe-expert-dtype",
+        default="auto",
+        choices=EXPERT_DTYPES,
+        help="How the routed experts are held in host memory and in the GPU's expert slots: "
+        "fp8 (e4m3 values with one fp32 factor per 128x128 block, half the bytes of bf16: "
+        "a bf16 checkpoint's experts are quantized once, into the prepacked bank), bf16 (the "
+        "compute dtype: an FP8 checkpoint's experts are widened), auto (the checkpoint's own "
+        "format).",
     )
     model.add_argument(
         "--dummy-weights",
@@ -591,6 +602,12 @@ class Tunable:
 
 
 TUNABLE: tuple[Tunable, ...] = (
+    Tunable(
+        "--moe-expert-dtype",
+        "choice",
+        ("bf16", "fp8"),
+        Text("FP8 experts: half the bytes of every miss and twice the slots, against rounding"),
+    ),
     Tunable(
         "--moe-miss-policy",
         "choice",

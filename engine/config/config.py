@@ -91,6 +91,7 @@ class ModelConfig(_FlagGroup):
     path: str = _setting("--model-path")
     served_name: str | None = _setting("--served-model-name")
     dtype: str = _setting("--dtype", _one_of(flags.DTYPES))
+    expert_dtype: str = _setting("--moe-expert-dtype", _one_of(flags.EXPERT_DTYPES))
     dummy_weights: bool = _setting("--dummy-weights")
     bank_dir: str | None = _setting("--bank-dir")
 
@@ -245,4 +246,5 @@ class EngineConfig:
             cache_rate=self.experts.cache_rate,
             cuda_graphs=cuda and batching.cuda_graph,
             max_context=memory.max_context,
+            expert_dtype=self.model.expert_dtype,
         )

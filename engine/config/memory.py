@@ -128,9 +128,13 @@ def plan_vram(
     cache_rate: float | None = None,
     cuda_graphs: bool = False,
     max_context: int | None = None,
+    expert_format: str = "bf16",
 ) -> VramPlan:
-    """Divide `budget_bytes` of device memory; raise MemoryPlanError when the flags cannot fit."""
-    slot_bytes = spec.expert_params * elem_bytes
+    """Divide `budget_bytes` of device memory; raise MemoryPlanError when the flags cannot fit.
+
+    An expert slot holds one expert in `expert_format`: `elem_bytes` a weight for "bf16", FP8
+    values and their block factors for "fp8"."""
+    slot_bytes = spec.expert_bytes_as(expert_format, elem_bytes)
     kv_per_token = kv_bytes_per_token(spec, elem_bytes, kv_cache_dtype)
     kv_blocks = -(-kv_reserve_tokens // block_size)
     kv_bytes = kv_blocks * block_size * kv_per_token
@@ -242,6 +246,7 @@ class MemoryRequest:
     cache_rate: float | None
     cuda_graphs: bool
     max_context: int | None
+    expert_dtype: str = "auto"  # --moe-expert-dtype
 
     def plan(self, spec: ModelSpec) -> VramPlan:
         """The plan of this request for `spec`'s model (MemoryPlanError where it cannot fit)."""
@@ -260,6 +265,7 @@ class MemoryRequest:
             cache_rate=self.cache_rate,
             cuda_graphs=self.cuda_graphs,
             max_context=self.max_context,
+            expert_format=spec.expert_format(self.expert_dtype),
         )
 
 

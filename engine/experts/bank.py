@@ -1,9 +1,14 @@
 """ExpertBank: every routed expert in host memory, one contiguous block per (layer, expert).
 
 Per MoE layer the bank holds `w13 [E, 2I, H]` (gate rows then up rows) and `w2 [E, H, I]`, so one
-expert is two contiguous copies. The bank is written once in this final layout (a prepacked
-safetensors file in the cache directory) and later starts memory-map it; with CUDA present each
-layer is copied once into pinned memory, falling back to the mapped pages where pinning fails.
+expert is two contiguous copies. An FP8 bank (format "fp8") holds them as float8_e4m3fn with their
+fp32 block factors beside them, `w13_scale [E, ⌈2I/128⌉, ⌈H/128⌉]` and `w2_scale [E, ⌈H/128⌉,
+⌈I/128⌉]` (kernels/fp8.py): four copies an expert. The format is the checkpoint's, or the one
+`--moe-expert-dtype` asks for, converted once as the prepacked file is written.
+
+The bank is written once in this final layout (a prepacked safetensors file in the cache
+directory) and later starts memory-map it; with CUDA present each layer is copied once into pinned
+memory, falling back to the mapped pages where pinning fails.
 """
 
 from __future__ import annotations
@@ -21,13 +26,19 @@ from pathlib import Path
 
 import torch
 
-from ..model.checkpoint import SafetensorsSource, TensorSource, iter_layer_experts
-from ..model.spec import CheckpointError, ModelSpec
+from ...kernels import fp8
+from ..model.checkpoint import Expert, SafetensorsSource, TensorSource, iter_layer_experts
+from ..model.spec import CheckpointError, ModelSpec, blocks
 
 log = logging.getLogger("moelab.bank")
 
 BANK_VERSION = 1
-_ST_CODES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_ST_CODES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 
 Progress = Callable[[int, int], None]
 
@@ -42,6 +53,9 @@ class ExpertBank:
 
     w13: list[torch.Tensor]
     w2: list[torch.Tensor]
+    # an FP8 bank's block factors per layer (empty for an unquantized bank)
+    w13_scale: list[torch.Tensor] = field(default_factory=list)
+    w2_scale: list[torch.Tensor] = field(default_factory=list)
     pinned: list[bool] = field(default_factory=list)
     path: Path | None = None
     _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
@@ -59,12 +73,32 @@ class ExpertBank:
         return self.w13[0].shape[0]
 
     @property
+    def fmt(self) -> str:
+        """ "fp8" (values and block factors) or "bf16" (weights in the engine's dtype)."""
+        return "fp8" if self.w13_scale else "bf16"
+
+    def cpu_scales(self, moe_layer: int) -> dict[str, torch.Tensor]:
+        """An FP8 layer's factors as the CPU expert runner takes them (none for bf16)."""
+        if not self.w13_scale:
+            return {}
+        return {"w13_scale": self.w13_scale[moe_layer], "w2_scale": self.w2_scale[moe_layer]}
+
+    def layer_tensors(self, moe_layer: int) -> list[torch.Tensor]:
+        """A layer's tensors: w13, w2 and, for an FP8 bank, their factors (an expert's row of
+        each is one copy into a slot: `ExpertCache.tensors`)."""
+        return [tensors[moe_layer] for tensors in self._all() if tensors]
+
+    @property
     def expert_bytes(self) -> int:
-        return self.w13[0][0].nbytes + self.w2[0][0].nbytes
+        """One expert's bytes, FP8 values and their factors where FP8."""
+        return sum(t[0][0].nbytes for t in self._all() if t)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.w13) + sum(t.nbytes for t in self.w2)
+        return sum(t.nbytes for tensors in self._all() for t in tensors)
+
+    def _all(self) -> tuple[list[torch.Tensor], ...]:
+        return self.w13, self.w2, self.w13_scale, self.w2_scale
 
     @property
     def pinned_layers(self) -> int:
@@ -75,8 +109,31 @@ class ExpertBank:
         return {"bytes": self.nbytes, "pinned_layers": self.pinned_layers}
 
 
-def bank_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
-    return spec.experts_total * spec.expert_params * torch.empty((), dtype=dtype).element_size()
+def bank_bytes(spec: ModelSpec, dtype: torch.dtype, fmt: str = "bf16") -> int:
+    return spec.experts_total * spec.expert_bytes_as(fmt, dtype.itemsize)
+
+
+def as_format(expert: Expert, fmt: str, dtype: torch.dtype) -> Expert:
+    """An expert as the bank holds it: FP8 values and factors ("fp8", quantizing unquantized
+    weights in 128x128 blocks), or weights in `dtype` ("bf16", widening FP8 ones)."""
+    stored_fp8 = expert.w13_scale is not None
+    if fmt == "fp8":
+        if stored_fp8:
+            return expert
+        return Expert(expert.index, *_quantized(expert.w13, expert.w2))
+    if stored_fp8:
+        return Expert(
+            expert.index,
+            fp8.dequantize(expert.w13, expert.w13_scale).to(dtype),
+            fp8.dequantize(expert.w2, expert.w2_scale).to(dtype),
+        )
+    return expert
+
+
+def _quantized(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    q13, s13 = fp8.quantize(w13)
+    q2, s2 = fp8.quantize(w2)
+    return q13, q2, s13, s2
 
 
 def check_host_memory(needed_bytes: int, *, pinned: bool) -> None:
@@ -108,21 +165,52 @@ def default_bank_dir() -> Path:
     return Path(platformdirs.user_cache_dir("moelab")) / "banks"
 
 
-def bank_key(source: SafetensorsSource, dtype: torch.dtype) -> str:
-    """Identifies a checkpoint's files (path, sizes, mtimes) and the bank dtype."""
+def bank_key(source: SafetensorsSource, dtype: torch.dtype, fmt: str = "bf16") -> str:
+    """Identifies a checkpoint's files (path, sizes, mtimes) and the bank's format and dtype."""
     parts = [str(source.path.resolve()), str(dtype), BANK_VERSION]
+    if fmt == "fp8":
+        parts.append(fmt)
     for f in source.files:
         st = f.stat()
         parts.append([f.name, st.st_size, st.st_mtime_ns])
     return hashlib.sha1(json.dumps(parts).encode()).hexdigest()[:16]
 
 
-def _layout(spec: ModelSpec, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...]]]:
+def _layout(
+    spec: ModelSpec, dtype: torch.dtype, fmt: str
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The bank's tensors in file order: per MoE layer w13, w2 (and for FP8 their factors)."""
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     out = []
+    values = torch.float8_e4m3fn if fmt == "fp8" else dtype
     for m in range(spec.num_moe_layers):
-        out += [(f"layer{m}.w13", (e, 2 * i, h)), (f"layer{m}.w2", (e, h, i))]
+        out += [(f"layer{m}.w13", (e, 2 * i, h), values), (f"layer{m}.w2", (e, h, i), values)]
+        if fmt == "fp8":
+            out += [
+                (f"layer{m}.w13_scale", (e, blocks(2 * i), blocks(h)), torch.float32),
+                (f"layer{m}.w2_scale", (e, blocks(h), blocks(i)), torch.float32),
+            ]
     return out
+
+
+def _per_layer(fmt: str) -> int:
+    return 4 if fmt == "fp8" else 2
+
+
+def _fill_layer(
+    spec: ModelSpec,
+    source: TensorSource,
+    layer: int,
+    tensors: list[torch.Tensor],
+    fmt: str,
+    dtype: torch.dtype,
+) -> None:
+    """Copy a layer's experts, converted to the bank's format, into its tensors (w13, w2 and
+    for FP8 their factors)."""
+    for expert in iter_layer_experts(spec, source, layer):
+        held = as_format(expert, fmt, dtype)
+        for dst, src in zip(tensors, held[1:], strict=False):
+            dst[expert.index].copy_(src)
 
 
 def write_prepacked(
@@ -131,18 +219,18 @@ def write_prepacked(
     dtype: torch.dtype,
     path: Path,
     progress: Progress | None = None,
+    fmt: str = "bf16",
 ) -> None:
     """Write the bank in its final layout as a safetensors file (atomically, via a temp file)."""
-    layout = _layout(spec, dtype)
-    elem = torch.empty((), dtype=dtype).element_size()
+    layout = _layout(spec, dtype, fmt)
     header: dict = {"__metadata__": {"moelab_bank_version": str(BANK_VERSION)}}
     offset = 0
-    for name, shape in layout:
-        size = elem
+    for name, shape, tensor_dtype in layout:
+        size = tensor_dtype.itemsize
         for d in shape:
             size *= d
         header[name] = {
-            "dtype": _ST_CODES[dtype],
+            "dtype": _ST_CODES[tensor_dtype],
             "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
@@ -157,13 +245,11 @@ def write_prepacked(
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
+            n = _per_layer(fmt)
             for m, layer in enumerate(spec.moe_layers):
-                w13 = torch.empty(layout[2 * m][1], dtype=dtype)
-                w2 = torch.empty(layout[2 * m + 1][1], dtype=dtype)
-                for e, gate_up, down in iter_layer_experts(spec, source, layer):
-                    w13[e].copy_(gate_up)
-                    w2[e].copy_(down)
-                for t in (w13, w2):
+                tensors = [torch.empty(shape, dtype=d) for _, shape, d in layout[n * m : n * m + n]]
+                _fill_layer(spec, source, layer, tensors, fmt, dtype)
+                for t in tensors:
                     f.write(t.view(torch.uint8).numpy().tobytes())
                     done += t.nbytes
                 if progress:
@@ -183,6 +269,7 @@ def map_prepacked(
     *,
     pin: bool,
     progress: Progress | None = None,
+    fmt: str = "bf16",
 ) -> ExpertBank:
     """Memory-map a prepacked bank; with `pin`, copy each layer into pinned memory."""
     with open(path, "rb") as f:
@@ -190,26 +277,33 @@ def map_prepacked(
         header = json.loads(f.read(size))
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     data_start = 8 + size
-    layout = _layout(spec, dtype)
+    layout = _layout(spec, dtype, fmt)
     views = []
-    for name, shape in layout:
+    for name, shape, tensor_dtype in layout:
         meta = header.get(name)
-        if meta is None or tuple(meta["shape"]) != shape or meta["dtype"] != _ST_CODES[dtype]:
+        if (
+            meta is None
+            or tuple(meta["shape"]) != shape
+            or meta["dtype"] != _ST_CODES[tensor_dtype]
+        ):
             raise CheckpointError(f"prepacked bank {path} does not match the checkpoint ({name})")
         begin, end = meta["data_offsets"]
-        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
-        views.append(
-            torch.frombuffer(mm, dtype=dtype, count=count, offset=data_start + begin).view(shape)
-        )
-    bank = ExpertBank(w13=views[0::2], w2=views[1::2], path=path, _maps=[mm])
+        count = (end - begin) // tensor_dtype.itemsize
+        view = torch.frombuffer(mm, dtype=tensor_dtype, count=count, offset=data_start + begin)
+        views.append(view.view(shape))
+    n = _per_layer(fmt)
+    bank = ExpertBank(w13=views[0::n], w2=views[1::n], path=path, _maps=[mm])
+    if fmt == "fp8":
+        bank.w13_scale, bank.w2_scale = views[2::n], views[3::n]
     total = bank.nbytes
     done = 0
     pin_ok = pin
     for m in range(bank.num_layers):
+        layer_tensors = [tensors for tensors in bank._all() if tensors]
         if pin_ok:
             try:
-                bank.w13[m] = _pinned_copy(bank.w13[m])
-                bank.w2[m] = _pinned_copy(bank.w2[m])
+                for tensors in layer_tensors:
+                    tensors[m] = _pinned_copy(tensors[m])
             except RuntimeError as err:
                 pin_ok = False
                 log.warning(
@@ -222,10 +316,10 @@ def map_prepacked(
                 )
         else:
             # touch every page now so the first decode steps do not fault them in one by one
-            bank.w13[m].view(torch.uint8)[:: mmap.PAGESIZE].sum()
-            bank.w2[m].view(torch.uint8)[:: mmap.PAGESIZE].sum()
+            for tensors in layer_tensors:
+                tensors[m].view(torch.uint8).flatten()[:: mmap.PAGESIZE].sum()
         bank.pinned.append(pin_ok)
-        done += bank.w13[m].nbytes + bank.w2[m].nbytes
+        done += sum(tensors[m].nbytes for tensors in layer_tensors)
         if progress:
             progress(done, total)
     return bank
@@ -245,11 +339,14 @@ def load_bank(
     bank_dir: Path | None,
     pin: bool,
     progress: Progress | None = None,
+    fmt: str = "bf16",
 ) -> ExpertBank:
-    """The checkpoint's bank: prepacked on first use, memory-mapped (and pinned) afterwards."""
-    check_host_memory(bank_bytes(spec, dtype), pinned=pin)
+    """The checkpoint's bank in `fmt`: prepacked on first use (converted from the checkpoint's
+    format where it differs), memory-mapped (and pinned) afterwards."""
+    check_host_memory(bank_bytes(spec, dtype, fmt), pinned=pin)
     bank_dir = bank_dir or default_bank_dir()
-    path = bank_dir / f"{source.path.resolve().name}-{bank_key(source, dtype)}.bank.safetensors"
+    key = bank_key(source, dtype, fmt)
+    path = bank_dir / f"{source.path.resolve().name}-{key}.bank.safetensors"
     t0 = time.perf_counter()
     if not path.is_file():
         log.info("writing the prepacked expert bank to %s (once per checkpoint)", path)
@@ -258,7 +355,7 @@ def load_bank(
             if progress:
                 progress(done // 2, total)
 
-        write_prepacked(spec, source, dtype, path, half)
+        write_prepacked(spec, source, dtype, path, half, fmt)
         t1 = time.perf_counter()
         log.info("prepacked bank written in %.2f s", t1 - t0)
 
@@ -266,16 +363,16 @@ def load_bank(
             if progress:
                 progress(total // 2 + done // 2, total)
 
-        bank = map_prepacked(spec, dtype, path, pin=pin, progress=second)
+        bank = map_prepacked(spec, dtype, path, pin=pin, progress=second, fmt=fmt)
     else:
-        bank = map_prepacked(spec, dtype, path, pin=pin, progress=progress)
+        bank = map_prepacked(spec, dtype, path, pin=pin, progress=progress, fmt=fmt)
     log.info(
         "expert bank: %d MoE layers x %d experts, %.2f GiB %s, %d/%d layers pinned, "
         "ready in %.2f s",
         bank.num_layers,
         bank.num_experts,
         bank.nbytes / 1024**3,
-        str(dtype).replace("torch.", ""),
+        "fp8" if fmt == "fp8" else str(dtype).replace("torch.", ""),
         bank.pinned_layers,
         bank.num_layers,
         time.perf_counter() - t0,
@@ -290,23 +387,23 @@ def build_in_memory(
     *,
     pin: bool,
     progress: Progress | None = None,
+    fmt: str = "bf16",
 ) -> ExpertBank:
     """A bank filled straight from a tensor source (synthetic weights), nothing written to disk."""
-    check_host_memory(bank_bytes(spec, dtype), pinned=pin)
-    e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    total = bank_bytes(spec, dtype, fmt)
+    check_host_memory(total, pinned=pin)
     bank = ExpertBank(w13=[], w2=[])
-    total = bank_bytes(spec, dtype)
+    lists = bank._all()
+    n = _per_layer(fmt)
     done = 0
-    for layer in spec.moe_layers:
-        w13 = torch.empty((e, 2 * i, h), dtype=dtype, pin_memory=pin)
-        w2 = torch.empty((e, h, i), dtype=dtype, pin_memory=pin)
-        for x, gate_up, down in iter_layer_experts(spec, source, layer):
-            w13[x].copy_(gate_up)
-            w2[x].copy_(down)
-        bank.w13.append(w13)
-        bank.w2.append(w2)
+    for m, layer in enumerate(spec.moe_layers):
+        layout = _layout(spec, dtype, fmt)[n * m : n * m + n]
+        tensors = [torch.empty(shape, dtype=d, pin_memory=pin) for _, shape, d in layout]
+        _fill_layer(spec, source, layer, tensors, fmt, dtype)
+        for tensors_of_kind, t in zip(lists, tensors, strict=False):
+            tensors_of_kind.append(t)
         bank.pinned.append(pin)
-        done += w13.nbytes + w2.nbytes
+        done += sum(t.nbytes for t in tensors)
         if progress:
             progress(done, total)
     return bank

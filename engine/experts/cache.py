@@ -12,11 +12,13 @@ implementation is the specification).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from ..model.spec import blocks
 from .bank import ExpertBank
 from .h2d import HostToDevice
 
@@ -36,15 +38,19 @@ class ExpertCache:
         intermediate_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        fmt: str = "bf16",
     ) -> None:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.dtype = dtype
+        self.dtype = dtype  # the compute dtype; the slots' own where fmt is "bf16"
+        self.fmt = fmt  # "fp8": the slots hold FP8 values and their block factors (bank.py)
         self.device = device
         self.w13 = torch.empty(0)
         self.w2 = torch.empty(0)
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
         self.slot_of = np.full((num_layers, num_experts), -1, dtype=np.int32)
         # the same map on the device, for steps that look slots up without the host (CUDA graphs)
         self.slot_of_device = torch.full(
@@ -91,11 +97,24 @@ class ExpertCache:
 
     @property
     def slot_bytes(self) -> int:
-        return 3 * self.hidden_size * self.intermediate_size * self.w13.element_size()
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.tensors())
 
     @property
     def nbytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
+        return sum(t.nbytes for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The slots' tensors, in the order of `ExpertBank.layer_tensors`: w13, w2 and, for an
+        FP8 cache, their factors."""
+        if self.w13_scale is None or self.w2_scale is None:
+            return [self.w13, self.w2]
+        return [self.w13, self.w2, self.w13_scale, self.w2_scale]
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        """The factors of an FP8 cache as the MoE kernels take them (none for bf16)."""
+        if self.w13_scale is None or self.w2_scale is None:
+            return {}
+        return {"w13_scale_inv": self.w13_scale, "w2_scale_inv": self.w2_scale}
 
     @property
     def resident(self) -> int:
@@ -109,6 +128,7 @@ class ExpertCache:
         return {
             "slots": self.slots,
             "slot_bytes": self.slot_bytes,
+            "dtype": self.fmt,
             "bytes": self.nbytes,
             "resident_per_layer": self.resident_per_layer(),
         }
@@ -196,11 +216,16 @@ class ExpertCache:
     # sizing ----------------------------------------------------------------------------------
 
     def _allocate(self, slots: int) -> None:
-        h, i = self.hidden_size, self.intermediate_size
-        self.w13 = torch.empty((slots, 2 * i, h), dtype=self.dtype, device=self.device)
+        h, i, dev = self.hidden_size, self.intermediate_size, self.device
+        values = torch.float8_e4m3fn if self.fmt == "fp8" else self.dtype
+        self.w13 = torch.empty((slots, 2 * i, h), dtype=values, device=dev)
         # zeroed: a split miss's slot (decode_planner.h) adds its down projection's columns past
         # the copied ones times zero, which must not be NaN in a slot never filled
-        self.w2 = torch.zeros((slots, h, i), dtype=self.dtype, device=self.device)
+        self.w2 = torch.zeros((slots, h, i), dtype=values, device=dev)
+        if self.fmt == "fp8":
+            shape13, shape2 = (slots, blocks(2 * i), blocks(h)), (slots, blocks(h), blocks(i))
+            self.w13_scale = torch.zeros(shape13, dtype=torch.float32, device=dev)
+            self.w2_scale = torch.zeros(shape2, dtype=torch.float32, device=dev)
         self.key_of_slot = np.full(slots, -1, dtype=np.int64)
         self.last_use = np.full(slots, -1, dtype=np.int64)
         self.version += 1
@@ -216,6 +241,7 @@ class ExpertCache:
         keep = [(int(self.key_of_slot[s]), int(self.last_use[s])) for s in by_use]
         keep = keep[-slots:] if slots else []
         self.w13 = self.w2 = torch.empty(0)
+        self.w13_scale = self.w2_scale = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.slot_of.fill(-1)
@@ -265,21 +291,21 @@ class SlotFills:
     def queue(self, moe_layer: int, admitted: list[tuple[int, int]]) -> None:
         """Queue the copies of (expert, slot) pairs on the copy stream without waiting for
         anything (done at once without CUDA)."""
-        bank_w13, bank_w2 = self.bank.w13[moe_layer], self.bank.w2[moe_layer]
-        cache, h2d = self.cache, self._h2d
+        pairs = list(zip(self.cache.tensors(), self.bank.layer_tensors(moe_layer), strict=True))
+        h2d = self._h2d
         if h2d is None:
             for expert, slot in admitted:
-                cache.w13[slot].copy_(bank_w13[expert])
-                cache.w2[slot].copy_(bank_w2[expert])
+                for dst, src in pairs:
+                    dst[slot].copy_(src[expert])
             return
-        n13 = cache.w13.stride(0) * cache.w13.element_size()  # one expert's matrix, in bytes
-        n2 = cache.w2.stride(0) * cache.w2.element_size()
-        assert bank_w13.is_contiguous() and bank_w13.stride(0) == cache.w13.stride(0)
-        dst13, dst2 = cache.w13.data_ptr(), cache.w2.data_ptr()
-        src13, src2 = bank_w13.data_ptr(), bank_w2.data_ptr()
+        spans = []
+        for dst, src in pairs:
+            n = dst.stride(0) * dst.element_size()  # one expert's matrix, in bytes
+            assert src.is_contiguous() and src.stride(0) == dst.stride(0)
+            spans.append((dst.data_ptr(), src.data_ptr(), n))
         for expert, slot in admitted:
-            h2d.copy(dst13 + slot * n13, src13 + expert * n13, n13)
-            h2d.copy(dst2 + slot * n2, src2 + expert * n2, n2)
+            for dst_ptr, src_ptr, n in spans:
+                h2d.copy(dst_ptr + slot * n, src_ptr + expert * n, n)
 
     def refill(self, moe_layer: int, expert: int, slot: int) -> None:
         """Copy one expert into a slot and wait (cache resize, warm-up)."""

@@ -161,17 +161,17 @@ def cpu_ranges(cpus: Sequence[int]) -> str:
 
 
 def measure_bp_gbps(bank: ExpertBank, device: torch.device, samples: int = 10) -> float:
-    """Host-to-device rate for one expert (its two tensors), from the bank's own memory."""
-    w13 = torch.empty_like(bank.w13[0][0], device=device)
-    w2 = torch.empty_like(bank.w2[0][0], device=device)
+    """Host-to-device rate for one expert (its two tensors, and an FP8 bank's factors), from the
+    bank's own memory."""
+    slots = [torch.empty_like(t[0], device=device) for t in bank.layer_tensors(0)]
     times = []
     for i in range(samples + 1):
         layer, expert = i % bank.num_layers, (7 * i) % bank.num_experts
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        w13.copy_(bank.w13[layer][expert], non_blocking=True)
-        w2.copy_(bank.w2[layer][expert], non_blocking=True)
+        for slot, src in zip(slots, bank.layer_tensors(layer), strict=True):
+            slot.copy_(src[expert], non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:  # the first copy pays for first touches
@@ -192,7 +192,8 @@ def measure_bh_gbps(runner: CpuExpertRunner, bank: ExpertBank, samples: int = 10
         layer = i % bank.num_layers
         ids = (torch.arange(k, dtype=torch.int32) + 3 * i) % bank.num_experts
         t0 = time.perf_counter()
-        runner.run(x, bank.w13[layer], bank.w2[layer], ids, tokens, weights)
+        w13, w2 = bank.w13[layer], bank.w2[layer]
+        runner.run(x, w13, w2, ids, tokens, weights, **bank.cpu_scales(layer))
         if i:
             times.append(time.perf_counter() - t0)
     return k * bank.expert_bytes / min(times) / 1e9

@@ -385,5 +385,6 @@ class LayerPlanner:
             pair_weight,
             out,
             **handoff,
+            **self.bank.cpu_scales(moe_layer),
             check=False,  # the bank's tensors and the runner's buffers, right by construction
         )

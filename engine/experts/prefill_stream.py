@@ -23,7 +23,6 @@ class PrefillStream:
     def __init__(
         self,
         bank: ExpertBank,
-        dtype: torch.dtype,
         device: torch.device,
         copy_stream: torch.cuda.Stream | None,
         compute_stream: torch.cuda.Stream | None,
@@ -31,13 +30,12 @@ class PrefillStream:
         overlap: bool,
     ) -> None:
         self.bank = bank
-        self.dtype = dtype
         self.device = device
         self.copy_stream = copy_stream
         self.compute_stream = compute_stream
         self.overlap = overlap  # copy layer l+1 while layer l computes
-        self._w13: list[torch.Tensor] = []
-        self._w2: list[torch.Tensor] = []
+        # per buffer: the layer's tensors as the bank holds them (`ExpertBank.layer_tensors`)
+        self._buffers: list[list[torch.Tensor]] = []
         self._staged: dict[int, tuple[int, object]] = {}  # moe layer -> (buffer, ready event)
         self._buffer_free: list[object | None] = [None, None]  # event: compute done reading it
 
@@ -48,21 +46,21 @@ class PrefillStream:
     @property
     def nbytes(self) -> int:
         """Bytes of the two-layer buffer while allocated."""
-        return sum(t.nbytes for t in self._w13 + self._w2)
+        return sum(t.nbytes for buffer in self._buffers for t in buffer)
 
     @property
     def allocated(self) -> bool:
-        return bool(self._w13)
+        return bool(self._buffers)
 
     def allocate(self) -> None:
-        e = self.bank.num_experts
-        shape13 = (e, *self.bank.w13[0].shape[1:])
-        shape2 = (e, *self.bank.w2[0].shape[1:])
-        self._w13 = [torch.empty(shape13, dtype=self.dtype, device=self.device) for _ in range(2)]
-        self._w2 = [torch.empty(shape2, dtype=self.dtype, device=self.device) for _ in range(2)]
+        dev = self.device
+        self._buffers = [
+            [torch.empty(t.shape, dtype=t.dtype, device=dev) for t in self.bank.layer_tensors(0)]
+            for _ in range(2)
+        ]
 
     def release(self) -> None:
-        self._w13, self._w2 = [], []
+        self._buffers = []
         self._staged.clear()
         self._buffer_free = [None, None]
 
@@ -80,7 +78,9 @@ class PrefillStream:
         if ready is not None:
             self.compute_stream.wait_event(ready)
         # the router's ids name this layer's experts, the buffer's: no check (a host sync)
-        out = grouped_moe(x, ids, weights, self._w13[buffer], self._w2[buffer], checked=False)
+        w13, w2, *scales = self._buffers[buffer]
+        factors = dict(zip(("w13_scale_inv", "w2_scale_inv"), scales, strict=False))
+        out = grouped_moe(x, ids, weights, w13, w2, checked=False, **factors)
         if self.copy_stream is not None:
             done = torch.cuda.Event()
             done.record(self.compute_stream)
@@ -90,16 +90,17 @@ class PrefillStream:
     def _stage(self, moe_layer: int) -> None:
         """Start copying a whole layer's experts into the buffer not in use."""
         buffer = moe_layer % 2
+        pairs = zip(self._buffers[buffer], self.bank.layer_tensors(moe_layer), strict=True)
         if self.copy_stream is None:
-            self._w13[buffer].copy_(self.bank.w13[moe_layer])
-            self._w2[buffer].copy_(self.bank.w2[moe_layer])
+            for dst, src in pairs:
+                dst.copy_(src)
             self._staged[moe_layer] = (buffer, None)
             return
         with torch.cuda.stream(self.copy_stream):
             if self._buffer_free[buffer] is not None:
                 self.copy_stream.wait_event(self._buffer_free[buffer])
-            self._w13[buffer].copy_(self.bank.w13[moe_layer], non_blocking=True)
-            self._w2[buffer].copy_(self.bank.w2[moe_layer], non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(self.copy_stream)
         self._staged[moe_layer] = (buffer, ready)

@@ -424,8 +424,10 @@ class StagedDecode:
         cached = torch.empty(slots_h.shape, dtype=torch.int32, device=x.device)
         filled = torch.empty_like(cached)
         route_slots_from_host(slots_h, cached, filled)
-        w13, w2 = self.cache.w13, self.cache.w2
-        return fused_moe_decode(x, cached, weights, w13, w2, reduce=False), filled
+        cache = self.cache
+        out = fused_moe_decode(x, cached, weights, cache.w13, cache.w2, reduce=False,
+                               **cache.scales())  # fmt: skip
+        return out, filled
 
     def routed_filled(
         self,
@@ -464,5 +466,6 @@ class StagedDecode:
     ) -> torch.Tensor:
         """The filled experts' routes [T, K, H] (one or two experts, mostly: their rows spread
         over the device, few_routes)."""
-        w13, w2 = self.cache.w13, self.cache.w2
-        return fused_moe_decode(x, filled, weights, w13, w2, reduce=False, few_routes=True)
+        cache = self.cache
+        return fused_moe_decode(x, filled, weights, cache.w13, cache.w2, reduce=False,
+                                few_routes=True, **cache.scales())  # fmt: skip

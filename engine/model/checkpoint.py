@@ -2,6 +2,11 @@
 
 Checkpoints store experts either one tensor per expert (`experts.N.gate_proj`, Mixtral's `w1/w2/w3`)
 or fused (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`); both are read here.
+
+A weight stored as FP8 (float8_e4m3fn, Hugging Face's fine-grained layout: kernels/fp8.py) comes
+with its fp32 block factors, `<name>_scale_inv`. Dense weights are widened to the compute dtype as
+they load (their share of an MoE's bytes is small: docs/models.md); experts are handed on as
+stored, values and factors, and the bank keeps or converts them.
 """
 
 from __future__ import annotations
@@ -10,13 +15,14 @@ import json
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from safetensors import safe_open
 
+from ...kernels import fp8
 from .model import DenseWeights, LayerWeights
-from .spec import SAFETENSORS_DTYPES, CheckpointError, ModelSpec
+from .spec import FP8_BLOCK, SAFETENSORS_DTYPES, CheckpointError, ModelSpec, blocks
 
 
 class TensorSource(Protocol):
@@ -82,7 +88,9 @@ class SafetensorsSource:
     def dtype(self, name: str) -> str:
         code = self._meta[name]["dtype"]
         if code not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"tensor {name} has dtype {code}; moelab reads BF16, F16 and F32")
+            raise CheckpointError(
+                f"tensor {name} has dtype {code}; moelab reads {', '.join(SAFETENSORS_DTYPES)}"
+            )
         return SAFETENSORS_DTYPES[code]
 
     def has(self, name: str) -> bool:
@@ -110,6 +118,42 @@ def _need(source: TensorSource, name: str, shape: tuple[int, ...]) -> torch.Tens
     return source.get(name)
 
 
+class Expert(NamedTuple):
+    """One routed expert as stored: w13 [2I, H] (gate rows, then up rows) and w2 [H, I], and
+    for FP8 their block factors [⌈2I/128⌉, ⌈H/128⌉] and [⌈H/128⌉, ⌈I/128⌉] (None otherwise)."""
+
+    index: int
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+
+def _scale_of(source: TensorSource, name: str, values: torch.Tensor) -> torch.Tensor | None:
+    """The block factors of an FP8 weight (None for a weight stored unquantized); a missing
+    factor tensor or one of another layout is refused, naming what was found."""
+    if values.dtype != torch.float8_e4m3fn:
+        return None
+    scale_name = name + "_scale_inv"
+    if not source.has(scale_name):
+        raise CheckpointError(
+            f"tensor {name} is FP8 but the checkpoint has no {scale_name} (its block factors)"
+        )
+    *lead, n, k = values.shape
+    want = (*lead, blocks(n), blocks(k))
+    found = tuple(source.shape(scale_name))
+    if found != want:
+        raise CheckpointError(
+            f"{scale_name} has shape {list(found)}; moelab reads FP8 with one factor per "
+            f"{FP8_BLOCK}x{FP8_BLOCK} block, shape {list(want)} for {name} {list(values.shape)} "
+            "(per-tensor and per-channel factors are not supported)"
+        )
+    scale = source.get(scale_name)
+    if scale.dtype != torch.float32:
+        raise CheckpointError(f"{scale_name} has dtype {scale.dtype}; FP8 factors are float32")
+    return scale
+
+
 def _prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
@@ -128,7 +172,11 @@ def load_dense(
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
 
     def get(name: str, *shape: int) -> torch.Tensor:
-        return _need(source, name, tuple(shape)).to(device=device, dtype=dtype)
+        t = _need(source, name, tuple(shape))
+        scale = _scale_of(source, name, t)
+        if scale is not None:
+            t = fp8.dequantize(t, scale)
+        return t.to(device=device, dtype=dtype)
 
     embed = get("model.embed_tokens.weight", spec.vocab_size, h)
     if spec.tie_word_embeddings or not source.has("lm_head.weight"):
@@ -206,24 +254,67 @@ def expert_names(spec: ModelSpec, source: TensorSource, layer: int) -> list[str]
     ]
 
 
-def iter_layer_experts(
-    spec: ModelSpec, source: TensorSource, layer: int
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(expert, gate_up [2I, H], down [H, I]) for each routed expert of a layer, as stored."""
+def iter_layer_experts(spec: ModelSpec, source: TensorSource, layer: int) -> Iterator[Expert]:
+    """Each routed expert of a layer, as stored (FP8 with its factors, or unquantized).
+
+    FP8 experts stored with separate gate and up tensors get w13's factors by stacking theirs
+    where I is a multiple of 128; otherwise a block of w13 straddles gate and up rows, and the
+    two are dequantized, stacked and quantized again (`fp8.quantize`), which rounds each value
+    once more."""
     h, i, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     names = expert_names(spec, source, layer)
     if names[0].endswith("gate_up_proj"):
         if source.has(names[0]) and tuple(source.shape(names[0])) == (n, h, 2 * i) and h != 2 * i:
-            gate_up = source.get(names[0]).transpose(1, 2)
-            down = _need(source, names[1], (n, i, h)).transpose(1, 2)
+            gate_up = source.get(names[0])
+            down = _need(source, names[1], (n, i, h))
+            gate_up_scale, down_scale = (
+                _transposed(_scale_of(source, names[0], gate_up)),
+                _transposed(_scale_of(source, names[1], down)),
+            )
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         else:
             gate_up = _need(source, names[0], (n, 2 * i, h))
             down = _need(source, names[1], (n, h, i))
+            gate_up_scale = _scale_of(source, names[0], gate_up)
+            down_scale = _scale_of(source, names[1], down)
+        if gate_up_scale is None and down_scale is None:
+            for e in range(n):
+                yield Expert(e, gate_up[e], down[e])
+            return
+        if gate_up_scale is None or down_scale is None:
+            raise _mixed(layer, "gate_up_proj and down_proj")
         for e in range(n):
-            yield e, gate_up[e], down[e]
+            yield Expert(e, gate_up[e], down[e], gate_up_scale[e], down_scale[e])
         return
     for e in range(n):
         gate_name, up_name, down_name = names[3 * e : 3 * e + 3]
         gate = _need(source, gate_name, (i, h))
         up = _need(source, up_name, (i, h))
-        yield e, torch.cat([gate, up]), _need(source, down_name, (h, i))
+        down = _need(source, down_name, (h, i))
+        gate_scale = _scale_of(source, gate_name, gate)
+        up_scale = _scale_of(source, up_name, up)
+        down_scale = _scale_of(source, down_name, down)
+        if gate_scale is None or up_scale is None or down_scale is None:
+            if gate.dtype == up.dtype == down.dtype != torch.float8_e4m3fn:
+                yield Expert(e, torch.cat([gate, up]), down)
+                continue
+            raise _mixed(layer, f"expert {e}")
+        if i % FP8_BLOCK == 0:
+            yield Expert(
+                e, torch.cat([gate, up]), down, torch.cat([gate_scale, up_scale]), down_scale
+            )
+            continue
+        stacked = torch.cat([fp8.dequantize(gate, gate_scale), fp8.dequantize(up, up_scale)])
+        w13, w13_scale = fp8.quantize(stacked)
+        yield Expert(e, w13, down, w13_scale, down_scale)
+
+
+def _mixed(layer: int, which: str) -> CheckpointError:
+    return CheckpointError(
+        f"layer {layer} mixes FP8 and unquantized expert projections ({which}); moelab reads "
+        "the experts' projections in one format"
+    )
+
+
+def _transposed(scale: torch.Tensor | None) -> torch.Tensor | None:
+    return None if scale is None else scale.transpose(-1, -2)

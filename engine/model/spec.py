@@ -22,7 +22,21 @@ _ARCH_BY_CLASS = {
 ROPE_SCALINGS = ("default", "linear", "yarn")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # the safetensors dtypes the engine reads, and their names in torch
-SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+SAFETENSORS_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F8_E4M3": "float8_e4m3fn",
+}
+# the FP8 layout the engine reads: Hugging Face's fine-grained FP8 (kernels/fp8.py), e4m3 values
+# with one fp32 factor per 128x128 block (`weight_scale_inv`)
+FP8_BLOCK = 128
+EXPERT_FORMATS = ("bf16", "fp8")  # how the bank holds the routed experts
+
+
+def blocks(n: int, block: int = FP8_BLOCK) -> int:
+    """How many blocks cover n values."""
+    return -(-n // block)
 
 
 class CheckpointError(ValueError):
@@ -60,6 +74,9 @@ class ModelSpec:
     dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # "fp8": the checkpoint's linear weights (but those named in modules_to_not_convert) are
+    # fine-grained FP8 with 128x128 block factors; "" where the weights are unquantized
+    quantization: str = ""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +161,23 @@ class ModelSpec:
     @property
     def expert_bytes(self) -> int:
         return self.expert_params * self.dtype_bytes
+
+    def expert_format(self, requested: str = "auto") -> str:
+        """How the bank and the expert slots hold the routed experts (`EXPERT_FORMATS`): as
+        `requested` (--moe-expert-dtype), or where "auto" as the checkpoint stores them."""
+        if requested != "auto":
+            return requested
+        return "fp8" if self.quantization == "fp8" else "bf16"
+
+    def expert_bytes_as(self, fmt: str, elem_bytes: int | None = None) -> int:
+        """Bytes of one routed expert held as `fmt`: FP8 values and their fp32 block factors
+        (w13's [⌈2I/128⌉, ⌈H/128⌉] and w2's [⌈H/128⌉, ⌈I/128⌉]), else `elem_bytes` a weight (the
+        checkpoint's dtype where not given)."""
+        if fmt == "fp8":
+            h, i = self.hidden_size, self.moe_intermediate_size
+            factors = blocks(2 * i) * blocks(h) + blocks(h) * blocks(i)
+            return self.expert_params + 4 * factors
+        return self.expert_params * (elem_bytes or self.dtype_bytes)
 
     @property
     def experts_total(self) -> int:
@@ -234,18 +268,7 @@ class ModelSpec:
                     source=source,
                 )
             )
-        quantized = config.get("quantization_config") or config.get("compression_config")
-        if quantized:
-            method = quantized.get("quant_method") if isinstance(quantized, dict) else None
-            raise CheckpointError(
-                Text(
-                    "the weights are quantized ({source} quantization_config, quant_method "
-                    "{method}); moelab reads bf16, fp16 and fp32 weights: use the checkpoint's "
-                    "unquantized release",
-                    source=source,
-                    method=repr(method),
-                )
-            )
+        quantization = _quantization(config, source)
         read = _Fields(config, source, arch)
 
         hidden = read.whole("hidden_size")
@@ -344,6 +367,7 @@ class ModelSpec:
             dtype=dtype,
             bos_token_id=read.whole("bos_token_id", default=None, minimum=0),
             eos_token_ids=eos_ids,
+            quantization=quantization,
             extra={"moelab_synth": config.get("moelab_synth")}
             if config.get("moelab_synth")
             else {},
@@ -366,6 +390,53 @@ class ModelSpec:
                 )
             ) from None
         return cls.from_config(config, str(config_path))
+
+
+def _quantization(config: dict, source: str) -> str:
+    """ "fp8" for Hugging Face's fine-grained FP8 layout (e4m3, dynamic activations, 128x128
+    blocks), "" for unquantized weights; any other scheme is refused, naming what was found."""
+    quantized = config.get("quantization_config") or config.get("compression_config")
+    if not quantized:
+        return ""
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+    if method != "fp8":
+        raise CheckpointError(
+            Text(
+                "the weights are quantized ({source} quantization_config, quant_method "
+                "{method}); moelab reads bf16, fp16 and fp32 weights and fine-grained FP8 "
+                "(quant_method fp8, weight_block_size [128, 128]): use one of those releases",
+                source=source,
+                method=repr(method),
+            )
+        )
+    found = {
+        "weight_block_size": quantized.get("weight_block_size"),
+        "fmt": quantized.get("fmt", "e4m3"),
+        "activation_scheme": quantized.get("activation_scheme", "dynamic"),
+    }
+    wanted = {
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+    }
+    for name, value in found.items():
+        if value != wanted[name]:
+            layout = (
+                Text("per-tensor or per-channel scales")
+                if name == "weight_block_size" and value is None
+                else json.dumps(value)
+            )
+            raise CheckpointError(
+                Text(
+                    "this FP8 layout is not supported ({source} quantization_config {name}: "
+                    "{found}); moelab reads fine-grained FP8: fmt e4m3, activation_scheme "
+                    "dynamic, weight_block_size [128, 128]",
+                    source=source,
+                    name=name,
+                    found=layout,
+                )
+            )
+    return "fp8"
 
 
 class _Fields:

@@ -466,7 +466,7 @@ class _CalibrationExperts:
         for layer in spec.moe_layers:
             w13 = torch.empty((e, 2 * i, h), dtype=dtype)
             w2 = torch.empty((e, h, i), dtype=dtype)
-            for x, gate_up, down in iter_layer_experts(spec, source, layer):
+            for x, gate_up, down, *_ in iter_layer_experts(spec, source, layer):
                 w13[x].copy_(gate_up)
                 w2[x].copy_(down)
             self.layers.append((w13, w2))

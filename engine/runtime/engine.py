@@ -129,6 +129,8 @@ class Engine:
         self.device = resolve_device(self.config.memory.device)
         cuda = self.device.type == "cuda"
         self.dtype = getattr(torch, self.config.model.compute_dtype(spec.dtype, cpu=not cuda))
+        # how the bank and the expert slots hold the routed experts: "fp8" or "bf16" (self.dtype)
+        self.expert_format = spec.expert_format(self.config.model.expert_dtype)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         free_bytes = torch.cuda.mem_get_info(self.device)[0] if cuda else None
         request = self.config.memory_request(
@@ -164,7 +166,10 @@ class Engine:
         prepacked file (written first where there is none)."""
         pin = self.device.type == "cuda"
         if not isinstance(source, SafetensorsSource):  # --dummy-weights
-            return build_in_memory(self.spec, source, self.dtype, pin=pin, progress=progress.bytes)
+            return build_in_memory(
+                self.spec, source, self.dtype, pin=pin, progress=progress.bytes,
+                fmt=self.expert_format,
+            )  # fmt: skip
         named = self.config.model.bank_dir
         return load_bank(
             self.spec,
@@ -173,6 +178,7 @@ class Engine:
             bank_dir=Path(named) if named else None,
             pin=pin,
             progress=progress.bytes,
+            fmt=self.expert_format,
         )
 
     def _build_cpu_kernel(self, progress: LoadProgress) -> None:
@@ -199,6 +205,7 @@ class Engine:
             spec.moe_intermediate_size,
             self.dtype,
             self.device,
+            self.expert_format,
         )
         self.cpu = start_cpu_executor(
             experts.cpu_threads,
@@ -280,7 +287,10 @@ class Engine:
         if profile is not None:
             kind = "h2d_pinned" if self.bank.pinned_layers else "h2d_pageable"
             bp = best(profile, kind) if self.device.type == "cuda" else None
-            bh = best(profile, "cpu_experts", threads=cpu.num_threads, experts=4, kernel=cpu.kernel)
+            # the profile's CPU rate is bf16's: the kernel reads FP8 at a rate of its own
+            if self.bank.fmt == "bf16":
+                bh = best(profile, "cpu_experts", threads=cpu.num_threads, experts=4,
+                          kernel=cpu.kernel)  # fmt: skip
         source = "profile" if bp and bh else "measured at start"
         bp = bp or measure_bp_gbps(self.bank, self.device)
         bh = bh or measure_bh_gbps(cpu, self.bank)
@@ -314,8 +324,8 @@ class Engine:
                     continue
                 slot = self.cache.admit(m, e, set())
                 assert slot is not None
-                self.cache.w13[slot].copy_(self.bank.w13[m][e], non_blocking=True)
-                self.cache.w2[slot].copy_(self.bank.w2[m][e], non_blocking=True)
+                for dst, src in zip(self.cache.tensors(), self.bank.layer_tensors(m), strict=True):
+                    dst[slot].copy_(src[e], non_blocking=True)
         self.cache.fills = fills
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

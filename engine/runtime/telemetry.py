@@ -304,6 +304,7 @@ class Telemetry:
             "top_k": spec.top_k,
             "slots": slots,
             "slot_bytes": cache["slot_bytes"],
+            "dtype": cache["dtype"],
             "policy": experts["policy"],
             "layers": self._layers(current, cache["resident_per_layer"]),
             "window_60s": {"layers": self._layers(window)},

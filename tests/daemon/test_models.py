@@ -149,7 +149,6 @@ def edited_copy(demo_model: Path, target: Path, **fields: object) -> Path:
 @pytest.mark.parametrize(
     ("quantization", "method"),
     [
-        ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, "fp8"),
         ({"quant_method": "mxfp4"}, "mxfp4"),
         ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
@@ -165,6 +164,27 @@ def test_a_quantized_checkpoint_is_listed_with_why_it_cannot_be_served(
     error = str(checkpoint.error)
     assert "quantized" in error and f"quant_method {method!r}" in error
     assert checkpoint.num_experts is not None  # listed with what can be read
+
+
+def test_a_fine_grained_fp8_checkpoint_is_servable_and_other_fp8_layouts_say_why(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    fine = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    model = edited_copy(demo_model, tmp_path / "fine", quantization_config=fine)
+    write_safetensors(
+        model / "model.safetensors",
+        {
+            "model.embed_tokens.weight": ("BF16", [4, 4]),
+            "model.layers.0.mlp.experts.0.up_proj.weight": ("F8_E4M3", [4, 4]),
+            "model.layers.0.mlp.experts.0.up_proj.weight_scale_inv": ("F32", [1, 1]),
+        },
+    )
+    assert read_checkpoint(model, "x").error is None
+    per_tensor = edited_copy(
+        demo_model, tmp_path / "per-tensor", quantization_config={"quant_method": "fp8"}
+    )
+    error = str(read_checkpoint(per_tensor, "x").error)
+    assert "weight_block_size: per-tensor or per-channel scales" in error
 
 
 def test_quantized_weights_without_a_quantization_config_are_named(
@@ -184,7 +204,7 @@ def test_quantized_weights_without_a_quantization_config_are_named(
     error = str(read_checkpoint(model, "x").error)
     assert error is not None
     assert "F8_E4M3 (model.layers.0.mlp.experts.0.up_proj.weight)" in error
-    assert "BF16, F16, F32" in error
+    assert "moelab reads BF16, F16, F32, and F8_E4M3 weights where" in error
 
 
 def test_an_architecture_moelab_does_not_serve_is_listed_with_why(

@@ -27,7 +27,7 @@ def test_bank_holds_each_expert_contiguously_as_stored(model, tmp_path):
     bank = load_bank(spec, source, torch.float32, bank_dir=tmp_path, pin=False)
     assert len(list(tmp_path.glob("*.bank.safetensors"))) == 1
     for m, layer in enumerate(spec.moe_layers):
-        for e, gate_up, down in iter_layer_experts(spec, source, layer):
+        for e, gate_up, down, *_ in iter_layer_experts(spec, source, layer):
             assert bank.w13[m][e].is_contiguous() and bank.w2[m][e].is_contiguous()
             assert torch.equal(bank.w13[m][e], gate_up.float())
             assert torch.equal(bank.w2[m][e], down.float())

@@ -158,14 +158,40 @@ def test_a_field_of_the_wrong_type_is_named_with_the_file(qwen, tmp_path, field,
     assert str(loaded.value) == expected
 
 
-def test_quantized_weights_are_refused_before_any_tensor_is_read(qwen, tmp_path):
+@pytest.mark.parametrize(
+    ("quantization", "says"),
+    [
+        ({"quant_method": "awq", "bits": 4}, r"quantization_config, quant_method 'awq'"),
+        (
+            {"quant_method": "compressed-tensors"},
+            r"quantization_config, quant_method 'compressed-tensors'",
+        ),
+        (
+            {"quant_method": "fp8"},
+            r"quantization_config weight_block_size: per-tensor or per-channel scales",
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [1, 128]},
+            r"quantization_config weight_block_size: \[1, 128\]",
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"},
+            r'quantization_config fmt: "e5m2"',
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+            r'quantization_config activation_scheme: "static"',
+        ),
+    ],
+)
+def test_unsupported_quantization_is_refused_naming_what_was_found(
+    qwen, tmp_path, quantization, says
+):
     _, path = qwen
-
-    def fp8(config):
-        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-
-    bad = _broken_copy(path, tmp_path / "q", config_edit=fp8)
-    with pytest.raises(CheckpointError, match=r"config\.json quantization_config.*'fp8'"):
+    bad = _broken_copy(
+        path, tmp_path / "q", config_edit=lambda c: c.update(quantization_config=quantization)
+    )
+    with pytest.raises(CheckpointError, match=r"config\.json " + says):
         make_engine(bad)
 
 

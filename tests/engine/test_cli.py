@@ -245,6 +245,25 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     assert refused.returncode == 2 and "--trace needs --kernel-profile" in refused.stderr
 
 
+def test_bench_decode_with_fp8_experts_bounds_with_their_bytes():
+    """--moe-expert-dtype fp8 on the tiny preset (float32 on the CPU): experts of 1 byte a weight
+    and their block factors, in the slots and in the bound's bytes."""
+    spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
+    flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
+             "--moe-cache-rate", "0.5", "--moe-miss-policy", "split:0.5", "--json"]  # fmt: skip
+    plain = json.loads(moelab(*flags).stdout)
+    r = moelab(*flags, "--moe-expert-dtype", "fp8")
+    fp8 = json.loads(r.stdout)
+    assert plain["expert_dtype"] == "bf16" and plain["expert_bytes"] == spec.expert_params * 4
+    assert fp8["expert_dtype"] == "fp8" and fp8["expert_bytes"] == spec.expert_bytes_as("fp8")
+    assert fp8["decode_tok_s"] > 0 and fp8["bound_tok_s"] > 0 and fp8["slots"] == plain["slots"]
+    # a token's bytes: the same dense weights and KV, its top-k experts in each format
+    reads = spec.num_moe_layers * spec.top_k
+    less = reads * (plain["expert_bytes"] - fp8["expert_bytes"])
+    assert plain["active_bytes_per_token"] - fp8["active_bytes_per_token"] == less
+    assert f"(fp8 experts of {fp8['expert_bytes'] / 2**20:.2f} MiB)" in r.stderr
+
+
 def test_bench_decode_says_what_the_auto_split_ended_with():
     from moelab.engine.bench.report import policy_words
     from moelab.engine.experts.misses import MissPolicy
@@ -460,7 +479,8 @@ def test_the_bound_takes_each_rate_as_the_mean_of_before_and_after():
 def test_the_decode_bound_reads_the_dense_weights_the_kv_cache_and_the_cached_experts_from_hbm():
     spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
     kv = KVCache(spec, 1, 16, torch.device("cpu"), torch.bfloat16)
-    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16, kv=kv)
+    bank = SimpleNamespace(expert_bytes=spec.expert_params * 2)  # a bf16 bank's experts
+    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16, kv=kv, bank=bank)
     layers, experts = spec.num_moe_layers, spec.num_experts
     per_layer = np.zeros((layers, experts), dtype=np.int64)
     counts = {k: per_layer.copy() for k in ("reads", "hits", "fills", "cpu", "picks")}
@@ -474,7 +494,7 @@ def test_the_decode_bound_reads_the_dense_weights_the_kv_cache_and_the_cached_ex
         return against_the_bound(engine, args, timed, rates)
 
     short, long = bound(16), bound(4096)
-    eb = spec.expert_bytes * 2 // spec.dtype_bytes
+    eb = bank.expert_bytes
     dense = (spec.dense_params - spec.vocab_size * spec.hidden_size) * 2
     kv_token = spec.kv_bytes_per_token * 2 // spec.dtype_bytes
     kv = 2 * (4096 + 2.5) * kv_token  # two sequences at the mean context of 4 steps

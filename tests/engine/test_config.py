@@ -27,6 +27,7 @@ def config(*flags: str) -> EngineConfig:
 # (group, field, value, the message): one case a rule
 REFUSED = [
     ("model", "dtype", "bf16", "--dtype bf16: choose one of auto, bfloat16, float16, float32"),
+    ("model", "expert_dtype", "int4", "--moe-expert-dtype int4: choose one of auto, bf16, fp8"),
     ("memory", "device", "gpu", "--device gpu: not a device; use auto, cpu, cuda or cuda:N"),
     ("memory", "device_memory_bytes", -1, "--device-memory -1: -1 is not a size"),
     ("memory", "kv_reserve_tokens", 0, "--kv-reserve-tokens 0: 0 must be at least 1"),
@@ -149,7 +150,9 @@ SET = (
 )
 
 
-@pytest.mark.parametrize("flags", [(), SET], ids=["defaults", "set"])
+@pytest.mark.parametrize(
+    "flags", [(), SET, (*SET, "--moe-expert-dtype", "fp8")], ids=["defaults", "set", "fp8"]
+)
 def test_the_engine_and_the_profiles_planner_ask_the_same_of_memory(checkpoint, flags):
     engine = make_engine(checkpoint, *flags)
     try:
@@ -157,5 +160,7 @@ def test_the_engine_and_the_profiles_planner_ask_the_same_of_memory(checkpoint, 
         machine = Machine("m", "dev", physical_cores=2, ram_total_bytes=8 * GIB)
         choice = choose_device(machine, engine.spec, settings)
         assert plan_for(engine.spec, choice, settings) == engine.plan
+        # the plan's slots are the cache's, FP8 values and factors included
+        assert engine.plan.slot_bytes == engine.cache.slot_bytes == engine.bank.expert_bytes
     finally:
         engine.close()

@@ -71,3 +71,20 @@ def test_refusals_say_what_does_not_fit():
         plan(24, cache_size=5000)
     with pytest.raises(MemoryPlanError, match="lower --kv-reserve-tokens"):
         plan(4)
+
+
+def test_fp8_slots_count_values_and_factors_and_more_than_double():
+    """An FP8 slot holds 1 byte a weight and w13's [12, 16] and w2's [16, 6] fp32 factors: the
+    same budget plans more than twice the slots, the prefill buffer halving too (the dense
+    weights stay in the compute dtype)."""
+    fp8_slot = 3 * 2048 * 768 + 4 * (12 * 16 + 16 * 6)
+    bf16, fp8 = plan(24), plan(24, expert_format="fp8")
+    assert fp8.slot_bytes == fp8_slot == SPEC.expert_bytes_as("fp8")
+    assert fp8.prefill_buffer_bytes == 2 * 128 * fp8_slot
+    assert fp8.weights_bytes == bf16.weights_bytes
+    # slots beside the prefill buffer, from the same bytes left after weights, KV and activations
+    left = bf16.slots * SLOT + bf16.prefill_buffer_bytes + bf16.unplanned_bytes
+    assert fp8.slots == (left - fp8.prefill_buffer_bytes) // fp8_slot
+    assert 2.0 < fp8.slots / bf16.slots < 2.2
+    # every expert resident in FP8 at a budget where bf16 holds about half of them
+    assert plan(40, expert_format="fp8").all_resident and not plan(40).all_resident

@@ -116,6 +116,27 @@ def test_30b_on_a_12gb_card_keeps_the_default_context_and_says_why() -> None:
     assert any("does not fit in 32.00 GiB of RAM" in w for w in map(str, rec.warnings))
 
 
+def test_30b_fp8_counts_its_experts_in_fp8_for_ram_and_slots() -> None:
+    """Qwen3-30B-A3B-FP8: its 27 GiB of FP8 experts fit 32 GiB of RAM where the bf16 build's 54
+    do not, and the same card plans more slots, each of FP8 bytes."""
+    from moelab.engine.model.spec import ModelSpec
+
+    from .geometry import A3B
+
+    fp8_config = {
+        **A3B,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    fp8 = ModelSpec.from_config(fp8_config)
+    small_ram = machine((card(12, 11.5),), ram_gib=32)
+    rec, bf16_rec = recommend(small_ram, fp8), recommend(small_ram, SPECS["30b"])
+    assert not any("RAM" in w for w in map(str, rec.warnings))
+    assert any("does not fit in 32.00 GiB of RAM" in w for w in map(str, bf16_rec.warnings))
+    slots = advice(rec)["--moe-cache-size"].numbers["slots"]
+    assert slots > 1.4 * advice(bf16_rec)["--moe-cache-size"].numbers["slots"]
+    assert rec.vram_split()["bytes"]["expert_cache"] == slots * fp8.expert_bytes_as("fp8")
+
+
 def test_30b_on_a_6gb_card_streams_without_a_prefill_buffer() -> None:
     budget = int(5.5 * GIB)
     assert a3b_activations(2048, 8) > (budget - A3B_WEIGHTS) / 8 >= a3b_activations(1024, 8)
