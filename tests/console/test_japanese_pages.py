@@ -166,7 +166,7 @@ def checkpoints(models: Path, demo_model: Path) -> Path:
     good = models / demo_model.name
     shutil.copytree(demo_model, good)
     edited_copy(
-        demo_model, models / "Qwen3-30B-A3B-FP8", quantization_config={"quant_method": "fp8"}
+        demo_model, models / "Qwen3-30B-A3B-GPTQ-Int4", quantization_config={"quant_method": "gptq"}
     )
     edited_copy(demo_model, models / "OLMoE-1B-7B-0924", num_experts="lots")
     return good
@@ -211,8 +211,8 @@ def full_mgr(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iter
         failed = wait_status(client, start(client, demo_model, mode="quick")["id"], ("failed",))
         saved = client.post(f"/api/benchmarks/{first['id']}/save-profile", json={"name": "tuned"})
         by_hand = client.post("/api/profiles", json={"name": "by hand", "model": str(demo_model)})
-        unservable = {"name": "fp8", "model": str(models / "Qwen3-30B-A3B-FP8")}
-        for_fp8 = client.post("/api/profiles", json=unservable)
+        unservable = {"name": "gptq", "model": str(models / "Qwen3-30B-A3B-GPTQ-Int4")}
+        for_gptq = client.post("/api/profiles", json=unservable)
         job, _new = daemon.hardware.start_measure([demo_model], ["--threads", "x"])
         assert daemon.jobs.wait(job, 120) and job.status == "failed", job.to_json()
         lan = TestClient(client.app, base_url="http://127.0.0.1", client=("192.168.1.50", 50123))
@@ -223,7 +223,7 @@ def full_mgr(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iter
                 client,
                 lan,
                 (first["id"], second["id"], failed["id"]),
-                tuple(reply.json()["id"] for reply in (saved, by_hand, for_fp8)),
+                tuple(reply.json()["id"] for reply in (saved, by_hand, for_gptq)),
                 record_engine(daemon, demo_model),
                 starting,
                 demo_model,
