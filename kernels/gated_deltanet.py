@@ -1,0 +1,285 @@
+"""The Gated DeltaNet token mixer of Qwen3-Next and Qwen3.5/3.6 MoE: its math past the projections.
+
+A linear layer runs, per token: a short causal depthwise convolution (width W, SiLU) over the
+concatenated q, k, v channels; the gated delta rule, a recurrence over a state S [HV, DK, DV] per
+value head; and an RMSNorm of each head's output gated by SiLU(z). The two models differ only in
+how their projections lay out q, k, v, z, a, b, which the model code splits before calling here.
+
+Each sequence's state lives in a fixed slot of two pools, so that decode steps address it by slot
+id (and can be captured in CUDA graphs):
+
+- conv state [slots, W-1, C]: the sequence's last W-1 convolution inputs, oldest first, rows as
+  the engine holds tokens (C = 2·H·DK + HV·DV channels, q then k then v);
+- recurrent state [slots, HV, DK, DV]: S, as transformers and fla keep it; fp32 keeps a state
+  exact across any number of steps, a narrower dtype is read and written rounded.
+
+An all-zero slot is the state of an empty prefix (the convolution's zero padding, S = 0), so a
+new sequence starts from a zeroed slot, and a prefill continues from whatever its slot holds:
+prefilling a prompt in pieces, or decoding after it, gives what one prefill of the whole would.
+
+The recurrence, per value head h (query/key head h // (HV/H)) and token t, with q, k
+L2-normalized and q scaled by DK^-1/2:
+
+    S ← S·exp(g_t);  S ← S + k_t ⊗ β_t (v_t − Sᵀk_t);  o_t = Sᵀq_t
+
+`delta_rule_prefill` computes it by chunks (the WY form: a triangular solve per chunk, then one
+sequential pass over chunks), `delta_rule_decode` one step for a batch of slots. On CUDA, where
+fla (flash-linear-attention) is installed, both call fla's Triton kernels; the `_ref` functions
+are the definition and the CPU path.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+
+QK_L2NORM_EPS = 1e-6  # transformers' and fla's l2norm: x / sqrt(sum(x²) + eps)
+
+
+def decay_and_beta(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-head log decay g (fp32, <= 0) and write strength beta from the projections a, b."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
+
+
+def causal_conv_prefill(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SiLU(causal depthwise conv) over one sequence's tokens x [T, C], after its conv state.
+
+    weight [C, W] (the checkpoint's conv1d.weight [C, 1, W] squeezed); state [W-1, C] is read, then
+    overwritten with the last W-1 inputs. Accumulates in fp32; returns [T, C] in x's dtype."""
+    _check_conv(x, weight, state.unsqueeze(0))
+    if not len(x):
+        return x.clone()
+    window = torch.cat([state.to(x.dtype), x])
+    out = F.conv1d(
+        window.t().float().unsqueeze(0),
+        weight.float().unsqueeze(1),
+        None if bias is None else bias.float(),
+        groups=x.shape[1],
+    )[0].t()
+    state.copy_(window[window.shape[0] - state.shape[0] :])
+    return F.silu(out).to(x.dtype)
+
+
+def causal_conv_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    states: torch.Tensor,
+    slot_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token of each of B sequences, x [B, C]: the convolution from their slots' conv states.
+
+    states [slots, W-1, C]; slot_ids [B] (distinct); the slots are shifted by one token in place."""
+    _check_conv(x, weight, states)
+    window = torch.cat([states[slot_ids].to(x.dtype), x.unsqueeze(1)], dim=1)  # [B, W, C]
+    out = torch.einsum("bwc,cw->bc", window.float(), weight.float())
+    if bias is not None:
+        out = out + bias.float()
+    states.index_copy_(0, slot_ids, window[:, 1:].to(states.dtype))
+    return F.silu(out).to(x.dtype)
+
+
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> None:
+    channels, width = weight.shape
+    if x.shape[-1] != channels or states.shape[1:] != (width - 1, channels):
+        raise ValueError(
+            f"conv inputs [..., {x.shape[-1]}] and states {tuple(states.shape[1:])} must be "
+            f"[..., {channels}] and [{width - 1}, {channels}] for a weight {tuple(weight.shape)}"
+        )
+
+
+def gated_rmsnorm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMSNorm of each head's output x [..., DV], times weight, times SiLU(gate), as transformers
+    rounds it: normalized in fp32, cast to x's dtype, weighted, gated in fp32, cast back."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+def _heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k [..., H, DK] and v [..., HV, DV] in fp32; q, k normalized and repeated to HV heads."""
+    heads, v_heads = q.shape[-2], v.shape[-2]
+    if k.shape != q.shape or v.shape[:-2] != q.shape[:-2] or v_heads % heads:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q and k must be "
+            f"[..., H, DK] and v [..., HV, DV] with HV a multiple of H"
+        )
+    q, k = (_l2norm(t.float()).repeat_interleave(v_heads // heads, dim=-2) for t in (q, k))
+    return q * q.shape[-1] ** -0.5, k, v.float()
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + QK_L2NORM_EPS)
+
+
+def delta_rule_prefill_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The gated delta rule over one sequence's T tokens, by chunks, from its recurrent state.
+
+    q, k [T, H, DK]; v [T, HV, DV]; g, beta [T, HV]; state [HV, DK, DV], read, then overwritten
+    with the state after the last token. Returns o [T, HV, DV] in v's dtype."""
+    out_dtype = v.dtype
+    q, k, v = (t.transpose(0, 1) for t in _heads(q, k, v))  # [HV, T, D]
+    g, beta = g.float().t(), beta.float().t()  # [HV, T]
+    length = q.shape[1]
+    pad = -length % chunk_size
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))  # padding: no decay, no write
+    q, k, v = (t.unflatten(1, (-1, chunk_size)) for t in (q, k, v))  # [HV, N, C, D]
+    g_sum = g.unflatten(1, (-1, chunk_size)).cumsum(-1)  # [HV, N, C]
+    beta = beta.unflatten(1, (-1, chunk_size)).unsqueeze(-1)
+
+    # decay[i, j] = exp(g_{j+1} + ... + g_i) for j <= i; masked before exp, where it could overflow
+    later = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g_sum.unsqueeze(-1) - g_sum.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()
+    # WY form: within a chunk, the writes depend on each other through a unit lower-triangular
+    # system; solving it gives u (values to write, before the old state's share) and w (the keys
+    # through which the chunk's start state is subtracted).
+    system = (beta * k) @ k.transpose(-1, -2) * decay
+    u = torch.linalg.solve_triangular(system, beta * v, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, beta * k * g_sum.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    scores = q @ k.transpose(-1, -2) * decay
+    q_decayed = q * g_sum.exp().unsqueeze(-1)
+    k_to_end = k * (g_sum[..., -1:] - g_sum).exp().unsqueeze(-1)
+
+    s = state.float()
+    out = torch.empty_like(v)
+    for i in range(q.shape[1]):
+        v_new = u[:, i] - w[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + scores[:, i] @ v_new
+        s = s * g_sum[:, i, -1, None, None].exp() + k_to_end[:, i].transpose(-1, -2) @ v_new
+    state.copy_(s)
+    return out.flatten(1, 2)[:, :length].transpose(0, 1).to(out_dtype)
+
+
+def delta_rule_decode_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """One step of the gated delta rule for one token of each of B sequences, from their slots.
+
+    q, k [B, H, DK]; v [B, HV, DV]; g, beta [B, HV]; states [slots, HV, DK, DV]; slot_ids [B]
+    (distinct), whose states are advanced in place. Returns o [B, HV, DV] in v's dtype."""
+    out_dtype = v.dtype
+    q, k, v = _heads(q, k, v)
+    slot_ids = slot_ids.long()
+    s = states[slot_ids].float() * g.float().exp()[..., None, None]
+    delta = (v - torch.einsum("bhkv,bhk->bhv", s, k)) * beta.float().unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    states.index_copy_(0, slot_ids, s.to(states.dtype))
+    return torch.einsum("bhkv,bhk->bhv", s, q).to(out_dtype)
+
+
+@functools.cache
+def fla_ops() -> types.ModuleType | None:
+    """fla's gated delta rule ops (`fla.ops.gated_delta_rule`), or None where fla is absent."""
+    try:
+        from fla.ops import gated_delta_rule
+    except ImportError:
+        return None
+    return gated_delta_rule
+
+
+def delta_rule_prefill_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """`delta_rule_prefill_ref` by fla's `chunk_gated_delta_rule` (chunk_size 16, 32 or 64)."""
+    out, final = fla_ops().chunk_gated_delta_rule(
+        *(t.unsqueeze(0).contiguous() for t in (q, k, v, g.float(), beta)),
+        initial_state=state.float().unsqueeze(0),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        chunk_size=chunk_size,
+    )
+    state.copy_(final[0])
+    return out[0]
+
+
+def delta_rule_decode_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`delta_rule_decode_ref` by fla's `fused_recurrent_gated_delta_rule`: B sequences of one
+    token each, their states gathered from the slots and written back."""
+    slot_ids = slot_ids.long()
+    out, final = fla_ops().fused_recurrent_gated_delta_rule(
+        *(t.unsqueeze(1).contiguous() for t in (q, k, v)),
+        g=g.float().unsqueeze(1),
+        beta=beta.unsqueeze(1).contiguous(),
+        initial_state=states[slot_ids].float(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    states.index_copy_(0, slot_ids, final.to(states.dtype))
+    return out[:, 0]
+
+
+def _use_fla(x: torch.Tensor) -> bool:
+    return x.is_cuda and fla_ops() is not None
+
+
+def delta_rule_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """`delta_rule_prefill_ref`'s result: fla's kernel on CUDA where fla is installed."""
+    if _use_fla(q):
+        return delta_rule_prefill_fla(q, k, v, g, beta, state, chunk_size)
+    return delta_rule_prefill_ref(q, k, v, g, beta, state, chunk_size)
+
+
+def delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`delta_rule_decode_ref`'s result: fla's kernel on CUDA where fla is installed."""
+    if _use_fla(q):
+        return delta_rule_decode_fla(q, k, v, g, beta, states, slot_ids)
+    return delta_rule_decode_ref(q, k, v, g, beta, states, slot_ids)

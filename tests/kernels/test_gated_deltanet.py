@@ -1,0 +1,316 @@
+"""The Gated DeltaNet math against transformers' torch implementation (Qwen3-Next, Qwen3.5 MoE)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    Qwen3NextRMSNormGated,
+    causal_conv1d_fn,
+    causal_conv1d_update,
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
+
+from moelab.kernels import gated_deltanet as gdn
+
+from .kernel_inputs import DEVICE, assert_matches, randn
+
+TOL = 1e-5  # fp32: of the largest output
+
+
+def rule_inputs(
+    gen: torch.Generator, tokens: int, heads: int = 2, v_heads: int = 4, dk: int = 16, dv: int = 8
+) -> tuple[torch.Tensor, ...]:
+    """q, k [T, H, DK], v [T, HV, DV], and g, beta [T, HV] as the model derives them."""
+    q, k = randn(gen, tokens, heads, dk), randn(gen, tokens, heads, dk)
+    v = randn(gen, tokens, v_heads, dv)
+    a_log = torch.empty(v_heads).uniform_(0.01, 16, generator=gen).log().to(DEVICE)
+    g, beta = gdn.decay_and_beta(
+        randn(gen, tokens, v_heads), randn(gen, tokens, v_heads), a_log, randn(gen, v_heads)
+    )
+    return q, k, v, g, beta
+
+
+def hf_rule(rule, q, k, v, g, beta, state: torch.Tensor | None, **kwargs):
+    """transformers' rule on one sequence [T, ...] (batch 1): (o [T, HV, DV], final state)."""
+    o, final = rule(
+        *(t.unsqueeze(0) for t in (q, k, v)),
+        g=g.unsqueeze(0),
+        beta=beta.unsqueeze(0),
+        initial_state=None if state is None else state.unsqueeze(0),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        **kwargs,
+    )
+    return o[0], final[0]
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 64, 130])
+@pytest.mark.parametrize("hf", ["chunked", "recurrent"])
+def test_prefill_matches_transformers_from_a_state(gen, tokens, hf):
+    q, k, v, g, beta = rule_inputs(gen, tokens)
+    start = randn(gen, 4, 16, 8, scale=0.3)
+    rule = torch_chunk_gated_delta_rule if hf == "chunked" else torch_recurrent_gated_delta_rule
+    ref_o, ref_state = hf_rule(rule, q, k, v, g, beta, start)
+    state = start.clone()
+    o = gdn.delta_rule_prefill_ref(q, k, v, g, beta, state)
+    assert_matches(o, ref_o, TOL)
+    assert_matches(state, ref_state, TOL)
+
+
+def test_prefill_from_a_zero_state_is_transformers_without_one(gen):
+    q, k, v, g, beta = rule_inputs(gen, 50, heads=3, v_heads=3)
+    ref_o, ref_state = hf_rule(torch_chunk_gated_delta_rule, q, k, v, g, beta, None)
+    state = torch.zeros(3, 16, 8, device=DEVICE)
+    assert_matches(gdn.delta_rule_prefill_ref(q, k, v, g, beta, state), ref_o, TOL)
+    assert_matches(state, ref_state, TOL)
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    tokens=st.integers(1, 150),
+    cut=st.floats(0, 1),
+    chunk_size=st.sampled_from([16, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_prompt_prefilled_in_two_pieces_equals_one_prefill(tokens, cut, chunk_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g, beta = rule_inputs(gen, tokens)
+    start = randn(gen, 4, 16, 8, scale=0.3)
+    whole_state = start.clone()
+    whole = gdn.delta_rule_prefill_ref(q, k, v, g, beta, whole_state, chunk_size)
+    split = round(cut * tokens)
+    state = start.clone()
+    first, second = (
+        gdn.delta_rule_prefill_ref(*(t[part] for t in (q, k, v, g, beta)), state, chunk_size)
+        for part in (slice(0, split), slice(split, tokens))
+    )
+    assert_matches(torch.cat([first, second]), whole, TOL)
+    assert_matches(state, whole_state, TOL)
+
+
+def test_decode_steps_after_a_prefill_equal_a_longer_prefill(gen):
+    q, k, v, g, beta = rule_inputs(gen, 45)
+    whole_state = torch.zeros(4, 16, 8, device=DEVICE)
+    whole = gdn.delta_rule_prefill_ref(q, k, v, g, beta, whole_state)
+    states = torch.zeros(3, 4, 16, 8, device=DEVICE)  # the sequence lives in slot 2 of three
+    slot = torch.tensor([2], device=DEVICE)
+    prefilled = gdn.delta_rule_prefill_ref(*(t[:40] for t in (q, k, v, g, beta)), states[2])
+    steps = [
+        gdn.delta_rule_decode_ref(*(t[i : i + 1] for t in (q, k, v, g, beta)), states, slot)
+        for i in range(40, 45)
+    ]
+    assert_matches(torch.cat([prefilled, *steps]), whole, TOL)
+    assert_matches(states[2], whole_state, TOL)
+    assert not states[:2].any(), "a decode step wrote into another sequence's slot"
+
+
+def test_a_decode_batch_advances_each_sequence_from_its_own_slot(gen):
+    q, k, v, g, beta = rule_inputs(gen, 3)
+    states = randn(gen, 5, 4, 16, 8, scale=0.3)
+    before = states.clone()
+    slot_ids = torch.tensor([3, 0, 4], dtype=torch.int32, device=DEVICE)
+    o = gdn.delta_rule_decode_ref(q, k, v, g, beta, states, slot_ids)
+    for row, slot in enumerate(slot_ids.tolist()):
+        one = slice(row, row + 1)
+        ref_o, ref_state = hf_rule(
+            torch_recurrent_gated_delta_rule, *(t[one] for t in (q, k, v, g, beta)), before[slot]
+        )
+        assert_matches(o[one], ref_o, TOL)
+        assert_matches(states[slot], ref_state, TOL)
+    assert torch.equal(states[[1, 2]], before[[1, 2]]), "a slot outside the batch changed"
+
+
+def test_a_narrow_state_is_read_and_written_in_its_dtype(gen):
+    q, k, v, g, beta = rule_inputs(gen, 20)
+    start = randn(gen, 4, 16, 8, scale=0.3, dtype=torch.bfloat16)
+    ref_o, ref_state = hf_rule(torch_chunk_gated_delta_rule, q, k, v, g, beta, start.float())
+    state = start.clone()
+    assert_matches(gdn.delta_rule_prefill_ref(q, k, v, g, beta, state), ref_o, TOL)
+    assert state.dtype == torch.bfloat16
+    assert_matches(state.float(), ref_state, 2**-8)
+
+
+def test_heads_that_do_not_group_are_refused(gen):
+    q, k, v, g, beta = rule_inputs(gen, 4, heads=3, v_heads=4)
+    with pytest.raises(ValueError, match="HV a multiple of H"):
+        gdn.delta_rule_prefill_ref(q, k, v, g, beta, torch.zeros(4, 16, 8, device=DEVICE))
+
+
+# the short convolution
+
+
+def hf_conv_prefill(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """transformers' convolution over one sequence x [T, C] from no state."""
+    return causal_conv1d_fn(x.t().unsqueeze(0), weight, activation="silu")[0].t()
+
+
+@pytest.mark.parametrize(("tokens", "width"), [(1, 4), (2, 4), (3, 4), (29, 4), (9, 2)])
+def test_conv_prefill_matches_transformers_and_keeps_the_last_inputs(gen, tokens, width):
+    x, weight = randn(gen, tokens, 24), randn(gen, 24, width)
+    state = torch.zeros(width - 1, 24, device=DEVICE)
+    assert_matches(gdn.causal_conv_prefill(x, weight, state), hf_conv_prefill(x, weight), TOL)
+    expected = torch.cat([torch.zeros(width - 1, 24, device=DEVICE), x])[-(width - 1) :]
+    assert torch.equal(state, expected)
+
+
+@settings(deadline=None, max_examples=25)
+@given(tokens=st.integers(1, 20), cut=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_conv_in_two_pieces_equals_one(tokens, cut, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, weight, bias = randn(gen, tokens, 12), randn(gen, 12, 4), randn(gen, 12)
+    whole_state = torch.zeros(3, 12, device=DEVICE)
+    whole = gdn.causal_conv_prefill(x, weight, whole_state, bias)
+    split = round(cut * tokens)
+    state = torch.zeros(3, 12, device=DEVICE)
+    first = gdn.causal_conv_prefill(x[:split], weight, state, bias)
+    second = gdn.causal_conv_prefill(x[split:], weight, state, bias)
+    assert_matches(torch.cat([first, second]), whole, TOL)
+    assert torch.equal(state, whole_state)
+
+
+def test_conv_decode_of_several_sequences_matches_transformers_update(gen):
+    weight = randn(gen, 24, 4)
+    prompts = [randn(gen, n, 24) for n in (2, 7, 5)]
+    states = torch.zeros(4, 3, 24, device=DEVICE)
+    slot_ids = torch.tensor([1, 3, 0], device=DEVICE)
+    # transformers keeps W inputs per sequence (the oldest unused); its state after a prefill
+    hf_states = torch.stack(
+        [torch.cat([torch.zeros(4, 24, device=DEVICE), p])[-4:] for p in prompts]
+    )
+    for prompt, slot in zip(prompts, slot_ids.tolist(), strict=True):
+        gdn.causal_conv_prefill(prompt, weight, states[slot])
+    for _ in range(3):
+        x = randn(gen, 3, 24)
+        hf_conv_states = hf_states.transpose(1, 2).contiguous()  # [B, C, W], updated in place
+        ref = causal_conv1d_update(x.unsqueeze(-1), hf_conv_states, weight, None, "silu")
+        hf_states = hf_conv_states.transpose(1, 2)
+        assert_matches(gdn.causal_conv_decode(x, weight, states, slot_ids), ref[..., 0], TOL)
+    assert torch.equal(states[slot_ids], hf_states[:, 1:])
+    assert not states[2].any(), "a decode step wrote into a slot outside the batch"
+
+
+def test_conv_state_of_the_wrong_shape_is_refused(gen):
+    with pytest.raises(ValueError, match=r"\[3, 24\]"):
+        gdn.causal_conv_prefill(randn(gen, 5, 24), randn(gen, 24, 4), torch.zeros(4, 24))
+
+
+# the gated norm and the whole layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rmsnorm_is_transformers_bit_for_bit(gen, dtype):
+    x, gate = randn(gen, 6, 3, 32, scale=2.0, dtype=dtype), randn(gen, 6, 3, 32, dtype=dtype)
+    norm = Qwen3NextRMSNormGated(32, eps=1e-6).to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(randn(gen, 32, dtype=dtype))
+        expected = norm(x, gate)
+    assert torch.equal(gdn.gated_rmsnorm(x, gate, norm.weight, 1e-6), expected)
+
+
+def mixer(layer: Qwen3_5MoeGatedDeltaNet, hidden: torch.Tensor, states, slot_ids=None):
+    """The layer's token mixer as the engine runs it: a prefill of one sequence's tokens
+    [T, hidden] into its slot's views (conv, recurrent) when slot_ids is None, else one decode
+    step of [B, hidden] over the pools."""
+    c, w = layer.conv_dim, layer.conv1d.weight[:, 0]
+    mixed = layer.in_proj_qkv(hidden)
+    if slot_ids is None:
+        mixed = gdn.causal_conv_prefill(mixed, w, states[0])
+    else:
+        mixed = gdn.causal_conv_decode(mixed, w, states[0], slot_ids)
+    q, k, v = mixed.split([layer.key_dim, layer.key_dim, c - 2 * layer.key_dim], dim=-1)
+    q, k = (t.unflatten(-1, (layer.num_k_heads, layer.head_k_dim)) for t in (q, k))
+    v = v.unflatten(-1, (layer.num_v_heads, layer.head_v_dim))
+    g, beta = gdn.decay_and_beta(
+        layer.in_proj_a(hidden), layer.in_proj_b(hidden), layer.A_log, layer.dt_bias
+    )
+    if slot_ids is None:
+        o = gdn.delta_rule_prefill(q, k, v, g, beta, states[1])
+    else:
+        o = gdn.delta_rule_decode(q, k, v, g, beta, states[1], slot_ids)
+    z = layer.in_proj_z(hidden).unflatten(-1, (layer.num_v_heads, layer.head_v_dim))
+    o = gdn.gated_rmsnorm(o, z, layer.norm.weight, layer.norm.variance_epsilon)
+    return layer.out_proj(o.flatten(-2))
+
+
+@torch.no_grad()
+def test_the_mixer_prefilled_in_pieces_then_decoded_is_the_transformers_layer(gen):
+    torch.manual_seed(0)
+    config = Qwen3_5MoeTextConfig(
+        hidden_size=48,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    layer = Qwen3_5MoeGatedDeltaNet(config, 0).to(DEVICE).eval()
+    for p in layer.parameters():
+        p.copy_(randn(gen, *p.shape, scale=0.3))
+    layer.A_log.copy_(torch.empty(4).uniform_(0.01, 16, generator=gen).log())
+    hidden = randn(gen, 2, 75, 48)
+    expected = layer(hidden)
+    conv = torch.zeros(3, 3, layer.conv_dim, device=DEVICE)
+    rec = torch.zeros(3, 4, 16, 8, device=DEVICE)
+    slot_ids = torch.tensor([2, 0], device=DEVICE)
+    out = torch.empty_like(expected)
+    for row, slot in enumerate(slot_ids.tolist()):  # two prefills each: 40 and 30 tokens
+        for part in (slice(0, 40), slice(40, 70)):
+            out[row, part] = mixer(layer, hidden[row, part], (conv[slot], rec[slot]))
+    for t in range(70, 75):  # both sequences decode together
+        out[:, t] = mixer(layer, hidden[:, t], (conv, rec), slot_ids)
+    # on CUDA with fla installed the rule runs in fla's kernels, whose fp32 dots may round as tf32
+    assert_matches(out, expected, 1e-4 if DEVICE.type == "cpu" else 1e-2)
+
+
+# fla
+
+
+def test_cpu_tensors_go_to_the_reference_where_fla_is_installed(gen, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("fla ran on CPU tensors")
+
+    fla = types.SimpleNamespace(
+        chunk_gated_delta_rule=refuse, fused_recurrent_gated_delta_rule=refuse
+    )
+    monkeypatch.setattr(gdn, "fla_ops", lambda: fla)
+    q, k, v, g, beta = (t.cpu() for t in rule_inputs(gen, 9))
+    state, ref_state = torch.zeros(4, 16, 8), torch.zeros(4, 16, 8)
+    o = gdn.delta_rule_prefill(q, k, v, g, beta, state)
+    assert torch.equal(o, gdn.delta_rule_prefill_ref(q, k, v, g, beta, ref_state))
+    slots = torch.tensor([0])
+    o = gdn.delta_rule_decode(*(t[:1] for t in (q, k, v, g, beta)), state.unsqueeze(0), slots)
+    ref = gdn.delta_rule_decode_ref(*(t[:1] for t in (q, k, v, g, beta)), ref_state[None], slots)
+    assert torch.equal(o, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or gdn.fla_ops() is None, reason="needs CUDA and fla installed"
+)
+def test_fla_matches_the_reference_at_the_qwen36_geometry(gen):
+    heads, v_heads, dk, dv = 16, 32, 128, 128
+    q, k, v, g, beta = rule_inputs(gen, 300, heads, v_heads, dk, dv)
+    q, k, v, beta = (t.bfloat16() for t in (q, k, v, beta))  # as the engine's projections give
+    start = randn(gen, v_heads, dk, dv, scale=0.1)
+    state, ref_state = start.clone(), start.clone()
+    o = gdn.delta_rule_prefill_fla(q, k, v, g, beta, state)
+    assert_matches(o, gdn.delta_rule_prefill_ref(q, k, v, g, beta, ref_state), 2e-2)
+    assert_matches(state, ref_state, 2e-2)
+
+    states = randn(gen, 6, v_heads, dk, dv, scale=0.1)
+    ref_states = states.clone()
+    slot_ids = torch.tensor([4, 1, 5], device=DEVICE)
+    step = [t[:3] for t in (q, k, v, g, beta)]
+    o = gdn.delta_rule_decode_fla(*step, states, slot_ids)
+    assert_matches(o, gdn.delta_rule_decode_ref(*step, ref_states, slot_ids), 2e-2)
+    assert_matches(states, ref_states, 2e-2)
