@@ -2,13 +2,14 @@
 # The wheels of the dependencies a GPU machine lacks (its image has torch, triton, numpy,
 # safetensors, tokenizers, jinja2, httpx, psutil, prometheus_client, nvidia-ml-py, ninja), saved
 # into .whl/ (ignored by git) for a device call to carry. Every engine command needs them:
-# engine/cli.py imports uvicorn, kernels/native_build.py platformdirs.
+# engine/cli.py imports uvicorn, kernels/native_build.py platformdirs; fla-core (and its einops)
+# runs the Gated DeltaNet layers there (kernels/gated_deltanet.py).
 # Usage, here: scripts/device_wheels.sh   (the versions of this venv's, else the newest)
 # There, first: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 #   --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -euo pipefail
 cd "$(dirname "$0")/.."
-names="starlette uvicorn sqlalchemy greenlet platformdirs python-multipart plotly"
+names="starlette uvicorn sqlalchemy greenlet platformdirs python-multipart plotly fla-core einops"
 for name in $names; do
   version=$(python3 -c "import importlib.metadata as m, sys
 try: print('==' + m.version(sys.argv[1]))
