@@ -79,6 +79,7 @@ def causal_conv_decode(
 
     states [slots, W-1, C]; slot_ids [B] (distinct); the slots are shifted by one token in place."""
     _check_conv(x, weight, states)
+    slot_ids = slot_ids.long()
     window = torch.cat([states[slot_ids].to(x.dtype), x.unsqueeze(1)], dim=1)  # [B, W, C]
     out = torch.einsum("bwc,cw->bc", window.float(), weight.float())
     if bias is not None:

@@ -180,7 +180,7 @@ def test_conv_decode_of_several_sequences_matches_transformers_update(gen):
     weight = randn(gen, 24, 4)
     prompts = [randn(gen, n, 24) for n in (2, 7, 5)]
     states = torch.zeros(4, 3, 24, device=DEVICE)
-    slot_ids = torch.tensor([1, 3, 0], device=DEVICE)
+    slot_ids = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEVICE)
     # transformers keeps W inputs per sequence (the oldest unused); its state after a prefill
     hf_states = torch.stack(
         [torch.cat([torch.zeros(4, 24, device=DEVICE), p])[-4:] for p in prompts]
@@ -242,7 +242,6 @@ def mixer(layer: Qwen3_5MoeGatedDeltaNet, hidden: torch.Tensor, states, slot_ids
 
 @torch.no_grad()
 def test_the_mixer_prefilled_in_pieces_then_decoded_is_the_transformers_layer(gen):
-    torch.manual_seed(0)
     config = Qwen3_5MoeTextConfig(
         hidden_size=48,
         linear_num_key_heads=2,
