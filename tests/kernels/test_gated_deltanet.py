@@ -22,7 +22,9 @@ from moelab.kernels import gated_deltanet as gdn
 
 from .kernel_inputs import DEVICE, assert_matches, randn
 
-TOL = 1e-5  # fp32: of the largest output
+# fp32, of the largest output (the issue's bound): the chunked rule sums in other orders than
+# transformers' and than itself cut elsewhere, a few 1e-6 apart over 150 tokens
+TOL = 1e-4
 
 
 def rule_inputs(
@@ -31,7 +33,11 @@ def rule_inputs(
     """q, k [T, H, DK], v [T, HV, DV], and g, beta [T, HV] as the model derives them."""
     q, k = randn(gen, tokens, heads, dk), randn(gen, tokens, heads, dk)
     v = randn(gen, tokens, v_heads, dv)
-    a_log = torch.empty(v_heads).uniform_(0.01, 16, generator=gen).log().to(DEVICE)
+    # heads from slow to fast decay (A from 1e-3 to 10), so that some keep their state for
+    # hundreds of tokens, across chunks, and others forget it within a few
+    a_log = (torch.linspace(-7, 2.3, v_heads) + 0.1 * torch.randn(v_heads, generator=gen)).to(
+        DEVICE
+    )
     g, beta = gdn.decay_and_beta(
         randn(gen, tokens, v_heads), randn(gen, tokens, v_heads), a_log, randn(gen, v_heads)
     )
@@ -255,7 +261,7 @@ def test_the_mixer_prefilled_in_pieces_then_decoded_is_the_transformers_layer(ge
     layer = Qwen3_5MoeGatedDeltaNet(config, 0).to(DEVICE).eval()
     for p in layer.parameters():
         p.copy_(randn(gen, *p.shape, scale=0.3))
-    layer.A_log.copy_(torch.empty(4).uniform_(0.01, 16, generator=gen).log())
+    layer.A_log.copy_(torch.linspace(-7, 2.3, 4))  # slow to fast decay, as in rule_inputs
     hidden = randn(gen, 2, 75, 48)
     expected = layer(hidden)
     conv = torch.zeros(3, 3, layer.conv_dim, device=DEVICE)
