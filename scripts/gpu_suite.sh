@@ -5,7 +5,7 @@
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
 # (tests, then resident: the first GPU runs after hot-path changes, each under 10 minutes)
-# On the device machine (torch and triton preinstalled), first the wheels of
+# On the GPU machine (torch and triton preinstalled), first the wheels of
 # scripts/device_wheels.sh (carry .whl) on PYTHONPATH, then
 # `python3 -m pip install --no-deps --no-build-isolation -e .` (it has no index to build from).
 set -uo pipefail
