@@ -128,10 +128,11 @@ def threads_advice(machine: Machine) -> Advice:
     )
 
 
-def bank_bytes(spec: ModelSpec, elem_bytes: int) -> int:
-    """The host bank of the checkpoint's experts as the engine holds them by default: FP8 values
-    and their factors for an FP8 checkpoint, else `elem_bytes` a weight."""
-    return spec.experts_total * spec.expert_bytes_as(spec.expert_format(), elem_bytes)
+def bank_bytes(spec: ModelSpec, elem_bytes: int, expert_dtype: str = "auto") -> int:
+    """The host bank of the checkpoint's experts as the engine holds them under
+    --moe-expert-dtype `expert_dtype`: FP8 values and their factors, else `elem_bytes` a
+    weight."""
+    return spec.experts_total * spec.expert_bytes_as(spec.expert_format(expert_dtype), elem_bytes)
 
 
 def ram_warnings(machine: Machine, bank_bytes: int, how: Text, other_bytes: int) -> list[Text]:

@@ -25,7 +25,7 @@ MIB = 1024**2
 
 
 def cpu_rules(
-    machine: Machine, spec: ModelSpec, asked: int | None
+    machine: Machine, spec: ModelSpec, asked: int | None, expert_dtype: str = "auto"
 ) -> tuple[list[Advice], list[Text]]:
     advice = [
         Advice("--device", "cpu", Text("no GPU found: the engine runs everything on the CPU")),
@@ -43,9 +43,9 @@ def cpu_rules(
     ]
     warnings: list[Text] = []
     reserve = RAM_RESERVE_BYTES
-    bank32 = bank_bytes(spec, 4)
+    bank32 = bank_bytes(spec, 4, expert_dtype)
     if spec.dtype_bytes < 4 and bank32 + spec.dense_params * 4 + reserve > machine.ram_total_bytes:
-        bank = bank_bytes(spec, spec.dtype_bytes)
+        bank = bank_bytes(spec, spec.dtype_bytes, expert_dtype)
         if bank + spec.dense_params * spec.dtype_bytes + reserve <= machine.ram_total_bytes:
             advice.append(
                 Advice(
@@ -64,7 +64,7 @@ def cpu_rules(
                 )
             )
     elem = spec.dtype_bytes if any(a.flag == "--dtype" for a in advice) else 4
-    bank = bank_bytes(spec, elem)
+    bank = bank_bytes(spec, elem, expert_dtype)
 
     def needed(t: int) -> int:
         """Device bytes the flags plan with a `t`-token KV reserve (nothing left over)."""

@@ -14,7 +14,7 @@ from ..engine.config.memory import MemoryPlanError, VramPlan
 from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, error_text, text_of, texts_fields
 from .advice import Advice
-from .flags import FlagChange, catalog, engine_config, split_flags
+from .flags import FlagChange, catalog, engine_config, settings_of, split_flags
 from .machine import GIB, Machine, choose_device, plan_for
 from .rules import rule_advice
 
@@ -154,7 +154,10 @@ def recommend(
     """The flags for `spec` on `machine`: from the rules, or from `benchmark` with rule advice
     only for the flags it did not cover. `context_tokens` asks for a context (default: the
     model's own when it leaves room for experts; see rules.py)."""
-    advice, warnings = rule_advice(machine, spec, context_tokens)
+    # the RAM the bank takes: in the format the benchmark chose where it chose one
+    chosen = settings_of(benchmark.flags) if benchmark is not None else {}
+    expert_dtype = chosen.get("--moe-expert-dtype") or "auto"
+    advice, warnings = rule_advice(machine, spec, context_tokens, expert_dtype)
     stale: list[Text] = []
     if benchmark is None:
         rates = machine.rates

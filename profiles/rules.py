@@ -39,16 +39,20 @@ TOKENS_PER_REQUEST = 2048  # a typical conversation a running request needs KV f
 
 
 def rule_advice(
-    machine: Machine, spec: ModelSpec, context_tokens: int | None = None
+    machine: Machine,
+    spec: ModelSpec,
+    context_tokens: int | None = None,
+    expert_dtype: str = "auto",
 ) -> tuple[list[Advice], list[Text]]:
-    """The advice of every rule, and warnings, for `spec` on `machine`."""
+    """The advice of every rule, and warnings, for `spec` on `machine`, its experts held as
+    --moe-expert-dtype `expert_dtype` says."""
     if machine.gpus:
-        return _gpu_rules(machine, spec, context_tokens)
-    return cpu_rules(machine, spec, context_tokens)
+        return _gpu_rules(machine, spec, context_tokens, expert_dtype)
+    return cpu_rules(machine, spec, context_tokens, expert_dtype)
 
 
 def _gpu_rules(
-    machine: Machine, spec: ModelSpec, context_tokens: int | None
+    machine: Machine, spec: ModelSpec, context_tokens: int | None, expert_dtype: str
 ) -> tuple[list[Advice], list[Text]]:
     gpu = max(machine.gpus, key=lambda g: (g.usable_bytes, -g.index))
     advice: list[Advice] = []
@@ -69,7 +73,7 @@ def _gpu_rules(
                 numbers={f"gpu{g.index}_bytes": g.usable_bytes for g in machine.gpus},
             )
         )
-    advice.append(_chunk_advice(spec, gpu))
+    advice.append(_chunk_advice(spec, gpu, expert_dtype))
     context, plan, warnings = _context_advice(machine, spec, flags_of(advice), context_tokens)
     if plan is None:
         return advice, warnings
@@ -82,12 +86,12 @@ def _gpu_rules(
     threads = threads_advice(machine)
     advice.append(threads)
     advice.append(_policy_advice(machine, plan, int(str(threads.value))))
-    bank = bank_bytes(spec, spec.dtype_bytes)
+    bank = bank_bytes(spec, spec.dtype_bytes, expert_dtype)
     warnings += ram_warnings(machine, bank, Text("pinned, so it never swaps"), 0)
     return advice, warnings
 
 
-def _chunk_advice(spec: ModelSpec, gpu: Gpu) -> Advice:
+def _chunk_advice(spec: ModelSpec, gpu: Gpu, expert_dtype: str) -> Advice:
     elem = spec.dtype_bytes
     room = gpu.usable_bytes - spec.dense_params * elem
     limit = room * ACTIVATION_SHARE
@@ -105,7 +109,7 @@ def _chunk_advice(spec: ModelSpec, gpu: Gpu) -> Advice:
             "each prefill chunk streams every expert of every layer once ({pool} for this "
             "model), so longer chunks amortize it; {chunk} tokens need {activations} of "
             "activations, within 1/8 of the {room} left after the weights",
-            pool=gib(spec.expert_pool_bytes),
+            pool=gib(bank_bytes(spec, elem, expert_dtype)),
             chunk=chunk,
             activations=gib(act),
             room=gib(room),

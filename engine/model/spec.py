@@ -160,7 +160,9 @@ class ModelSpec:
 
     @property
     def expert_bytes(self) -> int:
-        return self.expert_params * self.dtype_bytes
+        """Bytes of one routed expert as the engine holds it by default (--moe-expert-dtype
+        auto): FP8 values and their block factors for an FP8 checkpoint, else its dtype's."""
+        return self.expert_bytes_as(self.expert_format())
 
     def expert_format(self, requested: str = "auto") -> str:
         """How the bank and the expert slots hold the routed experts (`EXPERT_FORMATS`): as

@@ -137,6 +137,41 @@ def test_30b_fp8_counts_its_experts_in_fp8_for_ram_and_slots() -> None:
     assert rec.vram_split()["bytes"]["expert_cache"] == slots * fp8.expert_bytes_as("fp8")
 
 
+def test_30b_fp8_s_chunk_advice_and_pool_count_the_fp8_experts() -> None:
+    """The prefill chunk's reason names the bytes a chunk streams: Qwen3-30B-A3B-FP8's experts in
+    FP8 (27.01 GiB: values and their 128x128 block factors), not at bf16 size (54.00 GiB)."""
+    from moelab.engine.model.spec import ModelSpec
+
+    from .geometry import A3B
+
+    fp8_config = {
+        **A3B,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    fp8 = ModelSpec.from_config(fp8_config)
+    expert = 3 * 2048 * 768 + 4 * (12 * 16 + 16 * 6)  # w13's and w2's block factors, fp32
+    assert fp8.expert_pool_bytes == A3B_EXPERTS * expert
+    pc = machine((card(24, 23.5),), ram_gib=64)
+    assert "(27.01 GiB for this model)" in str(
+        advice(recommend(pc, fp8))["--prefill-chunk-tokens"].reason
+    )
+    assert "(54.00 GiB for this model)" in str(
+        advice(recommend(pc, SPECS["30b"]))["--prefill-chunk-tokens"].reason
+    )
+
+
+def test_a_benchmark_s_fp8_experts_are_what_the_ram_check_counts() -> None:
+    """A benchmark that chose --moe-expert-dtype fp8 for the bf16 Qwen3-30B-A3B: its bank of
+    27 GiB fits 32 GiB of RAM, and the chunk's reason names the FP8 pool."""
+    small_ram = machine((card(24, 23.5),), ram_gib=32)
+    result = BenchmarkResult.from_result(
+        7, {"flags": ["--moe-expert-dtype", "fp8"]}, engine_version="0.1.0", machine_id=None
+    )
+    rec = recommend(small_ram, SPECS["30b"], benchmark=result)
+    assert not any("RAM" in w for w in map(str, rec.warnings)), rec.warnings
+    assert "(27.01 GiB for this model)" in str(advice(rec)["--prefill-chunk-tokens"].reason)
+
+
 def test_30b_on_a_6gb_card_streams_without_a_prefill_buffer() -> None:
     budget = int(5.5 * GIB)
     assert a3b_activations(2048, 8) > (budget - A3B_WEIGHTS) / 8 >= a3b_activations(1024, 8)
