@@ -57,6 +57,16 @@ def picks_samples(daemon: Daemon, server_id: int, window_s: float) -> list[dict[
     return samples(daemon, server_id, PICKS, window_s)
 
 
+def held_formats(stats: dict[str, Any] | None) -> dict[str, str | None]:
+    """How an engine holds its routed experts and its KV cache, as /v1/stats says: "fp8", else
+    a dtype's name (an expert format other than FP8 is the compute dtype); None where unsaid."""
+    stats = stats or {}
+    experts = (stats.get("experts") or {}).get("dtype")
+    if experts is not None and experts != "fp8":
+        experts = (stats.get("config") or {}).get("dtype") or experts
+    return {"experts": experts, "kv": (stats.get("kv") or {}).get("dtype")}
+
+
 def device_split(stats: dict[str, Any]) -> list[dict[str, Any]]:
     """Each device's memory as the engine reports it, grouped into DEVICE_PARTS plus free."""
     out = []

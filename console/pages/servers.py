@@ -66,6 +66,7 @@ def server_data(
         "log": {"path": row.log_path, "lines": log.splitlines()},
         "sampled_at": sampled_at,
         "config": (stats or {}).get("config"),
+        "held": engines.held_formats(stats),
     }  # fmt: skip
 
 

@@ -59,6 +59,8 @@ class KVCache:
         shape = (spec.num_layers, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
         held = {"auto": dtype, "bf16": torch.bfloat16, "fp8": torch.uint8}[cache_dtype]
         self.dtype = dtype
+        # how the pages hold keys and values (/v1/stats kv.dtype): "fp8", else the dtype's name
+        self.fmt = "fp8" if cache_dtype == "fp8" else str(held).removeprefix("torch.")
         self.k = torch.zeros(shape, device=device, dtype=held)
         self.v = torch.zeros(shape, device=device, dtype=held)
         # FP8 pages' factors, one per token and KV head (an all-zero page widens to zeros)

@@ -272,6 +272,7 @@ class Telemetry:
                 "tokens_peak": kv.peak_blocks_used * kv.block_size,
                 "max_context": engine.max_context,
                 "bytes_per_token": kv.bytes_per_token,
+                "dtype": kv.fmt,
                 "prefix_cache": self.scheduler.snapshot(),
             },
             "config": engine.config_in_force(),

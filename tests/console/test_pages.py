@@ -3,16 +3,28 @@ controls only with control (and refused by the API without it), errors as pages.
 
 from __future__ import annotations
 
+import copy
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
 
 from moelab.console.pages.dashboard import prefix_cached_share
+from moelab.daemon.schema import Server
 from moelab.daemon.service import Daemon
+from tests.daemon.conftest import make_daemon
 
-from .conftest import LAN_HOST, MODES, Recorded, client_for, lan_client, local_client
+from .conftest import (
+    LAN_HOST,
+    MODES,
+    Recorded,
+    client_for,
+    lan_client,
+    local_client,
+    record_engine,
+)
 
 # every page; {running} and {crashed} are the recorded servers' ids (other issues add their pages)
 PAGES = [
@@ -192,6 +204,40 @@ def test_settings_in_force_are_rounded(daemon: Daemon, recorded: Recorded) -> No
     assert "fetch_fraction=0.43," in settings and "bp_gbps=2.32," in settings
     assert "slots=24," in settings and "kv_reserve_tokens=8192," in settings
     assert "0.4297" not in settings and "2.3171" not in settings
+
+
+def test_an_engine_s_expert_and_kv_formats_are_shown_in_both_languages(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    """/v1/stats says FP8 experts and FP8 KV pages: the server's page names both; an engine that
+    holds them in its compute dtype shows that dtype."""
+    daemon = make_daemon(tmp_path / "data", None)
+    daemon.start()
+    try:
+        ids = record_engine(daemon, demo_model)
+
+        def say(experts: str, kv: str) -> None:
+            with daemon.store.session() as session:
+                row = session.get(Server, ids.running_id)
+                stats = copy.deepcopy(row.last_stats)
+                stats["experts"]["dtype"], stats["kv"]["dtype"] = experts, kv
+                row.last_stats = stats
+
+        say("bf16", "float32")  # on a CPU device: the compute dtype, float32
+        plain = get_page(local_client(daemon), f"/servers/{ids.running_id}", "en")
+        say("fp8", "fp8")
+        en = get_page(local_client(daemon), f"/servers/{ids.running_id}", "en")
+        ja = get_page(local_client(daemon), f"/servers/{ids.running_id}", "ja")
+    finally:
+        daemon.close()
+    assert re.search(r'id="expert-format"><code>float32</code>', plain)
+    assert re.search(r'id="kv-format"><code>float32</code>', plain)
+    assert "Routed experts held as" in en and "KV cache held as" in en
+    assert 'id="expert-format">FP8 (e4m3, one fp32 factor per 128×128 block)<' in en
+    assert 'id="kv-format">FP8 (e4m3, one fp32 factor per token and KV head)<' in en
+    assert "KV キャッシュの保持形式" in ja
+    assert 'id="expert-format">FP8（e4m3、128×128 ブロックごとに fp32 の係数 1 つ）<' in ja
+    assert 'id="kv-format">FP8（e4m3、トークンと KV ヘッドごとに fp32 の係数 1 つ）<' in ja
 
 
 def test_a_read_only_viewer_sees_no_measure_again_heading(daemon: Daemon) -> None:
