@@ -18,15 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.model.spec import SAFETENSORS_DTYPES, CheckpointError, ModelSpec
+from ..engine.model.spec import (
+    UNQUANTIZED_DTYPES,
+    CheckpointError,
+    ModelSpec,
+    unread_weights_problem,
+)
 from ..engine.text import Text, error_text
 
 DEMO_NAME = "moelab-demo-tiny"
 # routed experts: "...mlp.experts.3.gate_proj.weight", "...block_sparse_moe.experts.0.w1.weight",
 # fused "...mlp.experts.gate_up_proj"; not "shared_experts" / "shared_expert" (those are dense)
 _EXPERT_TENSOR = re.compile(r"(^|\.)experts\.")
-# the dtypes the engine reads without a quantization_config (F8_E4M3 only with an fp8 one)
-UNQUANTIZED_DTYPES = [code for code in SAFETENSORS_DTYPES if code != "F8_E4M3"]
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -174,18 +177,7 @@ def serving_problem(config: dict[str, Any], unread: dict[str, str]) -> Text | st
         spec = ModelSpec.from_config(config)
     except CheckpointError as err:
         return error_text(err)
-    if spec.quantization == "fp8":  # FP8 weights are read where config.json says they are
-        unread = {dtype: name for dtype, name in unread.items() if dtype != "F8_E4M3"}
-    if unread:
-        listed = ", ".join(f"{dtype} ({name})" for dtype, name in sorted(unread.items()))
-        return Text(
-            "weights of dtype {listed}: moelab reads {dtypes}, and F8_E4M3 weights where "
-            "config.json's quantization_config is fine-grained FP8 (quant_method fp8, "
-            "weight_block_size [128, 128])",
-            listed=listed,
-            dtypes=", ".join(UNQUANTIZED_DTYPES),
-        )
-    return None
+    return unread_weights_problem(spec, unread)
 
 
 def _first_int(config: dict[str, Any], *keys: str) -> int | None:

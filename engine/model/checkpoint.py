@@ -22,7 +22,15 @@ from safetensors import safe_open
 
 from ...kernels import fp8
 from .model import DenseWeights, LayerWeights
-from .spec import FP8_BLOCK, SAFETENSORS_DTYPES, CheckpointError, ModelSpec, blocks
+from .spec import (
+    FP8_BLOCK,
+    SAFETENSORS_DTYPES,
+    UNQUANTIZED_DTYPES,
+    CheckpointError,
+    ModelSpec,
+    blocks,
+    unread_weights_problem,
+)
 
 
 class TensorSource(Protocol):
@@ -51,9 +59,11 @@ def read_header(path: Path) -> dict:
 
 
 class SafetensorsSource:
-    """The tensors of a checkpoint directory: `model.safetensors`, or shards with an index."""
+    """The tensors of a checkpoint directory: `model.safetensors`, or shards with an index;
+    with `spec`, weights of a dtype the engine does not read under its config.json are refused
+    as they are found (spec.unread_weights_problem, the catalog's reason too)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, spec: ModelSpec | None = None) -> None:
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
@@ -80,6 +90,19 @@ class SafetensorsSource:
                     self._where[key] = name
                     self._meta[key] = meta
         self._handles: dict[str, object] = {}
+        problem = unread_weights_problem(spec, self.unread_weights()) if spec else None
+        if problem is not None:
+            raise CheckpointError(problem)
+
+    def unread_weights(self) -> dict[str, str]:
+        """The weights of dtypes read only under a quantization_config, or not at all: dtype ->
+        the first such `.weight` tensor (spec.unread_weights_problem says which are refused)."""
+        unread: dict[str, str] = {}
+        for name in sorted(self._meta):
+            code = self._meta[name].get("dtype")
+            if name.endswith(".weight") and code not in UNQUANTIZED_DTYPES:
+                unread.setdefault(str(code), name)
+        return unread
 
     @property
     def files(self) -> list[Path]:

@@ -28,6 +28,9 @@ SAFETENSORS_DTYPES = {
     "F32": "float32",
     "F8_E4M3": "float8_e4m3fn",
 }
+# the dtypes of weights read without a quantization_config (F8_E4M3 only with an fp8 one: a
+# `weight_scale_inv` beside an FP8 weight means its block factors where config.json says so)
+UNQUANTIZED_DTYPES = [code for code in SAFETENSORS_DTYPES if code != "F8_E4M3"]
 # the FP8 layout the engine reads: Hugging Face's fine-grained FP8 (kernels/fp8.py), e4m3 values
 # with one fp32 factor per 128x128 block (`weight_scale_inv`)
 FP8_BLOCK = 128
@@ -392,6 +395,24 @@ class ModelSpec:
                 )
             ) from None
         return cls.from_config(config, str(config_path))
+
+
+def unread_weights_problem(spec: ModelSpec, unread: dict[str, str]) -> Text | None:
+    """Why the engine refuses weights of the dtypes in `unread` (dtype -> a `.weight` tensor of
+    it, those not in UNQUANTIZED_DTYPES), None where it reads them all: F8_E4M3 only where
+    config.json's quantization_config is fine-grained FP8, as Hugging Face's layout defines it."""
+    if spec.quantization == "fp8":
+        unread = {dtype: name for dtype, name in unread.items() if dtype != "F8_E4M3"}
+    if not unread:
+        return None
+    listed = ", ".join(f"{dtype} ({name})" for dtype, name in sorted(unread.items()))
+    return Text(
+        "weights of dtype {listed}: moelab reads {dtypes}, and F8_E4M3 weights where "
+        "config.json's quantization_config is fine-grained FP8 (quant_method fp8, "
+        "weight_block_size [128, 128])",
+        listed=listed,
+        dtypes=", ".join(UNQUANTIZED_DTYPES),
+    )
 
 
 def _quantization(config: dict, source: str) -> str:

@@ -158,7 +158,7 @@ class Engine:
                 cpu_threads=default_cpu_threads(),
             )
         else:
-            source = SafetensorsSource(Path(model.path))
+            source = SafetensorsSource(Path(model.path), spec)
         return source, load_dense(spec, source, self.device, self.dtype)
 
     def _load_bank(self, source: TensorSource, progress: LoadProgress) -> ExpertBank:

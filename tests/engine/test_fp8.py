@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moelab.daemon.models import read_checkpoint
 from moelab.engine.model.checkpoint import SafetensorsSource, iter_layer_experts
 from moelab.engine.model.spec import CheckpointError, ModelSpec
 from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
@@ -270,6 +271,21 @@ def test_factors_of_another_layout_are_refused_naming_the_shape(tmp_path):
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"{name}_scale_inv has shape \[{rows}, 1\]"):
         make_engine(bad)
+
+
+def test_fp8_weights_without_a_quantization_config_are_refused_as_the_catalog_does(tmp_path):
+    """Hugging Face's layout makes a `weight_scale_inv` the factors of an FP8 weight only under
+    config.json's fp8 quantization_config: without one, the engine refuses the weights with the
+    reason the manager's catalog lists."""
+    path = synthesize(tmp_path / "m", preset="tiny", seed=7, dtype="fp8")
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    listed = str(read_checkpoint(path, "x").error)
+    assert listed.startswith("weights of dtype F8_E4M3 (model.layers.0.")
+    with pytest.raises(CheckpointError) as refused:
+        make_engine(path)
+    assert str(refused.value) == listed
 
 
 def test_moelab_serve_answers_from_an_fp8_checkpoint(tmp_path):
