@@ -35,7 +35,7 @@ from ..model.kv import KVCache
 from ..model.model import DenseWeights, Model, SeqSlice, StepBatch
 from ..model.rope import Rotary
 from ..model.spec import ModelSpec
-from ..model.synth import SynthSource
+from ..model.synth import SynthSource, calibration_threads
 from ..model.tokenizer import Tokenizer
 from .graphs import DecodeGraphs
 from .loading import LoadProgress
@@ -103,6 +103,9 @@ class Engine:
         self._start_cpu_workers()
         progress.begin("bandwidths")
         self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
+        if self.synth_source is not None:
+            progress.begin("routing calibration")
+            self._calibrate_routing(self.synth_source, dense)
         progress.begin("caches")
         self._build_caches(dense)
         progress.begin("CUDA graphs")
@@ -149,13 +152,11 @@ class Engine:
         self.synth_source: SynthSource | None = None
         source: TensorSource
         if model.dummy_weights:
-            source = self.synth_source = SynthSource.calibrated(
+            # its routers are calibrated once its bank is built (`_calibrate_routing`)
+            source = self.synth_source = SynthSource(
                 spec,
                 seed=int(synth_info.get("seed", self.config.server.seed)),
                 skew=float(synth_info.get("routing_skew", 0.0)),
-                device=self.device,
-                dtype=self.dtype,
-                cpu_threads=default_cpu_threads(),
             )
         else:
             source = SafetensorsSource(Path(model.path), spec)
@@ -180,6 +181,16 @@ class Engine:
             progress=progress.bytes,
             fmt=self.expert_format,
         )
+
+    def _calibrate_routing(self, source: SynthSource, dense: DenseWeights) -> None:
+        """Calibrate the synthetic routers in `dense` (`SynthSource.calibrate`) over the bank's
+        experts where it holds them in the compute dtype. Done once the bank is in host memory,
+        so that no second copy of the experts is made and freed before the bank's pages are
+        taken, and before the expert cache takes the device memory the passes need."""
+        bank = self.bank
+        experts = list(zip(bank.w13, bank.w2, strict=True)) if bank.fmt == "bf16" else None
+        with calibration_threads(self.device, default_cpu_threads()):
+            source.calibrate(self.device, self.dtype, dense=dense, experts=experts)
 
     def _build_cpu_kernel(self, progress: LoadProgress) -> None:
         """Build (or wait for) the native CPU expert kernel here, so that /health tells that
