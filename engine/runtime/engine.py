@@ -35,6 +35,7 @@ from ..model.kv import KVCache
 from ..model.model import DenseWeights, Model, SeqSlice, StepBatch
 from ..model.rope import Rotary
 from ..model.spec import ModelSpec
+from ..model.states import StatePool
 from ..model.synth import SynthSource, calibration_threads
 from ..model.tokenizer import Tokenizer
 from .graphs import DecodeGraphs
@@ -263,16 +264,25 @@ class Engine:
         elif plan.prefill_buffer_bytes:
             self.moe.allocate_prefill_buffers()
         self.kv = self._new_kv(plan)
-        self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1)
+        running = config.batching.max_running_requests
+        # a hybrid model's linear layers: one state slot per running sequence
+        self.states = StatePool(spec, running, self.device, self.dtype) if spec.hybrid else None
+        self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1,
+                           states=self.states)  # fmt: skip
         self.scheduler = Scheduler(
-            self.kv, config.batching.max_running_requests, config.prefill.chunk_tokens
+            self.kv, running, config.prefill.chunk_tokens, states=self.states
         )
         self.sampler = Sampler(config.server.seed)
 
     def _new_kv(self, plan: VramPlan) -> KVCache:
         memory = self.config.memory
+        # a hybrid model's recurrent state cannot be cut back to a matched prefix: no matching
+        prefix_cache = memory.prefix_cache and not self.spec.hybrid
+        if memory.prefix_cache and not prefix_cache:
+            log.info("prefix cache off: this model's linear attention layers keep a recurrent "
+                     "state, which cannot resume from a cached prefix")  # fmt: skip
         return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, self.device, self.dtype,
-                       prefix_cache=memory.prefix_cache,
+                       prefix_cache=prefix_cache,
                        cache_dtype=memory.kv_cache_dtype)  # fmt: skip
 
     def _build_stepper(self) -> Stepper:
@@ -481,18 +491,22 @@ class Engine:
         """Next-token logits [n, vocab] (fp32) after every prefix of one prompt, in one pass."""
         n = len(prompt_ids)
         blocks = self.kv.allocate(self.kv.blocks_for(n))
+        state_slot = self.states.allocate() if self.states is not None else -1
         try:
             dev = self.device
+            pages = self.kv.page_indices([(blocks, n)])[0]
             batch = StepBatch(
                 input_ids=torch.tensor(prompt_ids, dtype=torch.long, device=dev),
                 positions=torch.arange(n, device=dev),
                 slots=torch.tensor([self.kv.slot(blocks, p) for p in range(n)], device=dev),
-                seqs=[SeqSlice(0, n, n, self.kv.page_indices([(blocks, n)])[0])],
+                seqs=[SeqSlice(0, n, n, pages, state_slot)],
                 logits_index=torch.arange(n, device=dev),
             )
             return self.model.forward(batch)
         finally:
             self.kv.release(blocks)
+            if self.states is not None:
+                self.states.release(state_slot)
 
     def config_in_force(self) -> dict:
         """The resolved settings the engine runs with (what /v1/stats reports as config)."""
