@@ -143,12 +143,16 @@ def test_batch_of_different_lengths_matches_alone(reference):
 
 def test_offloaded_experts_match(reference):
     """Two expert slots of 35: most experts run from the host bank, prefill and decode."""
-    _kind, model, _engine, path = reference
+    kind, model, _engine, path = reference
     engine = make_engine(path, "--prefill-chunk-tokens", CHUNK, "--moe-cache-size", "2")
     try:
         assert not engine.plan.all_resident
+        ids = prompt(1, 150)
+        assert relative_error(engine.score(ids), hf_logits(model, ids)) < 1e-4, kind
         prompts = [prompt(20, 55), prompt(21, 7)]
         outputs = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        _reads, misses = engine.moe.decode_reads
+        assert misses > 0  # the offloaded path ran
     finally:
         engine.close()
     for ids, ours in zip(prompts, outputs, strict=True):
