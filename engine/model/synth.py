@@ -25,6 +25,7 @@ from .checkpoint import iter_layer_experts, load_dense
 from .kv import KVCache
 from .model import DenseWeights, Model, SeqSlice, StepBatch
 from .spec import ARCHITECTURES, CheckpointError, ModelSpec
+from .states import StatePool
 
 # Geometry shared by the architectures; each is mapped to its own config.json field names below.
 PRESETS: dict[str, dict] = {
@@ -343,9 +344,10 @@ class SynthSource:
         dense = dense or load_dense(spec, self, device, dtype)
         executor = _CalibrationExperts(self, device, dtype, experts)
         kv = KVCache(spec, 1, length, device, dtype, prefix_cache=False)  # one prompt's block
-        model = Model(spec, dense, executor, kv, max_positions=length + 1)
+        states = StatePool(spec, 1, device, dtype) if spec.linear_layers else None
+        model = Model(spec, dense, executor, kv, max_positions=length + 1, states=states)
         self._refine(model, length)
-        del model, executor, kv
+        del model, executor, kv, states
         if device.type == "cuda":
             torch.cuda.empty_cache()  # what the calibration's model held goes back to the device
 
@@ -529,15 +531,19 @@ def _packed_experts(source: SynthSource, dtype: torch.dtype) -> list[tuple[torch
 
 
 def _prefill(model: Model, tokens: torch.Tensor) -> None:
-    """One prompt's forward pass from the start of a free KV cache (its last token's logits)."""
-    kv, device, n = model.kv, model.device, tokens.numel()
+    """One prompt's forward pass from the start of a free KV cache (and, for a hybrid model, a
+    zeroed state slot): its last token's logits."""
+    kv, states, device, n = model.kv, model.states, model.device, tokens.numel()
     blocks = kv.allocate(kv.blocks_for(n))
+    state_slot = states.allocate() if states is not None else -1
     try:
         model.forward(StepBatch(
             input_ids=tokens.to(device), positions=torch.arange(n, device=device),
             slots=torch.tensor([kv.slot(blocks, p) for p in range(n)], device=device),
-            seqs=[SeqSlice(0, n, n, kv.page_indices([(blocks, n)])[0])],
+            seqs=[SeqSlice(0, n, n, kv.page_indices([(blocks, n)])[0], state_slot)],
             logits_index=torch.tensor([n - 1], device=device),
         ))  # fmt: skip
     finally:
         kv.release(blocks)
+        if states is not None:
+            states.release(state_slot)
