@@ -252,6 +252,17 @@ def test_fetch_plan_splits_a_miss_where_that_ends_the_step_sooner():
     assert policy.fetch_plan(1, 16) == (0, 4)
 
 
+def test_a_split_cuts_whole_blocks_in_at_most_sixteen_chunks():
+    """split_chunks: as many chunks as divide I into whole blocks, at most 16; none below 2."""
+    assert split_chunks(768, 1) == 16  # Qwen3-30B-A3B in bf16
+    assert split_chunks(768, 128) == 6  # in FP8: its six 128-row blocks
+    assert split_chunks(384, 128) == 3 and split_chunks(256, 128) == 2
+    assert split_chunks(2880, 32) == 15  # 90 blocks of 32 (gpt-oss's I in MXFP4's blocks)
+    assert split_chunks(1000, 1) == 10
+    # one block, a ragged last block, or a prime count of rows: no split
+    assert split_chunks(128, 128) == split_chunks(200, 128) == split_chunks(37, 1) == 0
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.39, 0.7, 1.0])
 def test_a_lead_copied_ahead_gives_the_device_those_rows_where_that_ends_the_step_no_later(
     fraction,
