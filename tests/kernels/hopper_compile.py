@@ -35,6 +35,7 @@ from moelab.kernels import (
     fp8,
     fp8_kv,
     fused_moe,
+    gated_deltanet,
     gemv,
     grouped_moe,
     host_handoff,
@@ -184,6 +185,16 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
         for tokens in (1, 8):
             # as the engine calls it: the first weight tile read before the wait (one token)
             gemv.linear_decode(torch.randn(tokens, k, dtype=BF16), weight, early_weights=True)
+    # the Gated DeltaNet's convolution over Qwen3.6-35B-A3B's 8,192 channels: a prompt from its
+    # slot, and decode steps of 1 and 8 slots
+    channels = 8192
+    weight = torch.empty(channels, 4, dtype=BF16)
+    states = torch.zeros(9, 3, channels, dtype=BF16)
+    x = torch.randn(2048, channels + 4096, dtype=BF16)[:, :channels]  # the projection's columns
+    gated_deltanet.causal_conv_prefill_triton(x, weight, states[0])
+    for tokens in (1, 8):
+        slots = torch.arange(tokens, dtype=torch.int32)
+        gated_deltanet.causal_conv_decode_triton(x[:tokens], weight, states, slots)
     JITFunction.run = run
     return compiled
 

@@ -55,6 +55,8 @@ KERNELS = {
     "_draw_kernel",
     "_pick_kernel",
     "_gather_kernel",
+    "_conv_prefill_kernel",
+    "_conv_decode_kernel",
 }
 # Prefill's grouped GEMM is launched plainly; every decode kernel with programmatic dependent launch
 NOT_PDL = {"moelab.kernels.grouped_moe", "moelab.kernels.fp8_kv"}
