@@ -1,13 +1,13 @@
 """Time to first token of a multi-turn chat, with the prefix cache and without it.
 
-Usage: python scripts/prefix_cache_ttft.py [--preset small] [--set FIELD=VALUE ...] [--turns 4]
-[--system 1024] [--question 64] [--reply 32] [--at-once N] [ENGINE FLAGS...]
+Usage: python scripts/prefix_cache_ttft.py [--arch qwen3_moe] [--preset small] [--set FIELD=VALUE
+...] [--turns 4] [--system 1024] [--question 64] [--reply 32] [--at-once N] [ENGINE FLAGS...]
 
-Runs an engine on the preset's geometry with dummy weights (or on --model-path), the same
-conversation twice, once with the prefix cache and once with `--no-prefix-cache`. Each turn's
-prompt is the last prompt, its reply and a new question, after a system prompt of --system tokens.
-Prints each turn's prompt tokens, the tokens the cache held, and the time to the first token both
-ways. With --at-once N, instead: N requests sent at once, each the system prompt and a question
+Runs an engine on the preset's geometry (of --arch, as `moelab synth` writes it) with dummy
+weights (or on --model-path), the same conversation twice, once with the prefix cache and once
+with `--no-prefix-cache`. Each turn's prompt is the last prompt, its reply and a new question,
+after a system prompt of --system tokens. Prints each turn's prompt tokens, the tokens the cache
+held, and the time to the first token both ways. With --at-once N, instead: N requests sent at once, each the system prompt and a question
 of its own (a few-shot prefix from an evaluation harness), and the time until every one has its
 first token. Other flags go to both engines (for example `--device cuda`).
 """
@@ -77,6 +77,7 @@ def at_once(engine: Engine, args: argparse.Namespace, seed: int) -> list[tuple[i
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="qwen3_moe", help="the preset's architecture")
     p.add_argument("--preset", default="small")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--model-path", default=None)
@@ -91,7 +92,7 @@ def main() -> int:
         spec = None
         path = args.model_path
         if path is None:  # the preset's geometry, dummy weights (as `moelab bench`)
-            config = make_config("qwen3_moe", args.preset, parse_overrides(args.set))
+            config = make_config(args.arch, args.preset, parse_overrides(args.set))
             (Path(tmp) / "config.json").write_text(json.dumps(config))
             path, spec = tmp, ModelSpec.from_config(config)
             engine_flags = ["--dummy-weights", *engine_flags]
