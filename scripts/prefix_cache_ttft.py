@@ -7,9 +7,10 @@ Runs an engine on the preset's geometry (of --arch, as `moelab synth` writes it)
 weights (or on --model-path), the same conversation twice, once with the prefix cache and once
 with `--no-prefix-cache`. Each turn's prompt is the last prompt, its reply and a new question,
 after a system prompt of --system tokens. Prints each turn's prompt tokens, the tokens the cache
-held, and the time to the first token both ways. With --at-once N, instead: N requests sent at once, each the system prompt and a question
-of its own (a few-shot prefix from an evaluation harness), and the time until every one has its
-first token. Other flags go to both engines (for example `--device cuda`).
+held, and the time to the first token both ways. With --at-once N, instead: N requests sent at
+once, each the system prompt and a question of its own (a few-shot prefix from an evaluation
+harness), and the time until every one has its first token. Other flags go to both engines (for
+example `--device cuda`).
 """
 
 from __future__ import annotations
