@@ -263,6 +263,7 @@ def causal_conv_decode_triton(
             f"slot_ids must be int32 or int64 [{x.shape[0]}], got {slot_ids.dtype} "
             f"{tuple(slot_ids.shape)}"
         )
+    common.check_last_dim_contiguous("slot_ids", slot_ids)
     batch, channels = x.shape
     width = weight.shape[1]
     out = common.alloc((batch, channels), x.dtype, x.device)

@@ -290,6 +290,9 @@ def test_conv_kernels_refuse_what_they_cannot_step_through(gen):
         gdn.causal_conv_prefill_triton(x.t().contiguous().t(), weight, state)
     with pytest.raises(ValueError, match=r"slot_ids must be int32 or int64 \[4\]"):
         gdn.causal_conv_decode_triton(x, weight, state.unsqueeze(0), torch.zeros(4))
+    every_other = torch.zeros(8, dtype=torch.int32, device=DEVICE)[::2]
+    with pytest.raises(ValueError, match="slot_ids must have a contiguous last dimension"):
+        gdn.causal_conv_decode_triton(x, weight, state.unsqueeze(0), every_other)
 
 
 # the gated norm and the whole layer
