@@ -126,7 +126,7 @@ if hybrid_part tests; then  # the Gated DeltaNet on CUDA: the kernels against th
   run hybrid_kernel_tests python3 -m pytest -q $T --tb=short tests/kernels/test_gated_deltanet.py \
     tests/kernels/test_hopper_compile.py
   run hybrid_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
-    tests/engine/test_hybrid.py tests/engine/test_hybrid_bound.py
+    tests/engine/test_hybrid.py
   run hybrid_kernels python3 -m moelab.kernels.bench --only short_conv,delta_rule
 fi
 # issue 53's speed rows: all 40 layers with dummy weights on a 24 GiB budget, one process each
