@@ -463,3 +463,29 @@ def test_a_decode_step_replays_in_a_cuda_graph_at_the_qwen36_geometry(gen):
         assert_matches(out, ref, 2e-2)
         assert torch.equal(conv, ref_pools[0])
         assert_matches(rec, ref_pools[1], 2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or gdn.fla_ops() is None, reason="needs CUDA and fla installed"
+)
+def test_flas_convolution_computes_what_the_bench_compares_it_with(gen):
+    """fla's convolution in its own layout (W inputs per sequence as [N, C, W], the oldest
+    unused) gives the reference's outputs and states, so its bench rows time the same work."""
+    from fla.modules import causal_conv1d as fla_conv
+
+    x, weight, _, start = (t.bfloat16() for t in conv_inputs(gen, 300, QWEN36_CHANNELS, 4))
+    ref_state = start.clone()
+    ref = gdn.causal_conv_prefill_ref(x, weight, ref_state)
+    initial = torch.cat([torch.zeros_like(start[:1]), start]).t().unsqueeze(0).contiguous()
+    out, final = fla_conv.causal_conv1d(
+        x.unsqueeze(0), weight, initial_state=initial, output_final_state=True, activation="silu"
+    )
+    assert_matches(out[0], ref, 1e-2)
+    assert torch.equal(final[0].t()[1:], ref_state)
+    xs, cache = randn(gen, 3, QWEN36_CHANNELS, dtype=torch.bfloat16), final.repeat(3, 1, 1)
+    states = cache.transpose(1, 2)[:, 1:].contiguous()
+    ref = gdn.causal_conv_decode_ref(xs, weight, states, torch.arange(3, device=DEVICE))
+    out, cache = fla_conv.causal_conv1d_update(xs, cache, weight=weight, activation="silu")
+    assert_matches(out, ref, 1e-2)
+    assert torch.equal(cache.transpose(1, 2)[:, 1:], states)
