@@ -212,11 +212,13 @@ class LayerPlanner:
         self._join_event: DriverEvent | None = None
 
     def native(self) -> object | None:
-        """The native planner over the cache (None: `plan_layer`, the torch CPU kernel); with
+        """The native planner over the cache (None: `plan_layer`: the torch CPU kernel, a bank
+        with biases); with
         `copies` it also waits for the routing and queues the copies, with `launches` it also
         launches the next piece, joining the fills on an event of its own."""
         cache = self.cache
-        if self.cpu is None or self.cpu.kernel != "native":
+        # the native planner neither copies nor splits gpt_oss's experts with their biases
+        if self.cpu is None or self.cpu.kernel != "native" or self.bank.w13_bias:
             return None
         if self._native is None or self._native_version != cache.version:
             native = self.cpu.decode_planner(
@@ -385,6 +387,6 @@ class LayerPlanner:
             pair_weight,
             out,
             **handoff,
-            **self.bank.cpu_scales(moe_layer),
+            **self.bank.cpu_args(moe_layer),
             check=False,  # the bank's tensors and the runner's buffers, right by construction
         )

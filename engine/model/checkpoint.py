@@ -11,6 +11,7 @@ stored, values and factors, and the bank keeps or converts them.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ...kernels import fp8
+from . import gpt_oss
 from .model import DenseWeights, LayerWeights
 from .spec import (
     FP8_BLOCK,
@@ -150,6 +152,9 @@ class Expert(NamedTuple):
     w2: torch.Tensor
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    # gpt_oss: the projections' biases [2I] (gate's, then up's) and [H]
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
 
 
 def _scale_of(source: TensorSource, name: str, values: torch.Tensor) -> torch.Tensor | None:
@@ -241,7 +246,12 @@ def load_dense(
             lw.q_norm = get(attn + "q_norm.weight", q)
             lw.k_norm = get(attn + "k_norm.weight", kv)
         m = _mlp_prefix(spec, layer, source)
-        if spec.is_moe_layer(layer):
+        if spec.arch == "gpt_oss":
+            lw.o_bias = get(attn + "o_proj.bias", h)
+            lw.sinks = get(attn + "sinks", spec.num_heads)
+            lw.router = get(m + "router.weight", spec.num_experts, h)
+            lw.router_bias = get(m + "router.bias", spec.num_experts)
+        elif spec.is_moe_layer(layer):
             lw.router = get(m + "gate.weight", spec.num_experts, h)
             if spec.shared_expert_intermediate_size:
                 si = spec.shared_expert_intermediate_size
@@ -265,6 +275,8 @@ def load_dense(
 
 def expert_names(spec: ModelSpec, source: TensorSource, layer: int) -> list[str]:
     """The tensor names that hold a layer's routed experts (for loading progress and checks)."""
+    if spec.arch == "gpt_oss":
+        return gpt_oss.expert_names(spec, source.has, layer)
     m = _mlp_prefix(spec, layer, source) + "experts."
     if source.has(m + "gate_up_proj"):
         return [m + "gate_up_proj", m + "down_proj"]
@@ -285,6 +297,12 @@ def iter_layer_experts(spec: ModelSpec, source: TensorSource, layer: int) -> Ite
     two are dequantized, stacked and quantized again (`fp8.quantize`), which rounds each value
     once more."""
     h, i, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    if spec.arch == "gpt_oss":
+        need = functools.partial(_need, source)
+        w13, w2, b13, b2 = gpt_oss.read_layer_experts(spec, source.has, need, layer)
+        for e in range(n):
+            yield Expert(e, w13[e], w2[e], w13_bias=b13[e], w2_bias=b2[e])
+        return
     names = expert_names(spec, source, layer)
     if names[0].endswith("gate_up_proj"):
         if source.has(names[0]) and tuple(source.shape(names[0])) == (n, h, 2 * i) and h != 2 * i:

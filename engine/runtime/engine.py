@@ -206,6 +206,8 @@ class Engine:
             self.dtype,
             self.device,
             self.expert_format,
+            bias=spec.expert_bias,
+            swiglu_limit=spec.swiglu_limit,
         )
         self.cpu = start_cpu_executor(
             experts.cpu_threads,
