@@ -276,7 +276,7 @@ def load_dense(
 def expert_names(spec: ModelSpec, source: TensorSource, layer: int) -> list[str]:
     """The tensor names that hold a layer's routed experts (for loading progress and checks)."""
     if spec.arch == "gpt_oss":
-        return gpt_oss.expert_names(spec, source.has, layer)
+        return gpt_oss.expert_names(source.has, layer)
     m = _mlp_prefix(spec, layer, source) + "experts."
     if source.has(m + "gate_up_proj"):
         return [m + "gate_up_proj", m + "down_proj"]
@@ -299,9 +299,8 @@ def iter_layer_experts(spec: ModelSpec, source: TensorSource, layer: int) -> Ite
     h, i, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     if spec.arch == "gpt_oss":
         need = functools.partial(_need, source)
-        w13, w2, b13, b2 = gpt_oss.read_layer_experts(spec, source.has, need, layer)
-        for e in range(n):
-            yield Expert(e, w13[e], w2[e], w13_bias=b13[e], w2_bias=b2[e])
+        for e, (w13, w2, b13, b2) in enumerate(gpt_oss.iter_experts(spec, source.has, need, layer)):
+            yield Expert(e, w13, w2, w13_bias=b13, w2_bias=b2)
         return
     names = expert_names(spec, source, layer)
     if names[0].endswith("gate_up_proj"):

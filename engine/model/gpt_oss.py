@@ -19,7 +19,7 @@ of its forward pass that no other architecture has.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,15 +27,16 @@ import torch.nn.functional as F
 from ...kernels import mxfp4
 from .spec import ModelSpec
 
-# the tensors of a layer's experts: (w13 [E, 2I, H], w2 [E, H, I], w13_bias [E, 2I], w2_bias [E, H])
-LayerExperts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# one expert in the bank's layout: w13 [2I, H] (gate rows, then up rows), w2 [H, I], and their
+# biases [2I] and [H]
+ExpertTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def experts_prefix(layer: int) -> str:
     return f"model.layers.{layer}.mlp.experts."
 
 
-def expert_names(spec: ModelSpec, has: Callable[[str], bool], layer: int) -> list[str]:
+def expert_names(has: Callable[[str], bool], layer: int) -> list[str]:
     """The tensor names that hold a layer's experts, MXFP4 or not."""
     p = experts_prefix(layer)
     if has(p + "gate_up_proj_blocks"):
@@ -46,36 +47,39 @@ def expert_names(spec: ModelSpec, has: Callable[[str], bool], layer: int) -> lis
     return [*projections, p + "gate_up_proj_bias", p + "down_proj_bias"]
 
 
-def read_layer_experts(
+def iter_experts(
     spec: ModelSpec,
     has: Callable[[str], bool],
     need: Callable[[str, tuple[int, ...]], torch.Tensor],
     layer: int,
-) -> LayerExperts:
-    """A layer's experts in the bank's layout (gate rows, then up rows), MXFP4 widened to fp32;
-    `need(name, shape)` reads a tensor after checking its shape."""
+) -> Iterator[ExpertTensors]:
+    """A layer's experts one by one in the bank's layout, MXFP4 widened to fp32 an expert at a
+    time (a whole layer of gpt-oss-120b would take 8.5 GB in fp32); `need(name, shape)` reads a
+    tensor after checking its shape."""
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     p = experts_prefix(layer)
-    if has(p + "gate_up_proj_blocks"):
-        w13 = mxfp4.dequantize(
-            need(p + "gate_up_proj_blocks", (e, 2 * i, h // 32, 16)),
-            need(p + "gate_up_proj_scales", (e, 2 * i, h // 32)),
-        )
-        w2 = mxfp4.dequantize(
-            need(p + "down_proj_blocks", (e, h, i // 32, 16)),
-            need(p + "down_proj_scales", (e, h, i // 32)),
-        )
-    else:
-        w13 = need(p + "gate_up_proj", (e, h, 2 * i)).transpose(1, 2)
-        w2 = need(p + "down_proj", (e, i, h)).transpose(1, 2)
-    b13 = need(p + "gate_up_proj_bias", (e, 2 * i))
+    b13 = _gate_then_up(need(p + "gate_up_proj_bias", (e, 2 * i)), 1)
     b2 = need(p + "down_proj_bias", (e, h))
-    return _gate_then_up(w13), w2.contiguous(), _gate_then_up(b13), b2
+    if has(p + "gate_up_proj_blocks"):
+        blocks13 = need(p + "gate_up_proj_blocks", (e, 2 * i, h // mxfp4.BLOCK, 16))
+        scales13 = need(p + "gate_up_proj_scales", (e, 2 * i, h // mxfp4.BLOCK))
+        blocks2 = need(p + "down_proj_blocks", (e, h, i // mxfp4.BLOCK, 16))
+        scales2 = need(p + "down_proj_scales", (e, h, i // mxfp4.BLOCK))
+        for x in range(e):
+            w13 = mxfp4.dequantize(blocks13[x], scales13[x])
+            w2 = mxfp4.dequantize(blocks2[x], scales2[x])
+            yield _gate_then_up(w13, 0), w2, b13[x], b2[x]
+        return
+    gate_up = need(p + "gate_up_proj", (e, h, 2 * i))
+    down = need(p + "down_proj", (e, i, h))
+    for x in range(e):
+        yield _gate_then_up(gate_up[x].t(), 0), down[x].t(), b13[x], b2[x]
 
 
-def _gate_then_up(interleaved: torch.Tensor) -> torch.Tensor:
-    """Rows (dim 1) gate0, up0, gate1, up1, ... reordered as all gate rows, then all up rows."""
-    return torch.cat([interleaved[:, 0::2], interleaved[:, 1::2]], dim=1).contiguous()
+def _gate_then_up(interleaved: torch.Tensor, dim: int) -> torch.Tensor:
+    """Along `dim`, gate0, up0, gate1, up1, ... reordered as all gate rows, then all up rows."""
+    rows = torch.arange(interleaved.shape[dim], device=interleaved.device)
+    return interleaved.index_select(dim, torch.cat([rows[0::2], rows[1::2]]))
 
 
 def attention(
