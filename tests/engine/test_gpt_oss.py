@@ -307,3 +307,17 @@ def test_a_config_moelab_cannot_serve_is_refused_naming_the_field(change, messag
     config = {**make_config("gpt_oss", "tiny"), **change}
     with pytest.raises(CheckpointError, match=message):
         ModelSpec.from_config(config, "m/config.json")
+
+
+def test_fp8_experts_keep_their_biases(reference):
+    """--moe-expert-dtype fp8 on gpt_oss: the bank quantizes the weights and keeps the biases
+    beside them, so the logits stay within FP8's rounding of transformers'."""
+    model, path = reference
+    engine = make_engine(path, "--moe-expert-dtype", "fp8", *OFFLOADED)
+    ids = prompt(1, 37)
+    try:
+        assert engine.bank.fmt == "fp8" and engine.bank.w13_bias
+        ours = engine.score(ids)
+    finally:
+        engine.close()
+    assert 1e-5 < relative_error(ours, hf_logits(model, ids)) < 0.05
