@@ -556,17 +556,20 @@ class CpuExpertRunner:
         w13: list[torch.Tensor],
         w2: list[torch.Tensor],
         top_k: int,
+        w13_scale: list[torch.Tensor] | None = None,
+        w2_scale: list[torch.Tensor] | None = None,
     ) -> object | None:
         """The native DecodePlanner (kernels/csrc/decode_planner.h) over an expert cache's arrays
         (engine/experts/cache.py) and decode pick counts, queueing its CPU jobs on this runner's
-        workers; None with the torch kernel, and for FP8 weights, which it does not read (the
-        caller plans in Python and submits the jobs with their factors).
+        workers; None with the torch kernel. FP8 weights (`submit`) need their factors per
+        layer, w13_scale and w2_scale: the planner copies them into the slots with the values,
+        splits a miss at whole blocks and passes them to its CPU jobs.
 
         It keeps the arrays' addresses: they must stay alive and in place while it is used, and a
         cache that replaces them needs a new planner. Its CPU jobs are redoable (`redo_us`): the
         runner holds the weights until it closes.
         """
-        if self._module is None or w13[0].dtype in _FP8_DTYPES:
+        if self._module is None:
             return None
         layers, experts = slot_of.shape
         arrays = {
@@ -582,10 +585,12 @@ class CpuExpertRunner:
                     f"{name} must be a contiguous {np.dtype(dtype).name} array of shape {shape}, "
                     f"got {array.dtype} {array.shape}"
                 )
-        if len(w13) != layers or len(w2) != layers:
-            raise ValueError(f"w13 and w2 need one tensor per layer ({layers})")
+        factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        for name, tensors in {"w13": w13, "w2": w2, **factors}.items():
+            if tensors is not None and len(tensors) != layers:
+                raise ValueError(f"{name} needs one tensor per layer ({layers})")
         _, two_inter, hidden = w13[0].shape
-        for a, b in zip(w13, w2, strict=True):
+        for m, (a, b) in enumerate(zip(w13, w2, strict=True)):
             if (
                 a.shape != (experts, two_inter, hidden)
                 or b.shape != (experts, hidden, two_inter // 2)
@@ -598,7 +603,23 @@ class CpuExpertRunner:
                     "every layer's w13 and w2 must be contiguous host tensors of "
                     f"[{experts}, 2I, H] and [{experts}, H, I], one dtype"
                 )
-        self._hold(*w13, *w2)
+            layer_factors = {name: t[m] if t is not None else None for name, t in factors.items()}
+            _check_factors(a, **layer_factors, num_experts=experts, hidden=hidden,
+                           inter=two_inter // 2)  # fmt: skip
+            for name, t in layer_factors.items():
+                if t is not None and not (t.is_contiguous() and t.device.type == "cpu"):
+                    raise ValueError(f"{name} must be contiguous host tensors")
+        # each tensor an expert is copied as, its rows along I: w13's gate and up rows, or w2's
+        # columns; an FP8 factor covers fp8.BLOCK of them
+        tensors = [(w13, True, 1), (w2, False, 1)]
+        if w13_scale is not None and w2_scale is not None:
+            tensors += [(w13_scale, True, fp8.BLOCK), (w2_scale, False, fp8.BLOCK)]
+        specs = [
+            ([t.data_ptr() for t in per_layer], gate_up, block, per_layer[0].shape[1],
+             per_layer[0][0, 0].nbytes)
+            for per_layer, gate_up, block in tensors
+        ]  # fmt: skip
+        self._hold(*(t for per_layer, _, _ in tensors for t in per_layer))
         return self._module.DecodePlanner(
             self._pool,
             _SIMD_CODES[self.simd],
@@ -614,8 +635,7 @@ class CpuExpertRunner:
             top_k,
             hidden,
             two_inter // 2,
-            [t.data_ptr() for t in w13],
-            [t.data_ptr() for t in w2],
+            specs,
         )
 
     def run(

@@ -33,7 +33,7 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
   run kernel_tests python3 -m pytest -q tests/kernels $T
   run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_graphs.py tests/engine/test_offload.py tests/engine/test_reference.py \
-    tests/engine/test_telemetry.py tests/engine/test_attention.py
+    tests/engine/test_telemetry.py tests/engine/test_attention.py tests/engine/test_hybrid.py
 fi
 if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: their CUDA tests,
   # then decode greedy, drawn (overlapped) and drawn by the host's sampler (--no-overlap-decode,
@@ -93,11 +93,12 @@ if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively an
     run fp8kv_prompt48_$kv $B prefill $M --prompt-tokens "$ctx" --repeats 1 --json
   done
 fi
-if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoint tests on CUDA,
-  # then issue 52's rows, one process each, bf16 beside FP8 with the same device-memory budget
+if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoint tests and the
+  # decode planner's (bf16 and FP8 banks) on CUDA, then issue 52's rows, one process each, bf16
+  # beside FP8 with the same device-memory budget
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run fp8_engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
-    tests/engine/test_fp8.py
+    tests/engine/test_fp8.py tests/engine/test_planner.py
   M="--device-memory 24GiB --json"
   for dtype in bf16 fp8; do
     for skew in 1 0; do

@@ -85,6 +85,12 @@ class ExpertBank:
         """ "fp8" (values and block factors) or "bf16" (weights in the engine's dtype)."""
         return "fp8" if self.w13_scale else "bf16"
 
+    @property
+    def block_rows(self) -> int:
+        """The rows of gate and up (columns of the down projection) one scale factor covers:
+        fp8.BLOCK for an FP8 bank, 1 without factors (a split miss cuts at a multiple of it)."""
+        return fp8.BLOCK if self.w13_scale else 1
+
     def cpu_args(self, moe_layer: int) -> dict[str, torch.Tensor | float]:
         """What the CPU expert runner takes beside a layer's weights: an FP8 layer's factors,
         gpt_oss's biases and SwiGLU limit (none for a bf16 bank of another architecture)."""

@@ -22,10 +22,11 @@ from ...kernels.rope_kv import qk_norm_rope_kv
 from ...kernels.route import route
 from ...kernels.route_guess import guess_scale, guess_to_host
 from ...kernels.router import topk_softmax
-from . import gpt_oss
+from . import gpt_oss, hybrid
 from .kv import KVCache
 from .rope import Rotary
 from .spec import ModelSpec
+from .states import StatePool
 
 
 @dataclass(slots=True)
@@ -49,6 +50,11 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
     router_bias: torch.Tensor | None = None
+    # Gated DeltaNet layers (hybrid.py), whose qkv and o are the mixer's in and out projections
+    conv: torch.Tensor | None = None  # [C, W]
+    a_log: torch.Tensor | None = None  # [HV]
+    dt_bias: torch.Tensor | None = None  # [HV]
+    gated_norm: torch.Tensor | None = None  # [DV]
 
 
 @dataclass(slots=True)
@@ -107,6 +113,7 @@ class SeqSlice:
     # a prefill's: the pages of its kv_len tokens as a device index (KVCache.gather), copied to the
     # device with the step's other inputs, so that no layer waits for a copy
     pages: torch.Tensor | None = None
+    state_slot: int = -1  # hybrid models: the sequence's slot in the state pool (states.py)
 
 
 @dataclass(slots=True)
@@ -136,6 +143,8 @@ class StepBatch:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     scoring: Scoring | None = None  # prefill steps: tokens whose next token is scored
+    # hybrid models' decode steps: each sequence's state slot [B] (long, device)
+    state_slots: torch.Tensor | None = None
 
     @property
     def decode(self) -> bool:
@@ -180,21 +189,28 @@ class Model:
         experts: ExpertExecutor,
         kv: KVCache,
         max_positions: int,
+        states: StatePool | None = None,
     ) -> None:
         self.spec = spec
         self.weights = weights
         self.experts = experts
         self.kv = kv
+        self.states = states  # the linear layers' recurrent states (hybrid models)
+        # each attention layer's row in the KV cache, which holds only those layers
+        self._kv_row = {layer: row for row, layer in enumerate(spec.attention_layers)}
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
         self.rotary = Rotary(spec, max_positions, self.device, self.dtype)
         self.scale = spec.head_dim**-0.5
-        # the fused decode kernel covers per-head or no q/k norm, unclipped projections and the
-        # head sizes of real models (powers of two from 16)
+        # the fused decode kernel covers per-head or no q/k norm, unclipped and ungated
+        # projections, rotary over whole heads and the head sizes of real models (powers of two
+        # from 16)
         d = spec.head_dim
         self._fused_qk = (
             spec.qk_norm in ("none", "head")
             and spec.clip_qkv is None
+            and not spec.attn_output_gate
+            and spec.rotary_dim == d
             and d & (d - 1) == 0
             and 16 <= d <= 512
         )
@@ -327,7 +343,14 @@ class Model:
     ) -> torch.Tensor:
         spec = self.spec
         tokens = x.shape[0]
+        if layer.conv is not None:
+            return self._linear_attention(index, layer, x, batch)
+        window = self.windows[index]
+        index = self._kv_row[index]
         qkv = linear(x, layer.qkv, layer.qkv_bias)
+        gate = None
+        if spec.attn_output_gate:
+            qkv, gate = qkv.split([spec.q_size + 2 * spec.kv_size, spec.q_size], dim=-1)
         decode = batch.block_tables is not None
         if self._fused_qk:
             # q/k norm, rotary and the KV write in one launch (the same arithmetic); a prefill's
@@ -344,10 +367,9 @@ class Model:
         if decode:
             out = paged_attention_decode(
                 q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
-                self.scale, kv_scales=self.kv.scales(index), sinks=layer.sinks,
-                window=self.windows[index],
+                self.scale, kv_scales=self.kv.scales(index), sinks=layer.sinks, window=window,
             )  # fmt: skip
-            return linear(out.reshape(tokens, spec.q_size), layer.o, layer.o_bias)
+            return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
         out = torch.empty_like(q)
         for seq in batch.seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
@@ -357,12 +379,22 @@ class Model:
                 assert seq.pages is not None, "a prefill's SeqSlice needs its pages"
                 keys, values = self.kv.gather(index, seq.pages, seq.kv_len)
             if layer.sinks is not None:
-                window = self.windows[index]
                 out[rows] = gpt_oss.attention(q[rows], keys, values, self.scale, layer.sinks,
                                               window)  # fmt: skip
             else:
                 out[rows] = self._sdpa(q[rows], keys, values)
-        return linear(out.reshape(tokens, spec.q_size), layer.o, layer.o_bias)
+        return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
+
+    def _linear_attention(
+        self, index: int, layer: LayerWeights, x: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor:
+        """A Gated DeltaNet layer (hybrid.py) over the sequences' state slots."""
+        assert self.states is not None, "a model with linear layers needs its state pool"
+        seq_slots = [(slice(s.q_start, s.q_start + s.q_len), s.state_slot) for s in batch.seqs]
+        decode_slots = batch.state_slots if batch.decode else None
+        return hybrid.linear_attention(
+            self.spec, layer, x, self.states.layer(index), seq_slots, decode_slots
+        )
 
     def _heads(
         self, layer: LayerWeights, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -523,6 +555,11 @@ def _score(x: torch.Tensor, lm_head: torch.Tensor, scoring: Scoring) -> None:
     scoring.logprobs = torch.cat(picked)
     if scoring.top:
         scoring.top_values, scoring.top_ids = torch.cat(values), torch.cat(ids)
+
+
+def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """Attention's output times the sigmoid of its gate (gated attention), where there is one."""
+    return out if gate is None else out * torch.sigmoid(gate)
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

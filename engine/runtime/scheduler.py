@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run, which prompt chunk or decode batch goes next.
 
 A request is admitted when the KV cache can hold its whole prompt plus `max_tokens`, so a running
-sequence never runs out of KV; requests that cannot fit yet wait in the queue. A prompt that
+sequence never runs out of KV; requests that cannot fit yet wait in the queue. A hybrid model's
+sequence also takes a slot of the state pool (states.py) at admission and gives it back when it
+ends. A prompt that
 begins with blocks an earlier request computed takes them from the prefix cache (kv.py) and is
 prefilled from there. Long prompts are prefilled in chunks, alternating with decode steps of the
 running sequences.
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..model.kv import KVCache, block_names
+from ..model.states import StatePool
 from .sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
@@ -39,6 +42,7 @@ class Sequence:
     named_blocks: int = 0  # leading blocks named in the prefix cache (`Scheduler.name_blocks`)
     chain: int = 0  # the last named block's name hashed
     pending: int = 0  # tokens sampled on the device by a step in flight, not yet in output_ids
+    state_slot: int = -1  # hybrid models: its slot in the state pool while it runs
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     first_token_time: float | None = None
     arrival_time: float = 0.0
@@ -80,8 +84,11 @@ class Chunk:
 class Scheduler:
     """Holds the waiting and running sequences and forms each step's batch."""
 
-    def __init__(self, kv: KVCache, max_running: int, chunk_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCache, max_running: int, chunk_tokens: int, states: StatePool | None = None
+    ) -> None:
         self.kv = kv
+        self.states = states  # a hybrid model's recurrent states, one slot per running sequence
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
         # prompt tokens admitted, and those of them the prefix cache held
@@ -113,6 +120,8 @@ class Scheduler:
         while not self.paused and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             kv = self.kv
+            if self.states is not None and not self.states.free_slots:
+                break
             need = kv.blocks_for(seq.max_length)
             # what the cache could save at most: while even that leaves too few blocks, a
             # waiting prompt is not matched again at every step
@@ -132,6 +141,8 @@ class Scheduler:
             seq.blocks = cached + kv.allocate(need)
             seq.named_blocks, seq.chain = len(cached), chain
             seq.computed = seq.cached_tokens = len(cached) * kv.block_size
+            if self.states is not None:
+                seq.state_slot = self.states.allocate()
             self.prompt_tokens += len(seq.prompt_ids)
             self.cached_tokens += seq.cached_tokens
             self.running.append(seq)
@@ -198,3 +209,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.release(seq.blocks)
+        if seq.state_slot >= 0 and self.states is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = -1

@@ -312,11 +312,12 @@ def test_set_items_are_json_values_or_strings_and_need_an_equals_sign():
 def test_dummy_weights_are_the_weights_synth_writes_calibrated_by_the_source(tmp_path):
     """--dummy-weights on a synthetic checkpoint's config builds the weights `moelab synth` wrote
     for it, routers calibrated to the skew (on the CPU in fp32, as synth calibrates them): the
-    source calibrates itself, the engine's start-up has no phase of its own for it."""
+    engine calibrates them over its bank's experts, in a start-up phase of its own."""
     path = synthesize(tmp_path / "m", preset="tiny", routing_skew=1.0, seed=4)
     written, dummy = make_engine(path), make_engine(path, "--dummy-weights")
     try:
-        assert "routing calibration" not in dummy.startup_s
+        assert "routing calibration" in dummy.startup_s
+        assert "routing calibration" not in written.startup_s
         for layer in dummy.spec.moe_layers:
             routers = (e.model.weights.layers[layer].router for e in (written, dummy))
             assert torch.equal(*routers), layer
