@@ -21,7 +21,7 @@ from ..model.tokenizer import ChatTemplateError
 from ..runtime.sampling import TokenLogprobs
 from ..runtime.worker import EngineWorker
 from ..runtime.worker import Request as EngineRequest
-from . import anthropic_api, anthropic_reply
+from . import anthropic_api, anthropic_reply, harmony
 from . import openai_api as api
 from .access import access_middleware
 from .generation import Generation
@@ -211,6 +211,9 @@ class Server:
         tools = api.parse_tools(body)
         server = self.config.server
         budget = api.parse_reasoning_budget(body, server.reasoning_budget)
+        effort = api.parse_reasoning_effort(body)
+        if effort is not None:
+            kwargs["reasoning_effort"] = effort
         if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
@@ -220,6 +223,17 @@ class Server:
         except ChatTemplateError as err:
             raise api.bad("messages", str(err)) from None
         source = engine.tokenizer.chat_template_source
+        if harmony.is_harmony(source) or "harmony" in (
+            server.reasoning_parser,
+            server.tool_call_parser,
+        ):
+            reply, opening = api.harmony_use(body, tools)
+            # a forced call skips the reasoning; so does a budget of 0, the answer begun
+            opening = opening or (harmony.FINAL if budget == 0 else "")
+            return api.ParsedRequest(
+                prompt_text=text + opening, prompt_ids=None, **common, reply_prefix=opening,
+                reasoning_budget=budget, harmony=reply,
+            )  # fmt: skip
         tool_parser, opening = api.tool_use(body, tools, source, server.tool_call_parser)
         if opening or budget == 0:
             text = closed(text) + opening
@@ -343,6 +357,13 @@ class Server:
         name, stopped = self.model_name, gen.stop_matched
         if not chat:
             return api.completion_response(rid, name, text, finish, u, logprobs, stopped)
+        if parsed.harmony is not None:
+            reasoning, text, calls = parsed.harmony.split(text)
+            ended = finish == "stop" or not parsed.harmony.parallel
+            finish = "tool_calls" if calls and ended else finish
+            return api.chat_response(
+                rid, name, text, finish, u, logprobs, calls, reasoning, stopped
+            )
         reasoning: str | bool | None = False
         if parsed.think_opened is not None:
             reasoning, text = split_reasoning(text, parsed.think_opened)
@@ -368,6 +389,8 @@ class Server:
             entries: list = []
             offset = 0
             tools = parsed.tool_parser.stream() if parsed.tool_parser else None
+            if parsed.harmony is not None:
+                tools = parsed.harmony.stream()
             opened = parsed.think_opened
             thinking = ReasoningStream(opened) if opened is not None else None
             echo = parsed.echo
@@ -516,17 +539,26 @@ class Server:
 
 
 def _chat_deltas(
-    tools: ToolCallStream | None,
+    tools: ToolCallStream | harmony.HarmonyStream | None,
     thinking: ReasoningStream | None,
     text: str,
     reason: str | None,
 ) -> list[tuple[dict, str | None]]:
     """The chat chunks (delta, finish reason) one arrival of text makes: its reasoning
     (`thinking`: the reply's reasoning taken out of it), its content, then each tool call that
-    closed (`tools`: the request's calls taken out of the content), the finish reason on the
-    last ("tool_calls" where the reply ended on its own after making calls, or made the one call
-    it may make); none while everything is held back."""
+    closed (`tools`: the request's calls taken out of the content; a harmony stream takes the
+    reasoning out too), the finish reason on the last ("tool_calls" where the reply ended on its
+    own after making calls, or made the one call it may make); none while everything is held
+    back."""
     reasoning = ""
+    if isinstance(tools, harmony.HarmonyStream):
+        reasoning, text, calls = tools.feed(text)
+        if tools.full:
+            reason = "stop"
+        if reason is not None:
+            more, rest, last = tools.flush()
+            reasoning, text, calls = reasoning + more, text + rest, calls + last
+        return _deltas(tools, reasoning, text, calls, reason)
     if thinking is not None:
         reasoning, text = thinking.feed(text)
         if reason is not None:
@@ -540,8 +572,19 @@ def _chat_deltas(
         if reason is not None:
             rest, more = tools.flush()
             text, calls = text + rest, calls + more
-        if reason == "stop" and tools.calls_made:
-            reason = "tool_calls"
+    return _deltas(tools, reasoning, text, calls, reason)
+
+
+def _deltas(
+    tools: ToolCallStream | harmony.HarmonyStream | None,
+    reasoning: str,
+    text: str,
+    calls: list[dict],
+    reason: str | None,
+) -> list[tuple[dict, str | None]]:
+    """The chunks of one arrival's reasoning, content and calls, as `_chat_deltas` says."""
+    if tools is not None and reason == "stop" and tools.calls_made:
+        reason = "tool_calls"
     deltas: list[dict] = [{"reasoning_content": reasoning}] if reasoning else []
     deltas += [{"content": text}] if text else []
     first = tools.calls_made - len(calls) if tools is not None else 0

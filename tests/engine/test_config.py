@@ -67,7 +67,12 @@ REFUSED = [
     ("batching", "cuda_graph_max_bs", 0, "--cuda-graph-max-bs 0: 0 must be at least 1"),
     ("server", "port", 0, "--port 0: 0 must be at least 1"),
     ("server", "generation_config", "on", "--generation-config on: choose one of auto, off"),
-    ("server", "reasoning_parser", "r1", "--reasoning-parser r1: choose one of off, think"),
+    (
+        "server",
+        "reasoning_parser",
+        "r1",
+        "--reasoning-parser r1: choose one of off, think, harmony",
+    ),
     (
         "server",
         "log_level",
