@@ -10,8 +10,6 @@ from datetime import date
 
 import pytest
 
-from moelab.engine.model.synth_tokenizer import write_tokenizer_files
-from moelab.engine.model.tokenizer import Tokenizer
 from moelab.engine.serving import harmony
 from moelab.engine.serving.harmony import HarmonyStream, Header, split_harmony
 
@@ -206,14 +204,6 @@ format?: "celsius" | "fahrenheit", // default: celsius
 }) => any;
 
 } // namespace functions<|end|>"""
-
-
-@pytest.fixture(scope="module")
-def harmony_tokenizer(tmp_path_factory) -> Tokenizer:
-    """A synthetic gpt_oss checkpoint's tokenizer (`moelab synth --chat-template gpt_oss`)."""
-    path = tmp_path_factory.mktemp("harmony")
-    write_tokenizer_files(path, 2048, "gpt_oss")
-    return Tokenizer(path)
 
 
 def test_the_template_renders_the_effort_the_tools_and_the_turns(harmony_tokenizer):

@@ -1,0 +1,209 @@
+"""gpt-oss's format as this server reads and the synthetic template renders it, against OpenAI's
+openai-harmony on the same conversations and replies, whole and token by token.
+
+openai-harmony's encoding needs the o200k vocabulary, which it downloads (no package ships it) and
+checks against its SHA-256, so these tests run only where the vocabulary is on the machine:
+TIKTOKEN_ENCODINGS_BASE names a folder holding o200k_base.tiktoken (openai-harmony's own setting),
+or MOELAB_GPT_OSS_TOKENIZER names a gpt-oss checkpoint's tokenizer.json, which holds the same
+vocabulary (byte-level, each token's id its rank) and from which the file is written. Elsewhere
+(CI has no network) they are skipped."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from datetime import date
+from pathlib import Path
+
+import pytest
+
+from moelab.engine.model.synth_tokenizer import write_tokenizer_files
+from moelab.engine.model.tokenizer import _BYTE_OF_CHAR, Tokenizer
+from moelab.engine.serving.harmony import HarmonyStream, split_harmony
+
+from .test_harmony import CALLED, DEVELOPER, REASONED, TOOLS, _named, _system
+
+oh = pytest.importorskip("openai_harmony", reason="openai-harmony is a test dependency")
+
+# o200k_base.tiktoken's SHA-256, as openai-harmony checks it
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+O200K_RANKS = 199998  # its ordinary tokens; the harmony tokens follow them
+REPLIES = [
+    REASONED,
+    CALLED,
+    # the recipient in the role part, <|constrain|> right after the channel
+    "<|channel|>analysis<|message|>Call it.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary<|constrain|>json"
+    '<|message|>{"city": "Oslo"}<|call|>',
+    "<|channel|>analysis<|message|>Two lines\nof thought, ünïcödé.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Done: 42 ✓<|return|>",
+]
+
+
+def tiktoken_vocabulary(tokenizer_json: Path) -> bytes:
+    """o200k_base.tiktoken written from a gpt-oss tokenizer.json: each ordinary token's bytes in
+    base64 and its rank, in rank order."""
+    vocab = json.loads(tokenizer_json.read_text())["model"]["vocab"]
+    lines = []
+    for piece, rank in sorted(vocab.items(), key=lambda item: item[1]):
+        if rank < O200K_RANKS:
+            raw = bytes(_BYTE_OF_CHAR[c] for c in piece)
+            lines.append(base64.b64encode(raw) + b" " + str(rank).encode() + b"\n")
+    return b"".join(lines)
+
+
+@pytest.fixture(scope="module")
+def encoding(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:
+        if not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
+            source = os.environ.get("MOELAB_GPT_OSS_TOKENIZER")
+            if not source:
+                pytest.skip(
+                    "openai-harmony needs the o200k vocabulary on this machine: set "
+                    "TIKTOKEN_ENCODINGS_BASE or MOELAB_GPT_OSS_TOKENIZER (a gpt-oss "
+                    "tokenizer.json)"
+                )
+            folder = tmp_path_factory.mktemp("o200k")
+            written = tiktoken_vocabulary(Path(source))
+            assert hashlib.sha256(written).hexdigest() == O200K_SHA256
+            (folder / "o200k_base.tiktoken").write_bytes(written)
+            env.setenv("TIKTOKEN_ENCODINGS_BASE", str(folder))
+        yield oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def _conversation(effort: str, history: bool):
+    """The conversation of test_harmony's template test in openai-harmony's objects, less the
+    earlier turn's reasoning: gpt-oss's template drops it, openai-harmony keeps it while the
+    conversation's last assistant message is not a final one."""
+    system = (
+        oh.SystemContent.new()
+        .with_reasoning_effort(oh.ReasoningEffort(effort.capitalize()))
+        .with_conversation_start_date(f"{date.today():%Y-%m-%d}")
+    )
+    messages = [oh.Message.from_role_and_content(oh.Role.SYSTEM, system)]
+    if not history:
+        messages.append(oh.Message.from_role_and_content(oh.Role.USER, "What is 2 + 2?"))
+        return oh.Conversation.from_messages(messages)
+    tools = [
+        oh.ToolDescription.new(t["function"]["name"], t["function"]["description"],
+                               parameters=t["function"].get("parameters"))
+        for t in TOOLS
+    ]  # fmt: skip
+    developer = oh.DeveloperContent.new().with_instructions("Use a friendly tone.")
+    assistant = oh.Role.ASSISTANT
+    messages += [
+        oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer.with_function_tools(tools)),
+        oh.Message.from_role_and_content(oh.Role.USER, "What is 2 + 2?"),
+        oh.Message.from_role_and_content(assistant, "4.").with_channel("final"),
+        oh.Message.from_role_and_content(oh.Role.USER, "What is the weather like in SF?"),
+        oh.Message.from_role_and_content(assistant, "Need to use get_weather.").with_channel(
+            "analysis"
+        ),
+        oh.Message.from_role_and_content(assistant, '{"location": "San Francisco"}')
+        .with_channel("commentary")
+        .with_recipient("functions.get_weather")
+        .with_content_type("<|constrain|>json"),
+        oh.Message.from_author_and_content(
+            oh.Author.new(oh.Role.TOOL, "functions.get_weather"), '{"sunny": true}'
+        )
+        .with_channel("commentary")
+        .with_recipient("assistant"),
+    ]
+    return oh.Conversation.from_messages(messages)
+
+
+@pytest.mark.parametrize("effort", ["low", "medium", "high"])
+def test_the_template_renders_what_openai_harmony_renders(encoding, harmony_tokenizer, effort):
+    tokens = encoding.render_conversation_for_completion(
+        _conversation(effort, False), oh.Role.ASSISTANT
+    )
+    ask = [{"role": "user", "content": "What is 2 + 2?"}]
+    ours = harmony_tokenizer.apply_chat_template(ask, reasoning_effort=effort)
+    assert encoding.decode_utf8(tokens) == ours
+    assert ours.startswith(_system(effort, False))
+
+
+def test_a_conversation_with_tools_renders_as_openai_harmony_renders_it(
+    encoding, harmony_tokenizer
+):
+    tokens = encoding.render_conversation_for_completion(
+        _conversation("high", True), oh.Role.ASSISTANT
+    )
+    turns = [
+        {"role": "system", "content": "Use a friendly tone."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "What is the weather like in SF?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Need to use get_weather.",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {
+             "name": "get_weather", "arguments": {"location": "San Francisco"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sunny": true}'},
+    ]  # fmt: skip
+    ours = harmony_tokenizer.apply_chat_template(turns, tools=TOOLS, reasoning_effort="high")
+    theirs = encoding.decode_utf8(tokens)
+    assert theirs == ours
+    assert DEVELOPER in theirs
+
+
+def _theirs(encoding, tokens: list[int]) -> tuple[str, str, list[tuple[str, dict]]]:
+    """openai-harmony's reading of a reply's tokens, as this server gives it: the analysis
+    channel as reasoning, calls to functions as calls, the rest as content."""
+    parser = oh.StreamableParser(encoding, oh.Role.ASSISTANT)
+    for token in tokens:
+        parser.process(token)
+    reasoning, content, calls = "", "", []
+    for message in parser.messages:
+        text = "".join(part.text for part in message.content)
+        if message.recipient and message.recipient.startswith("functions."):
+            calls.append((message.recipient.removeprefix("functions."), json.loads(text)))
+        elif message.channel == "analysis":
+            reasoning += text
+        else:
+            content += text
+    return reasoning, content, calls
+
+
+@pytest.mark.parametrize("reply", REPLIES)
+def test_a_reply_reads_as_openai_harmony_reads_it_whole_and_token_by_token(encoding, reply):
+    tokens = encoding.encode(reply, allowed_special="all")
+    assert encoding.decode_utf8(tokens) == reply
+    theirs = _theirs(encoding, tokens)
+    reasoning, content, calls = split_harmony(reply)
+    assert (reasoning or "", content, _named(calls)) == theirs
+    # token by token, as the engine decodes them (a character's bytes held until whole)
+    stream = HarmonyStream()
+    got_reasoning, got_content, got_calls = "", "", []
+    parser = oh.StreamableParser(encoding, oh.Role.ASSISTANT)
+    deltas = {"reasoning": "", "content": ""}
+    done = 0
+    for i, token in enumerate(tokens):
+        parser.process(token)
+        delta = parser.last_content_delta or ""
+        if parser.current_channel == "analysis" and not parser.current_recipient:
+            deltas["reasoning"] += delta
+        elif not parser.current_recipient:
+            deltas["content"] += delta
+        text = encoding.decode(tokens[done : i + 1])
+        if text.endswith("\ufffd"):
+            continue
+        done = i + 1
+        r, c, m = stream.feed(text)
+        got_reasoning, got_content, got_calls = got_reasoning + r, got_content + c, got_calls + m
+    r, c, m = stream.flush()
+    got = (got_reasoning + r, got_content + c, _named(got_calls + m))
+    assert got == theirs
+    assert (deltas["reasoning"], deltas["content"]) == theirs[:2]
+
+
+def test_a_byte_level_vocabulary_is_written_as_ranks_of_its_bytes(tmp_path):
+    # the synthetic tokenizer is byte-level as gpt-oss's is: each line is a token's bytes
+    write_tokenizer_files(tmp_path, 512, "gpt_oss")
+    tok = Tokenizer(tmp_path)
+    lines = tiktoken_vocabulary(tmp_path / "tokenizer.json").splitlines()
+    assert len(lines) == tok.vocab_size
+    for rank, line in enumerate(lines):
+        piece, written_rank = line.split(b" ")
+        assert int(written_rank) == rank
+        assert list(base64.b64decode(piece)) == tok.token_bytes(rank)
