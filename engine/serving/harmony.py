@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
+ENDOFTEXT = "<|endoftext|>"  # one of gpt-oss's end tokens too
 # the tokens a message's body ends at
-_ENDS = (END, RETURN, CALL)
-MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
+_ENDS = (END, RETURN, CALL, ENDOFTEXT)
+MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL, ENDOFTEXT)
 EFFORTS = ("low", "medium", "high")
 NAMESPACE = "functions."
 # the reply's answer begun in the prompt: the reasoning skipped (a reasoning budget of 0)

@@ -77,6 +77,8 @@ def _streamed(text: str, size: int, calls: bool = True, limit: int | None = None
         # a reply in no harmony form: content as written; a later header cut short: dropped
         ("just words, no channel", None, "just words, no channel", []),
         (f"<|channel|>final<|message|>{ANSWER}<|end|><|start|>assistant<|chan", None, ANSWER, []),
+        # <|endoftext|>, gpt-oss's other end token, ends the reply too
+        ("<|channel|>final<|message|>Sun.<|endoftext|>", None, "Sun.", []),
         # special-token lookalikes in a body stay text
         ("<|channel|>final<|message|>a <|b|> <|en c<|return|>", None, "a <|b|> <|en c", []),
     ],
