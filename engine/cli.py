@@ -44,8 +44,9 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
         default="qwen3",
         choices=list(CHAT_TEMPLATES),
         help="qwen3 (tool calls as JSON in <tool_call> blocks, <think> reasoning), "
-        "qwen3_thinking (the same, the reply's reasoning opened by the prompt) or qwen3_coder "
-        "(tool calls as <function=...> blocks)",
+        "qwen3_thinking (the same, the reply's reasoning opened by the prompt), qwen3_coder "
+        "(tool calls as <function=...> blocks) or gpt_oss (gpt-oss's harmony format, with its "
+        "special tokens: channels for the reasoning, the answer and the calls)",
     )
     p.add_argument(
         "--no-weights",
