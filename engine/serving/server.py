@@ -357,22 +357,19 @@ class Server:
         name, stopped = self.model_name, gen.stop_matched
         if not chat:
             return api.completion_response(rid, name, text, finish, u, logprobs, stopped)
+        reasoning: str | bool | None = False
+        calls = None
         if parsed.harmony is not None:
             reasoning, text, calls = parsed.harmony.split(text)
-            ended = finish == "stop" or not parsed.harmony.parallel
-            finish = "tool_calls" if calls and ended else finish
-            return api.chat_response(
-                rid, name, text, finish, u, logprobs, calls, reasoning, stopped
-            )
-        reasoning: str | bool | None = False
-        if parsed.think_opened is not None:
-            reasoning, text = split_reasoning(text, parsed.think_opened)
-        calls = None
-        parser = parsed.tool_parser
-        if parser:  # in the content only: a call the reasoning mentions is none
-            text, calls = parser.split(text)
+        else:
+            if parsed.think_opened is not None:
+                reasoning, text = split_reasoning(text, parsed.think_opened)
+            if parsed.tool_parser:  # in the content only: a call the reasoning mentions is none
+                text, calls = parsed.tool_parser.split(text)
+        reader = parsed.harmony or parsed.tool_parser
+        if reader is not None:
             # a reply held to one call ended with it, whatever the model wrote after
-            ended = finish == "stop" or not parser.parallel
+            ended = finish == "stop" or not reader.parallel
             finish = "tool_calls" if calls and ended else finish
         return api.chat_response(rid, name, text, finish, u, logprobs, calls, reasoning, stopped)
 
@@ -388,9 +385,8 @@ class Server:
             # back, a character's first bytes or a possible stop string, keeps them waiting)
             entries: list = []
             offset = 0
-            tools = parsed.tool_parser.stream() if parsed.tool_parser else None
-            if parsed.harmony is not None:
-                tools = parsed.harmony.stream()
+            reader = parsed.harmony or parsed.tool_parser
+            tools = reader.stream() if reader is not None else None
             opened = parsed.think_opened
             thinking = ReasoningStream(opened) if opened is not None else None
             echo = parsed.echo
