@@ -190,15 +190,18 @@ class HarmonyStream:
 
     def flush(self) -> tuple[str, str, list[dict]]:
         """The end of the reply: what is held goes out as the open message's (a call cut short
-        as content, as written); a reply that never began a message is content as written, and
-        a later header cut short is dropped."""
+        as content, as written); a reply in no harmony form is content as written (less an end
+        token), and a header cut short is dropped."""
         held, self._held = self._held, ""
         if self.full or not held:
             return "", "", []
         if self._state == "body":
             return (held, "", []) if self._kind == "reasoning" else ("", held, [])
         if self._state == "header" and self._messages == 0:
-            return "", held, []
+            for end in _ENDS:  # the end token a reply in no harmony form may end at
+                held = held.removesuffix(end)
+            if not any(marker in held for marker in MARKERS):
+                return "", held, []
         return "", "", []
 
 

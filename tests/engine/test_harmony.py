@@ -74,8 +74,11 @@ def _streamed(text: str, size: int, calls: bool = True, limit: int | None = None
             [],
         ),
         ("<|channel|>commentary to=functions.f<|message|>[1, 2]<|call|>", None, "[1, 2]", []),
-        # a reply in no harmony form: content as written; a later header cut short: dropped
+        # a reply in no harmony form: content as written, less its end token; a header cut
+        # short (by max_tokens, or an end token): dropped
         ("just words, no channel", None, "just words, no channel", []),
+        ("words, then the end<|return|>", None, "words, then the end", []),
+        ("<|channel|>commentary to=functions.<|call|>", None, "", []),
         (f"<|channel|>final<|message|>{ANSWER}<|end|><|start|>assistant<|chan", None, ANSWER, []),
         # <|endoftext|>, gpt-oss's other end token, ends the reply too
         ("<|channel|>final<|message|>Sun.<|endoftext|>", None, "Sun.", []),
