@@ -1,35 +1,29 @@
 """gpt-oss's format as this server reads and the synthetic template renders it, against OpenAI's
 openai-harmony on the same conversations and replies, whole and token by token.
 
-openai-harmony's encoding needs the o200k vocabulary, which it downloads (no package ships it) and
-checks against its SHA-256, so these tests run only where the vocabulary is on the machine:
-TIKTOKEN_ENCODINGS_BASE names a folder holding o200k_base.tiktoken (openai-harmony's own setting),
-or MOELAB_GPT_OSS_TOKENIZER names a gpt-oss checkpoint's tokenizer.json, which holds the same
-vocabulary (byte-level, each token's id its rank) and from which the file is written. Elsewhere
-(CI has no network) they are skipped."""
+openai-harmony's encoding loads only the o200k vocabulary, checked by its SHA-256, which it would
+download: these tests run where TIKTOKEN_ENCODINGS_BASE names a folder holding it, as .ci/run
+makes one (tests/engine/o200k.py writes it from js-tiktoken's npm package or a gpt-oss
+tokenizer.json), and are skipped elsewhere."""
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 from datetime import date
-from pathlib import Path
 
 import pytest
 
 from moelab.engine.model.synth_tokenizer import write_tokenizer_files
-from moelab.engine.model.tokenizer import _BYTE_OF_CHAR, Tokenizer
+from moelab.engine.model.tokenizer import Tokenizer
 from moelab.engine.serving.harmony import HarmonyStream, split_harmony
 
+from .o200k import FILE, from_tokenizer_json
 from .test_harmony import CALLED, DEVELOPER, REASONED, TOOLS, _named, _system
 
 oh = pytest.importorskip("openai_harmony", reason="openai-harmony is a test dependency")
 
-# o200k_base.tiktoken's SHA-256, as openai-harmony checks it
-O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
-O200K_RANKS = 199998  # its ordinary tokens; the harmony tokens follow them
 REPLIES = [
     REASONED,
     CALLED,
@@ -42,35 +36,15 @@ REPLIES = [
 ]
 
 
-def tiktoken_vocabulary(tokenizer_json: Path) -> bytes:
-    """o200k_base.tiktoken written from a gpt-oss tokenizer.json: each ordinary token's bytes in
-    base64 and its rank, in rank order."""
-    vocab = json.loads(tokenizer_json.read_text())["model"]["vocab"]
-    lines = []
-    for piece, rank in sorted(vocab.items(), key=lambda item: item[1]):
-        if rank < O200K_RANKS:
-            raw = bytes(_BYTE_OF_CHAR[c] for c in piece)
-            lines.append(base64.b64encode(raw) + b" " + str(rank).encode() + b"\n")
-    return b"".join(lines)
-
-
 @pytest.fixture(scope="module")
-def encoding(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as env:
-        if not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
-            source = os.environ.get("MOELAB_GPT_OSS_TOKENIZER")
-            if not source:
-                pytest.skip(
-                    "openai-harmony needs the o200k vocabulary on this machine: set "
-                    "TIKTOKEN_ENCODINGS_BASE or MOELAB_GPT_OSS_TOKENIZER (a gpt-oss "
-                    "tokenizer.json)"
-                )
-            folder = tmp_path_factory.mktemp("o200k")
-            written = tiktoken_vocabulary(Path(source))
-            assert hashlib.sha256(written).hexdigest() == O200K_SHA256
-            (folder / "o200k_base.tiktoken").write_bytes(written)
-            env.setenv("TIKTOKEN_ENCODINGS_BASE", str(folder))
-        yield oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+def encoding():
+    base = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+    if not base or not os.path.isfile(os.path.join(base, FILE)):
+        pytest.skip(
+            "openai-harmony needs the o200k vocabulary on this machine: set "
+            f"TIKTOKEN_ENCODINGS_BASE to a folder holding {FILE} (python -m tests.engine.o200k)"
+        )
+    return oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
 
 
 def _conversation(effort: str, history: bool):
@@ -201,7 +175,7 @@ def test_a_byte_level_vocabulary_is_written_as_ranks_of_its_bytes(tmp_path):
     # the synthetic tokenizer is byte-level as gpt-oss's is: each line is a token's bytes
     write_tokenizer_files(tmp_path, 512, "gpt_oss")
     tok = Tokenizer(tmp_path)
-    lines = tiktoken_vocabulary(tmp_path / "tokenizer.json").splitlines()
+    lines = from_tokenizer_json(tmp_path / "tokenizer.json").splitlines()
     assert len(lines) == tok.vocab_size
     for rank, line in enumerate(lines):
         piece, written_rank = line.split(b" ")
