@@ -14,6 +14,8 @@ import os
 from datetime import date
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moelab.engine.model.synth_tokenizer import write_tokenizer_files
 from moelab.engine.model.tokenizer import Tokenizer
@@ -181,3 +183,54 @@ def test_a_byte_level_vocabulary_is_written_as_ranks_of_its_bytes(tmp_path):
         piece, written_rank = line.split(b" ")
         assert int(written_rank) == rank
         assert list(base64.b64decode(piece)) == tok.token_bytes(rank)
+
+
+# text a message's body may hold: anything but what special tokens are spelled with
+_BODY = st.text(st.characters(exclude_characters="<|", exclude_categories=("Cs",)), max_size=24)
+_ARGUMENTS = st.dictionaries(st.text(max_size=6), st.integers() | st.text(max_size=6), max_size=3)
+_MESSAGE = st.one_of(
+    st.tuples(st.sampled_from(["analysis", "final", "commentary"]), st.none(), _BODY),
+    st.tuples(
+        st.just("commentary"),
+        st.sampled_from(["functions.get_weather", "functions.now"]),
+        _ARGUMENTS.map(json.dumps),
+    ),
+)
+
+
+def _written(messages: list[tuple[str, str | None, str]], role_part: list[bool]) -> str:
+    """A reply of these messages as gpt-oss writes it after `<|start|>assistant`: a call's
+    recipient in the channel's part of its header or the role's, a call ending at <|call|>, the
+    last message at <|return|>, the others at <|end|>."""
+    text = ""
+    for i, (channel, recipient, body) in enumerate(messages):
+        in_role = role_part[i]
+        header = f"<|channel|>{channel}"
+        if recipient:
+            to = f" to={recipient}"
+            header = (
+                f"{to}{header} <|constrain|>json" if in_role else f"{header}{to} <|constrain|>json"
+            )
+        last = i == len(messages) - 1
+        end = "<|call|>" if recipient else "<|return|>" if last else "<|end|>"
+        text += ("" if i == 0 else "<|start|>assistant") + f"{header}<|message|>{body}{end}"
+    return text
+
+
+@settings(max_examples=60, deadline=None)
+@given(messages=st.lists(_MESSAGE, min_size=1, max_size=4), data=st.data())
+def test_any_reply_reads_as_openai_harmony_reads_it(encoding, messages, data):
+    role_part = data.draw(st.lists(st.booleans(), min_size=len(messages), max_size=len(messages)))
+    reply = _written(messages, role_part)
+    tokens = encoding.encode(reply, allowed_special="all")
+    theirs = _theirs(encoding, tokens)
+    reasoning, content, calls = split_harmony(reply)
+    assert (reasoning or "", content, _named(calls)) == theirs
+    size = data.draw(st.integers(1, 12))
+    stream = HarmonyStream()
+    got = ["", "", []]
+    for i in range(0, len(reply), size):
+        r, c, m = stream.feed(reply[i : i + size])
+        got = [got[0] + r, got[1] + c, got[2] + m]
+    r, c, m = stream.flush()
+    assert (got[0] + r, got[1] + c, _named(got[2] + m)) == theirs
