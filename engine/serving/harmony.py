@@ -48,6 +48,23 @@ def is_harmony(chat_template_source: str | None) -> bool:
     return bool(chat_template_source) and CHANNEL in chat_template_source
 
 
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The chat's messages as gpt-oss's template reads them: an assistant's reasoning as its
+    `thinking` (the template's name for it), so that the reasoning before a call reaches the
+    model again with the call's result. The template refuses a message with calls that has both
+    a content and a thinking (it renders such a content as the reasoning): there the content, a
+    preamble the client saw, is dropped, as llama.cpp drops it."""
+    out = []
+    for message in messages:
+        reasoning = message.get("reasoning_content")
+        if message.get("role") == "assistant" and reasoning and not message.get("thinking"):
+            message = {**message, "thinking": reasoning}
+            if message.get("tool_calls"):
+                message["content"] = None
+        out.append(message)
+    return out
+
+
 def opening(name: str | None) -> str:
     """The start of a call to `name` (None: to a function the model names), as gpt-oss writes
     it at the head of its reply."""

@@ -216,17 +216,20 @@ class Server:
             kwargs["reasoning_effort"] = effort
         if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
+        source = engine.tokenizer.chat_template_source
+        in_harmony = harmony.is_harmony(source) or "harmony" in (
+            server.reasoning_parser,
+            server.tool_call_parser,
+        )
+        if in_harmony:
+            messages = harmony.template_messages(messages)
         try:
             text = await asyncio.to_thread(
                 engine.tokenizer.apply_chat_template, messages, tools=tools, **kwargs
             )
         except ChatTemplateError as err:
             raise api.bad("messages", str(err)) from None
-        source = engine.tokenizer.chat_template_source
-        if harmony.is_harmony(source) or "harmony" in (
-            server.reasoning_parser,
-            server.tool_call_parser,
-        ):
+        if in_harmony:
             reply, opening = api.harmony_use(body, tools)
             # a forced call skips the reasoning; so does a budget of 0, the answer begun
             opening = opening or (harmony.FINAL if budget == 0 else "")

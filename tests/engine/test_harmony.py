@@ -10,6 +10,8 @@ from datetime import date
 
 import pytest
 
+from moelab.engine.model.synth_tokenizer import write_tokenizer_files
+from moelab.engine.model.tokenizer import Tokenizer
 from moelab.engine.serving import harmony
 from moelab.engine.serving.harmony import HarmonyStream, Header, split_harmony
 
@@ -380,3 +382,37 @@ def test_the_flags_choose_harmony_for_a_template_that_does_not_say(tokenizer):
     client = served(ScriptedWorker(tokenizer, CALLED), "off", "--tool-call-parser", "harmony")
     message = client.post("/v1/chat/completions", json=ASK).json()["choices"][0]["message"]
     assert _named(message["tool_calls"]) == [("get_weather", {"city": "Oslo", "days": 2})]
+
+
+def test_the_history_reaches_gpt_osss_template_as_it_reads_it(tmp_path):
+    write_tokenizer_files(tmp_path, 2048, "gpt_oss")
+    path = tmp_path / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    # gpt-oss's own template reads an assistant's reasoning as `thinking`, and refuses a message
+    # with calls that has both a content and a thinking
+    config["chat_template"] = (
+        "{%- for m in messages %}{%- if m.role == 'assistant' %}"
+        "{%- if m.tool_calls and m.content and m.thinking %}"
+        "{{- raise_exception('Cannot pass both content and thinking') }}{%- endif %}"
+        "{%- if m.thinking %}"
+        "{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}"
+        "{%- endif %}"
+        "{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}"
+        "{%- endif %}{%- endfor %}{{- '<|start|>assistant' }}"
+    )
+    path.write_text(json.dumps(config))
+    tok = Tokenizer(tmp_path)
+    worker = ScriptedWorker(tok, REASONED)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"}}  # fmt: skip
+    history = [
+        *ASK["messages"],
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Need the weather.",
+         "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    r = served(worker).post("/v1/chat/completions", json={**ASK, "messages": history})
+    assert r.status_code == 200, r.json()
+    prompt = tok.decode(worker.prompts[-1], skip_special_tokens=False)
+    assert "<|channel|>analysis<|message|>Need the weather.<|end|>" in prompt
+    assert "Checking." not in prompt
