@@ -331,6 +331,10 @@ def test_a_reasoning_budget_ends_the_analysis_and_the_answer_follows(harmony_tok
     assert message["content"] == ANSWER
     prompt, continuation = worker.prompts
     assert continuation == prompt + inside + tok.encode(harmony.CLOSING)
+    # streamed alike
+    deltas = [e["choices"][0]["delta"] for e in _events(client, ask) if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "one two three"
+    assert "".join(d.get("content", "") for d in deltas) == ANSWER
     # 0: the prompt begins the answer itself
     worker = ScriptedWorker(tok, f"{ANSWER}<|return|>")
     client = served(worker)
