@@ -147,6 +147,14 @@ CHAT_TEMPLATES = {
     "qwen3_coder": CODER_CHAT_TEMPLATE,
     "gpt_oss": synth_harmony.CHAT_TEMPLATE,
 }
+# the chat template of an architecture whose models all speak one format (gpt-oss: harmony)
+ARCH_CHAT_TEMPLATES = {"gpt_oss": "gpt_oss"}
+
+
+def chat_template_for(arch: str, name: str | None = None) -> str:
+    """The chat template a synthetic checkpoint of `arch` gets: `name`, else its architecture's
+    format, else Qwen3's."""
+    return name or ARCH_CHAT_TEMPLATES.get(arch, "qwen3")
 
 
 def corpus_text() -> str:

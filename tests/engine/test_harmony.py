@@ -10,7 +10,7 @@ from datetime import date
 
 import pytest
 
-from moelab.engine.model.synth_tokenizer import write_tokenizer_files
+from moelab.engine.model.synth_tokenizer import chat_template_for, write_tokenizer_files
 from moelab.engine.model.tokenizer import Tokenizer
 from moelab.engine.serving import harmony
 from moelab.engine.serving.harmony import HarmonyStream, Header, split_harmony
@@ -420,3 +420,9 @@ def test_the_history_reaches_gpt_osss_template_as_it_reads_it(tmp_path):
     prompt = tok.decode(worker.prompts[-1], skip_special_tokens=False)
     assert "<|channel|>analysis<|message|>Need the weather.<|end|>" in prompt
     assert "Checking." not in prompt
+
+
+def test_a_gpt_oss_checkpoint_gets_the_harmony_template_unless_told():
+    assert chat_template_for("gpt_oss") == "gpt_oss"
+    assert chat_template_for("gpt_oss", "qwen3_coder") == "qwen3_coder"
+    assert chat_template_for("qwen3_moe") == "qwen3"
