@@ -1,6 +1,7 @@
-"""gpt-oss's chat format through `moelab serve` as a real process: a synthetic checkpoint with the
-harmony tokenizer and chat template (`moelab synth --chat-template gpt_oss`), its reply steered by
-logit_bias (the weights are random), read by the OpenAI client whole and streamed."""
+"""gpt-oss's chat format through `moelab serve` as a real process: synthetic checkpoints with the
+harmony tokenizer and chat template (`moelab synth --chat-template gpt_oss`, gpt_oss's default),
+their replies steered by logit_bias (the weights are random), read by the OpenAI client whole and
+streamed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import pytest
 
+from moelab.engine.model.spec import ARCHITECTURES
 from moelab.engine.model.tokenizer import Tokenizer
 from moelab.engine.process.launch import stop_engine
 from moelab.engine.synth_checkpoint import synthesize
@@ -21,10 +23,17 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters"
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
+# the checkpoints: the harmony tokenizer on a Qwen3 MoE, and on gpt-oss's own architecture with
+# its experts in MXFP4 as OpenAI ships them, where the engine has it
+CHECKPOINTS = [{"arch": "qwen3_moe", "chat_template": "gpt_oss"}]
+if "gpt_oss" in ARCHITECTURES:
+    CHECKPOINTS.append({"arch": "gpt_oss", "dtype": "mxfp4"})
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS, ids=lambda c: c["arch"])
+def model(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("harmony-served")
-    return synthesize(out, preset="tiny", seed=5, chat_template="gpt_oss")
+    return synthesize(out, preset="tiny", seed=5, **request.param)
 
 
 @pytest.fixture(scope="module")
