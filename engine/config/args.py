@@ -343,6 +343,24 @@ def _memory_flags(memory: Group) -> None:
         "and is prefilled from there; pages no request holds stay cached until new ones need "
         "the room.",
     )
+    memory.add_argument(
+        "--state-checkpoints",
+        type=_non_negative_int,
+        default=8,
+        help="Hybrid models (Gated DeltaNet layers): recurrent-state checkpoints kept on the "
+        "device for the prefix cache, each one sequence's state (61.4 MiB at Qwen3.6-35B-A3B), "
+        "the least recently used dropped first. A prompt resumes from the longest checkpoint "
+        "its cached pages reach: the end of a chat's system prompt or of its last message in "
+        "an earlier request, or one every --state-checkpoint-interval tokens. 0: none, and no "
+        "prefix cache for these models.",
+    )
+    memory.add_argument(
+        "--state-checkpoint-interval",
+        type=_non_negative_int,
+        default=8192,
+        help="Hybrid models: a long prompt's state is also kept every this many tokens "
+        "(0: only at message ends).",
+    )
 
 
 def _expert_cache_flags(moe: Group) -> None:

@@ -34,6 +34,13 @@ REFUSED = [
     ("memory", "max_context", 0, "--max-context 0: 0 must be at least 1"),
     ("memory", "headroom_bytes", -1, "--memory-headroom -1: -1 is not a size"),
     ("memory", "kv_block_size", 0, "--kv-block-size 0: 0 must be at least 1"),
+    ("memory", "state_checkpoints", -1, "--state-checkpoints -1: -1 must be 0 or more"),
+    (
+        "memory",
+        "state_checkpoint_interval",
+        -8,
+        "--state-checkpoint-interval -8: -8 must be 0 or more",
+    ),
     ("experts", "cache_size", -1, "--moe-cache-size -1: -1 must be 0 or more"),
     (
         "experts",

@@ -160,20 +160,126 @@ def test_offloaded_experts_match(reference):
         assert_same_greedy(ours, ref, margins)
 
 
-def test_a_repeated_prompt_is_prefilled_again_not_matched(reference):
-    """The prefix cache stays off for a hybrid model: a recurrent state cannot be resumed from
-    a cached prefix, so a second turn is prefilled whole, and still continues as transformers."""
-    _kind, model, engine, _ = reference
-    assert not engine.kv.prefix_cache
-    first = prompt(4, 40)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    [reply] = engine.generate([first], params)
-    second = first + reply + prompt(5, 9)
-    seq = engine.add(second, params)
-    engine.run_until_idle()
-    assert seq.cached_tokens == 0
-    ref, margins = hf_greedy(model, second, 10)
+def run_recorded(engine, ids: list[int], n: int, boundaries: tuple[int, ...] = ()):
+    """One request of `n` greedy tokens run alone, and the logits [n, vocab] each came from."""
+    rows = []
+    forward = engine.model.forward
+
+    def recording(batch):
+        logits = forward(batch)
+        rows.append(logits.detach().clone())
+        return logits
+
+    engine.model.forward = recording
+    try:
+        seq = engine.add(ids, SamplingParams(max_tokens=n, ignore_eos=True), boundaries=boundaries)
+        engine.run_until_idle()
+    finally:
+        del engine.model.forward
+    return seq, torch.cat(rows)
+
+
+def assert_as_full_prefill(model, ids: list[int], seq, logits: torch.Tensor) -> None:
+    """The tokens are those transformers gives from the whole prompt, and so are the logits
+    the prompt ends with (within 1e-4); the decode steps' after them drift further, from a
+    resumed prompt as from a whole prefill (to 3e-4 here): within 1e-3."""
+    ref, margins = hf_greedy(model, ids, len(seq.output_ids))
     assert_same_greedy(seq.output_ids, ref, margins)
+    full = hf_logits(model, ids + seq.output_ids[:-1])[len(ids) - 1 :]
+    assert relative_error(logits[:1], full[:1]) < 1e-4
+    assert relative_error(logits, full) < 1e-3
+
+
+def test_a_second_turn_resumes_from_the_first_turns_state_checkpoint(reference):
+    """The first turn keeps the state where its last message ends (token 37, kept at 32: whole
+    pages of 16); the second turn (the first, its reply and more) takes those pages and that
+    state, prefills the rest, and gives transformers' tokens and logits from the whole prompt."""
+    _kind, model, engine, _ = reference
+    first = prompt(4, 40)
+    kept = engine.states.checkpoints_kept
+    one, _ = run_recorded(engine, first, 10, boundaries=(37,))
+    assert engine.states.checkpoints_kept == kept + 1
+    second = first + one.output_ids + prompt(5, 9)
+    seq, logits = run_recorded(engine, second, 12)
+    assert seq.cached_tokens == 32
+    assert_as_full_prefill(model, second, seq, logits)
+
+
+def test_resuming_from_a_wrong_state_gives_other_tokens(reference):
+    """Zeroing the kept checkpoints after the first turn changes the second turn's logits: the
+    comparison above sees the state the second turn resumes from."""
+    _kind, model, engine, _ = reference
+    first = prompt(6, 40)
+    run_recorded(engine, first, 4, boundaries=(40,))
+    pool, spare = engine.states, engine.states.pad_slot + 1
+    pool.conv[:, spare:].zero_()
+    pool.recurrent[:, spare:].zero_()
+    second = first + prompt(7, 9)
+    seq, logits = run_recorded(engine, second, 4)
+    assert seq.cached_tokens == 32
+    full = hf_logits(model, second + seq.output_ids[:-1])[len(second) - 1 :]
+    assert relative_error(logits[:1], full[:1]) > 1e-2
+
+
+def test_a_prompt_that_parts_inside_a_checkpointed_span_resumes_before_it(reference):
+    """Checkpoints at 16 and 32 tokens: a prompt that differs at token 20 resumes at 16, one
+    that differs at token 5 at none, and both continue as transformers from the whole prompt."""
+    _kind, model, engine, _ = reference
+    first = prompt(8, 45)
+    run_recorded(engine, first, 2, boundaries=(19, 40))
+    for at, cached in ((20, 16), (5, 0)):
+        other = list(first)
+        other[at] = (other[at] + 1) % VOCAB
+        seq, logits = run_recorded(engine, other + prompt(9, 6), 8)
+        assert seq.cached_tokens == cached, at
+        assert_as_full_prefill(model, other + prompt(9, 6), seq, logits)
+
+
+def test_the_least_recently_used_checkpoint_goes_first(reference):
+    """Two checkpoints of room: a third prompt's checkpoint takes the place of the one least
+    recently kept or resumed from, whose prompt is then prefilled whole; a long prompt keeps one
+    every --state-checkpoint-interval tokens."""
+    _kind, model, _engine, path = reference
+    engine = make_engine(path, "--prefill-chunk-tokens", CHUNK, "--state-checkpoints", "2",
+                         "--state-checkpoint-interval", "32")  # fmt: skip
+    try:
+        a, b, c = prompt(40, 40), prompt(41, 40), prompt(42, 40)
+        for ids in (a, b):
+            run_recorded(engine, ids, 1)  # each keeps its state at 32
+        again, _ = run_recorded(engine, [*a, 1, 2], 1)  # resumes from a's: now the most recent
+        assert again.cached_tokens == 32
+        run_recorded(engine, c, 1)  # takes b's room
+        assert engine.states.checkpoints_held == 2
+        # (b's last: its prompt, prefilled whole, keeps its state again in the oldest's room)
+        cached = {
+            name: run_recorded(engine, [*ids, 3], 1)[0].cached_tokens
+            for name, ids in (("a", a), ("c", c), ("b", b))
+        }
+        assert cached == {"b": 0, "a": 32, "c": 32}
+        long = prompt(43, 100)  # states kept at 32, 64 and 96
+        run_recorded(engine, long, 1)
+        seq, logits = run_recorded(engine, long[:70] + prompt(44, 5), 6)
+        assert seq.cached_tokens == 64
+        assert_as_full_prefill(model, long[:70] + prompt(44, 5), seq, logits)
+    finally:
+        engine.close()
+
+
+def test_without_state_checkpoints_a_repeated_prompt_is_prefilled_again(reference):
+    """--state-checkpoints 0: nothing to resume a state from, so the prefix cache is off and a
+    second turn is prefilled whole, and still continues as transformers."""
+    _kind, model, _engine, path = reference
+    engine = make_engine(path, "--prefill-chunk-tokens", CHUNK, "--state-checkpoints", "0")
+    try:
+        assert not engine.kv.prefix_cache
+        first = prompt(4, 40)
+        one, _ = run_recorded(engine, first, 6, boundaries=(37,))
+        second = first + one.output_ids + prompt(5, 9)
+        seq, logits = run_recorded(engine, second, 6)
+    finally:
+        engine.close()
+    assert seq.cached_tokens == 0 and engine.states.checkpoints_held == 0
+    assert_as_full_prefill(model, second, seq, logits)
 
 
 def test_comparison_catches_a_missed_state_carry(reference, monkeypatch):
