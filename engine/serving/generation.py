@@ -36,14 +36,17 @@ class Generation:
         prompt_ids: list[int],
         params: SamplingParams,
         limit: int,
+        boundaries: tuple[int, ...] = (),
     ) -> None:
+        """`boundaries`: the prompt's token counts where its messages end (Engine.add)."""
         self.worker = worker
         self.engine = engine
         self.parsed = parsed
         self.prompt_ids = prompt_ids
         self.max_tokens = params.max_tokens
         self.limit = limit  # requests in flight past which the worker refuses one
-        self.first = EngineRequest(prompt_ids, params, asyncio.get_running_loop())
+        self.boundaries = boundaries
+        self.first = EngineRequest(prompt_ids, params, asyncio.get_running_loop(), boundaries)
         self.req = self.first  # the engine request read now
         self.before = 0  # reply tokens before `req`'s own (a continuation's prompt holds them)
         self.stop_matched: str | None = None  # the stop string the text ended before
@@ -131,7 +134,9 @@ class Generation:
         self.before = len(reply) + len(closing)
         reply += closing
         params = self.parsed.sampling(room)
-        self.req = EngineRequest(self.prompt_ids + reply, params, asyncio.get_running_loop())
+        self.req = EngineRequest(
+            self.prompt_ids + reply, params, asyncio.get_running_loop(), self.boundaries
+        )
         # it takes the place of the request just cancelled, which may still count as in flight
         _submit(self.worker, self.req, self.limit + 1)
         return closing

@@ -241,9 +241,15 @@ class Server:
         if opening or budget == 0:
             text = closed(text) + opening
         opened = opened_by_prompt(text) if server.reasoning_parser == "think" else None
+        ends = ()
+        if engine.scheduler.checkpointing:
+            ends = await asyncio.to_thread(
+                _message_ends, engine.tokenizer, messages, text, tools=tools, **kwargs
+            )
         return api.ParsedRequest(
             prompt_text=text, prompt_ids=None, **common, tool_parser=tool_parser,
             reply_prefix=opening, think_opened=opened, reasoning_budget=budget,
+            message_ends=ends,
         )  # fmt: skip
 
     async def completions(self, request: Request) -> Response:
@@ -273,6 +279,7 @@ class Server:
         """The request's prompt checked against the vocabulary and the context (chat: its
         messages), and its generation queued."""
         tok = engine.tokenizer
+        boundaries: tuple[int, ...] = ()
         if parsed.prompt_ids is not None:
             ids = parsed.prompt_ids
             bad = [t for t in ids if not 0 <= t < engine.spec.vocab_size]
@@ -291,7 +298,10 @@ class Server:
                     param="messages" if chat else "prompt",
                     code="context_length_exceeded",
                 )
-            ids = await asyncio.to_thread(tok.encode, parsed.prompt_text, parsed.add_special_tokens)
+            ids, boundaries = await asyncio.to_thread(
+                tok.encode_marked, parsed.prompt_text, parsed.message_ends,
+                parsed.add_special_tokens,
+            )  # fmt: skip
         if not ids:
             raise api.bad("prompt", "is empty")
         if outside := [t for t, _ in parsed.logit_bias if t >= engine.spec.vocab_size]:
@@ -318,8 +328,9 @@ class Server:
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         gen = Generation(
-            self.worker, engine, parsed, ids, params, self.config.batching.max_requests_in_flight
-        )
+            self.worker, engine, parsed, ids, params, self.config.batching.max_requests_in_flight,
+            boundaries,
+        )  # fmt: skip
         gen.submit()
         return gen
 
@@ -535,6 +546,27 @@ class Server:
                 raise ApiError(409, str(err), type_="conflict", code="does_not_fit") from None
         finally:
             worker.engine.scheduler.paused = False
+
+
+def _message_ends(tokenizer, messages: list[dict], text: str, **template) -> tuple[int, ...]:
+    """Where in a chat's rendered prompt `text` its system prompt (the leading system or
+    developer messages) and its last message end, as character offsets: the chat rendered up to
+    there without a generation prompt, where the prompt begins with that rendering. A later
+    turn's prompt renders the same history, so its state resumes from these places."""
+    system = 0
+    while system < len(messages) and messages[system].get("role") in ("system", "developer"):
+        system += 1
+    ends = []
+    for count in sorted({system, len(messages)} - {0}):
+        try:
+            head = tokenizer.apply_chat_template(
+                messages[:count], add_generation_prompt=False, **template
+            )
+        except ChatTemplateError:
+            continue  # a template that refuses a system prompt alone: no place there
+        if head and text.startswith(head):
+            ends.append(len(head))
+    return tuple(ends)
 
 
 def _chat_deltas(

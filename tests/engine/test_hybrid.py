@@ -399,7 +399,8 @@ def test_an_fp8_release_matches_transformers_on_its_dequantized_weights(kind, tm
 def test_moelab_serve_answers_a_chat_from_a_qwen36_layout_checkpoint(tmp_path):
     """A real `moelab serve` process on a multimodal Qwen3.5/3.6 MoE checkpoint transformers
     wrote (with the synthetic tokenizer and Qwen's chat template), its experts offloaded: a chat
-    completion, twice (the second sequence takes the slot the first gave back)."""
+    completion, the same again (resumed from the state kept where its last message ends), and
+    the chat's second turn, which resumes from the first turn's state as well."""
     path = tmp_path / "m"
     build_hybrid("qwen3_5_moe", path, seed=8, vocab_size=2048)
     write_tokenizer_files(path, 2048)
@@ -409,23 +410,37 @@ def test_moelab_serve_answers_a_chat_from_a_qwen36_layout_checkpoint(tmp_path):
     flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
              "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5",
              "--max-running-requests", "1"]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You answer questions about hybrid models, exactly."},
+        {"role": "user", "content": "Which layers keep a state?"},
+    ]
     engine = start_engine(flags, tmp_path / "engine.log")
     try:
         wait_ready(engine, timeout_s=120)
-        body = {
-            "messages": [{"role": "user", "content": "Which layers keep a state?"}],
-            "max_tokens": 12,
-            "temperature": 0,
-        }
-        replies = []
-        for _ in range(2):
+
+        def chat(messages: list[dict]) -> dict:
+            body = {"messages": messages, "max_tokens": 12, "temperature": 0}
             r = httpx.post(engine.base_url + "/v1/chat/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
-            replies.append(r.json())
+            return r.json()
+
+        first, again = chat(messages), chat(messages)
+        reply = first["choices"][0]["message"]
+        turn = chat([*messages, reply, {"role": "user", "content": "And the others?"}])
+        stats = httpx.get(engine.base_url + "/v1/stats", timeout=30).json()
     finally:
         stop_engine(engine)
-    first, second = replies
     assert first["usage"]["completion_tokens"] > 0
-    assert first["choices"][0]["message"]["content"]
-    # the same greedy reply from a fresh state slot
-    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+    assert reply["content"]
+    # the same greedy reply from the kept state as from a fresh slot
+    assert again["choices"][0]["message"] == reply
+
+    def cached(response: dict) -> int:
+        return response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(first) == 0
+    # the first turn's prompt up to its last message's end, in whole pages of 16
+    assert 0 < cached(again) <= first["usage"]["prompt_tokens"] - 1
+    assert cached(turn) == cached(again)
+    checkpoints = stats["kv"]["prefix_cache"]["state_checkpoints"]
+    assert checkpoints["resumed"] == 2 and checkpoints["capacity"] == 8
