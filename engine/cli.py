@@ -43,11 +43,14 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--chat-template",
-        default="qwen3",
+        default=None,
         choices=list(CHAT_TEMPLATES),
-        help="qwen3 (tool calls as JSON in <tool_call> blocks, <think> reasoning), "
-        "qwen3_thinking (the same, the reply's reasoning opened by the prompt) or qwen3_coder "
-        "(tool calls as <function=...> blocks)",
+        help="qwen3 (the default but for gpt_oss; tool calls as JSON in <tool_call> blocks, "
+        "<think> reasoning), "
+        "qwen3_thinking (the same, the reply's reasoning opened by the prompt), qwen3_coder "
+        "(tool calls as <function=...> blocks) or gpt_oss (gpt-oss's harmony format, with its "
+        "special tokens: channels for the reasoning, the answer and the calls; --arch "
+        "gpt_oss's default)",
     )
     p.add_argument(
         "--no-weights",

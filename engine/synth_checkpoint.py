@@ -15,7 +15,7 @@ from .config.args import default_cpu_threads
 from .model import gpt_oss
 from .model.spec import FP8_BLOCK, ModelSpec
 from .model.synth import SynthSource, make_config, router_name
-from .model.synth_tokenizer import write_tokenizer_files
+from .model.synth_tokenizer import chat_template_for, write_tokenizer_files
 
 log = logging.getLogger("moelab.synth")
 
@@ -33,7 +33,7 @@ def synthesize(
     seed: int = 0,
     routing_skew: float = 0.0,
     shard_bytes: int = 2 * 1024**3,
-    chat_template: str = "qwen3",
+    chat_template: str | None = None,
     weights: bool = True,
     dtype: str = "bf16",
 ) -> Path:
@@ -73,7 +73,7 @@ def synthesize(
         }
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer = write_tokenizer_files(out, spec.vocab_size, chat_template)
+    tokenizer = write_tokenizer_files(out, spec.vocab_size, chat_template_for(arch, chat_template))
     if tokenizer.get_vocab_size() > spec.vocab_size:
         raise ValueError(
             f"vocab_size {spec.vocab_size} is smaller than the tokenizer's "
