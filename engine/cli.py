@@ -15,6 +15,7 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
     from .model.spec import ARCHITECTURES
     from .model.synth import PRESETS
     from .model.synth_tokenizer import CHAT_TEMPLATES
+    from .synth_checkpoint import DTYPES as SYNTH_DTYPES
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint in Hugging Face layout")
     p.add_argument("--out", required=True, help="directory to write the checkpoint into")
@@ -23,7 +24,8 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
         "--preset",
         default="tiny",
         choices=list(PRESETS),
-        help="tiny (CI-sized), small (~1 GB), qwen3-30b-a3b (the real geometry)",
+        help="tiny (CI-sized), small (~1 GB), qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b (the "
+        "real geometries)",
     )
     p.add_argument(
         "--set",
@@ -41,11 +43,14 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--chat-template",
-        default="qwen3",
+        default=None,
         choices=list(CHAT_TEMPLATES),
-        help="qwen3 (tool calls as JSON in <tool_call> blocks, <think> reasoning), "
-        "qwen3_thinking (the same, the reply's reasoning opened by the prompt) or qwen3_coder "
-        "(tool calls as <function=...> blocks)",
+        help="qwen3 (the default but for gpt_oss; tool calls as JSON in <tool_call> blocks, "
+        "<think> reasoning), "
+        "qwen3_thinking (the same, the reply's reasoning opened by the prompt), qwen3_coder "
+        "(tool calls as <function=...> blocks) or gpt_oss (gpt-oss's harmony format, with its "
+        "special tokens: channels for the reasoning, the answer and the calls; --arch "
+        "gpt_oss's default)",
     )
     p.add_argument(
         "--no-weights",
@@ -56,9 +61,10 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         default="bf16",
-        choices=["bf16", "fp8"],
+        choices=list(SYNTH_DTYPES),
         help="fp8: linear weights in Hugging Face's fine-grained FP8 layout (e4m3, one fp32 "
-        "factor per 128x128 block); embeddings, norms, routers and lm_head stay bf16",
+        "factor per 128x128 block); embeddings, norms, routers and lm_head stay bf16. mxfp4 "
+        "(--arch gpt_oss): the experts in MXFP4 _blocks and _scales, as gpt-oss ships",
     )
     p.add_argument(
         "--shard-size",

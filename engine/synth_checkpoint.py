@@ -12,15 +12,16 @@ from safetensors.torch import save_file
 
 from ..kernels import fp8
 from .config.args import default_cpu_threads
+from .model import gpt_oss
 from .model.spec import FP8_BLOCK, ModelSpec
 from .model.synth import SynthSource, make_config, router_name
-from .model.synth_tokenizer import write_tokenizer_files
+from .model.synth_tokenizer import chat_template_for, write_tokenizer_files
 
 log = logging.getLogger("moelab.synth")
 
 # models up to this size calibrate their routing skew with forward passes on the CPU
 CALIBRATE_MAX_BYTES = 6 * 1024**3
-DTYPES = ("bf16", "fp8")
+DTYPES = ("bf16", "fp8", "mxfp4")  # mxfp4: gpt_oss's experts as OpenAI's release stores them
 
 
 def synthesize(
@@ -32,7 +33,7 @@ def synthesize(
     seed: int = 0,
     routing_skew: float = 0.0,
     shard_bytes: int = 2 * 1024**3,
-    chat_template: str = "qwen3",
+    chat_template: str | None = None,
     weights: bool = True,
     dtype: str = "bf16",
 ) -> Path:
@@ -44,7 +45,8 @@ def synthesize(
     dtype "fp8": the linear weights are written in Hugging Face's fine-grained FP8 layout
     (float8_e4m3fn values and fp32 `weight_scale_inv` per 128x128 block, kernels/fp8.py) and
     config.json says so in `quantization_config`; embeddings, norms, routers and lm_head stay
-    bf16, named in `modules_to_not_convert`."""
+    bf16, named in `modules_to_not_convert`. dtype "mxfp4" (gpt_oss): the experts in MXFP4
+    `_blocks` and `_scales` (kernels/mxfp4.py), the rest bf16, as openai/gpt-oss-* ship."""
     if routing_skew < 0:
         raise ValueError("--routing-skew must be 0 (uniform) or more")
     if dtype not in DTYPES:
@@ -52,6 +54,13 @@ def synthesize(
     out = Path(out)
     config = make_config(arch, preset, overrides)
     config["moelab_synth"] = {"preset": preset, "seed": seed, "routing_skew": routing_skew}
+    if dtype == "mxfp4":
+        if arch != "gpt_oss":
+            raise ValueError("--dtype mxfp4 writes gpt_oss's experts: use --arch gpt_oss")
+        config["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": gpt_oss.NOT_CONVERTED,
+        }
     spec = ModelSpec.from_config(config)
     keep = _not_converted(spec) if dtype == "fp8" else None
     if keep is not None:
@@ -64,7 +73,7 @@ def synthesize(
         }
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer = write_tokenizer_files(out, spec.vocab_size, chat_template)
+    tokenizer = write_tokenizer_files(out, spec.vocab_size, chat_template_for(arch, chat_template))
     if tokenizer.get_vocab_size() > spec.vocab_size:
         raise ValueError(
             f"vocab_size {spec.vocab_size} is smaller than the tokenizer's "
@@ -84,7 +93,7 @@ def synthesize(
         )
     else:
         source = SynthSource(spec, seed=seed, skew=routing_skew)
-    _write_weights(out, source, shard_bytes, keep)
+    _write_weights(out, source, shard_bytes, keep, mxfp4=dtype == "mxfp4")
     return out
 
 
@@ -108,12 +117,18 @@ def _not_converted(spec: ModelSpec) -> list[str]:
     return names
 
 
-def _tensors(source: SynthSource, names: list[str], keep: set[str] | None) -> dict:
+def _tensors(
+    source: SynthSource, names: list[str], keep: set[str] | None, mxfp4: bool = False
+) -> dict:
     """The named tensors as written: with `keep` (an FP8 checkpoint), every weight of a module
-    not kept as FP8 values and its `weight_scale_inv`."""
+    not kept as FP8 values and its `weight_scale_inv`; with `mxfp4`, gpt_oss's experts as their
+    MXFP4 blocks and scales."""
     out = {}
     for name in names:
         t = source.get(name)
+        if mxfp4:
+            out.update(gpt_oss.as_mxfp4(name, t))
+            continue
         module = name.removesuffix(".weight")
         if keep is None or not name.endswith(".weight") or module in keep:
             out[name] = t
@@ -123,7 +138,12 @@ def _tensors(source: SynthSource, names: list[str], keep: set[str] | None) -> di
 
 
 def _write_weights(
-    out: Path, source: SynthSource, shard_bytes: int, keep: list[str] | None = None
+    out: Path,
+    source: SynthSource,
+    shard_bytes: int,
+    keep: list[str] | None = None,
+    *,
+    mxfp4: bool = False,
 ) -> None:
     kept = set(keep) if keep is not None else None
     names = source.names()
@@ -143,12 +163,12 @@ def _write_weights(
         old.unlink()
     meta = {"format": "pt"}
     if len(shards) == 1:
-        _save_atomic(out / "model.safetensors", _tensors(source, shards[0], kept), meta)
+        _save_atomic(out / "model.safetensors", _tensors(source, shards[0], kept, mxfp4), meta)
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = _tensors(source, shard, kept)
+        tensors = _tensors(source, shard, kept, mxfp4)
         _save_atomic(out / file, tensors, meta)
         weight_map.update(dict.fromkeys(tensors, file))
         log.info("wrote %s (%d/%d)", file, i, len(shards))

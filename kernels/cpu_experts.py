@@ -21,9 +21,8 @@ from types import ModuleType
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from . import fp8
+from . import fp8, swiglu
 from .native_build import NativeKernelError, load_native
 
 log = logging.getLogger(__name__)
@@ -60,6 +59,9 @@ def cpu_experts_ref(
     *,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """The experts' output [T, H] fp32 in plain torch: the reference and the fallback kernel.
 
@@ -68,11 +70,14 @@ def cpu_experts_ref(
     gate = w13[e, :I], up = w13[e, I:]. Computed in fp32. FP8 weights (float8_e4m3fn, or their
     bits as uint8) need their block factors, w13_scale [E, ceil(2I/128), ceil(H/128)] and w2_scale
     [E, ceil(H/128), ceil(I/128)] fp32 (kernels/fp8.py; a weight is its value times its factor).
+    gpt-oss's experts add w13_bias [E, 2I] and w2_bias [E, H] (fp32) and take the clamped
+    SwiGLU (swiglu_limit > 0: kernels/swiglu.py).
     """
     num_tokens, hidden, inter, num_experts = _check_inputs(
         x, w13, w2, pair_expert, pair_token, pair_weight, None, w13_scale, w2_scale
     )
     _check_pair_indices(pair_expert, pair_token, num_experts, num_tokens)
+    biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
 
     def weights(w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
         return w[e].float() if scale is None else _dequantized(w[e], scale[e])
@@ -84,9 +89,28 @@ def cpu_experts_ref(
         picked = (experts == e).nonzero().squeeze(1)
         rows = tokens[picked]
         gate_up = x[rows] @ weights(w13, w13_scale, e).T
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out.index_add_(0, rows, (h @ weights(w2, w2_scale, e).T) * pair_weight[picked, None])
+        if biased:
+            gate_up = gate_up + w13_bias[e].float()
+        h = swiglu.activate(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
+        y = h @ weights(w2, w2_scale, e).T
+        if biased:
+            y = y + w2_bias[e].float()
+        out.index_add_(0, rows, y * pair_weight[picked, None])
     return out
+
+
+def _check_biases(
+    w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None
+) -> None:
+    """gpt-oss's biases as both kernels read them: fp32, contiguous, in host memory."""
+    if not swiglu.check_biases(w13, w2, w13_bias, w2_bias):
+        return
+    for name, t in (("w13_bias", w13_bias), ("w2_bias", w2_bias)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a contiguous float32 tensor in host memory, got {t.dtype} on "
+                f"{t.device}"
+            )
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -221,7 +245,7 @@ def _ref_into(
     done_flag: torch.Tensor,
     done_value: int,
     *args: torch.Tensor,
-    **factors: torch.Tensor | None,
+    **factors: torch.Tensor | float | None,
 ) -> torch.Tensor:
     """The reference kernel writing into out, then done_value into done_flag (as the native job
     does)."""
@@ -424,6 +448,9 @@ class CpuExpertRunner:
         *,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        swiglu_limit: float = 0.0,
         done_flag: torch.Tensor | None = None,
         done_value: int = 0,
         check: bool = True,
@@ -455,6 +482,10 @@ class CpuExpertRunner:
         if self._closed:
             raise RuntimeError("this CpuExpertRunner is closed")
         factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        if w13_bias is not None or w2_bias is not None or swiglu_limit:
+            factors.update(w13_bias=w13_bias, w2_bias=w2_bias, swiglu_limit=swiglu_limit)
+            if check or self._module is None:
+                _check_biases(w13, w2, w13_bias, w2_bias)
         if check or self._module is None:
             num_tokens, hidden, inter, num_experts = _check_inputs(
                 x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale
@@ -502,8 +533,13 @@ class CpuExpertRunner:
             bool(redoable),
             _address(w13_scale),
             _address(w2_scale),
+            _address(w13_bias),
+            _address(w2_bias),
+            float(swiglu_limit),
         )
-        weights = tuple(t for t in (w13, w2, w13_scale, w2_scale) if t is not None)
+        weights = tuple(
+            t for t in (w13, w2, w13_scale, w2_scale, w13_bias, w2_bias) if t is not None
+        )
         if redoable:
             self._hold(*weights)
         keep = (x, *weights, out) if done_flag is None else (x, *weights, out, done_flag)
@@ -611,13 +647,12 @@ class CpuExpertRunner:
         pair_token: torch.Tensor,
         pair_weight: torch.Tensor,
         out: torch.Tensor | None = None,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
+        **extras: torch.Tensor | float | None,
     ) -> torch.Tensor:
-        """submit() and wait(): the experts' output [T, H] fp32."""
+        """submit() and wait(): the experts' output [T, H] fp32 (extras: FP8 factors, biases and
+        SwiGLU limit, as submit takes them)."""
         args = (x, w13, w2, pair_expert, pair_token, pair_weight, out)
-        return self.submit(*args, w13_scale=w13_scale, w2_scale=w2_scale).wait()
+        return self.submit(*args, **extras).wait()
 
     def jobs_gbps(
         self,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|hybrid|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|gptoss|hybrid|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -271,4 +271,19 @@ runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
       done
     done
   done
+fi
+if [ "$part" = gptoss ]; then  # gpt_oss: its kernels' tests natively (biased experts, sinks and
+  # the window in decode attention), the engine against transformers on CUDA, then decode and
+  # prefill at gpt-oss-20b's geometry (dummy weights; the experts widened from MXFP4 to bf16) on
+  # an 8 GiB budget, with 32K tokens of context for the sliding and full layers
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run gptoss_tests python3 -m pytest -q $T --tb=short tests/kernels/test_gpt_oss_experts.py \
+    tests/kernels/test_paged_attention.py
+  run gptoss_engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_gpt_oss.py
+  O="--arch gpt_oss --preset gpt-oss-20b --routing-skew 1 --json"
+  run gptoss_decode20b_8g $B decode $O --device-memory 8GiB --tokens 256 --repeats 3
+  run gptoss_decode20b_8g_ctx32k $B decode $O --device-memory 8GiB --prompt-tokens 32768 \
+    --kv-reserve-tokens 33792
+  run gptoss_prefill20b_8g_2k $B prefill $O --device-memory 8GiB --prompt-tokens 2048
 fi

@@ -213,11 +213,13 @@ class LayerPlanner:
         self._join_event: DriverEvent | None = None
 
     def native(self) -> object | None:
-        """The native planner over the cache (None: `plan_layer`, the torch CPU kernel); with
-        `copies` it also waits for the routing and queues the copies, with `launches` it also
-        launches the next piece, joining the fills on an event of its own."""
+        """The native planner over the cache (None: `plan_layer`, for the torch CPU kernel and
+        for a bank with biases); with `copies` it also waits for the routing and queues the
+        copies, with `launches` it also launches the next piece, joining the fills on an event of
+        its own."""
         cache = self.cache
-        if self.cpu is None or self.cpu.kernel != "native":
+        # the native planner neither copies nor splits gpt_oss's experts with their biases
+        if self.cpu is None or self.cpu.kernel != "native" or self.bank.w13_bias:
             return None
         if self._native is None or self._native_version != cache.version:
             bank = self.bank
@@ -390,6 +392,6 @@ class LayerPlanner:
             pair_weight,
             out,
             **handoff,
-            **self.bank.cpu_scales(moe_layer),
+            **self.bank.cpu_args(moe_layer),
             check=False,  # the bank's tensors and the runner's buffers, right by construction
         )

@@ -11,6 +11,7 @@ stored, values and factors, and the bank keeps or converts them.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import struct
@@ -22,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from ...kernels import fp8
+from . import gpt_oss
 from .hybrid import gated_q_proj, linear_layer_weights
 from .model import DenseWeights, LayerWeights
 from .spec import (
@@ -170,6 +172,9 @@ class Expert(NamedTuple):
     w2: torch.Tensor
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    # gpt_oss: the projections' biases [2I] (gate's, then up's) and [H]
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
 
 
 def _scale_of(source: TensorSource, name: str, values: torch.Tensor) -> torch.Tensor | None:
@@ -278,6 +283,9 @@ def load_dense(
         elif spec.qk_norm == "full":
             lw.q_norm = get(attn + "q_norm.weight", q)
             lw.k_norm = get(attn + "k_norm.weight", kv)
+        if spec.arch == "gpt_oss":
+            lw.o_bias = get(attn + "o_proj.bias", h)
+            lw.sinks = get(attn + "sinks", spec.num_heads)
         _load_mlp(spec, source, get, layer, lw)
         weights.layers.append(lw)
     return weights
@@ -289,7 +297,10 @@ def _load_mlp(
     """A layer's router and shared expert (MoE layers) or its dense MLP, into `lw`."""
     h = spec.hidden_size
     m = _mlp_prefix(spec, layer, source)
-    if spec.is_moe_layer(layer):
+    if spec.arch == "gpt_oss":
+        lw.router = get(m + "router.weight", spec.num_experts, h)
+        lw.router_bias = get(m + "router.bias", spec.num_experts)
+    elif spec.is_moe_layer(layer):
         lw.router = get(m + "gate.weight", spec.num_experts, h)
         if spec.shared_expert_intermediate_size:
             si = spec.shared_expert_intermediate_size
@@ -311,6 +322,8 @@ def _load_mlp(
 
 def expert_names(spec: ModelSpec, source: TensorSource, layer: int) -> list[str]:
     """The tensor names that hold a layer's routed experts (for loading progress and checks)."""
+    if spec.arch == "gpt_oss":
+        return gpt_oss.expert_names(source.has, layer)
     m = _mlp_prefix(spec, layer, source) + "experts."
     if source.has(m + "gate_up_proj"):
         return [m + "gate_up_proj", m + "down_proj"]
@@ -331,6 +344,11 @@ def iter_layer_experts(spec: ModelSpec, source: TensorSource, layer: int) -> Ite
     two are dequantized, stacked and quantized again (`fp8.quantize`), which rounds each value
     once more."""
     h, i, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    if spec.arch == "gpt_oss":
+        need = functools.partial(_need, source)
+        for e, (w13, w2, b13, b2) in enumerate(gpt_oss.iter_experts(spec, source.has, need, layer)):
+            yield Expert(e, w13, w2, w13_bias=b13, w2_bias=b2)
+        return
     names = expert_names(spec, source, layer)
     if names[0].endswith("gate_up_proj"):
         if source.has(names[0]) and tuple(source.shape(names[0])) == (n, h, 2 * i) and h != 2 * i:

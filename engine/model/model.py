@@ -22,7 +22,7 @@ from ...kernels.rope_kv import qk_norm_rope_kv
 from ...kernels.route import route
 from ...kernels.route_guess import guess_scale, guess_to_host
 from ...kernels.router import topk_softmax
-from . import hybrid
+from . import gpt_oss, hybrid
 from .kv import KVCache
 from .rope import Rotary
 from .spec import ModelSpec
@@ -46,6 +46,10 @@ class LayerWeights:
     shared_gate: torch.Tensor | None = None  # [1, H]
     mlp_gate_up: torch.Tensor | None = None  # dense MLP layers [2 I, H]
     mlp_down: torch.Tensor | None = None
+    # gpt_oss (engine/model/gpt_oss.py): o_proj's bias, the sinks [Hq], the router's bias [E]
+    o_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None
     # Gated DeltaNet layers (hybrid.py), whose qkv and o are the mixer's in and out projections
     conv: torch.Tensor | None = None  # [C, W]
     a_log: torch.Tensor | None = None  # [HV]
@@ -210,6 +214,10 @@ class Model:
             and d & (d - 1) == 0
             and 16 <= d <= 512
         )
+        # tokens each layer's attention sees back (its own included; 0: all of them)
+        self.windows = [
+            spec.sliding_window if i in spec.sliding_layers else 0 for i in range(spec.num_layers)
+        ]
         self.timer = None  # a telemetry StepTimer while one step is being timed by phase
         # called with (layer, router input, routed expert ids) on every MoE layer, when set
         self.on_router: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
@@ -337,6 +345,7 @@ class Model:
         tokens = x.shape[0]
         if layer.conv is not None:
             return self._linear_attention(index, layer, x, batch)
+        window = self.windows[index]
         index = self._kv_row[index]
         qkv = linear(x, layer.qkv, layer.qkv_bias)
         gate = None
@@ -358,9 +367,9 @@ class Model:
         if decode:
             out = paged_attention_decode(
                 q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
-                self.scale, kv_scales=self.kv.scales(index),
+                self.scale, kv_scales=self.kv.scales(index), sinks=layer.sinks, window=window,
             )  # fmt: skip
-            return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o)
+            return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
         out = torch.empty_like(q)
         for seq in batch.seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
@@ -369,8 +378,12 @@ class Model:
             else:
                 assert seq.pages is not None, "a prefill's SeqSlice needs its pages"
                 keys, values = self.kv.gather(index, seq.pages, seq.kv_len)
-            out[rows] = self._sdpa(q[rows], keys, values)
-        return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o)
+            if layer.sinks is not None:
+                out[rows] = gpt_oss.attention(q[rows], keys, values, self.scale, layer.sinks,
+                                              window)  # fmt: skip
+            else:
+                out[rows] = self._sdpa(q[rows], keys, values)
+        return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
 
     def _linear_attention(
         self, index: int, layer: LayerWeights, x: torch.Tensor, batch: StepBatch
@@ -436,14 +449,20 @@ class Model:
         k, renormalize, host = self.spec.top_k, self.spec.norm_topk_prob, state.routing_host
         signal = state.routing_signal if host is not None else None
         with self.timer.phase("route") if self.timer is not None else _NO_TIMER:
-            if host is not None and x.is_cuda and x.shape[0] == 1 and x.dtype == layer.router.dtype:
+            if (
+                host is not None
+                and x.is_cuda
+                and x.shape[0] == 1
+                and x.dtype == layer.router.dtype
+                and layer.router_bias is None
+            ):
                 # logits, top-k and the host's copy in one launch (kernels/route.py): faster
                 # only where the host's copy is a third launch saved, for one token
                 state.weights, state.ids = route(
                     x, layer.router, k, renormalize, ids_out=record, host=host, signal=signal
                 )
             else:
-                logits = linear(x, layer.router)
+                logits = linear(x, layer.router, layer.router_bias)
                 state.weights, state.ids = topk_softmax(logits, k, renormalize, ids_out=record)
                 if host is not None:
                     routing_to_host(state.ids, state.weights, x, *host)

@@ -10,7 +10,15 @@ from typing import Any
 
 from ..text import Text
 
-ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe")
+ARCHITECTURES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "gpt_oss",
+)
 # architectures with Gated DeltaNet (linear attention) layers beside gated full attention
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_moe")
 
@@ -22,6 +30,7 @@ _ARCH_BY_CLASS = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # model types that name an architecture under another name (the text-only Qwen3.5/3.6 MoE)
 _ARCH_BY_TYPE = {"qwen3_5_moe_text": "qwen3_5_moe"}
@@ -39,10 +48,11 @@ SAFETENSORS_DTYPES = {
     "F16": "float16",
     "F32": "float32",
     "F8_E4M3": "float8_e4m3fn",
+    "U8": "uint8",  # gpt_oss's MXFP4 `_blocks` and `_scales`
 }
 # the dtypes of weights read without a quantization_config (F8_E4M3 only with an fp8 one: a
 # `weight_scale_inv` beside an FP8 weight means its block factors where config.json says so)
-UNQUANTIZED_DTYPES = [code for code in SAFETENSORS_DTYPES if code != "F8_E4M3"]
+UNQUANTIZED_DTYPES = [code for code in SAFETENSORS_DTYPES if code not in ("F8_E4M3", "U8")]
 # the FP8 layout the engine reads: Hugging Face's fine-grained FP8 (kernels/fp8.py), e4m3 values
 # with one fp32 factor per 128x128 block (`weight_scale_inv`)
 FP8_BLOCK = 128
@@ -143,6 +153,15 @@ class ModelSpec:
     # gated norm of the linear layers is not
     zero_centered_norm: bool = False
     text_prefix: str = TEXT_PREFIX  # TEXT_PREFIX or MULTIMODAL_TEXT_PREFIX
+    # gpt_oss (engine/model/gpt_oss.py): the window of the layers in `sliding_layers` (tokens a
+    # position sees, itself included; 0: none), a learned logit per head in the softmax's
+    # denominator, biases in the router and the experts, the clamped SwiGLU's limit (0: SiLU)
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -287,12 +306,14 @@ class ModelSpec:
     def expert_bytes_as(self, fmt: str, elem_bytes: int | None = None) -> int:
         """Bytes of one routed expert held as `fmt`: FP8 values and their fp32 block factors
         (w13's [⌈2I/128⌉, ⌈H/128⌉] and w2's [⌈H/128⌉, ⌈I/128⌉]), else `elem_bytes` a weight (the
-        checkpoint's dtype where not given)."""
+        checkpoint's dtype where not given); gpt_oss's fp32 biases with either."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        # gpt_oss's biases beside the weights, fp32 (engine/experts/bank.py)
+        biases = 4 * (2 * i + h) if self.expert_bias else 0
         if fmt == "fp8":
-            h, i = self.hidden_size, self.moe_intermediate_size
             factors = blocks(2 * i) * blocks(h) + blocks(h) * blocks(i)
-            return self.expert_params + 4 * factors
-        return self.expert_params * (elem_bytes or self.dtype_bytes)
+            return self.expert_params + 4 * factors + biases
+        return self.expert_params * (elem_bytes or self.dtype_bytes) + biases
 
     @property
     def experts_total(self) -> int:
@@ -363,6 +384,8 @@ class ModelSpec:
         attn = h * (q_out + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += q_out + 2 * self.kv_size
+        if self.arch == "gpt_oss":
+            attn += h * self.attention_bias + self.num_heads * self.attention_sinks
         if self.qk_norm == "head":
             attn += 2 * self.head_dim
         elif self.qk_norm == "full":
@@ -373,7 +396,7 @@ class ModelSpec:
             # in projections: q, k, v, z and the per-head a and b; out projection from v
             projections = h * (la.conv_dim + la.value_dim + 2 * la.num_v_heads) + la.value_dim * h
             mixers += (projections + la.params) * len(self.linear_layers)
-        moe = h * self.num_experts
+        moe = (h + self.router_bias) * self.num_experts
         if self.shared_expert_intermediate_size:
             moe += 3 * h * self.shared_expert_intermediate_size + h
         dense_mlp = 3 * h * self.intermediate_size
@@ -439,7 +462,9 @@ class ModelSpec:
                     source=source,
                 )
             )
-        quantization = _quantization(config, source)
+        quantization = (
+            "mxfp4" if arch == "gpt_oss" and _is_mxfp4(config) else _quantization(config, source)
+        )
         read = _Fields(config, source, arch)
 
         hidden = read.whole("hidden_size")
@@ -473,10 +498,13 @@ class ModelSpec:
         else:
             moe_inter = read.whole("intermediate_size")
             moe_layers = tuple(range(layers))
-            norm_topk = True if arch == "mixtral" else bool(config.get("norm_topk_prob", False))
+            # gpt_oss's softmax over the top-k logits is the renormalized top-k of the softmax
+            norm_topk = arch in ("mixtral", "gpt_oss") or bool(config.get("norm_topk_prob", False))
 
         sliding = read.whole("sliding_window", default=0, minimum=0) if arch == "mixtral" else 0
-        if config.get("use_sliding_window") or 0 < sliding < max_position:
+        if arch == "gpt_oss":
+            own = gpt_oss_fields(config, read, layers)
+        elif config.get("use_sliding_window") or 0 < sliding < max_position:
             raise CheckpointError(
                 Text(
                     "sliding-window attention is not supported; this checkpoint's {source} "
@@ -518,7 +546,9 @@ class ModelSpec:
         rotary = rope.get("partial_rotary_factor") or 0.25
         rotary = read.real("partial_rotary_factor", default=rotary) if hybrid else 1.0
         attention_bias = bool(
-            config.get("qkv_bias", True) if arch == "qwen2_moe" else config.get("attention_bias")
+            config.get("qkv_bias", True)
+            if arch == "qwen2_moe"
+            else config.get("attention_bias", arch == "gpt_oss")
         )
 
         return cls(
@@ -558,6 +588,7 @@ class ModelSpec:
             attn_output_gate=hybrid,
             zero_centered_norm=hybrid,
             text_prefix=text_prefix,
+            **(own if arch == "gpt_oss" else {}),
             extra={"moelab_synth": config.get("moelab_synth")}
             if config.get("moelab_synth")
             else {},
@@ -649,6 +680,36 @@ def unread_weights_problem(spec: ModelSpec, unread: dict[str, str]) -> Text | No
         listed=listed,
         dtypes=", ".join(UNQUANTIZED_DTYPES),
     )
+
+
+def gpt_oss_fields(config: dict, read: _Fields, layers: int) -> dict:
+    """gpt_oss's own fields of ModelSpec from its config.json: the sliding window and which
+    layers use it (`layer_types`, transformers' default alternating from a sliding layer 0), the
+    clamped SwiGLU's limit; sinks and the router's and experts' biases are always there."""
+    window = read.whole("sliding_window", default=0, minimum=0)
+    types = config.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+        raise read._say("layer_types", Text("a list of {n} of {kinds}", n=layers,
+                                             kinds=" / ".join(kinds)), types)  # fmt: skip
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+    if read.real("swiglu_alpha", default=1.702) != 1.702:
+        raise read._say("swiglu_alpha", Text("1.702 (gpt_oss's SwiGLU)"), config["swiglu_alpha"])
+    return {
+        "sliding_window": window if sliding else 0,
+        "sliding_layers": sliding,
+        "attention_sinks": True,
+        "router_bias": True,
+        "expert_bias": True,
+        "swiglu_limit": read.real("swiglu_limit", default=7.0),
+    }
+
+
+def _is_mxfp4(config: dict) -> bool:
+    quantized = config.get("quantization_config")
+    return isinstance(quantized, dict) and quantized.get("quant_method") == "mxfp4"
 
 
 def _quantization(config: dict, source: str) -> str:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ...kernels.grouped_moe import grouped_moe
+from . import gpt_oss
 from .checkpoint import iter_layer_experts, load_dense
 from .kv import KVCache
 from .model import DenseWeights, Model, SeqSlice, StepBatch
@@ -80,6 +81,8 @@ PRESETS: dict[str, dict] = {
         norm_topk_prob=True,
     ),
 }
+
+PRESETS.update(gpt_oss.PRESETS)
 
 _DIM0 = 2.0  # the constant residual value of hidden dimension 0 (see module docstring)
 _LOGIT_GAIN = 4.0  # lm_head gain, so next-token distributions are peaked rather than flat
@@ -173,6 +176,8 @@ def make_config(arch: str, preset: str = "tiny", overrides: dict | None = None) 
             intermediate_size=g["moe_intermediate_size"],
             sliding_window=None,
         )
+    elif arch == "gpt_oss":
+        extra = gpt_oss.synth_config(g)
     else:
         extra = dict(
             architectures=["OlmoeForCausalLM"],
@@ -303,9 +308,16 @@ class SynthSource:
         leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
         if "norm" in name:
             return torch.ones(shape, dtype=self.dtype)
-        if name.endswith(".bias"):
-            return self._random(name, shape, 0.1)
-        fan_in = shape[-1]
+        # gpt_oss's experts are stored [E, in, out], their biases [E, out]
+        experts = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        if experts:
+            leaf = name.rsplit(".", 1)[-1]
+        if name.endswith((".bias", "_bias", ".sinks")):
+            t = self._random(name, shape, 0.1)
+            if name.endswith(("o_proj.bias", "down_proj_bias")):
+                t[..., 0] = 0  # nothing writes to the constant dimension
+            return t
+        fan_in = shape[-2] if experts else shape[-1]
         std = 1.0 / math.sqrt(fan_in)
         writes_residual = leaf in ("o_proj", "down_proj", "w2")
         if writes_residual:
@@ -318,10 +330,12 @@ class SynthSource:
             t = self._random(name, shape, _LOGIT_GAIN * std)
             t[:, 0] = 0
             return t
-        if leaf == "gate" and len(shape) == 2 and shape[0] == spec.num_experts:
+        if leaf in ("gate", "router") and len(shape) == 2 and shape[0] == spec.num_experts:
             return self._router(name, shape)
         t = self._random(name, shape, std)
-        if writes_residual:
+        if writes_residual and experts:
+            t[..., 0] = 0
+        elif writes_residual:
             t[0] = 0  # nothing writes to the constant dimension
         return t
 
@@ -333,12 +347,13 @@ class SynthSource:
         device: torch.device,
         dtype: torch.dtype,
         dense: DenseWeights | None = None,
-        experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        experts: list[tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
         """Refine each router's bias column (`_refine`) with forward passes of a model of this
         source's weights on `device` in `dtype`: `dense`, whose routers it calibrates in place
         (loaded here where not given), and each MoE layer's experts packed as the bank packs
-        them, (w13, w2) in `dtype` (`experts`, an engine's bank, or built here where not given)."""
+        them, (w13, w2) in `dtype` and gpt_oss's biases (`experts`, an engine's bank, or built here
+        where not given)."""
         spec = self.spec
         length = min(CALIBRATION_PROMPT_TOKENS, spec.max_position_embeddings)
         dense = dense or load_dense(spec, self, device, dtype)
@@ -415,6 +430,8 @@ class SynthSource:
 
     def _all_shapes(self) -> dict[str, tuple[int, ...]]:
         s = self.spec
+        if s.arch == "gpt_oss":
+            return gpt_oss.tensor_shapes(s)
         h, q, kv = s.hidden_size, s.q_size, s.kv_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, h)}
         for layer in range(s.num_layers):
@@ -481,6 +498,8 @@ class SynthSource:
 
 
 def router_name(spec: ModelSpec, layer: int) -> str:
+    if spec.arch == "gpt_oss":
+        return f"model.layers.{layer}.mlp.router.weight"
     block = "block_sparse_moe." if spec.arch == "mixtral" else "mlp."
     return f"model.layers.{layer}.{block}gate.weight"
 
@@ -488,45 +507,53 @@ def router_name(spec: ModelSpec, layer: int) -> str:
 class _CalibrationExperts:
     """The routed experts of a synthetic model for its calibration (an `ExpertExecutor`): each
     MoE layer's experts packed as the expert bank packs them, in the compute dtype (the given
-    `layers`, an engine's bank, or built from the source), all on the device where they fit,
-    else each layer copied there as it runs."""
+    `layers`, an engine's bank, or built from the source: w13, w2 and gpt_oss's biases), all on
+    the device where they fit, else each layer copied there as it runs."""
 
     def __init__(
         self,
         source: SynthSource,
         device: torch.device,
         dtype: torch.dtype,
-        layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        layers: list[tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
         spec = source.spec
         self.device = device
+        self.swiglu_limit = spec.swiglu_limit
         self.layers = layers if layers is not None else _packed_experts(source, dtype)
-        nbytes = sum(w13.nbytes + w2.nbytes for w13, w2 in self.layers)
+        nbytes = sum(t.nbytes for tensors in self.layers for t in tensors)
         if device.type != "cuda" or nbytes < 0.9 * torch.cuda.mem_get_info(device)[0]:
-            self.layers = [(w13.to(device), w2.to(device)) for w13, w2 in self.layers]
+            self.layers = [tuple(t.to(device) for t in tensors) for tensors in self.layers]
         assert len(self.layers) == spec.num_moe_layers
 
     def forward(self, moe_layer, x, ids, weights, *, decode: bool) -> torch.Tensor:
-        w13, w2 = (w.to(self.device) for w in self.layers[moe_layer])
+        w13, w2, *biases = (w.to(self.device) for w in self.layers[moe_layer])
+        extras = dict(zip(("w13_bias", "w2_bias"), biases, strict=False))
         e = w13.shape[0]
-        return grouped_moe(x, ids, weights, w13, w2, layer_experts=e, checked=False)
+        return grouped_moe(x, ids, weights, w13, w2, layer_experts=e, checked=False,
+                           swiglu_limit=self.swiglu_limit, **extras)  # fmt: skip
 
     def routing_record(self, moe_layer: int, tokens: int, decode: bool) -> None:
         return None
 
 
 def _packed_experts(source: SynthSource, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
-    """Each MoE layer's experts of `source`, packed as the bank packs them: (w13, w2)."""
+    """Each MoE layer's experts of `source`, packed as the bank packs them: (w13, w2) and for
+    gpt_oss their biases (fp32)."""
     spec = source.spec
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     layers = []
     for layer in spec.moe_layers:
         w13 = torch.empty((e, 2 * i, h), dtype=dtype)
         w2 = torch.empty((e, h, i), dtype=dtype)
-        for x, gate_up, down, *_ in iter_layer_experts(spec, source, layer):
-            w13[x].copy_(gate_up)
-            w2[x].copy_(down)
-        layers.append((w13, w2))
+        biases = (torch.empty((e, 2 * i)), torch.empty((e, h))) if spec.expert_bias else ()
+        for expert in iter_layer_experts(spec, source, layer):
+            w13[expert.index].copy_(expert.w13)
+            w2[expert.index].copy_(expert.w2)
+            if biases:
+                biases[0][expert.index].copy_(expert.w13_bias)
+                biases[1][expert.index].copy_(expert.w2_bias)
+        layers.append((w13, w2, *biases))
     return layers
 
 

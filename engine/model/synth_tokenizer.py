@@ -1,5 +1,6 @@
-"""A real byte-level BPE tokenizer and ChatML chat templates (Qwen3's, its thinking models', and
-Qwen3-Coder's) for synthetic checkpoints."""
+"""A real byte-level BPE tokenizer and chat templates for synthetic checkpoints: ChatML's (Qwen3's,
+its thinking models', Qwen3-Coder's) and gpt-oss's harmony (synth_harmony.py), each with the
+special tokens its format is made of."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from . import synth_harmony
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -142,7 +145,16 @@ CHAT_TEMPLATES = {
     "qwen3": CHAT_TEMPLATE,
     "qwen3_thinking": THINKING_CHAT_TEMPLATE,
     "qwen3_coder": CODER_CHAT_TEMPLATE,
+    "gpt_oss": synth_harmony.CHAT_TEMPLATE,
 }
+# the chat template of an architecture whose models all speak one format (gpt-oss: harmony)
+ARCH_CHAT_TEMPLATES = {"gpt_oss": "gpt_oss"}
+
+
+def chat_template_for(arch: str, name: str | None = None) -> str:
+    """The chat template a synthetic checkpoint of `arch` gets: `name`, else its architecture's
+    format, else Qwen3's."""
+    return name or ARCH_CHAT_TEMPLATES.get(arch, "qwen3")
 
 
 def corpus_text() -> str:
@@ -159,14 +171,15 @@ def corpus_text() -> str:
 KEPT_IN_TEXT = {"<think>", "</think>", "<tool_call>", "</tool_call>"}
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE of at most `vocab_size` tokens on the shipped corpus."""
+def build_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
+    """Train a byte-level BPE of at most `vocab_size` tokens on the shipped corpus, with
+    `special_tokens` first."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=max(vocab_size, 256 + len(SPECIAL_TOKENS)),
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=max(vocab_size, 256 + len(special_tokens)),
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -179,11 +192,30 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
 
 def write_tokenizer_files(out: Path, vocab_size: int, chat_template: str = "qwen3") -> Tokenizer:
     """Write tokenizer.json, tokenizer_config.json (with the chat template of that name, from
-    CHAT_TEMPLATES) and generation_config.json into `out`."""
-    tok = build_tokenizer(vocab_size)
+    CHAT_TEMPLATES) and generation_config.json into `out`; gpt_oss's with the harmony tokens."""
+    if chat_template == "gpt_oss":
+        return _write_files(
+            out, vocab_size, synth_harmony.SPECIAL_TOKENS, synth_harmony.EOS_TOKENS,
+            synth_harmony.tokenizer_config(CHAT_TEMPLATES[chat_template]),
+        )  # fmt: skip
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 131072,
+        "chat_template": CHAT_TEMPLATES[chat_template],
+        "clean_up_tokenization_spaces": False,
+    }
+    return _write_files(out, vocab_size, SPECIAL_TOKENS, ("<|im_end|>", "<|endoftext|>"), config)
+
+
+def _write_files(
+    out: Path, vocab_size: int, special: list[str], eos: tuple[str, ...], config: dict
+) -> Tokenizer:
+    tok = build_tokenizer(vocab_size, special)
     tok.save(str(out / "tokenizer.json"))
-    eos = tok.token_to_id("<|im_end|>")
-    endoftext = tok.token_to_id("<|endoftext|>")
     added = {
         str(tok.token_to_id(t)): {
             "content": t,
@@ -193,23 +225,14 @@ def write_tokenizer_files(out: Path, vocab_size: int, chat_template: str = "qwen
             "normalized": False,
             "single_word": False,
         }
-        for t in SPECIAL_TOKENS
+        for t in special
     }
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": 131072,
-        "chat_template": CHAT_TEMPLATES[chat_template],
-        "clean_up_tokenization_spaces": False,
-    }
+    config = {"added_tokens_decoder": added, **config}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    pad = tok.token_to_id("<|endoftext|>")
     generation = {
-        "eos_token_id": [eos, endoftext],
-        "pad_token_id": endoftext,
+        "eos_token_id": [tok.token_to_id(t) for t in eos],
+        "pad_token_id": pad,
         "do_sample": False,
         "transformers_version": "4.51.0",
     }

@@ -189,7 +189,8 @@ class Engine:
         so that no second copy of the experts is made and freed before the bank's pages are
         taken, and before the expert cache takes the device memory the passes need."""
         bank = self.bank
-        experts = list(zip(bank.w13, bank.w2, strict=True)) if bank.fmt == "bf16" else None
+        layers = (bank.w13, bank.w2, *((bank.w13_bias, bank.w2_bias) if bank.w13_bias else ()))
+        experts = list(zip(*layers, strict=True)) if bank.fmt == "bf16" else None
         with calibration_threads(self.device, default_cpu_threads()):
             source.calibrate(self.device, self.dtype, dense=dense, experts=experts)
 
@@ -218,6 +219,8 @@ class Engine:
             self.dtype,
             self.device,
             self.expert_format,
+            bias=spec.expert_bias,
+            swiglu_limit=spec.swiglu_limit,
         )
         self.cpu = start_cpu_executor(
             experts.cpu_threads,
@@ -266,21 +269,30 @@ class Engine:
         self.kv = self._new_kv(plan)
         running = config.batching.max_running_requests
         # a hybrid model's linear layers: one state slot per running sequence
-        self.states = StatePool(spec, running, self.device, self.dtype) if spec.hybrid else None
+        # and the state checkpoints a prompt may resume from (with the prefix cache)
+        memory = config.memory
+        checkpoints = memory.state_checkpoints if self.kv.prefix_cache else 0
+        self.states = (
+            StatePool(spec, running, self.device, self.dtype, checkpoints) if spec.hybrid else None
+        )
         self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1,
                            states=self.states)  # fmt: skip
         self.scheduler = Scheduler(
-            self.kv, running, config.prefill.chunk_tokens, states=self.states
-        )
+            self.kv, running, config.prefill.chunk_tokens, states=self.states,
+            checkpoint_interval=memory.state_checkpoint_interval,
+        )  # fmt: skip
         self.sampler = Sampler(config.server.seed)
 
     def _new_kv(self, plan: VramPlan) -> KVCache:
         memory = self.config.memory
-        # a hybrid model's recurrent state cannot be cut back to a matched prefix: no matching
-        prefix_cache = memory.prefix_cache and not self.spec.hybrid
+        # a hybrid model's recurrent state cannot be cut back to a matched prefix: it resumes
+        # from a state checkpoint, without which nothing is matched
+        resumable = not self.spec.hybrid or memory.state_checkpoints > 0
+        prefix_cache = memory.prefix_cache and resumable
         if memory.prefix_cache and not prefix_cache:
             log.info("prefix cache off: this model's linear attention layers keep a recurrent "
-                     "state, which cannot resume from a cached prefix")  # fmt: skip
+                     "state, which resumes only from a state checkpoint, and "
+                     "--state-checkpoints is 0")  # fmt: skip
         return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, self.device, self.dtype,
                        prefix_cache=prefix_cache,
                        cache_dtype=memory.kv_cache_dtype)  # fmt: skip
@@ -462,8 +474,11 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams,
         on_token: Callable[[Sequence, int], None] | None = None,
+        boundaries: tuple[int, ...] = (),
     ) -> Sequence:
-        """Queue a request; raise ValueError when it can never fit the context."""
+        """Queue a request; raise ValueError when it can never fit the context. `boundaries`:
+        prompt token counts where a later request's prompt may part from this one (a chat's
+        message ends), at which a hybrid model keeps a state checkpoint."""
         total = len(prompt_ids) + params.max_tokens
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -472,7 +487,8 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the usable context of {self.max_context} tokens"
             )
-        seq = Sequence(list(prompt_ids), params, on_token, arrival_time=time.monotonic())
+        seq = Sequence(list(prompt_ids), params, on_token, arrival_time=time.monotonic(),
+                       boundaries=boundaries)  # fmt: skip
         self.scheduler.add(seq)
         return seq
 

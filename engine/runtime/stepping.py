@@ -231,6 +231,7 @@ class Stepper:
             c.seq.computed = c.start + c.count
             if not decode:  # a long prompt's pages, named chunk by chunk as they are computed
                 self.scheduler.name_blocks(c.seq)
+                self.scheduler.keep_state(c.seq)  # a hybrid model's state, where due
         seqs = [c.seq for c in sampled_chunks]
         tokens, logprobs = self.sampler.sample(logits, seqs)
         if decode:

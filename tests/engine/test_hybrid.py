@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from moelab.engine.model.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from moelab.engine.model.synth_tokenizer import write_tokenizer_files
+from moelab.engine.model.tokenizer import Tokenizer
 from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
 from moelab.engine.runtime.graphs import DecodeGraphs
 from moelab.engine.runtime.sampling import SamplingParams
@@ -34,6 +35,7 @@ from .reference import (
 )
 from .test_fp8 import dequantize_checkpoint
 from .test_graphs import ReplayGraph
+from .test_tool_calls import ScriptedWorker, served
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is the reference (pip install -e '.[test]')"
@@ -160,20 +162,123 @@ def test_offloaded_experts_match(reference):
         assert_same_greedy(ours, ref, margins)
 
 
-def test_a_repeated_prompt_is_prefilled_again_not_matched(reference):
-    """The prefix cache stays off for a hybrid model: a recurrent state cannot be resumed from
-    a cached prefix, so a second turn is prefilled whole, and still continues as transformers."""
-    _kind, model, engine, _ = reference
-    assert not engine.kv.prefix_cache
-    first = prompt(4, 40)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    [reply] = engine.generate([first], params)
-    second = first + reply + prompt(5, 9)
-    seq = engine.add(second, params)
-    engine.run_until_idle()
-    assert seq.cached_tokens == 0
-    ref, margins = hf_greedy(model, second, 10)
+def run_recorded(engine, ids: list[int], n: int, boundaries: tuple[int, ...] = ()):
+    """One request of `n` greedy tokens run alone, and the logits [vocab] its prompt ended with
+    (the first step's that gives any: the prefill step that completes the prompt)."""
+    rows = []
+    forward = engine.model.forward
+
+    def recording(batch):
+        logits = forward(batch)
+        rows.append(logits.detach().clone())
+        return logits
+
+    engine.model.forward = recording
+    try:
+        seq = engine.add(ids, SamplingParams(max_tokens=n, ignore_eos=True), boundaries=boundaries)
+        engine.run_until_idle()
+    finally:
+        del engine.model.forward
+    return seq, next(row for row in rows if len(row))[0]
+
+
+def assert_as_full_prefill(model, ids: list[int], seq, logits: torch.Tensor) -> None:
+    """The logits the prompt ended with are those transformers gives from the whole prompt
+    (within 1e-4), and so are the greedy tokens after them."""
+    assert relative_error(logits, hf_logits(model, ids)[-1]) < 1e-4
+    ref, margins = hf_greedy(model, ids, len(seq.output_ids))
     assert_same_greedy(seq.output_ids, ref, margins)
+
+
+def test_a_second_turn_resumes_from_the_first_turns_state_checkpoint(reference):
+    """The first turn keeps the state where its last message ends (token 37, kept at 32: whole
+    pages of 16); the second turn (the first, its reply and more) takes those pages and that
+    state, prefills the rest, and gives transformers' tokens and logits from the whole prompt."""
+    _kind, model, engine, _ = reference
+    first = prompt(4, 40)
+    kept = engine.states.checkpoints_kept
+    one, _ = run_recorded(engine, first, 10, boundaries=(37,))
+    assert engine.states.checkpoints_kept == kept + 1
+    second = first + one.output_ids + prompt(5, 9)
+    seq, logits = run_recorded(engine, second, 12)
+    assert seq.cached_tokens == 32
+    assert_as_full_prefill(model, second, seq, logits)
+
+
+def test_resuming_from_a_wrong_state_gives_other_logits(reference):
+    """Zeroing the kept checkpoints after the first turn changes the second turn's logits: the
+    comparison above sees the state the second turn resumes from."""
+    _kind, model, engine, _ = reference
+    first = prompt(6, 40)
+    run_recorded(engine, first, 4, boundaries=(40,))
+    pool, spare = engine.states, engine.states.pad_slot + 1
+    pool.conv[:, spare:].zero_()
+    pool.recurrent[:, spare:].zero_()
+    second = first + prompt(7, 9)
+    seq, logits = run_recorded(engine, second, 4)
+    assert seq.cached_tokens == 32
+    assert relative_error(logits, hf_logits(model, second)[-1]) > 1e-2
+
+
+def test_a_prompt_that_parts_inside_a_checkpointed_span_resumes_before_it(reference):
+    """Checkpoints at 16 and 32 tokens: a prompt that differs at token 20 resumes at 16, one
+    that differs at token 5 at none, and both continue as transformers from the whole prompt."""
+    _kind, model, engine, _ = reference
+    first = prompt(8, 45)
+    run_recorded(engine, first, 2, boundaries=(19, 40))
+    for at, cached in ((20, 16), (5, 0)):
+        other = list(first)
+        other[at] = (other[at] + 1) % VOCAB
+        seq, logits = run_recorded(engine, other + prompt(9, 6), 8)
+        assert seq.cached_tokens == cached, at
+        assert_as_full_prefill(model, other + prompt(9, 6), seq, logits)
+
+
+def test_the_least_recently_used_checkpoint_goes_first(reference):
+    """Two checkpoints of room: a third prompt's checkpoint takes the place of the one least
+    recently kept or resumed from, whose prompt is then prefilled whole; a long prompt keeps one
+    every --state-checkpoint-interval tokens."""
+    _kind, model, _engine, path = reference
+    engine = make_engine(path, "--prefill-chunk-tokens", CHUNK, "--state-checkpoints", "2",
+                         "--state-checkpoint-interval", "32")  # fmt: skip
+    try:
+        a, b, c = prompt(40, 40), prompt(41, 40), prompt(42, 40)
+        for ids in (a, b):
+            run_recorded(engine, ids, 1)  # each keeps its state at 32
+        again, _ = run_recorded(engine, [*a, 1, 2], 1)  # resumes from a's: now the most recent
+        assert again.cached_tokens == 32
+        run_recorded(engine, c, 1)  # takes b's room
+        assert engine.states.checkpoints_held == 2
+        # (b's last: its prompt, prefilled whole, keeps its state again in the oldest's room)
+        cached = {
+            name: run_recorded(engine, [*ids, 3], 1)[0].cached_tokens
+            for name, ids in (("a", a), ("c", c), ("b", b))
+        }
+        assert cached == {"b": 0, "a": 32, "c": 32}
+        long = prompt(43, 100)  # states kept at 32, 64 and 96
+        run_recorded(engine, long, 1)
+        seq, logits = run_recorded(engine, long[:70] + prompt(44, 5), 6)
+        assert seq.cached_tokens == 64
+        assert_as_full_prefill(model, long[:70] + prompt(44, 5), seq, logits)
+    finally:
+        engine.close()
+
+
+def test_without_state_checkpoints_a_repeated_prompt_is_prefilled_again(reference):
+    """--state-checkpoints 0: nothing to resume a state from, so the prefix cache is off and a
+    second turn is prefilled whole, and still continues as transformers."""
+    _kind, model, _engine, path = reference
+    engine = make_engine(path, "--prefill-chunk-tokens", CHUNK, "--state-checkpoints", "0")
+    try:
+        assert not engine.kv.prefix_cache
+        first = prompt(4, 40)
+        one, _ = run_recorded(engine, first, 6, boundaries=(37,))
+        second = first + one.output_ids + prompt(5, 9)
+        seq, logits = run_recorded(engine, second, 6)
+    finally:
+        engine.close()
+    assert seq.cached_tokens == 0 and engine.states.checkpoints_held == 0
+    assert_as_full_prefill(model, second, seq, logits)
 
 
 def test_comparison_catches_a_missed_state_carry(reference, monkeypatch):
@@ -290,10 +395,39 @@ def test_an_fp8_release_matches_transformers_on_its_dequantized_weights(kind, tm
     assert_same_greedy(tokens, ref, margins)
 
 
+def test_a_chat_request_names_where_its_system_prompt_and_last_message_end(tmp_path):
+    """The server hands a hybrid model's engine the token counts where the rendered chat's
+    system prompt and its last message end (an agent's next request repeats both); for a model
+    without state checkpoints, none."""
+    write_tokenizer_files(tmp_path, 2048)
+    tokenizer = Tokenizer(tmp_path)
+    messages = [
+        {"role": "system", "content": "You call tools."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "Looking."},
+        {"role": "tool", "content": "Rain, 4 degrees."},
+    ]
+    for checkpointing in (True, False):
+        worker = ScriptedWorker(tokenizer, "Rain.", checkpointing=checkpointing)
+        r = served(worker).post("/v1/chat/completions", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        [req] = worker.requests
+        if not checkpointing:
+            assert req.boundaries == ()
+            continue
+        ends = [
+            tokenizer.apply_chat_template(messages[:n], add_generation_prompt=False) for n in (1, 4)
+        ]
+        assert req.boundaries == tuple(len(tokenizer.encode(text)) for text in ends)
+        assert req.prompt_ids[: req.boundaries[1]] == tokenizer.encode(ends[1])
+        assert 0 < req.boundaries[0] < req.boundaries[1] < len(req.prompt_ids)
+
+
 def test_moelab_serve_answers_a_chat_from_a_qwen36_layout_checkpoint(tmp_path):
     """A real `moelab serve` process on a multimodal Qwen3.5/3.6 MoE checkpoint transformers
     wrote (with the synthetic tokenizer and Qwen's chat template), its experts offloaded: a chat
-    completion, twice (the second sequence takes the slot the first gave back)."""
+    completion, the same again (resumed from the state kept where its last message ends), and
+    the chat's second turn, which resumes from the first turn's state as well."""
     path = tmp_path / "m"
     build_hybrid("qwen3_5_moe", path, seed=8, vocab_size=2048)
     write_tokenizer_files(path, 2048)
@@ -303,23 +437,37 @@ def test_moelab_serve_answers_a_chat_from_a_qwen36_layout_checkpoint(tmp_path):
     flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
              "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5",
              "--max-running-requests", "1"]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You answer questions about hybrid models, exactly."},
+        {"role": "user", "content": "Which layers keep a state?"},
+    ]
     engine = start_engine(flags, tmp_path / "engine.log")
     try:
         wait_ready(engine, timeout_s=120)
-        body = {
-            "messages": [{"role": "user", "content": "Which layers keep a state?"}],
-            "max_tokens": 12,
-            "temperature": 0,
-        }
-        replies = []
-        for _ in range(2):
+
+        def chat(messages: list[dict]) -> dict:
+            body = {"messages": messages, "max_tokens": 12, "temperature": 0}
             r = httpx.post(engine.base_url + "/v1/chat/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
-            replies.append(r.json())
+            return r.json()
+
+        first, again = chat(messages), chat(messages)
+        reply = first["choices"][0]["message"]
+        turn = chat([*messages, reply, {"role": "user", "content": "And the others?"}])
+        stats = httpx.get(engine.base_url + "/v1/stats", timeout=30).json()
     finally:
         stop_engine(engine)
-    first, second = replies
     assert first["usage"]["completion_tokens"] > 0
-    assert first["choices"][0]["message"]["content"]
-    # the same greedy reply from a fresh state slot
-    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+    assert reply["content"]
+    # the same greedy reply from the kept state as from a fresh slot
+    assert again["choices"][0]["message"] == reply
+
+    def cached(response: dict) -> int:
+        return response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(first) == 0
+    # the first turn's prompt up to its last message's end, in whole pages of 16
+    assert 0 < cached(again) <= first["usage"]["prompt_tokens"] - 1
+    assert cached(turn) == cached(again)
+    checkpoints = stats["kv"]["prefix_cache"]["state_checkpoints"]
+    assert checkpoints["resumed"] == 2 and checkpoints["capacity"] == 8

@@ -110,12 +110,12 @@ def _cpu_part(on_cpu, ids, weights, x, bank: ExpertBank, layer: int) -> torch.Te
     pair_expert = torch.from_numpy(np.ascontiguousarray(ids[rows, cols]))
     pair_weight = weights[torch.from_numpy(rows).long(), torch.from_numpy(cols).long()].contiguous()
     return cpu_experts_ref(x, bank.w13[layer], bank.w2[layer], pair_expert, torch.from_numpy(rows),
-                           pair_weight, **bank.cpu_scales(layer))  # fmt: skip
+                           pair_weight, **bank.cpu_args(layer))  # fmt: skip
 
 
 def _layer_ref(x, ids, weights, bank: ExpertBank, layer: int) -> torch.Tensor:
     """The whole layer's output, every route from the bank (the device's reference kernel)."""
-    scales = {f"{name}_inv": t for name, t in bank.cpu_scales(layer).items()}
+    scales = {f"{name}_inv": t for name, t in bank.cpu_args(layer).items()}
     return fused_moe_decode_ref(x, ids, weights, bank.w13[layer], bank.w2[layer], **scales)
 
 
@@ -143,7 +143,7 @@ def _device_part(d, x, weights, cache) -> torch.Tensor:
     cached = torch.empty(slots_h.shape, dtype=torch.int32, device=x.device)
     filled = torch.empty_like(cached)
     route_slots_from_host(slots_h, cached, filled)
-    parts = (fused_moe_decode(x, t, weights, cache.w13, cache.w2, **cache.scales())
+    parts = (fused_moe_decode(x, t, weights, cache.w13, cache.w2, **cache.kernel_args())
              for t in (cached, filled))  # fmt: skip
     return sum(parts)
 

@@ -96,6 +96,7 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
     )
     compile_moe(BF16, fp8_bank=False)
     compile_moe(BF16, fp8_bank=True)
+    compile_gpt_oss()
     # the grouping over a whole expert cache of 12 layers' experts (its widest per-expert pass)
     ids = torch.randint(0, 12 * EXPERTS, (512, TOP_K), dtype=torch.int32)
     w13 = torch.empty(12 * EXPERTS, 2 * INTER, HIDDEN, dtype=BF16)
@@ -223,21 +224,41 @@ def compile_fp8_kv(dtype: torch.dtype) -> None:
     fp8_kv.gather_triton(bits, factors[0], torch.arange(512), 8192, dtype)
 
 
-def compile_moe(dtype: torch.dtype, fp8_bank: bool) -> None:
-    """The decode and prefill MoE launches of the engine's shapes, activations in `dtype`, over a
-    bank in `dtype` or FP8 (float8_e4m3fn with its block factors)."""
+def compile_gpt_oss() -> None:
+    """gpt-oss's variants: the MoE launches with the experts' biases and clamped SwiGLU (bf16 and
+    FP8 banks), decode attention with the sinks and the window (64 q heads, 8 KV heads of 64)."""
+    compile_moe(BF16, fp8_bank=False, biased=True)
+    compile_moe(BF16, fp8_bank=True, biased=True)
+    for batch, context in ((1, 32768), (8, 4096)):
+        q = torch.randn(batch, 64, 64, dtype=BF16)
+        cache = torch.empty(batch * context // 16, 16, 8, 64, dtype=BF16)
+        tables = torch.arange(batch * context // 16, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        paged_attention.paged_attention_decode_triton(
+            q, cache, cache, tables, lens, 0.1, sinks=torch.zeros(64, dtype=BF16), window=128
+        )
 
-    def bank(experts: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+
+def compile_moe(dtype: torch.dtype, fp8_bank: bool, biased: bool = False) -> None:
+    """The decode and prefill MoE launches of the engine's shapes, activations in `dtype`, over a
+    bank in `dtype` or FP8 (float8_e4m3fn with its block factors); `biased`: gpt-oss's experts,
+    with their biases and the clamped SwiGLU."""
+
+    def bank(experts: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, object]]:
         weight = torch.float8_e4m3fn if fp8_bank else dtype
         w13 = torch.empty(experts, 2 * INTER, HIDDEN, dtype=weight)
         w2 = torch.empty(experts, HIDDEN, INTER, dtype=weight)
+        extras: dict[str, object] = {}
+        if biased:
+            extras = {"w13_bias": torch.zeros(experts, 2 * INTER),
+                      "w2_bias": torch.zeros(experts, HIDDEN), "swiglu_limit": 7.0}  # fmt: skip
         if not fp8_bank:
-            return w13, w2, {}
+            return w13, w2, extras
         scales = {
             "w13_scale_inv": torch.ones(experts, fp8.blocks(2 * INTER), fp8.blocks(HIDDEN)),
             "w2_scale_inv": torch.ones(experts, fp8.blocks(HIDDEN), fp8.blocks(INTER)),
         }
-        return w13, w2, scales
+        return w13, w2, {**scales, **extras}
 
     for tokens in (1, 16, 64):
         x = torch.randn(tokens, HIDDEN, dtype=dtype)
