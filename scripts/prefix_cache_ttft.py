@@ -6,7 +6,8 @@ Usage: python scripts/prefix_cache_ttft.py [--arch qwen3_moe] [--preset small] [
 Runs an engine on the preset's geometry (of --arch, as `moelab synth` writes it) with dummy
 weights (or on --model-path), the same conversation twice, once with the prefix cache and once
 with `--no-prefix-cache`. Each turn's prompt is the last prompt, its reply and a new question,
-after a system prompt of --system tokens. Prints each turn's prompt tokens, the tokens the cache
+after a system prompt of --system tokens, whose end each request names as a chat's server does
+(a hybrid model keeps its state there). Prints each turn's prompt tokens, the tokens the cache
 held, and the time to the first token both ways. With --at-once N, instead: N requests sent at
 once, each the system prompt and a question of its own (a few-shot prefix from an evaluation
 harness), and the time until every one has its first token. Other flags go to both engines (for
@@ -46,7 +47,10 @@ def conversation(
     for _ in range(args.turns):
         prompt = prompt + words(args.question)
         t0 = time.perf_counter()
-        seq = engine.add(prompt, SamplingParams(max_tokens=args.reply, ignore_eos=True))
+        # the system prompt's end, a message end a chat's server names: a hybrid model keeps
+        # its state there (and every --state-checkpoint-interval tokens)
+        params = SamplingParams(max_tokens=args.reply, ignore_eos=True)
+        seq = engine.add(prompt, params, boundaries=(args.system,))
         while not seq.output_ids:
             engine.step()
         first = time.perf_counter() - t0
@@ -67,7 +71,10 @@ def at_once(engine: Engine, args: argparse.Namespace, seed: int) -> list[tuple[i
     system = words(args.system)
     params = SamplingParams(max_tokens=args.reply, ignore_eos=True)
     t0 = time.perf_counter()
-    seqs = [engine.add(system + words(args.question), params) for _ in range(args.at_once)]
+    seqs = [
+        engine.add(system + words(args.question), params, boundaries=(args.system,))
+        for _ in range(args.at_once)
+    ]
     while not all(s.output_ids for s in seqs):
         engine.step()
     first = time.perf_counter() - t0
