@@ -1,0 +1,156 @@
+"""The 4-bit formats, MXFP4 and NVFP4: their e2m1 element, hand-made blocks decoded by the
+definition, gpt-oss's layout as transformers reads it, and the quantizers' error bounds."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
+
+from moelab.kernels import e2m1, fp8, mxfp4, nvfp4
+
+EVERY_CODE = torch.arange(16, dtype=torch.uint8)
+VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def test_every_e2m1_code_decodes_to_its_value_and_encodes_back():
+    values = e2m1.widen(EVERY_CODE)
+    assert values.tolist() == VALUES == FP4_VALUES
+    assert torch.equal(torch.signbit(values), EVERY_CODE >= 8)
+    assert torch.equal(e2m1.encode(values), EVERY_CODE)
+
+
+def test_e2m1_rounds_to_nearest_ties_to_even_and_saturates():
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0])
+    assert e2m1.widen(e2m1.encode(ties)).tolist() == [0, 1, 1, 2, 2, 4, 4, -0.0, -4]
+    near = torch.tensor([0.26, 0.74, 1.3, 2.4, 4.9, 5.1, 6.5, 1e9, -7.0])
+    assert e2m1.widen(e2m1.encode(near)).tolist() == [0.5, 0.5, 1.5, 2, 4, 6, 6, 6, -6]
+
+
+def test_pack_puts_the_even_value_in_the_low_nibble():
+    packed = e2m1.pack(torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8))
+    assert packed.tolist() == [[0x21, 0x0F]]
+    assert e2m1.unpack(packed).tolist() == [[1, 2, 15, 0]]
+
+
+def _mx_block(codes: list[int], scale: int) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = e2m1.pack(torch.tensor(codes, dtype=torch.uint8)).reshape(1, 1, 16)
+    return blocks, torch.tensor([[scale]], dtype=torch.uint8)
+
+
+def test_mxfp4_block_of_every_code_at_the_scale_extremes():
+    codes = list(range(16)) * 2
+    for scale, factor in ((127, 1.0), (0, 2.0**-127), (254, 2.0**127), (130, 8.0)):
+        values = mxfp4.dequantize(*_mx_block(codes, scale))
+        expected = torch.tensor(VALUES * 2, dtype=torch.float64) * factor
+        assert torch.equal(values.double().flatten(), expected.float().double()), scale
+    assert mxfp4.dequantize(*_mx_block(codes, 0xFF)).isnan().all()
+
+
+def test_mxfp4_quantize_takes_the_spec_shared_exponent_and_saturates():
+    w = torch.zeros(2, 64)
+    w[0, :32] = torch.linspace(-7.5, 7.5, 32)  # amax 7.5: X = 2^(2 - 2) = 1, ±7.5 saturate to ±6
+    w[0, 32] = 0.375  # amax 0.375: X = 2^(-2 - 2); 0.375 = 6 · 2^-4
+    blocks, scales = mxfp4.quantize(w)
+    assert blocks.shape == (2, 2, 16) and scales.shape == (2, 2)
+    assert scales.tolist() == [[127, 123], [0, 0]]
+    back = mxfp4.dequantize(blocks, scales)
+    assert back[0, 0] == -6 and back[0, 31] == 6 and back[0, 32] == 0.375
+    assert torch.equal(back[1], torch.zeros(64))
+
+
+def test_mxfp4_block_with_nan_or_infinity_gets_the_nan_scale_alone():
+    w = torch.ones(1, 96)
+    w[0, 3] = torch.nan
+    w[0, 40] = torch.inf
+    blocks, scales = mxfp4.quantize(w)
+    assert scales.tolist() == [[0xFF, 0xFF, 125]]
+    back = mxfp4.dequantize(blocks, scales)
+    assert back[0, :64].isnan().all() and torch.equal(back[0, 64:], torch.ones(32))
+
+
+def test_mxfp4_refuses_a_dimension_its_blocks_do_not_tile():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxfp4.quantize(torch.ones(2, 48))
+
+
+@settings(deadline=None, max_examples=20)
+@given(seed=st.integers(0, 2**16))
+def test_mxfp4_dequantize_matches_transformers_on_gpt_oss_layout(seed):
+    g = torch.Generator().manual_seed(seed)
+    experts, rows, nblocks = 3, 5, 4  # gate_up_proj_blocks [E, 2I, H/32, 16]
+    blocks = torch.randint(0, 256, (experts, rows, nblocks, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 255, (experts, rows, nblocks), generator=g, dtype=torch.uint8)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, H, 2I]
+    assert torch.equal(mxfp4.dequantize(blocks, scales).transpose(1, 2), theirs)
+
+
+def _weights(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Random weights whose blocks span many binades, as trained experts' do."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.exp2(torch.randint(-30, 30, (*shape[:-1], 1), generator=g).float())
+    return torch.randn(shape, generator=g) * spread
+
+
+@settings(deadline=None, max_examples=50)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 9), k_blocks=st.integers(1, 6))
+def test_mxfp4_round_trip_is_within_one_e2m1_step_per_block(seed, n, k_blocks):
+    w = _weights(seed, (2, n, 32 * k_blocks))
+    blocks, scales = mxfp4.quantize(w)
+    back = mxfp4.dequantize(blocks, scales)
+    x = mxfp4.scale_values(scales).repeat_interleave(32, -1)
+    # one mantissa bit: half a step is at most a quarter of the value, or of X below 1·X; a
+    # saturated value (|w|/X in (6, 8)) loses less than a quarter too
+    assert torch.all((back - w).abs() <= torch.maximum(w.abs(), x) / 4)
+    # the spec's X puts each block's largest magnitude in [4, 8) · X
+    top = w.abs().unflatten(-1, (k_blocks, 32)).amax(-1) / mxfp4.scale_values(scales)
+    assert torch.all((top >= 4) & (top < 8))
+
+
+def _nv_block(codes: list[int], scale_bits: int, scale_2: float):
+    weight = e2m1.pack(torch.tensor([codes], dtype=torch.uint8))
+    weight_scale = torch.tensor([[scale_bits]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return weight, weight_scale, torch.tensor(scale_2)
+
+
+def test_nvfp4_block_of_every_code_at_the_scale_extremes():
+    for bits, scale in ((0x7E, 448.0), (0x01, 2.0**-9), (0x38, 1.0), (0x00, 0.0)):
+        values = nvfp4.dequantize(*_nv_block(list(range(16)), bits, 0.5))
+        expected = torch.tensor(VALUES) * scale * 0.5
+        assert torch.equal(values.flatten(), expected), hex(bits)
+    assert nvfp4.dequantize(*_nv_block(list(range(16)), 0x7F, 0.5)).isnan().all()
+    assert nvfp4.dequantize(*_nv_block(list(range(16)), 0xFF, 0.5)).isnan().all()
+
+
+def test_nvfp4_quantize_scales_as_modelopt_and_keeps_bad_blocks_to_themselves():
+    w = torch.zeros(2, 3, 32)
+    w[0, 0, :16] = torch.linspace(-6.0, 6.0, 16) * 448  # the tensor's amax: scales 448, 1
+    w[0, 1, 16] = 3.0
+    w[0, 2, 0] = torch.nan
+    weight, weight_scale, scale_2 = nvfp4.quantize(w)
+    assert weight.shape == (2, 3, 16) and weight_scale.shape == (2, 3, 2)
+    assert scale_2.tolist() == [1.0, 1.0]  # expert 1 is all zeros
+    scales = fp8.widen(weight_scale)
+    assert scales[0, 0, 0] == 448 and scales[0, 1, 1] == 0.5 and scales[0, 2, 0].isnan()
+    back = nvfp4.dequantize(weight, weight_scale, scale_2)
+    assert back[0, 0, 0] == -6 * 448 and back[0, 1, 16] == 3.0
+    assert back[0, 2, :16].isnan().all() and torch.equal(back[1], torch.zeros(3, 32))
+
+
+def test_nvfp4_refuses_a_dimension_its_blocks_do_not_tile():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4.quantize(torch.ones(2, 40))
+
+
+@settings(deadline=None, max_examples=50)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 9), k_blocks=st.integers(1, 6))
+def test_nvfp4_round_trip_is_within_one_e2m1_step_per_block(seed, n, k_blocks):
+    w = _weights(seed, (2, n, 16 * k_blocks))
+    weight, weight_scale, scale_2 = nvfp4.quantize(w)
+    assert weight_scale.dtype == torch.float8_e4m3fn and scale_2.shape == (2,)
+    back = nvfp4.dequantize(weight, weight_scale, scale_2)
+    factor = (fp8.widen(weight_scale) * scale_2[:, None, None]).repeat_interleave(16, -1)
+    # as MXFP4's bound, on the block's factor; plus what a scale below e4m3's smallest step
+    # (2^-9 · weight_scale_2, half of it by rounding) can leave of a block of tiny values
+    floor = 6 * 2.0**-10 * scale_2[:, None, None]
+    assert torch.all((back - w).abs() <= torch.maximum(w.abs(), factor) / 4 + floor)
