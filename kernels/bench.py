@@ -33,6 +33,8 @@ from . import (
     gemv,
     grouped_moe,
     host_handoff,
+    mxfp4,
+    mxfp4_moe,
     paged_attention,
     rmsnorm,
     rope_kv,
@@ -69,6 +71,8 @@ EXPERT_BYTES = 3 * HIDDEN * INTER * ELEM_BYTES
 FP8_EXPERT_BYTES = 3 * HIDDEN * INTER + 4 * (
     fp8.blocks(2 * INTER) * fp8.blocks(HIDDEN) + fp8.blocks(HIDDEN) * fp8.blocks(INTER)
 )
+# An MXFP4 expert: two values a byte and an E8M0 scale byte per 32 values.
+MXFP4_EXPERT_BYTES = 3 * HIDDEN * INTER // 2 + 3 * HIDDEN * INTER // mxfp4.BLOCK
 # Bytes each graph of calls reads at least, so that the GPU's L2 cache (tens of MiB) cannot hold
 # them; calls that read less over MAX_CALLS_PER_GRAPH are bound by launches, not by memory.
 MIN_WORKING_SET_BYTES = 512 << 20
@@ -348,6 +352,60 @@ class Bench:
 
         scales = {"w13_scale_inv": copied(s13), "w2_scale_inv": copied(s2)}
         return copied(w13), copied(w2), scales
+
+    def fused_moe_mxfp4(self, tokens: int) -> None:
+        """Decode MoE over an MXFP4 bank (mxfp4_moe); the bytes are the blocks and their scales.
+        The reference column holds the bf16 kernel's time on a bf16 bank of as many layers, the
+        same routes and x."""
+        layers = layers_for(MXFP4_EXPERT_BYTES * min(EXPERTS, tokens * TOP_K))
+        bank = self.mxfp4_bank(layers)
+        x = self.randn(tokens, HIDDEN)
+        weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
+        slot_sets = [self.routes(tokens, layer * EXPERTS, EXPERTS) for layer in range(layers)]
+        # each route reads its slot (mxfp4_moe.fused_moe_decode_mxfp4)
+        bytes_moved = tokens * TOP_K * MXFP4_EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+        calls = [partial(mxfp4_moe.fused_moe_decode_mxfp4, x, s, weights, *bank) for s in slot_sets]
+        time_us = graph_us_per_call(calls)
+        del bank
+        w13 = self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
+        w2 = self.randn(layers * EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
+        bf16_us = graph_us_per_call(
+            [partial(fused_moe.fused_moe_decode_triton, x, s, weights, w13, w2) for s in slot_sets]
+        )
+        label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}"
+        self.add("fused_moe_decode_mxfp4", label, time_us, bytes_moved, flops, bf16_us)
+
+    def grouped_moe_mxfp4(self, tokens: int) -> None:
+        """Prefill MoE over one layer's MXFP4 experts; the reference column holds the bf16
+        kernel's time on the same routes and x."""
+        bank = self.mxfp4_bank(1)
+        x = self.randn(tokens, HIDDEN)
+        ids = self.routes(tokens, 0, EXPERTS)
+        weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
+        used = ids.unique().numel()
+        bytes_moved = used * MXFP4_EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+        time_us = median_event_us(
+            lambda: mxfp4_moe.grouped_moe_mxfp4(
+                x, ids, weights, *bank, layer_experts=EXPERTS, checked=False
+            ),
+            10,
+        )
+        bf16 = (
+            self.randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5),
+            self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5),
+        )
+        bf16_us = self._grouped_us(x, ids, weights, *bf16)
+        label = f"T={tokens} K={TOP_K} E={EXPERTS}"
+        self.add("grouped_moe_mxfp4", label, time_us, bytes_moved, flops, bf16_us)
+
+    def mxfp4_bank(self, copies: int) -> tuple[torch.Tensor, ...]:
+        """w13, w2 and their scales of one layer's experts quantized by mxfp4.quantize, in
+        `copies` copies of their own memory (one per layer)."""
+        w13, s13 = mxfp4.quantize(self.randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5))
+        w2, s2 = mxfp4.quantize(self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5))
+        return tuple(t.repeat(copies, *([1] * (t.dim() - 1))) for t in (w13, w2, s13, s2))
 
     @staticmethod
     def _moe_ref(
@@ -840,7 +898,8 @@ def _short(config: object) -> str:
 
 # The kernels `--only` can pick: the Bench methods whose rows `run` times.
 KERNELS = (
-    "fused_moe", "fused_moe_fp8", "grouped_moe", "grouped_moe_fp8", "paged_attention",
+    "fused_moe", "fused_moe_fp8", "fused_moe_mxfp4", "grouped_moe", "grouped_moe_fp8",
+    "grouped_moe_mxfp4", "paged_attention",
     "paged_attention_fp8", "sdpa_prefill", "rmsnorm", "router", "route", "rope_kv", "rope_kv_fp8",
     "handoff", "linear", "draw", "short_conv", "delta_rule",
 )  # fmt: skip
@@ -873,11 +932,16 @@ def run(
         for tokens in (1, 4, 8, 16):
             bench.fused_moe_fp8(tokens)
         bench.fused_moe_fp8(1, reduce=False)
+    if "fused_moe_mxfp4" in wanted:
+        for tokens in (1, 4, 8):
+            bench.fused_moe_mxfp4(tokens)
     for tokens in (512, 2048):
         if "grouped_moe" in wanted:
             bench.grouped_moe(tokens)
         if "grouped_moe_fp8" in wanted:
             bench.grouped_moe_fp8(tokens)
+        if "grouped_moe_mxfp4" in wanted:
+            bench.grouped_moe_mxfp4(tokens)
     for seq_lens in ([2048], [8192], [32768], [4096] * 8):
         if "paged_attention" in wanted:
             bench.paged_attention(seq_lens)

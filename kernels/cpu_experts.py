@@ -2,11 +2,11 @@
 
 `CpuExpertRunner` runs the experts of one MoE layer step on persistent worker threads while the
 caller's thread goes on launching GPU work. The native kernel (csrc/cpu_experts.cpp and its
-headers, built once per source by torch's JIT extension loader) streams bf16/fp16/fp32 weights, or
-FP8 weights with their block factors (kernels/fp8.py), as stored at close to the host's memory
-bandwidth; `cpu_experts_ref` is the plain-torch reference and the fallback. Its build:
-native_build.py; its benchmark: `python -m moelab.kernels.cpu_experts_bench --threads 1,2,4` (see
-docs/cpu-experts.md).
+headers, built once per source by torch's JIT extension loader) streams bf16/fp16/fp32 weights,
+FP8 weights with their block factors (kernels/fp8.py) or MXFP4 blocks with their scales
+(kernels/mxfp4.py), as stored, at close to the host's memory bandwidth; `cpu_experts_ref` is the
+plain-torch reference and the fallback. Its build: native_build.py; its benchmark:
+`python -m moelab.kernels.cpu_experts_bench --threads 1,2,4` (see docs/cpu-experts.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from . import fp8, swiglu
+from . import fp8, mxfp4, swiglu
 from .native_build import NativeKernelError, load_native
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 _WEIGHT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2} | dict.fromkeys(
     _FP8_DTYPES, 3
 )
+# MXFP4 weights: gpt-oss's blocks, uint8 [E, N, K/32, 16], with their E8M0 scales [E, N, K/32]
+_MXFP4_CODE = 4
 # the weight KiB a task of a native job aims at: 16 threads stay balanced over one expert, and
 # claiming a task costs nothing next to streaming it (kernels/csrc/pool.h, kDefaultTaskBytes)
 DEFAULT_TASK_KB = 96
@@ -72,6 +74,8 @@ def cpu_experts_ref(
     [E, ceil(H/128), ceil(I/128)] fp32 (kernels/fp8.py; a weight is its value times its factor).
     gpt-oss's experts add w13_bias [E, 2I] and w2_bias [E, H] (fp32) and take the clamped
     SwiGLU (swiglu_limit > 0: kernels/swiglu.py).
+    MXFP4 weights are gpt-oss's blocks, w13 [E, 2I, H/32, 16] and w2 [E, H, I/32, 16] uint8, with
+    their E8M0 scales w13_scale [E, 2I, H/32] and w2_scale [E, H, I/32] uint8 (kernels/mxfp4.py).
     """
     num_tokens, hidden, inter, num_experts = _check_inputs(
         x, w13, w2, pair_expert, pair_token, pair_weight, None, w13_scale, w2_scale
@@ -115,7 +119,10 @@ def _check_biases(
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """One expert's FP8 weights [N, K] in fp32: torch's cast of the values (exact; kernels/fp8.py
-    decodes the same bits, 3-4x slower) times each one's block factor."""
+    decodes the same bits, 3-4x slower) times each one's block factor; MXFP4 blocks
+    [N, K/32, 16] by their format's definition."""
+    if q.dim() == 3:
+        return mxfp4.dequantize(q, scale)
     n, k = q.shape
     factors = scale.repeat_interleave(fp8.BLOCK, 0)[:n].repeat_interleave(fp8.BLOCK, 1)[:, :k]
     return q.view(torch.float8_e4m3fn).float() * factors
@@ -149,18 +156,23 @@ def _check_inputs(
             raise ValueError(f"{name} must be contiguous (the kernel never copies weights)")
     if x.dim() != 2 or x.dtype != torch.float32:
         raise ValueError(f"x must be [T, H] float32, got {list(x.shape)} {x.dtype}")
-    if w13.dtype not in _WEIGHT_CODES or w2.dtype != w13.dtype:
+    if w13.dtype not in _WEIGHT_CODES or w2.dtype != w13.dtype or w13.dim() != w2.dim():
         raise ValueError(
             "w13 and w2 must share one dtype of bfloat16, float16, float32 or FP8 "
             f"(float8_e4m3fn, or its bits as uint8); got {w13.dtype} and {w2.dtype}"
         )
     num_tokens, hidden = x.shape
-    if w13.dim() != 3 or w2.dim() != 3:
+    if w13.dim() == 4 and w13.dtype == torch.uint8:
+        shape13, shape2 = _mxfp4_shape(w13), _mxfp4_shape(w2)
+    elif w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
-            f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {list(w13.shape)} and {list(w2.shape)}"
+            f"w13 must be [E, 2I, H] and w2 [E, H, I] (MXFP4: [E, 2I, H/32, 16] and "
+            f"[E, H, I/32, 16] uint8); got {list(w13.shape)} and {list(w2.shape)}"
         )
-    num_experts, _, inter = w2.shape
-    if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape[1] != hidden or inter == 0:
+    else:
+        shape13, shape2 = w13.shape, w2.shape
+    num_experts, _, inter = shape2
+    if shape13 != (num_experts, 2 * inter, hidden) or shape2[1] != hidden or inter == 0:
         raise ValueError(
             f"with x [T={num_tokens}, H={hidden}], w13 must be [E, 2I, {hidden}] and w2 "
             f"[E, {hidden}, I] with I > 0; got w13 {list(w13.shape)} and w2 {list(w2.shape)}"
@@ -199,8 +211,23 @@ def _check_factors(
     hidden: int,
     inter: int,
 ) -> None:
-    """FP8 weights need their block factors, fp32 of the blocks' shape; other weights have none."""
+    """FP8 weights need their block factors, fp32 of the blocks' shape, MXFP4 weights their
+    scales; other weights have none."""
     factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+    if w13.dim() == 4:
+        shapes = {
+            "w13_scale": [num_experts, 2 * inter, hidden // mxfp4.BLOCK],
+            "w2_scale": [num_experts, hidden, inter // mxfp4.BLOCK],
+        }
+        for name, t in factors.items():
+            want = shapes[name]
+            if t is None or t.dtype != torch.uint8 or list(t.shape) != want:
+                got = "none" if t is None else f"{list(t.shape)} {t.dtype}"
+                raise ValueError(
+                    f"MXFP4 weights need {name}: their E8M0 scales, {want} uint8 (one per "
+                    f"{mxfp4.BLOCK} values); got {got}"
+                )
+        return
     if w13.dtype not in _FP8_DTYPES:
         given = [name for name, t in factors.items() if t is not None]
         if given:
@@ -224,6 +251,21 @@ def _check_factors(
                 f"{name} must be {want} float32 (one factor per {fp8.BLOCK}x{fp8.BLOCK} block "
                 f"of w13 [E, 2I, H] and w2 [E, H, I]), got {list(t.shape)} {t.dtype}"
             )
+
+
+def _mxfp4_shape(blocks: torch.Tensor) -> tuple[int, int, int]:
+    """The [E, N, K] weight that MXFP4 blocks [E, N, K/32, 16] hold."""
+    if blocks.dim() != 4 or blocks.shape[3] != mxfp4.BLOCK // 2:
+        raise ValueError(
+            f"MXFP4 weights must be blocks [E, N, K/32, 16] uint8, got {list(blocks.shape)}"
+        )
+    num_experts, rows, num_blocks, _ = blocks.shape
+    return num_experts, rows, num_blocks * mxfp4.BLOCK
+
+
+def _weight_code(w13: torch.Tensor) -> int:
+    """The native kernel's code for the weights' type (csrc/simd.h, WeightType)."""
+    return _MXFP4_CODE if w13.dim() == 4 else _WEIGHT_CODES[w13.dtype]
 
 
 def _check_pair_indices(
@@ -460,7 +502,8 @@ class CpuExpertRunner:
         """Queues one call (see cpu_experts_ref) and returns at once.
 
         The weights' dtype picks the kernel's loads: FP8 weights (float8_e4m3fn or uint8 bits)
-        need w13_scale and w2_scale, their block factors (cpu_experts_ref). x, the weights, their
+        need w13_scale and w2_scale, their block factors, and MXFP4 blocks (uint8, 4-D) their
+        E8M0 scales under the same names (cpu_experts_ref). x, the weights, their
         factors and out must stay unchanged until the job's wait() returns. out: an optional
         [T, H] fp32 buffer to write into (e.g. pinned memory, for the copy to the GPU); it is
         overwritten, never accumulated into. done_flag: an int64 tensor whose first element
@@ -514,7 +557,7 @@ class CpuExpertRunner:
         job = self._module.submit_experts(
             self._pool,
             _SIMD_CODES[self.simd],
-            _WEIGHT_CODES[w13.dtype],
+            _weight_code(w13),
             x.data_ptr(),
             out.data_ptr(),
             w13.data_ptr(),
@@ -695,15 +738,18 @@ class CpuExpertRunner:
         An FP8 bank takes its factors (w13_scale, w2_scale: `submit`), which `gbps` counts."""
         if self._module is None:
             raise RuntimeError("jobs_profile times the native kernel; this runner uses torch")
-        num_experts, two_inter, hidden = w13.shape
-        if w2.shape != (num_experts, hidden, two_inter // 2) or w13.dtype != w2.dtype:
+        num_experts, two_inter, hidden = _mxfp4_shape(w13) if w13.dim() == 4 else w13.shape
+        shape2 = _mxfp4_shape(w2) if w2.dim() == 4 else w2.shape
+        if shape2 != (num_experts, hidden, two_inter // 2) or w13.dtype != w2.dtype:
             raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
         bank = [t for t in (w13, w2, w13_scale, w2_scale) if t is not None]
         if not all(t.is_contiguous() for t in bank) or w13.dtype not in _WEIGHT_CODES:
-            raise ValueError("the bank must be contiguous bf16, fp16, fp32 or FP8 (and factors)")
+            raise ValueError(
+                "the bank must be contiguous bf16, fp16, fp32, FP8 or MXFP4 (and factors)"
+            )
         _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, two_inter // 2)
         seconds, run_s, phase1_s, wait_s = self._module.time_expert_jobs(
-            self._pool, _SIMD_CODES[self.simd], _WEIGHT_CODES[w13.dtype], w13.data_ptr(),
+            self._pool, _SIMD_CODES[self.simd], _weight_code(w13), w13.data_ptr(),
             w2.data_ptr(), _address(w13_scale), _address(w2_scale), num_experts, hidden,
             two_inter // 2, k, iterations, float(gap_us), int(own_rounds), bool(fetch_own),
         )  # fmt: skip

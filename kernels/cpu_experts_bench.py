@@ -1,7 +1,7 @@
-"""CPU expert kernel benchmark: weight GB/s of the native kernel and of torch, bf16 and FP8,
-against the host's memory read rate measured by the same threads.
+"""CPU expert kernel benchmark: weight GB/s of the native kernel and of torch, bf16, FP8 and
+MXFP4, against the host's memory read rate measured by the same threads.
 
-Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--dtype bf16,fp8]
+Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--dtype bf16,fp8,mxfp4]
        [--task-kb 48,96] [--gap-us 30 --own-rounds 0,2] [--json]
 (docs/cpu-experts.md)
 """
@@ -20,25 +20,28 @@ from pathlib import Path
 
 import torch
 
-from . import fp8
+from . import fp8, mxfp4
 from .cpu_experts import DEFAULT_TASK_KB, SIMD_LEVELS, CpuExpertRunner
 from .native_build import NativeKernelError
 
-DTYPES = ("bf16", "fp8")
+DTYPES = ("bf16", "fp8", "mxfp4")
 
 
 class Bank:
     """The experts of one layer as the host bank holds them: w13 [E, 2I, H] and w2 [E, H, I], bf16,
-    or FP8 with their block factors (`factors`, the keywords the runner takes)."""
+    or FP8 with their block factors, or MXFP4 blocks with their scales (`factors`, the keywords
+    the runner takes)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, dtype: str) -> None:
         self.dtype = dtype
+        self.hidden = w13.shape[2]
         self.factors: dict[str, torch.Tensor] = {}
         if dtype == "bf16":
             self.w13, self.w2 = w13, w2
             return
         # one expert at a time: the bank in fp32 at once would take 4x its bf16 size
-        parts = [[fp8.quantize(w[e]) for e in range(w.shape[0])] for w in (w13, w2)]
+        quantize = fp8.quantize if dtype == "fp8" else mxfp4.quantize
+        parts = [[quantize(w[e]) for e in range(w.shape[0])] for w in (w13, w2)]
         self.w13, self.w2 = (torch.stack([q for q, _ in p]) for p in parts)
         scales = [torch.stack([s for _, s in p]) for p in parts]
         self.factors = {"w13_scale": scales[0], "w2_scale": scales[1]}
@@ -56,7 +59,7 @@ def _expert_gbps(runner: CpuExpertRunner, bank: Bank, k: int, min_s: float) -> f
     Consecutive steps take disjoint experts in a fixed shuffled order and come back to an expert
     only after the whole bank, so the weights come from memory, not from the last-level cache.
     """
-    num_experts, hidden = bank.w13.shape[0], bank.w13.shape[2]
+    num_experts, hidden = bank.w13.shape[0], bank.hidden
     x = torch.randn(1, hidden)
     pair_token = torch.zeros(k, dtype=torch.int32)
     pair_weight = torch.full((k,), 1.0 / k)
@@ -116,8 +119,9 @@ def bench(
     own_rounds rounds of gate/up blocks in the gap), the torch ones through Python, one step at a
     time.
 
-    shape: (hidden, intermediate, experts in the bank). dtypes: "bf16", and "fp8" (the same
-    weights quantized, kernels/fp8.py: its rates count the FP8 bytes and the block factors). The
+    shape: (hidden, intermediate, experts in the bank). dtypes: "bf16", "fp8" and "mxfp4" (the
+    same weights quantized, kernels/fp8.py and kernels/mxfp4.py: their rates count the bytes as
+    stored, factors and scales included). The
     host read rate is measured before and after the expert runs and the higher one kept, so that
     a busy machine lowers the share rather than raising it.
     """
@@ -205,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--simd", choices=SIMD_LEVELS, default="best", help="native code path")
     parser.add_argument(
         "--dtype", default=",".join(DTYPES),
-        help="comma-separated expert weight types: bf16, fp8 (e4m3, 128x128 block factors)",
+        help="comma-separated expert weight types: bf16, fp8 (e4m3, 128x128 block factors), "
+        "mxfp4 (e2m1, an E8M0 scale per 32 values)",
     )  # fmt: skip
     parser.add_argument(
         "--task-kb", default=str(DEFAULT_TASK_KB), help="comma-separated native task sizes, KiB"
@@ -243,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(
         f"{_cpu_name()}, {os.cpu_count()} logical CPUs; experts H={args.hidden} "
         f"I={args.intermediate}, 1 token, bank of {args.num_experts}; native jobs "
-        f"{args.gap_us:g} µs apart; GB/s of the weights as stored (fp8: with their factors)"
+        f"{args.gap_us:g} µs apart; GB/s of the weights as stored (with their factors or scales)"
     )
     say(
         f"{'threads':>7} {'dtype':>5} {'task KiB':>7} {'own':>4} {'host read GB/s':>14} "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|gptoss|hybrid|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|gptoss|mxfp4|hybrid|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -71,6 +71,18 @@ if [ "$part" = fp8 ]; then  # the MoE kernels over FP8 expert banks: their tests
     -k fp8
   run fp8_kernels python3 -m moelab.kernels.bench \
     --only fused_moe,fused_moe_fp8,grouped_moe,grouped_moe_fp8
+fi
+if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their tests natively
+  # (the small ones, bf16, gpt-oss's shapes, a CUDA graph), then the decode and prefill rows of
+  # the bf16 and MXFP4 banks, and the CPU kernel's share of the host's read rate at gpt-oss's
+  # expert shape
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run mxfp4_tests python3 -m pytest -q $T --tb=short tests/kernels/test_mxfp4_moe.py \
+    tests/kernels/test_fp4_formats.py
+  run mxfp4_kernels python3 -m moelab.kernels.bench \
+    --only fused_moe,fused_moe_mxfp4,grouped_moe,grouped_moe_mxfp4
+  run mxfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
+    --dtype bf16,mxfp4 --hidden 2880 --intermediate 2880 --num-experts 32 --experts 4
 fi
 if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively and at real shapes,
   # the engine's long-prompt test on CUDA (it prints the logits' difference), decode attention

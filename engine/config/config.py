@@ -251,4 +251,6 @@ class EngineConfig:
             cuda_graphs=cuda and batching.cuda_graph,
             max_context=memory.max_context,
             expert_dtype=self.model.expert_dtype,
+            # the engine keeps state checkpoints only with the prefix cache
+            state_checkpoints=memory.state_checkpoints if memory.prefix_cache else 0,
         )

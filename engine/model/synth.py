@@ -27,6 +27,15 @@ from .kv import KVCache
 from .model import DenseWeights, Model, SeqSlice, StepBatch
 from .spec import ARCHITECTURES, CheckpointError, ModelSpec
 from .states import StatePool
+from .synth_hybrid import (
+    HYBRID_PRESETS,
+    PRESET_ARCHS,
+    SYNTH_ARCHS,
+    hybrid_config,
+    hybrid_shapes,
+    hybrid_tensor,
+    layer_of,
+)
 
 # Geometry shared by the architectures; each is mapped to its own config.json field names below.
 PRESETS: dict[str, dict] = {
@@ -80,7 +89,10 @@ PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         norm_topk_prob=True,
     ),
+    **HYBRID_PRESETS,
 }
+# the architectures `moelab synth --arch` takes: the engine's, and the text-only layout of one
+ARCHS = tuple(dict.fromkeys((*ARCHITECTURES, *SYNTH_ARCHS)))
 
 PRESETS.update(gpt_oss.PRESETS)
 
@@ -110,15 +122,25 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def preset_arch(preset: str) -> str:
+    """The architecture a preset is the geometry of, where it is a real model's; else qwen3_moe."""
+    return PRESET_ARCHS.get(preset, "qwen3_moe")
+
+
 def make_config(arch: str, preset: str = "tiny", overrides: dict | None = None) -> dict:
     """A Hugging Face config.json for `arch` with the preset's geometry and any overrides."""
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(
-            f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}"
-        )
+    if arch not in ARCHS:
+        raise CheckpointError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     if preset not in PRESETS:
         raise CheckpointError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if preset in PRESET_ARCHS and arch not in SYNTH_ARCHS:
+        raise CheckpointError(
+            f"preset {preset!r} is the geometry of a {PRESET_ARCHS[preset]} model; use --arch "
+            f"{' or '.join(a for a in SYNTH_ARCHS if a.startswith(PRESET_ARCHS[preset]))}"
+        )
     g = {**PRESETS[preset], **(overrides or {})}
+    if arch in SYNTH_ARCHS:
+        return hybrid_config(arch, preset, g, overrides or {})
     base = dict(
         vocab_size=g["vocab_size"],
         hidden_size=g["hidden_size"],
@@ -306,6 +328,8 @@ class SynthSource:
         shape = self._shapes[name]
         spec = self.spec
         leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
+        if spec.hybrid and (fixed := hybrid_tensor(spec, name, shape, self.dtype)) is not None:
+            return fixed
         if "norm" in name:
             return torch.ones(shape, dtype=self.dtype)
         # gpt_oss's experts are stored [E, in, out], their biases [E, out]
@@ -319,10 +343,10 @@ class SynthSource:
             return t
         fan_in = shape[-2] if experts else shape[-1]
         std = 1.0 / math.sqrt(fan_in)
-        writes_residual = leaf in ("o_proj", "down_proj", "w2")
+        writes_residual = leaf in ("o_proj", "down_proj", "w2", "out_proj")
         if writes_residual:
             std /= math.sqrt(2 * spec.num_layers)
-        if name == "model.embed_tokens.weight":
+        if name == spec.text_prefix + "embed_tokens.weight":
             t = self._random(name, shape, 1.0)
             t[:, 0] = _DIM0
             return t
@@ -404,7 +428,7 @@ class SynthSource:
     # internals ---------------------------------------------------------------------------------
 
     def _router(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        layer = int(name.split(".")[2])
+        layer = layer_of(name)
         t = self._random(name, shape, 1.0 / math.sqrt(shape[1]))
         bias = self.biases[layer] * self.dim0_scale[layer]
         t[:, 0] = torch.from_numpy(bias).to(t.dtype)
@@ -432,6 +456,8 @@ class SynthSource:
         s = self.spec
         if s.arch == "gpt_oss":
             return gpt_oss.tensor_shapes(s)
+        if s.hybrid:
+            return hybrid_shapes(s)
         h, q, kv = s.hidden_size, s.q_size, s.kv_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, h)}
         for layer in range(s.num_layers):
@@ -501,7 +527,7 @@ def router_name(spec: ModelSpec, layer: int) -> str:
     if spec.arch == "gpt_oss":
         return f"model.layers.{layer}.mlp.router.weight"
     block = "block_sparse_moe." if spec.arch == "mixtral" else "mlp."
-    return f"model.layers.{layer}.{block}gate.weight"
+    return f"{spec.text_prefix}layers.{layer}.{block}gate.weight"
 
 
 class _CalibrationExperts:

@@ -1,6 +1,6 @@
 """A real byte-level BPE tokenizer and chat templates for synthetic checkpoints: ChatML's (Qwen3's,
-its thinking models', Qwen3-Coder's) and gpt-oss's harmony (synth_harmony.py), each with the
-special tokens its format is made of."""
+its thinking models', Qwen3-Coder's, Qwen3.5's) and gpt-oss's harmony (synth_harmony.py), each with
+the special tokens its format is made of."""
 
 from __future__ import annotations
 
@@ -76,14 +76,43 @@ THINKING_CHAT_TEMPLATE = _QWEN3_TURNS + (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
 )
 
-# Qwen3-Coder's form (Qwen3.5's is the same): the tools listed with their parameters, an
-# assistant's tool calls as <function=...> blocks of <parameter=...> blocks, tool results in
-# <tool_response> blocks of a user turn; no reasoning.
-CODER_CHAT_TEMPLATE = (
+# Qwen3-Coder's form: the tools listed with their parameters, an assistant's tool calls as
+# <function=...> blocks of <parameter=...> blocks, tool results in <tool_response> blocks of a user
+# turn; no reasoning.
+_SYSTEM_SPLIT = (
     "{%- if messages and messages[0].role == 'system' %}"
     "{%- set system_message = messages[0].content %}{%- set loop_messages = messages[1:] %}"
     "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
-    "{%- if system_message is defined or tools %}"
+)
+_XML_TOOL_CALLS = (
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+    "{%- for args_name, args_value in tool_call.arguments | items %}"
+    "{{- '<parameter=' + args_name + '>\\n' }}"
+    "{%- if args_value is mapping or (args_value is sequence and args_value is not string) %}"
+    "{{- args_value | tojson }}{%- else %}{{- args_value | string }}{%- endif %}"
+    "{{- '\\n</parameter>\\n' }}"
+    "{%- endfor %}"
+    "{{- '</function>\\n</tool_call>' }}"
+    "{%- endfor %}"
+)
+_TOOL_RESULTS = (
+    "{%- if loop.first or loop_messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user\\n' }}"
+    "{%- endif %}"
+    "{{- '<tool_response>\\n' + (message.content or '') + '\\n</tool_response>\\n' }}"
+    "{%- if loop.last or loop_messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+)
+_XML_FORMAT = (
+    "\\n\\nIf you choose to call a function ONLY reply in the following format with NO "
+    "suffix:\\n\\n<tool_call>\\n<function=example_function_name>\\n"
+    "<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n</function>\\n</tool_call>"
+)
+CODER_CHAT_TEMPLATE = (
+    _SYSTEM_SPLIT + "{%- if system_message is defined or tools %}"
     "{{- '<|im_start|>system\\n' + (system_message or 'You are a helpful coding assistant.') }}"
     "{%- endif %}"
     "{%- if tools %}"
@@ -100,10 +129,7 @@ CODER_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{{- '\\n</parameters>\\n</function>' }}"
     "{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following "
-    "format with NO suffix:\\n\\n<tool_call>\\n<function=example_function_name>\\n"
-    "<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n</function>\\n"
-    "</tool_call>' }}"
+    "{{- '\\n</tools>" + _XML_FORMAT + "' }}"
     "{%- endif %}"
     "{%- if system_message is defined or tools %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in loop_messages %}"
@@ -113,31 +139,56 @@ CODER_CHAT_TEMPLATE = (
     "{%- if message.role == 'assistant' and message.tool_calls %}"
     "{{- '<|im_start|>assistant' }}"
     "{%- if message.content %}{{- '\\n' + message.content | trim + '\\n' }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls %}"
-    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
-    "{%- for args_name, args_value in tool_call.arguments | items %}"
-    "{{- '<parameter=' + args_name + '>\\n' }}"
-    "{%- if args_value is mapping or (args_value is sequence and args_value is not string) %}"
-    "{{- args_value | tojson }}{%- else %}{{- args_value | string }}{%- endif %}"
-    "{{- '\\n</parameter>\\n' }}"
-    "{%- endfor %}"
-    "{{- '</function>\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or loop_messages[loop.index0 - 1].role != 'tool' %}"
-    "{{- '<|im_start|>user\\n' }}"
-    "{%- endif %}"
-    "{{- '<tool_response>\\n' + (message.content or '') + '\\n</tool_response>\\n' }}"
-    "{%- if loop.last or loop_messages[loop.index0 + 1].role != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- else %}"
+    + _XML_TOOL_CALLS
+    + "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}" + _TOOL_RESULTS + "{%- else %}"
     "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Qwen3.5's (and Qwen3.6's): the tools as JSON in the system turn, an assistant's tool calls as
+# Qwen3-Coder's <function=...> blocks, and reasoning: the generation prompt opens <think> (an empty
+# one closed where enable_thinking is false), and an assistant turn after the last user message
+# keeps its reasoning_content in a <think> block (earlier turns drop theirs, as Qwen's does).
+QWEN3_5_CHAT_TEMPLATE = (
+    _SYSTEM_SPLIT + "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:"
+    "\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>" + _XML_FORMAT + "' }}"
+    "{%- if system_message is defined %}{{- '\\n\\n' + system_message }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif system_message is defined %}"
+    "{{- '<|im_start|>system\\n' + system_message + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('unknown message role: ' + message.role) }}"
+    "{%- endif %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.reasoning_content and loop.index0 > ns.last_user %}"
+    "{{- '<think>\\n' + message.reasoning_content | trim + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- (message.content or '') | trim }}"
+    "{%- if message.tool_calls %}" + _XML_TOOL_CALLS + "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}" + _TOOL_RESULTS + "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 # the chat templates a synthetic checkpoint may carry, by the name `moelab synth` takes
@@ -146,9 +197,15 @@ CHAT_TEMPLATES = {
     "qwen3_thinking": THINKING_CHAT_TEMPLATE,
     "qwen3_coder": CODER_CHAT_TEMPLATE,
     "gpt_oss": synth_harmony.CHAT_TEMPLATE,
+    "qwen3_5": QWEN3_5_CHAT_TEMPLATE,
 }
-# the chat template of an architecture whose models all speak one format (gpt-oss: harmony)
-ARCH_CHAT_TEMPLATES = {"gpt_oss": "gpt_oss"}
+# the chat template of an architecture whose models all speak one format (gpt-oss: harmony;
+# Qwen3.5/3.6 MoE, in either layout: Qwen3.5's)
+ARCH_CHAT_TEMPLATES = {
+    "gpt_oss": "gpt_oss",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
+}
 
 
 def chat_template_for(arch: str, name: str | None = None) -> str:
@@ -190,9 +247,12 @@ def build_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS)
     return Tokenizer.from_str(json.dumps(data))
 
 
-def write_tokenizer_files(out: Path, vocab_size: int, chat_template: str = "qwen3") -> Tokenizer:
+def write_tokenizer_files(
+    out: Path, vocab_size: int, chat_template: str = "qwen3", extra_special: tuple[str, ...] = ()
+) -> Tokenizer:
     """Write tokenizer.json, tokenizer_config.json (with the chat template of that name, from
-    CHAT_TEMPLATES) and generation_config.json into `out`; gpt_oss's with the harmony tokens."""
+    CHAT_TEMPLATES) and generation_config.json into `out`; gpt_oss's with the harmony tokens;
+    `extra_special`: more special tokens (a multimodal model's image and video markers)."""
     if chat_template == "gpt_oss":
         return _write_files(
             out, vocab_size, synth_harmony.SPECIAL_TOKENS, synth_harmony.EOS_TOKENS,
@@ -208,7 +268,8 @@ def write_tokenizer_files(out: Path, vocab_size: int, chat_template: str = "qwen
         "chat_template": CHAT_TEMPLATES[chat_template],
         "clean_up_tokenization_spaces": False,
     }
-    return _write_files(out, vocab_size, SPECIAL_TOKENS, ("<|im_end|>", "<|endoftext|>"), config)
+    special = [*SPECIAL_TOKENS, *extra_special]
+    return _write_files(out, vocab_size, special, ("<|im_end|>", "<|endoftext|>"), config)
 
 
 def _write_files(

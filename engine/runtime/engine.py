@@ -112,7 +112,7 @@ class Engine:
         progress.begin("CUDA graphs")
         self.telemetry = Telemetry(
             self.spec, self, self.moe, self.cache, self.bank, self.scheduler,
-            enabled=config.server.stats,
+            enabled=config.server.stats, states=self.states,
         )  # fmt: skip
         self.stepper = self._build_stepper()
         self._capture_graphs()

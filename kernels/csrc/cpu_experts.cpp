@@ -1,5 +1,6 @@
-// MoE experts on the CPU, straight from the host expert bank: bf16, fp16, fp32 or FP8 (e4m3, with
-// one fp32 factor per 128 x 128 block) weights as stored.
+// MoE experts on the CPU, straight from the host expert bank: bf16, fp16, fp32, FP8 (e4m3, with
+// one fp32 factor per 128 x 128 block) or MXFP4 (e2m1, an E8M0 scale per 32 values: mxfp4.h)
+// weights as stored.
 //
 // out[t] = sum over the pairs j of token t of weight_j * w2[e_j] @ (silu(gate[e_j] x[t]) *
 // (up[e_j] x[t])). A persistent pool of std::threads runs each call as a job of independent tasks:
@@ -154,6 +155,8 @@ std::tuple<double, double, double, double> time_expert_jobs(
                   reinterpret_cast<const void*>(w2), 1, H, I, E};
   p.w13_factors = reinterpret_cast<const float*>(w13_factors);
   p.w2_factors = reinterpret_cast<const float*>(w2_factors);
+  p.w13_scales = reinterpret_cast<const uint8_t*>(w13_factors);  // MXFP4's, where it is
+  p.w2_scales = reinterpret_cast<const uint8_t*>(w2_factors);
   // a stride with no factor in common with E visits every expert before it comes back to one
   int64_t stride = 37;
   while (std::gcd(stride, E) != 1) ++stride;
@@ -215,7 +218,7 @@ void widen_e4m3(int simd, uintptr_t src, uintptr_t dst, int64_t n, float factor)
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "MoE experts on the CPU from bf16/fp16/fp32/FP8 weights, on a persistent thread pool";
+  m.doc() = "MoE experts on the CPU from bf16/fp16/fp32/FP8/MXFP4 weights, on a thread pool";
   py::class_<Pool>(m, "Pool")
       .def(py::init<int, int, int64_t, std::vector<int>, int>(), py::arg("num_threads"),
            py::arg("spin_us") = kDefaultWorkerSpinUs, py::arg("task_bytes") = kDefaultTaskBytes,

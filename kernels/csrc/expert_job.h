@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "mxfp4.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -38,6 +39,9 @@ struct ExpertProblem {
   const float* w13_bias = nullptr;
   const float* w2_bias = nullptr;
   float swiglu_limit = 0.0f;
+  // MXFP4 weights' E8M0 scales (kernels/mxfp4.py): [E, 2I, H/32] and [E, H, I/32] bytes.
+  const uint8_t* w13_scales = nullptr;
+  const uint8_t* w2_scales = nullptr;
 };
 
 // h from one gate/up row pair's sums: silu(gate) * up, or gpt-oss's clamped form where limit > 0.
@@ -214,6 +218,10 @@ class ExpertJobShell : public Job {
 
 template <class B, class WT>
 class ExpertJob final : public ExpertJobShell {
+  // values an element of a row holds (MXFP4: two), and the type of the rows' scales
+  static constexpr int64_t kPer = kValuesPerElement<WT>;
+  using Scale = typename ScaleOf<WT>::type;
+
  public:
   ExpertJob(int num_threads, int64_t task_bytes, int64_t capacity, int64_t inter)
       : threads_(num_threads),
@@ -247,7 +255,7 @@ class ExpertJob final : public ExpertJobShell {
     const int per = int(kPerRound * hinted_rounds);
     const int64_t hinted = std::min(owned, hinted_rounds * threads_);
     std::vector<std::pair<const void*, int64_t>> ranges(size_t(per * threads_), {nullptr, 0});
-    const int64_t row = p_.H * int64_t(sizeof(WT));
+    const int64_t row = p_.H / kPer * int64_t(sizeof(WT));
     for (int64_t b = 0; b < hinted; ++b) {
       auto* out = ranges.data() + (b % threads_) * per + (b / threads_) * kPerRound;
       int n = 0;
@@ -283,6 +291,7 @@ class ExpertJob final : public ExpertJobShell {
     if (p.w2_bias != nullptr && p.split_expert >= 0) {
       throw std::invalid_argument("an expert with biases is not split with the GPU");
     }
+    if constexpr (kPer > 1) check_mxfp4(p);
     p_ = p;
     for (auto* v : {&group_expert_, &group_start_, &token_}) v->clear();
     weight_.clear();
@@ -320,7 +329,7 @@ class ExpertJob final : public ExpertJobShell {
     // end together: with 64 blocks on 15 workers, 4 ran a fifth block while 11 waited for them;
     // the last round's blocks are cut in half again (TaperedBlocks), for the spread of the
     // workers' speeds.
-    const int64_t row_bytes = std::max<int64_t>(1, p.H * int64_t(sizeof(WT)));
+    const int64_t row_bytes = std::max<int64_t>(1, p.H / kPer * int64_t(sizeof(WT)));
     const int64_t pairs_per_task =
         std::max<int64_t>(2, round_up(task_bytes_ / (2 * row_bytes), 2));
     group_rows_.push_back(0);
@@ -329,7 +338,8 @@ class ExpertJob final : public ExpertJobShell {
     }
     blocks1_ =
         TaperedBlocks(group_rows_[groups], pairs_per_task, threads_, one_token_each_ ? 1 : 2);
-    const int64_t down_bytes_per_row = std::max<int64_t>(1, groups * p.I * int64_t(sizeof(WT)));
+    const int64_t down_bytes_per_row =
+        std::max<int64_t>(1, groups * p.I / kPer * int64_t(sizeof(WT)));
     int64_t rows2 = std::max<int64_t>(4, round_up(task_bytes_ / down_bytes_per_row, 4));
     rows2 = std::min(rows2, std::max<int64_t>(4, round_up(p.H / (4 * threads_), 4)));
     blocks2_ = TaperedBlocks(p.H, rows2, threads_, one_token_each_ ? 1 : 4);
@@ -415,17 +425,18 @@ class ExpertJob final : public ExpertJobShell {
   // g (j0 its first) and row r in [r_begin, r_end).
   void gate_up(int64_t g, int64_t r_begin, int64_t r_end, float* h) {
     const int64_t H = p_.H, I = p_.I, e = group_expert_[g];
-    const WT* gate = static_cast<const WT*>(p_.w13) + e * 2 * I * H;
-    const WT* up = gate + I * H;
+    const int64_t Hp = H / kPer;  // a row's elements
+    const WT* gate = static_cast<const WT*>(p_.w13) + e * 2 * I * Hp;
+    const WT* up = gate + I * Hp;
     const int32_t j0 = group_start_[g], j1 = group_start_[g + 1];
     if (j1 - j0 == 1) {
       // One token (decode at batch 1): the block's gate rows, then its up rows, one row at a
       // time, each read straight through.
       const float* x = x_row_[j0];
       const int64_t n = std::max<int64_t>(0, r_end - r_begin);
-      const int64_t ahead = rows_ahead(H * int64_t(sizeof(WT)));
+      const int64_t ahead = rows_ahead(Hp * int64_t(sizeof(WT)));
       auto row = [&](int64_t i) -> const WT* {
-        return i < n ? gate + (r_begin + i) * H : i < 2 * n ? up + (r_begin + i - n) * H : nullptr;
+        return i < n ? gate + (r_begin + i) * Hp : i < 2 * n ? up + (r_begin + i - n) * Hp : nullptr;
       };
       for (int64_t i = 0; i < n; ++i) {
         h[i] = dot_row<B>(row(i), factors13(e, r_begin + i), x, H, row(i + ahead));
@@ -441,18 +452,18 @@ class ExpertJob final : public ExpertJobShell {
     }
     for (int64_t r = r_begin; r < r_end;) {
       const int nr = r + 2 <= r_end ? 2 : 1;
-      const WT* rows[4] = {gate + r * H, gate + (r + 1) * H, up + r * H, up + (r + 1) * H};
-      const float* factors[4] = {factors13(e, r), nullptr, factors13(e, I + r), nullptr};
+      const WT* rows[4] = {gate + r * Hp, gate + (r + 1) * Hp, up + r * Hp, up + (r + 1) * Hp};
+      const Scale* factors[4] = {factors13(e, r), nullptr, factors13(e, I + r), nullptr};
       if (nr == 2) {
         factors[1] = factors13(e, r + 1);
         factors[3] = factors13(e, I + r + 1);
       } else {
-        rows[1] = up + r * H;
+        rows[1] = up + r * Hp;
         factors[1] = factors[2];
       }
       // The next tile's rows, fetched while this one computes: a thread's demand misses alone
       // cannot keep enough reads in flight to reach its share of the memory bandwidth.
-      const WT* next[4] = {rows[0] + 2 * H, rows[1] + 2 * H, rows[2] + 2 * H, rows[3] + 2 * H};
+      const WT* next[4] = {rows[0] + 2 * Hp, rows[1] + 2 * Hp, rows[2] + 2 * Hp, rows[3] + 2 * Hp};
       const bool ahead = nr == 2 && r + 4 <= r_end;
       for (int32_t jt = j0; jt < j1; jt += kMaxTokensPerTile) {
         const int nt = std::min<int>(kMaxTokensPerTile, j1 - jt);
@@ -491,13 +502,13 @@ class ExpertJob final : public ExpertJobShell {
       }
     }
     auto down_rows = [&](int64_t g, int64_t r) {
-      return static_cast<const WT*>(p_.w2) + (int64_t(group_expert_[g]) * H + r) * I;
+      return static_cast<const WT*>(p_.w2) + (int64_t(group_expert_[g]) * H + r) * (I / kPer);
     };
     if (one_token_each_) {
       // One token an expert (decode at batch 1): each expert's rows of this block read straight
       // through, one row at a time, expert after expert.
       auto row = [&](int64_t i) -> const WT* {
-        return i < groups * n ? down_rows(i / n, r0 + i % n) + first_row(i / n) : nullptr;
+        return i < groups * n ? down_rows(i / n, r0 + i % n) + first_row(i / n) / kPer : nullptr;
       };
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t first = first_row(g);
@@ -505,9 +516,9 @@ class ExpertJob final : public ExpertJobShell {
         const int32_t j = group_start_[g];
         const float* h = h_.data() + int64_t(j) * I + first;
         float* token_out = out + int64_t(token_[j]) * n;
-        const int64_t ahead = rows_ahead((I - first) * int64_t(sizeof(WT)));
+        const int64_t ahead = rows_ahead((I - first) / kPer * int64_t(sizeof(WT)));
         for (int64_t i = g * n; i < (g + 1) * n; ++i) {
-          const float* factors = factors2(group_expert_[g], r0 + i % n, first);
+          const Scale* factors = factors2(group_expert_[g], r0 + i % n, first);
           token_out[i % n] +=
               weight_[j] * dot_row<B>(row(i), factors, h, I - first, row(i + ahead));
         }
@@ -520,20 +531,20 @@ class ExpertJob final : public ExpertJobShell {
       const int64_t first = first_row(g), K = I - first;  // the down projection's columns here
       for (int64_t r = r0; r < r_end;) {
         const int nr = r + 4 <= r_end ? 4 : 1;
-        const WT* rows[4] = {down_rows(g, r) + first};
-        const float* factors[4] = {factors2(group_expert_[g], r, first)};
+        const WT* rows[4] = {down_rows(g, r) + first / kPer};
+        const Scale* factors[4] = {factors2(group_expert_[g], r, first)};
         for (int a = 1; a < nr; ++a) {
-          rows[a] = rows[0] + a * I;
+          rows[a] = rows[0] + a * (I / kPer);
           factors[a] = factors2(group_expert_[g], r + a, first);
         }
         // Prefetch the next tile: further down this expert, else the next expert's first rows.
         const WT* next[4] = {nullptr};
         if (r + 8 <= r_end) {
-          next[0] = rows[0] + 4 * I;
+          next[0] = rows[0] + 4 * (I / kPer);
         } else if (g + 1 < groups && r0 + 4 <= r_end) {
-          next[0] = down_rows(g + 1, r0) + first_row(g + 1);
+          next[0] = down_rows(g + 1, r0) + first_row(g + 1) / kPer;
         }
-        for (int a = 1; a < 4; ++a) next[a] = next[0] + a * I;
+        for (int a = 1; a < 4; ++a) next[a] = next[0] + a * (I / kPer);
         for (int32_t jt = j0; jt < j1; jt += kMaxTokensPerTile) {
           const int nt = std::min<int>(kMaxTokensPerTile, j1 - jt);
           const float* hs[kMaxTokensPerTile];
@@ -572,7 +583,7 @@ class ExpertJob final : public ExpertJobShell {
     const Clock::time_point t0 = Clock::now();
     constexpr int64_t kLine = 64 / int64_t(sizeof(WT));
     for (int64_t i = 0; i < n && !ready(); ++i) {
-      for (int64_t l = 0; l < len; l += kLine) prefetch(rows + i * p_.I + l);
+      for (int64_t l = 0; l < len / kPer; l += kLine) prefetch(rows + i * (p_.I / kPer) + l);
     }
     // an owned block whose owner has not come yet is run here rather than waited for, and so
     // is a block whose thread stalled (its task in the counts)
@@ -592,15 +603,19 @@ class ExpertJob final : public ExpertJobShell {
   // Where the block factors of row r of expert e's gate/up ([2I, H]) begin, and of row r of its
   // down projection ([H, I]) from column `first` (a multiple of the block: assign checks the
   // split); nullptr for weights without factors.
-  const float* factors13(int64_t e, int64_t r) const {
-    if constexpr (kBlockScaled<WT>) {
+  const Scale* factors13(int64_t e, int64_t r) const {
+    if constexpr (kPer > 1) {
+      return p_.w13_scales + (e * 2 * p_.I + r) * (p_.H / kMxBlock);
+    } else if constexpr (kBlockScaled<WT>) {
       return p_.w13_factors + (e * blocks(2 * p_.I) + r / kFp8Block) * blocks(p_.H);
     } else {
       return nullptr;
     }
   }
-  const float* factors2(int64_t e, int64_t r, int64_t first) const {
-    if constexpr (kBlockScaled<WT>) {
+  const Scale* factors2(int64_t e, int64_t r, int64_t first) const {
+    if constexpr (kPer > 1) {
+      return p_.w2_scales + (e * p_.H + r) * (p_.I / kMxBlock) + first / kMxBlock;
+    } else if constexpr (kBlockScaled<WT>) {
       return p_.w2_factors + (e * blocks(p_.H) + r / kFp8Block) * blocks(p_.I) +
              first / kFp8Block;
     } else {
@@ -608,6 +623,16 @@ class ExpertJob final : public ExpertJobShell {
     }
   }
   static int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+
+  // MXFP4 rows are whole blocks of 32 values, and a split expert's CPU part starts at a block.
+  static void check_mxfp4(const ExpertProblem& p) {
+    if (p.w13_scales == nullptr || p.w2_scales == nullptr) {
+      throw std::invalid_argument("MXFP4 weights need their E8M0 scales");
+    }
+    if (p.H % kMxBlock != 0 || p.I % kMxBlock != 0 || p.split_row % kMxBlock != 0) {
+      throw std::invalid_argument("MXFP4 weights need H, I and a split row that are multiples of 32");
+    }
+  }
 
   // The first intermediate row computed for group g (all but the split expert: 0).
   int64_t first_row(int64_t g) const {
@@ -648,6 +673,8 @@ std::shared_ptr<ExpertJobShell> make_shell_for(WeightType wt, int threads, int64
       return std::make_shared<ExpertJob<B, bf16>>(threads, task_bytes, capacity, inter);
     case WeightType::kE4M3:
       return std::make_shared<ExpertJob<B, e4m3>>(threads, task_bytes, capacity, inter);
+    case WeightType::kMxfp4:
+      return std::make_shared<ExpertJob<B, e2m1x2>>(threads, task_bytes, capacity, inter);
   }
   throw std::invalid_argument("unknown weight type");
 }
@@ -717,6 +744,8 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
   p.w13_bias = reinterpret_cast<const float*>(w13_bias);
   p.w2_bias = reinterpret_cast<const float*>(w2_bias);
   p.swiglu_limit = swiglu_limit;
+  p.w13_scales = reinterpret_cast<const uint8_t*>(w13_factors);  // MXFP4's, where it is
+  p.w2_scales = reinterpret_cast<const uint8_t*>(w2_factors);
   auto job = make_job(pool, simd, weight_type, p, reinterpret_cast<const int32_t*>(pair_expert),
                       reinterpret_cast<const int32_t*>(pair_token),
                       reinterpret_cast<const float*>(pair_weight), J);

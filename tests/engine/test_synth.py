@@ -297,7 +297,10 @@ def test_config_overrides_and_bad_presets():
         make_config("olmoe", "huge")
     with pytest.raises(ValueError, match="unknown architecture"):
         make_config("llama", "tiny")
-    assert set(PRESETS) == {"tiny", "small", "qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b"}
+    assert set(PRESETS) == {
+        "tiny", "small", "qwen3-30b-a3b", "qwen3.6-35b-a3b", "qwen3-next-80b-a3b",
+        "gpt-oss-20b", "gpt-oss-120b",
+    }  # fmt: skip
 
 
 def test_set_items_are_json_values_or_strings_and_need_an_equals_sign():

@@ -660,7 +660,10 @@ def test_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> Non
     result = json.loads(capsys.readouterr().out)
     rows = [(row["threads"], row["dtype"], row["task_kb"]) for row in result["results"]]
     assert rows == [
-        (threads, dtype, kb) for threads in (1, 2) for dtype in ("bf16", "fp8") for kb in (4, 96)
+        (threads, dtype, kb)
+        for threads in (1, 2)
+        for dtype in ("bf16", "fp8", "mxfp4")
+        for kb in (4, 96)
     ]
     for row in result["results"]:
         assert row["host_read_gbps"] > 0

@@ -1,0 +1,194 @@
+// MXFP4 weights in the CPU expert kernel (kernels/mxfp4.py): e2m1 values two a byte, the
+// even-indexed one in the low nibble, and one E8M0 scale byte (2^(s-127), 0xFF NaN) per 32
+// values of a row, in a tensor of their own (gpt-oss's `_blocks` and `_scales`). A row of K
+// values is K/2 bytes; the expert job counts its rows' elements (e2m1x2, two values each) with
+// kValuesPerElement and finds their scales with ScaleOf. The loads widen a block's 32 values in
+// registers (twice each value, an int8 lookup of each nibble, then int8 to fp32), multiply them
+// or their products by half the block's scale and accumulate in fp32.
+// Included by expert_job.h only (one translation unit): internal linkage, like the rest.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "simd.h"
+
+namespace {
+
+struct e2m1x2 {
+  uint8_t bits;
+};
+constexpr int64_t kMxBlock = 32;
+
+// How many weight values one element of a row's storage holds, and the type of its scales.
+template <class WT>
+constexpr int64_t kValuesPerElement = 1;
+template <>
+constexpr int64_t kValuesPerElement<e2m1x2> = 2;
+template <class WT>
+struct ScaleOf {
+  using type = float;
+};
+template <>
+struct ScaleOf<e2m1x2> {
+  using type = uint8_t;
+};
+
+// Twice each e2m1 code's value: integers, so that the SIMD loads widen them with int8 lookups
+// and int-to-float conversions; the scales below are halved to match (both exact).
+constexpr int8_t kE2m1Twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Half of every E8M0 byte's value: 2^(s - 128) (exact for every byte, subnormals included),
+// 0xFF NaN.
+struct E8m0Table {
+  float half[256];
+  E8m0Table() {
+    half[0] = bits_to_float(0x00200000u);
+    half[1] = bits_to_float(0x00400000u);
+    for (uint32_t s = 2; s < 255; ++s) half[s] = bits_to_float((s - 1) << 23);
+    half[255] = std::numeric_limits<float>::quiet_NaN();
+  }
+};
+inline const float* e8m0_halves() {
+  static const E8m0Table table;
+  return table.half;
+}
+
+// A block's 32 values widened to twice their fp32 value (unscaled), in order: out[0] holds
+// values 0..W-1.
+template <class B>
+struct Mx;
+
+template <>
+struct Mx<Scalar> {
+  static void widen(const e2m1x2* p, float* out) {
+    for (int i = 0; i < 16; ++i) {
+      out[2 * i] = float(kE2m1Twice[p[i].bits & 0xF]);
+      out[2 * i + 1] = float(kE2m1Twice[p[i].bits >> 4]);
+    }
+  }
+};
+
+#ifdef MOELAB_X86
+// The block's 16 bytes as its 32 codes' twice-values, int8, in order: a lookup of each nibble
+// (pshufb), then the low and high nibbles' results interleaved.
+inline void mx_twice_values(const e2m1x2* p, __m128i* first, __m128i* second) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Twice));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(packed, nibble));
+  const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+  *first = _mm_unpacklo_epi8(lo, hi);
+  *second = _mm_unpackhi_epi8(lo, hi);
+}
+#endif
+
+#ifdef MOELAB_HAVE_AVX2
+template <>
+struct Mx<Avx2> {
+  static __m256 widen8(__m128i values) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values));
+  }
+  static void widen(const e2m1x2* p, __m256* out) {
+    __m128i a, b;
+    mx_twice_values(p, &a, &b);
+    out[0] = widen8(a);
+    out[1] = widen8(_mm_srli_si128(a, 8));
+    out[2] = widen8(b);
+    out[3] = widen8(_mm_srli_si128(b, 8));
+  }
+};
+#endif
+
+#ifdef MOELAB_HAVE_AVX512
+template <>
+struct Mx<Avx512> {
+  static void widen(const e2m1x2* p, __m512* out) {
+    __m128i a, b;
+    mx_twice_values(p, &a, &b);
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
+    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+};
+#endif
+
+// row . x over K values (a multiple of 32: the job checks), fp32 accumulation: each block's
+// products summed, then multiplied by its scale onto the row's sum (one product a block rather
+// than one a weight: the widening leaves little room). `ahead`, when given, is the row this
+// thread reads later: its lines are prefetched, one per line read here (dot_row of simd.h).
+template <class B>
+float dot_row(const e2m1x2* row, const uint8_t* scales, const float* x, int64_t K,
+              const e2m1x2* ahead) {
+  using V = typename B::V;
+  constexpr int N = int(kMxBlock / B::W);  // vectors a block
+  const float* halves = e8m0_halves();
+  V total[2] = {B::zero(), B::zero()};
+  for (int64_t k = 0; k < K; k += 2 * kMxBlock) {
+    if (ahead != nullptr && k % 128 == 0) prefetch(ahead + k / 2);  // a line: 128 values
+    for (int u = 0; u < 2 && k + u * kMxBlock < K; ++u) {
+      const int64_t at = k + u * kMxBlock;
+      V w[N];
+      Mx<B>::widen(row + at / 2, w);
+      V block = B::mul(w[0], B::load(x + at));
+      for (int v = 1; v < N; ++v) block = B::fma(w[v], B::load(x + at + v * B::W), block);
+      total[u] = B::fma(block, B::set1(halves[scales[at / kMxBlock]]), total[u]);
+    }
+  }
+  return B::sum(B::add(total[0], total[1]));
+}
+
+// NR rows times NT activation vectors over K values (dot_tile of simd.h for MXFP4 rows):
+// res[r * NT + t] = rows[r] . xs[t]; each block of a row is widened and scaled once for all NT
+// tokens (twice-values times half-scales: the dequantized weights, exactly). `next`, when given, holds the rows read after these: prefetched a line for each read.
+// The products are summed in dot_tile's order (one token: two chains, vectors alternating), so
+// that the result is the dequantized fp32 weights', bit for bit.
+template <class B, int NR, int NT>
+void mx_dot_tile(const e2m1x2* const* rows, const uint8_t* const* scales,
+                 const e2m1x2* const* next, const float* const* xs, int64_t K, float* res) {
+  using V = typename B::V;
+  constexpr int N = int(kMxBlock / B::W);
+  constexpr int U = NT == 1 ? 2 : 1;
+  static_assert(N % U == 0, "a block must hold whole steps of the chains");
+  const float* halves = e8m0_halves();
+  V acc[U][NR][NT];
+  for (auto& a : acc)
+    for (auto& b : a)
+      for (auto& v : b) v = B::zero();
+  for (int64_t k = 0; k < K; k += kMxBlock) {
+    V w[NR][N];
+    for (int r = 0; r < NR; ++r) {
+      Mx<B>::widen(rows[r] + k / 2, w[r]);
+      const V scale = B::set1(halves[scales[r][k / kMxBlock]]);
+      for (int v = 0; v < N; ++v) w[r][v] = B::mul(w[r][v], scale);
+      if (next != nullptr && k % 128 == 0) prefetch(next[r] + k / 2);
+    }
+    for (int t = 0; t < NT; ++t) {
+      for (int v = 0; v < N; ++v) {
+        const V xv = B::keep(B::load(xs[t] + k + v * B::W));
+        for (int r = 0; r < NR; ++r) acc[v % U][r][t] = B::fma(w[r][v], xv, acc[v % U][r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      float s = 0.0f;
+      for (int u = 0; u < U; ++u) s += B::sum(acc[u][r][t]);
+      res[r * NT + t] = s;
+    }
+  }
+}
+
+// Runtime NT (1..4) to the template, as dot_tile_n of simd.h takes it.
+template <class B, class WT, int NR>
+void dot_tile_n(const e2m1x2* const* rows, const uint8_t* const* scales,
+                const e2m1x2* const* next, const float* const* xs, int nt, int64_t K,
+                float* res) {
+  switch (nt) {
+    case 1: return mx_dot_tile<B, NR, 1>(rows, scales, next, xs, K, res);
+    case 2: return mx_dot_tile<B, NR, 2>(rows, scales, next, xs, K, res);
+    case 3: return mx_dot_tile<B, NR, 3>(rows, scales, next, xs, K, res);
+    default: return mx_dot_tile<B, NR, 4>(rows, scales, next, xs, K, res);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,402 @@
+"""MXFP4 expert banks in the MoE kernels: the one-token-at-a-time decode launches and the grouped
+prefill GEMM, reading gpt-oss's blocks and scales (kernels/mxfp4.py) and widening them in
+registers.
+
+A bank is w13 [S, 2I, H/32, 16] and w2 [S, H, I/32, 16] uint8 (two e2m1 values a byte, the
+even-indexed one in the low nibble) with their E8M0 scales w13_scale [S, 2I, H/32] and w2_scale
+[S, H, I/32] uint8: a weight is its e2m1 value times 2^(scale − 127) (0xFF: NaN). The kernels
+read each byte once, split it into its two codes, and build each code's fp32 bits with integer
+ops (`values`), no FP4 or FP8 instruction, so that the same code runs on Turing, Ampere and later
+GPUs and under the Triton interpreter; the block's scale is built the same way (`scales`). Low
+nibbles are the even columns and high nibbles the odd ones: the kernels multiply them by the
+activations' even and odd columns, loaded apart, and add the two products, so no interleave is
+needed. Products accumulate in fp32; a weight times its scale (a power of two) is exact in fp32
+and bf16, which tl.dot then takes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import common, mxfp4
+from .common import tl, triton
+from .grouped_moe import GroupedMoEConfig, _check_expert_range, _group_routes, config_for
+
+
+def check_bank(
+    w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor
+) -> tuple[int, int, int]:
+    """(S, H, I) of an MXFP4 bank, after checking its blocks and scales fit each other (metadata
+    only: no device sync)."""
+    for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        if w.dtype != torch.uint8 or w.dim() != 4 or w.shape[3] != mxfp4.BLOCK // 2:
+            raise ValueError(
+                f"{name} must be MXFP4 blocks, uint8 [S, N, K/32, 16], got {w.dtype} "
+                f"{tuple(w.shape)}"
+            )
+        if s.dtype != torch.uint8 or tuple(s.shape) != tuple(w.shape[:3]):
+            raise ValueError(
+                f"{name}_scale must be the E8M0 scales of {name}, uint8 {tuple(w.shape[:3])}, "
+                f"got {s.dtype} {tuple(s.shape)}"
+            )
+        if not (w.is_contiguous() and s.is_contiguous()):
+            raise ValueError(f"{name} and {name}_scale must be contiguous")
+        if s.device != w.device:
+            raise ValueError(f"{name}_scale is on {s.device} and {name} on {w.device}")
+    slots, two_inter, hidden_blocks = w13.shape[:3]
+    hidden, inter = hidden_blocks * mxfp4.BLOCK, two_inter // 2
+    if w2.shape[:3] != (slots, hidden, inter // mxfp4.BLOCK) or two_inter != 2 * inter:
+        raise ValueError(
+            f"w2 {tuple(w2.shape)} does not fit w13 {tuple(w13.shape)}: with H={hidden} and "
+            f"I={inter}, w2 is [{slots}, {hidden}, {inter // mxfp4.BLOCK}, 16]"
+        )
+    return slots, hidden, inter
+
+
+def _check(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    ids_name: str,
+) -> tuple[int, int, int]:
+    """Validate a call (metadata only: no device sync); the bank's (S, H, I)."""
+    slots, hidden, inter = check_bank(w13, w2, w13_scale, w2_scale)
+    if x.dim() != 2 or x.shape[1] != hidden or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x must be [T, H={hidden}] and {ids_name} [T, K]: got {tuple(x.shape)} and "
+            f"{tuple(ids.shape)}"
+        )
+    if route_weights.shape != ids.shape or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{ids_name} must be int32 or int64 and route_weights of its shape "
+            f"{tuple(ids.shape)}: got {ids.dtype} and {tuple(route_weights.shape)}"
+        )
+    common.check_same_device(x=x, **{ids_name: ids}, route_weights=route_weights, w13=w13, w2=w2)
+    return slots, hidden, inter
+
+
+def dequantized_bank(
+    w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bank's fp32 weights [S, 2I, H] and [S, H, I], by the format's definition: what the
+    references compute with."""
+    return mxfp4.dequantize(w13, w13_scale), mxfp4.dequantize(w2, w2_scale)
+
+
+def fused_moe_decode_mxfp4_ref(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of the decode launches: fp32 [T, H], sum over the routes (slot >= 0) of weight
+    * w2[s] @ (silu(gate·x) * (up·x)) with the dequantized weights, in fp32."""
+    _check(x, slot_ids, route_weights, w13, w2, w13_scale, w2_scale, "slot_ids")
+    dense13, dense2 = dequantized_bank(w13, w2, w13_scale, w2_scale)
+    inter = dense2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t, row in enumerate(slot_ids.tolist()):
+        for k, slot in enumerate(row):
+            if slot < 0:
+                continue
+            gate_up = dense13[slot] @ x[t].float()
+            act = F.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += route_weights[t, k].float() * (dense2[slot] @ act)
+    return out
+
+
+def grouped_moe_mxfp4_ref(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of the prefill GEMM: the decode reference's sum, the ids naming experts."""
+    return fused_moe_decode_mxfp4_ref(x, expert_ids, route_weights, w13, w2, w13_scale, w2_scale)
+
+
+@triton.jit
+def values(codes):
+    """fp32 of e2m1 `codes` (int32, 0-15), built from the bits: exponent e and mantissa m give
+    fp32 exponent e + 126 (e > 0), m/2 = 0.5 or 0 for e = 0; bit 3 is the sign."""
+    e = (codes >> 1) & 3
+    m = codes & 1
+    magnitude = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000)
+    return (magnitude | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scales(codes):
+    """fp32 of E8M0 `codes` (int32, 0-255): 2^(code − 127), code 0 the subnormal 2^-127, 0xFF
+    NaN."""
+    bits = tl.where(codes == 0, 0x00400000, codes << 23)
+    return tl.where(codes == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def widened(byte_ptrs, scale_ptrs, mask):
+    """The weights of a tile of bytes, fp32, each times its block's scale: (the even columns,
+    the odd ones), of the pointers' shape. Byte j of a row holds columns 2j (low nibble) and
+    2j + 1 (high), both in block 2j // 32, whose scale `scale_ptrs` points at."""
+    packed = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
+    factor = scales(tl.load(scale_ptrs, mask=mask, other=0).to(tl.int32))
+    return values(packed & 15) * factor, values((packed >> 4) & 15) * factor
+
+
+@triton.jit
+def widened_pairs(rows, row_scales, n_ok, j_idx, k0, k_ok):
+    """`widened` for a [BLOCK_N, BLOCK_J] tile: rows [BLOCK_N, 1] point at their bytes,
+    row_scales [BLOCK_N, 1] at their scales; columns k0 + 2j and k0 + 2j + 1."""
+    bytes_ = rows + (k0 // 2 + j_idx)[None, :]
+    return widened(bytes_, row_scales + ((k0 + 2 * j_idx) // 32)[None, :], n_ok & k_ok[None, :])
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr, slots_ptr, w13_ptr, s13_ptr, act_ptr, hidden, inter, top_k, stride_xt,
+    stride_ws, stride_wn, stride_ss, stride_sn, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+):  # fmt: skip
+    """act[route, rows] = silu(gate·x) * (up·x) for one route (t, k) and a block of rows."""
+    route = tl.program_id(0)
+    slot = tl.load(slots_ptr + route).to(tl.int64)
+    if slot < 0:
+        return
+    t = route // top_k
+    n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (n_idx < inter)[:, None]
+    gate = w13_ptr + slot * stride_ws + n_idx[:, None].to(tl.int64) * stride_wn
+    up = gate + inter * stride_wn
+    gate_s = s13_ptr + slot * stride_ss + n_idx[:, None].to(tl.int64) * stride_sn
+    up_s = gate_s + inter * stride_sn
+    x = x_ptr + t * stride_xt
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
+    j_idx = tl.arange(0, BLOCK_J)
+    for k0 in range(0, hidden, 2 * BLOCK_J):
+        k_ok = k0 + 2 * j_idx < hidden
+        x_even = tl.load(x + k0 + 2 * j_idx, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        x_odd = tl.load(x + k0 + 2 * j_idx + 1, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        g_even, g_odd = widened_pairs(gate, gate_s, n_ok, j_idx, k0, k_ok)
+        u_even, u_odd = widened_pairs(up, up_s, n_ok, j_idx, k0, k_ok)
+        acc_gate += g_even * x_even + g_odd * x_odd
+        acc_up += u_even * x_even + u_odd * x_odd
+    g = tl.sum(acc_gate, axis=1)
+    act = g * tl.sigmoid(g) * tl.sum(acc_up, axis=1)
+    tl.store(act_ptr + route * inter + n_idx, act, mask=n_idx < inter)
+
+
+@triton.jit
+def _decode_down_kernel(
+    act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, hidden, inter, stride_ws,
+    stride_wn, stride_ss, stride_sn, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+):  # fmt: skip
+    """y[route, rows] = weight * (w2 rows · act[route]) for one route and a block of rows."""
+    route = tl.program_id(0)
+    slot = tl.load(slots_ptr + route).to(tl.int64)
+    n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if slot < 0:
+        tl.store(y_ptr + route * hidden + n_idx, tl.zeros((BLOCK_N,), tl.float32),
+                 mask=n_idx < hidden)  # fmt: skip
+        return
+    n_ok = (n_idx < hidden)[:, None]
+    rows = w2_ptr + slot * stride_ws + n_idx[:, None].to(tl.int64) * stride_wn
+    row_s = s2_ptr + slot * stride_ss + n_idx[:, None].to(tl.int64) * stride_sn
+    act = act_ptr + route * inter
+    acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
+    j_idx = tl.arange(0, BLOCK_J)
+    for k0 in range(0, inter, 2 * BLOCK_J):
+        k_ok = k0 + 2 * j_idx < inter
+        a_even = tl.load(act + k0 + 2 * j_idx, mask=k_ok, other=0.0)[None, :]
+        a_odd = tl.load(act + k0 + 2 * j_idx + 1, mask=k_ok, other=0.0)[None, :]
+        w_even, w_odd = widened_pairs(rows, row_s, n_ok, j_idx, k0, k_ok)
+        acc += w_even * a_even + w_odd * a_odd
+    weight = tl.load(weights_ptr + route).to(tl.float32)
+    tl.store(y_ptr + route * hidden + n_idx, weight * tl.sum(acc, axis=1), mask=n_idx < hidden)
+
+
+def fused_moe_decode_mxfp4(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    block_n: int = 16,
+    block_k: int = 256,
+) -> torch.Tensor:
+    """Decode MoE over MXFP4 slots: fp32 [T, H], two launches over (route, row block) plus the
+    sum over each token's routes (slot -1: no route). Each route reads its slot's rows, widens
+    them in registers and multiplies by its token's activations in fp32 (x of any float dtype);
+    a slot named by several tokens is read once per route. block_k: columns a step (a multiple
+    of 32)."""
+    _, hidden, inter = _check(x, slot_ids, route_weights, w13, w2, w13_scale, w2_scale, "slot_ids")
+    if block_k % 32 or block_k & (block_k - 1) or block_n & (block_n - 1):
+        raise ValueError(f"block_k must be a power of two >= 32 and block_n one, got {block_k}")
+    num_tokens, top_k = slot_ids.shape
+    routes = num_tokens * top_k
+    slots = slot_ids.reshape(-1).contiguous()
+    act = common.alloc((routes, inter), torch.float32, x.device)
+    y = common.alloc((routes, hidden), torch.float32, x.device)
+    x = x.contiguous()
+    pairs = block_k // 2
+    if routes:
+        _decode_gate_up_kernel[(routes, triton.cdiv(inter, block_n))](
+            x, slots, w13, w13_scale, act, hidden, inter, top_k, x.stride(0),
+            w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+            BLOCK_N=block_n, BLOCK_J=pairs,
+        )  # fmt: skip
+        _decode_down_kernel[(routes, triton.cdiv(hidden, block_n))](
+            act, slots, route_weights.reshape(-1).contiguous(), w2, w2_scale, y, hidden, inter,
+            w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+            BLOCK_N=block_n, BLOCK_J=pairs,
+        )  # fmt: skip
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, routes_ptr, block_expert_ptr, w13_ptr, s13_ptr, act_ptr, hidden, inter, stride_xt,
+    stride_we, stride_wn, stride_se, stride_sn, stride_ar, TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, COMPUTE: tl.constexpr,
+):  # fmt: skip
+    """grouped_moe's gate/up launch over MXFP4 weights: a block of one expert's routes times a
+    block of its gate and up rows, the even and odd columns in two tl.dots a step."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # past the routes' blocks
+        return
+    routes = tl.load(routes_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    r_ok = routes >= 0
+    x_rows = x_ptr + (routes // TOP_K)[:, None] * stride_xt
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (n_idx < inter)[None, :]
+    gate = w13_ptr + expert * stride_we + n_idx[None, :].to(tl.int64) * stride_wn
+    up = gate + inter * stride_wn
+    gate_s = s13_ptr + expert * stride_se + n_idx[None, :].to(tl.int64) * stride_sn
+    up_s = gate_s + inter * stride_sn
+    j_idx = tl.arange(0, BLOCK_J)
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, 2 * BLOCK_J):
+        cols = k0 + 2 * j_idx
+        k_ok = cols < hidden
+        x_mask = r_ok[:, None] & k_ok[None, :]
+        x_even = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0).to(COMPUTE)
+        x_odd = tl.load(x_rows + cols[None, :] + 1, mask=x_mask, other=0.0).to(COMPUTE)
+        w_mask = k_ok[:, None] & n_ok
+        at = (k0 // 2 + j_idx)[:, None]
+        block = (cols // 32)[:, None]
+        g_even, g_odd = widened(gate + at, gate_s + block, w_mask)
+        u_even, u_odd = widened(up + at, up_s + block, w_mask)
+        # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
+        acc_gate += tl.dot(x_even, g_even.to(COMPUTE), input_precision="ieee")
+        acc_gate += tl.dot(x_odd, g_odd.to(COMPUTE), input_precision="ieee")
+        acc_up += tl.dot(x_even, u_even.to(COMPUTE), input_precision="ieee")
+        acc_up += tl.dot(x_odd, u_odd.to(COMPUTE), input_precision="ieee")
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    act_ptrs = act_ptr + routes[:, None] * stride_ar + n_idx[None, :]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok)
+
+
+@triton.jit
+def _grouped_down_kernel(
+    act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, hidden, inter,
+    stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_yr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, COMPUTE: tl.constexpr,
+):  # fmt: skip
+    """grouped_moe's down launch over MXFP4 weights, each route's output times its weight."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # past the routes' blocks
+        return
+    routes = tl.load(routes_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    r_ok = routes >= 0
+    route_w = tl.load(weights_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (n_idx < hidden)[None, :]
+    rows = w2_ptr + expert * stride_we + n_idx[None, :].to(tl.int64) * stride_wn
+    row_s = s2_ptr + expert * stride_se + n_idx[None, :].to(tl.int64) * stride_sn
+    a_rows = act_ptr + routes[:, None] * stride_ar
+    j_idx = tl.arange(0, BLOCK_J)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, 2 * BLOCK_J):
+        cols = k0 + 2 * j_idx
+        k_ok = cols < inter
+        a_mask = r_ok[:, None] & k_ok[None, :]
+        a_even = tl.load(a_rows + cols[None, :], mask=a_mask, other=0.0).to(COMPUTE)
+        a_odd = tl.load(a_rows + cols[None, :] + 1, mask=a_mask, other=0.0).to(COMPUTE)
+        w_even, w_odd = widened(
+            rows + (k0 // 2 + j_idx)[:, None], row_s + (cols // 32)[:, None], k_ok[:, None] & n_ok
+        )
+        acc += tl.dot(a_even, w_even.to(COMPUTE), input_precision="ieee")
+        acc += tl.dot(a_odd, w_odd.to(COMPUTE), input_precision="ieee")
+    y_ptrs = y_ptr + routes[:, None] * stride_yr + n_idx[None, :]
+    tl.store(y_ptrs, acc * route_w[:, None], mask=r_ok[:, None] & n_ok)
+
+
+def grouped_moe_mxfp4(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    config: GroupedMoEConfig | None = None,
+    layer_experts: int | None = None,
+    checked: bool = True,
+) -> torch.Tensor:
+    """Prefill MoE over one layer's MXFP4 experts: fp32 [T, H], grouped_moe_triton's routes
+    grouped by expert and its tiles, the weights widened in registers (scaled, then in the
+    compute dtype: exact in bf16 and fp32) into tl.dot. layer_experts and checked: as
+    grouped_moe_triton takes them."""
+    num_experts, hidden, inter = _check(
+        x, expert_ids, route_weights, w13, w2, w13_scale, w2_scale, "expert_ids"
+    )
+    num_tokens = x.shape[0]
+    top_k = expert_ids.shape[1]
+    if checked:
+        _check_expert_range(expert_ids, num_experts)
+    compute = common.tl_dtype(compute_dtype or x.dtype)
+    num_routes = num_tokens * top_k
+    distinct = min(layer_experts or num_experts, num_experts)
+    cfg = config or config_for(num_routes / max(min(distinct, num_routes), 1))
+    grouped = _group_routes(expert_ids, num_experts, cfg, distinct)
+    act = common.alloc((num_routes, inter), compute_dtype or x.dtype, x.device)
+    y = common.alloc((num_routes, hidden), torch.float32, x.device)
+    # a step of 2 * BLOCK_J columns: BLOCK_J >= 16 for tl.dot, so steps of whole 32-blocks
+    gate_up_j = max(16, min(cfg.block_k, common.next_pow2(hidden)) // 2)
+    down_j = max(16, min(cfg.block_k, common.next_pow2(inter)) // 2)
+    if grouped.num_blocks:
+        _grouped_gate_up_kernel[(grouped.num_blocks, triton.cdiv(inter, cfg.gate_up_block_n))](
+            x, grouped.routes, grouped.block_expert, w13, w13_scale, act, hidden, inter,
+            x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+            act.stride(0), TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gate_up_block_n,
+            BLOCK_J=gate_up_j, COMPUTE=compute, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+        _grouped_down_kernel[(grouped.num_blocks, triton.cdiv(hidden, cfg.down_block_n))](
+            act, grouped.routes, grouped.block_expert, route_weights.contiguous(), w2, w2_scale,
+            y, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
+            w2_scale.stride(1), y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
+            BLOCK_J=down_j, COMPUTE=compute, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    y.masked_fill_(grouped.skipped[:, None], 0.0)  # no block wrote the skipped routes' rows
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,176 @@
+"""The MoE kernels over MXFP4 expert banks against the reference on the dequantized weights
+(interpreter on CPU, fp32 activations, small shapes; natively on a GPU, bf16 too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelab.kernels import e2m1, grouped_moe, mxfp4, mxfp4_moe
+from moelab.kernels.common import tl, triton
+from moelab.kernels.grouped_moe import GroupedMoEConfig
+
+from .kernel_inputs import DEVICE, assert_matches, randn, route_table, route_weights
+
+pytestmark = pytest.mark.usefixtures("triton_runs")
+
+# Whole 32-blocks, but not whole steps of the tiles: the last step ends inside a block pair.
+HIDDEN, INTER = 224, 96
+GROUPED = GroupedMoEConfig(16, 32, 32, 64, num_warps=4, num_stages=2)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def mxfp4_bank(gen: torch.Generator, slots: int, hidden: int = HIDDEN, inter: int = INTER):
+    """Random experts quantized to MXFP4 (mxfp4.quantize), rows of scales a few binades apart,
+    so that a scale taken from the wrong block or row shows: (w13, w2, w13_scale, w2_scale)."""
+
+    def quantized(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+        rows = torch.exp2(torch.randint(-3, 4, (*shape[:-1], 1), generator=gen).float())
+        cols = torch.exp2(torch.randint(-3, 4, (shape[-1],), generator=gen).float())
+        blocks, scales = mxfp4.quantize(w * rows * cols)
+        return blocks.to(DEVICE), scales.to(DEVICE)
+
+    w13, w13_scale = quantized(slots, 2 * inter, hidden)
+    w2, w2_scale = quantized(slots, hidden, inter)
+    return w13, w2, w13_scale, w2_scale
+
+
+@triton.jit
+def _values_kernel(codes_ptr, scales_ptr, values_ptr, factors_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(values_ptr + i, mxfp4_moe.values(tl.load(codes_ptr + i).to(tl.int32)))
+    tl.store(factors_ptr + i, mxfp4_moe.scales(tl.load(scales_ptr + i).to(tl.int32)))
+
+
+def test_widening_builds_every_code_and_every_scale_exactly():
+    codes = torch.arange(256, dtype=torch.int32).remainder(16).to(torch.uint8).to(DEVICE)
+    scale_codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    values = torch.empty(256, device=DEVICE)
+    factors = torch.empty(256, device=DEVICE)
+    _values_kernel[(1,)](codes, scale_codes, values, factors, N=256)
+    # the references decode by the definitions: e2m1 from its fields, E8M0 by exp2
+    assert torch.equal(values.cpu(), e2m1.widen(codes.cpu()))
+    assert torch.equal(torch.signbit(values.cpu()[:16]), torch.arange(16) >= 8)
+    expected = mxfp4.scale_values(scale_codes.cpu())
+    assert torch.equal(factors.cpu()[:255], expected[:255])
+    assert factors[255].isnan() and factors[0].item() == 2.0**-127
+
+
+@pytest.mark.parametrize("tokens, top_k, slots", [(1, 4, 6), (3, 2, 5), (2, 4, 4)])
+@pytest.mark.parametrize("block_n, block_k", [(16, 64), (8, 128)])
+def test_decode_matches_the_dequantized_reference(gen, tokens, top_k, slots, block_n, block_k):
+    x = randn(gen, tokens, HIDDEN)
+    slot_ids = route_table(gen, tokens, top_k, slots, masked=0.2)
+    weights = route_weights(gen, tokens, top_k)
+    bank = mxfp4_bank(gen, slots)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(
+        x, slot_ids, weights, *bank, block_n=block_n, block_k=block_k
+    )
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank)
+    assert_matches(out, ref, tol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, masked", [(5, 2, 4, 0.0), (9, 3, 6, 0.2)])
+def test_grouped_matches_the_dequantized_reference(gen, tokens, top_k, experts, masked):
+    x = randn(gen, tokens, HIDDEN)
+    expert_ids = route_table(gen, tokens, top_k, experts, masked=masked)
+    weights = route_weights(gen, tokens, top_k)
+    bank = mxfp4_bank(gen, experts)
+    out = mxfp4_moe.grouped_moe_mxfp4(x, expert_ids, weights, *bank, config=GROUPED)
+    ref = mxfp4_moe.grouped_moe_mxfp4_ref(x, expert_ids, weights, *bank)
+    assert_matches(out, ref, tol=1e-5)
+
+
+def test_references_are_the_dense_kernels_on_the_dequantized_weights(gen):
+    """The MXFP4 reference is grouped_moe's on the weights mxfp4.dequantize gives."""
+    x = randn(gen, 4, HIDDEN)
+    expert_ids = route_table(gen, 4, 2, 5)
+    weights = route_weights(gen, 4, 2)
+    bank = mxfp4_bank(gen, 5)
+    dense = mxfp4_moe.dequantized_bank(*bank)
+    ref = mxfp4_moe.grouped_moe_mxfp4_ref(x, expert_ids, weights, *bank)
+    assert_matches(ref, grouped_moe.grouped_moe_ref(x, expert_ids, weights, *dense), tol=1e-6)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_bf16_activations_on_the_gpu(gen):
+    """bf16 activations into tl.dot with the widened weights in bf16 (exact there): within
+    bf16's rounding of the activations and the gate/up outputs."""
+    x = randn(gen, 40, HIDDEN, dtype=torch.bfloat16)
+    expert_ids = route_table(gen, 40, 4, 8)
+    weights = route_weights(gen, 40, 4)
+    bank = mxfp4_bank(gen, 8)
+    ref = mxfp4_moe.grouped_moe_mxfp4_ref(x, expert_ids, weights, *bank)
+    out = mxfp4_moe.grouped_moe_mxfp4(x, expert_ids, weights, *bank)
+    assert_matches(out, ref, tol=3e-2)
+    decoded = mxfp4_moe.fused_moe_decode_mxfp4(x[:1], expert_ids[:1], weights[:1], *bank)
+    ref1 = mxfp4_moe.fused_moe_decode_mxfp4_ref(x[:1], expert_ids[:1], weights[:1], *bank)
+    assert_matches(decoded, ref1, tol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda b: (b[0].view(-1, INTER * 2, HIDDEN // 2), *b[1:]), r"w13 must be MXFP4 blocks"),
+        (lambda b: (*b[:2], b[2].float(), b[3]), r"w13_scale must be the E8M0 scales"),
+        (
+            lambda b: (b[0], b[1][:, :32].contiguous(), b[2], b[3][:, :32].contiguous()),
+            "does not fit",
+        ),
+    ],
+)
+def test_a_bank_that_does_not_fit_its_scales_is_refused(gen, change, message):
+    bank = mxfp4_bank(gen, 3)
+    x = randn(gen, 1, HIDDEN)
+    with pytest.raises(ValueError, match=message):
+        mxfp4_moe.fused_moe_decode_mxfp4(
+            x, route_table(gen, 1, 2, 3), route_weights(gen, 1, 2), *change(bank)
+        )
+
+
+# gpt-oss-20b's experts: H = I = 2880 (90 blocks a row), 32 of them, top-4.
+GPT_OSS_HIDDEN, GPT_OSS_EXPERTS, GPT_OSS_TOP_K = 2880, 32, 4
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.cuda
+@needs_cuda
+def test_decode_at_gpt_oss_shape_replays_in_a_cuda_graph(gen, tokens):
+    """bf16 activations at gpt-oss's shapes, captured once and replayed on new routes."""
+    h = GPT_OSS_HIDDEN
+    bank = mxfp4_bank(gen, GPT_OSS_EXPERTS, hidden=h, inter=h)
+    x = randn(gen, tokens, h, dtype=torch.bfloat16)
+    slot_ids = route_table(gen, tokens, GPT_OSS_TOP_K, GPT_OSS_EXPERTS, masked=0.25)
+    weights = route_weights(gen, tokens, GPT_OSS_TOP_K)
+    mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank)
+    slot_ids.copy_(route_table(gen, tokens, GPT_OSS_TOP_K, GPT_OSS_EXPERTS, masked=0.25))
+    graph.replay()
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank)
+    assert_matches(out, ref, tol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [64, 1024])
+@pytest.mark.cuda
+@needs_cuda
+def test_grouped_at_gpt_oss_shape_never_waits_for_the_device(gen, tokens):
+    h = GPT_OSS_HIDDEN
+    bank = mxfp4_bank(gen, GPT_OSS_EXPERTS, hidden=h, inter=h)
+    x = randn(gen, tokens, h, dtype=torch.bfloat16)
+    expert_ids = route_table(gen, tokens, GPT_OSS_TOP_K, GPT_OSS_EXPERTS, masked=0.05)
+    weights = route_weights(gen, tokens, GPT_OSS_TOP_K)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = mxfp4_moe.grouped_moe_mxfp4(
+            x, expert_ids, weights, *bank, layer_experts=GPT_OSS_EXPERTS, checked=False
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = mxfp4_moe.grouped_moe_mxfp4_ref(x, expert_ids, weights, *bank)
+    assert_matches(out, ref, tol=3e-2)
