@@ -534,7 +534,8 @@ class CpuExpertRunner:
                 x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale
             )
         else:
-            (num_tokens, hidden), (num_experts, _, inter) = x.shape, w2.shape
+            num_tokens, hidden = x.shape
+            num_experts, _, inter = _mxfp4_shape(w2) if w2.dim() == 4 else w2.shape
         if done_flag is not None:
             if out is None:
                 raise ValueError("done_flag needs out: the flag says that out is written")

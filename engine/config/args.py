@@ -33,7 +33,7 @@ _SIZE_UNITS = {
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
-EXPERT_DTYPES = ("auto", "bf16", "fp8")
+EXPERT_DTYPES = ("auto", "bf16", "fp8", "mxfp4")
 CPU_KERNELS = ("auto", "native", "torch")
 CPU_PINS = ("cores", "isolate", "off")
 GENERATION_CONFIGS = ("auto", "off")
@@ -269,9 +269,11 @@ def _model_flags(model: Group) -> None:
         choices=EXPERT_DTYPES,
         help="How the routed experts are held in host memory and in the GPU's expert slots: "
         "fp8 (e4m3 values with one fp32 factor per 128x128 block, half the bytes of bf16: "
-        "a bf16 checkpoint's experts are quantized once, into the prepacked bank), bf16 (the "
-        "compute dtype: an FP8 checkpoint's experts are widened), auto (the checkpoint's own "
-        "format).",
+        "a bf16 checkpoint's experts are quantized once, into the prepacked bank), mxfp4 (e2m1 "
+        "values with one power-of-two scale per 32, 4.25 bits a weight: a bf16 or FP8 "
+        "checkpoint's experts are quantized once, into the prepacked bank; hidden_size and "
+        "moe_intermediate_size must be multiples of 32), bf16 (the compute dtype: an FP8 or "
+        "MXFP4 checkpoint's experts are widened), auto (the checkpoint's own format).",
     )
     model.add_argument(
         "--dummy-weights",
@@ -626,8 +628,11 @@ TUNABLE: tuple[Tunable, ...] = (
     Tunable(
         "--moe-expert-dtype",
         "choice",
-        ("bf16", "fp8"),
-        Text("FP8 experts: half the bytes of every miss and twice the slots, against rounding"),
+        ("bf16", "fp8", "mxfp4"),
+        Text(
+            "FP8 or MXFP4 experts: a half or about a quarter of the bytes of every miss and as "
+            "many more slots, against rounding"
+        ),
     ),
     Tunable(
         "--moe-miss-policy",

@@ -3,8 +3,11 @@
 Per MoE layer the bank holds `w13 [E, 2I, H]` (gate rows then up rows) and `w2 [E, H, I]`, so one
 expert is two contiguous copies. An FP8 bank (format "fp8") holds them as float8_e4m3fn with their
 fp32 block factors beside them, `w13_scale [E, ⌈2I/128⌉, ⌈H/128⌉]` and `w2_scale [E, ⌈H/128⌉,
-⌈I/128⌉]` (kernels/fp8.py): four copies an expert. The format is the checkpoint's, or the one
-`--moe-expert-dtype` asks for, converted once as the prepacked file is written.
+⌈I/128⌉]` (kernels/fp8.py): four copies an expert. An MXFP4 bank (format "mxfp4") holds them as
+blocks, `w13 [E, 2I, H/32, 16]` and `w2 [E, H, I/32, 16]` uint8 (two e2m1 values a byte), with
+their E8M0 scales `w13_scale [E, 2I, H/32]` and `w2_scale [E, H, I/32]` uint8 (kernels/mxfp4.py),
+as kernels/mxfp4_moe.py and the native CPU kernel read them. The format is the checkpoint's, or
+the one `--moe-expert-dtype` asks for, converted once as the prepacked file is written.
 
 The bank is written once in this final layout (a prepacked safetensors file in the cache
 directory) and later starts memory-map it; with CUDA present each layer is copied once into pinned
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ...kernels import fp8
+from ...kernels import fp8, mxfp4
 from ..model.checkpoint import Expert, SafetensorsSource, TensorSource, iter_layer_experts
 from ..model.spec import CheckpointError, ModelSpec, blocks
 
@@ -38,10 +41,12 @@ _ST_CODES = {
     torch.float16: "F16",
     torch.float32: "F32",
     torch.float8_e4m3fn: "F8_E4M3",
+    torch.uint8: "U8",
 }
 
 Progress = Callable[[int, int], None]
-# a bank's tensors per layer, in file order (those it holds: w13 and w2, FP8 factors, biases)
+# a bank's tensors per layer, in file order (those it holds: w13 and w2, FP8 factors or MXFP4
+# scales, biases)
 TENSOR_KINDS = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
 
 
@@ -55,7 +60,8 @@ class ExpertBank:
 
     w13: list[torch.Tensor]
     w2: list[torch.Tensor]
-    # an FP8 bank's block factors per layer (empty for an unquantized bank)
+    # an FP8 bank's block factors or an MXFP4 bank's scales per layer (empty for an unquantized
+    # bank)
     w13_scale: list[torch.Tensor] = field(default_factory=list)
     w2_scale: list[torch.Tensor] = field(default_factory=list)
     # gpt_oss's experts: their biases per layer, [E, 2I] and [E, H] fp32 (the CPU kernel's
@@ -82,18 +88,21 @@ class ExpertBank:
 
     @property
     def fmt(self) -> str:
-        """ "fp8" (values and block factors) or "bf16" (weights in the engine's dtype)."""
-        return "fp8" if self.w13_scale else "bf16"
+        """ "fp8" (values and block factors), "mxfp4" (blocks and scales) or "bf16" (weights in
+        the engine's dtype)."""
+        return held_format(self.w13[0][0], self.w13_scale[0][0] if self.w13_scale else None)
 
     @property
     def block_rows(self) -> int:
         """The rows of gate and up (columns of the down projection) one scale factor covers:
-        fp8.BLOCK for an FP8 bank, 1 without factors (a split miss cuts at a multiple of it)."""
-        return fp8.BLOCK if self.w13_scale else 1
+        fp8.BLOCK for an FP8 bank, mxfp4.BLOCK columns of the down projection for an MXFP4 one,
+        1 without factors (a split miss cuts at a multiple of it)."""
+        return {"fp8": fp8.BLOCK, "mxfp4": mxfp4.BLOCK}.get(self.fmt, 1)
 
     def cpu_args(self, moe_layer: int) -> dict[str, torch.Tensor | float]:
-        """What the CPU expert runner takes beside a layer's weights: an FP8 layer's factors,
-        gpt_oss's biases and SwiGLU limit (none for a bf16 bank of another architecture)."""
+        """What the CPU expert runner takes beside a layer's weights: an FP8 layer's factors or an
+        MXFP4 layer's scales, gpt_oss's biases and SwiGLU limit (none for a bf16 bank of another
+        architecture)."""
         args: dict[str, torch.Tensor | float] = {}
         if self.w13_scale:
             args.update(w13_scale=self.w13_scale[moe_layer], w2_scale=self.w2_scale[moe_layer])
@@ -104,13 +113,14 @@ class ExpertBank:
         return args
 
     def layer_tensors(self, moe_layer: int) -> list[torch.Tensor]:
-        """A layer's tensors: w13, w2 and, for an FP8 bank, their factors, then any biases (an
+        """A layer's tensors: w13, w2 and, for an FP8 or MXFP4 bank, their factors or scales, then
+        any biases (an
         expert's row of each is one copy into a slot: `ExpertCache.tensors`)."""
         return [tensors[moe_layer] for tensors in self._all() if tensors]
 
     @property
     def expert_bytes(self) -> int:
-        """One expert's bytes, FP8 values and their factors where FP8."""
+        """One expert's bytes, as held (FP8 values and their factors, MXFP4 blocks and scales)."""
         return sum(t[0][0].nbytes for t in self._all() if t)
 
     @property
@@ -133,29 +143,36 @@ def bank_bytes(spec: ModelSpec, dtype: torch.dtype, fmt: str = "bf16") -> int:
     return spec.experts_total * spec.expert_bytes_as(fmt, dtype.itemsize)
 
 
+def held_format(w13: torch.Tensor, w13_scale: torch.Tensor | None) -> str:
+    """The format of an expert's weights: "mxfp4" (uint8 blocks with scales), "fp8" (values
+    with block factors) or "bf16" (unquantized, whatever their dtype)."""
+    if w13_scale is None:
+        return "bf16"
+    return "mxfp4" if w13.dtype == torch.uint8 else "fp8"
+
+
+# per format: weights [N, K] from their values and scales (fp32), and the values and scales of
+# weights
+_WIDEN = {"fp8": fp8.dequantize, "mxfp4": mxfp4.dequantize}
+_QUANTIZE = {"fp8": fp8.quantize, "mxfp4": mxfp4.quantize}
+
+
 def as_format(expert: Expert, fmt: str, dtype: torch.dtype) -> Expert:
-    """An expert as the bank holds it: FP8 values and factors ("fp8", quantizing unquantized
-    weights in 128x128 blocks), or weights in `dtype` ("bf16", widening FP8 ones)."""
-    stored_fp8 = expert.w13_scale is not None
-    if fmt == "fp8":
-        if stored_fp8:
-            return expert
-        q13, q2, s13, s2 = _quantized(expert.w13, expert.w2)
-        return expert._replace(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
-    if stored_fp8:
-        return expert._replace(
-            w13=fp8.dequantize(expert.w13, expert.w13_scale).to(dtype),
-            w2=fp8.dequantize(expert.w2, expert.w2_scale).to(dtype),
-            w13_scale=None,
-            w2_scale=None,
-        )
-    return expert
-
-
-def _quantized(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    q13, s13 = fp8.quantize(w13)
-    q2, s2 = fp8.quantize(w2)
-    return q13, q2, s13, s2
+    """An expert as the bank holds it: FP8 values and factors ("fp8", in 128x128 blocks), MXFP4
+    blocks and scales ("mxfp4", 32 values a block), or weights in `dtype` ("bf16"); a weight
+    stored in another format is widened (and quantized again where `fmt` is a quantized one)."""
+    stored = held_format(expert.w13, expert.w13_scale)
+    if stored == fmt:
+        return expert
+    w13, w2 = expert.w13, expert.w2
+    if stored != "bf16":
+        w13 = _WIDEN[stored](w13, expert.w13_scale)
+        w2 = _WIDEN[stored](w2, expert.w2_scale)
+    if fmt == "bf16":
+        return expert._replace(w13=w13.to(dtype), w2=w2.to(dtype), w13_scale=None, w2_scale=None)
+    q13, s13 = _QUANTIZE[fmt](w13)
+    q2, s2 = _QUANTIZE[fmt](w2)
+    return expert._replace(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
 
 
 def check_host_memory(needed_bytes: int, *, pinned: bool) -> None:
@@ -190,7 +207,7 @@ def default_bank_dir() -> Path:
 def bank_key(source: SafetensorsSource, dtype: torch.dtype, fmt: str = "bf16") -> str:
     """Identifies a checkpoint's files (path, sizes, mtimes) and the bank's format and dtype."""
     parts = [str(source.path.resolve()), str(dtype), BANK_VERSION]
-    if fmt == "fp8":
+    if fmt != "bf16":
         parts.append(fmt)
     for f in source.files:
         st = f.stat()
@@ -202,12 +219,22 @@ def _layout(
     spec: ModelSpec, dtype: torch.dtype, fmt: str
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """The bank's tensors in file order: per MoE layer w13, w2 (and for FP8 their factors, for
-    gpt_oss their biases), named layer{m}.{kind} (TENSOR_KINDS)."""
+    MXFP4 their scales, for gpt_oss their biases), named layer{m}.{kind} (TENSOR_KINDS)."""
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     out = []
     values = torch.float8_e4m3fn if fmt == "fp8" else dtype
     for m in range(spec.num_moe_layers):
-        out += [(f"layer{m}.w13", (e, 2 * i, h), values), (f"layer{m}.w2", (e, h, i), values)]
+        if fmt == "mxfp4":
+            b = mxfp4.BLOCK
+            u8 = torch.uint8
+            out += [
+                (f"layer{m}.w13", (e, 2 * i, h // b, b // 2), u8),
+                (f"layer{m}.w2", (e, h, i // b, b // 2), u8),
+                (f"layer{m}.w13_scale", (e, 2 * i, h // b), u8),
+                (f"layer{m}.w2_scale", (e, h, i // b), u8),
+            ]
+        else:
+            out += [(f"layer{m}.w13", (e, 2 * i, h), values), (f"layer{m}.w2", (e, h, i), values)]
         if fmt == "fp8":
             out += [
                 (f"layer{m}.w13_scale", (e, blocks(2 * i), blocks(h)), torch.float32),
@@ -220,7 +247,7 @@ def _layout(
 
 
 def _per_layer(spec: ModelSpec, fmt: str) -> int:
-    return (4 if fmt == "fp8" else 2) + (2 if spec.expert_bias else 0)
+    return (2 if fmt == "bf16" else 4) + (2 if spec.expert_bias else 0)
 
 
 def _kind(name: str) -> str:
@@ -237,7 +264,7 @@ def _fill_layer(
     dtype: torch.dtype,
 ) -> None:
     """Copy a layer's experts, converted to the bank's format, into its tensors (by kind:
-    w13, w2 and for FP8 their factors, for gpt_oss their biases)."""
+    w13, w2 and for FP8 their factors, for MXFP4 their scales, for gpt_oss their biases)."""
     for expert in iter_layer_experts(spec, source, layer):
         held = as_format(expert, fmt, dtype)._asdict()
         for kind, dst in tensors.items():
@@ -405,7 +432,7 @@ def load_bank(
         bank.num_layers,
         bank.num_experts,
         bank.nbytes / 1024**3,
-        "fp8" if fmt == "fp8" else str(dtype).replace("torch.", ""),
+        str(dtype).replace("torch.", "") if fmt == "bf16" else fmt,
         bank.pinned_layers,
         bank.num_layers,
         time.perf_counter() - t0,

@@ -18,10 +18,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ...kernels import mxfp4
 from ..model.spec import blocks
 from .bank import ExpertBank
 from .h2d import HostToDevice
 
+# the names under which the MoE kernels take an FP8 bank's block factors
+SCALE_INV = ("w13_scale_inv", "w2_scale_inv")
 # indices into ExpertCache.state (int64): the use clock, then the counters
 TICK, HITS, FILLS, EVICTIONS = range(4)
 
@@ -48,7 +51,9 @@ class ExpertCache:
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.dtype = dtype  # the compute dtype; the slots' own where fmt is "bf16"
-        self.fmt = fmt  # "fp8": the slots hold FP8 values and their block factors (bank.py)
+        # "fp8": the slots hold FP8 values and their block factors, "mxfp4" MXFP4 blocks and their
+        # scales (bank.py)
+        self.fmt = fmt
         self.device = device
         self.w13 = torch.empty(0)
         self.w2 = torch.empty(0)
@@ -114,16 +119,18 @@ class ExpertCache:
 
     def tensors(self) -> list[torch.Tensor]:
         """The slots' tensors, in the order of `ExpertBank.layer_tensors`: w13, w2, for an FP8
-        cache their factors, then any biases."""
+        cache their factors (an MXFP4 one's scales), then any biases."""
         extra = (self.w13_scale, self.w2_scale, self.w13_bias, self.w2_bias)
         return [self.w13, self.w2, *(t for t in extra if t is not None)]
 
     def kernel_args(self) -> dict[str, torch.Tensor | float]:
-        """What the MoE kernels take beside the slots' weights: an FP8 cache's factors, gpt_oss's
-        biases and SwiGLU limit (nothing for a bf16 cache of another architecture)."""
+        """What the MoE kernels take beside the slots' weights: an FP8 cache's factors, an MXFP4
+        one's scales (moe_kernels.py), gpt_oss's biases and SwiGLU limit (nothing for a bf16
+        cache of another architecture)."""
         args: dict[str, torch.Tensor | float] = {}
         if self.w13_scale is not None and self.w2_scale is not None:
-            args.update(w13_scale_inv=self.w13_scale, w2_scale_inv=self.w2_scale)
+            names = ("w13_scale", "w2_scale") if self.fmt == "mxfp4" else SCALE_INV
+            args.update(zip(names, (self.w13_scale, self.w2_scale), strict=True))
         if self.w13_bias is not None and self.w2_bias is not None:
             args.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
         if self.swiglu_limit:
@@ -232,10 +239,16 @@ class ExpertCache:
     def _allocate(self, slots: int) -> None:
         h, i, dev = self.hidden_size, self.intermediate_size, self.device
         values = torch.float8_e4m3fn if self.fmt == "fp8" else self.dtype
-        self.w13 = torch.empty((slots, 2 * i, h), dtype=values, device=dev)
+        shape13, shape2 = (slots, 2 * i, h), (slots, h, i)
+        if self.fmt == "mxfp4":
+            values, b = torch.uint8, mxfp4.BLOCK
+            shape13, shape2 = (slots, 2 * i, h // b, b // 2), (slots, h, i // b, b // 2)
+            self.w13_scale = torch.zeros(shape13[:3], dtype=values, device=dev)
+            self.w2_scale = torch.zeros(shape2[:3], dtype=values, device=dev)
+        self.w13 = torch.empty(shape13, dtype=values, device=dev)
         # zeroed: a split miss's slot (decode_planner.h) adds its down projection's columns past
         # the copied ones times zero, which must not be NaN in a slot never filled
-        self.w2 = torch.zeros((slots, h, i), dtype=values, device=dev)
+        self.w2 = torch.zeros(shape2, dtype=values, device=dev)
         if self.fmt == "fp8":
             shape13, shape2 = (slots, blocks(2 * i), blocks(h)), (slots, blocks(h), blocks(i))
             self.w13_scale = torch.zeros(shape13, dtype=torch.float32, device=dev)

@@ -213,16 +213,19 @@ class LayerPlanner:
         self._join_event: DriverEvent | None = None
 
     def native(self) -> object | None:
-        """The native planner over the cache (None: `plan_layer`, for the torch CPU kernel and
-        for a bank with biases); with `copies` it also waits for the routing and queues the
-        copies, with `launches` it also launches the next piece, joining the fills on an event of
-        its own."""
+        """The native planner over the cache (None: `plan_layer`, for the torch CPU kernel, for a
+        bank with biases and for an MXFP4 bank); with `copies` it also waits for the routing and
+        queues the copies, with `launches` it also launches the next piece, joining the fills on
+        an event of its own."""
         cache = self.cache
-        # the native planner neither copies nor splits gpt_oss's experts with their biases
-        if self.cpu is None or self.cpu.kernel != "native" or self.bank.w13_bias:
+        # the native planner neither copies nor splits gpt_oss's experts with their biases, and
+        # takes an expert's tensors as FP8 or unquantized ones: an MXFP4 bank's blocks and scales
+        # (4-D, 32 columns a scale) are planned by `plan_layer`, whose CPU jobs run the native
+        # kernel's MXFP4 path all the same
+        bank = self.bank
+        if self.cpu is None or self.cpu.kernel != "native" or bank.w13_bias or bank.fmt == "mxfp4":
             return None
         if self._native is None or self._native_version != cache.version:
-            bank = self.bank
             native = self.cpu.decode_planner(
                 slot_of=cache.slot_of, key_of_slot=cache.key_of_slot, last_use=cache.last_use,
                 state=cache.state, picks=self._counters.picks, w13=bank.w13, w2=bank.w2,

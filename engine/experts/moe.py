@@ -23,9 +23,8 @@ import numpy as np
 import torch
 
 from ...kernels.cpu_experts import CpuExpertRunner
-from ...kernels.fused_moe import fused_moe_decode
-from ...kernels.grouped_moe import grouped_moe
 from ...kernels.host_handoff import routing_to_host
+from . import moe_kernels
 from .bank import ExpertBank
 from .cache import ExpertCache, SlotFills
 from .miss_plan import Dispatch, Handoff, LayerPlanner, expert_mask
@@ -230,10 +229,12 @@ class MoERunner:
             self.resident_routing.store(moe_layer, ids)
             with self._phase("gpu_experts"):
                 # the routes' outputs unsummed: the next residual add + RMSNorm sums them
-                return fused_moe_decode(x, slots, weights, w13, w2, reduce=False, **args)
+                return moe_kernels.decode(x, slots, weights, w13, w2, reduce=False, **args)
         # the router's ids are in range: no check, and nothing in the layer waits for the device
         e = self.bank.num_experts
-        return grouped_moe(x, slots, weights, w13, w2, layer_experts=e, checked=False, **args)
+        return moe_kernels.prefill(
+            x, slots, weights, w13, w2, layer_experts=e, checked=False, **args
+        )
 
     def _phase(self, name: str):
         return self.timer.phase(name) if self.timer is not None else _NO_TIMER
@@ -343,7 +344,7 @@ class MoERunner:
         if d.job is not None and self.timer is not None:
             with self._phase("cpu_experts"):  # a timed step runs the CPU part alone
                 d.job.wait()
-        kernel = fused_moe_decode if decode else grouped_moe
+        kernel = moe_kernels.decode if decode else moe_kernels.prefill
         fetched_mask = expert_mask(self.bank.num_experts, [expert for expert, _ in d.admitted])[
             ids_host
         ]

@@ -13,8 +13,9 @@ import math
 
 import torch
 
-from ...kernels.grouped_moe import grouped_moe
+from . import moe_kernels
 from .bank import ExpertBank
+from .cache import SCALE_INV
 
 
 class PrefillStream:
@@ -80,7 +81,7 @@ class PrefillStream:
         # the router's ids name this layer's experts, the buffer's: no check (a host sync)
         w13, w2, *extra = self._buffers[buffer]
         args = self._kernel_args(extra)
-        out = grouped_moe(x, ids, weights, w13, w2, checked=False, **args)
+        out = moe_kernels.prefill(x, ids, weights, w13, w2, checked=False, **args)
         if self.copy_stream is not None:
             done = torch.cuda.Event()
             done.record(self.compute_stream)
@@ -88,10 +89,11 @@ class PrefillStream:
         return out
 
     def _kernel_args(self, extra: list[torch.Tensor]) -> dict[str, torch.Tensor | float]:
-        """A buffer's tensors past w13 and w2 (an FP8 bank's factors, then any biases) named as
-        grouped_moe takes them, with the bank's SwiGLU limit."""
+        """A buffer's tensors past w13 and w2 (an FP8 bank's factors or an MXFP4 one's scales,
+        then any biases) named as moe_kernels.prefill takes them, with the bank's SwiGLU limit."""
         bank = self.bank
-        names = (["w13_scale_inv", "w2_scale_inv"] if bank.w13_scale else []) + (
+        scales = ["w13_scale", "w2_scale"] if bank.fmt == "mxfp4" else list(SCALE_INV)
+        names = (scales if bank.w13_scale else []) + (
             ["w13_bias", "w2_bias"] if bank.w13_bias else []
         )
         args: dict[str, torch.Tensor | float] = dict(zip(names, extra, strict=True))

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...kernels.fused_moe import fused_moe_decode
 from ...kernels.host_handoff import (
     TIMED_OUT,
     filled_mark,
@@ -47,6 +46,7 @@ from ...kernels.host_handoff import (
     sum_norm_when_ready,
     sum_when_ready,
 )
+from . import moe_kernels
 from .cache import ExpertCache, SlotFills
 from .miss_plan import Dispatch, Handoff, LayerPlanner, expert_mask
 from .misses import MissSplit
@@ -425,8 +425,8 @@ class StagedDecode:
         filled = torch.empty_like(cached)
         route_slots_from_host(slots_h, cached, filled)
         cache = self.cache
-        out = fused_moe_decode(x, cached, weights, cache.w13, cache.w2, reduce=False,
-                               **cache.kernel_args())  # fmt: skip
+        out = moe_kernels.decode(x, cached, weights, cache.w13, cache.w2, reduce=False,
+                                 **cache.kernel_args())  # fmt: skip
         return out, filled
 
     def routed_filled(
@@ -467,5 +467,5 @@ class StagedDecode:
         """The filled experts' routes [T, K, H] (one or two experts, mostly: their rows spread
         over the device, few_routes)."""
         cache = self.cache
-        return fused_moe_decode(x, filled, weights, cache.w13, cache.w2, reduce=False,
-                                few_routes=True, **cache.kernel_args())  # fmt: skip
+        return moe_kernels.decode(x, filled, weights, cache.w13, cache.w2, reduce=False,
+                                  few_routes=True, **cache.kernel_args())  # fmt: skip

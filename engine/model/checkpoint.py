@@ -165,7 +165,9 @@ def _need(source: TensorSource, name: str, shape: tuple[int, ...]) -> torch.Tens
 
 class Expert(NamedTuple):
     """One routed expert as stored: w13 [2I, H] (gate rows, then up rows) and w2 [H, I], and
-    for FP8 their block factors [⌈2I/128⌉, ⌈H/128⌉] and [⌈H/128⌉, ⌈I/128⌉] (None otherwise)."""
+    for FP8 their block factors [⌈2I/128⌉, ⌈H/128⌉] and [⌈H/128⌉, ⌈I/128⌉] (None otherwise);
+    for MXFP4 (uint8) w13 and w2 are blocks [2I, H/32, 16] and [H, I/32, 16] and the scales
+    their E8M0 codes [2I, H/32] and [H, I/32] (kernels/mxfp4.py)."""
 
     index: int
     w13: torch.Tensor
@@ -346,8 +348,8 @@ def iter_layer_experts(spec: ModelSpec, source: TensorSource, layer: int) -> Ite
     h, i, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     if spec.arch == "gpt_oss":
         need = functools.partial(_need, source)
-        for e, (w13, w2, b13, b2) in enumerate(gpt_oss.iter_experts(spec, source.has, need, layer)):
-            yield Expert(e, w13, w2, w13_bias=b13, w2_bias=b2)
+        for e, tensors in enumerate(gpt_oss.iter_experts(spec, source.has, need, layer)):
+            yield Expert(e, *tensors)
         return
     names = expert_names(spec, source, layer)
     if names[0].endswith("gate_up_proj"):

@@ -14,7 +14,8 @@ of its forward pass that no other architecture has.
 - Weights in bf16 as `save_pretrained` writes them, or OpenAI's release: experts in MXFP4
   (`gate_up_proj_blocks [E, 2I, H/32, 16]` uint8, two e2m1 values a byte, and
   `gate_up_proj_scales [E, 2I, H/32]`, a power-of-two exponent biased by 127 per 32 values;
-  kernels/mxfp4.py), widened as they load.
+  kernels/mxfp4.py), which the bank keeps as they are (gate and up rows reordered) or widens, as
+  --moe-expert-dtype says (engine/experts/bank.py).
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ import torch.nn.functional as F
 from ...kernels import mxfp4
 from .spec import ModelSpec
 
-# one expert in the bank's layout: w13 [2I, H] (gate rows, then up rows), w2 [H, I], and their
-# biases [2I] and [H]
-ExpertTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# one expert in the bank's layout: w13 [2I, H] (gate rows, then up rows), w2 [H, I], their MXFP4
+# scales (None for bf16 weights; then w13 and w2 are blocks [2I, H/32, 16] and [H, I/32, 16]),
+# and their biases [2I] and [H]
+ExpertTensors = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor
+]
 
 
 def experts_prefix(layer: int) -> str:
@@ -53,9 +57,9 @@ def iter_experts(
     need: Callable[[str, tuple[int, ...]], torch.Tensor],
     layer: int,
 ) -> Iterator[ExpertTensors]:
-    """A layer's experts one by one in the bank's layout, MXFP4 widened to fp32 an expert at a
-    time (a whole layer of gpt-oss-120b would take 8.5 GB in fp32); `need(name, shape)` reads a
-    tensor after checking its shape."""
+    """A layer's experts one by one in the bank's layout, MXFP4 as stored (blocks and scales, an
+    expert at a time: a whole layer of gpt-oss-120b widened would take 8.5 GB in fp32);
+    `need(name, shape)` reads a tensor after checking its shape."""
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     p = experts_prefix(layer)
     b13 = _gate_then_up(need(p + "gate_up_proj_bias", (e, 2 * i)), 1)
@@ -66,14 +70,13 @@ def iter_experts(
         blocks2 = need(p + "down_proj_blocks", (e, h, i // mxfp4.BLOCK, 16))
         scales2 = need(p + "down_proj_scales", (e, h, i // mxfp4.BLOCK))
         for x in range(e):
-            w13 = mxfp4.dequantize(blocks13[x], scales13[x])
-            w2 = mxfp4.dequantize(blocks2[x], scales2[x])
-            yield _gate_then_up(w13, 0), w2, b13[x], b2[x]
+            w13, s13 = _gate_then_up(blocks13[x], 0), _gate_then_up(scales13[x], 0)
+            yield w13, blocks2[x], s13, scales2[x], b13[x], b2[x]
         return
     gate_up = need(p + "gate_up_proj", (e, h, 2 * i))
     down = need(p + "down_proj", (e, i, h))
     for x in range(e):
-        yield _gate_then_up(gate_up[x].t(), 0), down[x].t(), b13[x], b2[x]
+        yield _gate_then_up(gate_up[x].t(), 0), down[x].t(), None, None, b13[x], b2[x]
 
 
 def _gate_then_up(interleaved: torch.Tensor, dim: int) -> torch.Tensor:

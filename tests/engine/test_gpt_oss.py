@@ -192,9 +192,11 @@ def mxfp4_checkpoint(src: Path, out: Path) -> Path:
     return out
 
 
-def test_an_mxfp4_checkpoint_matches_transformers_dequantizing_it(tmp_path):
-    """OpenAI's layout (experts in MXFP4 `_blocks`/`_scales`), widened as the bank is written,
-    against transformers' own reading of the same files (Mxfp4Config(dequantize=True))."""
+@pytest.mark.parametrize("placement", ["resident", "offloaded"])
+def test_an_mxfp4_checkpoint_matches_transformers_dequantizing_it(tmp_path, placement):
+    """OpenAI's layout (experts in MXFP4 `_blocks`/`_scales`), kept 4-bit in the bank and the
+    slots (--moe-expert-dtype auto), resident and offloaded (CPU jobs on the blocks, fills of
+    them), against transformers' own reading of the same files (Mxfp4Config(dequantize=True))."""
     import transformers
 
     geometry = {**GEOMETRY, "hidden_size": 64, "moe_intermediate_size": 32, "swiglu_limit": 7.0}
@@ -204,12 +206,20 @@ def test_an_mxfp4_checkpoint_matches_transformers_dequantizing_it(tmp_path):
         path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)
     ).eval()
     spec = ModelSpec.from_dir(path)
-    assert spec.quantization == "mxfp4" and spec.expert_format() == "bf16"
+    assert spec.quantization == "mxfp4" and spec.expert_format() == "mxfp4"
     ids = prompt(1, 37)
-    engine = make_engine(path, *OFFLOADED)
+    flags = ["--moe-cache-rate", "1.0"] if placement == "resident" else OFFLOADED
+    engine = make_engine(path, "--prefill-chunk-tokens", "20", *flags)
     try:
+        assert engine.bank.fmt == "mxfp4" and engine.bank.w13[0].dtype == torch.uint8
+        assert engine.cache.w13.dtype == torch.uint8
+        assert engine.cache.slot_bytes == spec.expert_bytes_as("mxfp4")
+        assert engine.cache.holds_everything == (placement == "resident")
         ours = engine.score(ids)
         [tokens] = engine.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))
+        if placement == "offloaded":
+            counters = engine.moe.counters
+            assert counters.fills.sum() > 0 and counters.cpu.sum() > 0
     finally:
         engine.close()
     ref_logits = hf_logits(model, ids)
@@ -287,7 +297,8 @@ def test_moelab_serve_answers_from_an_mxfp4_gpt_oss_checkpoint(tmp_path):
         assert r.json()["usage"]["completion_tokens"] == 24
         experts = httpx.get(engine.base_url + "/v1/stats").json()["experts"]
         spec = ModelSpec.from_dir(path)
-        assert experts["slot_bytes"] == spec.expert_bytes_as("bf16", 4)
+        assert experts["dtype"] == "mxfp4"
+        assert experts["slot_bytes"] == spec.expert_bytes_as("mxfp4")
         assert 0 < experts["slots"] < spec.experts_total
         assert sum(layer["reads"] for layer in experts["layers"]) > 0
     finally:
