@@ -87,6 +87,16 @@ class ExpertBank:
         return self.w13[0].shape[0]
 
     @property
+    def hidden_size(self) -> int:
+        """H, in any format (w2's rows: MXFP4 blocks its columns, not its rows)."""
+        return self.w2[0].shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        """I, in any format (half of w13's rows)."""
+        return self.w13[0].shape[1] // 2
+
+    @property
     def fmt(self) -> str:
         """ "fp8" (values and block factors), "mxfp4" (blocks and scales) or "bf16" (weights in
         the engine's dtype)."""

@@ -182,7 +182,7 @@ def measure_bp_gbps(bank: ExpertBank, device: torch.device, samples: int = 10) -
 def measure_bh_gbps(runner: CpuExpertRunner, bank: ExpertBank, samples: int = 10) -> float:
     """CPU expert rate (weight bytes per second) for one token through up to 4 experts at once,
     as a decode step hands its CPU share over."""
-    hidden = bank.w13[0].shape[2]
+    hidden = bank.hidden_size
     k = min(4, bank.num_experts)
     x = torch.randn(1, hidden)
     tokens = torch.zeros(k, dtype=torch.int32)

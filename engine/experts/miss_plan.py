@@ -205,7 +205,7 @@ class LayerPlanner:
         self.copy_rate = copy_rate
         # the counters are never replaced: the native planner holds the picks' address
         self._counters = stats.counters
-        self._inter = bank.w2[0].shape[-1]
+        self._inter = bank.intermediate_size
         self._split_chunks = split_chunks(self._inter, bank.block_rows)
         self._expert_bytes = bank.expert_bytes
         self._native: object | None = None  # rebuilt when the cache replaces its arrays

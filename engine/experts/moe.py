@@ -82,7 +82,7 @@ class MoERunner:
             top_k=top_k, split_misses=split_misses, prefetch_rounds=prefetch_rounds,
             copy_ahead=copy_ahead, copy_rate=copy_rate,
         )  # fmt: skip
-        buffers = StagedBuffers(bank.num_experts, top_k, bank.w13[0].shape[-1], handoff, cuda)
+        buffers = StagedBuffers(bank.num_experts, top_k, bank.hidden_size, handoff, cuda)
         self.staged = StagedDecode(buffers, cache, self.planner, self.fills, self.split,
                                    self.stats)  # fmt: skip
         self.prefill = PrefillStream(

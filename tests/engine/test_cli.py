@@ -246,9 +246,10 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     assert refused.returncode == 2 and "--trace needs --kernel-profile" in refused.stderr
 
 
-def test_bench_decode_with_fp8_experts_bounds_with_their_bytes():
-    """--moe-expert-dtype fp8 on the tiny preset (float32 on the CPU): experts of 1 byte a weight
-    and their block factors, in the slots and in the bound's bytes."""
+def test_bench_decode_with_fp8_and_mxfp4_experts_bounds_with_their_bytes():
+    """--moe-expert-dtype fp8 and mxfp4 on the tiny preset (float32 on the CPU): experts of 1
+    byte a weight and their block factors, or half a byte and a scale per 32, in the slots and
+    in the bound's bytes."""
     spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
              "--moe-cache-rate", "0.5", "--moe-miss-policy", "split:0.5", "--json"]  # fmt: skip
@@ -263,6 +264,13 @@ def test_bench_decode_with_fp8_experts_bounds_with_their_bytes():
     less = reads * (plain["expert_bytes"] - fp8["expert_bytes"])
     assert plain["active_bytes_per_token"] - fp8["active_bytes_per_token"] == less
     assert f"(fp8 experts of {fp8['expert_bytes'] / 2**20:.2f} MiB)" in r.stderr
+    r = moelab(*flags, "--moe-expert-dtype", "mxfp4")
+    fp4 = json.loads(r.stdout)
+    assert fp4["expert_dtype"] == "mxfp4" and fp4["expert_bytes"] == spec.expert_bytes_as("mxfp4")
+    assert fp4["decode_tok_s"] > 0 and fp4["bound_tok_s"] > 0
+    less = reads * (plain["expert_bytes"] - fp4["expert_bytes"])
+    assert plain["active_bytes_per_token"] - fp4["active_bytes_per_token"] == less
+    assert f"(mxfp4 experts of {fp4['expert_bytes'] / 2**20:.2f} MiB)" in r.stderr
 
 
 def test_bench_decode_says_what_the_auto_split_ended_with():
