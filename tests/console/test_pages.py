@@ -209,8 +209,8 @@ def test_settings_in_force_are_rounded(daemon: Daemon, recorded: Recorded) -> No
 def test_an_engine_s_expert_and_kv_formats_are_shown_in_both_languages(
     tmp_path: Path, demo_model: Path
 ) -> None:
-    """/v1/stats says FP8 experts and FP8 KV pages: the server's page names both; an engine that
-    holds them in its compute dtype shows that dtype."""
+    """/v1/stats says FP8 (or MXFP4) experts and FP8 KV pages: the server's page names both; an
+    engine that holds them in its compute dtype shows that dtype."""
     daemon = make_daemon(tmp_path / "data", None)
     daemon.start()
     try:
@@ -228,6 +228,9 @@ def test_an_engine_s_expert_and_kv_formats_are_shown_in_both_languages(
         say("fp8", "fp8")
         en = get_page(local_client(daemon), f"/servers/{ids.running_id}", "en")
         ja = get_page(local_client(daemon), f"/servers/{ids.running_id}", "ja")
+        say("mxfp4", "fp8")
+        fp4_en = get_page(local_client(daemon), f"/servers/{ids.running_id}", "en")
+        fp4_ja = get_page(local_client(daemon), f"/servers/{ids.running_id}", "ja")
     finally:
         daemon.close()
     assert re.search(r'id="expert-format"><code>float32</code>', plain)
@@ -238,6 +241,8 @@ def test_an_engine_s_expert_and_kv_formats_are_shown_in_both_languages(
     assert "KV キャッシュの保持形式" in ja
     assert 'id="expert-format">FP8（e4m3、128×128 ブロックごとに fp32 の係数 1 つ）<' in ja
     assert 'id="kv-format">FP8（e4m3、トークンと KV ヘッドごとに fp32 の係数 1 つ）<' in ja
+    assert 'id="expert-format">MXFP4 (e2m1, one power-of-two scale per 32 values)<' in fp4_en
+    assert 'id="expert-format">MXFP4（e2m1、32 値ごとに 2 のべき乗のスケール 1 つ）<' in fp4_ja
 
 
 def test_a_read_only_viewer_sees_no_measure_again_heading(daemon: Daemon) -> None:

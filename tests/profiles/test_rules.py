@@ -467,3 +467,21 @@ def test_the_benchmarks_context_step_starts_from_a_hybrid_models_whole_context()
     dense_flags = recommend(pc, everywhere).flags
     assert context_trials(dense_flags, 262144, thorough) == 3
     assert context_tiers(65536, dense_flags, 262144, thorough) == [131072, 262144]
+
+
+def test_a_benchmark_s_mxfp4_experts_are_what_the_ram_check_counts() -> None:
+    """--moe-expert-dtype mxfp4 for the bf16 Qwen3-30B-A3B: 4.25 bits a weight, a bank of
+    14.34 GiB that 24 GiB of RAM holds (the bf16 one, 54 GiB, would not), named in the chunk's
+    reason; the flag passes the profiles' validation."""
+    from moelab.profiles.flags import check_value
+
+    assert check_value("--moe-expert-dtype", "mxfp4") is None
+    small_ram = machine((card(24, 23.5),), ram_gib=24)
+    result = BenchmarkResult.from_result(
+        7, {"flags": ["--moe-expert-dtype", "mxfp4"]}, engine_version="0.1.0", machine_id=None
+    )
+    rec = recommend(small_ram, SPECS["30b"], benchmark=result)
+    assert not any("RAM" in w for w in map(str, rec.warnings)), rec.warnings
+    assert "(14.34 GiB for this model)" in str(advice(rec)["--prefill-chunk-tokens"].reason)
+    plain = recommend(small_ram, SPECS["30b"])
+    assert any("RAM" in w for w in map(str, plain.warnings))
