@@ -27,7 +27,12 @@ def config(*flags: str) -> EngineConfig:
 # (group, field, value, the message): one case a rule
 REFUSED = [
     ("model", "dtype", "bf16", "--dtype bf16: choose one of auto, bfloat16, float16, float32"),
-    ("model", "expert_dtype", "int4", "--moe-expert-dtype int4: choose one of auto, bf16, fp8"),
+    (
+        "model",
+        "expert_dtype",
+        "int4",
+        "--moe-expert-dtype int4: choose one of auto, bf16, fp8, mxfp4",
+    ),
     ("memory", "device", "gpu", "--device gpu: not a device; use auto, cpu, cuda or cuda:N"),
     ("memory", "device_memory_bytes", -1, "--device-memory -1: -1 is not a size"),
     ("memory", "kv_reserve_tokens", 0, "--kv-reserve-tokens 0: 0 must be at least 1"),
