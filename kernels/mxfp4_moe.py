@@ -17,9 +17,8 @@ and bf16, which tl.dot then takes.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from . import common, mxfp4
+from . import common, mxfp4, swiglu
 from .common import tl, triton
 from .grouped_moe import GroupedMoEConfig, _check_expert_range, _group_routes, config_for
 
@@ -96,21 +95,34 @@ def fused_moe_decode_mxfp4_ref(
     w2: torch.Tensor,
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
+    *,
+    reduce: bool = True,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Reference of the decode launches: fp32 [T, H], sum over the routes (slot >= 0) of weight
-    * w2[s] @ (silu(gate·x) * (up·x)) with the dequantized weights, in fp32."""
+    * w2[s] @ (silu(gate·x) * (up·x)) with the dequantized weights, in fp32; gpt-oss's experts
+    add their biases and clamp the SwiGLU (kernels/swiglu.py). reduce=False: each route's
+    weighted output [T, K, H] (zeros where masked)."""
     _check(x, slot_ids, route_weights, w13, w2, w13_scale, w2_scale, "slot_ids")
+    biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
     dense13, dense2 = dequantized_bank(w13, w2, w13_scale, w2_scale)
     inter = dense2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    parts = torch.zeros((*slot_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)
     for t, row in enumerate(slot_ids.tolist()):
         for k, slot in enumerate(row):
             if slot < 0:
                 continue
             gate_up = dense13[slot] @ x[t].float()
-            act = F.silu(gate_up[:inter]) * gate_up[inter:]
-            out[t] += route_weights[t, k].float() * (dense2[slot] @ act)
-    return out
+            if biased:
+                gate_up = gate_up + w13_bias[slot].float()
+            act = swiglu.activate(gate_up[:inter], gate_up[inter:], swiglu_limit)
+            y = dense2[slot] @ act
+            if biased:
+                y = y + w2_bias[slot].float()
+            parts[t, k] = route_weights[t, k].float() * y
+    return parts.sum(dim=1) if reduce else parts
 
 
 def grouped_moe_mxfp4_ref(
@@ -121,9 +133,13 @@ def grouped_moe_mxfp4_ref(
     w2: torch.Tensor,
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
+    **extras: torch.Tensor | float | None,
 ) -> torch.Tensor:
-    """Reference of the prefill GEMM: the decode reference's sum, the ids naming experts."""
-    return fused_moe_decode_mxfp4_ref(x, expert_ids, route_weights, w13, w2, w13_scale, w2_scale)
+    """Reference of the prefill GEMM: the decode reference's sum, the ids naming experts
+    (extras: gpt-oss's biases and SwiGLU limit)."""
+    return fused_moe_decode_mxfp4_ref(
+        x, expert_ids, route_weights, w13, w2, w13_scale, w2_scale, **extras
+    )
 
 
 @triton.jit
@@ -164,10 +180,12 @@ def widened_pairs(rows, row_scales, n_ok, j_idx, k0, k_ok):
 
 @triton.jit
 def _decode_gate_up_kernel(
-    x_ptr, slots_ptr, w13_ptr, s13_ptr, act_ptr, hidden, inter, top_k, stride_xt,
-    stride_ws, stride_wn, stride_ss, stride_sn, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+    x_ptr, slots_ptr, w13_ptr, s13_ptr, b13_ptr, act_ptr, hidden, inter, top_k, stride_xt,
+    stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, limit, BLOCK_N: tl.constexpr,
+    BLOCK_J: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
 ):  # fmt: skip
-    """act[route, rows] = silu(gate·x) * (up·x) for one route (t, k) and a block of rows."""
+    """act[route, rows] = silu(gate·x) * (up·x) for one route (t, k) and a block of rows (BIAS:
+    plus the slot's gate and up biases; CLAMPED: gpt-oss's clamped SwiGLU)."""
     route = tl.program_id(0)
     slot = tl.load(slots_ptr + route).to(tl.int64)
     if slot < 0:
@@ -192,16 +210,23 @@ def _decode_gate_up_kernel(
         acc_gate += g_even * x_even + g_odd * x_odd
         acc_up += u_even * x_even + u_odd * x_odd
     g = tl.sum(acc_gate, axis=1)
-    act = g * tl.sigmoid(g) * tl.sum(acc_up, axis=1)
+    u = tl.sum(acc_up, axis=1)
+    if BIAS:
+        bias = b13_ptr + slot * stride_bs + n_idx
+        g += tl.load(bias, mask=n_idx < inter, other=0.0).to(tl.float32)
+        u += tl.load(bias + inter, mask=n_idx < inter, other=0.0).to(tl.float32)
+    act = swiglu.activate_tl(g, u, limit, CLAMPED)
     tl.store(act_ptr + route * inter + n_idx, act, mask=n_idx < inter)
 
 
 @triton.jit
 def _decode_down_kernel(
-    act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, hidden, inter, stride_ws,
-    stride_wn, stride_ss, stride_sn, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+    act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, b2_ptr, y_ptr, hidden, inter, stride_ws,
+    stride_wn, stride_ss, stride_sn, stride_bs, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+    BIAS: tl.constexpr,
 ):  # fmt: skip
-    """y[route, rows] = weight * (w2 rows · act[route]) for one route and a block of rows."""
+    """y[route, rows] = weight * (w2 rows · act[route]) for one route and a block of rows (BIAS:
+    plus the slot's down bias before the weight)."""
     route = tl.program_id(0)
     slot = tl.load(slots_ptr + route).to(tl.int64)
     n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -221,8 +246,13 @@ def _decode_down_kernel(
         a_odd = tl.load(act + k0 + 2 * j_idx + 1, mask=k_ok, other=0.0)[None, :]
         w_even, w_odd = widened_pairs(rows, row_s, n_ok, j_idx, k0, k_ok)
         acc += w_even * a_even + w_odd * a_odd
+    y = tl.sum(acc, axis=1)
+    if BIAS:
+        y += tl.load(b2_ptr + slot * stride_bs + n_idx, mask=n_idx < hidden, other=0.0).to(
+            tl.float32
+        )
     weight = tl.load(weights_ptr + route).to(tl.float32)
-    tl.store(y_ptr + route * hidden + n_idx, weight * tl.sum(acc, axis=1), mask=n_idx < hidden)
+    tl.store(y_ptr + route * hidden + n_idx, weight * y, mask=n_idx < hidden)
 
 
 def fused_moe_decode_mxfp4(
@@ -236,13 +266,21 @@ def fused_moe_decode_mxfp4(
     *,
     block_n: int = 16,
     block_k: int = 256,
+    reduce: bool = True,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Decode MoE over MXFP4 slots: fp32 [T, H], two launches over (route, row block) plus the
     sum over each token's routes (slot -1: no route). Each route reads its slot's rows, widens
     them in registers and multiplies by its token's activations in fp32 (x of any float dtype);
     a slot named by several tokens is read once per route. block_k: columns a step (a multiple
-    of 32)."""
+    of 32). gpt-oss's experts pass their biases (fp32, added to the sums) and the clamped
+    SwiGLU's limit; reduce=False: each route's weighted output [T, K, H], unsummed."""
     _, hidden, inter = _check(x, slot_ids, route_weights, w13, w2, w13_scale, w2_scale, "slot_ids")
+    biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
+    # without biases the weights stand in for them, never read
+    b13, b2 = (w13_bias, w2_bias) if biased else (w13, w2)
     if block_k % 32 or block_k & (block_k - 1) or block_n & (block_n - 1):
         raise ValueError(f"block_k must be a power of two >= 32 and block_n one, got {block_k}")
     num_tokens, top_k = slot_ids.shape
@@ -254,23 +292,26 @@ def fused_moe_decode_mxfp4(
     pairs = block_k // 2
     if routes:
         _decode_gate_up_kernel[(routes, triton.cdiv(inter, block_n))](
-            x, slots, w13, w13_scale, act, hidden, inter, top_k, x.stride(0),
+            x, slots, w13, w13_scale, b13, act, hidden, inter, top_k, x.stride(0),
             w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-            BLOCK_N=block_n, BLOCK_J=pairs,
+            b13.stride(0), float(swiglu_limit), BLOCK_N=block_n, BLOCK_J=pairs, BIAS=biased,
+            CLAMPED=bool(swiglu_limit),
         )  # fmt: skip
         _decode_down_kernel[(routes, triton.cdiv(hidden, block_n))](
-            act, slots, route_weights.reshape(-1).contiguous(), w2, w2_scale, y, hidden, inter,
-            w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            BLOCK_N=block_n, BLOCK_J=pairs,
+            act, slots, route_weights.reshape(-1).contiguous(), w2, w2_scale, b2, y, hidden,
+            inter, w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+            b2.stride(0), BLOCK_N=block_n, BLOCK_J=pairs, BIAS=biased,
         )  # fmt: skip
-    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+    parts = y.view(num_tokens, top_k, hidden)
+    return parts.sum(dim=1) if reduce else parts
 
 
 @triton.jit
 def _grouped_gate_up_kernel(
-    x_ptr, routes_ptr, block_expert_ptr, w13_ptr, s13_ptr, act_ptr, hidden, inter, stride_xt,
-    stride_we, stride_wn, stride_se, stride_sn, stride_ar, TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, COMPUTE: tl.constexpr,
+    x_ptr, routes_ptr, block_expert_ptr, w13_ptr, s13_ptr, b13_ptr, act_ptr, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ar, limit,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+    COMPUTE: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
 ):  # fmt: skip
     """grouped_moe's gate/up launch over MXFP4 weights: a block of one expert's routes times a
     block of its gate and up rows, the even and odd columns in two tl.dots a step."""
@@ -307,16 +348,21 @@ def _grouped_gate_up_kernel(
         acc_gate += tl.dot(x_odd, g_odd.to(COMPUTE), input_precision="ieee")
         acc_up += tl.dot(x_even, u_even.to(COMPUTE), input_precision="ieee")
         acc_up += tl.dot(x_odd, u_odd.to(COMPUTE), input_precision="ieee")
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    if BIAS:
+        bias = b13_ptr + expert * stride_be + n_idx
+        acc_gate += tl.load(bias, mask=n_idx < inter, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias + inter, mask=n_idx < inter, other=0.0).to(tl.float32)[None, :]
+    act = swiglu.activate_tl(acc_gate, acc_up, limit, CLAMPED)
     act_ptrs = act_ptr + routes[:, None] * stride_ar + n_idx[None, :]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok)
 
 
 @triton.jit
 def _grouped_down_kernel(
-    act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, hidden, inter,
-    stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_yr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, COMPUTE: tl.constexpr,
+    act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w2_ptr, s2_ptr, b2_ptr, y_ptr, hidden,
+    inter, stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_yr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, COMPUTE: tl.constexpr,
+    BIAS: tl.constexpr,
 ):  # fmt: skip
     """grouped_moe's down launch over MXFP4 weights, each route's output times its weight."""
     pid_m = tl.program_id(0)
@@ -345,6 +391,9 @@ def _grouped_down_kernel(
         )
         acc += tl.dot(a_even, w_even.to(COMPUTE), input_precision="ieee")
         acc += tl.dot(a_odd, w_odd.to(COMPUTE), input_precision="ieee")
+    if BIAS:
+        bias = b2_ptr + expert * stride_be + n_idx
+        acc += tl.load(bias, mask=n_idx < hidden, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + routes[:, None] * stride_yr + n_idx[None, :]
     tl.store(y_ptrs, acc * route_w[:, None], mask=r_ok[:, None] & n_ok)
 
@@ -362,14 +411,19 @@ def grouped_moe_mxfp4(
     config: GroupedMoEConfig | None = None,
     layer_experts: int | None = None,
     checked: bool = True,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Prefill MoE over one layer's MXFP4 experts: fp32 [T, H], grouped_moe_triton's routes
     grouped by expert and its tiles, the weights widened in registers (scaled, then in the
     compute dtype: exact in bf16 and fp32) into tl.dot. layer_experts and checked: as
-    grouped_moe_triton takes them."""
+    grouped_moe_triton takes them; gpt-oss's biases and SwiGLU limit as the decode's."""
     num_experts, hidden, inter = _check(
         x, expert_ids, route_weights, w13, w2, w13_scale, w2_scale, "expert_ids"
     )
+    biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
+    b13, b2 = (w13_bias, w2_bias) if biased else (w13, w2)
     num_tokens = x.shape[0]
     top_k = expert_ids.shape[1]
     if checked:
@@ -386,17 +440,18 @@ def grouped_moe_mxfp4(
     down_j = max(16, min(cfg.block_k, common.next_pow2(inter)) // 2)
     if grouped.num_blocks:
         _grouped_gate_up_kernel[(grouped.num_blocks, triton.cdiv(inter, cfg.gate_up_block_n))](
-            x, grouped.routes, grouped.block_expert, w13, w13_scale, act, hidden, inter,
+            x, grouped.routes, grouped.block_expert, w13, w13_scale, b13, act, hidden, inter,
             x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-            act.stride(0), TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gate_up_block_n,
-            BLOCK_J=gate_up_j, COMPUTE=compute, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            b13.stride(0), act.stride(0), float(swiglu_limit), TOP_K=top_k, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.gate_up_block_n, BLOCK_J=gate_up_j, COMPUTE=compute, BIAS=biased,
+            CLAMPED=bool(swiglu_limit), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         _grouped_down_kernel[(grouped.num_blocks, triton.cdiv(hidden, cfg.down_block_n))](
             act, grouped.routes, grouped.block_expert, route_weights.contiguous(), w2, w2_scale,
-            y, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
-            w2_scale.stride(1), y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
-            BLOCK_J=down_j, COMPUTE=compute, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            b2, y, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
+            w2_scale.stride(1), b2.stride(0), y.stride(0), BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.down_block_n, BLOCK_J=down_j, COMPUTE=compute, BIAS=biased,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     y.masked_fill_(grouped.skipped[:, None], 0.0)  # no block wrote the skipped routes' rows
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

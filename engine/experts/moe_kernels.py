@@ -2,11 +2,10 @@
 
 bf16 and FP8 experts go to kernels/fused_moe.py's decode launches and kernels/grouped_moe.py's
 prefill GEMM (an FP8 bank passes its block factors as w13_scale_inv and w2_scale_inv). MXFP4
-experts (`w13_scale` and `w2_scale`: their E8M0 scales, cache.py) go to kernels/mxfp4_moe.py's,
-which widen the blocks in registers on CUDA. Those kernels take neither biases nor the clamped
-SwiGLU, so gpt_oss's MXFP4 experts, and every MXFP4 call off CUDA, widen the experts the call
-routes to (each once) and run the bf16 kernels on them: the bank, the slots and the copies keep
-the 4-bit bytes.
+experts (`w13_scale` and `w2_scale`: their E8M0 scales, cache.py) go on CUDA to
+kernels/mxfp4_moe.py's, which widen the blocks in registers (gpt_oss's biases and clamped SwiGLU
+with them). Off CUDA an MXFP4 call widens the experts it routes to, each once, and runs the torch
+references of the bf16 kernels on them (the MXFP4 references widen every slot of the bank).
 """
 
 from __future__ import annotations
@@ -35,25 +34,18 @@ def decode(
     **args: Args,
 ) -> torch.Tensor:
     """fused_moe_decode over the slots, MXFP4 ones with their scales: fp32 [T, H], or each
-    route's weighted output [T, K, H] with reduce=False."""
+    route's weighted output [T, K, H] with reduce=False (few_routes: fused_moe_decode's tiles
+    for few live routes; the MXFP4 launches tile by route already)."""
     if w13_scale is None or w2_scale is None:
         return fused_moe_decode(
             x, slot_ids, weights, w13, w2, reduce=reduce, few_routes=few_routes, **args
         )
-    if x.is_cuda and not _extras(args):
-        if reduce:
-            return fused_moe_decode_mxfp4(x, slot_ids, weights, w13, w2, w13_scale, w2_scale)
-        # one route a row: the kernel's sum over a token's routes is then the route itself
-        num_tokens, top_k = slot_ids.shape
-        routes = fused_moe_decode_mxfp4(
-            x.repeat_interleave(top_k, 0), slot_ids.reshape(-1, 1), weights.reshape(-1, 1),
-            w13, w2, w13_scale, w2_scale,
-        )  # fmt: skip
-        return routes.view(num_tokens, top_k, -1)
+    if x.is_cuda:
+        return fused_moe_decode_mxfp4(
+            x, slot_ids, weights, w13, w2, w13_scale, w2_scale, reduce=reduce, **args
+        )
     ids, dense13, dense2, extras = _widened(x, slot_ids, w13, w2, w13_scale, w2_scale, args)
-    return fused_moe_decode(
-        x, ids, weights, dense13, dense2, reduce=reduce, few_routes=few_routes, **extras
-    )
+    return fused_moe_decode(x, ids, weights, dense13, dense2, reduce=reduce, **extras)
 
 
 def prefill(
@@ -75,18 +67,13 @@ def prefill(
         return grouped_moe(
             x, expert_ids, weights, w13, w2, layer_experts=layer_experts, checked=checked, **args
         )
-    if x.is_cuda and not _extras(args):
+    if x.is_cuda:
         return grouped_moe_mxfp4(
             x, expert_ids, weights, w13, w2, w13_scale, w2_scale,
-            layer_experts=layer_experts, checked=checked,
+            layer_experts=layer_experts, checked=checked, **args,
         )  # fmt: skip
     ids, dense13, dense2, extras = _widened(x, expert_ids, w13, w2, w13_scale, w2_scale, args)
     return grouped_moe(x, ids, weights, dense13, dense2, **extras)
-
-
-def _extras(args: dict[str, Args]) -> bool:
-    """Whether the call carries gpt_oss's biases or clamped SwiGLU."""
-    return any(v is not None and not (isinstance(v, float) and v == 0.0) for v in args.values())
 
 
 def _widened(
@@ -98,15 +85,11 @@ def _widened(
     w2_scale: torch.Tensor,
     args: dict[str, Args],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Args]]:
-    """The experts `ids` names (-1: no route) widened to x's dtype, with the ids renumbered into
-    them and the biases (`args`) taken along: off CUDA each expert once; on CUDA one a route, so
-    that no host sync breaks a CUDA graph's capture."""
+    """The experts `ids` names (-1: no route), each widened once to x's dtype, with the ids
+    renumbered into them and the biases (`args`) taken along."""
     flat = ids.reshape(-1).long()
     live = flat >= 0
-    if x.is_cuda:
-        used, inverse = flat.clamp(min=0), torch.arange(flat.numel(), device=flat.device)
-    else:
-        used, inverse = torch.unique(torch.where(live, flat, 0), return_inverse=True)
+    used, inverse = torch.unique(torch.where(live, flat, 0), return_inverse=True)
     dense13 = mxfp4.dequantize(w13[used], w13_scale[used]).to(x.dtype)
     dense2 = mxfp4.dequantize(w2[used], w2_scale[used]).to(x.dtype)
     renumbered = torch.where(live, inverse, -1).view(ids.shape).to(ids.dtype)

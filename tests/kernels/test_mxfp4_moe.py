@@ -174,3 +174,54 @@ def test_grouped_at_gpt_oss_shape_never_waits_for_the_device(gen, tokens):
         torch.cuda.set_sync_debug_mode("default")
     ref = mxfp4_moe.grouped_moe_mxfp4_ref(x, expert_ids, weights, *bank)
     assert_matches(out, ref, tol=3e-2)
+
+
+def gpt_oss_extras(gen: torch.Generator, slots: int, limit: float = 0.8) -> dict:
+    """gpt-oss's biases (fp32, as the bank holds them) and a SwiGLU limit low enough to bite."""
+    return {
+        "w13_bias": randn(gen, slots, 2 * INTER).float() * 0.5,
+        "w2_bias": randn(gen, slots, HIDDEN).float() * 0.5,
+        "swiglu_limit": limit,
+    }
+
+
+def test_references_add_gpt_oss_biases_and_clamp_as_the_dense_ones(gen):
+    x = randn(gen, 4, HIDDEN)
+    expert_ids = route_table(gen, 4, 2, 5, masked=0.2)
+    weights = route_weights(gen, 4, 2)
+    bank = mxfp4_bank(gen, 5)
+    extras = gpt_oss_extras(gen, 5)
+    dense = mxfp4_moe.dequantized_bank(*bank)
+    ref = mxfp4_moe.grouped_moe_mxfp4_ref(x, expert_ids, weights, *bank, **extras)
+    dense_ref = grouped_moe.grouped_moe_ref(x, expert_ids, weights, *dense, **extras)
+    assert_matches(ref, dense_ref, tol=1e-6)
+    plain = mxfp4_moe.grouped_moe_mxfp4_ref(x, expert_ids, weights, *bank)
+    assert (ref - plain).abs().max() > 0.1  # the biases and the clamp change the output
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+def test_decode_adds_gpt_oss_biases_and_clamps(gen, reduce):
+    """The biases added to the fp32 sums, the clamped SwiGLU, and reduce=False's per-route
+    outputs (as the engine's decode takes them), against the reference."""
+    x = randn(gen, 3, HIDDEN)
+    slot_ids = route_table(gen, 3, 4, 6, masked=0.2)
+    weights = route_weights(gen, 3, 4)
+    bank = mxfp4_bank(gen, 6)
+    extras = gpt_oss_extras(gen, 6)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(
+        x, slot_ids, weights, *bank, block_n=16, block_k=64, reduce=reduce, **extras
+    )
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank, reduce=reduce, **extras)
+    assert out.shape == ref.shape == ((3, HIDDEN) if reduce else (3, 4, HIDDEN))
+    assert_matches(out, ref, tol=1e-5)
+
+
+def test_grouped_adds_gpt_oss_biases_and_clamps(gen):
+    x = randn(gen, 9, HIDDEN)
+    expert_ids = route_table(gen, 9, 3, 6, masked=0.2)
+    weights = route_weights(gen, 9, 3)
+    bank = mxfp4_bank(gen, 6)
+    extras = gpt_oss_extras(gen, 6)
+    out = mxfp4_moe.grouped_moe_mxfp4(x, expert_ids, weights, *bank, config=GROUPED, **extras)
+    ref = mxfp4_moe.grouped_moe_mxfp4_ref(x, expert_ids, weights, *bank, **extras)
+    assert_matches(out, ref, tol=1e-5)
