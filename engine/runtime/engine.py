@@ -133,7 +133,8 @@ class Engine:
         self.device = resolve_device(self.config.memory.device)
         cuda = self.device.type == "cuda"
         self.dtype = getattr(torch, self.config.model.compute_dtype(spec.dtype, cpu=not cuda))
-        # how the bank and the expert slots hold the routed experts: "fp8" or "bf16" (self.dtype)
+        # how the bank and the expert slots hold the routed experts: "fp8", "mxfp4" or "bf16"
+        # (self.dtype)
         self.expert_format = spec.expert_format(self.config.model.expert_dtype)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         free_bytes = torch.cuda.mem_get_info(self.device)[0] if cuda else None
@@ -320,7 +321,7 @@ class Engine:
         if profile is not None:
             kind = "h2d_pinned" if self.bank.pinned_layers else "h2d_pageable"
             bp = best(profile, kind) if self.device.type == "cuda" else None
-            # the profile's CPU rate is bf16's: the kernel reads FP8 at a rate of its own
+            # the profile's CPU rate is bf16's: the kernel reads FP8 and MXFP4 at rates of their own
             if self.bank.fmt == "bf16":
                 bh = best(profile, "cpu_experts", threads=cpu.num_threads, experts=4,
                           kernel=cpu.kernel)  # fmt: skip
