@@ -208,6 +208,7 @@ class LayerPlanner:
         self._inter = bank.intermediate_size
         self._split_chunks = split_chunks(self._inter, bank.block_rows)
         self._expert_bytes = bank.expert_bytes
+        self._mxfp4 = bank.fmt == "mxfp4"  # looked up once: `native` runs every layer step
         self._native: object | None = None  # rebuilt when the cache replaces its arrays
         self._native_version = -1
         self._join_event: DriverEvent | None = None
@@ -222,10 +223,10 @@ class LayerPlanner:
         # takes an expert's tensors as FP8 or unquantized ones: an MXFP4 bank's blocks and scales
         # (4-D, 32 columns a scale) are planned by `plan_layer`, whose CPU jobs run the native
         # kernel's MXFP4 path all the same
-        bank = self.bank
-        if self.cpu is None or self.cpu.kernel != "native" or bank.w13_bias or bank.fmt == "mxfp4":
+        if self.cpu is None or self.cpu.kernel != "native" or self.bank.w13_bias or self._mxfp4:
             return None
         if self._native is None or self._native_version != cache.version:
+            bank = self.bank
             native = self.cpu.decode_planner(
                 slot_of=cache.slot_of, key_of_slot=cache.key_of_slot, last_use=cache.last_use,
                 state=cache.state, picks=self._counters.picks, w13=bank.w13, w2=bank.w2,
