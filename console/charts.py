@@ -18,6 +18,7 @@ __all__ = ["COLOURS", "GIB", "figure", "layout", "line", "local_iso", "local_tim
 COLOURS = {
     "weights": "#4c72b0",
     "kv": "#55a868",
+    "states": "#64b5cd",
     "expert_cache": "#dd8452",
     "activations": "#8172b3",
     "other": "#937860",

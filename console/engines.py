@@ -22,8 +22,9 @@ SAMPLE_LIMIT = 5000
 STATUSES = (
     _("starting"), _("running"), _("stopping"), _("stopped"), _("crashed"), _("failed"), _("dead"),
 )  # fmt: skip
-# device memory uses as the console groups them (prefill buffers and graph pools are activations)
-DEVICE_PARTS = ("weights", "kv", "expert_cache", "activations", "other")
+# device memory uses as the console groups them (prefill buffers and graph pools are activations;
+# states: a hybrid model's recurrent states, one slot per running sequence)
+DEVICE_PARTS = ("weights", "kv", "states", "expert_cache", "activations", "other")
 
 
 def servers(daemon: Daemon, reveal: bool) -> list[dict[str, Any]]:
@@ -74,6 +75,7 @@ def device_split(stats: dict[str, Any]) -> list[dict[str, Any]]:
         parts = {
             "weights": device.get("weights") or 0,
             "kv": device.get("kv") or 0,
+            "states": device.get("states") or 0,
             "expert_cache": device.get("expert_cache") or 0,
             "activations": (device.get("activations") or 0)
             + (device.get("prefill_buffer") or 0)

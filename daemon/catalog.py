@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from ..engine.model.spec import ModelSpec
+from ..engine.model.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from ..engine.text import Text, text_columns, text_fields
 from .child import run_moelab
 from .errors import BadRequest, NotFound
@@ -166,6 +166,16 @@ def serving_error(row: Model) -> Text | str | None:
     return Text.from_json(row.error_text) if row.error_text else row.error
 
 
+def layer_kinds(row: Model) -> dict[str, int] | None:
+    """How many layers of each kind the model has, as the engine reads its config.json:
+    full_attention (a KV cache) and linear_attention (Gated DeltaNet, a fixed state); None for
+    a model that cannot be served."""
+    if row.error is not None:
+        return None
+    kinds = ModelSpec.from_config(row.config).layer_types
+    return {kind: kinds.count(kind) for kind in (FULL_ATTENTION, LINEAR_ATTENTION)}
+
+
 def model_json(row: Model) -> dict[str, Any]:
     """A model as the API shows it."""
     return {
@@ -176,6 +186,7 @@ def model_json(row: Model) -> dict[str, Any]:
         "architecture": row.architecture,
         "model_type": row.model_type,
         "num_layers": row.num_layers,
+        "layer_kinds": layer_kinds(row),
         "num_experts": row.num_experts,
         "top_k": row.top_k,
         "dense_bytes": row.dense_bytes,

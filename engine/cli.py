@@ -12,18 +12,26 @@ from .model.spec import CheckpointError
 
 
 def _synth_parser(sub: argparse._SubParsersAction) -> None:
-    from .model.spec import ARCHITECTURES
-    from .model.synth import PRESETS
+    from .model.synth import ARCHS, PRESETS
     from .model.synth_tokenizer import CHAT_TEMPLATES
+    from .synth_checkpoint import DTYPES as SYNTH_DTYPES
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint in Hugging Face layout")
     p.add_argument("--out", required=True, help="directory to write the checkpoint into")
-    p.add_argument("--arch", default="qwen3_moe", choices=ARCHITECTURES)
+    p.add_argument(
+        "--arch",
+        choices=ARCHS,
+        help="the architecture (qwen3_5_moe: Qwen3.5/3.6 MoE's multimodal layout, "
+        "qwen3_5_moe_text: its text-only one); by default the preset's, qwen3_moe for tiny, "
+        "small and qwen3-30b-a3b",
+    )
     p.add_argument(
         "--preset",
         default="tiny",
         choices=list(PRESETS),
-        help="tiny (CI-sized), small (~1 GB), qwen3-30b-a3b (the real geometry)",
+        help="tiny (CI-sized), small (~1 GB); the real geometries qwen3-30b-a3b, "
+        "qwen3.6-35b-a3b (qwen3_5_moe), qwen3-next-80b-a3b (qwen3_next), gpt-oss-20b and "
+        "gpt-oss-120b (gpt_oss)",
     )
     p.add_argument(
         "--set",
@@ -41,11 +49,14 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--chat-template",
-        default="qwen3",
         choices=list(CHAT_TEMPLATES),
         help="qwen3 (tool calls as JSON in <tool_call> blocks, <think> reasoning), "
-        "qwen3_thinking (the same, the reply's reasoning opened by the prompt) or qwen3_coder "
-        "(tool calls as <function=...> blocks)",
+        "qwen3_thinking (the same, the reply's reasoning opened by the prompt), qwen3_coder "
+        "(tool calls as <function=...> blocks), qwen3_5 (tool calls as <function=...> blocks, "
+        "the reasoning opened by the prompt unless enable_thinking is false) or gpt_oss "
+        "(gpt-oss's harmony format, with its special tokens: channels for the reasoning, the "
+        "answer and the calls); by default qwen3_5 for qwen3_5_moe, gpt_oss for gpt_oss, else "
+        "qwen3",
     )
     p.add_argument(
         "--no-weights",
@@ -56,9 +67,10 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         default="bf16",
-        choices=["bf16", "fp8"],
+        choices=list(SYNTH_DTYPES),
         help="fp8: linear weights in Hugging Face's fine-grained FP8 layout (e4m3, one fp32 "
-        "factor per 128x128 block); embeddings, norms, routers and lm_head stay bf16",
+        "factor per 128x128 block); embeddings, norms, routers and lm_head stay bf16. mxfp4 "
+        "(--arch gpt_oss): the experts in MXFP4 _blocks and _scales, as gpt-oss ships",
     )
     p.add_argument(
         "--shard-size",

@@ -1,4 +1,5 @@
-"""Kernel benchmark at Qwen3-30B-A3B shapes: time, GB/s and TFLOP/s against the device's ceilings.
+"""Kernel benchmark at Qwen3-30B-A3B shapes (the Gated DeltaNet's at Qwen3.6-35B-A3B's): time,
+GB/s and TFLOP/s against the device's ceilings.
 
     python -m moelab.kernels.bench [--json] [--sweep]
 
@@ -28,6 +29,7 @@ from . import (
     fp8,
     fp8_kv,
     fused_moe,
+    gated_deltanet,
     gemv,
     grouped_moe,
     host_handoff,
@@ -58,6 +60,9 @@ PROJECTIONS = {
     "o": (HIDDEN, Q_HEADS * HEAD_DIM),
     "lm_head": (VOCAB, HIDDEN),
 }
+# Qwen3.6-35B-A3B's Gated DeltaNet layers: H key heads and HV value heads of DK = DV, a convolution
+# W wide over the q, k and v channels
+LINEAR_HEADS, LINEAR_V_HEADS, LINEAR_HEAD_DIM, CONV_WIDTH = 16, 32, 128, 4
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 ELEM_BYTES = 2
@@ -178,6 +183,8 @@ class Bench:
         )
 
     def note(self, text: str) -> None:
+        if text in self.notes:  # said once, for every row it concerns
+            return
         self.notes.append(text)
         print(f"  note: {text}", file=sys.stderr, flush=True)
 
@@ -700,6 +707,130 @@ class Bench:
         flops = 8 * tokens * VOCAB
         self.add(name, f"T={tokens} V={VOCAB}", time_us, tokens * VOCAB * 4, flops, ref_us)
 
+    def short_conv(self, tokens: int, prefill: bool) -> None:
+        """The Gated DeltaNet's causal convolution (SiLU) at Qwen3.6-35B-A3B's channels, in bf16:
+        `prefill`, one sequence of `tokens` from its slot, the input a view of the projection's
+        columns as the engine passes it; else a decode step of `tokens` sequences over their
+        slots, each call another layer's conv pool. The reference column holds the torch
+        reference's time; fla's convolution (its [N, C, W] state layout, states indexed by batch
+        row) has rows of its own where fla is installed."""
+        channels = _linear_channels()
+        state_rows = CONV_WIDTH - 1
+        weight = self.randn(channels, CONV_WIDTH, scale=0.5)
+        if prefill:
+            x = self.randn(tokens, channels + LINEAR_V_HEADS * LINEAR_HEAD_DIM)[:, :channels]
+            state = self.randn(state_rows, channels)
+            time_us = median_event_us(
+                lambda: gated_deltanet.causal_conv_prefill_triton(x, weight, state), 10
+            )
+            ref_us = median_event_us(
+                lambda: gated_deltanet.causal_conv_prefill_ref(x, weight, state), 3
+            )
+        else:
+            x = self.randn(tokens, channels)
+            slot_ids = torch.randperm(tokens + 1, device=DEVICE)[:tokens].int()
+            pool_bytes = (tokens + 1) * state_rows * channels * ELEM_BYTES
+            pools = [
+                self.randn(tokens + 1, state_rows, channels) for _ in range(layers_for(pool_bytes))
+            ]
+
+            def call(fn: Callable[..., torch.Tensor], pool: torch.Tensor) -> Callable[[], object]:
+                return lambda: fn(x, weight, pool, slot_ids)
+
+            time_us = graph_us_per_call(
+                [call(gated_deltanet.causal_conv_decode_triton, pool) for pool in pools]
+            )
+            ref_us = graph_us_per_call(
+                [call(gated_deltanet.causal_conv_decode_ref, pool) for pool in pools[:2]]
+            )
+        # x read and the output written; each sequence's state rows read and written
+        states = 1 if prefill else tokens
+        bytes_moved = (2 * tokens + 2 * states * state_rows) * channels * ELEM_BYTES
+        flops = 2 * tokens * channels * CONV_WIDTH
+        label = f"{'T' if prefill else 'B'}={tokens} C={channels} W={CONV_WIDTH}"
+        self.add("short_conv", label, time_us, bytes_moved, flops, ref_us)
+        fla_conv = _fla_conv()
+        if fla_conv is None:
+            self.note("short_conv: fla is not installed (no fla rows)")
+            return
+        if prefill:
+            fla_state = self.randn(1, channels, CONV_WIDTH)
+
+            def fla_call() -> object:
+                return fla_conv.causal_conv1d(
+                    x.unsqueeze(0), weight, initial_state=fla_state, output_final_state=True,
+                    activation="silu",
+                )  # fmt: skip
+
+            fla_us = median_event_us(fla_call, 10)
+        else:
+            caches = [self.randn(tokens, channels, CONV_WIDTH) for _ in range(len(pools))]
+
+            def fla_update(cache: torch.Tensor) -> Callable[[], object]:
+                return lambda: fla_conv.causal_conv1d_update(
+                    x, cache, weight=weight, activation="silu"
+                )
+
+            fla_us = graph_us_per_call([fla_update(cache) for cache in caches])
+        self.add("short_conv_fla", label, fla_us, bytes_moved, flops, time_us)
+
+    def delta_rule(self, tokens: int, prefill: bool) -> None:
+        """The gated delta rule at Qwen3.6-35B-A3B's heads through fla, as the engine calls it
+        (bf16 q, k, v, fp32 states): `prefill`, fla's chunked kernel over one sequence of
+        `tokens` from its state; else a decode step of `tokens` sequences, their states gathered
+        from a layer's pool and written back, each call another layer's pool. The reference
+        column holds the torch reference's time (decode) or nothing (prefill: its chunk loop
+        runs from the host). A second decode row times fla's recurrent kernel alone on states
+        already gathered: the rest of the first row is the gather and the write back."""
+        fla = gated_deltanet.fla_ops()
+        if fla is None:
+            self.note("delta_rule: fla is not installed (nothing timed)")
+            return
+        heads, v_heads, dim = LINEAR_HEADS, LINEAR_V_HEADS, LINEAR_HEAD_DIM
+        q, k = self.randn(tokens, heads, dim), self.randn(tokens, heads, dim)
+        v = self.randn(tokens, v_heads, dim)
+        g = -torch.rand(tokens, v_heads, generator=self.gen, device=DEVICE)
+        beta = torch.rand(tokens, v_heads, generator=self.gen, device=DEVICE).to(DTYPE)
+        state_bytes = v_heads * dim * dim * 4
+        # q, k, v and the output; the states read and written once
+        states = 1 if prefill else tokens
+        bytes_moved = (
+            tokens * (2 * heads + 2 * v_heads) * dim * ELEM_BYTES + 2 * states * state_bytes
+        )
+        flops = 6 * tokens * v_heads * dim * dim  # the recurrence's products per token
+        label = f"{'T' if prefill else 'B'}={tokens} H={heads} HV={v_heads} D={dim}"
+        if prefill:
+            state = torch.zeros(v_heads, dim, dim, device=DEVICE)
+            time_us = median_event_us(
+                lambda: gated_deltanet.delta_rule_prefill_fla(q, k, v, g, beta, state), 10
+            )
+            self.add("delta_rule_fla", label, time_us, bytes_moved, flops, None)
+            return
+        slot_ids = torch.randperm(tokens + 1, device=DEVICE)[:tokens].int()
+        pools = [
+            torch.zeros(tokens + 1, v_heads, dim, dim, device=DEVICE)
+            for _ in range(layers_for(states * state_bytes))
+        ]
+
+        def call(fn: Callable[..., torch.Tensor], pool: torch.Tensor) -> Callable[[], object]:
+            return lambda: fn(q, k, v, g, beta, pool, slot_ids)
+
+        time_us = graph_us_per_call([call(gated_deltanet.delta_rule_decode_fla, p) for p in pools])
+        ref_us = graph_us_per_call(
+            [call(gated_deltanet.delta_rule_decode_ref, p) for p in pools[:2]]
+        )
+        self.add("delta_rule_fla", label, time_us, bytes_moved, flops, ref_us)
+        gathered = [pool[:tokens] for pool in pools]
+
+        def alone(initial: torch.Tensor) -> Callable[[], object]:
+            return lambda: fla.fused_recurrent_gated_delta_rule(
+                *(t.unsqueeze(1) for t in (q, k, v)), g=g.unsqueeze(1), beta=beta.unsqueeze(1),
+                initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+
+        alone_us = graph_us_per_call([alone(initial) for initial in gathered])
+        self.add("delta_rule_fla", f"{label} kernel alone", alone_us, bytes_moved, flops, None)
+
     def route(self, tokens: int, host: bool, config: route.RouteConfig | None = None) -> None:
         """A decode step's whole router (Qwen3: 128 experts of H=2048, top-8, renormalized) in
         one launch; beside it (unless a config is swept) the launches it replaced: the skinny GEMM,
@@ -734,6 +865,20 @@ class Bench:
         self.add("route", label, time_us, bytes_moved, 2 * tokens * EXPERTS * HIDDEN, chain_us)
 
 
+def _linear_channels() -> int:
+    """The convolution's channels: q and k of every key head, v of every value head."""
+    return (2 * LINEAR_HEADS + LINEAR_V_HEADS) * LINEAR_HEAD_DIM
+
+
+def _fla_conv() -> object | None:
+    """fla's causal convolution module, or None where fla is absent."""
+    try:
+        from fla.modules import causal_conv1d
+    except ImportError:
+        return None
+    return causal_conv1d
+
+
 def _sdpa_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool, backends: Sequence[SDPBackend]
 ) -> Callable[[], object]:
@@ -756,7 +901,7 @@ KERNELS = (
     "fused_moe", "fused_moe_fp8", "fused_moe_mxfp4", "grouped_moe", "grouped_moe_fp8",
     "grouped_moe_mxfp4", "paged_attention",
     "paged_attention_fp8", "sdpa_prefill", "rmsnorm", "router", "route", "rope_kv", "rope_kv_fp8",
-    "handoff", "linear", "draw",
+    "handoff", "linear", "draw", "short_conv", "delta_rule",
 )  # fmt: skip
 
 
@@ -831,6 +976,12 @@ def run(
         for tokens in (1, 8):
             for cut in ("top", "top_k", "top_p"):
                 bench.draw(tokens, cut)
+    for prefill, sizes in ((False, (1, 8)), (True, (512, 8192))):
+        for tokens in sizes:
+            if "short_conv" in wanted:
+                bench.short_conv(tokens, prefill)
+            if "delta_rule" in wanted:
+                bench.delta_rule(tokens, prefill)
     if sweep:
         for block_n, block_k, down_n, warps, stages in (
             (16, 128, 16, 4, 4),

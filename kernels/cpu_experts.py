@@ -21,9 +21,8 @@ from types import ModuleType
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from . import fp8, mxfp4
+from . import fp8, mxfp4, swiglu
 from .native_build import NativeKernelError, load_native
 
 log = logging.getLogger(__name__)
@@ -62,6 +61,9 @@ def cpu_experts_ref(
     *,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """The experts' output [T, H] fp32 in plain torch: the reference and the fallback kernel.
 
@@ -70,6 +72,8 @@ def cpu_experts_ref(
     gate = w13[e, :I], up = w13[e, I:]. Computed in fp32. FP8 weights (float8_e4m3fn, or their
     bits as uint8) need their block factors, w13_scale [E, ceil(2I/128), ceil(H/128)] and w2_scale
     [E, ceil(H/128), ceil(I/128)] fp32 (kernels/fp8.py; a weight is its value times its factor).
+    gpt-oss's experts add w13_bias [E, 2I] and w2_bias [E, H] (fp32) and take the clamped
+    SwiGLU (swiglu_limit > 0: kernels/swiglu.py).
     MXFP4 weights are gpt-oss's blocks, w13 [E, 2I, H/32, 16] and w2 [E, H, I/32, 16] uint8, with
     their E8M0 scales w13_scale [E, 2I, H/32] and w2_scale [E, H, I/32] uint8 (kernels/mxfp4.py).
     """
@@ -77,6 +81,7 @@ def cpu_experts_ref(
         x, w13, w2, pair_expert, pair_token, pair_weight, None, w13_scale, w2_scale
     )
     _check_pair_indices(pair_expert, pair_token, num_experts, num_tokens)
+    biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
 
     def weights(w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
         return w[e].float() if scale is None else _dequantized(w[e], scale[e])
@@ -88,9 +93,28 @@ def cpu_experts_ref(
         picked = (experts == e).nonzero().squeeze(1)
         rows = tokens[picked]
         gate_up = x[rows] @ weights(w13, w13_scale, e).T
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out.index_add_(0, rows, (h @ weights(w2, w2_scale, e).T) * pair_weight[picked, None])
+        if biased:
+            gate_up = gate_up + w13_bias[e].float()
+        h = swiglu.activate(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
+        y = h @ weights(w2, w2_scale, e).T
+        if biased:
+            y = y + w2_bias[e].float()
+        out.index_add_(0, rows, y * pair_weight[picked, None])
     return out
+
+
+def _check_biases(
+    w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None
+) -> None:
+    """gpt-oss's biases as both kernels read them: fp32, contiguous, in host memory."""
+    if not swiglu.check_biases(w13, w2, w13_bias, w2_bias):
+        return
+    for name, t in (("w13_bias", w13_bias), ("w2_bias", w2_bias)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a contiguous float32 tensor in host memory, got {t.dtype} on "
+                f"{t.device}"
+            )
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -263,7 +287,7 @@ def _ref_into(
     done_flag: torch.Tensor,
     done_value: int,
     *args: torch.Tensor,
-    **factors: torch.Tensor | None,
+    **factors: torch.Tensor | float | None,
 ) -> torch.Tensor:
     """The reference kernel writing into out, then done_value into done_flag (as the native job
     does)."""
@@ -466,6 +490,9 @@ class CpuExpertRunner:
         *,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        swiglu_limit: float = 0.0,
         done_flag: torch.Tensor | None = None,
         done_value: int = 0,
         check: bool = True,
@@ -498,6 +525,10 @@ class CpuExpertRunner:
         if self._closed:
             raise RuntimeError("this CpuExpertRunner is closed")
         factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        if w13_bias is not None or w2_bias is not None or swiglu_limit:
+            factors.update(w13_bias=w13_bias, w2_bias=w2_bias, swiglu_limit=swiglu_limit)
+            if check or self._module is None:
+                _check_biases(w13, w2, w13_bias, w2_bias)
         if check or self._module is None:
             num_tokens, hidden, inter, num_experts = _check_inputs(
                 x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale
@@ -545,8 +576,13 @@ class CpuExpertRunner:
             bool(redoable),
             _address(w13_scale),
             _address(w2_scale),
+            _address(w13_bias),
+            _address(w2_bias),
+            float(swiglu_limit),
         )
-        weights = tuple(t for t in (w13, w2, w13_scale, w2_scale) if t is not None)
+        weights = tuple(
+            t for t in (w13, w2, w13_scale, w2_scale, w13_bias, w2_bias) if t is not None
+        )
         if redoable:
             self._hold(*weights)
         keep = (x, *weights, out) if done_flag is None else (x, *weights, out, done_flag)
@@ -563,17 +599,20 @@ class CpuExpertRunner:
         w13: list[torch.Tensor],
         w2: list[torch.Tensor],
         top_k: int,
+        w13_scale: list[torch.Tensor] | None = None,
+        w2_scale: list[torch.Tensor] | None = None,
     ) -> object | None:
         """The native DecodePlanner (kernels/csrc/decode_planner.h) over an expert cache's arrays
         (engine/experts/cache.py) and decode pick counts, queueing its CPU jobs on this runner's
-        workers; None with the torch kernel, and for FP8 weights, which it does not read (the
-        caller plans in Python and submits the jobs with their factors).
+        workers; None with the torch kernel. FP8 weights (`submit`) need their factors per
+        layer, w13_scale and w2_scale: the planner copies them into the slots with the values,
+        splits a miss at whole blocks and passes them to its CPU jobs.
 
         It keeps the arrays' addresses: they must stay alive and in place while it is used, and a
         cache that replaces them needs a new planner. Its CPU jobs are redoable (`redo_us`): the
         runner holds the weights until it closes.
         """
-        if self._module is None or w13[0].dtype in _FP8_DTYPES:
+        if self._module is None:
             return None
         layers, experts = slot_of.shape
         arrays = {
@@ -589,10 +628,12 @@ class CpuExpertRunner:
                     f"{name} must be a contiguous {np.dtype(dtype).name} array of shape {shape}, "
                     f"got {array.dtype} {array.shape}"
                 )
-        if len(w13) != layers or len(w2) != layers:
-            raise ValueError(f"w13 and w2 need one tensor per layer ({layers})")
+        factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        for name, tensors in {"w13": w13, "w2": w2, **factors}.items():
+            if tensors is not None and len(tensors) != layers:
+                raise ValueError(f"{name} needs one tensor per layer ({layers})")
         _, two_inter, hidden = w13[0].shape
-        for a, b in zip(w13, w2, strict=True):
+        for m, (a, b) in enumerate(zip(w13, w2, strict=True)):
             if (
                 a.shape != (experts, two_inter, hidden)
                 or b.shape != (experts, hidden, two_inter // 2)
@@ -605,7 +646,23 @@ class CpuExpertRunner:
                     "every layer's w13 and w2 must be contiguous host tensors of "
                     f"[{experts}, 2I, H] and [{experts}, H, I], one dtype"
                 )
-        self._hold(*w13, *w2)
+            layer_factors = {name: t[m] if t is not None else None for name, t in factors.items()}
+            _check_factors(a, **layer_factors, num_experts=experts, hidden=hidden,
+                           inter=two_inter // 2)  # fmt: skip
+            for name, t in layer_factors.items():
+                if t is not None and not (t.is_contiguous() and t.device.type == "cpu"):
+                    raise ValueError(f"{name} must be contiguous host tensors")
+        # each tensor an expert is copied as, its rows along I: w13's gate and up rows, or w2's
+        # columns; an FP8 factor covers fp8.BLOCK of them
+        tensors = [(w13, True, 1), (w2, False, 1)]
+        if w13_scale is not None and w2_scale is not None:
+            tensors += [(w13_scale, True, fp8.BLOCK), (w2_scale, False, fp8.BLOCK)]
+        specs = [
+            ([t.data_ptr() for t in per_layer], gate_up, block, per_layer[0].shape[1],
+             per_layer[0][0, 0].nbytes)
+            for per_layer, gate_up, block in tensors
+        ]  # fmt: skip
+        self._hold(*(t for per_layer, _, _ in tensors for t in per_layer))
         return self._module.DecodePlanner(
             self._pool,
             _SIMD_CODES[self.simd],
@@ -621,8 +678,7 @@ class CpuExpertRunner:
             top_k,
             hidden,
             two_inter // 2,
-            [t.data_ptr() for t in w13],
-            [t.data_ptr() for t in w2],
+            specs,
         )
 
     def run(
@@ -634,13 +690,12 @@ class CpuExpertRunner:
         pair_token: torch.Tensor,
         pair_weight: torch.Tensor,
         out: torch.Tensor | None = None,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
+        **extras: torch.Tensor | float | None,
     ) -> torch.Tensor:
-        """submit() and wait(): the experts' output [T, H] fp32."""
+        """submit() and wait(): the experts' output [T, H] fp32 (extras: FP8 factors, biases and
+        SwiGLU limit, as submit takes them)."""
         args = (x, w13, w2, pair_expert, pair_token, pair_weight, out)
-        return self.submit(*args, w13_scale=w13_scale, w2_scale=w2_scale).wait()
+        return self.submit(*args, **extras).wait()
 
     def jobs_gbps(
         self,

@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from . import common, fp8, fp8_moe, fused_moe_one_token
+from . import common, fp8, fp8_moe, fused_moe_one_token, swiglu
 from .common import tl, triton
 from .fused_moe_one_token import OneTokenMoEConfig, choose_one_token_config
 
@@ -61,13 +60,18 @@ def fused_moe_decode_ref(
     w2_scale_inv: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     reduce: bool = True,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Reference, a torch loop: sum over routes of weight * w2[s] @ (silu(gate·x) * (up·x)).
 
     An FP8 bank (with its block factors) is dequantized to fp32 slot by slot, then read as a
-    bf16 one is. reduce=False: each route's weighted output, fp32 [T, K, H] (zeros where
+    bf16 one is. gpt-oss's experts pass their biases and the clamped SwiGLU's limit
+    (kernels/swiglu.py). reduce=False: each route's weighted output, fp32 [T, K, H] (zeros where
     masked), for a consumer that sums them itself."""
     fp8_bank = _check(x, slot_ids, route_weights, w13, w2, w13_scale_inv, w2_scale_inv)
+    biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
     dtype = compute_dtype or x.dtype
     inter = w13.shape[1] // 2
     parts = torch.zeros((*slot_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)
@@ -83,8 +87,13 @@ def fused_moe_decode_ref(
             if slot < 0:
                 continue
             gate_up = expert(w13, w13_scale_inv, slot) @ xt
-            act = F.silu(gate_up[:inter]) * gate_up[inter:]
-            parts[t, k] = weights[t, k] * (expert(w2, w2_scale_inv, slot) @ act).float()
+            if biased:
+                gate_up = gate_up + w13_bias[slot].to(dtype)
+            act = swiglu.activate(gate_up[:inter], gate_up[inter:], swiglu_limit)
+            y = expert(w2, w2_scale_inv, slot) @ act
+            if biased:
+                y = y + w2_bias[slot].to(dtype)
+            parts[t, k] = weights[t, k] * y.float()
     return parts.sum(dim=1) if reduce else parts
 
 
@@ -113,15 +122,18 @@ def _gate_up_kernel(
     slots_ptr,
     w13_ptr,
     s13_ptr,
+    b13_ptr,
     act_ptr,
     num_tokens,
     hidden,
     inter,
+    limit,
     stride_xt,
     stride_ws,
     stride_wn,
     stride_ss,
     stride_sn,
+    stride_bs,
     stride_at,
     stride_ak,
     TOP_K: tl.constexpr,
@@ -131,6 +143,8 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
     FP8: tl.constexpr,
+    BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     common.pdl_start(PDL)
@@ -164,7 +178,11 @@ def _gate_up_kernel(
                 acc_up = fp8_moe.dot_step(
                     acc_up, up_rows, up_factors, n_ok, k_idx, k_ok, k0, xt, COMPUTE
                 )
-            act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+            if BIAS:
+                gate_bias, up_bias = _gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok)
+                acc_gate += gate_bias[:, None]
+                acc_up += up_bias[:, None]
+            act = swiglu.activate_tl(acc_gate, acc_up, limit, CLAMPED)
             act_base = act_ptr + t_idx * stride_at + first_k * stride_ak
             act_ptrs = act_base[None, :] + n_idx[:, None]
             act_ok = n_ok[:, None] & has[None, :]
@@ -189,11 +207,24 @@ def _gate_up_kernel(
                 # ignore it.
                 acc_gate += tl.dot(xs, gate.to(COMPUTE), input_precision="ieee")
                 acc_up += tl.dot(xs, up.to(COMPUTE), input_precision="ieee")
-            act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+            if BIAS:
+                gate_bias, up_bias = _gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok)
+                acc_gate += gate_bias[None, :]
+                acc_up += up_bias[None, :]
+            act = swiglu.activate_tl(acc_gate, acc_up, limit, CLAMPED)
             act_ptrs = (
                 act_ptr + t_idx[:, None] * stride_at + first_k[:, None] * stride_ak + n_idx[None, :]
             )
             tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=has[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok):
+    """A slot's gate and up biases of the rows n_idx, fp32."""
+    row = b13_ptr + slot.to(tl.int64) * stride_bs
+    gate = tl.load(row + n_idx, mask=n_ok, other=0.0).to(tl.float32)
+    up = tl.load(row + inter + n_idx, mask=n_ok, other=0.0).to(tl.float32)
+    return gate, up
 
 
 @triton.jit
@@ -203,6 +234,7 @@ def _down_kernel(
     weights_ptr,
     w2_ptr,
     s2_ptr,
+    b2_ptr,
     y_ptr,
     num_tokens,
     hidden,
@@ -213,6 +245,7 @@ def _down_kernel(
     stride_wn,
     stride_ss,
     stride_sn,
+    stride_bs,
     stride_yt,
     stride_yk,
     TOP_K: tl.constexpr,
@@ -222,6 +255,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
     FP8: tl.constexpr,
+    BIAS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     common.pdl_start(PDL)
@@ -251,6 +285,9 @@ def _down_kernel(
                 acc = fp8_moe.dot_step(
                     acc, w_rows, row_factors, n_ok, k_idx, k_ok, k0, at.to(COMPUTE), COMPUTE
                 )
+            if BIAS:
+                bias_row = b2_ptr + slot.to(tl.int64) * stride_bs
+                acc += tl.load(bias_row + n_idx, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             y_ptrs = (y_ptr + t_idx * stride_yt + first_k * stride_yk)[None, :] + n_idx[:, None]
             tl.store(y_ptrs, acc * token_w[None, :], mask=n_ok[:, None] & has[None, :])
         else:
@@ -265,6 +302,9 @@ def _down_kernel(
                 a = tl.load(a_base + k_idx[None, :], mask=has[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k_idx[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 acc += tl.dot(a.to(COMPUTE), w.to(COMPUTE), input_precision="ieee")
+            if BIAS:
+                bias_row = b2_ptr + slot.to(tl.int64) * stride_bs
+                acc += tl.load(bias_row + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             y_ptrs = (
                 y_ptr + t_idx[:, None] * stride_yt + first_k[:, None] * stride_yk + n_idx[None, :]
             )
@@ -291,6 +331,9 @@ def fused_moe_decode_triton(
     config: DecodeMoEConfig | OneTokenMoEConfig | None = None,
     reduce: bool = True,
     few_routes: bool = False,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Triton decode MoE: fp32 [T, H], graph-capturable (no host sync, shapes fixed by T and K).
 
@@ -304,8 +347,12 @@ def fused_moe_decode_triton(
     reduce=False: fp32 [T, K, H] whose sum over K is that result, without the sum's launch. How a
     slot named twice by one token splits between its routes depends on the path (one-token: each
     route holds its own weighted output, as the reference's parts do; tl.dot: the token's result
-    at its first route, zeros at the other), so a consumer may rely on the sum over K only."""
+    at its first route, zeros at the other), so a consumer may rely on the sum over K only.
+    gpt-oss's experts: their biases, added to the fp32 sums, and the clamped SwiGLU
+    (kernels/swiglu.py)."""
     fp8_bank = _check(x, slot_ids, route_weights, w13, w2, w13_scale_inv, w2_scale_inv)
+    biases = (w13_bias, w2_bias) if swiglu.check_biases(w13, w2, w13_bias, w2_bias) else None
+    extras = swiglu.Extras(biases, float(swiglu_limit))
     num_tokens, hidden = x.shape
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
@@ -329,11 +376,11 @@ def fused_moe_decode_triton(
     scales = (w13_scale_inv, w2_scale_inv) if fp8_bank else None
     if one_token:
         fused_moe_one_token.launch(
-            x, slot_ids, route_weights, w13, w2, scales, act, y, compute, config
+            x, slot_ids, route_weights, w13, w2, scales, act, y, compute, extras, config
         )
     else:
         cfg = config or (FP8_DECODE_CONFIG if fp8_bank else DecodeMoEConfig())
-        _tokens(x, slot_ids, route_weights, w13, w2, scales, act, y, compute, cfg)
+        _tokens(x, slot_ids, route_weights, w13, w2, scales, act, y, compute, extras, cfg)
     return y.sum(dim=1) if reduce else y
 
 
@@ -347,10 +394,12 @@ def _tokens(
     act: torch.Tensor,
     y: torch.Tensor,
     compute: tl.dtype,
+    extras: swiglu.Extras,
     cfg: DecodeMoEConfig,
 ) -> None:
     """The tl.dot launches, MAX_TOKENS_PER_LAUNCH tokens at a time: act, then y. scales: the
-    block factors of w13 and w2 where the bank is FP8 (uint8 bits), else None."""
+    block factors of w13 and w2 where the bank is FP8 (uint8 bits), else None; extras:
+    gpt-oss's biases and SwiGLU limit."""
     num_tokens, hidden = x.shape
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
@@ -361,6 +410,8 @@ def _tokens(
         gate_up_k, down_k = min(gate_up_k, fp8.BLOCK), min(down_k, fp8.BLOCK)
     # (a bf16 bank passes its weights as the factors, never read)
     s13, s2 = scales if scales is not None else (w13, w2)
+    # (without biases, the weights stand in for them, never read)
+    b13, b2 = extras.biases if extras.biases is not None else (w13, w2)
     for t0 in range(0, num_tokens, MAX_TOKENS_PER_LAUNCH):
         t1 = min(t0 + MAX_TOKENS_PER_LAUNCH, num_tokens)
         chunk = t1 - t0
@@ -374,15 +425,18 @@ def _tokens(
             slot_ids[t0:t1],
             w13,
             s13,
+            b13,
             act[t0:t1],
             chunk,
             hidden,
             inter,
+            extras.limit,
             x.stride(0),
             w13.stride(0),
             w13.stride(1),
             s13.stride(0),
             s13.stride(1),
+            b13.stride(0),
             act.stride(0),
             act.stride(1),
             TOP_K=top_k,
@@ -392,6 +446,8 @@ def _tokens(
             BLOCK_K=gate_up_k,
             COMPUTE=compute,
             FP8=scales is not None,
+            BIAS=extras.biases is not None,
+            CLAMPED=extras.limit > 0,
             num_warps=cfg.num_warps,
             num_stages=num_stages,
             **pdl,
@@ -403,6 +459,7 @@ def _tokens(
             route_weights[t0:t1],
             w2,
             s2,
+            b2,
             y[t0:t1],
             chunk,
             hidden,
@@ -413,6 +470,7 @@ def _tokens(
             w2.stride(1),
             s2.stride(0),
             s2.stride(1),
+            b2.stride(0),
             y.stride(0),
             y.stride(1),
             TOP_K=top_k,
@@ -422,6 +480,7 @@ def _tokens(
             BLOCK_K=down_k,
             COMPUTE=compute,
             FP8=scales is not None,
+            BIAS=extras.biases is not None,
             num_warps=cfg.num_warps,
             num_stages=num_stages,
             **pdl,
@@ -440,15 +499,22 @@ def fused_moe_decode(
     compute_dtype: torch.dtype | None = None,
     reduce: bool = True,
     few_routes: bool = False,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Decode MoE over cache slots: the Triton kernel on CUDA (few_routes: tiles for a launch
     where few routes are live), the torch reference elsewhere. An FP8 bank passes its block
-    factors as w13_scale_inv and w2_scale_inv (fused_moe_decode_triton)."""
+    factors as w13_scale_inv and w2_scale_inv (fused_moe_decode_triton); gpt-oss's experts their
+    biases and the clamped SwiGLU's limit (kernels/swiglu.py)."""
     kwargs = {
         "w13_scale_inv": w13_scale_inv,
         "w2_scale_inv": w2_scale_inv,
         "compute_dtype": compute_dtype,
         "reduce": reduce,
+        "w13_bias": w13_bias,
+        "w2_bias": w2_bias,
+        "swiglu_limit": swiglu_limit,
     }
     if x.is_cuda:
         return fused_moe_decode_triton(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import common, fp8, fp8_moe, gemv
+from . import common, fp8, fp8_moe, gemv, swiglu
 from .common import tl, triton
 
 
@@ -87,11 +87,13 @@ def choose_one_token_config(
 
 @triton.jit
 def _gate_up_rows(
-    x_ptr, slot, w13_ptr, s13_ptr, act_ptr, hidden, inter, stride_ws, stride_wn, stride_ss,
-    stride_sn, n_idx, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-    COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
+    x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr, hidden, inter, limit, stride_ws, stride_wn,
+    stride_ss, stride_sn, stride_bs, n_idx, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUB: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
+    BIAS: tl.constexpr, CLAMPED: tl.constexpr,
 ):  # fmt: skip
-    """act rows n_idx (a route's act row at act_ptr) of the expert in `slot` (>= 0)."""
+    """act rows n_idx (a route's act row at act_ptr) of the expert in `slot` (>= 0); with BIAS
+    and CLAMPED, gpt-oss's biases and clamped SwiGLU (kernels/swiglu.py)."""
     if FP8:
         gate_row, up_row = _gate_up_sums_fp8(
             x_ptr, slot, w13_ptr, s13_ptr, hidden, inter, stride_ws, stride_wn, stride_ss,
@@ -102,7 +104,11 @@ def _gate_up_rows(
             x_ptr, slot, w13_ptr, hidden, inter, stride_ws, stride_wn, n_idx, BLOCK_N, BLOCK_K,
             COMPUTE, STAGES,
         )  # fmt: skip
-    act = gate_row * tl.sigmoid(gate_row) * up_row
+    if BIAS:
+        biases = b13_ptr + slot.to(tl.int64) * stride_bs
+        gate_row += tl.load(biases + n_idx, mask=n_idx < inter, other=0.0).to(tl.float32)
+        up_row += tl.load(biases + inter + n_idx, mask=n_idx < inter, other=0.0).to(tl.float32)
+    act = swiglu.activate_tl(gate_row, up_row, limit, CLAMPED)
     tl.store(act_ptr + n_idx, act.to(act_ptr.dtype.element_ty), mask=n_idx < inter)
 
 
@@ -174,10 +180,11 @@ def _gate_up_sums_fp8(
 
 @triton.jit
 def _one_token_gate_up_kernel(
-    x_ptr, slots_ptr, w13_ptr, s13_ptr, act_ptr, hidden, inter, stride_ws, stride_wn, stride_ss,
-    stride_sn, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SUB: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr,
-    FP8: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, slots_ptr, w13_ptr, s13_ptr, b13_ptr, act_ptr, hidden, inter, limit, stride_ws,
+    stride_wn, stride_ss, stride_sn, stride_bs, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, COMPUTE: tl.constexpr,
+    STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     common.pdl_start(PDL)
     # A masked route (run on the CPU) loads nothing, and its act row is left for no one to read.
@@ -187,9 +194,9 @@ def _one_token_gate_up_kernel(
             slot = tl.load(slots_ptr + route)
             if slot >= 0:
                 _gate_up_rows(
-                    x_ptr, slot, w13_ptr, s13_ptr, act_ptr + route * inter, hidden, inter,
-                    stride_ws, stride_wn, stride_ss, stride_sn, n_idx, BLOCK_N, BLOCK_K, SUB,
-                    COMPUTE, STAGES, FP8,
+                    x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr + route * inter, hidden,
+                    inter, limit, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, n_idx,
+                    BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8, BIAS, CLAMPED,
                 )  # fmt: skip
     else:  # one program per route and row block
         route = tl.program_id(0)
@@ -197,9 +204,9 @@ def _one_token_gate_up_kernel(
         if slot >= 0:
             n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             _gate_up_rows(
-                x_ptr, slot, w13_ptr, s13_ptr, act_ptr + route * inter, hidden, inter, stride_ws,
-                stride_wn, stride_ss, stride_sn, n_idx, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES,
-                FP8,
+                x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr + route * inter, hidden, inter,
+                limit, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, n_idx, BLOCK_N,
+                BLOCK_K, SUB, COMPUTE, STAGES, FP8, BIAS, CLAMPED,
             )  # fmt: skip
 
 
@@ -241,11 +248,20 @@ def _down_rows(
 
 
 @triton.jit
+def _down_bias(b2_ptr, slot, stride_bs, n_idx, n_ok, BIAS: tl.constexpr):
+    """A slot's down-projection biases of rows n_idx (fp32), or zeros without BIAS."""
+    if BIAS:
+        row = b2_ptr + slot.to(tl.int64) * stride_bs
+        return tl.load(row + n_idx, mask=n_ok, other=0.0).to(tl.float32)
+    return (n_idx * 0).to(tl.float32)
+
+
+@triton.jit
 def _one_token_down_kernel(
-    act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, y_ptr, hidden, inter, stride_ws, stride_wn,
-    stride_ss, stride_sn, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SUB: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr,
-    FP8: tl.constexpr, PDL: tl.constexpr,
+    act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, b2_ptr, y_ptr, hidden, inter, stride_ws,
+    stride_wn, stride_ss, stride_sn, stride_bs, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, COMPUTE: tl.constexpr,
+    STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     common.pdl_start(PDL)
     # A masked route's rows are zeros (its act row was never written).
@@ -256,10 +272,12 @@ def _one_token_down_kernel(
             slot = tl.load(slots_ptr + route)
             out = tl.zeros((BLOCK_N,), dtype=tl.float32)
             if slot >= 0:
-                out = _down_rows(
+                out = (_down_rows(
                     act_ptr + route * inter, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn,
                     stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8,
-                ) * tl.load(weights_ptr + route).to(tl.float32)  # fmt: skip
+                ) + _down_bias(b2_ptr, slot, stride_bs, n_idx, n_ok, BIAS)) * tl.load(
+                    weights_ptr + route
+                ).to(tl.float32)  # fmt: skip
             tl.store(y_ptr + route * hidden + n_idx, out, mask=n_ok)
     else:  # one program per route and row block
         route = tl.program_id(0)
@@ -268,10 +286,12 @@ def _one_token_down_kernel(
         n_ok = n_idx < hidden
         out = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if slot >= 0:
-            out = _down_rows(
+            out = (_down_rows(
                 act_ptr + route * inter, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn,
                 stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8,
-            ) * tl.load(weights_ptr + route).to(tl.float32)  # fmt: skip
+            ) + _down_bias(b2_ptr, slot, stride_bs, n_idx, n_ok, BIAS)) * tl.load(
+                weights_ptr + route
+            ).to(tl.float32)  # fmt: skip
         tl.store(y_ptr + route * hidden + n_idx, out, mask=n_ok)
 
 
@@ -285,10 +305,12 @@ def launch(
     act: torch.Tensor,
     y: torch.Tensor,
     compute: tl.dtype,
+    extras: swiglu.Extras,
     cfg: OneTokenMoEConfig,
 ) -> None:
     """The one-token launches: act [1, K, I] from x, then y [1, K, H] from act. scales: the
-    block factors of w13 and w2 where the bank is FP8 (uint8 bits), else None."""
+    block factors of w13 and w2 where the bank is FP8 (uint8 bits), else None; extras:
+    gpt-oss's biases and SwiGLU limit."""
     hidden = x.shape[1]
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
@@ -300,18 +322,22 @@ def launch(
     down_k = min(cfg.down_block_k, common.next_pow2(inter, 16))
     # FP8: factors and their strides (a bf16 bank passes its weights, never read as factors)
     s13, s2 = scales if scales is not None else (w13, w2)
+    b13, b2 = extras.biases if extras.biases is not None else (w13, w2)  # likewise
     _one_token_gate_up_kernel[(gate_up_blocks,) if loop else (top_k, gate_up_blocks)](
         x,
         slot_ids,
         w13,
         s13,
+        b13,
         act,
         hidden,
         inter,
+        extras.limit,
         w13.stride(0),
         w13.stride(1),
         s13.stride(0),
         s13.stride(1),
+        b13.stride(0),
         TOP_K=top_k,
         LOOP_ROUTES=loop,
         BLOCK_N=cfg.gate_up_block_n,
@@ -320,6 +346,8 @@ def launch(
         COMPUTE=compute,
         STAGES=cfg.num_stages,
         FP8=scales is not None,
+        BIAS=extras.biases is not None,
+        CLAMPED=extras.limit > 0,
         num_warps=cfg.num_warps,
         **pdl,
     )
@@ -329,6 +357,7 @@ def launch(
         route_weights,
         w2,
         s2,
+        b2,
         y,
         hidden,
         inter,
@@ -336,6 +365,7 @@ def launch(
         w2.stride(1),
         s2.stride(0),
         s2.stride(1),
+        b2.stride(0),
         TOP_K=top_k,
         LOOP_ROUTES=loop,
         BLOCK_N=cfg.down_block_n,
@@ -344,6 +374,7 @@ def launch(
         COMPUTE=compute,
         STAGES=cfg.num_stages,
         FP8=scales is not None,
+        BIAS=extras.biases is not None,
         num_warps=cfg.num_warps,
         **pdl,
     )

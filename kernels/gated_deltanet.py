@@ -24,8 +24,9 @@ L2-normalized and q scaled by DK^-1/2:
 
 `delta_rule_prefill` computes it by chunks (the WY form: a triangular solve per chunk, then one
 sequential pass over chunks), `delta_rule_decode` one step for a batch of slots. On CUDA, where
-fla (flash-linear-attention) is installed, both call fla's Triton kernels; the `_ref` functions
-are the definition and the CPU path.
+fla (flash-linear-attention) is installed, both call fla's Triton kernels; the convolution runs in
+this module's own (one launch each, the conv pool read and written in place, a decode step's
+slots read from a device tensor). The `_ref` functions are the definition and the CPU path.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from . import common
+from .common import tl, triton
 
 QK_L2NORM_EPS = 1e-6  # transformers' and fla's l2norm: x / sqrt(sum(x²) + eps)
 
@@ -47,7 +51,7 @@ def decay_and_beta(
     return g, b.sigmoid()
 
 
-def causal_conv_prefill(
+def causal_conv_prefill_ref(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) over one sequence's tokens x [T, C], after its conv state.
@@ -68,7 +72,7 @@ def causal_conv_prefill(
     return F.silu(out).to(x.dtype)
 
 
-def causal_conv_decode(
+def causal_conv_decode_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
     states: torch.Tensor,
@@ -88,6 +92,214 @@ def causal_conv_decode(
     return F.silu(out).to(x.dtype)
 
 
+# The convolution's tiles: a prefill program takes CONV_TOKENS tokens of CONV_CHANNELS channels
+# (CONV_TOKENS >= W-1, so that only the first token block reads the state), a decode program
+# CONV_CHANNELS channels of one sequence.
+CONV_TOKENS = 32
+CONV_CHANNELS = 128
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    state_ptr,
+    out_ptr,
+    tokens,
+    channels,
+    stride_x,
+    stride_w,
+    stride_s,
+    stride_o,
+    WIDTH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One sequence: BLOCK_T tokens x BLOCK_C channels of SiLU(conv) from the window (state rows,
+    then x); the first token block also writes the state after the last token."""
+    common.pdl_start(PDL)
+    pid_t = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < channels
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for tap in tl.static_range(WIDTH):
+        # the input this tap reads: x's row src, or (src < 0) the state's row src + WIDTH - 1
+        src = rows + (tap - (WIDTH - 1))
+        in_x = ((src >= 0) & (src < tokens))[:, None] & col_ok[None, :]
+        in_state = (src < 0)[:, None] & col_ok[None, :]
+        xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=in_x)
+        sv = tl.load(
+            state_ptr + (src + (WIDTH - 1))[:, None] * stride_s + cols[None, :], mask=in_state
+        )
+        w = tl.load(weight_ptr + cols * stride_w + tap, mask=col_ok, other=0.0).to(tl.float32)
+        value = tl.where(in_state, sv.to(tl.float32), tl.where(in_x, xv.to(tl.float32), 0.0))
+        acc += value * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = acc * tl.sigmoid(acc)
+    ok = (rows < tokens)[:, None] & col_ok[None, :]
+    out_at = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+    tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=ok)
+    if pid_t == 0:  # the only programs that read these state columns
+        _conv_final_state(
+            x_ptr, state_ptr, cols, col_ok, tokens, stride_x, stride_s, WIDTH, BLOCK_W
+        )
+
+
+@triton.jit
+def _conv_final_state(
+    x_ptr, state_ptr, cols, col_ok, tokens, stride_x, stride_s, WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """The state after a prefill's last token: the window's last W-1 rows, x's last rows or the
+    old state's where x is shorter; loaded before any store."""
+    r = tl.arange(0, BLOCK_W)
+    src = r + (tokens - (WIDTH - 1))
+    held = (r < WIDTH - 1)[:, None] & col_ok[None, :]
+    from_x = held & (src >= 0)[:, None]
+    from_state = held & (src < 0)[:, None]
+    xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=from_x)
+    state_src = state_ptr + (src + (WIDTH - 1))[:, None] * stride_s + cols[None, :]
+    sv = tl.load(state_src, mask=from_state)
+    new = tl.where(from_state, sv.to(tl.float32), xv.to(tl.float32))
+    tl.debug_barrier()
+    state_at = state_ptr + r[:, None] * stride_s + cols[None, :]
+    tl.store(state_at, new.to(state_ptr.dtype.element_ty), mask=held)
+
+
+@triton.jit
+def _conv_decode_kernel(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    states_ptr,
+    slot_ptr,
+    out_ptr,
+    channels,
+    stride_x,
+    stride_w,
+    stride_slot,
+    stride_s,
+    stride_o,
+    WIDTH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One token of one sequence, BLOCK_C channels: SiLU(conv) of its slot's W-1 rows and x, and
+    the slot shifted by one token in place."""
+    common.pdl_start(PDL)
+    seq = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < channels
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    base = states_ptr + slot * stride_slot
+    r = tl.arange(0, BLOCK_W)
+    held = (r < WIDTH - 1)[:, None] & col_ok[None, :]
+    state = tl.load(base + r[:, None] * stride_s + cols[None, :], mask=held, other=0.0)
+    w = tl.load(weight_ptr + cols[None, :] * stride_w + r[:, None], mask=held, other=0.0)
+    x = tl.load(x_ptr + seq.to(tl.int64) * stride_x + cols, mask=col_ok, other=0.0)
+    w_last = tl.load(weight_ptr + cols * stride_w + (WIDTH - 1), mask=col_ok, other=0.0)
+    acc = tl.sum(state.to(tl.float32) * w.to(tl.float32), axis=0)
+    acc += x.to(tl.float32) * w_last.to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    out = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o + cols, out.to(out_ptr.dtype.element_ty),
+             mask=col_ok)  # fmt: skip
+    # row r takes row r + 1, the last row x; loaded before any store
+    later = tl.load(
+        base + (r + 1)[:, None] * stride_s + cols[None, :],
+        mask=(r + 1 < WIDTH - 1)[:, None] & col_ok[None, :],
+        other=0.0,
+    )
+    shifted = tl.where((r == WIDTH - 2)[:, None], x.to(tl.float32)[None, :], later.to(tl.float32))
+    tl.debug_barrier()
+    tl.store(base + r[:, None] * stride_s + cols[None, :],
+             shifted.to(states_ptr.dtype.element_ty), mask=held)  # fmt: skip
+
+
+def causal_conv_prefill_triton(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`causal_conv_prefill_ref` in one launch: x [T, C] may be a view with strided rows (the
+    projection's first C columns); state [W-1, C] must have contiguous rows."""
+    _check_conv(x, weight, state.unsqueeze(0))
+    _check_conv_layout(x, weight, state, bias)
+    tokens, channels = x.shape
+    width = weight.shape[1]
+    out = common.alloc((tokens, channels), x.dtype, x.device)
+    if not tokens:
+        return out
+    grid = (triton.cdiv(channels, CONV_CHANNELS), triton.cdiv(tokens, CONV_TOKENS))
+    _conv_prefill_kernel[grid](
+        x, weight, weight if bias is None else bias, state, out,
+        tokens, channels, x.stride(0), weight.stride(0), state.stride(0), out.stride(0),
+        WIDTH=width, HAS_BIAS=bias is not None, BLOCK_T=CONV_TOKENS, BLOCK_C=CONV_CHANNELS,
+        BLOCK_W=common.next_pow2(width - 1), num_warps=4, **common.pdl_launch(x.device),
+    )  # fmt: skip
+    return out
+
+
+def causal_conv_decode_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    states: torch.Tensor,
+    slot_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`causal_conv_decode_ref` in one launch, reading the slot ids on the device (no host sync:
+    capturable in a CUDA graph, the ids a fixed tensor refilled between replays)."""
+    _check_conv(x, weight, states)
+    _check_conv_layout(x, weight, states[0], bias)
+    if slot_ids.shape != (x.shape[0],) or slot_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"slot_ids must be int32 or int64 [{x.shape[0]}], got {slot_ids.dtype} "
+            f"{tuple(slot_ids.shape)}"
+        )
+    common.check_last_dim_contiguous("slot_ids", slot_ids)
+    batch, channels = x.shape
+    width = weight.shape[1]
+    out = common.alloc((batch, channels), x.dtype, x.device)
+    if not batch:
+        return out
+    _conv_decode_kernel[(triton.cdiv(channels, CONV_CHANNELS), batch)](
+        x, weight, weight if bias is None else bias, states, slot_ids, out,
+        channels, x.stride(0), weight.stride(0), states.stride(0), states.stride(1),
+        out.stride(0), WIDTH=width, HAS_BIAS=bias is not None, BLOCK_C=CONV_CHANNELS,
+        BLOCK_W=common.next_pow2(width - 1), num_warps=2, **common.pdl_launch(x.device),
+    )  # fmt: skip
+    return out
+
+
+def causal_conv_prefill(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`causal_conv_prefill_ref`'s result: the Triton kernel on CUDA."""
+    if x.is_cuda:
+        return causal_conv_prefill_triton(x, weight, state, bias)
+    return causal_conv_prefill_ref(x, weight, state, bias)
+
+
+def causal_conv_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    states: torch.Tensor,
+    slot_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`causal_conv_decode_ref`'s result: the Triton kernel on CUDA."""
+    if x.is_cuda:
+        return causal_conv_decode_triton(x, weight, states, slot_ids, bias)
+    return causal_conv_decode_ref(x, weight, states, slot_ids, bias)
+
+
 def _check_conv(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> None:
     channels, width = weight.shape
     if x.shape[-1] != channels or states.shape[1:] != (width - 1, channels):
@@ -95,6 +307,20 @@ def _check_conv(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> 
             f"conv inputs [..., {x.shape[-1]}] and states {tuple(states.shape[1:])} must be "
             f"[..., {channels}] and [{width - 1}, {channels}] for a weight {tuple(weight.shape)}"
         )
+
+
+def _check_conv_layout(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """What the kernels step by: rows of x, weight and state each contiguous, x 2-D."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, C], got {tuple(x.shape)}")
+    named = {"x": x, "weight": weight, "state": state}
+    if bias is not None:
+        named["bias"] = bias
+    for name, tensor in named.items():
+        common.check_last_dim_contiguous(name, tensor)
+    common.check_same_device(**named)
 
 
 def gated_rmsnorm(

@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from . import common, fp8, fp8_moe
+from . import common, fp8, fp8_moe, swiglu
 from .common import tl, triton
 
 
@@ -61,10 +60,15 @@ def grouped_moe_ref(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Reference: for each expert, its routed tokens through gate/up, SiLU·up and down, weighted
-    (an FP8 bank dequantized to fp32 expert by expert)."""
+    (an FP8 bank dequantized to fp32 expert by expert; gpt-oss's biases and clamped SwiGLU:
+    kernels/swiglu.py)."""
     fp8_bank = _check(x, expert_ids, route_weights, w13, w2, w13_scale_inv, w2_scale_inv)
+    biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
     dtype = compute_dtype or x.dtype
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -77,8 +81,13 @@ def grouped_moe_ref(
             continue
         tokens, ks = (expert_ids == expert).nonzero(as_tuple=True)
         gate_up = x[tokens].to(dtype) @ weight(w13, w13_scale_inv, expert).t()
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = (act @ weight(w2, w2_scale_inv, expert).t()).float()
+        if biased:
+            gate_up = gate_up + w13_bias[expert].to(dtype)
+        act = swiglu.activate(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
+        y = act @ weight(w2, w2_scale_inv, expert).t()
+        if biased:
+            y = y + w2_bias[expert].to(dtype)
+        y = y.float()
         out.index_add_(0, tokens, y * route_weights[tokens, ks].float()[:, None])
     return out
 
@@ -90,14 +99,17 @@ def _gate_up_kernel(
     block_expert_ptr,
     w13_ptr,
     s13_ptr,
+    b13_ptr,
     act_ptr,
     hidden,
     inter,
+    limit,
     stride_xt,
     stride_we,
     stride_wn,
     stride_se,
     stride_sn,
+    stride_be,
     stride_ar,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -105,6 +117,8 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
     FP8: tl.constexpr,
+    BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -143,7 +157,11 @@ def _gate_up_kernel(
             # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
             acc_gate += tl.dot(xs, gate.to(COMPUTE), input_precision="ieee")
             acc_up += tl.dot(xs, up.to(COMPUTE), input_precision="ieee")
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    if BIAS:
+        biases = b13_ptr + expert * stride_be
+        acc_gate += tl.load(biases + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(biases + inter + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    act = swiglu.activate_tl(acc_gate, acc_up, limit, CLAMPED)
     act_ptrs = act_ptr + routes[:, None] * stride_ar + n_idx[None, :]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
@@ -156,6 +174,7 @@ def _down_kernel(
     weights_ptr,
     w2_ptr,
     s2_ptr,
+    b2_ptr,
     y_ptr,
     hidden,
     inter,
@@ -164,12 +183,14 @@ def _down_kernel(
     stride_wn,
     stride_se,
     stride_sn,
+    stride_be,
     stride_yr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr,
     FP8: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -196,6 +217,9 @@ def _down_kernel(
             acc += tl.dot(a.to(COMPUTE), w, input_precision="ieee") * f[None, :]
         else:
             acc += tl.dot(a.to(COMPUTE), w.to(COMPUTE), input_precision="ieee")
+    if BIAS:
+        biases = b2_ptr + expert * stride_be
+        acc += tl.load(biases + n_idx, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + routes[:, None] * stride_yr + n_idx[None, :]
     tl.store(y_ptrs, acc * route_w[:, None], mask=r_ok[:, None] & n_ok[None, :])
 
@@ -315,6 +339,9 @@ def grouped_moe_triton(
     config: GroupedMoEConfig | None = None,
     layer_experts: int | None = None,
     checked: bool = True,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Triton prefill MoE: fp32 [T, H].
 
@@ -325,9 +352,11 @@ def grouped_moe_triton(
     layer's routes cannot name); the tiles follow the routes per expert this gives, unless
     `config` names them. checked: refuse ids beyond w13 first, which waits for the device; the
     engine's own routes need no check and pass False, so that nothing in a prefill's layer waits
-    for the device.
+    for the device. gpt-oss's experts: their biases, added to the fp32 sums, and the clamped
+    SwiGLU (kernels/swiglu.py).
     """
     fp8_bank = _check(x, expert_ids, route_weights, w13, w2, w13_scale_inv, w2_scale_inv)
+    biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
     num_tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_experts = w13.shape[0]
@@ -349,6 +378,7 @@ def grouped_moe_triton(
         gate_up_k, down_k = min(gate_up_k, fp8.BLOCK), min(down_k, fp8.BLOCK)
     # (a bf16 bank passes its weights as the factors, never read)
     s13, s2 = (w13_scale_inv, w2_scale_inv) if fp8_bank else (w13, w2)
+    b13, b2 = (w13_bias, w2_bias) if biased else (w13, w2)  # likewise
     if grouped.num_blocks:
         _gate_up_kernel[(grouped.num_blocks, triton.cdiv(inter, cfg.gate_up_block_n))](
             x,
@@ -356,14 +386,17 @@ def grouped_moe_triton(
             grouped.block_expert,
             w13,
             s13,
+            b13,
             act,
             hidden,
             inter,
+            float(swiglu_limit),
             x.stride(0),
             w13.stride(0),
             w13.stride(1),
             s13.stride(0),
             s13.stride(1),
+            b13.stride(0),
             act.stride(0),
             TOP_K=top_k,
             BLOCK_M=cfg.block_m,
@@ -371,6 +404,8 @@ def grouped_moe_triton(
             BLOCK_K=gate_up_k,
             COMPUTE=compute,
             FP8=fp8_bank,
+            BIAS=biased,
+            CLAMPED=swiglu_limit > 0,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -381,6 +416,7 @@ def grouped_moe_triton(
             route_weights.contiguous(),
             w2,
             s2,
+            b2,
             y,
             hidden,
             inter,
@@ -389,12 +425,14 @@ def grouped_moe_triton(
             w2.stride(1),
             s2.stride(0),
             s2.stride(1),
+            b2.stride(0),
             y.stride(0),
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.down_block_n,
             BLOCK_K=down_k,
             COMPUTE=compute,
             FP8=fp8_bank,
+            BIAS=biased,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -414,10 +452,20 @@ def grouped_moe(
     compute_dtype: torch.dtype | None = None,
     layer_experts: int | None = None,
     checked: bool = True,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Prefill MoE over one layer's experts: the Triton kernels on CUDA, the reference elsewhere
-    (an FP8 bank's factors, layer_experts and checked: see grouped_moe_triton)."""
-    scales = {"w13_scale_inv": w13_scale_inv, "w2_scale_inv": w2_scale_inv}
+    (an FP8 bank's factors, layer_experts and checked: see grouped_moe_triton; gpt-oss's biases
+    and clamped SwiGLU: kernels/swiglu.py)."""
+    scales = {
+        "w13_scale_inv": w13_scale_inv,
+        "w2_scale_inv": w2_scale_inv,
+        "w13_bias": w13_bias,
+        "w2_bias": w2_bias,
+        "swiglu_limit": swiglu_limit,
+    }
     if x.is_cuda:
         return grouped_moe_triton(
             x, expert_ids, route_weights, w13, w2, compute_dtype=compute_dtype,

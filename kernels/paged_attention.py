@@ -48,11 +48,15 @@ def paged_attention_decode_ref(
     *,
     compute_dtype: torch.dtype | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Reference: gather each sequence's pages, softmax(q·k·scale) in fp32, weighted sum of v.
     FP8 caches (uint8 bits) come with their factors in `kv_scales` (kernels/fp8_kv.py) and are
-    widened to fp32 first."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, kv_scales)
+    widened to fp32 first. gpt-oss's attention: `sinks` [Hq], a logit per head that joins the
+    softmax's denominator (its value is zero), and `window` > 0, the last positions a query sees
+    (its own included)."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, kv_scales, sinks)
     dtype = compute_dtype or q.dtype
     if kv_scales is not None:
         k_cache = fp8_kv.dequantize_heads(k_cache, kv_scales[0], torch.float32)
@@ -65,12 +69,15 @@ def paged_attention_decode_ref(
         if seq_len == 0:
             continue
         pages = block_tables[b, : -(-seq_len // block_size)].long()
-        keys = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(dtype)
-        values = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(dtype)
+        first = max(0, seq_len - window) if window else 0
+        keys = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[first:seq_len].to(dtype)
+        values = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[first:seq_len].to(dtype)
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
         values = values.repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (keys @ q[b].to(dtype)[:, :, None]).squeeze(-1).float() * scale  # [Hq, L]
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float()[:, None]], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[:, : values.shape[1]]
         out[b] = (probs[:, None, :] @ values.float()).squeeze(1).to(q.dtype)
     return out
 
@@ -88,6 +95,7 @@ def _split_kernel(
     part_lse_ptr,
     scale_log2,
     num_splits,
+    window,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -118,8 +126,9 @@ def _split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * part
+    first = _first_seen(seq_len, window)
+    part = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * part
     end = tl.minimum(start + part, seq_len)
     if start < end:
         g_idx = tl.arange(0, BLOCK_G)
@@ -179,12 +188,20 @@ def _split_kernel(
 
 
 @triton.jit
+def _first_seen(seq_len, window):
+    """The first position a sequence's query sees: 0, or the window's first (window > 0)."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+
+
+@triton.jit
 def _merge_kernel(
     part_out_ptr,
     part_lse_ptr,
     lens_ptr,
+    sinks_ptr,
     out_ptr,
     num_splits,
+    window,
     stride_pb,
     stride_ph,
     stride_ps,
@@ -197,20 +214,28 @@ def _merge_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK: tl.constexpr,
+    SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     common.pdl_start(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
-    part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    span = seq_len - _first_seen(seq_len, window)
+    part = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
     # Slices past the end of the sequence wrote nothing; an empty sequence has none (output 0).
-    num_used = tl.cdiv(seq_len, tl.maximum(part, 1))
+    num_used = tl.cdiv(span, tl.maximum(part, 1))
     s_idx = tl.arange(0, BLOCK_S)
     lse_row = part_lse_ptr + b * stride_lb + head * stride_lh
     lse = tl.load(lse_row + s_idx, mask=s_idx < num_used, other=float("-inf"))
     lse_max = tl.maximum(tl.max(lse, axis=0), -1e30)
+    if SINKS:
+        # the head's sink joins the denominator (in the partial results' log2 units)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        lse_max = tl.maximum(lse_max, sink)
     denom = tl.sum(tl.exp2(lse - lse_max), axis=0)
+    if SINKS:
+        denom += tl.where(num_used > 0, tl.exp2(sink - lse_max), 0.0)
     d_idx = tl.arange(0, BLOCK_D)
     d_ok = d_idx < HEAD_DIM
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -241,16 +266,21 @@ def paged_attention_decode_triton(
     compute_dtype: torch.dtype | None = None,
     config: AttentionConfig | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Triton split-context decode attention: [B, Hq, D] in q's dtype, graph-capturable. FP8
     caches (uint8 bits, their factors in `kv_scales`) are widened in registers with integer
-    ops."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, kv_scales)
+    ops. gpt-oss's sinks and window as in the reference: the slices cover the window only, and
+    the merge adds the sink to the denominator."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, kv_scales, sinks)
     cfg = config or AttentionConfig()
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     max_tokens = block_tables.shape[1] * block_size
+    if window:
+        max_tokens = min(max_tokens, window)
     num_splits = cfg.num_splits or default_num_splits(
         batch * num_kv_heads, max_tokens, cfg.block_n, common.sm_count(q.device)
     )
@@ -271,6 +301,7 @@ def paged_attention_decode_triton(
         part_lse,
         scale * _LOG2E,
         num_splits,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -302,8 +333,10 @@ def paged_attention_decode_triton(
         part_out,
         part_lse,
         seq_lens,
+        sinks if sinks is not None else seq_lens,
         out,
         num_splits,
+        window,
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
@@ -316,6 +349,7 @@ def paged_attention_decode_triton(
         BLOCK_N=cfg.block_n,
         BLOCK_S=common.next_pow2(num_splits),
         CHUNK=min(_MERGE_CHUNK, common.next_pow2(num_splits)),
+        SINKS=sinks is not None,
         num_warps=8,
         **pdl,
     )
@@ -338,12 +372,15 @@ def paged_attention_decode(
     *,
     compute_dtype: torch.dtype | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Decode attention over paged KV: the Triton kernels on CUDA, the reference elsewhere."""
+    """Decode attention over paged KV: the Triton kernels on CUDA, the reference elsewhere
+    (gpt-oss's sinks and window: paged_attention_decode_ref)."""
     fn = paged_attention_decode_triton if q.is_cuda else paged_attention_decode_ref
     return fn(
         q, k_cache, v_cache, block_tables, seq_lens, scale,
-        compute_dtype=compute_dtype, kv_scales=kv_scales,
+        compute_dtype=compute_dtype, kv_scales=kv_scales, sinks=sinks, window=window,
     )  # fmt: skip
 
 
@@ -354,8 +391,14 @@ def _check(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Validate shapes (metadata only: no device sync, so the call stays graph-capturable)."""
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device):
+        raise ValueError(
+            f"sinks must be [Hq={q.shape[1]}] on {q.device}, got {tuple(sinks.shape)} on "
+            f"{sinks.device}"
+        )
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     batch, num_q_heads, head_dim = q.shape

@@ -5,7 +5,7 @@ fit."""
 from __future__ import annotations
 
 from ..engine.config.args import CPU_DEFAULT_BUDGET_BYTES
-from ..engine.config.memory import VramPlan
+from ..engine.config.memory import VramPlan, kv_bytes_per_token
 from ..engine.model.spec import ModelSpec
 from ..engine.text import Text
 from .advice import (
@@ -94,7 +94,7 @@ def cpu_rules(
                 tokens=chosen,
             )
         )
-    kv = chosen * 2 * spec.num_layers * spec.kv_size * elem
+    kv = chosen * kv_bytes_per_token(spec, elem)
     advice.append(
         Advice(
             "--kv-reserve-tokens",

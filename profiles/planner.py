@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.config.config import EngineConfig
-from ..engine.config.memory import MemoryPlanError, kv_bytes_per_token
+from ..engine.config.memory import (
+    MemoryPlanError,
+    kv_bytes_per_token,
+    state_bytes_per_seq,
+    state_reserve,
+)
 from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, text_fields
 from .advice import context_tiers
@@ -439,6 +444,15 @@ class ContextPlan:
     kv_bytes_per_token: int
     experts_total: int
     points: tuple[PlanPoint, ...]
+    # a hybrid model's layers by kind, and the recurrent states every point reserves (a slot per
+    # running sequence, the graphs' padding one and the state checkpoints) beside the KV of its
+    # attention layers
+    attention_layers: int
+    linear_layers: int
+    state_bytes_per_seq: int
+    state_sequences: int
+    state_checkpoints: int
+    state_bytes: int
     current_kv_tokens: int
     hit_basis: Text
     speed_basis: Text | None
@@ -454,6 +468,12 @@ class ContextPlan:
             "budget_source": self.budget_source,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "experts_total": self.experts_total,
+            "attention_layers": self.attention_layers,
+            "linear_layers": self.linear_layers,
+            "state_bytes_per_seq": self.state_bytes_per_seq,
+            "state_sequences": self.state_sequences,
+            "state_checkpoints": self.state_checkpoints,
+            "state_bytes": self.state_bytes,
             "current_kv_tokens": self.current_kv_tokens,
             "basis": {
                 **text_fields("hit_rate", self.hit_basis),
@@ -510,6 +530,12 @@ def plan_context(
                 all_resident=plan.all_resident,
             )
         )
+    request = config.memory_request(
+        budget_bytes=choice.budget_bytes, elem_bytes=choice.elem_bytes, cuda=choice.cuda
+    )
+    sequences, checkpoints, states = state_reserve(
+        spec, request.max_running, request.elem_bytes, request.state_checkpoints
+    )
     return ContextPlan(
         base_flags=list(base_flags),
         device=choice.device,
@@ -520,6 +546,12 @@ def plan_context(
         ),
         experts_total=spec.experts_total,
         points=tuple(points),
+        attention_layers=len(spec.attention_layers),
+        linear_layers=len(spec.linear_layers),
+        state_bytes_per_seq=state_bytes_per_seq(spec, choice.elem_bytes),
+        state_sequences=sequences,
+        state_checkpoints=checkpoints,
+        state_bytes=states,
         current_kv_tokens=current,
         hit_basis=hits.basis,
         speed_basis=speed.basis if speed else None,

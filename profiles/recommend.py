@@ -113,6 +113,7 @@ class Recommendation:
             "budget": p.budget_bytes,
             "weights": p.weights_bytes,
             "kv": p.kv_bytes,
+            "states": p.state_bytes,
             "expert_cache": p.expert_cache_bytes,
             "buffers": p.prefill_buffer_bytes + p.activation_bytes + p.graph_bytes,
             "headroom": p.headroom_bytes,
@@ -125,6 +126,8 @@ class Recommendation:
             experts_total=p.experts_total,
             kv_tokens=p.kv_tokens,
             context_tokens=p.max_context,
+            state_sequences=p.state_slots,
+            state_checkpoints=p.state_checkpoints,
         )
         return out
 

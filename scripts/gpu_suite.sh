@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|mxfp4|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|gptoss|mxfp4|hybrid|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
 # (tests, then resident: the first GPU runs after hot-path changes, each under 10 minutes)
+# hybrid: issue 53's rows at Qwen3.6-35B-A3B's geometry; its parts hybrid_tests, hybrid_decode,
+# hybrid_context, hybrid_prefill and hybrid_turns one at a time, each under 10 minutes; DTYPES
+# (default "bf16 fp8") the expert formats, HYBRID (default "--preset qwen3.6-35b-a3b") the model
 # On the GPU machine (torch and triton preinstalled), first the wheels of
 # scripts/device_wheels.sh (carry .whl) on PYTHONPATH, then
 # `python3 -m pip install --no-deps --no-build-isolation -e .` (it has no index to build from).
@@ -19,7 +22,7 @@ run() {  # name, command...: keep going when one step fails, record its status
   local t0=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
-  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^alternated |^session: |^(paged_attention|fused_moe_decode|grouped_moe)" \
+  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^alternated |^session: |^(paged_attention|fused_moe_decode|grouped_moe|short_conv|delta_rule)" \
     "$out/$name.log" \
     | tail -5 | tee -a "$out/summary.txt"
 }
@@ -33,7 +36,7 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
   run kernel_tests python3 -m pytest -q tests/kernels $T
   run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_graphs.py tests/engine/test_offload.py tests/engine/test_reference.py \
-    tests/engine/test_telemetry.py tests/engine/test_attention.py
+    tests/engine/test_telemetry.py tests/engine/test_attention.py tests/engine/test_hybrid.py
 fi
 if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: their CUDA tests,
   # then decode greedy, drawn (overlapped) and drawn by the host's sampler (--no-overlap-decode,
@@ -105,11 +108,12 @@ if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively an
     run fp8kv_prompt48_$kv $B prefill $M --prompt-tokens "$ctx" --repeats 1 --json
   done
 fi
-if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoint tests on CUDA,
-  # then issue 52's rows, one process each, bf16 beside FP8 with the same device-memory budget
+if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoint tests and the
+  # decode planner's (bf16 and FP8 banks) on CUDA, then issue 52's rows, one process each, bf16
+  # beside FP8 with the same device-memory budget
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run fp8_engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
-    tests/engine/test_fp8.py
+    tests/engine/test_fp8.py tests/engine/test_planner.py
   M="--device-memory 24GiB --json"
   for dtype in bf16 fp8; do
     for skew in 1 0; do
@@ -126,6 +130,44 @@ if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoin
     done
   done
 fi
+hybrid_part() { [ "$part" = hybrid ] || [ "$part" = "hybrid_$1" ]; }
+if hybrid_part tests; then  # the Gated DeltaNet on CUDA: the kernels against the torch reference
+  # at the real geometry (fla's rule, the convolution's kernels, a decode step in a graph), their
+  # compile for sm_90, the engine against transformers; then the kernels' rows
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run hybrid_kernel_tests python3 -m pytest -q $T --tb=short tests/kernels/test_gated_deltanet.py \
+    tests/kernels/test_hopper_compile.py
+  run hybrid_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_hybrid.py
+  run hybrid_kernels python3 -m moelab.kernels.bench --only short_conv,delta_rule
+fi
+# issue 53's speed rows: all 40 layers with dummy weights on a 24 GiB budget, one process each
+H="${HYBRID:---preset qwen3.6-35b-a3b} --routing-skew 1 --device-memory 24GiB --json"
+for dtype in ${DTYPES:-bf16 fp8}; do
+  E="$H --moe-expert-dtype $dtype"
+  if hybrid_part decode; then  # batch 1 (against t_min, the states' reads counted), and 8 at once
+    run hybrid_decode_b1_$dtype $B decode $E --tokens 256 --repeats 3
+    run hybrid_decode_b8_$dtype $B decode $E --batch 8 --tokens 128
+  fi
+  if hybrid_part context; then  # decode after a 32K and a 128K prompt
+    for ctx in 32768 131072; do
+      run hybrid_decode_ctx${ctx}_$dtype $B decode $E --prompt-tokens $ctx \
+        --kv-reserve-tokens $((ctx + 1024)) --tokens 64 --warmup 8
+    done
+  fi
+  if hybrid_part prefill; then  # prompts of 8K and 128K tokens (experts streamed as they are read)
+    run hybrid_prefill_8192_$dtype $B prefill $E --prompt-tokens 8192 --repeats 3
+    run hybrid_prefill_131072_$dtype $B prefill $E --prompt-tokens 131072 --repeats 1 \
+      --kv-reserve-tokens 132096
+  fi
+  if hybrid_part turns; then  # a chat's second turn after a 32K first one: its time to first
+    # token from the first turn's state checkpoint, and prefilled whole (--no-prefix-cache)
+    run hybrid_second_turn_$dtype python3 scripts/prefix_cache_ttft.py --arch qwen3_5_moe \
+      ${HYBRID:---preset qwen3.6-35b-a3b} --system 32768 --question 128 --reply 32 --turns 2 \
+      --device-memory 24GiB --kv-reserve-tokens 40960 --moe-expert-dtype $dtype \
+      --log-level warning
+  fi
+done
 if [ "$part" = rows25 ]; then  # the 25%-cache rows at routing skew 1 and 0, default flags
   for skew in 1 0; do
     run rows25_skew$skew $B decode $G --routing-skew $skew --moe-cache-rate 0.25 --tokens 256 \
@@ -241,4 +283,19 @@ runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
       done
     done
   done
+fi
+if [ "$part" = gptoss ]; then  # gpt_oss: its kernels' tests natively (biased experts, sinks and
+  # the window in decode attention), the engine against transformers on CUDA, then decode and
+  # prefill at gpt-oss-20b's geometry (dummy weights; the experts widened from MXFP4 to bf16) on
+  # an 8 GiB budget, with 32K tokens of context for the sliding and full layers
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run gptoss_tests python3 -m pytest -q $T --tb=short tests/kernels/test_gpt_oss_experts.py \
+    tests/kernels/test_paged_attention.py
+  run gptoss_engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_gpt_oss.py
+  O="--arch gpt_oss --preset gpt-oss-20b --routing-skew 1 --json"
+  run gptoss_decode20b_8g $B decode $O --device-memory 8GiB --tokens 256 --repeats 3
+  run gptoss_decode20b_8g_ctx32k $B decode $O --device-memory 8GiB --prompt-tokens 32768 \
+    --kv-reserve-tokens 33792
+  run gptoss_prefill20b_8g_2k $B prefill $O --device-memory 8GiB --prompt-tokens 2048
 fi

@@ -1,15 +1,17 @@
 """Time to first token of a multi-turn chat, with the prefix cache and without it.
 
-Usage: python scripts/prefix_cache_ttft.py [--preset small] [--set FIELD=VALUE ...] [--turns 4]
-[--system 1024] [--question 64] [--reply 32] [--at-once N] [ENGINE FLAGS...]
+Usage: python scripts/prefix_cache_ttft.py [--arch qwen3_moe] [--preset small] [--set FIELD=VALUE
+...] [--turns 4] [--system 1024] [--question 64] [--reply 32] [--at-once N] [ENGINE FLAGS...]
 
-Runs an engine on the preset's geometry with dummy weights (or on --model-path), the same
-conversation twice, once with the prefix cache and once with `--no-prefix-cache`. Each turn's
-prompt is the last prompt, its reply and a new question, after a system prompt of --system tokens.
-Prints each turn's prompt tokens, the tokens the cache held, and the time to the first token both
-ways. With --at-once N, instead: N requests sent at once, each the system prompt and a question
-of its own (a few-shot prefix from an evaluation harness), and the time until every one has its
-first token. Other flags go to both engines (for example `--device cuda`).
+Runs an engine on the preset's geometry (of --arch, as `moelab synth` writes it) with dummy
+weights (or on --model-path), the same conversation twice, once with the prefix cache and once
+with `--no-prefix-cache`. Each turn's prompt is the last prompt, its reply and a new question,
+after a system prompt of --system tokens, whose end each request names as a chat's server does
+(a hybrid model keeps its state there). Prints each turn's prompt tokens, the tokens the cache
+held, and the time to the first token both ways. With --at-once N, instead: N requests sent at
+once, each the system prompt and a question of its own (a few-shot prefix from an evaluation
+harness), and the time until every one has its first token. Other flags go to both engines (for
+example `--device cuda`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ def conversation(
     for _ in range(args.turns):
         prompt = prompt + words(args.question)
         t0 = time.perf_counter()
-        seq = engine.add(prompt, SamplingParams(max_tokens=args.reply, ignore_eos=True))
+        # the system prompt's end, a message end a chat's server names: a hybrid model keeps
+        # its state there (and every --state-checkpoint-interval tokens)
+        params = SamplingParams(max_tokens=args.reply, ignore_eos=True)
+        seq = engine.add(prompt, params, boundaries=(args.system,))
         while not seq.output_ids:
             engine.step()
         first = time.perf_counter() - t0
@@ -66,7 +71,10 @@ def at_once(engine: Engine, args: argparse.Namespace, seed: int) -> list[tuple[i
     system = words(args.system)
     params = SamplingParams(max_tokens=args.reply, ignore_eos=True)
     t0 = time.perf_counter()
-    seqs = [engine.add(system + words(args.question), params) for _ in range(args.at_once)]
+    seqs = [
+        engine.add(system + words(args.question), params, boundaries=(args.system,))
+        for _ in range(args.at_once)
+    ]
     while not all(s.output_ids for s in seqs):
         engine.step()
     first = time.perf_counter() - t0
@@ -77,6 +85,7 @@ def at_once(engine: Engine, args: argparse.Namespace, seed: int) -> list[tuple[i
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="qwen3_moe", help="the preset's architecture")
     p.add_argument("--preset", default="small")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--model-path", default=None)
@@ -91,7 +100,7 @@ def main() -> int:
         spec = None
         path = args.model_path
         if path is None:  # the preset's geometry, dummy weights (as `moelab bench`)
-            config = make_config("qwen3_moe", args.preset, parse_overrides(args.set))
+            config = make_config(args.arch, args.preset, parse_overrides(args.set))
             (Path(tmp) / "config.json").write_text(json.dumps(config))
             path, spec = tmp, ModelSpec.from_config(config)
             engine_flags = ["--dummy-weights", *engine_flags]

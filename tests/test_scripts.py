@@ -78,3 +78,20 @@ def test_mgr_restart_times_mgr_over_a_trial_engine_left_loading(tmp_path):
     )  # fmt: skip
     line = json.loads(run.stdout.strip().splitlines()[-1])
     assert line["database_mb"] >= 1 and line["answered_after_s"] > 0
+
+
+def test_prefix_cache_ttft_resumes_a_hybrid_chat_where_its_messages_end(tmp_path):
+    """A hybrid model keeps its state where the server says a chat's messages end: the script
+    names the system prompt's end, from which a second turn resumes (its last whole page)."""
+    from tests.engine.test_hybrid import build_hybrid
+
+    build_hybrid("qwen3_5_moe_text", tmp_path / "model")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "prefix_cache_ttft.py"), "--model-path",
+         str(tmp_path / "model"), "--system", "300", "--question", "20", "--reply", "8",
+         "--turns", "2", "--device", "cpu", "--log-level", "warning"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    first, second = (line.split() for line in run.stdout.splitlines()[-2:])
+    assert first[:3] == ["1", "320", "0"]
+    assert second[:3] == ["2", "348", "288"]  # the 300-token system prompt: 18 pages of 16

@@ -110,6 +110,7 @@ async def dashboard(request: Request) -> Response:
 PART_LABELS = {
     "weights": _("weights"),
     "kv": _("KV cache"),
+    "states": _("recurrent states"),
     "expert_cache": _("expert cache"),
     "activations": _("activations"),
     "other": _("other"),
@@ -195,6 +196,8 @@ def _vram_figure(data: dict[str, Any], t: Translator) -> go.Figure:
     traces = []
     for part in (*engines.DEVICE_PARTS, "free"):
         values = [parts.get(part, 0) / charts.GIB for _, parts in rows]
+        if part == "states" and not any(values):
+            continue  # no hybrid model's engine: no recurrent states in the legend
         traces.append(
             go.Bar(
                 y=[label for label, _ in rows],

@@ -97,6 +97,7 @@ def expert_data(daemon: Daemon, server_id: int, reveal: bool, minutes: int) -> d
             for key in (
                 "num_layers",
                 "layer_ids",
+                "layer_types",
                 "num_experts",
                 "top_k",
                 "slots",
@@ -135,17 +136,26 @@ async def expert_page(request: Request) -> Response:
 # ---- charts -----------------------------------------------------------------------------------
 
 
-def _layer_names(data: dict[str, Any]) -> list[str]:
+# the token mixers of a hybrid model's layers, as the heatmaps label them
+MIXER_LABELS = {"full_attention": _("attention"), "linear_attention": _("DeltaNet")}
+
+
+def _layer_names(data: dict[str, Any], t: Translator) -> list[str]:
+    """The heatmaps' row names: "L12", and where the model mixes kinds of layers (a hybrid of
+    Gated DeltaNet and attention layers), each one's kind: "L12 DeltaNet", "L15 attention"."""
     experts = data["experts"]
     ids = experts.get("layer_ids") or list(range(experts["num_layers"]))
-    return [f"L{i}" for i in ids]
+    kinds = experts.get("layer_types") or []
+    if len(set(kinds)) < 2:
+        return [f"L{i}" for i in ids]
+    return [f"L{i} {t(MIXER_LABELS[kind])}" for i, kind in zip(ids, kinds, strict=True)]
 
 
 def expert_charts(data: dict[str, Any], t: Translator) -> Mapping[str, go.Figure]:
     if not data.get("experts"):
         return {}
     figures: dict[str, go.Figure] = {}
-    layers = _layer_names(data)
+    layers = _layer_names(data, t)
     misses = data["miss_rates"]
     if misses["t"]:
         figures["miss_heatmap"] = charts.figure(

@@ -1,10 +1,12 @@
 """The decode benchmark's bound: the fastest a decode step could run on this machine.
 
 t_min = resident_bytes / HBM + miss_bytes / (Bp + B_host), resident_bytes the dense weights, the
-KV cache the step's attention reads and the cached experts (an expert's bytes as the bank holds
-it: FP8 values and their block factors with --moe-expert-dtype fp8), with the device copy rate
-(HBM), the pinned host-to-device rate (Bp) and the host memory read rate (B_host) measured here,
-Bp and B_host while running at the same time. A slow kernel shows as a gap to this bound.
+KV cache the step's attention reads (a hybrid model's attention layers' alone), the recurrent
+states its linear layers read and write (each sequence's conv and DeltaNet states, once each way)
+and the cached experts (an expert's bytes as the bank holds it: FP8 values and their block factors
+with --moe-expert-dtype fp8), with the device copy rate (HBM), the pinned host-to-device rate (Bp)
+and the host memory read rate (B_host) measured here, Bp and B_host while running at the same
+time. A slow kernel shows as a gap to this bound.
 """
 
 from __future__ import annotations
@@ -83,6 +85,13 @@ def mean_context(prompt_tokens: int, steps: int) -> float:
     return prompt_tokens + (steps + 1) / 2
 
 
+def state_bytes_per_step(spec) -> int:
+    """What one sequence's decode step moves of the linear layers' recurrent states: each layer
+    reads its conv state [W-1, C] and DeltaNet state [HV, DK, DV] and writes them back (0 for a
+    model without linear layers)."""
+    return 2 * spec.state_bytes_per_seq
+
+
 def against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
     """A timed run's tok/s beside its bound t_min, from its counts and the rates around it."""
     spec = engine.spec
@@ -95,15 +104,18 @@ def against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
     elem = engine.dtype.itemsize
     dense_step = (spec.dense_params - spec.vocab_size * spec.hidden_size) * elem
     hits_step, misses_step = hits.sum() / steps, (fills.sum() + cpu.sum()) / steps
-    kv_token = engine.kv.bytes_per_token  # every layer's K and V, as --kv-cache-dtype holds them
+    kv_token = engine.kv.bytes_per_token  # the attention layers' K and V, as the pages hold them
     kv_step = args.batch * mean_context(args.prompt_tokens, steps) * kv_token
-    resident_bytes = dense_step + kv_step + hits_step * eb
+    state_step = args.batch * state_bytes_per_step(spec)
+    resident_bytes = dense_step + kv_step + state_step + hits_step * eb
     miss_bytes = misses_step * eb
     t_min = resident_bytes / (rates["hbm_gbps"] * 1e9) + miss_bytes / (
         (rates["bp_gbps"] + rates["host_gbps"]) * 1e9
     )
     bound = args.batch / t_min
-    active = dense_step + kv_step / args.batch + spec.num_moe_layers * spec.top_k * eb
+    active = (
+        dense_step + (kv_step + state_step) / args.batch + spec.num_moe_layers * spec.top_k * eb
+    )
     return {
         "batch": args.batch,
         "tokens": steps,
@@ -118,6 +130,7 @@ def against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
         "hbm_bound_tok_s": args.batch * rates["hbm_gbps"] * 1e9 / active,
         "active_bytes_per_token": active,
         "kv_bytes_per_step": kv_step,
+        "state_bytes_per_step": state_step,
         **rates,
     }
 

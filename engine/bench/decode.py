@@ -33,9 +33,12 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
         p.add_argument(
             "--preset",
             help="a synthetic geometry (with --dummy-weights implied) "
-            "instead of --model-path: tiny, small, qwen3-30b-a3b",
+            "instead of --model-path: tiny, small, qwen3-30b-a3b, qwen3.6-35b-a3b, "
+            "qwen3-next-80b-a3b",
         )
-        p.add_argument("--arch", default="qwen3_moe")
+        p.add_argument(
+            "--arch", help="the preset's architecture by default (moelab synth's --arch)"
+        )
         p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
         p.add_argument("--routing-skew", type=float, default=0.0)
         p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
@@ -138,21 +141,31 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
         p.set_defaults(run=_run)
 
 
+def preset_config(args: argparse.Namespace) -> dict:
+    """The config.json of a --preset's synthetic geometry: of --arch, else of the architecture
+    the preset is the geometry of (moelab synth's rule)."""
+    from ..model.synth import make_config, parse_overrides, preset_arch
+
+    config = make_config(
+        args.arch or preset_arch(args.preset), args.preset, parse_overrides(args.set)
+    )
+    config["moelab_synth"] = {
+        "preset": args.preset,
+        "seed": args.seed,
+        "routing_skew": args.routing_skew,
+    }
+    return config
+
+
 def open_engine(args: argparse.Namespace, workdir: Path):
     """The engine a bench command times: --model-path's, or a --preset's synthetic geometry
     (its config.json written into `workdir`, dummy weights)."""
     from ..config.config import EngineConfig
     from ..model.spec import ModelSpec
-    from ..model.synth import make_config, parse_overrides
     from ..runtime.engine import Engine
 
     if args.preset:
-        config = make_config(args.arch, args.preset, parse_overrides(args.set))
-        config["moelab_synth"] = {
-            "preset": args.preset,
-            "seed": args.seed,
-            "routing_skew": args.routing_skew,
-        }
+        config = preset_config(args)
         (workdir / "config.json").write_text(json.dumps(config))
         args.model_path = str(workdir)
         args.dummy_weights = True

@@ -37,8 +37,8 @@ EXPERT_DTYPES = ("auto", "bf16", "fp8")
 CPU_KERNELS = ("auto", "native", "torch")
 CPU_PINS = ("cores", "isolate", "off")
 GENERATION_CONFIGS = ("auto", "off")
-REASONING_PARSERS = ("off", "think")
-TOOL_CALL_PARSERS = ("auto", "hermes", "qwen_xml")
+REASONING_PARSERS = ("off", "think", "harmony")
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen_xml", "harmony")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # the memory a CPU device plans with where --device-memory is not given (a GPU plans its free one)
 CPU_DEFAULT_BUDGET_BYTES = 2 * 1024**3
@@ -343,6 +343,24 @@ def _memory_flags(memory: Group) -> None:
         "and is prefilled from there; pages no request holds stay cached until new ones need "
         "the room.",
     )
+    memory.add_argument(
+        "--state-checkpoints",
+        type=_non_negative_int,
+        default=8,
+        help="Hybrid models (Gated DeltaNet layers): recurrent-state checkpoints kept on the "
+        "device for the prefix cache, each one sequence's state (61.4 MiB at Qwen3.6-35B-A3B), "
+        "the least recently used dropped first. A prompt resumes from the longest checkpoint "
+        "its cached pages reach: the end of a chat's system prompt or of its last message in "
+        "an earlier request, or one every --state-checkpoint-interval tokens. 0: none, and no "
+        "prefix cache for these models.",
+    )
+    memory.add_argument(
+        "--state-checkpoint-interval",
+        type=_non_negative_int,
+        default=8192,
+        help="Hybrid models: a long prompt's state is also kept every this many tokens "
+        "(0: only at message ends).",
+    )
 
 
 def _expert_cache_flags(moe: Group) -> None:
@@ -554,8 +572,10 @@ def _server_flags(server: Group) -> None:
         default="off",
         help="think: a chat reply's reasoning, what a thinking model (Qwen3, QwQ, DeepSeek-R1) "
         "writes between <think> and </think>, goes into the message's reasoning_content and "
-        "the rest into its content (streamed alike), as vLLM's reasoning parsers do; off: the "
-        "reply stays one text, tags and all.",
+        "the rest into its content (streamed alike), as vLLM's reasoning parsers do; harmony: "
+        "the reply is read in gpt-oss's format (its analysis channel as reasoning_content, its "
+        "final channel as content, its calls as tool_calls), which a chat template that writes "
+        "harmony gets whatever this says; off: the reply stays one text, tags and all.",
     )
     server.add_argument(
         "--reasoning-budget",
@@ -572,7 +592,8 @@ def _server_flags(server: Group) -> None:
         default="auto",
         help="How a chat reply's tool calls are read: hermes (JSON in <tool_call> blocks: "
         "Qwen2.5, Qwen3), qwen_xml (<function=...> and <parameter=...> blocks: Qwen3-Coder, "
-        "Qwen3.5), or auto (the form the chat template writes; none where it writes neither).",
+        "Qwen3.5), harmony (gpt-oss's commentary channel to=functions.NAME), or auto (the form "
+        "the chat template writes; none where it writes none of them).",
     )
     server.add_argument(
         "--seed",

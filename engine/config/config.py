@@ -120,6 +120,10 @@ class MemoryConfig(_FlagGroup):
     kv_block_size: int = _setting("--kv-block-size", flags.WholeNumber(1).check)
     kv_cache_dtype: str = _setting("--kv-cache-dtype", _one_of(flags.KV_CACHE_DTYPES))
     prefix_cache: bool = _setting("--no-prefix-cache", negated=True)
+    state_checkpoints: int = _setting("--state-checkpoints", flags.WholeNumber(0).check)
+    state_checkpoint_interval: int = _setting(
+        "--state-checkpoint-interval", flags.WholeNumber(0).check
+    )
 
     def budget_bytes(self, device_free_bytes: int | None) -> int:
         """The device memory to plan: the free memory of a GPU (`device_free_bytes`), at most
@@ -247,4 +251,6 @@ class EngineConfig:
             cuda_graphs=cuda and batching.cuda_graph,
             max_context=memory.max_context,
             expert_dtype=self.model.expert_dtype,
+            # the engine keeps state checkpoints only with the prefix cache
+            state_checkpoints=memory.state_checkpoints if memory.prefix_cache else 0,
         )

@@ -1,6 +1,9 @@
-"""The VRAM plan: dense weights, then the KV reserve, then buffers, then expert slots from the rest.
+"""The VRAM plan: dense weights, then the KV reserve and the recurrent states, then buffers, then
+expert slots from the rest.
 
-KV comes before experts so the context the engine advertises is one it can really hold.
+KV comes before experts so the context the engine advertises is one it can really hold; so do the
+recurrent states of a hybrid model's linear layers, one slot per running sequence, so that every
+sequence the scheduler may run has its state, and the state checkpoints its prefix cache keeps.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ class VramPlan:
     kv_bytes: int
     kv_tokens: int
     kv_blocks: int
+    # recurrent states: state_slots sequences, a graphs' padding slot and state_checkpoints
+    state_bytes: int
+    state_slots: int  # sequences with a state slot (--max-running-requests; 0 without states)
+    state_checkpoints: int  # states kept for the prefix cache (--state-checkpoints)
     prefill_buffer_bytes: int
     activation_bytes: int
     graph_bytes: int
@@ -50,6 +57,7 @@ class VramPlan:
         return self.budget_bytes - (
             self.weights_bytes
             + self.kv_bytes
+            + self.state_bytes
             + self.prefill_buffer_bytes
             + self.activation_bytes
             + self.graph_bytes
@@ -70,9 +78,15 @@ class VramPlan:
         def g(n: int) -> str:
             return f"{n / GIB:.2f} GiB"
 
+        states = (
+            f", recurrent states {g(self.state_bytes)} ({self.state_slots} sequences, "
+            f"{self.state_checkpoints} checkpoints)"
+            if self.state_slots
+            else ""
+        )
         return (
             f"VRAM plan of {g(self.budget_bytes)}: weights {g(self.weights_bytes)}, KV "
-            f"{g(self.kv_bytes)} ({self.kv_tokens} tokens), prefill buffer "
+            f"{g(self.kv_bytes)} ({self.kv_tokens} tokens){states}, prefill buffer "
             f"{g(self.prefill_buffer_bytes)}, activations {g(self.activation_bytes)}, graphs "
             f"{g(self.graph_bytes)}, headroom {g(self.headroom_bytes)}, expert cache "
             f"{g(self.expert_cache_bytes)} ({self.slots} of {self.experts_total} experts, "
@@ -81,13 +95,38 @@ class VramPlan:
 
 
 def kv_bytes_per_token(spec: ModelSpec, elem_bytes: int, kv_cache_dtype: str = "auto") -> int:
-    """Every layer's keys and values of one token as --kv-cache-dtype stores them: in the compute
-    dtype (auto, `elem_bytes` each), in bf16, or in FP8 with a factor per KV head."""
+    """The keys and values of one token in every full-attention layer (a hybrid model's linear
+    layers keep a fixed state instead) as --kv-cache-dtype stores them: in the compute dtype
+    (auto, `elem_bytes` each), in bf16, or in FP8 with a factor per KV head."""
     if kv_cache_dtype == "fp8":
         per_head = spec.head_dim + FP8_KV_FACTOR_BYTES
     else:
         per_head = spec.head_dim * (2 if kv_cache_dtype == "bf16" else elem_bytes)
-    return 2 * spec.num_layers * spec.num_kv_heads * per_head
+    return 2 * len(spec.attention_layers) * spec.num_kv_heads * per_head
+
+
+def state_bytes_per_seq(spec: ModelSpec, elem_bytes: int) -> int:
+    """One sequence's recurrent states over every linear layer as the engine holds them: the
+    convolution state in the compute dtype (`elem_bytes`), the DeltaNet state in fp32; 0 for a
+    model without linear layers."""
+    if spec.linear_attention is None:
+        return 0
+    rows, channels = spec.linear_attention.conv_state_shape()
+    conv = len(spec.linear_layers) * rows * channels * elem_bytes
+    return conv + spec.recurrent_state_bytes_per_seq
+
+
+def state_reserve(
+    spec: ModelSpec, max_running: int, elem_bytes: int, checkpoints: int = 0
+) -> tuple[int, int, int]:
+    """(sequences with a state slot, state checkpoints, bytes): a slot for each of
+    --max-running-requests, one that takes the padding rows of a CUDA graph's step, and the
+    `checkpoints` the prefix cache keeps (engine/model/states.py); (0, 0, 0) without linear
+    layers."""
+    per_seq = state_bytes_per_seq(spec, elem_bytes)
+    if not per_seq:
+        return 0, 0, 0
+    return max_running, checkpoints, (max_running + 1 + checkpoints) * per_seq
 
 
 def activation_bytes(spec: ModelSpec, chunk_tokens: int, max_running: int, elem: int) -> int:
@@ -101,6 +140,12 @@ def activation_bytes(spec: ModelSpec, chunk_tokens: int, max_running: int, elem:
         + spec.hidden_size * 4 * 2  # fp32 MoE output
         + 2 * max(spec.intermediate_size, spec.shared_expert_intermediate_size) * elem
     )
+    if spec.linear_attention is not None:
+        la = spec.linear_attention
+        # a linear layer's projections (q, k, v, z, a, b), the convolution's output, and the
+        # chunked delta rule's fp32 copies of q, k, v, its output and its in-chunk matrices
+        per_token += (la.conv_dim + la.value_dim + 2 * la.num_v_heads) * elem * 2
+        per_token += (la.conv_dim + la.value_dim) * 4 * 2 + la.num_v_heads * 64 * 4 * 2
     logits = max_running * spec.vocab_size * 4 * 2
     return int(t * per_token * 1.25) + logits + 64 * 1024**2
 
@@ -129,6 +174,7 @@ def plan_vram(
     cuda_graphs: bool = False,
     max_context: int | None = None,
     expert_format: str = "bf16",
+    state_checkpoints: int = 0,
 ) -> VramPlan:
     """Divide `budget_bytes` of device memory; raise MemoryPlanError when the flags cannot fit.
 
@@ -138,9 +184,32 @@ def plan_vram(
     kv_per_token = kv_bytes_per_token(spec, elem_bytes, kv_cache_dtype)
     kv_blocks = -(-kv_reserve_tokens // block_size)
     kv_bytes = kv_blocks * block_size * kv_per_token
+    state_slots, checkpoints, states = state_reserve(
+        spec, max_running, elem_bytes, state_checkpoints
+    )
     act = activation_bytes(spec, prefill_chunk_tokens, max_running, elem_bytes)
     graphs = graph_pool_bytes(spec, max_running) if cuda_graphs else 0
-    need = weights_bytes + kv_bytes + act + graphs + headroom_bytes
+    need = weights_bytes + kv_bytes + states + act + graphs + headroom_bytes
+    if need > budget_bytes and states:
+        raise MemoryPlanError(
+            Text(
+                "device memory of {budget:.2f} GiB cannot hold the dense weights ({weights:.2f} "
+                "GiB), a KV reserve of {tokens} tokens ({kv:.2f} GiB), the recurrent states of "
+                "{sequences} running sequences and {checkpoints} state checkpoints ({states:.2f} "
+                "GiB), activations ({activations:.2f} GiB) and headroom ({headroom:.2f} GiB); "
+                "lower --max-running-requests, --state-checkpoints, --kv-reserve-tokens, "
+                "--prefill-chunk-tokens or --memory-headroom",
+                budget=budget_bytes / GIB,
+                weights=weights_bytes / GIB,
+                tokens=kv_reserve_tokens,
+                kv=kv_bytes / GIB,
+                sequences=state_slots,
+                checkpoints=checkpoints,
+                states=states / GIB,
+                activations=act / GIB,
+                headroom=headroom_bytes / GIB,
+            )
+        )
     if need > budget_bytes:
         raise MemoryPlanError(
             Text(
@@ -175,6 +244,9 @@ def plan_vram(
         kv_bytes=kv_bytes,
         kv_tokens=kv_tokens,
         kv_blocks=kv_blocks,
+        state_bytes=states,
+        state_slots=state_slots,
+        state_checkpoints=checkpoints,
         prefill_buffer_bytes=buffer,
         activation_bytes=act,
         graph_bytes=graphs,
@@ -247,6 +319,7 @@ class MemoryRequest:
     cuda_graphs: bool
     max_context: int | None
     expert_dtype: str = "auto"  # --moe-expert-dtype
+    state_checkpoints: int = 0  # a hybrid model's state checkpoints (--state-checkpoints)
 
     def plan(self, spec: ModelSpec) -> VramPlan:
         """The plan of this request for `spec`'s model (MemoryPlanError where it cannot fit)."""
@@ -266,6 +339,7 @@ class MemoryRequest:
             cuda_graphs=self.cuda_graphs,
             max_context=self.max_context,
             expert_format=spec.expert_format(self.expert_dtype),
+            state_checkpoints=self.state_checkpoints,
         )
 
 

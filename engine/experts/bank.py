@@ -41,6 +41,8 @@ _ST_CODES = {
 }
 
 Progress = Callable[[int, int], None]
+# a bank's tensors per layer, in file order (those it holds: w13 and w2, FP8 factors, biases)
+TENSOR_KINDS = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
 
 
 class HostMemoryError(RuntimeError):
@@ -56,6 +58,12 @@ class ExpertBank:
     # an FP8 bank's block factors per layer (empty for an unquantized bank)
     w13_scale: list[torch.Tensor] = field(default_factory=list)
     w2_scale: list[torch.Tensor] = field(default_factory=list)
+    # gpt_oss's experts: their biases per layer, [E, 2I] and [E, H] fp32 (the CPU kernel's
+    # dtype, and exact for the checkpoint's bf16), and
+    # the clamped SwiGLU's limit (kernels/swiglu.py; 0: SwiGLU)
+    w13_bias: list[torch.Tensor] = field(default_factory=list)
+    w2_bias: list[torch.Tensor] = field(default_factory=list)
+    swiglu_limit: float = 0.0
     pinned: list[bool] = field(default_factory=list)
     path: Path | None = None
     _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
@@ -77,15 +85,27 @@ class ExpertBank:
         """ "fp8" (values and block factors) or "bf16" (weights in the engine's dtype)."""
         return "fp8" if self.w13_scale else "bf16"
 
-    def cpu_scales(self, moe_layer: int) -> dict[str, torch.Tensor]:
-        """An FP8 layer's factors as the CPU expert runner takes them (none for bf16)."""
-        if not self.w13_scale:
-            return {}
-        return {"w13_scale": self.w13_scale[moe_layer], "w2_scale": self.w2_scale[moe_layer]}
+    @property
+    def block_rows(self) -> int:
+        """The rows of gate and up (columns of the down projection) one scale factor covers:
+        fp8.BLOCK for an FP8 bank, 1 without factors (a split miss cuts at a multiple of it)."""
+        return fp8.BLOCK if self.w13_scale else 1
+
+    def cpu_args(self, moe_layer: int) -> dict[str, torch.Tensor | float]:
+        """What the CPU expert runner takes beside a layer's weights: an FP8 layer's factors,
+        gpt_oss's biases and SwiGLU limit (none for a bf16 bank of another architecture)."""
+        args: dict[str, torch.Tensor | float] = {}
+        if self.w13_scale:
+            args.update(w13_scale=self.w13_scale[moe_layer], w2_scale=self.w2_scale[moe_layer])
+        if self.w13_bias:
+            args.update(w13_bias=self.w13_bias[moe_layer], w2_bias=self.w2_bias[moe_layer])
+        if self.swiglu_limit:
+            args["swiglu_limit"] = self.swiglu_limit
+        return args
 
     def layer_tensors(self, moe_layer: int) -> list[torch.Tensor]:
-        """A layer's tensors: w13, w2 and, for an FP8 bank, their factors (an expert's row of
-        each is one copy into a slot: `ExpertCache.tensors`)."""
+        """A layer's tensors: w13, w2 and, for an FP8 bank, their factors, then any biases (an
+        expert's row of each is one copy into a slot: `ExpertCache.tensors`)."""
         return [tensors[moe_layer] for tensors in self._all() if tensors]
 
     @property
@@ -98,7 +118,7 @@ class ExpertBank:
         return sum(t.nbytes for tensors in self._all() for t in tensors)
 
     def _all(self) -> tuple[list[torch.Tensor], ...]:
-        return self.w13, self.w2, self.w13_scale, self.w2_scale
+        return tuple(getattr(self, kind) for kind in TENSOR_KINDS)
 
     @property
     def pinned_layers(self) -> int:
@@ -120,12 +140,14 @@ def as_format(expert: Expert, fmt: str, dtype: torch.dtype) -> Expert:
     if fmt == "fp8":
         if stored_fp8:
             return expert
-        return Expert(expert.index, *_quantized(expert.w13, expert.w2))
+        q13, q2, s13, s2 = _quantized(expert.w13, expert.w2)
+        return expert._replace(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
     if stored_fp8:
-        return Expert(
-            expert.index,
-            fp8.dequantize(expert.w13, expert.w13_scale).to(dtype),
-            fp8.dequantize(expert.w2, expert.w2_scale).to(dtype),
+        return expert._replace(
+            w13=fp8.dequantize(expert.w13, expert.w13_scale).to(dtype),
+            w2=fp8.dequantize(expert.w2, expert.w2_scale).to(dtype),
+            w13_scale=None,
+            w2_scale=None,
         )
     return expert
 
@@ -179,7 +201,8 @@ def bank_key(source: SafetensorsSource, dtype: torch.dtype, fmt: str = "bf16") -
 def _layout(
     spec: ModelSpec, dtype: torch.dtype, fmt: str
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The bank's tensors in file order: per MoE layer w13, w2 (and for FP8 their factors)."""
+    """The bank's tensors in file order: per MoE layer w13, w2 (and for FP8 their factors, for
+    gpt_oss their biases), named layer{m}.{kind} (TENSOR_KINDS)."""
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     out = []
     values = torch.float8_e4m3fn if fmt == "fp8" else dtype
@@ -190,27 +213,35 @@ def _layout(
                 (f"layer{m}.w13_scale", (e, blocks(2 * i), blocks(h)), torch.float32),
                 (f"layer{m}.w2_scale", (e, blocks(h), blocks(i)), torch.float32),
             ]
+        if spec.expert_bias:
+            bias = torch.float32
+            out += [(f"layer{m}.w13_bias", (e, 2 * i), bias), (f"layer{m}.w2_bias", (e, h), bias)]
     return out
 
 
-def _per_layer(fmt: str) -> int:
-    return 4 if fmt == "fp8" else 2
+def _per_layer(spec: ModelSpec, fmt: str) -> int:
+    return (4 if fmt == "fp8" else 2) + (2 if spec.expert_bias else 0)
+
+
+def _kind(name: str) -> str:
+    """The TENSOR_KINDS entry of a `_layout` name."""
+    return name.split(".", 1)[1]
 
 
 def _fill_layer(
     spec: ModelSpec,
     source: TensorSource,
     layer: int,
-    tensors: list[torch.Tensor],
+    tensors: dict[str, torch.Tensor],
     fmt: str,
     dtype: torch.dtype,
 ) -> None:
-    """Copy a layer's experts, converted to the bank's format, into its tensors (w13, w2 and
-    for FP8 their factors)."""
+    """Copy a layer's experts, converted to the bank's format, into its tensors (by kind:
+    w13, w2 and for FP8 their factors, for gpt_oss their biases)."""
     for expert in iter_layer_experts(spec, source, layer):
-        held = as_format(expert, fmt, dtype)
-        for dst, src in zip(tensors, held[1:], strict=False):
-            dst[expert.index].copy_(src)
+        held = as_format(expert, fmt, dtype)._asdict()
+        for kind, dst in tensors.items():
+            dst[expert.index].copy_(held[kind])
 
 
 def write_prepacked(
@@ -245,11 +276,14 @@ def write_prepacked(
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
-            n = _per_layer(fmt)
+            n = _per_layer(spec, fmt)
             for m, layer in enumerate(spec.moe_layers):
-                tensors = [torch.empty(shape, dtype=d) for _, shape, d in layout[n * m : n * m + n]]
+                tensors = {
+                    _kind(name): torch.empty(shape, dtype=d)
+                    for name, shape, d in layout[n * m : n * m + n]
+                }
                 _fill_layer(spec, source, layer, tensors, fmt, dtype)
-                for t in tensors:
+                for t in tensors.values():
                     f.write(t.view(torch.uint8).numpy().tobytes())
                     done += t.nbytes
                 if progress:
@@ -291,10 +325,9 @@ def map_prepacked(
         count = (end - begin) // tensor_dtype.itemsize
         view = torch.frombuffer(mm, dtype=tensor_dtype, count=count, offset=data_start + begin)
         views.append(view.view(shape))
-    n = _per_layer(fmt)
-    bank = ExpertBank(w13=views[0::n], w2=views[1::n], path=path, _maps=[mm])
-    if fmt == "fp8":
-        bank.w13_scale, bank.w2_scale = views[2::n], views[3::n]
+    bank = ExpertBank(w13=[], w2=[], swiglu_limit=spec.swiglu_limit, path=path, _maps=[mm])
+    for (name, _, _), view in zip(layout, views, strict=True):
+        getattr(bank, _kind(name)).append(view)
     total = bank.nbytes
     done = 0
     pin_ok = pin
@@ -392,18 +425,19 @@ def build_in_memory(
     """A bank filled straight from a tensor source (synthetic weights), nothing written to disk."""
     total = bank_bytes(spec, dtype, fmt)
     check_host_memory(total, pinned=pin)
-    bank = ExpertBank(w13=[], w2=[])
-    lists = bank._all()
-    n = _per_layer(fmt)
+    bank = ExpertBank(w13=[], w2=[], swiglu_limit=spec.swiglu_limit)
+    n = _per_layer(spec, fmt)
     done = 0
     for m, layer in enumerate(spec.moe_layers):
         layout = _layout(spec, dtype, fmt)[n * m : n * m + n]
-        tensors = [torch.empty(shape, dtype=d, pin_memory=pin) for _, shape, d in layout]
+        tensors = {
+            _kind(name): torch.empty(shape, dtype=d, pin_memory=pin) for name, shape, d in layout
+        }
         _fill_layer(spec, source, layer, tensors, fmt, dtype)
-        for tensors_of_kind, t in zip(lists, tensors, strict=False):
-            tensors_of_kind.append(t)
+        for kind, t in tensors.items():
+            getattr(bank, kind).append(t)
         bank.pinned.append(pin)
-        done += sum(t.nbytes for t in tensors)
+        done += sum(t.nbytes for t in tensors.values())
         if progress:
             progress(done, total)
     return bank

@@ -39,6 +39,9 @@ class ExpertCache:
         dtype: torch.dtype,
         device: torch.device,
         fmt: str = "bf16",
+        *,
+        bias: bool = False,
+        swiglu_limit: float = 0.0,
     ) -> None:
         self.num_layers = num_layers
         self.num_experts = num_experts
@@ -51,6 +54,12 @@ class ExpertCache:
         self.w2 = torch.empty(0)
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
+        # gpt_oss: each slot's biases (fp32, as the bank's) and the clamped SwiGLU's limit (0:
+        # SwiGLU)
+        self.bias = bias
+        self.swiglu_limit = swiglu_limit
+        self.w13_bias: torch.Tensor | None = None
+        self.w2_bias: torch.Tensor | None = None
         self.slot_of = np.full((num_layers, num_experts), -1, dtype=np.int32)
         # the same map on the device, for steps that look slots up without the host (CUDA graphs)
         self.slot_of_device = torch.full(
@@ -104,17 +113,22 @@ class ExpertCache:
         return sum(t.nbytes for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        """The slots' tensors, in the order of `ExpertBank.layer_tensors`: w13, w2 and, for an
-        FP8 cache, their factors."""
-        if self.w13_scale is None or self.w2_scale is None:
-            return [self.w13, self.w2]
-        return [self.w13, self.w2, self.w13_scale, self.w2_scale]
+        """The slots' tensors, in the order of `ExpertBank.layer_tensors`: w13, w2, for an FP8
+        cache their factors, then any biases."""
+        extra = (self.w13_scale, self.w2_scale, self.w13_bias, self.w2_bias)
+        return [self.w13, self.w2, *(t for t in extra if t is not None)]
 
-    def scales(self) -> dict[str, torch.Tensor]:
-        """The factors of an FP8 cache as the MoE kernels take them (none for bf16)."""
-        if self.w13_scale is None or self.w2_scale is None:
-            return {}
-        return {"w13_scale_inv": self.w13_scale, "w2_scale_inv": self.w2_scale}
+    def kernel_args(self) -> dict[str, torch.Tensor | float]:
+        """What the MoE kernels take beside the slots' weights: an FP8 cache's factors, gpt_oss's
+        biases and SwiGLU limit (nothing for a bf16 cache of another architecture)."""
+        args: dict[str, torch.Tensor | float] = {}
+        if self.w13_scale is not None and self.w2_scale is not None:
+            args.update(w13_scale_inv=self.w13_scale, w2_scale_inv=self.w2_scale)
+        if self.w13_bias is not None and self.w2_bias is not None:
+            args.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
+        if self.swiglu_limit:
+            args["swiglu_limit"] = self.swiglu_limit
+        return args
 
     @property
     def resident(self) -> int:
@@ -226,6 +240,9 @@ class ExpertCache:
             shape13, shape2 = (slots, blocks(2 * i), blocks(h)), (slots, blocks(h), blocks(i))
             self.w13_scale = torch.zeros(shape13, dtype=torch.float32, device=dev)
             self.w2_scale = torch.zeros(shape2, dtype=torch.float32, device=dev)
+        if self.bias:
+            self.w13_bias = torch.zeros((slots, 2 * i), dtype=torch.float32, device=dev)
+            self.w2_bias = torch.zeros((slots, h), dtype=torch.float32, device=dev)
         self.key_of_slot = np.full(slots, -1, dtype=np.int64)
         self.last_use = np.full(slots, -1, dtype=np.int64)
         self.version += 1
@@ -241,7 +258,7 @@ class ExpertCache:
         keep = [(int(self.key_of_slot[s]), int(self.last_use[s])) for s in by_use]
         keep = keep[-slots:] if slots else []
         self.w13 = self.w2 = torch.empty(0)
-        self.w13_scale = self.w2_scale = None
+        self.w13_scale = self.w2_scale = self.w13_bias = self.w2_bias = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.slot_of.fill(-1)

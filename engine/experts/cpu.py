@@ -193,7 +193,7 @@ def measure_bh_gbps(runner: CpuExpertRunner, bank: ExpertBank, samples: int = 10
         ids = (torch.arange(k, dtype=torch.int32) + 3 * i) % bank.num_experts
         t0 = time.perf_counter()
         w13, w2 = bank.w13[layer], bank.w2[layer]
-        runner.run(x, w13, w2, ids, tokens, weights, **bank.cpu_scales(layer))
+        runner.run(x, w13, w2, ids, tokens, weights, **bank.cpu_args(layer))
         if i:
             times.append(time.perf_counter() - t0)
     return k * bank.expert_bytes / min(times) / 1e9

@@ -31,7 +31,7 @@ from ...kernels.host_handoff import DONE, EXPECTED, handoff_sync
 from .bank import ExpertBank
 from .cache import ExpertCache, SlotFills
 from .h2d import DriverEvent, driver_functions, launch_functions
-from .misses import SPLIT_CHUNKS, MissPolicy, MissSplit
+from .misses import MissPolicy, MissSplit, split_chunks
 from .moe_stats import DecodeStats
 
 
@@ -206,32 +206,39 @@ class LayerPlanner:
         # the counters are never replaced: the native planner holds the picks' address
         self._counters = stats.counters
         self._inter = bank.w2[0].shape[-1]
+        self._split_chunks = split_chunks(self._inter, bank.block_rows)
         self._expert_bytes = bank.expert_bytes
         self._native: object | None = None  # rebuilt when the cache replaces its arrays
         self._native_version = -1
         self._join_event: DriverEvent | None = None
 
     def native(self) -> object | None:
-        """The native planner over the cache (None: `plan_layer`, the torch CPU kernel); with
-        `copies` it also waits for the routing and queues the copies, with `launches` it also
-        launches the next piece, joining the fills on an event of its own."""
+        """The native planner over the cache (None: `plan_layer`, for the torch CPU kernel and
+        for a bank with biases); with `copies` it also waits for the routing and queues the
+        copies, with `launches` it also launches the next piece, joining the fills on an event of
+        its own."""
         cache = self.cache
-        if self.cpu is None or self.cpu.kernel != "native":
+        # the native planner neither copies nor splits gpt_oss's experts with their biases
+        if self.cpu is None or self.cpu.kernel != "native" or self.bank.w13_bias:
             return None
         if self._native is None or self._native_version != cache.version:
+            bank = self.bank
             native = self.cpu.decode_planner(
                 slot_of=cache.slot_of, key_of_slot=cache.key_of_slot, last_use=cache.last_use,
-                state=cache.state, picks=self._counters.picks, w13=self.bank.w13,
-                w2=self.bank.w2, top_k=self.top_k,
+                state=cache.state, picks=self._counters.picks, w13=bank.w13, w2=bank.w2,
+                top_k=self.top_k, w13_scale=bank.w13_scale or None,
+                w2_scale=bank.w2_scale or None,
             )  # fmt: skip
             if native is not None and self.copies:
-                assert self.bank.w13[0].element_size() == cache.w13.element_size()
+                slots = cache.tensors()
+                assert [(t.shape[1:], t.dtype) for t in slots] == [
+                    (t.shape[1:], t.dtype) for t in bank.layer_tensors(0)
+                ], "the cache's slots hold an expert as the bank does"
                 compute, fills = self.fills.compute_stream, self.fills.copy_stream
                 native.set_device(*driver_functions(),
                                   compute.cuda_stream if compute is not None else 0,
                                   fills.cuda_stream if fills is not None else 0,
-                                  cache.w13.data_ptr(), cache.w2.data_ptr(),
-                                  cache.w13.element_size())  # fmt: skip
+                                  [t.data_ptr() for t in slots])  # fmt: skip
                 if self.launches:
                     if self._join_event is None and cache.device.type == "cuda":
                         self._join_event = DriverEvent()
@@ -316,7 +323,7 @@ class LayerPlanner:
         expected_at = flag.data_ptr() + EXPECTED * flag.element_size() if expected else 0
         head, piece = launch if launch is not None else (0, 0)
         inter = self._inter
-        chunks = SPLIT_CHUNKS if copies and self.split_misses and inter % SPLIT_CHUNKS == 0 else 0
+        chunks = self._split_chunks if copies and self.split_misses else 0
         guess_logits, guess_signal = (t.data_ptr() for t in guess) if guess else (0, 0)
         try:
             experts, slots, admitted, on_cpu, split, job, seconds, guessed_step = native.step(
@@ -385,6 +392,6 @@ class LayerPlanner:
             pair_weight,
             out,
             **handoff,
-            **self.bank.cpu_scales(moe_layer),
+            **self.bank.cpu_args(moe_layer),
             check=False,  # the bank's tensors and the runner's buffers, right by construction
         )

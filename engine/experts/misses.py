@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from .moe_stats import CpuJobTimes
 
-# A split miss is divided between the copy and the CPU at a multiple of I / SPLIT_CHUNKS rows
+# A split miss is divided between the copy and the CPU at a multiple of I / chunks rows, at most
+# SPLIT_CHUNKS chunks (`split_chunks`)
 SPLIT_CHUNKS = 16
 # The fixed parts of a layer step's two sides, in the unit of `MissPolicy._ends` (one expert's
 # copy time plus its CPU time), where that side has work, from the layer step periods by plan
@@ -128,6 +129,19 @@ class MissPolicy:
         if self._ends(q0 + u0, misses - q0 - u0, split=j0 > 0) < best:
             return None
         return best_q, best_j
+
+
+def split_chunks(inter: int, block_rows: int) -> int:
+    """How many equal chunks a split miss's I intermediate rows are cut into (`fetch_plan`'s
+    chunks; 0: no miss is split): as many as divide I into whole blocks of `block_rows` rows, at
+    most SPLIT_CHUNKS. block_rows: the rows of gate and up (columns of the down projection) one
+    scale factor covers (FP8: 128; 1 for weights without factors), so that the device's part and
+    the CPU's each read whole blocks, values and factors alike. Fewer than 2 chunks: none."""
+    if inter % block_rows:
+        return 0
+    blocks = inter // block_rows
+    chunks = max(c for c in range(1, SPLIT_CHUNKS + 1) if blocks % c == 0)
+    return chunks if chunks >= 2 else 0
 
 
 # CPU jobs of decode between two updates of the auto split from their measured rate

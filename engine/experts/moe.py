@@ -214,14 +214,14 @@ class MoERunner:
 
     def _all_resident(self, moe_layer, x, ids, weights, decode) -> torch.Tensor:
         cache = self.cache
-        scales = cache.scales()
+        args = cache.kernel_args()
         if cache.layer_major:
             # layer m's experts fill slots m*E .. m*E+E-1 in order: index that view by expert id
             e = self.bank.num_experts
             slots = ids
             layer = slice(moe_layer * e, (moe_layer + 1) * e)
             w13, w2 = cache.w13[layer], cache.w2[layer]
-            scales = {name: t[layer] for name, t in scales.items()}
+            args = {n: t[layer] if isinstance(t, torch.Tensor) else t for n, t in args.items()}
         else:
             # slots looked up on the device: no host sync, so the step can sit in a CUDA graph
             slots = cache.device_slot_map()[moe_layer][ids.long()]
@@ -230,10 +230,10 @@ class MoERunner:
             self.resident_routing.store(moe_layer, ids)
             with self._phase("gpu_experts"):
                 # the routes' outputs unsummed: the next residual add + RMSNorm sums them
-                return fused_moe_decode(x, slots, weights, w13, w2, reduce=False, **scales)
+                return fused_moe_decode(x, slots, weights, w13, w2, reduce=False, **args)
         # the router's ids are in range: no check, and nothing in the layer waits for the device
         e = self.bank.num_experts
-        return grouped_moe(x, slots, weights, w13, w2, layer_experts=e, checked=False, **scales)
+        return grouped_moe(x, slots, weights, w13, w2, layer_experts=e, checked=False, **args)
 
     def _phase(self, name: str):
         return self.timer.phase(name) if self.timer is not None else _NO_TIMER
@@ -354,14 +354,14 @@ class MoERunner:
             # hits first: they need not wait for the fills
             if (hit_slots >= 0).any():
                 slots_d = self._slots_to_device("hit_slots", hit_slots)
-                out = kernel(x, slots_d, weights, cache.w13, cache.w2, **cache.scales())
+                out = kernel(x, slots_d, weights, cache.w13, cache.w2, **cache.kernel_args())
             if d.admitted:
                 fill_event = self.fills.copy(moe_layer, d.admitted)
                 if fill_event is not None:
                     self.compute_stream.wait_event(fill_event)
                 fill_slots = np.where(fetched_mask, d.route_slots, -1)
                 slots_d = self._slots_to_device("fill_slots", fill_slots)
-                part = kernel(x, slots_d, weights, cache.w13, cache.w2, **cache.scales())
+                part = kernel(x, slots_d, weights, cache.w13, cache.w2, **cache.kernel_args())
                 out = part if out is None else out + part
         if d.job is not None:
             with self._phase("cpu_experts"):

@@ -78,14 +78,26 @@ class PrefillStream:
         if ready is not None:
             self.compute_stream.wait_event(ready)
         # the router's ids name this layer's experts, the buffer's: no check (a host sync)
-        w13, w2, *scales = self._buffers[buffer]
-        factors = dict(zip(("w13_scale_inv", "w2_scale_inv"), scales, strict=False))
-        out = grouped_moe(x, ids, weights, w13, w2, checked=False, **factors)
+        w13, w2, *extra = self._buffers[buffer]
+        args = self._kernel_args(extra)
+        out = grouped_moe(x, ids, weights, w13, w2, checked=False, **args)
         if self.copy_stream is not None:
             done = torch.cuda.Event()
             done.record(self.compute_stream)
             self._buffer_free[buffer] = done
         return out
+
+    def _kernel_args(self, extra: list[torch.Tensor]) -> dict[str, torch.Tensor | float]:
+        """A buffer's tensors past w13 and w2 (an FP8 bank's factors, then any biases) named as
+        grouped_moe takes them, with the bank's SwiGLU limit."""
+        bank = self.bank
+        names = (["w13_scale_inv", "w2_scale_inv"] if bank.w13_scale else []) + (
+            ["w13_bias", "w2_bias"] if bank.w13_bias else []
+        )
+        args: dict[str, torch.Tensor | float] = dict(zip(names, extra, strict=True))
+        if bank.swiglu_limit:
+            args["swiglu_limit"] = bank.swiglu_limit
+        return args
 
     def _stage(self, moe_layer: int) -> None:
         """Start copying a whole layer's experts into the buffer not in use."""

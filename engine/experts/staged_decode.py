@@ -426,7 +426,7 @@ class StagedDecode:
         route_slots_from_host(slots_h, cached, filled)
         cache = self.cache
         out = fused_moe_decode(x, cached, weights, cache.w13, cache.w2, reduce=False,
-                               **cache.scales())  # fmt: skip
+                               **cache.kernel_args())  # fmt: skip
         return out, filled
 
     def routed_filled(
@@ -468,4 +468,4 @@ class StagedDecode:
         over the device, few_routes)."""
         cache = self.cache
         return fused_moe_decode(x, filled, weights, cache.w13, cache.w2, reduce=False,
-                                few_routes=True, **cache.scales())  # fmt: skip
+                                few_routes=True, **cache.kernel_args())  # fmt: skip

@@ -11,9 +11,11 @@ stored, values and factors, and the bank keeps or converts them.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -21,9 +23,12 @@ import torch
 from safetensors import safe_open
 
 from ...kernels import fp8
+from . import gpt_oss
+from .hybrid import gated_q_proj, linear_layer_weights
 from .model import DenseWeights, LayerWeights
 from .spec import (
     FP8_BLOCK,
+    LINEAR_ATTENTION,
     SAFETENSORS_DTYPES,
     UNQUANTIZED_DTYPES,
     CheckpointError,
@@ -31,6 +36,12 @@ from .spec import (
     blocks,
     unread_weights_problem,
 )
+
+log = logging.getLogger("moelab.engine")
+
+# weights of a checkpoint the engine does not load: a multimodal model's vision encoder, and the
+# multi-token-prediction head of Qwen3-Next and Qwen3.5/3.6 MoE
+SKIPPED_PARTS = {"model.visual.": "the vision encoder", "mtp.": "the multi-token-prediction head"}
 
 
 class TensorSource(Protocol):
@@ -93,6 +104,17 @@ class SafetensorsSource:
         problem = unread_weights_problem(spec, self.unread_weights()) if spec else None
         if problem is not None:
             raise CheckpointError(problem)
+        self._log_skipped()
+
+    def _log_skipped(self) -> None:
+        """One log line for the parts of the checkpoint the engine leaves unread."""
+        counts = {
+            part: sum(name.startswith(prefix) for name in self._meta)
+            for prefix, part in SKIPPED_PARTS.items()
+        }
+        skipped = [f"{part} ({n} tensors)" for part, n in counts.items() if n]
+        if skipped:
+            log.info("not loaded: %s; the engine serves text only", ", ".join(skipped))
 
     def unread_weights(self) -> dict[str, str]:
         """The weights of dtypes read only under a quantization_config, or not at all: dtype ->
@@ -150,6 +172,9 @@ class Expert(NamedTuple):
     w2: torch.Tensor
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    # gpt_oss: the projections' biases [2I] (gate's, then up's) and [H]
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
 
 
 def _scale_of(source: TensorSource, name: str, values: torch.Tensor) -> torch.Tensor | None:
@@ -177,15 +202,16 @@ def _scale_of(source: TensorSource, name: str, values: torch.Tensor) -> torch.Te
     return scale
 
 
-def _prefix(layer: int) -> str:
-    return f"model.layers.{layer}."
+def _prefix(spec: ModelSpec, layer: int) -> str:
+    return f"{spec.text_prefix}layers.{layer}."
 
 
 def _mlp_prefix(spec: ModelSpec, layer: int, source: TensorSource) -> str:
     # Mixtral checkpoints name the MoE block `block_sparse_moe`; newer writers use `mlp`
-    if spec.arch == "mixtral" and source.has(_prefix(layer) + "block_sparse_moe.gate.weight"):
-        return _prefix(layer) + "block_sparse_moe."
-    return _prefix(layer) + "mlp."
+    p = _prefix(spec, layer)
+    if spec.arch == "mixtral" and source.has(p + "block_sparse_moe.gate.weight"):
+        return p + "block_sparse_moe."
+    return p + "mlp."
 
 
 def load_dense(
@@ -201,31 +227,48 @@ def load_dense(
             t = fp8.dequantize(t, scale)
         return t.to(device=device, dtype=dtype)
 
-    embed = get("model.embed_tokens.weight", spec.vocab_size, h)
+    def norm(name: str, *shape: int) -> torch.Tensor:
+        """An RMSNorm's weight as the norm kernels multiply by it: 1 + w where it is stored
+        zero-centred."""
+        if not spec.zero_centered_norm:
+            return get(name, *shape)
+        return (_need(source, name, tuple(shape)).float() + 1).to(device=device, dtype=dtype)
+
+    text = spec.text_prefix
+    embed = get(text + "embed_tokens.weight", spec.vocab_size, h)
     if spec.tie_word_embeddings or not source.has("lm_head.weight"):
         if not spec.tie_word_embeddings:
             raise CheckpointError("the checkpoint has no tensor lm_head.weight")
         lm_head = embed
     else:
         lm_head = get("lm_head.weight", spec.vocab_size, h)
-    weights = DenseWeights(embed=embed, lm_head=lm_head, final_norm=get("model.norm.weight", h))
+    weights = DenseWeights(embed=embed, lm_head=lm_head, final_norm=norm(text + "norm.weight", h))
 
     for layer in range(spec.num_layers):
-        p = _prefix(layer)
+        p = _prefix(spec, layer)
         attn = p + "self_attn."
+        norms = {
+            "input_norm": norm(p + "input_layernorm.weight", h),
+            "post_norm": norm(p + "post_attention_layernorm.weight", h),
+        }
+        if spec.layer_types[layer] == LINEAR_ATTENTION:
+            lw = LayerWeights(**norms, **linear_layer_weights(spec, get, p + "linear_attn."))
+            _load_mlp(spec, source, get, layer, lw)
+            weights.layers.append(lw)
+            continue
+        if spec.attn_output_gate:  # the gate's rows after q, k and v (hybrid.py)
+            q_rows, gate_rows = gated_q_proj(spec, get(attn + "q_proj.weight", 2 * q, h))
+        else:
+            q_rows, gate_rows = get(attn + "q_proj.weight", q, h), None
         qkv = torch.cat(
             [
-                get(attn + "q_proj.weight", q, h),
+                q_rows,
                 get(attn + "k_proj.weight", kv, h),
                 get(attn + "v_proj.weight", kv, h),
+                *([] if gate_rows is None else [gate_rows]),
             ]
         )
-        lw = LayerWeights(
-            input_norm=get(p + "input_layernorm.weight", h),
-            post_norm=get(p + "post_attention_layernorm.weight", h),
-            qkv=qkv,
-            o=get(attn + "o_proj.weight", h, q),
-        )
+        lw = LayerWeights(**norms, qkv=qkv, o=get(attn + "o_proj.weight", h, q))
         if spec.attention_bias:
             lw.qkv_bias = torch.cat(
                 [
@@ -235,36 +278,52 @@ def load_dense(
                 ]
             )
         if spec.qk_norm == "head":
-            lw.q_norm = get(attn + "q_norm.weight", spec.head_dim)
-            lw.k_norm = get(attn + "k_norm.weight", spec.head_dim)
+            lw.q_norm = norm(attn + "q_norm.weight", spec.head_dim)
+            lw.k_norm = norm(attn + "k_norm.weight", spec.head_dim)
         elif spec.qk_norm == "full":
             lw.q_norm = get(attn + "q_norm.weight", q)
             lw.k_norm = get(attn + "k_norm.weight", kv)
-        m = _mlp_prefix(spec, layer, source)
-        if spec.is_moe_layer(layer):
-            lw.router = get(m + "gate.weight", spec.num_experts, h)
-            if spec.shared_expert_intermediate_size:
-                si = spec.shared_expert_intermediate_size
-                lw.shared_gate_up = torch.cat(
-                    [
-                        get(m + "shared_expert.gate_proj.weight", si, h),
-                        get(m + "shared_expert.up_proj.weight", si, h),
-                    ]
-                )
-                lw.shared_down = get(m + "shared_expert.down_proj.weight", h, si)
-                lw.shared_gate = get(m + "shared_expert_gate.weight", 1, h)
-        else:
-            i = spec.intermediate_size
-            lw.mlp_gate_up = torch.cat(
-                [get(m + "gate_proj.weight", i, h), get(m + "up_proj.weight", i, h)]
-            )
-            lw.mlp_down = get(m + "down_proj.weight", h, i)
+        if spec.arch == "gpt_oss":
+            lw.o_bias = get(attn + "o_proj.bias", h)
+            lw.sinks = get(attn + "sinks", spec.num_heads)
+        _load_mlp(spec, source, get, layer, lw)
         weights.layers.append(lw)
     return weights
 
 
+def _load_mlp(
+    spec: ModelSpec, source: TensorSource, get: Callable, layer: int, lw: LayerWeights
+) -> None:
+    """A layer's router and shared expert (MoE layers) or its dense MLP, into `lw`."""
+    h = spec.hidden_size
+    m = _mlp_prefix(spec, layer, source)
+    if spec.arch == "gpt_oss":
+        lw.router = get(m + "router.weight", spec.num_experts, h)
+        lw.router_bias = get(m + "router.bias", spec.num_experts)
+    elif spec.is_moe_layer(layer):
+        lw.router = get(m + "gate.weight", spec.num_experts, h)
+        if spec.shared_expert_intermediate_size:
+            si = spec.shared_expert_intermediate_size
+            lw.shared_gate_up = torch.cat(
+                [
+                    get(m + "shared_expert.gate_proj.weight", si, h),
+                    get(m + "shared_expert.up_proj.weight", si, h),
+                ]
+            )
+            lw.shared_down = get(m + "shared_expert.down_proj.weight", h, si)
+            lw.shared_gate = get(m + "shared_expert_gate.weight", 1, h)
+    else:
+        i = spec.intermediate_size
+        lw.mlp_gate_up = torch.cat(
+            [get(m + "gate_proj.weight", i, h), get(m + "up_proj.weight", i, h)]
+        )
+        lw.mlp_down = get(m + "down_proj.weight", h, i)
+
+
 def expert_names(spec: ModelSpec, source: TensorSource, layer: int) -> list[str]:
     """The tensor names that hold a layer's routed experts (for loading progress and checks)."""
+    if spec.arch == "gpt_oss":
+        return gpt_oss.expert_names(source.has, layer)
     m = _mlp_prefix(spec, layer, source) + "experts."
     if source.has(m + "gate_up_proj"):
         return [m + "gate_up_proj", m + "down_proj"]
@@ -285,6 +344,11 @@ def iter_layer_experts(spec: ModelSpec, source: TensorSource, layer: int) -> Ite
     two are dequantized, stacked and quantized again (`fp8.quantize`), which rounds each value
     once more."""
     h, i, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    if spec.arch == "gpt_oss":
+        need = functools.partial(_need, source)
+        for e, (w13, w2, b13, b2) in enumerate(gpt_oss.iter_experts(spec, source.has, need, layer)):
+            yield Expert(e, w13, w2, w13_bias=b13, w2_bias=b2)
+        return
     names = expert_names(spec, source, layer)
     if names[0].endswith("gate_up_proj"):
         if source.has(names[0]) and tuple(source.shape(names[0])) == (n, h, 2 * i) and h != 2 * i:

@@ -22,9 +22,11 @@ from ...kernels.rope_kv import qk_norm_rope_kv
 from ...kernels.route import route
 from ...kernels.route_guess import guess_scale, guess_to_host
 from ...kernels.router import topk_softmax
+from . import gpt_oss, hybrid
 from .kv import KVCache
 from .rope import Rotary
 from .spec import ModelSpec
+from .states import StatePool
 
 
 @dataclass(slots=True)
@@ -44,6 +46,15 @@ class LayerWeights:
     shared_gate: torch.Tensor | None = None  # [1, H]
     mlp_gate_up: torch.Tensor | None = None  # dense MLP layers [2 I, H]
     mlp_down: torch.Tensor | None = None
+    # gpt_oss (engine/model/gpt_oss.py): o_proj's bias, the sinks [Hq], the router's bias [E]
+    o_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None
+    # Gated DeltaNet layers (hybrid.py), whose qkv and o are the mixer's in and out projections
+    conv: torch.Tensor | None = None  # [C, W]
+    a_log: torch.Tensor | None = None  # [HV]
+    dt_bias: torch.Tensor | None = None  # [HV]
+    gated_norm: torch.Tensor | None = None  # [DV]
 
 
 @dataclass(slots=True)
@@ -102,6 +113,7 @@ class SeqSlice:
     # a prefill's: the pages of its kv_len tokens as a device index (KVCache.gather), copied to the
     # device with the step's other inputs, so that no layer waits for a copy
     pages: torch.Tensor | None = None
+    state_slot: int = -1  # hybrid models: the sequence's slot in the state pool (states.py)
 
 
 @dataclass(slots=True)
@@ -131,6 +143,8 @@ class StepBatch:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     scoring: Scoring | None = None  # prefill steps: tokens whose next token is scored
+    # hybrid models' decode steps: each sequence's state slot [B] (long, device)
+    state_slots: torch.Tensor | None = None
 
     @property
     def decode(self) -> bool:
@@ -175,24 +189,35 @@ class Model:
         experts: ExpertExecutor,
         kv: KVCache,
         max_positions: int,
+        states: StatePool | None = None,
     ) -> None:
         self.spec = spec
         self.weights = weights
         self.experts = experts
         self.kv = kv
+        self.states = states  # the linear layers' recurrent states (hybrid models)
+        # each attention layer's row in the KV cache, which holds only those layers
+        self._kv_row = {layer: row for row, layer in enumerate(spec.attention_layers)}
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
         self.rotary = Rotary(spec, max_positions, self.device, self.dtype)
         self.scale = spec.head_dim**-0.5
-        # the fused decode kernel covers per-head or no q/k norm, unclipped projections and the
-        # head sizes of real models (powers of two from 16)
+        # the fused decode kernel covers per-head or no q/k norm, unclipped and ungated
+        # projections, rotary over whole heads and the head sizes of real models (powers of two
+        # from 16)
         d = spec.head_dim
         self._fused_qk = (
             spec.qk_norm in ("none", "head")
             and spec.clip_qkv is None
+            and not spec.attn_output_gate
+            and spec.rotary_dim == d
             and d & (d - 1) == 0
             and 16 <= d <= 512
         )
+        # tokens each layer's attention sees back (its own included; 0: all of them)
+        self.windows = [
+            spec.sliding_window if i in spec.sliding_layers else 0 for i in range(spec.num_layers)
+        ]
         self.timer = None  # a telemetry StepTimer while one step is being timed by phase
         # called with (layer, router input, routed expert ids) on every MoE layer, when set
         self.on_router: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
@@ -318,7 +343,14 @@ class Model:
     ) -> torch.Tensor:
         spec = self.spec
         tokens = x.shape[0]
+        if layer.conv is not None:
+            return self._linear_attention(index, layer, x, batch)
+        window = self.windows[index]
+        index = self._kv_row[index]
         qkv = linear(x, layer.qkv, layer.qkv_bias)
+        gate = None
+        if spec.attn_output_gate:
+            qkv, gate = qkv.split([spec.q_size + 2 * spec.kv_size, spec.q_size], dim=-1)
         decode = batch.block_tables is not None
         if self._fused_qk:
             # q/k norm, rotary and the KV write in one launch (the same arithmetic); a prefill's
@@ -335,9 +367,9 @@ class Model:
         if decode:
             out = paged_attention_decode(
                 q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
-                self.scale, kv_scales=self.kv.scales(index),
+                self.scale, kv_scales=self.kv.scales(index), sinks=layer.sinks, window=window,
             )  # fmt: skip
-            return linear(out.reshape(tokens, spec.q_size), layer.o)
+            return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
         out = torch.empty_like(q)
         for seq in batch.seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
@@ -346,8 +378,23 @@ class Model:
             else:
                 assert seq.pages is not None, "a prefill's SeqSlice needs its pages"
                 keys, values = self.kv.gather(index, seq.pages, seq.kv_len)
-            out[rows] = self._sdpa(q[rows], keys, values)
-        return linear(out.reshape(tokens, spec.q_size), layer.o)
+            if layer.sinks is not None:
+                out[rows] = gpt_oss.attention(q[rows], keys, values, self.scale, layer.sinks,
+                                              window)  # fmt: skip
+            else:
+                out[rows] = self._sdpa(q[rows], keys, values)
+        return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
+
+    def _linear_attention(
+        self, index: int, layer: LayerWeights, x: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor:
+        """A Gated DeltaNet layer (hybrid.py) over the sequences' state slots."""
+        assert self.states is not None, "a model with linear layers needs its state pool"
+        seq_slots = [(slice(s.q_start, s.q_start + s.q_len), s.state_slot) for s in batch.seqs]
+        decode_slots = batch.state_slots if batch.decode else None
+        return hybrid.linear_attention(
+            self.spec, layer, x, self.states.layer(index), seq_slots, decode_slots
+        )
 
     def _heads(
         self, layer: LayerWeights, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -402,14 +449,20 @@ class Model:
         k, renormalize, host = self.spec.top_k, self.spec.norm_topk_prob, state.routing_host
         signal = state.routing_signal if host is not None else None
         with self.timer.phase("route") if self.timer is not None else _NO_TIMER:
-            if host is not None and x.is_cuda and x.shape[0] == 1 and x.dtype == layer.router.dtype:
+            if (
+                host is not None
+                and x.is_cuda
+                and x.shape[0] == 1
+                and x.dtype == layer.router.dtype
+                and layer.router_bias is None
+            ):
                 # logits, top-k and the host's copy in one launch (kernels/route.py): faster
                 # only where the host's copy is a third launch saved, for one token
                 state.weights, state.ids = route(
                     x, layer.router, k, renormalize, ids_out=record, host=host, signal=signal
                 )
             else:
-                logits = linear(x, layer.router)
+                logits = linear(x, layer.router, layer.router_bias)
                 state.weights, state.ids = topk_softmax(logits, k, renormalize, ids_out=record)
                 if host is not None:
                     routing_to_host(state.ids, state.weights, x, *host)
@@ -502,6 +555,11 @@ def _score(x: torch.Tensor, lm_head: torch.Tensor, scoring: Scoring) -> None:
     scoring.logprobs = torch.cat(picked)
     if scoring.top:
         scoring.top_values, scoring.top_ids = torch.cat(values), torch.cat(ids)
+
+
+def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """Attention's output times the sigmoid of its gate (gated attention), where there is one."""
+    return out if gate is None else out * torch.sigmoid(gate)
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

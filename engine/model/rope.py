@@ -1,4 +1,5 @@
-"""Rotary position embeddings with the checkpoint's rope settings (default, linear, yarn)."""
+"""Rotary position embeddings with the checkpoint's rope settings (default, linear, yarn), over
+whole heads or, where the checkpoint says (partial_rotary_factor), their leading dimensions."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .spec import ModelSpec
 
 def inv_freq_and_scaling(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (fp32) and the attention factor, computed as Hugging Face does."""
-    dim = spec.head_dim
+    dim = spec.rotary_dim
     base = spec.rope_theta
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = spec.rope_scaling
@@ -64,7 +65,13 @@ class Rotary:
     def apply(
         q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] with a step's tables (rotate-half layout)."""
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] with a step's tables (rotate-half layout);
+        tables narrower than D turn the leading dimensions and pass the rest through."""
+        turned = cos.shape[-1]
+        if turned < q.shape[-1]:
+            (q, q_pass), (k, k_pass) = (t.split([turned, t.shape[-1] - turned], -1) for t in (q, k))
+            q, k = Rotary.apply(q, k, cos, sin)
+            return torch.cat([q, q_pass], dim=-1), torch.cat([k, k_pass], dim=-1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -10,14 +10,35 @@ from typing import Any
 
 from ..text import Text
 
-ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHITECTURES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "gpt_oss",
+)
+# architectures with Gated DeltaNet (linear attention) layers beside gated full attention
+HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_moe")
 
 _ARCH_BY_CLASS = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
+# model types that name an architecture under another name (the text-only Qwen3.5/3.6 MoE)
+_ARCH_BY_TYPE = {"qwen3_5_moe_text": "qwen3_5_moe"}
+# the layer kinds of `layer_types`
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+# where the decoder's weights lie: "model.layers.N...", or in a multimodal checkpoint (Qwen3.5/3.6
+# MoE with a vision encoder) "model.language_model.layers.N..."
+TEXT_PREFIX, MULTIMODAL_TEXT_PREFIX = "model.", "model.language_model."
 
 ROPE_SCALINGS = ("default", "linear", "yarn")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -27,13 +48,15 @@ SAFETENSORS_DTYPES = {
     "F16": "float16",
     "F32": "float32",
     "F8_E4M3": "float8_e4m3fn",
+    "U8": "uint8",  # gpt_oss's MXFP4 `_blocks` and `_scales`
 }
 # the dtypes of weights read without a quantization_config (F8_E4M3 only with an fp8 one: a
 # `weight_scale_inv` beside an FP8 weight means its block factors where config.json says so)
-UNQUANTIZED_DTYPES = [code for code in SAFETENSORS_DTYPES if code != "F8_E4M3"]
+UNQUANTIZED_DTYPES = [code for code in SAFETENSORS_DTYPES if code not in ("F8_E4M3", "U8")]
 # the FP8 layout the engine reads: Hugging Face's fine-grained FP8 (kernels/fp8.py), e4m3 values
 # with one fp32 factor per 128x128 block (`weight_scale_inv`)
 FP8_BLOCK = 128
+RECURRENT_STATE_BYTES = 4  # the DeltaNet state is held in fp32
 EXPERT_FORMATS = ("bf16", "fp8")  # how the bank holds the routed experts
 
 
@@ -45,6 +68,46 @@ def blocks(n: int, block: int = FP8_BLOCK) -> int:
 class CheckpointError(ValueError):
     """A checkpoint moelab cannot serve, with a message that names what is wrong (a Text, which
     the catalog shows in the console's language)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """The geometry of a Gated DeltaNet (linear attention) layer: H key heads of DK and HV value
+    heads of DV (HV a multiple of H), and a causal convolution `conv_kernel` tokens wide over the
+    q, k and v channels (kernels/gated_deltanet.py)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One sequence's convolution state: its last W-1 inputs [W-1, C]."""
+        return (self.conv_kernel - 1, self.conv_dim)
+
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """One sequence's DeltaNet state [HV, DK, DV]."""
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    @property
+    def params(self) -> int:
+        """Weights of one layer but its input and output projections' hidden side: the
+        convolution, dt_bias, A_log and the gated norm."""
+        return self.conv_dim * self.conv_kernel + 2 * self.num_v_heads + self.head_v_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +143,30 @@ class ModelSpec:
     # "fp8": the checkpoint's linear weights (but those named in modules_to_not_convert) are
     # fine-grained FP8 with 128x128 block factors; "" where the weights are unquantized
     quantization: str = ""
+    # the token mixer of each layer, FULL_ATTENTION or LINEAR_ATTENTION (all full attention where
+    # not given); the linear layers' geometry where there are any
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttention | None = None
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions rotary turns
+    attn_output_gate: bool = False  # q_proj also gives a sigmoid gate on the attention output
+    # RMSNorm weights stored zero-centred (the norm multiplies by 1 + w), as Qwen3-Next's are; the
+    # gated norm of the linear layers is not
+    zero_centered_norm: bool = False
+    text_prefix: str = TEXT_PREFIX  # TEXT_PREFIX or MULTIMODAL_TEXT_PREFIX
+    # gpt_oss (engine/model/gpt_oss.py): the window of the layers in `sliding_layers` (tokens a
+    # position sees, itself included; 0: none), a learned logit per head in the softmax's
+    # denominator, biases in the router and the experts, the clamped SwiGLU's limit (0: SiLU)
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_layers)
         if self.arch not in ARCHITECTURES:
             raise CheckpointError(
                 Text(
@@ -137,6 +221,51 @@ class ModelSpec:
             )
         if any(not 0 <= layer < self.num_layers for layer in self.moe_layers):
             raise CheckpointError(Text("an MoE layer index lies outside the model's layers"))
+        self._check_layer_kinds()
+
+    def _check_layer_kinds(self) -> None:
+        kinds = (FULL_ATTENTION, LINEAR_ATTENTION)
+        if len(self.layer_types) != self.num_layers or any(
+            kind not in kinds for kind in self.layer_types
+        ):
+            raise CheckpointError(
+                Text(
+                    "layer_types must name {kinds} for each of the {layers} layers",
+                    kinds=" or ".join(kinds),
+                    layers=self.num_layers,
+                )
+            )
+        linear = self.linear_attention
+        if self.linear_layers and linear is None:
+            raise CheckpointError(Text("linear attention layers need their geometry"))
+        if linear is not None:
+            for name in fields(linear):
+                if getattr(linear, name.name) < 1:
+                    raise CheckpointError(
+                        Text(
+                            "config field for {name} must be at least 1, got {value}",
+                            name=name.name,
+                            value=getattr(linear, name.name),
+                        )
+                    )
+            if linear.num_v_heads % linear.num_k_heads:
+                raise CheckpointError(
+                    Text(
+                        "linear_num_value_heads ({v_heads}) is not a multiple of "
+                        "linear_num_key_heads ({k_heads})",
+                        v_heads=linear.num_v_heads,
+                        k_heads=linear.num_k_heads,
+                    )
+                )
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise CheckpointError(
+                Text(
+                    "partial_rotary_factor {factor} must turn an even number of each head's "
+                    "{head_dim} dimensions, and at least 2",
+                    factor=self.partial_rotary_factor,
+                    head_dim=self.head_dim,
+                )
+            )
 
     # derived geometry -------------------------------------------------------------------------
 
@@ -177,12 +306,14 @@ class ModelSpec:
     def expert_bytes_as(self, fmt: str, elem_bytes: int | None = None) -> int:
         """Bytes of one routed expert held as `fmt`: FP8 values and their fp32 block factors
         (w13's [⌈2I/128⌉, ⌈H/128⌉] and w2's [⌈H/128⌉, ⌈I/128⌉]), else `elem_bytes` a weight (the
-        checkpoint's dtype where not given)."""
+        checkpoint's dtype where not given); gpt_oss's fp32 biases with either."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        # gpt_oss's biases beside the weights, fp32 (engine/experts/bank.py)
+        biases = 4 * (2 * i + h) if self.expert_bias else 0
         if fmt == "fp8":
-            h, i = self.hidden_size, self.moe_intermediate_size
             factors = blocks(2 * i) * blocks(h) + blocks(h) * blocks(i)
-            return self.expert_params + 4 * factors
-        return self.expert_params * (elem_bytes or self.dtype_bytes)
+            return self.expert_params + 4 * factors + biases
+        return self.expert_params * (elem_bytes or self.dtype_bytes) + biases
 
     @property
     def experts_total(self) -> int:
@@ -194,25 +325,82 @@ class ModelSpec:
         return self.experts_total * self.expert_bytes
 
     @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with full attention: those that keep a KV cache."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers: those that keep a recurrent state per sequence."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state (which a prefix cannot be cut from)."""
+        return bool(self.linear_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head that rotary turns (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_size * self.dtype_bytes
+        """KV cache bytes of one token: keys and values of the full attention layers."""
+        return 2 * len(self.attention_layers) * self.kv_size * self.dtype_bytes
+
+    @property
+    def conv_state_bytes_per_seq(self) -> int:
+        """Convolution state of one sequence over all linear layers, in the model's dtype (which
+        holds the convolution's inputs exactly: they are the projection's output)."""
+        if self.linear_attention is None:
+            return 0
+        rows, channels = self.linear_attention.conv_state_shape()
+        return len(self.linear_layers) * rows * channels * self.dtype_bytes
+
+    @property
+    def recurrent_state_bytes_per_seq(self) -> int:
+        """DeltaNet state of one sequence over all linear layers, in fp32 (RECURRENT_STATE_BYTES:
+        exact across any number of steps, as transformers and fla keep it)."""
+        if self.linear_attention is None:
+            return 0
+        return (
+            len(self.linear_layers)
+            * math.prod(self.linear_attention.recurrent_state_shape())
+            * RECURRENT_STATE_BYTES
+        )
+
+    @property
+    def state_bytes_per_seq(self) -> int:
+        """Fixed bytes one running sequence holds besides its KV pages: the convolution and
+        DeltaNet states of every linear layer (0 for models without linear layers)."""
+        return self.conv_state_bytes_per_seq + self.recurrent_state_bytes_per_seq
 
     @property
     def dense_params(self) -> int:
         """Parameters that stay on the device: everything but the routed experts."""
         h = self.hidden_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        q_out = 2 * self.q_size if self.attn_output_gate else self.q_size
+        attn = h * (q_out + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
+            attn += q_out + 2 * self.kv_size
+        if self.arch == "gpt_oss":
+            attn += h * self.attention_bias + self.num_heads * self.attention_sinks
         if self.qk_norm == "head":
             attn += 2 * self.head_dim
         elif self.qk_norm == "full":
             attn += self.q_size + self.kv_size
-        moe = h * self.num_experts
+        mixers = attn * len(self.attention_layers)
+        if self.linear_attention is not None:
+            la = self.linear_attention
+            # in projections: q, k, v, z and the per-head a and b; out projection from v
+            projections = h * (la.conv_dim + la.value_dim + 2 * la.num_v_heads) + la.value_dim * h
+            mixers += (projections + la.params) * len(self.linear_layers)
+        moe = (h + self.router_bias) * self.num_experts
         if self.shared_expert_intermediate_size:
             moe += 3 * h * self.shared_expert_intermediate_size + h
         dense_mlp = 3 * h * self.intermediate_size
-        per_layer = attn * self.num_layers
+        per_layer = mixers + 2 * h * self.num_layers
         mlps = moe * self.num_moe_layers + dense_mlp * (self.num_layers - self.num_moe_layers)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return per_layer + mlps + embed + h
@@ -258,7 +446,8 @@ class ModelSpec:
                     kind=type(config).__name__,
                 )
             )
-        arch = config.get("model_type")
+        config, text_prefix = _text_config(config)
+        arch = _ARCH_BY_TYPE.get(config.get("model_type"), config.get("model_type"))
         if arch not in ARCHITECTURES:
             for name in config.get("architectures") or ():
                 arch = _ARCH_BY_CLASS.get(name, arch)
@@ -273,7 +462,9 @@ class ModelSpec:
                     source=source,
                 )
             )
-        quantization = _quantization(config, source)
+        quantization = (
+            "mxfp4" if arch == "gpt_oss" and _is_mxfp4(config) else _quantization(config, source)
+        )
         read = _Fields(config, source, arch)
 
         hidden = read.whole("hidden_size")
@@ -286,7 +477,7 @@ class ModelSpec:
         intermediate = read.whole("intermediate_size", default=0, minimum=0)
         max_position = read.whole("max_position_embeddings", default=4096)
 
-        if arch in ("qwen3_moe", "qwen2_moe"):
+        if arch in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
             moe_inter = read.whole("moe_intermediate_size")
             step = read.whole("decoder_sparse_step", default=1)
             only = set(read.indices("mlp_only_layers"))
@@ -299,14 +490,21 @@ class ModelSpec:
                 raise CheckpointError(
                     Text("{source} has dense MLP layers but no intermediate_size", source=source)
                 )
-            norm_topk = bool(config.get("norm_topk_prob", arch == "qwen3_moe"))
+            norm_topk = bool(config.get("norm_topk_prob", arch != "qwen2_moe"))
+        elif arch == "qwen3_5_moe":  # every layer MoE, the top-k weights renormalized
+            moe_inter = read.whole("moe_intermediate_size")
+            moe_layers = tuple(range(layers))
+            norm_topk = True
         else:
             moe_inter = read.whole("intermediate_size")
             moe_layers = tuple(range(layers))
-            norm_topk = True if arch == "mixtral" else bool(config.get("norm_topk_prob", False))
+            # gpt_oss's softmax over the top-k logits is the renormalized top-k of the softmax
+            norm_topk = arch in ("mixtral", "gpt_oss") or bool(config.get("norm_topk_prob", False))
 
         sliding = read.whole("sliding_window", default=0, minimum=0) if arch == "mixtral" else 0
-        if config.get("use_sliding_window") or 0 < sliding < max_position:
+        if arch == "gpt_oss":
+            own = gpt_oss_fields(config, read, layers)
+        elif config.get("use_sliding_window") or 0 < sliding < max_position:
             raise CheckpointError(
                 Text(
                     "sliding-window attention is not supported; this checkpoint's {source} "
@@ -340,8 +538,17 @@ class ModelSpec:
             eos_ids = (read.whole("eos_token_id", minimum=0),)
         eos_ids = tuple(i for i in eos_ids if 0 <= i < vocab)
         qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none")
+        hybrid = arch in HYBRID_ARCHITECTURES
+        if hybrid:
+            qk_norm = "head"
+        layer_types, linear = _linear_attention(read, layers) if hybrid else ((), None)
+        # transformers' default for these architectures where the config gives none
+        rotary = rope.get("partial_rotary_factor") or 0.25
+        rotary = read.real("partial_rotary_factor", default=rotary) if hybrid else 1.0
         attention_bias = bool(
-            config.get("qkv_bias", True) if arch == "qwen2_moe" else config.get("attention_bias")
+            config.get("qkv_bias", True)
+            if arch == "qwen2_moe"
+            else config.get("attention_bias", arch == "gpt_oss")
         )
 
         return cls(
@@ -365,7 +572,9 @@ class ModelSpec:
             qk_norm=qk_norm,
             clip_qkv=read.real("clip_qkv", default=None) if arch == "olmoe" else None,
             shared_expert_intermediate_size=(
-                read.whole("shared_expert_intermediate_size") if arch == "qwen2_moe" else 0
+                read.whole("shared_expert_intermediate_size")
+                if arch in ("qwen2_moe", *HYBRID_ARCHITECTURES)
+                else 0
             ),
             moe_layers=moe_layers,
             rope_scaling=scaling,
@@ -373,6 +582,13 @@ class ModelSpec:
             bos_token_id=read.whole("bos_token_id", default=None, minimum=0),
             eos_token_ids=eos_ids,
             quantization=quantization,
+            layer_types=layer_types,
+            linear_attention=linear,
+            partial_rotary_factor=rotary,
+            attn_output_gate=hybrid,
+            zero_centered_norm=hybrid,
+            text_prefix=text_prefix,
+            **(own if arch == "gpt_oss" else {}),
             extra={"moelab_synth": config.get("moelab_synth")}
             if config.get("moelab_synth")
             else {},
@@ -397,6 +613,57 @@ class ModelSpec:
         return cls.from_config(config, str(config_path))
 
 
+def _text_config(config: dict) -> tuple[dict, str]:
+    """The decoder's config and where its weights lie: a multimodal Qwen3.5/3.6 MoE config keeps
+    the decoder's fields in `text_config` (the rest, such as quantization_config, at the top)."""
+    text = config.get("text_config")
+    multimodal = config.get(
+        "model_type"
+    ) == "qwen3_5_moe" or "Qwen3_5MoeForConditionalGeneration" in (
+        config.get("architectures") or ()
+    )
+    if not multimodal or not isinstance(text, dict):
+        return config, TEXT_PREFIX
+    outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    return {**outer, **text, "model_type": "qwen3_5_moe"}, MULTIMODAL_TEXT_PREFIX
+
+
+def _linear_attention(read: _Fields, layers: int) -> tuple[tuple[str, ...], LinearAttention]:
+    """The layer kinds (config's layer_types, or every `full_attention_interval`-th layer full
+    attention, the others linear) and the linear layers' geometry, with transformers' defaults."""
+    given = read.config.get("layer_types")
+    if given is not None:
+        kinds = (FULL_ATTENTION, LINEAR_ATTENTION)
+        if (
+            not isinstance(given, list)
+            or len(given) != layers
+            or any(kind not in kinds for kind in given)
+        ):
+            raise read._say(
+                "layer_types",
+                Text(
+                    "a list of {layers} layer kinds ({kinds})",
+                    layers=layers,
+                    kinds=", ".join(kinds),
+                ),
+                given,
+            )
+        layer_types = tuple(given)
+    else:
+        interval = read.whole("full_attention_interval", default=4)
+        layer_types = tuple(
+            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)
+        )
+    linear = LinearAttention(
+        num_k_heads=read.whole("linear_num_key_heads", default=16),
+        num_v_heads=read.whole("linear_num_value_heads", default=32),
+        head_k_dim=read.whole("linear_key_head_dim", default=128),
+        head_v_dim=read.whole("linear_value_head_dim", default=128),
+        conv_kernel=read.whole("linear_conv_kernel_dim", default=4),
+    )
+    return layer_types, linear
+
+
 def unread_weights_problem(spec: ModelSpec, unread: dict[str, str]) -> Text | None:
     """Why the engine refuses weights of the dtypes in `unread` (dtype -> a `.weight` tensor of
     it, those not in UNQUANTIZED_DTYPES), None where it reads them all: F8_E4M3 only where
@@ -413,6 +680,36 @@ def unread_weights_problem(spec: ModelSpec, unread: dict[str, str]) -> Text | No
         listed=listed,
         dtypes=", ".join(UNQUANTIZED_DTYPES),
     )
+
+
+def gpt_oss_fields(config: dict, read: _Fields, layers: int) -> dict:
+    """gpt_oss's own fields of ModelSpec from its config.json: the sliding window and which
+    layers use it (`layer_types`, transformers' default alternating from a sliding layer 0), the
+    clamped SwiGLU's limit; sinks and the router's and experts' biases are always there."""
+    window = read.whole("sliding_window", default=0, minimum=0)
+    types = config.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+        raise read._say("layer_types", Text("a list of {n} of {kinds}", n=layers,
+                                             kinds=" / ".join(kinds)), types)  # fmt: skip
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+    if read.real("swiglu_alpha", default=1.702) != 1.702:
+        raise read._say("swiglu_alpha", Text("1.702 (gpt_oss's SwiGLU)"), config["swiglu_alpha"])
+    return {
+        "sliding_window": window if sliding else 0,
+        "sliding_layers": sliding,
+        "attention_sinks": True,
+        "router_bias": True,
+        "expert_bias": True,
+        "swiglu_limit": read.real("swiglu_limit", default=7.0),
+    }
+
+
+def _is_mxfp4(config: dict) -> bool:
+    quantized = config.get("quantization_config")
+    return isinstance(quantized, dict) and quantized.get("quant_method") == "mxfp4"
 
 
 def _quantization(config: dict, source: str) -> str:

@@ -4,24 +4,38 @@ Weights are deterministic (seeded by the seed and each tensor's name) and scaled
 bounded through every layer. Routing skew lives in the router weights: hidden dimension 0 carries a
 constant ("massive activation", as real models have) that no layer writes to, so the router's
 column 0 acts as a per-expert bias; the biases are calibrated so expert popularity follows a Zipf
-law: first from a Monte Carlo model of the router, then, in a source made by
-`SynthSource.calibrated`, with forward passes of the synthetic model itself.
+law: first from a Monte Carlo model of the router, then with forward passes of the synthetic model
+itself (`SynthSource.calibrate`: by `moelab synth` before it writes the weights, and by an engine
+with --dummy-weights over its expert bank, once that is in host memory).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from ...kernels.grouped_moe import grouped_moe
+from . import gpt_oss
 from .checkpoint import iter_layer_experts, load_dense
 from .kv import KVCache
-from .model import Model, SeqSlice, StepBatch
+from .model import DenseWeights, Model, SeqSlice, StepBatch
 from .spec import ARCHITECTURES, CheckpointError, ModelSpec
+from .states import StatePool
+from .synth_hybrid import (
+    HYBRID_PRESETS,
+    PRESET_ARCHS,
+    SYNTH_ARCHS,
+    hybrid_config,
+    hybrid_shapes,
+    hybrid_tensor,
+    layer_of,
+)
 
 # Geometry shared by the architectures; each is mapped to its own config.json field names below.
 PRESETS: dict[str, dict] = {
@@ -75,7 +89,12 @@ PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         norm_topk_prob=True,
     ),
+    **HYBRID_PRESETS,
 }
+# the architectures `moelab synth --arch` takes: the engine's, and the text-only layout of one
+ARCHS = tuple(dict.fromkeys((*ARCHITECTURES, *SYNTH_ARCHS)))
+
+PRESETS.update(gpt_oss.PRESETS)
 
 _DIM0 = 2.0  # the constant residual value of hidden dimension 0 (see module docstring)
 _LOGIT_GAIN = 4.0  # lm_head gain, so next-token distributions are peaked rather than flat
@@ -103,15 +122,25 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def preset_arch(preset: str) -> str:
+    """The architecture a preset is the geometry of, where it is a real model's; else qwen3_moe."""
+    return PRESET_ARCHS.get(preset, "qwen3_moe")
+
+
 def make_config(arch: str, preset: str = "tiny", overrides: dict | None = None) -> dict:
     """A Hugging Face config.json for `arch` with the preset's geometry and any overrides."""
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(
-            f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}"
-        )
+    if arch not in ARCHS:
+        raise CheckpointError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     if preset not in PRESETS:
         raise CheckpointError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if preset in PRESET_ARCHS and arch not in SYNTH_ARCHS:
+        raise CheckpointError(
+            f"preset {preset!r} is the geometry of a {PRESET_ARCHS[preset]} model; use --arch "
+            f"{' or '.join(a for a in SYNTH_ARCHS if a.startswith(PRESET_ARCHS[preset]))}"
+        )
     g = {**PRESETS[preset], **(overrides or {})}
+    if arch in SYNTH_ARCHS:
+        return hybrid_config(arch, preset, g, overrides or {})
     base = dict(
         vocab_size=g["vocab_size"],
         hidden_size=g["hidden_size"],
@@ -169,6 +198,8 @@ def make_config(arch: str, preset: str = "tiny", overrides: dict | None = None) 
             intermediate_size=g["moe_intermediate_size"],
             sliding_window=None,
         )
+    elif arch == "gpt_oss":
+        extra = gpt_oss.synth_config(g)
     else:
         extra = dict(
             architectures=["OlmoeForCausalLM"],
@@ -221,6 +252,23 @@ def calibrate_biases(
     return bias
 
 
+@contextlib.contextmanager
+def calibration_threads(device: torch.device, cpu_threads: int) -> Iterator[None]:
+    """Torch's threads for a calibration on `device`: `cpu_threads` of them on the CPU (an
+    engine on the CPU leaves one physical core to its CPU experts: on a busy machine the small
+    ops of a synthetic model run many times slower where each of its cores has a thread spinning
+    on them), as they are on a GPU."""
+    if device.type == "cuda":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class SynthSource:
     """A TensorSource of deterministic synthetic weights for a spec (nothing read from disk)."""
 
@@ -235,23 +283,13 @@ class SynthSource:
         dtype: torch.dtype,
         cpu_threads: int = 1,
     ) -> SynthSource:
-        """A source whose routers are calibrated with forward passes of the synthetic model on
-        `device` in `dtype` (`_calibrate`), on the CPU with `cpu_threads` of torch's threads: the
-        same weights for the same spec, seed, skew, device type and dtype."""
+        """A source whose routers are calibrated with forward passes of a synthetic model of its
+        own on `device` in `dtype` (`calibrate`), on the CPU with `cpu_threads` of torch's
+        threads: the same weights for the same spec, seed, skew, device type and dtype. (An
+        engine with --dummy-weights calibrates its own dense weights over its bank.)"""
         source = cls(spec, seed=seed, skew=skew)
-        if device.type == "cuda":
-            source._calibrate(device, dtype)
-            torch.cuda.empty_cache()  # what the calibration's model held goes back to the device
-            return source
-        # torch's threads as the caller gives them (an engine on the CPU leaves one physical core
-        # to its CPU experts): on a busy machine the small ops of a synthetic model run many times
-        # slower where each of its cores has a thread spinning on them
-        threads = torch.get_num_threads()
-        torch.set_num_threads(cpu_threads)
-        try:
-            source._calibrate(device, dtype)
-        finally:
-            torch.set_num_threads(threads)
+        with calibration_threads(device, cpu_threads):
+            source.calibrate(device, dtype)
         return source
 
     def __init__(self, spec: ModelSpec, seed: int = 0, skew: float = 0.0) -> None:
@@ -290,16 +328,25 @@ class SynthSource:
         shape = self._shapes[name]
         spec = self.spec
         leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
+        if spec.hybrid and (fixed := hybrid_tensor(spec, name, shape, self.dtype)) is not None:
+            return fixed
         if "norm" in name:
             return torch.ones(shape, dtype=self.dtype)
-        if name.endswith(".bias"):
-            return self._random(name, shape, 0.1)
-        fan_in = shape[-1]
+        # gpt_oss's experts are stored [E, in, out], their biases [E, out]
+        experts = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        if experts:
+            leaf = name.rsplit(".", 1)[-1]
+        if name.endswith((".bias", "_bias", ".sinks")):
+            t = self._random(name, shape, 0.1)
+            if name.endswith(("o_proj.bias", "down_proj_bias")):
+                t[..., 0] = 0  # nothing writes to the constant dimension
+            return t
+        fan_in = shape[-2] if experts else shape[-1]
         std = 1.0 / math.sqrt(fan_in)
-        writes_residual = leaf in ("o_proj", "down_proj", "w2")
+        writes_residual = leaf in ("o_proj", "down_proj", "w2", "out_proj")
         if writes_residual:
             std /= math.sqrt(2 * spec.num_layers)
-        if name == "model.embed_tokens.weight":
+        if name == spec.text_prefix + "embed_tokens.weight":
             t = self._random(name, shape, 1.0)
             t[:, 0] = _DIM0
             return t
@@ -307,29 +354,52 @@ class SynthSource:
             t = self._random(name, shape, _LOGIT_GAIN * std)
             t[:, 0] = 0
             return t
-        if leaf == "gate" and len(shape) == 2 and shape[0] == spec.num_experts:
+        if leaf in ("gate", "router") and len(shape) == 2 and shape[0] == spec.num_experts:
             return self._router(name, shape)
         t = self._random(name, shape, std)
-        if writes_residual:
+        if writes_residual and experts:
+            t[..., 0] = 0
+        elif writes_residual:
             t[0] = 0  # nothing writes to the constant dimension
         return t
 
     # calibration -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _calibrate(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Refine each router's bias column with forward passes over random tokens.
+    def calibrate(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        dense: DenseWeights | None = None,
+        experts: list[tuple[torch.Tensor, ...]] | None = None,
+    ) -> None:
+        """Refine each router's bias column (`_refine`) with forward passes of a model of this
+        source's weights on `device` in `dtype`: `dense`, whose routers it calibrates in place
+        (loaded here where not given), and each MoE layer's experts packed as the bank packs
+        them, (w13, w2) in `dtype` and gpt_oss's biases (`experts`, an engine's bank, or built here
+        where not given)."""
+        spec = self.spec
+        length = min(CALIBRATION_PROMPT_TOKENS, spec.max_position_embeddings)
+        dense = dense or load_dense(spec, self, device, dtype)
+        executor = _CalibrationExperts(self, device, dtype, experts)
+        kv = KVCache(spec, 1, length, device, dtype, prefix_cache=False)  # one prompt's block
+        states = StatePool(spec, 1, device, dtype) if spec.linear_layers else None
+        model = Model(spec, dense, executor, kv, max_positions=length + 1, states=states)
+        self._refine(model, length)
+        del model, executor, kv, states
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # what the calibration's model held goes back to the device
+
+    @torch.inference_mode()
+    def _refine(self, model: Model, length: int) -> None:
+        """Refine each router's bias column with forward passes of `model` over random prompts of
+        `length` tokens; the model's routers take the new weights.
 
         Each round measures, per MoE layer, the mean of the router input's constant dimension (it
         is divided by each token's RMS at every norm, so it depends on how the residual stream
         grew) and the experts' pick shares, then moves the biases toward the Zipf targets.
         """
         spec = self.spec
-        length = min(CALIBRATION_PROMPT_TOKENS, spec.max_position_embeddings)
-        dense = load_dense(spec, self, device, dtype)
-        experts = _CalibrationExperts(self, device, dtype)
-        kv = KVCache(spec, 1, length, device, dtype, prefix_cache=False)  # one prompt's block
-        model = Model(spec, dense, experts, kv, max_positions=length + 1)
         gen = torch.Generator().manual_seed(self.seed + 1)
         prompts = max(1, CALIBRATION_TOKENS // length)
         dim0: dict[int, list[float]] = {layer: [] for layer in spec.moe_layers}
@@ -353,11 +423,12 @@ class SynthSource:
                 self.biases[layer] = bias - bias.mean()
                 router = model.weights.layers[layer].router
                 router.copy_(self.get(router_name(spec, layer)).to(router.device, router.dtype))
+        model.on_router = None
 
     # internals ---------------------------------------------------------------------------------
 
     def _router(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        layer = int(name.split(".")[2])
+        layer = layer_of(name)
         t = self._random(name, shape, 1.0 / math.sqrt(shape[1]))
         bias = self.biases[layer] * self.dim0_scale[layer]
         t[:, 0] = torch.from_numpy(bias).to(t.dtype)
@@ -383,6 +454,10 @@ class SynthSource:
 
     def _all_shapes(self) -> dict[str, tuple[int, ...]]:
         s = self.spec
+        if s.arch == "gpt_oss":
+            return gpt_oss.tensor_shapes(s)
+        if s.hybrid:
+            return hybrid_shapes(s)
         h, q, kv = s.hidden_size, s.q_size, s.kv_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, h)}
         for layer in range(s.num_layers):
@@ -449,50 +524,79 @@ class SynthSource:
 
 
 def router_name(spec: ModelSpec, layer: int) -> str:
+    if spec.arch == "gpt_oss":
+        return f"model.layers.{layer}.mlp.router.weight"
     block = "block_sparse_moe." if spec.arch == "mixtral" else "mlp."
-    return f"model.layers.{layer}.{block}gate.weight"
+    return f"{spec.text_prefix}layers.{layer}.{block}gate.weight"
 
 
 class _CalibrationExperts:
     """The routed experts of a synthetic model for its calibration (an `ExpertExecutor`): each
-    MoE layer's experts packed as the expert bank packs them, in the compute dtype, all on the
-    device where they fit, else each layer copied there as it runs."""
+    MoE layer's experts packed as the expert bank packs them, in the compute dtype (the given
+    `layers`, an engine's bank, or built from the source: w13, w2 and gpt_oss's biases), all on
+    the device where they fit, else each layer copied there as it runs."""
 
-    def __init__(self, source: SynthSource, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        source: SynthSource,
+        device: torch.device,
+        dtype: torch.dtype,
+        layers: list[tuple[torch.Tensor, ...]] | None = None,
+    ) -> None:
         spec = source.spec
-        e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
         self.device = device
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in spec.moe_layers:
-            w13 = torch.empty((e, 2 * i, h), dtype=dtype)
-            w2 = torch.empty((e, h, i), dtype=dtype)
-            for x, gate_up, down, *_ in iter_layer_experts(spec, source, layer):
-                w13[x].copy_(gate_up)
-                w2[x].copy_(down)
-            self.layers.append((w13, w2))
-        nbytes = sum(w13.nbytes + w2.nbytes for w13, w2 in self.layers)
+        self.swiglu_limit = spec.swiglu_limit
+        self.layers = layers if layers is not None else _packed_experts(source, dtype)
+        nbytes = sum(t.nbytes for tensors in self.layers for t in tensors)
         if device.type != "cuda" or nbytes < 0.9 * torch.cuda.mem_get_info(device)[0]:
-            self.layers = [(w13.to(device), w2.to(device)) for w13, w2 in self.layers]
+            self.layers = [tuple(t.to(device) for t in tensors) for tensors in self.layers]
+        assert len(self.layers) == spec.num_moe_layers
 
     def forward(self, moe_layer, x, ids, weights, *, decode: bool) -> torch.Tensor:
-        w13, w2 = (w.to(self.device) for w in self.layers[moe_layer])
+        w13, w2, *biases = (w.to(self.device) for w in self.layers[moe_layer])
+        extras = dict(zip(("w13_bias", "w2_bias"), biases, strict=False))
         e = w13.shape[0]
-        return grouped_moe(x, ids, weights, w13, w2, layer_experts=e, checked=False)
+        return grouped_moe(x, ids, weights, w13, w2, layer_experts=e, checked=False,
+                           swiglu_limit=self.swiglu_limit, **extras)  # fmt: skip
 
     def routing_record(self, moe_layer: int, tokens: int, decode: bool) -> None:
         return None
 
 
+def _packed_experts(source: SynthSource, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+    """Each MoE layer's experts of `source`, packed as the bank packs them: (w13, w2) and for
+    gpt_oss their biases (fp32)."""
+    spec = source.spec
+    e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    layers = []
+    for layer in spec.moe_layers:
+        w13 = torch.empty((e, 2 * i, h), dtype=dtype)
+        w2 = torch.empty((e, h, i), dtype=dtype)
+        biases = (torch.empty((e, 2 * i)), torch.empty((e, h))) if spec.expert_bias else ()
+        for expert in iter_layer_experts(spec, source, layer):
+            w13[expert.index].copy_(expert.w13)
+            w2[expert.index].copy_(expert.w2)
+            if biases:
+                biases[0][expert.index].copy_(expert.w13_bias)
+                biases[1][expert.index].copy_(expert.w2_bias)
+        layers.append((w13, w2, *biases))
+    return layers
+
+
 def _prefill(model: Model, tokens: torch.Tensor) -> None:
-    """One prompt's forward pass from the start of a free KV cache (its last token's logits)."""
-    kv, device, n = model.kv, model.device, tokens.numel()
+    """One prompt's forward pass from the start of a free KV cache (and, for a hybrid model, a
+    zeroed state slot): its last token's logits."""
+    kv, states, device, n = model.kv, model.states, model.device, tokens.numel()
     blocks = kv.allocate(kv.blocks_for(n))
+    state_slot = states.allocate() if states is not None else -1
     try:
         model.forward(StepBatch(
             input_ids=tokens.to(device), positions=torch.arange(n, device=device),
             slots=torch.tensor([kv.slot(blocks, p) for p in range(n)], device=device),
-            seqs=[SeqSlice(0, n, n, kv.page_indices([(blocks, n)])[0])],
+            seqs=[SeqSlice(0, n, n, kv.page_indices([(blocks, n)])[0], state_slot)],
             logits_index=torch.tensor([n - 1], device=device),
         ))  # fmt: skip
     finally:
         kv.release(blocks)
+        if states is not None:
+            states.release(state_slot)

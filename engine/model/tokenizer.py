@@ -108,6 +108,21 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_marked(
+        self, text: str, marks: tuple[int, ...], add_special_tokens: bool = False
+    ) -> tuple[list[int], tuple[int, ...]]:
+        """`encode(text)`, and for each character offset in `marks` (ascending) how many of the
+        tokens lie wholly before it: where the token ids part at that place of the text (a token
+        across it is left after)."""
+        encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        ends = [end for _, end in encoding.offsets]
+        counts, n = [], 0
+        for mark in marks:
+            while n < len(ends) and ends[n] <= mark:
+                n += 1
+            counts.append(n)
+        return encoding.ids, tuple(counts)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -35,7 +35,8 @@ from ..model.kv import KVCache
 from ..model.model import DenseWeights, Model, SeqSlice, StepBatch
 from ..model.rope import Rotary
 from ..model.spec import ModelSpec
-from ..model.synth import SynthSource
+from ..model.states import StatePool
+from ..model.synth import SynthSource, calibration_threads
 from ..model.tokenizer import Tokenizer
 from .graphs import DecodeGraphs
 from .loading import LoadProgress
@@ -103,12 +104,15 @@ class Engine:
         self._start_cpu_workers()
         progress.begin("bandwidths")
         self.bp_gbps, self.bh_gbps, self.rates_source = self._bandwidths()
+        if self.synth_source is not None:
+            progress.begin("routing calibration")
+            self._calibrate_routing(self.synth_source, dense)
         progress.begin("caches")
         self._build_caches(dense)
         progress.begin("CUDA graphs")
         self.telemetry = Telemetry(
             self.spec, self, self.moe, self.cache, self.bank, self.scheduler,
-            enabled=config.server.stats,
+            enabled=config.server.stats, states=self.states,
         )  # fmt: skip
         self.stepper = self._build_stepper()
         self._capture_graphs()
@@ -149,13 +153,11 @@ class Engine:
         self.synth_source: SynthSource | None = None
         source: TensorSource
         if model.dummy_weights:
-            source = self.synth_source = SynthSource.calibrated(
+            # its routers are calibrated once its bank is built (`_calibrate_routing`)
+            source = self.synth_source = SynthSource(
                 spec,
                 seed=int(synth_info.get("seed", self.config.server.seed)),
                 skew=float(synth_info.get("routing_skew", 0.0)),
-                device=self.device,
-                dtype=self.dtype,
-                cpu_threads=default_cpu_threads(),
             )
         else:
             source = SafetensorsSource(Path(model.path), spec)
@@ -180,6 +182,17 @@ class Engine:
             progress=progress.bytes,
             fmt=self.expert_format,
         )
+
+    def _calibrate_routing(self, source: SynthSource, dense: DenseWeights) -> None:
+        """Calibrate the synthetic routers in `dense` (`SynthSource.calibrate`) over the bank's
+        experts where it holds them in the compute dtype. Done once the bank is in host memory,
+        so that no second copy of the experts is made and freed before the bank's pages are
+        taken, and before the expert cache takes the device memory the passes need."""
+        bank = self.bank
+        layers = (bank.w13, bank.w2, *((bank.w13_bias, bank.w2_bias) if bank.w13_bias else ()))
+        experts = list(zip(*layers, strict=True)) if bank.fmt == "bf16" else None
+        with calibration_threads(self.device, default_cpu_threads()):
+            source.calibrate(self.device, self.dtype, dense=dense, experts=experts)
 
     def _build_cpu_kernel(self, progress: LoadProgress) -> None:
         """Build (or wait for) the native CPU expert kernel here, so that /health tells that
@@ -206,6 +219,8 @@ class Engine:
             self.dtype,
             self.device,
             self.expert_format,
+            bias=spec.expert_bias,
+            swiglu_limit=spec.swiglu_limit,
         )
         self.cpu = start_cpu_executor(
             experts.cpu_threads,
@@ -252,16 +267,34 @@ class Engine:
         elif plan.prefill_buffer_bytes:
             self.moe.allocate_prefill_buffers()
         self.kv = self._new_kv(plan)
-        self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1)
-        self.scheduler = Scheduler(
-            self.kv, config.batching.max_running_requests, config.prefill.chunk_tokens
+        running = config.batching.max_running_requests
+        # a hybrid model's linear layers: one state slot per running sequence
+        # and the state checkpoints a prompt may resume from (with the prefix cache)
+        memory = config.memory
+        checkpoints = memory.state_checkpoints if self.kv.prefix_cache else 0
+        self.states = (
+            StatePool(spec, running, self.device, self.dtype, checkpoints) if spec.hybrid else None
         )
+        self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1,
+                           states=self.states)  # fmt: skip
+        self.scheduler = Scheduler(
+            self.kv, running, config.prefill.chunk_tokens, states=self.states,
+            checkpoint_interval=memory.state_checkpoint_interval,
+        )  # fmt: skip
         self.sampler = Sampler(config.server.seed)
 
     def _new_kv(self, plan: VramPlan) -> KVCache:
         memory = self.config.memory
+        # a hybrid model's recurrent state cannot be cut back to a matched prefix: it resumes
+        # from a state checkpoint, without which nothing is matched
+        resumable = not self.spec.hybrid or memory.state_checkpoints > 0
+        prefix_cache = memory.prefix_cache and resumable
+        if memory.prefix_cache and not prefix_cache:
+            log.info("prefix cache off: this model's linear attention layers keep a recurrent "
+                     "state, which resumes only from a state checkpoint, and "
+                     "--state-checkpoints is 0")  # fmt: skip
         return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, self.device, self.dtype,
-                       prefix_cache=memory.prefix_cache,
+                       prefix_cache=prefix_cache,
                        cache_dtype=memory.kv_cache_dtype)  # fmt: skip
 
     def _build_stepper(self) -> Stepper:
@@ -441,8 +474,11 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams,
         on_token: Callable[[Sequence, int], None] | None = None,
+        boundaries: tuple[int, ...] = (),
     ) -> Sequence:
-        """Queue a request; raise ValueError when it can never fit the context."""
+        """Queue a request; raise ValueError when it can never fit the context. `boundaries`:
+        prompt token counts where a later request's prompt may part from this one (a chat's
+        message ends), at which a hybrid model keeps a state checkpoint."""
         total = len(prompt_ids) + params.max_tokens
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -451,7 +487,8 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the usable context of {self.max_context} tokens"
             )
-        seq = Sequence(list(prompt_ids), params, on_token, arrival_time=time.monotonic())
+        seq = Sequence(list(prompt_ids), params, on_token, arrival_time=time.monotonic(),
+                       boundaries=boundaries)  # fmt: skip
         self.scheduler.add(seq)
         return seq
 
@@ -470,18 +507,22 @@ class Engine:
         """Next-token logits [n, vocab] (fp32) after every prefix of one prompt, in one pass."""
         n = len(prompt_ids)
         blocks = self.kv.allocate(self.kv.blocks_for(n))
+        state_slot = self.states.allocate() if self.states is not None else -1
         try:
             dev = self.device
+            pages = self.kv.page_indices([(blocks, n)])[0]
             batch = StepBatch(
                 input_ids=torch.tensor(prompt_ids, dtype=torch.long, device=dev),
                 positions=torch.arange(n, device=dev),
                 slots=torch.tensor([self.kv.slot(blocks, p) for p in range(n)], device=dev),
-                seqs=[SeqSlice(0, n, n, self.kv.page_indices([(blocks, n)])[0])],
+                seqs=[SeqSlice(0, n, n, pages, state_slot)],
                 logits_index=torch.arange(n, device=dev),
             )
             return self.model.forward(batch)
         finally:
             self.kv.release(blocks)
+            if self.states is not None:
+                self.states.release(state_slot)
 
     def config_in_force(self) -> dict:
         """The resolved settings the engine runs with (what /v1/stats reports as config)."""

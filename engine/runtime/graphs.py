@@ -44,7 +44,7 @@ from .sampling import GREEDY_ROW, Cut, RowDraw, draw_tokens
 
 log = logging.getLogger("moelab.graphs")
 
-_LONG_ROWS = 7  # of the step's int64 inputs (`DecodeGraphs.__init__`)
+_LONG_ROWS = 8  # of the step's int64 inputs (`DecodeGraphs.__init__`)
 _INT_TAIL = 4  # rows of the int32 inputs after the block tables: sequence lengths, draws' floats
 
 
@@ -65,6 +65,7 @@ class DecodeRow:
     blocks: list[int]
     source: int = -1
     draw: RowDraw = GREEDY_ROW  # how its next token is drawn (GREEDY_ROW: the top logit)
+    state_slot: int = -1  # a hybrid model's: its sequence's slot in the state pool
 
 
 # What a captured piece hands to the host: the MoE layer's input, routing and weights, and the
@@ -127,8 +128,9 @@ class DecodeGraphs:
         # the long block is the last replay's tokens (written on the device, never sent);
         # each row's input token is gathered from rows 0-1 by its index in row 4, so it can be a
         # token the host has not seen yet. Rows 5-6 are each row's seed and top-k for its draw
-        # (`RowDraw`). The int32 block holds the block tables, then the sequence lengths, then
-        # three fp32 rows of the draws: the inverse temperature, top-p and min-p's offset.
+        # (`RowDraw`), row 7 a hybrid model's state slots. The int32 block holds the block
+        # tables, then the sequence lengths, then three fp32 rows of the draws: the inverse
+        # temperature, top-p and min-p's offset.
         # Two sets of mirrors, used in turn: with overlapped decode the host writes step N+2's
         # inputs once step N is done, while step N+1's copies may still be queued.
         pin = dev.type == "cuda"
@@ -143,9 +145,12 @@ class DecodeGraphs:
                              for m in self._host_ints]  # fmt: skip
         self._long = torch.zeros((_LONG_ROWS, max_bs), dtype=torch.long, device=dev)
         self._int = torch.zeros(ints, dtype=torch.int32, device=dev)
-        self.sampled, _, self.positions, self.slots, self._token_index, self._seeds, self._top_k = (
-            self._long
-        )
+        (
+            self.sampled, _, self.positions, self.slots, self._token_index, self._seeds,
+            self._top_k, self.state_slots,
+        ) = self._long  # fmt: skip
+        # the state slot that padding rows advance (never a sequence's)
+        self._pad_state = model.states.pad_slot if model.states is not None else 0
         self._inv_t, self._top_p, self._min_offset = (
             self._int[tables + max_bs :].view(torch.float32).view(3, max_bs)
         )
@@ -166,6 +171,7 @@ class DecodeGraphs:
         self.block_tables = self._int[:tables].view(max_bs, self.max_blocks)
         self.seq_lens = self._int[tables : tables + max_bs]
         self.slots.fill_(kv.pad_slot)
+        self.state_slots.fill_(self._pad_state)
         self.logits_index = torch.arange(max_bs, device=dev)
         # with CUDA, a step's input copies as driver calls on the stream the graphs replay on
         # (the engine's one stream, current now): computed addresses, no views, no torch copy_
@@ -213,6 +219,7 @@ class DecodeGraphs:
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], slots=self.slots[:bs],
             seqs=[SeqSlice(i, 1, 1) for i in range(bs)], logits_index=self.logits_index[:bs],
             block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
+            state_slots=self.state_slots[:bs] if self.model.states is not None else None,
         )  # fmt: skip
 
     def _gather_inputs(self, bs: int) -> None:
@@ -390,6 +397,7 @@ class DecodeGraphs:
             host_long[3, i] = kv.slot(row.blocks, pos)
             # index into [sampled | host tokens]
             host_long[4, i] = row.source if row.source >= 0 else max_bs + i
+            host_long[7, i] = row.state_slot
             tables[i, : len(row.blocks)] = row.blocks
             seq_lens[i] = pos + 1
             if drawn:
@@ -400,6 +408,7 @@ class DecodeGraphs:
         # (and the top logit, where a row draws)
         host_long[1:, n:bs] = 0
         host_long[3, n:bs] = kv.pad_slot
+        host_long[7, n:bs] = self._pad_state
         host_long[4, n:bs] = range(max_bs + n, max_bs + bs)
         if drawn:
             floats[:, n:bs] = _GREEDY_FLOATS

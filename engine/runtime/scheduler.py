@@ -1,10 +1,18 @@
 """Continuous batching: which sequences run, which prompt chunk or decode batch goes next.
 
 A request is admitted when the KV cache can hold its whole prompt plus `max_tokens`, so a running
-sequence never runs out of KV; requests that cannot fit yet wait in the queue. A prompt that
+sequence never runs out of KV; requests that cannot fit yet wait in the queue. A hybrid model's
+sequence also takes a slot of the state pool (states.py) at admission and gives it back when it
+ends. A prompt that
 begins with blocks an earlier request computed takes them from the prefix cache (kv.py) and is
 prefilled from there. Long prompts are prefilled in chunks, alternating with decode steps of the
 running sequences.
+
+A hybrid model's prompt resumes only where its state is known: at the longest of its matched
+blocks that ends at a state checkpoint of the same prefix. Its own checkpoints are taken at the
+token counts its request names (`Sequence.boundaries`: where a chat's messages end) and every
+`checkpoint_interval` tokens, each rounded down to a whole KV block so that the pages before it
+are named, and a prefill chunk ends at each of them.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..model.kv import KVCache, block_names
+from ..model.states import StatePool
 from .sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
@@ -39,6 +48,11 @@ class Sequence:
     named_blocks: int = 0  # leading blocks named in the prefix cache (`Scheduler.name_blocks`)
     chain: int = 0  # the last named block's name hashed
     pending: int = 0  # tokens sampled on the device by a step in flight, not yet in output_ids
+    state_slot: int = -1  # hybrid models: its slot in the state pool while it runs
+    # hybrid models: prompt token counts the request names as places to keep the state at (the
+    # end of a chat's system prompt and of its last message), and those still to be kept
+    boundaries: tuple[int, ...] = ()
+    checkpoints: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     first_token_time: float | None = None
     arrival_time: float = 0.0
@@ -80,8 +94,17 @@ class Chunk:
 class Scheduler:
     """Holds the waiting and running sequences and forms each step's batch."""
 
-    def __init__(self, kv: KVCache, max_running: int, chunk_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCache,
+        max_running: int,
+        chunk_tokens: int,
+        states: StatePool | None = None,
+        checkpoint_interval: int = 0,
+    ) -> None:
         self.kv = kv
+        self.states = states  # a hybrid model's recurrent states, one slot per running sequence
+        self.checkpoint_interval = checkpoint_interval  # 0: checkpoints at boundaries only
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
         # prompt tokens admitted, and those of them the prefix cache held
@@ -98,13 +121,27 @@ class Scheduler:
     def snapshot(self) -> dict:
         """The prefix cache as telemetry reports it (`Reports`): prompt tokens admitted, those
         of them the cache held, and what it holds now."""
-        kv = self.kv
-        return {
+        kv, states = self.kv, self.states
+        out = {
             "enabled": kv.prefix_cache,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "tokens_held": kv.cached_blocks * kv.block_size,
         }
+        if states is not None:
+            out["state_checkpoints"] = {
+                "capacity": states.checkpoint_capacity,
+                "held": states.checkpoints_held,
+                "kept": states.checkpoints_kept,
+                "resumed": states.checkpoints_resumed,
+            }
+        return out
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether a hybrid model keeps state checkpoints (and so matches cached pages)."""
+        states = self.states
+        return states is not None and bool(states.checkpoint_capacity) and self.kv.prefix_cache
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -113,6 +150,8 @@ class Scheduler:
         while not self.paused and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             kv = self.kv
+            if self.states is not None and not self.states.free_slots:
+                break
             need = kv.blocks_for(seq.max_length)
             # what the cache could save at most: while even that leaves too few blocks, a
             # waiting prompt is not matched again at every step
@@ -122,6 +161,8 @@ class Scheduler:
             # a scored prompt computes every token: its logits are wanted
             scored = seq.params.prompt_logprobs is not None
             cached, chain = kv.match(seq.prompt_ids) if not scored else ([], 0)
+            if self.states is not None:
+                cached, chain = self._resumable(seq.prompt_ids, cached)
             if not scored and self._prefill_computes(seq, len(cached)):
                 break  # it matches the page once that prefill names it
             need -= len(cached)
@@ -132,9 +173,40 @@ class Scheduler:
             seq.blocks = cached + kv.allocate(need)
             seq.named_blocks, seq.chain = len(cached), chain
             seq.computed = seq.cached_tokens = len(cached) * kv.block_size
+            if self.states is not None:
+                seq.state_slot = self.states.allocate()
+                if cached:
+                    self.states.resume((chain, seq.computed), seq.state_slot)
+                seq.checkpoints = self._checkpoints(seq)
             self.prompt_tokens += len(seq.prompt_ids)
             self.cached_tokens += seq.cached_tokens
             self.running.append(seq)
+
+    def _resumable(self, prompt: list[int], cached: list[int]) -> tuple[list[int], int]:
+        """Of a hybrid model's matched blocks, those up to the last one that ends at a state
+        checkpoint of the same prefix (none where no checkpoint is kept there), and that block's
+        name hashed (0 for none)."""
+        states, size = self.states, self.kv.block_size
+        assert states is not None
+        chains = [hashed for _, hashed in block_names(prompt, size, 0, len(cached), 0)]
+        for n in range(len(cached), 0, -1):
+            if states.has_checkpoint((chains[n - 1], n * size)):
+                return cached[:n], chains[n - 1]
+        return [], 0
+
+    def _checkpoints(self, seq: Sequence) -> list[int]:
+        """The token counts at which to keep `seq`'s state, after those it resumed from: its
+        boundaries and every `checkpoint_interval` tokens, each rounded down to a whole block,
+        and short of its prompt's last block (a later prompt matches no further)."""
+        if not self.checkpointing:
+            return []
+        size, every = self.kv.block_size, self.checkpoint_interval
+        last = (len(seq.prompt_ids) - 1) // size * size
+        marks = set(seq.boundaries)
+        if every:
+            marks.update(range(every, last + 1, every))
+        kept = {m // size * size for m in marks}
+        return sorted(m for m in kept if seq.computed < m <= last)
 
     def _prefill_computes(self, seq: Sequence, matched: int) -> bool:
         """Whether a running prefill is computing the page of `seq`'s prompt after its `matched`
@@ -164,6 +236,8 @@ class Scheduler:
                 if budget <= 0:
                     break
                 count = min(budget, len(seq.prompt_ids) - seq.computed)
+                if seq.checkpoints:  # the chunk ends where the state is to be kept
+                    count = min(count, seq.checkpoints[0] - seq.computed)
                 chunks.append(Chunk(seq, seq.computed, count))
                 budget -= count
             return chunks
@@ -189,6 +263,15 @@ class Scheduler:
             seq.chain = chain
         seq.named_blocks = full
 
+    def keep_state(self, seq: Sequence) -> None:
+        """Keep a hybrid model's state checkpoint where the sequence's computed tokens reached
+        its next one (after `name_blocks` named the pages before it)."""
+        if not seq.checkpoints or seq.computed != seq.checkpoints[0]:
+            return
+        assert self.states is not None and seq.named_blocks * self.kv.block_size == seq.computed
+        self.states.keep((seq.chain, seq.computed), seq.state_slot)
+        seq.checkpoints.pop(0)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (finished, cancelled or failed) and free its KV at once."""
         if seq.finish_reason is None:
@@ -198,3 +281,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.release(seq.blocks)
+        if seq.state_slot >= 0 and self.states is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = -1

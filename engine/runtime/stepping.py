@@ -161,7 +161,7 @@ class Stepper:
             source = row_of.get(c.seq.id, -1)
             token = 0 if source >= 0 else c.seq.tokens[c.start]
             draw = self.sampler.row_draw(c.seq)
-            rows.append(DecodeRow(token, c.start, c.seq.blocks, source, draw))
+            rows.append(DecodeRow(token, c.start, c.seq.blocks, source, draw, c.seq.state_slot))
         graphs.run(rows)
         self._flip ^= 1
         tokens = graphs.sampled_to_host(len(rows), self._flip)
@@ -212,7 +212,8 @@ class Stepper:
         try:
             if replay:
                 assert graphs is not None
-                logits = graphs.run([DecodeRow(c.seq.tokens[c.start], c.start, c.seq.blocks)
+                logits = graphs.run([DecodeRow(c.seq.tokens[c.start], c.start, c.seq.blocks,
+                                               state_slot=c.seq.state_slot)
                                      for c in chunks])  # fmt: skip
             else:
                 batch = self._batch(chunks)
@@ -230,6 +231,7 @@ class Stepper:
             c.seq.computed = c.start + c.count
             if not decode:  # a long prompt's pages, named chunk by chunk as they are computed
                 self.scheduler.name_blocks(c.seq)
+                self.scheduler.keep_state(c.seq)  # a hybrid model's state, where due
         seqs = [c.seq for c in sampled_chunks]
         tokens, logprobs = self.sampler.sample(logits, seqs)
         if decode:
@@ -285,7 +287,7 @@ class Stepper:
             for pos in range(c.start, c.start + c.count):
                 positions.append(pos)
                 slots.append(self.kv.slot(c.seq.blocks, pos))
-            seqs.append(SeqSlice(q_start, c.count, c.start + c.count))
+            seqs.append(SeqSlice(q_start, c.count, c.start + c.count, state_slot=c.seq.state_slot))
             if c.completes_prompt:
                 logits_index.append(len(ids) - 1)
         dev = self.device
@@ -308,6 +310,8 @@ class Stepper:
             tables = [c.seq.blocks + [0] * (width - len(c.seq.blocks)) for c in chunks]
             batch.block_tables = as_tensor(tables, torch.int32)
             batch.seq_lens = as_tensor([c.start + 1 for c in chunks], torch.int32)
+            if self.model.states is not None:
+                batch.state_slots = as_tensor([c.seq.state_slot for c in chunks])
         else:  # a prefill's attention reads cached keys through each sequence's pages
             blocks_and_lengths = [(c.seq.blocks, c.start + c.count) for c in chunks]
             pages = self.kv.page_indices(blocks_and_lengths)

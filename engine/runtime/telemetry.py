@@ -4,8 +4,8 @@ curve and the per-token time breakdown, as `GET /v1/stats` and `GET /metrics` re
 `Telemetry` is given the parts it reports on, each through a small interface it implements: the
 expert cache, the expert bank and the scheduler report their figures (`Reports.snapshot`); the MoE
 runner its figures too, its decode counters and its stream of decode accesses (`ExpertReports`);
-of the engine itself telemetry reads only what a resize replaces or the engine alone knows
-(`EngineState`)."""
+a hybrid model's state pool its slots (`StateSlots`); of the engine itself telemetry reads only
+what a resize replaces or the engine alone knows (`EngineState`)."""
 
 from __future__ import annotations
 
@@ -100,6 +100,23 @@ class ExpertReports(Reports, Protocol):
     def watch_accesses(self, observer: Callable[[np.ndarray], None]) -> None: ...
 
 
+class StateSlots(Protocol):
+    """A hybrid model's recurrent states as telemetry reads them (engine/model/states.py): a slot
+    per running sequence."""
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def used_slots(self) -> int: ...
+
+    @property
+    def bytes_per_slot(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 class EngineState(Protocol):
     """What telemetry reads of the engine itself: its device, what a resize replaces (the memory
     plan, the KV cache, the usable context) and the settings in force."""
@@ -124,9 +141,11 @@ class Telemetry:
         bank: Reports,
         scheduler: Reports,
         enabled: bool = True,
+        states: StateSlots | None = None,
     ) -> None:
         self.spec = spec
         self.engine = engine
+        self.states = states
         self.experts = experts
         self.cache = cache
         self.bank = bank
@@ -234,6 +253,7 @@ class Telemetry:
             "prefill_buffer": experts["prefill_buffer_bytes"],
             "activations": plan.activation_bytes,
             "graphs": plan.graph_bytes,
+            "states": self.states.nbytes if self.states is not None else 0,
         }
         if engine.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(engine.device)
@@ -273,6 +293,8 @@ class Telemetry:
                 "max_context": engine.max_context,
                 "bytes_per_token": kv.bytes_per_token,
                 "dtype": kv.fmt,
+                "attention_layers": len(self.spec.attention_layers),
+                "states": self._states(),
                 "prefix_cache": self.scheduler.snapshot(),
             },
             "config": engine.config_in_force(),
@@ -280,6 +302,20 @@ class Telemetry:
         stats["experts"] = self._experts(now, cache, experts) if self.enabled else None
         stats["breakdown"] = dict(self.breakdown) if self.breakdown else None
         return stats
+
+    def _states(self) -> dict | None:
+        """A hybrid model's recurrent states (its state pool): the bytes a sequence's take, the
+        slots in use and in all; None for a model without linear layers."""
+        pool = self.states
+        if pool is None:
+            return None
+        return {
+            "linear_layers": len(self.spec.linear_layers),
+            "bytes_per_seq": pool.bytes_per_slot,
+            "slots_total": pool.num_slots,
+            "slots_used": pool.used_slots,
+            "bytes": pool.nbytes,
+        }
 
     def _experts(self, now: float, cache: dict, experts: dict) -> dict:
         """The expert section: the cache's and the runner's figures (their snapshots), the
@@ -301,6 +337,8 @@ class Telemetry:
         return {
             "num_layers": spec.num_moe_layers,
             "layer_ids": moe_layers,
+            # each MoE layer's token mixer: full_attention, or linear_attention (Gated DeltaNet)
+            "layer_types": [spec.layer_types[layer] for layer in moe_layers],
             "num_experts": spec.num_experts,
             "top_k": spec.top_k,
             "slots": slots,

@@ -37,6 +37,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    # prompt token counts where a chat's messages end (Engine.add's boundaries)
+    boundaries: tuple[int, ...] = ()
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: Sequence | None = None
     arrival: float = field(default_factory=time.monotonic)
@@ -159,7 +161,9 @@ class EngineWorker(threading.Thread):
 
         def add(engine) -> None:
             try:
-                request.seq = engine.add(request.prompt_ids, request.params, on_token)
+                request.seq = engine.add(
+                    request.prompt_ids, request.params, on_token, request.boundaries
+                )
                 request.seq.arrival_time = request.arrival
             except ValueError as err:
                 self._done()

@@ -16,9 +16,13 @@ The translation, field by field:
 - `tools` (`name`, `description`, `input_schema`) become functions; `tool_choice` auto, any,
   tool (a name) and none become "auto", "required", the named function and "none";
   `disable_parallel_tool_use` becomes parallel_tool_calls false;
-- `thinking`: enabled with `budget_tokens` becomes the reasoning budget; disabled becomes a
-  budget of 0 and the template's `enable_thinking: false`; adaptive and between_tools leave the
-  model to decide; `display: "omitted"` leaves the thinking blocks empty;
+- `thinking`: enabled with `budget_tokens` becomes the reasoning budget, and the reasoning
+  effort of a model that takes one (gpt-oss): low under 8,192 tokens, medium under 16,384, high
+  from there; disabled becomes a budget of 0 and the template's `enable_thinking: false`;
+  adaptive and between_tools leave the model to decide; `display: "omitted"` leaves the
+  thinking blocks empty;
+- `output_config.effort` (low, medium, high) becomes the reasoning effort, in place of the one
+  `thinking` gives;
 - `stop_sequences` become `stop`; `max_tokens`, `temperature`, `top_p`, `top_k`, `stream`
   and `model` keep their names, as do moelab's own `seed`, `ignore_eos` and
   `chat_template_kwargs`.
@@ -40,6 +44,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import anthropic_reply as reply
+from . import harmony
 from . import openai_api as api
 from .generation import Generation
 from .openai_api import ApiError, ParsedRequest, bad
@@ -47,6 +52,9 @@ from .openai_api import ApiError, ParsedRequest, bad
 PATH = "/v1/messages"
 # moelab's own fields a Messages request may send, as the chat path takes them
 EXTENSIONS = ("seed", "ignore_eos", "chat_template_kwargs")
+# the reasoning effort a thinking budget asks for: the first whose bound the budget is under
+# (Claude Code's "think", "think hard" and "ultrathink" ask for 4,000, 10,000 and 31,999 tokens)
+EFFORT_OF_BUDGET = ((8192, "low"), (16384, "medium"), (float("inf"), "high"))
 
 
 class ChatPath(Protocol):
@@ -156,6 +164,10 @@ def chat_body(body: dict, *, counting: bool = False) -> dict:
     output = body.get("output_config")
     if isinstance(output, dict) and output.get("format") is not None:
         raise bad("output_config.format", "structured output formats are not supported")
+    if isinstance(output, dict) and output.get("effort") is not None:
+        if output["effort"] not in harmony.EFFORTS:
+            raise bad("output_config.effort", f"must be one of {', '.join(harmony.EFFORTS)}")
+        out["reasoning_effort"] = output["effort"]
     return out
 
 
@@ -340,7 +352,8 @@ def _thinking(thinking, template_kwargs) -> dict:
         budget = thinking.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise bad("thinking.budget_tokens", "must be a whole number of 0 or more")
-        return {"reasoning_budget": budget}
+        effort = next(e for limit, e in EFFORT_OF_BUDGET if budget < limit)
+        return {"reasoning_budget": budget, "reasoning_effort": effort}
     if kind == "disabled":
         kwargs = template_kwargs if isinstance(template_kwargs, dict) else {}
         return {"reasoning_budget": 0,

@@ -4,7 +4,8 @@ The text comes in whole characters (tokenizer.IncrementalDecoder) and ends befor
 the request's stop strings. A chat request with a reasoning budget is watched token by token
 (reasoning.ReasoningBudget): once the budget is spent inside the reply's <think> block, its engine
 request is cancelled and a continuation takes its place, whose prompt is the prompt, the reply so
-far and the closing tag (reasoning.CLOSING). The prefix cache holds the pages of the first two
+far and the closing tag (reasoning.CLOSING; in gpt-oss's format, harmony.CLOSING: the analysis
+message's end and the final one's header). The prefix cache holds the pages of the first two
 already, so the continuation computes little more than the tag before it goes on with the
 answer, for what is left of max_tokens. The tag's text is part of the reply.
 """
@@ -18,6 +19,7 @@ from ..model.tokenizer import IncrementalDecoder
 from ..runtime.sampling import SamplingParams, TokenLogprobs
 from ..runtime.worker import EngineWorker, QueueFull
 from ..runtime.worker import Request as EngineRequest
+from . import harmony
 from .openai_api import ApiError, ParsedRequest, StopMatcher
 from .reasoning import CLOSING, ReasoningBudget, opened_by_prompt
 
@@ -34,14 +36,17 @@ class Generation:
         prompt_ids: list[int],
         params: SamplingParams,
         limit: int,
+        boundaries: tuple[int, ...] = (),
     ) -> None:
+        """`boundaries`: the prompt's token counts where its messages end (Engine.add)."""
         self.worker = worker
         self.engine = engine
         self.parsed = parsed
         self.prompt_ids = prompt_ids
         self.max_tokens = params.max_tokens
         self.limit = limit  # requests in flight past which the worker refuses one
-        self.first = EngineRequest(prompt_ids, params, asyncio.get_running_loop())
+        self.boundaries = boundaries
+        self.first = EngineRequest(prompt_ids, params, asyncio.get_running_loop(), boundaries)
         self.req = self.first  # the engine request read now
         self.before = 0  # reply tokens before `req`'s own (a continuation's prompt holds them)
         self.stop_matched: str | None = None  # the stop string the text ended before
@@ -74,12 +79,19 @@ class Generation:
         """(text piece, finish reason, the token's log probabilities or None) as tokens arrive;
         stop strings applied, a spent reasoning budget's closing tag written."""
         tokenizer = self.engine.tokenizer
-        decoder = IncrementalDecoder(tokenizer) if tokenizer else None
-        stops = StopMatcher(self.parsed.stop)
+        parsed = self.parsed
+        # a harmony reply's special tokens are its structure: the text keeps them
+        decoder = IncrementalDecoder(tokenizer, parsed.harmony is None) if tokenizer else None
+        stops = StopMatcher(parsed.stop)
         budget = None
-        if self.parsed.reasoning_budget is not None and tokenizer is not None:
-            opened = opened_by_prompt(self.parsed.prompt_text or "")
-            budget = ReasoningBudget(self.parsed.reasoning_budget, opened)
+        if parsed.reasoning_budget is not None and tokenizer is not None:
+            if parsed.harmony is not None:
+                reading = harmony.HarmonyStream(calls=False)
+                reading.feed(parsed.reply_prefix)
+                budget = ReasoningBudget(parsed.reasoning_budget, reading=reading)
+            else:
+                opened = opened_by_prompt(parsed.prompt_text or "")
+                budget = ReasoningBudget(parsed.reasoning_budget, opened)
         reply: list[int] = []  # the reply's tokens so far, a written tag's included
         while True:
             token, finish, logprobs = await self.req.events.get()
@@ -113,7 +125,8 @@ class Generation:
         """End the reply's reasoning: the closing tag's tokens, and a continuation after them in
         place of the engine request; none where max_tokens leaves no room for an answer (the
         reply then runs out inside its reasoning)."""
-        closing = self.engine.tokenizer.encode(CLOSING)
+        tag = harmony.CLOSING if self.parsed.harmony is not None else CLOSING
+        closing = self.engine.tokenizer.encode(tag)
         room = self.max_tokens - len(reply) - len(closing)
         if room < 1:
             return []
@@ -121,7 +134,9 @@ class Generation:
         self.before = len(reply) + len(closing)
         reply += closing
         params = self.parsed.sampling(room)
-        self.req = EngineRequest(self.prompt_ids + reply, params, asyncio.get_running_loop())
+        self.req = EngineRequest(
+            self.prompt_ids + reply, params, asyncio.get_running_loop(), self.boundaries
+        )
         # it takes the place of the request just cancelled, which may still count as in flight
         _submit(self.worker, self.req, self.limit + 1)
         return closing

@@ -14,6 +14,7 @@ from typing import Protocol
 from starlette.requests import Request
 
 from ..runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from . import harmony
 from .tool_calls import ToolParser, parser_for
 
 DEFAULT_MAX_TOKENS = 1024
@@ -105,8 +106,14 @@ class ParsedRequest:
     think_opened: bool | None = None
     # chat: the reply's tokens inside its <think> block before the server closes it
     reasoning_budget: int | None = None
+    # chat in gpt-oss's format: how the reply's channels and calls are read (harmony.py); the
+    # reply is decoded with its special tokens, which frame the format
+    harmony: harmony.HarmonyReply | None = None
     # max_tokens past the context's room left is cut to it (the Messages API's way), not refused
     fit_context: bool = False
+    # chat on a hybrid model: the character offsets in prompt_text where its system prompt and
+    # its last message end, where the engine keeps state checkpoints
+    message_ends: tuple[int, ...] = ()
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -712,21 +719,14 @@ def tool_use(
     (`{"type": "function", "function": {"name": ...}}`), makes the reply begin with the opening
     of a call (of that function), which the prompt writes: the model goes on inside it.
     `parallel_tool_calls` false ends the reply at its first call."""
-    choice = body.get("tool_choice")
-    forced, name = _forced_call(choice)
-    if not tools or choice == "none":
-        if forced:
-            raise bad("tool_choice", "asks for a tool call, but the request gives no tools")
+    asked = _asked_calls(body, tools)
+    if asked is None:
         return None, ""
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise bad("parallel_tool_calls", "must be true or false")
+    forced, name, parallel = asked
     form = parser_for(template_source, parser)
     reader = ToolParser.of(form, tools, parallel) if form else None
     if not forced:
         return reader, ""
-    if name is not None and name not in _tool_names(tools):
-        raise bad("tool_choice", f"names {name!r}, which is not among the request's tools")
     if reader is None:
         raise bad(
             "tool_choice",
@@ -734,6 +734,35 @@ def tool_use(
             "--tool-call-parser hermes or qwen_xml to force a call",
         )
     return reader, reader.opening(name)
+
+
+def harmony_use(body: dict, tools: list | None) -> tuple[harmony.HarmonyReply, str]:
+    """How a chat request's reply in gpt-oss's format is read (its calls taken out where the
+    request gives tools and tool_choice is not "none"), and the opening of the call it must
+    begin with ("" where the model chooses), as `tool_use` for the other formats."""
+    asked = _asked_calls(body, tools)
+    if asked is None:
+        return harmony.HarmonyReply(calls=False), ""
+    forced, name, parallel = asked
+    return harmony.HarmonyReply(True, parallel), harmony.opening(name) if forced else ""
+
+
+def _asked_calls(body: dict, tools: list | None) -> tuple[bool, str | None, bool] | None:
+    """Whether a chat request's tool_choice forces a call, the function it names (None: any),
+    and whether the reply may make several (`parallel_tool_calls`); None where the reply makes
+    no calls (no tools, or tool_choice "none")."""
+    choice = body.get("tool_choice")
+    forced, name = _forced_call(choice)
+    if not tools or choice == "none":
+        if forced:
+            raise bad("tool_choice", "asks for a tool call, but the request gives no tools")
+        return None
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "must be true or false")
+    if forced and name is not None and name not in _tool_names(tools):
+        raise bad("tool_choice", f"names {name!r}, which is not among the request's tools")
+    return forced, name, parallel
 
 
 def _forced_call(choice) -> tuple[bool, str | None]:
@@ -767,3 +796,13 @@ def parse_reasoning_budget(body: dict, default: int | None) -> int | None:
     it (0: none); absent or null: the server's --reasoning-budget."""
     budget = _number(body, "reasoning_budget", None, lo=0, integer=True)
     return default if budget is None else budget
+
+
+def parse_reasoning_effort(body: dict) -> str | None:
+    """`reasoning_effort` (low, medium or high): how long a model that takes it (gpt-oss) reasons,
+    given to the chat template as its `reasoning_effort` variable; absent or null: the
+    template's default."""
+    value = body.get("reasoning_effort")
+    if value is not None and value not in harmony.EFFORTS:
+        raise bad("reasoning_effort", f"must be one of {', '.join(harmony.EFFORTS)}, got {value!r}")
+    return value

@@ -17,6 +17,7 @@ templates write it (`CLOSING`) and the model goes on with its answer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 OPEN, CLOSE = "<think>", "</think>"
 # a block's end as the Qwen templates write a past turn's reasoning (and an empty one)
@@ -119,19 +120,30 @@ def _held_back(text: str) -> int:
     return tag + len(body) - len(body.rstrip())
 
 
+class ReasoningReader(Protocol):
+    """Reads a reply's text as it comes and tells whether it ends inside the reasoning
+    (ReasoningStream; harmony.HarmonyStream for gpt-oss's format)."""
+
+    @property
+    def inside(self) -> bool: ...
+    def feed(self, piece: str) -> object: ...
+
+
 @dataclass
 class ReasoningBudget:
-    """Counts a reply's tokens inside its <think> block, one `feed` a token, and tells when
-    `tokens` of them are spent with the block still open: the closing tag is then due."""
+    """Counts a reply's tokens inside its reasoning (its <think> block, or what `reading`
+    finds), one `feed` a token, and tells when `tokens` of them are spent with the reasoning
+    still going: the closing tag is then due."""
 
     tokens: int
     opened: bool = False  # the prompt opened the block
     spent: int = 0
-    _text: ReasoningStream = field(init=False)
+    reading: ReasoningReader | None = None  # None: a <think> block's
+    _text: ReasoningReader = field(init=False)
 
     def __post_init__(self) -> None:
         assert self.tokens >= 0, self.tokens
-        self._text = ReasoningStream(self.opened)
+        self._text = self.reading or ReasoningStream(self.opened)
 
     def feed(self, piece: str) -> bool:
         """Take one token's text; whether the budget is spent and the reply still thinking."""

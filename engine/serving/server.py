@@ -21,7 +21,7 @@ from ..model.tokenizer import ChatTemplateError
 from ..runtime.sampling import TokenLogprobs
 from ..runtime.worker import EngineWorker
 from ..runtime.worker import Request as EngineRequest
-from . import anthropic_api, anthropic_reply
+from . import anthropic_api, anthropic_reply, harmony
 from . import openai_api as api
 from .access import access_middleware
 from .generation import Generation
@@ -211,22 +211,45 @@ class Server:
         tools = api.parse_tools(body)
         server = self.config.server
         budget = api.parse_reasoning_budget(body, server.reasoning_budget)
+        effort = api.parse_reasoning_effort(body)
+        if effort is not None:
+            kwargs["reasoning_effort"] = effort
         if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
+        source = engine.tokenizer.chat_template_source
+        in_harmony = harmony.is_harmony(source) or "harmony" in (
+            server.reasoning_parser,
+            server.tool_call_parser,
+        )
+        if in_harmony:
+            messages = harmony.template_messages(messages)
         try:
             text = await asyncio.to_thread(
                 engine.tokenizer.apply_chat_template, messages, tools=tools, **kwargs
             )
         except ChatTemplateError as err:
             raise api.bad("messages", str(err)) from None
-        source = engine.tokenizer.chat_template_source
+        if in_harmony:
+            reply, opening = api.harmony_use(body, tools)
+            # a forced call skips the reasoning; so does a budget of 0, the answer begun
+            opening = opening or (harmony.FINAL if budget == 0 else "")
+            return api.ParsedRequest(
+                prompt_text=text + opening, prompt_ids=None, **common, reply_prefix=opening,
+                reasoning_budget=budget, harmony=reply,
+            )  # fmt: skip
         tool_parser, opening = api.tool_use(body, tools, source, server.tool_call_parser)
         if opening or budget == 0:
             text = closed(text) + opening
         opened = opened_by_prompt(text) if server.reasoning_parser == "think" else None
+        ends = ()
+        if engine.scheduler.checkpointing:
+            ends = await asyncio.to_thread(
+                _message_ends, engine.tokenizer, messages, text, tools=tools, **kwargs
+            )
         return api.ParsedRequest(
             prompt_text=text, prompt_ids=None, **common, tool_parser=tool_parser,
             reply_prefix=opening, think_opened=opened, reasoning_budget=budget,
+            message_ends=ends,
         )  # fmt: skip
 
     async def completions(self, request: Request) -> Response:
@@ -256,6 +279,7 @@ class Server:
         """The request's prompt checked against the vocabulary and the context (chat: its
         messages), and its generation queued."""
         tok = engine.tokenizer
+        boundaries: tuple[int, ...] = ()
         if parsed.prompt_ids is not None:
             ids = parsed.prompt_ids
             bad = [t for t in ids if not 0 <= t < engine.spec.vocab_size]
@@ -274,7 +298,10 @@ class Server:
                     param="messages" if chat else "prompt",
                     code="context_length_exceeded",
                 )
-            ids = await asyncio.to_thread(tok.encode, parsed.prompt_text, parsed.add_special_tokens)
+            ids, boundaries = await asyncio.to_thread(
+                tok.encode_marked, parsed.prompt_text, parsed.message_ends,
+                parsed.add_special_tokens,
+            )  # fmt: skip
         if not ids:
             raise api.bad("prompt", "is empty")
         if outside := [t for t, _ in parsed.logit_bias if t >= engine.spec.vocab_size]:
@@ -301,8 +328,9 @@ class Server:
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         gen = Generation(
-            self.worker, engine, parsed, ids, params, self.config.batching.max_requests_in_flight
-        )
+            self.worker, engine, parsed, ids, params, self.config.batching.max_requests_in_flight,
+            boundaries,
+        )  # fmt: skip
         gen.submit()
         return gen
 
@@ -344,14 +372,18 @@ class Server:
         if not chat:
             return api.completion_response(rid, name, text, finish, u, logprobs, stopped)
         reasoning: str | bool | None = False
-        if parsed.think_opened is not None:
-            reasoning, text = split_reasoning(text, parsed.think_opened)
         calls = None
-        parser = parsed.tool_parser
-        if parser:  # in the content only: a call the reasoning mentions is none
-            text, calls = parser.split(text)
+        if parsed.harmony is not None:
+            reasoning, text, calls = parsed.harmony.split(text)
+        else:
+            if parsed.think_opened is not None:
+                reasoning, text = split_reasoning(text, parsed.think_opened)
+            if parsed.tool_parser:  # in the content only: a call the reasoning mentions is none
+                text, calls = parsed.tool_parser.split(text)
+        reader = parsed.harmony or parsed.tool_parser
+        if reader is not None:
             # a reply held to one call ended with it, whatever the model wrote after
-            ended = finish == "stop" or not parser.parallel
+            ended = finish == "stop" or not reader.parallel
             finish = "tool_calls" if calls and ended else finish
         return api.chat_response(rid, name, text, finish, u, logprobs, calls, reasoning, stopped)
 
@@ -367,7 +399,8 @@ class Server:
             # back, a character's first bytes or a possible stop string, keeps them waiting)
             entries: list = []
             offset = 0
-            tools = parsed.tool_parser.stream() if parsed.tool_parser else None
+            reader = parsed.harmony or parsed.tool_parser
+            tools = reader.stream() if reader is not None else None
             opened = parsed.think_opened
             thinking = ReasoningStream(opened) if opened is not None else None
             echo = parsed.echo
@@ -515,18 +548,48 @@ class Server:
             worker.engine.scheduler.paused = False
 
 
+def _message_ends(tokenizer, messages: list[dict], text: str, **template) -> tuple[int, ...]:
+    """Where in a chat's rendered prompt `text` its system prompt (the leading system or
+    developer messages) and its last message end, as character offsets: the chat rendered up to
+    there without a generation prompt, where the prompt begins with that rendering. A later
+    turn's prompt renders the same history, so its state resumes from these places."""
+    system = 0
+    while system < len(messages) and messages[system].get("role") in ("system", "developer"):
+        system += 1
+    ends = []
+    for count in sorted({system, len(messages)} - {0}):
+        try:
+            head = tokenizer.apply_chat_template(
+                messages[:count], add_generation_prompt=False, **template
+            )
+        except ChatTemplateError:
+            continue  # a template that refuses a system prompt alone: no place there
+        if head and text.startswith(head):
+            ends.append(len(head))
+    return tuple(ends)
+
+
 def _chat_deltas(
-    tools: ToolCallStream | None,
+    tools: ToolCallStream | harmony.HarmonyStream | None,
     thinking: ReasoningStream | None,
     text: str,
     reason: str | None,
 ) -> list[tuple[dict, str | None]]:
     """The chat chunks (delta, finish reason) one arrival of text makes: its reasoning
     (`thinking`: the reply's reasoning taken out of it), its content, then each tool call that
-    closed (`tools`: the request's calls taken out of the content), the finish reason on the
-    last ("tool_calls" where the reply ended on its own after making calls, or made the one call
-    it may make); none while everything is held back."""
+    closed (`tools`: the request's calls taken out of the content; a harmony stream takes the
+    reasoning out too), the finish reason on the last ("tool_calls" where the reply ended on its
+    own after making calls, or made the one call it may make); none while everything is held
+    back."""
     reasoning = ""
+    if isinstance(tools, harmony.HarmonyStream):
+        reasoning, text, calls = tools.feed(text)
+        if tools.full:
+            reason = "stop"
+        if reason is not None:
+            more, rest, last = tools.flush()
+            reasoning, text, calls = reasoning + more, text + rest, calls + last
+        return _deltas(tools, reasoning, text, calls, reason)
     if thinking is not None:
         reasoning, text = thinking.feed(text)
         if reason is not None:
@@ -540,8 +603,19 @@ def _chat_deltas(
         if reason is not None:
             rest, more = tools.flush()
             text, calls = text + rest, calls + more
-        if reason == "stop" and tools.calls_made:
-            reason = "tool_calls"
+    return _deltas(tools, reasoning, text, calls, reason)
+
+
+def _deltas(
+    tools: ToolCallStream | harmony.HarmonyStream | None,
+    reasoning: str,
+    text: str,
+    calls: list[dict],
+    reason: str | None,
+) -> list[tuple[dict, str | None]]:
+    """The chunks of one arrival's reasoning, content and calls, as `_chat_deltas` says."""
+    if tools is not None and reason == "stop" and tools.calls_made:
+        reason = "tool_calls"
     deltas: list[dict] = [{"reasoning_content": reasoning}] if reasoning else []
     deltas += [{"content": text}] if text else []
     first = tools.calls_made - len(calls) if tools is not None else 0

@@ -104,7 +104,8 @@ class ToolParser:
         return f"{OPEN}\n<function=" if name is None else f"{OPEN}\n<function={name}>\n"
 
 
-def _call(name: str, arguments: str) -> dict:
+def new_call(name: str, arguments: str) -> dict:
+    """An OpenAI tool call of `name` with `arguments` (the JSON text of an object), a new id."""
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
@@ -128,10 +129,10 @@ def hermes_call(block: str) -> dict | None:
                 return None
         except ValueError:
             return None
-        return _call(call["name"], arguments or "{}")
+        return new_call(call["name"], arguments or "{}")
     if not isinstance(arguments, dict):
         return None
-    return _call(call["name"], json.dumps(arguments, ensure_ascii=False))
+    return new_call(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def xml_calls(block: str, parameters: dict[str, dict]) -> list[dict]:
@@ -148,7 +149,7 @@ def xml_calls(block: str, parameters: dict[str, dict]) -> list[dict]:
         for param in _PARAMETER.finditer(match.group(2)):
             key = param.group(1).strip()
             arguments[key] = typed(_unwrap(param.group(2)), schema.get(key))
-        calls.append(_call(name, json.dumps(arguments, ensure_ascii=False)))
+        calls.append(new_call(name, json.dumps(arguments, ensure_ascii=False)))
     return calls
 
 

@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -34,7 +36,8 @@ namespace {
 // on the fill stream, marking the routes they serve (-2 - slot) so that the device runs the
 // cached experts' routes during them: the whole serial host path of an offloaded layer step,
 // which in Python costs several times as much, most when the CPU job before has just streamed
-// the caches cold (docs/cpu-experts.md).
+// the caches cold (docs/cpu-experts.md). An expert is the tensors the bank holds it as
+// (`ExpertTensor`: bf16 weights, or FP8 values and their block factors), each copied alike.
 
 // The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
 using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
@@ -168,6 +171,22 @@ inline MissPlan plan_misses(int64_t m, double f, int64_t chunks, int64_t lead_ro
   return {q, j, false};
 }
 
+// One of the tensors an expert is held as (ExpertBank.layer_tensors: w13, w2, and an FP8 bank's
+// block factors), as the planner copies it into cache slots: per layer the address of the bank's
+// [experts, rows, ...] (host), and of the cache's [slots, rows, ...] (device, `set_device`). Its
+// rows follow the intermediate rows one of two ways: `gate_up`, its rows are w13's gate rows then
+// its up rows, one for every `block` of them (FP8 factors: 128); else each of its rows holds
+// I / block entries along w2's columns. A split or a copy ahead cuts each at whole entries.
+struct ExpertTensor {
+  std::vector<uintptr_t> bank;
+  bool gate_up;
+  int64_t block, rows, row_bytes;  // intermediate rows an entry covers; one expert's rows
+  uint64_t cache = 0;
+  int64_t bytes() const { return rows * row_bytes; }
+};
+// What Python hands over for each: (bank addresses per layer, gate_up, block, rows, row_bytes).
+using ExpertTensorSpec = std::tuple<std::vector<uintptr_t>, bool, int64_t, int64_t, int64_t>;
+
 // A guess of the routing a step waits for (DecodePlanner::step's guess): the layer router's
 // logits [T, experts] and their signal, stored by the piece before the routing; the step's x and
 // tokens, the copies' share and split chunks it plans with, and the rounds of gate/up blocks the
@@ -186,7 +205,7 @@ class DecodePlanner {
   DecodePlanner(Pool& pool, int simd, int weight_type, uintptr_t slot_of, uintptr_t key_of_slot,
                 uintptr_t last_use, int64_t slots, uintptr_t state, uintptr_t picks,
                 int64_t layers, int64_t experts, int64_t top_k, int64_t hidden, int64_t inter,
-                std::vector<uintptr_t> w13, std::vector<uintptr_t> w2)
+                const std::vector<ExpertTensorSpec>& tensors)
       : pool_(pool),
         simd_(simd),
         weight_type_(weight_type),
@@ -201,32 +220,41 @@ class DecodePlanner {
         top_k_(top_k),
         hidden_(hidden),
         inter_(inter),
-        w13_(std::move(w13)),
-        w2_(std::move(w2)),
         tokens_(experts, 0),
         where_(experts, kNotRouted),
         protected_(slots, 0) {
-    if (int64_t(w13_.size()) != layers || int64_t(w2_.size()) != layers) {
-      throw std::invalid_argument("one w13 and one w2 address per layer are needed");
+    // w13 and w2, then (block-scaled weights) their factors: the CPU job reads them so
+    if (tensors.size() != 2 && tensors.size() != 4) {
+      throw std::invalid_argument("an expert is w13 and w2, and their two factor tensors if any");
+    }
+    for (const auto& [bank, gate_up, block, rows, row_bytes] : tensors) {
+      if (int64_t(bank.size()) != layers || block < 1 || rows < 1 || row_bytes < 1) {
+        throw std::invalid_argument(
+            "each expert tensor needs one address per layer, a block and its rows' shape");
+      }
+      tensors_.push_back(ExpertTensor{bank, gate_up, block, rows, row_bytes});
+      granule_ = std::lcm(granule_, block);
+      if (gate_up) gate_up_row_bytes_ += rows * row_bytes;
     }
   }
 
   // The driver's cuMemcpyHtoDAsync, cuStreamQuery, cuMemsetD2D8Async and cuMemcpy2DAsync,
   // the compute stream (waited for), the fill stream (the copies), and the cache's slot arrays on
-  // the device ([slots, 2I, H] and [slots, H, I], the bank's element type).
+  // the device, one for each of the expert's tensors, in their order ([slots, ...] of the bank's
+  // [experts, ...]: ExpertCache.tensors).
   void set_device(uintptr_t copy, uintptr_t query, uintptr_t memset2d, uintptr_t copy2d,
-                  uintptr_t stream, uintptr_t fill_stream, uintptr_t cache_w13,
-                  uintptr_t cache_w2, int64_t element_size) {
+                  uintptr_t stream, uintptr_t fill_stream, const std::vector<uintptr_t>& cache) {
+    if (cache.size() != tensors_.size()) {
+      throw std::invalid_argument("the cache needs one slot array per expert tensor (" +
+                                  std::to_string(tensors_.size()) + ")");
+    }
     copy_ = reinterpret_cast<CuMemcpyHtoDAsync>(copy);
     query_ = reinterpret_cast<CuStreamQuery>(query);
     memset2d_ = reinterpret_cast<CuMemsetD2D8Async>(memset2d);
     copy2d_ = reinterpret_cast<CuMemcpy2DAsync>(copy2d);
     stream_ = reinterpret_cast<void*>(stream);
     fill_stream_ = reinterpret_cast<void*>(fill_stream);
-    cache_w13_ = cache_w13;
-    cache_w2_ = cache_w2;
-    bytes13_ = 2 * inter_ * hidden_ * element_size;
-    bytes2_ = hidden_ * inter_ * element_size;
+    for (size_t i = 0; i < cache.size(); ++i) tensors_[i].cache = cache[i];
   }
 
   // The driver's cuGraphLaunch, cuEventRecord and cuStreamWaitEvent, and an event of this
@@ -275,8 +303,9 @@ class DecodePlanner {
   // caller orders the device's reads of those slots after the fill stream), after starting the
   // CPU job, or before it where the copies are the side that ends later.
   // split_chunks >= 2 (with copies only): one miss may be split, its first rows in chunks of
-  // I / split_chunks copied into the least recently used slot, which is freed again (its content
-  // is no expert), and the rest run on the CPU (fetch_plan).
+  // I / split_chunks (whole blocks of every tensor: misses.split_chunks) copied into the least
+  // recently used slot, which is freed again (its content is no expert), and the rest run on the
+  // CPU (fetch_plan).
   // The next piece (with the device set, copies and `set_launch`): `handoff` (with done_flag)
   // completes the CPU part's handoff to it first: without a CPU job `out` is zeroed and
   // done_value stored at done_flag, then, either way, done_value at `handoff` (the value the
@@ -329,10 +358,12 @@ class DecodePlanner {
           "a routing guess needs its signal, the wait for the routing's signal and rounds >= 1 "
           "(or 0 with copies ahead)");
     }
-    if (split_chunks >= 2 &&
-        (!copies || memset2d_ == nullptr || copy2d_ == nullptr || inter_ % split_chunks != 0)) {
+    if (split_chunks >= 2 && (!copies || memset2d_ == nullptr || copy2d_ == nullptr ||
+                              inter_ % split_chunks != 0 ||
+                              (inter_ / split_chunks) % granule_ != 0)) {
       throw std::invalid_argument(
-          "a split needs the device copies, their 2D forms and chunks of I");
+          "a split needs the device copies, their 2D forms and chunks of I of whole blocks (" +
+          std::to_string(granule_) + " rows)");
     }
     const auto t0 = Clock::now();
     guess_layer_ = -1;  // a guess serves the step it came with
@@ -513,11 +544,8 @@ class DecodePlanner {
     std::shared_ptr<ExpertJobShell> job_ptr;
     int64_t owned = 0;
     if (!on_cpu.empty()) {
-      const ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
-                            reinterpret_cast<const void*>(w13_[layer]),
-                            reinterpret_cast<const void*>(w2_[layer]),
-                            T, hidden_, inter_, experts_, split_expert, split_row,
-                            /*weights_outlive_pool=*/true};
+      ExpertProblem p = problem(layer, x, out, T, split_expert, split_row);
+      p.weights_outlive_pool = true;
       const auto pairs = int64_t(pair_expert.size());
       std::shared_ptr<ExpertJobShell> j = std::move(spare_job_);
       if (j == nullptr || j->capacity() < pairs) {
@@ -583,14 +611,15 @@ class DecodePlanner {
     const char* failed = "cuMemcpyHtoDAsync";
     for (size_t i = 0; i < admitted.size() && err == 0; ++i) {
       const auto [e, slot] = admitted[i];
-      const auto* bank13 = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_;
-      const auto* bank2 = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
-      if (i == 0 && lead_rows > 0) {  // the rest of its gate and up rows
-        err = copy_gate_up(layer, e, slot, lead_rows, inter_, &failed);
-      } else {
-        err = copy_(cache_w13_ + slot * bytes13_, bank13, bytes13_, fill_stream_);
+      for (const ExpertTensor& t : tensors_) {
+        if (i == 0 && lead_rows > 0 && t.gate_up) {  // the rest of its gate and up rows
+          err = copy_rows(t, layer, e, slot, lead_rows, inter_, &failed);
+        } else {
+          const auto* bank = reinterpret_cast<const char*>(t.bank[layer]) + e * t.bytes();
+          err = copy_(t.cache + slot * t.bytes(), bank, size_t(t.bytes()), fill_stream_);
+        }
+        if (err != 0) break;
       }
-      if (err == 0) err = copy_(cache_w2_ + slot * bytes2_, bank2, bytes2_, fill_stream_);
     }
     if (split_expert >= 0 && err == 0) {
       err = copy_split(layer, split_expert, split_slot, admitted.empty() ? lead_rows : 0,
@@ -626,49 +655,89 @@ class DecodePlanner {
   // The device's part of a split expert into `slot`: its gate and up rows below `row` and the
   // same columns of its down projection, with its gate and up rows from `row` on zeroed
   // (silu(0) * 0 = 0: those rows add nothing, whatever the slot's down projection holds in their
-  // columns, as long as it is finite: the cache starts zeroed, and holds experts after that).
-  // Gate and up rows below `from` are there already (copied ahead). Two 2D copies and one 2D
-  // memset. Returns the first driver error (naming its call in `failed`), or 0.
+  // columns, as long as it is finite: the cache starts zeroed, and holds experts after that), in
+  // each of its tensors (factors too: `row` is a multiple of their blocks). Gate and up rows
+  // below `from` are there already (copied ahead). Per tensor one 2D copy and, for gate and up,
+  // one 2D memset. Returns the first driver error (naming its call in `failed`), or 0.
   int copy_split(int64_t layer, int32_t e, int64_t slot, int64_t from, int64_t row,
                  const char** failed) {
-    int err = copy_gate_up(layer, e, slot, from, row, failed);
-    if (err != 0) return err;
-    const size_t elem = size_t(bytes2_ / (hidden_ * inter_));
-    const size_t half = size_t(inter_ * hidden_) * elem, head = size_t(row * hidden_) * elem;
-    err = memset2d_(cache_w13_ + slot * bytes13_ + head, half, 0, half - head, 2, fill_stream_);
-    if (err != 0) {
-      *failed = "cuMemsetD2D8Async";
-      return err;
+    for (const ExpertTensor& t : tensors_) {
+      if (!t.gate_up) continue;
+      int err = copy_rows(t, layer, e, slot, from, row, failed);
+      if (err != 0) return err;
+      const size_t half = size_t(t.rows / 2 * t.row_bytes);
+      const size_t head = size_t(row / t.block * t.row_bytes);
+      err = memset2d_(t.cache + slot * t.bytes() + head, half, 0, half - head, 2, fill_stream_);
+      if (err != 0) {
+        *failed = "cuMemsetD2D8Async";
+        return err;
+      }
     }
-    Memcpy2D columns;  // the first `row` columns of each of the H rows of the down projection
-    columns.src_memory_type = 1;
-    columns.src_host = reinterpret_cast<const char*>(w2_[layer]) + e * bytes2_;
-    columns.src_pitch = inter_ * elem, columns.dst_memory_type = 2;
-    columns.dst_device = cache_w2_ + slot * bytes2_;
-    columns.dst_pitch = inter_ * elem, columns.width_bytes = row * elem;
-    columns.height = hidden_;
-    err = copy2d_(&columns, fill_stream_);
-    if (err != 0) *failed = "cuMemcpy2DAsync";
-    return err;
+    for (const ExpertTensor& t : tensors_) {
+      if (t.gate_up) continue;
+      Memcpy2D columns;  // the first `row` columns of each of its rows (their entries)
+      columns.src_memory_type = 1;
+      columns.src_host = reinterpret_cast<const char*>(t.bank[layer]) + e * t.bytes();
+      columns.src_pitch = t.row_bytes, columns.dst_memory_type = 2;
+      columns.dst_device = t.cache + slot * t.bytes();
+      columns.dst_pitch = t.row_bytes;
+      columns.width_bytes = size_t(row / t.block * (t.row_bytes * t.block / inter_));
+      columns.height = t.rows;
+      const int err = copy2d_(&columns, fill_stream_);
+      if (err != 0) {
+        *failed = "cuMemcpy2DAsync";
+        return err;
+      }
+    }
+    return 0;
   }
 
-  // Copies expert e's gate and up rows [from, to) into `slot`: one 2D copy of two runs (none
-  // where from == to). Returns the driver's error (naming its call in `failed`), or 0.
+  // Copies expert e's gate and up rows [from, to) into `slot`, in each of its tensors whose rows
+  // are gate and up rows. Returns the first driver error (naming its call in `failed`), or 0.
   int copy_gate_up(int64_t layer, int32_t e, int64_t slot, int64_t from, int64_t to,
                    const char** failed) {
+    for (const ExpertTensor& t : tensors_) {
+      if (!t.gate_up) continue;
+      const int err = copy_rows(t, layer, e, slot, from, to, failed);
+      if (err != 0) return err;
+    }
+    return 0;
+  }
+
+  // Copies the gate and up rows [from, to) (multiples of its block, or I) of tensor t of expert
+  // e into `slot`: one 2D copy of two runs, gate's and up's (none where from == to). Returns the
+  // driver's error (naming its call in `failed`), or 0.
+  int copy_rows(const ExpertTensor& t, int64_t layer, int32_t e, int64_t slot, int64_t from,
+                int64_t to, const char** failed) {
     if (from >= to) return 0;
-    const size_t elem = size_t(bytes2_ / (hidden_ * inter_));
-    const size_t half = size_t(inter_ * hidden_) * elem, skip = size_t(from * hidden_) * elem;
+    const size_t half = size_t(t.rows / 2 * t.row_bytes);
+    const size_t skip = size_t(from / t.block * t.row_bytes);
     Memcpy2D rows;  // gate rows [from, to), then the same up rows
     rows.src_memory_type = 1;
-    rows.src_host = reinterpret_cast<const char*>(w13_[layer]) + e * bytes13_ + skip;
+    rows.src_host = reinterpret_cast<const char*>(t.bank[layer]) + e * t.bytes() + skip;
     rows.src_pitch = half, rows.dst_memory_type = 2;
-    rows.dst_device = cache_w13_ + slot * bytes13_ + skip;
-    rows.dst_pitch = half, rows.width_bytes = size_t((to - from) * hidden_) * elem;
+    rows.dst_device = t.cache + slot * t.bytes() + skip;
+    rows.dst_pitch = half;
+    rows.width_bytes = size_t((to - from) / t.block * t.row_bytes);
     rows.height = 2;
     const int err = copy2d_(&rows, fill_stream_);
     if (err != 0) *failed = "cuMemcpy2DAsync";
     return err;
+  }
+
+  // The CPU job's problem for layer `layer`: the bank's weights, and their factors where the
+  // expert has them (its third and fourth tensors).
+  ExpertProblem problem(int64_t layer, uintptr_t x, uintptr_t out, int64_t T,
+                        int32_t split_expert, int64_t split_row) const {
+    ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
+                    reinterpret_cast<const void*>(tensors_[0].bank[layer]),
+                    reinterpret_cast<const void*>(tensors_[1].bank[layer]),
+                    T, hidden_, inter_, experts_, split_expert, split_row};
+    if (tensors_.size() == 4) {
+      p.w13_factors = reinterpret_cast<const float*>(tensors_[2].bank[layer]);
+      p.w2_factors = reinterpret_cast<const float*>(tensors_[3].bank[layer]);
+    }
+    return p;
   }
 
   // Seconds by the wait's clock (set_clock).
@@ -781,10 +850,7 @@ class DecodePlanner {
     if (guess_job_ == nullptr || guess_job_->capacity() < pairs) {
       guess_job_ = make_shell(pool_, simd_, weight_type_, std::max(pairs, R), inter_);
     }
-    const ExpertProblem p{reinterpret_cast<const float*>(g.x), nullptr,
-                          reinterpret_cast<const void*>(w13_[layer]),
-                          reinterpret_cast<const void*>(w2_[layer]),
-                          g.T, hidden_, inter_, experts_, split_expert, split_row};
+    const ExpertProblem p = problem(layer, g.x, 0, g.T, split_expert, split_row);
     guess_job_->assign(p, pair_expert_.data(), pair_token_.data(), pair_weight_.data(), pairs);
     guess_job_->own_gate_up(pool_, g.rounds, true);
     layout(pair_expert_, split_expert, split_row, guess_layout_);
@@ -792,11 +858,12 @@ class DecodePlanner {
   }
 
   // The rows of one expert whose gate and up a copy ahead takes: those the copies move in
-  // ahead_share_ of the guess's usual lead (2 H elements a row), at most all of them.
+  // ahead_share_ of the guess's usual lead (a row's gate and up, with their share of the
+  // factors), at most all of them, in whole blocks (granule_ rows: a split's unit).
   int64_t ahead_rows() const {
-    const double row_bytes = double(bytes13_) / double(inter_);
+    const double row_bytes = double(gate_up_row_bytes_) / double(inter_);
     const double rows = ahead_share_ * lead_seconds_ * ahead_rate_ / row_bytes;
-    return std::min<int64_t>(inter_, int64_t(std::floor(rows)));
+    return std::min<int64_t>(inter_, int64_t(std::floor(rows))) / granule_ * granule_;
   }
 
   // Starts copying the gate and up of expert e's first `rows` rows of layer `layer` (one 2D
@@ -922,7 +989,9 @@ class DecodePlanner {
   int64_t* const state_;         // tick, hits, fills, evictions
   int64_t* const picks_;         // [layers, experts]
   const int64_t layers_, experts_, top_k_, hidden_, inter_;
-  const std::vector<uintptr_t> w13_, w2_;  // per layer: [experts, 2I, H], [experts, H, I]
+  std::vector<ExpertTensor> tensors_;  // w13, w2 (and their factors)
+  int64_t granule_ = 1;  // a split's rows: a multiple of every tensor's block
+  int64_t gate_up_row_bytes_ = 0;  // one expert's bytes in the tensors of gate and up rows
   CuMemcpyHtoDAsync copy_ = nullptr;
   CuStreamQuery query_ = nullptr;
   CuMemsetD2D8Async memset2d_ = nullptr;
@@ -933,8 +1002,6 @@ class DecodePlanner {
   void* join_ = nullptr;
   void* stream_ = nullptr;
   void* fill_stream_ = nullptr;
-  uint64_t cache_w13_ = 0, cache_w2_ = 0;
-  int64_t bytes13_ = 0, bytes2_ = 0;
   // the CPU job the last step started, which the next step's wait works on (then none)
   std::shared_ptr<Job> last_job_;
   std::shared_ptr<ExpertJobShell> spare_job_;  // the next step's job, not assigned yet

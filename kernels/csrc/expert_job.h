@@ -34,10 +34,25 @@ struct ExpertProblem {
   // [E, ceil(H/128), ceil(I/128)] fp32; unused for the other weight types.
   const float* w13_factors = nullptr;
   const float* w2_factors = nullptr;
+  // gpt-oss's experts (kernels/swiglu.py): biases [E, 2I] (gate's, then up's) and [E, H] fp32,
+  // or nullptr; the clamped SwiGLU's limit, or 0 for silu(gate) * up.
+  const float* w13_bias = nullptr;
+  const float* w2_bias = nullptr;
+  float swiglu_limit = 0.0f;
   // MXFP4 weights' E8M0 scales (kernels/mxfp4.py): [E, 2I, H/32] and [E, H, I/32] bytes.
   const uint8_t* w13_scales = nullptr;
   const uint8_t* w2_scales = nullptr;
 };
+
+// h from one gate/up row pair's sums: silu(gate) * up, or gpt-oss's clamped form where limit > 0.
+inline float activate(float gate, float up, float limit) {
+  if (limit > 0.0f) {
+    gate = std::min(gate, limit);
+    up = std::clamp(up, -limit, limit);
+    return (up + 1.0f) * (gate / (1.0f + std::exp(-1.702f * gate)));
+  }
+  return gate / (1.0f + std::exp(-gate)) * up;
+}
 
 // The most floats of x a job copies to be redoable (T = 32 tokens of 2048).
 constexpr int64_t kMaxOwnedX = 64 * 1024;
@@ -270,6 +285,12 @@ class ExpertJob final : public ExpertJobShell {
         throw std::invalid_argument("an expert of FP8 weights splits at a multiple of 128 rows");
       }
     }
+    if ((p.w13_bias == nullptr) != (p.w2_bias == nullptr)) {
+      throw std::invalid_argument("w13_bias and w2_bias come together");
+    }
+    if (p.w2_bias != nullptr && p.split_expert >= 0) {
+      throw std::invalid_argument("an expert with biases is not split with the GPU");
+    }
     if constexpr (kPer > 1) check_mxfp4(p);
     p_ = p;
     for (auto* v : {&group_expert_, &group_start_, &token_}) v->clear();
@@ -422,10 +443,11 @@ class ExpertJob final : public ExpertJobShell {
         h[i] = dot_row<B>(row(i), factors13(e, r_begin + i), x, H, row(i + ahead));
       }
       for (int64_t i = 0; i < n; ++i) {
-        const float gv = h[i];
+        const float gv = h[i] + bias13(e, r_begin + i);
         const float uv =
-            dot_row<B>(row(n + i), factors13(e, I + r_begin + i), x, H, row(n + i + ahead));
-        h[i] = gv / (1.0f + std::exp(-gv)) * uv;
+            dot_row<B>(row(n + i), factors13(e, I + r_begin + i), x, H, row(n + i + ahead)) +
+            bias13(e, I + r_begin + i);
+        h[i] = activate(gv, uv, p_.swiglu_limit);
       }
       return;
     }
@@ -455,9 +477,10 @@ class ExpertJob final : public ExpertJobShell {
         }
         for (int a = 0; a < nr; ++a) {
           for (int q = 0; q < nt; ++q) {
-            const float gv = res[a * nt + q], uv = res[(nr + a) * nt + q];
+            const float gv = res[a * nt + q] + bias13(e, r + a);
+            const float uv = res[(nr + a) * nt + q] + bias13(e, I + r + a);
             h[(jt + q - j0) * (r_end - r_begin) + r - r_begin + a] =
-                gv / (1.0f + std::exp(-gv)) * uv;
+                activate(gv, uv, p_.swiglu_limit);
           }
         }
       }
@@ -470,6 +493,15 @@ class ExpertJob final : public ExpertJobShell {
   void down(int64_t task, int64_t r0, int64_t r_end, float* out) {
     const int64_t H = p_.H, I = p_.I, n = r_end - r0;
     const int64_t groups = int64_t(group_expert_.size());
+    if (p_.w2_bias != nullptr) {  // each pair's weighted bias of these rows (no split: assign)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* bias = p_.w2_bias + int64_t(group_expert_[g]) * H + r0;
+        for (int32_t j = group_start_[g]; j < group_start_[g + 1]; ++j) {
+          float* token_out = out + int64_t(token_[j]) * n;
+          for (int64_t r = 0; r < n; ++r) token_out[r] += weight_[j] * bias[r];
+        }
+      }
+    }
     auto down_rows = [&](int64_t g, int64_t r) {
       return static_cast<const WT*>(p_.w2) + (int64_t(group_expert_[g]) * H + r) * (I / kPer);
     };
@@ -562,6 +594,11 @@ class ExpertJob final : public ExpertJobShell {
     wait_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count(),
                        std::memory_order_relaxed);
     restart(task, t1);
+  }
+
+  // The bias of row r of expert e's gate/up ([2I]), 0 without biases.
+  float bias13(int64_t e, int64_t r) const {
+    return p_.w13_bias != nullptr ? p_.w13_bias[e * 2 * p_.I + r] : 0.0f;
   }
 
   // Where the block factors of row r of expert e's gate/up ([2I, H]) begin, and of row r of its
@@ -698,13 +735,17 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
                                     uintptr_t pair_token, uintptr_t pair_weight, int64_t J,
                                     uintptr_t done_flag, int64_t done_value, int64_t own_rounds,
                                     bool weights_outlive_pool, uintptr_t w13_factors,
-                                    uintptr_t w2_factors) {
+                                    uintptr_t w2_factors, uintptr_t w13_bias, uintptr_t w2_bias,
+                                    float swiglu_limit) {
   ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
                   reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
                   T, H, I, E};
   p.weights_outlive_pool = weights_outlive_pool;
   p.w13_factors = reinterpret_cast<const float*>(w13_factors);
   p.w2_factors = reinterpret_cast<const float*>(w2_factors);
+  p.w13_bias = reinterpret_cast<const float*>(w13_bias);
+  p.w2_bias = reinterpret_cast<const float*>(w2_bias);
+  p.swiglu_limit = swiglu_limit;
   p.w13_scales = reinterpret_cast<const uint8_t*>(w13_factors);  // MXFP4's, where it is
   p.w2_scales = reinterpret_cast<const uint8_t*>(w2_factors);
   auto job = make_job(pool, simd, weight_type, p, reinterpret_cast<const int32_t*>(pair_expert),

@@ -14,3 +14,12 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
     path = tmp_path_factory.mktemp("tok")
     write_tokenizer_files(path, 2048)
     return Tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def harmony_tokenizer(tmp_path_factory) -> Tokenizer:
+    """A synthetic gpt_oss checkpoint's tokenizer (`moelab synth --chat-template gpt_oss`: the
+    harmony tokens and chat template)."""
+    path = tmp_path_factory.mktemp("harmony")
+    write_tokenizer_files(path, 2048, "gpt_oss")
+    return Tokenizer(path)

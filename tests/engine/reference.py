@@ -16,6 +16,7 @@ HF_CLASSES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 
@@ -58,6 +59,18 @@ def hf_config(arch: str, **geometry):
     if "rope_scaling" in g:
         common["rope_scaling"] = g["rope_scaling"]
     config_cls = getattr(transformers, HF_CLASSES[arch][0])
+    if arch == "gpt_oss":
+        del common["rope_theta"]
+        rope = {"rope_type": "default", "rope_theta": g["rope_theta"]}
+        return config_cls(
+            **common,
+            num_local_experts=g["num_experts"],
+            intermediate_size=g["moe_intermediate_size"],
+            sliding_window=g.get("sliding_window", 8),
+            layer_types=g.get("layer_types"),
+            swiglu_limit=g.get("swiglu_limit", 7.0),
+            rope_parameters=g.get("rope_parameters", rope),
+        )
     if arch == "qwen3_moe":
         return config_cls(
             **common,
@@ -106,8 +119,12 @@ def scale_up_weights(model, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith("gate.weight") or name.endswith("router.weight"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 2.0 / math.sqrt(p.shape[-1]))
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
             else:
-                fan_in = p.shape[-1]
+                # gpt_oss stores its experts [E, in, out]
+                transposed = model.config.model_type == "gpt_oss" and name.endswith("_proj")
+                fan_in = p.shape[-2] if transposed else p.shape[-1]
                 std = 1 / math.sqrt(fan_in)
                 if any(k in name for k in ("o_proj", "down_proj", ".w2")):
                     std /= math.sqrt(layers)

@@ -19,6 +19,7 @@ from moelab.console.main import main as mgr_main
 from moelab.engine import cli
 from moelab.engine.bench.alternate import ab_side, alternation
 from moelab.engine.bench.bound import against_the_bound, rates_around
+from moelab.engine.bench.decode import preset_config
 from moelab.engine.bench.host_watch import GcPauses, host_disturbance, step_times
 from moelab.engine.bench.report import alternation_lines, staged_lines, stall_words
 from moelab.engine.bench.runner import TIMED_FIELDS
@@ -596,3 +597,19 @@ def test_bench_decode_prints_the_staged_stages_and_the_commonest_plans_periods()
         "before the next step's launch"
     )
     assert staged_lines(StagedStepTimes().to_dict()) == ""
+
+
+def test_bench_takes_a_real_geometry_s_architecture_from_its_preset():
+    """`bench decode --preset qwen3.6-35b-a3b` benchmarks Qwen3.5/3.6 MoE without --arch, as
+    `moelab synth` writes it; --arch still chooses (its text-only layout), and the other presets
+    stay qwen3_moe."""
+    parser = cli.build_parser()
+
+    def config(*flags: str) -> dict:
+        return preset_config(parser.parse_args(["bench", "decode", *flags]))
+
+    assert config("--preset", "qwen3.6-35b-a3b")["model_type"] == "qwen3_5_moe"
+    assert config("--preset", "qwen3-next-80b-a3b")["model_type"] == "qwen3_next"
+    text_only = config("--preset", "qwen3.6-35b-a3b", "--arch", "qwen3_5_moe_text")
+    assert text_only["architectures"] == ["Qwen3_5MoeForCausalLM"]
+    assert config("--preset", "tiny")["model_type"] == "qwen3_moe"

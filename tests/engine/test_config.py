@@ -34,6 +34,13 @@ REFUSED = [
     ("memory", "max_context", 0, "--max-context 0: 0 must be at least 1"),
     ("memory", "headroom_bytes", -1, "--memory-headroom -1: -1 is not a size"),
     ("memory", "kv_block_size", 0, "--kv-block-size 0: 0 must be at least 1"),
+    ("memory", "state_checkpoints", -1, "--state-checkpoints -1: -1 must be 0 or more"),
+    (
+        "memory",
+        "state_checkpoint_interval",
+        -8,
+        "--state-checkpoint-interval -8: -8 must be 0 or more",
+    ),
     ("experts", "cache_size", -1, "--moe-cache-size -1: -1 must be 0 or more"),
     (
         "experts",
@@ -67,7 +74,12 @@ REFUSED = [
     ("batching", "cuda_graph_max_bs", 0, "--cuda-graph-max-bs 0: 0 must be at least 1"),
     ("server", "port", 0, "--port 0: 0 must be at least 1"),
     ("server", "generation_config", "on", "--generation-config on: choose one of auto, off"),
-    ("server", "reasoning_parser", "r1", "--reasoning-parser r1: choose one of off, think"),
+    (
+        "server",
+        "reasoning_parser",
+        "r1",
+        "--reasoning-parser r1: choose one of off, think, harmony",
+    ),
     (
         "server",
         "log_level",

@@ -152,6 +152,8 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(checkpoi
         if placement != "resident":
             _reads, misses = engine.moe.decode_reads
             assert misses > 0  # the offloaded path ran
+            # planned by the native planner, its CPU jobs reading the factors
+            assert engine.moe.planner.native() is not None
     finally:
         engine.close()
     assert relative_error(ours, ref_logits) < 1e-4

@@ -594,6 +594,54 @@ def test_copies_ahead_of_the_routing_change_no_token(checkpoint, monkeypatch, ro
     assert f"guesses planned in the wait: {staged['guess_plans']}, " in lines
 
 
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """An FP8 checkpoint whose experts' I is two blocks of 128 rows: a miss splits at one."""
+    return synthesize(
+        tmp_path_factory.mktemp("graphs-fp8"), arch="qwen3_moe", preset="tiny", routing_skew=0.8,
+        seed=9, overrides={"num_experts": 16, "moe_intermediate_size": 256}, dtype="fp8",
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
+def test_fp8_experts_split_and_copied_ahead_by_the_native_planner_change_no_token(
+    fp8_checkpoint, monkeypatch
+):
+    """FP8 experts through the native planner's CUDA path on the CPU (stand-in driver functions
+    on host memory, pieces launched by the planner, guesses of the routing): whole fills copy an
+    expert's values and factors, split misses split at the block between I's two blocks, and a
+    copy ahead takes the first block's rows; every token is the eager steps' (which plan with
+    the same native planner, without copies)."""
+    prompts = PROMPTS[:1]
+    expected = _eager_outputs(fp8_checkpoint, prompts, 24, *OFFLOADED)
+    calls = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
+    launch_errors: list[BaseException] = []
+    engine, late = _guessing_engine(
+        fp8_checkpoint, monkeypatch, calls, launch_errors,
+        "--moe-cpu-prefetch-rounds", "2", "--moe-copy-ahead", "1",
+    )  # fmt: skip
+    moe = engine.moe
+    assert moe.bank.fmt == "fp8" and moe.cache.fmt == "fp8"
+    # a rate at which the lead copies 200 of the 256 rows' gate and up with their factors: whole
+    # blocks, so 128
+    lead_s = _LateRouting.LATE_S + 2 * TICK_S
+    row_bytes = sum(t[0].nbytes for t in moe.bank.layer_tensors(0)[::2]) / 256
+    moe.planner.copy_rate = 200.5 * row_bytes / lead_s
+    moe.set_copy_ahead(1.0)
+    try:
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        staged = moe.staged_times.to_dict()
+    finally:
+        engine.close()
+    assert outputs == expected and not launch_errors and late.routing.arrivals
+    assert staged["split_misses"] > 0 and staged["copied_ahead"] > 0
+    # per split, values and factors: a memset of gate and up's other rows each, and 2D copies
+    # of their first rows and of the down projection's first columns each (one of those less
+    # where the copy ahead took all of the device's rows); per copy ahead two more
+    assert calls["memset2d"] == 2 * staged["split_misses"]
+    assert calls["copy"] > 0 and calls["copy2d"] >= 2 * staged["copied_ahead"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("split", [True, False], ids=["split-misses", "whole-misses"])
 def test_offloaded_decode_replays_captured_pieces_on_cuda(checkpoint, split):

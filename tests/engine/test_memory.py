@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from moelab.engine.config.memory import GIB, MemoryPlanError, activation_bytes, plan_vram
+from moelab.engine.config.config import EngineConfig
+from moelab.engine.config.memory import (
+    GIB,
+    MemoryPlanError,
+    activation_bytes,
+    kv_bytes_per_token,
+    plan_vram,
+    state_bytes_per_seq,
+)
 from moelab.engine.model.spec import ModelSpec
 from moelab.engine.model.synth import make_config
 
@@ -88,3 +98,92 @@ def test_fp8_slots_count_values_and_factors_and_more_than_double():
     assert 2.0 < fp8.slots / bf16.slots < 2.2
     # every expert resident in FP8 at a budget where bf16 holds about half of them
     assert plan(40, expert_format="fp8").all_resident and not plan(40).all_resident
+
+
+# Qwen3.6-35B-A3B: 10 full-attention layers keep KV, 30 Gated DeltaNet layers a fixed state
+HYBRID = ModelSpec.from_config(make_config("qwen3_5_moe", "qwen3.6-35b-a3b"))
+# the same geometry with a KV cache in every layer
+ALL_ATTENTION = replace(HYBRID, layer_types=("full_attention",) * 40, linear_attention=None)
+HYBRID_KV_TOKEN = 2 * 10 * 2 * 256 * 2  # 20 KiB: 10 layers, 2 KV heads of 256, bf16
+# per sequence and linear layer: the DeltaNet state 32 x 128 x 128 fp32 and the convolution's
+# last 3 inputs of 2 x 2048 + 4096 channels in bf16
+HYBRID_STATE = 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 2)
+
+
+def hybrid_plan(spec: ModelSpec, *flags: str):
+    """The plan `moelab serve --device-memory 24GiB FLAGS` makes on a GPU in bf16."""
+    config = EngineConfig.from_flags(["--model-path", "/m", "--device-memory", "24GiB", *flags])
+    request = config.memory_request(
+        budget_bytes=config.memory.budget_bytes(None), elem_bytes=2, cuda=True
+    )
+    return request.plan(spec)
+
+
+def test_a_hybrid_model_counts_kv_of_its_attention_layers_and_a_state_per_sequence():
+    p = hybrid_plan(HYBRID)
+    assert kv_bytes_per_token(HYBRID, 2) == HYBRID_KV_TOKEN == HYBRID.kv_bytes_per_token
+    assert kv_bytes_per_token(ALL_ATTENTION, 2) == 4 * HYBRID_KV_TOKEN
+    assert state_bytes_per_seq(HYBRID, 2) == HYBRID_STATE == HYBRID.state_bytes_per_seq
+    # a slot for each of the 8 running sequences (the default), the graphs' padding one and the
+    # prefix cache's 8 state checkpoints (the default), reserved before the expert cache:
+    # 61.4 MiB each, 1.02 GiB in all
+    assert (p.state_slots, p.state_checkpoints) == (8, 8)
+    assert p.state_bytes == 17 * HYBRID_STATE and 1.01 * GIB < p.state_bytes < 1.03 * GIB
+    assert p.unplanned_bytes >= 0 and p.unplanned_bytes < p.slot_bytes
+    assert "recurrent states 1.02 GiB (8 sequences, 8 checkpoints)" in p.describe()
+    more = hybrid_plan(HYBRID, "--max-running-requests", "32")
+    assert more.state_bytes - p.state_bytes == 24 * HYBRID_STATE
+    assert more.slots < p.slots  # the states come out of the expert cache
+    # no checkpoints where there are none to keep, or no prefix cache to keep them for
+    for flags in (("--state-checkpoints", "0"), ("--no-prefix-cache",)):
+        fewer = hybrid_plan(HYBRID, *flags)
+        assert fewer.state_checkpoints == 0 and fewer.state_bytes == 9 * HYBRID_STATE
+    # a model without linear layers reserves none
+    assert hybrid_plan(ALL_ATTENTION).state_bytes == hybrid_plan(ALL_ATTENTION).state_slots == 0
+
+
+def test_the_whole_native_context_fits_a_24_gib_budget_beside_an_expert_cache():
+    """Qwen3.6-35B-A3B on --device-memory 24GiB: 262,144 tokens of KV take 5.0 GiB in bf16
+    (2.5 GiB in FP8) and leave an expert cache of 1,535 slots (1,955 in FP8) beside the states;
+    with a KV cache in every layer the same context needs 20 GiB and is refused, and in FP8
+    leaves 957 slots."""
+    p = hybrid_plan(HYBRID, "--kv-reserve-tokens", "262144")
+    assert p.max_context == 262144 == HYBRID.max_position_embeddings
+    assert 4.9 * GIB < p.kv_bytes < 5.1 * GIB and p.slots == 1535
+    fp8 = hybrid_plan(HYBRID, "--kv-reserve-tokens", "262144", "--kv-cache-dtype", "fp8")
+    assert fp8.max_context == 262144 and fp8.slots == 1955
+    with pytest.raises(MemoryPlanError, match=r"a KV reserve of 262144 tokens \(20.00 GiB\)"):
+        hybrid_plan(ALL_ATTENTION, "--kv-reserve-tokens", "262144")
+    dense_fp8 = hybrid_plan(
+        ALL_ATTENTION, "--kv-reserve-tokens", "262144", "--kv-cache-dtype", "fp8"
+    )
+    assert dense_fp8.slots == 957
+
+
+def test_a_hybrid_model_holds_about_four_times_the_context_of_an_all_attention_one():
+    """The most KV tokens each model's plan holds on 24 GiB beside the prefill buffer and no
+    expert slot: 733,005 against 205,774 (the search's 1,024-token step)."""
+
+    def most_tokens(spec: ModelSpec) -> int:
+        low, high = 1024, 4 << 20
+        while high - low > 1024:
+            mid = (low + high) // 2
+            try:
+                hybrid_plan(spec, "--kv-reserve-tokens", str(mid), "--moe-cache-size", "0")
+            except MemoryPlanError:
+                high = mid
+            else:
+                low = mid
+        return low
+
+    hybrid, dense = most_tokens(HYBRID), most_tokens(ALL_ATTENTION)
+    assert 720_000 < hybrid < 745_000 and 190_000 < dense < 215_000, (hybrid, dense)
+    assert hybrid > 3.5 * dense
+
+
+def test_too_many_running_sequences_for_their_states_is_refused_naming_the_flag():
+    with pytest.raises(
+        MemoryPlanError, match="recurrent states of 256 running sequences and 8 state checkpoints"
+    ) as err:
+        hybrid_plan(HYBRID, "--kv-reserve-tokens", "262144", "--max-running-requests", "256")
+    assert "lower --max-running-requests" in str(err.value)

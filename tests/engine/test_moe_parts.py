@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from moelab.engine.config import memory
 from moelab.engine.config.memory import VramPlan
 from moelab.engine.experts import misses
 from moelab.engine.experts.bank import ExpertBank
@@ -237,7 +238,8 @@ def test_telemetry_reports_the_parts_it_is_given():
     spec, runner = _runner(8)
     kv = KVCache(spec, 4, 16, torch.device("cpu"), torch.float32)
     plan = VramPlan(budget_bytes=1 << 30, weights_bytes=1 << 20, kv_bytes=kv.nbytes, kv_tokens=64,
-                    kv_blocks=4, prefill_buffer_bytes=0, activation_bytes=1 << 16, graph_bytes=0,
+                    kv_blocks=4, state_bytes=0, state_slots=0, state_checkpoints=0,
+                    prefill_buffer_bytes=0, activation_bytes=1 << 16, graph_bytes=0,
                     headroom_bytes=0, slots=8, slot_bytes=runner.cache.slot_bytes,
                     experts_total=spec.experts_total, max_context=64,
                     model_max_context=64)  # fmt: skip
@@ -259,7 +261,36 @@ def test_telemetry_reports_the_parts_it_is_given():
     assert stats["memory"]["expert_bank_pinned_layers"] == 0
     assert stats["kv"]["prefix_cache"] == {"enabled": True, "prompt_tokens": 0,
                                            "cached_tokens": 0, "tokens_held": 0}  # fmt: skip
+    assert stats["kv"]["states"] is None and stats["kv"]["attention_layers"] == 4
+    assert device["states"] == 0
     assert stats["config"] == {"policy": "auto"}
+
+
+def test_telemetry_reports_a_hybrid_models_state_slots_and_their_memory():
+    """A hybrid model's /v1/stats: `kv.states` gives the bytes a sequence's recurrent states
+    take and the state pool's slots in use and in all; the device's memory counts the pool;
+    the KV bytes per token count the attention layers alone."""
+    _, runner = _runner(8)
+    spec = ModelSpec.from_config(make_config("qwen3_5_moe", "tiny", {"num_experts": 16}))
+    kv = KVCache(spec, 4, 16, torch.device("cpu"), torch.float32)
+    per_seq = memory.state_bytes_per_seq(spec, 4)
+    plan = memory.plan_vram(spec, budget_bytes=1 << 30, weights_bytes=1 << 20, elem_bytes=4,
+                            kv_reserve_tokens=64, block_size=16, prefill_chunk_tokens=64,
+                            max_running=2, headroom_bytes=0)  # fmt: skip
+    assert plan.state_slots == 2 and plan.state_bytes == 3 * per_seq
+    state = SimpleNamespace(device=torch.device("cpu"), plan=plan, kv=kv, max_context=64,
+                            config_in_force=lambda: {})  # fmt: skip
+    pool = SimpleNamespace(num_slots=2, used_slots=1, bytes_per_slot=per_seq, nbytes=3 * per_seq)
+    parts = (runner, runner.cache, runner.bank, Scheduler(kv, 2, 64))
+    stats = Telemetry(spec, state, *parts, states=pool).stats(
+        running=1, queued=0, model_name="tiny"
+    )
+    assert stats["kv"]["states"] == {"linear_layers": 3, "bytes_per_seq": per_seq,
+                                     "slots_total": 2, "slots_used": 1,
+                                     "bytes": 3 * per_seq}  # fmt: skip
+    assert stats["kv"]["attention_layers"] == 1
+    assert stats["experts"]["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert stats["memory"]["device"][0]["states"] == 3 * per_seq
 
 
 # the MoE layer's runtime and what reports it: comments say why, never when or on which host

@@ -25,8 +25,16 @@ from moelab.engine.experts.h2d import (
     address_of,
     host_functions,
 )
-from moelab.engine.experts.misses import AHEAD_SHARE, COPY_FIXED, CPU_FIXED, SPLIT_FIXED, MissPolicy
+from moelab.engine.experts.misses import (
+    AHEAD_SHARE,
+    COPY_FIXED,
+    CPU_FIXED,
+    SPLIT_FIXED,
+    MissPolicy,
+    split_chunks,
+)
 from moelab.engine.experts.moe import MoERunner
+from moelab.kernels import fp8
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
 from moelab.kernels.host_handoff import (
@@ -43,6 +51,8 @@ from ..kernels.gate import Gate
 from .late_routing import TICK_S, LateRouting
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 12, 32, 16
+# an FP8 bank's: H of two blocks (the second ragged), I of three (a split at 128 or 256 rows)
+FP8_HIDDEN, FP8_INTER = 160, 384
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +67,9 @@ def cpu():
 def _runner(
     bank: ExpertBank, slots: int, fraction: float, cpu, top_k: int, **settings
 ) -> MoERunner:
-    cache = ExpertCache(LAYERS, EXPERTS, slots, HIDDEN, INTER, torch.bfloat16, torch.device("cpu"))
+    _, hidden, inter = bank.w2[0].shape
+    cache = ExpertCache(LAYERS, EXPERTS, slots, hidden, inter, torch.bfloat16, torch.device("cpu"),
+                        fmt=bank.fmt)  # fmt: skip
     policy = MissPolicy("split", fraction)
     return MoERunner(
         bank, cache, policy, cpu, top_k=top_k, prefill_overlap=False, prefill_stream_min_tokens=64,
@@ -65,10 +77,23 @@ def _runner(
     )  # fmt: skip
 
 
-def _bank(gen: torch.Generator) -> ExpertBank:
-    w13 = [torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen).bfloat16() for _ in range(LAYERS)]
-    w2 = [torch.randn(EXPERTS, HIDDEN, INTER, generator=gen).bfloat16() for _ in range(LAYERS)]
-    return ExpertBank(w13, w2)
+def _bank(gen: torch.Generator, fmt: str = "bf16") -> ExpertBank:
+    """Random experts: bf16 (HIDDEN, INTER), or FP8 values with their block factors (FP8_HIDDEN,
+    FP8_INTER; factors of several binades, weights of about unit outputs)."""
+    if fmt == "bf16":
+        w13 = [torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen).bfloat16()
+               for _ in range(LAYERS)]  # fmt: skip
+        w2 = [torch.randn(EXPERTS, HIDDEN, INTER, generator=gen).bfloat16() for _ in range(LAYERS)]
+        return ExpertBank(w13, w2)
+    layers = []
+    for _ in range(LAYERS):
+        for shape in ((EXPERTS, 2 * FP8_INTER, FP8_HIDDEN), (EXPERTS, FP8_HIDDEN, FP8_INTER)):
+            # fan-in scaled, each expert in a binade of its own
+            binades = torch.randint(-2, 2, (EXPERTS, 1, 1), generator=gen).float()
+            w = torch.randn(shape, generator=gen) * torch.exp2(binades) / shape[2] ** 0.5
+            layers.append(fp8.quantize(w))
+    (w13, w13_scale), (w2, w2_scale) = (list(zip(*layers[i::2], strict=True)) for i in (0, 1))
+    return ExpertBank(list(w13), list(w2), list(w13_scale), list(w2_scale))
 
 
 def _routes(rng: np.random.Generator, tokens: int, top_k: int) -> np.ndarray:
@@ -79,12 +104,19 @@ def _routes(rng: np.random.Generator, tokens: int, top_k: int) -> np.ndarray:
     return np.array(rows, dtype=np.int32)
 
 
-def _cpu_part(on_cpu, ids, weights, x, w13, w2) -> torch.Tensor:
+def _cpu_part(on_cpu, ids, weights, x, bank: ExpertBank, layer: int) -> torch.Tensor:
     """The reference output of the routes whose experts run on the CPU."""
     rows, cols = (np.ascontiguousarray(a, dtype=np.int32) for a in np.nonzero(np.isin(ids, on_cpu)))
     pair_expert = torch.from_numpy(np.ascontiguousarray(ids[rows, cols]))
     pair_weight = weights[torch.from_numpy(rows).long(), torch.from_numpy(cols).long()].contiguous()
-    return cpu_experts_ref(x, w13, w2, pair_expert, torch.from_numpy(rows), pair_weight)
+    return cpu_experts_ref(x, bank.w13[layer], bank.w2[layer], pair_expert, torch.from_numpy(rows),
+                           pair_weight, **bank.cpu_args(layer))  # fmt: skip
+
+
+def _layer_ref(x, ids, weights, bank: ExpertBank, layer: int) -> torch.Tensor:
+    """The whole layer's output, every route from the bank (the device's reference kernel)."""
+    scales = {f"{name}_inv": t for name, t in bank.cpu_args(layer).items()}
+    return fused_moe_decode_ref(x, ids, weights, bank.w13[layer], bank.w2[layer], **scales)
 
 
 def _assert_marked(d, ids: np.ndarray, slot_of: np.ndarray) -> None:
@@ -111,8 +143,14 @@ def _device_part(d, x, weights, cache) -> torch.Tensor:
     cached = torch.empty(slots_h.shape, dtype=torch.int32, device=x.device)
     filled = torch.empty_like(cached)
     route_slots_from_host(slots_h, cached, filled)
-    parts = (fused_moe_decode(x, t, weights, cache.w13, cache.w2) for t in (cached, filled))
+    parts = (fused_moe_decode(x, t, weights, cache.w13, cache.w2, **cache.kernel_args())
+             for t in (cached, filled))  # fmt: skip
     return sum(parts)
+
+
+def _slots(cache: ExpertCache) -> list[int]:
+    """The cache's slot arrays as the native planner copies into them (`set_device`)."""
+    return [t.data_ptr() for t in cache.tensors()]
 
 
 def _state(r: MoERunner) -> tuple:
@@ -140,11 +178,18 @@ def test_fetch_count_is_the_whole_split_that_ends_the_step_soonest(fraction):
     assert MissPolicy("split", 0.39).fetch_count(4) == 1  # round(1.56) = 2 ends later
 
 
-@pytest.mark.parametrize("fraction", [0.0, 0.35, 0.5, 1.0])
+@pytest.mark.parametrize(
+    ("fmt", "fraction"),
+    # FP8: its jobs take the factors; fractions with copies, CPU jobs and cache pressure
+    [("bf16", 0.0), ("bf16", 0.35), ("bf16", 0.5), ("bf16", 1.0), ("fp8", 0.35), ("fp8", 0.5)],
+)
 @pytest.mark.parametrize(("tokens", "top_k", "slots"), [(1, 4, 10), (3, 4, 6), (5, 3, 4)])
-def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots):
+def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots, fmt):
+    """Step after step from identical caches: the same plans, cache states and pick counts,
+    and CPU jobs of the same output bit for bit (an FP8 bank's with its factors)."""
     gen = torch.Generator().manual_seed(int(fraction * 100) + tokens)
-    bank = _bank(gen)
+    bank = _bank(gen, fmt)
+    hidden = bank.w2[0].shape[1]
     python, native = (_runner(bank, slots, fraction, cpu, top_k) for _ in range(2))
     assert native.planner.native() is not None
     rng = np.random.default_rng(tokens * 7 + top_k)
@@ -153,7 +198,7 @@ def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots):
         layer = step % LAYERS
         ids = _routes(rng, tokens, top_k)
         weights = torch.rand(tokens, top_k, generator=gen)
-        x = torch.randn(tokens, HIDDEN, generator=gen)
+        x = torch.randn(tokens, hidden, generator=gen)
         want = python.planner.plan(layer, ids, decode=True)
         python.planner.start(want, layer, ids, weights, x)
         got = native.planner.plan_and_start(layer, ids, weights, x, decode=True)
@@ -166,7 +211,7 @@ def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots):
         if want.job is not None:
             assert got.job.redoable() and not want.job.redoable()
             torch.testing.assert_close(got.job.wait(), want.job.wait(), rtol=0, atol=0)
-            reference = _cpu_part(want.on_cpu, ids, weights, x, bank.w13[layer], bank.w2[layer])
+            reference = _cpu_part(want.on_cpu, ids, weights, x, bank, layer)
             torch.testing.assert_close(got.job.wait(), reference, rtol=1e-4, atol=1e-4)
         saw["admitted"] += len(want.admitted)
         saw["cpu"] += len(want.on_cpu)
@@ -205,6 +250,17 @@ def test_fetch_plan_splits_a_miss_where_that_ends_the_step_sooner():
     # one miss: 0.39 + 0.09 on the CPU; split at 4/16, the copies end at 0.25 * 0.61 + 0.25
     # (0.4025) and the CPU at 0.75 * 0.39 + 0.09 (0.3825)
     assert policy.fetch_plan(1, 16) == (0, 4)
+
+
+def test_a_split_cuts_whole_blocks_in_at_most_sixteen_chunks():
+    """split_chunks: as many chunks as divide I into whole blocks, at most 16; none below 2."""
+    assert split_chunks(768, 1) == 16  # Qwen3-30B-A3B in bf16
+    assert split_chunks(768, 128) == 6  # in FP8: its six 128-row blocks
+    assert split_chunks(384, 128) == 3 and split_chunks(256, 128) == 2
+    assert split_chunks(2880, 32) == 15  # 90 blocks of 32 (gpt-oss's I in MXFP4's blocks)
+    assert split_chunks(1000, 1) == 10
+    # one block, a ragged last block, or a prime count of rows: no split
+    assert split_chunks(128, 128) == split_chunks(200, 128) == split_chunks(37, 1) == 0
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.39, 0.7, 1.0])
@@ -253,38 +309,43 @@ def test_a_lead_copied_ahead_gives_the_device_those_rows_where_that_ends_the_ste
         assert policy.lead_plan(1, 16, 1 / 3) == (0, 6)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, tokens):
+def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, tokens, fmt):
     """With the planner's copies (stand-ins on host memory, the cache in host memory too), a
     split miss's slot holds its first gate and up rows and the same columns of its down
     projection, its other gate and up rows are zero, and the device's routes plus the CPU's part
-    are the whole layer's output."""
+    are the whole layer's output. An FP8 expert splits at whole blocks (`split_chunks`), its
+    factors copied with its values."""
     gen = torch.Generator().manual_seed(11)
-    bank = _bank(gen)
+    bank = _bank(gen, fmt)
+    _, hidden, inter = bank.w2[0].shape
+    chunks = split_chunks(inter, bank.block_rows)
+    assert chunks == (16 if fmt == "bf16" else 3)
     r = _runner(bank, 6, 0.39, cpu, 4, split_misses=True)
     planner = r.planner.native()
     functions = host_functions()
     cache = r.cache
-    planner.set_device(*(address_of(f) for f in functions), 0, 0, cache.w13.data_ptr(),
-                       cache.w2.data_ptr(), cache.w13.element_size())  # fmt: skip
+    planner.set_device(*(address_of(f) for f in functions), 0, 0, _slots(cache))
     rng = np.random.default_rng(5)
     splits = 0
     for step in range(12):
         layer = step % LAYERS
         ids = torch.from_numpy(_routes(rng, tokens, 4))
         weights = torch.rand(tokens, 4, generator=gen)
-        x = torch.randn(tokens, HIDDEN, generator=gen)
-        out = torch.zeros(tokens, HIDDEN)
+        x = torch.randn(tokens, hidden, generator=gen)
+        out = torch.zeros(tokens, hidden)
         d, _ = r.planner.native_step(planner, layer, ids, weights, x, out, False, copies=True)
         _assert_marked(d, ids.numpy(), r.cache.slot_of[layer])
         # the native planner's division is the Python policy's (there is room for it in these steps)
-        q, j = r.policy.fetch_plan(len(d.missing), 16)
+        q, j = r.policy.fetch_plan(len(d.missing), chunks)
         assert len(d.admitted) == q
-        assert (d.split[2] if d.split else 0) == j * INTER // 16
+        assert (d.split[2] if d.split else 0) == j * inter // chunks
+        for expert, slot in d.admitted:
+            assert _slot_holds(cache, bank, layer, expert, slot, inter)
         device_part = _device_part(d, x, weights, cache)
-        cpu_part = d.job.wait() if d.job is not None else torch.zeros(tokens, HIDDEN)
-        everything = torch.zeros(tokens, 4, dtype=torch.int32)  # every route from the bank
-        want = fused_moe_decode_ref(x, ids + everything, weights, bank.w13[layer], bank.w2[layer])
+        cpu_part = d.job.wait() if d.job is not None else torch.zeros(tokens, hidden)
+        want = _layer_ref(x, ids, weights, bank, layer)
         torch.testing.assert_close(device_part + cpu_part, want, rtol=1e-4, atol=1e-4)
         if d.split is None:
             continue
@@ -292,12 +353,9 @@ def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, token
         expert, slot, row = d.split
         assert d.on_cpu[0] == expert and expert not in [e for e, _ in d.admitted]
         assert set(d.route_slots[ids.numpy() == expert].tolist()) == {filled_mark(slot)}
-        assert 0 < row < INTER and d.split_share == row / INTER
-        gate, up = cache.w13[slot, :INTER], cache.w13[slot, INTER:]
-        assert torch.equal(gate[:row], bank.w13[layer][expert, :row])
-        assert torch.equal(up[:row], bank.w13[layer][expert, INTER : INTER + row])
-        assert not gate[row:].any() and not up[row:].any()
-        assert torch.equal(cache.w2[slot, :, :row], bank.w2[layer][expert, :, :row])
+        assert 0 < row < inter and d.split_share == row / inter
+        assert row % bank.block_rows == 0
+        assert _slot_holds(cache, bank, layer, expert, slot, row, zeroed=True)
         # the borrowed slot holds no expert after the step
         assert cache.key_of_slot[slot] == -1 and cache.slot_of[layer, expert] == -1
     assert splits >= 3
@@ -332,11 +390,13 @@ def test_a_resized_cache_gets_a_new_planner(cpu):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu):
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu, fmt):
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(3)
-    bank = _bank(gen)
-    cache = ExpertCache(LAYERS, EXPERTS, 6, HIDDEN, INTER, torch.bfloat16, dev)
+    bank = _bank(gen, fmt)
+    _, hidden, inter = bank.w2[0].shape
+    cache = ExpertCache(LAYERS, EXPERTS, 6, hidden, inter, torch.bfloat16, dev, fmt=fmt)
     r = MoERunner(bank, cache, MissPolicy("split", 0.5), cpu, top_k=4, prefill_overlap=False,
                   prefill_stream_min_tokens=64, split_misses=True)  # fmt: skip
     planner = r.planner.native()
@@ -346,11 +406,11 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
         layer = step % LAYERS
         ids = torch.from_numpy(_routes(rng, 2, 4)).to(dev)
         weights = torch.rand(2, 4, generator=gen).to(dev)
-        x = torch.randn(2, HIDDEN, generator=gen).bfloat16().to(dev)
+        x = torch.randn(2, hidden, generator=gen).bfloat16().to(dev)
         torch.cuda._sleep(20_000_000)  # the routing arrives late: the step must wait for it
         ids_h, w_h, x_h = r.staged.buffers.routing(2)
         routing_to_host(ids, weights, x, ids_h, w_h, x_h)
-        out = torch.empty(2, HIDDEN)
+        out = torch.empty(2, hidden)
         d, (wait_s, *_) = r.planner.native_step(
             planner, layer, ids_h, w_h, x_h, out, False, sync=True, copies=True
         )
@@ -359,21 +419,15 @@ def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu)
         torch.cuda.synchronize()  # the fills, on the copy stream
         _assert_marked(d, ids_h.numpy(), r.cache.slot_of[layer])
         for expert, slot in d.admitted:
-            assert torch.equal(cache.w13[slot].cpu(), bank.w13[layer][expert])
-            assert torch.equal(cache.w2[slot].cpu(), bank.w2[layer][expert])
+            assert _slot_holds(cache, bank, layer, expert, slot, inter)
         if d.split is not None:  # the device's rows of a split miss, the rest zero
             splits += 1
             expert, slot, row = d.split
-            gate, up = cache.w13[slot, :INTER].cpu(), cache.w13[slot, INTER:].cpu()
-            assert torch.equal(gate[:row], bank.w13[layer][expert, :row])
-            assert torch.equal(up[:row], bank.w13[layer][expert, INTER : INTER + row])
-            assert not gate[row:].any() and not up[row:].any()
-            assert torch.equal(cache.w2[slot, :, :row].cpu(), bank.w2[layer][expert, :, :row])
+            assert _slot_holds(cache, bank, layer, expert, slot, row, zeroed=True)
         # the cached and copied routes on the device plus the CPU's part: the whole layer
         device_part = _device_part(d, x, weights, cache).cpu()
         cpu_part = d.job.wait() if d.job is not None else 0.0
-        want = fused_moe_decode_ref(x.float().cpu(), ids.int().cpu(), weights.cpu(),
-                                    bank.w13[layer], bank.w2[layer])  # fmt: skip
+        want = _layer_ref(x.float().cpu(), ids.int().cpu(), weights.cpu(), bank, layer)
         # bf16 activations on the device: compared as a whole (a lost or doubled part of a
         # split miss is a tenth of it or more)
         assert ((device_part + cpu_part - want).norm() / want.norm()).item() < 1e-2
@@ -405,7 +459,7 @@ def test_the_side_that_ends_later_starts_first(cpu, top_k, copies_first):
         return 0
 
     functions = (COPY_FUNCTION(copy), QUERY_FUNCTION(lambda stream: 0), *_no_2d())
-    planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
+    planner.set_device(*(address_of(f) for f in functions), 0, 0, [1 << 40, 1 << 41])
     ids = torch.arange(top_k, dtype=torch.int32)[None]
     weights, x, out = torch.rand(1, top_k), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     d, _ = r.planner.native_step(planner, 0, ids, weights, x, out, True, copies=True, expected=True)
@@ -432,7 +486,7 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
     sync = QUERY_FUNCTION(lambda stream: sync_result[0])
     two_d = _no_2d()
     planner.set_device(address_of(copy), address_of(sync), *(address_of(f) for f in two_d), 0, 0,
-                       1 << 40, 1 << 41, 2)  # fmt: skip
+                       [1 << 40, 1 << 41])  # fmt: skip
     ids = torch.tensor([[3, 4]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     before = _state(r)
@@ -450,7 +504,7 @@ def test_driver_failures_are_errors_and_a_failed_fill_leaves_no_slot_behind(cpu)
     copies.clear()
     copy_ok = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
     planner.set_device(address_of(copy_ok), address_of(sync), *(address_of(f) for f in two_d),
-                       0, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
+                       0, 0, [1 << 40, 1 << 41])  # fmt: skip
     d, _ = r.planner.native_step(planner, 0, ids, weights, x, out, False, sync=True, copies=True)
     assert [e for e, _ in d.admitted] == [3, 4] and r.cache.resident == 2
 
@@ -471,7 +525,7 @@ def test_the_wait_polls_the_stream_until_it_is_idle(cpu):
     query_fn = QUERY_FUNCTION(query)
     copy = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
     planner.set_device(address_of(copy), address_of(query_fn), *(address_of(f) for f in _no_2d()),
-                       77, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
+                       77, 0, [1 << 40, 1 << 41])  # fmt: skip
     ids = torch.tensor([[1, 2]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     before = r.cache.state.copy()
@@ -505,7 +559,7 @@ def test_the_wait_takes_the_routing_signal_and_asks_the_stream_only_now_and_then
     query_fn = QUERY_FUNCTION(query)
     copy = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
     planner.set_device(address_of(copy), address_of(query_fn), *(address_of(f) for f in _no_2d()),
-                       77, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
+                       77, 0, [1 << 40, 1 << 41])  # fmt: skip
     ids = torch.tensor([[1, 2]], dtype=torch.int32)
     weights, x, out = torch.rand(1, 2), torch.randn(1, HIDDEN), torch.zeros(1, HIDDEN)
     d, (wait_s, *_) = r.planner.native_step(planner, 0, ids, weights, x, out, False, sync=True,
@@ -534,7 +588,7 @@ def test_the_job_made_during_the_wait_serves_steps_of_any_size(cpu):
     query = QUERY_FUNCTION(lambda stream: 0)
     copy = COPY_FUNCTION(lambda dst, src, nbytes, stream: 0)
     planner.set_device(address_of(copy), address_of(query), *(address_of(f) for f in _no_2d()),
-                       0, 0, 1 << 40, 1 << 41, 2)  # fmt: skip
+                       0, 0, [1 << 40, 1 << 41])  # fmt: skip
     rng = np.random.default_rng(12)
     for step, tokens in enumerate((1, 3, 1, 2)):
         layer = step % LAYERS
@@ -544,7 +598,7 @@ def test_the_job_made_during_the_wait_serves_steps_of_any_size(cpu):
         out = torch.full((tokens, HIDDEN), float("nan"))
         d, _ = r.planner.native_step(planner, layer, ids, weights, x, out, False, sync=True)
         assert d.job is not None and sorted(d.on_cpu) == d.experts  # policy 0.0: all on the CPU
-        want = _cpu_part(d.on_cpu, ids.numpy(), weights, x, bank.w13[layer], bank.w2[layer])
+        want = _cpu_part(d.on_cpu, ids.numpy(), weights, x, bank, layer)
         torch.testing.assert_close(d.job.wait(), want, rtol=1e-4, atol=1e-4)
 
 
@@ -558,7 +612,7 @@ def test_the_wait_works_on_the_last_cpu_job_while_the_workers_are_busy():
         planner = r.planner.native()
         functions = (COPY_FUNCTION(lambda dst, src, nbytes, stream: 0),
                      QUERY_FUNCTION(lambda stream: 0), *_no_2d())  # fmt: skip
-        planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
+        planner.set_device(*(address_of(f) for f in functions), 0, 0, [1 << 40, 1 << 41])
         gen = torch.Generator().manual_seed(9)
         gate = Gate(one)
         ids = torch.tensor([[1, 2]], dtype=torch.int32)
@@ -603,7 +657,7 @@ def test_a_step_hands_over_and_launches_the_next_piece(cpu, on_cpu, top_k, fract
         return 0
 
     functions = (COPY_FUNCTION(copy), QUERY_FUNCTION(lambda stream: 0), *_no_2d())
-    planner.set_device(*(address_of(f) for f in functions), 7, 8, 1 << 40, 1 << 41, 2)
+    planner.set_device(*(address_of(f) for f in functions), 7, 8, [1 << 40, 1 << 41])
 
     def record(event, stream) -> int:
         order.append(("record", event, stream))
@@ -671,7 +725,7 @@ def test_a_failed_launch_is_an_error(cpu):
     planner = r.planner.native()
     functions = (COPY_FUNCTION(lambda dst, src, nbytes, stream: 0),
                  QUERY_FUNCTION(lambda stream: 0), *_no_2d())  # fmt: skip
-    planner.set_device(*(address_of(f) for f in functions), 0, 0, 1 << 40, 1 << 41, 2)
+    planner.set_device(*(address_of(f) for f in functions), 0, 0, [1 << 40, 1 << 41])
     launches = (LAUNCH_FUNCTION(lambda handle, stream: 0 if handle == 1 else 400),
                 LAUNCH_FUNCTION(lambda event, stream: 0),
                 WAIT_EVENT_FUNCTION(lambda stream, event, flags: 0))  # fmt: skip
@@ -738,7 +792,7 @@ def test_a_guess_before_the_routing_has_the_workers_fetch_the_blocks_the_job_giv
         for r in runners:
             planner = r.planner.native()
             planner.set_device(*(address_of(f) for f in functions), 0, 0,
-                               r.cache.w13.data_ptr(), r.cache.w2.data_ptr(), 2)  # fmt: skip
+                               _slots(r.cache))  # fmt: skip
             planners.append(planner)
         signal, guess_signal = routing_signal(pin=False), routing_signal(pin=False)
         logits = torch.zeros(1, EXPERTS)
@@ -790,29 +844,50 @@ def test_a_guess_before_the_routing_has_the_workers_fetch_the_blocks_the_job_giv
         assert late.arrivals == 2 * 18  # every routing came during its wait
 
 
-def _slot_holds(cache, bank, layer: int, expert: int, slot: int, rows: int) -> bool:
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """FP8 values as their bytes (compared and tested for zero as such); others as they are."""
+    return t.cpu().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.cpu()
+
+
+def _slot_holds(cache, bank, layer: int, expert: int, slot: int, rows: int,
+                zeroed: bool = False) -> bool:  # fmt: skip
     """Whether `slot` holds the expert's first `rows` gate and up rows and the same columns of
-    its down projection (all of it where rows is INTER)."""
-    w13, w2 = bank.w13[layer][expert], bank.w2[layer][expert]
-    gate, up = cache.w13[slot, :INTER], cache.w13[slot, INTER:]
-    return (
-        torch.equal(gate[:rows], w13[:rows])
-        and torch.equal(up[:rows], w13[INTER : INTER + rows])
-        and torch.equal(cache.w2[slot, :, :rows], w2[:, :rows])
-    )
+    its down projection (all of it where rows is I) in each of its tensors (an FP8 expert's
+    factors: their blocks of those rows), and with `zeroed` zeros in its other gate and up
+    rows."""
+    slots, tensors = cache.tensors(), bank.layer_tensors(layer)
+    gate_up, blocks = (True, False) * 2, (1, 1, bank.block_rows, bank.block_rows)
+    parts = zip(slots, tensors, gate_up[: len(slots)], blocks[: len(slots)], strict=True)
+    for dst, src, rows_of_gate_up, block in parts:
+        n, got, want = rows // block, _bits(dst[slot]), _bits(src[expert])
+        if not rows_of_gate_up:
+            if not torch.equal(got[:, :n], want[:, :n]):
+                return False
+            continue
+        half = got.shape[0] // 2
+        for first in (0, half):  # gate's rows, then up's
+            if not torch.equal(got[first : first + n], want[first : first + n]):
+                return False
+            if zeroed and got[first + n : first + half].any():
+                return False
+    return True
 
 
-@pytest.mark.parametrize("rounds", [0, 2])
-def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
+@pytest.mark.parametrize(("fmt", "rounds"), [("bf16", 0), ("bf16", 2), ("fp8", 0), ("fp8", 2)])
+def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, fmt, rounds):
     """With copies ahead (`set_copy_ahead`), a guess of the routing that comes before it starts
     copying the first rows of the guessed step's first device miss into a slot (the least
     recently used one no guessed expert holds, its expert evicted), as many as the copies move
     in that share of the guesses' usual lead. The step takes that expert on the device, whole or
     split at no fewer rows, copies only the rest, and divides the misses as
     `MissPolicy.fetch_plan` with that lead; its output is the layer's. A wrong guess's copy
-    serves nothing and its slot stays free; the first guess copies nothing (no lead measured)."""
+    serves nothing and its slot stays free; the first guess copies nothing (no lead measured).
+    An FP8 expert's copy ahead takes whole blocks of rows (its factors with them), fewer rows
+    where the lead moves a part of one more."""
     gen = torch.Generator().manual_seed(21)
-    bank = _bank(gen)
+    bank = _bank(gen, fmt)
+    _, hidden, inter = bank.w2[0].shape
+    block, chunks = bank.block_rows, split_chunks(inter, bank.block_rows)
     r = _runner(bank, 6, 0.39, cpu, 4, split_misses=True, prefetch_rounds=rounds,
                 copy_ahead=1.0, copy_rate=1.0)  # fmt: skip
     planner = r.planner.native()
@@ -833,16 +908,16 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
     functions[3] = COPY2D_FUNCTION(copy2d_routing)
     signal, guess_signal = routing_signal(pin=False), routing_signal(pin=False)
     cache = r.cache
-    planner.set_device(*(address_of(f) for f in functions), 0, 0, cache.w13.data_ptr(),
-                       cache.w2.data_ptr(), 2)  # fmt: skip
+    planner.set_device(*(address_of(f) for f in functions), 0, 0, _slots(cache))
     logits = torch.zeros(1, EXPERTS)
     rng = np.random.default_rng(21)
-    row_bytes = 2 * HIDDEN * 2  # a copy ahead moves a row's gate and up
+    # a copy ahead moves a row's gate and up (and their share of the factors)
+    row_bytes = sum(t[0].nbytes for t in bank.layer_tensors(0)[::2]) / inter
     seen = {"whole": 0, "split": 0, "wrong": 0, "all_rows": 0, "late": 0}
     for step in range(30):
         layer = step % LAYERS
         ids = torch.from_numpy(_routes(rng, 1, 4))
-        weights, x = torch.rand(1, 4, generator=gen), torch.randn(1, HIDDEN, generator=gen)
+        weights, x = torch.rand(1, 4, generator=gen), torch.randn(1, hidden, generator=gen)
         right = step % 4 != 3
         others = np.setdiff1d(np.arange(EXPERTS), ids[0].numpy())[:4]
         named = ids[0] if right else torch.from_numpy(others)
@@ -850,7 +925,8 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
         logits[0, named.long()] = torch.arange(4, 0, -1, dtype=torch.float32)
         # the rate at which the lead measured so far copies `want` rows (half a row more: floor)
         lead = planner.guess_lead_seconds()
-        want = (3, 8, 13, INTER, 5)[step % 5]  # all of its rows too
+        want = ((3, 8, 13, inter, 5) if fmt == "bf16" else (128, 200, 256, inter, 300))[step % 5]
+        rows = want // block * block  # all of its rows too; FP8: whole blocks
         rate = (want + 0.5) * row_bytes / lead if lead else 1.0
         planner.set_copy_ahead(1.0, rate)
         slot_of_before = cache.slot_of[layer].copy()
@@ -858,7 +934,7 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
         guess_signal[0] = ROUTED
         late.arm(signal)
         on_copy[0] = step % 3 == 2
-        out = torch.zeros(1, HIDDEN)
+        out = torch.zeros(1, hidden)
         d, _ = r.planner.native_step(
             planner, layer, ids, weights, x, out, True, sync=True, copies=True,
             signal=signal, guess=(logits, guess_signal),
@@ -877,8 +953,8 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
         # the device's part and the CPU's are the layer's output, whatever was copied ahead
         _assert_marked(d, ids.numpy(), cache.slot_of[layer])
         device_part = _device_part(d, x, weights, cache)
-        cpu_part = d.job.wait() if d.job is not None else torch.zeros(1, HIDDEN)
-        want_out = fused_moe_decode_ref(x, ids, weights, bank.w13[layer], bank.w2[layer])
+        cpu_part = d.job.wait() if d.job is not None else torch.zeros(1, hidden)
+        want_out = _layer_ref(x, ids, weights, bank, layer)
         torch.testing.assert_close(device_part + cpu_part, want_out, rtol=1e-4, atol=1e-4)
         if not lead:  # the first guess: no lead measured, nothing copied ahead
             assert d.ahead_rows == 0 and not d.ahead_missed
@@ -890,19 +966,18 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, rounds):
         if not missing:
             assert d.ahead_rows == 0 and not d.ahead_missed
             continue
-        assert d.ahead_rows == want and not d.ahead_missed
-        seen["all_rows"] += want == INTER
-        q, j = MissPolicy("split", 0.39).lead_plan(len(missing), 16, want / INTER)
-        assert len(d.admitted) == q and (d.split[2] if d.split else 0) == j * INTER // 16
+        assert d.ahead_rows == rows and not d.ahead_missed
+        seen["all_rows"] += rows == inter
+        q, j = MissPolicy("split", 0.39).lead_plan(len(missing), chunks, rows / inter)
+        assert len(d.admitted) == q and (d.split[2] if d.split else 0) == j * inter // chunks
         if q:  # the expert copied ahead is the first admitted, whole now
             expert, slot = d.admitted[0]
-            assert _slot_holds(cache, bank, layer, expert, slot, INTER)
+            assert _slot_holds(cache, bank, layer, expert, slot, inter)
             assert cache.slot_of[layer, expert] == slot
             seen["whole"] += 1
         else:  # split at no fewer rows than were copied ahead
             expert, slot, row = d.split
-            assert row >= want and _slot_holds(cache, bank, layer, expert, slot, row)
-            assert not cache.w13[slot, row:INTER].any() and not cache.w13[slot, INTER + row :].any()
+            assert row >= rows and _slot_holds(cache, bank, layer, expert, slot, row, zeroed=True)
             seen["split"] += 1
         assert expert in missing
     assert all(seen.values()), seen

@@ -297,7 +297,10 @@ def test_config_overrides_and_bad_presets():
         make_config("olmoe", "huge")
     with pytest.raises(ValueError, match="unknown architecture"):
         make_config("llama", "tiny")
-    assert set(PRESETS) == {"tiny", "small", "qwen3-30b-a3b"}
+    assert set(PRESETS) == {
+        "tiny", "small", "qwen3-30b-a3b", "qwen3.6-35b-a3b", "qwen3-next-80b-a3b",
+        "gpt-oss-20b", "gpt-oss-120b",
+    }  # fmt: skip
 
 
 def test_set_items_are_json_values_or_strings_and_need_an_equals_sign():
@@ -312,11 +315,12 @@ def test_set_items_are_json_values_or_strings_and_need_an_equals_sign():
 def test_dummy_weights_are_the_weights_synth_writes_calibrated_by_the_source(tmp_path):
     """--dummy-weights on a synthetic checkpoint's config builds the weights `moelab synth` wrote
     for it, routers calibrated to the skew (on the CPU in fp32, as synth calibrates them): the
-    source calibrates itself, the engine's start-up has no phase of its own for it."""
+    engine calibrates them over its bank's experts, in a start-up phase of its own."""
     path = synthesize(tmp_path / "m", preset="tiny", routing_skew=1.0, seed=4)
     written, dummy = make_engine(path), make_engine(path, "--dummy-weights")
     try:
-        assert "routing calibration" not in dummy.startup_s
+        assert "routing calibration" in dummy.startup_s
+        assert "routing calibration" not in written.startup_s
         for layer in dummy.spec.moe_layers:
             routers = (e.model.weights.layers[layer].router for e in (written, dummy))
             assert torch.equal(*routers), layer

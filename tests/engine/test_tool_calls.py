@@ -79,20 +79,26 @@ def test_a_tags_start_is_held_only_while_it_may_be_one():
 class ScriptedWorker:
     """The engine thread's stand-in: the requests are answered with the replies' tokens in turn
     (one reply: every request with it), the last one ending it; `prompts` holds the prompt ids
-    it was given, `cancelled` the number of requests cancelled."""
+    it was given, `requests` the requests themselves, `cancelled` the number of requests
+    cancelled; `checkpointing`: an engine that keeps state checkpoints (a hybrid model's)."""
 
     status = "ok"
 
-    def __init__(self, tokenizer: Tokenizer, *replies: str) -> None:
+    def __init__(self, tokenizer: Tokenizer, *replies: str, checkpointing: bool = False) -> None:
         self.replies = [tokenizer.encode(reply) for reply in replies]
         spec = SimpleNamespace(vocab_size=tokenizer.vocab_size)
-        self.engine = SimpleNamespace(tokenizer=tokenizer, spec=spec, max_context=4096)
+        scheduler = SimpleNamespace(checkpointing=checkpointing)
+        self.engine = SimpleNamespace(
+            tokenizer=tokenizer, spec=spec, max_context=4096, scheduler=scheduler
+        )
         self.prompts: list[list[int]] = []
+        self.requests: list = []
         self.cancelled = 0
 
     def submit(self, req, limit: int) -> None:
         ids = self.replies[len(self.prompts) % len(self.replies)]
         self.prompts.append(req.prompt_ids)
+        self.requests.append(req)
         for i, token in enumerate(ids):
             req.deliver((token, "stop" if i == len(ids) - 1 else None, None))
 

@@ -35,6 +35,7 @@ from moelab.kernels import (
     fp8,
     fp8_kv,
     fused_moe,
+    gated_deltanet,
     gemv,
     grouped_moe,
     host_handoff,
@@ -97,6 +98,7 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
     compile_moe(BF16, fp8_bank=False)
     compile_moe(BF16, fp8_bank=True)
     compile_mxfp4_moe(BF16)
+    compile_gpt_oss()
     # the grouping over a whole expert cache of 12 layers' experts (its widest per-expert pass)
     ids = torch.randint(0, 12 * EXPERTS, (512, TOP_K), dtype=torch.int32)
     w13 = torch.empty(12 * EXPERTS, 2 * INTER, HIDDEN, dtype=BF16)
@@ -186,6 +188,16 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
         for tokens in (1, 8):
             # as the engine calls it: the first weight tile read before the wait (one token)
             gemv.linear_decode(torch.randn(tokens, k, dtype=BF16), weight, early_weights=True)
+    # the Gated DeltaNet's convolution over Qwen3.6-35B-A3B's 8,192 channels: a prompt from its
+    # slot, and decode steps of 1 and 8 slots
+    channels = 8192
+    weight = torch.empty(channels, 4, dtype=BF16)
+    states = torch.zeros(9, 3, channels, dtype=BF16)
+    x = torch.randn(2048, channels + 4096, dtype=BF16)[:, :channels]  # the projection's columns
+    gated_deltanet.causal_conv_prefill_triton(x, weight, states[0])
+    for tokens in (1, 8):
+        slots = torch.arange(tokens, dtype=torch.int32)
+        gated_deltanet.causal_conv_decode_triton(x[:tokens], weight, states, slots)
     JITFunction.run = run
     return compiled
 
@@ -214,21 +226,41 @@ def compile_fp8_kv(dtype: torch.dtype) -> None:
     fp8_kv.gather_triton(bits, factors[0], torch.arange(512), 8192, dtype)
 
 
-def compile_moe(dtype: torch.dtype, fp8_bank: bool) -> None:
-    """The decode and prefill MoE launches of the engine's shapes, activations in `dtype`, over a
-    bank in `dtype` or FP8 (float8_e4m3fn with its block factors)."""
+def compile_gpt_oss() -> None:
+    """gpt-oss's variants: the MoE launches with the experts' biases and clamped SwiGLU (bf16 and
+    FP8 banks), decode attention with the sinks and the window (64 q heads, 8 KV heads of 64)."""
+    compile_moe(BF16, fp8_bank=False, biased=True)
+    compile_moe(BF16, fp8_bank=True, biased=True)
+    for batch, context in ((1, 32768), (8, 4096)):
+        q = torch.randn(batch, 64, 64, dtype=BF16)
+        cache = torch.empty(batch * context // 16, 16, 8, 64, dtype=BF16)
+        tables = torch.arange(batch * context // 16, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        paged_attention.paged_attention_decode_triton(
+            q, cache, cache, tables, lens, 0.1, sinks=torch.zeros(64, dtype=BF16), window=128
+        )
 
-    def bank(experts: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+
+def compile_moe(dtype: torch.dtype, fp8_bank: bool, biased: bool = False) -> None:
+    """The decode and prefill MoE launches of the engine's shapes, activations in `dtype`, over a
+    bank in `dtype` or FP8 (float8_e4m3fn with its block factors); `biased`: gpt-oss's experts,
+    with their biases and the clamped SwiGLU."""
+
+    def bank(experts: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, object]]:
         weight = torch.float8_e4m3fn if fp8_bank else dtype
         w13 = torch.empty(experts, 2 * INTER, HIDDEN, dtype=weight)
         w2 = torch.empty(experts, HIDDEN, INTER, dtype=weight)
+        extras: dict[str, object] = {}
+        if biased:
+            extras = {"w13_bias": torch.zeros(experts, 2 * INTER),
+                      "w2_bias": torch.zeros(experts, HIDDEN), "swiglu_limit": 7.0}  # fmt: skip
         if not fp8_bank:
-            return w13, w2, {}
+            return w13, w2, extras
         scales = {
             "w13_scale_inv": torch.ones(experts, fp8.blocks(2 * INTER), fp8.blocks(HIDDEN)),
             "w2_scale_inv": torch.ones(experts, fp8.blocks(HIDDEN), fp8.blocks(INTER)),
         }
-        return w13, w2, scales
+        return w13, w2, {**scales, **extras}
 
     for tokens in (1, 16, 64):
         x = torch.randn(tokens, HIDDEN, dtype=dtype)

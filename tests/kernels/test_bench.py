@@ -76,3 +76,21 @@ def test_only_runs_the_named_kernels_alone(monkeypatch):
     timed.clear()
     bench.run(False)
     assert set(timed) == set(bench.KERNELS)
+
+
+def test_the_gated_deltanet_rows_time_decode_batches_and_prompts(monkeypatch):
+    """The convolution's and the delta rule's rows: decode steps of 1 and 8 sequences, prompts
+    of 512 and 8,192 tokens, at Qwen3.6-35B-A3B's 8,192 convolution channels."""
+    timed = []
+    for name in ("short_conv", "delta_rule"):
+        monkeypatch.setattr(bench.Bench, name, lambda self, *a, _n=name: timed.append((_n, *a)))
+    props = type("Props", (), {"name": "Fake GPU"})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _device: props)
+    monkeypatch.setattr(bench, "measure_copy_gbps", lambda: 4000.0)
+    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda: 600.0)
+    monkeypatch.setattr(bench, "DEVICE", torch.device("cpu"))
+    bench.run(False, ["short_conv", "delta_rule"])
+    for name in ("short_conv", "delta_rule"):
+        rows = [row[1:] for row in timed if row[0] == name]
+        assert rows == [(1, False), (8, False), (512, True), (8192, True)]
+    assert bench._linear_channels() == 8192

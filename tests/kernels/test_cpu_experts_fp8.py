@@ -263,23 +263,28 @@ def test_the_runner_holds_the_factors_of_redoable_jobs_until_it_closes() -> None
     assert all(ref() is None for ref in held)
 
 
-def test_the_decode_planner_leaves_fp8_banks_to_the_python_planner() -> None:
-    """The native planner reads bf16/fp16/fp32 banks: for FP8 it answers None, as the torch
-    kernel does, and the engine plans in Python, submitting the jobs with their factors."""
-    w13, _ = fp8.quantize(torch.randn(4, 64, 32))
-    w2, _ = fp8.quantize(torch.randn(4, 32, 32))
+def test_the_decode_planner_takes_an_fp8_banks_factors() -> None:
+    """The native planner plans over FP8 banks with their factors (tests/engine/test_planner.py
+    runs it); without them it says what it needs."""
+    w13, w13_scale = fp8.quantize(torch.randn(4, 64, 32))
+    w2, w2_scale = fp8.quantize(torch.randn(4, 32, 32))
+    arrays = {
+        "slot_of": np.full((1, 4), -1, dtype=np.int32),
+        "key_of_slot": np.full(2, -1, dtype=np.int64),
+        "last_use": np.zeros(2, dtype=np.int64),
+        "state": np.zeros(4, dtype=np.int64),
+        "picks": np.zeros((1, 4), dtype=np.int64),
+    }
     with CpuExpertRunner(2, "native") as runner:
+        with pytest.raises(ValueError, match=r"FP8 weights \(torch.float8_e4m3fn\) need w13_scale"):
+            runner.decode_planner(**arrays, w13=[w13], w2=[w2], top_k=2)
+        with pytest.raises(ValueError, match="w2_scale needs one tensor per layer"):
+            runner.decode_planner(**arrays, w13=[w13], w2=[w2], top_k=2, w13_scale=[w13_scale],
+                                  w2_scale=[])  # fmt: skip
         planner = runner.decode_planner(
-            slot_of=np.full((1, 4), -1, dtype=np.int32),
-            key_of_slot=np.full(2, -1, dtype=np.int64),
-            last_use=np.zeros(2, dtype=np.int64),
-            state=np.zeros(4, dtype=np.int64),
-            picks=np.zeros((1, 4), dtype=np.int64),
-            w13=[w13],
-            w2=[w2],
-            top_k=2,
+            **arrays, w13=[w13], w2=[w2], top_k=2, w13_scale=[w13_scale], w2_scale=[w2_scale]
         )
-    assert planner is None
+    assert planner is not None
 
 
 def fp8_call() -> dict[str, torch.Tensor]:

@@ -208,6 +208,93 @@ def test_conv_state_of_the_wrong_shape_is_refused(gen):
         gdn.causal_conv_prefill(randn(gen, 5, 24), randn(gen, 24, 4), torch.zeros(4, 24))
 
 
+# the convolution's Triton kernels (the interpreter on a CPU), against the reference
+
+
+def conv_inputs(gen: torch.Generator, tokens: int, channels: int, width: int):
+    """x [T, C] as the engine passes it (the projection's first C columns: strided rows), a
+    weight [C, W], a bias and a conv state [W-1, C] of earlier inputs."""
+    projected = randn(gen, tokens, channels + 13)
+    return (
+        projected[:, :channels],
+        randn(gen, channels, width),
+        randn(gen, channels),
+        randn(gen, width - 1, channels),
+    )
+
+
+@pytest.mark.usefixtures("triton_runs")
+@pytest.mark.parametrize(
+    ("tokens", "width"), [(1, 4), (2, 4), (3, 4), (31, 4), (33, 4), (70, 4), (9, 2), (5, 3)]
+)
+def test_conv_prefill_kernel_continues_from_the_state_as_the_reference(gen, tokens, width):
+    """Prompts shorter than the state, and across token blocks (32): the outputs, and the state
+    after the last token copied exactly."""
+    x, weight, bias, start = conv_inputs(gen, tokens, 300, width)
+    state, ref_state = start.clone(), start.clone()
+    out = gdn.causal_conv_prefill_triton(x, weight, state, bias)
+    assert_matches(out, gdn.causal_conv_prefill_ref(x, weight, ref_state, bias), TOL)
+    assert torch.equal(state, ref_state)
+
+
+@pytest.mark.usefixtures("triton_runs")
+@settings(deadline=None, max_examples=10)
+@given(tokens=st.integers(1, 40), cut=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_conv_prefill_kernel_in_two_pieces_equals_one_reference_prefill(tokens, cut, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, weight, _, _ = conv_inputs(gen, tokens, 20, 4)
+    ref_state = torch.zeros(3, 20, device=DEVICE)
+    whole = gdn.causal_conv_prefill_ref(x, weight, ref_state)
+    split = round(cut * tokens)
+    state = torch.zeros(3, 20, device=DEVICE)
+    first = gdn.causal_conv_prefill_triton(x[:split], weight, state)
+    second = gdn.causal_conv_prefill_triton(x[split:], weight, state)
+    assert_matches(torch.cat([first, second]), whole, TOL)
+    assert torch.equal(state, ref_state)
+
+
+@pytest.mark.usefixtures("triton_runs")
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_conv_decode_kernel_advances_only_its_slots(gen, ids_dtype):
+    x, weight, bias, _ = conv_inputs(gen, 3, 200, 4)
+    states = randn(gen, 6, 3, 200)
+    ref_states = states.clone()
+    slot_ids = torch.tensor([4, 0, 5], dtype=ids_dtype, device=DEVICE)
+    for _ in range(3):
+        out = gdn.causal_conv_decode_triton(x, weight, states, slot_ids, bias)
+        ref = gdn.causal_conv_decode_ref(x, weight, ref_states, slot_ids, bias)
+        assert_matches(out, ref, TOL)
+        assert torch.equal(states, ref_states), "a slot differs, or one outside the batch moved"
+        x = randn(gen, 3, 200)
+
+
+@pytest.mark.usefixtures("triton_runs")
+def test_conv_kernels_copy_bf16_inputs_into_the_state_exactly(gen):
+    """The state holds inputs, never results: bit for bit in bf16, whatever the rounding of the
+    outputs (the interpreter truncates fp32 to bf16: one bf16 unit allowed there)."""
+    x, weight, _, start = (t.bfloat16() for t in conv_inputs(gen, 6, 64, 4))
+    state, ref_state = start.clone(), start.clone()
+    out = gdn.causal_conv_prefill_triton(x, weight, state)
+    assert_matches(out, gdn.causal_conv_prefill_ref(x, weight, ref_state), 2**-7)
+    assert torch.equal(state, ref_state)
+    states, ref_states = state.unsqueeze(0).clone(), ref_state.unsqueeze(0).clone()
+    slot = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    out = gdn.causal_conv_decode_triton(x[:1], weight, states, slot)
+    assert_matches(out, gdn.causal_conv_decode_ref(x[:1], weight, ref_states, slot), 2**-7)
+    assert torch.equal(states, ref_states)
+
+
+def test_conv_kernels_refuse_what_they_cannot_step_through(gen):
+    x, weight, _, state = conv_inputs(gen, 4, 16, 4)
+    with pytest.raises(ValueError, match="x must have a contiguous last dimension"):
+        gdn.causal_conv_prefill_triton(x.t().contiguous().t(), weight, state)
+    with pytest.raises(ValueError, match=r"slot_ids must be int32 or int64 \[4\]"):
+        gdn.causal_conv_decode_triton(x, weight, state.unsqueeze(0), torch.zeros(4))
+    every_other = torch.zeros(8, dtype=torch.int32, device=DEVICE)[::2]
+    with pytest.raises(ValueError, match="slot_ids must have a contiguous last dimension"):
+        gdn.causal_conv_decode_triton(x, weight, state.unsqueeze(0), every_other)
+
+
 # the gated norm and the whole layer
 
 
@@ -277,7 +364,10 @@ def test_the_mixer_prefilled_in_pieces_then_decoded_is_the_transformers_layer(ge
     assert_matches(out, expected, 1e-4 if DEVICE.type == "cpu" else 1e-2)
 
 
-# fla
+# fla, and the kernels on a GPU at Qwen3.6-35B-A3B's linear layers: H, HV, DK, DV (C = 8,192)
+
+QWEN36 = (16, 32, 128, 128)
+QWEN36_CHANNELS = 2 * 16 * 128 + 32 * 128
 
 
 def test_cpu_tensors_go_to_the_reference_where_fla_is_installed(gen, monkeypatch):
@@ -302,9 +392,10 @@ def test_cpu_tensors_go_to_the_reference_where_fla_is_installed(gen, monkeypatch
 @pytest.mark.skipif(
     not torch.cuda.is_available() or gdn.fla_ops() is None, reason="needs CUDA and fla installed"
 )
-def test_fla_matches_the_reference_at_the_qwen36_geometry(gen):
-    heads, v_heads, dk, dv = 16, 32, 128, 128
-    q, k, v, g, beta = rule_inputs(gen, 300, heads, v_heads, dk, dv)
+@pytest.mark.parametrize("tokens", [300, 8192])
+def test_fla_matches_the_reference_at_the_qwen36_geometry(gen, tokens):
+    heads, v_heads, dk, dv = QWEN36
+    q, k, v, g, beta = rule_inputs(gen, tokens, heads, v_heads, dk, dv)
     q, k, v, beta = (t.bfloat16() for t in (q, k, v, beta))  # as the engine's projections give
     start = randn(gen, v_heads, dk, dv, scale=0.1)
     state, ref_state = start.clone(), start.clone()
@@ -319,3 +410,82 @@ def test_fla_matches_the_reference_at_the_qwen36_geometry(gen):
     o = gdn.delta_rule_decode_fla(*step, states, slot_ids)
     assert_matches(o, gdn.delta_rule_decode_ref(*step, ref_states, slot_ids), 2e-2)
     assert_matches(states, ref_states, 2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 300, 8192])
+def test_conv_prefill_kernel_matches_the_reference_at_the_qwen36_geometry(gen, tokens):
+    x, weight, _, start = (
+        t.bfloat16() for t in conv_inputs(gen, tokens, QWEN36_CHANNELS, 4)
+    )  # bf16 as the engine's projections and pools hold them
+    state, ref_state = start.clone(), start.clone()
+    out = gdn.causal_conv_prefill(x, weight, state)
+    ref = gdn.causal_conv_prefill_ref(x.float(), weight.float(), ref_state.float())
+    assert_matches(out.float(), ref, 1e-2)
+    assert torch.equal(state, ref_state.bfloat16())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_decode_step_replays_in_a_cuda_graph_at_the_qwen36_geometry(gen):
+    """The linear layer's decode math as the engine captures it: the convolution from the conv
+    pool, the delta rule from the recurrent pool (fla's kernel where installed), both by slot ids
+    in a device tensor; replayed with new inputs and other slots, against the references."""
+    heads, v_heads, dk, dv = QWEN36
+    key_dim = heads * dk
+    weight = randn(gen, QWEN36_CHANNELS, 4, dtype=torch.bfloat16)
+    conv = randn(gen, 9, 3, QWEN36_CHANNELS, dtype=torch.bfloat16)
+    rec = randn(gen, 9, v_heads, dk, dv, scale=0.1)
+    mixed = randn(gen, 3, QWEN36_CHANNELS, dtype=torch.bfloat16)
+    _, _, _, g, beta = rule_inputs(gen, 3, heads, v_heads, dk, dv)
+    beta = beta.bfloat16()
+    slot_ids = torch.tensor([7, 2, 4], dtype=torch.int32, device=DEVICE)
+
+    def step(pools, conv_fn, rule_fn):
+        out = conv_fn(mixed, weight, pools[0], slot_ids)
+        q, k, v = out.split([key_dim, key_dim, v_heads * dv], dim=-1)
+        q, k = (t.unflatten(-1, (heads, dk)) for t in (q, k))
+        return rule_fn(q, k, v.unflatten(-1, (v_heads, dv)), g, beta, pools[1], slot_ids)
+
+    step((conv, rec), gdn.causal_conv_decode, gdn.delta_rule_decode)  # compiles outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step((conv, rec), gdn.causal_conv_decode, gdn.delta_rule_decode)
+    for ids in ([0, 5, 8], [8, 5, 0]):  # new inputs and slots in the captured tensors
+        mixed.copy_(randn(gen, 3, QWEN36_CHANNELS, dtype=torch.bfloat16))
+        g.copy_(rule_inputs(gen, 3, heads, v_heads, dk, dv)[3])
+        slot_ids.copy_(torch.tensor(ids))
+        ref_pools = (conv.clone(), rec.clone())
+        graph.replay()
+        ref = step(ref_pools, gdn.causal_conv_decode_ref, gdn.delta_rule_decode_ref)
+        assert_matches(out, ref, 2e-2)
+        assert torch.equal(conv, ref_pools[0])
+        assert_matches(rec, ref_pools[1], 2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or gdn.fla_ops() is None, reason="needs CUDA and fla installed"
+)
+def test_flas_convolution_computes_what_the_bench_compares_it_with(gen):
+    """fla's convolution in its own layout (W inputs per sequence as [N, C, W], the oldest
+    unused) gives the reference's outputs and states, so its bench rows time the same work."""
+    from fla.modules import causal_conv1d as fla_conv
+
+    x, weight, _, start = (t.bfloat16() for t in conv_inputs(gen, 300, QWEN36_CHANNELS, 4))
+    ref_state = start.clone()
+    ref = gdn.causal_conv_prefill_ref(x, weight, ref_state)
+    initial = torch.cat([torch.zeros_like(start[:1]), start]).t().unsqueeze(0).contiguous()
+    out, final = fla_conv.causal_conv1d(
+        x.unsqueeze(0), weight, initial_state=initial, output_final_state=True, activation="silu"
+    )
+    assert_matches(out[0], ref, 1e-2)
+    assert torch.equal(final[0].t()[1:], ref_state)
+    xs, cache = randn(gen, 3, QWEN36_CHANNELS, dtype=torch.bfloat16), final.repeat(3, 1, 1)
+    states = cache.transpose(1, 2)[:, 1:].contiguous()
+    ref = gdn.causal_conv_decode_ref(xs, weight, states, torch.arange(3, device=DEVICE))
+    out, cache = fla_conv.causal_conv1d_update(xs, cache, weight=weight, activation="silu")
+    assert_matches(out, ref, 1e-2)
+    assert torch.equal(cache.transpose(1, 2)[:, 1:], states)

@@ -74,6 +74,59 @@ def test_matches_reference(gen, q_heads, kv_heads, head_dim, block_size, seq_len
     assert_matches(out, ref, tol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("seq_lens", "window", "config"),
+    [
+        ([1, 5, 40, 130], 16, AttentionConfig(block_n=16, num_splits=3)),
+        ([0, 7, 64], 0, AttentionConfig(block_n=16, num_splits=2)),  # sinks alone
+        ([9, 100], 128, None),  # a window longer than the context
+        ([33], 17, AttentionConfig(block_n=16, num_splits=8)),  # more slices than the window has
+    ],
+)
+def test_sinks_and_a_window_match_reference(gen, seq_lens, window, config):
+    """gpt-oss's attention: a sink logit per head and a sliding window. Positions before the
+    window hold NaN, which a kernel that read them would return."""
+    block_size, max_blocks = 8, -(-max(seq_lens) // 8) + 1
+    k_cache, v_cache, tables, lens = paged_cache(gen, seq_lens, block_size, 2, 32, max_blocks)
+    for b, seq_len in enumerate(seq_lens):
+        for pos in range(max(0, seq_len - window) if window else 0):
+            page = tables[b, pos // block_size]
+            k_cache[page, pos % block_size] = float("nan")
+            v_cache[page, pos % block_size] = float("nan")
+    q = randn(gen, len(seq_lens), 8, 32)
+    sinks = randn(gen, 8) * 3
+    kwargs = {"sinks": sinks, "window": window}
+    out = paged_attention.paged_attention_decode_triton(
+        q, k_cache, v_cache, tables, lens, 0.2, config=config, **kwargs
+    )
+    ref = paged_attention.paged_attention_decode_ref(
+        q, k_cache, v_cache, tables, lens, 0.2, **kwargs
+    )
+    assert_matches(out, ref, tol=1e-5)
+    # the sinks take their share: the same call without them differs
+    plain = paged_attention.paged_attention_decode_ref(
+        q, k_cache, v_cache, tables, lens, 0.2, window=window
+    )
+    assert not torch.allclose(plain[lens > 0], ref[lens > 0], atol=1e-3)
+
+
+def test_sinks_match_softmax_with_an_extra_logit(gen):
+    """The reference's sink is a logit in the softmax whose value is zero: attention over the
+    keys plus one zero key whose score is the sink gives the same output."""
+    k_cache, v_cache, tables, lens = paged_cache(gen, [11], 4, 1, 16, 4)
+    q = randn(gen, 1, 2, 16)
+    sinks = torch.tensor([0.5, -1.0], device=q.device)
+    out = paged_attention.paged_attention_decode_ref(
+        q, k_cache, v_cache, tables, lens, 0.3, sinks=sinks
+    )
+    keys = k_cache[tables[0, :3].long()].reshape(-1, 16)[:11]
+    values = v_cache[tables[0, :3].long()].reshape(-1, 16)[:11]
+    for head in range(2):
+        scores = torch.cat([keys @ q[0, head] * 0.3, sinks[head : head + 1]])
+        expected = torch.softmax(scores, dim=0)[:11] @ values
+        assert_matches(out[0, head], expected, tol=1e-5)
+
+
 def test_empty_sequence_gives_zeros(gen):
     k_cache, v_cache, tables, lens = paged_cache(gen, [0, 7], 4, 2, 32, 3)
     q = randn(gen, 2, 4, 32)

@@ -1,5 +1,6 @@
 """Checkpoint geometries for the profile tests: the synth presets tiny, small and Qwen3-30B-A3B,
-all qwen3_moe in bfloat16 (engine/model/synth.py imports torch, so the config dicts are written
+all qwen3_moe in bfloat16, and Qwen3.6-35B-A3B's text config, a hybrid of 30 Gated DeltaNet and
+10 full-attention layers (engine/model/synth.py imports torch, so the config dicts are written
 out)."""
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ A3B = {
     "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
     "max_position_embeddings": 40960,
 }  # fmt: skip
+# the synth preset qwen3.6-35b-a3b in the text-only layout (layer_types from the interval)
+Q36 = {
+    "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "max_position_embeddings": 262144, "full_attention_interval": 4,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+}  # fmt: skip
 SPECS = {
     name: ModelSpec.from_config(c) for name, c in (("tiny", TINY), ("small", SMALL), ("30b", A3B))
 }
+HYBRID = ModelSpec.from_config(Q36)

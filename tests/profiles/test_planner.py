@@ -15,7 +15,7 @@ from moelab.profiles.planner import (
     planner_tiers,
 )
 
-from .geometry import SPECS
+from .geometry import HYBRID, SPECS
 
 
 def run(**overrides) -> RunObservation:
@@ -210,3 +210,30 @@ def test_fp8_kv_pages_let_each_context_keep_more_expert_slots() -> None:
     fp8_points = {p.kv_reserve_tokens: p for p in fp8.points}
     assert fp8_points[2048].slots > fp32_points[2048].slots
     assert not fp32_points[4096].fits and fp8_points[4096].fits
+
+
+def test_a_hybrid_models_contexts_count_kv_of_its_attention_layers_and_fixed_states() -> None:
+    """Qwen3.6-35B-A3B on a 24 GB card: each point counts 20 KiB of KV a token (10 attention
+    layers of 40) and the same states (61.4 MiB each: 8 running sequences, the graphs' padding
+    slot and 8 state checkpoints), so the whole 262,144-token context fits beside 1,364 expert
+    slots, where the same geometry with KV in every layer does not fit it and keeps 472 slots at
+    196,608 tokens (the hybrid 1,578)."""
+    spec = HYBRID
+    gpu = (Gpu(0, "24 GB card", "u", 24 * GIB, 23 * GIB),)
+    pc = Machine("pc", "0.1.0", 16, 96 * GIB, gpu)
+    plan = plan_context(spec, pc, [])
+    per_seq = 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 2)
+    assert plan.kv_bytes_per_token == 2 * 10 * 2 * 256 * 2
+    body = plan.to_json()
+    assert (body["attention_layers"], body["linear_layers"]) == (10, 30)
+    assert body["state_bytes_per_seq"] == per_seq
+    assert (body["state_sequences"], body["state_checkpoints"]) == (8, 8)
+    assert body["state_bytes"] == 17 * per_seq
+    whole = plan.point(262144)
+    assert whole is not None and whole.fits and whole.context_tokens == 262144
+    assert whole.slots == 1364
+    everywhere = replace(spec, layer_types=("full_attention",) * 40, linear_attention=None)
+    dense = plan_context(everywhere, pc, [])
+    assert dense.to_json()["state_bytes"] == 0
+    assert not dense.point(262144).fits
+    assert (dense.point(196608).slots, plan.point(196608).slots) == (472, 1578)

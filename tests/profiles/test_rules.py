@@ -12,7 +12,7 @@ from moelab.profiles.flags import engine_config, validate_flags
 from moelab.profiles.machine import GIB, Gpu, Machine, Rates, choose_device, plan_for
 from moelab.profiles.recommend import BenchmarkResult, compare, recommend
 
-from .geometry import SPECS
+from .geometry import HYBRID, SPECS
 
 MIB = 1024**2
 
@@ -408,3 +408,62 @@ def test_compare_with_a_profile() -> None:
     assert rows["--prefill-chunk-tokens"]["state"] == "not set"
     assert rows["--moe-cache-size"]["state"] == "different"  # advised: leave it to the engine
     assert compare(rec.advice, [])[3]["state"] == "same"  # unset, as advised
+
+
+def test_a_hybrid_model_on_a_24gb_card_gets_its_whole_262k_context() -> None:
+    """Qwen3.6-35B-A3B keeps KV in 10 of its 40 layers: on a 24 GB card its whole 262,144-token
+    context takes 5.00 GiB and still leaves 14% of the experts, where the same geometry with KV
+    in every layer gets a quarter of it; the split shows the states of the running sequences."""
+    from dataclasses import replace
+
+    hybrid = HYBRID
+    everywhere = replace(hybrid, layer_types=("full_attention",) * 40, linear_attention=None)
+    pc = machine((card(24, 23.5),), ram_gib=96)
+    rec = recommend(pc, hybrid)
+    a = advice(rec)
+    assert a["--kv-reserve-tokens"].value == "262144"
+    assert "the model's whole context (262144 tokens, 5.00 GiB of KV)" in str(
+        a["--kv-reserve-tokens"].reason
+    )
+    assert advice(recommend(pc, everywhere))["--kv-reserve-tokens"].value == "65536"
+    split = rec.vram_split()
+    running = int(a["--max-running-requests"].value)
+    per_seq = 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 2)  # DeltaNet states in fp32, conv in bf16
+    assert split["state_sequences"] == running == 4 and split["state_checkpoints"] == 8
+    # and the graphs' padding slot and the prefix cache's state checkpoints
+    assert split["bytes"]["states"] == (running + 1 + 8) * per_seq
+    assert split["bytes"]["kv"] == split["kv_tokens"] * 2 * 10 * 2 * 256 * 2
+    assert sum(v for k, v in split["bytes"].items() if k != "budget") == split["bytes"]["budget"]
+    assert rec.warnings == ()
+
+
+def test_cpu_only_hybrid_counts_kv_of_the_attention_layers() -> None:
+    """Without a GPU, the KV in RAM counts 10 layers of 40: 10.00 GiB for the whole context in
+    float32 (the engine's dtype on a CPU, which 256 GiB of RAM allows), 5.00 GiB in bf16."""
+    for ram_gib, elem in ((256, 4), (128, 2)):
+        a = advice(recommend(machine((), ram_gib=ram_gib), HYBRID))
+        assert ("--dtype" in a) == (elem == 2)
+        kv = a["--kv-reserve-tokens"]
+        assert kv.value == "262144"
+        assert kv.numbers["kv_bytes"] == 262144 * 2 * 10 * 2 * 256 * elem
+
+
+def test_the_benchmarks_context_step_starts_from_a_hybrid_models_whole_context() -> None:
+    """The benchmark's context step proves the base flags' context, then tries the tiers above it
+    up to the model's: from Recommended's flags on a 24 GB card, Qwen3.6-35B-A3B (KV in 10 of 40
+    layers) proves its whole 262,144 tokens with nothing above to try, where the geometry with KV
+    in every layer proves 65,536 and tries 131,072 and 262,144."""
+    from dataclasses import replace
+
+    from moelab.autotune.eta import context_tiers, context_trials
+    from moelab.autotune.modes import MODES
+
+    hybrid = HYBRID
+    everywhere = replace(hybrid, layer_types=("full_attention",) * 40, linear_attention=None)
+    pc = machine((card(24, 23.5),), ram_gib=96)
+    thorough = MODES["thorough"]
+    flags = recommend(pc, hybrid).flags
+    assert context_trials(flags, 262144, thorough) == 1
+    dense_flags = recommend(pc, everywhere).flags
+    assert context_trials(dense_flags, 262144, thorough) == 3
+    assert context_tiers(65536, dense_flags, 262144, thorough) == [131072, 262144]

@@ -1,0 +1,132 @@
+"""A hybrid model (Gated DeltaNet and attention layers) in the manager and the console: discovery
+shows its layer kinds, the dashboard's memory split its recurrent states, the heatmaps each layer's
+kind, Recommended and the context planner its states beside the attention layers' KV."""
+
+from __future__ import annotations
+
+import copy
+import html
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moelab.console import engines
+from moelab.console.i18n import Translator
+from moelab.console.pages.dashboard import _vram_figure
+from moelab.daemon.service import Daemon
+from tests.daemon.conftest import make_daemon, synth
+
+from . import conftest
+from .conftest import local_client, record_engine
+from .test_pages import get_page
+
+STATE_BYTES = 3 * 1024**2  # what the recorded engine's states take on its device
+RECORDED = conftest.recorded_stats
+
+
+def figure(page: str, name: str) -> dict[str, Any]:
+    """The Plotly figure a page draws in its chart of that name."""
+    found = re.search(rf'data-chart="{name}" data-figure="([^"]*)"', page)
+    assert found is not None, name
+    return json.loads(html.unescape(found.group(1)))
+
+
+def hybrid_stats() -> list[dict[str, Any]]:
+    """The recorded demo engine's bodies as a hybrid model's engine reports them: its MoE layers
+    1 and 2 Gated DeltaNet, layer 3 attention, and its recurrent states on the device."""
+    bodies = copy.deepcopy(RECORDED())
+    for body in bodies:
+        body["experts"]["layer_types"] = ["linear_attention", "linear_attention", "full_attention"]
+        body["memory"]["device"][0]["states"] = STATE_BYTES
+        body["kv"]["states"] = {"linear_layers": 3, "bytes_per_seq": STATE_BYTES // 3,
+                                "slots_total": 2, "slots_used": 1,
+                                "bytes": STATE_BYTES}  # fmt: skip
+    return bodies
+
+
+@pytest.fixture(scope="module")
+def hybrid(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.MonkeyPatch
+) -> Iterator[tuple[Daemon, int, Path]]:
+    """A daemon whose models folder holds the demo model and a tiny Qwen3.5 MoE checkpoint
+    (multimodal layout) written by `moelab synth`, with a recorded engine of the hybrid model."""
+    models = tmp_path_factory.mktemp("models")
+    synth(models / "demo-tiny")
+    qwen = synth(models / "qwen35-tiny", "--arch", "qwen3_5_moe")
+    daemon = make_daemon(tmp_path_factory.mktemp("data"), models)
+    daemon.start()
+    monkeypatch_module.setattr(conftest, "recorded_stats", hybrid_stats)
+    ids = record_engine(daemon, qwen, name="hybrid-engine")
+    yield daemon, ids.running_id, qwen
+    daemon.close()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_discovery_counts_the_layers_of_each_kind(hybrid) -> None:
+    daemon = hybrid[0]
+    models = {m["name"]: m for m in local_client(daemon).get("/api/models").json()["models"]}
+    assert models["qwen35-tiny"]["layer_kinds"] == {"full_attention": 1, "linear_attention": 3}
+    assert models["qwen35-tiny"]["num_layers"] == 4 and models["qwen35-tiny"]["error"] is None
+    assert models["demo-tiny"]["layer_kinds"] == {"full_attention": 4, "linear_attention": 0}
+    en = get_page(local_client(daemon), "/servers", "en")
+    ja = get_page(local_client(daemon), "/servers", "ja")
+    assert "qwen35-tiny (3 DeltaNet + 1 attention layers)</option>" in en
+    assert "qwen35-tiny (DeltaNet 3 層 + アテンション 1 層)</option>" in ja
+    assert "demo-tiny</option>" in en  # a model of one kind of layer says nothing more
+
+
+def test_the_dashboard_splits_off_the_recurrent_states(hybrid) -> None:
+    daemon, _, _ = hybrid
+    for lang, label in (("en", "recurrent states"), ("ja", "再帰状態")):
+        page = get_page(local_client(daemon), "/", lang)
+        traces = {t["name"]: t for t in figure(page, "vram")["data"]}
+        assert traces[label]["x"][0] == pytest.approx(STATE_BYTES / 1024**3)
+    # engines of models without linear layers only: no such part in the legend
+    card = {"server": {"name": "demo", "device": "cpu"},
+            "devices": engines.device_split(RECORDED()[1])}  # fmt: skip
+    plain = _vram_figure({"engines": [card], "gpus": []}, Translator("en"))
+    assert [trace.name for trace in plain.data] == [
+        "weights", "KV cache", "expert cache", "activations", "other", "free"
+    ]  # fmt: skip
+    body = local_client(daemon).get("/", headers={"Accept": "application/json"}).json()
+    [card] = [c for c in body["engines"] if c["server"]["name"] == "hybrid-engine"]
+    assert card["devices"][0]["parts"]["states"] == STATE_BYTES
+
+
+def test_the_heatmaps_label_deltanet_and_attention_layers(hybrid) -> None:
+    daemon, server_id, _ = hybrid
+    for lang, rows in (("en", ["L1 DeltaNet", "L2 DeltaNet", "L3 attention"]),
+                       ("ja", ["L1 DeltaNet", "L2 DeltaNet", "L3 アテンション"])):  # fmt: skip
+        page = get_page(local_client(daemon), f"/experts/{server_id}", lang)
+        for chart in ("pick_heatmap", "miss_heatmap"):
+            assert figure(page, chart)["data"][0]["y"] == rows, (lang, chart)
+
+
+def test_recommended_and_the_planner_show_the_states_beside_the_kv(hybrid) -> None:
+    daemon, _, qwen = hybrid
+    client = local_client(daemon)
+    reply = client.post("/api/profiles", json={"name": "qwen35", "model": str(qwen), "flags": []})
+    assert reply.status_code == 201, reply.text
+    profile = reply.json()["id"]
+    recommended = client.get(f"/api/recommend?model={qwen}&profile={profile}").json()
+    planner = recommended["planner"]
+    assert (planner["attention_layers"], planner["linear_layers"]) == (1, 3)
+    assert planner["kv_bytes_per_token"] == 2 * 1 * 2 * 16 * 4  # 1 layer, 2 KV heads, float32
+    rows = planner["state_sequences"] + 1 + planner["state_checkpoints"]
+    assert planner["state_checkpoints"] == 8
+    assert planner["state_bytes"] == rows * planner["state_bytes_per_seq"]
+    split = recommended["vram_split"]
+    assert split["bytes"]["states"] == planner["state_bytes"] > 0
+    en = get_page(client, f"/profiles/{profile}", "en")
+    assert "Recurrent states" in en and "KV is kept by the 1 attention layers alone" in en
+    ja = get_page(client, f"/profiles/{profile}", "ja")
+    assert "再帰状態" in ja and "KV を持つのは 1 層のアテンション層だけ" in ja

@@ -1,0 +1,323 @@
+"""gpt-oss against transformers' GptOssForCausalLM: small random checkpoints that transformers
+writes, served resident and offloaded, prompts past the sliding window, chunked prefill and mixed
+batches; and the parts the comparison must catch (sinks, window, clamp, biases)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moelab.daemon.models import read_checkpoint
+from moelab.engine.model.spec import CheckpointError, ModelSpec
+from moelab.engine.model.synth import make_config
+from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.runtime.sampling import SamplingParams
+from moelab.engine.synth_checkpoint import synthesize
+from moelab.kernels import mxfp4
+
+from .reference import (
+    assert_same_greedy,
+    build_reference,
+    hf_greedy,
+    hf_logits,
+    make_engine,
+    relative_error,
+)
+
+pytest.importorskip(
+    "transformers", reason="transformers is the reference (pip install -e '.[test]')"
+)
+
+WINDOW = 6
+# odd sizes, grouped KV heads, a window far shorter than the prompts, two sliding layers of
+# three, yarn; a SwiGLU limit low enough that the clamps bite at unit-gain weights
+GEOMETRY = dict(
+    hidden_size=48,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=12,
+    num_experts_per_tok=3,
+    moe_intermediate_size=20,
+    num_hidden_layers=3,
+    sliding_window=WINDOW,
+    swiglu_limit=1.5,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 128,
+    },
+)
+OFFLOADED = ["--moe-cache-size", "6", "--moe-miss-policy", "split:0.5"]
+
+
+@pytest.fixture(autouse=True)
+def equal_rates(monkeypatch):
+    """Bp = Bh, so the split policy runs misses on the CPU and by copies on any machine."""
+    import moelab.engine.runtime.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "measure_bp_gbps", lambda bank, device: 10.0)
+    monkeypatch.setattr(engine_module, "measure_bh_gbps", lambda runner, bank: 10.0)
+
+
+def prompt(seed: int, n: int, vocab: int = 97) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    model = build_reference("gpt_oss", path, seed=7, **GEOMETRY)
+    return model, path
+
+
+def test_spec_reads_gpt_oss_config(reference):
+    _model, path = reference
+    spec = ModelSpec.from_dir(path)
+    assert spec.arch == "gpt_oss"
+    assert spec.sliding_window == WINDOW and spec.sliding_layers == (0, 2)
+    assert spec.attention_sinks and spec.router_bias and spec.expert_bias
+    assert spec.swiglu_limit == 1.5 and spec.norm_topk_prob
+    assert spec.rope_scaling["rope_type"] == "yarn"
+    # the biases count in an expert's bytes (fp32 here) and in the dense weights
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    assert spec.expert_bytes == (3 * h * i + 2 * i + h) * 4
+
+
+@pytest.mark.parametrize("placement", ["resident", "offloaded"])
+def test_logits_and_greedy_tokens_match_transformers(reference, placement):
+    """A 37-token prompt (six windows) in two prefill chunks, then 24 greedy tokens decoded over
+    the paged cache, resident and offloaded (misses split between copies and the CPU)."""
+    model, path = reference
+    flags = ["--moe-cache-rate", "1.0"] if placement == "resident" else OFFLOADED
+    engine = make_engine(path, "--prefill-chunk-tokens", "20", *flags)
+    ids = prompt(1, 37)
+    try:
+        assert engine.cache.holds_everything == (placement == "resident")
+        ours = engine.score(ids)
+        [tokens] = engine.generate([ids], SamplingParams(max_tokens=24, ignore_eos=True))
+        if placement == "offloaded":
+            counters = engine.moe.counters
+            assert counters.fills.sum() > 0 and counters.cpu.sum() > 0
+    finally:
+        engine.close()
+    assert relative_error(ours, hf_logits(model, ids)) < 1e-4
+    ref, margins = hf_greedy(model, ids, 24)
+    assert_same_greedy(tokens, ref, margins)
+    assert len(set(tokens)) >= 8, f"the continuation is not varied: {tokens}"
+
+
+@pytest.mark.parametrize("placement", ["resident", "offloaded"])
+def test_a_mixed_batch_matches_each_prompt_alone(reference, placement):
+    """Prompts shorter and longer than the window decoded together (continuous batching)."""
+    model, path = reference
+    flags = ["--moe-cache-rate", "1.0"] if placement == "resident" else OFFLOADED
+    engine = make_engine(path, "--prefill-chunk-tokens", "16", *flags)
+    prompts = [prompt(10 + i, n) for i, n in enumerate((3, 17, 5, 30))]
+    try:
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    finally:
+        engine.close()
+    for ids, ours in zip(prompts, outputs, strict=True):
+        ref, margins = hf_greedy(model, ids, 16)
+        assert_same_greedy(ours, ref, margins)
+
+
+def test_the_comparison_catches_a_missing_window_or_clamp(reference):
+    model, path = reference
+    engine = make_engine(path, "--moe-cache-rate", "1.0")
+    ids = prompt(1, 37)
+    try:
+        windows = engine.model.windows
+        engine.model.windows = [0] * len(windows)
+        assert relative_error(engine.score(ids), hf_logits(model, ids)) > 1e-3
+        engine.model.windows = windows
+        engine.cache.swiglu_limit = 0.0
+        assert relative_error(engine.score(ids), hf_logits(model, ids)) > 1e-3
+    finally:
+        engine.close()
+
+
+def test_the_comparison_catches_dropped_sinks_and_biases(reference):
+    model, path = reference
+    engine = make_engine(path, "--moe-cache-rate", "1.0")
+    ids = prompt(1, 37)
+    try:
+        layers = engine.model.weights.layers
+        sinks = [layer.sinks.clone() for layer in layers]
+        for layer in layers:
+            layer.sinks.fill_(-torch.inf)
+        assert relative_error(engine.score(ids), hf_logits(model, ids)) > 1e-3
+        for layer, kept in zip(layers, sinks, strict=True):
+            layer.sinks.copy_(kept)
+        engine.cache.w2_bias.zero_()
+        assert relative_error(engine.score(ids), hf_logits(model, ids)) > 1e-3
+    finally:
+        engine.close()
+
+
+def mxfp4_checkpoint(src: Path, out: Path) -> Path:
+    """`src`'s weights with the experts in OpenAI's MXFP4 release layout: `*_blocks` and
+    `*_scales` of each projection as [E, out, in] (kernels/mxfp4.py quantizes), the biases and
+    everything else as stored; config.json names quant_method mxfp4."""
+    out.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        for name in list(f.keys()):
+            t = f.get_tensor(name)
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = mxfp4.quantize(t.transpose(1, 2).contiguous())
+                tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            else:
+                tensors[name] = t.contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_an_mxfp4_checkpoint_matches_transformers_dequantizing_it(tmp_path):
+    """OpenAI's layout (experts in MXFP4 `_blocks`/`_scales`), widened as the bank is written,
+    against transformers' own reading of the same files (Mxfp4Config(dequantize=True))."""
+    import transformers
+
+    geometry = {**GEOMETRY, "hidden_size": 64, "moe_intermediate_size": 32, "swiglu_limit": 7.0}
+    build_reference("gpt_oss", tmp_path / "bf16", seed=9, **geometry)
+    path = mxfp4_checkpoint(tmp_path / "bf16", tmp_path / "mxfp4")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)
+    ).eval()
+    spec = ModelSpec.from_dir(path)
+    assert spec.quantization == "mxfp4" and spec.expert_format() == "bf16"
+    ids = prompt(1, 37)
+    engine = make_engine(path, *OFFLOADED)
+    try:
+        ours = engine.score(ids)
+        [tokens] = engine.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))
+    finally:
+        engine.close()
+    ref_logits = hf_logits(model, ids)
+    assert relative_error(ours, ref_logits) < 1e-4
+    ref, margins = hf_greedy(model, ids, 16)
+    assert_same_greedy(tokens, ref, margins)
+    # the 4-bit rounding shows: the bf16 weights give other logits
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval()
+    assert relative_error(hf_logits(plain, ids), ref_logits) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "mxfp4"])
+def test_synth_writes_gpt_oss_that_transformers_reads_as_the_engine_does(tmp_path, dtype):
+    """`moelab synth --arch gpt_oss` (bf16, or the experts in MXFP4 as OpenAI ships them),
+    its routing skewed by the calibration: transformers' logits and the engine's agree."""
+    import transformers
+
+    path = synthesize(tmp_path / "m", arch="gpt_oss", preset="tiny", seed=5, routing_skew=0.8,
+                      overrides={"sliding_window": 8}, dtype=dtype)  # fmt: skip
+    config = json.loads((path / "config.json").read_text())
+    assert config["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        if dtype == "mxfp4":
+            assert config["quantization_config"]["quant_method"] == "mxfp4"
+            blocks = f.get_tensor("model.layers.1.mlp.experts.down_proj_blocks")
+            assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == (16, 64, 1, 16)
+            assert "model.layers.1.mlp.experts.down_proj" not in names
+        assert "model.layers.1.self_attn.sinks" in names
+    quantized = {"quantization_config": transformers.Mxfp4Config(dequantize=True)}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, **(quantized if dtype == "mxfp4" else {})
+    ).eval()
+    ids = prompt(2, 30, vocab=2048)
+    engine = make_engine(path, "--moe-cache-size", "12")
+    try:
+        ours = engine.score(ids)
+    finally:
+        engine.close()
+    assert relative_error(ours, hf_logits(model, ids)) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("preset", "total_b", "active_b"), [("gpt-oss-20b", 20.9, 3.6), ("gpt-oss-120b", 116.8, 5.1)]
+)
+def test_presets_have_gpt_oss_parameter_counts(preset, total_b, active_b):
+    """The presets' geometries give the parameter counts OpenAI publishes (model card)."""
+    spec = ModelSpec.from_config(make_config("gpt_oss", preset))
+    experts = spec.experts_total * spec.expert_params
+    active = spec.dense_params - spec.vocab_size * spec.hidden_size
+    active += spec.num_moe_layers * spec.top_k * spec.expert_params
+    assert abs((spec.dense_params + experts) / 1e9 - total_b) < 0.1
+    assert abs(active / 1e9 - active_b) < 0.1
+    assert spec.sliding_window == 128 and len(spec.sliding_layers) == spec.num_layers // 2
+
+
+def test_moelab_serve_answers_from_an_mxfp4_gpt_oss_checkpoint(tmp_path):
+    """A real `moelab serve` process on the MXFP4 checkpoint `moelab synth --arch gpt_oss`
+    writes, its experts offloaded, and the manager's catalog reading it as servable."""
+    path = synthesize(tmp_path / "m", arch="gpt_oss", preset="tiny", seed=21, routing_skew=1.0,
+                      overrides={"sliding_window": 8}, dtype="mxfp4")  # fmt: skip
+    entry = read_checkpoint(path, "data dir")
+    assert entry.error is None and entry.model_type == "gpt_oss" and entry.expert_bytes > 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
+             "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5"]  # fmt: skip
+    engine = start_engine(flags, tmp_path / "engine.log")
+    try:
+        wait_ready(engine, timeout_s=120)
+        body = {"prompt": "The expert bank holds", "max_tokens": 24, "temperature": 0}
+        r = httpx.post(engine.base_url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 24
+        experts = httpx.get(engine.base_url + "/v1/stats").json()["experts"]
+        spec = ModelSpec.from_dir(path)
+        assert experts["slot_bytes"] == spec.expert_bytes_as("bf16", 4)
+        assert 0 < experts["slots"] < spec.experts_total
+        assert sum(layer["reads"] for layer in experts["layers"]) > 0
+    finally:
+        stop_engine(engine)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layer_types": ["sliding_attention"]}, "layer_types must be a list of 4 of"),
+        ({"layer_types": ["local"] * 4}, "sliding_attention / full_attention"),
+        ({"swiglu_alpha": 1.5}, "swiglu_alpha must be 1.702"),
+        ({"swiglu_limit": -1}, "swiglu_limit must be a number above zero"),
+    ],
+)
+def test_a_config_moelab_cannot_serve_is_refused_naming_the_field(change, message):
+    config = {**make_config("gpt_oss", "tiny"), **change}
+    with pytest.raises(CheckpointError, match=message):
+        ModelSpec.from_config(config, "m/config.json")
+
+
+def test_fp8_experts_keep_their_biases(reference):
+    """--moe-expert-dtype fp8 on gpt_oss: the bank quantizes the weights and keeps the biases
+    beside them, so the logits stay within FP8's rounding of transformers'."""
+    model, path = reference
+    engine = make_engine(path, "--moe-expert-dtype", "fp8", *OFFLOADED)
+    ids = prompt(1, 37)
+    try:
+        assert engine.bank.fmt == "fp8" and engine.bank.w13_bias
+        ours = engine.score(ids)
+    finally:
+        engine.close()
+    assert 1e-5 < relative_error(ours, hf_logits(model, ids)) < 0.05
