@@ -436,7 +436,8 @@ class ExpertJob final : public ExpertJobShell {
       const int64_t n = std::max<int64_t>(0, r_end - r_begin);
       const int64_t ahead = rows_ahead(Hp * int64_t(sizeof(WT)));
       auto row = [&](int64_t i) -> const WT* {
-        return i < n ? gate + (r_begin + i) * Hp : i < 2 * n ? up + (r_begin + i - n) * Hp : nullptr;
+        if (i < n) return gate + (r_begin + i) * Hp;
+        return i < 2 * n ? up + (r_begin + i - n) * Hp : nullptr;
       };
       for (int64_t i = 0; i < n; ++i) {
         h[i] = dot_row<B>(row(i), factors13(e, r_begin + i), x, H, row(i + ahead));
@@ -630,7 +631,8 @@ class ExpertJob final : public ExpertJobShell {
       throw std::invalid_argument("MXFP4 weights need their E8M0 scales");
     }
     if (p.H % kMxBlock != 0 || p.I % kMxBlock != 0 || p.split_row % kMxBlock != 0) {
-      throw std::invalid_argument("MXFP4 weights need H, I and a split row that are multiples of 32");
+      throw std::invalid_argument(
+          "MXFP4 weights need H, I and a split row that are multiples of 32");
     }
   }
 

@@ -55,7 +55,7 @@ inline const float* e8m0_halves() {
 }
 
 // A block's 32 values widened to twice their fp32 value (unscaled), in order: out[0] holds
-// values 0..W-1.
+// values 0..W-1; widen64 the same for two blocks (64 values, 32 bytes).
 template <class B>
 struct Mx;
 
@@ -66,6 +66,10 @@ struct Mx<Scalar> {
       out[2 * i] = float(kE2m1Twice[p[i].bits & 0xF]);
       out[2 * i + 1] = float(kE2m1Twice[p[i].bits >> 4]);
     }
+  }
+  static void widen64(const e2m1x2* p, float* out) {
+    widen(p, out);
+    widen(p + 16, out + 32);
   }
 };
 
@@ -84,6 +88,21 @@ inline void mx_twice_values(const e2m1x2* p, __m128i* first, __m128i* second) {
 #endif
 
 #ifdef MOELAB_HAVE_AVX2
+// Two blocks' 32 bytes as their 64 twice-values, int8, by 256-bit lookups: the in-lane
+// interleaves leave values 0..15 and 32..47 in `first`'s lanes, 16..31 and 48..63 in `second`'s
+// (one lookup of 32 bytes costs what one of 16 does).
+inline void mx_twice_values64(const e2m1x2* p, __m256i* first, __m256i* second) {
+  const __m256i table =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Twice)));
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(packed, nibble));
+  const __m256i hi =
+      _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble));
+  *first = _mm256_unpacklo_epi8(lo, hi);
+  *second = _mm256_unpackhi_epi8(lo, hi);
+}
+
 template <>
 struct Mx<Avx2> {
   static __m256 widen8(__m128i values) {
@@ -97,6 +116,16 @@ struct Mx<Avx2> {
     out[2] = widen8(b);
     out[3] = widen8(_mm_srli_si128(b, 8));
   }
+  static void widen64(const e2m1x2* p, __m256* out) {
+    __m256i a, b;
+    mx_twice_values64(p, &a, &b);
+    const __m128i quarters[4] = {_mm256_castsi256_si128(a), _mm256_castsi256_si128(b),
+                                 _mm256_extracti128_si256(a, 1), _mm256_extracti128_si256(b, 1)};
+    for (int q = 0; q < 4; ++q) {
+      out[2 * q] = widen8(quarters[q]);
+      out[2 * q + 1] = widen8(_mm_srli_si128(quarters[q], 8));
+    }
+  }
 };
 #endif
 
@@ -108,6 +137,14 @@ struct Mx<Avx512> {
     mx_twice_values(p, &a, &b);
     out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
     out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+  static void widen64(const e2m1x2* p, __m512* out) {
+    __m256i a, b;
+    mx_twice_values64(p, &a, &b);
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(a)));
+    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    out[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(a, 1)));
+    out[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
   }
 };
 #endif
@@ -123,23 +160,33 @@ float dot_row(const e2m1x2* row, const uint8_t* scales, const float* x, int64_t 
   constexpr int N = int(kMxBlock / B::W);  // vectors a block
   const float* halves = e8m0_halves();
   V total[2] = {B::zero(), B::zero()};
-  for (int64_t k = 0; k < K; k += 2 * kMxBlock) {
+  // the products of block `at` (its vectors w) onto total[u], times its half-scale
+  auto add_block = [&](const V* w, int64_t at, int u) {
+    V block = B::mul(w[0], B::load(x + at));
+    for (int v = 1; v < N; ++v) block = B::fma(w[v], B::load(x + at + v * B::W), block);
+    total[u] = B::fma(block, B::set1(halves[scales[at / kMxBlock]]), total[u]);
+  };
+  int64_t k = 0;
+  for (; k + 2 * kMxBlock <= K; k += 2 * kMxBlock) {
     if (ahead != nullptr && k % 128 == 0) prefetch(ahead + k / 2);  // a line: 128 values
-    for (int u = 0; u < 2 && k + u * kMxBlock < K; ++u) {
-      const int64_t at = k + u * kMxBlock;
-      V w[N];
-      Mx<B>::widen(row + at / 2, w);
-      V block = B::mul(w[0], B::load(x + at));
-      for (int v = 1; v < N; ++v) block = B::fma(w[v], B::load(x + at + v * B::W), block);
-      total[u] = B::fma(block, B::set1(halves[scales[at / kMxBlock]]), total[u]);
-    }
+    V w[2 * N];
+    Mx<B>::widen64(row + k / 2, w);
+    add_block(w, k, 0);
+    add_block(w + N, k + kMxBlock, 1);
+  }
+  if (k < K) {  // an odd last block
+    if (ahead != nullptr && k % 128 == 0) prefetch(ahead + k / 2);
+    V w[N];
+    Mx<B>::widen(row + k / 2, w);
+    add_block(w, k, 0);
   }
   return B::sum(B::add(total[0], total[1]));
 }
 
 // NR rows times NT activation vectors over K values (dot_tile of simd.h for MXFP4 rows):
 // res[r * NT + t] = rows[r] . xs[t]; each block of a row is widened and scaled once for all NT
-// tokens (twice-values times half-scales: the dequantized weights, exactly). `next`, when given, holds the rows read after these: prefetched a line for each read.
+// tokens (twice-values times half-scales: the dequantized weights, exactly). `next`, when given,
+// holds the rows read after these: prefetched a line for each read.
 // The products are summed in dot_tile's order (one token: two chains, vectors alternating), so
 // that the result is the dequantized fp32 weights', bit for bit.
 template <class B, int NR, int NT>

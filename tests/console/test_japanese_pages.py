@@ -101,7 +101,8 @@ ACRONYMS = {"CPU", "CPUs", "GPU", "GPUs", "RAM", "VRAM", "KV", "PCIe", "NVML", "
             "JSON", "TOML", "LRU", "LAN", "URL", "ID", "PID", "pid", "HTTP", "GET", "POST", "PUT",
             "DELETE", "CORS", "DNS", "OS", "TTFT", "p95", "MoE", "PC", "Bp", "Bh"}  # fmt: skip
 NAMES = {"NVIDIA", "OpenAI", "Anthropic", "vLLM", "Qwen", "Coder", "QwQ", "DeepSeek", "moelab",
-         "mgr", "htmx", "Plotly", "torch", "dtype", "cpu", "cuda", *LANGUAGES.values()}  # fmt: skip
+         "mgr", "htmx", "Plotly", "torch", "dtype", "cpu", "cuda", "Gated", "DeltaNet", "SwiGLU",
+         *LANGUAGES.values()}  # fmt: skip
 TERMS = UNITS | ACRONYMS | NAMES
 WORD = re.compile(r"[A-Za-z][A-Za-z']+")
 CODE_LIKE = re.compile(

@@ -6,10 +6,10 @@ reports an sm_90 device, and launches only compile. Prints the shared memory, re
 whether it waits for the kernel before it (programmatic dependent launch, which the kernels use on
 a Hopper GPU: `common.pdl`, here forced on since the tensors are on the CPU).
 
-`--arch 86` (a consumer Ampere GPU) or `--arch 75` (Turing): the kernels that read FP8 (the MoE
-kernels over FP8 banks, and the KV write, decode attention and prefill gather over FP8 KV pages)
-alone, for that GPU, with bf16 (Ampere) or fp16 (Turing: no bf16) activations, and whether their
-code holds an FP8 instruction, which those GPUs do not have.
+`--arch 86` (a consumer Ampere GPU) or `--arch 75` (Turing): the kernels that read FP8 or MXFP4
+(the MoE kernels over FP8 and MXFP4 banks, and the KV write, decode attention and prefill gather
+over FP8 KV pages) alone, for that GPU, with bf16 (Ampere) or fp16 (Turing: no bf16) activations,
+and whether their code holds an FP8 or FP4 instruction, which those GPUs do not have.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from moelab.kernels import (
     gemv,
     grouped_moe,
     host_handoff,
+    mxfp4_moe,
     paged_attention,
     rmsnorm,
     rope_kv,
@@ -96,6 +97,7 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
     )
     compile_moe(BF16, fp8_bank=False)
     compile_moe(BF16, fp8_bank=True)
+    compile_mxfp4_moe(BF16)
     compile_gpt_oss()
     # the grouping over a whole expert cache of 12 layers' experts (its widest per-expert pass)
     ids = torch.randint(0, 12 * EXPERTS, (512, TOP_K), dtype=torch.int32)
@@ -277,6 +279,24 @@ def compile_moe(dtype: torch.dtype, fp8_bank: bool, biased: bool = False) -> Non
         )
 
 
+def compile_mxfp4_moe(dtype: torch.dtype) -> None:
+    """The decode and prefill MoE launches over an MXFP4 bank (mxfp4_moe) at the engine's shapes,
+    activations in `dtype`."""
+    w13 = torch.empty(EXPERTS, 2 * INTER, HIDDEN // 32, 16, dtype=torch.uint8)
+    w2 = torch.empty(EXPERTS, HIDDEN, INTER // 32, 16, dtype=torch.uint8)
+    scales = (w13[..., 0].contiguous(), w2[..., 0].contiguous())
+    for tokens in (1, 16):
+        x = torch.randn(tokens, HIDDEN, dtype=dtype)
+        slots = torch.randint(0, EXPERTS, (tokens, TOP_K), dtype=torch.int32)
+        mxfp4_moe.fused_moe_decode_mxfp4(x, slots, torch.rand(tokens, TOP_K), w13, w2, *scales)
+    for tokens in (8, 300, 2048):
+        x = torch.randn(tokens, HIDDEN, dtype=dtype)
+        ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).int()
+        mxfp4_moe.grouped_moe_mxfp4(
+            x, ids, torch.rand(tokens, TOP_K), w13, w2, *scales, checked=False
+        )
+
+
 def as_hopper() -> bool:
     """From here on, launches compile for sm_90 (the stand-in driver, and the GPU's launch
     options though the tensors are the CPU's); False, with why, under the interpreter."""
@@ -306,7 +326,9 @@ def compile_only(on_compile=None):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--arch", type=int, choices=(75, 86), help="FP8 MoE kernels for this GPU")
+    parser.add_argument(
+        "--arch", type=int, choices=(75, 86), help="FP8 and MXFP4 kernels for this GPU"
+    )
     args = parser.parse_args(argv)
     if args.arch is not None:
         return main_fp8(args.arch)
@@ -334,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_fp8(arch: int) -> int:
-    """The kernels over FP8 banks and FP8 KV pages, compiled for an sm_86 or sm_75 GPU: a JSON
-    line each."""
+    """The kernels over FP8 and MXFP4 banks and FP8 KV pages, compiled for an sm_86 or sm_75 GPU:
+    a JSON line each."""
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
         return 2
@@ -344,6 +366,7 @@ def main_fp8(arch: int) -> int:
     run = compile_only(lambda fn, kw, kernel: compiled.append((fn, kernel)))
     dtype = torch.float16 if arch < 80 else BF16
     compile_moe(dtype, fp8_bank=True)
+    compile_mxfp4_moe(dtype)
     compile_fp8_kv(dtype)
     JITFunction.run = run
     for fn, kernel in compiled:
@@ -352,7 +375,7 @@ def main_fp8(arch: int) -> int:
             "module": fn.fn.__module__,
             "arch": arch,
             "shared_bytes": kernel.metadata.shared,
-            "fp8_instructions": bool(re.search(r"e4m3|e5m2", kernel.asm["ptx"])),
+            "narrow_float_instructions": bool(re.search(r"e4m3|e5m2|e2m1", kernel.asm["ptx"])),
             **resource_usage(kernel.asm["cubin"]),
         }
         print(json.dumps(line))
