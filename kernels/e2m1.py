@@ -33,13 +33,19 @@ def encode(values: torch.Tensor) -> torch.Tensor:
     to the even code, magnitudes past 6 saturate to 6 (NaN encodes as 0: the formats mark it in
     the scale)."""
     v = values.float()
-    magnitude = torch.nan_to_num(v.abs(), nan=0.0)
-    midpoints = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=v.device)
-    code = torch.searchsorted(midpoints, magnitude, right=False)  # ties land on the lower code
-    tie_to_odd = (midpoints[code.clamp(max=len(_MIDPOINTS) - 1)] == magnitude) & (code % 2 == 1)
-    code = code + tie_to_odd.to(code.dtype)
     sign = (v < 0) | ((v == 0) & torch.signbit(v))
-    return (code | torch.where(sign, 8, 0)).to(torch.uint8)
+    return encode_magnitudes(v.abs()) | torch.where(sign, 8, 0).to(torch.uint8)
+
+
+def encode_magnitudes(magnitudes: torch.Tensor) -> torch.Tensor:
+    """fp32 magnitudes (>= 0) as the codes 0-7 of their nearest element, ties to the even code,
+    past 6 saturating to 7, NaN as 0: a count of the midpoints each lies past (at a midpoint, past
+    it where the code above is the even one)."""
+    m = magnitudes
+    code = (m > _MIDPOINTS[0]).to(torch.uint8)
+    for j, midpoint in enumerate(_MIDPOINTS[1:], start=1):
+        code += (m >= midpoint) if j % 2 else (m > midpoint)
+    return code
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,8 @@ BLOCK = 32
 SCALE_BIAS = 127
 SCALE_NAN = 0xFF
 _ELEMENT_EMAX = 2
+# the values quantize works on at a time (fp32 and its temporaries: tens of MiB)
+_CHUNK = 1 << 20
 
 
 def check_shape(k: int) -> None:
@@ -39,19 +41,39 @@ def check_shape(k: int) -> None:
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight` (..., N, K) as gpt-oss's (blocks uint8 (..., N, K/32, 16), scales uint8
-    (..., N, K/32)), by the spec's rule (above)."""
+    (..., N, K/32)), by the spec's rule (above), _CHUNK values at a time. A float64 weight is
+    rounded to fp32 first."""
     k = weight.shape[-1]
     check_shape(k)
-    tiles = weight.double().unflatten(-1, (k // BLOCK, BLOCK))
-    finite = tiles.isfinite().all(-1)
-    amax = torch.where(tiles.isfinite(), tiles.abs(), 0.0).amax(-1)
-    _, exponent = torch.frexp(amax)  # amax = m · 2^e, m in [0.5, 1): ⌊log2 amax⌋ = e − 1
-    shared = torch.where(amax > 0, exponent - 1 - _ELEMENT_EMAX, -SCALE_BIAS)
-    shared = shared.clamp(-SCALE_BIAS, SCALE_BIAS)
-    codes = e2m1.encode(torch.ldexp(tiles, -shared[..., None]).clamp(-e2m1.MAX, e2m1.MAX))
+    rows = weight.reshape(-1, k)
+    blocks = rows.new_empty((rows.shape[0], k // BLOCK, BLOCK // 2), dtype=torch.uint8)
+    scales = rows.new_empty((rows.shape[0], k // BLOCK), dtype=torch.uint8)
+    step = max(1, _CHUNK // k)
+    for start in range(0, rows.shape[0], step):
+        part = slice(start, start + step)
+        blocks[part], scales[part] = _quantize_rows(rows[part].float())
+    return blocks.unflatten(0, weight.shape[:-1]), scales.unflatten(0, weight.shape[:-1])
+
+
+def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rows (R, K) as their blocks and scales. Exact in fp32: the shared exponent is read from
+    the bits of amax, and a value times 2^-shared (a normal fp32 for every shared exponent an fp32
+    amax gives) is the exact quotient, or its one rounding below fp32's normal range, far under
+    e2m1's first midpoint."""
+    bits = rows.view(torch.int32).unflatten(-1, (-1, BLOCK))
+    magnitudes = bits & 0x7FFFFFFF
+    # the largest magnitude's biased exponent (NaN's and infinity's bits sort above all finite
+    # ones): ⌊log2 amax⌋ + 127 for a normal amax, 0 for zero and fp32's subnormals, 255 where the
+    # block holds a NaN or an infinity
+    field = magnitudes.amax(-1) >> 23
+    shared = (field - SCALE_BIAS - _ELEMENT_EMAX).clamp_(min=-SCALE_BIAS)
+    finite = field < 0xFF
+    factor = ((SCALE_BIAS - shared) << 23).view(torch.float32)  # 2^-shared
+    codes = e2m1.encode_magnitudes(magnitudes.view(torch.float32) * factor[..., None])
+    codes |= ((bits >> 28) & 0x8).to(torch.uint8)  # the sign bit as the code's bit 3
+    codes *= finite[..., None]
     scales = torch.where(finite, shared + SCALE_BIAS, SCALE_NAN).to(torch.uint8)
-    blocks = e2m1.pack(torch.where(finite[..., None], codes, 0)).contiguous()
-    return blocks, scales.contiguous()
+    return e2m1.pack(codes), scales
 
 
 def scale_values(scales: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """The 4-bit formats, MXFP4 and NVFP4: their e2m1 element, hand-made blocks decoded by the
 definition, gpt-oss's layout as transformers reads it, and the quantizers' error bounds."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -105,6 +107,90 @@ def test_mxfp4_round_trip_is_within_one_e2m1_step_per_block(seed, n, k_blocks):
     # the spec's X puts each block's largest magnitude in [4, 8) · X
     top = w.abs().unflatten(-1, (k_blocks, 32)).amax(-1) / mxfp4.scale_values(scales)
     assert torch.all((top >= 4) & (top < 8))
+
+
+# the spec's MXFP4 quantizer as it reads, in float64 (frexp for the shared exponent, ldexp for
+# the division, a search among e2m1's midpoints for the rounding): what mxfp4.quantize and
+# e2m1.encode must give bit for bit
+MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+def _reference_encode(values: torch.Tensor) -> torch.Tensor:
+    v = values.float()
+    magnitude = torch.nan_to_num(v.abs(), nan=0.0).contiguous()
+    code = torch.searchsorted(MIDPOINTS, magnitude)  # a tie lands on the lower code
+    tie_to_odd = (MIDPOINTS[code.clamp(max=6)] == magnitude) & (code % 2 == 1)
+    sign = (v < 0) | ((v == 0) & torch.signbit(v))
+    return ((code + tie_to_odd.long()) | torch.where(sign, 8, 0)).to(torch.uint8)
+
+
+def _reference_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tiles = weight.double().unflatten(-1, (-1, 32))
+    finite = tiles.isfinite().all(-1)
+    amax = torch.where(tiles.isfinite(), tiles.abs(), 0.0).amax(-1)
+    _, exponent = torch.frexp(amax)  # amax = m · 2^e, m in [0.5, 1): ⌊log2 amax⌋ = e − 1
+    shared = torch.where(amax > 0, exponent - 3, -127).clamp(-127, 127)
+    codes = _reference_encode(torch.ldexp(tiles, -shared[..., None]).clamp(-6, 6))
+    codes = torch.where(finite[..., None], codes, 0).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, torch.where(finite, shared + 127, 0xFF).to(torch.uint8)
+
+
+def _assert_quantizes_as_the_reference(w: torch.Tensor) -> None:
+    blocks, scales = mxfp4.quantize(w)
+    ref_blocks, ref_scales = _reference_mxfp4(w)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(blocks, ref_blocks)
+
+
+# what a block's values are made of: e2m1's elements and the midpoints between them (ties), values
+# past 6 (saturated), at its scale; and any fp32 at all (zeros, subnormals, NaN, infinities)
+_ON_THE_GRID = st.sampled_from([*e2m1.MAGNITUDES, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 7.5])
+_ELEMENTS = st.one_of(
+    st.tuples(_ON_THE_GRID, st.sampled_from([1.0, -1.0])),
+    st.tuples(st.floats(width=32), st.none()),  # as it is, not scaled
+)
+_BINADES = st.one_of(st.integers(-152, -118), st.integers(-30, 30), st.integers(100, 127))
+
+
+@st.composite
+def _mx_weights(draw) -> torch.Tensor:
+    """A weight of whole blocks, each on the e2m1 grid at a drawn scale 2^e (its first value,
+    in [4, 8) · 2^e, pins the spec's scale to 2^e), sprinkled with arbitrary fp32 values."""
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    n, k_blocks = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    values = []
+    for _ in range(n * k_blocks):
+        e = draw(_BINADES)
+        block = [(draw(st.sampled_from([4.0, 5.0, 6.0, 7.5, 0.0])), -1.0)]
+        block += draw(st.lists(_ELEMENTS, min_size=31, max_size=31))
+        values += [v if sign is None else math.ldexp(v * sign, e) for v, sign in block]
+    return torch.tensor(values, dtype=torch.float64).reshape(n, k_blocks * 32).to(dtype)
+
+
+@settings(deadline=None, max_examples=200)
+@given(w=_mx_weights())
+def test_mxfp4_quantize_matches_the_spec_bit_for_bit(w):
+    _assert_quantizes_as_the_reference(w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mxfp4_quantize_matches_the_spec_on_large_weights(dtype):
+    g = torch.Generator().manual_seed(7)
+    every_fp32 = torch.randint(-(2**31), 2**31, (2, 300, 1024), generator=g).int()
+    weights = _weights(1, (2, 300, 4096)) * 2.0**-100  # blocks down to fp32's subnormals
+    for w in (every_fp32.view(torch.float32).to(dtype), weights.to(dtype)):
+        _assert_quantizes_as_the_reference(w)  # several of quantize's chunks each
+        _assert_quantizes_as_the_reference(w.transpose(0, 1))
+    assert torch.equal(
+        e2m1.encode(every_fp32.view(torch.float32)),
+        _reference_encode(every_fp32.view(torch.float32)),
+    )
+
+
+def test_mxfp4_quantizes_a_float64_weight_as_its_fp32_rounding():
+    w = _weights(2, (3, 64)).double() * (1 + 2.0**-40)
+    assert all(map(torch.equal, mxfp4.quantize(w), mxfp4.quantize(w.float())))
 
 
 def _nv_block(codes: list[int], scale_bits: int, scale_2: float):
