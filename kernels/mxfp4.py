@@ -52,7 +52,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for start in range(0, rows.shape[0], step):
         part = slice(start, start + step)
         blocks[part], scales[part] = _quantize_rows(rows[part].float())
-    return blocks.unflatten(0, weight.shape[:-1]), scales.unflatten(0, weight.shape[:-1])
+    lead = weight.shape[:-1]
+    return blocks.reshape(*lead, k // BLOCK, BLOCK // 2), scales.reshape(*lead, k // BLOCK)
 
 
 def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

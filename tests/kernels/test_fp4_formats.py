@@ -193,6 +193,14 @@ def test_mxfp4_quantizes_a_float64_weight_as_its_fp32_rounding():
     assert all(map(torch.equal, mxfp4.quantize(w), mxfp4.quantize(w.float())))
 
 
+def test_mxfp4_quantizes_a_vector_and_no_rows():
+    w = _weights(3, (2, 96))
+    blocks, scales = mxfp4.quantize(w[1])
+    assert torch.equal(blocks, mxfp4.quantize(w)[0][1]) and scales.shape == (3,)
+    blocks, scales = mxfp4.quantize(w[:0])
+    assert blocks.shape == (0, 3, 16) and scales.shape == (0, 3)
+
+
 def _nv_block(codes: list[int], scale_bits: int, scale_2: float):
     weight = e2m1.pack(torch.tensor([codes], dtype=torch.uint8))
     weight_scale = torch.tensor([[scale_bits]], dtype=torch.uint8).view(torch.float8_e4m3fn)
