@@ -177,11 +177,12 @@ def test_mxfp4_quantize_matches_the_spec_bit_for_bit(w):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_mxfp4_quantize_matches_the_spec_on_large_weights(dtype):
     g = torch.Generator().manual_seed(7)
-    every_fp32 = torch.randint(-(2**31), 2**31, (2, 300, 1024), generator=g).int()
-    weights = _weights(1, (2, 300, 4096)) * 2.0**-100  # blocks down to fp32's subnormals
+    every_fp32 = torch.randint(-(2**31), 2**31, (2, 320, 1024), generator=g).int()
+    weights = _weights(1, (2, 320, 4096)) * 2.0**-100  # blocks down to fp32's subnormals
     for w in (every_fp32.view(torch.float32).to(dtype), weights.to(dtype)):
         _assert_quantizes_as_the_reference(w)  # several of quantize's chunks each
         _assert_quantizes_as_the_reference(w.transpose(0, 1))
+        _assert_quantizes_as_the_reference(w[1].t())  # as the bank reads gpt_oss's experts
     assert torch.equal(
         e2m1.encode(every_fp32.view(torch.float32)),
         _reference_encode(every_fp32.view(torch.float32)),
