@@ -122,18 +122,19 @@ def test_nvfp4_checkpoint_matches_transformers_on_its_dequantized_weights(checkp
     assert_same_greedy(tokens, ref_tokens, margins)
 
 
-@pytest.mark.parametrize(
-    ("flag", "fmt", "tolerance"), [("auto", "fp8", 0.1), ("mxfp4", "mxfp4", 0.3)]
-)
-def test_nvfp4_experts_go_into_the_bank_in_a_format_the_kernels_read(
-    checkpoint, caplog, flag, fmt, tolerance
-):
-    """auto: FP8, saying so once; mxfp4 on request. Each rounds the widened experts once more."""
+@pytest.mark.parametrize(("flag", "fmt"), [("auto", "fp8"), ("mxfp4", "mxfp4")])
+def test_nvfp4_experts_go_into_the_bank_in_a_format_the_kernels_read(checkpoint, caplog, flag, fmt):
+    """auto: FP8, saying so once; mxfp4 on request. Each rounds the widened experts once more
+    (a relative error of 0.09 in the logits for either here), which is not another model."""
     path, ref_logits, *_ = checkpoint
+    spec = ModelSpec.from_dir(path)
     with caplog.at_level(logging.INFO, logger="moelab.engine"):
         engine = make_engine(path, "--moe-expert-dtype", flag, "--moe-cache-size", "6")
     try:
         assert engine.bank.fmt == fmt
+        assert engine.bank.expert_bytes == spec.expert_bytes_as(fmt)
+        if flag == "auto":
+            assert spec.expert_bytes == engine.bank.expert_bytes  # what the manager counts
         ours = engine.score(PROMPT)
     finally:
         engine.close()
@@ -142,7 +143,7 @@ def test_nvfp4_experts_go_into_the_bank_in_a_format_the_kernels_read(
         f"experts widened from NVFP4 to {fmt} as they load: no kernel reads NVFP4 "
         "(--moe-expert-dtype picks bf16, fp8 or mxfp4)"
     ]
-    assert relative_error(ours, ref_logits) < tolerance
+    assert relative_error(ours, ref_logits) < 0.15
 
 
 def test_hf_quant_config_json_names_nvfp4_too(checkpoint, tmp_path):
