@@ -211,3 +211,34 @@ def test_block_scales_of_another_layout_are_refused(checkpoint, tmp_path):
         f"{name} is NVFP4 but {name}_scale is F8_E4M3 [64, 1]; NVFP4 has one F8_E4M3 scale "
         "per 16 values, [64, 2]"
     )
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe_text"])
+def test_synth_writes_modelopt_nvfp4_that_the_engine_serves(tmp_path, arch):
+    """`moelab synth --dtype nvfp4`: NVIDIA's layout (a hybrid's Gated DeltaNet projections
+    too), served as transformers computes its weights dequantized here."""
+    transformers = pytest.importorskip("transformers")
+    path = synthesize(tmp_path / "m", arch=arch, preset="tiny", seed=5, dtype="nvfp4")
+    quant = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert {k: quant[k] for k in ("quant_method", "quant_algo", "group_size")} == {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+    }
+    assert "lm_head" in quant["exclude_modules"]
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        down = "model.layers.1.mlp.experts.0.down_proj."
+        assert f.get_tensor(down + "weight").dtype == torch.uint8
+        assert f.get_tensor(down + "weight_scale").dtype == torch.float8_e4m3fn
+        assert f.get_tensor(down + "weight_scale_2").shape == ()
+        assert down + "input_scale" in names
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+    ref = dequantize_checkpoint(path, tmp_path / "ref")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    engine = make_engine(path, "--moe-expert-dtype", "bf16", "--moe-cache-size", "6")
+    try:
+        ours = engine.score(PROMPT)
+    finally:
+        engine.close()
+    assert relative_error(ours, hf_logits(model, PROMPT)) < 1e-4
