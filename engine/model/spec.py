@@ -683,7 +683,8 @@ def _linear_attention(read: _Fields, layers: int) -> tuple[tuple[str, ...], Line
 def unread_weights_problem(spec: ModelSpec, unread: dict[str, str]) -> Text | None:
     """Why the engine refuses weights of the dtypes in `unread` (dtype -> a `.weight` tensor of
     it, those not in UNQUANTIZED_DTYPES), None where it reads them all: F8_E4M3 only where
-    config.json's quantization_config is fine-grained FP8, as Hugging Face's layout defines it."""
+    config.json's quantization_config is fine-grained FP8, as Hugging Face's layout defines it,
+    and U8 only where it is ModelOpt's NVFP4 (modelopt.py)."""
     if spec.quantization in ("fp8", "nvfp4"):
         packed = "F8_E4M3" if spec.quantization == "fp8" else "U8"
         unread = {dtype: name for dtype, name in unread.items() if dtype != packed}
