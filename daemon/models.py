@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine.model import modelopt
 from ..engine.model.spec import (
     UNQUANTIZED_DTYPES,
     CheckpointError,
@@ -142,6 +143,7 @@ def read_checkpoint(directory: Path, source: str, *, name: str | None = None) ->
         return Checkpoint(**base, error=Text("config.json cannot be read: {error}", error=str(err)))
     if not isinstance(config, dict):
         return Checkpoint(**base, error=Text("config.json does not hold a JSON object"))
+    config = modelopt.config_of(directory, config)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     architectures = config.get("architectures") or [None]
     try:

@@ -70,7 +70,9 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
         choices=list(SYNTH_DTYPES),
         help="fp8: linear weights in Hugging Face's fine-grained FP8 layout (e4m3, one fp32 "
         "factor per 128x128 block); embeddings, norms, routers and lm_head stay bf16. mxfp4 "
-        "(--arch gpt_oss): the experts in MXFP4 _blocks and _scales, as gpt-oss ships",
+        "(--arch gpt_oss): the experts in MXFP4 _blocks and _scales, as gpt-oss ships. nvfp4: "
+        "the fp8 layout's linear weights in NVIDIA's ModelOpt NVFP4 layout (e2m1, one e4m3 scale "
+        "per 16 values and an fp32 scale per tensor)",
     )
     p.add_argument(
         "--shard-size",

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..kernels import fp8
+from ..kernels import fp8, nvfp4
 from .config.args import default_cpu_threads
 from .model import gpt_oss
 from .model.spec import FP8_BLOCK, ModelSpec
@@ -27,7 +27,8 @@ log = logging.getLogger("moelab.synth")
 
 # models up to this size calibrate their routing skew with forward passes on the CPU
 CALIBRATE_MAX_BYTES = 6 * 1024**3
-DTYPES = ("bf16", "fp8", "mxfp4")  # mxfp4: gpt_oss's experts as OpenAI's release stores them
+# mxfp4: gpt_oss's experts as OpenAI's release stores them; nvfp4: NVIDIA's ModelOpt layout
+DTYPES = ("bf16", "fp8", "mxfp4", "nvfp4")
 
 
 def synthesize(
@@ -53,7 +54,10 @@ def synthesize(
     (float8_e4m3fn values and fp32 `weight_scale_inv` per 128x128 block, kernels/fp8.py) and
     config.json says so in `quantization_config`; embeddings, norms, routers and lm_head stay
     bf16, named in `modules_to_not_convert`. dtype "mxfp4" (gpt_oss): the experts in MXFP4
-    `_blocks` and `_scales` (kernels/mxfp4.py), the rest bf16, as openai/gpt-oss-* ship."""
+    `_blocks` and `_scales` (kernels/mxfp4.py), the rest bf16, as openai/gpt-oss-* ship. dtype
+    "nvfp4": the same linear weights in ModelOpt's NVFP4 layout (uint8 `weight`, e4m3
+    `weight_scale`, fp32 `weight_scale_2` and `input_scale`: kernels/nvfp4.py), as NVIDIA's
+    `-NVFP4` releases store them, the kept modules named in `exclude_modules`."""
     if routing_skew < 0:
         raise ValueError("--routing-skew must be 0 (uniform) or more")
     if dtype not in DTYPES:
@@ -71,8 +75,15 @@ def synthesize(
         }
     spec = ModelSpec.from_config(config)
     vision = config.get("vision_config")
-    keep = _not_converted(spec) if dtype == "fp8" else None
-    if keep is not None:
+    keep = _not_converted(spec) if dtype in ("fp8", "nvfp4") else None
+    if dtype == "nvfp4":
+        config["quantization_config"] = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": nvfp4.BLOCK,
+            "exclude_modules": keep,
+        }
+    elif keep is not None:
         config["quantization_config"] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
@@ -110,7 +121,7 @@ def synthesize(
     else:
         source = SynthSource(spec, seed=seed, skew=routing_skew)
     tower = VisionTower(vision, seed, source.dtype) if vision else None
-    _write_weights(out, _Tensors(source, tower), shard_bytes, keep, mxfp4=dtype == "mxfp4")
+    _write_weights(out, _Tensors(source, tower), shard_bytes, keep, fmt=dtype)
     return out
 
 
@@ -164,23 +175,24 @@ def _kept(module: str, keep: set[str]) -> bool:
     return any(".".join(parts[:n]) in keep for n in range(1, len(parts) + 1))
 
 
-def _tensors(
-    source: _Tensors, names: list[str], keep: set[str] | None, mxfp4: bool = False
-) -> dict:
-    """The named tensors as written: with `keep` (an FP8 checkpoint), every weight of a module
-    not kept as FP8 values and its `weight_scale_inv`; with `mxfp4`, gpt_oss's experts as their
-    MXFP4 blocks and scales."""
+def _tensors(source: _Tensors, names: list[str], keep: set[str] | None, fmt: str) -> dict:
+    """The named tensors as written: with `keep` (an FP8 or NVFP4 checkpoint), every weight of a
+    module not kept as FP8 values and its `weight_scale_inv`, or as ModelOpt's NVFP4 tensors;
+    with fmt "mxfp4", gpt_oss's experts as their MXFP4 blocks and scales."""
     out = {}
     for name in names:
         t = source.get(name)
-        if mxfp4:
+        if fmt == "mxfp4":
             out.update(gpt_oss.as_mxfp4(name, t))
             continue
         module = name.removesuffix(".weight")
         if keep is None or not name.endswith(".weight") or _kept(module, keep):
             out[name] = t
-            continue
-        out[name], out[name + "_scale_inv"] = fp8.quantize(t)
+        elif fmt == "nvfp4":
+            out[name], out[name + "_scale"], out[name + "_scale_2"] = nvfp4.quantize(t)
+            out[module + ".input_scale"] = torch.ones(t.shape[:-2])
+        else:
+            out[name], out[name + "_scale_inv"] = fp8.quantize(t)
     return out
 
 
@@ -190,7 +202,7 @@ def _write_weights(
     shard_bytes: int,
     keep: list[str] | None = None,
     *,
-    mxfp4: bool = False,
+    fmt: str = "bf16",
 ) -> None:
     kept = set(keep) if keep is not None else None
     names = source.names()
@@ -210,12 +222,12 @@ def _write_weights(
         old.unlink()
     meta = {"format": "pt"}
     if len(shards) == 1:
-        _save_atomic(out / "model.safetensors", _tensors(source, shards[0], kept, mxfp4), meta)
+        _save_atomic(out / "model.safetensors", _tensors(source, shards[0], kept, fmt), meta)
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = _tensors(source, shard, kept, mxfp4)
+        tensors = _tensors(source, shard, kept, fmt)
         _save_atomic(out / file, tensors, meta)
         weight_map.update(dict.fromkeys(tensors, file))
         log.info("wrote %s (%d/%d)", file, i, len(shards))

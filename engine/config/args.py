@@ -273,7 +273,8 @@ def _model_flags(model: Group) -> None:
         "values with one power-of-two scale per 32, 4.25 bits a weight: a bf16 or FP8 "
         "checkpoint's experts are quantized once, into the prepacked bank; hidden_size and "
         "moe_intermediate_size must be multiples of 32), bf16 (the compute dtype: an FP8 or "
-        "MXFP4 checkpoint's experts are widened), auto (the checkpoint's own format).",
+        "MXFP4 checkpoint's experts are widened), auto (the checkpoint's own format; FP8 for an "
+        "NVFP4 checkpoint).",
     )
     model.add_argument(
         "--dummy-weights",

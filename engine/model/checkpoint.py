@@ -6,7 +6,8 @@ or fused (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`); bot
 A weight stored as FP8 (float8_e4m3fn, Hugging Face's fine-grained layout: kernels/fp8.py) comes
 with its fp32 block factors, `<name>_scale_inv`. Dense weights are widened to the compute dtype as
 they load (their share of an MoE's bytes is small: docs/models.md); experts are handed on as
-stored, values and factors, and the bank keeps or converts them.
+stored, values and factors, and the bank keeps or converts them. An NVFP4 weight (ModelOpt's
+layout: modelopt.py) is read as its fp32 values, for want of a kernel that reads the format.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import NamedTuple, Protocol
 import torch
 from safetensors import safe_open
 
-from ...kernels import fp8
-from . import gpt_oss
+from ...kernels import fp8, nvfp4
+from . import gpt_oss, modelopt
 from .hybrid import gated_q_proj, linear_layer_weights
 from .model import DenseWeights, LayerWeights
 from .spec import (
@@ -141,10 +142,32 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def _nvfp4(self, name: str) -> bool:
+        return modelopt.is_packed(self._meta[name]["dtype"], self.has(name + modelopt.SCALE_2))
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._meta[name]["shape"])
+        """A tensor's shape; an NVFP4 weight's is that of the values it holds."""
+        shape = tuple(self._meta[name]["shape"])
+        return modelopt.widened_shape(shape) if self._nvfp4(name) else shape
 
     def get(self, name: str) -> torch.Tensor:
+        """A tensor as stored; an NVFP4 weight widened to fp32 by its two scales."""
+        if self._nvfp4(name):
+            scale = name + modelopt.SCALE
+            meta = self._meta.get(scale, {})
+            problem = modelopt.scale_problem(
+                name,
+                tuple(self._meta[name]["shape"]),
+                tuple(meta.get("shape", ())),
+                str(meta.get("dtype", "missing")),
+            )
+            if problem is not None:
+                raise CheckpointError(problem)
+            scale_2 = self._read(name + modelopt.SCALE_2)
+            return nvfp4.dequantize(self._read(name), self._read(scale), scale_2)
+        return self._read(name)
+
+    def _read(self, name: str) -> torch.Tensor:
         self.dtype(name)
         shard = self._where[name]
         handle = self._handles.get(shard)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..text import Text
+from . import modelopt
 
 ARCHITECTURES = (
     "qwen3_moe",
@@ -143,7 +144,8 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # "fp8": the checkpoint's linear weights (but those named in modules_to_not_convert) are
-    # fine-grained FP8 with 128x128 block factors; "" where the weights are unquantized
+    # fine-grained FP8 with 128x128 block factors; "nvfp4": ModelOpt's NVFP4 (modelopt.py); ""
+    # where the weights are unquantized
     quantization: str = ""
     # the token mixer of each layer, FULL_ATTENTION or LINEAR_ATTENTION (all full attention where
     # not given); the linear layers' geometry where there are any
@@ -303,7 +305,8 @@ class ModelSpec:
         `requested` (--moe-expert-dtype), or where "auto" as the checkpoint stores them."""
         fmt = requested
         if requested == "auto":
-            fmt = self.quantization if self.quantization in ("fp8", "mxfp4") else "bf16"
+            # NVFP4 as FP8, the nearest format the kernels read (engine/model/modelopt.py)
+            fmt = {"fp8": "fp8", "mxfp4": "mxfp4", "nvfp4": "fp8"}.get(self.quantization, "bf16")
         h, i = self.hidden_size, self.moe_intermediate_size
         if fmt == "mxfp4" and (h % MXFP4_BLOCK or i % MXFP4_BLOCK):
             raise CheckpointError(
@@ -623,7 +626,7 @@ class ModelSpec:
                     "{path} cannot be read as JSON: {error}", path=str(config_path), error=str(err)
                 )
             ) from None
-        return cls.from_config(config, str(config_path))
+        return cls.from_config(modelopt.config_of(Path(path), config), str(config_path))
 
 
 def _text_config(config: dict) -> tuple[dict, str]:
@@ -680,9 +683,11 @@ def _linear_attention(read: _Fields, layers: int) -> tuple[tuple[str, ...], Line
 def unread_weights_problem(spec: ModelSpec, unread: dict[str, str]) -> Text | None:
     """Why the engine refuses weights of the dtypes in `unread` (dtype -> a `.weight` tensor of
     it, those not in UNQUANTIZED_DTYPES), None where it reads them all: F8_E4M3 only where
-    config.json's quantization_config is fine-grained FP8, as Hugging Face's layout defines it."""
-    if spec.quantization == "fp8":
-        unread = {dtype: name for dtype, name in unread.items() if dtype != "F8_E4M3"}
+    config.json's quantization_config is fine-grained FP8, as Hugging Face's layout defines it,
+    and U8 only where it is ModelOpt's NVFP4 (modelopt.py)."""
+    if spec.quantization in ("fp8", "nvfp4"):
+        packed = "F8_E4M3" if spec.quantization == "fp8" else "U8"
+        unread = {dtype: name for dtype, name in unread.items() if dtype != packed}
     if not unread:
         return None
     listed = ", ".join(f"{dtype} ({name})" for dtype, name in sorted(unread.items()))
@@ -727,17 +732,24 @@ def _is_mxfp4(config: dict) -> bool:
 
 def _quantization(config: dict, source: str) -> str:
     """ "fp8" for Hugging Face's fine-grained FP8 layout (e4m3, dynamic activations, 128x128
-    blocks), "" for unquantized weights; any other scheme is refused, naming what was found."""
+    blocks), "nvfp4" for ModelOpt's NVFP4, "" for unquantized weights; any other scheme is
+    refused, naming what was found."""
     quantized = config.get("quantization_config") or config.get("compression_config")
     if not quantized:
         return ""
     method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+    if method == "modelopt":
+        problem = modelopt.problem(quantized, source)
+        if problem is not None:
+            raise CheckpointError(problem)
+        return "nvfp4"
     if method != "fp8":
         raise CheckpointError(
             Text(
                 "the weights are quantized ({source} quantization_config, quant_method "
-                "{method}); moelab reads bf16, fp16 and fp32 weights and fine-grained FP8 "
-                "(quant_method fp8, weight_block_size [128, 128]): use one of those releases",
+                "{method}); moelab reads bf16, fp16 and fp32 weights, fine-grained FP8 "
+                "(quant_method fp8, weight_block_size [128, 128]) and NVFP4 (quant_method "
+                "modelopt, quant_algo NVFP4): use one of those releases",
                 source=source,
                 method=repr(method),
             )

@@ -136,6 +136,12 @@ class Engine:
         # how the bank and the expert slots hold the routed experts: "fp8", "mxfp4" or "bf16"
         # (self.dtype)
         self.expert_format = spec.expert_format(self.config.model.expert_dtype)
+        if spec.quantization == "nvfp4":
+            log.info(
+                "experts widened from NVFP4 to %s as they load: no kernel reads NVFP4 "
+                "(--moe-expert-dtype picks bf16, fp8 or mxfp4)",
+                self.expert_format,
+            )
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         free_bytes = torch.cuda.mem_get_info(self.device)[0] if cuda else None
         request = self.config.memory_request(

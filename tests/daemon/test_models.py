@@ -150,7 +150,10 @@ def edited_copy(demo_model: Path, target: Path, **fields: object) -> Path:
     ("quantization", "method"),
     [
         ({"quant_method": "mxfp4"}, "mxfp4"),
-        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt"),
+        (
+            {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
+            "compressed-tensors",
+        ),
         ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
         ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "awq"),
     ],

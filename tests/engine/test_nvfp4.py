@@ -1,0 +1,244 @@
+"""NVFP4 checkpoints in ModelOpt's layout (NVIDIA's `-NVFP4` releases): the engine widens them
+as they load and serves them against transformers on the same weights, dequantized here by
+kernels/nvfp4.py (the format's definition)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moelab.daemon.models import read_checkpoint
+from moelab.engine.model.checkpoint import SafetensorsSource
+from moelab.engine.model.spec import CheckpointError, ModelSpec
+from moelab.engine.runtime.sampling import SamplingParams
+from moelab.engine.synth_checkpoint import synthesize
+from moelab.kernels import nvfp4
+
+from .reference import assert_same_greedy, hf_greedy, hf_logits, make_engine, relative_error
+
+PROMPT = list(range(5, 29))
+# ModelOpt's exclusions for an MoE: the routers and lm_head (embeddings and norms are no linears)
+EXCLUDED = ["lm_head", "model.layers.*.mlp.gate"]
+QUANT = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": EXCLUDED}
+
+
+def quantized_linear(name: str) -> bool:
+    module = name.removesuffix(".weight")
+    return name.endswith("_proj.weight") and module != "lm_head" and not module.endswith("mlp.gate")
+
+
+def write_nvfp4(plain: Path, out: Path, *, hf_quant_config: bool = False, **quant) -> Path:
+    """`plain` in ModelOpt's NVFP4 layout: each linear's weight packed by nvfp4.quantize with its
+    weight_scale, weight_scale_2 and input_scale; config.json's quantization_config (or, with
+    `hf_quant_config`, hf_quant_config.json) naming the scheme."""
+    out.mkdir()
+    for f in plain.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((plain / "config.json").read_text())
+    scheme = {**QUANT, **quant}
+    if hf_quant_config:
+        producer = {"name": "modelopt", "version": "0.35.0"}
+        (out / "hf_quant_config.json").write_text(
+            json.dumps({"producer": producer, "quantization": scheme})
+        )
+    else:
+        config["quantization_config"] = {"quant_method": "modelopt", **scheme}
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    with safe_open(str(plain / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        for name in names:
+            t = f.get_tensor(name)
+            if not quantized_linear(name):
+                tensors[name] = t
+                continue
+            packed, scale, scale_2 = nvfp4.quantize(t)
+            tensors[name] = packed
+            tensors[name + "_scale"] = scale
+            tensors[name + "_scale_2"] = scale_2
+            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(1.0)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def dequantize_checkpoint(nvfp4_dir: Path, out: Path) -> Path:
+    """An fp32 copy of an NVFP4 checkpoint by the format's definition, without its
+    quantization_config: what transformers runs as the reference."""
+    out.mkdir()
+    config = json.loads((nvfp4_dir / "config.json").read_text())
+    del config["quantization_config"]
+    config["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    with safe_open(str(nvfp4_dir / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        for name in names:
+            if name.endswith(("_scale", "_scale_2", "input_scale")):
+                continue
+            t = f.get_tensor(name)
+            if t.dtype == torch.uint8:
+                t = nvfp4.dequantize(
+                    t, f.get_tensor(name + "_scale"), f.get_tensor(name + "_scale_2")
+                )
+            tensors[name] = t.float().contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A qwen3_moe NVFP4 checkpoint and the transformers model of its dequantized weights,
+    with its logits and greedy continuation."""
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("nvfp4")
+    plain = synthesize(root / "bf16", arch="qwen3_moe", preset="tiny", seed=11, routing_skew=0.8)
+    path = write_nvfp4(plain, root / "nvfp4")
+    ref = dequantize_checkpoint(path, root / "ref")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    tokens, margins = hf_greedy(model, PROMPT, 24)
+    return path, hf_logits(model, PROMPT), tokens, margins
+
+
+@pytest.mark.parametrize("placement", ["resident", "offloaded"])
+def test_nvfp4_checkpoint_matches_transformers_on_its_dequantized_weights(checkpoint, placement):
+    path, ref_logits, ref_tokens, margins = checkpoint
+    assert ModelSpec.from_dir(path).quantization == "nvfp4"
+    cache = ["--moe-cache-rate", "1.0"] if placement == "resident" else ["--moe-cache-size", "6"]
+    engine = make_engine(path, "--moe-expert-dtype", "bf16", *cache)
+    try:
+        assert engine.bank.fmt == "bf16"
+        ours = engine.score(PROMPT)
+        [tokens] = engine.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True))
+    finally:
+        engine.close()
+    assert relative_error(ours, ref_logits) < 1e-4
+    assert_same_greedy(tokens, ref_tokens, margins)
+
+
+@pytest.mark.parametrize(("flag", "fmt"), [("auto", "fp8"), ("mxfp4", "mxfp4")])
+def test_nvfp4_experts_go_into_the_bank_in_a_format_the_kernels_read(checkpoint, caplog, flag, fmt):
+    """auto: FP8, saying so once; mxfp4 on request. Each rounds the widened experts once more
+    (a relative error of 0.09 in the logits for either here), which is not another model."""
+    path, ref_logits, *_ = checkpoint
+    spec = ModelSpec.from_dir(path)
+    with caplog.at_level(logging.INFO, logger="moelab.engine"):
+        engine = make_engine(path, "--moe-expert-dtype", flag, "--moe-cache-size", "6")
+    try:
+        assert engine.bank.fmt == fmt
+        assert engine.bank.expert_bytes == spec.expert_bytes_as(fmt)
+        if flag == "auto":
+            assert spec.expert_bytes == engine.bank.expert_bytes  # what the manager counts
+        ours = engine.score(PROMPT)
+    finally:
+        engine.close()
+    widened = [r.getMessage() for r in caplog.records if "widened from NVFP4" in r.getMessage()]
+    assert widened == [
+        f"experts widened from NVFP4 to {fmt} as they load: no kernel reads NVFP4 "
+        "(--moe-expert-dtype picks bf16, fp8 or mxfp4)"
+    ]
+    assert relative_error(ours, ref_logits) < 0.15
+
+
+def test_hf_quant_config_json_names_nvfp4_too(checkpoint, tmp_path):
+    """ModelOpt exports that name the scheme only in hf_quant_config.json load the same."""
+    _, ref_logits, *_ = checkpoint
+    plain = synthesize(tmp_path / "bf16", arch="qwen3_moe", preset="tiny", seed=11,
+                       routing_skew=0.8)  # fmt: skip
+    other = write_nvfp4(plain, tmp_path / "nvfp4", hf_quant_config=True)
+    assert "quantization_config" not in json.loads((other / "config.json").read_text())
+    assert read_checkpoint(other, "x").error is None
+    engine = make_engine(other, "--moe-expert-dtype", "bf16", "--moe-cache-size", "6")
+    try:
+        ours = engine.score(PROMPT)
+    finally:
+        engine.close()
+    assert relative_error(ours, ref_logits) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("where", "quant", "found"),
+    [
+        ("config", {"quant_algo": "FP8"}, 'quant_algo "FP8", group_size 16'),
+        ("config", {"quant_algo": "W4A8_AWQ", "group_size": 128},
+         'quant_algo "W4A8_AWQ", group_size 128'),
+        ("hf", {"quant_algo": "NVFP4", "group_size": 32}, 'quant_algo "NVFP4", group_size 32'),
+        ("hf", {"quant_algo": "MIXED_PRECISION"}, 'quant_algo "MIXED_PRECISION", group_size 16'),
+    ],
+)  # fmt: skip
+def test_other_modelopt_schemes_are_refused_naming_what_was_found(tmp_path, where, quant, found):
+    plain = synthesize(tmp_path / "bf16", arch="qwen3_moe", preset="tiny", seed=2)
+    path = write_nvfp4(plain, tmp_path / "q", hf_quant_config=where == "hf", **quant)
+    source = "hf_quant_config.json quantization" if where == "hf" else "quantization_config"
+    reason = (
+        f"{source}: {found}); moelab reads ModelOpt checkpoints in NVFP4 (quant_algo NVFP4, "
+        "group_size 16)"
+    )
+    with pytest.raises(CheckpointError) as refused:
+        ModelSpec.from_dir(path)
+    listed = str(read_checkpoint(path, "x").error)  # the manager's catalog, before any start
+    for said in (str(refused.value), listed):
+        assert said.startswith("this ModelOpt quantization is not supported (") and said.endswith(
+            reason
+        )
+
+
+def test_block_scales_of_another_layout_are_refused(checkpoint, tmp_path):
+    path, *_ = checkpoint
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in path.iterdir():
+        if f.is_file():
+            (broken / f.name).write_bytes(f.read_bytes())
+    name = "model.layers.1.mlp.experts.0.down_proj.weight"
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        tensors = {n: f.get_tensor(n) for n in names}
+    tensors[name + "_scale"] = tensors[name + "_scale"][:, :1].contiguous()  # one per row
+    save_file(tensors, str(broken / "model.safetensors"))
+    spec = ModelSpec.from_dir(broken)
+    source = SafetensorsSource(broken, spec)
+    assert source.shape(name) == (spec.hidden_size, spec.moe_intermediate_size)
+    with pytest.raises(CheckpointError) as refused:
+        source.get(name)
+    assert str(refused.value) == (
+        f"{name} is NVFP4 but {name}_scale is F8_E4M3 [64, 1]; NVFP4 has one F8_E4M3 scale "
+        "per 16 values, [64, 2]"
+    )
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe_text"])
+def test_synth_writes_modelopt_nvfp4_that_the_engine_serves(tmp_path, arch):
+    """`moelab synth --dtype nvfp4`: NVIDIA's layout (a hybrid's Gated DeltaNet projections
+    too), served as transformers computes its weights dequantized here."""
+    transformers = pytest.importorskip("transformers")
+    path = synthesize(tmp_path / "m", arch=arch, preset="tiny", seed=5, dtype="nvfp4")
+    quant = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert {k: quant[k] for k in ("quant_method", "quant_algo", "group_size")} == {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+    }
+    assert "lm_head" in quant["exclude_modules"]
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        down = "model.layers.1.mlp.experts.0.down_proj."
+        assert f.get_tensor(down + "weight").dtype == torch.uint8
+        assert f.get_tensor(down + "weight_scale").dtype == torch.float8_e4m3fn
+        assert f.get_tensor(down + "weight_scale_2").shape == ()
+        assert down + "input_scale" in names
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+    ref = dequantize_checkpoint(path, tmp_path / "ref")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    engine = make_engine(path, "--moe-expert-dtype", "bf16", "--moe-cache-size", "6")
+    try:
+        ours = engine.score(PROMPT)
+    finally:
+        engine.close()
+    assert relative_error(ours, hf_logits(model, PROMPT)) < 1e-4
