@@ -25,6 +25,7 @@ from moelab.kernels import mxfp4
 from .reference import (
     assert_same_greedy,
     build_reference,
+    decode_with_each_planner,
     hf_greedy,
     hf_logits,
     make_engine,
@@ -116,6 +117,18 @@ def test_logits_and_greedy_tokens_match_transformers(reference, placement):
     ref, margins = hf_greedy(model, ids, 24)
     assert_same_greedy(tokens, ref, margins)
     assert len(set(tokens)) >= 8, f"the continuation is not varied: {tokens}"
+
+
+def test_the_native_planner_decodes_gpt_oss_as_the_python_planner_does(reference, monkeypatch):
+    """gpt-oss's offloaded decode steps are planned by the native planner (its experts copied
+    with their biases, its CPU jobs run with them and the clamped SwiGLU), with the Python
+    planner's plans: the same tokens, the same hits, fills and CPU experts per layer."""
+    _, path = reference
+    prompts = [prompt(3, 9), prompt(4, 14)]
+    native, python = decode_with_each_planner(monkeypatch, path, prompts, 12, *OFFLOADED)
+    assert native == python
+    _, (_, _, fills, cpu, _), _ = native
+    assert sum(fills) > 0 and sum(cpu) > 0
 
 
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
