@@ -290,7 +290,7 @@ runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
 fi
 if [ "$part" = gptoss ]; then  # gpt_oss: its kernels' tests natively (biased experts, sinks and
   # the window in decode attention), the engine against transformers on CUDA, then issue 54's rows
-  # with the experts kept MXFP4 (dummy weights quantized at load): gpt-oss-120b's geometry on a
+  # with the experts kept MXFP4 (dummy weights made in MXFP4): gpt-oss-120b's geometry on a
   # 12 GiB budget and gpt-oss-20b's on 8 GiB, decode at batch 1 and 8, prefill of 2K and 32K
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run gptoss_tests python3 -m pytest -q $T --tb=short tests/kernels/test_gpt_oss_experts.py \

@@ -165,6 +165,7 @@ class Engine:
                 spec,
                 seed=int(synth_info.get("seed", self.config.server.seed)),
                 skew=float(synth_info.get("routing_skew", 0.0)),
+                expert_format=self.expert_format,
             )
         else:
             source = SafetensorsSource(Path(model.path), spec)
@@ -192,12 +193,15 @@ class Engine:
 
     def _calibrate_routing(self, source: SynthSource, dense: DenseWeights) -> None:
         """Calibrate the synthetic routers in `dense` (`SynthSource.calibrate`) over the bank's
-        experts where it holds them in the compute dtype. Done once the bank is in host memory,
-        so that no second copy of the experts is made and freed before the bank's pages are
-        taken, and before the expert cache takes the device memory the passes need."""
+        experts where it holds them in the compute dtype, or in MXFP4 on CUDA (the MXFP4 kernel
+        reads them; elsewhere the source's are widened, as `moelab synth` calibrates them). Done
+        once the bank is in host memory, so that no second copy of the experts is made and freed
+        before the bank's pages are taken, and before the expert cache takes the device memory
+        the passes need."""
         bank = self.bank
-        layers = (bank.w13, bank.w2, *((bank.w13_bias, bank.w2_bias) if bank.w13_bias else ()))
-        experts = list(zip(*layers, strict=True)) if bank.fmt == "bf16" else None
+        experts = None
+        if bank.fmt == "bf16" or (bank.fmt == "mxfp4" and self.device.type == "cuda"):
+            experts = [tuple(bank.layer_tensors(m)) for m in range(bank.num_layers)]
         with calibration_threads(self.device, default_cpu_threads()):
             source.calibrate(self.device, self.dtype, dense=dense, experts=experts)
 
