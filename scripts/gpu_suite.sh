@@ -289,7 +289,8 @@ runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
   done
 fi
 if [ "$part" = gptoss ]; then  # gpt_oss: its kernels' tests natively (biased experts, sinks and
-  # the window in decode attention), the engine against transformers on CUDA, then issue 54's rows
+  # the window in decode attention), the engine against transformers on CUDA and the decode
+  # planner's copies of MXFP4 and biased experts into CUDA slots, then issue 54's rows
   # with the experts kept MXFP4 (dummy weights made in MXFP4): gpt-oss-120b's geometry on a
   # 12 GiB budget and gpt-oss-20b's on 8 GiB, decode at batch 1 and 8, prefill of 2K and 32K
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
@@ -297,6 +298,8 @@ if [ "$part" = gptoss ]; then  # gpt_oss: its kernels' tests natively (biased ex
     tests/kernels/test_paged_attention.py
   run gptoss_engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_gpt_oss.py
+  run gptoss_planner_tests_cuda python3 -m pytest -q $T --tb=short tests/engine/test_planner.py \
+    -k "on_cuda and (mxfp4 or bias)"
   for size in 20b:8GiB 120b:12GiB; do
     O="--arch gpt_oss --preset gpt-oss-${size%%:*} --moe-expert-dtype mxfp4 --routing-skew 1"
     O="$O --device-memory ${size##*:} --json"

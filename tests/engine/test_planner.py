@@ -424,13 +424,14 @@ def test_a_resized_cache_gets_a_new_planner(cpu):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "mxfp4-bias"])
 def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu, fmt):
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(3)
     bank = _bank(gen, fmt)
     hidden, inter = bank.hidden_size, bank.intermediate_size
-    cache = ExpertCache(LAYERS, EXPERTS, 6, hidden, inter, torch.bfloat16, dev, fmt=fmt)
+    cache = ExpertCache(LAYERS, EXPERTS, 6, hidden, inter, torch.bfloat16, dev, fmt=bank.fmt,
+                        bias=bool(bank.w13_bias), swiglu_limit=bank.swiglu_limit)  # fmt: skip
     r = MoERunner(bank, cache, MissPolicy("split", 0.5), cpu, top_k=4, prefill_overlap=False,
                   prefill_stream_min_tokens=64, split_misses=True)  # fmt: skip
     planner = r.planner.native()
