@@ -12,10 +12,20 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..model.spec import ModelSpec
 from ..text import Text
-from .memory import GIB, MemoryPlanError
+from .memory import (
+    GIB,
+    MemoryPlanError,
+    MemoryRequest,
+    VramPlan,
+    activation_bytes,
+    graph_pool_bytes,
+    kv_bytes_per_token,
+    state_reserve,
+)
 
 _DEVICE = re.compile(r"cpu|cuda:\d+")
 
@@ -271,3 +281,128 @@ def _too_small(device: DeviceShare, count: int, per_layer: float) -> SplitError:
             need=count * per_layer / GIB,
         )
     )
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBudget:
+    """A device of a split as its memory plan sees it: its name, the memory it may plan with
+    (`MemoryConfig.budget_bytes` of it) and its link's measured host-to-device rate."""
+
+    name: str
+    budget_bytes: int
+    link_gbps: float
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPlan:
+    """A split model's memory: each device's range of layers and its VRAM plan, all with the
+    same KV tokens (a sequence's pages are the same on every device), and their sum."""
+
+    names: tuple[str, ...]
+    ranges: tuple[range, ...]
+    plans: tuple[VramPlan, ...]
+
+    @property
+    def total(self) -> VramPlan:
+        """The devices' plans summed: bytes and slots added, KV tokens and context shared."""
+        first = self.plans[0]
+        summed = {
+            name: sum(getattr(p, name) for p in self.plans)
+            for name in (
+                "budget_bytes", "weights_bytes", "kv_bytes", "state_bytes",
+                "prefill_buffer_bytes", "activation_bytes", "graph_bytes", "headroom_bytes",
+                "slots", "experts_total",
+            )
+        }  # fmt: skip
+        return replace(first, **summed)
+
+    def to_dicts(self) -> list[dict]:
+        """Each device's plan with its name and layers, as /v1/stats reports them."""
+        return [
+            {"device": name, "layers": [span.start, span.stop - 1], **plan.to_dict()}
+            for name, span, plan in zip(self.names, self.ranges, self.plans, strict=True)
+        ]
+
+
+def _edge_bytes(spec: ModelSpec, elem_bytes: int) -> tuple[int, int]:
+    """The bytes the first device holds besides its layers (the embedding) and the last (the
+    final norm and the LM head, a copy of a tied embedding)."""
+    table = spec.vocab_size * spec.hidden_size * elem_bytes
+    return table, table + spec.hidden_size * elem_bytes
+
+
+def dense_layer_bytes(spec: ModelSpec, elem_bytes: int) -> int:
+    """One decoder layer's dense weights: the mean over the model's layers."""
+    embed, head = _edge_bytes(spec, elem_bytes)
+    tied = embed if spec.tie_word_embeddings else 0
+    return (spec.dense_params * elem_bytes - embed - head + tied) // spec.num_layers
+
+
+def layer_bytes(spec: ModelSpec, request: MemoryRequest) -> tuple[LayerBytes, ...]:
+    """Each layer's bytes as a device of a split holds it under `request`: dense weights, its
+    KV reserve and recurrent states; its routed experts in slots."""
+    elem, fmt = request.elem_bytes, spec.expert_format(request.expert_dtype)
+    dense = dense_layer_bytes(spec, elem)
+    tokens = -(-request.kv_reserve_tokens // request.block_size) * request.block_size
+    out = []
+    for i in range(spec.num_layers):
+        one = range(i, i + 1)
+        kv = tokens * kv_bytes_per_token(spec, elem, request.kv_cache_dtype, one)
+        states = state_reserve(spec, request.max_running, elem, request.state_checkpoints, one)[2]
+        experts = spec.num_experts * spec.expert_bytes_as(fmt, elem) if i in spec.moe_layers else 0
+        out.append(LayerBytes(dense + kv + states, experts))
+    return tuple(out)
+
+
+def plan_devices(
+    spec: ModelSpec,
+    request: MemoryRequest,
+    devices: tuple[DeviceBudget, ...],
+    layer_split: LayerSplit | None = None,
+) -> SplitPlan:
+    """The split (`plan_split`) and each device's VRAM plan under `request`, its budget its
+    own: its layers' dense weights, KV and states, the buffers every device needs, and expert
+    slots of its layers' experts from the rest. SplitError or MemoryPlanError where it cannot
+    fit."""
+    elem = request.elem_bytes
+    embed, head = _edge_bytes(spec, elem)
+    # what every device holds besides its layers (a prefill buffer only where room is left:
+    # plan_vram)
+    common = (
+        activation_bytes(spec, request.prefill_chunk_tokens, request.max_running, elem)
+        + (graph_pool_bytes(spec, request.max_running) if request.cuda_graphs else 0)
+        + request.headroom_bytes
+    )
+    last = len(devices) - 1
+    edges = [(embed if d == 0 else 0) + (head if d == last else 0) for d in range(len(devices))]
+    shares = tuple(
+        DeviceShare(dev.name, max(0, dev.budget_bytes - common - edge), dev.link_gbps)
+        for dev, edge in zip(devices, edges, strict=True)
+    )
+    ranges = plan_split(shares, layer_bytes(spec, request), layer_split)
+    dense = dense_layer_bytes(spec, elem)
+
+    def plans(req: MemoryRequest) -> list[VramPlan]:
+        return [
+            replace(req, budget_bytes=dev.budget_bytes).plan(
+                spec, layers=span, weights_bytes=dense * len(span) + edge
+            )
+            for dev, span, edge in zip(devices, ranges, edges, strict=True)
+        ]
+
+    # the KV tokens every device holds: the fewest any device can
+    tokens = min(p.kv_tokens for p in plans(request))
+    blocks = tokens // request.block_size
+    out = []
+    for p in plans(replace(request, kv_reserve_tokens=tokens)):
+        per_token = p.kv_bytes // p.kv_tokens
+        out.append(
+            replace(
+                p,
+                kv_blocks=blocks,
+                kv_tokens=tokens,
+                kv_bytes=tokens * per_token,
+                max_context=min(p.max_context, tokens),
+            )
+        )
+    return SplitPlan(tuple(dev.name for dev in devices), ranges, tuple(out))

@@ -103,6 +103,28 @@ class ExpertExecutor(Protocol):
         ...
 
 
+class Placement(Protocol):
+    """Layers split across devices, as the forward pass reads them (placement.py)."""
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]: ...
+
+    @property
+    def crossings(self) -> frozenset[int]:
+        """The layers where a step moves to the next device."""
+        ...
+
+    def part_of(self, layer: int) -> int:
+        """The index of the device that holds `layer`."""
+        ...
+
+    def cross(self, layer: int, state: StepState) -> None:
+        """Move a step's state to the device of `layer`."""
+        ...
+
+    def to_first(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(slots=True)
 class SeqSlice:
     """One sequence's part of a step: `q_len` new tokens on top of `kv_len - q_len` cached ones."""
@@ -190,17 +212,30 @@ class Model:
         kv: KVCache,
         max_positions: int,
         states: StatePool | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.spec = spec
         self.weights = weights
         self.experts = experts
-        self.kv = kv
         self.states = states  # the linear layers' recurrent states (hybrid models)
-        # each attention layer's row in the KV cache, which holds only those layers
-        self._kv_row = {layer: row for row, layer in enumerate(spec.attention_layers)}
+        # layers split across devices (placement.py): each device's KV cache (kv is the first
+        # device's, whose pages the scheduler hands out), its rotary tables, the layers where
+        # the activations cross to the next device
+        self.placement = placement
+        self.kv_parts: list[KVCache] = [kv]
+        # each attention layer's device (its KV part) and row in that part's cache, which holds
+        # only the attention layers
+        self._kv_row = {}
+        for layer in spec.attention_layers:
+            part = placement.part_of(layer) if placement is not None else 0
+            self._kv_row[layer] = (part, sum(1 for p, _ in self._kv_row.values() if p == part))
+        self._crossings = placement.crossings if placement is not None else frozenset()
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
-        self.rotary = Rotary(spec, max_positions, self.device, self.dtype)
+        self.rotaries = [Rotary(spec, max_positions, self.device, self.dtype)]
+        if placement is not None:
+            self.rotaries += [Rotary(spec, max_positions, d, self.dtype)
+                              for d in placement.devices[1:]]  # fmt: skip
         self.scale = spec.head_dim**-0.5
         # the fused decode kernel covers per-head or no q/k norm, unclipped and ungated
         # projections, rotary over whole heads and the head sizes of real models (powers of two
@@ -226,12 +261,33 @@ class Model:
         # as if no attention came between (`_guess`)
         moe, layers = spec.moe_layers, weights.layers
         self._guess_scales = [
-            guess_scale(layers[moe[p - 1] + 1 if p else 0].input_norm, layers[moe[p]].post_norm)
+            guess_scale(
+                layers[moe[p - 1] + 1 if p else 0].input_norm.to(layers[moe[p]].post_norm.device),
+                layers[moe[p]].post_norm,
+            )
             for p in range(len(moe))
         ]
         # the stream the guesses run on beside the piece's chain (`_guess`), made here: never
         # during a graph's capture
         self._guess_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @property
+    def kv(self) -> KVCache:
+        """The KV cache whose pages the scheduler hands out (the first device's of a split)."""
+        return self.kv_parts[0]
+
+    @kv.setter
+    def kv(self, kv: KVCache) -> None:
+        self.kv_parts[0] = kv
+
+    @property
+    def rotary(self) -> Rotary:
+        """The rotary tables (the first device's of a split)."""
+        return self.rotaries[0]
+
+    @rotary.setter
+    def rotary(self, rotary: Rotary) -> None:
+        self.rotaries[0] = rotary
 
     @property
     def num_pieces(self) -> int:
@@ -274,10 +330,14 @@ class Model:
         # a guess of this piece's MoE routing from its first attention input (state.routing_guess)
         guess = piece if piece < len(moe_layers) else None
         for index in range(first, last):
+            if index in self._crossings:
+                self._cross(index, state)
             layer = w.layers[index]
             x = self._attention_block(index, layer, state, guess if index == first else None)
             state.hidden = _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
         if piece < len(moe_layers):
+            if last in self._crossings:
+                self._cross(last, state)
             state.x = self._attention_block(
                 last, w.layers[last], state, guess if last == first else None
             )
@@ -291,6 +351,14 @@ class Model:
             _score(x, w.lm_head, batch.scoring)
         x = x.index_select(0, batch.logits_index)
         state.logits = linear(x, w.lm_head).float()
+        if self.placement is not None:
+            state.logits = self.placement.to_first(state.logits)
+
+    def _cross(self, index: int, state: StepState) -> None:
+        """Hand the step's activations to the device of layer `index`, the first of its range
+        (placement.py)."""
+        assert self.placement is not None
+        self.placement.cross(index, state)
 
     def norm_after_experts(self, moe_layer: int) -> torch.Tensor | None:
         """The weight of the RMSNorm that follows MoE layer `moe_layer`'s residual add (the next
@@ -298,7 +366,7 @@ class Model:
         normalized in the same pass (state.normed); None where a shared expert is added first."""
         index = self.spec.moe_layers[moe_layer]
         layers = self.weights.layers
-        if layers[index].shared_gate_up is not None:
+        if layers[index].shared_gate_up is not None or index + 1 in self._crossings:
             return None
         return layers[index + 1].input_norm if index + 1 < len(layers) else self.weights.final_norm
 
@@ -346,7 +414,8 @@ class Model:
         if layer.conv is not None:
             return self._linear_attention(index, layer, x, batch)
         window = self.windows[index]
-        index = self._kv_row[index]
+        part, index = self._kv_row[index]
+        kv, rotary = self.kv_parts[part], self.rotaries[part]
         qkv = linear(x, layer.qkv, layer.qkv_bias)
         gate = None
         if spec.attn_output_gate:
@@ -356,18 +425,18 @@ class Model:
             # q/k norm, rotary and the KV write in one launch (the same arithmetic); a prefill's
             # attention then reads its keys and values back from the cache
             q = qk_norm_rope_kv(
-                qkv, batch.positions, self.rotary.cos, self.rotary.sin, layer.q_norm,
-                layer.k_norm, spec.rms_norm_eps, self.kv.k[index], self.kv.v[index], batch.slots,
-                spec.num_heads, spec.num_kv_heads, spec.head_dim, self.kv.scales(index),
+                qkv, batch.positions, rotary.cos, rotary.sin, layer.q_norm,
+                layer.k_norm, spec.rms_norm_eps, kv.k[index], kv.v[index], batch.slots,
+                spec.num_heads, spec.num_kv_heads, spec.head_dim, kv.scales(index),
             )  # fmt: skip
         else:
             assert rope is not None
-            q, k, v = self._heads(layer, qkv, rope)
-            self.kv.write(index, k, v, batch.slots)
+            q, k, v = self._heads(layer, qkv, rope, rotary)
+            kv.write(index, k, v, batch.slots)
         if decode:
             out = paged_attention_decode(
-                q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
-                self.scale, kv_scales=self.kv.scales(index), sinks=layer.sinks, window=window,
+                q, kv.k[index], kv.v[index], batch.block_tables, batch.seq_lens,
+                self.scale, kv_scales=kv.scales(index), sinks=layer.sinks, window=window,
             )  # fmt: skip
             return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
         out = torch.empty_like(q)
@@ -377,7 +446,7 @@ class Model:
                 keys, values = k[rows], v[rows]
             else:
                 assert seq.pages is not None, "a prefill's SeqSlice needs its pages"
-                keys, values = self.kv.gather(index, seq.pages, seq.kv_len)
+                keys, values = kv.gather(index, seq.pages, seq.kv_len)
             if layer.sinks is not None:
                 out[rows] = gpt_oss.attention(q[rows], keys, values, self.scale, layer.sinks,
                                               window)  # fmt: skip
@@ -397,7 +466,11 @@ class Model:
         )
 
     def _heads(
-        self, layer: LayerWeights, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        layer: LayerWeights,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        rotary: Rotary,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D] from the projection: clipped, normed and rotated
         as the checkpoint's architecture does."""
@@ -415,7 +488,7 @@ class Model:
         if spec.qk_norm == "head":
             q = rmsnorm(q, layer.q_norm, spec.rms_norm_eps)
             k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
-        q, k = self.rotary.apply(q, k, *rope)
+        q, k = rotary.apply(q, k, *rope)
         return q, k, v
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,183 @@
+"""A model split across devices (`--devices cpu,cpu` emulates two on the CPU): the same greedy
+tokens and fp32 logits as one device and as transformers, resident and offloaded, each device
+holding its own layers' KV and expert cache, the activations crossing once per boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelab.engine.config.config import EngineConfig
+from moelab.engine.config.memory import MemoryPlanError
+from moelab.engine.model.placement import LayerPlacement
+from moelab.engine.runtime.engine import Engine
+from moelab.engine.runtime.sampling import SamplingParams
+
+from .reference import (
+    assert_same_greedy,
+    build_reference,
+    hf_greedy,
+    hf_logits,
+    relative_error,
+)
+
+pytest.importorskip(
+    "transformers", reason="transformers is the reference (pip install -e '.[test]')"
+)
+
+# three architectures unlike each other: qwen3_moe (q/k norm, a dense layer among MoE ones),
+# qwen2_moe (shared experts, attention biases) and gpt_oss (sinks, sliding windows on alternate
+# layers, expert biases); four layers, so that a split has layers of each kind on either side
+GEOMETRIES = {
+    "qwen3_moe": dict(num_hidden_layers=4, mlp_only_layers=[2], num_experts=10),
+    "qwen2_moe": dict(num_hidden_layers=4, decoder_sparse_step=1, num_experts=9),
+    "gpt_oss": dict(
+        num_hidden_layers=4,
+        num_experts=8,
+        sliding_window=6,
+        swiglu_limit=1.5,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+}
+# resident: every expert in its device's cache; offloaded: 3 slots a device, the rest missed
+CACHES = {"resident": [], "offloaded": ["--moe-cache-size", "3"]}
+
+
+def engine(path, *flags: str) -> Engine:
+    common = ["--dtype", "float32", "--moe-cpu-threads", "1", "--bank-dir", str(path / "bank")]
+    return Engine(EngineConfig.from_flags(["--model-path", str(path), *common, *flags]))
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=list(GEOMETRIES))
+def checkpoint(request, tmp_path_factory):
+    arch = request.param
+    path = tmp_path_factory.mktemp(arch)
+    return arch, build_reference(arch, path, seed=7, **GEOMETRIES[arch]), path
+
+
+@pytest.fixture(scope="module", params=list(CACHES))
+def engines(request, checkpoint):
+    arch, model, path = checkpoint
+    cache = CACHES[request.param]
+    one = engine(path, "--device", "cpu", *cache)
+    split = engine(path, "--devices", "cpu,cpu", "--layer-split", "1,3", *cache)
+    yield arch, model, one, split, request.param
+    one.close()
+    split.close()
+
+
+def test_the_split_scores_a_prompt_as_one_device_and_transformers_do(engines):
+    arch, model, one, split, _ = engines
+    ids = prompt(1, 29)
+    ours = split.score(ids)
+    assert torch.equal(ours, one.score(ids)), arch
+    assert relative_error(ours, hf_logits(model, ids)) < 1e-4, arch
+
+
+def test_the_split_decodes_the_same_greedy_tokens(engines):
+    arch, model, one, split, cache = engines
+    ids = prompt(2, 9)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    counters = split.moe.counters  # live, as a benchmark reads them before and after a run
+    before = counters.reads.copy()
+    [ours] = split.generate([ids], params)
+    # every MoE layer of both devices counted its reads into the model's counters
+    assert ((split.moe.counters.reads - before) > 0).all() and split.moe.counters is counters
+    assert ours == one.generate([ids], params)[0], (arch, cache)
+    ref, margins = hf_greedy(model, ids, 24)
+    assert_same_greedy(ours, ref, margins)
+    # a batch of prompts of other lengths runs through the split as through one device
+    prompts = [prompt(3, 5), prompt(4, 17), prompt(5, 11)]
+    assert split.generate(prompts, params) == one.generate(prompts, params)
+    if cache == "offloaded":  # the split's misses were fetched or run on the CPU
+        reads, misses = split.moe.decode_reads
+        assert misses > 0 and reads > misses
+
+
+def test_each_device_holds_its_own_layers_kv_and_experts(engines):
+    arch, _model, _one, split, cache = engines
+    assert [(r.start, r.stop) for r in split.split.ranges] == [(0, 1), (1, 4)]
+    # the KV of each device's attention layers, the same pages on both
+    assert [part.k.shape[0] for part in split.kv_parts] == [1, 3]
+    assert split.kv_parts[0].num_blocks == split.kv_parts[1].num_blocks
+    # each device's cache holds its own MoE layers' experts (qwen3_moe's layer 2 is dense)
+    moe_on_second = 2 if arch == "qwen3_moe" else 3
+    caches = split.cache.caches
+    assert [c.num_layers for c in caches] == [1, moe_on_second]
+    if cache == "resident":
+        assert [c.slots for c in caches] == [c.num_layers * split.spec.num_experts for c in caches]
+    else:
+        assert [c.slots for c in caches] == [3, 3]
+    # the counters come back per MoE layer of the whole model, in order
+    assert len(split.moe.counters.reads) == split.spec.num_moe_layers
+
+
+def test_activations_cross_once_per_boundary_and_logits_come_back(engines, monkeypatch):
+    _arch, _model, _one, split, _cache = engines
+    crossed, moved_back = [], []
+    cross, to_first = LayerPlacement.cross, LayerPlacement.to_first
+    monkeypatch.setattr(
+        LayerPlacement, "cross", lambda self, layer, state: crossed.append(layer) or
+        cross(self, layer, state),
+    )  # fmt: skip
+    monkeypatch.setattr(
+        LayerPlacement, "to_first", lambda self, t: moved_back.append(t.shape) or
+        to_first(self, t),
+    )  # fmt: skip
+    split.generate([prompt(6, 7)], SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = len(moved_back)
+    assert steps == 3 and crossed == [1] * steps
+
+
+def test_a_split_engine_refuses_a_resize_in_words(engines):
+    _arch, _model, _one, split, _cache = engines
+    with pytest.raises(MemoryPlanError, match="keep the sizes they started with"):
+        split.resize_cache(2)
+
+
+def test_stats_report_each_device_and_the_plan_sums_them(engines):
+    """/v1/stats: a `devices` list, one entry per device with its layers, link, slots and
+    memory plan; memory.device one entry per device; the plan the devices' sum."""
+    _arch, _model, one, split, _cache = engines
+    stats = split.telemetry.stats(running=0, queued=0, model_name="m")
+    devices = stats["devices"]
+    assert [d["device"] for d in devices] == ["cpu", "cpu"]
+    assert [d["layers"] for d in devices] == [[0, 0], [1, 3]]
+    assert [d["slots"] for d in devices] == [c.slots for c in split.cache.caches]
+    assert all(d["link_gbps"] > 0 for d in devices)
+    memory = stats["memory"]["device"]
+    assert [m["kv"] for m in memory] == [part.nbytes for part in split.kv_parts]
+    assert [m["expert_cache"] for m in memory] == [c.nbytes for c in split.cache.caches]
+    plan = stats["memory"]["plan"]
+    assert plan["kv_bytes"] == sum(d["plan"]["kv_bytes"] for d in devices)
+    assert plan["slots"] == stats["experts"]["slots"] == split.cache.slots
+    assert plan["kv_tokens"] == devices[0]["kv_tokens"] == devices[1]["kv_tokens"]
+    # one device: a list of one, the whole model on it
+    [alone] = one.telemetry.stats(running=0, queued=0, model_name="m")["devices"]
+    assert alone["layers"] == [0, 3] and alone["slots"] == one.cache.slots
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_two_gpus_in_bf16_decode_as_one_does(checkpoint, cache):
+    """On two GPUs in bf16 against one GPU (both eager): the same greedy tokens, logits within
+    bf16's rounding; the activations cross between the cards, each card holds its own part."""
+    arch, _model, path = checkpoint
+    bf16 = ("--dtype", "bfloat16", *CACHES[cache])
+    one = engine(path, "--device", "cuda:0", "--no-cuda-graph", *bf16)
+    split = engine(path, "--devices", "cuda:0,cuda:1", "--layer-split", "1,3", *bf16)
+    try:
+        assert [part.k.device.index for part in split.kv_parts] == [0, 1]
+        assert [c.device.index for c in split.cache.caches] == [0, 1]
+        ids = prompt(8, 33)
+        assert relative_error(split.score(ids), one.score(ids)) < 1e-2, arch
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        prompts = [prompt(9, 7), prompt(10, 19)]
+        assert split.generate(prompts, params) == one.generate(prompts, params), arch
+    finally:
+        one.close()
+        split.close()
