@@ -39,6 +39,7 @@ from ..model.model import DenseWeights, Model, SeqSlice, StepBatch
 from ..model.placement import LayerPlacement
 from ..model.rope import Rotary
 from ..model.spec import ModelSpec
+from ..model.split_states import SplitStatePool
 from ..model.states import StatePool
 from ..model.synth import SynthSource, calibration_threads
 from ..model.tokenizer import Tokenizer
@@ -157,11 +158,6 @@ class Engine:
             )
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         if len(self.devices) > 1:
-            if spec.hybrid:
-                raise ValueError(
-                    "--devices: a split of a model with linear attention layers (recurrent "
-                    "states) is not supported; serve it on one device with --device"
-                )
             return  # planned once the bank is in memory: the split reads each device's link
         free_bytes = torch.cuda.mem_get_info(self.device)[0] if cuda else None
         request = self.config.memory_request(
@@ -356,9 +352,12 @@ class Engine:
         # and the state checkpoints a prompt may resume from (with the prefix cache)
         memory = config.memory
         checkpoints = memory.state_checkpoints if self.kv.prefix_cache else 0
-        self.states = (
-            StatePool(spec, running, self.device, self.dtype, checkpoints) if spec.hybrid else None
-        )
+        self.states = None
+        if spec.hybrid and self.split is None:
+            self.states = StatePool(spec, running, self.device, self.dtype, checkpoints)
+        elif spec.hybrid:
+            parts = list(zip(self.devices, self.split.ranges, strict=True))
+            self.states = SplitStatePool(spec, running, parts, self.dtype, checkpoints)
         self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1,
                            states=self.states, placement=self.layers_on)  # fmt: skip
         if self.layers_on is not None:
@@ -655,6 +654,7 @@ class Engine:
                 }
             ]
         caches, runners = self.cache.caches, self.moe.runners
+        states = self.states.part_bytes() if isinstance(self.states, SplitStatePool) else None
         out = []
         for d, device in enumerate(self.devices):
             plan, span, kv = self.split.plans[d], self.split.ranges[d], self.kv_parts[d]
@@ -667,7 +667,7 @@ class Engine:
                 "prefill_buffer": runners[d].stage_bytes,
                 "activations": plan.activation_bytes,
                 "graphs": 0,
-                "states": 0,
+                "states": states[d] if states else 0,
                 "other": 0,
             }
             if device.type == "cuda":

@@ -181,3 +181,43 @@ def test_two_gpus_in_bf16_decode_as_one_does(checkpoint, cache):
     finally:
         one.close()
         split.close()
+
+
+def test_a_hybrid_model_split_keeps_each_devices_states_and_matches(tmp_path):
+    """Qwen3-Next split after its first attention layer: each device keeps its own linear
+    layers' recurrent states and attention layers' KV; the same logits and tokens as one
+    device and transformers, a second turn resumed from a state checkpoint on both devices."""
+    from .test_hybrid import CHUNK, build_hybrid
+
+    model = build_hybrid("qwen3_next", tmp_path, seed=2)
+    one = engine(tmp_path, "--device", "cpu", "--prefill-chunk-tokens", CHUNK)
+    split = engine(
+        tmp_path, "--devices", "cpu,cpu", "--layer-split", "2,3", "--prefill-chunk-tokens", CHUNK
+    )
+    try:
+        assert split.spec.linear_layers == (0, 2, 3) and split.spec.attention_layers == (1, 4)
+        assert [part.k.shape[0] for part in split.kv_parts] == [1, 1]
+        per_layer = split.states.bytes_per_slot // 3
+        rows = split.states.num_slots + 1 + split.states.checkpoint_capacity
+        assert split.states.part_bytes() == [per_layer * rows, 2 * per_layer * rows]
+        ids = prompt(11, 90)
+        ours = split.score(ids)
+        assert torch.equal(ours, one.score(ids))
+        assert relative_error(ours, hf_logits(model, ids)) < 1e-4
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        first, turn = prompt(12, 40), prompt(12, 40)[:32] + prompt(13, 9)
+        outputs = []
+        for eng in (one, split):
+            # the first request keeps a state checkpoint after its 32nd token, where the
+            # second (a chat's next turn) parts from it and resumes
+            eng.add(first, params, boundaries=(32,))
+            eng.run_until_idle()
+            outputs.append(eng.add(turn, params))
+            eng.run_until_idle()
+        assert split.states.checkpoints_resumed == one.states.checkpoints_resumed == 1
+        assert outputs[1].output_ids == outputs[0].output_ids
+        ref, margins = hf_greedy(model, turn, 16)
+        assert_same_greedy(outputs[1].output_ids, ref, margins)
+    finally:
+        one.close()
+        split.close()
