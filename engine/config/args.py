@@ -292,13 +292,14 @@ def _model_flags(model: Group) -> None:
 
 
 def _memory_flags(memory: Group) -> None:
-    memory.add_argument(
+    where = memory.add_mutually_exclusive_group()
+    where.add_argument(
         "--device",
         type=parse_device,
         default="auto",
         help="Compute device: auto (CUDA when present), cpu, cuda or cuda:N.",
     )
-    memory.add_argument(
+    where.add_argument(
         "--devices",
         type=parse_devices,
         default=None,
@@ -637,12 +638,13 @@ class Tunable:
     """A flag the benchmark may change, and how to pick its candidate values."""
 
     flag: str
-    kind: str  # "choice": values as listed; "switch": on/off; "threads", "slots", "tokens": derived
+    # "choice": values as listed; "switch": on/off; "threads", "slots", "tokens", "devices": derived
+    kind: str
     values: tuple[str, ...] = ()
     why: Text | str = ""  # in words: what the flag trades against what
 
     def __post_init__(self) -> None:
-        assert self.kind in ("choice", "switch", "threads", "slots", "tokens"), self.kind
+        assert self.kind in ("choice", "switch", "threads", "slots", "tokens", "devices"), self.kind
 
 
 TUNABLE: tuple[Tunable, ...] = (
@@ -715,6 +717,14 @@ TUNABLE: tuple[Tunable, ...] = (
         "choice",
         ("0", "0.75"),
         Text("a guessed miss's first rows copied before the routing, against a wrong guess's copy"),
+    ),
+    Tunable(
+        "--devices",
+        "devices",
+        why=Text(
+            "the layers across every GPU: their memory and links together, against the "
+            "activations' crossing between the cards"
+        ),
     ),
     Tunable(
         "--kv-cache-dtype",

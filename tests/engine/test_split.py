@@ -55,6 +55,10 @@ def test_devices_and_a_split_parse_as_counts_or_shares():
         (["--layer-split", "20,x"], "'20,x' is not a layer split"),
         (["--layer-split", "20,0"], "20,0: give every device one layer or more"),
         (["--layer-split", "0.5,0.6"], "must each be above 0 and add up to 1"),
+        (
+            ["--devices", "cuda:0,cuda:1", "--device", "cuda:0"],
+            "argument --device: not allowed with argument --devices",
+        ),
     ],
 )
 def test_a_bad_device_list_or_split_is_refused_in_words(capsys, flags, message):
@@ -73,10 +77,6 @@ def test_a_bad_device_list_or_split_is_refused_in_words(capsys, flags, message):
             ["--devices", "cuda:0,cuda:1", "--layer-split", "1,1,1"],
             "--layer-split 1,1,1 has 3 parts for 2 devices; give one per device of --devices",
         ),
-        (
-            ["--devices", "cuda:0,cuda:1", "--device", "cuda:0"],
-            "--devices cuda:0,cuda:1 takes the place of --device cuda:0; give one of them",
-        ),
     ],
 )
 def test_flags_that_contradict_each_other_are_refused_in_the_configuration(flags, message):
@@ -91,6 +91,11 @@ def test_a_configuration_made_in_code_is_held_to_the_same_device_rules():
         dataclasses.replace(memory, devices=("cuda:0", "cuda:0"))
     assert str(err.value).startswith("--devices ")
     assert str(err.value).endswith(": cuda:0 is named twice; name each GPU once")
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(memory, device="cuda:0", devices=("cuda:0", "cuda:1"))
+    assert str(err.value) == (
+        "--devices cuda:0,cuda:1 takes the place of --device cuda:0; give one of them"
+    )
     split = EngineConfig.from_flags(["--model-path", "m", "--devices", "cpu,cpu"]).memory
     assert split.device_names == ("cpu", "cpu") and memory.device_names == ("auto",)
 
