@@ -272,9 +272,9 @@ def plan_split(
 def _too_small(device: DeviceShare, count: int, per_layer: float) -> SplitError:
     return SplitError(
         Text(
-            "{device} has {free:.2f} GiB for its layers, but its {count} layers' dense weights "
-            "and KV need {need:.2f} GiB; give it fewer layers with --layer-split, lower "
-            "--kv-reserve-tokens, or leave it out of --devices",
+            "{device} has {free:.2f} GiB for its layers, but the dense weights and KV of its "
+            "{count} of the model's layers need {need:.2f} GiB; give it fewer layers with "
+            "--layer-split, lower --kv-reserve-tokens, or leave it out of --devices",
             device=device.name,
             free=device.free_bytes / GIB,
             count=count,

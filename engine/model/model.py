@@ -124,6 +124,10 @@ class Placement(Protocol):
 
     def to_first(self, t: torch.Tensor) -> torch.Tensor: ...
 
+    def begin(self) -> None:
+        """A step starts on the first device."""
+        ...
+
 
 @dataclass(slots=True)
 class SeqSlice:
@@ -316,6 +320,8 @@ class Model:
         w, batch = self.weights, state.batch
         moe_layers = self.spec.moe_layers
         if piece == 0:
+            if self.placement is not None:
+                self.placement.begin()
             state.hidden = w.embed.index_select(0, batch.input_ids)
             state.residual = None
             # the fused q/k norm + rotary reads the full tables itself

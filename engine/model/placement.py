@@ -59,11 +59,20 @@ class LayerPlacement:
         return t.to(device, non_blocking=True)
 
     def to_first(self, t: torch.Tensor) -> torch.Tensor:
-        return self.move(t, self.devices[0])
+        """`t` on the first device, which is the current one again from here."""
+        t = self.move(t, self.devices[0])
+        self.begin()
+        return t
+
+    def begin(self) -> None:
+        """A step starts on the first device (after a step that failed on another, too)."""
+        _enter(self.devices[0])
 
     def cross(self, layer: int, state: StepState) -> None:
-        """Move a step's state to the device of `layer` (the first layer of its range)."""
+        """Move a step's state to the device of `layer` (the first layer of its range), which is
+        the current device from here."""
         device = self.device_of(layer)
+        _enter(device)
         move = self.move
         assert state.hidden is not None
         state.hidden = move(state.hidden, device)
@@ -107,6 +116,13 @@ class LayerPlacement:
             final_norm=dense.final_norm.to(last),
             layers=layers,
         )
+
+
+def _enter(device: torch.device) -> None:
+    """Make `device` the current one: a Triton kernel launches on the current device and its
+    stream, whatever device its tensors are on."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _layer_on(layer: LayerWeights, device: torch.device) -> LayerWeights:

@@ -120,8 +120,8 @@ def test_a_device_too_small_for_its_share_is_named():
     with pytest.raises(SplitError) as err:
         plan_split(devices, layers, LayerSplit.parse("20,20"))
     assert str(err.value).startswith(
-        "cuda:1 has 1.00 GiB for its layers, but its 20 layers' dense weights and KV need 2.00 "
-        "GiB; give it fewer layers with --layer-split"
+        "cuda:1 has 1.00 GiB for its layers, but the dense weights and KV of its 20 of the "
+        "model's layers need 2.00 GiB; give it fewer layers with --layer-split"
     )
     ranges = plan_split(devices, layers)  # the default split gives it what it holds
     assert len(ranges[1]) <= 10

@@ -221,3 +221,16 @@ def test_a_hybrid_model_split_keeps_each_devices_states_and_matches(tmp_path):
     finally:
         one.close()
         split.close()
+
+
+def test_a_split_the_model_or_the_devices_cannot_take_is_refused_in_words(checkpoint):
+    _arch, _model, path = checkpoint
+    with pytest.raises(MemoryPlanError) as err:
+        engine(path, "--devices", "cpu,cpu", "--layer-split", "2,3")
+    assert str(err.value).startswith("--layer-split 2,3 places 5 layers, but the model has 4")
+    # a budget too small for a device's layers' share of a long KV reserve: the first such
+    # device is named (cpu,cpu names both devices alike)
+    refused = r"^cpu has 0\.\d\d GiB for its layers, but the dense weights and KV of its 1 of"
+    with pytest.raises(MemoryPlanError, match=refused):
+        engine(path, "--devices", "cpu,cpu", "--layer-split", "1,3", "--device-memory", "600MiB",
+               "--kv-reserve-tokens", "400000")  # fmt: skip
