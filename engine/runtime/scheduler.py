@@ -3,13 +3,14 @@
 A request is admitted when the KV cache can hold its whole prompt plus `max_tokens`, so a running
 sequence never runs out of KV; requests that cannot fit yet wait in the queue. A hybrid model's
 sequence also takes a slot of the state pool (states.py) at admission and gives it back when it
-ends. A prompt that
-begins with blocks an earlier request computed takes them from the prefix cache (kv.py) and is
-prefilled from there. Long prompts are prefilled in chunks, alternating with decode steps of the
-running sequences.
+ends, and so does a sliding-window model's, whose slot holds its sliding layers' window
+(window.py). A prompt that begins with blocks an earlier request computed takes them from the
+prefix cache (kv.py) and is prefilled from there. Long prompts are prefilled in chunks,
+alternating with decode steps of the running sequences.
 
-A hybrid model's prompt resumes only where its state is known: at the longest of its matched
-blocks that ends at a state checkpoint of the same prefix. Its own checkpoints are taken at the
+A hybrid or sliding-window model's prompt resumes only where its state (the recurrent states, or
+the windows' tokens) is known: at the longest of its matched blocks that ends at a state
+checkpoint of the same prefix. Its own checkpoints are taken at the
 token counts its request names (`Sequence.boundaries`: where a chat's messages end) and every
 `checkpoint_interval` tokens, each rounded down to a whole KV block so that the pages before it
 are named, and a prefill chunk ends at each of them.
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..model.kv import KVCache, block_names
-from ..model.states import StatePool
+from ..model.states import SlotPool
 from .sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
@@ -99,11 +100,11 @@ class Scheduler:
         kv: KVCache,
         max_running: int,
         chunk_tokens: int,
-        states: StatePool | None = None,
+        states: SlotPool | None = None,
         checkpoint_interval: int = 0,
     ) -> None:
         self.kv = kv
-        self.states = states  # a hybrid model's recurrent states, one slot per running sequence
+        self.states = states  # recurrent states or windows' rings, a slot per running sequence
         self.checkpoint_interval = checkpoint_interval  # 0: checkpoints at boundaries only
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens

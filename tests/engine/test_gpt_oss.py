@@ -134,13 +134,71 @@ def test_a_mixed_batch_matches_each_prompt_alone(reference, placement):
         assert_same_greedy(ours, ref, margins)
 
 
-def test_the_comparison_catches_a_missing_window_or_clamp(reference):
+def assert_logprobs_match(model, seq, tol: float) -> None:
+    """Each token `seq` drew has the log probability transformers gives it after the same
+    tokens (its prompt and what it drew before)."""
+    ids = seq.prompt_ids + seq.output_ids
+    logp = torch.log_softmax(hf_logits(model, ids), dim=-1)
+    n = len(seq.prompt_ids)
+    theirs = torch.tensor([logp[n - 1 + i, t].item() for i, t in enumerate(seq.output_ids)])
+    ours = torch.tensor([lp.logprob for lp in seq.output_logprobs])
+    assert len(ours) == len(seq.output_ids) > 0
+    assert (ours - theirs).abs().max() < tol, (ours - theirs).abs().max()
+
+
+@pytest.mark.parametrize(("kv_dtype", "tol"), [("auto", 1e-4), ("fp8", 0.1)])
+def test_sliding_layers_keep_only_their_window_over_many_chunks(reference, kv_dtype, tol):
+    """Pages of 4 tokens, so that a sliding layer keeps 8 tokens (the window of 6 in whole
+    pages) and the one full layer of three keeps the pages: a 45-token prompt prefilled in seven
+    chunks of 7 (each longer than the window and shorter than the ring, none on a page's edge),
+    then 30 tokens decoded past it, beside a shorter prompt; each token's log probability as
+    transformers gives it (with FP8 pages, within FP8's rounding)."""
+    model, path = reference
+    engine = make_engine(path, "--moe-cache-rate", "1.0", "--kv-block-size", "4",
+                         "--prefill-chunk-tokens", "7", "--kv-cache-dtype", kv_dtype)  # fmt: skip
+    params = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=1)
+    try:
+        rings = engine.states
+        assert rings is not None and rings.ring_tokens == 8
+        assert engine.kv.k.shape[0] == 1 and rings.k.shape[0] == 2
+        seqs = [engine.add(prompt(3, 9), params), engine.add(prompt(2, 45), params)]
+        engine.run_until_idle()
+        stats = engine.telemetry.stats(running=0, queued=0, model_name="m")["kv"]
+    finally:
+        engine.close()
+    assert stats["window"]["tokens_per_seq"] == 8 and stats["attention_layers"] == 1
+    for seq in seqs:
+        assert_logprobs_match(model, seq, tol)
+
+
+def test_a_prompt_resumes_from_a_cached_prefix_through_a_window_checkpoint(reference):
+    """A second prompt that shares 24 tokens with a first one takes their pages from the prefix
+    cache and its sliding layers' window from the checkpoint kept at 24 tokens, and its tokens
+    have the log probabilities transformers gives them after the whole prompt."""
+    model, path = reference
+    flags = ["--kv-block-size", "4", "--prefill-chunk-tokens", "12",
+             "--state-checkpoint-interval", "8"]  # fmt: skip
+    engine = make_engine(path, "--moe-cache-rate", "1.0", *flags)
+    first = prompt(4, 30)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1)
+    try:
+        engine.generate([first], params)
+        seq = engine.add(first[:24] + prompt(5, 10), params)
+        engine.run_until_idle()
+        assert engine.scheduler.cached_tokens == 24
+        assert engine.states is not None and engine.states.checkpoints_resumed == 1
+    finally:
+        engine.close()
+    assert_logprobs_match(model, seq, 1e-4)
+
+
+def test_the_comparison_catches_a_wrong_window_or_clamp(reference):
     model, path = reference
     engine = make_engine(path, "--moe-cache-rate", "1.0")
     ids = prompt(1, 37)
     try:
         windows = engine.model.windows
-        engine.model.windows = [0] * len(windows)
+        engine.model.windows = [2 * w for w in windows]  # still within the ring of 16
         assert relative_error(engine.score(ids), hf_logits(model, ids)) > 1e-3
         engine.model.windows = windows
         engine.cache.swiglu_limit = 0.0
