@@ -18,11 +18,13 @@ from moelab.daemon.models import read_checkpoint
 from moelab.engine.model.spec import CheckpointError, ModelSpec
 from moelab.engine.model.synth import make_config
 from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.runtime.graphs import DecodeGraphs
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import mxfp4
 
 from .reference import (
+    DEVICE,
     assert_same_greedy,
     build_reference,
     hf_greedy,
@@ -30,6 +32,7 @@ from .reference import (
     make_engine,
     relative_error,
 )
+from .test_graphs import ReplayGraph
 
 pytest.importorskip(
     "transformers", reason="transformers is the reference (pip install -e '.[test]')"
@@ -190,6 +193,35 @@ def test_a_prompt_resumes_from_a_cached_prefix_through_a_window_checkpoint(refer
     finally:
         engine.close()
     assert_logprobs_match(model, seq, 1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
+@pytest.mark.parametrize("piecewise", [False, True], ids=["whole", "pieces"])
+def test_replayed_decode_steps_read_the_rings_as_eager_steps(reference, piecewise):
+    """Decode steps replayed from captured graphs (whole steps, or pieces around the offloaded
+    MoE layers) write and read the sliding layers' rings through tables made inside the step
+    from each row's state slot, and give the eager steps' tokens (three sequences in the size-4
+    graphs: a padding row writes the pool's spare ring, never a sequence's)."""
+    _model, path = reference
+    flags = ("--kv-block-size", "4", "--prefill-chunk-tokens", "7", *OFFLOADED)
+    prompts = [prompt(20, 30), prompt(21, 5), prompt(22, 13)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    eager = make_engine(path, *flags)
+    try:
+        expected = eager.generate(prompts, params)
+    finally:
+        eager.close()
+    replayed = make_engine(path, *flags)
+    try:
+        replayed.cache.device_slot_map()
+        graphs = DecodeGraphs(replayed.model, 4, replayed.max_context, piecewise=piecewise,
+                              graph_factory=ReplayGraph)  # fmt: skip
+        graphs.capture()
+        replayed.stepper.graphs = graphs
+        outputs = replayed.generate(prompts, params)
+    finally:
+        replayed.close()
+    assert outputs == expected
 
 
 def test_the_comparison_catches_a_wrong_window_or_clamp(reference):
