@@ -368,7 +368,8 @@ def test_presets_have_gpt_oss_parameter_counts(preset, total_b, active_b):
 
 def test_moelab_serve_answers_from_an_mxfp4_gpt_oss_checkpoint(tmp_path):
     """A real `moelab serve` process on the MXFP4 checkpoint `moelab synth --arch gpt_oss`
-    writes, its experts offloaded, and the manager's catalog reading it as servable."""
+    writes, its experts offloaded, and the manager's catalog reading it as servable; a chat's
+    second turn takes the first's prompt from the prefix cache."""
     path = synthesize(tmp_path / "m", arch="gpt_oss", preset="tiny", seed=21, routing_skew=1.0,
                       overrides={"sliding_window": 8}, dtype="mxfp4")  # fmt: skip
     entry = read_checkpoint(path, "data dir")
@@ -391,6 +392,23 @@ def test_moelab_serve_answers_from_an_mxfp4_gpt_oss_checkpoint(tmp_path):
         assert experts["slot_bytes"] == spec.expert_bytes_as("mxfp4")
         assert 0 < experts["slots"] < spec.experts_total
         assert sum(layer["reads"] for layer in experts["layers"]) > 0
+        # a chat's next turn resumes where the last one's messages ended: the full layers'
+        # pages from the prefix cache, the sliding layers' windows from their checkpoint there
+        turn = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "Name a colour."}]  # fmt: skip
+        chat = {"messages": turn, "max_tokens": 6, "temperature": 0}
+        first = httpx.post(engine.base_url + "/v1/chat/completions", json=chat, timeout=60)
+        assert first.status_code == 200, first.text
+        reply = first.json()["choices"][0]["message"]["content"] or "red"
+        turn += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}]
+        second = httpx.post(engine.base_url + "/v1/chat/completions", json=chat, timeout=60)
+        assert second.status_code == 200, second.text
+        prompt_tokens = first.json()["usage"]["prompt_tokens"]
+        cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert prompt_tokens - 2 * 16 < cached < prompt_tokens and cached % 16 == 0
+        kv = httpx.get(engine.base_url + "/v1/stats").json()["kv"]
+        assert kv["window"]["window"] == 8 and kv["window"]["tokens_per_seq"] == 16
+        assert kv["prefix_cache"]["state_checkpoints"]["resumed"] == 1
     finally:
         stop_engine(engine)
 
