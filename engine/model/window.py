@@ -26,6 +26,9 @@ from ...kernels import fp8_kv
 from .spec import ModelSpec
 from .states import SlotPool
 
+# a prefill step's own pages (`WindowPool.chunk_pages`): keys, values, FP8 factors or None
+ChunkPages = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]
+
 
 class WindowPool(SlotPool):
     """Keys and values of every sliding-window layer in ring slots: `num_slots` for the running
@@ -103,9 +106,7 @@ class WindowPool(SlotPool):
         tables = (slots[:, None] * n + pages[None, :]).to(torch.int32)
         return written, tables
 
-    def chunk_pages(
-        self, tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    def chunk_pages(self, tokens: int) -> ChunkPages:
         """Pages for a prefill step's `tokens` keys and values (token t at flat slot t), held as
         the ring holds them: (keys, values, FP8 factors or None)."""
         pages = -(-tokens // self.block_size)
@@ -122,7 +123,7 @@ class WindowPool(SlotPool):
         row: int,
         slot: int,
         start: int,
-        chunk: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None],
+        chunk: ChunkPages,
         rows: slice,
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The keys and values [L, Hkv, D] (compute dtype) a prefill chunk's queries see: the
@@ -141,7 +142,7 @@ class WindowPool(SlotPool):
         row: int,
         slot: int,
         start: int,
-        chunk: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None],
+        chunk: ChunkPages,
         rows: slice,
     ) -> None:
         """Copy the last tokens of a prefill chunk (`rows` of `chunk_pages`, from position
