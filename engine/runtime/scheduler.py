@@ -10,10 +10,10 @@ alternating with decode steps of the running sequences.
 
 A hybrid or sliding-window model's prompt resumes only where its state (the recurrent states, or
 the windows' tokens) is known: at the longest of its matched blocks that ends at a state
-checkpoint of the same prefix. Its own checkpoints are taken at the
-token counts its request names (`Sequence.boundaries`: where a chat's messages end) and every
-`checkpoint_interval` tokens, each rounded down to a whole KV block so that the pages before it
-are named, and a prefill chunk ends at each of them.
+checkpoint of the same prefix. Its own checkpoints are taken at the token counts its request
+names (`Sequence.boundaries`: where a chat's messages end) and every `checkpoint_interval`
+tokens, each rounded down to a whole KV block so that the pages before it are named, and a
+prefill chunk ends at each of them.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ class Sequence:
     named_blocks: int = 0  # leading blocks named in the prefix cache (`Scheduler.name_blocks`)
     chain: int = 0  # the last named block's name hashed
     pending: int = 0  # tokens sampled on the device by a step in flight, not yet in output_ids
-    state_slot: int = -1  # hybrid models: its slot in the state pool while it runs
-    # hybrid models: prompt token counts the request names as places to keep the state at (the
-    # end of a chat's system prompt and of its last message), and those still to be kept
+    state_slot: int = -1  # hybrid and sliding-window models: its slot while it runs
+    # and prompt token counts the request names as places to keep the state at (the end of a
+    # chat's system prompt and of its last message), and those still to be kept
     boundaries: tuple[int, ...] = ()
     checkpoints: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
@@ -140,7 +140,8 @@ class Scheduler:
 
     @property
     def checkpointing(self) -> bool:
-        """Whether a hybrid model keeps state checkpoints (and so matches cached pages)."""
+        """Whether a hybrid or sliding-window model keeps checkpoints (and so matches cached
+        pages)."""
         states = self.states
         return states is not None and bool(states.checkpoint_capacity) and self.kv.prefix_cache
 
@@ -184,9 +185,9 @@ class Scheduler:
             self.running.append(seq)
 
     def _resumable(self, prompt: list[int], cached: list[int]) -> tuple[list[int], int]:
-        """Of a hybrid model's matched blocks, those up to the last one that ends at a state
-        checkpoint of the same prefix (none where no checkpoint is kept there), and that block's
-        name hashed (0 for none)."""
+        """Of a hybrid or sliding-window model's matched blocks, those up to the last one that
+        ends at a state checkpoint of the same prefix (none where no checkpoint is kept there),
+        and that block's name hashed (0 for none)."""
         states, size = self.states, self.kv.block_size
         assert states is not None
         chains = [hashed for _, hashed in block_names(prompt, size, 0, len(cached), 0)]
@@ -265,8 +266,8 @@ class Scheduler:
         seq.named_blocks = full
 
     def keep_state(self, seq: Sequence) -> None:
-        """Keep a hybrid model's state checkpoint where the sequence's computed tokens reached
-        its next one (after `name_blocks` named the pages before it)."""
+        """Keep a hybrid or sliding-window model's checkpoint where the sequence's computed
+        tokens reached its next one (after `name_blocks` named the pages before it)."""
         if not seq.checkpoints or seq.computed != seq.checkpoints[0]:
             return
         assert self.states is not None and seq.named_blocks * self.kv.block_size == seq.computed
