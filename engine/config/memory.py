@@ -215,6 +215,30 @@ def plan_vram(
     graphs = graph_pool_bytes(spec, max_running) if cuda_graphs else 0
     need = weights_bytes + kv_bytes + states + act + graphs + headroom_bytes
     if need > budget_bytes and states:
+        values = dict(
+            budget=budget_bytes / GIB,
+            weights=weights_bytes / GIB,
+            tokens=kv_reserve_tokens,
+            kv=kv_bytes / GIB,
+            sequences=state_slots,
+            checkpoints=checkpoints,
+            states=states / GIB,
+            activations=act / GIB,
+            headroom=headroom_bytes / GIB,
+        )
+        if spec.sliding_layers:
+            raise MemoryPlanError(
+                Text(
+                    "device memory of {budget:.2f} GiB cannot hold the dense weights "
+                    "({weights:.2f} GiB), a KV reserve of {tokens} tokens ({kv:.2f} GiB), the "
+                    "sliding-window pages of {sequences} running sequences and {checkpoints} "
+                    "checkpoints ({states:.2f} GiB), activations ({activations:.2f} GiB) and "
+                    "headroom ({headroom:.2f} GiB); lower --kv-reserve-tokens, "
+                    "--prefill-chunk-tokens, --max-running-requests, --state-checkpoints or "
+                    "--memory-headroom",
+                    **values,
+                )
+            )
         raise MemoryPlanError(
             Text(
                 "device memory of {budget:.2f} GiB cannot hold the dense weights ({weights:.2f} "
@@ -223,15 +247,7 @@ def plan_vram(
                 "GiB), activations ({activations:.2f} GiB) and headroom ({headroom:.2f} GiB); "
                 "lower --max-running-requests, --state-checkpoints, --kv-reserve-tokens, "
                 "--prefill-chunk-tokens or --memory-headroom",
-                budget=budget_bytes / GIB,
-                weights=weights_bytes / GIB,
-                tokens=kv_reserve_tokens,
-                kv=kv_bytes / GIB,
-                sequences=state_slots,
-                checkpoints=checkpoints,
-                states=states / GIB,
-                activations=act / GIB,
-                headroom=headroom_bytes / GIB,
+                **values,
             )
         )
     if need > budget_bytes:

@@ -224,3 +224,11 @@ def test_gpt_oss_counts_its_sliding_layers_at_their_windows_pages():
     windowed = gpt_oss_plan(GPT_OSS, "--kv-reserve-tokens", "32768")
     paged = gpt_oss_plan(NO_WINDOW, "--kv-reserve-tokens", "32768")
     assert (windowed.slots, paged.slots) == (119, 97)
+
+
+def test_a_gpt_oss_plan_that_does_not_fit_names_the_windows_pages():
+    with pytest.raises(MemoryPlanError) as refused:
+        gpt_oss_plan(GPT_OSS, "--kv-reserve-tokens", "262144")
+    message = str(refused.value)
+    assert "the sliding-window pages of 8 running sequences and 8 checkpoints (0.07 GiB)" in message
+    assert "recurrent states" not in message
