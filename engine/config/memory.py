@@ -272,7 +272,9 @@ def plan_vram(
         # the remainder after whole slots goes to KV, up to what the running requests can use
         rest = left - buffer - slots * slot_bytes
         useful = -(-max_running * spec.max_position_embeddings // block_size)
-        kv_blocks = max(kv_blocks, min(kv_blocks + rest // (block_size * kv_per_token), useful))
+        # (a model whose attention layers all slide keeps no pages: as many as it can use)
+        more = rest // (block_size * kv_per_token) if kv_per_token else useful
+        kv_blocks = max(kv_blocks, min(kv_blocks + more, useful))
         kv_bytes = kv_blocks * block_size * kv_per_token
     kv_tokens = kv_blocks * block_size
     context = min(kv_tokens, spec.max_position_embeddings)

@@ -195,6 +195,23 @@ def test_a_prompt_resumes_from_a_cached_prefix_through_a_window_checkpoint(refer
     assert_logprobs_match(model, seq, 1e-4)
 
 
+def test_a_model_whose_layers_all_slide_keeps_no_pages(tmp_path):
+    """Every layer a sliding-window one: the paged cache holds no layer and the rings all three,
+    and each token's log probability is transformers'."""
+    geometry = {**GEOMETRY, "layer_types": ["sliding_attention"] * 3}
+    model = build_reference("gpt_oss", tmp_path, seed=8, **geometry)
+    engine = make_engine(tmp_path, "--moe-cache-rate", "1.0", "--kv-block-size", "4",
+                         "--prefill-chunk-tokens", "9")  # fmt: skip
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1)
+    try:
+        assert engine.kv.k.shape[0] == 0 and engine.states.k.shape[0] == 3
+        seq = engine.add(prompt(6, 30), params)
+        engine.run_until_idle()
+    finally:
+        engine.close()
+    assert_logprobs_match(model, seq, 1e-4)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
 @pytest.mark.parametrize("piecewise", [False, True], ids=["whole", "pieces"])
 def test_replayed_decode_steps_read_the_rings_as_eager_steps(reference, piecewise):

@@ -232,3 +232,12 @@ def test_a_gpt_oss_plan_that_does_not_fit_names_the_windows_pages():
     message = str(refused.value)
     assert "the sliding-window pages of 8 running sequences and 8 checkpoints (0.07 GiB)" in message
     assert "recurrent states" not in message
+
+
+def test_a_model_whose_attention_layers_all_slide_keeps_no_pages():
+    """Every layer a sliding-window one: no KV a token, the windows alone, the whole context."""
+    sliding = replace(GPT_OSS, sliding_layers=tuple(range(GPT_OSS.num_layers)))
+    assert kv_bytes_per_token(sliding, 2) == 0
+    p = gpt_oss_plan(sliding)
+    assert p.kv_bytes == 0 and p.max_context == GPT_OSS.max_position_embeddings
+    assert p.state_bytes == 17 * 36 * 128 * 2 * 8 * 64 * 2
