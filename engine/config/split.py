@@ -156,7 +156,8 @@ class DeviceShare:
 @dataclass(frozen=True, slots=True)
 class LayerBytes:
     """One decoder layer's bytes on its device: what it must hold (dense weights, its KV reserve,
-    recurrent states) and all of its routed experts, which an expert cache holds as room allows."""
+    its per-sequence states) and all of its routed experts, which an expert cache holds as room
+    allows."""
 
     fixed_bytes: int
     expert_bytes: int
@@ -340,7 +341,7 @@ def dense_layer_bytes(spec: ModelSpec, elem_bytes: int) -> int:
 
 def layer_bytes(spec: ModelSpec, request: MemoryRequest) -> tuple[LayerBytes, ...]:
     """Each layer's bytes as a device of a split holds it under `request`: dense weights, its
-    KV reserve and recurrent states; its routed experts in slots."""
+    KV reserve and per-sequence states (recurrent, or windows); its routed experts in slots."""
     elem, fmt = request.elem_bytes, spec.expert_format(request.expert_dtype)
     dense = dense_layer_bytes(spec, elem)
     tokens = -(-request.kv_reserve_tokens // request.block_size) * request.block_size
@@ -348,7 +349,10 @@ def layer_bytes(spec: ModelSpec, request: MemoryRequest) -> tuple[LayerBytes, ..
     for i in range(spec.num_layers):
         one = range(i, i + 1)
         kv = tokens * kv_bytes_per_token(spec, elem, request.kv_cache_dtype, one)
-        states = state_reserve(spec, request.max_running, elem, request.state_checkpoints, one)[2]
+        states = state_reserve(
+            spec, request.max_running, elem, request.state_checkpoints,
+            request.kv_cache_dtype, request.block_size, one,
+        )[2]  # fmt: skip
         experts = spec.num_experts * spec.expert_bytes_as(fmt, elem) if i in spec.moe_layers else 0
         out.append(LayerBytes(dense + kv + states, experts))
     return tuple(out)

@@ -4,8 +4,8 @@ place where a step's activations move from one device to the next.
 Each device holds a contiguous range of layers (engine/config/split.py plans them) with their
 dense weights; the first also the embedding, the last the final norm and the LM head. A step
 crosses at the first layer of every range after the first: its residual stream, its rotary
-tables and its inputs (positions, KV slots, pages) move once, and the logits move back to the
-first device, where the sampler reads them.
+tables and its inputs (positions, KV slots, pages, a decode step's ring tables) move once, and
+the logits move back to the first device, where the sampler reads them.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ class LayerPlacement:
             block_tables=maybe(batch.block_tables),
             seq_lens=maybe(batch.seq_lens),
             state_slots=maybe(batch.state_slots),
+            ring_slots=maybe(batch.ring_slots),
+            ring_tables=maybe(batch.ring_tables),
         )
 
     def place(self, dense: DenseWeights) -> DenseWeights:

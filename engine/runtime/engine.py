@@ -39,10 +39,11 @@ from ..model.model import DenseWeights, Model, SeqSlice, StepBatch
 from ..model.placement import LayerPlacement
 from ..model.rope import Rotary
 from ..model.spec import ModelSpec
-from ..model.split_states import SplitStatePool
+from ..model.split_states import SplitStatePool, SplitWindowPool
 from ..model.states import StatePool
 from ..model.synth import SynthSource, calibration_threads
 from ..model.tokenizer import Tokenizer
+from ..model.window import WindowPool
 from ..text import Text
 from .graphs import DecodeGraphs
 from .loading import LoadProgress
@@ -348,16 +349,23 @@ class Engine:
         else:
             dense = self._build_split(dense)
         running = config.batching.max_running_requests
-        # a hybrid model's linear layers: one state slot per running sequence
-        # and the state checkpoints a prompt may resume from (with the prefix cache)
+        # a hybrid model's linear layers, or a model's sliding-window layers: one state slot
+        # (a ring of the window's tokens) per running sequence and the checkpoints a prompt may
+        # resume from (with the prefix cache)
         memory = config.memory
         checkpoints = memory.state_checkpoints if self.kv.prefix_cache else 0
-        self.states = None
-        if spec.hybrid and self.split is None:
+        self.states: StatePool | WindowPool | None = None
+        parts = list(zip(self.devices, self.split.ranges, strict=True)) if self.split else []
+        if spec.hybrid and not parts:
             self.states = StatePool(spec, running, self.device, self.dtype, checkpoints)
         elif spec.hybrid:
-            parts = list(zip(self.devices, self.split.ranges, strict=True))
             self.states = SplitStatePool(spec, running, parts, self.dtype, checkpoints)
+        elif spec.sliding_layers and not parts:
+            self.states = WindowPool(spec, running, memory.kv_block_size, self.device, self.dtype,
+                                     checkpoints, memory.kv_cache_dtype)  # fmt: skip
+        elif spec.sliding_layers:
+            self.states = SplitWindowPool(spec, running, memory.kv_block_size, parts, self.dtype,
+                                          checkpoints, memory.kv_cache_dtype)  # fmt: skip
         self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1,
                            states=self.states, placement=self.layers_on)  # fmt: skip
         if self.layers_on is not None:
@@ -370,8 +378,8 @@ class Engine:
 
     def _build_split(self, dense: DenseWeights) -> DenseWeights:
         """A split's parts on each device: its layers' dense weights (returned), its MoE runner
-        over its layers' part of the bank and its own cache, its KV cache of its attention
-        layers."""
+        over its layers' part of the bank and its own cache, its KV cache of its paged attention
+        layers (its rings and states: `_build_caches`)."""
         placement, split, cache = self.layers_on, self.split, self.cache
         assert placement is not None and split is not None and isinstance(cache, SplitCache)
         moe_ranges = placement.moe_ranges(self.spec.moe_layers)
@@ -388,7 +396,7 @@ class Engine:
             runners.append(runner)
         self.moe = SplitExperts(runners, moe_ranges, counters)
         self.kv_parts = [
-            self._new_kv(plan, device, sum(1 for i in self.spec.attention_layers if i in span))
+            self._new_kv(plan, device, sum(1 for i in self.spec.paged_layers if i in span))
             for plan, device, span in zip(split.plans, self.devices, split.ranges, strict=True)
         ]
         self.kv = self.kv_parts[0]
@@ -397,17 +405,19 @@ class Engine:
     def _new_kv(
         self, plan: VramPlan, device: torch.device | None = None, rows: int | None = None
     ) -> KVCache:
-        """The KV cache of `plan` on the engine's device; on `device`, of `rows` attention
-        layers, for one device of a split."""
+        """The KV cache of `plan` on the engine's device; on `device`, of `rows` paged
+        attention layers, for one device of a split."""
         memory = self.config.memory
-        # a hybrid model's recurrent state cannot be cut back to a matched prefix: it resumes
-        # from a state checkpoint, without which nothing is matched
-        resumable = not self.spec.hybrid or memory.state_checkpoints > 0
+        # a hybrid model's recurrent state, or the ring of a sliding-window layer, cannot be cut
+        # back to a matched prefix: it resumes from a checkpoint, without which nothing is matched
+        fixed = self.spec.hybrid or bool(self.spec.sliding_layers)
+        resumable = not fixed or memory.state_checkpoints > 0
         prefix_cache = memory.prefix_cache and resumable
         if memory.prefix_cache and not prefix_cache:
-            log.info("prefix cache off: this model's linear attention layers keep a recurrent "
-                     "state, which resumes only from a state checkpoint, and "
-                     "--state-checkpoints is 0")  # fmt: skip
+            kept = ("linear attention layers keep a recurrent state" if self.spec.hybrid
+                    else "sliding-window layers keep only their window's tokens")  # fmt: skip
+            log.info("prefix cache off: this model's %s, which resumes only from a state "
+                     "checkpoint, and --state-checkpoints is 0", kept)  # fmt: skip
         return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, device or self.device,
                        self.dtype, prefix_cache=prefix_cache, cache_dtype=memory.kv_cache_dtype,
                        rows=rows)  # fmt: skip
@@ -654,7 +664,9 @@ class Engine:
                 }
             ]
         caches, runners = self.cache.caches, self.moe.runners
+        # each device's recurrent states, or its rings (counted with its KV, as telemetry does)
         states = self.states.part_bytes() if isinstance(self.states, SplitStatePool) else None
+        rings = self.states.part_bytes() if isinstance(self.states, SplitWindowPool) else None
         out = []
         for d, device in enumerate(self.devices):
             plan, span, kv = self.split.plans[d], self.split.ranges[d], self.kv_parts[d]
@@ -662,7 +674,7 @@ class Engine:
                 "index": device.index or 0,
                 "total": plan.budget_bytes,
                 "weights": plan.weights_bytes,
-                "kv": kv.nbytes,
+                "kv": kv.nbytes + (rings[d] if rings else 0),
                 "expert_cache": caches[d].nbytes,
                 "prefill_buffer": runners[d].stage_bytes,
                 "activations": plan.activation_bytes,

@@ -101,8 +101,13 @@ def test_the_split_decodes_the_same_greedy_tokens(engines):
 def test_each_device_holds_its_own_layers_kv_and_experts(engines):
     arch, _model, _one, split, cache = engines
     assert [(r.start, r.stop) for r in split.split.ranges] == [(0, 1), (1, 4)]
-    # the KV of each device's attention layers, the same pages on both
-    assert [part.k.shape[0] for part in split.kv_parts] == [1, 3]
+    # the KV of each device's paged attention layers, the same pages on both (gpt_oss's
+    # sliding layers 0 and 2 keep their rings on their own devices instead)
+    if arch == "gpt_oss":
+        assert [part.k.shape[0] for part in split.kv_parts] == [0, 2]
+        assert [part.k.shape[0] for part in split.states.parts] == [1, 1]
+    else:
+        assert [part.k.shape[0] for part in split.kv_parts] == [1, 3]
     assert split.kv_parts[0].num_blocks == split.kv_parts[1].num_blocks
     # each device's cache holds its own MoE layers' experts (qwen3_moe's layer 2 is dense)
     moe_on_second = 2 if arch == "qwen3_moe" else 3
@@ -150,7 +155,10 @@ def test_stats_report_each_device_and_the_plan_sums_them(engines):
     assert [d["slots"] for d in devices] == [c.slots for c in split.cache.caches]
     assert all(d["link_gbps"] > 0 for d in devices)
     memory = stats["memory"]["device"]
-    assert [m["kv"] for m in memory] == [part.nbytes for part in split.kv_parts]
+    rings = split.states.part_bytes() if _arch == "gpt_oss" else [0, 0]
+    assert [m["kv"] for m in memory] == [
+        p.nbytes + r for p, r in zip(split.kv_parts, rings, strict=True)
+    ]
     assert [m["expert_cache"] for m in memory] == [c.nbytes for c in split.cache.caches]
     plan = stats["memory"]["plan"]
     assert plan["kv_bytes"] == sum(d["plan"]["kv_bytes"] for d in devices)
@@ -223,14 +231,59 @@ def test_a_hybrid_model_split_keeps_each_devices_states_and_matches(tmp_path):
         split.close()
 
 
+def test_a_gpt_oss_split_keeps_each_devices_rings_and_matches(tmp_path):
+    """gpt-oss split after its first full layer, pages of 4 tokens (rings of 8 for a window of
+    6): each device keeps its own sliding layer's rings and full layer's KV; the same logits and
+    tokens as one device and transformers over prefill chunks longer than the window, and a
+    second prompt resumed from a window checkpoint taken on both devices, each of its tokens
+    with transformers' log probability."""
+    from .test_gpt_oss import assert_logprobs_match
+
+    model = build_reference("gpt_oss", tmp_path, seed=3, **GEOMETRIES["gpt_oss"])
+    flags = ["--kv-block-size", "4", "--prefill-chunk-tokens", "7",
+             "--state-checkpoint-interval", "8"]  # fmt: skip
+    one = engine(tmp_path, "--device", "cpu", *flags)
+    split = engine(tmp_path, "--devices", "cpu,cpu", "--layer-split", "2,2", *flags)
+    try:
+        rings = split.states
+        assert split.spec.sliding_layers == (0, 2) and rings.ring_tokens == 8
+        assert [part.k.shape[0] for part in rings.parts] == [1, 1]
+        assert [part.k.shape[0] for part in split.kv_parts] == [1, 1]
+        assert rings.part_bytes() == [rings.nbytes // 2] * 2
+        ids = prompt(21, 29)
+        ours = split.score(ids)
+        assert torch.equal(ours, one.score(ids))
+        assert relative_error(ours, hf_logits(model, ids)) < 1e-4
+        params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)
+        first = prompt(22, 30)
+        turn = first[:24] + prompt(23, 10)
+        outputs = []
+        for eng in (one, split):
+            eng.generate([first], params)
+            outputs.append(eng.add(turn, params))
+            eng.run_until_idle()
+            assert eng.scheduler.cached_tokens == 24
+        assert split.states.checkpoints_resumed == one.states.checkpoints_resumed == 1
+        assert outputs[1].output_ids == outputs[0].output_ids
+        assert outputs[1].output_logprobs == outputs[0].output_logprobs
+        assert_logprobs_match(model, outputs[1], 1e-4)
+    finally:
+        one.close()
+        split.close()
+
+
 def test_a_split_the_model_or_the_devices_cannot_take_is_refused_in_words(checkpoint):
-    _arch, _model, path = checkpoint
+    arch, _model, path = checkpoint
     with pytest.raises(MemoryPlanError) as err:
         engine(path, "--devices", "cpu,cpu", "--layer-split", "2,3")
     assert str(err.value).startswith("--layer-split 2,3 places 5 layers, but the model has 4")
     # a budget too small for a device's layers' share of a long KV reserve: the first such
-    # device is named (cpu,cpu names both devices alike)
-    refused = r"^cpu has 0\.\d\d GiB for its layers, but the dense weights and KV of its 1 of"
+    # device is named (cpu,cpu names both devices alike); gpt_oss's first device holds only a
+    # sliding layer, whose window keeps no pages, so its second is the first that cannot
+    named = 3 if arch == "gpt_oss" else 1
+    refused = (
+        rf"^cpu has 0\.\d\d GiB for its layers, but the dense weights and KV of its {named} of"
+    )
     with pytest.raises(MemoryPlanError, match=refused):
         engine(path, "--devices", "cpu,cpu", "--layer-split", "1,3", "--device-memory", "600MiB",
                "--kv-reserve-tokens", "400000")  # fmt: skip
