@@ -5,8 +5,10 @@ caller's thread goes on launching GPU work. The native kernel (csrc/cpu_experts.
 headers, built once per source by torch's JIT extension loader) streams bf16/fp16/fp32 weights,
 FP8 weights with their block factors (kernels/fp8.py) or MXFP4 blocks with their scales
 (kernels/mxfp4.py), as stored, at close to the host's memory bandwidth; `cpu_experts_ref` is the
-plain-torch reference and the fallback. Its build: native_build.py; its benchmark:
-`python -m moelab.kernels.cpu_experts_bench --threads 1,2,4` (see docs/cpu-experts.md).
+plain-torch reference and the fallback. NVFP4 weights (kernels/nvfp4.py) run on the torch kernel
+whichever the runner's is: it widens each expert a job routes to, then multiplies in fp32. Its
+build: native_build.py; its benchmark: `python -m moelab.kernels.cpu_experts_bench --threads
+1,2,4` (see docs/cpu-experts.md).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from . import fp8, mxfp4, swiglu
+from . import fp8, mxfp4, nvfp4_moe, swiglu
 from .native_build import NativeKernelError, load_native
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ def cpu_experts_ref(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float = 0.0,
+    w13_scale_2: torch.Tensor | None = None,
+    w2_scale_2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' output [T, H] fp32 in plain torch: the reference and the fallback kernel.
 
@@ -76,15 +80,24 @@ def cpu_experts_ref(
     SwiGLU (swiglu_limit > 0: kernels/swiglu.py).
     MXFP4 weights are gpt-oss's blocks, w13 [E, 2I, H/32, 16] and w2 [E, H, I/32, 16] uint8, with
     their E8M0 scales w13_scale [E, 2I, H/32] and w2_scale [E, H, I/32] uint8 (kernels/mxfp4.py).
+    NVFP4 weights are ModelOpt's values, w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8, with their
+    e4m3 scales w13_scale [E, 2I, H/16] and w2_scale [E, H, I/16] and their per-tensor scales
+    w13_scale_2 [E, 2] (gate's, up's) and w2_scale_2 [E, 1] fp32 (kernels/nvfp4_moe.py).
     """
+    tensor_scales = _tensor_scales(w13_scale_2, w2_scale_2)
     num_tokens, hidden, inter, num_experts = _check_inputs(
-        x, w13, w2, pair_expert, pair_token, pair_weight, None, w13_scale, w2_scale
+        x, w13, w2, pair_expert, pair_token, pair_weight, None, w13_scale, w2_scale, tensor_scales
     )
     _check_pair_indices(pair_expert, pair_token, num_experts, num_tokens)
     biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
 
     def weights(w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
-        return w[e].float() if scale is None else _dequantized(w[e], scale[e])
+        if scale is None:
+            return w[e].float()
+        if tensor_scales is not None:
+            scale_2 = tensor_scales[0 if w is w13 else 1]
+            return nvfp4_moe.dequantized(w[e : e + 1], scale[e : e + 1], scale_2[e : e + 1])[0]
+        return _dequantized(w[e], scale[e])
 
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     experts = pair_expert.long()
@@ -132,6 +145,17 @@ _INPUT_NAMES = ("x", "w13", "w2", "pair_expert", "pair_token", "pair_weight", "o
 _FACTOR_NAMES = ("w13_scale", "w2_scale")
 
 
+def _tensor_scales(
+    w13_scale_2: torch.Tensor | None, w2_scale_2: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """NVFP4's per-tensor scales, both or neither (None: the weights are of another format)."""
+    if w13_scale_2 is None and w2_scale_2 is None:
+        return None
+    if w13_scale_2 is None or w2_scale_2 is None:
+        raise ValueError("NVFP4 weights need both w13_scale_2 and w2_scale_2")
+    return w13_scale_2, w2_scale_2
+
+
 def _check_inputs(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -142,8 +166,10 @@ def _check_inputs(
     out: torch.Tensor | None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    tensor_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[int, int, int, int]:
-    """Checks devices, dtypes, layouts and shapes; returns (T, H, I, E)."""
+    """Checks devices, dtypes, layouts and shapes; returns (T, H, I, E). tensor_scales: NVFP4's
+    per-tensor scales, whose weights and scales nvfp4_moe.check_bank checks."""
     tensors = (x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale)
     for name, t in zip(_INPUT_NAMES + _FACTOR_NAMES, tensors, strict=True):
         if t is None:
@@ -162,7 +188,13 @@ def _check_inputs(
             f"(float8_e4m3fn, or its bits as uint8); got {w13.dtype} and {w2.dtype}"
         )
     num_tokens, hidden = x.shape
-    if w13.dim() == 4 and w13.dtype == torch.uint8:
+    if tensor_scales is not None:
+        if w13_scale is None or w2_scale is None:
+            raise ValueError("NVFP4 weights need w13_scale and w2_scale, their e4m3 scales")
+        slots, held_hidden, inter = nvfp4_moe.check_bank(w13, w2, w13_scale, w2_scale,
+                                                         *tensor_scales)  # fmt: skip
+        shape13, shape2 = (slots, 2 * inter, held_hidden), (slots, held_hidden, inter)
+    elif w13.dim() == 4 and w13.dtype == torch.uint8:
         shape13, shape2 = _mxfp4_shape(w13), _mxfp4_shape(w2)
     elif w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
@@ -177,7 +209,8 @@ def _check_inputs(
             f"with x [T={num_tokens}, H={hidden}], w13 must be [E, 2I, {hidden}] and w2 "
             f"[E, {hidden}, I] with I > 0; got w13 {list(w13.shape)} and w2 {list(w2.shape)}"
         )
-    _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, inter)
+    if tensor_scales is None:
+        _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, inter)
     num_pairs = pair_expert.numel()
     if (
         pair_expert.dtype != torch.int32
@@ -428,6 +461,7 @@ class CpuExpertRunner:
                 )
             self.kernel = "native"
             self.simd = levels[0] if simd == "best" else simd
+            self._executor: ThreadPoolExecutor | None = None  # NVFP4 jobs' (`_torch_executor`)
             if isinstance(spin_us, bool) or not isinstance(spin_us, int) or spin_us < 0:
                 raise ValueError(f"spin_us must be an int of 0 or more, got {spin_us!r}")
             if isinstance(task_kb, bool) or not isinstance(task_kb, int) or task_kb < 1:
@@ -493,6 +527,8 @@ class CpuExpertRunner:
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
         swiglu_limit: float = 0.0,
+        w13_scale_2: torch.Tensor | None = None,
+        w2_scale_2: torch.Tensor | None = None,
         done_flag: torch.Tensor | None = None,
         done_value: int = 0,
         check: bool = True,
@@ -503,7 +539,9 @@ class CpuExpertRunner:
 
         The weights' dtype picks the kernel's loads: FP8 weights (float8_e4m3fn or uint8 bits)
         need w13_scale and w2_scale, their block factors, and MXFP4 blocks (uint8, 4-D) their
-        E8M0 scales under the same names (cpu_experts_ref). x, the weights, their
+        E8M0 scales under the same names, and NVFP4 values their e4m3 scales and per-tensor
+        scales w13_scale_2 and w2_scale_2, which the torch kernel runs (cpu_experts_ref). x, the
+        weights, their
         factors and out must stay unchanged until the job's wait() returns. out: an optional
         [T, H] fp32 buffer to write into (e.g. pinned memory, for the copy to the GPU); it is
         overwritten, never accumulated into. done_flag: an int64 tensor whose first element
@@ -525,14 +563,19 @@ class CpuExpertRunner:
         if self._closed:
             raise RuntimeError("this CpuExpertRunner is closed")
         factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        tensor_scales = _tensor_scales(w13_scale_2, w2_scale_2)
+        if tensor_scales is not None:
+            factors.update(w13_scale_2=w13_scale_2, w2_scale_2=w2_scale_2)
+        module = self._module if tensor_scales is None else None
         if w13_bias is not None or w2_bias is not None or swiglu_limit:
             factors.update(w13_bias=w13_bias, w2_bias=w2_bias, swiglu_limit=swiglu_limit)
-            if check or self._module is None:
+            if check or module is None:
                 _check_biases(w13, w2, w13_bias, w2_bias)
-        if check or self._module is None:
+        if check or module is None:
             num_tokens, hidden, inter, num_experts = _check_inputs(
-                x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale
-            )
+                x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale,
+                tensor_scales,
+            )  # fmt: skip
         else:
             num_tokens, hidden = x.shape
             num_experts, _, inter = _mxfp4_shape(w2) if w2.dim() == 4 else w2.shape
@@ -544,15 +587,16 @@ class CpuExpertRunner:
                     f"done_flag must be an int64 tensor in host memory, got {done_flag.dtype} "
                     f"on {done_flag.device}"
                 )
-        if self._module is None:
+        if module is None:
             _check_pair_indices(pair_expert, pair_token, num_experts, num_tokens)
             args = (x, w13, w2, pair_expert, pair_token, pair_weight)
+            executor = self._torch_executor()
             if done_flag is not None:
                 assert out is not None
                 work = functools.partial(_ref_into, out, done_flag, done_value, *args, **factors)
-                return CpuExpertJob(None, future=self._executor.submit(work))
+                return CpuExpertJob(None, future=executor.submit(work))
             work = functools.partial(cpu_experts_ref, *args, **factors)
-            return CpuExpertJob(out, future=self._executor.submit(work))
+            return CpuExpertJob(out, future=executor.submit(work))
         if out is None:
             out = torch.empty(num_tokens, hidden, dtype=torch.float32)
         job = self._module.submit_experts(
@@ -588,6 +632,16 @@ class CpuExpertRunner:
             self._hold(*weights)
         keep = (x, *weights, out) if done_flag is None else (x, *weights, out, done_flag)
         return CpuExpertJob(out, job=job, keep=keep)
+
+    def _torch_executor(self) -> ThreadPoolExecutor:
+        """The thread the torch kernel's jobs run on (a native runner's NVFP4 jobs: started at
+        the first)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                1, "moelab-cpu-experts", initializer=torch.set_num_threads,
+                initargs=(self.num_threads,),
+            )  # fmt: skip
+        return self._executor
 
     def decode_planner(
         self,
@@ -791,7 +845,7 @@ class CpuExpertRunner:
         self._closed = True
         if self._module is not None:
             self._pool.close()
-        else:
+        if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._held = {}  # no worker runs any more
 
