@@ -5,10 +5,9 @@ caller's thread goes on launching GPU work. The native kernel (csrc/cpu_experts.
 headers, built once per source by torch's JIT extension loader) streams bf16/fp16/fp32 weights,
 FP8 weights with their block factors (kernels/fp8.py) or MXFP4 blocks with their scales
 (kernels/mxfp4.py), as stored, at close to the host's memory bandwidth; `cpu_experts_ref` is the
-plain-torch reference and the fallback. NVFP4 weights (kernels/nvfp4.py) run on the torch kernel
-whichever the runner's is: it widens each expert a job routes to, then multiplies in fp32. Its
-build: native_build.py; its benchmark: `python -m moelab.kernels.cpu_experts_bench --threads
-1,2,4` (see docs/cpu-experts.md).
+plain-torch reference and the fallback; NVFP4 values with their e4m3 scales and per-tensor
+scales (kernels/nvfp4.py) too. Its build: native_build.py; its benchmark:
+`python -m moelab.kernels.cpu_experts_bench --threads 1,2,4` (see docs/cpu-experts.md).
 """
 
 from __future__ import annotations
@@ -39,6 +38,9 @@ _WEIGHT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2} | dict.f
 )
 # MXFP4 weights: gpt-oss's blocks, uint8 [E, N, K/32, 16], with their E8M0 scales [E, N, K/32]
 _MXFP4_CODE = 4
+# NVFP4 weights: ModelOpt's values, uint8 [E, N, K/2], with their e4m3 scales [E, N, K/16] and
+# per-tensor scales (w13's [E, 2], w2's [E, 1])
+_NVFP4_CODE = 5
 # the weight KiB a task of a native job aims at: 16 threads stay balanced over one expert, and
 # claiming a task costs nothing next to streaming it (kernels/csrc/pool.h, kDefaultTaskBytes)
 DEFAULT_TASK_KB = 96
@@ -296,9 +298,19 @@ def _mxfp4_shape(blocks: torch.Tensor) -> tuple[int, int, int]:
     return num_experts, rows, num_blocks * mxfp4.BLOCK
 
 
-def _weight_code(w13: torch.Tensor) -> int:
-    """The native kernel's code for the weights' type (csrc/simd.h, WeightType)."""
+def _weight_code(w13: torch.Tensor, nvfp4: bool = False) -> int:
+    """The native kernel's code for the weights' type (csrc/simd.h, WeightType): NVFP4's where
+    the weights come with per-tensor scales."""
+    if nvfp4:
+        return _NVFP4_CODE
     return _MXFP4_CODE if w13.dim() == 4 else _WEIGHT_CODES[w13.dtype]
+
+
+def _held_shape(w: torch.Tensor, nvfp4: bool) -> tuple[int, int, int]:
+    """The [E, N, K] weight that `w` holds: MXFP4 blocks, NVFP4 values (two a byte) or plain."""
+    if nvfp4:
+        return w.shape[0], w.shape[1], 2 * w.shape[2]
+    return _mxfp4_shape(w) if w.dim() == 4 else tuple(w.shape)
 
 
 def _check_pair_indices(
@@ -461,7 +473,6 @@ class CpuExpertRunner:
                 )
             self.kernel = "native"
             self.simd = levels[0] if simd == "best" else simd
-            self._executor: ThreadPoolExecutor | None = None  # NVFP4 jobs' (`_torch_executor`)
             if isinstance(spin_us, bool) or not isinstance(spin_us, int) or spin_us < 0:
                 raise ValueError(f"spin_us must be an int of 0 or more, got {spin_us!r}")
             if isinstance(task_kb, bool) or not isinstance(task_kb, int) or task_kb < 1:
@@ -540,8 +551,7 @@ class CpuExpertRunner:
         The weights' dtype picks the kernel's loads: FP8 weights (float8_e4m3fn or uint8 bits)
         need w13_scale and w2_scale, their block factors, and MXFP4 blocks (uint8, 4-D) their
         E8M0 scales under the same names, and NVFP4 values their e4m3 scales and per-tensor
-        scales w13_scale_2 and w2_scale_2, which the torch kernel runs (cpu_experts_ref). x, the
-        weights, their
+        scales w13_scale_2 and w2_scale_2 (cpu_experts_ref). x, the weights, their
         factors and out must stay unchanged until the job's wait() returns. out: an optional
         [T, H] fp32 buffer to write into (e.g. pinned memory, for the copy to the GPU); it is
         overwritten, never accumulated into. done_flag: an int64 tensor whose first element
@@ -566,19 +576,18 @@ class CpuExpertRunner:
         tensor_scales = _tensor_scales(w13_scale_2, w2_scale_2)
         if tensor_scales is not None:
             factors.update(w13_scale_2=w13_scale_2, w2_scale_2=w2_scale_2)
-        module = self._module if tensor_scales is None else None
         if w13_bias is not None or w2_bias is not None or swiglu_limit:
             factors.update(w13_bias=w13_bias, w2_bias=w2_bias, swiglu_limit=swiglu_limit)
-            if check or module is None:
+            if check or self._module is None:
                 _check_biases(w13, w2, w13_bias, w2_bias)
-        if check or module is None:
+        if check or self._module is None:
             num_tokens, hidden, inter, num_experts = _check_inputs(
                 x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale,
                 tensor_scales,
             )  # fmt: skip
         else:
             num_tokens, hidden = x.shape
-            num_experts, _, inter = _mxfp4_shape(w2) if w2.dim() == 4 else w2.shape
+            num_experts, _, inter = _held_shape(w2, tensor_scales is not None)
         if done_flag is not None:
             if out is None:
                 raise ValueError("done_flag needs out: the flag says that out is written")
@@ -587,22 +596,21 @@ class CpuExpertRunner:
                     f"done_flag must be an int64 tensor in host memory, got {done_flag.dtype} "
                     f"on {done_flag.device}"
                 )
-        if module is None:
+        if self._module is None:
             _check_pair_indices(pair_expert, pair_token, num_experts, num_tokens)
             args = (x, w13, w2, pair_expert, pair_token, pair_weight)
-            executor = self._torch_executor()
             if done_flag is not None:
                 assert out is not None
                 work = functools.partial(_ref_into, out, done_flag, done_value, *args, **factors)
-                return CpuExpertJob(None, future=executor.submit(work))
+                return CpuExpertJob(None, future=self._executor.submit(work))
             work = functools.partial(cpu_experts_ref, *args, **factors)
-            return CpuExpertJob(out, future=executor.submit(work))
+            return CpuExpertJob(out, future=self._executor.submit(work))
         if out is None:
             out = torch.empty(num_tokens, hidden, dtype=torch.float32)
         job = self._module.submit_experts(
             self._pool,
             _SIMD_CODES[self.simd],
-            _weight_code(w13),
+            _weight_code(w13, nvfp4=tensor_scales is not None),
             x.data_ptr(),
             out.data_ptr(),
             w13.data_ptr(),
@@ -624,24 +632,18 @@ class CpuExpertRunner:
             _address(w13_bias),
             _address(w2_bias),
             float(swiglu_limit),
+            _address(w13_scale_2),
+            _address(w2_scale_2),
         )
         weights = tuple(
-            t for t in (w13, w2, w13_scale, w2_scale, w13_bias, w2_bias) if t is not None
+            t
+            for t in (w13, w2, w13_scale, w2_scale, w13_bias, w2_bias, w13_scale_2, w2_scale_2)
+            if t is not None
         )
         if redoable:
             self._hold(*weights)
         keep = (x, *weights, out) if done_flag is None else (x, *weights, out, done_flag)
         return CpuExpertJob(out, job=job, keep=keep)
-
-    def _torch_executor(self) -> ThreadPoolExecutor:
-        """The thread the torch kernel's jobs run on (a native runner's NVFP4 jobs: started at
-        the first)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                1, "moelab-cpu-experts", initializer=torch.set_num_threads,
-                initargs=(self.num_threads,),
-            )  # fmt: skip
-        return self._executor
 
     def decode_planner(
         self,
@@ -758,15 +760,13 @@ class CpuExpertRunner:
         w2: torch.Tensor,
         k: int,
         iterations: int,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
+        **factors: torch.Tensor | None,
     ) -> float:
         """Weight GB/s of `iterations` one-token jobs of k experts each (native kernel), queued
         back to back in native code as decode queues them, through the bank w13 [E, 2I, H], w2
-        [E, H, I] (FP8 with its factors, counted in the bytes) in a scattered turn (so from
-        memory, with a bank larger than the caches)."""
-        factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        [E, H, I] (FP8, MXFP4 or NVFP4 with its factors or scales, as `submit` takes them,
+        counted in the bytes) in a scattered turn (so from memory, with a bank larger than the
+        caches)."""
         return self.jobs_profile(w13, w2, k, iterations, **factors)["gbps"]
 
     def jobs_profile(
@@ -781,6 +781,8 @@ class CpuExpertRunner:
         fetch_own: bool = False,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        w13_scale_2: torch.Tensor | None = None,
+        w2_scale_2: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """`jobs_gbps`'s jobs, with where a job's run went, means in µs: `run_us` from its first
         task to its last, `phase1_us` from its first task to the end of its gate/up rows (the
@@ -790,23 +792,29 @@ class CpuExpertRunner:
         the workers idle between two layers' jobs. own_rounds: each job's first rounds of gate/up
         blocks belong to the workers (`submit`); fetch_own: each worker is told of its own
         blocks' weights when the gap begins, and fetches them into its cache while it waits.
-        An FP8 bank takes its factors (w13_scale, w2_scale: `submit`), which `gbps` counts."""
+        An FP8 bank takes its factors (w13_scale, w2_scale: `submit`), an MXFP4 or NVFP4 one its
+        scales (NVFP4's per-tensor ones too), which `gbps` counts."""
         if self._module is None:
             raise RuntimeError("jobs_profile times the native kernel; this runner uses torch")
-        num_experts, two_inter, hidden = _mxfp4_shape(w13) if w13.dim() == 4 else w13.shape
-        shape2 = _mxfp4_shape(w2) if w2.dim() == 4 else w2.shape
-        if shape2 != (num_experts, hidden, two_inter // 2) or w13.dtype != w2.dtype:
+        tensor_scales = _tensor_scales(w13_scale_2, w2_scale_2)
+        nvfp4 = tensor_scales is not None
+        num_experts, two_inter, hidden = _held_shape(w13, nvfp4)
+        if _held_shape(w2, nvfp4) != (num_experts, hidden, two_inter // 2) or w13.dtype != w2.dtype:
             raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
-        bank = [t for t in (w13, w2, w13_scale, w2_scale) if t is not None]
+        bank = [t for t in (w13, w2, w13_scale, w2_scale, *(tensor_scales or ())) if t is not None]
         if not all(t.is_contiguous() for t in bank) or w13.dtype not in _WEIGHT_CODES:
             raise ValueError(
-                "the bank must be contiguous bf16, fp16, fp32, FP8 or MXFP4 (and factors)"
+                "the bank must be contiguous bf16, fp16, fp32, FP8, MXFP4 or NVFP4 (and factors)"
             )
-        _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, two_inter // 2)
+        if nvfp4:
+            nvfp4_moe.check_bank(w13, w2, w13_scale, w2_scale, *tensor_scales)
+        else:
+            _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, two_inter // 2)
         seconds, run_s, phase1_s, wait_s = self._module.time_expert_jobs(
-            self._pool, _SIMD_CODES[self.simd], _weight_code(w13), w13.data_ptr(),
+            self._pool, _SIMD_CODES[self.simd], _weight_code(w13, nvfp4), w13.data_ptr(),
             w2.data_ptr(), _address(w13_scale), _address(w2_scale), num_experts, hidden,
             two_inter // 2, k, iterations, float(gap_us), int(own_rounds), bool(fetch_own),
+            _address(w13_scale_2), _address(w2_scale_2),
         )  # fmt: skip
         per_job = 1e6 / iterations
         return {
@@ -845,7 +853,7 @@ class CpuExpertRunner:
         self._closed = True
         if self._module is not None:
             self._pool.close()
-        if self._executor is not None:
+        else:
             self._executor.shutdown(wait=True)
         self._held = {}  # no worker runs any more
 

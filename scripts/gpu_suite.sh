@@ -89,6 +89,13 @@ if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their t
   run nvfp4_kernels python3 -m moelab.kernels.bench --only fused_moe_nvfp4,grouped_moe_nvfp4
   run mxfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
     --dtype bf16,mxfp4 --hidden 2880 --intermediate 2880 --num-experts 32 --experts 4
+  # NVFP4 checkpoints (ModelOpt's layout) on the GPU: their experts kept 4-bit in the bank and
+  # the slots, decode and prefill through nvfp4_moe, against transformers; then the CPU kernel's
+  # NVFP4 path at Qwen3.6-35B-A3B's expert shape
+  run nvfp4_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_nvfp4.py
+  run nvfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
+    --dtype bf16,nvfp4 --hidden 2048 --intermediate 512 --num-experts 64 --experts 8
 fi
 if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively and at real shapes,
   # the engine's long-prompt test on CUDA (it prints the logits' difference), decode attention

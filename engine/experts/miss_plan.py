@@ -223,7 +223,7 @@ class LayerPlanner:
         # the native planner neither copies nor splits gpt_oss's experts with their biases, and
         # takes an expert's tensors as FP8 or unquantized ones: an MXFP4 bank's blocks and scales
         # (4-D, 32 columns a scale) are planned by `plan_layer`, whose CPU jobs run the native
-        # kernel's MXFP4 path all the same, and an NVFP4 bank's (its CPU jobs: the torch kernel)
+        # kernel's MXFP4 path all the same, and an NVFP4 bank's (its NVFP4 path)
         if self.cpu is None or self.cpu.kernel != "native" or self.bank.w13_bias or self._fp4:
             return None
         if self._native is None or self._native_version != cache.version:
