@@ -331,12 +331,53 @@ def test_synth_writes_modelopt_nvfp4_that_the_engine_serves(tmp_path, arch):
         assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
     ref = dequantize_checkpoint(path, tmp_path / "ref")
     model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    engine = make_engine(path, "--moe-expert-dtype", "bf16", "--moe-cache-size", "6")
+    ref_logits = hf_logits(model, PROMPT)
+    for flag, fmt in (("bf16", "bf16"), ("auto", "nvfp4")):
+        engine = make_engine(path, "--moe-expert-dtype", flag, "--moe-cache-size", "6")
+        try:
+            assert engine.bank.fmt == fmt
+            ours = engine.score(PROMPT)
+        finally:
+            engine.close()
+        assert relative_error(ours, ref_logits) < 1e-4, flag
+
+
+def rounded_copy(path: Path, out: Path) -> Path:
+    """`path`'s bf16 checkpoint in fp32 with every routed expert's projection rounded to NVFP4 and
+    back (nvfp4.quantize, one per-tensor scale a projection, as the bank quantizes them)."""
+    out.mkdir()
+    (out / "config.json").write_bytes((path / "config.json").read_bytes())
+    tensors = {}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            t = f.get_tensor(name).float()
+            if ".mlp.experts." in name:
+                t = nvfp4.dequantize(*nvfp4.quantize(t))
+            tensors[name] = t.contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.usefixtures("equal_rates")
+def test_a_bf16_checkpoints_experts_are_quantized_to_nvfp4_once(tmp_path):
+    """--moe-expert-dtype nvfp4 on a bf16 checkpoint: gate, up and down each quantized once as
+    the bank is written, served offloaded as transformers computes the rounded weights."""
+    transformers = pytest.importorskip("transformers")
+    path = synthesize(tmp_path / "m", preset="tiny", seed=5, routing_skew=0.8)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        rounded_copy(path, tmp_path / "rounded"), dtype=torch.float32
+    ).eval()
+    ref_tokens, margins = hf_greedy(model, PROMPT, 16)
+    engine = make_engine(path, "--moe-expert-dtype", "nvfp4", *OFFLOADED)
     try:
+        assert engine.bank.fmt == "nvfp4"
         ours = engine.score(PROMPT)
+        [tokens] = engine.generate([PROMPT], SamplingParams(max_tokens=16, ignore_eos=True))
+        assert engine.moe.counters.cpu.sum() > 0
     finally:
         engine.close()
     assert relative_error(ours, hf_logits(model, PROMPT)) < 1e-4
+    assert_same_greedy(tokens, ref_tokens, margins)
 
 
 def test_the_plan_counts_nvfp4s_own_bytes():
