@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors import safe_open
@@ -17,6 +19,7 @@ from safetensors.torch import save_file
 from moelab.daemon.models import read_checkpoint
 from moelab.engine.model.checkpoint import SafetensorsSource
 from moelab.engine.model.spec import CheckpointError, ModelSpec
+from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import nvfp4
@@ -408,3 +411,41 @@ def test_the_plan_counts_nvfp4s_own_bytes():
     nv, fp8 = plan("auto"), plan("fp8")
     assert nv.slot_bytes == spec.expert_bytes
     assert 1.7 < nv.slots / fp8.slots < 2.0
+
+
+def test_moelab_serve_answers_from_an_nvfp4_checkpoint(tmp_path):
+    """A real `moelab serve` process on an NVFP4 checkpoint `moelab synth` wrote, its experts
+    offloaded: a completion, and the expert slots reported in NVFP4 at their own bytes."""
+    path = synthesize(tmp_path / "m", preset="tiny", seed=21, routing_skew=1.0, dtype="nvfp4")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
+             "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5"]  # fmt: skip
+    engine = start_engine(flags, tmp_path / "engine.log")
+    try:
+        wait_ready(engine, timeout_s=120)
+        body = {"prompt": "The expert bank", "max_tokens": 16, "temperature": 0}
+        r = httpx.post(engine.base_url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 16
+        experts = httpx.get(engine.base_url + "/v1/stats").json()["experts"]
+        spec = ModelSpec.from_dir(path)
+        assert experts["dtype"] == "nvfp4"
+        assert experts["slot_bytes"] == spec.expert_bytes_as("nvfp4")
+        assert 0 < experts["slots"] < spec.experts_total
+    finally:
+        stop_engine(engine)
+
+
+@pytest.mark.parametrize("slots", [0, 3])
+def test_an_nvfp4_cache_reports_its_slots_bytes_at_any_size(slots):
+    """The what-if prices slots the cache does not have from its slot bytes, so a cache of no
+    slots reports them too: half a byte a weight, a byte per 16 and three fp32 scales."""
+    from moelab.engine.experts.cache import ExpertCache
+
+    cache = ExpertCache(2, 4, slots, 160, 32, torch.float32, torch.device("cpu"), "nvfp4")
+    slot = 3 * 160 * 32 // 2 + 3 * 160 * 32 // 16 + 4 * 3
+    assert cache.slot_bytes == slot and cache.nbytes == slots * slot
+    assert cache.snapshot()["dtype"] == "nvfp4"
+    assert set(cache.kernel_args()) == {"w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2"}
