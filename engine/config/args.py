@@ -352,8 +352,9 @@ def _memory_flags(memory: Group) -> None:
         "--state-checkpoints",
         type=_non_negative_int,
         default=8,
-        help="Hybrid models (Gated DeltaNet layers): recurrent-state checkpoints kept on the "
-        "device for the prefix cache, each one sequence's state (61.4 MiB at Qwen3.6-35B-A3B), "
+        help="Hybrid models (Gated DeltaNet layers) and gpt-oss (sliding-window layers): "
+        "checkpoints kept on the device for the prefix cache, each one sequence's recurrent "
+        "states or windows' tokens (61.4 MiB at Qwen3.6-35B-A3B, 4.5 MiB at gpt-oss-120b), "
         "the least recently used dropped first. A prompt resumes from the longest checkpoint "
         "its cached pages reach: the end of a chat's system prompt or of its last message in "
         "an earlier request, or one every --state-checkpoint-interval tokens. 0: none, and no "

@@ -3,7 +3,9 @@ expert slots from the rest.
 
 KV comes before experts so the context the engine advertises is one it can really hold; so do the
 recurrent states of a hybrid model's linear layers, one slot per running sequence, so that every
-sequence the scheduler may run has its state, and the state checkpoints its prefix cache keeps.
+sequence the scheduler may run has its state, and the state checkpoints its prefix cache keeps;
+and in the same way the window's pages of a model's sliding-window layers (gpt-oss), which keep
+no pages for the rest of the context: the KV reserve counts the other attention layers only.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class VramPlan:
     experts_total: int
     max_context: int
     model_max_context: int
+    # sliding-window layers: the tokens of each one's window a sequence's slot keeps (the state
+    # slots hold them instead of recurrent states); 0 for a model without
+    window_tokens: int = 0
 
     @property
     def expert_cache_bytes(self) -> int:
@@ -78,8 +83,10 @@ class VramPlan:
         def g(n: int) -> str:
             return f"{n / GIB:.2f} GiB"
 
+        held = (f"sliding-window pages ({self.window_tokens} tokens a layer)"
+                if self.window_tokens else "recurrent states")  # fmt: skip
         states = (
-            f", recurrent states {g(self.state_bytes)} ({self.state_slots} sequences, "
+            f", {held} {g(self.state_bytes)} ({self.state_slots} sequences, "
             f"{self.state_checkpoints} checkpoints)"
             if self.state_slots
             else ""
@@ -95,20 +102,32 @@ class VramPlan:
 
 
 def kv_bytes_per_token(spec: ModelSpec, elem_bytes: int, kv_cache_dtype: str = "auto") -> int:
-    """The keys and values of one token in every full-attention layer (a hybrid model's linear
-    layers keep a fixed state instead) as --kv-cache-dtype stores them: in the compute dtype
-    (auto, `elem_bytes` each), in bf16, or in FP8 with a factor per KV head."""
+    """The keys and values of one token in every paged attention layer (a hybrid model's linear
+    layers keep a fixed state instead, sliding-window layers their window's tokens) as
+    --kv-cache-dtype stores them: in the compute dtype (auto, `elem_bytes` each), in bf16, or in
+    FP8 with a factor per KV head."""
+    return len(spec.paged_layers) * _kv_bytes_per_layer_token(spec, elem_bytes, kv_cache_dtype)
+
+
+def _kv_bytes_per_layer_token(spec: ModelSpec, elem_bytes: int, kv_cache_dtype: str) -> int:
     if kv_cache_dtype == "fp8":
         per_head = spec.head_dim + FP8_KV_FACTOR_BYTES
     else:
         per_head = spec.head_dim * (2 if kv_cache_dtype == "bf16" else elem_bytes)
-    return 2 * len(spec.attention_layers) * spec.num_kv_heads * per_head
+    return 2 * spec.num_kv_heads * per_head
 
 
-def state_bytes_per_seq(spec: ModelSpec, elem_bytes: int) -> int:
-    """One sequence's recurrent states over every linear layer as the engine holds them: the
-    convolution state in the compute dtype (`elem_bytes`), the DeltaNet state in fp32; 0 for a
-    model without linear layers."""
+def state_bytes_per_seq(
+    spec: ModelSpec, elem_bytes: int, kv_cache_dtype: str = "auto", block_size: int = 16
+) -> int:
+    """The fixed bytes one running sequence holds beside its KV pages: the recurrent states of
+    every linear layer (the convolution state in the compute dtype, `elem_bytes`, the DeltaNet
+    state in fp32), or the keys and values of every sliding-window layer's window in whole pages
+    of `block_size` tokens (engine/model/window.py); 0 for a model with neither."""
+    window = spec.window_ring_tokens(block_size)
+    if window:
+        per_token = _kv_bytes_per_layer_token(spec, elem_bytes, kv_cache_dtype)
+        return len(spec.sliding_layers) * window * per_token
     if spec.linear_attention is None:
         return 0
     rows, channels = spec.linear_attention.conv_state_shape()
@@ -117,13 +136,18 @@ def state_bytes_per_seq(spec: ModelSpec, elem_bytes: int) -> int:
 
 
 def state_reserve(
-    spec: ModelSpec, max_running: int, elem_bytes: int, checkpoints: int = 0
+    spec: ModelSpec,
+    max_running: int,
+    elem_bytes: int,
+    checkpoints: int = 0,
+    kv_cache_dtype: str = "auto",
+    block_size: int = 16,
 ) -> tuple[int, int, int]:
     """(sequences with a state slot, state checkpoints, bytes): a slot for each of
     --max-running-requests, one that takes the padding rows of a CUDA graph's step, and the
-    `checkpoints` the prefix cache keeps (engine/model/states.py); (0, 0, 0) without linear
-    layers."""
-    per_seq = state_bytes_per_seq(spec, elem_bytes)
+    `checkpoints` the prefix cache keeps (engine/model/states.py, window.py); (0, 0, 0) for a
+    model without linear or sliding-window layers."""
+    per_seq = state_bytes_per_seq(spec, elem_bytes, kv_cache_dtype, block_size)
     if not per_seq:
         return 0, 0, 0
     return max_running, checkpoints, (max_running + 1 + checkpoints) * per_seq
@@ -185,12 +209,36 @@ def plan_vram(
     kv_blocks = -(-kv_reserve_tokens // block_size)
     kv_bytes = kv_blocks * block_size * kv_per_token
     state_slots, checkpoints, states = state_reserve(
-        spec, max_running, elem_bytes, state_checkpoints
+        spec, max_running, elem_bytes, state_checkpoints, kv_cache_dtype, block_size
     )
     act = activation_bytes(spec, prefill_chunk_tokens, max_running, elem_bytes)
     graphs = graph_pool_bytes(spec, max_running) if cuda_graphs else 0
     need = weights_bytes + kv_bytes + states + act + graphs + headroom_bytes
     if need > budget_bytes and states:
+        values = dict(
+            budget=budget_bytes / GIB,
+            weights=weights_bytes / GIB,
+            tokens=kv_reserve_tokens,
+            kv=kv_bytes / GIB,
+            sequences=state_slots,
+            checkpoints=checkpoints,
+            states=states / GIB,
+            activations=act / GIB,
+            headroom=headroom_bytes / GIB,
+        )
+        if spec.sliding_layers:
+            raise MemoryPlanError(
+                Text(
+                    "device memory of {budget:.2f} GiB cannot hold the dense weights "
+                    "({weights:.2f} GiB), a KV reserve of {tokens} tokens ({kv:.2f} GiB), the "
+                    "sliding-window pages of {sequences} running sequences and {checkpoints} "
+                    "checkpoints ({states:.2f} GiB), activations ({activations:.2f} GiB) and "
+                    "headroom ({headroom:.2f} GiB); lower --kv-reserve-tokens, "
+                    "--prefill-chunk-tokens, --max-running-requests, --state-checkpoints or "
+                    "--memory-headroom",
+                    **values,
+                )
+            )
         raise MemoryPlanError(
             Text(
                 "device memory of {budget:.2f} GiB cannot hold the dense weights ({weights:.2f} "
@@ -199,15 +247,7 @@ def plan_vram(
                 "GiB), activations ({activations:.2f} GiB) and headroom ({headroom:.2f} GiB); "
                 "lower --max-running-requests, --state-checkpoints, --kv-reserve-tokens, "
                 "--prefill-chunk-tokens or --memory-headroom",
-                budget=budget_bytes / GIB,
-                weights=weights_bytes / GIB,
-                tokens=kv_reserve_tokens,
-                kv=kv_bytes / GIB,
-                sequences=state_slots,
-                checkpoints=checkpoints,
-                states=states / GIB,
-                activations=act / GIB,
-                headroom=headroom_bytes / GIB,
+                **values,
             )
         )
     if need > budget_bytes:
@@ -232,7 +272,9 @@ def plan_vram(
         # the remainder after whole slots goes to KV, up to what the running requests can use
         rest = left - buffer - slots * slot_bytes
         useful = -(-max_running * spec.max_position_embeddings // block_size)
-        kv_blocks = max(kv_blocks, min(kv_blocks + rest // (block_size * kv_per_token), useful))
+        # (a model whose attention layers all slide keeps no pages: as many as it can use)
+        more = rest // (block_size * kv_per_token) if kv_per_token else useful
+        kv_blocks = max(kv_blocks, min(kv_blocks + more, useful))
         kv_bytes = kv_blocks * block_size * kv_per_token
     kv_tokens = kv_blocks * block_size
     context = min(kv_tokens, spec.max_position_embeddings)
@@ -256,6 +298,7 @@ def plan_vram(
         experts_total=spec.experts_total,
         max_context=context,
         model_max_context=spec.max_position_embeddings,
+        window_tokens=spec.window_ring_tokens(block_size),
     )
 
 

@@ -18,7 +18,7 @@ from ...kernels.gemv import linear
 from ...kernels.host_handoff import routing_to_host, signal_routing
 from ...kernels.paged_attention import paged_attention_decode
 from ...kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
-from ...kernels.rope_kv import qk_norm_rope_kv
+from ...kernels.rope_kv import qk_norm_rope_kv, write_kv
 from ...kernels.route import route
 from ...kernels.route_guess import guess_scale, guess_to_host
 from ...kernels.router import topk_softmax
@@ -27,6 +27,7 @@ from .kv import KVCache
 from .rope import Rotary
 from .spec import ModelSpec
 from .states import StatePool
+from .window import WindowPool
 
 
 @dataclass(slots=True)
@@ -143,8 +144,13 @@ class StepBatch:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     scoring: Scoring | None = None  # prefill steps: tokens whose next token is scored
-    # hybrid models' decode steps: each sequence's state slot [B] (long, device)
+    # hybrid and sliding-window models' decode steps: each sequence's state slot [B] (long,
+    # device)
     state_slots: torch.Tensor | None = None
+    # sliding-window models' decode steps: where each token goes in its ring [B] and each ring's
+    # block table [B, max_blocks] (WindowPool.decode_pages, made by the step's first piece)
+    ring_slots: torch.Tensor | None = None
+    ring_tables: torch.Tensor | None = None
 
     @property
     def decode(self) -> bool:
@@ -189,15 +195,18 @@ class Model:
         experts: ExpertExecutor,
         kv: KVCache,
         max_positions: int,
-        states: StatePool | None = None,
+        states: StatePool | WindowPool | None = None,
     ) -> None:
         self.spec = spec
         self.weights = weights
         self.experts = experts
         self.kv = kv
-        self.states = states  # the linear layers' recurrent states (hybrid models)
-        # each attention layer's row in the KV cache, which holds only those layers
-        self._kv_row = {layer: row for row, layer in enumerate(spec.attention_layers)}
+        # the linear layers' recurrent states (hybrid models), or the sliding-window layers'
+        # rings (window.py)
+        self.states = states
+        self._rings = states if isinstance(states, WindowPool) else None
+        # each paged attention layer's row in the KV cache, which holds only those layers
+        self._kv_row = {layer: row for row, layer in enumerate(spec.paged_layers)}
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
         self.rotary = Rotary(spec, max_positions, self.device, self.dtype)
@@ -264,6 +273,11 @@ class Model:
             state.residual = None
             # the fused q/k norm + rotary reads the full tables itself
             state.rope = None if self._fused_qk else self.rotary.tables(batch.positions)
+            if batch.decode and self._rings is not None:
+                assert batch.state_slots is not None and batch.block_tables is not None
+                batch.ring_slots, batch.ring_tables = self._rings.decode_pages(
+                    batch.state_slots, batch.positions, batch.block_tables.shape[1]
+                )
             first = 0
         else:
             done = moe_layers[piece - 1]
@@ -346,43 +360,70 @@ class Model:
         if layer.conv is not None:
             return self._linear_attention(index, layer, x, batch)
         window = self.windows[index]
-        index = self._kv_row[index]
+        rings = self._rings
+        ring = rings.row(index) if rings is not None else None
         qkv = linear(x, layer.qkv, layer.qkv_bias)
         gate = None
         if spec.attn_output_gate:
             qkv, gate = qkv.split([spec.q_size + 2 * spec.kv_size, spec.q_size], dim=-1)
         decode = batch.block_tables is not None
+        # where the step's keys and values go: the paged cache, a decode step's rings, or a
+        # prefill's own pages, from which their last tokens go into the rings (window.py)
+        if ring is None:
+            row = self._kv_row[index]
+            kv_pages = self.kv.k[row], self.kv.v[row], self.kv.scales(row)
+            slots, tables = batch.slots, batch.block_tables
+        elif decode:
+            assert rings is not None
+            kv_pages = rings.k[ring], rings.v[ring], rings.scales(ring)
+            slots, tables = batch.ring_slots, batch.ring_tables
+        else:
+            assert rings is not None
+            kv_pages = rings.chunk_pages(tokens)
+            slots, tables = torch.arange(tokens, device=x.device), None
+        k_pages, v_pages, scales = kv_pages
+        assert slots is not None
         if self._fused_qk:
             # q/k norm, rotary and the KV write in one launch (the same arithmetic); a prefill's
             # attention then reads its keys and values back from the cache
             q = qk_norm_rope_kv(
                 qkv, batch.positions, self.rotary.cos, self.rotary.sin, layer.q_norm,
-                layer.k_norm, spec.rms_norm_eps, self.kv.k[index], self.kv.v[index], batch.slots,
-                spec.num_heads, spec.num_kv_heads, spec.head_dim, self.kv.scales(index),
+                layer.k_norm, spec.rms_norm_eps, k_pages, v_pages, slots,
+                spec.num_heads, spec.num_kv_heads, spec.head_dim, scales,
             )  # fmt: skip
         else:
             assert rope is not None
             q, k, v = self._heads(layer, qkv, rope)
-            self.kv.write(index, k, v, batch.slots)
+            write_kv(k_pages, v_pages, scales, slots, k, v)
         if decode:
+            assert tables is not None
             out = paged_attention_decode(
-                q, self.kv.k[index], self.kv.v[index], batch.block_tables, batch.seq_lens,
-                self.scale, kv_scales=self.kv.scales(index), sinks=layer.sinks, window=window,
+                q, k_pages, v_pages, tables, batch.seq_lens, self.scale, kv_scales=scales,
+                sinks=layer.sinks, window=window,
             )  # fmt: skip
             return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
         out = torch.empty_like(q)
         for seq in batch.seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            first = 0  # the position of the first key
             if seq.kv_len == seq.q_len and not self._fused_qk:
                 keys, values = k[rows], v[rows]
+            elif ring is not None:
+                assert rings is not None
+                start = seq.kv_len - seq.q_len
+                first, keys, values = rings.window_keys(ring, seq.state_slot, start, kv_pages,
+                                                        rows)  # fmt: skip
             else:
                 assert seq.pages is not None, "a prefill's SeqSlice needs its pages"
-                keys, values = self.kv.gather(index, seq.pages, seq.kv_len)
+                keys, values = self.kv.gather(self._kv_row[index], seq.pages, seq.kv_len)
             if layer.sinks is not None:
                 out[rows] = gpt_oss.attention(q[rows], keys, values, self.scale, layer.sinks,
-                                              window)  # fmt: skip
+                                              window, first)  # fmt: skip
             else:
                 out[rows] = self._sdpa(q[rows], keys, values)
+            if ring is not None:
+                assert rings is not None
+                rings.keep_tail(ring, seq.state_slot, seq.kv_len - seq.q_len, kv_pages, rows)
         return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
 
     def _linear_attention(

@@ -354,6 +354,17 @@ class ModelSpec:
         return tuple(i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION)
 
     @property
+    def paged_layers(self) -> tuple[int, ...]:
+        """The full-attention layers that keep pages for the whole context (the paged KV cache,
+        kv.py): all but the sliding-window ones, which keep their window's (window.py)."""
+        return tuple(i for i in self.attention_layers if i not in self.sliding_layers)
+
+    def window_ring_tokens(self, block_size: int) -> int:
+        """Tokens a sequence keeps per sliding-window layer: the window in whole pages of
+        `block_size` (window.py); 0 without sliding layers."""
+        return -(-self.sliding_window // block_size) * block_size if self.sliding_layers else 0
+
+    @property
     def linear_layers(self) -> tuple[int, ...]:
         """The Gated DeltaNet layers: those that keep a recurrent state per sequence."""
         return tuple(i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION)
@@ -370,8 +381,8 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV cache bytes of one token: keys and values of the full attention layers."""
-        return 2 * len(self.attention_layers) * self.kv_size * self.dtype_bytes
+        """KV cache bytes of one token: keys and values of the paged attention layers."""
+        return 2 * len(self.paged_layers) * self.kv_size * self.dtype_bytes
 
     @property
     def conv_state_bytes_per_seq(self) -> int:

@@ -38,6 +38,7 @@ from ..model.spec import ModelSpec
 from ..model.states import StatePool
 from ..model.synth import SynthSource, calibration_threads
 from ..model.tokenizer import Tokenizer
+from ..model.window import WindowPool
 from .graphs import DecodeGraphs
 from .loading import LoadProgress
 from .sampling import Sampler, SamplingParams
@@ -269,13 +270,17 @@ class Engine:
             self.moe.allocate_prefill_buffers()
         self.kv = self._new_kv(plan)
         running = config.batching.max_running_requests
-        # a hybrid model's linear layers: one state slot per running sequence
-        # and the state checkpoints a prompt may resume from (with the prefix cache)
+        # a hybrid model's linear layers, or a model's sliding-window layers: one state slot
+        # (a ring of the window's tokens) per running sequence and the checkpoints a prompt may
+        # resume from (with the prefix cache)
         memory = config.memory
         checkpoints = memory.state_checkpoints if self.kv.prefix_cache else 0
-        self.states = (
-            StatePool(spec, running, self.device, self.dtype, checkpoints) if spec.hybrid else None
-        )
+        self.states: StatePool | WindowPool | None = None
+        if spec.hybrid:
+            self.states = StatePool(spec, running, self.device, self.dtype, checkpoints)
+        elif spec.sliding_layers:
+            self.states = WindowPool(spec, running, memory.kv_block_size, self.device, self.dtype,
+                                     checkpoints, memory.kv_cache_dtype)  # fmt: skip
         self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1,
                            states=self.states)  # fmt: skip
         self.scheduler = Scheduler(
@@ -286,14 +291,16 @@ class Engine:
 
     def _new_kv(self, plan: VramPlan) -> KVCache:
         memory = self.config.memory
-        # a hybrid model's recurrent state cannot be cut back to a matched prefix: it resumes
-        # from a state checkpoint, without which nothing is matched
-        resumable = not self.spec.hybrid or memory.state_checkpoints > 0
+        # a hybrid model's recurrent state, or the ring of a sliding-window layer, cannot be cut
+        # back to a matched prefix: it resumes from a checkpoint, without which nothing is matched
+        fixed = self.spec.hybrid or bool(self.spec.sliding_layers)
+        resumable = not fixed or memory.state_checkpoints > 0
         prefix_cache = memory.prefix_cache and resumable
         if memory.prefix_cache and not prefix_cache:
-            log.info("prefix cache off: this model's linear attention layers keep a recurrent "
-                     "state, which resumes only from a state checkpoint, and "
-                     "--state-checkpoints is 0")  # fmt: skip
+            kept = ("linear attention layers keep a recurrent state" if self.spec.hybrid
+                    else "sliding-window layers keep only their window's tokens")  # fmt: skip
+            log.info("prefix cache off: this model's %s, which resumes only from a state "
+                     "checkpoint, and --state-checkpoints is 0", kept)  # fmt: skip
         return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, self.device, self.dtype,
                        prefix_cache=prefix_cache,
                        cache_dtype=memory.kv_cache_dtype)  # fmt: skip

@@ -15,7 +15,7 @@ from moelab.profiles.planner import (
     planner_tiers,
 )
 
-from .geometry import HYBRID, SPECS
+from .geometry import GPT_OSS, HYBRID, SPECS
 
 
 def run(**overrides) -> RunObservation:
@@ -237,3 +237,23 @@ def test_a_hybrid_models_contexts_count_kv_of_its_attention_layers_and_fixed_sta
     assert dense.to_json()["state_bytes"] == 0
     assert not dense.point(262144).fits
     assert (dense.point(196608).slots, plan.point(196608).slots) == (472, 1578)
+
+
+def test_a_gpt_oss_context_counts_its_sliding_layers_at_their_windows_pages() -> None:
+    """gpt-oss-120b on a 12 GB card: each point counts 36 KiB of KV a token (the 18 full layers)
+    and 4.5 MiB per sequence of the 18 sliding layers' 128-token windows, so 32K keeps 194
+    expert slots and 48K 148, where pages for the whole context in every layer keep 109 and 18
+    (and the windows' pages are no state of a linear layer)."""
+    gpu = (Gpu(0, "12 GB card", "u", 12 * GIB, 12 * GIB),)
+    pc = Machine("pc", "0.1.0", 16, 64 * GIB, gpu)
+    plan = plan_context(GPT_OSS, pc, [])
+    per_seq = 18 * 128 * 2 * 8 * 64 * 2
+    assert plan.kv_bytes_per_token == 2 * 18 * 8 * 64 * 2
+    body = plan.to_json()
+    assert (body["attention_layers"], body["sliding_layers"], body["linear_layers"]) == (18, 18, 0)
+    assert body["window_tokens"] == 128 and body["state_bytes_per_seq"] == per_seq
+    assert body["state_bytes"] == 17 * per_seq
+    assert (plan.point(32768).slots, plan.point(49152).slots) == (194, 148)
+    paged = plan_context(replace(GPT_OSS, sliding_layers=(), sliding_window=0), pc, [])
+    assert paged.to_json()["state_bytes"] == 0
+    assert (paged.point(32768).slots, paged.point(49152).slots) == (109, 18)
