@@ -78,15 +78,24 @@ if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their t
   # expert shape
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run mxfp4_tests python3 -m pytest -q $T --tb=short tests/kernels/test_mxfp4_moe.py \
-    tests/kernels/test_fp4_formats.py
+    tests/kernels/test_nvfp4_moe.py tests/kernels/test_fp4_formats.py
   # the engine on MXFP4 slots: gpt_oss's MXFP4 checkpoint and qwen3_moe quantized at load, their
   # decode and prefill through the MXFP4 kernels (biases and clamped SwiGLU included)
   run mxfp4_engine_tests python3 -m pytest -q $T --tb=short tests/engine/test_mxfp4_experts.py \
     tests/engine/test_gpt_oss.py -k mxfp4
   run mxfp4_kernels python3 -m moelab.kernels.bench \
     --only fused_moe,fused_moe_mxfp4,grouped_moe,grouped_moe_mxfp4
+  # NVFP4 (ModelOpt's releases) through the same kernels: e4m3 scales per 16, per-tensor scales
+  run nvfp4_kernels python3 -m moelab.kernels.bench --only fused_moe_nvfp4,grouped_moe_nvfp4
   run mxfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
     --dtype bf16,mxfp4 --hidden 2880 --intermediate 2880 --num-experts 32 --experts 4
+  # NVFP4 checkpoints (ModelOpt's layout) on the GPU: their experts kept 4-bit in the bank and
+  # the slots, decode and prefill through nvfp4_moe, against transformers; then the CPU kernel's
+  # NVFP4 path at Qwen3.6-35B-A3B's expert shape
+  run nvfp4_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_nvfp4.py
+  run nvfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
+    --dtype bf16,nvfp4 --hidden 2048 --intermediate 512 --num-experts 64 --experts 8
 fi
 if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively and at real shapes,
   # the engine's long-prompt test on CUDA (it prints the logits' difference), decode attention

@@ -4,7 +4,8 @@ t_min = resident_bytes / HBM + miss_bytes / (Bp + B_host), resident_bytes the de
 KV cache the step's attention reads (a hybrid model's attention layers' alone), the recurrent
 states its linear layers read and write (each sequence's conv and DeltaNet states, once each way)
 and the cached experts (an expert's bytes as the bank holds it: FP8 values and their block factors
-with --moe-expert-dtype fp8, MXFP4 blocks and scales with mxfp4), with the device copy rate
+with --moe-expert-dtype fp8, MXFP4 blocks and scales with mxfp4, NVFP4 values and both scales with
+nvfp4), with the device copy rate
 (HBM), the pinned host-to-device rate (Bp) and the host memory read rate (B_host) measured here,
 Bp and B_host while running at the same time. A slow kernel shows as a gap to this bound.
 """
@@ -111,7 +112,7 @@ def against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
     steps = args.tokens
     elapsed = timed["elapsed"]
     tok_s = args.batch * steps / elapsed
-    eb = engine.bank.expert_bytes  # as held: FP8 or MXFP4 with factors, or the dtype's
+    eb = engine.bank.expert_bytes  # as held: FP8, MXFP4 or NVFP4 with scales, or the dtype's
     elem = engine.dtype.itemsize
     dense_step = (spec.dense_params - spec.vocab_size * spec.hidden_size) * elem
     hits_step, misses_step = hits.sum() / steps, (fills.sum() + cpu.sum()) / steps

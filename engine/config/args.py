@@ -34,7 +34,7 @@ _SIZE_UNITS = {
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
-EXPERT_DTYPES = ("auto", "bf16", "fp8", "mxfp4")
+EXPERT_DTYPES = ("auto", "bf16", "fp8", "mxfp4", "nvfp4")
 CPU_KERNELS = ("auto", "native", "torch")
 CPU_PINS = ("cores", "isolate", "off")
 GENERATION_CONFIGS = ("auto", "off")
@@ -273,9 +273,11 @@ def _model_flags(model: Group) -> None:
         "a bf16 checkpoint's experts are quantized once, into the prepacked bank), mxfp4 (e2m1 "
         "values with one power-of-two scale per 32, 4.25 bits a weight: a bf16 or FP8 "
         "checkpoint's experts are quantized once, into the prepacked bank; hidden_size and "
-        "moe_intermediate_size must be multiples of 32), bf16 (the compute dtype: an FP8 or "
-        "MXFP4 checkpoint's experts are widened), auto (the checkpoint's own format; FP8 for an "
-        "NVFP4 checkpoint).",
+        "moe_intermediate_size must be multiples of 32), nvfp4 (e2m1 values with one e4m3 scale "
+        "per 16 and an fp32 scale per projection, 4.5 bits a weight, as NVIDIA's ModelOpt "
+        "releases store them; others' experts are quantized once; multiples of 16), bf16 (the "
+        "compute dtype: an FP8, MXFP4 or NVFP4 checkpoint's experts are widened), auto (the "
+        "checkpoint's own format).",
     )
     model.add_argument(
         "--dummy-weights",

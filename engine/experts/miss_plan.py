@@ -208,22 +208,23 @@ class LayerPlanner:
         self._inter = bank.intermediate_size
         self._split_chunks = split_chunks(self._inter, bank.block_rows)
         self._expert_bytes = bank.expert_bytes
-        self._mxfp4 = bank.fmt == "mxfp4"  # looked up once: `native` runs every layer step
+        # looked up once: `native` runs every layer step
+        self._fp4 = bank.fmt in ("mxfp4", "nvfp4")
         self._native: object | None = None  # rebuilt when the cache replaces its arrays
         self._native_version = -1
         self._join_event: DriverEvent | None = None
 
     def native(self) -> object | None:
         """The native planner over the cache (None: `plan_layer`, for the torch CPU kernel, for a
-        bank with biases and for an MXFP4 bank); with `copies` it also waits for the routing and
-        queues the copies, with `launches` it also launches the next piece, joining the fills on
-        an event of its own."""
+        bank with biases and for an MXFP4 or NVFP4 bank); with `copies` it also waits for the
+        routing and queues the copies, with `launches` it also launches the next piece, joining
+        the fills on an event of its own."""
         cache = self.cache
         # the native planner neither copies nor splits gpt_oss's experts with their biases, and
         # takes an expert's tensors as FP8 or unquantized ones: an MXFP4 bank's blocks and scales
         # (4-D, 32 columns a scale) are planned by `plan_layer`, whose CPU jobs run the native
-        # kernel's MXFP4 path all the same
-        if self.cpu is None or self.cpu.kernel != "native" or self.bank.w13_bias or self._mxfp4:
+        # kernel's MXFP4 path all the same, and an NVFP4 bank's (its NVFP4 path)
+        if self.cpu is None or self.cpu.kernel != "native" or self.bank.w13_bias or self._fp4:
             return None
         if self._native is None or self._native_version != cache.version:
             bank = self.bank

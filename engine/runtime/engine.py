@@ -148,15 +148,9 @@ class Engine:
         self.layers_on: LayerPlacement | None = None
         cuda = self.device.type == "cuda"
         self.dtype = getattr(torch, self.config.model.compute_dtype(spec.dtype, cpu=not cuda))
-        # how the bank and the expert slots hold the routed experts: "fp8", "mxfp4" or "bf16"
-        # (self.dtype)
+        # how the bank and the expert slots hold the routed experts: "fp8", "mxfp4", "nvfp4" or
+        # "bf16" (self.dtype)
         self.expert_format = spec.expert_format(self.config.model.expert_dtype)
-        if spec.quantization == "nvfp4":
-            log.info(
-                "experts widened from NVFP4 to %s as they load: no kernel reads NVFP4 "
-                "(--moe-expert-dtype picks bf16, fp8 or mxfp4)",
-                self.expert_format,
-            )
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         if len(self.devices) > 1:
             return  # planned once the bank is in memory: the split reads each device's link
@@ -445,7 +439,7 @@ class Engine:
         if profile is not None:
             kind = "h2d_pinned" if self.bank.pinned_layers else "h2d_pageable"
             bp = best(profile, kind) if self.device.type == "cuda" else None
-            # the profile's CPU rate is bf16's: the kernel reads FP8 and MXFP4 at rates of their own
+            # the profile's CPU rate is bf16's: the kernel reads FP8 and 4-bit at rates of their own
             if self.bank.fmt == "bf16":
                 bh = best(profile, "cpu_experts", threads=cpu.num_threads, experts=4,
                           kernel=cpu.kernel)  # fmt: skip
