@@ -35,6 +35,8 @@ from . import (
     host_handoff,
     mxfp4,
     mxfp4_moe,
+    nvfp4,
+    nvfp4_moe,
     paged_attention,
     rmsnorm,
     rope_kv,
@@ -73,6 +75,8 @@ FP8_EXPERT_BYTES = 3 * HIDDEN * INTER + 4 * (
 )
 # An MXFP4 expert: two values a byte and an E8M0 scale byte per 32 values.
 MXFP4_EXPERT_BYTES = 3 * HIDDEN * INTER // 2 + 3 * HIDDEN * INTER // mxfp4.BLOCK
+# An NVFP4 expert: two values a byte, an e4m3 scale byte per 16 values, three fp32 tensor scales.
+NVFP4_EXPERT_BYTES = 3 * HIDDEN * INTER // 2 + 3 * HIDDEN * INTER // nvfp4.BLOCK + 3 * 4
 # Bytes each graph of calls reads at least, so that the GPU's L2 cache (tens of MiB) cannot hold
 # them; calls that read less over MAX_CALLS_PER_GRAPH are bound by launches, not by memory.
 MIN_WORKING_SET_BYTES = 512 << 20
@@ -406,6 +410,73 @@ class Bench:
         w13, s13 = mxfp4.quantize(self.randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5))
         w2, s2 = mxfp4.quantize(self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5))
         return tuple(t.repeat(copies, *([1] * (t.dim() - 1))) for t in (w13, w2, s13, s2))
+
+    def fused_moe_nvfp4(self, tokens: int) -> None:
+        """Decode MoE over an NVFP4 bank (nvfp4_moe); the bytes are the values and their scales.
+        The reference column holds the bf16 kernel's time on a bf16 bank of as many layers, the
+        same routes and x."""
+        layers = layers_for(NVFP4_EXPERT_BYTES * min(EXPERTS, tokens * TOP_K))
+        bank = self.nvfp4_bank(layers)
+        x = self.randn(tokens, HIDDEN)
+        weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
+        slot_sets = [self.routes(tokens, layer * EXPERTS, EXPERTS) for layer in range(layers)]
+        # each route reads its slot (nvfp4_moe.fused_moe_decode_nvfp4)
+        bytes_moved = tokens * TOP_K * NVFP4_EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+        calls = [partial(nvfp4_moe.fused_moe_decode_nvfp4, x, s, weights, *bank) for s in slot_sets]
+        time_us = graph_us_per_call(calls)
+        del bank
+        w13 = self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
+        w2 = self.randn(layers * EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
+        bf16_us = graph_us_per_call(
+            [partial(fused_moe.fused_moe_decode_triton, x, s, weights, w13, w2) for s in slot_sets]
+        )
+        label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}"
+        self.add("fused_moe_decode_nvfp4", label, time_us, bytes_moved, flops, bf16_us)
+
+    def grouped_moe_nvfp4(self, tokens: int) -> None:
+        """Prefill MoE over one layer's NVFP4 experts; the reference column holds the bf16
+        kernel's time on the same routes and x."""
+        bank = self.nvfp4_bank(1)
+        x = self.randn(tokens, HIDDEN)
+        ids = self.routes(tokens, 0, EXPERTS)
+        weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
+        used = ids.unique().numel()
+        bytes_moved = used * NVFP4_EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+        time_us = median_event_us(
+            lambda: nvfp4_moe.grouped_moe_nvfp4(
+                x, ids, weights, *bank, layer_experts=EXPERTS, checked=False
+            ),
+            10,
+        )
+        bf16 = (
+            self.randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5),
+            self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5),
+        )
+        bf16_us = self._grouped_us(x, ids, weights, *bf16)
+        label = f"T={tokens} K={TOP_K} E={EXPERTS}"
+        self.add("grouped_moe_nvfp4", label, time_us, bytes_moved, flops, bf16_us)
+
+    def nvfp4_bank(self, copies: int) -> tuple[torch.Tensor, ...]:
+        """w13, w2, their block scales and their per-tensor scales of one layer's experts
+        quantized by nvfp4.quantize (gate and up apart, as ModelOpt does), in `copies` copies of
+        their own memory (one per layer)."""
+        gate, up = (
+            nvfp4.quantize(self.randn(EXPERTS, INTER, HIDDEN, scale=HIDDEN**-0.5)) for _ in range(2)
+        )
+        w2, s2, t2 = nvfp4.quantize(self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5))
+        bank = (
+            torch.cat([gate[0], up[0]], dim=1),
+            w2,
+            torch.cat([gate[1], up[1]], dim=1).view(torch.uint8),
+            s2.view(torch.uint8),
+            torch.stack([gate[2], up[2]], dim=1),
+            t2[:, None],
+        )
+        copied = [t.repeat(copies, *([1] * (t.dim() - 1))) for t in bank]
+        copied[2:4] = [t.view(torch.float8_e4m3fn) for t in copied[2:4]]
+        return tuple(copied)
 
     @staticmethod
     def _moe_ref(
@@ -898,8 +969,8 @@ def _short(config: object) -> str:
 
 # The kernels `--only` can pick: the Bench methods whose rows `run` times.
 KERNELS = (
-    "fused_moe", "fused_moe_fp8", "fused_moe_mxfp4", "grouped_moe", "grouped_moe_fp8",
-    "grouped_moe_mxfp4", "paged_attention",
+    "fused_moe", "fused_moe_fp8", "fused_moe_mxfp4", "fused_moe_nvfp4", "grouped_moe",
+    "grouped_moe_fp8", "grouped_moe_mxfp4", "grouped_moe_nvfp4", "paged_attention",
     "paged_attention_fp8", "sdpa_prefill", "rmsnorm", "router", "route", "rope_kv", "rope_kv_fp8",
     "handoff", "linear", "draw", "short_conv", "delta_rule",
 )  # fmt: skip
@@ -935,6 +1006,9 @@ def run(
     if "fused_moe_mxfp4" in wanted:
         for tokens in (1, 4, 8):
             bench.fused_moe_mxfp4(tokens)
+    if "fused_moe_nvfp4" in wanted:
+        for tokens in (1, 4, 8):
+            bench.fused_moe_nvfp4(tokens)
     for tokens in (512, 2048):
         if "grouped_moe" in wanted:
             bench.grouped_moe(tokens)
@@ -942,6 +1016,8 @@ def run(
             bench.grouped_moe_fp8(tokens)
         if "grouped_moe_mxfp4" in wanted:
             bench.grouped_moe_mxfp4(tokens)
+        if "grouped_moe_nvfp4" in wanted:
+            bench.grouped_moe_nvfp4(tokens)
     for seq_lens in ([2048], [8192], [32768], [4096] * 8):
         if "paged_attention" in wanted:
             bench.paged_attention(seq_lens)

@@ -5,7 +5,8 @@ caller's thread goes on launching GPU work. The native kernel (csrc/cpu_experts.
 headers, built once per source by torch's JIT extension loader) streams bf16/fp16/fp32 weights,
 FP8 weights with their block factors (kernels/fp8.py) or MXFP4 blocks with their scales
 (kernels/mxfp4.py), as stored, at close to the host's memory bandwidth; `cpu_experts_ref` is the
-plain-torch reference and the fallback. Its build: native_build.py; its benchmark:
+plain-torch reference and the fallback; NVFP4 values with their e4m3 scales and per-tensor
+scales (kernels/nvfp4.py) too. Its build: native_build.py; its benchmark:
 `python -m moelab.kernels.cpu_experts_bench --threads 1,2,4` (see docs/cpu-experts.md).
 """
 
@@ -22,7 +23,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from . import fp8, mxfp4, swiglu
+from . import fp8, mxfp4, nvfp4_moe, swiglu
 from .native_build import NativeKernelError, load_native
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ _WEIGHT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2} | dict.f
 )
 # MXFP4 weights: gpt-oss's blocks, uint8 [E, N, K/32, 16], with their E8M0 scales [E, N, K/32]
 _MXFP4_CODE = 4
+# NVFP4 weights: ModelOpt's values, uint8 [E, N, K/2], with their e4m3 scales [E, N, K/16] and
+# per-tensor scales (w13's [E, 2], w2's [E, 1])
+_NVFP4_CODE = 5
 # the weight KiB a task of a native job aims at: 16 threads stay balanced over one expert, and
 # claiming a task costs nothing next to streaming it (kernels/csrc/pool.h, kDefaultTaskBytes)
 DEFAULT_TASK_KB = 96
@@ -64,6 +68,8 @@ def cpu_experts_ref(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float = 0.0,
+    w13_scale_2: torch.Tensor | None = None,
+    w2_scale_2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' output [T, H] fp32 in plain torch: the reference and the fallback kernel.
 
@@ -76,15 +82,24 @@ def cpu_experts_ref(
     SwiGLU (swiglu_limit > 0: kernels/swiglu.py).
     MXFP4 weights are gpt-oss's blocks, w13 [E, 2I, H/32, 16] and w2 [E, H, I/32, 16] uint8, with
     their E8M0 scales w13_scale [E, 2I, H/32] and w2_scale [E, H, I/32] uint8 (kernels/mxfp4.py).
+    NVFP4 weights are ModelOpt's values, w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8, with their
+    e4m3 scales w13_scale [E, 2I, H/16] and w2_scale [E, H, I/16] and their per-tensor scales
+    w13_scale_2 [E, 2] (gate's, up's) and w2_scale_2 [E, 1] fp32 (kernels/nvfp4_moe.py).
     """
+    tensor_scales = _tensor_scales(w13_scale_2, w2_scale_2)
     num_tokens, hidden, inter, num_experts = _check_inputs(
-        x, w13, w2, pair_expert, pair_token, pair_weight, None, w13_scale, w2_scale
+        x, w13, w2, pair_expert, pair_token, pair_weight, None, w13_scale, w2_scale, tensor_scales
     )
     _check_pair_indices(pair_expert, pair_token, num_experts, num_tokens)
     biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
 
     def weights(w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
-        return w[e].float() if scale is None else _dequantized(w[e], scale[e])
+        if scale is None:
+            return w[e].float()
+        if tensor_scales is not None:
+            scale_2 = tensor_scales[0 if w is w13 else 1]
+            return nvfp4_moe.dequantized(w[e : e + 1], scale[e : e + 1], scale_2[e : e + 1])[0]
+        return _dequantized(w[e], scale[e])
 
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     experts = pair_expert.long()
@@ -132,6 +147,17 @@ _INPUT_NAMES = ("x", "w13", "w2", "pair_expert", "pair_token", "pair_weight", "o
 _FACTOR_NAMES = ("w13_scale", "w2_scale")
 
 
+def _tensor_scales(
+    w13_scale_2: torch.Tensor | None, w2_scale_2: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """NVFP4's per-tensor scales, both or neither (None: the weights are of another format)."""
+    if w13_scale_2 is None and w2_scale_2 is None:
+        return None
+    if w13_scale_2 is None or w2_scale_2 is None:
+        raise ValueError("NVFP4 weights need both w13_scale_2 and w2_scale_2")
+    return w13_scale_2, w2_scale_2
+
+
 def _check_inputs(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -142,8 +168,10 @@ def _check_inputs(
     out: torch.Tensor | None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    tensor_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[int, int, int, int]:
-    """Checks devices, dtypes, layouts and shapes; returns (T, H, I, E)."""
+    """Checks devices, dtypes, layouts and shapes; returns (T, H, I, E). tensor_scales: NVFP4's
+    per-tensor scales, whose weights and scales nvfp4_moe.check_bank checks."""
     tensors = (x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale)
     for name, t in zip(_INPUT_NAMES + _FACTOR_NAMES, tensors, strict=True):
         if t is None:
@@ -162,7 +190,13 @@ def _check_inputs(
             f"(float8_e4m3fn, or its bits as uint8); got {w13.dtype} and {w2.dtype}"
         )
     num_tokens, hidden = x.shape
-    if w13.dim() == 4 and w13.dtype == torch.uint8:
+    if tensor_scales is not None:
+        if w13_scale is None or w2_scale is None:
+            raise ValueError("NVFP4 weights need w13_scale and w2_scale, their e4m3 scales")
+        slots, held_hidden, inter = nvfp4_moe.check_bank(w13, w2, w13_scale, w2_scale,
+                                                         *tensor_scales)  # fmt: skip
+        shape13, shape2 = (slots, 2 * inter, held_hidden), (slots, held_hidden, inter)
+    elif w13.dim() == 4 and w13.dtype == torch.uint8:
         shape13, shape2 = _mxfp4_shape(w13), _mxfp4_shape(w2)
     elif w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
@@ -177,7 +211,8 @@ def _check_inputs(
             f"with x [T={num_tokens}, H={hidden}], w13 must be [E, 2I, {hidden}] and w2 "
             f"[E, {hidden}, I] with I > 0; got w13 {list(w13.shape)} and w2 {list(w2.shape)}"
         )
-    _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, inter)
+    if tensor_scales is None:
+        _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, inter)
     num_pairs = pair_expert.numel()
     if (
         pair_expert.dtype != torch.int32
@@ -263,9 +298,19 @@ def _mxfp4_shape(blocks: torch.Tensor) -> tuple[int, int, int]:
     return num_experts, rows, num_blocks * mxfp4.BLOCK
 
 
-def _weight_code(w13: torch.Tensor) -> int:
-    """The native kernel's code for the weights' type (csrc/simd.h, WeightType)."""
+def _weight_code(w13: torch.Tensor, nvfp4: bool = False) -> int:
+    """The native kernel's code for the weights' type (csrc/simd.h, WeightType): NVFP4's where
+    the weights come with per-tensor scales."""
+    if nvfp4:
+        return _NVFP4_CODE
     return _MXFP4_CODE if w13.dim() == 4 else _WEIGHT_CODES[w13.dtype]
+
+
+def _held_shape(w: torch.Tensor, nvfp4: bool) -> tuple[int, int, int]:
+    """The [E, N, K] weight that `w` holds: MXFP4 blocks, NVFP4 values (two a byte) or plain."""
+    if nvfp4:
+        return w.shape[0], w.shape[1], 2 * w.shape[2]
+    return _mxfp4_shape(w) if w.dim() == 4 else tuple(w.shape)
 
 
 def _check_pair_indices(
@@ -493,6 +538,8 @@ class CpuExpertRunner:
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
         swiglu_limit: float = 0.0,
+        w13_scale_2: torch.Tensor | None = None,
+        w2_scale_2: torch.Tensor | None = None,
         done_flag: torch.Tensor | None = None,
         done_value: int = 0,
         check: bool = True,
@@ -503,7 +550,8 @@ class CpuExpertRunner:
 
         The weights' dtype picks the kernel's loads: FP8 weights (float8_e4m3fn or uint8 bits)
         need w13_scale and w2_scale, their block factors, and MXFP4 blocks (uint8, 4-D) their
-        E8M0 scales under the same names (cpu_experts_ref). x, the weights, their
+        E8M0 scales under the same names, and NVFP4 values their e4m3 scales and per-tensor
+        scales w13_scale_2 and w2_scale_2 (cpu_experts_ref). x, the weights, their
         factors and out must stay unchanged until the job's wait() returns. out: an optional
         [T, H] fp32 buffer to write into (e.g. pinned memory, for the copy to the GPU); it is
         overwritten, never accumulated into. done_flag: an int64 tensor whose first element
@@ -525,17 +573,21 @@ class CpuExpertRunner:
         if self._closed:
             raise RuntimeError("this CpuExpertRunner is closed")
         factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        tensor_scales = _tensor_scales(w13_scale_2, w2_scale_2)
+        if tensor_scales is not None:
+            factors.update(w13_scale_2=w13_scale_2, w2_scale_2=w2_scale_2)
         if w13_bias is not None or w2_bias is not None or swiglu_limit:
             factors.update(w13_bias=w13_bias, w2_bias=w2_bias, swiglu_limit=swiglu_limit)
             if check or self._module is None:
                 _check_biases(w13, w2, w13_bias, w2_bias)
         if check or self._module is None:
             num_tokens, hidden, inter, num_experts = _check_inputs(
-                x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale
-            )
+                x, w13, w2, pair_expert, pair_token, pair_weight, out, w13_scale, w2_scale,
+                tensor_scales,
+            )  # fmt: skip
         else:
             num_tokens, hidden = x.shape
-            num_experts, _, inter = _mxfp4_shape(w2) if w2.dim() == 4 else w2.shape
+            num_experts, _, inter = _held_shape(w2, tensor_scales is not None)
         if done_flag is not None:
             if out is None:
                 raise ValueError("done_flag needs out: the flag says that out is written")
@@ -558,7 +610,7 @@ class CpuExpertRunner:
         job = self._module.submit_experts(
             self._pool,
             _SIMD_CODES[self.simd],
-            _weight_code(w13),
+            _weight_code(w13, nvfp4=tensor_scales is not None),
             x.data_ptr(),
             out.data_ptr(),
             w13.data_ptr(),
@@ -580,9 +632,13 @@ class CpuExpertRunner:
             _address(w13_bias),
             _address(w2_bias),
             float(swiglu_limit),
+            _address(w13_scale_2),
+            _address(w2_scale_2),
         )
         weights = tuple(
-            t for t in (w13, w2, w13_scale, w2_scale, w13_bias, w2_bias) if t is not None
+            t
+            for t in (w13, w2, w13_scale, w2_scale, w13_bias, w2_bias, w13_scale_2, w2_scale_2)
+            if t is not None
         )
         if redoable:
             self._hold(*weights)
@@ -721,15 +777,13 @@ class CpuExpertRunner:
         w2: torch.Tensor,
         k: int,
         iterations: int,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
+        **factors: torch.Tensor | None,
     ) -> float:
         """Weight GB/s of `iterations` one-token jobs of k experts each (native kernel), queued
         back to back in native code as decode queues them, through the bank w13 [E, 2I, H], w2
-        [E, H, I] (FP8 with its factors, counted in the bytes) in a scattered turn (so from
-        memory, with a bank larger than the caches)."""
-        factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        [E, H, I] (FP8, MXFP4 or NVFP4 with its factors or scales, as `submit` takes them,
+        counted in the bytes) in a scattered turn (so from memory, with a bank larger than the
+        caches)."""
         return self.jobs_profile(w13, w2, k, iterations, **factors)["gbps"]
 
     def jobs_profile(
@@ -744,6 +798,8 @@ class CpuExpertRunner:
         fetch_own: bool = False,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        w13_scale_2: torch.Tensor | None = None,
+        w2_scale_2: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """`jobs_gbps`'s jobs, with where a job's run went, means in µs: `run_us` from its first
         task to its last, `phase1_us` from its first task to the end of its gate/up rows (the
@@ -753,23 +809,29 @@ class CpuExpertRunner:
         the workers idle between two layers' jobs. own_rounds: each job's first rounds of gate/up
         blocks belong to the workers (`submit`); fetch_own: each worker is told of its own
         blocks' weights when the gap begins, and fetches them into its cache while it waits.
-        An FP8 bank takes its factors (w13_scale, w2_scale: `submit`), which `gbps` counts."""
+        An FP8 bank takes its factors (w13_scale, w2_scale: `submit`), an MXFP4 or NVFP4 one its
+        scales (NVFP4's per-tensor ones too), which `gbps` counts."""
         if self._module is None:
             raise RuntimeError("jobs_profile times the native kernel; this runner uses torch")
-        num_experts, two_inter, hidden = _mxfp4_shape(w13) if w13.dim() == 4 else w13.shape
-        shape2 = _mxfp4_shape(w2) if w2.dim() == 4 else w2.shape
-        if shape2 != (num_experts, hidden, two_inter // 2) or w13.dtype != w2.dtype:
+        tensor_scales = _tensor_scales(w13_scale_2, w2_scale_2)
+        nvfp4 = tensor_scales is not None
+        num_experts, two_inter, hidden = _held_shape(w13, nvfp4)
+        if _held_shape(w2, nvfp4) != (num_experts, hidden, two_inter // 2) or w13.dtype != w2.dtype:
             raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
-        bank = [t for t in (w13, w2, w13_scale, w2_scale) if t is not None]
+        bank = [t for t in (w13, w2, w13_scale, w2_scale, *(tensor_scales or ())) if t is not None]
         if not all(t.is_contiguous() for t in bank) or w13.dtype not in _WEIGHT_CODES:
             raise ValueError(
-                "the bank must be contiguous bf16, fp16, fp32, FP8 or MXFP4 (and factors)"
+                "the bank must be contiguous bf16, fp16, fp32, FP8, MXFP4 or NVFP4 (and factors)"
             )
-        _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, two_inter // 2)
+        if nvfp4:
+            nvfp4_moe.check_bank(w13, w2, w13_scale, w2_scale, *tensor_scales)
+        else:
+            _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, two_inter // 2)
         seconds, run_s, phase1_s, wait_s = self._module.time_expert_jobs(
-            self._pool, _SIMD_CODES[self.simd], _weight_code(w13), w13.data_ptr(),
+            self._pool, _SIMD_CODES[self.simd], _weight_code(w13, nvfp4), w13.data_ptr(),
             w2.data_ptr(), _address(w13_scale), _address(w2_scale), num_experts, hidden,
             two_inter // 2, k, iterations, float(gap_us), int(own_rounds), bool(fetch_own),
+            _address(w13_scale_2), _address(w2_scale_2),
         )  # fmt: skip
         per_job = 1e6 / iterations
         return {

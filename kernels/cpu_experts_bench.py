@@ -1,7 +1,7 @@
-"""CPU expert kernel benchmark: weight GB/s of the native kernel and of torch, bf16, FP8 and
-MXFP4, against the host's memory read rate measured by the same threads.
+"""CPU expert kernel benchmark: weight GB/s of the native kernel and of torch, bf16, FP8,
+MXFP4 and NVFP4, against the host's memory read rate measured by the same threads.
 
-Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--dtype bf16,fp8,mxfp4]
+Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--dtype bf16,fp8,mxfp4,nvfp4]
        [--task-kb 48,96] [--gap-us 30 --own-rounds 0,2] [--json]
 (docs/cpu-experts.md)
 """
@@ -20,17 +20,17 @@ from pathlib import Path
 
 import torch
 
-from . import fp8, mxfp4
+from . import fp8, mxfp4, nvfp4
 from .cpu_experts import DEFAULT_TASK_KB, SIMD_LEVELS, CpuExpertRunner
 from .native_build import NativeKernelError
 
-DTYPES = ("bf16", "fp8", "mxfp4")
+DTYPES = ("bf16", "fp8", "mxfp4", "nvfp4")
 
 
 class Bank:
     """The experts of one layer as the host bank holds them: w13 [E, 2I, H] and w2 [E, H, I], bf16,
-    or FP8 with their block factors, or MXFP4 blocks with their scales (`factors`, the keywords
-    the runner takes)."""
+    or FP8 with their block factors, or MXFP4 blocks or NVFP4 values with their scales
+    (`factors`, the keywords the runner takes)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, dtype: str) -> None:
         self.dtype = dtype
@@ -39,12 +39,26 @@ class Bank:
         if dtype == "bf16":
             self.w13, self.w2 = w13, w2
             return
+        if dtype == "nvfp4":
+            self._nvfp4(w13, w2)
+            return
         # one expert at a time: the bank in fp32 at once would take 4x its bf16 size
         quantize = fp8.quantize if dtype == "fp8" else mxfp4.quantize
         parts = [[quantize(w[e]) for e in range(w.shape[0])] for w in (w13, w2)]
         self.w13, self.w2 = (torch.stack([q for q, _ in p]) for p in parts)
         scales = [torch.stack([s for _, s in p]) for p in parts]
         self.factors = {"w13_scale": scales[0], "w2_scale": scales[1]}
+
+    def _nvfp4(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """ModelOpt's layout, one expert at a time: gate, up and down quantized apart (w13's
+        per-tensor scales [E, 2], w2's [E, 1])."""
+        projections = {"w13": (w13, 2), "w2": (w2, 1)}
+        for name, (w, parts) in projections.items():
+            quantized = [nvfp4.quantize(w[e].unflatten(0, (parts, -1))) for e in range(w.shape[0])]
+            values, scales, tensor_scales = (torch.stack(t) for t in zip(*quantized, strict=True))
+            setattr(self, name, values.flatten(1, 2))
+            self.factors[f"{name}_scale"] = scales.flatten(1, 2)
+            self.factors[f"{name}_scale_2"] = tensor_scales
 
     @property
     def expert_bytes(self) -> int:
@@ -119,9 +133,9 @@ def bench(
     own_rounds rounds of gate/up blocks in the gap), the torch ones through Python, one step at a
     time.
 
-    shape: (hidden, intermediate, experts in the bank). dtypes: "bf16", "fp8" and "mxfp4" (the
-    same weights quantized, kernels/fp8.py and kernels/mxfp4.py: their rates count the bytes as
-    stored, factors and scales included). The
+    shape: (hidden, intermediate, experts in the bank). dtypes: "bf16", "fp8", "mxfp4" and
+    "nvfp4" (the same weights quantized, kernels/fp8.py, kernels/mxfp4.py and kernels/nvfp4.py:
+    their rates count the bytes as stored, factors and scales included). The
     host read rate is measured before and after the expert runs and the higher one kept, so that
     a busy machine lowers the share rather than raising it.
     """

@@ -12,6 +12,10 @@ nibbles are the even columns and high nibbles the odd ones: the kernels multiply
 activations' even and odd columns, loaded apart, and add the two products, so no interleave is
 needed. Products accumulate in fp32; a weight times its scale (a power of two) is exact in fp32
 and bf16, which tl.dot then takes.
+
+The launches (`launch_decode`, `launch_grouped`) read NVFP4 banks too (kernels/nvfp4_moe.py):
+the same bytes, an e4m3 scale per 16 values built from its bits (`e4m3_scales`), and the
+per-tensor scales multiplied into the fp32 sums.
 """
 
 from __future__ import annotations
@@ -161,31 +165,56 @@ def scales(codes):
 
 
 @triton.jit
-def widened(byte_ptrs, scale_ptrs, mask):
+def e4m3_scales(codes):
+    """fp32 of e4m3 `codes` (int32, 0-255; NVFP4's block scales), built from the bits: exponent
+    e > 0 and mantissa m give fp32 exponent e + 120 and mantissa m << 20; e = 0 is m · 2^-9;
+    0x7F and 0xFF are NaN; bit 7 is the sign."""
+    e = (codes >> 3) & 15
+    m = codes & 7
+    subnormal = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    bits = tl.where(e > 0, ((e + 120) << 23) | (m << 20), subnormal)
+    bits = tl.where((codes & 127) == 127, 0x7FC00000, bits)
+    return (bits | ((codes & 128) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def widened(byte_ptrs, scale_ptrs, mask, NVFP4: tl.constexpr):
     """The weights of a tile of bytes, fp32, each times its block's scale: (the even columns,
     the odd ones), of the pointers' shape. Byte j of a row holds columns 2j (low nibble) and
-    2j + 1 (high), both in block 2j // 32, whose scale `scale_ptrs` points at."""
+    2j + 1 (high), both in one block, whose scale `scale_ptrs` points at (E8M0, or NVFP4's
+    e4m3)."""
     packed = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
-    factor = scales(tl.load(scale_ptrs, mask=mask, other=0).to(tl.int32))
+    codes = tl.load(scale_ptrs, mask=mask, other=0).to(tl.int32)
+    factor = e4m3_scales(codes) if NVFP4 else scales(codes)
     return values(packed & 15) * factor, values((packed >> 4) & 15) * factor
 
 
 @triton.jit
-def widened_pairs(rows, row_scales, n_ok, j_idx, k0, k_ok):
+def block_of(cols, NVFP4: tl.constexpr):
+    """The scale block of columns `cols`: 16 values a block in NVFP4, 32 in MXFP4."""
+    if NVFP4:
+        return cols // 16
+    return cols // 32
+
+
+@triton.jit
+def widened_pairs(rows, row_scales, n_ok, j_idx, k0, k_ok, NVFP4: tl.constexpr):
     """`widened` for a [BLOCK_N, BLOCK_J] tile: rows [BLOCK_N, 1] point at their bytes,
     row_scales [BLOCK_N, 1] at their scales; columns k0 + 2j and k0 + 2j + 1."""
     bytes_ = rows + (k0 // 2 + j_idx)[None, :]
-    return widened(bytes_, row_scales + ((k0 + 2 * j_idx) // 32)[None, :], n_ok & k_ok[None, :])
+    block = block_of(k0 + 2 * j_idx, NVFP4)[None, :]
+    return widened(bytes_, row_scales + block, n_ok & k_ok[None, :], NVFP4)
 
 
 @triton.jit
 def _decode_gate_up_kernel(
-    x_ptr, slots_ptr, w13_ptr, s13_ptr, b13_ptr, act_ptr, hidden, inter, top_k, stride_xt,
-    stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, limit, BLOCK_N: tl.constexpr,
-    BLOCK_J: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    x_ptr, slots_ptr, w13_ptr, s13_ptr, t13_ptr, b13_ptr, act_ptr, hidden, inter, top_k,
+    stride_xt, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, limit, BLOCK_N: tl.constexpr,
+    BLOCK_J: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, NVFP4: tl.constexpr,
 ):  # fmt: skip
     """act[route, rows] = silu(gate·x) * (up·x) for one route (t, k) and a block of rows (BIAS:
-    plus the slot's gate and up biases; CLAMPED: gpt-oss's clamped SwiGLU)."""
+    plus the slot's gate and up biases; CLAMPED: gpt-oss's clamped SwiGLU; NVFP4: e4m3 scales
+    per 16 values, the sums times the slot's per-tensor scales of gate and up, t13 [S, 2])."""
     route = tl.program_id(0)
     slot = tl.load(slots_ptr + route).to(tl.int64)
     if slot < 0:
@@ -205,12 +234,15 @@ def _decode_gate_up_kernel(
         k_ok = k0 + 2 * j_idx < hidden
         x_even = tl.load(x + k0 + 2 * j_idx, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         x_odd = tl.load(x + k0 + 2 * j_idx + 1, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        g_even, g_odd = widened_pairs(gate, gate_s, n_ok, j_idx, k0, k_ok)
-        u_even, u_odd = widened_pairs(up, up_s, n_ok, j_idx, k0, k_ok)
+        g_even, g_odd = widened_pairs(gate, gate_s, n_ok, j_idx, k0, k_ok, NVFP4)
+        u_even, u_odd = widened_pairs(up, up_s, n_ok, j_idx, k0, k_ok, NVFP4)
         acc_gate += g_even * x_even + g_odd * x_odd
         acc_up += u_even * x_even + u_odd * x_odd
     g = tl.sum(acc_gate, axis=1)
     u = tl.sum(acc_up, axis=1)
+    if NVFP4:
+        g *= tl.load(t13_ptr + 2 * slot)
+        u *= tl.load(t13_ptr + 2 * slot + 1)
     if BIAS:
         bias = b13_ptr + slot * stride_bs + n_idx
         g += tl.load(bias, mask=n_idx < inter, other=0.0).to(tl.float32)
@@ -221,12 +253,13 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, b2_ptr, y_ptr, hidden, inter, stride_ws,
-    stride_wn, stride_ss, stride_sn, stride_bs, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
-    BIAS: tl.constexpr,
+    act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, t2_ptr, b2_ptr, y_ptr, hidden, inter,
+    stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, BLOCK_N: tl.constexpr,
+    BLOCK_J: tl.constexpr, BIAS: tl.constexpr, NVFP4: tl.constexpr,
 ):  # fmt: skip
     """y[route, rows] = weight * (w2 rows · act[route]) for one route and a block of rows (BIAS:
-    plus the slot's down bias before the weight)."""
+    plus the slot's down bias before the weight; NVFP4: the sums times the slot's per-tensor
+    scale, t2 [S, 1])."""
     route = tl.program_id(0)
     slot = tl.load(slots_ptr + route).to(tl.int64)
     n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -244,9 +277,11 @@ def _decode_down_kernel(
         k_ok = k0 + 2 * j_idx < inter
         a_even = tl.load(act + k0 + 2 * j_idx, mask=k_ok, other=0.0)[None, :]
         a_odd = tl.load(act + k0 + 2 * j_idx + 1, mask=k_ok, other=0.0)[None, :]
-        w_even, w_odd = widened_pairs(rows, row_s, n_ok, j_idx, k0, k_ok)
+        w_even, w_odd = widened_pairs(rows, row_s, n_ok, j_idx, k0, k_ok, NVFP4)
         acc += w_even * a_even + w_odd * a_odd
     y = tl.sum(acc, axis=1)
+    if NVFP4:
+        y *= tl.load(t2_ptr + slot)
     if BIAS:
         y += tl.load(b2_ptr + slot * stride_bs + n_idx, mask=n_idx < hidden, other=0.0).to(
             tl.float32
@@ -278,9 +313,42 @@ def fused_moe_decode_mxfp4(
     of 32). gpt-oss's experts pass their biases (fp32, added to the sums) and the clamped
     SwiGLU's limit; reduce=False: each route's weighted output [T, K, H], unsummed."""
     _, hidden, inter = _check(x, slot_ids, route_weights, w13, w2, w13_scale, w2_scale, "slot_ids")
+    return launch_decode(
+        x, slot_ids, route_weights, (w13, w13_scale, None), (w2, w2_scale, None), hidden, inter,
+        block_n=block_n, block_k=block_k, reduce=reduce, w13_bias=w13_bias, w2_bias=w2_bias,
+        swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+
+
+# a projection of a 4-bit bank as the launches take it: its bytes, its block scales (uint8 codes)
+# and, for NVFP4, its per-tensor scales (fp32 [S, 2] for w13's gate and up, [S, 1] for w2)
+Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def launch_decode(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: Packed,
+    w2: Packed,
+    hidden: int,
+    inter: int,
+    *,
+    block_n: int,
+    block_k: int,
+    reduce: bool,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """The decode launches over a checked MXFP4 or NVFP4 bank (NVFP4 where w13 brings its
+    per-tensor scales): fused_moe_decode_mxfp4's result."""
+    (w13, s13, t13), (w2, s2, t2) = w13, w2
+    nvfp4 = t13 is not None
     biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
-    # without biases the weights stand in for them, never read
+    # without biases (or per-tensor scales) the weights stand in for them, never read
     b13, b2 = (w13_bias, w2_bias) if biased else (w13, w2)
+    t13, t2 = (t13, t2) if nvfp4 else (w13, w2)
     if block_k % 32 or block_k & (block_k - 1) or block_n & (block_n - 1):
         raise ValueError(f"block_k must be a power of two >= 32 and block_n one, got {block_k}")
     num_tokens, top_k = slot_ids.shape
@@ -292,15 +360,14 @@ def fused_moe_decode_mxfp4(
     pairs = block_k // 2
     if routes:
         _decode_gate_up_kernel[(routes, triton.cdiv(inter, block_n))](
-            x, slots, w13, w13_scale, b13, act, hidden, inter, top_k, x.stride(0),
-            w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-            b13.stride(0), float(swiglu_limit), BLOCK_N=block_n, BLOCK_J=pairs, BIAS=biased,
-            CLAMPED=bool(swiglu_limit),
+            x, slots, w13, s13, t13, b13, act, hidden, inter, top_k, x.stride(0), w13.stride(0),
+            w13.stride(1), s13.stride(0), s13.stride(1), b13.stride(0), float(swiglu_limit),
+            BLOCK_N=block_n, BLOCK_J=pairs, BIAS=biased, CLAMPED=bool(swiglu_limit), NVFP4=nvfp4,
         )  # fmt: skip
         _decode_down_kernel[(routes, triton.cdiv(hidden, block_n))](
-            act, slots, route_weights.reshape(-1).contiguous(), w2, w2_scale, b2, y, hidden,
-            inter, w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            b2.stride(0), BLOCK_N=block_n, BLOCK_J=pairs, BIAS=biased,
+            act, slots, route_weights.reshape(-1).contiguous(), w2, s2, t2, b2, y, hidden, inter,
+            w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), b2.stride(0),
+            BLOCK_N=block_n, BLOCK_J=pairs, BIAS=biased, NVFP4=nvfp4,
         )  # fmt: skip
     parts = y.view(num_tokens, top_k, hidden)
     return parts.sum(dim=1) if reduce else parts
@@ -308,13 +375,13 @@ def fused_moe_decode_mxfp4(
 
 @triton.jit
 def _grouped_gate_up_kernel(
-    x_ptr, routes_ptr, block_expert_ptr, w13_ptr, s13_ptr, b13_ptr, act_ptr, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ar, limit,
+    x_ptr, routes_ptr, block_expert_ptr, w13_ptr, s13_ptr, t13_ptr, b13_ptr, act_ptr, hidden,
+    inter, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ar, limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
-    COMPUTE: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    COMPUTE: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, NVFP4: tl.constexpr,
 ):  # fmt: skip
-    """grouped_moe's gate/up launch over MXFP4 weights: a block of one expert's routes times a
-    block of its gate and up rows, the even and odd columns in two tl.dots a step."""
+    """grouped_moe's gate/up launch over MXFP4 (or NVFP4) weights: a block of one expert's routes
+    times a block of its gate and up rows, the even and odd columns in two tl.dots a step."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -340,14 +407,17 @@ def _grouped_gate_up_kernel(
         x_odd = tl.load(x_rows + cols[None, :] + 1, mask=x_mask, other=0.0).to(COMPUTE)
         w_mask = k_ok[:, None] & n_ok
         at = (k0 // 2 + j_idx)[:, None]
-        block = (cols // 32)[:, None]
-        g_even, g_odd = widened(gate + at, gate_s + block, w_mask)
-        u_even, u_odd = widened(up + at, up_s + block, w_mask)
+        block = block_of(cols, NVFP4)[:, None]
+        g_even, g_odd = widened(gate + at, gate_s + block, w_mask, NVFP4)
+        u_even, u_odd = widened(up + at, up_s + block, w_mask, NVFP4)
         # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it.
         acc_gate += tl.dot(x_even, g_even.to(COMPUTE), input_precision="ieee")
         acc_gate += tl.dot(x_odd, g_odd.to(COMPUTE), input_precision="ieee")
         acc_up += tl.dot(x_even, u_even.to(COMPUTE), input_precision="ieee")
         acc_up += tl.dot(x_odd, u_odd.to(COMPUTE), input_precision="ieee")
+    if NVFP4:
+        acc_gate *= tl.load(t13_ptr + 2 * expert)
+        acc_up *= tl.load(t13_ptr + 2 * expert + 1)
     if BIAS:
         bias = b13_ptr + expert * stride_be + n_idx
         acc_gate += tl.load(bias, mask=n_idx < inter, other=0.0).to(tl.float32)[None, :]
@@ -359,12 +429,13 @@ def _grouped_gate_up_kernel(
 
 @triton.jit
 def _grouped_down_kernel(
-    act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w2_ptr, s2_ptr, b2_ptr, y_ptr, hidden,
-    inter, stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_yr,
+    act_ptr, routes_ptr, block_expert_ptr, weights_ptr, w2_ptr, s2_ptr, t2_ptr, b2_ptr, y_ptr,
+    hidden, inter, stride_ar, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_yr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, COMPUTE: tl.constexpr,
-    BIAS: tl.constexpr,
+    BIAS: tl.constexpr, NVFP4: tl.constexpr,
 ):  # fmt: skip
-    """grouped_moe's down launch over MXFP4 weights, each route's output times its weight."""
+    """grouped_moe's down launch over MXFP4 (or NVFP4) weights, each route's output times its
+    weight."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -387,10 +458,15 @@ def _grouped_down_kernel(
         a_even = tl.load(a_rows + cols[None, :], mask=a_mask, other=0.0).to(COMPUTE)
         a_odd = tl.load(a_rows + cols[None, :] + 1, mask=a_mask, other=0.0).to(COMPUTE)
         w_even, w_odd = widened(
-            rows + (k0 // 2 + j_idx)[:, None], row_s + (cols // 32)[:, None], k_ok[:, None] & n_ok
+            rows + (k0 // 2 + j_idx)[:, None],
+            row_s + block_of(cols, NVFP4)[:, None],
+            k_ok[:, None] & n_ok,
+            NVFP4,
         )
         acc += tl.dot(a_even, w_even.to(COMPUTE), input_precision="ieee")
         acc += tl.dot(a_odd, w_odd.to(COMPUTE), input_precision="ieee")
+    if NVFP4:
+        acc *= tl.load(t2_ptr + expert)
     if BIAS:
         bias = b2_ptr + expert * stride_be + n_idx
         acc += tl.load(bias, mask=n_idx < hidden, other=0.0).to(tl.float32)[None, :]
@@ -422,8 +498,39 @@ def grouped_moe_mxfp4(
     num_experts, hidden, inter = _check(
         x, expert_ids, route_weights, w13, w2, w13_scale, w2_scale, "expert_ids"
     )
+    return launch_grouped(
+        x, expert_ids, route_weights, (w13, w13_scale, None), (w2, w2_scale, None),
+        num_experts, hidden, inter, compute_dtype=compute_dtype, config=config,
+        layer_experts=layer_experts, checked=checked, w13_bias=w13_bias, w2_bias=w2_bias,
+        swiglu_limit=swiglu_limit,
+    )  # fmt: skip
+
+
+def launch_grouped(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: Packed,
+    w2: Packed,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    *,
+    compute_dtype: torch.dtype | None,
+    config: GroupedMoEConfig | None,
+    layer_experts: int | None,
+    checked: bool,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """The prefill launches over a checked MXFP4 or NVFP4 bank (NVFP4 where w13 brings its
+    per-tensor scales): grouped_moe_mxfp4's result."""
+    (w13, s13, t13), (w2, s2, t2) = w13, w2
+    nvfp4 = t13 is not None
     biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
     b13, b2 = (w13_bias, w2_bias) if biased else (w13, w2)
+    t13, t2 = (t13, t2) if nvfp4 else (w13, w2)
     num_tokens = x.shape[0]
     top_k = expert_ids.shape[1]
     if checked:
@@ -440,17 +547,18 @@ def grouped_moe_mxfp4(
     down_j = max(16, min(cfg.block_k, common.next_pow2(inter)) // 2)
     if grouped.num_blocks:
         _grouped_gate_up_kernel[(grouped.num_blocks, triton.cdiv(inter, cfg.gate_up_block_n))](
-            x, grouped.routes, grouped.block_expert, w13, w13_scale, b13, act, hidden, inter,
-            x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+            x, grouped.routes, grouped.block_expert, w13, s13, t13, b13, act, hidden, inter,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
             b13.stride(0), act.stride(0), float(swiglu_limit), TOP_K=top_k, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.gate_up_block_n, BLOCK_J=gate_up_j, COMPUTE=compute, BIAS=biased,
-            CLAMPED=bool(swiglu_limit), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            CLAMPED=bool(swiglu_limit), NVFP4=nvfp4, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
         _grouped_down_kernel[(grouped.num_blocks, triton.cdiv(hidden, cfg.down_block_n))](
-            act, grouped.routes, grouped.block_expert, route_weights.contiguous(), w2, w2_scale,
-            b2, y, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
-            w2_scale.stride(1), b2.stride(0), y.stride(0), BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.down_block_n, BLOCK_J=down_j, COMPUTE=compute, BIAS=biased,
+            act, grouped.routes, grouped.block_expert, route_weights.contiguous(), w2, s2, t2,
+            b2, y, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
+            s2.stride(1), b2.stride(0), y.stride(0), BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.down_block_n, BLOCK_J=down_j, COMPUTE=compute, BIAS=biased, NVFP4=nvfp4,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     y.masked_fill_(grouped.skipped[:, None], 0.0)  # no block wrote the skipped routes' rows

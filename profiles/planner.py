@@ -444,11 +444,15 @@ class ContextPlan:
     kv_bytes_per_token: int
     experts_total: int
     points: tuple[PlanPoint, ...]
-    # a hybrid model's layers by kind, and the recurrent states every point reserves (a slot per
-    # running sequence, the graphs' padding one and the state checkpoints) beside the KV of its
-    # attention layers
+    # a model's layers by kind (attention layers with pages for the whole context, linear and
+    # sliding-window ones), the tokens a sliding layer keeps per sequence (its window in whole
+    # pages), and the fixed memory every point reserves (a slot per running sequence, the graphs'
+    # padding one and the state checkpoints: recurrent states or windows' pages) beside the KV of
+    # its paged attention layers
     attention_layers: int
     linear_layers: int
+    sliding_layers: int
+    window_tokens: int
     state_bytes_per_seq: int
     state_sequences: int
     state_checkpoints: int
@@ -470,6 +474,8 @@ class ContextPlan:
             "experts_total": self.experts_total,
             "attention_layers": self.attention_layers,
             "linear_layers": self.linear_layers,
+            "sliding_layers": self.sliding_layers,
+            "window_tokens": self.window_tokens,
             "state_bytes_per_seq": self.state_bytes_per_seq,
             "state_sequences": self.state_sequences,
             "state_checkpoints": self.state_checkpoints,
@@ -533,22 +539,26 @@ def plan_context(
     request = config.memory_request(
         budget_bytes=choice.budget_bytes, elem_bytes=choice.elem_bytes, cuda=choice.cuda
     )
+    memory = config.memory
     sequences, checkpoints, states = state_reserve(
-        spec, request.max_running, request.elem_bytes, request.state_checkpoints
-    )
+        spec, request.max_running, request.elem_bytes, request.state_checkpoints,
+        memory.kv_cache_dtype, memory.kv_block_size,
+    )  # fmt: skip
     return ContextPlan(
         base_flags=list(base_flags),
         device=choice.device,
         budget_bytes=choice.budget_bytes,
         budget_source=choice.budget_source,
-        kv_bytes_per_token=kv_bytes_per_token(
-            spec, choice.elem_bytes, config.memory.kv_cache_dtype
-        ),
+        kv_bytes_per_token=kv_bytes_per_token(spec, choice.elem_bytes, memory.kv_cache_dtype),
         experts_total=spec.experts_total,
         points=tuple(points),
-        attention_layers=len(spec.attention_layers),
+        attention_layers=len(spec.paged_layers),
         linear_layers=len(spec.linear_layers),
-        state_bytes_per_seq=state_bytes_per_seq(spec, choice.elem_bytes),
+        sliding_layers=len(spec.sliding_layers),
+        window_tokens=spec.window_ring_tokens(memory.kv_block_size),
+        state_bytes_per_seq=state_bytes_per_seq(
+            spec, choice.elem_bytes, memory.kv_cache_dtype, memory.kv_block_size
+        ),
         state_sequences=sequences,
         state_checkpoints=checkpoints,
         state_bytes=states,

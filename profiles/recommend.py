@@ -128,6 +128,7 @@ class Recommendation:
             context_tokens=p.max_context,
             state_sequences=p.state_slots,
             state_checkpoints=p.state_checkpoints,
+            window_tokens=p.window_tokens,
         )
         return out
 

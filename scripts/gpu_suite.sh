@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|gptoss|mxfp4|hybrid|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|gptoss|mxfp4|hybrid|split|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -78,15 +78,24 @@ if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their t
   # expert shape
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run mxfp4_tests python3 -m pytest -q $T --tb=short tests/kernels/test_mxfp4_moe.py \
-    tests/kernels/test_fp4_formats.py
+    tests/kernels/test_nvfp4_moe.py tests/kernels/test_fp4_formats.py
   # the engine on MXFP4 slots: gpt_oss's MXFP4 checkpoint and qwen3_moe quantized at load, their
   # decode and prefill through the MXFP4 kernels (biases and clamped SwiGLU included)
   run mxfp4_engine_tests python3 -m pytest -q $T --tb=short tests/engine/test_mxfp4_experts.py \
     tests/engine/test_gpt_oss.py -k mxfp4
   run mxfp4_kernels python3 -m moelab.kernels.bench \
     --only fused_moe,fused_moe_mxfp4,grouped_moe,grouped_moe_mxfp4
+  # NVFP4 (ModelOpt's releases) through the same kernels: e4m3 scales per 16, per-tensor scales
+  run nvfp4_kernels python3 -m moelab.kernels.bench --only fused_moe_nvfp4,grouped_moe_nvfp4
   run mxfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
     --dtype bf16,mxfp4 --hidden 2880 --intermediate 2880 --num-experts 32 --experts 4
+  # NVFP4 checkpoints (ModelOpt's layout) on the GPU: their experts kept 4-bit in the bank and
+  # the slots, decode and prefill through nvfp4_moe, against transformers; then the CPU kernel's
+  # NVFP4 path at Qwen3.6-35B-A3B's expert shape
+  run nvfp4_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_nvfp4.py
+  run nvfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
+    --dtype bf16,nvfp4 --hidden 2048 --intermediate 512 --num-experts 64 --experts 8
 fi
 if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively and at real shapes,
   # the engine's long-prompt test on CUDA (it prints the logits' difference), decode attention
@@ -287,6 +296,20 @@ runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
       done
     done
   done
+fi
+if [ "$part" = split ]; then  # issue 56 on a two-GPU machine: the split against one GPU in bf16
+  # (tests), then Qwen3-30B-A3B's 48 layers with each card limited to 12 GiB against one card of
+  # 12 GiB: decode at batch 1 and 8, prefill of 8K (the split's steps run eagerly: no graphs)
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run split_tests python3 -m pytest -q $T --tb=short tests/engine/test_split_engine.py
+  S="--preset qwen3-30b-a3b --routing-skew 1 --device-memory 12GiB"
+  for b in 1 8; do
+    run split_one_b$b $B decode $S --batch $b --json
+    run split_one_eager_b$b $B decode $S --batch $b --no-cuda-graph --json
+    run split_two_b$b $B decode $S --devices cuda:0,cuda:1 --batch $b --json
+  done
+  run split_one_prefill8k $B prefill $S --prompt-tokens 8192 --repeats 2
+  run split_two_prefill8k $B prefill $S --devices cuda:0,cuda:1 --prompt-tokens 8192 --repeats 2
 fi
 if [ "$part" = gptoss ]; then  # gpt_oss: its kernels' tests natively (biased experts, sinks and
   # the window in decode attention), the engine against transformers on CUDA and the decode

@@ -4,7 +4,8 @@ t_min = resident_bytes / HBM + miss_bytes / (Bp + B_host), resident_bytes the de
 KV cache the step's attention reads (a hybrid model's attention layers' alone), the recurrent
 states its linear layers read and write (each sequence's conv and DeltaNet states, once each way)
 and the cached experts (an expert's bytes as the bank holds it: FP8 values and their block factors
-with --moe-expert-dtype fp8, MXFP4 blocks and scales with mxfp4), with the device copy rate
+with --moe-expert-dtype fp8, MXFP4 blocks and scales with mxfp4, NVFP4 values and both scales with
+nvfp4), with the device copy rate
 (HBM), the pinned host-to-device rate (Bp) and the host memory read rate (B_host) measured here,
 Bp and B_host while running at the same time. A slow kernel shows as a gap to this bound.
 """
@@ -92,6 +93,17 @@ def state_bytes_per_step(spec) -> int:
     return 2 * spec.state_bytes_per_seq
 
 
+def window_bytes_per_step(engine, context: float) -> float:
+    """What one sequence's decode step reads of the sliding-window layers' keys and values, as
+    their rings hold them (engine/model/window.py): each layer's last `sliding_window` tokens, at
+    most the context (0 for a model without sliding-window layers)."""
+    spec = engine.spec
+    if not spec.sliding_layers:
+        return 0.0
+    rings = engine.states
+    return rings.bytes_per_slot / rings.ring_tokens * min(context, spec.sliding_window)
+
+
 def against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
     """A timed run's tok/s beside its bound t_min, from its counts and the rates around it."""
     spec = engine.spec
@@ -100,12 +112,13 @@ def against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
     steps = args.tokens
     elapsed = timed["elapsed"]
     tok_s = args.batch * steps / elapsed
-    eb = engine.bank.expert_bytes  # as held: FP8 or MXFP4 with factors, or the dtype's
+    eb = engine.bank.expert_bytes  # as held: FP8, MXFP4 or NVFP4 with scales, or the dtype's
     elem = engine.dtype.itemsize
     dense_step = (spec.dense_params - spec.vocab_size * spec.hidden_size) * elem
     hits_step, misses_step = hits.sum() / steps, (fills.sum() + cpu.sum()) / steps
-    kv_token = engine.kv.bytes_per_token  # the attention layers' K and V, as the pages hold them
-    kv_step = args.batch * mean_context(args.prompt_tokens, steps) * kv_token
+    kv_token = engine.kv.bytes_per_token  # the paged layers' K and V, as the pages hold them
+    context = mean_context(args.prompt_tokens, steps)
+    kv_step = args.batch * (context * kv_token + window_bytes_per_step(engine, context))
     state_step = args.batch * state_bytes_per_step(spec)
     resident_bytes = dense_step + kv_step + state_step + hits_step * eb
     miss_bytes = misses_step * eb

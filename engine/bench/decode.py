@@ -242,7 +242,7 @@ def _run(args: argparse.Namespace) -> int:
         max_context=plan.max_context,
         device=str(engine.device),
         dtype=str(engine.dtype)[6:],
-        expert_dtype=engine.bank.fmt,  # "fp8", "mxfp4", or "bf16": in the compute dtype
+        expert_dtype=engine.bank.fmt,  # "fp8", "mxfp4", "nvfp4" or "bf16": the compute dtype
         expert_bytes=engine.bank.expert_bytes,
         gpu=torch.cuda.get_device_name(0) if engine.device.type == "cuda" else None,
         policy=engine.policy.mode,

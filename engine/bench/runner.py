@@ -156,7 +156,7 @@ def prefill_run(engine, args) -> dict:
     if args.kernel_profile:
         _prefill_kernel_profile(engine, args.prompt_tokens, gen, trace=args.trace)
     rates = concurrent_rates(engine)
-    eb = engine.bank.expert_bytes  # as held: FP8 or MXFP4 with factors, or the dtype's
+    eb = engine.bank.expert_bytes  # as held: FP8, MXFP4 or NVFP4 with scales, or the dtype's
     chunks = math.ceil(args.prompt_tokens / engine.config.prefill.chunk_tokens)
     stream_s = (
         0.0

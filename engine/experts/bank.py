@@ -6,8 +6,12 @@ fp32 block factors beside them, `w13_scale [E, ⌈2I/128⌉, ⌈H/128⌉]` and `
 ⌈I/128⌉]` (kernels/fp8.py): four copies an expert. An MXFP4 bank (format "mxfp4") holds them as
 blocks, `w13 [E, 2I, H/32, 16]` and `w2 [E, H, I/32, 16]` uint8 (two e2m1 values a byte), with
 their E8M0 scales `w13_scale [E, 2I, H/32]` and `w2_scale [E, H, I/32]` uint8 (kernels/mxfp4.py),
-as kernels/mxfp4_moe.py and the native CPU kernel read them. The format is the checkpoint's, or
-the one `--moe-expert-dtype` asks for, converted once as the prepacked file is written.
+as kernels/mxfp4_moe.py and the native CPU kernel read them. An NVFP4 bank (format "nvfp4",
+ModelOpt's layout: kernels/nvfp4.py) holds `w13 [E, 2I, H/2]` and `w2 [E, H, I/2]` uint8, their
+e4m3 scales `w13_scale [E, 2I, H/16]` and `w2_scale [E, H, I/16]` (float8_e4m3fn) and their
+per-tensor fp32 scales `w13_scale_2 [E, 2]` (gate's, then up's) and `w2_scale_2 [E, 1]`, as
+kernels/nvfp4_moe.py reads them. The format is the checkpoint's, or the one `--moe-expert-dtype`
+asks for, converted once as the prepacked file is written.
 
 The bank is written once in this final layout (a prepacked safetensors file in the cache
 directory) and later starts memory-map it; with CUDA present each layer is copied once into pinned
@@ -24,12 +28,13 @@ import os
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from ...kernels import fp8, mxfp4
+from ...kernels import fp8, mxfp4, nvfp4
+from ...kernels.nvfp4_moe import dequantized as nvfp4_dequantized
 from ..model.checkpoint import Expert, SafetensorsSource, TensorSource, iter_layer_experts
 from ..model.spec import CheckpointError, ModelSpec, blocks
 
@@ -45,9 +50,11 @@ _ST_CODES = {
 }
 
 Progress = Callable[[int, int], None]
-# a bank's tensors per layer, in file order (those it holds: w13 and w2, FP8 factors or MXFP4
-# scales, biases)
-TENSOR_KINDS = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
+# a bank's tensors per layer, in file order (those it holds: w13 and w2, FP8 factors or MXFP4 or
+# NVFP4 scales, NVFP4's per-tensor scales, biases)
+TENSOR_KINDS = (
+    "w13", "w2", "w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2", "w13_bias", "w2_bias",
+)  # fmt: skip
 
 
 class HostMemoryError(RuntimeError):
@@ -64,6 +71,9 @@ class ExpertBank:
     # bank)
     w13_scale: list[torch.Tensor] = field(default_factory=list)
     w2_scale: list[torch.Tensor] = field(default_factory=list)
+    # an NVFP4 bank's per-tensor scales per layer, [E, 2] and [E, 1] fp32 (empty otherwise)
+    w13_scale_2: list[torch.Tensor] = field(default_factory=list)
+    w2_scale_2: list[torch.Tensor] = field(default_factory=list)
     # gpt_oss's experts: their biases per layer, [E, 2I] and [E, H] fp32 (the CPU kernel's
     # dtype, and exact for the checkpoint's bf16), and
     # the clamped SwiGLU's limit (kernels/swiglu.py; 0: SwiGLU)
@@ -98,39 +108,51 @@ class ExpertBank:
 
     @property
     def fmt(self) -> str:
-        """ "fp8" (values and block factors), "mxfp4" (blocks and scales) or "bf16" (weights in
-        the engine's dtype)."""
+        """ "fp8" (values and block factors), "mxfp4" (blocks and scales), "nvfp4" (values, block
+        scales and per-tensor scales) or "bf16" (weights in the engine's dtype)."""
         return held_format(self.w13[0][0], self.w13_scale[0][0] if self.w13_scale else None)
 
     @property
     def block_rows(self) -> int:
         """The rows of gate and up (columns of the down projection) one scale factor covers:
-        fp8.BLOCK for an FP8 bank, mxfp4.BLOCK columns of the down projection for an MXFP4 one,
-        1 without factors (a split miss cuts at a multiple of it)."""
-        return {"fp8": fp8.BLOCK, "mxfp4": mxfp4.BLOCK}.get(self.fmt, 1)
+        fp8.BLOCK for an FP8 bank, mxfp4.BLOCK (nvfp4.BLOCK) columns of the down projection for
+        an MXFP4 (NVFP4) one, 1 without factors (a split miss cuts at a multiple of it)."""
+        return {"fp8": fp8.BLOCK, "mxfp4": mxfp4.BLOCK, "nvfp4": nvfp4.BLOCK}.get(self.fmt, 1)
 
     def cpu_args(self, moe_layer: int) -> dict[str, torch.Tensor | float]:
         """What the CPU expert runner takes beside a layer's weights: an FP8 layer's factors or an
-        MXFP4 layer's scales, gpt_oss's biases and SwiGLU limit (none for a bf16 bank of another
-        architecture)."""
+        MXFP4 or NVFP4 layer's scales, gpt_oss's biases and SwiGLU limit (none for a bf16 bank of
+        another architecture)."""
         args: dict[str, torch.Tensor | float] = {}
         if self.w13_scale:
             args.update(w13_scale=self.w13_scale[moe_layer], w2_scale=self.w2_scale[moe_layer])
+        if self.w13_scale_2:
+            args.update(
+                w13_scale_2=self.w13_scale_2[moe_layer], w2_scale_2=self.w2_scale_2[moe_layer]
+            )
         if self.w13_bias:
             args.update(w13_bias=self.w13_bias[moe_layer], w2_bias=self.w2_bias[moe_layer])
         if self.swiglu_limit:
             args["swiglu_limit"] = self.swiglu_limit
         return args
 
+    def layers(self, span: range) -> ExpertBank:
+        """The bank of the MoE layers in `span` alone (one device's of a split), its layers
+        numbered from 0: views of this bank's memory, no copy."""
+        kinds = {kind: getattr(self, kind)[span.start : span.stop] for kind in TENSOR_KINDS}
+        pinned = self.pinned[span.start : span.stop]
+        return replace(self, **kinds, pinned=pinned)
+
     def layer_tensors(self, moe_layer: int) -> list[torch.Tensor]:
-        """A layer's tensors: w13, w2 and, for an FP8 or MXFP4 bank, their factors or scales, then
-        any biases (an
-        expert's row of each is one copy into a slot: `ExpertCache.tensors`)."""
+        """A layer's tensors: w13, w2 and, for an FP8, MXFP4 or NVFP4 bank, their factors or
+        scales (NVFP4's per-tensor ones after), then any biases (an expert's row of each is one
+        copy into a slot: `ExpertCache.tensors`)."""
         return [tensors[moe_layer] for tensors in self._all() if tensors]
 
     @property
     def expert_bytes(self) -> int:
-        """One expert's bytes, as held (FP8 values and their factors, MXFP4 blocks and scales)."""
+        """One expert's bytes, as held (FP8 values and their factors, MXFP4 blocks and scales,
+        NVFP4 values and both scales)."""
         return sum(t[0][0].nbytes for t in self._all() if t)
 
     @property
@@ -154,35 +176,62 @@ def bank_bytes(spec: ModelSpec, dtype: torch.dtype, fmt: str = "bf16") -> int:
 
 
 def held_format(w13: torch.Tensor, w13_scale: torch.Tensor | None) -> str:
-    """The format of an expert's weights: "mxfp4" (uint8 blocks with scales), "fp8" (values
-    with block factors) or "bf16" (unquantized, whatever their dtype)."""
+    """The format of an expert's weights: "mxfp4" (uint8 blocks with E8M0 scales), "nvfp4"
+    (uint8 values with e4m3 scales), "fp8" (values with block factors) or "bf16" (unquantized,
+    whatever their dtype)."""
     if w13_scale is None:
         return "bf16"
-    return "mxfp4" if w13.dtype == torch.uint8 else "fp8"
-
-
-# per format: weights [N, K] from their values and scales (fp32), and the values and scales of
-# weights
-_WIDEN = {"fp8": fp8.dequantize, "mxfp4": mxfp4.dequantize}
-_QUANTIZE = {"fp8": fp8.quantize, "mxfp4": mxfp4.quantize}
+    if w13.dtype != torch.uint8:
+        return "fp8"
+    return "nvfp4" if w13_scale.dtype == torch.float8_e4m3fn else "mxfp4"
 
 
 def as_format(expert: Expert, fmt: str, dtype: torch.dtype) -> Expert:
     """An expert as the bank holds it: FP8 values and factors ("fp8", in 128x128 blocks), MXFP4
-    blocks and scales ("mxfp4", 32 values a block), or weights in `dtype` ("bf16"); a weight
-    stored in another format is widened (and quantized again where `fmt` is a quantized one)."""
+    blocks and scales ("mxfp4", 32 values a block), NVFP4 values and scales ("nvfp4", 16 values
+    a block, gate, up and down each with its per-tensor scale), or weights in `dtype` ("bf16");
+    a weight stored in another format is widened (and quantized again where `fmt` is a
+    quantized one)."""
     stored = held_format(expert.w13, expert.w13_scale)
     if stored == fmt:
         return expert
-    w13, w2 = expert.w13, expert.w2
-    if stored != "bf16":
-        w13 = _WIDEN[stored](w13, expert.w13_scale)
-        w2 = _WIDEN[stored](w2, expert.w2_scale)
+    w13 = _widened(stored, expert.w13, expert.w13_scale, expert.w13_scale_2)
+    w2 = _widened(stored, expert.w2, expert.w2_scale, expert.w2_scale_2)
+    plain = expert._replace(w13_scale=None, w2_scale=None, w13_scale_2=None, w2_scale_2=None)
     if fmt == "bf16":
-        return expert._replace(w13=w13.to(dtype), w2=w2.to(dtype), w13_scale=None, w2_scale=None)
-    q13, s13 = _QUANTIZE[fmt](w13)
-    q2, s2 = _QUANTIZE[fmt](w2)
-    return expert._replace(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
+        return plain._replace(w13=w13.to(dtype), w2=w2.to(dtype))
+    if fmt == "nvfp4":
+        q13, s13, t13 = _nvfp4_quantized(w13, 2)
+        q2, s2, t2 = _nvfp4_quantized(w2, 1)
+        return plain._replace(
+            w13=q13, w2=q2, w13_scale=s13, w2_scale=s2, w13_scale_2=t13, w2_scale_2=t2
+        )
+    quantize = fp8.quantize if fmt == "fp8" else mxfp4.quantize
+    q13, s13 = quantize(w13)
+    q2, s2 = quantize(w2)
+    return plain._replace(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
+
+
+def _widened(
+    fmt: str, w: torch.Tensor, scale: torch.Tensor | None, scale_2: torch.Tensor | None
+) -> torch.Tensor:
+    """A projection's weights [N, K] from the values and scales of `fmt` (fp32), or as held
+    ("bf16")."""
+    if fmt == "bf16":
+        return w
+    if fmt == "nvfp4":
+        return nvfp4_dequantized(w[None], scale[None], scale_2[None])[0]
+    return (fp8.dequantize if fmt == "fp8" else mxfp4.dequantize)(w, scale)
+
+
+def _nvfp4_quantized(
+    w: torch.Tensor, parts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights [N, K] as NVFP4 values, block scales and `parts` per-tensor scales [parts], one
+    for each run of N/parts rows (w13: gate, then up, quantized apart as ModelOpt does)."""
+    quantized = [nvfp4.quantize(rows) for rows in w.chunk(parts)]
+    values, scales, tensor_scales = zip(*quantized, strict=True)
+    return torch.cat(values), torch.cat(scales), torch.stack(tensor_scales)
 
 
 def check_host_memory(needed_bytes: int, *, pinned: bool) -> None:
@@ -229,7 +278,8 @@ def _layout(
     spec: ModelSpec, dtype: torch.dtype, fmt: str
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """The bank's tensors in file order: per MoE layer w13, w2 (and for FP8 their factors, for
-    MXFP4 their scales, for gpt_oss their biases), named layer{m}.{kind} (TENSOR_KINDS)."""
+    MXFP4 their scales, for NVFP4 both its scales, for gpt_oss their biases), named
+    layer{m}.{kind} (TENSOR_KINDS)."""
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     out = []
     values = torch.float8_e4m3fn if fmt == "fp8" else dtype
@@ -242,6 +292,16 @@ def _layout(
                 (f"layer{m}.w2", (e, h, i // b, b // 2), u8),
                 (f"layer{m}.w13_scale", (e, 2 * i, h // b), u8),
                 (f"layer{m}.w2_scale", (e, h, i // b), u8),
+            ]
+        elif fmt == "nvfp4":
+            b, u8, e4m3, f32 = nvfp4.BLOCK, torch.uint8, torch.float8_e4m3fn, torch.float32
+            out += [
+                (f"layer{m}.w13", (e, 2 * i, h // 2), u8),
+                (f"layer{m}.w2", (e, h, i // 2), u8),
+                (f"layer{m}.w13_scale", (e, 2 * i, h // b), e4m3),
+                (f"layer{m}.w2_scale", (e, h, i // b), e4m3),
+                (f"layer{m}.w13_scale_2", (e, 2), f32),
+                (f"layer{m}.w2_scale_2", (e, 1), f32),
             ]
         else:
             out += [(f"layer{m}.w13", (e, 2 * i, h), values), (f"layer{m}.w2", (e, h, i), values)]
@@ -257,7 +317,7 @@ def _layout(
 
 
 def _per_layer(spec: ModelSpec, fmt: str) -> int:
-    return (2 if fmt == "bf16" else 4) + (2 if spec.expert_bias else 0)
+    return {"bf16": 2, "nvfp4": 6}.get(fmt, 4) + (2 if spec.expert_bias else 0)
 
 
 def _kind(name: str) -> str:
@@ -274,7 +334,8 @@ def _fill_layer(
     dtype: torch.dtype,
 ) -> None:
     """Copy a layer's experts, converted to the bank's format, into its tensors (by kind:
-    w13, w2 and for FP8 their factors, for MXFP4 their scales, for gpt_oss their biases)."""
+    w13, w2 and for FP8 their factors, for MXFP4 and NVFP4 their scales, for gpt_oss their
+    biases)."""
     for expert in iter_layer_experts(spec, source, layer):
         held = as_format(expert, fmt, dtype)._asdict()
         for kind, dst in tensors.items():

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ...kernels import mxfp4
+from ...kernels import mxfp4, nvfp4
 from ..model.spec import blocks
 from .bank import ExpertBank
 from .h2d import HostToDevice
@@ -52,13 +52,15 @@ class ExpertCache:
         self.intermediate_size = intermediate_size
         self.dtype = dtype  # the compute dtype; the slots' own where fmt is "bf16"
         # "fp8": the slots hold FP8 values and their block factors, "mxfp4" MXFP4 blocks and their
-        # scales (bank.py)
+        # scales, "nvfp4" NVFP4 values, their block scales and their per-tensor scales (bank.py)
         self.fmt = fmt
         self.device = device
         self.w13 = torch.empty(0)
         self.w2 = torch.empty(0)
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
+        self.w13_scale_2: torch.Tensor | None = None
+        self.w2_scale_2: torch.Tensor | None = None
         # gpt_oss: each slot's biases (fp32, as the bank's) and the clamped SwiGLU's limit (0:
         # SwiGLU)
         self.bias = bias
@@ -119,18 +121,24 @@ class ExpertCache:
 
     def tensors(self) -> list[torch.Tensor]:
         """The slots' tensors, in the order of `ExpertBank.layer_tensors`: w13, w2, for an FP8
-        cache their factors (an MXFP4 one's scales), then any biases."""
-        extra = (self.w13_scale, self.w2_scale, self.w13_bias, self.w2_bias)
+        cache their factors (an MXFP4 or NVFP4 one's scales, NVFP4's per-tensor ones after),
+        then any biases."""
+        extra = (
+            self.w13_scale, self.w2_scale, self.w13_scale_2, self.w2_scale_2, self.w13_bias,
+            self.w2_bias,
+        )  # fmt: skip
         return [self.w13, self.w2, *(t for t in extra if t is not None)]
 
     def kernel_args(self) -> dict[str, torch.Tensor | float]:
         """What the MoE kernels take beside the slots' weights: an FP8 cache's factors, an MXFP4
-        one's scales (moe_kernels.py), gpt_oss's biases and SwiGLU limit (nothing for a bf16
-        cache of another architecture)."""
+        or NVFP4 one's scales (moe_kernels.py), gpt_oss's biases and SwiGLU limit (nothing for a
+        bf16 cache of another architecture)."""
         args: dict[str, torch.Tensor | float] = {}
         if self.w13_scale is not None and self.w2_scale is not None:
-            names = ("w13_scale", "w2_scale") if self.fmt == "mxfp4" else SCALE_INV
+            names = SCALE_INV if self.fmt == "fp8" else ("w13_scale", "w2_scale")
             args.update(zip(names, (self.w13_scale, self.w2_scale), strict=True))
+        if self.w13_scale_2 is not None and self.w2_scale_2 is not None:
+            args.update(w13_scale_2=self.w13_scale_2, w2_scale_2=self.w2_scale_2)
         if self.w13_bias is not None and self.w2_bias is not None:
             args.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
         if self.swiglu_limit:
@@ -245,6 +253,13 @@ class ExpertCache:
             shape13, shape2 = (slots, 2 * i, h // b, b // 2), (slots, h, i // b, b // 2)
             self.w13_scale = torch.zeros(shape13[:3], dtype=values, device=dev)
             self.w2_scale = torch.zeros(shape2[:3], dtype=values, device=dev)
+        if self.fmt == "nvfp4":
+            values, b, e4m3 = torch.uint8, nvfp4.BLOCK, torch.float8_e4m3fn
+            shape13, shape2 = (slots, 2 * i, h // 2), (slots, h, i // 2)
+            self.w13_scale = torch.zeros((slots, 2 * i, h // b), dtype=e4m3, device=dev)
+            self.w2_scale = torch.zeros((slots, h, i // b), dtype=e4m3, device=dev)
+            self.w13_scale_2 = torch.zeros((slots, 2), dtype=torch.float32, device=dev)
+            self.w2_scale_2 = torch.zeros((slots, 1), dtype=torch.float32, device=dev)
         self.w13 = torch.empty(shape13, dtype=values, device=dev)
         # zeroed: a split miss's slot (decode_planner.h) adds its down projection's columns past
         # the copied ones times zero, which must not be NaN in a slot never filled
@@ -272,6 +287,7 @@ class ExpertCache:
         keep = keep[-slots:] if slots else []
         self.w13 = self.w2 = torch.empty(0)
         self.w13_scale = self.w2_scale = self.w13_bias = self.w2_bias = None
+        self.w13_scale_2 = self.w2_scale_2 = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.slot_of.fill(-1)

@@ -89,12 +89,15 @@ class PrefillStream:
         return out
 
     def _kernel_args(self, extra: list[torch.Tensor]) -> dict[str, torch.Tensor | float]:
-        """A buffer's tensors past w13 and w2 (an FP8 bank's factors or an MXFP4 one's scales,
-        then any biases) named as moe_kernels.prefill takes them, with the bank's SwiGLU limit."""
+        """A buffer's tensors past w13 and w2 (an FP8 bank's factors or an MXFP4 or NVFP4 one's
+        scales, NVFP4's per-tensor ones, then any biases) named as moe_kernels.prefill takes
+        them, with the bank's SwiGLU limit."""
         bank = self.bank
-        scales = ["w13_scale", "w2_scale"] if bank.fmt == "mxfp4" else list(SCALE_INV)
-        names = (scales if bank.w13_scale else []) + (
-            ["w13_bias", "w2_bias"] if bank.w13_bias else []
+        scales = list(SCALE_INV) if bank.fmt == "fp8" else ["w13_scale", "w2_scale"]
+        names = (
+            (scales if bank.w13_scale else [])
+            + (["w13_scale_2", "w2_scale_2"] if bank.w13_scale_2 else [])
+            + (["w13_bias", "w2_bias"] if bank.w13_bias else [])
         )
         args: dict[str, torch.Tensor | float] = dict(zip(names, extra, strict=True))
         if bank.swiglu_limit:

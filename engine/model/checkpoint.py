@@ -7,7 +7,8 @@ A weight stored as FP8 (float8_e4m3fn, Hugging Face's fine-grained layout: kerne
 with its fp32 block factors, `<name>_scale_inv`. Dense weights are widened to the compute dtype as
 they load (their share of an MoE's bytes is small: docs/models.md); experts are handed on as
 stored, values and factors, and the bank keeps or converts them. An NVFP4 weight (ModelOpt's
-layout: modelopt.py) is read as its fp32 values, for want of a kernel that reads the format.
+layout: modelopt.py) is read as its fp32 values where it is a dense one, and as stored (values,
+block scales, per-tensor scale) where it is an expert's, stored one tensor per expert.
 """
 
 from __future__ import annotations
@@ -152,20 +153,26 @@ class SafetensorsSource:
 
     def get(self, name: str) -> torch.Tensor:
         """A tensor as stored; an NVFP4 weight widened to fp32 by its two scales."""
-        if self._nvfp4(name):
-            scale = name + modelopt.SCALE
-            meta = self._meta.get(scale, {})
-            problem = modelopt.scale_problem(
-                name,
-                tuple(self._meta[name]["shape"]),
-                tuple(meta.get("shape", ())),
-                str(meta.get("dtype", "missing")),
-            )
-            if problem is not None:
-                raise CheckpointError(problem)
-            scale_2 = self._read(name + modelopt.SCALE_2)
-            return nvfp4.dequantize(self._read(name), self._read(scale), scale_2)
-        return self._read(name)
+        packed = self.nvfp4(name)
+        return self._read(name) if packed is None else nvfp4.dequantize(*packed)
+
+    def nvfp4(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """An NVFP4 weight as stored: (values uint8, block scales float8_e4m3fn, per-tensor
+        scale fp32 of shape []); None for a weight of another format."""
+        if not self._nvfp4(name):
+            return None
+        scale = name + modelopt.SCALE
+        meta = self._meta.get(scale, {})
+        problem = modelopt.scale_problem(
+            name,
+            tuple(self._meta[name]["shape"]),
+            tuple(meta.get("shape", ())),
+            str(meta.get("dtype", "missing")),
+        )
+        if problem is not None:
+            raise CheckpointError(problem)
+        scale_2 = self._read(name + modelopt.SCALE_2).float().reshape(())
+        return self._read(name), self._read(scale), scale_2
 
     def _read(self, name: str) -> torch.Tensor:
         self.dtype(name)
@@ -178,19 +185,26 @@ class SafetensorsSource:
 
 
 def _need(source: TensorSource, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    _check_shape(source, name, shape)
+    return source.get(name)
+
+
+def _check_shape(source: TensorSource, name: str, shape: tuple[int, ...]) -> None:
     if not source.has(name):
         raise CheckpointError(f"the checkpoint has no tensor {name}")
     found = tuple(source.shape(name))
     if found != shape:
         raise CheckpointError(f"tensor {name} has shape {list(found)}, expected {list(shape)}")
-    return source.get(name)
 
 
 class Expert(NamedTuple):
     """One routed expert as stored: w13 [2I, H] (gate rows, then up rows) and w2 [H, I], and
     for FP8 their block factors [⌈2I/128⌉, ⌈H/128⌉] and [⌈H/128⌉, ⌈I/128⌉] (None otherwise);
     for MXFP4 (uint8) w13 and w2 are blocks [2I, H/32, 16] and [H, I/32, 16] and the scales
-    their E8M0 codes [2I, H/32] and [H, I/32] (kernels/mxfp4.py)."""
+    their E8M0 codes [2I, H/32] and [H, I/32] (kernels/mxfp4.py); for NVFP4 (uint8 beside e4m3
+    scales) w13 and w2 are values [2I, H/2] and [H, I/2], the scales e4m3 [2I, H/16] and
+    [H, I/16], and w13_scale_2 [2] (gate's, up's) and w2_scale_2 [1] the per-tensor scales
+    (kernels/nvfp4.py)."""
 
     index: int
     w13: torch.Tensor
@@ -200,6 +214,9 @@ class Expert(NamedTuple):
     # gpt_oss: the projections' biases [2I] (gate's, then up's) and [H]
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
+    # NVFP4: the per-tensor scales
+    w13_scale_2: torch.Tensor | None = None
+    w2_scale_2: torch.Tensor | None = None
 
 
 def _scale_of(source: TensorSource, name: str, values: torch.Tensor) -> torch.Tensor | None:
@@ -400,6 +417,10 @@ def iter_layer_experts(spec: ModelSpec, source: TensorSource, layer: int) -> Ite
         return
     for e in range(n):
         gate_name, up_name, down_name = names[3 * e : 3 * e + 3]
+        packed = _nvfp4_expert(source, e, gate_name, up_name, down_name, (i, h))
+        if packed is not None:
+            yield packed
+            continue
         gate = _need(source, gate_name, (i, h))
         up = _need(source, up_name, (i, h))
         down = _need(source, down_name, (h, i))
@@ -419,6 +440,30 @@ def iter_layer_experts(spec: ModelSpec, source: TensorSource, layer: int) -> Ite
         stacked = torch.cat([fp8.dequantize(gate, gate_scale), fp8.dequantize(up, up_scale)])
         w13, w13_scale = fp8.quantize(stacked)
         yield Expert(e, w13, down, w13_scale, down_scale)
+
+
+def _nvfp4_expert(
+    source: TensorSource, index: int, gate: str, up: str, down: str, shape: tuple[int, int]
+) -> Expert | None:
+    """An expert whose three projections are NVFP4, as stored (None where any is not, or the
+    source reads no NVFP4 as stored)."""
+    if not isinstance(source, SafetensorsSource):
+        return None
+    if not all(source.has(name) and source._nvfp4(name) for name in (gate, up, down)):
+        return None
+    i, h = shape
+    for name, want in ((gate, (i, h)), (up, (i, h)), (down, (h, i))):
+        _check_shape(source, name, want)
+    (g, gs, gt), (u, us, ut), (d, ds, dt) = (source.nvfp4(name) for name in (gate, up, down))
+    return Expert(
+        index,
+        torch.cat([g, u]),
+        d,
+        torch.cat([gs, us]),
+        ds,
+        w13_scale_2=torch.stack([gt, ut]),
+        w2_scale_2=dt.reshape(1),
+    )
 
 
 def _mixed(layer: int, which: str) -> CheckpointError:

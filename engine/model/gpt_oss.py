@@ -92,10 +92,11 @@ def attention(
     scale: float,
     sinks: torch.Tensor,
     window: int,
+    first: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of q [n, Hq, D] (the last n positions) over k, v [L, Hkv, D] with a sink
-    logit per head [Hq] in each softmax and, where window > 0, each position seeing only the
-    last `window` positions.
+    """Causal attention of q [n, Hq, D] (the last n positions) over k, v [L, Hkv, D], the keys
+    of positions first..first+L-1, with a sink logit per head [Hq] in each softmax and, where
+    window > 0, each position seeing only the last `window` positions.
 
     One fused attention call with a boolean mask [n, L'] shared by the heads: the sink is one
     more key, whose value is zero, and whose score is the head's sink through one more dimension
@@ -103,11 +104,12 @@ def attention(
     backends take the head size. A per-head float mask instead would hold Hq · n · L values
     (17 GB at gpt-oss's 64 heads, a chunk of 2,048 and 32K of context). The keys before the
     window of the chunk's first position are left out."""
-    n, length, heads, dim = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
-    first = max(0, length - n - window + 1) if window else 0
-    k, v = k[first:], v[first:]
+    n, heads, dim = q.shape[0], q.shape[1], q.shape[2]
+    length = first + k.shape[0]
+    skip = max(0, length - n - window + 1 - first) if window else 0
+    k, v = k[skip:], v[skip:]
     rows = torch.arange(length - n, length, device=q.device)[:, None]
-    cols = torch.arange(first, length, device=q.device)[None, :]
+    cols = torch.arange(first + skip, length, device=q.device)[None, :]
     visible = cols <= rows
     if window:
         visible &= cols > rows - window

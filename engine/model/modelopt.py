@@ -7,9 +7,9 @@ NVFP4`, `group_size: 16`, `exclude_modules`), or hf_quant_config.json does in it
 its e4m3 `weight_scale` (one per 16 values) and fp32 `weight_scale_2`; the excluded modules
 (embeddings, routers, lm_head, ...) are stored unquantized and read by their dtype.
 
-No kernel reads NVFP4, so the weights are widened to fp32 as they are read (checkpoint.py's
-SafetensorsSource): dense weights load in the compute dtype and the experts go into the bank in
-the format --moe-expert-dtype names, FP8 for `auto` (the nearest format the kernels read).
+Dense weights are widened to fp32 as they are read (checkpoint.py's SafetensorsSource) and load
+in the compute dtype; the experts are read as stored and go into the bank as NVFP4 for
+`--moe-expert-dtype auto` (kernels/nvfp4_moe.py reads them), or in the format the flag names.
 """
 
 from __future__ import annotations

@@ -58,9 +58,13 @@ UNQUANTIZED_DTYPES = [code for code in SAFETENSORS_DTYPES if code not in ("F8_E4
 # with one fp32 factor per 128x128 block (`weight_scale_inv`)
 FP8_BLOCK = 128
 RECURRENT_STATE_BYTES = 4  # the DeltaNet state is held in fp32
-EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")  # how the bank holds the routed experts
+EXPERT_FORMATS = ("bf16", "fp8", "mxfp4", "nvfp4")  # how the bank holds the routed experts
 # MXFP4 (kernels/mxfp4.py): one E8M0 scale byte per this many e2m1 values, two values a byte
 MXFP4_BLOCK = 32
+# NVFP4 (kernels/nvfp4.py): one e4m3 scale byte per this many e2m1 values, and an fp32 scale per
+# projection (an expert's gate, up and down: three)
+NVFP4_BLOCK = modelopt.GROUP_SIZE
+NVFP4_TENSOR_SCALES = 3
 
 
 def blocks(n: int, block: int = FP8_BLOCK) -> int:
@@ -305,13 +309,13 @@ class ModelSpec:
         `requested` (--moe-expert-dtype), or where "auto" as the checkpoint stores them."""
         fmt = requested
         if requested == "auto":
-            # NVFP4 as FP8, the nearest format the kernels read (engine/model/modelopt.py)
-            fmt = {"fp8": "fp8", "mxfp4": "mxfp4", "nvfp4": "fp8"}.get(self.quantization, "bf16")
+            fmt = self.quantization if self.quantization in EXPERT_FORMATS else "bf16"
         h, i = self.hidden_size, self.moe_intermediate_size
-        if fmt == "mxfp4" and (h % MXFP4_BLOCK or i % MXFP4_BLOCK):
+        block = {"mxfp4": MXFP4_BLOCK, "nvfp4": NVFP4_BLOCK}.get(fmt)
+        if block and (h % block or i % block):
             raise CheckpointError(
-                f"--moe-expert-dtype mxfp4 blocks {MXFP4_BLOCK} values along hidden_size ({h}) and "
-                f"moe_intermediate_size ({i}), which must both be multiples of {MXFP4_BLOCK}: use "
+                f"--moe-expert-dtype {fmt} blocks {block} values along hidden_size ({h}) and "
+                f"moe_intermediate_size ({i}), which must both be multiples of {block}: use "
                 "--moe-expert-dtype fp8 or bf16 for this model"
             )
         return fmt
@@ -319,8 +323,9 @@ class ModelSpec:
     def expert_bytes_as(self, fmt: str, elem_bytes: int | None = None) -> int:
         """Bytes of one routed expert held as `fmt`: FP8 values and their fp32 block factors
         (w13's [⌈2I/128⌉, ⌈H/128⌉] and w2's [⌈H/128⌉, ⌈I/128⌉]), MXFP4 half a byte a weight and
-        a scale byte per 32 (4.25 bits a weight), else `elem_bytes` a weight (the checkpoint's
-        dtype where not given); gpt_oss's fp32 biases with any."""
+        a scale byte per 32 (4.25 bits a weight), NVFP4 half a byte a weight, a scale byte per 16
+        and an fp32 scale per projection (4.5 bits a weight), else `elem_bytes` a weight (the
+        checkpoint's dtype where not given); gpt_oss's fp32 biases with any."""
         h, i = self.hidden_size, self.moe_intermediate_size
         # gpt_oss's biases beside the weights, fp32 (engine/experts/bank.py)
         biases = 4 * (2 * i + h) if self.expert_bias else 0
@@ -329,6 +334,9 @@ class ModelSpec:
             return self.expert_params + 4 * factors + biases
         if fmt == "mxfp4":
             return self.expert_params // 2 + self.expert_params // MXFP4_BLOCK + biases
+        if fmt == "nvfp4":
+            scales = self.expert_params // NVFP4_BLOCK + 4 * NVFP4_TENSOR_SCALES
+            return self.expert_params // 2 + scales + biases
         return self.expert_params * (elem_bytes or self.dtype_bytes) + biases
 
     @property
@@ -344,6 +352,17 @@ class ModelSpec:
     def attention_layers(self) -> tuple[int, ...]:
         """The layers with full attention: those that keep a KV cache."""
         return tuple(i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION)
+
+    @property
+    def paged_layers(self) -> tuple[int, ...]:
+        """The full-attention layers that keep pages for the whole context (the paged KV cache,
+        kv.py): all but the sliding-window ones, which keep their window's (window.py)."""
+        return tuple(i for i in self.attention_layers if i not in self.sliding_layers)
+
+    def window_ring_tokens(self, block_size: int) -> int:
+        """Tokens a sequence keeps per sliding-window layer: the window in whole pages of
+        `block_size` (window.py); 0 without sliding layers."""
+        return -(-self.sliding_window // block_size) * block_size if self.sliding_layers else 0
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
@@ -362,8 +381,8 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV cache bytes of one token: keys and values of the full attention layers."""
-        return 2 * len(self.attention_layers) * self.kv_size * self.dtype_bytes
+        """KV cache bytes of one token: keys and values of the paged attention layers."""
+        return 2 * len(self.paged_layers) * self.kv_size * self.dtype_bytes
 
     @property
     def conv_state_bytes_per_seq(self) -> int:

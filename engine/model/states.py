@@ -17,6 +17,7 @@ pages reach a checkpoint copies it into its slot and is prefilled from there.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 
 import torch
@@ -30,34 +31,17 @@ assert RECURRENT_STATE_DTYPE.itemsize == RECURRENT_STATE_BYTES
 CheckpointName = tuple[int, int]  # (the prefix's last KV page's name hashed, its token count)
 
 
-class StatePool:
-    """Convolution and DeltaNet states of every linear layer, in `num_slots` slots; one more
-    slot, never handed out, takes the state updates of a CUDA graph's padding rows; and
-    `checkpoints` rows after it for state checkpoints."""
+class SlotPool(ABC):
+    """Per-sequence memory of a fixed size in `num_slots` slots, one more slot that takes a CUDA
+    graph's padding rows, and `checkpoints` rows after it: copies of a slot named by the prefix
+    it holds, kept for later prompts and dropped least recently used first. A subclass holds the
+    memory (`_clear`, `_copy` of whole rows)."""
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        num_slots: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        checkpoints: int = 0,
-    ) -> None:
-        linear = spec.linear_attention
-        assert linear is not None and spec.linear_layers and num_slots >= 1 and checkpoints >= 0
-        layers = len(spec.linear_layers)
+    def __init__(self, num_slots: int, checkpoints: int) -> None:
+        assert num_slots >= 1 and checkpoints >= 0
         rows = num_slots + 1 + checkpoints
-        self.conv = torch.zeros(
-            (layers, rows, *linear.conv_state_shape()), device=device, dtype=dtype
-        )
-        self.recurrent = torch.zeros(
-            (layers, rows, *linear.recurrent_state_shape()),
-            device=device,
-            dtype=RECURRENT_STATE_DTYPE,
-        )
         self.num_slots = num_slots
         self.pad_slot = num_slots
-        self._row = {layer: row for row, layer in enumerate(spec.linear_layers)}
         self._free = list(range(num_slots - 1, -1, -1))
         self.checkpoint_capacity = checkpoints
         self._kept: OrderedDict[CheckpointName, int] = OrderedDict()  # rows; least recent first
@@ -72,21 +56,11 @@ class StatePool:
     def used_slots(self) -> int:
         return self.num_slots - len(self._free)
 
-    @property
-    def bytes_per_slot(self) -> int:
-        """One sequence's states over all linear layers (spec.state_bytes_per_seq)."""
-        return (self.conv[:, 0].nbytes + self.recurrent[:, 0].nbytes) if self.num_slots else 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.conv.nbytes + self.recurrent.nbytes
-
     def allocate(self) -> int:
-        """Take a free slot, zeroed (the caller checks `free_slots` first)."""
-        assert self._free, "state slot allocation beyond the free slots"
+        """Take a free slot, cleared (the caller checks `free_slots` first)."""
+        assert self._free, "slot allocation beyond the free slots"
         slot = self._free.pop()
-        self.conv[:, slot].zero_()
-        self.recurrent[:, slot].zero_()
+        self._clear(slot)
         return slot
 
     def release(self, slot: int) -> None:
@@ -102,9 +76,9 @@ class StatePool:
         return name in self._kept
 
     def keep(self, name: CheckpointName, slot: int) -> None:
-        """Copy a sequence's slot into the checkpoint `name` (its state after that prefix), in a
-        spare row or else in the least recently used checkpoint's; a checkpoint already kept
-        under `name` holds that state already and is only marked used."""
+        """Copy a sequence's slot into the checkpoint `name` (what it holds after that prefix),
+        in a spare row or else in the least recently used checkpoint's; a checkpoint already
+        kept under `name` holds that already and is only marked used."""
         if not self.checkpoint_capacity:
             return
         if name in self._kept:
@@ -121,6 +95,54 @@ class StatePool:
         self._kept.move_to_end(name)
         self._copy(row, slot)
         self.checkpoints_resumed += 1
+
+    @abstractmethod
+    def _clear(self, slot: int) -> None: ...
+
+    @abstractmethod
+    def _copy(self, src: int, dst: int) -> None: ...
+
+
+class StatePool(SlotPool):
+    """Convolution and DeltaNet states of every linear layer, in `num_slots` slots; one more
+    slot, never handed out, takes the state updates of a CUDA graph's padding rows; and
+    `checkpoints` rows after it for state checkpoints."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        num_slots: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        checkpoints: int = 0,
+    ) -> None:
+        super().__init__(num_slots, checkpoints)
+        linear = spec.linear_attention
+        assert linear is not None and spec.linear_layers
+        layers = len(spec.linear_layers)
+        rows = num_slots + 1 + checkpoints
+        self.conv = torch.zeros(
+            (layers, rows, *linear.conv_state_shape()), device=device, dtype=dtype
+        )
+        self.recurrent = torch.zeros(
+            (layers, rows, *linear.recurrent_state_shape()),
+            device=device,
+            dtype=RECURRENT_STATE_DTYPE,
+        )
+        self._row = {layer: row for row, layer in enumerate(spec.linear_layers)}
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """One sequence's states over all linear layers (spec.state_bytes_per_seq)."""
+        return (self.conv[:, 0].nbytes + self.recurrent[:, 0].nbytes) if self.num_slots else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    def _clear(self, slot: int) -> None:
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()
 
     def _copy(self, src: int, dst: int) -> None:
         self.conv[:, dst].copy_(self.conv[:, src])

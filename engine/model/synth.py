@@ -43,6 +43,7 @@ from .synth_hybrid import (
     hybrid_tensor,
     layer_of,
 )
+from .window import WindowPool
 
 # Geometry shared by the architectures; each is mapped to its own config.json field names below.
 PRESETS: dict[str, dict] = {
@@ -404,7 +405,11 @@ class SynthSource:
         dense = dense or load_dense(spec, self, device, dtype)
         executor = _CalibrationExperts(self, device, dtype, experts)
         kv = KVCache(spec, 1, length, device, dtype, prefix_cache=False)  # one prompt's block
-        states = StatePool(spec, 1, device, dtype) if spec.linear_layers else None
+        states: StatePool | WindowPool | None = None
+        if spec.linear_layers:
+            states = StatePool(spec, 1, device, dtype)
+        elif spec.sliding_layers:
+            states = WindowPool(spec, 1, length, device, dtype)
         model = Model(spec, dense, executor, kv, max_positions=length + 1, states=states)
         self._refine(model, length)
         del model, executor, kv, states

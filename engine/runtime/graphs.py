@@ -65,7 +65,7 @@ class DecodeRow:
     blocks: list[int]
     source: int = -1
     draw: RowDraw = GREEDY_ROW  # how its next token is drawn (GREEDY_ROW: the top logit)
-    state_slot: int = -1  # a hybrid model's: its sequence's slot in the state pool
+    state_slot: int = -1  # hybrid and sliding-window models: the sequence's slot
 
 
 # What a captured piece hands to the host: the MoE layer's input, routing and weights, and the
@@ -128,9 +128,10 @@ class DecodeGraphs:
         # the long block is the last replay's tokens (written on the device, never sent);
         # each row's input token is gathered from rows 0-1 by its index in row 4, so it can be a
         # token the host has not seen yet. Rows 5-6 are each row's seed and top-k for its draw
-        # (`RowDraw`), row 7 a hybrid model's state slots. The int32 block holds the block
-        # tables, then the sequence lengths, then three fp32 rows of the draws: the inverse
-        # temperature, top-p and min-p's offset.
+        # (`RowDraw`), row 7 the state slots of a hybrid model (its recurrent states) or of a
+        # sliding-window one (its rings, whose tables the step makes from them). The int32 block
+        # holds the block tables, then the sequence lengths, then three fp32 rows of the draws:
+        # the inverse temperature, top-p and min-p's offset.
         # Two sets of mirrors, used in turn: with overlapped decode the host writes step N+2's
         # inputs once step N is done, while step N+1's copies may still be queued.
         pin = dev.type == "cuda"

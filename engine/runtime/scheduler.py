@@ -3,16 +3,17 @@
 A request is admitted when the KV cache can hold its whole prompt plus `max_tokens`, so a running
 sequence never runs out of KV; requests that cannot fit yet wait in the queue. A hybrid model's
 sequence also takes a slot of the state pool (states.py) at admission and gives it back when it
-ends. A prompt that
-begins with blocks an earlier request computed takes them from the prefix cache (kv.py) and is
-prefilled from there. Long prompts are prefilled in chunks, alternating with decode steps of the
-running sequences.
+ends, and so does a sliding-window model's, whose slot holds its sliding layers' window
+(window.py). A prompt that begins with blocks an earlier request computed takes them from the
+prefix cache (kv.py) and is prefilled from there. Long prompts are prefilled in chunks,
+alternating with decode steps of the running sequences.
 
-A hybrid model's prompt resumes only where its state is known: at the longest of its matched
-blocks that ends at a state checkpoint of the same prefix. Its own checkpoints are taken at the
-token counts its request names (`Sequence.boundaries`: where a chat's messages end) and every
-`checkpoint_interval` tokens, each rounded down to a whole KV block so that the pages before it
-are named, and a prefill chunk ends at each of them.
+A hybrid or sliding-window model's prompt resumes only where its state (the recurrent states, or
+the windows' tokens) is known: at the longest of its matched blocks that ends at a state
+checkpoint of the same prefix. Its own checkpoints are taken at the token counts its request
+names (`Sequence.boundaries`: where a chat's messages end) and every `checkpoint_interval`
+tokens, each rounded down to a whole KV block so that the pages before it are named, and a
+prefill chunk ends at each of them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..model.kv import KVCache, block_names
-from ..model.states import StatePool
+from ..model.states import SlotPool
 from .sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
@@ -48,9 +49,9 @@ class Sequence:
     named_blocks: int = 0  # leading blocks named in the prefix cache (`Scheduler.name_blocks`)
     chain: int = 0  # the last named block's name hashed
     pending: int = 0  # tokens sampled on the device by a step in flight, not yet in output_ids
-    state_slot: int = -1  # hybrid models: its slot in the state pool while it runs
-    # hybrid models: prompt token counts the request names as places to keep the state at (the
-    # end of a chat's system prompt and of its last message), and those still to be kept
+    state_slot: int = -1  # hybrid and sliding-window models: its slot while it runs
+    # and prompt token counts the request names as places to keep the state at (the end of a
+    # chat's system prompt and of its last message), and those still to be kept
     boundaries: tuple[int, ...] = ()
     checkpoints: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
@@ -99,11 +100,11 @@ class Scheduler:
         kv: KVCache,
         max_running: int,
         chunk_tokens: int,
-        states: StatePool | None = None,
+        states: SlotPool | None = None,
         checkpoint_interval: int = 0,
     ) -> None:
         self.kv = kv
-        self.states = states  # a hybrid model's recurrent states, one slot per running sequence
+        self.states = states  # recurrent states or windows' rings, a slot per running sequence
         self.checkpoint_interval = checkpoint_interval  # 0: checkpoints at boundaries only
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
@@ -139,7 +140,8 @@ class Scheduler:
 
     @property
     def checkpointing(self) -> bool:
-        """Whether a hybrid model keeps state checkpoints (and so matches cached pages)."""
+        """Whether a hybrid or sliding-window model keeps checkpoints (and so matches cached
+        pages)."""
         states = self.states
         return states is not None and bool(states.checkpoint_capacity) and self.kv.prefix_cache
 
@@ -183,9 +185,9 @@ class Scheduler:
             self.running.append(seq)
 
     def _resumable(self, prompt: list[int], cached: list[int]) -> tuple[list[int], int]:
-        """Of a hybrid model's matched blocks, those up to the last one that ends at a state
-        checkpoint of the same prefix (none where no checkpoint is kept there), and that block's
-        name hashed (0 for none)."""
+        """Of a hybrid or sliding-window model's matched blocks, those up to the last one that
+        ends at a state checkpoint of the same prefix (none where no checkpoint is kept there),
+        and that block's name hashed (0 for none)."""
         states, size = self.states, self.kv.block_size
         assert states is not None
         chains = [hashed for _, hashed in block_names(prompt, size, 0, len(cached), 0)]
@@ -264,8 +266,8 @@ class Scheduler:
         seq.named_blocks = full
 
     def keep_state(self, seq: Sequence) -> None:
-        """Keep a hybrid model's state checkpoint where the sequence's computed tokens reached
-        its next one (after `name_blocks` named the pages before it)."""
+        """Keep a hybrid or sliding-window model's checkpoint where the sequence's computed
+        tokens reached its next one (after `name_blocks` named the pages before it)."""
         if not seq.checkpoints or seq.computed != seq.checkpoints[0]:
             return
         assert self.states is not None and seq.named_blocks * self.kv.block_size == seq.computed

@@ -101,8 +101,9 @@ class ExpertReports(Reports, Protocol):
 
 
 class StateSlots(Protocol):
-    """A hybrid model's recurrent states as telemetry reads them (engine/model/states.py): a slot
-    per running sequence."""
+    """A hybrid model's recurrent states (engine/model/states.py), or a sliding-window model's
+    rings (window.py, with `ring_tokens`), as telemetry reads them: a slot per running
+    sequence."""
 
     @property
     def num_slots(self) -> int: ...
@@ -142,10 +143,13 @@ class Telemetry:
         scheduler: Reports,
         enabled: bool = True,
         states: StateSlots | None = None,
+        devices: Callable[[], list[dict]] | None = None,
     ) -> None:
         self.spec = spec
         self.engine = engine
         self.states = states
+        # each device's part of the model (Engine.device_reports), where told
+        self.devices = devices
         self.experts = experts
         self.cache = cache
         self.bank = bank
@@ -244,16 +248,18 @@ class Telemetry:
             throughput[f"prefill_tok_s_{w}s"] = self.prefill.rate(w, now, self._t0)
         kv = engine.kv
         weights = plan.weights_bytes
+        fixed = self.states.nbytes if self.states is not None else 0
+        rings = fixed if self.spec.sliding_layers else 0
         used_device = {
             "index": engine.device.index or 0,
             "total": plan.budget_bytes,
             "weights": weights,
-            "kv": kv.nbytes,
+            "kv": kv.nbytes + rings,
             "expert_cache": cache["bytes"],
             "prefill_buffer": experts["prefill_buffer_bytes"],
             "activations": plan.activation_bytes,
             "graphs": plan.graph_bytes,
-            "states": self.states.nbytes if self.states is not None else 0,
+            "states": fixed - rings,
         }
         if engine.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(engine.device)
@@ -262,6 +268,11 @@ class Telemetry:
             used_device["other"] = max(0, total - free - accounted)
         else:
             used_device["other"] = 0
+        devices = self.devices() if self.devices is not None else None
+        # a split's memory device by device (each report's own), else the one device's
+        memory_devices = [used_device]
+        if devices is not None and len(devices) > 1:
+            memory_devices = [d.pop("memory") for d in devices]
         stats = {
             "model": model_name,
             "uptime_s": time.time() - self.started,
@@ -280,7 +291,7 @@ class Telemetry:
                 "prefill_total": self.prefill_tokens_total,
             },
             "memory": {
-                "device": [used_device],
+                "device": memory_devices,
                 "host_rss": _host_rss(),
                 "expert_bank": bank["bytes"],
                 "expert_bank_pinned_layers": bank["pinned_layers"],
@@ -293,12 +304,15 @@ class Telemetry:
                 "max_context": engine.max_context,
                 "bytes_per_token": kv.bytes_per_token,
                 "dtype": kv.fmt,
-                "attention_layers": len(self.spec.attention_layers),
+                "attention_layers": len(self.spec.paged_layers),
                 "states": self._states(),
+                "window": self._window(),
                 "prefix_cache": self.scheduler.snapshot(),
             },
             "config": engine.config_in_force(),
         }
+        if devices is not None:
+            stats["devices"] = devices
         stats["experts"] = self._experts(now, cache, experts) if self.enabled else None
         stats["breakdown"] = dict(self.breakdown) if self.breakdown else None
         return stats
@@ -307,10 +321,27 @@ class Telemetry:
         """A hybrid model's recurrent states (its state pool): the bytes a sequence's take, the
         slots in use and in all; None for a model without linear layers."""
         pool = self.states
-        if pool is None:
+        if pool is None or not self.spec.linear_layers:
             return None
         return {
             "linear_layers": len(self.spec.linear_layers),
+            "bytes_per_seq": pool.bytes_per_slot,
+            "slots_total": pool.num_slots,
+            "slots_used": pool.used_slots,
+            "bytes": pool.nbytes,
+        }
+
+    def _window(self) -> dict | None:
+        """A sliding-window model's rings (its window pool): the layers, their window, the
+        tokens and bytes a sequence keeps of them, the slots in use and in all; None for a model
+        without sliding-window layers."""
+        pool, spec = self.states, self.spec
+        if pool is None or not spec.sliding_layers:
+            return None
+        return {
+            "sliding_layers": len(spec.sliding_layers),
+            "window": spec.sliding_window,
+            "tokens_per_seq": pool.ring_tokens,
             "bytes_per_seq": pool.bytes_per_slot,
             "slots_total": pool.num_slots,
             "slots_used": pool.used_slots,

@@ -111,8 +111,8 @@ class ParsedRequest:
     harmony: harmony.HarmonyReply | None = None
     # max_tokens past the context's room left is cut to it (the Messages API's way), not refused
     fit_context: bool = False
-    # chat on a hybrid model: the character offsets in prompt_text where its system prompt and
-    # its last message end, where the engine keeps state checkpoints
+    # chat on a hybrid or sliding-window model: the character offsets in prompt_text where its
+    # system prompt and its last message end, where the engine keeps state checkpoints
     message_ends: tuple[int, ...] = ()
 
     def sampling(self, max_tokens: int) -> SamplingParams:

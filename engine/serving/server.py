@@ -229,23 +229,23 @@ class Server:
             )
         except ChatTemplateError as err:
             raise api.bad("messages", str(err)) from None
+        ends = ()
+        if engine.scheduler.checkpointing:
+            ends = await asyncio.to_thread(
+                _message_ends, engine.tokenizer, messages, text, tools=tools, **kwargs
+            )
         if in_harmony:
             reply, opening = api.harmony_use(body, tools)
             # a forced call skips the reasoning; so does a budget of 0, the answer begun
             opening = opening or (harmony.FINAL if budget == 0 else "")
             return api.ParsedRequest(
                 prompt_text=text + opening, prompt_ids=None, **common, reply_prefix=opening,
-                reasoning_budget=budget, harmony=reply,
+                reasoning_budget=budget, harmony=reply, message_ends=ends,
             )  # fmt: skip
         tool_parser, opening = api.tool_use(body, tools, source, server.tool_call_parser)
         if opening or budget == 0:
             text = closed(text) + opening
         opened = opened_by_prompt(text) if server.reasoning_parser == "think" else None
-        ends = ()
-        if engine.scheduler.checkpointing:
-            ends = await asyncio.to_thread(
-                _message_ends, engine.tokenizer, messages, text, tools=tools, **kwargs
-            )
         return api.ParsedRequest(
             prompt_text=text, prompt_ids=None, **common, tool_parser=tool_parser,
             reply_prefix=opening, think_opened=opened, reasoning_budget=budget,

@@ -141,7 +141,8 @@ std::shared_ptr<Job> submit_gate(Pool& pool, uintptr_t gate, double limit_s, boo
 std::tuple<double, double, double, double> time_expert_jobs(
     Pool& pool, int simd, int weight_type, uintptr_t w13, uintptr_t w2, uintptr_t w13_factors,
     uintptr_t w2_factors, int64_t E, int64_t H, int64_t I, int64_t k, int64_t iterations,
-    double gap_us, int64_t own_rounds, bool fetch_own) {
+    double gap_us, int64_t own_rounds, bool fetch_own, uintptr_t w13_tensor_scales,
+    uintptr_t w2_tensor_scales) {
   if (k < 1 || k > E || iterations < 1) {
     throw std::invalid_argument("need 1 <= k <= experts and at least one iteration");
   }
@@ -157,6 +158,8 @@ std::tuple<double, double, double, double> time_expert_jobs(
   p.w2_factors = reinterpret_cast<const float*>(w2_factors);
   p.w13_scales = reinterpret_cast<const uint8_t*>(w13_factors);  // MXFP4's, where it is
   p.w2_scales = reinterpret_cast<const uint8_t*>(w2_factors);
+  p.w13_tensor_scales = reinterpret_cast<const float*>(w13_tensor_scales);  // NVFP4's
+  p.w2_tensor_scales = reinterpret_cast<const float*>(w2_tensor_scales);
   // a stride with no factor in common with E visits every expert before it comes back to one
   int64_t stride = 37;
   while (std::gcd(stride, E) != 1) ++stride;

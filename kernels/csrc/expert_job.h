@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "mxfp4.h"
+#include "nvfp4.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -40,9 +41,13 @@ struct ExpertProblem {
   const float* w13_bias = nullptr;
   const float* w2_bias = nullptr;
   float swiglu_limit = 0.0f;
-  // MXFP4 weights' E8M0 scales (kernels/mxfp4.py): [E, 2I, H/32] and [E, H, I/32] bytes.
+  // MXFP4 weights' E8M0 scales (kernels/mxfp4.py): [E, 2I, H/32] and [E, H, I/32] bytes; NVFP4
+  // weights' e4m3 scales (kernels/nvfp4.py): [E, 2I, H/16] and [E, H, I/16] bytes.
   const uint8_t* w13_scales = nullptr;
   const uint8_t* w2_scales = nullptr;
+  // NVFP4 weights' per-tensor scales: [E, 2] (gate's, up's) and [E, 1] fp32.
+  const float* w13_tensor_scales = nullptr;
+  const float* w2_tensor_scales = nullptr;
 };
 
 // h from one gate/up row pair's sums: silu(gate) * up, or gpt-oss's clamped form where limit > 0.
@@ -289,7 +294,7 @@ class ExpertJob final : public ExpertJobShell {
     if ((p.w13_bias == nullptr) != (p.w2_bias == nullptr)) {
       throw std::invalid_argument("w13_bias and w2_bias come together");
     }
-    if constexpr (kPer > 1) check_mxfp4(p);
+    if constexpr (kPer > 1) check_fp4(p);
     p_ = p;
     for (auto* v : {&group_expert_, &group_start_, &token_}) v->clear();
     weight_.clear();
@@ -437,13 +442,15 @@ class ExpertJob final : public ExpertJobShell {
         if (i < n) return gate + (r_begin + i) * Hp;
         return i < 2 * n ? up + (r_begin + i - n) * Hp : nullptr;
       };
+      const float gate_scale = tensor13(e, 0), up_scale = tensor13(e, 1);
       for (int64_t i = 0; i < n; ++i) {
-        h[i] = dot_row<B>(row(i), factors13(e, r_begin + i), x, H, row(i + ahead));
+        h[i] = dot_row<B>(row(i), factors13(e, r_begin + i), x, H, row(i + ahead)) * gate_scale;
       }
       for (int64_t i = 0; i < n; ++i) {
         const float gv = h[i] + bias13(e, r_begin + i);
         const float uv =
-            dot_row<B>(row(n + i), factors13(e, I + r_begin + i), x, H, row(n + i + ahead)) +
+            dot_row<B>(row(n + i), factors13(e, I + r_begin + i), x, H, row(n + i + ahead)) *
+                up_scale +
             bias13(e, I + r_begin + i);
         h[i] = activate(gv, uv, p_.swiglu_limit);
       }
@@ -475,8 +482,8 @@ class ExpertJob final : public ExpertJobShell {
         }
         for (int a = 0; a < nr; ++a) {
           for (int q = 0; q < nt; ++q) {
-            const float gv = res[a * nt + q] + bias13(e, r + a);
-            const float uv = res[(nr + a) * nt + q] + bias13(e, I + r + a);
+            const float gv = res[a * nt + q] * tensor13(e, 0) + bias13(e, r + a);
+            const float uv = res[(nr + a) * nt + q] * tensor13(e, 1) + bias13(e, I + r + a);
             h[(jt + q - j0) * (r_end - r_begin) + r - r_begin + a] =
                 activate(gv, uv, p_.swiglu_limit);
           }
@@ -517,10 +524,10 @@ class ExpertJob final : public ExpertJobShell {
         const float* h = h_.data() + int64_t(j) * I + first;
         float* token_out = out + int64_t(token_[j]) * n;
         const int64_t ahead = rows_ahead((I - first) / kPer * int64_t(sizeof(WT)));
+        const float scaled = weight_[j] * tensor2(group_expert_[g]);
         for (int64_t i = g * n; i < (g + 1) * n; ++i) {
           const Scale* factors = factors2(group_expert_[g], r0 + i % n, first);
-          token_out[i % n] +=
-              weight_[j] * dot_row<B>(row(i), factors, h, I - first, row(i + ahead));
+          token_out[i % n] += scaled * dot_row<B>(row(i), factors, h, I - first, row(i + ahead));
         }
       }
       return;
@@ -556,9 +563,11 @@ class ExpertJob final : public ExpertJobShell {
           } else {
             dot_tile_n<B, WT, 1>(rows, factors, nullptr, hs, nt, K, res);
           }
+          const float tensor = tensor2(group_expert_[g]);
           for (int a = 0; a < nr; ++a) {
             for (int q = 0; q < nt; ++q) {
-              out[int64_t(token_[jt + q]) * n + r - r0 + a] += weight_[jt + q] * res[a * nt + q];
+              out[int64_t(token_[jt + q]) * n + r - r0 + a] +=
+                  weight_[jt + q] * (res[a * nt + q] * tensor);
             }
           }
         }
@@ -605,7 +614,7 @@ class ExpertJob final : public ExpertJobShell {
   // split); nullptr for weights without factors.
   const Scale* factors13(int64_t e, int64_t r) const {
     if constexpr (kPer > 1) {
-      return p_.w13_scales + (e * 2 * p_.I + r) * (p_.H / kMxBlock);
+      return p_.w13_scales + (e * 2 * p_.I + r) * (p_.H / kScaleBlock<WT>);
     } else if constexpr (kBlockScaled<WT>) {
       return p_.w13_factors + (e * blocks(2 * p_.I) + r / kFp8Block) * blocks(p_.H);
     } else {
@@ -614,7 +623,8 @@ class ExpertJob final : public ExpertJobShell {
   }
   const Scale* factors2(int64_t e, int64_t r, int64_t first) const {
     if constexpr (kPer > 1) {
-      return p_.w2_scales + (e * p_.H + r) * (p_.I / kMxBlock) + first / kMxBlock;
+      constexpr int64_t kBlock = kScaleBlock<WT>;
+      return p_.w2_scales + (e * p_.H + r) * (p_.I / kBlock) + first / kBlock;
     } else if constexpr (kBlockScaled<WT>) {
       return p_.w2_factors + (e * blocks(p_.H) + r / kFp8Block) * blocks(p_.I) +
              first / kFp8Block;
@@ -624,14 +634,31 @@ class ExpertJob final : public ExpertJobShell {
   }
   static int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
-  // MXFP4 rows are whole blocks of 32 values, and a split expert's CPU part starts at a block.
-  static void check_mxfp4(const ExpertProblem& p) {
-    if (p.w13_scales == nullptr || p.w2_scales == nullptr) {
-      throw std::invalid_argument("MXFP4 weights need their E8M0 scales");
+  // The per-tensor scale of expert e's gate (part 0) or up (part 1) rows, and of its down
+  // projection's: NVFP4's, 1 for the other types.
+  float tensor13(int64_t e, int part) const {
+    if constexpr (std::is_same_v<WT, nv_e2m1x2>) return p_.w13_tensor_scales[e * 2 + part];
+    return 1.0f;
+  }
+  float tensor2(int64_t e) const {
+    if constexpr (std::is_same_v<WT, nv_e2m1x2>) return p_.w2_tensor_scales[e];
+    return 1.0f;
+  }
+
+  // 4-bit rows are whole blocks of their scales (MXFP4: 32 values, NVFP4: 16), and a split
+  // expert's CPU part starts at a block.
+  static void check_fp4(const ExpertProblem& p) {
+    constexpr bool nv = std::is_same_v<WT, nv_e2m1x2>;
+    constexpr int64_t kBlock = kScaleBlock<WT>;
+    const char* name = nv ? "NVFP4" : "MXFP4";
+    if (p.w13_scales == nullptr || p.w2_scales == nullptr ||
+        (nv && (p.w13_tensor_scales == nullptr || p.w2_tensor_scales == nullptr))) {
+      throw std::invalid_argument(std::string(name) + " weights need their scales");
     }
-    if (p.H % kMxBlock != 0 || p.I % kMxBlock != 0 || p.split_row % kMxBlock != 0) {
-      throw std::invalid_argument(
-          "MXFP4 weights need H, I and a split row that are multiples of 32");
+    if (p.H % kBlock != 0 || p.I % kBlock != 0 || p.split_row % kBlock != 0) {
+      throw std::invalid_argument(std::string(name) +
+                                  " weights need H, I and a split row that are multiples of " +
+                                  std::to_string(kBlock));
     }
   }
 
@@ -676,6 +703,8 @@ std::shared_ptr<ExpertJobShell> make_shell_for(WeightType wt, int threads, int64
       return std::make_shared<ExpertJob<B, e4m3>>(threads, task_bytes, capacity, inter);
     case WeightType::kMxfp4:
       return std::make_shared<ExpertJob<B, e2m1x2>>(threads, task_bytes, capacity, inter);
+    case WeightType::kNvfp4:
+      return std::make_shared<ExpertJob<B, nv_e2m1x2>>(threads, task_bytes, capacity, inter);
   }
   throw std::invalid_argument("unknown weight type");
 }
@@ -724,7 +753,8 @@ std::shared_ptr<ExpertJobShell> make_job(const Pool& pool, int simd, int weight_
 }
 
 // Queues one call; the pair arrays are copied (grouped by expert) before this returns, the tensors
-// behind x, out, w13 and w2 (and their block factors: e4m3; 0 for the other types) must stay
+// behind x, out, w13 and w2 (and their block factors or scales: e4m3, MXFP4, NVFP4 with its
+// per-tensor scales w13_tensor_scales and w2_tensor_scales; 0 for the other types) must stay
 // alive and unchanged until the job is done (the weights until the pool is closed where
 // weights_outlive_pool says they do: ExpertProblem). done_flag: 0, or the address of an int64
 // that receives done_value once out is written.
@@ -735,7 +765,8 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
                                     uintptr_t done_flag, int64_t done_value, int64_t own_rounds,
                                     bool weights_outlive_pool, uintptr_t w13_factors,
                                     uintptr_t w2_factors, uintptr_t w13_bias, uintptr_t w2_bias,
-                                    float swiglu_limit) {
+                                    float swiglu_limit, uintptr_t w13_tensor_scales,
+                                    uintptr_t w2_tensor_scales) {
   ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
                   reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
                   T, H, I, E};
@@ -747,6 +778,8 @@ std::shared_ptr<Job> submit_experts(Pool& pool, int simd, int weight_type, uintp
   p.swiglu_limit = swiglu_limit;
   p.w13_scales = reinterpret_cast<const uint8_t*>(w13_factors);  // MXFP4's, where it is
   p.w2_scales = reinterpret_cast<const uint8_t*>(w2_factors);
+  p.w13_tensor_scales = reinterpret_cast<const float*>(w13_tensor_scales);  // NVFP4's
+  p.w2_tensor_scales = reinterpret_cast<const float*>(w2_tensor_scales);
   auto job = make_job(pool, simd, weight_type, p, reinterpret_cast<const int32_t*>(pair_expert),
                       reinterpret_cast<const int32_t*>(pair_token),
                       reinterpret_cast<const float*>(pair_weight), J);

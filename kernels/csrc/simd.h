@@ -204,7 +204,7 @@ struct Avx512 {
 #endif
 
 enum class Simd : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-enum class WeightType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kMxfp4 = 4 };
+enum class WeightType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kMxfp4 = 4, kNvfp4 = 5 };
 
 std::vector<std::string> simd_levels() {
   std::vector<std::string> levels;

@@ -231,6 +231,9 @@ def test_an_engine_s_expert_and_kv_formats_are_shown_in_both_languages(
         say("mxfp4", "fp8")
         fp4_en = get_page(local_client(daemon), f"/servers/{ids.running_id}", "en")
         fp4_ja = get_page(local_client(daemon), f"/servers/{ids.running_id}", "ja")
+        say("nvfp4", "bf16")
+        nv_en = get_page(local_client(daemon), f"/servers/{ids.running_id}", "en")
+        nv_ja = get_page(local_client(daemon), f"/servers/{ids.running_id}", "ja")
     finally:
         daemon.close()
     assert re.search(r'id="expert-format"><code>float32</code>', plain)
@@ -243,6 +246,12 @@ def test_an_engine_s_expert_and_kv_formats_are_shown_in_both_languages(
     assert 'id="kv-format">FP8（e4m3、トークンと KV ヘッドごとに fp32 の係数 1 つ）<' in ja
     assert 'id="expert-format">MXFP4 (e2m1, one power-of-two scale per 32 values)<' in fp4_en
     assert 'id="expert-format">MXFP4（e2m1、32 値ごとに 2 のべき乗のスケール 1 つ）<' in fp4_ja
+    nvfp4 = "NVFP4 (e2m1, one e4m3 scale per 16 values and an fp32 scale per tensor)"
+    assert f'id="expert-format">{nvfp4}<' in nv_en
+    nvfp4_ja = (
+        "NVFP4（e2m1、16 値ごとに e4m3 のスケール 1 つとテンソルごとに fp32 のスケール 1 つ）"
+    )
+    assert f'id="expert-format">{nvfp4_ja}<' in nv_ja
 
 
 def test_a_read_only_viewer_sees_no_measure_again_heading(daemon: Daemon) -> None:

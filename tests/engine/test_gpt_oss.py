@@ -21,6 +21,7 @@ from moelab.engine.model import synth
 from moelab.engine.model.spec import CheckpointError, ModelSpec
 from moelab.engine.model.synth import SynthSource, make_config
 from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.runtime.graphs import DecodeGraphs
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import mxfp4
@@ -35,6 +36,7 @@ from .reference import (
     make_engine,
     relative_error,
 )
+from .test_graphs import ReplayGraph
 
 pytest.importorskip(
     "transformers", reason="transformers is the reference (pip install -e '.[test]')"
@@ -151,13 +153,117 @@ def test_a_mixed_batch_matches_each_prompt_alone(reference, placement):
         assert_same_greedy(ours, ref, margins)
 
 
-def test_the_comparison_catches_a_missing_window_or_clamp(reference):
+def assert_logprobs_match(model, seq, tol: float) -> None:
+    """Each token `seq` drew has the log probability transformers gives it after the same
+    tokens (its prompt and what it drew before)."""
+    ids = seq.prompt_ids + seq.output_ids
+    logp = torch.log_softmax(hf_logits(model, ids), dim=-1)
+    n = len(seq.prompt_ids)
+    theirs = torch.tensor([logp[n - 1 + i, t].item() for i, t in enumerate(seq.output_ids)])
+    ours = torch.tensor([lp.logprob for lp in seq.output_logprobs])
+    assert len(ours) == len(seq.output_ids) > 0
+    assert (ours - theirs).abs().max() < tol, (ours - theirs).abs().max()
+
+
+@pytest.mark.parametrize(("kv_dtype", "tol"), [("auto", 1e-4), ("fp8", 0.1)])
+def test_sliding_layers_keep_only_their_window_over_many_chunks(reference, kv_dtype, tol):
+    """Pages of 4 tokens, so that a sliding layer keeps 8 tokens (the window of 6 in whole
+    pages) and the one full layer of three keeps the pages: a 45-token prompt prefilled in seven
+    chunks of 7 (each longer than the window and shorter than the ring, none on a page's edge),
+    then 30 tokens decoded past it, beside a shorter prompt; each token's log probability as
+    transformers gives it (with FP8 pages, within FP8's rounding)."""
+    model, path = reference
+    engine = make_engine(path, "--moe-cache-rate", "1.0", "--kv-block-size", "4",
+                         "--prefill-chunk-tokens", "7", "--kv-cache-dtype", kv_dtype)  # fmt: skip
+    params = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=1)
+    try:
+        rings = engine.states
+        assert rings is not None and rings.ring_tokens == 8
+        assert engine.kv.k.shape[0] == 1 and rings.k.shape[0] == 2
+        seqs = [engine.add(prompt(3, 9), params), engine.add(prompt(2, 45), params)]
+        engine.run_until_idle()
+        stats = engine.telemetry.stats(running=0, queued=0, model_name="m")["kv"]
+    finally:
+        engine.close()
+    assert stats["window"]["tokens_per_seq"] == 8 and stats["attention_layers"] == 1
+    for seq in seqs:
+        assert_logprobs_match(model, seq, tol)
+
+
+def test_a_prompt_resumes_from_a_cached_prefix_through_a_window_checkpoint(reference):
+    """A second prompt that shares 24 tokens with a first one takes their pages from the prefix
+    cache and its sliding layers' window from the checkpoint kept at 24 tokens, and its tokens
+    have the log probabilities transformers gives them after the whole prompt."""
+    model, path = reference
+    flags = ["--kv-block-size", "4", "--prefill-chunk-tokens", "12",
+             "--state-checkpoint-interval", "8"]  # fmt: skip
+    engine = make_engine(path, "--moe-cache-rate", "1.0", *flags)
+    first = prompt(4, 30)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1)
+    try:
+        engine.generate([first], params)
+        seq = engine.add(first[:24] + prompt(5, 10), params)
+        engine.run_until_idle()
+        assert engine.scheduler.cached_tokens == 24
+        assert engine.states is not None and engine.states.checkpoints_resumed == 1
+    finally:
+        engine.close()
+    assert_logprobs_match(model, seq, 1e-4)
+
+
+def test_a_model_whose_layers_all_slide_keeps_no_pages(tmp_path):
+    """Every layer a sliding-window one: the paged cache holds no layer and the rings all three,
+    and each token's log probability is transformers'."""
+    geometry = {**GEOMETRY, "layer_types": ["sliding_attention"] * 3}
+    model = build_reference("gpt_oss", tmp_path, seed=8, **geometry)
+    engine = make_engine(tmp_path, "--moe-cache-rate", "1.0", "--kv-block-size", "4",
+                         "--prefill-chunk-tokens", "9")  # fmt: skip
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1)
+    try:
+        assert engine.kv.k.shape[0] == 0 and engine.states.k.shape[0] == 3
+        seq = engine.add(prompt(6, 30), params)
+        engine.run_until_idle()
+    finally:
+        engine.close()
+    assert_logprobs_match(model, seq, 1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
+@pytest.mark.parametrize("piecewise", [False, True], ids=["whole", "pieces"])
+def test_replayed_decode_steps_read_the_rings_as_eager_steps(reference, piecewise):
+    """Decode steps replayed from captured graphs (whole steps, or pieces around the offloaded
+    MoE layers) write and read the sliding layers' rings through tables made inside the step
+    from each row's state slot, and give the eager steps' tokens (three sequences in the size-4
+    graphs: a padding row writes the pool's spare ring, never a sequence's)."""
+    _model, path = reference
+    flags = ("--kv-block-size", "4", "--prefill-chunk-tokens", "7", *OFFLOADED)
+    prompts = [prompt(20, 30), prompt(21, 5), prompt(22, 13)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    eager = make_engine(path, *flags)
+    try:
+        expected = eager.generate(prompts, params)
+    finally:
+        eager.close()
+    replayed = make_engine(path, *flags)
+    try:
+        replayed.cache.device_slot_map()
+        graphs = DecodeGraphs(replayed.model, 4, replayed.max_context, piecewise=piecewise,
+                              graph_factory=ReplayGraph)  # fmt: skip
+        graphs.capture()
+        replayed.stepper.graphs = graphs
+        outputs = replayed.generate(prompts, params)
+    finally:
+        replayed.close()
+    assert outputs == expected
+
+
+def test_the_comparison_catches_a_wrong_window_or_clamp(reference):
     model, path = reference
     engine = make_engine(path, "--moe-cache-rate", "1.0")
     ids = prompt(1, 37)
     try:
         windows = engine.model.windows
-        engine.model.windows = [0] * len(windows)
+        engine.model.windows = [2 * w for w in windows]  # still within the ring of 16
         assert relative_error(engine.score(ids), hf_logits(model, ids)) > 1e-3
         engine.model.windows = windows
         engine.cache.swiglu_limit = 0.0
@@ -383,7 +489,8 @@ def test_presets_have_gpt_oss_parameter_counts(preset, total_b, active_b):
 
 def test_moelab_serve_answers_from_an_mxfp4_gpt_oss_checkpoint(tmp_path):
     """A real `moelab serve` process on the MXFP4 checkpoint `moelab synth --arch gpt_oss`
-    writes, its experts offloaded, and the manager's catalog reading it as servable."""
+    writes, its experts offloaded, and the manager's catalog reading it as servable; a chat's
+    second turn takes the first's prompt from the prefix cache."""
     path = synthesize(tmp_path / "m", arch="gpt_oss", preset="tiny", seed=21, routing_skew=1.0,
                       overrides={"sliding_window": 8}, dtype="mxfp4")  # fmt: skip
     entry = read_checkpoint(path, "data dir")
@@ -406,6 +513,23 @@ def test_moelab_serve_answers_from_an_mxfp4_gpt_oss_checkpoint(tmp_path):
         assert experts["slot_bytes"] == spec.expert_bytes_as("mxfp4")
         assert 0 < experts["slots"] < spec.experts_total
         assert sum(layer["reads"] for layer in experts["layers"]) > 0
+        # a chat's next turn resumes where the last one's messages ended: the full layers'
+        # pages from the prefix cache, the sliding layers' windows from their checkpoint there
+        turn = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "Name a colour."}]  # fmt: skip
+        chat = {"messages": turn, "max_tokens": 6, "temperature": 0}
+        first = httpx.post(engine.base_url + "/v1/chat/completions", json=chat, timeout=60)
+        assert first.status_code == 200, first.text
+        reply = first.json()["choices"][0]["message"]["content"] or "red"
+        turn += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}]
+        second = httpx.post(engine.base_url + "/v1/chat/completions", json=chat, timeout=60)
+        assert second.status_code == 200, second.text
+        prompt_tokens = first.json()["usage"]["prompt_tokens"]
+        cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert prompt_tokens - 2 * 16 < cached < prompt_tokens and cached % 16 == 0
+        kv = httpx.get(engine.base_url + "/v1/stats").json()["kv"]
+        assert kv["window"]["window"] == 8 and kv["window"]["tokens_per_seq"] == 16
+        assert kv["prefix_cache"]["state_checkpoints"]["resumed"] == 1
     finally:
         stop_engine(engine)
 

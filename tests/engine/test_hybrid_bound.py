@@ -1,5 +1,6 @@
 """`bench decode`'s bound for a hybrid model at Qwen3.6-35B-A3B's geometry: the linear layers'
-recurrent states read and written each step, the KV cache of the attention layers alone."""
+recurrent states read and written each step, the KV cache of the attention layers alone; and for
+gpt-oss, its sliding layers' windows beside the full layers' KV."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from moelab.engine.bench.bound import against_the_bound
 from moelab.engine.bench.runner import TIMED_FIELDS
 from moelab.engine.model.kv import KVCache
 from moelab.engine.model.spec import ModelSpec
+from moelab.engine.model.synth import make_config
+from moelab.engine.model.window import WindowPool
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers writes the config (pip install -e '.[test]')"
@@ -74,3 +77,32 @@ def test_the_hybrid_decode_bound_reads_and_writes_each_sequences_states():
     short = bound(1, 1)
     assert short["state_bytes_per_step"] == one["state_bytes_per_step"]
     assert 1 / short["bound_tok_s"] > (dense + 2 * STATE_BYTES + experts) / 3000e9
+
+
+def test_the_gpt_oss_decode_bound_reads_the_sliding_layers_windows_alone():
+    """gpt-oss-20b: a step reads the 12 full layers' KV of the whole context (24 KiB a token in
+    bf16) and the 12 sliding layers' last 128 tokens (3 MiB a sequence), or the context where it
+    is shorter."""
+    spec = ModelSpec.from_config(make_config("gpt_oss", "gpt-oss-20b"))
+    device = torch.device("cpu")
+    kv = KVCache(spec, 1, 16, device, torch.bfloat16)
+    rings = WindowPool(spec, 1, 16, device, torch.bfloat16)
+    assert kv.bytes_per_token == 12 * 2 * 8 * 64 * 2
+    window_token = 12 * 2 * 8 * 64 * 2  # a token of the 12 sliding layers
+    bank = SimpleNamespace(expert_bytes=spec.expert_params * 2)
+    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16, kv=kv, bank=bank, states=rings)
+    counts = {
+        k: np.zeros((spec.num_moe_layers, spec.num_experts), dtype=np.int64)
+        for k in ("reads", "hits", "fills", "cpu", "picks")
+    }
+    counts["reads"][:, :4], counts["hits"][:, :4] = 4, 4
+    timed = {"elapsed": 0.1, "counts": counts, **dict.fromkeys(TIMED_FIELDS)}
+    rates = {"hbm_gbps": 3000.0, "bp_gbps": 50.0, "host_gbps": 100.0}
+
+    def kv_step(prompt_tokens: int) -> float:
+        args = SimpleNamespace(batch=1, tokens=4, prompt_tokens=prompt_tokens)
+        return against_the_bound(engine, args, timed, rates)["kv_bytes_per_step"]
+
+    long = (32768 + 2.5) * kv.bytes_per_token + 128 * window_token
+    assert kv_step(32768) == pytest.approx(long)
+    assert kv_step(1) == pytest.approx(3.5 * (kv.bytes_per_token + window_token))

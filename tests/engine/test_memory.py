@@ -15,6 +15,12 @@ from moelab.engine.config.memory import (
     plan_vram,
     state_bytes_per_seq,
 )
+from moelab.engine.config.split import (
+    DeviceBudget,
+    dense_layer_bytes,
+    layer_bytes,
+    plan_devices,
+)
 from moelab.engine.model.spec import ModelSpec
 from moelab.engine.model.synth import make_config
 
@@ -187,3 +193,80 @@ def test_too_many_running_sequences_for_their_states_is_refused_naming_the_flag(
     ) as err:
         hybrid_plan(HYBRID, "--kv-reserve-tokens", "262144", "--max-running-requests", "256")
     assert "lower --max-running-requests" in str(err.value)
+
+
+# gpt-oss-120b: 18 sliding-window layers (window 128) and 18 full-attention ones
+GPT_OSS = ModelSpec.from_config(make_config("gpt_oss", "gpt-oss-120b"))
+# the same geometry with pages for the whole context in every layer
+NO_WINDOW = replace(GPT_OSS, sliding_layers=(), sliding_window=0)
+
+
+def gpt_oss_plan(spec: ModelSpec, *flags: str):
+    """The plan `moelab serve --device-memory 12GiB FLAGS` makes on a GPU in bf16."""
+    config = EngineConfig.from_flags(["--model-path", "/m", "--device-memory", "12GiB", *flags])
+    request = config.memory_request(
+        budget_bytes=config.memory.budget_bytes(None), elem_bytes=2, cuda=True
+    )
+    return request.plan(spec)
+
+
+def test_gpt_oss_counts_its_sliding_layers_at_their_windows_pages():
+    """gpt-oss-120b on 12 GiB: a token's KV is 36 KiB (18 full layers, 8 KV heads of 64, bf16),
+    and each running sequence, the graphs' padding slot and the 8 checkpoints keep 128 tokens of
+    the 18 sliding layers (4.5 MiB each); so the whole 131,072-token context fits (4.5 GiB of
+    KV), where pages for it in every layer (9 GiB) do not, and 32K keeps 119 expert slots
+    rather than 97."""
+    assert kv_bytes_per_token(GPT_OSS, 2) == 2 * 18 * 8 * 64 * 2
+    assert kv_bytes_per_token(NO_WINDOW, 2) == 2 * kv_bytes_per_token(GPT_OSS, 2)
+    per_seq = 18 * 128 * 2 * 8 * 64 * 2
+    assert state_bytes_per_seq(GPT_OSS, 2, "auto", 16) == per_seq
+    # pages of 48 tokens hold the window in 3 pages: 144 tokens a layer
+    assert state_bytes_per_seq(GPT_OSS, 2, "auto", 48) == per_seq * 144 // 128
+    whole = gpt_oss_plan(GPT_OSS, "--kv-reserve-tokens", "131072")
+    assert whole.max_context == 131072 and whole.state_bytes == 17 * per_seq
+    assert "sliding-window pages (128 tokens a layer) 0.07 GiB (8 sequences" in whole.describe()
+    with pytest.raises(MemoryPlanError, match=r"a KV reserve of 131072 tokens \(9.00 GiB\)"):
+        gpt_oss_plan(NO_WINDOW, "--kv-reserve-tokens", "131072")
+    windowed = gpt_oss_plan(GPT_OSS, "--kv-reserve-tokens", "32768")
+    paged = gpt_oss_plan(NO_WINDOW, "--kv-reserve-tokens", "32768")
+    assert (windowed.slots, paged.slots) == (119, 97)
+
+
+def test_a_gpt_oss_split_plans_each_devices_windows_and_pages():
+    """gpt-oss-120b across two 12 GiB cards at 18 layers each, FP8 KV: each card reserves the
+    rings of its own 9 sliding layers and the KV of its own 9 full ones, half of one card's of
+    the whole model each; and the split weighs each layer by its own: a sliding layer by its
+    rings, a full one by its pages."""
+    flags = ["--kv-reserve-tokens", "32768", "--kv-cache-dtype", "fp8"]
+    config = EngineConfig.from_flags(
+        ["--model-path", "/m", "--devices", "cuda:0,cuda:1", "--layer-split", "18,18", *flags]
+    )
+    request = config.memory_request(budget_bytes=0, elem_bytes=2, cuda=True)
+    cards = (DeviceBudget("cuda:0", 12 * GIB, 10.0), DeviceBudget("cuda:1", 12 * GIB, 10.0))
+    split = plan_devices(GPT_OSS, request, cards, config.memory.layer_split)
+    whole = gpt_oss_plan(GPT_OSS, *flags)
+    assert [p.state_bytes for p in split.plans] == [whole.state_bytes // 2] * 2
+    per_token = kv_bytes_per_token(GPT_OSS, 2, "fp8") // 2
+    assert [p.kv_bytes // p.kv_tokens for p in split.plans] == [per_token] * 2
+    weighed = layer_bytes(GPT_OSS, request)
+    dense = dense_layer_bytes(GPT_OSS, 2)
+    sliding, full = GPT_OSS.sliding_layers[0], GPT_OSS.paged_layers[0]
+    assert weighed[sliding].fixed_bytes - dense == whole.state_bytes // 18
+    assert weighed[full].fixed_bytes - dense == 32768 * kv_bytes_per_token(GPT_OSS, 2, "fp8") // 18
+
+
+def test_a_gpt_oss_plan_that_does_not_fit_names_the_windows_pages():
+    with pytest.raises(MemoryPlanError) as refused:
+        gpt_oss_plan(GPT_OSS, "--kv-reserve-tokens", "262144")
+    message = str(refused.value)
+    assert "the sliding-window pages of 8 running sequences and 8 checkpoints (0.07 GiB)" in message
+    assert "recurrent states" not in message
+
+
+def test_a_model_whose_attention_layers_all_slide_keeps_no_pages():
+    """Every layer a sliding-window one: no KV a token, the windows alone, the whole context."""
+    sliding = replace(GPT_OSS, sliding_layers=tuple(range(GPT_OSS.num_layers)))
+    assert kv_bytes_per_token(sliding, 2) == 0
+    p = gpt_oss_plan(sliding)
+    assert p.kv_bytes == 0 and p.max_context == GPT_OSS.max_position_embeddings
+    assert p.state_bytes == 17 * 36 * 128 * 2 * 8 * 64 * 2

@@ -1,13 +1,16 @@
-"""NVFP4 checkpoints in ModelOpt's layout (NVIDIA's `-NVFP4` releases): the engine widens them
-as they load and serves them against transformers on the same weights, dequantized here by
+"""NVFP4 checkpoints in ModelOpt's layout (NVIDIA's `-NVFP4` releases): the engine keeps their
+experts 4-bit (the bank, its file, the slots, the CPU's jobs), widens the dense weights as they
+load, and serves them against transformers on the same weights, dequantized here by
 kernels/nvfp4.py (the format's definition)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors import safe_open
@@ -16,6 +19,7 @@ from safetensors.torch import save_file
 from moelab.daemon.models import read_checkpoint
 from moelab.engine.model.checkpoint import SafetensorsSource
 from moelab.engine.model.spec import CheckpointError, ModelSpec
+from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import nvfp4
@@ -23,6 +27,7 @@ from moelab.kernels import nvfp4
 from .reference import assert_same_greedy, hf_greedy, hf_logits, make_engine, relative_error
 
 PROMPT = list(range(5, 29))
+OFFLOADED = ["--moe-cache-size", "6", "--moe-miss-policy", "split:0.5"]
 # ModelOpt's exclusions for an MoE: the routers and lm_head (embeddings and norms are no linears)
 EXCLUDED = ["lm_head", "model.layers.*.mlp.gate"]
 QUANT = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": EXCLUDED}
@@ -122,27 +127,120 @@ def test_nvfp4_checkpoint_matches_transformers_on_its_dequantized_weights(checkp
     assert_same_greedy(tokens, ref_tokens, margins)
 
 
-@pytest.mark.parametrize(("flag", "fmt"), [("auto", "fp8"), ("mxfp4", "mxfp4")])
-def test_nvfp4_experts_go_into_the_bank_in_a_format_the_kernels_read(checkpoint, caplog, flag, fmt):
-    """auto: FP8, saying so once; mxfp4 on request. Each rounds the widened experts once more
-    (a relative error of 0.09 in the logits for either here), which is not another model."""
-    path, ref_logits, *_ = checkpoint
+@pytest.fixture
+def equal_rates(monkeypatch):
+    """Bp = Bh, so the split policy runs misses on the CPU and by copies on any machine."""
+    import moelab.engine.runtime.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "measure_bp_gbps", lambda bank, device: 10.0)
+    monkeypatch.setattr(engine_module, "measure_bh_gbps", lambda runner, bank: 10.0)
+
+
+@pytest.mark.usefixtures("equal_rates")
+@pytest.mark.parametrize("placement", ["resident", "offloaded"])
+def test_nvfp4_experts_stay_4_bit_and_match_transformers(checkpoint, caplog, placement):
+    """auto: the bank holds the checkpoint's own bytes (no widening, no rounding again), the
+    slots hold them too, and the logits and greedy tokens are transformers' on the dequantized
+    weights; offloaded, misses run both on the CPU and by copies."""
+    path, ref_logits, ref_tokens, margins = checkpoint
     spec = ModelSpec.from_dir(path)
+    flags = ["--moe-cache-rate", "1.0"] if placement == "resident" else OFFLOADED
     with caplog.at_level(logging.INFO, logger="moelab.engine"):
-        engine = make_engine(path, "--moe-expert-dtype", flag, "--moe-cache-size", "6")
+        engine = make_engine(path, *flags)
     try:
-        assert engine.bank.fmt == fmt
-        assert engine.bank.expert_bytes == spec.expert_bytes_as(fmt)
-        if flag == "auto":
-            assert spec.expert_bytes == engine.bank.expert_bytes  # what the manager counts
+        bank, cache = engine.bank, engine.cache
+        assert bank.fmt == cache.fmt == "nvfp4" and cache.snapshot()["dtype"] == "nvfp4"
+        assert bank.w13[0].dtype == cache.w13.dtype == torch.uint8
+        assert (
+            cache.slot_bytes
+            == bank.expert_bytes
+            == spec.expert_bytes
+            == spec.expert_bytes_as("nvfp4")
+        )
+        stored = expert_as_stored(path, layer=spec.moe_layers[0], expert=3)
+        held = [bank.w13[0][3], bank.w2[0][3], bank.w13_scale[0][3], bank.w2_scale[0][3]]
+        held += [bank.w13_scale_2[0][3], bank.w2_scale_2[0][3]]
+        for mine, theirs in zip(held, stored, strict=True):
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+        ours = engine.score(PROMPT)
+        [tokens] = engine.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True))
+        if placement == "offloaded":
+            counters = engine.moe.counters
+            assert counters.fills.sum() > 0 and counters.cpu.sum() > 0
+    finally:
+        engine.close()
+    assert not [r for r in caplog.records if "NVFP4" in r.getMessage()]
+    assert relative_error(ours, ref_logits) < 1e-4
+    assert_same_greedy(tokens, ref_tokens, margins)
+
+
+def expert_as_stored(path: Path, layer: int, expert: int) -> list[torch.Tensor]:
+    """An expert's tensors in the checkpoint, as the bank holds them: gate and up values and
+    block scales stacked, down's, then the per-tensor scales (gate's and up's, down's)."""
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+
+        def get(proj: str, suffix: str) -> torch.Tensor:
+            return f.get_tensor(f"{p}{proj}.weight{suffix}")
+
+        return [
+            torch.cat([get("gate_proj", ""), get("up_proj", "")]),
+            get("down_proj", ""),
+            torch.cat([get("gate_proj", "_scale"), get("up_proj", "_scale")]),
+            get("down_proj", "_scale"),
+            torch.stack([get("gate_proj", "_scale_2"), get("up_proj", "_scale_2")]).reshape(2),
+            get("down_proj", "_scale_2").reshape(1),
+        ]
+
+
+def test_prefill_streamed_from_an_nvfp4_bank_matches(checkpoint):
+    path, ref_logits, *_ = checkpoint
+    engine = make_engine(path, "--moe-cache-size", "6")
+    try:
+        engine.moe.prefill_stream_min_tokens = 1  # every prefill chunk streams whole layers
+        assert engine.moe.prefill.allocated and engine.bank.fmt == "nvfp4"
         ours = engine.score(PROMPT)
     finally:
         engine.close()
-    widened = [r.getMessage() for r in caplog.records if "widened from NVFP4" in r.getMessage()]
-    assert widened == [
-        f"experts widened from NVFP4 to {fmt} as they load: no kernel reads NVFP4 "
-        "(--moe-expert-dtype picks bf16, fp8 or mxfp4)"
-    ]
+    assert relative_error(ours, ref_logits) < 1e-4
+
+
+def test_the_nvfp4_bank_is_written_once_and_read_back(checkpoint):
+    """A file of its own (its key names the format): half a byte a weight, a byte per 16 and
+    three fp32 scales an expert; a second start maps it without writing it again."""
+    path, *_ = checkpoint
+    engine = make_engine(path, "--moe-cache-size", "6")
+    try:
+        first = engine.score(PROMPT)
+        bank_path = engine.bank.path
+        spec = engine.spec
+        weights = 3 * spec.hidden_size * spec.moe_intermediate_size
+        assert engine.bank.nbytes == spec.experts_total * (weights // 2 + weights // 16 + 12)
+    finally:
+        engine.close()
+    written = bank_path.stat().st_mtime_ns
+    again = make_engine(path, "--moe-cache-size", "6")
+    try:
+        assert again.bank.path == bank_path and again.bank.fmt == "nvfp4"
+        assert torch.equal(again.score(PROMPT), first)
+    finally:
+        again.close()
+    assert bank_path.stat().st_mtime_ns == written
+
+
+@pytest.mark.parametrize("flag", ["mxfp4", "fp8"])
+def test_nvfp4_experts_go_into_another_format_on_request(checkpoint, flag):
+    """mxfp4 or fp8 on request: the widened experts rounded once more (a relative error of
+    about 0.09 in the logits here), which is not another model."""
+    path, ref_logits, *_ = checkpoint
+    spec = ModelSpec.from_dir(path)
+    engine = make_engine(path, "--moe-expert-dtype", flag, "--moe-cache-size", "6")
+    try:
+        assert engine.bank.fmt == flag
+        assert engine.bank.expert_bytes == spec.expert_bytes_as(flag)
+        ours = engine.score(PROMPT)
+    finally:
+        engine.close()
     assert relative_error(ours, ref_logits) < 0.15
 
 
@@ -236,9 +334,118 @@ def test_synth_writes_modelopt_nvfp4_that_the_engine_serves(tmp_path, arch):
         assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
     ref = dequantize_checkpoint(path, tmp_path / "ref")
     model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    engine = make_engine(path, "--moe-expert-dtype", "bf16", "--moe-cache-size", "6")
+    ref_logits = hf_logits(model, PROMPT)
+    for flag, fmt in (("bf16", "bf16"), ("auto", "nvfp4")):
+        engine = make_engine(path, "--moe-expert-dtype", flag, "--moe-cache-size", "6")
+        try:
+            assert engine.bank.fmt == fmt
+            ours = engine.score(PROMPT)
+        finally:
+            engine.close()
+        assert relative_error(ours, ref_logits) < 1e-4, flag
+
+
+def rounded_copy(path: Path, out: Path) -> Path:
+    """`path`'s bf16 checkpoint in fp32 with every routed expert's projection rounded to NVFP4 and
+    back (nvfp4.quantize, one per-tensor scale a projection, as the bank quantizes them)."""
+    out.mkdir()
+    (out / "config.json").write_bytes((path / "config.json").read_bytes())
+    tensors = {}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            t = f.get_tensor(name).float()
+            if ".mlp.experts." in name:
+                t = nvfp4.dequantize(*nvfp4.quantize(t))
+            tensors[name] = t.contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.usefixtures("equal_rates")
+def test_a_bf16_checkpoints_experts_are_quantized_to_nvfp4_once(tmp_path):
+    """--moe-expert-dtype nvfp4 on a bf16 checkpoint: gate, up and down each quantized once as
+    the bank is written, served offloaded as transformers computes the rounded weights."""
+    transformers = pytest.importorskip("transformers")
+    path = synthesize(tmp_path / "m", preset="tiny", seed=5, routing_skew=0.8)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        rounded_copy(path, tmp_path / "rounded"), dtype=torch.float32
+    ).eval()
+    ref_tokens, margins = hf_greedy(model, PROMPT, 16)
+    engine = make_engine(path, "--moe-expert-dtype", "nvfp4", *OFFLOADED)
     try:
+        assert engine.bank.fmt == "nvfp4"
         ours = engine.score(PROMPT)
+        [tokens] = engine.generate([PROMPT], SamplingParams(max_tokens=16, ignore_eos=True))
+        assert engine.moe.counters.cpu.sum() > 0
     finally:
         engine.close()
     assert relative_error(ours, hf_logits(model, PROMPT)) < 1e-4
+    assert_same_greedy(tokens, ref_tokens, margins)
+
+
+def test_the_plan_counts_nvfp4s_own_bytes():
+    """Qwen3-30B-A3B's geometry as an NVFP4 release on a 12 GiB budget: auto holds its experts
+    at 4.5 bits a weight (half a byte, a scale byte per 16, three fp32 scales an expert), so the
+    slots and the bank count those bytes (the bound and the split take the bank's, which the
+    engine tests above check): nearly twice FP8's slots."""
+    from moelab.engine.config.config import EngineConfig
+    from moelab.engine.model.synth import make_config
+
+    config = {
+        **make_config("qwen3_moe", "qwen3-30b-a3b"),
+        "quantization_config": {"quant_method": "modelopt", **QUANT},
+    }
+    spec = ModelSpec.from_config(config, "m/config.json")
+    weights = spec.expert_params
+    assert spec.expert_format() == "nvfp4"
+    assert spec.expert_bytes == weights // 2 + weights // 16 + 12
+    assert spec.expert_pool_bytes == spec.experts_total * spec.expert_bytes
+
+    def plan(expert_dtype: str):
+        flags = ["--model-path", "m", "--moe-expert-dtype", expert_dtype]
+        request = EngineConfig.from_flags([*flags, "--kv-reserve-tokens", "8192"]).memory_request(
+            budget_bytes=12 << 30, elem_bytes=2, cuda=True
+        )
+        return request.plan(spec)
+
+    nv, fp8 = plan("auto"), plan("fp8")
+    assert nv.slot_bytes == spec.expert_bytes
+    assert 1.7 < nv.slots / fp8.slots < 2.0
+
+
+def test_moelab_serve_answers_from_an_nvfp4_checkpoint(tmp_path):
+    """A real `moelab serve` process on an NVFP4 checkpoint `moelab synth` wrote, its experts
+    offloaded: a completion, and the expert slots reported in NVFP4 at their own bytes."""
+    path = synthesize(tmp_path / "m", preset="tiny", seed=21, routing_skew=1.0, dtype="nvfp4")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
+             "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5"]  # fmt: skip
+    engine = start_engine(flags, tmp_path / "engine.log")
+    try:
+        wait_ready(engine, timeout_s=120)
+        body = {"prompt": "The expert bank", "max_tokens": 16, "temperature": 0}
+        r = httpx.post(engine.base_url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 16
+        experts = httpx.get(engine.base_url + "/v1/stats").json()["experts"]
+        spec = ModelSpec.from_dir(path)
+        assert experts["dtype"] == "nvfp4"
+        assert experts["slot_bytes"] == spec.expert_bytes_as("nvfp4")
+        assert 0 < experts["slots"] < spec.experts_total
+    finally:
+        stop_engine(engine)
+
+
+@pytest.mark.parametrize("slots", [0, 3])
+def test_an_nvfp4_cache_reports_its_slots_bytes_at_any_size(slots):
+    """The what-if prices slots the cache does not have from its slot bytes, so a cache of no
+    slots reports them too: half a byte a weight, a byte per 16 and three fp32 scales."""
+    from moelab.engine.experts.cache import ExpertCache
+
+    cache = ExpertCache(2, 4, slots, 160, 32, torch.float32, torch.device("cpu"), "nvfp4")
+    slot = 3 * 160 * 32 // 2 + 3 * 160 * 32 // 16 + 4 * 3
+    assert cache.slot_bytes == slot and cache.nbytes == slots * slot
+    assert cache.snapshot()["dtype"] == "nvfp4"
+    assert set(cache.kernel_args()) == {"w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2"}

@@ -6,10 +6,10 @@ reports an sm_90 device, and launches only compile. Prints the shared memory, re
 whether it waits for the kernel before it (programmatic dependent launch, which the kernels use on
 a Hopper GPU: `common.pdl`, here forced on since the tensors are on the CPU).
 
-`--arch 86` (a consumer Ampere GPU) or `--arch 75` (Turing): the kernels that read FP8 or MXFP4
-(the MoE kernels over FP8 and MXFP4 banks, and the KV write, decode attention and prefill gather
-over FP8 KV pages) alone, for that GPU, with bf16 (Ampere) or fp16 (Turing: no bf16) activations,
-and whether their code holds an FP8 or FP4 instruction, which those GPUs do not have.
+`--arch 86` (a consumer Ampere GPU) or `--arch 75` (Turing): the kernels that read FP8 or FP4
+(the MoE kernels over FP8, MXFP4 and NVFP4 banks, and the KV write, decode attention and prefill
+gather over FP8 KV pages) alone, for that GPU, with bf16 (Ampere) or fp16 (Turing: no bf16)
+activations, and whether their code holds an FP8 or FP4 instruction, which those GPUs do not have.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from moelab.kernels import (
     grouped_moe,
     host_handoff,
     mxfp4_moe,
+    nvfp4_moe,
     paged_attention,
     rmsnorm,
     rope_kv,
@@ -98,6 +99,7 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
     compile_moe(BF16, fp8_bank=False)
     compile_moe(BF16, fp8_bank=True)
     compile_mxfp4_moe(BF16)
+    compile_nvfp4_moe(BF16)
     compile_gpt_oss()
     # the grouping over a whole expert cache of 12 layers' experts (its widest per-expert pass)
     ids = torch.randint(0, 12 * EXPERTS, (512, TOP_K), dtype=torch.int32)
@@ -297,6 +299,30 @@ def compile_mxfp4_moe(dtype: torch.dtype) -> None:
         )
 
 
+def compile_nvfp4_moe(dtype: torch.dtype) -> None:
+    """The same launches over an NVFP4 bank (nvfp4_moe): e4m3 scales per 16 values, per-tensor
+    scales."""
+    w13 = torch.empty(EXPERTS, 2 * INTER, HIDDEN // 2, dtype=torch.uint8)
+    w2 = torch.empty(EXPERTS, HIDDEN, INTER // 2, dtype=torch.uint8)
+    e4m3 = torch.float8_e4m3fn
+    scales = (
+        torch.empty(EXPERTS, 2 * INTER, HIDDEN // 16, dtype=e4m3),
+        torch.empty(EXPERTS, HIDDEN, INTER // 16, dtype=e4m3),
+        torch.ones(EXPERTS, 2),
+        torch.ones(EXPERTS, 1),
+    )
+    for tokens in (1, 16):
+        x = torch.randn(tokens, HIDDEN, dtype=dtype)
+        slots = torch.randint(0, EXPERTS, (tokens, TOP_K), dtype=torch.int32)
+        nvfp4_moe.fused_moe_decode_nvfp4(x, slots, torch.rand(tokens, TOP_K), w13, w2, *scales)
+    for tokens in (8, 300, 2048):
+        x = torch.randn(tokens, HIDDEN, dtype=dtype)
+        ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).int()
+        nvfp4_moe.grouped_moe_nvfp4(
+            x, ids, torch.rand(tokens, TOP_K), w13, w2, *scales, checked=False
+        )
+
+
 def as_hopper() -> bool:
     """From here on, launches compile for sm_90 (the stand-in driver, and the GPU's launch
     options though the tensors are the CPU's); False, with why, under the interpreter."""
@@ -367,6 +393,7 @@ def main_fp8(arch: int) -> int:
     dtype = torch.float16 if arch < 80 else BF16
     compile_moe(dtype, fp8_bank=True)
     compile_mxfp4_moe(dtype)
+    compile_nvfp4_moe(dtype)
     compile_fp8_kv(dtype)
     JITFunction.run = run
     for fn, kernel in compiled:

@@ -662,7 +662,7 @@ def test_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> Non
     assert rows == [
         (threads, dtype, kb)
         for threads in (1, 2)
-        for dtype in ("bf16", "fp8", "mxfp4")
+        for dtype in ("bf16", "fp8", "mxfp4", "nvfp4")
         for kb in (4, 96)
     ]
     for row in result["results"]:

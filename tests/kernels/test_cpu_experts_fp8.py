@@ -362,8 +362,9 @@ def test_native_job_loop_rate_counts_the_fp8_bytes_and_checks_the_factors() -> N
 
 
 def test_bench_reports_fp8_beside_bf16(capsys: pytest.CaptureFixture[str]) -> None:
-    """Each thread count and task size gets a bf16 row, an FP8 row and an MXFP4 row; FP8's GB/s
-    count its bytes (values and factors), its share is of the same host read rate."""
+    """Each thread count and task size gets a bf16 row, an FP8 row, an MXFP4 row and an NVFP4
+    row; FP8's GB/s count its bytes (values and factors), its share is of the same host read
+    rate."""
     argv = ["--threads", "2", "--experts", "2,1", "--hidden", "256", "--intermediate", "128"]
     argv += ["--num-experts", "6", "--min-seconds", "0.01", "--read-mib", "16", "--json"]
     assert cpu_experts_bench.main(argv) == 0
@@ -372,6 +373,7 @@ def test_bench_reports_fp8_beside_bf16(capsys: pytest.CaptureFixture[str]) -> No
         (2, "bf16"),
         (2, "fp8"),
         (2, "mxfp4"),
+        (2, "nvfp4"),
     ]
     for row in result["results"]:
         for rates in row["experts"].values():

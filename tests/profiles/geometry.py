@@ -1,7 +1,7 @@
 """Checkpoint geometries for the profile tests: the synth presets tiny, small and Qwen3-30B-A3B,
-all qwen3_moe in bfloat16, and Qwen3.6-35B-A3B's text config, a hybrid of 30 Gated DeltaNet and
-10 full-attention layers (engine/model/synth.py imports torch, so the config dicts are written
-out)."""
+all qwen3_moe in bfloat16, Qwen3.6-35B-A3B's text config, a hybrid of 30 Gated DeltaNet and
+10 full-attention layers, and gpt-oss-120b's (engine/model/synth.py imports torch, so the config
+dicts are written out)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,17 @@ SPECS = {
     name: ModelSpec.from_config(c) for name, c in (("tiny", TINY), ("small", SMALL), ("30b", A3B))
 }
 HYBRID = ModelSpec.from_config(Q36)
+# gpt-oss-120b's config.json (MXFP4 experts): 18 sliding-window layers of 128 tokens, 18 full
+GPT_OSS_120B = {
+    "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "torch_dtype": "bfloat16",
+    "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 36,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 128, "num_experts_per_tok": 4, "intermediate_size": 2880,
+    "max_position_embeddings": 131072, "rope_theta": 150000.0, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False, "sliding_window": 128, "attention_bias": True,
+    "swiglu_limit": 7.0, "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+    "quantization_config": {"quant_method": "mxfp4"},
+}  # fmt: skip
+GPT_OSS = ModelSpec.from_config(GPT_OSS_120B)
