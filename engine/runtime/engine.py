@@ -49,6 +49,7 @@ from .graphs import DecodeGraphs
 from .loading import LoadProgress
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, Sequence
+from .split_graphs import SplitDecodeGraphs
 from .stepping import Stepper
 from .telemetry import Telemetry
 
@@ -193,9 +194,9 @@ class Engine:
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
             link = measure_bp_gbps(self.bank, device)
             budgets.append(DeviceBudget(name, memory.budget_bytes(free), link))
-        # a split runs its steps eagerly: no graph pool
+        # each device holds its own graph pool (split_graphs.py)
         request = self.config.memory_request(
-            budget_bytes=0, elem_bytes=self.dtype.itemsize, cuda=False
+            budget_bytes=0, elem_bytes=self.dtype.itemsize, cuda=self.device.type == "cuda"
         )
         self.split = split = plan_devices(self.spec, request, tuple(budgets), memory.layer_split)
         self.link_gbps = [b.link_gbps for b in budgets]
@@ -480,15 +481,19 @@ class Engine:
         batching = self.config.batching
         if self.device.type != "cuda" or not batching.cuda_graph:
             return
-        if self.layers_on is not None:
-            log.info("decode runs eagerly across the split's devices (no CUDA graphs)")
-            return
         t0 = time.perf_counter()
         whole = self.cache.holds_everything
+        if self.layers_on is not None and not whole:
+            log.info("decode runs eagerly across the split's devices (experts offloaded)")
+            return
         if whole:
             self.cache.device_slot_map()  # upload the slot map now: a capture cannot copy it
-        graphs = DecodeGraphs(
-            self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole
+        graphs = (
+            DecodeGraphs(
+                self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole
+            )
+            if self.layers_on is None
+            else SplitDecodeGraphs(self.model, batching.cuda_graph_max_bs, self.max_context)
         )
         graphs.capture()
         stepper.graphs = graphs
