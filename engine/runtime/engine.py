@@ -18,7 +18,7 @@ from ..config.args import default_cpu_threads, physical_cores
 from ..config.bandwidth import best, load_profile
 from ..config.config import EngineConfig
 from ..config.memory import MemoryPlanError, VramPlan, log_plan
-from ..config.split import DeviceBudget, SplitPlan, plan_devices
+from ..config.split import DeviceBudget, SplitPlan, plan_graphed_devices
 from ..experts.bank import ExpertBank, build_in_memory, load_bank
 from ..experts.cache import ExpertCache
 from ..experts.cpu import (
@@ -194,11 +194,12 @@ class Engine:
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
             link = measure_bp_gbps(self.bank, device)
             budgets.append(DeviceBudget(name, memory.budget_bytes(free), link))
-        # each device holds its own graph pool (split_graphs.py)
+        # each device holds its own graphs' pool where every expert is resident
         request = self.config.memory_request(
             budget_bytes=0, elem_bytes=self.dtype.itemsize, cuda=self.device.type == "cuda"
         )
-        self.split = split = plan_devices(self.spec, request, tuple(budgets), memory.layer_split)
+        split = plan_graphed_devices(self.spec, request, tuple(budgets), memory.layer_split)
+        self.split = split
         self.link_gbps = [b.link_gbps for b in budgets]
         self.layers_on = LayerPlacement(tuple(self.devices), split.ranges)
         self.plan = split.total
@@ -483,7 +484,7 @@ class Engine:
             return
         t0 = time.perf_counter()
         whole = self.cache.holds_everything
-        if self.layers_on is not None and not whole:
+        if self.layers_on is not None and not (whole and self.plan.graph_bytes):
             log.info("decode runs eagerly across the split's devices (experts offloaded)")
             return
         if whole:
