@@ -13,7 +13,7 @@ and the draw graphs draw from: the sampler's inputs, and the next step's input t
 the first device, so overlapped decode runs as on one device (engine/runtime/graphs.py).
 
 An offloaded split (experts missed on some device) steps eagerly: its host stages each MoE layer
-between the pieces, which a split's graphs do not cut at the boundaries yet.
+between dense pieces, and these graphs hold whole ranges of layers, not pieces.
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ class SplitDecodeGraphs(DecodeGraphs):
         self.placement = placement
         devices = placement.devices
         # each later device's copy of the step's inputs, sent from the host as the first's is
-        self._device_inputs = [(self._long.to(d), self._int.to(d)) for d in devices[1:]]
+        self._device_inputs = [
+            (self._long.to(d, copy=True), self._int.to(d, copy=True)) for d in devices[1:]
+        ]
         self._device_index = [torch.arange(max_bs, device=d) for d in devices[1:]]
         # per (batch size, boundary): the residual stream crossing it (made in the warm-up)
         self.crossings: dict[tuple[int, int], Crossing] = {}
