@@ -30,6 +30,7 @@ from ..experts.cpu import (
 from ..experts.misses import MissPolicy
 from ..experts.moe import MoERunner
 from ..experts.prefill_stream import stream_threshold_tokens
+from ..model import modelopt
 from ..model.checkpoint import SafetensorsSource, TensorSource, load_dense
 from ..model.kv import KVCache
 from ..model.model import DenseWeights, Model, SeqSlice, StepBatch
@@ -137,6 +138,9 @@ class Engine:
         # how the bank and the expert slots hold the routed experts: "fp8", "mxfp4", "nvfp4" or
         # "bf16" (self.dtype)
         self.expert_format = spec.expert_format(self.config.model.expert_dtype)
+        if spec.quantization == "mixed" and self.config.model.expert_dtype == "auto":
+            kept = modelopt.experts_kept(spec.layer_algorithms, spec.moe_intermediate_size)
+            log.info("ModelOpt MIXED_PRECISION checkpoint: %s (--moe-expert-dtype auto)", kept[1])
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         free_bytes = torch.cuda.mem_get_info(self.device)[0] if cuda else None
         request = self.config.memory_request(
