@@ -357,3 +357,27 @@ def test_an_unlisted_module_stored_quantized_is_refused(tmp_path):
         "model.layers.2.self_attn.v_proj.weight is F8_E4M3 but quantized_layers makes its "
         "module unquantized (not listed), stored as BF16, F16 or F32"
     )
+
+
+def test_modules_listed_by_a_parent_or_in_the_other_decoder_spelling_read_the_same(tmp_path):
+    """The multimodal Qwen3.5/3.6 MoE layout (`model.language_model.`): a list that names each
+    layer's routed experts by their parent module and spells the decoder `language_model.model.`
+    (as vLLM's names do) reads every weight as the per-module list does."""
+    plain = synthesize(tmp_path / "bf16", arch="qwen3_5_moe", preset="tiny", seed=7)
+    path = write_mixed(plain, tmp_path / "mixed")
+    ours, _, fmt = serve(path, "--moe-cache-size", "6", n=1)
+    assert fmt == "nvfp4"
+    config = json.loads((path / "config.json").read_text())
+    listed = config["quantization_config"]["quantized_layers"]
+    assert "model.language_model.layers.3.mlp.experts.0.up_proj" in listed
+    respelled = {}
+    for module, entry in listed.items():
+        module = module.replace("model.language_model.", "language_model.model.")
+        parent, experts, _ = module.partition(".mlp.experts.")
+        respelled[parent + ".mlp.experts" if experts else module] = entry
+    assert len(respelled) < len(listed)
+    config["quantization_config"]["quantized_layers"] = respelled
+    (path / "config.json").write_text(json.dumps(config))
+    again, _, fmt = serve(path, "--moe-cache-size", "6", n=1)
+    assert fmt == "nvfp4"
+    assert torch.equal(again, ours)
