@@ -112,34 +112,45 @@ def layer_algorithms(quantized: dict) -> dict[str, str]:
     return {module: entry["quant_algo"] for module, entry in quantized["quantized_layers"].items()}
 
 
-# the two spellings of a multimodal model's decoder in module names (transformers' and vLLM's)
-_DECODER_PREFIXES = ("model.language_model.", "language_model.model.")
+# a multimodal model's decoder in module names: as its checkpoint spells it (transformers), and
+# as vLLM's names do, which some lists use
+DECODER, DECODER_ELSEWHERE = "model.language_model.", "language_model.model."
+
+
+def _canonical(module: str) -> str:
+    if module.startswith(DECODER_ELSEWHERE):
+        return DECODER + module.removeprefix(DECODER_ELSEWHERE)
+    return module
 
 
 def algorithm_of(layers: dict[str, str], module: str) -> str | None:
     """The algorithm `quantized_layers` gives `module` (listed itself or by a module that holds
-    it), None where it is not listed: stored unquantized."""
-    names = [module]
-    for prefix in _DECODER_PREFIXES:
-        if module.startswith(prefix):
-            other = next(p for p in _DECODER_PREFIXES if p != prefix)
-            names.append(other + module.removeprefix(prefix))
-    for name in names:
-        parts = name.split(".")
-        for end in range(len(parts), 0, -1):
-            found = layers.get(".".join(parts[:end]))
-            if found is not None:
-                return found
+    it, in either spelling of a multimodal decoder), None where it is not listed: stored
+    unquantized."""
+    listed = {_canonical(name): algorithm for name, algorithm in layers.items()}
+    parts = _canonical(module).split(".")
+    for end in range(len(parts), 0, -1):
+        found = listed.get(".".join(parts[:end]))
+        if found is not None:
+            return found
     return None
 
 
-def experts_kept(layers: dict[str, str], moe_intermediate_size: int) -> tuple[str, str]:
+def experts_kept(
+    layers: dict[str, str], moe_intermediate_size: int, decoder_layers: str
+) -> tuple[str, str]:
     """How `--moe-expert-dtype auto` holds a MIXED_PRECISION checkpoint's routed experts (an
     expert format of spec.EXPERT_FORMATS) and why: as stored where the bank keeps that format
     exactly (NVFP4; FP8 where the intermediate size is a multiple of 128, so no 128x128 block
     of w13 holds both gate and up rows, each block's factor the tensor's scale), else widened
-    to the compute dtype ("bf16")."""
-    found = {algorithm for module, algorithm in layers.items() if ".experts." in f"{module}."}
+    to the compute dtype ("bf16"). The routed experts are those under `decoder_layers`
+    (`model.layers.`): a multi-token-prediction head's, which the engine does not load, are not
+    counted."""
+    found = {
+        algorithm
+        for module, algorithm in layers.items()
+        if _canonical(module).startswith(decoder_layers) and ".experts." in f"{module}."
+    }
     if found == {ALGORITHM}:
         return "nvfp4", "NVFP4 experts kept NVFP4 as stored"
     if found == {FP8} and moe_intermediate_size % FP8_BLOCK == 0:

@@ -306,12 +306,19 @@ class ModelSpec:
         auto): FP8 values and their block factors for an FP8 checkpoint, else its dtype's."""
         return self.expert_bytes_as(self.expert_format())
 
+    @property
+    def mixed_experts_kept(self) -> tuple[str, str]:
+        """How `auto` holds a ModelOpt MIXED_PRECISION checkpoint's experts, and why."""
+        return modelopt.experts_kept(
+            self.layer_algorithms, self.moe_intermediate_size, self.text_prefix + "layers."
+        )
+
     def expert_format(self, requested: str = "auto") -> str:
         """How the bank and the expert slots hold the routed experts (`EXPERT_FORMATS`): as
         `requested` (--moe-expert-dtype), or where "auto" as the checkpoint stores them."""
         fmt = requested
         if requested == "auto" and self.quantization == "mixed":
-            fmt = modelopt.experts_kept(self.layer_algorithms, self.moe_intermediate_size)[0]
+            fmt = self.mixed_experts_kept[0]
         elif requested == "auto":
             fmt = self.quantization if self.quantization in EXPERT_FORMATS else "bf16"
         h, i = self.hidden_size, self.moe_intermediate_size

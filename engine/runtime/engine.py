@@ -30,7 +30,6 @@ from ..experts.cpu import (
 from ..experts.misses import MissPolicy
 from ..experts.moe import MoERunner
 from ..experts.prefill_stream import stream_threshold_tokens
-from ..model import modelopt
 from ..model.checkpoint import SafetensorsSource, TensorSource, load_dense
 from ..model.kv import KVCache
 from ..model.model import DenseWeights, Model, SeqSlice, StepBatch
@@ -139,8 +138,8 @@ class Engine:
         # "bf16" (self.dtype)
         self.expert_format = spec.expert_format(self.config.model.expert_dtype)
         if spec.quantization == "mixed" and self.config.model.expert_dtype == "auto":
-            kept = modelopt.experts_kept(spec.layer_algorithms, spec.moe_intermediate_size)
-            log.info("ModelOpt MIXED_PRECISION checkpoint: %s (--moe-expert-dtype auto)", kept[1])
+            why = spec.mixed_experts_kept[1]
+            log.info("ModelOpt MIXED_PRECISION checkpoint: %s (--moe-expert-dtype auto)", why)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         free_bytes = torch.cuda.mem_get_info(self.device)[0] if cuda else None
         request = self.config.memory_request(

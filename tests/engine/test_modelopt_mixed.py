@@ -381,3 +381,23 @@ def test_modules_listed_by_a_parent_or_in_the_other_decoder_spelling_read_the_sa
     again, _, fmt = serve(path, "--moe-cache-size", "6", n=1)
     assert fmt == "nvfp4"
     assert torch.equal(again, ours)
+
+
+def test_auto_goes_by_the_decoders_experts_not_the_mtp_heads(tmp_path):
+    """Qwen3.6's geometry as NVIDIA lists it: the decoder's routed experts NVFP4 and a
+    multi-token-prediction head (not loaded) of FP8 experts: auto keeps NVFP4."""
+    path = synthesize(tmp_path / "m", arch="qwen3_5_moe", preset="tiny", weights=False)
+    config = json.loads((path / "config.json").read_text())
+    nvfp4_layer = {"quant_algo": "NVFP4", "group_size": 16}
+    config["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": "MIXED_PRECISION",
+        "quantized_layers": {
+            "mtp.layers.0.mlp.experts.0.up_proj": {"quant_algo": "FP8"},
+            "model.language_model.layers.0.mlp.experts.0.up_proj": nvfp4_layer,
+            "model.language_model.layers.3.self_attn.q_proj": {"quant_algo": "FP8"},
+        },
+    }
+    spec = ModelSpec.from_config(config, "m/config.json")
+    assert spec.expert_format() == "nvfp4"
+    assert spec.expert_bytes == spec.expert_bytes_as("nvfp4")
