@@ -163,6 +163,10 @@ class SafetensorsSource:
     def _nvfp4(self, name: str) -> bool:
         return modelopt.is_packed(self._meta[name]["dtype"], self.has(name + modelopt.SCALE_2))
 
+    def _fp8_per_tensor(self, name: str) -> bool:
+        dtype = self._meta.get(name, {}).get("dtype")
+        return modelopt.is_fp8_per_tensor(dtype, self._meta.get(name + modelopt.SCALE))
+
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape; an NVFP4 weight's is that of the values it holds."""
         shape = tuple(self._meta[name]["shape"])
@@ -183,8 +187,7 @@ class SafetensorsSource:
     def fp8_per_tensor(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A per-tensor FP8 weight (ModelOpt's) as stored: (values float8_e4m3fn, scale fp32
         of shape []); None for a weight of another format."""
-        meta = self._meta.get(name, {})
-        if not modelopt.is_fp8_per_tensor(meta.get("dtype"), self._meta.get(name + modelopt.SCALE)):
+        if not self._fp8_per_tensor(name):
             return None
         return self._read(name), self._read(name + modelopt.SCALE).float().reshape(())
 
@@ -508,7 +511,7 @@ def _fp8_tensor_expert(
     w13's only where I is a multiple of 128, which the caller checks."""
     if not isinstance(source, SafetensorsSource):
         return None
-    if not all(source.has(name) and source.fp8_per_tensor(name) for name in (gate, up, down)):
+    if not all(source.has(name) and source._fp8_per_tensor(name) for name in (gate, up, down)):
         return None
     i, h = shape
     for name, want in ((gate, (i, h)), (up, (i, h)), (down, (h, i))):
