@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors import safe_open
@@ -18,6 +20,7 @@ from safetensors.torch import save_file
 from moelab.daemon.models import read_checkpoint
 from moelab.engine.model.checkpoint import SafetensorsSource
 from moelab.engine.model.spec import CheckpointError, ModelSpec
+from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import nvfp4
@@ -401,3 +404,30 @@ def test_auto_goes_by_the_decoders_experts_not_the_mtp_heads(tmp_path):
     spec = ModelSpec.from_config(config, "m/config.json")
     assert spec.expert_format() == "nvfp4"
     assert spec.expert_bytes == spec.expert_bytes_as("nvfp4")
+
+
+def test_moelab_serve_answers_from_a_mixed_precision_checkpoint(tmp_path):
+    """A real `moelab serve` process on a MIXED_PRECISION checkpoint, its experts offloaded: a
+    completion, and the expert slots reported in NVFP4 at their own bytes."""
+    plain = synthesize(tmp_path / "bf16", preset="tiny", seed=21, routing_skew=1.0)
+    path = write_mixed(plain, tmp_path / "m", hf_quant_config=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
+             "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5"]  # fmt: skip
+    engine = start_engine(flags, tmp_path / "engine.log")
+    try:
+        wait_ready(engine, timeout_s=120)
+        body = {"prompt": "The expert bank", "max_tokens": 16, "temperature": 0}
+        r = httpx.post(engine.base_url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 16
+        experts = httpx.get(engine.base_url + "/v1/stats").json()["experts"]
+        spec = ModelSpec.from_dir(path)
+        assert experts["dtype"] == "nvfp4"
+        assert experts["slot_bytes"] == spec.expert_bytes_as("nvfp4")
+        assert 0 < experts["slots"] < spec.experts_total
+    finally:
+        stop_engine(engine)
+    assert "NVFP4 experts kept NVFP4 as stored" in (tmp_path / "engine.log").read_text()
