@@ -38,6 +38,7 @@ GPU_ONLY = {
     # the guesses the prefetch and the copy ahead work from come from one-token pieces' graphs
     "--moe-cpu-prefetch-rounds": Text("CUDA graphs do not apply (it works from their guesses)"),
     "--moe-copy-ahead": Text("CUDA graphs do not apply (it works from their guesses)"),
+    "--devices": Text("a split runs across GPUs"),
     "--no-split-misses": Text(
         "a miss is split between a copy to the GPU and the CPU: there is no GPU"
     ),
@@ -199,6 +200,13 @@ class _Planner:
                     Text("the engine runs on the CPU here: {why}", why=GPU_ONLY[t.flag]),
                 )
                 continue
+            if t.kind == "devices" and self.machine.gpus < 2:
+                self.skip(
+                    t.flag,
+                    None,
+                    Text("{gpus} GPU here: a split needs two or more", gpus=self.machine.gpus),
+                )
+                continue
             if t.flag == "--moe-cpu-pin" and self.machine.physical_cores < 2:
                 self.skip(
                     t.flag,
@@ -228,7 +236,8 @@ class _Planner:
                     ),
                 )
                 continue
-            self._drop_excluded(t)
+            if t.kind != "devices":  # setting --devices drops --device itself (apply_change)
+                self._drop_excluded(t)
             method = getattr(self, f"_{t.kind}", None)
             if method is None:
                 self.skip(
@@ -339,6 +348,15 @@ class _Planner:
         on = has_flag(self.base, t.flag)
         self.starting.append(Change(t.flag, on).key)
         self.add(t.flag, not on, t.why)
+
+    def _devices(self, t: Tunable) -> None:
+        """Every GPU of the machine, the split planned by the engine; where the start already
+        splits, one device (the engine's default)."""
+        if has_flag(self.base, t.flag):
+            self.starting.append(Change(t.flag, effective_value(self.base, t.flag)).key)
+            self.add(t.flag, None, t.why)
+            return
+        self.add(t.flag, ",".join(f"cuda:{i}" for i in range(self.machine.gpus)), t.why)
 
     def _threads(self, t: Tunable) -> None:
         cores = self.machine.physical_cores

@@ -60,7 +60,11 @@ class EngineHandle:
 
 
 def resolve_device(flags: list[str], gpu_count: int) -> str:
-    """The device an engine with these flags will compute on: "cpu" or "cuda:N"."""
+    """The device an engine with these flags will compute on: "cpu" or "cuda:N"; the devices
+    of a split as --devices names them ("cuda:0,cuda:1")."""
+    split = launch.flag_value(flags, "--devices")
+    if split:
+        return split
     device = launch.flag_value(flags, "--device", "auto") or "auto"
     if device == "auto":
         return "cuda:0" if gpu_count > 0 else "cpu"
@@ -257,16 +261,18 @@ class Supervisor:
     # ---- refusals ---------------------------------------------------------------------------
 
     def _check_device_free(self, device: str) -> None:
-        if device == "cpu":
-            return
+        """Conflict where a GPU of `device` (one, or a split's: "cuda:0,cuda:1") is another
+        running engine's; the CPU is shared."""
+        wanted = set(device.split(",")) - {"cpu"}
         for other in self._handles.values():
-            if other.device == device and not other.stopping:
+            taken = wanted & set(other.device.split(","))
+            if taken and not other.stopping:
                 row = self.row(other.server_id)
                 raise Conflict(
                     Text(
                         "{device} is taken by server {id} ({name}, port {port}); stop it first or "
                         "choose another --device",
-                        device=device,
+                        device=min(taken),
                         id=row.id,
                         name=row.name,
                         port=row.port,

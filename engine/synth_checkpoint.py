@@ -117,9 +117,10 @@ def synthesize(
             device=cpu,
             dtype=torch.float32,
             cpu_threads=default_cpu_threads(),
+            expert_format=dtype,
         )
     else:
-        source = SynthSource(spec, seed=seed, skew=routing_skew)
+        source = SynthSource(spec, seed=seed, skew=routing_skew, expert_format=dtype)
     tower = VisionTower(vision, seed, source.dtype) if vision else None
     _write_weights(out, _Tensors(source, tower), shard_bytes, keep, fmt=dtype)
     return out
@@ -177,14 +178,11 @@ def _kept(module: str, keep: set[str]) -> bool:
 
 def _tensors(source: _Tensors, names: list[str], keep: set[str] | None, fmt: str) -> dict:
     """The named tensors as written: with `keep` (an FP8 or NVFP4 checkpoint), every weight of a
-    module not kept as FP8 values and its `weight_scale_inv`, or as ModelOpt's NVFP4 tensors;
-    with fmt "mxfp4", gpt_oss's experts as their MXFP4 blocks and scales."""
+    module not kept as FP8 values and its `weight_scale_inv`, or as ModelOpt's NVFP4 tensors
+    (gpt_oss's MXFP4 experts come from the source as their blocks and scales)."""
     out = {}
     for name in names:
         t = source.get(name)
-        if fmt == "mxfp4":
-            out.update(gpt_oss.as_mxfp4(name, t))
-            continue
         module = name.removesuffix(".weight")
         if keep is None or not name.endswith(".weight") or _kept(module, keep):
             out[name] = t

@@ -658,12 +658,19 @@ class CpuExpertRunner:
         top_k: int,
         w13_scale: list[torch.Tensor] | None = None,
         w2_scale: list[torch.Tensor] | None = None,
+        w13_bias: list[torch.Tensor] | None = None,
+        w2_bias: list[torch.Tensor] | None = None,
+        swiglu_limit: float = 0.0,
     ) -> object | None:
         """The native DecodePlanner (kernels/csrc/decode_planner.h) over an expert cache's arrays
         (engine/experts/cache.py) and decode pick counts, queueing its CPU jobs on this runner's
         workers; None with the torch kernel. FP8 weights (`submit`) need their factors per
-        layer, w13_scale and w2_scale: the planner copies them into the slots with the values,
-        splits a miss at whole blocks and passes them to its CPU jobs.
+        layer, w13_scale and w2_scale, and MXFP4 blocks their scales under the same names: the
+        planner copies them into the slots with the values, splits a miss at whole blocks (FP8:
+        128 rows; MXFP4: 32, its down projection's groups) and passes them to its CPU jobs.
+        gpt-oss's experts add their biases per layer (`submit`) and the clamped SwiGLU's limit:
+        copied with the weights, a split miss's gate and up biases cut with its rows, its down
+        bias added by its CPU part (its slot's zeroed).
 
         It keeps the arrays' addresses: they must stay alive and in place while it is used, and a
         cache that replaces them needs a new planner. Its CPU jobs are redoable (`redo_us`): the
@@ -686,14 +693,17 @@ class CpuExpertRunner:
                     f"got {array.dtype} {array.shape}"
                 )
         factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
-        for name, tensors in {"w13": w13, "w2": w2, **factors}.items():
+        biases = {"w13_bias": w13_bias, "w2_bias": w2_bias}
+        for name, tensors in {"w13": w13, "w2": w2, **factors, **biases}.items():
             if tensors is not None and len(tensors) != layers:
                 raise ValueError(f"{name} needs one tensor per layer ({layers})")
-        _, two_inter, hidden = w13[0].shape
+        mx = w13[0].dim() == 4
+        _, two_inter, hidden = _mxfp4_shape(w13[0]) if mx else w13[0].shape
+        want13, want2 = (experts, two_inter, hidden), (experts, hidden, two_inter // 2)
         for m, (a, b) in enumerate(zip(w13, w2, strict=True)):
+            shapes = (_mxfp4_shape(a), _mxfp4_shape(b)) if mx else (a.shape, b.shape)
             if (
-                a.shape != (experts, two_inter, hidden)
-                or b.shape != (experts, hidden, two_inter // 2)
+                shapes != (want13, want2)
                 or a.dtype not in _WEIGHT_CODES
                 or b.dtype != a.dtype
                 or not (a.is_contiguous() and b.is_contiguous())
@@ -701,29 +711,35 @@ class CpuExpertRunner:
             ):
                 raise ValueError(
                     "every layer's w13 and w2 must be contiguous host tensors of "
-                    f"[{experts}, 2I, H] and [{experts}, H, I], one dtype"
+                    f"[{experts}, 2I, H] and [{experts}, H, I] (MXFP4: their blocks), one dtype"
                 )
             layer_factors = {name: t[m] if t is not None else None for name, t in factors.items()}
             _check_factors(a, **layer_factors, num_experts=experts, hidden=hidden,
                            inter=two_inter // 2)  # fmt: skip
-            for name, t in layer_factors.items():
+            layer_biases = {name: t[m] if t is not None else None for name, t in biases.items()}
+            _check_biases(a, b, **layer_biases)
+            for name, t in (layer_factors | layer_biases).items():
                 if t is not None and not (t.is_contiguous() and t.device.type == "cpu"):
                     raise ValueError(f"{name} must be contiguous host tensors")
         # each tensor an expert is copied as, its rows along I: w13's gate and up rows, or w2's
-        # columns; an FP8 factor covers fp8.BLOCK of them
-        tensors = [(w13, True, 1), (w2, False, 1)]
+        # columns, `block` of them an entry (an FP8 factor's 128, an MXFP4 group's 32 columns
+        # of w2); the down bias has none. Its role for the CPU job (decode_planner.h, TensorRole)
+        tensors = [(w13, True, 1, 0), (w2, False, mxfp4.BLOCK if mx else 1, 0)]
         if w13_scale is not None and w2_scale is not None:
-            tensors += [(w13_scale, True, fp8.BLOCK), (w2_scale, False, fp8.BLOCK)]
+            block13, block2 = (1, mxfp4.BLOCK) if mx else (fp8.BLOCK, fp8.BLOCK)
+            tensors += [(w13_scale, True, block13, 1), (w2_scale, False, block2, 1)]
+        if w13_bias is not None and w2_bias is not None:
+            tensors += [(w13_bias, True, 1, 2), (w2_bias, False, 1, 2)]
         specs = [
             ([t.data_ptr() for t in per_layer], gate_up, block, per_layer[0].shape[1],
-             per_layer[0][0, 0].nbytes)
-            for per_layer, gate_up, block in tensors
+             per_layer[0][0, 0].nbytes, role)
+            for per_layer, gate_up, block, role in tensors
         ]  # fmt: skip
-        self._hold(*(t for per_layer, _, _ in tensors for t in per_layer))
+        self._hold(*(t for per_layer, *_ in tensors for t in per_layer))
         return self._module.DecodePlanner(
             self._pool,
             _SIMD_CODES[self.simd],
-            _WEIGHT_CODES[w13[0].dtype],
+            _weight_code(w13[0]),
             slot_of.ctypes.data,
             key_of_slot.ctypes.data,
             last_use.ctypes.data,
@@ -736,6 +752,7 @@ class CpuExpertRunner:
             hidden,
             two_inter // 2,
             specs,
+            float(swiglu_limit),
         )
 
     def run(

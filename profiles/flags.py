@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.config import args as engine_args
-from ..engine.config.config import EngineConfig
+from ..engine.config.config import ConfigError, EngineConfig
 from ..engine.config.flag_list import FlagList, FlagSetting, read_items
 from ..engine.text import Text, error_text
 
@@ -31,6 +31,10 @@ _SHAPES: dict[Callable[[str], Any], Text] = {
     ),
     engine_args.parse_miss_policy: Text(
         "auto, gpu, cpu or split:F with F the fixed share of misses to fetch, in [0, 1]"
+    ),
+    engine_args.parse_devices: Text("two devices or more, comma-separated (cuda:0,cuda:1)"),
+    engine_args.LayerSplit.parse: Text(
+        "each device's layers, comma-separated: counts (20,20) or shares that add up to 1 (0.6,0.4)"
     ),
 }
 
@@ -334,9 +338,14 @@ def validate_flags(flags: Any, model: str = "MODEL") -> argparse.Namespace:
     parser.error = refuse  # type: ignore[method-assign]
     parser.exit_on_error = False
     try:
-        return parser.parse_args(["--model-path", model, *flags])
+        parsed = parser.parse_args(["--model-path", model, *flags])
     except argparse.ArgumentError as err:
         raise FlagError([FlagProblem(None, "engine", error_text(err))]) from None
+    try:  # the rules between flags (--layer-split without --devices), as the engine's
+        EngineConfig.from_args(parsed)
+    except ConfigError as err:
+        raise FlagError([FlagProblem(None, "engine", error_text(err))]) from None
+    return parsed
 
 
 def engine_config(flags: Any, model: str = "MODEL") -> EngineConfig:

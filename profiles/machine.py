@@ -7,12 +7,13 @@ anything itself; tests build it directly.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine.config.args import CPU_DEFAULT_BUDGET_BYTES
 from ..engine.config.config import EngineConfig
 from ..engine.config.memory import MemoryPlanError, VramPlan
+from ..engine.config.split import DeviceBudget, plan_devices
 from ..engine.model.spec import DTYPE_BYTES, ModelSpec
 from ..engine.text import Text
 
@@ -177,6 +178,8 @@ class DeviceChoice:
     budget_bytes: int
     elem_bytes: int  # bytes per weight at the engine's compute dtype
     budget_source: str  # in words: where budget_bytes comes from
+    # --devices: each device of the split with its budget (budget_bytes is their sum)
+    split: tuple[DeviceBudget, ...] = ()
 
     @property
     def cuda(self) -> bool:
@@ -187,6 +190,8 @@ def choose_device(machine: Machine, spec: ModelSpec, config: EngineConfig) -> De
     """The device, memory budget and dtype an engine started with `config` would use here (the
     same resolution as the engine's, from measurements instead of a live query)."""
     memory = config.memory
+    if memory.devices is not None:
+        return _choose_split(machine, spec, config)
     name = memory.device
     if name == "auto":
         name = "cuda:0" if machine.gpus else "cpu"
@@ -221,6 +226,39 @@ def choose_device(machine: Machine, spec: ModelSpec, config: EngineConfig) -> De
     return DeviceChoice(name, gpu, budget, elem, source)
 
 
+def _choose_split(machine: Machine, spec: ModelSpec, config: EngineConfig) -> DeviceChoice:
+    """The devices of --devices with their budgets, each link at the machine's measured rate
+    (`moelab bench bw` measures one; equal links where none was measured: the split then
+    follows the memory alone)."""
+    memory = config.memory
+    assert memory.devices is not None
+    link = (machine.rates.h2d_gbps if machine.rates else None) or 1.0
+    gpus, budgets = [], []
+    for name in memory.devices:
+        gpu = None
+        if name != "cpu":
+            index = int(name.split(":")[1])
+            gpu = next((g for g in machine.gpus if g.index == index), None)
+            if gpu is None:
+                raise MemoryPlanError(
+                    Text(
+                        "--devices {devices}: this machine has no GPU {index} ({n} found); name "
+                        "the GPUs it has",
+                        devices=",".join(memory.devices),
+                        index=index,
+                        n=len(machine.gpus),
+                    )
+                )
+            gpus.append(gpu)
+        budget = memory.budget_bytes(gpu.usable_bytes if gpu is not None else None)
+        budgets.append(DeviceBudget(name, budget, link))
+    gpu = gpus[0] if gpus else None
+    elem = DTYPE_BYTES[config.model.compute_dtype(spec.dtype, cpu=gpu is None)]
+    total = sum(b.budget_bytes for b in budgets)
+    source = "--device-memory" if memory.device_memory_bytes else "each device's free memory"
+    return DeviceChoice(",".join(memory.devices), gpu, total, elem, source, tuple(budgets))
+
+
 def plan_for(
     spec: ModelSpec,
     choice: DeviceChoice,
@@ -231,7 +269,16 @@ def plan_for(
 ) -> VramPlan:
     """The engine's VRAM plan for these settings on the device `choice` names, within
     `budget_bytes` in place of the device's budget where given (MemoryPlanError when they cannot
-    fit)."""
+    fit). A split's plan is its devices' summed: their KV, slots and bytes together
+    (engine/config/split.py), each device's budget scaled where `budget_bytes` is given."""
+    if choice.split:
+        scale = 1.0 if budget_bytes is None else budget_bytes / choice.budget_bytes
+        devices = tuple(replace(d, budget_bytes=int(d.budget_bytes * scale)) for d in choice.split)
+        # a split runs its steps eagerly: no graph pool
+        request = config.memory_request(
+            budget_bytes=0, elem_bytes=choice.elem_bytes, cuda=False, kv_tokens=kv_tokens
+        )
+        return plan_devices(spec, request, devices, config.memory.layer_split).total
     request = config.memory_request(
         budget_bytes=choice.budget_bytes if budget_bytes is None else budget_bytes,
         elem_bytes=choice.elem_bytes,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|gptoss|mxfp4|hybrid|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|gptoss|mxfp4|hybrid|split|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -297,15 +297,32 @@ runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
     done
   done
 fi
+if [ "$part" = split ]; then  # issue 56 on a two-GPU machine: the split against one GPU in bf16
+  # (tests), then Qwen3-30B-A3B's 48 layers with each card limited to 12 GiB against one card of
+  # 12 GiB: decode at batch 1 and 8, prefill of 8K (the split's steps run eagerly: no graphs)
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run split_tests python3 -m pytest -q $T --tb=short tests/engine/test_split_engine.py
+  S="--preset qwen3-30b-a3b --routing-skew 1 --device-memory 12GiB"
+  for b in 1 8; do
+    run split_one_b$b $B decode $S --batch $b --json
+    run split_one_eager_b$b $B decode $S --batch $b --no-cuda-graph --json
+    run split_two_b$b $B decode $S --devices cuda:0,cuda:1 --batch $b --json
+  done
+  run split_one_prefill8k $B prefill $S --prompt-tokens 8192 --repeats 2
+  run split_two_prefill8k $B prefill $S --devices cuda:0,cuda:1 --prompt-tokens 8192 --repeats 2
+fi
 if [ "$part" = gptoss ]; then  # gpt_oss: its kernels' tests natively (biased experts, sinks and
-  # the window in decode attention), the engine against transformers on CUDA, then issue 54's rows
-  # with the experts kept MXFP4 (dummy weights quantized at load): gpt-oss-120b's geometry on a
+  # the window in decode attention), the engine against transformers on CUDA and the decode
+  # planner's copies of MXFP4 and biased experts into CUDA slots, then issue 54's rows
+  # with the experts kept MXFP4 (dummy weights made in MXFP4): gpt-oss-120b's geometry on a
   # 12 GiB budget and gpt-oss-20b's on 8 GiB, decode at batch 1 and 8, prefill of 2K and 32K
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run gptoss_tests python3 -m pytest -q $T --tb=short tests/kernels/test_gpt_oss_experts.py \
     tests/kernels/test_paged_attention.py
   run gptoss_engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_gpt_oss.py
+  run gptoss_planner_tests_cuda python3 -m pytest -q $T --tb=short tests/engine/test_planner.py \
+    -k "on_cuda and (mxfp4 or bias)"
   for size in 20b:8GiB 120b:12GiB; do
     O="--arch gpt_oss --preset gpt-oss-${size%%:*} --moe-expert-dtype mxfp4 --routing-skew 1"
     O="$O --device-memory ${size##*:} --json"

@@ -178,8 +178,11 @@ def _vram_figure(data: dict[str, Any], t: Translator) -> go.Figure:
     used_gpus = set()
     for card in data["engines"]:
         server = card["server"]
+        split = "," in server["device"]  # --devices: a bar per card, each under its own name
         for device in card["devices"]:
             label = server["device"] if server["device"] != "cpu" else t("CPU (planned budget)")
+            if split:
+                label = f"cuda:{device['index']}" if server["device"].startswith("cuda") else "cpu"
             if server["device"].startswith("cuda"):
                 used_gpus.add(device["index"])
             # two short lines: a long one-line label would narrow the plot and so its legend

@@ -111,6 +111,12 @@ def expert_data(daemon: Daemon, server_id: int, reveal: bool, minutes: int) -> d
             )
         },
         resident=resident,
+        # a split engine's devices, each with its first and last layer (/v1/stats devices)
+        devices=[
+            {"device": d.get("device"), "layers": d.get("layers")}
+            for d in stats.get("devices") or []
+            if isinstance(d, dict)
+        ],
         miss_rates=miss_rates(rows, num_layers),
         window_cut=engines.window_cut(rows),
         picks={
@@ -142,13 +148,27 @@ MIXER_LABELS = {"full_attention": _("attention"), "linear_attention": _("DeltaNe
 
 def _layer_names(data: dict[str, Any], t: Translator) -> list[str]:
     """The heatmaps' row names: "L12", and where the model mixes kinds of layers (a hybrid of
-    Gated DeltaNet and attention layers), each one's kind: "L12 DeltaNet", "L15 attention"."""
+    Gated DeltaNet and attention layers), each one's kind: "L12 DeltaNet", "L15 attention";
+    where the layers are split across devices, each one's device: "L12 cuda:1"."""
     experts = data["experts"]
     ids = experts.get("layer_ids") or list(range(experts["num_layers"]))
     kinds = experts.get("layer_types") or []
-    if len(set(kinds)) < 2:
-        return [f"L{i}" for i in ids]
-    return [f"L{i} {t(MIXER_LABELS[kind])}" for i, kind in zip(ids, kinds, strict=True)]
+    names = [f"L{i}" for i in ids]
+    if len(set(kinds)) > 1:
+        names = [f"{n} {t(MIXER_LABELS[kind])}" for n, kind in zip(names, kinds, strict=True)]
+    devices = data.get("devices") or []
+    if len(devices) > 1:
+        names = [f"{n} {_device_of(i, devices)}" for n, i in zip(names, ids, strict=True)]
+    return names
+
+
+def _device_of(layer: int, devices: list[dict[str, Any]]) -> str:
+    """The device whose range of layers holds `layer`."""
+    for device in devices:
+        first, last = device.get("layers") or (0, -1)
+        if first <= layer <= last:
+            return str(device.get("device"))
+    return "?"
 
 
 def expert_charts(data: dict[str, Any], t: Translator) -> Mapping[str, go.Figure]:

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from ..text import Text
+from .split import LayerSplit, parse_devices
 
 _SIZE_UNITS = {
     "": 1,
@@ -293,19 +294,39 @@ def _model_flags(model: Group) -> None:
 
 
 def _memory_flags(memory: Group) -> None:
-    memory.add_argument(
+    where = memory.add_mutually_exclusive_group()
+    where.add_argument(
         "--device",
         type=parse_device,
         default="auto",
         help="Compute device: auto (CUDA when present), cpu, cuda or cuda:N.",
     )
+    where.add_argument(
+        "--devices",
+        type=parse_devices,
+        default=None,
+        help="Split the layers across these devices, comma-separated (cuda:0,cuda:1; cpu,cpu "
+        "emulates a split on the CPU): each holds a contiguous range of layers with their dense "
+        "weights, KV pages and an expert cache of their experts, filled over its own link, and "
+        "the activations cross once per boundary. The first device holds the embedding, the "
+        "last the final norm and LM head. Takes the place of --device.",
+    )
+    memory.add_argument(
+        "--layer-split",
+        type=LayerSplit.parse,
+        default=None,
+        help="With --devices: each device's layers, as counts that add up to the model's "
+        "layers (20,20) or as shares that add up to 1 (0.6,0.4). Default: from each device's "
+        "free memory and measured link rate, so that every device finishes its share of a step "
+        'at the same time (docs/architecture.md, "Layers across devices").',
+    )
     memory.add_argument(
         "--device-memory",
         type=parse_bytes,
         default=None,
-        help="Memory budget of the compute device (e.g. 24GiB). Default: the free memory of the "
-        "GPU; required to plan memory on a CPU-only machine, where it defaults to "
-        f"{CPU_DEFAULT_BUDGET_BYTES // 1024**3}GiB.",
+        help="Memory budget of the compute device (e.g. 24GiB), of each device with --devices. "
+        "Default: the free memory of the GPU; required to plan memory on a CPU-only machine, "
+        f"where it defaults to {CPU_DEFAULT_BUDGET_BYTES // 1024**3}GiB.",
     )
     memory.add_argument(
         "--kv-reserve-tokens",
@@ -620,12 +641,13 @@ class Tunable:
     """A flag the benchmark may change, and how to pick its candidate values."""
 
     flag: str
-    kind: str  # "choice": values as listed; "switch": on/off; "threads", "slots", "tokens": derived
+    # "choice": values as listed; "switch": on/off; "threads", "slots", "tokens", "devices": derived
+    kind: str
     values: tuple[str, ...] = ()
     why: Text | str = ""  # in words: what the flag trades against what
 
     def __post_init__(self) -> None:
-        assert self.kind in ("choice", "switch", "threads", "slots", "tokens"), self.kind
+        assert self.kind in ("choice", "switch", "threads", "slots", "tokens", "devices"), self.kind
 
 
 TUNABLE: tuple[Tunable, ...] = (
@@ -698,6 +720,14 @@ TUNABLE: tuple[Tunable, ...] = (
         "choice",
         ("0", "0.75"),
         Text("a guessed miss's first rows copied before the routing, against a wrong guess's copy"),
+    ),
+    Tunable(
+        "--devices",
+        "devices",
+        why=Text(
+            "the layers across every GPU: their memory and links together, against the "
+            "activations' crossing between the cards"
+        ),
     ),
     Tunable(
         "--kv-cache-dtype",

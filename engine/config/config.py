@@ -18,6 +18,7 @@ from typing import Any
 from ..text import Text, error_text
 from . import args as flags
 from .memory import MemoryRequest
+from .split import LayerSplit, parse_devices
 
 
 class ConfigError(ValueError):
@@ -113,6 +114,8 @@ class MemoryConfig(_FlagGroup):
     """The compute device and how its memory is divided (engine/config/memory.py plans it)."""
 
     device: str = _setting("--device", flags.parse_device)
+    devices: tuple[str, ...] | None = _setting("--devices", lambda v: parse_devices(",".join(v)))
+    layer_split: LayerSplit | None = _setting("--layer-split")  # noqa: RUF009 (frozen)
     device_memory_bytes: int | None = _setting("--device-memory", flags.check_bytes)
     kv_reserve_tokens: int = _setting("--kv-reserve-tokens", flags.WholeNumber(1).check)
     max_context: int | None = _setting("--max-context", flags.WholeNumber(1).check)
@@ -124,6 +127,39 @@ class MemoryConfig(_FlagGroup):
     state_checkpoint_interval: int = _setting(
         "--state-checkpoint-interval", flags.WholeNumber(0).check
     )
+
+    def _check_together(self) -> None:
+        if self.devices is not None and self.device != "auto":
+            raise ConfigError(
+                Text(
+                    "--devices {devices} takes the place of --device {device}; give one of them",
+                    devices=",".join(self.devices),
+                    device=self.device,
+                )
+            )
+        if self.layer_split is not None and self.devices is None:
+            raise ConfigError(
+                Text(
+                    "--layer-split {split} splits the layers across --devices; name two devices "
+                    "or more there (--devices cuda:0,cuda:1)",
+                    split=str(self.layer_split),
+                )
+            )
+        if self.layer_split is not None and self.layer_split.parts != len(self.devices or ()):
+            raise ConfigError(
+                Text(
+                    "--layer-split {split} has {parts} parts for {count} devices; give one per "
+                    "device of --devices",
+                    split=str(self.layer_split),
+                    parts=self.layer_split.parts,
+                    count=len(self.devices or ()),
+                )
+            )
+
+    @property
+    def device_names(self) -> tuple[str, ...]:
+        """The devices the layers run on: --devices, else --device alone."""
+        return self.devices or (self.device,)
 
     def budget_bytes(self, device_free_bytes: int | None) -> int:
         """The device memory to plan: the free memory of a GPU (`device_free_bytes`), at most

@@ -101,12 +101,15 @@ class VramPlan:
         )
 
 
-def kv_bytes_per_token(spec: ModelSpec, elem_bytes: int, kv_cache_dtype: str = "auto") -> int:
-    """The keys and values of one token in every paged attention layer (a hybrid model's linear
-    layers keep a fixed state instead, sliding-window layers their window's tokens) as
-    --kv-cache-dtype stores them: in the compute dtype (auto, `elem_bytes` each), in bf16, or in
-    FP8 with a factor per KV head."""
-    return len(spec.paged_layers) * _kv_bytes_per_layer_token(spec, elem_bytes, kv_cache_dtype)
+def kv_bytes_per_token(
+    spec: ModelSpec, elem_bytes: int, kv_cache_dtype: str = "auto", layers: range | None = None
+) -> int:
+    """The keys and values of one token in every paged attention layer (of `layers` where given;
+    a hybrid model's linear layers keep a fixed state instead, sliding-window layers their
+    window's tokens) as --kv-cache-dtype stores them: in the compute dtype (auto, `elem_bytes`
+    each), in bf16, or in FP8 with a factor per KV head."""
+    per_layer = _kv_bytes_per_layer_token(spec, elem_bytes, kv_cache_dtype)
+    return _among(spec.paged_layers, layers) * per_layer
 
 
 def _kv_bytes_per_layer_token(spec: ModelSpec, elem_bytes: int, kv_cache_dtype: str) -> int:
@@ -117,22 +120,33 @@ def _kv_bytes_per_layer_token(spec: ModelSpec, elem_bytes: int, kv_cache_dtype: 
     return 2 * spec.num_kv_heads * per_head
 
 
+def _among(indices: tuple[int, ...], layers: range | None) -> int:
+    """How many of the layer `indices` lie in `layers` (all of them where None)."""
+    return len(indices) if layers is None else sum(1 for i in indices if i in layers)
+
+
 def state_bytes_per_seq(
-    spec: ModelSpec, elem_bytes: int, kv_cache_dtype: str = "auto", block_size: int = 16
+    spec: ModelSpec,
+    elem_bytes: int,
+    kv_cache_dtype: str = "auto",
+    block_size: int = 16,
+    layers: range | None = None,
 ) -> int:
-    """The fixed bytes one running sequence holds beside its KV pages: the recurrent states of
-    every linear layer (the convolution state in the compute dtype, `elem_bytes`, the DeltaNet
-    state in fp32), or the keys and values of every sliding-window layer's window in whole pages
-    of `block_size` tokens (engine/model/window.py); 0 for a model with neither."""
+    """The fixed bytes one running sequence holds beside its KV pages (in `layers` where
+    given): the recurrent states of every linear layer (the convolution state in the compute
+    dtype, `elem_bytes`, the DeltaNet state in fp32), or the keys and values of every
+    sliding-window layer's window in whole pages of `block_size` tokens
+    (engine/model/window.py); 0 for a model with neither."""
     window = spec.window_ring_tokens(block_size)
     if window:
         per_token = _kv_bytes_per_layer_token(spec, elem_bytes, kv_cache_dtype)
-        return len(spec.sliding_layers) * window * per_token
+        return _among(spec.sliding_layers, layers) * window * per_token
     if spec.linear_attention is None:
         return 0
     rows, channels = spec.linear_attention.conv_state_shape()
-    conv = len(spec.linear_layers) * rows * channels * elem_bytes
-    return conv + spec.recurrent_state_bytes_per_seq
+    share = _among(spec.linear_layers, layers)
+    conv = share * rows * channels * elem_bytes
+    return conv + spec.recurrent_state_bytes_per_seq * share // len(spec.linear_layers)
 
 
 def state_reserve(
@@ -142,12 +156,13 @@ def state_reserve(
     checkpoints: int = 0,
     kv_cache_dtype: str = "auto",
     block_size: int = 16,
+    layers: range | None = None,
 ) -> tuple[int, int, int]:
     """(sequences with a state slot, state checkpoints, bytes): a slot for each of
     --max-running-requests, one that takes the padding rows of a CUDA graph's step, and the
-    `checkpoints` the prefix cache keeps (engine/model/states.py, window.py); (0, 0, 0) for a
-    model without linear or sliding-window layers."""
-    per_seq = state_bytes_per_seq(spec, elem_bytes, kv_cache_dtype, block_size)
+    `checkpoints` the prefix cache keeps (engine/model/states.py, window.py), over the linear or
+    sliding-window layers (of `layers` where given); (0, 0, 0) for a model without either."""
+    per_seq = state_bytes_per_seq(spec, elem_bytes, kv_cache_dtype, block_size, layers)
     if not per_seq:
         return 0, 0, 0
     return max_running, checkpoints, (max_running + 1 + checkpoints) * per_seq
@@ -199,18 +214,21 @@ def plan_vram(
     max_context: int | None = None,
     expert_format: str = "bf16",
     state_checkpoints: int = 0,
+    layers: range | None = None,
 ) -> VramPlan:
     """Divide `budget_bytes` of device memory; raise MemoryPlanError when the flags cannot fit.
 
     An expert slot holds one expert in `expert_format`: `elem_bytes` a weight for "bf16", FP8
-    values and their block factors for "fp8"."""
+    values and their block factors for "fp8". `layers`: the device's range of a split
+    (engine/config/split.py), whose KV, states and experts alone it holds."""
     slot_bytes = spec.expert_bytes_as(expert_format, elem_bytes)
-    kv_per_token = kv_bytes_per_token(spec, elem_bytes, kv_cache_dtype)
+    kv_per_token = kv_bytes_per_token(spec, elem_bytes, kv_cache_dtype, layers)
     kv_blocks = -(-kv_reserve_tokens // block_size)
     kv_bytes = kv_blocks * block_size * kv_per_token
     state_slots, checkpoints, states = state_reserve(
-        spec, max_running, elem_bytes, state_checkpoints, kv_cache_dtype, block_size
+        spec, max_running, elem_bytes, state_checkpoints, kv_cache_dtype, block_size, layers
     )
+    experts_total = _among(spec.moe_layers, layers) * spec.num_experts
     act = activation_bytes(spec, prefill_chunk_tokens, max_running, elem_bytes)
     graphs = graph_pool_bytes(spec, max_running) if cuda_graphs else 0
     need = weights_bytes + kv_bytes + states + act + graphs + headroom_bytes
@@ -266,8 +284,10 @@ def plan_vram(
             )
         )
     left = budget_bytes - need
-    wanted = _wanted_slots(spec, cache_size, cache_rate)
-    slots, buffer = _expert_slots(spec, left, slot_bytes, wanted, kv_reserve_tokens)
+    wanted = _wanted_slots(experts_total, cache_size, cache_rate)
+    slots, buffer = _expert_slots(
+        spec.num_experts, experts_total, left, slot_bytes, wanted, kv_reserve_tokens
+    )
     if wanted is None:
         # the remainder after whole slots goes to KV, up to what the running requests can use
         rest = left - buffer - slots * slot_bytes
@@ -295,31 +315,36 @@ def plan_vram(
         headroom_bytes=headroom_bytes,
         slots=int(slots),
         slot_bytes=slot_bytes,
-        experts_total=spec.experts_total,
+        experts_total=experts_total,
         max_context=context,
         model_max_context=spec.max_position_embeddings,
         window_tokens=spec.window_ring_tokens(block_size),
     )
 
 
-def _wanted_slots(spec: ModelSpec, cache_size: int | None, cache_rate: float | None) -> int | None:
-    """The expert slots asked for (--moe-cache-size or --moe-cache-rate), at most every expert;
-    None: whatever fits."""
+def _wanted_slots(total: int, cache_size: int | None, cache_rate: float | None) -> int | None:
+    """The expert slots asked for (--moe-cache-size or --moe-cache-rate), at most every expert
+    (`total`); None: whatever fits."""
     if cache_size is not None:
-        return min(cache_size, spec.experts_total)
+        return min(cache_size, total)
     if cache_rate is not None:
-        return min(round(cache_rate * spec.experts_total), spec.experts_total)
+        return min(round(cache_rate * total), total)
     return None
 
 
 def _expert_slots(
-    spec: ModelSpec, left: int, slot_bytes: int, wanted: int | None, kv_reserve_tokens: int
+    num_experts: int,
+    total: int,
+    left: int,
+    slot_bytes: int,
+    wanted: int | None,
+    kv_reserve_tokens: int,
 ) -> tuple[int, int]:
     """Expert slots and the prefill buffer's bytes in the `left` bytes: the slots `wanted`
-    (MemoryPlanError where they do not fit), else every expert where all fit, else as many as
-    fit beside the buffer that streams two layers' experts (no buffer where even it does not)."""
-    total = spec.experts_total
-    buffer = 2 * spec.num_experts * slot_bytes
+    (MemoryPlanError where they do not fit), else every expert (`total`) where all fit, else as
+    many as fit beside the buffer that streams two layers' experts (no buffer where even it does
+    not)."""
+    buffer = 2 * num_experts * slot_bytes
     if wanted is not None:
         buffer = 0 if wanted >= total else buffer
         if wanted * slot_bytes + buffer > left:
@@ -364,12 +389,17 @@ class MemoryRequest:
     expert_dtype: str = "auto"  # --moe-expert-dtype
     state_checkpoints: int = 0  # a hybrid model's state checkpoints (--state-checkpoints)
 
-    def plan(self, spec: ModelSpec) -> VramPlan:
-        """The plan of this request for `spec`'s model (MemoryPlanError where it cannot fit)."""
+    def plan(
+        self, spec: ModelSpec, *, layers: range | None = None, weights_bytes: int | None = None
+    ) -> VramPlan:
+        """The plan of this request for `spec`'s model (MemoryPlanError where it cannot fit); of
+        one device of a split where `layers` and its `weights_bytes` are given."""
+        if weights_bytes is None:
+            weights_bytes = spec.dense_params * self.elem_bytes
         return plan_vram(
             spec,
             budget_bytes=self.budget_bytes,
-            weights_bytes=spec.dense_params * self.elem_bytes,
+            weights_bytes=weights_bytes,
             elem_bytes=self.elem_bytes,
             kv_reserve_tokens=self.kv_reserve_tokens,
             block_size=self.block_size,
@@ -383,6 +413,7 @@ class MemoryRequest:
             max_context=self.max_context,
             expert_format=spec.expert_format(self.expert_dtype),
             state_checkpoints=self.state_checkpoints,
+            layers=layers,
         )
 
 

@@ -28,7 +28,7 @@ import os
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -135,6 +135,13 @@ class ExpertBank:
         if self.swiglu_limit:
             args["swiglu_limit"] = self.swiglu_limit
         return args
+
+    def layers(self, span: range) -> ExpertBank:
+        """The bank of the MoE layers in `span` alone (one device's of a split), its layers
+        numbered from 0: views of this bank's memory, no copy."""
+        kinds = {kind: getattr(self, kind)[span.start : span.stop] for kind in TENSOR_KINDS}
+        pinned = self.pinned[span.start : span.stop]
+        return replace(self, **kinds, pinned=pinned)
 
     def layer_tensors(self, moe_layer: int) -> list[torch.Tensor]:
         """A layer's tensors: w13, w2 and, for an FP8, MXFP4 or NVFP4 bank, their factors or

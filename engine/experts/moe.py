@@ -40,7 +40,8 @@ class MoERunner:
 
     The settings of offloaded decode: split_misses (--no-split-misses turns it off),
     prefetch_rounds (--moe-cpu-prefetch-rounds), copy_ahead (--moe-copy-ahead) and copy_rate,
-    the copies' rate in bytes/s that sizes a copy ahead (`LayerPlanner`)."""
+    the copies' rate in bytes/s that sizes a copy ahead (`LayerPlanner`); counters, where given,
+    the decode counters it counts into (a split model's rows: engine/experts/split_experts.py)."""
 
     def __init__(
         self,
@@ -56,6 +57,7 @@ class MoERunner:
         prefetch_rounds: int = 0,
         copy_ahead: float = 0.0,
         copy_rate: float = 0.0,
+        counters: LayerCounters | None = None,
     ) -> None:
         self.bank = bank
         self.cache = cache
@@ -74,7 +76,7 @@ class MoERunner:
         self._views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self._host_buffers: dict[str, torch.Tensor] = {}
         self.split = MissSplit(policy)
-        self.stats = DecodeStats(bank.num_layers, bank.num_experts)
+        self.stats = DecodeStats(bank.num_layers, bank.num_experts, counters)
         self.fills = SlotFills(bank, cache, copy_stream, self.compute_stream)
         handoff = Handoff(pin=cuda)
         self.planner = LayerPlanner(

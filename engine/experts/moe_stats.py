@@ -387,9 +387,12 @@ class DecodeStats:
     """One runner's decode counters and timers, fed once per layer step, and the observers of
     its decode steps (the what-if curve's access stream)."""
 
-    def __init__(self, num_layers: int, num_experts: int) -> None:
+    def __init__(
+        self, num_layers: int, num_experts: int, counters: LayerCounters | None = None
+    ) -> None:
+        """`counters`: where to count (views of a split model's counters), else new ones."""
         self.num_experts = num_experts
-        self.counters = LayerCounters.zeros(num_layers, num_experts)
+        self.counters = counters or LayerCounters.zeros(num_layers, num_experts)
         # what the planner adds a split prefill layer's picks to (decode's counters rank misses);
         # a resident or streamed prefill does not count, which would cost a host sync a layer
         self.prefill_picks = np.zeros((num_layers, num_experts), dtype=np.int64)

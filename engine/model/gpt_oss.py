@@ -210,11 +210,22 @@ NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model
                  "lm_head"]  # fmt: skip
 
 
-def as_mxfp4(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A tensor as an MXFP4 gpt-oss checkpoint stores it: an expert projection ([E, in, out] in
-    transformers' layout) as its `_blocks` and `_scales` of the [E, out, in] weight, the rest as
-    it is."""
-    if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-        return {name: t}
-    blocks, scales = mxfp4.quantize(t.transpose(1, 2).contiguous())
-    return {name + "_blocks": blocks, name + "_scales": scales}
+def mxfp4_shapes(
+    shapes: dict[str, tuple[int, ...]],
+) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[str, tuple[int, ...]]]]:
+    """`tensor_shapes` as an MXFP4 gpt-oss checkpoint holds them: each expert projection ([E,
+    in, out] in transformers' layout) as the `_blocks` [E, out, in/32, 16] and `_scales` [E, out,
+    in/32] of the [E, out, in] weight, in its place; and each of those names' projection and its
+    unquantized shape."""
+    out: dict[str, tuple[int, ...]] = {}
+    parts: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = shape
+            continue
+        experts, fan_in, fan_out = shape
+        groups = fan_in // mxfp4.BLOCK
+        out[name + "_blocks"] = (experts, fan_out, groups, mxfp4.BLOCK // 2)
+        out[name + "_scales"] = (experts, fan_out, groups)
+        parts[name + "_blocks"] = parts[name + "_scales"] = (name, shape)
+    return out, parts

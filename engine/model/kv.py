@@ -53,14 +53,16 @@ class KVCache:
         dtype: torch.dtype,
         prefix_cache: bool = True,
         cache_dtype: str = "auto",
+        rows: int | None = None,
     ) -> None:
-        """`dtype`: the compute dtype, which reads give; `cache_dtype`: --kv-cache-dtype."""
+        """`dtype`: the compute dtype, which reads give; `cache_dtype`: --kv-cache-dtype; `rows`:
+        the paged attention layers it holds, where not all (one device's of a split)."""
         assert num_blocks >= 1 and block_size >= 1
         assert cache_dtype in ("auto", "bf16", "fp8"), cache_dtype
         # one extra block, never handed out, takes the writes of padding rows in CUDA graphs; one
         # row per paged attention layer (a hybrid model's linear layers keep states instead:
         # states.py; sliding-window layers keep their window's tokens: window.py)
-        layers = len(spec.paged_layers)
+        layers = len(spec.paged_layers) if rows is None else rows
         shape = (layers, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
         held = {"auto": dtype, "bf16": torch.bfloat16, "fp8": torch.uint8}[cache_dtype]
         self.dtype = dtype

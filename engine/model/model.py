@@ -104,6 +104,32 @@ class ExpertExecutor(Protocol):
         ...
 
 
+class Placement(Protocol):
+    """Layers split across devices, as the forward pass reads them (placement.py)."""
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]: ...
+
+    @property
+    def crossings(self) -> frozenset[int]:
+        """The layers where a step moves to the next device."""
+        ...
+
+    def part_of(self, layer: int) -> int:
+        """The index of the device that holds `layer`."""
+        ...
+
+    def cross(self, layer: int, state: StepState) -> None:
+        """Move a step's state to the device of `layer`."""
+        ...
+
+    def to_first(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def begin(self) -> None:
+        """A step starts on the first device."""
+        ...
+
+
 @dataclass(slots=True)
 class SeqSlice:
     """One sequence's part of a step: `q_len` new tokens on top of `kv_len - q_len` cached ones."""
@@ -196,20 +222,36 @@ class Model:
         kv: KVCache,
         max_positions: int,
         states: StatePool | WindowPool | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.spec = spec
         self.weights = weights
         self.experts = experts
-        self.kv = kv
         # the linear layers' recurrent states (hybrid models), or the sliding-window layers'
-        # rings (window.py)
+        # rings (window.py; a split's on each layer's device, split_states.py)
         self.states = states
         self._rings = states if isinstance(states, WindowPool) else None
-        # each paged attention layer's row in the KV cache, which holds only those layers
-        self._kv_row = {layer: row for row, layer in enumerate(spec.paged_layers)}
+        # layers split across devices (placement.py): each device's KV cache (kv is the first
+        # device's, whose pages the scheduler hands out), its rotary tables, the layers where
+        # the activations cross to the next device
+        self.placement = placement
+        self.kv_parts: list[KVCache] = [kv]
+        # each layer's device (the index of its KV part and rotary tables), and each paged
+        # attention layer's row in its device's cache, which holds only those layers
+        self._part = [
+            placement.part_of(i) if placement is not None else 0 for i in range(spec.num_layers)
+        ]
+        self._kv_row: dict[int, int] = {}
+        for layer in spec.paged_layers:
+            part = self._part[layer]
+            self._kv_row[layer] = sum(1 for other in self._kv_row if self._part[other] == part)
+        self._crossings = placement.crossings if placement is not None else frozenset()
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
-        self.rotary = Rotary(spec, max_positions, self.device, self.dtype)
+        self.rotaries = [Rotary(spec, max_positions, self.device, self.dtype)]
+        if placement is not None:
+            self.rotaries += [Rotary(spec, max_positions, d, self.dtype)
+                              for d in placement.devices[1:]]  # fmt: skip
         self.scale = spec.head_dim**-0.5
         # the fused decode kernel covers per-head or no q/k norm, unclipped and ungated
         # projections, rotary over whole heads and the head sizes of real models (powers of two
@@ -235,12 +277,33 @@ class Model:
         # as if no attention came between (`_guess`)
         moe, layers = spec.moe_layers, weights.layers
         self._guess_scales = [
-            guess_scale(layers[moe[p - 1] + 1 if p else 0].input_norm, layers[moe[p]].post_norm)
+            guess_scale(
+                layers[moe[p - 1] + 1 if p else 0].input_norm.to(layers[moe[p]].post_norm.device),
+                layers[moe[p]].post_norm,
+            )
             for p in range(len(moe))
         ]
         # the stream the guesses run on beside the piece's chain (`_guess`), made here: never
         # during a graph's capture
         self._guess_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @property
+    def kv(self) -> KVCache:
+        """The KV cache whose pages the scheduler hands out (the first device's of a split)."""
+        return self.kv_parts[0]
+
+    @kv.setter
+    def kv(self, kv: KVCache) -> None:
+        self.kv_parts[0] = kv
+
+    @property
+    def rotary(self) -> Rotary:
+        """The rotary tables (the first device's of a split)."""
+        return self.rotaries[0]
+
+    @rotary.setter
+    def rotary(self, rotary: Rotary) -> None:
+        self.rotaries[0] = rotary
 
     @property
     def num_pieces(self) -> int:
@@ -269,6 +332,8 @@ class Model:
         w, batch = self.weights, state.batch
         moe_layers = self.spec.moe_layers
         if piece == 0:
+            if self.placement is not None:
+                self.placement.begin()
             state.hidden = w.embed.index_select(0, batch.input_ids)
             state.residual = None
             # the fused q/k norm + rotary reads the full tables itself
@@ -288,10 +353,14 @@ class Model:
         # a guess of this piece's MoE routing from its first attention input (state.routing_guess)
         guess = piece if piece < len(moe_layers) else None
         for index in range(first, last):
+            if index in self._crossings:
+                self._cross(index, state)
             layer = w.layers[index]
             x = self._attention_block(index, layer, state, guess if index == first else None)
             state.hidden = _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
         if piece < len(moe_layers):
+            if last in self._crossings:
+                self._cross(last, state)
             state.x = self._attention_block(
                 last, w.layers[last], state, guess if last == first else None
             )
@@ -305,6 +374,14 @@ class Model:
             _score(x, w.lm_head, batch.scoring)
         x = x.index_select(0, batch.logits_index)
         state.logits = linear(x, w.lm_head).float()
+        if self.placement is not None:
+            state.logits = self.placement.to_first(state.logits)
+
+    def _cross(self, index: int, state: StepState) -> None:
+        """Hand the step's activations to the device of layer `index`, the first of its range
+        (placement.py)."""
+        assert self.placement is not None
+        self.placement.cross(index, state)
 
     def norm_after_experts(self, moe_layer: int) -> torch.Tensor | None:
         """The weight of the RMSNorm that follows MoE layer `moe_layer`'s residual add (the next
@@ -312,7 +389,7 @@ class Model:
         normalized in the same pass (state.normed); None where a shared expert is added first."""
         index = self.spec.moe_layers[moe_layer]
         layers = self.weights.layers
-        if layers[index].shared_gate_up is not None:
+        if layers[index].shared_gate_up is not None or index + 1 in self._crossings:
             return None
         return layers[index + 1].input_norm if index + 1 < len(layers) else self.weights.final_norm
 
@@ -360,8 +437,11 @@ class Model:
         if layer.conv is not None:
             return self._linear_attention(index, layer, x, batch)
         window = self.windows[index]
-        rings = self._rings
-        ring = rings.row(index) if rings is not None else None
+        part = self._part[index]
+        kv, rotary = self.kv_parts[part], self.rotaries[part]
+        # a sliding-window layer's rings (on its device) and its row there; None for paged KV
+        found = self._rings.ring_of(index) if self._rings is not None else None
+        rings, ring = found if found is not None else (None, None)
         qkv = linear(x, layer.qkv, layer.qkv_bias)
         gate = None
         if spec.attn_output_gate:
@@ -371,7 +451,7 @@ class Model:
         # prefill's own pages, from which their last tokens go into the rings (window.py)
         if ring is None:
             row = self._kv_row[index]
-            kv_pages = self.kv.k[row], self.kv.v[row], self.kv.scales(row)
+            kv_pages = kv.k[row], kv.v[row], kv.scales(row)
             slots, tables = batch.slots, batch.block_tables
         elif decode:
             assert rings is not None
@@ -387,13 +467,13 @@ class Model:
             # q/k norm, rotary and the KV write in one launch (the same arithmetic); a prefill's
             # attention then reads its keys and values back from the cache
             q = qk_norm_rope_kv(
-                qkv, batch.positions, self.rotary.cos, self.rotary.sin, layer.q_norm,
+                qkv, batch.positions, rotary.cos, rotary.sin, layer.q_norm,
                 layer.k_norm, spec.rms_norm_eps, k_pages, v_pages, slots,
                 spec.num_heads, spec.num_kv_heads, spec.head_dim, scales,
             )  # fmt: skip
         else:
             assert rope is not None
-            q, k, v = self._heads(layer, qkv, rope)
+            q, k, v = self._heads(layer, qkv, rope, rotary)
             write_kv(k_pages, v_pages, scales, slots, k, v)
         if decode:
             assert tables is not None
@@ -415,7 +495,7 @@ class Model:
                                                         rows)  # fmt: skip
             else:
                 assert seq.pages is not None, "a prefill's SeqSlice needs its pages"
-                keys, values = self.kv.gather(self._kv_row[index], seq.pages, seq.kv_len)
+                keys, values = kv.gather(self._kv_row[index], seq.pages, seq.kv_len)
             if layer.sinks is not None:
                 out[rows] = gpt_oss.attention(q[rows], keys, values, self.scale, layer.sinks,
                                               window, first)  # fmt: skip
@@ -438,7 +518,11 @@ class Model:
         )
 
     def _heads(
-        self, layer: LayerWeights, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        layer: LayerWeights,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        rotary: Rotary,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D] from the projection: clipped, normed and rotated
         as the checkpoint's architecture does."""
@@ -456,7 +540,7 @@ class Model:
         if spec.qk_norm == "head":
             q = rmsnorm(q, layer.q_norm, spec.rms_norm_eps)
             k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
-        q, k = self.rotary.apply(q, k, *rope)
+        q, k = rotary.apply(q, k, *rope)
         return q, k, v
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

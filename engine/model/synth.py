@@ -7,6 +7,11 @@ column 0 acts as a per-expert bias; the biases are calibrated so expert populari
 law: first from a Monte Carlo model of the router, then with forward passes of the synthetic model
 itself (`SynthSource.calibrate`: by `moelab synth` before it writes the weights, and by an engine
 with --dummy-weights over its expert bank, once that is in host memory).
+
+gpt_oss's experts may be made in MXFP4 (`SynthSource(expert_format="mxfp4")`, as `moelab synth
+--dtype mxfp4` writes them and an engine with --dummy-weights banks them): their `_blocks` and
+`_scales` straight from the random generator, a large tensor tiled from the quantized random
+block at whole groups of 32 values (`_mxfp4_part`), so that no expert is quantized.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from ...kernels import mxfp4
 from ...kernels.grouped_moe import grouped_moe
+from ...kernels.mxfp4_moe import grouped_moe_mxfp4
 from . import gpt_oss
 from .checkpoint import iter_layer_experts, load_dense
 from .kv import KVCache
@@ -283,22 +290,35 @@ class SynthSource:
         device: torch.device,
         dtype: torch.dtype,
         cpu_threads: int = 1,
+        expert_format: str = "bf16",
     ) -> SynthSource:
         """A source whose routers are calibrated with forward passes of a synthetic model of its
         own on `device` in `dtype` (`calibrate`), on the CPU with `cpu_threads` of torch's
-        threads: the same weights for the same spec, seed, skew, device type and dtype. (An
-        engine with --dummy-weights calibrates its own dense weights over its bank.)"""
-        source = cls(spec, seed=seed, skew=skew)
+        threads: the same weights for the same spec, seed, skew, expert format, device type and
+        dtype. (An engine with --dummy-weights calibrates its own dense weights over its
+        bank.)"""
+        source = cls(spec, seed=seed, skew=skew, expert_format=expert_format)
         with calibration_threads(device, cpu_threads):
             source.calibrate(device, dtype)
         return source
 
-    def __init__(self, spec: ModelSpec, seed: int = 0, skew: float = 0.0) -> None:
+    def __init__(
+        self, spec: ModelSpec, seed: int = 0, skew: float = 0.0, expert_format: str = "bf16"
+    ) -> None:
+        """expert_format "mxfp4": gpt_oss's experts as an MXFP4 checkpoint holds them (their
+        `_blocks` and `_scales` in place of each projection); other architectures' experts, and
+        other formats, are made unquantized (a bank quantizes them as it is built)."""
         self.spec = spec
         self.seed = seed
         self.skew = skew
         self.dtype = getattr(torch, spec.dtype)
         self._shapes = self._all_shapes()
+        # MXFP4 parts: each `_blocks` and `_scales` name's projection and its unquantized shape
+        self._mxfp4: dict[str, tuple[str, tuple[int, ...]]] = {}
+        if expert_format == "mxfp4" and spec.arch == "gpt_oss":
+            self._shapes, self._mxfp4 = gpt_oss.mxfp4_shapes(self._shapes)
+        # per standard deviation: the random block, quantized to MXFP4 (`_mxfp4_part`)
+        self._mxfp4_block: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
         # per MoE layer: each expert's target share of picks, and its logit bias (first from a
         # Monte Carlo model of the router; `_calibrate` refines them and the constant's scale)
         self.targets: dict[int, np.ndarray] = {}
@@ -326,7 +346,12 @@ class SynthSource:
         return list(self._shapes)
 
     def get(self, name: str) -> torch.Tensor:
-        shape = self._shapes[name]
+        if name in self._mxfp4:
+            return self._mxfp4_part(name, *self._mxfp4[name])
+        return self._make(name, self._shapes[name])
+
+    def _make(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The unquantized tensor `name` of `shape`."""
         spec = self.spec
         leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name
         if spec.hybrid and (fixed := hybrid_tensor(spec, name, shape, self.dtype)) is not None:
@@ -342,11 +367,7 @@ class SynthSource:
             if name.endswith(("o_proj.bias", "down_proj_bias")):
                 t[..., 0] = 0  # nothing writes to the constant dimension
             return t
-        fan_in = shape[-2] if experts else shape[-1]
-        std = 1.0 / math.sqrt(fan_in)
-        writes_residual = leaf in ("o_proj", "down_proj", "w2", "out_proj")
-        if writes_residual:
-            std /= math.sqrt(2 * spec.num_layers)
+        std, writes_residual = self._std(leaf, shape, experts)
         if name == spec.text_prefix + "embed_tokens.weight":
             t = self._random(name, shape, 1.0)
             t[:, 0] = _DIM0
@@ -377,8 +398,8 @@ class SynthSource:
         """Refine each router's bias column (`_refine`) with forward passes of a model of this
         source's weights on `device` in `dtype`: `dense`, whose routers it calibrates in place
         (loaded here where not given), and each MoE layer's experts packed as the bank packs
-        them, (w13, w2) in `dtype` and gpt_oss's biases (`experts`, an engine's bank, or built here
-        where not given)."""
+        them, (w13, w2) in `dtype` or MXFP4 (w13, w2, w13_scale, w2_scale), and gpt_oss's biases
+        (`experts`, an engine's bank, or built here in `dtype` where not given)."""
         spec = self.spec
         length = min(CALIBRATION_PROMPT_TOKENS, spec.max_position_embeddings)
         dense = dense or load_dense(spec, self, device, dtype)
@@ -432,6 +453,50 @@ class SynthSource:
 
     # internals ---------------------------------------------------------------------------------
 
+    def _std(self, leaf: str, shape: tuple[int, ...], experts: bool) -> tuple[float, bool]:
+        """A weight's standard deviation (1 / sqrt(fan-in), less for one that writes the
+        residual stream), and whether it writes it; gpt_oss's experts are [E, in, out]."""
+        std = 1.0 / math.sqrt(shape[-2] if experts else shape[-1])
+        writes_residual = leaf in ("o_proj", "down_proj", "w2", "out_proj")
+        if writes_residual:
+            std /= math.sqrt(2 * self.spec.num_layers)
+        return std, writes_residual
+
+    def _mxfp4_part(self, name: str, weight: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The `_blocks` or `_scales` (`name`) of gpt_oss's expert projection `weight`, [E, in,
+        out] unquantized (`shape`), as an MXFP4 checkpoint holds it: of the [E, out, in] weight.
+        A tensor small enough for a random draw of its own is that draw quantized; a larger one
+        is tiled, as `_random` tiles one, from the random block times its standard deviation,
+        quantized once, at chunk offsets in whole groups of 32 values (its blocks' bytes and
+        their scales, copied; a down projection's output row 0 zero, as `_make` makes it)."""
+        blocks_part = name.endswith("_blocks")
+        if math.prod(shape) <= _RANDN_MAX:
+            blocks, scales = mxfp4.quantize(self._make(weight, shape).transpose(1, 2).contiguous())
+            return blocks if blocks_part else scales
+        experts, fan_in, out = shape
+        std, writes_residual = self._std(weight.rsplit(".", 1)[-1], shape, True)
+        if std not in self._mxfp4_block:
+            if self._block is None:
+                self._block = self._tile_block()
+            blocks, scales = mxfp4.quantize((self._block * std)[None])
+            self._mxfp4_block[std] = (blocks[0], scales[0])  # [groups, 16] and [groups]
+        source = self._mxfp4_block[std][0 if blocks_part else 1]
+        groups = experts * out * fan_in // mxfp4.BLOCK
+        tile = _TILE // mxfp4.BLOCK  # a tile's groups
+        part = torch.empty((groups, *source.shape[1:]), dtype=torch.uint8)
+        gen = torch.Generator().manual_seed(self._tensor_seed(weight))
+        offsets = torch.randint(0, tile, (-(-groups // tile),), generator=gen).tolist()
+        # numpy's copies, a thread each: torch would share each chunk's 2 MB among its threads,
+        # which on a busy host wait for one another (3x slower on a loaded 2-core host)
+        into, tiles = part.numpy(), source.numpy()
+        for i, off in enumerate(offsets):
+            chunk = into[i * tile : (i + 1) * tile]
+            chunk[...] = tiles[off : off + chunk.shape[0]]
+        part = part.view(experts, out, fan_in // mxfp4.BLOCK, *source.shape[1:])
+        if writes_residual:
+            part[:, 0] = 0  # nothing writes to the constant dimension (a zero block's scale: 0)
+        return part
+
     def _router(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         layer = layer_of(name)
         t = self._random(name, shape, 1.0 / math.sqrt(shape[1]))
@@ -439,16 +504,22 @@ class SynthSource:
         t[:, 0] = torch.from_numpy(bias).to(t.dtype)
         return t
 
+    def _tensor_seed(self, name: str) -> int:
+        return (zlib.crc32(name.encode()) ^ (self.seed * 0x9E3779B1)) & 0x7FFFFFFF
+
+    def _tile_block(self) -> torch.Tensor:
+        """The random block large tensors are tiled from, twice over (a tile at any offset)."""
+        base = torch.randn(_TILE, generator=torch.Generator().manual_seed(self.seed))
+        return torch.cat([base, base]).to(self.dtype)
+
     def _random(self, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
         numel = math.prod(shape)
-        seed = (zlib.crc32(name.encode()) ^ (self.seed * 0x9E3779B1)) & 0x7FFFFFFF
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(self._tensor_seed(name))
         if numel <= _RANDN_MAX:
             return (torch.randn(shape, generator=gen) * std).to(self.dtype)
         # large tensors: tile one random block at per-chunk offsets (a cheap deterministic fill)
         if self._block is None:
-            base = torch.randn(_TILE, generator=torch.Generator().manual_seed(self.seed))
-            self._block = torch.cat([base, base]).to(self.dtype)
+            self._block = self._tile_block()
         out = torch.empty(numel, dtype=self.dtype)
         offsets = torch.randint(0, _TILE, (-(-numel // _TILE),), generator=gen).tolist()
         for i, off in enumerate(offsets):
@@ -537,9 +608,10 @@ def router_name(spec: ModelSpec, layer: int) -> str:
 
 class _CalibrationExperts:
     """The routed experts of a synthetic model for its calibration (an `ExpertExecutor`): each
-    MoE layer's experts packed as the expert bank packs them, in the compute dtype (the given
-    `layers`, an engine's bank, or built from the source: w13, w2 and gpt_oss's biases), all on
-    the device where they fit, else each layer copied there as it runs."""
+    MoE layer's experts packed as the expert bank packs them, in the compute dtype or MXFP4 (the
+    given `layers`, an engine's bank, or built from the source: w13, w2, MXFP4's scales and
+    gpt_oss's biases), all on the device where they fit, else each layer copied there as it
+    runs. MXFP4 experts run in the MXFP4 kernel, which widens them in registers."""
 
     def __init__(
         self,
@@ -558,19 +630,21 @@ class _CalibrationExperts:
         assert len(self.layers) == spec.num_moe_layers
 
     def forward(self, moe_layer, x, ids, weights, *, decode: bool) -> torch.Tensor:
-        w13, w2, *biases = (w.to(self.device) for w in self.layers[moe_layer])
-        extras = dict(zip(("w13_bias", "w2_bias"), biases, strict=False))
-        e = w13.shape[0]
-        return grouped_moe(x, ids, weights, w13, w2, layer_experts=e, checked=False,
-                           swiglu_limit=self.swiglu_limit, **extras)  # fmt: skip
+        w13, w2, *rest = (w.to(self.device) for w in self.layers[moe_layer])
+        scales = rest[:2] if w13.dim() == 4 else []  # MXFP4 blocks, then their scales
+        extras = dict(zip(("w13_bias", "w2_bias"), rest[len(scales) :], strict=False))
+        args = dict(layer_experts=w13.shape[0], checked=False, swiglu_limit=self.swiglu_limit)
+        if scales:
+            return grouped_moe_mxfp4(x, ids, weights, w13, w2, *scales, **args, **extras)
+        return grouped_moe(x, ids, weights, w13, w2, **args, **extras)
 
     def routing_record(self, moe_layer: int, tokens: int, decode: bool) -> None:
         return None
 
 
 def _packed_experts(source: SynthSource, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
-    """Each MoE layer's experts of `source`, packed as the bank packs them: (w13, w2) and for
-    gpt_oss their biases (fp32)."""
+    """Each MoE layer's experts of `source`, packed as the bank packs them: (w13, w2) in `dtype`
+    (MXFP4 ones widened) and for gpt_oss their biases (fp32)."""
     spec = source.spec
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     layers = []
@@ -579,8 +653,11 @@ def _packed_experts(source: SynthSource, dtype: torch.dtype) -> list[tuple[torch
         w2 = torch.empty((e, h, i), dtype=dtype)
         biases = (torch.empty((e, 2 * i)), torch.empty((e, h))) if spec.expert_bias else ()
         for expert in iter_layer_experts(spec, source, layer):
-            w13[expert.index].copy_(expert.w13)
-            w2[expert.index].copy_(expert.w2)
+            mx = expert.w13_scale is not None  # the source's only quantized experts: MXFP4
+            w13[expert.index].copy_(mxfp4.dequantize(expert.w13, expert.w13_scale) if mx
+                                    else expert.w13)  # fmt: skip
+            w2[expert.index].copy_(mxfp4.dequantize(expert.w2, expert.w2_scale) if mx
+                                   else expert.w2)  # fmt: skip
             if biases:
                 biases[0][expert.index].copy_(expert.w13_bias)
                 biases[1][expert.index].copy_(expert.w2_bias)

@@ -44,7 +44,10 @@ class WindowPool(SlotPool):
         dtype: torch.dtype,
         checkpoints: int = 0,
         cache_dtype: str = "auto",
+        layers: tuple[int, ...] | None = None,
     ) -> None:
+        """`layers`: the sliding layers it holds, where not all (one device's of a split,
+        split_states.py)."""
         super().__init__(num_slots, checkpoints)
         assert spec.sliding_layers and spec.sliding_window > 0
         self.window = spec.sliding_window
@@ -52,7 +55,8 @@ class WindowPool(SlotPool):
         self.ring_tokens = spec.window_ring_tokens(block_size)
         self.pages_per_slot = self.ring_tokens // block_size
         rows = num_slots + 1 + checkpoints
-        shape = (len(spec.sliding_layers), rows * self.pages_per_slot, block_size,
+        layers = spec.sliding_layers if layers is None else layers
+        shape = (len(layers), rows * self.pages_per_slot, block_size,
                  spec.num_kv_heads, spec.head_dim)  # fmt: skip
         held = {"auto": dtype, "bf16": torch.bfloat16, "fp8": torch.uint8}[cache_dtype]
         self.dtype = dtype
@@ -62,7 +66,7 @@ class WindowPool(SlotPool):
         if cache_dtype == "fp8":
             self.k_scale = torch.ones(shape[:-1], device=device, dtype=torch.float32)
             self.v_scale = torch.ones(shape[:-1], device=device, dtype=torch.float32)
-        self._row = {layer: row for row, layer in enumerate(spec.sliding_layers)}
+        self._row = {layer: row for row, layer in enumerate(layers)}
 
     @property
     def nbytes(self) -> int:
@@ -74,10 +78,11 @@ class WindowPool(SlotPool):
         """One sequence's ring over all sliding layers, factors included."""
         return self.nbytes // (self.k.shape[1] // self.pages_per_slot)
 
-    def row(self, layer: int) -> int | None:
-        """A layer's row in the pool (by its index among all layers); None for a layer that
-        keeps paged KV."""
-        return self._row.get(layer)
+    def ring_of(self, layer: int) -> tuple[WindowPool, int] | None:
+        """The pool that holds a layer's rings (by its index among all layers) and the layer's
+        row there; None for a layer that keeps paged KV."""
+        row = self._row.get(layer)
+        return None if row is None else (self, row)
 
     def scales(self, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A row's FP8 factors (keys', values'); None where not FP8."""

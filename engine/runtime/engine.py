@@ -17,7 +17,8 @@ from ...kernels.native_build import NativeKernelError, load_native
 from ..config.args import default_cpu_threads, physical_cores
 from ..config.bandwidth import best, load_profile
 from ..config.config import EngineConfig
-from ..config.memory import VramPlan, log_plan
+from ..config.memory import MemoryPlanError, VramPlan, log_plan
+from ..config.split import DeviceBudget, SplitPlan, plan_devices
 from ..experts.bank import ExpertBank, build_in_memory, load_bank
 from ..experts.cache import ExpertCache
 from ..experts.cpu import (
@@ -29,16 +30,21 @@ from ..experts.cpu import (
 )
 from ..experts.misses import MissPolicy
 from ..experts.moe import MoERunner
+from ..experts.moe_stats import LayerCounters
 from ..experts.prefill_stream import stream_threshold_tokens
+from ..experts.split_experts import SplitCache, SplitExperts, counter_rows
 from ..model.checkpoint import SafetensorsSource, TensorSource, load_dense
 from ..model.kv import KVCache
 from ..model.model import DenseWeights, Model, SeqSlice, StepBatch
+from ..model.placement import LayerPlacement
 from ..model.rope import Rotary
 from ..model.spec import ModelSpec
+from ..model.split_states import SplitStatePool, SplitWindowPool
 from ..model.states import StatePool
 from ..model.synth import SynthSource, calibration_threads
 from ..model.tokenizer import Tokenizer
 from ..model.window import WindowPool
+from ..text import Text
 from .graphs import DecodeGraphs
 from .loading import LoadProgress
 from .sampling import Sampler, SamplingParams
@@ -99,6 +105,9 @@ class Engine:
         source, dense = self._load_dense()
         progress.begin("expert bank")
         self.bank = self._load_bank(source, progress)
+        if len(self.devices) > 1:
+            progress.begin("split")
+            self._plan_split()
         progress.begin("CPU kernel")
         self._build_cpu_kernel(progress)
         progress.begin("CPU workers")
@@ -113,7 +122,7 @@ class Engine:
         progress.begin("CUDA graphs")
         self.telemetry = Telemetry(
             self.spec, self, self.moe, self.cache, self.bank, self.scheduler,
-            enabled=config.server.stats, states=self.states,
+            enabled=config.server.stats, states=self.states, devices=self.device_reports,
         )  # fmt: skip
         self.stepper = self._build_stepper()
         self._capture_graphs()
@@ -131,7 +140,12 @@ class Engine:
         """The checkpoint's geometry and tokenizer, the device and dtype, and the memory plan."""
         path = Path(self.config.model.path)
         self.spec = spec = spec or ModelSpec.from_dir(path)
-        self.device = resolve_device(self.config.memory.device)
+        # one device, or the devices a split's layers run on (the first holds the embedding,
+        # runs the sampler and hands out the KV pages)
+        self.devices = [resolve_device(name) for name in self.config.memory.device_names]
+        self.device = self.devices[0]
+        self.split: SplitPlan | None = None
+        self.layers_on: LayerPlacement | None = None
         cuda = self.device.type == "cuda"
         self.dtype = getattr(torch, self.config.model.compute_dtype(spec.dtype, cpu=not cuda))
         # how the bank and the expert slots hold the routed experts: "fp8", "mxfp4", "nvfp4" or
@@ -141,6 +155,8 @@ class Engine:
             why = spec.mixed_experts_kept[1]
             log.info("ModelOpt MIXED_PRECISION checkpoint: %s (--moe-expert-dtype auto)", why)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        if len(self.devices) > 1:
+            return  # planned once the bank is in memory: the split reads each device's link
         free_bytes = torch.cuda.mem_get_info(self.device)[0] if cuda else None
         request = self.config.memory_request(
             budget_bytes=self.config.memory.budget_bytes(free_bytes),
@@ -163,10 +179,36 @@ class Engine:
                 spec,
                 seed=int(synth_info.get("seed", self.config.server.seed)),
                 skew=float(synth_info.get("routing_skew", 0.0)),
+                expert_format=self.expert_format,
             )
         else:
             source = SafetensorsSource(Path(model.path), spec)
-        return source, load_dense(spec, source, self.device, self.dtype)
+        # a split's dense weights go to their devices once the split is planned
+        host = len(self.devices) > 1
+        return source, load_dense(spec, source, HOST if host else self.device, self.dtype)
+
+    def _plan_split(self) -> None:
+        """The layers' split across the devices and each device's memory plan, from each one's
+        budget and its link's rate, measured now from the bank's memory."""
+        memory = self.config.memory
+        budgets = []
+        for name, device in zip(memory.device_names, self.devices, strict=True):
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+            link = measure_bp_gbps(self.bank, device)
+            budgets.append(DeviceBudget(name, memory.budget_bytes(free), link))
+        # a split runs its steps eagerly: no graph pool
+        request = self.config.memory_request(
+            budget_bytes=0, elem_bytes=self.dtype.itemsize, cuda=False
+        )
+        self.split = split = plan_devices(self.spec, request, tuple(budgets), memory.layer_split)
+        self.link_gbps = [b.link_gbps for b in budgets]
+        self.layers_on = LayerPlacement(tuple(self.devices), split.ranges)
+        self.plan = split.total
+        for budget, span, plan in zip(budgets, split.ranges, split.plans, strict=True):
+            log.info(
+                "%s: layers %d-%d, link %.1f GB/s; %s",
+                budget.name, span.start, span.stop - 1, budget.link_gbps, plan.describe(),
+            )  # fmt: skip
 
     def _load_bank(self, source: TensorSource, progress: LoadProgress) -> ExpertBank:
         """The expert bank in host memory: built in memory for synthetic weights, else the
@@ -190,14 +232,19 @@ class Engine:
 
     def _calibrate_routing(self, source: SynthSource, dense: DenseWeights) -> None:
         """Calibrate the synthetic routers in `dense` (`SynthSource.calibrate`) over the bank's
-        experts where it holds them in the compute dtype. Done once the bank is in host memory,
-        so that no second copy of the experts is made and freed before the bank's pages are
-        taken, and before the expert cache takes the device memory the passes need."""
+        experts where it holds them in the compute dtype, or in MXFP4 on CUDA (the MXFP4 kernel
+        reads them; elsewhere the source's are widened, as `moelab synth` calibrates them). Done
+        once the bank is in host memory, so that no second copy of the experts is made and freed
+        before the bank's pages are taken, and before the expert cache takes the device memory
+        the passes need."""
         bank = self.bank
-        layers = (bank.w13, bank.w2, *((bank.w13_bias, bank.w2_bias) if bank.w13_bias else ()))
-        experts = list(zip(*layers, strict=True)) if bank.fmt == "bf16" else None
-        with calibration_threads(self.device, default_cpu_threads()):
-            source.calibrate(self.device, self.dtype, dense=dense, experts=experts)
+        # a split's dense weights are still in host memory (placed with the caches)
+        device = HOST if self.layers_on is not None else self.device
+        experts = None
+        if bank.fmt == "bf16" or (bank.fmt == "mxfp4" and device.type == "cuda"):
+            experts = [tuple(bank.layer_tensors(m)) for m in range(bank.num_layers)]
+        with calibration_threads(device, default_cpu_threads()):
+            source.calibrate(device, self.dtype, dense=dense, experts=experts)
 
     def _build_cpu_kernel(self, progress: LoadProgress) -> None:
         """Build (or wait for) the native CPU expert kernel here, so that /health tells that
@@ -215,18 +262,16 @@ class Engine:
     def _start_cpu_workers(self) -> None:
         """The expert cache on the device, and the CPU expert workers placed per --moe-cpu-pin."""
         spec, experts = self.spec, self.config.experts
-        self.cache = ExpertCache(
-            spec.num_moe_layers,
-            spec.num_experts,
-            self.plan.slots,
-            spec.hidden_size,
-            spec.moe_intermediate_size,
-            self.dtype,
-            self.device,
-            self.expert_format,
-            bias=spec.expert_bias,
-            swiglu_limit=spec.swiglu_limit,
-        )
+        if self.layers_on is None:
+            self.cache = self._new_cache(spec.num_moe_layers, self.plan.slots, self.device)
+        else:
+            assert self.split is not None
+            moe_ranges = self.layers_on.moe_ranges(spec.moe_layers)
+            self.cache = SplitCache([
+                self._new_cache(len(span), plan.slots, device)
+                for span, plan, device in zip(moe_ranges, self.split.plans, self.devices,
+                                              strict=True)
+            ])  # fmt: skip
         self.cpu = start_cpu_executor(
             experts.cpu_threads,
             experts.cpu_kernel,
@@ -242,36 +287,68 @@ class Engine:
         cuda = self.device.type == "cuda"
         torch.set_num_threads(1 if cuda else max(1, physical_cores() - self.cpu.num_threads))
 
-    def _build_caches(self, dense: DenseWeights) -> None:
-        """The MoE runner over the bank, cache and CPU workers; the KV cache, the model, the
-        scheduler and the sampler."""
-        config, spec, plan = self.config, self.spec, self.plan
-        policy = MissPolicy.parse(config.experts.miss_policy, self.bp_gbps, self.bh_gbps)
+    def _new_cache(self, moe_layers: int, slots: int, device: torch.device) -> ExpertCache:
+        spec = self.spec
+        return ExpertCache(
+            moe_layers,
+            spec.num_experts,
+            slots,
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            self.dtype,
+            device,
+            self.expert_format,
+            bias=spec.expert_bias,
+            swiglu_limit=spec.swiglu_limit,
+        )
+
+    def _new_runner(
+        self,
+        bank: ExpertBank,
+        cache: ExpertCache,
+        bp_gbps: float,
+        counters: LayerCounters | None = None,
+    ) -> MoERunner:
+        """The MoE runner over `bank`, `cache` (on a device whose link copies at `bp_gbps`) and
+        the CPU workers; counting into `counters` where given (a split's)."""
+        config = self.config
+        policy = MissPolicy.parse(config.experts.miss_policy, bp_gbps, self.bh_gbps)
         log.info(
-            "miss split: Bp %.1f GB/s, Bh %.1f GB/s -> policy %s fetches %.0f%% of misses",
-            self.bp_gbps,
+            "miss split on %s: Bp %.1f GB/s, Bh %.1f GB/s -> policy %s fetches %.0f%% of misses",
+            cache.device,
+            bp_gbps,
             self.bh_gbps,
             policy.mode,
             100 * policy.fetch_fraction,
         )
-        self.moe = MoERunner(
-            self.bank,
-            self.cache,
+        return MoERunner(
+            bank,
+            cache,
             policy,
             self.cpu,
-            top_k=spec.top_k,
+            top_k=self.spec.top_k,
             prefill_overlap=config.prefill.overlap,
             prefill_stream_min_tokens=self._stream_threshold(),
             split_misses=config.experts.split_misses,
             prefetch_rounds=config.experts.prefetch_rounds,
             copy_ahead=config.experts.copy_ahead,
-            copy_rate=self.bp_gbps * 1e9,
+            copy_rate=bp_gbps * 1e9,
+            counters=counters,
         )
-        if plan.all_resident:
-            self._load_all_experts()
-        elif plan.prefill_buffer_bytes:
-            self.moe.allocate_prefill_buffers()
-        self.kv = self._new_kv(plan)
+
+    def _build_caches(self, dense: DenseWeights) -> None:
+        """The MoE runner over the bank, cache and CPU workers; the KV cache, the model, the
+        scheduler and the sampler."""
+        config, spec, plan = self.config, self.spec, self.plan
+        if self.layers_on is None:
+            self.moe = self._new_runner(self.bank, self.cache, self.bp_gbps)
+            if plan.all_resident:
+                _load_all_experts(self.cache, self.bank)
+            elif plan.prefill_buffer_bytes:
+                self.moe.allocate_prefill_buffers()
+            self.kv = self._new_kv(plan)
+        else:
+            dense = self._build_split(dense)
         running = config.batching.max_running_requests
         # a hybrid model's linear layers, or a model's sliding-window layers: one state slot
         # (a ring of the window's tokens) per running sequence and the checkpoints a prompt may
@@ -279,20 +356,58 @@ class Engine:
         memory = config.memory
         checkpoints = memory.state_checkpoints if self.kv.prefix_cache else 0
         self.states: StatePool | WindowPool | None = None
-        if spec.hybrid:
+        parts = list(zip(self.devices, self.split.ranges, strict=True)) if self.split else []
+        if spec.hybrid and not parts:
             self.states = StatePool(spec, running, self.device, self.dtype, checkpoints)
-        elif spec.sliding_layers:
+        elif spec.hybrid:
+            self.states = SplitStatePool(spec, running, parts, self.dtype, checkpoints)
+        elif spec.sliding_layers and not parts:
             self.states = WindowPool(spec, running, memory.kv_block_size, self.device, self.dtype,
                                      checkpoints, memory.kv_cache_dtype)  # fmt: skip
+        elif spec.sliding_layers:
+            self.states = SplitWindowPool(spec, running, memory.kv_block_size, parts, self.dtype,
+                                          checkpoints, memory.kv_cache_dtype)  # fmt: skip
         self.model = Model(spec, dense, self.moe, self.kv, max_positions=plan.max_context + 1,
-                           states=self.states)  # fmt: skip
+                           states=self.states, placement=self.layers_on)  # fmt: skip
+        if self.layers_on is not None:
+            self.model.kv_parts = self.kv_parts
         self.scheduler = Scheduler(
             self.kv, running, config.prefill.chunk_tokens, states=self.states,
             checkpoint_interval=memory.state_checkpoint_interval,
         )  # fmt: skip
         self.sampler = Sampler(config.server.seed)
 
-    def _new_kv(self, plan: VramPlan) -> KVCache:
+    def _build_split(self, dense: DenseWeights) -> DenseWeights:
+        """A split's parts on each device: its layers' dense weights (returned), its MoE runner
+        over its layers' part of the bank and its own cache, its KV cache of its paged attention
+        layers (its rings and states: `_build_caches`)."""
+        placement, split, cache = self.layers_on, self.split, self.cache
+        assert placement is not None and split is not None and isinstance(cache, SplitCache)
+        moe_ranges = placement.moe_ranges(self.spec.moe_layers)
+        counters = LayerCounters.zeros(self.spec.num_moe_layers, self.spec.num_experts)
+        runners = []
+        for d, span in enumerate(moe_ranges):
+            bank = self.bank.layers(span)
+            rows = counter_rows(counters, span)
+            runner = self._new_runner(bank, cache.caches[d], self.link_gbps[d], rows)
+            if split.plans[d].all_resident:
+                _load_all_experts(cache.caches[d], bank)
+            elif split.plans[d].prefill_buffer_bytes:
+                runner.allocate_prefill_buffers()
+            runners.append(runner)
+        self.moe = SplitExperts(runners, moe_ranges, counters)
+        self.kv_parts = [
+            self._new_kv(plan, device, sum(1 for i in self.spec.paged_layers if i in span))
+            for plan, device, span in zip(split.plans, self.devices, split.ranges, strict=True)
+        ]
+        self.kv = self.kv_parts[0]
+        return placement.place(dense)
+
+    def _new_kv(
+        self, plan: VramPlan, device: torch.device | None = None, rows: int | None = None
+    ) -> KVCache:
+        """The KV cache of `plan` on the engine's device; on `device`, of `rows` paged
+        attention layers, for one device of a split."""
         memory = self.config.memory
         # a hybrid model's recurrent state, or the ring of a sliding-window layer, cannot be cut
         # back to a matched prefix: it resumes from a checkpoint, without which nothing is matched
@@ -304,9 +419,9 @@ class Engine:
                     else "sliding-window layers keep only their window's tokens")  # fmt: skip
             log.info("prefix cache off: this model's %s, which resumes only from a state "
                      "checkpoint, and --state-checkpoints is 0", kept)  # fmt: skip
-        return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, self.device, self.dtype,
-                       prefix_cache=prefix_cache,
-                       cache_dtype=memory.kv_cache_dtype)  # fmt: skip
+        return KVCache(self.spec, plan.kv_blocks, memory.kv_block_size, device or self.device,
+                       self.dtype, prefix_cache=prefix_cache, cache_dtype=memory.kv_cache_dtype,
+                       rows=rows)  # fmt: skip
 
     def _build_stepper(self) -> Stepper:
         tokenizer = self.tokenizer
@@ -359,21 +474,6 @@ class Engine:
             self.config.experts.bw_profile,
         )
 
-    def _load_all_experts(self) -> None:
-        """Every expert fits: fill the cache once, nothing is fetched afterwards."""
-        fills = self.cache.fills
-        for m in range(self.bank.num_layers):
-            for e in range(self.bank.num_experts):
-                if self.cache.slot_of[m, e] >= 0:
-                    continue
-                slot = self.cache.admit(m, e, set())
-                assert slot is not None
-                for dst, src in zip(self.cache.tensors(), self.bank.layer_tensors(m), strict=True):
-                    dst[slot].copy_(src[e], non_blocking=True)
-        self.cache.fills = fills
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _capture_graphs(self) -> None:
         """Capture decode steps on a CUDA device: whole steps when every expert is resident, else
         the dense pieces between the MoE layers (the experts run eagerly between them)."""
@@ -382,6 +482,9 @@ class Engine:
         stepper.graphs = None  # captured graphs hold the old cache and KV tensors
         batching = self.config.batching
         if self.device.type != "cuda" or not batching.cuda_graph:
+            return
+        if self.layers_on is not None:
+            log.info("decode runs eagerly across the split's devices (no CUDA graphs)")
             return
         t0 = time.perf_counter()
         whole = self.cache.holds_everything
@@ -413,12 +516,21 @@ class Engine:
         self.moe.release_prefill_buffers()
         self.cache.resize(plan.slots, self.moe.refill)
         if plan.all_resident:
-            self._load_all_experts()
+            _load_all_experts(self.cache, self.bank)
         elif plan.prefill_buffer_bytes:
             self.moe.allocate_prefill_buffers()
         self.plan = plan
         self.stepper.use_kv(self.kv, plan.max_context)
         self._capture_graphs()
+
+    def _refuse_split_resize(self) -> None:
+        if self.layers_on is not None:
+            raise MemoryPlanError(
+                Text(
+                    "the caches of an engine split across --devices keep the sizes they started "
+                    "with; restart it with other --moe-cache-size or --kv-reserve-tokens"
+                )
+            )
 
     def resize_cache(self, slots: int) -> None:
         """Set the number of expert slots without reloading weights (no request may be running).
@@ -426,6 +538,7 @@ class Engine:
         Raises MemoryPlanError when the current KV and `slots` do not fit the budget.
         """
         assert not self.scheduler.running, "resize while requests run"
+        self._refuse_split_resize()
         plan = self._replan(self.kv.capacity_tokens, cache_size=slots, cache_rate=None)
         self._apply_plan(plan)
         log.info("expert cache resized: %s", plan.describe())
@@ -433,6 +546,7 @@ class Engine:
     def resize_kv(self, tokens: int) -> None:
         """Reserve `tokens` of KV and give the expert cache what is left (no request running)."""
         assert not self.scheduler.running, "resize while requests run"
+        self._refuse_split_resize()
         self.stepper.drain()  # a queued step still writes the old KV
         plan = self._replan(tokens)
         self.kv.free_memory()
@@ -535,6 +649,57 @@ class Engine:
             if self.states is not None:
                 self.states.release(state_slot)
 
+    def device_reports(self) -> list[dict]:
+        """Each device's part of the model (/v1/stats `devices`): its layers, its link's rate,
+        its expert slots, its memory plan and, for a split, its memory as `memory.device` reports
+        one device's."""
+        if self.split is None:
+            return [
+                {
+                    "device": str(self.device),
+                    "layers": [0, self.spec.num_layers - 1],
+                    "link_gbps": self.bp_gbps,
+                    "slots": self.cache.slots,
+                    "kv_tokens": self.kv.capacity_tokens,
+                    "plan": self.plan.to_dict(),
+                }
+            ]
+        caches, runners = self.cache.caches, self.moe.runners
+        # each device's recurrent states, or its rings (counted with its KV, as telemetry does)
+        states = self.states.part_bytes() if isinstance(self.states, SplitStatePool) else None
+        rings = self.states.part_bytes() if isinstance(self.states, SplitWindowPool) else None
+        out = []
+        for d, device in enumerate(self.devices):
+            plan, span, kv = self.split.plans[d], self.split.ranges[d], self.kv_parts[d]
+            memory = {
+                "index": device.index or 0,
+                "total": plan.budget_bytes,
+                "weights": plan.weights_bytes,
+                "kv": kv.nbytes + (rings[d] if rings else 0),
+                "expert_cache": caches[d].nbytes,
+                "prefill_buffer": runners[d].stage_bytes,
+                "activations": plan.activation_bytes,
+                "graphs": 0,
+                "states": states[d] if states else 0,
+                "other": 0,
+            }
+            if device.type == "cuda":
+                free, memory["total"] = torch.cuda.mem_get_info(device)
+                accounted = sum(v for k, v in memory.items() if k not in ("index", "total"))
+                memory["other"] = max(0, memory["total"] - free - accounted)
+            out.append(
+                {
+                    "device": self.split.names[d],
+                    "layers": [span.start, span.stop - 1],
+                    "link_gbps": self.link_gbps[d],
+                    "slots": caches[d].slots,
+                    "kv_tokens": kv.capacity_tokens,
+                    "plan": plan.to_dict(),
+                    "memory": memory,
+                }
+            )
+        return out
+
     def config_in_force(self) -> dict:
         """The resolved settings the engine runs with (what /v1/stats reports as config)."""
         config, graphs = self.config, self.graphs
@@ -596,3 +761,23 @@ class Engine:
         self.cpu.close()
         if self.placement is not None:
             self.placement.restore()
+
+
+# where a split's dense weights wait for their devices
+HOST = torch.device("cpu")
+
+
+def _load_all_experts(cache: ExpertCache, bank: ExpertBank) -> None:
+    """Every expert of `bank` fits `cache`: fill it once, nothing is fetched afterwards."""
+    fills = cache.fills
+    for m in range(bank.num_layers):
+        for e in range(bank.num_experts):
+            if cache.slot_of[m, e] >= 0:
+                continue
+            slot = cache.admit(m, e, set())
+            assert slot is not None
+            for dst, src in zip(cache.tensors(), bank.layer_tensors(m), strict=True):
+                dst[slot].copy_(src[e], non_blocking=True)
+    cache.fills = fills
+    if cache.device.type == "cuda":
+        torch.cuda.synchronize(cache.device)

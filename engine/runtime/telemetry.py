@@ -143,10 +143,13 @@ class Telemetry:
         scheduler: Reports,
         enabled: bool = True,
         states: StateSlots | None = None,
+        devices: Callable[[], list[dict]] | None = None,
     ) -> None:
         self.spec = spec
         self.engine = engine
         self.states = states
+        # each device's part of the model (Engine.device_reports), where told
+        self.devices = devices
         self.experts = experts
         self.cache = cache
         self.bank = bank
@@ -265,6 +268,11 @@ class Telemetry:
             used_device["other"] = max(0, total - free - accounted)
         else:
             used_device["other"] = 0
+        devices = self.devices() if self.devices is not None else None
+        # a split's memory device by device (each report's own), else the one device's
+        memory_devices = [used_device]
+        if devices is not None and len(devices) > 1:
+            memory_devices = [d.pop("memory") for d in devices]
         stats = {
             "model": model_name,
             "uptime_s": time.time() - self.started,
@@ -283,7 +291,7 @@ class Telemetry:
                 "prefill_total": self.prefill_tokens_total,
             },
             "memory": {
-                "device": [used_device],
+                "device": memory_devices,
                 "host_rss": _host_rss(),
                 "expert_bank": bank["bytes"],
                 "expert_bank_pinned_layers": bank["pinned_layers"],
@@ -303,6 +311,8 @@ class Telemetry:
             },
             "config": engine.config_in_force(),
         }
+        if devices is not None:
+            stats["devices"] = devices
         stats["experts"] = self._experts(now, cache, experts) if self.enabled else None
         stats["breakdown"] = dict(self.breakdown) if self.breakdown else None
         return stats

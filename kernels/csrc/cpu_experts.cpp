@@ -247,7 +247,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodePlanner>(m, "DecodePlanner")
       .def(py::init<Pool&, int, int, uintptr_t, uintptr_t, uintptr_t, int64_t, uintptr_t,
                     uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                    const std::vector<ExpertTensorSpec>&>(),
+                    const std::vector<ExpertTensorSpec>&, float>(),
            py::keep_alive<1, 2>())
       .def("set_device", &DecodePlanner::set_device)
       .def("set_launch", &DecodePlanner::set_launch)

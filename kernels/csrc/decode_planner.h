@@ -37,7 +37,8 @@ namespace {
 // cached experts' routes during them: the whole serial host path of an offloaded layer step,
 // which in Python costs several times as much, most when the CPU job before has just streamed
 // the caches cold (docs/cpu-experts.md). An expert is the tensors the bank holds it as
-// (`ExpertTensor`: bf16 weights, or FP8 values and their block factors), each copied alike.
+// (`ExpertTensor`: bf16 weights, FP8 values and their block factors or MXFP4 blocks and their
+// scales, and gpt-oss's biases), each copied alike.
 
 // The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
 using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
@@ -171,21 +172,32 @@ inline MissPlan plan_misses(int64_t m, double f, int64_t chunks, int64_t lead_ro
   return {q, j, false};
 }
 
-// One of the tensors an expert is held as (ExpertBank.layer_tensors: w13, w2, and an FP8 bank's
-// block factors), as the planner copies it into cache slots: per layer the address of the bank's
-// [experts, rows, ...] (host), and of the cache's [slots, rows, ...] (device, `set_device`). Its
-// rows follow the intermediate rows one of two ways: `gate_up`, its rows are w13's gate rows then
-// its up rows, one for every `block` of them (FP8 factors: 128); else each of its rows holds
-// I / block entries along w2's columns. A split or a copy ahead cuts each at whole entries.
+// What each of an expert's tensors is to the CPU job: its weights (w13, w2), their block factors
+// or scales (FP8: fp32 factors; MXFP4: E8M0 scales), or gpt-oss's biases.
+enum class TensorRole : int { kWeights = 0, kScales = 1, kBias = 2 };
+
+// One of the tensors an expert is held as (ExpertBank.layer_tensors: w13, w2, an FP8 bank's
+// block factors or an MXFP4 bank's scales, gpt-oss's biases), as the planner copies it into cache
+// slots: per layer the address of the bank's [experts, rows, ...] (host), and of the cache's
+// [slots, rows, ...] (device, `set_device`). Its rows follow the intermediate rows one of three
+// ways: `gate_up`, its rows are w13's gate rows then its up rows, one for every `block` of them
+// (FP8 factors: 128); else, weights and scales, each of its rows holds I / block entries along
+// w2's columns (MXFP4: an entry is a 32-column group's 16 bytes of blocks, or its scale); else,
+// the down projection's bias, it has no intermediate rows. A split or a copy ahead cuts each at
+// whole entries; a split miss's down bias is the CPU's, its slot's zeroed.
 struct ExpertTensor {
   std::vector<uintptr_t> bank;
   bool gate_up;
   int64_t block, rows, row_bytes;  // intermediate rows an entry covers; one expert's rows
+  TensorRole role;
   uint64_t cache = 0;
   int64_t bytes() const { return rows * row_bytes; }
+  bool down_bias() const { return role == TensorRole::kBias && !gate_up; }
 };
-// What Python hands over for each: (bank addresses per layer, gate_up, block, rows, row_bytes).
-using ExpertTensorSpec = std::tuple<std::vector<uintptr_t>, bool, int64_t, int64_t, int64_t>;
+// What Python hands over for each: (bank addresses per layer, gate_up, block, rows, row_bytes,
+// role).
+using ExpertTensorSpec =
+    std::tuple<std::vector<uintptr_t>, bool, int64_t, int64_t, int64_t, int>;
 
 // A guess of the routing a step waits for (DecodePlanner::step's guess): the layer router's
 // logits [T, experts] and their signal, stored by the piece before the routing; the step's x and
@@ -205,7 +217,7 @@ class DecodePlanner {
   DecodePlanner(Pool& pool, int simd, int weight_type, uintptr_t slot_of, uintptr_t key_of_slot,
                 uintptr_t last_use, int64_t slots, uintptr_t state, uintptr_t picks,
                 int64_t layers, int64_t experts, int64_t top_k, int64_t hidden, int64_t inter,
-                const std::vector<ExpertTensorSpec>& tensors)
+                const std::vector<ExpertTensorSpec>& tensors, float swiglu_limit)
       : pool_(pool),
         simd_(simd),
         weight_type_(weight_type),
@@ -220,21 +232,35 @@ class DecodePlanner {
         top_k_(top_k),
         hidden_(hidden),
         inter_(inter),
+        swiglu_limit_(swiglu_limit),
         tokens_(experts, 0),
         where_(experts, kNotRouted),
         protected_(slots, 0) {
-    // w13 and w2, then (block-scaled weights) their factors: the CPU job reads them so
-    if (tensors.size() != 2 && tensors.size() != 4) {
-      throw std::invalid_argument("an expert is w13 and w2, and their two factor tensors if any");
-    }
-    for (const auto& [bank, gate_up, block, rows, row_bytes] : tensors) {
-      if (int64_t(bank.size()) != layers || block < 1 || rows < 1 || row_bytes < 1) {
+    // w13 and w2, then their factors or scales (block-scaled weights), then their biases: each
+    // role's w13 tensor (gate_up), then its w2 one
+    int roles[3] = {0, 0, 0};
+    for (const auto& [bank, gate_up, block, rows, row_bytes, role] : tensors) {
+      if (int64_t(bank.size()) != layers || block < 1 || rows < 1 || row_bytes < 1 ||
+          role < 0 || role > 2) {
         throw std::invalid_argument(
-            "each expert tensor needs one address per layer, a block and its rows' shape");
+            "each expert tensor needs one address per layer, a block, its rows' shape and a "
+            "role");
       }
-      tensors_.push_back(ExpertTensor{bank, gate_up, block, rows, row_bytes});
-      granule_ = std::lcm(granule_, block);
+      const int order = roles[role]++;
+      const int at = role == 0 ? order : role == 1 ? 2 + order : 2 + roles[1] + order;
+      const bool expected = int(tensors_.size()) == at && gate_up == (order == 0);
+      if (order > 1 || !expected) {
+        throw std::invalid_argument(
+            "an expert is w13 and w2, then their two factor tensors and their two biases if any");
+      }
+      tensors_.push_back(
+          ExpertTensor{bank, gate_up, block, rows, row_bytes, static_cast<TensorRole>(role)});
+      if (!tensors_.back().down_bias()) granule_ = std::lcm(granule_, block);
       if (gate_up) gate_up_row_bytes_ += rows * row_bytes;
+    }
+    if (roles[0] != 2 || roles[1] == 1 || roles[2] == 1) {
+      throw std::invalid_argument(
+          "an expert is w13 and w2, then their two factor tensors and their two biases if any");
     }
   }
 
@@ -656,9 +682,11 @@ class DecodePlanner {
   // same columns of its down projection, with its gate and up rows from `row` on zeroed
   // (silu(0) * 0 = 0: those rows add nothing, whatever the slot's down projection holds in their
   // columns, as long as it is finite: the cache starts zeroed, and holds experts after that), in
-  // each of its tensors (factors too: `row` is a multiple of their blocks). Gate and up rows
+  // each of its tensors (factors and scales too: `row` is a multiple of their blocks; gpt-oss's
+  // gate and up biases of those rows zeroed with them: clamped or not, the SwiGLU of two zero
+  // sums is zero). Its down bias is zeroed in the slot: the CPU's part adds it. Gate and up rows
   // below `from` are there already (copied ahead). Per tensor one 2D copy and, for gate and up,
-  // one 2D memset. Returns the first driver error (naming its call in `failed`), or 0.
+  // one 2D memset; one memset for the down bias. Returns the first driver error (naming its call in `failed`), or 0.
   int copy_split(int64_t layer, int32_t e, int64_t slot, int64_t from, int64_t row,
                  const char** failed) {
     for (const ExpertTensor& t : tensors_) {
@@ -675,6 +703,16 @@ class DecodePlanner {
     }
     for (const ExpertTensor& t : tensors_) {
       if (t.gate_up) continue;
+      if (t.down_bias()) {  // the CPU's part adds it
+        const int err =
+            memset2d_(t.cache + slot * t.bytes(), size_t(t.bytes()), 0, size_t(t.bytes()), 1,
+                      fill_stream_);
+        if (err != 0) {
+          *failed = "cuMemsetD2D8Async";
+          return err;
+        }
+        continue;
+      }
       Memcpy2D columns;  // the first `row` columns of each of its rows (their entries)
       columns.src_memory_type = 1;
       columns.src_host = reinterpret_cast<const char*>(t.bank[layer]) + e * t.bytes();
@@ -725,18 +763,27 @@ class DecodePlanner {
     return err;
   }
 
-  // The CPU job's problem for layer `layer`: the bank's weights, and their factors where the
-  // expert has them (its third and fourth tensors).
+  // The CPU job's problem for layer `layer`: the bank's weights, their factors or scales and its
+  // biases where the expert has them, and the SwiGLU's limit.
   ExpertProblem problem(int64_t layer, uintptr_t x, uintptr_t out, int64_t T,
                         int32_t split_expert, int64_t split_row) const {
     ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
                     reinterpret_cast<const void*>(tensors_[0].bank[layer]),
                     reinterpret_cast<const void*>(tensors_[1].bank[layer]),
                     T, hidden_, inter_, experts_, split_expert, split_row};
-    if (tensors_.size() == 4) {
-      p.w13_factors = reinterpret_cast<const float*>(tensors_[2].bank[layer]);
-      p.w2_factors = reinterpret_cast<const float*>(tensors_[3].bank[layer]);
+    for (size_t i = 2; i + 1 < tensors_.size(); i += 2) {
+      const uintptr_t w13 = tensors_[i].bank[layer], w2 = tensors_[i + 1].bank[layer];
+      if (tensors_[i].role == TensorRole::kScales) {  // FP8's factors or MXFP4's scales
+        p.w13_factors = reinterpret_cast<const float*>(w13);
+        p.w2_factors = reinterpret_cast<const float*>(w2);
+        p.w13_scales = reinterpret_cast<const uint8_t*>(w13);
+        p.w2_scales = reinterpret_cast<const uint8_t*>(w2);
+      } else {
+        p.w13_bias = reinterpret_cast<const float*>(w13);
+        p.w2_bias = reinterpret_cast<const float*>(w2);
+      }
     }
+    p.swiglu_limit = swiglu_limit_;
     return p;
   }
 
@@ -989,7 +1036,8 @@ class DecodePlanner {
   int64_t* const state_;         // tick, hits, fills, evictions
   int64_t* const picks_;         // [layers, experts]
   const int64_t layers_, experts_, top_k_, hidden_, inter_;
-  std::vector<ExpertTensor> tensors_;  // w13, w2 (and their factors)
+  const float swiglu_limit_;  // gpt-oss's clamped SwiGLU (0: silu(gate) * up)
+  std::vector<ExpertTensor> tensors_;  // w13, w2 (and their factors or scales, and biases)
   int64_t granule_ = 1;  // a split's rows: a multiple of every tensor's block
   int64_t gate_up_row_bytes_ = 0;  // one expert's bytes in the tensors of gate and up rows
   CuMemcpyHtoDAsync copy_ = nullptr;

@@ -24,7 +24,8 @@ struct ExpertProblem {
   const void* w2;   // [E, H, I]
   int64_t T, H, I, E;
   // One expert may be split with the GPU (the decode planner's split miss): for it, only the
-  // intermediate rows from split_row on (gate/up rows, down projection columns) are computed here.
+  // intermediate rows from split_row on (gate/up rows, down projection columns) are computed here,
+  // and its down bias, if any, is added here.
   int32_t split_expert = -1;
   int64_t split_row = 0;
   // The weights outlive the pool's workers (the engine's bank, which the pool is closed before):
@@ -293,9 +294,6 @@ class ExpertJob final : public ExpertJobShell {
     if ((p.w13_bias == nullptr) != (p.w2_bias == nullptr)) {
       throw std::invalid_argument("w13_bias and w2_bias come together");
     }
-    if (p.w2_bias != nullptr && p.split_expert >= 0) {
-      throw std::invalid_argument("an expert with biases is not split with the GPU");
-    }
     if constexpr (kPer > 1) check_fp4(p);
     p_ = p;
     for (auto* v : {&group_expert_, &group_start_, &token_}) v->clear();
@@ -500,7 +498,8 @@ class ExpertJob final : public ExpertJobShell {
   void down(int64_t task, int64_t r0, int64_t r_end, float* out) {
     const int64_t H = p_.H, I = p_.I, n = r_end - r0;
     const int64_t groups = int64_t(group_expert_.size());
-    if (p_.w2_bias != nullptr) {  // each pair's weighted bias of these rows (no split: assign)
+    // each pair's weighted bias of these rows (a split expert's too: its slot's is zeroed)
+    if (p_.w2_bias != nullptr) {
       for (int64_t g = 0; g < groups; ++g) {
         const float* bias = p_.w2_bias + int64_t(group_expert_[g]) * H + r0;
         for (int32_t j = group_start_[g]; j < group_start_[g + 1]; ++j) {

@@ -179,3 +179,24 @@ def test_plans_survive_storage() -> None:
     assert Plan.from_json(plan.to_json()) == plan
     assert effective_value([], "--no-cuda-graph") is False
     assert str(Change("--x", None).label) == "drop --x"
+
+
+def test_the_split_is_tried_where_the_machine_has_two_gpus() -> None:
+    """--devices across every GPU, one change as for any flag; a start that splits already
+    tries one device; a machine of one GPU, or an engine on the CPU, has nothing to split."""
+    two = MachineFacts(physical_cores=8, gpus=2)
+    plan = make_plan(["--device", "cuda:0"], MODEL, two, MODES["standard"], Objective("decode"))
+    assert "--devices=cuda:0,cuda:1" in keys(plan)
+    assert "--device=(default)" not in keys(plan)
+    split = next(c for c in plan.candidates if c.change.flag == "--devices")
+    # the trial's flags name the devices and no longer --device (they exclude each other)
+    assert apply_change(["--device", "cuda:0"], split.change) == ["--devices", "cuda:0,cuda:1"]
+    back = make_plan(["--devices", "cuda:0,cuda:1"], MODEL, two, MODES["standard"],
+                     Objective("decode"))  # fmt: skip
+    assert "--devices=(default)" in keys(back)
+    assert "--devices=cuda:0,cuda:1" in back.starting
+    assert why(make_plan([], MODEL, GPU_8, MODES["standard"], Objective("decode")),
+               "--devices") == "1 GPU here: a split needs two or more"  # fmt: skip
+    assert "a split runs across GPUs" in why(
+        make_plan([], MODEL, CPU_2, MODES["standard"], Objective("decode")), "--devices"
+    )

@@ -17,6 +17,7 @@ import pytest
 from moelab.console import engines
 from moelab.console.i18n import Translator
 from moelab.console.pages.dashboard import _vram_figure
+from moelab.console.pages.experts import _layer_names
 from moelab.daemon.service import Daemon
 from tests.daemon.conftest import make_daemon, synth
 
@@ -130,3 +131,27 @@ def test_recommended_and_the_planner_show_the_states_beside_the_kv(hybrid) -> No
     assert "Recurrent states" in en and "KV is kept by the 1 attention layers alone" in en
     ja = get_page(client, f"/profiles/{profile}", "ja")
     assert "再帰状態" in ja and "KV を持つのは 1 層のアテンション層だけ" in ja
+
+
+def test_a_split_engine_shows_each_card_in_the_memory_chart_and_the_heatmaps() -> None:
+    """An engine split across two GPUs (--devices): a memory bar per card under its name, and
+    each heatmap row names the card its layer runs on."""
+    body = copy.deepcopy(RECORDED()[1])
+    card0 = body["memory"]["device"][0]
+    body["memory"]["device"] = [card0, {**card0, "index": 1, "weights": 2 * card0["weights"]}]
+    card = {"server": {"name": "split", "device": "cuda:0,cuda:1"},
+            "devices": engines.device_split(body)}  # fmt: skip
+    chart = _vram_figure({"engines": [card], "gpus": []}, Translator("en"))
+    weights = next(trace for trace in chart.data if trace.name == "weights")
+    assert list(weights.y) == ["split<br>cuda:0", "split<br>cuda:1"]
+    assert weights.x[1] == pytest.approx(2 * weights.x[0])
+    data = {
+        "experts": {"layer_ids": [0, 1, 2], "num_layers": 3},
+        "devices": [
+            {"device": "cuda:0", "layers": [0, 1]},
+            {"device": "cuda:1", "layers": [2, 3]},
+        ],
+    }
+    assert _layer_names(data, Translator("en")) == ["L0 cuda:0", "L1 cuda:0", "L2 cuda:1"]
+    data["experts"]["layer_types"] = ["linear_attention", "full_attention", "linear_attention"]
+    assert _layer_names(data, Translator("en"))[1] == "L1 attention cuda:0"

@@ -414,6 +414,15 @@ def test_a_gpu_in_use_by_another_server_is_refused(tmp_path: Path, demo_model: P
         with pytest.raises(Conflict, match=r"cuda:0 is taken by server") as refused:
             supervisor.start(model=str(demo_model), flags=["--device", "cuda:0"])
         assert refused.value.status == 409 and refused.value.code == "gpu_taken"
+        # a split that would use cuda:0 too is refused, naming it
+        with pytest.raises(Conflict, match=r"^cuda:0 is taken by server"):
+            supervisor.start(model=str(demo_model), flags=["--devices", "cuda:1,cuda:0"])
+        # and an engine split across both GPUs takes each of them
+        supervisor._handles[first.id] = EngineHandle(
+            first.id, holder.engine, "cuda:0,cuda:1", None, fresh=True, ready=True
+        )
+        with pytest.raises(Conflict, match=r"^cuda:1 is taken by server"):
+            supervisor.start(model=str(demo_model), flags=["--device", "cuda:1"])
         # the CPU is shared, not taken
         other = supervisor.start(model=str(demo_model), flags=["--device", "cpu"])
         supervisor.stop(other.id)

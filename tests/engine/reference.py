@@ -6,10 +6,13 @@ import math
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from moelab.engine.config.config import EngineConfig
+from moelab.engine.experts.miss_plan import LayerPlanner
 from moelab.engine.runtime.engine import Engine
+from moelab.engine.runtime.sampling import SamplingParams
 
 HF_CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -168,6 +171,34 @@ def make_engine(path: Path, *flags: str) -> Engine:
         ]
     )
     return Engine(config)
+
+
+def decode_with_each_planner(
+    monkeypatch: pytest.MonkeyPatch, path: Path, prompts: list[list[int]], tokens: int, *flags: str
+) -> list[tuple]:
+    """Greedy decodes of `prompts` by two fresh engines with `flags` (an offloaded placement):
+    one whose decode steps the native planner plans, one whose the Python planner plans
+    (`LayerPlanner.native` answering None); per engine its outputs, its counters (reads, hits,
+    fills, CPU experts and picks per layer) and its cache's (hits, fills, evictions). Skips
+    where the native CPU kernel did not build."""
+    runs = []
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if not native:
+                patch.setattr(LayerPlanner, "native", lambda self: None)
+            engine = make_engine(path, *flags)
+            try:
+                if engine.cpu is None or engine.cpu.kernel != "native":
+                    pytest.skip("the native CPU kernel did not build here")
+                assert (engine.moe.planner.native() is not None) == native
+                outputs = engine.generate(prompts, SamplingParams(max_tokens=tokens,
+                                                                  ignore_eos=True))  # fmt: skip
+                c, cache = engine.moe.counters, engine.cache
+                counters = [a.tolist() for a in (c.reads, c.hits, c.fills, c.cpu, c.picks)]
+                runs.append((outputs, counters, (cache.hits, cache.fills, cache.evictions)))
+            finally:
+                engine.close()
+    return runs
 
 
 @torch.no_grad()

@@ -9,14 +9,17 @@ import socket
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moelab.daemon.models import read_checkpoint
+from moelab.engine.experts.bank import build_in_memory
+from moelab.engine.model import synth
 from moelab.engine.model.spec import CheckpointError, ModelSpec
-from moelab.engine.model.synth import make_config
+from moelab.engine.model.synth import SynthSource, make_config
 from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
 from moelab.engine.runtime.graphs import DecodeGraphs
 from moelab.engine.runtime.sampling import SamplingParams
@@ -27,6 +30,7 @@ from .reference import (
     DEVICE,
     assert_same_greedy,
     build_reference,
+    decode_with_each_planner,
     hf_greedy,
     hf_logits,
     make_engine,
@@ -119,6 +123,18 @@ def test_logits_and_greedy_tokens_match_transformers(reference, placement):
     ref, margins = hf_greedy(model, ids, 24)
     assert_same_greedy(tokens, ref, margins)
     assert len(set(tokens)) >= 8, f"the continuation is not varied: {tokens}"
+
+
+def test_the_native_planner_decodes_gpt_oss_as_the_python_planner_does(reference, monkeypatch):
+    """gpt-oss's offloaded decode steps are planned by the native planner (its experts copied
+    with their biases, its CPU jobs run with them and the clamped SwiGLU), with the Python
+    planner's plans: the same tokens, the same hits, fills and CPU experts per layer."""
+    _, path = reference
+    prompts = [prompt(3, 9), prompt(4, 14)]
+    native, python = decode_with_each_planner(monkeypatch, path, prompts, 12, *OFFLOADED)
+    assert native == python
+    _, (_, _, fills, cpu, _), _ = native
+    assert sum(fills) > 0 and sum(cpu) > 0
 
 
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
@@ -367,6 +383,94 @@ def test_synth_writes_gpt_oss_that_transformers_reads_as_the_engine_does(tmp_pat
     finally:
         engine.close()
     assert relative_error(ours, hf_logits(model, ids)) < 1e-4
+
+
+# 64 experts: each expert tensor is past the size a random draw of its own is made for, and is
+# tiled from the source's random block (16, the tiny preset's: a draw of its own)
+@pytest.mark.parametrize("experts", [16, 64])
+def test_synthetic_mxfp4_experts_are_made_as_blocks_and_scales(experts):
+    """A synthetic gpt_oss source in MXFP4 holds each expert projection as an MXFP4 checkpoint
+    does, its `_blocks` and `_scales`, made without quantizing the experts: values of the bf16
+    source's spread, each block a quantized one (quantizing its values again gives its bits),
+    the down projection's output row 0 zero; a tensor small enough for a draw of its own is the
+    bf16 source's quantized. The bank built from it holds those bits, gate's rows then up's."""
+    spec = ModelSpec.from_config(make_config("gpt_oss", "tiny", {"num_experts": experts}))
+    plain, source = SynthSource(spec, seed=3), SynthSource(spec, seed=3, expert_format="mxfp4")
+    names = set(source.names())
+    prefix = "model.layers.1.mlp.experts."
+    assert prefix + "down_proj" not in names and prefix + "down_proj_blocks" in names
+    for proj, (fan_in, fan_out) in {"gate_up_proj": (64, 64), "down_proj": (32, 64)}.items():
+        blocks, scales = (source.get(prefix + proj + part) for part in ("_blocks", "_scales"))
+        assert blocks.shape == source.shape(prefix + proj + "_blocks")
+        assert blocks.shape == (experts, fan_out, fan_in // 32, 16) and blocks.dtype == torch.uint8
+        assert scales.shape == (experts, fan_out, fan_in // 32) and scales.dtype == torch.uint8
+        weight = mxfp4.dequantize(blocks, scales)
+        again = mxfp4.quantize(weight)
+        assert torch.equal(again[0], blocks) and torch.equal(again[1], scales)
+        bf16 = plain.get(prefix + proj).transpose(1, 2).float()
+        if experts == 16:
+            assert torch.equal(weight, mxfp4.dequantize(*mxfp4.quantize(bf16)))
+        assert weight.std().item() == pytest.approx(bf16.std().item(), rel=0.05)
+        if proj == "down_proj":
+            assert not weight[:, 0].any() and weight[:, 1:].any()
+    bank = build_in_memory(spec, source, torch.float32, pin=False, fmt="mxfp4")
+    gate_up = source.get(prefix + "gate_up_proj_blocks")[5]
+    assert torch.equal(bank.w13[1][5], torch.cat([gate_up[0::2], gate_up[1::2]]))
+    assert torch.equal(bank.w2_scale[1], source.get(prefix + "down_proj_scales"))
+
+
+def test_a_calibration_over_mxfp4_blocks_runs_them_in_the_mxfp4_kernel(monkeypatch):
+    """Calibrating over an MXFP4 bank's layers (an engine's on CUDA, where a widened copy of
+    gpt-oss-120b's experts would not fit the host) runs its blocks in the MXFP4 kernel, and
+    gives the routers a calibration over the widened experts gives (fewer passes here: the
+    kernel runs in Triton's interpreter)."""
+    monkeypatch.setattr(synth, "CALIBRATION_PROMPT_TOKENS", 16)
+    monkeypatch.setattr(synth, "CALIBRATION_TOKENS", 32)
+    monkeypatch.setattr(synth, "CALIBRATION_ROUNDS", 2)
+    kernel, calls = synth.grouped_moe_mxfp4, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[3].dtype)  # w13: the layer's blocks
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(synth, "grouped_moe_mxfp4", counted)
+    spec = ModelSpec.from_config(make_config("gpt_oss", "tiny"))
+    cpu = torch.device("cpu")
+    sources = [SynthSource(spec, seed=2, skew=1.0, expert_format="mxfp4") for _ in range(2)]
+    bank = build_in_memory(spec, sources[0], torch.float32, pin=False, fmt="mxfp4")
+    sources[0].calibrate(cpu, torch.float32, experts=[tuple(bank.layer_tensors(m))
+                                                    for m in range(bank.num_layers)])  # fmt: skip
+    assert calls and set(calls) == {torch.uint8}
+    sources[1].calibrate(cpu, torch.float32)  # the source's experts, widened
+    for layer in spec.moe_layers:
+        np.testing.assert_allclose(sources[0].biases[layer], sources[1].biases[layer], atol=1e-4)
+
+
+def test_dummy_mxfp4_weights_are_the_weights_synth_writes(tmp_path):
+    """--dummy-weights on the config of `moelab synth --dtype mxfp4` (experts tiled from the
+    quantized random block) builds the MXFP4 experts synth wrote and calibrates its routers over
+    them: on the CPU as synth did (the same routers, the same tokens), on CUDA over its bank in
+    the MXFP4 kernel (the routers as close as its rounding leaves them)."""
+    path = synthesize(tmp_path / "m", arch="gpt_oss", preset="tiny", seed=6, routing_skew=1.0,
+                      overrides={"num_experts": 64}, dtype="mxfp4")  # fmt: skip
+    written, dummy = make_engine(path), make_engine(path, "--dummy-weights")
+    try:
+        assert dummy.bank.fmt == "mxfp4"
+        assert all(torch.equal(a, b) for a, b in zip(written.bank.w13, dummy.bank.w13, strict=True))
+        for layer in dummy.spec.moe_layers:
+            routers = [e.model.weights.layers[layer].router for e in (written, dummy)]
+            if DEVICE == "cpu":
+                assert torch.equal(*routers), layer
+            else:
+                # the kernel's rounding may flip a pick of the passes: a few picks' worth
+                torch.testing.assert_close(*routers, rtol=0, atol=0.05)
+        if DEVICE == "cpu":
+            params = SamplingParams(max_tokens=12, ignore_eos=True)
+            prompts = [[5, 6, 7, 8], list(range(40, 60))]
+            assert written.generate(prompts, params) == dummy.generate(prompts, params)
+    finally:
+        written.close()
+        dummy.close()
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,12 @@ from moelab.engine.config.memory import (
     plan_vram,
     state_bytes_per_seq,
 )
+from moelab.engine.config.split import (
+    DeviceBudget,
+    dense_layer_bytes,
+    layer_bytes,
+    plan_devices,
+)
 from moelab.engine.model.spec import ModelSpec
 from moelab.engine.model.synth import make_config
 
@@ -224,6 +230,29 @@ def test_gpt_oss_counts_its_sliding_layers_at_their_windows_pages():
     windowed = gpt_oss_plan(GPT_OSS, "--kv-reserve-tokens", "32768")
     paged = gpt_oss_plan(NO_WINDOW, "--kv-reserve-tokens", "32768")
     assert (windowed.slots, paged.slots) == (119, 97)
+
+
+def test_a_gpt_oss_split_plans_each_devices_windows_and_pages():
+    """gpt-oss-120b across two 12 GiB cards at 18 layers each, FP8 KV: each card reserves the
+    rings of its own 9 sliding layers and the KV of its own 9 full ones, half of one card's of
+    the whole model each; and the split weighs each layer by its own: a sliding layer by its
+    rings, a full one by its pages."""
+    flags = ["--kv-reserve-tokens", "32768", "--kv-cache-dtype", "fp8"]
+    config = EngineConfig.from_flags(
+        ["--model-path", "/m", "--devices", "cuda:0,cuda:1", "--layer-split", "18,18", *flags]
+    )
+    request = config.memory_request(budget_bytes=0, elem_bytes=2, cuda=True)
+    cards = (DeviceBudget("cuda:0", 12 * GIB, 10.0), DeviceBudget("cuda:1", 12 * GIB, 10.0))
+    split = plan_devices(GPT_OSS, request, cards, config.memory.layer_split)
+    whole = gpt_oss_plan(GPT_OSS, *flags)
+    assert [p.state_bytes for p in split.plans] == [whole.state_bytes // 2] * 2
+    per_token = kv_bytes_per_token(GPT_OSS, 2, "fp8") // 2
+    assert [p.kv_bytes // p.kv_tokens for p in split.plans] == [per_token] * 2
+    weighed = layer_bytes(GPT_OSS, request)
+    dense = dense_layer_bytes(GPT_OSS, 2)
+    sliding, full = GPT_OSS.sliding_layers[0], GPT_OSS.paged_layers[0]
+    assert weighed[sliding].fixed_bytes - dense == whole.state_bytes // 18
+    assert weighed[full].fixed_bytes - dense == 32768 * kv_bytes_per_token(GPT_OSS, 2, "fp8") // 18
 
 
 def test_a_gpt_oss_plan_that_does_not_fit_names_the_windows_pages():

@@ -19,7 +19,14 @@ from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import mxfp4
 
-from .reference import assert_same_greedy, hf_greedy, hf_logits, make_engine, relative_error
+from .reference import (
+    assert_same_greedy,
+    decode_with_each_planner,
+    hf_greedy,
+    hf_logits,
+    make_engine,
+    relative_error,
+)
 
 PROMPT = list(range(5, 29))
 OFFLOADED = ["--moe-cache-size", "6", "--moe-miss-policy", "split:0.5"]
@@ -86,20 +93,20 @@ def test_mxfp4_experts_match_transformers_on_the_rounded_weights(checkpoint, pla
     assert_same_greedy(tokens, ref_tokens, margins)
 
 
-def test_an_mxfp4_bank_is_planned_by_the_python_planner(checkpoint):
-    """The native decode planner takes an expert's tensors as FP8 or unquantized ones: an MXFP4
-    bank's steps are planned in Python, their CPU jobs still on the native kernel, and the
-    offloaded decode gives transformers' tokens (test above)."""
+def test_the_native_planner_decodes_an_mxfp4_bank_as_the_python_planner_does(
+    checkpoint, monkeypatch
+):
+    """An MXFP4 bank's offloaded decode steps are planned by the native planner (its blocks and
+    scales copied and its CPU jobs run as an FP8 bank's factors are), with the Python planner's
+    plans: the same tokens, the same hits, fills and CPU experts per layer."""
     path, *_ = checkpoint
-    engine = make_engine(path, "--moe-expert-dtype", "mxfp4", *OFFLOADED)
-    try:
-        if engine.cpu.kernel != "native":
-            pytest.skip(f"the native CPU kernel did not build here ({engine.cpu.kernel})")
-        assert engine.moe.planner.native() is None
-        engine.generate([PROMPT], SamplingParams(max_tokens=4, ignore_eos=True))
-        assert engine.moe.counters.cpu.sum() > 0
-    finally:
-        engine.close()
+    prompts = [PROMPT, PROMPT[:9]]
+    native, python = decode_with_each_planner(
+        monkeypatch, path, prompts, 12, "--moe-expert-dtype", "mxfp4", *OFFLOADED
+    )
+    assert native == python
+    _, (_, _, fills, cpu, _), _ = native
+    assert sum(fills) > 0 and sum(cpu) > 0
 
 
 def test_prefill_streamed_from_an_mxfp4_bank_matches(checkpoint):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from moelab.engine.experts import moe_kernels
 from moelab.engine.experts.bank import ExpertBank
 from moelab.engine.experts.cache import ExpertCache
 from moelab.engine.experts.h2d import (
@@ -34,9 +35,8 @@ from moelab.engine.experts.misses import (
     split_chunks,
 )
 from moelab.engine.experts.moe import MoERunner
-from moelab.kernels import fp8
+from moelab.kernels import fp8, mxfp4
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
-from moelab.kernels.fused_moe import fused_moe_decode, fused_moe_decode_ref
 from moelab.kernels.host_handoff import (
     DONE,
     EXPECTED,
@@ -53,6 +53,10 @@ from .late_routing import TICK_S, LateRouting
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 12, 32, 16
 # an FP8 bank's: H of two blocks (the second ragged), I of three (a split at 128 or 256 rows)
 FP8_HIDDEN, FP8_INTER = 160, 384
+# an MXFP4 bank's: H of two groups of 32, I of three (a split at 32 or 64 rows)
+MX_HIDDEN, MX_INTER = 64, 96
+# gpt-oss's clamped SwiGLU, for the banks with biases ("-bias")
+SWIGLU_LIMIT = 7.0
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +71,10 @@ def cpu():
 def _runner(
     bank: ExpertBank, slots: int, fraction: float, cpu, top_k: int, **settings
 ) -> MoERunner:
-    _, hidden, inter = bank.w2[0].shape
+    hidden, inter = bank.hidden_size, bank.intermediate_size
     cache = ExpertCache(LAYERS, EXPERTS, slots, hidden, inter, torch.bfloat16, torch.device("cpu"),
-                        fmt=bank.fmt)  # fmt: skip
+                        fmt=bank.fmt, bias=bool(bank.w13_bias),
+                        swiglu_limit=bank.swiglu_limit)  # fmt: skip
     policy = MissPolicy("split", fraction)
     return MoERunner(
         bank, cache, policy, cpu, top_k=top_k, prefill_overlap=False, prefill_stream_min_tokens=64,
@@ -78,22 +83,36 @@ def _runner(
 
 
 def _bank(gen: torch.Generator, fmt: str = "bf16") -> ExpertBank:
-    """Random experts: bf16 (HIDDEN, INTER), or FP8 values with their block factors (FP8_HIDDEN,
-    FP8_INTER; factors of several binades, weights of about unit outputs)."""
+    """Random experts: bf16 (HIDDEN, INTER), FP8 values with their block factors (FP8_HIDDEN,
+    FP8_INTER; factors of several binades, weights of about unit outputs), or MXFP4 blocks with
+    their scales (MX_HIDDEN, MX_INTER; the same weights rounded). "-bias": gpt-oss's experts,
+    with their biases and clamped SwiGLU."""
+    fmt, biased = fmt.removesuffix("-bias"), fmt.endswith("-bias")
     if fmt == "bf16":
         w13 = [torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen).bfloat16()
                for _ in range(LAYERS)]  # fmt: skip
         w2 = [torch.randn(EXPERTS, HIDDEN, INTER, generator=gen).bfloat16() for _ in range(LAYERS)]
-        return ExpertBank(w13, w2)
-    layers = []
-    for _ in range(LAYERS):
-        for shape in ((EXPERTS, 2 * FP8_INTER, FP8_HIDDEN), (EXPERTS, FP8_HIDDEN, FP8_INTER)):
-            # fan-in scaled, each expert in a binade of its own
-            binades = torch.randint(-2, 2, (EXPERTS, 1, 1), generator=gen).float()
-            w = torch.randn(shape, generator=gen) * torch.exp2(binades) / shape[2] ** 0.5
-            layers.append(fp8.quantize(w))
-    (w13, w13_scale), (w2, w2_scale) = (list(zip(*layers[i::2], strict=True)) for i in (0, 1))
-    return ExpertBank(list(w13), list(w2), list(w13_scale), list(w2_scale))
+        bank = ExpertBank(w13, w2)
+    else:
+        hidden, inter, quantize = {
+            "fp8": (FP8_HIDDEN, FP8_INTER, fp8.quantize),
+            "mxfp4": (MX_HIDDEN, MX_INTER, mxfp4.quantize),
+        }[fmt]
+        layers = []
+        for _ in range(LAYERS):
+            for shape in ((EXPERTS, 2 * inter, hidden), (EXPERTS, hidden, inter)):
+                # fan-in scaled, each expert in a binade of its own
+                binades = torch.randint(-2, 2, (EXPERTS, 1, 1), generator=gen).float()
+                w = torch.randn(shape, generator=gen) * torch.exp2(binades) / shape[2] ** 0.5
+                layers.append(quantize(w))
+        (w13, w13_scale), (w2, w2_scale) = (list(zip(*layers[i::2], strict=True)) for i in (0, 1))
+        bank = ExpertBank(list(w13), list(w2), list(w13_scale), list(w2_scale))
+    if biased:
+        hidden, inter = bank.hidden_size, bank.intermediate_size
+        bank.w13_bias = [torch.randn(EXPERTS, 2 * inter, generator=gen) for _ in range(LAYERS)]
+        bank.w2_bias = [torch.randn(EXPERTS, hidden, generator=gen) for _ in range(LAYERS)]
+        bank.swiglu_limit = SWIGLU_LIMIT
+    return bank
 
 
 def _routes(rng: np.random.Generator, tokens: int, top_k: int) -> np.ndarray:
@@ -114,9 +133,9 @@ def _cpu_part(on_cpu, ids, weights, x, bank: ExpertBank, layer: int) -> torch.Te
 
 
 def _layer_ref(x, ids, weights, bank: ExpertBank, layer: int) -> torch.Tensor:
-    """The whole layer's output, every route from the bank (the device's reference kernel)."""
-    scales = {f"{name}_inv": t for name, t in bank.cpu_args(layer).items()}
-    return fused_moe_decode_ref(x, ids, weights, bank.w13[layer], bank.w2[layer], **scales)
+    """The whole layer's output, every route from the bank."""
+    ids = np.asarray(ids)
+    return _cpu_part(np.unique(ids), ids, weights, x, bank, layer)
 
 
 def _assert_marked(d, ids: np.ndarray, slot_of: np.ndarray) -> None:
@@ -143,7 +162,7 @@ def _device_part(d, x, weights, cache) -> torch.Tensor:
     cached = torch.empty(slots_h.shape, dtype=torch.int32, device=x.device)
     filled = torch.empty_like(cached)
     route_slots_from_host(slots_h, cached, filled)
-    parts = (fused_moe_decode(x, t, weights, cache.w13, cache.w2, **cache.kernel_args())
+    parts = (moe_kernels.decode(x, t, weights, cache.w13, cache.w2, **cache.kernel_args())
              for t in (cached, filled))  # fmt: skip
     return sum(parts)
 
@@ -180,13 +199,25 @@ def test_fetch_count_is_the_whole_split_that_ends_the_step_soonest(fraction):
 
 @pytest.mark.parametrize(
     ("fmt", "fraction"),
-    # FP8: its jobs take the factors; fractions with copies, CPU jobs and cache pressure
-    [("bf16", 0.0), ("bf16", 0.35), ("bf16", 0.5), ("bf16", 1.0), ("fp8", 0.35), ("fp8", 0.5)],
+    # FP8: its jobs take the factors, MXFP4 its scales, gpt-oss's its biases and clamped SwiGLU;
+    # fractions with copies, CPU jobs and cache pressure
+    [
+        ("bf16", 0.0),
+        ("bf16", 0.35),
+        ("bf16", 0.5),
+        ("bf16", 1.0),
+        ("fp8", 0.35),
+        ("fp8", 0.5),
+        ("mxfp4", 0.35),
+        ("mxfp4-bias", 0.5),
+        ("bf16-bias", 0.35),
+    ],
 )
 @pytest.mark.parametrize(("tokens", "top_k", "slots"), [(1, 4, 10), (3, 4, 6), (5, 3, 4)])
 def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots, fmt):
     """Step after step from identical caches: the same plans, cache states and pick counts,
-    and CPU jobs of the same output bit for bit (an FP8 bank's with its factors)."""
+    and CPU jobs of the same output bit for bit (an FP8 bank's with its factors, an MXFP4 one's
+    with its scales, gpt-oss's experts with their biases)."""
     gen = torch.Generator().manual_seed(int(fraction * 100) + tokens)
     bank = _bank(gen, fmt)
     hidden = bank.w2[0].shape[1]
@@ -309,19 +340,22 @@ def test_a_lead_copied_ahead_gives_the_device_those_rows_where_that_ends_the_ste
         assert policy.lead_plan(1, 16, 1 / 3) == (0, 6)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "mxfp4-bias", "bf16-bias"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, tokens, fmt):
     """With the planner's copies (stand-ins on host memory, the cache in host memory too), a
     split miss's slot holds its first gate and up rows and the same columns of its down
     projection, its other gate and up rows are zero, and the device's routes plus the CPU's part
     are the whole layer's output. An FP8 expert splits at whole blocks (`split_chunks`), its
-    factors copied with its values."""
+    factors copied with its values; an MXFP4 one at whole groups of 32 columns of its down
+    projection, its scales with its blocks. gpt-oss's experts: the gate and up biases of the
+    device's rows go with them (the others zero), and the down bias is added once, by the CPU's
+    part (the slot's zero)."""
     gen = torch.Generator().manual_seed(11)
     bank = _bank(gen, fmt)
-    _, hidden, inter = bank.w2[0].shape
+    hidden, inter = bank.hidden_size, bank.intermediate_size
     chunks = split_chunks(inter, bank.block_rows)
-    assert chunks == (16 if fmt == "bf16" else 3)
+    assert chunks == {"bf16": 16, "fp8": 3, "mxfp4": 3}[bank.fmt]
     r = _runner(bank, 6, 0.39, cpu, 4, split_misses=True)
     planner = r.planner.native()
     functions = host_functions()
@@ -390,13 +424,14 @@ def test_a_resized_cache_gets_a_new_planner(cpu):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "mxfp4-bias"])
 def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu, fmt):
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(3)
     bank = _bank(gen, fmt)
-    _, hidden, inter = bank.w2[0].shape
-    cache = ExpertCache(LAYERS, EXPERTS, 6, hidden, inter, torch.bfloat16, dev, fmt=fmt)
+    hidden, inter = bank.hidden_size, bank.intermediate_size
+    cache = ExpertCache(LAYERS, EXPERTS, 6, hidden, inter, torch.bfloat16, dev, fmt=bank.fmt,
+                        bias=bool(bank.w13_bias), swiglu_limit=bank.swiglu_limit)  # fmt: skip
     r = MoERunner(bank, cache, MissPolicy("split", 0.5), cpu, top_k=4, prefill_overlap=False,
                   prefill_stream_min_tokens=64, split_misses=True)  # fmt: skip
     planner = r.planner.native()
@@ -853,13 +888,25 @@ def _slot_holds(cache, bank, layer: int, expert: int, slot: int, rows: int,
                 zeroed: bool = False) -> bool:  # fmt: skip
     """Whether `slot` holds the expert's first `rows` gate and up rows and the same columns of
     its down projection (all of it where rows is I) in each of its tensors (an FP8 expert's
-    factors: their blocks of those rows), and with `zeroed` zeros in its other gate and up
-    rows."""
+    factors: their blocks of those rows; an MXFP4 one's down blocks and scales: their groups of
+    32 columns), and with `zeroed` zeros in its other gate and up rows. gpt-oss's gate and up
+    biases go with their rows, and its down bias is whole, or with `zeroed` (a split miss's: the
+    CPU's part adds it) zero."""
     slots, tensors = cache.tensors(), bank.layer_tensors(layer)
-    gate_up, blocks = (True, False) * 2, (1, 1, bank.block_rows, bank.block_rows)
-    parts = zip(slots, tensors, gate_up[: len(slots)], blocks[: len(slots)], strict=True)
-    for dst, src, rows_of_gate_up, block in parts:
+    # per tensor: whether its rows are gate and up rows (None: the down bias), and the rows of
+    # gate and up (columns of the down projection) one of its entries covers
+    columns = mxfp4.BLOCK if bank.fmt == "mxfp4" else 1
+    kinds = [(True, 1), (False, columns)]
+    if bank.w13_scale:
+        kinds += [(True, fp8.BLOCK), (False, fp8.BLOCK)] if bank.fmt == "fp8" else kinds
+    if bank.w13_bias:
+        kinds += [(True, 1), (None, 1)]
+    for dst, src, (rows_of_gate_up, block) in zip(slots, tensors, kinds, strict=True):
         n, got, want = rows // block, _bits(dst[slot]), _bits(src[expert])
+        if rows_of_gate_up is None:
+            if not torch.equal(got, torch.zeros_like(got) if zeroed else want):
+                return False
+            continue
         if not rows_of_gate_up:
             if not torch.equal(got[:, :n], want[:, :n]):
                 return False
@@ -873,7 +920,10 @@ def _slot_holds(cache, bank, layer: int, expert: int, slot: int, rows: int,
     return True
 
 
-@pytest.mark.parametrize(("fmt", "rounds"), [("bf16", 0), ("bf16", 2), ("fp8", 0), ("fp8", 2)])
+@pytest.mark.parametrize(
+    ("fmt", "rounds"),
+    [("bf16", 0), ("bf16", 2), ("fp8", 0), ("fp8", 2), ("mxfp4", 0), ("mxfp4-bias", 2)],
+)
 def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, fmt, rounds):
     """With copies ahead (`set_copy_ahead`), a guess of the routing that comes before it starts
     copying the first rows of the guessed step's first device miss into a slot (the least
@@ -883,10 +933,11 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, fmt, rou
     `MissPolicy.fetch_plan` with that lead; its output is the layer's. A wrong guess's copy
     serves nothing and its slot stays free; the first guess copies nothing (no lead measured).
     An FP8 expert's copy ahead takes whole blocks of rows (its factors with them), fewer rows
-    where the lead moves a part of one more."""
+    where the lead moves a part of one more; an MXFP4 one's whole groups of 32 rows (their
+    scales with them), gpt-oss's their gate and up biases too."""
     gen = torch.Generator().manual_seed(21)
     bank = _bank(gen, fmt)
-    _, hidden, inter = bank.w2[0].shape
+    hidden, inter = bank.hidden_size, bank.intermediate_size
     block, chunks = bank.block_rows, split_chunks(inter, bank.block_rows)
     r = _runner(bank, 6, 0.39, cpu, 4, split_misses=True, prefetch_rounds=rounds,
                 copy_ahead=1.0, copy_rate=1.0)  # fmt: skip
@@ -925,7 +976,11 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, fmt, rou
         logits[0, named.long()] = torch.arange(4, 0, -1, dtype=torch.float32)
         # the rate at which the lead measured so far copies `want` rows (half a row more: floor)
         lead = planner.guess_lead_seconds()
-        want = ((3, 8, 13, inter, 5) if fmt == "bf16" else (128, 200, 256, inter, 300))[step % 5]
+        want = {
+            "bf16": (3, 8, 13, inter, 5),
+            "fp8": (128, 200, 256, inter, 300),
+            "mxfp4": (32, 50, 64, inter, 70),
+        }[bank.fmt][step % 5]
         rows = want // block * block  # all of its rows too; FP8: whole blocks
         rate = (want + 0.5) * row_bytes / lead if lead else 1.0
         planner.set_copy_ahead(1.0, rate)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,6 +170,37 @@ def test_mxfp4_calls_without_their_scales_are_refused_with_what_to_pass() -> Non
         x, w13, w2, *pairs = args
         with pytest.raises(ValueError, match=r"blocks \[E, N, K/32, 16\]"):
             runner.run(x, w13, w2[..., :8].contiguous(), *pairs, **scales)
+
+
+def test_the_decode_planner_takes_an_mxfp4_banks_scales_and_biases() -> None:
+    """The native planner plans over MXFP4 banks with their scales and gpt-oss's biases
+    (tests/engine/test_planner.py runs it); without the scales, or with one bias of the two, it
+    says what it needs."""
+    w13, w13_scale = mxfp4.quantize(torch.randn(4, 64, 32))
+    w2, w2_scale = mxfp4.quantize(torch.randn(4, 32, 32))
+    bias13, bias2 = torch.randn(4, 64), torch.randn(4, 32)
+    arrays = {
+        "slot_of": np.full((1, 4), -1, dtype=np.int32),
+        "key_of_slot": np.full(2, -1, dtype=np.int64),
+        "last_use": np.zeros(2, dtype=np.int64),
+        "state": np.zeros(4, dtype=np.int64),
+        "picks": np.zeros((1, 4), dtype=np.int64),
+        "w13": [w13],
+        "w2": [w2],
+        "top_k": 2,
+    }
+    scales = {"w13_scale": [w13_scale], "w2_scale": [w2_scale]}
+    with CpuExpertRunner(2, "native") as runner:
+        with pytest.raises(ValueError, match=r"MXFP4 weights need w13_scale: their E8M0 scales"):
+            runner.decode_planner(**arrays)
+        with pytest.raises(ValueError, match="w13_bias and w2_bias come together"):
+            runner.decode_planner(**arrays, **scales, w13_bias=[bias13])
+        with pytest.raises(ValueError, match=r"w13_bias must be \[4, 64\] and w2_bias \[4, 32\]"):
+            runner.decode_planner(**arrays, **scales, w13_bias=[bias13], w2_bias=[bias13])
+        planner = runner.decode_planner(
+            **arrays, **scales, w13_bias=[bias13], w2_bias=[bias2], swiglu_limit=7.0
+        )
+    assert planner is not None
 
 
 def test_the_bench_counts_mxfp4_bytes_as_stored() -> None:

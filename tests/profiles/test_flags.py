@@ -168,3 +168,23 @@ def test_last_wins_collapses_repeats_like_the_engine() -> None:
     # the engine's own parser keeps the last value too
     engine = build_parser().parse_args(["--model-path", "m", "--port", "1", "--port", "2"])
     assert engine.port == 2
+
+
+def test_a_profile_with_a_split_is_held_to_the_engines_device_rules() -> None:
+    """A profile carries the devices and the split; one the engine would refuse at start is
+    refused as it is saved, in the engine's words."""
+    assert validate_flags(["--devices", "cuda:0,cuda:1", "--layer-split", "20,28"]).devices == (
+        "cuda:0",
+        "cuda:1",
+    )
+    with pytest.raises(FlagError) as err:
+        validate_flags(["--layer-split", "20,28"])
+    assert str(err.value).startswith("--layer-split 20,28 splits the layers across --devices")
+    with pytest.raises(FlagError) as err:
+        validate_flags(["--devices", "cuda:0,cuda:1", "--layer-split", "0.2,0.3,0.5"])
+    assert "has 3 parts for 2 devices" in str(err.value)
+    assert only_problem(["--devices", "cuda:0"])[1] == (
+        "--devices cuda:0: a split needs two devices or more, e.g. cuda:0,cuda:1; for one, use "
+        "--device"
+    )
+    assert "(0.6,0.4)" in str(catalog()["--layer-split"].expects)

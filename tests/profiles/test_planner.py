@@ -6,7 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from moelab.profiles.machine import GIB, Gpu, Machine, Rates
+from moelab.engine.config.memory import MemoryPlanError
+from moelab.engine.config.split import DeviceBudget, plan_devices
+from moelab.profiles.flags import engine_config
+from moelab.profiles.machine import GIB, Gpu, Machine, Rates, choose_device, plan_for
 from moelab.profiles.planner import (
     HitModel,
     RunObservation,
@@ -237,6 +240,45 @@ def test_a_hybrid_models_contexts_count_kv_of_its_attention_layers_and_fixed_sta
     assert dense.to_json()["state_bytes"] == 0
     assert not dense.point(262144).fits
     assert (dense.point(196608).slots, plan.point(196608).slots) == (472, 1578)
+
+
+def test_a_split_plans_each_card_and_sums_their_kv_and_slots() -> None:
+    """Two 12 GiB cards under --devices: the context planner's KV is the two cards' together
+    (each holds its own layers' share of every token), and at each context the split keeps more
+    than twice one card's expert slots (the dense weights are not held twice)."""
+    spec = SPECS["30b"]
+    cards = (Gpu(0, "RTX 3060", None, 12 * GIB, 12 * GIB), Gpu(1, "RTX 3060", None, 12 * GIB))
+    pc = Machine("pc", "0.1.0", 16, 64 * GIB, cards)
+    one = plan_context(spec, pc, [])
+    two = plan_context(spec, pc, ["--devices", "cuda:0,cuda:1"])
+    assert two.device == "cuda:0,cuda:1" and two.budget_bytes == 24 * GIB
+    config = engine_config(["--devices", "cuda:0,cuda:1", "--kv-reserve-tokens", "8192"])
+    split = plan_devices(
+        spec,
+        config.memory_request(budget_bytes=0, elem_bytes=2, cuda=False),
+        (DeviceBudget("cuda:0", 12 * GIB, 1.0), DeviceBudget("cuda:1", 12 * GIB, 1.0)),
+    )
+    point = next(p for p in two.points if p.kv_reserve_tokens == 8192)
+    assert point.kv_bytes == sum(p.kv_bytes for p in split.plans) == split.total.kv_bytes
+    assert [p.kv_tokens for p in split.plans] == [point.context_tokens] * 2
+    for a, b in zip(one.points, two.points, strict=True):
+        assert b.slots > 2 * a.slots
+
+
+def test_a_model_that_fits_neither_card_alone_is_planned_across_both() -> None:
+    spec = SPECS["30b"]  # 2.9 GiB of dense weights in bf16
+    cards = (Gpu(0, "a", None, int(2.6 * GIB), int(2.6 * GIB)), Gpu(1, "b", None, 3 * GIB))
+    pc = Machine("pc", "0.1.0", 16, 64 * GIB, cards)
+    flags = ["--kv-reserve-tokens", "4096"]
+    alone = engine_config(["--device", "cuda:0", *flags])
+    with pytest.raises(MemoryPlanError, match="cannot hold the dense weights"):
+        plan_for(spec, choose_device(pc, spec, alone), alone)
+    both = engine_config(["--devices", "cuda:0,cuda:1", *flags])
+    plan = plan_for(spec, choose_device(pc, spec, both), both)
+    assert plan.kv_tokens >= 4096 and plan.weights_bytes == spec.dense_params * 2
+    missing = engine_config(["--devices", "cuda:0,cuda:2"])
+    with pytest.raises(MemoryPlanError, match="this machine has no GPU 2"):
+        choose_device(pc, spec, missing)
 
 
 def test_a_gpt_oss_context_counts_its_sliding_layers_at_their_windows_pages() -> None:

@@ -1,0 +1,412 @@
+"""Layers split across devices (`--devices`, `--layer-split`): which contiguous range of decoder
+layers each device holds, with its dense weights, KV pages and its own expert cache.
+
+The default split gives each device layers until every device would finish its share of a step
+at the same time: a device's step is as long as its layers' experts that do not fit its memory
+take to cross its link, and where every device holds all of its layers' experts, as full as the
+others. The inputs are per-device numbers (free bytes, link rate) and the bytes of one layer, so
+the plan is pure logic. Torch-free: the profiles read it as the engine does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, replace
+
+from ..model.spec import ModelSpec
+from ..text import Text
+from .memory import (
+    GIB,
+    MemoryPlanError,
+    MemoryRequest,
+    VramPlan,
+    activation_bytes,
+    graph_pool_bytes,
+    kv_bytes_per_token,
+    state_reserve,
+)
+
+_DEVICE = re.compile(r"cpu|cuda:\d+")
+
+
+class SplitError(MemoryPlanError):
+    """The devices cannot hold the layers as split, or the split does not fit the model."""
+
+
+def parse_devices(text: str) -> tuple[str, ...]:
+    """Devices separated by commas, each cpu or cuda:N: cuda:0,cuda:1; cpu,cpu emulates a split
+    on one CPU. Every device of one kind, and a GPU named once."""
+    names = tuple(part.strip() for part in text.split(","))
+    for name in names:
+        if not _DEVICE.fullmatch(name):
+            raise argparse.ArgumentTypeError(
+                Text(
+                    "{name!r} is not a device of a split; name each device as cpu or cuda:N, "
+                    "separated by commas, e.g. cuda:0,cuda:1",
+                    name=name,
+                )
+            )
+    if len(names) < 2:
+        raise argparse.ArgumentTypeError(
+            Text("a split needs two devices or more, e.g. cuda:0,cuda:1; for one, use --device")
+        )
+    if len({name.partition(":")[0] for name in names}) > 1:
+        raise argparse.ArgumentTypeError(
+            Text("{text}: split across GPUs or emulate a split on the CPU, not both", text=text)
+        )
+    twice = sorted({name for name in names if name != "cpu" and names.count(name) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(
+            Text("{name} is named twice; name each GPU once", name=twice[0])
+        )
+    return names
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSplit:
+    """`--layer-split`: the layers of each device, as counts (20,20: whole numbers that add up to
+    the model's layers) or as shares (0.6,0.4: decimals that add up to 1)."""
+
+    counts: tuple[int, ...] = ()
+    shares: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert bool(self.counts) != bool(self.shares)
+
+    def __str__(self) -> str:
+        return ",".join(str(v) for v in self.counts or self.shares)
+
+    @property
+    def parts(self) -> int:
+        return len(self.counts or self.shares)
+
+    @classmethod
+    def parse(cls, text: str) -> LayerSplit:
+        """The flag's value; ArgumentTypeError in words where it is none."""
+        items = [part.strip() for part in text.split(",")]
+        if len(items) < 2 or not all(re.fullmatch(r"[0-9]*\.?[0-9]+", i) for i in items):
+            raise argparse.ArgumentTypeError(
+                Text(
+                    "{text!r} is not a layer split; give each device's layers, separated by "
+                    "commas, as counts (20,20) or as shares that add up to 1 (0.6,0.4)",
+                    text=text,
+                )
+            )
+        if all(i.isdigit() for i in items):
+            counts = tuple(int(i) for i in items)
+            if min(counts) < 1:
+                raise argparse.ArgumentTypeError(
+                    Text("{text}: give every device one layer or more", text=text)
+                )
+            return cls(counts=counts)
+        shares = tuple(float(i) for i in items)
+        if min(shares) <= 0 or abs(sum(shares) - 1) > 0.01:
+            raise argparse.ArgumentTypeError(
+                Text(
+                    "{text}: shares of the layers must each be above 0 and add up to 1 (0.6,0.4)",
+                    text=text,
+                )
+            )
+        return cls(shares=shares)
+
+    def layer_counts(self, num_layers: int) -> tuple[int, ...]:
+        """Each device's layers in a model of `num_layers` (SplitError where the counts do not
+        add up to it, or a share comes to no layer)."""
+        if self.counts:
+            if sum(self.counts) != num_layers:
+                raise SplitError(
+                    Text(
+                        "--layer-split {split} places {placed} layers, but the model has {layers}; "
+                        "give counts that add up to {layers}, or shares (0.5,0.5)",
+                        split=str(self),
+                        placed=sum(self.counts),
+                        layers=num_layers,
+                    )
+                )
+            return self.counts
+        # largest remainders: the counts add up to num_layers and each is within 1 of its share
+        exact = [share / sum(self.shares) * num_layers for share in self.shares]
+        counts = [int(x) for x in exact]
+        by_remainder = sorted(range(len(exact)), key=lambda d: counts[d] - exact[d])
+        for d in by_remainder[: num_layers - sum(counts)]:
+            counts[d] += 1
+        if min(counts) < 1:
+            raise SplitError(
+                Text(
+                    "--layer-split {split} gives a device none of the model's {layers} layers; "
+                    "give every device a larger share",
+                    split=str(self),
+                    layers=num_layers,
+                )
+            )
+        return tuple(counts)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceShare:
+    """What one device brings to a split: its name, the bytes it has for its layers (its budget
+    less what it holds besides them) and its link's host-to-device rate."""
+
+    name: str
+    free_bytes: int
+    link_gbps: float
+
+
+@dataclass(frozen=True, slots=True)
+class LayerBytes:
+    """One decoder layer's bytes on its device: what it must hold (dense weights, its KV reserve,
+    its per-sequence states) and all of its routed experts, which an expert cache holds as room
+    allows."""
+
+    fixed_bytes: int
+    expert_bytes: int
+
+
+def split_ranges(counts: tuple[int, ...]) -> tuple[range, ...]:
+    """Contiguous layer ranges, in device order, of the given counts."""
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return tuple(ranges)
+
+
+def default_counts(
+    devices: tuple[DeviceShare, ...], layers: tuple[LayerBytes, ...]
+) -> tuple[int, ...]:
+    """Each device's layers where --layer-split is not given (SplitError where the devices cannot
+    hold them): one layer at a time to the device whose step would then be shortest.
+
+    A device's step is its layers' experts that do not fit its memory over its link; between
+    devices that hold all theirs, the one left fuller is the slower. Ties go to the device with
+    fewer layers, then to the one with more memory, then the faster link: a device with more of
+    both never gets fewer layers than one with less. The costs use the mean layer (layers of one
+    model differ by little: a dense MLP layer among MoE ones), and `check_fits` then holds the
+    real layers to each device's memory."""
+    n = len(layers)
+    if n < len(devices):
+        raise SplitError(
+            Text(
+                "the model's {layers} layers cannot be split across {devices} devices; name at "
+                "most {layers}",
+                layers=n,
+                devices=len(devices),
+            )
+        )
+    fixed = sum(layer.fixed_bytes for layer in layers) / n
+    whole = fixed + sum(layer.expert_bytes for layer in layers) / n
+
+    def cost(device: DeviceShare, count: int) -> tuple[float, float]:
+        if count * fixed > device.free_bytes:
+            return (float("inf"), float("inf"))
+        missing = max(0.0, count * whole - device.free_bytes)
+        return (missing / device.link_gbps, count * whole / max(1, device.free_bytes))
+
+    counts = [1] * len(devices)
+    for device in devices:
+        if cost(device, 1)[0] == float("inf"):
+            raise _too_small(device, 1, fixed)
+    for _ in range(n - len(devices)):
+        d = min(
+            range(len(devices)),
+            key=lambda d: (
+                cost(devices[d], counts[d] + 1),
+                counts[d],
+                -devices[d].free_bytes,
+                -devices[d].link_gbps,
+                d,
+            ),
+        )
+        if cost(devices[d], counts[d] + 1)[0] == float("inf"):
+            raise SplitError(
+                Text(
+                    "{devices} cannot hold the dense weights and KV of the model's {layers} "
+                    "layers (about {per_layer:.2f} GiB a layer); lower --kv-reserve-tokens, or "
+                    "add a device",
+                    devices=" and ".join(
+                        f"{dev.name} ({dev.free_bytes / GIB:.2f} GiB)" for dev in devices
+                    ),
+                    layers=n,
+                    per_layer=fixed / GIB,
+                )
+            )
+        counts[d] += 1
+    return tuple(counts)
+
+
+def check_fits(
+    devices: tuple[DeviceShare, ...], layers: tuple[LayerBytes, ...], counts: tuple[int, ...]
+) -> None:
+    """SplitError naming the first device whose layers' dense weights and KV do not fit it."""
+    for device, span in zip(devices, split_ranges(counts), strict=True):
+        need = sum(layers[i].fixed_bytes for i in span)
+        if need > device.free_bytes:
+            raise _too_small(device, len(span), need / max(1, len(span)))
+
+
+def plan_split(
+    devices: tuple[DeviceShare, ...],
+    layers: tuple[LayerBytes, ...],
+    layer_split: LayerSplit | None = None,
+) -> tuple[range, ...]:
+    """Each device's range of layers: as --layer-split gives them, else the default split;
+    SplitError where a device cannot hold its share."""
+    if layer_split is not None:
+        if layer_split.parts != len(devices):
+            raise SplitError(
+                Text(
+                    "--layer-split {split} has {parts} parts for {count} devices; give one per "
+                    "device of --devices",
+                    split=str(layer_split),
+                    parts=layer_split.parts,
+                    count=len(devices),
+                )
+            )
+        counts = layer_split.layer_counts(len(layers))
+    else:
+        counts = default_counts(devices, layers)
+    check_fits(devices, layers, counts)
+    return split_ranges(counts)
+
+
+def _too_small(device: DeviceShare, count: int, per_layer: float) -> SplitError:
+    return SplitError(
+        Text(
+            "{device} has {free:.2f} GiB for its layers, but the dense weights and KV of its "
+            "{count} of the model's layers need {need:.2f} GiB; give it fewer layers with "
+            "--layer-split, lower --kv-reserve-tokens, or leave it out of --devices",
+            device=device.name,
+            free=device.free_bytes / GIB,
+            count=count,
+            need=count * per_layer / GIB,
+        )
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBudget:
+    """A device of a split as its memory plan sees it: its name, the memory it may plan with
+    (`MemoryConfig.budget_bytes` of it) and its link's measured host-to-device rate."""
+
+    name: str
+    budget_bytes: int
+    link_gbps: float
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPlan:
+    """A split model's memory: each device's range of layers and its VRAM plan, all with the
+    same KV tokens (a sequence's pages are the same on every device), and their sum."""
+
+    names: tuple[str, ...]
+    ranges: tuple[range, ...]
+    plans: tuple[VramPlan, ...]
+
+    @property
+    def total(self) -> VramPlan:
+        """The devices' plans summed: bytes and slots added, KV tokens and context shared."""
+        first = self.plans[0]
+        summed = {
+            name: sum(getattr(p, name) for p in self.plans)
+            for name in (
+                "budget_bytes", "weights_bytes", "kv_bytes", "state_bytes",
+                "prefill_buffer_bytes", "activation_bytes", "graph_bytes", "headroom_bytes",
+                "slots", "experts_total",
+            )
+        }  # fmt: skip
+        return replace(first, **summed)
+
+    def to_dicts(self) -> list[dict]:
+        """Each device's plan with its name and layers, as /v1/stats reports them."""
+        return [
+            {"device": name, "layers": [span.start, span.stop - 1], **plan.to_dict()}
+            for name, span, plan in zip(self.names, self.ranges, self.plans, strict=True)
+        ]
+
+
+def _edge_bytes(spec: ModelSpec, elem_bytes: int) -> tuple[int, int]:
+    """The bytes the first device holds besides its layers (the embedding) and the last (the
+    final norm and the LM head, a copy of a tied embedding)."""
+    table = spec.vocab_size * spec.hidden_size * elem_bytes
+    return table, table + spec.hidden_size * elem_bytes
+
+
+def dense_layer_bytes(spec: ModelSpec, elem_bytes: int) -> int:
+    """One decoder layer's dense weights: the mean over the model's layers."""
+    embed, head = _edge_bytes(spec, elem_bytes)
+    tied = embed if spec.tie_word_embeddings else 0
+    return (spec.dense_params * elem_bytes - embed - head + tied) // spec.num_layers
+
+
+def layer_bytes(spec: ModelSpec, request: MemoryRequest) -> tuple[LayerBytes, ...]:
+    """Each layer's bytes as a device of a split holds it under `request`: dense weights, its
+    KV reserve and per-sequence states (recurrent, or windows); its routed experts in slots."""
+    elem, fmt = request.elem_bytes, spec.expert_format(request.expert_dtype)
+    dense = dense_layer_bytes(spec, elem)
+    tokens = -(-request.kv_reserve_tokens // request.block_size) * request.block_size
+    out = []
+    for i in range(spec.num_layers):
+        one = range(i, i + 1)
+        kv = tokens * kv_bytes_per_token(spec, elem, request.kv_cache_dtype, one)
+        states = state_reserve(
+            spec, request.max_running, elem, request.state_checkpoints,
+            request.kv_cache_dtype, request.block_size, one,
+        )[2]  # fmt: skip
+        experts = spec.num_experts * spec.expert_bytes_as(fmt, elem) if i in spec.moe_layers else 0
+        out.append(LayerBytes(dense + kv + states, experts))
+    return tuple(out)
+
+
+def plan_devices(
+    spec: ModelSpec,
+    request: MemoryRequest,
+    devices: tuple[DeviceBudget, ...],
+    layer_split: LayerSplit | None = None,
+) -> SplitPlan:
+    """The split (`plan_split`) and each device's VRAM plan under `request`, its budget its
+    own: its layers' dense weights, KV and states, the buffers every device needs, and expert
+    slots of its layers' experts from the rest. SplitError or MemoryPlanError where it cannot
+    fit."""
+    elem = request.elem_bytes
+    embed, head = _edge_bytes(spec, elem)
+    # what every device holds besides its layers (a prefill buffer only where room is left:
+    # plan_vram)
+    common = (
+        activation_bytes(spec, request.prefill_chunk_tokens, request.max_running, elem)
+        + (graph_pool_bytes(spec, request.max_running) if request.cuda_graphs else 0)
+        + request.headroom_bytes
+    )
+    last = len(devices) - 1
+    edges = [(embed if d == 0 else 0) + (head if d == last else 0) for d in range(len(devices))]
+    shares = tuple(
+        DeviceShare(dev.name, max(0, dev.budget_bytes - common - edge), dev.link_gbps)
+        for dev, edge in zip(devices, edges, strict=True)
+    )
+    ranges = plan_split(shares, layer_bytes(spec, request), layer_split)
+    dense = dense_layer_bytes(spec, elem)
+
+    def plans(req: MemoryRequest) -> list[VramPlan]:
+        return [
+            replace(req, budget_bytes=dev.budget_bytes).plan(
+                spec, layers=span, weights_bytes=dense * len(span) + edge
+            )
+            for dev, span, edge in zip(devices, ranges, edges, strict=True)
+        ]
+
+    # the KV tokens every device holds: the fewest any device can
+    tokens = min(p.kv_tokens for p in plans(request))
+    blocks = tokens // request.block_size
+    out = []
+    for p in plans(replace(request, kv_reserve_tokens=tokens)):
+        per_token = p.kv_bytes // p.kv_tokens
+        out.append(
+            replace(
+                p,
+                kv_blocks=blocks,
+                kv_tokens=tokens,
+                kv_bytes=tokens * per_token,
+                max_context=min(p.max_context, tokens),
+            )
+        )
+    return SplitPlan(tuple(dev.name for dev in devices), ranges, tuple(out))
