@@ -152,6 +152,9 @@ class Engine:
         # how the bank and the expert slots hold the routed experts: "fp8", "mxfp4", "nvfp4" or
         # "bf16" (self.dtype)
         self.expert_format = spec.expert_format(self.config.model.expert_dtype)
+        if spec.quantization == "mixed" and self.config.model.expert_dtype == "auto":
+            why = spec.mixed_experts_kept[1]
+            log.info("ModelOpt MIXED_PRECISION checkpoint: %s (--moe-expert-dtype auto)", why)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         if len(self.devices) > 1:
             return  # planned once the bank is in memory: the split reads each device's link
