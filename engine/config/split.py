@@ -418,15 +418,20 @@ def plan_graphed_devices(
     devices: tuple[DeviceBudget, ...],
     layer_split: LayerSplit | None = None,
 ) -> SplitPlan:
-    """`plan_devices` with each device's CUDA graphs' pool (where `request.cuda_graphs`) only
-    where every device still holds all of its experts with it: a split's decode graphs need
-    every expert resident (engine/runtime/split_graphs.py), and an offloaded split, which steps
-    eagerly, gives that memory to expert slots instead."""
+    """`plan_devices` with each device's CUDA graphs' pool (where `request.cuda_graphs`),
+    reserved on every device where the split still fits with them: a resident split then
+    decodes from a graph per device, an offloaded one from each device's pieces
+    (engine/runtime/split_graphs.py), its pools taken from its expert slots. Where the pools do
+    not fit, or would leave a split that holds every expert without some of them (its eager
+    steps miss nothing), the split is planned without them and decodes eagerly."""
     split = plan_devices(spec, replace(request, cuda_graphs=False), devices, layer_split)
-    if not request.cuda_graphs or not all(plan.all_resident for plan in split.plans):
+    if not request.cuda_graphs:
         return split
     try:
         graphed = plan_devices(spec, request, devices, layer_split)
-    except MemoryPlanError:  # the pool leaves no room for a device's layers
+    except MemoryPlanError:  # the pools leave no room for a device's layers
         return split
-    return graphed if all(plan.all_resident for plan in graphed.plans) else split
+    resident = all(plan.all_resident for plan in split.plans)
+    if resident and not all(plan.all_resident for plan in graphed.plans):
+        return split
+    return graphed

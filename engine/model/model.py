@@ -322,38 +322,49 @@ class Model:
         return state.logits
 
     @torch.inference_mode()
-    def run_piece(self, piece: int, state: StepState) -> None:
+    def run_piece(self, piece: int, state: StepState, span: range | None = None) -> None:
         """The dense work of one piece of a step: no host sync, so a CUDA graph can hold it.
 
         Piece 0 starts at the embedding, piece p > 0 at the shared expert and residual of MoE
         layer p - 1 (whose routed output is in state.routed); each runs to the router of the next
         MoE layer (state.x, ids, weights), the last one to the logits.
+
+        span: one device's range of layers of a split (engine/runtime/split_graphs.py), on the
+        current device, with no crossing: its first piece starts at the range's first layer (at
+        the residual stream in state.hidden and state.residual, after layer 0), its last piece
+        ends at the range's end (the residual stream, or the logits on the last device).
         """
         w, batch = self.weights, state.batch
         moe_layers = self.spec.moe_layers
-        if piece == 0:
-            if self.placement is not None:
+        start = 0 if span is None else span.start
+        stop = len(w.layers) if span is None else span.stop
+        crossings = self._crossings if span is None else frozenset()
+        after = moe_layers[piece - 1] + 1 if piece else 0
+        if after <= start:
+            if self.placement is not None and span is None:
                 self.placement.begin()
-            state.hidden = w.embed.index_select(0, batch.input_ids)
-            state.residual = None
-            self._step_tables(0, state)
-            first = 0
+            if start == 0:
+                state.hidden = w.embed.index_select(0, batch.input_ids)
+                state.residual = None
+            self._step_tables(self._part[start], state)
+            first = start
         else:
-            done = moe_layers[piece - 1]
             if state.normed is None:
-                state.hidden = self._after_experts(w.layers[done], state)
-            first = done + 1
+                state.hidden = self._after_experts(w.layers[after - 1], state)
+            first = after
         last = moe_layers[piece] if piece < len(moe_layers) else len(w.layers)
+        routed = last < stop
+        last = min(last, stop)
         # a guess of this piece's MoE routing from its first attention input (state.routing_guess)
-        guess = piece if piece < len(moe_layers) else None
+        guess = piece if routed else None
         for index in range(first, last):
-            if index in self._crossings:
+            if index in crossings:
                 self._cross(index, state)
             layer = w.layers[index]
             x = self._attention_block(index, layer, state, guess if index == first else None)
             state.hidden = _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
-        if piece < len(moe_layers):
-            if last in self._crossings:
+        if routed:
+            if last in crossings:
                 self._cross(last, state)
             state.x = self._attention_block(
                 last, w.layers[last], state, guess if last == first else None
@@ -363,8 +374,10 @@ class Model:
             self._join_guess(state)
             self._route(last, piece, w.layers[last], state)
             return
+        if stop < len(w.layers):  # (a span's) the residual stream, for the next device
+            return
         self._logits(state)
-        if self.placement is not None:
+        if self.placement is not None and span is None:
             state.logits = self.placement.to_first(state.logits)
 
     @torch.inference_mode()

@@ -197,7 +197,7 @@ class Engine:
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
             link = measure_bp_gbps(self.bank, device)
             budgets.append(DeviceBudget(name, memory.budget_bytes(free), link))
-        # each device holds its own graphs' pool where every expert is resident
+        # each device holds its own graphs' pool where the memory plan allows
         request = self.config.memory_request(
             budget_bytes=0, elem_bytes=self.dtype.itemsize, cuda=self.device.type == "cuda"
         )
@@ -487,8 +487,8 @@ class Engine:
             return
         t0 = time.perf_counter()
         whole = self.cache.holds_everything
-        if self.layers_on is not None and not (whole and self.plan.graph_bytes):
-            log.info("decode runs eagerly across the split's devices (experts offloaded)")
+        if self.layers_on is not None and not self.plan.graph_bytes:
+            log.info("decode runs eagerly across the split's devices (no room for graph pools)")
             return
         if whole:
             self.cache.device_slot_map()  # upload the slot map now: a capture cannot copy it
@@ -497,7 +497,9 @@ class Engine:
                 self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole
             )
             if self.layers_on is None
-            else SplitDecodeGraphs(self.model, batching.cuda_graph_max_bs, self.max_context)
+            else SplitDecodeGraphs(
+                self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole
+            )
         )
         graphs.capture()
         stepper.graphs = graphs

@@ -118,6 +118,8 @@ class DecodeGraphs:
     ) -> None:
         self.model = model
         self.piecewise = piecewise
+        # the last piece stores the step's tokens into host memory itself (`sampled_to_host`)
+        self._tokens_in_pieces = piecewise
         self._graph_factory = graph_factory
         kv = model.kv
         dev = model.device
@@ -243,7 +245,7 @@ class DecodeGraphs:
             self._min_offset[rows], self._seeds[rows], self.seq_lens[rows],
             out=self.sampled[rows], cut=cut,
         )  # fmt: skip
-        if self.piecewise:
+        if self._tokens_in_pieces:
             tokens_to_host(self.sampled[rows], self._tokens_host[rows])
         return ()
 
@@ -418,14 +420,20 @@ class DecodeGraphs:
         seq_lens[n:bs] = 0
         self._send_inputs(host_long_t, host_int_t, bs)
         draw = self.draws[bs, max(r.draw.cut for r in rows)] if drawn else None
+        self._replay(bs, n)
+        if draw is not None:
+            draw.replay()
+        return self._logits(bs, n)
+
+    def _replay(self, bs: int, n: int) -> None:
+        """Replay the step's graphs of batch size `bs` (its first `n` rows real), staging the
+        MoE layers between pieces."""
         graphs, heads = self.graphs[bs], self.heads[bs]
         staged = self.staged
         launched_stages = self.launched_stages.get(bs)
         if launched_stages is not None and staged.launches_pieces():
             self._run_launched(graphs[0], launched_stages, n, bs)
-            if draw is not None:
-                draw.replay()
-            return self._logits(bs, n)
+            return
         # only the real rows: padding rows would fetch and run experts for nothing
         staged_rows = staged.buffers.rows(n, 0) if staged is not None else None
         stages = self.stages.get(bs)
@@ -453,9 +461,6 @@ class DecodeGraphs:
                 # step's graphs may read these rows until then)
                 if n < bs:
                     self.slots_host[n:bs] = -1
-        if draw is not None:
-            draw.replay()
-        return self._logits(bs, n)
 
     def _run_launched(self, first: Graph, stages: list[LayerStage], n: int, bs: int) -> None:
         """The pieces of one step, each after the first launched by the stage before it, in the
@@ -507,7 +512,7 @@ class DecodeGraphs:
         launches costs the host more than the piece's store); the next step's tokens overwrite
         them only once its last piece runs, and the host reads them before it launches that piece
         (during the next step's staging, or after a wait for this one)."""
-        if self.piecewise:
+        if self._tokens_in_pieces:
             view = self._tokens_views.get(n)
             if view is None:
                 view = self._tokens_views[n] = self._tokens_host[:n]
@@ -523,7 +528,7 @@ class DecodeGraphs:
         stream only where no such routing has arrived yet."""
         if not self._cuda:
             return None
-        if self.piecewise:
+        if self._tokens_in_pieces:
             return partial(self._wait_step, self._runs)
         event = torch.cuda.Event()
         event.record()

@@ -12,19 +12,29 @@ the first in one more copy, into the buffer a small graph there takes the greedy
 and the draw graphs draw from: the sampler's inputs, and the next step's input tokens, stay on
 the first device, so overlapped decode runs as on one device (engine/runtime/graphs.py).
 
-An offloaded split (experts missed on some device) steps eagerly: its host stages each MoE layer
-between dense pieces, and these graphs hold whole ranges of layers, not pieces.
+An offloaded split (`piecewise`: experts missed on some device) captures pieces instead, as one
+device does (engine/runtime/graphs.py), each device's range cut at its own MoE layers: a device's
+first piece starts at the embedding or the stream its boundary received, each later one at its
+staged MoE layer's sum, and its last piece ends at the stream packed for the next device or the
+logits; the boundary's copy follows the device's last piece. Each piece is captured and replayed
+with its device current, and between two pieces of a device the host stages the MoE layer with
+that device's runner (engine/experts/split_experts.py): its expert cache, its fills over its own
+link, its staged buffers, its miss plan, on the CPU workers all share. The pieces are launched
+from Python (not by the native planner), and send no guesses of their routing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
+from ...kernels.common import inline_ptx
+from ..experts.staged_decode import LayerStage, StagedDecode, StagedRows
 from ..model.model import Model, SeqSlice, StepBatch, StepState
 from ..model.placement import LayerPlacement
 from .graphs import DecodeGraphs, Graph, Outputs
@@ -98,10 +108,75 @@ class SplitStep:
             step.replay()
 
 
+class DeviceStaging:
+    """One device's staged decode (its runner's) and the host buffers its pieces share with it:
+    each route's slot, the CPU's part, the routing its routers store and its signal (None: the
+    host waits for the device's stream instead)."""
+
+    def __init__(self, staged: StagedDecode, max_bs: int, device: torch.device) -> None:
+        self.staged = staged
+        buffers = staged.buffers
+        self.slots_host = buffers.route_slots(max_bs)
+        self.cpu_part = buffers.cpu_out(max_bs)
+        self.routing_host = buffers.routing(max_bs)
+        signals = device.type != "cuda" or inline_ptx(device)
+        self.signal = staged.routing_signal() if signals else None
+
+
+class DevicePiece:
+    """One piece of an offloaded split step on device `part`: its head (the cached experts'
+    routes of the MoE layer staged before it, None for a device's first piece) and its graph,
+    then the stage of the MoE layer its router ends at (None: the device's last piece, which
+    `send`s the stream across the boundary or the logits to the first device; the sampling's
+    piece has neither)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        head: Graph | None,
+        placement: LayerPlacement,
+        part: int,
+        staging: DeviceStaging | None,
+        stage: LayerStage | None,
+        send: Callable[[], None] | None,
+    ) -> None:
+        self.graph, self.head, self.placement, self.part = graph, head, placement, part
+        self.staging, self.stage, self.send = staging, stage, send
+
+    def replay(self, rows: StagedRows, n: int, bs: int) -> None:
+        """Replay the piece with its device current, then stage its MoE layer for the step's
+        `n` real rows of `bs` (`rows`: the device's staged views of them)."""
+        self.placement.enter(self.part)
+        staging, stage = self.staging, self.stage
+        t0 = time.perf_counter()
+        if self.head is not None:  # the cached experts' routes, then the wait for the fills
+            assert staging is not None
+            self.head.replay()
+            staging.staged.join_fills()
+        if stage is not None and staging is not None and staging.signal is not None:
+            staging.staged.expect_routing()  # its router sets the signal the stage waits for
+        self.graph.replay()
+        launched = time.perf_counter()
+        if self.head is not None:  # the launch that ends a staged layer step
+            assert staging is not None
+            staging.staged.after_launch(launched - t0)
+        if self.send is not None:
+            self.send()
+        if stage is not None:
+            assert staging is not None
+            staging.staged.stage_decode(stage, rows, launched)
+            # padding rows run no experts (written after the stage's sync: an earlier step's
+            # graphs may read these rows until then)
+            if n < bs:
+                staging.slots_host[n:bs] = -1
+
+
 class SplitDecodeGraphs(DecodeGraphs):
-    """Captured decode steps of a model split across devices, every expert resident: the
-    single-device graphs' inputs, draws and overlapped decode, the step itself a graph per
-    device (`SplitStep` as the one graph of each batch size)."""
+    """Captured decode steps of a model split across devices: the single-device graphs' inputs,
+    draws and overlapped decode, the step itself a graph per device where every expert is
+    resident (`SplitStep` as the one graph of each batch size), else each device's pieces
+    (piecewise: `DevicePiece`s, in `pieces`). Either way the step's tokens come back in a copy
+    queued after the first device's sampling, and an event after it tells the step done."""
 
     def __init__(
         self,
@@ -109,13 +184,25 @@ class SplitDecodeGraphs(DecodeGraphs):
         max_bs: int,
         max_context: int,
         *,
+        piecewise: bool = False,
         graph_factory: Callable[[object | None], Graph] | None = None,
     ) -> None:
         placement = model.placement
         assert isinstance(placement, LayerPlacement)
         super().__init__(model, max_bs, max_context, graph_factory=graph_factory or _device_graph)
+        self.piecewise = piecewise
         self.placement = placement
         devices = placement.devices
+        # each device's MoE layers (by index among the model's) and, offloaded, its staging
+        self._moe_ranges = placement.moe_ranges(model.spec.moe_layers)
+        runners = getattr(model.experts, "runners", [])
+        self._staging = (
+            [DeviceStaging(r.staged, max_bs, d) for r, d in zip(runners, devices, strict=True)]
+            if piecewise
+            else []
+        )
+        # piecewise: per batch size, the step's pieces in launch order
+        self.pieces: dict[int, list[DevicePiece]] = {}
         # each later device's copy of the step's inputs, sent from the host as the first's is
         self._device_inputs = [
             (self._long.to(d, copy=True), self._int.to(d, copy=True)) for d in devices[1:]
@@ -151,13 +238,19 @@ class SplitDecodeGraphs(DecodeGraphs):
         """Device `part`'s layers of a step: from the embedding of the gathered input tokens, or
         the stream the boundary before it received; to the stream packed for the next device,
         or the logits."""
-        placement = self.placement
         state = StepState(self._device_batch(part, bs))
+        self._range_start(bs, part, state)
+        self.model.run_layers(self.placement.ranges[part], state)
+        return self._range_end(bs, part, state)
+
+    def _range_start(self, bs: int, part: int, state: StepState) -> None:
         if part == 0:
             self._gather_inputs(bs)
         else:
             state.hidden, state.residual = self.crossings[bs, part - 1].received
-        self.model.run_layers(placement.ranges[part], state)
+
+    def _range_end(self, bs: int, part: int, state: StepState) -> Outputs:
+        placement = self.placement
         if part == len(placement.devices) - 1:
             assert state.logits is not None
             return None, None, None, state.logits
@@ -179,13 +272,76 @@ class SplitDecodeGraphs(DecodeGraphs):
     def _send_logits(self, bs: int, logits: torch.Tensor) -> None:
         self._first_logits[bs].copy_(logits, non_blocking=True)
 
+    # offloaded: each device's pieces -------------------------------------------------------------
+
+    def _device_pieces(self, part: int) -> range:
+        """Device `part`'s pieces, by the model's piece index (`Model.run_piece`): the one ending
+        at each of its MoE layers' routers, then its last one."""
+        moe = self._moe_ranges[part]
+        return range(moe.start, moe.stop + 1)
+
+    def _head_of(self, bs: int, part: int, state: StepState) -> Outputs:
+        """The start of a piece after an MoE layer of device `part`: its cached experts' routes."""
+        assert state.x is not None and state.weights is not None
+        staging = self._staging[part]
+        self._head_out = staging.staged.routed_cached(
+            state.x, staging.slots_host[:bs], state.weights
+        )
+        return self._head_out
+
+    def _piece_of(self, bs: int, part: int, piece: int, state: StepState) -> Outputs:
+        """Piece `piece` of device `part`: after one of its MoE layers it starts with that
+        layer's filled experts' routes and the sum of all of its parts; it ends at the next MoE
+        layer's router, or at the end of the device's range."""
+        model, staging = self.model, self._staging[part]
+        moe = self._moe_ranges[part]
+        if piece > moe.start:
+            assert state.x is not None and state.weights is not None
+            assert self._head_out is not None
+            cached_part, filled = self._head_out
+            staged, cpu_part = staging.staged, staging.cpu_part[:bs]
+            norm = model.norm_after_experts(piece - 1)
+            if norm is None:
+                state.routed = staged.routed_filled(
+                    state.x, filled, state.weights, cached_part, cpu_part,
+                    model.routed_dtype(piece - 1),
+                )  # fmt: skip
+            else:  # the layer's sum, the residual add and the next norm in one launch
+                assert state.residual is not None
+                state.normed = staged.routed_filled_normed(
+                    state.x, filled, state.weights, cached_part, cpu_part, state.residual, norm,
+                    model.spec.rms_norm_eps,
+                )  # fmt: skip
+        else:
+            self._range_start(bs, part, state)
+        routed = piece < moe.stop
+        state.routing_host = tuple(t[:bs] for t in staging.routing_host) if routed else None
+        state.routing_signal = staging.signal if routed else None
+        state.routing_guess = None
+        model.run_piece(piece, state, self.placement.ranges[part])
+        if routed:
+            return state.x, state.ids, state.weights, None
+        return self._range_end(bs, part, state)
+
+    def _part_eagerly(self, bs: int, part: int) -> Outputs:
+        """Device `part`'s share of a step run through the graphs' buffers (a warm-up)."""
+        if not self.piecewise:
+            return self._span(bs, part)
+        state = StepState(self._device_batch(part, bs))
+        out: Outputs = ()
+        for piece in self._device_pieces(part):
+            if piece > self._moe_ranges[part].start:
+                self._head_of(bs, part, state)
+            out = self._piece_of(bs, part, piece, state)
+        return out
+
     def _warm(self, bs: int) -> None:
         """One eager step of batch size `bs` through the graphs' buffers."""
         placement = self.placement
         last = len(placement.devices) - 1
         for part in range(last + 1):
             placement.enter(part)
-            out = self._span(bs, part)
+            out = self._part_eagerly(bs, part)
             if part < last:
                 self.crossings[bs, part].send()
                 continue
@@ -197,9 +353,44 @@ class SplitDecodeGraphs(DecodeGraphs):
         for cut in Cut:
             self._draw(bs, cut, outputs[3])
 
+    def _capture_part(self, bs: int, part: int, pools: list[object | None]) -> list:
+        """Device `part`'s graphs of batch size `bs`, captured with it current: one
+        `DeviceStep`, or its `DevicePiece`s."""
+        last = len(self.placement.devices) - 1
+
+        def send(out: Outputs) -> Callable[[], None]:
+            if part < last:
+                return self.crossings[bs, part].send
+            return partial(self._send_logits, bs, out[3])
+
+        if not self.piecewise:
+            graph = self._graph_factory(pools[part])
+            out = graph.capture(partial(self._span, bs, part))
+            pools[part] = graph.pool
+            return [DeviceStep(graph, self.placement, part, send(out))]
+        state = StepState(self._device_batch(part, bs))
+        staging, moe = self._staging[part], self._moe_ranges[part]
+        pieces = []
+        for piece in self._device_pieces(part):
+            head = None
+            if piece > moe.start:
+                head = self._graph_factory(pools[part])
+                head.capture(partial(self._head_of, bs, part, state))
+                pools[part] = head.pool
+            graph = self._graph_factory(pools[part])
+            out = graph.capture(partial(self._piece_of, bs, part, piece, state))
+            pools[part] = graph.pool
+            routed = piece < moe.stop
+            stage = LayerStage(piece - moe.start) if routed else None
+            pieces.append(
+                DevicePiece(graph, head, self.placement, part, staging, stage,
+                            None if routed else send(out))
+            )  # fmt: skip
+        return pieces
+
     def capture(self) -> None:
         """Capture every batch size (largest first, so the smaller ones share each device's
-        memory pool), each device's graph with its device current."""
+        memory pool), each device's graphs with its device current."""
         placement = self.placement
         devices = placement.devices
         cuda = self.model.device.type == "cuda"
@@ -216,30 +407,23 @@ class SplitDecodeGraphs(DecodeGraphs):
         for stream, device in streams:
             torch.cuda.current_stream(device).wait_stream(stream)
         pools: list[object | None] = [None] * len(devices)
-        last = len(devices) - 1
         for bs in sorted(self.sizes, reverse=True):
             steps = []
-            for part in range(last + 1):
+            for part in range(len(devices)):
                 placement.enter(part)
-                graph = self._graph_factory(pools[part])
-                out = graph.capture(partial(self._span, bs, part))
-                pools[part] = graph.pool
-                send = (
-                    self.crossings[bs, part].send
-                    if part < last
-                    else partial(self._send_logits, bs, out[3])
-                )
-                steps.append(DeviceStep(graph, placement, part, send))
+                steps += self._capture_part(bs, part, pools)
             placement.begin()
             sample = self._graph_factory(pools[0])
             outputs = sample.capture(partial(self._sample_first, bs))
             pools[0] = sample.pool
-            steps.append(DeviceStep(sample, placement, 0, None))
-            self.graphs[bs], self.heads[bs], self.outputs[bs] = (
-                [SplitStep(steps)],
-                [None],
-                [outputs],
-            )
+            if self.piecewise:
+                steps.append(DevicePiece(sample, None, placement, 0, None, None, None))
+                self.pieces[bs] = steps
+                self.graphs[bs], self.heads[bs] = [], []
+            else:
+                steps.append(DeviceStep(sample, placement, 0, None))
+                self.graphs[bs], self.heads[bs] = [SplitStep(steps)], [None]
+            self.outputs[bs] = [outputs]
             for cut in Cut:
                 graph = self._graph_factory(pools[0])
                 graph.capture(partial(self._draw, bs, cut, self._logits(bs, bs)))
@@ -250,10 +434,20 @@ class SplitDecodeGraphs(DecodeGraphs):
                 torch.cuda.synchronize(device)
         placement.begin()
         log.info(
-            "captured decode CUDA graphs (a graph per device: %s) for batch sizes %s",
+            "captured decode CUDA graphs (%s per device: %s) for batch sizes %s",
+            "pieces" if self.piecewise else "a graph",
             ", ".join(str(d) for d in devices),
             self.sizes,
         )
+
+    def _replay(self, bs: int, n: int) -> None:
+        if not self.piecewise:
+            super()._replay(bs, n)
+            return
+        # only the real rows: padding rows would fetch and run experts for nothing
+        rows = [staging.staged.buffers.rows(n, 0) for staging in self._staging]
+        for piece in self.pieces[bs]:
+            piece.replay(rows[piece.part], n, bs)
 
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}

@@ -257,9 +257,9 @@ def test_a_gpt_oss_split_plans_each_devices_windows_and_pages():
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "tiny"])
-def test_a_split_reserves_each_cards_graph_pool_only_where_every_expert_is_resident(preset):
-    """Qwen3-30B-A3B on two 12 GiB cards misses experts, so its split steps eagerly: no card
-    reserves a graphs' pool, its memory goes to slots. A tiny model holds every expert on both
+def test_a_split_reserves_each_cards_graph_pool_resident_or_offloaded(preset):
+    """Qwen3-30B-A3B on two 12 GiB cards misses experts: each card still reserves the pool of
+    its decode pieces' graphs, out of its expert slots. A tiny model holds every expert on both
     cards: each reserves the pool its decode graph needs."""
     spec = ModelSpec.from_config(make_config("qwen3_moe", preset))
     config = EngineConfig.from_flags(["--model-path", "/m", "--devices", "cuda:0,cuda:1"])
@@ -268,14 +268,43 @@ def test_a_split_reserves_each_cards_graph_pool_only_where_every_expert_is_resid
     split = plan_graphed_devices(spec, request, cards)
     eager = plan_devices(spec, replace(request, cuda_graphs=False), cards)
     graphed = plan_devices(spec, request, cards)
+    assert split == graphed and all(p.graph_bytes > 0 for p in split.plans)
     if preset == "tiny":
         assert all(p.all_resident for p in split.plans)
-        assert split == graphed and all(p.graph_bytes > 0 for p in split.plans)
     else:
-        assert split == eager and [p.graph_bytes for p in split.plans] == [0, 0]
-        assert split.total.slots > graphed.total.slots
+        assert not any(p.all_resident for p in split.plans)
+        assert eager.total.slots > split.total.slots
     # without CUDA graphs (--no-cuda-graph, or the CPU) no card reserves one
     assert plan_graphed_devices(spec, replace(request, cuda_graphs=False), cards) == eager
+
+
+def test_a_split_that_holds_every_expert_only_without_graph_pools_keeps_them_all():
+    """On the smallest cards that hold every expert of a tiny model without graph pools, the
+    pools would cost some experts: the split reserves none and holds them all (decoding
+    eagerly), rather than missing experts to decode from graphs."""
+    spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
+    config = EngineConfig.from_flags(["--model-path", "/m", "--devices", "cuda:0,cuda:1"])
+    request = config.memory_request(budget_bytes=0, elem_bytes=2, cuda=True)
+    eager_request = replace(request, cuda_graphs=False)
+
+    def cards(mib: int) -> tuple[DeviceBudget, ...]:
+        return tuple(DeviceBudget(f"cuda:{i}", mib * 1024**2, 10.0) for i in range(2))
+
+    def resident(mib: int) -> bool:
+        try:
+            plans = plan_devices(spec, eager_request, cards(mib)).plans
+        except MemoryPlanError:
+            return False
+        return all(p.all_resident for p in plans)
+
+    low, high = 1, 12 * 1024  # MiB: not resident, resident
+    assert not resident(low) and resident(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if resident(mid) else (mid, high)
+    split = plan_graphed_devices(spec, request, cards(high))
+    assert split == plan_devices(spec, eager_request, cards(high))
+    assert all(p.all_resident and p.graph_bytes == 0 for p in split.plans)
 
 
 def test_a_gpt_oss_plan_that_does_not_fit_names_the_windows_pages():

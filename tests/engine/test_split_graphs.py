@@ -2,7 +2,9 @@
 stand-in graphs replaying the captured work): each device's range of layers a graph of its own,
 replayed with its device current, the residual stream crossing each boundary in one copy; the
 same greedy tokens and fp32 logits as the eager split (which are one device's), overlapped
-decode included. On two CUDA devices: the graphs give one card's greedy tokens."""
+decode included. Offloaded, each device's pieces, its MoE layers staged between them by its own
+runner: the eager split's tokens. On two CUDA devices: the graphs give one card's greedy
+tokens, resident and offloaded."""
 
 from __future__ import annotations
 
@@ -157,24 +159,137 @@ def test_overlapped_split_decode_crosses_once_per_boundary_on_each_device(checkp
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "offloaded"])
 def test_two_gpus_decode_graphs_give_one_cards_greedy_tokens(checkpoint, resident):
-    """On two GPUs in bf16, every expert resident: each card's graph captured on it, replayed
-    with overlapped decode, the tokens of one card's graphs. Offloaded, the split steps
-    eagerly and gives one card's eager tokens."""
+    """On two GPUs in bf16, each card's graphs captured on it, replayed with overlapped decode:
+    every expert resident, a graph per card; offloaded (six slots a card), each card's pieces,
+    its MoE layers staged between them. The tokens of one card's graphs."""
     arch, path = checkpoint
-    cache = () if resident else ("--moe-cache-size", "6", "--no-cuda-graph")
+    cache = () if resident else ("--moe-cache-size", "6")
     one = _engine(path, "--device", "cuda:0", *cache, dtype="bfloat16")
-    split = _split(checkpoint, *cache[:2], devices="cuda:0,cuda:1", dtype="bfloat16")
+    split = _split(checkpoint, *cache, devices="cuda:0,cuda:1", dtype="bfloat16")
     try:
         graphs = split.graphs
-        assert (graphs is not None) == resident
-        assert split.config_in_force()["cuda_graphs"] == resident
+        assert isinstance(graphs, SplitDecodeGraphs)
+        assert split.config_in_force()["cuda_graph_mode"] == ("whole" if resident else "piecewise")
+        assert all(p.graph_bytes > 0 for p in split.split.plans)
         if resident:
-            assert isinstance(graphs, SplitDecodeGraphs)
             [step] = graphs.graphs[graphs.max_bs]
             assert [s.part for s in step.steps] == [0, 1, 0]
-            assert all(p.graph_bytes > 0 for p in split.split.plans)
+        else:
+            moe_ranges = split.layers_on.moe_ranges(split.spec.moe_layers)
+            parts = [d for d, r in enumerate(moe_ranges) for _ in range(len(r) + 1)]
+            assert [p.part for p in graphs.pieces[graphs.max_bs]] == [*parts, 0]
         params = SamplingParams(max_tokens=32, ignore_eos=True)
         assert split.generate(PROMPTS, params) == one.generate(PROMPTS, params), arch
+        if not resident:
+            counters = split.moe.counters
+            assert counters.fills.sum() > 0 and counters.cpu.sum() > 0, arch
     finally:
         one.close()
         split.close()
+
+
+OFFLOADED = ("--moe-cache-size", "6", "--moe-miss-policy", "split:0.5")
+
+
+def _with_pieces(engine) -> SplitDecodeGraphs:
+    """The engine's offloaded decode steps replayed from stand-in graphs of each device's
+    pieces."""
+    assert not engine.cache.holds_everything
+    graphs = SplitDecodeGraphs(
+        engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
+    )
+    graphs.capture()
+    engine.stepper.graphs = graphs
+    return graphs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="replays stand-in graphs on the CPU device")
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+def test_replayed_offloaded_split_pieces_give_the_eager_splits_tokens(
+    checkpoint, monkeypatch, overlap
+):
+    """An offloaded split (six expert slots a device, half of the misses copied, half run on
+    the CPU) decodes from each device's pieces: the eager split's tokens and one device's; each
+    device's MoE layers staged by its own runner, with misses copied into its own cache and
+    run on the CPU; the residual stream crossing the boundary once a step, after the first
+    device's last piece."""
+    arch, path = checkpoint
+    flags = OFFLOADED + (() if overlap else ("--no-overlap-decode",))
+    one = _engine(path, "--device", "cpu", *flags)
+    eager = _split(checkpoint, *flags)
+    try:
+        expected = _generate(eager)
+        assert _generate(one) == expected, arch
+    finally:
+        one.close()
+        eager.close()
+    engine = _split(checkpoint, *flags)
+    try:
+        entered, sent, staged = [], [], []
+        enter, send = LayerPlacement.enter, Crossing.send
+        monkeypatch.setattr(
+            LayerPlacement, "enter", lambda self, part: entered.append(part) or enter(self, part)
+        )
+        monkeypatch.setattr(Crossing, "send", lambda self: sent.append(self) or send(self))
+        graphs = _with_pieces(engine)
+        runners = engine.moe.runners
+        for d, runner in enumerate(runners):
+            stage_decode = runner.staged.stage_decode
+
+            def staging(stage, rows, launched=None, d=d, stage_decode=stage_decode):
+                staged.append((d, stage.moe_layer))
+                return stage_decode(stage, rows, launched)
+
+            monkeypatch.setattr(runner.staged, "stage_decode", staging)
+        entered.clear()  # (the capture's)
+        sent.clear()
+        replays = []
+        run = graphs.run
+        graphs.run = lambda rows: replays.append(len(rows)) or run(rows)
+        assert _generate(engine) == expected, arch
+        counters = engine.moe.counters
+    finally:
+        engine.close()
+    moe_ranges = engine.layers_on.moe_ranges(engine.spec.moe_layers)
+    # each device's pieces: one per MoE layer of its range, then its last one
+    pieces = [len(r) + 1 for r in moe_ranges]
+    assert len(replays) >= 10
+    assert entered == ([0] * pieces[0] + [1] * pieces[1] + [0]) * len(replays)
+    assert len(sent) == len(replays)
+    # every replayed step staged each device's MoE layers, in order, on that device's runner
+    layers = [(d, m) for d, r in enumerate(moe_ranges) for m in range(len(r))]
+    assert staged == layers * len(replays)
+    # misses copied into each device's cache and run on the CPU
+    for span in moe_ranges:
+        rows = slice(span.start, span.stop)
+        if len(span):
+            assert counters.fills[rows].sum() > 0 and counters.cpu[rows].sum() > 0, arch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="replays stand-in graphs on the CPU device")
+def test_a_split_with_one_device_resident_decodes_from_pieces_on_both(tmp_path):
+    """Sixteen slots a device: the first device holds every expert of its one MoE layer, the
+    second misses some of its two layers'. The step runs from both devices' pieces (the first
+    device's layer staged with every expert a hit) and gives the eager split's tokens."""
+    path = synthesize(tmp_path, arch="qwen3_moe", preset="tiny", routing_skew=0.8, seed=5)
+    flags = ("--moe-cache-size", "16", "--moe-miss-policy", "split:0.5")
+    eager = _split(("qwen3_moe", path), *flags)
+    try:
+        expected = _generate(eager)
+    finally:
+        eager.close()
+    engine = _split(("qwen3_moe", path), *flags)
+    try:
+        first, second = engine.cache.caches
+        assert first.holds_everything and not second.holds_everything
+        graphs = _with_pieces(engine)
+        replays = []
+        run = graphs.run
+        graphs.run = lambda rows: replays.append(len(rows)) or run(rows)
+        assert _generate(engine) == expected
+        counters = engine.moe.counters
+    finally:
+        engine.close()
+    assert len(replays) >= 10
+    assert counters.fills[0] == counters.cpu[0] == 0
+    assert counters.fills[1:].sum() > 0 and counters.cpu[1:].sum() > 0
