@@ -300,8 +300,8 @@ fi
 if [ "$part" = split ]; then  # issue 56 on a two-GPU machine: the split against one GPU in bf16
   # (tests), then 12 of Qwen3-30B-A3B's layers all resident, one card against two (a graph per
   # card, with and without overlapped decode, and eager), then its 48 layers with each card
-  # limited to 12 GiB against one card of 12 GiB: decode at batch 1 and 8, prefill of 8K (an
-  # offloaded split's steps run eagerly)
+  # limited to 12 GiB against one card of 12 GiB: decode at batch 1 and 8 (each card's pieces
+  # and eager), prefill of 8K
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run split_tests python3 -m pytest -q $T --tb=short tests/engine/test_split_engine.py \
     tests/engine/test_split_graphs.py
@@ -319,6 +319,8 @@ if [ "$part" = split ]; then  # issue 56 on a two-GPU machine: the split against
     run split_one_b$b $B decode $S --batch $b --json
     run split_one_eager_b$b $B decode $S --batch $b --no-cuda-graph --json
     run split_two_b$b $B decode $S --devices cuda:0,cuda:1 --batch $b --json
+    run split_two_eager_b$b $B decode $S --devices cuda:0,cuda:1 --batch $b --no-cuda-graph \
+      --json
   done
   run split_one_prefill8k $B prefill $S --prompt-tokens 8192 --repeats 2
   run split_two_prefill8k $B prefill $S --devices cuda:0,cuda:1 --prompt-tokens 8192 --repeats 2
