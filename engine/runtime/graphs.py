@@ -364,7 +364,7 @@ class DecodeGraphs:
             # the outputs stay referenced: their memory is where every replay writes them
             self.graphs[bs], self.heads[bs], self.outputs[bs] = graphs, heads, outputs
             if self.piecewise:
-                self._stage(bs, _execs(graphs, heads))
+                self._stage(bs, piece_execs(graphs, heads))
             for cut in Cut:
                 graph = self._graph_factory(self.pool)
                 graph.capture(partial(self._draw, bs, cut, self._logits(bs, bs)))
@@ -540,7 +540,7 @@ class DecodeGraphs:
             self._passed = self._runs
 
 
-def _execs(graphs: list, heads: list) -> list[tuple[int, int]] | None:
+def piece_execs(graphs: list, heads: list) -> list[tuple[int, int]] | None:
     """Each piece's (head, piece) graph execs (head 0 where a piece has none); None where a graph
     has no exec to hand out."""
     execs = []

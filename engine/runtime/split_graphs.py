@@ -37,7 +37,7 @@ from ...kernels.common import inline_ptx
 from ..experts.staged_decode import LayerStage, StagedDecode, StagedRows
 from ..model.model import Model, SeqSlice, StepBatch, StepState
 from ..model.placement import LayerPlacement
-from .graphs import DecodeGraphs, Graph, Outputs
+from .graphs import DecodeGraphs, Graph, Outputs, piece_execs
 from .sampling import Cut
 
 log = logging.getLogger("moelab.graphs")
@@ -128,7 +128,8 @@ class DevicePiece:
     routes of the MoE layer staged before it, None for a device's first piece) and its graph,
     then the stage of the MoE layer its router ends at (None: the device's last piece, which
     `send`s the stream across the boundary or the logits to the first device; the sampling's
-    piece has neither)."""
+    piece has neither). launched_stage: the same stage for the native planner, which launches
+    the device's next piece itself (None where the graphs have no execs to hand it)."""
 
     def __init__(
         self,
@@ -142,33 +143,44 @@ class DevicePiece:
     ) -> None:
         self.graph, self.head, self.placement, self.part = graph, head, placement, part
         self.staging, self.stage, self.send = staging, stage, send
+        self.launched_stage: LayerStage | None = None
 
-    def replay(self, rows: StagedRows, n: int, bs: int) -> None:
-        """Replay the piece with its device current, then stage its MoE layer for the step's
-        `n` real rows of `bs` (`rows`: the device's staged views of them)."""
+    def replay(self, rows: StagedRows, n: int, bs: int, launched_before: bool) -> bool:
+        """Replay the piece with its device current (launched_before: the stage before it has
+        launched it), then stage its MoE layer for the step's `n` real rows of `bs` (`rows`: the
+        device's staged views of them). Returns whether the stage launched the next piece."""
         self.placement.enter(self.part)
         staging, stage = self.staging, self.stage
-        t0 = time.perf_counter()
-        if self.head is not None:  # the cached experts' routes, then the wait for the fills
+        if launched_before:
             assert staging is not None
-            self.head.replay()
-            staging.staged.join_fills()
-        if stage is not None and staging is not None and staging.signal is not None:
-            staging.staged.expect_routing()  # its router sets the signal the stage waits for
-        self.graph.replay()
-        launched = time.perf_counter()
-        if self.head is not None:  # the launch that ends a staged layer step
-            assert staging is not None
-            staging.staged.after_launch(launched - t0)
+            launched = time.perf_counter()
+            staging.staged.after_launch()
+        else:
+            t0 = time.perf_counter()
+            if self.head is not None:  # the cached experts' routes, then the wait for the fills
+                assert staging is not None
+                self.head.replay()
+                staging.staged.join_fills()
+            if stage is not None and staging is not None and staging.signal is not None:
+                staging.staged.expect_routing()  # its router sets the signal the stage waits for
+            self.graph.replay()
+            launched = time.perf_counter()
+            if self.head is not None:  # the launch that ends a staged layer step
+                assert staging is not None
+                staging.staged.after_launch(launched - t0)
         if self.send is not None:
             self.send()
-        if stage is not None:
-            assert staging is not None
-            staging.staged.stage_decode(stage, rows, launched)
-            # padding rows run no experts (written after the stage's sync: an earlier step's
-            # graphs may read these rows until then)
-            if n < bs:
-                staging.slots_host[n:bs] = -1
+        if stage is None:
+            return False
+        assert staging is not None
+        staged = staging.staged
+        native = self.launched_stage is not None and staged.launches_pieces()
+        staged.stage_decode(self.launched_stage if native else stage, rows, launched)
+        # padding rows run no experts (the native launch marks them itself; here, written after
+        # the stage's sync: an earlier step's graphs may read these rows until then)
+        if not native and n < bs:
+            staging.slots_host[n:bs] = -1
+        return native
 
 
 class SplitDecodeGraphs(DecodeGraphs):
@@ -386,6 +398,15 @@ class SplitDecodeGraphs(DecodeGraphs):
                 DevicePiece(graph, head, self.placement, part, staging, stage,
                             None if routed else send(out))
             )  # fmt: skip
+        # each stage as the native planner runs it, launching the device's next piece: whose
+        # router signals where the piece after it is the device's too
+        execs = piece_execs([p.graph for p in pieces], [p.head for p in pieces])
+        if execs is not None:
+            signals = staging.signal is not None
+            for local, piece in enumerate(pieces[:-1]):
+                piece.launched_stage = LayerStage(
+                    local, execs[local + 1], signals and local + 2 < len(pieces)
+                )
         return pieces
 
     def capture(self) -> None:
@@ -444,10 +465,15 @@ class SplitDecodeGraphs(DecodeGraphs):
         if not self.piecewise:
             super()._replay(bs, n)
             return
-        # only the real rows: padding rows would fetch and run experts for nothing
-        rows = [staging.staged.buffers.rows(n, 0) for staging in self._staging]
+        # only the real rows: padding rows would fetch and run experts for nothing (a native
+        # launch marks the padding rows after them)
+        rows = []
+        for staging in self._staging:
+            pad = bs - n if staging.staged.launches_pieces() else 0
+            rows.append(staging.staged.buffers.rows(n, pad))
+        launched = False
         for piece in self.pieces[bs]:
-            piece.replay(rows[piece.part], n, bs)
+            launched = piece.replay(rows[piece.part], n, bs, launched)
 
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}

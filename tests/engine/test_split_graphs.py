@@ -19,7 +19,7 @@ from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.runtime.split_graphs import Crossing, SplitDecodeGraphs
 from moelab.engine.synth_checkpoint import synthesize
 
-from .test_graphs import ReplayGraph
+from .test_graphs import ReplayGraph, _host_driver, _host_launches
 
 PROMPTS = [list(range(3, 23)), list(range(40, 47)), list(range(100, 131))]
 
@@ -204,15 +204,20 @@ def _with_pieces(engine) -> SplitDecodeGraphs:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="replays stand-in graphs on the CPU device")
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+@pytest.mark.parametrize(
+    ("overlap", "launch"),
+    [(True, False), (False, False), (True, True)],
+    ids=["overlapped", "synchronous", "planner-launch"],
+)
 def test_replayed_offloaded_split_pieces_give_the_eager_splits_tokens(
-    checkpoint, monkeypatch, overlap
+    checkpoint, monkeypatch, overlap, launch
 ):
     """An offloaded split (six expert slots a device, half of the misses copied, half run on
     the CPU) decodes from each device's pieces: the eager split's tokens and one device's; each
     device's MoE layers staged by its own runner, with misses copied into its own cache and
     run on the CPU; the residual stream crossing the boundary once a step, after the first
-    device's last piece."""
+    device's last piece. planner-launch: each device's native planner (its CUDA path, with
+    stand-ins for the driver) copies the fills and launches the device's next piece itself."""
     arch, path = checkpoint
     flags = OFFLOADED + (() if overlap else ("--no-overlap-decode",))
     one = _engine(path, "--device", "cpu", *flags)
@@ -231,6 +236,15 @@ def test_replayed_offloaded_split_pieces_give_the_eager_splits_tokens(
             LayerPlacement, "enter", lambda self, part: entered.append(part) or enter(self, part)
         )
         monkeypatch.setattr(Crossing, "send", lambda self: sent.append(self) or send(self))
+        calls: dict[str, int] = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
+        launch_errors: list[BaseException] = []
+        if launch:  # kept alive until the engine is closed
+            stand_ins = (_host_driver(monkeypatch, calls),
+                         _host_launches(monkeypatch, calls, launch_errors))  # fmt: skip
+            for runner in engine.moe.runners:
+                planner = runner.planner
+                planner.copies = planner.launches = True
+                planner._native = None
         graphs = _with_pieces(engine)
         runners = engine.moe.runners
         for d, runner in enumerate(runners):
@@ -254,6 +268,14 @@ def test_replayed_offloaded_split_pieces_give_the_eager_splits_tokens(
     # each device's pieces: one per MoE layer of its range, then its last one
     pieces = [len(r) + 1 for r in moe_ranges]
     assert len(replays) >= 10
+    if launch:
+        del stand_ins
+        # every stage launched its device's next piece: its head and the piece
+        assert not launch_errors
+        assert calls["launch"] == 2 * engine.spec.num_moe_layers * len(replays)
+        assert calls["copy"] > 0
+    else:
+        assert calls.get("launch", 0) == 0
     assert entered == ([0] * pieces[0] + [1] * pieces[1] + [0]) * len(replays)
     assert len(sent) == len(replays)
     # every replayed step staged each device's MoE layers, in order, on that device's runner
