@@ -1,15 +1,15 @@
-"""CUDA graphs of decode steps split across devices (`--devices`), every expert resident.
+"""CUDA graphs of decode steps split across devices (`--devices`): a graph or pieces per device.
 
-Each device's range of layers is a graph of its own, captured and replayed with that device made
-the current one (a Triton kernel launches on the current device's stream, whatever device its
-tensors are on). The step's inputs (positions, KV slots, block tables, state slots) go from the
-host to every device; the first device's graph gathers the input tokens and embeds them, each
-later one computes its own rotary and ring tables from the positions. Where a range ends, its
-graph packs the residual stream (the hidden state and the residual, in one buffer), and one copy
-per boundary per step moves that buffer into the next device's fixed input buffer, outside the
-graphs, ordered by the copy behind both devices' streams. The last device's logits come back to
-the first in one more copy, into the buffer a small graph there takes the greedy tokens from,
-and the draw graphs draw from: the sampler's inputs, and the next step's input tokens, stay on
+Every expert resident, each device's range of layers is a graph of its own, captured and replayed
+with that device made the current one (a Triton kernel launches on the current device's stream,
+whatever device its tensors are on). The step's inputs (positions, KV slots, block tables, state
+slots) go from the host to every device; the first device's graph gathers the input tokens and
+embeds them, each later one computes its own rotary and ring tables from the positions. Where a
+range ends, its graph packs the residual stream (the hidden state and the residual, in one buffer),
+and one copy per boundary per step moves that buffer into the next device's fixed input buffer,
+outside the graphs, ordered by the copy behind both devices' streams. The last device's logits come
+back to the first in one more copy, into the buffer a small graph there takes the greedy tokens
+from, and the draw graphs draw from: the sampler's inputs, and the next step's input tokens, stay on
 the first device, so overlapped decode runs as on one device (engine/runtime/graphs.py).
 
 An offloaded split (`piecewise`: experts missed on some device) captures pieces instead, as one
@@ -19,8 +19,10 @@ staged MoE layer's sum, and its last piece ends at the stream packed for the nex
 logits; the boundary's copy follows the device's last piece. Each piece is captured and replayed
 with its device current, and between two pieces of a device the host stages the MoE layer with
 that device's runner (engine/experts/split_experts.py): its expert cache, its fills over its own
-link, its staged buffers, its miss plan, on the CPU workers all share. The pieces are launched
-from Python (not by the native planner), and send no guesses of their routing.
+link, its staged buffers, its miss plan, on the CPU workers all share. Where the device's native
+planner launches pieces, a stage launches the device's next piece itself; a device's first piece
+is launched from Python after the boundary's copy. The pieces send no guesses of their routing
+(a guess's side stream is the first device's).
 """
 
 from __future__ import annotations
