@@ -468,9 +468,11 @@ class SplitDecodeGraphs(DecodeGraphs):
             super()._replay(bs, n)
             return
         # only the real rows: padding rows would fetch and run experts for nothing (a native
-        # launch marks the padding rows after them)
+        # launch marks the padding rows after them); each device current while its planner is
+        # asked (one made now makes its driver event on the current device)
         rows = []
-        for staging in self._staging:
+        for part, staging in enumerate(self._staging):
+            self.placement.enter(part)
             pad = bs - n if staging.staged.launches_pieces() else 0
             rows.append(staging.staged.buffers.rows(n, pad))
         launched = False

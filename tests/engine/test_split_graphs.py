@@ -276,7 +276,9 @@ def test_replayed_offloaded_split_pieces_give_the_eager_splits_tokens(
         assert calls["copy"] > 0
     else:
         assert calls.get("launch", 0) == 0
-    assert entered == ([0] * pieces[0] + [1] * pieces[1] + [0]) * len(replays)
+    # each step asks each device's planner with its device current, then replays each device's
+    # pieces with it current, then the first device's sampling
+    assert entered == ([0, 1] + [0] * pieces[0] + [1] * pieces[1] + [0]) * len(replays)
     assert len(sent) == len(replays)
     # every replayed step staged each device's MoE layers, in order, on that device's runner
     layers = [(d, m) for d, r in enumerate(moe_ranges) for m in range(len(r))]
