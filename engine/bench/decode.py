@@ -210,8 +210,8 @@ def _run(args: argparse.Namespace) -> int:
             if guessing and (engine.graphs is None or engine.graphs.routing_guess is None):
                 print(
                     f"moelab bench decode: {_GUESSING[sides.flag][0]} needs pieces that send "
-                    "routing guesses: offloaded decode on one CUDA device (a split's pieces "
-                    "send none) with its graphs and the native planner",
+                    "routing guesses: offloaded decode on CUDA with its graphs and the native "
+                    "planner",
                     file=sys.stderr,
                 )
                 return 2

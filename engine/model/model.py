@@ -283,9 +283,10 @@ class Model:
             )
             for p in range(len(moe))
         ]
-        # the stream the guesses run on beside the piece's chain (`_guess`), made here: never
-        # during a graph's capture
-        self._guess_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # the stream the guesses run on beside the piece's chain (`_guess`), one per device by
+        # its index, made here: never during a graph's capture
+        devices = placement.devices if placement is not None else (self.device,)
+        self._guess_streams = {d.index: torch.cuda.Stream(d) for d in devices if d.type == "cuda"}
 
     @property
     def kv(self) -> KVCache:
@@ -659,8 +660,7 @@ class Model:
         if not x.is_cuda:
             guess_to_host(x, self._guess_scales[piece], router, *state.routing_guess)
             return
-        side = self._guess_stream
-        assert side is not None
+        side = self._guess_streams[x.device.index]
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
             guess_to_host(x, self._guess_scales[piece], router, *state.routing_guess)

@@ -21,8 +21,8 @@ with its device current, and between two pieces of a device the host stages the 
 that device's runner (engine/experts/split_experts.py): its expert cache, its fills over its own
 link, its staged buffers, its miss plan, on the CPU workers all share. Where the device's native
 planner launches pieces, a stage launches the device's next piece itself; a device's first piece
-is launched from Python after the boundary's copy. The pieces send no guesses of their routing
-(a guess's side stream is the first device's).
+is launched from Python after the boundary's copy. Where the planner wants them, a one-token
+piece sends a guess of its routing to its device's staged buffers, on its device's side stream.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ class SplitStep:
 class DeviceStaging:
     """One device's staged decode (its runner's) and the host buffers its pieces share with it:
     each route's slot, the CPU's part, the routing its routers store and its signal (None: the
-    host waits for the device's stream instead)."""
+    host waits for the device's stream instead), and where its planner wants them the buffers a
+    one-token piece sends its guess of its routing to (`StagedDecode.guess_buffers`)."""
 
     def __init__(self, staged: StagedDecode, max_bs: int, device: torch.device) -> None:
         self.staged = staged
@@ -123,6 +124,7 @@ class DeviceStaging:
         self.routing_host = buffers.routing(max_bs)
         signals = device.type != "cuda" or inline_ptx(device)
         self.signal = staged.routing_signal() if signals else None
+        self.guess = staged.guess_buffers() if signals else None
 
 
 class DevicePiece:
@@ -209,12 +211,17 @@ class SplitDecodeGraphs(DecodeGraphs):
         devices = placement.devices
         # each device's MoE layers (by index among the model's) and, offloaded, its staging
         self._moe_ranges = placement.moe_ranges(model.spec.moe_layers)
-        runners = getattr(model.experts, "runners", [])
-        self._staging = (
-            [DeviceStaging(r.staged, max_bs, d) for r, d in zip(runners, devices, strict=True)]
-            if piecewise
-            else []
-        )
+        # (made with each device current: a planner made on first use makes its driver event
+        # on the current device)
+        self._staging: list[DeviceStaging] = []
+        if piecewise:
+            runners = model.experts.runners
+            for part, (runner, device) in enumerate(zip(runners, devices, strict=True)):
+                placement.enter(part)
+                self._staging.append(DeviceStaging(runner.staged, max_bs, device))
+            placement.begin()
+        # whether the pieces send routing guesses (`bench decode` asks): the first device's
+        self.routing_guess = self._staging[0].guess if piecewise else None
         # piecewise: per batch size, the step's pieces in launch order
         self.pieces: dict[int, list[DevicePiece]] = {}
         # each later device's copy of the step's inputs, sent from the host as the first's is
@@ -331,11 +338,16 @@ class SplitDecodeGraphs(DecodeGraphs):
         routed = piece < moe.stop
         state.routing_host = tuple(t[:bs] for t in staging.routing_host) if routed else None
         state.routing_signal = staging.signal if routed else None
-        state.routing_guess = None
+        state.routing_guess = staging.guess if routed and self._guesses_of(bs, part) else None
         model.run_piece(piece, state, self.placement.ranges[part])
         if routed:
             return state.x, state.ids, state.weights, None
         return self._range_end(bs, part, state)
+
+    def _guesses_of(self, bs: int, part: int) -> bool:
+        """Whether device `part`'s pieces of batch size `bs` that end in a router send a guess
+        of its routing: one token, where its planner wants guesses."""
+        return bs == 1 and self._staging[part].guess is not None
 
     def _part_eagerly(self, bs: int, part: int) -> Outputs:
         """Device `part`'s share of a step run through the graphs' buffers (a warm-up)."""
@@ -395,7 +407,8 @@ class SplitDecodeGraphs(DecodeGraphs):
             out = graph.capture(partial(self._piece_of, bs, part, piece, state))
             pools[part] = graph.pool
             routed = piece < moe.stop
-            stage = LayerStage(piece - moe.start) if routed else None
+            guess = self._guesses_of(bs, part)
+            stage = LayerStage(piece - moe.start, guess=guess) if routed else None
             pieces.append(
                 DevicePiece(graph, head, self.placement, part, staging, stage,
                             None if routed else send(out))
@@ -407,7 +420,7 @@ class SplitDecodeGraphs(DecodeGraphs):
             signals = staging.signal is not None
             for local, piece in enumerate(pieces[:-1]):
                 piece.launched_stage = LayerStage(
-                    local, execs[local + 1], signals and local + 2 < len(pieces)
+                    local, execs[local + 1], signals and local + 2 < len(pieces), guess
                 )
         return pieces
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from moelab.engine.config.config import EngineConfig
+from moelab.engine.experts import miss_plan
+from moelab.engine.experts.h2d import address_of, host_functions
 from moelab.engine.model.placement import LayerPlacement
 from moelab.engine.runtime.engine import Engine
 from moelab.engine.runtime.graphs import DecodeGraphs
@@ -19,7 +21,8 @@ from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.runtime.split_graphs import Crossing, SplitDecodeGraphs
 from moelab.engine.synth_checkpoint import synthesize
 
-from .test_graphs import ReplayGraph, _host_driver, _host_launches
+from .late_routing import LateRouting
+from .test_graphs import ReplayGraph, _host_driver, _host_launches, _LateRouting
 
 PROMPTS = [list(range(3, 23)), list(range(40, 47)), list(range(100, 131))]
 
@@ -317,3 +320,61 @@ def test_a_split_with_one_device_resident_decodes_from_pieces_on_both(tmp_path):
     assert len(replays) >= 10
     assert counters.fills[0] == counters.cpu[0] == 0
     assert counters.fills[1:].sum() > 0 and counters.cpu[1:].sum() > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="replays stand-in graphs on the CPU device")
+def test_one_token_split_pieces_send_each_devices_planner_their_guesses(checkpoint, monkeypatch):
+    """With --moe-cpu-prefetch-rounds and each device's native planner launching its pieces,
+    every one-token piece that ends in a router sends a guess of its routing to its own
+    device's planner, whose wait plans it: the workers fetch the guessed jobs' blocks, and every
+    token is the eager split's."""
+    arch, _ = checkpoint
+    prompts = PROMPTS[:1]  # one sequence: the size-1 graphs, which guess
+    flags = (*OFFLOADED, "--moe-cpu-prefetch-rounds", "2", "--moe-copy-ahead", "0")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    eager = _split(checkpoint, *flags)
+    try:
+        expected = eager.generate(prompts, params)
+    finally:
+        eager.close()
+    calls: dict[str, int] = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
+    launch_errors: list[BaseException] = []
+    # the routings come late, while each planner waits (as in test_graphs.py's guessing engine)
+    routing = LateRouting(_LateRouting.LATE_S)
+    functions = list(host_functions(calls))
+    functions[1] = routing.query
+    addresses = tuple(address_of(f) for f in functions)
+    monkeypatch.setattr(miss_plan, "driver_functions", lambda: addresses)
+    stand_ins = (functions, _host_launches(monkeypatch, calls, launch_errors))
+    engine = _split(checkpoint, *flags)
+    try:
+        for runner in engine.moe.runners:
+            planner = runner.planner
+            planner.copies = planner.launches = planner.split_misses = True
+            planner._native = None
+            late = _LateRouting(planner.native(), runner.staged.buffers.routing_signal(), routing)
+            monkeypatch.setattr(planner, "native", lambda late=late: late)
+        graphs = _with_pieces(engine)
+        assert graphs.routing_guess is not None
+        guessed = []
+        for d, runner in enumerate(engine.moe.runners):
+            assert runner.staged.buffers.guess is not None
+            stage_decode = runner.staged.stage_decode
+
+            def staging(stage, rows, launched=None, d=d, stage_decode=stage_decode):
+                guessed.append((d, stage.moe_layer, stage.guess))
+                return stage_decode(stage, rows, launched)
+
+            monkeypatch.setattr(runner.staged, "stage_decode", staging)
+        assert engine.generate(prompts, params) == expected, arch
+        staged = engine.telemetry.stats(running=0, queued=0, model_name="m")["experts"][
+            "staged_layer_us"
+        ]
+    finally:
+        engine.close()
+    del stand_ins
+    assert not launch_errors and routing.arrivals
+    moe_ranges = engine.layers_on.moe_ranges(engine.spec.moe_layers)
+    layers = [(d, m, True) for d, r in enumerate(moe_ranges) for m in range(len(r))]
+    assert guessed and guessed == layers * (len(guessed) // len(layers))
+    assert staged["guesses"] > 0 and 0 < staged["prefetched_jobs"] <= staged["cpu_jobs"]
