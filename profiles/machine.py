@@ -250,7 +250,7 @@ def _choose_split(machine: Machine, spec: ModelSpec, config: EngineConfig) -> De
                     )
                 )
             gpus.append(gpu)
-        budget = memory.budget_bytes(gpu.usable_bytes if gpu is not None else None)
+        budget = memory.budget_bytes(gpu.usable_bytes if gpu is not None else None, len(budgets))
         budgets.append(DeviceBudget(name, budget, link))
     gpu = gpus[0] if gpus else None
     elem = DTYPE_BYTES[config.model.compute_dtype(spec.dtype, cpu=gpu is None)]

@@ -189,10 +189,10 @@ class Engine:
         budget and its link's rate, measured now from the bank's memory."""
         memory = self.config.memory
         budgets = []
-        for name, device in zip(memory.device_names, self.devices, strict=True):
+        for index, (name, device) in enumerate(zip(memory.device_names, self.devices, strict=True)):
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
             link = measure_bp_gbps(self.bank, device)
-            budgets.append(DeviceBudget(name, memory.budget_bytes(free), link))
+            budgets.append(DeviceBudget(name, memory.budget_bytes(free, index), link))
         # a split runs its steps eagerly: no graph pool
         request = self.config.memory_request(
             budget_bytes=0, elem_bytes=self.dtype.itemsize, cuda=False

@@ -233,3 +233,42 @@ def test_a_card_given_less_than_its_share_needs_is_named(devices, layers, data):
     with pytest.raises(SplitError) as err:
         plan_split(devices, layers, split)
     assert str(err.value).startswith(f"{over[0].name} has ")
+
+
+def test_device_memory_is_one_size_for_each_device_or_one_per_device():
+    one = EngineConfig.from_flags(
+        ["--model-path", "m", "--devices", "cpu,cpu", "--device-memory", "3GiB"]
+    ).memory
+    assert [one.budget_bytes(None, i) for i in range(2)] == [3 * GIB, 3 * GIB]
+    each = EngineConfig.from_flags(
+        ["--model-path", "m", "--devices", "cuda:0,cuda:1", "--device-memory", "12GiB,8GiB"]
+    ).memory
+    assert each.device_memory_bytes == (12 * GIB, 8 * GIB)
+    # a GPU plans its free memory, at most its own size
+    assert [each.budget_bytes(10 * GIB, i) for i in range(2)] == [10 * GIB, 8 * GIB]
+    assert [each.budget_bytes(6 * GIB, i) for i in range(2)] == [6 * GIB, 6 * GIB]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--devices", "cuda:0,cuda:1", "--device-memory", "12GiB,8GiB,4GiB"],
+            "--device-memory 12GiB,8GiB,4GiB gives 3 sizes for 2 device(s) (cuda:0,cuda:1); "
+            "give one size for each device, or one per device of --devices",
+        ),
+        (
+            ["--device", "cuda:0", "--device-memory", "12GiB,8GiB"],
+            "--device-memory 12GiB,8GiB gives 2 sizes for 1 device(s) (cuda:0); give one size "
+            "for each device, or one per device of --devices",
+        ),
+    ],
+)
+def test_device_memory_of_other_parts_than_the_devices_is_refused(flags, message):
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_flags(["--model-path", "m", *flags])
+    assert str(err.value) == message
+
+
+def test_a_device_memory_list_that_is_no_sizes_is_refused_in_words(capsys):
+    assert "'lots' is not a size" in parse_error(capsys, "--device-memory", "12GiB,lots")

@@ -8,7 +8,7 @@ import pytest
 
 from moelab.engine.config.memory import MemoryPlanError
 from moelab.engine.config.split import DeviceBudget, plan_devices
-from moelab.profiles.flags import engine_config
+from moelab.profiles.flags import FlagError, engine_config, validate_flags
 from moelab.profiles.machine import GIB, Gpu, Machine, Rates, choose_device, plan_for
 from moelab.profiles.planner import (
     HitModel,
@@ -299,3 +299,15 @@ def test_a_gpt_oss_context_counts_its_sliding_layers_at_their_windows_pages() ->
     paged = plan_context(replace(GPT_OSS, sliding_layers=(), sliding_window=0), pc, [])
     assert paged.to_json()["state_bytes"] == 0
     assert (paged.point(32768).slots, paged.point(49152).slots) == (109, 18)
+
+
+def test_a_split_plans_each_card_at_its_own_device_memory() -> None:
+    spec = SPECS["30b"]
+    cards = (Gpu(0, "RTX 4090", None, 24 * GIB, 24 * GIB), Gpu(1, "RTX 3060", None, 12 * GIB))
+    pc = Machine("pc", "0.1.0", 16, 64 * GIB, cards)
+    config = engine_config(["--devices", "cuda:0,cuda:1", "--device-memory", "12GiB,8GiB"])
+    choice = choose_device(pc, spec, config)
+    assert [d.budget_bytes for d in choice.split] == [12 * GIB, 8 * GIB]
+    assert choice.budget_bytes == 20 * GIB and choice.budget_source == "--device-memory"
+    with pytest.raises(FlagError, match="gives 3 sizes for 2 device"):
+        validate_flags(["--devices", "cuda:0,cuda:1", "--device-memory", "1GiB,2GiB,3GiB"])
