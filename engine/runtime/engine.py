@@ -15,7 +15,7 @@ import torch
 from ...kernels import common, no_triton
 from ...kernels.native_build import NativeKernelError, load_native
 from ..config.args import default_cpu_threads, physical_cores
-from ..config.bandwidth import best, load_profile
+from ..config.bandwidth import best, device_best, load_profile
 from ..config.config import EngineConfig
 from ..config.memory import MemoryPlanError, VramPlan, log_plan
 from ..config.split import DeviceBudget, SplitPlan, plan_devices
@@ -449,7 +449,11 @@ class Engine:
         bp = bh = None
         if profile is not None:
             kind = "h2d_pinned" if self.bank.pinned_layers else "h2d_pageable"
-            bp = best(profile, kind) if self.device.type == "cuda" else None
+            bp = (
+                device_best(profile, kind, self.device.index or 0)
+                if self.device.type == "cuda"
+                else None
+            )
             # the profile's CPU rate is bf16's: the kernel reads FP8 and 4-bit at rates of their own
             if self.bank.fmt == "bf16":
                 bh = best(profile, "cpu_experts", threads=cpu.num_threads, experts=4,
