@@ -340,3 +340,26 @@ def test_recommend_hides_secret_flags_from_viewers(
     assert "sesame-43" not in viewer.get(f"/api/recommend?profile={profile['id']}").text
     planner = local.get(f"/api/recommend?profile={profile['id']}").json()["planner"]
     assert planner["base_flags"] == ["--api-key", "sesame-43"]
+
+
+def test_a_profile_carries_the_devices_the_split_and_each_cards_memory(
+    local: TestClient, demo_model: Path
+) -> None:
+    flags = ["--devices", "cuda:0,cuda:1", "--layer-split", "0.6,0.4", "--device-memory",
+             "12GiB,8GiB"]  # fmt: skip
+    profile = create(local, demo_model, flags)
+    assert profile["flags"] == flags
+    text = local.get(f"/api/profiles/{profile['id']}/toml").text
+    imported = local.post("/api/profiles/import", json={"toml": text, "name": "split copy"})
+    assert imported.status_code == 201, imported.text
+    assert imported.json()["flags"] == flags
+    command = local.get(f"/api/profiles/{profile['id']}/command").json()
+    assert "--device-memory 12GiB,8GiB" in command["command"]
+    refused = local.post(
+        "/api/profiles",
+        json={"name": "three sizes", "model": str(demo_model),
+              "flags": ["--devices", "cuda:0,cuda:1", "--device-memory", "12GiB,8GiB,4GiB"]},
+    )  # fmt: skip
+    status, code, message = error_of(refused)
+    assert (status, code) == (400, "invalid_flags")
+    assert "--device-memory 12GiB,8GiB,4GiB gives 3 sizes for 2 device(s)" in message
