@@ -188,7 +188,7 @@ class DeviceStep:
     def seconds(self) -> float:
         return self.dense_s + self.miss_s
 
-    def limit(self) -> Text:
+    def limit_text(self) -> Text:
         """What limits this device's step, in words."""
         if self.miss_s > self.dense_s:
             return Text(

@@ -212,7 +212,7 @@ class Engine:
                 budget.name, span.start, span.stop - 1, budget.link_gbps, memory_rate,
                 plan.describe(),
             )  # fmt: skip
-        log.info("%s", split.limit.limit())
+        log.info("%s", split.limit.limit_text())
 
     def _load_bank(self, source: TensorSource, progress: LoadProgress) -> ExpertBank:
         """The expert bank in host memory: built in memory for synthetic weights, else the

@@ -306,7 +306,7 @@ def test_an_older_smaller_card_on_a_narrower_link_gets_fewer_layers():
     assert counts[0] > 2 * counts[1] and sum(counts) == 48
     limit = split.limit
     assert limit.seconds == max(step.seconds for step in split.steps)
-    assert str(limit.limit()).startswith(f"{limit.device.name} limits the step: its layers'")
+    assert str(limit.limit_text()).startswith(f"{limit.device.name} limits the step: its layers'")
     # a layer moved off the card that limits leaves the other card's step as long or longer
     d = split.steps.index(limit)
     moved = list(counts)
@@ -330,7 +330,7 @@ def test_a_card_with_slower_memory_gets_fewer_layers_where_every_expert_fits():
     steps = step_estimates((fast, slow), layers, counts)
     assert all(step.miss_s == 0 for step in steps)
     limit = max(steps, key=lambda step: step.seconds)
-    assert str(limit.limit()) == (
+    assert str(limit.limit_text()) == (
         "cuda:1 limits the step: its layers' dense work reads its memory at 360 GB/s"
     )
     unknown = dataclasses.replace(slow, memory_gbps=None)
