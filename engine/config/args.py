@@ -329,8 +329,8 @@ def _memory_flags(memory: Group) -> None:
         default=None,
         help="With --devices: each device's layers, as counts that add up to the model's "
         "layers (20,20) or as shares that add up to 1 (0.6,0.4). Default: from each device's "
-        "free memory and measured link rate, so that every device finishes its share of a step "
-        'at the same time (docs/architecture.md, "Layers across devices").',
+        "free memory, measured link rate and memory rate, so that every device finishes its "
+        'share of a step at the same time (docs/architecture.md, "Layers across devices").',
     )
     memory.add_argument(
         "--device-memory",
