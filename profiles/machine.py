@@ -14,7 +14,7 @@ from ..engine.config.args import CPU_DEFAULT_BUDGET_BYTES
 from ..engine.config.bandwidth import pcie_gbps
 from ..engine.config.config import EngineConfig
 from ..engine.config.memory import MemoryPlanError, VramPlan
-from ..engine.config.split import DeviceBudget, plan_devices
+from ..engine.config.split import DeviceBudget, SplitPlan, plan_devices
 from ..engine.model.spec import DTYPE_BYTES, ModelSpec
 from ..engine.text import Text
 
@@ -345,13 +345,7 @@ def plan_for(
     fit). A split's plan is its devices' summed: their KV, slots and bytes together
     (engine/config/split.py), each device's budget scaled where `budget_bytes` is given."""
     if choice.split:
-        scale = 1.0 if budget_bytes is None else budget_bytes / choice.budget_bytes
-        devices = tuple(replace(d, budget_bytes=int(d.budget_bytes * scale)) for d in choice.split)
-        # a split runs its steps eagerly: no graph pool
-        request = config.memory_request(
-            budget_bytes=0, elem_bytes=choice.elem_bytes, cuda=False, kv_tokens=kv_tokens
-        )
-        return plan_devices(spec, request, devices, config.memory.layer_split).total
+        return split_for(spec, choice, config, kv_tokens=kv_tokens, budget_bytes=budget_bytes).total
     request = config.memory_request(
         budget_bytes=choice.budget_bytes if budget_bytes is None else budget_bytes,
         elem_bytes=choice.elem_bytes,
@@ -359,3 +353,22 @@ def plan_for(
         kv_tokens=kv_tokens,
     )
     return request.plan(spec)
+
+
+def split_for(
+    spec: ModelSpec,
+    choice: DeviceChoice,
+    config: EngineConfig,
+    *,
+    kv_tokens: int | None = None,
+    budget_bytes: int | None = None,
+) -> SplitPlan:
+    """The split (`choice.split`'s devices) as the engine would plan it: each device's layers,
+    VRAM plan and step estimate, each device's budget scaled where `budget_bytes` is given."""
+    scale = 1.0 if budget_bytes is None else budget_bytes / choice.budget_bytes
+    devices = tuple(replace(d, budget_bytes=int(d.budget_bytes * scale)) for d in choice.split)
+    # a split runs its steps eagerly: no graph pool
+    request = config.memory_request(
+        budget_bytes=0, elem_bytes=choice.elem_bytes, cuda=False, kv_tokens=kv_tokens
+    )
+    return plan_devices(spec, request, devices, config.memory.layer_split)

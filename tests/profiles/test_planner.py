@@ -350,3 +350,13 @@ def test_a_split_weighs_each_card_by_its_own_link_and_memory() -> None:
         [*rows, {"kind": "h2d_pinned", "value": 12.0, "params": {"gpu_index": 1}}], **identity
     )
     assert [d.link_gbps for d in choose_device(both, spec, config).split] == [25.0, 12.0]
+    # the context planner lists each card at the base flags and names the one that limits
+    cards = plan_context(spec, pc, ["--devices", "cuda:0,cuda:1", "--device-memory", "12GiB"])
+    listed = cards.to_json()["cards"]
+    assert [c["device"] for c in listed] == ["cuda:0", "cuda:1"]
+    assert [c["link_gbps"] for c in listed] == [25.0, 6.25]
+    assert listed[0]["layers"][0] == 0 and listed[1]["layers"][1] == 47
+    assert sum(c["limits"] for c in listed) == 1
+    limit = next(c for c in listed if c["limits"])
+    assert limit["limit"].startswith(f"{limit['device']} limits the step")
+    assert plan_context(spec, pc, []).to_json()["cards"] == []
