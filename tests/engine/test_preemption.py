@@ -9,10 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moelab.engine.runtime.graphs import DecodeGraphs
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.runtime.scheduler import Sequence
 
 from .reference import (
+    DEVICE,
     assert_same_greedy,
     build_reference,
     hf_greedy,
@@ -21,6 +23,7 @@ from .reference import (
     relative_error,
 )
 from .test_gpt_oss import GEOMETRY as GPT_OSS
+from .test_graphs import ReplayGraph
 from .test_hybrid import build_hybrid
 from .test_reference import GEOMETRIES
 
@@ -116,3 +119,28 @@ def test_gpt_oss_requests_preempted_rebuild_their_windows(tmp_path):
     fills it again from the prompt and the output."""
     model = build_reference("gpt_oss", tmp_path, seed=7, **GPT_OSS)
     assert_preempted_as_unpreempted(model, tmp_path, "--prefill-chunk-tokens", "20")
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
+def test_overlapped_decode_preempts_a_sequence_whose_token_is_in_flight(tmp_path):
+    """Decode steps replayed from stand-in graphs, each queued before the previous one's tokens
+    are read: a sequence preempted while its token is in flight gets that token when the step
+    lands, and is recomputed with it, to the tokens of the eager roomy run (a hybrid model: its
+    state slot goes back with it)."""
+    build_hybrid("qwen3_5_moe_text", tmp_path, seed=3)
+    flags = ("--prefill-chunk-tokens", "24", "--state-checkpoint-interval", "16")
+    roomy, _, _ = run_together(tmp_path, *ROOMY, *flags)
+    engine = make_engine(tmp_path, *SMALL, *flags)
+    in_flight = []
+    preempt = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda seq: in_flight.append(seq.pending) or preempt(seq)
+    try:
+        engine.cache.device_slot_map()
+        graphs = DecodeGraphs(engine.model, 4, engine.max_context, graph_factory=ReplayGraph)
+        graphs.capture()
+        engine.stepper.graphs = graphs
+        outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=N, ignore_eos=True))
+    finally:
+        engine.close()
+    assert outputs == [s.output_ids for s in roomy]
+    assert in_flight and all(in_flight), in_flight
