@@ -6,12 +6,19 @@ resumed from a state checkpoint too) and gpt-oss (sliding-window rings)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
+
+import httpx
 import pytest
 import torch
 
+from moelab.engine.process.launch import stop_engine
 from moelab.engine.runtime.graphs import DecodeGraphs
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.runtime.scheduler import Sequence
+from moelab.engine.synth_checkpoint import synthesize
 
 from .reference import (
     DEVICE,
@@ -26,6 +33,7 @@ from .test_gpt_oss import GEOMETRY as GPT_OSS
 from .test_graphs import ReplayGraph
 from .test_hybrid import build_hybrid
 from .test_reference import GEOMETRIES
+from .test_server import _post, _until, serve
 
 pytest.importorskip(
     "transformers", reason="transformers is the reference (pip install -e '.[test]')"
@@ -144,3 +152,48 @@ def test_overlapped_decode_preempts_a_sequence_whose_token_is_in_flight(tmp_path
         engine.close()
     assert outputs == [s.output_ids for s in roomy]
     assert in_flight and all(in_flight), in_flight
+
+
+def test_served_requests_with_large_max_tokens_run_together_and_all_complete(tmp_path):
+    """`moelab serve` with a KV cache of 640 tokens and three streamed requests of 600 tokens
+    each: they run together (admitted on their prompts), the cache preempts and recomputes some
+    of them, and each stream still carries 600 tokens, the text of the same request run alone;
+    /v1/stats and the metrics count the preemptions."""
+    model = synthesize(tmp_path / "model", preset="tiny", seed=21)
+    engine = serve(model, tmp_path, "--moe-cache-rate", "1.0", "--kv-reserve-tokens", "640",
+                   "--max-context", "640")  # fmt: skip
+    url = engine.base_url
+    body = {"prompt": "The harbour town", "max_tokens": 600, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
+    try:
+        with contextlib.ExitStack() as streams:
+            started = []
+            for _ in range(3):
+                stream = {**body, "stream": True}
+                response = streams.enter_context(
+                    httpx.stream("POST", url + "/v1/completions", json=stream, timeout=120)
+                )
+                lines = response.iter_lines()
+                started.append((next(x for x in lines if x.startswith("data: ")), lines))
+            _until(lambda: httpx.get(url + "/v1/stats").json()["requests"]["running"] == 3,
+                   "three requests to run together")  # fmt: skip
+            texts = [streamed_text([first, *lines]) for first, lines in started]
+        stats = httpx.get(url + "/v1/stats").json()
+        metrics = httpx.get(url + "/metrics").text
+        alone = _post(engine, "/v1/completions", body).json()
+    finally:
+        stop_engine(engine)
+    assert alone["usage"]["completion_tokens"] == 600
+    assert texts == [alone["choices"][0]["text"]] * 3
+    preempted = stats["requests"]["preempted"]
+    counted = re.search(r"^moelab_requests_preempted_total\{.*\} (\S+)$", metrics, re.M)
+    assert preempted > 0 and counted and float(counted[1]) == preempted
+
+
+def streamed_text(lines: list[str]) -> str:
+    """The text of a streamed completion's events."""
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return "".join(
+        json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]
+    )
