@@ -4,6 +4,8 @@ gets the tokens it gets alone, from pages and states that hold exactly its own t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from moelab.engine.model.states import SlotPool
 from moelab.engine.model.synth import make_config
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.runtime.scheduler import Chunk, Scheduler, Sequence
+from moelab.engine.runtime.worker import EngineWorker
 
 SIZE = 4  # tokens per block
 
@@ -223,3 +226,24 @@ def test_admission_leaves_a_watermark_of_free_blocks_while_others_run():
     whole = Loop(s, overlap=False).add([1] * SIZE * 100, 1)
     s.next_step()
     assert s.running == [whole]
+
+
+def test_a_failed_step_ends_the_requests_preempted_with_a_token_in_flight():
+    """A step that fails ends its running requests with an error, and a request preempted
+    while that step held its token (which will never land); one that waits with nothing in
+    flight waits on."""
+    s = scheduler(8, 2, 64)
+    ended = []
+    worker = EngineWorker(None)
+    worker.engine = SimpleNamespace(scheduler=s, sampler=SimpleNamespace(forget=lambda i: None))
+    loop = Loop(s, overlap=False)
+    running, preempted, waiting = (loop.add([i] * 8, 4) for i in range(3))
+    s.next_step()  # (two of them run)
+    s.preempt(preempted)
+    preempted.pending = 1
+    for seq in (running, preempted, waiting):
+        seq.on_token = lambda seq, token: ended.append((seq, token))
+    worker._fail_running(RuntimeError("out of memory"))
+    assert ended == [(running, -1), (preempted, -1)]
+    assert running.finish_reason == preempted.finish_reason == "error"
+    assert list(s.waiting) == [waiting] and not s.running
