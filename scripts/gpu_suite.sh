@@ -36,7 +36,8 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
   run kernel_tests python3 -m pytest -q tests/kernels $T
   run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_graphs.py tests/engine/test_offload.py tests/engine/test_reference.py \
-    tests/engine/test_telemetry.py tests/engine/test_attention.py tests/engine/test_hybrid.py
+    tests/engine/test_telemetry.py tests/engine/test_attention.py tests/engine/test_hybrid.py \
+    tests/engine/test_preemption.py
 fi
 if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: their CUDA tests,
   # then decode greedy, drawn (overlapped) and drawn by the host's sampler (--no-overlap-decode,

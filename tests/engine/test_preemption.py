@@ -129,12 +129,11 @@ def test_gpt_oss_requests_preempted_rebuild_their_windows(tmp_path):
     assert_preempted_as_unpreempted(model, tmp_path, "--prefill-chunk-tokens", "20")
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
 def test_overlapped_decode_preempts_a_sequence_whose_token_is_in_flight(tmp_path):
-    """Decode steps replayed from stand-in graphs, each queued before the previous one's tokens
-    are read: a sequence preempted while its token is in flight gets that token when the step
-    lands, and is recomputed with it, to the tokens of the eager roomy run (a hybrid model: its
-    state slot goes back with it)."""
+    """Decode steps replayed from graphs (stand-ins on the CPU, the engine's on CUDA), each
+    queued before the previous one's tokens are read: a sequence preempted while its token is in
+    flight gets that token when the step lands, and is recomputed with it, to the tokens of the
+    roomy run (a hybrid model: its state slot goes back with it)."""
     build_hybrid("qwen3_5_moe_text", tmp_path, seed=3)
     flags = ("--prefill-chunk-tokens", "24", "--state-checkpoint-interval", "16")
     roomy, _, _ = run_together(tmp_path, *ROOMY, *flags)
@@ -143,10 +142,12 @@ def test_overlapped_decode_preempts_a_sequence_whose_token_is_in_flight(tmp_path
     preempt = engine.scheduler.preempt
     engine.scheduler.preempt = lambda seq: in_flight.append(seq.pending) or preempt(seq)
     try:
-        engine.cache.device_slot_map()
-        graphs = DecodeGraphs(engine.model, 4, engine.max_context, graph_factory=ReplayGraph)
-        graphs.capture()
-        engine.stepper.graphs = graphs
+        if DEVICE == "cpu":
+            engine.cache.device_slot_map()
+            graphs = DecodeGraphs(engine.model, 4, engine.max_context, graph_factory=ReplayGraph)
+            graphs.capture()
+            engine.stepper.graphs = graphs
+        assert engine.stepper.graphs is not None and engine.stepper.overlap_decode
         outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=N, ignore_eos=True))
     finally:
         engine.close()
