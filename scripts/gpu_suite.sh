@@ -36,7 +36,8 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
   run kernel_tests python3 -m pytest -q tests/kernels $T
   run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_graphs.py tests/engine/test_offload.py tests/engine/test_reference.py \
-    tests/engine/test_telemetry.py tests/engine/test_attention.py tests/engine/test_hybrid.py
+    tests/engine/test_telemetry.py tests/engine/test_attention.py tests/engine/test_hybrid.py \
+    tests/engine/test_preemption.py
 fi
 if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: their CUDA tests,
   # then decode greedy, drawn (overlapped) and drawn by the host's sampler (--no-overlap-decode,
@@ -298,10 +299,22 @@ runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
   done
 fi
 if [ "$part" = split ]; then  # issue 56 on a two-GPU machine: the split against one GPU in bf16
-  # (tests), then Qwen3-30B-A3B's 48 layers with each card limited to 12 GiB against one card of
-  # 12 GiB: decode at batch 1 and 8, prefill of 8K (the split's steps run eagerly: no graphs)
+  # (tests), then 12 of Qwen3-30B-A3B's layers all resident, one card against two (a graph per
+  # card, with and without overlapped decode, and eager), then its 48 layers with each card
+  # limited to 12 GiB against one card of 12 GiB: decode at batch 1 and 8, prefill of 8K (an
+  # offloaded split's steps run eagerly)
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
-  run split_tests python3 -m pytest -q $T --tb=short tests/engine/test_split_engine.py
+  run split_tests python3 -m pytest -q $T --tb=short tests/engine/test_split_engine.py \
+    tests/engine/test_split_graphs.py
+  for b in 1 8; do
+    run split_resident_one_b$b $B decode $G --routing-skew 1 --batch $b --json
+    run split_resident_two_b$b $B decode $G --routing-skew 1 --devices cuda:0,cuda:1 --batch $b \
+      --json
+    run split_resident_two_sync_b$b $B decode $G --routing-skew 1 --devices cuda:0,cuda:1 \
+      --batch $b --no-overlap-decode --json
+    run split_resident_two_eager_b$b $B decode $G --routing-skew 1 --devices cuda:0,cuda:1 \
+      --batch $b --no-cuda-graph --json
+  done
   S="--preset qwen3-30b-a3b --routing-skew 1 --device-memory 12GiB"
   for b in 1 8; do
     run split_one_b$b $B decode $S --batch $b --json

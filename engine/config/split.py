@@ -514,3 +514,23 @@ def plan_devices(
         )
     steps = step_estimates(shares, layers, tuple(len(span) for span in ranges))
     return SplitPlan(tuple(dev.name for dev in devices), ranges, tuple(out), steps)
+
+
+def plan_graphed_devices(
+    spec: ModelSpec,
+    request: MemoryRequest,
+    devices: tuple[DeviceBudget, ...],
+    layer_split: LayerSplit | None = None,
+) -> SplitPlan:
+    """`plan_devices` with each device's CUDA graphs' pool (where `request.cuda_graphs`) only
+    where every device still holds all of its experts with it: a split's decode graphs need
+    every expert resident (engine/runtime/split_graphs.py), and an offloaded split, which steps
+    eagerly, gives that memory to expert slots instead."""
+    split = plan_devices(spec, replace(request, cuda_graphs=False), devices, layer_split)
+    if not request.cuda_graphs or not all(plan.all_resident for plan in split.plans):
+        return split
+    try:
+        graphed = plan_devices(spec, request, devices, layer_split)
+    except MemoryPlanError:  # the pool leaves no room for a device's layers
+        return split
+    return graphed if all(plan.all_resident for plan in graphed.plans) else split

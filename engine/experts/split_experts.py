@@ -202,6 +202,10 @@ class SplitCache:
     def holds_everything(self) -> bool:
         return all(cache.holds_everything for cache in self.caches)
 
+    def device_slot_map(self) -> list[torch.Tensor]:
+        """Each device's (layer, expert) -> slot map on its device, uploaded where it changed."""
+        return [cache.device_slot_map() for cache in self.caches]
+
     @property
     def hits(self) -> int:
         return sum(cache.hits for cache in self.caches)

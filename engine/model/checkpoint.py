@@ -8,7 +8,11 @@ with its fp32 block factors, `<name>_scale_inv`. Dense weights are widened to th
 they load (their share of an MoE's bytes is small: docs/models.md); experts are handed on as
 stored, values and factors, and the bank keeps or converts them. An NVFP4 weight (ModelOpt's
 layout: modelopt.py) is read as its fp32 values where it is a dense one, and as stored (values,
-block scales, per-tensor scale) where it is an expert's, stored one tensor per expert.
+block scales, per-tensor scale) where it is an expert's, stored one tensor per expert. Under
+ModelOpt's MIXED_PRECISION each weight is checked against its module's algorithm in
+`quantized_layers` as the checkpoint opens; a per-tensor FP8 weight is read as its fp32 values
+where it is a dense one, and as stored, its scale as every 128x128 block's factor, where it is an
+expert's and the bank keeps it exactly (modelopt.experts_kept).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from ...kernels import fp8, nvfp4
+from ..text import Text
 from . import gpt_oss, modelopt
 from .hybrid import gated_q_proj, linear_layer_weights
 from .model import DenseWeights, LayerWeights
@@ -104,6 +109,8 @@ class SafetensorsSource:
                     self._meta[key] = meta
         self._handles: dict[str, object] = {}
         problem = unread_weights_problem(spec, self.unread_weights()) if spec else None
+        if problem is None and spec is not None and spec.quantization == "mixed":
+            problem = self._layers_problem(spec.layer_algorithms)
         if problem is not None:
             raise CheckpointError(problem)
         self._log_skipped()
@@ -117,6 +124,16 @@ class SafetensorsSource:
         skipped = [f"{part} ({n} tensors)" for part, n in counts.items() if n]
         if skipped:
             log.info("not loaded: %s; the engine serves text only", ", ".join(skipped))
+
+    def _layers_problem(self, layers: dict[str, str]) -> Text | None:
+        """Why a `.weight` the engine reads is not stored as `quantized_layers` says."""
+        for name in sorted(self._meta):
+            if name.endswith(".weight") and not name.startswith(tuple(SKIPPED_PARTS)):
+                algorithm = modelopt.algorithm_of(layers, name.removesuffix(".weight"))
+                problem = modelopt.weight_problem(name, self._meta, algorithm)
+                if problem is not None:
+                    return problem
+        return None
 
     def unread_weights(self) -> dict[str, str]:
         """The weights of dtypes read only under a quantization_config, or not at all: dtype ->
@@ -146,15 +163,33 @@ class SafetensorsSource:
     def _nvfp4(self, name: str) -> bool:
         return modelopt.is_packed(self._meta[name]["dtype"], self.has(name + modelopt.SCALE_2))
 
+    def _fp8_per_tensor(self, name: str) -> bool:
+        dtype = self._meta.get(name, {}).get("dtype")
+        return modelopt.is_fp8_per_tensor(dtype, self._meta.get(name + modelopt.SCALE))
+
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape; an NVFP4 weight's is that of the values it holds."""
         shape = tuple(self._meta[name]["shape"])
         return modelopt.widened_shape(shape) if self._nvfp4(name) else shape
 
     def get(self, name: str) -> torch.Tensor:
-        """A tensor as stored; an NVFP4 weight widened to fp32 by its two scales."""
+        """A tensor as stored; an NVFP4 weight widened to fp32 by its two scales, a per-tensor
+        FP8 one by its scale."""
         packed = self.nvfp4(name)
-        return self._read(name) if packed is None else nvfp4.dequantize(*packed)
+        if packed is not None:
+            return nvfp4.dequantize(*packed)
+        fp8_values = self.fp8_per_tensor(name)
+        if fp8_values is not None:
+            values, scale = fp8_values
+            return values.float() * scale
+        return self._read(name)
+
+    def fp8_per_tensor(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A per-tensor FP8 weight (ModelOpt's) as stored: (values float8_e4m3fn, scale fp32
+        of shape []); None for a weight of another format."""
+        if not self._fp8_per_tensor(name):
+            return None
+        return self._read(name), self._read(name + modelopt.SCALE).float().reshape(())
 
     def nvfp4(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """An NVFP4 weight as stored: (values uint8, block scales float8_e4m3fn, per-tensor
@@ -418,6 +453,8 @@ def iter_layer_experts(spec: ModelSpec, source: TensorSource, layer: int) -> Ite
     for e in range(n):
         gate_name, up_name, down_name = names[3 * e : 3 * e + 3]
         packed = _nvfp4_expert(source, e, gate_name, up_name, down_name, (i, h))
+        if packed is None and i % FP8_BLOCK == 0:
+            packed = _fp8_tensor_expert(source, e, gate_name, up_name, down_name, (i, h))
         if packed is not None:
             yield packed
             continue
@@ -464,6 +501,28 @@ def _nvfp4_expert(
         w13_scale_2=torch.stack([gt, ut]),
         w2_scale_2=dt.reshape(1),
     )
+
+
+def _fp8_tensor_expert(
+    source: TensorSource, index: int, gate: str, up: str, down: str, shape: tuple[int, int]
+) -> Expert | None:
+    """An expert whose three projections are per-tensor FP8, as stored, each scale the factor
+    of all its projection's 128x128 blocks (None where any is not); gate's and up's stack into
+    w13's only where I is a multiple of 128, which the caller checks."""
+    if not isinstance(source, SafetensorsSource):
+        return None
+    if not all(source.has(name) and source._fp8_per_tensor(name) for name in (gate, up, down)):
+        return None
+    i, h = shape
+    for name, want in ((gate, (i, h)), (up, (i, h)), (down, (h, i))):
+        _check_shape(source, name, want)
+    (g, gs), (u, us), (d, ds) = (source.fp8_per_tensor(name) for name in (gate, up, down))
+
+    def factors(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return scale.expand(blocks(values.shape[0]), blocks(values.shape[1])).contiguous()
+
+    w13_scale = torch.cat([factors(g, gs), factors(u, us)])
+    return Expert(index, torch.cat([g, u]), d, w13_scale, factors(d, ds))
 
 
 def _mixed(layer: int, which: str) -> CheckpointError:

@@ -336,13 +336,7 @@ class Model:
                 self.placement.begin()
             state.hidden = w.embed.index_select(0, batch.input_ids)
             state.residual = None
-            # the fused q/k norm + rotary reads the full tables itself
-            state.rope = None if self._fused_qk else self.rotary.tables(batch.positions)
-            if batch.decode and self._rings is not None:
-                assert batch.state_slots is not None and batch.block_tables is not None
-                batch.ring_slots, batch.ring_tables = self._rings.decode_pages(
-                    batch.state_slots, batch.positions, batch.block_tables.shape[1]
-                )
+            self._step_tables(0, state)
             first = 0
         else:
             done = moe_layers[piece - 1]
@@ -369,13 +363,55 @@ class Model:
             self._join_guess(state)
             self._route(last, piece, w.layers[last], state)
             return
+        self._logits(state)
+        if self.placement is not None:
+            state.logits = self.placement.to_first(state.logits)
+
+    @torch.inference_mode()
+    def run_layers(self, span: range, state: StepState) -> None:
+        """Layers `span` of a decode step whose experts all run on the device, on the device
+        that holds them: one device's share of a split's step, which the split's decode graphs
+        capture as a graph of its own (engine/runtime/split_graphs.py). A span from layer 0
+        starts at the embedding, a later one at the residual stream in state.hidden and
+        state.residual (on its device); a span to the last layer ends at the logits (on its
+        device), a shorter one at the residual stream after its last layer."""
+        w, moe = self.weights, self.spec.moe_layers
+        if span.start == 0:
+            state.hidden = w.embed.index_select(0, state.batch.input_ids)
+            state.residual = None
+        self._step_tables(self._part[span.start], state)
+        for index in span:
+            layer = w.layers[index]
+            x = self._attention_block(index, layer, state)
+            if index in moe:
+                state.x = x
+                self._route(index, moe.index(index), layer, state)
+                self.run_experts(moe.index(index), state)
+                state.hidden = self._after_experts(layer, state)
+            else:
+                state.hidden = _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
+        if span.stop == len(w.layers):
+            self._logits(state)
+
+    def _step_tables(self, part: int, state: StepState) -> None:
+        """The rotary tables of the step's positions on device `part` (none where the fused
+        q/k norm and rotary reads the full tables itself) and a decode step's ring tables."""
+        batch = state.batch
+        state.rope = None if self._fused_qk else self.rotaries[part].tables(batch.positions)
+        if batch.decode and self._rings is not None:
+            assert batch.state_slots is not None and batch.block_tables is not None
+            batch.ring_slots, batch.ring_tables = self._rings.decode_pages(
+                batch.state_slots, batch.positions, batch.block_tables.shape[1]
+            )
+
+    def _logits(self, state: StepState) -> None:
+        """The final norm and the LM head: state.logits (fp32), and a prompt's scores."""
+        w, batch = self.weights, state.batch
         x = self._next_norm(w.final_norm, state)
         if batch.scoring is not None:
             _score(x, w.lm_head, batch.scoring)
         x = x.index_select(0, batch.logits_index)
         state.logits = linear(x, w.lm_head).float()
-        if self.placement is not None:
-            state.logits = self.placement.to_first(state.logits)
 
     def _cross(self, index: int, state: StepState) -> None:
         """Hand the step's activations to the device of layer `index`, the first of its range

@@ -68,6 +68,11 @@ class LayerPlacement:
         """A step starts on the first device (after a step that failed on another, too)."""
         _enter(self.devices[0])
 
+    def enter(self, part: int) -> None:
+        """Make device `part` the current one (a split's decode graphs capture and replay each
+        device's graph with its device current)."""
+        _enter(self.devices[part])
+
     def cross(self, layer: int, state: StepState) -> None:
         """Move a step's state to the device of `layer` (the first layer of its range), which is
         the current device from here."""

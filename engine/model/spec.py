@@ -148,9 +148,11 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # "fp8": the checkpoint's linear weights (but those named in modules_to_not_convert) are
-    # fine-grained FP8 with 128x128 block factors; "nvfp4": ModelOpt's NVFP4 (modelopt.py); ""
+    # fine-grained FP8 with 128x128 block factors; "nvfp4": ModelOpt's NVFP4 (modelopt.py);
+    # "mixed": ModelOpt's MIXED_PRECISION, each module's algorithm in `layer_algorithms`; ""
     # where the weights are unquantized
     quantization: str = ""
+    layer_algorithms: dict = field(default_factory=dict, compare=False, hash=False)
     # the token mixer of each layer, FULL_ATTENTION or LINEAR_ATTENTION (all full attention where
     # not given); the linear layers' geometry where there are any
     layer_types: tuple[str, ...] = ()
@@ -304,11 +306,20 @@ class ModelSpec:
         auto): FP8 values and their block factors for an FP8 checkpoint, else its dtype's."""
         return self.expert_bytes_as(self.expert_format())
 
+    @property
+    def mixed_experts_kept(self) -> tuple[str, str]:
+        """How `auto` holds a ModelOpt MIXED_PRECISION checkpoint's experts, and why."""
+        return modelopt.experts_kept(
+            self.layer_algorithms, self.moe_intermediate_size, self.text_prefix + "layers."
+        )
+
     def expert_format(self, requested: str = "auto") -> str:
         """How the bank and the expert slots hold the routed experts (`EXPERT_FORMATS`): as
         `requested` (--moe-expert-dtype), or where "auto" as the checkpoint stores them."""
         fmt = requested
-        if requested == "auto":
+        if requested == "auto" and self.quantization == "mixed":
+            fmt = self.mixed_experts_kept[0]
+        elif requested == "auto":
             fmt = self.quantization if self.quantization in EXPERT_FORMATS else "bf16"
         h, i = self.hidden_size, self.moe_intermediate_size
         block = {"mxfp4": MXFP4_BLOCK, "nvfp4": NVFP4_BLOCK}.get(fmt)
@@ -617,6 +628,9 @@ class ModelSpec:
             bos_token_id=read.whole("bos_token_id", default=None, minimum=0),
             eos_token_ids=eos_ids,
             quantization=quantization,
+            layer_algorithms=modelopt.layer_algorithms(config["quantization_config"])
+            if quantization == "mixed"
+            else {},
             layer_types=layer_types,
             linear_attention=linear,
             partial_rotary_factor=rotary,
@@ -703,10 +717,11 @@ def unread_weights_problem(spec: ModelSpec, unread: dict[str, str]) -> Text | No
     """Why the engine refuses weights of the dtypes in `unread` (dtype -> a `.weight` tensor of
     it, those not in UNQUANTIZED_DTYPES), None where it reads them all: F8_E4M3 only where
     config.json's quantization_config is fine-grained FP8, as Hugging Face's layout defines it,
-    and U8 only where it is ModelOpt's NVFP4 (modelopt.py)."""
-    if spec.quantization in ("fp8", "nvfp4"):
-        packed = "F8_E4M3" if spec.quantization == "fp8" else "U8"
-        unread = {dtype: name for dtype, name in unread.items() if dtype != packed}
+    and U8 only where it is ModelOpt's NVFP4 (modelopt.py), both under its MIXED_PRECISION
+    (which modules, checkpoint.py's SafetensorsSource checks by `quantized_layers`)."""
+    packed = {"fp8": ("F8_E4M3",), "nvfp4": ("U8",), "mixed": ("F8_E4M3", "U8")}
+    kept = packed.get(spec.quantization, ())
+    unread = {dtype: name for dtype, name in unread.items() if dtype not in kept}
     if not unread:
         return None
     listed = ", ".join(f"{dtype} ({name})" for dtype, name in sorted(unread.items()))
@@ -751,8 +766,8 @@ def _is_mxfp4(config: dict) -> bool:
 
 def _quantization(config: dict, source: str) -> str:
     """ "fp8" for Hugging Face's fine-grained FP8 layout (e4m3, dynamic activations, 128x128
-    blocks), "nvfp4" for ModelOpt's NVFP4, "" for unquantized weights; any other scheme is
-    refused, naming what was found."""
+    blocks), "nvfp4" for ModelOpt's NVFP4, "mixed" for its MIXED_PRECISION of NVFP4 and FP8
+    layers, "" for unquantized weights; any other scheme is refused, naming what was found."""
     quantized = config.get("quantization_config") or config.get("compression_config")
     if not quantized:
         return ""
@@ -761,14 +776,14 @@ def _quantization(config: dict, source: str) -> str:
         problem = modelopt.problem(quantized, source)
         if problem is not None:
             raise CheckpointError(problem)
-        return "nvfp4"
+        return "mixed" if quantized.get("quant_algo") == modelopt.MIXED else "nvfp4"
     if method != "fp8":
         raise CheckpointError(
             Text(
                 "the weights are quantized ({source} quantization_config, quant_method "
                 "{method}); moelab reads bf16, fp16 and fp32 weights, fine-grained FP8 "
                 "(quant_method fp8, weight_block_size [128, 128]) and NVFP4 (quant_method "
-                "modelopt, quant_algo NVFP4): use one of those releases",
+                "modelopt, quant_algo NVFP4 or MIXED_PRECISION): use one of those releases",
                 source=source,
                 method=repr(method),
             )

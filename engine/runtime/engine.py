@@ -18,7 +18,7 @@ from ..config.args import default_cpu_threads, physical_cores
 from ..config.bandwidth import best, device_best, load_profile
 from ..config.config import EngineConfig
 from ..config.memory import MemoryPlanError, VramPlan, log_plan
-from ..config.split import DeviceBudget, SplitPlan, plan_devices
+from ..config.split import DeviceBudget, SplitPlan, plan_graphed_devices
 from ..experts.bank import ExpertBank, build_in_memory, load_bank
 from ..experts.cache import ExpertCache
 from ..experts.cpu import (
@@ -50,6 +50,7 @@ from .graphs import DecodeGraphs
 from .loading import LoadProgress
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, Sequence
+from .split_graphs import SplitDecodeGraphs
 from .stepping import Stepper
 from .telemetry import Telemetry
 
@@ -152,6 +153,9 @@ class Engine:
         # how the bank and the expert slots hold the routed experts: "fp8", "mxfp4", "nvfp4" or
         # "bf16" (self.dtype)
         self.expert_format = spec.expert_format(self.config.model.expert_dtype)
+        if spec.quantization == "mixed" and self.config.model.expert_dtype == "auto":
+            why = spec.mixed_experts_kept[1]
+            log.info("ModelOpt MIXED_PRECISION checkpoint: %s (--moe-expert-dtype auto)", why)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         if len(self.devices) > 1:
             return  # planned once the bank is in memory: the split reads each device's link
@@ -196,11 +200,12 @@ class Engine:
             link = measure_bp_gbps(self.bank, device)
             rate = measure_device_gbps(device) if cuda else None
             budgets.append(DeviceBudget(name, memory.budget_bytes(free, index), link, rate))
-        # a split runs its steps eagerly: no graph pool
+        # each device holds its own graphs' pool where every expert is resident
         request = self.config.memory_request(
-            budget_bytes=0, elem_bytes=self.dtype.itemsize, cuda=False
+            budget_bytes=0, elem_bytes=self.dtype.itemsize, cuda=self.device.type == "cuda"
         )
-        self.split = split = plan_devices(self.spec, request, tuple(budgets), memory.layer_split)
+        split = plan_graphed_devices(self.spec, request, tuple(budgets), memory.layer_split)
+        self.split = split
         self.link_gbps = [b.link_gbps for b in budgets]
         self.memory_gbps = [b.memory_gbps for b in budgets]
         self.layers_on = LayerPlacement(tuple(self.devices), split.ranges)
@@ -491,15 +496,19 @@ class Engine:
         batching = self.config.batching
         if self.device.type != "cuda" or not batching.cuda_graph:
             return
-        if self.layers_on is not None:
-            log.info("decode runs eagerly across the split's devices (no CUDA graphs)")
-            return
         t0 = time.perf_counter()
         whole = self.cache.holds_everything
+        if self.layers_on is not None and not (whole and self.plan.graph_bytes):
+            log.info("decode runs eagerly across the split's devices (experts offloaded)")
+            return
         if whole:
             self.cache.device_slot_map()  # upload the slot map now: a capture cannot copy it
-        graphs = DecodeGraphs(
-            self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole
+        graphs = (
+            DecodeGraphs(
+                self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole
+            )
+            if self.layers_on is None
+            else SplitDecodeGraphs(self.model, batching.cuda_graph_max_bs, self.max_context)
         )
         graphs.capture()
         stepper.graphs = graphs

@@ -76,13 +76,15 @@ Outputs = tuple[torch.Tensor | None, ...]
 class Graph:
     """One captured piece of work (torch.cuda.CUDAGraph)."""
 
-    def __init__(self, pool: object | None) -> None:
+    def __init__(self, pool: object | None, stream: torch.cuda.Stream | None = None) -> None:
+        """stream: the stream to capture on (torch's default capture stream where None)."""
         self._graph = torch.cuda.CUDAGraph()
         self.pool = pool
+        self._stream = stream
 
     def capture(self, work: Callable[[], Outputs]) -> Outputs:
         """Record `work`; its output tensors are rewritten in place by every replay."""
-        with torch.cuda.graph(self._graph, pool=self.pool):
+        with torch.cuda.graph(self._graph, pool=self.pool, stream=self._stream):
             outputs = work()
         self.pool = self._graph.pool()
         return outputs

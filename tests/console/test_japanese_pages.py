@@ -102,6 +102,7 @@ ACRONYMS = {"CPU", "CPUs", "GPU", "GPUs", "RAM", "VRAM", "KV", "PCIe", "NVML", "
             "DELETE", "CORS", "DNS", "OS", "TTFT", "p95", "MoE", "PC", "Bp", "Bh"}  # fmt: skip
 NAMES = {"NVIDIA", "OpenAI", "Anthropic", "vLLM", "Qwen", "Coder", "QwQ", "DeepSeek", "moelab",
          "mgr", "htmx", "Plotly", "torch", "dtype", "cpu", "cuda", "Gated", "DeltaNet", "SwiGLU",
+         "ModelOpt",
          *LANGUAGES.values()}  # fmt: skip
 TERMS = UNITS | ACRONYMS | NAMES
 WORD = re.compile(r"[A-Za-z][A-Za-z']+")

@@ -20,6 +20,7 @@ from moelab.engine.config.split import (
     dense_layer_bytes,
     layer_bytes,
     plan_devices,
+    plan_graphed_devices,
 )
 from moelab.engine.model.spec import ModelSpec
 from moelab.engine.model.synth import make_config
@@ -253,6 +254,28 @@ def test_a_gpt_oss_split_plans_each_devices_windows_and_pages():
     sliding, full = GPT_OSS.sliding_layers[0], GPT_OSS.paged_layers[0]
     assert weighed[sliding].fixed_bytes - dense == whole.state_bytes // 18
     assert weighed[full].fixed_bytes - dense == 32768 * kv_bytes_per_token(GPT_OSS, 2, "fp8") // 18
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "tiny"])
+def test_a_split_reserves_each_cards_graph_pool_only_where_every_expert_is_resident(preset):
+    """Qwen3-30B-A3B on two 12 GiB cards misses experts, so its split steps eagerly: no card
+    reserves a graphs' pool, its memory goes to slots. A tiny model holds every expert on both
+    cards: each reserves the pool its decode graph needs."""
+    spec = ModelSpec.from_config(make_config("qwen3_moe", preset))
+    config = EngineConfig.from_flags(["--model-path", "/m", "--devices", "cuda:0,cuda:1"])
+    request = config.memory_request(budget_bytes=0, elem_bytes=2, cuda=True)
+    cards = (DeviceBudget("cuda:0", 12 * GIB, 10.0), DeviceBudget("cuda:1", 12 * GIB, 10.0))
+    split = plan_graphed_devices(spec, request, cards)
+    eager = plan_devices(spec, replace(request, cuda_graphs=False), cards)
+    graphed = plan_devices(spec, request, cards)
+    if preset == "tiny":
+        assert all(p.all_resident for p in split.plans)
+        assert split == graphed and all(p.graph_bytes > 0 for p in split.plans)
+    else:
+        assert split == eager and [p.graph_bytes for p in split.plans] == [0, 0]
+        assert split.total.slots > graphed.total.slots
+    # without CUDA graphs (--no-cuda-graph, or the CPU) no card reserves one
+    assert plan_graphed_devices(spec, replace(request, cuda_graphs=False), cards) == eager
 
 
 def test_a_gpt_oss_plan_that_does_not_fit_names_the_windows_pages():

@@ -179,8 +179,8 @@ def test_two_gpus_in_bf16_decode_as_one_does(checkpoint, cache):
     """On two GPUs in bf16 against one GPU (both eager): the same greedy tokens, logits within
     bf16's rounding; the activations cross between the cards, each card holds its own part."""
     arch, _model, path = checkpoint
-    bf16 = ("--dtype", "bfloat16", *CACHES[cache])
-    one = engine(path, "--device", "cuda:0", "--no-cuda-graph", *bf16)
+    bf16 = ("--dtype", "bfloat16", "--no-cuda-graph", *CACHES[cache])
+    one = engine(path, "--device", "cuda:0", *bf16)
     split = engine(path, "--devices", "cuda:0,cuda:1", "--layer-split", "1,3", *bf16)
     try:
         assert [part.k.device.index for part in split.kv_parts] == [0, 1]
