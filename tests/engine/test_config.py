@@ -31,7 +31,7 @@ REFUSED = [
         "model",
         "expert_dtype",
         "int4",
-        "--moe-expert-dtype int4: choose one of auto, bf16, fp8, mxfp4",
+        "--moe-expert-dtype int4: choose one of auto, bf16, fp8, mxfp4, nvfp4",
     ),
     ("memory", "device", "gpu", "--device gpu: not a device; use auto, cpu, cuda or cuda:N"),
     ("memory", "device_memory_bytes", (-1,), "--device-memory -1: -1 is not a size"),
