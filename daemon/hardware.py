@@ -36,6 +36,9 @@ class GpuInfo:
     pcie_width_max: int | None
     pcie_gen_current: int | None
     pcie_width_current: int | None
+    # the memory's peak rate, from its bus width and top memory clock: what a split weighs a
+    # card's dense work by where it was not measured
+    memory_gbps: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +152,21 @@ def probe_gpu(index: int) -> GpuInfo | None:
         pcie_width_max=_nvml("nvmlDeviceGetMaxPcieLinkWidth", handle),  # type: ignore[arg-type]
         pcie_gen_current=_nvml("nvmlDeviceGetCurrPcieLinkGeneration", handle),  # type: ignore[arg-type]
         pcie_width_current=_nvml("nvmlDeviceGetCurrPcieLinkWidth", handle),  # type: ignore[arg-type]
+        memory_gbps=_memory_gbps(handle),
     )
+
+
+def _memory_gbps(handle: object) -> float | None:
+    """Peak memory rate in GB/s: bus width in bytes times the top memory clock, twice a cycle
+    (NVML's memory clock is half the data rate, for GDDR and HBM alike); None where NVML does
+    not tell either."""
+    import pynvml
+
+    bus_bits = _nvml("nvmlDeviceGetMemoryBusWidth", handle)
+    clock_mhz = _nvml("nvmlDeviceGetMaxClockInfo", handle, getattr(pynvml, "NVML_CLOCK_MEM", 2))
+    if not isinstance(bus_bits, int) or not isinstance(clock_mhz, int) or not bus_bits * clock_mhz:
+        return None
+    return bus_bits / 8 * clock_mhz * 2 / 1000
 
 
 def pcie_link(index: int) -> tuple[int, int] | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from ..engine.config.bandwidth import pcie_gbps
 from ..engine.text import Text, text_fields
 from .child import run_moelab
 from .hardware import GpuInfo, Inventory, measure_disk_read, pcie_link, probe_inventory
@@ -61,6 +62,7 @@ def inventory_readings(inventory: Inventory) -> list[Reading]:
             ("gpu.pcie_width_max", gpu.pcie_width_max, "lanes"),
             ("gpu.pcie_gen_current", gpu.pcie_gen_current, "generation"),
             ("gpu.pcie_width_current", gpu.pcie_width_current, "lanes"),
+            ("gpu.memory_gbps", gpu.memory_gbps, "GB/s"),
         ):
             if value is not None:
                 readings.append(Reading(kind, value, unit, params, gpu))
@@ -119,9 +121,11 @@ class HardwareService:
         versions = versions or {}
         now = time.time()
         only_gpu = inventory.gpus[0] if len(inventory.gpus) == 1 else None
+        by_index = {gpu.index: gpu for gpu in inventory.gpus}
         with self.store.session() as session:
             for reading in readings:
-                gpu = reading.gpu or only_gpu
+                # a rate `moelab bench bw` measured on one GPU of several names it by index
+                gpu = reading.gpu or by_index.get(reading.params.get("gpu_index")) or only_gpu
                 session.add(
                     Measurement(
                         kind=reading.kind,
@@ -336,7 +340,10 @@ def inventory_json(inventory: Inventory) -> dict[str, Any]:
                     "width_max": g.pcie_width_max,
                     "gen_current": g.pcie_gen_current,
                     "width_current": g.pcie_width_current,
+                    # the link's one-way peak at its top generation and width with this system
+                    "peak_gbps": pcie_gbps(g.pcie_gen_max, g.pcie_width_max),
                 },
+                "memory_gbps": g.memory_gbps,
             }
             for g in inventory.gpus
         ],

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.config.bandwidth import pcie_gbps
 from ..engine.config.memory import MemoryPlanError
 from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, error_text, text_fields
@@ -58,7 +59,15 @@ def machine_of(daemon: Daemon) -> Machine:
     )
     if not machine.gpus and inventory.gpus:
         gpus = tuple(
-            Gpu(g.index, g.name, g.uuid, g.vram_total_bytes, g.vram_free_bytes)
+            Gpu(
+                g.index,
+                g.name,
+                g.uuid,
+                g.vram_total_bytes,
+                g.vram_free_bytes,
+                pcie_gbps(g.pcie_gen_max, g.pcie_width_max),
+                g.memory_gbps,
+            )
             for g in inventory.gpus
             if g.vram_total_bytes
         )

@@ -23,6 +23,10 @@ from ..engine.text import Text, error_text
 _SHAPES: dict[Callable[[str], Any], Text] = {
     engine_args.parse_device: Text("auto, cpu, cuda or cuda:N"),
     engine_args.parse_bytes: Text("a size such as 24GiB, 512M, 1.5g or 1073741824, in bytes"),
+    engine_args.parse_device_memory: Text(
+        "a size such as 24GiB, 512M or 1073741824, or one per device of --devices, "
+        "comma-separated (12GiB,8GiB)"
+    ),
     engine_args.parse_origins: Text(
         "origins as a browser sends them, comma-separated (http://localhost:3000), or * for any"
     ),

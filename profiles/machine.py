@@ -11,9 +11,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine.config.args import CPU_DEFAULT_BUDGET_BYTES
+from ..engine.config.bandwidth import pcie_gbps
 from ..engine.config.config import EngineConfig
 from ..engine.config.memory import MemoryPlanError, VramPlan
-from ..engine.config.split import DeviceBudget, plan_devices
+from ..engine.config.split import DeviceBudget, SplitPlan, plan_devices
 from ..engine.model.spec import DTYPE_BYTES, ModelSpec
 from ..engine.text import Text
 
@@ -22,13 +23,17 @@ GIB = 1024**3
 
 @dataclass(frozen=True, slots=True)
 class Gpu:
-    """One GPU: its identity and memory (free as measured; None when never measured)."""
+    """One GPU: its identity and memory (free as measured; None when never measured), its PCIe
+    link's peak rate (its top generation and width with this system) and its memory's peak rate,
+    in GB/s (None: not known)."""
 
     index: int
     name: str
     uuid: str | None
     vram_total_bytes: int
     vram_free_bytes: int | None = None
+    link_peak_gbps: float | None = None
+    memory_peak_gbps: float | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -50,6 +55,9 @@ class Rates:
     engine_version: str | None = None
     gpu_uuid: str | None = None
     measured: str | None = None  # when (ISO 8601)
+    # per GPU index: the pinned host-to-device copy and the device memory copy measured on it
+    h2d_by_gpu: dict[int, float] = field(default_factory=dict)
+    device_by_gpu: dict[int, float] = field(default_factory=dict)
 
     def cpu_rate(self, threads: int) -> tuple[int, float] | None:
         """The CPU expert rate at the largest measured thread count not above `threads`."""
@@ -98,16 +106,24 @@ class Machine:
                 cores = int(value)
             elif kind == "ram.total":
                 ram = int(value)
-            elif kind in ("gpu.vram_total", "gpu.vram_free"):
+            elif kind in _GPU_KINDS:
                 gpu = gpus.setdefault(
                     int(params.get("gpu_index", 0)),
                     {"name": row.get("gpu_name") or "GPU", "uuid": row.get("gpu_uuid")},
                 )
-                gpu[kind] = int(value)
+                gpu[kind] = value
             elif "." not in kind:  # `moelab bench bw` kinds carry no dot
                 raw.setdefault(kind, []).append(row)
         gpu_list = tuple(
-            Gpu(i, g["name"], g["uuid"], g["gpu.vram_total"], g.get("gpu.vram_free"))
+            Gpu(
+                i,
+                g["name"],
+                g["uuid"],
+                int(g["gpu.vram_total"]),
+                int(g["gpu.vram_free"]) if "gpu.vram_free" in g else None,
+                pcie_gbps(_whole(g.get("gpu.pcie_gen_max")), _whole(g.get("gpu.pcie_width_max"))),
+                g.get("gpu.memory_gbps"),
+            )
             for i, g in sorted(gpus.items())
             if "gpu.vram_total" in g
         )
@@ -124,6 +140,26 @@ class Machine:
     def default_cpu_threads(self) -> int:
         """The engine's default: one per physical core, less one that keeps feeding the GPU."""
         return max(1, self.physical_cores - 1)
+
+
+# the inventory's kinds of one GPU that the machine keeps
+_GPU_KINDS = (
+    "gpu.vram_total", "gpu.vram_free", "gpu.pcie_gen_max", "gpu.pcie_width_max", "gpu.memory_gbps"
+)  # fmt: skip
+
+
+def _whole(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _by_gpu(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """The best value per GPU index (a row without one is GPU 0's: `moelab bench bw` measured
+    only the first GPU before it measured each)."""
+    out: dict[int, float] = {}
+    for r in rows:
+        index = int((r.get("params") or {}).get("gpu_index", 0))
+        out[index] = max(out.get(index, 0.0), float(r["value"]))
+    return out
 
 
 def _best(rows: list[dict[str, Any]], **match: Any) -> float | None:
@@ -163,6 +199,8 @@ def _rates(raw: dict[str, list[dict[str, Any]]]) -> Rates | None:
         engine_version=(any_row.get("versions") or {}).get("moelab"),
         gpu_uuid=any_row.get("gpu_uuid"),
         measured=any_row.get("created"),
+        h2d_by_gpu=_by_gpu(raw.get("h2d_pinned", [])),
+        device_by_gpu=_by_gpu(raw.get("device_copy", [])),
     )
 
 
@@ -227,12 +265,10 @@ def choose_device(machine: Machine, spec: ModelSpec, config: EngineConfig) -> De
 
 
 def _choose_split(machine: Machine, spec: ModelSpec, config: EngineConfig) -> DeviceChoice:
-    """The devices of --devices with their budgets, each link at the machine's measured rate
-    (`moelab bench bw` measures one; equal links where none was measured: the split then
-    follows the memory alone)."""
+    """The devices of --devices with their budgets, each GPU's link and memory rate
+    (`device_rates`)."""
     memory = config.memory
     assert memory.devices is not None
-    link = (machine.rates.h2d_gbps if machine.rates else None) or 1.0
     gpus, budgets = [], []
     for name in memory.devices:
         gpu = None
@@ -250,13 +286,50 @@ def _choose_split(machine: Machine, spec: ModelSpec, config: EngineConfig) -> De
                     )
                 )
             gpus.append(gpu)
-        budget = memory.budget_bytes(gpu.usable_bytes if gpu is not None else None)
-        budgets.append(DeviceBudget(name, budget, link))
+        budget = memory.budget_bytes(gpu.usable_bytes if gpu is not None else None, len(budgets))
+        budgets.append(DeviceBudget(name, budget, 1.0))
+    if len(gpus) == len(budgets):
+        links, rates = device_rates(machine, tuple(gpus))
+        budgets = [
+            replace(b, link_gbps=link, memory_gbps=rate)
+            for b, link, rate in zip(budgets, links, rates, strict=True)
+        ]
     gpu = gpus[0] if gpus else None
     elem = DTYPE_BYTES[config.model.compute_dtype(spec.dtype, cpu=gpu is None)]
     total = sum(b.budget_bytes for b in budgets)
     source = "--device-memory" if memory.device_memory_bytes else "each device's free memory"
     return DeviceChoice(",".join(memory.devices), gpu, total, elem, source, tuple(budgets))
+
+
+def device_rates(
+    machine: Machine, gpus: tuple[Gpu, ...]
+) -> tuple[tuple[float, ...], tuple[float | None, ...]]:
+    """Each GPU's link rate and memory rate, as a split weighs them, in GB/s.
+
+    Links: the pinned copy `moelab bench bw` measured on each GPU; where some GPU has none, a
+    measured card's rate scaled by each card's PCIe peak against that card's (an x8 link beside
+    an x16 one: half); where that is not known either, the machine's one rate for every card
+    (the split then follows the memory and the memory rates). Memory rates: each
+    GPU's measured device copy where every card has one, else the peak NVML tells where every
+    card has one, else None for all (the split does not weigh compute)."""
+    rates = machine.rates or Rates()
+    measured = rates.h2d_by_gpu
+    # a GPU whose copy was measured and whose link is known: the others' links scale from it
+    reference = next((g for g in machine.gpus if g.index in measured and g.link_peak_gbps), None)
+    links: tuple[float, ...]
+    if all(g.index in measured for g in gpus):
+        links = tuple(measured[g.index] for g in gpus)
+    elif reference is not None and all(g.link_peak_gbps for g in gpus):
+        scale = measured[reference.index] / (reference.link_peak_gbps or 1.0)
+        links = tuple(measured.get(g.index) or scale * (g.link_peak_gbps or 0.0) for g in gpus)
+    else:
+        links = (rates.h2d_gbps or 1.0,) * len(gpus)
+    memory: tuple[float | None, ...] = (None,) * len(gpus)
+    if all(g.index in rates.device_by_gpu for g in gpus):
+        memory = tuple(rates.device_by_gpu[g.index] for g in gpus)
+    elif all(g.memory_peak_gbps for g in gpus):
+        memory = tuple(g.memory_peak_gbps for g in gpus)
+    return links, memory
 
 
 def plan_for(
@@ -272,13 +345,7 @@ def plan_for(
     fit). A split's plan is its devices' summed: their KV, slots and bytes together
     (engine/config/split.py), each device's budget scaled where `budget_bytes` is given."""
     if choice.split:
-        scale = 1.0 if budget_bytes is None else budget_bytes / choice.budget_bytes
-        devices = tuple(replace(d, budget_bytes=int(d.budget_bytes * scale)) for d in choice.split)
-        # a split runs its steps eagerly: no graph pool
-        request = config.memory_request(
-            budget_bytes=0, elem_bytes=choice.elem_bytes, cuda=False, kv_tokens=kv_tokens
-        )
-        return plan_devices(spec, request, devices, config.memory.layer_split).total
+        return split_for(spec, choice, config, kv_tokens=kv_tokens, budget_bytes=budget_bytes).total
     request = config.memory_request(
         budget_bytes=choice.budget_bytes if budget_bytes is None else budget_bytes,
         elem_bytes=choice.elem_bytes,
@@ -286,3 +353,22 @@ def plan_for(
         kv_tokens=kv_tokens,
     )
     return request.plan(spec)
+
+
+def split_for(
+    spec: ModelSpec,
+    choice: DeviceChoice,
+    config: EngineConfig,
+    *,
+    kv_tokens: int | None = None,
+    budget_bytes: int | None = None,
+) -> SplitPlan:
+    """The split (`choice.split`'s devices) as the engine would plan it: each device's layers,
+    VRAM plan and step estimate, each device's budget scaled where `budget_bytes` is given."""
+    scale = 1.0 if budget_bytes is None else budget_bytes / choice.budget_bytes
+    devices = tuple(replace(d, budget_bytes=int(d.budget_bytes * scale)) for d in choice.split)
+    # a split runs its steps eagerly: no graph pool
+    request = config.memory_request(
+        budget_bytes=0, elem_bytes=choice.elem_bytes, cuda=False, kv_tokens=kv_tokens
+    )
+    return plan_devices(spec, request, devices, config.memory.layer_split)

@@ -35,7 +35,7 @@ from ..engine.model.spec import ModelSpec
 from ..engine.text import Text, text_fields
 from .advice import context_tiers
 from .flags import FlagChange, apply_changes, engine_config
-from .machine import DeviceChoice, Machine, choose_device, plan_for
+from .machine import DeviceChoice, Machine, choose_device, plan_for, split_for
 
 MIN_FIT_STEPS = 200  # decode steps before a run's own miss cost is trusted over bandwidth
 # a run's fitted price of a miss is used at its lower bound, this many standard errors below the
@@ -460,6 +460,9 @@ class ContextPlan:
     current_kv_tokens: int
     hit_basis: Text
     speed_basis: Text | None
+    # a split (--devices) at the base flags: each card's layers, link and memory rates, its
+    # estimated share of a decode step and whether it limits the step (empty: one device)
+    cards: tuple[dict[str, Any], ...] = ()
 
     def point(self, kv_tokens: int) -> PlanPoint | None:
         return next((p for p in self.points if p.kv_reserve_tokens == kv_tokens), None)
@@ -486,6 +489,7 @@ class ContextPlan:
                 **text_fields("speed", self.speed_basis),
             },
             "points": [p.to_json() for p in self.points],
+            "cards": list(self.cards),
         }
 
 
@@ -565,6 +569,30 @@ def plan_context(
         current_kv_tokens=current,
         hit_basis=hits.basis,
         speed_basis=speed.basis if speed else None,
+        cards=_cards(spec, choice, config),
+    )
+
+
+def _cards(spec: ModelSpec, choice: DeviceChoice, config: EngineConfig) -> tuple[dict, ...]:
+    """Each card of a split at the base flags (none where it is one device or does not fit)."""
+    if not choice.split:
+        return ()
+    try:
+        split = split_for(spec, choice, config)
+    except MemoryPlanError:
+        return ()
+    limit = split.limit
+    return tuple(
+        {
+            "device": step.device.name,
+            "layers": [span.start, span.stop - 1],
+            "link_gbps": round(step.device.link_gbps, 2),
+            "memory_gbps": step.device.memory_gbps,
+            "step_ms": round(step.seconds * 1e3, 3),
+            "limits": step is limit,
+            **text_fields("limit", step.limit_text() if step is limit else None),
+        }
+        for step, span in zip(split.steps, split.ranges, strict=True)
     )
 
 

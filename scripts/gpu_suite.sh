@@ -36,7 +36,8 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
   run kernel_tests python3 -m pytest -q tests/kernels $T
   run engine_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_graphs.py tests/engine/test_offload.py tests/engine/test_reference.py \
-    tests/engine/test_telemetry.py tests/engine/test_attention.py tests/engine/test_hybrid.py
+    tests/engine/test_telemetry.py tests/engine/test_attention.py tests/engine/test_hybrid.py \
+    tests/engine/test_preemption.py
 fi
 if [ "$part" = drawn ]; then  # tokens drawn on the GPU in the decode graphs: their CUDA tests,
   # then decode greedy, drawn (overlapped) and drawn by the host's sampler (--no-overlap-decode,
@@ -324,6 +325,11 @@ if [ "$part" = split ]; then  # issue 56 on a two-GPU machine: the split against
   done
   run split_one_prefill8k $B prefill $S --prompt-tokens 8192 --repeats 2
   run split_two_prefill8k $B prefill $S --devices cuda:0,cuda:1 --prompt-tokens 8192 --repeats 2
+  # each card's own link and memory rate (rows by gpu_index), and cards of unequal budgets: the
+  # default split gives the smaller fewer layers (its log line names the card that limits)
+  run split_bench_bw python3 -m moelab.engine.cli bench bw --threads 1 --json
+  run split_two_unequal_b1 $B decode --preset qwen3-30b-a3b --routing-skew 1 \
+    --device-memory 12GiB,8GiB --devices cuda:0,cuda:1 --json
 fi
 if [ "$part" = gptoss ]; then  # gpt_oss: its kernels' tests natively (biased experts, sinks and
   # the window in decode attention), the engine against transformers on CUDA and the decode

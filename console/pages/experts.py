@@ -111,9 +111,13 @@ def expert_data(daemon: Daemon, server_id: int, reveal: bool, minutes: int) -> d
             )
         },
         resident=resident,
-        # a split engine's devices, each with its first and last layer (/v1/stats devices)
+        # a split engine's devices, each with its first and last layer, its link's and its
+        # memory's rates, its slots and whether it limits the step (/v1/stats devices)
         devices=[
-            {"device": d.get("device"), "layers": d.get("layers")}
+            {
+                key: d.get(key)
+                for key in ("device", "layers", "link_gbps", "memory_gbps", "slots", "limits")
+            }
             for d in stats.get("devices") or []
             if isinstance(d, dict)
         ],

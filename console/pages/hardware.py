@@ -33,6 +33,7 @@ KIND_LABELS = {
     "gpu.pcie_width_current": _("PCIe lanes (now)"),
     "gpu.pcie_gen_loaded": _("PCIe generation (under load)"),
     "gpu.pcie_width_loaded": _("PCIe lanes (under load)"),
+    "gpu.memory_gbps": _("GPU memory peak rate"),
     "disk.read": _("disk read of a model file"),
     "host_read": _("host memory read"),
     "cpu_experts": _("CPU expert kernel"),
@@ -71,8 +72,13 @@ def hardware_data(daemon: Daemon) -> dict[str, Any]:
         ]
     job = daemon.jobs.latest("hardware")
     models = daemon.catalog.list()
+    inventory = inventory_json(daemon.hardware.inventory())
+    # each GPU's own measured host-to-GPU copy, beside its link
+    copies = {m["gpu_uuid"]: m["value"] for m in latest if m["kind"] == "h2d_pinned"}
+    for gpu in inventory["gpus"]:
+        gpu["h2d_gbps"] = copies.get(gpu["uuid"])
     return {
-        "inventory": inventory_json(daemon.hardware.inventory()),
+        "inventory": inventory,
         "latest": [
             {**m, "what": KIND_LABELS.get(m["kind"]), "label": params_label(m["params"])}
             for m in latest

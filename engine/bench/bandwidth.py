@@ -129,20 +129,14 @@ def run_bw(
         pinned13, pinned2 = w13.pin_memory(), w2.pin_memory()
         d13 = torch.empty_like(w13[0], device=dev)
         d2 = torch.empty_like(w2[0], device=dev)
-        for kind, (s13, s2) in (("h2d_pinned", (pinned13, pinned2)), ("h2d_pageable", (w13, w2))):
-            counter = iter(range(10**9))
-
-            def copy(s13=s13, s2=s2, counter=counter) -> None:
-                e = next(counter) % num_experts
-                d13.copy_(s13[e], non_blocking=True)
-                d2.copy_(s2[e], non_blocking=True)
-
-            row(kind, expert_bytes / _timed(copy, sync, min_s) / 1e9)
-        big = torch.empty(1024**3 // 2, dtype=torch.float16, device=dev)
-        out = torch.empty_like(big)
-        t = _timed(lambda: out.copy_(big), sync, min_s)
-        row("device_copy", 2 * big.nbytes / t / 1e9)
-        del big, out
+        # each GPU's own link and memory: a split weighs its cards by them (gpu_index)
+        for index in range(torch.cuda.device_count()):
+            gpu = torch.device("cuda", index)
+            pairs = (("h2d_pinned", (pinned13, pinned2)), ("h2d_pageable", (w13, w2)))
+            for kind, (s13, s2) in pairs if index == 0 else pairs[:1]:
+                rate = _h2d_gbps(s13, s2, gpu, min_s)
+                row(kind, rate, gpu_index=index)
+            row("device_copy", _device_copy_gbps(gpu, min_s), gpu_index=index)
         k = 8
         dw13 = w13[:k].to(dev)
         dw2 = w2[:k].to(dev)
@@ -260,6 +254,29 @@ def _concurrent(runner, pinned13, pinned2, d13, d2, x_host, w13, w2, num_experts
         threads=runner.num_threads,
         experts=k,
     )
+
+
+def _h2d_gbps(w13: torch.Tensor, w2: torch.Tensor, device: torch.device, min_s: float) -> float:
+    """Host-to-device copies of one expert at a time onto `device`, cycling through the pool."""
+    d13 = torch.empty_like(w13[0], device=device)
+    d2 = torch.empty_like(w2[0], device=device)
+    counter = iter(range(10**9))
+
+    def copy() -> None:
+        e = next(counter) % w13.shape[0]
+        d13.copy_(w13[e], non_blocking=True)
+        d2.copy_(w2[e], non_blocking=True)
+
+    seconds = _timed(copy, lambda: torch.cuda.synchronize(device), min_s)
+    return (d13.nbytes + d2.nbytes) / seconds / 1e9
+
+
+def _device_copy_gbps(device: torch.device, min_s: float) -> float:
+    """`device`'s memory bandwidth: a 1 GiB copy within it, read and write counted."""
+    big = torch.empty(1024**3 // 2, dtype=torch.float16, device=device)
+    out = torch.empty_like(big)
+    seconds = _timed(lambda: out.copy_(big), lambda: torch.cuda.synchronize(device), min_s)
+    return 2 * big.nbytes / seconds / 1e9
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

@@ -65,6 +65,18 @@ def check_bytes(value: int) -> None:
         raise argparse.ArgumentTypeError(Text("{value} is not a size", value=value))
 
 
+def parse_device_memory(text: str) -> tuple[int, ...]:
+    """`--device-memory`: one size for each device (24GiB), or one per device of --devices,
+    separated by commas (12GiB,8GiB)."""
+    return tuple(parse_bytes(part) for part in str(text).split(","))
+
+
+def check_device_memory(values: tuple[int, ...]) -> None:
+    """Sizes as parse_device_memory reads them: one or more, each 0 or more."""
+    for value in values:
+        check_bytes(value)
+
+
 @dataclass(frozen=True, slots=True)
 class WholeNumber:
     """An argparse type: a whole number of at least `minimum` (and at most `maximum`). `check`
@@ -317,16 +329,17 @@ def _memory_flags(memory: Group) -> None:
         default=None,
         help="With --devices: each device's layers, as counts that add up to the model's "
         "layers (20,20) or as shares that add up to 1 (0.6,0.4). Default: from each device's "
-        "free memory and measured link rate, so that every device finishes its share of a step "
-        'at the same time (docs/architecture.md, "Layers across devices").',
+        "free memory, measured link rate and memory rate, so that every device finishes its "
+        'share of a step at the same time (docs/architecture.md, "Layers across devices").',
     )
     memory.add_argument(
         "--device-memory",
-        type=parse_bytes,
+        type=parse_device_memory,
         default=None,
-        help="Memory budget of the compute device (e.g. 24GiB), of each device with --devices. "
-        "Default: the free memory of the GPU; required to plan memory on a CPU-only machine, "
-        f"where it defaults to {CPU_DEFAULT_BUDGET_BYTES // 1024**3}GiB.",
+        help="Memory budget of the compute device (e.g. 24GiB). With --devices: one size for "
+        "each device, or one per device, comma-separated in the order of --devices "
+        "(12GiB,8GiB). Default: the free memory of the GPU; required to plan memory on a "
+        f"CPU-only machine, where it defaults to {CPU_DEFAULT_BUDGET_BYTES // 1024**3}GiB.",
     )
     memory.add_argument(
         "--kv-reserve-tokens",
@@ -769,7 +782,7 @@ def describe_flags(parser: argparse.ArgumentParser | None = None) -> list[dict]:
                 kind = "int"
             elif action.type is float or isinstance(action.type, Share):
                 kind = "float"
-            elif action.type is parse_bytes:
+            elif action.type in (parse_bytes, parse_device_memory):
                 kind = "bytes"
             else:
                 kind = "str"

@@ -12,6 +12,8 @@ from pathlib import Path
 from ..model.spec import ModelSpec
 
 PROFILE_VERSION = 1
+# a PCIe lane's one-way rate per generation, in GB/s (after line encoding)
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
 
 def profile_path() -> Path:
@@ -28,6 +30,24 @@ def best(profile: dict, kind: str, **match) -> float | None:
         if r["kind"] == kind and all(r["params"].get(k) == v for k, v in match.items())
     ]
     return max(values) if values else None
+
+
+def device_best(profile: dict, kind: str, index: int) -> float | None:
+    """The highest value of `kind` measured on GPU `index` (a row without a GPU index is GPU
+    0's: `moelab bench bw` measured only the first GPU before it measured each)."""
+    values = [
+        r["value"]
+        for r in profile.get("results", [])
+        if r["kind"] == kind and r["params"].get("gpu_index", 0) == index
+    ]
+    return max(values) if values else None
+
+
+def pcie_gbps(generation: int | None, width: int | None) -> float | None:
+    """A PCIe link's one-way peak rate in GB/s (None where either is not known)."""
+    if generation is None or width is None or generation not in PCIE_LANE_GBPS:
+        return None
+    return PCIE_LANE_GBPS[generation] * width
 
 
 def load_profile(

@@ -116,7 +116,10 @@ class MemoryConfig(_FlagGroup):
     device: str = _setting("--device", flags.parse_device)
     devices: tuple[str, ...] | None = _setting("--devices", lambda v: parse_devices(",".join(v)))
     layer_split: LayerSplit | None = _setting("--layer-split")  # noqa: RUF009 (frozen)
-    device_memory_bytes: int | None = _setting("--device-memory", flags.check_bytes)
+    # one size for every device, or one per device of --devices
+    device_memory_bytes: tuple[int, ...] | None = _setting(
+        "--device-memory", flags.check_device_memory
+    )
     kv_reserve_tokens: int = _setting("--kv-reserve-tokens", flags.WholeNumber(1).check)
     max_context: int | None = _setting("--max-context", flags.WholeNumber(1).check)
     headroom_bytes: int = _setting("--memory-headroom", flags.check_bytes)
@@ -155,19 +158,42 @@ class MemoryConfig(_FlagGroup):
                     count=len(self.devices or ()),
                 )
             )
+        sizes = self.device_memory_bytes or ()
+        if len(sizes) > 1 and len(sizes) != len(self.device_names):
+            given = ",".join(f"{size / 1024**3:g}GiB" for size in sizes)
+            raise ConfigError(
+                Text(
+                    "--device-memory {given} gives {parts} sizes for {count} device(s) "
+                    "({devices}); give one size for each device, or one per device of --devices",
+                    given=given,
+                    parts=len(sizes),
+                    count=len(self.device_names),
+                    devices=",".join(self.device_names),
+                )
+            )
 
     @property
     def device_names(self) -> tuple[str, ...]:
         """The devices the layers run on: --devices, else --device alone."""
         return self.devices or (self.device,)
 
-    def budget_bytes(self, device_free_bytes: int | None) -> int:
-        """The device memory to plan: the free memory of a GPU (`device_free_bytes`), at most
-        --device-memory; on a CPU device (None), --device-memory or its default there."""
+    def device_memory(self, index: int = 0) -> int | None:
+        """--device-memory of the `index`th device of `device_names`: its own size where one is
+        given per device, else the one size (None: not given)."""
+        sizes = self.device_memory_bytes
+        if not sizes:
+            return None
+        return sizes[index] if len(sizes) > 1 else sizes[0]
+
+    def budget_bytes(self, device_free_bytes: int | None, index: int = 0) -> int:
+        """The memory to plan on the `index`th device: the free memory of a GPU
+        (`device_free_bytes`), at most its --device-memory; on a CPU device (None), its
+        --device-memory or the default there."""
+        capped = self.device_memory(index)
         if device_free_bytes is None:
-            return self.device_memory_bytes or flags.CPU_DEFAULT_BUDGET_BYTES
-        if self.device_memory_bytes:
-            return min(device_free_bytes, self.device_memory_bytes)
+            return capped or flags.CPU_DEFAULT_BUDGET_BYTES
+        if capped:
+            return min(device_free_bytes, capped)
         return device_free_bytes
 
 

@@ -2,10 +2,12 @@
 layers each device holds, with its dense weights, KV pages and its own expert cache.
 
 The default split gives each device layers until every device would finish its share of a step
-at the same time: a device's step is as long as its layers' experts that do not fit its memory
-take to cross its link, and where every device holds all of its layers' experts, as full as the
-others. The inputs are per-device numbers (free bytes, link rate) and the bytes of one layer, so
-the plan is pure logic. Torch-free: the profiles read it as the engine does.
+at the same time: a device's step is as long as its layers' dense work takes to read its memory
+(where every device's memory rate is known) and the experts a step routes to that do not fit
+its memory take to cross its link; where every device holds all of its layers' experts and no
+memory rate is known, it is as full as the others. The inputs are per-device numbers (free
+bytes, link rate, memory rate) and the bytes of one layer, so the plan is pure logic.
+Torch-free: the profiles read it as the engine does.
 """
 
 from __future__ import annotations
@@ -146,21 +148,68 @@ class LayerSplit:
 @dataclass(frozen=True, slots=True)
 class DeviceShare:
     """What one device brings to a split: its name, the bytes it has for its layers (its budget
-    less what it holds besides them) and its link's host-to-device rate."""
+    less what it holds besides them), its link's host-to-device rate and its memory's rate, what
+    its share of a decode step's dense work reads at (None: not known; a split weighs the
+    devices' compute only where every one's is known)."""
 
     name: str
     free_bytes: int
     link_gbps: float
+    memory_gbps: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class LayerBytes:
     """One decoder layer's bytes on its device: what it must hold (dense weights, its KV reserve,
     its per-sequence states) and all of its routed experts, which an expert cache holds as room
-    allows."""
+    allows; what a decode step reads of it in device memory (its dense weights and the experts
+    a token routes to) and the share of its experts a token routes to (top_k of them: of the
+    experts that do not fit, that share crosses the link each step; 1 counts them all)."""
 
     fixed_bytes: int
     expert_bytes: int
+    step_bytes: int = 0
+    active_share: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStep:
+    """One device's share of a decode step under a split, as the planner estimates it: the
+    seconds its layers' dense work reads its memory, the seconds the experts that do not fit it
+    take to cross its link, and how full its memory is (where neither takes time, the fuller
+    device is the slower)."""
+
+    device: DeviceShare
+    dense_s: float
+    miss_s: float
+    fullness: float
+
+    @property
+    def seconds(self) -> float:
+        return self.dense_s + self.miss_s
+
+    def limit_text(self) -> Text:
+        """What limits this device's step, in words."""
+        if self.miss_s > self.dense_s:
+            return Text(
+                "{device} limits the step: its layers' experts that do not fit its memory cross "
+                "its {link:.1f} GB/s link",
+                device=self.device.name,
+                link=self.device.link_gbps,
+            )
+        if self.dense_s > 0:
+            return Text(
+                "{device} limits the step: its layers' dense work reads its memory at "
+                "{rate:.0f} GB/s",
+                device=self.device.name,
+                rate=self.device.memory_gbps,
+            )
+        return Text(
+            "{device} limits the step: its memory is the fullest ({share:.0%} of it for its "
+            "layers)",
+            device=self.device.name,
+            share=self.fullness,
+        )
 
 
 def split_ranges(counts: tuple[int, ...]) -> tuple[range, ...]:
@@ -172,18 +221,59 @@ def split_ranges(counts: tuple[int, ...]) -> tuple[range, ...]:
     return tuple(ranges)
 
 
+def _mean_layer(layers: tuple[LayerBytes, ...]) -> LayerBytes:
+    n = len(layers)
+    return LayerBytes(
+        fixed_bytes=sum(layer.fixed_bytes for layer in layers) // n,
+        expert_bytes=sum(layer.expert_bytes for layer in layers) // n,
+        step_bytes=sum(layer.step_bytes for layer in layers) // n,
+        active_share=max(layer.active_share for layer in layers),
+    )
+
+
+def _step(device: DeviceShare, count: int, layer: LayerBytes, weigh_compute: bool) -> DeviceStep:
+    """`device`'s share of a step with `count` layers like `layer`."""
+    whole = layer.fixed_bytes + layer.expert_bytes
+    missing = max(0, count * whole - device.free_bytes)
+    miss_s = missing * layer.active_share / (device.link_gbps * 1e9)
+    dense_s = 0.0
+    if weigh_compute and device.memory_gbps:
+        dense_s = count * layer.step_bytes / (device.memory_gbps * 1e9)
+    return DeviceStep(device, dense_s, miss_s, count * whole / max(1, device.free_bytes))
+
+
+def _weighs_compute(devices: tuple[DeviceShare, ...]) -> bool:
+    return all(device.memory_gbps for device in devices)
+
+
+def step_estimates(
+    devices: tuple[DeviceShare, ...], layers: tuple[LayerBytes, ...], counts: tuple[int, ...]
+) -> tuple[DeviceStep, ...]:
+    """Each device's share of a decode step with `counts` layers, at the mean layer."""
+    mean, weigh = _mean_layer(layers), _weighs_compute(devices)
+    return tuple(
+        _step(device, count, mean, weigh) for device, count in zip(devices, counts, strict=True)
+    )
+
+
+def limiting(steps: tuple[DeviceStep, ...]) -> DeviceStep:
+    """The device whose share of a step is the longest (the fullest, where none takes time)."""
+    return max(steps, key=lambda step: (step.seconds, step.fullness))
+
+
 def default_counts(
     devices: tuple[DeviceShare, ...], layers: tuple[LayerBytes, ...]
 ) -> tuple[int, ...]:
     """Each device's layers where --layer-split is not given (SplitError where the devices cannot
     hold them): one layer at a time to the device whose step would then be shortest.
 
-    A device's step is its layers' experts that do not fit its memory over its link; between
-    devices that hold all theirs, the one left fuller is the slower. Ties go to the device with
-    fewer layers, then to the one with more memory, then the faster link: a device with more of
-    both never gets fewer layers than one with less. The costs use the mean layer (layers of one
-    model differ by little: a dense MLP layer among MoE ones), and `check_fits` then holds the
-    real layers to each device's memory."""
+    A device's step is its layers' dense work at its memory's rate (where every device's is
+    known) and the experts a step routes to that do not fit its memory, over its link; between
+    devices whose steps take no time, the one left fuller is the slower. Ties go to the device
+    with fewer layers, then to the one with more memory, then the faster link, then the faster
+    memory: a device with more of each never gets fewer layers than one with less. The costs
+    use the mean layer (layers of one model differ by little: a dense MLP layer among MoE ones),
+    and `check_fits` then holds the real layers to each device's memory."""
     n = len(layers)
     if n < len(devices):
         raise SplitError(
@@ -194,14 +284,14 @@ def default_counts(
                 devices=len(devices),
             )
         )
+    mean, weigh = _mean_layer(layers), _weighs_compute(devices)
     fixed = sum(layer.fixed_bytes for layer in layers) / n
-    whole = fixed + sum(layer.expert_bytes for layer in layers) / n
 
     def cost(device: DeviceShare, count: int) -> tuple[float, float]:
         if count * fixed > device.free_bytes:
             return (float("inf"), float("inf"))
-        missing = max(0.0, count * whole - device.free_bytes)
-        return (missing / device.link_gbps, count * whole / max(1, device.free_bytes))
+        step = _step(device, count, mean, weigh)
+        return (step.seconds, step.fullness)
 
     counts = [1] * len(devices)
     for device in devices:
@@ -215,6 +305,7 @@ def default_counts(
                 counts[d],
                 -devices[d].free_bytes,
                 -devices[d].link_gbps,
+                -(devices[d].memory_gbps or 0.0),
                 d,
             ),
         )
@@ -251,7 +342,7 @@ def plan_split(
     layer_split: LayerSplit | None = None,
 ) -> tuple[range, ...]:
     """Each device's range of layers: as --layer-split gives them, else the default split;
-    SplitError where a device cannot hold its share."""
+    SplitError where a device cannot hold its share (`step_estimates` tells each one's step)."""
     if layer_split is not None:
         if layer_split.parts != len(devices):
             raise SplitError(
@@ -287,21 +378,30 @@ def _too_small(device: DeviceShare, count: int, per_layer: float) -> SplitError:
 @dataclass(frozen=True, slots=True)
 class DeviceBudget:
     """A device of a split as its memory plan sees it: its name, the memory it may plan with
-    (`MemoryConfig.budget_bytes` of it) and its link's measured host-to-device rate."""
+    (`MemoryConfig.budget_bytes` of it), its link's measured host-to-device rate and its
+    memory's rate (None: not known)."""
 
     name: str
     budget_bytes: int
     link_gbps: float
+    memory_gbps: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class SplitPlan:
     """A split model's memory: each device's range of layers and its VRAM plan, all with the
-    same KV tokens (a sequence's pages are the same on every device), and their sum."""
+    same KV tokens (a sequence's pages are the same on every device), and their sum; each
+    device's estimated share of a decode step, and which device's is the longest."""
 
     names: tuple[str, ...]
     ranges: tuple[range, ...]
     plans: tuple[VramPlan, ...]
+    steps: tuple[DeviceStep, ...]
+
+    @property
+    def limit(self) -> DeviceStep:
+        """The device that limits the step (`limiting`)."""
+        return limiting(self.steps)
 
     @property
     def total(self) -> VramPlan:
@@ -316,13 +416,6 @@ class SplitPlan:
             )
         }  # fmt: skip
         return replace(first, **summed)
-
-    def to_dicts(self) -> list[dict]:
-        """Each device's plan with its name and layers, as /v1/stats reports them."""
-        return [
-            {"device": name, "layers": [span.start, span.stop - 1], **plan.to_dict()}
-            for name, span, plan in zip(self.names, self.ranges, self.plans, strict=True)
-        ]
 
 
 def _edge_bytes(spec: ModelSpec, elem_bytes: int) -> tuple[int, int]:
@@ -353,8 +446,15 @@ def layer_bytes(spec: ModelSpec, request: MemoryRequest) -> tuple[LayerBytes, ..
             spec, request.max_running, elem, request.state_checkpoints,
             request.kv_cache_dtype, request.block_size, one,
         )[2]  # fmt: skip
-        experts = spec.num_experts * spec.expert_bytes_as(fmt, elem) if i in spec.moe_layers else 0
-        out.append(LayerBytes(dense + kv + states, experts))
+        expert = spec.expert_bytes_as(fmt, elem) if i in spec.moe_layers else 0
+        out.append(
+            LayerBytes(
+                dense + kv + states,
+                spec.num_experts * expert,
+                step_bytes=dense + spec.top_k * expert,
+                active_share=spec.top_k / spec.num_experts,
+            )
+        )
     return tuple(out)
 
 
@@ -380,10 +480,13 @@ def plan_devices(
     last = len(devices) - 1
     edges = [(embed if d == 0 else 0) + (head if d == last else 0) for d in range(len(devices))]
     shares = tuple(
-        DeviceShare(dev.name, max(0, dev.budget_bytes - common - edge), dev.link_gbps)
+        DeviceShare(
+            dev.name, max(0, dev.budget_bytes - common - edge), dev.link_gbps, dev.memory_gbps
+        )
         for dev, edge in zip(devices, edges, strict=True)
     )
-    ranges = plan_split(shares, layer_bytes(spec, request), layer_split)
+    layers = layer_bytes(spec, request)
+    ranges = plan_split(shares, layers, layer_split)
     dense = dense_layer_bytes(spec, elem)
 
     def plans(req: MemoryRequest) -> list[VramPlan]:
@@ -409,7 +512,8 @@ def plan_devices(
                 max_context=min(p.max_context, tokens),
             )
         )
-    return SplitPlan(tuple(dev.name for dev in devices), ranges, tuple(out))
+    steps = step_estimates(shares, layers, tuple(len(span) for span in ranges))
+    return SplitPlan(tuple(dev.name for dev in devices), ranges, tuple(out), steps)
 
 
 def plan_graphed_devices(

@@ -179,6 +179,22 @@ def measure_bp_gbps(bank: ExpertBank, device: torch.device, samples: int = 10) -
     return bank.expert_bytes / min(times) / 1e9
 
 
+def measure_device_gbps(device: torch.device, nbytes: int = 256 * 2**20, samples: int = 5) -> float:
+    """A GPU's memory rate: a copy within it of `nbytes`, read and write counted (what a decode
+    step's dense work reads its weights at, to a first approximation)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(samples + 1):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        if i:  # the first copy pays for first touches
+            times.append(time.perf_counter() - t0)
+    return 2 * nbytes / min(times) / 1e9
+
+
 def measure_bh_gbps(runner: CpuExpertRunner, bank: ExpertBank, samples: int = 10) -> float:
     """CPU expert rate (weight bytes per second) for one token through up to 4 experts at once,
     as a decode step hands its CPU share over."""

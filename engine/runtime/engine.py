@@ -15,7 +15,7 @@ import torch
 from ...kernels import common, no_triton
 from ...kernels.native_build import NativeKernelError, load_native
 from ..config.args import default_cpu_threads, physical_cores
-from ..config.bandwidth import best, load_profile
+from ..config.bandwidth import best, device_best, load_profile
 from ..config.config import EngineConfig
 from ..config.memory import MemoryPlanError, VramPlan, log_plan
 from ..config.split import DeviceBudget, SplitPlan, plan_graphed_devices
@@ -26,6 +26,7 @@ from ..experts.cpu import (
     cpu_ranges,
     measure_bh_gbps,
     measure_bp_gbps,
+    measure_device_gbps,
     start_cpu_executor,
 )
 from ..experts.misses import MissPolicy
@@ -193,10 +194,12 @@ class Engine:
         budget and its link's rate, measured now from the bank's memory."""
         memory = self.config.memory
         budgets = []
-        for name, device in zip(memory.device_names, self.devices, strict=True):
-            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        for index, (name, device) in enumerate(zip(memory.device_names, self.devices, strict=True)):
+            cuda = device.type == "cuda"
+            free = torch.cuda.mem_get_info(device)[0] if cuda else None
             link = measure_bp_gbps(self.bank, device)
-            budgets.append(DeviceBudget(name, memory.budget_bytes(free), link))
+            rate = measure_device_gbps(device) if cuda else None
+            budgets.append(DeviceBudget(name, memory.budget_bytes(free, index), link, rate))
         # each device holds its own graphs' pool where the memory plan allows
         request = self.config.memory_request(
             budget_bytes=0, elem_bytes=self.dtype.itemsize, cuda=self.device.type == "cuda"
@@ -204,13 +207,17 @@ class Engine:
         split = plan_graphed_devices(self.spec, request, tuple(budgets), memory.layer_split)
         self.split = split
         self.link_gbps = [b.link_gbps for b in budgets]
+        self.memory_gbps = [b.memory_gbps for b in budgets]
         self.layers_on = LayerPlacement(tuple(self.devices), split.ranges)
         self.plan = split.total
         for budget, span, plan in zip(budgets, split.ranges, split.plans, strict=True):
+            memory_rate = f", memory {budget.memory_gbps:.0f} GB/s" if budget.memory_gbps else ""
             log.info(
-                "%s: layers %d-%d, link %.1f GB/s; %s",
-                budget.name, span.start, span.stop - 1, budget.link_gbps, plan.describe(),
+                "%s: layers %d-%d, link %.1f GB/s%s; %s",
+                budget.name, span.start, span.stop - 1, budget.link_gbps, memory_rate,
+                plan.describe(),
             )  # fmt: skip
+        log.info("%s", split.limit.limit_text())
 
     def _load_bank(self, source: TensorSource, progress: LoadProgress) -> ExpertBank:
         """The expert bank in host memory: built in memory for synthetic weights, else the
@@ -447,7 +454,11 @@ class Engine:
         bp = bh = None
         if profile is not None:
             kind = "h2d_pinned" if self.bank.pinned_layers else "h2d_pageable"
-            bp = best(profile, kind) if self.device.type == "cuda" else None
+            bp = (
+                device_best(profile, kind, self.device.index or 0)
+                if self.device.type == "cuda"
+                else None
+            )
             # the profile's CPU rate is bf16's: the kernel reads FP8 and 4-bit at rates of their own
             if self.bank.fmt == "bf16":
                 bh = best(profile, "cpu_experts", threads=cpu.num_threads, experts=4,
@@ -695,11 +706,15 @@ class Engine:
                 free, memory["total"] = torch.cuda.mem_get_info(device)
                 accounted = sum(v for k, v in memory.items() if k not in ("index", "total"))
                 memory["other"] = max(0, memory["total"] - free - accounted)
+            step = self.split.steps[d]
             out.append(
                 {
                     "device": self.split.names[d],
                     "layers": [span.start, span.stop - 1],
                     "link_gbps": self.link_gbps[d],
+                    "memory_gbps": self.memory_gbps[d],
+                    "step_ms": step.seconds * 1e3,
+                    "limits": step is self.split.limit,
                     "slots": caches[d].slots,
                     "kv_tokens": kv.capacity_tokens,
                     "plan": plan.to_dict(),

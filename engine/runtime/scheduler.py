@@ -1,11 +1,21 @@
 """Continuous batching: which sequences run, which prompt chunk or decode batch goes next.
 
-A request is admitted when the KV cache can hold its whole prompt plus `max_tokens`, so a running
-sequence never runs out of KV; requests that cannot fit yet wait in the queue. A hybrid model's
-sequence also takes a slot of the state pool (states.py) at admission and gives it back when it
-ends, and so does a sliding-window model's, whose slot holds its sliding layers' window
-(window.py). A prompt that begins with blocks an earlier request computed takes them from the
-prefix cache (kv.py) and is prefilled from there. Long prompts are prefilled in chunks,
+A request is admitted when the KV cache can hold its prompt and still leave a few blocks free
+(`WATERMARK` of the cache) for the running sequences to grow into; a running sequence takes a
+block more each time its decode reaches a new one. When a decode step cannot get the blocks it
+needs, the most recently admitted running sequence is preempted by recompute: its KV blocks go
+back (the full ones stay named in the prefix cache), so do its state slot and its window's ring,
+and it goes back to the head of the queue. Admitted again, it prefills its prompt and the tokens
+it had generated (`Sequence.prefill_length`; the prefix cache and the state checkpoints apply as
+to any prompt) and decodes on: its client sees one stream. A decode step in flight (overlapped
+decode) may still write into the blocks and the slot of a sequence preempted meanwhile, as into
+those of a sequence that finished: the device runs its steps in order, so whatever takes them
+next writes after it, and the token it draws is the sequence's next (`Stepper._land`).
+
+A hybrid model's sequence also takes a slot of the state pool (states.py) at admission and gives
+it back when it ends, and so does a sliding-window model's, whose slot holds its sliding layers'
+window (window.py). A prompt that begins with blocks an earlier request computed takes them from
+the prefix cache (kv.py) and is prefilled from there. Long prompts are prefilled in chunks,
 alternating with decode steps of the running sequences.
 
 A hybrid or sliding-window model's prompt resumes only where its state (the recurrent states, or
@@ -19,6 +29,7 @@ prefill chunk ends at each of them.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +39,9 @@ from ..model.states import SlotPool
 from .sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
+log = logging.getLogger(__name__)
+
+WATERMARK = 0.01  # of the KV blocks, left free at admission for running sequences to grow into
 
 
 @dataclass(slots=True, eq=False)
@@ -54,6 +68,8 @@ class Sequence:
     # chat's system prompt and of its last message), and those still to be kept
     boundaries: tuple[int, ...] = ()
     checkpoints: list[int] = field(default_factory=list)
+    recomputed: int = 0  # output tokens its prefill computes again after a preemption
+    preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     first_token_time: float | None = None
     arrival_time: float = 0.0
@@ -67,16 +83,18 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefill_length(self) -> int:
+        """The tokens its prefill computes: the prompt, and after a preemption the output the
+        sequence had when it was admitted again."""
+        return len(self.prompt_ids) + self.recomputed
+
+    @property
     def prefilling(self) -> bool:
-        return self.computed < len(self.prompt_ids)
+        return self.computed < self.prefill_length
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def max_length(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +107,7 @@ class Chunk:
 
     @property
     def completes_prompt(self) -> bool:
-        return self.start + self.count >= len(self.seq.prompt_ids)
+        return self.start + self.count >= self.seq.prefill_length
 
 
 class Scheduler:
@@ -110,6 +128,7 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens
         # prompt tokens admitted, and those of them the prefix cache held
         self.prompt_tokens = self.cached_tokens = 0
+        self.preemptions = 0  # sequences preempted since the start
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False
@@ -148,40 +167,52 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    @property
+    def watermark(self) -> int:
+        """Blocks an admission leaves free while sequences run, for them to grow into."""
+        return max(1, int(self.kv.num_blocks * WATERMARK))
+
     def _admit(self) -> None:
         while not self.paused and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            # (a preempted sequence's step in flight lands in the step that preempted it)
+            assert not seq.pending, "a sequence admitted while its token is in flight"
             kv = self.kv
             if self.states is not None and not self.states.free_slots:
                 break
-            need = kv.blocks_for(seq.max_length)
+            seq.recomputed = len(seq.output_ids)
+            tokens = seq.tokens
+            need = kv.blocks_for(len(tokens))
+            free = kv.free_blocks - (self.watermark if self.running else 0)
             # what the cache could save at most: while even that leaves too few blocks, a
             # waiting prompt is not matched again at every step
-            at_most = min(kv.cached_blocks, (len(seq.prompt_ids) - 1) // kv.block_size)
-            if need - at_most > kv.free_blocks:
+            at_most = min(kv.cached_blocks, (len(tokens) - 1) // kv.block_size)
+            if need - at_most > free:
                 break  # it waits until running sequences free their blocks
             # a scored prompt computes every token: its logits are wanted
             scored = seq.params.prompt_logprobs is not None
-            cached, chain = kv.match(seq.prompt_ids) if not scored else ([], 0)
+            cached, chain = kv.match(tokens) if not scored else ([], 0)
             if self.states is not None:
-                cached, chain = self._resumable(seq.prompt_ids, cached)
+                cached, chain = self._resumable(tokens, cached)
             if not scored and self._prefill_computes(seq, len(cached)):
                 break  # it matches the page once that prefill names it
             need -= len(cached)
-            if need > kv.free_blocks - kv.idle_among(cached):
+            if need > free - kv.idle_among(cached):
                 break
             self.waiting.popleft()
             kv.hold(cached)
             seq.blocks = cached + kv.allocate(need)
             seq.named_blocks, seq.chain = len(cached), chain
-            seq.computed = seq.cached_tokens = len(cached) * kv.block_size
+            seq.computed = len(cached) * kv.block_size
             if self.states is not None:
                 seq.state_slot = self.states.allocate()
                 if cached:
                     self.states.resume((chain, seq.computed), seq.state_slot)
                 seq.checkpoints = self._checkpoints(seq)
-            self.prompt_tokens += len(seq.prompt_ids)
-            self.cached_tokens += seq.cached_tokens
+            if not seq.preemptions:  # (a recompute is not a new prompt)
+                seq.cached_tokens = seq.computed
+                self.prompt_tokens += len(seq.prompt_ids)
+                self.cached_tokens += seq.cached_tokens
             self.running.append(seq)
 
     def _resumable(self, prompt: list[int], cached: list[int]) -> tuple[list[int], int]:
@@ -203,7 +234,7 @@ class Scheduler:
         if not self.checkpointing:
             return []
         size, every = self.kv.block_size, self.checkpoint_interval
-        last = (len(seq.prompt_ids) - 1) // size * size
+        last = (seq.prefill_length - 1) // size * size
         marks = set(seq.boundaries)
         if every:
             marks.update(range(every, last + 1, every))
@@ -216,12 +247,12 @@ class Scheduler:
         cache rather than compute it again, as n requests with one prompt, or with one few-shot
         prefix, sent at once would."""
         size = self.kv.block_size
-        if not self.kv.prefix_cache or matched >= (len(seq.prompt_ids) - 1) // size:
+        if not self.kv.prefix_cache or matched >= (len(seq.tokens) - 1) // size:
             return False
         end = (matched + 1) * size
-        page = seq.prompt_ids[:end]
+        page = seq.tokens[:end]
         return any(
-            s.prefilling and s.named_blocks <= matched and s.prompt_ids[:end] == page
+            s.prefilling and s.named_blocks <= matched and s.tokens[:end] == page
             for s in self.running
         )
 
@@ -237,7 +268,7 @@ class Scheduler:
             for seq in prefilling:
                 if budget <= 0:
                     break
-                count = min(budget, len(seq.prompt_ids) - seq.computed)
+                count = min(budget, seq.prefill_length - seq.computed)
                 if seq.checkpoints:  # the chunk ends where the state is to be kept
                     count = min(count, seq.checkpoints[0] - seq.computed)
                 chunks.append(Chunk(seq, seq.computed, count))
@@ -246,11 +277,49 @@ class Scheduler:
         self._last_was_prefill = False
         # A token still in flight is the next step's input (read on the device); a sequence whose
         # token in flight is its last one has nothing more to run.
-        return [
-            Chunk(s, s.length - 1 + s.pending, 1)
-            for s in decoding
-            if len(s.output_ids) + s.pending < s.params.max_tokens
-        ]
+        return self._grow(
+            [s for s in decoding if len(s.output_ids) + s.pending < s.params.max_tokens]
+        )
+
+    def _grow(self, decoding: list[Sequence]) -> list[Chunk]:
+        """The decode chunks of `decoding` (in the order they were admitted), each sequence
+        given the block its token goes to where it has none yet; where the cache has no block
+        left, the most recently admitted running sequences are preempted for it (the sequence
+        itself where it is the most recent)."""
+        kv, chunks = self.kv, []
+        for seq in decoding:
+            if seq not in self.running:
+                continue  # preempted for an older one
+            start = seq.length - 1 + seq.pending
+            need = kv.blocks_for(start + 1) - len(seq.blocks)
+            while need > kv.free_blocks and self.running[-1] is not seq:
+                self.preempt(self.running[-1])
+            if need > kv.free_blocks:
+                self.preempt(seq)
+                continue
+            seq.blocks += kv.allocate(need)
+            chunks.append(Chunk(seq, start, 1))
+        return chunks
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running sequence by recompute: give its blocks (the full ones named in
+        the prefix cache), its state slot and its checkpoints to come back and queue it first,
+        to prefill its prompt and its output again when it is admitted."""
+        self.running.remove(seq)
+        self.kv.release(seq.blocks)
+        if seq.state_slot >= 0 and self.states is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = -1
+        seq.computed = seq.named_blocks = seq.chain = 0
+        seq.checkpoints = []
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+        log.info(
+            "preempted request %d at %d tokens (%d running, %d KV blocks free); it is "
+            "recomputed when blocks free up",
+            seq.id, seq.length, len(self.running), self.kv.free_blocks,
+        )  # fmt: skip
 
     def name_blocks(self, seq: Sequence) -> None:
         """Name the sequence's blocks that are full, computed and whose tokens the host knows

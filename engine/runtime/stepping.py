@@ -327,13 +327,14 @@ class Stepper:
 
 def _scored_positions(chunks: list[Chunk]) -> list[tuple[Chunk, int, int]]:
     """(chunk, row in the step, position) of each prompt token whose next prompt token a
-    scored sequence (params.prompt_logprobs) wants the log probability of, in step order."""
+    scored sequence (params.prompt_logprobs) wants the log probability of and has not got yet
+    (a preempted one's prefill computes them again), in step order."""
     out, row = [], 0
     for c in chunks:
-        prompt = c.seq.prompt_ids
+        prompt, first = c.seq.prompt_ids, max(c.start, len(c.seq.prompt_logprobs))
         if c.seq.params.prompt_logprobs is not None:
             out += [(c, row + p - c.start, p)
-                    for p in range(c.start, min(c.start + c.count, len(prompt) - 1))]  # fmt: skip
+                    for p in range(first, min(c.start + c.count, len(prompt) - 1))]  # fmt: skip
         row += c.count
     return out
 

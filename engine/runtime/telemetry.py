@@ -235,7 +235,8 @@ class Telemetry:
             out.append(row)
         return out
 
-    def stats(self, *, running: int, queued: int, model_name: str) -> dict:
+    def stats(self, *, running: int, queued: int, model_name: str, preempted: int = 0) -> dict:
+        """/v1/stats: `running` and `queued` requests now, `preempted` since the start."""
         engine = self.engine
         cache, experts, bank = self.cache.snapshot(), self.experts.snapshot(), self.bank.snapshot()
         now = time.monotonic()
@@ -280,6 +281,7 @@ class Telemetry:
             "requests": {
                 "running": running,
                 "queued": queued,
+                "preempted": preempted,
                 "completed": self.completed,
                 "ttft_mean_s": float(np.mean(ttft_sorted)) if ttft_sorted else None,
                 "ttft_p95_s": float(ttft_sorted[int(0.95 * (len(ttft_sorted) - 1))])

@@ -124,10 +124,12 @@ class EngineWorker(threading.Thread):
             future.set_result(result)
 
     def _fail_running(self, err: Exception) -> None:
-        """A step failed (e.g. out of memory): end its sequences with an error, keep serving."""
+        """A step failed (e.g. out of memory): end its sequences with an error (and those
+        preempted while their token was in flight), keep serving."""
         log.error("step failed: %s\n%s", err, traceback.format_exc())
         engine = self.engine
-        for seq in list(engine.scheduler.running):
+        scheduler = engine.scheduler
+        for seq in [*scheduler.running, *(s for s in scheduler.waiting if s.pending)]:
             engine.scheduler.finish(seq, "error")
             engine.sampler.forget(seq.id)
             if seq.on_token is not None:

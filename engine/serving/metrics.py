@@ -29,6 +29,11 @@ class _StatsCollector:
         c = CounterMetricFamily("moelab_requests_completed", "Requests finished", labels=["model"])
         c.add_metric([model], req["completed"])
         yield c
+        c = CounterMetricFamily(
+            "moelab_requests_preempted", "Running requests preempted by recompute", labels=["model"]
+        )
+        c.add_metric([model], req["preempted"])
+        yield c
         if req["ttft_mean_s"] is not None:
             yield _gauge(
                 "moelab_ttft_mean_seconds", "Mean time to first token", model, req["ttft_mean_s"]

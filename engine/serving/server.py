@@ -460,9 +460,13 @@ class Server:
         return JSONResponse(body)
 
     def _stats_snapshot(self, engine) -> dict:
-        running = len(engine.scheduler.running)
-        queued = len(engine.scheduler.waiting)
-        return engine.telemetry.stats(running=running, queued=queued, model_name=self.model_name)
+        s = engine.scheduler
+        return engine.telemetry.stats(
+            running=len(s.running),
+            queued=len(s.waiting),
+            preempted=s.preemptions,
+            model_name=self.model_name,
+        )
 
     async def metrics(self, request: Request) -> Response:
         from .metrics import render_metrics

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from moelab.daemon.hardware import GpuInfo
+from moelab.daemon.measure import Reading
 from moelab.daemon.service import Daemon
 from tests.daemon.conftest import make_daemon
 
@@ -81,3 +82,31 @@ def test_a_pc_without_a_gpu_says_so_instead_of_an_empty_memory_chart(
     )
     dashboard = client.get("/").text
     assert 'data-chart="vram"' in dashboard and "No GPU" not in dashboard
+
+
+def test_the_hardware_page_lists_each_gpu_with_its_link_and_memory(
+    idle_daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two cards: each row names its PCIe link's peak, the host-to-GPU copy measured on it and
+    its memory's peak rate."""
+    probed = idle_daemon.hardware.inventory()
+    cards = (
+        GpuInfo(0, "RTX 4090", "GPU-a", None, 24 << 30, 20 << 30, 4, 16, 4, 16, 1008.1),
+        GpuInfo(1, "RTX 3060", "GPU-b", None, 12 << 30, 11 << 30, 3, 8, 1, 8, 360.0),
+    )
+    two = dataclasses.replace(probed, gpus=cards)
+    monkeypatch.setattr(idle_daemon.hardware, "inventory", lambda **_: two)
+    idle_daemon.hardware.record(
+        [
+            Reading("h2d_pinned", 24.6, "GB/s", {"gpu_index": 0}),
+            Reading("h2d_pinned", 6.1, "GB/s", {"gpu_index": 1}),
+        ],
+        "moelab bench bw",
+        two,
+    )
+    client = local_client(idle_daemon)
+    page = client.get("/hardware").text
+    assert "(max 4×16, 31.5 GB/s peak) · host to GPU 24.6 GB/s measured · memory 1008 GB/s" in page
+    assert "(max 3×8, 7.9 GB/s peak) · host to GPU 6.1 GB/s measured · memory 360 GB/s" in page
+    japanese = client.get("/hardware", headers={"Accept-Language": "ja"}).text
+    assert "ホストから GPU へ 6.1 GB/s（実測）" in japanese

@@ -155,3 +155,45 @@ def test_a_split_engine_shows_each_card_in_the_memory_chart_and_the_heatmaps() -
     assert _layer_names(data, Translator("en")) == ["L0 cuda:0", "L1 cuda:0", "L2 cuda:1"]
     data["experts"]["layer_types"] = ["linear_attention", "full_attention", "linear_attention"]
     assert _layer_names(data, Translator("en"))[1] == "L1 attention cuda:0"
+
+
+def split_stats() -> list[dict[str, Any]]:
+    """The recorded demo engine's bodies as an engine split across an RTX 4090 and an RTX 3060
+    reports them: each card's layers, link, memory rate and slots, the 3060 limiting the step."""
+    bodies = copy.deepcopy(RECORDED())
+    for body in bodies:
+        body["devices"] = [
+            {"device": "cuda:0", "layers": [0, 2], "link_gbps": 24.6, "memory_gbps": 921.0,
+             "slots": 12, "limits": False, "step_ms": 3.1},
+            {"device": "cuda:1", "layers": [3, 3], "link_gbps": 6.1, "memory_gbps": 322.0,
+             "slots": 4, "limits": True, "step_ms": 3.4},
+        ]  # fmt: skip
+    return bodies
+
+
+def test_the_experts_page_lists_each_card_of_a_split_and_the_one_that_limits(
+    tmp_path: Path, demo_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon = make_daemon(tmp_path / "data", demo_model.parent)
+    daemon.start()
+    try:
+        monkeypatch.setattr(conftest, "recorded_stats", split_stats)
+        ids = record_engine(daemon, demo_model, name="split-engine",
+                            flags=("--devices", "cuda:0,cuda:1"))  # fmt: skip
+        en = get_page(local_client(daemon), f"/experts/{ids.running_id}", "en")
+        rows = re.findall(r"<tr><td><code>(cuda:\d)</code>.*?</tr>", en, re.S)
+        assert rows == ["cuda:0", "cuda:1"]
+        table = en[en.index('id="split-cards"') :]
+        assert "L3–L3" in table and "6.1 GB/s" in table and "322 GB/s" in table
+        last = table[table.index("<code>cuda:1</code>") : table.index("</tbody>")]
+        assert "<strong>limits the step</strong>" in last
+        assert "limits the step" not in table[: table.index("<code>cuda:1</code>")]
+        ja = get_page(local_client(daemon), f"/experts/{ids.running_id}", "ja")
+        assert "<strong>ステップを律速</strong>" in ja
+        # one device: no table of cards
+        monkeypatch.setattr(conftest, "recorded_stats", RECORDED)
+        alone = record_engine(daemon, demo_model, name="one-card", port=8197)
+        page = get_page(local_client(daemon), f"/experts/{alone.running_id}", "en")
+        assert 'id="split-cards"' not in page
+    finally:
+        daemon.close()

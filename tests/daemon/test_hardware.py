@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 import os
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from moelab.daemon import child, hardware
 from moelab.daemon.jobs import Jobs
-from moelab.daemon.measure import HardwareService, inventory_readings
+from moelab.daemon.measure import HardwareService, Reading, inventory_json, inventory_readings
 from moelab.daemon.store import Store
 
 from .conftest import asgi_client, make_daemon
@@ -37,6 +38,9 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     module.nvmlDeviceGetMaxPcieLinkWidth = lambda h: 16
     module.nvmlDeviceGetCurrPcieLinkGeneration = lambda h: state.gen_current
     module.nvmlDeviceGetCurrPcieLinkWidth = lambda h: 16
+    module.NVML_CLOCK_MEM = 2
+    module.nvmlDeviceGetMemoryBusWidth = lambda h: 384
+    module.nvmlDeviceGetMaxClockInfo = lambda h, clock: 10501 if clock == 2 else 3105
     module.nvmlSystemGetDriverVersion = lambda: "550.54.14"
 
     def no_v2() -> int:
@@ -61,6 +65,45 @@ def test_inventory_reads_gpus_through_nvml(fake_nvml: types.SimpleNamespace) -> 
     assert inventory.driver_version == "550.54.14" and inventory.cuda_version == "12.4"
     kinds = {r.kind: r.value for r in inventory_readings(inventory)}
     assert kinds["gpu.vram_total"] == 24 * 1024**3 and kinds["gpu.pcie_gen_max"] == 4
+
+
+def test_each_gpu_is_listed_with_its_links_and_its_memorys_peak_rates(
+    fake_nvml: types.SimpleNamespace,
+) -> None:
+    """The RTX 4090's 384-bit bus at 10501 MHz moves 1008 GB/s; its PCIe 4.0 x16 link 31.5."""
+    inventory = hardware.probe_inventory()
+    (gpu,) = inventory.gpus
+    assert gpu.memory_gbps == pytest.approx(1008.1, abs=0.1)
+    assert {r.kind: r.value for r in inventory_readings(inventory)}["gpu.memory_gbps"] == (
+        gpu.memory_gbps
+    )
+    (listed,) = inventory_json(inventory)["gpus"]
+    assert listed["pcie"]["peak_gbps"] == pytest.approx(31.5, abs=0.01)
+    assert listed["memory_gbps"] == gpu.memory_gbps
+
+
+def test_a_rate_measured_on_one_gpu_of_two_is_stored_as_that_gpus(tmp_path: Path) -> None:
+    cards = (
+        hardware.GpuInfo(0, "RTX 4090", "GPU-a", None, 24 << 30, 24 << 30, 4, 16, 4, 16),
+        hardware.GpuInfo(1, "RTX 3060", "GPU-b", None, 12 << 30, 12 << 30, 3, 8, 3, 8),
+    )
+    store = Store(tmp_path / "mgr.sqlite3")
+    service = HardwareService(store, Jobs())
+    inventory = dataclasses.replace(service.inventory(), gpus=cards)
+    service.record(
+        [
+            Reading("h2d_pinned", 25.0, "GB/s", {"gpu_index": 0}),
+            Reading("h2d_pinned", 6.1, "GB/s", {"gpu_index": 1}),
+            Reading("cpu_experts", 9.0, "GB/s", {"threads": 2}),
+        ],
+        "moelab bench bw",
+        inventory,
+    )
+    stored = {(m.kind, m.value): (m.gpu_uuid, m.gpu_name) for m in service.latest()}
+    assert stored[("h2d_pinned", 25.0)] == ("GPU-a", "RTX 4090")
+    assert stored[("h2d_pinned", 6.1)] == ("GPU-b", "RTX 3060")
+    assert stored[("cpu_experts", 9.0)] == (None, None)
+    store.close()
 
 
 def test_pcie_link_under_load_is_stored_when_it_changes(

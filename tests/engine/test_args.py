@@ -36,7 +36,7 @@ def test_sizes_and_policies_parse():
     args = build_parser().parse_args(
         ["--model-path", "m", "--moe-miss-policy", "split:0.25", "--device-memory", "512MiB"]
     )
-    assert args.moe_miss_policy == "split:0.25" and args.device_memory == 512 * 1024**2
+    assert args.moe_miss_policy == "split:0.25" and args.device_memory == (512 * 1024**2,)
     assert build_parser().parse_args(["--model-path", "m"]).moe_copy_ahead == 0.75
     assert (
         build_parser().parse_args(["--model-path", "m", "--moe-copy-ahead", "0"]).moe_copy_ahead

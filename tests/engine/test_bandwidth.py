@@ -9,7 +9,9 @@ import pytest
 from moelab.engine.config.bandwidth import (
     PROFILE_VERSION,
     best,
+    device_best,
     load_profile,
+    pcie_gbps,
     save_crossover,
     save_profile,
 )
@@ -56,3 +58,28 @@ def test_the_prefill_crossover_is_recorded_once_in_the_profile(tmp_path):
     match = {"num_experts": spec.num_experts, "top_k": spec.top_k}
     assert best(loaded, "prefill_crossover", **match) == 32
     assert sum(r["kind"] == "prefill_crossover" for r in loaded["results"]) == 1
+
+
+def test_each_gpus_rate_reads_back_as_its_own(tmp_path):
+    """`moelab bench bw` measures the copy on each GPU; an engine on cuda:1 reads cuda:1's, and
+    a row of a profile that named no GPU is the first GPU's."""
+    measured = profile()
+    expert = measured["expert"]
+    measured["results"] += [
+        {"kind": "h2d_pinned", "params": {**expert, "gpu_index": 0}, "value": 25.0},
+        {"kind": "h2d_pinned", "params": {**expert, "gpu_index": 1}, "value": 6.1},
+    ]
+    loaded = load_profile(64, 32, "bfloat16", save_profile(measured, tmp_path / "p.json"))
+    assert loaded is not None
+    assert device_best(loaded, "h2d_pinned", 1) == 6.1
+    assert device_best(loaded, "h2d_pinned", 0) == 25.0
+    assert device_best(loaded, "h2d_pinned", 2) is None
+    older = profile()
+    older["results"].append({"kind": "h2d_pinned", "params": expert, "value": 12.0})
+    assert device_best(older, "h2d_pinned", 0) == 12.0
+
+
+def test_a_pcie_links_peak_follows_its_generation_and_width():
+    assert pcie_gbps(4, 16) == pytest.approx(31.5, abs=0.01)
+    assert pcie_gbps(3, 8) == pytest.approx(7.88)
+    assert pcie_gbps(None, 16) is None and pcie_gbps(9, 16) is None

@@ -31,10 +31,10 @@ REFUSED = [
         "model",
         "expert_dtype",
         "int4",
-        "--moe-expert-dtype int4: choose one of auto, bf16, fp8, mxfp4",
+        "--moe-expert-dtype int4: choose one of auto, bf16, fp8, mxfp4, nvfp4",
     ),
     ("memory", "device", "gpu", "--device gpu: not a device; use auto, cpu, cuda or cuda:N"),
-    ("memory", "device_memory_bytes", -1, "--device-memory -1: -1 is not a size"),
+    ("memory", "device_memory_bytes", (-1,), "--device-memory -1: -1 is not a size"),
     ("memory", "kv_reserve_tokens", 0, "--kv-reserve-tokens 0: 0 must be at least 1"),
     ("memory", "max_context", 0, "--max-context 0: 0 must be at least 1"),
     ("memory", "headroom_bytes", -1, "--memory-headroom -1: -1 is not a size"),
@@ -136,7 +136,7 @@ def test_on_off_flags_set_what_they_turn_off_and_values_arrive_typed():
     assert not settings.batching.cuda_graph and not settings.batching.overlap_decode
     assert not settings.memory.prefix_cache and not settings.experts.split_misses
     assert not settings.prefill.overlap and not settings.server.stats
-    assert settings.memory.device_memory_bytes == 3 * GIB and settings.experts.cache_rate == 0.5
+    assert settings.memory.device_memory_bytes == (3 * GIB,) and settings.experts.cache_rate == 0.5
     assert settings.server.allowed_origins == ("http://localhost:3000",)
     defaults = config()
     assert defaults.batching.cuda_graph and defaults.memory.prefix_cache

@@ -11,15 +11,22 @@ from hypothesis import strategies as st
 from moelab.engine.config.args import build_parser
 from moelab.engine.config.config import ConfigError, EngineConfig
 from moelab.engine.config.split import (
+    DeviceBudget,
     DeviceShare,
     LayerBytes,
     LayerSplit,
     SplitError,
     default_counts,
+    layer_bytes,
+    plan_devices,
     plan_split,
+    step_estimates,
 )
+from moelab.engine.model.spec import ModelSpec
+from moelab.engine.model.synth import make_config
 
 GIB = 1024**3
+A3B = ModelSpec.from_config(make_config("qwen3_moe", "qwen3-30b-a3b"))
 
 
 def parse_error(capsys, *flags: str) -> str:
@@ -162,21 +169,29 @@ def test_where_every_expert_fits_the_layers_follow_the_memory():
     assert default_counts((big, small), layers) == (20, 10)
 
 
-devices_st = st.lists(
-    st.builds(
-        DeviceShare,
-        name=st.sampled_from(["cuda:0"]),
-        free_bytes=st.integers(GIB // 4, 48 * GIB),
-        link_gbps=st.floats(1.0, 64.0),
-    ),
-    min_size=2,
-    max_size=5,
-).map(lambda ds: tuple(dataclasses.replace(d, name=f"cuda:{i}") for i, d in enumerate(ds)))
+def _devices(known_memory: bool) -> st.SearchStrategy[tuple[DeviceShare, ...]]:
+    return st.lists(
+        st.builds(
+            DeviceShare,
+            name=st.sampled_from(["cuda:0"]),
+            free_bytes=st.integers(GIB // 4, 48 * GIB),
+            link_gbps=st.floats(1.0, 64.0),
+            memory_gbps=st.floats(100.0, 4000.0) if known_memory else st.none(),
+        ),
+        min_size=2,
+        max_size=5,
+    ).map(lambda ds: tuple(dataclasses.replace(d, name=f"cuda:{i}") for i, d in enumerate(ds)))
+
+
+# the cards' memory rates known (the split weighs their compute) or not
+devices_st = st.booleans().flatmap(_devices)
 layers_st = st.builds(
-    lambda n, fixed, experts: (LayerBytes(fixed, experts),) * n,
+    lambda n, fixed, experts, dense, active: (LayerBytes(fixed, experts, dense, active),) * n,
     st.integers(5, 96),
     st.integers(2**20, GIB // 4),
     st.integers(0, 2 * GIB),
+    st.integers(0, GIB // 4),
+    st.sampled_from([1.0, 8 / 128, 4 / 32]),
 )
 
 
@@ -203,10 +218,12 @@ def test_a_faster_or_bigger_card_gets_no_fewer_layers(devices, layers, data):
     # make device a at least as big and fast as b, and strictly more of one
     more_memory = data.draw(st.booleans())
     da, db = devices[a], devices[b]
+    faster = None if da.memory_gbps is None else max(da.memory_gbps, db.memory_gbps or 0.0)
     da = dataclasses.replace(
         da,
         free_bytes=max(da.free_bytes, db.free_bytes) + (1 if more_memory else 0),
         link_gbps=max(da.link_gbps, db.link_gbps) + (0.0 if more_memory else 0.5),
+        memory_gbps=faster,
     )
     devices = tuple(da if i == a else d for i, d in enumerate(devices))
     try:
@@ -233,3 +250,99 @@ def test_a_card_given_less_than_its_share_needs_is_named(devices, layers, data):
     with pytest.raises(SplitError) as err:
         plan_split(devices, layers, split)
     assert str(err.value).startswith(f"{over[0].name} has ")
+
+
+def test_device_memory_is_one_size_for_each_device_or_one_per_device():
+    one = EngineConfig.from_flags(
+        ["--model-path", "m", "--devices", "cpu,cpu", "--device-memory", "3GiB"]
+    ).memory
+    assert [one.budget_bytes(None, i) for i in range(2)] == [3 * GIB, 3 * GIB]
+    each = EngineConfig.from_flags(
+        ["--model-path", "m", "--devices", "cuda:0,cuda:1", "--device-memory", "12GiB,8GiB"]
+    ).memory
+    assert each.device_memory_bytes == (12 * GIB, 8 * GIB)
+    # a GPU plans its free memory, at most its own size
+    assert [each.budget_bytes(10 * GIB, i) for i in range(2)] == [10 * GIB, 8 * GIB]
+    assert [each.budget_bytes(6 * GIB, i) for i in range(2)] == [6 * GIB, 6 * GIB]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--devices", "cuda:0,cuda:1", "--device-memory", "12GiB,8GiB,4GiB"],
+            "--device-memory 12GiB,8GiB,4GiB gives 3 sizes for 2 device(s) (cuda:0,cuda:1); "
+            "give one size for each device, or one per device of --devices",
+        ),
+        (
+            ["--device", "cuda:0", "--device-memory", "12GiB,8GiB"],
+            "--device-memory 12GiB,8GiB gives 2 sizes for 1 device(s) (cuda:0); give one size "
+            "for each device, or one per device of --devices",
+        ),
+    ],
+)
+def test_device_memory_of_other_parts_than_the_devices_is_refused(flags, message):
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_flags(["--model-path", "m", *flags])
+    assert str(err.value) == message
+
+
+def test_a_device_memory_list_that_is_no_sizes_is_refused_in_words(capsys):
+    assert "'lots' is not a size" in parse_error(capsys, "--device-memory", "12GiB,lots")
+
+
+def test_an_older_smaller_card_on_a_narrower_link_gets_fewer_layers():
+    """Qwen3-30B-A3B across an RTX 4090 (24 GiB, PCIe 4.0 x16, 1008 GB/s memory) and an RTX
+    3060 (12 GiB, PCIe 3.0 x8, 360 GB/s): the old card takes fewer layers, the steps come out
+    within one layer of each other, and the plan names the card that limits; two equal cards
+    share the layers evenly."""
+    request = EngineConfig.from_flags(["--model-path", "m"]).memory_request(
+        budget_bytes=0, elem_bytes=2, cuda=False
+    )
+    new = DeviceBudget("cuda:0", 24 * GIB, 25.0, 1008.0)
+    old = DeviceBudget("cuda:1", 12 * GIB, 6.0, 360.0)
+    split = plan_devices(A3B, request, (new, old))
+    counts = [len(r) for r in split.ranges]
+    assert counts[0] > 2 * counts[1] and sum(counts) == 48
+    limit = split.limit
+    assert limit.seconds == max(step.seconds for step in split.steps)
+    assert str(limit.limit_text()).startswith(f"{limit.device.name} limits the step: its layers'")
+    # a layer moved off the card that limits leaves the other card's step as long or longer
+    d = split.steps.index(limit)
+    moved = list(counts)
+    moved[d], moved[1 - d] = moved[d] - 1, moved[1 - d] + 1
+    shares = tuple(step.device for step in split.steps)
+    after = step_estimates(shares, layer_bytes(A3B, request), tuple(moved))
+    assert max(step.seconds for step in after) >= limit.seconds
+    same = plan_devices(A3B, request, (new, DeviceBudget("cuda:1", 24 * GIB, 25.0, 1008.0)))
+    assert [len(r) for r in same.ranges] == [24, 24]
+
+
+def test_a_card_with_slower_memory_gets_fewer_layers_where_every_expert_fits():
+    """Equal memory and links, every expert resident: the step is the dense work, so the card
+    whose memory reads at 360 GB/s takes fewer layers than the 1008 GB/s one and is named as
+    what limits; where a card's memory rate is not known, the layers follow the memory."""
+    layers = (LayerBytes(GIB // 100, GIB // 50, GIB // 100, 8 / 128),) * 30
+    fast = DeviceShare("cuda:0", 20 * GIB, 25.0, 1008.0)
+    slow = DeviceShare("cuda:1", 20 * GIB, 25.0, 360.0)
+    counts = default_counts((fast, slow), layers)
+    assert counts == (22, 8)
+    steps = step_estimates((fast, slow), layers, counts)
+    assert all(step.miss_s == 0 for step in steps)
+    limit = max(steps, key=lambda step: step.seconds)
+    assert str(limit.limit_text()) == (
+        "cuda:1 limits the step: its layers' dense work reads its memory at 360 GB/s"
+    )
+    unknown = dataclasses.replace(slow, memory_gbps=None)
+    assert default_counts((fast, unknown), layers) == (15, 15)
+
+
+@settings(max_examples=200, deadline=None)
+@given(device=_devices(True).map(lambda ds: ds[0]), k=st.integers(2, 4), layers=layers_st)
+def test_equal_cards_share_the_layers_evenly(device, k, layers):
+    cards = tuple(dataclasses.replace(device, name=f"cuda:{i}") for i in range(k))
+    try:
+        counts = default_counts(cards, layers)
+    except SplitError:
+        return
+    assert max(counts) - min(counts) <= 1

@@ -154,6 +154,10 @@ def test_stats_report_each_device_and_the_plan_sums_them(engines):
     assert [d["layers"] for d in devices] == [[0, 0], [1, 3]]
     assert [d["slots"] for d in devices] == [c.slots for c in split.cache.caches]
     assert all(d["link_gbps"] > 0 for d in devices)
+    # the planner's step estimate per device, and the one device named as what limits the step
+    # (a CPU's memory rate is not measured)
+    assert [d["memory_gbps"] for d in devices] == [None, None]
+    assert sum(d["limits"] for d in devices) == 1 and all(d["step_ms"] >= 0 for d in devices)
     memory = stats["memory"]["device"]
     rings = split.states.part_bytes() if _arch == "gpt_oss" else [0, 0]
     assert [m["kv"] for m in memory] == [

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
 
 from moelab.daemon.hardware import GpuInfo
-from moelab.daemon.measure import Reading
+from moelab.daemon.measure import Reading, inventory_readings
 from moelab.daemon.recommend import loaded_decode_tok_s
 from moelab.daemon.schema import BenchmarkRun, Server
 from moelab.daemon.service import Daemon
@@ -340,3 +341,64 @@ def test_recommend_hides_secret_flags_from_viewers(
     assert "sesame-43" not in viewer.get(f"/api/recommend?profile={profile['id']}").text
     planner = local.get(f"/api/recommend?profile={profile['id']}").json()["planner"]
     assert planner["base_flags"] == ["--api-key", "sesame-43"]
+
+
+def test_a_profile_carries_the_devices_the_split_and_each_cards_memory(
+    local: TestClient, demo_model: Path
+) -> None:
+    flags = ["--devices", "cuda:0,cuda:1", "--layer-split", "0.6,0.4", "--device-memory",
+             "12GiB,8GiB"]  # fmt: skip
+    profile = create(local, demo_model, flags)
+    assert profile["flags"] == flags
+    text = local.get(f"/api/profiles/{profile['id']}/toml").text
+    imported = local.post("/api/profiles/import", json={"toml": text, "name": "split copy"})
+    assert imported.status_code == 201, imported.text
+    assert imported.json()["flags"] == flags
+    command = local.get(f"/api/profiles/{profile['id']}/command").json()
+    assert "--device-memory 12GiB,8GiB" in command["command"]
+    refused = local.post(
+        "/api/profiles",
+        json={"name": "three sizes", "model": str(demo_model),
+              "flags": ["--devices", "cuda:0,cuda:1", "--device-memory", "12GiB,8GiB,4GiB"]},
+    )  # fmt: skip
+    status, code, message = error_of(refused)
+    assert (status, code) == (400, "invalid_flags")
+    assert "--device-memory 12GiB,8GiB,4GiB gives 3 sizes for 2 device(s)" in message
+
+
+def test_recommended_lists_each_card_of_a_split_profile(tmp_path: Path, demo_model: Path) -> None:
+    """Stored measurements of an RTX 4090 (PCIe 4.0 x16) and an RTX 3060 (PCIe 3.0 x8), the copy
+    measured on the 4090: a profile split across both lists each card's layers and link in
+    Recommended's planner and on its page, and names the card that limits the step."""
+    daemon = make_daemon(tmp_path / "data", demo_model.parent)
+    daemon.start()
+    try:
+        inventory = daemon.hardware.record_inventory()
+        cards = (
+            GpuInfo(0, "RTX 4090", "GPU-a", None, 24 * GIB, 23 * GIB, 4, 16, 4, 16, 1008.0),
+            GpuInfo(1, "RTX 3060", "GPU-b", None, 12 * GIB, 11 * GIB, 3, 8, 3, 8, 360.0),
+        )
+        two = replace(inventory, gpus=cards)
+        daemon.hardware.record(inventory_readings(two), "probe", two)
+        time.sleep(0.01)  # the bench rows are newer than the probe's
+        daemon.hardware.record(
+            [Reading("h2d_pinned", 25.0, "GB/s", {"gpu_index": 0})], "moelab bench bw", two
+        )
+        local = asgi_client(daemon, "127.0.0.1", "127.0.0.1:1901")
+        profile = create(local, demo_model, ["--devices", "cuda:0,cuda:1"])
+        path = local.get("/api/models").json()["models"][0]["path"]
+        body = local.get(f"/api/recommend?model={path}&profile={profile['id']}").json()
+        listed = body["planner"]["cards"]
+        assert [(c["device"], c["link_gbps"]) for c in listed] == [
+            ("cuda:0", 25.0),
+            ("cuda:1", 6.25),
+        ]
+        assert sum(c["limits"] for c in listed) == 1
+        page = local.get(f"/profiles/{profile['id']}").text
+        line = page[page.index('id="planner-cards"') :].split("</p>")[0]
+        assert "<code>cuda:1</code> layers" in line and "link 6.2 GB/s" in line
+        assert "limits the step" in line
+        ja = local.get(f"/profiles/{profile['id']}", headers={"Accept-Language": "ja"}).text
+        assert "リンク 6.2 GB/s" in ja and "がステップを律速しています" in ja
+    finally:
+        daemon.close()

@@ -119,7 +119,7 @@ def test_valid_flags_parse_as_the_engine_would() -> None:
     ns = validate_flags(
         ["--kv-reserve-tokens=65536", "--device-memory", "22GiB", "--no-cuda-graph", "--seed", "-1"]
     )
-    assert ns.kv_reserve_tokens == 65536 and ns.device_memory == 22 * 1024**3
+    assert ns.kv_reserve_tokens == 65536 and ns.device_memory == (22 * 1024**3,)
     assert ns.no_cuda_graph is True and ns.seed == -1 and ns.max_running_requests == 8
     assert canonical(["--kv-reserve-tokens=65536", "--no-cuda-graph"]) == [
         "--kv-reserve-tokens",

@@ -8,7 +8,7 @@ import pytest
 
 from moelab.engine.config.memory import MemoryPlanError
 from moelab.engine.config.split import DeviceBudget, plan_devices
-from moelab.profiles.flags import engine_config
+from moelab.profiles.flags import FlagError, engine_config, validate_flags
 from moelab.profiles.machine import GIB, Gpu, Machine, Rates, choose_device, plan_for
 from moelab.profiles.planner import (
     HitModel,
@@ -299,3 +299,64 @@ def test_a_gpt_oss_context_counts_its_sliding_layers_at_their_windows_pages() ->
     paged = plan_context(replace(GPT_OSS, sliding_layers=(), sliding_window=0), pc, [])
     assert paged.to_json()["state_bytes"] == 0
     assert (paged.point(32768).slots, paged.point(49152).slots) == (109, 18)
+
+
+def test_a_split_plans_each_card_at_its_own_device_memory() -> None:
+    spec = SPECS["30b"]
+    cards = (Gpu(0, "RTX 4090", None, 24 * GIB, 24 * GIB), Gpu(1, "RTX 3060", None, 12 * GIB))
+    pc = Machine("pc", "0.1.0", 16, 64 * GIB, cards)
+    config = engine_config(["--devices", "cuda:0,cuda:1", "--device-memory", "12GiB,8GiB"])
+    choice = choose_device(pc, spec, config)
+    assert [d.budget_bytes for d in choice.split] == [12 * GIB, 8 * GIB]
+    assert choice.budget_bytes == 20 * GIB and choice.budget_source == "--device-memory"
+    with pytest.raises(FlagError, match="gives 3 sizes for 2 device"):
+        validate_flags(["--devices", "cuda:0,cuda:1", "--device-memory", "1GiB,2GiB,3GiB"])
+
+
+def _gpu_rows(index: int, name: str, vram: int, gen: int, width: int, memory: float) -> list:
+    """The daemon's inventory rows of one GPU, as the API gives them."""
+    return [
+        {"kind": kind, "value": value, "params": {"gpu_index": index}, "gpu_name": name,
+         "gpu_uuid": f"GPU-{index}"}
+        for kind, value in (
+            ("gpu.vram_total", vram), ("gpu.vram_free", vram), ("gpu.pcie_gen_max", gen),
+            ("gpu.pcie_width_max", width), ("gpu.memory_gbps", memory),
+        )
+    ]  # fmt: skip
+
+
+def test_a_split_weighs_each_card_by_its_own_link_and_memory() -> None:
+    """An RTX 4090 (PCIe 4.0 x16, 1008 GB/s) and an RTX 3060 (PCIe 3.0 x8, 360 GB/s), the copy
+    measured on the 4090 alone: the 3060's link is a quarter of its rate, and at the same 12
+    GiB each the 3060 takes fewer layers; a copy measured on each card is its own."""
+    spec = SPECS["30b"]
+    rows = [
+        *_gpu_rows(0, "RTX 4090", 24 * GIB, 4, 16, 1008.0),
+        *_gpu_rows(1, "RTX 3060", 12 * GIB, 3, 8, 360.0),
+        {"kind": "h2d_pinned", "value": 25.0, "params": {"gpu_index": 0}},
+    ]
+    identity = {"machine_id": "pc", "engine_version": "0.1.0", "physical_cores": 16,
+                "ram_total_bytes": 64 * GIB}  # fmt: skip
+    pc = Machine.from_measurements(rows, **identity)
+    config = engine_config(["--devices", "cuda:0,cuda:1", "--device-memory", "12GiB"])
+    choice = choose_device(pc, spec, config)
+    assert [round(d.link_gbps, 2) for d in choice.split] == [25.0, 6.25]
+    assert [d.memory_gbps for d in choice.split] == [1008.0, 360.0]
+    request = config.memory_request(budget_bytes=0, elem_bytes=2, cuda=False)
+    split = plan_devices(spec, request, choice.split)
+    counts = [len(r) for r in split.ranges]
+    assert counts[1] < counts[0] and sum(counts) == 48
+    both = Machine.from_measurements(
+        [*rows, {"kind": "h2d_pinned", "value": 12.0, "params": {"gpu_index": 1}}], **identity
+    )
+    assert [d.link_gbps for d in choose_device(both, spec, config).split] == [25.0, 12.0]
+    # the context planner lists each card at the base flags and names the one that limits
+    cards = plan_context(spec, pc, ["--devices", "cuda:0,cuda:1", "--device-memory", "12GiB"])
+    listed = cards.to_json()["cards"]
+    assert [c["device"] for c in listed] == ["cuda:0", "cuda:1"]
+    assert [c["link_gbps"] for c in listed] == [25.0, 6.25]
+    assert listed[0]["layers"][0] == 0 and listed[1]["layers"][1] == 47
+    assert sum(c["limits"] for c in listed) == 1
+    limit = next(c for c in listed if c["limits"])
+    assert limit["limit"].startswith(f"{limit['device']} limits the step")
+    assert plan_context(spec, pc, []).to_json()["cards"] == []
