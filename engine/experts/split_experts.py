@@ -1,6 +1,8 @@
 """The routed experts of a model split across devices (`--devices`): one `MoERunner` per device
 over its layers' part of the bank and an expert cache of its own, filled over its own link, and
-the CPU expert workers shared by all (one layer runs at a time).
+the CPU expert workers shared by all (one layer runs at a time). A device whose layers are all
+dense (a model's dense layers before its MoE ones, say) has neither: its runner and cache are
+None.
 
 `SplitExperts` and `SplitCache` show the engine, the step loop and telemetry one runner and one
 cache, as a single device's would: a MoE layer goes to its device's runner under its index
@@ -22,16 +24,19 @@ from .moe_stats import CpuJobTimes, LayerCounters, StagedStepTimes
 
 class SplitExperts:
     """The devices' MoE runners, each over a contiguous range of MoE layers (`ranges`, by index
-    among the MoE layers, in device order)."""
+    among the MoE layers, in device order; None for a device with no MoE layer)."""
 
     def __init__(
-        self, runners: list[MoERunner], ranges: tuple[range, ...], counters: LayerCounters
+        self, runners: list[MoERunner | None], ranges: tuple[range, ...], counters: LayerCounters
     ) -> None:
         """`counters`: the model's decode counters, whose rows each runner counts into
         (`counter_rows`)."""
         assert len(runners) == len(ranges) >= 2
+        assert all((r is None) == (not span) for r, span in zip(runners, ranges, strict=True))
         self.runners = runners
         self.ranges = ranges
+        # the runners of the devices that have MoE layers, in device order
+        self._live = [r for r in runners if r is not None]
         self._counters = counters
         self._runner_of = [
             (r, m - span.start) for r, span in zip(runners, ranges, strict=True) for m in span
@@ -60,7 +65,7 @@ class SplitExperts:
     @timer.setter
     def timer(self, timer) -> None:
         self._timer = timer
-        for runner in self.runners:
+        for runner in self._live:
             runner.timer = timer
 
     @property
@@ -70,7 +75,7 @@ class SplitExperts:
     @cpu_times.setter
     def cpu_times(self, times: CpuJobTimes) -> None:
         self._cpu_times = times
-        for runner in self.runners:
+        for runner in self._live:
             runner.cpu_times = times
 
     @property
@@ -80,44 +85,46 @@ class SplitExperts:
     @staged_times.setter
     def staged_times(self, times: StagedStepTimes) -> None:
         self._staged_times = times
-        for runner in self.runners:
+        for runner in self._live:
             runner.staged_times = times
 
     @property
     def policy(self) -> MissPolicy:
         """The first device's miss split (each device's follows its own link)."""
-        return self.runners[0].policy
+        return self._live[0].policy
 
     @property
     def prefetch_rounds(self) -> int:
-        return self.runners[0].prefetch_rounds
+        return self._live[0].prefetch_rounds
 
     @property
     def copy_ahead(self) -> float:
-        return self.runners[0].copy_ahead
+        return self._live[0].copy_ahead
 
     @property
     def prefill_stream_min_tokens(self) -> int:
-        return self.runners[0].prefill_stream_min_tokens
+        return self._live[0].prefill_stream_min_tokens
 
     @prefill_stream_min_tokens.setter
     def prefill_stream_min_tokens(self, tokens: int) -> None:
-        for runner in self.runners:
+        for runner in self._live:
             runner.prefill_stream_min_tokens = tokens
 
     def snapshot(self) -> dict:
-        return {**self.runners[0].snapshot(), "prefill_buffer_bytes": self.stage_bytes}
+        return {**self._live[0].snapshot(), "prefill_buffer_bytes": self.stage_bytes}
 
     def watch_accesses(self, observer: Callable[[np.ndarray], None]) -> None:
         """Hand every device's decode accesses to `observer`, keyed by the model's MoE layers."""
-        num_experts = self.runners[0].bank.num_experts
+        num_experts = self._live[0].bank.num_experts
         for runner, span in zip(self.runners, self.ranges, strict=True):
+            if runner is None:
+                continue
             base = span.start * num_experts
             runner.watch_accesses(lambda keys, base=base: observer(keys + base))
 
     @property
     def decode_reads(self) -> tuple[int, int]:
-        reads = [runner.decode_reads for runner in self.runners]
+        reads = [runner.decode_reads for runner in self._live]
         return sum(r for r, _ in reads), sum(m for _, m in reads)
 
     @property
@@ -128,53 +135,57 @@ class SplitExperts:
         return self._counters
 
     def count_backlog(self) -> None:
-        for runner in self.runners:
+        for runner in self._live:
             runner.count_backlog()
 
     def snapshot_decode_ids(self, tokens: int) -> tuple | None:
-        snapshots = tuple(runner.snapshot_decode_ids(tokens) for runner in self.runners)
+        snapshots = tuple(
+            None if runner is None else runner.snapshot_decode_ids(tokens)
+            for runner in self.runners
+        )
         return None if all(s is None for s in snapshots) else snapshots
 
     def after_decode_step(self, snapshot: tuple | None, settled: bool = True) -> None:
         for d, runner in enumerate(self.runners):
-            runner.after_decode_step(None if snapshot is None else snapshot[d], settled)
+            if runner is not None:
+                runner.after_decode_step(None if snapshot is None else snapshot[d], settled)
 
     def reset_prefill(self) -> None:
-        for runner in self.runners:
+        for runner in self._live:
             runner.reset_prefill()
 
     def defer_host_work(self, work: Callable[[], None]) -> None:
-        self.runners[0].defer_host_work(work)
+        self._live[0].defer_host_work(work)
 
     def run_host_work(self) -> None:
-        for runner in self.runners:
+        for runner in self._live:
             runner.run_host_work()
 
     # settings between runs -------------------------------------------------------------------
 
     def set_prefetch_rounds(self, rounds: int) -> None:
-        for runner in self.runners:
+        for runner in self._live:
             runner.set_prefetch_rounds(rounds)
 
     def set_copy_ahead(self, share: float) -> None:
-        for runner in self.runners:
+        for runner in self._live:
             runner.set_copy_ahead(share)
 
     def guess_lead_seconds(self) -> float:
-        return max(runner.guess_lead_seconds() for runner in self.runners)
+        return max(runner.guess_lead_seconds() for runner in self._live)
 
     # prefill buffers -----------------------------------------------------------------------------
 
     @property
     def stage_bytes(self) -> int:
-        return sum(runner.stage_bytes for runner in self.runners)
+        return sum(runner.stage_bytes for runner in self._live)
 
     def allocate_prefill_buffers(self) -> None:
-        for runner in self.runners:
+        for runner in self._live:
             runner.allocate_prefill_buffers()
 
     def release_prefill_buffers(self) -> None:
-        for runner in self.runners:
+        for runner in self._live:
             runner.release_prefill_buffers()
 
 
@@ -189,33 +200,36 @@ def counter_rows(counters: LayerCounters, span: range) -> LayerCounters:
 
 
 class SplitCache:
-    """The devices' expert caches, each of its own device's MoE layers."""
+    """The devices' expert caches, each of its own device's MoE layers (None for a device with
+    no MoE layer)."""
 
-    def __init__(self, caches: list[ExpertCache]) -> None:
+    def __init__(self, caches: list[ExpertCache | None]) -> None:
         self.caches = caches
+        self._live = [cache for cache in caches if cache is not None]
 
     @property
     def slots(self) -> int:
-        return sum(cache.slots for cache in self.caches)
+        return sum(cache.slots for cache in self._live)
 
     @property
     def holds_everything(self) -> bool:
-        return all(cache.holds_everything for cache in self.caches)
+        return all(cache.holds_everything for cache in self._live)
 
     def device_slot_map(self) -> list[torch.Tensor]:
-        """Each device's (layer, expert) -> slot map on its device, uploaded where it changed."""
-        return [cache.device_slot_map() for cache in self.caches]
+        """Each device's (layer, expert) -> slot map on its device, uploaded where it changed
+        (of the devices with MoE layers)."""
+        return [cache.device_slot_map() for cache in self._live]
 
     @property
     def hits(self) -> int:
-        return sum(cache.hits for cache in self.caches)
+        return sum(cache.hits for cache in self._live)
 
     @property
     def fills(self) -> int:
-        return sum(cache.fills for cache in self.caches)
+        return sum(cache.fills for cache in self._live)
 
     def snapshot(self) -> dict:
-        parts = [cache.snapshot() for cache in self.caches]
+        parts = [cache.snapshot() for cache in self._live]
         return {
             **parts[0],
             "slots": self.slots,
@@ -226,6 +240,8 @@ class SplitCache:
     def device_slots(self) -> list[dict]:
         """Each device's cache as /v1/stats reports it under `devices`."""
         return [
-            {"slots": cache.slots, "bytes": cache.nbytes, "resident": cache.resident}
+            {"slots": 0, "bytes": 0, "resident": 0}
+            if cache is None
+            else {"slots": cache.slots, "bytes": cache.nbytes, "resident": cache.resident}
             for cache in self.caches
         ]

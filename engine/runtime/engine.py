@@ -276,8 +276,9 @@ class Engine:
         else:
             assert self.split is not None
             moe_ranges = self.layers_on.moe_ranges(spec.moe_layers)
+            # (a device whose layers are all dense has no cache)
             self.cache = SplitCache([
-                self._new_cache(len(span), plan.slots, device)
+                self._new_cache(len(span), plan.slots, device) if span else None
                 for span, plan, device in zip(moe_ranges, self.split.plans, self.devices,
                                               strict=True)
             ])  # fmt: skip
@@ -394,8 +395,11 @@ class Engine:
         assert placement is not None and split is not None and isinstance(cache, SplitCache)
         moe_ranges = placement.moe_ranges(self.spec.moe_layers)
         counters = LayerCounters.zeros(self.spec.num_moe_layers, self.spec.num_experts)
-        runners = []
+        runners: list[MoERunner | None] = []
         for d, span in enumerate(moe_ranges):
+            if not span:  # its layers are all dense
+                runners.append(None)
+                continue
             bank = self.bank.layers(span)
             rows = counter_rows(counters, span)
             runner = self._new_runner(bank, cache.caches[d], self.link_gbps[d], rows)
@@ -690,13 +694,14 @@ class Engine:
         out = []
         for d, device in enumerate(self.devices):
             plan, span, kv = self.split.plans[d], self.split.ranges[d], self.kv_parts[d]
+            cache, runner = caches[d], runners[d]  # (None: its layers are all dense)
             memory = {
                 "index": device.index or 0,
                 "total": plan.budget_bytes,
                 "weights": plan.weights_bytes,
                 "kv": kv.nbytes + (rings[d] if rings else 0),
-                "expert_cache": caches[d].nbytes,
-                "prefill_buffer": runners[d].stage_bytes,
+                "expert_cache": 0 if cache is None else cache.nbytes,
+                "prefill_buffer": 0 if runner is None else runner.stage_bytes,
                 "activations": plan.activation_bytes,
                 "graphs": 0,
                 "states": states[d] if states else 0,
@@ -715,7 +720,7 @@ class Engine:
                     "memory_gbps": self.memory_gbps[d],
                     "step_ms": step.seconds * 1e3,
                     "limits": step is self.split.limit,
-                    "slots": caches[d].slots,
+                    "slots": 0 if cache is None else cache.slots,
                     "kv_tokens": kv.capacity_tokens,
                     "plan": plan.to_dict(),
                     "memory": memory,

@@ -23,6 +23,7 @@ link, its staged buffers, its miss plan, on the CPU workers all share. Where the
 planner launches pieces, a stage launches the device's next piece itself; a device's first piece
 is launched from Python after the boundary's copy. Where the planner wants them, a one-token
 piece sends a guess of its routing to its device's staged buffers, on its device's side stream.
+A device whose layers are all dense has no runner: its range is one piece, with nothing staged.
 """
 
 from __future__ import annotations
@@ -149,10 +150,11 @@ class DevicePiece:
         self.staging, self.stage, self.send = staging, stage, send
         self.launched_stage: LayerStage | None = None
 
-    def replay(self, rows: StagedRows, n: int, bs: int, launched_before: bool) -> bool:
+    def replay(self, rows: StagedRows | None, n: int, bs: int, launched_before: bool) -> bool:
         """Replay the piece with its device current (launched_before: the stage before it has
         launched it), then stage its MoE layer for the step's `n` real rows of `bs` (`rows`: the
-        device's staged views of them). Returns whether the stage launched the next piece."""
+        device's staged views of them; None on a device with no MoE layer). Returns whether the
+        stage launched the next piece."""
         self.placement.enter(self.part)
         staging, stage = self.staging, self.stage
         if launched_before:
@@ -176,7 +178,7 @@ class DevicePiece:
             self.send()
         if stage is None:
             return False
-        assert staging is not None
+        assert staging is not None and rows is not None
         staged = staging.staged
         native = self.launched_stage is not None and staged.launches_pieces()
         staged.stage_decode(self.launched_stage if native else stage, rows, launched)
@@ -212,16 +214,19 @@ class SplitDecodeGraphs(DecodeGraphs):
         # each device's MoE layers (by index among the model's) and, offloaded, its staging
         self._moe_ranges = placement.moe_ranges(model.spec.moe_layers)
         # (made with each device current: a planner made on first use makes its driver event
-        # on the current device)
-        self._staging: list[DeviceStaging] = []
+        # on the current device; None: a device with no MoE layer)
+        self._staging: list[DeviceStaging | None] = []
         if piecewise:
             runners = model.experts.runners
             for part, (runner, device) in enumerate(zip(runners, devices, strict=True)):
                 placement.enter(part)
-                self._staging.append(DeviceStaging(runner.staged, max_bs, device))
+                staging = None if runner is None else DeviceStaging(runner.staged, max_bs, device)
+                self._staging.append(staging)
             placement.begin()
-        # whether the pieces send routing guesses (`bench decode` asks): the first device's
-        self.routing_guess = self._staging[0].guess if piecewise else None
+        # whether the pieces send routing guesses (`bench decode` asks): the first device's with
+        # MoE layers
+        staged = [staging for staging in self._staging if staging is not None]
+        self.routing_guess = staged[0].guess if staged else None
         # piecewise: per batch size, the step's pieces in launch order
         self.pieces: dict[int, list[DevicePiece]] = {}
         # each later device's copy of the step's inputs, sent from the host as the first's is
@@ -305,6 +310,7 @@ class SplitDecodeGraphs(DecodeGraphs):
         """The start of a piece after an MoE layer of device `part`: its cached experts' routes."""
         assert state.x is not None and state.weights is not None
         staging = self._staging[part]
+        assert staging is not None
         self._head_out = staging.staged.routed_cached(
             state.x, staging.slots_host[:bs], state.weights
         )
@@ -347,7 +353,8 @@ class SplitDecodeGraphs(DecodeGraphs):
     def _guesses_of(self, bs: int, part: int) -> bool:
         """Whether device `part`'s pieces of batch size `bs` that end in a router send a guess
         of its routing: one token, where its planner wants guesses."""
-        return bs == 1 and self._staging[part].guess is not None
+        staging = self._staging[part]
+        return bs == 1 and staging is not None and staging.guess is not None
 
     def _part_eagerly(self, bs: int, part: int) -> Outputs:
         """Device `part`'s share of a step run through the graphs' buffers (a warm-up)."""
@@ -413,6 +420,8 @@ class SplitDecodeGraphs(DecodeGraphs):
                 DevicePiece(graph, head, self.placement, part, staging, stage,
                             None if routed else send(out))
             )  # fmt: skip
+        if staging is None:  # no MoE layer: one piece, no stage
+            return pieces
         # each stage as the native planner runs it, launching the device's next piece: whose
         # router signals where the piece after it is the device's too
         execs = piece_execs([p.graph for p in pieces], [p.head for p in pieces])
@@ -483,8 +492,11 @@ class SplitDecodeGraphs(DecodeGraphs):
         # only the real rows: padding rows would fetch and run experts for nothing (a native
         # launch marks the padding rows after them); each device current while its planner is
         # asked (one made now makes its driver event on the current device)
-        rows = []
+        rows: list[StagedRows | None] = []
         for part, staging in enumerate(self._staging):
+            if staging is None:
+                rows.append(None)
+                continue
             self.placement.enter(part)
             pad = bs - n if staging.staged.launches_pieces() else 0
             rows.append(staging.staged.buffers.rows(n, pad))

@@ -291,3 +291,46 @@ def test_a_split_the_model_or_the_devices_cannot_take_is_refused_in_words(checkp
     with pytest.raises(MemoryPlanError, match=refused):
         engine(path, "--devices", "cpu,cpu", "--layer-split", "1,3", "--device-memory", "600MiB",
                "--kv-reserve-tokens", "400000")  # fmt: skip
+
+
+# a device whose layers are all dense: the first of the default split (qwen3_moe's layers 0 and 1
+# dense), or the last of a split by hand (qwen3_moe's layer 3 dense)
+DENSE_ONLY = {
+    "first": (dict(mlp_only_layers=[0, 1]), [], [(0, 2), (2, 4)]),
+    "last": (dict(mlp_only_layers=[3]), ["--layer-split", "3,1"], [(0, 3), (3, 4)]),
+}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("layout", list(DENSE_ONLY))
+def test_a_device_with_only_dense_layers_serves_without_an_expert_cache(tmp_path, layout, cache):
+    """A device whose range of layers holds no MoE layer has no expert cache and no runner;
+    the split scores and decodes as one device and transformers do, and /v1/stats reports the
+    device with no slots."""
+    dense, split_flags, ranges = DENSE_ONLY[layout]
+    model = build_reference("qwen3_moe", tmp_path, seed=4, num_hidden_layers=4, num_experts=10,
+                            **dense)  # fmt: skip
+    one = engine(tmp_path, "--device", "cpu", *CACHES[cache])
+    split = engine(tmp_path, "--devices", "cpu,cpu", *split_flags, *CACHES[cache])
+    try:
+        assert [(r.start, r.stop) for r in split.split.ranges] == ranges
+        empty = 0 if layout == "first" else 1
+        assert split.cache.caches[empty] is None and split.moe.runners[empty] is None
+        assert split.split.plans[empty].slots == 0
+        ids = prompt(31, 23)
+        ours = split.score(ids)
+        assert torch.equal(ours, one.score(ids))
+        assert relative_error(ours, hf_logits(model, ids)) < 1e-4
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        prompts = [prompt(32, 9), prompt(33, 14)]
+        assert split.generate(prompts, params) == one.generate(prompts, params)
+        ref, margins = hf_greedy(model, prompts[0], 16)
+        assert_same_greedy(split.generate(prompts[:1], params)[0], ref, margins)
+        assert (split.moe.counters.reads > 0).all()
+        stats = split.telemetry.stats(running=0, queued=0, model_name="m")
+        assert stats["devices"][empty]["slots"] == 0
+        assert stats["memory"]["device"][empty]["expert_cache"] == 0
+        assert stats["experts"]["slots"] == split.cache.slots == one.cache.slots
+    finally:
+        one.close()
+        split.close()

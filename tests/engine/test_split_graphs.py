@@ -378,3 +378,50 @@ def test_one_token_split_pieces_send_each_devices_planner_their_guesses(checkpoi
     layers = [(d, m, True) for d, r in enumerate(moe_ranges) for m in range(len(r))]
     assert guessed and guessed == layers * (len(guessed) // len(layers))
     assert staged["guesses"] > 0 and 0 < staged["prefetched_jobs"] <= staged["cpu_jobs"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="replays stand-in graphs on the CPU device")
+@pytest.mark.parametrize("cache", ["resident", "offloaded"])
+def test_a_device_with_only_dense_layers_decodes_from_its_graphs(tmp_path, cache):
+    """qwen3_moe split after its dense layer 0: the first device has no MoE layer, so no
+    expert cache and no runner; resident, each device's graph, offloaded, each device's pieces
+    (the first device's range one piece, nothing staged on it) give the eager split's tokens
+    and one device's, and one device's replayed logits to the bit."""
+    path = synthesize(tmp_path, arch="qwen3_moe", preset="tiny", routing_skew=0.8, seed=5)
+    flags = ("--no-overlap-decode", *(OFFLOADED if cache == "offloaded" else ()))
+    split = ("--devices", "cpu,cpu", "--layer-split", "1,3")
+    one = _engine(path, "--device", "cpu", *flags)
+    eager = _engine(path, *split, *flags)
+    replayed = _engine(path, *split, *flags)
+    try:
+        assert replayed.spec.moe_layers[0] == 1
+        assert replayed.cache.caches[0] is None and replayed.moe.runners[0] is None
+        if cache == "resident":
+            one.stepper.graphs = DecodeGraphs(
+                one.model, 4, one.max_context, graph_factory=ReplayGraph
+            )
+            one.stepper.graphs.capture()
+            graphs = _with_graphs(replayed)
+        else:
+            graphs = _with_pieces(replayed)
+            # the first device's range is one piece; the second's, one per MoE layer and its last
+            assert [p.part for p in graphs.pieces[4]] == [0] + [1] * 4 + [0]
+        replays = []
+        run = graphs.run
+        graphs.run = lambda rows: replays.append(len(rows)) or run(rows)
+        logits = [_recording_logits(e) for e in (one, eager, replayed)]
+        expected = _generate(eager)
+        assert _generate(replayed) == expected == _generate(one)
+        counters = replayed.moe.counters
+    finally:
+        one.close()
+        eager.close()
+        replayed.close()
+    assert len(replays) == 14
+    ones, eagers, ours = logits
+    for mine, alone, theirs in zip(ours, ones, eagers, strict=True):
+        if cache == "resident":
+            assert torch.equal(mine, alone)
+        assert torch.allclose(mine, theirs, rtol=0, atol=1e-4)
+    if cache == "offloaded":  # the second device's misses were copied and run on the CPU
+        assert counters.fills.sum() > 0 and counters.cpu.sum() > 0
