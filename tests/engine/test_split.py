@@ -346,3 +346,24 @@ def test_equal_cards_share_the_layers_evenly(device, k, layers):
     except SplitError:
         return
     assert max(counts) - min(counts) <= 1
+
+
+def test_a_device_given_only_dense_layers_plans_no_expert_slots():
+    """Qwen3-30B-A3B with its first six layers dense, split 6,42: the first card plans no expert
+    slots and no prefill buffer (it holds every expert of its layers: none), the second card's
+    slots are the split's; the default split gives the first card MoE layers too."""
+    spec = ModelSpec.from_config(
+        dict(make_config("qwen3_moe", "qwen3-30b-a3b"), mlp_only_layers=list(range(6)))
+    )
+    request = EngineConfig.from_flags(["--model-path", "m"]).memory_request(
+        budget_bytes=0, elem_bytes=2, cuda=False
+    )
+    cards = (DeviceBudget("cuda:0", 12 * GIB, 25.0, 1008.0),
+             DeviceBudget("cuda:1", 24 * GIB, 25.0, 1008.0))  # fmt: skip
+    split = plan_devices(spec, request, cards, LayerSplit(counts=(6, 42)))
+    first, second = split.plans
+    assert (first.slots, first.experts_total, first.prefill_buffer_bytes) == (0, 0, 0)
+    assert first.all_resident and not second.all_resident
+    assert split.total.slots == second.slots > 0
+    assert split.total.experts_total == 42 * spec.num_experts
+    assert len(plan_devices(spec, request, cards).ranges[0]) > 6

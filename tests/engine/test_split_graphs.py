@@ -425,3 +425,26 @@ def test_a_device_with_only_dense_layers_decodes_from_its_graphs(tmp_path, cache
         assert torch.allclose(mine, theirs, rtol=0, atol=1e-4)
     if cache == "offloaded":  # the second device's misses were copied and run on the CPU
         assert counters.fills.sum() > 0 and counters.cpu.sum() > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "offloaded"])
+def test_two_gpus_with_only_dense_layers_on_one_give_one_cards_tokens(tmp_path, resident):
+    """qwen3_moe split after its dense layer 0 across two GPUs in bf16: the first card holds no
+    expert cache; its graph (resident) or its one piece (offloaded) and the second card's give
+    one card's tokens."""
+    path = synthesize(tmp_path, arch="qwen3_moe", preset="tiny", routing_skew=0.8, seed=5)
+    cache = () if resident else ("--moe-cache-size", "6")
+    one = _engine(path, "--device", "cuda:0", *cache, dtype="bfloat16")
+    split = _engine(path, "--devices", "cuda:0,cuda:1", "--layer-split", "1,3", *cache,
+                    dtype="bfloat16")  # fmt: skip
+    try:
+        graphs = split.graphs
+        assert isinstance(graphs, SplitDecodeGraphs) and split.cache.caches[0] is None
+        if not resident:
+            assert [p.part for p in graphs.pieces[graphs.max_bs]] == [0] + [1] * 4 + [0]
+        params = SamplingParams(max_tokens=32, ignore_eos=True)
+        assert split.generate(PROMPTS, params) == one.generate(PROMPTS, params)
+    finally:
+        one.close()
+        split.close()
