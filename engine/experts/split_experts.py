@@ -90,7 +90,7 @@ class SplitExperts:
 
     @property
     def policy(self) -> MissPolicy:
-        """The first device's miss split (each device's follows its own link)."""
+        """The first MoE device's miss split (each device's follows its own link)."""
         return self._live[0].policy
 
     @property
