@@ -22,8 +22,8 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
         "--arch",
         choices=ARCHS,
         help="the architecture (qwen3_5_moe: Qwen3.5/3.6 MoE's multimodal layout, "
-        "qwen3_5_moe_text: its text-only one); by default the preset's, qwen3_moe for tiny, "
-        "small and qwen3-30b-a3b",
+        "qwen3_5_moe_text: its text-only one); by default the preset's, qwen3_moe for tiny "
+        "and small; a real geometry's preset takes only its own",
     )
     p.add_argument(
         "--preset",

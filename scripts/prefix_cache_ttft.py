@@ -1,6 +1,6 @@
 """Time to first token of a multi-turn chat, with the prefix cache and without it.
 
-Usage: python scripts/prefix_cache_ttft.py [--arch qwen3_moe] [--preset small] [--set FIELD=VALUE
+Usage: python scripts/prefix_cache_ttft.py [--arch A] [--preset small] [--set FIELD=VALUE
 ...] [--turns 4] [--system 1024] [--question 64] [--reply 32] [--at-once N] [ENGINE FLAGS...]
 
 Runs an engine on the preset's geometry (of --arch, as `moelab synth` writes it) with dummy
@@ -27,7 +27,7 @@ import torch
 
 from moelab.engine.config.config import EngineConfig
 from moelab.engine.model.spec import ModelSpec
-from moelab.engine.model.synth import make_config, parse_overrides
+from moelab.engine.model.synth import make_config, parse_overrides, preset_arch
 from moelab.engine.runtime.engine import Engine
 from moelab.engine.runtime.sampling import SamplingParams
 
@@ -85,7 +85,7 @@ def at_once(engine: Engine, args: argparse.Namespace, seed: int) -> list[tuple[i
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default="qwen3_moe", help="the preset's architecture")
+    p.add_argument("--arch", help="the preset's architecture by default (moelab synth's --arch)")
     p.add_argument("--preset", default="small")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--model-path", default=None)
@@ -100,7 +100,8 @@ def main() -> int:
         spec = None
         path = args.model_path
         if path is None:  # the preset's geometry, dummy weights (as `moelab bench`)
-            config = make_config(args.arch, args.preset, parse_overrides(args.set))
+            arch = args.arch or preset_arch(args.preset)
+            config = make_config(arch, args.preset, parse_overrides(args.set))
             (Path(tmp) / "config.json").write_text(json.dumps(config))
             path, spec = tmp, ModelSpec.from_config(config)
             engine_flags = ["--dummy-weights", *engine_flags]

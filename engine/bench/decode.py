@@ -34,7 +34,7 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
             "--preset",
             help="a synthetic geometry (with --dummy-weights implied) "
             "instead of --model-path: tiny, small, qwen3-30b-a3b, qwen3.6-35b-a3b, "
-            "qwen3-next-80b-a3b",
+            "qwen3-next-80b-a3b, gpt-oss-20b, gpt-oss-120b",
         )
         p.add_argument(
             "--arch", help="the preset's architecture by default (moelab synth's --arch)"

@@ -28,7 +28,7 @@ import torch
 from ...kernels import mxfp4
 from ...kernels.grouped_moe import grouped_moe
 from ...kernels.mxfp4_moe import grouped_moe_mxfp4
-from . import gpt_oss
+from . import gpt_oss, synth_hybrid
 from .checkpoint import iter_layer_experts, load_dense
 from .kv import KVCache
 from .model import DenseWeights, Model, SeqSlice, StepBatch
@@ -36,7 +36,6 @@ from .spec import ARCHITECTURES, CheckpointError, ModelSpec
 from .states import StatePool
 from .synth_hybrid import (
     HYBRID_PRESETS,
-    PRESET_ARCHS,
     SYNTH_ARCHS,
     hybrid_config,
     hybrid_shapes,
@@ -103,6 +102,13 @@ PRESETS: dict[str, dict] = {
 ARCHS = tuple(dict.fromkeys((*ARCHITECTURES, *SYNTH_ARCHS)))
 
 PRESETS.update(gpt_oss.PRESETS)
+# the architecture each real geometry belongs to: the default of --arch, and the only one (or its
+# text-only layout) that --arch may name with it
+PRESET_ARCHS = {
+    "qwen3-30b-a3b": "qwen3_moe",
+    **synth_hybrid.PRESET_ARCHS,
+    **dict.fromkeys(gpt_oss.PRESETS, "gpt_oss"),
+}
 
 _DIM0 = 2.0  # the constant residual value of hidden dimension 0 (see module docstring)
 _LOGIT_GAIN = 4.0  # lm_head gain, so next-token distributions are peaked rather than flat
@@ -141,10 +147,11 @@ def make_config(arch: str, preset: str = "tiny", overrides: dict | None = None) 
         raise CheckpointError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     if preset not in PRESETS:
         raise CheckpointError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    if preset in PRESET_ARCHS and arch not in SYNTH_ARCHS:
+    if preset in PRESET_ARCHS and not arch.startswith(PRESET_ARCHS[preset]):
+        layouts = [a for a in ARCHS if a.startswith(PRESET_ARCHS[preset])]
         raise CheckpointError(
-            f"preset {preset!r} is the geometry of a {PRESET_ARCHS[preset]} model; use --arch "
-            f"{' or '.join(a for a in SYNTH_ARCHS if a.startswith(PRESET_ARCHS[preset]))}"
+            f"preset {preset!r} is a {PRESET_ARCHS[preset]} model's geometry, not a {arch} "
+            f"one's; use --arch {' or '.join(layouts)}, or leave --arch out"
         )
     g = {**PRESETS[preset], **(overrides or {})}
     if arch in SYNTH_ARCHS:

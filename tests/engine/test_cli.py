@@ -621,3 +621,35 @@ def test_bench_takes_a_real_geometry_s_architecture_from_its_preset():
     text_only = config("--preset", "qwen3.6-35b-a3b", "--arch", "qwen3_5_moe_text")
     assert text_only["architectures"] == ["Qwen3_5MoeForCausalLM"]
     assert config("--preset", "tiny")["model_type"] == "qwen3_moe"
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_a_gpt_oss_preset_is_gpt_oss_for_bench_and_synth(tmp_path, preset):
+    """`bench decode` and `moelab synth` with a gpt-oss preset and no --arch build gpt-oss (its
+    sliding-window layers, its sinks), not a qwen3_moe model of gpt-oss's sizes."""
+    bench = preset_config(cli.build_parser().parse_args(["bench", "decode", "--preset", preset]))
+    assert bench["model_type"] == "gpt_oss"
+    assert (
+        cli.main(["synth", "--out", str(tmp_path / "m"), "--preset", preset, "--no-weights"]) == 0
+    )
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "gpt_oss"
+
+
+@pytest.mark.parametrize(
+    ("command", "preset", "arch", "use"),
+    [
+        (["bench", "decode"], "gpt-oss-120b", "qwen3_moe", "gpt_oss"),
+        (["synth"], "gpt-oss-20b", "qwen3_5_moe", "gpt_oss"),
+        (["bench", "decode"], "qwen3-next-80b-a3b", "qwen3_5_moe", "qwen3_next"),
+        (["synth"], "qwen3.6-35b-a3b", "qwen3_next", "qwen3_5_moe or qwen3_5_moe_text"),
+        (["bench", "prefill"], "qwen3-30b-a3b", "gpt_oss", "qwen3_moe"),
+    ],
+)
+def test_an_arch_that_contradicts_a_real_geometry_s_preset_is_refused(
+    tmp_path, capsys, command, preset, arch, use
+):
+    flags = ["--out", str(tmp_path / "m")] if command == ["synth"] else []
+    assert cli.main([*command, *flags, "--preset", preset, "--arch", arch]) == 2
+    err = capsys.readouterr().err
+    assert f"preset {preset!r} is a " in err and f"not a {arch} one's; use --arch {use}," in err
+    assert not (tmp_path / "m").exists()
