@@ -49,7 +49,7 @@ from ..text import Text
 from .graphs import DecodeGraphs
 from .loading import LoadProgress
 from .sampling import Sampler, SamplingParams
-from .scheduler import Scheduler, Sequence
+from .scheduler import ContextTooLong, Scheduler, Sequence
 from .split_graphs import SplitDecodeGraphs
 from .stepping import Stepper
 from .telemetry import Telemetry
@@ -545,6 +545,7 @@ class Engine:
         self.plan = plan
         self.stepper.use_kv(self.kv, plan.max_context)
         self._capture_graphs()
+        self._end_too_long()
 
     def _refuse_split_resize(self) -> None:
         if self.layers_on is not None:
@@ -627,18 +628,38 @@ class Engine:
         """Queue a request; raise ValueError when it can never fit the context. `boundaries`:
         prompt token counts where a later request's prompt may part from this one (a chat's
         message ends), at which a hybrid model keeps a state checkpoint."""
-        total = len(prompt_ids) + params.max_tokens
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if total > self.max_context:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the usable context of {self.max_context} tokens"
-            )
+        if too_long := self._too_long(len(prompt_ids), params.max_tokens):
+            raise too_long
         seq = Sequence(list(prompt_ids), params, on_token, arrival_time=time.monotonic(),
                        boundaries=boundaries)  # fmt: skip
         self.scheduler.add(seq)
         return seq
+
+    def _too_long(self, prompt: int, max_tokens: int) -> ContextTooLong | None:
+        """The error of a request the usable context cannot hold (None where it can)."""
+        total = prompt + max_tokens
+        if total <= self.max_context:
+            return None
+        return ContextTooLong(
+            f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {total} exceeds the usable "
+            f"context of {self.max_context} tokens; shorten the prompt or lower max_tokens"
+        )
+
+    def _end_too_long(self) -> None:
+        """End each waiting request that the usable context (made smaller by a resize) can no
+        longer hold, telling its client why: it would wait for room that never comes."""
+        for seq in list(self.scheduler.waiting):
+            too_long = self._too_long(len(seq.prompt_ids), seq.params.max_tokens)
+            if too_long is None:
+                continue
+            log.warning("ended request %d: %s", seq.id, too_long)
+            seq.error = too_long
+            self.scheduler.finish(seq, "error")
+            self.sampler.forget(seq.id)
+            if seq.on_token is not None:
+                seq.on_token(seq, -1)
 
     def cancel(self, seq: Sequence) -> None:
         self.scheduler.finish(seq, "cancelled")

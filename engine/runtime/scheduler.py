@@ -71,6 +71,7 @@ class Sequence:
     recomputed: int = 0  # output tokens its prefill computes again after a preemption
     preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: ContextTooLong | None = None  # why it ended with "error", where its client is told
     first_token_time: float | None = None
     arrival_time: float = 0.0
 
@@ -108,6 +109,10 @@ class Chunk:
     @property
     def completes_prompt(self) -> bool:
         return self.start + self.count >= self.seq.prefill_length
+
+
+class ContextTooLong(ValueError):
+    """A request whose prompt and max_tokens exceed the usable context: it can never run."""
 
 
 class Scheduler:

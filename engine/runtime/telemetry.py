@@ -235,8 +235,17 @@ class Telemetry:
             out.append(row)
         return out
 
-    def stats(self, *, running: int, queued: int, model_name: str, preempted: int = 0) -> dict:
-        """/v1/stats: `running` and `queued` requests now, `preempted` since the start."""
+    def stats(
+        self,
+        *,
+        running: int,
+        queued: int,
+        model_name: str,
+        preempted: int = 0,
+        paused: bool = False,
+    ) -> dict:
+        """/v1/stats: `running` and `queued` requests now, `preempted` since the start, `paused`
+        while a cache resize holds the queued ones back."""
         engine = self.engine
         cache, experts, bank = self.cache.snapshot(), self.experts.snapshot(), self.bank.snapshot()
         now = time.monotonic()
@@ -282,6 +291,7 @@ class Telemetry:
                 "running": running,
                 "queued": queued,
                 "preempted": preempted,
+                "paused": paused,
                 "completed": self.completed,
                 "ttft_mean_s": float(np.mean(ttft_sorted)) if ttft_sorted else None,
                 "ttft_p95_s": float(ttft_sorted[int(0.95 * (len(ttft_sorted) - 1))])

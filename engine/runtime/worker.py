@@ -21,7 +21,7 @@ from typing import Any
 from ..config.config import EngineConfig
 from .loading import LoadProgress
 from .sampling import SamplingParams
-from .scheduler import Sequence
+from .scheduler import ContextTooLong, Sequence
 
 log = logging.getLogger("moelab.worker")
 
@@ -32,7 +32,9 @@ class QueueFull(RuntimeError):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One API request's link to the engine thread: tokens flow back through `events`."""
+    """One API request's link to the engine thread: tokens flow back through `events`, each as
+    (token, finish reason, log probabilities); a failure as (-1, its reason, None), the reason a
+    ContextTooLong where the request can never fit the context."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -157,7 +159,7 @@ class EngineWorker(threading.Thread):
         def on_token(seq: Sequence, token: int) -> None:
             # the token's log probabilities, where the request asked for them
             logprobs = seq.output_logprobs[-1] if token >= 0 and seq.output_logprobs else None
-            request.deliver((token, seq.finish_reason, logprobs))
+            request.deliver((token, seq.error or seq.finish_reason, logprobs))
             if seq.finish_reason is not None:
                 self._done()
 
@@ -167,6 +169,9 @@ class EngineWorker(threading.Thread):
                     request.prompt_ids, request.params, on_token, request.boundaries
                 )
                 request.seq.arrival_time = request.arrival
+            except ContextTooLong as err:  # the context shrank since the server checked it
+                self._done()
+                request.deliver((-1, err, None))
             except ValueError as err:
                 self._done()
                 request.deliver((-1, f"error: {err}", None))

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from ..model.tokenizer import IncrementalDecoder
 from ..runtime.sampling import SamplingParams, TokenLogprobs
+from ..runtime.scheduler import ContextTooLong
 from ..runtime.worker import EngineWorker, QueueFull
 from ..runtime.worker import Request as EngineRequest
 from . import harmony
@@ -95,6 +96,8 @@ class Generation:
         reply: list[int] = []  # the reply's tokens so far, a written tag's included
         while True:
             token, finish, logprobs = await self.req.events.get()
+            if isinstance(finish, ContextTooLong):
+                raise ApiError(400, str(finish), code="context_length_exceeded")
             if token < 0:
                 raise ApiError(
                     500,

@@ -465,6 +465,7 @@ class Server:
             running=len(s.running),
             queued=len(s.waiting),
             preempted=s.preemptions,
+            paused=s.paused,
             model_name=self.model_name,
         )
 

@@ -438,7 +438,9 @@ def test_stats_has_the_contract_fields(server):
         "decode_tok_s_60s",
         "prefill_tok_s_60s",
     }
-    assert set(s["requests"]) >= {"running", "queued", "completed", "ttft_mean_s", "ttft_p95_s"}
+    assert set(s["requests"]) >= {
+        "running", "queued", "preempted", "paused", "completed", "ttft_mean_s", "ttft_p95_s"
+    }  # fmt: skip
     assert set(s["memory"]["device"][0]) >= {
         "index",
         "total",
@@ -563,6 +565,52 @@ def test_queue_overflow_gets_429_with_a_retry_hint(model, tmp_path):
             assert queued.result(timeout=60).status_code == 200
         assert rejected.status_code == 429
         assert rejected.headers["retry-after"] and rejected.json()["error"]["code"] == "queue_full"
+    finally:
+        stop_engine(engine)
+
+
+def test_a_queued_request_a_resize_leaves_too_long_ends_with_its_api_s_error(model, tmp_path):
+    """Requests queued while a resize waits for the running one to end, whose prompt and
+    max_tokens the smaller context cannot hold, end with a 400 in their API's shape as the
+    resize is done, rather than wait for room that never comes."""
+    # (with a set expert cache, the KV is what the resize reserves)
+    flags = ["--max-running-requests", "1", "--moe-cache-size", "16", "--served-model-name", "m"]
+    engine = serve(model, tmp_path, *flags)
+    url = engine.base_url
+
+    def requests() -> dict:
+        return httpx.get(url + "/v1/stats").json()["requests"]
+
+    long = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    openai_body = {"prompt": list(range(1, 11)), "max_tokens": 2000}
+    anthropic_body = {"model": "m", "max_tokens": 2000, "messages": [{"role": "user",
+                      "content": "Weather in Tromsø?"}]}  # fmt: skip
+    try:
+        assert httpx.get(url + "/health").json()["max_model_len"] > 2010
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as running:
+                lines = _first_token(running)
+                completion = pool.submit(_post, engine, "/v1/completions", openai_body)
+                message = pool.submit(_post, engine, "/v1/messages", anthropic_body)
+                _until(lambda: requests()["queued"] == 2, "both requests to be queued")
+                resize = pool.submit(_post, engine, "/v1/cache/resize", {"kv_reserve_tokens": 256})
+                _until(lambda: requests()["paused"], "the resize to hold the queue")
+                lines.close()  # the running request is cancelled: the resize goes ahead
+            resized = resize.result(timeout=60)
+            assert resized.status_code == 200 and resized.json()["max_model_len"] < 2000
+            context = resized.json()["max_model_len"]
+            r = completion.result(timeout=60)
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+            assert f"= 2010 exceeds the usable context of {context} tokens" in error["message"]
+            r = message.result(timeout=60)
+            assert r.status_code == 400 and r.json()["type"] == "error"
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert f"exceeds the usable context of {context} tokens" in error["message"]
+        stats = requests()
+        assert stats["queued"] == stats["running"] == 0 and not stats["paused"]
+        assert _post(engine, "/v1/completions", {"prompt": "x", "max_tokens": 2}).is_success
     finally:
         stop_engine(engine)
 
