@@ -34,6 +34,7 @@ def now_figures(stats: dict[str, Any] | None) -> dict[str, Any]:
         "running": requests.get("running"),
         "queued": requests.get("queued"),
         "completed": requests.get("completed"),
+        "preempted": requests.get("preempted"),
         "hit_rate_60s": experts.get("hit_rate_60s"),
         "kv_tokens_used": kv.get("tokens_used"),
         "kv_tokens_total": kv.get("tokens_total"),

@@ -355,3 +355,34 @@ def test_static_assets_are_served_by_mgr(daemon: Daemon) -> None:
     assert client.get("/static/console.js").status_code == 200
     assert client.get("/static/console.css").status_code == 200
     assert client.get("/static/favicon.svg").status_code == 200
+
+
+def test_an_engine_s_preempted_requests_are_counted_on_its_card(
+    tmp_path: Path, demo_model: Path
+) -> None:
+    """/v1/stats `requests.preempted` is shown beside the other request counts, in both
+    languages and in the JSON alternate; an engine that does not report it gets a dash."""
+    daemon = make_daemon(tmp_path / "data", None)
+    daemon.start()
+    try:
+        ids = record_engine(daemon, demo_model)
+        figure = f'id="preempted-{ids.running_id}"'
+        before = get_page(local_client(daemon), "/", "en")
+        with daemon.store.session() as session:
+            row = session.get(Server, ids.running_id)
+            stats = copy.deepcopy(row.last_stats)
+            stats["requests"]["preempted"] = 1234
+            row.last_stats = stats
+        en = get_page(local_client(daemon), "/", "en")
+        ja = get_page(local_client(daemon), "/", "ja")
+        card = local_client(daemon).get("/?format=json").json()["engines"][0]
+    finally:
+        daemon.close()
+
+    def shown(html: str) -> str:
+        return html[html.index(figure) :].split("</div>", 1)[0]
+
+    assert '<span class="value">–</span><span class="label">requests preempted<' in shown(before)
+    assert '<span class="value">1,234</span><span class="label">requests preempted<' in shown(en)
+    assert '<span class="label">プリエンプトされたリクエスト<' in shown(ja)
+    assert "1,234" in shown(ja) and card["now"]["preempted"] == 1234
