@@ -23,7 +23,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from . import fp8, mxfp4, nvfp4_moe, swiglu
+from . import fp8, mxfp4, nvfp4, nvfp4_moe, swiglu
 from .native_build import NativeKernelError, load_native
 
 log = logging.getLogger(__name__)
@@ -661,13 +661,17 @@ class CpuExpertRunner:
         w13_bias: list[torch.Tensor] | None = None,
         w2_bias: list[torch.Tensor] | None = None,
         swiglu_limit: float = 0.0,
+        w13_scale_2: list[torch.Tensor] | None = None,
+        w2_scale_2: list[torch.Tensor] | None = None,
     ) -> object | None:
         """The native DecodePlanner (kernels/csrc/decode_planner.h) over an expert cache's arrays
         (engine/experts/cache.py) and decode pick counts, queueing its CPU jobs on this runner's
         workers; None with the torch kernel. FP8 weights (`submit`) need their factors per
-        layer, w13_scale and w2_scale, and MXFP4 blocks their scales under the same names: the
+        layer, w13_scale and w2_scale, MXFP4 blocks and NVFP4 values their scales under the same
+        names, and NVFP4 values their per-tensor scales too, w13_scale_2 and w2_scale_2: the
         planner copies them into the slots with the values, splits a miss at whole blocks (FP8:
-        128 rows; MXFP4: 32, its down projection's groups) and passes them to its CPU jobs.
+        128 rows; MXFP4: 32, NVFP4: 16, its down projection's groups; the per-tensor scales
+        copied whole) and passes them to its CPU jobs.
         gpt-oss's experts add their biases per layer (`submit`) and the clamped SwiGLU's limit:
         copied with the weights, a split miss's gate and up biases cut with its rows, its down
         bias added by its CPU part (its slot's zeroed).
@@ -693,15 +697,19 @@ class CpuExpertRunner:
                     f"got {array.dtype} {array.shape}"
                 )
         factors = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        per_tensor = {"w13_scale_2": w13_scale_2, "w2_scale_2": w2_scale_2}
         biases = {"w13_bias": w13_bias, "w2_bias": w2_bias}
-        for name, tensors in {"w13": w13, "w2": w2, **factors, **biases}.items():
+        for name, tensors in {"w13": w13, "w2": w2, **factors, **per_tensor, **biases}.items():
             if tensors is not None and len(tensors) != layers:
                 raise ValueError(f"{name} needs one tensor per layer ({layers})")
+        nv = _tensor_scales(w13_scale_2, w2_scale_2) is not None
+        if nv and (w13_scale is None or w2_scale is None):
+            raise ValueError("NVFP4 weights need w13_scale and w2_scale, their e4m3 scales")
         mx = w13[0].dim() == 4
-        _, two_inter, hidden = _mxfp4_shape(w13[0]) if mx else w13[0].shape
+        _, two_inter, hidden = _held_shape(w13[0], nv)
         want13, want2 = (experts, two_inter, hidden), (experts, hidden, two_inter // 2)
         for m, (a, b) in enumerate(zip(w13, w2, strict=True)):
-            shapes = (_mxfp4_shape(a), _mxfp4_shape(b)) if mx else (a.shape, b.shape)
+            shapes = (_held_shape(a, nv), _held_shape(b, nv))
             if (
                 shapes != (want13, want2)
                 or a.dtype not in _WEIGHT_CODES
@@ -711,11 +719,17 @@ class CpuExpertRunner:
             ):
                 raise ValueError(
                     "every layer's w13 and w2 must be contiguous host tensors of "
-                    f"[{experts}, 2I, H] and [{experts}, H, I] (MXFP4: their blocks), one dtype"
+                    f"[{experts}, 2I, H] and [{experts}, H, I] (MXFP4: their blocks; NVFP4: their "
+                    "values), one dtype"
                 )
             layer_factors = {name: t[m] if t is not None else None for name, t in factors.items()}
-            _check_factors(a, **layer_factors, num_experts=experts, hidden=hidden,
-                           inter=two_inter // 2)  # fmt: skip
+            if nv:
+                layer_scales = {name: t[m] for name, t in per_tensor.items()}
+                nvfp4_moe.check_bank(a, b, *layer_factors.values(), *layer_scales.values())
+                layer_factors |= layer_scales
+            else:
+                _check_factors(a, **layer_factors, num_experts=experts, hidden=hidden,
+                               inter=two_inter // 2)  # fmt: skip
             layer_biases = {name: t[m] if t is not None else None for name, t in biases.items()}
             _check_biases(a, b, **layer_biases)
             for name, t in (layer_factors | layer_biases).items():
@@ -723,13 +737,17 @@ class CpuExpertRunner:
                     raise ValueError(f"{name} must be contiguous host tensors")
         # each tensor an expert is copied as, its rows along I: w13's gate and up rows, or w2's
         # columns, `block` of them an entry (an FP8 factor's 128, an MXFP4 group's 32 columns
-        # of w2); the down bias has none. Its role for the CPU job (decode_planner.h, TensorRole)
-        tensors = [(w13, True, 1, 0), (w2, False, mxfp4.BLOCK if mx else 1, 0)]
+        # of w2, an NVFP4 group's 16); the down bias has none, and NVFP4's per-tensor scales are
+        # copied whole. Its role for the CPU job (decode_planner.h, TensorRole)
+        group = mxfp4.BLOCK if mx else nvfp4.BLOCK if nv else 1
+        tensors = [(w13, True, 1, 0), (w2, False, group, 0)]
         if w13_scale is not None and w2_scale is not None:
-            block13, block2 = (1, mxfp4.BLOCK) if mx else (fp8.BLOCK, fp8.BLOCK)
+            block13, block2 = (1, group) if mx or nv else (fp8.BLOCK, fp8.BLOCK)
             tensors += [(w13_scale, True, block13, 1), (w2_scale, False, block2, 1)]
+        if nv:
+            tensors += [(w13_scale_2, True, 1, 2), (w2_scale_2, False, 1, 2)]
         if w13_bias is not None and w2_bias is not None:
-            tensors += [(w13_bias, True, 1, 2), (w2_bias, False, 1, 2)]
+            tensors += [(w13_bias, True, 1, 3), (w2_bias, False, 1, 3)]
         specs = [
             ([t.data_ptr() for t in per_layer], gate_up, block, per_layer[0].shape[1],
              per_layer[0][0, 0].nbytes, role)
@@ -739,7 +757,7 @@ class CpuExpertRunner:
         return self._module.DecodePlanner(
             self._pool,
             _SIMD_CODES[self.simd],
-            _weight_code(w13[0]),
+            _weight_code(w13[0], nvfp4=nv),
             slot_of.ctypes.data,
             key_of_slot.ctypes.data,
             last_use.ctypes.data,

@@ -91,10 +91,13 @@ if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their t
   run mxfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
     --dtype bf16,mxfp4 --hidden 2880 --intermediate 2880 --num-experts 32 --experts 4
   # NVFP4 checkpoints (ModelOpt's layout) on the GPU: their experts kept 4-bit in the bank and
-  # the slots, decode and prefill through nvfp4_moe, against transformers; then the CPU kernel's
-  # NVFP4 path at Qwen3.6-35B-A3B's expert shape
+  # the slots, decode and prefill through nvfp4_moe, against transformers, and the decode
+  # planner's copies of NVFP4 experts into CUDA slots; then the CPU kernel's NVFP4 path at
+  # Qwen3.6-35B-A3B's expert shape
   run nvfp4_engine_tests env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
     tests/engine/test_nvfp4.py
+  run nvfp4_planner_tests_cuda python3 -m pytest -q $T --tb=short tests/engine/test_planner.py \
+    -k "on_cuda and nvfp4"
   run nvfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
     --dtype bf16,nvfp4 --hidden 2048 --intermediate 512 --num-experts 64 --experts 8
 fi

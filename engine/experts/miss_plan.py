@@ -208,19 +208,16 @@ class LayerPlanner:
         self._inter = bank.intermediate_size
         self._split_chunks = split_chunks(self._inter, bank.block_rows)
         self._expert_bytes = bank.expert_bytes
-        # looked up once: `native` runs every layer step; an NVFP4 bank (its per-tensor scales)
-        # is planned by `plan_layer`, whose CPU jobs run the native kernel's NVFP4 path
-        self._nvfp4 = bank.fmt == "nvfp4"
         self._native: object | None = None  # rebuilt when the cache replaces its arrays
         self._native_version = -1
         self._join_event: DriverEvent | None = None
 
     def native(self) -> object | None:
-        """The native planner over the cache (None: `plan_layer`, for the torch CPU kernel and
-        an NVFP4 bank); with `copies` it also waits for the routing and queues the copies, with
-        `launches` it also launches the next piece, joining the fills on an event of its own."""
+        """The native planner over the cache (None: `plan_layer`, for the torch CPU kernel);
+        with `copies` it also waits for the routing and queues the copies, with `launches` it
+        also launches the next piece, joining the fills on an event of its own."""
         cache = self.cache
-        if self.cpu is None or self.cpu.kernel != "native" or self._nvfp4:
+        if self.cpu is None or self.cpu.kernel != "native":
             return None
         if self._native is None or self._native_version != cache.version:
             bank = self.bank
@@ -230,6 +227,7 @@ class LayerPlanner:
                 top_k=self.top_k, w13_scale=bank.w13_scale or None,
                 w2_scale=bank.w2_scale or None, w13_bias=bank.w13_bias or None,
                 w2_bias=bank.w2_bias or None, swiglu_limit=bank.swiglu_limit,
+                w13_scale_2=bank.w13_scale_2 or None, w2_scale_2=bank.w2_scale_2 or None,
             )  # fmt: skip
             if native is not None and self.copies:
                 slots = cache.tensors()

@@ -37,8 +37,9 @@ namespace {
 // cached experts' routes during them: the whole serial host path of an offloaded layer step,
 // which in Python costs several times as much, most when the CPU job before has just streamed
 // the caches cold (docs/cpu-experts.md). An expert is the tensors the bank holds it as
-// (`ExpertTensor`: bf16 weights, FP8 values and their block factors or MXFP4 blocks and their
-// scales, and gpt-oss's biases), each copied alike.
+// (`ExpertTensor`: bf16 weights, FP8 values and their block factors, MXFP4 blocks and their
+// scales or NVFP4 values, their scales and per-tensor scales, and gpt-oss's biases), each copied
+// alike.
 
 // The CUDA driver's functions, handed over as addresses (this module does not link CUDA).
 using CuMemcpyHtoDAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
@@ -173,18 +174,22 @@ inline MissPlan plan_misses(int64_t m, double f, int64_t chunks, int64_t lead_ro
 }
 
 // What each of an expert's tensors is to the CPU job: its weights (w13, w2), their block factors
-// or scales (FP8: fp32 factors; MXFP4: E8M0 scales), or gpt-oss's biases.
-enum class TensorRole : int { kWeights = 0, kScales = 1, kBias = 2 };
+// or scales (FP8: fp32 factors; MXFP4: E8M0 scales; NVFP4: e4m3 scales), NVFP4's per-tensor
+// scales (fp32: w13's gate and up ones, w2's one), or gpt-oss's biases. An expert's tensors come
+// in this order.
+enum class TensorRole : int { kWeights = 0, kScales = 1, kTensorScales = 2, kBias = 3 };
 
 // One of the tensors an expert is held as (ExpertBank.layer_tensors: w13, w2, an FP8 bank's
-// block factors or an MXFP4 bank's scales, gpt-oss's biases), as the planner copies it into cache
-// slots: per layer the address of the bank's [experts, rows, ...] (host), and of the cache's
-// [slots, rows, ...] (device, `set_device`). Its rows follow the intermediate rows one of three
-// ways: `gate_up`, its rows are w13's gate rows then its up rows, one for every `block` of them
-// (FP8 factors: 128); else, weights and scales, each of its rows holds I / block entries along
-// w2's columns (MXFP4: an entry is a 32-column group's 16 bytes of blocks, or its scale); else,
-// the down projection's bias, it has no intermediate rows. A split or a copy ahead cuts each at
-// whole entries; a split miss's down bias is the CPU's, its slot's zeroed.
+// block factors or an MXFP4 or NVFP4 bank's scales, NVFP4's per-tensor scales, gpt-oss's biases),
+// as the planner copies it into cache slots: per layer the address of the bank's [experts, rows,
+// ...] (host), and of the cache's [slots, rows, ...] (device, `set_device`). Its rows follow the
+// intermediate rows one of four ways: `gate_up`, its rows are w13's gate rows then its up rows,
+// one for every `block` of them (FP8 factors: 128); else, weights and scales, each of its rows
+// holds I / block entries along w2's columns (MXFP4: an entry is a 32-column group's 16 bytes of
+// blocks, or its scale; NVFP4: a 16-column group's 8 bytes of values, or its scale); else, the
+// down projection's bias, it has no intermediate rows; else, NVFP4's per-tensor scales, whole
+// (`whole`: each scales every row of its projection, so a split copies them whole). A split or a
+// copy ahead cuts each at whole entries; a split miss's down bias is the CPU's, its slot's zeroed.
 struct ExpertTensor {
   std::vector<uintptr_t> bank;
   bool gate_up;
@@ -193,9 +198,11 @@ struct ExpertTensor {
   uint64_t cache = 0;
   int64_t bytes() const { return rows * row_bytes; }
   bool down_bias() const { return role == TensorRole::kBias && !gate_up; }
+  bool whole() const { return role == TensorRole::kTensorScales; }
 };
-// What Python hands over for each: (bank addresses per layer, gate_up, block, rows, row_bytes,
-// role).
+// What Python hands over for each: (bank addresses per layer, gate_up (w13's: for the
+// per-tensor scales, which have no rows of gate and up, the first of the two), block, rows,
+// row_bytes, role).
 using ExpertTensorSpec =
     std::tuple<std::vector<uintptr_t>, bool, int64_t, int64_t, int64_t, int>;
 
@@ -236,31 +243,34 @@ class DecodePlanner {
         tokens_(experts, 0),
         where_(experts, kNotRouted),
         protected_(slots, 0) {
-    // w13 and w2, then their factors or scales (block-scaled weights), then their biases: each
-    // role's w13 tensor (gate_up), then its w2 one
-    int roles[3] = {0, 0, 0};
+    // w13 and w2, then their factors or scales (block-scaled weights), then their per-tensor
+    // scales (NVFP4), then their biases: each role's w13 tensor (gate_up), then its w2 one
+    constexpr const char* kOrder =
+        "an expert is w13 and w2, then their two factor tensors, their two per-tensor scale "
+        "tensors and their two biases if any";
+    int roles[4] = {0, 0, 0, 0};
+    int last = 0;
     for (const auto& [bank, gate_up, block, rows, row_bytes, role] : tensors) {
       if (int64_t(bank.size()) != layers || block < 1 || rows < 1 || row_bytes < 1 ||
-          role < 0 || role > 2) {
+          role < 0 || role > 3) {
         throw std::invalid_argument(
             "each expert tensor needs one address per layer, a block, its rows' shape and a "
             "role");
       }
       const int order = roles[role]++;
-      const int at = role == 0 ? order : role == 1 ? 2 + order : 2 + roles[1] + order;
-      const bool expected = int(tensors_.size()) == at && gate_up == (order == 0);
-      if (order > 1 || !expected) {
-        throw std::invalid_argument(
-            "an expert is w13 and w2, then their two factor tensors and their two biases if any");
+      if (order > 1 || role < last || gate_up != (order == 0)) throw std::invalid_argument(kOrder);
+      last = role;
+      const auto kind = static_cast<TensorRole>(role);
+      const bool rows_of_gate_up = gate_up && kind != TensorRole::kTensorScales;
+      tensors_.push_back(ExpertTensor{bank, rows_of_gate_up, block, rows, row_bytes, kind});
+      if (!tensors_.back().down_bias() && !tensors_.back().whole()) {
+        granule_ = std::lcm(granule_, block);
       }
-      tensors_.push_back(
-          ExpertTensor{bank, gate_up, block, rows, row_bytes, static_cast<TensorRole>(role)});
-      if (!tensors_.back().down_bias()) granule_ = std::lcm(granule_, block);
-      if (gate_up) gate_up_row_bytes_ += rows * row_bytes;
+      if (rows_of_gate_up) gate_up_row_bytes_ += rows * row_bytes;
     }
-    if (roles[0] != 2 || roles[1] == 1 || roles[2] == 1) {
-      throw std::invalid_argument(
-          "an expert is w13 and w2, then their two factor tensors and their two biases if any");
+    if (roles[0] != 2 || roles[1] == 1 || roles[2] == 1 || roles[3] == 1 ||
+        (roles[2] == 2 && roles[1] != 2)) {
+      throw std::invalid_argument(kOrder);
     }
   }
 
@@ -684,9 +694,11 @@ class DecodePlanner {
   // columns, as long as it is finite: the cache starts zeroed, and holds experts after that), in
   // each of its tensors (factors and scales too: `row` is a multiple of their blocks; gpt-oss's
   // gate and up biases of those rows zeroed with them: clamped or not, the SwiGLU of two zero
-  // sums is zero). Its down bias is zeroed in the slot: the CPU's part adds it. Gate and up rows
+  // sums is zero). NVFP4's per-tensor scales are copied whole (they scale the device's rows as
+  // the CPU's). Its down bias is zeroed in the slot: the CPU's part adds it. Gate and up rows
   // below `from` are there already (copied ahead). Per tensor one 2D copy and, for gate and up,
-  // one 2D memset; one memset for the down bias. Returns the first driver error (naming its call in `failed`), or 0.
+  // one 2D memset; one memset for the down bias, one copy for each per-tensor scale tensor.
+  // Returns the first driver error (naming its call in `failed`), or 0.
   int copy_split(int64_t layer, int32_t e, int64_t slot, int64_t from, int64_t row,
                  const char** failed) {
     for (const ExpertTensor& t : tensors_) {
@@ -703,6 +715,15 @@ class DecodePlanner {
     }
     for (const ExpertTensor& t : tensors_) {
       if (t.gate_up) continue;
+      if (t.whole()) {
+        const auto* bank = reinterpret_cast<const char*>(t.bank[layer]) + e * t.bytes();
+        const int err = copy_(t.cache + slot * t.bytes(), bank, size_t(t.bytes()), fill_stream_);
+        if (err != 0) {
+          *failed = "cuMemcpyHtoDAsync";
+          return err;
+        }
+        continue;
+      }
       if (t.down_bias()) {  // the CPU's part adds it
         const int err =
             memset2d_(t.cache + slot * t.bytes(), size_t(t.bytes()), 0, size_t(t.bytes()), 1,
@@ -763,8 +784,8 @@ class DecodePlanner {
     return err;
   }
 
-  // The CPU job's problem for layer `layer`: the bank's weights, their factors or scales and its
-  // biases where the expert has them, and the SwiGLU's limit.
+  // The CPU job's problem for layer `layer`: the bank's weights, their factors or scales,
+  // NVFP4's per-tensor scales and its biases where the expert has them, and the SwiGLU's limit.
   ExpertProblem problem(int64_t layer, uintptr_t x, uintptr_t out, int64_t T,
                         int32_t split_expert, int64_t split_row) const {
     ExpertProblem p{reinterpret_cast<const float*>(x), reinterpret_cast<float*>(out),
@@ -773,11 +794,14 @@ class DecodePlanner {
                     T, hidden_, inter_, experts_, split_expert, split_row};
     for (size_t i = 2; i + 1 < tensors_.size(); i += 2) {
       const uintptr_t w13 = tensors_[i].bank[layer], w2 = tensors_[i + 1].bank[layer];
-      if (tensors_[i].role == TensorRole::kScales) {  // FP8's factors or MXFP4's scales
+      if (tensors_[i].role == TensorRole::kScales) {  // FP8's factors, MXFP4's or NVFP4's scales
         p.w13_factors = reinterpret_cast<const float*>(w13);
         p.w2_factors = reinterpret_cast<const float*>(w2);
         p.w13_scales = reinterpret_cast<const uint8_t*>(w13);
         p.w2_scales = reinterpret_cast<const uint8_t*>(w2);
+      } else if (tensors_[i].role == TensorRole::kTensorScales) {
+        p.w13_tensor_scales = reinterpret_cast<const float*>(w13);
+        p.w2_tensor_scales = reinterpret_cast<const float*>(w2);
       } else {
         p.w13_bias = reinterpret_cast<const float*>(w13);
         p.w2_bias = reinterpret_cast<const float*>(w2);

@@ -24,7 +24,14 @@ from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import nvfp4
 
-from .reference import assert_same_greedy, hf_greedy, hf_logits, make_engine, relative_error
+from .reference import (
+    assert_same_greedy,
+    decode_with_each_planner,
+    hf_greedy,
+    hf_logits,
+    make_engine,
+    relative_error,
+)
 
 PROMPT = list(range(5, 29))
 OFFLOADED = ["--moe-cache-size", "6", "--moe-miss-policy", "split:0.5"]
@@ -172,6 +179,20 @@ def test_nvfp4_experts_stay_4_bit_and_match_transformers(checkpoint, caplog, pla
     assert not [r for r in caplog.records if "NVFP4" in r.getMessage()]
     assert relative_error(ours, ref_logits) < 1e-4
     assert_same_greedy(tokens, ref_tokens, margins)
+
+
+def test_the_native_planner_decodes_an_nvfp4_bank_as_the_python_planner_does(
+    checkpoint, monkeypatch
+):
+    """An NVFP4 bank's offloaded decode steps are planned by the native planner (its values,
+    scales and per-tensor scales copied, and its CPU jobs run with them), with the Python
+    planner's plans: the same tokens, the same hits, fills and CPU experts per layer."""
+    path, *_ = checkpoint
+    prompts = [PROMPT, PROMPT[:9]]
+    native, python = decode_with_each_planner(monkeypatch, path, prompts, 12, *OFFLOADED)
+    assert native == python
+    _, (_, _, fills, cpu, _), _ = native
+    assert sum(fills) > 0 and sum(cpu) > 0
 
 
 def expert_as_stored(path: Path, layer: int, expert: int) -> list[torch.Tensor]:

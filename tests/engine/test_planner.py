@@ -35,7 +35,7 @@ from moelab.engine.experts.misses import (
     split_chunks,
 )
 from moelab.engine.experts.moe import MoERunner
-from moelab.kernels import fp8, mxfp4
+from moelab.kernels import fp8, mxfp4, nvfp4
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref
 from moelab.kernels.host_handoff import (
     DONE,
@@ -55,6 +55,8 @@ LAYERS, EXPERTS, HIDDEN, INTER = 3, 12, 32, 16
 FP8_HIDDEN, FP8_INTER = 160, 384
 # an MXFP4 bank's: H of two groups of 32, I of three (a split at 32 or 64 rows)
 MX_HIDDEN, MX_INTER = 64, 96
+# an NVFP4 bank's: H of two groups of 16, I of three (a split at 16 or 32 rows)
+NV_HIDDEN, NV_INTER = 32, 48
 # gpt-oss's clamped SwiGLU, for the banks with biases ("-bias")
 SWIGLU_LIMIT = 7.0
 
@@ -82,11 +84,19 @@ def _runner(
     )  # fmt: skip
 
 
+def _nvfp4(w: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+    """Experts' weights [E, N, K] as NVFP4 values, scales and per-tensor scales [E, parts], one
+    for each run of N / parts rows (w13: gate's, up's)."""
+    values, scales, tensor_scales = nvfp4.quantize(w.unflatten(1, (parts, -1)))
+    return values.flatten(1, 2), scales.flatten(1, 2), tensor_scales
+
+
 def _bank(gen: torch.Generator, fmt: str = "bf16") -> ExpertBank:
     """Random experts: bf16 (HIDDEN, INTER), FP8 values with their block factors (FP8_HIDDEN,
-    FP8_INTER; factors of several binades, weights of about unit outputs), or MXFP4 blocks with
-    their scales (MX_HIDDEN, MX_INTER; the same weights rounded). "-bias": gpt-oss's experts,
-    with their biases and clamped SwiGLU."""
+    FP8_INTER; factors of several binades, weights of about unit outputs), MXFP4 blocks with
+    their scales (MX_HIDDEN, MX_INTER; the same weights rounded), or NVFP4 values with their
+    scales and per-tensor scales (NV_HIDDEN, NV_INTER). "-bias": gpt-oss's experts, with their
+    biases and clamped SwiGLU."""
     fmt, biased = fmt.removesuffix("-bias"), fmt.endswith("-bias")
     if fmt == "bf16":
         w13 = [torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen).bfloat16()
@@ -95,18 +105,20 @@ def _bank(gen: torch.Generator, fmt: str = "bf16") -> ExpertBank:
         bank = ExpertBank(w13, w2)
     else:
         hidden, inter, quantize = {
-            "fp8": (FP8_HIDDEN, FP8_INTER, fp8.quantize),
-            "mxfp4": (MX_HIDDEN, MX_INTER, mxfp4.quantize),
+            "fp8": (FP8_HIDDEN, FP8_INTER, lambda w, parts: fp8.quantize(w)),
+            "mxfp4": (MX_HIDDEN, MX_INTER, lambda w, parts: mxfp4.quantize(w)),
+            "nvfp4": (NV_HIDDEN, NV_INTER, _nvfp4),
         }[fmt]
         layers = []
         for _ in range(LAYERS):
-            for shape in ((EXPERTS, 2 * inter, hidden), (EXPERTS, hidden, inter)):
+            for parts, shape in ((2, (EXPERTS, 2 * inter, hidden)), (1, (EXPERTS, hidden, inter))):
                 # fan-in scaled, each expert in a binade of its own
                 binades = torch.randint(-2, 2, (EXPERTS, 1, 1), generator=gen).float()
                 w = torch.randn(shape, generator=gen) * torch.exp2(binades) / shape[2] ** 0.5
-                layers.append(quantize(w))
-        (w13, w13_scale), (w2, w2_scale) = (list(zip(*layers[i::2], strict=True)) for i in (0, 1))
-        bank = ExpertBank(list(w13), list(w2), list(w13_scale), list(w2_scale))
+                layers.append(quantize(w, parts))
+        # per projection: its values, scales (and per-tensor scales) of each layer
+        w13, w2 = ([list(t) for t in zip(*layers[i::2], strict=True)] for i in (0, 1))
+        bank = ExpertBank(w13[0], w2[0], w13[1], w2[1], *(w13[2:] + w2[2:]))
     if biased:
         hidden, inter = bank.hidden_size, bank.intermediate_size
         bank.w13_bias = [torch.randn(EXPERTS, 2 * inter, generator=gen) for _ in range(LAYERS)]
@@ -199,8 +211,8 @@ def test_fetch_count_is_the_whole_split_that_ends_the_step_soonest(fraction):
 
 @pytest.mark.parametrize(
     ("fmt", "fraction"),
-    # FP8: its jobs take the factors, MXFP4 its scales, gpt-oss's its biases and clamped SwiGLU;
-    # fractions with copies, CPU jobs and cache pressure
+    # FP8: its jobs take the factors, MXFP4 its scales, NVFP4 its scales and per-tensor scales,
+    # gpt-oss's its biases and clamped SwiGLU; fractions with copies, CPU jobs and cache pressure
     [
         ("bf16", 0.0),
         ("bf16", 0.35),
@@ -210,6 +222,7 @@ def test_fetch_count_is_the_whole_split_that_ends_the_step_soonest(fraction):
         ("fp8", 0.5),
         ("mxfp4", 0.35),
         ("mxfp4-bias", 0.5),
+        ("nvfp4", 0.35),
         ("bf16-bias", 0.35),
     ],
 )
@@ -217,7 +230,8 @@ def test_fetch_count_is_the_whole_split_that_ends_the_step_soonest(fraction):
 def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots, fmt):
     """Step after step from identical caches: the same plans, cache states and pick counts,
     and CPU jobs of the same output bit for bit (an FP8 bank's with its factors, an MXFP4 one's
-    with its scales, gpt-oss's experts with their biases)."""
+    with its scales, an NVFP4 one's with its scales and per-tensor scales, gpt-oss's experts
+    with their biases)."""
     gen = torch.Generator().manual_seed(int(fraction * 100) + tokens)
     bank = _bank(gen, fmt)
     hidden = bank.w2[0].shape[1]
@@ -340,7 +354,7 @@ def test_a_lead_copied_ahead_gives_the_device_those_rows_where_that_ends_the_ste
         assert policy.lead_plan(1, 16, 1 / 3) == (0, 6)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "mxfp4-bias", "bf16-bias"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "mxfp4-bias", "nvfp4", "bf16-bias"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, tokens, fmt):
     """With the planner's copies (stand-ins on host memory, the cache in host memory too), a
@@ -348,14 +362,15 @@ def test_a_split_miss_is_computed_once_between_the_device_and_the_cpu(cpu, token
     projection, its other gate and up rows are zero, and the device's routes plus the CPU's part
     are the whole layer's output. An FP8 expert splits at whole blocks (`split_chunks`), its
     factors copied with its values; an MXFP4 one at whole groups of 32 columns of its down
-    projection, its scales with its blocks. gpt-oss's experts: the gate and up biases of the
+    projection, its scales with its blocks; an NVFP4 one at whole groups of 16, its scales with
+    its values and its per-tensor scales whole. gpt-oss's experts: the gate and up biases of the
     device's rows go with them (the others zero), and the down bias is added once, by the CPU's
     part (the slot's zero)."""
     gen = torch.Generator().manual_seed(11)
     bank = _bank(gen, fmt)
     hidden, inter = bank.hidden_size, bank.intermediate_size
     chunks = split_chunks(inter, bank.block_rows)
-    assert chunks == {"bf16": 16, "fp8": 3, "mxfp4": 3}[bank.fmt]
+    assert chunks == {"bf16": 16, "fp8": 3, "mxfp4": 3, "nvfp4": 3}[bank.fmt]
     r = _runner(bank, 6, 0.39, cpu, 4, split_misses=True)
     planner = r.planner.native()
     functions = host_functions()
@@ -424,7 +439,7 @@ def test_a_resized_cache_gets_a_new_planner(cpu):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "mxfp4-bias"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "mxfp4-bias", "nvfp4"])
 def test_on_cuda_one_call_waits_for_the_routing_plans_and_queues_the_copies(cpu, fmt):
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(3)
@@ -884,25 +899,38 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.cpu().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.cpu()
 
 
+WHOLE = "whole"  # `_slot_holds`: a tensor a slot holds whole, a split or not
+
+
 def _slot_holds(cache, bank, layer: int, expert: int, slot: int, rows: int,
                 zeroed: bool = False) -> bool:  # fmt: skip
     """Whether `slot` holds the expert's first `rows` gate and up rows and the same columns of
     its down projection (all of it where rows is I) in each of its tensors (an FP8 expert's
     factors: their blocks of those rows; an MXFP4 one's down blocks and scales: their groups of
-    32 columns), and with `zeroed` zeros in its other gate and up rows. gpt-oss's gate and up
-    biases go with their rows, and its down bias is whole, or with `zeroed` (a split miss's: the
-    CPU's part adds it) zero."""
+    32 columns; an NVFP4 one's down values, two columns a byte, and scales, a group of 16
+    columns each), and with `zeroed` zeros in its other gate and up rows. NVFP4's per-tensor
+    scales are whole. gpt-oss's gate and up biases go with their rows, and its down bias is
+    whole, or with `zeroed` (a split miss's: the CPU's part adds it) zero."""
     slots, tensors = cache.tensors(), bank.layer_tensors(layer)
-    # per tensor: whether its rows are gate and up rows (None: the down bias), and the rows of
-    # gate and up (columns of the down projection) one of its entries covers
-    columns = mxfp4.BLOCK if bank.fmt == "mxfp4" else 1
-    kinds = [(True, 1), (False, columns)]
+    # per tensor: whether its rows are gate and up rows (None: the down bias; WHOLE: a
+    # per-tensor scale), and the rows of gate and up (columns of the down projection) one of its
+    # entries covers
+    values, scales = {"mxfp4": (mxfp4.BLOCK,) * 2, "nvfp4": (2, nvfp4.BLOCK)}.get(bank.fmt, (1, 1))
+    kinds = [(True, 1), (False, values)]
     if bank.w13_scale:
-        kinds += [(True, fp8.BLOCK), (False, fp8.BLOCK)] if bank.fmt == "fp8" else kinds
+        kinds += [(True, fp8.BLOCK), (False, fp8.BLOCK)] if bank.fmt == "fp8" else [
+            (True, 1), (False, scales)
+        ]  # fmt: skip
+    if bank.w13_scale_2:
+        kinds += [(WHOLE, 1), (WHOLE, 1)]
     if bank.w13_bias:
         kinds += [(True, 1), (None, 1)]
     for dst, src, (rows_of_gate_up, block) in zip(slots, tensors, kinds, strict=True):
         n, got, want = rows // block, _bits(dst[slot]), _bits(src[expert])
+        if rows_of_gate_up is WHOLE:
+            if not torch.equal(got, want):
+                return False
+            continue
         if rows_of_gate_up is None:
             if not torch.equal(got, torch.zeros_like(got) if zeroed else want):
                 return False
@@ -922,8 +950,9 @@ def _slot_holds(cache, bank, layer: int, expert: int, slot: int, rows: int,
 
 @pytest.mark.parametrize(
     ("fmt", "rounds"),
-    [("bf16", 0), ("bf16", 2), ("fp8", 0), ("fp8", 2), ("mxfp4", 0), ("mxfp4-bias", 2)],
-)
+    [("bf16", 0), ("bf16", 2), ("fp8", 0), ("fp8", 2), ("mxfp4", 0), ("mxfp4-bias", 2),
+     ("nvfp4", 0)],
+)  # fmt: skip
 def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, fmt, rounds):
     """With copies ahead (`set_copy_ahead`), a guess of the routing that comes before it starts
     copying the first rows of the guessed step's first device miss into a slot (the least
@@ -934,7 +963,8 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, fmt, rou
     serves nothing and its slot stays free; the first guess copies nothing (no lead measured).
     An FP8 expert's copy ahead takes whole blocks of rows (its factors with them), fewer rows
     where the lead moves a part of one more; an MXFP4 one's whole groups of 32 rows (their
-    scales with them), gpt-oss's their gate and up biases too."""
+    scales with them), an NVFP4 one's whole groups of 16 (its per-tensor scales copied with the
+    rest), gpt-oss's their gate and up biases too."""
     gen = torch.Generator().manual_seed(21)
     bank = _bank(gen, fmt)
     hidden, inter = bank.hidden_size, bank.intermediate_size
@@ -962,8 +992,10 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, fmt, rou
     planner.set_device(*(address_of(f) for f in functions), 0, 0, _slots(cache))
     logits = torch.zeros(1, EXPERTS)
     rng = np.random.default_rng(21)
-    # a copy ahead moves a row's gate and up (and their share of the factors)
-    row_bytes = sum(t[0].nbytes for t in bank.layer_tensors(0)[::2]) / inter
+    # a copy ahead moves a row's gate and up (and their share of the factors; NVFP4's
+    # per-tensor scales are no rows')
+    whole = bank.w13_scale_2[0][0].nbytes if bank.w13_scale_2 else 0
+    row_bytes = (sum(t[0].nbytes for t in bank.layer_tensors(0)[::2]) - whole) / inter
     seen = {"whole": 0, "split": 0, "wrong": 0, "all_rows": 0, "late": 0}
     for step in range(30):
         layer = step % LAYERS
@@ -980,6 +1012,7 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, fmt, rou
             "bf16": (3, 8, 13, inter, 5),
             "fp8": (128, 200, 256, inter, 300),
             "mxfp4": (32, 50, 64, inter, 70),
+            "nvfp4": (16, 25, 32, inter, 35),
         }[bank.fmt][step % 5]
         rows = want // block * block  # all of its rows too; FP8: whole blocks
         rate = (want + 0.5) * row_bytes / lead if lead else 1.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -145,6 +146,39 @@ def test_an_nvfp4_call_without_its_scales_is_refused(kernel, drop, message):
     del scales[drop]
     with CpuExpertRunner(1, kernel) as runner, pytest.raises(ValueError, match=message):
         runner.submit(*args, **scales)
+
+
+def test_the_decode_planner_takes_an_nvfp4_banks_scales_and_per_tensor_scales() -> None:
+    """The native planner plans over NVFP4 banks with their e4m3 scales and per-tensor scales
+    (tests/engine/test_planner.py runs it); without either, it says what it needs."""
+    w13, w13_scale, w13_scale_2 = nvfp4.quantize(torch.randn(4, 2, 32, 32))
+    w2, w2_scale, w2_scale_2 = nvfp4.quantize(torch.randn(4, 32, 32))
+    scales = {
+        "w13_scale": [w13_scale.flatten(1, 2)],
+        "w2_scale": [w2_scale],
+        "w13_scale_2": [w13_scale_2],
+        "w2_scale_2": [w2_scale_2[:, None]],
+    }
+    arrays = {
+        "slot_of": np.full((1, 4), -1, dtype=np.int32),
+        "key_of_slot": np.full(2, -1, dtype=np.int64),
+        "last_use": np.zeros(2, dtype=np.int64),
+        "state": np.zeros(4, dtype=np.int64),
+        "picks": np.zeros((1, 4), dtype=np.int64),
+        "w13": [w13.flatten(1, 2)],
+        "w2": [w2],
+        "top_k": 2,
+    }
+    missing = {
+        "w2_scale_2": "NVFP4 weights need both w13_scale_2 and w2_scale_2",
+        "w13_scale": "NVFP4 weights need w13_scale and w2_scale",
+    }
+    with CpuExpertRunner(2, "native") as runner:
+        for drop, message in missing.items():
+            given = {name: t for name, t in scales.items() if name != drop}
+            with pytest.raises(ValueError, match=message):
+                runner.decode_planner(**arrays, **given)
+        assert runner.decode_planner(**arrays, **scales) is not None
 
 
 def test_the_bench_counts_nvfp4_bytes_as_stored_and_times_native_jobs() -> None:
