@@ -358,19 +358,37 @@ class Bench:
         return copied(w13), copied(w2), scales
 
     def fused_moe_mxfp4(self, tokens: int) -> None:
-        """Decode MoE over an MXFP4 bank (mxfp4_moe); the bytes are the blocks and their scales.
-        The reference column holds the bf16 kernel's time on a bf16 bank of as many layers, the
-        same routes and x."""
-        layers = layers_for(MXFP4_EXPERT_BYTES * min(EXPERTS, tokens * TOP_K))
-        bank = self.mxfp4_bank(layers)
+        """Decode MoE over an MXFP4 bank (mxfp4_moe.fused_moe_decode_mxfp4)."""
+        self._fused_moe_4bit(
+            tokens, "mxfp4", MXFP4_EXPERT_BYTES, self.mxfp4_bank, mxfp4_moe.fused_moe_decode_mxfp4
+        )
+
+    def grouped_moe_mxfp4(self, tokens: int) -> None:
+        """Prefill MoE over one layer's MXFP4 experts (mxfp4_moe.grouped_moe_mxfp4)."""
+        self._grouped_moe_4bit(
+            tokens, "mxfp4", MXFP4_EXPERT_BYTES, self.mxfp4_bank, mxfp4_moe.grouped_moe_mxfp4
+        )
+
+    def _fused_moe_4bit(
+        self,
+        tokens: int,
+        fmt: str,
+        expert_bytes: int,
+        make_bank: Callable[[int], tuple[torch.Tensor, ...]],
+        decode: Callable[..., torch.Tensor],
+    ) -> None:
+        """Decode MoE over a 4-bit bank (MXFP4 or NVFP4); the bytes are its values and their
+        scales. The reference column holds the bf16 kernel's time on a bf16 bank of as many
+        layers, the same routes and x."""
+        layers = layers_for(expert_bytes * min(EXPERTS, tokens * TOP_K))
+        bank = make_bank(layers)
         x = self.randn(tokens, HIDDEN)
         weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
         slot_sets = [self.routes(tokens, layer * EXPERTS, EXPERTS) for layer in range(layers)]
-        # each route reads its slot (mxfp4_moe.fused_moe_decode_mxfp4)
-        bytes_moved = tokens * TOP_K * MXFP4_EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
+        # each route reads its slot
+        bytes_moved = tokens * TOP_K * expert_bytes + tokens * HIDDEN * (ELEM_BYTES + 4)
         flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
-        calls = [partial(mxfp4_moe.fused_moe_decode_mxfp4, x, s, weights, *bank) for s in slot_sets]
-        time_us = graph_us_per_call(calls)
+        time_us = graph_us_per_call([partial(decode, x, s, weights, *bank) for s in slot_sets])
         del bank
         w13 = self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
         w2 = self.randn(layers * EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
@@ -378,23 +396,27 @@ class Bench:
             [partial(fused_moe.fused_moe_decode_triton, x, s, weights, w13, w2) for s in slot_sets]
         )
         label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}"
-        self.add("fused_moe_decode_mxfp4", label, time_us, bytes_moved, flops, bf16_us)
+        self.add(f"fused_moe_decode_{fmt}", label, time_us, bytes_moved, flops, bf16_us)
 
-    def grouped_moe_mxfp4(self, tokens: int) -> None:
-        """Prefill MoE over one layer's MXFP4 experts; the reference column holds the bf16
-        kernel's time on the same routes and x."""
-        bank = self.mxfp4_bank(1)
+    def _grouped_moe_4bit(
+        self,
+        tokens: int,
+        fmt: str,
+        expert_bytes: int,
+        make_bank: Callable[[int], tuple[torch.Tensor, ...]],
+        grouped: Callable[..., torch.Tensor],
+    ) -> None:
+        """Prefill MoE over one layer's 4-bit experts (MXFP4 or NVFP4); the reference column
+        holds the bf16 kernel's time on the same routes and x."""
+        bank = make_bank(1)
         x = self.randn(tokens, HIDDEN)
         ids = self.routes(tokens, 0, EXPERTS)
         weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
         used = ids.unique().numel()
-        bytes_moved = used * MXFP4_EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
+        bytes_moved = used * expert_bytes + tokens * HIDDEN * (ELEM_BYTES + 4)
         flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
         time_us = median_event_us(
-            lambda: mxfp4_moe.grouped_moe_mxfp4(
-                x, ids, weights, *bank, layer_experts=EXPERTS, checked=False
-            ),
-            10,
+            lambda: grouped(x, ids, weights, *bank, layer_experts=EXPERTS, checked=False), 10
         )
         bf16 = (
             self.randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5),
@@ -402,7 +424,7 @@ class Bench:
         )
         bf16_us = self._grouped_us(x, ids, weights, *bf16)
         label = f"T={tokens} K={TOP_K} E={EXPERTS}"
-        self.add("grouped_moe_mxfp4", label, time_us, bytes_moved, flops, bf16_us)
+        self.add(f"grouped_moe_{fmt}", label, time_us, bytes_moved, flops, bf16_us)
 
     def mxfp4_bank(self, copies: int) -> tuple[torch.Tensor, ...]:
         """w13, w2 and their scales of one layer's experts quantized by mxfp4.quantize, in
@@ -412,51 +434,16 @@ class Bench:
         return tuple(t.repeat(copies, *([1] * (t.dim() - 1))) for t in (w13, w2, s13, s2))
 
     def fused_moe_nvfp4(self, tokens: int) -> None:
-        """Decode MoE over an NVFP4 bank (nvfp4_moe); the bytes are the values and their scales.
-        The reference column holds the bf16 kernel's time on a bf16 bank of as many layers, the
-        same routes and x."""
-        layers = layers_for(NVFP4_EXPERT_BYTES * min(EXPERTS, tokens * TOP_K))
-        bank = self.nvfp4_bank(layers)
-        x = self.randn(tokens, HIDDEN)
-        weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
-        slot_sets = [self.routes(tokens, layer * EXPERTS, EXPERTS) for layer in range(layers)]
-        # each route reads its slot (nvfp4_moe.fused_moe_decode_nvfp4)
-        bytes_moved = tokens * TOP_K * NVFP4_EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
-        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
-        calls = [partial(nvfp4_moe.fused_moe_decode_nvfp4, x, s, weights, *bank) for s in slot_sets]
-        time_us = graph_us_per_call(calls)
-        del bank
-        w13 = self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
-        w2 = self.randn(layers * EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
-        bf16_us = graph_us_per_call(
-            [partial(fused_moe.fused_moe_decode_triton, x, s, weights, w13, w2) for s in slot_sets]
+        """Decode MoE over an NVFP4 bank (nvfp4_moe.fused_moe_decode_nvfp4)."""
+        self._fused_moe_4bit(
+            tokens, "nvfp4", NVFP4_EXPERT_BYTES, self.nvfp4_bank, nvfp4_moe.fused_moe_decode_nvfp4
         )
-        label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}"
-        self.add("fused_moe_decode_nvfp4", label, time_us, bytes_moved, flops, bf16_us)
 
     def grouped_moe_nvfp4(self, tokens: int) -> None:
-        """Prefill MoE over one layer's NVFP4 experts; the reference column holds the bf16
-        kernel's time on the same routes and x."""
-        bank = self.nvfp4_bank(1)
-        x = self.randn(tokens, HIDDEN)
-        ids = self.routes(tokens, 0, EXPERTS)
-        weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
-        used = ids.unique().numel()
-        bytes_moved = used * NVFP4_EXPERT_BYTES + tokens * HIDDEN * (ELEM_BYTES + 4)
-        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
-        time_us = median_event_us(
-            lambda: nvfp4_moe.grouped_moe_nvfp4(
-                x, ids, weights, *bank, layer_experts=EXPERTS, checked=False
-            ),
-            10,
+        """Prefill MoE over one layer's NVFP4 experts (nvfp4_moe.grouped_moe_nvfp4)."""
+        self._grouped_moe_4bit(
+            tokens, "nvfp4", NVFP4_EXPERT_BYTES, self.nvfp4_bank, nvfp4_moe.grouped_moe_nvfp4
         )
-        bf16 = (
-            self.randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5),
-            self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5),
-        )
-        bf16_us = self._grouped_us(x, ids, weights, *bf16)
-        label = f"T={tokens} K={TOP_K} E={EXPERTS}"
-        self.add("grouped_moe_nvfp4", label, time_us, bytes_moved, flops, bf16_us)
 
     def nvfp4_bank(self, copies: int) -> tuple[torch.Tensor, ...]:
         """w13, w2, their block scales and their per-tensor scales of one layer's experts
