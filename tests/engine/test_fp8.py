@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors import safe_open
@@ -18,11 +16,12 @@ from safetensors.torch import save_file
 from moelab.daemon.models import read_checkpoint
 from moelab.engine.model.checkpoint import SafetensorsSource, iter_layer_experts
 from moelab.engine.model.spec import CheckpointError, ModelSpec
-from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.process.launch import stop_engine
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 
 from .reference import assert_same_greedy, hf_greedy, hf_logits, make_engine, relative_error
+from .served import assert_offloaded_experts_serve, serve
 
 BLOCK = 128
 POLICIES = ["auto", "gpu", "cpu", "split:0.5"]
@@ -294,23 +293,9 @@ def test_moelab_serve_answers_from_an_fp8_checkpoint(tmp_path):
     """A real `moelab serve` process on an FP8 checkpoint `moelab synth` wrote, its experts
     offloaded: a completion, and the expert slots reported in FP8."""
     path = synthesize(tmp_path / "m", preset="tiny", seed=21, routing_skew=1.0, dtype="fp8")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
-             "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5"]  # fmt: skip
-    engine = start_engine(flags, tmp_path / "engine.log")
+    engine = serve(path, tmp_path, "--moe-cache-rate", "0.5")
     try:
-        wait_ready(engine, timeout_s=120)
-        body = {"prompt": "The expert bank", "max_tokens": 16, "temperature": 0}
-        r = httpx.post(engine.base_url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 16
-        experts = httpx.get(engine.base_url + "/v1/stats").json()["experts"]
-        spec = ModelSpec.from_dir(path)
-        assert experts["dtype"] == "fp8" and experts["slot_bytes"] == spec.expert_bytes_as("fp8")
-        assert 0 < experts["slots"] < spec.experts_total
-        assert sum(layer["reads"] for layer in experts["layers"]) > 0
+        assert_offloaded_experts_serve(engine, path, "fp8", 16)
     finally:
         stop_engine(engine)
 

@@ -5,7 +5,6 @@ batches; and the parts the comparison must catch (sinks, window, clamp, biases).
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,7 @@ from moelab.engine.experts.bank import build_in_memory
 from moelab.engine.model import synth
 from moelab.engine.model.spec import CheckpointError, ModelSpec
 from moelab.engine.model.synth import SynthSource, make_config
-from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.process.launch import stop_engine
 from moelab.engine.runtime.graphs import DecodeGraphs
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
@@ -36,6 +35,7 @@ from .reference import (
     make_engine,
     relative_error,
 )
+from .served import assert_offloaded_experts_serve, serve
 from .test_graphs import ReplayGraph
 
 pytest.importorskip(
@@ -495,24 +495,9 @@ def test_moelab_serve_answers_from_an_mxfp4_gpt_oss_checkpoint(tmp_path):
                       overrides={"sliding_window": 8}, dtype="mxfp4")  # fmt: skip
     entry = read_checkpoint(path, "data dir")
     assert entry.error is None and entry.model_type == "gpt_oss" and entry.expert_bytes > 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
-             "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5"]  # fmt: skip
-    engine = start_engine(flags, tmp_path / "engine.log")
+    engine = serve(path, tmp_path, "--moe-cache-rate", "0.5")
     try:
-        wait_ready(engine, timeout_s=120)
-        body = {"prompt": "The expert bank holds", "max_tokens": 24, "temperature": 0}
-        r = httpx.post(engine.base_url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 24
-        experts = httpx.get(engine.base_url + "/v1/stats").json()["experts"]
-        spec = ModelSpec.from_dir(path)
-        assert experts["dtype"] == "mxfp4"
-        assert experts["slot_bytes"] == spec.expert_bytes_as("mxfp4")
-        assert 0 < experts["slots"] < spec.experts_total
-        assert sum(layer["reads"] for layer in experts["layers"]) > 0
+        assert_offloaded_experts_serve(engine, path, "mxfp4", 24)
         # a chat's next turn resumes where the last one's messages ended: the full layers'
         # pages from the prefix cache, the sliding layers' windows from their checkpoint there
         turn = [{"role": "system", "content": "Answer in one word."},

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors import safe_open
@@ -20,12 +18,14 @@ from safetensors.torch import save_file
 from moelab.daemon.models import read_checkpoint
 from moelab.engine.model.checkpoint import SafetensorsSource
 from moelab.engine.model.spec import CheckpointError, ModelSpec
-from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.process.launch import stop_engine
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import nvfp4
 
 from .reference import assert_same_greedy, hf_greedy, hf_logits, make_engine, relative_error
+from .served import assert_offloaded_experts_serve
+from .served import serve as serve_process
 
 PROMPT = list(range(5, 29))
 OFFLOADED = ["--moe-cache-size", "6", "--moe-miss-policy", "split:0.5"]
@@ -411,23 +411,9 @@ def test_moelab_serve_answers_from_a_mixed_precision_checkpoint(tmp_path):
     completion, and the expert slots reported in NVFP4 at their own bytes."""
     plain = synthesize(tmp_path / "bf16", preset="tiny", seed=21, routing_skew=1.0)
     path = write_mixed(plain, tmp_path / "m", hf_quant_config=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
-             "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5"]  # fmt: skip
-    engine = start_engine(flags, tmp_path / "engine.log")
+    engine = serve_process(path, tmp_path, "--moe-cache-rate", "0.5")
     try:
-        wait_ready(engine, timeout_s=120)
-        body = {"prompt": "The expert bank", "max_tokens": 16, "temperature": 0}
-        r = httpx.post(engine.base_url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 16
-        experts = httpx.get(engine.base_url + "/v1/stats").json()["experts"]
-        spec = ModelSpec.from_dir(path)
-        assert experts["dtype"] == "nvfp4"
-        assert experts["slot_bytes"] == spec.expert_bytes_as("nvfp4")
-        assert 0 < experts["slots"] < spec.experts_total
+        assert_offloaded_experts_serve(engine, path, "nvfp4", 16)
     finally:
         stop_engine(engine)
-    assert "NVFP4 experts kept NVFP4 as stored" in (tmp_path / "engine.log").read_text()
+    assert "NVFP4 experts kept NVFP4 as stored" in Path(engine.log_path).read_text()

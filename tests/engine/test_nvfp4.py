@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors import safe_open
@@ -19,7 +17,7 @@ from safetensors.torch import save_file
 from moelab.daemon.models import read_checkpoint
 from moelab.engine.model.checkpoint import SafetensorsSource
 from moelab.engine.model.spec import CheckpointError, ModelSpec
-from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.process.launch import stop_engine
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import nvfp4
@@ -32,6 +30,7 @@ from .reference import (
     make_engine,
     relative_error,
 )
+from .served import assert_offloaded_experts_serve, serve
 
 PROMPT = list(range(5, 29))
 OFFLOADED = ["--moe-cache-size", "6", "--moe-miss-policy", "split:0.5"]
@@ -438,23 +437,9 @@ def test_moelab_serve_answers_from_an_nvfp4_checkpoint(tmp_path):
     """A real `moelab serve` process on an NVFP4 checkpoint `moelab synth` wrote, its experts
     offloaded: a completion, and the expert slots reported in NVFP4 at their own bytes."""
     path = synthesize(tmp_path / "m", preset="tiny", seed=21, routing_skew=1.0, dtype="nvfp4")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
-             "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5"]  # fmt: skip
-    engine = start_engine(flags, tmp_path / "engine.log")
+    engine = serve(path, tmp_path, "--moe-cache-rate", "0.5")
     try:
-        wait_ready(engine, timeout_s=120)
-        body = {"prompt": "The expert bank", "max_tokens": 16, "temperature": 0}
-        r = httpx.post(engine.base_url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 16
-        experts = httpx.get(engine.base_url + "/v1/stats").json()["experts"]
-        spec = ModelSpec.from_dir(path)
-        assert experts["dtype"] == "nvfp4"
-        assert experts["slot_bytes"] == spec.expert_bytes_as("nvfp4")
-        assert 0 < experts["slots"] < spec.experts_total
+        assert_offloaded_experts_serve(engine, path, "nvfp4", 16)
     finally:
         stop_engine(engine)
 

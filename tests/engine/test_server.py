@@ -13,41 +13,17 @@ import httpx
 import pytest
 
 from moelab.engine.model.tokenizer import Tokenizer
-from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.process.launch import start_engine, stop_engine
 from moelab.engine.synth_checkpoint import synthesize
 
+from .served import serve
+
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return synthesize(tmp_path_factory.mktemp("served"), preset="tiny", routing_skew=1.0, seed=21)
-
-
-def serve(model, tmp_path, *flags):
-    port = free_port()
-    engine = start_engine(
-        [
-            "--model-path",
-            str(model),
-            "--port",
-            str(port),
-            "--device-memory",
-            "1GiB",
-            "--bank-dir",
-            str(tmp_path / "bank"),
-            *flags,
-        ],
-        tmp_path / f"engine-{port}.log",
-    )
-    wait_ready(engine, timeout_s=120)
-    return engine
 
 
 @pytest.fixture(scope="module")
