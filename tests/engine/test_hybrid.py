@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +18,7 @@ from safetensors.torch import save_file
 from moelab.engine.model.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from moelab.engine.model.synth_tokenizer import write_tokenizer_files
 from moelab.engine.model.tokenizer import Tokenizer
-from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
+from moelab.engine.process.launch import stop_engine
 from moelab.engine.runtime.graphs import DecodeGraphs
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.kernels import fp8
@@ -33,6 +32,7 @@ from .reference import (
     relative_error,
     scale_up_weights,
 )
+from .served import serve
 from .test_fp8 import dequantize_checkpoint
 from .test_graphs import ReplayGraph
 from .test_tool_calls import ScriptedWorker, served
@@ -431,19 +431,12 @@ def test_moelab_serve_answers_a_chat_from_a_qwen36_layout_checkpoint(tmp_path):
     path = tmp_path / "m"
     build_hybrid("qwen3_5_moe", path, seed=8, vocab_size=2048)
     write_tokenizer_files(path, 2048)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    flags = ["--model-path", str(path), "--port", str(port), "--device-memory", "1GiB",
-             "--bank-dir", str(tmp_path / "bank"), "--moe-cache-rate", "0.5",
-             "--max-running-requests", "1"]  # fmt: skip
     messages = [
         {"role": "system", "content": "You answer questions about hybrid models, exactly."},
         {"role": "user", "content": "Which layers keep a state?"},
     ]
-    engine = start_engine(flags, tmp_path / "engine.log")
+    engine = serve(path, tmp_path, "--moe-cache-rate", "0.5", "--max-running-requests", "1")
     try:
-        wait_ready(engine, timeout_s=120)
 
         def chat(messages: list[dict]) -> dict:
             body = {"messages": messages, "max_tokens": 12, "temperature": 0}
