@@ -18,7 +18,7 @@ from moelab.engine.cli import main
 from moelab.engine.process.launch import stop_engine
 from moelab.engine.synth_checkpoint import synthesize
 
-from .test_server import serve
+from .served import serve
 
 anthropic = pytest.importorskip("anthropic", reason="Anthropic's SDK is a test dependency")
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency")

@@ -15,7 +15,7 @@ from moelab.engine.model.tokenizer import Tokenizer
 from moelab.engine.process.launch import stop_engine
 from moelab.engine.synth_checkpoint import synthesize
 
-from .test_server import serve
+from .served import serve
 from .test_tool_calls import REPLY, ScriptedWorker, served
 
 anthropic = pytest.importorskip("anthropic", reason="Anthropic's SDK is a test dependency")

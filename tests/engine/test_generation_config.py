@@ -16,7 +16,7 @@ from moelab.engine.process.launch import stop_engine
 from moelab.engine.serving import openai_api as api
 from moelab.engine.synth_checkpoint import synthesize
 
-from .test_server import serve
+from .served import serve
 
 
 def _write(path, **fields) -> None:

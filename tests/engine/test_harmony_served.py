@@ -14,7 +14,7 @@ from moelab.engine.model.tokenizer import Tokenizer
 from moelab.engine.process.launch import stop_engine
 from moelab.engine.synth_checkpoint import synthesize
 
-from .test_server import serve
+from .served import serve
 
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
 

@@ -29,11 +29,12 @@ from .reference import (
     make_engine,
     relative_error,
 )
+from .served import serve
 from .test_gpt_oss import GEOMETRY as GPT_OSS
 from .test_graphs import ReplayGraph
 from .test_hybrid import build_hybrid
 from .test_reference import GEOMETRIES
-from .test_server import _post, _until, serve
+from .test_server import _post, _until
 
 pytest.importorskip(
     "transformers", reason="transformers is the reference (pip install -e '.[test]')"
