@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every CUDA test at once: the test files that run on a GPU (the kernels natively, the engine's
+# under MOELAB_TEST_DEVICE=cuda), in groups run side by side, each under a time limit, so one
+# device call checks the whole tree. Correctness only: nothing here is timed.
+# Usage: scripts/gpu_tests.sh OUT_DIR [LIMIT_S]   (writes OUT_DIR/GROUP.log and OUT_DIR/summary.txt)
+# On the GPU machine, first the wheels and the editable install, as scripts/gpu_suite.sh says.
+set -uo pipefail
+out=${1:?output directory}
+limit=${2:-300}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 MOELAB_TEST_DEVICE=cuda
+T=(-q -o addopts=-ra --import-mode=append -p no:cacheprovider --tb=short)
+k=tests/kernels
+e=tests/engine
+declare -A groups=(
+  [kernels_formats]="$k/test_cuda_real_shapes.py $k/test_fp8_moe.py $k/test_fp8_kv.py
+    $k/test_mxfp4_moe.py $k/test_nvfp4_moe.py $k/test_fp4_formats.py $k/test_gpt_oss_experts.py"
+  [kernels_rest]="$k --deselect-formats"
+  [engine_core]="$e/test_graphs.py $e/test_offload.py $e/test_reference.py $e/test_telemetry.py
+    $e/test_attention.py $e/test_preemption.py $e/test_sampling.py $e/test_h2d.py
+    $e/test_stepping.py $e/test_prefix_cache.py"
+  [engine_hybrid]="$e/test_hybrid.py $e/test_synth_hybrid.py $k/test_gated_deltanet.py"
+  [engine_fp8]="$e/test_fp8.py $e/test_fp8_kv.py $e/test_planner.py $e/test_modelopt_mixed.py"
+  [engine_fp4]="$e/test_gpt_oss.py $e/test_mxfp4_experts.py $e/test_nvfp4.py"
+)
+formats=(${groups[kernels_formats]} $k/test_gated_deltanet.py)
+for name in "${!groups[@]}"; do
+  files=(${groups[$name]})
+  if [ "${files[1]:-}" = --deselect-formats ]; then  # the rest of tests/kernels
+    files=($k)
+    for f in "${formats[@]}"; do files+=(--ignore "$f"); done
+  fi
+  ( t0=$SECONDS
+    timeout "$limit" python3 -m pytest "${T[@]}" "${files[@]}" > "$out/$name.log" 2>&1
+    rc=$?
+    echo "=== $name: exit $rc in $((SECONDS - t0)) s; $(grep -E 'passed|failed|error' \
+      "$out/$name.log" | tail -1)" >> "$out/summary.txt" ) &
+done
+wait
+grep -h -E '^(FAILED|ERROR) ' "$out"/*.log >> "$out/summary.txt"
+cat "$out/summary.txt"
