@@ -2,14 +2,18 @@
 # Every CUDA test at once: the test files that run on a GPU (the kernels natively, the engine's
 # under MOELAB_TEST_DEVICE=cuda), in groups run side by side, each under a time limit, so one
 # device call checks the whole tree. Correctness only: nothing here is timed.
-# Usage: scripts/gpu_tests.sh OUT_DIR [LIMIT_S]   (writes OUT_DIR/GROUP.log and OUT_DIR/summary.txt)
+# Usage: scripts/gpu_tests.sh OUT_DIR [LIMIT_S [GROUP...]]   (OUT_DIR/GROUP.log, OUT_DIR/summary.txt)
+# A group past its limit is interrupted as by ^C, so pytest still reports what failed so far;
+# each test's name is printed before it runs (-v), so a crash names the test it happened in.
+# MAXFAIL (default 6) stops a group after that many failures.
 # On the GPU machine, first the wheels and the editable install, as scripts/gpu_suite.sh says.
 set -uo pipefail
 out=${1:?output directory}
 limit=${2:-300}
+shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MOELAB_TEST_DEVICE=cuda
-T=(-q -o addopts=-ra --import-mode=append -p no:cacheprovider --tb=short)
+T=(-v -o addopts=-ra --maxfail=${MAXFAIL:-6} --import-mode=append -p no:cacheprovider --tb=short)
 k=tests/kernels
 e=tests/engine
 declare -A groups=(
@@ -24,14 +28,16 @@ declare -A groups=(
   [engine_fp4]="$e/test_gpt_oss.py $e/test_mxfp4_experts.py $e/test_nvfp4.py"
 )
 formats=(${groups[kernels_formats]} $k/test_gated_deltanet.py)
-for name in "${!groups[@]}"; do
+names=("$@")
+[ ${#names[@]} -gt 0 ] || names=("${!groups[@]}")
+for name in "${names[@]}"; do
   files=(${groups[$name]})
   if [ "${files[1]:-}" = --deselect-formats ]; then  # the rest of tests/kernels
     files=($k)
     for f in "${formats[@]}"; do files+=(--ignore "$f"); done
   fi
   ( t0=$SECONDS
-    timeout "$limit" python3 -m pytest "${T[@]}" "${files[@]}" > "$out/$name.log" 2>&1
+    timeout -s INT -k 30 "$limit" python3 -m pytest "${T[@]}" "${files[@]}" > "$out/$name.log" 2>&1
     rc=$?
     echo "=== $name: exit $rc in $((SECONDS - t0)) s; $(grep -E 'passed|failed|error' \
       "$out/$name.log" | tail -1)" >> "$out/summary.txt" ) &
