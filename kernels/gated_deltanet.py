@@ -23,16 +23,19 @@ L2-normalized and q scaled by DK^-1/2:
     S ← S·exp(g_t);  S ← S + k_t ⊗ β_t (v_t − Sᵀk_t);  o_t = Sᵀq_t
 
 `delta_rule_prefill` computes it by chunks (the WY form: a triangular solve per chunk, then one
-sequential pass over chunks), `delta_rule_decode` one step for a batch of slots. On CUDA, where
-fla (flash-linear-attention) is installed, both call fla's Triton kernels; the convolution runs in
-this module's own (one launch each, the conv pool read and written in place, a decode step's
-slots read from a device tensor). The `_ref` functions are the definition and the CPU path.
+sequential pass over chunks), `delta_rule_decode` one step for a batch of slots. On CUDA the
+prefill calls fla's (flash-linear-attention's) chunked Triton kernel where fla is installed; the
+decode step and the convolution run in this module's own kernels (one launch each, the pools read
+and written in place, a decode step's slots read from a device tensor: fla's recurrent kernel
+takes and returns states by batch row, not by slot). The `_ref` functions are the definition and
+the CPU path.
 """
 
 from __future__ import annotations
 
 import functools
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -423,6 +426,144 @@ def delta_rule_decode_ref(
     return torch.einsum("bhkv,bhk->bhv", s, q).to(out_dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class DeltaDecodeConfig:
+    """A decode step's launch: value columns per program, and warps per program."""
+
+    block_v: int = 32
+    num_warps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_v < 1 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"block_v must be a power of two, got {self.block_v}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+
+
+@triton.jit
+def _delta_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    states_ptr,
+    slot_ptr,
+    out_ptr,
+    v_heads,
+    group,
+    dk,
+    dv,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_gb,
+    stride_betab,
+    stride_slot,
+    stride_sh,
+    stride_sk,
+    stride_ob,
+    stride_oh,
+    EPS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One token of one sequence, one value head, BLOCK_V columns of its state: the state block
+    read from the sequence's slot, advanced by one step and written back in place, and the
+    output's columns. Each program holds all DK rows, so the reductions over DK stay in it."""
+    common.pdl_start(PDL)
+    pid = tl.program_id(0)
+    seq = (pid // v_heads).to(tl.int64)
+    head = pid % v_heads
+    key_head = head // group
+    rows = tl.arange(0, BLOCK_K)
+    row_ok = rows < dk
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < dv
+    q = tl.load(q_ptr + seq * stride_qb + key_head * stride_qh + rows, mask=row_ok, other=0.0)
+    k = tl.load(k_ptr + seq * stride_kb + key_head * stride_kh + rows, mask=row_ok, other=0.0)
+    q, k = q.to(tl.float32), k.to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + EPS) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
+    v = tl.load(v_ptr + seq * stride_vb + head * stride_vh + cols, mask=col_ok, other=0.0)
+    g = tl.load(g_ptr + seq * stride_gb + head).to(tl.float32)
+    beta = tl.load(beta_ptr + seq * stride_betab + head).to(tl.float32)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    at = states_ptr + slot * stride_slot + head * stride_sh
+    at += rows[:, None] * stride_sk + cols[None, :]
+    held = row_ok[:, None] & col_ok[None, :]
+    s = tl.load(at, mask=held, other=0.0).to(tl.float32) * tl.exp(g)
+    delta = (v.to(tl.float32) - tl.sum(s * k[:, None], axis=0)) * beta
+    s += k[:, None] * delta[None, :]
+    tl.store(at, s.to(states_ptr.dtype.element_ty), mask=held)
+    out = tl.sum(s * q[:, None], axis=0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + cols,
+             out.to(out_ptr.dtype.element_ty), mask=col_ok)  # fmt: skip
+
+
+def delta_rule_decode_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slot_ids: torch.Tensor,
+    config: DeltaDecodeConfig | None = None,
+) -> torch.Tensor:
+    """`delta_rule_decode_ref` in one launch that reads each sequence's state from its slot and
+    writes it back in place (one read and one write of the states), the slot ids read on the
+    device: no host sync, no allocation but the output's, so capturable in a CUDA graph with the
+    ids a fixed tensor refilled between replays. q, k, v, g, beta may be views with strided
+    rows (the convolution's output split into heads); each needs a contiguous last dimension, as
+    does the states pool."""
+    config = config or DeltaDecodeConfig()
+    batch, heads, dk = q.shape
+    v_heads, dv = v.shape[1:]
+    if (
+        k.shape != q.shape
+        or v.shape[0] != batch
+        or v_heads % heads
+        or g.shape != (batch, v_heads)
+        or beta.shape != (batch, v_heads)
+        or states.shape[1:] != (v_heads, dk, dv)
+    ):
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
+            f"beta {tuple(beta.shape)}, states {tuple(states.shape)}: q and k must be "
+            f"[B, H, DK], v [B, HV, DV] with HV a multiple of H, g and beta [B, HV], states "
+            f"[slots, HV, DK, DV]"
+        )
+    if slot_ids.shape != (batch,) or slot_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"slot_ids must be int32 or int64 [{batch}], got {slot_ids.dtype} "
+            f"{tuple(slot_ids.shape)}"
+        )
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "states": states, "slot_ids": slot_ids}
+    for name, tensor in named.items():
+        common.check_last_dim_contiguous(name, tensor)
+    common.check_same_device(**named)
+    out = common.alloc((batch, v_heads, dv), v.dtype, v.device)
+    if not batch:
+        return out
+    grid = (batch * v_heads, triton.cdiv(dv, config.block_v))
+    _delta_decode_kernel[grid](
+        q, k, v, g, beta, states, slot_ids, out,
+        v_heads, v_heads // heads, dk, dv, dk**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), states.stride(0), states.stride(1), states.stride(2),
+        out.stride(0), out.stride(1),
+        EPS=QK_L2NORM_EPS, BLOCK_K=common.next_pow2(dk), BLOCK_V=config.block_v,
+        num_warps=config.num_warps, **common.pdl_launch(q.device),
+    )  # fmt: skip
+    return out
+
+
 @functools.cache
 def fla_ops() -> types.ModuleType | None:
     """fla's gated delta rule ops (`fla.ops.gated_delta_rule`), or None where fla is absent."""
@@ -506,7 +647,8 @@ def delta_rule_decode(
     states: torch.Tensor,
     slot_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """`delta_rule_decode_ref`'s result: fla's kernel on CUDA where fla is installed."""
-    if _use_fla(q):
-        return delta_rule_decode_fla(q, k, v, g, beta, states, slot_ids)
+    """`delta_rule_decode_ref`'s result: the Triton kernel on CUDA, which updates the slots in
+    place (fla's recurrent kernel cannot: `delta_rule_decode_fla`)."""
+    if q.is_cuda:
+        return delta_rule_decode_triton(q, k, v, g, beta, states, slot_ids)
     return delta_rule_decode_ref(q, k, v, g, beta, states, slot_ids)

@@ -295,6 +295,100 @@ def test_conv_kernels_refuse_what_they_cannot_step_through(gen):
         gdn.causal_conv_decode_triton(x, weight, state.unsqueeze(0), every_other)
 
 
+# the delta rule's decode kernel (the interpreter on a CPU), against the reference
+
+
+def step_inputs(gen: torch.Generator, batch: int, heads: int, v_heads: int, dk: int, dv: int):
+    """One decode step's q, k [B, H, DK] and v [B, HV, DV] as the engine passes them (views of
+    the convolution's output [B, C]: strided rows), and g, beta [B, HV]."""
+    mixed = randn(gen, batch, (2 * heads * dk + v_heads * dv))
+    q, k, v = mixed.split([heads * dk, heads * dk, v_heads * dv], dim=-1)
+    _, _, _, g, beta = rule_inputs(gen, batch, heads, v_heads, dk, dv)
+    return (
+        q.unflatten(-1, (heads, dk)),
+        k.unflatten(-1, (heads, dk)),
+        v.unflatten(-1, (v_heads, dv)),
+        g,
+        beta,
+    )
+
+
+@pytest.mark.usefixtures("triton_runs")
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(
+    ("heads", "v_heads", "dk", "dv", "block_v"),
+    [
+        (2, 4, 16, 64, 32),  # Qwen3.6-35B-A3B's and Qwen3-Next-80B-A3B's ratio (16 and 32 heads)
+        (3, 3, 12, 40, 16),  # one value head per key head; DK and DV not powers of two
+        (1, 4, 8, 8, 32),  # four value heads per key head; fewer columns than a block
+    ],
+)
+def test_decode_kernel_advances_its_slots_in_place_as_the_reference(
+    gen, ids_dtype, heads, v_heads, dk, dv, block_v
+):
+    """Three sequences in slots out of order, stepped three times: the outputs and the states of
+    their slots as the reference's, every other slot untouched."""
+    states = randn(gen, 7, v_heads, dk, dv, scale=0.3)
+    ref_states = states.clone()
+    slot_ids = torch.tensor([5, 0, 3], dtype=ids_dtype, device=DEVICE)
+    config = gdn.DeltaDecodeConfig(block_v=block_v)
+    for _ in range(3):
+        step = step_inputs(gen, 3, heads, v_heads, dk, dv)
+        out = gdn.delta_rule_decode_triton(*step, states, slot_ids, config)
+        assert_matches(out, gdn.delta_rule_decode_ref(*step, ref_states, slot_ids), 1e-5)
+        assert_matches(states, ref_states, 1e-5)
+    assert torch.equal(states[[1, 2, 4, 6]], ref_states[[1, 2, 4, 6]])
+
+
+@pytest.mark.usefixtures("triton_runs")
+def test_decode_kernel_sends_a_graphs_padding_rows_to_the_padding_slot(gen):
+    """A CUDA graph's batch padded past its two sequences: the padding rows all name the pool's
+    padding slot (StatePool.pad_slot). The sequences' outputs and slots are the reference's, the
+    other sequences' slots untouched; the padding slot holds a finite state (no row reads it)."""
+    states = randn(gen, 6, 4, 16, 8, scale=0.3)  # slots 0-3, the padding slot 4, a checkpoint 5
+    ref_states = states.clone()
+    slot_ids = torch.tensor([2, 0, 4, 4], dtype=torch.int64, device=DEVICE)
+    step = step_inputs(gen, 4, 2, 4, 16, 8)
+    out = gdn.delta_rule_decode_triton(*step, states, slot_ids)
+    ref = gdn.delta_rule_decode_ref(*(t[:2] for t in step), ref_states, slot_ids[:2])
+    assert_matches(out[:2], ref, 1e-5)
+    assert_matches(states[[0, 2]], ref_states[[0, 2]], 1e-5)
+    assert torch.equal(states[[1, 3, 5]], ref_states[[1, 3, 5]]), "a slot outside the batch moved"
+    assert torch.isfinite(states[4]).all() and torch.isfinite(out).all()
+
+
+@pytest.mark.usefixtures("triton_runs")
+def test_decode_kernel_reads_and_writes_a_narrow_state_in_its_dtype(gen):
+    states = randn(gen, 3, 4, 16, 8, scale=0.3, dtype=torch.bfloat16)
+    ref_states = states.clone()
+    slot_ids = torch.tensor([2, 1], dtype=torch.int32, device=DEVICE)
+    step = step_inputs(gen, 2, 2, 4, 16, 8)
+    out = gdn.delta_rule_decode_triton(*step, states, slot_ids)
+    assert_matches(out, gdn.delta_rule_decode_ref(*step, ref_states, slot_ids), 1e-5)
+    assert states.dtype == torch.bfloat16
+    # the interpreter truncates fp32 to bf16 where the reference rounds: one bf16 unit apart
+    assert_matches(states.float(), ref_states.float(), 2**-7)
+    assert torch.equal(states[0], ref_states[0])
+
+
+def test_decode_kernel_refuses_what_it_cannot_step_through(gen):
+    q, k, v, g, beta = step_inputs(gen, 2, 2, 4, 16, 8)
+    states = torch.zeros(3, 4, 16, 8, device=DEVICE)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"states \[slots, HV, DK, DV\]"):
+        gdn.delta_rule_decode_triton(q, k, v, g, beta, states[:, :, :8], slots)
+    with pytest.raises(ValueError, match="HV a multiple of H"):
+        gdn.delta_rule_decode_triton(q, k, v[:, :3], g[:, :3], beta[:, :3], states[:, :3], slots)
+    with pytest.raises(ValueError, match=r"slot_ids must be int32 or int64 \[2\]"):
+        gdn.delta_rule_decode_triton(q, k, v, g, beta, states, slots.float())
+    with pytest.raises(ValueError, match="states must have a contiguous last dimension"):
+        gdn.delta_rule_decode_triton(
+            q, k, v, g, beta, states.transpose(2, 3).contiguous().transpose(2, 3), slots
+        )
+    with pytest.raises(ValueError, match="block_v must be a power of two"):
+        gdn.DeltaDecodeConfig(block_v=24)
+
+
 # the gated norm and the whole layer
 
 
@@ -414,6 +508,63 @@ def test_fla_matches_the_reference_at_the_qwen36_geometry(gen, tokens):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_kernel_matches_the_reference_and_fla_at_the_qwen36_geometry(gen, batch):
+    """bf16 q, k, v, beta as the engine's projections give them, fp32 states, slots out of
+    order: the kernel's outputs and states as the reference's, and as fla's adapter's (where
+    installed) on the same inputs, so that the bench's rows time the same work."""
+    heads, v_heads, dk, dv = QWEN36
+    states = randn(gen, batch + 3, v_heads, dk, dv, scale=0.1)
+    ref_states, fla_states = states.clone(), states.clone()
+    slot_ids = torch.randperm(batch + 3, generator=gen)[:batch].int().to(DEVICE)
+    q, k, v, g, beta = step_inputs(gen, batch, heads, v_heads, dk, dv)
+    step = (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16())
+    out = gdn.delta_rule_decode_triton(*step, states, slot_ids)
+    ref = gdn.delta_rule_decode_ref(*step, ref_states, slot_ids)
+    assert_matches(out.float(), ref.float(), 1e-2)  # the output rounded to bf16
+    assert_matches(states, ref_states, 1e-4)
+    if gdn.fla_ops() is not None:
+        fla = gdn.delta_rule_decode_fla(*step, fla_states, slot_ids)
+        assert_matches(out.float(), fla.float(), 1e-2)
+        assert_matches(states, fla_states, 1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_kernel_replays_in_a_cuda_graph_with_padding_rows(gen):
+    """The kernel captured as the engine's decode graphs hold it: a batch of four rows whose
+    slot ids are refilled between replays, the rows past the running sequences naming the
+    padding slot; replayed with new inputs, other slots and fewer sequences, against the
+    reference on the running rows, every slot outside the batch untouched."""
+    heads, v_heads, dk, dv = QWEN36
+    pad_slot = 6
+    states = randn(gen, pad_slot + 2, v_heads, dk, dv, scale=0.1)  # a checkpoint row after it
+    step = [t.clone() for t in step_inputs(gen, 4, heads, v_heads, dk, dv)]
+    slot_ids = torch.tensor([1, 4, 0, 5], dtype=torch.int64, device=DEVICE)
+    gdn.delta_rule_decode_triton(*step, states, slot_ids)  # compiles outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gdn.delta_rule_decode_triton(*step, states, slot_ids)
+    for ids in ([3, 0, 5, pad_slot], [5, 2, pad_slot, pad_slot]):
+        for captured, new in zip(step, step_inputs(gen, 4, heads, v_heads, dk, dv), strict=True):
+            captured.copy_(new)
+        slot_ids.copy_(torch.tensor(ids))
+        running = ids.index(pad_slot)
+        ref_states = states.clone()
+        ref = gdn.delta_rule_decode_ref(
+            *(t[:running] for t in step), ref_states, slot_ids[:running]
+        )
+        graph.replay()
+        assert_matches(out[:running], ref, 1e-4)
+        others = [s for s in range(pad_slot + 2) if s not in ids]
+        assert torch.equal(states[others], ref_states[others]), "a slot outside the batch moved"
+        assert_matches(states[slot_ids[:running]], ref_states[slot_ids[:running]], 1e-4)
+        assert torch.isfinite(states[pad_slot]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 300, 8192])
 def test_conv_prefill_kernel_matches_the_reference_at_the_qwen36_geometry(gen, tokens):
     x, weight, _, start = (
@@ -430,8 +581,8 @@ def test_conv_prefill_kernel_matches_the_reference_at_the_qwen36_geometry(gen, t
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_decode_step_replays_in_a_cuda_graph_at_the_qwen36_geometry(gen):
     """The linear layer's decode math as the engine captures it: the convolution from the conv
-    pool, the delta rule from the recurrent pool (fla's kernel where installed), both by slot ids
-    in a device tensor; replayed with new inputs and other slots, against the references."""
+    pool, the delta rule from the recurrent pool, both kernels by slot ids in a device tensor;
+    replayed with new inputs and other slots, against the references."""
     heads, v_heads, dk, dv = QWEN36
     key_dim = heads * dk
     weight = randn(gen, QWEN36_CHANNELS, 4, dtype=torch.bfloat16)
