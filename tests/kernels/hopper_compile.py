@@ -200,6 +200,14 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
     for tokens in (1, 8):
         slots = torch.arange(tokens, dtype=torch.int32)
         gated_deltanet.causal_conv_decode_triton(x[:tokens], weight, states, slots)
+        # the rule's decode step at its heads (16 of q and k, 32 of v, 128 wide), q, k and v
+        # views of the convolution's output, the states fp32
+        q, k, v = x[:tokens].split([2048, 2048, 4096], dim=-1)
+        q, k = (t.unflatten(-1, (16, 128)) for t in (q, k))
+        gated_deltanet.delta_rule_decode_triton(
+            q, k, v.unflatten(-1, (32, 128)), torch.zeros(tokens, 32),
+            torch.zeros(tokens, 32, dtype=BF16), torch.zeros(9, 32, 128, 128), slots,
+        )  # fmt: skip
     JITFunction.run = run
     return compiled
 
