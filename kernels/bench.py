@@ -123,6 +123,9 @@ ROUTE_SWEEP = (
     (16 * 1024, 8192, 4, 3),
     (4 * 1024, 1024, 1, 2),
 )
+# The delta rule's decode launches that --sweep times (DeltaDecodeConfig: value columns per
+# program, warps), beside the default's row.
+DELTA_DECODE_SWEEP = ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 4), (64, 8), (128, 8))
 # Tiles of the skinny GEMM that --sweep times at each batch size, beside the heuristic's pick.
 GEMV_SWEEP = {
     1: [
@@ -832,18 +835,20 @@ class Bench:
             fla_us = graph_us_per_call([fla_update(cache) for cache in caches])
         self.add("short_conv_fla", label, fla_us, bytes_moved, flops, time_us)
 
-    def delta_rule(self, tokens: int, prefill: bool) -> None:
-        """The gated delta rule at Qwen3.6-35B-A3B's heads through fla, as the engine calls it
-        (bf16 q, k, v, fp32 states): `prefill`, fla's chunked kernel over one sequence of
-        `tokens` from its state; else a decode step of `tokens` sequences, their states gathered
-        from a layer's pool and written back, each call another layer's pool. The reference
-        column holds the torch reference's time (decode) or nothing (prefill: its chunk loop
-        runs from the host). A second decode row times fla's recurrent kernel alone on states
-        already gathered: the rest of the first row is the gather and the write back."""
+    def delta_rule(
+        self, tokens: int, prefill: bool, config: gated_deltanet.DeltaDecodeConfig | None = None
+    ) -> None:
+        """The gated delta rule at Qwen3.6-35B-A3B's heads, as the engine calls it (bf16 q, k, v,
+        fp32 states): `prefill`, fla's chunked kernel over one sequence of `tokens` from its
+        state; else a decode step of `tokens` sequences over their slots in a layer's pool, each
+        call another layer's pool: the Triton kernel that updates the slots in place (reference
+        column: the torch reference), then, where fla is installed, fla's recurrent kernel as
+        its adapter calls it (the states gathered from the slots and written back) and that
+        kernel alone on states already gathered (reference column: the in-place kernel's time).
+        Every row counts the bytes the step needs, one read and one write of the states, so
+        fla's rows show what its extra passes cost. With a `config` (--sweep), the in-place
+        kernel alone at that launch."""
         fla = gated_deltanet.fla_ops()
-        if fla is None:
-            self.note("delta_rule: fla is not installed (nothing timed)")
-            return
         heads, v_heads, dim = LINEAR_HEADS, LINEAR_V_HEADS, LINEAR_HEAD_DIM
         q, k = self.randn(tokens, heads, dim), self.randn(tokens, heads, dim)
         v = self.randn(tokens, v_heads, dim)
@@ -858,6 +863,9 @@ class Bench:
         flops = 6 * tokens * v_heads * dim * dim  # the recurrence's products per token
         label = f"{'T' if prefill else 'B'}={tokens} H={heads} HV={v_heads} D={dim}"
         if prefill:
+            if fla is None:
+                self.note("delta_rule: fla is not installed (no prefill rows)")
+                return
             state = torch.zeros(v_heads, dim, dim, device=DEVICE)
             time_us = median_event_us(
                 lambda: gated_deltanet.delta_rule_prefill_fla(q, k, v, g, beta, state), 10
@@ -873,11 +881,24 @@ class Bench:
         def call(fn: Callable[..., torch.Tensor], pool: torch.Tensor) -> Callable[[], object]:
             return lambda: fn(q, k, v, g, beta, pool, slot_ids)
 
-        time_us = graph_us_per_call([call(gated_deltanet.delta_rule_decode_fla, p) for p in pools])
+        def in_place(pool: torch.Tensor) -> Callable[[], object]:
+            return lambda: gated_deltanet.delta_rule_decode_triton(
+                q, k, v, g, beta, pool, slot_ids, config
+            )
+
+        time_us = graph_us_per_call([in_place(pool) for pool in pools])
+        if config is not None:
+            self.add("delta_rule", f"{label} {_short(config)}", time_us, bytes_moved, flops, None)
+            return
         ref_us = graph_us_per_call(
             [call(gated_deltanet.delta_rule_decode_ref, p) for p in pools[:2]]
         )
-        self.add("delta_rule_fla", label, time_us, bytes_moved, flops, ref_us)
+        self.add("delta_rule", label, time_us, bytes_moved, flops, ref_us)
+        if fla is None:
+            self.note("delta_rule: fla is not installed (no fla rows)")
+            return
+        fla_us = graph_us_per_call([call(gated_deltanet.delta_rule_decode_fla, p) for p in pools])
+        self.add("delta_rule_fla", label, fla_us, bytes_moved, flops, time_us)
         gathered = [pool[:tokens] for pool in pools]
 
         def alone(initial: torch.Tensor) -> Callable[[], object]:
@@ -887,7 +908,7 @@ class Bench:
             )  # fmt: skip
 
         alone_us = graph_us_per_call([alone(initial) for initial in gathered])
-        self.add("delta_rule_fla", f"{label} kernel alone", alone_us, bytes_moved, flops, None)
+        self.add("delta_rule_fla", f"{label} kernel alone", alone_us, bytes_moved, flops, time_us)
 
     def route(self, tokens: int, host: bool, config: route.RouteConfig | None = None) -> None:
         """A decode step's whole router (Qwen3: 128 experts of H=2048, top-8, renormalized) in
@@ -1070,6 +1091,9 @@ def run(
                     bench.linear(tokens, name, config)
         for fields in ROUTE_SWEEP:
             bench.route(1, True, route.RouteConfig(*fields))
+        for tokens in (1, 8):
+            for fields in DELTA_DECODE_SWEEP:
+                bench.delta_rule(tokens, False, gated_deltanet.DeltaDecodeConfig(*fields))
         for backend in FUSED_SDPA:
             for length in (8192, 32768):
                 bench.sdpa_prefill(length, (backend,))

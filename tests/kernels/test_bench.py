@@ -94,3 +94,23 @@ def test_the_gated_deltanet_rows_time_decode_batches_and_prompts(monkeypatch):
         rows = [row[1:] for row in timed if row[0] == name]
         assert rows == [(1, False), (8, False), (512, True), (8192, True)]
     assert bench._linear_channels() == 8192
+
+
+def test_the_sweep_times_the_delta_rules_decode_launches(monkeypatch):
+    """--sweep: the delta rule's decode kernel at each launch of DELTA_DECODE_SWEEP, for decode
+    steps of 1 and 8 sequences, after the default's rows."""
+    timed = []
+    for name in bench.KERNELS:
+        monkeypatch.setattr(
+            bench.Bench, name, lambda self, *a, _n=name, **k: timed.append((_n, *a))
+        )
+    props = type("Props", (), {"name": "Fake GPU"})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _device: props)
+    monkeypatch.setattr(bench, "measure_copy_gbps", lambda: 4000.0)
+    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda: 600.0)
+    monkeypatch.setattr(bench, "DEVICE", torch.device("cpu"))
+    bench.run(True, ["delta_rule"])
+    swept = [row[1:] for row in timed if row[0] == "delta_rule" and len(row) == 4]
+    configs = [bench.gated_deltanet.DeltaDecodeConfig(*f) for f in bench.DELTA_DECODE_SWEEP]
+    assert swept == [(tokens, False, config) for tokens in (1, 8) for config in configs]
+    assert bench.gated_deltanet.DeltaDecodeConfig() not in configs, "the default's row twice"
