@@ -149,7 +149,8 @@ if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoin
 fi
 hybrid_part() { [ "$part" = hybrid ] || [ "$part" = "hybrid_$1" ]; }
 if hybrid_part tests; then  # the Gated DeltaNet on CUDA: the kernels against the torch reference
-  # at the real geometry (fla's rule, the convolution's kernels, a decode step in a graph), their
+  # at the real geometry (fla's rule, the rule's in-place decode kernel against the reference and
+  # fla's adapter and in a graph, the convolution's kernels, a decode step in a graph), their
   # compile for sm_90, the engine against transformers; then the kernels' rows
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run hybrid_kernel_tests python3 -m pytest -q $T --tb=short tests/kernels/test_gated_deltanet.py \
