@@ -579,10 +579,16 @@ def test_conv_prefill_kernel_matches_the_reference_at_the_qwen36_geometry(gen, t
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_decode_step_replays_in_a_cuda_graph_at_the_qwen36_geometry(gen):
+def test_a_decode_step_replays_in_a_cuda_graph_at_the_qwen36_geometry(gen, monkeypatch):
     """The linear layer's decode math as the engine captures it: the convolution from the conv
-    pool, the delta rule from the recurrent pool, both kernels by slot ids in a device tensor;
-    replayed with new inputs and other slots, against the references."""
+    pool, the delta rule from the recurrent pool, both kernels by slot ids in a device tensor
+    (never fla's gather and write-back); replayed with new inputs and other slots, against the
+    references."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the decode step went through fla's adapter")
+
+    monkeypatch.setattr(gdn, "delta_rule_decode_fla", refuse)
     heads, v_heads, dk, dv = QWEN36
     key_dim = heads * dk
     weight = randn(gen, QWEN36_CHANNELS, 4, dtype=torch.bfloat16)
