@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from ..text import Text
-from .split import LayerSplit, parse_devices
+from .split import PIPELINE_MIN_ROWS, LayerSplit, parse_devices
 
 _SIZE_UNITS = {
     "": 1,
@@ -331,6 +331,16 @@ def _memory_flags(memory: Group) -> None:
         "layers (20,20) or as shares that add up to 1 (0.6,0.4). Default: from each device's "
         "free memory, measured link rate and memory rate, so that every device finishes its "
         'share of a step at the same time (docs/architecture.md, "Layers across devices").',
+    )
+    memory.add_argument(
+        "--split-microbatches",
+        type=_positive_int,
+        default=None,
+        help="With --devices: cut each decode step's batch into this many micro-batches, "
+        "launched so that one device runs a micro-batch while the next device runs the one "
+        f"before it. Default: 2 from {PIPELINE_MIN_ROWS} rows a step, else 1 (unmeasured on two "
+        "GPUs); a step of fewer rows runs in as many micro-batches as it has rows, an offloaded "
+        "step replayed from CUDA graphs in one.",
     )
     memory.add_argument(
         "--device-memory",

@@ -116,6 +116,7 @@ class MemoryConfig(_FlagGroup):
     device: str = _setting("--device", flags.parse_device)
     devices: tuple[str, ...] | None = _setting("--devices", lambda v: parse_devices(",".join(v)))
     layer_split: LayerSplit | None = _setting("--layer-split")  # noqa: RUF009 (frozen)
+    split_microbatches: int | None = _setting("--split-microbatches", flags.WholeNumber(1).check)
     # one size for every device, or one per device of --devices
     device_memory_bytes: tuple[int, ...] | None = _setting(
         "--device-memory", flags.check_device_memory
@@ -146,6 +147,14 @@ class MemoryConfig(_FlagGroup):
                     "--layer-split {split} splits the layers across --devices; name two devices "
                     "or more there (--devices cuda:0,cuda:1)",
                     split=str(self.layer_split),
+                )
+            )
+        if self.split_microbatches is not None and self.devices is None:
+            raise ConfigError(
+                Text(
+                    "--split-microbatches {count} pipelines a decode step across --devices; name "
+                    "two devices or more there (--devices cuda:0,cuda:1), or leave it out",
+                    count=self.split_microbatches,
                 )
             )
         if self.layer_split is not None and self.layer_split.parts != len(self.devices or ()):

@@ -212,6 +212,40 @@ class DeviceStep:
         )
 
 
+# rows of a decode step from which a split pipelines it in two micro-batches by default
+# (`--split-microbatches`): below, a step's work is mostly reading the weights, which every
+# micro-batch reads again. Unmeasured: no machine with two GPUs has been lent to time it.
+PIPELINE_MIN_ROWS = 32
+
+
+def microbatch_count(setting: int | None, rows: int) -> int:
+    """How many micro-batches a split's decode step of `rows` rows runs in: `setting`
+    (`--split-microbatches`; None: 2 from PIPELINE_MIN_ROWS rows, else 1), never more than its
+    rows (a batch of one runs whole)."""
+    wanted = setting if setting is not None else (2 if rows >= PIPELINE_MIN_ROWS else 1)
+    return max(1, min(wanted, rows))
+
+
+def microbatch_rows(rows: int, count: int) -> tuple[range, ...]:
+    """The rows of each of `count` micro-batches of a step of `rows` rows, in order: contiguous,
+    as even as they go, the first ones the larger (5 rows in 3: 0-1, 2-3, 4)."""
+    size, extra = divmod(rows, count)
+    out, start = [], 0
+    for i in range(count):
+        stop = start + size + (i < extra)
+        out.append(range(start, stop))
+        start = stop
+    return tuple(out)
+
+
+def launch_order(parts: int, count: int) -> tuple[tuple[int, int], ...]:
+    """(micro-batch, device) in the order a pipelined step launches them: each micro-batch
+    through every device before the next one starts, dev0(mb0), dev1(mb0), dev0(mb1), ... With
+    each device's work on its own stream and the launches asynchronous, device 0 runs
+    micro-batch 1 while device 1 runs micro-batch 0."""
+    return tuple((m, d) for m in range(count) for d in range(parts))
+
+
 def split_ranges(counts: tuple[int, ...]) -> tuple[range, ...]:
     """Contiguous layer ranges, in device order, of the given counts."""
     ranges, start = [], 0
