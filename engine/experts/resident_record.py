@@ -32,21 +32,28 @@ class ResidentRouting:
         self._ids_host: torch.Tensor | None = None
         self._ids_buffer = 0
         self._backlog: list[np.ndarray] = []
+        # the step's row the routing written next starts at (a split's decode step in
+        # micro-batches writes each micro-batch's rows in their place: engine/runtime/microbatch.py)
+        self.offset = 0
 
     def record(self, moe_layer: int, tokens: int) -> torch.Tensor | None:
         """Where the router writes one layer's expert ids of a step of `tokens` rows: its column
         of the device record. None for a batch larger than the record."""
-        if tokens > MAX_RECORDED_ROWS:
+        start = self.offset
+        if start + tokens > MAX_RECORDED_ROWS:
             return None
         if self._ids_dev is None:  # first met in an eager step, before any graph is captured
             self._ids_dev = torch.zeros((MAX_RECORDED_ROWS, self.num_layers, self.top_k),
                                         dtype=torch.int32, device=self.device)  # fmt: skip
-        return self._ids_dev[:tokens, moe_layer]
+        return self._ids_dev[start : start + tokens, moe_layer]
 
     def store(self, moe_layer: int, ids: torch.Tensor) -> None:
         """Put one layer's routing in the device record, unless the router wrote it there already
         (`record`). No host sync (the step may be inside a CUDA graph)."""
-        rows = min(ids.shape[0], MAX_RECORDED_ROWS)  # of a larger batch, the first rows
+        # of a larger batch, the first rows
+        rows = min(ids.shape[0], MAX_RECORDED_ROWS - self.offset)
+        if rows <= 0:
+            return
         record = self.record(moe_layer, rows)
         assert record is not None
         if record.data_ptr() != ids.data_ptr():

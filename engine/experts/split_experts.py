@@ -56,6 +56,12 @@ class SplitExperts:
         runner, local = self._runner_of[moe_layer]
         return runner.routing_record(local, tokens, decode)
 
+    def record_rows_from(self, row: int) -> None:
+        """Write the resident decode routing that follows into the step's record from row `row`
+        on: a micro-batch's rows keep their place (engine/runtime/microbatch.py)."""
+        for runner in self._live:
+            runner.resident_routing.offset = row
+
     # what the engine, the step loop and telemetry read --------------------------------------------
 
     @property

@@ -48,6 +48,7 @@ from ..model.window import WindowPool
 from ..text import Text
 from .graphs import DecodeGraphs
 from .loading import LoadProgress
+from .microbatch import Pipelining
 from .sampling import Sampler, SamplingParams
 from .scheduler import ContextTooLong, Scheduler, Sequence
 from .split_graphs import SplitDecodeGraphs
@@ -439,7 +440,7 @@ class Engine:
     def _build_stepper(self) -> Stepper:
         tokenizer = self.tokenizer
         eos_ids = tokenizer.eos_token_ids if tokenizer else self.spec.eos_token_ids
-        return Stepper(
+        stepper = Stepper(
             self.model,
             self.moe,
             self.scheduler,
@@ -451,6 +452,9 @@ class Engine:
             max_context=self.max_context,
             overlap_decode=self.config.batching.overlap_decode,
         )
+        if self.split is not None:  # a split's decode steps pipeline in micro-batches
+            stepper.pipelining = Pipelining(self.config.memory.split_microbatches)
+        return stepper
 
     def _bandwidths(self) -> tuple[float, float, str]:
         """Bp and Bh: from this machine's `moelab bench bw` profile, else measured now."""
@@ -513,7 +517,8 @@ class Engine:
             )
             if self.layers_on is None
             else SplitDecodeGraphs(
-                self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole
+                self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole,
+                pipelining=stepper.pipelining,
             )
         )
         graphs.capture()
@@ -709,6 +714,8 @@ class Engine:
                 }
             ]
         caches, runners = self.cache.caches, self.moe.runners
+        pipelining = self.stepper.pipelining
+        assert pipelining is not None
         # each device's recurrent states, or its rings (counted with its KV, as telemetry does)
         states = self.states.part_bytes() if isinstance(self.states, SplitStatePool) else None
         rings = self.states.part_bytes() if isinstance(self.states, SplitWindowPool) else None
@@ -745,6 +752,7 @@ class Engine:
                     "kv_tokens": kv.capacity_tokens,
                     "plan": plan.to_dict(),
                     "memory": memory,
+                    **pipelining.report(),
                 }
             )
         return out

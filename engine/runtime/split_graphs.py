@@ -37,10 +37,12 @@ from functools import partial
 import torch
 
 from ...kernels.common import inline_ptx
+from ..config.split import launch_order
 from ..experts.staged_decode import LayerStage, StagedDecode, StagedRows
 from ..model.model import Model, SeqSlice, StepBatch, StepState
 from ..model.placement import LayerPlacement
 from .graphs import DecodeGraphs, Graph, Outputs, piece_execs
+from .microbatch import Pipelining
 from .sampling import Cut
 
 log = logging.getLogger("moelab.graphs")
@@ -52,7 +54,15 @@ class Crossing:
     """The residual stream at one boundary: its tensors packed into one buffer on the device
     before it, and a buffer as large on the device after it, which one copy fills."""
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...], dst: torch.device) -> None:
+    def __init__(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        dst: torch.device,
+        receive: torch.cuda.Stream | None = None,
+    ) -> None:
+        """receive: a stream of the device after, which the copy of a pipelined step's
+        micro-batch is queued behind instead of that device's stream (`send`)."""
+        self.receive = receive
         layout, size = [], 0
         for t in tensors:
             size = -(-size // _ALIGN) * _ALIGN
@@ -69,8 +79,23 @@ class Crossing:
             view.copy_(t)
 
     def send(self) -> None:
-        """The boundary's one copy (behind the producing graph, ahead of the consuming one)."""
-        self.into.copy_(self.out, non_blocking=True)
+        """The boundary's one copy (behind the producing graph, ahead of the consuming one).
+        torch orders a copy between devices behind both devices' streams: with a receive
+        stream, the device after is still working on the micro-batch before, so the copy waits
+        for the receive stream instead, and the device after's stream waits for the copy (an
+        event, no host sync); the device before goes on with its next micro-batch."""
+        if self.receive is None:
+            self.into.copy_(self.out, non_blocking=True)
+            return
+        _copy_behind(self.into, self.out, self.receive)
+        torch.cuda.current_stream(self.into.device).wait_stream(self.receive)
+
+
+def _copy_behind(into: torch.Tensor, out: torch.Tensor, receive: torch.cuda.Stream) -> None:
+    """Copy `out` into `into` (on another device) behind `receive`, a stream of `into`'s device
+    (torch's copy waits for the destination's current stream, here `receive`)."""
+    with torch.cuda.stream(receive):
+        into.copy_(out, non_blocking=True)
 
 
 def _view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size):
@@ -89,19 +114,26 @@ class DeviceStep:
         placement: LayerPlacement,
         part: int,
         send: Callable[[], None] | None,
+        receive: torch.cuda.Stream | None = None,
     ) -> None:
+        """receive: the stream the logits of a pipelined step's micro-batches were copied
+        behind, which the first device's sampling waits for."""
         self.graph, self.placement, self.part, self.send = graph, placement, part, send
+        self.receive = receive
 
     def replay(self) -> None:
         self.placement.enter(self.part)
+        if self.receive is not None:
+            torch.cuda.current_stream(self.receive.device).wait_stream(self.receive)
         self.graph.replay()
         if self.send is not None:
             self.send()
 
 
 class SplitStep:
-    """A whole split step: every device's graph in layer order, then the first device's
-    sampling, after which the first device is the current one again."""
+    """A whole split step: every device's graph in layer order (pipelined: each micro-batch's
+    in turn, `launch_order`), then the first device's sampling, after which the first device is
+    the current one again."""
 
     def __init__(self, steps: list[DeviceStep]) -> None:
         self.steps = steps
@@ -204,7 +236,10 @@ class SplitDecodeGraphs(DecodeGraphs):
         *,
         piecewise: bool = False,
         graph_factory: Callable[[object | None], Graph] | None = None,
+        pipelining: Pipelining | None = None,
     ) -> None:
+        """pipelining: the split's micro-batches (microbatch.py); None or piecewise, every step
+        runs whole."""
         placement = model.placement
         assert isinstance(placement, LayerPlacement)
         super().__init__(model, max_bs, max_context, graph_factory=graph_factory or _device_graph)
@@ -238,6 +273,22 @@ class SplitDecodeGraphs(DecodeGraphs):
         self.crossings: dict[tuple[int, int], Crossing] = {}
         # per batch size: the last device's logits, on the first device
         self._first_logits: dict[int, torch.Tensor] = {}
+        # per batch size: each micro-batch's rows, captured as graphs of their own (one: the
+        # step whole). Offloaded steps run whole: the host stages each MoE layer between
+        # pieces, one device at a time, so no device's pieces would run beside another's
+        self.pipelining = None if piecewise else pipelining
+        self.micro = {
+            bs: (range(bs),) if self.pipelining is None else self.pipelining.rows(bs)
+            for bs in self.sizes
+        }
+        # pipelined on GPUs: each device's stream that the copies into it queue behind, for
+        # every step (its device's own stream waits for them: `Crossing.send`, the sampling)
+        pipelined = any(len(rows) > 1 for rows in self.micro.values())
+        self._receive = (
+            [torch.cuda.Stream(d) for d in devices]
+            if pipelined and model.device.type == "cuda"
+            else None
+        )
 
     def _send_inputs(self, host_long: torch.Tensor, host_int: torch.Tensor, bs: int) -> None:
         super()._send_inputs(host_long, host_int, bs)
@@ -245,47 +296,56 @@ class SplitDecodeGraphs(DecodeGraphs):
             long[1:].copy_(host_long[1:], non_blocking=True)
             ints.copy_(host_int, non_blocking=True)
 
-    def _device_batch(self, part: int, bs: int) -> StepBatch:
-        """The step's inputs of batch size `bs` on device `part` of the split."""
+    def _device_batch(self, part: int, rows: range) -> StepBatch:
+        """The step's inputs of rows `rows` (a micro-batch's, or a whole step's from row 0) on
+        device `part` of the split."""
+        span, count = slice(rows.start, rows.stop), len(rows)
+        states = self.model.states is not None
         if part == 0:
-            return self._batch(bs)
-        long, ints = self._device_inputs[part - 1]
+            long, ints, index = self._long, self._int, self.logits_index
+        else:
+            (long, ints), index = self._device_inputs[part - 1], self._device_index[part - 1]
         tables = self.max_bs * self.max_blocks
         return StepBatch(
-            input_ids=long[1, :bs], positions=long[2, :bs], slots=long[3, :bs],
-            seqs=[SeqSlice(i, 1, 1) for i in range(bs)],
-            logits_index=self._device_index[part - 1][:bs],
-            block_tables=ints[:tables].view(self.max_bs, self.max_blocks)[:bs],
-            seq_lens=ints[tables : tables + self.max_bs][:bs],
-            state_slots=long[7, :bs] if self.model.states is not None else None,
+            input_ids=self.input_ids[span] if part == 0 else long[1, span],
+            positions=long[2, span], slots=long[3, span],
+            seqs=[SeqSlice(i, 1, 1) for i in range(count)],
+            logits_index=index[:count],
+            block_tables=ints[:tables].view(self.max_bs, self.max_blocks)[span],
+            seq_lens=ints[tables : tables + self.max_bs][span],
+            state_slots=long[7, span] if states else None,
         )  # fmt: skip
 
-    def _span(self, bs: int, part: int) -> Outputs:
-        """Device `part`'s layers of a step: from the embedding of the gathered input tokens, or
-        the stream the boundary before it received; to the stream packed for the next device,
-        or the logits."""
-        state = StepState(self._device_batch(part, bs))
-        self._range_start(bs, part, state)
+    def _span(self, rows: range, part: int) -> Outputs:
+        """Device `part`'s layers of a step's rows `rows`: from the embedding of the gathered
+        input tokens, or the stream the boundary before it received; to the stream packed for
+        the next device, or the logits."""
+        state = StepState(self._device_batch(part, rows))
+        self._range_start(rows, part, state)
         self.model.run_layers(self.placement.ranges[part], state)
-        return self._range_end(bs, part, state)
+        return self._range_end(rows, part, state)
 
-    def _range_start(self, bs: int, part: int, state: StepState) -> None:
-        if part == 0:
-            self._gather_inputs(bs)
+    def _range_start(self, rows: range, part: int, state: StepState) -> None:
+        if part == 0:  # each row's input token: one the host sent, or one the last replay sampled
+            span = slice(rows.start, rows.stop)
+            torch.index_select(
+                self._token_pool, 0, self._token_index[span], out=self.input_ids[span]
+            )
         else:
-            state.hidden, state.residual = self.crossings[bs, part - 1].received
+            state.hidden, state.residual = self.crossings[rows, part - 1].received
 
-    def _range_end(self, bs: int, part: int, state: StepState) -> Outputs:
+    def _range_end(self, rows: range, part: int, state: StepState) -> Outputs:
         placement = self.placement
         if part == len(placement.devices) - 1:
             assert state.logits is not None
             return None, None, None, state.logits
         assert state.hidden is not None and state.residual is not None
         stream = (state.hidden, state.residual)
-        crossing = self.crossings.get((bs, part))
+        crossing = self.crossings.get((rows, part))
         if crossing is None:  # the warm-up's first run makes the boundary's buffers
-            crossing = Crossing(stream, placement.devices[part + 1])
-            self.crossings[bs, part] = crossing
+            receive = None if self._receive is None else self._receive[part + 1]
+            crossing = Crossing(stream, placement.devices[part + 1], receive)
+            self.crossings[rows, part] = crossing
         crossing.pack(stream)
         return ()
 
@@ -295,8 +355,14 @@ class SplitDecodeGraphs(DecodeGraphs):
         self._sample(bs, logits)
         return None, None, None, logits
 
-    def _send_logits(self, bs: int, logits: torch.Tensor) -> None:
-        self._first_logits[bs].copy_(logits, non_blocking=True)
+    def _send_logits(self, bs: int, rows: range, logits: torch.Tensor) -> None:
+        """The last device's logits of a step's rows `rows` into their rows on the first
+        device (pipelined on GPUs, behind its receive stream, which the sampling waits for)."""
+        into = self._first_logits[bs][rows.start : rows.stop]
+        if self._receive is None:
+            into.copy_(logits, non_blocking=True)
+        else:
+            _copy_behind(into, logits, self._receive[0])
 
     # offloaded: each device's pieces -------------------------------------------------------------
 
@@ -340,7 +406,7 @@ class SplitDecodeGraphs(DecodeGraphs):
                     model.spec.rms_norm_eps,
                 )  # fmt: skip
         else:
-            self._range_start(bs, part, state)
+            self._range_start(range(bs), part, state)
         routed = piece < moe.stop
         state.routing_host = tuple(t[:bs] for t in staging.routing_host) if routed else None
         state.routing_signal = staging.signal if routed else None
@@ -348,7 +414,7 @@ class SplitDecodeGraphs(DecodeGraphs):
         model.run_piece(piece, state, self.placement.ranges[part])
         if routed:
             return state.x, state.ids, state.weights, None
-        return self._range_end(bs, part, state)
+        return self._range_end(range(bs), part, state)
 
     def _guesses_of(self, bs: int, part: int) -> bool:
         """Whether device `part`'s pieces of batch size `bs` that end in a router send a guess
@@ -356,11 +422,12 @@ class SplitDecodeGraphs(DecodeGraphs):
         staging = self._staging[part]
         return bs == 1 and staging is not None and staging.guess is not None
 
-    def _part_eagerly(self, bs: int, part: int) -> Outputs:
-        """Device `part`'s share of a step run through the graphs' buffers (a warm-up)."""
+    def _part_eagerly(self, bs: int, rows: range, part: int) -> Outputs:
+        """Device `part`'s share of a step's rows `rows` run through the graphs' buffers (a
+        warm-up)."""
         if not self.piecewise:
-            return self._span(bs, part)
-        state = StepState(self._device_batch(part, bs))
+            return self._span(rows, part)
+        state = StepState(self._device_batch(part, range(bs)))
         out: Outputs = ()
         for piece in self._device_pieces(part):
             if piece > self._moe_ranges[part].start:
@@ -372,36 +439,43 @@ class SplitDecodeGraphs(DecodeGraphs):
         """One eager step of batch size `bs` through the graphs' buffers."""
         placement = self.placement
         last = len(placement.devices) - 1
-        for part in range(last + 1):
+        micro = self.micro[bs]
+        for m, part in launch_order(last + 1, len(micro)):
             placement.enter(part)
-            out = self._part_eagerly(bs, part)
+            out = self._part_eagerly(bs, micro[m], part)
             if part < last:
-                self.crossings[bs, part].send()
+                self.crossings[micro[m], part].send()
                 continue
+            logits = out[3]
+            assert logits is not None
             if bs not in self._first_logits:
-                self._first_logits[bs] = torch.empty_like(out[3], device=self.model.device)
-            self._send_logits(bs, out[3])
+                self._first_logits[bs] = torch.empty(
+                    (bs, logits.shape[1]), dtype=logits.dtype, device=self.model.device
+                )
+            self._send_logits(bs, micro[m], logits)
         placement.begin()
+        if self._receive is not None:
+            torch.cuda.current_stream(self.model.device).wait_stream(self._receive[0])
         outputs = self._sample_first(bs)
         for cut in Cut:
             self._draw(bs, cut, outputs[3])
 
-    def _capture_part(self, bs: int, part: int, pools: list[object | None]) -> list:
-        """Device `part`'s graphs of batch size `bs`, captured with it current: one
-        `DeviceStep`, or its `DevicePiece`s."""
+    def _capture_part(self, bs: int, rows: range, part: int, pools: list[object | None]) -> list:
+        """Device `part`'s graphs of batch size `bs` (of its rows `rows`: a micro-batch's, or
+        all of them), captured with it current: one `DeviceStep`, or its `DevicePiece`s."""
         last = len(self.placement.devices) - 1
 
         def send(out: Outputs) -> Callable[[], None]:
             if part < last:
-                return self.crossings[bs, part].send
-            return partial(self._send_logits, bs, out[3])
+                return self.crossings[rows, part].send
+            return partial(self._send_logits, bs, rows, out[3])
 
         if not self.piecewise:
             graph = self._graph_factory(pools[part])
-            out = graph.capture(partial(self._span, bs, part))
+            out = graph.capture(partial(self._span, rows, part))
             pools[part] = graph.pool
             return [DeviceStep(graph, self.placement, part, send(out))]
-        state = StepState(self._device_batch(part, bs))
+        state = StepState(self._device_batch(part, rows))
         staging, moe = self._staging[part], self._moe_ranges[part]
         pieces = []
         for piece in self._device_pieces(part):
@@ -454,9 +528,10 @@ class SplitDecodeGraphs(DecodeGraphs):
         pools: list[object | None] = [None] * len(devices)
         for bs in sorted(self.sizes, reverse=True):
             steps = []
-            for part in range(len(devices)):
+            micro = self.micro[bs]
+            for m, part in launch_order(len(devices), len(micro)):
                 placement.enter(part)
-                steps += self._capture_part(bs, part, pools)
+                steps += self._capture_part(bs, micro[m], part, pools)
             placement.begin()
             sample = self._graph_factory(pools[0])
             outputs = sample.capture(partial(self._sample_first, bs))
@@ -466,7 +541,8 @@ class SplitDecodeGraphs(DecodeGraphs):
                 self.pieces[bs] = steps
                 self.graphs[bs], self.heads[bs] = [], []
             else:
-                steps.append(DeviceStep(sample, placement, 0, None))
+                receive = None if self._receive is None else self._receive[0]
+                steps.append(DeviceStep(sample, placement, 0, None, receive))
                 self.graphs[bs], self.heads[bs] = [SplitStep(steps)], [None]
             self.outputs[bs] = [outputs]
             for cut in Cut:
@@ -486,6 +562,8 @@ class SplitDecodeGraphs(DecodeGraphs):
         )
 
     def _replay(self, bs: int, n: int) -> None:
+        if self.pipelining is not None:
+            self.pipelining.ran(len(self.micro[bs]))
         if not self.piecewise:
             super()._replay(bs, n)
             return

@@ -19,6 +19,7 @@ from ..experts.moe import MoERunner
 from ..model.kv import KVCache
 from ..model.model import Model, Scoring, SeqSlice, StepBatch
 from .graphs import DecodeGraphs, DecodeRow
+from .microbatch import Pipelining
 from .sampling import Sampler, TokenLogprobs
 from .scheduler import Chunk, Scheduler, Sequence
 from .telemetry import StepTimer, Telemetry
@@ -63,6 +64,8 @@ class Stepper:
         self.kv = kv
         self.max_context = max_context
         self.graphs: DecodeGraphs | None = None  # the decode steps' graphs; None: eager steps
+        # a split's eager decode steps in micro-batches (microbatch.py); None: one device
+        self.pipelining: Pipelining | None = None
         self._flight: Flight | None = None  # an overlapped decode step queued on the device
         self._flip = 0  # which of the two host buffers the next flight's tokens land in
         self._last_landed = 0.0
@@ -217,7 +220,11 @@ class Stepper:
                                      for c in chunks])  # fmt: skip
             else:
                 batch = self._batch(chunks)
-                logits = self.model.forward(batch)
+                pipelining = self.pipelining
+                if pipelining is None:
+                    logits = self.model.forward(batch)
+                else:
+                    logits = pipelining.forward(self.model, batch)
         except BaseException:
             self.moe.reset_prefill()
             raise
