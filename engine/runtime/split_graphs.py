@@ -38,6 +38,7 @@ import torch
 
 from ...kernels.common import inline_ptx
 from ..config.split import launch_order
+from ..experts.split_experts import SplitExperts
 from ..experts.staged_decode import LayerStage, StagedDecode, StagedRows
 from ..model.model import Model, SeqSlice, StepBatch, StepState
 from ..model.placement import LayerPlacement
@@ -322,7 +323,14 @@ class SplitDecodeGraphs(DecodeGraphs):
         the next device, or the logits."""
         state = StepState(self._device_batch(part, rows))
         self._range_start(rows, part, state)
-        self.model.run_layers(self.placement.ranges[part], state)
+        # the resident routing record keeps a micro-batch's rows in their place
+        experts = self.model.experts
+        assert isinstance(experts, SplitExperts)
+        experts.record_rows_from(rows.start)
+        try:
+            self.model.run_layers(self.placement.ranges[part], state)
+        finally:
+            experts.record_rows_from(0)
         return self._range_end(rows, part, state)
 
     def _range_start(self, rows: range, part: int, state: StepState) -> None:
