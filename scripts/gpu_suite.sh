@@ -306,10 +306,10 @@ if [ "$part" = split ]; then  # issue 56 on a two-GPU machine: the split against
   # (tests), then 12 of Qwen3-30B-A3B's layers all resident, one card against two (a graph per
   # card, with and without overlapped decode, and eager), then its 48 layers with each card
   # limited to 12 GiB against one card of 12 GiB: decode at batch 1 and 8 (each card's pieces
-  # and eager), prefill of 8K
+  # and eager), batch 8 in one micro-batch and two, prefill of 8K
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run split_tests python3 -m pytest -q $T --tb=short tests/engine/test_split_engine.py \
-    tests/engine/test_split_graphs.py
+    tests/engine/test_split_graphs.py tests/engine/test_split_pipeline.py
   for b in 1 8; do
     run split_resident_one_b$b $B decode $G --routing-skew 1 --batch $b --json
     run split_resident_two_b$b $B decode $G --routing-skew 1 --devices cuda:0,cuda:1 --batch $b \
@@ -326,6 +326,19 @@ if [ "$part" = split ]; then  # issue 56 on a two-GPU machine: the split against
     run split_two_b$b $B decode $S --devices cuda:0,cuda:1 --batch $b --json
     run split_two_eager_b$b $B decode $S --devices cuda:0,cuda:1 --batch $b --no-cuda-graph \
       --json
+  done
+  # a decode step in micro-batches (--split-microbatches): batch 8 in one against two, resident
+  # (each card's graphs per micro-batch, and eager) and 12 GiB offloaded (eager pipelines; each
+  # card's pieces run whole, the same launches as one micro-batch)
+  for m in 1 2; do
+    run split_resident_two_b8_m$m $B decode $G --routing-skew 1 --devices cuda:0,cuda:1 \
+      --batch 8 --split-microbatches $m --json
+    run split_resident_two_eager_b8_m$m $B decode $G --routing-skew 1 --devices cuda:0,cuda:1 \
+      --batch 8 --split-microbatches $m --no-cuda-graph --json
+    run split_two_b8_m$m $B decode $S --devices cuda:0,cuda:1 --batch 8 --split-microbatches $m \
+      --json
+    run split_two_eager_b8_m$m $B decode $S --devices cuda:0,cuda:1 --batch 8 \
+      --split-microbatches $m --no-cuda-graph --json
   done
   run split_one_prefill8k $B prefill $S --prompt-tokens 8192 --repeats 2
   run split_two_prefill8k $B prefill $S --devices cuda:0,cuda:1 --prompt-tokens 8192 --repeats 2

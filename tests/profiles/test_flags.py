@@ -188,3 +188,12 @@ def test_a_profile_with_a_split_is_held_to_the_engines_device_rules() -> None:
         "--device"
     )
     assert "(0.6,0.4)" in str(catalog()["--layer-split"].expects)
+    # micro-batches pipeline a split's decode step: refused without one
+    flags = ["--devices", "cuda:0,cuda:1", "--split-microbatches", "2"]
+    assert validate_flags(flags).split_microbatches == 2
+    with pytest.raises(FlagError) as err:
+        validate_flags(["--split-microbatches", "2"])
+    assert str(err.value).startswith("--split-microbatches 2 pipelines a decode step across")
+    assert only_problem(["--devices", "cuda:0,cuda:1", "--split-microbatches", "0"])[1] == (
+        "--split-microbatches 0: 0 must be at least 1 (allowed: a whole number, 1 or more)"
+    )
