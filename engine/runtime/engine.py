@@ -517,7 +517,10 @@ class Engine:
             )
             if self.layers_on is None
             else SplitDecodeGraphs(
-                self.model, batching.cuda_graph_max_bs, self.max_context, piecewise=not whole,
+                self.model,
+                batching.cuda_graph_max_bs,
+                self.max_context,
+                piecewise=not whole,
                 pipelining=stepper.pipelining,
             )
         )

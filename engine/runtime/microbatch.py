@@ -105,8 +105,10 @@ def forward_in_microbatches(
             model.run_layers(span, state)
             if span.stop == model.spec.num_layers:
                 assert state.logits is not None
-                logits.append(placement.to_first(state.logits))
+                logits.append(state.logits)
     finally:
         experts.record_rows_from(0)
         placement.begin()
-    return torch.cat(logits)
+    # back to the first device in one copy once every micro-batch is launched: a copy per
+    # micro-batch would hold the first device until the last had finished that micro-batch
+    return placement.to_first(torch.cat(logits))
