@@ -270,16 +270,17 @@ class SplitDecodeGraphs(DecodeGraphs):
             (self._long.to(d, copy=True), self._int.to(d, copy=True)) for d in devices[1:]
         ]
         self._device_index = [torch.arange(max_bs, device=d) for d in devices[1:]]
-        # per (batch size, boundary): the residual stream crossing it (made in the warm-up)
-        self.crossings: dict[tuple[int, int], Crossing] = {}
+        # per (rows, boundary): the residual stream of a step's rows (a micro-batch's, or a whole
+        # step's from row 0) crossing it (made in the warm-up)
+        self.crossings: dict[tuple[range, int], Crossing] = {}
         # per batch size: the last device's logits, on the first device
         self._first_logits: dict[int, torch.Tensor] = {}
         # per batch size: each micro-batch's rows, captured as graphs of their own (one: the
         # step whole). Offloaded steps run whole: the host stages each MoE layer between
         # pieces, one device at a time, so no device's pieces would run beside another's
-        self.pipelining = None if piecewise else pipelining
+        self.pipelining = pipelining
         self.micro = {
-            bs: (range(bs),) if self.pipelining is None else self.pipelining.rows(bs)
+            bs: (range(bs),) if pipelining is None or piecewise else pipelining.rows(bs)
             for bs in self.sizes
         }
         # pipelined on GPUs: each device's stream that the copies into it queue behind, for

@@ -224,8 +224,9 @@ def test_offloaded_pieces_run_each_step_whole(split):
     at a time: asked for two micro-batches, its replayed steps run whole, with the eager step's
     tokens, and /v1/stats says one micro-batch."""
     arch, _cache, engine = split
-    expected, _ = _run(engine, 1)
-    engine.stepper.pipelining.setting = 2
+    expected, _ = _run(engine, 2)
+    devices = engine.telemetry.stats(running=0, queued=0, model_name="m")["devices"]
+    assert [d["microbatches"] for d in devices] == [2, 2]  # (eagerly)
     graphs = SplitDecodeGraphs(
         engine.model, 5, engine.max_context, piecewise=True, graph_factory=ReplayGraph,
         pipelining=engine.stepper.pipelining,
