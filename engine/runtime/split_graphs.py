@@ -283,6 +283,8 @@ class SplitDecodeGraphs(DecodeGraphs):
             bs: (range(bs),) if pipelining is None or piecewise else pipelining.rows(bs)
             for bs in self.sizes
         }
+        # per (rows, device): the graph of its range over those rows, and its outputs
+        self._range_graphs: dict[tuple[range, int], tuple[Graph, Outputs]] = {}
         # pipelined on GPUs: each device's stream that the copies into it queue behind, for
         # every step (its device's own stream waits for them: `Crossing.send`, the sampling)
         pipelined = any(len(rows) > 1 for rows in self.micro.values())
@@ -480,9 +482,15 @@ class SplitDecodeGraphs(DecodeGraphs):
             return partial(self._send_logits, bs, rows, out[3])
 
         if not self.piecewise:
-            graph = self._graph_factory(pools[part])
-            out = graph.capture(partial(self._span, rows, part))
-            pools[part] = graph.pool
+            # a graph per device per rows: a micro-batch whose rows are a smaller size's whole
+            # step (each step's first) replays that size's graph, with its own send
+            kept = self._range_graphs.get((rows, part))
+            if kept is None:
+                graph = self._graph_factory(pools[part])
+                kept = graph, graph.capture(partial(self._span, rows, part))
+                pools[part] = graph.pool
+                self._range_graphs[rows, part] = kept
+            graph, out = kept
             return [DeviceStep(graph, self.placement, part, send(out))]
         state = StepState(self._device_batch(part, rows))
         staging, moe = self._staging[part], self._moe_ranges[part]

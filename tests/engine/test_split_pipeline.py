@@ -178,6 +178,14 @@ def _replayed(engine, micro: int, monkeypatch) -> Replayed:
     graphs.capture()
     entered.clear()  # (the capture's)
     sent.clear()
+    # each device's graphs of sizes 1, 2, 4 and 5: one per rows, a step's or a micro-batch's,
+    # where a micro-batch from row 0 replays the smaller size's graph. M = 2: rows 0-2 and 3-4
+    # of 5, 0-1 and 2-3 of 4, 0 and 1 of 2, and 1 whole: 6 graphs, not 7; M = 3: 0-1, 2-3 and
+    # 4 of 5, 0-1, 2 and 3 of 4, 0 and 1 of 2, 1 whole: 7, not 9
+    for part in (0, 1):
+        captured = {id(step.graph) for bs in graphs.sizes
+                    for step in graphs.graphs[bs][0].steps[:-1] if step.part == part}  # fmt: skip
+        assert len(captured) == {1: 4, 2: 6, 3: 7}[micro]
     replays = []
     run = graphs.run
     graphs.run = lambda rows: replays.append(len(rows)) or run(rows)
