@@ -6,11 +6,13 @@ step's rows are cut into micro-batches (engine/config/split.py `microbatch_rows`
 through every device before the next starts (`launch_order`): with each device's work on its own
 stream and the launches asynchronous, device 0 runs micro-batch 1 while device 1 runs micro-batch
 0. A micro-batch's rows keep their own KV pages, state slots and window rings, and its MoE layers
-route and miss on their own, so the step's tokens and logits are the unpipelined step's.
+route and miss on their own, so the step's tokens are the unpipelined step's (its logits within
+rounding: a matmul of fewer rows may sum in another order).
 
-`Pipelining` decides the count for a step and counts what ran (`/v1/stats` `devices`);
-`forward_in_microbatches` is the eager step. The decode graphs of a split pipeline with the same
-rows and order (engine/runtime/split_graphs.py).
+`Pipelining` decides the micro-batches of a step and counts what ran (`/v1/stats` `devices`);
+`forward_in_microbatches` is the eager step, resident or offloaded. A resident split's decode
+graphs pipeline with the same rows and order; an offloaded split's pieces run whole
+(engine/runtime/split_graphs.py).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Pipelining:
 
     def forward(self, model: Model, batch: StepBatch) -> torch.Tensor:
         """Logits of `batch`: a decode step in micro-batches, a prefill whole."""
-        if not batch.decode or len(batch.logits_index) != len(batch.seqs):
+        if not batch.decode:
             return model.forward(batch)
         rows = self.rows(len(batch.seqs))
         self.ran(len(rows))
@@ -59,7 +61,8 @@ class Pipelining:
 
 
 def row_batch(batch: StepBatch, rows: range) -> StepBatch:
-    """The rows `rows` of a decode step (one token a row) as a step of their own."""
+    """The rows `rows` of a decode step as a step of their own (a decode step has one token a
+    row, each one's logits wanted)."""
     span = slice(rows.start, rows.stop)
 
     def maybe(t: torch.Tensor | None) -> torch.Tensor | None:
