@@ -33,7 +33,9 @@ def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     largest magnitude over 448, rounded to the nearest e4m3 value."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # (divided by a tensor: CUDA divides by a Python number as a product with its reciprocal,
+    # which is an ulp off the kernel's correctly rounded division)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     q = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8), scale
 

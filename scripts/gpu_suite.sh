@@ -202,13 +202,14 @@ if [ "$part" = prefix ]; then  # a multi-turn chat's time to first token, with t
 fi
 if [ "$part" = agent ]; then  # a coding agent's session through the Messages API (`moelab bench
   # agent`: a 12k-token system prompt with tools, 20 turns of 0.5-4k-token results and 50-300-token
-  # replies), the 12 layers' geometry with dummy weights behind the synthetic tokenizer, with a
-  # 25% expert cache and all resident
+  # replies: about 62k tokens in all), the 12 layers' geometry with dummy weights behind the
+  # synthetic tokenizer and a context of 128k, with a 25% expert cache and all resident
   python3 -m moelab.engine.cli synth --out "$out/agent_model" --preset qwen3-30b-a3b \
-    --set num_hidden_layers=12 --routing-skew 1 --no-weights > /dev/null
+    --set num_hidden_layers=12 --set max_position_embeddings=131072 --routing-skew 1 \
+    --no-weights > /dev/null
   for rate in 0.25 1.0; do
     run agent_session_$rate $B agent --json -- --model-path "$out/agent_model" --dummy-weights \
-      --device cuda --moe-cache-rate $rate --kv-reserve-tokens 65536 --log-level warning
+      --device cuda --moe-cache-rate $rate --kv-reserve-tokens 98304 --log-level warning
   done
 fi
 if [ "$part" = resident ]; then  # all experts resident: overlapped decode against waiting steps
