@@ -454,7 +454,8 @@ def test_the_mixer_prefilled_in_pieces_then_decoded_is_the_transformers_layer(ge
             out[row, part] = mixer(layer, hidden[row, part], (conv[slot], rec[slot]))
     for t in range(70, 75):  # both sequences decode together
         out[:, t] = mixer(layer, hidden[:, t], (conv, rec), slot_ids)
-    # on CUDA with fla installed the rule runs in fla's kernels, whose fp32 dots may round as tf32
+    # on CUDA the decode steps run in the Triton kernel (its sums in another order, the device's
+    # approximate rsqrt)
     assert_matches(out, expected, 1e-4 if DEVICE.type == "cpu" else 1e-2)
 
 
@@ -480,6 +481,32 @@ def test_cpu_tensors_go_to_the_reference_where_fla_is_installed(gen, monkeypatch
     o = gdn.delta_rule_decode(*(t[:1] for t in (q, k, v, g, beta)), state.unsqueeze(0), slots)
     ref = gdn.delta_rule_decode_ref(*(t[:1] for t in (q, k, v, g, beta)), ref_state[None], slots)
     assert torch.equal(o, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or gdn.fla_ops() is None, reason="needs CUDA and fla installed"
+)
+def test_fp32_prefill_on_cuda_takes_the_fp32_rule_and_bf16_takes_fla(gen, monkeypatch):
+    """fla rounds fp32 operands to TF32: an fp32 engine's prefill is the torch rule's, bit for
+    bit, and a bf16 one goes to fla."""
+    calls = []
+    real = gdn.fla_ops()
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real.chunk_gated_delta_rule(*args, **kwargs)
+
+    monkeypatch.setattr(gdn, "fla_ops", lambda: types.SimpleNamespace(
+        chunk_gated_delta_rule=counted))  # fmt: skip
+    q, k, v, g, beta = rule_inputs(gen, 70)
+    state, ref_state = torch.zeros(4, 16, 8, device=DEVICE), torch.zeros(4, 16, 8, device=DEVICE)
+    o = gdn.delta_rule_prefill(q, k, v, g, beta, state)
+    assert torch.equal(o, gdn.delta_rule_prefill_ref(q, k, v, g, beta, ref_state))
+    assert torch.equal(state, ref_state) and calls == []
+    q, k, v, beta = (t.bfloat16() for t in (q, k, v, beta))
+    gdn.delta_rule_prefill(q, k, v, g, beta, state)
+    assert calls == [torch.bfloat16]
 
 
 @pytest.mark.cuda
