@@ -183,12 +183,14 @@ def _route_kernel(
         k_idx = tl.arange(0, BLOCK_K)
         top_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
         top_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
-        remaining = tl.where(e_all_ok[None, :], probs, -1.0)
+        # a NaN probability ranks above every real one, as in _topk_softmax_kernel
+        remaining = tl.where(e_all_ok[None, :], tl.where(probs == probs, probs, 2.0), -1.0)
         for j in tl.static_range(TOP_K):
             best = tl.max(remaining, axis=1)
             best_id = tl.min(
                 tl.where(remaining == best[:, None], e_all[None, :], BLOCK_ALL_E), axis=1
             )
+            best = tl.where(best > 1.0, float("nan"), best)
             top_w = tl.where(k_idx[None, :] == j, best[:, None], top_w)
             top_i = tl.where(k_idx[None, :] == j, best_id[:, None], top_i)
             remaining = tl.where(e_all[None, :] == best_id[:, None], -2.0, remaining)

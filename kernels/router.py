@@ -53,13 +53,15 @@ def _topk_softmax_kernel(
     k_idx = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     top_i = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    # Padding lanes sit below every real probability (>= 0), so they are never picked.
-    remaining = tl.where(e_ok, probs, -1.0)
+    # Padding lanes sit below every real probability (>= 0), so they are never picked; a NaN one
+    # (a NaN or infinite logit in the row) at 2.0, above every one (<= 1), as torch.topk ranks
+    # NaN, so that each pick names a real expert (a NaN equals nothing: no lane would match it).
+    remaining = tl.where(e_ok, tl.where(probs == probs, probs, 2.0), -1.0)
     for j in tl.static_range(TOP_K):
         best = tl.max(remaining, axis=0)
         # Ties go to the lowest expert index, as torch.topk does on CPU.
         best_id = tl.min(tl.where(remaining == best, e_idx, BLOCK_E), axis=0)
-        top_w = tl.where(k_idx == j, best, top_w)
+        top_w = tl.where(k_idx == j, tl.where(best > 1.0, float("nan"), best), top_w)
         top_i = tl.where(k_idx == j, best_id, top_i)
         remaining = tl.where(e_idx == best_id, -2.0, remaining)
     if RENORMALIZE:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from moelab.kernels import host_handoff, route, router
 
 from .kernel_inputs import DEVICE, assert_top_k, randn
+from .test_router import assert_in_range
 
 pytestmark = pytest.mark.usefixtures("triton_runs")
 
@@ -84,6 +85,23 @@ def test_route_rounds_the_logits_to_the_model_dtype():
         assert ids[:3] == [2, 4, 3], fn
         # experts 0 and 1 tie: the kernel takes the lower first; torch.topk does on the CPU only
         assert ids[3:] == [0, 1] or (fn == "route_ref" and CUDA and ids[3:] == [1, 0])
+
+
+@pytest.mark.parametrize("experts", [12, 16], ids=["padded", "power-of-two"])
+def test_route_of_nan_hidden_states_picks_real_experts(gen, experts):
+    """x with a NaN, x all -inf (their logits NaN, -inf - -inf NaN too): every pick names an
+    expert 0..E-1 (NaN ranks first, the lower id first), also in the host's copy; a finite row
+    routes as before."""
+    x, router_w = grid_inputs(gen, 3, experts, 32, torch.float32)
+    x[0, 3] = float("nan")
+    x[1] = -float("inf")
+    host = host_buffers(3, 4, 32)
+    weights, ids = route.route_triton(x, router_w, 4, True, host=host)
+    finished()
+    assert_in_range(ids, experts)
+    assert ids[:2].tolist() == [[0, 1, 2, 3]] * 2 and weights[:2].isnan().all()
+    assert torch.equal(host[0], ids.cpu())
+    assert_top_k(weights[2:], ids[2:], route_logits(x[2:], router_w), 4, True)
 
 
 def test_route_ties_go_to_the_lower_expert_id():

@@ -39,6 +39,35 @@ def test_ties_go_to_the_lower_expert_id():
     torch.testing.assert_close(weights, torch.tensor([[0.5, 0.5]], device=DEVICE))
 
 
+def nan_logits(gen: torch.Generator, experts: int) -> torch.Tensor:
+    """Rows of router logits as NaN hidden states make them: one NaN, all NaN, all -inf, one
+    +inf; and a finite row last."""
+    logits = randn(gen, 5, experts, scale=2.0)
+    logits[0, 3] = float("nan")
+    logits[1] = float("nan")
+    logits[2] = -float("inf")
+    logits[3, 5] = float("inf")
+    return logits
+
+
+def assert_in_range(ids: torch.Tensor, experts: int) -> None:
+    """Every pick names a real expert, once a row (what the MoE kernels index their slots by)."""
+    assert ((ids >= 0) & (ids < experts)).all(), ids.tolist()
+    assert all(len(set(row)) == len(row) for row in ids.tolist()), ids.tolist()
+
+
+@pytest.mark.parametrize("experts", [12, 16], ids=["padded", "power-of-two"])
+def test_nan_logits_pick_real_experts(gen, experts):
+    """A NaN or infinite logit makes its row's probabilities NaN: the picks still name experts
+    0..E-1 (NaN ranks first, as torch.topk ranks it, the lower id first), their weights NaN, and
+    the finite rows route as before."""
+    logits = nan_logits(gen, experts)
+    weights, ids = router.topk_softmax_triton(logits, 3, True)
+    assert_in_range(ids, experts)
+    assert ids[:4].tolist() == [[0, 1, 2]] * 4 and weights[:4].isnan().all()
+    assert_top_k(weights[4:], ids[4:], logits[4:], 3, True)
+
+
 def test_cpu_tensors_go_to_the_reference(gen, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the Triton path ran on CPU tensors")
