@@ -103,7 +103,12 @@ def attention(
     (q's 1 times the key's sink / scale; the real keys' are 0), padded to 8 so that the fused
     backends take the head size. A per-head float mask instead would hold Hq · n · L values
     (17 GB at gpt-oss's 64 heads, a chunk of 2,048 and 32K of context). The keys before the
-    window of the chunk's first position are left out."""
+    window of the chunk's first position are left out.
+
+    A sink of -inf (a head without one) goes in as a quarter of the dtype's lowest value, whose
+    weight rounds to 0 as -inf's is 0, where an infinite key would make every score NaN in
+    fused fp32 kernels that split each operand x into tf32(x) and tf32(x - tf32(x)) (inf - inf:
+    PyTorch's memory-efficient attention on compute capability 8.0 and up)."""
     n, heads, dim = q.shape[0], q.shape[1], q.shape[2]
     length = first + k.shape[0]
     skip = max(0, length - n - window + 1 - first) if window else 0
@@ -120,7 +125,8 @@ def attention(
     q = F.pad(q, (0, _SINK_DIMS))
     q[..., dim] = 1.0
     sink_key = q.new_zeros(1, heads, dim + _SINK_DIMS)
-    sink_key[0, :, dim] = sinks.to(q.dtype) / scale
+    lowest = torch.finfo(q.dtype).min / 4
+    sink_key[0, :, dim] = (sinks.to(q.dtype) / scale).clamp(min=lowest)
     k = torch.cat([F.pad(k, (0, _SINK_DIMS)), sink_key])
     v = F.pad(torch.cat([v, v.new_zeros(1, heads, dim)]), (0, _SINK_DIMS))
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))

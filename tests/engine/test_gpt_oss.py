@@ -290,6 +290,46 @@ def test_the_comparison_catches_dropped_sinks_and_biases(reference):
         engine.close()
 
 
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x rounded to TF32's 10 mantissa bits, to the nearest, ties away from zero (the
+    tensor cores' cvt.rna.tf32); infinities stay."""
+    rounded = ((x.view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+    return torch.where(x.isfinite(), rounded, x)
+
+
+def split_tf32_sdpa(q, k, v, attn_mask, scale):
+    """Scaled dot-product attention with q @ k^T as fused fp32 kernels take it on compute
+    capability 8.0 and up (PyTorch's memory-efficient attention: CUTLASS's 3xTF32): each
+    operand x as tf32(x) + tf32(x - tf32(x)), the three larger products summed."""
+    big_q, big_k = tf32(q), tf32(k)
+    small_q, small_k = tf32(q - big_q), tf32(k - big_k)
+    scores = big_q @ big_k.mT + big_q @ small_k.mT + small_q @ big_k.mT
+    scores = (scores * scale).masked_fill(~attn_mask, -torch.inf)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def test_attention_without_sinks_stays_finite_in_split_tf32_kernels(monkeypatch):
+    """Sinks of -inf (the comparison's dropped sinks) through attention as a fused fp32 kernel of
+    a GPU computes it: the softmax over the visible keys alone, as transformers gives it, where
+    an infinite key's tf32 remainder (inf - inf) would make every score NaN."""
+    from moelab.engine.model import gpt_oss
+
+    gen = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, dim, window, scale = 10, 4, 2, 8, 4, 8**-0.5
+    q = torch.randn(n, heads, dim, generator=gen)
+    k, v = (torch.randn(n, kv_heads, dim, generator=gen) for _ in range(2))
+    rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = (cols <= rows) & (cols > rows - window)
+    kh, vh = (t.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1) for t in (k, v))
+    scores = (q.transpose(0, 1) @ kh.mT * scale).masked_fill(~visible, -torch.inf)
+    expected = (torch.softmax(scores, dim=-1) @ vh).transpose(0, 1)
+    monkeypatch.setattr(gpt_oss.F, "scaled_dot_product_attention", split_tf32_sdpa)
+    sinks = torch.full((heads,), -torch.inf)
+    out = gpt_oss.attention(q, k, v, scale, sinks, window)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def mxfp4_checkpoint(src: Path, out: Path) -> Path:
     """`src`'s weights with the experts in OpenAI's MXFP4 release layout: `*_blocks` and
     `*_scales` of each projection as [E, out, in] (kernels/mxfp4.py quantizes), the biases and
