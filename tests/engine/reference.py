@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from moelab.engine.config.config import EngineConfig
+from moelab.engine.experts import miss_plan
+from moelab.engine.experts.h2d import address_of, host_functions
 from moelab.engine.experts.miss_plan import LayerPlanner
 from moelab.engine.runtime.engine import Engine
+from moelab.engine.runtime.graphs import DecodeGraphs
 from moelab.engine.runtime.sampling import SamplingParams
 
 HF_CLASSES = {
@@ -173,32 +176,75 @@ def make_engine(path: Path, *flags: str) -> Engine:
     return Engine(config)
 
 
+# The native planner's own decisions, which it takes only with its copies (on CUDA) and the
+# Python planner never does: a split miss and a copy ahead of the routing (each frees a slot the
+# Python plan keeps, and a split counts its expert on the CPU). Off where the two planners are
+# compared.
+NO_SPLIT, NO_COPY_AHEAD = ("--no-split-misses",), ("--moe-copy-ahead", "0")
+
+
 def decode_with_each_planner(
-    monkeypatch: pytest.MonkeyPatch, path: Path, prompts: list[list[int]], tokens: int, *flags: str
+    monkeypatch: pytest.MonkeyPatch,
+    path: Path,
+    prompts: list[list[int]],
+    tokens: int,
+    *flags: str,
+    split_misses: bool = False,
 ) -> list[tuple]:
-    """Greedy decodes of `prompts` by two fresh engines with `flags` (an offloaded placement):
-    one whose decode steps the native planner plans, one whose the Python planner plans
-    (`LayerPlanner.native` answering None); per engine its outputs, its counters (reads, hits,
-    fills, CPU experts and picks per layer) and its cache's (hits, fills, evictions). Skips
-    where the native CPU kernel did not build."""
+    """Greedy decodes of `prompts` by two fresh engines with `flags` (an offloaded placement),
+    NO_COPY_AHEAD and, unless `split_misses`, NO_SPLIT: one whose decode steps the native
+    planner plans, one whose the Python planner plans (`LayerPlanner.native` answering None);
+    per engine its outputs, its counters (reads, hits, fills, CPU experts and picks per layer),
+    its cache's (hits, fills, evictions) and its misses split. On the CPU device the native
+    planner takes its CUDA path all the same (`take_the_cuda_path`), as on a GPU. Skips where
+    the native CPU kernel did not build."""
+    same = NO_COPY_AHEAD if split_misses else (*NO_COPY_AHEAD, *NO_SPLIT)
     runs = []
     for native in (True, False):
         with monkeypatch.context() as patch:
             if not native:
                 patch.setattr(LayerPlanner, "native", lambda self: None)
-            engine = make_engine(path, *flags)
+            engine = make_engine(path, *flags, *same)
             try:
                 if engine.cpu is None or engine.cpu.kernel != "native":
                     pytest.skip("the native CPU kernel did not build here")
+                calls: dict[str, int] = {}
+                if native and DEVICE == "cpu":
+                    stand_ins = take_the_cuda_path(patch, engine, calls)
                 assert (engine.moe.planner.native() is not None) == native
                 outputs = engine.generate(prompts, SamplingParams(max_tokens=tokens,
                                                                   ignore_eos=True))  # fmt: skip
+                if native and DEVICE == "cpu":
+                    assert calls.get("copy", 0) > 0 and stand_ins, "no fill took the CUDA path"
                 c, cache = engine.moe.counters, engine.cache
                 counters = [a.tolist() for a in (c.reads, c.hits, c.fills, c.cpu, c.picks)]
-                runs.append((outputs, counters, (cache.hits, cache.fills, cache.evictions)))
+                splits = engine.moe.stats.staged_times.split_misses
+                runs.append((outputs, counters, (cache.hits, cache.fills, cache.evictions), splits))
             finally:
                 engine.close()
     return runs
+
+
+def take_the_cuda_path(patch: pytest.MonkeyPatch, engine: Engine, calls: dict[str, int]) -> tuple:
+    """Have a CPU engine's offloaded decode steps take the native planner's CUDA path: replayed
+    from stand-in graphs of pieces (test_graphs.ReplayGraph), each layer step staged between two
+    by one native call that waits, plans, starts the CPU job and queues the fills, through
+    stand-ins of the driver's functions on host memory (`h2d.host_functions`, counting their
+    calls in `calls`). Returns the stand-ins, to keep alive while the engine runs."""
+    from .test_graphs import ReplayGraph  # test_graphs imports this module
+
+    functions = host_functions(calls)
+    addresses = tuple(address_of(f) for f in functions)
+    patch.setattr(miss_plan, "driver_functions", lambda: addresses)
+    graphs = DecodeGraphs(
+        engine.model, 4, engine.max_context, piecewise=True, graph_factory=ReplayGraph
+    )
+    graphs.capture()
+    engine.stepper.graphs = graphs
+    planner = engine.moe.planner
+    planner.copies = True
+    planner._native = None  # made again, with the stand-ins
+    return functions
 
 
 @torch.no_grad()

@@ -133,8 +133,21 @@ def test_the_native_planner_decodes_gpt_oss_as_the_python_planner_does(reference
     prompts = [prompt(3, 9), prompt(4, 14)]
     native, python = decode_with_each_planner(monkeypatch, path, prompts, 12, *OFFLOADED)
     assert native == python
-    _, (_, _, fills, cpu, _), _ = native
+    _, (_, _, fills, cpu, _), *_ = native
     assert sum(fills) > 0 and sum(cpu) > 0
+
+
+def test_split_misses_decode_gpt_oss_as_whole_ones_do(reference, monkeypatch):
+    """The native planner's copies may split a miss: its first rows copied with their gate and up
+    biases, its other rows and its down bias run on the CPU. The tokens are the Python planner's,
+    whose misses are whole."""
+    _, path = reference
+    prompts = [prompt(3, 9), prompt(4, 14)]
+    native, python = decode_with_each_planner(
+        monkeypatch, path, prompts, 12, *OFFLOADED, split_misses=True
+    )
+    assert native[0] == python[0]
+    assert native[3] > 0 and python[3] == 0
 
 
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
