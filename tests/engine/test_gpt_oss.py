@@ -321,26 +321,44 @@ def split_tf32_sdpa(q, k, v, attn_mask, scale):
     return torch.softmax(scores, dim=-1) @ v
 
 
+def sinkless_attention(device: str) -> tuple[torch.Tensor, ...]:
+    """q [10, 4, 8], k and v [10, 2, 8] on `device` and the attention transformers gives them with
+    every sink -inf under a window of 4: the softmax over the visible keys alone."""
+    gen = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, dim, window = 10, 4, 2, 8, 4
+    q = torch.randn(n, heads, dim, generator=gen)
+    k, v = (torch.randn(n, kv_heads, dim, generator=gen) for _ in range(2))
+    rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = (cols <= rows) & (cols > rows - window)
+    kh, vh = (t.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1) for t in (k, v))
+    scores = (q.transpose(0, 1) @ kh.mT * dim**-0.5).masked_fill(~visible, -torch.inf)
+    expected = (torch.softmax(scores, dim=-1) @ vh).transpose(0, 1)
+    return tuple(t.to(device) for t in (q, k, v, expected))
+
+
 def test_attention_without_sinks_stays_finite_in_split_tf32_kernels(monkeypatch):
     """Sinks of -inf (the comparison's dropped sinks) through attention as a fused fp32 kernel of
     a GPU computes it: the softmax over the visible keys alone, as transformers gives it, where
     an infinite key's tf32 remainder (inf - inf) would make every score NaN."""
     from moelab.engine.model import gpt_oss
 
-    gen = torch.Generator().manual_seed(3)
-    n, heads, kv_heads, dim, window, scale = 10, 4, 2, 8, 4, 8**-0.5
-    q = torch.randn(n, heads, dim, generator=gen)
-    k, v = (torch.randn(n, kv_heads, dim, generator=gen) for _ in range(2))
-    rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    visible = (cols <= rows) & (cols > rows - window)
-    kh, vh = (t.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1) for t in (k, v))
-    scores = (q.transpose(0, 1) @ kh.mT * scale).masked_fill(~visible, -torch.inf)
-    expected = (torch.softmax(scores, dim=-1) @ vh).transpose(0, 1)
+    q, k, v, expected = sinkless_attention("cpu")
     monkeypatch.setattr(gpt_oss.F, "scaled_dot_product_attention", split_tf32_sdpa)
-    sinks = torch.full((heads,), -torch.inf)
-    out = gpt_oss.attention(q, k, v, scale, sinks, window)
+    out = gpt_oss.attention(q, k, v, 8**-0.5, torch.full((4,), -torch.inf), 4)
     assert out.isfinite().all()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_attention_without_sinks_stays_finite_on_cuda():
+    """The same through the fused attention a GPU picks for fp32 (on compute capability 8.0+,
+    the memory-efficient kernel's 3xTF32)."""
+    from moelab.engine.model import gpt_oss
+
+    q, k, v, expected = sinkless_attention("cuda")
+    out = gpt_oss.attention(q, k, v, 8**-0.5, torch.full((4,), -torch.inf, device="cuda"), 4)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
 
 
 def mxfp4_checkpoint(src: Path, out: Path) -> Path:
