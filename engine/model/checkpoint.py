@@ -10,7 +10,8 @@ stored, values and factors, and the bank keeps or converts them. An NVFP4 weight
 layout: modelopt.py) is read as its fp32 values where it is a dense one, and as stored (values,
 block scales, per-tensor scale) where it is an expert's, stored one tensor per expert. Under
 ModelOpt's MIXED_PRECISION each weight is checked against its module's algorithm in
-`quantized_layers` as the checkpoint opens; a per-tensor FP8 weight is read as its fp32 values
+`quantized_layers` as the checkpoint opens (under its plain FP8, against the config's rule:
+every Linear not excluded); a per-tensor FP8 weight is read as its fp32 values
 where it is a dense one, and as stored, its scale as every 128x128 block's factor, where it is an
 expert's and the bank keeps it exactly (modelopt.experts_kept).
 """
@@ -126,11 +127,16 @@ class SafetensorsSource:
             log.info("not loaded: %s; the engine serves text only", ", ".join(skipped))
 
     def _layers_problem(self, layers: dict[str, str]) -> Text | None:
-        """Why a `.weight` the engine reads is not stored as `quantized_layers` says."""
+        """Why a `.weight` the engine reads is not stored as `quantized_layers`, or a plain FP8
+        config, says (a Linear's weight is 2-D and no embedding)."""
+        plain = modelopt.scheme(layers) == modelopt.FP8
         for name in sorted(self._meta):
             if name.endswith(".weight") and not name.startswith(tuple(SKIPPED_PARTS)):
-                algorithm = modelopt.algorithm_of(layers, name.removesuffix(".weight"))
-                problem = modelopt.weight_problem(name, self._meta, algorithm)
+                module = name.removesuffix(".weight")
+                linear = len(self._meta[name].get("shape", ())) == 2
+                linear = linear and not module.endswith("embed_tokens")
+                algorithm = modelopt.algorithm_of(layers, module, linear)
+                problem = modelopt.weight_problem(name, self._meta, algorithm, plain)
                 if problem is not None:
                     return problem
         return None

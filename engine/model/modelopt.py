@@ -17,12 +17,21 @@ and dense layers FP8) names each quantized module's algorithm in `quantized_laye
 (those in `exclude_modules` / `ignore`) is stored unquantized. An FP8 module there is ModelOpt's
 per-tensor FP8: an F8_E4M3 `weight` beside an F32 `weight_scale` of one value (the weight is
 value × scale; its `input_scale` is the activations' scale of FP8 GEMMs, not read here).
+
+`quant_algo: FP8` (NVIDIA's `-FP8` releases) quantizes every Linear of the decoder that
+`exclude_modules` / `ignore` does not name to that per-tensor FP8, as a MIXED_PRECISION module of
+FP8 is stored: each module's algorithm comes from the same rule (`algorithm_of`), the exclusions
+matched as ModelOpt writes them (a module's name, a module holding it, or a pattern with `*`),
+and the modules ModelOpt never quantizes (its default configuration's routers, lm_head and
+conv1d; embeddings and norms are no Linear) unquantized whether listed or not. Its
+`kv_cache_quant_algo` (FP8 or null) names KV scales the engine does not read.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from ..text import Text
@@ -58,22 +67,22 @@ def config_of(path: Path, config: dict) -> dict:
 
 
 def problem(quantized: dict, source: str) -> Text | None:
-    """Why a ModelOpt `quantization_config` is refused (None for NVFP4 in blocks of 16, and for
-    MIXED_PRECISION whose layers are all NVFP4 in blocks of 16 or FP8): another algorithm
-    (FP8, W4A8_AWQ, ...), another group size, or a layer of another algorithm."""
+    """Why a ModelOpt `quantization_config` is refused (None for NVFP4 in blocks of 16, for
+    per-tensor FP8, and for MIXED_PRECISION whose layers are all NVFP4 in blocks of 16 or FP8):
+    another algorithm (W4A8_AWQ, ...), another group size, or a layer of another algorithm."""
     algorithm = quantized.get("quant_algo")
     group = quantized.get("group_size", GROUP_SIZE)
     where = quantized.get(FROM_FILE)
     source = f"{where} quantization" if where else f"{source} quantization_config"
     if algorithm == MIXED:
         return _mixed_problem(quantized.get("quantized_layers"), source)
-    if algorithm == ALGORITHM and group == GROUP_SIZE:
+    if (algorithm == ALGORITHM and group == GROUP_SIZE) or algorithm == FP8:
         return None
     found = f"quant_algo {json.dumps(algorithm)}, group_size {json.dumps(group)}"
     return Text(
         "this ModelOpt quantization is not supported ({source}: {found}); moelab reads "
-        "ModelOpt checkpoints in NVFP4 (quant_algo NVFP4, group_size 16) and MIXED_PRECISION "
-        "of NVFP4 and FP8 layers",
+        "ModelOpt checkpoints in NVFP4 (quant_algo NVFP4, group_size 16), FP8 (quant_algo FP8, "
+        "per-tensor) and MIXED_PRECISION of NVFP4 and FP8 layers",
         source=source,
         found=found,
     )
@@ -104,12 +113,42 @@ def _mixed_problem(layers: object, source: str) -> Text | None:
     return None
 
 
+# in `layer_algorithms` of a plain FP8 checkpoint: the algorithm of every Linear of the decoder
+# that no other key names, and the algorithm of the modules those keys (its exclusions) name
+EVERY_LINEAR, UNQUANTIZED = "*", ""
+# the modules ModelOpt's default configuration never quantizes (`modelopt.torch.quantization.
+# config`'s disabled quantizers, by their quantizers' names: routers, lm_head, conv1d, output
+# layers)
+NEVER_QUANTIZED = (
+    "*lm_head*",
+    "*proj_out.*",
+    "*block_sparse_moe.gate*",
+    "*router*",
+    "*mlp.gate.*",
+    "*mlp.shared_expert_gate.*",
+    "*linear_attn.conv1d*",
+    "*mixer.conv1d*",
+    "*output_layer*",
+    "output.*",
+)
+
+
 def layer_algorithms(quantized: dict) -> dict[str, str]:
-    """Each module's algorithm ("NVFP4" or "FP8") in a MIXED_PRECISION `quantization_config`
-    (one `problem` accepts); empty for any other."""
-    if quantized.get("quant_algo") != MIXED:
+    """Each module's algorithm ("NVFP4" or "FP8") in a MIXED_PRECISION `quantization_config`,
+    or for plain FP8 its exclusions (`exclude_modules` or `ignore`; UNQUANTIZED) and
+    EVERY_LINEAR's FP8, for a config `problem` accepts; empty for any other."""
+    algorithm = quantized.get("quant_algo")
+    if algorithm == FP8:
+        excluded = quantized.get("exclude_modules") or quantized.get("ignore") or []
+        return {**{str(module): UNQUANTIZED for module in excluded}, EVERY_LINEAR: FP8}
+    if algorithm != MIXED:
         return {}
     return {module: entry["quant_algo"] for module, entry in quantized["quantized_layers"].items()}
+
+
+def scheme(layers: dict[str, str]) -> str:
+    """The `quant_algo` whose `layer_algorithms` these are: FP8 or MIXED_PRECISION."""
+    return FP8 if EVERY_LINEAR in layers else MIXED
 
 
 # a multimodal model's decoder in module names: as its checkpoint spells it (transformers), and
@@ -123,23 +162,35 @@ def _canonical(module: str) -> str:
     return module
 
 
-def algorithm_of(layers: dict[str, str], module: str) -> str | None:
-    """The algorithm `quantized_layers` gives `module` (listed itself or by a module that holds
-    it, in either spelling of a multimodal decoder), None where it is not listed: stored
-    unquantized."""
+def algorithm_of(layers: dict[str, str], module: str, linear: bool = True) -> str | None:
+    """The algorithm `layer_algorithms` gives `module` (listed itself or by a module that holds
+    it, in either spelling of a multimodal decoder; a plain FP8 checkpoint's exclusions also as
+    patterns with `*`), None where it is stored unquantized: a module not listed under
+    MIXED_PRECISION; under plain FP8 an excluded one, one ModelOpt never quantizes, and one that
+    is no Linear (`linear` false: embeddings, norms, convolutions)."""
+    canonical = _canonical(module)
     listed = {_canonical(name): algorithm for name, algorithm in layers.items()}
-    parts = _canonical(module).split(".")
+    parts = canonical.split(".")
     for end in range(len(parts), 0, -1):
         found = listed.get(".".join(parts[:end]))
         if found is not None:
-            return found
-    return None
+            return found or None
+    every = layers.get(EVERY_LINEAR)
+    if every is None or not linear:
+        return None
+    patterns = [name for name, algorithm in listed.items() if "*" in name and not algorithm]
+    if any(fnmatchcase(canonical, p) for p in patterns):
+        return None
+    # ModelOpt's defaults match its quantizers' names: `<module>.weight_quantizer`
+    if any(fnmatchcase(f"{canonical}.weight_quantizer", p) for p in NEVER_QUANTIZED):
+        return None
+    return every
 
 
 def experts_kept(
     layers: dict[str, str], moe_intermediate_size: int, decoder_layers: str
 ) -> tuple[str, str]:
-    """How `--moe-expert-dtype auto` holds a MIXED_PRECISION checkpoint's routed experts (an
+    """How `--moe-expert-dtype auto` holds a ModelOpt checkpoint's routed experts (an
     expert format of spec.EXPERT_FORMATS) and why: as stored where the bank keeps that format
     exactly (NVFP4; FP8 where the intermediate size is a multiple of 128, so no 128x128 block
     of w13 holds both gate and up rows, each block's factor the tensor's scale), else widened
@@ -151,6 +202,9 @@ def experts_kept(
         for module, algorithm in layers.items()
         if _canonical(module).startswith(decoder_layers) and ".experts." in f"{module}."
     }
+    if EVERY_LINEAR in layers:
+        expert = algorithm_of(layers, f"{decoder_layers}0.mlp.experts.0.gate_proj")
+        found = {expert} if expert else set()
     if found == {ALGORITHM}:
         return "nvfp4", "NVFP4 experts kept NVFP4 as stored"
     if found == {FP8} and moe_intermediate_size % FP8_BLOCK == 0:
@@ -205,9 +259,12 @@ def is_fp8_per_tensor(dtype: str, scale: dict | None) -> bool:
     return scale.get("dtype") == "F32" and math.prod(scale.get("shape", ())) == 1
 
 
-def weight_problem(name: str, meta: dict[str, dict], algorithm: str | None) -> Text | None:
+def weight_problem(
+    name: str, meta: dict[str, dict], algorithm: str | None, plain: bool = False
+) -> Text | None:
     """Why weight `name` (a `.weight` in the header `meta`) is not stored as `quantized_layers`
-    says its module is (`algorithm`, None where unlisted: unquantized); None where it is."""
+    says its module is (`algorithm`, None where unlisted: unquantized), or with `plain` as a
+    plain FP8 config makes it (FP8 for a Linear not excluded); None where it is."""
     dtype = meta[name].get("dtype")
     scale = meta.get(name + SCALE)
     if algorithm == ALGORITHM:
@@ -222,6 +279,18 @@ def weight_problem(name: str, meta: dict[str, dict], algorithm: str | None) -> T
         want = Text("BF16, F16 or F32")
     if stored:
         return None
+    if plain:
+        return Text(
+            "{name} is {dtype} but quant_algo FP8 makes its module {algorithm}, stored as "
+            "{want}; the checkpoint's weights and its quantization config disagree: export it "
+            "again",
+            name=name,
+            dtype=str(dtype),
+            algorithm=Text("FP8 (a Linear its exclusions do not name)")
+            if algorithm
+            else Text("unquantized (excluded, or a module ModelOpt does not quantize)"),
+            want=want,
+        )
     return Text(
         "{name} is {dtype} but quantized_layers makes its module {algorithm}, stored as {want}; "
         "the checkpoint's weights and its quantization config disagree: export it again",

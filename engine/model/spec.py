@@ -149,10 +149,12 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     # "fp8": the checkpoint's linear weights (but those named in modules_to_not_convert) are
     # fine-grained FP8 with 128x128 block factors; "nvfp4": ModelOpt's NVFP4 (modelopt.py);
-    # "mixed": ModelOpt's MIXED_PRECISION, each module's algorithm in `layer_algorithms`; ""
-    # where the weights are unquantized
+    # "mixed": ModelOpt's MIXED_PRECISION, each module's algorithm in `layer_algorithms`, or its
+    # plain FP8, the rule in `layer_algorithms` (modelopt.py); "" where the weights are unquantized
     quantization: str = ""
     layer_algorithms: dict = field(default_factory=dict, compare=False, hash=False)
+    # a ModelOpt config's kv_cache_quant_algo (its KV scales, not read), "" where it has none
+    kv_cache_quant_algo: str = field(default="", compare=False, hash=False)
     # the token mixer of each layer, FULL_ATTENTION or LINEAR_ATTENTION (all full attention where
     # not given); the linear layers' geometry where there are any
     layer_types: tuple[str, ...] = ()
@@ -312,6 +314,11 @@ class ModelSpec:
         return modelopt.experts_kept(
             self.layer_algorithms, self.moe_intermediate_size, self.text_prefix + "layers."
         )
+
+    @property
+    def modelopt_scheme(self) -> str:
+        """A ModelOpt checkpoint's `quant_algo` under which each module's algorithm is read."""
+        return modelopt.scheme(self.layer_algorithms)
 
     def expert_format(self, requested: str = "auto") -> str:
         """How the bank and the expert slots hold the routed experts (`EXPERT_FORMATS`): as
@@ -631,6 +638,11 @@ class ModelSpec:
             layer_algorithms=modelopt.layer_algorithms(config["quantization_config"])
             if quantization == "mixed"
             else {},
+            kv_cache_quant_algo=str(
+                (config.get("quantization_config") or {}).get("kv_cache_quant_algo") or ""
+            )
+            if quantization in ("mixed", "nvfp4")
+            else "",
             layer_types=layer_types,
             linear_attention=linear,
             partial_rotary_factor=rotary,
@@ -776,7 +788,8 @@ def _quantization(config: dict, source: str) -> str:
         problem = modelopt.problem(quantized, source)
         if problem is not None:
             raise CheckpointError(problem)
-        return "mixed" if quantized.get("quant_algo") == modelopt.MIXED else "nvfp4"
+        mixed = quantized.get("quant_algo") in (modelopt.MIXED, modelopt.FP8)
+        return "mixed" if mixed else "nvfp4"
     if method != "fp8":
         raise CheckpointError(
             Text(

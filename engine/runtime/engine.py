@@ -156,7 +156,16 @@ class Engine:
         self.expert_format = spec.expert_format(self.config.model.expert_dtype)
         if spec.quantization == "mixed" and self.config.model.expert_dtype == "auto":
             why = spec.mixed_experts_kept[1]
-            log.info("ModelOpt MIXED_PRECISION checkpoint: %s (--moe-expert-dtype auto)", why)
+            log.info(
+                "ModelOpt %s checkpoint: %s (--moe-expert-dtype auto)", spec.modelopt_scheme, why
+            )
+        if spec.kv_cache_quant_algo:
+            log.info(
+                "ModelOpt kv_cache_quant_algo %s: the checkpoint's KV scales are not read "
+                "(--kv-cache-dtype fp8 computes its own factor per token and KV head; auto keeps "
+                "the compute dtype)",
+                spec.kv_cache_quant_algo,
+            )
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         if len(self.devices) > 1:
             return  # planned once the bank is in memory: the split reads each device's link

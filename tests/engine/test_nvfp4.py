@@ -283,7 +283,7 @@ def test_hf_quant_config_json_names_nvfp4_too(checkpoint, tmp_path):
 @pytest.mark.parametrize(
     ("where", "quant", "found"),
     [
-        ("config", {"quant_algo": "FP8"}, 'quant_algo "FP8", group_size 16'),
+        ("config", {"quant_algo": "INT8_SQ"}, 'quant_algo "INT8_SQ", group_size 16'),
         ("config", {"quant_algo": "W4A8_AWQ", "group_size": 128},
          'quant_algo "W4A8_AWQ", group_size 128'),
         ("hf", {"quant_algo": "NVFP4", "group_size": 32}, 'quant_algo "NVFP4", group_size 32'),
@@ -296,7 +296,8 @@ def test_other_modelopt_schemes_are_refused_naming_what_was_found(tmp_path, wher
     source = "hf_quant_config.json quantization" if where == "hf" else "quantization_config"
     reason = (
         f"{source}: {found}); moelab reads ModelOpt checkpoints in NVFP4 (quant_algo NVFP4, "
-        "group_size 16) and MIXED_PRECISION of NVFP4 and FP8 layers"
+        "group_size 16), FP8 (quant_algo FP8, per-tensor) and MIXED_PRECISION of NVFP4 and FP8 "
+        "layers"
     )
     with pytest.raises(CheckpointError) as refused:
         ModelSpec.from_dir(path)
