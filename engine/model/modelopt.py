@@ -139,7 +139,7 @@ def layer_algorithms(quantized: dict) -> dict[str, str]:
     EVERY_LINEAR's FP8, for a config `problem` accepts; empty for any other."""
     algorithm = quantized.get("quant_algo")
     if algorithm == FP8:
-        excluded = quantized.get("exclude_modules") or quantized.get("ignore") or []
+        excluded = [*(quantized.get("exclude_modules") or ()), *(quantized.get("ignore") or ())]
         return {**{str(module): UNQUANTIZED for module in excluded}, EVERY_LINEAR: FP8}
     if algorithm != MIXED:
         return {}
