@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from moelab.daemon.models import read_checkpoint
 from moelab.engine.model.checkpoint import SafetensorsSource
@@ -25,9 +24,11 @@ from .reference import assert_same_greedy, make_engine, relative_error
 from .test_modelopt_mixed import (
     OFFLOADED,
     PROMPT,
+    copy_beside_weights,
     equal_rates,  # noqa: F401 (a fixture, used by name)
     fp8_per_tensor,
     reference,
+    save_export,
 )
 
 # one attention projection named by the exclusions, and so stored unquantized
@@ -55,10 +56,7 @@ def write_fp8(
     an fp32 `weight_scale` of one value and an `input_scale` (and with `kv_cache` FP8 the
     attention's `k_scale` and `v_scale`), in config.json's quantization_config (`ignore`) or,
     with `hf_quant_config`, only in hf_quant_config.json (`exclude_modules`)."""
-    out.mkdir()
-    for f in plain.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
-            (out / f.name).write_bytes(f.read_bytes())
+    copy_beside_weights(plain, out)
     tensors = {}
     with safe_open(str(plain / "model.safetensors"), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -71,23 +69,9 @@ def write_fp8(
             tensors[module + ".input_scale"] = torch.tensor(1.0)
             if kv_cache and module.endswith(("self_attn.k_proj", "self_attn.v_proj")):
                 tensors[module + "." + module[-6] + "_scale"] = torch.tensor(0.5)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((plain / "config.json").read_text())
-    if hf_quant_config:
-        scheme = {"quant_algo": "FP8", "kv_cache_quant_algo": kv_cache,
-                  "exclude_modules": excluded}  # fmt: skip
-        producer = {"name": "modelopt", "version": "0.37.0"}
-        (out / "hf_quant_config.json").write_text(
-            json.dumps({"producer": producer, "quantization": scheme})
-        )
-    else:
-        config["quantization_config"] = {
-            "quant_method": "modelopt",
-            "quant_algo": "FP8",
-            "kv_cache_quant_algo": kv_cache,
-            "ignore": excluded,
-        }
-    (out / "config.json").write_text(json.dumps(config))
+    scheme = {"quant_algo": "FP8", "kv_cache_quant_algo": kv_cache}
+    save_export(plain, out, tensors, scheme, excluded, hf_quant_config=hf_quant_config,
+                version="0.37.0")  # fmt: skip
     return out
 
 

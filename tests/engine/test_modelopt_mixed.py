@@ -58,10 +58,7 @@ def write_mixed(
     fp32 `weight_scale`; both with an `input_scale`), `quantized_layers` naming each (entries in
     `layers` replace the written ones'), in config.json's quantization_config or, with
     `hf_quant_config`, only in hf_quant_config.json."""
-    out.mkdir()
-    for f in plain.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
-            (out / f.name).write_bytes(f.read_bytes())
+    copy_beside_weights(plain, out)
     tensors, quantized = {}, {}
     with safe_open(str(plain / "model.safetensors"), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -80,25 +77,45 @@ def write_mixed(
                 tensors[name], tensors[name + "_scale"] = fp8_per_tensor(t)
                 quantized[module] = {"quant_algo": "FP8"}
             tensors[module + ".input_scale"] = torch.tensor(1.0)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     quantized.update(layers)
+    scheme = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+              "quantized_layers": quantized}  # fmt: skip
+    save_export(plain, out, tensors, scheme, EXCLUDED, hf_quant_config=hf_quant_config)
+    return out
+
+
+def copy_beside_weights(plain: Path, out: Path) -> None:
+    """A new `out` holding `plain`'s files other than its weights and config.json."""
+    out.mkdir()
+    for f in plain.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
+            (out / f.name).write_bytes(f.read_bytes())
+
+
+def save_export(
+    plain: Path,
+    out: Path,
+    tensors: dict,
+    scheme: dict,
+    excluded: list[str],
+    *,
+    hf_quant_config: bool,
+    version: str = "0.39.0",
+) -> None:
+    """`tensors` and `plain`'s config as a ModelOpt export of `scheme` (quant_algo and the
+    rest) writes them: the scheme in config.json's quantization_config with `ignore`, or with
+    `hf_quant_config` only in hf_quant_config.json with `exclude_modules`."""
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((plain / "config.json").read_text())
     if hf_quant_config:
-        scheme = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
-                  "quantized_layers": quantized, "exclude_modules": EXCLUDED}  # fmt: skip
-        producer = {"name": "modelopt", "version": "0.39.0"}
+        producer = {"name": "modelopt", "version": version}
+        quantization = {**scheme, "exclude_modules": excluded}
         (out / "hf_quant_config.json").write_text(
-            json.dumps({"producer": producer, "quantization": scheme})
+            json.dumps({"producer": producer, "quantization": quantization})
         )
     else:
-        config["quantization_config"] = {
-            "quant_method": "modelopt",
-            "quant_algo": "MIXED_PRECISION",
-            "quantized_layers": quantized,
-            "ignore": EXCLUDED,
-        }
+        config["quantization_config"] = {"quant_method": "modelopt", **scheme, "ignore": excluded}
     (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 def dequantized(f, name: str) -> torch.Tensor:
