@@ -5,8 +5,8 @@
 # Usage: scripts/gpu_tests.sh OUT_DIR [LIMIT_S [GROUP...]]   (OUT_DIR/GROUP.log, OUT_DIR/summary.txt)
 # A group past its limit is interrupted as by ^C, so pytest still reports what failed so far;
 # each test's name is printed before it runs (-v), so a crash names the test it happened in.
-# MAXFAIL (default 6) stops a group after that many failures. JOBS (default 3) groups run at once:
-# six at once slowed each other past 250 s each on an H200 (the Triton compiles and the CPU side).
+# MAXFAIL (default 6) stops a group after that many failures. JOBS (default 3) groups run at
+# once: more share the host's cores (the Triton compiles, the CPU side) and each runs slower.
 # On the GPU machine, first the wheels and the editable install, as scripts/gpu_suite.sh says.
 set -uo pipefail
 out=${1:?output directory}
