@@ -493,8 +493,9 @@ def test_synthetic_mxfp4_experts_are_made_as_blocks_and_scales(experts):
 def test_a_calibration_over_mxfp4_blocks_runs_them_in_the_mxfp4_kernel(monkeypatch):
     """Calibrating over an MXFP4 bank's layers (an engine's on CUDA, where a widened copy of
     gpt-oss-120b's experts would not fit the host) runs its blocks in the MXFP4 kernel, and
-    gives the routers a calibration over the widened experts gives (fewer passes here: the
-    kernel runs in Triton's interpreter)."""
+    gives the routers a calibration over the widened experts gives (fewer passes here: on the
+    CPU the kernel runs in Triton's interpreter). On the test device: a GPU runs Triton's
+    kernels only over its own memory."""
     monkeypatch.setattr(synth, "CALIBRATION_PROMPT_TOKENS", 16)
     monkeypatch.setattr(synth, "CALIBRATION_TOKENS", 32)
     monkeypatch.setattr(synth, "CALIBRATION_ROUNDS", 2)
@@ -506,15 +507,17 @@ def test_a_calibration_over_mxfp4_blocks_runs_them_in_the_mxfp4_kernel(monkeypat
 
     monkeypatch.setattr(synth, "grouped_moe_mxfp4", counted)
     spec = ModelSpec.from_config(make_config("gpt_oss", "tiny"))
-    cpu = torch.device("cpu")
+    device = torch.device(DEVICE)
     sources = [SynthSource(spec, seed=2, skew=1.0, expert_format="mxfp4") for _ in range(2)]
     bank = build_in_memory(spec, sources[0], torch.float32, pin=False, fmt="mxfp4")
-    sources[0].calibrate(cpu, torch.float32, experts=[tuple(bank.layer_tensors(m))
-                                                    for m in range(bank.num_layers)])  # fmt: skip
+    sources[0].calibrate(device, torch.float32, experts=[tuple(bank.layer_tensors(m))
+                                                       for m in range(bank.num_layers)])  # fmt: skip
     assert calls and set(calls) == {torch.uint8}
-    sources[1].calibrate(cpu, torch.float32)  # the source's experts, widened
+    sources[1].calibrate(device, torch.float32)  # the source's experts, widened
+    # on CUDA the two kernels' rounding may flip a pick of the passes: a few picks' worth
+    atol = 1e-4 if DEVICE == "cpu" else 0.05
     for layer in spec.moe_layers:
-        np.testing.assert_allclose(sources[0].biases[layer], sources[1].biases[layer], atol=1e-4)
+        np.testing.assert_allclose(sources[0].biases[layer], sources[1].biases[layer], atol=atol)
 
 
 def test_dummy_mxfp4_weights_are_the_weights_synth_writes(tmp_path):
