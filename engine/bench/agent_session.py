@@ -336,8 +336,13 @@ class MessagesClient:
                     last = now
                 elif kind == "message_delta":
                     usage.update(event["usage"])
-        if first is None or last is None or "output_tokens" not in usage:
-            raise SessionError("the engine's stream ended without tokens or usage")
+        if "output_tokens" not in usage:
+            raise SessionError("the engine's stream ended without its usage")
+        if first is None or last is None:
+            raise SessionError(
+                f"the engine generated {usage['output_tokens']} tokens but streamed no text: "
+                "its tokenizer decodes them to nothing, so no token can be timed"
+            )
         return TurnTiming(
             turn=turn,
             input_tokens=int(usage["input_tokens"]),

@@ -230,7 +230,11 @@ KEPT_IN_TEXT = {"<think>", "</think>", "<tool_call>", "</tool_call>"}
 
 def build_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
     """Train a byte-level BPE of at most `vocab_size` tokens on the shipped corpus, with
-    `special_tokens` first."""
+    `special_tokens` first, then fill its vocabulary up to `vocab_size` with words (" t3141",
+    " t3142", ...). The corpus yields a few thousand tokens; a random-weight model of a real
+    geometry (Qwen3's 151,936 ids) draws its tokens from the whole vocabulary, and an id the
+    tokenizer lacks decodes to nothing: a client streaming such a model would see no text at
+    all. The fillers are reached by no merge, so they change no text's encoding."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -244,6 +248,10 @@ def build_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS)
     data = json.loads(tok.to_str())
     for added in data["added_tokens"]:
         added["special"] = added["content"] not in KEPT_IN_TEXT
+    vocab = data["model"]["vocab"]
+    for n in range(len(vocab), vocab_size):
+        word = f"\u0120t{n}"  # " t<n>" in the byte-level alphabet
+        vocab[word if word not in vocab else f"{word}_"] = n
     return Tokenizer.from_str(json.dumps(data))
 
 

@@ -12,7 +12,9 @@ from tokenizers import AddedToken, processors
 
 from moelab.engine.model.synth_tokenizer import (
     CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
     build_tokenizer,
+    corpus_text,
     write_tokenizer_files,
 )
 from moelab.engine.model.tokenizer import Tokenizer
@@ -90,3 +92,18 @@ def test_a_chat_template_that_writes_the_bos_gets_it_once(bos_tokenizer_dir):
     assert worker.prompts[-1] == reference(text, add_special_tokens=False)["input_ids"]
     bos = tokenizer.token_to_id("<s>")
     assert worker.prompts[-1][0] == bos and worker.prompts[-1].count(bos) == 1
+
+
+def test_a_synthetic_vocabulary_decodes_every_id_to_text():
+    """A random-weight model draws from all of its ids, so the synthetic tokenizer fills the
+    vocabulary past what the corpus trains with words that decode to text (a client streaming
+    such a model times its tokens by their text), which no encoding reaches."""
+    tok = build_tokenizer(8192)
+    vocab = tok.get_vocab()
+    fillers = sorted(i for t, i in vocab.items() if t.startswith("\u0120t") and t[2:] == str(i))
+    assert tok.get_vocab_size() == 8192 and fillers == list(range(fillers[0], 8192))
+    assert all(tok.decode([i]) == f" t{i}" for i in fillers)
+    specials = {tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    assert all(tok.decode([i], skip_special_tokens=False) for i in range(8192))
+    assert all(tok.decode([i]) for i in range(8192) if i not in specials)
+    assert max(tok.encode(corpus_text()).ids) < fillers[0]
