@@ -510,8 +510,8 @@ def test_a_calibration_over_mxfp4_blocks_runs_them_in_the_mxfp4_kernel(monkeypat
     device = torch.device(DEVICE)
     sources = [SynthSource(spec, seed=2, skew=1.0, expert_format="mxfp4") for _ in range(2)]
     bank = build_in_memory(spec, sources[0], torch.float32, pin=False, fmt="mxfp4")
-    sources[0].calibrate(device, torch.float32, experts=[tuple(bank.layer_tensors(m))
-                                                       for m in range(bank.num_layers)])  # fmt: skip
+    blocks = [tuple(bank.layer_tensors(m)) for m in range(bank.num_layers)]
+    sources[0].calibrate(device, torch.float32, experts=blocks)
     assert calls and set(calls) == {torch.uint8}
     sources[1].calibrate(device, torch.float32)  # the source's experts, widened
     # on CUDA the two kernels' rounding may flip a pick of the passes: a few picks' worth
