@@ -615,10 +615,11 @@ def router_name(spec: ModelSpec, layer: int) -> str:
 
 class _CalibrationExperts:
     """The routed experts of a synthetic model for its calibration (an `ExpertExecutor`): each
-    MoE layer's experts packed as the expert bank packs them, in the compute dtype or MXFP4 (the
-    given `layers`, an engine's bank, or built from the source: w13, w2, MXFP4's scales and
-    gpt_oss's biases), all on the device where they fit, else each layer copied there as it
-    runs. MXFP4 experts run in the MXFP4 kernel, which widens them in registers."""
+    MoE layer's experts packed as the expert bank packs them, in the compute dtype, FP8 or MXFP4
+    (the given `layers`, an engine's bank, or built from the source: w13, w2, FP8's factors or
+    MXFP4's scales, and gpt_oss's biases), all on the device where they fit, else each layer
+    copied there as it runs. FP8 and MXFP4 experts run in their kernels, which widen them in
+    registers."""
 
     def __init__(
         self,
@@ -638,11 +639,15 @@ class _CalibrationExperts:
 
     def forward(self, moe_layer, x, ids, weights, *, decode: bool) -> torch.Tensor:
         w13, w2, *rest = (w.to(self.device) for w in self.layers[moe_layer])
-        scales = rest[:2] if w13.dim() == 4 else []  # MXFP4 blocks, then their scales
+        # MXFP4 blocks or FP8 values come with their scales or factors, before any biases
+        scaled = w13.dim() == 4 or w13.dtype == torch.float8_e4m3fn
+        scales = rest[:2] if scaled else []
         extras = dict(zip(("w13_bias", "w2_bias"), rest[len(scales) :], strict=False))
         args = dict(layer_experts=w13.shape[0], checked=False, swiglu_limit=self.swiglu_limit)
-        if scales:
+        if w13.dim() == 4:
             return grouped_moe_mxfp4(x, ids, weights, w13, w2, *scales, **args, **extras)
+        if scales:
+            extras.update(w13_scale_inv=scales[0], w2_scale_inv=scales[1])
         return grouped_moe(x, ids, weights, w13, w2, **args, **extras)
 
     def routing_record(self, moe_layer: int, tokens: int, decode: bool) -> None:

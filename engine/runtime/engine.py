@@ -251,8 +251,9 @@ class Engine:
 
     def _calibrate_routing(self, source: SynthSource, dense: DenseWeights) -> None:
         """Calibrate the synthetic routers in `dense` (`SynthSource.calibrate`) over the bank's
-        experts where it holds them in the compute dtype, or in MXFP4 on CUDA (the MXFP4 kernel
-        reads them; elsewhere the source's are widened, as `moelab synth` calibrates them). Done
+        experts where it holds them in the compute dtype, or in FP8 or MXFP4 on CUDA (their
+        kernels read them; elsewhere the source's are widened, as `moelab synth` calibrates
+        them: a widened copy of the 48 layers of Qwen3-30B-A3B is 54 GiB of host memory). Done
         once the bank is in host memory, so that no second copy of the experts is made and freed
         before the bank's pages are taken, and before the expert cache takes the device memory
         the passes need."""
@@ -260,7 +261,7 @@ class Engine:
         # a split's dense weights are still in host memory (placed with the caches)
         device = HOST if self.layers_on is not None else self.device
         experts = None
-        if bank.fmt == "bf16" or (bank.fmt == "mxfp4" and device.type == "cuda"):
+        if bank.fmt == "bf16" or (bank.fmt in ("fp8", "mxfp4") and device.type == "cuda"):
             experts = [tuple(bank.layer_tensors(m)) for m in range(bank.num_layers)]
         with calibration_threads(device, default_cpu_threads()):
             source.calibrate(device, self.dtype, dense=dense, experts=experts)

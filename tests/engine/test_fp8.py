@@ -8,19 +8,31 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moelab.daemon.models import read_checkpoint
+from moelab.engine.experts.bank import build_in_memory
+from moelab.engine.model import synth
 from moelab.engine.model.checkpoint import SafetensorsSource, iter_layer_experts
 from moelab.engine.model.spec import CheckpointError, ModelSpec
+from moelab.engine.model.synth import SynthSource, make_config
 from moelab.engine.process.launch import stop_engine
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
+from moelab.kernels import fp8
 
-from .reference import assert_same_greedy, hf_greedy, hf_logits, make_engine, relative_error
+from .reference import (
+    DEVICE,
+    assert_same_greedy,
+    hf_greedy,
+    hf_logits,
+    make_engine,
+    relative_error,
+)
 from .served import assert_offloaded_experts_serve, serve
 
 BLOCK = 128
@@ -358,3 +370,33 @@ def test_fused_fp8_experts_serve_as_the_per_expert_ones(tmp_path):
     layer = spec.moe_layers[0]
     with pytest.raises(CheckpointError, match=rf"layer {layer} mixes FP8 and unquantized"):
         make_engine(mixed)
+
+
+def test_a_calibration_over_an_fp8_bank_runs_its_values_in_the_moe_kernel(monkeypatch):
+    """Calibrating over an FP8 bank's layers (an engine's with --dummy-weights and
+    --moe-expert-dtype fp8 on CUDA, where a widened copy of Qwen3-30B-A3B's experts would be 54
+    GiB of host memory) hands the MoE kernel the FP8 values and factors, and gives the routers a
+    calibration over the same experts widened gives."""
+    monkeypatch.setattr(synth, "CALIBRATION_PROMPT_TOKENS", 16)
+    monkeypatch.setattr(synth, "CALIBRATION_TOKENS", 32)
+    monkeypatch.setattr(synth, "CALIBRATION_ROUNDS", 2)
+    kernel, calls = synth.grouped_moe, []
+
+    def counted(*args, **kwargs):
+        calls.append((args[3].dtype, kwargs.get("w13_scale_inv") is not None))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(synth, "grouped_moe", counted)
+    spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
+    device = torch.device(DEVICE)
+    sources = [SynthSource(spec, seed=2, skew=1.0) for _ in range(2)]
+    bank = build_in_memory(spec, sources[0], torch.float32, pin=False, fmt="fp8")
+    values = [tuple(bank.layer_tensors(m)) for m in range(bank.num_layers)]
+    sources[0].calibrate(device, torch.float32, experts=values)
+    assert calls and set(calls) == {(torch.float8_e4m3fn, True)}
+    widened = [(fp8.dequantize(w13, f13), fp8.dequantize(w2, f2)) for w13, w2, f13, f2 in values]
+    sources[1].calibrate(device, torch.float32, experts=widened)
+    # on CUDA the kernel widens in registers and sums in its own order: a pick may flip
+    atol = 1e-4 if DEVICE == "cpu" else 0.05
+    for layer in spec.moe_layers:
+        np.testing.assert_allclose(sources[0].biases[layer], sources[1].biases[layer], atol=atol)
