@@ -88,6 +88,10 @@ FUSED_SDPA = (
 )
 
 
+# Tiles of the MXFP4 decode (rows a program, columns a step) timed beside its defaults at T=1:
+# twice the rows (2 warps a program), and twice the columns a step (twice the bytes in flight).
+MXFP4_DECODE_TILES = ((32, 256), (16, 512), (32, 512))
+
 # Tiles of the one-token decode MoE that --sweep times (OneTokenMoEConfig fields: gate/up rows
 # and step, down rows and step, warps, stages), beside the chooser's pick.
 ONE_TOKEN_MOE_SWEEP = (
@@ -360,11 +364,15 @@ class Bench:
         scales = {"w13_scale_inv": copied(s13), "w2_scale_inv": copied(s2)}
         return copied(w13), copied(w2), scales
 
-    def fused_moe_mxfp4(self, tokens: int) -> None:
-        """Decode MoE over an MXFP4 bank (mxfp4_moe.fused_moe_decode_mxfp4)."""
+    def fused_moe_mxfp4(
+        self, tokens: int, block_n: int | None = None, block_k: int | None = None
+    ) -> None:
+        """Decode MoE over an MXFP4 bank (mxfp4_moe.fused_moe_decode_mxfp4), with its default
+        tiles or the rows a program and columns a step given."""
         self._fused_moe_4bit(
-            tokens, "mxfp4", MXFP4_EXPERT_BYTES, self.mxfp4_bank, mxfp4_moe.fused_moe_decode_mxfp4
-        )
+            tokens, "mxfp4", MXFP4_EXPERT_BYTES, self.mxfp4_bank, mxfp4_moe.fused_moe_decode_mxfp4,
+            block_n, block_k,
+        )  # fmt: skip
 
     def grouped_moe_mxfp4(self, tokens: int) -> None:
         """Prefill MoE over one layer's MXFP4 experts (mxfp4_moe.grouped_moe_mxfp4)."""
@@ -379,19 +387,28 @@ class Bench:
         expert_bytes: int,
         make_bank: Callable[[int], tuple[torch.Tensor, ...]],
         decode: Callable[..., torch.Tensor],
+        block_n: int | None = None,
+        block_k: int | None = None,
     ) -> None:
         """Decode MoE over a 4-bit bank (MXFP4 or NVFP4); the bytes are its values and their
-        scales. The reference column holds the bf16 kernel's time on a bf16 bank of as many
-        layers, the same routes and x."""
+        scales, of each slot the routes name (read once however many tokens name it). block_n
+        and block_k: the decode's tiles, its defaults where None. The reference column holds
+        the bf16 kernel's time on a bf16 bank of as many layers, the same routes and x."""
         layers = layers_for(expert_bytes * min(EXPERTS, tokens * TOP_K))
         bank = make_bank(layers)
         x = self.randn(tokens, HIDDEN)
         weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
         slot_sets = [self.routes(tokens, layer * EXPERTS, EXPERTS) for layer in range(layers)]
-        # each route reads its slot
-        bytes_moved = tokens * TOP_K * expert_bytes + tokens * HIDDEN * (ELEM_BYTES + 4)
+        unique = sum(s.unique().numel() for s in slot_sets) / layers
+        bytes_moved = int(unique * expert_bytes) + tokens * HIDDEN * (ELEM_BYTES + 4)
         flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
-        time_us = graph_us_per_call([partial(decode, x, s, weights, *bank) for s in slot_sets])
+        tiles = {
+            name: value
+            for name, value in (("block_n", block_n), ("block_k", block_k))
+            if value is not None
+        }
+        calls = [partial(decode, x, s, weights, *bank, **tiles) for s in slot_sets]
+        time_us = graph_us_per_call(calls)
         del bank
         w13 = self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
         w2 = self.randn(layers * EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
@@ -399,6 +416,7 @@ class Bench:
             [partial(fused_moe.fused_moe_decode_triton, x, s, weights, w13, w2) for s in slot_sets]
         )
         label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}"
+        label += "".join(f" {name}={value}" for name, value in tiles.items())
         self.add(f"fused_moe_decode_{fmt}", label, time_us, bytes_moved, flops, bf16_us)
 
     def _grouped_moe_4bit(
@@ -1014,6 +1032,8 @@ def run(
     if "fused_moe_mxfp4" in wanted:
         for tokens in (1, 4, 8):
             bench.fused_moe_mxfp4(tokens)
+        for block_n, block_k in MXFP4_DECODE_TILES:
+            bench.fused_moe_mxfp4(1, block_n, block_k)
     if "fused_moe_nvfp4" in wanted:
         for tokens in (1, 4, 8):
             bench.fused_moe_nvfp4(tokens)

@@ -98,7 +98,7 @@ def fused_moe_decode_ref(
 
 
 @triton.jit
-def _route_group(
+def route_group(
     slots_ptr, route, num_tokens, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr
 ):
     """For this program's route: its slot, whether it leads that slot, and each token's first k."""
@@ -150,7 +150,7 @@ def _gate_up_kernel(
     common.pdl_start(PDL)
     route = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot, leads, _, first_k, t_idx = _route_group(
+    slot, leads, _, first_k, t_idx = route_group(
         slots_ptr, route, num_tokens, TOP_K, BLOCK_T, BLOCK_R
     )
     if leads:
@@ -179,7 +179,7 @@ def _gate_up_kernel(
                     acc_up, up_rows, up_factors, n_ok, k_idx, k_ok, k0, xt, COMPUTE
                 )
             if BIAS:
-                gate_bias, up_bias = _gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok)
+                gate_bias, up_bias = gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok)
                 acc_gate += gate_bias[:, None]
                 acc_up += up_bias[:, None]
             act = swiglu.activate_tl(acc_gate, acc_up, limit, CLAMPED)
@@ -208,7 +208,7 @@ def _gate_up_kernel(
                 acc_gate += tl.dot(xs, gate.to(COMPUTE), input_precision="ieee")
                 acc_up += tl.dot(xs, up.to(COMPUTE), input_precision="ieee")
             if BIAS:
-                gate_bias, up_bias = _gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok)
+                gate_bias, up_bias = gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok)
                 acc_gate += gate_bias[None, :]
                 acc_up += up_bias[None, :]
             act = swiglu.activate_tl(acc_gate, acc_up, limit, CLAMPED)
@@ -219,7 +219,7 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok):
+def gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok):
     """A slot's gate and up biases of the rows n_idx, fp32."""
     row = b13_ptr + slot.to(tl.int64) * stride_bs
     gate = tl.load(row + n_idx, mask=n_ok, other=0.0).to(tl.float32)
@@ -261,7 +261,7 @@ def _down_kernel(
     common.pdl_start(PDL)
     route = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot, leads, match, first_k, t_idx = _route_group(
+    slot, leads, match, first_k, t_idx = route_group(
         slots_ptr, route, num_tokens, TOP_K, BLOCK_T, BLOCK_R
     )
     n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,30 +1,46 @@
-"""MXFP4 expert banks in the MoE kernels: the one-token-at-a-time decode launches and the grouped
-prefill GEMM, reading gpt-oss's blocks and scales (kernels/mxfp4.py) and widening them in
-registers.
+"""MXFP4 expert banks in the MoE kernels: the decode launches and the grouped prefill GEMM,
+reading gpt-oss's blocks and scales (kernels/mxfp4.py) and widening them in registers.
 
 A bank is w13 [S, 2I, H/32, 16] and w2 [S, H, I/32, 16] uint8 (two e2m1 values a byte, the
 even-indexed one in the low nibble) with their E8M0 scales w13_scale [S, 2I, H/32] and w2_scale
 [S, H, I/32] uint8: a weight is its e2m1 value times 2^(scale − 127) (0xFF: NaN). The kernels
-read each byte once, split it into its two codes, and build each code's fp32 bits with integer
-ops (`values`), no FP4 or FP8 instruction, so that the same code runs on Turing, Ampere and later
-GPUs and under the Triton interpreter; the block's scale is built the same way (`scales`). Low
-nibbles are the even columns and high nibbles the odd ones: the kernels multiply them by the
-activations' even and odd columns, loaded apart, and add the two products, so no interleave is
-needed. Products accumulate in fp32; a weight times its scale (a power of two) is exact in fp32
-and bf16, which tl.dot then takes.
+read each byte once and split it into its two codes with integer ops, no FP4 or FP8 instruction,
+so that the same code runs on Turing, Ampere and later GPUs and under the Triton interpreter.
 
-The launches (`launch_decode`, `launch_grouped`) read NVFP4 banks too (kernels/nvfp4_moe.py):
-the same bytes, an e4m3 scale per 16 values built from its bits (`e4m3_scales`), and the
-per-tensor scales multiplied into the fp32 sums.
+- The decode (`launch_decode`) is the bf16 and FP8 decode's tl.dot launches (kernels/fused_moe.py:
+  a slot named by several tokens read once, by its first route) over one scale block at a time:
+  each code becomes an fp16 with three integer ops (`halves`: the value times 2^-14, exact), the
+  block goes into tl.dot unscaled, and the block's scale multiplies the fp32 product per row and
+  token (`block_dot`); the 2^14 is given back once at the end. Per weight: a byte extract, the
+  three ops, the conversion to the compute dtype and its share of the tensor-core product.
+- The prefill (`launch_grouped`) builds each code's fp32 bits (`values`) and its block's scale
+  (`scales`) per weight and multiplies them (a power of two: exact in fp32 and bf16), then
+  tl.dot's the even and odd columns apart (low and high nibbles), against the activations' even
+  and odd columns.
+
+The launches read NVFP4 banks too (kernels/nvfp4_moe.py): the same bytes, an e4m3 scale per 16
+values built from its bits (`e4m3_scales`), and the per-tensor scales multiplied into the fp32
+sums.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import common, mxfp4, swiglu
+from . import common, fused_moe, mxfp4, swiglu
 from .common import tl, triton
 from .grouped_moe import GroupedMoEConfig, _check_expert_range, _group_routes, config_for
+from .nvfp4 import BLOCK as NVFP4_BLOCK
+
+# The decode launches' tiles. A program reads BLOCK_N rows of gate and of up (or of down) a step
+# of DECODE_BLOCK_K columns: 2 x 16 x 128 bytes with the defaults, in flight for DECODE_STAGES
+# steps at once; at gpt-oss's shapes (I = 2880, top-4) and at the benchmark's (I = 768, top-8)
+# the one-token gate/up launch has 3 to 6 programs an SM (1 warp each: 16 rows a warp, so that
+# no two warps widen the same weights), some 40-70 KB in flight an SM, what an H100 needs to read
+# at its bandwidth.
+DECODE_BLOCK_N = 16
+DECODE_BLOCK_K = 256
+DECODE_STAGES = 3
 
 
 def check_bank(
@@ -198,96 +214,157 @@ def block_of(cols, NVFP4: tl.constexpr):
 
 
 @triton.jit
-def widened_pairs(rows, row_scales, n_ok, j_idx, k0, k_ok, NVFP4: tl.constexpr):
-    """`widened` for a [BLOCK_N, BLOCK_J] tile: rows [BLOCK_N, 1] point at their bytes,
-    row_scales [BLOCK_N, 1] at their scales; columns k0 + 2j and k0 + 2j + 1."""
-    bytes_ = rows + (k0 // 2 + j_idx)[None, :]
-    block = block_of(k0 + 2 * j_idx, NVFP4)[None, :]
-    return widened(bytes_, row_scales + block, n_ok & k_ok[None, :], NVFP4)
+def halves(packed):
+    """The two e2m1 codes of each byte of `packed` (int32, 0-255) as fp16, each its value times
+    2^-14: (the low nibbles', the high nibbles'). A code's magnitude bits (e1 e0 m) at fp16 bit 9
+    and its sign at bit 15 make that fp16 exactly: exponent field e gives 2^(e − 15) · (1 + m/2)
+    = 2^(e − 1) · (1 + m/2) · 2^-14 for e > 0, and for e = 0 the fp16 subnormal m/2 · 2^-14.
+    Three integer ops a code (two shifts and an and-or), no compare."""
+    low = ((packed << 9) & 0x0E00) | ((packed << 12) & 0x8000)
+    high = ((packed << 5) & 0x0E00) | ((packed << 8) & 0x8000)
+    return (
+        low.to(tl.uint16).to(tl.float16, bitcast=True),
+        high.to(tl.uint16).to(tl.float16, bitcast=True),
+    )
+
+
+# `halves` gives each weight times 2^-14: the decode's sums carry that factor until their end.
+HALVES_UNIT = tl.constexpr(16384.0)
+
+
+@triton.jit
+def block_dot(acc, rows, row_scales, n_ok, block, blocks, columns, SCALE_BLOCK: tl.constexpr,
+              COMPUTE: tl.constexpr, NVFP4: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_N, BLOCK_T] plus scale block `block` of the rows times `columns`: rows
+    [BLOCK_N, 1] point at the rows' bytes, row_scales [BLOCK_N] at their scale codes, `blocks`
+    the blocks a row holds (none past it is read), `columns` [SCALE_BLOCK, BLOCK_T] the block's
+    activations in the compute dtype. The block's weights (times 2^-14, `halves`) go into tl.dot
+    unscaled, and its scale multiplies the fp32 product: one multiply per row and token a block,
+    none per weight, and no weight is formed, so that E8M0 254 (whose weights of magnitude 2 and
+    more overflow fp32) gives the exact sums too. Only a block's product below 2^-112 (2^-126
+    carrying the 2^-14) loses bits, to fp32's subnormals."""
+    row_ok = n_ok & (tl.zeros(n_ok.shape, tl.int32) + block < blocks)
+    j = tl.arange(0, SCALE_BLOCK // 2)
+    at = rows + block * (SCALE_BLOCK // 2) + j[None, :]
+    packed = tl.load(at, mask=row_ok[:, None], other=0).to(tl.int32)
+    low, high = halves(packed)
+    # byte j holds columns 2j (low nibble) and 2j + 1 (high): interleaved back into order
+    weights = tl.reshape(tl.join(low, high), (packed.shape[0], SCALE_BLOCK))
+    codes = tl.load(row_scales + block, mask=row_ok, other=0).to(tl.int32)
+    factor = e4m3_scales(codes) if NVFP4 else scales(codes)
+    # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it. fp16
+    # to fp32 to the compute dtype: both exact, and cheaper on a GPU than fp16 to bf16 at once.
+    weights = weights.to(tl.float32).to(COMPUTE)
+    product = tl.dot(weights, columns, input_precision="ieee")
+    return acc + product * factor[:, None]
 
 
 @triton.jit
 def _decode_gate_up_kernel(
-    x_ptr, slots_ptr, w13_ptr, s13_ptr, t13_ptr, b13_ptr, act_ptr, hidden, inter, top_k,
-    stride_xt, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, limit, BLOCK_N: tl.constexpr,
-    BLOCK_J: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, NVFP4: tl.constexpr,
+    x_ptr, slots_ptr, w13_ptr, s13_ptr, t13_ptr, b13_ptr, act_ptr, num_tokens, hidden, inter,
+    limit, stride_xt, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, stride_at, stride_ak,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    STEP_BLOCKS: tl.constexpr, SCALE_BLOCK: tl.constexpr, COMPUTE: tl.constexpr,
+    BIAS: tl.constexpr, CLAMPED: tl.constexpr, NVFP4: tl.constexpr,
 ):  # fmt: skip
-    """act[route, rows] = silu(gate·x) * (up·x) for one route (t, k) and a block of rows (BIAS:
-    plus the slot's gate and up biases; CLAMPED: gpt-oss's clamped SwiGLU; NVFP4: e4m3 scales
-    per 16 values, the sums times the slot's per-tensor scales of gate and up, t13 [S, 2])."""
-    route = tl.program_id(0)
-    slot = tl.load(slots_ptr + route).to(tl.int64)
-    if slot < 0:
-        return
-    t = route // top_k
-    n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = (n_idx < inter)[:, None]
-    gate = w13_ptr + slot * stride_ws + n_idx[:, None].to(tl.int64) * stride_wn
-    up = gate + inter * stride_wn
-    gate_s = s13_ptr + slot * stride_ss + n_idx[:, None].to(tl.int64) * stride_sn
-    up_s = gate_s + inter * stride_sn
-    x = x_ptr + t * stride_xt
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
-    j_idx = tl.arange(0, BLOCK_J)
-    for k0 in range(0, hidden, 2 * BLOCK_J):
-        k_ok = k0 + 2 * j_idx < hidden
-        x_even = tl.load(x + k0 + 2 * j_idx, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        x_odd = tl.load(x + k0 + 2 * j_idx + 1, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        g_even, g_odd = widened_pairs(gate, gate_s, n_ok, j_idx, k0, k_ok, NVFP4)
-        u_even, u_odd = widened_pairs(up, up_s, n_ok, j_idx, k0, k_ok, NVFP4)
-        acc_gate += g_even * x_even + g_odd * x_odd
-        acc_up += u_even * x_even + u_odd * x_odd
-    g = tl.sum(acc_gate, axis=1)
-    u = tl.sum(acc_up, axis=1)
-    if NVFP4:
-        g *= tl.load(t13_ptr + 2 * slot)
-        u *= tl.load(t13_ptr + 2 * slot + 1)
-    if BIAS:
-        bias = b13_ptr + slot * stride_bs + n_idx
-        g += tl.load(bias, mask=n_idx < inter, other=0.0).to(tl.float32)
-        u += tl.load(bias + inter, mask=n_idx < inter, other=0.0).to(tl.float32)
-    act = swiglu.activate_tl(g, u, limit, CLAMPED)
-    tl.store(act_ptr + route * inter + n_idx, act, mask=n_idx < inter)
+    """act[t, k, rows] = silu(gate·x[t]) * (up·x[t]) for a block of rows of the slot of route
+    (t, k), computed by the slot's first route for every token naming it (fused_moe.route_group)
+    and stored at each token's first route naming it. BIAS: plus the slot's gate and up biases;
+    CLAMPED: gpt-oss's clamped SwiGLU; NVFP4: e4m3 scales per 16 values, the sums times the
+    slot's per-tensor scales of gate and up, t13 [S, 2]."""
+    slot, leads, _, first_k, t_idx = fused_moe.route_group(
+        slots_ptr, tl.program_id(0), num_tokens, TOP_K, BLOCK_T, BLOCK_R
+    )
+    if leads:
+        has = first_k < BLOCK_R
+        n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n_idx < inter
+        gate = w13_ptr + slot.to(tl.int64) * stride_ws + n_idx[:, None].to(tl.int64) * stride_wn
+        up = gate + inter * stride_wn
+        gate_s = s13_ptr + slot.to(tl.int64) * stride_ss + n_idx.to(tl.int64) * stride_sn
+        up_s = gate_s + inter * stride_sn
+        xt_base = x_ptr + t_idx[None, :].to(tl.int64) * stride_xt
+        c_idx = tl.arange(0, SCALE_BLOCK)
+        blocks = hidden // SCALE_BLOCK
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        for step in range(0, blocks, STEP_BLOCKS):
+            for b in tl.static_range(STEP_BLOCKS):
+                cols = (step + b) * SCALE_BLOCK + c_idx
+                xt_mask = (cols < hidden)[:, None] & has[None, :]
+                xt = tl.load(xt_base + cols[:, None], mask=xt_mask, other=0.0).to(COMPUTE)
+                acc_gate = block_dot(
+                    acc_gate, gate, gate_s, n_ok, step + b, blocks, xt, SCALE_BLOCK, COMPUTE, NVFP4
+                )
+                acc_up = block_dot(
+                    acc_up, up, up_s, n_ok, step + b, blocks, xt, SCALE_BLOCK, COMPUTE, NVFP4
+                )
+        g = acc_gate * HALVES_UNIT
+        u = acc_up * HALVES_UNIT
+        if NVFP4:
+            g *= tl.load(t13_ptr + 2 * slot)
+            u *= tl.load(t13_ptr + 2 * slot + 1)
+        if BIAS:
+            biases = fused_moe.gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok)
+            g += biases[0][:, None]
+            u += biases[1][:, None]
+        act = swiglu.activate_tl(g, u, limit, CLAMPED)
+        act_ptrs = (act_ptr + t_idx * stride_at + first_k * stride_ak)[None, :] + n_idx[:, None]
+        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[:, None] & has[None, :])
 
 
 @triton.jit
 def _decode_down_kernel(
-    act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, t2_ptr, b2_ptr, y_ptr, hidden, inter,
-    stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, BLOCK_N: tl.constexpr,
-    BLOCK_J: tl.constexpr, BIAS: tl.constexpr, NVFP4: tl.constexpr,
+    act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, t2_ptr, b2_ptr, y_ptr, num_tokens, hidden,
+    inter, stride_at, stride_ak, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs,
+    stride_yt, stride_yk, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, STEP_BLOCKS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    COMPUTE: tl.constexpr, BIAS: tl.constexpr, NVFP4: tl.constexpr,
 ):  # fmt: skip
-    """y[route, rows] = weight * (w2 rows · act[route]) for one route and a block of rows (BIAS:
-    plus the slot's down bias before the weight; NVFP4: the sums times the slot's per-tensor
-    scale, t2 [S, 1])."""
+    """y[t, k, rows] = (sum of token t's weights of the routes naming the slot) * (w2 rows ·
+    act[t]) for a block of rows, computed by the slot's first route for every token naming it
+    and stored at each token's first route naming it; the other routes' rows of y are zeros.
+    BIAS: plus the slot's down bias before the weight; NVFP4: the sums times the slot's
+    per-tensor scale, t2 [S, 1]."""
     route = tl.program_id(0)
-    slot = tl.load(slots_ptr + route).to(tl.int64)
+    slot, leads, match, first_k, t_idx = fused_moe.route_group(
+        slots_ptr, route, num_tokens, TOP_K, BLOCK_T, BLOCK_R
+    )
     n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if slot < 0:
-        tl.store(y_ptr + route * hidden + n_idx, tl.zeros((BLOCK_N,), tl.float32),
-                 mask=n_idx < hidden)  # fmt: skip
-        return
-    n_ok = (n_idx < hidden)[:, None]
-    rows = w2_ptr + slot * stride_ws + n_idx[:, None].to(tl.int64) * stride_wn
-    row_s = s2_ptr + slot * stride_ss + n_idx[:, None].to(tl.int64) * stride_sn
-    act = act_ptr + route * inter
-    acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
-    j_idx = tl.arange(0, BLOCK_J)
-    for k0 in range(0, inter, 2 * BLOCK_J):
-        k_ok = k0 + 2 * j_idx < inter
-        a_even = tl.load(act + k0 + 2 * j_idx, mask=k_ok, other=0.0)[None, :]
-        a_odd = tl.load(act + k0 + 2 * j_idx + 1, mask=k_ok, other=0.0)[None, :]
-        w_even, w_odd = widened_pairs(rows, row_s, n_ok, j_idx, k0, k_ok, NVFP4)
-        acc += w_even * a_even + w_odd * a_odd
-    y = tl.sum(acc, axis=1)
-    if NVFP4:
-        y *= tl.load(t2_ptr + slot)
-    if BIAS:
-        y += tl.load(b2_ptr + slot * stride_bs + n_idx, mask=n_idx < hidden, other=0.0).to(
-            tl.float32
-        )
-    weight = tl.load(weights_ptr + route).to(tl.float32)
-    tl.store(y_ptr + route * hidden + n_idx, weight * y, mask=n_idx < hidden)
+    n_ok = n_idx < hidden
+    if leads:
+        has = first_k < BLOCK_R
+        flat = t_idx[:, None] * TOP_K + tl.arange(0, BLOCK_R)[None, :]
+        token_w = tl.sum(tl.load(weights_ptr + flat, mask=match, other=0.0).to(tl.float32), axis=1)
+        rows = w2_ptr + slot.to(tl.int64) * stride_ws + n_idx[:, None].to(tl.int64) * stride_wn
+        row_s = s2_ptr + slot.to(tl.int64) * stride_ss + n_idx.to(tl.int64) * stride_sn
+        at_base = (act_ptr + t_idx * stride_at + first_k * stride_ak)[None, :]
+        c_idx = tl.arange(0, SCALE_BLOCK)
+        blocks = inter // SCALE_BLOCK
+        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        for step in range(0, blocks, STEP_BLOCKS):
+            for b in tl.static_range(STEP_BLOCKS):
+                cols = (step + b) * SCALE_BLOCK + c_idx
+                at_mask = (cols < inter)[:, None] & has[None, :]
+                at = tl.load(at_base + cols[:, None], mask=at_mask, other=0.0).to(COMPUTE)
+                acc = block_dot(
+                    acc, rows, row_s, n_ok, step + b, blocks, at, SCALE_BLOCK, COMPUTE, NVFP4
+                )
+        y = acc * HALVES_UNIT
+        if NVFP4:
+            y *= tl.load(t2_ptr + slot)
+        if BIAS:
+            bias_row = b2_ptr + slot.to(tl.int64) * stride_bs
+            y += tl.load(bias_row + n_idx, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        y_ptrs = (y_ptr + t_idx * stride_yt + first_k * stride_yk)[None, :] + n_idx[:, None]
+        tl.store(y_ptrs, y * token_w[None, :], mask=n_ok[:, None] & has[None, :])
+    # This route's own row of y is zero when its slot is masked or named earlier by its token.
+    own_t = route // TOP_K
+    own_k = route % TOP_K
+    own_first = tl.min(tl.where(t_idx == own_t, first_k, BLOCK_R), axis=0)
+    if (slot < 0) | (own_k != own_first):
+        zeros = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        tl.store(y_ptr + own_t * stride_yt + own_k * stride_yk + n_idx, zeros, mask=n_ok)
 
 
 def fused_moe_decode_mxfp4(
@@ -299,19 +376,22 @@ def fused_moe_decode_mxfp4(
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
     *,
-    block_n: int = 16,
-    block_k: int = 256,
+    block_n: int = DECODE_BLOCK_N,
+    block_k: int = DECODE_BLOCK_K,
     reduce: bool = True,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Decode MoE over MXFP4 slots: fp32 [T, H], two launches over (route, row block) plus the
-    sum over each token's routes (slot -1: no route). Each route reads its slot's rows, widens
-    them in registers and multiplies by its token's activations in fp32 (x of any float dtype);
-    a slot named by several tokens is read once per route. block_k: columns a step (a multiple
-    of 32). gpt-oss's experts pass their biases (fp32, added to the sums) and the clamped
-    SwiGLU's limit; reduce=False: each route's weighted output [T, K, H], unsummed."""
+    sum over each token's routes (slot -1: no route). A slot named by several tokens is read
+    once, by its first route, which widens each block of its rows in registers and multiplies
+    them by those tokens' activations in tl.dot (the tokens padded to 16; in x's dtype, fp32
+    exactly). block_n: rows a program (a power of two >= 16: tl.dot's least); block_k: columns
+    a step (a power of two >= 32). gpt-oss's experts pass their biases (fp32, added to the
+    sums) and the clamped SwiGLU's limit. reduce=False: [T, K, H] whose sum over K is that
+    result: a slot named twice by one token holds the token's output at its first route and
+    zeros at the other (the engine's top-k names distinct experts)."""
     _, hidden, inter = _check(x, slot_ids, route_weights, w13, w2, w13_scale, w2_scale, "slot_ids")
     return launch_decode(
         x, slot_ids, route_weights, (w13, w13_scale, None), (w2, w2_scale, None), hidden, inter,
@@ -342,35 +422,57 @@ def launch_decode(
     swiglu_limit: float,
 ) -> torch.Tensor:
     """The decode launches over a checked MXFP4 or NVFP4 bank (NVFP4 where w13 brings its
-    per-tensor scales): fused_moe_decode_mxfp4's result."""
+    per-tensor scales): fused_moe_decode_mxfp4's result, fused_moe.MAX_TOKENS_PER_LAUNCH tokens
+    a launch."""
     (w13, s13, t13), (w2, s2, t2) = w13, w2
     nvfp4 = t13 is not None
     biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
     # without biases (or per-tensor scales) the weights stand in for them, never read
     b13, b2 = (w13_bias, w2_bias) if biased else (w13, w2)
     t13, t2 = (t13, t2) if nvfp4 else (w13, w2)
-    if block_k % 32 or block_k & (block_k - 1) or block_n & (block_n - 1):
-        raise ValueError(f"block_k must be a power of two >= 32 and block_n one, got {block_k}")
+    if block_k < 32 or block_k & (block_k - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(
+            f"block_k must be a power of two >= 32 and block_n one >= 16, got block_k={block_k} "
+            f"and block_n={block_n}"
+        )
+    scale_block = NVFP4_BLOCK if nvfp4 else mxfp4.BLOCK
     num_tokens, top_k = slot_ids.shape
-    routes = num_tokens * top_k
-    slots = slot_ids.reshape(-1).contiguous()
-    act = common.alloc((routes, inter), torch.float32, x.device)
-    y = common.alloc((routes, hidden), torch.float32, x.device)
+    slot_ids = slot_ids.contiguous()
+    route_weights = route_weights.contiguous()
     x = x.contiguous()
-    pairs = block_k // 2
-    if routes:
-        _decode_gate_up_kernel[(routes, triton.cdiv(inter, block_n))](
-            x, slots, w13, s13, t13, b13, act, hidden, inter, top_k, x.stride(0), w13.stride(0),
-            w13.stride(1), s13.stride(0), s13.stride(1), b13.stride(0), float(swiglu_limit),
-            BLOCK_N=block_n, BLOCK_J=pairs, BIAS=biased, CLAMPED=bool(swiglu_limit), NVFP4=nvfp4,
+    act = common.alloc((num_tokens, top_k, inter), x.dtype, x.device)
+    y = common.alloc((num_tokens, top_k, hidden), torch.float32, x.device)
+    compute = common.tl_dtype(x.dtype)
+    tiles = {
+        "BLOCK_N": block_n,
+        "SCALE_BLOCK": scale_block,
+        "COMPUTE": compute,
+        "BIAS": biased,
+        "NVFP4": nvfp4,
+        "num_warps": block_n // 16,  # 16 rows a warp: no two warps widen the same weights
+        "num_stages": DECODE_STAGES,
+    }
+    block_r = common.next_pow2(top_k)
+    for t0 in range(0, num_tokens, fused_moe.MAX_TOKENS_PER_LAUNCH):
+        t1 = min(t0 + fused_moe.MAX_TOKENS_PER_LAUNCH, num_tokens)
+        chunk, slots = t1 - t0, slot_ids[t0:t1]
+        block_t = common.next_pow2(chunk, 16)
+        _decode_gate_up_kernel[(chunk * top_k, triton.cdiv(inter, block_n))](
+            x[t0:t1], slots, w13, s13, t13, b13, act[t0:t1], chunk, hidden, inter,
+            float(swiglu_limit), x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+            s13.stride(1), b13.stride(0), act.stride(0), act.stride(1), TOP_K=top_k,
+            BLOCK_T=block_t, BLOCK_R=block_r,
+            STEP_BLOCKS=min(block_k, common.next_pow2(hidden)) // scale_block,
+            CLAMPED=bool(swiglu_limit), **tiles,
         )  # fmt: skip
-        _decode_down_kernel[(routes, triton.cdiv(hidden, block_n))](
-            act, slots, route_weights.reshape(-1).contiguous(), w2, s2, t2, b2, y, hidden, inter,
-            w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), b2.stride(0),
-            BLOCK_N=block_n, BLOCK_J=pairs, BIAS=biased, NVFP4=nvfp4,
+        _decode_down_kernel[(chunk * top_k, triton.cdiv(hidden, block_n))](
+            act[t0:t1], slots, route_weights[t0:t1], w2, s2, t2, b2, y[t0:t1], chunk, hidden,
+            inter, act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), s2.stride(0),
+            s2.stride(1), b2.stride(0), y.stride(0), y.stride(1), TOP_K=top_k, BLOCK_T=block_t,
+            BLOCK_R=block_r, STEP_BLOCKS=min(block_k, common.next_pow2(inter)) // scale_block,
+            **tiles,
         )  # fmt: skip
-    parts = y.view(num_tokens, top_k, hidden)
-    return parts.sum(dim=1) if reduce else parts
+    return y.sum(dim=1) if reduce else y
 
 
 @triton.jit

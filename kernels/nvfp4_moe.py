@@ -18,7 +18,7 @@ import torch
 from . import common, nvfp4
 from .fused_moe import fused_moe_decode_ref
 from .grouped_moe import GroupedMoEConfig
-from .mxfp4_moe import launch_decode, launch_grouped
+from .mxfp4_moe import DECODE_BLOCK_K, DECODE_BLOCK_N, launch_decode, launch_grouped
 
 
 def check_bank(
@@ -148,12 +148,12 @@ def fused_moe_decode_nvfp4(
     w13_scale_2: torch.Tensor,
     w2_scale_2: torch.Tensor,
     *,
-    block_n: int = 16,
-    block_k: int = 256,
+    block_n: int = DECODE_BLOCK_N,
+    block_k: int = DECODE_BLOCK_K,
     reduce: bool = True,
 ) -> torch.Tensor:
     """Decode MoE over NVFP4 slots: fp32 [T, H], as fused_moe_decode_mxfp4 computes it (slot -1:
-    no route; block_k a power of two >= 32; reduce=False: each route's weighted output)."""
+    no route; block_n and block_k, and reduce=False, as there)."""
     bank = (w13, w2, w13_scale, w2_scale, w13_scale_2, w2_scale_2)
     _, hidden, inter = _check(x, slot_ids, route_weights, bank, "slot_ids")
     return launch_decode(

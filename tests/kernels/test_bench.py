@@ -114,3 +114,18 @@ def test_the_sweep_times_the_delta_rules_decode_launches(monkeypatch):
     configs = [bench.gated_deltanet.DeltaDecodeConfig(*f) for f in bench.DELTA_DECODE_SWEEP]
     assert swept == [(tokens, False, config) for tokens in (1, 8) for config in configs]
     assert bench.gated_deltanet.DeltaDecodeConfig() not in configs, "the default's row twice"
+
+
+def test_the_mxfp4_decode_rows_time_batches_and_each_tile_variant(monkeypatch):
+    """The MXFP4 decode's rows: 1, 4 and 8 tokens at its default tiles, then one token at each
+    of MXFP4_DECODE_TILES, for the GPU to compare."""
+    timed = []
+    monkeypatch.setattr(bench.Bench, "fused_moe_mxfp4", lambda self, *a: timed.append(a))
+    props = type("Props", (), {"name": "Fake GPU"})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _device: props)
+    monkeypatch.setattr(bench, "measure_copy_gbps", lambda: 4000.0)
+    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda: 600.0)
+    monkeypatch.setattr(bench, "DEVICE", torch.device("cpu"))
+    bench.run(False, ["fused_moe_mxfp4"])
+    assert timed[:3] == [(1,), (4,), (8,)]
+    assert timed[3:] == [(1, n, k) for n, k in bench.MXFP4_DECODE_TILES] and len(timed) > 3

@@ -57,8 +57,29 @@ def test_widening_builds_every_code_and_every_scale_exactly():
     assert factors[255].isnan() and factors[0].item() == 2.0**-127
 
 
+@triton.jit
+def _halves_kernel(bytes_ptr, low_ptr, high_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    low, high = mxfp4_moe.halves(tl.load(bytes_ptr + i).to(tl.int32))
+    tl.store(low_ptr + i, low)
+    tl.store(high_ptr + i, high)
+
+
+def test_halves_widen_every_code_to_its_value_times_2_to_the_minus_14():
+    """Both nibbles of every byte, the e = 0 codes (±0, ±0.5) among fp16's subnormals."""
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    low = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    high = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    _halves_kernel[(1,)](packed, low, high, N=256)
+    codes = packed.cpu()
+    assert torch.equal(low.cpu().float(), e2m1.widen(codes & 15) * 2.0**-14)
+    assert torch.equal(high.cpu().float(), e2m1.widen(codes >> 4) * 2.0**-14)
+    assert torch.equal(torch.signbit(low.cpu()), (codes & 8) > 0)  # -0 too
+    assert low.cpu()[1].item() == 2.0**-15  # code 1, 0.5: an fp16 subnormal
+
+
 @pytest.mark.parametrize("tokens, top_k, slots", [(1, 4, 6), (3, 2, 5), (2, 4, 4)])
-@pytest.mark.parametrize("block_n, block_k", [(16, 64), (8, 128)])
+@pytest.mark.parametrize("block_n, block_k", [(16, 64), (32, 128)])
 def test_decode_matches_the_dequantized_reference(gen, tokens, top_k, slots, block_n, block_k):
     x = randn(gen, tokens, HIDDEN)
     slot_ids = route_table(gen, tokens, top_k, slots, masked=0.2)
@@ -69,6 +90,64 @@ def test_decode_matches_the_dequantized_reference(gen, tokens, top_k, slots, blo
     )
     ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank)
     assert_matches(out, ref, tol=1e-5)
+
+
+def test_decode_reads_each_slot_once_for_the_tokens_naming_it(gen):
+    """Ten tokens over three slots: every slot named by several tokens (and a route masked),
+    computed once for all of them; the sum and the per-route parts' sum as the reference's."""
+    x = randn(gen, 10, HIDDEN)
+    slot_ids = route_table(gen, 10, 2, 3, masked=0.1)
+    weights = route_weights(gen, 10, 2)
+    bank = mxfp4_bank(gen, 3)
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, block_k=64)
+    assert_matches(out, ref, tol=1e-5)
+    parts = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, reduce=False)
+    assert_matches(parts.sum(dim=1), ref, tol=1e-5)
+
+
+def test_decode_reads_the_top_scale_code_exactly(gen):
+    """gate/up blocks at E8M0 251-254, whose weights of magnitude 2 and more overflow fp32,
+    against activations small enough that the sums do not: the output of the same blocks 100
+    binades down with the activations 100 binades up, which the reference can form."""
+    magnitudes = 0.5 + torch.rand(3, HIDDEN, generator=gen)
+    x = (magnitudes * torch.randn(3, HIDDEN, generator=gen).sign()).to(DEVICE)
+    slot_ids = route_table(gen, 3, 4, 6, masked=0.2)
+    weights = route_weights(gen, 3, 4)
+    w13, w2, s13, s2 = mxfp4_bank(gen, 6)
+    top = (254 - torch.randint(0, 4, s13.shape, generator=gen)).to(torch.uint8).to(DEVICE)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(x * 2.0**-100, slot_ids, weights, w13, w2, top, s2)
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, w13, w2, top - 100, s2)
+    assert_matches(out, ref, tol=1e-5)
+
+
+def test_decode_gives_nan_where_a_block_has_the_nan_scale(gen):
+    """E8M0 code 255 in one block of a down row of a routed slot: that row's output is NaN
+    for the tokens routed there, as the format defines, and every other output is as before."""
+    x = randn(gen, 3, HIDDEN)
+    slot_ids = route_table(gen, 3, 2, 5)
+    weights = route_weights(gen, 3, 2)
+    w13, w2, s13, s2 = mxfp4_bank(gen, 5)
+    slot, row = int(slot_ids[0, 0]), 7
+    s2 = s2.clone()
+    s2[slot, row, 1] = 255
+    out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, w13, w2, s13, s2, block_k=64)
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, w13, w2, s13, s2)
+    routed = (slot_ids == slot).any(dim=1)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert out[:, row].isnan().equal(routed) and out.isnan().sum() == routed.sum()
+    keep = torch.ones(HIDDEN, dtype=torch.bool, device=out.device)
+    keep[row] = False
+    assert_matches(out[:, keep], ref[:, keep], tol=1e-5)
+
+
+def test_decode_refuses_row_blocks_narrower_than_tl_dot_takes(gen):
+    bank = mxfp4_bank(gen, 3)
+    with pytest.raises(ValueError, match="block_n one >= 16"):
+        mxfp4_moe.fused_moe_decode_mxfp4(
+            randn(gen, 1, HIDDEN), route_table(gen, 1, 2, 3), route_weights(gen, 1, 2), *bank,
+            block_n=8,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, masked", [(5, 2, 4, 0.0), (9, 3, 6, 0.2)])
@@ -96,8 +175,9 @@ def test_references_are_the_dense_kernels_on_the_dequantized_weights(gen):
 @pytest.mark.cuda
 @needs_cuda
 def test_bf16_activations_on_the_gpu(gen):
-    """bf16 activations into tl.dot with the widened weights in bf16 (exact there): within
-    bf16's rounding of the activations and the gate/up outputs."""
+    """bf16 activations into tl.dot with the widened weights in bf16 (exact there), in the
+    prefill and in the decode: within bf16's rounding of the activations and the gate/up
+    outputs."""
     x = randn(gen, 40, HIDDEN, dtype=torch.bfloat16)
     expert_ids = route_table(gen, 40, 4, 8)
     weights = route_weights(gen, 40, 4)
@@ -107,7 +187,7 @@ def test_bf16_activations_on_the_gpu(gen):
     assert_matches(out, ref, tol=3e-2)
     decoded = mxfp4_moe.fused_moe_decode_mxfp4(x[:1], expert_ids[:1], weights[:1], *bank)
     ref1 = mxfp4_moe.fused_moe_decode_mxfp4_ref(x[:1], expert_ids[:1], weights[:1], *bank)
-    assert_matches(decoded, ref1, tol=1e-5)
+    assert_matches(decoded, ref1, tol=3e-2)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +218,8 @@ GPT_OSS_HIDDEN, GPT_OSS_EXPERTS, GPT_OSS_TOP_K = 2880, 32, 4
 @pytest.mark.cuda
 @needs_cuda
 def test_decode_at_gpt_oss_shape_replays_in_a_cuda_graph(gen, tokens):
-    """bf16 activations at gpt-oss's shapes, captured once and replayed on new routes."""
+    """bf16 activations at gpt-oss's shapes, captured once and replayed on new routes (within
+    bf16's rounding, as the prefill's)."""
     h = GPT_OSS_HIDDEN
     bank = mxfp4_bank(gen, GPT_OSS_EXPERTS, hidden=h, inter=h)
     x = randn(gen, tokens, h, dtype=torch.bfloat16)
@@ -152,7 +233,7 @@ def test_decode_at_gpt_oss_shape_replays_in_a_cuda_graph(gen, tokens):
     slot_ids.copy_(route_table(gen, tokens, GPT_OSS_TOP_K, GPT_OSS_EXPERTS, masked=0.25))
     graph.replay()
     ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank)
-    assert_matches(out, ref, tol=1e-4)
+    assert_matches(out, ref, tol=3e-2)
 
 
 @pytest.mark.parametrize("tokens", [64, 1024])

@@ -62,7 +62,7 @@ def test_widening_builds_every_e4m3_scale_exactly():
 
 
 @pytest.mark.parametrize("tokens, top_k, slots", [(1, 4, 6), (3, 2, 5)])
-@pytest.mark.parametrize("block_n, block_k", [(16, 64), (8, 128)])
+@pytest.mark.parametrize("block_n, block_k", [(16, 64), (32, 128)])
 def test_decode_matches_the_dequantized_reference(gen, tokens, top_k, slots, block_n, block_k):
     x = randn(gen, tokens, HIDDEN)
     slot_ids = route_table(gen, tokens, top_k, slots, masked=0.2)
@@ -137,8 +137,9 @@ def test_a_bank_that_does_not_fit_its_scales_is_refused(gen, change, message):
 @pytest.mark.cuda
 @needs_cuda
 def test_bf16_activations_on_the_gpu(gen):
-    """bf16 activations into tl.dot with the widened weights in bf16 (exact there): within
-    bf16's rounding of the activations and the gate/up outputs."""
+    """bf16 activations into tl.dot with the widened weights in bf16 (exact there), in the
+    prefill and in the decode: within bf16's rounding of the activations and the gate/up
+    outputs."""
     x = randn(gen, 40, HIDDEN, dtype=torch.bfloat16)
     expert_ids = route_table(gen, 40, 4, 8)
     weights = route_weights(gen, 40, 4)
@@ -148,7 +149,7 @@ def test_bf16_activations_on_the_gpu(gen):
     assert_matches(out, ref, tol=3e-2)
     decoded = nvfp4_moe.fused_moe_decode_nvfp4(x[:1], expert_ids[:1], weights[:1], *bank)
     ref1 = nvfp4_moe.fused_moe_decode_nvfp4_ref(x[:1], expert_ids[:1], weights[:1], *bank)
-    assert_matches(decoded, ref1, tol=1e-5)
+    assert_matches(decoded, ref1, tol=3e-2)
 
 
 # Qwen3.6-35B-A3B's experts: H = 2048, I = 512, 256 of them, top-8 (32 here: the kernels' cost
@@ -161,7 +162,7 @@ QWEN_HIDDEN, QWEN_INTER, QWEN_EXPERTS, QWEN_TOP_K = 2048, 512, 32, 8
 @needs_cuda
 def test_decode_at_qwen3_6_shape_replays_in_a_cuda_graph(gen, tokens):
     """bf16 activations at the NVFP4 release's shapes, captured once and replayed on new
-    routes."""
+    routes (within bf16's rounding, as the prefill's)."""
     bank = nvfp4_bank(gen, QWEN_EXPERTS, hidden=QWEN_HIDDEN, inter=QWEN_INTER)
     x = randn(gen, tokens, QWEN_HIDDEN, dtype=torch.bfloat16)
     slot_ids = route_table(gen, tokens, QWEN_TOP_K, QWEN_EXPERTS, masked=0.25)
@@ -174,7 +175,7 @@ def test_decode_at_qwen3_6_shape_replays_in_a_cuda_graph(gen, tokens):
     slot_ids.copy_(route_table(gen, tokens, QWEN_TOP_K, QWEN_EXPERTS, masked=0.25))
     graph.replay()
     ref = nvfp4_moe.fused_moe_decode_nvfp4_ref(x, slot_ids, weights, *bank)
-    assert_matches(out, ref, tol=1e-4)
+    assert_matches(out, ref, tol=3e-2)
 
 
 @pytest.mark.parametrize("tokens", [64, 1024])
