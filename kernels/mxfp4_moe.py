@@ -36,8 +36,8 @@ from .nvfp4 import BLOCK as NVFP4_BLOCK
 # of DECODE_BLOCK_K columns: 2 x 16 x 128 bytes with the defaults, in flight for DECODE_STAGES
 # steps at once; at gpt-oss's shapes (I = 2880, top-4) and at the benchmark's (I = 768, top-8)
 # the one-token gate/up launch has 3 to 6 programs an SM (1 warp each: 16 rows a warp, so that
-# no two warps widen the same weights), some 40-70 KB in flight an SM, what an H100 needs to read
-# at its bandwidth.
+# no two warps widen the same weights), 36-72 KB in flight an SM by that count, about what an
+# H100 needs to read at its bandwidth.
 DECODE_BLOCK_N = 16
 DECODE_BLOCK_K = 256
 DECODE_STAGES = 3
@@ -214,18 +214,34 @@ def block_of(cols, NVFP4: tl.constexpr):
 
 
 @triton.jit
-def halves(packed):
-    """The two e2m1 codes of each byte of `packed` (int32, 0-255) as fp16, each its value times
-    2^-14: (the low nibbles', the high nibbles'). A code's magnitude bits (e1 e0 m) at fp16 bit 9
-    and its sign at bit 15 make that fp16 exactly: exponent field e gives 2^(e − 15) · (1 + m/2)
-    = 2^(e − 1) · (1 + m/2) · 2^-14 for e > 0, and for e = 0 the fp16 subnormal m/2 · 2^-14.
-    Three integer ops a code (two shifts and an and-or), no compare."""
-    low = ((packed << 9) & 0x0E00) | ((packed << 12) & 0x8000)
-    high = ((packed << 5) & 0x0E00) | ((packed << 8) & 0x8000)
-    return (
-        low.to(tl.uint16).to(tl.float16, bitcast=True),
-        high.to(tl.uint16).to(tl.float16, bitcast=True),
-    )
+def _fp16_pair(pair):
+    """The two fp16 of a uint32's halves, joined: [..., 2], the low half first."""
+    low = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    high = (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return tl.join(low, high)
+
+
+@triton.jit
+def halves(words):
+    """The e2m1 codes of `words` [N, W] (int32, four bytes, eight codes each: byte j's low nibble
+    is column 2j, its high nibble 2j + 1) as fp16 [N, 8W] in column order, each its value times
+    2^-14. A code's magnitude bits (e1 e0 m) at fp16 bit 9 and its sign at bit 15 make that fp16
+    exactly: exponent field e gives 2^(e − 15) · (1 + m/2) = 2^(e − 1) · (1 + m/2) · 2^-14 for
+    e > 0, and for e = 0 the fp16 subnormal m/2 · 2^-14. Codes 16 bits apart (columns c and
+    c + 4) go to their places in one uint32 at once, two shifts and two ands-ors for two codes,
+    whose halves are then the two fp16."""
+    w = words.to(tl.uint32, bitcast=True)
+    magnitude = 0x0E000E00
+    sign = 0x80008000
+    c0_c4 = ((w << 9) & magnitude) | ((w << 12) & sign)
+    c1_c5 = ((w << 5) & magnitude) | ((w << 8) & sign)
+    c2_c6 = ((w << 1) & magnitude) | ((w << 4) & sign)
+    c3_c7 = ((w >> 3) & magnitude) | (w & sign)
+    # joined [N, W, 2, 2, 2], each join's halves last: code c of a word lands at
+    # 4 · (c >= 4) + 2 · (c mod 4 >= 2) + (c odd) = c, its column
+    even = tl.join(_fp16_pair(c0_c4), _fp16_pair(c2_c6))
+    odd = tl.join(_fp16_pair(c1_c5), _fp16_pair(c3_c7))
+    return tl.reshape(tl.join(even, odd), (w.shape[0], 8 * w.shape[1]))
 
 
 # `halves` gives each weight times 2^-14: the decode's sums carry that factor until their end.
@@ -236,20 +252,18 @@ HALVES_UNIT = tl.constexpr(16384.0)
 def block_dot(acc, rows, row_scales, n_ok, block, blocks, columns, SCALE_BLOCK: tl.constexpr,
               COMPUTE: tl.constexpr, NVFP4: tl.constexpr):  # fmt: skip
     """acc [BLOCK_N, BLOCK_T] plus scale block `block` of the rows times `columns`: rows
-    [BLOCK_N, 1] point at the rows' bytes, row_scales [BLOCK_N] at their scale codes, `blocks`
-    the blocks a row holds (none past it is read), `columns` [SCALE_BLOCK, BLOCK_T] the block's
-    activations in the compute dtype. The block's weights (times 2^-14, `halves`) go into tl.dot
-    unscaled, and its scale multiplies the fp32 product: one multiply per row and token a block,
-    none per weight, and no weight is formed, so that E8M0 254 (whose weights of magnitude 2 and
-    more overflow fp32) gives the exact sums too. Only a block's product below 2^-112 (2^-126
-    carrying the 2^-14) loses bits, to fp32's subnormals."""
+    [BLOCK_N, 1] point at the rows' bytes as int32 words, row_scales [BLOCK_N] at their scale
+    codes, `blocks` the blocks a row holds (none past it is read), `columns` [SCALE_BLOCK,
+    BLOCK_T] the block's activations in the compute dtype. The block's weights (times 2^-14,
+    `halves`) go into tl.dot unscaled, and its scale multiplies the fp32 product: one multiply
+    per row and token a block, none per weight, and no weight is formed, so that E8M0 254
+    (whose weights of magnitude 2 and more overflow fp32) gives the exact sums too. Only a
+    block's product below 2^-112 (2^-126 carrying the 2^-14) loses bits, to fp32's
+    subnormals."""
     row_ok = n_ok & (tl.zeros(n_ok.shape, tl.int32) + block < blocks)
-    j = tl.arange(0, SCALE_BLOCK // 2)
-    at = rows + block * (SCALE_BLOCK // 2) + j[None, :]
-    packed = tl.load(at, mask=row_ok[:, None], other=0).to(tl.int32)
-    low, high = halves(packed)
-    # byte j holds columns 2j (low nibble) and 2j + 1 (high): interleaved back into order
-    weights = tl.reshape(tl.join(low, high), (packed.shape[0], SCALE_BLOCK))
+    j = tl.arange(0, SCALE_BLOCK // 8)
+    words = tl.load(rows + block * (SCALE_BLOCK // 8) + j[None, :], mask=row_ok[:, None], other=0)
+    weights = halves(words)
     codes = tl.load(row_scales + block, mask=row_ok, other=0).to(tl.int32)
     factor = e4m3_scales(codes) if NVFP4 else scales(codes)
     # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it. fp16
@@ -443,6 +457,8 @@ def launch_decode(
     act = common.alloc((num_tokens, top_k, inter), x.dtype, x.device)
     y = common.alloc((num_tokens, top_k, hidden), torch.float32, x.device)
     compute = common.tl_dtype(x.dtype)
+    # the kernels read the bytes four at a time (`halves`)
+    words13, words2 = w13.view(torch.int32), w2.view(torch.int32)
     tiles = {
         "BLOCK_N": block_n,
         "SCALE_BLOCK": scale_block,
@@ -458,19 +474,19 @@ def launch_decode(
         chunk, slots = t1 - t0, slot_ids[t0:t1]
         block_t = common.next_pow2(chunk, 16)
         _decode_gate_up_kernel[(chunk * top_k, triton.cdiv(inter, block_n))](
-            x[t0:t1], slots, w13, s13, t13, b13, act[t0:t1], chunk, hidden, inter,
-            float(swiglu_limit), x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+            x[t0:t1], slots, words13, s13, t13, b13, act[t0:t1], chunk, hidden, inter,
+            float(swiglu_limit), x.stride(0), words13.stride(0), words13.stride(1), s13.stride(0),
             s13.stride(1), b13.stride(0), act.stride(0), act.stride(1), TOP_K=top_k,
             BLOCK_T=block_t, BLOCK_R=block_r,
             STEP_BLOCKS=min(block_k, common.next_pow2(hidden)) // scale_block,
             CLAMPED=bool(swiglu_limit), **tiles,
         )  # fmt: skip
         _decode_down_kernel[(chunk * top_k, triton.cdiv(hidden, block_n))](
-            act[t0:t1], slots, route_weights[t0:t1], w2, s2, t2, b2, y[t0:t1], chunk, hidden,
-            inter, act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), s2.stride(0),
-            s2.stride(1), b2.stride(0), y.stride(0), y.stride(1), TOP_K=top_k, BLOCK_T=block_t,
-            BLOCK_R=block_r, STEP_BLOCKS=min(block_k, common.next_pow2(inter)) // scale_block,
-            **tiles,
+            act[t0:t1], slots, route_weights[t0:t1], words2, s2, t2, b2, y[t0:t1], chunk,
+            hidden, inter, act.stride(0), act.stride(1), words2.stride(0), words2.stride(1),
+            s2.stride(0), s2.stride(1), b2.stride(0), y.stride(0), y.stride(1), TOP_K=top_k,
+            BLOCK_T=block_t, BLOCK_R=block_r,
+            STEP_BLOCKS=min(block_k, common.next_pow2(inter)) // scale_block, **tiles,
         )  # fmt: skip
     return y.sum(dim=1) if reduce else y
 

@@ -58,24 +58,23 @@ def test_widening_builds_every_code_and_every_scale_exactly():
 
 
 @triton.jit
-def _halves_kernel(bytes_ptr, low_ptr, high_ptr, N: tl.constexpr):
-    i = tl.arange(0, N)
-    low, high = mxfp4_moe.halves(tl.load(bytes_ptr + i).to(tl.int32))
-    tl.store(low_ptr + i, low)
-    tl.store(high_ptr + i, high)
+def _halves_kernel(words_ptr, out_ptr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    rows = tl.arange(0, ROWS)[:, None]
+    words = tl.load(words_ptr + rows * WORDS + tl.arange(0, WORDS)[None, :])
+    tl.store(out_ptr + rows * 8 * WORDS + tl.arange(0, 8 * WORDS)[None, :], mxfp4_moe.halves(words))
 
 
-def test_halves_widen_every_code_to_its_value_times_2_to_the_minus_14():
-    """Both nibbles of every byte, the e = 0 codes (±0, ±0.5) among fp16's subnormals."""
-    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
-    low = torch.empty(256, dtype=torch.float16, device=DEVICE)
-    high = torch.empty(256, dtype=torch.float16, device=DEVICE)
-    _halves_kernel[(1,)](packed, low, high, N=256)
+def test_halves_widen_every_code_in_column_order_times_2_to_the_minus_14():
+    """Every byte (both nibbles), read four to a word, as fp16 in column order (byte j: columns
+    2j and 2j + 1); the e = 0 codes (±0, ±0.5) among fp16's subnormals."""
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(16, 16).to(DEVICE)
+    out = torch.empty(16, 32, dtype=torch.float16, device=DEVICE)
+    _halves_kernel[(1,)](packed.view(torch.int32), out, ROWS=16, WORDS=4)
     codes = packed.cpu()
-    assert torch.equal(low.cpu().float(), e2m1.widen(codes & 15) * 2.0**-14)
-    assert torch.equal(high.cpu().float(), e2m1.widen(codes >> 4) * 2.0**-14)
-    assert torch.equal(torch.signbit(low.cpu()), (codes & 8) > 0)  # -0 too
-    assert low.cpu()[1].item() == 2.0**-15  # code 1, 0.5: an fp16 subnormal
+    ref = torch.stack([e2m1.widen(codes & 15), e2m1.widen(codes >> 4)], dim=-1).view(16, 32)
+    assert torch.equal(out.cpu().float(), ref * 2.0**-14)
+    assert torch.equal(torch.signbit(out.cpu()), torch.signbit(ref))  # -0 too
+    assert out.cpu()[0, 2].item() == 2.0**-15  # byte 1's low code, 0.5: an fp16 subnormal
 
 
 @pytest.mark.parametrize("tokens, top_k, slots", [(1, 4, 6), (3, 2, 5), (2, 4, 4)])
