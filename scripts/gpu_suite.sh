@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|fp8|fp8kv|fp8engine|gptoss|mxfp4|hybrid|split|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8kv|fp8engine|gptoss|mxfp4|hybrid|split|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -100,6 +100,15 @@ if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their t
     -k "on_cuda and nvfp4"
   run nvfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
     --dtype bf16,nvfp4 --hidden 2048 --intermediate 512 --num-experts 64 --experts 8
+fi
+if [ "$part" = cpu_formats ]; then  # the native CPU kernel over each expert format against the
+  # host's read rate (issues 52 and 54: >= 70% of it in each format's own bytes), 15 workers, at
+  # Qwen3-30B-A3B's expert shape and gpt-oss's; no GPU work, so it runs beside nothing else
+  F="--threads 15 --experts 1,2,4 --min-seconds 0.6"
+  run cpu_formats_qwen3 python3 -m moelab.kernels.cpu_experts_bench $F --num-experts 128 \
+    --dtype bf16,fp8,mxfp4,nvfp4
+  run cpu_formats_gpt_oss python3 -m moelab.kernels.cpu_experts_bench $F --hidden 2880 \
+    --intermediate 2880 --num-experts 32 --dtype bf16,fp8,mxfp4
 fi
 if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively and at real shapes,
   # the engine's long-prompt test on CUDA (it prints the logits' difference), decode attention
