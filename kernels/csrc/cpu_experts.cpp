@@ -218,6 +218,40 @@ void widen_e4m3(int simd, uintptr_t src, uintptr_t dst, int64_t n, float factor)
   }
 }
 
+// MXFP4/NVFP4 widening as the expert jobs' loads do it, for tests: n bytes of e2m1 pairs at src
+// (n a multiple of 32) to twice their 2n values, fp32, at dst, with this SIMD level, a block (16
+// bytes) at a time or, with `by64`, two.
+
+template <class B>
+void widen_e2m1_with(const e2m1x2* src, float* dst, int64_t n, bool by64) {
+  const int64_t step = by64 ? 32 : 16;
+  for (int64_t i = 0; i < n; i += step) {
+    typename B::V v[64 / B::W];
+    if (by64) {
+      Mx<B>::widen64(src + i, v);
+    } else {
+      Mx<B>::widen(src + i, v);
+    }
+    std::memcpy(dst + 2 * i, v, size_t(2 * step) * sizeof(float));
+  }
+}
+
+void widen_e2m1(int simd, uintptr_t src, uintptr_t dst, int64_t n, bool by64) {
+  if (n % 32 != 0) throw std::invalid_argument("widen_e2m1 takes a multiple of 32 bytes");
+  const auto* in = reinterpret_cast<const e2m1x2*>(src);
+  auto* out = reinterpret_cast<float*>(dst);
+  switch (static_cast<Simd>(simd)) {
+#ifdef MOELAB_HAVE_AVX512
+    case Simd::kAvx512: return widen_e2m1_with<Avx512>(in, out, n, by64);
+#endif
+#ifdef MOELAB_HAVE_AVX2
+    case Simd::kAvx2: return widen_e2m1_with<Avx2>(in, out, n, by64);
+#endif
+    case Simd::kScalar: return widen_e2m1_with<Scalar>(in, out, n, by64);
+    default: throw std::invalid_argument("this build has no such SIMD level");
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -260,4 +294,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("time_expert_jobs", &time_expert_jobs);
   m.def("simd_levels", &simd_levels);
   m.def("widen_e4m3", &widen_e4m3);
+  m.def("widen_e2m1", &widen_e2m1);
 }

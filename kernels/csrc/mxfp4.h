@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "simd.h"
@@ -130,21 +131,47 @@ struct Mx<Avx2> {
 #endif
 
 #ifdef MOELAB_HAVE_AVX512
+// Twice each e2m1 code's value as fp32, for the AVX-512 loads' one-instruction lookup
+// (kE2m1Twice's values; code 8, -0, as +0 like them).
+alignas(64) constexpr float kE2m1TwiceF[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 template <>
 struct Mx<Avx512> {
+  // A block's 16 bytes as its 32 twice-values, in order, each looked up by one vpermps of the
+  // 16-float table (which reads an index's low 4 bits alone) from its nibble in the low bits of a
+  // 32-bit lane.
   static void widen(const e2m1x2* p, __m512* out) {
-    __m128i a, b;
-    mx_twice_values(p, &a, &b);
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
-    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const __m512 table = _mm512_load_ps(kE2m1TwiceF);
+#ifdef __AVX512VBMI__
+    // 16 values at a time: their 8 bytes broadcast to every 64-bit lane and value i's nibble
+    // shifted to 32-bit lane i by one vpmultishiftqb (lane i, of 64-bit lane i / 2, takes the 8
+    // bits from bit 4i)
+    const __m512i at = _mm512_set_epi64(0x3c00000038ll, 0x3400000030ll, 0x2c00000028ll,
+                                        0x2400000020ll, 0x1c00000018ll, 0x1400000010ll,
+                                        0x0c00000008ll, 0x0400000000ll);
+    for (int half = 0; half < 2; ++half) {
+      int64_t bytes;
+      std::memcpy(&bytes, p + 8 * half, sizeof bytes);
+      const __m512i nibbles = _mm512_multishift_epi64_epi8(at, _mm512_set1_epi64(bytes));
+      out[half] = _mm512_permutexvar_ps(nibbles, table);
+    }
+#else
+    // each byte in a 32-bit lane: the low nibbles' values, the high nibbles' after a shift, and
+    // the two interleaved (lanes 0..15 of the pair are lo's, 16..31 hi's)
+    const __m512i bytes =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512 lo = _mm512_permutexvar_ps(bytes, table);
+    const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second =
+        _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    out[0] = _mm512_permutex2var_ps(lo, first, hi);
+    out[1] = _mm512_permutex2var_ps(lo, second, hi);
+#endif
   }
   static void widen64(const e2m1x2* p, __m512* out) {
-    __m256i a, b;
-    mx_twice_values64(p, &a, &b);
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(a)));
-    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-    out[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(a, 1)));
-    out[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    widen(p, out);
+    widen(p + 16, out + 2);
   }
 };
 #endif

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from moelab.kernels import cpu_experts_bench, mxfp4
+from moelab.kernels import cpu_experts_bench, e2m1, mxfp4
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref, load_native
 
 from .test_cpu_experts import SEED, assert_within_bound, exact_and_bound
 
 SIMD = ["avx512", "avx2", "scalar"]
+_SIMD_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 
 # (experts, H, I, tokens, pairs): one block a row; rows of several blocks and row counts that
 # leave a lone row or a lone tile at the end of a task; several experts a token; experts that
@@ -133,6 +134,27 @@ def test_scale_extremes_and_the_nan_scale_reach_the_output(
         want_nan = torch.zeros_like(out, dtype=torch.bool)
         want_nan[served] = True
         assert torch.equal(out.isnan(), want_nan)
+
+
+@pytest.mark.parametrize("by64", [False, True], ids=["block", "two-blocks"])
+@pytest.mark.parametrize("simd", SIMD)
+def test_the_widening_gives_every_code_its_value_in_order(
+    simd: str, by64: bool, simd_levels: list[str]
+) -> None:
+    """Each SIMD level's loads (MXFP4's and NVFP4's) widen every byte, both its codes, to twice
+    the values e2m1 defines, the low nibble's first, at every place of a block."""
+    if simd not in simd_levels:
+        pytest.skip(f"this CPU has no {simd}")
+    gen = torch.Generator().manual_seed(SEED)
+    every_byte = torch.cat([torch.randperm(256, generator=gen) for _ in range(4)]).to(torch.uint8)
+    out = torch.full((2 * every_byte.numel(),), float("nan"))
+    load_native().widen_e2m1(
+        _SIMD_CODES[simd], every_byte.data_ptr(), out.data_ptr(), every_byte.numel(), by64
+    )
+    codes = torch.stack([every_byte & 0xF, every_byte >> 4], dim=1).flatten()
+    want = 2 * e2m1.widen(codes)
+    wrong = out != want
+    assert not wrong.any(), f"(seed {SEED}) values {wrong.nonzero().flatten().tolist()} wrong"
 
 
 def test_the_reference_dequantizes_and_the_torch_kernel_is_it() -> None:
