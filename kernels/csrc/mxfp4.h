@@ -3,8 +3,9 @@
 // values of a row, in a tensor of their own (gpt-oss's `_blocks` and `_scales`). A row of K
 // values is K/2 bytes; the expert job counts its rows' elements (e2m1x2, two values each) with
 // kValuesPerElement and finds their scales with ScaleOf. The loads widen a block's 32 values in
-// registers (twice each value, an int8 lookup of each nibble, then int8 to fp32), multiply them
-// or their products by half the block's scale and accumulate in fp32.
+// registers to twice each value (AVX-512: one vpermps of a 16-float table for 16 nibbles; AVX2:
+// an int8 lookup of each nibble, then int8 to fp32), multiply them or their products by half the
+// block's scale and accumulate in fp32.
 // Included by expert_job.h only (one translation unit): internal linkage, like the rest.
 #pragma once
 

@@ -2,8 +2,8 @@
 // byte, the even-indexed one in the low nibble (the bytes of a row as MXFP4's), one e4m3 scale
 // byte per 16 values of a row, in a tensor of their own, and one fp32 scale per projection
 // (an expert's gate, up and down), which the expert job multiplies its rows' sums by. The loads
-// widen two blocks' 32 values at a time as MXFP4's loads widen a block (twice each value, an int8
-// lookup of each nibble, then int8 to fp32) and multiply them or their products by half their
+// widen two blocks' 32 values at a time as MXFP4's loads widen a block (twice each value: Mx of
+// mxfp4.h) and multiply them or their products by half their
 // block's scale, exactly (an e2m1 value times an e4m3 one has at most 6 significant bits).
 // Included by expert_job.h only (one translation unit): internal linkage, like the rest.
 #pragma once
