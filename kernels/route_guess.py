@@ -15,7 +15,8 @@ after the MoE layer before, normalized by the layer's input norm), rescaled by
 added nothing. On this project's synthetic Qwen3-30B-A3B geometry it names most of the routed
 experts (docs/cpu-experts.md, "Guessed steps").
 
-The logits are fp32 and not rounded to the model's dtype: only the host's top-k reads them. One
+A router with a bias (gpt-oss's) adds it to the guess's logits as to the routing's. The logits are
+fp32 and not rounded to the model's dtype: only the host's top-k reads them. One
 launch: each program stores its block of experts' logits for every token into host memory, an
 integer atomic counts the programs, and the last one sets the signal (`host_handoff.signal_host`:
 a host that sees it sees every program's logits). The engine launches it on a side stream, off
@@ -53,22 +54,24 @@ def guess_to_host_ref(
     router_w: torch.Tensor,
     logits_h: torch.Tensor,
     signal: torch.Tensor,
+    router_b: torch.Tensor | None = None,
 ) -> None:
-    """Reference: logits_h[:] = (x * scale) @ router_w^T in fp32 (x [T, H], scale fp32 [H],
-    router_w [E, H]; logits_h fp32 [T, E] in host memory), then the signal set. Queued, not
-    waited for, on a GPU (pinned destinations)."""
-    _check_guess(x, scale, router_w, logits_h, signal)
-    logits = F.linear(x.float() * scale, router_w.float())
+    """Reference: logits_h[:] = (x * scale) @ router_w^T + router_b in fp32 (x [T, H], scale
+    fp32 [H], router_w [E, H], router_b [E] or None; logits_h fp32 [T, E] in host memory), then
+    the signal set. Queued, not waited for, on a GPU (pinned destinations)."""
+    _check_guess(x, scale, router_w, logits_h, signal, router_b)
+    bias = router_b.float() if router_b is not None else None
+    logits = F.linear(x.float() * scale, router_w.float(), bias)
     logits_h.copy_(logits, non_blocking=True)
     host_handoff.signal_routing(signal, x.device)
 
 
 @triton.jit
 def _guess_kernel(
-    x_ptr, scale_ptr, w_ptr, logits_h_ptr, counter_ptr, signal_ptr,
+    x_ptr, scale_ptr, w_ptr, b_ptr, logits_h_ptr, counter_ptr, signal_ptr,
     num_tokens, num_experts, hidden, stride_x, stride_w,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-    PTX: tl.constexpr, PDL: tl.constexpr,
+    BIAS: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     common.pdl_start(PDL)
     pid = tl.program_id(0)
@@ -80,6 +83,8 @@ def _guess_kernel(
         x_ptr, w_ptr, scale_ptr, t_idx, t_ok, e_idx, e_ok, hidden, stride_x, stride_w,
         BLOCK_T, BLOCK_E, BLOCK_H, STAGES, True,
     )  # fmt: skip
+    if BIAS:
+        acc += tl.load(b_ptr + e_idx, mask=e_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
         logits_h_ptr + t_idx[:, None] * num_experts + e_idx[None, :],
         acc,
@@ -100,21 +105,25 @@ def guess_to_host_triton(
     router_w: torch.Tensor,
     logits_h: torch.Tensor,
     signal: torch.Tensor,
+    router_b: torch.Tensor | None = None,
 ) -> None:
     """Triton: the same in one launch, storing into the (pinned) host memory from the device;
     graph-capturable. Launches on one device share a counter: issue them one at a time."""
-    _check_guess(x, scale, router_w, logits_h, signal)
+    _check_guess(x, scale, router_w, logits_h, signal, router_b)
     num_tokens, hidden = x.shape
     num_experts = router_w.shape[0]
     block_t = common.next_pow2(num_tokens)
     block_h = min(
         common.next_pow2(hidden), common.next_pow2(GUESS_TILE_ELEMENTS // (block_t * GUESS_BLOCK_E))
     )
+    # without a bias the router's weights stand in for it, never read
+    bias = router_b if router_b is not None else router_w
     _guess_kernel[(triton.cdiv(num_experts, GUESS_BLOCK_E),)](
-        x, scale, router_w, logits_h, _guess_counter(x.device), signal,
+        x, scale, router_w, bias, logits_h, _guess_counter(x.device), signal,
         num_tokens, num_experts, hidden, x.stride(0), router_w.stride(0),
         BLOCK_T=block_t, BLOCK_E=GUESS_BLOCK_E, BLOCK_H=block_h, STAGES=3,
-        PTX=common.inline_ptx(x.device), num_warps=1, **common.pdl_launch(x.device),
+        BIAS=router_b is not None, PTX=common.inline_ptx(x.device), num_warps=1,
+        **common.pdl_launch(x.device),
     )  # fmt: skip
 
 
@@ -124,13 +133,14 @@ def guess_to_host(
     router_w: torch.Tensor,
     logits_h: torch.Tensor,
     signal: torch.Tensor,
+    router_b: torch.Tensor | None = None,
 ) -> None:
     """A guess of a layer's router logits from x (its attention input) into host memory, then
     the guess's signal: the one-launch Triton kernel on a GPU, the reference elsewhere."""
     if x.is_cuda:
-        guess_to_host_triton(x, scale, router_w, logits_h, signal)
+        guess_to_host_triton(x, scale, router_w, logits_h, signal, router_b)
     else:
-        guess_to_host_ref(x, scale, router_w, logits_h, signal)
+        guess_to_host_ref(x, scale, router_w, logits_h, signal, router_b)
 
 
 def _guess_counter(device: torch.device) -> torch.Tensor:
@@ -144,10 +154,12 @@ def _check_guess(
     router_w: torch.Tensor,
     logits_h: torch.Tensor,
     signal: torch.Tensor,
+    router_b: torch.Tensor | None = None,
 ) -> None:
     """x [T, H] (1 <= T <= GUESS_MAX_TOKENS) and router_w [E, H] of one dtype, rows contiguous,
-    scale contiguous fp32 [H] on their device; logits_h contiguous fp32 [T, E] in host memory
-    (pinned with x on a GPU); the signal a `host_handoff.routing_signal`. Metadata only."""
+    scale contiguous fp32 [H] on their device, router_b contiguous [E] there or None; logits_h
+    contiguous fp32 [T, E] in host memory (pinned with x on a GPU); the signal a
+    `host_handoff.routing_signal`. Metadata only."""
     if x.dim() != 2 or router_w.dim() != 2 or router_w.shape[1] != x.shape[1]:
         raise ValueError(
             f"x must be [T, H] and router_w [num_experts, H]: got {tuple(x.shape)} and "
@@ -165,6 +177,11 @@ def _check_guess(
         raise ValueError(f"scale must be contiguous fp32 [{hidden}], got {scale.dtype} "
                          f"{tuple(scale.shape)}")  # fmt: skip
     common.check_same_device(x=x, router_w=router_w, scale=scale)
+    if router_b is not None:
+        if router_b.shape != (router_w.shape[0],) or not router_b.is_contiguous():
+            raise ValueError(f"router_b must be contiguous [{router_w.shape[0]}], got "
+                             f"{tuple(router_b.shape)}")  # fmt: skip
+        common.check_same_device(x=x, router_b=router_b)
     shape = (num_tokens, router_w.shape[0])
     if logits_h.dtype != torch.float32 or logits_h.shape != shape or not logits_h.is_contiguous():
         raise ValueError(f"logits_h must be contiguous fp32 {list(shape)}, got {logits_h.dtype} "

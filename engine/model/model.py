@@ -648,22 +648,23 @@ class Model:
 
     def _guess(self, piece: int, x: torch.Tensor, state: StepState) -> None:
         """A guess of piece `piece`'s MoE routing, sent to the host ahead of it: the layer's
-        router on x (rmsnorm of the residual just after the MoE layer before, or in piece 0 of
-        the embedding, times the input norm's weight) rescaled to the router's own norm, as if
-        attention added nothing.
+        router (with its bias, where it has one) on x (rmsnorm of the residual just after the
+        MoE layer before, or in piece 0 of the embedding, times the input norm's weight)
+        rescaled to the router's own norm, as if attention added nothing.
 
         On a GPU it runs on a side stream, off the piece's chain (which would otherwise wait for
         its launch before the attention), joined before the piece's router (`_join_guess`); x
         is held until then, so that no kernel of the chain reuses its memory while it is read."""
-        router = self.weights.layers[self.spec.moe_layers[piece]].router
+        layer = self.weights.layers[self.spec.moe_layers[piece]]
         assert state.routing_guess is not None
+        args = (self._guess_scales[piece], layer.router, *state.routing_guess, layer.router_bias)
         if not x.is_cuda:
-            guess_to_host(x, self._guess_scales[piece], router, *state.routing_guess)
+            guess_to_host(x, *args)
             return
         side = self._guess_streams[x.device.index]
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
-            guess_to_host(x, self._guess_scales[piece], router, *state.routing_guess)
+            guess_to_host(x, *args)
         state.guess_pending = (side, x)
 
     @staticmethod

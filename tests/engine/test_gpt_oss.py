@@ -15,7 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moelab.daemon.models import read_checkpoint
+from moelab.engine.experts import miss_plan
 from moelab.engine.experts.bank import build_in_memory
+from moelab.engine.experts.h2d import address_of, host_functions
+from moelab.engine.model import model as model_module
 from moelab.engine.model import synth
 from moelab.engine.model.spec import CheckpointError, ModelSpec
 from moelab.engine.model.synth import SynthSource, make_config
@@ -620,3 +623,43 @@ def test_fp8_experts_keep_their_biases(reference):
     finally:
         engine.close()
     assert 1e-5 < relative_error(ours, hf_logits(model, ids)) < 0.05
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
+def test_the_routing_guess_adds_the_router_bias(reference, monkeypatch):
+    """A one-token piece's guess of its MoE routing (Model._guess) goes through the layer's
+    router with its bias, as the routing itself does: gpt-oss's biases shift its picks, and a
+    guess without them names experts the routing will not."""
+    _model, path = reference
+    seen: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    guess = model_module.guess_to_host
+
+    def recorded(x, scale, router_w, logits_h, signal, router_b=None):
+        seen.append((router_w, router_b))
+        guess(x, scale, router_w, logits_h, signal, router_b)
+
+    monkeypatch.setattr(model_module, "guess_to_host", recorded)
+    # the native planner's CUDA path through stand-ins of the driver (`take_the_cuda_path`),
+    # set up before the capture, which sends guesses only for a planner with its copies
+    functions = host_functions({"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0})
+    addresses = tuple(address_of(f) for f in functions)
+    monkeypatch.setattr(miss_plan, "driver_functions", lambda: addresses)
+    engine = make_engine(path, *OFFLOADED, "--moe-cpu-prefetch-rounds", "2")
+    try:
+        if engine.cpu is None or engine.cpu.kernel != "native":
+            pytest.skip("the native CPU kernel did not build here")
+        engine.moe.planner.copies = True
+        engine.moe.planner._native = None  # made again, with the stand-ins
+        graphs = DecodeGraphs(engine.model, 4, engine.max_context, piecewise=True,
+                              graph_factory=ReplayGraph)  # fmt: skip
+        graphs.capture()
+        engine.stepper.graphs = graphs
+        assert graphs.routing_guess is not None
+        engine.generate([prompt(23, 9)], SamplingParams(max_tokens=6, ignore_eos=True))
+        layers = engine.model.weights.layers
+        biases = {id(layers[m].router): layers[m].router_bias for m in engine.spec.moe_layers}
+    finally:
+        engine.close()
+    assert seen
+    for router_w, router_b in seen:
+        assert router_b is not None and router_b is biases[id(router_w)]

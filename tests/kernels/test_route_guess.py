@@ -54,6 +54,35 @@ def test_the_guess_is_the_rescaled_input_through_the_router(
     assert signal.tolist() == [host_handoff.ROUTED] + [0] * 15
 
 
+@pytest.mark.parametrize("fn", GUESSERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_router_bias_is_added_to_the_guess(gen, fn, dtype):
+    """gpt-oss's routers carry a bias, which decides picks as much as the weights do: a guess
+    without it names other experts."""
+    tokens, experts, hidden = 2, 32, 96
+    x = randn(gen, tokens, hidden, dtype=dtype)
+    router_w = randn(gen, experts, hidden, scale=hidden**-0.5, dtype=dtype)
+    router_b = randn(gen, experts, scale=2.0, dtype=dtype)
+    scale = torch.rand(hidden, generator=gen).to(DEVICE) + 0.5
+    logits_h = logits_buffer(tokens, experts)
+    signal = host_handoff.routing_signal(pin=CUDA)
+    getattr(route_guess, fn)(x, scale, router_w, logits_h, signal, router_b)
+    finished()
+    want = exact(x, scale, router_w) + router_b.double().cpu()
+    assert (logits_h.double() - want).norm() / want.norm() < 1e-5
+    assert signal.tolist() == [host_handoff.ROUTED] + [0] * 15
+
+
+def test_a_router_bias_of_another_length_is_refused(gen):
+    x = randn(gen, 1, 64)
+    router_w = randn(gen, 8, 64)
+    with pytest.raises(ValueError, match=r"router_b must be contiguous \[8\]"):
+        route_guess.guess_to_host_ref(
+            x, torch.ones(64, device=DEVICE), router_w, logits_buffer(1, 8),
+            host_handoff.routing_signal(pin=CUDA), randn(gen, 7),
+        )  # fmt: skip
+
+
 def test_the_guess_scale_rescales_one_norm_into_the_other():
     input_norm = torch.tensor([1.0, 2.0, 0.0, -0.5])
     post_norm = torch.tensor([3.0, 1.0, 4.0, 1.0])
