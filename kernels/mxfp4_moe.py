@@ -37,7 +37,7 @@ from .nvfp4 import BLOCK as NVFP4_BLOCK
 # steps at once; at gpt-oss's shapes (I = 2880, top-4) and at the benchmark's (I = 768, top-8)
 # the one-token gate/up launch has 3 to 6 programs an SM (1 warp each: 16 rows a warp, so that
 # no two warps widen the same weights), 36-72 KB in flight an SM by that count, about what an
-# H100 needs to read at its bandwidth.
+# SM needs in flight to read at a Hopper card's HBM bandwidth.
 DECODE_BLOCK_N = 16
 DECODE_BLOCK_K = 256
 DECODE_STAGES = 3
@@ -244,10 +244,6 @@ def halves(words):
     return tl.reshape(tl.join(even, odd), (w.shape[0], 8 * w.shape[1]))
 
 
-# `halves` gives each weight times 2^-14: the decode's sums carry that factor until their end.
-HALVES_UNIT = tl.constexpr(16384.0)
-
-
 @triton.jit
 def block_dot(acc, rows, row_scales, n_ok, block, blocks, columns, SCALE_BLOCK: tl.constexpr,
               COMPUTE: tl.constexpr, NVFP4: tl.constexpr):  # fmt: skip
@@ -313,8 +309,9 @@ def _decode_gate_up_kernel(
                 acc_up = block_dot(
                     acc_up, up, up_s, n_ok, step + b, blocks, xt, SCALE_BLOCK, COMPUTE, NVFP4
                 )
-        g = acc_gate * HALVES_UNIT
-        u = acc_up * HALVES_UNIT
+        # `halves` gives each weight times 2^-14: the sums carry that factor until here
+        g = acc_gate * 16384.0
+        u = acc_up * 16384.0
         if NVFP4:
             g *= tl.load(t13_ptr + 2 * slot)
             u *= tl.load(t13_ptr + 2 * slot + 1)
@@ -364,7 +361,7 @@ def _decode_down_kernel(
                 acc = block_dot(
                     acc, rows, row_s, n_ok, step + b, blocks, at, SCALE_BLOCK, COMPUTE, NVFP4
                 )
-        y = acc * HALVES_UNIT
+        y = acc * 16384.0  # the 2^-14 of `halves` given back
         if NVFP4:
             y *= tl.load(t2_ptr + slot)
         if BIAS:
