@@ -219,6 +219,21 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def zero_unled_route(
+    y_ptr, route, slot, t_idx, first_k, n_idx, n_ok, stride_yt, stride_yk, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """This route's own row of y, zero where its slot is masked or named earlier by its token
+    (the route that leads the slot wrote that token's output at its first k)."""
+    own_t = route // TOP_K
+    own_k = route % TOP_K
+    own_first = tl.min(tl.where(t_idx == own_t, first_k, BLOCK_R), axis=0)
+    if (slot < 0) | (own_k != own_first):
+        zeros = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        tl.store(y_ptr + own_t * stride_yt + own_k * stride_yk + n_idx, zeros, mask=n_ok)
+
+
+@triton.jit
 def gate_up_bias(b13_ptr, slot, stride_bs, inter, n_idx, n_ok):
     """A slot's gate and up biases of the rows n_idx, fp32."""
     row = b13_ptr + slot.to(tl.int64) * stride_bs
@@ -309,13 +324,10 @@ def _down_kernel(
                 y_ptr + t_idx[:, None] * stride_yt + first_k[:, None] * stride_yk + n_idx[None, :]
             )
             tl.store(y_ptrs, acc * token_w[:, None], mask=has[:, None] & n_ok[None, :])
-    # This route's own row of y is zero when its slot is masked or named earlier by its token.
-    own_t = route // TOP_K
-    own_k = route % TOP_K
-    own_first = tl.min(tl.where(t_idx == own_t, first_k, BLOCK_R), axis=0)
-    if (slot < 0) | (own_k != own_first):
-        zeros = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        tl.store(y_ptr + own_t * stride_yt + own_k * stride_yk + n_idx, zeros, mask=n_ok)
+    zero_unled_route(
+        y_ptr, route, slot, t_idx, first_k, n_idx, n_ok, stride_yt, stride_yk, TOP_K, BLOCK_N,
+        BLOCK_R,
+    )  # fmt: skip
 
 
 def fused_moe_decode_triton(

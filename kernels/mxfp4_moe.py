@@ -369,13 +369,10 @@ def _decode_down_kernel(
             y += tl.load(bias_row + n_idx, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         y_ptrs = (y_ptr + t_idx * stride_yt + first_k * stride_yk)[None, :] + n_idx[:, None]
         tl.store(y_ptrs, y * token_w[None, :], mask=n_ok[:, None] & has[None, :])
-    # This route's own row of y is zero when its slot is masked or named earlier by its token.
-    own_t = route // TOP_K
-    own_k = route % TOP_K
-    own_first = tl.min(tl.where(t_idx == own_t, first_k, BLOCK_R), axis=0)
-    if (slot < 0) | (own_k != own_first):
-        zeros = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        tl.store(y_ptr + own_t * stride_yt + own_k * stride_yk + n_idx, zeros, mask=n_ok)
+    fused_moe.zero_unled_route(
+        y_ptr, route, slot, t_idx, first_k, n_idx, n_ok, stride_yt, stride_yk, TOP_K, BLOCK_N,
+        BLOCK_R,
+    )  # fmt: skip
 
 
 def fused_moe_decode_mxfp4(
