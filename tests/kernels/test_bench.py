@@ -21,6 +21,16 @@ def result(kernel: str = "fused_moe_decode", ref_us: float | None = 90.0) -> mea
     )
 
 
+def fake_gpu(monkeypatch) -> None:
+    """bench.run on the CPU (its random generator too) as on a GPU named "Fake GPU", its
+    ceilings given, not measured."""
+    props = type("Props", (), {"name": "Fake GPU"})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _device: props)
+    monkeypatch.setattr(bench, "measure_copy_gbps", lambda: 4000.0)
+    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda: 600.0)
+    monkeypatch.setattr(bench, "DEVICE", torch.device("cpu"))
+
+
 def test_rates_and_shares_follow_from_time_bytes_and_flops():
     r = result()
     assert r.gbps == pytest.approx(2000.0)  # 60 MB in 30 us
@@ -65,11 +75,7 @@ def test_only_runs_the_named_kernels_alone(monkeypatch):
     for name in bench.KERNELS:
         monkeypatch.setattr(bench.Bench, name, lambda self, *a, _n=name, **k: timed.append(_n))
     monkeypatch.setattr(bench.Bench, "handoff_norm", lambda self, *a, **k: timed.append("handoff"))
-    props = type("Props", (), {"name": "Fake GPU"})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _device: props)
-    monkeypatch.setattr(bench, "measure_copy_gbps", lambda: 4000.0)
-    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda: 600.0)
-    monkeypatch.setattr(bench, "DEVICE", torch.device("cpu"))  # the bench's random generator
+    fake_gpu(monkeypatch)
     bench.run(False, ["paged_attention", "rope_kv"])
     assert sorted(set(timed)) == ["paged_attention", "rope_kv"]
     assert timed.count("paged_attention") == 4
@@ -84,11 +90,7 @@ def test_the_gated_deltanet_rows_time_decode_batches_and_prompts(monkeypatch):
     timed = []
     for name in ("short_conv", "delta_rule"):
         monkeypatch.setattr(bench.Bench, name, lambda self, *a, _n=name: timed.append((_n, *a)))
-    props = type("Props", (), {"name": "Fake GPU"})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _device: props)
-    monkeypatch.setattr(bench, "measure_copy_gbps", lambda: 4000.0)
-    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda: 600.0)
-    monkeypatch.setattr(bench, "DEVICE", torch.device("cpu"))
+    fake_gpu(monkeypatch)
     bench.run(False, ["short_conv", "delta_rule"])
     for name in ("short_conv", "delta_rule"):
         rows = [row[1:] for row in timed if row[0] == name]
@@ -104,11 +106,7 @@ def test_the_sweep_times_the_delta_rules_decode_launches(monkeypatch):
         monkeypatch.setattr(
             bench.Bench, name, lambda self, *a, _n=name, **k: timed.append((_n, *a))
         )
-    props = type("Props", (), {"name": "Fake GPU"})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _device: props)
-    monkeypatch.setattr(bench, "measure_copy_gbps", lambda: 4000.0)
-    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda: 600.0)
-    monkeypatch.setattr(bench, "DEVICE", torch.device("cpu"))
+    fake_gpu(monkeypatch)
     bench.run(True, ["delta_rule"])
     swept = [row[1:] for row in timed if row[0] == "delta_rule" and len(row) == 4]
     configs = [bench.gated_deltanet.DeltaDecodeConfig(*f) for f in bench.DELTA_DECODE_SWEEP]
@@ -121,11 +119,7 @@ def test_the_mxfp4_decode_rows_time_batches_and_each_tile_variant(monkeypatch):
     of MXFP4_DECODE_TILES, for the GPU to compare."""
     timed = []
     monkeypatch.setattr(bench.Bench, "fused_moe_mxfp4", lambda self, *a: timed.append(a))
-    props = type("Props", (), {"name": "Fake GPU"})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _device: props)
-    monkeypatch.setattr(bench, "measure_copy_gbps", lambda: 4000.0)
-    monkeypatch.setattr(bench, "measure_matmul_tflops", lambda: 600.0)
-    monkeypatch.setattr(bench, "DEVICE", torch.device("cpu"))
+    fake_gpu(monkeypatch)
     bench.run(False, ["fused_moe_mxfp4"])
     assert timed[:3] == [(1,), (4,), (8,)]
     assert timed[3:] == [(1, n, k) for n, k in bench.MXFP4_DECODE_TILES] and len(timed) > 3
