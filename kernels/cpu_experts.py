@@ -410,6 +410,12 @@ class CpuExpertJob:
             return None
         return tuple(self._job.phase_seconds())
 
+    def bf16_dot(self) -> bool:
+        """Whether the native job's dot products were the bf16 ones (x all bf16 values, FP8,
+        MXFP4 or NVFP4 weights, one token an expert, a build with AVX-512 BF16:
+        docs/cpu-experts.md); False for the torch kernel."""
+        return self._job.bf16_dot() if self._job is not None else False
+
     def __del__(self) -> None:
         if self._job is not None and self._keep:
             self._job.wait()
@@ -473,6 +479,8 @@ class CpuExpertRunner:
                 )
             self.kernel = "native"
             self.simd = levels[0] if simd == "best" else simd
+            # the bf16 dot products (AVX-512 BF16) for the jobs whose x are all bf16 values
+            self.bf16_dot = self.simd == "avx512" and bool(self._module.bf16_dot_built())
             if isinstance(spin_us, bool) or not isinstance(spin_us, int) or spin_us < 0:
                 raise ValueError(f"spin_us must be an int of 0 or more, got {spin_us!r}")
             if isinstance(task_kb, bool) or not isinstance(task_kb, int) or task_kb < 1:
@@ -488,6 +496,7 @@ class CpuExpertRunner:
         else:
             if simd != "best":
                 raise ValueError(f"simd={simd!r} applies to the native kernel only")
+            self.bf16_dot = False
             if cpus is not None:
                 log.info("CPU experts: the torch kernel places its own threads; cpus is ignored")
             self.cpus = None
@@ -795,7 +804,7 @@ class CpuExpertRunner:
         w2: torch.Tensor,
         k: int,
         iterations: int,
-        **factors: torch.Tensor | None,
+        **factors: torch.Tensor | bool | None,
     ) -> float:
         """Weight GB/s of `iterations` one-token jobs of k experts each (native kernel), queued
         back to back in native code as decode queues them, through the bank w13 [E, 2I, H], w2
@@ -814,6 +823,7 @@ class CpuExpertRunner:
         gap_us: float = 0.0,
         own_rounds: int = 0,
         fetch_own: bool = False,
+        bf16_x: bool = True,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
         w13_scale_2: torch.Tensor | None = None,
@@ -827,6 +837,9 @@ class CpuExpertRunner:
         the workers idle between two layers' jobs. own_rounds: each job's first rounds of gate/up
         blocks belong to the workers (`submit`); fetch_own: each worker is told of its own
         blocks' weights when the gap begins, and fetches them into its cache while it waits.
+        bf16_x: the jobs' x are bf16 values, as a bf16 model's activations are (they take the bf16
+        dot products where the build has them; `bf16_dot` in the result says whether they did),
+        else fp32 values that bf16 does not hold.
         An FP8 bank takes its factors (w13_scale, w2_scale: `submit`), an MXFP4 or NVFP4 one its
         scales (NVFP4's per-tensor ones too), which `gbps` counts."""
         if self._module is None:
@@ -845,11 +858,11 @@ class CpuExpertRunner:
             nvfp4_moe.check_bank(w13, w2, w13_scale, w2_scale, *tensor_scales)
         else:
             _check_factors(w13, w13_scale, w2_scale, num_experts, hidden, two_inter // 2)
-        seconds, run_s, phase1_s, wait_s = self._module.time_expert_jobs(
+        seconds, run_s, phase1_s, wait_s, bf16_dot = self._module.time_expert_jobs(
             self._pool, _SIMD_CODES[self.simd], _weight_code(w13, nvfp4), w13.data_ptr(),
             w2.data_ptr(), _address(w13_scale), _address(w2_scale), num_experts, hidden,
             two_inter // 2, k, iterations, float(gap_us), int(own_rounds), bool(fetch_own),
-            _address(w13_scale_2), _address(w2_scale_2),
+            _address(w13_scale_2), _address(w2_scale_2), bool(bf16_x),
         )  # fmt: skip
         per_job = 1e6 / iterations
         return {
@@ -857,6 +870,7 @@ class CpuExpertRunner:
             "run_us": run_s * per_job,
             "phase1_us": phase1_s * per_job,
             "wait_us": wait_s * per_job / self.num_threads,
+            "bf16_dot": bf16_dot,
         }
 
     def worker_cpus(self) -> list[list[int]] | None:

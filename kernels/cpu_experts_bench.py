@@ -2,7 +2,7 @@
 MXFP4 and NVFP4, against the host's memory read rate measured by the same threads.
 
 Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--dtype bf16,fp8,mxfp4,nvfp4]
-       [--task-kb 48,96] [--gap-us 30 --own-rounds 0,2] [--json]
+       [--task-kb 48,96] [--gap-us 30 --own-rounds 0,2] [--x bf16|fp32] [--json]
 (docs/cpu-experts.md)
 """
 
@@ -67,14 +67,16 @@ class Bank:
         return sum(t[0].nbytes for t in tensors)
 
 
-def _expert_gbps(runner: CpuExpertRunner, bank: Bank, k: int, min_s: float) -> float:
-    """Weight GB/s of one-token steps of k experts each.
+def _expert_gbps(runner: CpuExpertRunner, bank: Bank, k: int, min_s: float, x_bf16: bool) -> float:
+    """Weight GB/s of one-token steps of k experts each (x: bf16 values with x_bf16).
 
     Consecutive steps take disjoint experts in a fixed shuffled order and come back to an expert
     only after the whole bank, so the weights come from memory, not from the last-level cache.
     """
     num_experts, hidden = bank.w13.shape[0], bank.hidden
     x = torch.randn(1, hidden)
+    if x_bf16:
+        x = x.bfloat16().float()
     pair_token = torch.zeros(k, dtype=torch.int32)
     pair_weight = torch.full((k,), 1.0 / k)
     order = torch.randperm(num_experts, generator=torch.Generator().manual_seed(0)).int()
@@ -100,17 +102,18 @@ def _native_profile(
     min_s: float,
     gap_us: float = 0.0,
     own_rounds: int = 0,
+    x_bf16: bool = True,
 ) -> dict[str, float]:
     """Weight GB/s of one-token jobs of k experts queued in native code as decode queues them
     (gap_us apart; with own_rounds, the workers own and fetch their first rounds of blocks in
     the gap), for about min_s seconds, with where a job's run went
     (`CpuExpertRunner.jobs_profile`)."""
-    probe = runner.jobs_gbps(bank.w13, bank.w2, k, 10, **bank.factors)
+    probe = runner.jobs_gbps(bank.w13, bank.w2, k, 10, bf16_x=x_bf16, **bank.factors)
     step_bytes = k * bank.expert_bytes
     iterations = max(10, int(min_s / (step_bytes / (probe * 1e9) + gap_us * 1e-6)))
     return runner.jobs_profile(
         bank.w13, bank.w2, k, iterations, gap_us=gap_us, own_rounds=own_rounds,
-        fetch_own=own_rounds > 0, **bank.factors,
+        fetch_own=own_rounds > 0, bf16_x=x_bf16, **bank.factors,
     )  # fmt: skip
 
 
@@ -126,6 +129,7 @@ def bench(
     gap_us: float = 0.0,
     own_rounds: Sequence[int] = (0,),
     dtypes: Sequence[str] = DTYPES,
+    x_bf16: bool = True,
 ) -> dict:
     """Per thread count, weight dtype, task size and owned rounds: host read rate, native and
     torch expert weight rates, in GB/s. The native jobs are timed in native code (no Python
@@ -135,7 +139,9 @@ def bench(
 
     shape: (hidden, intermediate, experts in the bank). dtypes: "bf16", "fp8", "mxfp4" and
     "nvfp4" (the same weights quantized, kernels/fp8.py, kernels/mxfp4.py and kernels/nvfp4.py:
-    their rates count the bytes as stored, factors and scales included). The
+    their rates count the bytes as stored, factors and scales included). x_bf16: the
+    activations are bf16 values, as the engine's bf16 models hand them to the kernel (which then
+    takes its bf16 dot products where it has them: `dot` in the results), else fp32 values. The
     host read rate is measured before and after the expert runs and the higher one kept, so that
     a busy machine lowers the share rather than raising it.
     """
@@ -149,12 +155,12 @@ def bench(
     results = []
     for n, bank in ((n, bank) for n in threads for bank in banks):
         with CpuExpertRunner(n, "torch") as ref:
-            torch_rates = {k: _expert_gbps(ref, bank, k, min_s) for k in experts}
+            torch_rates = {k: _expert_gbps(ref, bank, k, min_s, x_bf16) for k in experts}
         for kb, own in ((kb, own) for kb in task_kbs for own in own_rounds):
             with CpuExpertRunner(n, "native", simd, task_kb=kb) as native:
                 read_before_gbps = native.read_gbps(read_bytes)
                 profiles = {
-                    k: _native_profile(native, bank, k, min_s, gap_us, own) for k in experts
+                    k: _native_profile(native, bank, k, min_s, gap_us, own, x_bf16) for k in experts
                 }
                 host_gbps = max(read_before_gbps, native.read_gbps(read_bytes))
                 simd_used = native.simd
@@ -163,7 +169,9 @@ def bench(
                    "experts": {}}  # fmt: skip
             for k, prof in profiles.items():
                 share = prof["gbps"] / host_gbps
+                dot = "bf16" if prof["bf16_dot"] else "fp32"
                 row["experts"][k] = {
+                    "dot": dot,
                     "native_gbps": prof["gbps"],
                     "torch_gbps": torch_rates[k],
                     "native_share_of_host": share,
@@ -174,7 +182,7 @@ def bench(
                 }
                 say(
                     f"{n:>7} {bank.dtype:>5} {kb:>7} {own:>4} {host_gbps:>14.1f} {k:>7} "
-                    f"{prof['gbps']:>11.1f} "
+                    f"{dot:>4} {prof['gbps']:>11.1f} "
                     f"{torch_rates[k]:>10.1f} {share:>11.0%} {prof['run_us']:>7.1f} "
                     f"{prof['phase1_us']:>9.1f} {prof['wait_us']:>7.1f}"
                 )
@@ -237,6 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--own-rounds", default="0",
         help="comma-separated rounds of gate/up blocks the workers own and fetch in the gap",
     )  # fmt: skip
+    parser.add_argument(
+        "--x", choices=("bf16", "fp32"), default="bf16",
+        help="the activations: bf16 values, as the engine's bf16 models give them (the native "
+        "kernel's bf16 dot products, where it has them), or fp32 values (its fp32 path)",
+    )  # fmt: skip
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time per measurement")
     parser.add_argument("--read-mib", type=int, default=1024, help="buffer of the host read test")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -262,11 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(
         f"{_cpu_name()}, {os.cpu_count()} logical CPUs; experts H={args.hidden} "
         f"I={args.intermediate}, 1 token, bank of {args.num_experts}; native jobs "
-        f"{args.gap_us:g} µs apart; GB/s of the weights as stored (with their factors or scales)"
+        f"{args.gap_us:g} µs apart; x {args.x} values; GB/s of the weights as stored (with their "
+        "factors or scales); dot: the native kernel's dot products"
     )
     say(
         f"{'threads':>7} {'dtype':>5} {'task KiB':>7} {'own':>4} {'host read GB/s':>14} "
-        f"{'experts':>7} "
+        f"{'experts':>7} {'dot':>4} "
         f"{'native GB/s':>11} "
         f"{'torch GB/s':>10} {'native/host':>11} {'run µs':>7} {'gate/up µs':>9} {'wait µs':>7}"
     )
@@ -274,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = bench(
             threads, experts, shape, args.simd, args.min_seconds, args.read_mib << 20, say,
-            task_kbs, args.gap_us, own_rounds, dtypes,
+            task_kbs, args.gap_us, own_rounds, dtypes, args.x == "bf16",
         )  # fmt: skip
     except (NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

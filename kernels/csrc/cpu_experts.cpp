@@ -137,19 +137,25 @@ std::shared_ptr<Job> submit_gate(Pool& pool, uintptr_t gate, double limit_s, boo
 // before queueing each job (offloaded decode leaves the workers idle between two layers' jobs);
 // with own_rounds each job's first rounds of gate/up blocks belong to the workers, and with
 // fetch_own each worker is told of its blocks' weights when the gap begins (ExpertJobShell::
-// own_gate_up). Blocks with the GIL released.
-std::tuple<double, double, double, double> time_expert_jobs(
+// own_gate_up). x: bf16 values with bf16_x (a bf16 model's activations, which take the bf16 dot
+// products where the build has them: bf16dot.h), else values with more bits than bf16 holds.
+// Also returns whether the jobs took the bf16 dot products. Blocks with the GIL released.
+std::tuple<double, double, double, double, bool> time_expert_jobs(
     Pool& pool, int simd, int weight_type, uintptr_t w13, uintptr_t w2, uintptr_t w13_factors,
     uintptr_t w2_factors, int64_t E, int64_t H, int64_t I, int64_t k, int64_t iterations,
     double gap_us, int64_t own_rounds, bool fetch_own, uintptr_t w13_tensor_scales,
-    uintptr_t w2_tensor_scales) {
+    uintptr_t w2_tensor_scales, bool bf16_x) {
   if (k < 1 || k > E || iterations < 1) {
     throw std::invalid_argument("need 1 <= k <= experts and at least one iteration");
   }
   if (gap_us < 0 || own_rounds < 0) {
     throw std::invalid_argument("gap_us and own_rounds must be 0 or more");
   }
-  std::vector<float> x(H, 0.01f), out(H);
+  std::vector<float> x(H), out(H);
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = 0.01f * float(1 + i % 7) * (i % 2 ? -1.0f : 1.0f);
+    x[i] = bf16_x ? bits_to_float(uint32_t(round_bf16(v)) << 16) : v;
+  }
   std::vector<int32_t> pair_expert(k), pair_token(k, 0);
   std::vector<float> pair_weight(k, 1.0f / float(k));
   ExpertProblem p{x.data(), out.data(), reinterpret_cast<const void*>(w13),
@@ -165,6 +171,7 @@ std::tuple<double, double, double, double> time_expert_jobs(
   while (std::gcd(stride, E) != 1) ++stride;
   py::gil_scoped_release release;
   double run_s = 0.0, phase1_s = 0.0, wait_s = 0.0;
+  bool bf16_dot = false;
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t it = 0; it < iterations; ++it) {
     for (int64_t j = 0; j < k; ++j) pair_expert[j] = int32_t((it * k + j) * stride % E);
@@ -182,10 +189,11 @@ std::tuple<double, double, double, double> time_expert_jobs(
     const auto [phase1, waits] = job->phase_seconds();
     phase1_s += phase1;
     wait_s += waits;
+    bf16_dot = job->bf16_dot();
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return {seconds, run_s, phase1_s, wait_s};
+  return {seconds, run_s, phase1_s, wait_s, bf16_dot};
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -252,6 +260,52 @@ void widen_e2m1(int simd, uintptr_t src, uintptr_t dst, int64_t n, bool by64) {
   }
 }
 
+// The bf16 dot products' widening (bf16dot.h), for tests: n bytes at src (n a multiple of 64) to
+// the bf16 of their values, in value order, at dst (uint16). form 0: e4m3 bytes, 64 at a time;
+// 1: e2m1 pairs (twice their values), 32 bytes at a time; 2: the same, 16 bytes at a time (a
+// row's last 32 values). Without the bf16 dot products in this build: false, dst untouched.
+bool widen_bf16(uintptr_t src, uintptr_t dst, int64_t n, int form) {
+  if (n % 64 != 0) throw std::invalid_argument("widen_bf16 takes a multiple of 64 bytes");
+  if (form < 0 || form > 2) throw std::invalid_argument("widen_bf16's form is 0, 1 or 2");
+#ifdef MOELAB_HAVE_BF16DOT
+  const auto* in = reinterpret_cast<const uint8_t*>(src);
+  auto* out = reinterpret_cast<uint16_t*>(dst);
+  if (form == 0) {
+    const E4m3Widen widen;
+    for (int64_t i = 0; i < n; i += 64) {
+      widen(reinterpret_cast<const e4m3*>(in + i), reinterpret_cast<__m512i*>(out + i));
+    }
+    return true;
+  }
+  const __m512i table = e2m1_bf16_table();
+  const int64_t step = form == 1 ? 32 : 16;  // bytes
+  for (int64_t i = 0; i < n; i += step) {
+    alignas(64) uint16_t slots[64];
+    if (form == 1) {
+      e2m1_widen64(in + i, table, reinterpret_cast<__m512i*>(slots));
+    } else {
+      _mm512_store_si512(slots, e2m1_widen32(in + i, table));
+    }
+    for (int64_t v = 0; v < 2 * step; ++v) {
+      out[2 * i + v] = slots[bf16_slot<e2m1x2>(v, 2 * step)];
+    }
+  }
+  return true;
+#else
+  (void)src;
+  (void)dst;
+  return false;
+#endif
+}
+
+bool bf16_dot_built() {
+#ifdef MOELAB_HAVE_BF16DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -272,6 +326,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("seconds", &Job::seconds)
       .def("worker_seconds", &Job::worker_seconds)
       .def("phase_seconds", &Job::phase_seconds)
+      .def("bf16_dot", &Job::bf16_dot)
       .def("redone", &Job::redone)
       .def("redoable", &Job::redoable)
       .def("wait", &Job::wait, py::call_guard<py::gil_scoped_release>());
@@ -295,4 +350,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_levels", &simd_levels);
   m.def("widen_e4m3", &widen_e4m3);
   m.def("widen_e2m1", &widen_e2m1);
+  m.def("widen_bf16", &widen_bf16);
+  m.def("bf16_dot_built", &bf16_dot_built);
 }

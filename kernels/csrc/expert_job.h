@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "bf16dot.h"
 #include "mxfp4.h"
 #include "nvfp4.h"
 #include "pool.h"
@@ -227,6 +228,12 @@ class ExpertJob final : public ExpertJobShell {
   // values an element of a row holds (MXFP4: two), and the type of the rows' scales
   static constexpr int64_t kPer = kValuesPerElement<WT>;
   using Scale = typename ScaleOf<WT>::type;
+#ifdef MOELAB_HAVE_BF16DOT
+  // whether this level and type have the bf16 dot products (bf16dot.h)
+  static constexpr bool kCanBf16 = kBf16Dot<WT> && std::is_same_v<B, Avx512>;
+#else
+  static constexpr bool kCanBf16 = false;
+#endif
 
  public:
   ExpertJob(int num_threads, int64_t task_bytes, int64_t capacity, int64_t inter)
@@ -236,6 +243,7 @@ class ExpertJob final : public ExpertJobShell {
         inter_(inter),
         order_(size_t(capacity)),
         h_(size_t(capacity * inter)),
+        h16_(kCanBf16 ? size_t(capacity * inter) : 0),
         group_done_(new Counter[size_t(std::max<int64_t>(1, capacity))]) {
     for (auto* v : {&group_expert_, &group_start_, &token_}) v->reserve(size_t(capacity) + 1);
     weight_.reserve(size_t(capacity));
@@ -325,6 +333,21 @@ class ExpertJob final : public ExpertJobShell {
     for (int64_t g = 0; g < groups; ++g) {
       one_token_each_ &= group_start_[g + 1] - group_start_[g] == 1;
     }
+    bf16_ = false;
+    if constexpr (kCanBf16) {
+      // one token an expert, rows the bf16 dot products take and x all bf16: those products
+      bf16_ = one_token_each_ && bf16_dot_fits<WT>(p.H) && bf16_dot_fits<WT>(p.I) &&
+              (p.split_expert < 0 || bf16_dot_fits<WT>(p.I - p.split_row)) &&
+              all_bf16(x, p.T * p.H);
+      if (bf16_) {
+        x16_.resize(size_t(p.T * p.H));
+        for (int64_t t = 0; t < p.T; ++t) {
+          for (int64_t k = 0; k < p.H; ++k) {
+            x16_[size_t(t * p.H + bf16_slot<WT>(k, p.H))] = round_bf16(x[t * p.H + k]);
+          }
+        }
+      }
+    }
     // Phase 1: the groups' gate/up row pairs, one after the other (the split expert's from its
     // first CPU row), cut into blocks of about task_bytes; phase 2: the output rows, at least 4
     // blocks per thread. Each phase has a multiple of num_threads blocks of equal size (to the
@@ -349,6 +372,8 @@ class ExpertJob final : public ExpertJobShell {
     phase1_left_.store(blocks1_.count, std::memory_order_relaxed);
     set_num_tasks(groups == 0 ? 0 : blocks1_.count + blocks2_.count);
   }
+
+  bool bf16_dot() const override { return bf16_; }
 
   std::pair<double, double> phase_seconds() const override {
     if (!done() || blocks1_.count == 0) return {0.0, 0.0};
@@ -393,7 +418,11 @@ class ExpertJob final : public ExpertJobShell {
     for_each_part(i, [&](int64_t g, int64_t r_begin, int64_t r_end) {
       const int64_t n = r_end - r_begin;
       for (int32_t j = group_start_[g]; j < group_start_[g + 1]; ++j, at += n) {
-        std::copy_n(h.data() + at, n, h_.data() + int64_t(j) * p_.I + r_begin);
+        if (bf16_) {
+          store_h16(g, j, r_begin, r_end, h.data() + at);
+        } else {
+          std::copy_n(h.data() + at, n, h_.data() + int64_t(j) * p_.I + r_begin);
+        }
       }
       group_done_[g].value.fetch_add(n, std::memory_order_release);
     });
@@ -409,6 +438,20 @@ class ExpertJob final : public ExpertJobShell {
   }
 
  private:
+  // Pair j's h of rows [r_begin, r_end) (of group g), rounded to bf16: as fp32 into h_, and as bf16
+  // into h16_ in the order the bf16 dot products of its down projection read (bf16dot.h), from
+  // the group's first row.
+  void store_h16(int64_t g, int32_t j, int64_t r_begin, int64_t r_end, const float* h) {
+    const int64_t first = first_row(g), K = p_.I - first;
+    float* out = h_.data() + int64_t(j) * p_.I;
+    uint16_t* out16 = h16_.data() + int64_t(j) * p_.I + first;
+    for (int64_t r = r_begin; r < r_end; ++r) {
+      const uint16_t v = round_bf16(h[r - r_begin]);
+      out[r] = bits_to_float(uint32_t(v) << 16);
+      out16[bf16_slot<WT>(r - first, K)] = v;
+    }
+  }
+
   // fn(g, r_begin, r_end) for each group g whose gate/up rows [r_begin, r_end) of its expert lie
   // in gate/up block b (the block's rows of the groups' rows one after the other).
   template <class Fn>
@@ -443,15 +486,21 @@ class ExpertJob final : public ExpertJobShell {
         return i < 2 * n ? up + (r_begin + i - n) * Hp : nullptr;
       };
       const float gate_scale = tensor13(e, 0), up_scale = tensor13(e, 1);
-      for (int64_t i = 0; i < n; ++i) {
-        h[i] = dot_row<B>(row(i), factors13(e, r_begin + i), x, H, row(i + ahead)) * gate_scale;
-      }
+      // row i . x, with the bf16 products where the job takes them
+      auto dot = [&](int64_t i, const Scale* factors) {
+        if constexpr (kCanBf16) {
+          if (bf16_) {
+            const uint16_t* x16 = x16_.data() + int64_t(token_[j0]) * H;
+            return dot_row_bf16(row(i), factors, x16, H, row(i + ahead));
+          }
+        }
+        return dot_row<B>(row(i), factors, x, H, row(i + ahead));
+      };
+      for (int64_t i = 0; i < n; ++i) h[i] = dot(i, factors13(e, r_begin + i)) * gate_scale;
       for (int64_t i = 0; i < n; ++i) {
         const float gv = h[i] + bias13(e, r_begin + i);
-        const float uv =
-            dot_row<B>(row(n + i), factors13(e, I + r_begin + i), x, H, row(n + i + ahead)) *
-                up_scale +
-            bias13(e, I + r_begin + i);
+        const float uv = dot(n + i, factors13(e, I + r_begin + i)) * up_scale +
+                         bias13(e, I + r_begin + i);
         h[i] = activate(gv, uv, p_.swiglu_limit);
       }
       return;
@@ -527,7 +576,16 @@ class ExpertJob final : public ExpertJobShell {
         const float scaled = weight_[j] * tensor2(group_expert_[g]);
         for (int64_t i = g * n; i < (g + 1) * n; ++i) {
           const Scale* factors = factors2(group_expert_[g], r0 + i % n, first);
-          token_out[i % n] += scaled * dot_row<B>(row(i), factors, h, I - first, row(i + ahead));
+          const float dot = [&] {
+            if constexpr (kCanBf16) {
+              if (bf16_) {
+                const uint16_t* h16 = h16_.data() + int64_t(j) * I + first;
+                return dot_row_bf16(row(i), factors, h16, I - first, row(i + ahead));
+              }
+            }
+            return dot_row<B>(row(i), factors, h, I - first, row(i + ahead));
+          }();
+          token_out[i % n] += scaled * dot;
         }
       }
       return;
@@ -678,6 +736,10 @@ class ExpertJob final : public ExpertJobShell {
   std::vector<const float*> x_row_;    // per pair: its row of x
   std::vector<float> h_;               // [pairs, I]
   std::vector<float> x_copy_;          // [T, H]: x, where the job keeps its own (redoable)
+  // the bf16 dot products (bf16dot.h): whether this job takes them, x and h as bf16 in their order
+  bool bf16_ = false;
+  std::vector<uint16_t> x16_;  // [T, H]
+  std::vector<uint16_t> h16_;  // [pairs, I]
   std::vector<int64_t> group_rows_;  // group g's phase-1 rows: [group_rows[g], group_rows[g+1])
   TaperedBlocks blocks1_;  // of the groups' phase-1 rows, one group after the other
   TaperedBlocks blocks2_;  // of the output rows

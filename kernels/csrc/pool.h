@@ -222,6 +222,8 @@ class Job {
   // phase, and the seconds its tasks waited for the first phase, all threads together (an expert
   // job's down projection for the gate/up rows). Both 0 for a job of one phase, and until done.
   virtual std::pair<double, double> phase_seconds() const { return {0.0, 0.0}; }
+  // Whether the job's dot products were vdpbf16ps's (bf16dot.h).
+  virtual bool bf16_dot() const { return false; }
 
   void wait() {
     // The caller usually waits for well under a millisecond: spin a little before sleeping.

@@ -1,0 +1,229 @@
+// The bf16 dot products of the CPU expert kernel: FP8 (e4m3), MXFP4 and NVFP4 rows of a job whose
+// activations are all bf16 values (a bf16 model's, made fp32 for the handoff) are widened to bf16,
+// not fp32, and multiplied by a bf16 copy of the activations with vdpbf16ps (AVX-512 BF16: 32
+// products summed into 16 fp32 lanes by one instruction). The product of two bf16 is exact in
+// fp32, so only the order of the sums differs from the fp32 path (and vdpbf16ps reads denormal
+// bf16 inputs, below 2^-126, as zero). The block's factor or scale multiplies each block's sum,
+// once a block. The down projection's input h is rounded to bf16 for these jobs, as a bf16 model
+// rounds it on the GPU. Built where the compiler targets AVX-512 BF16 and VBMI (the widenings'
+// byte permutes); elsewhere, and for activations that are not all bf16, the fp32 path.
+// Included by expert_job.h only (one translation unit): internal linkage, like the rest.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "mxfp4.h"
+#include "nvfp4.h"
+#include "simd.h"
+
+#if defined(MOELAB_HAVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define MOELAB_HAVE_BF16DOT 1
+#endif
+
+namespace {
+
+// The weight types with a bf16 dot product.
+template <class WT>
+constexpr bool kBf16Dot =
+    std::is_same_v<WT, e4m3> || std::is_same_v<WT, e2m1x2> || std::is_same_v<WT, nv_e2m1x2>;
+
+// Whether rows of K values of type WT take it: FP8 rows of whole 128-column blocks, 4-bit rows
+// of whole 32-value steps.
+template <class WT>
+bool bf16_dot_fits(int64_t K) {
+  if constexpr (std::is_same_v<WT, e4m3>) return K % kFp8Block == 0;
+  return K % 32 == 0;
+}
+
+// Whether each of n floats is a bf16 value (its low 16 bits zero).
+inline bool all_bf16(const float* x, int64_t n) {
+  uint32_t low = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    low |= u;
+  }
+  return (low & 0xFFFFu) == 0;
+}
+
+// The bf16 nearest to v (ties to even; a NaN stays NaN).
+inline uint16_t round_bf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+
+// Where value v of a K-value vector lies in its bf16 copy for rows of type WT: the order in which
+// the widening below gives a row's weights. FP8: in order. 4-bit: each 64 values' even ones, then
+// their odd ones (a last 32: its 16 even, then its 16 odd), as the low and the high nibbles of
+// the bytes come.
+template <class WT>
+int64_t bf16_slot(int64_t v, int64_t K) {
+  if constexpr (std::is_same_v<WT, e4m3>) {
+    return v;
+  } else {
+    const int64_t base = v / 64 * 64, i = v - base;
+    const int64_t half = base + 64 <= K ? 32 : 16;
+    return base + (i & 1 ? half : 0) + i / 2;
+  }
+}
+
+#ifdef MOELAB_HAVE_BF16DOT
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+inline __m512 dot_bf16(__m512 acc, __m512i w, const uint16_t* x) {
+  return _mm512_dpbf16_ps(acc, as_bh(w), as_bh(_mm512_loadu_si512(x)));
+}
+
+// The bf16 of every e4m3 magnitude (the low 7 bits of a byte), as its low and its high bytes:
+// exact, subnormals included (m * 2^-9 is a bf16 normal); 0x7F NaN.
+struct E4m3Bf16Table {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  E4m3Bf16Table() {
+    for (int b = 0; b < 128; ++b) {
+      const float v = to_float(e4m3{uint8_t(b)}, 1.0f);
+      const uint16_t bits = b == 0x7F ? uint16_t(0x7FC0) : round_bf16(v);
+      lo[b] = uint8_t(bits & 0xFF);
+      hi[b] = uint8_t(bits >> 8);
+    }
+  }
+};
+inline const E4m3Bf16Table& e4m3_bf16() {
+  static const E4m3Bf16Table table;
+  return table;
+}
+
+// 64 e4m3 bytes to their 64 bf16, in order (out[0]: values 0..31, out[1]: 32..63): each byte's
+// low and high result bytes looked up by its 7 low bits in two 128-byte tables (vpermi2b), the
+// sign put into the high byte, and the two interleaved into 16-bit lanes (two more vpermi2b).
+struct E4m3Widen {
+  __m512i lo0, lo1, hi0, hi1, first, second;
+  E4m3Widen() {
+    const E4m3Bf16Table& t = e4m3_bf16();
+    lo0 = _mm512_load_si512(t.lo);
+    lo1 = _mm512_load_si512(t.lo + 64);
+    hi0 = _mm512_load_si512(t.hi);
+    hi1 = _mm512_load_si512(t.hi + 64);
+    alignas(64) uint8_t a[64], b[64];
+    for (int k = 0; k < 32; ++k) {
+      a[2 * k] = uint8_t(k);  // the low byte, from the first source
+      a[2 * k + 1] = uint8_t(64 + k);  // the high byte, from the second
+      b[2 * k] = uint8_t(32 + k);
+      b[2 * k + 1] = uint8_t(96 + k);
+    }
+    first = _mm512_load_si512(a);
+    second = _mm512_load_si512(b);
+  }
+  void operator()(const e4m3* p, __m512i* out) const {
+    const __m512i bytes = _mm512_loadu_si512(p);
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, bytes, lo1);
+    // hi | (bytes & 0x80)
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, bytes, hi1), bytes,
+                                                 _mm512_set1_epi8(char(0x80)), 0xF8);
+    out[0] = _mm512_permutex2var_epi8(lo, first, hi);
+    out[1] = _mm512_permutex2var_epi8(lo, second, hi);
+  }
+};
+
+// An e4m3 row . x (x: K bf16 in bf16_slot's order, K a multiple of 128): each block's 128
+// products summed by vdpbf16ps, then times the block's factor onto the row's total. A NaN byte
+// widens to a NaN and makes the sum NaN. `ahead`: prefetched, a line for each read (dot_row).
+inline float dot_row_bf16(const e4m3* row, const float* factors, const uint16_t* x, int64_t K,
+                          const e4m3* ahead) {
+  const E4m3Widen widen;
+  __m512 total[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t k = 0; k < K; k += kFp8Block) {
+    if (ahead != nullptr) {
+      prefetch(ahead + k);
+      prefetch(ahead + k + 64);
+    }
+    __m512i w[4];
+    widen(row + k, w);
+    widen(row + k + 64, w + 2);
+    __m512 a = dot_bf16(_mm512_setzero_ps(), w[0], x + k);
+    __m512 b = dot_bf16(_mm512_setzero_ps(), w[1], x + k + 32);
+    a = dot_bf16(a, w[2], x + k + 64);
+    b = dot_bf16(b, w[3], x + k + 96);
+    const __m512 factor = _mm512_set1_ps(factors[k / kFp8Block]);
+    total[0] = _mm512_fmadd_ps(a, factor, total[0]);
+    total[1] = _mm512_fmadd_ps(b, factor, total[1]);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]));
+}
+
+// Twice each e2m1 code's value as bf16 (kE2m1Twice: integers), twice over: a 16-bit lane's index
+// is its low 5 bits, and bit 4 may hold the next nibble's lowest bit.
+struct E2m1Bf16Table {
+  alignas(64) uint16_t bits[32];
+  E2m1Bf16Table() {
+    for (int i = 0; i < 32; ++i) bits[i] = round_bf16(float(kE2m1Twice[i & 15]));
+  }
+};
+inline __m512i e2m1_bf16_table() {
+  static const E2m1Bf16Table table;
+  return _mm512_load_si512(table.bits);
+}
+
+// 32 bytes of e2m1 pairs to twice their 64 values as bf16 in bf16_slot's order: out[0] the even
+// values (the low nibbles), out[1] the odd ones (the high nibbles); one vpermw each.
+inline void e2m1_widen64(const uint8_t* p, __m512i table, __m512i* out) {
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i bytes = _mm512_cvtepu8_epi16(packed);
+  out[0] = _mm512_permutexvar_epi16(bytes, table);
+  out[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+}
+// 16 bytes to their 32 values' twice, the 16 even then the 16 odd (a row's last 32 values).
+inline __m512i e2m1_widen32(const uint8_t* p, __m512i table) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i both =
+      _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+  return _mm512_permutexvar_epi16(both, table);
+}
+
+// An MXFP4 or NVFP4 row . x (x: K bf16 in bf16_slot's order, K a multiple of 32): each step's
+// products summed by vdpbf16ps into 16 lanes, each lane's four (or two) products from one block,
+// then times the blocks' half-scales, lane by lane, onto the row's total. Over 64 values lane j
+// holds values 4j..4j+3: MXFP4's blocks are lanes 0..7 and 8..15, NVFP4's four of 4 lanes; over
+// a last 32, lane j < 8 values 4j and 4j+2, lane 8 + j the odd values between.
+template <class WT>
+float dot_row_bf16(const WT* row, const uint8_t* scales, const uint16_t* x, int64_t K,
+                   const WT* ahead) {
+  constexpr bool nv = std::is_same_v<WT, nv_e2m1x2>;
+  constexpr int64_t kBlock = nv ? kNvBlock : kMxBlock;
+  const float* halves = nv ? e4m3_halves() : e8m0_halves();
+  const auto* bytes = reinterpret_cast<const uint8_t*>(row);
+  const __m512i table = e2m1_bf16_table();
+  auto half = [&](int64_t at) { return _mm512_set1_ps(halves[scales[at / kBlock]]); };
+  __m512 total[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    if (ahead != nullptr && k % 128 == 0) prefetch(ahead + k / 2);  // a line: 128 values
+    __m512i w[2];
+    e2m1_widen64(bytes + k / 2, table, w);
+    const __m512 sum = dot_bf16(dot_bf16(_mm512_setzero_ps(), w[0], x + k), w[1], x + k + 32);
+    __m512 scale;
+    if constexpr (nv) {
+      // lanes 0..3 and 8..11 of each the even block's, 4..7 and 12..15 the odd one's
+      const __m512 first = _mm512_mask_blend_ps(0xF0F0, half(k), half(k + 16));
+      const __m512 second = _mm512_mask_blend_ps(0xF0F0, half(k + 32), half(k + 48));
+      scale = _mm512_mask_blend_ps(0xFF00, first, second);
+    } else {
+      scale = _mm512_mask_blend_ps(0xFF00, half(k), half(k + 32));
+    }
+    const int u = int(k / 64) & 1;
+    total[u] = _mm512_fmadd_ps(sum, scale, total[u]);
+  }
+  if (k < K) {  // a last 32 values
+    if (ahead != nullptr && k % 128 == 0) prefetch(ahead + k / 2);
+    const __m512 sum = dot_bf16(_mm512_setzero_ps(), e2m1_widen32(bytes + k / 2, table), x + k);
+    const __m512 scale = nv ? _mm512_mask_blend_ps(0xF0F0, half(k), half(k + 16)) : half(k);
+    total[0] = _mm512_fmadd_ps(sum, scale, total[0]);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]));
+}
+#endif
+
+}  // namespace
