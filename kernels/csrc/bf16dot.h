@@ -29,12 +29,11 @@ template <class WT>
 constexpr bool kBf16Dot =
     std::is_same_v<WT, e4m3> || std::is_same_v<WT, e2m1x2> || std::is_same_v<WT, nv_e2m1x2>;
 
-// Whether rows of K values of type WT take it: FP8 rows of whole 128-column blocks, 4-bit rows
-// of whole 32-value steps.
+// Whether rows of K values of type WT take it: FP8 rows of whole 64-column steps (a last block
+// of 64 columns: gpt-oss's 2880), 4-bit rows of whole 32-value steps.
 template <class WT>
 bool bf16_dot_fits(int64_t K) {
-  if constexpr (std::is_same_v<WT, e4m3>) return K % kFp8Block == 0;
-  return K % 32 == 0;
+  return K % (std::is_same_v<WT, e4m3> ? 64 : 32) == 0;
 }
 
 // Whether each of n floats is a bf16 value (its low 16 bits zero).
@@ -123,14 +122,16 @@ struct E4m3Widen {
   }
 };
 
-// An e4m3 row . x (x: K bf16 in bf16_slot's order, K a multiple of 128): each block's 128
-// products summed by vdpbf16ps, then times the block's factor onto the row's total. A NaN byte
-// widens to a NaN and makes the sum NaN. `ahead`: prefetched, a line for each read (dot_row).
+// An e4m3 row . x (x: K bf16 in bf16_slot's order, K a multiple of 64): each block's 128
+// products (a last block's 64) summed by vdpbf16ps, then times the block's factor onto the row's
+// total. A NaN byte widens to a NaN and makes the sum NaN. `ahead`: prefetched, a line for each
+// read (dot_row).
 inline float dot_row_bf16(const e4m3* row, const float* factors, const uint16_t* x, int64_t K,
                           const e4m3* ahead) {
   const E4m3Widen widen;
   __m512 total[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (int64_t k = 0; k < K; k += kFp8Block) {
+  int64_t k = 0;
+  for (; k + kFp8Block <= K; k += kFp8Block) {
     if (ahead != nullptr) {
       prefetch(ahead + k);
       prefetch(ahead + k + 64);
@@ -145,6 +146,13 @@ inline float dot_row_bf16(const e4m3* row, const float* factors, const uint16_t*
     const __m512 factor = _mm512_set1_ps(factors[k / kFp8Block]);
     total[0] = _mm512_fmadd_ps(a, factor, total[0]);
     total[1] = _mm512_fmadd_ps(b, factor, total[1]);
+  }
+  if (k < K) {  // a last block of 64 columns
+    if (ahead != nullptr) prefetch(ahead + k);
+    __m512i w[2];
+    widen(row + k, w);
+    const __m512 a = dot_bf16(dot_bf16(_mm512_setzero_ps(), w[0], x + k), w[1], x + k + 32);
+    total[0] = _mm512_fmadd_ps(a, _mm512_set1_ps(factors[k / kFp8Block]), total[0]);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]));
 }

@@ -175,12 +175,12 @@ def nvfp4_call(gen: torch.Generator, num_experts: int, hidden: int, inter: int):
 
 
 # (bank, experts, H, I, tokens, pairs): one token an expert. FP8: rows of whole 128-column
-# blocks, several blocks a row; MXFP4 and NVFP4: rows of whole 64-value steps and a last 32
-# (I = 96: a step and a half; NVFP4's H = 160: two steps and a half), several experts a token
-# and tokens of their own.
+# blocks, several blocks a row, and rows ending in a block of 64 (H = 320, I = 192); MXFP4 and
+# NVFP4: rows of whole 64-value steps and a last 32 (I = 96: a step and a half; NVFP4's H = 160:
+# two steps and a half); several experts a token and tokens of their own.
 CASES = {
     "fp8-decode-top4": (fp8_call, 6, 384, 256, 1, [(5, 0), (0, 0), (3, 0), (1, 0)]),
-    "fp8-batch": (fp8_call, 4, 256, 128, 3, [(2, 0), (0, 1), (3, 1), (1, 2)]),
+    "fp8-batch": (fp8_call, 4, 320, 192, 3, [(2, 0), (0, 1), (3, 1), (1, 2)]),
     "mxfp4-decode-top4": (mxfp4_call, 5, 192, 96, 1, [(4, 0), (0, 0), (2, 0), (1, 0)]),
     "mxfp4-batch": (mxfp4_call, 3, 256, 96, 3, [(0, 0), (1, 1), (2, 2)]),
     "nvfp4-decode-top4": (nvfp4_call, 5, 160, 96, 1, [(4, 0), (0, 0), (2, 0), (1, 0)]),
@@ -226,6 +226,21 @@ def test_x_that_is_not_all_bf16_keeps_the_exact_fp32_path(case: str) -> None:
         out = job.wait()
         assert not job.bf16_dot(), f"{case}: a job of fp32 x took the bf16 dot products"
     assert_within_bound(out, *exact_and_bound(*dequantized), f"{case} fp32 x")
+
+
+def test_fp8_rows_of_a_ragged_block_keep_the_fp32_path_with_bf16_x() -> None:
+    """FP8 rows whose last block is not a multiple of 64 columns (H = 300, I = 200) take the fp32
+    path even for x of bf16 values, within its fp32 bound (h not rounded)."""
+    gen = torch.Generator().manual_seed(SEED + zlib.crc32(b"ragged"))
+    weights, keywords, dequantized = fp8_call(gen, 3, 300, 200)
+    x = bf16_values(torch.randn(1, 300, generator=gen))
+    pair_args = (torch.tensor([2, 0], dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    pair_args += (torch.rand(2, generator=gen) + 0.1,)
+    with CpuExpertRunner(2, "native") as runner:
+        job = runner.submit(x, *weights, *pair_args, **keywords)
+        out = job.wait()
+        assert not job.bf16_dot(), "rows of a ragged block took the bf16 dot products"
+    assert_within_bound(out, *exact_and_bound(x, *dequantized, *pair_args), "ragged fp8")
 
 
 def test_a_nan_byte_gives_nan_rows_in_the_bf16_dot() -> None:
