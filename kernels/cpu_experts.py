@@ -6,7 +6,8 @@ headers, built once per source by torch's JIT extension loader) streams bf16/fp1
 FP8 weights with their block factors (kernels/fp8.py) or MXFP4 blocks with their scales
 (kernels/mxfp4.py), as stored, at close to the host's memory bandwidth; `cpu_experts_ref` is the
 plain-torch reference and the fallback; NVFP4 values with their e4m3 scales and per-tensor
-scales (kernels/nvfp4.py) too. Its build: native_build.py; its benchmark:
+scales (kernels/nvfp4.py) too; FP8 and 4-bit rows of bf16 activations (a bf16 model's) through
+AVX-512 BF16 dot products where the CPU has them. Its build: native_build.py; its benchmark:
 `python -m moelab.kernels.cpu_experts_bench --threads 1,2,4` (see docs/cpu-experts.md).
 """
 

@@ -11,9 +11,11 @@
 // as in decode at batch 1, one row after another, prefetched about 8 KiB ahead; one with several,
 // in tiles of rows times tokens, prefetched a tile ahead), converted to fp32 in registers (bf16 by
 // a 16-bit shift, fp16 by vcvtph2ps, e4m3 by vcvtph2ps of its bits moved into an fp16, then its
-// block's factor: simd.h) and accumulated with fp32 FMAs. Workers never touch Python; the caller
-// blocks only in Job::wait, without the GIL. The pool may keep each worker on a CPU of its own
-// (engine/experts/cpu.py chooses them).
+// block's factor: simd.h) and accumulated with fp32 FMAs; FP8, MXFP4 and NVFP4 rows of a job
+// whose x are all bf16 values, one token an expert, are widened to bf16 instead and multiplied
+// with vdpbf16ps where the build has AVX-512 BF16 (bf16dot.h). Workers never touch Python; the
+// caller blocks only in Job::wait, without the GIL. The pool may keep each worker on a CPU of its
+// own (engine/experts/cpu.py chooses them).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
