@@ -438,17 +438,13 @@ class ExpertJob final : public ExpertJobShell {
   }
 
  private:
-  // Pair j's h of rows [r_begin, r_end) (of group g), rounded to bf16: as fp32 into h_, and as bf16
-  // into h16_ in the order the bf16 dot products of its down projection read (bf16dot.h), from
-  // the group's first row.
+  // Pair j's h of rows [r_begin, r_end) (of group g), rounded to bf16, into h16_ in the order the
+  // bf16 dot products of its down projection read (bf16dot.h), from the group's first row.
   void store_h16(int64_t g, int32_t j, int64_t r_begin, int64_t r_end, const float* h) {
     const int64_t first = first_row(g), K = p_.I - first;
-    float* out = h_.data() + int64_t(j) * p_.I;
-    uint16_t* out16 = h16_.data() + int64_t(j) * p_.I + first;
+    uint16_t* out = h16_.data() + int64_t(j) * p_.I + first;
     for (int64_t r = r_begin; r < r_end; ++r) {
-      const uint16_t v = round_bf16(h[r - r_begin]);
-      out[r] = bits_to_float(uint32_t(v) << 16);
-      out16[bf16_slot<WT>(r - first, K)] = v;
+      out[bf16_slot<WT>(r - first, K)] = round_bf16(h[r - r_begin]);
     }
   }
 
