@@ -129,7 +129,7 @@ def _rows_pointers(w_ptr, s_ptr, slot, first_row, n_idx, stride_ws, stride_wn, s
 
 
 @triton.jit
-def _one_token_gate_up_kernel(
+def _fp4_gate_up_kernel(
     x_ptr, slots_ptr, w13_ptr, s13_ptr, t13_ptr, b13_ptr, act_ptr, hidden, inter, limit,
     stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
@@ -188,7 +188,7 @@ def _one_token_gate_up_kernel(
 
 
 @triton.jit
-def _one_token_down_kernel(
+def _fp4_down_kernel(
     act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, t2_ptr, b2_ptr, y_ptr, hidden, inter,
     stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
@@ -272,14 +272,14 @@ def launch(
         "num_warps": cfg.num_warps,
         **common.pdl_launch(x.device),
     }
-    _one_token_gate_up_kernel[(top_k, triton.cdiv(inter, cfg.gate_up_block_n))](
+    _fp4_gate_up_kernel[(top_k, triton.cdiv(inter, cfg.gate_up_block_n))](
         x, slot_ids, words13, s13, t13, b13, act, hidden, inter, float(limit),
         words13.stride(0) // vec13, words13.stride(1) // vec13, s13.stride(0), s13.stride(1),
         b13.stride(0), BLOCK_N=cfg.gate_up_block_n,
         BLOCK_K=min(cfg.gate_up_block_k, common.next_pow2(hidden, VECTOR_VALUES)), VEC=vec13,
         CLAMPED=limit > 0, **shared,
     )  # fmt: skip
-    _one_token_down_kernel[(top_k, triton.cdiv(hidden, cfg.down_block_n))](
+    _fp4_down_kernel[(top_k, triton.cdiv(hidden, cfg.down_block_n))](
         act, slot_ids, route_weights, words2, s2, t2, b2, y, hidden, inter,
         words2.stride(0) // vec2, words2.stride(1) // vec2, s2.stride(0), s2.stride(1),
         b2.stride(0), BLOCK_N=cfg.down_block_n,

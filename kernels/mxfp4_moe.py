@@ -221,12 +221,12 @@ def block_dot(acc, rows, row_scales, n_ok, block, blocks, columns, SCALE_BLOCK: 
     row_ok = n_ok & (tl.zeros(n_ok.shape, tl.int32) + block < blocks)
     j = tl.arange(0, SCALE_BLOCK // 8)
     words = tl.load(rows + block * (SCALE_BLOCK // 8) + j[None, :], mask=row_ok[:, None], other=0)
-    weights = halves(words, tl.float32)
+    weights = halves(words, tl.float16)
     codes = tl.load(row_scales + block, mask=row_ok, other=0).to(tl.int32)
     factor = e4m3_scales(codes) if NVFP4 else scales(codes)
     # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it. fp16
     # to fp32 to the compute dtype: both exact, and cheaper on a GPU than fp16 to bf16 at once.
-    weights = weights.to(COMPUTE)
+    weights = weights.to(tl.float32).to(COMPUTE)
     product = tl.dot(weights, columns, input_precision="ieee")
     return acc + product * factor[:, None]
 

@@ -237,10 +237,24 @@ def compile_fp8_kv(dtype: torch.dtype) -> None:
 
 
 def compile_gpt_oss() -> None:
-    """gpt-oss's variants: the MoE launches with the experts' biases and clamped SwiGLU (bf16 and
-    FP8 banks), decode attention with the sinks and the window (64 q heads, 8 KV heads of 64)."""
+    """gpt-oss's variants: the MoE launches with the experts' biases and clamped SwiGLU (bf16, FP8
+    and MXFP4 banks), decode attention with the sinks and the window (64 q heads, 8 KV heads of
+    64)."""
     compile_moe(BF16, fp8_bank=False, biased=True)
     compile_moe(BF16, fp8_bank=True, biased=True)
+    # gpt-oss-120b's MXFP4 experts (H = I = 2880, top-4): one token's launches, and the tl.dot ones
+    hidden, experts = 2880, 128
+    w13 = torch.empty(experts, 2 * hidden, hidden // 32, 16, dtype=torch.uint8)
+    w2 = torch.empty(experts, hidden, hidden // 32, 16, dtype=torch.uint8)
+    scales = (w13[..., 0].contiguous(), w2[..., 0].contiguous())
+    extras = {"w13_bias": torch.zeros(experts, 2 * hidden), "w2_bias": torch.zeros(experts, hidden),
+              "swiglu_limit": 7.0}  # fmt: skip
+    for tokens in (1, 16):
+        x = torch.randn(tokens, hidden, dtype=BF16)
+        slots = torch.randint(0, experts, (tokens, 4), dtype=torch.int32)
+        mxfp4_moe.fused_moe_decode_mxfp4(
+            x, slots, torch.rand(tokens, 4), w13, w2, *scales, reduce=False, **extras
+        )
     for batch, context in ((1, 32768), (8, 4096)):
         q = torch.randn(batch, 64, 64, dtype=BF16)
         cache = torch.empty(batch * context // 16, 16, 8, 64, dtype=BF16)

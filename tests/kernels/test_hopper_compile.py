@@ -20,6 +20,8 @@ SHARED_BYTES = {86: 101376, 75: 65536}
 MXFP4_KERNELS = {
     "_decode_gate_up_kernel",
     "_decode_down_kernel",
+    "_fp4_gate_up_kernel",
+    "_fp4_down_kernel",
     "_grouped_gate_up_kernel",
     "_grouped_down_kernel",
 }
