@@ -91,15 +91,16 @@ FUSED_SDPA = (
 
 # The 4-bit decode's launches that --sweep times at T=1 beside the default (the one-token
 # launches at choose_config's tiles): the one-token ones at other tiles (OneTokenFP4Config
-# fields: gate/up rows and columns a step, down rows and columns a step, warps, stages), and the
-# tl.dot ones at their default tiles and others (DotDecodeConfig: rows a program, columns a step).
+# fields: gate/up rows and columns a step, down rows and columns a step, warps, stages; rows x
+# columns / 32 at least the threads, each a 16-byte vector a step), and the tl.dot ones at their
+# default tiles and others (DotDecodeConfig: rows a program, columns a step).
 FP4_ONE_TOKEN_SWEEP = (
-    (8, 512, 16, 256, 4, 3),
+    (8, 512, 16, 256, 4, 2),
     (8, 512, 16, 256, 4, 4),
     (16, 512, 16, 512, 4, 3),
     (4, 1024, 8, 512, 4, 3),
     (8, 256, 8, 256, 2, 3),
-    (16, 256, 32, 256, 8, 3),
+    (16, 512, 32, 256, 8, 3),
     (8, 1024, 16, 512, 4, 2),
     (16, 1024, 32, 512, 8, 2),
 )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moelab.kernels import bench, common, measure
-from moelab.kernels.fp4_one_token import OneTokenFP4Config
+from moelab.kernels.fp4_one_token import OneTokenFP4Config, choose_config
 from moelab.kernels.mxfp4_moe import DotDecodeConfig
 
 
@@ -138,6 +138,12 @@ def test_the_4bit_decode_rows_time_batches_and_the_sweep_each_launch_at_one_toke
         rows = [row[1:] for row in timed if row[0] == name]
         assert rows == [(1,), (4,), (8,)] + [(1, config) for config in configs]
     assert DotDecodeConfig() in configs, "the tl.dot launches at their default tiles"
+    chosen = choose_config(bench.TOP_K, bench.HIDDEN, bench.INTER, 132)
+    assert chosen not in configs, "the default's row twice"
+    for c in configs[: len(bench.FP4_ONE_TOKEN_SWEEP)]:  # no two threads read the same bytes
+        threads = 32 * c.num_warps
+        assert c.gate_up_block_n * c.gate_up_block_k // 32 >= threads, c
+        assert c.down_block_n * c.down_block_k // 32 >= threads, c
 
 
 @pytest.mark.usefixtures("triton_runs")
