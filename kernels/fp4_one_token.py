@@ -63,19 +63,28 @@ class OneTokenFP4Config:
 
 
 @functools.lru_cache(maxsize=32)
-def choose_config(top_k: int, hidden: int, inter: int, sms: int) -> OneTokenFP4Config:
+def choose_config(
+    top_k: int, hidden: int, inter: int, sms: int, few_routes: bool = False
+) -> OneTokenFP4Config:
     """One-token tiles for a geometry on a device with `sms` SMs, by gemv's rule for one token.
 
     Each launch takes the widest block of up to 16 rows whose grid (routes x row blocks) still
     gives gemv.ROW_PROGRAMS_PER_SM programs per SM, and a step of columns that gives each of its
-    threads one 16-byte vector of the rows (no wider than the rows). Qwen3-30B-A3B (H=2048,
-    I=768, 8 routes) on 132 SMs: gate/up 8 rows by 512 (768 programs), down 16 rows by 256
-    (1024 programs); gpt-oss-120b (H=I=2880, 4 routes): 16 rows by 256 in both.
+    threads one 16-byte vector of the rows (no wider than the rows; fewer warps where the rows
+    are too short for 4). Qwen3-30B-A3B (H=2048, I=768, 8 routes) on 132 SMs: gate/up 8 rows by
+    512 (768 programs), down 16 rows by 256 (1024 programs); gpt-oss-120b (H=I=2880, 4 routes):
+    16 rows by 256 in both.
+
+    few_routes: for a launch where one or two routes are live (the routes a layer step's fills
+    serve): the rule for one route, so that one live route's rows spread over the whole device
+    (the masked routes' programs return at once): there, gate/up 1 row by 2048 (768 programs a
+    route), down 2 rows by 1024, 2 warps.
     """
+    routes = 1 if few_routes else top_k
 
     def rows_per_program(rows: int) -> int:
         block_n = 16
-        while block_n > 1 and top_k * triton.cdiv(rows, block_n) < gemv.ROW_PROGRAMS_PER_SM * sms:
+        while block_n > 1 and routes * triton.cdiv(rows, block_n) < gemv.ROW_PROGRAMS_PER_SM * sms:
             block_n //= 2
         return block_n
 
@@ -84,11 +93,14 @@ def choose_config(top_k: int, hidden: int, inter: int, sms: int) -> OneTokenFP4C
         return min(max(every_thread, 256), common.next_pow2(columns, VECTOR_VALUES))
 
     gate_up_n, down_n = rows_per_program(inter), rows_per_program(hidden)
+    gate_up_k, down_k = step(gate_up_n, hidden), step(down_n, inter)
+    vectors = min(gate_up_n * gate_up_k, down_n * down_k) // VECTOR_VALUES
     return OneTokenFP4Config(
         gate_up_block_n=gate_up_n,
-        gate_up_block_k=step(gate_up_n, hidden),
+        gate_up_block_k=gate_up_k,
         down_block_n=down_n,
-        down_block_k=step(down_n, inter),
+        down_block_k=down_k,
+        num_warps=max(1, min(CHOSEN_WARPS, vectors // 32)),
     )
 
 

@@ -348,6 +348,7 @@ def fused_moe_decode_mxfp4(
     *,
     config: DecodeConfig | None = None,
     reduce: bool = True,
+    few_routes: bool = False,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float = 0.0,
@@ -358,7 +359,8 @@ def fused_moe_decode_mxfp4(
     a slot named by several tokens is read once, by its first route, which widens each block
     of its rows in registers and multiplies them by those tokens' activations in tl.dot, the
     tokens padded to 16; in x's dtype, fp32 exactly); None the one-token launches with
-    `fp4_one_token.choose_config`'s tiles at T=1, else the tl.dot ones with the default tiles.
+    `fp4_one_token.choose_config`'s tiles at T=1 (for few live routes if `few_routes`: the
+    routes a layer step's fills serve), else the tl.dot ones with the default tiles.
     gpt-oss's experts pass their biases (fp32, added to the sums) and the clamped SwiGLU's
     limit. reduce=False: [T, K, H] whose sum over K is that result; how a slot named twice by
     one token splits between its routes depends on the launches (one token: each route holds
@@ -367,7 +369,7 @@ def fused_moe_decode_mxfp4(
     _, hidden, inter = _check(x, slot_ids, route_weights, w13, w2, w13_scale, w2_scale, "slot_ids")
     return launch_decode(
         x, slot_ids, route_weights, (w13, w13_scale, None), (w2, w2_scale, None), hidden, inter,
-        config=config, reduce=reduce, w13_bias=w13_bias, w2_bias=w2_bias,
+        config=config, reduce=reduce, few_routes=few_routes, w13_bias=w13_bias, w2_bias=w2_bias,
         swiglu_limit=swiglu_limit,
     )  # fmt: skip
 
@@ -388,6 +390,7 @@ def launch_decode(
     *,
     config: DecodeConfig | None,
     reduce: bool,
+    few_routes: bool,
     w13_bias: torch.Tensor | None,
     w2_bias: torch.Tensor | None,
     swiglu_limit: float,
@@ -397,7 +400,8 @@ def launch_decode(
     biased = swiglu.check_biases(w13[0], w2[0], w13_bias, w2_bias)
     num_tokens, top_k = slot_ids.shape
     if config is None and num_tokens == 1:
-        config = fp4_one_token.choose_config(top_k, hidden, inter, common.sm_count(x.device))
+        sms = common.sm_count(x.device)
+        config = fp4_one_token.choose_config(top_k, hidden, inter, sms, few_routes)
     if isinstance(config, OneTokenFP4Config) and num_tokens != 1:
         raise ValueError(
             f"a OneTokenFP4Config is for one token, got {num_tokens}: pass a DotDecodeConfig "

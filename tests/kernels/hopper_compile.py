@@ -313,6 +313,10 @@ def compile_mxfp4_moe(dtype: torch.dtype) -> None:
         x = torch.randn(tokens, HIDDEN, dtype=dtype)
         slots = torch.randint(0, EXPERTS, (tokens, TOP_K), dtype=torch.int32)
         mxfp4_moe.fused_moe_decode_mxfp4(x, slots, torch.rand(tokens, TOP_K), w13, w2, *scales)
+        if tokens == 1:  # the filled routes' launch: the tiles for few live routes
+            mxfp4_moe.fused_moe_decode_mxfp4(
+                x, slots, torch.rand(1, TOP_K), w13, w2, *scales, reduce=False, few_routes=True
+            )
     for tokens in (8, 300, 2048):
         x = torch.randn(tokens, HIDDEN, dtype=dtype)
         ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).int()

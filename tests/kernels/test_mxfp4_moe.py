@@ -257,19 +257,42 @@ def test_a_one_token_config_is_for_one_token(gen):
 
 
 @pytest.mark.parametrize(
-    "top_k, hidden, inter, tiles",
-    [(8, 2048, 768, (8, 512, 16, 256)), (4, 2880, 2880, (16, 256, 16, 256))],
-    ids=["qwen3-30b-a3b", "gpt-oss-120b"],
+    "top_k, hidden, inter, few_routes, tiles",
+    [
+        (8, 2048, 768, False, (8, 512, 16, 256, 4)),
+        (4, 2880, 2880, False, (16, 256, 16, 256, 4)),
+        (8, 2048, 768, True, (1, 2048, 2, 1024, 2)),
+    ],
+    ids=["qwen3-30b-a3b", "gpt-oss-120b", "qwen3-30b-a3b-filled"],
 )
-def test_the_chosen_tiles_give_each_thread_its_own_vector(top_k, hidden, inter, tiles):
-    """On 132 SMs: 4 programs an SM at least where the rows allow, and each step a 16-byte
-    vector (32 values) for every thread of the program."""
-    cfg = choose_config(top_k, hidden, inter, 132)
-    assert (cfg.gate_up_block_n, cfg.gate_up_block_k, cfg.down_block_n, cfg.down_block_k) == tiles
+def test_the_chosen_tiles_give_each_thread_its_own_vector(top_k, hidden, inter, few_routes, tiles):
+    """On 132 SMs: 4 programs an SM at least where the rows allow (for one route alone where
+    few are live), and each step a 16-byte vector (32 values) for every thread of the
+    program."""
+    cfg = choose_config(top_k, hidden, inter, 132, few_routes)
+    chosen = (cfg.gate_up_block_n, cfg.gate_up_block_k, cfg.down_block_n, cfg.down_block_k)
+    assert (*chosen, cfg.num_warps) == tiles
     threads = 32 * cfg.num_warps
     assert cfg.gate_up_block_n * cfg.gate_up_block_k // 32 >= threads
     assert cfg.down_block_n * cfg.down_block_k // 32 >= threads
-    assert top_k * -(-inter // cfg.gate_up_block_n) >= 4 * 132
+    routes = 1 if few_routes else top_k
+    assert routes * -(-inter // cfg.gate_up_block_n) >= 4 * 132
+
+
+def test_one_token_decode_for_few_live_routes_matches_the_reference(gen):
+    """A fill's launch: one live route of four, the tiles for few routes, biases and the
+    clamp; its route's output as the reference's, zeros at the others."""
+    x = randn(gen, 1, HIDDEN)
+    slot_ids = torch.tensor([[-1, 4, -1, -1]], dtype=torch.int32, device=DEVICE)
+    weights = route_weights(gen, 1, 4)
+    bank = mxfp4_bank(gen, 6)
+    extras = gpt_oss_extras(gen, 6)
+    parts = mxfp4_moe.fused_moe_decode_mxfp4(
+        x, slot_ids, weights, *bank, reduce=False, few_routes=True, **extras
+    )
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank, reduce=False, **extras)
+    assert_matches(parts, ref, tol=1e-5)
+    assert parts[0, 1].abs().max() > 0
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, masked", [(5, 2, 4, 0.0), (9, 3, 6, 0.2)])
