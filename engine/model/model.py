@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ...kernels import shared_expert
 from ...kernels.gemv import linear
 from ...kernels.host_handoff import routing_to_host, signal_routing
 from ...kernels.paged_attention import paged_attention_decode
@@ -696,14 +697,10 @@ class Model:
         routed output is fp32, or already the model's dtype (`routed_dtype`)."""
         out, x = state.routed, state.x
         assert out is not None and x is not None
-        if out.dim() == 3:
-            if layer.shared_gate_up is None:
-                return out
-            out = out.sum(dim=1)
-        if layer.shared_gate_up is not None:
-            gate = torch.sigmoid(linear(x, layer.shared_gate))
-            out = out + (gate * _swiglu(x, layer.shared_gate_up, layer.shared_down)).float()
-        return out.to(x.dtype)
+        if layer.shared_gate_up is None:
+            return out if out.dim() == 3 else out.to(x.dtype)
+        shared = _swiglu(x, layer.shared_gate_up, layer.shared_down)
+        return shared_expert.combine(out, linear(x, layer.shared_gate), shared)
 
 
 _NO_TIMER = contextlib.nullcontext()
