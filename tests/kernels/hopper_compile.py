@@ -47,6 +47,7 @@ from moelab.kernels import (
     route,
     route_guess,
     router,
+    shared_expert,
 )
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -207,6 +208,21 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
         gated_deltanet.delta_rule_decode_triton(
             q, k, v.unflatten(-1, (32, 128)), torch.zeros(tokens, 32),
             torch.zeros(tokens, 32, dtype=BF16), torch.zeros(9, 32, 128, 128), slots,
+        )  # fmt: skip
+        # the engine's form: the decay and beta from the gates' projections a and b
+        gated_deltanet.delta_rule_decode_triton(
+            q, k, v.unflatten(-1, (32, 128)), torch.zeros(tokens, 32, dtype=BF16),
+            torch.zeros(tokens, 32, dtype=BF16), torch.zeros(9, 32, 128, 128), slots,
+            gates=(torch.zeros(32), torch.zeros(32, dtype=BF16)),
+        )  # fmt: skip
+        # the gated norm (z a view of the projections' output) and the shared expert's combine
+        projected = torch.zeros(tokens, channels + 4096 + 64, dtype=BF16)
+        z = projected[:, channels : channels + 4096].unflatten(-1, (32, 128))
+        out = torch.zeros(tokens, 32, 128, dtype=BF16)
+        gated_deltanet.gated_rmsnorm_triton(out, z, torch.zeros(128, dtype=BF16), 1e-6)
+        shared_expert.combine_triton(
+            torch.zeros(tokens, TOP_K, HIDDEN), torch.zeros(tokens, 1, dtype=BF16),
+            torch.zeros(tokens, HIDDEN, dtype=BF16),
         )  # fmt: skip
     JITFunction.run = run
     return compiled

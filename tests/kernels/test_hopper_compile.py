@@ -67,6 +67,8 @@ KERNELS = MXFP4_KERNELS | {
     "_conv_prefill_kernel",
     "_conv_decode_kernel",
     "_delta_decode_kernel",
+    "_gated_norm_kernel",
+    "_combine_kernel",
 }
 # Prefill's grouped GEMM is launched plainly, and the MXFP4 bank's kernels (not yet in the engine's
 # decode graphs); every decode kernel with programmatic dependent launch
