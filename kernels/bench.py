@@ -43,6 +43,7 @@ from . import (
     route,
     router,
 )
+from .fp4_one_token import OneTokenFP4Config
 from .fused_moe_one_token import OneTokenMoEConfig
 from .measure import (
     Result,
@@ -88,9 +89,22 @@ FUSED_SDPA = (
 )
 
 
-# Tiles of the MXFP4 decode (rows a program, columns a step) timed beside its defaults at T=1:
-# twice the rows (2 warps a program), and twice the columns a step (twice the bytes in flight).
-MXFP4_DECODE_TILES = ((32, 256), (16, 512), (32, 512))
+# The 4-bit decode's launches that --sweep times at T=1 beside the default (the one-token
+# launches at choose_config's tiles): the one-token ones at other tiles (OneTokenFP4Config
+# fields: gate/up rows and columns a step, down rows and columns a step, warps, stages; rows x
+# columns / 32 at least the threads, each a 16-byte vector a step), and the tl.dot ones at their
+# default tiles and others (DotDecodeConfig: rows a program, columns a step).
+FP4_ONE_TOKEN_SWEEP = (
+    (8, 512, 16, 256, 4, 2),
+    (8, 512, 16, 256, 4, 4),
+    (16, 512, 16, 512, 4, 3),
+    (4, 1024, 8, 512, 4, 3),
+    (8, 256, 8, 256, 2, 3),
+    (16, 512, 32, 256, 8, 3),
+    (8, 1024, 16, 512, 4, 2),
+    (16, 1024, 32, 512, 8, 2),
+)
+FP4_DOT_SWEEP = ((16, 256), (32, 256), (16, 512), (32, 512))
 
 # Tiles of the one-token decode MoE that --sweep times (OneTokenMoEConfig fields: gate/up rows
 # and step, down rows and step, warps, stages), beside the chooser's pick.
@@ -364,14 +378,12 @@ class Bench:
         scales = {"w13_scale_inv": copied(s13), "w2_scale_inv": copied(s2)}
         return copied(w13), copied(w2), scales
 
-    def fused_moe_mxfp4(
-        self, tokens: int, block_n: int | None = None, block_k: int | None = None
-    ) -> None:
+    def fused_moe_mxfp4(self, tokens: int, config: mxfp4_moe.DecodeConfig | None = None) -> None:
         """Decode MoE over an MXFP4 bank (mxfp4_moe.fused_moe_decode_mxfp4), with its default
-        tiles or the rows a program and columns a step given."""
+        launches or those `config` names."""
         self._fused_moe_4bit(
             tokens, "mxfp4", MXFP4_EXPERT_BYTES, self.mxfp4_bank, mxfp4_moe.fused_moe_decode_mxfp4,
-            block_n, block_k,
+            config,
         )  # fmt: skip
 
     def grouped_moe_mxfp4(self, tokens: int) -> None:
@@ -387,13 +399,12 @@ class Bench:
         expert_bytes: int,
         make_bank: Callable[[int], tuple[torch.Tensor, ...]],
         decode: Callable[..., torch.Tensor],
-        block_n: int | None = None,
-        block_k: int | None = None,
+        config: mxfp4_moe.DecodeConfig | None = None,
     ) -> None:
         """Decode MoE over a 4-bit bank (MXFP4 or NVFP4); the bytes are its values and their
-        scales, of each slot the routes name (read once however many tokens name it). block_n
-        and block_k: the decode's tiles, its defaults where None. The reference column holds
-        the bf16 kernel's time on a bf16 bank of as many layers, the same routes and x."""
+        scales, of each slot the routes name (read once however many tokens name it). config:
+        the decode's launches and tiles, its default where None. The reference column holds the
+        bf16 kernel's time on a bf16 bank of as many layers, the same routes and x."""
         layers = layers_for(expert_bytes * min(EXPERTS, tokens * TOP_K))
         bank = make_bank(layers)
         x = self.randn(tokens, HIDDEN)
@@ -402,12 +413,7 @@ class Bench:
         unique = sum(s.unique().numel() for s in slot_sets) / layers
         bytes_moved = int(unique * expert_bytes) + tokens * HIDDEN * (ELEM_BYTES + 4)
         flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
-        tiles = {
-            name: value
-            for name, value in (("block_n", block_n), ("block_k", block_k))
-            if value is not None
-        }
-        calls = [partial(decode, x, s, weights, *bank, **tiles) for s in slot_sets]
+        calls = [partial(decode, x, s, weights, *bank, config=config) for s in slot_sets]
         time_us = graph_us_per_call(calls)
         del bank
         w13 = self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
@@ -416,7 +422,9 @@ class Bench:
             [partial(fused_moe.fused_moe_decode_triton, x, s, weights, w13, w2) for s in slot_sets]
         )
         label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}"
-        label += "".join(f" {name}={value}" for name, value in tiles.items())
+        if config is not None:
+            path = "one-token" if isinstance(config, OneTokenFP4Config) else "tl.dot"
+            label += f" {path} {_short(config)}"
         self.add(f"fused_moe_decode_{fmt}", label, time_us, bytes_moved, flops, bf16_us)
 
     def _grouped_moe_4bit(
@@ -454,11 +462,13 @@ class Bench:
         w2, s2 = mxfp4.quantize(self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5))
         return tuple(t.repeat(copies, *([1] * (t.dim() - 1))) for t in (w13, w2, s13, s2))
 
-    def fused_moe_nvfp4(self, tokens: int) -> None:
-        """Decode MoE over an NVFP4 bank (nvfp4_moe.fused_moe_decode_nvfp4)."""
+    def fused_moe_nvfp4(self, tokens: int, config: mxfp4_moe.DecodeConfig | None = None) -> None:
+        """Decode MoE over an NVFP4 bank (nvfp4_moe.fused_moe_decode_nvfp4), with its default
+        launches or those `config` names."""
         self._fused_moe_4bit(
-            tokens, "nvfp4", NVFP4_EXPERT_BYTES, self.nvfp4_bank, nvfp4_moe.fused_moe_decode_nvfp4
-        )
+            tokens, "nvfp4", NVFP4_EXPERT_BYTES, self.nvfp4_bank, nvfp4_moe.fused_moe_decode_nvfp4,
+            config,
+        )  # fmt: skip
 
     def grouped_moe_nvfp4(self, tokens: int) -> None:
         """Prefill MoE over one layer's NVFP4 experts (nvfp4_moe.grouped_moe_nvfp4)."""
@@ -1032,8 +1042,6 @@ def run(
     if "fused_moe_mxfp4" in wanted:
         for tokens in (1, 4, 8):
             bench.fused_moe_mxfp4(tokens)
-        for block_n, block_k in MXFP4_DECODE_TILES:
-            bench.fused_moe_mxfp4(1, block_n, block_k)
     if "fused_moe_nvfp4" in wanted:
         for tokens in (1, 4, 8):
             bench.fused_moe_nvfp4(tokens)
@@ -1087,6 +1095,13 @@ def run(
             if "delta_rule" in wanted:
                 bench.delta_rule(tokens, prefill)
     if sweep:
+        _sweep(bench, wanted)
+    return device, bench.results, bench.notes
+
+
+def _sweep(bench: Bench, wanted: set[str]) -> None:
+    """--sweep's rows of the kernels in `wanted`: each at other tiles than its default's."""
+    if "fused_moe" in wanted:
         for block_n, block_k, down_n, warps, stages in (
             (16, 128, 16, 4, 4),
             (16, 256, 32, 4, 3),
@@ -1099,25 +1114,39 @@ def run(
             bench.fused_moe(1, config, with_ref=False)
         for fields in ONE_TOKEN_MOE_SWEEP:
             bench.fused_moe(1, OneTokenMoEConfig(*fields), with_ref=False)
+    if "fused_moe_fp8" in wanted:
         for fields in ONE_TOKEN_FP8_MOE_SWEEP:
             bench.fused_moe_fp8(1, OneTokenMoEConfig(*fields), reduce=False)
+    fp4_configs = [
+        *(OneTokenFP4Config(*fields) for fields in FP4_ONE_TOKEN_SWEEP),
+        *(mxfp4_moe.DotDecodeConfig(*tiles) for tiles in FP4_DOT_SWEEP),
+    ]
+    for config in fp4_configs:
+        if "fused_moe_mxfp4" in wanted:
+            bench.fused_moe_mxfp4(1, config)
+        if "fused_moe_nvfp4" in wanted:
+            bench.fused_moe_nvfp4(1, config)
+    if "paged_attention" in wanted:
         for block_n in (32, 64, 128):
             for splits in (64, 128, 256):
                 config = paged_attention.AttentionConfig(block_n, splits)
                 bench.paged_attention([32768], config, with_ref=False)
+    if "linear" in wanted:
         for tokens, configs in GEMV_SWEEP.items():
             for config in configs:
                 for name in ("qkv", "o"):
                     bench.linear(tokens, name, config)
+    if "route" in wanted:
         for fields in ROUTE_SWEEP:
             bench.route(1, True, route.RouteConfig(*fields))
+    if "delta_rule" in wanted:
         for tokens in (1, 8):
             for fields in DELTA_DECODE_SWEEP:
                 bench.delta_rule(tokens, False, gated_deltanet.DeltaDecodeConfig(*fields))
+    if "sdpa_prefill" in wanted:
         for backend in FUSED_SDPA:
             for length in (8192, 32768):
                 bench.sdpa_prefill(length, (backend,))
-    return device, bench.results, bench.notes
 
 
 def table(device: dict[str, object], results: list[Result], notes: Sequence[str] = ()) -> str:

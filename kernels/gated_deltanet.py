@@ -326,7 +326,7 @@ def _check_conv_layout(
     common.check_same_device(**named)
 
 
-def gated_rmsnorm(
+def gated_rmsnorm_ref(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """RMSNorm of each head's output x [..., DV], times weight, times SiLU(gate), as transformers
@@ -334,6 +334,67 @@ def gated_rmsnorm(
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+@triton.jit
+def _gated_norm_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr, heads, dv, stride_xt, stride_xh, stride_zt, stride_zh,
+    stride_ot, stride_oh, eps, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One head of one token: `gated_rmsnorm_ref`'s arithmetic and roundings, the mean over
+    the head's DV values."""
+    common.pdl_start(PDL)
+    pid = tl.program_id(0)
+    t = (pid // heads).to(tl.int64)
+    h = pid % heads
+    cols = tl.arange(0, BLOCK)
+    ok = cols < dv
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / dv + eps)).to(dtype)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    weighted = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype).to(tl.float32)
+    z = tl.load(z_ptr + t * stride_zt + h * stride_zh + cols, mask=ok, other=0.0).to(tl.float32)
+    out = weighted * (z * tl.sigmoid(z))
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, out.to(dtype), mask=ok)
+
+
+def gated_rmsnorm_triton(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`gated_rmsnorm_ref` in one launch, a program per token and head: x and gate [T, HV, DV]
+    (gate may be a view with strided rows, as z is in the projections' output), weight [DV] of
+    x's dtype; the output contiguous, in x's dtype."""
+    if x.dim() != 3 or gate.shape != x.shape or weight.shape != x.shape[-1:]:
+        raise ValueError(
+            f"x {tuple(x.shape)} and gate {tuple(gate.shape)} must be one [T, HV, DV] shape and "
+            f"weight {tuple(weight.shape)} [DV]"
+        )
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight must be x's dtype {x.dtype}, got {weight.dtype}")
+    for name, tensor in (("x", x), ("gate", gate), ("weight", weight)):
+        common.check_last_dim_contiguous(name, tensor)
+    common.check_same_device(x=x, gate=gate, weight=weight)
+    tokens, heads, dv = x.shape
+    out = common.alloc((tokens, heads, dv), x.dtype, x.device)
+    if not tokens:
+        return out
+    _gated_norm_kernel[(tokens * heads,)](
+        x, gate, weight, out, heads, dv, x.stride(0), x.stride(1), gate.stride(0),
+        gate.stride(1), out.stride(0), out.stride(1), eps, BLOCK=common.next_pow2(dv),
+        num_warps=1, **common.pdl_launch(x.device),
+    )  # fmt: skip
+    return out
+
+
+def gated_rmsnorm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`gated_rmsnorm_ref`'s result: one Triton launch on CUDA (the reference is a dozen small
+    torch kernels), the reference elsewhere."""
+    if x.is_cuda and weight.dtype == x.dtype:
+        return gated_rmsnorm_triton(x, gate, weight, eps)
+    return gated_rmsnorm_ref(x, gate, weight, eps)
 
 
 def _heads(
@@ -450,6 +511,8 @@ def _delta_decode_kernel(
     v_ptr,
     g_ptr,
     beta_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
     states_ptr,
     slot_ptr,
     out_ptr,
@@ -474,11 +537,14 @@ def _delta_decode_kernel(
     EPS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    GATES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One token of one sequence, one value head, BLOCK_V columns of its state: the state block
     read from the sequence's slot, advanced by one step and written back in place, and the
-    output's columns. Each program holds all DK rows, so the reductions over DK stay in it."""
+    output's columns. Each program holds all DK rows, so the reductions over DK stay in it.
+    GATES: g_ptr and beta_ptr hold the gates' projections a and b, from which the program
+    computes the decay and beta as `decay_and_beta` does (beta rounded to b's dtype)."""
     common.pdl_start(PDL)
     pid = tl.program_id(0)
     seq = (pid // v_heads).to(tl.int64)
@@ -495,7 +561,13 @@ def _delta_decode_kernel(
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
     v = tl.load(v_ptr + seq * stride_vb + head * stride_vh + cols, mask=col_ok, other=0.0)
     g = tl.load(g_ptr + seq * stride_gb + head).to(tl.float32)
-    beta = tl.load(beta_ptr + seq * stride_betab + head).to(tl.float32)
+    beta = tl.load(beta_ptr + seq * stride_betab + head)
+    if GATES:  # g = -exp(A_log) * softplus(a + dt_bias) (torch's threshold 20), beta = sigmoid(b)
+        g += tl.load(dt_bias_ptr + head).to(tl.float32)
+        g = tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
+        g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * g
+        beta = tl.sigmoid(beta.to(tl.float32)).to(beta_ptr.dtype.element_ty)
+    beta = beta.to(tl.float32)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     at = states_ptr + slot * stride_slot + head * stride_sh
     at += rows[:, None] * stride_sk + cols[None, :]
@@ -518,13 +590,17 @@ def delta_rule_decode_triton(
     states: torch.Tensor,
     slot_ids: torch.Tensor,
     config: DeltaDecodeConfig | None = None,
+    gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`delta_rule_decode_ref` in one launch that reads each sequence's state from its slot and
     writes it back in place (one read and one write of the states), the slot ids read on the
     device: no host sync, no allocation but the output's, so capturable in a CUDA graph with the
     ids a fixed tensor refilled between replays. q, k, v, g, beta may be views with strided
     rows (the convolution's output split into heads); each needs a contiguous last dimension, as
-    does the states pool."""
+    does the states pool.
+
+    gates (A_log, dt_bias [HV]): g and beta are the gates' projections a and b, which the kernel
+    turns into the decay and beta itself (`decay_and_beta`; `gated_delta_rule_decode`)."""
     config = config or DeltaDecodeConfig()
     batch, heads, dk = q.shape
     v_heads, dv = v.shape[1:]
@@ -548,21 +624,29 @@ def delta_rule_decode_triton(
             f"{tuple(slot_ids.shape)}"
         )
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "states": states, "slot_ids": slot_ids}
+    if gates is not None:
+        a_log, dt_bias = gates
+        if a_log.shape != (v_heads,) or dt_bias.shape != (v_heads,):
+            raise ValueError(
+                f"A_log {tuple(a_log.shape)} and dt_bias {tuple(dt_bias.shape)} must be [{v_heads}]"
+            )
+        named |= {"A_log": a_log, "dt_bias": dt_bias}
     for name, tensor in named.items():
         common.check_last_dim_contiguous(name, tensor)
     common.check_same_device(**named)
+    a_log, dt_bias = gates if gates is not None else (g, g)
     out = common.alloc((batch, v_heads, dv), v.dtype, v.device)
     if not batch:
         return out
     grid = (batch * v_heads, triton.cdiv(dv, config.block_v))
     _delta_decode_kernel[grid](
-        q, k, v, g, beta, states, slot_ids, out,
+        q, k, v, g, beta, a_log, dt_bias, states, slot_ids, out,
         v_heads, v_heads // heads, dk, dv, dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), states.stride(0), states.stride(1), states.stride(2),
         out.stride(0), out.stride(1),
         EPS=QK_L2NORM_EPS, BLOCK_K=common.next_pow2(dk), BLOCK_V=config.block_v,
-        num_warps=config.num_warps, **common.pdl_launch(q.device),
+        GATES=gates is not None, num_warps=config.num_warps, **common.pdl_launch(q.device),
     )  # fmt: skip
     return out
 
@@ -659,4 +743,25 @@ def delta_rule_decode(
     place (fla's recurrent kernel cannot: `delta_rule_decode_fla`)."""
     if q.is_cuda:
         return delta_rule_decode_triton(q, k, v, g, beta, states, slot_ids)
+    return delta_rule_decode_ref(q, k, v, g, beta, states, slot_ids)
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`delta_rule_decode` from the gates' projections a, b [B, HV] (`decay_and_beta`'s
+    inputs). On CUDA the decode kernel computes the decay and beta itself, in the same launch:
+    at batch 1 those are a few dozen values, and the seven small launches torch would take for
+    them cost more than the step's state reads."""
+    if q.is_cuda:
+        return delta_rule_decode_triton(q, k, v, a, b, states, slot_ids, gates=(a_log, dt_bias))
+    g, beta = decay_and_beta(a, b, a_log, dt_bias)
     return delta_rule_decode_ref(q, k, v, g, beta, states, slot_ids)

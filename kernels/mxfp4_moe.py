@@ -7,12 +7,16 @@ even-indexed one in the low nibble) with their E8M0 scales w13_scale [S, 2I, H/3
 read each byte once and split it into its two codes with integer ops, no FP4 or FP8 instruction,
 so that the same code runs on Turing, Ampere and later GPUs and under the Triton interpreter.
 
-- The decode (`launch_decode`) is the bf16 and FP8 decode's tl.dot launches (kernels/fused_moe.py:
+- The decode (`launch_decode`) of one token is fp4_one_token's launches (no tl.dot: a few rows a
+  program, each byte read once in 16-byte vectors, products summed per scale block in the thread
+  that read them), with `fp4_one_token.choose_config`'s tiles unless told otherwise.
+- The decode of more tokens is the bf16 and FP8 decode's tl.dot launches (kernels/fused_moe.py:
   a slot named by several tokens read once, by its first route) over one scale block at a time:
-  each code becomes an fp16 with three integer ops (`halves`: the value times 2^-14, exact), the
-  block goes into tl.dot unscaled, and the block's scale multiplies the fp32 product per row and
-  token (`block_dot`); the 2^14 is given back once at the end. Per weight: a byte extract, the
-  three ops, the conversion to the compute dtype and its share of the tensor-core product.
+  each code becomes an fp16 with three integer ops (fp4_widen.halves: the value times 2^-14,
+  exact), the block goes into tl.dot unscaled, and the block's scale multiplies the fp32 product
+  per row and token (`block_dot`); the 2^14 is given back once at the end. Per weight: a byte
+  extract, the three ops, the conversion to the compute dtype and its share of the tensor-core
+  product (`DotDecodeConfig`: its tiles).
 - The prefill (`launch_grouped`) builds each code's fp32 bits (`values`) and its block's scale
   (`scales`) per weight and multiplies them (a power of two: exact in fp32 and bf16), then
   tl.dot's the even and odd columns apart (low and high nibbles), against the activations' even
@@ -25,22 +29,42 @@ sums.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from . import common, fused_moe, mxfp4, swiglu
+from . import common, fp4_one_token, fused_moe, mxfp4, swiglu
 from .common import tl, triton
+from .fp4_one_token import OneTokenFP4Config
+from .fp4_widen import e4m3_scales, halves, scales, values
 from .grouped_moe import GroupedMoEConfig, _check_expert_range, _group_routes, config_for
 from .nvfp4 import BLOCK as NVFP4_BLOCK
 
-# The decode launches' tiles. A program reads BLOCK_N rows of gate and of up (or of down) a step
-# of DECODE_BLOCK_K columns: 2 x 16 x 128 bytes with the defaults, in flight for DECODE_STAGES
-# steps at once; at gpt-oss's shapes (I = 2880, top-4) and at the benchmark's (I = 768, top-8)
-# the one-token gate/up launch has 3 to 6 programs an SM (1 warp each: 16 rows a warp, so that
-# no two warps widen the same weights), 36-72 KB in flight an SM by that count, about what an
-# SM needs in flight to read at a Hopper card's HBM bandwidth.
-DECODE_BLOCK_N = 16
-DECODE_BLOCK_K = 256
-DECODE_STAGES = 3
+
+@dataclass(frozen=True, slots=True)
+class DotDecodeConfig:
+    """Tiles of the tl.dot decode launches: a program reads block_n rows of gate and of up (or of
+    down) a step of block_k columns: 2 x 16 x 128 bytes with the defaults, in flight for
+    num_stages steps at once; 16 rows a warp, so that no two warps widen the same weights."""
+
+    block_n: int = 16
+    block_k: int = 256
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name, least in (("block_n", 16), ("block_k", 32)):
+            value = getattr(self, name)
+            if value < least or value & (value - 1):
+                raise ValueError(
+                    f"{name} must be a power of two >= {least} (block_n: tl.dot's least rows), "
+                    f"got {value}"
+                )
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+# what picks a decode's launches: one token's (T=1 only) or the tl.dot ones, with their tiles
+DecodeConfig = DotDecodeConfig | OneTokenFP4Config
 
 
 def check_bank(
@@ -163,37 +187,6 @@ def grouped_moe_mxfp4_ref(
 
 
 @triton.jit
-def values(codes):
-    """fp32 of e2m1 `codes` (int32, 0-15), built from the bits: exponent e and mantissa m give
-    fp32 exponent e + 126 (e > 0), m/2 = 0.5 or 0 for e = 0; bit 3 is the sign."""
-    e = (codes >> 1) & 3
-    m = codes & 1
-    magnitude = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000)
-    return (magnitude | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def scales(codes):
-    """fp32 of E8M0 `codes` (int32, 0-255): 2^(code − 127), code 0 the subnormal 2^-127, 0xFF
-    NaN."""
-    bits = tl.where(codes == 0, 0x00400000, codes << 23)
-    return tl.where(codes == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e4m3_scales(codes):
-    """fp32 of e4m3 `codes` (int32, 0-255; NVFP4's block scales), built from the bits: exponent
-    e > 0 and mantissa m give fp32 exponent e + 120 and mantissa m << 20; e = 0 is m · 2^-9;
-    0x7F and 0xFF are NaN; bit 7 is the sign."""
-    e = (codes >> 3) & 15
-    m = codes & 7
-    subnormal = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
-    bits = tl.where(e > 0, ((e + 120) << 23) | (m << 20), subnormal)
-    bits = tl.where((codes & 127) == 127, 0x7FC00000, bits)
-    return (bits | ((codes & 128) << 24)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def widened(byte_ptrs, scale_ptrs, mask, NVFP4: tl.constexpr):
     """The weights of a tile of bytes, fp32, each times its block's scale: (the even columns,
     the odd ones), of the pointers' shape. Byte j of a row holds columns 2j (low nibble) and
@@ -214,37 +207,6 @@ def block_of(cols, NVFP4: tl.constexpr):
 
 
 @triton.jit
-def _fp16_pair(pair):
-    """The two fp16 of a uint32's halves, joined: [..., 2], the low half first."""
-    low = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-    high = (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-    return tl.join(low, high)
-
-
-@triton.jit
-def halves(words):
-    """The e2m1 codes of `words` [N, W] (int32, four bytes, eight codes each: byte j's low nibble
-    is column 2j, its high nibble 2j + 1) as fp16 [N, 8W] in column order, each its value times
-    2^-14. A code's magnitude bits (e1 e0 m) at fp16 bit 9 and its sign at bit 15 make that fp16
-    exactly: exponent field e gives 2^(e − 15) · (1 + m/2) = 2^(e − 1) · (1 + m/2) · 2^-14 for
-    e > 0, and for e = 0 the fp16 subnormal m/2 · 2^-14. Codes 16 bits apart (columns c and
-    c + 4) go to their places in one uint32 at once, two shifts and two ands-ors for two codes,
-    whose halves are then the two fp16."""
-    w = words.to(tl.uint32, bitcast=True)
-    magnitude = 0x0E000E00
-    sign = 0x80008000
-    c0_c4 = ((w << 9) & magnitude) | ((w << 12) & sign)
-    c1_c5 = ((w << 5) & magnitude) | ((w << 8) & sign)
-    c2_c6 = ((w << 1) & magnitude) | ((w << 4) & sign)
-    c3_c7 = ((w >> 3) & magnitude) | (w & sign)
-    # joined [N, W, 2, 2, 2], each join's halves last: code c of a word lands at
-    # 4 · (c >= 4) + 2 · (c mod 4 >= 2) + (c odd) = c, its column
-    even = tl.join(_fp16_pair(c0_c4), _fp16_pair(c2_c6))
-    odd = tl.join(_fp16_pair(c1_c5), _fp16_pair(c3_c7))
-    return tl.reshape(tl.join(even, odd), (w.shape[0], 8 * w.shape[1]))
-
-
-@triton.jit
 def block_dot(acc, rows, row_scales, n_ok, block, blocks, columns, SCALE_BLOCK: tl.constexpr,
               COMPUTE: tl.constexpr, NVFP4: tl.constexpr):  # fmt: skip
     """acc [BLOCK_N, BLOCK_T] plus scale block `block` of the rows times `columns`: rows
@@ -259,7 +221,7 @@ def block_dot(acc, rows, row_scales, n_ok, block, blocks, columns, SCALE_BLOCK: 
     row_ok = n_ok & (tl.zeros(n_ok.shape, tl.int32) + block < blocks)
     j = tl.arange(0, SCALE_BLOCK // 8)
     words = tl.load(rows + block * (SCALE_BLOCK // 8) + j[None, :], mask=row_ok[:, None], other=0)
-    weights = halves(words)
+    weights = halves(words, tl.float16)
     codes = tl.load(row_scales + block, mask=row_ok, other=0).to(tl.int32)
     factor = e4m3_scales(codes) if NVFP4 else scales(codes)
     # "ieee": an fp32 compute dtype multiplies exactly, not in TF32; bf16/fp16 ignore it. fp16
@@ -384,26 +346,30 @@ def fused_moe_decode_mxfp4(
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
     *,
-    block_n: int = DECODE_BLOCK_N,
-    block_k: int = DECODE_BLOCK_K,
+    config: DecodeConfig | None = None,
     reduce: bool = True,
+    few_routes: bool = False,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """Decode MoE over MXFP4 slots: fp32 [T, H], two launches over (route, row block) plus the
-    sum over each token's routes (slot -1: no route). A slot named by several tokens is read
-    once, by its first route, which widens each block of its rows in registers and multiplies
-    them by those tokens' activations in tl.dot (the tokens padded to 16; in x's dtype, fp32
-    exactly). block_n: rows a program (a power of two >= 16: tl.dot's least); block_k: columns
-    a step (a power of two >= 32). gpt-oss's experts pass their biases (fp32, added to the
-    sums) and the clamped SwiGLU's limit. reduce=False: [T, K, H] whose sum over K is that
-    result: a slot named twice by one token holds the token's output at its first route and
-    zeros at the other (the engine's top-k names distinct experts)."""
+    sum over each token's routes (slot -1: no route). config picks the launches: a
+    OneTokenFP4Config fp4_one_token's (T must be 1), a DotDecodeConfig the tl.dot ones (any T:
+    a slot named by several tokens is read once, by its first route, which widens each block
+    of its rows in registers and multiplies them by those tokens' activations in tl.dot, the
+    tokens padded to 16; in x's dtype, fp32 exactly); None the one-token launches with
+    `fp4_one_token.choose_config`'s tiles at T=1 (for few live routes if `few_routes`: the
+    routes a layer step's fills serve), else the tl.dot ones with the default tiles.
+    gpt-oss's experts pass their biases (fp32, added to the sums) and the clamped SwiGLU's
+    limit. reduce=False: [T, K, H] whose sum over K is that result; how a slot named twice by
+    one token splits between its routes depends on the launches (one token: each route holds
+    its own weighted output; tl.dot: the token's output at its first route, zeros at the
+    other), so a consumer may rely on the sum over K only."""
     _, hidden, inter = _check(x, slot_ids, route_weights, w13, w2, w13_scale, w2_scale, "slot_ids")
     return launch_decode(
         x, slot_ids, route_weights, (w13, w13_scale, None), (w2, w2_scale, None), hidden, inter,
-        block_n=block_n, block_k=block_k, reduce=reduce, w13_bias=w13_bias, w2_bias=w2_bias,
+        config=config, reduce=reduce, few_routes=few_routes, w13_bias=w13_bias, w2_bias=w2_bias,
         swiglu_limit=swiglu_limit,
     )  # fmt: skip
 
@@ -422,67 +388,99 @@ def launch_decode(
     hidden: int,
     inter: int,
     *,
-    block_n: int,
-    block_k: int,
+    config: DecodeConfig | None,
     reduce: bool,
+    few_routes: bool,
     w13_bias: torch.Tensor | None,
     w2_bias: torch.Tensor | None,
     swiglu_limit: float,
 ) -> torch.Tensor:
     """The decode launches over a checked MXFP4 or NVFP4 bank (NVFP4 where w13 brings its
-    per-tensor scales): fused_moe_decode_mxfp4's result, fused_moe.MAX_TOKENS_PER_LAUNCH tokens
-    a launch."""
-    (w13, s13, t13), (w2, s2, t2) = w13, w2
-    nvfp4 = t13 is not None
-    biased = swiglu.check_biases(w13, w2, w13_bias, w2_bias)
-    # without biases (or per-tensor scales) the weights stand in for them, never read
-    b13, b2 = (w13_bias, w2_bias) if biased else (w13, w2)
-    t13, t2 = (t13, t2) if nvfp4 else (w13, w2)
-    if block_k < 32 or block_k & (block_k - 1) or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(
-            f"block_k must be a power of two >= 32 and block_n one >= 16, got block_k={block_k} "
-            f"and block_n={block_n}"
-        )
-    scale_block = NVFP4_BLOCK if nvfp4 else mxfp4.BLOCK
+    per-tensor scales): fused_moe_decode_mxfp4's result."""
+    biased = swiglu.check_biases(w13[0], w2[0], w13_bias, w2_bias)
     num_tokens, top_k = slot_ids.shape
+    if config is None and num_tokens == 1:
+        sms = common.sm_count(x.device)
+        config = fp4_one_token.choose_config(top_k, hidden, inter, sms, few_routes)
+    if isinstance(config, OneTokenFP4Config) and num_tokens != 1:
+        raise ValueError(
+            f"a OneTokenFP4Config is for one token, got {num_tokens}: pass a DotDecodeConfig "
+            "or no config"
+        )
     slot_ids = slot_ids.contiguous()
     route_weights = route_weights.contiguous()
     x = x.contiguous()
-    act = common.alloc((num_tokens, top_k, inter), x.dtype, x.device)
+    one_token = isinstance(config, OneTokenFP4Config)
+    # the one-token launches keep act in fp32: its down launch multiplies in fp32 without
+    # widening each activation in each thread that reads it
+    act_dtype = torch.float32 if one_token else x.dtype
+    act = common.alloc((num_tokens, top_k, inter), act_dtype, x.device)
     y = common.alloc((num_tokens, top_k, hidden), torch.float32, x.device)
-    compute = common.tl_dtype(x.dtype)
+    biases = (w13_bias, w2_bias) if biased else None
+    if one_token:
+        fp4_one_token.launch(
+            x, slot_ids, route_weights, w13, w2, act, y, biases, float(swiglu_limit), config
+        )
+    else:
+        _dot_launches(
+            x, slot_ids, route_weights, w13, w2, act, y, biases, float(swiglu_limit),
+            config or DotDecodeConfig(),
+        )  # fmt: skip
+    return y.sum(dim=1) if reduce else y
+
+
+def _dot_launches(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    w13: Packed,
+    w2: Packed,
+    act: torch.Tensor,
+    y: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None,
+    limit: float,
+    cfg: DotDecodeConfig,
+) -> None:
+    """The tl.dot launches, fused_moe.MAX_TOKENS_PER_LAUNCH tokens at a time: act [T, K, I] from
+    x, then y [T, K, H] from act."""
+    (w13, s13, t13), (w2, s2, t2) = w13, w2
+    nvfp4 = t13 is not None
+    # without biases (or per-tensor scales) the weights stand in for them, never read
+    b13, b2 = biases if biases is not None else (w13, w2)
+    t13, t2 = (t13, t2) if nvfp4 else (w13, w2)
+    scale_block = NVFP4_BLOCK if nvfp4 else mxfp4.BLOCK
+    num_tokens, top_k = slot_ids.shape
+    hidden, inter = x.shape[1], act.shape[2]
     # the kernels read the bytes four at a time (`halves`)
     words13, words2 = w13.view(torch.int32), w2.view(torch.int32)
     tiles = {
-        "BLOCK_N": block_n,
+        "BLOCK_N": cfg.block_n,
         "SCALE_BLOCK": scale_block,
-        "COMPUTE": compute,
-        "BIAS": biased,
+        "COMPUTE": common.tl_dtype(x.dtype),
+        "BIAS": biases is not None,
         "NVFP4": nvfp4,
-        "num_warps": block_n // 16,  # 16 rows a warp: no two warps widen the same weights
-        "num_stages": DECODE_STAGES,
+        "num_warps": cfg.block_n // 16,  # 16 rows a warp: no two warps widen the same weights
+        "num_stages": cfg.num_stages,
     }
     block_r = common.next_pow2(top_k)
     for t0 in range(0, num_tokens, fused_moe.MAX_TOKENS_PER_LAUNCH):
         t1 = min(t0 + fused_moe.MAX_TOKENS_PER_LAUNCH, num_tokens)
         chunk, slots = t1 - t0, slot_ids[t0:t1]
         block_t = common.next_pow2(chunk, 16)
-        _decode_gate_up_kernel[(chunk * top_k, triton.cdiv(inter, block_n))](
-            x[t0:t1], slots, words13, s13, t13, b13, act[t0:t1], chunk, hidden, inter,
-            float(swiglu_limit), x.stride(0), words13.stride(0), words13.stride(1), s13.stride(0),
-            s13.stride(1), b13.stride(0), act.stride(0), act.stride(1), TOP_K=top_k,
-            BLOCK_T=block_t, BLOCK_R=block_r,
-            STEP_BLOCKS=min(block_k, common.next_pow2(hidden)) // scale_block,
-            CLAMPED=bool(swiglu_limit), **tiles,
+        _decode_gate_up_kernel[(chunk * top_k, triton.cdiv(inter, cfg.block_n))](
+            x[t0:t1], slots, words13, s13, t13, b13, act[t0:t1], chunk, hidden, inter, limit,
+            x.stride(0), words13.stride(0), words13.stride(1), s13.stride(0), s13.stride(1),
+            b13.stride(0), act.stride(0), act.stride(1), TOP_K=top_k, BLOCK_T=block_t,
+            BLOCK_R=block_r, STEP_BLOCKS=min(cfg.block_k, common.next_pow2(hidden)) // scale_block,
+            CLAMPED=bool(limit), **tiles,
         )  # fmt: skip
-        _decode_down_kernel[(chunk * top_k, triton.cdiv(hidden, block_n))](
+        _decode_down_kernel[(chunk * top_k, triton.cdiv(hidden, cfg.block_n))](
             act[t0:t1], slots, route_weights[t0:t1], words2, s2, t2, b2, y[t0:t1], chunk,
             hidden, inter, act.stride(0), act.stride(1), words2.stride(0), words2.stride(1),
             s2.stride(0), s2.stride(1), b2.stride(0), y.stride(0), y.stride(1), TOP_K=top_k,
             BLOCK_T=block_t, BLOCK_R=block_r,
-            STEP_BLOCKS=min(block_k, common.next_pow2(inter)) // scale_block, **tiles,
+            STEP_BLOCKS=min(cfg.block_k, common.next_pow2(inter)) // scale_block, **tiles,
         )  # fmt: skip
-    return y.sum(dim=1) if reduce else y
 
 
 @triton.jit

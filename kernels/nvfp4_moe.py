@@ -18,7 +18,7 @@ import torch
 from . import common, nvfp4
 from .fused_moe import fused_moe_decode_ref
 from .grouped_moe import GroupedMoEConfig
-from .mxfp4_moe import DECODE_BLOCK_K, DECODE_BLOCK_N, launch_decode, launch_grouped
+from .mxfp4_moe import DecodeConfig, launch_decode, launch_grouped
 
 
 def check_bank(
@@ -148,18 +148,19 @@ def fused_moe_decode_nvfp4(
     w13_scale_2: torch.Tensor,
     w2_scale_2: torch.Tensor,
     *,
-    block_n: int = DECODE_BLOCK_N,
-    block_k: int = DECODE_BLOCK_K,
+    config: DecodeConfig | None = None,
     reduce: bool = True,
+    few_routes: bool = False,
 ) -> torch.Tensor:
     """Decode MoE over NVFP4 slots: fp32 [T, H], as fused_moe_decode_mxfp4 computes it (slot -1:
-    no route; block_n and block_k, and reduce=False, as there)."""
+    no route; config, the one-token launches at T=1 by default, reduce=False and few_routes as
+    there)."""
     bank = (w13, w2, w13_scale, w2_scale, w13_scale_2, w2_scale_2)
     _, hidden, inter = _check(x, slot_ids, route_weights, bank, "slot_ids")
     return launch_decode(
         x, slot_ids, route_weights, _packed(w13, w13_scale, w13_scale_2),
-        _packed(w2, w2_scale, w2_scale_2), hidden, inter, block_n=block_n, block_k=block_k,
-        reduce=reduce, w13_bias=None, w2_bias=None, swiglu_limit=0.0,
+        _packed(w2, w2_scale, w2_scale_2), hidden, inter, config=config, reduce=reduce,
+        few_routes=few_routes, w13_bias=None, w2_bias=None, swiglu_limit=0.0,
     )  # fmt: skip
 
 

@@ -39,19 +39,22 @@ def decode(
     **args: Args,
 ) -> torch.Tensor:
     """fused_moe_decode over the slots, MXFP4 and NVFP4 ones with their scales: fp32 [T, H], or
-    each route's weighted output [T, K, H] with reduce=False (few_routes: fused_moe_decode's
-    tiles for few live routes; the 4-bit launches tile by route already)."""
+    each route's weighted output [T, K, H] with reduce=False (few_routes: one token's tiles for
+    few live routes)."""
     if w13_scale is None or w2_scale is None:
         return fused_moe_decode(
             x, slot_ids, weights, w13, w2, reduce=reduce, few_routes=few_routes, **args
         )
     scales = (w13_scale, w2_scale, w13_scale_2, w2_scale_2)
     if x.is_cuda and w13_scale_2 is not None:
-        return fused_moe_decode_nvfp4(x, slot_ids, weights, w13, w2, *scales, reduce=reduce)
+        return fused_moe_decode_nvfp4(
+            x, slot_ids, weights, w13, w2, *scales, reduce=reduce, few_routes=few_routes
+        )
     if x.is_cuda:
         return fused_moe_decode_mxfp4(
-            x, slot_ids, weights, w13, w2, w13_scale, w2_scale, reduce=reduce, **args
-        )
+            x, slot_ids, weights, w13, w2, w13_scale, w2_scale, reduce=reduce,
+            few_routes=few_routes, **args,
+        )  # fmt: skip
     ids, dense13, dense2, extras = _widened(x, slot_ids, w13, w2, scales, args)
     return fused_moe_decode(x, ids, weights, dense13, dense2, reduce=reduce, **extras)
 

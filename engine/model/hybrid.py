@@ -21,8 +21,8 @@ from ...kernels.gated_deltanet import (
     causal_conv_decode,
     causal_conv_prefill,
     decay_and_beta,
-    delta_rule_decode,
     delta_rule_prefill,
+    gated_delta_rule_decode,
     gated_rmsnorm,
 )
 from ...kernels.gemv import linear
@@ -98,12 +98,14 @@ def linear_attention(
     conv_states, recurrent_states = states
     projected = linear(x, weights.qkv)
     mixed, z, b, a = projected.split([la.conv_dim, la.value_dim, hv, hv], dim=-1)
-    g, beta = decay_and_beta(a, b, weights.a_log, weights.dt_bias)
     if decode_slots is not None:
         mixed = causal_conv_decode(mixed, weights.conv, conv_states, decode_slots)
         q, k, v = _heads(la, mixed)
-        out = delta_rule_decode(q, k, v, g, beta, recurrent_states, decode_slots)
+        out = gated_delta_rule_decode(
+            q, k, v, a, b, weights.a_log, weights.dt_bias, recurrent_states, decode_slots
+        )
     else:
+        g, beta = decay_and_beta(a, b, weights.a_log, weights.dt_bias)
         out = x.new_empty(tokens, hv, dv)
         for rows, slot in seq_slots:
             conv = causal_conv_prefill(mixed[rows], weights.conv, conv_states[slot])

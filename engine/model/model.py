@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ...kernels import shared_expert
 from ...kernels.gemv import linear
 from ...kernels.host_handoff import routing_to_host, signal_routing
 from ...kernels.paged_attention import paged_attention_decode
@@ -198,6 +199,9 @@ class StepState:
     # or, where the routed output was added to the residual and normalized with it
     # (`norm_after_experts`): the next norm's output and the new residual
     normed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the MoE layer's shared expert (its gate's logit [T, 1], its output [T, H]), where the piece
+    # that routes the layer computes it after the router (`run_piece`)
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None
     logits: torch.Tensor | None = None
     # host buffers (ids, weights, x) the router also stores its routing into: an offloaded decode
     # piece's, which the host reads between pieces (engine/runtime/graphs.py)
@@ -374,6 +378,10 @@ class Model:
             # clears both (kernels/csrc/decode_planner.h)
             self._join_guess(state)
             self._route(last, piece, w.layers[last], state)
+            if span is None and w.layers[last].shared_gate_up is not None:
+                # after the routing's signal: in an offloaded decode step the device runs the
+                # shared expert while the host plans the routed experts' step
+                state.shared = self._shared_expert(w.layers[last], state.x)
             return
         if stop < len(w.layers):  # (a span's) the residual stream, for the next device
             return
@@ -696,14 +704,17 @@ class Model:
         routed output is fp32, or already the model's dtype (`routed_dtype`)."""
         out, x = state.routed, state.x
         assert out is not None and x is not None
-        if out.dim() == 3:
-            if layer.shared_gate_up is None:
-                return out
-            out = out.sum(dim=1)
-        if layer.shared_gate_up is not None:
-            gate = torch.sigmoid(linear(x, layer.shared_gate))
-            out = out + (gate * _swiglu(x, layer.shared_gate_up, layer.shared_down)).float()
-        return out.to(x.dtype)
+        if layer.shared_gate_up is None:
+            return out if out.dim() == 3 else out.to(x.dtype)
+        shared, state.shared = state.shared or self._shared_expert(layer, x), None
+        return shared_expert.combine(out, *shared)
+
+    @staticmethod
+    def _shared_expert(layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared expert of an MoE layer on its input x: its gate's logit [T, 1] and its
+        output [T, H], which `_after_experts` adds to the routed experts' sum."""
+        assert layer.shared_gate is not None and layer.shared_down is not None
+        return linear(x, layer.shared_gate), _swiglu(x, layer.shared_gate_up, layer.shared_down)
 
 
 _NO_TIMER = contextlib.nullcontext()

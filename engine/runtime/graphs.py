@@ -289,7 +289,8 @@ class DecodeGraphs:
             assert state.logits is not None
             self._sample(bs, state.logits)
             tokens_to_host(self.sampled[:bs], self._tokens_host[:bs])
-        return state.x, state.ids, state.weights, state.logits
+        # the shared expert's tensors too: the next piece reads them where this one wrote them
+        return state.x, state.ids, state.weights, state.logits, *(state.shared or ())
 
     def _guesses(self, bs: int, piece: int) -> bool:
         """Whether piece `piece` of batch size `bs` sends a guess of its routing: one token (a

@@ -47,6 +47,7 @@ from moelab.kernels import (
     route,
     route_guess,
     router,
+    shared_expert,
 )
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -208,6 +209,21 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
             q, k, v.unflatten(-1, (32, 128)), torch.zeros(tokens, 32),
             torch.zeros(tokens, 32, dtype=BF16), torch.zeros(9, 32, 128, 128), slots,
         )  # fmt: skip
+        # the engine's form: the decay and beta from the gates' projections a and b
+        gated_deltanet.delta_rule_decode_triton(
+            q, k, v.unflatten(-1, (32, 128)), torch.zeros(tokens, 32, dtype=BF16),
+            torch.zeros(tokens, 32, dtype=BF16), torch.zeros(9, 32, 128, 128), slots,
+            gates=(torch.zeros(32), torch.zeros(32, dtype=BF16)),
+        )  # fmt: skip
+        # the gated norm (z a view of the projections' output) and the shared expert's combine
+        projected = torch.zeros(tokens, channels + 4096 + 64, dtype=BF16)
+        z = projected[:, channels : channels + 4096].unflatten(-1, (32, 128))
+        out = torch.zeros(tokens, 32, 128, dtype=BF16)
+        gated_deltanet.gated_rmsnorm_triton(out, z, torch.zeros(128, dtype=BF16), 1e-6)
+        shared_expert.combine_triton(
+            torch.zeros(tokens, TOP_K, HIDDEN), torch.zeros(tokens, 1, dtype=BF16),
+            torch.zeros(tokens, HIDDEN, dtype=BF16),
+        )  # fmt: skip
     JITFunction.run = run
     return compiled
 
@@ -237,10 +253,24 @@ def compile_fp8_kv(dtype: torch.dtype) -> None:
 
 
 def compile_gpt_oss() -> None:
-    """gpt-oss's variants: the MoE launches with the experts' biases and clamped SwiGLU (bf16 and
-    FP8 banks), decode attention with the sinks and the window (64 q heads, 8 KV heads of 64)."""
+    """gpt-oss's variants: the MoE launches with the experts' biases and clamped SwiGLU (bf16, FP8
+    and MXFP4 banks), decode attention with the sinks and the window (64 q heads, 8 KV heads of
+    64)."""
     compile_moe(BF16, fp8_bank=False, biased=True)
     compile_moe(BF16, fp8_bank=True, biased=True)
+    # gpt-oss-120b's MXFP4 experts (H = I = 2880, top-4): one token's launches, and the tl.dot ones
+    hidden, experts = 2880, 128
+    w13 = torch.empty(experts, 2 * hidden, hidden // 32, 16, dtype=torch.uint8)
+    w2 = torch.empty(experts, hidden, hidden // 32, 16, dtype=torch.uint8)
+    scales = (w13[..., 0].contiguous(), w2[..., 0].contiguous())
+    extras = {"w13_bias": torch.zeros(experts, 2 * hidden), "w2_bias": torch.zeros(experts, hidden),
+              "swiglu_limit": 7.0}  # fmt: skip
+    for tokens in (1, 16):
+        x = torch.randn(tokens, hidden, dtype=BF16)
+        slots = torch.randint(0, experts, (tokens, 4), dtype=torch.int32)
+        mxfp4_moe.fused_moe_decode_mxfp4(
+            x, slots, torch.rand(tokens, 4), w13, w2, *scales, reduce=False, **extras
+        )
     for batch, context in ((1, 32768), (8, 4096)):
         q = torch.randn(batch, 64, 64, dtype=BF16)
         cache = torch.empty(batch * context // 16, 16, 8, 64, dtype=BF16)
@@ -299,6 +329,10 @@ def compile_mxfp4_moe(dtype: torch.dtype) -> None:
         x = torch.randn(tokens, HIDDEN, dtype=dtype)
         slots = torch.randint(0, EXPERTS, (tokens, TOP_K), dtype=torch.int32)
         mxfp4_moe.fused_moe_decode_mxfp4(x, slots, torch.rand(tokens, TOP_K), w13, w2, *scales)
+        if tokens == 1:  # the filled routes' launch: the tiles for few live routes
+            mxfp4_moe.fused_moe_decode_mxfp4(
+                x, slots, torch.rand(1, TOP_K), w13, w2, *scales, reduce=False, few_routes=True
+            )
     for tokens in (8, 300, 2048):
         x = torch.randn(tokens, HIDDEN, dtype=dtype)
         ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).int()

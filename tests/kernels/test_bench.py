@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.kernels import bench, measure
+from moelab.kernels import bench, common, measure
+from moelab.kernels.fp4_one_token import OneTokenFP4Config, choose_config
+from moelab.kernels.mxfp4_moe import DotDecodeConfig
 
 
 def result(kernel: str = "fused_moe_decode", ref_us: float | None = 90.0) -> measure.Result:
@@ -114,12 +116,66 @@ def test_the_sweep_times_the_delta_rules_decode_launches(monkeypatch):
     assert bench.gated_deltanet.DeltaDecodeConfig() not in configs, "the default's row twice"
 
 
-def test_the_mxfp4_decode_rows_time_batches_and_each_tile_variant(monkeypatch):
-    """The MXFP4 decode's rows: 1, 4 and 8 tokens at its default tiles, then one token at each
-    of MXFP4_DECODE_TILES, for the GPU to compare."""
+def test_the_4bit_decode_rows_time_batches_and_the_sweep_each_launch_at_one_token(monkeypatch):
+    """The MXFP4 and NVFP4 decode's rows: 1, 4 and 8 tokens with the default launches; --sweep
+    adds one token through the one-token launches at each of FP4_ONE_TOKEN_SWEEP's tiles and
+    the tl.dot ones at each of FP4_DOT_SWEEP's, for the GPU to compare, and no other kernel's
+    rows."""
     timed = []
-    monkeypatch.setattr(bench.Bench, "fused_moe_mxfp4", lambda self, *a: timed.append(a))
+    for name in bench.KERNELS:
+        monkeypatch.setattr(
+            bench.Bench, name, lambda self, *a, _n=name, **k: timed.append((_n, *a))
+        )
     fake_gpu(monkeypatch)
     bench.run(False, ["fused_moe_mxfp4"])
-    assert timed[:3] == [(1,), (4,), (8,)]
-    assert timed[3:] == [(1, n, k) for n, k in bench.MXFP4_DECODE_TILES] and len(timed) > 3
+    assert timed == [("fused_moe_mxfp4", 1), ("fused_moe_mxfp4", 4), ("fused_moe_mxfp4", 8)]
+    timed.clear()
+    bench.run(True, ["fused_moe_mxfp4", "fused_moe_nvfp4"])
+    assert {row[0] for row in timed} == {"fused_moe_mxfp4", "fused_moe_nvfp4"}
+    configs = [OneTokenFP4Config(*f) for f in bench.FP4_ONE_TOKEN_SWEEP]
+    configs += [DotDecodeConfig(*tiles) for tiles in bench.FP4_DOT_SWEEP]
+    for name in ("fused_moe_mxfp4", "fused_moe_nvfp4"):
+        rows = [row[1:] for row in timed if row[0] == name]
+        assert rows == [(1,), (4,), (8,)] + [(1, config) for config in configs]
+    assert DotDecodeConfig() in configs, "the tl.dot launches at their default tiles"
+    chosen = choose_config(bench.TOP_K, bench.HIDDEN, bench.INTER, 132)
+    assert chosen not in configs, "the default's row twice"
+    for c in configs[: len(bench.FP4_ONE_TOKEN_SWEEP)]:  # no two threads read the same bytes
+        threads = 32 * c.num_warps
+        assert c.gate_up_block_n * c.gate_up_block_k // 32 >= threads, c
+        assert c.down_block_n * c.down_block_k // 32 >= threads, c
+
+
+@pytest.mark.usefixtures("triton_runs")
+def test_the_4bit_decode_rows_run_their_launches_end_to_end(monkeypatch):
+    """bench.run --sweep over the MXFP4 and NVFP4 decode at a small shape (the interpreter on
+    the CPU): every row's launches run, one row each, labelled with its launches' tiles."""
+    fake_gpu(monkeypatch)
+    for name, value in (("HIDDEN", 32), ("INTER", 32), ("EXPERTS", 4), ("TOP_K", 2)):
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(bench, "MIN_WORKING_SET_BYTES", 0)  # two layers a graph
+    # a device of one SM: the one-token tiles' widest row blocks, the fewest programs to interpret
+    monkeypatch.setattr(common, "sm_count", lambda device: 1)
+    monkeypatch.setattr(bench, "FP4_ONE_TOKEN_SWEEP", ((8, 512, 16, 256, 4, 3),))
+    monkeypatch.setattr(bench, "FP4_DOT_SWEEP", ((16, 256),))
+    calls = []
+
+    def run_once(fns) -> float:
+        calls.extend(fn() for fn in fns)
+        return 10.0
+
+    monkeypatch.setattr(bench, "graph_us_per_call", run_once)
+    _, results, _ = bench.run(True, ["fused_moe_mxfp4", "fused_moe_nvfp4"])
+    shapes = [(r.kernel, r.shape) for r in results]
+    assert shapes == [
+        (f"fused_moe_decode_{fmt}", f"T={t} K=2 H=32 I=32{variant}")
+        for fmt, t, variant in [
+            *((fmt, t, "") for fmt in ("mxfp4", "nvfp4") for t in (1, 4, 8)),
+            *(
+                (fmt, 1, variant)
+                for variant in (" one-token 8/512/16/256/4/3", " tl.dot 16/256/3")
+                for fmt in ("mxfp4", "nvfp4")
+            ),
+        ]
+    ]
+    assert all(torch.isfinite(out).all() for out in calls)

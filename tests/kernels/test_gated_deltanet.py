@@ -371,6 +371,45 @@ def test_decode_kernel_reads_and_writes_a_narrow_state_in_its_dtype(gen):
     assert torch.equal(states[0], ref_states[0])
 
 
+@pytest.mark.usefixtures("triton_runs")
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2**-6)])
+def test_decode_kernel_computes_the_gates_as_decay_and_beta(gen, dtype, tol):
+    """The engine's decode step hands the kernel the gates' projections a and b: its decay
+    (softplus on both sides of its threshold of 20) and beta (rounded to b's dtype) are
+    `decay_and_beta`'s, so its outputs and states are the reference's after it (bf16: the
+    interpreter truncates beta where the reference rounds it, one bf16 unit)."""
+    heads, v_heads, dk, dv = 2, 4, 16, 8
+    states = randn(gen, 5, v_heads, dk, dv, scale=0.3)
+    ref_states = states.clone()
+    slot_ids = torch.tensor([3, 0, 4], dtype=torch.int32, device=DEVICE)
+    a_log, dt_bias = randn(gen, v_heads, scale=0.5), randn(gen, v_heads, dtype=dtype)
+    for a_scale in (1.0, 12.0):  # the second step puts some a + dt_bias past 20
+        q, k, v, _, _ = step_inputs(gen, 3, heads, v_heads, dk, dv)
+        a = randn(gen, 3, v_heads, scale=a_scale, dtype=dtype)
+        b = randn(gen, 3, v_heads, scale=3.0, dtype=dtype)
+        gates = (a_log, dt_bias)
+        out = gdn.delta_rule_decode_triton(q, k, v, a, b, states, slot_ids, gates=gates)
+        g, beta = gdn.decay_and_beta(a, b, a_log, dt_bias)
+        ref = gdn.delta_rule_decode_ref(q, k, v, g, beta, ref_states, slot_ids)
+        assert_matches(out, ref, tol)
+        assert_matches(states, ref_states, tol)
+    with pytest.raises(ValueError, match=r"A_log \(3,\) and dt_bias \(4,\) must be \[4\]"):
+        gdn.delta_rule_decode_triton(q, k, v, a, b, states, slot_ids, gates=(a_log[:3], dt_bias))
+
+
+def test_the_gated_decode_off_cuda_is_decay_and_beta_then_the_reference(gen):
+    q, k, v, _, _ = step_inputs(gen, 2, 2, 4, 16, 8)
+    states = randn(gen, 3, 4, 16, 8, scale=0.3)
+    ref_states = states.clone()
+    slot_ids = torch.tensor([2, 0], dtype=torch.int64, device=DEVICE)
+    a, b, a_log, dt_bias = randn(gen, 2, 4), randn(gen, 2, 4), randn(gen, 4), randn(gen, 4)
+    out = gdn.gated_delta_rule_decode(q, k, v, a, b, a_log, dt_bias, states, slot_ids)
+    g, beta = gdn.decay_and_beta(a, b, a_log, dt_bias)
+    ref = gdn.delta_rule_decode_ref(q, k, v, g, beta, ref_states, slot_ids)
+    assert_matches(out, ref, 1e-5)
+    assert_matches(states, ref_states, 1e-5)
+
+
 def test_decode_kernel_refuses_what_it_cannot_step_through(gen):
     q, k, v, g, beta = step_inputs(gen, 2, 2, 4, 16, 8)
     states = torch.zeros(3, 4, 16, 8, device=DEVICE)
@@ -400,6 +439,25 @@ def test_gated_rmsnorm_is_transformers_bit_for_bit(gen, dtype):
         norm.weight.copy_(randn(gen, 32, dtype=dtype))
         expected = norm(x, gate)
     assert torch.equal(gdn.gated_rmsnorm(x, gate, norm.weight, 1e-6), expected)
+
+
+@pytest.mark.usefixtures("triton_runs")
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 2**-5)])
+def test_gated_rmsnorm_kernel_is_the_reference(gen, dtype, tol):
+    """One launch a token and head, the gate a strided view as the projections' output gives
+    it, DV not a power of two: the reference's values, every output written (bf16: the
+    interpreter truncates where the reference rounds, at each of its three roundings; on CUDA,
+    test_the_gated_norm_kernel_rounds_as_the_reference_on_cuda holds it to one bf16 unit)."""
+    x = randn(gen, 5, 3, 40, scale=2.0, dtype=dtype)
+    z = randn(gen, 5, 200, dtype=dtype)[:, 40:160].unflatten(-1, (3, 40))
+    weight = randn(gen, 40, dtype=dtype)
+    out = gdn.gated_rmsnorm_triton(x, z, weight, 1e-6)
+    assert out.is_contiguous()
+    assert_matches(out, gdn.gated_rmsnorm_ref(x, z, weight, 1e-6), tol)
+    with pytest.raises(ValueError, match="weight must be x's dtype"):
+        gdn.gated_rmsnorm_triton(x, z, weight.double(), 1e-6)
+    with pytest.raises(ValueError, match=r"must be one \[T, HV, DV\] shape"):
+        gdn.gated_rmsnorm_triton(x, z[:, :2], weight, 1e-6)
 
 
 def mixer(layer: Qwen3_5MoeGatedDeltaNet, hidden: torch.Tensor, states, slot_ids=None):
@@ -647,6 +705,56 @@ def test_a_decode_step_replays_in_a_cuda_graph_at_the_qwen36_geometry(gen, monke
         assert_matches(out, ref, 2e-2)
         assert torch.equal(conv, ref_pools[0])
         assert_matches(rec, ref_pools[1], 2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gated_norm_kernel_rounds_as_the_reference_on_cuda(gen):
+    """At Qwen3.6-35B-A3B's heads (32 of 128) in bf16, the gate a view of the projections'
+    output: within one bf16 unit of the reference everywhere, nearly all elements equal."""
+    _, v_heads, _, dv = QWEN36
+    x = randn(gen, 8, v_heads, dv, scale=2.0, dtype=torch.bfloat16)
+    z = randn(gen, 8, 3 * v_heads * dv, dtype=torch.bfloat16)[:, v_heads * dv : 2 * v_heads * dv]
+    z = z.unflatten(-1, (v_heads, dv))
+    weight = randn(gen, dv, dtype=torch.bfloat16)
+    out = gdn.gated_rmsnorm(x, z, weight, 1e-6)
+    ref = gdn.gated_rmsnorm_ref(x, z, weight, 1e-6)
+    assert_matches(out, ref, 2**-7)
+    assert (out == ref).float().mean().item() > 0.95
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gated_decode_step_replays_in_a_cuda_graph(gen):
+    """The decode step from the gates' projections as the engine captures it, at Qwen3.6's
+    geometry with bf16 a and b: replayed with new projections, against decay_and_beta and the
+    reference step."""
+    heads, v_heads, dk, dv = QWEN36
+    states = randn(gen, 4, v_heads, dk, dv, scale=0.1)
+    slot_ids = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    q, k, v, _, _ = step_inputs(gen, 2, heads, v_heads, dk, dv)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    a = randn(gen, 2, v_heads, scale=4.0, dtype=torch.bfloat16)
+    b = randn(gen, 2, v_heads, scale=2.0, dtype=torch.bfloat16)
+    a_log, dt_bias = randn(gen, v_heads, scale=0.5), randn(gen, v_heads, dtype=torch.bfloat16)
+
+    def step(pool):
+        return gdn.gated_delta_rule_decode(q, k, v, a, b, a_log, dt_bias, pool, slot_ids)
+
+    step(states.clone())  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(states)
+    for _ in range(2):
+        a.copy_(randn(gen, 2, v_heads, scale=4.0, dtype=torch.bfloat16))
+        b.copy_(randn(gen, 2, v_heads, scale=2.0, dtype=torch.bfloat16))
+        ref_states = states.clone()
+        graph.replay()
+        g, beta = gdn.decay_and_beta(a, b, a_log, dt_bias)
+        ref = gdn.delta_rule_decode_ref(q, k, v, g, beta, ref_states, slot_ids)
+        assert_matches(out.float(), ref.float(), 2e-2)
+        assert_matches(states, ref_states, 1e-4)
 
 
 @pytest.mark.cuda

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.kernels import cpu_experts, fp8, fused_moe, grouped_moe, swiglu
+from moelab.kernels import cpu_experts, fp8, fused_moe, grouped_moe, mxfp4, mxfp4_moe, swiglu
+from moelab.kernels.fp4_one_token import OneTokenFP4Config
 from moelab.kernels.fused_moe import DecodeMoEConfig
 from moelab.kernels.fused_moe_one_token import OneTokenMoEConfig
 from moelab.kernels.grouped_moe import GroupedMoEConfig
+from moelab.kernels.mxfp4_moe import DotDecodeConfig
 
 from .kernel_inputs import assert_matches, randn, route_table, route_weights
 
@@ -156,3 +158,26 @@ def test_fp8_experts_with_biases_match_reference(gen, config):
         out = fused_moe.fused_moe_decode_triton(x, ids, weights, q13, q2, config=config, **extras)
         ref = fused_moe.fused_moe_decode_ref(x, ids, weights, q13, q2, **extras)
     assert_matches(out, ref, tol=1e-5)
+
+
+@pytest.mark.usefixtures("triton_runs")
+@pytest.mark.parametrize(
+    "config",
+    [OneTokenFP4Config(4, 64, 8, 32, num_warps=2), DotDecodeConfig(16, 64)],
+    ids=["one-token", "tl.dot"],
+)
+def test_mxfp4_experts_with_biases_match_reference(gen, config):
+    """gpt-oss's own format: one token over MXFP4 experts, through the one-token launches and
+    the tl.dot ones, adds the biases and clamps as the reference on the dequantized weights."""
+    w13, w2, b13, b2 = biased_experts(gen, 5, 96, 64)
+    (q13, s13), (q2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+    x = randn(gen, 1, 96)
+    ids = route_table(gen, 1, 3, 5, masked=0.2)
+    weights = route_weights(gen, 1, 3)
+    extras = {"w13_bias": b13, "w2_bias": b2, "swiglu_limit": LIMIT}
+    bank = (q13, q2, s13, s2)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(x, ids, weights, *bank, config=config, **extras)
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, ids, weights, *bank, **extras)
+    assert_matches(out, ref, tol=1e-5)
+    plain = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, ids, weights, *bank)
+    assert not torch.allclose(plain, ref, atol=1e-2)

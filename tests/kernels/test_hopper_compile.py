@@ -20,6 +20,8 @@ SHARED_BYTES = {86: 101376, 75: 65536}
 MXFP4_KERNELS = {
     "_decode_gate_up_kernel",
     "_decode_down_kernel",
+    "_fp4_gate_up_kernel",
+    "_fp4_down_kernel",
     "_grouped_gate_up_kernel",
     "_grouped_down_kernel",
 }
@@ -65,6 +67,8 @@ KERNELS = MXFP4_KERNELS | {
     "_conv_prefill_kernel",
     "_conv_decode_kernel",
     "_delta_decode_kernel",
+    "_gated_norm_kernel",
+    "_combine_kernel",
 }
 # Prefill's grouped GEMM is launched plainly, and the MXFP4 bank's kernels (not yet in the engine's
 # decode graphs); every decode kernel with programmatic dependent launch

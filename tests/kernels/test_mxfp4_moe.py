@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.kernels import e2m1, grouped_moe, mxfp4, mxfp4_moe
+from moelab.kernels import e2m1, fp4_widen, grouped_moe, mxfp4, mxfp4_moe
 from moelab.kernels.common import tl, triton
+from moelab.kernels.fp4_one_token import OneTokenFP4Config, choose_config
 from moelab.kernels.grouped_moe import GroupedMoEConfig
+from moelab.kernels.mxfp4_moe import DotDecodeConfig
 
 from .kernel_inputs import DEVICE, assert_matches, randn, route_table, route_weights
 
@@ -17,6 +19,13 @@ pytestmark = pytest.mark.usefixtures("triton_runs")
 # Whole 32-blocks, but not whole steps of the tiles: the last step ends inside a block pair.
 HIDDEN, INTER = 224, 96
 GROUPED = GroupedMoEConfig(16, 32, 32, 64, num_warps=4, num_stages=2)
+# The one-token launches' tiles: steps of one block and of several (each thread a 16-byte vector
+# or sharing one), a step wider than the rows (H = 224, I = 96), one stage and three.
+ONE_TOKEN = [
+    OneTokenFP4Config(4, 32, 8, 32, num_warps=1, num_stages=1),
+    OneTokenFP4Config(8, 128, 16, 64, num_warps=2, num_stages=3),
+    OneTokenFP4Config(16, 512, 2, 256, num_warps=4, num_stages=2),
+]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -39,8 +48,8 @@ def mxfp4_bank(gen: torch.Generator, slots: int, hidden: int = HIDDEN, inter: in
 @triton.jit
 def _values_kernel(codes_ptr, scales_ptr, values_ptr, factors_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(values_ptr + i, mxfp4_moe.values(tl.load(codes_ptr + i).to(tl.int32)))
-    tl.store(factors_ptr + i, mxfp4_moe.scales(tl.load(scales_ptr + i).to(tl.int32)))
+    tl.store(values_ptr + i, fp4_widen.values(tl.load(codes_ptr + i).to(tl.int32)))
+    tl.store(factors_ptr + i, fp4_widen.scales(tl.load(scales_ptr + i).to(tl.int32)))
 
 
 def test_widening_builds_every_code_and_every_scale_exactly():
@@ -61,7 +70,8 @@ def test_widening_builds_every_code_and_every_scale_exactly():
 def _halves_kernel(words_ptr, out_ptr, ROWS: tl.constexpr, WORDS: tl.constexpr):
     rows = tl.arange(0, ROWS)[:, None]
     words = tl.load(words_ptr + rows * WORDS + tl.arange(0, WORDS)[None, :])
-    tl.store(out_ptr + rows * 8 * WORDS + tl.arange(0, 8 * WORDS)[None, :], mxfp4_moe.halves(words))
+    out = fp4_widen.halves(words, tl.float16)
+    tl.store(out_ptr + rows * 8 * WORDS + tl.arange(0, 8 * WORDS)[None, :], out)
 
 
 def test_halves_widen_every_code_in_column_order_times_2_to_the_minus_14():
@@ -84,9 +94,8 @@ def test_decode_matches_the_dequantized_reference(gen, tokens, top_k, slots, blo
     slot_ids = route_table(gen, tokens, top_k, slots, masked=0.2)
     weights = route_weights(gen, tokens, top_k)
     bank = mxfp4_bank(gen, slots)
-    out = mxfp4_moe.fused_moe_decode_mxfp4(
-        x, slot_ids, weights, *bank, block_n=block_n, block_k=block_k
-    )
+    config = DotDecodeConfig(block_n, block_k)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, config=config)
     ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank)
     assert_matches(out, ref, tol=1e-5)
 
@@ -99,7 +108,8 @@ def test_decode_reads_each_slot_once_for_the_tokens_naming_it(gen):
     weights = route_weights(gen, 10, 2)
     bank = mxfp4_bank(gen, 3)
     ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank)
-    out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, block_k=64)
+    config = DotDecodeConfig(block_k=64)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, config=config)
     assert_matches(out, ref, tol=1e-5)
     parts = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, reduce=False)
     assert_matches(parts.sum(dim=1), ref, tol=1e-5)
@@ -130,7 +140,8 @@ def test_decode_gives_nan_where_a_block_has_the_nan_scale(gen):
     slot, row = int(slot_ids[0, 0]), 7
     s2 = s2.clone()
     s2[slot, row, 1] = 255
-    out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, w13, w2, s13, s2, block_k=64)
+    config = DotDecodeConfig(block_k=64)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, w13, w2, s13, s2, config=config)
     ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, w13, w2, s13, s2)
     routed = (slot_ids == slot).any(dim=1)
     assert torch.equal(out.isnan(), ref.isnan())
@@ -140,13 +151,148 @@ def test_decode_gives_nan_where_a_block_has_the_nan_scale(gen):
     assert_matches(out[:, keep], ref[:, keep], tol=1e-5)
 
 
-def test_decode_refuses_row_blocks_narrower_than_tl_dot_takes(gen):
+def test_decode_refuses_row_blocks_narrower_than_tl_dot_takes():
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        DotDecodeConfig(block_n=8)
+
+
+@pytest.mark.parametrize("config", ONE_TOKEN)
+@pytest.mark.parametrize("top_k, masked", [(4, 0.3), (1, 0.0)])
+def test_one_token_decode_matches_the_dequantized_reference(gen, config, top_k, masked):
+    """One token through the one-token launches: the sum, and each route's weighted output
+    (reduce=False) as the reference's parts, zeros where a route is masked."""
+    x = randn(gen, 1, HIDDEN)
+    slot_ids = route_table(gen, 1, top_k, 6, masked=masked)
+    weights = route_weights(gen, 1, top_k)
+    bank = mxfp4_bank(gen, 6)
+    parts = mxfp4_moe.fused_moe_decode_mxfp4(
+        x, slot_ids, weights, *bank, config=config, reduce=False
+    )
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank, reduce=False)
+    assert_matches(parts, ref, tol=1e-5)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, config=config)
+    assert_matches(out, ref.sum(dim=1), tol=1e-5)
+
+
+def test_one_token_is_the_default_at_one_token_and_reads_a_repeated_slot_per_route(gen):
+    """Without a config one token takes the one-token launches, where a slot named twice holds
+    each route's own weighted output (the tl.dot launches put the token's at the first route
+    and zeros at the other); the sums agree."""
+    x = randn(gen, 1, HIDDEN)
+    slot_ids = torch.tensor([[2, 5, 2, -1]], dtype=torch.int32, device=DEVICE)
+    weights = route_weights(gen, 1, 4)
+    bank = mxfp4_bank(gen, 6)
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank, reduce=False)
+    parts = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, reduce=False)
+    assert_matches(parts, ref, tol=1e-5)
+    dot = mxfp4_moe.fused_moe_decode_mxfp4(
+        x, slot_ids, weights, *bank, config=DotDecodeConfig(block_k=64), reduce=False
+    )
+    assert dot[0, 2].abs().max() == 0 and parts[0, 2].abs().max() > 0
+    assert_matches(dot.sum(dim=1), ref.sum(dim=1), tol=1e-5)
+
+
+def test_one_token_decode_widens_every_byte_at_every_scale(gen):
+    """Rows holding every byte (both nibbles of every code) at scale codes from 0 (the
+    subnormal 2^-127) through 140 in every block: each block's sum times its own scale."""
+    x = randn(gen, 1, HIDDEN)
+    slot_ids = route_table(gen, 1, 3, 4)
+    weights = route_weights(gen, 1, 3)
+    w13, w2, s13, s2 = mxfp4_bank(gen, 4)
+    every_byte = torch.arange(256, dtype=torch.uint8).repeat(w13.numel() // 256 + 1)
+    w13 = every_byte[torch.randperm(w13.numel(), generator=gen)].view(w13.shape).to(DEVICE)
+    w2 = every_byte[torch.randperm(w2.numel(), generator=gen)].view(w2.shape).to(DEVICE)
+    s13 = torch.randint(100, 141, s13.shape, generator=gen, dtype=torch.uint8).to(DEVICE)
+    s13.view(-1)[::7] = 0
+    s2 = torch.randint(100, 141, s2.shape, generator=gen, dtype=torch.uint8).to(DEVICE)
+    s2.view(-1)[::5] = 0
+    bank = (w13, w2, s13, s2)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, config=ONE_TOKEN[1])
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank)
+    assert_matches(out, ref, tol=1e-5)
+
+
+def test_one_token_decode_reads_the_top_scale_code_exactly(gen):
+    """As the tl.dot launches: gate/up blocks at E8M0 251-254 against activations 100 binades
+    down give the output of the same blocks 100 binades down against the activations."""
+    magnitudes = 0.5 + torch.rand(1, HIDDEN, generator=gen)
+    x = (magnitudes * torch.randn(1, HIDDEN, generator=gen).sign()).to(DEVICE)
+    slot_ids = route_table(gen, 1, 4, 6, masked=0.2)
+    weights = route_weights(gen, 1, 4)
+    w13, w2, s13, s2 = mxfp4_bank(gen, 6)
+    top = (254 - torch.randint(0, 4, s13.shape, generator=gen)).to(torch.uint8).to(DEVICE)
+    out = mxfp4_moe.fused_moe_decode_mxfp4(
+        x * 2.0**-100, slot_ids, weights, w13, w2, top, s2, config=ONE_TOKEN[1]
+    )
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, w13, w2, top - 100, s2)
+    assert_matches(out, ref, tol=1e-5)
+
+
+def test_one_token_decode_gives_nan_where_a_block_has_the_nan_scale(gen):
+    """E8M0 255 in one block of a gate row of a routed slot: that route's whole output is NaN
+    (its NaN act feeds every down row), the other routes' outputs are as the reference's."""
+    x = randn(gen, 1, HIDDEN)
+    slot_ids = route_table(gen, 1, 3, 5)
+    weights = route_weights(gen, 1, 3)
+    w13, w2, s13, s2 = mxfp4_bank(gen, 5)
+    s13 = s13.clone()
+    s13[int(slot_ids[0, 1]), 3, 2] = 255
+    parts = mxfp4_moe.fused_moe_decode_mxfp4(
+        x, slot_ids, weights, w13, w2, s13, s2, config=ONE_TOKEN[1], reduce=False
+    )
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, w13, w2, s13, s2, reduce=False)
+    assert parts[0, 1].isnan().all() and ref[0, 1].isnan().all()
+    assert_matches(parts[:, [0, 2]], ref[:, [0, 2]], tol=1e-5)
+
+
+def test_a_one_token_config_is_for_one_token(gen):
     bank = mxfp4_bank(gen, 3)
-    with pytest.raises(ValueError, match="block_n one >= 16"):
+    with pytest.raises(ValueError, match="OneTokenFP4Config is for one token, got 2"):
         mxfp4_moe.fused_moe_decode_mxfp4(
-            randn(gen, 1, HIDDEN), route_table(gen, 1, 2, 3), route_weights(gen, 1, 2), *bank,
-            block_n=8,
+            randn(gen, 2, HIDDEN), route_table(gen, 2, 2, 3), route_weights(gen, 2, 2), *bank,
+            config=ONE_TOKEN[0],
         )  # fmt: skip
+    with pytest.raises(ValueError, match="gate_up_block_k must be a power of two >= 32"):
+        OneTokenFP4Config(gate_up_block_k=16)
+
+
+@pytest.mark.parametrize(
+    "top_k, hidden, inter, few_routes, tiles",
+    [
+        (8, 2048, 768, False, (8, 512, 16, 256, 4)),
+        (4, 2880, 2880, False, (16, 256, 16, 256, 4)),
+        (8, 2048, 768, True, (1, 2048, 2, 1024, 2)),
+    ],
+    ids=["qwen3-30b-a3b", "gpt-oss-120b", "qwen3-30b-a3b-filled"],
+)
+def test_the_chosen_tiles_give_each_thread_its_own_vector(top_k, hidden, inter, few_routes, tiles):
+    """On 132 SMs: 4 programs an SM at least where the rows allow (for one route alone where
+    few are live), and each step a 16-byte vector (32 values) for every thread of the
+    program."""
+    cfg = choose_config(top_k, hidden, inter, 132, few_routes)
+    chosen = (cfg.gate_up_block_n, cfg.gate_up_block_k, cfg.down_block_n, cfg.down_block_k)
+    assert (*chosen, cfg.num_warps) == tiles
+    threads = 32 * cfg.num_warps
+    assert cfg.gate_up_block_n * cfg.gate_up_block_k // 32 >= threads
+    assert cfg.down_block_n * cfg.down_block_k // 32 >= threads
+    routes = 1 if few_routes else top_k
+    assert routes * -(-inter // cfg.gate_up_block_n) >= 4 * 132
+
+
+def test_one_token_decode_for_few_live_routes_matches_the_reference(gen):
+    """A fill's launch: one live route of four, the tiles for few routes, biases and the
+    clamp; its route's output as the reference's, zeros at the others."""
+    x = randn(gen, 1, HIDDEN)
+    slot_ids = torch.tensor([[-1, 4, -1, -1]], dtype=torch.int32, device=DEVICE)
+    weights = route_weights(gen, 1, 4)
+    bank = mxfp4_bank(gen, 6)
+    extras = gpt_oss_extras(gen, 6)
+    parts = mxfp4_moe.fused_moe_decode_mxfp4(
+        x, slot_ids, weights, *bank, reduce=False, few_routes=True, **extras
+    )
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank, reduce=False, **extras)
+    assert_matches(parts, ref, tol=1e-5)
+    assert parts[0, 1].abs().max() > 0
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, masked", [(5, 2, 4, 0.0), (9, 3, 6, 0.2)])
@@ -235,6 +381,57 @@ def test_decode_at_gpt_oss_shape_replays_in_a_cuda_graph(gen, tokens):
     assert_matches(out, ref, tol=3e-2)
 
 
+# Qwen3-30B-A3B's experts (quantized to MXFP4 at load): H = 2048, I = 768, 128 of them, top-8.
+QWEN_HIDDEN, QWEN_INTER, QWEN_EXPERTS, QWEN_TOP_K = 2048, 768, 128, 8
+
+
+@pytest.mark.parametrize(
+    "hidden, inter, experts, top_k, biased",
+    [
+        (GPT_OSS_HIDDEN, GPT_OSS_HIDDEN, GPT_OSS_EXPERTS, GPT_OSS_TOP_K, True),
+        (QWEN_HIDDEN, QWEN_INTER, QWEN_EXPERTS, QWEN_TOP_K, False),
+    ],
+    ids=["gpt-oss", "qwen3-30b-a3b"],
+)
+@pytest.mark.parametrize(
+    "config", [None, OneTokenFP4Config(4, 1024, 8, 512)], ids=["chosen", "4x1024"]
+)
+@pytest.mark.cuda
+@needs_cuda
+def test_one_token_decode_at_real_shapes_replays_in_a_cuda_graph(
+    gen, hidden, inter, experts, top_k, biased, config
+):
+    """The one-token launches with bf16 activations, gpt-oss's with its biases and SwiGLU
+    limit, captured once and replayed on new routes, per route (the engine's form): within
+    bf16's rounding of the activations."""
+    bank = mxfp4_bank(gen, experts, hidden=hidden, inter=inter)
+    extras = {}
+    if biased:
+        extras = {
+            "w13_bias": randn(gen, experts, 2 * inter) * 0.5,
+            "w2_bias": randn(gen, experts, hidden) * 0.5,
+            "swiglu_limit": 7.0,
+        }
+    x = randn(gen, 1, hidden, dtype=torch.bfloat16)
+    slot_ids = route_table(gen, 1, top_k, experts, masked=0.25)
+    weights = route_weights(gen, 1, top_k)
+
+    def decode() -> torch.Tensor:
+        return mxfp4_moe.fused_moe_decode_mxfp4(
+            x, slot_ids, weights, *bank, config=config, reduce=False, **extras
+        )
+
+    decode()  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode()
+    slot_ids.copy_(route_table(gen, 1, top_k, experts, masked=0.25))
+    graph.replay()
+    ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank, reduce=False, **extras)
+    assert_matches(out, ref, tol=3e-2)
+
+
 @pytest.mark.parametrize("tokens", [64, 1024])
 @pytest.mark.cuda
 @needs_cuda
@@ -288,8 +485,9 @@ def test_decode_adds_gpt_oss_biases_and_clamps(gen, reduce):
     weights = route_weights(gen, 3, 4)
     bank = mxfp4_bank(gen, 6)
     extras = gpt_oss_extras(gen, 6)
+    config = DotDecodeConfig(16, 64)
     out = mxfp4_moe.fused_moe_decode_mxfp4(
-        x, slot_ids, weights, *bank, block_n=16, block_k=64, reduce=reduce, **extras
+        x, slot_ids, weights, *bank, config=config, reduce=reduce, **extras
     )
     ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank, reduce=reduce, **extras)
     assert out.shape == ref.shape == ((3, HIDDEN) if reduce else (3, 4, HIDDEN))

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.kernels import fp8, grouped_moe, mxfp4_moe, nvfp4, nvfp4_moe
+from moelab.kernels import fp4_widen, fp8, grouped_moe, nvfp4, nvfp4_moe
 from moelab.kernels.common import tl, triton
+from moelab.kernels.fp4_one_token import OneTokenFP4Config
 from moelab.kernels.grouped_moe import GroupedMoEConfig
+from moelab.kernels.mxfp4_moe import DotDecodeConfig
 
 from .kernel_inputs import DEVICE, assert_matches, randn, route_table, route_weights
 
@@ -17,6 +19,12 @@ pytestmark = pytest.mark.usefixtures("triton_runs")
 # Whole 16-blocks, not whole 32-blocks nor whole steps of the tiles.
 HIDDEN, INTER = 208, 80
 GROUPED = GroupedMoEConfig(16, 32, 32, 64, num_warps=4, num_stages=2)
+# The one-token launches' tiles: rows of 104 and 40 bytes, read in 8-byte vectors; a step of one
+# vector a thread, and one wider than the rows.
+ONE_TOKEN = [
+    OneTokenFP4Config(4, 64, 8, 32, num_warps=1, num_stages=2),
+    OneTokenFP4Config(16, 256, 4, 128, num_warps=2, num_stages=3),
+]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -47,7 +55,7 @@ def nvfp4_bank(gen: torch.Generator, slots: int, hidden: int = HIDDEN, inter: in
 @triton.jit
 def _scales_kernel(codes_ptr, factors_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(factors_ptr + i, mxfp4_moe.e4m3_scales(tl.load(codes_ptr + i).to(tl.int32)))
+    tl.store(factors_ptr + i, fp4_widen.e4m3_scales(tl.load(codes_ptr + i).to(tl.int32)))
 
 
 def test_widening_builds_every_e4m3_scale_exactly():
@@ -68,9 +76,8 @@ def test_decode_matches_the_dequantized_reference(gen, tokens, top_k, slots, blo
     slot_ids = route_table(gen, tokens, top_k, slots, masked=0.2)
     weights = route_weights(gen, tokens, top_k)
     bank = nvfp4_bank(gen, slots)
-    out = nvfp4_moe.fused_moe_decode_nvfp4(
-        x, slot_ids, weights, *bank, block_n=block_n, block_k=block_k
-    )
+    config = DotDecodeConfig(block_n, block_k)
+    out = nvfp4_moe.fused_moe_decode_nvfp4(x, slot_ids, weights, *bank, config=config)
     ref = nvfp4_moe.fused_moe_decode_nvfp4_ref(x, slot_ids, weights, *bank)
     assert_matches(out, ref, tol=1e-5)
 
@@ -84,6 +91,64 @@ def test_decode_gives_each_route_its_output_unsummed(gen):
     ref = nvfp4_moe.fused_moe_decode_nvfp4_ref(x, slot_ids, weights, *bank, reduce=False)
     assert out.shape == (3, 4, HIDDEN)
     assert_matches(out, ref, tol=1e-5)
+
+
+@pytest.mark.parametrize("config", [*ONE_TOKEN, None], ids=["one-block", "wide", "chosen"])
+def test_one_token_decode_matches_the_dequantized_reference(gen, config):
+    """One token through the one-token launches (also without a config: the default at T=1):
+    each route's weighted output as the reference's, zeros where a route is masked."""
+    x = randn(gen, 1, HIDDEN)
+    slot_ids = route_table(gen, 1, 4, 6, masked=0.3)
+    weights = route_weights(gen, 1, 4)
+    bank = nvfp4_bank(gen, 6)
+    parts = nvfp4_moe.fused_moe_decode_nvfp4(
+        x, slot_ids, weights, *bank, config=config, reduce=False
+    )
+    ref = nvfp4_moe.fused_moe_decode_nvfp4_ref(x, slot_ids, weights, *bank, reduce=False)
+    assert_matches(parts, ref, tol=1e-5)
+
+
+def test_one_token_decode_reads_every_e4m3_scale_and_a_repeated_slot(gen):
+    """Block scales over every finite e4m3 code (subnormals, both signs) and every byte of
+    values, a slot named twice: each route's own weighted output, as the reference's."""
+    x = randn(gen, 1, HIDDEN)
+    slot_ids = torch.tensor([[1, 3, 1]], dtype=torch.int32, device=DEVICE)
+    weights = route_weights(gen, 1, 3)
+    w13, w2, s13, s2, t13, t2 = nvfp4_bank(gen, 4)
+    finite = torch.tensor([c for c in range(256) if c & 127 != 127], dtype=torch.uint8)
+
+    def every(t: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        tiled = codes.repeat(t.numel() // codes.numel() + 1)
+        picked = tiled[torch.randperm(t.numel(), generator=gen)].view(t.shape)
+        return picked.to(DEVICE).view(t.dtype)
+
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    bank = (every(w13, every_byte), every(w2, every_byte), every(s13, finite), every(s2, finite))
+    parts = nvfp4_moe.fused_moe_decode_nvfp4(
+        x, slot_ids, weights, *bank, t13, t2, config=ONE_TOKEN[1], reduce=False
+    )
+    ref = nvfp4_moe.fused_moe_decode_nvfp4_ref(x, slot_ids, weights, *bank, t13, t2, reduce=False)
+    assert_matches(parts, ref, tol=1e-5)
+    assert parts[0, 0].abs().max() > 0 and parts[0, 2].abs().max() > 0
+
+
+def test_one_token_decode_gives_nan_where_a_block_has_a_nan_scale(gen):
+    """e4m3 0x7F in one block of a down row of a routed slot: that row of that route is NaN,
+    every other output as the reference's."""
+    x = randn(gen, 1, HIDDEN)
+    slot_ids = route_table(gen, 1, 3, 5)
+    weights = route_weights(gen, 1, 3)
+    w13, w2, s13, s2, t13, t2 = nvfp4_bank(gen, 5)
+    s2 = s2.clone()
+    s2.view(torch.uint8)[int(slot_ids[0, 2]), 11, 1] = 0x7F
+    bank = (w13, w2, s13, s2, t13, t2)
+    parts = nvfp4_moe.fused_moe_decode_nvfp4(
+        x, slot_ids, weights, *bank, config=ONE_TOKEN[0], reduce=False
+    )
+    ref = nvfp4_moe.fused_moe_decode_nvfp4_ref(x, slot_ids, weights, *bank, reduce=False)
+    assert torch.equal(parts.isnan(), ref.isnan()) and parts.isnan().sum() == 1
+    assert parts[0, 2, 11].isnan()
+    assert_matches(parts.nan_to_num(), ref.nan_to_num(), tol=1e-5)
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, masked", [(5, 2, 4, 0.0), (9, 3, 6, 0.2)])
@@ -157,21 +222,26 @@ def test_bf16_activations_on_the_gpu(gen):
 QWEN_HIDDEN, QWEN_INTER, QWEN_EXPERTS, QWEN_TOP_K = 2048, 512, 32, 8
 
 
-@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize(
+    "tokens, config",
+    [(1, None), (1, OneTokenFP4Config(4, 1024, 8, 512)), (1, DotDecodeConfig()), (4, None)],
+    ids=["one-token", "one-token-4x1024", "tl.dot-1", "tl.dot-4"],
+)
 @pytest.mark.cuda
 @needs_cuda
-def test_decode_at_qwen3_6_shape_replays_in_a_cuda_graph(gen, tokens):
-    """bf16 activations at the NVFP4 release's shapes, captured once and replayed on new
-    routes (within bf16's rounding, as the prefill's)."""
+def test_decode_at_qwen3_6_shape_replays_in_a_cuda_graph(gen, tokens, config):
+    """bf16 activations at the NVFP4 release's shapes, through the one-token launches (one
+    token's default) and the tl.dot ones, captured once and replayed on new routes (within
+    bf16's rounding, as the prefill's)."""
     bank = nvfp4_bank(gen, QWEN_EXPERTS, hidden=QWEN_HIDDEN, inter=QWEN_INTER)
     x = randn(gen, tokens, QWEN_HIDDEN, dtype=torch.bfloat16)
     slot_ids = route_table(gen, tokens, QWEN_TOP_K, QWEN_EXPERTS, masked=0.25)
     weights = route_weights(gen, tokens, QWEN_TOP_K)
-    nvfp4_moe.fused_moe_decode_nvfp4(x, slot_ids, weights, *bank)  # compile first
+    nvfp4_moe.fused_moe_decode_nvfp4(x, slot_ids, weights, *bank, config=config)  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = nvfp4_moe.fused_moe_decode_nvfp4(x, slot_ids, weights, *bank)
+        out = nvfp4_moe.fused_moe_decode_nvfp4(x, slot_ids, weights, *bank, config=config)
     slot_ids.copy_(route_table(gen, tokens, QWEN_TOP_K, QWEN_EXPERTS, masked=0.25))
     graph.replay()
     ref = nvfp4_moe.fused_moe_decode_nvfp4_ref(x, slot_ids, weights, *bank)

@@ -1,0 +1,72 @@
+"""e2m1 codes and their block scales widened in registers, with integer ops only: no FP4 or FP8
+instruction, so that the same code runs on Turing, Ampere and later GPUs and under the Triton
+interpreter. The MXFP4 and NVFP4 MoE kernels (mxfp4_moe, fp4_one_token) read their banks with
+these: `values` and `scales` / `e4m3_scales` build each code's fp32 bits, `halves` a word's eight
+codes as fp16 (each value times 2^-14)."""
+
+from __future__ import annotations
+
+from .common import tl, triton
+
+
+@triton.jit
+def values(codes):
+    """fp32 of e2m1 `codes` (int32, 0-15), built from the bits: exponent e and mantissa m give
+    fp32 exponent e + 126 (e > 0), m/2 = 0.5 or 0 for e = 0; bit 3 is the sign."""
+    e = (codes >> 1) & 3
+    m = codes & 1
+    magnitude = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000)
+    return (magnitude | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scales(codes):
+    """fp32 of E8M0 `codes` (int32, 0-255): 2^(code − 127), code 0 the subnormal 2^-127, 0xFF
+    NaN."""
+    bits = tl.where(codes == 0, 0x00400000, codes << 23)
+    return tl.where(codes == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_scales(codes):
+    """fp32 of e4m3 `codes` (int32, 0-255; NVFP4's block scales), built from the bits: exponent
+    e > 0 and mantissa m give fp32 exponent e + 120 and mantissa m << 20; e = 0 is m · 2^-9;
+    0x7F and 0xFF are NaN; bit 7 is the sign."""
+    e = (codes >> 3) & 15
+    m = codes & 7
+    subnormal = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    bits = tl.where(e > 0, ((e + 120) << 23) | (m << 20), subnormal)
+    bits = tl.where((codes & 127) == 127, 0x7FC00000, bits)
+    return (bits | ((codes & 128) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp16_pair(pair, OUT: tl.constexpr):
+    """The two fp16 of a uint32's halves, in OUT, joined: [..., 2], the low half first."""
+    low = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(OUT)
+    high = (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(OUT)
+    return tl.join(low, high)
+
+
+@triton.jit
+def halves(words, OUT: tl.constexpr):
+    """The e2m1 codes of `words` [N, W] (int32, four bytes, eight codes each: byte j's low nibble
+    is column 2j, its high nibble 2j + 1) as [N, 8W] in column order, each its value times 2^-14,
+    in OUT: fp16, or fp32 (exact too, and converted before the joins, which then move whole
+    registers rather than pack fp16 pairs). A code's magnitude bits (e1 e0 m) at fp16 bit 9 and
+    its sign at bit 15 make that fp16 exactly: exponent field e gives 2^(e − 15) · (1 + m/2) =
+    2^(e − 1) · (1 + m/2) · 2^-14 for e > 0, and for e = 0 the fp16 subnormal m/2 · 2^-14.
+    Codes 16 bits apart (columns c and c + 4) go to their places in one uint32 at once, two
+    shifts and two ands-ors for two codes, whose halves are then the two fp16."""
+    w = words.to(tl.uint32, bitcast=True)
+    magnitude = 0x0E000E00
+    sign = 0x80008000
+    c0_c4 = ((w << 9) & magnitude) | ((w << 12) & sign)
+    c1_c5 = ((w << 5) & magnitude) | ((w << 8) & sign)
+    c2_c6 = ((w << 1) & magnitude) | ((w << 4) & sign)
+    c3_c7 = ((w >> 3) & magnitude) | (w & sign)
+    # joined [N, W, 2, 2, 2], each join's halves last: code c of a word lands at
+    # 4 · (c >= 4) + 2 · (c mod 4 >= 2) + (c odd) = c, its column
+    even = tl.join(_fp16_pair(c0_c4, OUT), _fp16_pair(c2_c6, OUT))
+    odd = tl.join(_fp16_pair(c1_c5, OUT), _fp16_pair(c3_c7, OUT))
+    return tl.reshape(tl.join(even, odd), (w.shape[0], 8 * w.shape[1]))
