@@ -40,10 +40,10 @@ class OneTokenFP4Config:
     A step's columns are whole scale blocks (32 is MXFP4's); rows x columns / 32 at least the
     program's threads, each a 16-byte vector, or threads read the same bytes twice."""
 
-    gate_up_block_n: int = 8
+    gate_up_block_n: int = 16
     gate_up_block_k: int = 512
     down_block_n: int = 16
-    down_block_k: int = 256
+    down_block_k: int = 512
     num_warps: int = CHOSEN_WARPS
     num_stages: int = 3
 
@@ -66,30 +66,34 @@ class OneTokenFP4Config:
 def choose_config(
     top_k: int, hidden: int, inter: int, sms: int, few_routes: bool = False
 ) -> OneTokenFP4Config:
-    """One-token tiles for a geometry on a device with `sms` SMs, by gemv's rule for one token.
+    """One-token tiles for a geometry on a device with `sms` SMs.
 
     Each launch takes the widest block of up to 16 rows whose grid (routes x row blocks) still
-    gives gemv.ROW_PROGRAMS_PER_SM programs per SM, and a step of columns that gives each of its
-    threads one 16-byte vector of the rows (no wider than the rows; fewer warps where the rows
-    are too short for 4). Qwen3-30B-A3B (H=2048, I=768, 8 routes) on 132 SMs: gate/up 8 rows by
-    512 (768 programs), down 16 rows by 256 (1024 programs); gpt-oss-120b (H=I=2880, 4 routes):
-    16 rows by 256 in both.
+    gives 2 programs per SM, and a step of columns that gives each of its threads two 16-byte
+    vectors of the rows (no wider than the rows; fewer warps where the rows are too short for
+    4). On an H100 at Qwen3-30B-A3B's shape these tiles (gate/up and down 16 rows by 512) read
+    the 8 routes in 25.5 us, against 27.3-36.8 us for the other tiles of the bench's sweep and
+    32.7 us for one vector a thread and 4 programs an SM (`python -m moelab.kernels.bench
+    --sweep --only fused_moe_mxfp4`, docs/performance.md). gpt-oss-120b (H=I=2880, 4 routes):
+    16 rows by 512 in both.
 
     few_routes: for a launch where one or two routes are live (the routes a layer step's fills
-    serve): the rule for one route, so that one live route's rows spread over the whole device
-    (the masked routes' programs return at once): there, gate/up 1 row by 2048 (768 programs a
-    route), down 2 rows by 1024, 2 warps.
+    serve): the rule for one route at gemv's 4 programs an SM and one vector a thread, so that
+    one live route's rows spread over the whole device (the masked routes' programs return at
+    once): there, gate/up 1 row by 2048 (768 programs a route), down 2 rows by 1024, 2 warps.
     """
     routes = 1 if few_routes else top_k
+    programs = gemv.ROW_PROGRAMS_PER_SM * sms if few_routes else 2 * sms
+    vectors_a_thread = 1 if few_routes else 2
 
     def rows_per_program(rows: int) -> int:
         block_n = 16
-        while block_n > 1 and routes * triton.cdiv(rows, block_n) < gemv.ROW_PROGRAMS_PER_SM * sms:
+        while block_n > 1 and routes * triton.cdiv(rows, block_n) < programs:
             block_n //= 2
         return block_n
 
     def step(block_n: int, columns: int) -> int:
-        every_thread = VECTOR_VALUES * 32 * CHOSEN_WARPS // block_n
+        every_thread = vectors_a_thread * VECTOR_VALUES * 32 * CHOSEN_WARPS // block_n
         return min(max(every_thread, 256), common.next_pow2(columns, VECTOR_VALUES))
 
     gate_up_n, down_n = rows_per_program(inter), rows_per_program(hidden)

@@ -259,24 +259,25 @@ def test_a_one_token_config_is_for_one_token(gen):
 @pytest.mark.parametrize(
     "top_k, hidden, inter, few_routes, tiles",
     [
-        (8, 2048, 768, False, (8, 512, 16, 256, 4)),
-        (4, 2880, 2880, False, (16, 256, 16, 256, 4)),
+        (8, 2048, 768, False, (16, 512, 16, 512, 4)),
+        (4, 2880, 2880, False, (16, 512, 16, 512, 4)),
         (8, 2048, 768, True, (1, 2048, 2, 1024, 2)),
     ],
     ids=["qwen3-30b-a3b", "gpt-oss-120b", "qwen3-30b-a3b-filled"],
 )
 def test_the_chosen_tiles_give_each_thread_its_own_vector(top_k, hidden, inter, few_routes, tiles):
-    """On 132 SMs: 4 programs an SM at least where the rows allow (for one route alone where
-    few are live), and each step a 16-byte vector (32 values) for every thread of the
-    program."""
+    """On 132 SMs: 2 programs an SM at least where the rows allow, and each step two 16-byte
+    vectors (32 values each) for every thread of the program; for one route alone where few are
+    live, 4 programs an SM and one vector a thread."""
     cfg = choose_config(top_k, hidden, inter, 132, few_routes)
     chosen = (cfg.gate_up_block_n, cfg.gate_up_block_k, cfg.down_block_n, cfg.down_block_k)
     assert (*chosen, cfg.num_warps) == tiles
     threads = 32 * cfg.num_warps
     assert cfg.gate_up_block_n * cfg.gate_up_block_k // 32 >= threads
     assert cfg.down_block_n * cfg.down_block_k // 32 >= threads
-    routes = 1 if few_routes else top_k
-    assert routes * -(-inter // cfg.gate_up_block_n) >= 4 * 132
+    routes, programs, vectors = (1, 4, 1) if few_routes else (top_k, 2, 2)
+    assert routes * -(-inter // cfg.gate_up_block_n) >= programs * 132
+    assert cfg.gate_up_block_n * cfg.gate_up_block_k // 32 >= vectors * threads
 
 
 def test_one_token_decode_for_few_live_routes_matches_the_reference(gen):
