@@ -9,6 +9,7 @@ Usage: python -m moelab.kernels.cpu_experts_bench --threads 1,2,4 [--dtype bf16,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -271,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--gap-us must be 0 or more")
     if max(experts) > args.num_experts:
         parser.error("--experts cannot exceed --num-experts")
-    say = (lambda _: None) if args.json else print
+    # each row as it is measured, also into a file or pipe (a run cut short keeps its rows)
+    say = (lambda _: None) if args.json else functools.partial(print, flush=True)
     say(
         f"{_cpu_name()}, {os.cpu_count()} logical CPUs; experts H={args.hidden} "
         f"I={args.intermediate}, 1 token, bank of {args.num_experts}; native jobs "
