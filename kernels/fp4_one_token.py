@@ -26,6 +26,7 @@ import torch
 from . import common, gemv, swiglu
 from .common import tl, triton
 from .fp4_widen import e4m3_scales, halves, scales
+from .fused_moe_one_token import check_tiles
 
 # Threads a program reads with at the chooser's tiles (4 warps): each step gives every thread at
 # least one 16-byte vector (32 values) of the rows, so that no two threads read the same bytes.
@@ -48,18 +49,7 @@ class OneTokenFP4Config:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name, least in (
-            ("gate_up_block_n", 1),
-            ("gate_up_block_k", VECTOR_VALUES),
-            ("down_block_n", 1),
-            ("down_block_k", VECTOR_VALUES),
-            ("num_warps", 1),
-        ):
-            value = getattr(self, name)
-            if value < least or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        check_tiles(self, least_step=VECTOR_VALUES)
 
 
 @functools.lru_cache(maxsize=32)

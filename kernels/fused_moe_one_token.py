@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,18 +36,24 @@ class OneTokenMoEConfig:
     loop_routes: bool = False
 
     def __post_init__(self) -> None:
-        for name, least in (
-            ("gate_up_block_n", 1),
-            ("gate_up_block_k", 16),
-            ("down_block_n", 1),
-            ("down_block_k", 16),
-            ("num_warps", 1),
-        ):
-            value = getattr(self, name)
-            if value < least or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        check_tiles(self, least_step=16)
+
+
+def check_tiles(config: Any, least_step: int) -> None:
+    """Raise a clear error unless a one-token config's rows, steps and warps are powers of two
+    (its steps at least `least_step` columns) and it has a stage at least."""
+    for name, least in (
+        ("gate_up_block_n", 1),
+        ("gate_up_block_k", least_step),
+        ("down_block_n", 1),
+        ("down_block_k", least_step),
+        ("num_warps", 1),
+    ):
+        value = getattr(config, name)
+        if value < least or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
+    if config.num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {config.num_stages}")
 
 
 @functools.lru_cache(maxsize=32)

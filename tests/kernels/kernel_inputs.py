@@ -51,3 +51,20 @@ def assert_top_k(
     assert all(len(set(row)) == k for row in ids.tolist()), "an expert picked twice"
     expected = picked / picked.sum(-1, keepdim=True) if renormalize else picked
     torch.testing.assert_close(weights, expected, rtol=1e-5, atol=1e-6)
+
+
+def nvfp4_bank(
+    gate: tuple[torch.Tensor, ...], up: tuple[torch.Tensor, ...], down: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """An NVFP4 bank (w13, w2, w13_scale, w2_scale, w13_scale_2, w2_scale_2) from gate's, up's
+    and down's `nvfp4.quantize` outputs (values, block scales, tensor scales; gate, up and down
+    quantized apart, as ModelOpt does): w13 gate's rows then up's, each with its tensor scale."""
+    w2, w2_scale, w2_scale_2 = down
+    return (
+        torch.cat([gate[0], up[0]], dim=1),
+        w2,
+        torch.cat([gate[1], up[1]], dim=1),
+        w2_scale,
+        torch.stack([gate[2], up[2]], dim=1),
+        w2_scale_2[:, None].contiguous(),
+    )

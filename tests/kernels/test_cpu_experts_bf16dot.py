@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from moelab.kernels import fp8, mxfp4, nvfp4, nvfp4_moe
 from moelab.kernels.cpu_experts import CpuExpertRunner, load_native
 
+from .kernel_inputs import nvfp4_bank
 from .test_cpu_experts import SEED, UNIT_ROUNDOFF, assert_within_bound, exact_and_bound, gamma
 
 
@@ -160,15 +161,7 @@ def nvfp4_call(gen: torch.Generator, num_experts: int, hidden: int, inter: int):
         return nvfp4.quantize(w * rows)
 
     gate, up = weights(num_experts, inter, hidden), weights(num_experts, inter, hidden)
-    w2, w2_scale, w2_scale_2 = weights(num_experts, hidden, inter)
-    bank = (
-        torch.cat([gate[0], up[0]], dim=1),
-        w2,
-        torch.cat([gate[1], up[1]], dim=1),
-        w2_scale,
-        torch.stack([gate[2], up[2]], dim=1),
-        w2_scale_2[:, None].contiguous(),
-    )
+    bank = nvfp4_bank(gate, up, weights(num_experts, hidden, inter))
     names = ("w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2")
     keywords = dict(zip(names, bank[2:], strict=True))
     return bank[:2], keywords, nvfp4_moe.dequantized_bank(*bank)

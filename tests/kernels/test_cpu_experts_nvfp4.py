@@ -19,6 +19,7 @@ import torch
 from moelab.kernels import cpu_experts_bench, nvfp4, nvfp4_moe
 from moelab.kernels.cpu_experts import CpuExpertRunner, cpu_experts_ref, load_native
 
+from .kernel_inputs import nvfp4_bank
 from .test_cpu_experts import SEED, assert_within_bound, exact_and_bound
 
 SIMD = ["avx512", "avx2", "scalar"]
@@ -55,15 +56,7 @@ def nvfp4_inputs(case: str, salt: str = ""):
         return nvfp4.quantize(w * rows * tensors)
 
     gate, up = weights(num_experts, inter, hidden), weights(num_experts, inter, hidden)
-    w2, w2_scale, w2_scale_2 = weights(num_experts, hidden, inter)
-    bank = (
-        torch.cat([gate[0], up[0]], dim=1),
-        w2,
-        torch.cat([gate[1], up[1]], dim=1),
-        w2_scale,
-        torch.stack([gate[2], up[2]], dim=1),
-        w2_scale_2[:, None].contiguous(),
-    )
+    bank = nvfp4_bank(gate, up, weights(num_experts, hidden, inter))
     x = torch.randn(num_tokens, hidden, generator=gen)
     pair_args = (
         torch.tensor([e for e, _ in pairs], dtype=torch.int32),
