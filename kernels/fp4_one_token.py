@@ -61,7 +61,7 @@ def choose_config(
     Each launch takes the widest block of up to 16 rows whose grid (routes x row blocks) still
     gives 2 programs per SM, and a step of columns that gives each of its threads two 16-byte
     vectors of the rows (no wider than the rows; fewer warps where the rows are too short for
-    4). On an H100 at Qwen3-30B-A3B's shape these tiles (gate/up and down 16 rows by 512) read
+    4). On a Hopper card at Qwen3-30B-A3B's shape these tiles (gate/up and down 16 rows by 512) read
     the 8 routes in 25.5 us, against 27.3-36.8 us for the other tiles of the bench's sweep and
     32.7 us for one vector a thread and 4 programs an SM (`python -m moelab.kernels.bench
     --sweep --only fused_moe_mxfp4`, docs/performance.md). gpt-oss-120b (H=I=2880, 4 routes):
