@@ -102,9 +102,9 @@ def test_tiles_of_tokens_equal_the_dequantized_weights_bit_for_bit(
 def test_scale_extremes_and_the_nan_scale_reach_the_output(
     simd: str, simd_levels: list[str]
 ) -> None:
-    """2^-127 (a subnormal scale) widens exactly; 2^127 overflows to infinities where the
-    dequantized weights do; a block with the NaN scale makes the down projection's row NaN for
-    exactly the tokens its expert serves, and a gate row's the whole output of those tokens."""
+    """2^-127 (a subnormal scale) widens exactly; 2^127 overflows where the dequantized weights
+    do; a block with the NaN scale makes the down projection's row NaN for exactly the tokens
+    its expert serves, and a gate row's the whole output of those tokens."""
     if simd not in simd_levels:
         pytest.skip(f"this CPU has no {simd}")
     args, scales, _ = mxfp4_inputs("batch-top3", simd)
@@ -117,8 +117,11 @@ def test_scale_extremes_and_the_nan_scale_reach_the_output(
             w2_scale[expert, 7, 1] = code
             out = runner.run(*args, w13_scale=scales["w13_scale"], w2_scale=w2_scale)
             ref = cpu_experts_ref(*args, w13_scale=scales["w13_scale"], w2_scale=w2_scale)
-            assert torch.equal(out.isnan(), ref.isnan()), code
-            assert torch.equal(out.isinf(), ref.isinf()), code
+            # which of inf, -inf and NaN an overflowing sum gives depends on the order of its
+            # products (and on fused multiply-adds); that it does not stay finite does not
+            assert torch.equal(out.isfinite(), ref.isfinite()), f"scale {code} (seed {SEED})"
+            if code != 254:
+                assert torch.equal(out.isnan(), ref.isnan()), f"scale {code} (seed {SEED})"
             if code == 0:
                 w2 = mxfp4.dequantize(args[2], w2_scale)
                 bound = exact_and_bound(args[0], mxfp4.dequantize(args[1], scales["w13_scale"]),
