@@ -419,8 +419,8 @@ def _expert_cache_flags(moe: Group) -> None:
         "--moe-cache-size",
         type=_non_negative_int,
         default=None,
-        help="Expert slots on the GPU, shared by all MoE layers. Default: whatever fits after "
-        "the KV reserve.",
+        help="Expert slots on the GPU, shared by all MoE layers (with --devices, each device's "
+        "slots for its own layers' experts). Default: whatever fits after the KV reserve.",
     )
     size.add_argument(
         "--moe-cache-rate",

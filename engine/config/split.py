@@ -524,12 +524,18 @@ def plan_devices(
     dense = dense_layer_bytes(spec, elem)
 
     def plans(req: MemoryRequest) -> list[VramPlan]:
-        return [
-            replace(req, budget_bytes=dev.budget_bytes).plan(
-                spec, layers=span, weights_bytes=dense * len(span) + edge
-            )
-            for dev, span, edge in zip(devices, ranges, edges, strict=True)
-        ]
+        out = []
+        for dev, span, edge in zip(devices, ranges, edges, strict=True):
+            try:
+                out.append(
+                    replace(req, budget_bytes=dev.budget_bytes).plan(
+                        spec, layers=span, weights_bytes=dense * len(span) + edge
+                    )
+                )
+            except MemoryPlanError as err:  # which device it is, where the text does not say
+                why = err.args[0] if err.args and isinstance(err.args[0], Text) else str(err)
+                raise MemoryPlanError(Text("{device}: {why}", device=dev.name, why=why)) from None
+        return out
 
     # the KV tokens every device holds: the fewest any device can
     tokens = min(p.kv_tokens for p in plans(request))

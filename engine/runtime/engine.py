@@ -17,8 +17,8 @@ from ...kernels.native_build import NativeKernelError, load_native
 from ..config.args import default_cpu_threads, physical_cores
 from ..config.bandwidth import best, device_best, load_profile
 from ..config.config import EngineConfig
-from ..config.memory import MemoryPlanError, VramPlan, log_plan
-from ..config.split import DeviceBudget, SplitPlan, plan_graphed_devices
+from ..config.memory import VramPlan, log_plan
+from ..config.split import DeviceBudget, LayerSplit, SplitPlan, plan_graphed_devices
 from ..experts.bank import ExpertBank, build_in_memory, load_bank
 from ..experts.cache import ExpertCache
 from ..experts.cpu import (
@@ -45,7 +45,6 @@ from ..model.states import StatePool
 from ..model.synth import SynthSource, calibration_threads
 from ..model.tokenizer import Tokenizer
 from ..model.window import WindowPool
-from ..text import Text
 from .graphs import DecodeGraphs
 from .loading import LoadProgress
 from .microbatch import Pipelining
@@ -216,6 +215,7 @@ class Engine:
         )
         split = plan_graphed_devices(self.spec, request, tuple(budgets), memory.layer_split)
         self.split = split
+        self.split_budgets = tuple(budgets)  # what a resize plans with again
         self.link_gbps = [b.link_gbps for b in budgets]
         self.memory_gbps = [b.memory_gbps for b in budgets]
         self.layers_on = LayerPlacement(tuple(self.devices), split.ranges)
@@ -420,12 +420,16 @@ class Engine:
                 runner.allocate_prefill_buffers()
             runners.append(runner)
         self.moe = SplitExperts(runners, moe_ranges, counters)
-        self.kv_parts = [
+        self.kv_parts = self._new_kv_parts(split)
+        self.kv = self.kv_parts[0]
+        return placement.place(dense)
+
+    def _new_kv_parts(self, split: SplitPlan) -> list[KVCache]:
+        """Each device's KV cache of its paged attention layers under `split`."""
+        return [
             self._new_kv(plan, device, sum(1 for i in self.spec.paged_layers if i in span))
             for plan, device, span in zip(split.plans, self.devices, split.ranges, strict=True)
         ]
-        self.kv = self.kv_parts[0]
-        return placement.place(dense)
 
     def _new_kv(
         self, plan: VramPlan, device: torch.device | None = None, rows: int | None = None
@@ -565,22 +569,17 @@ class Engine:
         self._capture_graphs()
         self._end_too_long()
 
-    def _refuse_split_resize(self) -> None:
-        if self.layers_on is not None:
-            raise MemoryPlanError(
-                Text(
-                    "the caches of an engine split across --devices keep the sizes they started "
-                    "with; restart it with other --moe-cache-size or --kv-reserve-tokens"
-                )
-            )
-
     def resize_cache(self, slots: int) -> None:
         """Set the number of expert slots without reloading weights (no request may be running).
 
         Raises MemoryPlanError when the current KV and `slots` do not fit the budget.
         """
         assert not self.scheduler.running, "resize while requests run"
-        self._refuse_split_resize()
+        if self.split is not None:
+            split = self._replan_split(self.kv.capacity_tokens, cache_size=slots, cache_rate=None)
+            self._apply_split(split)
+            log.info("expert caches resized: %s", self._split_text(split))
+            return
         plan = self._replan(self.kv.capacity_tokens, cache_size=slots, cache_rate=None)
         self._apply_plan(plan)
         log.info("expert cache resized: %s", plan.describe())
@@ -588,16 +587,77 @@ class Engine:
     def resize_kv(self, tokens: int) -> None:
         """Reserve `tokens` of KV and give the expert cache what is left (no request running)."""
         assert not self.scheduler.running, "resize while requests run"
-        self._refuse_split_resize()
         self.stepper.drain()  # a queued step still writes the old KV
+        if self.split is not None:
+            split = self._replan_split(tokens)
+            for kv in self.kv_parts:
+                kv.free_memory()
+            self.kv_parts[:] = self._new_kv_parts(split)  # the model's list, too
+            self.kv = self.scheduler.kv = self.kv_parts[0]
+            self._grow_rotaries(split.total.max_context)
+            self._apply_split(split)
+            log.info("KV reserve changed: %s", self._split_text(split))
+            return
         plan = self._replan(tokens)
         self.kv.free_memory()
         self.kv = self._new_kv(plan)
         self.model.kv = self.scheduler.kv = self.kv
-        if plan.max_context + 1 > self.model.rotary.cos.shape[0]:
-            self.model.rotary = Rotary(self.spec, plan.max_context + 1, self.device, self.dtype)
+        self._grow_rotaries(plan.max_context)
         self._apply_plan(plan)
         log.info("KV reserve changed: %s", plan.describe())
+
+    def _grow_rotaries(self, max_context: int) -> None:
+        """Longer rotary tables on every device where `max_context` outgrows them."""
+        rotaries = self.model.rotaries
+        if max_context + 1 <= rotaries[0].cos.shape[0]:
+            return
+        for part, device in enumerate(self.devices if self.split is not None else [self.device]):
+            rotaries[part] = Rotary(self.spec, max_context + 1, device, self.dtype)
+
+    def _replan_split(self, kv_tokens: int, **settings: int | float | None) -> SplitPlan:
+        """The split's plans with `kv_tokens` of KV and the memory request's `settings` where
+        given, over the budgets it started with and the same layers on each device (their dense
+        weights stay where they are); MemoryPlanError where a device cannot hold its part."""
+        assert self.split is not None
+        request = self.config.memory_request(
+            budget_bytes=0,
+            elem_bytes=self.dtype.itemsize,
+            cuda=self.device.type == "cuda",
+            kv_tokens=kv_tokens,
+        )
+        counts = LayerSplit(counts=tuple(len(span) for span in self.split.ranges))
+        split = plan_graphed_devices(
+            self.spec, replace(request, **settings), self.split_budgets, counts
+        )
+        assert split.ranges == self.split.ranges
+        return split
+
+    def _apply_split(self, split: SplitPlan) -> None:
+        """Resize each device's expert cache to its plan in `split` (idle engine), keeping the
+        most recent experts, as `_apply_plan` does on one device."""
+        assert isinstance(self.moe, SplitExperts) and isinstance(self.cache, SplitCache)
+        self.stepper.drain()
+        self.stepper.graphs = None
+        self.moe.count_backlog()
+        self.moe.release_prefill_buffers()
+        parts = zip(self.moe.runners, self.cache.caches, split.plans, strict=True)
+        for runner, cache, plan in parts:
+            if runner is None or cache is None:  # a device whose layers are all dense
+                continue
+            cache.resize(plan.slots, runner.refill)
+            if plan.all_resident:
+                _load_all_experts(cache, runner.bank)
+            elif plan.prefill_buffer_bytes:
+                runner.allocate_prefill_buffers()
+        self.split = split
+        self.plan = split.total
+        self.stepper.use_kv(self.kv, self.plan.max_context)
+        self._capture_graphs()
+        self._end_too_long()
+
+    def _split_text(self, split: SplitPlan) -> str:
+        parts = zip(split.names, split.plans, strict=True)
+        return "; ".join(f"{name}: {plan.describe()}" for name, plan in parts)
 
     # running ------------------------------------------------------------------------------------
 

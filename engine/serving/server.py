@@ -538,12 +538,18 @@ class Server:
                     engine.resize_cache(value)
                 else:
                     engine.resize_kv(value)
-                return {
+                result = {
                     "moe_cache_size": engine.cache.slots,
                     "kv_tokens": engine.kv.capacity_tokens,
                     "max_model_len": engine.max_context,
                     "plan": engine.plan.to_dict(),
                 }
+                if engine.split is not None:  # each device's slots (the sum above)
+                    result["devices"] = [
+                        {"device": name, "slots": plan.slots}
+                        for name, plan in zip(engine.split.names, engine.split.plans, strict=True)
+                    ]
+                return result
 
             try:
                 return await asyncio.wrap_future(worker.call(apply))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from moelab.engine.config.args import build_parser
 from moelab.engine.config.config import ConfigError, EngineConfig
+from moelab.engine.config.memory import MemoryPlanError
 from moelab.engine.config.split import (
     DeviceBudget,
     DeviceShare,
@@ -367,3 +368,20 @@ def test_a_device_given_only_dense_layers_plans_no_expert_slots():
     assert split.total.slots == second.slots > 0
     assert split.total.experts_total == 42 * spec.num_experts
     assert len(plan_devices(spec, request, cards).ranges[0]) > 6
+
+
+def test_a_device_that_cannot_hold_its_slots_is_named():
+    """--moe-cache-size is each device's slots (at most its layers' experts): where one device
+    cannot hold them, the refusal names that device before the plan's own words."""
+    config = EngineConfig.from_flags(["--model-path", "m", "--moe-cache-size", "1000"])
+    request = config.memory_request(budget_bytes=0, elem_bytes=2, cuda=False)
+    cards = (DeviceBudget("cuda:0", 24 * GIB, 25.0, 1008.0),
+             DeviceBudget("cuda:1", 8 * GIB, 25.0, 1008.0))  # fmt: skip
+    with pytest.raises(MemoryPlanError, match=r"^cuda:1: 1000 expert slots \("):
+        plan_devices(A3B, request, cards, LayerSplit(counts=(24, 24)))
+    big = (cards[0], DeviceBudget("cuda:1", 24 * GIB, 25.0, 1008.0))
+    split = plan_devices(A3B, request, big, LayerSplit(counts=(40, 8)))
+    assert [p.slots for p in split.plans] == [1000, 1000]
+    split = plan_devices(A3B, request, big, LayerSplit(counts=(47, 1)))
+    assert [p.slots for p in split.plans] == [1000, A3B.num_experts]
+    assert split.plans[1].all_resident and not split.plans[0].all_resident

@@ -4,14 +4,19 @@ holding its own layers' KV and expert cache, the activations crossing once per b
 
 from __future__ import annotations
 
+import socket
+
+import httpx
 import pytest
 import torch
 
 from moelab.engine.config.config import EngineConfig
 from moelab.engine.config.memory import MemoryPlanError
 from moelab.engine.model.placement import LayerPlacement
+from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
 from moelab.engine.runtime.engine import Engine
 from moelab.engine.runtime.sampling import SamplingParams
+from moelab.engine.synth_checkpoint import synthesize
 
 from .reference import (
     assert_same_greedy,
@@ -138,10 +143,41 @@ def test_activations_cross_once_per_boundary_and_logits_come_back(engines, monke
     assert steps == 3 and crossed == [1] * steps
 
 
-def test_a_split_engine_refuses_a_resize_in_words(engines):
-    _arch, _model, _one, split, _cache = engines
-    with pytest.raises(MemoryPlanError, match="keep the sizes they started with"):
-        split.resize_cache(2)
+def test_a_split_engine_resizes_each_device_and_decodes_the_same_tokens(checkpoint):
+    """A resize plans each device again over its own layers: --moe-cache-size's slots on each
+    device (at most its layers' experts; every expert where that is all of them), the same KV
+    tokens on every device; the greedy tokens stay transformers'; a size that does not fit is
+    refused in words and leaves the engine as it was."""
+    arch, model, path = checkpoint
+    split = engine(path, "--devices", "cpu,cpu", "--layer-split", "1,3", *CACHES["offloaded"])
+    try:
+        ids = prompt(2, 9)
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        ref, margins = hf_greedy(model, ids, 16)
+        experts = [len(span) * split.spec.num_experts
+                   for span in split.layers_on.moe_ranges(split.spec.moe_layers)]  # fmt: skip
+        for slots in (5, 1, 10**6):
+            split.resize_cache(slots)
+            want = [min(slots, n) for n in experts]
+            assert [c.slots for c in split.cache.caches] == want, arch
+            assert [p.slots for p in split.split.plans] == want
+            assert split.plan.slots == split.cache.slots == sum(want)
+            assert split.cache.holds_everything == (slots >= max(experts))
+            assert_same_greedy(split.generate([ids], params)[0], ref, margins)
+        tokens = split.kv.capacity_tokens
+        split.resize_kv(tokens + 64)
+        assert [kv.capacity_tokens for kv in split.kv_parts] == [split.kv.capacity_tokens] * 2
+        assert split.kv.capacity_tokens >= tokens + 64
+        assert split.model.kv_parts is split.kv_parts
+        assert split.max_context == split.plan.max_context
+        assert_same_greedy(split.generate([ids], params)[0], ref, margins)
+        before = [c.slots for c in split.cache.caches], split.kv.capacity_tokens
+        with pytest.raises(MemoryPlanError, match="lower --kv-reserve-tokens"):
+            split.resize_kv(10**9)
+        assert ([c.slots for c in split.cache.caches], split.kv.capacity_tokens) == before
+        assert_same_greedy(split.generate([ids], params)[0], ref, margins)
+    finally:
+        split.close()
 
 
 def test_stats_report_each_device_and_the_plan_sums_them(engines):
@@ -189,6 +225,11 @@ def test_two_gpus_in_bf16_decode_as_one_does(checkpoint, cache):
         assert relative_error(split.score(ids), one.score(ids)) < 1e-2, arch
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         prompts = [prompt(9, 7), prompt(10, 19)]
+        assert split.generate(prompts, params) == one.generate(prompts, params), arch
+        # each card's cache and KV resized: the same tokens again
+        split.resize_cache(5)
+        split.resize_kv(split.kv.capacity_tokens + 64)
+        assert [c.device.index for c in split.cache.caches] == [0, 1]
         assert split.generate(prompts, params) == one.generate(prompts, params), arch
     finally:
         one.close()
@@ -334,3 +375,38 @@ def test_a_device_with_only_dense_layers_serves_without_an_expert_cache(tmp_path
     finally:
         one.close()
         split.close()
+
+
+def test_a_split_engine_process_resizes_over_http(tmp_path):
+    """`POST /v1/cache/resize` on a real split engine process: each device's slots in the
+    answer and in /v1/stats, a size no device can hold refused with a 409 in words, and the
+    engine serving afterwards."""
+    model = synthesize(tmp_path / "model", preset="tiny", routing_skew=1.0, seed=5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = start_engine(
+        ["--model-path", str(model), "--port", str(port), "--devices", "cpu,cpu",
+         "--device-memory", "1GiB", "--bank-dir", str(tmp_path / "bank"),
+         "--moe-cache-size", "4", "--max-context", "64"],
+        tmp_path / "engine.log",
+    )  # fmt: skip
+    try:
+        wait_ready(process, timeout_s=300)
+        with httpx.Client(base_url=process.base_url, timeout=120) as client:
+            r = client.post("/v1/cache/resize", json={"moe_cache_size": 6})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            devices = client.get("/v1/stats").json()["devices"]
+            assert [d["slots"] for d in body["devices"]] == [d["slots"] for d in devices]
+            assert all(0 < d["slots"] <= 6 for d in body["devices"])
+            assert body["moe_cache_size"] == sum(d["slots"] for d in devices)
+            r = client.post("/v1/cache/resize", json={"kv_reserve_tokens": 2**30})
+            assert r.status_code == 409 and "kv-reserve-tokens" in r.json()["error"]["message"]
+            assert [d["slots"] for d in client.get("/v1/stats").json()["devices"]] == [
+                d["slots"] for d in devices
+            ]
+            r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        stop_engine(process)
