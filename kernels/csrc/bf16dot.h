@@ -57,15 +57,20 @@ inline uint16_t round_bf16(float v) {
 
 // Where value v of a K-value vector lies in its bf16 copy for rows of type WT: the order in which
 // the widening below gives a row's weights. FP8: of each 64 values, the first 8 of each 16, then
-// the last 8 of each 16 (the in-lane byte interleaves). 4-bit: each 64 values' even ones, then
-// their odd ones (a last 32: its 16 even, then its 16 odd), as the low and the high nibbles of
-// the bytes come.
+// the last 8 of each 16 (the in-lane byte interleaves). 4-bit: of each whole 128 values, every
+// fourth from the first, then from the second, third and fourth (the four nibbles of each
+// 16-bit word); of the last K % 128 values, each 64's even ones, then their odd ones (a last 32:
+// its 16 even, then its 16 odd), as the low and the high nibbles of the bytes come.
 template <class WT>
 int64_t bf16_slot(int64_t v, int64_t K) {
   if constexpr (std::is_same_v<WT, e4m3>) {
     const int64_t base = v / 64 * 64, i = v - base, lane = i / 16, w = i % 16;
     return base + (w < 8 ? 0 : 32) + 8 * lane + w % 8;
   } else {
+    if (v < K / 128 * 128) {
+      const int64_t base = v / 128 * 128, i = v - base;
+      return base + 32 * (i % 4) + i / 4;
+    }
     const int64_t base = v / 64 * 64, i = v - base;
     const int64_t half = base + 64 <= K ? 32 : 16;
     return base + (i & 1 ? half : 0) + i / 2;
@@ -186,22 +191,87 @@ inline __m512i e2m1_widen32(const uint8_t* p, __m512i table) {
   return _mm512_permutexvar_epi16(both, table);
 }
 
-// An MXFP4 or NVFP4 row . x (x: K bf16 in bf16_slot's order, K a multiple of 32): each step's
-// products summed by vdpbf16ps into 16 lanes, each lane's four (or two) products from one block,
-// then times the blocks' half-scales, lane by lane, onto the row's total. Over 64 values lane j
-// holds values 4j..4j+3: MXFP4's blocks are lanes 0..7 and 8..15, NVFP4's four of 4 lanes; over
-// a last 32, lane j < 8 values 4j and 4j+2, lane 8 + j the odd values between.
+// 64 bytes of e2m1 pairs (128 values) to twice their values as bf16 in bf16_slot's order: out[q]
+// the values 4j + q (j = 0..31), the q-th nibble of each 16-bit word; a vpermw each (the table's
+// lane index is a word's low 5 bits: its nibble and the next one's lowest bit).
+inline void e2m1_widen128(const uint8_t* p, __m512i table, __m512i* out) {
+  const __m512i words = _mm512_loadu_si512(p);
+  out[0] = _mm512_permutexvar_epi16(words, table);
+  out[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+  out[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), table);
+  out[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), table);
+}
+
+// The half-scales of n <= 16 blocks from their scale bytes, a lane each: MXFP4's E8M0 byte e is
+// 2^(e - 128) (its exponent bits, e - 1), with the table's value where that is not a normal
+// float (e < 2: subnormals; 255: NaN); NVFP4's e4m3 bytes from the table.
+template <bool kNv>
+__m512 block_halves(const uint8_t* scales, int64_t n, const float* table) {
+  const __mmask16 valid = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, scales));
+  if constexpr (kNv) {
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, e, table, 4);
+  } else {
+    const __m512 half =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23));
+    const __mmask16 odd = _mm512_mask_cmpgt_epu32_mask(
+        valid, _mm512_sub_epi32(e, _mm512_set1_epi32(2)), _mm512_set1_epi32(252));
+    return odd ? _mm512_mask_i32gather_ps(half, odd, e, table, 4) : half;
+  }
+}
+
+// An MXFP4 or NVFP4 row . x (x: K bf16 in bf16_slot's order, K a multiple of 32). Each whole 128
+// values: four vdpbf16ps into 16 lanes, lane j the products of values 8j..8j+7 (from one MXFP4
+// block of 4 lanes, one NVFP4 block of 2), times the lane's block's half-scale onto the row's
+// total; the half-scales of 16 blocks made at once (`block_halves`) and handed to the lanes by a
+// vpermps. The last K % 128 values in steps of 64: lane j holds values 4j..4j+3 (MXFP4's blocks
+// lanes 0..7 and 8..15, NVFP4's four of 4 lanes); over a last 32, lane j < 8 values 4j and 4j+2,
+// lane 8 + j the odd values between.
 template <class WT>
 float dot_row_bf16(const WT* row, const uint8_t* scales, const uint16_t* x, int64_t K,
                    const WT* ahead) {
   constexpr bool nv = std::is_same_v<WT, nv_e2m1x2>;
   constexpr int64_t kBlock = nv ? kNvBlock : kMxBlock;
+  constexpr int kLanesPerBlock = int(kBlock / 8), kBlocksPerChunk = int(128 / kBlock);
+  constexpr int64_t kGroup = 16 * kBlock;  // the values of 16 blocks: a half-scale vector
   const float* halves = nv ? e4m3_halves() : e8m0_halves();
   const auto* bytes = reinterpret_cast<const uint8_t*>(row);
   const __m512i table = e2m1_bf16_table();
+  // lane j of a group's chunk c takes block c * kBlocksPerChunk + j / kLanesPerBlock's
+  const __m512i lane_block = _mm512_srli_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), nv ? 1 : 2);
+  static_assert(kLanesPerBlock * kBlocksPerChunk == 16 && kGroup == (nv ? 256 : 512));
   auto half = [&](int64_t at) { return _mm512_set1_ps(halves[scales[at / kBlock]]); };
-  __m512 total[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  int64_t k = 0;
+  // one accumulator, in a register: an array indexed at run time would live on the stack, and
+  // a 128 values' work is longer than an FMA's latency
+  __m512 total = _mm512_setzero_ps();
+  const int64_t whole = K / 128 * 128;
+  // the 128 values from `at`, chunk c of their group's 16 blocks' half-scales
+  auto chunk = [&](int64_t at, int c, __m512 group) {
+    if (ahead != nullptr) prefetch(ahead + at / 2);  // a line: 128 values
+    __m512i w[4];
+    e2m1_widen128(bytes + at / 2, table, w);
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 a = dot_bf16(dot_bf16(zero, w[0], x + at), w[1], x + at + 32);
+    const __m512 b = dot_bf16(dot_bf16(zero, w[2], x + at + 64), w[3], x + at + 96);
+    const __m512i block = _mm512_add_epi32(lane_block, _mm512_set1_epi32(c * kBlocksPerChunk));
+    total = _mm512_fmadd_ps(_mm512_add_ps(a, b), _mm512_permutexvar_ps(block, group), total);
+  };
+  int64_t g = 0;
+  for (; g + kGroup <= whole; g += kGroup) {  // whole groups, their chunks unrolled
+    const __m512 group = block_halves<nv>(scales + g / kBlock, 16, halves);
+    chunk(g, 0, group);
+    chunk(g + 128, 1, group);
+    if constexpr (!nv) {
+      chunk(g + 256, 2, group);
+      chunk(g + 384, 3, group);
+    }
+  }
+  if (g < whole) {  // a last group of fewer chunks
+    const __m512 group = block_halves<nv>(scales + g / kBlock, (whole - g) / kBlock, halves);
+    for (int c = 0; g + 128 * c < whole; ++c) chunk(g + 128 * c, c, group);
+  }
+  int64_t k = whole;
   for (; k + 64 <= K; k += 64) {
     if (ahead != nullptr && k % 128 == 0) prefetch(ahead + k / 2);  // a line: 128 values
     __m512i w[2];
@@ -216,16 +286,15 @@ float dot_row_bf16(const WT* row, const uint8_t* scales, const uint16_t* x, int6
     } else {
       scale = _mm512_mask_blend_ps(0xFF00, half(k), half(k + 32));
     }
-    const int u = int(k / 64) & 1;
-    total[u] = _mm512_fmadd_ps(sum, scale, total[u]);
+    total = _mm512_fmadd_ps(sum, scale, total);
   }
   if (k < K) {  // a last 32 values
     if (ahead != nullptr && k % 128 == 0) prefetch(ahead + k / 2);
     const __m512 sum = dot_bf16(_mm512_setzero_ps(), e2m1_widen32(bytes + k / 2, table), x + k);
     const __m512 scale = nv ? _mm512_mask_blend_ps(0xF0F0, half(k), half(k + 16)) : half(k);
-    total[0] = _mm512_fmadd_ps(sum, scale, total[0]);
+    total = _mm512_fmadd_ps(sum, scale, total);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1]));
+  return _mm512_reduce_add_ps(total);
 }
 #endif
 

@@ -265,10 +265,11 @@ void widen_e2m1(int simd, uintptr_t src, uintptr_t dst, int64_t n, bool by64) {
 // The bf16 dot products' widening (bf16dot.h), for tests: n bytes at src (n a multiple of 64) to
 // the bf16 of their values, in value order, at dst (uint16). form 0: e4m3 bytes, 64 at a time;
 // 1: e2m1 pairs (twice their values), 32 bytes at a time; 2: the same, 16 bytes at a time (a
-// row's last 32 values). Without the bf16 dot products in this build: false, dst untouched.
+// row's last 32 values); 3: the same, 64 bytes at a time (a row's whole 128 values). Without the
+// bf16 dot products in this build: false, dst untouched.
 bool widen_bf16(uintptr_t src, uintptr_t dst, int64_t n, int form) {
   if (n % 64 != 0) throw std::invalid_argument("widen_bf16 takes a multiple of 64 bytes");
-  if (form < 0 || form > 2) throw std::invalid_argument("widen_bf16's form is 0, 1 or 2");
+  if (form < 0 || form > 3) throw std::invalid_argument("widen_bf16's form is 0, 1, 2 or 3");
 #ifdef MOELAB_HAVE_BF16DOT
   const auto* in = reinterpret_cast<const uint8_t*>(src);
   auto* out = reinterpret_cast<uint16_t*>(dst);
@@ -282,10 +283,12 @@ bool widen_bf16(uintptr_t src, uintptr_t dst, int64_t n, int form) {
     return true;
   }
   const __m512i table = e2m1_bf16_table();
-  const int64_t step = form == 1 ? 32 : 16;  // bytes
+  const int64_t step = form == 3 ? 64 : form == 1 ? 32 : 16;  // bytes
   for (int64_t i = 0; i < n; i += step) {
-    alignas(64) uint16_t slots[64];
-    if (form == 1) {
+    alignas(64) uint16_t slots[128];
+    if (form == 3) {
+      e2m1_widen128(in + i, table, reinterpret_cast<__m512i*>(slots));
+    } else if (form == 1) {
       e2m1_widen64(in + i, table, reinterpret_cast<__m512i*>(slots));
     } else {
       _mm512_store_si512(slots, e2m1_widen32(in + i, table));
@@ -298,6 +301,31 @@ bool widen_bf16(uintptr_t src, uintptr_t dst, int64_t n, int form) {
 #else
   (void)src;
   (void)dst;
+  return false;
+#endif
+}
+
+// The bf16 dot products' half-scales of blocks of whole 128 values (bf16dot.h's block_halves),
+// for tests: n scale bytes at src (E8M0 for MXFP4, e4m3 for NVFP4), 16 at a time and the last
+// n % 16, to the fp32 half of each block's scale at dst. Without the bf16 dot products in this
+// build: false, dst untouched.
+bool block_halves_bf16(uintptr_t src, uintptr_t dst, int64_t n, bool nvfp4) {
+#ifdef MOELAB_HAVE_BF16DOT
+  const auto* in = reinterpret_cast<const uint8_t*>(src);
+  auto* out = reinterpret_cast<float*>(dst);
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t count = std::min<int64_t>(16, n - i);
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, nvfp4 ? block_halves<true>(in + i, count, e4m3_halves())
+                                 : block_halves<false>(in + i, count, e8m0_halves()));
+    std::copy_n(lanes, count, out + i);
+  }
+  return true;
+#else
+  (void)src;
+  (void)dst;
+  (void)n;
+  (void)nvfp4;
   return false;
 #endif
 }
@@ -355,5 +383,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("widen_e4m3", &widen_e4m3);
   m.def("widen_e2m1", &widen_e2m1);
   m.def("widen_bf16", &widen_bf16);
+  m.def("block_halves_bf16", &block_halves_bf16);
   m.def("bf16_dot_built", &bf16_dot_built);
 }

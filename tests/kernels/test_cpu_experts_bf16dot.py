@@ -66,10 +66,11 @@ def test_the_widening_gives_every_e4m3_byte_its_value_as_a_bf16() -> None:
     assert not wrong.any(), f"(seed {SEED}) bytes {[hex(b) for b in bad]} widen wrong"
 
 
-@pytest.mark.parametrize("form", [1, 2], ids=["64-values", "last-32-values"])
+@pytest.mark.parametrize("form", [3, 1, 2], ids=["128-values", "64-values", "last-32-values"])
 def test_the_widening_gives_every_e2m1_code_twice_its_value_as_a_bf16(form: int) -> None:
-    """Both nibbles of every byte, at every place of a step (the 64-value step and a row's last
-    32 values), to twice the value e2m1 defines, in value order (the low nibble's first)."""
+    """Both nibbles of every byte, at every place of a step (a row's whole 128 values, the
+    64-value step of its last ones and its last 32 values), to twice the value e2m1 defines, in
+    value order (the low nibble's first)."""
     gen = torch.Generator().manual_seed(SEED)
     every_byte = torch.cat([torch.randperm(256, generator=gen) for _ in range(4)]).to(torch.uint8)
     out = torch.zeros(2 * every_byte.numel(), dtype=torch.int16)
@@ -78,6 +79,27 @@ def test_the_widening_gives_every_e2m1_code_twice_its_value_as_a_bf16(form: int)
     want = torch.tensor([2 * e2m1_value(c) for c in codes], dtype=torch.float64)
     wrong = out.view(torch.bfloat16).double() != want
     assert not wrong.any(), f"(seed {SEED}) values {wrong.nonzero().flatten().tolist()} wrong"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_every_scale_byte_gives_half_its_scale_sixteen_blocks_at_a_time(fmt: str) -> None:
+    """Every scale byte, at every lane of the 16-block vector and in a last group of fewer: half
+    the scale its format defines (E8M0: 2^(e - 127), subnormal for 0 and 1, 0xFF NaN; e4m3:
+    its value), exactly."""
+    gen = torch.Generator().manual_seed(SEED)
+    every_byte = torch.cat([torch.randperm(256, generator=gen) for _ in range(2)] +
+                           [torch.randperm(256, generator=gen)[:7]]).to(torch.uint8)  # fmt: skip
+    out = torch.zeros(every_byte.numel(), dtype=torch.float32)
+    nv = fmt == "nvfp4"
+    assert load_native().block_halves_bf16(every_byte.data_ptr(), out.data_ptr(), out.numel(), nv)
+    if nv:
+        want = [e4m3_value(b) / 2 for b in every_byte.tolist()]
+    else:
+        want = [math.nan if b == 0xFF else 2.0 ** (b - 128) for b in every_byte.tolist()]
+    want = torch.tensor(want, dtype=torch.float64)
+    wrong = ~((out.double() == want) | (out.isnan() & want.isnan()))
+    bad = every_byte[wrong].tolist()
+    assert not wrong.any(), f"(seed {SEED}) {fmt} bytes {[hex(b) for b in bad]} wrong"
 
 
 def rounded_h_exact_and_bound(
@@ -169,8 +191,10 @@ def nvfp4_call(gen: torch.Generator, num_experts: int, hidden: int, inter: int):
 
 # (bank, experts, H, I, tokens, pairs): one token an expert. FP8: rows of whole 128-column
 # blocks, several blocks a row, and rows ending in a block of 64 (H = 320, I = 192); MXFP4 and
-# NVFP4: rows of whole 64-value steps and a last 32 (I = 96: a step and a half; NVFP4's H = 160:
-# two steps and a half); several experts a token and tokens of their own.
+# NVFP4: rows of whole 128 values (their blocks' scales made 16 at a time: MXFP4's H = 864 holds
+# six 128s, a group of 16 blocks and 8 more, NVFP4's H = 416 three, a group and 8 more), and
+# rows whose last values come in 64-value steps and a last 32 (I = 96: a step and a half; H =
+# 864: a step and a half after the 128s); several experts a token and tokens of their own.
 CASES = {
     "fp8-decode-top4": (fp8_call, 6, 384, 256, 1, [(5, 0), (0, 0), (3, 0), (1, 0)]),
     "fp8-batch": (fp8_call, 4, 320, 192, 3, [(2, 0), (0, 1), (3, 1), (1, 2)]),
@@ -178,6 +202,8 @@ CASES = {
     "mxfp4-batch": (mxfp4_call, 3, 256, 96, 3, [(0, 0), (1, 1), (2, 2)]),
     "nvfp4-decode-top4": (nvfp4_call, 5, 160, 96, 1, [(4, 0), (0, 0), (2, 0), (1, 0)]),
     "nvfp4-batch": (nvfp4_call, 3, 128, 64, 3, [(0, 0), (2, 1), (1, 2)]),
+    "mxfp4-long-rows": (mxfp4_call, 3, 864, 224, 1, [(2, 0), (0, 0)]),
+    "nvfp4-long-rows": (nvfp4_call, 3, 416, 160, 1, [(1, 0), (2, 0)]),
 }
 
 
@@ -204,6 +230,33 @@ def test_bf16_x_takes_the_bf16_dot_within_the_bound_of_rounded_h(case: str) -> N
         out = job.wait()
         assert job.bf16_dot(), f"{case}: a job of bf16 x took the fp32 path"
     assert_within_bound(out, *rounded_h_exact_and_bound(*dequantized), f"{case} bf16 dot")
+
+
+def test_mxfp4_scales_outside_the_normal_floats_reach_the_bf16_dot_exactly() -> None:
+    """E8M0 bytes 0 and 1 (2^-127 and 2^-126 halved: subnormal half-scales) beside normal ones in
+    blocks of whole 128 values, in both groups of a row, widen as the table gives them: the
+    output stays within the bound; the NaN byte makes the row it scales NaN for the token its
+    expert serves, and nothing else."""
+    args, keywords, dequantized = case_call("mxfp4-long-rows", "scales")
+    expert, token = int(args[3][0]), int(args[4][0])
+    w13_scale = keywords["w13_scale"].clone()
+    w13_scale[expert, 5, [0, 3]] = torch.tensor([0, 1], dtype=torch.uint8)
+    w13_scale[expert, 5, 17] += 1  # twice its scale
+    w13_scale[expert, 9, 2] = 1
+    w13 = mxfp4.dequantize(args[1], w13_scale)
+    with CpuExpertRunner(2, "native") as runner:
+        job = runner.submit(*args, w13_scale=w13_scale, w2_scale=keywords["w2_scale"])
+        out = job.wait()
+        assert job.bf16_dot()
+        bound = rounded_h_exact_and_bound(dequantized[0], w13, *dequantized[2:])
+        # (the rounded h's bound at these rows' lengths reaches 1% of the largest output at times)
+        assert_within_bound(out, *bound, "MXFP4 scales 0 and 1, bf16 dot", max_bound_share=2e-2)
+        w2_scale = keywords["w2_scale"].clone()
+        w2_scale[expert, 11, 1] = 0xFF
+        out = runner.submit(*args, w13_scale=keywords["w13_scale"], w2_scale=w2_scale).wait()
+    want_nan = torch.zeros_like(out, dtype=torch.bool)
+    want_nan[token, 11] = True
+    assert torch.equal(out.isnan(), want_nan), f"(seed {SEED})"
 
 
 @pytest.mark.parametrize("case", ["fp8-decode-top4", "mxfp4-batch", "nvfp4-decode-top4"])
