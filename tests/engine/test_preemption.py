@@ -73,9 +73,9 @@ def run_together(path, *flags: str) -> tuple[list[Sequence], int, dict]:
         engine.close()
 
 
-def assert_as_transformers(model, seq: Sequence) -> None:
+def assert_as_transformers(model, seq: Sequence, tolerance: float = 1e-4) -> None:
     """Its greedy tokens are transformers' from the prompt, and each has the log probability
-    transformers gives it after the tokens before it (within 1e-4 of the largest)."""
+    transformers gives it after the tokens before it (within `tolerance` of the largest)."""
     ref, margins = hf_greedy(model, seq.prompt_ids, len(seq.output_ids))
     assert_same_greedy(seq.output_ids, ref, margins)
     logp = torch.log_softmax(hf_logits(model, seq.prompt_ids + seq.output_ids), dim=-1)
@@ -83,10 +83,12 @@ def assert_as_transformers(model, seq: Sequence) -> None:
     theirs = torch.tensor([logp[n - 1 + i, t].item() for i, t in enumerate(seq.output_ids)])
     ours = torch.tensor([lp.logprob for lp in seq.output_logprobs])
     assert len(ours) == len(seq.output_ids) == N
-    assert relative_error(ours, theirs) < 1e-4
+    assert relative_error(ours, theirs) < tolerance
 
 
-def assert_preempted_as_unpreempted(model, path, *flags: str) -> tuple[list[Sequence], int]:
+def assert_preempted_as_unpreempted(
+    model, path, *flags: str, tolerance: float = 1e-4
+) -> tuple[list[Sequence], int]:
     """Run the prompts in the small cache and in a roomy one: the small one preempts, the
     roomy one does not, and both give transformers' tokens and log probabilities."""
     seqs, resumed, stats = run_together(path, *SMALL, *flags)
@@ -94,7 +96,7 @@ def assert_preempted_as_unpreempted(model, path, *flags: str) -> tuple[list[Sequ
     assert stats["requests"]["preempted"] > 0 and roomy_stats["requests"]["preempted"] == 0
     for seq, alone in zip(seqs, roomy, strict=True):
         assert seq.output_ids == alone.output_ids
-        assert_as_transformers(model, seq)
+        assert_as_transformers(model, seq, tolerance)
     assert sum(s.preemptions for s in seqs) == stats["requests"]["preempted"]
     # the counts of prompt tokens and of cached ones are the requests', not their recomputes'
     assert stats["kv"]["prefix_cache"]["prompt_tokens"] == sum(map(len, PROMPTS))
@@ -114,11 +116,15 @@ def test_hybrid_requests_preempted_resume_their_states_exactly(tmp_path):
     checkpoint kept every 16 tokens of its first prefill with the pages before it."""
     model = build_hybrid("qwen3_5_moe_text", tmp_path, seed=3)
     flags = ("--prefill-chunk-tokens", "24")
+    # 48 decode steps carry the recurrent states' fp32 rounding, which transformers' recompute
+    # of the whole sequence (its chunked delta rule) does not share: 4e-5 to 1.3e-4 of the
+    # largest log probability on the CI machines, preempted or not (the tokens are identical)
+    tolerance = 3e-4
     _, resumed = assert_preempted_as_unpreempted(model, tmp_path, *flags, "--state-checkpoints",
-                                                 "0")  # fmt: skip
+                                                 "0", tolerance=tolerance)  # fmt: skip
     assert resumed == 0
     _, resumed = assert_preempted_as_unpreempted(
-        model, tmp_path, *flags, "--state-checkpoint-interval", "16"
+        model, tmp_path, *flags, "--state-checkpoint-interval", "16", tolerance=tolerance
     )
     assert resumed > 0
 
