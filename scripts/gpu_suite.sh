@@ -6,8 +6,9 @@
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
 # (tests, then resident: the first GPU runs after hot-path changes, each under 10 minutes)
 # hybrid: issue 53's rows at Qwen3.6-35B-A3B's geometry; its parts hybrid_tests, hybrid_decode,
-# hybrid_context, hybrid_prefill and hybrid_turns one at a time, each under 10 minutes; DTYPES
-# (default "bf16 fp8") the expert formats, HYBRID (default "--preset qwen3.6-35b-a3b") the model
+# hybrid_context, hybrid_prefill, hybrid_262k and hybrid_turns one at a time, each under 10
+# minutes; DTYPES (default "bf16 fp8") the expert formats, HYBRID (default "--preset
+# qwen3.6-35b-a3b") the model
 # On the GPU machine (torch and triton preinstalled), first the wheels of
 # scripts/device_wheels.sh (carry .whl) on PYTHONPATH, then
 # `python3 -m pip install --no-deps --no-build-isolation -e .` (it has no index to build from).
@@ -191,6 +192,17 @@ for dtype in ${DTYPES:-bf16 fp8}; do
     run hybrid_prefill_8192_$dtype $B prefill $E --prompt-tokens 8192 --repeats 3
     run hybrid_prefill_131072_$dtype $B prefill $E --prompt-tokens 131072 --repeats 1 \
       --kv-reserve-tokens 132096
+  fi
+  if hybrid_part 262k; then  # the whole native context: 262,144 tokens of FP8 KV reserved on the
+    # 24 GiB budget, and a prompt 64 tokens short of the context the engine then advertises
+    # (max_context in the JSON; the model's own 262,144 caps it), prefilled once after a warm-up
+    M="$E --kv-cache-dtype fp8 --kv-reserve-tokens 262144"
+    run hybrid_prompt262k_$dtype $B prefill $M --prompt-tokens 262080 --repeats 1
+    tail -1 "$out/hybrid_prompt262k_$dtype.log" | python3 -c 'import json, sys
+r = json.load(sys.stdin)
+n, ctx = r["prompt_tokens"], r["max_context"]
+print(f"262K: a prompt of {n} tokens served, {n / ctx:.1%} of the advertised {ctx}")' \
+      | tee -a "$out/summary.txt"
   fi
   if hybrid_part turns; then  # a chat's second turn after a 32K first one: its time to first
     # token from the first turn's state checkpoint, and prefilled whole (--no-prefix-cache)
