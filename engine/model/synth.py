@@ -17,10 +17,15 @@ block at whole groups of 32 values (`_mxfp4_part`), so that no expert is quantiz
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import math
+import os
+import tempfile
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -119,6 +124,10 @@ _RANDN_MAX = 1 << 16  # tensors up to this many elements get their own random dr
 CALIBRATION_PROMPT_TOKENS = 256
 CALIBRATION_TOKENS = 1024
 CALIBRATION_ROUNDS = 4
+# A saved calibration (`SynthSource.save_calibration`) names what it was made from: the source of
+# the model's and the kernels' modules is part of its key, so a change to the synthetic weights or
+# to the passes that calibrate them makes a new one
+_CALIBRATION_FILE_VERSION = 1
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -318,6 +327,7 @@ class SynthSource:
         self.spec = spec
         self.seed = seed
         self.skew = skew
+        self.expert_format = expert_format
         self.dtype = getattr(torch, spec.dtype)
         self._shapes = self._all_shapes()
         # MXFP4 parts: each `_blocks` and `_scales` name's projection and its unquantized shape
@@ -422,6 +432,61 @@ class SynthSource:
         del model, executor, kv, states
         if device.type == "cuda":
             torch.cuda.empty_cache()  # what the calibration's model held goes back to the device
+
+    def calibration_key(self, device: torch.device, dtype: torch.dtype, bank_format: str) -> str:
+        """What a calibration on `device` in `dtype` over a bank of `bank_format` gives the same
+        biases for: the spec, the seed, the skew, this source's and the bank's expert formats,
+        the device type and dtype of the passes, their constants, torch's version, and the source
+        of the modules that make the weights and run the passes (`_calibration_code`)."""
+        parts = [
+            _CALIBRATION_FILE_VERSION, self.spec.to_dict(), self.seed, self.skew,
+            self.expert_format, bank_format, device.type, str(dtype),
+            [CALIBRATION_PROMPT_TOKENS, CALIBRATION_TOKENS, CALIBRATION_ROUNDS],
+            torch.__version__, _calibration_code(),
+        ]  # fmt: skip
+        return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+    def save_calibration(self, path: Path, key: str) -> None:
+        """Write the calibrated biases and constant scales to `path` (JSON, replaced whole), so
+        that `restore_calibration` takes them back instead of calibrating again."""
+        state = {
+            "key": key,
+            "biases": {str(layer): bias.tolist() for layer, bias in self.biases.items()},
+            "dim0_scale": list(self.dim0_scale),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.stem}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def restore_calibration(self, path: Path, key: str, dense: DenseWeights) -> bool:
+        """Take back a calibration `save_calibration` wrote under `key`, its routers into
+        `dense`: False (nothing changed) where there is none, or it is not whole or not this
+        key's."""
+        try:
+            state = json.loads(path.read_text())
+            biases = {int(k): np.asarray(v, dtype=np.float64) for k, v in state["biases"].items()}
+            dim0_scale = [float(v) for v in state["dim0_scale"]]
+            whole = (
+                state["key"] == key
+                and sorted(biases) == sorted(self.biases)
+                and all(b.shape == (self.spec.num_experts,) for b in biases.values())
+                and len(dim0_scale) == len(self.dim0_scale)
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        if not whole:
+            return False
+        self.biases, self.dim0_scale = biases, dim0_scale
+        for layer in self.spec.moe_layers:
+            router = dense.layers[layer].router
+            router.copy_(self.get(router_name(self.spec, layer)).to(router.device, router.dtype))
+        return True
 
     @torch.inference_mode()
     def _refine(self, model: Model, length: int) -> None:
@@ -604,6 +669,26 @@ class SynthSource:
         if not s.tie_word_embeddings:
             shapes["lm_head.weight"] = (s.vocab_size, h)
         return shapes
+
+
+@functools.lru_cache(maxsize=1)
+def _calibration_code() -> str:
+    """A digest of the Python source of the model's package (this file among it) and of the
+    kernels': what makes the synthetic weights and runs the calibration's passes."""
+    digest = hashlib.sha1()
+    for root in (Path(__file__).parent, Path(mxfp4.__file__).parent):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def calibration_dir() -> Path:
+    """Where an engine with --dummy-weights keeps its routers' calibrations, one small JSON file
+    a key (`SynthSource.calibration_key`)."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("moelab")) / "calibrations"
 
 
 def router_name(spec: ModelSpec, layer: int) -> str:

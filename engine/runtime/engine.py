@@ -42,7 +42,7 @@ from ..model.rope import Rotary
 from ..model.spec import ModelSpec
 from ..model.split_states import SplitStatePool, SplitWindowPool
 from ..model.states import StatePool
-from ..model.synth import SynthSource, calibration_threads
+from ..model.synth import SynthSource, calibration_dir, calibration_threads
 from ..model.tokenizer import Tokenizer
 from ..model.window import WindowPool
 from .graphs import DecodeGraphs
@@ -256,15 +256,25 @@ class Engine:
         them: a widened copy of the 48 layers of Qwen3-30B-A3B is 54 GiB of host memory). Done
         once the bank is in host memory, so that no second copy of the experts is made and freed
         before the bank's pages are taken, and before the expert cache takes the device memory
-        the passes need."""
+        the passes need. A calibration is saved under its key (`calibration_dir`), and the next
+        start with the same key takes it back instead of calibrating again."""
         bank = self.bank
         # a split's dense weights are still in host memory (placed with the caches)
         device = HOST if self.layers_on is not None else self.device
+        key = source.calibration_key(device, self.dtype, bank.fmt)
+        path = calibration_dir() / f"{key}.json"
+        if source.restore_calibration(path, key, dense):
+            log.info("routing calibration read from %s", path)
+            return
         experts = None
         if bank.fmt == "bf16" or (bank.fmt in ("fp8", "mxfp4") and device.type == "cuda"):
             experts = [tuple(bank.layer_tensors(m)) for m in range(bank.num_layers)]
         with calibration_threads(device, default_cpu_threads()):
             source.calibrate(device, self.dtype, dense=dense, experts=experts)
+        try:
+            source.save_calibration(path, key)
+        except OSError as e:  # the next start calibrates again
+            log.warning("routing calibration not saved to %s: %s", path, e)
 
     def _build_cpu_kernel(self, progress: LoadProgress) -> None:
         """Build (or wait for) the native CPU expert kernel here, so that /health tells that

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from moelab.engine.model import synth
 from moelab.engine.model.spec import ModelSpec
 from moelab.engine.model.synth import PRESETS, make_config, parse_overrides
 from moelab.engine.model.tokenizer import IncrementalDecoder, Tokenizer
@@ -330,3 +332,43 @@ def test_dummy_weights_are_the_weights_synth_writes_calibrated_by_the_source(tmp
     finally:
         written.close()
         dummy.close()
+
+
+def test_a_dummy_engine_keeps_its_routing_calibration_for_the_next_start(tmp_path, monkeypatch):
+    """An engine with --dummy-weights saves its routers' calibration under a key of what made it;
+    the next start with the same key takes the same routers back without calibrating, one with
+    another skew calibrates its own, and a damaged file is calibrated again and replaced."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first_path = synthesize(tmp_path / "m", preset="tiny", routing_skew=1.0, seed=4)
+    other_path = synthesize(tmp_path / "o", preset="tiny", routing_skew=0.5, seed=4)
+    calibrations = []
+    calibrate = synth.SynthSource.calibrate
+
+    def counted(self, *args, **kwargs):
+        calibrations.append(self.skew)
+        return calibrate(self, *args, **kwargs)
+
+    monkeypatch.setattr(synth.SynthSource, "calibrate", counted)
+
+    def routers(path: Path) -> list[torch.Tensor]:
+        engine = make_engine(path, "--dummy-weights")
+        try:
+            layers = engine.model.weights.layers
+            return [layers[layer].router.clone() for layer in engine.spec.moe_layers]
+        finally:
+            engine.close()
+
+    calibrated = routers(first_path)
+    (saved,) = synth.calibration_dir().glob("*.json")
+    assert calibrations == [1.0]
+    restored = routers(first_path)
+    assert calibrations == [1.0]  # taken back, not calibrated
+    assert all(torch.equal(a, b) for a, b in zip(calibrated, restored, strict=True))
+    other = routers(other_path)
+    assert calibrations == [1.0, 0.5] and len(list(synth.calibration_dir().glob("*.json"))) == 2
+    assert not all(torch.equal(a, b) for a, b in zip(calibrated, other, strict=True))
+    saved.write_text(saved.read_text()[:40])  # cut short, as by a crash mid-write elsewhere
+    again = routers(first_path)
+    assert calibrations == [1.0, 0.5, 1.0]
+    assert all(torch.equal(a, b) for a, b in zip(calibrated, again, strict=True))
+    assert json.loads(saved.read_text())["key"] == saved.stem  # replaced whole
