@@ -28,13 +28,18 @@ def quantize(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     block keeps the factor 1)."""
     *lead, n, k = weight.shape
     nb, kb = blocks(n, block), blocks(k, block)
-    padded = torch.zeros(*lead, nb * block, kb * block, dtype=torch.float32, device=weight.device)
-    padded[..., :n, :k] = weight.float()
+    if n % block == 0 and k % block == 0:  # whole blocks: no padded copy (the bank's experts)
+        padded = weight.float().contiguous()
+    else:
+        padded = torch.zeros(
+            *lead, nb * block, kb * block, dtype=torch.float32, device=weight.device
+        )
+        padded[..., :n, :k] = weight.float()
     tiles = padded.unflatten(-1, (kb, block)).unflatten(-3, (nb, block))  # (..., nb, b, kb, b)
     amax = tiles.abs().amax(dim=(-3, -1))
     # (divided by a tensor: CUDA divides by a Python number as a product with its reciprocal)
     scale_inv = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
-    q = (tiles / scale_inv[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    q = (tiles / scale_inv[..., :, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
     q = q.flatten(-2).flatten(-3, -2)[..., :n, :k].to(torch.float8_e4m3fn)
     return q.contiguous(), scale_inv.contiguous()
 

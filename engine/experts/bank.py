@@ -20,6 +20,8 @@ memory, falling back to the mapped pages where pinning fails.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,7 +29,8 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -335,11 +338,46 @@ def _fill_layer(
 ) -> None:
     """Copy a layer's experts, converted to the bank's format, into its tensors (by kind:
     w13, w2 and for FP8 their factors, for MXFP4 and NVFP4 their scales, for gpt_oss their
-    biases)."""
-    for expert in iter_layer_experts(spec, source, layer):
+    biases).
+
+    The experts are read in order (a checkpoint's reads, or the synthetic source's draws, stay
+    on this thread) and converted and copied on torch's intra-op threads' worth of threads, an
+    expert a thread, each running its ops on one thread: an expert's ops are too small for
+    torch's own threads to pay (a quantized bank of Qwen3.6-35B-A3B's 10,240 experts took 59 s
+    to build on 16 cores with them). At most two experts a thread are read ahead. The bank's
+    bytes are the same either way: each expert's ops are the same, and its amax is exact in any
+    order."""
+
+    def fill(expert: Expert) -> None:
         held = as_format(expert, fmt, dtype)._asdict()
         for kind, dst in tensors.items():
             dst[expert.index].copy_(held[kind])
+
+    experts = iter_layer_experts(spec, source, layer)
+    threads = torch.get_num_threads()
+    if threads == 1:
+        for expert in experts:
+            fill(expert)
+        return
+    with _one_torch_thread(threads), ThreadPoolExecutor(threads) as pool:
+        pending: collections.deque[Future[None]] = collections.deque()
+        for expert in experts:
+            if len(pending) >= 2 * threads:
+                pending.popleft().result()
+            pending.append(pool.submit(fill, expert))
+        while pending:
+            pending.popleft().result()
+
+
+@contextlib.contextmanager
+def _one_torch_thread(threads: int) -> Iterator[None]:
+    """Torch's ops on one thread each while `threads` threads of ours run them, then
+    `threads` again."""
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def write_prepacked(

@@ -103,3 +103,28 @@ def test_the_context_trap_is_logged_with_the_way_out(caplog):
     assert plan.max_context == 8192 < spec.max_position_embeddings
     assert "usable context is 8192 tokens but the model supports 40960" in caplog.text
     assert "--kv-reserve-tokens 40960" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "nvfp4"])
+def test_a_bank_filled_on_several_threads_holds_the_bytes_of_one(fmt):
+    """The experts are converted on torch's intra-op threads' worth of threads, an expert each:
+    the bank's bytes are those of one thread converting them in turn, and torch's thread count
+    is given back."""
+    from moelab.engine.experts.bank import build_in_memory
+    from moelab.engine.model.synth import SynthSource, make_config
+
+    spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny", {"num_experts": 24}))
+    banks, before = [], torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            source = SynthSource(spec, seed=3, skew=1.0)
+            banks.append(build_in_memory(spec, source, torch.bfloat16, pin=False, fmt=fmt))
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    one, several = banks
+    for kind in ("w13", "w2", "w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2"):
+        assert len(getattr(one, kind)) == len(getattr(several, kind)), kind
+        for a, b in zip(getattr(one, kind), getattr(several, kind), strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), kind
