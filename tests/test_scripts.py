@@ -95,3 +95,22 @@ def test_prefix_cache_ttft_resumes_a_hybrid_chat_where_its_messages_end(tmp_path
     first, second = (line.split() for line in run.stdout.splitlines()[-2:])
     assert first[:3] == ["1", "320", "0"]
     assert second[:3] == ["2", "348", "288"]  # the 300-token system prompt: 18 pages of 16
+
+
+def test_the_cache_admission_model_keeps_hot_experts_where_lru_thrashes():
+    """scripts/cache_admission_sim.py: a cache a quarter of one layer's experts over four layers,
+    eight tokens a step, churns under LRU (every fill goes in at the recent end); keeping back a
+    fill rarer than what it evicts holds the hot experts. One token a step fills rarely, so the
+    two rules are close there."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "cache_admission_sim.py"), "--layers", "4",
+         "--experts", "32", "--slots", "32", "--steps", "120"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    rates = {}
+    for line in run.stdout.splitlines():
+        batch, rest = line.split(": ")
+        rates[batch] = {r: float(h) for r, h in (part.split() for part in rest.split(", "))}
+    assert set(rates) == {"batch 1", "batch 8"}
+    assert rates["batch 8"]["frequency"] > rates["batch 8"]["lru"] + 0.05
+    assert abs(rates["batch 1"]["frequency"] - rates["batch 1"]["lru"]) < 0.1
