@@ -129,6 +129,15 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
             p.add_argument("--prompt-tokens", type=int, default=2048)
             p.add_argument("--repeats", type=int, default=3)
             p.add_argument(
+                "--warmup-tokens",
+                type=_positive_int,
+                default=None,
+                metavar="N",
+                help="the untimed first prompt's tokens (default: --prompt-tokens; a shorter one "
+                "compiles the same chunks' kernels, where a long prompt's proof need not wait "
+                "for it twice)",
+            )
+            p.add_argument(
                 "--crossover",
                 action="store_true",
                 help="time short prompts both ways (route then fetch, or stream whole layers), "

@@ -150,7 +150,8 @@ def prefill_run(engine, args) -> dict:
     spec = engine.spec
     gen = torch.Generator().manual_seed(2)
     profiler = _host_profile_start(args.profile)
-    times = _prefill_times(engine, args.prompt_tokens, args.repeats, gen)
+    warmup = getattr(args, "warmup_tokens", None) or args.prompt_tokens
+    times = _prefill_times(engine, args.prompt_tokens, args.repeats, gen, warmup=warmup)
     _host_profile_print(profiler)
     elapsed = float(np.median(times))
     if args.kernel_profile:
@@ -200,11 +201,15 @@ def find_crossover(engine, repeats: int = 2) -> dict:
     return {"rows": rows, "stream_min_tokens": faster[0] if faster else None}
 
 
-def _prefill_times(engine, tokens: int, repeats: int, gen: torch.Generator) -> list[float]:
-    """Seconds to prefill each of `repeats` fresh prompts of `tokens` tokens (one warm-up first)."""
+def _prefill_times(
+    engine, tokens: int, repeats: int, gen: torch.Generator, warmup: int | None = None
+) -> list[float]:
+    """Seconds to prefill each of `repeats` fresh prompts of `tokens` tokens (one warm-up of
+    `warmup` tokens first, `tokens` where not given)."""
     times = []
-    for _ in range(repeats + 1):
-        prompt = torch.randint(0, engine.spec.vocab_size, (tokens,), generator=gen).tolist()
+    for i in range(repeats + 1):
+        length = (warmup or tokens) if i == 0 else tokens
+        prompt = torch.randint(0, engine.spec.vocab_size, (length,), generator=gen).tolist()
         seq = engine.add(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
         t0 = time.perf_counter()
         engine.run_until_idle()

@@ -477,6 +477,35 @@ def test_bench_prefill_reports_each_repeat_and_profiles_host_and_kernels(tmp_pat
     assert sum(e.get("ph") == "X" for e in json.loads(trace.read_text())["traceEvents"]) > 10
 
 
+def test_bench_prefill_warms_up_on_warmup_tokens_then_times_the_prompt_length():
+    """--warmup-tokens: the untimed first prompt has that many tokens (a long prompt's proof
+    need not prefill it twice), the timed ones --prompt-tokens; without it, the warm-up is as
+    long as they are."""
+    from moelab.engine.bench import runner
+
+    class Engine:
+        spec = SimpleNamespace(vocab_size=50)
+
+        def __init__(self):
+            self.lengths = []
+
+        def add(self, prompt, params):
+            self.lengths.append(len(prompt))
+            return SimpleNamespace(finished=True)
+
+        def run_until_idle(self):
+            pass
+
+    engine = Engine()
+    times = runner._prefill_times(engine, 40, 2, torch.Generator().manual_seed(0), warmup=8)
+    assert engine.lengths == [8, 40, 40] and len(times) == 2
+    engine = Engine()
+    runner._prefill_times(engine, 40, 1, torch.Generator().manual_seed(0))
+    assert engine.lengths == [40, 40]
+    args = cli.build_parser().parse_args(["bench", "prefill", "--warmup-tokens", "8"])
+    assert args.warmup_tokens == 8
+
+
 def test_the_bound_takes_each_rate_as_the_mean_of_before_and_after():
     before = {"hbm_gbps": 4000.0, "bp_gbps": 50.0, "host_gbps": 90.0}
     after = {"hbm_gbps": 4200.0, "bp_gbps": 46.0, "host_gbps": 110.0}
