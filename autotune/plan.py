@@ -29,6 +29,7 @@ FIGURE_OF_FLAG = {
     "--moe-cpu-prefetch-rounds": "decode",
     "--moe-cpu-redo-us": "decode",  # the decode planner's CPU jobs only
     "--moe-copy-ahead": "decode",
+    "--moe-cache-admission": "decode",  # the decode planners' fills only
 }
 # flags that do nothing where the engine runs on the CPU, and why
 GPU_ONLY = {
@@ -43,6 +44,9 @@ GPU_ONLY = {
         "a miss is split between a copy to the GPU and the CPU: there is no GPU"
     ),
     "--no-prefill-overlap": Text("the next layer's copy can run beside the compute only on a GPU"),
+    "--moe-cache-admission": Text(
+        "the expert cache's slots lie in the same RAM as the bank: a hit saves no copy"
+    ),
 }
 # values that do nothing where the engine runs on the CPU: a fetched miss is only copied within RAM
 GPU_ONLY_VALUES = {"--moe-miss-policy": ("gpu", "split:")}

@@ -37,6 +37,7 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 EXPERT_DTYPES = ("auto", "bf16", "fp8", "mxfp4", "nvfp4")
 CPU_KERNELS = ("auto", "native", "torch")
 CPU_PINS = ("cores", "isolate", "off")
+CACHE_ADMISSIONS = ("recent", "frequency")
 GENERATION_CONFIGS = ("auto", "off")
 REASONING_PARSERS = ("off", "think", "harmony")
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen_xml", "harmony")
@@ -435,6 +436,17 @@ def _expert_cache_flags(moe: Group) -> None:
         help="Where a decode step's cache misses run: auto (split by measured bandwidths), gpu "
         "(fetch all), cpu (run all on the CPU), split:F (fetch a fixed share F).",
     )
+    moe.add_argument(
+        "--moe-cache-admission",
+        choices=CACHE_ADMISSIONS,
+        default="recent",
+        help="Where an offloaded decode step's fill goes in the expert cache's recency order "
+        "(the least recently used slot is evicted either way): recent (the most recently used "
+        "end: LRU) or frequency (there too, unless the expert it evicts was picked more often: "
+        "then at the least recently used end, so that the next fill takes its slot first). "
+        "frequency keeps the most used experts where a step fills more experts than the cache "
+        "holds a layer (batches on a small cache: docs/performance.md, Known gaps).",
+    )
     split = moe.add_mutually_exclusive_group()
     split.add_argument(
         "--no-split-misses",
@@ -737,6 +749,12 @@ TUNABLE: tuple[Tunable, ...] = (
         "choice",
         ("0", "2", "4"),
         Text("CPU workers fetching their first blocks while they wait, against the guess's launch"),
+    ),
+    Tunable(
+        "--moe-cache-admission",
+        "choice",
+        ("recent", "frequency"),
+        Text("a rarer expert's fill kept from evicting a more used one next, against recency"),
     ),
     Tunable(
         "--moe-copy-ahead",

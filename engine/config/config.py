@@ -213,6 +213,7 @@ class ExpertsConfig(_FlagGroup):
     cache_size: int | None = _setting("--moe-cache-size", flags.WholeNumber(0).check)
     cache_rate: float | None = _setting("--moe-cache-rate", flags.Share(above_zero=True).check)
     miss_policy: str = _setting("--moe-miss-policy", flags.parse_miss_policy)
+    cache_admission: str = _setting("--moe-cache-admission", _one_of(flags.CACHE_ADMISSIONS))
     split_misses: bool = _setting("--no-split-misses", negated=True)
     cpu_threads: int | None = _setting("--moe-cpu-threads", flags.WholeNumber(1).check)
     cpu_kernel: str = _setting("--moe-cpu-kernel", _one_of(flags.CPU_KERNELS))

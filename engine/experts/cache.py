@@ -30,7 +30,8 @@ TICK, HITS, FILLS, EVICTIONS = range(4)
 
 
 class ExpertCache:
-    """Slots of expert weights on the device, keyed by (MoE layer, expert), LRU eviction."""
+    """Slots of expert weights on the device, keyed by (MoE layer, expert), LRU eviction (with
+    "frequency" admission, a rarer fill kept at the least recently used end)."""
 
     def __init__(
         self,
@@ -45,8 +46,13 @@ class ExpertCache:
         *,
         bias: bool = False,
         swiglu_limit: float = 0.0,
+        admission: str = "recent",
     ) -> None:
         self.num_layers = num_layers
+        # where a decode step's fill goes in the recency order (--moe-cache-admission): "recent",
+        # the most recently used end; "frequency", there unless the expert it evicts was picked
+        # more often, in which case it keeps that expert's place at the least recently used end
+        self.admission = admission
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -193,12 +199,18 @@ class ExpertCache:
                 state[HITS] += 1
         return slots
 
-    def admit(self, layer: int, expert: int, protected: set[int]) -> int | None:
+    def admit(
+        self, layer: int, expert: int, protected: set[int], picks: np.ndarray | None = None
+    ) -> int | None:
         """A slot for (layer, expert): a free one, else the least recently used unprotected one,
         whose expert is evicted.
 
         `protected` holds slots the current step still reads; None when every slot is protected.
-        The caller copies the weights into the returned slot before using it.
+        The caller copies the weights into the returned slot before using it. The slot becomes the
+        most recently used, unless `picks` ([layers, experts] pick counts) is given and the
+        evicted expert was picked more often than this one: then it keeps the evicted expert's
+        place at the least recently used end, and the next fill takes it first (the
+        "frequency" admission: a rare expert's fill does not push a more used one out next).
         """
         key = layer * self.num_experts + expert
         assert self.slot_of[layer, expert] < 0, "admitting an expert that is already resident"
@@ -211,12 +223,14 @@ class ExpertCache:
         else:
             slot = int(self.last_use.argmin())
         victim = int(self.key_of_slot[slot])
+        keep_back = picks is not None and victim >= 0 and picks.flat[key] < picks.flat[victim]
         if victim >= 0:
             self._set(victim, -1)
             self.state[EVICTIONS] += 1
         self.key_of_slot[slot] = key
         self.state[TICK] += 1
-        self.last_use[slot] = self.state[TICK]
+        if not keep_back:  # (kept back: the slot keeps its last use, the evicted expert's)
+            self.last_use[slot] = self.state[TICK]
         self._set(key, slot)
         self.state[FILLS] += 1
         return slot

@@ -83,12 +83,15 @@ def plan_layer(
     ids_host: np.ndarray,
     picks: np.ndarray,
     ranked_picks: np.ndarray,
+    admission_picks: np.ndarray | None = None,
 ) -> Dispatch:
     """Look the routes up in the cache and admit the experts to fetch: which routes run from a
     slot, which slots to fill, which routes go to the CPU.
 
     ids_host [T, K]: the layer's routing. picks: the layer's pick counts, which this step's picks
-    are added to; ranked_picks: the counts that rank the misses (decode's, also for prefill).
+    are added to; ranked_picks: the counts that rank the misses (decode's, also for prefill);
+    admission_picks: every layer's decode pick counts where the cache admits by frequency
+    (`ExpertCache.admit`), else None.
     On the serial path of every offloaded decode layer step: the per-expert work is on Python
     lists (a numpy call on eight numbers costs more than the loop), numpy only for the routes.
     """
@@ -114,7 +117,7 @@ def plan_layer(
     protected = {s for s in slots if s >= 0}
     admitted: list[tuple[int, int]] = []
     for expert in fetch:
-        slot = cache.admit(moe_layer, expert, protected)
+        slot = cache.admit(moe_layer, expert, protected, admission_picks)
         if slot is None:
             break
         protected.add(slot)
@@ -245,6 +248,8 @@ class LayerPlanner:
                     join = self._join_event.handle if self._join_event is not None else 0
                     native.set_launch(*launch_functions(), join)
                 native.set_copy_ahead(self.copy_ahead, self.copy_rate)
+            if native is not None:
+                native.set_frequency_admission(cache.admission == "frequency")
             self._native, self._native_version = native, cache.version
         return self._native
 
@@ -269,8 +274,10 @@ class LayerPlanner:
         """The Python plan of a layer step (`plan_layer`)."""
         counters = self._counters
         picks = counters.picks if decode else self.stats.prefill_picks
+        by_frequency = decode and self.cache.admission == "frequency"
         return plan_layer(self.cache, self.split.policy, moe_layer, ids_host, picks[moe_layer],
-                          counters.picks[moe_layer])  # fmt: skip
+                          counters.picks[moe_layer],
+                          counters.picks if by_frequency else None)  # fmt: skip
 
     def start(
         self, d: Dispatch, moe_layer, ids_host, weights_host, x_host, handoff_out=None

@@ -331,6 +331,7 @@ class Engine:
             self.expert_format,
             bias=spec.expert_bias,
             swiglu_limit=spec.swiglu_limit,
+            admission=self.config.experts.cache_admission,
         )
 
     def _new_runner(
@@ -846,6 +847,7 @@ class Engine:
         return {
             "policy": config.experts.miss_policy,
             "policy_mode": self.policy.mode,
+            "cache_admission": config.experts.cache_admission,
             # auto: follows the CPU's rate as decode sees it (MoERunner._adapt_split)
             "fetch_fraction": self.policy.fetch_fraction,
             "policy_bh_gbps": self.policy.bh_gbps,

@@ -320,6 +320,10 @@ class DecodePlanner {
     ahead_rate_ = bytes_per_second;
   }
 
+  // Where a fill goes in the recency order: the most recently used end, or (on) there unless
+  // the expert it evicts was picked more often, as ExpertCache.admit with its picks.
+  void set_frequency_admission(bool on) { frequency_admission_ = on; }
+
   // The guess's usual lead over the routing (seconds; 0 before one was measured): a running mean
   // of the time from seeing a guess's signal to seeing the routing's.
   double guess_lead_seconds() const { return lead_seconds_; }
@@ -515,9 +519,14 @@ class DecodePlanner {
         on_cpu.insert(on_cpu.end(), missing.begin() + i, missing.begin() + q);
         break;
       }
+      // frequency admission: a fill picked less often than the expert it evicts keeps that
+      // expert's last use, so that the next fill takes this slot first (ExpertCache.admit)
+      const int64_t old_key = key_of_slot_[slot];
+      const bool keep_back = frequency_admission_ && old_key >= 0 && picks[e] < picks_[old_key];
       evict(slot);
       key_of_slot_[slot] = layer * experts_ + e;
-      last_use_[slot] = ++state_[kTick];
+      ++state_[kTick];
+      if (!keep_back) last_use_[slot] = state_[kTick];
       slot_of[e] = int32_t(slot);
       ++state_[kFills];
       protected_[slot] = 1;
@@ -1084,6 +1093,7 @@ class DecodePlanner {
   std::vector<int32_t> guess_ids_;
   std::vector<int8_t> chosen_;
   int64_t guess_layer_ = -1;
+  bool frequency_admission_ = false;  // set_frequency_admission
   // copies ahead (`set_copy_ahead`): the share of the guess's lead they take, the copies' rate
   // (bytes/s), the lead (a running mean, seconds), and the copy ahead of the step waited for:
   // its layer (-1: none), expert, slot and rows; a driver error of it (the step fails with it)

@@ -113,6 +113,26 @@ def test_cpu_tasks_run_again_decode_the_same_tokens(model):
     _assert_same_tokens(outputs, ref_outputs, ref_logits)
 
 
+def test_frequency_admission_decodes_the_same_tokens(model):
+    """--moe-cache-admission frequency changes where fills go in the cache's recency order, not
+    what a step computes: the resident engine's tokens, from other hits and fills than recent
+    admission's over the same requests; the config says what is in force."""
+    path, ref_outputs, _, ref_logits = model
+    flags = ["--moe-cache-size", "16", "--moe-miss-policy", "split:0.5"]
+    counts = {}
+    for admission in ("frequency", "recent"):
+        engine = make_engine(path, *flags, "--moe-cache-admission", admission)
+        try:
+            assert engine.config_in_force()["cache_admission"] == admission
+            outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+            c = engine.moe.counters
+            counts[admission] = (int(c.hits.sum()), int(c.fills.sum()))
+        finally:
+            engine.close()
+        _assert_same_tokens(outputs, ref_outputs, ref_logits)
+    assert counts["frequency"][1] > 0 and counts["frequency"] != counts["recent"]
+
+
 @pytest.mark.parametrize("policy", ["gpu", "split:0.5"])
 def test_cache_matches_an_independent_lru_simulation(tmp_path, policy):
     path = synthesize(

@@ -71,12 +71,18 @@ def cpu():
 
 
 def _runner(
-    bank: ExpertBank, slots: int, fraction: float, cpu, top_k: int, **settings
+    bank: ExpertBank,
+    slots: int,
+    fraction: float,
+    cpu,
+    top_k: int,
+    admission: str = "recent",
+    **settings,
 ) -> MoERunner:
     hidden, inter = bank.hidden_size, bank.intermediate_size
     cache = ExpertCache(LAYERS, EXPERTS, slots, hidden, inter, torch.bfloat16, torch.device("cpu"),
                         fmt=bank.fmt, bias=bool(bank.w13_bias),
-                        swiglu_limit=bank.swiglu_limit)  # fmt: skip
+                        swiglu_limit=bank.swiglu_limit, admission=admission)  # fmt: skip
     policy = MissPolicy("split", fraction)
     return MoERunner(
         bank, cache, policy, cpu, top_k=top_k, prefill_overlap=False, prefill_stream_min_tokens=64,
@@ -269,6 +275,41 @@ def test_native_plans_like_python(cpu, fraction, tokens, top_k, slots, fmt):
         assert saw["cpu"] > 0
     if fraction == 1.0 and slots < tokens * top_k:
         assert saw["short_of_slots"] > 0
+
+
+@pytest.mark.parametrize(("fmt", "tokens", "top_k", "slots"), [("bf16", 3, 4, 6), ("fp8", 5, 3, 8)])
+def test_native_admits_by_frequency_like_python(cpu, fmt, tokens, top_k, slots):
+    """--moe-cache-admission frequency: the native planner keeps the same fills back as
+    `ExpertCache.admit` given the pick counts (a fill picked less often than the expert it
+    evicts keeps that expert's last use), step after step; and the rule is at work: the caches
+    end unlike those of recent admission over the same routing."""
+    gen = torch.Generator().manual_seed(tokens)
+    bank = _bank(gen, fmt)
+    hidden = bank.w2[0].shape[1]
+    runners = [_runner(bank, slots, 0.6, cpu, top_k, admission) for admission in
+               ("frequency", "frequency", "recent")]  # fmt: skip
+    python, native, recent = runners
+    rng = np.random.default_rng(tokens)
+    kept_back = 0
+    for step in range(90):
+        layer = step % LAYERS
+        ids = _routes(rng, tokens, top_k)
+        weights = torch.rand(tokens, top_k, generator=gen)
+        x = torch.randn(tokens, hidden, generator=gen)
+        before = int(python.cache.state[0])  # the use clock
+        want = python.planner.plan(layer, ids, decode=True)
+        kept_back += sum(int(python.cache.last_use[slot]) <= before for _, slot in want.admitted)
+        python.planner.start(want, layer, ids, weights, x)
+        got = native.planner.plan_and_start(layer, ids, weights, x, decode=True)
+        for field in ("experts", "slots", "missing", "admitted", "on_cpu"):
+            assert getattr(got, field) == getattr(want, field), (step, field)
+        assert _state(native) == _state(python), step
+        if want.job is not None:
+            torch.testing.assert_close(got.job.wait(), want.job.wait(), rtol=0, atol=0)
+        recent.planner.plan_and_start(layer, ids, weights, x, decode=True)
+    assert kept_back > 0
+    assert python.cache.hits > recent.cache.hits  # the hot experts stayed
+    assert _state(recent) != _state(python)
 
 
 def test_fetch_plan_splits_a_miss_where_that_ends_the_step_sooner():
