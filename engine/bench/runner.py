@@ -150,7 +150,7 @@ def prefill_run(engine, args) -> dict:
     spec = engine.spec
     gen = torch.Generator().manual_seed(2)
     profiler = _host_profile_start(args.profile)
-    warmup = getattr(args, "warmup_tokens", None) or args.prompt_tokens
+    warmup = getattr(args, "warmup_tokens", None)  # (None: as long as the timed prompts)
     times = _prefill_times(engine, args.prompt_tokens, args.repeats, gen, warmup=warmup)
     _host_profile_print(profiler)
     elapsed = float(np.median(times))
