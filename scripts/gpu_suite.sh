@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8kv|fp8engine|gptoss|mxfp4|hybrid|split|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|mxfp4|hybrid|split|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -118,9 +118,8 @@ if [ "$part" = cpu_formats ]; then  # the native CPU kernel over each expert for
 fi
 if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively and at real shapes,
   # the engine's long-prompt test on CUDA (it prints the logits' difference), decode attention
-  # over bf16 and FP8 pages, decode at 8K and 32K tokens of context with each cache, then the
-  # context a 24 GiB budget gives all 48 layers with each cache (kv_tokens, max_context, slots
-  # in the JSON) and a prompt of that context
+  # over bf16 and FP8 pages, decode at 8K and 32K tokens of context with each cache (then the
+  # fp8kv_context part)
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run fp8kv_tests python3 -m pytest -q $T --tb=short tests/kernels/test_fp8_kv.py \
     tests/kernels/test_rope_kv.py tests/kernels/test_paged_attention.py
@@ -133,11 +132,20 @@ if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively an
       run fp8kv_decode12_ctx${ctx}_$kv $B decode $G --routing-skew 1 --prompt-tokens $ctx \
         --kv-reserve-tokens $((ctx + 1024)) --kv-cache-dtype $kv --json
     done
-    M="--preset qwen3-30b-a3b --routing-skew 1 --device-memory 24GiB --kv-cache-dtype $kv"
-    run fp8kv_context48_$kv $B decode $M --tokens 16 --warmup 4 --json
-    ctx=$(tail -1 "$out/fp8kv_context48_$kv.log" | python3 -c \
-      'import json, sys; print(json.load(sys.stdin)["max_context"] - 64)')
-    run fp8kv_prompt48_$kv $B prefill $M --prompt-tokens "$ctx" --repeats 1 --json
+  done
+fi
+if [ "$part" = fp8kv ] || [ "$part" = fp8kv_context ]; then  # the context a 24 GiB budget gives
+  # all 48 layers with each KV cache (kv_tokens, max_context, slots in the JSON), proven by a
+  # prompt 64 tokens short of it, in one process each (after a warm-up of 8,192 tokens)
+  for kv in auto fp8; do
+    run fp8kv_prompt48_$kv $B prefill --preset qwen3-30b-a3b --routing-skew 1 \
+      --device-memory 24GiB --kv-cache-dtype $kv --prompt-tokens context-64 --repeats 1 \
+      --warmup-tokens 8192 --json
+    tail -1 "$out/fp8kv_prompt48_$kv.log" | python3 -c 'import json, sys
+r = json.load(sys.stdin)
+n, ctx, kv = r["prompt_tokens"], r["max_context"], r["kv_cache_dtype"]
+print(f"{kv} KV: a prompt of {n} tokens served, {n / ctx:.1%} of the advertised {ctx}")' \
+      | tee -a "$out/summary.txt"
   done
 fi
 if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoint tests and the
@@ -152,13 +160,21 @@ if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoin
       run fp8engine_decode12_24g_skew${skew}_$dtype $B decode $G --routing-skew $skew $M \
         --moe-expert-dtype $dtype --tokens 256 --repeats 3
     done
-    run fp8engine_decode48_24g_skew1_$dtype $B decode --preset qwen3-30b-a3b --routing-skew 1 \
-      $M --moe-expert-dtype $dtype --tokens 256 --repeats 3
     run fp8engine_decode12_resident_$dtype $B decode $G --routing-skew 1 --json \
       --moe-expert-dtype $dtype
     for n in 512 8192; do
       run fp8engine_prefill12_cache25_${n}_$dtype $B prefill $G --prompt-tokens $n \
         --moe-cache-rate 0.25 --json --moe-expert-dtype $dtype
+    done
+  done
+fi
+if [ "$part" = fp8engine ] || [ "$part" = fp8engine48 ]; then  # all 48 layers on the 24 GiB
+  # budget, bf16 beside FP8 at skew 1 and 0, one process each
+  for skew in 1 0; do
+    for dtype in bf16 fp8; do
+      run fp8engine_decode48_24g_skew${skew}_$dtype $B decode --preset qwen3-30b-a3b \
+        --routing-skew $skew --device-memory 24GiB --json --moe-expert-dtype $dtype \
+        --tokens 128 --repeats 2
     done
   done
 fi

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -126,7 +127,16 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 "how long a CPU task may be in flight before an idle worker runs it again",
             )
         else:
-            p.add_argument("--prompt-tokens", type=int, default=2048)
+            p.add_argument(
+                "--prompt-tokens",
+                type=prompt_length,
+                default=2048,
+                metavar="N|context[-N]",
+                help="the timed prompts' tokens; `context-N` N tokens short of the context the "
+                "engine advertises (max_context in the JSON), `context` the longest prompt it "
+                "takes (context-1: the prefill generates a token): a context's proof in one "
+                "process",
+            )
             p.add_argument("--repeats", type=int, default=3)
             p.add_argument(
                 "--warmup-tokens",
@@ -148,6 +158,43 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
             if action.dest == "model_path":
                 action.required = False
         p.set_defaults(run=_run)
+
+
+@dataclass(frozen=True)
+class ContextShort:
+    """`--prompt-tokens context-N`: the advertised context less `tokens` (at least 1, the
+    token the prefill generates), known once the engine has planned its memory."""
+
+    tokens: int
+
+    def length(self, max_context: int) -> int:
+        """The prompt's tokens against the engine's advertised context; ValueError where none
+        are left."""
+        if self.tokens >= max_context:
+            raise ValueError(
+                f"--prompt-tokens context-{self.tokens} leaves no prompt: the engine advertises "
+                f"a context of {max_context} tokens"
+            )
+        return max_context - self.tokens
+
+
+def prompt_length(text: str) -> int | ContextShort:
+    """--prompt-tokens of bench prefill: a positive count, `context` or `context-N`."""
+    word, dash, short = text.partition("-")
+    if word == "context":
+        try:
+            return ContextShort(_positive_int(short) if dash else 1)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"expected context-N with N a positive number of tokens (the prefill generates "
+                f"one), got {text!r}"
+            ) from None
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of tokens, `context` or `context-N`, got {text!r}"
+        ) from None
 
 
 def preset_config(args: argparse.Namespace) -> dict:
@@ -234,6 +281,12 @@ def _run(args: argparse.Namespace) -> int:
             if args.bench == "decode":
                 result = decode_runs(engine, args, sides)
             else:
+                if isinstance(args.prompt_tokens, ContextShort):
+                    try:
+                        args.prompt_tokens = args.prompt_tokens.length(engine.plan.max_context)
+                    except ValueError as err:
+                        print(f"moelab bench prefill: {err}", file=sys.stderr)
+                        return 2
                 result = prefill_run(engine, args)
         finally:
             engine.close()

@@ -506,6 +506,29 @@ def test_bench_prefill_warms_up_on_warmup_tokens_then_times_the_prompt_length():
     assert args.warmup_tokens == 8
 
 
+def test_bench_prefill_fills_the_advertised_context_less_n_tokens():
+    """--prompt-tokens context-N: the prompt is the context the engine advertises less N
+    tokens, prefilled in the same process; `context` the longest prompt the engine takes; a
+    context-N that leaves nothing is refused."""
+    flags = ["bench", "prefill", "--preset", "tiny", "--kv-reserve-tokens", "96", "--repeats",
+             "1", "--warmup-tokens", "8", "--json"]  # fmt: skip
+    r = moelab(*flags, "--prompt-tokens", "context-5")
+    result = json.loads(r.stdout)
+    assert result["max_context"] >= 96
+    assert result["prompt_tokens"] == result["max_context"] - 5
+    result = json.loads(moelab(*flags, "--prompt-tokens", "context").stdout)
+    assert result["prompt_tokens"] == result["max_context"] - 1
+    r = moelab(*flags, "--prompt-tokens", "context-100000", check=False)
+    assert r.returncode == 2
+    assert "--prompt-tokens context-100000 leaves no prompt" in r.stderr
+    parse = cli.build_parser().parse_args
+    assert parse(["bench", "prefill", "--prompt-tokens", "context"]).prompt_tokens.tokens == 1
+    assert parse(["bench", "prefill", "--prompt-tokens", "12"]).prompt_tokens == 12
+    for bad in ("context-", "context-0", "context-x", "0", "contexts"):
+        with pytest.raises(SystemExit):
+            parse(["bench", "prefill", "--prompt-tokens", bad])
+
+
 def test_the_bound_takes_each_rate_as_the_mean_of_before_and_after():
     before = {"hbm_gbps": 4000.0, "bp_gbps": 50.0, "host_gbps": 90.0}
     after = {"hbm_gbps": 4200.0, "bp_gbps": 46.0, "host_gbps": 110.0}
