@@ -65,7 +65,6 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
             p.add_argument("--batch", type=int, default=1)
             p.add_argument("--tokens", type=int, default=64, help="timed tokens per sequence")
             p.add_argument("--warmup", type=int, default=32, help="untimed tokens first")
-            p.add_argument("--prompt-tokens", type=int, default=16)
             p.add_argument(
                 "--temperature",
                 type=float,
@@ -127,16 +126,6 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 "how long a CPU task may be in flight before an idle worker runs it again",
             )
         else:
-            p.add_argument(
-                "--prompt-tokens",
-                type=prompt_length,
-                default=2048,
-                metavar="N|context[-N]",
-                help="the timed prompts' tokens; `context-N` N tokens short of the context the "
-                "engine advertises (max_context in the JSON), `context` the longest prompt it "
-                "takes (context-1: the prefill generates a token): a context's proof in one "
-                "process",
-            )
             p.add_argument("--repeats", type=int, default=3)
             p.add_argument(
                 "--warmup-tokens",
@@ -153,6 +142,17 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 help="time short prompts both ways (route then fetch, or stream whole layers), "
                 "and write the crossover into the bandwidth profile the engine reads",
             )
+        p.add_argument(
+            "--prompt-tokens",
+            type=prompt_length,
+            default=16 if name == "decode" else 2048,
+            metavar="N|context[-N]",
+            help="the prompts' tokens; `context-N` N tokens short of the context the engine "
+            "advertises (max_context in the JSON), known once it has planned its memory, so "
+            "that a context's proof, or decode after a near-full context, takes one process; "
+            "`context`: the longest prompt that leaves room for the tokens each sequence "
+            "generates",
+        )
         add_engine_flags(p)
         for action in p._actions:
             if action.dest == "model_path":
@@ -162,32 +162,39 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
 
 @dataclass(frozen=True)
 class ContextShort:
-    """`--prompt-tokens context-N`: the advertised context less `tokens` (at least 1, the
-    token the prefill generates), known once the engine has planned its memory."""
+    """`--prompt-tokens context-N`: the advertised context less `tokens` (None: `context`,
+    less the tokens each sequence generates), known once the engine has planned its memory."""
 
-    tokens: int
+    tokens: int | None
 
-    def length(self, max_context: int) -> int:
-        """The prompt's tokens against the engine's advertised context; ValueError where none
-        are left."""
-        if self.tokens >= max_context:
+    def length(self, max_context: int, generated: int) -> int:
+        """The prompt's tokens against the engine's advertised context, where each sequence
+        generates `generated` tokens after it; ValueError where they do not fit."""
+        short = generated if self.tokens is None else self.tokens
+        name = "context" if self.tokens is None else f"context-{self.tokens}"
+        if short < generated:
             raise ValueError(
-                f"--prompt-tokens context-{self.tokens} leaves no prompt: the engine advertises "
-                f"a context of {max_context} tokens"
+                f"--prompt-tokens {name} leaves room for {short} tokens, and each sequence "
+                f"generates {generated}: give context-{generated} or more"
             )
-        return max_context - self.tokens
+        if short >= max_context:
+            raise ValueError(
+                f"--prompt-tokens {name} leaves no prompt: the engine advertises a context of "
+                f"{max_context} tokens"
+            )
+        return max_context - short
 
 
 def prompt_length(text: str) -> int | ContextShort:
-    """--prompt-tokens of bench prefill: a positive count, `context` or `context-N`."""
+    """--prompt-tokens of bench decode and prefill: a positive count, `context` or
+    `context-N`."""
     word, dash, short = text.partition("-")
     if word == "context":
         try:
-            return ContextShort(_positive_int(short) if dash else 1)
+            return ContextShort(_positive_int(short) if dash else None)
         except argparse.ArgumentTypeError:
             raise argparse.ArgumentTypeError(
-                f"expected context-N with N a positive number of tokens (the prefill generates "
-                f"one), got {text!r}"
+                f"expected context-N with N a positive number of tokens, got {text!r}"
             ) from None
     try:
         return _positive_int(text)
@@ -278,15 +285,19 @@ def _run(args: argparse.Namespace) -> int:
                 except ValueError as err:
                     print(f"moelab bench decode: {sides.flag} {value}: {err}", file=sys.stderr)
                     return 2
+            if isinstance(args.prompt_tokens, ContextShort):
+                # a decode run's sequences generate its warm-up, or its timed tokens and one
+                generated = max(args.warmup, args.tokens + 1) if args.bench == "decode" else 1
+                try:
+                    args.prompt_tokens = args.prompt_tokens.length(
+                        engine.plan.max_context, generated
+                    )
+                except ValueError as err:
+                    print(f"moelab bench {args.bench}: {err}", file=sys.stderr)
+                    return 2
             if args.bench == "decode":
                 result = decode_runs(engine, args, sides)
             else:
-                if isinstance(args.prompt_tokens, ContextShort):
-                    try:
-                        args.prompt_tokens = args.prompt_tokens.length(engine.plan.max_context)
-                    except ValueError as err:
-                        print(f"moelab bench prefill: {err}", file=sys.stderr)
-                        return 2
                 result = prefill_run(engine, args)
         finally:
             engine.close()

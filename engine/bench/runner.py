@@ -82,6 +82,7 @@ def decode_runs(engine, args, sides: Sides | None = None) -> dict:
     fields = RUN_FIELDS + (("side", "setting", "period_by_plan") if sides else ())
     return {
         **median,
+        "prompt_tokens": args.prompt_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
         "draw_top_k": args.top_k,  # top_k: the experts each token routes to

@@ -506,24 +506,30 @@ def test_bench_prefill_warms_up_on_warmup_tokens_then_times_the_prompt_length():
     assert args.warmup_tokens == 8
 
 
-def test_bench_prefill_fills_the_advertised_context_less_n_tokens():
+def test_bench_prefill_and_decode_fill_the_advertised_context_less_n_tokens():
     """--prompt-tokens context-N: the prompt is the context the engine advertises less N
-    tokens, prefilled in the same process; `context` the longest prompt the engine takes; a
-    context-N that leaves nothing is refused."""
-    flags = ["bench", "prefill", "--preset", "tiny", "--kv-reserve-tokens", "96", "--repeats",
-             "1", "--warmup-tokens", "8", "--json"]  # fmt: skip
-    r = moelab(*flags, "--prompt-tokens", "context-5")
-    result = json.loads(r.stdout)
+    tokens, in the same process; `context` the longest prompt that leaves room for what each
+    sequence generates (prefill: one token; decode: its warm-up, or its timed tokens and one).
+    A context-N that leaves nothing, or too little for them, is refused."""
+    flags = ["--preset", "tiny", "--kv-reserve-tokens", "96", "--json"]
+    prefill = ["bench", "prefill", *flags, "--repeats", "1", "--warmup-tokens", "8"]
+    result = json.loads(moelab(*prefill, "--prompt-tokens", "context-5").stdout)
     assert result["max_context"] >= 96
     assert result["prompt_tokens"] == result["max_context"] - 5
-    result = json.loads(moelab(*flags, "--prompt-tokens", "context").stdout)
+    result = json.loads(moelab(*prefill, "--prompt-tokens", "context").stdout)
     assert result["prompt_tokens"] == result["max_context"] - 1
-    r = moelab(*flags, "--prompt-tokens", "context-100000", check=False)
+    r = moelab(*prefill, "--prompt-tokens", "context-100000", check=False)
     assert r.returncode == 2
     assert "--prompt-tokens context-100000 leaves no prompt" in r.stderr
+    decode = ["bench", "decode", *flags, "--tokens", "3", "--warmup", "2"]
+    result = json.loads(moelab(*decode, "--prompt-tokens", "context").stdout)
+    assert result["prompt_tokens"] == result["max_context"] - 4  # 3 timed tokens and the first
+    r = moelab(*decode, "--prompt-tokens", "context-3", check=False)
+    assert r.returncode == 2
+    assert "context-3 leaves room for 3 tokens, and each sequence generates 4" in r.stderr
     parse = cli.build_parser().parse_args
-    assert parse(["bench", "prefill", "--prompt-tokens", "context"]).prompt_tokens.tokens == 1
-    assert parse(["bench", "prefill", "--prompt-tokens", "12"]).prompt_tokens == 12
+    assert parse(["bench", "prefill", "--prompt-tokens", "context"]).prompt_tokens.tokens is None
+    assert parse(["bench", "decode", "--prompt-tokens", "12"]).prompt_tokens == 12
     for bad in ("context-", "context-0", "context-x", "0", "contexts"):
         with pytest.raises(SystemExit):
             parse(["bench", "prefill", "--prompt-tokens", bad])
