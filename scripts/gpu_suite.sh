@@ -12,12 +12,12 @@
 # On the GPU machine (torch and triton preinstalled), first the wheels of
 # scripts/device_wheels.sh (carry .whl) on PYTHONPATH, then
 # `python3 -m pip install --no-deps --no-build-isolation -e .` (it has no index to build from).
-# A fresh machine builds the native CPU kernel (25-40 s) and calibrates the routers of each
-# geometry it runs with dummy weights (45-54 s at Qwen3.6-35B-A3B's); both are kept under
-# $XDG_CACHE_HOME/moelab (calibrations/, torch_extensions/: about 1.5 MB). A call that exports
-# XDG_CACHE_HOME=$PWD/.devcache and copies those two folders into $OUT/devcache brings them
-# back; .devcache (ignored by git) carried into the next call spares that machine both, where
-# its torch, CPU and the sources are the same (each is keyed by them, and remade otherwise).
+# A fresh machine calibrates the routers of each geometry it runs with dummy weights (45-54 s at
+# Qwen3.6-35B-A3B's), kept under $XDG_CACHE_HOME/moelab/calibrations (a few small JSON files,
+# keyed by what they depend on: remade where anything differs). A call that exports
+# XDG_CACHE_HOME=$PWD/.devcache and copies that folder into $OUT/devcache brings them back, for
+# .devcache/moelab/calibrations (ignored by git) to be carried into the next call. The native
+# kernel's build (25-40 s) is kept there too but does not come back (its folder is too deep).
 set -uo pipefail
 out=${1:?output directory}
 part=${2:-all}
@@ -141,12 +141,14 @@ if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively an
   done
 fi
 if [ "$part" = fp8kv ] || [ "$part" = fp8kv_context ]; then  # the context a 24 GiB budget gives
-  # all 48 layers with each KV cache (kv_tokens, max_context, slots in the JSON), proven by a
-  # prompt 64 tokens short of it, in one process each (after a warm-up of 8,192 tokens)
+  # all 48 layers with each KV cache when the model's whole context is reserved (the default
+  # reserve gives both about 8K and the rest to the experts): kv_tokens, max_context and slots
+  # in the JSON, proven by a prompt 64 tokens short of it, in one process each (after a
+  # warm-up of 4,096 tokens)
   for kv in auto fp8; do
     run fp8kv_prompt48_$kv $B prefill --preset qwen3-30b-a3b --routing-skew 1 \
-      --device-memory 24GiB --kv-cache-dtype $kv --prompt-tokens context-64 --repeats 1 \
-      --warmup-tokens 8192 --json
+      --device-memory 24GiB --kv-cache-dtype $kv --kv-reserve-tokens 40960 \
+      --prompt-tokens context-64 --repeats 1 --warmup-tokens 4096 --json
     tail -1 "$out/fp8kv_prompt48_$kv.log" | python3 -c 'import json, sys
 r = json.load(sys.stdin)
 n, ctx, kv = r["prompt_tokens"], r["max_context"], r["kv_cache_dtype"]
