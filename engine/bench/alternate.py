@@ -27,6 +27,7 @@ def alternated_sides(args: argparse.Namespace) -> Sides | str | None:
         "--alternate-cpu-pin": "alternate_cpu_pin",
         "--alternate-cpu-redo-us": "alternate_cpu_redo_us",
         "--alternate-copy-ahead": "alternate_copy_ahead",
+        "--alternate-cache-admission": "alternate_cache_admission",
     }
     asked = [
         (flag, value)
@@ -53,6 +54,12 @@ def alternated_sides(args: argparse.Namespace) -> Sides | str | None:
             "--moe-copy-ahead",
             (args.moe_copy_ahead, b),
             lambda engine, share: engine.moe.set_copy_ahead(share),
+        )
+    elif flag == "--alternate-cache-admission":
+        sides = Sides(
+            "--moe-cache-admission",
+            (args.moe_cache_admission, b),
+            lambda engine, mode: engine.moe.set_cache_admission(mode),
         )
     else:
         sides = Sides(

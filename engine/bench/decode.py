@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config.args import (
+    CACHE_ADMISSIONS,
     _non_negative_int,
     _positive_int,
     add_engine_flags,
@@ -116,6 +117,15 @@ def add_decode_parsers(kinds: argparse._SubParsersAction) -> None:
                 help="as --alternate-prefetch-rounds, between --moe-copy-ahead (A) and SHARE (B): "
                 "the share of the guesses' lead in which the guessed first device miss is copied "
                 "ahead of the routing",
+            )
+            p.add_argument(
+                "--alternate-cache-admission",
+                choices=CACHE_ADMISSIONS,
+                default=None,
+                metavar="MODE",
+                help="as --alternate-prefetch-rounds, between --moe-cache-admission (A) and MODE "
+                "(B): where a decode step's fill goes in the expert cache's recency order "
+                "(the cache's contents carry over from run to run)",
             )
             p.add_argument(
                 "--alternate-cpu-redo-us",

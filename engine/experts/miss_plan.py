@@ -258,6 +258,13 @@ class LayerPlanner:
         ahead."""
         return self.prefetch_rounds > 0 or self.copy_ahead > 0
 
+    def set_cache_admission(self, mode: str) -> None:
+        """The cache's admission (`--moe-cache-admission`: "recent" or "frequency") from now on,
+        in the native planner too."""
+        self.cache.admission = mode
+        if self._native is not None:
+            self._native.set_frequency_admission(mode == "frequency")
+
     def set_copy_ahead(self, share: float) -> None:
         """`copy_ahead` from now on, in the native planner too."""
         self.copy_ahead = share

@@ -165,6 +165,9 @@ class MoERunner:
     def set_copy_ahead(self, share: float) -> None:
         self.staged.set_copy_ahead(share)
 
+    def set_cache_admission(self, mode: str) -> None:
+        self.planner.set_cache_admission(mode)
+
     def guess_lead_seconds(self) -> float:
         return self.planner.guess_lead_seconds()
 

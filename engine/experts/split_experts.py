@@ -177,6 +177,10 @@ class SplitExperts:
         for runner in self._live:
             runner.set_copy_ahead(share)
 
+    def set_cache_admission(self, mode: str) -> None:
+        for runner in self._live:
+            runner.set_cache_admission(mode)
+
     def guess_lead_seconds(self) -> float:
         return max(runner.guess_lead_seconds() for runner in self._live)
 

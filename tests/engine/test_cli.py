@@ -439,12 +439,14 @@ def test_bench_decode_alternates_a_guessing_flag_on_cuda(own, alternate, a, b, o
             ),
         ),
         ("--moe-cpu-redo-us", 0, 1),
+        ("--moe-cache-admission", "recent", "frequency"),
     ],
 )  # fmt: skip
 def test_bench_decode_alternates_a_cpu_flag(flag, a, b):
-    """--alternate-cpu-pin (the workers' cores alone, then the rest of the engine kept off them)
-    and --alternate-cpu-redo-us (never running a stalled CPU task again, then after 1 µs): the
-    runs alternate A B B A, and the pairs are compared. The misses run on the CPU, so that every
+    """--alternate-cpu-pin (the workers' cores alone, then the rest of the engine kept off them),
+    --alternate-cpu-redo-us (never running a stalled CPU task again, then after 1 µs) and
+    --alternate-cache-admission (recent, then frequency): the runs alternate A B B A, and the
+    pairs are compared. The misses run on the CPU, so that every
     run has CPU jobs for the flags to act on."""
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
              "--moe-cache-rate", "0.5", "--moe-miss-policy", "cpu", "--repeats", "4",

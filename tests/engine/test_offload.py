@@ -116,21 +116,30 @@ def test_cpu_tasks_run_again_decode_the_same_tokens(model):
 def test_frequency_admission_decodes_the_same_tokens(model):
     """--moe-cache-admission frequency changes where fills go in the cache's recency order, not
     what a step computes: the resident engine's tokens, from other hits and fills than recent
-    admission's over the same requests; the config says what is in force."""
+    admission's over the same requests; the config says what is in force. An engine started
+    with recent admission and switched to frequency (`set_cache_admission`, as bench decode's
+    --alternate-cache-admission does between runs) makes frequency's hits and fills."""
     path, ref_outputs, _, ref_logits = model
     flags = ["--moe-cache-size", "16", "--moe-miss-policy", "split:0.5"]
     counts = {}
-    for admission in ("frequency", "recent"):
+    for admission, switch in (("frequency", None), ("recent", None), ("recent", "frequency")):
         engine = make_engine(path, *flags, "--moe-cache-admission", admission)
         try:
             assert engine.config_in_force()["cache_admission"] == admission
+            if switch is not None:
+                engine.moe.set_cache_admission(switch)
             outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
             c = engine.moe.counters
-            counts[admission] = (int(c.hits.sum()), int(c.fills.sum()))
+            counts[switch or admission, switch is not None] = (
+                int(c.hits.sum()),
+                int(c.fills.sum()),
+            )
         finally:
             engine.close()
         _assert_same_tokens(outputs, ref_outputs, ref_logits)
-    assert counts["frequency"][1] > 0 and counts["frequency"] != counts["recent"]
+    frequency, recent = counts["frequency", False], counts["recent", False]
+    assert frequency[1] > 0 and frequency != recent
+    assert counts["frequency", True] == frequency
 
 
 @pytest.mark.parametrize("policy", ["gpu", "split:0.5"])
