@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|mxfp4|hybrid|split|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|hybrid|split|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -399,6 +399,26 @@ if [ "$part" = split ]; then  # issue 56 on a two-GPU machine: the split against
   run split_bench_bw python3 -m moelab.engine.cli bench bw --threads 1 --json
   run split_two_unequal_b1 $B decode --preset qwen3-30b-a3b --routing-skew 1 \
     --device-memory 12GiB,8GiB --devices cuda:0,cuda:1 --json
+fi
+if [ "$part" = gptoss_context ]; then  # issue 54's long-context rows alone: decode after 32K
+  # tokens and prefill of 32K, at gpt-oss-120b's geometry on 12 GiB and gpt-oss-20b's on 8 GiB
+  for size in 120b:12GiB 20b:8GiB; do
+    O="--arch gpt_oss --preset gpt-oss-${size%%:*} --moe-expert-dtype mxfp4 --routing-skew 1"
+    O="$O --device-memory ${size##*:} --json"
+    run gptoss_decode${size%%:*}_ctx32k $B decode $O --prompt-tokens 32768 \
+      --kv-reserve-tokens 33792 --tokens 64 --warmup 8
+    run gptoss_prefill${size%%:*}_32k $B prefill $O --prompt-tokens 32768 --repeats 1 \
+      --kv-reserve-tokens 33792 --warmup-tokens 4096
+  done
+fi
+if [ "$part" = admission ]; then  # the cache's two admissions alternated in one process (A B B
+  # A): gpt-oss-120b on 12 GiB at batch 8 and 1, then Qwen3-30B-A3B's 48 layers on 24 GiB
+  O="--arch gpt_oss --preset gpt-oss-120b --moe-expert-dtype mxfp4 --routing-skew 1"
+  O="$O --device-memory 12GiB --json --repeats 4 --alternate-cache-admission frequency"
+  run admission_gptoss120b_b8 $B decode $O --batch 8 --tokens 128
+  run admission_gptoss120b_b1 $B decode $O --tokens 128
+  run admission_decode48_b1 $B decode --preset qwen3-30b-a3b --routing-skew 1 \
+    --device-memory 24GiB --json --tokens 128 --repeats 4 --alternate-cache-admission frequency
 fi
 if [ "$part" = gptoss ]; then  # gpt_oss: its kernels' tests natively (biased experts, sinks and
   # the window in decode attention), the engine against transformers on CUDA and the decode
