@@ -33,6 +33,15 @@ run() {  # name, command...: keep going when one step fails, record its status
     "$out/$name.log" \
     | tail -5 | tee -a "$out/summary.txt"
 }
+context_share() {  # name, label: a context proof's prompt against the context advertised
+  # (and the decode rate after it, where the run decoded), from the JSON ending name's log
+  tail -1 "$out/$1.log" | python3 -c 'import json, sys
+r = json.load(sys.stdin)
+n, ctx, rate = r["prompt_tokens"], r["max_context"], r.get("decode_tok_s")
+after = f"; then {rate:.1f} tok/s" if rate else ""
+print(f"{sys.argv[1]}: a prompt of {n} tokens served, {n / ctx:.1%} of the advertised {ctx}{after}")' \
+    "$2" | tee -a "$out/summary.txt"
+}
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max,driver_version \
   --format=csv > "$out/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)' >> "$out/gpu.txt"
@@ -149,11 +158,7 @@ if [ "$part" = fp8kv ] || [ "$part" = fp8kv_context ]; then  # the context a 24 
     run fp8kv_prompt48_$kv $B prefill --preset qwen3-30b-a3b --routing-skew 1 \
       --device-memory 24GiB --kv-cache-dtype $kv --kv-reserve-tokens 40960 \
       --prompt-tokens context-64 --repeats 1 --warmup-tokens 4096 --json
-    tail -1 "$out/fp8kv_prompt48_$kv.log" | python3 -c 'import json, sys
-r = json.load(sys.stdin)
-n, ctx, kv = r["prompt_tokens"], r["max_context"], r["kv_cache_dtype"]
-print(f"{kv} KV: a prompt of {n} tokens served, {n / ctx:.1%} of the advertised {ctx}")' \
-      | tee -a "$out/summary.txt"
+    context_share fp8kv_prompt48_$kv "$kv KV"
   done
 fi
 if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoint tests and the
@@ -223,11 +228,7 @@ for dtype in ${DTYPES:-bf16 fp8}; do
     # and the row beside the published decode after a near-262K prompt, in one process
     M="$E --kv-cache-dtype fp8 --kv-reserve-tokens 262144"
     run hybrid_decode262k_$dtype $B decode $M --prompt-tokens context-72 --tokens 64 --warmup 8
-    tail -1 "$out/hybrid_decode262k_$dtype.log" | python3 -c 'import json, sys
-r = json.load(sys.stdin)
-n, ctx, rate = r["prompt_tokens"], r["max_context"], r["decode_tok_s"]
-print(f"262K: a prompt of {n} tokens served, {n / ctx:.1%} of the advertised {ctx}; then {rate:.1f} tok/s")' \
-      | tee -a "$out/summary.txt"
+    context_share hybrid_decode262k_$dtype 262K
   fi
   if hybrid_part turns; then  # a chat's second turn after a 32K first one: its time to first
     # token from the first turn's state checkpoint, and prefilled whole (--no-prefix-cache)
