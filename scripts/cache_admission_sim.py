@@ -28,10 +28,7 @@ import argparse
 
 import numpy as np
 
-
-def zipf_shares(n: int, skew: float) -> np.ndarray:
-    w = 1.0 / np.arange(1, n + 1) ** skew
-    return w / w.sum()
+from moelab.engine.model.synth import zipf_shares  # the shares the routers are calibrated to
 
 
 def hit_rate(args: argparse.Namespace, batch: int, rule: str) -> float:
