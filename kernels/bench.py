@@ -78,6 +78,11 @@ FP8_EXPERT_BYTES = 3 * HIDDEN * INTER + 4 * (
 MXFP4_EXPERT_BYTES = 3 * HIDDEN * INTER // 2 + 3 * HIDDEN * INTER // mxfp4.BLOCK
 # An NVFP4 expert: two values a byte, an e4m3 scale byte per 16 values, three fp32 tensor scales.
 NVFP4_EXPERT_BYTES = 3 * HIDDEN * INTER // 2 + 3 * HIDDEN * INTER // nvfp4.BLOCK + 3 * 4
+# gpt-oss-120b's experts (docs/models.md): H = I = 2880, 4 routes a token, a bias on each
+# projection and the SwiGLU clamped at 7. A layer's bank holds 16 experts rather than 128, so that
+# the layers' copies the graph cycles through fit beside each other; each call reads the same 4
+# experts' bytes either way.
+GPT_OSS_EXPERTS = {"hidden": 2880, "inter": 2880, "experts": 16, "top_k": 4, "limit": 7.0}
 # Bytes each graph of calls reads at least, so that the GPU's L2 cache (tens of MiB) cannot hold
 # them; calls that read less over MAX_CALLS_PER_GRAPH are bound by launches, not by memory.
 MIN_WORKING_SET_BYTES = 512 << 20
@@ -217,10 +222,13 @@ class Bench:
         out = torch.empty(*shape, device=DEVICE, dtype=DTYPE)
         return out.normal_(0.0, scale, generator=self.gen)
 
-    def routes(self, tokens: int, first: int, count: int) -> torch.Tensor:
-        """[tokens, TOP_K] distinct picks per token from range(first, first + count)."""
+    def routes(
+        self, tokens: int, first: int, count: int, top_k: int | None = None
+    ) -> torch.Tensor:
+        """[tokens, top_k] distinct picks per token from range(first, first + count); top_k
+        TOP_K where None."""
         keys = torch.rand(tokens, count, generator=self.gen, device=DEVICE)
-        return (keys.topk(TOP_K, dim=1).indices + first).to(torch.int32)
+        return (keys.topk(top_k or TOP_K, dim=1).indices + first).to(torch.int32)
 
     def fused_moe(
         self,
@@ -385,6 +393,39 @@ class Bench:
             tokens, "mxfp4", MXFP4_EXPERT_BYTES, self.mxfp4_bank, mxfp4_moe.fused_moe_decode_mxfp4,
             config,
         )  # fmt: skip
+
+    def fused_moe_mxfp4_gpt_oss(self, tokens: int, geometry: dict | None = None) -> None:
+        """Decode MoE over an MXFP4 bank at gpt-oss-120b's expert shape (GPT_OSS_EXPERTS, or
+        `geometry`), its biases and clamped SwiGLU included, with the default launches; the
+        bytes are the routed experts' values, scales and biases."""
+        g = geometry or GPT_OSS_EXPERTS
+        hidden, inter, experts, top_k = g["hidden"], g["inter"], g["experts"], g["top_k"]
+        w13_bytes = 2 * inter * hidden // 2 + 2 * inter * hidden // mxfp4.BLOCK
+        w2_bytes = hidden * inter // 2 + hidden * inter // mxfp4.BLOCK
+        expert_bytes = w13_bytes + w2_bytes + (2 * inter + hidden) * ELEM_BYTES
+        layers = layers_for(expert_bytes * min(experts, tokens * top_k))
+        w13, s13 = mxfp4.quantize(self.randn(experts, 2 * inter, hidden, scale=hidden**-0.5))
+        w2, s2 = mxfp4.quantize(self.randn(experts, hidden, inter, scale=inter**-0.5))
+        bank = [t.repeat(layers, *([1] * (t.dim() - 1))) for t in (w13, w2, s13, s2)]
+        del w13, w2, s13, s2
+        b13 = self.randn(layers * experts, 2 * inter, scale=0.1)
+        b2 = self.randn(layers * experts, hidden, scale=0.1)
+        x = self.randn(tokens, hidden)
+        weights = torch.rand(tokens, top_k, generator=self.gen, device=DEVICE)
+        slot_sets = [
+            self.routes(tokens, layer * experts, experts, top_k) for layer in range(layers)
+        ]
+        unique = sum(s.unique().numel() for s in slot_sets) / layers
+        bytes_moved = int(unique * expert_bytes) + tokens * hidden * (ELEM_BYTES + 4)
+        flops = 2 * tokens * top_k * 3 * hidden * inter
+        biases = {"w13_bias": b13, "w2_bias": b2, "swiglu_limit": g["limit"]}
+        calls = [
+            partial(mxfp4_moe.fused_moe_decode_mxfp4, x, s, weights, *bank, **biases)
+            for s in slot_sets
+        ]
+        time_us = graph_us_per_call(calls)
+        label = f"T={tokens} K={top_k} H={hidden} I={inter} biased"
+        self.add("fused_moe_decode_mxfp4", label, time_us, bytes_moved, flops, None)
 
     def grouped_moe_mxfp4(self, tokens: int) -> None:
         """Prefill MoE over one layer's MXFP4 experts (mxfp4_moe.grouped_moe_mxfp4)."""
@@ -1005,8 +1046,8 @@ def _short(config: object) -> str:
 
 # The kernels `--only` can pick: the Bench methods whose rows `run` times.
 KERNELS = (
-    "fused_moe", "fused_moe_fp8", "fused_moe_mxfp4", "fused_moe_nvfp4", "grouped_moe",
-    "grouped_moe_fp8", "grouped_moe_mxfp4", "grouped_moe_nvfp4", "paged_attention",
+    "fused_moe", "fused_moe_fp8", "fused_moe_mxfp4", "fused_moe_mxfp4_gpt_oss", "fused_moe_nvfp4",
+    "grouped_moe", "grouped_moe_fp8", "grouped_moe_mxfp4", "grouped_moe_nvfp4", "paged_attention",
     "paged_attention_fp8", "sdpa_prefill", "rmsnorm", "router", "route", "rope_kv", "rope_kv_fp8",
     "handoff", "linear", "draw", "short_conv", "delta_rule",
 )  # fmt: skip
@@ -1042,6 +1083,9 @@ def run(
     if "fused_moe_mxfp4" in wanted:
         for tokens in (1, 4, 8):
             bench.fused_moe_mxfp4(tokens)
+    if "fused_moe_mxfp4_gpt_oss" in wanted:
+        for tokens in (1, 8):
+            bench.fused_moe_mxfp4_gpt_oss(tokens)
     if "fused_moe_nvfp4" in wanted:
         for tokens in (1, 4, 8):
             bench.fused_moe_nvfp4(tokens)

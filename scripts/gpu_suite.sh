@@ -101,7 +101,7 @@ if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their t
   run mxfp4_engine_tests python3 -m pytest -q $T --tb=short tests/engine/test_mxfp4_experts.py \
     tests/engine/test_gpt_oss.py -k mxfp4
   run mxfp4_kernels python3 -m moelab.kernels.bench \
-    --only fused_moe,fused_moe_mxfp4,grouped_moe,grouped_moe_mxfp4
+    --only fused_moe,fused_moe_mxfp4,fused_moe_mxfp4_gpt_oss,grouped_moe,grouped_moe_mxfp4
   # NVFP4 (ModelOpt's releases) through the same kernels: e4m3 scales per 16, per-tensor scales
   run nvfp4_kernels python3 -m moelab.kernels.bench --only fused_moe_nvfp4,grouped_moe_nvfp4
   # one token through each decode launch and tile of both 4-bit formats, to pick the default's

@@ -179,3 +179,28 @@ def test_the_4bit_decode_rows_run_their_launches_end_to_end(monkeypatch):
         ]
     ]
     assert all(torch.isfinite(out).all() for out in calls)
+
+
+def test_the_gpt_oss_decode_row_reads_what_it_counts(monkeypatch):
+    """fused_moe_mxfp4_gpt_oss at a small geometry on the CPU (the interpreter): each call it
+    times is the biased, clamped MXFP4 decode over its layer's own slots, equal to the
+    dequantizing reference, and the row counts each routed expert's values, scales and biases."""
+    fake_gpu(monkeypatch)
+    calls = []
+    monkeypatch.setattr(bench, "graph_us_per_call", lambda cs: calls.extend(cs) or 50.0)
+    b = bench.Bench(4000.0, 600.0)
+    geometry = {"hidden": 64, "inter": 32, "experts": 4, "top_k": 2, "limit": 7.0}
+    b.fused_moe_mxfp4_gpt_oss(1, geometry)
+    (row,) = b.results
+    assert row.kernel == "fused_moe_decode_mxfp4" and "K=2 H=64 I=32 biased" in row.shape
+    expert = 3 * 64 * 32 // 2 + 3 * 64 * 32 // 32 + (2 * 32 + 64) * 2
+    assert row.bytes_moved == 2 * expert + 64 * (2 + 4)
+    assert len(calls) == bench.layers_for(2 * expert)
+    for call in calls[:2]:
+        x, slots, weights, *bank = call.args
+        assert slots.min() >= 0 and slots.max() < len(calls) * 4
+        assert slots[0, 0] // 4 == slots[0, 1] // 4, "a token's routes are in one layer"
+        expected = bench.mxfp4_moe.fused_moe_decode_mxfp4_ref(
+            x, slots, weights, *bank, **call.keywords
+        )
+        torch.testing.assert_close(call(), expected, rtol=1e-4, atol=1e-4)
