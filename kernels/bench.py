@@ -394,10 +394,15 @@ class Bench:
             config,
         )  # fmt: skip
 
-    def fused_moe_mxfp4_gpt_oss(self, tokens: int, geometry: dict | None = None) -> None:
+    def fused_moe_mxfp4_gpt_oss(
+        self,
+        tokens: int,
+        config: mxfp4_moe.DecodeConfig | None = None,
+        geometry: dict | None = None,
+    ) -> None:
         """Decode MoE over an MXFP4 bank at gpt-oss-120b's expert shape (GPT_OSS_EXPERTS, or
-        `geometry`), its biases and clamped SwiGLU included, with the default launches; the
-        bytes are the routed experts' values, scales and biases."""
+        `geometry`), its biases and clamped SwiGLU included, with the default launches or those
+        `config` names; the bytes are the routed experts' values, scales and biases."""
         g = geometry or GPT_OSS_EXPERTS
         hidden, inter, experts, top_k = g["hidden"], g["inter"], g["experts"], g["top_k"]
         w13_bytes = 2 * inter * hidden // 2 + 2 * inter * hidden // mxfp4.BLOCK
@@ -418,13 +423,16 @@ class Bench:
         unique = sum(s.unique().numel() for s in slot_sets) / layers
         bytes_moved = int(unique * expert_bytes) + tokens * hidden * (ELEM_BYTES + 4)
         flops = 2 * tokens * top_k * 3 * hidden * inter
-        biases = {"w13_bias": b13, "w2_bias": b2, "swiglu_limit": g["limit"]}
+        kwargs = {"w13_bias": b13, "w2_bias": b2, "swiglu_limit": g["limit"], "config": config}
         calls = [
-            partial(mxfp4_moe.fused_moe_decode_mxfp4, x, s, weights, *bank, **biases)
+            partial(mxfp4_moe.fused_moe_decode_mxfp4, x, s, weights, *bank, **kwargs)
             for s in slot_sets
         ]
         time_us = graph_us_per_call(calls)
         label = f"T={tokens} K={top_k} H={hidden} I={inter} biased"
+        if config is not None:
+            path = "one-token" if isinstance(config, OneTokenFP4Config) else "tl.dot"
+            label += f" {path} {_short(config)}"
         self.add("fused_moe_decode_mxfp4", label, time_us, bytes_moved, flops, None)
 
     def grouped_moe_mxfp4(self, tokens: int) -> None:
@@ -1168,6 +1176,8 @@ def _sweep(bench: Bench, wanted: set[str]) -> None:
     for config in fp4_configs:
         if "fused_moe_mxfp4" in wanted:
             bench.fused_moe_mxfp4(1, config)
+        if "fused_moe_mxfp4_gpt_oss" in wanted:
+            bench.fused_moe_mxfp4_gpt_oss(1, config)
         if "fused_moe_nvfp4" in wanted:
             bench.fused_moe_nvfp4(1, config)
     if "paged_attention" in wanted:

@@ -105,7 +105,8 @@ if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their t
   # NVFP4 (ModelOpt's releases) through the same kernels: e4m3 scales per 16, per-tensor scales
   run nvfp4_kernels python3 -m moelab.kernels.bench --only fused_moe_nvfp4,grouped_moe_nvfp4
   # one token through each decode launch and tile of both 4-bit formats, to pick the default's
-  run fp4_decode_sweep python3 -m moelab.kernels.bench --sweep --only fused_moe_mxfp4,fused_moe_nvfp4
+  run fp4_decode_sweep python3 -m moelab.kernels.bench --sweep \
+    --only fused_moe_mxfp4,fused_moe_mxfp4_gpt_oss,fused_moe_nvfp4
   run mxfp4_cpu_experts python3 -m moelab.kernels.cpu_experts_bench --threads 15 \
     --dtype bf16,mxfp4 --hidden 2880 --intermediate 2880 --num-experts 32 --experts 4
   # NVFP4 checkpoints (ModelOpt's layout) on the GPU: their experts kept 4-bit in the bank and

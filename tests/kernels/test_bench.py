@@ -138,6 +138,10 @@ def test_the_4bit_decode_rows_time_batches_and_the_sweep_each_launch_at_one_toke
         rows = [row[1:] for row in timed if row[0] == name]
         assert rows == [(1,), (4,), (8,)] + [(1, config) for config in configs]
     assert DotDecodeConfig() in configs, "the tl.dot launches at their default tiles"
+    timed.clear()
+    bench.run(True, ["fused_moe_mxfp4_gpt_oss"])
+    rows = [row[1:] for row in timed]
+    assert rows == [(1,), (8,)] + [(1, config) for config in configs], "gpt-oss's shape alike"
     chosen = choose_config(bench.TOP_K, bench.HIDDEN, bench.INTER, 132)
     assert chosen not in configs, "the default's row twice"
     for c in configs[: len(bench.FP4_ONE_TOKEN_SWEEP)]:  # no two threads read the same bytes
@@ -190,7 +194,7 @@ def test_the_gpt_oss_decode_row_reads_what_it_counts(monkeypatch):
     monkeypatch.setattr(bench, "graph_us_per_call", lambda cs: calls.extend(cs) or 50.0)
     b = bench.Bench(4000.0, 600.0)
     geometry = {"hidden": 64, "inter": 32, "experts": 4, "top_k": 2, "limit": 7.0}
-    b.fused_moe_mxfp4_gpt_oss(1, geometry)
+    b.fused_moe_mxfp4_gpt_oss(1, geometry=geometry)
     (row,) = b.results
     assert row.kernel == "fused_moe_decode_mxfp4" and "K=2 H=64 I=32 biased" in row.shape
     expert = 3 * 64 * 32 // 2 + 3 * 64 * 32 // 32 + (2 * 32 + 64) * 2
@@ -200,7 +204,6 @@ def test_the_gpt_oss_decode_row_reads_what_it_counts(monkeypatch):
         x, slots, weights, *bank = call.args
         assert slots.min() >= 0 and slots.max() < len(calls) * 4
         assert slots[0, 0] // 4 == slots[0, 1] // 4, "a token's routes are in one layer"
-        expected = bench.mxfp4_moe.fused_moe_decode_mxfp4_ref(
-            x, slots, weights, *bank, **call.keywords
-        )
+        kwargs = {k: v for k, v in call.keywords.items() if k != "config"}
+        expected = bench.mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slots, weights, *bank, **kwargs)
         torch.testing.assert_close(call(), expected, rtol=1e-4, atol=1e-4)
