@@ -12,10 +12,11 @@ run on the CPU), each into the least recently used slot that the step does not r
 `ExpertCache.admit` and the native planner choose it. Two rules for where an admitted expert
 goes in the recency order:
 
-- lru: at the most recently used end (`--moe-cache-admission recent`, the engine's default);
+- lru: at the most recently used end (`--moe-cache-admission recent`);
 - frequency: there too, unless the expert it evicts was picked more often (pick counts since the
   start), in which case it takes the evicted expert's place at the least recently used end, so
-  that the next fill takes its slot before any other (`--moe-cache-admission frequency`).
+  that the next fill takes its slot before any other (`--moe-cache-admission frequency`, the
+  engine's default).
 
 Prints each rule's hit rate over the steps after the first 50 (or, with --shift-at, over the
 steps from 20 after a change of every layer's expert order, where the counts of the old hot

@@ -176,9 +176,9 @@ if [ "$part" = fp8engine ]; then  # FP8 experts in the engine: the FP8 checkpoin
     done
     run fp8engine_decode12_resident_$dtype $B decode $G --routing-skew 1 --json \
       --moe-expert-dtype $dtype
-    for n in 512 8192; do
+    for n in 512 8192; do  # the KV reserve past the default's 8,192 tokens of context
       run fp8engine_prefill12_cache25_${n}_$dtype $B prefill $G --prompt-tokens $n \
-        --moe-cache-rate 0.25 --json --moe-expert-dtype $dtype
+        --kv-reserve-tokens 9216 --moe-cache-rate 0.25 --json --moe-expert-dtype $dtype
     done
   done
 fi
@@ -414,13 +414,15 @@ if [ "$part" = gptoss_context ]; then  # issue 54's long-context rows alone: dec
   done
 fi
 if [ "$part" = admission ]; then  # the cache's two admissions alternated in one process (A B B
-  # A): gpt-oss-120b on 12 GiB at batch 8 and 1, then Qwen3-30B-A3B's 48 layers on 24 GiB
+  # A, recent then frequency): gpt-oss-120b on 12 GiB at batch 8 and 1, then Qwen3-30B-A3B's 48
+  # layers on 24 GiB
+  A="--moe-cache-admission recent --alternate-cache-admission frequency"
   O="--arch gpt_oss --preset gpt-oss-120b --moe-expert-dtype mxfp4 --routing-skew 1"
-  O="$O --device-memory 12GiB --json --repeats 4 --alternate-cache-admission frequency"
+  O="$O --device-memory 12GiB --json --repeats 4 $A"
   run admission_gptoss120b_b8 $B decode $O --batch 8 --tokens 128
   run admission_gptoss120b_b1 $B decode $O --tokens 128
   run admission_decode48_b1 $B decode --preset qwen3-30b-a3b --routing-skew 1 \
-    --device-memory 24GiB --json --tokens 128 --repeats 4 --alternate-cache-admission frequency
+    --device-memory 24GiB --json --tokens 128 --repeats 4 $A
 fi
 if [ "$part" = gptoss ]; then  # gpt_oss: its kernels' tests natively (biased experts, sinks and
   # the window in decode attention), the engine against transformers on CUDA and the decode

@@ -439,13 +439,14 @@ def _expert_cache_flags(moe: Group) -> None:
     moe.add_argument(
         "--moe-cache-admission",
         choices=CACHE_ADMISSIONS,
-        default="recent",
+        default="frequency",
         help="Where an offloaded decode step's fill goes in the expert cache's recency order "
-        "(the least recently used slot is evicted either way): recent (the most recently used "
-        "end: LRU) or frequency (there too, unless the expert it evicts was picked more often: "
-        "then at the least recently used end, so that the next fill takes its slot first). "
-        "frequency keeps the most used experts where a step fills more experts than the cache "
-        "holds a layer (batches on a small cache: docs/performance.md, Known gaps).",
+        "(the least recently used slot is evicted either way): frequency (the most recently "
+        "used end, unless the expert it evicts was picked more often: then at the least "
+        "recently used end, so that the next fill takes its slot first) or recent (always the "
+        "most recently used end: LRU). frequency keeps the most used experts where a step "
+        "fills more experts than the cache holds a layer (batches on a small cache: "
+        "docs/cpu-experts.md).",
     )
     split = moe.add_mutually_exclusive_group()
     split.add_argument(

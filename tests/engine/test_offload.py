@@ -144,10 +144,13 @@ def test_frequency_admission_decodes_the_same_tokens(model):
 
 @pytest.mark.parametrize("policy", ["gpu", "split:0.5"])
 def test_cache_matches_an_independent_lru_simulation(tmp_path, policy):
+    """With recent admission (LRU) the cache's hits, fills and evictions are an LRU's over the
+    routing the router saw."""
     path = synthesize(
         tmp_path / "m", preset="tiny", routing_skew=0.5, seed=6, overrides={"num_experts": 16}
     )
-    engine = make_engine(path, "--moe-cache-size", "20", "--moe-miss-policy", policy)
+    flags = ["--moe-cache-size", "20", "--moe-miss-policy", policy]
+    engine = make_engine(path, *flags, "--moe-cache-admission", "recent")
     spec = engine.spec
     trace: list[tuple[int, np.ndarray]] = []  # recorded from the router, step by step
     fetched_log: list[list[int]] = []
