@@ -222,9 +222,7 @@ class Bench:
         out = torch.empty(*shape, device=DEVICE, dtype=DTYPE)
         return out.normal_(0.0, scale, generator=self.gen)
 
-    def routes(
-        self, tokens: int, first: int, count: int, top_k: int | None = None
-    ) -> torch.Tensor:
+    def routes(self, tokens: int, first: int, count: int, top_k: int | None = None) -> torch.Tensor:
         """[tokens, top_k] distinct picks per token from range(first, first + count); top_k
         TOP_K where None."""
         keys = torch.rand(tokens, count, generator=self.gen, device=DEVICE)

@@ -412,6 +412,11 @@ if [ "$part" = gptoss_context ]; then  # issue 54's long-context rows alone: dec
     run gptoss_prefill${size%%:*}_32k $B prefill $O --prompt-tokens 32768 --repeats 1 \
       --kv-reserve-tokens 33792 --warmup-tokens 4096
   done
+  # gpt-oss-20b's 32K prefill ran at half its PCIe streaming estimate: its device kernels, the
+  # prompt's attention among them (torch.profiler's table at the log's end)
+  run gptoss_prefill20b_32k_kernels $B prefill --arch gpt_oss --preset gpt-oss-20b \
+    --moe-expert-dtype mxfp4 --routing-skew 1 --device-memory 8GiB --prompt-tokens 32768 \
+    --repeats 1 --kv-reserve-tokens 33792 --kernel-profile
 fi
 if [ "$part" = admission ]; then  # the cache's two admissions alternated in one process (A B B
   # A, recent then frequency): gpt-oss-120b on 12 GiB at batch 8 and 1, then Qwen3-30B-A3B's 48

@@ -364,6 +364,40 @@ def test_attention_without_sinks_stays_finite_on_cuda():
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_long_prompts_chunk_attends_through_a_fused_kernel_on_cuda():
+    """A prefill chunk of 512 queries over 4,096 keys at gpt-oss's heads (64 query heads and 8 KV
+    heads of 64), full and windowed, in bf16: a fused attention backend takes it (only those
+    are allowed here: the math one would hold every head's scores, 64 x 512 x 4,097 of them
+    here and 17 GB at a chunk of 2,048 over 32K), with the result of the reference's softmax
+    over the visible keys and the sink."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from moelab.engine.model import gpt_oss
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n, length, heads, kv_heads, dim = 512, 4096, 64, 8, 64
+    q = torch.randn(n, heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k, v = (
+        torch.randn(length, kv_heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    sinks = torch.randn(heads, generator=gen, device="cuda")
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    for window in (0, 128):
+        with sdpa_kernel(fused):
+            out = gpt_oss.attention(q, k, v, dim**-0.5, sinks, window)
+        rows = torch.arange(length - n, length, device="cuda")[:, None]
+        cols = torch.arange(length, device="cuda")[None, :]
+        visible = (cols <= rows) & ((cols > rows - window) if window else True)
+        kh, vh = (t.float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1) for t in (k, v))
+        scores = (q.float().transpose(0, 1) @ kh.mT * dim**-0.5).masked_fill(~visible, -torch.inf)
+        with_sink = torch.cat([scores, sinks[:, None, None].expand(heads, n, 1)], dim=2)
+        weights = torch.softmax(with_sink, dim=-1)[..., :length]
+        expected = (weights @ vh).transpose(0, 1)
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
 def mxfp4_checkpoint(src: Path, out: Path) -> Path:
     """`src`'s weights with the experts in OpenAI's MXFP4 release layout: `*_blocks` and
     `*_scales` of each projection as [E, out, in] (kernels/mxfp4.py quantizes), the biases and
