@@ -331,11 +331,21 @@ def _run(args: argparse.Namespace) -> int:
         policy=engine.policy.mode,
         fetch_fraction=engine.policy.fetch_fraction,  # at the end: auto follows the CPU rate
         policy_bh_gbps=engine.policy.bh_gbps,
+        budget_bytes=plan.budget_bytes,
+        # the most device memory torch held at once (None off CUDA): what the plan's budget
+        # really cost, transients included
+        peak_device_bytes=(
+            torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
+        ),
     )
     if args.bench == "decode":
         print(decode_text(result, args, engine.policy), file=sys.stderr)
     else:
         print(prefill_text(result), file=sys.stderr)
+    if result["peak_device_bytes"] is not None:
+        peak, budget = result["peak_device_bytes"] / 2**30, plan.budget_bytes / 2**30
+        print(f"device memory: {peak:.2f} GiB held at most, of a {budget:.2f} GiB budget",
+              file=sys.stderr)  # fmt: skip
     if args.json:
         print(json.dumps(result))
     return 0

@@ -303,11 +303,20 @@ class EngineConfig:
         return cls.from_args(flags.build_parser().parse_args(list(argv)))
 
     def memory_request(
-        self, *, budget_bytes: int, elem_bytes: int, cuda: bool, kv_tokens: int | None = None
+        self,
+        *,
+        budget_bytes: int,
+        elem_bytes: int,
+        cuda: bool,
+        kv_tokens: int | None = None,
+        flash: bool | None = None,
     ) -> MemoryRequest:
         """What these settings ask of a device's memory: a budget (`MemoryConfig.budget_bytes`
         of the device), weights of `elem_bytes` each, CUDA graphs where `cuda` and allowed. A KV
-        reserve given here stands in for the one the flags set."""
+        reserve given here stands in for the one the flags set. `flash`: whether a prefill
+        chunk's attention runs in flash attention (the engine's check of its device); where
+        None, on every CUDA device (those of compute capability 8.0 and up). The plan counts
+        that attention's transient on a GPU only (memory.plan_vram)."""
         memory, batching = self.memory, self.batching
         return MemoryRequest(
             budget_bytes=budget_bytes,
@@ -325,4 +334,7 @@ class EngineConfig:
             expert_dtype=self.model.expert_dtype,
             # the engine keeps state checkpoints only with the prefix cache
             state_checkpoints=memory.state_checkpoints if memory.prefix_cache else 0,
+            chunk_attention=(
+                ("flash" if flash or flash is None else "masked") if cuda else "none"
+            ),
         )

@@ -189,6 +189,52 @@ def activation_bytes(spec: ModelSpec, chunk_tokens: int, max_running: int, elem:
     return int(t * per_token * 1.25) + logits + 64 * 1024**2
 
 
+def flash_chunks_fit(spec: ModelSpec, elem_bytes: int) -> bool:
+    """Whether a prefill chunk's attention can take flash attention's lower-right causal mask
+    with the key/value heads shared (engine/model/model.py `_sdpa`; gpt-oss's layers without a
+    window, their sinks applied after it: gpt_oss.attention), where the device has it: fp16 or
+    bf16 compute and a head size flash attention takes (a multiple of 8, at most 256)."""
+    d = spec.head_dim
+    return elem_bytes == 2 and d % 8 == 0 and d <= 256
+
+
+def chunk_attention_bytes(
+    spec: ModelSpec, chunk_tokens: int, context: int, elem_bytes: int, flash: bool
+) -> int:
+    """Transient memory of one attention layer's prefill chunk of `chunk_tokens` queries after
+    `context` tokens: what grows with the context, on top of activation_bytes' per-token part
+    (one layer at a time: each is freed before the next layer's). The keys and values
+    gathered from the pages in the compute dtype; where flash attention takes the chunk
+    (`flash` and flash_chunks_fit), nothing more. Otherwise the masked path's: the key/value
+    heads repeated for every query head, and the causal mask as a bool and as the additive
+    bias the fused backends convert it to; with attention sinks (gpt_oss.attention) the keys
+    and values also padded by the sink's dimensions and joined to the sink's key, and the
+    mask's window and sink columns."""
+    e, n = elem_bytes, chunk_tokens
+    heads, d = spec.num_heads, spec.head_dim
+    flash = flash and flash_chunks_fit(spec, e)
+
+    def masked(length: int) -> int:
+        if length <= n:  # a whole prompt attends to its own keys: nothing gathered
+            return 0
+        gathered = 2 * length * spec.kv_size * e
+        if spec.attention_sinks:
+            # the repeated keys and values (always: the sink joins each query head), both
+            # padded and joined, one padded copy on its way, and the mask's window and sink
+            padded = length * heads * (d + 8) * e
+            return gathered + 2 * length * heads * d * e + 3 * padded + n * length * (3 + 2 * e)
+        repeated = 2 * length * heads * d * e if heads != spec.num_kv_heads else 0
+        return gathered + repeated + n * length * (1 + 2 * e)
+
+    if not flash:
+        return masked(context)
+    gathered = 2 * context * spec.kv_size * e if context > n else 0
+    if spec.attention_sinks and spec.sliding_layers:
+        # gpt-oss's windowed layers keep the masked path, over their window and the chunk
+        return max(gathered, masked(min(context, spec.sliding_window + n)))
+    return gathered
+
+
 def graph_pool_bytes(spec: ModelSpec, max_running: int) -> int:
     """The CUDA graphs' pool: the steps' own, and the device draws' (engine/runtime/graphs.py): a
     sort, its indices, the noise's hashes and a few fp32 rows of the vocabulary per batch row."""
@@ -215,12 +261,18 @@ def plan_vram(
     expert_format: str = "bf16",
     state_checkpoints: int = 0,
     layers: range | None = None,
+    chunk_attention: str = "none",
 ) -> VramPlan:
     """Divide `budget_bytes` of device memory; raise MemoryPlanError when the flags cannot fit.
 
     An expert slot holds one expert in `expert_format`: `elem_bytes` a weight for "bf16", FP8
     values and their block factors for "fp8". `layers`: the device's range of a split
-    (engine/config/split.py), whose KV, states and experts alone it holds."""
+    (engine/config/split.py), whose KV, states and experts alone it holds. On a GPU the
+    activations count a prefill chunk's attention at the context the KV holds
+    (chunk_attention_bytes), so KV that lengthens the context also costs that transient:
+    `chunk_attention` "flash" where the device runs a chunk's attention in flash attention (the
+    model permitting), "masked" where it does not; "none" (the CPU, whose budget stands for a
+    share of the host memory the bank shares) counts none."""
     slot_bytes = spec.expert_bytes_as(expert_format, elem_bytes)
     kv_per_token = kv_bytes_per_token(spec, elem_bytes, kv_cache_dtype, layers)
     kv_blocks = -(-kv_reserve_tokens // block_size)
@@ -230,6 +282,24 @@ def plan_vram(
     )
     experts_total = _among(spec.moe_layers, layers) * spec.num_experts
     act = activation_bytes(spec, prefill_chunk_tokens, max_running, elem_bytes)
+    context_cap = spec.max_position_embeddings
+    if max_context is not None:
+        context_cap = min(context_cap, max_context)
+    paged = _among(spec.paged_layers, layers) > 0
+    sliding = _among(spec.sliding_layers, layers) > 0
+
+    def attention_at(kv_tokens: int) -> int:
+        """A prefill chunk's attention transient at the context `kv_tokens` of KV give."""
+        context = min(kv_tokens, context_cap)
+        if not paged:  # a sliding layer attends to its window and the chunk at most
+            context = min(context, spec.sliding_window + prefill_chunk_tokens) if sliding else 0
+        if chunk_attention == "none":
+            return 0
+        flash = chunk_attention == "flash"
+        return chunk_attention_bytes(spec, prefill_chunk_tokens, context, elem_bytes, flash)
+
+    attention = attention_at(kv_blocks * block_size)
+    act += attention
     graphs = graph_pool_bytes(spec, max_running) if cuda_graphs else 0
     need = weights_bytes + kv_bytes + states + act + graphs + headroom_bytes
     if need > budget_bytes and states:
@@ -294,7 +364,18 @@ def plan_vram(
         useful = -(-max_running * spec.max_position_embeddings // block_size)
         # (a model whose attention layers all slide keeps no pages: as many as it can use)
         more = rest // (block_size * kv_per_token) if kv_per_token else useful
-        kv_blocks = max(kv_blocks, min(kv_blocks + more, useful))
+        most = max(0, min(more, useful - kv_blocks))
+
+        def cost(blocks: int) -> int:  # more blocks' KV and the longer context's attention
+            extra = attention_at((kv_blocks + blocks) * block_size) - attention
+            return blocks * block_size * kv_per_token + extra
+
+        low, high = 0, most  # the most blocks whose cost fits in `rest` (cost grows with them)
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if cost(mid) <= rest else (low, mid - 1)
+        act += attention_at((kv_blocks + low) * block_size) - attention
+        kv_blocks += low
         kv_bytes = kv_blocks * block_size * kv_per_token
     kv_tokens = kv_blocks * block_size
     context = min(kv_tokens, spec.max_position_embeddings)
@@ -388,6 +469,8 @@ class MemoryRequest:
     max_context: int | None
     expert_dtype: str = "auto"  # --moe-expert-dtype
     state_checkpoints: int = 0  # a hybrid model's state checkpoints (--state-checkpoints)
+    # how a prefill chunk's attention is planned: "flash", "masked" or "none" (plan_vram)
+    chunk_attention: str = "none"
 
     def plan(
         self, spec: ModelSpec, *, layers: range | None = None, weights_bytes: int | None = None
@@ -414,6 +497,7 @@ class MemoryRequest:
             expert_format=spec.expert_format(self.expert_dtype),
             state_checkpoints=self.state_checkpoints,
             layers=layers,
+            chunk_attention=self.chunk_attention,
         )
 
 

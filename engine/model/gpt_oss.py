@@ -93,22 +93,33 @@ def attention(
     sinks: torch.Tensor,
     window: int,
     first: int = 0,
+    flash: bool = False,
 ) -> torch.Tensor:
     """Causal attention of q [n, Hq, D] (the last n positions) over k, v [L, Hkv, D], the keys
     of positions first..first+L-1, with a sink logit per head [Hq] in each softmax and, where
     window > 0, each position seeing only the last `window` positions.
 
-    One fused attention call with a boolean mask [n, L'] shared by the heads: the sink is one
-    more key, whose value is zero, and whose score is the head's sink through one more dimension
-    (q's 1 times the key's sink / scale; the real keys' are 0), padded to 8 so that the fused
-    backends take the head size. A per-head float mask instead would hold Hq · n · L values
-    (17 GB at gpt-oss's 64 heads, a chunk of 2,048 and 32K of context). The keys before the
-    window of the chunk's first position are left out.
+    With `flash` (a CUDA device that runs flash attention on these heads:
+    model.flash_chunk_attention), a layer without a window takes flash attention over the keys
+    alone (`_flash_with_lse`: its lower-right causal mask, the key/value heads shared), and its
+    sink afterwards (`with_sinks`): no mask and no copy of the keys, whose memory would grow with
+    the context (engine/config/memory.py chunk_attention_bytes).
+
+    Otherwise one fused attention call with a boolean mask [n, L'] shared by the heads: the
+    sink is one more key, whose value is zero, and whose score is the head's sink through one
+    more dimension (q's 1 times the key's sink / scale; the real keys' are 0), padded to 8 so
+    that the fused backends take the head size. A per-head float mask instead would hold
+    Hq · n · L values (17 GB at gpt-oss's 64 heads, a chunk of 2,048 and 32K of context). The
+    keys before the window of the chunk's first position are left out.
 
     A sink of -inf (a head without one) goes in as a quarter of the dtype's lowest value, whose
     weight rounds to 0 as -inf's is 0, where an infinite key would make every score NaN in
     fused fp32 kernels that split each operand x into tf32(x) and tf32(x - tf32(x)) (inf - inf:
     PyTorch's memory-efficient attention on compute capability 8.0 and up)."""
+    if flash and not window:
+        qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out, lse = _flash_with_lse(qt, kt, vt, scale)
+        return with_sinks(out, lse, sinks).squeeze(0).transpose(0, 1)
     n, heads, dim = q.shape[0], q.shape[1], q.shape[2]
     length = first + k.shape[0]
     skip = max(0, length - n - window + 1 - first) if window else 0
@@ -132,6 +143,30 @@ def attention(
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     return out.squeeze(0).transpose(0, 1)[..., :dim]
+
+
+def _flash_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention of q [1, Hq, n, D] over k, v [1, Hkv, L, D] (Hkv dividing Hq), the
+    causal mask aligned to the last keys (the queries are the last n positions), and the
+    log-sum-exp of each query's scaled scores [1, Hq, n] in fp32. torch's flash op, as torch's
+    own lower-right causal bias calls it (torch/nn/attention/bias.py): `is_causal` means the
+    lower-right mask there."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=scale
+    )[:2]
+    return out, lse
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention over the keys alone (out [.., Hq, n, D], its log-sum-exp lse [.., Hq, n]) as
+    with each head's sink logit [Hq] in the softmax's denominator: the sink takes weight
+    exp(sink) and gives no value, so each output is the keys' alone times their share of the
+    denominator, exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), in fp32 (a sink of
+    -inf: a share of 1)."""
+    share = torch.sigmoid(lse.float() - sinks.float()[:, None])
+    return (out.float() * share[..., None]).to(out.dtype)
 
 
 # the sink's dimension in `attention`, padded: fused attention takes head sizes in multiples of 8

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ...kernels import shared_expert
 from ...kernels.gemv import linear
@@ -23,12 +24,26 @@ from ...kernels.rope_kv import qk_norm_rope_kv, write_kv
 from ...kernels.route import route
 from ...kernels.route_guess import guess_scale, guess_to_host
 from ...kernels.router import topk_softmax
+from ..config.memory import flash_chunks_fit
 from . import gpt_oss, hybrid
 from .kv import KVCache
 from .rope import Rotary
 from .spec import ModelSpec
 from .states import StatePool
 from .window import WindowPool
+
+
+def flash_chunk_attention(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a later prefill chunk's attention runs in flash attention on `device` (a CUDA
+    device with it, torch's own check on the model's heads in `dtype`) with the lower-right
+    causal mask and shared key/value heads: where the model fits it (flash_chunks_fit)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    if device.type != "cuda" or not flash_chunks_fit(spec, elem):
+        return False
+    q = torch.empty(1, spec.num_heads, 2, spec.head_dim, dtype=dtype, device=device)
+    kv = torch.empty(1, spec.num_kv_heads, 4, spec.head_dim, dtype=dtype, device=device)
+    params = torch.backends.cuda.SDPAParams(q, kv, kv, None, 0.0, False, True)
+    return torch.backends.cuda.can_use_flash_attention(params)
 
 
 @dataclass(slots=True)
@@ -269,6 +284,10 @@ class Model:
             and d & (d - 1) == 0
             and 16 <= d <= 512
         )
+        # a later prefill chunk's attention through flash attention's lower-right causal mask,
+        # the key/value heads shared: no mask and no repeated heads, whose memory grows with the
+        # context (engine/config/memory.py chunk_attention_bytes counts either path)
+        self._flash_chunks = flash_chunk_attention(spec, self.device, self.dtype)
         # tokens each layer's attention sees back (its own included; 0: all of them)
         self.windows = [
             spec.sliding_window if i in spec.sliding_layers else 0 for i in range(spec.num_layers)
@@ -556,7 +575,7 @@ class Model:
                 keys, values = kv.gather(self._kv_row[index], seq.pages, seq.kv_len)
             if layer.sinks is not None:
                 out[rows] = gpt_oss.attention(q[rows], keys, values, self.scale, layer.sinks,
-                                              window, first)  # fmt: skip
+                                              window, first, self._flash_chunks)  # fmt: skip
             else:
                 out[rows] = self._sdpa(q[rows], keys, values)
             if ring is not None:
@@ -607,12 +626,15 @@ class Model:
         The heads go in as one batch of 4-D tensors: torch's fused backends (flash, cuDNN,
         memory-efficient) take only those, and 3-D input falls back to the math backend, which
         materializes the [Hq, n, L] scores in fp32. A whole prompt shares the key/value heads
-        (enable_gqa); a later chunk's lower-right causal mask goes to a backend that takes masks,
-        with the key/value heads repeated for it."""
+        (enable_gqa). A later chunk's lower-right causal mask goes to flash attention as torch's
+        causal bias where the device runs it (`_flash_chunks`), the heads still shared; else,
+        as a mask, to a backend that takes masks, with the key/value heads repeated for it."""
         n, length = q.shape[0], k.shape[0]
         groups = self.spec.num_heads // self.spec.num_kv_heads
         mask = None
-        if n not in (1, length):
+        if n not in (1, length) and self._flash_chunks:
+            mask = causal_lower_right(n, length)
+        elif n not in (1, length):
             mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
             if groups > 1:
                 k = k.repeat_interleave(groups, dim=1)

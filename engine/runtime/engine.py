@@ -36,7 +36,7 @@ from ..experts.prefill_stream import stream_threshold_tokens
 from ..experts.split_experts import SplitCache, SplitExperts, counter_rows
 from ..model.checkpoint import SafetensorsSource, TensorSource, load_dense
 from ..model.kv import KVCache
-from ..model.model import DenseWeights, Model, SeqSlice, StepBatch
+from ..model.model import DenseWeights, Model, SeqSlice, StepBatch, flash_chunk_attention
 from ..model.placement import LayerPlacement
 from ..model.rope import Rotary
 from ..model.spec import ModelSpec
@@ -150,6 +150,9 @@ class Engine:
         self.layers_on: LayerPlacement | None = None
         cuda = self.device.type == "cuda"
         self.dtype = getattr(torch, self.config.model.compute_dtype(spec.dtype, cpu=not cuda))
+        # whether a later prefill chunk's attention runs in flash attention here: the memory
+        # plan counts that path's transient (engine/config/memory.py chunk_attention_bytes)
+        self.flash_chunks = flash_chunk_attention(spec, self.device, self.dtype)
         # how the bank and the expert slots hold the routed experts: "fp8", "mxfp4", "nvfp4" or
         # "bf16" (self.dtype)
         self.expert_format = spec.expert_format(self.config.model.expert_dtype)
@@ -173,6 +176,7 @@ class Engine:
             budget_bytes=self.config.memory.budget_bytes(free_bytes),
             elem_bytes=self.dtype.itemsize,
             cuda=cuda,
+            flash=self.flash_chunks,
         )
         self.plan = request.plan(spec)
         log_plan(self.plan)
@@ -211,7 +215,10 @@ class Engine:
             budgets.append(DeviceBudget(name, memory.budget_bytes(free, index), link, rate))
         # each device holds its own graphs' pool where the memory plan allows
         request = self.config.memory_request(
-            budget_bytes=0, elem_bytes=self.dtype.itemsize, cuda=self.device.type == "cuda"
+            budget_bytes=0,
+            elem_bytes=self.dtype.itemsize,
+            cuda=self.device.type == "cuda",
+            flash=self.flash_chunks,
         )
         split = plan_graphed_devices(self.spec, request, tuple(budgets), memory.layer_split)
         self.split = split
@@ -560,6 +567,7 @@ class Engine:
             budget_bytes=self.plan.budget_bytes,
             elem_bytes=self.dtype.itemsize,
             cuda=self.device.type == "cuda",
+            flash=self.flash_chunks,
             kv_tokens=kv_tokens,
         )
         return replace(request, **settings).plan(self.spec)
@@ -634,6 +642,7 @@ class Engine:
             budget_bytes=0,
             elem_bytes=self.dtype.itemsize,
             cuda=self.device.type == "cuda",
+            flash=self.flash_chunks,
             kv_tokens=kv_tokens,
         )
         counts = LayerSplit(counts=tuple(len(span) for span in self.split.ranges))

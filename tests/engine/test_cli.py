@@ -471,6 +471,9 @@ def test_bench_prefill_reports_each_repeat_and_profiles_host_and_kernels(tmp_pat
     each = result["seconds_each"]
     assert len(each) == 3 and min(each) <= result["seconds"] <= max(each)
     assert result["prefill_tok_s"] == pytest.approx(24 / result["seconds"])
+    # the budget planned; the device memory held at most is known on CUDA only
+    assert result["budget_bytes"] > 0 and result["peak_device_bytes"] is None
+    assert "device memory:" not in r.stderr
     fastest, slowest = 24 / min(each), 24 / max(each)
     assert f"(median of 3, {slowest:.0f}–{fastest:.0f})" in r.stderr
     assert "function calls" in r.stderr and "tottime" in r.stderr  # --profile: cProfile's table

@@ -364,13 +364,50 @@ def test_attention_without_sinks_stays_finite_on_cuda():
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
 
 
+def math_flash_with_lse(q, k, v, scale):
+    """gpt_oss._flash_with_lse in fp64 softmax attention (what flash attention computes): the
+    lower-right causal mask, the key/value heads shared, and each query's log-sum-exp."""
+    n, length = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    kh, vh = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = q.double() @ kh.mT * scale
+    visible = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+    scores = scores.masked_fill(~visible, -torch.inf)
+    return (scores.softmax(-1) @ vh).to(q.dtype), torch.logsumexp(scores, -1).float()
+
+
+@pytest.mark.parametrize(("n", "length"), [(7, 7), (5, 19)], ids=["prompt", "later-chunk"])
+def test_flash_attention_then_the_sinks_equals_the_sink_as_a_key(monkeypatch, n, length):
+    """gpt_oss.attention with `flash` on a layer without a window: attention over the keys alone
+    (flash attention's output and log-sum-exp, here in fp64 softmax attention), each output
+    times its keys' share of the denominator with the sink, as the sink-as-a-key path gives it;
+    sinks of -inf leave the attention as it is. A windowed layer keeps the sink-as-a-key path."""
+    from moelab.engine.model import gpt_oss
+
+    monkeypatch.setattr(gpt_oss, "_flash_with_lse", math_flash_with_lse)
+    gen = torch.Generator().manual_seed(length)
+    q = torch.randn(n, 8, 16, generator=gen)
+    k, v = (torch.randn(length, 2, 16, generator=gen) for _ in range(2))
+    sinks = torch.randn(8, generator=gen)
+    for heads_sinks in (sinks, torch.full((8,), -torch.inf)):
+        for window in (0, 4):
+            flash = gpt_oss.attention(q, k, v, 0.25, heads_sinks, window, flash=True)
+            keyed = gpt_oss.attention(q, k, v, 0.25, heads_sinks, window, flash=False)
+            torch.testing.assert_close(flash, keyed, rtol=1e-5, atol=1e-5)
+    calls = []
+    monkeypatch.setattr(gpt_oss, "_flash_with_lse", lambda *a: calls.append(a) or 1 / 0)
+    gpt_oss.attention(q, k, v, 0.25, sinks, 4, flash=True)
+    assert not calls, "a windowed layer went to flash attention"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_long_prompts_chunk_attends_through_a_fused_kernel_on_cuda():
     """A prefill chunk of 512 queries over 4,096 keys at gpt-oss's heads (64 query heads and 8 KV
-    heads of 64), full and windowed, in bf16: a fused attention backend takes it (only those
-    are allowed here: the math one would hold every head's scores, 64 x 512 x 4,097 of them
-    here and 17 GB at a chunk of 2,048 over 32K), with the result of the reference's softmax
-    over the visible keys and the sink."""
+    heads of 64), full and windowed, in bf16, with flash attention and the sinks after it (the
+    device runs it: the engine's check) and with the sink as a key: a fused attention backend
+    takes it (only those are allowed here: the math one would hold every head's scores, 64 x
+    512 x 4,097 of them here and 17 GB at a chunk of 2,048 over 32K), with the result of the
+    reference's softmax over the visible keys and the sink."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from moelab.engine.model import gpt_oss
@@ -384,9 +421,11 @@ def test_a_long_prompts_chunk_attends_through_a_fused_kernel_on_cuda():
     )
     sinks = torch.randn(heads, generator=gen, device="cuda")
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-    for window in (0, 128):
+    spec = ModelSpec.from_config(make_config("gpt_oss", "gpt-oss-20b"))
+    assert model_module.flash_chunk_attention(spec, torch.device("cuda"), torch.bfloat16)
+    for window, flash in ((0, True), (0, False), (128, True), (128, False)):
         with sdpa_kernel(fused):
-            out = gpt_oss.attention(q, k, v, dim**-0.5, sinks, window)
+            out = gpt_oss.attention(q, k, v, dim**-0.5, sinks, window, flash=flash)
         rows = torch.arange(length - n, length, device="cuda")[:, None]
         cols = torch.arange(length, device="cuda")[None, :]
         visible = (cols <= rows) & ((cols > rows - window) if window else True)

@@ -11,6 +11,8 @@ from moelab.engine.config.memory import (
     GIB,
     MemoryPlanError,
     activation_bytes,
+    chunk_attention_bytes,
+    flash_chunks_fit,
     kv_bytes_per_token,
     plan_vram,
     state_bytes_per_seq,
@@ -41,6 +43,7 @@ def plan(budget_gib: float, **kw):
         prefill_chunk_tokens=2048,
         max_running=8,
         headroom_bytes=GIB // 2,
+        chunk_attention="masked",  # a GPU without flash attention
     )
     args.update(kw)
     return plan_vram(SPEC, **args)
@@ -52,12 +55,66 @@ def test_auto_plan_reserves_kv_then_buffers_then_whole_slots():
     assert p.kv_bytes >= 8192 * KV_TOKEN
     assert p.prefill_buffer_bytes == 2 * 128 * SLOT  # two whole layers of experts
     act = activation_bytes(SPEC, 2048, 8, ELEM)
-    left = 24 * GIB - weights - 8192 * KV_TOKEN - act - GIB // 2 - p.prefill_buffer_bytes
+    attention = chunk_attention_bytes(SPEC, 2048, 8192, ELEM, flash=False)
+    left = 24 * GIB - weights - 8192 * KV_TOKEN - act - attention - GIB // 2
+    left -= p.prefill_buffer_bytes
     assert p.slots == left // SLOT
-    # what is left after whole slots went to KV (in whole blocks)
-    extra_blocks = (left - p.slots * SLOT) // (16 * KV_TOKEN)
-    assert p.kv_tokens == 8192 + 16 * extra_blocks
+    # what is left after whole slots went to KV (in whole blocks), each block paying for its
+    # KV and for the longer context's chunk attention
+    rest = left - p.slots * SLOT
+
+    def cost(blocks: int) -> int:
+        longer = chunk_attention_bytes(SPEC, 2048, 8192 + 16 * blocks, ELEM, flash=False)
+        return blocks * 16 * KV_TOKEN + longer - attention
+
+    extra_blocks = (p.kv_tokens - 8192) // 16
+    assert cost(extra_blocks) <= rest < cost(extra_blocks + 1)
+    assert p.activation_bytes == act + chunk_attention_bytes(
+        SPEC, 2048, p.max_context, ELEM, flash=False
+    )
     assert p.unplanned_bytes >= 0 and p.unplanned_bytes < SLOT
+
+
+def test_a_chunks_attention_grows_with_the_context_unless_flash_takes_it():
+    """chunk_attention_bytes: nothing for a prompt's first chunk; the gathered keys and values
+    with flash attention; the repeated heads and the mask besides without; gpt-oss's sinks
+    padded and joined to the keys without flash, and with it its windowed layers' masked
+    attention over the window and the chunk at most; never flash in fp32."""
+    kv = 2 * 4 * 128 * ELEM  # a context token's keys and values gathered
+    assert chunk_attention_bytes(SPEC, 2048, 2048, ELEM, flash=True) == 0
+    assert chunk_attention_bytes(SPEC, 2048, 40960, ELEM, flash=True) == 40960 * kv
+    masked = chunk_attention_bytes(SPEC, 2048, 40960, ELEM, flash=False)
+    repeated = 2 * 40960 * 32 * 128 * ELEM
+    assert masked == 40960 * kv + repeated + 2048 * 40960 * (1 + 2 * ELEM)
+    assert flash_chunks_fit(SPEC, 2) and not flash_chunks_fit(SPEC, 4)
+    assert chunk_attention_bytes(SPEC, 2048, 40960, 4, flash=True) > masked
+    oss = ModelSpec.from_config(make_config("gpt_oss", "gpt-oss-20b"))
+    unpadded = chunk_attention_bytes(replace(oss, attention_sinks=False), 2048, 32768, 2, False)
+    assert chunk_attention_bytes(oss, 2048, 32768, ELEM, flash=False) > unpadded
+    window = chunk_attention_bytes(oss, 2048, 2048 + 128, ELEM, flash=False)
+    gathered = 2 * 32768 * oss.kv_size * ELEM
+    assert chunk_attention_bytes(oss, 2048, 32768, ELEM, flash=True) == max(gathered, window)
+
+
+def test_the_long_context_transient_is_planned_on_a_hybrid_model():
+    """Qwen3.6-35B-A3B on 24 GiB with 262,144 tokens of FP8 KV reserved: the plan holds a last
+    chunk's attention at the whole context, with flash attention (the keys and values gathered:
+    0.5 GiB) and without (the key/value heads repeated 8 times and the mask besides: several
+    GiB), each taken from the experts, and the context stays the model's whole one."""
+    spec = ModelSpec.from_config(make_config("qwen3_5_moe", "qwen3.6-35b-a3b"))
+    args = dict(budget_bytes=24 * GIB, weights_bytes=spec.dense_params * ELEM, elem_bytes=ELEM,
+                block_size=16, prefill_chunk_tokens=2048, headroom_bytes=GIB // 2,
+                kv_reserve_tokens=262144, kv_cache_dtype="fp8", max_running=1)  # fmt: skip
+    flash = plan_vram(spec, chunk_attention="flash", **args)
+    masked = plan_vram(spec, chunk_attention="masked", **args)
+    assert plan_vram(spec, **args).activation_bytes == activation_bytes(spec, 2048, 1, ELEM)
+    assert flash.max_context == masked.max_context == 262144
+    gathered = 2 * 262144 * spec.kv_size * ELEM
+    assert flash.activation_bytes - activation_bytes(spec, 2048, 1, ELEM) == gathered
+    assert masked.activation_bytes - flash.activation_bytes > 4 * GIB
+    slot = flash.slot_bytes
+    moved = masked.activation_bytes - flash.activation_bytes
+    assert flash.slots - masked.slots in (moved // slot, moved // slot + 1)
 
 
 def test_everything_resident_needs_no_prefill_buffer():
@@ -151,25 +208,27 @@ def test_a_hybrid_model_counts_kv_of_its_attention_layers_and_a_state_per_sequen
 
 def test_the_whole_native_context_fits_a_24_gib_budget_beside_an_expert_cache():
     """Qwen3.6-35B-A3B on --device-memory 24GiB: 262,144 tokens of KV take 5.0 GiB in bf16
-    (2.5 GiB in FP8) and leave an expert cache of 1,535 slots (1,955 in FP8) beside the states;
+    (2.5 GiB in FP8) and leave an expert cache of 1,450 slots (1,870 in FP8) beside the states
+    and a last prefill chunk's keys and values gathered from the whole context (0.5 GiB);
     with a KV cache in every layer the same context needs 20 GiB and is refused, and in FP8
-    leaves 957 slots."""
+    leaves 872 slots."""
     p = hybrid_plan(HYBRID, "--kv-reserve-tokens", "262144")
     assert p.max_context == 262144 == HYBRID.max_position_embeddings
-    assert 4.9 * GIB < p.kv_bytes < 5.1 * GIB and p.slots == 1535
+    assert 4.9 * GIB < p.kv_bytes < 5.1 * GIB and p.slots == 1450
     fp8 = hybrid_plan(HYBRID, "--kv-reserve-tokens", "262144", "--kv-cache-dtype", "fp8")
-    assert fp8.max_context == 262144 and fp8.slots == 1955
+    assert fp8.max_context == 262144 and fp8.slots == 1870
     with pytest.raises(MemoryPlanError, match=r"a KV reserve of 262144 tokens \(20.00 GiB\)"):
         hybrid_plan(ALL_ATTENTION, "--kv-reserve-tokens", "262144")
     dense_fp8 = hybrid_plan(
         ALL_ATTENTION, "--kv-reserve-tokens", "262144", "--kv-cache-dtype", "fp8"
     )
-    assert dense_fp8.slots == 957
+    assert dense_fp8.slots == 872
 
 
 def test_a_hybrid_model_holds_about_four_times_the_context_of_an_all_attention_one():
     """The most KV tokens each model's plan holds on 24 GiB beside the prefill buffer and no
-    expert slot: 733,005 against 205,774 (the search's 1,024-token step)."""
+    expert slot and a last chunk's keys and values gathered from the whole context: 707,411
+    against 200,655 (the search's 1,024-token step)."""
 
     def most_tokens(spec: ModelSpec) -> int:
         low, high = 1024, 4 << 20
@@ -184,7 +243,7 @@ def test_a_hybrid_model_holds_about_four_times_the_context_of_an_all_attention_o
         return low
 
     hybrid, dense = most_tokens(HYBRID), most_tokens(ALL_ATTENTION)
-    assert 720_000 < hybrid < 745_000 and 190_000 < dense < 215_000, (hybrid, dense)
+    assert 700_000 < hybrid < 715_000 and 195_000 < dense < 210_000, (hybrid, dense)
     assert hybrid > 3.5 * dense
 
 
@@ -215,8 +274,8 @@ def test_gpt_oss_counts_its_sliding_layers_at_their_windows_pages():
     """gpt-oss-120b on 12 GiB: a token's KV is 36 KiB (18 full layers, 8 KV heads of 64, bf16),
     and each running sequence, the graphs' padding slot and the 8 checkpoints keep 128 tokens of
     the 18 sliding layers (4.5 MiB each); so the whole 131,072-token context fits (4.5 GiB of
-    KV), where pages for it in every layer (9 GiB) do not, and 32K keeps 119 expert slots
-    rather than 97."""
+    KV), where pages for it in every layer (9 GiB) do not, and 32K keeps 117 expert slots
+    rather than 95 beside a last chunk's keys and values gathered from it."""
     assert kv_bytes_per_token(GPT_OSS, 2) == 2 * 18 * 8 * 64 * 2
     assert kv_bytes_per_token(NO_WINDOW, 2) == 2 * kv_bytes_per_token(GPT_OSS, 2)
     per_seq = 18 * 128 * 2 * 8 * 64 * 2
@@ -230,7 +289,7 @@ def test_gpt_oss_counts_its_sliding_layers_at_their_windows_pages():
         gpt_oss_plan(NO_WINDOW, "--kv-reserve-tokens", "131072")
     windowed = gpt_oss_plan(GPT_OSS, "--kv-reserve-tokens", "32768")
     paged = gpt_oss_plan(NO_WINDOW, "--kv-reserve-tokens", "32768")
-    assert (windowed.slots, paged.slots) == (119, 97)
+    assert (windowed.slots, paged.slots) == (117, 95)
 
 
 def test_a_gpt_oss_split_plans_each_devices_windows_and_pages():
@@ -322,3 +381,48 @@ def test_a_model_whose_attention_layers_all_slide_keeps_no_pages():
     p = gpt_oss_plan(sliding)
     assert p.kv_bytes == 0 and p.max_context == GPT_OSS.max_position_embeddings
     assert p.state_bytes == 17 * 36 * 128 * 2 * 8 * 64 * 2
+
+
+def peak_cpu_bytes(call) -> int:
+    """The most bytes `call` holds at once on the CPU beyond what it started with: the
+    profiler's allocations and frees, in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    held = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["qwen", "gpt-oss"])
+def test_the_chunk_attention_estimate_bounds_what_the_masked_path_holds(dtype, sinks):
+    """A chunk of 128 queries after 4,096 tokens, 16 query heads and 2 KV heads of 128, through
+    the masked path (Model._sdpa, or gpt_oss.attention with its sinks as a key): the memory it
+    holds at once on the CPU, with the keys and values gathered for it, stays within
+    chunk_attention_bytes and above 3/4 of it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moelab.engine.model import gpt_oss
+    from moelab.engine.model.model import Model
+
+    dt = getattr(torch, dtype)
+    e = torch.empty((), dtype=dt).element_size()
+    heads, kv_heads, d, n, length = 16, 2, 128, 128, 4096
+    spec = replace(SPEC, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, attention_sinks=sinks)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(n, heads, d, generator=gen).to(dt)
+    k, v = (torch.randn(length, kv_heads, d, generator=gen).to(dt) for _ in range(2))
+    if sinks:
+        call = lambda: gpt_oss.attention(q, k, v, d**-0.5, torch.zeros(heads), 0)  # noqa: E731
+    else:
+        model = SimpleNamespace(spec=spec, scale=d**-0.5, _flash_chunks=False)
+        call = lambda: Model._sdpa(model, q, k, v)  # noqa: E731
+    held = peak_cpu_bytes(call) + 2 * length * kv_heads * d * e  # and the gathered keys
+    estimate = chunk_attention_bytes(spec, n, length, e, flash=False)
+    assert 0.75 * estimate < held <= estimate, (held, estimate)

@@ -218,9 +218,10 @@ def test_fp8_kv_pages_let_each_context_keep_more_expert_slots() -> None:
 def test_a_hybrid_models_contexts_count_kv_of_its_attention_layers_and_fixed_states() -> None:
     """Qwen3.6-35B-A3B on a 24 GB card: each point counts 20 KiB of KV a token (10 attention
     layers of 40) and the same states (61.4 MiB each: 8 running sequences, the graphs' padding
-    slot and 8 state checkpoints), so the whole 262,144-token context fits beside 1,364 expert
-    slots, where the same geometry with KV in every layer does not fit it and keeps 472 slots at
-    196,608 tokens (the hybrid 1,578)."""
+    slot and 8 state checkpoints), so the whole 262,144-token context fits beside 1,279 expert
+    slots, where the same geometry with KV in every layer does not fit it and keeps 408 slots at
+    196,608 tokens (the hybrid 1,514); each beside a last prefill chunk's keys and values
+    gathered from the whole context."""
     spec = HYBRID
     gpu = (Gpu(0, "24 GB card", "u", 24 * GIB, 23 * GIB),)
     pc = Machine("pc", "0.1.0", 16, 96 * GIB, gpu)
@@ -234,12 +235,12 @@ def test_a_hybrid_models_contexts_count_kv_of_its_attention_layers_and_fixed_sta
     assert body["state_bytes"] == 17 * per_seq
     whole = plan.point(262144)
     assert whole is not None and whole.fits and whole.context_tokens == 262144
-    assert whole.slots == 1364
+    assert whole.slots == 1279
     everywhere = replace(spec, layer_types=("full_attention",) * 40, linear_attention=None)
     dense = plan_context(everywhere, pc, [])
     assert dense.to_json()["state_bytes"] == 0
     assert not dense.point(262144).fits
-    assert (dense.point(196608).slots, plan.point(196608).slots) == (472, 1578)
+    assert (dense.point(196608).slots, plan.point(196608).slots) == (408, 1514)
 
 
 def test_a_split_plans_each_card_and_sums_their_kv_and_slots() -> None:
@@ -283,9 +284,10 @@ def test_a_model_that_fits_neither_card_alone_is_planned_across_both() -> None:
 
 def test_a_gpt_oss_context_counts_its_sliding_layers_at_their_windows_pages() -> None:
     """gpt-oss-120b on a 12 GB card: each point counts 36 KiB of KV a token (the 18 full layers)
-    and 4.5 MiB per sequence of the 18 sliding layers' 128-token windows, so 32K keeps 194
-    expert slots and 48K 148, where pages for the whole context in every layer keep 109 and 18
-    (and the windows' pages are no state of a linear layer)."""
+    and 4.5 MiB per sequence of the 18 sliding layers' 128-token windows, so 32K keeps 184
+    expert slots and 48K 138, where pages for the whole context in every layer keep 104 and 10
+    (and the windows' pages are no state of a linear layer); each beside a last prefill chunk's
+    attention (the sliding layers' over their window, the full ones' keys gathered)."""
     gpu = (Gpu(0, "12 GB card", "u", 12 * GIB, 12 * GIB),)
     pc = Machine("pc", "0.1.0", 16, 64 * GIB, gpu)
     plan = plan_context(GPT_OSS, pc, [])
@@ -295,10 +297,10 @@ def test_a_gpt_oss_context_counts_its_sliding_layers_at_their_windows_pages() ->
     assert (body["attention_layers"], body["sliding_layers"], body["linear_layers"]) == (18, 18, 0)
     assert body["window_tokens"] == 128 and body["state_bytes_per_seq"] == per_seq
     assert body["state_bytes"] == 17 * per_seq
-    assert (plan.point(32768).slots, plan.point(49152).slots) == (194, 148)
+    assert (plan.point(32768).slots, plan.point(49152).slots) == (184, 138)
     paged = plan_context(replace(GPT_OSS, sliding_layers=(), sliding_window=0), pc, [])
     assert paged.to_json()["state_bytes"] == 0
-    assert (paged.point(32768).slots, paged.point(49152).slots) == (109, 18)
+    assert (paged.point(32768).slots, paged.point(49152).slots) == (104, 10)
 
 
 def test_a_split_plans_each_card_at_its_own_device_memory() -> None:
