@@ -287,7 +287,9 @@ class Model:
         # a later prefill chunk's attention through flash attention's lower-right causal mask,
         # the key/value heads shared: no mask and no repeated heads, whose memory grows with the
         # context (engine/config/memory.py chunk_attention_bytes counts either path)
-        self._flash_chunks = flash_chunk_attention(spec, self.device, self.dtype)
+        # (each device of a split decides for its own layers: a mixed pair of cards may differ)
+        devices = placement.devices if placement is not None else (self.device,)
+        self._flash_chunks = {d: flash_chunk_attention(spec, d, self.dtype) for d in devices}
         # tokens each layer's attention sees back (its own included; 0: all of them)
         self.windows = [
             spec.sliding_window if i in spec.sliding_layers else 0 for i in range(spec.num_layers)
@@ -575,7 +577,8 @@ class Model:
                 keys, values = kv.gather(self._kv_row[index], seq.pages, seq.kv_len)
             if layer.sinks is not None:
                 out[rows] = gpt_oss.attention(q[rows], keys, values, self.scale, layer.sinks,
-                                              window, first, self._flash_chunks)  # fmt: skip
+                                              window, first,
+                                              self._flash_chunks.get(q.device, False))  # fmt: skip
             else:
                 out[rows] = self._sdpa(q[rows], keys, values)
             if ring is not None:
@@ -627,12 +630,12 @@ class Model:
         memory-efficient) take only those, and 3-D input falls back to the math backend, which
         materializes the [Hq, n, L] scores in fp32. A whole prompt shares the key/value heads
         (enable_gqa). A later chunk's lower-right causal mask goes to flash attention as torch's
-        causal bias where the device runs it (`_flash_chunks`), the heads still shared; else,
+        causal bias where q's device runs it (`_flash_chunks`), the heads still shared; else,
         as a mask, to a backend that takes masks, with the key/value heads repeated for it."""
         n, length = q.shape[0], k.shape[0]
         groups = self.spec.num_heads // self.spec.num_kv_heads
         mask = None
-        if n not in (1, length) and self._flash_chunks:
+        if n not in (1, length) and self._flash_chunks.get(q.device, False):
             mask = causal_lower_right(n, length)
         elif n not in (1, length):
             mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)

@@ -35,7 +35,8 @@ def sdpa(heads: int, kv_heads: int, head_dim: int, flash: bool = False):
     torch's lower-right causal bias with the heads shared (where a device runs it in flash
     attention; elsewhere torch makes the mask from the bias)."""
     spec = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads)
-    model = SimpleNamespace(spec=spec, scale=head_dim**-0.5, _flash_chunks=flash)
+    device = torch.empty(0, device=DEVICE).device  # with its index, as a tensor's
+    model = SimpleNamespace(spec=spec, scale=head_dim**-0.5, _flash_chunks={device: flash})
     return lambda q, k, v: Model._sdpa(model, q, k, v), model.scale
 
 

@@ -421,7 +421,7 @@ def test_the_chunk_attention_estimate_bounds_what_the_masked_path_holds(dtype, s
     if sinks:
         call = lambda: gpt_oss.attention(q, k, v, d**-0.5, torch.zeros(heads), 0)  # noqa: E731
     else:
-        model = SimpleNamespace(spec=spec, scale=d**-0.5, _flash_chunks=False)
+        model = SimpleNamespace(spec=spec, scale=d**-0.5, _flash_chunks={})
         call = lambda: Model._sdpa(model, q, k, v)  # noqa: E731
     held = peak_cpu_bytes(call) + 2 * length * kv_heads * d * e  # and the gathered keys
     estimate = chunk_attention_bytes(spec, n, length, e, flash=False)
