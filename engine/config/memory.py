@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
-from ..model.spec import ModelSpec
+from ..model.spec import ModelSpec, flash_chunks_fit
 from ..text import Text
 
 log = logging.getLogger("moelab.memory")
@@ -187,15 +187,6 @@ def activation_bytes(spec: ModelSpec, chunk_tokens: int, max_running: int, elem:
         per_token += (la.conv_dim + la.value_dim) * 4 * 2 + la.num_v_heads * 64 * 4 * 2
     logits = max_running * spec.vocab_size * 4 * 2
     return int(t * per_token * 1.25) + logits + 64 * 1024**2
-
-
-def flash_chunks_fit(spec: ModelSpec, elem_bytes: int) -> bool:
-    """Whether a prefill chunk's attention can take flash attention's lower-right causal mask
-    with the key/value heads shared (engine/model/model.py `_sdpa`; gpt-oss's layers without a
-    window, their sinks applied after it: gpt_oss.attention), where the device has it: fp16 or
-    bf16 compute and a head size flash attention takes (a multiple of 8, at most 256)."""
-    d = spec.head_dim
-    return elem_bytes == 2 and d % 8 == 0 and d <= 256
 
 
 def chunk_attention_bytes(

@@ -24,11 +24,10 @@ from ...kernels.rope_kv import qk_norm_rope_kv, write_kv
 from ...kernels.route import route
 from ...kernels.route_guess import guess_scale, guess_to_host
 from ...kernels.router import topk_softmax
-from ..config.memory import flash_chunks_fit
 from . import gpt_oss, hybrid
 from .kv import KVCache
 from .rope import Rotary
-from .spec import ModelSpec
+from .spec import ModelSpec, flash_chunks_fit
 from .states import StatePool
 from .window import WindowPool
 

@@ -904,3 +904,12 @@ class _Fields:
         if value is not None and not isinstance(value, dict):
             raise self._say(name, Text("a JSON object"), value)
         return value
+
+
+def flash_chunks_fit(spec: ModelSpec, elem_bytes: int) -> bool:
+    """Whether a prefill chunk's attention can take flash attention's lower-right causal mask
+    with the key/value heads shared (engine/model/model.py `_sdpa`; gpt-oss's layers without a
+    window, their sinks applied after it: gpt_oss.attention), where the device has it: fp16 or
+    bf16 compute and a head size flash attention takes (a multiple of 8, at most 256)."""
+    d = spec.head_dim
+    return elem_bytes == 2 and d % 8 == 0 and d <= 256

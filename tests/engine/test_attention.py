@@ -85,8 +85,8 @@ def test_a_later_chunk_runs_in_flash_attention_without_a_mask(heads, kv_heads, h
     in bf16: the device runs it in flash attention (the engine's check says so, and with only
     flash allowed SDPA raises where it could not), the key/value heads shared, equal to causal
     softmax attention."""
-    from moelab.engine.config.memory import flash_chunks_fit
     from moelab.engine.model.model import flash_chunk_attention
+    from moelab.engine.model.spec import flash_chunks_fit
 
     spec = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
     assert flash_chunks_fit(spec, 2)

@@ -12,7 +12,6 @@ from moelab.engine.config.memory import (
     MemoryPlanError,
     activation_bytes,
     chunk_attention_bytes,
-    flash_chunks_fit,
     kv_bytes_per_token,
     plan_vram,
     state_bytes_per_seq,
@@ -24,7 +23,7 @@ from moelab.engine.config.split import (
     plan_devices,
     plan_graphed_devices,
 )
-from moelab.engine.model.spec import ModelSpec
+from moelab.engine.model.spec import ModelSpec, flash_chunks_fit
 from moelab.engine.model.synth import make_config
 
 SPEC = ModelSpec.from_config(make_config("qwen3_moe", "qwen3-30b-a3b"))

@@ -84,7 +84,10 @@ def model(tmp_path_factory):
 
 
 def test_whatif_at_todays_size_equals_observed_hit_rate_with_policy_gpu(model):
-    engine = make_engine(model, "--moe-cache-size", "20", "--moe-miss-policy", "gpu")
+    """The what-if curve replays the reads through LRU caches: at today's size it is the
+    engine's own hit rate where the engine's cache is LRU too (recent admission)."""
+    flags = ["--moe-cache-size", "20", "--moe-miss-policy", "gpu", "--moe-cache-admission"]
+    engine = make_engine(model, *flags, "recent")
     try:
         prompts = [list(range(10, 40)), list(range(60, 90))]
         engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
