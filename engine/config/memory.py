@@ -281,11 +281,11 @@ def plan_vram(
 
     def attention_at(kv_tokens: int) -> int:
         """A prefill chunk's attention transient at the context `kv_tokens` of KV give."""
+        if chunk_attention == "none":
+            return 0
         context = min(kv_tokens, context_cap)
         if not paged:  # a sliding layer attends to its window and the chunk at most
             context = min(context, spec.sliding_window + prefill_chunk_tokens) if sliding else 0
-        if chunk_attention == "none":
-            return 0
         flash = chunk_attention == "flash"
         return chunk_attention_bytes(spec, prefill_chunk_tokens, context, elem_bytes, flash)
 
