@@ -413,12 +413,15 @@ def _too_small(device: DeviceShare, count: int, per_layer: float) -> SplitError:
 class DeviceBudget:
     """A device of a split as its memory plan sees it: its name, the memory it may plan with
     (`MemoryConfig.budget_bytes` of it), its link's measured host-to-device rate and its
-    memory's rate (None: not known)."""
+    memory's rate (None: not known), and how a later prefill chunk's attention runs there
+    ("flash", "masked" or "none", as `MemoryRequest.chunk_attention`; None: the request's), so
+    that a newer and an older card each plan the transient of the path they run."""
 
     name: str
     budget_bytes: int
     link_gbps: float
     memory_gbps: float | None = None
+    chunk_attention: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,9 +531,11 @@ def plan_devices(
         for dev, span, edge in zip(devices, ranges, edges, strict=True):
             try:
                 out.append(
-                    replace(req, budget_bytes=dev.budget_bytes).plan(
-                        spec, layers=span, weights_bytes=dense * len(span) + edge
-                    )
+                    replace(
+                        req,
+                        budget_bytes=dev.budget_bytes,
+                        chunk_attention=dev.chunk_attention or req.chunk_attention,
+                    ).plan(spec, layers=span, weights_bytes=dense * len(span) + edge)
                 )
             except MemoryPlanError as err:  # which device it is, where the text does not say
                 why = err.args[0] if err.args and isinstance(err.args[0], Text) else str(err)

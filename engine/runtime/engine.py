@@ -212,7 +212,12 @@ class Engine:
             free = torch.cuda.mem_get_info(device)[0] if cuda else None
             link = measure_bp_gbps(self.bank, device)
             rate = measure_device_gbps(device) if cuda else None
-            budgets.append(DeviceBudget(name, memory.budget_bytes(free, index), link, rate))
+            # each card plans the prefill attention's transient of the path it runs
+            flash = flash_chunk_attention(self.spec, device, self.dtype)
+            attention = ("flash" if flash else "masked") if cuda else "none"
+            budgets.append(
+                DeviceBudget(name, memory.budget_bytes(free, index), link, rate, attention)
+            )
         # each device holds its own graphs' pool where the memory plan allows
         request = self.config.memory_request(
             budget_bytes=0,

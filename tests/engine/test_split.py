@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from moelab.engine.config.args import build_parser
 from moelab.engine.config.config import ConfigError, EngineConfig
-from moelab.engine.config.memory import MemoryPlanError
+from moelab.engine.config.memory import MemoryPlanError, chunk_attention_bytes
 from moelab.engine.config.split import (
     DeviceBudget,
     DeviceShare,
@@ -317,6 +317,30 @@ def test_an_older_smaller_card_on_a_narrower_link_gets_fewer_layers():
     assert max(step.seconds for step in after) >= limit.seconds
     same = plan_devices(A3B, request, (new, DeviceBudget("cuda:1", 24 * GIB, 25.0, 1008.0)))
     assert [len(r) for r in same.ranges] == [24, 24]
+
+
+def test_each_card_of_a_split_plans_its_own_prefill_attention_path():
+    """A newer card runs a later chunk's attention in flash attention, an older one (before
+    compute capability 8.0) gathers, repeats and masks: with 40K tokens of KV reserved, the old
+    card's plan keeps fewer expert slots than the same card planned with flash attention, by
+    the two paths' difference in transient, and the new card's plan is unchanged by its
+    neighbour's path."""
+    request = EngineConfig.from_flags(
+        ["--model-path", "m", "--kv-reserve-tokens", "40960"]
+    ).memory_request(budget_bytes=0, elem_bytes=2, cuda=True)
+    assert request.chunk_attention == "flash"
+    new = DeviceBudget("cuda:0", 24 * GIB, 25.0, 1008.0, "flash")
+    old = DeviceBudget("cuda:1", 24 * GIB, 25.0, 1008.0, "masked")
+    mixed = plan_devices(A3B, request, (new, old), LayerSplit.parse("24,24"))
+    same = plan_devices(A3B, request, (new, dataclasses.replace(old, chunk_attention=None)),
+                        LayerSplit.parse("24,24"))  # fmt: skip
+    assert mixed.plans[0] == same.plans[0]
+    extra = chunk_attention_bytes(A3B, request.prefill_chunk_tokens, 40960, 2, False) - (
+        chunk_attention_bytes(A3B, request.prefill_chunk_tokens, 40960, 2, True)
+    )
+    assert extra > 0
+    fewer = same.plans[1].slots - mixed.plans[1].slots
+    assert fewer == pytest.approx(extra / mixed.plans[1].slot_bytes, abs=1)
 
 
 def test_a_card_with_slower_memory_gets_fewer_layers_where_every_expert_fits():
