@@ -158,8 +158,12 @@ def http(
 
 
 def mgr_env(home: Path) -> dict[str, str]:
-    """An environment where ~/models and the HF cache are empty folders of the test's own."""
+    """An environment where ~/models and the HF cache are empty folders of the test's own. The
+    user's cache folder stays the real one: the native CPU kernel's build there (kernels/
+    native_build.py, keyed by its source) serves every engine, where an empty home would
+    compile it again for each test's engines (a minute or more a build on two cores)."""
     env = dict(os.environ)
+    env.setdefault("XDG_CACHE_HOME", str(Path.home() / ".cache"))
     env.update(HOME=str(home), HF_HOME=str(home / "hf"), PYTHONUNBUFFERED="1")
     env.pop("HF_HUB_CACHE", None)
     return env
