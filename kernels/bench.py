@@ -797,6 +797,27 @@ class Bench:
         self.add("linear_decode", label, time_us, bytes_moved, flops, cublas_us)
         self.add("cublas_linear", label, cublas_us, bytes_moved, flops, None)
 
+    def linear_fp8(self, tokens: int, name: str, config: gemv.GemvConfig | None = None) -> None:
+        """The skinny GEMM over the projection's weight in FP8 with its 128x128 block factors
+        (`gemv.linear_decode_fp8`), beside the `linear` row of the same shape in bf16: the bytes
+        it reads are the FP8 weight, its factors and the activations."""
+        n, k = PROJECTIONS[name]
+        weight_bytes = n * k + fp8.blocks(n) * fp8.blocks(k) * 4
+        weights = [
+            fp8.quantize(self.randn(n, k, scale=k**-0.5)) for _ in range(layers_for(weight_bytes))
+        ]
+        x = self.randn(tokens, k)
+        bytes_moved = weight_bytes + tokens * (n + k) * ELEM_BYTES
+        label = f"T={tokens} {name} N={n} K={k}"
+        if config is not None:
+            label = f"{label} {_short(gemv.fp8_config(config))}"
+
+        def kernel(weight: torch.Tensor, scale: torch.Tensor) -> Callable[[], object]:
+            return lambda: gemv.linear_decode_fp8(x, weight, scale, config=config)
+
+        time_us = graph_us_per_call([kernel(w, s) for w, s in weights])
+        self.add("linear_decode_fp8", label, time_us, bytes_moved, 2 * tokens * n * k, None)
+
     def router(self, tokens: int) -> None:
         """Softmax + top-8 of 128 experts, renormalized (Qwen3)."""
         logits = self.randn(tokens, EXPERTS)
@@ -1055,7 +1076,7 @@ KERNELS = (
     "fused_moe", "fused_moe_fp8", "fused_moe_mxfp4", "fused_moe_mxfp4_gpt_oss", "fused_moe_nvfp4",
     "grouped_moe", "grouped_moe_fp8", "grouped_moe_mxfp4", "grouped_moe_nvfp4", "paged_attention",
     "paged_attention_fp8", "sdpa_prefill", "rmsnorm", "router", "route", "rope_kv", "rope_kv_fp8",
-    "handoff", "linear", "draw", "short_conv", "delta_rule",
+    "handoff", "linear", "linear_fp8", "draw", "short_conv", "delta_rule",
 )  # fmt: skip
 
 
@@ -1134,6 +1155,10 @@ def run(
         for tokens in (1, 8):
             for name in PROJECTIONS:
                 bench.linear(tokens, name)
+    if "linear_fp8" in wanted:
+        for tokens in (1, 8):
+            for name in PROJECTIONS:
+                bench.linear_fp8(tokens, name)
     if "draw" in wanted:
         for tokens in (1, 8):
             for cut in ("top", "top_k", "top_p"):
@@ -1188,6 +1213,11 @@ def _sweep(bench: Bench, wanted: set[str]) -> None:
             for config in configs:
                 for name in ("qkv", "o"):
                     bench.linear(tokens, name, config)
+    if "linear_fp8" in wanted:  # the bf16 sweep's tiles as the FP8 kernels take them, each once
+        for tokens, configs in GEMV_SWEEP.items():
+            for config in dict.fromkeys(gemv.fp8_config(c) for c in configs):
+                for name in ("qkv", "o"):
+                    bench.linear_fp8(tokens, name, config)
     if "route" in wanted:
         for fields in ROUTE_SWEEP:
             bench.route(1, True, route.RouteConfig(*fields))

@@ -17,13 +17,15 @@ the host, so calls can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from . import common
+from . import common, fp8
 from .common import tl, triton
+from .fp8_moe import bits as fp8_bits
+from .fp8_moe import dot_step, is_fp8, widened
 
 # Largest batch the kernel takes: the tokens of one tl.dot tile. The engine calls it for decode
 # batches only; `linear` sends larger inputs to F.linear.
@@ -233,6 +235,109 @@ def _tokens_kernel(
     _store(acc, t_idx, n_idx, pid_k, bias_ptr, out_ptr, part_ptr, num_tokens, n, HAS_BIAS, SPLIT)
 
 
+# FP8 weights (`scale_inv`): e4m3 bits with one fp32 factor per 128x128 block (kernels/fp8.py),
+# widened in integer ops on every card (kernels/fp8_moe.py `widened`). A program's rows lie in one
+# block of 128 rows (BLOCK_N divides 128) and a reduction step in one block of 128 columns
+# (BLOCK_K <= 128), so a step's factor is one number per program. One token multiplies the bits
+# widened (the value times 2^-120) by the activation times its factor times 2^60, and the row sum
+# by 2^60 at the end: every product is the value times 2^-60, a normal fp32 for any activation
+# below 2^68, exact in its powers of two.
+
+
+@triton.jit
+def _one_token_fp8_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    n,
+    k,
+    k_per_split,
+    stride_wn,
+    stride_sn,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    common.pdl_start(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < n
+    w_rows = w_ptr + n_idx[:, None].to(tl.int64) * stride_wn
+    factors = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, k)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < k
+        bits = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0).to(COMPUTE).to(tl.float32)
+        f = tl.load(factors + k0 // 128)
+        acc += widened(bits) * (xs * (f * 1.152921504606846976e18))[None, :]
+    row = tl.sum(acc, axis=1) * 1.152921504606846976e18
+    t_idx = tl.zeros((1,), dtype=tl.int32)
+    _store(row[None, :], t_idx, n_idx, pid_k, bias_ptr, out_ptr, part_ptr, 1, n, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _tokens_fp8_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    num_tokens,
+    n,
+    k,
+    k_per_split,
+    stride_xt,
+    stride_wn,
+    stride_sn,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The weights are the dot's first operand (`dot_step`): acc is [rows, tokens]."""
+    common.pdl_start(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    t_idx = tl.arange(0, BLOCK_T)
+    t_ok = t_idx < num_tokens
+    n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_idx < n
+    rows = w_ptr + n_idx[:, None].to(tl.int64) * stride_wn
+    row_factors = s_ptr + (n_idx // 128) * stride_sn
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, k)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < k
+        columns = tl.load(
+            x_ptr + t_idx[None, :] * stride_xt + k_idx[:, None],
+            mask=k_ok[:, None] & t_ok[None, :],
+            other=0.0,
+        ).to(COMPUTE)
+        acc = dot_step(acc, rows, row_factors, n_ok, k_idx, k_ok, k0, columns, COMPUTE)
+    _store(
+        tl.trans(acc), t_idx, n_idx, pid_k, bias_ptr, out_ptr, part_ptr, num_tokens, n, HAS_BIAS,
+        SPLIT,
+    )  # fmt: skip
+
+
 @triton.jit
 def _sum_splits_kernel(
     part_ptr,
@@ -349,6 +454,88 @@ def linear_decode(
     return out
 
 
+def fp8_config(config: GemvConfig) -> GemvConfig:
+    """`config` as the FP8 kernels take it: rows within one block of 128 and a reduction step
+    within one block of 128 columns (each step then has one factor per row block)."""
+    return replace(config, block_n=min(config.block_n, 128), block_k=min(config.block_k, 128))
+
+
+def linear_decode_fp8_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """Reference: the weight dequantized by the format's definition (`fp8.dequantize`), then
+    F.linear in fp32 over x rounded to the compute dtype, returned in x's dtype."""
+    _check(x, weight, bias, scale_inv)
+    xs = x.to(compute_dtype or x.dtype).float()
+    b = bias.float() if bias is not None else None
+    return F.linear(xs, fp8.dequantize(weight, scale_inv), b).to(x.dtype)
+
+
+def linear_decode_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """`linear_decode` over an FP8 weight [N, K] (float8_e4m3fn or its uint8 bits) with its fp32
+    factors scale_inv [ceil(N/128), ceil(K/128)], widened in registers with integer ops (any
+    card, and the Triton interpreter), in x's dtype with fp32 accumulation. Graph-capturable."""
+    _check(x, weight, bias, scale_inv)
+    tokens, k = x.shape
+    n = weight.shape[0]
+    cfg = fp8_config(config or choose_config(tokens, n, k, common.sm_count(x.device)))
+    if 128 % cfg.block_n or 128 % cfg.block_k:
+        raise ValueError(f"{cfg}: FP8 blocks need block_n and block_k dividing 128")
+    if tokens > 1 and cfg.block_n < 16:
+        raise ValueError(f"config.block_n={cfg.block_n}: {tokens} tokens need blocks of 16 rows")
+    compute = common.tl_dtype(compute_dtype or x.dtype)
+    block_k = min(cfg.block_k, common.next_pow2(k, 16))
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
+    split = cfg.split_k > 1
+    out = common.alloc((tokens, n), x.dtype, x.device)
+    partials = common.alloc((cfg.split_k, tokens, n), torch.float32, x.device) if split else out
+    bias_arg = bias if bias is not None else out
+    bits = fp8_bits(weight)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    pdl = common.pdl_launch(x.device)
+    flags = {
+        "HAS_BIAS": bias is not None,
+        "SPLIT": split,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": block_k,
+        "COMPUTE": compute,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        **pdl,
+    }
+    if tokens == 1:
+        _one_token_fp8_kernel[grid](
+            x, bits, scale_inv, bias_arg, out, partials, n, k, k_per_split, bits.stride(0),
+            scale_inv.stride(0), STAGES=cfg.num_stages, **flags,
+        )  # fmt: skip
+    else:
+        _tokens_fp8_kernel[grid](
+            x, bits, scale_inv, bias_arg, out, partials, tokens, n, k, k_per_split, x.stride(0),
+            bits.stride(0), scale_inv.stride(0), BLOCK_T=MAX_TOKENS, **flags,
+        )  # fmt: skip
+    if split:
+        total = tokens * n
+        _sum_splits_kernel[(triton.cdiv(total, SUM_BLOCK),)](
+            partials, bias_arg, out, total, n, SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
+            BLOCK=SUM_BLOCK, **pdl,
+        )  # fmt: skip
+    return out
+
+
 def kernel_accepts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the kernel takes this call wherever it runs: a decode batch x [1..MAX_TOKENS, K],
     contiguous bf16/fp16, with a weight [N, K] and bias [N] of the same dtype, rows contiguous."""
@@ -372,8 +559,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Validate x [T, K] with 1 <= T <= MAX_TOKENS, weight [N, K] and bias [N] (metadata only)."""
+def _check(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale_inv: torch.Tensor | None = None,
+) -> None:
+    """Validate x [T, K] with 1 <= T <= MAX_TOKENS, weight [N, K] and bias [N] (metadata only);
+    with scale_inv, the weight FP8 (float8_e4m3fn or its uint8 bits) and scale_inv its fp32
+    factors [ceil(N/128), ceil(K/128)]."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(
             f"x must be [T, K] and weight [N, K]: got {tuple(x.shape)} and {tuple(weight.shape)}"
@@ -385,16 +579,30 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}] (weight's N), got {tuple(bias.shape)}")
-    dtypes = {x.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+    tensors = {"x": x, "weight": weight}
+    if scale_inv is not None:
+        n, k = weight.shape
+        if not is_fp8(weight):
+            raise ValueError(
+                f"weight must be FP8 (float8_e4m3fn or uint8 bits), got {weight.dtype}"
+            )
+        want = (fp8.blocks(n), fp8.blocks(k))
+        if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != want:
+            raise ValueError(
+                f"scale_inv must be fp32 {list(want)} for a [{n}, {k}] weight, got "
+                f"{scale_inv.dtype} {list(scale_inv.shape)}"
+            )
+        common.check_last_dim_contiguous("scale_inv", scale_inv)
+        tensors["scale_inv"] = scale_inv
+    dtypes = {x.dtype} | ({weight.dtype} if scale_inv is None else set())
+    dtypes |= {bias.dtype} if bias is not None else set()
     if len(dtypes) > 1:
-        raise ValueError(
-            f"x, weight and bias must share one dtype, got {sorted(str(d) for d in dtypes)}"
-        )
+        what = "x, weight and bias" if scale_inv is None else "x and bias"
+        raise ValueError(f"{what} must share one dtype, got {sorted(str(d) for d in dtypes)}")
     common.tl_dtype(x.dtype)
     common.check_last_dim_contiguous("x", x)
     common.check_last_dim_contiguous("weight", weight)
     if bias is not None:
         common.check_last_dim_contiguous("bias", bias)
-        common.check_same_device(x=x, weight=weight, bias=bias)
-    else:
-        common.check_same_device(x=x, weight=weight)
+        tensors["bias"] = bias
+    common.check_same_device(**tensors)

@@ -207,3 +207,41 @@ def test_the_gpt_oss_decode_row_reads_what_it_counts(monkeypatch):
         kwargs = {k: v for k, v in call.keywords.items() if k != "config"}
         expected = bench.mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slots, weights, *bank, **kwargs)
         torch.testing.assert_close(call(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_fp8_projection_rows_read_what_they_count(monkeypatch):
+    """linear_fp8 at a small projection on the CPU (the interpreter): each call it times is the
+    FP8 skinny GEMM, equal to its dequantizing reference, and the row counts the FP8 weight, its
+    block factors and the activations; --sweep times each FP8 tile (a step of at most 128
+    columns) once."""
+    fake_gpu(monkeypatch)
+    monkeypatch.setattr(bench, "PROJECTIONS", {"qkv": (256, 384), "o": (128, 256)})
+    monkeypatch.setattr(bench, "MIN_WORKING_SET_BYTES", 0)
+    monkeypatch.setattr(bench, "graph_us_per_call", lambda fns: [fn() for fn in fns] and 10.0)
+    real, seen = bench.gemv.linear_decode_fp8, []
+
+    def recorded(x, weight, scale, **kwargs):
+        out = real(x, weight, scale, **kwargs)
+        seen.append((x, weight, scale, out))
+        return out
+
+    monkeypatch.setattr(bench.gemv, "linear_decode_fp8", recorded)
+    b = bench.Bench(4000.0, 600.0)
+    b.linear_fp8(1, "qkv")
+    (row,) = b.results
+    assert row.kernel == "linear_decode_fp8" and row.shape == "T=1 qkv N=256 K=384"
+    assert row.bytes_moved == 256 * 384 + 2 * 3 * 4 + (256 + 384) * 2
+    assert len(seen) == bench.layers_for(256 * 384 + 2 * 3 * 4)
+    weights = {w.data_ptr() for _, w, _, _ in seen}
+    assert len(weights) == len(seen), "each call reads another layer's weight"
+    for x, weight, scale, out in seen[:2]:
+        assert weight.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)
+        expected = bench.gemv.linear_decode_fp8_ref(x, weight, scale)
+        assert x.dtype == torch.bfloat16  # the bf16 output rounds: a tolerance of its own
+        torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    swept = []
+    monkeypatch.setattr(bench.Bench, "linear_fp8", lambda self, *a: swept.append(a))
+    bench.run(True, ["linear_fp8"])
+    tiles = [a[2] for a in swept if len(a) == 3]
+    assert tiles and all(c.block_k <= 128 for c in tiles)
+    assert len(tiles) == len({(a[0], a[1], a[2]) for a in swept if len(a) == 3})

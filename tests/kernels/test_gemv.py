@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from moelab.kernels import gemv
+from moelab.kernels import fp8, gemv
 from moelab.kernels.gemv import GemvConfig
 
 from .kernel_inputs import DEVICE, assert_matches, randn
@@ -285,3 +285,92 @@ def test_dispatcher_on_cuda_takes_single_tokens_only(gen, monkeypatch):
             assert torch.equal(out, F.linear(x, weight))
     # cuBLAS is faster from two tokens on (kernels/bench.py)
     assert calls == [1]
+
+
+# FP8 weights with 128x128 block factors (kernels/fp8.py), against a reference that dequantizes
+# them by the format's definition (`fp8.dequantize`, decoded from the bits alone)
+
+
+def fp8_projection(
+    gen: torch.Generator, n: int, k: int, spread: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight [N, K] and its factors, block factors apart by up to 2^spread (so a wrong
+    block's factor shows), with weights of every e4m3 range among them."""
+    weight, _ = projection(gen, n, k, with_bias=False)
+    rows = torch.exp2(spread * torch.rand(n, 1, generator=gen))
+    cols = torch.exp2(spread * torch.rand(1, k, generator=gen))
+    return fp8.quantize((weight * rows * cols).to(DEVICE))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "n", "k", "config"),
+    [
+        (1, 300, 400, GemvConfig(block_n=4, block_k=64)),  # ragged blocks, several per program
+        (1, 256, 384, GemvConfig(block_n=16, block_k=512)),  # a step wider than a block: 128
+        (1, 130, 96, None),  # the heuristic's tiles, a block of 2 rows at the edge
+        (3, 300, 400, GemvConfig(block_n=16, block_k=64)),  # tl.dot, ragged
+        (gemv.MAX_TOKENS, 160, 256, None),
+    ],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_weights_match_their_dequantized_reference(gen, tokens, n, k, config, with_bias):
+    x = randn(gen, tokens, k)
+    weight, scale = fp8_projection(gen, n, k, spread=6.0)
+    bias = randn(gen, n) if with_bias else None
+    out = gemv.linear_decode_fp8(x, weight, scale, bias, config=config)
+    ref = gemv.linear_decode_fp8_ref(x, weight, scale, bias)
+    assert_matches(out, ref, tol=1e-5)
+    assert ref.abs().max().item() > 0
+    # the reference itself: the bits decoded, times their block's factor
+    expect = F.linear(x, fp8.widen(weight) * scale.repeat_interleave(128, 0)[:n].repeat_interleave(
+        128, 1)[:, :k], bias)  # fmt: skip
+    assert_matches(ref, expect, tol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_fp8_weights_split_k_and_take_uint8_bits(gen, tokens):
+    x = randn(gen, tokens, 512)
+    weight, scale = fp8_projection(gen, 64, 512)
+    bias = randn(gen, 64)
+    config = GemvConfig(block_n=4 if tokens == 1 else 16, block_k=128, split_k=3)
+    out = gemv.linear_decode_fp8(x, weight.view(torch.uint8), scale, bias, config=config)
+    assert_matches(out, gemv.linear_decode_fp8_ref(x, weight, scale, bias), tol=1e-5)
+
+
+def test_fp8_products_hold_large_activations_and_subnormal_weights(gen):
+    """Activations of 2^40 and weights among e4m3's subnormals (2^-9 times their factor): every
+    product stays a normal fp32 (the kernel's 2^60 shift), so the result is the reference's."""
+    x = randn(gen, 1, 256) * 2.0**40
+    weight = torch.full((128, 256), 2.0**-9).to(torch.float8_e4m3fn).to(DEVICE)
+    weight[:, ::2] = torch.tensor(448.0).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[2.0**-20, 2.0**10]], device=DEVICE)
+    out = gemv.linear_decode_fp8(x, weight, scale)
+    ref = gemv.linear_decode_fp8_ref(x, weight, scale)
+    assert torch.isfinite(out).all()
+    assert_matches(out, ref, tol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("weight", "scale", "message"),
+    [
+        (torch.zeros(8, 16), torch.ones(1, 1), "weight must be FP8"),
+        (torch.zeros(8, 16, dtype=torch.uint8), torch.ones(1, 2), r"must be fp32 \[1, 1\]"),
+        (torch.zeros(8, 16, dtype=torch.uint8), torch.ones(1, 1, dtype=torch.float64), "fp32"),
+    ],
+)
+def test_fp8_calls_with_wrong_factors_get_a_clear_error(weight, scale, message):
+    with pytest.raises(ValueError, match=message):
+        gemv.linear_decode_fp8(torch.ones(1, 16), weight, scale)
+
+
+@pytest.mark.parametrize("name", ["qkv", "o"])
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.cuda
+@needs_cuda
+def test_fp8_real_shapes_on_cuda(gen, name, tokens):
+    n, k = REAL_SHAPES[name]
+    x = randn(gen, tokens, k, dtype=BF16)
+    weight, scale = fp8_projection(gen, n, k)
+    out = gemv.linear_decode_fp8(x, weight, scale)
+    ref = gemv.linear_decode_fp8_ref(x, weight, scale)
+    assert_matches(out.float(), ref.float(), tol=2e-2)
