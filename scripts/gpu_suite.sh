@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|hybrid|split|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8_linear|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|hybrid|split|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -29,7 +29,7 @@ run() {  # name, command...: keep going when one step fails, record its status
   local t0=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   echo "=== $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
-  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^alternated |^session: |^(paged_attention|fused_moe_decode|grouped_moe|short_conv|delta_rule)" \
+  grep -E "^(decode|prefill) |^runs |passed|failed|b_over_a|^alternated |^session: |^(paged_attention|fused_moe_decode|grouped_moe|short_conv|delta_rule|linear_decode|cublas_linear)" \
     "$out/$name.log" \
     | tail -5 | tee -a "$out/summary.txt"
 }
@@ -88,6 +88,14 @@ if [ "$part" = fp8 ]; then  # the MoE kernels over FP8 expert banks: their tests
     -k fp8
   run fp8_kernels python3 -m moelab.kernels.bench \
     --only fused_moe,fused_moe_fp8,grouped_moe,grouped_moe_fp8
+fi
+if [ "$part" = fp8_linear ]; then  # the decode projections over FP8 weights: their tests (the
+  # interpreter's shapes natively, qkv and o in bf16), then their rows beside bf16's, and the
+  # FP8 kernel's tiles (whether keeping an FP8 checkpoint's projections FP8 pays)
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run fp8_linear_tests python3 -m pytest -q $T --tb=short tests/kernels/test_gemv.py -k fp8
+  run fp8_linear_kernels python3 -m moelab.kernels.bench --only linear,linear_fp8
+  run fp8_linear_sweep python3 -m moelab.kernels.bench --sweep --only linear_fp8
 fi
 if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their tests natively
   # (the small ones, bf16, gpt-oss's shapes, a CUDA graph), then the decode and prefill rows of
