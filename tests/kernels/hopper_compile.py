@@ -191,6 +191,7 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
         for tokens in (1, 8):
             # as the engine calls it: the first weight tile read before the wait (one token)
             gemv.linear_decode(torch.randn(tokens, k, dtype=BF16), weight, early_weights=True)
+    compile_fp8_linear(BF16)
     # the Gated DeltaNet's convolution over Qwen3.6-35B-A3B's 8,192 channels: a prompt from its
     # slot, and decode steps of 1 and 8 slots
     channels = 8192
@@ -226,6 +227,16 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
         )  # fmt: skip
     JITFunction.run = run
     return compiled
+
+
+def compile_fp8_linear(dtype: torch.dtype) -> None:
+    """The decode projections of the 30B geometry (qkv, o) over FP8 weights with their block
+    factors: one token, and eight (split over K for o)."""
+    for n, k in ((5120, HIDDEN), (HIDDEN, 4096)):
+        weight = torch.empty(n, k, dtype=torch.uint8)
+        scale = torch.ones(-(-n // 128), -(-k // 128))
+        for tokens in (1, 8):
+            gemv.linear_decode_fp8(torch.randn(tokens, k, dtype=dtype), weight, scale)
 
 
 def compile_fp8_kv(dtype: torch.dtype) -> None:
@@ -424,8 +435,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_fp8(arch: int) -> int:
-    """The kernels over FP8 and MXFP4 banks and FP8 KV pages, compiled for an sm_86 or sm_75 GPU:
-    a JSON line each."""
+    """The kernels over FP8 and MXFP4 banks, FP8 KV pages and FP8 projections, compiled for an
+    sm_86 or sm_75 GPU: a JSON line each."""
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
         return 2
@@ -437,6 +448,7 @@ def main_fp8(arch: int) -> int:
     compile_mxfp4_moe(dtype)
     compile_nvfp4_moe(dtype)
     compile_fp8_kv(dtype)
+    compile_fp8_linear(dtype)
     JITFunction.run = run
     for fn, kernel in compiled:
         line = {

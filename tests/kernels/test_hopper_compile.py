@@ -36,6 +36,8 @@ MOE_KERNELS = MXFP4_KERNELS | {
 }
 # The kernels over FP8 KV pages (rope_kv's write, decode attention, the prefill gather)
 FP8_KV_KERNELS = {"_qk_norm_rope_kv_kernel", "_split_kernel", "_merge_kernel", "_gather_kernel"}
+# The decode projections over FP8 weights (gemv.linear_decode_fp8) and their split's sum
+FP8_LINEAR_KERNELS = {"_one_token_fp8_kernel", "_tokens_fp8_kernel", "_sum_splits_kernel"}
 KERNELS = MXFP4_KERNELS | {
     "_gate_up_kernel",
     "_down_kernel",
@@ -53,6 +55,8 @@ KERNELS = MXFP4_KERNELS | {
     "_one_token_kernel",
     "_tokens_kernel",
     "_sum_splits_kernel",
+    "_one_token_fp8_kernel",
+    "_tokens_fp8_kernel",
     "_wait_epoch_kernel",
     "_sum_parts_kernel",
     "_sum_norm_kernel",
@@ -98,8 +102,8 @@ def test_kernels_compile_for_hopper_within_its_limits():
 
 
 def test_fp8_kernels_compile_for_ampere_and_turing_without_fp8_instructions():
-    """FP8 and MXFP4 banks and FP8 KV pages on GPUs without FP8 or FP4 (consumer Ampere,
-    Turing): the narrowing and the widening are integer ops."""
+    """FP8 and MXFP4 banks, FP8 KV pages and FP8 projections on GPUs without FP8 or FP4
+    (consumer Ampere, Turing): the narrowing and the widening are integer ops."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("hopper_compile.py")
     runs = {  # one process per GPU: a kernel's compiled variants are cached per device, not arch
@@ -116,7 +120,7 @@ def test_fp8_kernels_compile_for_ampere_and_turing_without_fp8_instructions():
         out, err = run.communicate()
         assert run.returncode == 0, err[-3000:]
         kernels = [json.loads(line) for line in out.splitlines()]
-        assert {k["kernel"] for k in kernels} == MOE_KERNELS | FP8_KV_KERNELS
+        assert {k["kernel"] for k in kernels} == MOE_KERNELS | FP8_KV_KERNELS | FP8_LINEAR_KERNELS
         for k in kernels:
             assert k["arch"] == arch and not k["narrow_float_instructions"], k
             assert k["shared_bytes"] <= SHARED_BYTES[arch], k
