@@ -550,13 +550,35 @@ def kernel_accepts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.stride(0) == 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale_inv: torch.Tensor | None = None,
+) -> torch.Tensor:
     """F.linear for the engine: the skinny GEMM for one token on CUDA, F.linear otherwise. The
     weight is a model parameter, which no kernel writes, so its first tile is read early
-    (`linear_decode`'s early_weights)."""
+    (`linear_decode`'s early_weights). With `scale_inv` the weight is FP8 with those block
+    factors (`--dense-dtype fp8`): the FP8 skinny GEMM for a decode batch on CUDA, else the
+    weight dequantized for this call, then F.linear."""
+    if scale_inv is not None:
+        if x.is_cuda and x.shape[0] <= MAX_TOKENS and x.is_contiguous():
+            return linear_decode_fp8(x, weight, scale_inv, bias)
+        return F.linear(x, _widened(weight, scale_inv, x.dtype), bias)
     if x.is_cuda and x.shape[0] <= DISPATCH_MAX_TOKENS and kernel_accepts(x, weight, bias):
         return linear_decode(x, weight, bias, early_weights=True)
     return F.linear(x, weight, bias)
+
+
+def _widened(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 weight [N, K] times its block factors, in `dtype`: torch's e4m3 cast and one fp32
+    product where N and K are whole blocks (every projection of the real geometries), else
+    `fp8.dequantize` (the format's definition, slower)."""
+    n, k = weight.shape
+    if n % fp8.BLOCK or k % fp8.BLOCK or weight.dtype != torch.float8_e4m3fn:
+        return fp8.dequantize(weight, scale_inv).to(dtype)
+    tiles = weight.view(n // fp8.BLOCK, fp8.BLOCK, k // fp8.BLOCK, fp8.BLOCK).float()
+    return (tiles * scale_inv[:, None, :, None]).view(n, k).to(dtype)
 
 
 def _check(

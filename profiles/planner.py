@@ -368,7 +368,11 @@ def _bound_speed(
         return None
     slot_bytes = _slot_bytes(spec, choice, config)
     reads = float(spec.num_moe_layers * spec.top_k)
-    dense = (spec.dense_params - spec.vocab_size * spec.hidden_size) * choice.elem_bytes
+    elem = choice.elem_bytes
+    dense = (
+        spec.dense_bytes_at(elem, config.model.dense_dtype)
+        - spec.vocab_size * spec.hidden_size * elem
+    )
     # hits read from device memory: count them into the fixed part at the hit rate of the
     # base flags' own cache, so only the misses move with the context
     base_slots = min(spec.experts_total, _base_slots(spec, choice, config))

@@ -114,7 +114,8 @@ def against_the_bound(engine, args, timed: dict, rates: dict) -> dict:
     tok_s = args.batch * steps / elapsed
     eb = engine.bank.expert_bytes  # as held: FP8, MXFP4 or NVFP4 with scales, or the dtype's
     elem = engine.dtype.itemsize
-    dense_step = (spec.dense_params - spec.vocab_size * spec.hidden_size) * elem
+    dense = spec.dense_bytes_at(elem, engine.config.model.dense_dtype)  # as held (--dense-dtype)
+    dense_step = dense - spec.vocab_size * spec.hidden_size * elem
     hits_step, misses_step = hits.sum() / steps, (fills.sum() + cpu.sum()) / steps
     kv_token = engine.kv.bytes_per_token  # the paged layers' K and V, as the pages hold them
     context = mean_context(args.prompt_tokens, steps)

@@ -35,6 +35,7 @@ _SIZE_UNITS = {
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 EXPERT_DTYPES = ("auto", "bf16", "fp8", "mxfp4", "nvfp4")
+DENSE_DTYPES = ("auto", "fp8")
 CPU_KERNELS = ("auto", "native", "torch")
 CPU_PINS = ("cores", "isolate", "off")
 CACHE_ADMISSIONS = ("recent", "frequency")
@@ -291,6 +292,17 @@ def _model_flags(model: Group) -> None:
         "releases store them; others' experts are quantized once; multiples of 16), bf16 (the "
         "compute dtype: an FP8, MXFP4 or NVFP4 checkpoint's experts are widened), auto (the "
         "checkpoint's own format).",
+    )
+    model.add_argument(
+        "--dense-dtype",
+        default="auto",
+        choices=DENSE_DTYPES,
+        help="How the dense projections are held on the device: fp8 (e4m3 values with one fp32 "
+        "factor per 128x128 block, about half the bytes of bf16, for the attention's q, k, v and "
+        "o, a Gated DeltaNet layer's out projection, shared experts and dense MLPs: an FP8 "
+        "checkpoint's keep their values, others' are quantized at load; decode reads them in "
+        "an FP8 kernel, prefill widens each for its call), auto (the compute dtype: an FP8 "
+        "checkpoint's are widened at load).",
     )
     model.add_argument(
         "--dummy-weights",

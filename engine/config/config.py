@@ -93,6 +93,7 @@ class ModelConfig(_FlagGroup):
     served_name: str | None = _setting("--served-model-name")
     dtype: str = _setting("--dtype", _one_of(flags.DTYPES))
     expert_dtype: str = _setting("--moe-expert-dtype", _one_of(flags.EXPERT_DTYPES))
+    dense_dtype: str = _setting("--dense-dtype", _one_of(flags.DENSE_DTYPES))
     dummy_weights: bool = _setting("--dummy-weights")
     bank_dir: str | None = _setting("--bank-dir")
 
@@ -332,9 +333,8 @@ class EngineConfig:
             cuda_graphs=cuda and batching.cuda_graph,
             max_context=memory.max_context,
             expert_dtype=self.model.expert_dtype,
+            dense_dtype=self.model.dense_dtype,
             # the engine keeps state checkpoints only with the prefix cache
             state_checkpoints=memory.state_checkpoints if memory.prefix_cache else 0,
-            chunk_attention=(
-                ("flash" if flash or flash is None else "masked") if cuda else "none"
-            ),
+            chunk_attention=(("flash" if flash or flash is None else "masked") if cuda else "none"),
         )

@@ -459,6 +459,7 @@ class MemoryRequest:
     cuda_graphs: bool
     max_context: int | None
     expert_dtype: str = "auto"  # --moe-expert-dtype
+    dense_dtype: str = "auto"  # --dense-dtype
     state_checkpoints: int = 0  # a hybrid model's state checkpoints (--state-checkpoints)
     # how a prefill chunk's attention is planned: "flash", "masked" or "none" (plan_vram)
     chunk_attention: str = "none"
@@ -469,7 +470,7 @@ class MemoryRequest:
         """The plan of this request for `spec`'s model (MemoryPlanError where it cannot fit); of
         one device of a split where `layers` and its `weights_bytes` are given."""
         if weights_bytes is None:
-            weights_bytes = spec.dense_params * self.elem_bytes
+            weights_bytes = spec.dense_bytes_at(self.elem_bytes, self.dense_dtype)
         return plan_vram(
             spec,
             budget_bytes=self.budget_bytes,

@@ -462,18 +462,19 @@ def _edge_bytes(spec: ModelSpec, elem_bytes: int) -> tuple[int, int]:
     return table, table + spec.hidden_size * elem_bytes
 
 
-def dense_layer_bytes(spec: ModelSpec, elem_bytes: int) -> int:
-    """One decoder layer's dense weights: the mean over the model's layers."""
+def dense_layer_bytes(spec: ModelSpec, elem_bytes: int, dense_dtype: str = "auto") -> int:
+    """One decoder layer's dense weights (`--dense-dtype`): the mean over the model's layers."""
     embed, head = _edge_bytes(spec, elem_bytes)
     tied = embed if spec.tie_word_embeddings else 0
-    return (spec.dense_params * elem_bytes - embed - head + tied) // spec.num_layers
+    dense = spec.dense_bytes_at(elem_bytes, dense_dtype)
+    return (dense - embed - head + tied) // spec.num_layers
 
 
 def layer_bytes(spec: ModelSpec, request: MemoryRequest) -> tuple[LayerBytes, ...]:
     """Each layer's bytes as a device of a split holds it under `request`: dense weights, its
     KV reserve and per-sequence states (recurrent, or windows); its routed experts in slots."""
     elem, fmt = request.elem_bytes, spec.expert_format(request.expert_dtype)
-    dense = dense_layer_bytes(spec, elem)
+    dense = dense_layer_bytes(spec, elem, request.dense_dtype)
     tokens = -(-request.kv_reserve_tokens // request.block_size) * request.block_size
     out = []
     for i in range(spec.num_layers):
@@ -524,7 +525,7 @@ def plan_devices(
     )
     layers = layer_bytes(spec, request)
     ranges = plan_split(shares, layers, layer_split)
-    dense = dense_layer_bytes(spec, elem)
+    dense = dense_layer_bytes(spec, elem, request.dense_dtype)
 
     def plans(req: MemoryRequest) -> list[VramPlan]:
         out = []

@@ -298,9 +298,14 @@ def _mlp_prefix(spec: ModelSpec, layer: int, source: TensorSource) -> str:
 
 
 def load_dense(
-    spec: ModelSpec, source: TensorSource, device: torch.device, dtype: torch.dtype
+    spec: ModelSpec,
+    source: TensorSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    dense_dtype: str = "auto",
 ) -> DenseWeights:
-    """Every non-expert tensor, checked against the spec's shapes, on `device` in `dtype`."""
+    """Every non-expert tensor, checked against the spec's shapes, on `device` in `dtype`; with
+    `dense_dtype` "fp8", the projections ModelSpec.fp8_projections names in FP8 (`hold_fp8`)."""
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
 
     def get(name: str, *shape: int) -> torch.Tensor:
@@ -337,6 +342,8 @@ def load_dense(
         if spec.layer_types[layer] == LINEAR_ATTENTION:
             lw = LayerWeights(**norms, **linear_layer_weights(spec, get, p + "linear_attn."))
             _load_mlp(spec, source, get, layer, lw)
+            if dense_dtype == "fp8":
+                hold_fp8(lw, linear_layer=True)
             weights.layers.append(lw)
             continue
         if spec.attn_output_gate:  # the gate's rows after q, k and v (hybrid.py)
@@ -370,8 +377,31 @@ def load_dense(
             lw.o_bias = get(attn + "o_proj.bias", h)
             lw.sinks = get(attn + "sinks", spec.num_heads)
         _load_mlp(spec, source, get, layer, lw)
+        if dense_dtype == "fp8":
+            hold_fp8(lw, linear_layer=False)
         weights.layers.append(lw)
     return weights
+
+
+# The projections `--dense-dtype fp8` holds in FP8 (ModelSpec.fp8_projections counts them), each
+# beside its factors' field
+_FP8_FIELDS = ("qkv", "o", "shared_gate_up", "shared_down", "mlp_gate_up", "mlp_down")
+
+
+def hold_fp8(lw: LayerWeights, *, linear_layer: bool) -> None:
+    """`lw`'s projections in FP8 with one fp32 factor per 128x128 block (`fp8.quantize`), each
+    in place of its weight, its factors in the `_scale` field beside it; a Gated DeltaNet
+    layer's in projection (`linear_layer`: its qkv) stays. An FP8 checkpoint's projections were
+    dequantized as they loaded; quantized again, they keep their e4m3 values where the stacked
+    pieces keep the checkpoint's 128-row blocks and its factors are each block's largest value
+    over 448 (as Qwen's and DeepSeek's FP8 releases make them), else they are rounded again."""
+    for name in _FP8_FIELDS:
+        weight = getattr(lw, name)
+        if weight is None or (linear_layer and name == "qkv"):
+            continue
+        bits, scale = fp8.quantize(weight)
+        setattr(lw, name, bits)
+        setattr(lw, name + "_scale", scale)
 
 
 def _load_mlp(

@@ -36,6 +36,7 @@ class LinearLayer(Protocol):
 
     qkv: torch.Tensor
     o: torch.Tensor
+    o_scale: torch.Tensor | None  # o's block factors where o is FP8 (`--dense-dtype fp8`)
     conv: torch.Tensor | None
     a_log: torch.Tensor | None
     dt_bias: torch.Tensor | None
@@ -112,7 +113,7 @@ def linear_attention(
             q, k, v = _heads(la, conv)
             out[rows] = delta_rule_prefill(q, k, v, g[rows], beta[rows], recurrent_states[slot])
     out = gated_rmsnorm(out, z.reshape(tokens, hv, dv), weights.gated_norm, spec.rms_norm_eps)
-    return linear(out.reshape(tokens, la.value_dim), weights.o)
+    return linear(out.reshape(tokens, la.value_dim), weights.o, None, weights.o_scale)
 
 
 def _heads(

@@ -71,6 +71,14 @@ class LayerWeights:
     a_log: torch.Tensor | None = None  # [HV]
     dt_bias: torch.Tensor | None = None  # [HV]
     gated_norm: torch.Tensor | None = None  # [DV]
+    # `--dense-dtype fp8`: the fp32 factors [N/128, K/128] of the projections held in FP8
+    # (float8_e4m3fn; ModelSpec.fp8_projections names them), None where one is not
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
+    shared_gate_up_scale: torch.Tensor | None = None
+    shared_down_scale: torch.Tensor | None = None
+    mlp_gate_up_scale: torch.Tensor | None = None
+    mlp_down_scale: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -387,7 +395,9 @@ class Model:
                 self._cross(index, state)
             layer = w.layers[index]
             x = self._attention_block(index, layer, state, guess if index == first else None)
-            state.hidden = _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
+            state.hidden = _swiglu(
+                x, layer.mlp_gate_up, layer.mlp_down, layer.mlp_gate_up_scale, layer.mlp_down_scale
+            )
         if routed:
             if last in crossings:
                 self._cross(last, state)
@@ -431,7 +441,13 @@ class Model:
                 self.run_experts(moe.index(index), state)
                 state.hidden = self._after_experts(layer, state)
             else:
-                state.hidden = _swiglu(x, layer.mlp_gate_up, layer.mlp_down)
+                state.hidden = _swiglu(
+                    x,
+                    layer.mlp_gate_up,
+                    layer.mlp_down,
+                    layer.mlp_gate_up_scale,
+                    layer.mlp_down_scale,
+                )
         if span.stop == len(w.layers):
             self._logits(state)
 
@@ -520,7 +536,7 @@ class Model:
         # a sliding-window layer's rings (on its device) and its row there; None for paged KV
         found = self._rings.ring_of(index) if self._rings is not None else None
         rings, ring = found if found is not None else (None, None)
-        qkv = linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias, layer.qkv_scale)
         gate = None
         if spec.attn_output_gate:
             qkv, gate = qkv.split([spec.q_size + 2 * spec.kv_size, spec.q_size], dim=-1)
@@ -559,7 +575,7 @@ class Model:
                 q, k_pages, v_pages, tables, batch.seq_lens, self.scale, kv_scales=scales,
                 sinks=layer.sinks, window=window,
             )  # fmt: skip
-            return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
+            return self._o(layer, _gated(out.reshape(tokens, spec.q_size), gate))
         out = torch.empty_like(q)
         for seq in batch.seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
@@ -583,7 +599,7 @@ class Model:
             if ring is not None:
                 assert rings is not None
                 rings.keep_tail(ring, seq.state_slot, seq.kv_len - seq.q_len, kv_pages, rows)
-        return linear(_gated(out.reshape(tokens, spec.q_size), gate), layer.o, layer.o_bias)
+        return self._o(layer, _gated(out.reshape(tokens, spec.q_size), gate))
 
     def _linear_attention(
         self, index: int, layer: LayerWeights, x: torch.Tensor, batch: StepBatch
@@ -621,6 +637,11 @@ class Model:
             k = rmsnorm(k, layer.k_norm, spec.rms_norm_eps)
         q, k = rotary.apply(q, k, *rope)
         return q, k, v
+
+    @staticmethod
+    def _o(layer: LayerWeights, out: torch.Tensor) -> torch.Tensor:
+        """The attention's output projection of `out` [T, q_size]."""
+        return linear(out, layer.o, layer.o_bias, layer.o_scale)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of q [n, Hq, D] (the last n positions) over k, v [L, Hkv, D].
@@ -738,7 +759,11 @@ class Model:
         """The shared expert of an MoE layer on its input x: its gate's logit [T, 1] and its
         output [T, H], which `_after_experts` adds to the routed experts' sum."""
         assert layer.shared_gate is not None and layer.shared_down is not None
-        return linear(x, layer.shared_gate), _swiglu(x, layer.shared_gate_up, layer.shared_down)
+        shared = _swiglu(
+            x, layer.shared_gate_up, layer.shared_down,
+            layer.shared_gate_up_scale, layer.shared_down_scale,
+        )  # fmt: skip
+        return linear(x, layer.shared_gate), shared
 
 
 _NO_TIMER = contextlib.nullcontext()
@@ -772,6 +797,12 @@ def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     return out if gate is None else out * torch.sigmoid(gate)
 
 
-def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down)
+def _swiglu(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    gate, up = linear(x, gate_up, None, gate_up_scale).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down, None, down_scale)

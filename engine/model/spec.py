@@ -462,6 +462,34 @@ class ModelSpec:
     def dense_bytes(self) -> int:
         return self.dense_params * self.dtype_bytes
 
+    def fp8_projections(self) -> list[tuple[int, int]]:
+        """The shapes [N, K] of the dense projections `--dense-dtype fp8` holds in FP8, each
+        once per layer that has it: an attention layer's stacked q, k, v (and output gate) and
+        its o, a Gated DeltaNet layer's out projection (its in projection, whose small b and a
+        rows break the 128-row blocks, stays in the compute dtype), a shared expert's stacked
+        gate and up and its down, a dense MLP's."""
+        h = self.hidden_size
+        q_out = 2 * self.q_size if self.attn_output_gate else self.q_size
+        shapes = [(q_out + 2 * self.kv_size, h), (h, self.q_size)] * len(self.attention_layers)
+        if self.linear_attention is not None:
+            shapes += [(h, self.linear_attention.value_dim)] * len(self.linear_layers)
+        if self.shared_expert_intermediate_size:
+            si = self.shared_expert_intermediate_size
+            shapes += [(2 * si, h), (h, si)] * self.num_moe_layers
+        mlp = self.intermediate_size
+        shapes += [(2 * mlp, h), (h, mlp)] * (self.num_layers - self.num_moe_layers)
+        return shapes
+
+    def dense_bytes_at(self, elem_bytes: int, dense_dtype: str = "auto") -> int:
+        """The dense weights' bytes at `elem_bytes` a weight, with the FP8 projections (one
+        byte a weight and an fp32 factor per 128x128 block) where `dense_dtype` is "fp8"."""
+        total = self.dense_params * elem_bytes
+        if dense_dtype != "fp8":
+            return total
+        for n, k in self.fp8_projections():
+            total -= n * k * (elem_bytes - 1) - -(-n // 128) * -(-k // 128) * 4
+        return total
+
     @property
     def active_bytes_per_token(self) -> int:
         """Weight bytes one decode token reads: the dense weights (less the embedding table) and

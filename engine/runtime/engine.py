@@ -200,7 +200,8 @@ class Engine:
             source = SafetensorsSource(Path(model.path), spec)
         # a split's dense weights go to their devices once the split is planned
         host = len(self.devices) > 1
-        return source, load_dense(spec, source, HOST if host else self.device, self.dtype)
+        device = HOST if host else self.device
+        return source, load_dense(spec, source, device, self.dtype, model.dense_dtype)
 
     def _plan_split(self) -> None:
         """The layers' split across the devices and each device's memory plan, from each one's
