@@ -90,12 +90,25 @@ if [ "$part" = fp8 ]; then  # the MoE kernels over FP8 expert banks: their tests
     --only fused_moe,fused_moe_fp8,grouped_moe,grouped_moe_fp8
 fi
 if [ "$part" = fp8_linear ]; then  # the decode projections over FP8 weights: their tests (the
-  # interpreter's shapes natively, qkv and o in bf16), then their rows beside bf16's, and the
-  # FP8 kernel's tiles (whether keeping an FP8 checkpoint's projections FP8 pays)
+  # interpreter's shapes natively, qkv and o in bf16, the engine's FP8 projections on CUDA),
+  # then their rows beside bf16's, the FP8 kernel's tiles, and decode with and without FP8
+  # projections (whether --dense-dtype fp8 should become the default)
   T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
   run fp8_linear_tests python3 -m pytest -q $T --tb=short tests/kernels/test_gemv.py -k fp8
+  run fp8_dense_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_dense_fp8.py
   run fp8_linear_kernels python3 -m moelab.kernels.bench --only linear,linear_fp8
   run fp8_linear_sweep python3 -m moelab.kernels.bench --sweep --only linear_fp8
+  # FP8 experts with the projections in the compute dtype, then in FP8 (--dense-dtype fp8):
+  # 12 layers all resident (issue 52's 1.3x over bf16), then 48 on 24 GiB offloaded
+  F="--routing-skew 1 --moe-expert-dtype fp8 --json"
+  for dense in auto fp8; do
+    run fp8_dense_${dense}_resident $B decode $G $F --tokens 256 --repeats 3 --dense-dtype $dense
+  done
+  for dense in auto fp8; do
+    run fp8_dense_${dense}_48 $B decode --preset qwen3-30b-a3b --device-memory 24GiB $F \
+      --tokens 128 --repeats 2 --dense-dtype $dense
+  done
 fi
 if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their tests natively
   # (the small ones, bf16, gpt-oss's shapes, a CUDA graph), then the decode and prefill rows of
