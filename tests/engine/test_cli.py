@@ -552,7 +552,8 @@ def test_the_decode_bound_reads_the_dense_weights_the_kv_cache_and_the_cached_ex
     spec = ModelSpec.from_config(make_config("qwen3_moe", "tiny"))
     kv = KVCache(spec, 1, 16, torch.device("cpu"), torch.bfloat16)
     bank = SimpleNamespace(expert_bytes=spec.expert_params * 2)  # a bf16 bank's experts
-    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16, kv=kv, bank=bank)
+    config = SimpleNamespace(model=SimpleNamespace(dense_dtype="auto"))
+    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16, kv=kv, bank=bank, config=config)
     layers, experts = spec.num_moe_layers, spec.num_experts
     per_layer = np.zeros((layers, experts), dtype=np.int64)
     counts = {k: per_layer.copy() for k in ("reads", "hits", "fills", "cpu", "picks")}
@@ -582,6 +583,13 @@ def test_the_decode_bound_reads_the_dense_weights_the_kv_cache_and_the_cached_ex
     engine.kv = KVCache(spec, 1, 16, torch.device("cpu"), torch.bfloat16, cache_dtype="fp8")
     fp8_token = 2 * spec.num_layers * spec.num_kv_heads * (spec.head_dim + 4)
     assert bound(4096)["kv_bytes_per_step"] == pytest.approx(2 * (4096 + 2.5) * fp8_token)
+    # FP8 projections (--dense-dtype fp8): a byte a weight and their factors, as held
+    before = bound(4096)["active_bytes_per_token"]
+    config.model.dense_dtype = "fp8"
+    held = spec.dense_bytes_at(2, "fp8")
+    assert 0 < held < spec.dense_params * 2
+    fp8_dense = bound(4096)["active_bytes_per_token"] - before
+    assert fp8_dense == pytest.approx(held - spec.dense_params * 2)
 
 
 def test_host_disturbance_is_the_steal_and_interrupt_share_between_two_readings():

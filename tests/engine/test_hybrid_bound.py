@@ -17,6 +17,9 @@ from moelab.engine.model.spec import ModelSpec
 from moelab.engine.model.synth import make_config
 from moelab.engine.model.window import WindowPool
 
+# an engine's flags as the bound reads them: the projections in the compute dtype
+AUTO = SimpleNamespace(model=SimpleNamespace(dense_dtype="auto"))
+
 transformers = pytest.importorskip(
     "transformers", reason="transformers writes the config (pip install -e '.[test]')"
 )
@@ -48,7 +51,7 @@ def test_the_hybrid_decode_bound_reads_and_writes_each_sequences_states():
     kv = KVCache(spec, 1, 16, torch.device("cpu"), torch.bfloat16)
     assert kv.bytes_per_token == KV_TOKEN_BYTES == 20_480  # a quarter of the layers
     bank = SimpleNamespace(expert_bytes=spec.expert_params * 2)
-    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16, kv=kv, bank=bank)
+    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16, kv=kv, bank=bank, config=AUTO)
     layers = spec.num_moe_layers
     counts = {
         k: np.zeros((layers, spec.num_experts), dtype=np.int64)
@@ -90,7 +93,9 @@ def test_the_gpt_oss_decode_bound_reads_the_sliding_layers_windows_alone():
     assert kv.bytes_per_token == 12 * 2 * 8 * 64 * 2
     window_token = 12 * 2 * 8 * 64 * 2  # a token of the 12 sliding layers
     bank = SimpleNamespace(expert_bytes=spec.expert_params * 2)
-    engine = SimpleNamespace(spec=spec, dtype=torch.bfloat16, kv=kv, bank=bank, states=rings)
+    engine = SimpleNamespace(
+        spec=spec, dtype=torch.bfloat16, kv=kv, bank=bank, states=rings, config=AUTO
+    )
     counts = {
         k: np.zeros((spec.num_moe_layers, spec.num_experts), dtype=np.int64)
         for k in ("reads", "hits", "fills", "cpu", "picks")
