@@ -487,7 +487,8 @@ class ModelSpec:
         if dense_dtype != "fp8":
             return total
         for n, k in self.fp8_projections():
-            total -= n * k * (elem_bytes - 1) - -(-n // 128) * -(-k // 128) * 4
+            factors = -(-n // 128) * -(-k // 128)
+            total -= n * k * (elem_bytes - 1) - 4 * factors
         return total
 
     @property
