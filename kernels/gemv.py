@@ -382,76 +382,109 @@ def linear_decode(
     tokens, k = x.shape
     n = weight.shape[0]
     cfg = config or choose_config(tokens, n, k, common.sm_count(x.device))
+    call = _prepare(x, n, bias, cfg, compute_dtype)
+    if tokens == 1:
+        _one_token_kernel[call.grid](
+            x,
+            weight,
+            call.bias_arg,
+            call.out,
+            call.partials,
+            n,
+            k,
+            call.k_per_split,
+            weight.stride(0),
+            STAGES=cfg.num_stages,
+            EARLY_W=early_weights and call.flags["PDL"],
+            **call.flags,
+        )
+    else:
+        _tokens_kernel[call.grid](
+            x,
+            weight,
+            call.bias_arg,
+            call.out,
+            call.partials,
+            tokens,
+            n,
+            k,
+            call.k_per_split,
+            x.stride(0),
+            weight.stride(0),
+            BLOCK_T=MAX_TOKENS,
+            **call.flags,
+        )
+    return _sum_splits(call, cfg, bias, tokens, n)
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """What a call's launches share, bf16 or FP8: its output, the fp32 partials of a split K
+    (the output itself without one), the bias argument, the grid, each split's reduction span
+    and the kernels' constexprs and launch settings."""
+
+    out: torch.Tensor
+    partials: torch.Tensor
+    bias_arg: torch.Tensor
+    grid: tuple[int, int]
+    k_per_split: int
+    flags: dict
+
+
+def _prepare(
+    x: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    cfg: GemvConfig,
+    compute_dtype: torch.dtype | None,
+) -> _Call:
+    tokens, k = x.shape
     if tokens > 1 and cfg.block_n < 16:
         raise ValueError(
             f"config.block_n={cfg.block_n}: {tokens} tokens use tl.dot, which needs blocks of "
             "16 rows or more (narrower blocks are for one token only)"
         )
-    compute = common.tl_dtype(compute_dtype or x.dtype)
     block_k = min(cfg.block_k, common.next_pow2(k, 16))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
     split = cfg.split_k > 1
     out = common.alloc((tokens, n), x.dtype, x.device)
     partials = common.alloc((cfg.split_k, tokens, n), torch.float32, x.device) if split else out
-    # Triton needs a tensor for every pointer argument; HAS_BIAS keeps this one unread.
-    bias_arg = bias if bias is not None else out
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
-    pdl = common.pdl_launch(x.device)
     flags = {
         "HAS_BIAS": bias is not None,
         "SPLIT": split,
         "BLOCK_N": cfg.block_n,
         "BLOCK_K": block_k,
-        "COMPUTE": compute,
+        "COMPUTE": common.tl_dtype(compute_dtype or x.dtype),
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
-        **pdl,
+        **common.pdl_launch(x.device),
     }
-    if tokens == 1:
-        _one_token_kernel[grid](
-            x,
-            weight,
-            bias_arg,
-            out,
-            partials,
-            n,
-            k,
-            k_per_split,
-            weight.stride(0),
-            STAGES=cfg.num_stages,
-            EARLY_W=early_weights and pdl["PDL"],
-            **flags,
-        )
-    else:
-        _tokens_kernel[grid](
-            x,
-            weight,
-            bias_arg,
-            out,
-            partials,
-            tokens,
-            n,
-            k,
-            k_per_split,
-            x.stride(0),
-            weight.stride(0),
-            BLOCK_T=MAX_TOKENS,
-            **flags,
-        )
-    if split:
+    # Triton needs a tensor for every pointer argument; HAS_BIAS keeps this one unread.
+    bias_arg = bias if bias is not None else out
+    return _Call(
+        out, partials, bias_arg, (triton.cdiv(n, cfg.block_n), cfg.split_k), k_per_split, flags
+    )
+
+
+def _sum_splits(
+    call: _Call, cfg: GemvConfig, bias: torch.Tensor | None, tokens: int, n: int
+) -> torch.Tensor:
+    """The output: a split K's partials added in a fixed order (+ bias) by a second launch."""
+    if cfg.split_k > 1:
         total = tokens * n
         _sum_splits_kernel[(triton.cdiv(total, SUM_BLOCK),)](
-            partials,
-            bias_arg,
-            out,
+            call.partials,
+            call.bias_arg,
+            call.out,
             total,
             n,
             SPLIT_K=cfg.split_k,
             HAS_BIAS=bias is not None,
             BLOCK=SUM_BLOCK,
-            **pdl,
+            PDL=call.flags["PDL"],
+            launch_pdl=call.flags["launch_pdl"],
         )
-    return out
+    return call.out
 
 
 def fp8_config(config: GemvConfig) -> GemvConfig:
@@ -495,45 +528,20 @@ def linear_decode_fp8(
     cfg = fp8_config(config or choose_config(tokens, n, k, common.sm_count(x.device)))
     if 128 % cfg.block_n or 128 % cfg.block_k:
         raise ValueError(f"{cfg}: FP8 blocks need block_n and block_k dividing 128")
-    if tokens > 1 and cfg.block_n < 16:
-        raise ValueError(f"config.block_n={cfg.block_n}: {tokens} tokens need blocks of 16 rows")
-    compute = common.tl_dtype(compute_dtype or x.dtype)
-    block_k = min(cfg.block_k, common.next_pow2(k, 16))
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
-    split = cfg.split_k > 1
-    out = common.alloc((tokens, n), x.dtype, x.device)
-    partials = common.alloc((cfg.split_k, tokens, n), torch.float32, x.device) if split else out
-    bias_arg = bias if bias is not None else out
+    call = _prepare(x, n, bias, cfg, compute_dtype)
     bits = fp8_bits(weight)
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
-    pdl = common.pdl_launch(x.device)
-    flags = {
-        "HAS_BIAS": bias is not None,
-        "SPLIT": split,
-        "BLOCK_N": cfg.block_n,
-        "BLOCK_K": block_k,
-        "COMPUTE": compute,
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-        **pdl,
-    }
     if tokens == 1:
-        _one_token_fp8_kernel[grid](
-            x, bits, scale_inv, bias_arg, out, partials, n, k, k_per_split, bits.stride(0),
-            scale_inv.stride(0), STAGES=cfg.num_stages, **flags,
+        _one_token_fp8_kernel[call.grid](
+            x, bits, scale_inv, call.bias_arg, call.out, call.partials, n, k, call.k_per_split,
+            bits.stride(0), scale_inv.stride(0), STAGES=cfg.num_stages, **call.flags,
         )  # fmt: skip
     else:
-        _tokens_fp8_kernel[grid](
-            x, bits, scale_inv, bias_arg, out, partials, tokens, n, k, k_per_split, x.stride(0),
-            bits.stride(0), scale_inv.stride(0), BLOCK_T=MAX_TOKENS, **flags,
+        _tokens_fp8_kernel[call.grid](
+            x, bits, scale_inv, call.bias_arg, call.out, call.partials, tokens, n, k,
+            call.k_per_split, x.stride(0), bits.stride(0), scale_inv.stride(0),
+            BLOCK_T=MAX_TOKENS, **call.flags,
         )  # fmt: skip
-    if split:
-        total = tokens * n
-        _sum_splits_kernel[(triton.cdiv(total, SUM_BLOCK),)](
-            partials, bias_arg, out, total, n, SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
-            BLOCK=SUM_BLOCK, **pdl,
-        )  # fmt: skip
-    return out
+    return _sum_splits(call, cfg, bias, tokens, n)
 
 
 def kernel_accepts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
