@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moelab.engine.model.checkpoint import _FP8_FIELDS
-from moelab.engine.model.spec import LINEAR_ATTENTION
+from moelab.engine.model.spec import LINEAR_ATTENTION, ModelSpec
+from moelab.engine.model.synth import make_config
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
 from moelab.kernels import fp8
@@ -121,9 +122,6 @@ def test_a_bf16_checkpoints_projections_are_quantized_at_load(arch, tmp_path):
 def test_the_plan_counts_the_fp8_projections_of_each_geometry():
     """ModelSpec.dense_bytes_at against the projections' own count at Qwen3-30B-A3B's and
     Qwen3.6-35B-A3B's geometries: one byte a weight and 4 a 128x128 block."""
-    from moelab.engine.model.spec import ModelSpec
-    from moelab.engine.model.synth import make_config
-
     for arch, preset in (("qwen3_moe", "qwen3-30b-a3b"), ("qwen3_5_moe", "qwen3.6-35b-a3b")):
         spec = ModelSpec.from_config(make_config(arch, preset))
         shapes = spec.fp8_projections()
