@@ -59,14 +59,19 @@ def picks_samples(daemon: Daemon, server_id: int, window_s: float) -> list[dict[
 
 
 def held_formats(stats: dict[str, Any] | None) -> dict[str, str | None]:
-    """How an engine holds its routed experts and its KV cache, as /v1/stats says: "fp8",
-    "mxfp4" or "nvfp4", else a dtype's name (an expert format other than those is the compute
-    dtype); None where unsaid."""
+    """How an engine holds its routed experts, its dense projections and its KV cache, as
+    /v1/stats says: "fp8", "mxfp4" or "nvfp4", else a dtype's name (an expert format other than
+    those is the compute dtype); None where unsaid."""
     stats = stats or {}
+    config = stats.get("config") or {}
     experts = (stats.get("experts") or {}).get("dtype")
     if experts is not None and experts not in ("fp8", "mxfp4", "nvfp4"):
-        experts = (stats.get("config") or {}).get("dtype") or experts
-    return {"experts": experts, "kv": (stats.get("kv") or {}).get("dtype")}
+        experts = config.get("dtype") or experts
+    return {
+        "experts": experts,
+        "dense": config.get("dense_dtype"),
+        "kv": (stats.get("kv") or {}).get("dtype"),
+    }
 
 
 def device_split(stats: dict[str, Any]) -> list[dict[str, Any]]:

@@ -894,6 +894,8 @@ class Engine:
             "pdl": common.pdl(self.device),
             "device": str(self.device),
             "dtype": self.dtype_name,
+            # the dense projections as held (--dense-dtype): "fp8", else the compute dtype
+            "dense_dtype": "fp8" if config.model.dense_dtype == "fp8" else self.dtype_name,
         }
 
     def set_cpu_pin(self, mode: str) -> None:

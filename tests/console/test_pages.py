@@ -206,26 +206,27 @@ def test_settings_in_force_are_rounded(daemon: Daemon, recorded: Recorded) -> No
     assert "0.4297" not in settings and "2.3171" not in settings
 
 
-def test_an_engine_s_expert_and_kv_formats_are_shown_in_both_languages(
+def test_an_engine_s_expert_dense_and_kv_formats_are_shown_in_both_languages(
     tmp_path: Path, demo_model: Path
 ) -> None:
-    """/v1/stats says FP8 (or MXFP4) experts and FP8 KV pages: the server's page names both; an
-    engine that holds them in its compute dtype shows that dtype."""
+    """/v1/stats says FP8 (or MXFP4) experts, FP8 projections and FP8 KV pages: the server's page
+    names each; an engine that holds them in its compute dtype shows that dtype."""
     daemon = make_daemon(tmp_path / "data", None)
     daemon.start()
     try:
         ids = record_engine(daemon, demo_model)
 
-        def say(experts: str, kv: str) -> None:
+        def say(experts: str, kv: str, dense: str = "float32") -> None:
             with daemon.store.session() as session:
                 row = session.get(Server, ids.running_id)
                 stats = copy.deepcopy(row.last_stats)
                 stats["experts"]["dtype"], stats["kv"]["dtype"] = experts, kv
+                stats["config"]["dense_dtype"] = dense
                 row.last_stats = stats
 
         say("bf16", "float32")  # on a CPU device: the compute dtype, float32
         plain = get_page(local_client(daemon), f"/servers/{ids.running_id}", "en")
-        say("fp8", "fp8")
+        say("fp8", "fp8", "fp8")
         en = get_page(local_client(daemon), f"/servers/{ids.running_id}", "en")
         ja = get_page(local_client(daemon), f"/servers/{ids.running_id}", "ja")
         say("mxfp4", "fp8")
@@ -238,6 +239,10 @@ def test_an_engine_s_expert_and_kv_formats_are_shown_in_both_languages(
         daemon.close()
     assert re.search(r'id="expert-format"><code>float32</code>', plain)
     assert re.search(r'id="kv-format"><code>float32</code>', plain)
+    assert re.search(r'id="dense-format"><code>float32</code>', plain)
+    assert 'id="dense-format">FP8 (e4m3, one fp32 factor per 128×128 block)<' in en
+    assert 'id="dense-format">FP8（e4m3、128×128 ブロックごとに fp32 の係数 1 つ）<' in ja
+    assert "密な射影の保持形式" in ja
     assert "Routed experts held as" in en and "KV cache held as" in en
     assert 'id="expert-format">FP8 (e4m3, one fp32 factor per 128×128 block)<' in en
     assert 'id="kv-format">FP8 (e4m3, one fp32 factor per token and KV head)<' in en

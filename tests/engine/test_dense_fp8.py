@@ -112,6 +112,9 @@ def test_a_bf16_checkpoints_projections_are_quantized_at_load(arch, tmp_path):
                 setattr(lw, name, widened.to(getattr(lw, name).dtype))
         assert fp8_engine.plan.weights_bytes == fp8_engine.model.weights.nbytes
         assert fp8_engine.plan.weights_bytes < plain.plan.weights_bytes
+        # /v1/stats' config says how the projections are held (the console shows it)
+        assert fp8_engine.config_in_force()["dense_dtype"] == "fp8"
+        assert plain.config_in_force()["dense_dtype"] == plain.config_in_force()["dtype"]
         ours, ref = fp8_engine.score(PROMPT), plain.score(PROMPT)
     finally:
         fp8_engine.close()
