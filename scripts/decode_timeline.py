@@ -13,6 +13,9 @@ waited for them); from the routing to the cached routes' head (`_route_slots_fro
 sum (`_sum_parts_kernel`, or at one token `_sum_norm_kernel`, which polls the CPU's epoch itself,
 so its time holds the wait); the epoch wait, where a kernel of its own does it
 (`_wait_epoch_kernel`); and from the sum to the next routing (attention, norms and router).
+`kernels` and `kernel_busy_us` count the step's kernels (the next routing's included) and the
+time at least one of them runs: the rest of the period the device waits (for the host, a copy,
+a launch).
 With programmatic dependent launch a kernel is placed while the one before still runs, so its
 time also holds that wait.
 `cached_moe_during_fills` counts the one-token MoE kernels that ran before the fills ended (2:
@@ -34,6 +37,16 @@ ROUTING_KERNELS = ("_route_kernel", "_routing_to_host_kernel")
 
 def _end(e: dict) -> float:
     return e["ts"] + e["dur"]
+
+
+def _busy(kernels: list[dict], t0: float) -> float:
+    """The time from t0 on during which at least one of these kernels runs (their union)."""
+    busy, end = 0.0, t0
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = max(e["ts"], end), _end(e)
+        if stop > start:
+            busy, end = busy + stop - start, stop
+    return busy
 
 
 def layer_steps(events: list[dict]) -> list[dict]:
@@ -59,9 +72,12 @@ def layer_steps(events: list[dict]) -> list[dict]:
             continue
         fills = [e for e in inside if e["cat"] == "gpu_memcpy" and e["dur"] > FILL_MIN_US]
         memsets = [e for e in inside if e.get("cat") == "gpu_memset"]
+        kernels = [e for e in inside if e["cat"] == "kernel"]
         step = {
             "kind": f"{len(fills)} copies" + (f", {len(memsets)} memsets" if memsets else ""),
             "period_us": t1 - t0,
+            "kernels": len(kernels),  # the next routing's own kernel, which ends it, among them
+            "kernel_busy_us": _busy(kernels, t0),
             "routing_to_cached_head_us": head["ts"] - t0,
             "sum_us": total["dur"],
             "sum_to_next_routing_us": t1 - _end(total),

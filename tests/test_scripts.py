@@ -17,7 +17,9 @@ def _kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
 def test_decode_timeline_measures_each_layer_step(tmp_path):
     """A made-up trace of two layer steps, one with a fill and one without, in the shape
     torch's profiler writes: each figure is what the events say. A layer's routing ends with
-    either kernel that stores it to the host."""
+    either kernel that stores it to the host. A step's kernels count the next routing's, and
+    their busy time is the union of their runs (the sum's 60 µs and the cached routes' 14 in
+    the last step: 83 µs of its 220)."""
     events = [
         _kernel("_routing_to_host_kernel", 0, 2),  # step 1 starts at 2
         _kernel("Memcpy HtoD (Pinned -> Device)", 30, 200, "gpu_memcpy"),  # the fill: 30..230
@@ -53,13 +55,15 @@ def test_decode_timeline_measures_each_layer_step(tmp_path):
     without, with_fill = (json.loads(line) for line in run.stdout.splitlines())
     # the fill kind's two steps: medians of two, and of one where only one has the field
     assert with_fill == {
-        "kind": "1 copies", "layer_steps": 2, "period_us": 255, "routing_to_cached_head_us": 23,
+        "kind": "1 copies", "layer_steps": 2, "period_us": 255, "kernels": 7,
+        "kernel_busy_us": 60, "routing_to_cached_head_us": 23,
         "sum_us": 32.5, "sum_to_next_routing_us": 39, "epoch_wait_us": 2,
         "routing_to_fill_us": 23, "fill_span_us": 150, "fill_end_to_sum_end_us": 43,
         "cached_moe_during_fills": 2,
     }  # fmt: skip
     assert without == {
-        "kind": "0 copies", "layer_steps": 1, "period_us": 130, "routing_to_cached_head_us": 8,
+        "kind": "0 copies", "layer_steps": 1, "period_us": 130, "kernels": 4,
+        "kernel_busy_us": 50, "routing_to_cached_head_us": 8,
         "sum_us": 5, "sum_to_next_routing_us": 46, "epoch_wait_us": 40,
     }  # fmt: skip
 
