@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8_linear|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|hybrid|split|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|timeline|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8_linear|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|hybrid|split|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -338,6 +338,19 @@ if [ "$part" = offload ]; then  # the offloaded decode step, with the CPU worker
   run decode12_cache25_skew1_profile $B decode $C --profile
   run decode12_cache25_skew1_trace $B decode $C --kernel-profile --trace "$out/trace.json"
   run decode12_timeline python3 scripts/decode_timeline.py "$out/trace.json"
+fi
+if [ "$part" = timeline ]; then  # where an offloaded layer step's time goes with FP8 experts (the
+  # fixed cost that keeps issues 52 and 53 under 75% of t_min): each kind of step's period, its
+  # kernels' busy time and the host's part (decode_timeline.py), 48 of Qwen3-30B-A3B's layers on
+  # 24 GiB, then Qwen3.6-35B-A3B's 40 on 24 GiB
+  for model in "qwen3-30b-a3b 48" "qwen3.6-35b-a3b 40"; do
+    set -- $model
+    run timeline_$2 $B decode --preset $1 --routing-skew 1 --device-memory 24GiB \
+      --moe-expert-dtype fp8 --json --tokens 64 --kernel-profile --trace "$out/trace$2.json"
+    run timeline_$2_steps python3 scripts/decode_timeline.py "$out/trace$2.json"
+    cat "$out/timeline_$2_steps.log"
+    gzip -f "$out/trace$2.json"
+  done
 fi
 if [ "$part" = crossover ] || [ "$part" = all ]; then  # the bw profile first: the crossover joins it
   run bw_profile $B bw --json
