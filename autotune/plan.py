@@ -47,6 +47,9 @@ GPU_ONLY = {
     "--moe-cache-admission": Text(
         "the expert cache's slots lie in the same RAM as the bank: a hit saves no copy"
     ),
+    "--dense-dtype": Text(
+        "no FP8 kernel runs on the CPU: each projection would be widened for every call"
+    ),
 }
 # values that do nothing where the engine runs on the CPU: a fetched miss is only copied within RAM
 GPU_ONLY_VALUES = {"--moe-miss-policy": ("gpu", "split:")}

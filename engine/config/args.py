@@ -790,6 +790,15 @@ TUNABLE: tuple[Tunable, ...] = (
         Text("KV pages in FP8: twice the context or more expert slots, against precision"),
     ),
     Tunable(
+        "--dense-dtype",
+        "choice",
+        ("auto", "fp8"),
+        Text(
+            "the dense projections in FP8: fewer bytes a decode step and more expert slots, "
+            "against precision"
+        ),
+    ),
+    Tunable(
         "--moe-cpu-pin",
         "choice",
         ("cores", "isolate", "off"),

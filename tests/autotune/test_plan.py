@@ -69,10 +69,12 @@ def test_a_cpu_machine_leaves_out_what_needs_a_gpu() -> None:
     # misses are split between a copy to the GPU and the CPU; prefill copies overlap on a GPU
     assert "there is no GPU" in why(plan, "--no-split-misses")
     assert "only on a GPU" in why(plan, "--no-prefill-overlap")
+    # FP8 projections are read by a CUDA kernel; on the CPU each call would widen them
+    assert "no FP8 kernel runs on the CPU" in why(plan, "--dense-dtype")
     # a GPU machine tries every one of them
     gpu = keys(make_plan([], MODEL, GPU_8, MODES["standard"], Objective("decode")))
     assert {"--moe-miss-policy=gpu", "--moe-miss-policy=split:0.25", "--no-split-misses=on",
-            "--no-prefill-overlap=on"} <= set(gpu)  # fmt: skip
+            "--no-prefill-overlap=on", "--dense-dtype=fp8"} <= set(gpu)  # fmt: skip
     # flags that say --device cpu run the engine on the CPU whatever the machine has
     forced = make_plan(["--device", "cpu"], MODEL, GPU_8, MODES["standard"], Objective("decode"))
     assert "--moe-miss-policy=gpu" not in keys(forced)
