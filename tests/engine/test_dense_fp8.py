@@ -91,13 +91,16 @@ def test_an_fp8_checkpoints_projections_kept_fp8_match_transformers(arch, tmp_pa
         assert_same_greedy(tokens, ref_tokens, margins)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "mixtral", "olmoe"]
+)
 def test_a_bf16_checkpoints_projections_are_quantized_at_load(arch, tmp_path):
     """A bf16 checkpoint with --dense-dtype fp8 (ragged blocks here) gives the logits of the
     same model whose projections are quantized and widened back (`fp8.quantize`,
-    `fp8.dequantize`): the factors go with their weights at every call site (attention, a
-    Gated DeltaNet layer's out projection, the dense MLP, the shared expert), and a DeltaNet
-    layer's in projection stays in the compute dtype."""
+    `fp8.dequantize`): the factors go with their weights at every call site (attention, its
+    biases and sinks in gpt_oss, a Gated DeltaNet layer's out projection, the dense MLP, the
+    shared expert), in every architecture, and a DeltaNet layer's in projection stays in the
+    compute dtype."""
     path = synthesize(tmp_path / "m", arch=arch, preset="tiny", seed=5, routing_skew=0.5)
     fp8_engine = make_engine(path, "--dense-dtype", "fp8", "--moe-cache-rate", "1.0")
     plain = make_engine(path, "--moe-cache-rate", "1.0")
