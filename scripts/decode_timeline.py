@@ -1,7 +1,7 @@
 """The device's timeline of an offloaded decode layer step, from a kernel-profile trace.
 
     moelab bench decode ... --moe-cache-rate 0.25 --kernel-profile --trace trace.json
-    python scripts/decode_timeline.py trace.json
+    python scripts/decode_timeline.py trace.json   (or trace.json.gz, as gpu_suite.sh keeps it)
 
 A layer step runs from the end of the kernel that stores one layer's routing to the host (the host
 may plan then) to the next's: `_route_kernel` (the router in one launch, one token) or
@@ -24,6 +24,7 @@ the cached routes' run during them).
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import statistics
@@ -115,7 +116,9 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    events = json.loads(Path(argv[0]).read_text())["traceEvents"]
+    path = Path(argv[0])
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    events = json.loads(text)["traceEvents"]
     rows = summary(layer_steps(events))
     if not rows:
         print("no offloaded decode layer steps in this trace", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -66,6 +67,14 @@ def test_decode_timeline_measures_each_layer_step(tmp_path):
         "kernel_busy_us": 50, "routing_to_cached_head_us": 8,
         "sum_us": 5, "sum_to_next_routing_us": 46, "epoch_wait_us": 40,
     }  # fmt: skip
+    # the same trace gzipped, as gpu_suite.sh's timeline part keeps it
+    packed = tmp_path / "trace.json.gz"
+    packed.write_bytes(gzip.compress(trace.read_bytes()))
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "decode_timeline.py"), str(packed)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert again.stdout == run.stdout
 
 
 def test_mgr_restart_times_mgr_over_a_trial_engine_left_loading(tmp_path):
