@@ -297,9 +297,9 @@ def fp8_projection(
     """An FP8 weight [N, K] and its factors, block factors apart by up to 2^spread (so a wrong
     block's factor shows), with weights of every e4m3 range among them."""
     weight, _ = projection(gen, n, k, with_bias=False)
-    rows = torch.exp2(spread * torch.rand(n, 1, generator=gen))
-    cols = torch.exp2(spread * torch.rand(1, k, generator=gen))
-    return fp8.quantize((weight * rows * cols).to(DEVICE))
+    rows = torch.exp2(spread * torch.rand(n, 1, generator=gen)).to(weight.device)
+    cols = torch.exp2(spread * torch.rand(1, k, generator=gen)).to(weight.device)
+    return fp8.quantize(weight * rows * cols)
 
 
 @pytest.mark.parametrize(
