@@ -810,7 +810,7 @@ class Bench:
         bytes_moved = weight_bytes + tokens * (n + k) * ELEM_BYTES
         label = f"T={tokens} {name} N={n} K={k}"
         if config is not None:
-            label = f"{label} {_short(gemv.fp8_config(config))}"
+            label = f"{label} {_short(gemv.fp8_config(config, tokens))}"
 
         def kernel(weight: torch.Tensor, scale: torch.Tensor) -> Callable[[], object]:
             return lambda: gemv.linear_decode_fp8(x, weight, scale, config=config)
@@ -1215,7 +1215,7 @@ def _sweep(bench: Bench, wanted: set[str]) -> None:
                     bench.linear(tokens, name, config)
     if "linear_fp8" in wanted:  # the bf16 sweep's tiles as the FP8 kernels take them, each once
         for tokens, configs in GEMV_SWEEP.items():
-            for config in dict.fromkeys(gemv.fp8_config(c) for c in configs):
+            for config in dict.fromkeys(gemv.fp8_config(c, tokens) for c in configs):
                 for name in ("qkv", "o"):
                     bench.linear_fp8(tokens, name, config)
     if "route" in wanted:
