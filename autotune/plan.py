@@ -29,6 +29,7 @@ FIGURE_OF_FLAG = {
     "--moe-cpu-prefetch-rounds": "decode",
     "--moe-cpu-redo-us": "decode",  # the decode planner's CPU jobs only
     "--moe-copy-ahead": "decode",
+    "--moe-early-cached": "decode",  # the decode pieces' heads only
     "--moe-cache-admission": "decode",  # the decode planners' fills only
 }
 # flags that do nothing where the engine runs on the CPU, and why
@@ -39,6 +40,7 @@ GPU_ONLY = {
     # the guesses the prefetch and the copy ahead work from come from one-token pieces' graphs
     "--moe-cpu-prefetch-rounds": Text("CUDA graphs do not apply (it works from their guesses)"),
     "--moe-copy-ahead": Text("CUDA graphs do not apply (it works from their guesses)"),
+    "--moe-early-cached": Text("CUDA graphs do not apply (it moves their pieces' heads)"),
     "--devices": Text("a split runs across GPUs"),
     "--no-split-misses": Text(
         "a miss is split between a copy to the GPU and the CPU: there is no GPU"

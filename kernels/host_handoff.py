@@ -441,6 +441,76 @@ def route_slots_from_host(
         route_slots_from_host_ref(slots_h, cached, filled)
 
 
+def route_slots_from_map_ref(
+    ids: torch.Tensor, slot_map_h: torch.Tensor, seq_lens: torch.Tensor, cached: torch.Tensor
+) -> None:
+    """Reference: the cached routes' slots looked up on the device, without the host's plan:
+    cached[t, k] = slot_map_h[ids[t, k]] (the layer's row of the cache's slot map, int32 [E] in
+    host memory: a slot, or -1 for an expert not cached), -1 for every route of a padding row
+    (seq_lens[t] == 0)."""
+    _check_route_map(ids, slot_map_h, seq_lens, cached)
+    rows = seq_lens[: ids.shape[0]].to(cached.device)
+    slots = slot_map_h.to(cached.device)[ids.long()]
+    cached.copy_(torch.where(rows[:, None] > 0, slots, -1))
+
+
+@triton.jit
+def _route_slots_from_map_kernel(
+    ids_ptr, map_h_ptr, lens_ptr, cached_ptr, n, top_k, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    common.pdl_start(PDL)  # then the router's ids are there
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    live = tl.load(lens_ptr + offs // top_k, mask=mask, other=0) > 0
+    # volatile: the host wrote the row just before the launch; never a copy cached before
+    slots = tl.load(map_h_ptr + ids, mask=mask & live, other=-1, volatile=True)
+    tl.store(cached_ptr + offs, slots, mask=mask)
+
+
+def route_slots_from_map_triton(
+    ids: torch.Tensor, slot_map_h: torch.Tensor, seq_lens: torch.Tensor, cached: torch.Tensor
+) -> None:
+    """Triton: the same in one launch reading the (pinned) row over PCIe, one read a route;
+    graph-capturable."""
+    _check_route_map(ids, slot_map_h, seq_lens, cached)
+    n = ids.numel()
+    _route_slots_from_map_kernel[(1,)](
+        ids, slot_map_h, seq_lens, cached, n, ids.shape[1],
+        BLOCK=max(16, triton.next_power_of_2(n)), num_warps=1, **common.pdl_launch(cached.device),
+    )  # fmt: skip
+
+
+def route_slots_from_map(
+    ids: torch.Tensor, slot_map_h: torch.Tensor, seq_lens: torch.Tensor, cached: torch.Tensor
+) -> None:
+    """The cached routes' slots from the layer's row of the slot map: the Triton kernel on a GPU,
+    the reference elsewhere."""
+    if cached.is_cuda:
+        route_slots_from_map_triton(ids, slot_map_h, seq_lens, cached)
+    else:
+        route_slots_from_map_ref(ids, slot_map_h, seq_lens, cached)
+
+
+def _check_route_map(
+    ids: torch.Tensor, slot_map_h: torch.Tensor, seq_lens: torch.Tensor, cached: torch.Tensor
+) -> None:
+    if ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous() or ids.dim() != 2:
+        raise ValueError(f"ids must be a contiguous int32 or int64 [T, K] table, got {ids.dtype}")
+    if cached.dtype != torch.int32 or not cached.is_contiguous():
+        raise ValueError(f"cached must be a contiguous int32 table, got {cached.dtype}")
+    if cached.shape != ids.shape or ids.device != cached.device:
+        raise ValueError("cached must be the routes' shape, on their device")
+    if slot_map_h.dtype != torch.int32 or slot_map_h.dim() != 1 or not slot_map_h.is_contiguous():
+        raise ValueError("slot_map_h must be a contiguous int32 row [E]")
+    if slot_map_h.device.type != "cpu" or (cached.is_cuda and not slot_map_h.is_pinned()):
+        raise ValueError("slot_map_h must be in host memory, pinned where the routes are on a GPU")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] < ids.shape[0] or seq_lens.device != ids.device:
+        raise ValueError("seq_lens must hold a length for every row of the routes, on their device")
+    if ids.numel() > ROUTE_SLOTS_MAX:
+        raise ValueError(f"at most {ROUTE_SLOTS_MAX} routes, got {ids.numel()}")
+
+
 def _check_route_slots(slots_h: torch.Tensor, cached: torch.Tensor, filled: torch.Tensor) -> None:
     for name, t in (("slots_h", slots_h), ("cached", cached), ("filled", filled)):
         if t.dtype != torch.int32 or not t.is_contiguous() or t.shape != slots_h.shape:

@@ -39,6 +39,7 @@ DENSE_DTYPES = ("auto", "fp8")
 CPU_KERNELS = ("auto", "native", "torch")
 CPU_PINS = ("cores", "isolate", "off")
 CACHE_ADMISSIONS = ("recent", "frequency")
+EARLY_CACHED = ("off", "on")
 GENERATION_CONFIGS = ("auto", "off")
 REASONING_PARSERS = ("off", "think", "harmony")
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen_xml", "harmony")
@@ -540,6 +541,16 @@ def _cpu_expert_flags(moe: Group) -> None:
         "and the slot's expert. 0: off.",
     )
     moe.add_argument(
+        "--moe-early-cached",
+        choices=EARLY_CACHED,
+        default="off",
+        help="Offloaded decode at batch 1 and more (CUDA graphs, the native planner, one GPU): "
+        "on runs each MoE layer's cached experts as soon as the layer's routing is made, their "
+        "slots looked up on the GPU in a copy of the cache's slot map, while the host plans "
+        "the misses; off runs them once the host has planned the layer step. Not yet measured "
+        "on a GPU, so off by default; the benchmark tries on (docs/cpu-experts.md).",
+    )
+    moe.add_argument(
         "--moe-cpu-pin",
         choices=CPU_PINS,
         default="cores",
@@ -768,6 +779,12 @@ TUNABLE: tuple[Tunable, ...] = (
         "choice",
         ("recent", "frequency"),
         Text("a rarer expert's fill kept from evicting a more used one next, against recency"),
+    ),
+    Tunable(
+        "--moe-early-cached",
+        "choice",
+        EARLY_CACHED,
+        Text("the cached experts run before the host's plan, against a slot map copied a layer"),
     ),
     Tunable(
         "--moe-copy-ahead",

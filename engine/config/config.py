@@ -223,6 +223,7 @@ class ExpertsConfig(_FlagGroup):
     cpu_task_kb: int = _setting("--moe-cpu-task-kb", flags.WholeNumber(1).check)
     prefetch_rounds: int = _setting("--moe-cpu-prefetch-rounds", flags.parse_prefetch_rounds.check)
     copy_ahead: float = _setting("--moe-copy-ahead", flags.parse_share.check)
+    early_cached: str = _setting("--moe-early-cached", _one_of(flags.EARLY_CACHED))
     cpu_pin: str = _setting("--moe-cpu-pin", _one_of(flags.CPU_PINS))
     bw_profile: str | None = _setting("--bw-profile")
 

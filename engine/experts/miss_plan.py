@@ -211,6 +211,9 @@ class LayerPlanner:
         self._inter = bank.intermediate_size
         self._split_chunks = split_chunks(self._inter, bank.block_rows)
         self._expert_bytes = bank.expert_bytes
+        # --moe-early-cached: the slot map's copy the heads read on the device
+        # (`StagedDecode.cached_map`), which the native planner's launches refresh a row at a time
+        self.cached_map: torch.Tensor | None = None
         self._native: object | None = None  # rebuilt when the cache replaces its arrays
         self._native_version = -1
         self._join_event: DriverEvent | None = None
@@ -250,6 +253,8 @@ class LayerPlanner:
                 native.set_copy_ahead(self.copy_ahead, self.copy_rate)
             if native is not None:
                 native.set_frequency_admission(cache.admission == "frequency")
+                cached_map = self.cached_map
+                native.set_cached_map(0 if cached_map is None else cached_map.data_ptr())
             self._native, self._native_version = native, cache.version
         return self._native
 

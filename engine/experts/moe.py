@@ -40,8 +40,9 @@ class MoERunner:
 
     The settings of offloaded decode: split_misses (--no-split-misses turns it off),
     prefetch_rounds (--moe-cpu-prefetch-rounds), copy_ahead (--moe-copy-ahead) and copy_rate,
-    the copies' rate in bytes/s that sizes a copy ahead (`LayerPlanner`); counters, where given,
-    the decode counters it counts into (a split model's rows: engine/experts/split_experts.py)."""
+    the copies' rate in bytes/s that sizes a copy ahead (`LayerPlanner`), early_cached
+    (--moe-early-cached: `StagedDecode`); counters, where given, the decode counters it counts
+    into (a split model's rows: engine/experts/split_experts.py)."""
 
     def __init__(
         self,
@@ -58,6 +59,7 @@ class MoERunner:
         copy_ahead: float = 0.0,
         copy_rate: float = 0.0,
         counters: LayerCounters | None = None,
+        early_cached: bool = False,
     ) -> None:
         self.bank = bank
         self.cache = cache
@@ -86,7 +88,7 @@ class MoERunner:
         )  # fmt: skip
         buffers = StagedBuffers(bank.num_experts, top_k, bank.hidden_size, handoff, cuda)
         self.staged = StagedDecode(buffers, cache, self.planner, self.fills, self.split,
-                                   self.stats)  # fmt: skip
+                                   self.stats, early_cached=early_cached)  # fmt: skip
         self.prefill = PrefillStream(
             bank, self.device, copy_stream, self.compute_stream,
             overlap=prefill_overlap,

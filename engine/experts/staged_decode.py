@@ -42,6 +42,7 @@ from ...kernels.host_handoff import (
     TIMED_OUT,
     filled_mark,
     route_slots_from_host,
+    route_slots_from_map,
     routing_signal,
     sum_norm_when_ready,
     sum_when_ready,
@@ -193,6 +194,8 @@ class StagedDecode:
         fills: SlotFills,
         split: MissSplit,
         stats: DecodeStats,
+        *,
+        early_cached: bool = False,
     ) -> None:
         self.buffers = buffers
         self.cache = cache
@@ -210,6 +213,18 @@ class StagedDecode:
         self._uncounted: list[StagedStep] = []
         self._spare: list[StagedStep] = []
         self._pending: Dispatch | None = None  # the staged layer whose CPU job is not ended
+        # --moe-early-cached: each layer's cached routes run at its routing (`routed_cached_early`),
+        # their slots read from this copy of the cache's slot map [layers, experts] (pinned with
+        # CUDA), whose row a layer's head reads refreshed just before the head is launched
+        # (`refresh_cached_row`, or the native planner's launch of it)
+        self.early_cached = early_cached
+        self.cached_map: torch.Tensor | None = None
+        self._cached_map_np: np.ndarray | None = None
+        if early_cached:
+            self.cached_map = torch.full(cache.slot_of.shape, -1, dtype=torch.int32,
+                                         pin_memory=buffers.pin)  # fmt: skip
+            self._cached_map_np = self.cached_map.numpy()
+            planner.cached_map = self.cached_map
 
     # the routing's signal and its guess -------------------------------------------------------
 
@@ -428,6 +443,45 @@ class StagedDecode:
         out = moe_kernels.decode(x, cached, weights, cache.w13, cache.w2, reduce=False,
                                  **cache.kernel_args())  # fmt: skip
         return out, filled
+
+    def refresh_cached_row(self, moe_layer: int) -> None:
+        """Copy the cache's slot map of `moe_layer` into the row its early head reads: just
+        before that head is launched, after the last plan that changed it (the layer step
+        before's). Until the head has read it no plan changes a slot the head may read: the
+        layer's own plan comes after its routing, which the head follows, and fills, splits and
+        copies ahead evict no slot of an expert the head may run (the plan protects the routed
+        ones; the copy ahead takes no slot of its own layer, DecodePlanner::copy_ahead)."""
+        assert self._cached_map_np is not None, "not staged with --moe-early-cached on"
+        self._cached_map_np[moe_layer] = self.cache.slot_of[moe_layer]
+
+    def routed_cached_early(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        moe_layer: int,
+        seq_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, None]:
+        """`routed_cached` at the routing (capturable; --moe-early-cached): each route's slot
+        looked up on the device in `moe_layer`'s row of the slot map's copy (rows whose length
+        is 0, a captured batch's padding, run none), without the host's route slots table;
+        returns the cached routes' per-route outputs [T, K, H] (the filled routes' slots come
+        from the table in the piece, `filled_routes`)."""
+        assert self.cached_map is not None, "not staged with --moe-early-cached on"
+        cached = torch.empty(ids.shape, dtype=torch.int32, device=x.device)
+        route_slots_from_map(ids, self.cached_map[moe_layer], seq_lens, cached)
+        cache = self.cache
+        out = moe_kernels.decode(x, cached, weights, cache.w13, cache.w2, reduce=False,
+                                 **cache.kernel_args())  # fmt: skip
+        return out, None
+
+    def filled_routes(self, slots_h: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The filled routes' slots [T, K] from the host's route slots table (capturable): with
+        --moe-early-cached the piece reads them itself, its head having run the cached ones."""
+        cached = torch.empty(slots_h.shape, dtype=torch.int32, device=device)
+        filled = torch.empty_like(cached)
+        route_slots_from_host(slots_h, cached, filled)
+        return filled
 
     def routed_filled(
         self,

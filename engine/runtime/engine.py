@@ -379,6 +379,8 @@ class Engine:
             copy_ahead=config.experts.copy_ahead,
             copy_rate=bp_gbps * 1e9,
             counters=counters,
+            # one device's pieces only: a split's runners (counters given) launch their own
+            early_cached=config.experts.early_cached == "on" and counters is None,
         )
 
     def _build_caches(self, dense: DenseWeights) -> None:

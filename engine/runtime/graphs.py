@@ -190,6 +190,9 @@ class DecodeGraphs:
         # staged experts of the layer between two pieces: each route's slot and the CPU's part,
         # in host memory, where the host and the CPU job write them and the next piece reads them
         self.slots_host = buffers.route_slots(max_bs) if buffers else None
+        # --moe-early-cached: each head runs its layer's cached routes at the layer's routing,
+        # launched right after the piece that makes it (`StagedDecode.routed_cached_early`)
+        self.early = self.staged is not None and self.staged.early_cached
         self.cpu_part = buffers.cpu_out(max_bs) if buffers else None
         # each piece that ends in a router copies its routing here (in its graph: no host launch
         # between the router and the host's read of it)
@@ -249,10 +252,17 @@ class DecodeGraphs:
             tokens_to_host(self.sampled[rows], self._tokens_host[rows])
         return ()
 
-    def _head(self, bs: int, state: StepState) -> Outputs:
-        """The start of a piece after an MoE layer: the layer's cached experts' routes."""
+    def _head(self, bs: int, piece: int, state: StepState) -> Outputs:
+        """The start of piece `piece` (after an MoE layer): the layer's cached experts' routes;
+        with --moe-early-cached looked up on the device at the routing, before the host plans."""
         assert state.x is not None and state.weights is not None and self.slots_host is not None
         assert self.staged is not None
+        if self.early:
+            assert state.ids is not None
+            self._head_out = self.staged.routed_cached_early(
+                state.x, state.ids, state.weights, piece - 1, self.seq_lens[:bs]
+            )
+            return self._head_out[:1]
         self._head_out = self.staged.routed_cached(state.x, self.slots_host[:bs], state.weights)
         return self._head_out
 
@@ -264,6 +274,9 @@ class DecodeGraphs:
             assert self._head_out is not None and self.staged is not None
             cached_part, filled = self._head_out
             staged, cpu_part = self.staged, self.cpu_part[:bs]
+            if filled is None:  # an early head's: the fills' routes from the host's table
+                assert self.slots_host is not None
+                filled = staged.filled_routes(self.slots_host[:bs], state.x.device)
             norm = self.model.norm_after_experts(piece - 1)
             if norm is None:
                 state.routed = staged.routed_filled(
@@ -306,8 +319,18 @@ class DecodeGraphs:
             LayerStage(piece, guess=self._guesses(bs, piece)) for piece in range(pieces - 1)
         ]
         signals = self.routing_signal is not None
+
+        def launch(piece: int) -> tuple[int, int]:
+            """What stage `piece` launches: the next piece with its head, or with an early head
+            the next piece, then the head of the piece after (0: none)."""
+            assert execs is not None
+            if not self.early:
+                return execs[piece + 1]
+            after = execs[piece + 2][0] if piece + 2 < pieces else 0
+            return after, execs[piece + 1][1]
+
         self.launched_stages[bs] = None if execs is None else [
-            LayerStage(piece, execs[piece + 1], signals and piece + 2 < pieces,
+            LayerStage(piece, launch(piece), signals and piece + 2 < pieces,
                        self._guesses(bs, piece))
             for piece in range(pieces - 1)
         ]  # fmt: skip
@@ -339,7 +362,7 @@ class DecodeGraphs:
                     state = StepState(self._batch(bs))
                     for piece in range(pieces):
                         if self.piecewise and piece:
-                            self._head(bs, state)
+                            self._head(bs, piece, state)
                         self._work(bs, piece, state)()
                     assert state.logits is not None
                     for cut in Cut:
@@ -355,7 +378,7 @@ class DecodeGraphs:
                 head = None
                 if self.piecewise and piece:
                     head = self._graph_factory(self.pool)
-                    outputs.append(head.capture(partial(self._head, bs, state)))
+                    outputs.append(head.capture(partial(self._head, bs, piece, state)))
                     self.pool = head.pool
                 heads.append(head)
                 graph = self._graph_factory(self.pool)
@@ -442,11 +465,15 @@ class DecodeGraphs:
             t0 = time.perf_counter()
             head = heads[piece]
             if head is not None:  # the cached experts' routes, then the wait for the fills
-                head.replay()
+                if not self.early:  # (an early head was launched after the piece before)
+                    head.replay()
                 staged.join_fills()
             if self.routing_signal is not None and piece < len(graphs) - 1:
                 staged.expect_routing()  # its router sets the signal the stage waits for
             graph.replay()
+            if self.early and piece < len(graphs) - 1:  # the next head, at this routing
+                staged.refresh_cached_row(piece)
+                heads[piece + 1].replay()
             launched = time.perf_counter()
             if self.piecewise and piece:  # the launch that ends a staged layer step
                 staged.after_launch(launched - t0)
@@ -472,6 +499,9 @@ class DecodeGraphs:
         if self.routing_signal is not None:
             staged.expect_routing()
         first.replay()
+        if self.early and len(self.heads[bs]) > 1:  # the first layer's head, at its routing
+            staged.refresh_cached_row(0)
+            self.heads[bs][1].replay()
         launched = time.perf_counter()
         # only the real rows: padding rows would fetch and run experts for nothing
         staged_rows = staged.buffers.rows(n, bs - n)

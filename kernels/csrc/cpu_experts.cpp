@@ -374,6 +374,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_launch", &DecodePlanner::set_launch)
       .def("set_copy_ahead", &DecodePlanner::set_copy_ahead)
       .def("set_frequency_admission", &DecodePlanner::set_frequency_admission)
+      .def("set_cached_map", &DecodePlanner::set_cached_map)
       .def("guess_lead_seconds", &DecodePlanner::guess_lead_seconds)
       .def("set_clock", &DecodePlanner::set_clock)
       .def("step", &DecodePlanner::step);

@@ -324,6 +324,16 @@ class DecodePlanner {
   // the expert it evicts was picked more often, as ExpertCache.admit with its picks.
   void set_frequency_admission(bool on) { frequency_admission_ = on; }
 
+  // The cached routes at the routing (`--moe-early-cached`): `map` an int32 [layers, experts]
+  // array in pinned host memory, each row the slot map (slot_of) a layer's head reads on the
+  // device as soon as the layer's routing is made, before this planner has planned the step
+  // (host_handoff.route_slots_from_map); 0: off. A step's `head` is then the next layer's: it is
+  // launched after the step's `piece` (which makes that layer's routing), once this call has
+  // copied that layer's row of slot_of into `map` (no step changes it before the head has read
+  // it: the next step plans after the routing the head comes after, and its copy ahead takes no
+  // slot of its own layer). Without a launch the caller copies the row before it runs the head.
+  void set_cached_map(uintptr_t map) { cached_map_ = reinterpret_cast<int32_t*>(map); }
+
   // The guess's usual lead over the routing (seconds; 0 before one was measured): a running mean
   // of the time from seeing a guess's signal to seeing the routing's.
   double guess_lead_seconds() const { return lead_seconds_; }
@@ -392,6 +402,9 @@ class DecodePlanner {
       throw std::invalid_argument("the handoff's expected value needs its done flag");
     }
     if (pad_rows < 0) throw std::invalid_argument("pad_rows must be 0 or more");
+    if (cached_map_ != nullptr && head != 0 && layer + 1 >= layers_) {
+      throw std::invalid_argument("the last MoE layer's step has no next layer's head to launch");
+    }
     if (guess != 0 && (guess_signal == 0 || !sync || signal == 0 || guess_rounds < 0 ||
                        (guess_rounds == 0 && ahead_share_ == 0.0))) {
       throw std::invalid_argument(
@@ -618,14 +631,23 @@ class DecodePlanner {
     // first: it runs the cached experts' routes, whose slots no fill of this step writes (a fill
     // takes a slot this step does not read), so the device starts on them while the host queues
     // the copies instead of after. The piece still waits for the copies.
-    const bool head_first = filled && !copies_first && head != 0;
+    const bool head_first = filled && !copies_first && head != 0 && cached_map_ == nullptr;
     if (head_first) launch_next(head, 0, false);
     const auto t4 = Clock::now();
     if (copies && !copies_first) {
       fill_time = queue_fills(layer, admitted, split_expert, split_slot, split_row, lead_rows);
     }
     const auto t_fills = Clock::now();
-    launch_next(head_first ? 0 : head, piece, filled);
+    if (cached_map_ != nullptr) {  // the piece, then the next layer's head (set_cached_map)
+      launch_next(0, piece, filled);
+      if (head != 0) {
+        std::memcpy(cached_map_ + (layer + 1) * experts_, slot_of_ + (layer + 1) * experts_,
+                    size_t(experts_) * sizeof(int32_t));
+        launch_next(head, 0, false);
+      }
+    } else {
+      launch_next(head_first ? 0 : head, piece, filled);
+    }
     const auto t5 = Clock::now();
     const auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
     py::object job = job_ptr == nullptr ? py::none() : py::cast(std::shared_ptr<Job>(job_ptr));
@@ -953,13 +975,23 @@ class DecodePlanner {
   // nothing more and is kept for the step (ahead_error_), which fails with it.
   bool copy_ahead(int64_t layer, int32_t e, int64_t rows, const std::vector<int32_t>& routed) {
     const int32_t* slot_of = slot_of_ + layer * experts_;
-    for (const int32_t r : routed) {
-      if (slot_of[r] >= 0) protected_[slot_of[r]] = 1;
-    }
+    // with the cached routes at the routing, no slot of the layer: its head may be reading any
+    // routed expert's, and the real routing is not known yet
+    const bool whole_layer = cached_map_ != nullptr;
+    const auto guard = [&](int8_t on) {
+      if (whole_layer) {
+        for (int64_t x = 0; x < experts_; ++x) {
+          if (slot_of[x] >= 0) protected_[slot_of[x]] = on;
+        }
+        return;
+      }
+      for (const int32_t r : routed) {
+        if (slot_of[r] >= 0) protected_[slot_of[r]] = on;
+      }
+    };
+    guard(1);
     const int64_t slot = victim();
-    for (const int32_t r : routed) {
-      if (slot_of[r] >= 0) protected_[slot_of[r]] = 0;
-    }
+    guard(0);
     if (slot < 0) return false;
     free_slot(slot);
     const char* failed = "";
@@ -1094,6 +1126,7 @@ class DecodePlanner {
   std::vector<int8_t> chosen_;
   int64_t guess_layer_ = -1;
   bool frequency_admission_ = false;  // set_frequency_admission
+  int32_t* cached_map_ = nullptr;     // set_cached_map
   // copies ahead (`set_copy_ahead`): the share of the guess's lead they take, the copies' rate
   // (bytes/s), the lead (a running mean, seconds), and the copy ahead of the step waited for:
   // its layer (-1: none), expert, slot and rows; a driver error of it (the step fails with it)

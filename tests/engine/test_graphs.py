@@ -124,12 +124,14 @@ def _piecewise_engine(checkpoint, *flags: str):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
-def test_a_capture_fixes_its_layer_stages_and_replays_reuse_their_records(checkpoint):
+@pytest.mark.parametrize("early", [False, True], ids=["heads-after-plan", "early-heads"])
+def test_a_capture_fixes_its_layer_stages_and_replays_reuse_their_records(checkpoint, early):
     """What a staged layer step takes of the captured pieces is fixed at capture: its layer and,
     where the native call launches the pieces, the next piece's (head, piece) execs and whether
-    its router signals (every piece but the last). Replayed steps hand the counters records
-    that the staged decode reuses: a few records for every layer step of the run."""
-    engine = _piecewise_engine(checkpoint)
+    its router signals (every piece but the last); with --moe-early-cached, the next piece and
+    the head of the piece after it (none after the last). Replayed steps hand the counters
+    records that the staged decode reuses: a few records for every layer step of the run."""
+    engine = _piecewise_engine(checkpoint, *(("--moe-early-cached", "on") if early else ()))
     records: set[int] = set()
     stats = engine.moe.stats
     staged_steps = stats.staged_steps
@@ -147,9 +149,15 @@ def test_a_capture_fixes_its_layer_stages_and_replays_reuse_their_records(checkp
             assert all(s.launch is None and not s.signals for s in graphs.stages[bs])
             launched = graphs.launched_stages[bs]
             pieces, heads = graphs.graphs[bs], graphs.heads[bs]
-            assert [s.launch for s in launched] == [
-                (id(heads[p]), id(pieces[p])) for p in range(1, layers + 1)
-            ]
+            if early:
+                assert [s.launch for s in launched] == [
+                    (id(heads[p + 1]) if p < layers else 0, id(pieces[p]))
+                    for p in range(1, layers + 1)
+                ]
+            else:
+                assert [s.launch for s in launched] == [
+                    (id(heads[p]), id(pieces[p])) for p in range(1, layers + 1)
+                ]
             assert [s.signals for s in launched] == [True] * (layers - 1) + [False]
         engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     finally:
@@ -160,12 +168,20 @@ def test_a_capture_fixes_its_layer_stages_and_replays_reuse_their_records(checkp
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="replays the pieces on the CPU device")
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
-@pytest.mark.parametrize("copies", ["python", "planner", "planner-split", "planner-launch"])
+@pytest.mark.parametrize(
+    "copies",
+    ["python", "planner", "planner-split", "planner-launch", "python-early", "planner-split-early",
+     "planner-launch-early"],
+)  # fmt: skip
 def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, copies, overlap):
     """python: the Python planner, copies by the host; planner: the native planner's CUDA path
     with whole misses only (the same decisions); planner-split: with split misses (the same
     tokens, other decisions); planner-launch: the same, the native call also launching the next
-    piece's graphs (the fills joined by an event)."""
+    piece's graphs (the fills joined by an event). -early: --moe-early-cached, each layer's
+    cached routes run at its routing from the slot map's copy, before the host's plan (the
+    native call launching the next piece and then the head after it)."""
+    early = copies.endswith("-early")
+    copies = copies.removesuffix("-early")
     eager = make_engine(checkpoint, *OFFLOADED)
     try:
         expected, expected_counts = _generate(eager)
@@ -184,7 +200,10 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         return sum_norm(*args, **kwargs)
 
     monkeypatch.setattr(staged_decode, "sum_norm_when_ready", counted_sum_norm)
-    engine = _piecewise_engine(checkpoint, *(() if overlap else ("--no-overlap-decode",)))
+    engine = _piecewise_engine(
+        checkpoint, *(() if overlap else ("--no-overlap-decode",)),
+        *(("--moe-early-cached", "on") if early else ()),
+    )  # fmt: skip
     summed_into_norm[0] = 0  # the replays' own, not the capture's
     try:
         planner = engine.moe.planner
@@ -274,9 +293,11 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         assert 0 < whole <= 2 * counts["fills"] and whole % 2 == 0
     layer_steps = staged["layer_steps"]
     if native_launch:  # each layer step launched its next piece's head and piece natively, and
-        # joined the fills where it queued any, by the event; Python joined none
+        # joined the fills where it queued any, by the event; Python joined none (early: the
+        # heads after the first layer's, which Python launches after the first piece)
         assert not launch_errors
-        assert calls["launch"] == 2 * layer_steps and joins[0] == 0
+        heads = layer_steps - (len(replays) if early else 0)
+        assert calls["launch"] == layer_steps + heads and joins[0] == 0
         assert 0 < calls["record"] == calls["wait_event"] < layer_steps
     else:  # Python launched every piece after the first, joining the fills before each
         assert calls.get("launch", 0) == 0 and joins[0] == layer_steps
@@ -643,16 +664,22 @@ def test_fp8_experts_split_and_copied_ahead_by_the_native_planner_change_no_toke
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("early", [False, True], ids=["heads-after-plan", "early-heads"])
 @pytest.mark.parametrize("split", [True, False], ids=["split-misses", "whole-misses"])
-def test_offloaded_decode_replays_captured_pieces_on_cuda(checkpoint, split):
-    """Split misses are the default; --no-split-misses copies or runs every miss whole."""
+def test_offloaded_decode_replays_captured_pieces_on_cuda(checkpoint, split, early):
+    """Split misses are the default; --no-split-misses copies or runs every miss whole.
+    --moe-early-cached runs each layer's cached routes at its routing, from the slot map's
+    copy, while the host plans."""
     flags = ("--device", "cuda", "--moe-cache-size", "20", "--moe-miss-policy", "split:0.5")
     eager = make_engine(checkpoint, *flags, "--no-cuda-graph")
     try:
         expected, expected_counts = _generate(eager)
     finally:
         eager.close()
-    engine = make_engine(checkpoint, *flags, *(() if split else ("--no-split-misses",)))
+    engine = make_engine(
+        checkpoint, *flags, *(() if split else ("--no-split-misses",)),
+        *(("--moe-early-cached", "on") if early else ()),
+    )  # fmt: skip
     try:
         assert engine.config_in_force()["cuda_graph_mode"] == "piecewise"
         outputs, counts = _generate(engine)

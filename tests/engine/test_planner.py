@@ -1110,3 +1110,47 @@ def test_a_guess_copies_its_first_device_miss_ahead_of_the_routing(cpu, fmt, rou
             seen["split"] += 1
         assert expert in missing
     assert all(seen.values()), seen
+
+
+@pytest.mark.parametrize("cached_map", [False, True], ids=["heads-after-plan", "early-heads"])
+def test_with_early_heads_a_copy_ahead_takes_no_slot_of_its_own_layer(cpu, cached_map):
+    """With the cached routes run at the routing (`set_cached_map`, --moe-early-cached) a layer's
+    head may be reading the slot of any of its cached experts while the host waits, so a guess's
+    copy ahead takes no slot of its own layer: once the cache holds only that layer's experts, no
+    copy ahead comes; without the map one does (the least recently used slot)."""
+    gen = torch.Generator().manual_seed(23)
+    bank = _bank(gen)
+    r = _runner(bank, 6, 0.39, cpu, 4, split_misses=True)
+    planner = r.planner.native()
+    planner.set_copy_ahead(1.0, 1e12)  # a copy ahead takes all of an expert's rows
+    if cached_map:
+        layer_map = torch.full(r.cache.slot_of.shape, -1, dtype=torch.int32)
+        planner.set_cached_map(layer_map.data_ptr())
+    late = LateRouting(late_s=0.003)
+    late.set_clock_of(planner)
+    functions = list(host_functions())
+    functions[1] = late.query
+    planner.set_device(*(address_of(f) for f in functions), 0, 0, _slots(r.cache))
+    signal, guess_signal = routing_signal(pin=False), routing_signal(pin=False)
+    logits = torch.zeros(1, EXPERTS)
+    rng = np.random.default_rng(23)
+    copied_when_full = full_steps = 0
+    for _ in range(24):  # every step on layer 0: its experts fill the cache
+        ids = torch.from_numpy(_routes(rng, 1, 4))
+        weights, x = torch.rand(1, 4, generator=gen), torch.randn(1, HIDDEN, generator=gen)
+        logits.copy_(torch.randn(1, EXPERTS, generator=gen) - 10)
+        logits[0, ids[0].long()] = torch.arange(4, 0, -1, dtype=torch.float32)
+        full = bool((r.cache.key_of_slot >= 0).all())
+        assert (r.cache.key_of_slot < EXPERTS).all()  # layer 0's keys only
+        guess_signal[0] = ROUTED
+        late.arm(signal)
+        d, _ = r.planner.native_step(
+            planner, 0, ids, weights, x, torch.zeros(1, HIDDEN), True, sync=True, copies=True,
+            signal=signal, guess=(logits, guess_signal),
+        )  # fmt: skip
+        if d.job is not None:
+            d.job.wait()
+        copied_when_full += full and (d.ahead_rows > 0 or d.ahead_missed)
+        full_steps += full
+    assert full_steps >= 5
+    assert (copied_when_full == 0) if cached_map else (copied_when_full > 0)

@@ -169,6 +169,10 @@ def compile_all() -> list[tuple[str, str, int | None, object]]:
             )
         table = torch.zeros(tokens, TOP_K, dtype=torch.int32)
         host_handoff.route_slots_from_host_triton(table, table.clone(), table.clone())
+        host_handoff.route_slots_from_map_triton(
+            table, torch.zeros(EXPERTS, dtype=torch.int32), torch.ones(tokens, dtype=torch.int32),
+            table.clone(),
+        )  # fmt: skip
         ids, weights = torch.zeros(tokens, TOP_K, dtype=torch.int64), torch.zeros(tokens, TOP_K)
         host_handoff.routing_to_host_triton(
             ids, weights, torch.zeros(tokens, HIDDEN, dtype=BF16),

@@ -61,6 +61,7 @@ KERNELS = MXFP4_KERNELS | {
     "_sum_parts_kernel",
     "_sum_norm_kernel",
     "_route_slots_from_host_kernel",
+    "_route_slots_from_map_kernel",
     "_routing_to_host_kernel",
     "_tokens_to_host_kernel",
     "_signal_kernel",

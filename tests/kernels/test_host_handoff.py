@@ -388,6 +388,56 @@ def test_bad_route_slot_tables_get_a_clear_error(slots_h, cached, words):
             kernel(slots_h, cached, cached.clone())
 
 
+MAP_LOOKUPS = {
+    "triton": host_handoff.route_slots_from_map_triton,
+    "ref": host_handoff.route_slots_from_map_ref,
+}
+
+
+@pytest.mark.parametrize("kernel", list(MAP_LOOKUPS))
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "ids_dtype"),
+    [(1, 8, torch.int32), (3, 5, torch.int64), (8, 8, torch.int32)],
+)
+def test_cached_routes_are_looked_up_in_the_layers_row_of_the_slot_map(
+    gen, kernel, tokens, top_k, ids_dtype
+):
+    """Each route's slot read from the layer's row of the slot map (-1: not cached), without
+    the host's plan; a padding row (its length 0) runs no route."""
+    experts = 64
+    row = torch.randint(-1, 300, (experts,), generator=gen, dtype=torch.int32)
+    row[:3] = torch.tensor([-1, 0, 299], dtype=torch.int32)  # the edges of the slots
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[0, :3] = torch.tensor([0, 1, 2])
+    seq_lens = torch.randint(1, 9000, (tokens + 2,), generator=gen, dtype=torch.int32)
+    if tokens > 1:
+        seq_lens[tokens - 1] = 0  # a padding row
+    cached = torch.full((tokens, top_k), -99, dtype=torch.int32, device=DEVICE)  # poisoned
+    MAP_LOOKUPS[kernel](ids.to(ids_dtype).to(DEVICE), _host(row), seq_lens.to(DEVICE), cached)
+    _finished()
+    want = torch.where(seq_lens[:tokens, None] > 0, row[ids], -1)
+    assert torch.equal(cached.cpu(), want)
+    assert cached[0, :3].tolist() == [-1, 0, 299]
+
+
+@pytest.mark.parametrize(
+    ("ids", "row", "lens", "words"),
+    [
+        (torch.zeros(2, 4, dtype=torch.int16), torch.zeros(8, dtype=torch.int32), 2, "int32 or"),
+        (torch.zeros(2, 4, dtype=torch.int32), torch.zeros(8), 2, "row"),
+        (torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32), 2, "row"),
+        (torch.zeros(2, 4, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), 1, "seq_lens"),
+        (torch.zeros(1, 1 << 15, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), 1,
+         "at most"),
+    ],
+)  # fmt: skip
+def test_bad_slot_map_lookups_get_a_clear_error(ids, row, lens, words):
+    cached = torch.zeros(ids.shape, dtype=torch.int32)
+    for kernel in MAP_LOOKUPS.values():
+        with pytest.raises(ValueError, match=words):
+            kernel(ids, row, torch.ones(lens, dtype=torch.int32), cached)
+
+
 ROUTING = {
     "triton": host_handoff.routing_to_host_triton,
     "ref": host_handoff.routing_to_host_ref,
