@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|timeline|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8_linear|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|hybrid|split|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|timeline|early|early_hybrid|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8_linear|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|hybrid|split|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -350,6 +350,30 @@ if [ "$part" = timeline ]; then  # where an offloaded layer step's time goes wit
     run timeline_$2_steps python3 scripts/decode_timeline.py "$out/trace$2.json"
     cat "$out/timeline_$2_steps.log"
     gzip -f "$out/trace$2.json"
+  done
+fi
+if [ "$part" = early ]; then  # the cached routes at the routing (--moe-early-cached): its CUDA
+  # tests, then decode with it off and on, one process each: 12 layers with 25% cached (bf16), 48
+  # on 24 GiB (FP8 experts); `early_hybrid` Qwen3.6-35B-A3B's 40 on 24 GiB (FP8)
+  T='-o addopts=-ra --import-mode=append -p no:cacheprovider'
+  run early_tests_cuda env MOELAB_TEST_DEVICE=cuda python3 -m pytest -q $T --tb=short \
+    tests/engine/test_graphs.py tests/kernels/test_host_handoff.py \
+    -k "offloaded_decode_replays or slot_map"
+  for early in off on; do
+    run early_${early}_12 $B decode $G --routing-skew 1 --moe-cache-rate 0.25 --json \
+      --tokens 256 --repeats 3 --moe-early-cached $early
+  done
+  for early in off on; do
+    run early_${early}_48 $B decode --preset qwen3-30b-a3b --routing-skew 1 \
+      --device-memory 24GiB --moe-expert-dtype fp8 --json --tokens 128 --repeats 2 \
+      --moe-early-cached $early
+  done
+fi
+if [ "$part" = early_hybrid ]; then
+  for early in off on; do
+    run early_${early}_40 $B decode --preset qwen3.6-35b-a3b --routing-skew 1 \
+      --device-memory 24GiB --moe-expert-dtype fp8 --json --tokens 128 --repeats 2 \
+      --moe-early-cached $early
   done
 fi
 if [ "$part" = crossover ] || [ "$part" = all ]; then  # the bw profile first: the crossover joins it
