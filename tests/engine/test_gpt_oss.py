@@ -153,6 +153,20 @@ def test_split_misses_decode_gpt_oss_as_whole_ones_do(reference, monkeypatch):
     assert native[3] > 0 and python[3] == 0
 
 
+def test_early_cached_routes_decode_gpt_oss_as_heads_after_the_plan_do(reference, monkeypatch):
+    """--moe-early-cached: each layer's cached routes run at its routing, their slots from the
+    slot map's copy, with their biases and the clamped SwiGLU; the piece after adds the filled
+    ones. The tokens are the Python planner's, whose steps run eagerly."""
+    _, path = reference
+    prompts = [prompt(3, 9), prompt(4, 14)]
+    native, python = decode_with_each_planner(
+        monkeypatch, path, prompts, 12, *OFFLOADED, "--moe-early-cached", "on", split_misses=True
+    )
+    assert native[0] == python[0]
+    _, (_, hits, fills, cpu, _), *_ = native
+    assert sum(hits) > 0 and sum(fills) > 0 and sum(cpu) > 0
+
+
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_a_mixed_batch_matches_each_prompt_alone(reference, placement):
     """Prompts shorter and longer than the window decoded together (continuous batching)."""

@@ -337,6 +337,36 @@ def test_replayed_decode_steps_carry_each_rows_state_slot(reference, overlap):
     assert runs and all(sorted(slots) == [0, 1, 2] for slots in runs[:5]), runs[:5]
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="replays stand-in graphs on the CPU device")
+def test_offloaded_pieces_with_early_cached_routes_give_the_eager_tokens(reference):
+    """Offloaded decode replayed from captured pieces, each layer's cached routes run at its
+    routing from the slot map's copy (--moe-early-cached), beside the shared expert and the
+    DeltaNet states: the eager steps' tokens."""
+    _kind, _model, _engine, path = reference
+    flags = ("--prefill-chunk-tokens", CHUNK, "--moe-cache-size", "8", "--moe-miss-policy",
+             "split:0.5")  # fmt: skip
+    prompts = [prompt(40, 9), prompt(41, 17), prompt(42, 4)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    eager = make_engine(path, *flags)
+    try:
+        expected = eager.generate(prompts, params)
+    finally:
+        eager.close()
+    replayed = make_engine(path, *flags, "--moe-early-cached", "on")
+    try:
+        graphs = DecodeGraphs(replayed.model, 4, replayed.max_context, piecewise=True,
+                              graph_factory=ReplayGraph)  # fmt: skip
+        graphs.capture()
+        replayed.stepper.graphs = graphs
+        outputs = replayed.generate(prompts, params)
+        counters = replayed.moe.counters
+        layer_steps = replayed.moe.staged_times.layer_steps
+    finally:
+        replayed.close()
+    assert outputs == expected
+    assert layer_steps > 0 and counters.hits.sum() > 0 and counters.fills.sum() > 0
+
+
 # the projections an FP8 release quantizes (the routers, gates, norms, convolution, embeddings and
 # a and b stay as they are, as Qwen's FP8 releases keep them)
 FP8_PROJECTIONS = (
