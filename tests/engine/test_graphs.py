@@ -111,7 +111,7 @@ def _host_launches(monkeypatch, calls: dict[str, int], errors: list[BaseExceptio
 OFFLOADED = ("--moe-cache-size", "20", "--moe-miss-policy", "split:0.5")
 
 
-def _piecewise_engine(checkpoint, *flags: str):
+def piecewise_engine(checkpoint, *flags: str):
     """An offloaded engine on the CPU whose decode steps replay stand-in graphs of pieces."""
     engine = make_engine(checkpoint, *OFFLOADED, *flags)
     graphs = DecodeGraphs(
@@ -131,7 +131,7 @@ def test_a_capture_fixes_its_layer_stages_and_replays_reuse_their_records(checkp
     its router signals (every piece but the last); with --moe-early-cached, the next piece and
     the head of the piece after it (none after the last). Replayed steps hand the counters
     records that the staged decode reuses: a few records for every layer step of the run."""
-    engine = _piecewise_engine(checkpoint, *(("--moe-early-cached", "on") if early else ()))
+    engine = piecewise_engine(checkpoint, *(("--moe-early-cached", "on") if early else ()))
     records: set[int] = set()
     stats = engine.moe.stats
     staged_steps = stats.staged_steps
@@ -200,7 +200,7 @@ def test_piecewise_replay_matches_eager_steps_on_cpu(checkpoint, monkeypatch, co
         return sum_norm(*args, **kwargs)
 
     monkeypatch.setattr(staged_decode, "sum_norm_when_ready", counted_sum_norm)
-    engine = _piecewise_engine(
+    engine = piecewise_engine(
         checkpoint, *(() if overlap else ("--no-overlap-decode",)),
         *(("--moe-early-cached", "on") if early else ()),
     )  # fmt: skip
@@ -320,7 +320,7 @@ def test_overlapped_decode_of_one_moe_layer_reads_each_step_tokens(tmp_path, mon
     calls: dict[str, int] = {}
     driver = _host_driver(monkeypatch, calls)
     launches = _host_launches(monkeypatch, calls, errors := [])
-    engine = _piecewise_engine(one)
+    engine = piecewise_engine(one)
     try:
         assert engine.model.num_pieces == 2
         planner = engine.moe.planner
@@ -345,7 +345,7 @@ def test_overlapped_piecewise_decode_with_stops_and_a_shrinking_batch(checkpoint
     finally:
         eager.close()
     assert expected[2][1] == "stop"
-    engine = _piecewise_engine(checkpoint)
+    engine = piecewise_engine(checkpoint)
     sources = _recording_sources(engine)
     try:
         _, seqs = _run_with_a_stop(engine, stop_token)
@@ -362,7 +362,7 @@ def test_an_error_in_landing_during_the_staging_comes_after_the_step_is_queued(c
     """The previous step is landed inside the next one's staging; an error there (a streaming
     callback that fails) surfaces once the step is fully queued, and decoding goes on."""
     want = _eager_outputs(checkpoint, PROMPTS[:1], 8, *OFFLOADED)
-    engine = _piecewise_engine(checkpoint)
+    engine = piecewise_engine(checkpoint)
     try:
         seq = engine.add(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
         calls = [0]
@@ -424,7 +424,7 @@ def test_a_routing_that_never_signals_fails_the_step_clearly(checkpoint, monkeyp
     signal, on a stream gone idle, fails the step with a message (not a hang)."""
     calls = {"copy": 0, "query": 0, "memset2d": 0, "copy2d": 0}
     driver = _host_driver(monkeypatch, calls)
-    engine = _piecewise_engine(checkpoint)
+    engine = piecewise_engine(checkpoint)
     try:
         engine.moe.planner.copies = True
         engine.moe.planner._native = None
@@ -840,7 +840,7 @@ def test_drawn_tokens_taken_on_the_device_are_the_host_samplers(checkpoint, piec
     finally:
         eager.close()
     engine = (
-        _piecewise_engine(checkpoint) if pieces else _resident_engine_with_replay_graphs(checkpoint)
+        piecewise_engine(checkpoint) if pieces else _resident_engine_with_replay_graphs(checkpoint)
     )
     sources = _recording_sources(engine)
     replays = _counting_draws(engine)

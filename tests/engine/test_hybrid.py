@@ -34,7 +34,7 @@ from .reference import (
 )
 from .served import serve
 from .test_fp8 import dequantize_checkpoint
-from .test_graphs import ReplayGraph
+from .test_graphs import OFFLOADED, ReplayGraph, piecewise_engine
 from .test_tool_calls import ScriptedWorker, served
 
 transformers = pytest.importorskip(
@@ -343,21 +343,15 @@ def test_offloaded_pieces_with_early_cached_routes_give_the_eager_tokens(referen
     routing from the slot map's copy (--moe-early-cached), beside the shared expert and the
     DeltaNet states: the eager steps' tokens."""
     _kind, _model, _engine, path = reference
-    flags = ("--prefill-chunk-tokens", CHUNK, "--moe-cache-size", "8", "--moe-miss-policy",
-             "split:0.5")  # fmt: skip
     prompts = [prompt(40, 9), prompt(41, 17), prompt(42, 4)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    eager = make_engine(path, *flags)
+    eager = make_engine(path, *OFFLOADED, "--prefill-chunk-tokens", CHUNK)
     try:
         expected = eager.generate(prompts, params)
     finally:
         eager.close()
-    replayed = make_engine(path, *flags, "--moe-early-cached", "on")
+    replayed = piecewise_engine(path, "--prefill-chunk-tokens", CHUNK, "--moe-early-cached", "on")
     try:
-        graphs = DecodeGraphs(replayed.model, 4, replayed.max_context, piecewise=True,
-                              graph_factory=ReplayGraph)  # fmt: skip
-        graphs.capture()
-        replayed.stepper.graphs = graphs
         outputs = replayed.generate(prompts, params)
         counters = replayed.moe.counters
         layer_steps = replayed.moe.staged_times.layer_steps
