@@ -108,6 +108,10 @@ FP4_ONE_TOKEN_SWEEP = (
     (16, 512, 32, 256, 8, 3),
     (8, 1024, 16, 512, 4, 2),
     (16, 1024, 32, 512, 8, 2),
+    # gate/up in 32 rows: gpt-oss-120b's 4 routes of 2,880 rows in 360 programs, one wave of an
+    # H100's 132 SMs at 96 registers a thread (16 rows: 720, past the 660 that fit at once)
+    (32, 256, 16, 512, 4, 3),
+    (32, 512, 16, 512, 8, 3),
 )
 FP4_DOT_SWEEP = ((16, 256), (32, 256), (16, 512), (32, 512))
 
