@@ -5,11 +5,12 @@ route's expert along their contiguous axis, BLOCK_K columns a step, and multipli
 broadcast activations, so that blocks of a few rows spread the routes over several programs per
 SM (`choose_config`). A step's bytes are read once, as 16-byte vectors of a row (32 values: one
 MXFP4 scale block, two NVFP4 ones). Each word's eight codes become fp16s with integer ops
-(fp4_widen.halves: each value times 2^-14, exact), then fp32, multiplied by the activations of
-their columns (x loaded as it lies: `halves` puts the codes in column order); each scale block's
-products are summed in the thread that read them, that sum times the block's scale (E8M0, or
-NVFP4's e4m3) goes to the row's fp32 accumulators, and those are summed across the threads once,
-after the loop, where the 2^14 is given back. No weight is formed: E8M0 254, whose weights of
+(fp4_widen._code_pairs: each value times 2^-14, exact, two to a word), then fp32 (with PTX, from
+the words' halves in place), multiplied by the activations of their columns in one chain of
+multiply-adds a word (fp4_widen.word_dots); each scale block's words are summed in the thread
+that read them, that sum times the block's scale (E8M0, or NVFP4's e4m3) goes to the row's fp32
+accumulators, and those are summed across the threads once, after the loop, where the 2^14 is
+given back. No weight is formed: E8M0 254, whose weights of
 magnitude 2 and more overflow fp32, gives the exact sums, as the tl.dot launches do.
 
 Each route computes its own product, so a slot named twice by the token is read twice (the
@@ -25,7 +26,7 @@ import torch
 
 from . import common, gemv, swiglu
 from .common import tl, triton
-from .fp4_widen import e4m3_scales, halves, scales
+from .fp4_widen import e4m3_scales, scales, word_dots
 from .fused_moe_one_token import check_tiles
 
 # Threads a program reads with at the chooser's tiles (4 warps): each step gives every thread at
@@ -100,16 +101,17 @@ def choose_config(
 
 @triton.jit
 def _step_sums(rows, n_ok, w0, row_words, xs, codes, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-               SCALE_BLOCK: tl.constexpr, NVFP4: tl.constexpr):  # fmt: skip
+               SCALE_BLOCK: tl.constexpr, NVFP4: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """fp32 [BLOCK_N, 8 WORDS / SCALE_BLOCK]: each scale block of words w0 .. w0 + WORDS of the
     rows (int32 words at `rows` [BLOCK_N, 1]; `row_words` in a row, none past it read) times
     the activations `xs` of its columns (fp32 [8 WORDS]), times the block's scale (`codes`,
-    int32, `_step_codes`) and 2^-14."""
+    int32, `_step_codes`) and 2^-14. Each word's products are one chain of multiply-adds
+    (`word_dots`), a block's words then summed."""
     j = w0 + tl.arange(0, WORDS)
     words = tl.load(rows + j[None, :], mask=n_ok[:, None] & (j < row_words)[None, :], other=0)
-    products = halves(words, tl.float32) * xs[None, :]
+    dots = word_dots(words, xs[None, :], PTX)
     blocks: tl.constexpr = 8 * WORDS // SCALE_BLOCK
-    sums = tl.sum(tl.reshape(products, (BLOCK_N, blocks, SCALE_BLOCK)), axis=2)
+    sums = tl.sum(tl.reshape(dots, (BLOCK_N, blocks, SCALE_BLOCK // 8)), axis=2)
     return sums * (e4m3_scales(codes) if NVFP4 else scales(codes))
 
 
@@ -139,7 +141,8 @@ def _fp4_gate_up_kernel(
     x_ptr, slots_ptr, w13_ptr, s13_ptr, t13_ptr, b13_ptr, act_ptr, hidden, inter, limit,
     stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
-    BIAS: tl.constexpr, CLAMPED: tl.constexpr, NVFP4: tl.constexpr, PDL: tl.constexpr,
+    BIAS: tl.constexpr, CLAMPED: tl.constexpr, NVFP4: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """act[route, rows] = silu(gate·x) * (up·x) for a block of rows of the route's slot. BIAS:
     plus the slot's gate and up biases; CLAMPED: gpt-oss's clamped SwiGLU; NVFP4: the sums
@@ -173,13 +176,13 @@ def _fp4_gate_up_kernel(
             cols = w0 * 8 + tl.arange(0, BLOCK_K)
             xs = tl.load(x_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
             acc_gate += _step_sums(
-                gate, n_ok, w0, row_words, xs, gate_codes, BLOCK_N, words, SCALE_BLOCK, NVFP4
+                gate, n_ok, w0, row_words, xs, gate_codes, BLOCK_N, words, SCALE_BLOCK, NVFP4, PTX
             )
             acc_up += _step_sums(
-                up, n_ok, w0, row_words, xs, up_codes, BLOCK_N, words, SCALE_BLOCK, NVFP4
+                up, n_ok, w0, row_words, xs, up_codes, BLOCK_N, words, SCALE_BLOCK, NVFP4, PTX
             )
             gate_codes, up_codes = next_gate, next_up
-        # `halves` gives each weight times 2^-14: the sums carry that factor until here
+        # `word_dots` takes each weight times 2^-14: the sums carry that factor until here
         g = tl.sum(acc_gate, axis=1) * 16384.0
         u = tl.sum(acc_up, axis=1) * 16384.0
         if NVFP4:
@@ -198,7 +201,7 @@ def _fp4_down_kernel(
     act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, t2_ptr, b2_ptr, y_ptr, hidden, inter,
     stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
-    BIAS: tl.constexpr, NVFP4: tl.constexpr, PDL: tl.constexpr,
+    BIAS: tl.constexpr, NVFP4: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """y[route, rows] = route weight * (w2 rows · act[route]) for a block of rows of the
     route's slot. BIAS: plus the slot's down bias before the weight; NVFP4: the sums times the
@@ -224,10 +227,10 @@ def _fp4_down_kernel(
             a = tl.load(act_ptr + route * inter + cols, mask=cols < inter, other=0.0)
             acc += _step_sums(
                 rows, n_ok, w0, row_words, a.to(tl.float32), codes, BLOCK_N, words, SCALE_BLOCK,
-                NVFP4,
+                NVFP4, PTX,
             )  # fmt: skip
             codes = next_codes
-        y = tl.sum(acc, axis=1) * 16384.0  # the 2^-14 of `halves` given back
+        y = tl.sum(acc, axis=1) * 16384.0  # the 2^-14 of `word_dots` given back
         if NVFP4:
             y *= tl.load(t2_ptr + slot)
         if BIAS:
@@ -264,7 +267,7 @@ def launch(
     scale_block = 16 if nvfp4 else 32
     hidden, inter = x.shape[1], act.shape[2]
     top_k = slot_ids.shape[1]
-    # the kernels read the bytes four at a time (`halves`), in vectors of up to four words
+    # the kernels read the bytes four at a time (`word_dots`), in vectors of up to four words
     words13, words2 = w13.view(torch.int32), w2.view(torch.int32)
     vec13, vec2 = _vector_words(hidden // 8), _vector_words(inter // 8)
     # without biases (or per-tensor scales) the weights stand in for them, never read
@@ -275,6 +278,7 @@ def launch(
         "STAGES": cfg.num_stages,
         "BIAS": biases is not None,
         "NVFP4": nvfp4,
+        "PTX": common.inline_ptx(x.device),
         "num_warps": cfg.num_warps,
         **common.pdl_launch(x.device),
     }

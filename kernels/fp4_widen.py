@@ -49,15 +49,13 @@ def _fp16_pair(pair, OUT: tl.constexpr):
 
 
 @triton.jit
-def halves(words, OUT: tl.constexpr):
-    """The e2m1 codes of `words` [N, W] (int32, four bytes, eight codes each: byte j's low nibble
-    is column 2j, its high nibble 2j + 1) as [N, 8W] in column order, each its value times 2^-14,
-    in OUT: fp16, or fp32 (exact too, and converted before the joins, which then move whole
-    registers rather than pack fp16 pairs). A code's magnitude bits (e1 e0 m) at fp16 bit 9 and
-    its sign at bit 15 make that fp16 exactly: exponent field e gives 2^(e − 15) · (1 + m/2) =
-    2^(e − 1) · (1 + m/2) · 2^-14 for e > 0, and for e = 0 the fp16 subnormal m/2 · 2^-14.
-    Codes 16 bits apart (columns c and c + 4) go to their places in one uint32 at once, two
-    shifts and two ands-ors for two codes, whose halves are then the two fp16."""
+def _code_pairs(words):
+    """The e2m1 codes of `words` (int32, eight codes each) as four uint32 of two fp16 each:
+    codes (0, 4), (1, 5), (2, 6) and (3, 7), each its value times 2^-14. A code's magnitude
+    bits (e1 e0 m) at fp16 bit 9 and its sign at bit 15 make that fp16 exactly: exponent field e
+    gives 2^(e − 15) · (1 + m/2) = 2^(e − 1) · (1 + m/2) · 2^-14 for e > 0, and for e = 0 the
+    fp16 subnormal m/2 · 2^-14. Codes 16 bits apart go to their places in one uint32 at once, two
+    shifts and two ands-ors for two codes."""
     w = words.to(tl.uint32, bitcast=True)
     magnitude = 0x0E000E00
     sign = 0x80008000
@@ -65,8 +63,74 @@ def halves(words, OUT: tl.constexpr):
     c1_c5 = ((w << 5) & magnitude) | ((w << 8) & sign)
     c2_c6 = ((w << 1) & magnitude) | ((w << 4) & sign)
     c3_c7 = ((w >> 3) & magnitude) | (w & sign)
+    return c0_c4, c1_c5, c2_c6, c3_c7
+
+
+@triton.jit
+def halves(words, OUT: tl.constexpr):
+    """The e2m1 codes of `words` [N, W] (int32, four bytes, eight codes each: byte j's low nibble
+    is column 2j, its high nibble 2j + 1) as [N, 8W] in column order, each its value times 2^-14
+    (`_code_pairs`), in OUT: fp16, or fp32 (exact too, and converted before the joins, which
+    then move whole registers rather than pack fp16 pairs)."""
+    c0_c4, c1_c5, c2_c6, c3_c7 = _code_pairs(words)
     # joined [N, W, 2, 2, 2], each join's halves last: code c of a word lands at
     # 4 · (c >= 4) + 2 · (c mod 4 >= 2) + (c odd) = c, its column
     even = tl.join(_fp16_pair(c0_c4, OUT), _fp16_pair(c2_c6, OUT))
     odd = tl.join(_fp16_pair(c1_c5, OUT), _fp16_pair(c3_c7, OUT))
-    return tl.reshape(tl.join(even, odd), (w.shape[0], 8 * w.shape[1]))
+    return tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
+
+
+@triton.jit
+def _fp32_pair(pair, PTX: tl.constexpr):
+    """The two fp16 of a uint32's halves as fp32 (the low half first). PTX: converted from the
+    word's halves in place; without, the halves are taken apart first, which the compiler
+    packs into new words (a byte permute for every two values) before it converts them."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+            "=r,=r,r",
+            [pair],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    low = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def _word_columns(xs):
+    """xs [N, 8W] in column order as the eight columns of each word: [N, W] each, the c-th
+    holding columns 8j + c."""
+    v = tl.reshape(xs, (xs.shape[0], xs.shape[1] // 8, 2, 2, 2))  # c = 4a + 2b + d
+    low, high = tl.split(tl.permute(v, (0, 1, 3, 4, 2)))  # by a: [N, W, b, d]
+    c01, c23 = tl.split(tl.permute(low, (0, 1, 3, 2)))  # by b: [N, W, d]
+    c45, c67 = tl.split(tl.permute(high, (0, 1, 3, 2)))
+    c0, c1 = tl.split(c01)
+    c2, c3 = tl.split(c23)
+    c4, c5 = tl.split(c45)
+    c6, c7 = tl.split(c67)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def word_dots(words, xs, PTX: tl.constexpr):
+    """fp32 [N, W]: each word's eight codes (`_code_pairs`: times 2^-14) times the activations of
+    their columns, `xs` fp32 [N or 1, 8W] in column order, as one chain of fused multiply-adds a
+    word (a sum over a reshape adds the products in a tree of plain adds after plain
+    multiplies). PTX: the fp16 converted in place (`_fp32_pair`)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _word_columns(xs)
+    c0_c4, c1_c5, c2_c6, c3_c7 = _code_pairs(words)
+    c0, c4 = _fp32_pair(c0_c4, PTX)
+    c1, c5 = _fp32_pair(c1_c5, PTX)
+    c2, c6 = _fp32_pair(c2_c6, PTX)
+    c3, c7 = _fp32_pair(c3_c7, PTX)
+    dots = c0 * x0
+    dots = tl.fma(c1, x1, dots)
+    dots = tl.fma(c2, x2, dots)
+    dots = tl.fma(c3, x3, dots)
+    dots = tl.fma(c4, x4, dots)
+    dots = tl.fma(c5, x5, dots)
+    dots = tl.fma(c6, x6, dots)
+    return tl.fma(c7, x7, dots)
