@@ -237,13 +237,12 @@ def _tokens_kernel(
 
 # FP8 weights (`scale_inv`): e4m3 bits with one fp32 factor per 128x128 block (kernels/fp8.py),
 # widened in integer ops on every card (kernels/fp8_moe.py `widened`). A program's rows lie in one
-# block of 128 rows (BLOCK_N divides 128). One token takes the bf16 path's tiles (a reduction
-# step of up to 2,048 columns for few rows): each column's factor is loaded beside its activation
-# (one factor per 128 columns, from the cache), and the bits widened (the value times 2^-120)
-# are multiplied by the activation times its factor times 2^60, the row sum by 2^60 at the end:
-# every product is the value times 2^-60, a normal fp32 for any activation below 2^68, exact in
-# its powers of two. Several tokens (tl.dot) keep a reduction step in one block of 128 columns
-# (BLOCK_K <= 128), so that a step's factor is one number per row block.
+# block of 128 rows (BLOCK_N divides 128) and a reduction step in one block of 128 columns
+# (BLOCK_K <= 128), so a step's factor is one number per program. One token multiplies the bits
+# widened (the value times 2^-120) by the activation times its factor times 2^60, and the row sum
+# by 2^60 at the end: every product is the value times 2^-60, a normal fp32 for any activation
+# below 2^68, exact in its powers of two. (Loading each column's factor beside its activation, to
+# give one token the bf16 path's wider steps, measured slower: docs/kernels.md.)
 
 
 @triton.jit
@@ -282,7 +281,7 @@ def _one_token_fp8_kernel(
         k_ok = k_idx < k
         bits = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
         xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0).to(COMPUTE).to(tl.float32)
-        f = tl.load(factors + k_idx // 128, mask=k_ok, other=0.0)  # each column's block factor
+        f = tl.load(factors + k0 // 128)
         acc += widened(bits) * (xs * (f * 1.152921504606846976e18))[None, :]
     row = tl.sum(acc, axis=1) * 1.152921504606846976e18
     t_idx = tl.zeros((1,), dtype=tl.int32)
@@ -489,14 +488,12 @@ def _sum_splits(
     return call.out
 
 
-def fp8_config(config: GemvConfig, tokens: int) -> GemvConfig:
-    """`config` as the FP8 kernels take it for `tokens` rows of x: rows within one block of 128;
-    for several tokens also a reduction step within one block of 128 columns (each step then has
-    one factor per row block). One token keeps the step: each column's factor is loaded with it,
-    and a step of 128 columns would leave a program of 2 rows (o at Qwen3-30B-A3B's shape) 256
-    bytes a load: 16% of the copy rate, against 74% for the same rows in bf16 (docs/kernels.md)."""
-    block_k = config.block_k if tokens == 1 else min(config.block_k, 128)
-    return replace(config, block_n=min(config.block_n, 128), block_k=block_k)
+def fp8_config(config: GemvConfig) -> GemvConfig:
+    """`config` as the FP8 kernels take it: rows within one block of 128 and a reduction step
+    within one block of 128 columns, so that each step has one factor per program (for any
+    number of tokens: one token's wider steps of the bf16 tiles, each column's factor loaded
+    beside its activation, measured slower at every projection: docs/kernels.md)."""
+    return replace(config, block_n=min(config.block_n, 128), block_k=min(config.block_k, 128))
 
 
 def linear_decode_fp8_ref(
@@ -531,11 +528,9 @@ def linear_decode_fp8(
     _check(x, weight, bias, scale_inv)
     tokens, k = x.shape
     n = weight.shape[0]
-    cfg = fp8_config(config or choose_config(tokens, n, k, common.sm_count(x.device)), tokens)
-    if 128 % cfg.block_n or (tokens > 1 and 128 % cfg.block_k):
-        raise ValueError(
-            f"{cfg}: FP8 blocks need block_n dividing 128 (and block_k too for several tokens)"
-        )
+    cfg = fp8_config(config or choose_config(tokens, n, k, common.sm_count(x.device)))
+    if 128 % cfg.block_n or 128 % cfg.block_k:
+        raise ValueError(f"{cfg}: FP8 blocks need block_n and block_k dividing 128")
     call = _prepare(x, n, bias, cfg, compute_dtype)
     bits = fp8_bits(weight)
     if tokens == 1:

@@ -306,10 +306,10 @@ def fp8_projection(
     ("tokens", "n", "k", "config"),
     [
         (1, 300, 400, GemvConfig(block_n=4, block_k=64)),  # ragged blocks, several per program
-        # one token: a step across blocks of columns, each column's factor its own block's
-        (1, 256, 384, GemvConfig(block_n=16, block_k=512)),  # a step wider than K
-        (1, 64, 1000, GemvConfig(block_n=2, block_k=1024)),  # 8 blocks a step, the last ragged
-        (1, 64, 900, GemvConfig(block_n=4, block_k=256, split_k=2)),  # split across blocks
+        # a step wider than a block (taken as 128 columns), the last block ragged, a split
+        (1, 256, 384, GemvConfig(block_n=16, block_k=512)),
+        (1, 64, 1000, GemvConfig(block_n=2, block_k=1024)),
+        (1, 64, 900, GemvConfig(block_n=4, block_k=256, split_k=2)),
         (1, 130, 96, None),  # the heuristic's tiles, a block of 2 rows at the edge
         (3, 300, 400, GemvConfig(block_n=16, block_k=64)),  # tl.dot, ragged
         (gemv.MAX_TOKENS, 160, 256, None),
