@@ -547,8 +547,9 @@ def _cpu_expert_flags(moe: Group) -> None:
         help="Offloaded decode at batch 1 and more (CUDA graphs, the native planner, one GPU): "
         "on runs each MoE layer's cached experts as soon as the layer's routing is made, their "
         "slots looked up on the GPU in a copy of the cache's slot map, while the host plans "
-        "the misses; off runs them once the host has planned the layer step. Not yet measured "
-        "on a GPU, so off by default; the benchmark tries on (docs/cpu-experts.md).",
+        "the misses; off runs them once the host has planned the layer step. Off by default: on "
+        "a GPU it measured no faster than the runs' spread; the benchmark tries on "
+        "(docs/cpu-experts.md).",
     )
     moe.add_argument(
         "--moe-cpu-pin",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.kernels import e2m1, fp4_widen, grouped_moe, mxfp4, mxfp4_moe
+from moelab.kernels import common, e2m1, fp4_widen, grouped_moe, mxfp4, mxfp4_moe
 from moelab.kernels.common import tl, triton
 from moelab.kernels.fp4_one_token import OneTokenFP4Config, choose_config
 from moelab.kernels.grouped_moe import GroupedMoEConfig
@@ -85,6 +85,35 @@ def test_halves_widen_every_code_in_column_order_times_2_to_the_minus_14():
     assert torch.equal(out.cpu().float(), ref * 2.0**-14)
     assert torch.equal(torch.signbit(out.cpu()), torch.signbit(ref))  # -0 too
     assert out.cpu()[0, 2].item() == 2.0**-15  # byte 1's low code, 0.5: an fp16 subnormal
+
+
+@triton.jit
+def _word_dots_kernel(words_ptr, x_ptr, out_ptr, ROWS: tl.constexpr, WORDS: tl.constexpr,
+                      PTX: tl.constexpr):  # fmt: skip
+    rows = tl.arange(0, ROWS)[:, None]
+    words = tl.load(words_ptr + rows * WORDS + tl.arange(0, WORDS)[None, :])
+    xs = tl.load(x_ptr + tl.arange(0, 8 * WORDS))[None, :]
+    tl.store(
+        out_ptr + rows * WORDS + tl.arange(0, WORDS)[None, :], fp4_widen.word_dots(words, xs, PTX)
+    )
+
+
+def test_word_dots_take_each_code_times_the_activation_of_its_column(gen):
+    """Every byte (both nibbles), four to a word: each word's eight codes (times 2^-14) times the
+    activations of their columns, summed; activations ± powers of two 2^3 apart (2^-6 to 2^6),
+    so that a code put against another column's activation shows, and every product and sum
+    stays exact in fp32 (all of a word's bits within 20 binary places)."""
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(16, 16).to(DEVICE)
+    x = torch.exp2(3.0 * torch.randint(-2, 3, (32,), generator=gen).float())
+    x = (x * torch.randint(0, 2, (32,), generator=gen).mul(2).sub(1)).to(DEVICE)
+    out = torch.empty(16, 4, device=DEVICE)
+    _word_dots_kernel[(1,)](
+        packed.view(torch.int32), x, out, ROWS=16, WORDS=4, PTX=common.inline_ptx(x.device)
+    )
+    codes = packed.cpu()
+    weights = torch.stack([e2m1.widen(codes & 15), e2m1.widen(codes >> 4)], dim=-1).view(16, 32)
+    ref = (weights * 2.0**-14 * x.cpu()).view(16, 4, 8).double().sum(dim=2).float()
+    assert torch.equal(out.cpu(), ref)
 
 
 @pytest.mark.parametrize("tokens, top_k, slots", [(1, 4, 6), (3, 2, 5), (2, 4, 4)])
