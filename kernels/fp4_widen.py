@@ -70,8 +70,7 @@ def _code_pairs(words):
 def halves(words, OUT: tl.constexpr):
     """The e2m1 codes of `words` [N, W] (int32, four bytes, eight codes each: byte j's low nibble
     is column 2j, its high nibble 2j + 1) as [N, 8W] in column order, each its value times 2^-14
-    (`_code_pairs`), in OUT: fp16, or fp32 (exact too, and converted before the joins, which
-    then move whole registers rather than pack fp16 pairs)."""
+    (`_code_pairs`), in OUT (fp16 for tl.dot; fp32 is exact too)."""
     c0_c4, c1_c5, c2_c6, c3_c7 = _code_pairs(words)
     # joined [N, W, 2, 2, 2], each join's halves last: code c of a word lands at
     # 4 · (c >= 4) + 2 · (c mod 4 >= 2) + (c odd) = c, its column
@@ -94,9 +93,7 @@ def _fp32_pair(pair, PTX: tl.constexpr):
             is_pure=True,
             pack=1,
         )
-    low = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    high = (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return low, high
+    return tl.split(_fp16_pair(pair, tl.float32))
 
 
 @triton.jit
