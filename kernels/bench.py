@@ -17,7 +17,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 
 import torch
@@ -811,7 +811,7 @@ class Bench:
         bytes_moved = weight_bytes + tokens * (n + k) * ELEM_BYTES
         label = f"T={tokens} {name} N={n} K={k}"
         if config is not None:
-            label = f"{label} {_short(gemv.fp8_config(config))}"
+            label = f"{label} {_short(gemv.fp8_config(config, tokens))}"
 
         def kernel(weight: torch.Tensor, scale: torch.Tensor) -> Callable[[], object]:
             return lambda: gemv.linear_decode_fp8(x, weight, scale, config=config)
@@ -1216,7 +1216,9 @@ def _sweep(bench: Bench, wanted: set[str]) -> None:
                     bench.linear(tokens, name, config)
     if "linear_fp8" in wanted:  # the bf16 sweep's tiles as the FP8 kernels take them, each once
         for tokens, configs in GEMV_SWEEP.items():
-            for config in dict.fromkeys(gemv.fp8_config(c) for c in configs):
+            # one token's steps also twice as wide: the bf16 step's bytes in FP8
+            wider = [replace(c, block_k=2 * c.block_k) for c in configs] if tokens == 1 else []
+            for config in dict.fromkeys(gemv.fp8_config(c, tokens) for c in configs + wider):
                 for name in ("qkv", "o"):
                     bench.linear_fp8(tokens, name, config)
     if "route" in wanted:

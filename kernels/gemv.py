@@ -237,12 +237,13 @@ def _tokens_kernel(
 
 # FP8 weights (`scale_inv`): e4m3 bits with one fp32 factor per 128x128 block (kernels/fp8.py),
 # widened in integer ops on every card (kernels/fp8_moe.py `widened`). A program's rows lie in one
-# block of 128 rows (BLOCK_N divides 128) and a reduction step in one block of 128 columns
-# (BLOCK_K <= 128), so a step's factor is one number per program. One token multiplies the bits
-# widened (the value times 2^-120) by the activation times its factor times 2^60, and the row sum
-# by 2^60 at the end: every product is the value times 2^-60, a normal fp32 for any activation
-# below 2^68, exact in its powers of two. (Loading each column's factor beside its activation, to
-# give one token the bf16 path's wider steps, measured slower: docs/kernels.md.)
+# block of 128 rows (BLOCK_N divides 128), so a column block's factor is one number per program.
+# One token takes the bf16 path's wide steps: a step of BLOCK_K columns spans GROUPS blocks of 128,
+# whose products are summed per block, multiplied by that block's factor (the GROUPS factors one
+# vector load) and added up. The bits are widened to the value times 2^-120 and the activation
+# multiplied by 2^60, so every product is the value times 2^-60, a normal fp32 for any activation
+# below 2^68, exact in its powers of two; the row sum is multiplied by 2^60 at the end. (Loading
+# each column's factor beside its activation measured slower: docs/kernels.md.)
 
 
 @triton.jit
@@ -269,20 +270,27 @@ def _one_token_fp8_kernel(
     common.pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    # a step of fewer than 128 columns lies in one block (BLOCK_K divides 128)
+    GROUPS: tl.constexpr = BLOCK_K // 128 if BLOCK_K >= 128 else 1
+    GROUP: tl.constexpr = BLOCK_K // GROUPS
     n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n_idx < n
     w_rows = w_ptr + n_idx[:, None].to(tl.int64) * stride_wn
     factors = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn
+    column_blocks = tl.cdiv(k, 128)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, k)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         k_idx = k0 + tl.arange(0, BLOCK_K)
         k_ok = k_idx < k
         bits = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
         xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0).to(COMPUTE).to(tl.float32)
-        f = tl.load(factors + k0 // 128)
-        acc += widened(bits) * (xs * (f * 1.152921504606846976e18))[None, :]
+        products = widened(bits) * (xs * 1.152921504606846976e18)[None, :]  # 2^60
+        block_sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, GROUP)), axis=2)
+        g_idx = k0 // 128 + tl.arange(0, GROUPS)
+        f = tl.load(factors + g_idx, mask=g_idx < column_blocks, other=0.0)
+        acc += block_sums * f[None, :]
     row = tl.sum(acc, axis=1) * 1.152921504606846976e18
     t_idx = tl.zeros((1,), dtype=tl.int32)
     _store(row[None, :], t_idx, n_idx, pid_k, bias_ptr, out_ptr, part_ptr, 1, n, HAS_BIAS, SPLIT)
@@ -488,12 +496,13 @@ def _sum_splits(
     return call.out
 
 
-def fp8_config(config: GemvConfig) -> GemvConfig:
-    """`config` as the FP8 kernels take it: rows within one block of 128 and a reduction step
-    within one block of 128 columns, so that each step has one factor per program (for any
-    number of tokens: one token's wider steps of the bf16 tiles, each column's factor loaded
-    beside its activation, measured slower at every projection: docs/kernels.md)."""
-    return replace(config, block_n=min(config.block_n, 128), block_k=min(config.block_k, 128))
+def fp8_config(config: GemvConfig, tokens: int = 1) -> GemvConfig:
+    """`config` as the FP8 kernels take it: rows within one block of 128, so that a block of
+    columns has one factor per program; more than one token also steps within one block of 128
+    columns (tl.dot's step, one factor per step), one token over the config's own step, which
+    sums each block of 128 columns before its factor (`_one_token_fp8_kernel`)."""
+    block_k = config.block_k if tokens == 1 else min(config.block_k, 128)
+    return replace(config, block_n=min(config.block_n, 128), block_k=block_k)
 
 
 def linear_decode_fp8_ref(
@@ -528,9 +537,12 @@ def linear_decode_fp8(
     _check(x, weight, bias, scale_inv)
     tokens, k = x.shape
     n = weight.shape[0]
-    cfg = fp8_config(config or choose_config(tokens, n, k, common.sm_count(x.device)))
-    if 128 % cfg.block_n or 128 % cfg.block_k:
-        raise ValueError(f"{cfg}: FP8 blocks need block_n and block_k dividing 128")
+    cfg = fp8_config(config or choose_config(tokens, n, k, common.sm_count(x.device)), tokens)
+    if 128 % cfg.block_n or (128 % cfg.block_k and (tokens > 1 or cfg.block_k % 128)):
+        raise ValueError(
+            f"{cfg}: FP8 blocks need block_n dividing 128 and block_k dividing 128 (one token: "
+            "or a multiple of 128)"
+        )
     call = _prepare(x, n, bias, cfg, compute_dtype)
     bits = fp8_bits(weight)
     if tokens == 1:

@@ -102,6 +102,9 @@ if [ "$part" = fp8_linear ]; then  # the decode projections over FP8 weights: th
   # FP8 experts with the projections in the compute dtype, then in FP8 (--dense-dtype fp8):
   # 12 layers all resident (issue 52's 1.3x over bf16), then 48 on 24 GiB offloaded
   F="--routing-skew 1 --moe-expert-dtype fp8 --json"
+  # the bf16 experts' row, the ratio's other side, in the same call
+  run fp8_dense_bf16_experts_resident $B decode $G --routing-skew 1 --moe-expert-dtype bf16 \
+    --json --tokens 256 --repeats 3
   for dense in auto fp8; do
     run fp8_dense_${dense}_resident $B decode $G $F --tokens 256 --repeats 3 --dense-dtype $dense
   done

@@ -212,8 +212,8 @@ def test_the_gpt_oss_decode_row_reads_what_it_counts(monkeypatch):
 def test_the_fp8_projection_rows_read_what_they_count(monkeypatch):
     """linear_fp8 at a small projection on the CPU (the interpreter): each call it times is the
     FP8 skinny GEMM, equal to its dequantizing reference, and the row counts the FP8 weight, its
-    block factors and the activations; --sweep times each FP8 tile (a step of at most 128
-    columns) once."""
+    block factors and the activations; --sweep times each FP8 tile once: more than one token
+    in steps of at most 128 columns, one token in the bf16 tiles' steps and steps twice as wide."""
     fake_gpu(monkeypatch)
     monkeypatch.setattr(bench, "PROJECTIONS", {"qkv": (256, 384), "o": (128, 256)})
     monkeypatch.setattr(bench, "MIN_WORKING_SET_BYTES", 0)
@@ -243,5 +243,8 @@ def test_the_fp8_projection_rows_read_what_they_count(monkeypatch):
     monkeypatch.setattr(bench.Bench, "linear_fp8", lambda self, *a: swept.append(a))
     bench.run(True, ["linear_fp8"])
     tiles = [a for a in swept if len(a) == 3]
-    assert tiles and all(c.block_k <= 128 for _, _, c in tiles)
+    assert tiles and all(c.block_k <= 128 for tokens, _, c in tiles if tokens > 1)
+    one_token = {c.block_k for tokens, _, c in tiles if tokens == 1}
+    bf16_steps = {c.block_k for c in bench.GEMV_SWEEP[1]}
+    assert one_token == bf16_steps | {2 * k for k in bf16_steps}, "the bf16 steps and twice them"
     assert len(tiles) == len(set(tiles))

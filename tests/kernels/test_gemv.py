@@ -306,7 +306,7 @@ def fp8_projection(
     ("tokens", "n", "k", "config"),
     [
         (1, 300, 400, GemvConfig(block_n=4, block_k=64)),  # ragged blocks, several per program
-        # a step wider than a block (taken as 128 columns), the last block ragged, a split
+        # a step over several blocks (each summed before its factor), the last block ragged, a split
         (1, 256, 384, GemvConfig(block_n=16, block_k=512)),
         (1, 64, 1000, GemvConfig(block_n=2, block_k=1024)),
         (1, 64, 900, GemvConfig(block_n=4, block_k=256, split_k=2)),
