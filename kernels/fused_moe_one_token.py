@@ -155,8 +155,8 @@ def _gate_up_sums_fp8(
 ):  # fmt: skip
     """_gate_up_sums of an FP8 expert: each step's BLOCK_K columns as spans of SUB (<= 128)
     columns, each inside one 128-column block, so that a span takes one factor per row. The
-    weights are widened exactly (fp8_moe) and multiplied by their factors in fp32; only x is
-    rounded to the compute dtype."""
+    weights are widened exactly (fp8_moe), each span's products with x summed and the sum
+    multiplied by its row's factor, in fp32; only x is rounded to the compute dtype."""
     n_ok = n_idx < inter
     expert = w13_ptr + slot.to(tl.int64) * stride_ws
     gate_rows = expert + n_idx[:, None, None].to(tl.int64) * stride_wn
@@ -166,8 +166,8 @@ def _gate_up_sums_fp8(
     up_factors = factors + ((inter + n_idx[:, None]) // 128) * stride_sn
     spans = tl.arange(0, BLOCK_K // SUB) * SUB
     cols = spans[:, None] + tl.arange(0, SUB)[None, :]
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K // SUB, SUB), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K // SUB, SUB), dtype=tl.float32)
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
     for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
         k_idx = k0 + cols
         k_ok = k_idx < hidden
@@ -180,9 +180,9 @@ def _gate_up_sums_fp8(
         up = tl.load(up_rows + k_idx[None, :, :], mask=w_ok, other=0)
         gate_f = fp8_moe.weight_factor(tl.load(gate_factors + block, mask=f_ok, other=0.0))
         up_f = fp8_moe.weight_factor(tl.load(up_factors + block, mask=f_ok, other=0.0))
-        acc_gate += fp8_moe.widened(gate) * gate_f[:, :, None] * xs
-        acc_up += fp8_moe.widened(up) * up_f[:, :, None] * xs
-    return tl.sum(tl.sum(acc_gate, axis=2), axis=1), tl.sum(tl.sum(acc_up, axis=2), axis=1)
+        acc_gate += tl.sum(fp8_moe.widened(gate) * xs, axis=2) * gate_f
+        acc_up += tl.sum(fp8_moe.widened(up) * xs, axis=2) * up_f
+    return tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
 
 
 @triton.jit
@@ -231,7 +231,7 @@ def _down_rows(
         row_factors = s2_ptr + slot.to(tl.int64) * stride_ss + (n_idx[:, None] // 128) * stride_sn
         spans = tl.arange(0, BLOCK_K // SUB) * SUB
         cols = spans[:, None] + tl.arange(0, SUB)[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_K // SUB, SUB), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
         for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
             k_idx = k0 + cols
             k_ok = k_idx < inter
@@ -239,8 +239,8 @@ def _down_rows(
             w = tl.load(w_rows + k_idx[None, :, :], mask=n_ok[:, None, None] & k_ok[None], other=0)
             f_ok = n_ok[:, None] & (k0 + spans < inter)[None, :]
             f = tl.load(row_factors + ((k0 + spans) // 128)[None, :], mask=f_ok, other=0.0)
-            acc += fp8_moe.widened(w) * fp8_moe.weight_factor(f)[:, :, None] * a[None, :, :]
-        sums = tl.sum(tl.sum(acc, axis=2), axis=1)
+            acc += tl.sum(fp8_moe.widened(w) * a[None, :, :], axis=2) * fp8_moe.weight_factor(f)
+        sums = tl.sum(acc, axis=1)
     else:
         w_rows = expert + n_idx[:, None].to(tl.int64) * stride_wn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
