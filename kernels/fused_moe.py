@@ -370,7 +370,7 @@ def fused_moe_decode_triton(
     inter = w13.shape[1] // 2
     if config is None and num_tokens == 1:
         sms = common.sm_count(x.device)
-        config = choose_one_token_config(top_k, hidden, inter, sms, few_routes)
+        config = choose_one_token_config(top_k, hidden, inter, sms, few_routes, fp8_bank)
     one_token = isinstance(config, OneTokenMoEConfig)
     if one_token and num_tokens != 1:
         raise ValueError(

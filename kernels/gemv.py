@@ -37,6 +37,10 @@ ROW_PROGRAMS_PER_SM = 4
 SPLIT_PROGRAMS_PER_SM = 2
 # Weight elements one program of the one-token path loads per step: 8 KiB of bf16.
 ROW_TILE_ELEMENTS = 4096
+# Weight bytes a program of the one-token FP8 path reads at least: bf16's narrowest blocks (o: 2
+# rows of 4,096 columns) read 16 KiB; with half the bytes a weight, 2 FP8 rows by 2,048 columns
+# a step took 7.3 us and 4 rows by 1,024 5.2 (an H100; docs/kernels.md).
+FP8_PROGRAM_BYTES = 16 * 1024
 # Outputs each program of the split-adding launch writes.
 SUM_BLOCK = 1024
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -93,6 +97,19 @@ def choose_config(tokens: int, n: int, k: int, sms: int) -> GemvConfig:
     while row_blocks * split_k < SPLIT_PROGRAMS_PER_SM * sms and k >= 4 * split_k * block_k:
         split_k *= 2
     return GemvConfig(block_n, block_k, split_k, 4, 4)
+
+
+def choose_fp8_config(tokens: int, n: int, k: int, sms: int) -> GemvConfig:
+    """Tiles for an FP8 weight: choose_config's, where one token's row blocks are widened until a
+    program reads FP8_PROGRAM_BYTES of weights (o [2048, 4096] on 132 SMs: 4 rows by 1024; qkv
+    and lm_head keep 8 and 16 rows), each step keeping ROW_TILE_ELEMENTS of them."""
+    config = choose_config(tokens, n, k, sms)
+    if tokens > 1:
+        return config
+    block_n = config.block_n
+    while block_n < 16 and block_n * k < FP8_PROGRAM_BYTES:
+        block_n *= 2
+    return replace(config, block_n=block_n, block_k=max(256, ROW_TILE_ELEMENTS // block_n))
 
 
 def linear_decode_ref(
@@ -537,7 +554,7 @@ def linear_decode_fp8(
     _check(x, weight, bias, scale_inv)
     tokens, k = x.shape
     n = weight.shape[0]
-    cfg = fp8_config(config or choose_config(tokens, n, k, common.sm_count(x.device)), tokens)
+    cfg = fp8_config(config or choose_fp8_config(tokens, n, k, common.sm_count(x.device)), tokens)
     if 128 % cfg.block_n or (128 % cfg.block_k and (tokens > 1 or cfg.block_k % 128)):
         raise ValueError(
             f"{cfg}: FP8 blocks need block_n dividing 128 and block_k dividing 128 (one token: "

@@ -118,6 +118,17 @@ def test_one_token_tiles_spread_routes_over_the_sms(sms):
         assert block_n == 16 or 8 * -(-rows // (2 * block_n)) < least
     if sms == 132:
         assert config == OneTokenMoEConfig(8, 256, 16, 256, num_warps=4, num_stages=3)
+    # an FP8 bank's programs take twice the rows, the steps by the same rule
+    fp8 = choose_one_token_config(8, 2048, 768, sms, fp8=True)
+    assert (fp8.gate_up_block_n, fp8.down_block_n) == (
+        2 * config.gate_up_block_n,
+        2 * config.down_block_n,
+    )
+    if sms == 132:
+        assert fp8 == OneTokenMoEConfig(16, 256, 32, 256, num_warps=4, num_stages=3)
+    assert choose_one_token_config(8, 2048, 768, sms, few_routes=True, fp8=True) == (
+        choose_one_token_config(8, 2048, 768, sms, few_routes=True)
+    ), "few live routes keep their tiles"
 
 
 def test_few_routes_tiles_spread_one_route_over_the_sms():

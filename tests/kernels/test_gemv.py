@@ -107,6 +107,21 @@ def test_heuristic_fills_an_h200_in_one_launch_for_one_token(tokens, n, k):
     assert triton.cdiv(n, config.block_n) >= gemv.ROW_PROGRAMS_PER_SM * 132
 
 
+@pytest.mark.parametrize("name", list(REAL_SHAPES))
+def test_fp8_tiles_give_one_tokens_programs_as_many_bytes_as_bf16s(name):
+    """One token over an FP8 weight: bf16's row blocks, widened until a program reads
+    FP8_PROGRAM_BYTES (half a weight's bytes: o's 2-row blocks become 4), each step of
+    ROW_TILE_ELEMENTS; more tokens take bf16's tiles."""
+    n, k = REAL_SHAPES[name]
+    bf16, fp8 = gemv.choose_config(1, n, k, sms=132), gemv.choose_fp8_config(1, n, k, sms=132)
+    assert fp8.block_n * k >= gemv.FP8_PROGRAM_BYTES or fp8.block_n == 16
+    assert fp8.block_n == bf16.block_n or (fp8.block_n // 2) * k < gemv.FP8_PROGRAM_BYTES
+    assert fp8.block_n * fp8.block_k == max(gemv.ROW_TILE_ELEMENTS, 256 * fp8.block_n)
+    if name == "o":
+        assert (bf16.block_n, fp8.block_n, fp8.block_k) == (2, 4, 1024)
+    assert gemv.choose_fp8_config(8, n, k, sms=132) == gemv.choose_config(8, n, k, sms=132)
+
+
 @pytest.mark.parametrize(("tokens", "n", "k"), [(8, *s) for s in REAL_SHAPES.values()])
 def test_heuristic_for_a_batch_uses_dot_tiles_and_fills_an_h200(tokens, n, k):
     config = gemv.choose_config(tokens, n, k, sms=132)
