@@ -304,18 +304,21 @@ def test_measure_again_through_the_api(fake_moelab: Path, tmp_path: Path, demo_m
 
 @pytest.mark.slow
 def test_the_real_bench_bw_is_stored_with_the_engines_versions(
-    tmp_path: Path, demo_model: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, demo_model: Path
 ) -> None:
-    # the bench writes a bandwidth profile into the user cache: keep this machine's own intact
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # the bench writes a bandwidth profile, by default into the user cache: --out keeps this
+    # machine's own intact. The cache stays the user's, where the native CPU kernel's build
+    # (kernels/native_build.py, keyed by its source) is shared: an empty one would compile it.
+    profile = tmp_path / "bw-profile.json"
     store = Store(tmp_path / "mgr.sqlite3")
     jobs = Jobs()
     service = HardwareService(store, jobs)
     job, _ = service.start_measure(
-        [demo_model], ["--model-path", str(demo_model), "--threads", "1"]
+        [demo_model],
+        ["--model-path", str(demo_model), "--threads", "1", "--out", str(profile)],
     )
     assert jobs.wait(job, 600) and job.status == "done", (job.error, list(job.lines))
+    assert profile.is_file()
     assert len(job.lines) > 3  # the child's progress came through
     rows = [m for m in service.latest() if m.source == "moelab bench bw"]
     assert rows and all(m.value > 0 for m in rows)

@@ -7,6 +7,8 @@ import gc
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -70,61 +72,111 @@ def moelab(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     )
 
 
+# `moelab` command lines (a JSON list on stdin) run one after another in one interpreter, each as
+# `python -m moelab.engine.cli` runs it: with its own stdout, stderr and log lines, a traceback
+# and exit code 1 where it raises; [exit code, stdout, stderr] each, into the file argv[1] names
+EACH_COMMAND = r"""
+import contextlib, io, json, logging, sys, traceback
+from moelab.engine import cli
+
+results_path, results = sys.argv[1], []
+for argv in json.load(sys.stdin):
+    out, err = io.StringIO(), io.StringIO()
+    logging.root.handlers.clear()  # cli.main's logging.basicConfig then logs to this stderr
+    sys.argv = [cli.__file__, *argv]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exit:  # argparse's refusals, as the interpreter ends with them
+            code = exit.code
+            if isinstance(code, str):
+                print(code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append([code or 0, out.getvalue(), err.getvalue()])
+with open(results_path, "w") as f:
+    json.dump(results, f)
+"""
+
+
+def moelab_each(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """Each command line's `moelab` run, all in one process (EACH_COMMAND): the interpreter's
+    start and imports, most of a short command's time, are paid once."""
+    with tempfile.TemporaryDirectory() as folder:
+        results = Path(folder) / "results.json"
+        done = subprocess.run(
+            [sys.executable, "-c", EACH_COMMAND, str(results)],
+            input=json.dumps(commands),
+            capture_output=True,
+            text=True,
+            timeout=300 + 60 * len(commands),
+        )
+        assert done.returncode == 0 and results.is_file(), done.stderr[-3000:]
+        return [
+            subprocess.CompletedProcess(["moelab", *argv], code, out, err)
+            for argv, (code, out, err) in zip(
+                commands, json.loads(results.read_text()), strict=True
+            )
+        ]
+
+
+def output(run: subprocess.CompletedProcess) -> str:
+    """A command's stdout, where it exited 0."""
+    assert run.returncode == 0, (run.args, run.stderr[-3000:])
+    return run.stdout
+
+
 def test_synth_then_generate_json(tmp_path):
     out = tmp_path / "demo"
-    moelab(
-        "synth",
-        "--out",
-        str(out),
-        "--arch",
-        "olmoe",
-        "--routing-skew",
-        "0.5",
-        "--set",
-        "num_experts=8",
-    )
-    assert json.loads((out / "config.json").read_text())["num_experts"] == 8
+    synth = ["synth", "--out", str(out), "--arch", "olmoe", "--routing-skew", "0.5",
+             "--set", "num_experts=8"]  # fmt: skip
     flags = ["--model-path", str(out), "--bank-dir", str(tmp_path / "bank"), "--max-tokens", "6"]
-    result = json.loads(moelab("generate", *flags, "--prompt-ids", "5,6,7", "--json").stdout)
-    assert result["prompt_ids"] == [5, 6, 7] and len(result["output_ids"]) == 6
-    assert isinstance(result["text"], str)
-    again = json.loads(moelab("generate", *flags, "--prompt-ids", "5,6,7", "--json").stdout)
-    assert again == result  # greedy by default
-    text = moelab("generate", *flags, "--prompt", "The harbour town", "--json").stdout
-    assert len(json.loads(text)["prompt_ids"]) > 1
+    ids = ["--prompt-ids", "5,6,7", "--json"]
     # the sampling flags reach the sampler: drawing at temperature 1 leaves the greedy
     # continuation, top-k 1 brings it back; a wrong value is refused in one line
-    ids = ["--prompt-ids", "5,6,7", "--json"]
+    longer = ["generate", *flags[:-1], "16", *ids]
+    made, first, again, text, greedy, drawn, top_1, refused = moelab_each(
+        synth,
+        ["generate", *flags, *ids],
+        ["generate", *flags, *ids],
+        ["generate", *flags, "--prompt", "The harbour town", "--json"],
+        longer,
+        [*longer, "--temperature", "1", "--seed", "3"],
+        [*longer, "--temperature", "1", "--seed", "3", "--top-k", "1"],
+        ["generate", *flags, *ids, "--min-p", "2"],
+    )
+    output(made)
+    assert json.loads((out / "config.json").read_text())["num_experts"] == 8
+    result = json.loads(output(first))
+    assert result["prompt_ids"] == [5, 6, 7] and len(result["output_ids"]) == 6
+    assert isinstance(result["text"], str)
+    assert json.loads(output(again)) == result  # greedy by default
+    assert len(json.loads(output(text))["prompt_ids"]) > 1
 
-    def run(*extra: str) -> list[int]:
-        return json.loads(moelab("generate", *flags[:-1], "16", *ids, *extra).stdout)["output_ids"]
+    def ids_of(run: subprocess.CompletedProcess) -> list[int]:
+        return json.loads(output(run))["output_ids"]
 
-    greedy = run()
-    assert run("--temperature", "1", "--seed", "3") != greedy
-    assert run("--temperature", "1", "--seed", "3", "--top-k", "1") == greedy
-    refused = moelab("generate", *flags, *ids, "--min-p", "2", check=False)
+    assert ids_of(drawn) != ids_of(greedy)
+    assert ids_of(top_1) == ids_of(greedy)
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1] == "moelab generate: min_p must be in [0, 1]"
 
 
 def test_errors_are_messages_not_tracebacks(tmp_path):
-    r = moelab("generate", "--model-path", str(tmp_path), "--prompt", "x", check=False)
-    assert r.returncode == 2 and "has no config.json" in r.stderr and "Traceback" not in r.stderr
-    r = moelab("synth", "--out", str(tmp_path / "x"), "--preset", "huge", check=False)
-    assert r.returncode == 2 and "invalid choice: 'huge'" in r.stderr
-    r = moelab(
-        "serve",
-        "--model-path",
-        "x",
-        "--moe-cache-size",
-        "3",
-        "--moe-cache-rate",
-        "0.5",
-        check=False,
+    no_config, huge, both_sizes, sometimes = moelab_each(
+        ["generate", "--model-path", str(tmp_path), "--prompt", "x"],
+        ["synth", "--out", str(tmp_path / "x"), "--preset", "huge"],
+        ["serve", "--model-path", "x", "--moe-cache-size", "3", "--moe-cache-rate", "0.5"],
+        ["serve", "--model-path", "x", "--moe-miss-policy", "sometimes"],
     )
-    assert r.returncode == 2 and "not allowed with argument" in r.stderr
-    r = moelab("serve", "--model-path", "x", "--moe-miss-policy", "sometimes", check=False)
-    assert r.returncode == 2 and "use auto, gpu, cpu or split:F" in r.stderr
+    for r in (no_config, huge, both_sizes, sometimes):
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "has no config.json" in no_config.stderr
+    assert "invalid choice: 'huge'" in huge.stderr
+    assert "not allowed with argument" in both_sizes.stderr
+    assert "use auto, gpu, cpu or split:F" in sometimes.stderr
 
 
 # `moelab` in an interpreter where Triton cannot be imported, as on a CPU-only install
@@ -317,16 +369,19 @@ def test_bench_decode_repeats_report_each_run_and_the_median_runs_figures():
 
 def test_bench_decode_draws_its_tokens_at_a_temperature():
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2"]
-    r = moelab(*flags, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--json")
-    result = json.loads(r.stdout)
+    wrongs = ((["--temperature", "-1"], "temperature must be 0 or more"),
+              (["--top-p", "0"], "top_p must be in (0, 1]"),
+              (["--top-k", "-1"], "top_k must be 0 (off) or more"))  # fmt: skip
+    r, greedy, *refusals = moelab_each(
+        [*flags, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--json"],
+        [*flags, "--json"],
+        *([*flags, *wrong] for wrong, _ in wrongs),
+    )
+    result = json.loads(output(r))
     assert result["temperature"] == 0.8 and result["top_p"] == 0.9 and result["draw_top_k"] == 20
     assert "at batch 1, drawn at temperature 0.8, top-p 0.9, top-k 20 (" in r.stderr
-    greedy = moelab(*flags, "--json")
-    assert json.loads(greedy.stdout)["temperature"] == 0 and "drawn" not in greedy.stderr
-    for wrong, said in ((["--temperature", "-1"], "temperature must be 0 or more"),
-                        (["--top-p", "0"], "top_p must be in (0, 1]"),
-                        (["--top-k", "-1"], "top_k must be 0 (off) or more")):  # fmt: skip
-        refused = moelab(*flags, *wrong, check=False)
+    assert json.loads(output(greedy))["temperature"] == 0 and "drawn" not in greedy.stderr
+    for refused, (_, said) in zip(refusals, wrongs, strict=True):
         assert refused.returncode == 2 and said in refused.stderr
         assert "Traceback" not in refused.stderr and "VRAM plan" not in refused.stderr
 
@@ -375,31 +430,32 @@ def test_bench_decode_alternation_is_refused_where_it_cannot_compare():
     take (isolate needs pinned workers), an alternation is a clear error."""
     flags = ["bench", "decode", "--preset", "tiny", "--tokens", "3", "--warmup", "2",
              "--moe-cache-rate", "0.5", "--repeats", "2"]  # fmt: skip
+    # each refused flag set, and what its refusal says
+    refusals = []
     if not torch.cuda.is_available():
-        for alternate, value in (("--alternate-prefetch-rounds", "2"),
-                                 ("--alternate-copy-ahead", "0")):  # fmt: skip
-            r = moelab(*flags, alternate, value, check=False)
-            refused = f"{alternate} needs pieces that send routing guesses"
-            assert r.returncode == 2 and refused in r.stderr
-    for wrong in (["--moe-cpu-prefetch-rounds", "2"], ["--repeats", "1"]):
-        r = moelab(*flags, *wrong, "--alternate-prefetch-rounds", "2", check=False)
-        assert r.returncode == 2 and "needs a value other than" in r.stderr
-    r = moelab(*flags, "--alternate-prefetch-rounds", "5", check=False)
-    assert r.returncode == 2 and "--alternate-prefetch-rounds" in r.stderr
-    r = moelab(*flags, "--alternate-copy-ahead", "2", check=False)
-    assert r.returncode == 2 and "2.0 must be from 0 to 1" in r.stderr
-    r = moelab(*flags, "--moe-cpu-pin", "isolate", "--alternate-cpu-pin", "isolate", check=False)
-    assert r.returncode == 2 and "needs a value other than --moe-cpu-pin's" in r.stderr
-    both = ["--alternate-cpu-pin", "isolate", "--alternate-prefetch-rounds", "2"]
-    r = moelab(*flags, *both, check=False)
-    assert r.returncode == 2 and "one --alternate-... flag at a time" in r.stderr
-    r = moelab(*flags, "--moe-cpu-pin", "off", "--alternate-cpu-pin", "isolate", check=False)
-    refused = "--moe-cpu-pin isolate: needs CPU expert workers pinned"
-    assert r.returncode == 2 and refused in r.stderr
-    torch_kernel = ["--moe-cpu-kernel", "torch", "--alternate-cpu-redo-us", "0"]
-    r = moelab(*flags, *torch_kernel, check=False)
-    refused = "--moe-cpu-redo-us 150: redo_us applies to the native kernel's tasks only"
-    assert r.returncode == 2 and refused in r.stderr
+        refusals += [
+            ([alternate, value], f"{alternate} needs pieces that send routing guesses")
+            for alternate, value in (("--alternate-prefetch-rounds", "2"),
+                                     ("--alternate-copy-ahead", "0"))
+        ]  # fmt: skip
+    refusals += [
+        (["--moe-cpu-prefetch-rounds", "2", "--alternate-prefetch-rounds", "2"],
+         "needs a value other than"),
+        (["--repeats", "1", "--alternate-prefetch-rounds", "2"], "needs a value other than"),
+        (["--alternate-prefetch-rounds", "5"], "--alternate-prefetch-rounds"),
+        (["--alternate-copy-ahead", "2"], "2.0 must be from 0 to 1"),
+        (["--moe-cpu-pin", "isolate", "--alternate-cpu-pin", "isolate"],
+         "needs a value other than --moe-cpu-pin's"),
+        (["--alternate-cpu-pin", "isolate", "--alternate-prefetch-rounds", "2"],
+         "one --alternate-... flag at a time"),
+        (["--moe-cpu-pin", "off", "--alternate-cpu-pin", "isolate"],
+         "--moe-cpu-pin isolate: needs CPU expert workers pinned"),
+        (["--moe-cpu-kernel", "torch", "--alternate-cpu-redo-us", "0"],
+         "--moe-cpu-redo-us 150: redo_us applies to the native kernel's tasks only"),
+    ]  # fmt: skip
+    runs = moelab_each(*([*flags, *wrong] for wrong, _ in refusals))
+    for r, (wrong, refused) in zip(runs, refusals, strict=True):
+        assert r.returncode == 2 and refused in r.stderr, (wrong, r.stderr[-2000:])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -518,20 +574,25 @@ def test_bench_prefill_and_decode_fill_the_advertised_context_less_n_tokens():
     A context-N that leaves nothing, or too little for them, is refused."""
     flags = ["--preset", "tiny", "--kv-reserve-tokens", "96", "--json"]
     prefill = ["bench", "prefill", *flags, "--repeats", "1", "--warmup-tokens", "8"]
-    result = json.loads(moelab(*prefill, "--prompt-tokens", "context-5").stdout)
+    decode = ["bench", "decode", *flags, "--tokens", "3", "--warmup", "2"]
+    short_5, whole, none_left, decoded, too_little = moelab_each(
+        [*prefill, "--prompt-tokens", "context-5"],
+        [*prefill, "--prompt-tokens", "context"],
+        [*prefill, "--prompt-tokens", "context-100000"],
+        [*decode, "--prompt-tokens", "context"],
+        [*decode, "--prompt-tokens", "context-3"],
+    )
+    result = json.loads(output(short_5))
     assert result["max_context"] >= 96
     assert result["prompt_tokens"] == result["max_context"] - 5
-    result = json.loads(moelab(*prefill, "--prompt-tokens", "context").stdout)
+    result = json.loads(output(whole))
     assert result["prompt_tokens"] == result["max_context"] - 1
-    r = moelab(*prefill, "--prompt-tokens", "context-100000", check=False)
-    assert r.returncode == 2
-    assert "--prompt-tokens context-100000 leaves no prompt" in r.stderr
-    decode = ["bench", "decode", *flags, "--tokens", "3", "--warmup", "2"]
-    result = json.loads(moelab(*decode, "--prompt-tokens", "context").stdout)
+    assert none_left.returncode == 2
+    assert "--prompt-tokens context-100000 leaves no prompt" in none_left.stderr
+    result = json.loads(output(decoded))
     assert result["prompt_tokens"] == result["max_context"] - 4  # 3 timed tokens and the first
-    r = moelab(*decode, "--prompt-tokens", "context-3", check=False)
-    assert r.returncode == 2
-    assert "context-3 leaves room for 3 tokens, and each sequence generates 4" in r.stderr
+    assert too_little.returncode == 2
+    assert "context-3 leaves room for 3 tokens, and each sequence generates 4" in too_little.stderr
     parse = cli.build_parser().parse_args
     assert parse(["bench", "prefill", "--prompt-tokens", "context"]).prompt_tokens.tokens is None
     assert parse(["bench", "decode", "--prompt-tokens", "12"]).prompt_tokens == 12

@@ -15,6 +15,7 @@ from moelab.engine.model.synth import PRESETS, make_config, parse_overrides
 from moelab.engine.model.tokenizer import IncrementalDecoder, Tokenizer
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
+from moelab.kernels import native_build
 
 from .reference import make_engine, relative_error
 
@@ -338,6 +339,10 @@ def test_a_dummy_engine_keeps_its_routing_calibration_for_the_next_start(tmp_pat
     """An engine with --dummy-weights saves its routers' calibration under a key of what made it;
     the next start with the same key takes the same routers back without calibrating, one with
     another skew calibrates its own, and a damaged file is calibrated again and replaced."""
+    # an empty cache for the calibrations; the native CPU kernel's build stays the user's
+    # (kernels/native_build.py, keyed by its source), where an empty cache would compile it
+    extensions_dir = native_build.extensions_dir()
+    monkeypatch.setattr(native_build, "extensions_dir", lambda: extensions_dir)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     first_path = synthesize(tmp_path / "m", preset="tiny", routing_skew=1.0, seed=4)
     other_path = synthesize(tmp_path / "o", preset="tiny", routing_skew=0.5, seed=4)
