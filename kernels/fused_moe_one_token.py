@@ -74,7 +74,7 @@ def choose_one_token_config(
     (768 programs), down 2 rows by 1024, all of I (1024 programs).
 
     fp8: an FP8 bank's route grid takes twice the rows in each launch (Qwen3-30B-A3B on 132
-    SMs: gate/up 16 by 256, down 32 by 256), with steps by the same rule: on an H100 18.6 us
+    SMs: gate/up 16 by 256, down 32 by 256), with steps by the same rule: on a GPU 18.6 us
     against 25.6 at bf16's tiles (docs/kernels.md).
     """
     routes = 1 if few_routes else top_k

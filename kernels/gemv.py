@@ -39,7 +39,7 @@ SPLIT_PROGRAMS_PER_SM = 2
 ROW_TILE_ELEMENTS = 4096
 # Weight bytes a program of the one-token FP8 path reads at least: bf16's narrowest blocks (o: 2
 # rows of 4,096 columns) read 16 KiB; with half the bytes a weight, 2 FP8 rows by 2,048 columns
-# a step took 7.3 us and 4 rows by 1,024 5.2 (an H100; docs/kernels.md).
+# a step took 7.3 us and 4 rows by 1,024 5.2 (docs/kernels.md).
 FP8_PROGRAM_BYTES = 16 * 1024
 # Outputs each program of the split-adding launch writes.
 SUM_BLOCK = 1024
