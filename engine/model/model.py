@@ -13,7 +13,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ...kernels import shared_expert
 from ...kernels.gemv import linear
@@ -656,6 +655,9 @@ class Model:
         groups = self.spec.num_heads // self.spec.num_kv_heads
         mask = None
         if n not in (1, length) and self._flash_chunks.get(q.device, False):
+            # imported here: the module imports torch._dynamo (1.5 s of every engine's start)
+            from torch.nn.attention.bias import causal_lower_right
+
             mask = causal_lower_right(n, length)
         elif n not in (1, length):
             mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
