@@ -155,13 +155,15 @@ def test_the_4bit_decode_rows_run_their_launches_end_to_end(monkeypatch):
     """bench.run --sweep over the MXFP4 and NVFP4 decode at a small shape (the interpreter on
     the CPU): every row's launches run, one row each, labelled with its launches' tiles."""
     fake_gpu(monkeypatch)
-    for name, value in (("HIDDEN", 32), ("INTER", 32), ("EXPERTS", 4), ("TOP_K", 2)):
+    # three experts a layer, two of them each token's: few slots for the tl.dot rows to read
+    for name, value in (("HIDDEN", 32), ("INTER", 32), ("EXPERTS", 3), ("TOP_K", 2)):
         monkeypatch.setattr(bench, name, value)
     monkeypatch.setattr(bench, "MIN_WORKING_SET_BYTES", 0)  # two layers a graph
     # a device of one SM: the one-token tiles' widest row blocks, the fewest programs to interpret
     monkeypatch.setattr(common, "sm_count", lambda device: 1)
-    monkeypatch.setattr(bench, "FP4_ONE_TOKEN_SWEEP", ((8, 512, 16, 256, 4, 3),))
-    monkeypatch.setattr(bench, "FP4_DOT_SWEEP", ((16, 256),))
+    # the sweep's tiles take all 32 rows: one program a route
+    monkeypatch.setattr(bench, "FP4_ONE_TOKEN_SWEEP", ((32, 512, 32, 256, 4, 3),))
+    monkeypatch.setattr(bench, "FP4_DOT_SWEEP", ((32, 256),))
     calls = []
 
     def run_once(fns) -> float:
@@ -177,7 +179,7 @@ def test_the_4bit_decode_rows_run_their_launches_end_to_end(monkeypatch):
             *((fmt, t, "") for fmt in ("mxfp4", "nvfp4") for t in (1, 4, 8)),
             *(
                 (fmt, 1, variant)
-                for variant in (" one-token 8/512/16/256/4/3", " tl.dot 16/256/3")
+                for variant in (" one-token 32/512/32/256/4/3", " tl.dot 32/256/3")
                 for fmt in ("mxfp4", "nvfp4")
             ),
         ]
@@ -190,6 +192,8 @@ def test_the_gpt_oss_decode_row_reads_what_it_counts(monkeypatch):
     times is the biased, clamped MXFP4 decode over its layer's own slots, equal to the
     dequantizing reference, and the row counts each routed expert's values, scales and biases."""
     fake_gpu(monkeypatch)
+    # a device of one SM: the one-token tiles' widest row blocks, the fewest programs to interpret
+    monkeypatch.setattr(common, "sm_count", lambda device: 1)
     calls = []
     monkeypatch.setattr(bench, "graph_us_per_call", lambda cs: calls.extend(cs) or 50.0)
     b = bench.Bench(4000.0, 600.0)

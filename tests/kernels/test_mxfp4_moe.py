@@ -17,12 +17,12 @@ from .kernel_inputs import DEVICE, assert_matches, randn, route_table, route_wei
 pytestmark = pytest.mark.usefixtures("triton_runs")
 
 # Whole 32-blocks, but not whole steps of the tiles: the last step ends inside a block pair.
-HIDDEN, INTER = 224, 96
+HIDDEN, INTER = 160, 96
 GROUPED = GroupedMoEConfig(16, 32, 32, 64, num_warps=4, num_stages=2)
 # The one-token launches' tiles: steps of one block and of several (each thread a 16-byte vector
-# or sharing one), a step wider than the rows (H = 224, I = 96), one stage and three.
+# or sharing one), a step wider than the rows (H = 160, I = 96), one stage and three.
 ONE_TOKEN = [
-    OneTokenFP4Config(4, 32, 8, 32, num_warps=1, num_stages=1),
+    OneTokenFP4Config(8, 32, 16, 32, num_warps=1, num_stages=1),
     OneTokenFP4Config(8, 128, 16, 64, num_warps=2, num_stages=3),
     OneTokenFP4Config(16, 512, 2, 256, num_warps=4, num_stages=2),
 ]
@@ -116,8 +116,12 @@ def test_word_dots_take_each_code_times_the_activation_of_its_column(gen):
     assert torch.equal(out.cpu(), ref)
 
 
-@pytest.mark.parametrize("tokens, top_k, slots", [(1, 4, 6), (3, 2, 5), (2, 4, 4)])
-@pytest.mark.parametrize("block_n, block_k", [(16, 64), (32, 128)])
+# One token, several, and several naming every slot; each tile class at least once (the routes
+# do not change the tiles' loops, nor the tiles the routes' grouping).
+@pytest.mark.parametrize(
+    "tokens, top_k, slots, block_n, block_k",
+    [(1, 4, 6, 32, 128), (3, 2, 5, 16, 64), (2, 4, 4, 32, 128)],
+)
 def test_decode_matches_the_dequantized_reference(gen, tokens, top_k, slots, block_n, block_k):
     x = randn(gen, tokens, HIDDEN)
     slot_ids = route_table(gen, tokens, top_k, slots, masked=0.2)
@@ -137,10 +141,12 @@ def test_decode_reads_each_slot_once_for_the_tokens_naming_it(gen):
     weights = route_weights(gen, 10, 2)
     bank = mxfp4_bank(gen, 3)
     ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, *bank)
-    config = DotDecodeConfig(block_k=64)
+    config = DotDecodeConfig(32, 64)
     out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, config=config)
     assert_matches(out, ref, tol=1e-5)
-    parts = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, reduce=False)
+    parts = mxfp4_moe.fused_moe_decode_mxfp4(
+        x, slot_ids, weights, *bank, config=config, reduce=False
+    )
     assert_matches(parts.sum(dim=1), ref, tol=1e-5)
 
 
@@ -150,9 +156,9 @@ def test_decode_reads_the_top_scale_code_exactly(gen):
     binades down with the activations 100 binades up, which the reference can form."""
     magnitudes = 0.5 + torch.rand(3, HIDDEN, generator=gen)
     x = (magnitudes * torch.randn(3, HIDDEN, generator=gen).sign()).to(DEVICE)
-    slot_ids = route_table(gen, 3, 4, 6, masked=0.2)
-    weights = route_weights(gen, 3, 4)
-    w13, w2, s13, s2 = mxfp4_bank(gen, 6)
+    slot_ids = route_table(gen, 3, 2, 4, masked=0.2)
+    weights = route_weights(gen, 3, 2)
+    w13, w2, s13, s2 = mxfp4_bank(gen, 4)
     top = (254 - torch.randint(0, 4, s13.shape, generator=gen)).to(torch.uint8).to(DEVICE)
     out = mxfp4_moe.fused_moe_decode_mxfp4(x * 2.0**-100, slot_ids, weights, w13, w2, top, s2)
     ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, w13, w2, top - 100, s2)
@@ -169,7 +175,7 @@ def test_decode_gives_nan_where_a_block_has_the_nan_scale(gen):
     slot, row = int(slot_ids[0, 0]), 7
     s2 = s2.clone()
     s2[slot, row, 1] = 255
-    config = DotDecodeConfig(block_k=64)
+    config = DotDecodeConfig(32, 64)
     out = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, w13, w2, s13, s2, config=config)
     ref = mxfp4_moe.fused_moe_decode_mxfp4_ref(x, slot_ids, weights, w13, w2, s13, s2)
     routed = (slot_ids == slot).any(dim=1)
@@ -185,8 +191,13 @@ def test_decode_refuses_row_blocks_narrower_than_tl_dot_takes():
         DotDecodeConfig(block_n=8)
 
 
-@pytest.mark.parametrize("config", ONE_TOKEN)
-@pytest.mark.parametrize("top_k, masked", [(4, 0.3), (1, 0.0)])
+# Each tile class once; several routes (one masked) and a lone route, each at least once (a
+# route's program reads its slot the same at every tile).
+@pytest.mark.parametrize(
+    "config, top_k, masked",
+    [(ONE_TOKEN[0], 1, 0.0), (ONE_TOKEN[1], 4, 0.3), (ONE_TOKEN[2], 1, 0.0)],
+    ids=["one-block", "four-blocks", "wide"],
+)
 def test_one_token_decode_matches_the_dequantized_reference(gen, config, top_k, masked):
     """One token through the one-token launches: the sum, and each route's weighted output
     (reduce=False) as the reference's parts, zeros where a route is masked."""
@@ -203,10 +214,14 @@ def test_one_token_decode_matches_the_dequantized_reference(gen, config, top_k, 
     assert_matches(out, ref.sum(dim=1), tol=1e-5)
 
 
-def test_one_token_is_the_default_at_one_token_and_reads_a_repeated_slot_per_route(gen):
+def test_one_token_is_the_default_at_one_token_and_reads_a_repeated_slot_per_route(
+    gen, monkeypatch
+):
     """Without a config one token takes the one-token launches, where a slot named twice holds
     each route's own weighted output (the tl.dot launches put the token's at the first route
     and zeros at the other); the sums agree."""
+    # a device of one SM: the chosen tiles' widest row blocks, the fewest programs to interpret
+    monkeypatch.setattr(common, "sm_count", lambda device: 1)
     x = randn(gen, 1, HIDDEN)
     slot_ids = torch.tensor([[2, 5, 2, -1]], dtype=torch.int32, device=DEVICE)
     weights = route_weights(gen, 1, 4)
@@ -215,7 +230,7 @@ def test_one_token_is_the_default_at_one_token_and_reads_a_repeated_slot_per_rou
     parts = mxfp4_moe.fused_moe_decode_mxfp4(x, slot_ids, weights, *bank, reduce=False)
     assert_matches(parts, ref, tol=1e-5)
     dot = mxfp4_moe.fused_moe_decode_mxfp4(
-        x, slot_ids, weights, *bank, config=DotDecodeConfig(block_k=64), reduce=False
+        x, slot_ids, weights, *bank, config=DotDecodeConfig(32, 64), reduce=False
     )
     assert dot[0, 2].abs().max() == 0 and parts[0, 2].abs().max() > 0
     assert_matches(dot.sum(dim=1), ref.sum(dim=1), tol=1e-5)
@@ -309,9 +324,12 @@ def test_the_chosen_tiles_give_each_thread_its_own_vector(top_k, hidden, inter, 
     assert cfg.gate_up_block_n * cfg.gate_up_block_k // 32 >= vectors * threads
 
 
-def test_one_token_decode_for_few_live_routes_matches_the_reference(gen):
+def test_one_token_decode_for_few_live_routes_matches_the_reference(gen, monkeypatch):
     """A fill's launch: one live route of four, the tiles for few routes, biases and the
     clamp; its route's output as the reference's, zeros at the others."""
+    # a device of 16 SMs: gate/up rows one a program and down rows two, as the chooser gives
+    # Qwen3-30B-A3B's fills on 132 SMs, over fewer programs to interpret
+    monkeypatch.setattr(common, "sm_count", lambda device: 16)
     x = randn(gen, 1, HIDDEN)
     slot_ids = torch.tensor([[-1, 4, -1, -1]], dtype=torch.int32, device=DEVICE)
     weights = route_weights(gen, 1, 4)
@@ -515,7 +533,7 @@ def test_decode_adds_gpt_oss_biases_and_clamps(gen, reduce):
     weights = route_weights(gen, 3, 4)
     bank = mxfp4_bank(gen, 6)
     extras = gpt_oss_extras(gen, 6)
-    config = DotDecodeConfig(16, 64)
+    config = DotDecodeConfig(32, 64)
     out = mxfp4_moe.fused_moe_decode_mxfp4(
         x, slot_ids, weights, *bank, config=config, reduce=reduce, **extras
     )
