@@ -93,6 +93,21 @@ def test_mgr_restart_times_mgr_over_a_trial_engine_left_loading(tmp_path):
     assert line["database_mb"] >= 1 and line["answered_after_s"] > 0
 
 
+def test_host_step_times_overlapped_steps_whose_tokens_land():
+    """The host's work a step: the steps overlap (one stays in flight) and each step the loop
+    times hands out the token of the step before it."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "host_step.py"), "--layers", "2", "--steps",
+         "30"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    timed, landed = run.stdout.splitlines()[-2:]
+    assert timed.startswith("host work a step: ") and float(timed.split()[4]) > 0
+    # 80 steps: the prompt's hands out a token, the first decode step only launches, and each
+    # later one lands the step before it
+    assert landed == "tokens handed out: 79"
+
+
 def test_prefix_cache_ttft_resumes_a_hybrid_chat_where_its_messages_end(tmp_path):
     """A hybrid model keeps its state where the server says a chat's messages end: the script
     names the system prompt's end, from which a second turn resumes (its last whole page)."""
