@@ -513,7 +513,7 @@ def _sum_splits(
     return call.out
 
 
-def fp8_config(config: GemvConfig, tokens: int = 1) -> GemvConfig:
+def fp8_config(config: GemvConfig, tokens: int) -> GemvConfig:
     """`config` as the FP8 kernels take it: rows within one block of 128, so that a block of
     columns has one factor per program; more than one token also steps within one block of 128
     columns (tl.dot's step, one factor per step), one token over the config's own step, which
@@ -554,12 +554,9 @@ def linear_decode_fp8(
     _check(x, weight, bias, scale_inv)
     tokens, k = x.shape
     n = weight.shape[0]
+    # powers of two (GemvConfig) at most 128 rows divide a block; one token's steps of more than
+    # 128 columns are whole blocks
     cfg = fp8_config(config or choose_fp8_config(tokens, n, k, common.sm_count(x.device)), tokens)
-    if 128 % cfg.block_n or (128 % cfg.block_k and (tokens > 1 or cfg.block_k % 128)):
-        raise ValueError(
-            f"{cfg}: FP8 blocks need block_n dividing 128 and block_k dividing 128 (one token: "
-            "or a multiple of 128)"
-        )
     call = _prepare(x, n, bias, cfg, compute_dtype)
     bits = fp8_bits(weight)
     if tokens == 1:

@@ -49,7 +49,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    folder = Path(tempfile.mkdtemp(prefix="host-step-"))
+    with tempfile.TemporaryDirectory(prefix="host-step-") as folder:
+        run(Path(folder), args, engine_flags)
+
+
+def run(folder: Path, args: argparse.Namespace, engine_flags: list[str]) -> None:
+    """Synthesize the model into `folder`, then time (and profile) the step loop."""
     checkpoint = synthesize(
         folder / "model", preset="tiny", seed=3, overrides={"num_hidden_layers": args.layers}
     )
