@@ -18,3 +18,11 @@ if not Path("/dev/nvidiactl").exists():
 _ROOT = Path(__file__).resolve().parent.parent
 _at_root = [p for p in sys.path if Path(p or ".").resolve() == _ROOT]
 sys.path[:] = [p for p in sys.path if p not in _at_root] + [str(_ROOT)]
+
+
+def pytest_runtest_makereport(item, call):
+    """An engine that ended before it was ready: its log's last lines in the report, where the
+    exception's own words only say that it ended."""
+    error = call.excinfo.value if call.excinfo is not None else None
+    if getattr(error, "log_tail", None) and hasattr(error, "exit_code"):
+        item.add_report_section(call.when, "engine log", error.log_tail)

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from moelab.console.main import build_app
 from moelab.daemon.models import ModelRoot
 from moelab.daemon.retention import Retention
 from moelab.daemon.service import Daemon, DaemonConfig
+from tests.ports import free_port
 
 
 def synth(out: Path, *extra: str) -> Path:
@@ -41,12 +41,6 @@ def synth(out: Path, *extra: str) -> Path:
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synth(tmp_path_factory.mktemp("models") / "demo-tiny")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_daemon(data_dir: Path, models: Path | None, **config: Any) -> Daemon:

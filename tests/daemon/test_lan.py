@@ -72,7 +72,7 @@ def lan_mgr(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Itera
         tmp_path_factory.mktemp("lan") / "data",
         "--models-dir", str(demo_model.parent),
         host="0.0.0.0",
-        port=free_port(),
+        port=free_port("0.0.0.0"),
     )  # fmt: skip
     yield mgr
     mgr.stop()
@@ -171,7 +171,7 @@ def test_an_engine_on_the_lan_serves_an_address_that_came_up_after_start(
     lan: tuple[str, str, str], demo_model: Path, tmp_path: Path
 ) -> None:
     namespace, server_ip, _ = lan
-    port = free_port()
+    port = free_port("0.0.0.0")
     engine = start_engine(
         ["--model-path", str(demo_model), "--host", "0.0.0.0", "--port", str(port),
          "--device-memory", "1GiB", "--bank-dir", str(tmp_path / "bank")],

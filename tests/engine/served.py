@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import httpx
 
 from moelab.engine.model.spec import ModelSpec
 from moelab.engine.process.launch import EngineProcess, start_engine, stop_engine, wait_ready
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def serve(model: Path, tmp_path: Path, *flags: str) -> EngineProcess:

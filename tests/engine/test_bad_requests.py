@@ -8,7 +8,6 @@ malformed JSON and odd content types at every endpoint.
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
@@ -20,6 +19,7 @@ from moelab.engine.config.config import EngineConfig
 from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
 from moelab.engine.serving.server import Server
 from moelab.engine.synth_checkpoint import synthesize
+from tests.ports import free_port
 
 from .test_tool_calls import ScriptedWorker
 
@@ -31,12 +31,6 @@ FUZZ = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

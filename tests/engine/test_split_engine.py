@@ -4,8 +4,6 @@ holding its own layers' KV and expert cache, the activations crossing once per b
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
 import torch
@@ -17,6 +15,7 @@ from moelab.engine.process.launch import start_engine, stop_engine, wait_ready
 from moelab.engine.runtime.engine import Engine
 from moelab.engine.runtime.sampling import SamplingParams
 from moelab.engine.synth_checkpoint import synthesize
+from tests.ports import free_port
 
 from .reference import (
     assert_same_greedy,
@@ -382,9 +381,7 @@ def test_a_split_engine_process_resizes_over_http(tmp_path):
     answer and in /v1/stats, a size no device can hold refused with a 409 in words, and the
     engine serving afterwards."""
     model = synthesize(tmp_path / "model", preset="tiny", routing_skew=1.0, seed=5)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     process = start_engine(
         ["--model-path", str(model), "--port", str(port), "--devices", "cpu,cpu",
          "--device-memory", "1GiB", "--bank-dir", str(tmp_path / "bank"),
