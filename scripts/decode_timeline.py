@@ -1,11 +1,23 @@
-"""The device's timeline of an offloaded decode layer step, from a kernel-profile trace.
+"""The device's timeline of a decode step, from a kernel-profile trace.
 
     moelab bench decode ... --moe-cache-rate 0.25 --kernel-profile --trace trace.json
     python scripts/decode_timeline.py trace.json   (or trace.json.gz, as gpu_suite.sh keeps it)
+    python scripts/decode_timeline.py --steps trace.json   (whole steps: all resident too)
 
-A layer step runs from the end of the kernel that stores one layer's routing to the host (the host
-may plan then) to the next's: `_route_kernel` (the router in one launch, one token) or
-`_routing_to_host_kernel` (after the router, otherwise).
+Without --steps, offloaded layer steps (below). With --steps, whole decode steps, each the
+kernels of one CUDA graph launch (a trace's kernels carry their launch's correlation id, which a
+graph's kernels share): a resident step, whose graph is the whole step (an offloaded step's
+pieces are launches of their own). It prints one JSON line for the steps (medians in µs of the
+period, from the end of one step's last kernel to the next's; the kernels' count; their busy
+time; the device's idle time), then one per kernel name, most time first: its launches a step
+and the medians a step of its own time (what it adds to the chain: its run after the end of
+every kernel before it) and of the idle time just before it (the device waiting for its launch,
+or for its programs to be placed). A step's own times add up to its busy time and the idle
+times to the rest, so two traces (bf16 and FP8, say) compare kernel by kernel.
+
+An offloaded layer step runs from the end of the kernel that stores one layer's routing to the
+host (the host may plan then) to the next's: `_route_kernel` (the router in one launch, one
+token) or `_routing_to_host_kernel` (after the router, otherwise).
 Prints one JSON line per kind of step (how many fill copies, and memsets, it has), with the
 medians in µs of: the period; from the routing to the first fill copy (the host's wake, plan
 and queueing), the fills' span, and from the fills' end to the end of the parts' sum (what
@@ -34,6 +46,8 @@ from pathlib import Path
 FILL_MIN_US = 20  # copies shorter than this are not expert fills
 # the kernels that end a layer's routing on the device (its store into pinned host memory)
 ROUTING_KERNELS = ("_route_kernel", "_routing_to_host_kernel")
+# a graph launch with fewer kernels is not a decode step (a layer has a dozen)
+STEP_MIN_KERNELS = 8
 
 
 def _end(e: dict) -> float:
@@ -112,17 +126,87 @@ def summary(steps: list[dict]) -> list[dict]:
     return rows
 
 
+def whole_steps(events: list[dict], min_kernels: int = STEP_MIN_KERNELS) -> list[list[dict]]:
+    """The kernels of each graph launch of at least `min_kernels` kernels (a decode step; a
+    smaller one is a prefill's or a copy's), each launch's sorted by start, in launch order."""
+    launches: dict[object, list[dict]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            launches.setdefault((e.get("args") or {}).get("correlation"), []).append(e)
+    launches.pop(None, None)
+    steps = [sorted(k, key=lambda e: e["ts"]) for k in launches.values() if len(k) >= min_kernels]
+    return sorted(steps, key=lambda k: k[0]["ts"])
+
+
+def step_rows(steps: list[list[dict]]) -> list[dict]:
+    """The steps' line, then a line per kernel name (`main` prints them): medians over the steps
+    after the first, each from the end of the last kernel of the step before to its own last
+    kernel's end."""
+    periods, counts, busy, idle = [], [], [], []
+    own: dict[str, list[float]] = {}
+    before: dict[str, list[float]] = {}
+    launches: dict[str, list[int]] = {}
+    for previous, kernels in itertools.pairwise(steps):
+        t0 = end = max(_end(e) for e in previous)
+        per_own: dict[str, float] = {}
+        per_before: dict[str, float] = {}
+        per_count: dict[str, int] = {}
+        for e in kernels:
+            name = e["name"]
+            per_before[name] = per_before.get(name, 0.0) + max(0.0, e["ts"] - end)
+            per_own[name] = per_own.get(name, 0.0) + max(0.0, _end(e) - max(e["ts"], end))
+            per_count[name] = per_count.get(name, 0) + 1
+            end = max(end, _end(e))
+        periods.append(end - t0)
+        counts.append(len(kernels))
+        busy.append(sum(per_own.values()))
+        idle.append(sum(per_before.values()))
+        for name in per_own:
+            own.setdefault(name, []).append(per_own[name])
+            before.setdefault(name, []).append(per_before[name])
+            launches.setdefault(name, []).append(per_count[name])
+    if not periods:
+        return []
+
+    def med(values: list[float]) -> float:
+        return round(statistics.median(values), 1)
+
+    rows = [{
+        "steps": len(periods), "period_us": med(periods), "kernels": med(counts),
+        "kernel_busy_us": med(busy), "idle_us": med(idle),
+    }]  # fmt: skip
+    by_time = sorted(own, key=lambda name: -statistics.median(own[name]))
+    rows += [
+        {
+            "kernel": name,
+            "launches": med(launches[name]),
+            "own_us": med(own[name]),
+            "idle_before_us": med(before[name]),
+        }
+        for name in by_time
+    ]
+    return rows
+
+
 def main(argv: list[str]) -> int:
+    whole = argv[:1] == ["--steps"]
+    argv = argv[1:] if whole else argv
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
     path = Path(argv[0])
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     events = json.loads(text)["traceEvents"]
-    rows = summary(layer_steps(events))
-    if not rows:
-        print("no offloaded decode layer steps in this trace", file=sys.stderr)
-        return 1
+    if whole:
+        rows = step_rows(whole_steps(events))
+        if not rows:
+            print("no two decode steps launched as graphs in this trace", file=sys.stderr)
+            return 1
+    else:
+        rows = summary(layer_steps(events))
+        if not rows:
+            print("no offloaded decode layer steps in this trace", file=sys.stderr)
+            return 1
     for row in rows:
         print(json.dumps(row))
     return 0

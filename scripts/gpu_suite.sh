@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|timeline|early|early_hybrid|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8_linear|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|hybrid|split|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|timeline|resident_timeline|early|early_hybrid|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8_linear|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|hybrid|split|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -214,6 +214,19 @@ if [ "$part" = fp8engine ] || [ "$part" = fp8engine48 ]; then  # all 48 layers o
         --routing-skew $skew --device-memory 24GiB --json --moe-expert-dtype $dtype \
         --tokens 128 --repeats 2
     done
+  done
+fi
+if [ "$part" = resident_timeline ]; then  # where the resident FP8 step's time goes (issue 52's
+  # 1.3x): 12 layers all resident, bf16, FP8 experts, then FP8 experts and projections, each under
+  # --kernel-profile --trace and broken down kernel by kernel (decode_timeline.py --steps)
+  for case in "bf16 auto" "fp8 auto" "fp8 fp8"; do
+    set -- $case
+    name=resident_timeline_$1_$2
+    run $name $B decode $G --routing-skew 1 --json --tokens 128 --moe-expert-dtype $1 \
+      --dense-dtype $2 --kernel-profile --trace "$out/$name.json"
+    run ${name}_steps python3 scripts/decode_timeline.py --steps "$out/$name.json"
+    head -25 "$out/${name}_steps.log"
+    gzip -f "$out/$name.json"
   done
 fi
 hybrid_part() { [ "$part" = hybrid ] || [ "$part" = "hybrid_$1" ]; }

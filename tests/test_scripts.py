@@ -77,6 +77,57 @@ def test_decode_timeline_measures_each_layer_step(tmp_path):
     assert again.stdout == run.stdout
 
 
+def _step(launch: int, at: float, moe_us: float) -> list[dict]:
+    """A made-up resident step of 8 kernels from `at`, all from graph launch `launch`: the o
+    projection placed early (PDL) while the qkv one runs, and `moe_us` of MoE."""
+    kernels = [
+        ("norm", 0, 2), ("gemv", 3, 7), ("gemv", 9, 6), ("attention", 15, 5), ("gemv", 22, 8),
+        ("moe", 30, moe_us), ("norm", 31 + moe_us, 1), ("pick", 40 + moe_us, 2),
+    ]  # fmt: skip
+    return [
+        _kernel(name, at + ts, dur) | {"args": {"correlation": launch}} for name, ts, dur in kernels
+    ]
+
+
+def test_decode_timeline_breaks_whole_steps_down_by_kernel(tmp_path):
+    """--steps: three graph launches of 8 kernels make two measured steps (the first only ends
+    the idle time before the second), each from the last kernel's end of the step before; a
+    launch of 2 kernels and kernels without a launch are not steps. Each kernel's own time is
+    its run after every kernel before it ended, so the overlapped o projection adds 5 µs, not 6;
+    own times add up to the busy time and the idle times before kernels to the rest."""
+    events = [
+        *_step(11, 0, 30),  # ends at 72
+        *_step(12, 100, 30),  # ends at 172: a period of 100, 40 of it idle
+        _kernel("copy", 180, 1) | {"args": {"correlation": 99}},
+        _kernel("copy", 182, 1) | {"args": {"correlation": 99}},
+        _kernel("eager", 185, 1),
+        *_step(13, 200, 50),  # ends at 292: a period of 120
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "decode_timeline.py"), "--steps", str(trace)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert rows == [
+        {"steps": 2, "period_us": 110, "kernels": 8, "kernel_busy_us": 70, "idle_us": 40},
+        {"kernel": "moe", "launches": 1, "own_us": 40, "idle_before_us": 0},
+        {"kernel": "gemv", "launches": 3, "own_us": 20, "idle_before_us": 3},
+        {"kernel": "attention", "launches": 1, "own_us": 5, "idle_before_us": 0},
+        {"kernel": "norm", "launches": 2, "own_us": 3, "idle_before_us": 29},
+        {"kernel": "pick", "launches": 1, "own_us": 2, "idle_before_us": 8},
+    ]
+    # kernels outside any graph launch of a step's size: no steps, and the error says so
+    flat = tmp_path / "eager.json"
+    flat.write_text(json.dumps({"traceEvents": [_kernel("eager", t, 1) for t in range(20)]}))
+    none = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "decode_timeline.py"), "--steps", str(flat)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert none.returncode == 1 and "no two decode steps" in none.stderr
+
+
 def test_mgr_restart_times_mgr_over_a_trial_engine_left_loading(tmp_path):
     model = tmp_path / "tiny"
     subprocess.run(
