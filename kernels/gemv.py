@@ -264,6 +264,28 @@ def _tokens_kernel(
 
 
 @triton.jit
+def _fp8_step(
+    acc,
+    bits,
+    f,
+    x_ptr,
+    k_idx,
+    k_ok,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    """One step of `_one_token_fp8_kernel` onto acc [BLOCK_N, GROUPS]: the products of its bits
+    [BLOCK_N, BLOCK_K] and x's columns k_idx, summed per block of 128 columns (GROUPS of them),
+    times the blocks' factors f and 2^-60."""
+    xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0).to(COMPUTE).to(tl.float32)
+    products = widened(bits) * (xs * 1.152921504606846976e18)[None, :]  # 2^60
+    block_sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, BLOCK_K // GROUPS)), axis=2)
+    return acc + block_sums * f[None, :]
+
+
+@triton.jit
 def _one_token_fp8_kernel(
     x_ptr,
     w_ptr,
@@ -283,13 +305,12 @@ def _one_token_fp8_kernel(
     COMPUTE: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_W: tl.constexpr,
 ):
-    common.pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # a step of fewer than 128 columns lies in one block (BLOCK_K divides 128)
     GROUPS: tl.constexpr = BLOCK_K // 128 if BLOCK_K >= 128 else 1
-    GROUP: tl.constexpr = BLOCK_K // GROUPS
     n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n_idx < n
     w_rows = w_ptr + n_idx[:, None].to(tl.int64) * stride_wn
@@ -298,16 +319,27 @@ def _one_token_fp8_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, k)
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+    if EARLY_W:
+        # The first step's bits and factors are loaded before the wait for the kernel before
+        # (they are not its output), so they stream in while it still runs (as `_one_token_kernel`)
+        k_idx = k_start + tl.arange(0, BLOCK_K)
+        k_ok = k_idx < k
+        bits = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        g_idx = k_start // 128 + tl.arange(0, GROUPS)
+        f = tl.load(factors + g_idx, mask=g_idx < column_blocks, other=0.0)
+        common.pdl_start(PDL)
+        acc = _fp8_step(acc, bits, f, x_ptr, k_idx, k_ok, BLOCK_N, BLOCK_K, GROUPS, COMPUTE)
+        k_loop = k_start + BLOCK_K
+    else:
+        common.pdl_start(PDL)
+        k_loop = k_start
+    for k0 in tl.range(k_loop, k_end, BLOCK_K, num_stages=STAGES):
         k_idx = k0 + tl.arange(0, BLOCK_K)
         k_ok = k_idx < k
         bits = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0).to(COMPUTE).to(tl.float32)
-        products = widened(bits) * (xs * 1.152921504606846976e18)[None, :]  # 2^60
-        block_sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, GROUP)), axis=2)
         g_idx = k0 // 128 + tl.arange(0, GROUPS)
         f = tl.load(factors + g_idx, mask=g_idx < column_blocks, other=0.0)
-        acc += block_sums * f[None, :]
+        acc = _fp8_step(acc, bits, f, x_ptr, k_idx, k_ok, BLOCK_N, BLOCK_K, GROUPS, COMPUTE)
     row = tl.sum(acc, axis=1) * 1.152921504606846976e18
     t_idx = tl.zeros((1,), dtype=tl.int32)
     _store(row[None, :], t_idx, n_idx, pid_k, bias_ptr, out_ptr, part_ptr, 1, n, HAS_BIAS, SPLIT)
@@ -547,10 +579,14 @@ def linear_decode_fp8(
     *,
     compute_dtype: torch.dtype | None = None,
     config: GemvConfig | None = None,
+    early_weights: bool = False,
 ) -> torch.Tensor:
     """`linear_decode` over an FP8 weight [N, K] (float8_e4m3fn or its uint8 bits) with its fp32
     factors scale_inv [ceil(N/128), ceil(K/128)], widened in registers with integer ops (any
-    card, and the Triton interpreter), in x's dtype with fp32 accumulation. Graph-capturable."""
+    card, and the Triton interpreter), in x's dtype with fp32 accumulation. Graph-capturable.
+    early_weights: as `linear_decode`'s, one token's first step's bits and factors read before
+    the wait (for a weight and factors the kernel before does not write); without programmatic
+    dependent launch that step is only taken before the loop, with the same result."""
     _check(x, weight, bias, scale_inv)
     tokens, k = x.shape
     n = weight.shape[0]
@@ -562,7 +598,8 @@ def linear_decode_fp8(
     if tokens == 1:
         _one_token_fp8_kernel[call.grid](
             x, bits, scale_inv, call.bias_arg, call.out, call.partials, n, k, call.k_per_split,
-            bits.stride(0), scale_inv.stride(0), STAGES=cfg.num_stages, **call.flags,
+            bits.stride(0), scale_inv.stride(0), STAGES=cfg.num_stages,
+            EARLY_W=early_weights, **call.flags,
         )  # fmt: skip
     else:
         _tokens_fp8_kernel[call.grid](
@@ -595,12 +632,12 @@ def linear(
 ) -> torch.Tensor:
     """F.linear for the engine: the skinny GEMM for one token on CUDA, F.linear otherwise. The
     weight is a model parameter, which no kernel writes, so its first tile is read early
-    (`linear_decode`'s early_weights). With `scale_inv` the weight is FP8 with those block
-    factors (`--dense-dtype fp8`): the FP8 skinny GEMM for a decode batch on CUDA, else the
-    weight dequantized for this call, then F.linear."""
+    (`linear_decode`'s early_weights, FP8's too). With `scale_inv` the weight is FP8 with those
+    block factors (`--dense-dtype fp8`): the FP8 skinny GEMM for a decode batch on CUDA, else
+    the weight dequantized for this call, then F.linear."""
     if scale_inv is not None:
         if x.is_cuda and x.shape[0] <= MAX_TOKENS and x.is_contiguous():
-            return linear_decode_fp8(x, weight, scale_inv, bias)
+            return linear_decode_fp8(x, weight, scale_inv, bias, early_weights=True)
         return F.linear(x, _widened(weight, scale_inv, x.dtype), bias)
     if x.is_cuda and x.shape[0] <= DISPATCH_MAX_TOKENS and kernel_accepts(x, weight, bias):
         return linear_decode(x, weight, bias, early_weights=True)

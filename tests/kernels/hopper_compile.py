@@ -239,8 +239,9 @@ def compile_fp8_linear(dtype: torch.dtype) -> None:
     for n, k in ((5120, HIDDEN), (HIDDEN, 4096)):
         weight = torch.empty(n, k, dtype=torch.uint8)
         scale = torch.ones(-(-n // 128), -(-k // 128))
-        for tokens in (1, 8):
-            gemv.linear_decode_fp8(torch.randn(tokens, k, dtype=dtype), weight, scale)
+        for tokens in (1, 8):  # as the engine calls it: one token's first step read early
+            x = torch.randn(tokens, k, dtype=dtype)
+            gemv.linear_decode_fp8(x, weight, scale, early_weights=True)
 
 
 def compile_fp8_kv(dtype: torch.dtype) -> None:

@@ -355,6 +355,26 @@ def test_fp8_weights_split_k_and_take_uint8_bits(gen, tokens):
     assert_matches(out, gemv.linear_decode_fp8_ref(x, weight, scale, bias), tol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "config"),
+    [
+        (256, 1024, GemvConfig(block_n=4, block_k=512)),  # steps of four blocks
+        (64, 900, GemvConfig(block_n=4, block_k=256, split_k=2)),  # each split's first step
+        (130, 96, None),  # one ragged step, a block of 2 rows at the edge
+    ],
+)
+def test_fp8_first_step_read_early_gives_the_same_bits(gen, n, k, config):
+    """early_weights (as `linear` calls it): one token's first step taken before the loop, its
+    bits and factors loaded before the wait, gives the loop's result bit for bit."""
+    x = randn(gen, 1, k)
+    weight, scale = fp8_projection(gen, n, k, spread=6.0)
+    bias = randn(gen, n)
+    early = gemv.linear_decode_fp8(x, weight, scale, bias, config=config, early_weights=True)
+    plain = gemv.linear_decode_fp8(x, weight, scale, bias, config=config)
+    assert torch.equal(early, plain)
+    assert_matches(early, gemv.linear_decode_fp8_ref(x, weight, scale, bias), tol=1e-5)
+
+
 def test_fp8_products_hold_large_activations_and_subnormal_weights(gen):
     """Activations of 2^40 and weights among e4m3's subnormals (2^-9 times their factor): every
     product stays a normal fp32 (the kernel's 2^60 shift), so the result is the reference's."""
