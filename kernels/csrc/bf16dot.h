@@ -77,6 +77,49 @@ int64_t bf16_slot(int64_t v, int64_t K) {
   }
 }
 
+// x's K values, each a bf16 value (all_bf16), as bf16 in bf16_slot's order for rows of type WT
+// (K a multiple of 64 for FP8, of 32 for the 4-bit types): round_bf16 of such a value is its top
+// 16 bits (a NaN quieted, as round_bf16 does). The runs that the order keeps whole are copied by
+// loops of their own, where a value at a time through bf16_slot took 3.4-6.2 µs of a job's assign
+// at 2048-2880 values, in the serial part of an offloaded decode layer step (docs/cpu-experts.md).
+template <class WT>
+void bf16_slots(const float* x, int64_t K, uint16_t* out) {
+  auto top = [](const float* p) {
+    uint32_t u;
+    std::memcpy(&u, p, sizeof u);
+    return uint16_t((u >> 16) | (uint32_t((u & 0x7FFFFFFFu) > 0x7F800000u) << 6));
+  };
+  if constexpr (std::is_same_v<WT, e4m3>) {
+    // of each 64 values, the first 8 of each 16, then their last 8
+    for (int64_t base = 0; base + 64 <= K; base += 64) {
+      for (int lane = 0; lane < 4; ++lane) {
+        for (int half = 0; half < 2; ++half) {
+          const float* from = x + base + 16 * lane + 8 * half;
+          uint16_t* to = out + base + 32 * half + 8 * lane;
+          for (int w = 0; w < 8; ++w) to[w] = top(from + w);
+        }
+      }
+    }
+  } else {
+    // of each whole 128 values, every fourth from the first, then from the second, third, fourth
+    // (read in order, each four to their four runs: twice as fast as a run at a time)
+    const int64_t whole = K / 128 * 128;
+    for (int64_t base = 0; base < whole; base += 128) {
+      for (int j = 0; j < 32; ++j) {
+        for (int q = 0; q < 4; ++q) out[base + 32 * q + j] = top(x + base + 4 * j + q);
+      }
+    }
+    // of the rest, each 64's even values, then its odd ones (a last 32's 16 and 16)
+    for (int64_t base = whole; base < K; base += 64) {
+      const int64_t half = base + 64 <= K ? 32 : 16;
+      for (int64_t i = 0; i < half; ++i) {
+        out[base + i] = top(x + base + 2 * i);
+        out[base + half + i] = top(x + base + 2 * i + 1);
+      }
+    }
+  }
+}
+
 #ifdef MOELAB_HAVE_BF16DOT
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 inline __m512 dot_bf16(__m512 acc, __m512i w, const uint16_t* x) {

@@ -305,6 +305,19 @@ bool widen_bf16(uintptr_t src, uintptr_t dst, int64_t n, int form) {
 #endif
 }
 
+// x's K values (each a bf16 value) as the bf16 dot products read them (bf16dot.h's bf16_slots),
+// for tests, on any CPU: fp32 at src to uint16 at dst, for rows of FP8 (fp8 true; K a multiple of
+// 64) or of a 4-bit type (K a multiple of 32).
+void bf16_slots_of(uintptr_t src, uintptr_t dst, int64_t K, bool fp8) {
+  if (K < 0 || K % (fp8 ? 64 : 32) != 0) {
+    throw std::invalid_argument("bf16_slots_of takes K a multiple of 64 (FP8) or 32 (4-bit)");
+  }
+  const auto* x = reinterpret_cast<const float*>(src);
+  auto* out = reinterpret_cast<uint16_t*>(dst);
+  if (fp8) return bf16_slots<e4m3>(x, K, out);
+  bf16_slots<e2m1x2>(x, K, out);
+}
+
 // The bf16 dot products' half-scales of blocks of whole 128 values (bf16dot.h's block_halves),
 // for tests: n scale bytes at src (E8M0 for MXFP4, e4m3 for NVFP4), 16 at a time and the last
 // n % 16, to the fp32 half of each block's scale at dst. Without the bf16 dot products in this
@@ -386,5 +399,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("widen_e2m1", &widen_e2m1);
   m.def("widen_bf16", &widen_bf16);
   m.def("block_halves_bf16", &block_halves_bf16);
+  m.def("bf16_slots_of", &bf16_slots_of);
   m.def("bf16_dot_built", &bf16_dot_built);
 }

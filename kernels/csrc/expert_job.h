@@ -341,11 +341,7 @@ class ExpertJob final : public ExpertJobShell {
               all_bf16(x, p.T * p.H);
       if (bf16_) {
         x16_.resize(size_t(p.T * p.H));
-        for (int64_t t = 0; t < p.T; ++t) {
-          for (int64_t k = 0; k < p.H; ++k) {
-            x16_[size_t(t * p.H + bf16_slot<WT>(k, p.H))] = round_bf16(x[t * p.H + k]);
-          }
-        }
+        for (int64_t t = 0; t < p.T; ++t) bf16_slots<WT>(x + t * p.H, p.H, x16_.data() + t * p.H);
       }
     }
     // Phase 1: the groups' gate/up row pairs, one after the other (the split expert's from its
