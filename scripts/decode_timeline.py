@@ -4,16 +4,17 @@
     python scripts/decode_timeline.py trace.json   (or trace.json.gz, as gpu_suite.sh keeps it)
     python scripts/decode_timeline.py --steps trace.json   (whole steps: all resident too)
 
-Without --steps, offloaded layer steps (below). With --steps, whole decode steps, each the
-kernels of one CUDA graph launch (a trace's kernels carry their launch's correlation id, which a
-graph's kernels share): a resident step, whose graph is the whole step (an offloaded step's
-pieces are launches of their own). It prints one JSON line for the steps (medians in µs of the
-period, from the end of one step's last kernel to the next's; the kernels' count; their busy
-time; the device's idle time), then one per kernel name, most time first: its launches a step
-and the medians a step of its own time (what it adds to the chain: its run after the end of
-every kernel before it) and of the idle time just before it (the device waiting for its launch,
-or for its programs to be placed). A step's own times add up to its busy time and the idle
-times to the rest, so two traces (bf16 and FP8, say) compare kernel by kernel.
+Without --steps, offloaded layer steps (below). With --steps, whole decode steps, each the kernels
+of one CUDA graph launch (a trace's kernels carry their launch's correlation id, which a graph's
+kernels share): a resident step, whose graph is the whole step (an offloaded step's pieces are
+launches of their own); in a trace without such launches, the runs of kernels that end with a step's
+token pick (its argmax, or `_pick_kernel`). It prints one JSON line for the steps (medians in µs of
+the period, from the end of one step's last kernel to the next's; the kernels' count; their busy
+time; the device's idle time), then one per kernel name, most time first: its launches a step and
+the medians a step of its own time (what it adds to the chain: its run after the end of every kernel
+before it) and of the idle time just before it (the device waiting for its launch, or for its
+programs to be placed). A step's own times add up to its busy time and the idle times to the rest,
+so two traces (bf16 and FP8, say) compare kernel by kernel.
 
 An offloaded layer step runs from the end of the kernel that stores one layer's routing to the
 host (the host may plan then) to the next's: `_route_kernel` (the router in one launch, one
@@ -48,6 +49,9 @@ FILL_MIN_US = 20  # copies shorter than this are not expert fills
 ROUTING_KERNELS = ("_route_kernel", "_routing_to_host_kernel")
 # a graph launch with fewer kernels is not a decode step (a layer has a dozen)
 STEP_MIN_KERNELS = 8
+# the last kernel of a decode step: its greedy tokens' argmax (torch's reduction), or the pick of
+# its drawn ones (kernels/draw.py)
+STEP_END_KERNELS = ("ArgMaxOps", "_pick_kernel")
 
 
 def _end(e: dict) -> float:
@@ -128,14 +132,29 @@ def summary(steps: list[dict]) -> list[dict]:
 
 def whole_steps(events: list[dict], min_kernels: int = STEP_MIN_KERNELS) -> list[list[dict]]:
     """The kernels of each graph launch of at least `min_kernels` kernels (a decode step; a
-    smaller one is a prefill's or a copy's), each launch's sorted by start, in launch order."""
+    smaller one is a prefill's or a copy's), each launch's sorted by start, in launch order.
+    Where fewer than two launches are that large (kernels launched one by one, or a trace whose
+    kernels carry no correlation), the runs of kernels that end with a step's token pick
+    (`STEP_END_KERNELS`) instead."""
+    kernels = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"),
+        key=lambda e: e["ts"],
+    )
     launches: dict[object, list[dict]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
-            launches.setdefault((e.get("args") or {}).get("correlation"), []).append(e)
+    for e in kernels:
+        launches.setdefault((e.get("args") or {}).get("correlation"), []).append(e)
     launches.pop(None, None)
-    steps = [sorted(k, key=lambda e: e["ts"]) for k in launches.values() if len(k) >= min_kernels]
-    return sorted(steps, key=lambda k: k[0]["ts"])
+    steps = [k for k in launches.values() if len(k) >= min_kernels]
+    if len(steps) >= 2:
+        return sorted(steps, key=lambda k: k[0]["ts"])
+    steps, run = [], []
+    for e in kernels:
+        run.append(e)
+        if any(name in e["name"] for name in STEP_END_KERNELS):
+            if len(run) >= min_kernels:
+                steps.append(run)
+            run = []
+    return steps
 
 
 def step_rows(steps: list[list[dict]]) -> list[dict]:

@@ -82,7 +82,7 @@ def _step(launch: int, at: float, moe_us: float) -> list[dict]:
     projection placed early (PDL) while the qkv one runs, and `moe_us` of MoE."""
     kernels = [
         ("norm", 0, 2), ("gemv", 3, 7), ("gemv", 9, 6), ("attention", 15, 5), ("gemv", 22, 8),
-        ("moe", 30, moe_us), ("norm", 31 + moe_us, 1), ("pick", 40 + moe_us, 2),
+        ("moe", 30, moe_us), ("norm", 31 + moe_us, 1), ("_pick_kernel", 40 + moe_us, 2),
     ]  # fmt: skip
     return [
         _kernel(name, at + ts, dur) | {"args": {"correlation": launch}} for name, ts, dur in kernels
@@ -92,7 +92,8 @@ def _step(launch: int, at: float, moe_us: float) -> list[dict]:
 def test_decode_timeline_breaks_whole_steps_down_by_kernel(tmp_path):
     """--steps: three graph launches of 8 kernels make two measured steps (the first only ends
     the idle time before the second), each from the last kernel's end of the step before; a
-    launch of 2 kernels and kernels without a launch are not steps. Each kernel's own time is
+    launch of 2 kernels and kernels without a launch are not steps; kernels launched one by one
+    are cut into steps at each token pick. Each kernel's own time is
     its run after every kernel before it ended, so the overlapped o projection adds 5 µs, not 6;
     own times add up to the busy time and the idle times before kernels to the rest."""
     events = [
@@ -116,8 +117,17 @@ def test_decode_timeline_breaks_whole_steps_down_by_kernel(tmp_path):
         {"kernel": "gemv", "launches": 3, "own_us": 20, "idle_before_us": 3},
         {"kernel": "attention", "launches": 1, "own_us": 5, "idle_before_us": 0},
         {"kernel": "norm", "launches": 2, "own_us": 3, "idle_before_us": 29},
-        {"kernel": "pick", "launches": 1, "own_us": 2, "idle_before_us": 8},
+        {"kernel": "_pick_kernel", "launches": 1, "own_us": 2, "idle_before_us": 8},
     ]
+    # the same steps launched kernel by kernel (no shared correlation): cut at each token pick
+    eager = [{k: v for k, v in e.items() if k != "args"} for e in events if e["name"] != "copy"]
+    eager = [e for e in eager if e["name"] != "eager"]
+    trace.write_text(json.dumps({"traceEvents": eager}))
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "decode_timeline.py"), "--steps", str(trace)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert [json.loads(line) for line in again.stdout.splitlines()] == rows
     # kernels outside any graph launch of a step's size: no steps, and the error says so
     flat = tmp_path / "eager.json"
     flat.write_text(json.dumps({"traceEvents": [_kernel("eager", t, 1) for t in range(20)]}))
