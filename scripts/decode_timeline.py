@@ -219,7 +219,11 @@ def main(argv: list[str]) -> int:
     if whole:
         rows = step_rows(whole_steps(events))
         if not rows:
-            print("no two decode steps launched as graphs in this trace", file=sys.stderr)
+            print(
+                "no two decode steps in this trace: no graph launches of 8 kernels or more, and "
+                "no runs of kernels ending with a token pick (a trace of the CPU has no kernels)",
+                file=sys.stderr,
+            )
             return 1
     else:
         rows = summary(layer_steps(events))
