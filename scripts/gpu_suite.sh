@@ -5,6 +5,8 @@
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
 # (tests, then resident: the first GPU runs after hot-path changes, each under 10 minutes)
+# compare's CASES: resident_b1 resident_b8 cache25_skew0 cache25_skew1 prefill512 (the default),
+# prefill512_skew1, resident_fp8_b1 (FP8 experts and projections), fp8_48_24g_skew1
 # hybrid: issue 53's rows at Qwen3.6-35B-A3B's geometry; its parts hybrid_tests, hybrid_decode,
 # hybrid_context, hybrid_prefill, hybrid_262k and hybrid_turns one at a time, each under 10
 # minutes; DTYPES (default "bf16 fp8") the expert formats, HYBRID (default "--preset
@@ -424,6 +426,12 @@ runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
             --moe-cache-rate 0.25 --tokens 256 --json) ;;
           prefill512) args=(prefill $G --prompt-tokens 512 --repeats 5 --json) ;;
           prefill512_skew1) args=(prefill $G --routing-skew 1 --prompt-tokens 512 --repeats 5 --json) ;;
+          # FP8 experts and projections all resident (issue 52's 1.3x), and FP8 experts on
+          # 24 GiB at 48 layers (the offloaded layer step's host path)
+          resident_fp8_b1) args=(decode $G --routing-skew 1 --json --tokens 256 --repeats 3 \
+            --moe-expert-dtype fp8 --dense-dtype fp8) ;;
+          fp8_48_24g_skew1) args=(decode --preset qwen3-30b-a3b --routing-skew 1 \
+            --device-memory 24GiB --moe-expert-dtype fp8 --json --tokens 128 --repeats 2) ;;
         esac
         run compare_${case}_${tree}_$i $tree bench "${args[@]}"
       done
