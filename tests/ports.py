@@ -4,7 +4,8 @@ A port the kernel hands out for `bind(0)` comes from the ephemeral range, the sa
 outgoing connection's local port is drawn from: between the test's choice and an engine's own bind
 (seconds later, after torch has loaded) another test's client could take it. And the tests run in
 two or more processes (pytest-xdist) that choose at the same time. So each worker draws from its
-own block below the ephemeral range, and never hands out the same port twice in a run.
+own block below the ephemeral range (eleven blocks under Linux's default range; more workers
+share them), and never hands out the same port twice in a run.
 """
 
 from __future__ import annotations
@@ -31,10 +32,15 @@ def _worker() -> int:
     return int(name[2:]) if name[2:].isdigit() else 0
 
 
-def _candidates() -> itertools.cycle:
-    start = FIRST + BLOCK * _worker()
-    block = [p for p in range(start, start + BLOCK) if p not in _ephemeral()]
-    offset = random.randrange(len(block))  # a rerun soon after does not meet TIME_WAIT ports
+def _candidates() -> itertools.cycle | None:
+    """This worker's ports in turn, from a random one (a rerun soon after does not meet the ports
+    left in TIME_WAIT); None where no block lies below the ephemeral range."""
+    blocks = (_ephemeral().start - FIRST) // BLOCK
+    if blocks < 1:
+        return None
+    start = FIRST + BLOCK * (_worker() % blocks)
+    block = list(range(start, start + BLOCK))
+    offset = random.randrange(len(block))
     return itertools.cycle(block[offset:] + block[:offset])
 
 
@@ -43,7 +49,12 @@ _NEXT = _candidates()
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, in this worker's block, not handed out before in this run
-    (until the block wraps around)."""
+    (until the block wraps around); where the ephemeral range leaves no room for blocks, one the
+    kernel picks."""
+    if _NEXT is None:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return sock.getsockname()[1]
     for _ in range(BLOCK):
         port = next(_NEXT)
         with socket.socket() as sock:
