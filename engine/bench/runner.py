@@ -88,6 +88,8 @@ def decode_runs(engine, args, sides: Sides | None = None) -> dict:
         "draw_top_k": args.top_k,  # top_k: the experts each token routes to
         "cuda_graphs": config["cuda_graph_mode"],
         "pdl": config["pdl"],
+        "cpu_simd": config["cpu_simd"],  # the CPU expert kernel's code path, as in /v1/stats
+        "cpu_bf16_dot": config["cpu_bf16_dot"],
         "runs": [{k: run[k] for k in fields} for run in runs],
         "heap": heap,
         **({"alternated": alternation(runs, sides.flag)} if sides else {}),

@@ -145,8 +145,17 @@ def start_cpu_executor(
         threads, kernel, spin_us=spin_us, task_kb=task_kb, cpus=cpus or None, redo_us=redo_us
     )
     where = f"pinned to CPUs {cpu_ranges(runner.cpus)}" if runner.cpus else "unpinned"
-    log.info("CPU experts: %d threads, %s, %s kernel", threads, where, runner.kernel)
+    log.info("CPU experts: %d threads, %s, %s kernel%s", threads, where, runner.kernel,
+             code_path(runner))  # fmt: skip
     return runner
+
+
+def code_path(runner: CpuExpertRunner) -> str:
+    """The native kernel's SIMD path as the start's log line gives it: " (avx2)", " (avx512,
+    bf16 dot products)"; nothing for the torch kernel."""
+    if runner.kernel != "native":
+        return ""
+    return f" ({runner.simd}{', bf16 dot products' if runner.bf16_dot else ''})"
 
 
 def cpu_ranges(cpus: Sequence[int]) -> str:

@@ -870,6 +870,10 @@ class Engine:
             "policy_bh_gbps": self.policy.bh_gbps,
             "cpu_threads": self.cpu.num_threads,
             "cpu_kernel": self.cpu.kernel,
+            # the native kernel's code path on this CPU (avx512, avx2, scalar; torch: none), and
+            # whether its FP8 and 4-bit rows take AVX-512 BF16 dot products (docs/cpu-experts.md)
+            "cpu_simd": self.cpu.simd,
+            "cpu_bf16_dot": self.cpu.bf16_dot,
             "cpu_spin_us": config.experts.cpu_spin_us,
             "cpu_task_kb": config.experts.cpu_task_kb,
             "cpu_redo_us": self.cpu.redo_us,  # as a bench's alternation leaves it

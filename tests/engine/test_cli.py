@@ -33,6 +33,7 @@ from moelab.engine.model.spec import ModelSpec
 from moelab.engine.model.synth import make_config
 from moelab.engine.runtime.loading import LoadProgress
 from moelab.engine.serving.server import Server
+from moelab.kernels.cpu_experts import load_native
 
 
 def subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -273,6 +274,12 @@ def test_bench_decode_reports_against_the_bound_and_writes_a_timeline(tmp_path):
     before, after = result["rates_before"], result["rates_after"]
     assert result["host_gbps"] == pytest.approx((before["host_gbps"] + after["host_gbps"]) / 2)
     assert result["pdl"] is False  # no such launch on the CPU
+    # the CPU expert kernel's code path on this CPU, as its pool reports it
+    levels = list(load_native().simd_levels())
+    assert result["cpu_simd"] == levels[0] and result["cpu_bf16_dot"] == (
+        levels[0] == "avx512" and load_native().bf16_dot_built()
+    )
+    assert f"native kernel ({levels[0]}" in r.stderr
     assert "\nmiss policy split: fetches 50% of the misses\n" in r.stderr
     jobs = result["cpu_jobs"]  # the native workers' times, and their line
     assert jobs["jobs"] > 0 and 0 < jobs["workers_busy_share"] <= 1.01
