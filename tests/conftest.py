@@ -23,6 +23,8 @@ sys.path[:] = [p for p in sys.path if p not in _at_root] + [str(_ROOT)]
 def pytest_runtest_makereport(item, call):
     """An engine that ended before it was ready: its log's last lines in the report, where the
     exception's own words only say that it ended."""
+    from moelab.engine.process.launch import EngineFailed  # after TRITON_INTERPRET is set
+
     error = call.excinfo.value if call.excinfo is not None else None
-    if getattr(error, "log_tail", None) and hasattr(error, "exit_code"):
+    if isinstance(error, EngineFailed) and error.log_tail:
         item.add_report_section(call.when, "engine log", error.log_tail)
