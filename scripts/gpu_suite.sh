@@ -157,6 +157,9 @@ if [ "$part" = cpu_formats ]; then  # the native CPU kernel over each expert for
   # the same formats with x of fp32 values: the fp32 path, beside the bf16 dot products above
   run cpu_formats_qwen3_fp32_x python3 -m moelab.kernels.cpu_experts_bench $F --num-experts 128 \
     --dtype fp8,mxfp4,nvfp4 --x fp32
+  # the AVX2 path on the same host (what a CPU without AVX-512 runs: the fp16 widening of e2m1)
+  run cpu_formats_qwen3_avx2 python3 -m moelab.kernels.cpu_experts_bench $F --num-experts 128 \
+    --dtype bf16,fp8,mxfp4,nvfp4 --simd avx2
 fi
 if [ "$part" = fp8kv ]; then  # the FP8 KV cache: its kernels' tests natively and at real shapes,
   # the engine's long-prompt test on CUDA (it prints the logits' difference), decode attention
