@@ -264,6 +264,20 @@ def _tokens_kernel(
 
 
 @triton.jit
+def _fp8_loads(
+    w_rows, n_ok, factors, column_blocks, k0, k, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr
+):
+    """A step of `_one_token_fp8_kernel` from column k0: its columns k_idx and their mask, its
+    bits [BLOCK_N, BLOCK_K] and the factors f of its GROUPS blocks of 128 columns."""
+    k_idx = k0 + tl.arange(0, BLOCK_K)
+    k_ok = k_idx < k
+    bits = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+    g_idx = k0 // 128 + tl.arange(0, GROUPS)
+    f = tl.load(factors + g_idx, mask=g_idx < column_blocks, other=0.0)
+    return k_idx, k_ok, bits, f
+
+
+@triton.jit
 def _fp8_step(
     acc,
     bits,
@@ -322,11 +336,9 @@ def _one_token_fp8_kernel(
     if EARLY_W:
         # The first step's bits and factors are loaded before the wait for the kernel before
         # (they are not its output), so they stream in while it still runs (as `_one_token_kernel`)
-        k_idx = k_start + tl.arange(0, BLOCK_K)
-        k_ok = k_idx < k
-        bits = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        g_idx = k_start // 128 + tl.arange(0, GROUPS)
-        f = tl.load(factors + g_idx, mask=g_idx < column_blocks, other=0.0)
+        k_idx, k_ok, bits, f = _fp8_loads(
+            w_rows, n_ok, factors, column_blocks, k_start, k, BLOCK_K, GROUPS
+        )
         common.pdl_start(PDL)
         acc = _fp8_step(acc, bits, f, x_ptr, k_idx, k_ok, BLOCK_N, BLOCK_K, GROUPS, COMPUTE)
         k_loop = k_start + BLOCK_K
@@ -334,11 +346,9 @@ def _one_token_fp8_kernel(
         common.pdl_start(PDL)
         k_loop = k_start
     for k0 in tl.range(k_loop, k_end, BLOCK_K, num_stages=STAGES):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k_idx < k
-        bits = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        g_idx = k0 // 128 + tl.arange(0, GROUPS)
-        f = tl.load(factors + g_idx, mask=g_idx < column_blocks, other=0.0)
+        k_idx, k_ok, bits, f = _fp8_loads(
+            w_rows, n_ok, factors, column_blocks, k0, k, BLOCK_K, GROUPS
+        )
         acc = _fp8_step(acc, bits, f, x_ptr, k_idx, k_ok, BLOCK_N, BLOCK_K, GROUPS, COMPUTE)
     row = tl.sum(acc, axis=1) * 1.152921504606846976e18
     t_idx = tl.zeros((1,), dtype=tl.int32)
