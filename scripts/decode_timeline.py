@@ -220,7 +220,8 @@ def main(argv: list[str]) -> int:
         rows = step_rows(whole_steps(events))
         if not rows:
             print(
-                "no two decode steps in this trace: no graph launches of 8 kernels or more, and "
+                f"no two decode steps in this trace: no graph launches of {STEP_MIN_KERNELS} "
+                "kernels or more, and "
                 "no runs of kernels ending with a token pick (a trace of the CPU has no kernels)",
                 file=sys.stderr,
             )
