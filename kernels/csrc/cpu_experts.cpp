@@ -391,6 +391,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("guess_lead_seconds", &DecodePlanner::guess_lead_seconds)
       .def("set_clock", &DecodePlanner::set_clock)
       .def("step", &DecodePlanner::step);
+  // the planner's slot order (slot_order.h), for tests: last-use and blocked arrays by address
+  py::class_<SlotOrder>(m, "SlotOrder")
+      .def(py::init<int64_t>())
+      .def("rebuild",
+           [](SlotOrder& o, uintptr_t last_use) {
+             o.rebuild(reinterpret_cast<const int64_t*>(last_use));
+           })
+      .def("catch_up",
+           [](SlotOrder& o, uintptr_t last_use, int64_t since) {
+             o.catch_up(reinterpret_cast<const int64_t*>(last_use), since);
+           })
+      .def("use", &SlotOrder::use)
+      .def("release", &SlotOrder::release)
+      .def("first",
+           [](const SlotOrder& o, uintptr_t blocked) {
+             return o.first(reinterpret_cast<const int8_t*>(blocked));
+           })
+      .def("slots", &SlotOrder::slots);
   m.def("submit_gate", &submit_gate);
   m.def("read_sum", &read_sum);
   m.def("time_expert_jobs", &time_expert_jobs);

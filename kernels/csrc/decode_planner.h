@@ -20,6 +20,7 @@
 
 #include "expert_job.h"
 #include "pool.h"
+#include "slot_order.h"
 
 namespace py = pybind11;
 
@@ -242,7 +243,8 @@ class DecodePlanner {
         swiglu_limit_(swiglu_limit),
         tokens_(experts, 0),
         where_(experts, kNotRouted),
-        protected_(slots, 0) {
+        protected_(slots, 0),
+        order_(slots) {
     // w13 and w2, then their factors or scales (block-scaled weights), then their per-tensor
     // scales (NVFP4), then their biases: each role's w13 tensor (gate_up), then its w2 one
     constexpr const char* kOrder =
@@ -499,7 +501,7 @@ class DecodePlanner {
       const int32_t e = routed[i], slot = slot_of[e];
       before[i] = slot;
       if (slot >= 0) {
-        last_use_[slot] = ++state_[kTick];
+        use(slot);
         ++state_[kHits];
         protected_[slot] = 1;
       } else {
@@ -538,8 +540,13 @@ class DecodePlanner {
       const bool keep_back = frequency_admission_ && old_key >= 0 && picks[e] < picks_[old_key];
       evict(slot);
       key_of_slot_[slot] = layer * experts_ + e;
-      ++state_[kTick];
-      if (!keep_back) last_use_[slot] = state_[kTick];
+      if (keep_back) {  // the slot keeps its place in the order
+        sync_order();
+        ++state_[kTick];
+        order_tick_ = state_[kTick];
+      } else {
+        use(slot);
+      }
       slot_of[e] = int32_t(slot);
       ++state_[kFills];
       protected_[slot] = 1;
@@ -697,7 +704,7 @@ class DecodePlanner {
       for (const auto& [e, slot] : admitted) {
         slot_of[e] = -1;
         key_of_slot_[slot] = -1;
-        last_use_[slot] = -1;
+        release(slot);
       }
       check_driver(err, failed);
     }
@@ -1013,7 +1020,7 @@ class DecodePlanner {
   void free_slot(int64_t slot) {
     evict(slot);
     key_of_slot_[slot] = -1;
-    last_use_[slot] = -1;
+    release(slot);
   }
 
   static bool where_missing(const std::vector<int32_t>& missing, int32_t e) {
@@ -1067,7 +1074,7 @@ class DecodePlanner {
     };
     touch(slot_of_ + layer * experts_, size_t(experts_) * sizeof(int32_t));
     touch(picks_ + layer * experts_, size_t(experts_) * sizeof(int64_t));
-    touch(last_use_, size_t(slots_) * sizeof(int64_t));
+    order_.warm();
     touch(key_of_slot_, size_t(slots_) * sizeof(int64_t));
     touch(protected_.data(), protected_.size());
     touch(tokens_.data(), tokens_.size() * sizeof(int32_t));
@@ -1084,12 +1091,37 @@ class DecodePlanner {
 
   // A free slot (last use -1), else the least recently used unprotected one; the lowest index on
   // ties; -1 when every slot is protected.
-  int64_t victim() const {
-    int64_t best = -1;
-    for (int64_t s = 0; s < slots_; ++s) {
-      if (!protected_[s] && (best < 0 || last_use_[s] < last_use_[best])) best = s;
+  int64_t victim() {
+    sync_order();
+    return order_.first(protected_.data());
+  }
+
+  // `slot` is used now: its last use the tick's next value.
+  void use(int64_t slot) {
+    sync_order();
+    last_use_[slot] = ++state_[kTick];
+    order_.use(slot);
+    order_tick_ = state_[kTick];
+  }
+
+  // `slot` holds nothing now (last use -1).
+  void release(int64_t slot) {
+    sync_order();
+    last_use_[slot] = -1;
+    order_.release(slot);
+  }
+
+  // The slot order brought up to the last-use array where the tick moved since this planner
+  // last wrote it (the Python planner's writes, ExpertCache's lookup and admit, each advance it
+  // and give the slot its value); built whole the first time.
+  void sync_order() {
+    if (state_[kTick] == order_tick_) return;
+    if (order_tick_ == kNoTick) {
+      order_.rebuild(last_use_);
+    } else {
+      order_.catch_up(last_use_, order_tick_);
     }
-    return best;
+    order_tick_ = state_[kTick];
   }
 
   Pool& pool_;
@@ -1151,6 +1183,9 @@ class DecodePlanner {
   std::vector<int32_t> tokens_;   // per expert: routes to it this step
   std::vector<int8_t> where_;     // per expert: kOnCpu this step
   std::vector<int8_t> protected_; // per slot: read by this step
+  SlotOrder order_;  // the slots in victim's order (slot_order.h), as of tick order_tick_
+  static constexpr int64_t kNoTick = std::numeric_limits<int64_t>::min();
+  int64_t order_tick_ = kNoTick;
 };
 
 }  // namespace

@@ -312,6 +312,40 @@ def test_native_admits_by_frequency_like_python(cpu, fmt, tokens, top_k, slots):
     assert _state(recent) != _state(python)
 
 
+@pytest.mark.parametrize("admission", ["recent", "frequency"])
+def test_native_steps_between_python_ones_plan_like_python(cpu, admission):
+    """Prefill plans in Python (`plan`) over the cache the native planner decodes with: the
+    native planner picks its fills and evictions from the cache as the Python steps left it
+    (its slot order rebuilt from their writes), step after step against a cache only Python
+    plans for."""
+    gen = torch.Generator().manual_seed(11)
+    bank = _bank(gen)
+    python, mixed = (_runner(bank, 7, 0.6, cpu, 4, admission) for _ in range(2))
+    rng = np.random.default_rng(5)
+    natives = 0
+    for step in range(120):
+        layer = step % LAYERS
+        tokens = int(rng.integers(1, 4))
+        ids = _routes(rng, tokens, 4)
+        weights = torch.rand(tokens, 4, generator=gen)
+        x = torch.randn(tokens, HIDDEN, generator=gen)
+        want = python.planner.plan(layer, ids, decode=True)
+        python.planner.start(want, layer, ids, weights, x)
+        if rng.random() < 0.4:  # a run of the mixed cache's steps planned in Python
+            got = mixed.planner.plan(layer, ids, decode=True)
+            mixed.planner.start(got, layer, ids, weights, x)
+        else:
+            got = mixed.planner.plan_and_start(layer, ids, weights, x, decode=True)
+            natives += 1
+        for field in ("experts", "slots", "missing", "admitted", "on_cpu"):
+            assert getattr(got, field) == getattr(want, field), (step, field)
+        assert _state(mixed) == _state(python), step
+        for d in (want, got):
+            if d.job is not None:
+                d.job.wait()
+    assert natives > 40 and python.cache.evictions > 40
+
+
 def test_fetch_plan_splits_a_miss_where_that_ends_the_step_sooner():
     policy = MissPolicy("split", 0.39)
     # two misses: one whole copy (0.61 + its fixed 0.15) or the CPU alone (0.78 + 0.09) against
