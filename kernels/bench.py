@@ -770,10 +770,14 @@ class Bench:
         """The KV write into FP8 pages (`rope_kv` with `fp8`)."""
         self.rope_kv(tokens, fp8=True)
 
-    def linear(self, tokens: int, name: str, config: gemv.GemvConfig | None = None) -> None:
+    def linear(
+        self, tokens: int, name: str, config: gemv.GemvConfig | None = None, early: bool = False
+    ) -> None:
         """A decode batch through a dense projection: the skinny GEMM, and beside it (unless a
-        config is swept) cuBLAS's F.linear on the same inputs in a row of its own; each call
-        reads another layer's weight."""
+        config is swept, or `early`) cuBLAS's F.linear on the same inputs in a row of its own;
+        each call reads another layer's weight. early: the kernel as the engine's `linear`
+        launches one token (its first weights loaded before the PDL wait, which in this chain
+        of launches overlaps the call before), in a row labelled "early"."""
         n, k = PROJECTIONS[name]
         weight_bytes = n * k * ELEM_BYTES
         weights = [self.randn(n, k, scale=k**-0.5) for _ in range(layers_for(weight_bytes))]
@@ -783,12 +787,15 @@ class Bench:
         label = f"T={tokens} {name} N={n} K={k}"
 
         def kernel(weight: torch.Tensor) -> Callable[[], object]:
-            return lambda: gemv.linear_decode(x, weight, config=config)
+            return lambda: gemv.linear_decode(x, weight, config=config, early_weights=early)
 
         def cublas(weight: torch.Tensor) -> Callable[[], object]:
             return lambda: F.linear(x, weight)
 
         time_us = graph_us_per_call([kernel(w) for w in weights])
+        if early:
+            self.add("linear_decode", f"{label} early", time_us, bytes_moved, flops, None)
+            return
         if config is not None:
             self.add(
                 "linear_decode", f"{label} {_short(config)}", time_us, bytes_moved, flops, None
@@ -798,10 +805,12 @@ class Bench:
         self.add("linear_decode", label, time_us, bytes_moved, flops, cublas_us)
         self.add("cublas_linear", label, cublas_us, bytes_moved, flops, None)
 
-    def linear_fp8(self, tokens: int, name: str, config: gemv.GemvConfig | None = None) -> None:
+    def linear_fp8(
+        self, tokens: int, name: str, config: gemv.GemvConfig | None = None, early: bool = False
+    ) -> None:
         """The skinny GEMM over the projection's weight in FP8 with its 128x128 block factors
         (`gemv.linear_decode_fp8`), beside the `linear` row of the same shape in bf16: the bytes
-        it reads are the FP8 weight, its factors and the activations."""
+        it reads are the FP8 weight, its factors and the activations. early: as `linear`'s."""
         n, k = PROJECTIONS[name]
         weight_bytes = n * k + fp8.blocks(n) * fp8.blocks(k) * 4
         weights = [
@@ -812,9 +821,13 @@ class Bench:
         label = f"T={tokens} {name} N={n} K={k}"
         if config is not None:
             label = f"{label} {_short(gemv.fp8_config(config, tokens))}"
+        if early:
+            label = f"{label} early"
 
         def kernel(weight: torch.Tensor, scale: torch.Tensor) -> Callable[[], object]:
-            return lambda: gemv.linear_decode_fp8(x, weight, scale, config=config)
+            return lambda: gemv.linear_decode_fp8(
+                x, weight, scale, config=config, early_weights=early
+            )
 
         time_us = graph_us_per_call([kernel(w, s) for w, s in weights])
         self.add("linear_decode_fp8", label, time_us, bytes_moved, 2 * tokens * n * k, None)
@@ -1156,10 +1169,14 @@ def run(
         for tokens in (1, 8):
             for name in PROJECTIONS:
                 bench.linear(tokens, name)
+        for name in PROJECTIONS:  # one token as the engine launches it
+            bench.linear(1, name, early=True)
     if "linear_fp8" in wanted:
         for tokens in (1, 8):
             for name in PROJECTIONS:
                 bench.linear_fp8(tokens, name)
+        for name in PROJECTIONS:
+            bench.linear_fp8(1, name, early=True)
     if "draw" in wanted:
         for tokens in (1, 8):
             for cut in ("top", "top_k", "top_p"):

@@ -243,8 +243,15 @@ def test_the_fp8_projection_rows_read_what_they_count(monkeypatch):
         expected = bench.gemv.linear_decode_fp8_ref(x, weight, scale)
         assert x.dtype == torch.bfloat16  # the bf16 output rounds: a tolerance of its own
         torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    # the row of one token as the engine launches it: its first weights before the PDL wait
+    seen.clear()
+    b.linear_fp8(1, "qkv", early=True)
+    assert b.results[-1].shape == "T=1 qkv N=256 K=384 early"
+    for x, weight, scale, out in seen[:2]:
+        expected = bench.gemv.linear_decode_fp8_ref(x, weight, scale)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
     swept = []
-    monkeypatch.setattr(bench.Bench, "linear_fp8", lambda self, *a: swept.append(a))
+    monkeypatch.setattr(bench.Bench, "linear_fp8", lambda self, *a, **k: swept.append(a))
     bench.run(True, ["linear_fp8"])
     tiles = [a for a in swept if len(a) == 3]
     assert tiles and all(c.block_k <= 128 for tokens, _, c in tiles if tokens > 1)
@@ -252,3 +259,35 @@ def test_the_fp8_projection_rows_read_what_they_count(monkeypatch):
     bf16_steps = {c.block_k for c in bench.GEMV_SWEEP[1]}
     assert one_token == bf16_steps | {2 * k for k in bf16_steps}, "the bf16 steps and twice them"
     assert len(tiles) == len(set(tiles))
+
+
+def test_the_projection_rows_time_one_token_as_the_engine_launches_it(monkeypatch):
+    """linear at a small projection on the CPU (the interpreter): the plain row has cuBLAS's
+    beside it; the "early" row calls the skinny GEMM with its first weights loaded before the
+    PDL wait, as the engine's `linear` does for one token, and gives its product."""
+    fake_gpu(monkeypatch)
+    monkeypatch.setattr(bench, "PROJECTIONS", {"o": (128, 256)})
+    monkeypatch.setattr(bench, "MIN_WORKING_SET_BYTES", 0)
+    monkeypatch.setattr(bench, "graph_us_per_call", lambda fns: [fn() for fn in fns] and 10.0)
+    real, seen = bench.gemv.linear_decode, []
+
+    def recorded(x, weight, **kwargs):
+        out = real(x, weight, **kwargs)
+        seen.append((x, weight, kwargs, out))
+        return out
+
+    monkeypatch.setattr(bench.gemv, "linear_decode", recorded)
+    b = bench.Bench(4000.0, 600.0)
+    b.linear(1, "o")
+    assert [(r.kernel, r.shape) for r in b.results] == [
+        ("linear_decode", "T=1 o N=128 K=256"), ("cublas_linear", "T=1 o N=128 K=256"),
+    ]  # fmt: skip
+    assert not any(kwargs["early_weights"] for _, _, kwargs, _ in seen)
+    seen.clear()
+    b.linear(1, "o", early=True)
+    assert [(r.kernel, r.shape) for r in b.results[2:]] == [
+        ("linear_decode", "T=1 o N=128 K=256 early")
+    ]
+    assert seen and all(kwargs["early_weights"] for _, _, kwargs, _ in seen)
+    x, weight, _, out = seen[0]
+    torch.testing.assert_close(out.float(), x.float() @ weight.float().T, rtol=1e-2, atol=1e-2)
