@@ -203,3 +203,22 @@ def test_the_cache_admission_model_keeps_hot_experts_where_lru_thrashes():
     assert set(rates) == {"batch 1", "batch 8"}
     assert rates["batch 8"]["frequency"] > rates["batch 8"]["lru"] + 0.05
     assert abs(rates["batch 1"]["frequency"] - rates["batch 1"]["lru"]) < 0.1
+
+
+def test_plan_time_times_the_native_plan_of_each_layer_step():
+    """The native planner's time a layer step over a small cache: the steps after the cache's
+    fill, each timed, and the hit rate of their lookups."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "plan_time.py"), "--layers", "4", "--experts",
+         "16", "--top-k", "4", "--slots", "24", "--rounds", "8"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    line = run.stdout.splitlines()[-1]
+    assert line.startswith("24 layer steps over 24 slots, hits 0."), line
+    median = float(line.split("plan ")[1].split()[0])
+    assert median > 0
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "plan_time.py"), "--slots", "0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--slots must be in 1..10240" in bad.stderr
