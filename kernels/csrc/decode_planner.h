@@ -446,7 +446,7 @@ class DecodePlanner {
         }
         // Polled rather than waited for: the CPU job of the layer before streamed its experts
         // through the shared cache, and what this step reads first would be misses on the serial
-        // path (scripts/planner_cost.py measures both).
+        // path (docs/cpu-experts.md, "Why native", measures both).
         if (signal != 0) {
           const Guess g{reinterpret_cast<const float*>(guess),
                         reinterpret_cast<int32_t*>(guess_signal), x, T, fetch_fraction,
