@@ -135,8 +135,9 @@ ONE_TOKEN_FP8_MOE_SWEEP = (
     (16, 256, 32, 256, 4, 3),
     (8, 128, 16, 128, 4, 6),
     (8, 256, 16, 256, 2, 4),
-    # the chooser's gate/up (16 rows by 256) with other down tiles: in decode the FP8 down launch
-    # reads at 43% of HBM where gate/up reads at 76% (docs/performance.md)
+    # the chooser's gate/up (16 rows by 256) with other down tiles (warps and stages are both
+    # launches'): in decode the FP8 down launch reads at 43% of HBM where gate/up reads at 76%
+    # (docs/performance.md)
     (16, 256, 16, 256, 4, 3),
     (16, 256, 64, 256, 4, 3),
     (16, 256, 32, 128, 4, 6),
