@@ -10,7 +10,7 @@
 # hybrid: issue 53's rows at Qwen3.6-35B-A3B's geometry; its parts hybrid_tests, hybrid_decode,
 # hybrid_context, hybrid_prefill, hybrid_262k and hybrid_turns one at a time, each under 10
 # minutes; DTYPES (default "bf16 fp8") the expert formats, HYBRID (default "--preset
-# qwen3.6-35b-a3b") the model
+# qwen3.6-35b-a3b") the model, CONTEXTS (default "32768 131072") hybrid_context's prompts
 # On the GPU machine (torch and triton preinstalled), first the wheels of
 # scripts/device_wheels.sh (carry .whl) on PYTHONPATH, then
 # `python3 -m pip install --no-deps --no-build-isolation -e .` (it has no index to build from).
@@ -254,8 +254,9 @@ for dtype in ${DTYPES:-bf16 fp8}; do
     run hybrid_decode_b1_$dtype $B decode $E --tokens 256 --repeats 3
     run hybrid_decode_b8_$dtype $B decode $E --batch 8 --tokens 128
   fi
-  if hybrid_part context; then  # decode after a 32K and a 128K prompt
-    for ctx in 32768 131072; do
+  if hybrid_part context; then  # decode after a 32K and a 128K prompt (CONTEXTS picks: with
+    # bf16 experts the two take longer than one call's 10 minutes)
+    for ctx in ${CONTEXTS:-32768 131072}; do
       run hybrid_decode_ctx${ctx}_$dtype $B decode $E --prompt-tokens $ctx \
         --kv-reserve-tokens $((ctx + 1024)) --tokens 64 --warmup 8
     done
