@@ -6,7 +6,8 @@
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
 # (tests, then resident: the first GPU runs after hot-path changes, each under 10 minutes)
 # compare's CASES: resident_b1 resident_b8 cache25_skew0 cache25_skew1 prefill512 (the default),
-# prefill512_skew1, resident_fp8_b1 (FP8 experts and projections), fp8_48_24g_skew1
+# prefill512_skew1, resident_fp8_b1 (FP8 experts and projections), fp8_48_24g_skew1,
+# hybrid_fp8_b1 (Qwen3.6-35B-A3B on 24 GiB)
 # hybrid: issue 53's rows at Qwen3.6-35B-A3B's geometry; its parts hybrid_tests, hybrid_decode,
 # hybrid_context, hybrid_prefill, hybrid_262k and hybrid_turns one at a time, each under 10
 # minutes; DTYPES (default "bf16 fp8") the expert formats, HYBRID (default "--preset
@@ -435,6 +436,10 @@ runpy.run_module("moelab.engine.cli", run_name="__main__")' "$@"
           resident_fp8_b1) args=(decode $G --routing-skew 1 --json --tokens 256 --repeats 3 \
             --moe-expert-dtype fp8 --dense-dtype fp8) ;;
           fp8_48_24g_skew1) args=(decode --preset qwen3-30b-a3b --routing-skew 1 \
+            --device-memory 24GiB --moe-expert-dtype fp8 --json --tokens 128 --repeats 2) ;;
+          # Qwen3.6-35B-A3B's 40 layers on 24 GiB with FP8 experts: layer steps that split a
+          # miss and copy one ahead (issue 53's batch-1 row)
+          hybrid_fp8_b1) args=(decode --preset qwen3.6-35b-a3b --routing-skew 1 \
             --device-memory 24GiB --moe-expert-dtype fp8 --json --tokens 128 --repeats 2) ;;
         esac
         run compare_${case}_${tree}_$i $tree bench "${args[@]}"
