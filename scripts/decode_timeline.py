@@ -10,11 +10,13 @@ kernels share): a resident step, whose graph is the whole step (an offloaded ste
 launches of their own); in a trace without such launches, the runs of kernels that end with a step's
 token pick (its argmax, or `_pick_kernel`). It prints one JSON line for the steps (medians in µs of
 the period, from the end of one step's last kernel to the next's; the kernels' count; their busy
-time; the device's idle time), then one per kernel name, most time first: its launches a step and
-the medians a step of its own time (what it adds to the chain: its run after the end of every kernel
-before it) and of the idle time just before it (the device waiting for its launch, or for its
-programs to be placed). A step's own times add up to its busy time and the idle times to the rest,
-so two traces (bf16 and FP8, say) compare kernel by kernel.
+time; the device's idle time; the copies and memsets that start between the two steps, and their
+time: a step's inputs and outputs where they are copies on its stream), then one per kernel name,
+most time first: its launches a step and the medians a step of its own time (what it adds to the
+chain: its run after the end of every kernel before it) and of the idle time just before it (the
+device waiting for its launch, or for its programs to be placed). A step's own times add up to
+its busy time and the idle times to the rest, so two traces (bf16 and FP8, say) compare kernel by
+kernel.
 
 An offloaded layer step runs from the end of the kernel that stores one layer's routing to the
 host (the host may plan then) to the next's: `_route_kernel` (the router in one launch, one
@@ -52,6 +54,8 @@ STEP_MIN_KERNELS = 8
 # the last kernel of a decode step: its greedy tokens' argmax (torch's reduction), or the pick of
 # its drawn ones (kernels/draw.py)
 STEP_END_KERNELS = ("ArgMaxOps", "_pick_kernel")
+# the profiler's categories of the device's copies and memsets
+COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 
 
 def _end(e: dict) -> float:
@@ -157,11 +161,12 @@ def whole_steps(events: list[dict], min_kernels: int = STEP_MIN_KERNELS) -> list
     return steps
 
 
-def step_rows(steps: list[list[dict]]) -> list[dict]:
+def step_rows(steps: list[list[dict]], copies: list[dict] = ()) -> list[dict]:
     """The steps' line, then a line per kernel name (`main` prints them): medians over the steps
     after the first, each from the end of the last kernel of the step before to its own last
-    kernel's end."""
-    periods, counts, busy, idle = [], [], [], []
+    kernel's end. copies: the trace's copies and memsets, of which those that start between two
+    steps are counted on the steps' line (how many, and their time)."""
+    periods, counts, busy, idle, between, between_us = [], [], [], [], [], []
     own: dict[str, list[float]] = {}
     before: dict[str, list[float]] = {}
     launches: dict[str, list[int]] = {}
@@ -178,6 +183,9 @@ def step_rows(steps: list[list[dict]]) -> list[dict]:
             end = max(end, _end(e))
         periods.append(end - t0)
         counts.append(len(kernels))
+        gap = [c for c in copies if t0 <= c["ts"] < kernels[0]["ts"]]
+        between.append(len(gap))
+        between_us.append(sum(c["dur"] for c in gap))
         busy.append(sum(per_own.values()))
         idle.append(sum(per_before.values()))
         for name in per_own:
@@ -192,7 +200,8 @@ def step_rows(steps: list[list[dict]]) -> list[dict]:
 
     rows = [{
         "steps": len(periods), "period_us": med(periods), "kernels": med(counts),
-        "kernel_busy_us": med(busy), "idle_us": med(idle),
+        "kernel_busy_us": med(busy), "idle_us": med(idle), "copies_between": med(between),
+        "copies_between_us": med(between_us),
     }]  # fmt: skip
     by_time = sorted(own, key=lambda name: -statistics.median(own[name]))
     rows += [
@@ -217,7 +226,11 @@ def main(argv: list[str]) -> int:
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     events = json.loads(text)["traceEvents"]
     if whole:
-        rows = step_rows(whole_steps(events))
+        copies = sorted(
+            (e for e in events if e.get("ph") == "X" and e.get("cat") in COPY_CATEGORIES),
+            key=lambda e: e["ts"],
+        )
+        rows = step_rows(whole_steps(events), copies)
         if not rows:
             print(
                 f"no two decode steps in this trace: no graph launches of {STEP_MIN_KERNELS} "

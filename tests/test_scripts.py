@@ -91,7 +91,8 @@ def _step(launch: int, at: float, moe_us: float) -> list[dict]:
 
 def test_decode_timeline_breaks_whole_steps_down_by_kernel(tmp_path):
     """--steps: three graph launches of 8 kernels make two measured steps (the first only ends
-    the idle time before the second), each from the last kernel's end of the step before; a
+    the idle time before the second), each from the last kernel's end of the step before, with
+    the copies and memsets that start between the two (one, then two of 3 µs in all); a
     launch of 2 kernels and kernels without a launch are not steps; kernels launched one by one
     are cut into steps at each token pick. Each kernel's own time is
     its run after every kernel before it ended, so the overlapped o projection adds 5 µs, not 6;
@@ -99,6 +100,10 @@ def test_decode_timeline_breaks_whole_steps_down_by_kernel(tmp_path):
     events = [
         *_step(11, 0, 30),  # ends at 72
         *_step(12, 100, 30),  # ends at 172: a period of 100, 40 of it idle
+        _kernel("Memcpy DtoH (Device -> Pinned)", 80, 1, "gpu_memcpy"),  # between steps 11, 12
+        _kernel("Memcpy HtoD (Pinned -> Device)", 175, 2, "gpu_memcpy"),  # and two between
+        _kernel("Memset (Device)", 190, 1, "gpu_memset"),  # 12 and 13
+        _kernel("Memcpy HtoD (Pinned -> Device)", 210, 1, "gpu_memcpy"),  # inside step 13
         _kernel("copy", 180, 1) | {"args": {"correlation": 99}},
         _kernel("copy", 182, 1) | {"args": {"correlation": 99}},
         _kernel("eager", 185, 1),
@@ -111,8 +116,9 @@ def test_decode_timeline_breaks_whole_steps_down_by_kernel(tmp_path):
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     rows = [json.loads(line) for line in run.stdout.splitlines()]
+    steps = {"steps": 2, "period_us": 110, "kernels": 8, "kernel_busy_us": 70, "idle_us": 40}
     assert rows == [
-        {"steps": 2, "period_us": 110, "kernels": 8, "kernel_busy_us": 70, "idle_us": 40},
+        steps | {"copies_between": 1.5, "copies_between_us": 2},
         {"kernel": "moe", "launches": 1, "own_us": 40, "idle_before_us": 0},
         {"kernel": "gemv", "launches": 3, "own_us": 20, "idle_before_us": 3},
         {"kernel": "attention", "launches": 1, "own_us": 5, "idle_before_us": 0},
