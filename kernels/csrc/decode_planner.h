@@ -540,10 +540,8 @@ class DecodePlanner {
       const bool keep_back = frequency_admission_ && old_key >= 0 && picks[e] < picks_[old_key];
       evict(slot);
       key_of_slot_[slot] = layer * experts_ + e;
-      if (keep_back) {  // the slot keeps its place in the order
-        sync_order();
-        ++state_[kTick];
-        order_tick_ = state_[kTick];
+      if (keep_back) {  // the slot keeps its last use, and its place in the order
+        next_tick();
       } else {
         use(slot);
       }
@@ -1096,12 +1094,17 @@ class DecodePlanner {
     return order_.first(protected_.data());
   }
 
+  // The use clock advanced by one, the slot order first brought up to date: its new value.
+  int64_t next_tick() {
+    sync_order();
+    order_tick_ = ++state_[kTick];
+    return order_tick_;
+  }
+
   // `slot` is used now: its last use the tick's next value.
   void use(int64_t slot) {
-    sync_order();
-    last_use_[slot] = ++state_[kTick];
+    last_use_[slot] = next_tick();
     order_.use(slot);
-    order_tick_ = state_[kTick];
   }
 
   // `slot` holds nothing now (last use -1).
