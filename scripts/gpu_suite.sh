@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: kernel and engine tests on CUDA, then every benchmark docs/performance.md quotes.
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|timeline|resident_timeline|early|early_hybrid|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8_linear|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|hybrid|split|all]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests|engine|decode|resident|offload|timeline|resident_timeline|early|early_hybrid|crossover|startup|autotune|machine|prefill|attention|drawn|rows25|prefix|agent|compare|cpu_formats|fp8|fp8_linear|fp8kv|fp8kv_context|fp8engine|fp8engine48|gptoss|gptoss_context|admission|mxfp4|ncu_moe|hybrid|split|all]
 # compare: BEFORE=DIR holding an older tree's engine/ kernels/ profiles/ autotune/ (as
 # `git archive REV engine kernels profiles autotune | tar -x -C DIR` writes them); its rows and
 # this tree's, process by process in turn, ROUNDS times (default 2); CASES picks the rows
@@ -114,6 +114,26 @@ if [ "$part" = fp8_linear ]; then  # the decode projections over FP8 weights: th
   for dense in auto fp8; do
     run fp8_dense_${dense}_48 $B decode --preset qwen3-30b-a3b --device-memory 24GiB $F \
       --tokens 128 --repeats 2 --dense-dtype $dense
+  done
+fi
+if [ "$part" = ncu_moe ]; then  # Nsight Compute over the one-token decode MoE launches of each
+  # expert format (scripts/moe_kernel_ncu.py): each launch's time, DRAM rate, occupancy and what
+  # its warps wait on, at Qwen3-30B-A3B's and gpt-oss-120b's expert shapes; then the 4-bit
+  # launches at each of FP4_TILES (gate/up rows x step, down rows x step, warps, stages). The
+  # clocks are left alone; each launch runs from a flushed L2 (ncu's default)
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null \
+    | head -1)
+  N="$NCU --clock-control none -k regex:one_token|_fp4_ --section SpeedOfLight
+    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
+    --section SchedulerStats --section WarpStateStats
+    --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum,smsp__inst_executed.sum"
+  run ncu_moe_qwen3 $N python3 scripts/moe_kernel_ncu.py --calls 2
+  run ncu_moe_gpt_oss $N python3 scripts/moe_kernel_ncu.py --calls 2 --shape gpt-oss \
+    --formats bf16,fp8,mxfp4
+  for tiles in ${FP4_TILES:-16x512,16x512,4w,3s 16x2048,16x1024,4w,1s 16x1024,16x1024,8w,2s}; do
+    run ncu_fp4_tiles_${tiles//,/_} $NCU --clock-control none -k regex:_fp4_ \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      python3 scripts/moe_kernel_ncu.py --calls 2 --formats mxfp4,nvfp4 --fp4-tiles $tiles
   done
 fi
 if [ "$part" = mxfp4 ]; then  # the MoE kernels over MXFP4 expert banks: their tests natively

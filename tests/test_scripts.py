@@ -228,3 +228,23 @@ def test_plan_time_times_the_native_plan_of_each_layer_step():
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert bad.returncode == 2 and "--slots must be in 1..10240" in bad.stderr
+
+
+def test_moe_kernel_ncu_reads_its_tiles_and_refuses_unknown_formats():
+    """The profiler's driver: the 4-bit tiles from their short form, and a clear refusal of a
+    format it does not have (the launches themselves need the GPU: gpu_suite.sh's ncu_moe)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import moe_kernel_ncu
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    tiles = moe_kernel_ncu.parse_tiles("8x1024,16x256,8w,2s")
+    assert (tiles.gate_up_block_n, tiles.gate_up_block_k) == (8, 1024)
+    assert (tiles.down_block_n, tiles.down_block_k, tiles.num_warps, tiles.num_stages) == (
+        16, 256, 8, 2,
+    )  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "moe_kernel_ncu.py"), "--formats", "fp8,int3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--formats: unknown int3" in bad.stderr
