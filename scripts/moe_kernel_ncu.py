@@ -5,7 +5,8 @@ and down, `reduce=False`: no sum launch) at Qwen3-30B-A3B's expert shape (H 2048
 experts, 8 routes) or gpt-oss-120b's (`--shape gpt-oss`: H = I = 2880, 4 routes, biases and the
 clamped SwiGLU), `--calls` times, with the tiles the engine chooses or those `--fp4-tiles` names.
 Nothing is timed here: the profiler's per-kernel duration, DRAM throughput, occupancy and warp
-stall reasons are the figures. `--device cpu --shape tiny` under TRITON_INTERPRET=1 is the smoke test.
+stall reasons are the figures. `--device cpu --shape tiny` under TRITON_INTERPRET=1: a smoke
+test.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3")
     parser.add_argument("--calls", type=int, default=2, help="calls of each format (default 2)")
     parser.add_argument(
-        "--device", default="cuda", help="cuda (default); cpu under TRITON_INTERPRET=1 (a smoke test)"
+        "--device",
+        default="cuda",
+        help="cuda (default); cpu under TRITON_INTERPRET=1 (a smoke test)",
     )
     parser.add_argument(
         "--fp4-tiles", type=parse_tiles, help="the 4-bit launches' tiles: 16x512,16x512,4w,3s"
