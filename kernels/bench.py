@@ -394,12 +394,14 @@ class Bench:
         scales = {"w13_scale_inv": copied(s13), "w2_scale_inv": copied(s2)}
         return copied(w13), copied(w2), scales
 
-    def fused_moe_mxfp4(self, tokens: int, config: mxfp4_moe.DecodeConfig | None = None) -> None:
+    def fused_moe_mxfp4(
+        self, tokens: int, config: mxfp4_moe.DecodeConfig | None = None, reduce: bool = True
+    ) -> None:
         """Decode MoE over an MXFP4 bank (mxfp4_moe.fused_moe_decode_mxfp4), with its default
-        launches or those `config` names."""
+        launches or those `config` names; reduce=False: each route's output (no sum launch)."""
         self._fused_moe_4bit(
             tokens, "mxfp4", MXFP4_EXPERT_BYTES, self.mxfp4_bank, mxfp4_moe.fused_moe_decode_mxfp4,
-            config,
+            config, reduce,
         )  # fmt: skip
 
     def fused_moe_mxfp4_gpt_oss(
@@ -457,28 +459,32 @@ class Bench:
         make_bank: Callable[[int], tuple[torch.Tensor, ...]],
         decode: Callable[..., torch.Tensor],
         config: mxfp4_moe.DecodeConfig | None = None,
+        reduce: bool = True,
     ) -> None:
         """Decode MoE over a 4-bit bank (MXFP4 or NVFP4); the bytes are its values and their
         scales, of each slot the routes name (read once however many tokens name it). config:
-        the decode's launches and tiles, its default where None. The reference column holds the
-        bf16 kernel's time on a bf16 bank of as many layers, the same routes and x."""
+        the decode's launches and tiles, its default where None; reduce=False: each route's
+        output, without the sum's launch (as the engine calls it). The reference column holds
+        the bf16 kernel's time on a bf16 bank of as many layers, the same routes and x."""
         layers = layers_for(expert_bytes * min(EXPERTS, tokens * TOP_K))
         bank = make_bank(layers)
         x = self.randn(tokens, HIDDEN)
         weights = torch.rand(tokens, TOP_K, generator=self.gen, device=DEVICE)
         slot_sets = [self.routes(tokens, layer * EXPERTS, EXPERTS) for layer in range(layers)]
         unique = sum(s.unique().numel() for s in slot_sets) / layers
-        bytes_moved = int(unique * expert_bytes) + tokens * HIDDEN * (ELEM_BYTES + 4)
+        out_bytes = tokens * HIDDEN * 4 * (1 if reduce else TOP_K)
+        bytes_moved = int(unique * expert_bytes) + tokens * HIDDEN * ELEM_BYTES + out_bytes
         flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
-        calls = [partial(decode, x, s, weights, *bank, config=config) for s in slot_sets]
+        calls = [
+            partial(decode, x, s, weights, *bank, config=config, reduce=reduce) for s in slot_sets
+        ]
         time_us = graph_us_per_call(calls)
         del bank
         w13 = self.randn(layers * EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
         w2 = self.randn(layers * EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
-        bf16_us = graph_us_per_call(
-            [partial(fused_moe.fused_moe_decode_triton, x, s, weights, w13, w2) for s in slot_sets]
-        )
-        label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}"
+        bf16 = partial(fused_moe.fused_moe_decode_triton, reduce=reduce)
+        bf16_us = graph_us_per_call([partial(bf16, x, s, weights, w13, w2) for s in slot_sets])
+        label = f"T={tokens} K={TOP_K} H={HIDDEN} I={INTER}" + ("" if reduce else " parts")
         if config is not None:
             path = "one-token" if isinstance(config, OneTokenFP4Config) else "tl.dot"
             label += f" {path} {_short(config)}"
@@ -519,12 +525,14 @@ class Bench:
         w2, s2 = mxfp4.quantize(self.randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5))
         return tuple(t.repeat(copies, *([1] * (t.dim() - 1))) for t in (w13, w2, s13, s2))
 
-    def fused_moe_nvfp4(self, tokens: int, config: mxfp4_moe.DecodeConfig | None = None) -> None:
+    def fused_moe_nvfp4(
+        self, tokens: int, config: mxfp4_moe.DecodeConfig | None = None, reduce: bool = True
+    ) -> None:
         """Decode MoE over an NVFP4 bank (nvfp4_moe.fused_moe_decode_nvfp4), with its default
-        launches or those `config` names."""
+        launches or those `config` names; reduce=False: each route's output (no sum launch)."""
         self._fused_moe_4bit(
             tokens, "nvfp4", NVFP4_EXPERT_BYTES, self.nvfp4_bank, nvfp4_moe.fused_moe_decode_nvfp4,
-            config,
+            config, reduce,
         )  # fmt: skip
 
     def grouped_moe_nvfp4(self, tokens: int) -> None:
@@ -1133,12 +1141,14 @@ def run(
     if "fused_moe_mxfp4" in wanted:
         for tokens in (1, 4, 8):
             bench.fused_moe_mxfp4(tokens)
+        bench.fused_moe_mxfp4(1, reduce=False)
     if "fused_moe_mxfp4_gpt_oss" in wanted:
         for tokens in (1, 8):
             bench.fused_moe_mxfp4_gpt_oss(tokens)
     if "fused_moe_nvfp4" in wanted:
         for tokens in (1, 4, 8):
             bench.fused_moe_nvfp4(tokens)
+        bench.fused_moe_nvfp4(1, reduce=False)
     for tokens in (512, 2048):
         if "grouped_moe" in wanted:
             bench.grouped_moe(tokens)

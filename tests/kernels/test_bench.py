@@ -124,11 +124,12 @@ def test_the_4bit_decode_rows_time_batches_and_the_sweep_each_launch_at_one_toke
     timed = []
     for name in bench.KERNELS:
         monkeypatch.setattr(
-            bench.Bench, name, lambda self, *a, _n=name, **k: timed.append((_n, *a))
+            bench.Bench, name, lambda self, *a, _n=name, **k: timed.append((_n, *a, *k.items()))
         )
     fake_gpu(monkeypatch)
     bench.run(False, ["fused_moe_mxfp4"])
-    assert timed == [("fused_moe_mxfp4", 1), ("fused_moe_mxfp4", 4), ("fused_moe_mxfp4", 8)]
+    unsummed = ("fused_moe_mxfp4", 1, ("reduce", False))  # as the engine launches it
+    assert timed == [("fused_moe_mxfp4", t) for t in (1, 4, 8)] + [unsummed]
     timed.clear()
     bench.run(True, ["fused_moe_mxfp4", "fused_moe_nvfp4"])
     assert {row[0] for row in timed} == {"fused_moe_mxfp4", "fused_moe_nvfp4"}
@@ -136,7 +137,7 @@ def test_the_4bit_decode_rows_time_batches_and_the_sweep_each_launch_at_one_toke
     configs += [DotDecodeConfig(*tiles) for tiles in bench.FP4_DOT_SWEEP]
     for name in ("fused_moe_mxfp4", "fused_moe_nvfp4"):
         rows = [row[1:] for row in timed if row[0] == name]
-        assert rows == [(1,), (4,), (8,)] + [(1, config) for config in configs]
+        assert rows == [(1,), (4,), (8,), (1, ("reduce", False))] + [(1, c) for c in configs]
     assert DotDecodeConfig() in configs, "the tl.dot launches at their default tiles"
     timed.clear()
     bench.run(True, ["fused_moe_mxfp4_gpt_oss"])
@@ -176,7 +177,11 @@ def test_the_4bit_decode_rows_run_their_launches_end_to_end(monkeypatch):
     assert shapes == [
         (f"fused_moe_decode_{fmt}", f"T={t} K=2 H=32 I=32{variant}")
         for fmt, t, variant in [
-            *((fmt, t, "") for fmt in ("mxfp4", "nvfp4") for t in (1, 4, 8)),
+            *(
+                (fmt, t, variant)
+                for fmt in ("mxfp4", "nvfp4")
+                for t, variant in ((1, ""), (4, ""), (8, ""), (1, " parts"))
+            ),
             *(
                 (fmt, 1, variant)
                 for variant in (" one-token 32/512/32/256/4/3", " tl.dot 32/256/3")
@@ -185,6 +190,9 @@ def test_the_4bit_decode_rows_run_their_launches_end_to_end(monkeypatch):
         ]
     ]
     assert all(torch.isfinite(out).all() for out in calls)
+    # the unsummed rows' launches give each route's output: two layers of a format and of bf16
+    # beside it, in each format's row
+    assert sum(out.shape == (1, 2, 32) for out in calls) == 2 * (2 + 2)
 
 
 def test_the_gpt_oss_decode_row_reads_what_it_counts(monkeypatch):
