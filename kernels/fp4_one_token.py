@@ -38,7 +38,8 @@ VECTOR_VALUES = 32
 @dataclass(frozen=True, slots=True)
 class OneTokenFP4Config:
     """Tiles of the one-token launches over a 4-bit bank: weight rows and columns a step per
-    program of each, warps, and how many steps of weight loads are in flight at once (1: none).
+    program of each, warps, and how many steps of weight loads are in flight at once in gate/up
+    (num_stages) and in down (down_stages; 1: none, each step's loads straight to registers).
     A step's columns are whole scale blocks (32 is MXFP4's); rows x columns / 32 at least the
     program's threads, each a 16-byte vector, or threads read the same bytes twice."""
 
@@ -48,9 +49,12 @@ class OneTokenFP4Config:
     down_block_k: int = 512
     num_warps: int = CHOSEN_WARPS
     num_stages: int = 3
+    down_stages: int = 1
 
     def __post_init__(self) -> None:
         check_tiles(self, least_step=VECTOR_VALUES)
+        if self.down_stages < 1:
+            raise ValueError(f"down_stages must be >= 1, got {self.down_stages}")
 
 
 @functools.lru_cache(maxsize=32)
@@ -275,7 +279,6 @@ def launch(
     t13, t2 = (t13, t2) if nvfp4 else (w13, w2)
     shared = {
         "SCALE_BLOCK": scale_block,
-        "STAGES": cfg.num_stages,
         "BIAS": biases is not None,
         "NVFP4": nvfp4,
         "PTX": common.inline_ptx(x.device),
@@ -287,12 +290,12 @@ def launch(
         words13.stride(0) // vec13, words13.stride(1) // vec13, s13.stride(0), s13.stride(1),
         b13.stride(0), BLOCK_N=cfg.gate_up_block_n,
         BLOCK_K=min(cfg.gate_up_block_k, common.next_pow2(hidden, VECTOR_VALUES)), VEC=vec13,
-        CLAMPED=limit > 0, **shared,
+        CLAMPED=limit > 0, STAGES=cfg.num_stages, **shared,
     )  # fmt: skip
     _fp4_down_kernel[(top_k, triton.cdiv(hidden, cfg.down_block_n))](
         act, slot_ids, route_weights, words2, s2, t2, b2, y, hidden, inter,
         words2.stride(0) // vec2, words2.stride(1) // vec2, s2.stride(0), s2.stride(1),
         b2.stride(0), BLOCK_N=cfg.down_block_n,
         BLOCK_K=min(cfg.down_block_k, common.next_pow2(inter, VECTOR_VALUES)), VEC=vec2,
-        **shared,
+        STAGES=cfg.down_stages, **shared,
     )  # fmt: skip

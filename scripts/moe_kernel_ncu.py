@@ -30,10 +30,14 @@ SHAPES = {
 
 
 def parse_tiles(text: str) -> OneTokenFP4Config:
-    """'16x512,16x512,4w,3s': gate/up rows x step, down rows x step, warps, stages."""
-    gate_up, down, warps, stages = text.split(",")
+    """'16x512,16x512,4w,3s[,1ds]': gate/up rows x step, down rows x step, warps, gate/up's
+    stages and down's (1 where left out)."""
+    gate_up, down, warps, stages, *down_stages = text.split(",")
     (gn, gk), (dn, dk) = (map(int, part.split("x")) for part in (gate_up, down))
-    return OneTokenFP4Config(gn, gk, dn, dk, int(warps.rstrip("w")), int(stages.rstrip("s")))
+    return OneTokenFP4Config(
+        gn, gk, dn, dk, int(warps.rstrip("w")), int(stages.rstrip("s")),
+        int(down_stages[0].rstrip("ds")) if down_stages else 1,
+    )  # fmt: skip
 
 
 def launches(fmt: str, shape: dict, fp4_tiles: OneTokenFP4Config | None, device: str):
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         help="cuda (default); cpu under TRITON_INTERPRET=1 (a smoke test)",
     )
     parser.add_argument(
-        "--fp4-tiles", type=parse_tiles, help="the 4-bit launches' tiles: 16x512,16x512,4w,3s"
+        "--fp4-tiles", type=parse_tiles, help="the 4-bit launches' tiles: 16x512,16x512,4w,3s,1ds"
     )
     args = parser.parse_args(argv)
     formats = args.formats.split(",")

@@ -243,6 +243,8 @@ def test_moe_kernel_ncu_reads_its_tiles_and_refuses_unknown_formats():
     assert (tiles.down_block_n, tiles.down_block_k, tiles.num_warps, tiles.num_stages) == (
         16, 256, 8, 2,
     )  # fmt: skip
+    assert tiles.down_stages == 1, "down's loads straight to registers unless told"
+    assert moe_kernel_ncu.parse_tiles("8x1024,16x256,8w,2s,3ds").down_stages == 3
     bad = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "moe_kernel_ncu.py"), "--formats", "fp8,int3"],
         capture_output=True, text=True, timeout=300,

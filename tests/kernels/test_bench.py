@@ -184,7 +184,7 @@ def test_the_4bit_decode_rows_run_their_launches_end_to_end(monkeypatch):
             ),
             *(
                 (fmt, 1, variant)
-                for variant in (" one-token 32/512/32/256/4/3", " tl.dot 32/256/3")
+                for variant in (" one-token 32/512/32/256/4/3/1", " tl.dot 32/256/3")
                 for fmt in ("mxfp4", "nvfp4")
             ),
         ]

@@ -20,10 +20,11 @@ pytestmark = pytest.mark.usefixtures("triton_runs")
 HIDDEN, INTER = 160, 96
 GROUPED = GroupedMoEConfig(16, 32, 32, 64, num_warps=4, num_stages=2)
 # The one-token launches' tiles: steps of one block and of several (each thread a 16-byte vector
-# or sharing one), a step wider than the rows (H = 160, I = 96), one stage and three.
+# or sharing one), a step wider than the rows (H = 160, I = 96), one stage and three, down's
+# loads in flight or not.
 ONE_TOKEN = [
     OneTokenFP4Config(8, 32, 16, 32, num_warps=1, num_stages=1),
-    OneTokenFP4Config(8, 128, 16, 64, num_warps=2, num_stages=3),
+    OneTokenFP4Config(8, 128, 16, 64, num_warps=2, num_stages=3, down_stages=2),
     OneTokenFP4Config(16, 512, 2, 256, num_warps=4, num_stages=2),
 ]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -298,6 +299,8 @@ def test_a_one_token_config_is_for_one_token(gen):
         )  # fmt: skip
     with pytest.raises(ValueError, match="gate_up_block_k must be a power of two >= 32"):
         OneTokenFP4Config(gate_up_block_k=16)
+    with pytest.raises(ValueError, match="down_stages must be >= 1, got 0"):
+        OneTokenFP4Config(down_stages=0)
 
 
 @pytest.mark.parametrize(

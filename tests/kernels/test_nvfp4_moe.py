@@ -23,7 +23,7 @@ GROUPED = GroupedMoEConfig(16, 32, 32, 64, num_warps=4, num_stages=2)
 # vector a thread, and one wider than the rows.
 ONE_TOKEN = [
     OneTokenFP4Config(4, 64, 8, 32, num_warps=1, num_stages=2),
-    OneTokenFP4Config(16, 256, 4, 128, num_warps=2, num_stages=3),
+    OneTokenFP4Config(16, 256, 4, 128, num_warps=2, num_stages=3, down_stages=3),
 ]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
