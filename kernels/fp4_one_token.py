@@ -33,6 +33,9 @@ from .fused_moe_one_token import check_tiles
 # least one 16-byte vector (32 values) of the rows, so that no two threads read the same bytes.
 CHOSEN_WARPS = 4
 VECTOR_VALUES = 32
+# The widest step of down's rows the chooser takes (its loads go straight to registers: wider
+# steps spill them)
+DOWN_STEP = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +69,12 @@ def choose_config(
     Each launch takes the widest block of up to 16 rows whose grid (routes x row blocks) still
     gives 2 programs per SM, and a step of columns that gives each of its threads two 16-byte
     vectors of the rows (no wider than the rows; fewer warps where the rows are too short for
-    4). On a Hopper card at Qwen3-30B-A3B's shape these tiles (gate/up and down 16 rows by 512) read
-    the 8 routes in 25.5 us, against 27.3-36.8 us for the other tiles of the bench's sweep and
-    32.7 us for one vector a thread and 4 programs an SM (`python -m moelab.kernels.bench
-    --sweep --only fused_moe_mxfp4`, docs/performance.md). gpt-oss-120b (H=I=2880, 4 routes):
-    16 rows by 512 in both.
+    4); down, whose loads skip the pipeline's shared memory (`down_stages` 1), a step of its
+    whole row up to DOWN_STEP columns. On an H200 at Qwen3-30B-A3B's shape (gate/up 16 rows by
+    512 in 3 stages, down 16 by 1024 in one; 8 routes) down took 8.6-9.3 us under Nsight
+    Compute against 13.8-15.5 with its loads through 2 or 3 stages (16 by 512 and 1024), whose
+    warps waited on shared memory (`gpu_suite.sh OUT ncu_moe`, docs/performance.md).
+    gpt-oss-120b (H=I=2880, 4 routes): gate/up 16 rows by 512, down 16 by 1024.
 
     few_routes: for a launch where one or two routes are live (the routes a layer step's fills
     serve): the rule for one route at gemv's 4 programs an SM and one vector a thread, so that
@@ -93,6 +97,8 @@ def choose_config(
 
     gate_up_n, down_n = rows_per_program(inter), rows_per_program(hidden)
     gate_up_k, down_k = step(gate_up_n, hidden), step(down_n, inter)
+    if not few_routes:  # down's loads go straight to registers: its rows in steps of up to 1024
+        down_k = min(max(down_k, common.next_pow2(inter, VECTOR_VALUES)), DOWN_STEP)
     vectors = min(gate_up_n * gate_up_k, down_n * down_k) // VECTOR_VALUES
     return OneTokenFP4Config(
         gate_up_block_n=gate_up_n,

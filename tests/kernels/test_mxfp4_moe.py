@@ -306,17 +306,19 @@ def test_a_one_token_config_is_for_one_token(gen):
 @pytest.mark.parametrize(
     "top_k, hidden, inter, few_routes, tiles",
     [
-        (8, 2048, 768, False, (16, 512, 16, 512, 4)),
-        (4, 2880, 2880, False, (16, 512, 16, 512, 4)),
+        (8, 2048, 768, False, (16, 512, 16, 1024, 4)),
+        (4, 2880, 2880, False, (16, 512, 16, 1024, 4)),
         (8, 2048, 768, True, (1, 2048, 2, 1024, 2)),
     ],
     ids=["qwen3-30b-a3b", "gpt-oss-120b", "qwen3-30b-a3b-filled"],
 )
 def test_the_chosen_tiles_give_each_thread_its_own_vector(top_k, hidden, inter, few_routes, tiles):
     """On 132 SMs: 2 programs an SM at least where the rows allow, and each step two 16-byte
-    vectors (32 values each) for every thread of the program; for one route alone where few are
+    vectors (32 values each) for every thread of the program, down's whole row up to 1024
+    columns a step with its loads straight to registers; for one route alone where few are
     live, 4 programs an SM and one vector a thread."""
     cfg = choose_config(top_k, hidden, inter, 132, few_routes)
+    assert cfg.down_stages == 1
     chosen = (cfg.gate_up_block_n, cfg.gate_up_block_k, cfg.down_block_n, cfg.down_block_k)
     assert (*chosen, cfg.num_warps) == tiles
     threads = 32 * cfg.num_warps
