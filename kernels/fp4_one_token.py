@@ -33,8 +33,8 @@ from .fused_moe_one_token import check_tiles
 # least one 16-byte vector (32 values) of the rows, so that no two threads read the same bytes.
 CHOSEN_WARPS = 4
 VECTOR_VALUES = 32
-# The widest step of down's rows the chooser takes (its loads go straight to registers: wider
-# steps spill them)
+# The widest step of down's rows the chooser takes (its loads go straight to registers: 16 rows
+# by 1024 hold 128 registers a thread)
 DOWN_STEP = 1024
 
 
@@ -70,9 +70,9 @@ def choose_config(
     gives 2 programs per SM, and a step of columns that gives each of its threads two 16-byte
     vectors of the rows (no wider than the rows; fewer warps where the rows are too short for
     4); down, whose loads skip the pipeline's shared memory (`down_stages` 1), a step of its
-    whole row up to DOWN_STEP columns. On an H200 at Qwen3-30B-A3B's shape (gate/up 16 rows by
-    512 in 3 stages, down 16 by 1024 in one; 8 routes) down took 8.6-9.3 us under Nsight
-    Compute against 13.8-15.5 with its loads through 2 or 3 stages (16 by 512 and 1024), whose
+    whole row up to DOWN_STEP columns. On a Hopper card at Qwen3-30B-A3B's shape (gate/up 16
+    rows by 512 in 3 stages, down 16 by 1024 in one; 8 routes) down took 8.6-9.3 us under Nsight
+    Compute against 13.8-15.6 with its loads through 2 or 3 stages (16 by 512 and 1024), whose
     warps waited on shared memory (`gpu_suite.sh OUT ncu_moe`, docs/performance.md).
     gpt-oss-120b (H=I=2880, 4 routes): gate/up 16 rows by 512, down 16 by 1024.
 
