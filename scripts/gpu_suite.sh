@@ -119,8 +119,8 @@ fi
 if [ "$part" = ncu_moe ]; then  # Nsight Compute over the one-token decode MoE launches of each
   # expert format (scripts/moe_kernel_ncu.py): each launch's time, DRAM rate, occupancy and what
   # its warps wait on, at Qwen3-30B-A3B's and gpt-oss-120b's expert shapes; then the 4-bit
-  # launches at each of FP4_TILES (gate/up rows x step, down rows x step, warps, stages). The
-  # clocks are left alone; each launch runs from a flushed L2 (ncu's default)
+  # launches at each of FP4_TILES (gate/up rows x step, down rows x step, warps, gate/up's stages
+  # and down's). The clocks are left alone; each launch runs from a flushed L2 (ncu's default)
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null \
     | head -1)
   N="$NCU --clock-control none -k regex:one_token|_fp4_ --section SpeedOfLight
@@ -130,7 +130,7 @@ if [ "$part" = ncu_moe ]; then  # Nsight Compute over the one-token decode MoE l
   run ncu_moe_qwen3 $N python3 scripts/moe_kernel_ncu.py --calls 2
   run ncu_moe_gpt_oss $N python3 scripts/moe_kernel_ncu.py --calls 2 --shape gpt-oss \
     --formats bf16,fp8,mxfp4
-  for tiles in ${FP4_TILES:-16x512,16x512,4w,3s 16x2048,16x1024,4w,1s 16x1024,16x1024,8w,2s}; do
+  for tiles in ${FP4_TILES:-16x512,16x1024,4w,3s,1ds 16x512,16x512,4w,3s,1ds 16x512,16x512,4w,3s,3ds}; do
     run ncu_fp4_tiles_${tiles//,/_} $NCU --clock-control none -k regex:_fp4_ \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       python3 scripts/moe_kernel_ncu.py --calls 2 --formats mxfp4,nvfp4 --fp4-tiles $tiles
