@@ -23,9 +23,9 @@ from moelab.kernels.fp4_one_token import OneTokenFP4Config
 FORMATS = ("bf16", "fp8", "mxfp4", "nvfp4")
 SHAPES = {
     "qwen3": {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8, "limit": 0.0},
-    # gpt-oss-120b's experts (the kernel bench's GPT_OSS_EXPERTS, with 128 experts)
-    "tiny": {"hidden": 256, "inter": 128, "experts": 8, "top_k": 2, "limit": 0.0},  # smoke test
+    # gpt-oss-120b's experts (the kernel bench's GPT_OSS_EXPERTS, with the model's 128 experts)
     "gpt-oss": {"hidden": 2880, "inter": 2880, "experts": 128, "top_k": 4, "limit": 7.0},
+    "tiny": {"hidden": 256, "inter": 128, "experts": 8, "top_k": 2, "limit": 0.0},  # smoke test
 }
 
 
