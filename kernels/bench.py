@@ -96,8 +96,9 @@ FUSED_SDPA = (
 
 # The 4-bit decode's launches that --sweep times at T=1 beside the default (the one-token
 # launches at choose_config's tiles): the one-token ones at other tiles (OneTokenFP4Config
-# fields: gate/up rows and columns a step, down rows and columns a step, warps, stages; rows x
-# columns / 32 at least the threads, each a 16-byte vector a step), and the tl.dot ones at their
+# fields: gate/up rows and columns a step, down rows and columns a step, warps, gate/up's stages,
+# down's at the config's one; rows x columns / 32 at least the threads, each a 16-byte vector a
+# step), and the tl.dot ones at their
 # default tiles and others (DotDecodeConfig: rows a program, columns a step).
 FP4_ONE_TOKEN_SWEEP = (
     (8, 512, 16, 256, 4, 2),
