@@ -80,7 +80,7 @@ def halves(words, OUT: tl.constexpr):
 
 
 @triton.jit
-def _fp32_pair(pair, PTX: tl.constexpr):
+def fp32_pair(pair, PTX: tl.constexpr):
     """The two fp16 of a uint32's halves as fp32 (the low half first). PTX: converted from the
     word's halves in place; without, the halves are taken apart first, which the compiler
     packs into new words (a byte permute for every two values) before it converts them."""
@@ -116,13 +116,13 @@ def word_dots(words, xs, PTX: tl.constexpr):
     """fp32 [N, W]: each word's eight codes (`_code_pairs`: times 2^-14) times the activations of
     their columns, `xs` fp32 [N or 1, 8W] in column order, as one chain of fused multiply-adds a
     word (a sum over a reshape adds the products in a tree of plain adds after plain
-    multiplies). PTX: the fp16 converted in place (`_fp32_pair`)."""
+    multiplies). PTX: the fp16 converted in place (`fp32_pair`)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _word_columns(xs)
     c0_c4, c1_c5, c2_c6, c3_c7 = _code_pairs(words)
-    c0, c4 = _fp32_pair(c0_c4, PTX)
-    c1, c5 = _fp32_pair(c1_c5, PTX)
-    c2, c6 = _fp32_pair(c2_c6, PTX)
-    c3, c7 = _fp32_pair(c3_c7, PTX)
+    c0, c4 = fp32_pair(c0_c4, PTX)
+    c1, c5 = fp32_pair(c1_c5, PTX)
+    c2, c6 = fp32_pair(c2_c6, PTX)
+    c3, c7 = fp32_pair(c3_c7, PTX)
     dots = c0 * x0
     dots = tl.fma(c1, x1, dots)
     dots = tl.fma(c2, x2, dots)

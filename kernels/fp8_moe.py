@@ -15,6 +15,11 @@ e4m3 value times 2^-120 (the biases are 127 and 7). Exponent 0 lands among fp32'
 where the same holds (m/8 · 2^-126 = m/8 · 2^-6 · 2^-120), and a multiply by a power of two
 restores the value exactly (the kernels compile without flush-to-zero). The two NaN codes, 0x7F
 and 0xFF, widen to ±480: a checkpoint holds none (quantizers clamp to ±448).
+
+The one-token launches read the bits four to a word instead (`word_dots`): two bytes 16 bits
+apart become the two fp16 of one uint32 at once, each the e4m3 value times 2^-8, then fp32 (as
+the 4-bit kernels' codes do, fp4_widen.fp32_pair), and a word's four products with the
+activations are one chain of multiply-adds.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from . import fp8
 from .common import tl, triton
+from .fp4_widen import fp32_pair
 
 DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -90,6 +96,17 @@ def check_bank(
     return True
 
 
+def words(weight: torch.Tensor) -> torch.Tensor | None:
+    """An FP8 weight's bits as int32 words of four bytes (a view; column 4j + i is byte i of word
+    j), as the one-token launches read them (`word_dots`); None where its rows do not split into
+    words (a row length or stride not a multiple of 4 bytes)."""
+    b = weight if weight.dtype == torch.int8 else bits(weight)  # bits already, or FP8
+    aligned = b.stride(-1) == 1 and all(s % 4 == 0 for s in (*b.stride()[:-1], b.shape[-1]))
+    if not aligned or b.storage_offset() % 4:
+        return None
+    return b.view(torch.int32)
+
+
 def dequantized(weight: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.Tensor:
     """One expert's weight as the references read it: fp32 by the format's definition if FP8
     (`fp8.dequantize`), else as it is."""
@@ -136,3 +153,54 @@ def dot_step(acc, rows, row_factors, n_ok, k_idx, k_ok, k0, columns, COMPUTE: tl
     w = tl.load(rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
     f = tl.load(row_factors + k0 // 128, mask=n_ok, other=0.0)
     return acc + tl.dot(values(w).to(COMPUTE), columns, input_precision="ieee") * f[:, None]
+
+
+@triton.jit
+def _byte_pairs(words):
+    """The e4m3 bytes of `words` (int32, four each) as two uint32 of two fp16 each: bytes (0, 2)
+    and (1, 3), each its value times 2^-8. A byte's magnitude bits (e3..e0 m2..m0) at fp16 bit 7
+    and its sign at bit 15 make that fp16 exactly: exponent field e gives 2^(e − 15) · (1 + m/8)
+    = 2^(e − 7) · (1 + m/8) · 2^-8 for e > 0, and for e = 0 the fp16 subnormal m/8 · 2^-14 =
+    m/8 · 2^-6 · 2^-8. Bytes 16 bits apart go to their places in one uint32 at once."""
+    w = words.to(tl.uint32, bitcast=True)
+    magnitude = 0x3F803F80
+    sign = 0x80008000
+    b0_b2 = ((w << 7) & magnitude) | ((w << 8) & sign)
+    b1_b3 = ((w >> 1) & magnitude) | (w & sign)
+    return b0_b2, b1_b3
+
+
+@triton.jit
+def _word_columns(xs):
+    """xs [N, 4W] in column order as the four columns of each word: [N, W] each, the i-th
+    holding columns 4j + i."""
+    v = tl.reshape(xs, (xs.shape[0], xs.shape[1] // 4, 2, 2))  # i = 2a + b
+    even, odd = tl.split(v)  # by b: [N, W, a]
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def word_dots(words, xs, PTX: tl.constexpr):
+    """fp32 [N, W]: each word's four e4m3 bytes (`_byte_pairs`: times 2^-8) times the
+    activations of their columns, `xs` fp32 [N or 1, 4W] in column order, as one chain of fused
+    multiply-adds a word. PTX: the fp16 converted in place (fp4_widen.fp32_pair)."""
+    x0, x1, x2, x3 = _word_columns(xs)
+    b0_b2, b1_b3 = _byte_pairs(words)
+    v0, v2 = fp32_pair(b0_b2, PTX)
+    v1, v3 = fp32_pair(b1_b3, PTX)
+    dots = v0 * x0
+    dots = tl.fma(v1, x1, dots)
+    dots = tl.fma(v2, x2, dots)
+    return tl.fma(v3, x3, dots)
+
+
+@triton.jit
+def vector_sums(words, xs, PTX: tl.constexpr):
+    """fp32 [N, W / 4]: the rows' words [N, W] times `xs` [4W] (`word_dots`), summed over each
+    four words (16 columns: one 16-byte vector of a row, which a thread reads whole and which
+    never crosses a 128-column block), in the thread that read them. Each weight was taken
+    times 2^-8: the sums carry that factor until the caller gives it back."""
+    dots = word_dots(words, xs[None, :], PTX)
+    return tl.sum(tl.reshape(dots, (words.shape[0], words.shape[1] // 4, 4)), axis=2)

@@ -354,8 +354,9 @@ def fused_moe_decode_triton(
     config picks the path: a OneTokenMoEConfig the one-token kernels (T must be 1), a
     DecodeMoEConfig the tl.dot kernels (any T; an FP8 bank's reduction steps are at most 128
     wide); None the one-token kernels with `choose_one_token_config`'s tiles at T=1 (for few
-    live routes if `few_routes`: the routes a layer step's fills serve), else the tl.dot kernels
-    with the default tiles.
+    live routes if `few_routes`: the routes a layer step's fills serve; an FP8 bank's rows must
+    split into 4-byte words, `fused_moe_one_token.fits`), else the tl.dot kernels with the
+    default tiles.
     reduce=False: fp32 [T, K, H] whose sum over K is that result, without the sum's launch. How a
     slot named twice by one token splits between its routes depends on the path (one-token: each
     route holds its own weighted output, as the reference's parts do; tl.dot: the token's result
@@ -368,7 +369,7 @@ def fused_moe_decode_triton(
     num_tokens, hidden = x.shape
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
-    if config is None and num_tokens == 1:
+    if config is None and num_tokens == 1 and fused_moe_one_token.fits(w13, w2, fp8_bank):
         sms = common.sm_count(x.device)
         config = choose_one_token_config(top_k, hidden, inter, sms, few_routes, fp8_bank)
     one_token = isinstance(config, OneTokenMoEConfig)

@@ -102,14 +102,14 @@ def _gate_up_rows(
     x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr, hidden, inter, limit, stride_ws, stride_wn,
     stride_ss, stride_sn, stride_bs, n_idx, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
-    BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    BIAS: tl.constexpr, CLAMPED: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """act rows n_idx (a route's act row at act_ptr) of the expert in `slot` (>= 0); with BIAS
     and CLAMPED, gpt-oss's biases and clamped SwiGLU (kernels/swiglu.py)."""
     if FP8:
         gate_row, up_row = _gate_up_sums_fp8(
             x_ptr, slot, w13_ptr, s13_ptr, hidden, inter, stride_ws, stride_wn, stride_ss,
-            stride_sn, n_idx, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES,
+            stride_sn, n_idx, BLOCK_N, BLOCK_K, COMPUTE, STAGES, PTX,
         )  # fmt: skip
     else:
         gate_row, up_row = _gate_up_sums(
@@ -155,39 +155,40 @@ def _gate_up_sums(
 @triton.jit
 def _gate_up_sums_fp8(
     x_ptr, slot, w13_ptr, s13_ptr, hidden, inter, stride_ws, stride_wn, stride_ss, stride_sn,
-    n_idx, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-    COMPUTE: tl.constexpr, STAGES: tl.constexpr,
+    n_idx, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
+    STAGES: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
-    """_gate_up_sums of an FP8 expert: each step's BLOCK_K columns as spans of SUB (<= 128)
-    columns, each inside one 128-column block, so that a span takes one factor per row. The
-    weights are widened exactly (fp8_moe), each span's products with x summed and the sum
-    multiplied by its row's factor, in fp32; only x is rounded to the compute dtype."""
+    """_gate_up_sums of an FP8 expert (w13 as int32 words of four bytes, strides in words): each
+    word's bytes widened exactly and multiplied by x in one chain of multiply-adds, each 16
+    columns' sum (a row's 16-byte vector, inside one 128-column block) times its row's block
+    factor (fp8_moe.vector_sums), in fp32; only x is rounded to the compute dtype."""
     n_ok = n_idx < inter
     expert = w13_ptr + slot.to(tl.int64) * stride_ws
-    gate_rows = expert + n_idx[:, None, None].to(tl.int64) * stride_wn
-    up_rows = expert + (inter + n_idx[:, None, None]).to(tl.int64) * stride_wn
+    gate_rows = expert + n_idx[:, None].to(tl.int64) * stride_wn
+    up_rows = expert + (inter + n_idx[:, None]).to(tl.int64) * stride_wn
     factors = s13_ptr + slot.to(tl.int64) * stride_ss
     gate_factors = factors + (n_idx[:, None] // 128) * stride_sn
     up_factors = factors + ((inter + n_idx[:, None]) // 128) * stride_sn
-    spans = tl.arange(0, BLOCK_K // SUB) * SUB
-    cols = spans[:, None] + tl.arange(0, SUB)[None, :]
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
-    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
-        k_idx = k0 + cols
-        k_ok = k_idx < hidden
-        w_ok = n_ok[:, None, None] & k_ok[None, :, :]
-        f_ok = n_ok[:, None] & (k0 + spans < hidden)[None, :]
-        block = ((k0 + spans) // 128)[None, :]
-        xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0).to(COMPUTE).to(tl.float32)
-        xs = fp8_moe.activation(xs)[None, :, :]
-        gate = tl.load(gate_rows + k_idx[None, :, :], mask=w_ok, other=0)
-        up = tl.load(up_rows + k_idx[None, :, :], mask=w_ok, other=0)
-        gate_f = fp8_moe.weight_factor(tl.load(gate_factors + block, mask=f_ok, other=0.0))
-        up_f = fp8_moe.weight_factor(tl.load(up_factors + block, mask=f_ok, other=0.0))
-        acc_gate += tl.sum(fp8_moe.widened(gate) * xs, axis=2) * gate_f
-        acc_up += tl.sum(fp8_moe.widened(up) * xs, axis=2) * up_f
-    return tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
+    row_words = hidden // 4
+    words: tl.constexpr = BLOCK_K // 4
+    vectors = 16 * tl.arange(0, words // 4)  # each vector's first column in a step
+    acc_gate = tl.zeros((BLOCK_N, words // 4), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, words // 4), dtype=tl.float32)
+    for w0 in tl.range(0, row_words, words, num_stages=STAGES):
+        j = w0 + tl.arange(0, words)
+        w_ok = n_ok[:, None] & (j < row_words)[None, :]
+        cols = 4 * w0 + tl.arange(0, BLOCK_K)
+        xs = tl.load(x_ptr + cols, mask=cols < hidden, other=0.0).to(COMPUTE).to(tl.float32)
+        gate = tl.load(gate_rows + j[None, :], mask=w_ok, other=0)
+        up = tl.load(up_rows + j[None, :], mask=w_ok, other=0)
+        f_ok = n_ok[:, None] & (4 * w0 + vectors < hidden)[None, :]
+        block = ((4 * w0 + vectors) // 128)[None, :]
+        gate_f = tl.load(gate_factors + block, mask=f_ok, other=0.0)
+        up_f = tl.load(up_factors + block, mask=f_ok, other=0.0)
+        acc_gate += fp8_moe.vector_sums(gate, xs, PTX) * gate_f
+        acc_up += fp8_moe.vector_sums(up, xs, PTX) * up_f
+    # each weight was taken times 2^-8 (fp8_moe.word_dots): given back here
+    return tl.sum(acc_gate, axis=1) * 256.0, tl.sum(acc_up, axis=1) * 256.0
 
 
 @triton.jit
@@ -196,7 +197,7 @@ def _one_token_gate_up_kernel(
     stride_wn, stride_ss, stride_sn, stride_bs, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, COMPUTE: tl.constexpr,
     STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-    PDL: tl.constexpr,
+    PTX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     common.pdl_start(PDL)
     # A masked route (run on the CPU) loads nothing, and its act row is left for no one to read.
@@ -208,7 +209,7 @@ def _one_token_gate_up_kernel(
                 _gate_up_rows(
                     x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr + route * inter, hidden,
                     inter, limit, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, n_idx,
-                    BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8, BIAS, CLAMPED,
+                    BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8, BIAS, CLAMPED, PTX,
                 )  # fmt: skip
     else:  # one program per route and row block
         route = tl.program_id(0)
@@ -218,7 +219,7 @@ def _one_token_gate_up_kernel(
             _gate_up_rows(
                 x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr + route * inter, hidden, inter,
                 limit, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, n_idx, BLOCK_N,
-                BLOCK_K, SUB, COMPUTE, STAGES, FP8, BIAS, CLAMPED,
+                BLOCK_K, SUB, COMPUTE, STAGES, FP8, BIAS, CLAMPED, PTX,
             )  # fmt: skip
 
 
@@ -226,26 +227,27 @@ def _one_token_gate_up_kernel(
 def _down_rows(
     act_ptr, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn, stride_ss, stride_sn, n_idx,
     n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-    COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
+    COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """fp32 [BLOCK_N]: rows n_idx of the down projection in `slot` (>= 0) times a route's act
     row (at act_ptr)."""
     expert = w2_ptr + slot.to(tl.int64) * stride_ws
-    if FP8:  # as _gate_up_sums_fp8: spans of SUB columns, one factor per row and span
-        w_rows = expert + n_idx[:, None, None].to(tl.int64) * stride_wn
+    if FP8:  # as _gate_up_sums_fp8: words, a factor for each row's 16-column vector
+        w_rows = expert + n_idx[:, None].to(tl.int64) * stride_wn
         row_factors = s2_ptr + slot.to(tl.int64) * stride_ss + (n_idx[:, None] // 128) * stride_sn
-        spans = tl.arange(0, BLOCK_K // SUB) * SUB
-        cols = spans[:, None] + tl.arange(0, SUB)[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_K // SUB), dtype=tl.float32)
-        for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
-            k_idx = k0 + cols
-            k_ok = k_idx < inter
-            a = fp8_moe.activation(tl.load(act_ptr + k_idx, mask=k_ok, other=0.0).to(tl.float32))
-            w = tl.load(w_rows + k_idx[None, :, :], mask=n_ok[:, None, None] & k_ok[None], other=0)
-            f_ok = n_ok[:, None] & (k0 + spans < inter)[None, :]
-            f = tl.load(row_factors + ((k0 + spans) // 128)[None, :], mask=f_ok, other=0.0)
-            acc += tl.sum(fp8_moe.widened(w) * a[None, :, :], axis=2) * fp8_moe.weight_factor(f)
-        sums = tl.sum(acc, axis=1)
+        row_words = inter // 4
+        words: tl.constexpr = BLOCK_K // 4
+        vectors = 16 * tl.arange(0, words // 4)
+        acc = tl.zeros((BLOCK_N, words // 4), dtype=tl.float32)
+        for w0 in tl.range(0, row_words, words, num_stages=STAGES):
+            j = w0 + tl.arange(0, words)
+            cols = 4 * w0 + tl.arange(0, BLOCK_K)
+            a = tl.load(act_ptr + cols, mask=cols < inter, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + j[None, :], mask=n_ok[:, None] & (j < row_words)[None, :], other=0)
+            f_ok = n_ok[:, None] & (4 * w0 + vectors < inter)[None, :]
+            f = tl.load(row_factors + ((4 * w0 + vectors) // 128)[None, :], mask=f_ok, other=0.0)
+            acc += fp8_moe.vector_sums(w, a, PTX) * f
+        sums = tl.sum(acc, axis=1) * 256.0  # the 2^-8 of fp8_moe.word_dots given back
     else:
         w_rows = expert + n_idx[:, None].to(tl.int64) * stride_wn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -273,7 +275,8 @@ def _one_token_down_kernel(
     act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, b2_ptr, y_ptr, hidden, inter, stride_ws,
     stride_wn, stride_ss, stride_sn, stride_bs, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, COMPUTE: tl.constexpr,
-    STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     common.pdl_start(PDL)
     # A masked route's rows are zeros (its act row was never written).
@@ -287,6 +290,7 @@ def _one_token_down_kernel(
                 out = (_down_rows(
                     act_ptr + route * inter, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn,
                     stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8,
+                    PTX,
                 ) + _down_bias(b2_ptr, slot, stride_bs, n_idx, n_ok, BIAS)) * tl.load(
                     weights_ptr + route
                 ).to(tl.float32)  # fmt: skip
@@ -301,10 +305,18 @@ def _one_token_down_kernel(
             out = (_down_rows(
                 act_ptr + route * inter, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn,
                 stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8,
+                PTX,
             ) + _down_bias(b2_ptr, slot, stride_bs, n_idx, n_ok, BIAS)) * tl.load(
                 weights_ptr + route
             ).to(tl.float32)  # fmt: skip
         tl.store(y_ptr + route * hidden + n_idx, out, mask=n_ok)
+
+
+def fits(w13: torch.Tensor, w2: torch.Tensor, fp8_bank: bool) -> bool:
+    """Whether the one-token launches take this bank: any bf16/fp16/fp32 bank, an FP8 one whose
+    rows split into words of four bytes (fp8_moe.words: H and I multiples of 4, as every
+    published geometry's are)."""
+    return not fp8_bank or (fp8_moe.words(w13) is not None and fp8_moe.words(w2) is not None)
 
 
 def launch(
@@ -321,11 +333,19 @@ def launch(
     cfg: OneTokenMoEConfig,
 ) -> None:
     """The one-token launches: act [1, K, I] from x, then y [1, K, H] from act. scales: the
-    block factors of w13 and w2 where the bank is FP8 (uint8 bits), else None; extras:
-    gpt-oss's biases and SwiGLU limit."""
+    block factors of w13 and w2 where the bank is FP8 (int8 bits, read as words of four:
+    `fits`), else None; extras: gpt-oss's biases and SwiGLU limit."""
     hidden = x.shape[1]
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
+    if scales is not None:
+        if not fits(w13, w2, fp8_bank=True):
+            raise ValueError(
+                f"the one-token launches read an FP8 bank's rows as words of 4 bytes: H ({hidden})"
+                f" and I ({inter}) must be multiples of 4, the rows 4-byte aligned; pass a "
+                "DecodeMoEConfig for this bank"
+            )
+        w13, w2 = fp8_moe.words(w13), fp8_moe.words(w2)
     loop = cfg.loop_routes  # a grid of row blocks only: each program loops over the routes
     gate_up_blocks = triton.cdiv(inter, cfg.gate_up_block_n)
     down_blocks = triton.cdiv(hidden, cfg.down_block_n)
@@ -360,6 +380,7 @@ def launch(
         FP8=scales is not None,
         BIAS=extras.biases is not None,
         CLAMPED=extras.limit > 0,
+        PTX=common.inline_ptx(x.device),
         num_warps=cfg.num_warps,
         **pdl,
     )
@@ -387,6 +408,7 @@ def launch(
         STAGES=cfg.num_stages,
         FP8=scales is not None,
         BIAS=extras.biases is not None,
+        PTX=common.inline_ptx(x.device),
         num_warps=cfg.num_warps,
         **pdl,
     )

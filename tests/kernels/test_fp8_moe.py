@@ -107,6 +107,49 @@ def test_widening_decodes_every_code_exactly(factor):
     assert values[0x7F].item() == 480.0 and values[0xFF].item() == -480.0
 
 
+@triton.jit
+def _word_dots_kernel(words_ptr, xs_ptr, out_ptr, W: tl.constexpr, PTX: tl.constexpr):
+    words = tl.load(words_ptr + tl.arange(0, W))[None, :]
+    xs = tl.load(xs_ptr + tl.arange(0, 4 * W))[None, :]
+    tl.store(out_ptr + tl.arange(0, W), tl.reshape(fp8_moe.word_dots(words, xs, PTX), (W,)))
+
+
+@pytest.mark.parametrize("column", range(4))
+def test_word_dots_decode_every_code_exactly(gen, column):
+    # word j holds code j at byte `column` beside random bytes that multiply a zero activation:
+    # each dot is code j's value times 2^-8 times the activation, exactly
+    grid = torch.randint(0, 256, (256, 4), generator=gen, dtype=torch.int32).to(torch.uint8)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    grid[:, column] = codes
+    words = grid.reshape(-1).view(torch.int32).to(DEVICE)
+    xs = torch.zeros(1024, device=DEVICE)
+    xs[column::4] = 1.5
+    out = torch.empty(256, device=DEVICE)
+    _word_dots_kernel[(1,)](words, xs, out, W=256, PTX=common.inline_ptx(out.device))
+    expected = fp8.widen(codes) * 2.0**-8 * 1.5
+    finite = ~expected.isnan()
+    assert torch.equal(out.cpu()[finite], expected[finite])
+    assert out[1].item() == 2.0**-17 * 1.5 and out[0x86].item() == -6 * 2.0**-17 * 1.5
+    # the NaN codes widen to ±480, as `widened` does
+    assert out[0x7F].item() == 480 * 2.0**-8 * 1.5 and out[0xFF].item() == -480 * 2.0**-8 * 1.5
+
+
+def test_one_token_fp8_needs_rows_of_whole_words(gen):
+    # H and I not multiples of 4: the rows do not split into the words the one-token launches
+    # read; without a config one token takes the tl.dot launches, with one it is refused
+    x = randn(gen, 1, 70)
+    slot_ids = route_table(gen, 1, 2, 3)
+    weights = route_weights(gen, 1, 2)
+    bank = fp8_bank(gen, 3, hidden=70, inter=42)
+    out = fused_moe.fused_moe_decode_triton(x, slot_ids, weights, bank.w13, bank.w2, **bank.scales)
+    ref = fused_moe.fused_moe_decode_ref(x, slot_ids, weights, *bank.dequantized)
+    assert_matches(out, ref, tol=1e-5)
+    with pytest.raises(ValueError, match=r"words of 4 bytes: H \(70\) and I \(42\)"):
+        fused_moe.fused_moe_decode_triton(
+            x, slot_ids, weights, bank.w13, bank.w2, config=ONE_TOKEN, **bank.scales
+        )
+
+
 @pytest.mark.parametrize("loop", [False, True], ids=["route-grid", "loop-routes"])
 @pytest.mark.parametrize("case", ["some_masked", "duplicate"])
 def test_one_token_matches_the_dequantized_reference(gen, case, loop):
