@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from . import common, fp8
 from .common import tl, triton
 from .fp8_moe import bits as fp8_bits
-from .fp8_moe import dot_step, is_fp8, widened
+from .fp8_moe import dot_step, is_fp8, vector_sums
+from .fp8_moe import words as fp8_words
 
 # Largest batch the kernel takes: the tokens of one tl.dot tile. The engine calls it for decode
 # batches only; `linear` sends larger inputs to F.linear.
@@ -253,50 +254,34 @@ def _tokens_kernel(
 
 
 # FP8 weights (`scale_inv`): e4m3 bits with one fp32 factor per 128x128 block (kernels/fp8.py),
-# widened in integer ops on every card (kernels/fp8_moe.py `widened`). A program's rows lie in one
-# block of 128 rows (BLOCK_N divides 128), so a column block's factor is one number per program.
-# One token takes the bf16 path's wide steps: a step of BLOCK_K columns spans GROUPS blocks of 128,
-# whose products are summed per block, multiplied by that block's factor (the GROUPS factors one
-# vector load) and added up. The bits are widened to the value times 2^-120 and the activation
-# multiplied by 2^60, so every product is the value times 2^-60, a normal fp32 for any activation
-# below 2^68, exact in its powers of two; the row sum is multiplied by 2^60 at the end. (Loading
-# each column's factor beside its activation measured slower: docs/kernels.md.)
+# widened in integer ops on every card (kernels/fp8_moe.py). A program's rows lie in one block of
+# 128 rows (BLOCK_N divides 128), so a column block's factor is one number per program. One token
+# takes the bf16 path's wide steps and reads the bits as int32 words of four: each word's bytes
+# become fp16 pairs (the value times 2^-8, exact), multiplied by x in one chain of multiply-adds
+# (fp8_moe.vector_sums), each 16 columns' sum times its block's factor in the thread that read
+# them, and the row sum times 2^8 at the end. (Loading each column's factor beside its
+# activation measured slower: docs/kernels.md.)
 
 
 @triton.jit
-def _fp8_loads(
-    w_rows, n_ok, factors, column_blocks, k0, k, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr
-):
-    """A step of `_one_token_fp8_kernel` from column k0: its columns k_idx and their mask, its
-    bits [BLOCK_N, BLOCK_K] and the factors f of its GROUPS blocks of 128 columns."""
-    k_idx = k0 + tl.arange(0, BLOCK_K)
-    k_ok = k_idx < k
-    bits = tl.load(w_rows + k_idx[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-    g_idx = k0 // 128 + tl.arange(0, GROUPS)
-    f = tl.load(factors + g_idx, mask=g_idx < column_blocks, other=0.0)
-    return k_idx, k_ok, bits, f
+def _fp8_loads(w_rows, n_ok, factors, k0, k, BLOCK_K: tl.constexpr):
+    """A step of `_one_token_fp8_kernel` from column k0: its words [BLOCK_N, BLOCK_K / 4] (at
+    `w_rows` [BLOCK_N, 1], int32) and the factor of each 16 columns [1, BLOCK_K / 16]."""
+    j = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+    words = tl.load(w_rows + j[None, :], mask=n_ok[:, None] & (j < k // 4)[None, :], other=0)
+    vectors = k0 + 16 * tl.arange(0, BLOCK_K // 16)
+    f = tl.load(factors + (vectors // 128)[None, :], mask=(vectors < k)[None, :], other=0.0)
+    return words, f
 
 
 @triton.jit
-def _fp8_step(
-    acc,
-    bits,
-    f,
-    x_ptr,
-    k_idx,
-    k_ok,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUPS: tl.constexpr,
-    COMPUTE: tl.constexpr,
-):
-    """One step of `_one_token_fp8_kernel` onto acc [BLOCK_N, GROUPS]: the products of its bits
-    [BLOCK_N, BLOCK_K] and x's columns k_idx, summed per block of 128 columns (GROUPS of them),
-    times the blocks' factors f and 2^-60."""
-    xs = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0).to(COMPUTE).to(tl.float32)
-    products = widened(bits) * (xs * 1.152921504606846976e18)[None, :]  # 2^60
-    block_sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, BLOCK_K // GROUPS)), axis=2)
-    return acc + block_sums * f[None, :]
+def _fp8_step(acc, words, f, x_ptr, k0, k, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
+              PTX: tl.constexpr):  # fmt: skip
+    """One step of `_one_token_fp8_kernel` onto acc [BLOCK_N, BLOCK_K / 16]: the products of its
+    words and x's columns from k0, each 16 columns' sum times its factor (and 2^-8)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    xs = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(COMPUTE).to(tl.float32)
+    return acc + vector_sums(words, xs, PTX) * f
 
 
 @triton.jit
@@ -320,37 +305,33 @@ def _one_token_fp8_kernel(
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
     EARLY_W: tl.constexpr,
+    PTX: tl.constexpr,
 ):
+    """One token times an FP8 weight read as int32 words (w_ptr; stride_wn in words), K a
+    multiple of 4."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # a step of fewer than 128 columns lies in one block (BLOCK_K divides 128)
-    GROUPS: tl.constexpr = BLOCK_K // 128 if BLOCK_K >= 128 else 1
     n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n_idx < n
     w_rows = w_ptr + n_idx[:, None].to(tl.int64) * stride_wn
     factors = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn
-    column_blocks = tl.cdiv(k, 128)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, k)
-    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
     if EARLY_W:
-        # The first step's bits and factors are loaded before the wait for the kernel before
+        # The first step's words and factors are loaded before the wait for the kernel before
         # (they are not its output), so they stream in while it still runs (as `_one_token_kernel`)
-        k_idx, k_ok, bits, f = _fp8_loads(
-            w_rows, n_ok, factors, column_blocks, k_start, k, BLOCK_K, GROUPS
-        )
+        words, f = _fp8_loads(w_rows, n_ok, factors, k_start, k, BLOCK_K)
         common.pdl_start(PDL)
-        acc = _fp8_step(acc, bits, f, x_ptr, k_idx, k_ok, BLOCK_N, BLOCK_K, GROUPS, COMPUTE)
+        acc = _fp8_step(acc, words, f, x_ptr, k_start, k, BLOCK_K, COMPUTE, PTX)
         k_loop = k_start + BLOCK_K
     else:
         common.pdl_start(PDL)
         k_loop = k_start
     for k0 in tl.range(k_loop, k_end, BLOCK_K, num_stages=STAGES):
-        k_idx, k_ok, bits, f = _fp8_loads(
-            w_rows, n_ok, factors, column_blocks, k0, k, BLOCK_K, GROUPS
-        )
-        acc = _fp8_step(acc, bits, f, x_ptr, k_idx, k_ok, BLOCK_N, BLOCK_K, GROUPS, COMPUTE)
-    row = tl.sum(acc, axis=1) * 1.152921504606846976e18
+        words, f = _fp8_loads(w_rows, n_ok, factors, k0, k, BLOCK_K)
+        acc = _fp8_step(acc, words, f, x_ptr, k0, k, BLOCK_K, COMPUTE, PTX)
+    row = tl.sum(acc, axis=1) * 256.0  # the 2^-8 of fp8_moe.word_dots given back
     t_idx = tl.zeros((1,), dtype=tl.int32)
     _store(row[None, :], t_idx, n_idx, pid_k, bias_ptr, out_ptr, part_ptr, 1, n, HAS_BIAS, SPLIT)
 
@@ -600,16 +581,26 @@ def linear_decode_fp8(
     _check(x, weight, bias, scale_inv)
     tokens, k = x.shape
     n = weight.shape[0]
+    # one token reads the bits as words of four bytes (rows of a multiple of 4 bytes; else the
+    # tl.dot kernel takes it, as it does several tokens)
+    words = fp8_words(weight) if tokens == 1 else None
+    as_tokens = 1 if words is not None else max(tokens, 2)
     # powers of two (GemvConfig) at most 128 rows divide a block; one token's steps of more than
     # 128 columns are whole blocks
-    cfg = fp8_config(config or choose_fp8_config(tokens, n, k, common.sm_count(x.device)), tokens)
+    cfg = config or choose_fp8_config(as_tokens, n, k, common.sm_count(x.device))
+    if as_tokens > tokens and cfg.block_n < 16:
+        raise ValueError(
+            f"config.block_n={cfg.block_n}: a weight of rows of {k} bytes (not a multiple of 4) "
+            "takes the tl.dot kernel for one token too, which needs blocks of 16 rows or more"
+        )
+    cfg = fp8_config(cfg, as_tokens)
     call = _prepare(x, n, bias, cfg, compute_dtype)
     bits = fp8_bits(weight)
-    if tokens == 1:
+    if words is not None:
         _one_token_fp8_kernel[call.grid](
-            x, bits, scale_inv, call.bias_arg, call.out, call.partials, n, k, call.k_per_split,
-            bits.stride(0), scale_inv.stride(0), STAGES=cfg.num_stages,
-            EARLY_W=early_weights, **call.flags,
+            x, words, scale_inv, call.bias_arg, call.out, call.partials, n, k, call.k_per_split,
+            words.stride(0), scale_inv.stride(0), STAGES=cfg.num_stages,
+            EARLY_W=early_weights, PTX=common.inline_ptx(x.device), **call.flags,
         )  # fmt: skip
     else:
         _tokens_fp8_kernel[call.grid](

@@ -377,7 +377,8 @@ def test_fp8_first_step_read_early_gives_the_same_bits(gen, n, k, config):
 
 def test_fp8_products_hold_large_activations_and_subnormal_weights(gen):
     """Activations of 2^40 and weights among e4m3's subnormals (2^-9 times their factor): every
-    product stays a normal fp32 (the kernel's 2^60 shift), so the result is the reference's."""
+    product stays a normal fp32 (each weight taken times 2^-8), so the result is the
+    reference's."""
     x = randn(gen, 1, 256) * 2.0**40
     weight = torch.full((128, 256), 2.0**-9).to(torch.float8_e4m3fn).to(DEVICE)
     weight[:, ::2] = torch.tensor(448.0).to(torch.float8_e4m3fn)
@@ -386,6 +387,16 @@ def test_fp8_products_hold_large_activations_and_subnormal_weights(gen):
     ref = gemv.linear_decode_fp8_ref(x, weight, scale)
     assert torch.isfinite(out).all()
     assert_matches(out, ref, tol=1e-5)
+
+
+def test_fp8_one_token_with_rows_of_odd_bytes_takes_the_dot_kernel(gen):
+    # K = 902: the rows do not split into the one-token kernel's 4-byte words
+    x = randn(gen, 1, 902)
+    weight, scale = fp8_projection(gen, 64, 902)
+    out = gemv.linear_decode_fp8(x, weight, scale)
+    assert_matches(out, gemv.linear_decode_fp8_ref(x, weight, scale), tol=1e-5)
+    with pytest.raises(ValueError, match=r"rows of 902 bytes .* blocks of 16 rows or more"):
+        gemv.linear_decode_fp8(x, weight, scale, config=GemvConfig(block_n=4, block_k=256))
 
 
 @pytest.mark.parametrize(
