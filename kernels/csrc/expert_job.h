@@ -234,6 +234,13 @@ class ExpertJob final : public ExpertJobShell {
 #else
   static constexpr bool kCanBf16 = false;
 #endif
+#ifdef MOELAB_HAVE_AVX2
+  // whether this level and type read one token's rows against activations in their slots
+  // (mxfp4.h dot_row_slots)
+  static constexpr bool kCanSlots = std::is_same_v<WT, e2m1x2> && std::is_same_v<B, Avx2>;
+#else
+  static constexpr bool kCanSlots = false;
+#endif
 
  public:
   ExpertJob(int num_threads, int64_t task_bytes, int64_t capacity, int64_t inter)
@@ -244,6 +251,7 @@ class ExpertJob final : public ExpertJobShell {
         order_(size_t(capacity)),
         h_(size_t(capacity * inter)),
         h16_(kCanBf16 ? size_t(capacity * inter) : 0),
+        hs_(kCanSlots ? size_t(capacity * inter) : 0),
         group_done_(new Counter[size_t(std::max<int64_t>(1, capacity))]) {
     for (auto* v : {&group_expert_, &group_start_, &token_}) v->reserve(size_t(capacity) + 1);
     weight_.reserve(size_t(capacity));
@@ -344,6 +352,16 @@ class ExpertJob final : public ExpertJobShell {
         for (int64_t t = 0; t < p.T; ++t) bf16_slots<WT>(x + t * p.H, p.H, x16_.data() + t * p.H);
       }
     }
+    slots_ = false;
+    if constexpr (kCanSlots) {
+      // one token an expert and rows of whole 64-value steps: x and h in their slots
+      slots_ = one_token_each_ && slots_fit(p.H) && slots_fit(p.I) &&
+               (p.split_expert < 0 || slots_fit(p.I - p.split_row));
+      if (slots_) {
+        xs_.resize(size_t(p.T * p.H));
+        for (int64_t t = 0; t < p.T; ++t) to_slots(x + t * p.H, p.H, xs_.data() + t * p.H);
+      }
+    }
     // Phase 1: the groups' gate/up row pairs, one after the other (the split expert's from its
     // first CPU row), cut into blocks of about task_bytes; phase 2: the output rows, at least 4
     // blocks per thread. Each phase has a multiple of num_threads blocks of equal size (to the
@@ -416,6 +434,8 @@ class ExpertJob final : public ExpertJobShell {
       for (int32_t j = group_start_[g]; j < group_start_[g + 1]; ++j, at += n) {
         if (bf16_) {
           store_h16(g, j, r_begin, r_end, h.data() + at);
+        } else if (slots_) {
+          store_hs(g, j, r_begin, r_end, h.data() + at);
         } else {
           std::copy_n(h.data() + at, n, h_.data() + int64_t(j) * p_.I + r_begin);
         }
@@ -441,6 +461,16 @@ class ExpertJob final : public ExpertJobShell {
     uint16_t* out = h16_.data() + int64_t(j) * p_.I + first;
     for (int64_t r = r_begin; r < r_end; ++r) {
       out[bf16_slot<WT>(r - first, K)] = round_bf16(h[r - r_begin]);
+    }
+  }
+
+  // Pair j's h of rows [r_begin, r_end) (of group g) into hs_ in the order dot_row_slots reads
+  // (mxfp4.h slot_of), from the group's first row.
+  void store_hs(int64_t g, int32_t j, int64_t r_begin, int64_t r_end, const float* h) {
+    if constexpr (kCanSlots) {
+      const int64_t first = first_row(g);
+      float* out = hs_.data() + int64_t(j) * p_.I + first;
+      for (int64_t r = r_begin; r < r_end; ++r) out[slot_of(r - first)] = h[r - r_begin];
     }
   }
 
@@ -484,6 +514,12 @@ class ExpertJob final : public ExpertJobShell {
           if (bf16_) {
             const uint16_t* x16 = x16_.data() + int64_t(token_[j0]) * H;
             return dot_row_bf16(row(i), factors, x16, H, row(i + ahead));
+          }
+        }
+        if constexpr (kCanSlots) {
+          if (slots_) {
+            const float* xs = xs_.data() + int64_t(token_[j0]) * H;
+            return dot_row_slots(row(i), factors, xs, H, row(i + ahead));
           }
         }
         return dot_row<B>(row(i), factors, x, H, row(i + ahead));
@@ -573,6 +609,12 @@ class ExpertJob final : public ExpertJobShell {
               if (bf16_) {
                 const uint16_t* h16 = h16_.data() + int64_t(j) * I + first;
                 return dot_row_bf16(row(i), factors, h16, I - first, row(i + ahead));
+              }
+            }
+            if constexpr (kCanSlots) {
+              if (slots_) {
+                const float* hs = hs_.data() + int64_t(j) * I + first;
+                return dot_row_slots(row(i), factors, hs, I - first, row(i + ahead));
               }
             }
             return dot_row<B>(row(i), factors, h, I - first, row(i + ahead));
@@ -732,6 +774,11 @@ class ExpertJob final : public ExpertJobShell {
   bool bf16_ = false;
   std::vector<uint16_t> x16_;  // [T, H]
   std::vector<uint16_t> h16_;  // [pairs, I]
+  // AVX2's one-token MXFP4 rows (mxfp4.h dot_row_slots): whether this job reads them so, x and h
+  // in their slots
+  bool slots_ = false;
+  std::vector<float> xs_;  // [T, H]
+  std::vector<float> hs_;  // [pairs, I]
   std::vector<int64_t> group_rows_;  // group g's phase-1 rows: [group_rows[g], group_rows[g+1])
   TaperedBlocks blocks1_;  // of the groups' phase-1 rows, one group after the other
   TaperedBlocks blocks2_;  // of the output rows

@@ -4,8 +4,9 @@
 // values is K/2 bytes; the expert job counts its rows' elements (e2m1x2, two values each) with
 // kValuesPerElement and finds their scales with ScaleOf. The loads widen a block's 32 values in
 // registers to twice each value (AVX-512: one vpermps of a 16-float table for 16 nibbles; AVX2:
-// a lookup of each nibble's fp16, then fp16 to fp32), multiply them or their products by half the
-// block's scale and accumulate in fp32.
+// a lookup of each nibble's fp16, then fp16 to fp32, or for one token's rows the two bytes of its
+// bf16, made fp32 by a shift or a mask: dot_row_slots), multiply them or their products by half
+// the block's scale and accumulate in fp32.
 // Included by expert_job.h only (one translation unit): internal linkage, like the rest.
 #pragma once
 
@@ -125,6 +126,96 @@ struct Mx<Avx2> {
     }
   }
 };
+#endif
+
+#ifdef MOELAB_HAVE_AVX2
+// One token's rows on AVX2 (dot_row_slots): each code's twice-value looked up as the two bytes of
+// its bf16 (exact: integers up to 12), the bytes joined into 16-bit lanes, and each 32-bit lane's
+// two bf16 made fp32 by a shift and a mask, with no conversion instruction; the activations come
+// in the order that leaves the weights (slot_of), so no weight is moved to its column.
+// Low and high bytes of twice each code's value as bf16 (code 8, -0, as +0 like kE2m1Twice).
+alignas(16) constexpr uint8_t kE2m1TwiceBf16Lo[16] = {0x00, 0x80, 0x00, 0x40, 0x80, 0xC0,
+                                                      0x00, 0x40, 0x00, 0x80, 0x00, 0x40,
+                                                      0x80, 0xC0, 0x00, 0x40};
+alignas(16) constexpr uint8_t kE2m1TwiceBf16Hi[16] = {0x00, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                                      0x41, 0x41, 0x00, 0xBF, 0xC0, 0xC0,
+                                                      0xC0, 0xC0, 0xC1, 0xC1};
+
+// Whether one token's rows of K values take dot_row_slots: whole 64-value steps.
+inline bool slots_fit(int64_t K) { return K % 64 == 0; }
+
+// Where value v of a row lies in the activations dot_row_slots reads (its "slots"): of each 64
+// values (32 bytes: two blocks, one a 128-bit lane), vector q = 0..7 of 8 lanes holds, in lane
+// 4L + i, value 32L + 4i + (0, 2, 16, 18, 1, 3, 17, 19)[q] (the even values' bytes 0-7 of each lane
+// as bf16 pairs, then bytes 8-15, then the odd values' likewise).
+inline int64_t slot_of(int64_t v) {
+  const int64_t base = v / 64 * 64, t = v - base;
+  const int64_t lane = t / 32, byte = t % 32 / 2;
+  const int64_t q = (t & 1 ? 4 : 0) + (byte >= 8 ? 2 : 0) + byte % 2;
+  return base + 8 * q + 4 * lane + byte % 8 / 2;
+}
+
+// x's K values (slots_fit) in slot_of's order, a 64-value step at a time.
+inline void to_slots(const float* x, int64_t K, float* out) {
+  constexpr int kOffset[8] = {0, 2, 16, 18, 1, 3, 17, 19};
+  for (int64_t base = 0; base < K; base += 64) {
+    for (int q = 0; q < 8; ++q) {
+      for (int lane = 0; lane < 2; ++lane) {
+        for (int i = 0; i < 4; ++i) {
+          out[base + 8 * q + 4 * lane + i] = x[base + 32 * lane + 4 * i + kOffset[q]];
+        }
+      }
+    }
+  }
+}
+
+// row . x over K values (slots_fit), x in slot_of's order: 64 values a step, both blocks in each
+// vector (the first block's in the low lane), so each step's sums take a vector of the two
+// blocks' half-scales; four chains. `ahead` as dot_row's.
+inline float dot_row_slots(const e2m1x2* row, const uint8_t* scales, const float* xs, int64_t K,
+                           const e2m1x2* ahead) {
+  const float* halves = e8m0_halves();
+  const __m256i lo_table = _mm256_broadcastsi128_si256(
+      _mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1TwiceBf16Lo)));
+  const __m256i hi_table = _mm256_broadcastsi128_si256(
+      _mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1TwiceBf16Hi)));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+  // a 32-bit lane's two bf16 as fp32: the low one shifted up, the high one masked
+  auto low = [](__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); };
+  auto top = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, high)); };
+  __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
+  for (int64_t k = 0; k < K; k += 64) {
+    if (ahead != nullptr && k % 128 == 0) prefetch(ahead + k / 2);  // a line: 128 values
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k / 2));
+    const __m256i even = _mm256_and_si256(packed, nibble);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    const __m256i even_lo = _mm256_shuffle_epi8(lo_table, even);
+    const __m256i even_hi = _mm256_shuffle_epi8(hi_table, even);
+    const __m256i odd_lo = _mm256_shuffle_epi8(lo_table, odd);
+    const __m256i odd_hi = _mm256_shuffle_epi8(hi_table, odd);
+    const __m256i e0 = _mm256_unpacklo_epi8(even_lo, even_hi);
+    const __m256i e1 = _mm256_unpackhi_epi8(even_lo, even_hi);
+    const __m256i o0 = _mm256_unpacklo_epi8(odd_lo, odd_hi);
+    const __m256i o1 = _mm256_unpackhi_epi8(odd_lo, odd_hi);
+    const float* x = xs + k;
+    __m256 a = _mm256_mul_ps(low(e0), _mm256_loadu_ps(x));
+    __m256 b = _mm256_mul_ps(top(e0), _mm256_loadu_ps(x + 8));
+    __m256 c = _mm256_mul_ps(low(e1), _mm256_loadu_ps(x + 16));
+    __m256 d = _mm256_mul_ps(top(e1), _mm256_loadu_ps(x + 24));
+    a = _mm256_fmadd_ps(low(o0), _mm256_loadu_ps(x + 32), a);
+    b = _mm256_fmadd_ps(top(o0), _mm256_loadu_ps(x + 40), b);
+    c = _mm256_fmadd_ps(low(o1), _mm256_loadu_ps(x + 48), c);
+    d = _mm256_fmadd_ps(top(o1), _mm256_loadu_ps(x + 56), d);
+    const __m256 scale = _mm256_set_m128(_mm_set1_ps(halves[scales[k / kMxBlock + 1]]),
+                                         _mm_set1_ps(halves[scales[k / kMxBlock]]));
+    t0 = _mm256_fmadd_ps(a, scale, t0);
+    t1 = _mm256_fmadd_ps(b, scale, t1);
+    t2 = _mm256_fmadd_ps(c, scale, t2);
+    t3 = _mm256_fmadd_ps(d, scale, t3);
+  }
+  return Avx2::sum(_mm256_add_ps(_mm256_add_ps(t0, t1), _mm256_add_ps(t2, t3)));
+}
 #endif
 
 #ifdef MOELAB_HAVE_AVX512
