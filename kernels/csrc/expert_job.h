@@ -237,7 +237,8 @@ class ExpertJob final : public ExpertJobShell {
 #ifdef MOELAB_HAVE_AVX2
   // whether this level and type read one token's rows against activations in their slots
   // (mxfp4.h dot_row_slots)
-  static constexpr bool kCanSlots = std::is_same_v<WT, e2m1x2> && std::is_same_v<B, Avx2>;
+  static constexpr bool kCanSlots =
+      (std::is_same_v<WT, e2m1x2> || std::is_same_v<WT, nv_e2m1x2>) && std::is_same_v<B, Avx2>;
 #else
   static constexpr bool kCanSlots = false;
 #endif
@@ -774,8 +775,8 @@ class ExpertJob final : public ExpertJobShell {
   bool bf16_ = false;
   std::vector<uint16_t> x16_;  // [T, H]
   std::vector<uint16_t> h16_;  // [pairs, I]
-  // AVX2's one-token MXFP4 rows (mxfp4.h dot_row_slots): whether this job reads them so, x and h
-  // in their slots
+  // AVX2's one-token 4-bit rows (dot_row_slots of mxfp4.h and nvfp4.h): whether this job reads
+  // them so, x and h in their slots
   bool slots_ = false;
   std::vector<float> xs_;  // [T, H]
   std::vector<float> hs_;  // [pairs, I]

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "simd.h"
 
@@ -169,12 +170,14 @@ inline void to_slots(const float* x, int64_t K, float* out) {
   }
 }
 
-// row . x over K values (slots_fit), x in slot_of's order: 64 values a step, both blocks in each
-// vector (the first block's in the low lane), so each step's sums take a vector of the two
-// blocks' half-scales; four chains. `ahead` as dot_row's.
-inline float dot_row_slots(const e2m1x2* row, const uint8_t* scales, const float* xs, int64_t K,
-                           const e2m1x2* ahead) {
-  const float* halves = e8m0_halves();
+// row . x over K values (slots_fit), x in slot_of's order, for a row of 4-bit bytes: 64 values a
+// step, each vector's low 128-bit lane from the step's first 32 values and its high lane from the
+// last 32; four chains, vectors q and q + 4 in chain q % 4. `scales(k)` gives the half-scales of
+// the step from value k as two vectors: the chains of q = 0, 1 (values 0-15 of each lane) take
+// the first, those of q = 2, 3 (values 16-31) the second. `ahead` as dot_row's.
+template <class Scales>
+float dot_row_slots_with(const uint8_t* row, Scales scales, const float* xs, int64_t K,
+                         const uint8_t* ahead) {
   const __m256i lo_table = _mm256_broadcastsi128_si256(
       _mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1TwiceBf16Lo)));
   const __m256i hi_table = _mm256_broadcastsi128_si256(
@@ -207,14 +210,27 @@ inline float dot_row_slots(const e2m1x2* row, const uint8_t* scales, const float
     b = _mm256_fmadd_ps(top(o0), _mm256_loadu_ps(x + 40), b);
     c = _mm256_fmadd_ps(low(o1), _mm256_loadu_ps(x + 48), c);
     d = _mm256_fmadd_ps(top(o1), _mm256_loadu_ps(x + 56), d);
-    const __m256 scale = _mm256_set_m128(_mm_set1_ps(halves[scales[k / kMxBlock + 1]]),
-                                         _mm_set1_ps(halves[scales[k / kMxBlock]]));
-    t0 = _mm256_fmadd_ps(a, scale, t0);
-    t1 = _mm256_fmadd_ps(b, scale, t1);
-    t2 = _mm256_fmadd_ps(c, scale, t2);
-    t3 = _mm256_fmadd_ps(d, scale, t3);
+    const auto [first, second] = scales(k);
+    t0 = _mm256_fmadd_ps(a, first, t0);
+    t1 = _mm256_fmadd_ps(b, first, t1);
+    t2 = _mm256_fmadd_ps(c, second, t2);
+    t3 = _mm256_fmadd_ps(d, second, t3);
   }
   return Avx2::sum(_mm256_add_ps(_mm256_add_ps(t0, t1), _mm256_add_ps(t2, t3)));
+}
+
+// An MXFP4 row: a step's two blocks, one a lane, so both vectors are the two blocks'
+// half-scales.
+inline float dot_row_slots(const e2m1x2* row, const uint8_t* scales, const float* xs, int64_t K,
+                           const e2m1x2* ahead) {
+  const float* halves = e8m0_halves();
+  auto step_scales = [&](int64_t k) {
+    const __m256 both = _mm256_set_m128(_mm_set1_ps(halves[scales[k / kMxBlock + 1]]),
+                                        _mm_set1_ps(halves[scales[k / kMxBlock]]));
+    return std::pair<__m256, __m256>(both, both);
+  };
+  return dot_row_slots_with(reinterpret_cast<const uint8_t*>(row), step_scales, xs, K,
+                            reinterpret_cast<const uint8_t*>(ahead));
 }
 #endif
 

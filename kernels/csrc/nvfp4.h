@@ -96,6 +96,24 @@ float dot_row(const nv_e2m1x2* row, const uint8_t* scales, const float* x, int64
   return B::sum(B::add(total[0], total[1]));
 }
 
+#ifdef MOELAB_HAVE_AVX2
+// One token's NVFP4 row on AVX2 against x in its slots (mxfp4.h dot_row_slots_with: the same
+// bytes): a step's four blocks, two a lane, so the first vector holds blocks 0 and 2's
+// half-scales (each lane's first 16 values) and the second blocks 1 and 3's.
+inline float dot_row_slots(const nv_e2m1x2* row, const uint8_t* scales, const float* xs,
+                           int64_t K, const nv_e2m1x2* ahead) {
+  const float* halves = e4m3_halves();
+  auto step_scales = [&](int64_t k) {
+    const uint8_t* s = scales + k / kNvBlock;
+    return std::pair<__m256, __m256>(
+        _mm256_set_m128(_mm_set1_ps(halves[s[2]]), _mm_set1_ps(halves[s[0]])),
+        _mm256_set_m128(_mm_set1_ps(halves[s[3]]), _mm_set1_ps(halves[s[1]])));
+  };
+  return dot_row_slots_with(reinterpret_cast<const uint8_t*>(row), step_scales, xs, K,
+                            reinterpret_cast<const uint8_t*>(ahead));
+}
+#endif
+
 // NR rows times NT activation vectors over K values (dot_tile of simd.h for NVFP4 rows):
 // res[r * NT + t] = rows[r] . xs[t] (unscaled by the tensor's scale); each block of a row is
 // widened and scaled once for all NT tokens (twice-values times half-scales). `next`, when given,

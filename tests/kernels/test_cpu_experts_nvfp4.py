@@ -31,6 +31,8 @@ SERVED = {0: (0, 1, 5, 4, 3), 1: (1, 2, 3, 5), 2: (0, 4, 1, 5), 3: (2, 3, 3, 5, 
 CASES = {
     "decode-1": (3, 16, 16, 1, [(1, 0)]),
     "decode-top4": (6, 176, 80, 1, [(5, 0), (0, 0), (3, 0), (1, 0)]),
+    # rows of whole 64-value steps: AVX2 reads one token's rows against x and h in their slots
+    "decode-steps": (6, 256, 64, 1, [(2, 0), (4, 0), (0, 0), (5, 0)]),
     "batch-top3": (5, 96, 48, 4, [(e, t) for t in range(4) for e in ((t + 1) % 5, (2 * t) % 5, 4)]),
     "batch-shared": (4, 208, 112, 6, [(e, t) for e, ts in SERVED.items() for t in ts]),
 }
