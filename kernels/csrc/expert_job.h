@@ -236,7 +236,7 @@ class ExpertJob final : public ExpertJobShell {
 #endif
 #ifdef MOELAB_HAVE_AVX2
   // whether this level and type read one token's rows against activations in their slots
-  // (mxfp4.h dot_row_slots)
+  // (dot_row_slots of mxfp4.h and nvfp4.h)
   static constexpr bool kCanSlots =
       (std::is_same_v<WT, e2m1x2> || std::is_same_v<WT, nv_e2m1x2>) && std::is_same_v<B, Avx2>;
 #else
@@ -356,11 +356,11 @@ class ExpertJob final : public ExpertJobShell {
     slots_ = false;
     if constexpr (kCanSlots) {
       // one token an expert and rows of whole 64-value steps: x and h in their slots
-      slots_ = one_token_each_ && slots_fit(p.H) && slots_fit(p.I) &&
-               (p.split_expert < 0 || slots_fit(p.I - p.split_row));
+      slots_ = one_token_each_ && fp4_slots_fit(p.H) && fp4_slots_fit(p.I) &&
+               (p.split_expert < 0 || fp4_slots_fit(p.I - p.split_row));
       if (slots_) {
         xs_.resize(size_t(p.T * p.H));
-        for (int64_t t = 0; t < p.T; ++t) to_slots(x + t * p.H, p.H, xs_.data() + t * p.H);
+        for (int64_t t = 0; t < p.T; ++t) fp4_to_slots(x + t * p.H, p.H, xs_.data() + t * p.H);
       }
     }
     // Phase 1: the groups' gate/up row pairs, one after the other (the split expert's from its
@@ -466,12 +466,12 @@ class ExpertJob final : public ExpertJobShell {
   }
 
   // Pair j's h of rows [r_begin, r_end) (of group g) into hs_ in the order dot_row_slots reads
-  // (mxfp4.h slot_of), from the group's first row.
+  // (mxfp4.h fp4_slot_of), from the group's first row.
   void store_hs(int64_t g, int32_t j, int64_t r_begin, int64_t r_end, const float* h) {
     if constexpr (kCanSlots) {
       const int64_t first = first_row(g);
       float* out = hs_.data() + int64_t(j) * p_.I + first;
-      for (int64_t r = r_begin; r < r_end; ++r) out[slot_of(r - first)] = h[r - r_begin];
+      for (int64_t r = r_begin; r < r_end; ++r) out[fp4_slot_of(r - first)] = h[r - r_begin];
     }
   }
 

@@ -59,6 +59,34 @@ inline const float* e8m0_halves() {
   return table.half;
 }
 
+// Whether one token's 4-bit rows of K values take AVX2's dot_row_slots: whole 64-value steps.
+inline bool fp4_slots_fit(int64_t K) { return K % 64 == 0; }
+
+// Where value v of a row lies in the activations dot_row_slots reads (its "slots"): of each 64
+// values (32 bytes: two blocks, one a 128-bit lane), vector q = 0..7 of 8 lanes holds, in lane
+// 4L + i, value 32L + 4i + (0, 2, 16, 18, 1, 3, 17, 19)[q] (the even values' bytes 0-7 of each lane
+// as bf16 pairs, then bytes 8-15, then the odd values' likewise).
+inline int64_t fp4_slot_of(int64_t v) {
+  const int64_t base = v / 64 * 64, t = v - base;
+  const int64_t lane = t / 32, byte = t % 32 / 2;
+  const int64_t q = (t & 1 ? 4 : 0) + (byte >= 8 ? 2 : 0) + byte % 2;
+  return base + 8 * q + 4 * lane + byte % 8 / 2;
+}
+
+// x's K values (fp4_slots_fit) in fp4_slot_of's order, a 64-value step at a time.
+inline void fp4_to_slots(const float* x, int64_t K, float* out) {
+  constexpr int kOffset[8] = {0, 2, 16, 18, 1, 3, 17, 19};
+  for (int64_t base = 0; base < K; base += 64) {
+    for (int q = 0; q < 8; ++q) {
+      for (int lane = 0; lane < 2; ++lane) {
+        for (int i = 0; i < 4; ++i) {
+          out[base + 8 * q + 4 * lane + i] = x[base + 32 * lane + 4 * i + kOffset[q]];
+        }
+      }
+    }
+  }
+}
+
 // A block's 32 values widened to twice their fp32 value (unscaled), in order: out[0] holds
 // values 0..W-1; widen64 the same for two blocks (64 values, 32 bytes).
 template <class B>
@@ -133,7 +161,7 @@ struct Mx<Avx2> {
 // One token's rows on AVX2 (dot_row_slots): each code's twice-value looked up as the two bytes of
 // its bf16 (exact: integers up to 12), the bytes joined into 16-bit lanes, and each 32-bit lane's
 // two bf16 made fp32 by a shift and a mask, with no conversion instruction; the activations come
-// in the order that leaves the weights (slot_of), so no weight is moved to its column.
+// in the order that leaves the weights (fp4_slot_of), so no weight is moved to its column.
 // Low and high bytes of twice each code's value as bf16 (code 8, -0, as +0 like kE2m1Twice).
 alignas(16) constexpr uint8_t kE2m1TwiceBf16Lo[16] = {0x00, 0x80, 0x00, 0x40, 0x80, 0xC0,
                                                       0x00, 0x40, 0x00, 0x80, 0x00, 0x40,
@@ -142,37 +170,9 @@ alignas(16) constexpr uint8_t kE2m1TwiceBf16Hi[16] = {0x00, 0x3F, 0x40, 0x40, 0x
                                                       0x41, 0x41, 0x00, 0xBF, 0xC0, 0xC0,
                                                       0xC0, 0xC0, 0xC1, 0xC1};
 
-// Whether one token's rows of K values take dot_row_slots: whole 64-value steps.
-inline bool slots_fit(int64_t K) { return K % 64 == 0; }
-
-// Where value v of a row lies in the activations dot_row_slots reads (its "slots"): of each 64
-// values (32 bytes: two blocks, one a 128-bit lane), vector q = 0..7 of 8 lanes holds, in lane
-// 4L + i, value 32L + 4i + (0, 2, 16, 18, 1, 3, 17, 19)[q] (the even values' bytes 0-7 of each lane
-// as bf16 pairs, then bytes 8-15, then the odd values' likewise).
-inline int64_t slot_of(int64_t v) {
-  const int64_t base = v / 64 * 64, t = v - base;
-  const int64_t lane = t / 32, byte = t % 32 / 2;
-  const int64_t q = (t & 1 ? 4 : 0) + (byte >= 8 ? 2 : 0) + byte % 2;
-  return base + 8 * q + 4 * lane + byte % 8 / 2;
-}
-
-// x's K values (slots_fit) in slot_of's order, a 64-value step at a time.
-inline void to_slots(const float* x, int64_t K, float* out) {
-  constexpr int kOffset[8] = {0, 2, 16, 18, 1, 3, 17, 19};
-  for (int64_t base = 0; base < K; base += 64) {
-    for (int q = 0; q < 8; ++q) {
-      for (int lane = 0; lane < 2; ++lane) {
-        for (int i = 0; i < 4; ++i) {
-          out[base + 8 * q + 4 * lane + i] = x[base + 32 * lane + 4 * i + kOffset[q]];
-        }
-      }
-    }
-  }
-}
-
-// row . x over K values (slots_fit), x in slot_of's order, for a row of 4-bit bytes: 64 values a
-// step, each vector's low 128-bit lane from the step's first 32 values and its high lane from the
-// last 32; four chains, vectors q and q + 4 in chain q % 4. `scales(k)` gives the half-scales of
+// row . x over K values (fp4_slots_fit), x in fp4_slot_of's order, for a row of 4-bit bytes: 64
+// values a step, each vector's low 128-bit lane from the step's first 32 values and its high lane
+// from the last 32; four chains, vectors q and q + 4 in chain q % 4. `scales(k)` gives the half-scales of
 // the step from value k as two vectors: the chains of q = 0, 1 (values 0-15 of each lane) take
 // the first, those of q = 2, 3 (values 16-31) the second. `ahead` as dot_row's.
 template <class Scales>

@@ -6,9 +6,15 @@ their own, not the CPU expert kernel."""
 
 from __future__ import annotations
 
+import platform
 import shutil
 import signal
+import subprocess
+import sysconfig
 from pathlib import Path
+
+import pytest
+from torch.utils.cpp_extension import include_paths
 
 from moelab.kernels.native_build import (
     COMPILING,
@@ -107,3 +113,20 @@ def test_a_failing_build_ends_with_the_compilers_error(tmp_path: Path) -> None:
     assert loader.returncode == 1
     assert out.splitlines() == [f'["{COMPILING}", null]']
     assert "simulated compiler failure" in err and "could not be built" in err
+
+
+@pytest.mark.parametrize("arch", ["x86-64", "x86-64-v3"], ids=["no-simd", "avx2"])
+def test_the_cpu_expert_kernel_compiles_for_cpus_without_avx512_or_avx2(arch: str) -> None:
+    """-march=native builds on the machine that runs it, so a path guarded by one SIMD level's
+    macro can break the build of another: the source passes the compiler's checks for the x86-64
+    baseline (no AVX2, as a build on another architecture sees it) and for AVX2 without AVX-512."""
+    compiler = shutil.which("g++")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs g++ on x86-64")
+    includes = [*include_paths(), sysconfig.get_paths()["include"]]
+    done = subprocess.run(
+        [compiler, "-std=c++17", "-fsyntax-only", f"-march={arch}",
+         *(f"-I{p}" for p in includes), str(CPU_EXPERTS.source)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
