@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import common, fp8, fp8_moe, gemv, swiglu
+from . import common, fp8_moe, gemv, swiglu
 from .common import tl, triton
 
 
@@ -101,8 +101,8 @@ def choose_one_token_config(
 def _gate_up_rows(
     x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr, hidden, inter, limit, stride_ws, stride_wn,
     stride_ss, stride_sn, stride_bs, n_idx, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SUB: tl.constexpr, COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
-    BIAS: tl.constexpr, CLAMPED: tl.constexpr, PTX: tl.constexpr,
+    COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """act rows n_idx (a route's act row at act_ptr) of the expert in `slot` (>= 0); with BIAS
     and CLAMPED, gpt-oss's biases and clamped SwiGLU (kernels/swiglu.py)."""
@@ -195,7 +195,7 @@ def _gate_up_sums_fp8(
 def _one_token_gate_up_kernel(
     x_ptr, slots_ptr, w13_ptr, s13_ptr, b13_ptr, act_ptr, hidden, inter, limit, stride_ws,
     stride_wn, stride_ss, stride_sn, stride_bs, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
     STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
     PTX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -209,7 +209,7 @@ def _one_token_gate_up_kernel(
                 _gate_up_rows(
                     x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr + route * inter, hidden,
                     inter, limit, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, n_idx,
-                    BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8, BIAS, CLAMPED, PTX,
+                    BLOCK_N, BLOCK_K, COMPUTE, STAGES, FP8, BIAS, CLAMPED, PTX,
                 )  # fmt: skip
     else:  # one program per route and row block
         route = tl.program_id(0)
@@ -219,14 +219,14 @@ def _one_token_gate_up_kernel(
             _gate_up_rows(
                 x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr + route * inter, hidden, inter,
                 limit, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, n_idx, BLOCK_N,
-                BLOCK_K, SUB, COMPUTE, STAGES, FP8, BIAS, CLAMPED, PTX,
+                BLOCK_K, COMPUTE, STAGES, FP8, BIAS, CLAMPED, PTX,
             )  # fmt: skip
 
 
 @triton.jit
 def _down_rows(
     act_ptr, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn, stride_ss, stride_sn, n_idx,
-    n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+    n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """fp32 [BLOCK_N]: rows n_idx of the down projection in `slot` (>= 0) times a route's act
@@ -274,7 +274,7 @@ def _down_bias(b2_ptr, slot, stride_bs, n_idx, n_ok, BIAS: tl.constexpr):
 def _one_token_down_kernel(
     act_ptr, slots_ptr, weights_ptr, w2_ptr, s2_ptr, b2_ptr, y_ptr, hidden, inter, stride_ws,
     stride_wn, stride_ss, stride_sn, stride_bs, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
     STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr, PTX: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -289,7 +289,7 @@ def _one_token_down_kernel(
             if slot >= 0:
                 out = (_down_rows(
                     act_ptr + route * inter, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn,
-                    stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8,
+                    stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, COMPUTE, STAGES, FP8,
                     PTX,
                 ) + _down_bias(b2_ptr, slot, stride_bs, n_idx, n_ok, BIAS)) * tl.load(
                     weights_ptr + route
@@ -304,7 +304,7 @@ def _one_token_down_kernel(
         if slot >= 0:
             out = (_down_rows(
                 act_ptr + route * inter, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn,
-                stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, SUB, COMPUTE, STAGES, FP8,
+                stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, COMPUTE, STAGES, FP8,
                 PTX,
             ) + _down_bias(b2_ptr, slot, stride_bs, n_idx, n_ok, BIAS)) * tl.load(
                 weights_ptr + route
@@ -374,7 +374,6 @@ def launch(
         LOOP_ROUTES=loop,
         BLOCK_N=cfg.gate_up_block_n,
         BLOCK_K=gate_up_k,
-        SUB=min(gate_up_k, fp8.BLOCK),
         COMPUTE=compute,
         STAGES=cfg.num_stages,
         FP8=scales is not None,
@@ -403,7 +402,6 @@ def launch(
         LOOP_ROUTES=loop,
         BLOCK_N=cfg.down_block_n,
         BLOCK_K=down_k,
-        SUB=min(down_k, fp8.BLOCK),
         COMPUTE=compute,
         STAGES=cfg.num_stages,
         FP8=scales is not None,
