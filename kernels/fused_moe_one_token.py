@@ -339,13 +339,13 @@ def launch(
     top_k = slot_ids.shape[1]
     inter = w13.shape[1] // 2
     if scales is not None:
-        if not fits(w13, w2, fp8_bank=True):
+        w13, w2 = fp8_moe.words(w13), fp8_moe.words(w2)
+        if w13 is None or w2 is None:
             raise ValueError(
                 f"the one-token launches read an FP8 bank's rows as words of 4 bytes: H ({hidden})"
                 f" and I ({inter}) must be multiples of 4, the rows 4-byte aligned; pass a "
                 "DecodeMoEConfig for this bank"
             )
-        w13, w2 = fp8_moe.words(w13), fp8_moe.words(w2)
     loop = cfg.loop_routes  # a grid of row blocks only: each program loops over the routes
     gate_up_blocks = triton.cdiv(inter, cfg.gate_up_block_n)
     down_blocks = triton.cdiv(hidden, cfg.down_block_n)

@@ -595,7 +595,6 @@ def linear_decode_fp8(
         )
     cfg = fp8_config(cfg, as_tokens)
     call = _prepare(x, n, bias, cfg, compute_dtype)
-    bits = fp8_bits(weight)
     if words is not None:
         _one_token_fp8_kernel[call.grid](
             x, words, scale_inv, call.bias_arg, call.out, call.partials, n, k, call.k_per_split,
@@ -603,6 +602,7 @@ def linear_decode_fp8(
             EARLY_W=early_weights, PTX=common.inline_ptx(x.device), **call.flags,
         )  # fmt: skip
     else:
+        bits = fp8_bits(weight)
         _tokens_fp8_kernel[call.grid](
             x, bits, scale_inv, call.bias_arg, call.out, call.partials, tokens, n, k,
             call.k_per_split, x.stride(0), bits.stride(0), scale_inv.stride(0),
