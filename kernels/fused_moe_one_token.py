@@ -102,14 +102,14 @@ def _gate_up_rows(
     x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr, hidden, inter, limit, stride_ws, stride_wn,
     stride_ss, stride_sn, stride_bs, n_idx, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr,
-    CLAMPED: tl.constexpr, PTX: tl.constexpr,
+    CLAMPED: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """act rows n_idx (a route's act row at act_ptr) of the expert in `slot` (>= 0); with BIAS
     and CLAMPED, gpt-oss's biases and clamped SwiGLU (kernels/swiglu.py)."""
     if FP8:
         gate_row, up_row = _gate_up_sums_fp8(
             x_ptr, slot, w13_ptr, s13_ptr, hidden, inter, stride_ws, stride_wn, stride_ss,
-            stride_sn, n_idx, BLOCK_N, BLOCK_K, COMPUTE, STAGES, PTX,
+            stride_sn, n_idx, BLOCK_N, BLOCK_K, COMPUTE, STAGES, PTX, EVEN,
         )  # fmt: skip
     else:
         gate_row, up_row = _gate_up_sums(
@@ -156,7 +156,7 @@ def _gate_up_sums(
 def _gate_up_sums_fp8(
     x_ptr, slot, w13_ptr, s13_ptr, hidden, inter, stride_ws, stride_wn, stride_ss, stride_sn,
     n_idx, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
-    STAGES: tl.constexpr, PTX: tl.constexpr,
+    STAGES: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """_gate_up_sums of an FP8 expert (w13 as int32 words of four bytes, strides in words): each
     word's bytes widened exactly and multiplied by x in one chain of multiply-adds, each 16
@@ -176,15 +176,22 @@ def _gate_up_sums_fp8(
     acc_up = tl.zeros((BLOCK_N, words // 4), dtype=tl.float32)
     for w0 in tl.range(0, row_words, words, num_stages=STAGES):
         j = w0 + tl.arange(0, words)
-        w_ok = n_ok[:, None] & (j < row_words)[None, :]
         cols = 4 * w0 + tl.arange(0, BLOCK_K)
-        xs = tl.load(x_ptr + cols, mask=cols < hidden, other=0.0).to(COMPUTE).to(tl.float32)
-        gate = tl.load(gate_rows + j[None, :], mask=w_ok, other=0)
-        up = tl.load(up_rows + j[None, :], mask=w_ok, other=0)
-        f_ok = n_ok[:, None] & (4 * w0 + vectors < hidden)[None, :]
         block = ((4 * w0 + vectors) // 128)[None, :]
-        gate_f = tl.load(gate_factors + block, mask=f_ok, other=0.0)
-        up_f = tl.load(up_factors + block, mask=f_ok, other=0.0)
+        if EVEN:  # the tiles divide the rows: no load needs a mask
+            xs = tl.load(x_ptr + cols).to(COMPUTE).to(tl.float32)
+            gate = tl.load(gate_rows + j[None, :])
+            up = tl.load(up_rows + j[None, :])
+            gate_f = tl.load(gate_factors + block)
+            up_f = tl.load(up_factors + block)
+        else:
+            w_ok = n_ok[:, None] & (j < row_words)[None, :]
+            xs = tl.load(x_ptr + cols, mask=cols < hidden, other=0.0).to(COMPUTE).to(tl.float32)
+            gate = tl.load(gate_rows + j[None, :], mask=w_ok, other=0)
+            up = tl.load(up_rows + j[None, :], mask=w_ok, other=0)
+            f_ok = n_ok[:, None] & (4 * w0 + vectors < hidden)[None, :]
+            gate_f = tl.load(gate_factors + block, mask=f_ok, other=0.0)
+            up_f = tl.load(up_factors + block, mask=f_ok, other=0.0)
         acc_gate += fp8_moe.vector_sums(gate, xs, PTX) * gate_f
         acc_up += fp8_moe.vector_sums(up, xs, PTX) * up_f
     # each weight was taken times 2^-8 (fp8_moe.word_dots): given back here
@@ -197,7 +204,7 @@ def _one_token_gate_up_kernel(
     stride_wn, stride_ss, stride_sn, stride_bs, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
     STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-    PTX: tl.constexpr, PDL: tl.constexpr,
+    PTX: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     common.pdl_start(PDL)
     # A masked route (run on the CPU) loads nothing, and its act row is left for no one to read.
@@ -209,7 +216,7 @@ def _one_token_gate_up_kernel(
                 _gate_up_rows(
                     x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr + route * inter, hidden,
                     inter, limit, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, n_idx,
-                    BLOCK_N, BLOCK_K, COMPUTE, STAGES, FP8, BIAS, CLAMPED, PTX,
+                    BLOCK_N, BLOCK_K, COMPUTE, STAGES, FP8, BIAS, CLAMPED, PTX, EVEN,
                 )  # fmt: skip
     else:  # one program per route and row block
         route = tl.program_id(0)
@@ -219,7 +226,7 @@ def _one_token_gate_up_kernel(
             _gate_up_rows(
                 x_ptr, slot, w13_ptr, s13_ptr, b13_ptr, act_ptr + route * inter, hidden, inter,
                 limit, stride_ws, stride_wn, stride_ss, stride_sn, stride_bs, n_idx, BLOCK_N,
-                BLOCK_K, COMPUTE, STAGES, FP8, BIAS, CLAMPED, PTX,
+                BLOCK_K, COMPUTE, STAGES, FP8, BIAS, CLAMPED, PTX, EVEN,
             )  # fmt: skip
 
 
@@ -228,6 +235,7 @@ def _down_rows(
     act_ptr, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn, stride_ss, stride_sn, n_idx,
     n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr,
+    EVEN: tl.constexpr,
 ):  # fmt: skip
     """fp32 [BLOCK_N]: rows n_idx of the down projection in `slot` (>= 0) times a route's act
     row (at act_ptr)."""
@@ -242,10 +250,17 @@ def _down_rows(
         for w0 in tl.range(0, row_words, words, num_stages=STAGES):
             j = w0 + tl.arange(0, words)
             cols = 4 * w0 + tl.arange(0, BLOCK_K)
-            a = tl.load(act_ptr + cols, mask=cols < inter, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + j[None, :], mask=n_ok[:, None] & (j < row_words)[None, :], other=0)
-            f_ok = n_ok[:, None] & (4 * w0 + vectors < inter)[None, :]
-            f = tl.load(row_factors + ((4 * w0 + vectors) // 128)[None, :], mask=f_ok, other=0.0)
+            block = ((4 * w0 + vectors) // 128)[None, :]
+            if EVEN:  # the tiles divide the rows: no load needs a mask
+                a = tl.load(act_ptr + cols).to(tl.float32)
+                w = tl.load(w_rows + j[None, :])
+                f = tl.load(row_factors + block)
+            else:
+                a = tl.load(act_ptr + cols, mask=cols < inter, other=0.0).to(tl.float32)
+                w_ok = n_ok[:, None] & (j < row_words)[None, :]
+                w = tl.load(w_rows + j[None, :], mask=w_ok, other=0)
+                f_ok = n_ok[:, None] & (4 * w0 + vectors < inter)[None, :]
+                f = tl.load(row_factors + block, mask=f_ok, other=0.0)
             acc += fp8_moe.vector_sums(w, a, PTX) * f
         sums = tl.sum(acc, axis=1) * 256.0  # the 2^-8 of fp8_moe.word_dots given back
     else:
@@ -276,7 +291,7 @@ def _one_token_down_kernel(
     stride_wn, stride_ss, stride_sn, stride_bs, TOP_K: tl.constexpr, LOOP_ROUTES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
     STAGES: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr,
+    EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     common.pdl_start(PDL)
     # A masked route's rows are zeros (its act row was never written).
@@ -290,7 +305,7 @@ def _one_token_down_kernel(
                 out = (_down_rows(
                     act_ptr + route * inter, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn,
                     stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, COMPUTE, STAGES, FP8,
-                    PTX,
+                    PTX, EVEN,
                 ) + _down_bias(b2_ptr, slot, stride_bs, n_idx, n_ok, BIAS)) * tl.load(
                     weights_ptr + route
                 ).to(tl.float32)  # fmt: skip
@@ -305,7 +320,7 @@ def _one_token_down_kernel(
             out = (_down_rows(
                 act_ptr + route * inter, slot, w2_ptr, s2_ptr, inter, stride_ws, stride_wn,
                 stride_ss, stride_sn, n_idx, n_ok, BLOCK_N, BLOCK_K, COMPUTE, STAGES, FP8,
-                PTX,
+                PTX, EVEN,
             ) + _down_bias(b2_ptr, slot, stride_bs, n_idx, n_ok, BIAS)) * tl.load(
                 weights_ptr + route
             ).to(tl.float32)  # fmt: skip
@@ -380,6 +395,7 @@ def launch(
         BIAS=extras.biases is not None,
         CLAMPED=extras.limit > 0,
         PTX=common.inline_ptx(x.device),
+        EVEN=inter % cfg.gate_up_block_n == 0 and hidden % gate_up_k == 0,
         num_warps=cfg.num_warps,
         **pdl,
     )
@@ -407,6 +423,7 @@ def launch(
         FP8=scales is not None,
         BIAS=extras.biases is not None,
         PTX=common.inline_ptx(x.device),
+        EVEN=hidden % cfg.down_block_n == 0 and inter % down_k == 0,
         num_warps=cfg.num_warps,
         **pdl,
     )

@@ -264,23 +264,30 @@ def _tokens_kernel(
 
 
 @triton.jit
-def _fp8_loads(w_rows, n_ok, factors, k0, k, BLOCK_K: tl.constexpr):
+def _fp8_loads(w_rows, n_ok, factors, k0, k, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """A step of `_one_token_fp8_kernel` from column k0: its words [BLOCK_N, BLOCK_K / 4] (at
     `w_rows` [BLOCK_N, 1], int32) and the factor of each 16 columns [1, BLOCK_K / 16]."""
     j = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-    words = tl.load(w_rows + j[None, :], mask=n_ok[:, None] & (j < k // 4)[None, :], other=0)
     vectors = k0 + 16 * tl.arange(0, BLOCK_K // 16)
-    f = tl.load(factors + (vectors // 128)[None, :], mask=(vectors < k)[None, :], other=0.0)
+    if EVEN:  # the tiles divide the weight and each split: no load needs a mask
+        words = tl.load(w_rows + j[None, :])
+        f = tl.load(factors + (vectors // 128)[None, :])
+    else:
+        words = tl.load(w_rows + j[None, :], mask=n_ok[:, None] & (j < k // 4)[None, :], other=0)
+        f = tl.load(factors + (vectors // 128)[None, :], mask=(vectors < k)[None, :], other=0.0)
     return words, f
 
 
 @triton.jit
 def _fp8_step(acc, words, f, x_ptr, k0, k, BLOCK_K: tl.constexpr, COMPUTE: tl.constexpr,
-              PTX: tl.constexpr):  # fmt: skip
+              PTX: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
     """One step of `_one_token_fp8_kernel` onto acc [BLOCK_N, BLOCK_K / 16]: the products of its
     words and x's columns from k0, each 16 columns' sum times its factor (and 2^-8)."""
     cols = k0 + tl.arange(0, BLOCK_K)
-    xs = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(COMPUTE).to(tl.float32)
+    if EVEN:
+        xs = tl.load(x_ptr + cols).to(COMPUTE).to(tl.float32)
+    else:
+        xs = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(COMPUTE).to(tl.float32)
     return acc + vector_sums(words, xs, PTX) * f
 
 
@@ -306,6 +313,7 @@ def _one_token_fp8_kernel(
     PDL: tl.constexpr,
     EARLY_W: tl.constexpr,
     PTX: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     """One token times an FP8 weight read as int32 words (w_ptr; stride_wn in words), K a
     multiple of 4."""
@@ -321,16 +329,16 @@ def _one_token_fp8_kernel(
     if EARLY_W:
         # The first step's words and factors are loaded before the wait for the kernel before
         # (they are not its output), so they stream in while it still runs (as `_one_token_kernel`)
-        words, f = _fp8_loads(w_rows, n_ok, factors, k_start, k, BLOCK_K)
+        words, f = _fp8_loads(w_rows, n_ok, factors, k_start, k, BLOCK_K, EVEN)
         common.pdl_start(PDL)
-        acc = _fp8_step(acc, words, f, x_ptr, k_start, k, BLOCK_K, COMPUTE, PTX)
+        acc = _fp8_step(acc, words, f, x_ptr, k_start, k, BLOCK_K, COMPUTE, PTX, EVEN)
         k_loop = k_start + BLOCK_K
     else:
         common.pdl_start(PDL)
         k_loop = k_start
     for k0 in tl.range(k_loop, k_end, BLOCK_K, num_stages=STAGES):
-        words, f = _fp8_loads(w_rows, n_ok, factors, k0, k, BLOCK_K)
-        acc = _fp8_step(acc, words, f, x_ptr, k0, k, BLOCK_K, COMPUTE, PTX)
+        words, f = _fp8_loads(w_rows, n_ok, factors, k0, k, BLOCK_K, EVEN)
+        acc = _fp8_step(acc, words, f, x_ptr, k0, k, BLOCK_K, COMPUTE, PTX, EVEN)
     row = tl.sum(acc, axis=1) * 256.0  # the 2^-8 of fp8_moe.word_dots given back
     t_idx = tl.zeros((1,), dtype=tl.int32)
     _store(row[None, :], t_idx, n_idx, pid_k, bias_ptr, out_ptr, part_ptr, 1, n, HAS_BIAS, SPLIT)
@@ -599,7 +607,8 @@ def linear_decode_fp8(
         _one_token_fp8_kernel[call.grid](
             x, words, scale_inv, call.bias_arg, call.out, call.partials, n, k, call.k_per_split,
             words.stride(0), scale_inv.stride(0), STAGES=cfg.num_stages,
-            EARLY_W=early_weights, PTX=common.inline_ptx(x.device), **call.flags,
+            EARLY_W=early_weights, PTX=common.inline_ptx(x.device),
+            EVEN=n % cfg.block_n == 0 and k == call.k_per_split * cfg.split_k, **call.flags,
         )  # fmt: skip
     else:
         bits = fp8_bits(weight)

@@ -152,12 +152,16 @@ def test_one_token_fp8_needs_rows_of_whole_words(gen):
 
 @pytest.mark.parametrize("loop", [False, True], ids=["route-grid", "loop-routes"])
 @pytest.mark.parametrize("case", ["some_masked", "duplicate"])
-def test_one_token_matches_the_dequantized_reference(gen, case, loop):
+# ragged: the tiles end past the rows (masked loads); even: ONE_TOKEN's tiles divide H and I,
+# and the loops load without masks
+@pytest.mark.parametrize("shape", [(HIDDEN, INTER), (256, 128)], ids=["ragged", "even"])
+def test_one_token_matches_the_dequantized_reference(gen, case, loop, shape):
     """The engine's form (reduce=False): each route's own weighted output."""
-    x = randn(gen, 1, HIDDEN)
+    hidden, inter = shape
+    x = randn(gen, 1, hidden)
     slot_ids = one_token_routes(case, gen, 4, 6)
     weights = route_weights(gen, 1, 4)
-    bank = fp8_bank(gen, 6)
+    bank = fp8_bank(gen, 6, hidden=hidden, inter=inter)
     config = dataclasses.replace(ONE_TOKEN, loop_routes=loop)
     out = fused_moe.fused_moe_decode_triton(
         x, slot_ids, weights, bank.w13, bank.w2, config=config, reduce=False, **bank.scales
